@@ -1,0 +1,1 @@
+"""Compute backends that lower the model description: reference (torch), triton, mlx."""

@@ -1,0 +1,1 @@
+"""Torch CPU reference: the numerical oracle every other backend is checked against."""

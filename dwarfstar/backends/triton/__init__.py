@@ -1,0 +1,1 @@
+"""Triton kernels for CUDA and ROCm (DGX Spark, H100/H200, Strix Halo)."""

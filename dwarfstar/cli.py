@@ -1,0 +1,25 @@
+"""`dwarfstar` command line. Each command group lives in its own module under `dwarfstar/commands/`."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from dwarfstar.errors import DwarfStarError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="DeepSeek V4 Flash/PRO inference engine.")
+
+
+def _register_commands() -> None:
+    # One import per command module; each module adds its commands to `app`.
+    from dwarfstar.commands import model_files  # noqa: F401
+
+
+def main() -> None:
+    _register_commands()
+    try:
+        app()
+    except DwarfStarError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        sys.exit(2)

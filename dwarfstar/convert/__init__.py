@@ -1,0 +1,1 @@
+"""Checkpoint conversion into ds4-layout GGUF files."""

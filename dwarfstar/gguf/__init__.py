@@ -1,0 +1,1 @@
+"""GGUF container I/O and ggml quant formats."""

@@ -1,0 +1,1 @@
+"""The backend-neutral description of DeepSeek V4: config, tensor inventory, loader."""

@@ -1,0 +1,1 @@
+"""Starlette ASGI server: OpenAI, Responses and Anthropic APIs."""

@@ -1,0 +1,1 @@
+"""The DeepSeek V4 tokenizer, stored in and loaded from GGUF metadata."""
