@@ -1,0 +1,198 @@
+"""DeepSeek V4 attention in torch: raw window, KV compressors, lightning indexer, sink attention.
+
+A layer processes a chunk of T consecutive tokens against its per-sequence state, so one full
+pass, chunked prefill and token-by-token decode all run the same code and give the same result
+(spec §3.1). Order inside a chunk follows the official one: raw KV rows, then compressor rows
+(a row completed by token p is visible to p), then indexer selection, then attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from dwarfstar.backends.reference import ops
+from dwarfstar.model.config import LayerSpec, ModelArgs, yarn_inv_freq
+
+WeightGetter = Callable[[str], torch.Tensor]
+
+
+@dataclass
+class CompressorState:
+    """Frontier of a compressor plus the rows it has emitted.
+
+    `pending_*` hold the projected tokens of the window in progress; ratio-4 compressors also keep
+    the previous complete window (`prev_*`), whose first half feeds the next row (overlap).
+    """
+
+    width: int
+    rows: torch.Tensor
+    pending_kv: torch.Tensor = field(init=False)
+    pending_gate: torch.Tensor = field(init=False)
+    prev_kv: torch.Tensor | None = None
+    prev_gate: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.pending_kv = torch.empty(0, self.width)
+        self.pending_gate = torch.empty(0, self.width)
+
+
+@dataclass
+class AttentionState:
+    raw_kv: torch.Tensor  # the last `window` raw rows, oldest first
+    compressor: CompressorState | None
+    indexer: CompressorState | None
+
+
+class Compressor:
+    """Softmax-gated pooling of `ratio` tokens into one row (ratio 4 pools 8 slots with overlap)."""
+
+    def __init__(
+        self,
+        ratio: int,
+        out_dim: int,
+        w: WeightGetter,
+        prefix: str,
+        eps: float,
+        finish: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.ratio, self.out_dim, self.eps, self.finish = ratio, out_dim, eps, finish
+        self.overlap = ratio == 4
+        self.wkv = w(f"{prefix}_kv.weight")
+        self.wgate = w(f"{prefix}_gate.weight")
+        self.ape = w(f"{prefix}_ape.weight")  # [ratio, width]: bias for the token's slot in its window
+        self.norm = w(f"{prefix}_norm.weight")
+
+    def new_state(self) -> CompressorState:
+        return CompressorState(width=self.wkv.shape[0], rows=torch.empty(0, self.out_dim))
+
+    def __call__(self, a: torch.Tensor, positions: torch.Tensor, state: CompressorState) -> None:
+        r = self.ratio
+        kv = torch.cat((state.pending_kv, a @ self.wkv.T))
+        gate = torch.cat((state.pending_gate, a @ self.wgate.T + self.ape[positions % r]))
+        n = kv.shape[0] // r
+        state.pending_kv, state.pending_gate = kv[n * r :], gate[n * r :]
+        if n == 0:
+            return
+        win_kv, win_gate = kv[: n * r].view(n, r, -1), gate[: n * r].view(n, r, -1)
+        if self.overlap:
+            d = self.out_dim
+            if state.prev_kv is None:  # window 0 has no predecessor: its slots get weight 0
+                first_kv, first_gate = torch.zeros(1, r, 2 * d), torch.full((1, r, 2 * d), float("-inf"))
+            else:
+                first_kv, first_gate = state.prev_kv[None], state.prev_gate[None]
+            prev_kv = torch.cat((first_kv, win_kv[:-1]))[..., :d]
+            prev_gate = torch.cat((first_gate, win_gate[:-1]))[..., :d]
+            slots_kv = torch.cat((prev_kv, win_kv[..., d:]), dim=1)
+            slots_gate = torch.cat((prev_gate, win_gate[..., d:]), dim=1)
+            state.prev_kv, state.prev_gate = win_kv[-1], win_gate[-1]
+        else:
+            slots_kv, slots_gate = win_kv, win_gate
+        pooled = (slots_kv * slots_gate.softmax(dim=1)).sum(1)
+        first = state.rows.shape[0]
+        row_positions = (first + torch.arange(n)) * r  # a row sits at the first token of its window
+        rows = self.finish(ops.rms_norm(pooled, self.norm, self.eps), row_positions)
+        state.rows = torch.cat((state.rows, rows))
+
+
+class Attention:
+    def __init__(self, args: ModelArgs, layer: LayerSpec, w: WeightGetter, qat: bool) -> None:
+        self.args, self.layer, self.qat = args, layer, qat
+        self.inv_freq = torch.tensor(yarn_inv_freq(args, layer), dtype=torch.float64)
+        self.wq_a = w("attn_q_a.weight")
+        self.q_norm = w("attn_q_a_norm.weight")
+        self.wq_b = w("attn_q_b.weight")
+        self.wkv = w("attn_kv.weight")
+        self.kv_norm = w("attn_kv_a_norm.weight")
+        self.sinks = w("attn_sinks.weight")
+        # wo_a is block-diagonal over groups: group g maps its heads' concat to o_lora_rank dims
+        self.wo_a = w("attn_output_a.weight").view(args.o_groups, args.o_lora_rank, -1)
+        self.wo_b = w("attn_output_b.weight")
+        ratio = layer.compress_ratio
+        self.compressor = (
+            Compressor(ratio, args.head_dim, w, "attn_compressor", args.norm_eps, self._finish_kv_row)
+            if ratio
+            else None
+        )
+        self.indexer = None
+        if layer.has_indexer:
+            self.indexer = Compressor(
+                ratio, args.index_head_dim, w, "indexer_compressor", args.norm_eps, self._finish_index_row
+            )
+            self.wq_index = w("indexer.attn_q_b.weight")
+            self.w_index_heads = w("indexer.proj.weight")
+
+    def new_state(self) -> AttentionState:
+        return AttentionState(
+            raw_kv=torch.empty(0, self.args.head_dim),
+            compressor=self.compressor.new_state() if self.compressor else None,
+            indexer=self.indexer.new_state() if self.indexer else None,
+        )
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        cos, sin = ops.rope_angles(positions, self.inv_freq)
+        return ops.apply_rope(x, cos, sin, inverse)
+
+    def _finish_kv_row(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        rows = self._rope(rows, positions)
+        return ops.fp8_round_nope(rows, self.args.rope_dim) if self.qat else rows
+
+    def _finish_index_row(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        rows = self._rope(rows, positions)
+        return ops.indexer_round(rows) if self.qat else rows
+
+    def __call__(self, a: torch.Tensor, positions: torch.Tensor, state: AttentionState) -> torch.Tensor:
+        args, T = self.args, a.shape[0]
+        qr = ops.rms_norm(a @ self.wq_a.T, self.q_norm, args.norm_eps)
+        q = ops.rms_norm((qr @ self.wq_b.T).view(T, args.n_heads, args.head_dim), None, args.norm_eps)
+        q = self._rope(q, positions)
+        kv = self._rope(ops.rms_norm(a @ self.wkv.T, self.kv_norm, args.norm_eps), positions)
+        if self.qat:
+            kv = ops.fp8_round_nope(kv, args.rope_dim)
+
+        raw = torch.cat((state.raw_kv, kv))
+        raw_pos = torch.arange(int(positions[0]) - state.raw_kv.shape[0], int(positions[-1]) + 1)
+        age = positions[:, None] - raw_pos[None, :]
+        mask = (age >= 0) & (age < args.window)
+        keys = raw
+        if self.compressor is not None:
+            self.compressor(a, positions, state.compressor)
+            rows = state.compressor.rows
+            # row w is complete, hence visible, once token ratio * (w + 1) - 1 has been seen
+            visible = torch.arange(rows.shape[0])[None, :] < ((positions + 1) // self.layer.compress_ratio)[:, None]
+            if self.indexer is not None:
+                self.indexer(a, positions, state.indexer)
+                visible = self._select(qr, a, positions, state.indexer.rows, visible)
+            keys = torch.cat((raw, rows))
+            mask = torch.cat((mask, visible), dim=1)
+        state.raw_kv = raw[-args.window :]
+
+        o = ops.sink_attention(q, keys, mask, self.sinks)
+        o = self._rope(o, positions, inverse=True)
+        grouped = torch.einsum("tgi,goi->tgo", o.reshape(T, args.o_groups, -1), self.wo_a)
+        return grouped.flatten(1) @ self.wo_b.T
+
+    def _select(
+        self,
+        qr: torch.Tensor,
+        a: torch.Tensor,
+        positions: torch.Tensor,
+        index_rows: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
+        """Lightning indexer: keep the top-k visible compressed rows per query (all if fewer)."""
+        args, T = self.args, a.shape[0]
+        q = self._rope((qr @ self.wq_index.T).view(T, args.index_n_heads, args.index_head_dim), positions)
+        if self.qat:
+            q = ops.indexer_round(q)
+        head_weights = (a @ self.w_index_heads.T) * (args.index_head_dim**-0.5 * args.index_n_heads**-0.5)
+        per_head = torch.einsum("thd,nd->thn", q, index_rows).relu()
+        scores = (per_head * head_weights[..., None]).sum(1).masked_fill(~visible, float("-inf"))
+        k = min(args.index_topk, scores.shape[1])
+        if k == 0:
+            return visible
+        chosen = torch.zeros_like(visible)
+        chosen.scatter_(1, scores.topk(k, dim=1).indices, True)
+        return chosen & visible

@@ -1,0 +1,99 @@
+"""The whole DeepSeek V4 forward pass in torch float32: the numerical oracle of DwarfStar.
+
+`forward(tokens, state)` runs any chunk of consecutive tokens against a sequence state, so a full
+pass, chunked prefill and token-by-token decode share one code path. `qat=False` skips the FP8 KV
+and Hadamard/FP4 indexer rounding, for comparison with implementations that do not apply it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dwarfstar.backends.reference import ops
+from dwarfstar.backends.reference.attention import Attention, AttentionState
+from dwarfstar.backends.reference.moe import MoE
+from dwarfstar.backends.reference.weights import GGUFWeights
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.loader import ModelFile
+
+
+class ContextOverflowError(DwarfStarError):
+    pass
+
+
+@dataclass
+class SequenceState:
+    """Everything a sequence carries between chunks: its position and each layer's KV state."""
+
+    layers: list[AttentionState]
+    pos: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
+class Block:
+    def __init__(self, args: ModelArgs, il: int, weights: GGUFWeights, qat: bool) -> None:
+        self.args = args
+        layer = args.layer(il)
+
+        def w(name: str) -> torch.Tensor:
+            return weights.dense(f"blk.{il}.{name}")
+
+        def expert(name: str, e: int) -> torch.Tensor:
+            return weights.expert(f"blk.{il}.{name}", e)
+
+        self.hc_attn = (w("hc_attn_fn.weight"), w("hc_attn_scale.weight"), w("hc_attn_base.weight"))
+        self.hc_ffn = (w("hc_ffn_fn.weight"), w("hc_ffn_scale.weight"), w("hc_ffn_base.weight"))
+        self.attn_norm = w("attn_norm.weight")
+        self.ffn_norm = w("ffn_norm.weight")
+        self.attn = Attention(args, layer, w, qat)
+        self.moe = MoE(args, layer, w, expert)
+
+    def __call__(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, state: AttentionState):
+        a = self.args
+        x, post, comb = ops.hc_pre(h, *self.hc_attn, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+        h = ops.hc_post(self.attn(ops.rms_norm(x, self.attn_norm, a.norm_eps), positions, state), h, post, comb)
+        x, post, comb = ops.hc_pre(h, *self.hc_ffn, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+        return ops.hc_post(self.moe(ops.rms_norm(x, self.ffn_norm, a.norm_eps), tokens), h, post, comb)
+
+
+class ReferenceModel:
+    def __init__(self, model: ModelFile, qat: bool = True, max_seq_len: int | None = None) -> None:
+        args = model.args
+        self.args, self.qat = args, qat
+        self.max_seq_len = min(max_seq_len or args.max_seq_len, args.max_seq_len)
+        weights = GGUFWeights(model.gguf)
+        self.embed = weights.dense("token_embd.weight")
+        self.blocks = [Block(args, il, weights, qat) for il in range(args.n_layers)]
+        self.head_hc = tuple(weights.dense(f"output_hc_{k}.weight") for k in ("fn", "scale", "base"))
+        self.out_norm = weights.dense("output_norm.weight")
+        self.output = weights.dense("output.weight")
+
+    def new_state(self) -> SequenceState:
+        return SequenceState(layers=[b.attn.new_state() for b in self.blocks])
+
+    @torch.inference_mode()
+    def forward(self, tokens: Sequence[int] | torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """Logits [T, vocab] after each of the T tokens, which continue `state` (updated in place)."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
+        if tokens.numel() == 0:
+            return torch.empty(0, self.args.vocab_size)
+        if state.pos + tokens.numel() > self.max_seq_len:
+            raise ContextOverflowError(
+                f"context overflow: {state.pos} + {tokens.numel()} tokens exceed the context of {self.max_seq_len}"
+            )
+        bad = tokens[(tokens < 0) | (tokens >= self.args.vocab_size)]
+        if bad.numel():
+            raise DwarfStarError(f"token id {int(bad[0])} is outside the vocabulary (0..{self.args.vocab_size - 1})")
+        a = self.args
+        positions = torch.arange(state.pos, state.pos + tokens.numel())
+        h = self.embed[tokens].unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
+        for block, layer_state in zip(self.blocks, state.layers, strict=True):
+            h = block(h, tokens, positions, layer_state)
+        y = ops.hc_head(h, *self.head_hc, a.hc_eps, a.norm_eps)
+        state.pos += tokens.numel()
+        state.tokens.extend(tokens.tolist())
+        return ops.rms_norm(y, self.out_norm, a.norm_eps) @ self.output.T

@@ -1,0 +1,188 @@
+"""Numerical primitives of DeepSeek V4 in plain torch, float32.
+
+Each function states the official semantics it follows (spec §2.1, §2.2, §9). Backends check
+their kernels against these.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+FP8_BLOCK = 64  # the KV "FP8" rounding uses one power-of-two scale per 64 nope dims
+FP4_MAX = 6.0  # largest e2m1 magnitude
+FP4_BLOCK = 32
+# e2m1 magnitudes and the midpoints between neighbours; a tie goes to the even code.
+_E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_E2M1_MIDPOINTS = (_E2M1_GRID[1:] + _E2M1_GRID[:-1]) / 2
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of p * freq per interleaved pair, shape [T, rope_dim / 2].
+
+    Angles are formed in float64: at million-token positions a float32 product loses whole radians.
+    """
+    angles = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate interleaved pairs (2i, 2i+1) of the LAST rope dims of x; cos/sin are [T, R/2].
+
+    x is [T, ..., D]; the leading D - R dims (the "nope" part) pass through. `inverse` undoes the
+    rotation, which the attention output needs because V = K carries the rotation too.
+    """
+    half = cos.shape[-1]
+    nope, rope = x[..., : -2 * half], x[..., -2 * half :]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cos.view(shape), sin.view(shape)
+    if inverse:
+        sin = -sin
+    a, b = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat((nope, rotated), dim=-1)
+
+
+def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= x (x > 0): the UE8M0 scale of the official kernels."""
+    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    return torch.ldexp(torch.ones_like(x), exponent)
+
+
+def _blocked(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
+    """View the last dim as blocks, zero-padding a trailing partial block (tiny models have them).
+
+    Padding with zeros is exact: a zero never raises a block's amax and rounds to zero.
+    """
+    n = x.shape[-1]
+    pad = -n % block
+    if pad:
+        x = F.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], -1, block), n
+
+
+def fp8_round(x: torch.Tensor) -> torch.Tensor:
+    """KV "FP8" QAT rounding of a block of values (spec §9): e4m3fn with a power-of-two scale per 64."""
+    blocks, n = _blocked(x, FP8_BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+    scale = _pow2_ceil(amax * (1.0 / FP8_MAX))
+    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+    return q.flatten(-2)[..., :n]
+
+
+def fp8_round_nope(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """FP8-round the non-rope dims of KV rows; the trailing rope dims stay exact."""
+    return torch.cat((fp8_round(x[..., :-rope_dim]), x[..., -rope_dim:]), dim=-1)
+
+
+def fp4_round(x: torch.Tensor) -> torch.Tensor:
+    """Indexer "FP4" QAT rounding (spec §9): e2m1 with a power-of-two scale per 32, ties to even code."""
+    blocks, n = _blocked(x, FP4_BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-126)
+    scale = _pow2_ceil(amax * (1.0 / FP4_MAX))
+    v = (blocks / scale).clamp(-FP4_MAX, FP4_MAX)
+    mag = v.abs()
+    mids = _E2M1_MIDPOINTS.to(x.device)
+    code = torch.searchsorted(mids, mag.contiguous(), right=False)  # midpoints strictly below |v|
+    tie = mag == mids[code.clamp(max=len(mids) - 1)]
+    code = torch.where(tie & (code % 2 == 1), code + 1, code)
+    q = _E2M1_GRID.to(x.device)[code] * torch.sign(v) * scale
+    return q.flatten(-2)[..., :n]
+
+
+@functools.cache
+def _hadamard_matrix(n: int) -> torch.Tensor:
+    """Sylvester (natural order) Walsh-Hadamard matrix scaled to be orthonormal."""
+    if n & (n - 1):
+        raise ValueError(f"Hadamard size {n} is not a power of two")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / math.sqrt(n)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    return x @ _hadamard_matrix(x.shape[-1]).to(x.device)
+
+
+def indexer_round(x: torch.Tensor) -> torch.Tensor:
+    """Indexer QAT: Hadamard rotation, then FP4 rounding (applied to indexer queries and keys)."""
+    return fp4_round(hadamard(x))
+
+
+def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """SiLU(min(gate, limit)) * clamp(up, -limit, limit): the clamp is applied before the activation."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """HC combination matrix [..., n, n]: row softmax, then alternate column/row normalisation.
+
+    One column normalisation follows the softmax, then iters-1 (row, column) rounds (official order).
+    """
+    comb = logits.softmax(-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return comb
+
+
+def hc_pre(
+    h: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hyper-connection pre-mix. h is [T, n, D]; returns (sublayer input [T, D], post [T, n], comb [T, n, n]).
+
+    The mixes come from the RMS-normalised flattened streams, but the collapse uses the raw streams.
+    """
+    n = h.shape[1]
+    flat = h.flatten(1)
+    mix = (flat @ fn.T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb_logits = mix[:, 2 * n :].view(-1, n, n) * scale[2] + base[2 * n :].view(n, n)
+    comb = sinkhorn(comb_logits, iters, hc_eps)
+    return (pre.unsqueeze(-1) * h).sum(1), post, comb
+
+
+def hc_post(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams: stream k = post_k * out + sum_j comb[j, k] * h_j (column k of comb, not row)."""
+    return post.unsqueeze(-1) * out.unsqueeze(1) + comb.transpose(1, 2) @ h
+
+
+def hc_head(
+    h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float, norm_eps: float
+) -> torch.Tensor:
+    """Final collapse of the n streams with sigmoid weights (no Sinkhorn, no post)."""
+    flat = h.flatten(1)
+    mix = (flat @ fn.T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    weights = torch.sigmoid(mix * scale + base) + hc_eps
+    return (weights.unsqueeze(-1) * h).sum(1)
+
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax attention with a per-head sink logit that only enlarges the denominator.
+
+    q [T, H, D], kv [N, D] (one shared head, K = V), mask [T, N] bool (True = visible), sinks [H].
+    """
+    scores = torch.einsum("thd,nd->thn", q, kv) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    sink = sinks.view(1, -1, 1).expand(scores.shape[0], -1, 1)
+    probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("thn,nd->thd", probs, kv)
