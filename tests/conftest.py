@@ -1,0 +1,32 @@
+"""Shared test fixtures."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
+
+# Byte offsets of the fp16 scale fields (d, dmin) inside one block of each quant type.
+_FP16_FIELDS = {GGMLType.Q8_0: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q4_K: (0, 2), GGMLType.IQ2_XXS: (0,)}
+
+
+@pytest.fixture
+def quant_blocks() -> Callable[[GGMLType, int, int], np.ndarray]:
+    """make(ggml_type, n_blocks, seed) -> uint8 (n_blocks, bytes_per_block) of random, well-formed blocks.
+
+    Every byte is random except the fp16 scales, which are drawn as small positive finite halves, so the
+    blocks decode to finite numbers of a realistic magnitude (random fp16 bits would give NaN and inf).
+    """
+
+    def make(ggml_type: GGMLType, n_blocks: int, seed: int = 0) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        blocks = rng.integers(0, 256, size=(n_blocks, BLOCK_GEOMETRY[ggml_type][1]), dtype=np.uint8)
+        for at in _FP16_FIELDS[ggml_type]:
+            scale = rng.uniform(1e-4, 0.1, size=n_blocks).astype(np.float16)
+            blocks[:, at : at + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+        return blocks
+
+    return make
