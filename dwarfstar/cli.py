@@ -8,12 +8,17 @@ import typer
 
 from dwarfstar.errors import DwarfStarError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="DeepSeek V4 Flash/PRO inference engine.")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="DeepSeek V4 Flash/PRO inference engine.",
+)
 
 
 def _register_commands() -> None:
     # One import per command module; each module adds its commands to `app`.
-    from dwarfstar.commands import model_files  # noqa: F401
+    from dwarfstar.commands import run, synth  # noqa: F401
 
 
 def main() -> None:

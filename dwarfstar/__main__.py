@@ -1,0 +1,3 @@
+from dwarfstar.cli import main
+
+main()

@@ -1,0 +1,167 @@
+"""Deterministic random-weight DeepSeek V4 models in ds4 layout, for tests and benches.
+
+The real weights can never be downloaded on our machines, so every code path runs on models made
+here. Presets keep the real ratios (4 and 128) and the real vocabulary, and shrink the rest:
+
+* `tiny`: hidden 64, 6 layers in the Flash pattern (2 window-only, then ratio 4 / ratio 128), a raw
+  window of 8 and indexer top-k 4, so a few hundred tokens fill the windows, emit rows in both
+  compressed kinds and make the indexer choose a strict subset.
+* `tiny-k`: hidden and expert widths of 256, so Q2_K, Q4_K and IQ2_XXS blocks can hold the experts.
+* `flash-shaped`: the exact Flash dimensions with 2 layers (one ratio 4, one ratio 128), for benches.
+
+Float weights are drawn N(0, 1/fan_in) so activations stay O(1); K-quant experts are random
+well-formed blocks (sane fp16 scales, random payload) until real quantizers exist.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dwarfstar.gguf.constants import BLOCK_GEOMETRY, QK_K, GGMLType, ValueType
+from dwarfstar.gguf.quantize import quantize
+from dwarfstar.gguf.writer import GGUFWriter
+from dwarfstar.model.config import ModelArgs, flash_compress_ratios
+from dwarfstar.model.tensors import EXPERT, NORM, TensorSpec, expected_tensors
+from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, tokenizer_metadata
+
+TINY = ModelArgs(
+    n_layers=6,
+    dim=64,
+    n_heads=4,
+    head_dim=128,
+    rope_dim=32,
+    q_lora_rank=32,
+    o_groups=2,
+    o_lora_rank=32,
+    n_routed_experts=8,
+    n_activated_experts=2,
+    moe_inter_dim=32,
+    n_hash_layers=3,
+    window=8,
+    compress_ratios=flash_compress_ratios(6),
+    index_n_heads=16,
+    index_head_dim=64,
+    index_topk=4,
+    max_seq_len=65536,
+)
+TINY_K = TINY.with_(dim=256, moe_inter_dim=256, q_lora_rank=64, o_lora_rank=64)
+FLASH_SHAPED = ModelArgs.flash().with_(n_layers=2, n_hash_layers=1, compress_ratios=(4, 128))
+
+PRESETS: dict[str, ModelArgs] = {"tiny": TINY, "tiny-k": TINY_K, "flash-shaped": FLASH_SHAPED}
+
+# Which type each tensor gets. "f32" keeps every float tensor F32 (parity runs); "ds4" follows the
+# published files: Q8_0 projections, F16 embeddings/HC/compressor/indexer/router, F32 norms, and the
+# q2 recipe for routed experts (IQ2_XXS gate/up, Q2_K down).
+_DS4_F16 = ("token_embd", "hc_", "compressor", "indexer", "ffn_gate_inp")
+LAYOUTS = ("f32", "ds4")
+
+
+@dataclass(frozen=True)
+class ExpertRecipe:
+    gate_up: GGMLType
+    down: GGMLType
+
+
+Q2 = ExpertRecipe(GGMLType.IQ2_XXS, GGMLType.Q2_K)
+
+
+def tensor_type(spec: TensorSpec, layout: str, experts: ExpertRecipe = Q2) -> GGMLType:
+    if spec.types == frozenset({GGMLType.I32}):
+        return GGMLType.I32
+    if layout == "f32" or spec.types == NORM:
+        return GGMLType.F32
+    short = _short_name(spec.name)
+    if spec.types == EXPERT:
+        return experts.down if "down" in short else experts.gate_up
+    if any(part in short for part in _DS4_F16):
+        return GGMLType.F16
+    return GGMLType.Q8_0
+
+
+def _short_name(name: str) -> str:
+    """Tensor name without the `blk.N.` prefix and the `.weight`/`.bias` suffix."""
+    parts = name.split(".")
+    if parts[0] == "blk":
+        parts = parts[2:]
+    return ".".join(parts[:-1])
+
+
+def write_synthetic_model(
+    path: str | os.PathLike,
+    args: ModelArgs,
+    layout: str = "f32",
+    seed: int = 0,
+    name: str = "synthetic",
+    progress: Callable[[str], None] | None = None,
+) -> None:
+    """Write a random model; the same (args, layout, seed) always gives the same bytes."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}, expected one of {LAYOUTS}")
+    metadata = args.to_gguf_metadata()
+    metadata["general.name"] = (ValueType.STRING, name)
+    metadata.update(tokenizer_metadata(bundled_tokenizer_json(), args.vocab_size))
+    specs = list(expected_tensors(args))
+    with GGUFWriter(path, metadata) as writer:
+        for spec in specs:
+            writer.add_tensor(spec.name, spec.shape, tensor_type(spec, layout))
+        for index, spec in enumerate(specs):
+            if progress:
+                progress(spec.name)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+            writer.write_tensor(spec.name, _tensor_chunks(spec, tensor_type(spec, layout), args, gen))
+
+
+def _tensor_chunks(spec: TensorSpec, ggml_type: GGMLType, args: ModelArgs, gen: torch.Generator) -> Iterator:
+    """Yield the tensor's bytes in row chunks of about 16M elements, so Flash shapes stream."""
+    short = _short_name(spec.name)
+    if ggml_type == GGMLType.I32:  # token -> expert table: k distinct experts per token
+        ranks = torch.rand(args.vocab_size, args.n_routed_experts, generator=gen).argsort(dim=1)
+        yield ranks[:, : args.n_activated_experts].to(torch.int32).numpy()
+        return
+    row = spec.shape[-1]
+    n_rows = int(np.prod(spec.shape[:-1], dtype=np.int64)) if len(spec.shape) > 1 else 1
+    rows_per_chunk = max(1, (1 << 24) // row)
+    for start in range(0, n_rows, rows_per_chunk):
+        count = min(rows_per_chunk, n_rows - start)
+        if ggml_type in (GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS):
+            yield _random_kquant_blocks(ggml_type, count * row, row, gen)
+            continue
+        values = _random_values(short, spec, (count, row), gen)
+        yield quantize(values.reshape(-1) if len(spec.shape) == 1 else values, ggml_type)
+
+
+def _random_values(short: str, spec: TensorSpec, shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(shape, generator=gen)
+    if spec.types == NORM:
+        if "norm" in short:
+            return 1.0 + 0.1 * x
+        if "hc_" in short and "scale" in short:
+            return 0.2 + 0.3 * x.abs()
+        return 0.5 * x  # sinks, HC bases, router bias
+    if short == "token_embd":
+        return x
+    if short.endswith("ape"):
+        return 0.5 * x
+    return x / spec.shape[-1] ** 0.5
+
+
+def _random_kquant_blocks(ggml_type: GGMLType, n_elements: int, row: int, gen: torch.Generator) -> np.ndarray:
+    """Random well-formed super-blocks: random payload bytes, fp16 scales sized for ~N(0, 1/row)."""
+    _, block_bytes = BLOCK_GEOMETRY[ggml_type]
+    n_blocks = n_elements // QK_K
+    payload = torch.randint(0, 256, (n_blocks, block_bytes), generator=gen, dtype=torch.uint8).numpy()
+    d = np.float16(0.5 / row**0.5)
+    blocks = payload.copy()
+    halves = np.array([d, d / 4], dtype=np.float16).view(np.uint8)
+    if ggml_type == GGMLType.IQ2_XXS:  # f16 d first
+        blocks[:, 0:2] = halves[0:2]
+    elif ggml_type == GGMLType.Q2_K:  # scales[16], qs[64], then f16 d, f16 dmin
+        blocks[:, 80:84] = halves
+    else:  # Q4_K: f16 d, f16 dmin first
+        blocks[:, 0:4] = halves
+    return blocks
