@@ -2,8 +2,10 @@
 
 Each function views the bytes as (n_blocks, bytes_per_block) and decodes all blocks at once.
 The results are bit-exact against `gguf.quants.dequantize` (gguf-py 0.19.0, our numerical oracle): every
-float op is done in float32 in the same order as gguf-py, e.g. Q4_K computes `(d*sc)*q - (dmin*m)`, never
-`d*(sc*q)` or a fused multiply-add, because a different rounding order changes the last bit.
+float op is done in float32 in the same order as gguf-py. The scale products (fp16 d times a small integer
+scale) are exact in float32, so the roundings that matter are the last ones: K-quants compute
+`(d*sc)*q - (dmin*m)` as a rounded multiply followed by a rounded subtract, never a fused multiply-add
+(which rounds once and changes the last bit), and nothing is accumulated in float16.
 
 Block layouts are little-endian; like ggml we assume a little-endian host (x86-64, arm64).
 """
