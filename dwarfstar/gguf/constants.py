@@ -26,6 +26,22 @@ class ValueType(IntEnum):
     FLOAT64 = 12
 
 
+# Little-endian struct format of each fixed-size metadata value type (numpy reads the same format strings).
+VALUE_FORMAT: dict[ValueType, str] = {
+    ValueType.UINT8: "<B",
+    ValueType.INT8: "<b",
+    ValueType.UINT16: "<H",
+    ValueType.INT16: "<h",
+    ValueType.UINT32: "<I",
+    ValueType.INT32: "<i",
+    ValueType.FLOAT32: "<f",
+    ValueType.BOOL: "<?",
+    ValueType.UINT64: "<Q",
+    ValueType.INT64: "<q",
+    ValueType.FLOAT64: "<d",
+}
+
+
 class GGMLType(IntEnum):
     F32 = 0
     F16 = 1

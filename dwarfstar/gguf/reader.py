@@ -31,6 +31,7 @@ from dwarfstar.gguf.constants import (
     BLOCK_GEOMETRY,
     GGUF_DEFAULT_ALIGNMENT,
     GGUF_MAGIC,
+    VALUE_FORMAT,
     GGMLType,
     ValueType,
     tensor_nbytes,
@@ -40,35 +41,8 @@ from dwarfstar.gguf.dequant import dequantize
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
 
-# struct format of each fixed-size scalar value type; numpy dtype for the fast array path.
-_SCALAR_FORMAT: dict[ValueType, str] = {
-    ValueType.UINT8: "<B",
-    ValueType.INT8: "<b",
-    ValueType.UINT16: "<H",
-    ValueType.INT16: "<h",
-    ValueType.UINT32: "<I",
-    ValueType.INT32: "<i",
-    ValueType.FLOAT32: "<f",
-    ValueType.BOOL: "<?",
-    ValueType.UINT64: "<Q",
-    ValueType.INT64: "<q",
-    ValueType.FLOAT64: "<d",
-}
-_NUMPY_DTYPE: dict[ValueType, str] = {
-    ValueType.UINT8: "<u1",
-    ValueType.INT8: "<i1",
-    ValueType.UINT16: "<u2",
-    ValueType.INT16: "<i2",
-    ValueType.UINT32: "<u4",
-    ValueType.INT32: "<i4",
-    ValueType.FLOAT32: "<f4",
-    ValueType.BOOL: "<u1",
-    ValueType.UINT64: "<u8",
-    ValueType.INT64: "<i8",
-    ValueType.FLOAT64: "<f8",
-}
 # Smallest encoding of one value of each type, used to reject corrupt counts before looping over them.
-_MIN_VALUE_BYTES: dict[ValueType, int] = {t: struct.calcsize(f) for t, f in _SCALAR_FORMAT.items()}
+_MIN_VALUE_BYTES: dict[ValueType, int] = {t: struct.calcsize(f) for t, f in VALUE_FORMAT.items()}
 _MIN_VALUE_BYTES[ValueType.STRING] = 8  # u64 length (an empty string has no bytes after it)
 _MIN_VALUE_BYTES[ValueType.ARRAY] = 12  # u32 item type + u64 count
 _MIN_KV_BYTES = 8 + 4 + 1  # empty key + value type + a u8 value
@@ -145,18 +119,19 @@ class _Cursor:
             return self.string()
         if vtype == ValueType.ARRAY:
             return self.array()[1]
-        return self.scalar(_SCALAR_FORMAT[vtype])
+        return self.scalar(VALUE_FORMAT[vtype])
 
     def array(self) -> tuple[ValueType, list]:
         item_type = self.value_type()
         count = self.scalar("<Q")
         self.check_count(count, _MIN_VALUE_BYTES[item_type], "array length")
-        if item_type in _NUMPY_DTYPE:  # fixed-size items: one vectorised read instead of `count` unpacks
-            dtype = np.dtype(_NUMPY_DTYPE[item_type])
+        if item_type in VALUE_FORMAT:  # fixed-size items: one vectorised read instead of `count` unpacks
+            dtype = np.dtype(VALUE_FORMAT[item_type])
             items = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
             self.pos += count * dtype.itemsize
-            values = (items != 0).tolist() if item_type == ValueType.BOOL else items.tolist()
-            return item_type, values
+            if item_type == ValueType.BOOL:  # any non-zero byte is true, as for scalar bools
+                items = items.view(np.uint8) != 0
+            return item_type, items.tolist()
         return item_type, [self.value(item_type) for _ in range(count)]
 
 

@@ -31,24 +31,12 @@ from dwarfstar.gguf.constants import (
     GGUF_DEFAULT_ALIGNMENT,
     GGUF_MAGIC,
     GGUF_VERSION,
+    VALUE_FORMAT,
     GGMLType,
     ValueType,
     tensor_nbytes,
 )
 
-_SCALAR_FORMAT: dict[ValueType, str] = {
-    ValueType.UINT8: "<B",
-    ValueType.INT8: "<b",
-    ValueType.UINT16: "<H",
-    ValueType.INT16: "<h",
-    ValueType.UINT32: "<I",
-    ValueType.INT32: "<i",
-    ValueType.FLOAT32: "<f",
-    ValueType.BOOL: "<?",
-    ValueType.UINT64: "<Q",
-    ValueType.INT64: "<q",
-    ValueType.FLOAT64: "<d",
-}
 # Element dtypes that a typed array may have for each tensor type, besides raw uint8 bytes. A float64
 # array handed to an F32 tensor is a bug, not data; catching it here beats a wrong byte count later.
 _TYPED_DTYPES: dict[GGMLType, tuple[str, ...]] = {
@@ -77,7 +65,7 @@ def _encode_value(vtype: ValueType, value: Any) -> bytes:
         items = list(items)
         head = struct.pack("<IQ", item_type, len(items))
         return head + b"".join(_encode_value(item_type, v) for v in items)
-    return struct.pack(_SCALAR_FORMAT[vtype], value)
+    return struct.pack(VALUE_FORMAT[vtype], value)
 
 
 def _chunk_bytes(chunk: Any, ggml_type: GGMLType) -> memoryview:
