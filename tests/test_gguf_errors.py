@@ -132,6 +132,11 @@ def test_implausible_counts(tmp_path):
     expect_error(tmp_path, build(kvs=[huge_array]), "implausible array length")
 
 
+def test_deeply_nested_arrays(tmp_path):
+    bomb = kv("x.nest", 9, struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 4, 0))
+    expect_error(tmp_path, build(kvs=[bomb]), "arrays nested more than 16 deep", "'x.nest'")
+
+
 def test_invalid_utf8(tmp_path):
     expect_error(tmp_path, build(kvs=[kv(b"bad\xff", 4, struct.pack("<I", 1))]), "invalid UTF-8")
 

@@ -40,6 +40,7 @@ from dwarfstar.gguf.dequant import dequantize
 
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ARRAY_NESTING = 16  # model files never nest arrays; this only bounds recursion on corrupt input
 
 # Smallest encoding of one value of each type, used to reject corrupt counts before looping over them.
 _MIN_VALUE_BYTES: dict[ValueType, int] = {t: struct.calcsize(f) for t, f in VALUE_FORMAT.items()}
@@ -114,14 +115,16 @@ class _Cursor:
         except ValueError:
             raise self.fail(f"unknown metadata value type {raw} in the {self.where} at offset {at}") from None
 
-    def value(self, vtype: ValueType) -> Any:
+    def value(self, vtype: ValueType, depth: int = 0) -> Any:
         if vtype == ValueType.STRING:
             return self.string()
         if vtype == ValueType.ARRAY:
-            return self.array()[1]
+            return self.array(depth)[1]
         return self.scalar(VALUE_FORMAT[vtype])
 
-    def array(self) -> tuple[ValueType, list]:
+    def array(self, depth: int = 0) -> tuple[ValueType, list]:
+        if depth >= MAX_ARRAY_NESTING:  # a recursion bomb would otherwise end in RecursionError
+            raise self.fail(f"arrays nested more than {MAX_ARRAY_NESTING} deep in the {self.where}")
         item_type = self.value_type()
         count = self.scalar("<Q")
         self.check_count(count, _MIN_VALUE_BYTES[item_type], "array length")
@@ -132,7 +135,7 @@ class _Cursor:
             if item_type == ValueType.BOOL:  # any non-zero byte is true, as for scalar bools
                 items = items.view(np.uint8) != 0
             return item_type, items.tolist()
-        return item_type, [self.value(item_type) for _ in range(count)]
+        return item_type, [self.value(item_type, depth + 1) for _ in range(count)]
 
 
 class GGUFFile:
