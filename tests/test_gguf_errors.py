@@ -5,6 +5,7 @@ Files are assembled byte by byte here (not with our writer), so each field can b
 
 from __future__ import annotations
 
+import random
 import struct
 
 import pytest
@@ -173,3 +174,21 @@ def test_bad_alignment(tmp_path):
 def test_huge_dims_run_past_end(tmp_path):
     infos = [tinfo("tok_embd", [2**40, 2**20], 0, 0)]
     expect_error(tmp_path, build(infos=infos), "'tok_embd'", "data runs past the end of the file")
+
+
+def test_random_header_corruption_only_raises_model_file_error(tmp_path):
+    base = build()
+    header_end = len(base) - 112
+    rng = random.Random(0)
+    path = tmp_path / "m.gguf"
+    for _ in range(400):
+        content = bytearray(base)
+        for _ in range(rng.randint(1, 4)):
+            content[rng.randrange(header_end)] = rng.randrange(256)
+        path.write_bytes(bytes(content))
+        try:
+            with open_gguf(path) as f:
+                for name in f.tensors:  # a corruption that still parses must also decode
+                    f.tensor(name)
+        except ModelFileError:
+            pass
