@@ -1,0 +1,33 @@
+"""Developer sessions. `tests` is what CI runs (.ci/run); the others are slower or need extra builds."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.default_venv_backend = "venv"  # pip, not uv: uv skips the local CPU torch wheel
+
+LLAMA_CPP = "llama-cpp-python==0.3.36"
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    session.install("-e", ".[dev]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.15")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def parity(session: nox.Session) -> None:
+    """Reference logits against llama.cpp's deepseek4 model (F32 file, F32 KV, QAT rounding off).
+
+    The first run compiles llama.cpp from source (about 15 minutes on 2 cores).
+    """
+    session.install("-e", ".[dev]", LLAMA_CPP)
+    session.run("python", "tools/llama_parity.py", *session.posargs)
