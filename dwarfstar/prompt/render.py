@@ -1,0 +1,245 @@
+"""Render a conversation into the DeepSeek V4 prompt, following the official `encoding_dsv4` rules.
+
+The rules, in the order they are applied:
+1. Request-level `tools` and `response_format` belong to the leading system message; an empty one is
+   put in front when the conversation does not start with a system message.
+2. Tool messages become `<tool_result>` parts of a user turn. Consecutive user and tool messages
+   share one turn, their parts joined by blank lines. Tool results are reordered to follow the
+   tool calls of the assistant message before them.
+3. In thinking mode, reasoning of assistant turns before the last user turn is dropped (and
+   developer messages before it vanish), unless tools are defined or `drop_thinking` is off.
+4. Each turn renders by role (system text; developer and user behind `<｜User｜>`; latest_reminder
+   behind `<｜latest_reminder｜>`; assistant as `[reasoning</think>]content[DSML]<EOS>`), and a user
+   or developer turn that ends the prompt or precedes an assistant/latest_reminder turn is followed
+   by `<｜Assistant｜>` and `<think>` (thinking, reasoning kept) or `</think>`.
+5. In thinking mode with reasoning_effort "max" the effort preamble opens the prompt.
+
+`RenderOptions` switches individual rules to ds4's server behaviour (see options.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dwarfstar.prompt import templates
+from dwarfstar.prompt.conversation import PromptError, ToolResult, Turn, to_turns, tool_schema
+from dwarfstar.prompt.dsml import render_tool_calls, to_json
+from dwarfstar.prompt.options import OFFICIAL, RenderOptions
+from dwarfstar.tokenizer import specials
+from dwarfstar.tokenizer.specials import TASK_TOKENS, Control, PromptPart
+
+REASONING_EFFORTS = (None, "high", "max")
+TOOL_RESULT_CLOSE = "</tool_result>"
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A rendered prompt: plain text runs and the control tokens the renderer placed between them."""
+
+    parts: tuple[PromptPart, ...]
+
+    @property
+    def text(self) -> str:
+        return "".join(str(part) for part in self.parts)
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.parts: list[PromptPart] = []
+
+    def add(self, *parts: PromptPart) -> None:
+        for part in parts:
+            if isinstance(part, Control):
+                self.parts.append(part)
+            elif part:
+                if self.parts and isinstance(self.parts[-1], str):
+                    self.parts[-1] += part
+                else:
+                    self.parts.append(part)
+
+
+def _attach_request_extras(turns: list[Turn], tools: Sequence[Any] | None, response_format: Any) -> None:
+    if not tools and not response_format:
+        return
+    if not turns or turns[0].role != "system":
+        turns.insert(0, Turn("system"))
+    if tools:
+        for n, tool in enumerate(tools):
+            tool_schema(tool, f"tools[{n}]")
+        turns[0].tools = list(tools)
+    if response_format:
+        if not isinstance(response_format, Mapping):
+            raise PromptError("response_format must be an object")
+        turns[0].response_format = response_format
+
+
+def _merge_user_turns(turns: list[Turn], options: RenderOptions) -> list[Turn]:
+    merged: list[Turn] = []
+    for turn in turns:
+        previous = merged[-1] if merged and merged[-1].role == "user" else None
+        is_tool_result = turn.role == "user" and isinstance(turn.pieces[0], ToolResult)
+        if previous is not None and options.merge_user_turns:
+            # Officially a tool result joins any user turn; user text joins one that carries no task.
+            joins = is_tool_result or previous.task is None
+        else:
+            joins = previous is not None and is_tool_result and all(isinstance(p, ToolResult) for p in previous.pieces)
+        if joins and turn.role == "user":
+            previous.pieces.extend(turn.pieces)
+        else:
+            merged.append(turn)
+    return merged
+
+
+def _sort_tool_results(turns: list[Turn]) -> None:
+    call_order: dict[str, int] = {}
+    for turn in turns:
+        if turn.role == "assistant" and turn.tool_calls:
+            call_order = {call_id: i for i, call_id in enumerate(turn.tool_call_ids) if call_id}
+        elif turn.role == "user" and call_order:
+            results = [p for p in turn.pieces if isinstance(p, ToolResult)]
+            if len(results) > 1:
+                # Stable sort; results whose id matches no call sort as if they answered the first one.
+                ordered = iter(sorted(results, key=lambda r: call_order.get(r.call_id, 0)))
+                turn.pieces = [next(ordered) if isinstance(p, ToolResult) else p for p in turn.pieces]
+
+
+def _last_user_index(turns: list[Turn]) -> int:
+    return max((i for i, t in enumerate(turns) if t.role in ("user", "developer")), default=-1)
+
+
+def _drop_old_reasoning(turns: list[Turn]) -> list[Turn]:
+    """Before the last user turn: assistants lose their reasoning, developer messages disappear."""
+    last_user = _last_user_index(turns)
+    kept = []
+    for i, turn in enumerate(turns):
+        if turn.role == "developer" and i < last_user:
+            continue
+        if turn.role == "assistant" and i < last_user:
+            turn.reasoning = None
+        kept.append(turn)
+    return kept
+
+
+def _tools_section(tools: Sequence[Any], options: RenderOptions) -> list[PromptPart]:
+    lines = [to_json(tool_schema(t, "tools"), compact=options.compact_json) for t in tools]
+    return templates.tools_section(lines, options.tools_prompt)
+
+
+def _response_format_section(response_format: Any, options: RenderOptions) -> list[PromptPart]:
+    return [templates.RESPONSE_FORMAT_INTRO + to_json(response_format, compact=options.compact_json)]
+
+
+def _ds4_system_block(turns: list[Turn], options: RenderOptions) -> tuple[list[PromptPart], list[Turn]]:
+    """ds4: the tools section first, then every non-empty system/developer text, joined by blank lines."""
+    hoisted = [t for t in turns if t.role in ("system", "developer")]
+    tools = [tool for t in hoisted for tool in t.tools]
+    sections = [_tools_section(tools, options)] if tools else []
+    sections += [[t.text] for t in hoisted if t.text]
+    response_format = next((t.response_format for t in hoisted if t.response_format), None)
+    if response_format:
+        sections.append(_response_format_section(response_format, options))
+    block: list[PromptPart] = []
+    for n, section in enumerate(sections):
+        block += ["\n\n", *section] if n else section
+    return block, [t for t in turns if t.role not in ("system", "developer")]
+
+
+def _user_pieces(turn: Turn, options: RenderOptions) -> list[PromptPart]:
+    parts: list[PromptPart] = []
+    for n, piece in enumerate(turn.pieces):
+        if n:
+            both_results = isinstance(piece, ToolResult) and isinstance(turn.pieces[n - 1], ToolResult)
+            parts.append(options.tool_result_separator if both_results else "\n\n")
+        if isinstance(piece, ToolResult):
+            content = piece.content
+            if options.escape_tool_results:
+                content = content.replace(TOOL_RESULT_CLOSE, "&lt;/tool_result>")
+            parts.append(f"<tool_result>{content}{TOOL_RESULT_CLOSE}")
+        else:
+            parts.append(piece)
+    return parts
+
+
+def render_conversation(
+    messages: Sequence[Any],
+    *,
+    tools: Sequence[Any] | None = None,
+    response_format: Any = None,
+    thinking: bool = False,
+    reasoning_effort: str | None = None,
+    drop_thinking: bool = True,
+    add_bos: bool = True,
+    options: RenderOptions = OFFICIAL,
+) -> Prompt:
+    """The prompt for `messages` (OpenAI-style dicts, see conversation.py) ready to tokenize."""
+    if reasoning_effort not in REASONING_EFFORTS:
+        raise PromptError(f"reasoning_effort must be one of high, max or unset, got {reasoning_effort!r}")
+    turns = to_turns(messages)
+    _attach_request_extras(turns, tools, response_format)
+    turns = _merge_user_turns(turns, options)
+    if options.sort_tool_results:
+        _sort_tool_results(turns)
+
+    keep_reasoning = not drop_thinking or any(t.tools for t in turns)
+    if options.keep_reasoning_with_tool_history:
+        keep_reasoning = keep_reasoning or any(
+            t.tool_calls or any(isinstance(p, ToolResult) for p in t.pieces) for t in turns
+        )
+    if thinking and not keep_reasoning:
+        turns = _drop_old_reasoning(turns)
+
+    out = _Builder()
+    if add_bos:
+        out.add(Control(specials.BOS))
+    if thinking and reasoning_effort == "max" and turns:
+        out.add(templates.REASONING_EFFORT_MAX)
+    if options.ds4_system_block:
+        block, turns = _ds4_system_block(turns, options)
+        out.add(*block)
+
+    last_user = _last_user_index(turns)
+    for i, turn in enumerate(turns):
+        _render_turn(out, turns, i, thinking=thinking, keep_reasoning=keep_reasoning, options=options)
+        following = turns[i + 1].role if i + 1 < len(turns) else None
+        if following not in (None, "assistant", "latest_reminder"):
+            continue
+        if turn.task is not None:
+            task = Control(TASK_TOKENS[turn.task])
+            if turn.task == "action":
+                out.add(Control(specials.ASSISTANT), Control(specials.THINK_START if thinking else specials.THINK_END))
+            out.add(task)
+        elif turn.role in ("user", "developer"):
+            opens_thinking = thinking and (keep_reasoning or i >= last_user)
+            out.add(
+                Control(specials.ASSISTANT), Control(specials.THINK_START if opens_thinking else specials.THINK_END)
+            )
+    return Prompt(tuple(out.parts))
+
+
+def _render_turn(
+    out: _Builder, turns: list[Turn], i: int, *, thinking: bool, keep_reasoning: bool, options: RenderOptions
+) -> None:
+    turn = turns[i]
+    if turn.role in ("system", "developer"):
+        if turn.role == "developer":
+            out.add(Control(specials.USER))
+        out.add(turn.text)
+        if turn.tools:
+            out.add("\n\n", *_tools_section(turn.tools, options))
+        if turn.response_format:
+            out.add("\n\n", *_response_format_section(turn.response_format, options))
+    elif turn.role == "user":
+        out.add(Control(specials.USER), *_user_pieces(turn, options))
+    elif turn.role == "latest_reminder":
+        out.add(Control(specials.LATEST_REMINDER), turn.text)
+    else:
+        answers_task = i > 0 and turns[i - 1].task is not None
+        if thinking and not answers_task and (keep_reasoning or i > _last_user_index(turns)):
+            out.add(turn.reasoning or "", Control(specials.THINK_END))
+        out.add(turn.text)
+        if turn.tool_calls:
+            out.add(*render_tool_calls(turn.tool_calls, compact_json=options.compact_json, escape=options.escape_dsml))
+        if not turn.wo_eos:
+            out.add(Control(specials.EOS))
