@@ -66,10 +66,15 @@ def test_long_prompt_fills_every_kind_of_state(tiny):
     model.forward(PROMPT, state)
     window_only, ratio4, ratio128 = state.layers[0], state.layers[2], state.layers[3]
     assert window_only.compressor is None and window_only.raw_kv.shape == (TINY.window, TINY.head_dim)
-    assert ratio4.compressor.rows.shape == (300 // 4, TINY.head_dim)
-    assert ratio4.indexer.rows.shape == (300 // 4, TINY.index_head_dim)
-    assert ratio128.compressor.rows.shape == (300 // 128, TINY.head_dim)
-    assert ratio128.compressor.pending_kv.shape[0] == 300 % 128  # window in progress
+    assert ratio4.compressor.rows.rows.shape == (300 // 4, TINY.head_dim)
+    assert ratio4.indexer.rows.rows.shape == (300 // 4, TINY.index_head_dim)
+    assert ratio128.compressor.rows.rows.shape == (300 // 128, TINY.head_dim)
+    # the window in progress (tokens 256..299) sits in frontier rows 0..43; the rest is unwritten
+    gate = ratio128.compressor.frontier_gate
+    assert torch.isfinite(gate[: 300 % 128]).all() and torch.isinf(gate[300 % 128 :]).all()
+    # ratio 4: rows 0..3 keep the last complete window (tokens 296..299), rows 4..7 are empty
+    gate4 = ratio4.compressor.frontier_gate
+    assert torch.isfinite(gate4[:4]).all() and torch.isinf(gate4[4:]).all()
 
 
 def test_indexer_selection_changes_the_output(tiny):

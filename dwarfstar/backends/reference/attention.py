@@ -9,41 +9,14 @@ pass, chunked prefill and token-by-token decode all run the same code and give t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.model.config import LayerSpec, ModelArgs, yarn_inv_freq
+from dwarfstar.model.state import CompressorState, LayerState
 
 WeightGetter = Callable[[str], torch.Tensor]
-
-
-@dataclass
-class CompressorState:
-    """Frontier of a compressor plus the rows it has emitted.
-
-    `pending_*` hold the projected tokens of the window in progress; ratio-4 compressors also keep
-    the previous complete window (`prev_*`), whose first half feeds the next row (overlap).
-    """
-
-    width: int
-    rows: torch.Tensor
-    pending_kv: torch.Tensor = field(init=False)
-    pending_gate: torch.Tensor = field(init=False)
-    prev_kv: torch.Tensor | None = None
-    prev_gate: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        self.pending_kv = torch.empty(0, self.width)
-        self.pending_gate = torch.empty(0, self.width)
-
-
-@dataclass
-class AttentionState:
-    raw_kv: torch.Tensor  # the last `window` raw rows, oldest first
-    compressor: CompressorState | None
-    indexer: CompressorState | None
 
 
 class Compressor:
@@ -65,36 +38,33 @@ class Compressor:
         self.ape = w(f"{prefix}_ape.weight")  # [ratio, width]: bias for the token's slot in its window
         self.norm = w(f"{prefix}_norm.weight")
 
-    def new_state(self) -> CompressorState:
-        return CompressorState(width=self.wkv.shape[0], rows=torch.empty(0, self.out_dim))
-
     def __call__(self, a: torch.Tensor, positions: torch.Tensor, state: CompressorState) -> None:
-        r = self.ratio
-        kv = torch.cat((state.pending_kv, a @ self.wkv.T))
-        gate = torch.cat((state.pending_gate, a @ self.wgate.T + self.ape[positions % r]))
+        r, off = self.ratio, state.current_offset
+        n_pending = int(positions[0]) % r  # tokens of the window in progress already in the frontier
+        kv = torch.cat((state.frontier_kv[off : off + n_pending], a @ self.wkv.T))
+        gate = torch.cat((state.frontier_gate[off : off + n_pending], a @ self.wgate.T + self.ape[positions % r]))
         n = kv.shape[0] // r
-        state.pending_kv, state.pending_gate = kv[n * r :], gate[n * r :]
-        if n == 0:
-            return
-        win_kv, win_gate = kv[: n * r].view(n, r, -1), gate[: n * r].view(n, r, -1)
-        if self.overlap:
-            d = self.out_dim
-            if state.prev_kv is None:  # window 0 has no predecessor: its slots get weight 0
-                first_kv, first_gate = torch.zeros(1, r, 2 * d), torch.full((1, r, 2 * d), float("-inf"))
+        if n:
+            win_kv, win_gate = kv[: n * r].view(n, r, -1), gate[: n * r].view(n, r, -1)
+            if self.overlap:
+                # row w pools the first half of window w-1 and the second half of window w; before
+                # window 0 the frontier holds gate -inf, which gives those slots weight 0
+                d = self.out_dim
+                prev_kv = torch.cat((state.frontier_kv[None, :r], win_kv[:-1]))[..., :d]
+                prev_gate = torch.cat((state.frontier_gate[None, :r], win_gate[:-1]))[..., :d]
+                slots_kv = torch.cat((prev_kv, win_kv[..., d:]), dim=1)
+                slots_gate = torch.cat((prev_gate, win_gate[..., d:]), dim=1)
+                state.frontier_kv[:r], state.frontier_gate[:r] = win_kv[-1], win_gate[-1]
             else:
-                first_kv, first_gate = state.prev_kv[None], state.prev_gate[None]
-            prev_kv = torch.cat((first_kv, win_kv[:-1]))[..., :d]
-            prev_gate = torch.cat((first_gate, win_gate[:-1]))[..., :d]
-            slots_kv = torch.cat((prev_kv, win_kv[..., d:]), dim=1)
-            slots_gate = torch.cat((prev_gate, win_gate[..., d:]), dim=1)
-            state.prev_kv, state.prev_gate = win_kv[-1], win_gate[-1]
-        else:
-            slots_kv, slots_gate = win_kv, win_gate
-        pooled = (slots_kv * slots_gate.softmax(dim=1)).sum(1)
-        first = state.rows.shape[0]
-        row_positions = (first + torch.arange(n)) * r  # a row sits at the first token of its window
-        rows = self.finish(ops.rms_norm(pooled, self.norm, self.eps), row_positions)
-        state.rows = torch.cat((state.rows, rows))
+                slots_kv, slots_gate = win_kv, win_gate
+            pooled = (slots_kv * slots_gate.softmax(dim=1)).sum(1)
+            row_positions = (state.rows.n + torch.arange(n)) * r  # a row sits at its window's first token
+            state.rows.append(self.finish(ops.rms_norm(pooled, self.norm, self.eps), row_positions))
+        rest = kv.shape[0] - n * r
+        state.frontier_kv[off:] = 0.0
+        state.frontier_gate[off:] = float("-inf")
+        state.frontier_kv[off : off + rest] = kv[n * r :]
+        state.frontier_gate[off : off + rest] = gate[n * r :]
 
 
 class Attention:
@@ -124,13 +94,6 @@ class Attention:
             self.wq_index = w("indexer.attn_q_b.weight")
             self.w_index_heads = w("indexer.proj.weight")
 
-    def new_state(self) -> AttentionState:
-        return AttentionState(
-            raw_kv=torch.empty(0, self.args.head_dim),
-            compressor=self.compressor.new_state() if self.compressor else None,
-            indexer=self.indexer.new_state() if self.indexer else None,
-        )
-
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         cos, sin = ops.rope_angles(positions, self.inv_freq)
         return ops.apply_rope(x, cos, sin, inverse)
@@ -143,7 +106,7 @@ class Attention:
         rows = self._rope(rows, positions)
         return ops.indexer_round(rows) if self.qat else rows
 
-    def __call__(self, a: torch.Tensor, positions: torch.Tensor, state: AttentionState) -> torch.Tensor:
+    def __call__(self, a: torch.Tensor, positions: torch.Tensor, state: LayerState) -> torch.Tensor:
         args, T = self.args, a.shape[0]
         qr = ops.rms_norm(a @ self.wq_a.T, self.q_norm, args.norm_eps)
         q = ops.rms_norm((qr @ self.wq_b.T).view(T, args.n_heads, args.head_dim), None, args.norm_eps)
@@ -159,12 +122,12 @@ class Attention:
         keys = raw
         if self.compressor is not None:
             self.compressor(a, positions, state.compressor)
-            rows = state.compressor.rows
+            rows = state.compressor.rows.rows
             # row w is complete, hence visible, once token ratio * (w + 1) - 1 has been seen
             visible = torch.arange(rows.shape[0])[None, :] < ((positions + 1) // self.layer.compress_ratio)[:, None]
             if self.indexer is not None:
                 self.indexer(a, positions, state.indexer)
-                visible = self._select(qr, a, positions, state.indexer.rows, visible)
+                visible = self._select(qr, a, positions, state.indexer.rows.rows, visible)
             keys = torch.cat((raw, rows))
             mask = torch.cat((mask, visible), dim=1)
         state.raw_kv = raw[-args.window :]

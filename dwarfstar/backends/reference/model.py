@@ -8,30 +8,21 @@ and Hadamard/FP4 indexer rounding, for comparison with implementations that do n
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from dwarfstar.backends.reference import ops
-from dwarfstar.backends.reference.attention import Attention, AttentionState
+from dwarfstar.backends.reference.attention import Attention
 from dwarfstar.backends.reference.moe import MoE
 from dwarfstar.backends.reference.weights import GGUFWeights
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.loader import ModelFile
+from dwarfstar.model.state import LayerState, SequenceState
 
 
 class ContextOverflowError(DwarfStarError):
     pass
-
-
-@dataclass
-class SequenceState:
-    """Everything a sequence carries between chunks: its position and each layer's KV state."""
-
-    layers: list[AttentionState]
-    pos: int = 0
-    tokens: list[int] = field(default_factory=list)
 
 
 class Block:
@@ -52,7 +43,7 @@ class Block:
         self.attn = Attention(args, layer, w, qat)
         self.moe = MoE(args, layer, w, expert)
 
-    def __call__(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, state: AttentionState):
+    def __call__(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, state: LayerState):
         a = self.args
         x, post, comb = ops.hc_pre(h, *self.hc_attn, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
         h = ops.hc_post(self.attn(ops.rms_norm(x, self.attn_norm, a.norm_eps), positions, state), h, post, comb)
@@ -73,11 +64,17 @@ class ReferenceModel:
         self.output = weights.dense("output.weight")
 
     def new_state(self) -> SequenceState:
-        return SequenceState(layers=[b.attn.new_state() for b in self.blocks])
+        return SequenceState.empty(self.args)
 
     @torch.inference_mode()
-    def forward(self, tokens: Sequence[int] | torch.Tensor, state: SequenceState) -> torch.Tensor:
-        """Logits [T, vocab] after each of the T tokens, which continue `state` (updated in place)."""
+    def forward(
+        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
+    ) -> torch.Tensor:
+        """Logits after the T tokens, which continue `state` (updated in place, `state.logits` included).
+
+        Returns [T, vocab] with `all_logits`, else [1, vocab] for the last token only: prefill skips
+        the output head for every other position.
+        """
         tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
         if tokens.numel() == 0:
             return torch.empty(0, self.args.vocab_size)
@@ -93,7 +90,11 @@ class ReferenceModel:
         h = self.embed[tokens].unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
         for block, layer_state in zip(self.blocks, state.layers, strict=True):
             h = block(h, tokens, positions, layer_state)
+        if not all_logits:
+            h = h[-1:]
         y = ops.hc_head(h, *self.head_hc, a.hc_eps, a.norm_eps)
+        logits = ops.rms_norm(y, self.out_norm, a.norm_eps) @ self.output.T
         state.pos += tokens.numel()
         state.tokens.extend(tokens.tolist())
-        return ops.rms_norm(y, self.out_norm, a.norm_eps) @ self.output.T
+        state.logits = logits[-1].clone()
+        return logits
