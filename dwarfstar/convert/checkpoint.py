@@ -1,0 +1,140 @@
+"""An index over a directory of `*.safetensors` files, read one tensor at a time.
+
+Keys are indexed under their official names (either dialect is accepted, see `names.canonical_name`),
+and a block-quantized weight `X.weight` is paired with its scale sibling `X.scale` (official) or
+`X.weight_scale_inv` (DeepSeek V3 style). Reading keeps at most one file open: `safe_open` memory-maps
+the whole file, and the pages it touched count against the process until the mapping goes away.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dwarfstar.convert.fp8_fp4 import FP8_BLOCK, dequantize_scaled
+from dwarfstar.convert.names import canonical_name
+from dwarfstar.errors import ModelFileError
+
+_SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+ALL_ROWS = slice(None)
+# safetensors dtypes that hold packed FP4 as bytes, two values per stored element. (Native "F4"
+# storage already reports its shape in values.)
+_FP4_BYTE_STORAGE = {"I8", "U8"}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    file: Path
+    key: str
+    dtype: str  # safetensors dtype name, e.g. "BF16", "F8_E4M3", "I8"
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """One logical checkpoint tensor: its stored data plus the block scale when it is FP8/FP4."""
+
+    name: str  # official spelling
+    data: StoredTensor
+    scale: StoredTensor | None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the values (packed FP4 stores two values per element of the last dim)."""
+        if self.scale is not None and self.data.dtype in _FP4_BYTE_STORAGE:
+            return (*self.data.shape[:-1], self.data.shape[-1] * 2)
+        return self.data.shape
+
+    @property
+    def n_elements(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_integer(self) -> bool:
+        return self.scale is None and self.data.dtype.startswith(("I", "U"))
+
+
+class Checkpoint:
+    """The tensors of every `*.safetensors` file in a directory, by official name."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.files = sorted(self.directory.glob("*.safetensors"))
+        if not self.files:
+            raise ModelFileError(f"no *.safetensors files in {self.directory}")
+        stored: dict[str, StoredTensor] = {}
+        for path in self.files:
+            for entry in _list_file(path):
+                name = canonical_name(entry.key)
+                if name in stored:
+                    first = stored[name]
+                    raise ModelFileError(
+                        f"tensor {name!r} is stored twice: {first.key!r} in {first.file.name} "
+                        f"and {entry.key!r} in {path.name}"
+                    )
+                stored[name] = entry
+        self.tensors = _pair_scales(stored)
+        self._open_path: Path | None = None
+        self._open_file = None
+
+    def read(self, tensor: CheckpointTensor, rows: slice = ALL_ROWS) -> torch.Tensor:
+        """Values of `rows` (a range of the first axis) of a tensor: float32 for floating-point data,
+        dequantized if scaled, and integers as stored.
+
+        Only the rows asked for are read. For an FP8 weight a range must start on a 128-row block, so the
+        scale rows it needs are whole.
+        """
+        data = self._load(tensor.data, rows)
+        if tensor.scale is None:
+            return data if tensor.is_integer else data.float()
+        scale_rows = rows
+        if tensor.data.dtype == "F8_E4M3" and rows != ALL_ROWS:
+            if rows.start % FP8_BLOCK:
+                raise ValueError(f"FP8 rows must start on a {FP8_BLOCK}-row block, got {rows.start}")
+            scale_rows = slice(rows.start // FP8_BLOCK, -(-rows.stop // FP8_BLOCK))
+        return dequantize_scaled(data, self._load(tensor.scale, scale_rows), tensor.name)
+
+    def close(self) -> None:
+        self._open_file = self._open_path = None
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _load(self, stored: StoredTensor, rows: slice) -> torch.Tensor:
+        if self._open_path != stored.file:
+            self.close()  # drop the previous mapping before opening the next file
+            self._open_file = safe_open(str(stored.file), framework="pt")
+            self._open_path = stored.file
+        try:
+            return self._open_file.get_slice(stored.key)[rows]
+        except Exception as exc:  # safetensors raises its own error types for truncated or corrupt files
+            raise ModelFileError(f"cannot read {stored.key!r} from {stored.file}: {exc}") from exc
+
+
+def _list_file(path: Path) -> list[StoredTensor]:
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            entries = []
+            for key in handle.keys():
+                info = handle.get_slice(key)
+                entries.append(StoredTensor(path, key, info.get_dtype(), tuple(info.get_shape())))
+            return entries
+    except Exception as exc:  # a header safetensors cannot parse
+        raise ModelFileError(f"cannot read safetensors file {path}: {exc}") from exc
+
+
+def _pair_scales(stored: dict[str, StoredTensor]) -> dict[str, CheckpointTensor]:
+    scales: dict[str, StoredTensor] = {}
+    for name in list(stored):
+        for suffix in _SCALE_SUFFIXES:
+            weight_name = name.removesuffix(suffix) + ".weight"
+            if name.endswith(suffix) and weight_name in stored:
+                scales[weight_name] = stored.pop(name)
+    return {name: CheckpointTensor(name, data, scales.get(name)) for name, data in stored.items()}

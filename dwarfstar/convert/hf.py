@@ -1,0 +1,270 @@
+"""Convert a DeepSeek V4 checkpoint (`config.json` + `*.safetensors`) into a ds4-layout GGUF.
+
+Both the official checkpoint layout and transformers' `save_pretrained` layout are accepted (names and
+config dialects are handled in `names` and `hf_config`). Conversion is two steps, so a caller can show
+progress against a known total and print the notes before the long part starts:
+
+    plan = plan_conversion(src_dir, "q8_0")   # reads config + safetensors headers, checks every tensor
+    write_gguf(plan, out_path, progress)      # streams tensor by tensor, expert by expert, in row bands
+
+`convert_checkpoint` does both, quietly. Every source tensor is dequantized to float32 in torch and then
+encoded in the GGUF type the output type's policy picks for it (`gguf_type`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dwarfstar.convert.checkpoint import ALL_ROWS, Checkpoint, CheckpointTensor
+from dwarfstar.convert.fp8_fp4 import FP8_BLOCK
+from dwarfstar.convert.hf_config import load_hf_config
+from dwarfstar.convert.names import source_names
+from dwarfstar.errors import ConfigError, DwarfStarError, ModelFileError
+from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType, ValueType
+from dwarfstar.gguf.quantize import quantize
+from dwarfstar.gguf.writer import GGUFWriter
+from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.tensors import INDEX, NORM, TensorSpec, expected_tensors
+from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, tokenizer_metadata
+
+
+class OutType(StrEnum):
+    """What the output holds: everything F32, matrices F16, or ds4's Q8_0 layout."""
+
+    F32 = "f32"
+    F16 = "f16"
+    Q8_0 = "q8_0"
+
+
+# llama.cpp's `llama_ftype` for `general.file_type`, and ggml's current quantization format version
+_FILE_TYPE = {OutType.F32: 0, OutType.F16: 1, OutType.Q8_0: 7}
+GGML_QUANTIZATION_VERSION = 2
+
+# Called after each piece is written: (GGUF tensor name, number of values just written).
+Progress = Callable[[str, int], None]
+# Matrices are read, dequantized and encoded in bands of rows of about this many values, so memory stays
+# bounded (float32 copy plus the encoder's temporaries, a few hundred MB) even for the 129280-row head.
+PIECE_VALUES = 1 << 22
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    spec: TensorSpec
+    ggml_type: GGMLType
+    sources: tuple[CheckpointTensor, ...]  # one tensor, or one per routed expert, stacked in order
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass
+class ConversionPlan:
+    checkpoint: Checkpoint
+    args: ModelArgs
+    outtype: OutType
+    metadata: dict[str, tuple[ValueType, Any]]
+    tensors: list[TensorPlan]
+    notes: list[str]  # things a user should know, e.g. skipped tensors
+
+    @property
+    def total_elements(self) -> int:
+        return sum(math.prod(t.spec.shape) for t in self.tensors)
+
+
+def convert_checkpoint(
+    src_dir: str | Path,
+    out_path: str | Path,
+    outtype: OutType | str = OutType.F16,
+    *,
+    name: str | None = None,
+    progress: Progress | None = None,
+) -> ConversionPlan:
+    """Convert `src_dir` into the GGUF `out_path`; returns the plan that was written (with its notes)."""
+    plan = plan_conversion(src_dir, outtype, name=name)
+    write_gguf(plan, out_path, progress)
+    return plan
+
+
+def plan_conversion(
+    src_dir: str | Path, outtype: OutType | str = OutType.F16, *, name: str | None = None
+) -> ConversionPlan:
+    """Read the config and the safetensors headers, and map every GGUF tensor to its source and type.
+
+    Everything that can be checked without reading tensor data is checked here, so a missing or
+    mis-shaped tensor fails before any output is written. `name` defaults to the directory name.
+    """
+    src = Path(src_dir)
+    kind = _outtype(outtype)
+    if not src.is_dir():
+        raise ModelFileError(f"checkpoint directory {src} does not exist")
+    config_path = src / "config.json"
+    if not config_path.is_file():
+        raise ModelFileError(f"no config.json in {src}: expected a Hugging Face checkpoint directory")
+    args = load_hf_config(config_path)
+    notes: list[str] = []
+    tokenizer = src / "tokenizer.json"
+    if not tokenizer.is_file():
+        tokenizer = bundled_tokenizer_json()
+        notes.append(f"no tokenizer.json in {src}: using the bundled DeepSeek V4 tokenizer")
+    _check_tokenizer_size(tokenizer, args.vocab_size)
+    checkpoint = Checkpoint(src)
+    specs = list(expected_tensors(args))
+    _check_all_present(checkpoint, specs, args.n_routed_experts)
+    tensors = [_plan_tensor(checkpoint, spec, args, kind) for spec in specs]
+    notes += _fallback_notes(tensors, kind) + _skipped_notes(checkpoint, tensors)
+    metadata = args.to_gguf_metadata()
+    metadata["general.name"] = (ValueType.STRING, name or src.resolve().name)
+    metadata["general.file_type"] = (ValueType.UINT32, _FILE_TYPE[kind])
+    metadata["general.quantization_version"] = (ValueType.UINT32, GGML_QUANTIZATION_VERSION)
+    metadata.update(tokenizer_metadata(tokenizer, args.vocab_size))
+    return ConversionPlan(checkpoint, args, kind, metadata, tensors, notes)
+
+
+def write_gguf(plan: ConversionPlan, out_path: str | Path, progress: Progress | None = None) -> None:
+    """Stream the planned tensors into `out_path` (atomically: on any error no file is left behind)."""
+    out = Path(out_path)
+    if out.is_dir():
+        raise DwarfStarError(f"output path {out} is a directory; give a .gguf file name")
+    if not out.parent.is_dir():
+        raise DwarfStarError(f"output directory {out.parent} does not exist")
+    with plan.checkpoint, GGUFWriter(out, plan.metadata) as writer:
+        for tensor in plan.tensors:
+            writer.add_tensor(tensor.name, tensor.spec.shape, tensor.ggml_type)
+        for tensor in plan.tensors:
+            writer.write_tensor(tensor.name, _encoded_pieces(plan, tensor, progress))
+
+
+def gguf_type(spec: TensorSpec, outtype: OutType) -> GGMLType:
+    """The GGUF type a tensor gets for an output type (before the Q8_0 row-length fallback)."""
+    if spec.types == INDEX:
+        return GGMLType.I32
+    if spec.types == NORM or outtype == OutType.F32:
+        return GGMLType.F32  # norms, biases, sinks, HC scale/base: tiny, and ds4 requires F32
+    # ds4's Q8_0 layout: every Q8_0-capable matrix except the embedding, which is gathered row by row and
+    # stays F16 like the compressor, indexer, router and HC matrices.
+    if outtype == OutType.Q8_0 and GGMLType.Q8_0 in spec.types and spec.name != "token_embd.weight":
+        return GGMLType.Q8_0
+    return GGMLType.F16
+
+
+def _outtype(value: OutType | str) -> OutType:
+    try:
+        return OutType(value)
+    except ValueError:
+        choices = ", ".join(t.value for t in OutType)
+        raise DwarfStarError(f"unknown output type {value!r}; choose one of {choices}") from None
+
+
+def _plan_tensor(checkpoint: Checkpoint, spec: TensorSpec, args: ModelArgs, outtype: OutType) -> TensorPlan:
+    sources = tuple(checkpoint.tensors[n] for n in source_names(spec.name, args.n_routed_experts))
+    # experts are stored 2-D, one per expert, and stacked along a new leading axis
+    piece_shape = spec.shape[1:] if len(sources) > 1 else spec.shape
+    for source in sources:
+        _check_source(source, spec, piece_shape)
+    ggml_type = gguf_type(spec, outtype)
+    if spec.shape[-1] % BLOCK_GEOMETRY[ggml_type][0]:
+        ggml_type = GGMLType.F16  # Q8_0 rows must be whole 32-value blocks; F16 is the nearest type that fits
+    return TensorPlan(spec, ggml_type, sources)
+
+
+def _check_source(source: CheckpointTensor, spec: TensorSpec, shape: tuple[int, ...]) -> None:
+    if source.shape != shape:
+        raise ModelFileError(
+            f"checkpoint tensor {source.data.key!r} has shape {list(source.shape)}, "
+            f"but {spec.name} needs {list(shape)} for this config.json"
+        )
+    wants_integers = spec.types == INDEX
+    if source.is_integer != wants_integers:
+        needed = "integer expert ids" if wants_integers else "floating-point values"
+        raise ModelFileError(
+            f"checkpoint tensor {source.data.key!r} is stored as {source.data.dtype}; {spec.name} needs {needed}"
+        )
+
+
+def _check_all_present(checkpoint: Checkpoint, specs: list[TensorSpec], n_experts: int) -> None:
+    missing = [
+        (name, spec.name)
+        for spec in specs
+        for name in source_names(spec.name, n_experts)
+        if name not in checkpoint.tensors
+    ]
+    if missing:
+        first, gguf_name = missing[0]
+        more = f" ({len(missing) - 1} more required tensors are missing too)" if len(missing) > 1 else ""
+        raise ModelFileError(
+            f"checkpoint in {checkpoint.directory} has no tensor {first!r}, needed for {gguf_name}{more}"
+        )
+
+
+def _fallback_notes(tensors: list[TensorPlan], outtype: OutType) -> list[str]:
+    fallen = [t.name for t in tensors if t.ggml_type != gguf_type(t.spec, outtype)]
+    if not fallen:
+        return []
+    listed = ", ".join(fallen[:4]) + (f" and {len(fallen) - 4} more" if len(fallen) > 4 else "")
+    return [f"{len(fallen)} tensors have rows that are not a multiple of 32 values, written as F16 instead: {listed}"]
+
+
+def _skipped_notes(checkpoint: Checkpoint, tensors: list[TensorPlan]) -> list[str]:
+    used = {source.name for tensor in tensors for source in tensor.sources}
+    skipped = sorted(set(checkpoint.tensors) - used)
+    if not skipped:
+        return []
+    # Group by the first two name parts, so the MTP block reads as one entry ("mtp.0.*: 812").
+    groups = Counter(".".join(n.split(".")[:2]) for n in skipped)
+    listed = ", ".join(f"{prefix}.* ({count})" if count > 1 else prefix for prefix, count in groups.items())
+    return [f"skipping {len(skipped)} checkpoint tensors that the ds4 trunk layout does not use: {listed}"]
+
+
+def _check_tokenizer_size(path: Path, vocab_size: int) -> None:
+    """The tokenizer must define exactly the model's token ids: no more (unreachable) and no fewer."""
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        ids = [*spec["model"]["vocab"].values(), *(t["id"] for t in spec.get("added_tokens", []))]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelFileError(f"cannot read tokenizer {path}: {exc}") from exc
+    size = max(ids) + 1
+    if size != vocab_size:
+        raise ConfigError(f"tokenizer {path} has {size} token ids, but config.json says vocab_size={vocab_size}")
+
+
+def _encoded_pieces(plan: ConversionPlan, tensor: TensorPlan, progress: Progress | None) -> Iterator[Any]:
+    """The tensor's GGUF bytes, one source tensor (one expert) and one band of rows at a time."""
+    for source in tensor.sources:
+        for rows in _row_bands(source.shape):
+            values = plan.checkpoint.read(source, rows)
+            if tensor.ggml_type == GGMLType.I32:
+                yield _expert_ids(values, source, plan.args.n_routed_experts)
+            else:
+                yield quantize(values, tensor.ggml_type)
+            if progress is not None:
+                progress(tensor.name, values.numel())
+
+
+def _row_bands(shape: tuple[int, ...]) -> Iterator[slice]:
+    """Row ranges of about PIECE_VALUES values, whole FP8 scale blocks each (GGUF rows are independent)."""
+    if len(shape) == 1:
+        yield ALL_ROWS
+        return
+    rows = max(PIECE_VALUES // math.prod(shape[1:]) // FP8_BLOCK, 1) * FP8_BLOCK
+    for start in range(0, shape[0], rows):
+        yield slice(start, min(start + rows, shape[0]))
+
+
+def _expert_ids(values: torch.Tensor, source: CheckpointTensor, n_experts: int) -> np.ndarray:
+    """tid2eid as I32, refusing ids that would index past the expert table at inference time."""
+    if values.numel() and (values.min() < 0 or values.max() >= n_experts):
+        raise ModelFileError(
+            f"{source.data.key!r} holds expert ids {int(values.min())}..{int(values.max())}, outside 0..{n_experts - 1}"
+        )
+    return values.to(torch.int32).numpy()

@@ -1,0 +1,222 @@
+"""Read a DeepSeek V4 Hugging Face `config.json` into `ModelArgs`.
+
+Two dialects exist and both are accepted:
+
+* the official checkpoint's: `compress_ratios` (one entry per layer, plus a trailing one for the MTP
+  block), `num_hash_layers`, `rope_scaling` {type yarn, factor, original_max_position_embeddings,
+  beta_fast, beta_slow};
+* the one transformers 5.23 `DeepseekV4Config.save_pretrained` writes: `layer_types` named through
+  `compress_rates`, `mlp_layer_types` (hash_moe / moe), `rope_parameters` {main: {...}, compress: {...}}.
+
+Each quantity is read from whichever key is present. The shape-defining keys are required, because a
+default there would only surface later as a confusing tensor-shape error; every other key keeps the
+`ModelArgs` (Flash) default when the config does not carry it.
+
+`num_nextn_predict_layers` is deliberately not read: the converter writes the trunk only, so the GGUF
+declares no MTP layers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dwarfstar.errors import ConfigError
+from dwarfstar.model.config import ModelArgs
+
+# ModelArgs field -> config.json key, for the keys both dialects spell the same way.
+_REQUIRED_INTS = {
+    "vocab_size": "vocab_size",
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "head_dim": "head_dim",
+    "q_lora_rank": "q_lora_rank",
+    "o_groups": "o_groups",
+    "o_lora_rank": "o_lora_rank",
+    "n_routed_experts": "n_routed_experts",
+    "n_activated_experts": "num_experts_per_tok",
+    "moe_inter_dim": "moe_intermediate_size",
+}
+_OPTIONAL_INTS = {
+    "n_shared_experts": "n_shared_experts",
+    "window": "sliding_window",
+    "index_n_heads": "index_n_heads",
+    "index_head_dim": "index_head_dim",
+    "index_topk": "index_topk",
+    "hc_mult": "hc_mult",
+    "hc_sinkhorn_iters": "hc_sinkhorn_iters",
+    "max_seq_len": "max_position_embeddings",
+}
+_OPTIONAL_FLOATS = {
+    "route_scale": "routed_scaling_factor",
+    "swiglu_limit": "swiglu_limit",
+    "hc_eps": "hc_eps",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "compress_rope_theta": "compress_rope_theta",
+}
+# YaRN keys inside `rope_scaling` / `rope_parameters.compress` -> (ModelArgs field, kind)
+_YARN_KEYS = {
+    "factor": ("rope_factor", float),
+    "original_max_position_embeddings": ("original_seq_len", int),
+    "beta_fast": ("beta_fast", float),
+    "beta_slow": ("beta_slow", float),
+}
+# transformers' `layer_types` value for window-only layers; the others are named in `compress_rates`.
+_WINDOW_LAYER = "sliding_attention"
+_HASH_MLP = "hash_moe"
+
+
+def load_hf_config(path: Path) -> ModelArgs:
+    """Parse `config.json` at `path` (either dialect) into `ModelArgs`."""
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except ValueError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    return model_args_from_hf_config(config)
+
+
+def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
+    _check_fixed_choices(config)
+    values: dict[str, Any] = {}
+    for attr, key in _REQUIRED_INTS.items():
+        if key not in config:
+            raise ConfigError(f"config.json is missing required key {key!r}")
+        values[attr] = _integer(config, key)
+    for attr, key in _OPTIONAL_INTS.items():
+        if config.get(key) is not None:
+            values[attr] = _integer(config, key)
+    for attr, key in _OPTIONAL_FLOATS.items():
+        if config.get(key) is not None:
+            values[attr] = _number(config, key)
+    rope_dim = _rope_dim(config, values["head_dim"])
+    if rope_dim is not None:
+        values["rope_dim"] = rope_dim
+    values["compress_ratios"] = _compress_ratios(config, values["n_layers"])
+    n_hash = _hash_layer_count(config)
+    if n_hash is not None:
+        values["n_hash_layers"] = n_hash
+    values.update(_rope_settings(config))
+    return ModelArgs(**values)
+
+
+def _check_fixed_choices(config: dict[str, Any]) -> None:
+    """Reject configs that describe a model the ds4 layout cannot express (the GGUF hard-codes these)."""
+    kv_heads = config.get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != 1:
+        raise ConfigError(f"num_key_value_heads must be 1 (DeepSeek V4 shares one K=V head), got {kv_heads!r}")
+    scoring = config.get("scoring_func")
+    if scoring is not None and scoring != "sqrtsoftplus":
+        raise ConfigError(f"scoring_func must be 'sqrtsoftplus' (DeepSeek V4 routing), got {scoring!r}")
+    if config.get("norm_topk_prob") is False:
+        raise ConfigError("norm_topk_prob is false; DeepSeek V4 always renormalises the top-k expert weights")
+
+
+def _rope_dim(config: dict[str, Any], head_dim: int) -> int | None:
+    if config.get("qk_rope_head_dim") is not None:
+        return _integer(config, "qk_rope_head_dim")
+    factor = config.get("partial_rotary_factor")
+    if factor is None:
+        return None
+    dims = _number(config, "partial_rotary_factor") * head_dim
+    if dims != int(dims):
+        raise ConfigError(f"partial_rotary_factor {factor} of head_dim {head_dim} is not a whole number of dims")
+    return int(dims)
+
+
+def _compress_ratios(config: dict[str, Any], n_layers: int) -> tuple[int, ...]:
+    """Per-layer ratios of the trunk; the official list's trailing MTP entry is dropped."""
+    if config.get("compress_ratios") is not None:
+        raw = config["compress_ratios"]
+        if not isinstance(raw, list) or not all(_is_int(r) for r in raw):
+            raise ConfigError(f"compress_ratios must be a list of integers, got {raw!r}")
+        ratios = [int(r) for r in raw]
+        source = "compress_ratios"
+    elif config.get("layer_types") is not None:
+        ratios = _ratios_from_layer_types(config)
+        source = "layer_types"
+    else:
+        raise ConfigError("config.json has neither 'compress_ratios' nor 'layer_types': cannot tell the layer kinds")
+    if len(ratios) < n_layers:
+        raise ConfigError(f"{source} has {len(ratios)} entries for num_hidden_layers={n_layers}")
+    return tuple(ratios[:n_layers])
+
+
+def _ratios_from_layer_types(config: dict[str, Any]) -> list[int]:
+    rates = config.get("compress_rates") or {}
+    if not isinstance(rates, dict):
+        raise ConfigError(f"compress_rates must be an object mapping layer type to ratio, got {rates!r}")
+    ratios = []
+    for kind in config["layer_types"]:
+        if kind == _WINDOW_LAYER:
+            ratios.append(0)
+        elif kind in rates and _is_int(rates[kind]):
+            ratios.append(int(rates[kind]))
+        else:
+            known = [_WINDOW_LAYER, *rates]
+            raise ConfigError(f"layer_types entry {kind!r} has no compress ratio (known: {', '.join(known)})")
+    return ratios
+
+
+def _hash_layer_count(config: dict[str, Any]) -> int | None:
+    if config.get("num_hash_layers") is not None:
+        return _integer(config, "num_hash_layers")
+    kinds = config.get("mlp_layer_types")
+    if kinds is None:
+        return None
+    n_hash = sum(kind == _HASH_MLP for kind in kinds)
+    # ds4 (and ModelArgs) only know "the first n layers are hash-routed".
+    if any(kind != _HASH_MLP for kind in kinds[:n_hash]):
+        raise ConfigError(f"mlp_layer_types must start with all the {_HASH_MLP!r} layers, got {kinds}")
+    return n_hash
+
+
+def _rope_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """YaRN settings of the compressed layers, and transformers' per-kind rope bases."""
+    values: dict[str, Any] = {}
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("compress"), dict):
+        main, yarn, where = params.get("main") or {}, params["compress"], "rope_parameters.compress"
+        if main.get("rope_theta") is not None:
+            values["rope_theta"] = _number(main, "rope_theta", "rope_parameters.main.")
+        if yarn.get("rope_theta") is not None:
+            values["compress_rope_theta"] = _number(yarn, "rope_theta", f"{where}.")
+    elif isinstance(params, dict):
+        yarn, where = params, "rope_parameters"  # the flat form transformers also accepts
+    elif isinstance(config.get("rope_scaling"), dict):
+        yarn, where = config["rope_scaling"], "rope_scaling"
+    else:
+        return values
+    kind = yarn.get("rope_type", yarn.get("type"))
+    if kind is not None and kind != "yarn":
+        raise ConfigError(f"{where} has rope type {kind!r}; DeepSeek V4's compressed layers use 'yarn'")
+    for key, (attr, parse) in _YARN_KEYS.items():
+        if yarn.get(key) is not None:
+            values[attr] = (_integer if parse is int else _number)(yarn, key, f"{where}.")
+    return values
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integer(section: dict[str, Any], key: str, where: str = "") -> int:
+    value = section[key]
+    if _is_int(value):
+        return value
+    if isinstance(value, float) and value.is_integer():  # JSON writers sometimes emit 16.0 for 16
+        return int(value)
+    raise ConfigError(f"config.json: {where}{key} must be an integer, got {value!r}")
+
+
+def _number(section: dict[str, Any], key: str, where: str = "") -> float:
+    value = section[key]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise ConfigError(f"config.json: {where}{key} must be a number, got {value!r}")
