@@ -2,7 +2,20 @@
 
 from dwarfstar.prompt.conversation import PromptError
 from dwarfstar.prompt.dsml import ToolCall
+from dwarfstar.prompt.dsml_parser import DsmlParser, ParsedCompletion, ParsedToolCall, parse_completion
 from dwarfstar.prompt.options import DS4, OFFICIAL, RenderOptions
 from dwarfstar.prompt.render import Prompt, render_conversation
 
-__all__ = ["DS4", "OFFICIAL", "Prompt", "PromptError", "RenderOptions", "ToolCall", "render_conversation"]
+__all__ = [
+    "DS4",
+    "OFFICIAL",
+    "DsmlParser",
+    "ParsedCompletion",
+    "ParsedToolCall",
+    "Prompt",
+    "PromptError",
+    "RenderOptions",
+    "ToolCall",
+    "parse_completion",
+    "render_conversation",
+]
