@@ -11,3 +11,7 @@ class ModelFileError(DwarfStarError):
 
 class ConfigError(DwarfStarError):
     """Model hyperparameters are missing or inconsistent."""
+
+
+class ContextOverflowError(DwarfStarError):
+    """More tokens than the context holds: a clear error, never a wrap or a crash."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dwarfstar.backends.reference.model import ContextOverflowError, ReferenceModel
-from dwarfstar.errors import DwarfStarError
+from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 

@@ -15,14 +15,10 @@ from dwarfstar.backends.reference import ops
 from dwarfstar.backends.reference.attention import Attention
 from dwarfstar.backends.reference.moe import MoE
 from dwarfstar.backends.reference.weights import GGUFWeights
-from dwarfstar.errors import DwarfStarError
+from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import LayerState, SequenceState
-
-
-class ContextOverflowError(DwarfStarError):
-    pass
 
 
 class Block:

@@ -1,0 +1,1 @@
+"""The backend-neutral session layer: live sequences, sampling, snapshots and the disk KV cache."""

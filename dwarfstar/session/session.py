@@ -1,0 +1,181 @@
+"""A live sequence on a backend: chunked prefill, decode, sampling, truncation, snapshots.
+
+The session owns a `SequenceState` and never looks inside it beyond the shared layout, so every
+backend gets the same behaviour. Truncation is exact: the state cannot be cut back in place (raw
+window rows and compressor frontiers of the earlier position are gone), so the session keeps cheap
+checkpoints at chunk boundaries and replays from the nearest one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from dwarfstar.errors import ContextOverflowError, DwarfStarError
+from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.state import SequenceState, StateSnapshot
+from dwarfstar.session.sampling import Sampler, SamplingParams
+
+DEFAULT_CHUNK = 4096
+MAX_CHECKPOINTS = 8  # checkpoints share row buffers; each holds only raw windows, frontiers and logits
+
+
+class Backend(Protocol):
+    args: ModelArgs
+
+    def new_state(self) -> SequenceState: ...
+
+    def forward(
+        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
+    ) -> torch.Tensor: ...
+
+
+class Cancelled(DwarfStarError):
+    """The caller asked to stop (client gone, Ctrl+C); the state is consistent at a chunk boundary."""
+
+
+@dataclass
+class PrefillStats:
+    requested: int = 0  # tokens the caller asked to add
+    computed: int = 0  # tokens actually run through the model (replays included)
+
+
+class Session:
+    def __init__(self, backend: Backend, ctx: int | None = None, chunk: int = DEFAULT_CHUNK) -> None:
+        args = backend.args
+        ctx = ctx or args.max_seq_len
+        if not 0 < ctx <= args.max_seq_len:
+            raise DwarfStarError(f"context {ctx} is outside 1..{args.max_seq_len} for this model")
+        if chunk <= 0:
+            raise DwarfStarError(f"prefill chunk must be positive, got {chunk}")
+        self.backend, self.ctx, self.chunk = backend, ctx, chunk
+        self.state = backend.new_state()
+        self.stats = PrefillStats()
+        self._checkpoints: list[StateSnapshot] = []
+
+    # -- read-only views ---------------------------------------------------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        return self.state.tokens
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """Next-token logits after the last token (None before the first token)."""
+        return self.state.logits
+
+    def nbytes(self) -> int:
+        return self.state.nbytes()
+
+    # -- growing the sequence ------------------------------------------------------------------------
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        on_chunk: Callable[[int, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
+        """Append tokens in chunks; returns the next-token logits.
+
+        `on_chunk(done, total)` reports progress; `should_stop()` is polled between chunks and raises
+        `Cancelled`, leaving the session valid at the last completed chunk.
+        """
+        tokens = list(tokens)
+        self._check_room(len(tokens))
+        self.stats.requested += len(tokens)
+        return self._run(tokens, on_chunk, should_stop)
+
+    def _run(self, tokens: list[int], on_chunk=None, should_stop=None) -> torch.Tensor:
+        done = 0
+        while done < len(tokens):
+            if should_stop is not None and should_stop():
+                raise Cancelled(f"stopped after {done} of {len(tokens)} prompt tokens")
+            # chunks end on multiples of the chunk size, so checkpoints land on the same positions
+            # whatever the caller's split
+            end = min(len(tokens), done + self.chunk - self.state.pos % self.chunk)
+            self.backend.forward(tokens[done:end], self.state, all_logits=False)
+            self.stats.computed += end - done
+            done = end
+            if self.state.pos % self.chunk == 0:
+                self._checkpoint()
+            if on_chunk is not None:
+                on_chunk(done, len(tokens))
+        return self.state.logits
+
+    def decode(self, token: int) -> torch.Tensor:
+        """Append one token (typically just sampled); returns the next-token logits."""
+        return self.prefill([token])
+
+    def generate(
+        self,
+        max_tokens: int,
+        sampler: Sampler | SamplingParams,
+        stop_tokens: Sequence[int] = (),
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Iterator[int]:
+        """Sample and append up to max_tokens tokens, yielding each; stops after a stop token.
+
+        A stop token is yielded and kept in the sequence, as a completed assistant turn ends with EOS.
+        """
+        if self.state.logits is None:
+            raise DwarfStarError("nothing to continue: prefill a prompt first")
+        sampler = sampler if isinstance(sampler, Sampler) else Sampler(sampler)
+        stops = set(stop_tokens)
+        for _ in range(min(max_tokens, self.ctx - self.state.pos)):
+            if should_stop is not None and should_stop():
+                return
+            token = sampler(self.state.logits)
+            self.decode(token)
+            yield token
+            if token in stops:
+                return
+
+    # -- going back ------------------------------------------------------------------------------------
+    def truncate(self, n_tokens: int) -> None:
+        """Keep only the first n_tokens, exactly as if the rest had never been seen."""
+        if not 0 <= n_tokens <= len(self.tokens):
+            raise DwarfStarError(f"cannot truncate {len(self.tokens)} tokens to {n_tokens}")
+        if n_tokens == len(self.tokens):
+            return
+        tokens = list(self.tokens[:n_tokens])
+        start = self._best_checkpoint(n_tokens)
+        if start is None:
+            self.state = self.backend.new_state()
+        else:
+            self.state.restore(start)
+        self._checkpoints = [c for c in self._checkpoints if c.pos <= self.state.pos]
+        self._run(tokens[self.state.pos :])
+
+    def snapshot(self) -> StateSnapshot:
+        return self.state.snapshot()
+
+    def restore(self, snap: StateSnapshot) -> None:
+        self.state.restore(snap)
+        self._checkpoints = [c for c in self._checkpoints if c.pos <= snap.pos and self.state.can_restore(c)]
+
+    def reset(self) -> None:
+        self.state = self.backend.new_state()
+        self._checkpoints.clear()
+
+    # -- internals -------------------------------------------------------------------------------------
+    def _check_room(self, n: int) -> None:
+        if self.state.pos + n > self.ctx:
+            raise ContextOverflowError(
+                f"context overflow: {self.state.pos} tokens in the session + {n} new exceed the context of {self.ctx}"
+            )
+
+    def _checkpoint(self) -> None:
+        self._checkpoints.append(self.state.snapshot())
+        if len(self._checkpoints) > MAX_CHECKPOINTS:
+            # keep the first (often the shared system prompt) and the most recent ones
+            del self._checkpoints[1]
+
+    def _best_checkpoint(self, n_tokens: int) -> StateSnapshot | None:
+        prefix = self.tokens[:n_tokens]
+        usable = [
+            c
+            for c in self._checkpoints
+            if c.pos <= n_tokens and c.tokens == prefix[: c.pos] and self.state.can_restore(c)
+        ]
+        return max(usable, key=lambda c: c.pos, default=None)
