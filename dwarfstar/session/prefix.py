@@ -1,0 +1,76 @@
+"""Prefix reuse for stateless clients, which resend the whole conversation on every request.
+
+Two matches, in order (the second is ds4's, DS4_SURFACE §4.3):
+1. token prefix: keep the longest common prefix of the cached and the new prompt tokens;
+2. rendered bytes: if the cached tokens decode to a prefix of the new rendered prompt, keep them
+   all and tokenize only the rest. This catches a generated token whose text the client sends
+   back and which BPE now splits differently ("ab" sampled as "a" + "b"), where the token match
+   would throw away everything after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dwarfstar.prompt.render import Prompt
+from dwarfstar.session.session import Session
+from dwarfstar.tokenizer.specials import Control, PromptPart
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ReusePlan:
+    keep: int  # cached tokens kept
+    suffix: list[int]  # tokens to prefill after them
+    match: str  # "tokens", "text" or "none"
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def parts_after(parts: Sequence[PromptPart], byte_offset: int) -> list[PromptPart] | None:
+    """The prompt parts after `byte_offset` of its UTF-8 text; None if the offset cuts a character
+    or a control token (then the bytes cannot be continued exactly)."""
+    rest: list[PromptPart] = []
+    seen = 0
+    for part in parts:
+        raw = str(part).encode("utf-8")
+        if seen >= byte_offset:
+            rest.append(part)
+        elif seen + len(raw) > byte_offset:
+            if isinstance(part, Control):
+                return None
+            try:
+                rest.append(raw[byte_offset - seen :].decode("utf-8"))
+            except UnicodeDecodeError:
+                return None
+        seen += len(raw)
+    return rest
+
+
+def plan_reuse(cached: Sequence[int], prompt: Prompt, tokenizer: Tokenizer) -> ReusePlan:
+    ids = tokenizer.encode_prompt(prompt.parts)
+    k = common_prefix_len(cached, ids)
+    if k == len(cached):
+        return ReusePlan(k, ids[k:], "tokens" if k else "none")
+    cached_bytes = tokenizer.decode_bytes(cached)
+    if prompt.text.encode("utf-8").startswith(cached_bytes):
+        rest = parts_after(prompt.parts, len(cached_bytes))
+        if rest is not None:
+            return ReusePlan(len(cached), tokenizer.encode_prompt(rest), "text")
+    return ReusePlan(k, ids[k:], "tokens" if k else "none")
+
+
+def prefill_with_reuse(session: Session, prompt: Prompt, tokenizer: Tokenizer, **prefill_kwargs) -> ReusePlan:
+    """Bring the session to the state after `prompt`, running only what the cache cannot supply."""
+    plan = plan_reuse(session.tokens, prompt, tokenizer)
+    session.truncate(plan.keep)
+    if plan.suffix:
+        session.prefill(plan.suffix, **prefill_kwargs)
+    return plan

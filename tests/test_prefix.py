@@ -1,0 +1,80 @@
+"""Prefix reuse: a client resending a longer conversation prefills only the new suffix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.model.loader import open_model
+from dwarfstar.model.synthetic import TINY, write_synthetic_model
+from dwarfstar.prompt.render import Prompt, render_conversation
+from dwarfstar.session.prefix import parts_after, plan_reuse, prefill_with_reuse
+from dwarfstar.session.sampling import GREEDY
+from dwarfstar.session.session import Session
+from dwarfstar.tokenizer.specials import Control
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = tmp_path_factory.mktemp("m") / "tiny.gguf"
+    write_synthetic_model(path, TINY, seed=3)
+    return ReferenceModel(open_model(path), qat=False), Tokenizer.from_gguf(path)
+
+
+def test_second_turn_prefills_only_the_suffix(setup):
+    backend, tok = setup
+    session = Session(backend, ctx=2048, chunk=64)
+    first = [{"role": "user", "content": "Quel ramo del lago di Como, che volge a mezzogiorno"}]
+    plan = prefill_with_reuse(session, render_conversation(first), tok)
+    assert plan.match == "none" and session.stats.computed == len(plan.suffix)
+    first_len = len(session.tokens)
+    reply = tok.decode(list(session.generate(12, GREEDY)))
+    cached_len = len(session.tokens)
+    second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "E poi?"}]
+    prompt = render_conversation(second)
+    before = session.stats.computed
+    plan = prefill_with_reuse(session, prompt, tok)
+    assert plan.keep >= first_len and plan.suffix
+    # cutting back into the cache replays from the last 64-token checkpoint; keeping it all replays nothing
+    replayed = 0 if plan.keep == cached_len else plan.keep - plan.keep // 64 * 64
+    assert session.stats.computed - before == len(plan.suffix) + replayed
+    fresh = Session(backend, ctx=2048, chunk=64)
+    fresh.prefill(tok.encode_prompt(prompt.parts))
+    assert torch.allclose(session.logits, fresh.logits, rtol=0, atol=1e-5 * fresh.logits.abs().max().item())
+
+
+def test_text_match_keeps_tokens_that_bpe_would_merge(setup):
+    backend, tok = setup
+    word = "mezzogiorno"
+    merged = tok.encode(word)
+    split = [i for ch in word for i in tok.encode(ch)]  # same text, one token per letter
+    assert len(split) > len(merged)
+    prompt = Prompt((Control("<｜begin▁of▁sentence｜>"), word + " e poi"))
+    cached = [tok.bos_id, *split]
+    plan = plan_reuse(cached, prompt, tok)
+    assert plan.match == "text" and plan.keep == len(cached)
+    assert plan.suffix == tok.encode(" e poi")
+    # the token match alone would have kept only BOS
+    assert plan_reuse(cached[:2] + [tok.bos_id], prompt, tok).keep == 1
+
+
+def test_shorter_prompt_truncates(setup):
+    backend, tok = setup
+    session = Session(backend, ctx=2048, chunk=64)
+    long = render_conversation([{"role": "user", "content": "uno due tre quattro cinque sei"}])
+    prefill_with_reuse(session, long, tok)
+    short = Prompt(long.parts[:2])
+    plan = prefill_with_reuse(session, short, tok)
+    assert plan.suffix == [] and session.tokens == tok.encode_prompt(short.parts)
+
+
+def test_parts_after_refuses_cuts_inside_characters_and_controls():
+    parts = (Control("<｜User｜>"), "città")
+    user = len("<｜User｜>".encode())
+    assert parts_after(parts, user) == ["città"]
+    assert parts_after(parts, user + 3) == ["tà"]
+    assert parts_after(parts, user + 4) == ["à"]
+    assert parts_after(parts, user + 5) is None  # inside the two bytes of "à"
+    assert parts_after(parts, 2) is None  # inside the control token
