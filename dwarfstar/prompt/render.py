@@ -75,17 +75,20 @@ def _attach_request_extras(turns: list[Turn], tools: Sequence[Any] | None, respo
         turns[0].response_format = response_format
 
 
+def _joins_previous(previous: Turn, turn: Turn, options: RenderOptions) -> bool:
+    is_tool_result = isinstance(turn.pieces[0], ToolResult)
+    if options.merge_user_turns:
+        # Officially a tool result joins any user turn; user text joins one that carries no task.
+        return is_tool_result or previous.task is None
+    # ds4 chains tool results only.
+    return is_tool_result and all(isinstance(piece, ToolResult) for piece in previous.pieces)
+
+
 def _merge_user_turns(turns: list[Turn], options: RenderOptions) -> list[Turn]:
     merged: list[Turn] = []
     for turn in turns:
         previous = merged[-1] if merged and merged[-1].role == "user" else None
-        is_tool_result = turn.role == "user" and isinstance(turn.pieces[0], ToolResult)
-        if previous is not None and options.merge_user_turns:
-            # Officially a tool result joins any user turn; user text joins one that carries no task.
-            joins = is_tool_result or previous.task is None
-        else:
-            joins = previous is not None and is_tool_result and all(isinstance(p, ToolResult) for p in previous.pieces)
-        if joins and turn.role == "user":
+        if turn.role == "user" and previous is not None and _joins_previous(previous, turn, options):
             previous.pieces.extend(turn.pieces)
         else:
             merged.append(turn)
