@@ -84,6 +84,12 @@ def test_special_token_ids(tok: Tokenizer) -> None:
     assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (0, 1, VOCAB_SIZE)
 
 
+def test_shared_fixtures_are_there() -> None:
+    names = {path.name for path in FIXTURE_FILES}
+    assert {"promessi_sposi.txt", "long_context_story_prompt.txt", "long_context_security_prompt.txt"} <= names
+    assert len(FIXTURE_FILES) >= 20
+
+
 @pytest.mark.parametrize("path", FIXTURE_FILES, ids=lambda p: str(p.relative_to(SHARED)))
 def test_fixture_files_match_official(path: Path, tok: Tokenizer, official, official_plain) -> None:
     text = path.read_bytes().decode("utf-8", errors="replace")
