@@ -7,13 +7,17 @@ from pathlib import Path
 from typing import Annotated
 
 import numpy as np
-import torch
 import typer
 
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.cli import app
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.loader import open_model
+from dwarfstar.prompt.render import render_conversation
+from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.session.session import Session
+from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
+from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 BACKENDS = ("auto", "reference")
 
@@ -31,53 +35,53 @@ def parse_token_list(text: str) -> list[int]:
 @app.command()
 def run(
     model: Annotated[Path, typer.Option("-m", "--model", help="GGUF model file.")],
-    prompt_tokens: Annotated[str | None, typer.Option(help="Prompt as token ids: 0,17,42.")] = None,
+    prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="User message (one-shot chat).")] = None,
+    prompt_tokens: Annotated[str | None, typer.Option(help="Raw prompt as token ids: 0,17,42.")] = None,
     dump_logits: Annotated[
         Path | None, typer.Option(help="Write float32 [n_prompt, vocab] logits after each prompt token (.npy), exit.")
     ] = None,
     no_qat_rounding: Annotated[bool, typer.Option(help="Skip the FP8 KV / FP4 indexer rounding.")] = False,
     backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
-    tokens: Annotated[int, typer.Option("-n", "--tokens", help="Tokens to generate.")] = 32,
+    tokens: Annotated[int, typer.Option("-n", "--tokens", help="Tokens to generate.")] = 64,
     temp: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    ctx: Annotated[int | None, typer.Option(help="Context size in tokens (default: the model's).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
+    ctx: Annotated[int, typer.Option(help="Context size in tokens.")] = 32768,
 ) -> None:
     """Run a prompt through the model."""
     if backend not in BACKENDS:
         raise DwarfStarError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if prompt_tokens is None:
-        raise DwarfStarError("give a prompt with --prompt-tokens")
-    ids = parse_token_list(prompt_tokens)
+    if (prompt is None) == (prompt_tokens is None):
+        raise DwarfStarError("give exactly one of -p/--prompt or --prompt-tokens")
     start = time.perf_counter()
-    engine = ReferenceModel(open_model(model), qat=not no_qat_rounding, max_seq_len=ctx)
+    model_file = open_model(model)
+    engine = ReferenceModel(model_file, qat=not no_qat_rounding, max_seq_len=ctx)
+    tokenizer = Tokenizer.from_gguf_metadata(model_file.gguf.metadata)
     load_s = time.perf_counter() - start
-    state = engine.new_state()
-    start = time.perf_counter()
-    logits = engine.forward(ids, state)
-    prefill_s = time.perf_counter() - start
+    if prompt is not None:
+        ids = tokenizer.encode_prompt(render_conversation([{"role": "user", "content": prompt}]).parts)
+    else:
+        ids = parse_token_list(prompt_tokens)
+    session = Session(engine, ctx=min(ctx, engine.args.max_seq_len))
     if dump_logits is not None:
+        logits = engine.forward(ids, session.state, all_logits=True)
         np.save(dump_logits, logits.numpy().astype(np.float32, copy=False))
         typer.echo(f"wrote logits {tuple(logits.shape)} to {dump_logits}", err=True)
         return
-    generator = torch.Generator().manual_seed(seed)
-    out: list[int] = []
     start = time.perf_counter()
-    last = logits[-1]
-    for _ in range(tokens):
-        if temp > 0:
-            token = int(torch.multinomial((last / temp).softmax(-1), 1, generator=generator))
-        else:
-            token = int(last.argmax())
-        out.append(token)
-        typer.echo(token, nl=False)
-        typer.echo(" ", nl=False)
-        if token == engine.args.eos_token_id:
-            break
-        last = engine.forward([token], state)[-1]
+    session.prefill(ids)
+    prefill_s = time.perf_counter() - start
+    detok = IncrementalDetokenizer(tokenizer)
+    start = time.perf_counter()
+    n_out = 0
+    params = SamplingParams(temperature=temp, min_p=0.05 if temp > 0 else 0.0, seed=seed)
+    for token in session.generate(tokens, params, stop_tokens=[engine.args.eos_token_id]):
+        n_out += 1
+        if token != engine.args.eos_token_id:
+            typer.echo(detok.push(token), nl=False)
+    typer.echo(detok.flush())
     decode_s = time.perf_counter() - start
-    typer.echo()
     typer.echo(
-        f"load {load_s:.2f} s | prefill {len(ids)} tok at {len(ids) / prefill_s:.1f} tok/s | "
-        f"decode {len(out)} tok at {len(out) / max(decode_s, 1e-9):.1f} tok/s",
+        f"load {load_s:.2f} s | prefill {len(ids)} tok at {len(ids) / max(prefill_s, 1e-9):.1f} tok/s | "
+        f"decode {n_out} tok at {n_out / max(decode_s, 1e-9):.1f} tok/s",
         err=True,
     )

@@ -21,6 +21,9 @@ from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import LayerState, SequenceState
 
 
+SMALL_MODEL_DIM = 1024
+
+
 class Block:
     def __init__(self, args: ModelArgs, il: int, weights: GGUFWeights, qat: bool) -> None:
         self.args = args
@@ -51,6 +54,10 @@ class ReferenceModel:
     def __init__(self, model: ModelFile, qat: bool = True, max_seq_len: int | None = None) -> None:
         args = model.args
         self.args, self.qat = args, qat
+        if args.dim < SMALL_MODEL_DIM:
+            # Tiny models run hundreds of microsecond-sized ops per token; OpenMP hand-offs between
+            # threads cost more than the math (30x slower decode on 2 busy cores), so use one thread.
+            torch.set_num_threads(1)
         self.max_seq_len = min(max_seq_len or args.max_seq_len, args.max_seq_len)
         weights = GGUFWeights(model.gguf)
         self.embed = weights.dense("token_embd.weight")
