@@ -16,7 +16,7 @@ from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.session.payload import read_payload, write_payload
 from dwarfstar.session.sampling import GREEDY, Sampler, SamplingParams
-from dwarfstar.session.session import Cancelled, Session
+from dwarfstar.session.session import Cancelled, Session, decode_batch
 
 PROMPT = torch.randint(3, 120000, (301,), generator=torch.Generator().manual_seed(11)).tolist()
 TOL = 1e-5  # fp32 noise between differently batched matmuls, relative to the largest logit
@@ -163,3 +163,20 @@ def test_sampler_filters():
     assert draws(SamplingParams(temperature=0.0)) == {0}
     with pytest.raises(DwarfStarError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_batched_decode_matches_separate_sessions(backend):
+    """Three conversations at different positions, stepped together, match stepping each alone."""
+    starts = [17, 120, 250]
+    batched = [Session(backend, ctx=1024, chunk=64) for _ in starts]
+    alone = [Session(backend, ctx=1024, chunk=64) for _ in starts]
+    for n, b, s in zip(starts, batched, alone, strict=True):
+        b.prefill(PROMPT[:n])
+        s.prefill(PROMPT[:n])
+    for step in range(6):
+        tokens = [PROMPT[n + step] for n in starts]
+        decode_batch(batched, tokens)
+        for token, b, s in zip(tokens, batched, alone, strict=True):
+            s.decode(token)
+            assert b.tokens == s.tokens
+            assert close(b.logits, s.logits)

@@ -179,3 +179,23 @@ class Session:
             if c.pos <= n_tokens and c.tokens == prefix[: c.pos] and self.state.can_restore(c)
         ]
         return max(usable, key=lambda c: c.pos, default=None)
+
+
+def decode_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> None:
+    """One decode step for several sessions on the same backend in a single batched pass.
+
+    Each session's `logits` then holds its next-token logits, exactly as `session.decode` would leave it.
+    """
+    if not sessions:
+        return
+    backend = sessions[0].backend
+    if any(s.backend is not backend for s in sessions):
+        raise DwarfStarError("batched sessions must share one backend")
+    for session in sessions:
+        session._check_room(1)
+    backend.forward_batch([[t] for t in tokens], [s.state for s in sessions])
+    for session in sessions:
+        session.stats.requested += 1
+        session.stats.computed += 1
+        if session.state.pos % session.chunk == 0:
+            session._checkpoint()

@@ -20,7 +20,6 @@ from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import LayerState, SequenceState
 
-
 SMALL_MODEL_DIM = 1024
 
 
@@ -42,10 +41,17 @@ class Block:
         self.attn = Attention(args, layer, w, qat)
         self.moe = MoE(args, layer, w, expert)
 
-    def __call__(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, state: LayerState):
+    def __call__(self, h: torch.Tensor, tokens: torch.Tensor, groups: list[tuple[slice, torch.Tensor, LayerState]]):
+        """h holds the rows of several sequences; `groups` gives each one's rows, positions and state.
+
+        Attention runs per sequence (each has its own KV); everything else runs on all rows at once,
+        so batched decode reads each weight once per step instead of once per sequence.
+        """
         a = self.args
         x, post, comb = ops.hc_pre(h, *self.hc_attn, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
-        h = ops.hc_post(self.attn(ops.rms_norm(x, self.attn_norm, a.norm_eps), positions, state), h, post, comb)
+        x = ops.rms_norm(x, self.attn_norm, a.norm_eps)
+        attn = torch.cat([self.attn(x[rows], positions, state) for rows, positions, state in groups])
+        h = ops.hc_post(attn, h, post, comb)
         x, post, comb = ops.hc_pre(h, *self.hc_ffn, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
         return ops.hc_post(self.moe(ops.rms_norm(x, self.ffn_norm, a.norm_eps), tokens), h, post, comb)
 
@@ -69,7 +75,6 @@ class ReferenceModel:
     def new_state(self) -> SequenceState:
         return SequenceState.empty(self.args)
 
-    @torch.inference_mode()
     def forward(
         self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
     ) -> torch.Tensor:
@@ -78,9 +83,52 @@ class ReferenceModel:
         Returns [T, vocab] with `all_logits`, else [1, vocab] for the last token only: prefill skips
         the output head for every other position.
         """
-        tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
-        if tokens.numel() == 0:
-            return torch.empty(0, self.args.vocab_size)
+        return self.forward_batch([tokens], [state], all_logits)[0]
+
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        token_lists: Sequence[Sequence[int] | torch.Tensor],
+        states: Sequence[SequenceState],
+        all_logits: bool = False,
+    ) -> list[torch.Tensor]:
+        """Advance several independent sequences in one pass (continuous batching).
+
+        Each sequence may add any number of tokens; all are validated before any state changes.
+        """
+        a = self.args
+        chunks = [torch.as_tensor(t, dtype=torch.long).flatten() for t in token_lists]
+        for chunk, state in zip(chunks, states, strict=True):
+            self._check(chunk, state)
+        if len({id(s) for s in states}) != len(states):
+            raise DwarfStarError("a sequence state appears twice in one batch")
+        live = [(c, s) for c, s in zip(chunks, states, strict=True) if c.numel()]
+        if not live:
+            return [torch.empty(0, a.vocab_size) for _ in chunks]
+        tokens = torch.cat([c for c, _ in live])
+        bounds, start = [], 0
+        for chunk, state in live:
+            bounds.append((slice(start, start + chunk.numel()), torch.arange(state.pos, state.pos + chunk.numel())))
+            start += chunk.numel()
+        h = self.embed[tokens].unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
+        for il, block in enumerate(self.blocks):
+            groups = [(rows, pos, state.layers[il]) for (rows, pos), (_, state) in zip(bounds, live, strict=True)]
+            h = block(h, tokens, groups)
+        if not all_logits:
+            h = h[[rows.stop - 1 for rows, _ in bounds]]
+        y = ops.hc_head(h, *self.head_hc, a.hc_eps, a.norm_eps)
+        logits = ops.rms_norm(y, self.out_norm, a.norm_eps) @ self.output.T
+        out, row = {}, 0
+        for chunk, state in live:
+            n = chunk.numel() if all_logits else 1
+            out[id(state)] = logits[row : row + n]
+            row += n
+            state.pos += chunk.numel()
+            state.tokens.extend(chunk.tolist())
+            state.logits = out[id(state)][-1].clone()
+        return [out.get(id(s), torch.empty(0, a.vocab_size)) for s in states]
+
+    def _check(self, tokens: torch.Tensor, state: SequenceState) -> None:
         if state.pos + tokens.numel() > self.max_seq_len:
             raise ContextOverflowError(
                 f"context overflow: {state.pos} + {tokens.numel()} tokens exceed the context of {self.max_seq_len}"
@@ -88,16 +136,3 @@ class ReferenceModel:
         bad = tokens[(tokens < 0) | (tokens >= self.args.vocab_size)]
         if bad.numel():
             raise DwarfStarError(f"token id {int(bad[0])} is outside the vocabulary (0..{self.args.vocab_size - 1})")
-        a = self.args
-        positions = torch.arange(state.pos, state.pos + tokens.numel())
-        h = self.embed[tokens].unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
-        for block, layer_state in zip(self.blocks, state.layers, strict=True):
-            h = block(h, tokens, positions, layer_state)
-        if not all_logits:
-            h = h[-1:]
-        y = ops.hc_head(h, *self.head_hc, a.hc_eps, a.norm_eps)
-        logits = ops.rms_norm(y, self.out_norm, a.norm_eps) @ self.output.T
-        state.pos += tokens.numel()
-        state.tokens.extend(tokens.tolist())
-        state.logits = logits[-1].clone()
-        return logits
