@@ -9,17 +9,13 @@ from typing import Annotated
 import numpy as np
 import typer
 
-from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.cli import app
+from dwarfstar.engine import BACKENDS, load_engine
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.model.loader import open_model
 from dwarfstar.prompt.render import render_conversation
 from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
-from dwarfstar.tokenizer.tokenizer import Tokenizer
-
-BACKENDS = ("auto", "reference")
 
 
 def parse_token_list(text: str) -> list[int]:
@@ -48,15 +44,10 @@ def run(
     ctx: Annotated[int, typer.Option(help="Context size in tokens.")] = 32768,
 ) -> None:
     """Run a prompt through the model."""
-    if backend not in BACKENDS:
-        raise DwarfStarError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if (prompt is None) == (prompt_tokens is None):
         raise DwarfStarError("give exactly one of -p/--prompt or --prompt-tokens")
-    start = time.perf_counter()
-    model_file = open_model(model)
-    engine = ReferenceModel(model_file, qat=not no_qat_rounding, max_seq_len=ctx)
-    tokenizer = Tokenizer.from_gguf_metadata(model_file.gguf.metadata)
-    load_s = time.perf_counter() - start
+    loaded = load_engine(model, backend, qat=not no_qat_rounding, ctx=ctx)
+    engine, tokenizer, load_s = loaded.backend, loaded.tokenizer, loaded.load_seconds
     if prompt is not None:
         ids = tokenizer.encode_prompt(render_conversation([{"role": "user", "content": prompt}]).parts)
     else:

@@ -1,0 +1,81 @@
+"""Load a model file onto a compute backend, with its tokenizer: what the CLI and the server share.
+
+Backend choice: `auto` takes MLX on Apple silicon, Triton where a GPU is present, and the torch
+reference otherwise. A backend that cannot run here is a clear error, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.model.loader import ModelFile, open_model
+from dwarfstar.session.session import Backend
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+BACKENDS = ("auto", "reference", "triton", "mlx")
+
+
+@dataclass
+class Engine:
+    model: ModelFile
+    backend: Backend
+    backend_name: str
+    tokenizer: Tokenizer
+    load_seconds: float
+
+
+def available_backends() -> list[str]:
+    names = ["reference"]
+    try:
+        from dwarfstar.backends.triton import triton_available
+
+        if triton_available():
+            names.append("triton")
+    except ImportError:
+        pass
+    try:
+        from dwarfstar.backends.mlx import mlx_available
+
+        if mlx_available():
+            names.append("mlx")
+    except ImportError:
+        pass
+    return names
+
+
+def pick_backend(requested: str) -> str:
+    if requested not in BACKENDS:
+        raise DwarfStarError(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
+    available = available_backends()
+    if requested == "auto":
+        for name in ("mlx", "triton"):
+            if name in available:
+                return name
+        return "reference"
+    if requested not in available:
+        raise DwarfStarError(f"backend {requested!r} cannot run on this machine (available: {', '.join(available)})")
+    return requested
+
+
+def load_engine(path: str | os.PathLike, backend: str = "auto", qat: bool = True, ctx: int | None = None) -> Engine:
+    start = time.perf_counter()
+    name = pick_backend(backend)
+    model = open_model(Path(path))
+    tokenizer = Tokenizer.from_gguf_metadata(model.gguf.metadata)
+    if name == "reference":
+        from dwarfstar.backends.reference.model import ReferenceModel
+
+        impl: Backend = ReferenceModel(model, qat=qat, max_seq_len=ctx)
+    elif name == "triton":
+        from dwarfstar.backends.triton import load_backend
+
+        impl = load_backend(model, qat=qat)
+    else:
+        from dwarfstar.backends.mlx import load_backend
+
+        impl = load_backend(model, qat=qat)
+    return Engine(model, impl, name, tokenizer, time.perf_counter() - start)
