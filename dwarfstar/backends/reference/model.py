@@ -14,7 +14,7 @@ import torch
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.reference.attention import Attention
 from dwarfstar.backends.reference.moe import MoE
-from dwarfstar.backends.reference.weights import GGUFWeights
+from dwarfstar.backends.reference.weights import GGUFWeights, WeightSource
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.loader import ModelFile
@@ -58,14 +58,22 @@ class Block:
 
 class ReferenceModel:
     def __init__(self, model: ModelFile, qat: bool = True, max_seq_len: int | None = None) -> None:
-        args = model.args
+        self._build(model.args, GGUFWeights(model.gguf), qat, max_seq_len)
+
+    @classmethod
+    def from_weights(cls, args: ModelArgs, weights: WeightSource, qat: bool = True) -> ReferenceModel:
+        """A model over any weight source, e.g. trainable parameters (tools/train_nano.py)."""
+        model = cls.__new__(cls)
+        model._build(args, weights, qat, None)
+        return model
+
+    def _build(self, args: ModelArgs, weights: WeightSource, qat: bool, max_seq_len: int | None) -> None:
         self.args, self.qat = args, qat
         if args.dim < SMALL_MODEL_DIM:
             # Tiny models run hundreds of microsecond-sized ops per token; OpenMP hand-offs between
             # threads cost more than the math (30x slower decode on 2 busy cores), so use one thread.
             torch.set_num_threads(1)
         self.max_seq_len = min(max_seq_len or args.max_seq_len, args.max_seq_len)
-        weights = GGUFWeights(model.gguf)
         self.embed = weights.dense("token_embd.weight")
         self.blocks = [Block(args, il, weights, qat) for il in range(args.n_layers)]
         self.head_hc = tuple(weights.dense(f"output_hc_{k}.weight") for k in ("fn", "scale", "base"))
@@ -95,6 +103,24 @@ class ReferenceModel:
         """Advance several independent sequences in one pass (continuous batching).
 
         Each sequence may add any number of tokens; all are validated before any state changes.
+        Returns each sequence's logits, [T, vocab] with `all_logits`, else [1, vocab].
+        """
+        logits = [y @ self.output.T for y in self.hidden_batch(token_lists, states, all_positions=all_logits)]
+        for state, out in zip(states, logits, strict=True):
+            if out.numel():
+                state.logits = out[-1].clone()
+        return logits
+
+    def hidden_batch(
+        self,
+        token_lists: Sequence[Sequence[int] | torch.Tensor],
+        states: Sequence[SequenceState],
+        all_positions: bool = True,
+    ) -> list[torch.Tensor]:
+        """The output-normalised final hidden rows of each sequence, before the output head.
+
+        Runs with autograd when called outside inference mode, so training can put its own head
+        (e.g. restricted to the corpus vocabulary) on top; updates the states like `forward_batch`.
         """
         a = self.args
         chunks = [torch.as_tensor(t, dtype=torch.long).flatten() for t in token_lists]
@@ -104,7 +130,7 @@ class ReferenceModel:
             raise DwarfStarError("a sequence state appears twice in one batch")
         live = [(c, s) for c, s in zip(chunks, states, strict=True) if c.numel()]
         if not live:
-            return [torch.empty(0, a.vocab_size) for _ in chunks]
+            return [torch.empty(0, a.dim) for _ in chunks]
         tokens = torch.cat([c for c, _ in live])
         bounds, start = [], 0
         for chunk, state in live:
@@ -114,19 +140,17 @@ class ReferenceModel:
         for il, block in enumerate(self.blocks):
             groups = [(rows, pos, state.layers[il]) for (rows, pos), (_, state) in zip(bounds, live, strict=True)]
             h = block(h, tokens, groups)
-        if not all_logits:
+        if not all_positions:
             h = h[[rows.stop - 1 for rows, _ in bounds]]
-        y = ops.hc_head(h, *self.head_hc, a.hc_eps, a.norm_eps)
-        logits = ops.rms_norm(y, self.out_norm, a.norm_eps) @ self.output.T
+        y = ops.rms_norm(ops.hc_head(h, *self.head_hc, a.hc_eps, a.norm_eps), self.out_norm, a.norm_eps)
         out, row = {}, 0
         for chunk, state in live:
-            n = chunk.numel() if all_logits else 1
-            out[id(state)] = logits[row : row + n]
+            n = chunk.numel() if all_positions else 1
+            out[id(state)] = y[row : row + n]
             row += n
             state.pos += chunk.numel()
             state.tokens.extend(chunk.tolist())
-            state.logits = out[id(state)][-1].clone()
-        return [out.get(id(s), torch.empty(0, a.vocab_size)) for s in states]
+        return [out.get(id(s), torch.empty(0, a.dim)) for s in states]
 
     def _check(self, tokens: torch.Tensor, state: SequenceState) -> None:
         if state.pos + tokens.numel() > self.max_seq_len:

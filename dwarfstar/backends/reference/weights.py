@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from dwarfstar.gguf.dequant import dequantize
@@ -10,6 +12,14 @@ from dwarfstar.gguf.reader import GGUFFile
 # Routed experts below this many float32 bytes are expanded once; larger sets (Flash-shaped files:
 # 25 GB per layer) are dequantized expert by expert as the router picks them.
 EXPERT_CACHE_BYTES = 1 << 30
+
+
+class WeightSource(Protocol):
+    """Where the model's float32 tensors come from: a GGUF file, or trainable parameters."""
+
+    def dense(self, name: str) -> torch.Tensor: ...
+
+    def expert(self, name: str, e: int) -> torch.Tensor: ...
 
 
 class GGUFWeights:
