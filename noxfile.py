@@ -31,3 +31,13 @@ def parity(session: nox.Session) -> None:
     """
     session.install("-e", ".[dev]", LLAMA_CPP)
     session.run("python", "tools/llama_parity.py", *session.posargs)
+
+
+@nox.session
+def quant_compare(session: nox.Session) -> None:
+    """Our Q8_0/Q4_K/Q2_K/IQ2_XXS error against llama.cpp's llama_model_quantize on the same tensors.
+
+    Same llama-cpp-python build as `parity`; add `-- --speed 1` to time a Flash expert tensor too.
+    """
+    session.install("-e", ".[dev]", LLAMA_CPP)
+    session.run("python", "tools/quant_compare.py", *session.posargs)
