@@ -1,0 +1,117 @@
+"""Fused dequantize + matrix product over GGUF blocks: GEMV for decode, GEMM for prefill.
+
+y[m, n] = sum_k x[m, k] * W[n, k], W read as raw GGUF blocks (F32/F16/BF16/Q8_0/Q2_K/Q4_K/IQ2_XXS)
+and decoded tile by tile in registers (`load_weight_tile`); nothing is ever expanded in memory.
+
+Two inner products share the kernel:
+* GEMV (few rows of x, decode): each program owns BN weight rows, decodes each [BN, BK] tile once and
+  multiplies it with the BM (<= 8) activation rows on the CUDA cores in fp32. This path is bound by
+  memory: each weight byte is read exactly once per token.
+* GEMM (prefill): BM x BN output tiles through `tl.dot`, IEEE fp32 operands for exact results or bf16
+  operands (fp32 accumulation) with `Precision.fast`.
+
+Groups: the grouped low-rank attention output (wo_a) is G independent products, group g taking
+columns [g*K, (g+1)*K) of each x row and weight rows [g*N, (g+1)*N). Split-K: for a few rows over a
+long K (the 24-row mHC mixes over 4*D = 16384) the K range is split over programs, which write
+partial sums [S, M, N] that the consumer kernel adds, so no atomics and deterministic results.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dwarfstar.backends.triton.kernels.quant_blocks import grid_table, load_weight_tile, tile_k
+from dwarfstar.backends.triton.runtime import EXACT, Precision, interpreting, next_pow2
+from dwarfstar.backends.triton.weights import QWeight
+
+GEMV_MAX_ROWS = 8  # above this many activation rows the tensor-core GEMM wins
+
+
+@triton.jit
+def _qmatmul_kernel(
+    x_ptr, w_ptr, grid_ptr, y_ptr,
+    M, N, K, stride_xm, stride_ym, row_bytes, k_per_split,
+    SPLIT: tl.constexpr, WTYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    USE_DOT: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    group = tl.program_id(2) // SPLIT
+    split = tl.program_id(2) % SPLIT
+    rows = pid_n * BN + tl.arange(0, BN)
+    # out-of-range weight rows re-read the last row instead of masking every byte load; never stored
+    row_off = (group * N + tl.minimum(rows, N - 1)).to(tl.int64) * row_bytes
+    ms = pid_m * BM + tl.arange(0, BM)
+    x_rows = x_ptr + ms.to(tl.int64)[:, None] * stride_xm + group * K
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k_start = split * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BK):
+        ks = k0 + tl.arange(0, BK)
+        x = tl.load(x_rows + ks[None, :], mask=(ms < M)[:, None] & (ks < K)[None, :], other=0.0)
+        w = load_weight_tile(w_ptr, grid_ptr, row_off, k0, K, WTYPE, BN, BK)
+        if USE_DOT:
+            if FAST:
+                acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+            else:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    y = y_ptr + split * M * stride_ym + ms.to(tl.int64)[:, None] * stride_ym + (group * N + rows)[None, :]
+    tl.store(y, acc, mask=(ms < M)[:, None] & (rows < N)[None, :])
+
+
+def _config(m: int, n: int, use_dot: bool) -> tuple[int, int, int]:
+    """(BM, BN, num_warps). GPU: enough programs to keep loads in flight; interpreter: few programs."""
+    if interpreting():
+        return (next_pow2(m) if use_dot else 1, min(next_pow2(n), 256 if use_dot else 1024), 1)
+    if not use_dot:
+        bm = next_pow2(m)
+        # the [BM, BN, BK] product lives in registers: keep it near 4K elements per 128 threads
+        return bm, min(next_pow2(n), 8 if bm == 1 else max(2, 16 // bm)), 4
+    return (16 if m <= 16 else 32 if m <= 32 else 64), min(next_pow2(n), 64), 8
+
+
+def qmatmul(
+    x: torch.Tensor,
+    w: QWeight,
+    groups: int = 1,
+    split_k: int = 1,
+    precision: Precision = EXACT,
+    use_dot: bool | None = None,
+) -> torch.Tensor:
+    """x [M, groups * K] float32 (row stride free, unit column stride) times w [groups * N, K]^T.
+
+    Returns [M, groups * N], or partial sums [split_k, M, N] when split_k > 1 (groups must be 1).
+    `use_dot` forces the GEMM (True) or GEMV (False) path; by default it follows the number of rows.
+    """
+    m = x.shape[0]
+    k = w.cols
+    n = w.rows // groups
+    if x.stride(-1) != 1 or x.shape[-1] != groups * k:
+        raise ValueError(f"x must be [M, {groups * k}] with contiguous rows, got {tuple(x.shape)}")
+    if split_k > 1 and groups != 1:
+        raise ValueError("split-K and groups do not combine")
+    if use_dot is None:
+        use_dot = m > GEMV_MAX_ROWS
+    bk = tile_k(w.ggml_type, k)
+    bm, bn, warps = _config(m, n, use_dot)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
+    split = triton.cdiv(k, k_per_split)
+    out_shape = (split, m, groups * n) if split_k > 1 else (m, groups * n)
+    y = torch.empty(out_shape, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), groups * split)
+    _qmatmul_kernel[grid](
+        x, w.data, grid_table(x.device), y, m, n, k, x.stride(0), groups * n, w.row_bytes, k_per_split,
+        SPLIT=split, WTYPE=w.wtype, BM=bm, BN=bn, BK=bk, USE_DOT=use_dot, FAST=precision.fast,
+        num_warps=warps,
+    )  # fmt: skip
+    return y
+
+
+def reference(x: torch.Tensor, w: QWeight, groups: int = 1) -> torch.Tensor:
+    """torch: dequantize the whole weight to float32 and multiply group by group."""
+    dense = w.dequantize().view(groups, w.rows // groups, w.cols)
+    xg = x.reshape(x.shape[0], groups, w.cols)
+    return torch.einsum("mgk,gnk->mgn", xg, dense).reshape(x.shape[0], -1)

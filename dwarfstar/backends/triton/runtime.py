@@ -1,0 +1,58 @@
+"""Where the Triton kernels run and how their launches are sized.
+
+On a GPU (CUDA or ROCm) the kernels compile; on a CPU-only machine they run in Triton's interpreter
+(`TRITON_INTERPRET=1`, read when `@triton.jit` runs, so it must be set before kernel modules are
+imported). The interpreter executes program instances one after another in numpy, so launch sizes
+differ: on a GPU we want many programs to fill the multiprocessors, in the interpreter as few and as
+large as possible. Every kernel wrapper asks this module instead of testing the environment itself.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+# GGML type ids the kernels specialise on (constexpr WTYPE); the values are ggml's enum.
+F32, F16, Q8_0, Q2_K, Q4_K, IQ2_XXS, BF16 = 0, 1, 8, 10, 12, 16, 30
+QK_K = 256  # super-block of the K-quants and IQ2_XXS: the kernels decode one per row per step
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def gpu_present() -> bool:
+    """A CUDA or ROCm device torch can use (ROCm builds also answer through torch.cuda)."""
+    return torch.cuda.is_available()
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if gpu_present() and not interpreting() else torch.device("cpu")
+
+
+def is_rocm() -> bool:
+    return torch.version.hip is not None
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, int(n)))
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How matrix products feed the tensor cores.
+
+    `fast=False` keeps every product in IEEE fp32 (what the parity tests need: the reference is fp32).
+    `fast=True` lets the prefill GEMM and attention tiles use bf16 operands with fp32 accumulation,
+    as the official model does between its ops; decode GEMVs stay fp32 either way (they are bound by
+    memory, not arithmetic).
+    """
+
+    fast: bool = False
+
+
+EXACT = Precision(fast=False)
+FAST = Precision(fast=True)

@@ -1,0 +1,214 @@
+"""Model weights on the device, kept in their GGUF blocks.
+
+Matrices become `QWeight`s: the raw block bytes of the file, one row of blocks per output row,
+uploaded once from the memory map and decoded only inside kernels. Vectors (norms, sinks, biases,
+mHC scales, position biases) and the hash-routing table are small and become float32 / int32
+tensors.
+
+Projections that read the same input are concatenated row-wise per block type at upload
+(`FusedLinear`): attention's q_a, kv, both compressors and the indexer projections all read the
+normalised input, so a decode step reads them in one or two launches instead of seven. Rows of a
+GGUF matrix are independent runs of blocks, so concatenating them is exact.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
+from dwarfstar.gguf.dequant import dequantize
+from dwarfstar.gguf.reader import GGUFFile
+from dwarfstar.model.config import ModelArgs
+
+
+@dataclass
+class QWeight:
+    """A [rows, cols] matrix (or `experts` stacked [rows / experts, cols] matrices) as GGUF blocks."""
+
+    data: torch.Tensor  # uint8 [rows, row_bytes]
+    ggml_type: GGMLType
+    rows: int
+    cols: int
+    experts: int = 1
+
+    @property
+    def wtype(self) -> int:
+        return int(self.ggml_type)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def expert_rows(self) -> int:
+        return self.rows // self.experts
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols] through the torch dequantizer: the reference for kernel tests."""
+        flat = dequantize(self.data.cpu().reshape(-1), self.ggml_type, self.rows * self.cols)
+        return flat.view(self.rows, self.cols).to(self.data.device)
+
+    @classmethod
+    def from_bytes(cls, raw: np.ndarray | torch.Tensor, ggml_type: GGMLType, shape: tuple[int, ...], device) -> QWeight:
+        ggml_type = GGMLType(ggml_type)
+        block, size = BLOCK_GEOMETRY[ggml_type]
+        cols = shape[-1]
+        rows = int(np.prod(shape[:-1], dtype=np.int64))
+        if isinstance(raw, np.ndarray):
+            with warnings.catch_warnings():  # views of the read-only mmap; only ever copied from
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                raw = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
+        data = torch.empty(rows, cols // block * size, dtype=torch.uint8, device=device)
+        data.copy_(raw.reshape(rows, -1))
+        return cls(data, ggml_type, rows, cols, shape[0] if len(shape) == 3 else 1)
+
+    @classmethod
+    def concat(cls, parts: list[QWeight]) -> QWeight:
+        first = parts[0]
+        if any(p.ggml_type != first.ggml_type or p.cols != first.cols for p in parts):
+            raise ValueError("only matrices of one block type and width concatenate")
+        data = torch.cat([p.data for p in parts]) if len(parts) > 1 else first.data
+        return cls(data, first.ggml_type, sum(p.rows for p in parts), first.cols)
+
+
+@dataclass
+class FusedLinear:
+    """Several projections of one input, concatenated per block type.
+
+    `parts` holds one (weight, [(name, rows)]) per block type in the order first seen; the outputs
+    are column slices of each part's product.
+    """
+
+    parts: list[tuple[QWeight, list[tuple[str, int]]]] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, named: list[tuple[str, QWeight]]) -> FusedLinear:
+        by_type: dict[tuple[GGMLType, int], list[tuple[str, QWeight]]] = {}
+        for name, w in named:
+            by_type.setdefault((w.ggml_type, w.cols), []).append((name, w))
+        parts = [(QWeight.concat([w for _, w in ws]), [(n, w.rows) for n, w in ws]) for ws in by_type.values()]
+        return cls(parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w, _ in self.parts)
+
+
+@dataclass
+class LayerWeights:
+    hc_attn: tuple[QWeight, torch.Tensor, torch.Tensor]  # fn [24, 4D] blocks, scale [3], base [24]
+    hc_ffn: tuple[QWeight, torch.Tensor, torch.Tensor]
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    from_a: FusedLinear  # q_a, kv, compressor kv/gate, indexer compressor kv/gate, indexer head weights
+    from_qr: FusedLinear  # q_b, indexer q_b
+    q_norm: torch.Tensor
+    kv_norm: torch.Tensor
+    sinks: torch.Tensor
+    wo_a: QWeight  # [groups * o_lora, heads_per_group * head_dim], used block-diagonally
+    wo_b: QWeight
+    compressor: tuple[torch.Tensor, torch.Tensor] | None  # ape [ratio, width], norm [head_dim]
+    indexer: tuple[torch.Tensor, torch.Tensor] | None  # ape, norm [index_head_dim]
+    router: QWeight
+    router_bias: torch.Tensor | None
+    tid2eid: torch.Tensor | None  # int32 [vocab, k] for hash-routed layers
+    gate_exps: QWeight
+    up_exps: QWeight
+    down_exps: QWeight
+    gate_shared: QWeight
+    up_shared: QWeight
+    down_shared: QWeight
+
+
+@dataclass
+class ModelWeights:
+    args: ModelArgs
+    embed: QWeight
+    head_hc: tuple[QWeight, torch.Tensor, torch.Tensor]
+    out_norm: torch.Tensor
+    output: QWeight
+    layers: list[LayerWeights]
+
+    @property
+    def nbytes(self) -> int:
+        total = self.embed.nbytes + self.output.nbytes
+        for lw in self.layers:
+            for value in vars(lw).values():
+                items = value if isinstance(value, tuple) else (value,)
+                for item in items:
+                    if isinstance(item, (QWeight, FusedLinear)):
+                        total += item.nbytes
+                    elif isinstance(item, torch.Tensor):
+                        total += item.numel() * item.element_size()
+        return total
+
+
+def upload(gguf: GGUFFile, args: ModelArgs, device: torch.device | str) -> ModelWeights:
+    """Copy every tensor of the file to `device` once, matrices as blocks, vectors as float32."""
+
+    def q(name: str) -> QWeight:
+        info = gguf.tensors[name]
+        return QWeight.from_bytes(gguf.raw(name), info.ggml_type, info.shape, device)
+
+    def v(name: str) -> torch.Tensor:
+        return gguf.tensor(name).to(device)
+
+    def hc(prefix: str) -> tuple[QWeight, torch.Tensor, torch.Tensor]:
+        return q(f"{prefix}fn.weight"), v(f"{prefix}scale.weight"), v(f"{prefix}base.weight")
+
+    layers = []
+    for layer in args.layers:
+        p = f"blk.{layer.index}."
+        from_a = [("q_a", q(f"{p}attn_q_a.weight")), ("kv", q(f"{p}attn_kv.weight"))]
+        from_qr = [("q_b", q(f"{p}attn_q_b.weight"))]
+        compressor = indexer = None
+        if layer.compress_ratio:
+            from_a += [(f"comp_{k}", q(f"{p}attn_compressor_{k}.weight")) for k in ("kv", "gate")]
+            compressor = (v(f"{p}attn_compressor_ape.weight"), v(f"{p}attn_compressor_norm.weight"))
+        if layer.has_indexer:
+            from_a += [(f"idx_{k}", q(f"{p}indexer_compressor_{k}.weight")) for k in ("kv", "gate")]
+            from_a.append(("idx_heads", q(f"{p}indexer.proj.weight")))
+            from_qr.append(("idx_q", q(f"{p}indexer.attn_q_b.weight")))
+            indexer = (v(f"{p}indexer_compressor_ape.weight"), v(f"{p}indexer_compressor_norm.weight"))
+        layers.append(
+            LayerWeights(
+                hc_attn=hc(f"{p}hc_attn_"),
+                hc_ffn=hc(f"{p}hc_ffn_"),
+                attn_norm=v(f"{p}attn_norm.weight"),
+                ffn_norm=v(f"{p}ffn_norm.weight"),
+                from_a=FusedLinear.build(from_a),
+                from_qr=FusedLinear.build(from_qr),
+                q_norm=v(f"{p}attn_q_a_norm.weight"),
+                kv_norm=v(f"{p}attn_kv_a_norm.weight"),
+                sinks=v(f"{p}attn_sinks.weight"),
+                wo_a=q(f"{p}attn_output_a.weight"),
+                wo_b=q(f"{p}attn_output_b.weight"),
+                compressor=compressor,
+                indexer=indexer,
+                router=q(f"{p}ffn_gate_inp.weight"),
+                router_bias=None if layer.hash_routed else v(f"{p}exp_probs_b.bias"),
+                tid2eid=v(f"{p}ffn_gate_tid2eid.weight").to(torch.int32) if layer.hash_routed else None,
+                gate_exps=q(f"{p}ffn_gate_exps.weight"),
+                up_exps=q(f"{p}ffn_up_exps.weight"),
+                down_exps=q(f"{p}ffn_down_exps.weight"),
+                gate_shared=q(f"{p}ffn_gate_shexp.weight"),
+                up_shared=q(f"{p}ffn_up_shexp.weight"),
+                down_shared=q(f"{p}ffn_down_shexp.weight"),
+            )
+        )
+    return ModelWeights(
+        args=args,
+        embed=q("token_embd.weight"),
+        head_hc=hc("output_hc_"),
+        out_norm=v("output_norm.weight"),
+        output=q("output.weight"),
+        layers=layers,
+    )
