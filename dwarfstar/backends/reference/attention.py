@@ -17,6 +17,9 @@ from dwarfstar.model.config import LayerSpec, ModelArgs, yarn_inv_freq
 from dwarfstar.model.state import CompressorState, LayerState
 
 WeightGetter = Callable[[str], torch.Tensor]
+# observer(layer index, attention mass on the compressed rows [T, H, N], indexer scores [T, N] with -inf
+# where a row is not visible): lets training fit the indexer to the attention (tools/train_nano.py).
+IndexerObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 class Compressor:
@@ -93,6 +96,7 @@ class Attention:
             )
             self.wq_index = w("indexer.attn_q_b.weight")
             self.w_index_heads = w("indexer.proj.weight")
+        self.observer: IndexerObserver | None = None
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         cos, sin = ops.rope_angles(positions, self.inv_freq)
@@ -119,7 +123,7 @@ class Attention:
         raw_pos = torch.arange(int(positions[0]) - state.raw_kv.shape[0], int(positions[-1]) + 1)
         age = positions[:, None] - raw_pos[None, :]
         mask = (age >= 0) & (age < args.window)
-        keys = raw
+        keys, index_scores = raw, None
         if self.compressor is not None:
             self.compressor(a, positions, state.compressor)
             rows = state.compressor.rows.rows
@@ -127,17 +131,24 @@ class Attention:
             visible = torch.arange(rows.shape[0])[None, :] < ((positions + 1) // self.layer.compress_ratio)[:, None]
             if self.indexer is not None:
                 self.indexer(a, positions, state.indexer)
-                visible = self._select(qr, a, positions, state.indexer.rows.rows, visible)
+                index_scores = self._index_scores(qr, a, positions, state.indexer.rows.rows, visible)
+                k = min(self.args.index_topk, index_scores.shape[1])
+                if k:  # keep the top-k visible compressed rows per query (all if fewer)
+                    chosen = torch.zeros_like(visible).scatter_(1, index_scores.topk(k, dim=1).indices, True)
+                    visible = chosen & visible
             keys = torch.cat((raw, rows))
             mask = torch.cat((mask, visible), dim=1)
         state.raw_kv = raw[-args.window :]
 
-        o = ops.sink_attention(q, keys, mask, self.sinks)
+        probs = ops.sink_attention_probs(q, keys, mask, self.sinks)
+        if self.observer is not None and index_scores is not None:
+            self.observer(self.layer.index, probs[..., raw.shape[0] :], index_scores)
+        o = torch.einsum("thn,nd->thd", probs, keys)
         o = self._rope(o, positions, inverse=True)
         grouped = torch.einsum("tgi,goi->tgo", o.reshape(T, args.o_groups, -1), self.wo_a)
         return grouped.flatten(1) @ self.wo_b.T
 
-    def _select(
+    def _index_scores(
         self,
         qr: torch.Tensor,
         a: torch.Tensor,
@@ -145,17 +156,11 @@ class Attention:
         index_rows: torch.Tensor,
         visible: torch.Tensor,
     ) -> torch.Tensor:
-        """Lightning indexer: keep the top-k visible compressed rows per query (all if fewer)."""
+        """Lightning indexer scores [T, N] of the compressed rows, -inf where a row is not visible."""
         args, T = self.args, a.shape[0]
         q = self._rope((qr @ self.wq_index.T).view(T, args.index_n_heads, args.index_head_dim), positions)
         if self.qat:
             q = ops.indexer_round(q)
         head_weights = (a @ self.w_index_heads.T) * (args.index_head_dim**-0.5 * args.index_n_heads**-0.5)
         per_head = torch.einsum("thd,nd->thn", q, index_rows).relu()
-        scores = (per_head * head_weights[..., None]).sum(1).masked_fill(~visible, float("-inf"))
-        k = min(args.index_topk, scores.shape[1])
-        if k == 0:
-            return visible
-        chosen = torch.zeros_like(visible)
-        chosen.scatter_(1, scores.topk(k, dim=1).indices, True)
-        return chosen & visible
+        return (per_head * head_weights[..., None]).sum(1).masked_fill(~visible, float("-inf"))

@@ -12,6 +12,9 @@ from dwarfstar.model.config import LayerSpec, ModelArgs
 
 WeightGetter = Callable[[str], torch.Tensor]
 ExpertGetter = Callable[[str, int], torch.Tensor]
+# observer(layer index, chosen expert ids [T, k]): lets training balance the experts' load by moving
+# the router bias (tools/train_nano.py).
+RouteObserver = Callable[[int, torch.Tensor], None]
 
 
 def route(
@@ -36,11 +39,14 @@ class MoE:
         self.bias = None if layer.hash_routed else w("exp_probs_b.bias")
         self.tid2eid = w("ffn_gate_tid2eid.weight").long() if layer.hash_routed else None
         self.shared = (w("ffn_gate_shexp.weight"), w("ffn_up_shexp.weight"), w("ffn_down_shexp.weight"))
+        self.observer: RouteObserver | None = None
 
     def __call__(self, f: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         args = self.args
         fixed = self.tid2eid[tokens] if self.tid2eid is not None else None
         ids, weights = route(f @ self.router.T, args.n_activated_experts, args.route_scale, self.bias, fixed)
+        if self.observer is not None:
+            self.observer(self.layer.index, ids)
         out = torch.zeros_like(f)
         for e in ids.unique().tolist():
             rows, slots = (ids == e).nonzero(as_tuple=True)

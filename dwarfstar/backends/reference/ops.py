@@ -176,13 +176,17 @@ def hc_head(
     return (weights.unsqueeze(-1) * h).sum(1)
 
 
-def sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """Softmax attention with a per-head sink logit that only enlarges the denominator.
+def sink_attention_probs(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention weights [T, H, N] with a per-head sink logit that only enlarges the denominator.
 
     q [T, H, D], kv [N, D] (one shared head, K = V), mask [T, N] bool (True = visible), sinks [H].
     """
     scores = torch.einsum("thd,nd->thn", q, kv) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     sink = sinks.view(1, -1, 1).expand(scores.shape[0], -1, 1)
-    probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
-    return torch.einsum("thn,nd->thd", probs, kv)
+    return torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax attention with sinks (see `sink_attention_probs`): output [T, H, D]."""
+    return torch.einsum("thn,nd->thd", sink_attention_probs(q, kv, mask, sinks), kv)
