@@ -14,8 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.cli import _register_commands, app
 from dwarfstar.gguf.constants import GGMLType
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.loader import open_model
@@ -465,7 +467,7 @@ def test_options_are_validated():
         KVCacheOptions(budget_bytes=0)
 
 
-# -- accounting -------------------------------------------------------------------------------------
+# -- accounting and the bench -------------------------------------------------------------------------
 def test_state_footprint_matches_the_spec():
     flash = state_footprint(ModelArgs.flash())
     assert flash.kv_elements_per_token == 3440 and flash.kv_bytes_per_token(2) == 6880
@@ -474,3 +476,12 @@ def test_state_footprint_matches_the_spec():
     assert state_footprint(ModelArgs.pro()).kv_elements_per_token == 4924
     tiny = state_footprint(TINY)
     assert tiny.payload_bytes(256) == payload_nbytes(TINY, 256)
+
+
+def test_bench_kv_prints_the_figures(tmp_path):
+    _register_commands()
+    result = CliRunner().invoke(app, ["bench", "kv", "--tokens", "3000", "--repeat", "1", "--dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    for figure in ("6,880", "13,764", "23,995,788", "save MB/s", "load MB/s"):
+        assert figure in result.output
+    assert list(tmp_path.iterdir()) == []
