@@ -85,3 +85,13 @@ def test_foreign_payloads_are_refused_with_the_reason(tiny_state):
         read_payload(data, TINY, 2048, 64)
     with pytest.raises(PayloadError, match="another model: head_dim"):
         read_payload(data, TINY.with_(head_dim=64), 4096, 64)
+
+
+def test_short_state_without_compressed_rows_round_trips(tiny_state):
+    """Under 128 tokens the ratio-128 layers have no rows yet; the payload still holds the frontier."""
+    model, _ = tiny_state
+    state = model.new_state()
+    model.forward(list(range(1000, 1010)), state, all_logits=False)
+    data = encode(state)
+    assert len(data) == payload_nbytes(TINY, 10)
+    assert encode(read_payload(data, TINY, 4096, 64)) == data

@@ -105,7 +105,8 @@ def payload_nbytes(args: ModelArgs, n_tokens: int) -> int:
 
 
 def _f32(t: torch.Tensor) -> memoryview:
-    return memoryview(np.ascontiguousarray(t.detach().to("cpu", torch.float32).numpy())).cast("B")
+    # flatten first: memoryview cannot cast a multi-dimensional view with a zero dimension (no rows yet)
+    return memoryview(np.ascontiguousarray(t.detach().to("cpu", torch.float32).numpy()).reshape(-1)).cast("B")
 
 
 def _pieces(state: SequenceState, header: PayloadHeader) -> Iterator[bytes | memoryview]:
