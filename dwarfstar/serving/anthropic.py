@@ -1,0 +1,263 @@
+"""`POST /v1/messages` (Anthropic Messages, for Claude Code) and `/v1/messages/count_tokens`.
+
+Content blocks map to the renderer's OpenAI-style messages by their own `type` (DS4_SURFACE §2.3):
+`text` is content, `thinking` is reasoning, `tool_use` a tool call, `tool_result` a tool message;
+images and documents are dropped. System text blocks are joined by newlines, without the
+`x-anthropic-` blocks Claude Code adds, whose text changes every request and would defeat prefix
+reuse. Errors use Anthropic's shape. Usage follows ds4: `cache_read_input_tokens` counts reused
+prompt tokens, `cache_creation_input_tokens` prefilled ones, so `input_tokens` is 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from dwarfstar.prompt.dsml_parser import ContentDelta, ReasoningDelta, ToolArgumentsDelta
+from dwarfstar.serving.controls import (
+    effort_value,
+    output_budget,
+    resolve_thinking,
+    sampling_params,
+    stop_strings,
+    thinking_switch,
+)
+from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body, json_response
+from dwarfstar.serving.fields import Fields, read_json_object
+from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolCallOpened, Usage, new_id
+from dwarfstar.serving.service import Knobs, Service
+from dwarfstar.serving.sse import event_stream, final_event, sse
+
+STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
+BILLING_PREFIX = "x-anthropic-"
+
+
+def _text_of(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(
+            block["text"]
+            for block in content
+            if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)
+        )
+    raise bad_request(f"{where} must be a string or an array of content blocks", param=where)
+
+
+def system_text(fields: Fields) -> str:
+    system = fields.raw("system")
+    if system is None or isinstance(system, str):
+        return system or ""
+    if not isinstance(system, list):
+        raise bad_request("system must be a string or an array of text blocks", param="system")
+    texts = [
+        block["text"]
+        for block in system
+        if isinstance(block, dict)
+        and isinstance(block.get("text"), str)
+        and not block["text"].startswith(BILLING_PREFIX)
+    ]
+    return "\n".join(texts)
+
+
+def anthropic_messages(raw: list[Any], system: str) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    for n, message in enumerate(raw):
+        where = f"messages[{n}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise bad_request(f'{where} must be an object with role "user" or "assistant"', param=where)
+        content = message.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise bad_request(f"{where}.content must be a string or an array of content blocks", f"{where}.content")
+        texts, reasoning, calls, results = [], [], [], 0
+        for m, block in enumerate(blocks):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "thinking" and isinstance(block.get("thinking"), str):
+                reasoning.append(block["thinking"])
+            elif kind == "tool_use":
+                if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
+                    raise bad_request(f"{where}.content[{m}]: tool_use needs a name and an input object", where)
+                function = {"name": block["name"], "arguments": block.get("input") or {}}
+                calls.append({"id": block.get("id") or "", "type": "function", "function": function})
+            elif kind == "tool_result":
+                result = _text_of(block.get("content"), f"{where}.content[{m}].content")
+                messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": result})
+                results += 1
+        if message["role"] == "user":
+            if texts or not results:  # a message of tool results alone is no user turn
+                messages.append({"role": "user", "content": "".join(texts)})
+        else:
+            out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+            if reasoning:
+                out["reasoning_content"] = "".join(reasoning)
+            if calls:
+                out["tool_calls"] = calls
+            messages.append(out)
+    return messages
+
+
+def anthropic_tools(fields: Fields) -> list[dict[str, Any]]:
+    tools = fields.array("tools") or []
+    for n, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad_request(f"tools[{n}] must be an object with a name", param=f"tools[{n}]")
+        if tool.get("input_schema") is not None and not isinstance(tool["input_schema"], dict):
+            raise bad_request(f"tools[{n}].input_schema must be an object", param=f"tools[{n}].input_schema")
+    choice = fields.mapping("tool_choice")
+    if choice is not None and choice.raw("type") == "none":
+        return []
+    return tools
+
+
+def _conversation(fields: Fields, service: Service) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]], Any]:
+    model = service.models.resolve(fields.text("model"))
+    raw = fields.required("messages", fields.array("messages"))
+    messages = anthropic_messages(raw, system_text(fields))
+    tools = anthropic_tools(fields)
+    config = fields.mapping("output_config")
+    effort = effort_value(config, "effort") if config is not None else None
+    thinking = resolve_thinking(
+        default=service.config.think_by_default,
+        model=model,
+        switch=thinking_switch(fields, "thinking"),
+        effort=effort or effort_value(fields, "reasoning_effort"),
+        ctx=service.config.ctx,
+    )
+    return model, messages, tools, thinking
+
+
+async def messages_endpoint(request: Request) -> Response:
+    service: Service = request.app.state.service
+    fields = await read_json_object(request)
+    model, messages, tools, thinking = _conversation(fields, service)
+    knobs = Knobs(
+        api="messages",
+        param="messages",
+        sampling=sampling_params(fields, thinking, min_p=False, seed=False),
+        max_tokens=output_budget(fields, "max_tokens"),
+        stop=stop_strings(fields, "stop_sequences"),
+        tool_id_prefix="toolu_",
+        body=fields.body,
+    )
+    job = await service.submit_chat(messages, tools=tools, thinking=thinking, knobs=knobs)
+    message_id = new_id("msg_")
+    if fields.flag("stream"):
+        return event_stream(job, MessageStream(message_id, model), service.config.keepalive_seconds)
+    outcome = await final_event(job, request)
+    if isinstance(outcome, Failed):
+        raise ApiError(500, outcome.message)
+    return json_response(message_object(message_id, model, outcome))
+
+
+async def count_tokens(request: Request) -> Response:
+    service: Service = request.app.state.service
+    fields = await read_json_object(request)
+    _, messages, tools, thinking = _conversation(fields, service)
+    return json_response({"input_tokens": await service.count_chat_tokens(messages, tools=tools, thinking=thinking)})
+
+
+def usage_object(usage: Usage, output_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": 0,
+        "output_tokens": output_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": usage.prefilled_tokens,
+    }
+
+
+def message_object(message_id: str, model: str, done: Finished) -> dict[str, Any]:
+    completion = done.completion
+    content: list[dict[str, Any]] = []
+    if completion.reasoning:
+        content.append({"type": "thinking", "thinking": completion.reasoning, "signature": message_id})
+    if completion.content or not completion.tool_calls:
+        content.append({"type": "text", "text": completion.content})
+    for call, call_id in zip(completion.tool_calls, done.tool_ids, strict=True):
+        content.append({"type": "tool_use", "id": call_id, "name": call.name, "input": call.arguments})
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": "stop_sequence" if done.stop_sequence else STOP_REASONS[done.reason],
+        "stop_sequence": done.stop_sequence,
+        "usage": usage_object(done.usage, done.usage.completion_tokens),
+    }
+
+
+class MessageStream:
+    """Turns job events into Anthropic's `message_start … message_stop` SSE events."""
+
+    def __init__(self, message_id: str, model: str) -> None:
+        self.id, self.model = message_id, model
+        self.index = -1
+        self.open: str | None = None  # type of the block being streamed
+        self.saw_text = self.saw_tool = False
+
+    @staticmethod
+    def _event(name: str, **body: Any) -> bytes:
+        return sse({"type": name, **body}, name)
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        out = self._close()
+        self.index += 1
+        self.open = block["type"]
+        return out + [self._event("content_block_start", index=self.index, content_block=block)]
+
+    def _close(self) -> list[bytes]:
+        out = []
+        if self.open == "thinking":
+            delta = {"type": "signature_delta", "signature": self.id}
+            out.append(self._event("content_block_delta", index=self.index, delta=delta))
+        if self.open is not None:
+            out.append(self._event("content_block_stop", index=self.index))
+        self.open = None
+        return out
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return self._event("content_block_delta", index=self.index, delta=delta)
+
+    def __call__(self, event: Event) -> list[bytes]:
+        if isinstance(event, Started):
+            message = {
+                "id": self.id,
+                "type": "message",
+                "role": "assistant",
+                "model": self.model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": usage_object(event.usage, 0),
+            }
+            return [self._event("message_start", message=message)]
+        if isinstance(event, ReasoningDelta):
+            out = [] if self.open == "thinking" else self._start({"type": "thinking", "thinking": "", "signature": ""})
+            return out + [self._delta({"type": "thinking_delta", "thinking": event.text})]
+        if isinstance(event, ContentDelta):
+            self.saw_text = True
+            out = [] if self.open == "text" else self._start({"type": "text", "text": ""})
+            return out + [self._delta({"type": "text_delta", "text": event.text})]
+        if isinstance(event, ToolCallOpened):
+            self.saw_tool = True
+            return self._start({"type": "tool_use", "id": event.id, "name": event.name, "input": {}})
+        if isinstance(event, ToolArgumentsDelta):
+            return [self._delta({"type": "input_json_delta", "partial_json": event.text})]
+        if isinstance(event, Finished):
+            out = self._close()
+            if not self.saw_text and not self.saw_tool:
+                out += self._start({"type": "text", "text": ""}) + self._close()
+            reason = "stop_sequence" if event.stop_sequence else STOP_REASONS[event.reason]
+            delta = {"stop_reason": reason, "stop_sequence": event.stop_sequence}
+            out.append(
+                self._event("message_delta", delta=delta, usage={"output_tokens": event.usage.completion_tokens})
+            )
+            return out + [self._event("message_stop")]
+        if isinstance(event, Failed):
+            return [sse(error_body(ApiError(500, event.message), Dialect.ANTHROPIC), "error")]
+        return []

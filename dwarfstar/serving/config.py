@@ -1,0 +1,35 @@
+"""Server settings: what `dwarfstar serve` options set, in one place the other modules read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dwarfstar.prompt.options import DS4, OFFICIAL, RenderOptions
+
+TEMPLATES: dict[str, RenderOptions] = {"ds4": DS4, "official": OFFICIAL}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    ctx: int = 32768
+    api_key: str | None = None  # None: no authentication
+    cors: bool = False
+    think_by_default: bool = True  # `--nothink` turns it off; requests still choose per call
+    # ds4's server layout keeps KV files and exact DSML replay compatible with ds4; "official"
+    # renders what the official encoder writes.
+    template: str = "ds4"
+    max_sessions: int = 4  # live KV sessions (each with its own state), and so concurrent requests
+    kv_memory_mb: int = 0  # byte budget of the live sessions; 0: only max_sessions limits them
+    max_queue: int = 32  # requests waiting for a session; one more is answered 429
+    prefill_chunk: int = 4096
+    keepalive_seconds: float = 5.0  # SSE comment this often while nothing else is sent
+    tool_memory_ids: int = 100_000  # tool-call ids whose sampled DSML is kept for exact replay
+    trace: Path | None = None
+    kv_disk_dir: Path | None = None
+    kv_disk_space_mb: int = 4096
+    model_aliases: tuple[str, ...] = field(default=())  # extra accepted `model` names, fnmatch patterns
+
+    @property
+    def render_options(self) -> RenderOptions:
+        return TEMPLATES[self.template]

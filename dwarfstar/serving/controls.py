@@ -1,0 +1,130 @@
+"""Request knobs every API shares: thinking mode, sampling, stop strings and the output budget.
+
+Thinking (DS4_SURFACE §2.4). The server default is on unless `--nothink`. The model name
+`deepseek-chat` turns it off and `deepseek-reasoner` on; an explicit switch (`thinking`, `think`,
+`enable_thinking`) wins over both. Effort `none` turns it off; `max` asks for Think-Max, which needs
+a context of at least 393,216 tokens and is otherwise plain thinking, as in ds4; the other effort
+names (`xhigh`, `high`, `medium`, `low`, `minimal`) mean ordinary thinking but do not switch it on,
+so a `--nothink` server stays without thinking for clients that always send an effort (Codex).
+
+Sampling (§2.5): temperature 1, top_p 1, min_p 0.05, top_k 0 unless given. While thinking, ds4 resets
+all four to those defaults, since the model reasons badly at low temperature; so greedy, reproducible
+output needs thinking off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.serving.errors import ApiError, bad_request
+from dwarfstar.serving.fields import Fields
+from dwarfstar.session.sampling import SamplingParams
+
+THINK_MAX_MIN_CTX = 393_216
+EFFORTS = ("max", "xhigh", "high", "medium", "low", "minimal", "none")
+NO_THINKING_MODEL = "deepseek-chat"
+THINKING_MODEL = "deepseek-reasoner"
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class Thinking:
+    enabled: bool
+    effort: str | None = None  # "max" for Think-Max, None for ordinary thinking
+
+    @property
+    def renderer_effort(self) -> str | None:
+        return self.effort if self.enabled else None
+
+
+def thinking_switch(fields: Fields, key: str) -> bool | None:
+    """`true`/`false`, or an object `{"type": "enabled"|"adaptive"|"disabled"}`; None when absent."""
+    value = fields.raw(key)
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, dict):
+        kind = value.get("type")
+        if kind in ("enabled", "adaptive"):
+            return True
+        if kind == "disabled":
+            return False
+    raise bad_request(f'{fields.where}{key} must be a boolean or {{"type": "enabled"|"disabled"}}', param=key)
+
+
+def effort_value(fields: Fields, key: str) -> str | None:
+    effort = fields.text(key)
+    if effort is not None and effort not in EFFORTS:
+        raise bad_request(f"{fields.where}{key} must be one of {', '.join(EFFORTS)}, got {effort!r}", param=key)
+    return effort
+
+
+def resolve_thinking(*, default: bool, model: str, switch: bool | None, effort: str | None, ctx: int) -> Thinking:
+    enabled = default
+    if model == NO_THINKING_MODEL:
+        enabled = False
+    elif model == THINKING_MODEL:
+        enabled = True
+    if switch is not None:
+        enabled = switch
+    if effort == "none":
+        enabled = False
+    think_max = effort == "max" and ctx >= THINK_MAX_MIN_CTX
+    return Thinking(enabled, "max" if enabled and think_max else None)
+
+
+def sampling_params(
+    fields: Fields, thinking: Thinking, *, top_k: bool = True, min_p: bool = True, seed: bool = True
+) -> SamplingParams:
+    """The request's sampling knobs (those its API has), checked; ds4's thinking-mode reset applied."""
+    temperature = fields.number("temperature", low=0.0, high=2.0)
+    top_p = fields.number("top_p", low=0.0, high=1.0)
+    k = fields.integer("top_k", low=-1) if top_k else None  # -1 is "no cap" for some clients
+    p = fields.number("min_p", low=0.0, high=1.0) if min_p else None
+    s = fields.integer("seed", low=-(2**63), high=2**63 - 1) if seed else None
+    seed_value = s if s is not None and s > 0 else None  # ds4: a seed <= 0 means a fresh one
+    if thinking.enabled:
+        return SamplingParams(seed=seed_value)
+    defaults = SamplingParams()
+    try:
+        return SamplingParams(
+            temperature=defaults.temperature if temperature is None else temperature,
+            top_k=max(0, k) if k is not None else defaults.top_k,
+            top_p=defaults.top_p if top_p is None else top_p,
+            min_p=defaults.min_p if p is None else p,
+            seed=seed_value,
+        )
+    except DwarfStarError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def stop_strings(fields: Fields, key: str) -> tuple[str, ...]:
+    value = fields.raw(key)
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise bad_request(f"{fields.where}{key} must be a string or an array of strings", param=key)
+    if len(value) > MAX_STOP_STRINGS:
+        raise bad_request(f"{fields.where}{key} holds more than {MAX_STOP_STRINGS} strings", param=key)
+    return tuple(s for s in value if s)
+
+
+def output_budget(fields: Fields, *keys: str) -> int | None:
+    """The first of `keys` that is set; a value over the free context is clamped later, as ds4 does."""
+    for key in keys:
+        value = fields.integer(key, low=1)
+        if value is not None:
+            return value
+    return None
+
+
+def context_overflow(n_prompt: int, ctx: int, param: str) -> ApiError:
+    return ApiError(
+        400,
+        f"Prompt has {n_prompt} tokens, but the configured context size is {ctx} tokens",
+        param=param,
+        code="context_length_exceeded",
+        extra={"n_prompt_tokens": n_prompt, "n_ctx": ctx},
+    )

@@ -1,0 +1,114 @@
+"""Reading a JSON request body with its types checked: a wrong type is a 400 that names the field.
+
+JSON `null` counts as absent, as ds4 reads it. Unknown keys are ignored, so newer clients that
+send fields this server does not use still work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+
+from dwarfstar.serving.errors import ApiError, bad_request
+
+MAX_BODY_BYTES = 64 * 1024 * 1024  # ds4's limit; a conversation near 1M tokens fits
+
+
+async def read_json_object(request: Request) -> Fields:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"invalid JSON request: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("invalid JSON request: the body must be a JSON object")
+    return Fields(body)
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")
+
+
+class Fields:
+    """Typed getters over one JSON object; `where` prefixes field names in messages (`tools[0].`)."""
+
+    def __init__(self, body: Mapping[str, Any], where: str = "") -> None:
+        self.body, self.where = body, where
+
+    def raw(self, key: str) -> Any:
+        return self.body.get(key)
+
+    def has(self, key: str) -> bool:
+        return self.body.get(key) is not None
+
+    def _wrong(self, key: str, expected: str) -> ApiError:
+        value = self.body[key]
+        name = self.where + key
+        return bad_request(f"{name} must be {expected}, got {_type_name(value)}", param=name)
+
+    def text(self, key: str, default: str | None = None) -> str | None:
+        value = self.body.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise self._wrong(key, "a string")
+        return value
+
+    def flag(self, key: str, default: bool | None = None) -> bool | None:
+        value = self.body.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self._wrong(key, "a boolean")
+        return value
+
+    def integer(self, key: str, *, low: int, high: int = 2**31 - 1) -> int | None:
+        value = self.body.get(key)
+        if value is None:
+            return None
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self._wrong(key, "an integer")
+        if not low <= value <= high:
+            name = self.where + key
+            raise bad_request(f"{name} must be between {low} and {high}, got {value}", param=name)
+        return value
+
+    def number(self, key: str, *, low: float, high: float) -> float | None:
+        value = self.body.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self._wrong(key, "a number")
+        if not low <= value <= high:
+            name = self.where + key
+            raise bad_request(f"{name} must be between {low} and {high}, got {value}", param=name)
+        return float(value)
+
+    def array(self, key: str) -> list[Any] | None:
+        value = self.body.get(key)
+        if value is not None and not isinstance(value, list):
+            raise self._wrong(key, "an array")
+        return value
+
+    def mapping(self, key: str) -> Fields | None:
+        value = self.body.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise self._wrong(key, "an object")
+        return Fields(value, f"{self.where}{key}.")
+
+    def required(self, key: str, value: Any) -> Any:
+        if value is None:
+            raise bad_request(f"missing {self.where}{key}", param=self.where + key)
+        return value

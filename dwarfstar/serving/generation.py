@@ -1,0 +1,81 @@
+"""The contract between the API dialects and the scheduler: one generation request and its events.
+
+A dialect turns its request into a `GenerationRequest`; the scheduler answers with `Started`, then
+text and tool-call events as tokens arrive, then exactly one `Finished` or `Failed`.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from dwarfstar.prompt.dsml_parser import ContentDelta, ParsedCompletion, ReasoningDelta, ToolArgumentsDelta, ToolCallEnd
+from dwarfstar.prompt.render import Prompt
+from dwarfstar.session.sampling import SamplingParams
+
+
+@dataclass
+class GenerationRequest:
+    prompt: Prompt | None  # None for raw token prompts: prefix reuse then matches tokens only
+    prompt_ids: list[int]
+    max_tokens: int  # already clamped to the free context
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    parse: bool = True  # split reasoning, content and DSML tool calls; False: raw text (completions)
+    thinking: bool = False  # the prompt opened `<think>`: the output starts with reasoning
+    tools: bool = False  # tools were offered: a closed DSML block ends the turn
+    escaped_dsml: bool = False
+    tool_id_prefix: str = "call_"
+    api: str = ""  # for the trace and metrics
+    trace_body: Any = None  # the client's request, written to the trace
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from a live session or the disk cache
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(frozen=True)
+class Started:
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class ToolCallOpened:
+    """A tool call's name is known (its arguments follow as `ToolArgumentsDelta`)."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # stop | length | tool_calls
+    usage: Usage
+    completion: ParsedCompletion | None  # None when the request asked for raw text
+    text: str  # the generated text, raw (stop string cut off)
+    tool_ids: list[str] = field(default_factory=list)
+    stop_sequence: str | None = None  # the client's stop string that ended the text
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+    usage: Usage
+
+
+Event = Started | ReasoningDelta | ContentDelta | ToolCallOpened | ToolArgumentsDelta | ToolCallEnd | Finished | Failed
+
+
+def new_id(prefix: str, hex_chars: int = 24) -> str:
+    """A response or item id in the style of its API (`chatcmpl-…`, `resp_…`, `msg_…`)."""
+    return prefix + secrets.token_hex(hex_chars // 2)

@@ -1,0 +1,70 @@
+"""Server counters and gauges, served at `/metrics` in the Prometheus text format (version 0.0.4)."""
+
+from __future__ import annotations
+
+import threading
+
+# name: (type, help). Every metric the server reports is declared here, so /metrics lists them all
+# from the start (at 0) and a typo in a name fails loudly instead of creating a new series.
+METRICS: dict[str, tuple[str, str]] = {
+    "dwarfstar_requests_total": ("counter", "Generation requests accepted, by API."),
+    "dwarfstar_rejected_requests_total": ("counter", "Requests answered with an error status, by status."),
+    "dwarfstar_finished_requests_total": ("counter", "Generations finished, by finish reason."),
+    "dwarfstar_cancelled_requests_total": ("counter", "Generations stopped because the client left, by phase."),
+    "dwarfstar_failed_requests_total": ("counter", "Generations that failed inside the engine."),
+    "dwarfstar_prompt_tokens_total": ("counter", "Prompt tokens of admitted requests."),
+    "dwarfstar_cached_tokens_total": ("counter", "Prompt tokens reused from a live session or the disk cache."),
+    "dwarfstar_prefill_tokens_total": ("counter", "Prompt tokens run through the model."),
+    "dwarfstar_generated_tokens_total": ("counter", "Tokens generated."),
+    "dwarfstar_prefill_seconds_total": ("counter", "Time spent in prefill."),
+    "dwarfstar_decode_seconds_total": ("counter", "Time spent in decode steps."),
+    "dwarfstar_prefill_tokens_per_second": ("gauge", "Prefill rate of the last prompt slice."),
+    "dwarfstar_decode_tokens_per_second": ("gauge", "Aggregate decode rate over all requests of the last step."),
+    "dwarfstar_decode_steps_total": ("counter", "Batched decode steps."),
+    "dwarfstar_batched_decode_steps_total": ("counter", "Decode steps that advanced more than one request."),
+    "dwarfstar_decode_batch_max": ("gauge", "Largest number of requests advanced in one decode step."),
+    "dwarfstar_cache_lookups_total": ("counter", "Where each request's session came from (memory, fork, disk, cold)."),
+    "dwarfstar_queue_depth": ("gauge", "Requests waiting for a session."),
+    "dwarfstar_active_requests": ("gauge", "Requests holding a session (prefill or decode)."),
+    "dwarfstar_live_sessions": ("gauge", "Live KV sessions in memory."),
+    "dwarfstar_session_bytes": ("gauge", "Bytes held by the live KV sessions."),
+}
+
+Labels = tuple[tuple[str, str], ...]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, dict[Labels, float]] = {name: {} for name in METRICS}
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        with self._lock:
+            series = self._values[name]
+            series[key] = series.get(key, 0.0) + float(value)
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        with self._lock:
+            self._values[name][tuple(sorted(labels.items()))] = float(value)
+
+    def raise_to(self, name: str, value: float) -> None:
+        with self._lock:
+            series = self._values[name]
+            series[()] = max(series.get((), 0.0), float(value))
+
+    def value(self, name: str, **labels: str) -> float:
+        with self._lock:
+            return self._values[name].get(tuple(sorted(labels.items())), 0.0)
+
+    def render(self) -> str:
+        lines: list[str] = []
+        with self._lock:
+            for name, (kind, text) in METRICS.items():
+                lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+                series = self._values[name] or {(): 0.0}
+                for labels, value in sorted(series.items()):
+                    label_text = ",".join(f'{k}="{v}"' for k, v in labels)
+                    number = str(int(value)) if value.is_integer() else repr(value)
+                    lines.append(f"{name}{{{label_text}}} {number}" if labels else f"{name} {number}")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,215 @@
+"""`POST /v1/chat/completions`: OpenAI Chat Completions with DeepSeek's `reasoning_content`.
+
+Messages are read as ds4 reads them (DS4_SURFACE §2.3): a missing role is `user`, `function` is
+`tool`, unknown roles and non-text content parts (images) are dropped. Streaming follows §2.7: a
+role chunk, reasoning and content deltas, tool-call headers as soon as a call's name is known and
+its arguments as they are generated, a finish chunk, an optional usage chunk, `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from dwarfstar.prompt.dsml_parser import ContentDelta, ReasoningDelta, ToolArgumentsDelta
+from dwarfstar.serving.controls import (
+    effort_value,
+    output_budget,
+    resolve_thinking,
+    sampling_params,
+    stop_strings,
+    thinking_switch,
+)
+from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body, json_response
+from dwarfstar.serving.fields import Fields, read_json_object
+from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolCallOpened, Usage, new_id
+from dwarfstar.serving.service import Knobs, Service
+from dwarfstar.serving.sse import event_stream, final_event, sse
+
+ROLES = {"system": "system", "developer": "developer", "user": "user", "assistant": "assistant"}
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def content_text(content: Any, where: str) -> str:
+    """String content, or the text parts of a list joined with nothing between (others dropped)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str)
+        )
+    raise bad_request(f"{where}.content must be a string, an array of parts or null", param=f"{where}.content")
+
+
+def openai_messages(raw: list[Any]) -> list[dict[str, Any]]:
+    messages = []
+    for n, message in enumerate(raw):
+        where = f"messages[{n}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"{where} must be an object", param=where)
+        role = message.get("role") or "user"
+        text = content_text(message.get("content"), where)
+        if role in ("tool", "function"):
+            messages.append({"role": "tool", "tool_call_id": message.get("tool_call_id") or "", "content": text})
+        elif role in ROLES:
+            out: dict[str, Any] = {"role": role, "content": text}
+            if role == "assistant":
+                for key in ("reasoning_content", "tool_calls"):
+                    if message.get(key) is not None:
+                        out[key] = message[key]
+            messages.append(out)
+    return messages
+
+
+def openai_tools(fields: Fields) -> list[dict[str, Any]]:
+    """`tools` checked: each `{"type": "function", "function": {"name", "parameters"?...}}`."""
+    tools = fields.array("tools") or []
+    for n, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(function, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(function.get("name"), str)
+            or not function["name"]
+        ):
+            raise bad_request(f'tools[{n}] must be {{"type": "function", "function": {{"name": ...}}}}', f"tools[{n}]")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise bad_request(f"tools[{n}].function.parameters must be an object", f"tools[{n}].function.parameters")
+    if fields.raw("tool_choice") == "none":
+        return []  # ds4: no tools section at all
+    return tools
+
+
+def usage_object(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": usage.prefilled_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+    }
+
+
+def failure_error(message: str) -> ApiError:
+    return ApiError(500, message, code="server_error")
+
+
+def stream_error(message: str) -> list[bytes]:
+    """The end of an OpenAI stream whose generation failed (the SDKs raise `APIError` on it)."""
+    return [sse(error_body(failure_error(message), Dialect.OPENAI), "error"), b"data: [DONE]\n\n"]
+
+
+async def chat_completions(request: Request) -> Response:
+    service: Service = request.app.state.service
+    fields = await read_json_object(request)
+    model = service.models.resolve(fields.text("model"))
+    raw_messages = fields.required("messages", fields.array("messages"))
+    messages = openai_messages(raw_messages)
+    if (fields.integer("n", low=1) or 1) != 1:
+        raise bad_request("n must be 1: one choice per request", param="n")
+    tools = openai_tools(fields)
+    kwargs = fields.mapping("chat_template_kwargs")
+    switch = thinking_switch(fields, "thinking")
+    for source, key in ((fields, "think"), (fields, "enable_thinking"), (kwargs, "enable_thinking")):
+        if source is not None and source.flag(key) is not None:
+            switch = source.flag(key)
+    thinking = resolve_thinking(
+        default=service.config.think_by_default,
+        model=model,
+        switch=switch,
+        effort=effort_value(fields, "reasoning_effort"),
+        ctx=service.config.ctx,
+    )
+    knobs = Knobs(
+        api="chat",
+        param="messages",
+        sampling=sampling_params(fields, thinking),
+        max_tokens=output_budget(fields, "max_completion_tokens", "max_tokens"),
+        stop=stop_strings(fields, "stop"),
+        body=fields.body,
+    )
+    stream = bool(fields.flag("stream"))
+    options = fields.mapping("stream_options")
+    include_usage = bool(options and options.flag("include_usage"))
+    response_format = fields.mapping("response_format")
+    job = await service.submit_chat(
+        messages,
+        tools=tools,
+        thinking=thinking,
+        knobs=knobs,
+        response_format=response_format.body if response_format and response_format.raw("type") != "text" else None,
+    )
+    if stream:
+        writer = ChatStream(new_id("chatcmpl-"), model, include_usage)
+        return event_stream(job, writer, service.config.keepalive_seconds)
+    outcome = await final_event(job, request)
+    if isinstance(outcome, Failed):
+        raise failure_error(outcome.message)
+    return json_response(chat_completion(new_id("chatcmpl-"), model, outcome))
+
+
+def chat_completion(response_id: str, model: str, done: Finished) -> dict[str, Any]:
+    completion = done.completion
+    message: dict[str, Any] = {"role": "assistant", "content": completion.content}
+    if completion.reasoning:
+        message["reasoning_content"] = completion.reasoning
+    if completion.tool_calls:
+        message["tool_calls"] = [
+            call.to_openai(i) for call, i in zip(completion.tool_calls, done.tool_ids, strict=True)
+        ]
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": done.reason}],
+        "usage": usage_object(done.usage),
+    }
+
+
+class ChatStream:
+    """Turns job events into `chat.completion.chunk` SSE lines."""
+
+    def __init__(self, response_id: str, model: str, include_usage: bool) -> None:
+        self.id, self.model, self.include_usage = response_id, model, include_usage
+        self.created = int(time.time())
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return sse(self._envelope([choice]))
+
+    def _envelope(self, choices: list[Any]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def __call__(self, event: Event) -> list[bytes]:
+        if isinstance(event, Started):
+            return [self._chunk({"role": "assistant", "content": ""})]
+        if isinstance(event, ReasoningDelta):
+            return [self._chunk({"reasoning_content": event.text})]
+        if isinstance(event, ContentDelta):
+            return [self._chunk({"content": event.text})]
+        if isinstance(event, ToolCallOpened):
+            call = {"index": event.index, "id": event.id, "type": "function"}
+            call["function"] = {"name": event.name, "arguments": ""}
+            return [self._chunk({"tool_calls": [call]})]
+        if isinstance(event, ToolArgumentsDelta):
+            return [self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})]
+        if isinstance(event, Finished):
+            out = [self._chunk({}, event.reason)]
+            if self.include_usage:
+                out.append(sse({**self._envelope([]), "usage": usage_object(event.usage)}))
+            return out + [b"data: [DONE]\n\n"]
+        if isinstance(event, Failed):
+            return stream_error(event.message)
+        return []

@@ -1,0 +1,133 @@
+"""`POST /v1/completions`: OpenAI legacy completions, chat-wrapped as ds4 does, or raw.
+
+Chat-wrapped (default, DS4_SURFACE §3.5): the prompt becomes the user turn after the fixed system
+prompt "You are a helpful assistant", thinking as for chat; the output is the raw generated text
+(reasoning and `</think>` included). Raw (`"raw": true`, a DwarfStar extension asked for in ds4 #61):
+the prompt text is tokenized as is, control-token strings matched as control tokens and no BOS
+added, or given directly as an array of token ids; the client owns the template (FIM, base-model
+use, its own chat format).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from dwarfstar.prompt.dsml_parser import ContentDelta
+from dwarfstar.prompt.render import render_conversation
+from dwarfstar.serving.controls import (
+    Thinking,
+    effort_value,
+    output_budget,
+    resolve_thinking,
+    sampling_params,
+    stop_strings,
+    thinking_switch,
+)
+from dwarfstar.serving.errors import bad_request, json_response
+from dwarfstar.serving.fields import Fields, read_json_object
+from dwarfstar.serving.generation import Event, Failed, Finished, new_id
+from dwarfstar.serving.openai_chat import failure_error, stream_error, usage_object
+from dwarfstar.serving.service import Knobs, Service
+from dwarfstar.serving.sse import event_stream, final_event, sse
+
+WRAP_SYSTEM = "You are a helpful assistant"
+
+
+def _prompt(fields: Fields, vocab_size: int) -> str | list[int]:
+    prompt = fields.required("prompt", fields.raw("prompt"))
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # one prompt in a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"prompt token {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
+        return prompt
+    raise bad_request("prompt must be a string, an array of token ids, or an array holding one of them", "prompt")
+
+
+async def completions(request: Request) -> Response:
+    service: Service = request.app.state.service
+    fields = await read_json_object(request)
+    model = service.models.resolve(fields.text("model"))
+    prompt = _prompt(fields, service.tokenizer.vocab_size)
+    raw = bool(fields.flag("raw"))
+    if (fields.integer("n", low=1) or 1) != 1:
+        raise bad_request("n must be 1: one choice per request", param="n")
+    if isinstance(prompt, list) and not raw:
+        raise bad_request('a prompt of token ids needs "raw": true (it is not wrapped in the chat template)', "prompt")
+    switch = thinking_switch(fields, "thinking")
+    if fields.flag("think") is not None:
+        switch = fields.flag("think")
+    thinking = resolve_thinking(
+        default=service.config.think_by_default,
+        model=model,
+        switch=switch,
+        effort=effort_value(fields, "reasoning_effort"),
+        ctx=service.config.ctx,
+    )
+    knobs = Knobs(
+        api="completions",
+        param="prompt",
+        sampling=sampling_params(fields, Thinking(False) if raw else thinking),
+        max_tokens=output_budget(fields, "max_tokens"),
+        stop=stop_strings(fields, "stop"),
+        body=fields.body,
+    )
+    if raw:
+        ids = prompt if isinstance(prompt, list) else None
+        text = prompt if isinstance(prompt, str) else None
+        job = await service.submit_tokens(None, ids, raw_text=text, knobs=knobs)
+    else:
+        wrapped = render_conversation(
+            [{"role": "system", "content": WRAP_SYSTEM}, {"role": "user", "content": prompt}],
+            thinking=thinking.enabled,
+            reasoning_effort=thinking.renderer_effort,
+            options=service.options,
+        )
+        job = await service.submit_tokens(wrapped, None, raw_text=None, knobs=knobs)
+    options = fields.mapping("stream_options")
+    response_id = new_id("cmpl-")
+    if fields.flag("stream"):
+        writer = CompletionStream(response_id, model, bool(options and options.flag("include_usage")))
+        return event_stream(job, writer, service.config.keepalive_seconds)
+    outcome = await final_event(job, request)
+    if isinstance(outcome, Failed):
+        raise failure_error(outcome.message)
+    return json_response(
+        {
+            "id": response_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [{"text": outcome.text, "index": 0, "logprobs": None, "finish_reason": outcome.reason}],
+            "usage": usage_object(outcome.usage),
+        }
+    )
+
+
+class CompletionStream:
+    def __init__(self, response_id: str, model: str, include_usage: bool) -> None:
+        self.id, self.model, self.include_usage = response_id, model, include_usage
+        self.created = int(time.time())
+
+    def _chunk(self, choices: list[Any], **extra: Any) -> bytes:
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
+        return sse({**body, "choices": choices, **extra})
+
+    def __call__(self, event: Event) -> list[bytes]:
+        if isinstance(event, ContentDelta):
+            return [self._chunk([{"text": event.text, "index": 0, "logprobs": None, "finish_reason": None}])]
+        if isinstance(event, Finished):
+            out = [self._chunk([{"text": "", "index": 0, "logprobs": None, "finish_reason": event.reason}])]
+            if self.include_usage:
+                out.append(self._chunk([], usage=usage_object(event.usage)))
+            return out + [b"data: [DONE]\n\n"]
+        if isinstance(event, Failed):
+            return stream_error(event.message)
+        return []

@@ -1,0 +1,115 @@
+"""Generated tokens to client events: UTF-8-safe text, stop strings, then reasoning/content/tool calls.
+
+Stop strings are matched on the raw generated text (as ds4 does), before the DSML parser, so a stop
+string cuts wherever it appears. Text that might be the start of a stop string is held back until
+the next token decides; the parser holds back partial tags the same way. Tool calls get their ids
+here, when their name is known, so streamed and final ids agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dwarfstar.prompt.dsml_parser import (
+    ContentDelta,
+    DsmlParser,
+    ParsedCompletion,
+    ParseProblem,
+    ToolCallStart,
+    held_suffix,
+)
+from dwarfstar.serving.generation import Event, GenerationRequest, ToolCallOpened, new_id
+from dwarfstar.tokenizer import specials
+from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+
+class StopScanner:
+    """Passes text through until the first stop string, holding back what could start one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.matched: str | None = None  # the stop string that ended the text
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        if self.matched is not None:
+            return ""
+        buf = self._held + text
+        found = [(at, stop) for stop in self.stops if (at := buf.find(stop)) >= 0]
+        if found:
+            at, self.matched = min(found)
+            self._held = ""
+            return buf[:at]
+        keep = held_suffix(buf, self.stops) if self.stops else 0
+        self._held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+class OutputDecoder:
+    def __init__(self, tokenizer: Tokenizer, request: GenerationRequest) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stops = StopScanner(request.stop)
+        self._parser = DsmlParser(thinking=request.thinking, escaped=request.escaped_dsml) if request.parse else None
+        self._id_prefix = request.tool_id_prefix
+        self._think_end = tokenizer.token_id(specials.THINK_END)
+        self._reasoning = request.thinking
+        self._text: list[str] = []
+        self.tool_ids: list[str] = []
+        self.problems: list[str] = []
+        self.reasoning_tokens = 0
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string generated, which ends the turn; None while there is none."""
+        return self._stops.matched
+
+    @property
+    def tool_block_closed(self) -> bool:
+        return self._parser is not None and self._parser.completion.raw_dsml is not None
+
+    @property
+    def completion(self) -> ParsedCompletion | None:
+        return None if self._parser is None else self._parser.completion
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    def push(self, token: int) -> list[Event]:
+        if self._reasoning:
+            self.reasoning_tokens += 1
+            self._reasoning = token != self._think_end
+        return self._feed(self._stops.feed(self._detok.push(token)))
+
+    def finish(self) -> list[Event]:
+        events = self._feed(self._stops.feed(self._detok.flush()))
+        events += self._feed(self._stops.flush())
+        if self._parser is not None:
+            events += self._convert(self._parser.finish())
+        return events
+
+    def _feed(self, text: str) -> list[Event]:
+        if not text:
+            return []
+        self._text.append(text)
+        if self._parser is None:
+            return [ContentDelta(text)]
+        return self._convert(self._parser.feed(text))
+
+    def _convert(self, events: list) -> list[Event]:
+        out: list[Event] = []
+        for event in events:
+            if isinstance(event, ToolCallStart):
+                call_id = new_id(self._id_prefix, 32)
+                self.tool_ids.append(call_id)
+                out.append(ToolCallOpened(event.index, call_id, event.name))
+            elif isinstance(event, ParseProblem):
+                self.problems.append(event.message)
+            else:
+                out.append(event)
+        return out

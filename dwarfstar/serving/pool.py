@@ -1,0 +1,175 @@
+"""Live KV sessions: several conversations kept in memory at once, each request routed to the right one.
+
+ds4 keeps one live KV, so an agent and its subagents evict each other on every turn (ds4 #209). Here
+up to `max_sessions` sessions live within a byte budget. A request takes, in order:
+1. the idle session whose last prompt it extends (the same conversation, one turn later);
+2. with room for another session: a copy of the idle session sharing the longest prefix, when that
+   prefix is at least one prefill chunk (the copy replays at most a chunk from its checkpoint, so it
+   beats a cold prefill), else a new empty session;
+3. without room: the idle session sharing the longest prefix, or the least recently used one.
+Other conversations are never touched while there is room. A session given up (case 3, or the
+memory budget) is saved to the disk cache first when there is one, and a request that finds no
+useful prefix in memory looks there before prefilling cold.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from dwarfstar.model.state import SequenceState
+from dwarfstar.prompt.render import Prompt
+from dwarfstar.session.prefix import ReusePlan, common_prefix_len, plan_reuse
+from dwarfstar.session.session import Backend, Session
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+
+class DiskCache(Protocol):
+    """What the pool needs from a disk KV cache."""
+
+    def save_evicted(self, session: Session) -> None: ...
+
+    def restore(self, prompt: Prompt) -> SequenceState | None: ...
+
+
+@dataclass(eq=False)
+class LiveSession:
+    session: Session
+    busy: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+    prompt_len: int = 0  # tokens of the last prompt run here: a request extending it continues this conversation
+
+    def continued_by(self, shared: int) -> bool:
+        # A thinking prompt ends in `<think>`, which the next turn renders as `</think>` once the
+        # reasoning is dropped; everything before that last token is still the same conversation.
+        return self.prompt_len > 0 and shared >= self.prompt_len - 1
+
+
+@dataclass
+class Lease:
+    live: LiveSession
+    plan: ReusePlan
+    source: str  # memory | fork | disk | cold
+
+    @property
+    def session(self) -> Session:
+        return self.live.session
+
+
+class SessionPool:
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        *,
+        ctx: int,
+        chunk: int,
+        max_sessions: int,
+        memory_bytes: int = 0,
+        disk: DiskCache | None = None,
+    ) -> None:
+        self.backend, self.tokenizer = backend, tokenizer
+        self.ctx, self.chunk = ctx, chunk
+        self.max_sessions, self.memory_bytes, self.disk = max_sessions, memory_bytes, disk
+        self.live: list[LiveSession] = []
+        self.forks = self.evictions = 0
+
+    def nbytes(self) -> int:
+        return sum(live.session.nbytes() for live in self.live)
+
+    def _has_room(self) -> bool:
+        if len(self.live) >= self.max_sessions:
+            return False
+        return self.memory_bytes <= 0 or self.nbytes() < self.memory_bytes
+
+    def acquire(self, prompt: Prompt | None, ids: list[int]) -> Lease | None:
+        """A session brought to the state after `ids`' longest cached prefix; None while all are busy."""
+        idle = [live for live in self.live if not live.busy]
+        shared = {id(live): common_prefix_len(live.session.tokens, ids) for live in idle}
+        best = max(idle, key=lambda live: (shared[id(live)], live.last_used), default=None)
+        best_shared = shared[id(best)] if best is not None else 0
+        if best is not None and best.continued_by(best_shared):
+            live, source = best, "memory"
+        elif self._has_room():
+            if best is not None and best_shared >= self.chunk:
+                live, source = self._fork(best), "fork"
+            else:
+                live, source = self._new(), "cold"
+        elif idle:
+            if best_shared > 0:
+                live, source = best, "memory"
+            else:
+                live, source = min(idle, key=lambda live: live.last_used), "cold"
+            self._save(live)  # another conversation's tail is about to be overwritten
+        else:
+            return None
+        if source == "cold" and prompt is not None and self._restore(live, prompt):
+            source = "disk"
+        plan = self._plan(live.session, prompt, ids)
+        live.busy = True
+        try:
+            live.session.truncate(plan.keep)
+        except BaseException:
+            self.discard(live)
+            raise
+        return Lease(live, plan, source)
+
+    def release(self, lease: Lease, prompt_len: int) -> None:
+        lease.live.busy = False
+        lease.live.last_used = time.monotonic()
+        lease.live.prompt_len = prompt_len
+        self._enforce_budget(keep=lease.live)
+
+    def discard(self, live: LiveSession) -> None:
+        """Drop a session whose state can no longer be trusted (a failure in the middle of a step)."""
+        if live in self.live:
+            self.live.remove(live)
+
+    def _plan(self, session: Session, prompt: Prompt | None, ids: list[int]) -> ReusePlan:
+        keep = common_prefix_len(session.tokens, ids)
+        if keep == len(session.tokens) or prompt is None:
+            return ReusePlan(keep, ids[keep:], "tokens" if keep else "none")
+        # the cached tokens may spell the prompt's text with other token boundaries (sampled text)
+        return plan_reuse(session.tokens, prompt, self.tokenizer)
+
+    def _new(self) -> LiveSession:
+        live = LiveSession(Session(self.backend, ctx=self.ctx, chunk=self.chunk))
+        self.live.append(live)
+        return live
+
+    def _fork(self, source: LiveSession) -> LiveSession:
+        # A deep copy keeps the state and its chunk checkpoints consistent with each other; the
+        # backend (weights) is shared, not copied.
+        session = copy.deepcopy(source.session, memo={id(self.backend): self.backend})
+        live = LiveSession(session)
+        self.live.append(live)
+        self.forks += 1
+        return live
+
+    def _save(self, live: LiveSession) -> None:
+        if self.disk is not None and live.session.tokens:
+            self.disk.save_evicted(live.session)
+        self.evictions += 1
+
+    def _restore(self, live: LiveSession, prompt: Prompt) -> bool:
+        if self.disk is None:
+            return False
+        state = self.disk.restore(prompt)
+        if state is None:
+            return False
+        live.session.reset()
+        live.session.state = state
+        return True
+
+    def _enforce_budget(self, keep: LiveSession) -> None:
+        if self.memory_bytes <= 0:
+            return
+        while self.nbytes() > self.memory_bytes:
+            idle = [live for live in self.live if not live.busy and live is not keep]
+            if not idle:
+                return
+            victim = min(idle, key=lambda live: live.last_used)
+            self._save(victim)
+            self.live.remove(victim)

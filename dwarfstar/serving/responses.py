@@ -1,0 +1,377 @@
+"""`POST /v1/responses`: the OpenAI Responses API, as Codex uses it (stateless, full input replayed).
+
+Input items (DS4_SURFACE §2.3): `message` (text blocks; images dropped), `function_call` (merged into
+the assistant turn right before it), `function_call_output`, and `reasoning`, whose text goes to the
+next assistant turn. Only `function` tools are offered to the model; hosted tool types are ignored.
+`previous_response_id` and `conversation` are refused: this server keeps no response store.
+
+Reasoning is shown as summary text when `reasoning.summary` asks for it (ds4's rule). It is also
+returned in `encrypted_content` when `include` asks for that, as Codex does: the client sends it
+back with the next request, so the replayed turn renders with its reasoning and the live KV, which
+holds that reasoning, stays a prefix of the new prompt.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from dwarfstar.prompt.dsml_parser import ContentDelta, ReasoningDelta, ToolArgumentsDelta, ToolCallEnd
+from dwarfstar.serving.controls import Thinking, effort_value, output_budget, resolve_thinking, sampling_params
+from dwarfstar.serving.errors import ApiError, bad_request, json_response
+from dwarfstar.serving.fields import Fields, read_json_object
+from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolCallOpened, Usage, new_id
+from dwarfstar.serving.service import Knobs, Service
+from dwarfstar.serving.sse import event_stream, final_event, sse
+
+TEXT_BLOCKS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+DROPPED_BLOCKS = ("input_image", "input_file", "input_audio", "refusal")
+SUMMARY_MODES = ("auto", "concise", "detailed")
+ENCRYPTED_PREFIX = "dwarfstar:"
+
+
+def _blocks_text(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or an array of content blocks", f"{where}.content")
+    texts = []
+    for m, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in TEXT_BLOCKS and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind not in DROPPED_BLOCKS:
+            raise bad_request(f"{where}.content[{m}]: unsupported content block type {kind!r}", f"{where}.content")
+    return "".join(texts)
+
+
+def seal_reasoning(text: str) -> str:
+    return ENCRYPTED_PREFIX + base64.b64encode(text.encode()).decode()
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    sealed = item.get("encrypted_content")
+    if isinstance(sealed, str) and sealed.startswith(ENCRYPTED_PREFIX):
+        try:
+            return base64.b64decode(sealed[len(ENCRYPTED_PREFIX) :], validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            pass  # not ours after all: fall back to the visible text
+    parts = [*(item.get("summary") or []), *(item.get("content") or [])]
+    return "\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
+def input_messages(fields: Fields) -> list[dict[str, Any]]:
+    items = fields.required("input", fields.raw("input"))
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise bad_request("input must be a string or an array of items", param="input")
+    instructions = fields.text("instructions")
+    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    reasoning: str | None = None
+    for n, item in enumerate(items):
+        where = f"input[{n}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be an object", param=where)
+        kind = item.get("type") or ("message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role") or "user"
+            text = _blocks_text(item.get("content"), where)
+            if role == "assistant":
+                messages.append({"role": "assistant", "content": text, "reasoning_content": reasoning})
+                reasoning = None
+            elif role in ("user", "system", "developer"):
+                messages.append({"role": role, "content": text})
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str | dict):
+                raise bad_request(f"{where}: a function_call needs a name and arguments", param=where)
+            call = {"id": item.get("call_id") or "", "type": "function"}
+            call["function"] = {"name": item["name"], "arguments": item.get("arguments") or "{}"}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and reasoning is None:
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append(
+                    {"role": "assistant", "content": "", "reasoning_content": reasoning, "tool_calls": [call]}
+                )
+                reasoning = None
+        elif kind == "function_call_output":
+            output = _blocks_text(item.get("output"), where)
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id") or "", "content": output})
+        elif kind == "reasoning":
+            reasoning = _reasoning_text(item)
+    return messages
+
+
+def function_tools(fields: Fields) -> list[dict[str, Any]]:
+    tools = fields.array("tools") or []
+    offered = []
+    for n, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise bad_request(f"tools[{n}] must be an object", param=f"tools[{n}]")
+        if tool.get("type") != "function":
+            continue  # hosted tools (web_search, ...) run nowhere here
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad_request(f"tools[{n}] needs a name", param=f"tools[{n}].name")
+        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+            raise bad_request(f"tools[{n}].parameters must be an object", param=f"tools[{n}].parameters")
+        offered.append(tool)
+    choice = fields.raw("tool_choice")
+    if isinstance(choice, dict):
+        raise bad_request("forced tool_choice not supported", param="tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise bad_request(f"tool_choice={choice} not supported", param="tool_choice")
+    return [] if choice == "none" else offered
+
+
+async def responses_endpoint(request: Request) -> Response:
+    service: Service = request.app.state.service
+    fields = await read_json_object(request)
+    model = service.models.resolve(fields.text("model"))
+    for key in ("previous_response_id", "conversation"):
+        if fields.has(key):
+            raise bad_request(f"{key} is not supported; replay full input instead", param=key)
+    messages = input_messages(fields)
+    tools = function_tools(fields)
+    reasoning = fields.mapping("reasoning") or Fields({}, "reasoning.")
+    thinking = resolve_thinking(
+        default=service.config.think_by_default,
+        model=model,
+        switch=None,
+        effort=effort_value(reasoning, "effort"),
+        ctx=service.config.ctx,
+    )
+    text = fields.mapping("text")
+    text_format = text.mapping("format") if text is not None else None
+    knobs = Knobs(
+        api="responses",
+        param="input",
+        sampling=sampling_params(fields, thinking, top_k=False, min_p=False, seed=False),
+        max_tokens=output_budget(fields, "max_output_tokens", "max_tokens"),
+        body=fields.body,
+    )
+    job = await service.submit_chat(
+        messages,
+        tools=tools,
+        thinking=thinking,
+        knobs=knobs,
+        response_format=text_format.body if text_format and text_format.raw("type") != "text" else None,
+    )
+    shape = ResponseShape(
+        id=new_id("resp_"),
+        model=model,
+        summary=reasoning.text("summary") in SUMMARY_MODES,
+        sealed="reasoning.encrypted_content" in (fields.array("include") or []),
+        thinking=thinking,
+        echo={key: fields.raw(key) for key in ("instructions", "tool_choice", "temperature", "top_p")},
+    )
+    if fields.flag("stream"):
+        return event_stream(job, ResponseStream(shape), service.config.keepalive_seconds)
+    outcome = await final_event(job, request)
+    if isinstance(outcome, Failed):
+        raise ApiError(500, outcome.message, code="server_error")
+    return json_response(shape.response(_final_items(shape, outcome), outcome))
+
+
+# -- output items -----------------------------------------------------------------------------------------
+def reasoning_item(item_id: str, text: str, shape: ResponseShape, status: str) -> dict[str, Any]:
+    item: dict[str, Any] = {"id": item_id, "type": "reasoning", "status": status, "summary": []}
+    if shape.summary and text:
+        item["summary"] = [{"type": "summary_text", "text": text}]
+    if shape.sealed:
+        item["encrypted_content"] = seal_reasoning(text)
+    return item
+
+
+def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+
+
+def _final_items(shape: ResponseShape, done: Finished) -> list[dict[str, Any]]:
+    completion = done.completion
+    items = []
+    if shape.shows_reasoning and completion.reasoning:
+        items.append(reasoning_item(new_id("rs_"), completion.reasoning, shape, "completed"))
+    if completion.content or not completion.tool_calls:
+        items.append(message_item(new_id("msg_"), completion.content, "completed"))
+    for call, call_id in zip(completion.tool_calls, done.tool_ids, strict=True):
+        items.append(call_item(new_id("fc_"), call_id, call.name, call.arguments_json, "completed"))
+    return items
+
+
+class ResponseShape:
+    """What one response looks like: its id, which reasoning it shows, the request fields it echoes."""
+
+    def __init__(
+        self, *, id: str, model: str, summary: bool, sealed: bool, thinking: Thinking, echo: dict[str, Any]
+    ) -> None:
+        self.id, self.model, self.summary, self.sealed, self.echo = id, model, summary, sealed, echo
+        self.shows_reasoning = thinking.enabled and (summary or sealed)
+        self.created = int(time.time())
+
+    def response(self, output: list[dict[str, Any]], done: Finished | Failed | None) -> dict[str, Any]:
+        status = "in_progress"
+        body: dict[str, Any] = {"error": None, "incomplete_details": None}
+        if isinstance(done, Finished):
+            status = "incomplete" if done.reason == "length" else "completed"
+            if status == "incomplete":
+                body["incomplete_details"] = {"reason": "max_output_tokens"}
+        elif isinstance(done, Failed):
+            status = "failed"
+            body["error"] = {"code": "server_error", "message": done.message}
+        response = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": output,
+            **body,
+            **self.echo,
+            "parallel_tool_calls": True,
+            "tools": [],
+        }
+        if done is not None:
+            response["usage"] = usage_object(done.usage)
+        return response
+
+
+def usage_object(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": usage.prefilled_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+class ResponseStream:
+    """Job events as Responses API events, each item opened, streamed and closed in output order."""
+
+    def __init__(self, shape: ResponseShape) -> None:
+        self.shape = shape
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the item being streamed
+        self.text = ""  # text of the open reasoning or message item
+
+    def _event(self, kind: str, **body: Any) -> bytes:
+        event = {"type": kind, "sequence_number": self.sequence, **body}
+        self.sequence += 1
+        return sse(event, kind)
+
+    def _add(self, item: dict[str, Any]) -> list[bytes]:
+        out = self._close()
+        self.open, self.text = item, ""
+        self.output.append(item)
+        out.append(self._event("response.output_item.added", output_index=len(self.output) - 1, item=item))
+        if item["type"] == "reasoning" and self.shape.summary:
+            part = {"type": "summary_text", "text": ""}
+            out.append(self._event("response.reasoning_summary_part.added", **self._at(), summary_index=0, part=part))
+        elif item["type"] == "message":
+            part = {"type": "output_text", "text": "", "annotations": []}
+            out.append(self._event("response.content_part.added", **self._at(), content_index=0, part=part))
+        return out
+
+    def _at(self) -> dict[str, Any]:
+        return {"item_id": self.open["id"], "output_index": len(self.output) - 1}
+
+    def _close(self) -> list[bytes]:
+        item, out = self.open, []
+        if item is None:
+            return out
+        if item["type"] == "reasoning":
+            final = reasoning_item(item["id"], self.text, self.shape, "completed")
+            if self.shape.summary:
+                out.append(
+                    self._event("response.reasoning_summary_text.done", **self._at(), summary_index=0, text=self.text)
+                )
+                part = {"type": "summary_text", "text": self.text}
+                out.append(
+                    self._event("response.reasoning_summary_part.done", **self._at(), summary_index=0, part=part)
+                )
+        elif item["type"] == "message":
+            final = message_item(item["id"], self.text, "completed")
+            out.append(self._event("response.output_text.done", **self._at(), content_index=0, text=self.text))
+            part = final["content"][0]
+            out.append(self._event("response.content_part.done", **self._at(), content_index=0, part=part))
+        else:
+            final = {**item, "status": "completed"}
+        self.output[-1] = final
+        out.append(self._event("response.output_item.done", output_index=len(self.output) - 1, item=final))
+        self.open = None
+        return out
+
+    def __call__(self, event: Event) -> list[bytes]:
+        shape = self.shape
+        if isinstance(event, Started):
+            response = shape.response([], None)
+            return [
+                self._event("response.created", response=response),
+                self._event("response.in_progress", response=response),
+            ]
+        if isinstance(event, ReasoningDelta):
+            if not shape.shows_reasoning:
+                return []
+            out = (
+                []
+                if self.open and self.open["type"] == "reasoning"
+                else self._add(reasoning_item(new_id("rs_"), "", shape, "in_progress"))
+            )
+            self.text += event.text
+            if shape.summary:
+                out.append(
+                    self._event(
+                        "response.reasoning_summary_text.delta", **self._at(), summary_index=0, delta=event.text
+                    )
+                )
+            return out
+        if isinstance(event, ContentDelta):
+            out = (
+                []
+                if self.open and self.open["type"] == "message"
+                else self._add(message_item(new_id("msg_"), "", "in_progress"))
+            )
+            self.text += event.text
+            return out + [self._event("response.output_text.delta", **self._at(), content_index=0, delta=event.text)]
+        if isinstance(event, ToolCallOpened):
+            return self._add(call_item(new_id("fc_"), event.id, event.name, "", "in_progress"))
+        if isinstance(event, ToolArgumentsDelta):
+            return [self._event("response.function_call_arguments.delta", **self._at(), delta=event.text)]
+        if isinstance(event, ToolCallEnd):
+            self.open["arguments"] = event.call.arguments_json
+            done = self._event(
+                "response.function_call_arguments.done",
+                **self._at(),
+                arguments=event.call.arguments_json,
+                name=event.call.name,
+            )
+            return [done, *self._close()]
+        if isinstance(event, Finished):
+            out = self._close()
+            if not any(item["type"] in ("message", "function_call") for item in self.output):
+                out += self._add(message_item(new_id("msg_"), "", "in_progress")) + self._close()
+            kind = "response.incomplete" if event.reason == "length" else "response.completed"
+            return out + [self._event(kind, response=shape.response(self.output, event))]
+        if isinstance(event, Failed):
+            error = self._event("error", code="server_error", message=event.message, param=None)
+            return [error, self._event("response.failed", response=shape.response(self.output, event))]
+        return []

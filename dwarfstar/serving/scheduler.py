@@ -1,0 +1,316 @@
+"""The engine worker: one thread owns the backend and serves every request in one loop.
+
+Each turn of the loop
+1. drops requests whose client left (queued ones, and active ones at the chunk or step they reached);
+2. admits queued requests while the session pool has a session for them (prefix reuse happens here);
+3. samples one token for every decoding request and advances them all in one batched forward;
+4. runs one prefill slice of one prefilling request (round robin), smaller while others decode, so a
+   long prompt delays running generations by a slice, not by its whole prefill.
+The event loop never runs model code: handlers submit a `Job` and read its events from an asyncio
+queue the worker fills. The waiting queue is bounded; `submit` refuses beyond it (HTTP 429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from dwarfstar.serving.generation import Event, Failed, Finished, GenerationRequest, Started, Usage
+from dwarfstar.serving.metrics import Metrics
+from dwarfstar.serving.output import OutputDecoder
+from dwarfstar.serving.pool import Lease, SessionPool
+from dwarfstar.serving.replay import ToolMemory
+from dwarfstar.serving.trace import Trace
+from dwarfstar.session.sampling import Sampler
+from dwarfstar.session.session import decode_batch
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+BUSY_PREFILL_SLICE = 512  # prompt tokens per loop turn while other requests are decoding
+_job_ids = itertools.count(1)
+
+
+class QueueFull(Exception):
+    pass
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+class Job:
+    """One request's life in the worker, and the queue its events travel back to the event loop on."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, replayed: list[str]) -> None:
+        self.id = next(_job_ids)
+        self.request = request
+        self.replayed = replayed  # tool-call ids rendered from their sampled DSML (for the trace)
+        self.cancelled = threading.Event()
+        self._loop = loop
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        # worker-side state
+        self.phase = "queued"  # queued | prefill | decode
+        self.usage = Usage(prompt_tokens=len(request.prompt_ids))
+        self.lease: Lease | None = None
+        self.pending: list[int] = []
+        self.sampler: Sampler | None = None
+        self.decoder: OutputDecoder | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def emit(self, event: Event) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
+            pass
+
+    async def next_event(self, timeout: float | None = None) -> Event | None:
+        """The next event, or None when `timeout` seconds pass without one."""
+        try:
+            return await asyncio.wait_for(self._events.get(), timeout)
+        except TimeoutError:
+            return None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: SessionPool,
+        tokenizer: Tokenizer,
+        metrics: Metrics,
+        tool_memory: ToolMemory,
+        *,
+        max_queue: int,
+        trace: Trace | None = None,
+    ) -> None:
+        self.pool, self.tokenizer, self.metrics = pool, tokenizer, metrics
+        self.tool_memory, self.trace, self.max_queue = tool_memory, trace, max_queue
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._active: list[Job] = []
+        self._stopping = False
+        self._turn = 0
+        self._thread = threading.Thread(target=self._run, name="dwarfstar-engine", daemon=True)
+
+    # -- event-loop side -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._stopping:
+                raise ShuttingDown
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull
+            self._waiting.append(job)
+            self.metrics.set("dwarfstar_queue_depth", len(self._waiting))
+            self._cond.notify()
+
+    # -- worker ----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._active:
+                    self._cond.wait()
+                if self._stopping:
+                    left = list(self._waiting) + self._active
+                    self._waiting.clear()
+                    break
+                dropped = [job for job in self._waiting if job.cancelled.is_set()]
+                for job in dropped:
+                    self._waiting.remove(job)
+            if dropped:
+                self.metrics.inc("dwarfstar_cancelled_requests_total", len(dropped), phase="queued")
+            for job in [job for job in self._active if job.cancelled.is_set()]:
+                self._cancel(job)
+            self._admit()
+            self._decode_step()
+            self._prefill_step()
+            self._update_gauges()
+        for job in left:
+            job.emit(Failed("server shutting down", job.usage))
+
+    def _admit(self) -> None:
+        while True:
+            with self._cond:
+                if not self._waiting:
+                    return
+                job = self._waiting[0]  # only this thread removes jobs, so it stays the head
+            try:
+                lease = self.pool.acquire(job.request.prompt, job.request.prompt_ids)
+            except Exception as exc:
+                with self._cond:
+                    self._waiting.popleft()
+                self._fail(job, exc)
+                continue
+            if lease is None:
+                return
+            with self._cond:
+                self._waiting.popleft()
+            job.lease, job.phase = lease, "prefill"
+            job.pending = lease.plan.suffix
+            job.usage.cached_tokens = lease.plan.keep
+            self._active.append(job)
+            self.metrics.inc("dwarfstar_cache_lookups_total", source=lease.source)
+            self.metrics.inc("dwarfstar_prompt_tokens_total", job.usage.prompt_tokens)
+            self.metrics.inc("dwarfstar_cached_tokens_total", job.usage.cached_tokens)
+            job.emit(Started(Usage(**vars(job.usage))))
+            if not job.pending:
+                self._start_decode(job)
+
+    def _start_decode(self, job: Job) -> None:
+        job.phase = "decode"
+        job.sampler = Sampler(job.request.sampling)
+        job.decoder = OutputDecoder(self.tokenizer, job.request)
+
+    def _prefill_step(self) -> None:
+        prefilling = [job for job in self._active if job.phase == "prefill"]
+        if not prefilling:
+            return
+        job = prefilling[self._turn % len(prefilling)]
+        self._turn += 1
+        session = job.lease.session
+        busy = any(other.phase == "decode" for other in self._active)
+        size = BUSY_PREFILL_SLICE if busy else session.chunk
+        piece, job.pending = job.pending[:size], job.pending[size:]
+        start = time.perf_counter()
+        try:
+            session.prefill(piece)
+        except Exception as exc:
+            self._fail(job, exc)
+            return
+        seconds = time.perf_counter() - start
+        self.metrics.inc("dwarfstar_prefill_tokens_total", len(piece))
+        self.metrics.inc("dwarfstar_prefill_seconds_total", seconds)
+        self.metrics.set("dwarfstar_prefill_tokens_per_second", len(piece) / max(seconds, 1e-9))
+        if not job.pending:
+            self._start_decode(job)
+
+    def _decode_step(self) -> None:
+        stepping: list[Job] = []
+        tokens: list[int] = []
+        for job in [job for job in self._active if job.phase == "decode"]:
+            session = job.lease.session
+            try:
+                token = job.sampler(session.logits)
+            except Exception as exc:
+                self._fail(job, exc)
+                continue
+            job.usage.completion_tokens += 1
+            self.metrics.inc("dwarfstar_generated_tokens_total")
+            if token != self.tokenizer.eos_id:
+                for event in job.decoder.push(token):
+                    job.emit(event)
+            reason = self._finish_reason(job, token)
+            if reason is None:
+                stepping.append(job)
+                tokens.append(token)
+            else:
+                self._finish(job, reason)
+        if not stepping:
+            return
+        start = time.perf_counter()
+        try:
+            decode_batch([job.lease.session for job in stepping], tokens)
+        except Exception as exc:
+            for job in stepping:
+                self._fail(job, exc)
+            return
+        seconds = time.perf_counter() - start
+        self.metrics.inc("dwarfstar_decode_seconds_total", seconds)
+        self.metrics.inc("dwarfstar_decode_steps_total")
+        self.metrics.set("dwarfstar_decode_tokens_per_second", len(stepping) / max(seconds, 1e-9))
+        self.metrics.raise_to("dwarfstar_decode_batch_max", len(stepping))
+        if len(stepping) > 1:
+            self.metrics.inc("dwarfstar_batched_decode_steps_total")
+
+    def _finish_reason(self, job: Job, token: int) -> str | None:
+        decoder, session = job.decoder, job.lease.session
+        if token == self.tokenizer.eos_id or decoder.stop_sequence is not None:
+            return "stop"
+        if job.request.tools and decoder.tool_block_closed:
+            return "tool_calls"
+        if job.usage.completion_tokens >= job.request.max_tokens or len(session.tokens) >= session.ctx:
+            return "length"
+        return None
+
+    # -- ends of a job -----------------------------------------------------------------------------------
+    def _finish(self, job: Job, reason: str) -> None:
+        for event in job.decoder.finish():
+            job.emit(event)
+        completion = job.decoder.completion
+        tool_ids: list[str] = []
+        if completion is not None and completion.tool_calls:
+            tool_ids = job.decoder.tool_ids[: len(completion.tool_calls)]
+            reason = "length" if reason == "length" else "tool_calls"
+            self.tool_memory.remember(tool_ids, completion.raw_dsml)
+        job.usage.reasoning_tokens = job.decoder.reasoning_tokens
+        self.metrics.inc("dwarfstar_finished_requests_total", reason=reason)
+        self._write_trace(job, finish=reason, tool_ids=tool_ids)  # before the client can see the end
+        self._release(job)
+        job.emit(Finished(reason, job.usage, completion, job.decoder.text, tool_ids, job.decoder.stop_sequence))
+
+    def _cancel(self, job: Job) -> None:
+        self.metrics.inc("dwarfstar_cancelled_requests_total", phase=job.phase)
+        self._write_trace(job, finish="cancelled")
+        self._release(job)
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        log.exception("request %d failed", job.id, exc_info=exc)
+        self.metrics.inc("dwarfstar_failed_requests_total")
+        self._write_trace(job, finish="error", error=str(exc))
+        if job.lease is not None:
+            self.pool.discard(job.lease.live)  # the state may be half-updated
+        if job in self._active:
+            self._active.remove(job)
+        job.emit(Failed(f"generation failed: {exc}", job.usage))
+
+    def _release(self, job: Job) -> None:
+        self._active.remove(job)
+        self.pool.release(job.lease, prompt_len=job.usage.prompt_tokens)
+
+    def _update_gauges(self) -> None:
+        with self._cond:
+            self.metrics.set("dwarfstar_queue_depth", len(self._waiting))
+        self.metrics.set("dwarfstar_active_requests", len(self._active))
+        self.metrics.set("dwarfstar_live_sessions", len(self.pool.live))
+        self.metrics.set("dwarfstar_session_bytes", self.pool.nbytes())
+
+    def _write_trace(self, job: Job, *, finish: str, **extra: Any) -> None:
+        if self.trace is None:
+            return
+        request, lease, decoder = job.request, job.lease, job.decoder
+        completion = decoder.completion if decoder is not None else None
+        self.trace.write(
+            {
+                "job": job.id,
+                "api": request.api,
+                "request": request.trace_body,
+                "prompt": request.prompt.text if request.prompt is not None else None,
+                "cache": lease.source if lease is not None else None,
+                "match": lease.plan.match if lease is not None else None,
+                "prompt_tokens": job.usage.prompt_tokens,
+                "cached_tokens": job.usage.cached_tokens,
+                "prefilled_tokens": job.usage.prefilled_tokens,
+                "completion_tokens": job.usage.completion_tokens,
+                "finish": finish,
+                "generated": decoder.text if decoder is not None else "",
+                "dsml": completion.raw_dsml if completion is not None else None,
+                "replayed_tool_ids": job.replayed,
+                "problems": decoder.problems if decoder is not None else [],
+                **extra,
+            }
+        )

@@ -1,0 +1,182 @@
+"""What the routes share: the loaded engine, the worker, the session pool, tool memory, metrics, trace.
+
+`submit_chat` and `submit_tokens` are the two ways a request reaches the model. Rendering and
+tokenizing a long conversation takes a while, so both run it in a thread pool, never on the event
+loop; the context check there answers an over-long prompt with a 400 before any stream starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from dwarfstar.engine import Engine
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.prompt.conversation import PromptError
+from dwarfstar.prompt.render import Prompt, render_conversation
+from dwarfstar.serving.config import ServerConfig
+from dwarfstar.serving.controls import Thinking, context_overflow
+from dwarfstar.serving.errors import ApiError, bad_request
+from dwarfstar.serving.generation import GenerationRequest
+from dwarfstar.serving.metrics import Metrics
+from dwarfstar.serving.models import ModelCatalog
+from dwarfstar.serving.pool import SessionPool
+from dwarfstar.serving.replay import ToolMemory, apply_exact_replay
+from dwarfstar.serving.scheduler import Job, QueueFull, Scheduler, ShuttingDown
+from dwarfstar.serving.trace import Trace
+from dwarfstar.session.sampling import SamplingParams
+
+
+@dataclass
+class Knobs:
+    """What a dialect decided about a request besides its prompt."""
+
+    api: str
+    param: str  # the field that holds the prompt, named in a context-overflow error
+    sampling: SamplingParams
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    tool_id_prefix: str = "call_"
+    body: Any = None  # the client's request, for the trace
+
+
+class Service:
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        args = engine.backend.args
+        if not 0 < config.ctx <= args.max_seq_len:
+            raise DwarfStarError(f"--ctx {config.ctx} is outside 1..{args.max_seq_len} for this model")
+        self.engine, self.config, self.tokenizer = engine, config, engine.tokenizer
+        self.options = config.render_options
+        self.models = ModelCatalog(args, config.ctx, config.model_aliases)
+        self.metrics = Metrics()
+        self.tool_memory = ToolMemory(config.tool_memory_ids)
+        self.trace = Trace(config.trace) if config.trace else None
+        self.pool = SessionPool(
+            engine.backend,
+            engine.tokenizer,
+            ctx=config.ctx,
+            chunk=config.prefill_chunk,
+            max_sessions=config.max_sessions,
+            memory_bytes=config.kv_memory_mb * 1024 * 1024,
+        )
+        self.scheduler = Scheduler(
+            self.pool, engine.tokenizer, self.metrics, self.tool_memory, max_queue=config.max_queue, trace=self.trace
+        )
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+        if self.trace is not None:
+            self.trace.close()
+
+    # -- requests --------------------------------------------------------------------------------------
+    def _render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None,
+        thinking: Thinking,
+        *,
+        param: str,
+        response_format: Any = None,
+    ) -> tuple[Prompt, list[str]]:
+        """The conversation's prompt with exact DSML replay applied, and the tool-call ids replayed."""
+        try:
+            prompt = render_conversation(
+                messages,
+                tools=tools or None,
+                response_format=response_format,
+                thinking=thinking.enabled,
+                reasoning_effort=thinking.renderer_effort,
+                options=self.options,
+            )
+        except PromptError as exc:
+            raise bad_request(str(exc), param=param) from None
+        return apply_exact_replay(prompt, messages, self.tool_memory, self.options)
+
+    async def count_chat_tokens(
+        self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | None, thinking: Thinking
+    ) -> int:
+        def count() -> int:
+            prompt, _ = self._render(messages, tools, thinking, param="messages")
+            return len(self.tokenizer.encode_prompt(prompt.parts))
+
+        return await run_in_threadpool(count)
+
+    async def submit_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Any] | None,
+        thinking: Thinking,
+        knobs: Knobs,
+        response_format: Any = None,
+    ) -> Job:
+        def prepare() -> tuple[GenerationRequest, list[str]]:
+            prompt, replayed = self._render(
+                messages, tools, thinking, param=knobs.param, response_format=response_format
+            )
+            ids = self.tokenizer.encode_prompt(prompt.parts)
+            request = self._request(prompt, ids, knobs, parse=True, thinking=thinking.enabled, tools=bool(tools))
+            return request, replayed
+
+        request, replayed = await run_in_threadpool(prepare)
+        return self._submit(request, replayed)
+
+    async def submit_tokens(
+        self, prompt: Prompt | None, ids: list[int] | None, *, raw_text: str | None, knobs: Knobs
+    ) -> Job:
+        """A prompt given as rendered parts, token ids, or raw text (control-token strings matched)."""
+
+        def prepare() -> GenerationRequest:
+            if raw_text is not None:
+                tokens = self.tokenizer.encode_with_specials(raw_text)
+            elif ids is not None:
+                tokens = ids
+            else:
+                tokens = self.tokenizer.encode_prompt(prompt.parts)
+            return self._request(prompt, tokens, knobs, parse=False, thinking=False, tools=False)
+
+        return self._submit(await run_in_threadpool(prepare), [])
+
+    def _request(
+        self, prompt: Prompt | None, ids: list[int], knobs: Knobs, *, parse: bool, thinking: bool, tools: bool
+    ) -> GenerationRequest:
+        ctx = self.config.ctx
+        if not ids:
+            raise bad_request("the prompt is empty", param=knobs.param)
+        if len(ids) >= ctx:
+            raise context_overflow(len(ids), ctx, knobs.param)
+        free = ctx - len(ids)
+        return GenerationRequest(
+            prompt=prompt,
+            prompt_ids=ids,
+            max_tokens=min(knobs.max_tokens or free, free),
+            sampling=knobs.sampling,
+            stop=knobs.stop,
+            parse=parse,
+            thinking=thinking,
+            tools=tools,
+            escaped_dsml=self.options.escape_dsml,
+            tool_id_prefix=knobs.tool_id_prefix,
+            api=knobs.api,
+            trace_body=knobs.body,
+        )
+
+    def _submit(self, request: GenerationRequest, replayed: list[str]) -> Job:
+        job = Job(request, asyncio.get_running_loop(), replayed)
+        try:
+            self.scheduler.submit(job)
+        except QueueFull:
+            raise ApiError(
+                429, f"server busy: {self.config.max_queue} requests are already waiting", code="rate_limit_exceeded"
+            ) from None
+        except ShuttingDown:
+            raise ApiError(503, "server shutting down") from None
+        self.metrics.inc("dwarfstar_requests_total", api=request.api)
+        return job

@@ -1,0 +1,82 @@
+"""Delivering a job's events: as a server-sent event stream, or as one final result.
+
+Both notice a client that leaves and cancel its job, so the worker stops at its next prefill slice or
+decode step (ds4 #333: prefill went on for minutes after the client was gone). A stream sends its
+headers at once and an SSE comment whenever nothing else was sent for `keepalive` seconds, so
+clients and proxies do not time out during a long prefill or while queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from dwarfstar.serving.generation import Event, Failed, Finished
+from dwarfstar.serving.scheduler import Job
+
+KEEPALIVE = b": keepalive\n\n"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+Writer = Callable[[Event], list[bytes]]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its result was ready."""
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    body = data if isinstance(data, bytes) else orjson.dumps(data)
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + body + b"\n\n"
+
+
+async def _events(job: Job, writer: Writer, keepalive: float) -> AsyncIterator[bytes]:
+    try:
+        while True:
+            event = await job.next_event(keepalive)
+            if event is None:
+                yield KEEPALIVE
+                continue
+            for chunk in writer(event):
+                yield chunk
+            if isinstance(event, Finished | Failed):
+                return
+    finally:
+        # Reached when the stream ends and also when Starlette cancels it because the client left.
+        job.cancel()
+
+
+def event_stream(job: Job, writer: Writer, keepalive: float) -> StreamingResponse:
+    return StreamingResponse(_events(job, writer, keepalive), media_type="text/event-stream", headers=HEADERS)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def final_event(job: Job, request: Request) -> Finished | Failed:
+    """The job's outcome; raises ClientGone (and cancels the job) if the client disconnects first."""
+
+    async def outcome() -> Finished | Failed:
+        while True:
+            event = await job.next_event()
+            if isinstance(event, Finished | Failed):
+                return event
+
+    result = asyncio.ensure_future(outcome())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if result.done():
+            return result.result()
+        raise ClientGone
+    finally:
+        result.cancel()
+        gone.cancel()
+        job.cancel()

@@ -1,0 +1,192 @@
+"""A live uvicorn on 127.0.0.1 serving the tiny random model, and SDK clients pointed at it.
+
+The backend is wrapped by `ScriptedBackend`: when the last user turn carries `[[script:NAME]]`, the
+logits after the prompt are steered so that sampling (greedy or not) produces SCRIPTS[NAME] token by
+token (tool calls included), then EOS; `[[fail]]` makes the forward pass raise once two tokens have
+been generated, as an engine failure would. Every other prompt gets the model's own random output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import anthropic
+import httpx2 as httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from dwarfstar.engine import Engine, load_engine
+from dwarfstar.model.state import SequenceState
+from dwarfstar.model.synthetic import TINY, write_synthetic_model
+from dwarfstar.serving.app import create_app
+from dwarfstar.serving.config import ServerConfig
+from dwarfstar.serving.service import Service
+from dwarfstar.tokenizer import specials
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+API_KEY = "test-key"
+DSML = "｜DSML｜"
+WEATHER_CALL = (
+    f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n'
+    f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n'
+    # not the canonical spelling (which is compact JSON), so exact replay is visible in the prompt
+    f'<{DSML}parameter name="days" string="false">{{"n": 3}}</{DSML}parameter>\n'
+    f"</{DSML}invoke>\n</{DSML}tool_calls>"
+)
+SCRIPTS = {
+    "hello": "Hello there, how can I help?",
+    "weather": "Let me check." + WEATHER_CALL,
+    "think_weather": "The user wants weather, so call the tool.</think>Checking." + WEATHER_CALL,
+    "think_hello": "A greeting deserves a greeting.</think>Hello!",
+    **{f"count{i}": f"Reply number {i}." for i in range(10)},
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather forecast for a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "object"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+MARKER = re.compile(r"\[\[(script:(\w+)|fail)\]\]")
+MARGIN = 60.0  # logit lead of the scripted token: every other token's probability is below e^-60
+
+
+class ScriptedBackend:
+    def __init__(self, inner, tokenizer: Tokenizer, scripts: dict[str, str]) -> None:
+        self.inner, self.args, self.tokenizer = inner, inner.args, tokenizer
+        self.scripts = {name: tokenizer.encode_with_specials(text) for name, text in scripts.items()}
+        self.user = tokenizer.token_id(specials.USER)
+        self.assistant = tokenizer.token_id(specials.ASSISTANT)
+
+    def new_state(self) -> SequenceState:
+        return self.inner.new_state()
+
+    def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> torch.Tensor:
+        self._maybe_fail([state])
+        out = self.inner.forward(tokens, state, all_logits)
+        self._steer(state)
+        return out
+
+    def forward_batch(self, token_lists, states: Sequence[SequenceState], all_logits: bool = False):
+        self._maybe_fail(states)
+        out = self.inner.forward_batch(token_lists, states, all_logits)
+        for state in states:
+            self._steer(state)
+        return out
+
+    def _script(self, tokens: list[int]) -> tuple[str | None, int]:
+        """The marker in the last user turn (None if none), and how many tokens follow the prompt."""
+        try:
+            answer = len(tokens) - 1 - tokens[::-1].index(self.assistant)
+            user = answer - 1 - tokens[answer::-1].index(self.user)
+        except ValueError:
+            return None, 0
+        found = MARKER.search(self.tokenizer.decode(tokens[user + 1 : answer]))
+        generated = len(tokens) - (answer + 2)  # after <｜Assistant｜> and the <think> or </think> marker
+        return ((found.group(2) or "fail") if found else None), generated
+
+    def _maybe_fail(self, states: Sequence[SequenceState]) -> None:
+        for state in states:
+            name, generated = self._script(state.tokens)
+            if name == "fail" and generated >= 2:
+                raise RuntimeError("scripted engine failure")
+
+    def _steer(self, state: SequenceState) -> None:
+        name, generated = self._script(state.tokens)
+        if name is None or name == "fail" or generated < 0:
+            return
+        script = self.scripts[name]
+        target = script[generated] if generated < len(script) else self.tokenizer.eos_id
+        logits = state.logits.clone()
+        logits[target] = logits.max() + MARGIN
+        state.logits = logits
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    service: Service
+    trace: Path | None
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.service.metrics.value(name, **labels)
+
+    def trace_records(self) -> list[dict]:
+        return [json.loads(line) for line in self.trace.read_text().splitlines()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory) -> Engine:
+    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
+    write_synthetic_model(path, TINY, seed=0)
+    engine = load_engine(path, "reference", ctx=4096)
+    engine.backend = ScriptedBackend(engine.backend, engine.tokenizer, SCRIPTS)
+    return engine
+
+
+def start_server(engine: Engine, config: ServerConfig) -> Iterator[LiveServer]:
+    service = Service(engine, config)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", service, config.trace)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+BASE_CONFIG = ServerConfig(
+    ctx=4096, api_key=API_KEY, max_sessions=4, max_queue=16, prefill_chunk=256, keepalive_seconds=0.3
+)
+
+
+@pytest.fixture(scope="session")
+def server(engine, tmp_path_factory) -> Iterator[LiveServer]:
+    trace = tmp_path_factory.mktemp("trace") / "trace.jsonl"
+    yield from start_server(engine, replace(BASE_CONFIG, trace=trace))
+
+
+@pytest.fixture(scope="session")
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def claude(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def http(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
+        yield client
