@@ -12,6 +12,8 @@ from dwarfstar.model.config import LayerSpec, ModelArgs
 
 WeightGetter = Callable[[str], torch.Tensor]
 ExpertGetter = Callable[[str, int], torch.Tensor]
+# (layer index, expert tensor name, expert id, the rows that expert matrix multiplies): imatrix collection
+ExpertObserver = Callable[[int, str, int, torch.Tensor], None]
 # observer(layer index, chosen expert ids [T, k]): lets training balance the experts' load by moving
 # the router bias (tools/train_nano.py).
 RouteObserver = Callable[[int, torch.Tensor], None]
@@ -40,6 +42,7 @@ class MoE:
         self.tid2eid = w("ffn_gate_tid2eid.weight").long() if layer.hash_routed else None
         self.shared = (w("ffn_gate_shexp.weight"), w("ffn_up_shexp.weight"), w("ffn_down_shexp.weight"))
         self.observer: RouteObserver | None = None
+        self.expert_observer: ExpertObserver | None = None
 
     def __call__(self, f: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         args = self.args
@@ -54,6 +57,13 @@ class MoE:
             x = f[rows]
             # the router weight scales the SwiGLU output before the down projection, as ds4 does
             hidden = ops.swiglu_clamped(x @ gate.T, x @ up.T, args.swiglu_limit) * weights[rows, slots, None]
+            if self.expert_observer is not None:
+                for name, inputs in (
+                    ("ffn_gate_exps.weight", x),
+                    ("ffn_up_exps.weight", x),
+                    ("ffn_down_exps.weight", hidden),
+                ):
+                    self.expert_observer(self.layer.index, name, e, inputs)
             out.index_add_(0, rows, hidden @ down.T)
         gate, up, down = self.shared
         return out + ops.swiglu_clamped(f @ gate.T, f @ up.T, args.swiglu_limit) @ down.T

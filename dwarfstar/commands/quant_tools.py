@@ -1,0 +1,145 @@
+"""GGUF tools in the manner of ds4's gguf-tools: `quantize`, `imatrix`, `quality` and `inspect`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dwarfstar.cli import app
+from dwarfstar.gguf.constants import GGMLType
+from dwarfstar.gguf.reader import GGUFFile
+from dwarfstar.model.loader import open_model
+from dwarfstar.quant import inspection
+from dwarfstar.quant.imatrix import collect_imatrix, read_imatrix, write_imatrix
+from dwarfstar.quant.prompts import read_prompts, tokenize_prompt
+from dwarfstar.quant.quality import Quality, compare_models
+from dwarfstar.quant.recipes import RECIPES, quantize_model
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+_RECIPE_HELP = (
+    f"One of {', '.join(RECIPES)}. q2: routed gate/up IQ2_XXS, down Q2_K; "
+    "q2-q4: q2 with the last 6 layers' experts Q4_K; q4: experts Q4_K; q8: experts Q8_0. "
+    "Everything else: Q8_0 projections, F16 embedding/HC/compressor/indexer/router, F32 norms."
+)
+
+
+def _gb(n: int) -> str:
+    if n >= 1e8:
+        return f"{n / 1e9:.3f} GB"
+    return f"{n / 1e6:.3f} MB" if n >= 1e5 else f"{n / 1e3:.3f} kB"
+
+
+@app.command()
+def quantize(
+    src: Annotated[Path, typer.Argument(help="Input GGUF (any float or quantized types).")],
+    dst: Annotated[Path, typer.Argument(help="Output GGUF.")],
+    recipe: Annotated[str, typer.Option(help=_RECIPE_HELP)],
+    imatrix: Annotated[Path | None, typer.Option(help="Importance matrix from `dwarfstar imatrix` (.dat).")] = None,
+) -> None:
+    """Re-encode a DeepSeek V4 GGUF with one of ds4's recipes, tensor by tensor."""
+    start = time.perf_counter()
+    matrix = read_imatrix(imatrix) if imatrix is not None else None
+
+    def progress(name: str, src_type: GGMLType, dst_type: GGMLType) -> None:
+        action = "copy" if src_type == dst_type else f"{src_type.name} -> {dst_type.name}"
+        typer.echo(f"[{time.perf_counter() - start:7.1f}s] {name:40} {action}", err=True)
+
+    quantize_model(src, dst, recipe, matrix, progress)
+    typer.echo(f"wrote {dst} ({recipe}): {_gb(dst.stat().st_size)} in {time.perf_counter() - start:.1f} s")
+
+
+@app.command("imatrix")
+def imatrix_command(
+    model: Annotated[Path, typer.Option("-m", "--model", help="GGUF model to run (the reference backend).")],
+    prompts: Annotated[Path, typer.Option(help="Prompt file: JSON lines, ds4 rendered prompts, or one per line.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Imatrix file to write (llama.cpp legacy .dat).")],
+) -> None:
+    """Collect routed-expert activation statistics (ds4's routed-MoE imatrix)."""
+    start = time.perf_counter()
+    model_file = open_model(model)
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(model_file.gguf.metadata)
+        token_lists = [tokenize_prompt(p, tokenizer) for p in read_prompts(prompts)]
+
+        def progress(done: int, tokens: int) -> None:
+            typer.echo(f"\r{done}/{len(token_lists)} prompts, {tokens} tokens", nl=False, err=True)
+
+        result = collect_imatrix(model_file, token_lists, str(prompts), progress)
+    finally:
+        model_file.close()
+    typer.echo("", err=True)
+    write_imatrix(output, result)
+    n_tokens = sum(len(t) for t in token_lists)
+    typer.echo(
+        f"wrote {output}: {len(result.entries)} entries from {result.chunks} prompts, {n_tokens} tokens "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
+
+
+@app.command()
+def quality(
+    ref: Annotated[Path, typer.Argument(help="Reference GGUF.")],
+    test: Annotated[Path, typer.Argument(help="GGUF to measure against the reference.")],
+    prompts: Annotated[Path, typer.Option(help="Prompt file: JSON lines, ds4 rendered prompts, or one per line.")],
+    json_output: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
+) -> None:
+    """KL divergence, top-1 agreement and perplexity of TEST against REF, per prompt and overall."""
+    ref_file = open_model(ref)
+    try:
+        test_file = open_model(test)
+        try:
+            tokenizer = Tokenizer.from_gguf_metadata(ref_file.gguf.metadata)
+            token_lists = [(p.id, tokenize_prompt(p, tokenizer)) for p in read_prompts(prompts)]
+            per_prompt, overall = compare_models(ref_file, test_file, token_lists)
+        finally:
+            test_file.close()
+    finally:
+        ref_file.close()
+    if json_output:
+        body = {
+            "ref": str(ref),
+            "test": str(test),
+            "prompts": [q.as_dict() for q in per_prompt],
+            "overall": overall.as_dict(),
+        }
+        typer.echo(json.dumps(body, indent=2))
+        return
+    typer.echo(f"{'prompt':24} {'tokens':>6} {'mean KL':>10} {'top-1':>7} {'ppl ref':>9} {'ppl test':>9}")
+    for q in [*per_prompt, overall]:
+        typer.echo(_quality_row(q))
+
+
+def _quality_row(q: Quality) -> str:
+    return f"{q.id[:24]:24} {q.positions:6d} {q.kl:10.6f} {q.top1:7.3f} {q.ppl_ref:9.3f} {q.ppl_test:9.3f}"
+
+
+@app.command("inspect")
+def inspect_command(model: Annotated[Path, typer.Argument(help="GGUF file.")]) -> None:
+    """Metadata, tensor table, totals per type, and the weight bytes read per decoded token."""
+    with GGUFFile(model) as gguf:
+        typer.echo(f"{model}: GGUF v{gguf.version}, {len(gguf.metadata)} metadata keys, {len(gguf.tensors)} tensors")
+        typer.echo("\nmetadata")
+        for key, value in gguf.metadata.items():
+            typer.echo(f"  {key} = {inspection.describe_value(value)}")
+        rows = inspection.file_tensors(gguf)
+        typer.echo(f"\n{'tensor':44} {'shape (torch order)':>22} {'type':>8} {'bytes':>14}")
+        for t in rows:
+            typer.echo(f"{t.name:44} {str(list(t.shape)):>22} {t.ggml_type.name:>8} {t.nbytes:>14,}")
+        typer.echo("\ntotals per type")
+        for ggml_type, (count, size) in inspection.totals_by_type(rows).items():
+            typer.echo(f"  {ggml_type.name:8} {count:5d} tensors {_gb(size):>12}")
+        typer.echo(f"  {'all':8} {len(rows):5d} tensors {_gb(sum(t.nbytes for t in rows)):>12}")
+        experts = inspection.expert_counts(gguf.metadata)
+        if experts is None:
+            typer.echo("\nbytes read per decoded token: not a deepseek4 file, no expert counts")
+            return
+        per_token = inspection.token_bytes(rows, *experts)
+        typer.echo(
+            f"\nbytes read per decoded token ({experts[1]} of {experts[0]} routed experts): {_gb(per_token.total)}"
+        )
+        for kind, size in sorted(per_token.by_kind.items(), key=lambda kv: -kv[1]):
+            typer.echo(f"  {kind:22} {_gb(size):>12}")

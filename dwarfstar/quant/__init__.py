@@ -1,0 +1,1 @@
+"""Quantization recipes, importance matrices, quality measurement and model inspection."""
