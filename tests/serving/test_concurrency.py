@@ -1,0 +1,130 @@
+"""Prefix reuse, batched decode of concurrent requests, disconnects, keepalives and the bounded queue."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import openai
+import pytest
+from conftest import API_KEY, BASE_CONFIG, start_server
+
+NOTHINK = {"thinking": {"type": "disabled"}}
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 300  # about 3000 tokens: 12 prefill chunks
+
+
+def chat(oai, content, **kwargs):
+    kwargs.setdefault("extra_body", NOTHINK)
+    return oai.chat.completions.create(
+        model="deepseek-v4-flash", messages=[{"role": "user", "content": content}], temperature=0, **kwargs
+    )
+
+
+def wait_for(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_second_turn_prefills_only_the_suffix(oai, server):
+    messages = [{"role": "user", "content": "Greet me. [[script:hello]]"}]
+    first = oai.chat.completions.create(model="deepseek-v4-flash", messages=messages, extra_body=NOTHINK)
+    assert first.choices[0].finish_reason == "stop"
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And?"},
+    ]
+    prefilled = server.metric("dwarfstar_prefill_tokens_total")
+    second = oai.chat.completions.create(model="deepseek-v4-flash", messages=messages, max_tokens=2, extra_body=NOTHINK)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # the session holds the first prompt and every generated token but the final EOS, which was
+    # sampled but never run; the second prompt renders that reply exactly, then EOS and the new turn
+    assert cached == first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert server.metric("dwarfstar_prefill_tokens_total") - prefilled == second.usage.prompt_tokens - cached
+    assert second.usage.prompt_tokens - cached < 10
+
+
+def test_two_conversations_in_parallel_are_batched(oai, server):
+    batched = server.metric("dwarfstar_batched_decode_steps_total")
+    prompts = ["First conversation, about rivers.", "Second conversation, about mountains."]
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(lambda p: chat(oai, p, max_tokens=30), prompts))
+    assert [r.usage.completion_tokens for r in together] == [30, 30]
+    assert server.metric("dwarfstar_batched_decode_steps_total") - batched >= 15
+    # batching does not change what each conversation gets (greedy, same prompt: same reply)
+    alone = [chat(oai, p, max_tokens=30) for p in prompts]
+    assert [r.choices[0].message.content for r in alone] == [r.choices[0].message.content for r in together]
+
+
+def test_ten_parallel_clients_all_get_their_own_answer(oai, server):
+    with ThreadPoolExecutor(10) as pool:
+        replies = list(pool.map(lambda i: chat(oai, f"Client {i} [[script:count{i}]]"), range(10)))
+    assert [r.choices[0].message.content for r in replies] == [f"Reply number {i}." for i in range(10)]
+    assert all(r.choices[0].finish_reason == "stop" for r in replies)
+    assert server.metric("dwarfstar_decode_batch_max") >= 4  # max_sessions requests at once
+    assert server.metric("dwarfstar_live_sessions") <= BASE_CONFIG.max_sessions
+
+
+def test_disconnect_stops_generation(oai, server):
+    cancelled = server.metric("dwarfstar_cancelled_requests_total", phase="decode")
+    generated = server.metric("dwarfstar_generated_tokens_total")
+    stream = chat(oai, "Talk for a long time.", max_tokens=3000, stream=True)
+    for _, _chunk in zip(range(5), stream, strict=False):
+        pass
+    stream.close()
+    wait_for(lambda: server.metric("dwarfstar_cancelled_requests_total", phase="decode") == cancelled + 1)
+    total = server.metric("dwarfstar_generated_tokens_total")
+    assert total - generated < 100  # stopped within a step of noticing, far from 3000
+    time.sleep(0.3)
+    assert server.metric("dwarfstar_generated_tokens_total") == total
+    assert server.metric("dwarfstar_active_requests") == 0
+
+
+def test_disconnect_during_prefill_stops_it(oai, server):
+    cancelled = server.metric("dwarfstar_cancelled_requests_total", phase="prefill")
+    prefilled = server.metric("dwarfstar_prefill_tokens_total")
+    stream = chat(oai, "Summarise: " + LONG_PROMPT, max_tokens=5, stream=True)
+    next(iter(stream))  # the role chunk: the request holds a session and its prefill has started
+    stream.close()
+    wait_for(lambda: server.metric("dwarfstar_cancelled_requests_total", phase="prefill") == cancelled + 1)
+    assert server.metric("dwarfstar_prefill_tokens_total") - prefilled < 2000  # of about 3000
+    assert server.metric("dwarfstar_active_requests") == 0
+
+
+def test_keepalive_comments_during_a_long_prefill(http):
+    body = {
+        "model": "deepseek-v4-flash",
+        "messages": [{"role": "user", "content": "Once more: " + LONG_PROMPT}],
+        "max_tokens": 1,
+        "stream": True,
+        "thinking": False,
+    }
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    first_content = next(i for i, line in enumerate(lines) if '"content"' in line and '"role"' not in line)
+    assert ": keepalive" in lines[:first_content]
+    assert lines[-1] == "data: [DONE]"
+
+
+@pytest.fixture(scope="module")
+def tiny_queue_server(engine):
+    yield from start_server(engine, replace(BASE_CONFIG, max_sessions=1, max_queue=1, trace=None))
+
+
+def test_full_queue_answers_429(tiny_queue_server):
+    client = openai.OpenAI(base_url=tiny_queue_server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    running = chat(client, "Keep going.", max_tokens=2000, stream=True)
+    next(iter(running))
+    waiting = chat(client, "Wait your turn.", max_tokens=2000, stream=True)
+    wait_for(lambda: tiny_queue_server.metric("dwarfstar_queue_depth") == 1)
+    with pytest.raises(openai.RateLimitError) as err:
+        chat(client, "One too many.", max_tokens=1)
+    assert err.value.status_code == 429 and err.value.body["code"] == "rate_limit_exceeded"
+    running.close()
+    next(iter(waiting))  # admitted once the running request was cancelled
+    waiting.close()
+    wait_for(lambda: tiny_queue_server.metric("dwarfstar_active_requests") == 0)
+    assert chat(client, "Now there is room.", max_tokens=2).choices[0].finish_reason == "length"
