@@ -52,10 +52,12 @@ def pick_backend(requested: str) -> str:
         raise DwarfStarError(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
     available = available_backends()
     if requested == "auto":
-        for name in ("mlx", "triton"):
-            if name in available:
-                return name
-        return "reference"
+        if "mlx" in available:
+            from dwarfstar.backends.mlx import metal_available
+
+            if metal_available():  # MLX also runs on a Linux CPU, but there the reference is faster
+                return "mlx"
+        return "triton" if "triton" in available else "reference"
     if requested not in available:
         raise DwarfStarError(f"backend {requested!r} cannot run on this machine (available: {', '.join(available)})")
     return requested

@@ -1,0 +1,176 @@
+"""Numerical primitives of DeepSeek V4 in MLX built-in ops, float32.
+
+Each function mirrors its torch counterpart in `dwarfstar.backends.reference.ops` (same semantics,
+same order of roundings); tests/mlx/test_ops.py checks them against it. Only MLX's built-in ops
+are used, so this runs wherever MLX does (Linux CPU included).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from dwarfstar.backends.reference.ops import FP4_BLOCK, FP4_MAX, FP8_BLOCK, FP8_MAX
+
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(_E2M1_GRID[:-1], _E2M1_GRID[1:], strict=True))
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[mx.array, mx.array]:
+    """cos/sin of p * freq per interleaved pair, [T, rope_dim / 2].
+
+    Angles are formed on the host in float64 (positions are host integers anyway): at
+    million-token positions a float32 product loses whole radians.
+    """
+    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    return mx.array(np.cos(angles).astype(np.float32)), mx.array(np.sin(angles).astype(np.float32))
+
+
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, inverse: bool = False) -> mx.array:
+    """Rotate interleaved pairs (2i, 2i+1) of the LAST rope dims of x [T, ..., D]; cos/sin are [T, R/2]."""
+    half = cos.shape[-1]
+    nope, rope = x[..., : -2 * half], x[..., -2 * half :]
+    shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (half,)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    if inverse:
+        sin = -sin
+    pairs = rope.reshape(*rope.shape[:-1], half, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    rotated = mx.stack((a * cos - b * sin, a * sin + b * cos), axis=-1).reshape(rope.shape)
+    return mx.concatenate((nope, rotated), axis=-1)
+
+
+def _pow2_ceil(x: mx.array) -> mx.array:
+    """Smallest power of two >= x, for positive normal float32 x (the UE8M0 scale), from the bits.
+
+    Both callers floor x well above the smallest normal (1e-4 / 448 and 2^-126), so no subnormal
+    ever reaches here.
+    """
+    bits = mx.view(x, mx.uint32)
+    exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).astype(mx.uint32)
+    return mx.view(exponent << 23, mx.float32)
+
+
+def _blocked(x: mx.array, block: int) -> tuple[mx.array, int]:
+    """View the last dim as blocks, zero-padding a trailing partial block (exact: zeros change nothing)."""
+    n = x.shape[-1]
+    pad = -n % block
+    if pad:
+        x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    return x.reshape(*x.shape[:-1], -1, block), n
+
+
+def fp8_round(x: mx.array) -> mx.array:
+    """KV "FP8" QAT rounding: e4m3fn with a power-of-two scale per 64 values.
+
+    `mx.to_fp8` rounds to nearest even with subnormals, exactly like torch's float8_e4m3fn cast.
+    """
+    blocks, n = _blocked(x, FP8_BLOCK)
+    amax = mx.maximum(mx.abs(blocks).max(axis=-1, keepdims=True), 1e-4)
+    scale = _pow2_ceil(amax * (1.0 / FP8_MAX))
+    q = mx.from_fp8(mx.to_fp8(mx.clip(blocks / scale, -FP8_MAX, FP8_MAX)), mx.float32) * scale
+    return q.reshape(*q.shape[:-2], -1)[..., :n]
+
+
+def fp8_round_nope(x: mx.array, rope_dim: int) -> mx.array:
+    """FP8-round the non-rope dims of KV rows; the trailing rope dims stay exact."""
+    return mx.concatenate((fp8_round(x[..., :-rope_dim]), x[..., -rope_dim:]), axis=-1)
+
+
+def fp4_round(x: mx.array) -> mx.array:
+    """Indexer "FP4" QAT rounding: e2m1 with a power-of-two scale per 32 values, ties to the even code."""
+    blocks, n = _blocked(x, FP4_BLOCK)
+    amax = mx.maximum(mx.abs(blocks).max(axis=-1, keepdims=True), FP4_MAX * 2.0**-126)
+    scale = _pow2_ceil(amax * (1.0 / FP4_MAX))
+    v = mx.clip(blocks / scale, -FP4_MAX, FP4_MAX)
+    mag = mx.abs(v)
+    mids = mx.array(_E2M1_MIDPOINTS)
+    code = (mag[..., None] > mids).astype(mx.int32).sum(-1)  # midpoints strictly below |v|
+    tie = mag == mx.take(mids, mx.minimum(code, len(_E2M1_MIDPOINTS) - 1))
+    code = mx.where(tie & (code % 2 == 1), code + 1, code)
+    q = mx.take(mx.array(_E2M1_GRID), code) * mx.sign(v) * scale
+    return q.reshape(*q.shape[:-2], -1)[..., :n]
+
+
+@functools.cache
+def _hadamard_matrix(n: int) -> mx.array:
+    """Sylvester (natural order) Walsh-Hadamard matrix scaled to be orthonormal."""
+    if n & (n - 1):
+        raise ValueError(f"Hadamard size {n} is not a power of two")
+    h = np.ones((1, 1), dtype=np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return mx.array(h / math.sqrt(n))
+
+
+def hadamard(x: mx.array) -> mx.array:
+    return x @ _hadamard_matrix(x.shape[-1])
+
+
+def indexer_round(x: mx.array) -> mx.array:
+    """Indexer QAT: Hadamard rotation, then FP4 rounding."""
+    return fp4_round(hadamard(x))
+
+
+def swiglu_clamped(gate: mx.array, up: mx.array, limit: float) -> mx.array:
+    """SiLU(min(gate, limit)) * clamp(up, -limit, limit): the clamp comes before the activation."""
+    gate = mx.minimum(gate, limit)
+    return gate * mx.sigmoid(gate) * mx.clip(up, -limit, limit)
+
+
+def sinkhorn(logits: mx.array, iters: int, eps: float) -> mx.array:
+    """HC combination matrix [..., n, n]: row softmax, one column normalisation, then iters-1 (row, column) rounds."""
+    comb = mx.softmax(logits, axis=-1) + eps
+    comb = comb / (comb.sum(-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdims=True) + eps)
+        comb = comb / (comb.sum(-2, keepdims=True) + eps)
+    return comb
+
+
+def _hc_mix(h: mx.array, fn: mx.array, norm_eps: float) -> mx.array:
+    """fn @ RMS-normalised flattened streams (the norm factor is applied after the product)."""
+    flat = h.reshape(h.shape[0], -1)
+    return (flat @ fn.T) * mx.rsqrt(mx.square(flat).mean(-1, keepdims=True) + norm_eps)
+
+
+def hc_pre(
+    h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, iters: int, hc_eps: float, norm_eps: float
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Hyper-connection pre-mix. h is [T, n, D]; returns (sublayer input [T, D], post [T, n], comb [T, n, n])."""
+    n = h.shape[1]
+    mix = _hc_mix(h, fn, norm_eps)
+    pre = mx.sigmoid(mix[:, :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * mx.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb_logits = mix[:, 2 * n :].reshape(-1, n, n) * scale[2] + base[2 * n :].reshape(n, n)
+    comb = sinkhorn(comb_logits, iters, hc_eps)
+    return (pre[..., None] * h).sum(1), post, comb
+
+
+def hc_post(out: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx.array:
+    """New streams: stream k = post_k * out + sum_j comb[j, k] * h_j (column k of comb, not row)."""
+    return post[..., None] * out[:, None, :] + comb.transpose(0, 2, 1) @ h
+
+
+def hc_head(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, hc_eps: float, norm_eps: float) -> mx.array:
+    """Final collapse of the n streams with sigmoid weights (no Sinkhorn, no post)."""
+    weights = mx.sigmoid(_hc_mix(h, fn, norm_eps) * scale + base) + hc_eps
+    return (weights[..., None] * h).sum(1)
+
+
+def sink_attention(q: mx.array, kv: mx.array, mask: mx.array, sinks: mx.array) -> mx.array:
+    """Softmax attention with a per-head sink logit in the denominator; q [T, H, D], kv [N, D] (K = V).
+
+    MLX's fused attention takes the sinks directly; mask [T, N] is True where a row is visible.
+    """
+    qh = q.transpose(1, 0, 2)[None]
+    k = kv[None, None]
+    out = mx.fast.scaled_dot_product_attention(qh, k, k, scale=q.shape[-1] ** -0.5, mask=mask, sinks=sinks)
+    return out[0].transpose(1, 0, 2)

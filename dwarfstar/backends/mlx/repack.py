@@ -1,0 +1,124 @@
+"""GGUF quant blocks to MLX affine quantization (`w = scale * q + bias`, group 32), at load.
+
+MLX's affine groups are 32 wide or more. Three ggml types fit exactly:
+
+* Q8_0 (`d * q`, q int8, 32 per block): 8-bit codes `q + 128`, scale `d`, bias `-128 d`.
+* Q4_K (`(d sc) q - (dmin m)`, 4-bit q, 32 per sub-block): the same form with scale `d sc` and
+  bias `-(dmin m)`, 4-bit codes.
+* IQ2_XXS (`db * grid * sign`, grid values {8, 25, 43}, one db per 32): 8-bit codes
+  `grid * sign + 43`, scale `db`, bias `-43 db`.
+
+All three are bit-exact: every product `scale * code` and the bias are exact in float32 (at most
+23 significant bits), so the single rounding of `scale * code + bias`, fused or not, is the one the
+reference dequantizer makes. Q2_K has 16-wide sub-blocks with their own scale and min, which no
+32-wide affine group can hold; it is dequantized, or requantized with a stated loss (`requantize`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+import torch
+
+from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
+from dwarfstar.gguf.dequant import _byte_tensor, _f16, _iq2xxs_tables, _q4_k_scale_min, _shifts
+
+GROUP = 32
+# Elements converted per step: bounds the temporary float32/int copies for Flash-sized tensors.
+CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass
+class AffineParts:
+    """Packed codes (uint32 [rows, cols * bits / 32]) with float32 scales and biases [rows, cols / 32]."""
+
+    codes: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+
+    def stacked(self, experts: int) -> AffineParts:
+        """The same rows viewed as [experts, rows / experts, ...] for gathered expert products."""
+        codes, scales, biases = (
+            a.reshape(experts, a.shape[0] // experts, -1) for a in (self.codes, self.scales, self.biases)
+        )
+        return AffineParts(codes, scales, biases, self.bits)
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Pack integer codes [rows, cols] into uint32 words the way MLX does: least significant bits first."""
+    per_word = 32 // bits
+    rows, cols = codes.shape
+    grouped = codes.astype(np.uint32).reshape(rows, cols // per_word, per_word)
+    return (grouped << (bits * np.arange(per_word, dtype=np.uint32))).sum(-1, dtype=np.uint32)
+
+
+def _q8_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = _f16(b, 0)
+    return b[:, 2:].view(torch.int8).int() + 128, d, -128 * d
+
+
+def _q4_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # same decoding as dwarfstar.gguf.dequant._q4_k, stopping before the multiply
+    n = b.shape[0]
+    sc, mn = _q4_k_scale_min(b[:, 4:16])
+    q = (b[:, 16:].reshape(n, 4, 1, 32) >> _shifts(0, 4).reshape(1, 1, 2, 1)) & 0xF
+    return q.reshape(n * 8, 32), (_f16(b, 0) * sc.float()).reshape(-1, 1), -(_f16(b, 2) * mn.float()).reshape(-1, 1)
+
+
+def _iq2_xxs(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # same decoding as dwarfstar.gguf.dequant._iq2_xxs, keeping grid * sign as an integer code
+    n = b.shape[0]
+    grid, ksigns = _iq2xxs_tables()
+    offset = int(grid.max())  # 43: codes grid * sign + 43 span 0..86
+    g = b[:, 2:].reshape(n, 8, 8)
+    aux = (g[..., 4:].long() << _shifts(0, 8, 16, 24, dtype=torch.long)).sum(-1)
+    db = (_f16(b, 0) * (0.5 + (aux >> 28).float()) * 0.25).reshape(-1, 1)
+    sign_idx = (aux.unsqueeze(-1) >> _shifts(0, 7, 14, 21, dtype=torch.long)) & 0x7F
+    sign_bits = (ksigns[sign_idx].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    signed = grid[g[..., :4].long()].int() * (1 - 2 * sign_bits.int())
+    return signed.reshape(n * 8, 32) + offset, db, -offset * db
+
+
+# ggml type -> (bits, decoder of (n_blocks, block_bytes) to (codes [groups, 32], scale, bias [groups, 1]))
+_EXACT: dict[GGMLType, tuple[int, Callable]] = {
+    GGMLType.Q8_0: (8, _q8_0),
+    GGMLType.Q4_K: (4, _q4_k),
+    GGMLType.IQ2_XXS: (8, _iq2_xxs),
+}
+
+
+def exact_affine(ggml_type: GGMLType) -> bool:
+    return GGMLType(ggml_type) in _EXACT
+
+
+def repack_exact(raw: np.ndarray, ggml_type: GGMLType, rows: int, cols: int) -> AffineParts:
+    """Lossless affine form of a [rows, cols] block matrix (Q8_0, Q4_K or IQ2_XXS)."""
+    bits, decode = _EXACT[GGMLType(ggml_type)]
+    block, size = BLOCK_GEOMETRY[ggml_type]
+    data = _byte_tensor(raw).view(rows, cols // block * size)
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    step = max(1, CHUNK_ELEMENTS // cols)
+    for start in range(0, rows, step):
+        chunk = data[start : start + step]
+        codes, scale, bias = decode(chunk.reshape(-1, size))
+        n = chunk.shape[0]
+        parts.append(
+            (pack_codes(codes.reshape(n, cols).numpy(), bits), scale.view(n, -1).numpy(), bias.view(n, -1).numpy())
+        )
+    codes, scales, biases = (np.concatenate(p) for p in zip(*parts, strict=True))
+    return AffineParts(mx.array(codes), mx.array(scales), mx.array(biases), bits)
+
+
+def requantize(values: Callable[[int, int], torch.Tensor], rows: int, cols: int, bits: int) -> AffineParts:
+    """MLX's own affine quantization of dequantized values (lossy), `values(start, stop)` giving row bands."""
+    parts = []
+    step = max(1, CHUNK_ELEMENTS // cols)
+    for start in range(0, rows, step):
+        band = mx.array(values(start, min(rows, start + step)).numpy())
+        parts.append(mx.quantize(band, group_size=GROUP, bits=bits))
+    codes, scales, biases = (mx.concatenate(p) for p in zip(*parts, strict=True))
+    return AffineParts(codes, scales, biases, bits)

@@ -1,0 +1,141 @@
+"""Model weights as MLX arrays, in one of four packings chosen at load.
+
+* `exact` (the default without Metal): float tensors become float32; Q8_0, Q4_K and IQ2_XXS are
+  repacked losslessly into MLX affine groups (`repack.py`); Q2_K is dequantized to float32. The
+  logits equal the reference's up to float32 summation order. Memory is that of the repacked or
+  dequantized weights, so this is for small models (tests, CI, the CPU bench).
+* `affine4` / `affine2`: as `exact`, but Q2_K and IQ2_XXS (the routed experts of the q2 files) are
+  requantized by MLX into 4- or 2-bit affine groups of 32: the built-in-op path for an Apple
+  machine that keeps the weights small without the Metal kernels. Lossy; `kl.py` measures it.
+* `blocks` (the default with Metal): quantized matrices stay GGUF blocks, read in place by the
+  Metal kernels (`metal.py`).
+
+Every matrix answers `matmul(x)` (x [..., in] -> [..., out]) and, when stacked [E, out, in],
+`gather(x, ids)` (x [T, 1 or k, 1, in], ids [T, k] -> [T, k, 1, out]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from dwarfstar.backends.mlx import repack
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.gguf.constants import GGMLType
+from dwarfstar.gguf.dequant import dequantize
+from dwarfstar.gguf.reader import GGUFFile
+
+PACKINGS = ("exact", "affine4", "affine2", "blocks")
+FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+REQUANTIZED = (GGMLType.Q2_K, GGMLType.IQ2_XXS)  # the routed-expert types of the q2 files
+
+
+class Matrix(Protocol):
+    def matmul(self, x: mx.array) -> mx.array: ...
+
+    def gather(self, x: mx.array, ids: mx.array) -> mx.array: ...
+
+
+@dataclass
+class DenseMatrix:
+    """float32 [out, in], or stacked [E, in, out] (transposed once at load, as gather_mm wants it)."""
+
+    w: mx.array
+
+    @classmethod
+    def stacked(cls, w: mx.array) -> DenseMatrix:
+        return cls(mx.contiguous(w.swapaxes(-1, -2)))
+
+    def matmul(self, x: mx.array) -> mx.array:
+        return x @ self.w.T
+
+    def gather(self, x: mx.array, ids: mx.array) -> mx.array:
+        return mx.gather_mm(x, self.w, rhs_indices=ids)
+
+
+@dataclass
+class AffineMatrix:
+    """MLX affine quantization, group 32: [out, in * bits / 32] codes, or stacked [E, out, ...]."""
+
+    parts: repack.AffineParts
+
+    def matmul(self, x: mx.array) -> mx.array:
+        p = self.parts
+        return mx.quantized_matmul(x, p.codes, p.scales, p.biases, transpose=True, group_size=repack.GROUP, bits=p.bits)
+
+    def gather(self, x: mx.array, ids: mx.array) -> mx.array:
+        p = self.parts
+        return mx.gather_qmm(
+            x, p.codes, p.scales, p.biases, rhs_indices=ids, transpose=True, group_size=repack.GROUP, bits=p.bits
+        )
+
+
+class Weights:
+    """Reads tensors from a GGUF file into the chosen packing."""
+
+    def __init__(self, gguf: GGUFFile, packing: str) -> None:
+        if packing not in PACKINGS:
+            raise DwarfStarError(f"unknown MLX weight packing {packing!r}; choose one of {', '.join(PACKINGS)}")
+        self.gguf, self.packing = gguf, packing
+
+    def dense(self, name: str) -> mx.array:
+        """A small tensor (norms, biases, HC parameters, embeddings, the hash table) in float32 or int32."""
+        return mx.array(self.gguf.tensor(name).numpy())
+
+    def matrix(self, name: str, groups: int = 1) -> Matrix:
+        """A [out, in] projection; `groups` > 1 splits its rows into a stack of [groups, out / groups, in]."""
+        info = self.gguf.tensors[name]
+        shape = info.shape if groups == 1 else (groups, info.shape[0] // groups, info.shape[1])
+        return self._load(name, shape)
+
+    def experts(self, name: str) -> Matrix:
+        return self._load(name, self.gguf.tensors[name].shape)
+
+    def _load(self, name: str, shape: tuple[int, ...]) -> Matrix:
+        info = self.gguf.tensors[name]
+        ggml_type, cols = info.ggml_type, shape[-1]
+        rows = int(np.prod(shape[:-1]))
+        if self.packing == "blocks" and ggml_type not in FLOAT_TYPES:
+            from dwarfstar.backends.mlx.metal import BlockMatrix
+
+            return BlockMatrix.from_gguf(self.gguf.raw(name), ggml_type, shape)
+        if self.packing != "exact" and ggml_type in REQUANTIZED:
+            bits = 4 if self.packing == "affine4" else 2
+            parts = repack.requantize(self._row_band(name, cols), rows, cols, bits)
+        elif repack.exact_affine(ggml_type):
+            parts = repack.repack_exact(self.gguf.raw(name), ggml_type, rows, cols)
+        else:  # float tensors, and Q2_K in the exact packing
+            w = mx.array(self.gguf.tensor(name).numpy()).reshape(shape)
+            return DenseMatrix.stacked(w) if len(shape) == 3 else DenseMatrix(w)
+        return AffineMatrix(parts.stacked(shape[0]) if len(shape) == 3 else parts)
+
+    def _row_band(self, name: str, cols: int):
+        """Dequantize rows [start, stop) of a block matrix straight from the memory map."""
+        info = self.gguf.tensors[name]
+        raw = self.gguf.raw(name)
+        row_bytes = info.nbytes // (info.n_elements // cols)
+
+        def band(start: int, stop: int):
+            n = stop - start
+            return dequantize(raw[start * row_bytes : stop * row_bytes], info.ggml_type, n * cols).view(n, cols)
+
+        return band
+
+
+class LayerWeights:
+    """The tensors of block `il`, named without their `blk.{il}.` prefix."""
+
+    def __init__(self, weights: Weights, il: int) -> None:
+        self.weights, self.prefix = weights, f"blk.{il}."
+
+    def dense(self, name: str) -> mx.array:
+        return self.weights.dense(self.prefix + name)
+
+    def matrix(self, name: str, groups: int = 1) -> Matrix:
+        return self.weights.matrix(self.prefix + name, groups)
+
+    def experts(self, name: str) -> Matrix:
+        return self.weights.experts(self.prefix + name)
