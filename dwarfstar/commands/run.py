@@ -1,21 +1,35 @@
-"""`dwarfstar run`: load a model and run a prompt; the debug dumps other checks depend on."""
+"""`dwarfstar run`: one-shot prompts, the interactive chat, and ds4's diagnostic dumps.
+
+With `-p`/`--prompt-file` it answers once; with neither it opens the chat (dwarfstar/repl.py). A
+prompt that starts with BOS is taken as already rendered, as in ds4. `--dump-logits` is a contract
+other checks depend on: `--prompt-tokens 0,17,42 --dump-logits OUT.npy` writes float32
+[n_prompt, vocab] logits after each prompt position and exits 0.
+"""
 
 from __future__ import annotations
 
-import time
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import numpy as np
 import typer
 
+from dwarfstar.chat import DEFAULT_SYSTEM, Chat, ThinkMode, allowed_mode
 from dwarfstar.cli import app
-from dwarfstar.engine import BACKENDS, load_engine
+from dwarfstar.diagnostics import MAX_LOGPROBS_TOP_K, Trace, dump_tokens, greedy_logprobs, write_logprobs
+from dwarfstar.engine import BACKENDS, Engine, load_engine
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.prompt.render import render_conversation
+from dwarfstar.hub import resolve_model
+from dwarfstar.repl import run_repl
 from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.session.session import Session
-from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
+from dwarfstar.terminal import Interrupt, loading, note, summary_line
+from dwarfstar.throttle import ThrottledBackend, throttle
+from dwarfstar.tokenizer.specials import BOS, THINK_START
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+INTERRUPTED_EXIT = 130  # the shell's code for a run stopped by Ctrl+C
 
 
 def parse_token_list(text: str) -> list[int]:
@@ -28,51 +42,128 @@ def parse_token_list(text: str) -> list[int]:
     return ids
 
 
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
+    if prompt is not None and prompt_file is not None:
+        raise DwarfStarError("give -p/--prompt or --prompt-file, not both")
+    if prompt_file is None:
+        return prompt
+    try:
+        return prompt_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DwarfStarError(f"cannot read {prompt_file}: {exc}") from None
+
+
+def think_mode(think: bool, think_max: bool) -> ThinkMode:
+    if think_max:
+        return ThinkMode.THINK_MAX
+    return ThinkMode.THINK if think else ThinkMode.NOTHINK
+
+
+def one_shot_ids(chat: Chat, tokenizer: Tokenizer, text: str) -> tuple[list[int], bool]:
+    """The prompt ids and whether the reply starts in reasoning. A text that opens with BOS is a
+    rendered prompt (control tokens honoured, no template), as in ds4."""
+    if text.startswith(BOS):
+        return tokenizer.encode_with_specials(text), text.rstrip().endswith(THINK_START)
+    return chat.prompt_ids(pending=text), chat.thinking
+
+
+def write_logits(engine: Engine, ids: list[int], ctx: int, out: Path) -> None:
+    session = Session(engine.backend, ctx=min(ctx, engine.model.args.max_seq_len))
+    logits = engine.backend.forward(ids, session.state, all_logits=True)
+    np.save(out, logits.numpy().astype(np.float32, copy=False))
+    typer.echo(f"wrote logits {tuple(logits.shape)} to {out}", err=True)
+
+
 @app.command()
 def run(
-    model: Annotated[Path, typer.Option("-m", "--model", help="GGUF model file.")],
-    prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="User message (one-shot chat).")] = None,
+    model: Annotated[Path | None, typer.Option("-m", "--model", help="GGUF model (default: ./ds4flash.gguf).")] = None,
+    prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="Answer this once and exit.")] = None,
+    prompt_file: Annotated[Path | None, typer.Option(help="Like -p, with the text of FILE.")] = None,
     prompt_tokens: Annotated[str | None, typer.Option(help="Raw prompt as token ids: 0,17,42.")] = None,
+    system: Annotated[str, typer.Option("-sys", "--system", help='System prompt; "" for none.')] = DEFAULT_SYSTEM,
+    think: Annotated[bool, typer.Option("--think/--nothink", help="Reason before answering.")] = True,
+    think_max: Annotated[bool, typer.Option(help="Maximum reasoning effort (needs --ctx >= 393216).")] = False,
+    temp: Annotated[float, typer.Option(help="Sampling temperature, 0..100; 0 is greedy.")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling, 0..1.")] = 1.0,
+    top_k: Annotated[int, typer.Option(min=0, help="Sample among the K most likely tokens; 0: no limit.")] = 0,
+    min_p: Annotated[float, typer.Option(help="Keep tokens with p >= MIN_P * p_max.")] = 0.05,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed (default: random).")] = None,
+    tokens: Annotated[int, typer.Option("-n", "--tokens", min=1, help="Most tokens to generate per reply.")] = 50000,
+    ctx: Annotated[int, typer.Option("-c", "--ctx", min=1, help="Context size in tokens.")] = 32768,
+    backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
+    power: Annotated[
+        int, typer.Option(min=1, max=100, help="Keep the device about N% busy (sleeps; same output).")
+    ] = 100,
+    trace: Annotated[Path | None, typer.Option(help="Append a session trace (prompts, cache, text) to FILE.")] = None,
+    dump_tokens_: Annotated[
+        bool, typer.Option("--dump-tokens", help="Print the prompt's tokens (as written, no template) and exit.")
+    ] = False,
+    dump_logprobs: Annotated[
+        Path | None, typer.Option(help="Write the greedy continuation with top-K logprobs per step (JSON), exit.")
+    ] = None,
+    logprobs_top_k: Annotated[int, typer.Option(min=1, help="Alternatives per step in --dump-logprobs.")] = 20,
     dump_logits: Annotated[
         Path | None, typer.Option(help="Write float32 [n_prompt, vocab] logits after each prompt token (.npy), exit.")
     ] = None,
     no_qat_rounding: Annotated[bool, typer.Option(help="Skip the FP8 KV / FP4 indexer rounding.")] = False,
-    backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
-    tokens: Annotated[int, typer.Option("-n", "--tokens", help="Tokens to generate.")] = 64,
-    temp: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
-    seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
-    ctx: Annotated[int, typer.Option(help="Context size in tokens.")] = 32768,
 ) -> None:
-    """Run a prompt through the model."""
-    if (prompt is None) == (prompt_tokens is None):
-        raise DwarfStarError("give exactly one of -p/--prompt or --prompt-tokens")
-    loaded = load_engine(model, backend, qat=not no_qat_rounding, ctx=ctx)
-    engine, tokenizer, load_s = loaded.backend, loaded.tokenizer, loaded.load_seconds
-    if prompt is not None:
-        ids = tokenizer.encode_prompt(render_conversation([{"role": "user", "content": prompt}]).parts)
-    else:
-        ids = parse_token_list(prompt_tokens)
-    session = Session(engine, ctx=min(ctx, engine.args.max_seq_len))
-    if dump_logits is not None:
-        logits = engine.forward(ids, session.state, all_logits=True)
-        np.save(dump_logits, logits.numpy().astype(np.float32, copy=False))
-        typer.echo(f"wrote logits {tuple(logits.shape)} to {dump_logits}", err=True)
+    """Chat with the model: one prompt with -p, else an interactive session."""
+    text = read_prompt(prompt, prompt_file)
+    if text is not None and prompt_tokens is not None:
+        raise DwarfStarError("give a text prompt or --prompt-tokens, not both")
+    path = resolve_model(model)
+    if dump_tokens_:
+        if text is None:
+            raise DwarfStarError("--dump-tokens needs -p or --prompt-file")
+        sys.stdout.write(dump_tokens(Tokenizer.from_gguf(path), text))
         return
-    start = time.perf_counter()
-    session.prefill(ids)
-    prefill_s = time.perf_counter() - start
-    detok = IncrementalDetokenizer(tokenizer)
-    start = time.perf_counter()
-    n_out = 0
-    params = SamplingParams(temperature=temp, min_p=0.05 if temp > 0 else 0.0, seed=seed)
-    for token in session.generate(tokens, params, stop_tokens=[engine.args.eos_token_id]):
-        n_out += 1
-        if token != engine.args.eos_token_id:
-            typer.echo(detok.push(token), nl=False)
-    typer.echo(detok.flush())
-    decode_s = time.perf_counter() - start
-    typer.echo(
-        f"load {load_s:.2f} s | prefill {len(ids)} tok at {len(ids) / max(prefill_s, 1e-9):.1f} tok/s | "
-        f"decode {n_out} tok at {n_out / max(decode_s, 1e-9):.1f} tok/s",
-        err=True,
+    if (dump_logits or dump_logprobs) and text is None and prompt_tokens is None:
+        raise DwarfStarError("the dumps need a prompt: -p, --prompt-file or --prompt-tokens")
+
+    with loading(path):
+        engine = load_engine(path, backend, qat=not no_qat_rounding, ctx=ctx)
+    mode, warning = allowed_mode(think_mode(think, think_max), ctx)
+    if warning:
+        note(f"warning: {warning}", "yellow")
+    params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    tracer = Trace(trace) if trace else None
+    paced = throttle(engine.backend, power)
+    chat = Chat(
+        engine,
+        paced,
+        ctx=min(ctx, engine.model.args.max_seq_len),
+        system=system,
+        mode=mode,
+        params=params,
+        max_tokens=tokens,
+        trace=tracer,
     )
+    try:
+        if text is None and prompt_tokens is None:
+            run_repl(chat)
+        else:
+            if prompt_tokens is not None:
+                ids, thinking = parse_token_list(prompt_tokens), False
+            else:
+                ids, thinking = one_shot_ids(chat, engine.tokenizer, text)
+            if dump_logits:
+                write_logits(engine, ids, ctx, dump_logits)
+                return
+            if dump_logprobs:
+                k = min(logprobs_top_k, MAX_LOGPROBS_TOP_K)
+                chat.session.prefill(ids)
+                steps = greedy_logprobs(chat.session, engine.tokenizer, tokens, k, chat.eos)
+                write_logprobs(dump_logprobs, len(ids), chat.session.ctx, k, steps)
+                note(f"wrote {len(steps)} steps to {dump_logprobs}")
+                return
+            with Interrupt() as stop:
+                stats = chat.complete(ids, thinking, stop)
+            if stats.finish in ("interrupted", "cancelled"):
+                note(f"[{stats.finish}]", "dim")
+                raise typer.Exit(INTERRUPTED_EXIT)
+    finally:
+        if chat.prefill_speed.tokens:
+            idle = (power, paced.duty.slept_s) if isinstance(paced, ThrottledBackend) else None
+            note(summary_line(engine.load_seconds, chat.prefill_speed, chat.decode_speed, idle))
+        if tracer:
+            tracer.close()

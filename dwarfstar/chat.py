@@ -1,0 +1,213 @@
+"""A chat on one live session: the transcript, prefix reuse, streamed replies, saved chats.
+
+The transcript follows ds4's CLI (DS4_SURFACE §1.2): BOS [+ Think-Max preamble] [+ system], then
+per turn `<｜User｜>text<｜Assistant｜><think>` (or `</think>`), every generated token, reasoning
+included, and EOS. The renderer writes the head and the user parts; the replies stay the tokens the
+model produced, never re-tokenized text, so a reply whose text would tokenize differently (or that
+ends in half a UTF-8 character) still matches the live KV exactly. Each turn the whole transcript
+is compared with the session's tokens and only the new suffix is computed.
+
+Each turn keeps the thinking mode it was asked in, so `/think` and `/nothink` change only the turns
+after them; switching Think-Max changes the preamble after BOS, and the next turn recomputes the
+conversation, as in ds4.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from dwarfstar.diagnostics import Trace
+from dwarfstar.engine import Engine
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.prompt.render import render_conversation
+from dwarfstar.session.payload import read_payload, write_payload
+from dwarfstar.session.prefix import common_prefix_len
+from dwarfstar.session.sampling import Sampler, SamplingParams
+from dwarfstar.session.session import Backend, Cancelled, Session
+from dwarfstar.terminal import PrefillProgress, Speed, StreamPrinter
+from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
+
+DEFAULT_SYSTEM = "You are a helpful assistant"  # ds4's CLI default, without a period
+THINK_MAX_MIN_CTX = 393216  # ds4 allows Think-Max only with a context this large
+
+
+class ThinkMode(Enum):
+    NOTHINK = "nothink"
+    THINK = "think"
+    THINK_MAX = "think-max"
+
+
+def allowed_mode(mode: ThinkMode, ctx: int) -> tuple[ThinkMode, str | None]:
+    """ds4's gate: Think-Max below THINK_MAX_MIN_CTX becomes Think, with a warning."""
+    if mode is ThinkMode.THINK_MAX and ctx < THINK_MAX_MIN_CTX:
+        return ThinkMode.THINK, f"think-max needs --ctx >= {THINK_MAX_MIN_CTX}; using think"
+    return mode, None
+
+
+@dataclass
+class Turn:
+    user: str
+    thinking: bool
+    reply: list[int] = field(default_factory=list)  # generated tokens, EOS excluded
+
+
+@dataclass
+class TurnStats:
+    kept: int  # tokens of the live session reused
+    prompt_tokens: int
+    prefilled: int  # tokens run through the model to reach the prompt (replays included)
+    prefill_s: float
+    ids: list[int]  # generated tokens, EOS excluded
+    decode_s: float
+    finish: str  # "stop" (EOS), "length", "interrupted" (during generation) or "cancelled" (during prefill)
+
+
+class Chat:
+    def __init__(
+        self,
+        engine: Engine,
+        backend: Backend,
+        *,
+        ctx: int,
+        system: str,
+        mode: ThinkMode,
+        params: SamplingParams,
+        max_tokens: int,
+        trace: Trace | None = None,
+    ) -> None:
+        self.engine, self.backend = engine, backend
+        self.tokenizer = engine.tokenizer
+        self.eos = backend.args.eos_token_id
+        self.session = Session(backend, ctx=ctx)
+        self.system, self.mode = system, mode
+        self.sampler = Sampler(params)  # one generator for the whole chat: a seed gives a reproducible chat
+        self.max_tokens, self.trace = max_tokens, trace
+        self.turns: list[Turn] = []
+        self.prefill_speed, self.decode_speed = Speed(), Speed()
+        self.last: TurnStats | None = None
+        self._prefilled = (0, 0.0)  # tokens and seconds of the latest prefill
+
+    # -- the transcript -----------------------------------------------------------------------------
+    @property
+    def thinking(self) -> bool:
+        return self.mode is not ThinkMode.NOTHINK
+
+    def prompt_ids(self, pending: str | None = None) -> list[int]:
+        """The transcript's tokens, plus an unanswered user turn `pending` in the current mode."""
+        max_effort = self.mode is ThinkMode.THINK_MAX
+        head = render_conversation(
+            [{"role": "system", "content": self.system}],
+            thinking=max_effort,
+            reasoning_effort="max" if max_effort else None,
+        )
+        ids = self.tokenizer.encode_prompt(head.parts)
+        turns = self.turns if pending is None else [*self.turns, Turn(pending, self.thinking)]
+        for n, turn in enumerate(turns):
+            user = render_conversation([{"role": "user", "content": turn.user}], thinking=turn.thinking, add_bos=False)
+            ids += self.tokenizer.encode_prompt(user.parts)
+            if n < len(self.turns):
+                ids += [*turn.reply, self.eos]
+        return ids
+
+    def set_mode(self, mode: ThinkMode) -> str | None:
+        self.mode, warning = allowed_mode(mode, self.session.ctx)
+        return warning
+
+    def set_ctx(self, ctx: int) -> None:
+        """A new, empty session of `ctx` tokens; the conversation is recomputed at the next turn."""
+        limit = getattr(self.backend, "max_seq_len", self.backend.args.max_seq_len)
+        if ctx > limit:
+            raise DwarfStarError(f"the model was loaded for at most {limit} tokens; restart with --ctx {ctx}")
+        self.session = Session(self.backend, ctx=ctx)
+
+    # -- a turn ---------------------------------------------------------------------------------------
+    def ask(self, text: str, should_stop: Callable[[], bool] = lambda: False) -> TurnStats:
+        """Add a user turn and stream the reply to stdout. A turn stopped during prefill is dropped."""
+        ids = self.prompt_ids(pending=text)
+        turn = Turn(text, self.thinking)
+        stats = self.complete(ids, turn.thinking, should_stop, label=f"turn {len(self.turns) + 1}")
+        if stats.finish != "cancelled":
+            turn.reply = stats.ids
+            self.turns.append(turn)
+        return stats
+
+    def complete(
+        self, ids: list[int], thinking: bool, should_stop: Callable[[], bool] = lambda: False, label: str = "prompt"
+    ) -> TurnStats:
+        """Bring the session to `ids`, reusing what it already holds, and stream the continuation."""
+        if self.trace:
+            self.trace.write(f"{label}: rendered prompt ({len(ids)} tokens)", self.tokenizer.decode(ids))
+        keep = common_prefix_len(self.session.tokens, ids)
+        computed = self.session.stats.computed
+        start = time.perf_counter()
+        try:
+            with PrefillProgress() as progress:
+                self.session.truncate(keep)
+                self.session.prefill(ids[keep:], progress.update, should_stop)
+            finish = None
+        except Cancelled:
+            finish = "cancelled"
+        prefilled, prefill_s = self.session.stats.computed - computed, time.perf_counter() - start
+        self.prefill_speed.add(prefilled, prefill_s)
+        if self.trace:
+            self.trace.write(f"cache: reused {keep} tokens, prefilled {prefilled}")
+        out, decode_s = [], 0.0
+        if finish is None:
+            out, finish, decode_s = self.stream_reply(thinking, should_stop)
+        self.last = TurnStats(keep, len(ids), prefilled, prefill_s, out, decode_s, finish)
+        return self.last
+
+    def stream_reply(self, thinking: bool, should_stop: Callable[[], bool]) -> tuple[list[int], str, float]:
+        """Generate from the session's state, streaming text; returns (ids without EOS, finish, seconds)."""
+        printer = StreamPrinter(thinking)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        ids: list[int] = []
+        finish = "length"
+        start = time.perf_counter()
+        for token in self.session.generate(self.max_tokens, self.sampler, [self.eos], should_stop):
+            if token == self.eos:
+                finish = "stop"
+                break
+            ids.append(token)
+            printer.feed(detok.push(token))
+        decode_s = time.perf_counter() - start
+        if finish == "length" and should_stop():
+            finish = "interrupted"
+        printer.feed(detok.flush())
+        printer.finish()
+        self.decode_speed.add(len(ids) + (finish == "stop"), decode_s)
+        if self.trace:
+            self.trace.write(f"generated {len(ids)} tokens, finish {finish}", self.tokenizer.decode(ids))
+        return ids, finish, decode_s
+
+    # -- saved chats ------------------------------------------------------------------------------------
+    def save(self, stem: Path) -> int:
+        """Write the KV state (`stem.dsv4`, ds4's payload) and the transcript (`stem.json`); returns bytes."""
+        if not self.session.tokens:
+            raise DwarfStarError("nothing to save yet")
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        with stem.with_suffix(".dsv4").open("wb") as out:
+            size = write_payload(out, self.session.state, self.backend.args, self.session.ctx, self.session.chunk)
+        meta = {"system": self.system, "mode": self.mode.value, "turns": [asdict(t) for t in self.turns]}
+        stem.with_suffix(".json").write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
+        return size
+
+    def load(self, stem: Path) -> int:
+        """Restore a saved chat without recomputing it; returns its token count."""
+        try:
+            meta = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
+            data = stem.with_suffix(".dsv4").read_bytes()
+        except (OSError, ValueError) as exc:
+            raise DwarfStarError(f"cannot load {stem.name}: {exc}") from None
+        device = self.backend.new_state().layers[0].raw_kv.device
+        state = read_payload(data, self.backend.args, self.session.ctx, self.session.chunk, device)
+        self.session.reset()
+        self.session.state = state
+        self.system, self.mode = meta["system"], ThinkMode(meta["mode"])
+        self.turns = [Turn(**t) for t in meta["turns"]]
+        return len(state.tokens)

@@ -1,0 +1,124 @@
+"""`dwarfstar run` one-shot use, `--power` and the diagnostic dumps, on the tiny random model."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dwarfstar.engine import load_engine
+from dwarfstar.model.synthetic import TINY, write_synthetic_model
+from dwarfstar.prompt import render_conversation
+from dwarfstar.session.sampling import GREEDY
+from dwarfstar.session.session import Session
+from dwarfstar.tokenizer.specials import BOS, USER
+
+SYSTEM, QUESTION = "Be brief.", "Tell me about Milan"
+N_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    write_synthetic_model(path, TINY, seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Path) -> tuple[list[int], list[int], str]:
+    """(prompt ids, greedy tokens without EOS, their text) straight from the session layer."""
+    engine = load_engine(tiny, "reference", ctx=32768)
+    prompt = render_conversation([{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
+    ids = engine.tokenizer.encode_prompt(prompt.parts)
+    session = Session(engine.backend, ctx=32768)
+    session.prefill(ids)
+    eos = engine.model.args.eos_token_id
+    out = [t for t in session.generate(N_TOKENS, GREEDY, stop_tokens=[eos]) if t != eos]
+    return ids, out, engine.tokenizer.decode(out)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dwarfstar", "run", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def one_shot(tiny: Path, *extra: str) -> subprocess.CompletedProcess:
+    args = ["-m", str(tiny), "--backend", "reference", "-sys", SYSTEM, "-p", QUESTION, "--nothink", "--temp", "0"]
+    done = run_cli(*args, *extra)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def decode_seconds(stderr: str) -> float:
+    return float(re.search(r"decode \d+ tok in ([\d.]+) s", stderr).group(1))
+
+
+def test_one_shot_greedy_is_deterministic_and_matches_the_session_layer(tiny, reference) -> None:
+    first = one_shot(tiny, "-n", str(N_TOKENS))
+    second = one_shot(tiny, "-n", str(N_TOKENS))
+    assert first.stdout == second.stdout
+    text = reference[2]
+    assert first.stdout == text + ("" if text.endswith("\n") else "\n")
+    # the closing summary, on stderr only
+    assert re.search(r"prefill \d+ tok in .* \| decode \d+ tok in .* tok/s\)", first.stderr)
+
+
+def test_power_sleeps_without_changing_the_output(tiny) -> None:
+    full = one_shot(tiny, "-n", "64")
+    half = one_shot(tiny, "-n", "64", "--power", "50")
+    assert half.stdout == full.stdout
+    idle = float(re.search(r"power 50%: idle ([\d.]+) s", half.stderr).group(1))
+    # at 50% the throttle idles as long as the model works, so decoding takes about twice as long
+    assert idle > 0.3 * decode_seconds(half.stderr)
+    assert decode_seconds(half.stderr) > 1.25 * decode_seconds(full.stderr)
+
+
+def test_dump_logprobs_has_ds4s_schema(tiny, reference, tmp_path) -> None:
+    out = tmp_path / "logprobs.json"
+    done = one_shot(tiny, "-n", "4", "--dump-logprobs", str(out), "--logprobs-top-k", "5")
+    assert done.stdout == ""  # no text, as in ds4
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    prompt_ids, greedy, _ = reference
+    assert set(doc) == {"source", "prompt_tokens", "ctx", "top_k", "steps"}
+    assert doc["prompt_tokens"] == len(prompt_ids) and doc["ctx"] == 32768 and doc["top_k"] == 5
+    assert [s["step"] for s in doc["steps"]] == [0, 1, 2, 3]
+    assert [s["selected"]["id"] for s in doc["steps"]] == greedy[:4]
+    for step in doc["steps"]:
+        assert set(step) == {"step", "selected", "logprob", "top_logprobs"}
+        top = step["top_logprobs"]
+        assert len(top) == 5 and top[0]["token"] == step["selected"]
+        assert step["logprob"] == top[0]["logprob"]
+        assert all(set(t) == {"token", "logit", "logprob"} for t in top)
+        assert all(set(t["token"]) == {"id", "text", "bytes"} for t in top)
+        logprobs = [t["logprob"] for t in top]
+        assert logprobs == sorted(logprobs, reverse=True) and logprobs[0] <= 0
+        logits = [t["logit"] for t in top]
+        # log-softmax shifts every logit by the same amount
+        assert all(abs((lg - lp) - (logits[0] - logprobs[0])) < 1e-3 for lg, lp in zip(logits, logprobs, strict=True))
+        for t in top:
+            raw = bytes(t["token"]["bytes"])
+            assert t["token"]["text"] == raw.decode("utf-8", errors="surrogateescape").translate(
+                {c: c - 0xDC00 for c in range(0xDC80, 0xDD00)}
+            )
+
+
+def test_dump_tokens_tokenizes_as_written_and_exits(tiny) -> None:
+    done = run_cli("-m", str(tiny), "-p", f"{BOS}Hi{USER}", "--dump-tokens")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    ids = json.loads(lines[0])
+    assert ids[0] == 0 and ids[-1] == 128803  # BOS and <｜User｜> stay control tokens
+    assert [int(line.split()[0]) for line in lines[1:]] == ids
+    assert lines[1].endswith(BOS)
+
+
+def test_prompt_errors_are_clear(tiny, tmp_path) -> None:
+    done = run_cli("-m", str(tiny), "-p", "a", "--prompt-file", str(tmp_path / "x.txt"))
+    assert done.returncode == 2 and "not both" in done.stderr and "Traceback" not in done.stderr
+    done = run_cli("-m", str(tmp_path / "missing.gguf"), "-p", "a")
+    assert done.returncode == 2 and "not found" in done.stderr
