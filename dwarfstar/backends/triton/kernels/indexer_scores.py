@@ -1,0 +1,72 @@
+"""Lightning-indexer scores: sum over heads of weight * ReLU(q_h . k_c), for every visible row c.
+
+Spec §2.3.2. Queries arrive already RoPE'd, Hadamard-rotated and FP4-rounded (`rms_norm_rope`), the
+indexer rows likewise from the compressor. Query i (position p0 + i) sees rows c < (p0 + i + 1) / 4;
+the kernel also writes that count, which `topk` uses as the row's valid length. One program scores a
+block of BN rows for one query: a [heads, dim] x [dim, BN] product on the tensor cores, ReLU, and the
+head-weighted sum. Blocks past the visible rows exit at once, so the grid can be sized from the row
+buffer's capacity (what a captured decode step needs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dwarfstar.backends.triton.runtime import EXACT, Precision, interpreting, next_pow2
+
+
+@triton.jit
+def _scores_kernel(
+    q_ptr, w_ptr, rows_ptr, pos_ptr, scores_ptr, valid_ptr, stride_w, stride_s, weight_scale,
+    RATIO: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    n_vis = (tl.load(pos_ptr) + i + 1) // RATIO
+    if tl.program_id(1) == 0:
+        tl.store(valid_ptr + i, n_vis)
+    c = tl.program_id(1) * BN + tl.arange(0, BN)
+    if tl.program_id(1) * BN < n_vis:
+        h = tl.arange(0, HI)
+        d = tl.arange(0, DI)
+        q = tl.load(q_ptr + (i * HI + h[:, None]) * DI + d[None, :])
+        k = tl.load(rows_ptr + c.to(tl.int64)[:, None] * DI + d[None, :], mask=(c < n_vis)[:, None], other=0.0)
+        if FAST:
+            dots = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
+        else:
+            dots = tl.dot(q, tl.trans(k), input_precision="ieee")
+        w = tl.load(w_ptr + i * stride_w + h) * weight_scale
+        score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)
+        tl.store(scores_ptr + i.to(tl.int64) * stride_s + c, score, mask=c < n_vis)
+
+
+def indexer_scores(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    ratio: int,
+    precision: Precision = EXACT,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, Di] contiguous, head_weights [T, H] (row stride free), rows [capacity, Di] contiguous,
+    pos int32 [1] = p0 -> (scores [T, capacity] valid up to each query's count, counts int32 [T])."""
+    t, heads, dim = q.shape
+    capacity = rows.shape[0]
+    scores = torch.empty(t, capacity, device=q.device, dtype=torch.float32)
+    valid = torch.empty(t, dtype=torch.int32, device=q.device)
+    bn = min(max(16, next_pow2(capacity)), 256) if interpreting() else 64
+    _scores_kernel[(t, max(1, triton.cdiv(capacity, bn)))](
+        q, head_weights, rows, pos, scores, valid, head_weights.stride(0), capacity,
+        (heads * dim) ** -0.5, RATIO=ratio, HI=heads, DI=dim, BN=bn, FAST=precision.fast, num_warps=4,
+    )  # fmt: skip
+    return scores, valid
+
+
+def reference(q, head_weights, rows, p0: int, ratio: int) -> torch.Tensor:
+    """[T, n_rows] scores with invisible rows at -inf, as the reference indexer computes them."""
+    t, heads, dim = q.shape
+    per_head = torch.einsum("thd,nd->thn", q, rows).relu()
+    scores = (per_head * (head_weights * (heads * dim) ** -0.5)[..., None]).sum(1)
+    visible = torch.arange(rows.shape[0], device=q.device)[None, :] < ((torch.arange(t) + p0 + 1) // ratio)[:, None]
+    return scores.masked_fill(~visible.to(q.device), float("-inf"))

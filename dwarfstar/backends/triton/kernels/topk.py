@@ -1,0 +1,113 @@
+"""Top-k indices of each row of a score matrix, on the device, with a per-row valid length.
+
+Used by the lightning indexer (k = 512 Flash / 1024 PRO among up to 262k compressed rows at 1M
+context) and by device sampling (up to 1024 of the vocabulary).
+
+A round splits each row into blocks of BLOCK entries; one program finds its block's k best by radix
+selection instead of sorting: scores are mapped to unsigned integers of the same order, and the
+k-th largest is found four bits at a time (8 steps, each counting the entries above 16 candidate
+thresholds at once). The entries above it, plus as many entries equal to it as fit, lowest index
+first, are compacted in index order. Rounds repeat on the survivors (score and index) until one
+block remains: log_{BLOCK/k}(n) rounds, each launch sized from the buffer's capacity, not the
+data, so a decode step launches the same kernels at every position. A row with no more than k
+valid entries selects them all in the first round. Ties at the boundary go to the lower index, so
+the selection is deterministic; the indices come out in ascending order, not by score.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dwarfstar.backends.triton.runtime import interpreting, next_pow2
+
+
+@triton.jit
+def order_key(scores, valid):
+    """uint32-ordered int64 keys of float32 scores (0 .. 2^32 - 1); invalid entries get -1."""
+    bits = scores.to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(bits >= 0, bits + 2147483648, -1 - bits)  # positive: above 2^31; negative: reversed
+    return tl.where(valid, key, -1)
+
+
+@triton.jit
+def kth_largest(key, k):
+    """The k-th largest key, or -1 if fewer than k keys are valid (>= 0)."""
+    n_valid = tl.sum((key >= 0).to(tl.int32), axis=0)
+    prefix = tl.full((), 0, tl.int64)
+    digit = tl.arange(0, 16).to(tl.int64)
+    for step in tl.static_range(8):
+        shift: tl.constexpr = 28 - 4 * step
+        above = tl.sum((key[:, None] >= (prefix + (digit << shift))[None, :]).to(tl.int32), axis=0)
+        prefix += (tl.sum((above >= k).to(tl.int64), axis=0) - 1) << shift
+    return tl.where(n_valid >= k, prefix, -1)
+
+
+@triton.jit
+def _round_kernel(
+    scores_ptr, idx_ptr, valid_ptr, out_scores_ptr, out_idx_ptr, N, n_in, stride_in, n_blocks, k,
+    FIRST: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    n_row = tl.minimum(tl.load(valid_ptr + row), N)
+    if n_row <= k:  # everything valid is selected, by the first round: indices in order, then -1
+        if FIRST and blk == 0:
+            j = tl.arange(0, KP)
+            tl.store(out_idx_ptr + row * k + j, tl.where(j < n_row, j, -1), mask=j < k)
+    else:
+        i = blk * BLOCK + tl.arange(0, BLOCK)
+        in_row = row.to(tl.int64) * stride_in + i
+        if FIRST:
+            idx = i
+            live = i < n_row
+        else:
+            idx = tl.load(idx_ptr + in_row, mask=i < n_in, other=-1)
+            live = idx >= 0
+        s = tl.load(scores_ptr + in_row, mask=live, other=0.0)
+        key = order_key(s, live)
+        kth = kth_largest(key, k)
+        above = key > kth
+        tied = (key == kth).to(tl.int32)
+        take = above | ((tl.cumsum(tied, axis=0) <= k - tl.sum(above.to(tl.int32), axis=0)) & (tied != 0))
+        slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+        out = (row.to(tl.int64) * n_blocks + blk) * k + slot
+        tl.store(out_idx_ptr + out, tl.where(live, idx, -1), mask=take)
+        if not FINAL:
+            tl.store(out_scores_ptr + out, s, mask=take)
+
+
+def block_size(k: int) -> int:
+    return max(next_pow2(4 * k), 256 if interpreting() else 4096)
+
+
+def topk_indices(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [R, N] float32 (row stride free), valid int32 [R] -> int32 [R, k], -1 where fewer.
+
+    Row r selects among its first min(valid[r], N) entries, in ascending index order.
+    """
+    rows, n = scores.shape
+    block = block_size(k)
+    out = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
+    cand_scores, cand_idx, n_in, stride, first = scores, out, n, scores.stride(0), True
+    while first or n_in > k:
+        n_blocks = triton.cdiv(n_in, block)
+        final = n_blocks == 1
+        next_scores = out if final else torch.empty(rows, n_blocks * k, device=scores.device)
+        next_idx = out if final else torch.empty(rows, n_blocks * k, dtype=torch.int32, device=scores.device)
+        _round_kernel[(rows, n_blocks)](
+            cand_scores, cand_idx, valid, next_scores, next_idx, n, n_in, stride, n_blocks, k,
+            FIRST=first, FINAL=final, BLOCK=block, KP=next_pow2(k), num_warps=8,
+        )  # fmt: skip
+        cand_scores, cand_idx, n_in, stride, first = next_scores, next_idx, n_blocks * k, n_blocks * k, False
+    return out
+
+
+def reference(scores: torch.Tensor, valid: torch.Tensor, k: int) -> list[set[int]]:
+    """The chosen index set per row: all valid entries if at most k, else the k best (torch.topk)."""
+    chosen = []
+    for row, n in zip(scores, valid.tolist(), strict=True):
+        n = min(n, scores.shape[1])
+        chosen.append(set(range(n)) if n <= k else set(row[:n].topk(k).indices.tolist()))
+    return chosen
