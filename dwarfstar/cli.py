@@ -22,6 +22,7 @@ def _register_commands() -> None:
     import dwarfstar.commands.convert  # noqa: F401
     import dwarfstar.commands.prompt_tools  # noqa: F401
     import dwarfstar.commands.quant_tools  # noqa: F401
+    import dwarfstar.commands.serve  # noqa: F401
     from dwarfstar.commands import pull, run, synth  # noqa: F401
 
 
