@@ -1,4 +1,4 @@
-"""`dwarfstar tokens`, `dwarfstar render` and `dwarfstar bench-tokenizer`: the tokenizer and prompt layer
+"""`dwarfstar tokens`, `dwarfstar render` and `dwarfstar bench tokenizer`: the tokenizer and prompt layer
 from the command line.
 
 `dwarfstar render ... > p.txt && dwarfstar tokens -m M --special --text-file p.txt` gives the ids the model
@@ -17,6 +17,7 @@ import typer
 
 import dwarfstar
 from dwarfstar.cli import app
+from dwarfstar.commands.bench import bench_app
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.prompt import DS4, OFFICIAL, PromptError, render_conversation
 from dwarfstar.tokenizer import Tokenizer
@@ -101,7 +102,7 @@ def render(
     sys.stdout.buffer.flush()
 
 
-def _default_bench_text() -> Path:
+def default_bench_text() -> Path:
     # `shared/` sits beside the repository checkout (and CI lays it out the same way).
     repo = Path(dwarfstar.__file__).resolve().parents[1]
     for shared in (repo.parent / "shared", Path.cwd().parent / "shared", Path.cwd() / "shared"):
@@ -110,7 +111,8 @@ def _default_bench_text() -> Path:
     raise InputFileError("promessi_sposi.txt not found beside the checkout; give one with --text-file")
 
 
-@app.command("bench-tokenizer")
+@bench_app.command("tokenizer")
+@app.command("bench-tokenizer", hidden=True)  # its first name, kept for scripts
 def bench_tokenizer(
     text_file: Annotated[
         Path | None, typer.Option("--text-file", help="Benchmark text (default: shared promessi_sposi.txt).")
@@ -121,7 +123,7 @@ def bench_tokenizer(
     """Encode speed against HF tokenizers on the official tokenizer.json, and a 100-message render+tokenize."""
     from dwarfstar.prompt.bench import run_bench
 
-    path = text_file or _default_bench_text()
+    path = text_file or default_bench_text()
     text = _read_bytes(path).decode("utf-8", errors="replace")
     result = run_bench(load_tokenizer(model), bundled_tokenizer_json(), text, repeats)
     typer.echo(f"text: {path.name}, {result.text_bytes / 1e6:.2f} MB, {result.tokens} tokens")
