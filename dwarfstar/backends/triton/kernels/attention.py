@@ -1,0 +1,214 @@
+"""Sink attention over the raw window plus compressed rows, with the inverse RoPE on the output.
+
+Spec §2.3. One shared K = V head (MQA), so a program takes BH query heads of one token at once and
+reads each key row once for all of them. The rows a query at position p sees:
+* the raw window: positions max(0, p - W + 1) .. p, rows of `window` (the state's previous rows
+  followed by this chunk's rows);
+* compressed rows: all rows c < (p + 1) / ratio (ratio 128), or the indexer's selected rows, -1
+  padded (ratio 4); none for ratio 0.
+Scores are online-softmaxed block by block; the per-head sink logit joins only the denominator.
+
+Decode has one query token, so its rows are split over S programs per head group (flash decoding):
+each writes its running max, sum and weighted values, and `_combine_kernel` merges them with the
+sink. With S = 1 (prefill) the attention kernel finishes the rows itself. Either way the finish
+undoes the RoPE on the output's tail dims (V carries the rotation), so the grouped output projection
+reads the result directly. Row counts come from the device position, and the launch depends only on
+T, S and the buffer capacity, so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from dwarfstar.backends.reference import ops
+from dwarfstar.backends.triton.kernels.rms_norm_rope import load_angles, rotate_pairs
+from dwarfstar.backends.triton.runtime import EXACT, Precision, interpreting, next_pow2
+
+COMP_NONE, COMP_ALL, COMP_SELECTED = 0, 1, 2
+NEG = -1.0e30  # finite "minus infinity": keeps exp(m_old - m_new) defined when a block is all masked
+
+
+@triton.jit
+def _finish(acc, m, l, sink, cos_ptr, sin_ptr, out_ptr, i, hg, heads_ok, D,
+            H: tl.constexpr, ROPE_DIM: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    big = tl.maximum(sink, m)
+    scale = tl.exp(m - big)
+    o = acc * (scale / (tl.exp(sink - big) + l * scale))[:, None]
+    tok = i + 0 * tl.arange(0, BH)
+    cos, sin = load_angles(cos_ptr, sin_ptr, tok, heads_ok, D, ROPE_DIM, True, BH, BD)
+    o = rotate_pairs(o, cos, sin, BH, BD)
+    h = hg * BH + tl.arange(0, BH)
+    d = tl.arange(0, BD)
+    tl.store(out_ptr + (i.to(tl.int64) * H + h[:, None]) * D + d[None, :], o, mask=heads_ok[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, win_ptr, comp_ptr, sel_ptr, sinks_ptr, pos_ptr, cos_ptr, sin_ptr,
+    out_ptr, m_ptr, l_ptr, acc_ptr,
+    D, n_prev, window, n_sel, sm_scale,
+    H: tl.constexpr, COMP: tl.constexpr, RATIO: tl.constexpr, SPLIT: tl.constexpr, ROPE_DIM: tl.constexpr,
+    BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)  # query token in the chunk
+    hg = tl.program_id(1)
+    split = tl.program_id(2)
+    h = hg * BH + tl.arange(0, BH)
+    heads_ok = h < H
+    d = tl.arange(0, BD)
+    cols_ok = d < D
+    q = tl.load(q_ptr + (i.to(tl.int64) * H + h[:, None]) * D + d[None, :],
+                mask=heads_ok[:, None] & cols_ok[None, :], other=0.0)  # fmt: skip
+    hi = n_prev + i  # the query's own raw row
+    lo = tl.maximum(0, hi - window + 1)
+    n_win = hi - lo + 1
+    if COMP == 1:
+        n_comp = (tl.load(pos_ptr) + i + 1) // RATIO
+    elif COMP == 2:
+        n_comp = n_sel
+    else:
+        n_comp = 0
+    nb_win = tl.cdiv(n_win, BN)
+    n_blocks = nb_win + tl.cdiv(n_comp, BN)
+    m = tl.full((BH,), NEG, tl.float32)
+    l = tl.zeros((BH,), tl.float32)
+    acc = tl.zeros((BH, BD), tl.float32)
+    for b in range(split, n_blocks, SPLIT):
+        r = tl.arange(0, BN)
+        if b < nb_win:
+            row = lo + b * BN + r
+            ok = row <= hi
+            k = tl.load(win_ptr + row.to(tl.int64)[:, None] * D + d[None, :], mask=ok[:, None] & cols_ok[None, :],
+                        other=0.0)  # fmt: skip
+        else:
+            c = (b - nb_win) * BN + r
+            if COMP == 2:
+                row = tl.load(sel_ptr + i * n_sel + c, mask=c < n_sel, other=-1)
+                ok = row >= 0
+            else:
+                row = c
+                ok = c < n_comp
+            k = tl.load(comp_ptr + row.to(tl.int64)[:, None] * D + d[None, :], mask=ok[:, None] & cols_ok[None, :],
+                        other=0.0)  # fmt: skip
+        if FAST:
+            s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = tl.where(ok[None, :], s * sm_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if FAST:
+            pv = tl.dot(p.to(tl.bfloat16), k.to(tl.bfloat16))
+        else:
+            pv = tl.dot(p, k, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    if SPLIT == 1:
+        sink = tl.load(sinks_ptr + h, mask=heads_ok, other=0.0)
+        _finish(acc, m, l, sink, cos_ptr, sin_ptr, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
+    else:
+        part = (i.to(tl.int64) * H + h) * SPLIT + split  # [BH]
+        tl.store(m_ptr + part, m, mask=heads_ok)
+        tl.store(l_ptr + part, l, mask=heads_ok)
+        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=heads_ok[:, None] & cols_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    m_ptr, l_ptr, acc_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, D,
+    H: tl.constexpr, SPLIT: tl.constexpr, ROPE_DIM: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    hg = tl.program_id(1)
+    h = hg * BH + tl.arange(0, BH)
+    heads_ok = h < H
+    d = tl.arange(0, BD)
+    part = (i.to(tl.int64) * H + h) * SPLIT
+    m = tl.full((BH,), NEG, tl.float32)
+    for s in tl.static_range(SPLIT):
+        m = tl.maximum(m, tl.load(m_ptr + part + s, mask=heads_ok, other=NEG))
+    l = tl.zeros((BH,), tl.float32)
+    acc = tl.zeros((BH, BD), tl.float32)
+    for s in tl.static_range(SPLIT):
+        w = tl.exp(tl.load(m_ptr + part + s, mask=heads_ok, other=NEG) - m)
+        l += w * tl.load(l_ptr + part + s, mask=heads_ok, other=0.0)
+        a = tl.load(acc_ptr + (part + s)[:, None] * D + d[None, :], mask=heads_ok[:, None] & (d < D)[None, :],
+                    other=0.0)  # fmt: skip
+        acc += w[:, None] * a
+    sink = tl.load(sinks_ptr + h, mask=heads_ok, other=0.0)
+    _finish(acc, m, l, sink, cos_ptr, sin_ptr, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
+
+
+def attention(
+    q: torch.Tensor,
+    window_rows: torch.Tensor,
+    n_prev: int,
+    window: int,
+    sinks: torch.Tensor,
+    angles: tuple[torch.Tensor, torch.Tensor],
+    rope_dim: int,
+    pos: torch.Tensor,
+    comp_rows: torch.Tensor | None = None,
+    ratio: int = 0,
+    selected: torch.Tensor | None = None,
+    split: int = 1,
+    precision: Precision = EXACT,
+) -> torch.Tensor:
+    """Attention output [T, H, D] with the RoPE undone.
+
+    q [T, H, D] contiguous; window_rows [n_prev + T, D] (the state's raw rows, then the chunk's);
+    comp_rows [capacity, D] with `ratio` (all visible rows) or `selected` int32 [T, k] (ratio-4
+    layers); pos int32 [1] = p0; angles = cos/sin [T, rope_dim / 2] of the query positions.
+    """
+    t, heads, d = q.shape
+    comp = COMP_NONE if comp_rows is None else (COMP_SELECTED if selected is not None else COMP_ALL)
+    bd = next_pow2(d)
+    bh = max(16, next_pow2(heads)) if interpreting() else 16  # tl.dot needs at least 16 rows
+    bn = max(16, min(128, next_pow2(window))) if interpreting() else (16 if bd >= 512 else 32)
+    out = torch.empty(t, heads, d, device=q.device, dtype=torch.float32)
+    groups = triton.cdiv(heads, bh)
+    m = l = acc = out
+    if split > 1:
+        m = torch.empty(t, heads, split, device=q.device, dtype=torch.float32)
+        l = torch.empty_like(m)
+        acc = torch.empty(t, heads, split, d, device=q.device, dtype=torch.float32)
+    comp_ptr = comp_rows if comp_rows is not None else window_rows
+    sel_ptr = selected if selected is not None else pos
+    cos, sin = angles
+    _attention_kernel[(t, groups, split)](
+        q, window_rows, comp_ptr, sel_ptr, sinks, pos, cos, sin, out, m, l, acc,
+        d, n_prev, window, selected.shape[1] if selected is not None else 0, 1.0 / math.sqrt(d),
+        H=heads, COMP=comp, RATIO=max(ratio, 1), SPLIT=split, ROPE_DIM=rope_dim,
+        BH=bh, BN=bn, BD=bd, FAST=precision.fast, num_warps=8 if bd >= 512 else 4,
+    )  # fmt: skip
+    if split > 1:
+        _combine_kernel[(t, groups)](
+            m, l, acc, sinks, cos, sin, out, d, H=heads, SPLIT=split, ROPE_DIM=rope_dim, BH=bh, BD=bd, num_warps=4
+        )
+    return out
+
+
+def reference(q, window_rows, n_prev, window, sinks, angles, p0, comp_rows=None, ratio=0, selected=None):
+    """ops.sink_attention over the same visible rows, then the inverse RoPE."""
+    t = q.shape[0]
+    qpos = torch.arange(t, device=q.device) + n_prev  # window row index of each query's own row
+    rows = torch.arange(window_rows.shape[0], device=q.device)
+    age = qpos[:, None] - rows[None, :]
+    keys, mask = window_rows, (age >= 0) & (age < window)
+    if comp_rows is not None:
+        if selected is not None:
+            vis = torch.zeros(t, comp_rows.shape[0], dtype=torch.bool, device=q.device)
+            for r, sel in enumerate(selected.tolist()):
+                vis[r, [c for c in sel if c >= 0]] = True
+        else:
+            n_vis = (torch.arange(t, device=q.device) + p0 + 1) // ratio
+            vis = torch.arange(comp_rows.shape[0], device=q.device)[None, :] < n_vis[:, None]
+        keys, mask = torch.cat((window_rows, comp_rows)), torch.cat((mask, vis), dim=1)
+    o = ops.sink_attention(q, keys, mask, sinks)
+    return ops.apply_rope(o, *angles, inverse=True)
