@@ -1,0 +1,160 @@
+"""Grouped expert FFN over the entries sorted by expert: gate/up with the SwiGLU clamp fused, then down.
+
+Spec §2.4. For every tile of one expert's entries (`moe_sort`), `_gate_up_kernel` gathers the tokens'
+input rows, decodes the expert's gate and up blocks once per K step for all the tile's rows, and
+writes silu(min(g, L)) * clamp(u, -L, L) * routing weight, so the mid activations never exist
+unclamped in memory. `_down_kernel` multiplies each tile's mid rows by the expert's down blocks and
+writes every entry's output to its own row of a [T, slots, D] buffer: slot = the routing slot for
+routed experts, and the last slot for the shared expert, which runs through the same kernels as a
+single expert over all tokens with weight 1. `hc_post` then adds the slots, in order.
+
+Tiles of >= 16 rows (prefill) go through `tl.dot`; small tiles (decode: one token per expert) use
+the GEMV form, where each weight block is read exactly once per step. Each program checks its tile
+slot and exits at once when unused, so the grid is sized from T * k alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dwarfstar.backends.reference import ops
+from dwarfstar.backends.triton.kernels.moe_sort import ExpertTiles
+from dwarfstar.backends.triton.kernels.quant_blocks import grid_table, load_weight_tile, tile_k
+from dwarfstar.backends.triton.runtime import EXACT, Precision, interpreting, next_pow2
+from dwarfstar.backends.triton.weights import QWeight
+
+
+@triton.jit
+def _product(acc, x, w, USE_DOT: tl.constexpr, FAST: tl.constexpr):
+    if USE_DOT:
+        if FAST:
+            return acc + tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+        else:
+            return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:
+        return acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, gate_ptr, up_ptr, grid_ptr, sorted_ptr, tile_expert_ptr, tile_start_ptr, tile_rows_ptr,
+    route_w_ptr, mid_ptr, K, N, stride_x, row_bytes, k_slots, limit,
+    WTYPE: tl.constexpr, WEIGHTED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    USE_DOT: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert >= 0:
+        start = tl.load(tile_start_ptr + tile)
+        m = tl.arange(0, BM)
+        m_ok = m < tl.load(tile_rows_ptr + tile)
+        entry = tl.load(sorted_ptr + start + m, mask=m_ok, other=0)
+        x_rows = x_ptr + (entry // k_slots).to(tl.int64)[:, None] * stride_x
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        row_off = (expert * N + tl.minimum(n, N - 1)).to(tl.int64) * row_bytes
+        acc_g = tl.zeros((BM, BN), tl.float32)
+        acc_u = tl.zeros((BM, BN), tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & (ks < K)[None, :], other=0.0)
+            acc_g = _product(acc_g, x, load_weight_tile(gate_ptr, grid_ptr, row_off, k0, K, WTYPE, BN, BK),
+                             USE_DOT, FAST)  # fmt: skip
+            acc_u = _product(acc_u, x, load_weight_tile(up_ptr, grid_ptr, row_off, k0, K, WTYPE, BN, BK),
+                             USE_DOT, FAST)  # fmt: skip
+        g = tl.minimum(acc_g, limit)
+        mid = g * tl.sigmoid(g) * tl.minimum(tl.maximum(acc_u, -limit), limit)
+        if WEIGHTED:
+            mid = mid * tl.load(route_w_ptr + entry, mask=m_ok, other=0.0)[:, None]
+        out = mid_ptr + (start + m).to(tl.int64)[:, None] * N + n[None, :]
+        tl.store(out, mid, mask=m_ok[:, None] & (n < N)[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    mid_ptr, down_ptr, grid_ptr, sorted_ptr, tile_expert_ptr, tile_start_ptr, tile_rows_ptr, out_ptr,
+    K, N, row_bytes, k_slots, out_slots, slot_offset,
+    WTYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    USE_DOT: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert >= 0:
+        start = tl.load(tile_start_ptr + tile)
+        m = tl.arange(0, BM)
+        m_ok = m < tl.load(tile_rows_ptr + tile)
+        entry = tl.load(sorted_ptr + start + m, mask=m_ok, other=0)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        row_off = (expert * N + tl.minimum(n, N - 1)).to(tl.int64) * row_bytes
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            x = tl.load(mid_ptr + (start + m).to(tl.int64)[:, None] * K + ks[None, :],
+                        mask=m_ok[:, None] & (ks < K)[None, :], other=0.0)  # fmt: skip
+            acc = _product(acc, x, load_weight_tile(down_ptr, grid_ptr, row_off, k0, K, WTYPE, BN, BK), USE_DOT, FAST)
+        row = (entry // k_slots) * out_slots + entry % k_slots + slot_offset
+        tl.store(out_ptr + row.to(tl.int64)[:, None] * N + n[None, :], acc, mask=m_ok[:, None] & (n < N)[None, :])
+
+
+def _tile_config(block_m: int, n: int) -> tuple[bool, int, int]:
+    """(use tl.dot, BN, num_warps) for tiles of block_m rows."""
+    use_dot = block_m >= 16
+    if interpreting():
+        return use_dot, min(next_pow2(n), 256), 1
+    if use_dot:
+        return True, 64, 8
+    return False, max(2, 8 // block_m), 4
+
+
+def expert_ffn(
+    x: torch.Tensor,
+    gate: QWeight,
+    up: QWeight,
+    down: QWeight,
+    tiles: ExpertTiles,
+    route_weights: torch.Tensor | None,
+    out: torch.Tensor,
+    slot_offset: int,
+    limit: float,
+    precision: Precision = EXACT,
+) -> None:
+    """out[t, slot_offset + slot] = down_e(SwiGLU_clamped(gate_e x_t, up_e x_t) * w) for every entry.
+
+    x [T, D] (row stride free); gate/up [E * F, D] and down [E * D, F] as expert stacks; out
+    [T, slots, D] contiguous; route_weights [T * k] float32, or None for weight 1 (shared expert).
+    """
+    d, f = gate.cols, gate.expert_rows
+    n_entries = tiles.sorted_entries.numel()
+    n_tiles = tiles.tile_expert.numel()
+    mid = torch.empty(n_entries, f, device=x.device, dtype=torch.float32)
+    use_dot, bn, warps = _tile_config(tiles.block_m, f)
+    grid = grid_table(x.device)
+    _gate_up_kernel[(triton.cdiv(f, bn), n_tiles)](
+        x, gate.data, up.data, grid, tiles.sorted_entries, tiles.tile_expert, tiles.tile_start, tiles.tile_rows,
+        route_weights if route_weights is not None else x, mid, d, f, x.stride(0), gate.row_bytes, tiles.k, limit,
+        WTYPE=gate.wtype, WEIGHTED=route_weights is not None, BM=tiles.block_m, BN=bn, BK=tile_k(gate.ggml_type, d),
+        USE_DOT=use_dot, FAST=precision.fast, num_warps=warps,
+    )  # fmt: skip
+    use_dot, bn, warps = _tile_config(tiles.block_m, d)
+    _down_kernel[(triton.cdiv(d, bn), n_tiles)](
+        mid, down.data, grid, tiles.sorted_entries, tiles.tile_expert, tiles.tile_start, tiles.tile_rows, out,
+        f, d, down.row_bytes, tiles.k, out.shape[1], slot_offset,
+        WTYPE=down.wtype, BM=tiles.block_m, BN=bn, BK=tile_k(down.ggml_type, f),
+        USE_DOT=use_dot, FAST=precision.fast, num_warps=warps,
+    )  # fmt: skip
+
+
+def reference(x, gate: QWeight, up: QWeight, down: QWeight, ids, route_weights, limit) -> torch.Tensor:
+    """[T, k, D]: each routing slot's expert output, from dequantized experts (ids None: one shared expert)."""
+    g, u, dn = (w.dequantize().view(w.experts, w.expert_rows, w.cols) for w in (gate, up, down))
+    if ids is None:
+        return (ops.swiglu_clamped(x @ g[0].T, x @ u[0].T, limit) @ dn[0].T).unsqueeze(1)
+    t, k = ids.shape
+    out = torch.zeros(t, k, x.shape[1], device=x.device)
+    for tok in range(t):
+        for slot in range(k):
+            e = int(ids[tok, slot])
+            mid = ops.swiglu_clamped(x[tok] @ g[e].T, x[tok] @ u[e].T, limit) * route_weights[tok, slot]
+            out[tok, slot] = mid @ dn[e].T
+    return out
