@@ -44,6 +44,7 @@ def serve(
     backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
     kv_disk_dir: Annotated[Path | None, typer.Option(help="Directory of the disk KV cache (off if unset).")] = None,
     kv_disk_space_mb: Annotated[int, typer.Option(help="Disk KV cache budget in MiB.")] = 4096,
+    kv_cache_min_tokens: Annotated[int, typer.Option(help="Shortest state the disk cache keeps.")] = 512,
     cors: Annotated[bool, typer.Option(help="Allow browser clients from any origin.")] = False,
     api_key: Annotated[
         str | None,
@@ -85,6 +86,7 @@ def serve(
         trace=trace,
         kv_disk_dir=kv_disk_dir,
         kv_disk_space_mb=kv_disk_space_mb,
+        kv_cache_min_tokens=kv_cache_min_tokens,
         model_aliases=tuple(model_alias or ()),
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

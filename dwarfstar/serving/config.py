@@ -28,6 +28,7 @@ class ServerConfig:
     trace: Path | None = None
     kv_disk_dir: Path | None = None
     kv_disk_space_mb: int = 4096
+    kv_cache_min_tokens: int = 512  # shorter states are not worth a file
     model_aliases: tuple[str, ...] = field(default=())  # extra accepted `model` names, fnmatch patterns
 
     @property

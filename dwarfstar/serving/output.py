@@ -73,6 +73,11 @@ class OutputDecoder:
         return self._parser is not None and self._parser.completion.raw_dsml is not None
 
     @property
+    def in_tool_call(self) -> bool:
+        """Inside a DSML block whose calls have started: its bytes are not settled yet."""
+        return bool(self.tool_ids) and not self.tool_block_closed
+
+    @property
     def completion(self) -> ParsedCompletion | None:
         return None if self._parser is None else self._parser.completion
 

@@ -3,13 +3,13 @@
 ds4 keeps one live KV, so an agent and its subagents evict each other on every turn (ds4 #209). Here
 up to `max_sessions` sessions live within a byte budget. A request takes, in order:
 1. the idle session whose last prompt it extends (the same conversation, one turn later);
-2. with room for another session: a copy of the idle session sharing the longest prefix, when that
+2. the disk cache's longest checkpoint of its rendered text, when that beats what memory offers;
+3. with room for another session: a copy of the idle session sharing the longest prefix, when that
    prefix is at least one prefill chunk (the copy replays at most a chunk from its checkpoint, so it
    beats a cold prefill), else a new empty session;
-3. without room: the idle session sharing the longest prefix, or the least recently used one.
-Other conversations are never touched while there is room. A session given up (case 3, or the
-memory budget) is saved to the disk cache first when there is one, and a request that finds no
-useful prefix in memory looks there before prefilling cold.
+4. without room: the idle session sharing that prefix, or else the least recently used one, emptied.
+Other conversations are never touched while there is room. A session given up (case 4, or the
+memory budget) is saved to the disk cache first when there is one.
 """
 
 from __future__ import annotations
@@ -21,17 +21,18 @@ from typing import Protocol
 
 from dwarfstar.model.state import SequenceState
 from dwarfstar.prompt.render import Prompt
+from dwarfstar.session.kvpolicy import SaveReason
 from dwarfstar.session.prefix import ReusePlan, common_prefix_len, plan_reuse
 from dwarfstar.session.session import Backend, Session
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 
 class DiskCache(Protocol):
-    """What the pool needs from a disk KV cache."""
+    """What the pool needs from a disk KV cache (disk.py)."""
 
-    def save_evicted(self, session: Session) -> None: ...
+    def save(self, live: LiveSession, reason: SaveReason) -> None: ...
 
-    def restore(self, prompt: Prompt) -> SequenceState | None: ...
+    def restore(self, prompt: Prompt, better_than: int) -> SequenceState | None: ...
 
 
 @dataclass(eq=False)
@@ -40,6 +41,7 @@ class LiveSession:
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
     prompt_len: int = 0  # tokens of the last prompt run here: a request extending it continues this conversation
+    tool_ids: set[str] = field(default_factory=set)  # tool calls of this conversation (kept with its KV files)
 
     def continued_by(self, shared: int) -> bool:
         # A thinking prompt ends in `<think>`, which the next turn renders as `</think>` once the
@@ -91,22 +93,31 @@ class SessionPool:
         best = max(idle, key=lambda live: (shared[id(live)], live.last_used), default=None)
         best_shared = shared[id(best)] if best is not None else 0
         if best is not None and best.continued_by(best_shared):
-            live, source = best, "memory"
-        elif self._has_room():
-            if best is not None and best_shared >= self.chunk:
-                live, source = self._fork(best), "fork"
-            else:
-                live, source = self._new(), "cold"
-        elif idle:
-            if best_shared > 0:
-                live, source = best, "memory"
-            else:
-                live, source = min(idle, key=lambda live: live.last_used), "cold"
-            self._save(live)  # another conversation's tail is about to be overwritten
-        else:
+            return self._lease(best, prompt, ids, "memory")
+        # Another conversation, or one that left memory. A shared prefix shorter than a chunk is not
+        # worth keeping: cutting a session back replays from its last chunk checkpoint, which costs
+        # as much as prefilling that prefix cold.
+        useful = best_shared if best_shared >= self.chunk else 0
+        room = self._has_room()
+        if not room and not idle:
             return None
-        if source == "cold" and prompt is not None and self._restore(live, prompt):
+        state = self.disk.restore(prompt, better_than=useful) if self.disk and prompt else None
+        if room:
+            live, source = (self._fork(best), "fork") if useful and state is None else (self._new(), "cold")
+        else:
+            keep_best = useful and state is None
+            live = best if keep_best else min(idle, key=lambda live: live.last_used)
+            self._save(live)  # another conversation's tail is about to be overwritten
+            source = "memory" if keep_best else "cold"
+            if not keep_best:
+                live.session.reset()
+        if state is not None:
+            live.session.reset()
+            live.session.state = state
             source = "disk"
+        return self._lease(live, prompt, ids, source)
+
+    def _lease(self, live: LiveSession, prompt: Prompt | None, ids: list[int], source: str) -> Lease:
         plan = self._plan(live.session, prompt, ids)
         live.busy = True
         try:
@@ -143,25 +154,22 @@ class SessionPool:
         # A deep copy keeps the state and its chunk checkpoints consistent with each other; the
         # backend (weights) is shared, not copied.
         session = copy.deepcopy(source.session, memo={id(self.backend): self.backend})
-        live = LiveSession(session)
+        live = LiveSession(session, tool_ids=set(source.tool_ids))
         self.live.append(live)
         self.forks += 1
         return live
 
     def _save(self, live: LiveSession) -> None:
-        if self.disk is not None and live.session.tokens:
-            self.disk.save_evicted(live.session)
+        if self.disk is not None:
+            self.disk.save(live, SaveReason.EVICT)
+        live.tool_ids.clear()
         self.evictions += 1
 
-    def _restore(self, live: LiveSession, prompt: Prompt) -> bool:
-        if self.disk is None:
-            return False
-        state = self.disk.restore(prompt)
-        if state is None:
-            return False
-        live.session.reset()
-        live.session.state = state
-        return True
+    def save_all(self) -> None:
+        """Shutdown: every live conversation to the disk cache."""
+        if self.disk is not None:
+            for live in self.live:
+                self.disk.save(live, SaveReason.SHUTDOWN)
 
     def _enforce_budget(self, keep: LiveSession) -> None:
         if self.memory_bytes <= 0:

@@ -53,10 +53,16 @@ class ToolMemory:
                 self._blocks.move_to_end(call_id)
             return dsml
 
-    def found_in(self, text: str) -> dict[str, str]:
-        """The mappings whose block appears in `text` (what a KV file of that text should carry)."""
-        with self._lock:
-            return {call_id: dsml for call_id, dsml in self._blocks.items() if dsml in text}
+
+def history_tool_ids(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Ids of the tool calls in the assistant messages of a conversation."""
+    return [
+        call["id"]
+        for message in messages
+        if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list)
+        for call in message["tool_calls"]
+        if isinstance(call, Mapping) and isinstance(call.get("id"), str)
+    ]
 
 
 def _normalized(parts: Iterable[PromptPart]) -> list[PromptPart]:

@@ -20,12 +20,14 @@ import time
 from collections import deque
 from typing import Any
 
+from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.generation import Event, Failed, Finished, GenerationRequest, Started, Usage
 from dwarfstar.serving.metrics import Metrics
 from dwarfstar.serving.output import OutputDecoder
 from dwarfstar.serving.pool import Lease, SessionPool
 from dwarfstar.serving.replay import ToolMemory
 from dwarfstar.serving.trace import Trace
+from dwarfstar.session.kvpolicy import SaveReason
 from dwarfstar.session.sampling import Sampler
 from dwarfstar.session.session import decode_batch
 from dwarfstar.tokenizer.tokenizer import Tokenizer
@@ -55,10 +57,11 @@ class Job:
         self._loop = loop
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         # worker-side state
-        self.phase = "queued"  # queued | prefill | decode
+        self.phase = "queued"  # queued | prefill | decode | done
         self.usage = Usage(prompt_tokens=len(request.prompt_ids))
         self.lease: Lease | None = None
         self.pending: list[int] = []
+        self.save_stops: list[tuple[int, SaveReason]] = []  # disk-cache saves due inside the prefill
         self.sampler: Sampler | None = None
         self.decoder: OutputDecoder | None = None
 
@@ -89,9 +92,10 @@ class Scheduler:
         *,
         max_queue: int,
         trace: Trace | None = None,
+        disk: DiskCache | None = None,
     ) -> None:
         self.pool, self.tokenizer, self.metrics = pool, tokenizer, metrics
-        self.tool_memory, self.trace, self.max_queue = tool_memory, trace, max_queue
+        self.tool_memory, self.trace, self.max_queue, self.disk = tool_memory, trace, max_queue, disk
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []
@@ -142,6 +146,7 @@ class Scheduler:
             self._update_gauges()
         for job in left:
             job.emit(Failed("server shutting down", job.usage))
+        self.pool.save_all()
 
     def _admit(self) -> None:
         while True:
@@ -163,6 +168,9 @@ class Scheduler:
             job.lease, job.phase = lease, "prefill"
             job.pending = lease.plan.suffix
             job.usage.cached_tokens = lease.plan.keep
+            lease.live.tool_ids.update(job.replayed)
+            if self.disk is not None:
+                job.save_stops = self.disk.prefill_stops(lease.live, job.request.prompt_ids, lease.plan.keep)
             self._active.append(job)
             self.metrics.inc("dwarfstar_cache_lookups_total", source=lease.source)
             self.metrics.inc("dwarfstar_prompt_tokens_total", job.usage.prompt_tokens)
@@ -185,6 +193,8 @@ class Scheduler:
         session = job.lease.session
         busy = any(other.phase == "decode" for other in self._active)
         size = BUSY_PREFILL_SLICE if busy else session.chunk
+        if job.save_stops:
+            size = min(size, job.save_stops[0][0] - len(session.tokens))
         piece, job.pending = job.pending[:size], job.pending[size:]
         start = time.perf_counter()
         try:
@@ -196,12 +206,15 @@ class Scheduler:
         self.metrics.inc("dwarfstar_prefill_tokens_total", len(piece))
         self.metrics.inc("dwarfstar_prefill_seconds_total", seconds)
         self.metrics.set("dwarfstar_prefill_tokens_per_second", len(piece) / max(seconds, 1e-9))
+        if job.save_stops and len(session.tokens) == job.save_stops[0][0]:
+            self.disk.save(job.lease.live, job.save_stops.pop(0)[1])
         if not job.pending:
             self._start_decode(job)
 
     def _decode_step(self) -> None:
         stepping: list[Job] = []
         tokens: list[int] = []
+        closing: list[tuple[Job, str]] = []  # finished, but their last token still goes into the KV
         for job in [job for job in self._active if job.phase == "decode"]:
             session = job.lease.session
             try:
@@ -215,9 +228,13 @@ class Scheduler:
                 for event in job.decoder.push(token):
                     job.emit(event)
             reason = self._finish_reason(job, token)
-            if reason is None:
+            # A tool-call turn's last token is run too, so the live KV, and a disk file saved from it,
+            # hold the whole DSML block the client sends back (with its id, for exact replay).
+            if reason is None or (reason == "tool_calls" and len(session.tokens) < session.ctx):
                 stepping.append(job)
                 tokens.append(token)
+                if reason is not None:
+                    closing.append((job, reason))
             else:
                 self._finish(job, reason)
         if not stepping:
@@ -236,6 +253,12 @@ class Scheduler:
         self.metrics.raise_to("dwarfstar_decode_batch_max", len(stepping))
         if len(stepping) > 1:
             self.metrics.inc("dwarfstar_batched_decode_steps_total")
+        for job, reason in closing:
+            self._finish(job, reason)
+        if self.disk is not None:
+            for job in stepping:
+                if job.phase == "decode" and self.disk.continued_due(job.lease.live, job.decoder.in_tool_call):
+                    self.disk.save(job.lease.live, SaveReason.CONTINUED)
 
     def _finish_reason(self, job: Job, token: int) -> str | None:
         decoder, session = job.decoder, job.lease.session
@@ -257,6 +280,7 @@ class Scheduler:
             tool_ids = job.decoder.tool_ids[: len(completion.tool_calls)]
             reason = "length" if reason == "length" else "tool_calls"
             self.tool_memory.remember(tool_ids, completion.raw_dsml)
+            job.lease.live.tool_ids.update(tool_ids)
         job.usage.reasoning_tokens = job.decoder.reasoning_tokens
         self.metrics.inc("dwarfstar_finished_requests_total", reason=reason)
         self._write_trace(job, finish=reason, tool_ids=tool_ids)  # before the client can see the end
@@ -276,9 +300,11 @@ class Scheduler:
             self.pool.discard(job.lease.live)  # the state may be half-updated
         if job in self._active:
             self._active.remove(job)
+        job.phase = "done"
         job.emit(Failed(f"generation failed: {exc}", job.usage))
 
     def _release(self, job: Job) -> None:
+        job.phase = "done"
         self._active.remove(job)
         self.pool.release(job.lease, prompt_len=job.usage.prompt_tokens)
 

@@ -20,12 +20,13 @@ from dwarfstar.prompt.conversation import PromptError
 from dwarfstar.prompt.render import Prompt, render_conversation
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.controls import Thinking, context_overflow
+from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.errors import ApiError, bad_request
 from dwarfstar.serving.generation import GenerationRequest
 from dwarfstar.serving.metrics import Metrics
 from dwarfstar.serving.models import ModelCatalog
 from dwarfstar.serving.pool import SessionPool
-from dwarfstar.serving.replay import ToolMemory, apply_exact_replay
+from dwarfstar.serving.replay import ToolMemory, apply_exact_replay, history_tool_ids
 from dwarfstar.serving.scheduler import Job, QueueFull, Scheduler, ShuttingDown
 from dwarfstar.serving.trace import Trace
 from dwarfstar.session.sampling import SamplingParams
@@ -55,6 +56,17 @@ class Service:
         self.metrics = Metrics()
         self.tool_memory = ToolMemory(config.tool_memory_ids)
         self.trace = Trace(config.trace) if config.trace else None
+        self.disk = None
+        if config.kv_disk_dir is not None:
+            self.disk = DiskCache.open(
+                config.kv_disk_dir,
+                space_mb=config.kv_disk_space_mb,
+                min_tokens=config.kv_cache_min_tokens,
+                engine=engine,
+                ctx=config.ctx,
+                chunk=config.prefill_chunk,
+                memory=self.tool_memory,
+            )
         self.pool = SessionPool(
             engine.backend,
             engine.tokenizer,
@@ -62,9 +74,16 @@ class Service:
             chunk=config.prefill_chunk,
             max_sessions=config.max_sessions,
             memory_bytes=config.kv_memory_mb * 1024 * 1024,
+            disk=self.disk,
         )
         self.scheduler = Scheduler(
-            self.pool, engine.tokenizer, self.metrics, self.tool_memory, max_queue=config.max_queue, trace=self.trace
+            self.pool,
+            engine.tokenizer,
+            self.metrics,
+            self.tool_memory,
+            max_queue=config.max_queue,
+            trace=self.trace,
+            disk=self.disk,
         )
 
     def start(self) -> None:
@@ -97,6 +116,8 @@ class Service:
             )
         except PromptError as exc:
             raise bad_request(str(exc), param=param) from None
+        if self.disk is not None:
+            self.disk.recall_tool_calls(history_tool_ids(messages))
         return apply_exact_replay(prompt, messages, self.tool_memory, self.options)
 
     async def count_chat_tokens(

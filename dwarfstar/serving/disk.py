@@ -1,0 +1,128 @@
+"""The disk KV cache (`--kv-disk-dir`) as the server uses it: ds4's save points around live sessions.
+
+Saves (DS4_SURFACE §4.3, policy in `session/kvpolicy.py`):
+* cold: a request that found nothing to reuse stops its prefill at the stable system + tools prefix
+  (or its aligned length) and saves there, so the next conversation with that prefix starts warm;
+* continued: at every multiple of the continued interval, in prefill and in decode (not inside a
+  tool call, whose bytes the client will send back re-rendered);
+* evict: a live session about to be overwritten by another conversation, or dropped for the memory
+  budget;
+* shutdown: every live session when the server stops.
+A request that finds no useful prefix in memory looks here (longest rendered-text prefix) before
+prefilling cold. Each file carries the tool-call ids of its conversation with their sampled DSML,
+and a request replaying a tool call the memory no longer knows (after a restart) finds it here.
+
+The store is used from the engine worker and from request threads, so every call holds one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+
+from dwarfstar.engine import Engine
+from dwarfstar.model.state import SequenceState
+from dwarfstar.prompt.render import Prompt
+from dwarfstar.serving.pool import LiveSession
+from dwarfstar.serving.replay import ToolMemory
+from dwarfstar.session import kvfile
+from dwarfstar.session.kvfile import KVFileError, ModelIdentity
+from dwarfstar.session.kvpolicy import MIB, ContinuedSchedule, KVCacheOptions, SaveReason, cold_save_point
+from dwarfstar.session.kvstore import KVStore
+
+
+class DiskCache:
+    def __init__(self, store: KVStore, tool_memory: ToolMemory) -> None:
+        self.store, self.options, self.tool_memory = store, store.options, tool_memory
+        self._lock = threading.Lock()
+        self._schedules: weakref.WeakKeyDictionary[LiveSession, ContinuedSchedule] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def open(
+        cls,
+        directory: Path,
+        *,
+        space_mb: int,
+        min_tokens: int,
+        engine: Engine,
+        ctx: int,
+        chunk: int,
+        memory: ToolMemory,
+    ) -> DiskCache:
+        options = KVCacheOptions(
+            min_tokens=min_tokens, cold_max_tokens=max(min_tokens, 30000), budget_bytes=space_mb * MIB
+        )
+        store = KVStore(
+            directory,
+            engine.backend.args,
+            ModelIdentity.of(engine.model),
+            ctx,
+            chunk,
+            render_key=engine.tokenizer.decode_bytes,
+            options=options,
+        )
+        return cls(store, memory)
+
+    def _schedule(self, live: LiveSession) -> ContinuedSchedule:
+        return self._schedules.setdefault(live, ContinuedSchedule(self.options))
+
+    # -- saving ----------------------------------------------------------------------------------------
+    def save(self, live: LiveSession, reason: SaveReason) -> None:
+        session = live.session
+        if len(session.tokens) < self.options.min_tokens:
+            return
+        blocks = {call_id: dsml for call_id in live.tool_ids if (dsml := self.tool_memory.get(call_id)) is not None}
+        with self._lock:
+            saved = self.store.save(session.state, reason, tool_map=blocks)
+        if reason is SaveReason.EVICT:
+            self._schedules.pop(live, None)  # the session is about to hold another conversation, or none
+        elif saved is not None:
+            self._schedule(live).note_store(len(session.tokens))
+
+    def prefill_stops(self, live: LiveSession, prompt_ids: list[int], cached: int) -> list[tuple[int, SaveReason]]:
+        """Positions inside this prefill where the session should be saved, in order."""
+        stops: dict[int, SaveReason] = {}
+        session = live.session
+        frontier = self._schedule(live).next_frontier(len(session.tokens))
+        while 0 < frontier < len(prompt_ids):
+            stops[frontier] = SaveReason.CONTINUED
+            frontier += self.options.continued_step
+        cold = cold_save_point(self.options, prompt_ids, cached)
+        if cold > len(session.tokens):
+            stops[cold] = SaveReason.COLD  # a cold save on a frontier stands for both
+        return sorted(stops.items())
+
+    def continued_due(self, live: LiveSession, in_tool_call: bool) -> bool:
+        return bool(self._schedule(live).target(len(live.session.tokens), in_tool_call))
+
+    # -- loading ---------------------------------------------------------------------------------------
+    def restore(self, prompt: Prompt, better_than: int) -> SequenceState | None:
+        """The longest checkpoint of the prompt's text, if it holds more than `better_than` tokens."""
+        text = prompt.text.encode("utf-8")
+        with self._lock:
+            longer = [e for e in self.store.entries() if e.tokens > better_than and text.startswith(e.key)]
+            hit = self.store.lookup(text) if any(e.refusal is None for e in longer) else None
+        if hit is None:
+            return None
+        for call_id, dsml in hit.tool_map.items():
+            self.tool_memory.remember([call_id], dsml)
+        return hit.state
+
+    def recall_tool_calls(self, ids: Iterable[str]) -> None:
+        """Load the sampled DSML of tool-call ids the tool memory does not know from the files' maps."""
+        wanted = {call_id for call_id in ids if call_id and self.tool_memory.get(call_id) is None}
+        if not wanted:
+            return
+        with self._lock:
+            for entry in self.store.entries():
+                if not wanted or not entry.header.ext_flags & kvfile.EXT_TOOL_MAP:
+                    continue
+                try:
+                    tool_map = kvfile.read_tool_map(entry.path)
+                except (KVFileError, OSError):
+                    continue
+                for call_id in wanted & tool_map.keys():
+                    self.tool_memory.remember([call_id], tool_map[call_id])
+                    wanted.discard(call_id)
