@@ -138,12 +138,17 @@ class Scheduler:
                     self._waiting.remove(job)
             if dropped:
                 self.metrics.inc("dwarfstar_cancelled_requests_total", len(dropped), phase="queued")
-            for job in [job for job in self._active if job.cancelled.is_set()]:
-                self._cancel(job)
-            self._admit()
-            self._decode_step()
-            self._prefill_step()
-            self._update_gauges()
+            try:
+                for job in [job for job in self._active if job.cancelled.is_set()]:
+                    self._cancel(job)
+                self._admit()
+                self._decode_step()
+                self._prefill_step()
+                self._update_gauges()
+            except Exception as exc:  # a bug, not one request's failure: end them all, keep serving
+                log.exception("engine loop error")
+                for job in list(self._active):
+                    self._fail(job, exc)
         for job in left:
             job.emit(Failed("server shutting down", job.usage))
         self.pool.save_all()

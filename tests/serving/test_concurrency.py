@@ -6,6 +6,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import httpx2 as httpx
 import openai
 import pytest
 from conftest import API_KEY, BASE_CONFIG, start_server
@@ -44,6 +45,29 @@ def test_second_turn_prefills_only_the_suffix(oai, server):
     assert cached == first.usage.prompt_tokens + first.usage.completion_tokens - 1
     assert server.metric("dwarfstar_prefill_tokens_total") - prefilled == second.usage.prompt_tokens - cached
     assert second.usage.prompt_tokens - cached < 10
+
+
+def test_conversations_keep_their_own_sessions_and_share_a_prefix_by_copy(oai, server):
+    system = {"role": "system", "content": "You are a careful agent. " * 60}  # > one 256-token chunk
+    main = [system, {"role": "user", "content": "Main task. [[script:hello]]"}]
+    forks = server.metric("dwarfstar_cache_lookups_total", source="fork")
+    first = oai.chat.completions.create(model="deepseek-v4-flash", messages=main, extra_body=NOTHINK)
+    # a subagent with the same system prompt gets a copy of the main session, cut back to the prefix
+    sub = oai.chat.completions.create(
+        model="deepseek-v4-flash",
+        messages=[system, {"role": "user", "content": "Subtask."}],
+        max_tokens=2,
+        extra_body=NOTHINK,
+    )
+    assert server.metric("dwarfstar_cache_lookups_total", source="fork") == forks + 1
+    assert sub.usage.prompt_tokens_details.cached_tokens >= 256
+    # ...and the main conversation's session was not touched: its next turn is a continuation
+    main += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Go on."}]
+    second = oai.chat.completions.create(model="deepseek-v4-flash", messages=main, max_tokens=2, extra_body=NOTHINK)
+    assert (
+        second.usage.prompt_tokens_details.cached_tokens
+        == first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    )
 
 
 def test_two_conversations_in_parallel_are_batched(oai, server):
@@ -110,21 +134,42 @@ def test_keepalive_comments_during_a_long_prefill(http):
 
 
 @pytest.fixture(scope="module")
-def tiny_queue_server(engine):
-    yield from start_server(engine, replace(BASE_CONFIG, max_sessions=1, max_queue=1, trace=None))
+def small_server(engine):
+    """One session, one queue slot, CORS on, no thinking by default (`--nothink`)."""
+    config = replace(BASE_CONFIG, max_sessions=1, max_queue=1, cors=True, think_by_default=False, trace=None)
+    yield from start_server(engine, config)
 
 
-def test_full_queue_answers_429(tiny_queue_server):
-    client = openai.OpenAI(base_url=tiny_queue_server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+def test_nothink_default_and_per_request_thinking(small_server):
+    client = openai.OpenAI(base_url=small_server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    ask = [{"role": "user", "content": "[[script:think_hello]]"}]
+    plain = client.chat.completions.create(model="deepseek-v4-flash", messages=ask)
+    # no <think> was opened, so the scripted reasoning is plain text
+    assert plain.choices[0].message.content == "A greeting deserves a greeting.</think>Hello!"
+    for extra in ({"model": "deepseek-reasoner"}, {"model": "deepseek-v4-flash", "extra_body": {"think": True}}):
+        reply = client.chat.completions.create(messages=ask, **extra)
+        assert reply.choices[0].message.content == "Hello!"
+        assert reply.choices[0].message.reasoning_content == "A greeting deserves a greeting."
+
+
+def test_cors_headers_and_preflight(small_server):
+    preflight = httpx.options(small_server.base_url + "/v1/chat/completions")
+    assert preflight.status_code == 204 and preflight.headers["access-control-allow-origin"] == "*"
+    health = httpx.get(small_server.base_url + "/health")
+    assert health.headers["access-control-allow-methods"] == "GET, POST, OPTIONS"
+
+
+def test_full_queue_answers_429(small_server):
+    client = openai.OpenAI(base_url=small_server.base_url + "/v1", api_key=API_KEY, max_retries=0)
     running = chat(client, "Keep going.", max_tokens=2000, stream=True)
     next(iter(running))
     waiting = chat(client, "Wait your turn.", max_tokens=2000, stream=True)
-    wait_for(lambda: tiny_queue_server.metric("dwarfstar_queue_depth") == 1)
+    wait_for(lambda: small_server.metric("dwarfstar_queue_depth") == 1)
     with pytest.raises(openai.RateLimitError) as err:
         chat(client, "One too many.", max_tokens=1)
     assert err.value.status_code == 429 and err.value.body["code"] == "rate_limit_exceeded"
     running.close()
     next(iter(waiting))  # admitted once the running request was cancelled
     waiting.close()
-    wait_for(lambda: tiny_queue_server.metric("dwarfstar_active_requests") == 0)
+    wait_for(lambda: small_server.metric("dwarfstar_active_requests") == 0)
     assert chat(client, "Now there is room.", max_tokens=2).choices[0].finish_reason == "length"
