@@ -146,7 +146,7 @@ class Chat:
         computed = self.session.stats.computed
         start = time.perf_counter()
         try:
-            with PrefillProgress() as progress:
+            with PrefillProgress(len(ids) - keep) as progress:
                 self.session.truncate(keep)
                 self.session.prefill(ids[keep:], progress.update, should_stop)
             finish = None

@@ -26,7 +26,7 @@ HELP = """\
 /think          think before answering (default)
 /think-max      think with maximum effort (needs --ctx >= 393216)
 /nothink        answer directly
-/ctx N          start a new session of N tokens (the conversation is kept and recomputed)
+/ctx N          a new session of N tokens, up to the --ctx loaded (the conversation is recomputed)
 /read FILE      send the contents of FILE as the next message
 /save NAME      save the conversation and its KV state under ~/.dwarfstar/sessions/
 /load NAME      continue a saved conversation without recomputing it

@@ -133,7 +133,7 @@ class PrefillProgress:
     `on_chunk` callback.
     """
 
-    def __init__(self, label: str = "prefill") -> None:
+    def __init__(self, total: int | None = None, label: str = "prefill") -> None:
         self.start = time.perf_counter()
         self.progress = Progress(
             SpinnerColumn(),
@@ -145,7 +145,7 @@ class PrefillProgress:
             console=stderr_console,
             transient=True,
         )
-        self.task = self.progress.add_task(label, total=None, speed="")
+        self.task = self.progress.add_task(label, total=total, speed="")
         self.lock = threading.Lock()
         self.shown = False
         self.timer = threading.Timer(PROGRESS_AFTER_S, self._show)

@@ -76,13 +76,18 @@ def write_logits(engine: Engine, ids: list[int], ctx: int, out: Path) -> None:
 
 @app.command()
 def run(
-    model: Annotated[Path | None, typer.Option("-m", "--model", help="GGUF model (default: ./ds4flash.gguf).")] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option("-m", "--model", help="GGUF model (default: ./ds4flash.gguf, else the bundled model)."),
+    ] = None,
     prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="Answer this once and exit.")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="Like -p, with the text of FILE.")] = None,
     prompt_tokens: Annotated[str | None, typer.Option(help="Raw prompt as token ids: 0,17,42.")] = None,
     system: Annotated[str, typer.Option("-sys", "--system", help='System prompt; "" for none.')] = DEFAULT_SYSTEM,
     think: Annotated[bool, typer.Option("--think/--nothink", help="Reason before answering.")] = True,
-    think_max: Annotated[bool, typer.Option(help="Maximum reasoning effort (needs --ctx >= 393216).")] = False,
+    think_max: Annotated[
+        bool, typer.Option("--think-max", help="Maximum reasoning effort (needs --ctx >= 393216).")
+    ] = False,
     temp: Annotated[float, typer.Option(help="Sampling temperature, 0..100; 0 is greedy.")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling, 0..1.")] = 1.0,
     top_k: Annotated[int, typer.Option(min=0, help="Sample among the K most likely tokens; 0: no limit.")] = 0,
@@ -103,9 +108,11 @@ def run(
     ] = None,
     logprobs_top_k: Annotated[int, typer.Option(min=1, help="Alternatives per step in --dump-logprobs.")] = 20,
     dump_logits: Annotated[
-        Path | None, typer.Option(help="Write float32 [n_prompt, vocab] logits after each prompt token (.npy), exit.")
+        Path | None, typer.Option(help="Write float32 logits (n_prompt x vocab) after each prompt token (.npy), exit.")
     ] = None,
-    no_qat_rounding: Annotated[bool, typer.Option(help="Skip the FP8 KV / FP4 indexer rounding.")] = False,
+    no_qat_rounding: Annotated[
+        bool, typer.Option("--no-qat-rounding", help="Skip the FP8 KV / FP4 indexer rounding.")
+    ] = False,
 ) -> None:
     """Chat with the model: one prompt with -p, else an interactive session."""
     text = read_prompt(prompt, prompt_file)
