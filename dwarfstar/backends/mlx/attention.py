@@ -132,7 +132,8 @@ class Attention:
 
         o = ops.sink_attention(q, keys, mask, self.sinks)
         o = ops.apply_rope(o, cos, sin, inverse=True)
-        grouped = self.wo_a.gather(o.reshape(T, args.o_groups, 1, -1), self.group_ids)
+        groups = mx.broadcast_to(self.group_ids, (T, args.o_groups))
+        grouped = self.wo_a.gather(o.reshape(T, args.o_groups, 1, -1), groups)
         return self.wo_b.matmul(grouped.reshape(T, -1))
 
     def _select(
