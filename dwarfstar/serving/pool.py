@@ -4,12 +4,13 @@ ds4 keeps one live KV, so an agent and its subagents evict each other on every t
 up to `max_sessions` sessions live within a byte budget. A request takes, in order:
 1. the idle session whose last prompt it extends (the same conversation, one turn later);
 2. the disk cache's longest checkpoint of its rendered text, when that beats what memory offers;
-3. with room for another session: a copy of the idle session sharing the longest prefix, when that
-   prefix is at least one prefill chunk (the copy replays at most a chunk from its checkpoint, so it
-   beats a cold prefill), else a new empty session;
-4. without room: the idle session sharing that prefix, or else the least recently used one, emptied.
-Other conversations are never touched while there is room. A session given up (case 4, or the
-memory budget) is saved to the disk cache first when there is one.
+3. a copy of the idle session sharing the longest prefix, when that prefix is at least one prefill
+   chunk (the copy replays at most a chunk from its checkpoint, so it beats a cold prefill);
+4. a new empty session.
+Without room for another session, the least recently used idle one is given up first (taken over
+instead, when it is the one sharing the prefix). Other conversations are never touched while there
+is room. A session given up, here or for the memory budget, is saved to the disk cache first when
+there is one.
 """
 
 from __future__ import annotations
@@ -76,7 +77,6 @@ class SessionPool:
         self.ctx, self.chunk = ctx, chunk
         self.max_sessions, self.memory_bytes, self.disk = max_sessions, memory_bytes, disk
         self.live: list[LiveSession] = []
-        self.forks = self.evictions = 0
 
     def nbytes(self) -> int:
         return sum(live.session.nbytes() for live in self.live)
@@ -98,23 +98,22 @@ class SessionPool:
         # worth keeping: cutting a session back replays from its last chunk checkpoint, which costs
         # as much as prefilling that prefix cold.
         useful = best_shared if best_shared >= self.chunk else 0
-        room = self._has_room()
-        if not room and not idle:
+        if not self._has_room() and not idle:
             return None
         state = self.disk.restore(prompt, better_than=useful) if self.disk and prompt else None
-        if room:
-            live, source = (self._fork(best), "fork") if useful and state is None else (self._new(), "cold")
-        else:
-            keep_best = useful and state is None
-            live = best if keep_best else min(idle, key=lambda live: live.last_used)
-            self._save(live)  # another conversation's tail is about to be overwritten
-            source = "memory" if keep_best else "cold"
-            if not keep_best:
-                live.session.reset()
+        if not self._has_room():
+            victim = min(idle, key=lambda live: live.last_used)
+            self._save(victim)
+            if victim is best and useful and state is None:
+                return self._lease(best, prompt, ids, "memory")  # taken over, cut back to the shared prefix
+            self.live.remove(victim)
         if state is not None:
-            live.session.reset()
+            live, source = self._new(), "disk"
             live.session.state = state
-            source = "disk"
+        elif useful:
+            live, source = self._fork(best), "fork"
+        else:
+            live, source = self._new(), "cold"
         return self._lease(live, prompt, ids, source)
 
     def _lease(self, live: LiveSession, prompt: Prompt | None, ids: list[int], source: str) -> Lease:
@@ -156,14 +155,12 @@ class SessionPool:
         session = copy.deepcopy(source.session, memo={id(self.backend): self.backend})
         live = LiveSession(session, tool_ids=set(source.tool_ids))
         self.live.append(live)
-        self.forks += 1
         return live
 
     def _save(self, live: LiveSession) -> None:
         if self.disk is not None:
             self.disk.save(live, SaveReason.EVICT)
         live.tool_ids.clear()
-        self.evictions += 1
 
     def save_all(self) -> None:
         """Shutdown: every live conversation to the disk cache."""

@@ -49,3 +49,26 @@ def test_evicted_conversation_resumes_from_disk_after_restart(engine, tmp_path):
     assert record["cache"] == "disk" and record["replayed_tool_ids"] == [call.id]  # the DSML came from the file
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + 10
     second_server.close()
+
+
+def test_memory_budget_sends_idle_conversations_to_disk(engine, tmp_path):
+    # a tiny-model session holds about 1 MB (mostly its next-token logits): a 1 MiB budget keeps one
+    config = replace(BASE_CONFIG, kv_memory_mb=1, kv_disk_dir=tmp_path / "kv", kv_cache_min_tokens=64, trace=None)
+    running = start_server(engine, config)
+    server = next(running)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+
+    def ask(messages):
+        return client.chat.completions.create(
+            model="deepseek-v4-flash", messages=messages, tools=TOOLS, max_tokens=3, extra_body=NOTHINK
+        )
+
+    first = [{"role": "user", "content": "First conversation."}]
+    reply = ask(first)
+    ask([{"role": "user", "content": "Second conversation."}])
+    assert len(server.service.pool.live) == 1  # released (and the budget enforced) before the reply
+    first += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "More."}]
+    again = ask(first)
+    assert server.metric("dwarfstar_cache_lookups_total", source="disk") == 1
+    assert again.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens
+    running.close()
