@@ -58,7 +58,13 @@ def imatrix_command(
     prompts: Annotated[Path, typer.Option(help="Prompt file: JSON lines, ds4 rendered prompts, or one per line.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Imatrix file to write (llama.cpp legacy .dat).")],
 ) -> None:
-    """Collect routed-expert activation statistics (ds4's routed-MoE imatrix)."""
+    """Collect routed-expert activation statistics (ds4's routed-MoE imatrix).
+
+    For every routed expert: the mean square of each input column of its gate/up/down matrices, over the
+    tokens routed to it. Written as llama.cpp's legacy .dat, laid out as ds4 writes it: one entry per
+    routed tensor (blk.N.ffn_{gate,up,down}_exps.weight) with n_expert × n_columns values, expert after
+    expert; the format is spelled out in dwarfstar/quant/imatrix.py.
+    """
     start = time.perf_counter()
     model_file = open_model(model)
     try:

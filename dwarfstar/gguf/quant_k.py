@@ -1,8 +1,9 @@
 """Q4_K and Q2_K encoders, with and without importance weights.
 
-Without weights they follow ggml's reference quantizers (`quantize_row_q4_K_ref`, `quantize_row_q2_K_ref`);
-with weights, ggml's imatrix paths (`quantize_row_q4_K_impl`, `quantize_row_q2_K_impl`), so a file we
-write has the error llama.cpp's `llama-quantize` would give it. Each function takes a batch of
+Without weights they follow ggml's reference quantizers (`quantize_row_q4_K_ref`, `quantize_row_q2_K_ref`),
+so a file we write has the error llama.cpp's `llama-quantize` would give it. With weights they run ggml's
+imatrix paths (`quantize_row_q4_K_impl`, `quantize_row_q2_K_impl`) and the reference one, and keep for
+each super-block whichever has the lower importance-weighted error. Each function takes a batch of
 super-blocks x (n, 256) and, optionally, the importance of each element qw (n, 256), and returns the
 block bytes (n, block_size) as uint8.
 
@@ -13,9 +14,15 @@ After that, every element is re-rounded against the scales as they will be decod
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from dwarfstar.gguf.constants import GGMLType
+from dwarfstar.gguf.dequant import dequantize
 from dwarfstar.gguf.quant_search import fit_scale, fit_scale_min
+
+Encoder = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def _f16_bytes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,6 +49,23 @@ def _quantize_super(values: torch.Tensor, top: torch.Tensor, nmax: int) -> tuple
 
 
 def quantize_q4_k(x: torch.Tensor, qw: torch.Tensor | None = None) -> torch.Tensor:
+    return _q4_k(x, None) if qw is None else _lower_weighted_error(x, qw, _q4_k, GGMLType.Q4_K)
+
+
+def quantize_q2_k(x: torch.Tensor, qw: torch.Tensor | None = None) -> torch.Tensor:
+    return _q2_k(x, None) if qw is None else _lower_weighted_error(x, qw, _q2_k, GGMLType.Q2_K)
+
+
+def _lower_weighted_error(x: torch.Tensor, qw: torch.Tensor, encode: Encoder, ggml_type: GGMLType) -> torch.Tensor:
+    """ggml's imatrix encoding of each super-block, or its reference one where that has the lower
+    importance-weighted error. ggml's imatrix search weighs by qw·sqrt(σ² + x²), a proxy: with a flat or
+    weak imatrix the reference search fits better (Q4_K on N(0, 1): 0.071 vs 0.076 relative RMS)."""
+    candidates = (encode(x, qw), encode(x, None))
+    errors = [((dequantize(c, ggml_type, x.numel()).view_as(x) - x).square_() * qw).sum(-1) for c in candidates]
+    return torch.where((errors[0] <= errors[1]).unsqueeze(-1), *candidates)
+
+
+def _q4_k(x: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
     n = x.shape[0]
     sub = x.reshape(n * 8, 32)
     if qw is None:
@@ -78,7 +102,7 @@ def quantize_q4_k(x: torch.Tensor, qw: torch.Tensor | None = None) -> torch.Tens
     return torch.cat([d_bytes, dmin_bytes, packed_scales, qs], dim=1)
 
 
-def quantize_q2_k(x: torch.Tensor, qw: torch.Tensor | None = None) -> torch.Tensor:
+def _q2_k(x: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
     n = x.shape[0]
     sub = x.reshape(n * 16, 16)
     if qw is None:
