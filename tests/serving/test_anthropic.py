@@ -98,3 +98,9 @@ def test_errors_have_the_anthropic_shape(claude):
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.messages.create(model="deepseek-v4-flash", max_tokens=-1, messages=[{"role": "user", "content": "hi"}])
     assert err.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in err.value.message
+
+
+def test_models_in_the_anthropic_shape(claude):
+    (model,) = claude.models.list().data
+    assert model.id == "deepseek-v4-flash" and model.type == "model"
+    assert claude.models.retrieve("deepseek-v4-pro").display_name == "DeepSeek V4 Flash"

@@ -12,6 +12,7 @@ import pytest
 from conftest import API_KEY, BASE_CONFIG, start_server
 
 NOTHINK = {"thinking": {"type": "disabled"}}
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 300  # about 3000 tokens: 12 prefill chunks
 
 
@@ -103,6 +104,15 @@ def test_disconnect_stops_generation(oai, server):
     assert total - generated < 100  # stopped within a step of noticing, far from 3000
     time.sleep(0.3)
     assert server.metric("dwarfstar_generated_tokens_total") == total
+    wait_for(lambda: server.metric("dwarfstar_active_requests") == 0)
+
+
+def test_disconnect_stops_a_non_streaming_request(server):
+    cancelled = server.metric("dwarfstar_cancelled_requests_total", phase="decode")
+    body = {"messages": [{"role": "user", "content": "Write a book."}], "max_tokens": 3000, "thinking": False}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.base_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=1.0)
+    wait_for(lambda: server.metric("dwarfstar_cancelled_requests_total", phase="decode") == cancelled + 1)
     wait_for(lambda: server.metric("dwarfstar_active_requests") == 0)
 
 
