@@ -29,7 +29,7 @@ from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolC
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import event_stream, final_event, sse
 
-ROLES = {"system": "system", "developer": "developer", "user": "user", "assistant": "assistant"}
+ROLES = ("system", "developer", "user", "assistant")
 TEXT_PARTS = ("text", "input_text", "output_text")
 
 
