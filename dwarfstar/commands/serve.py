@@ -12,9 +12,7 @@ from dwarfstar.cli import app
 from dwarfstar.commands.bench import bench_app
 from dwarfstar.engine import BACKENDS
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.serving.config import TEMPLATES
-
-API_KEY_ENV = "DWARFSTAR_API_KEY"
+from dwarfstar.serving.config import API_KEY_ENV, TEMPLATES
 
 
 def default_model() -> Path | None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.serving.config import API_KEY_ENV
 
 
 @dataclass
@@ -100,7 +101,7 @@ def run_bench(model: Path, *, backend: str, clients: list[int], tokens: int, ctx
     command = [sys.executable, "-m", "dwarfstar", "serve", "-m", str(model), "--backend", backend]
     command += ["--port", str(port), "--ctx", str(ctx), "--nothink"]
     command += ["--max-sessions", str(max(clients)), "--max-queue", str(max(clients))]
-    env = {k: v for k, v in os.environ.items() if k != "DWARFSTAR_API_KEY"}  # its clients send no key
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}  # its clients send no key
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         _wait_until_up(port, process)

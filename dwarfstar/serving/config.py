@@ -8,6 +8,7 @@ from pathlib import Path
 from dwarfstar.prompt.options import DS4, OFFICIAL, RenderOptions
 
 TEMPLATES: dict[str, RenderOptions] = {"ds4": DS4, "official": OFFICIAL}
+API_KEY_ENV = "DWARFSTAR_API_KEY"  # where `dwarfstar serve` also reads --api-key from
 
 
 @dataclass(frozen=True)
