@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +64,14 @@ def pick_backend(requested: str) -> str:
     return requested
 
 
-def load_engine(path: str | os.PathLike, backend: str = "auto", qat: bool = True, ctx: int | None = None) -> Engine:
+def load_engine(
+    path: str | os.PathLike,
+    backend: str = "auto",
+    qat: bool = True,
+    ctx: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Engine:
+    """Open, validate and load a model; `progress(done, total)` follows the weights being read."""
     start = time.perf_counter()
     name = pick_backend(backend)
     model = open_model(Path(path))
@@ -71,7 +79,7 @@ def load_engine(path: str | os.PathLike, backend: str = "auto", qat: bool = True
     if name == "reference":
         from dwarfstar.backends.reference.model import ReferenceModel
 
-        impl: Backend = ReferenceModel(model, qat=qat, max_seq_len=ctx)
+        impl: Backend = ReferenceModel(model, qat=qat, max_seq_len=ctx, progress=progress)
     elif name == "triton":
         from dwarfstar.backends.triton import load_backend
 
@@ -80,4 +88,6 @@ def load_engine(path: str | os.PathLike, backend: str = "auto", qat: bool = True
         from dwarfstar.backends.mlx import load_backend
 
         impl = load_backend(model, qat=qat)
+    if progress is not None and name != "reference":
+        progress(1, 1)  # these backends report no steps; still finish the bar
     return Engine(model, impl, name, tokenizer, time.perf_counter() - start)

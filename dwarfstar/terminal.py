@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,14 +116,24 @@ class Interrupt:
 
 
 @contextmanager
-def loading(path: Path) -> Iterator[None]:
-    """A spinner with the elapsed time while the model loads (the backends report no progress)."""
+def loading(path: Path) -> Iterator[Callable[[int, int], None]]:
+    """A bar over the weights being read while the model loads; yields the `progress` callback."""
     try:
         size = f"{path.stat().st_size / 1e9:.1f} GB"
     except OSError:
         size = "?"
-    with stderr_console.status(f"loading {path.name} ({size})", spinner="dots"):
-        yield
+    bar = Progress(
+        SpinnerColumn(),
+        TextColumn(f"loading {path.name} ({size})"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=stderr_console,
+        transient=True,
+    )
+    task = bar.add_task("load", total=None)
+    with bar:
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 class PrefillProgress:

@@ -66,8 +66,8 @@ def bench(
     except OSError as exc:
         raise DwarfStarError(f"cannot read {text_path}: {exc.strerror or exc}") from None
     path = resolve_model(model)
-    with loading(path):
-        engine = load_engine(path, backend, ctx=alloc)
+    with loading(path) as progress:
+        engine = load_engine(path, backend, ctx=alloc, progress=progress)
     tokens = read_bench_tokens(engine.tokenizer.encode, text, points[-1])
     note(
         f"{path.name} on {engine.backend_name}: {len(points)} frontiers {points[0]}..{points[-1]}, "

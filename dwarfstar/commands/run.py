@@ -127,8 +127,8 @@ def run(
     if (dump_logits or dump_logprobs) and text is None and prompt_tokens is None:
         raise DwarfStarError("the dumps need a prompt: -p, --prompt-file or --prompt-tokens")
 
-    with loading(path):
-        engine = load_engine(path, backend, qat=not no_qat_rounding, ctx=ctx)
+    with loading(path) as progress:
+        engine = load_engine(path, backend, qat=not no_qat_rounding, ctx=ctx, progress=progress)
     mode, warning = allowed_mode(think_mode(think, think_max), ctx)
     if warning:
         note(f"warning: {warning}", "yellow")

@@ -7,7 +7,7 @@ and Hadamard/FP4 indexer rounding, for comparison with implementations that do n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -57,8 +57,14 @@ class Block:
 
 
 class ReferenceModel:
-    def __init__(self, model: ModelFile, qat: bool = True, max_seq_len: int | None = None) -> None:
-        self._build(model.args, GGUFWeights(model.gguf), qat, max_seq_len)
+    def __init__(
+        self,
+        model: ModelFile,
+        qat: bool = True,
+        max_seq_len: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self._build(model.args, GGUFWeights(model.gguf), qat, max_seq_len, progress)
 
     @classmethod
     def from_weights(cls, args: ModelArgs, weights: WeightSource, qat: bool = True) -> ReferenceModel:
@@ -67,18 +73,33 @@ class ReferenceModel:
         model._build(args, weights, qat, None)
         return model
 
-    def _build(self, args: ModelArgs, weights: WeightSource, qat: bool, max_seq_len: int | None) -> None:
+    def _build(
+        self,
+        args: ModelArgs,
+        weights: WeightSource,
+        qat: bool,
+        max_seq_len: int | None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Read every weight; `progress(done, total)` counts the embedding, each block and the head."""
+        report = progress or (lambda done, total: None)
         self.args, self.qat = args, qat
         if args.dim < SMALL_MODEL_DIM:
             # Tiny models run hundreds of microsecond-sized ops per token; OpenMP hand-offs between
             # threads cost more than the math (30x slower decode on 2 busy cores), so use one thread.
             torch.set_num_threads(1)
         self.max_seq_len = min(max_seq_len or args.max_seq_len, args.max_seq_len)
+        total = args.n_layers + 2
         self.embed = weights.dense("token_embd.weight")
-        self.blocks = [Block(args, il, weights, qat) for il in range(args.n_layers)]
+        report(1, total)
+        self.blocks = []
+        for il in range(args.n_layers):
+            self.blocks.append(Block(args, il, weights, qat))
+            report(il + 2, total)
         self.head_hc = tuple(weights.dense(f"output_hc_{k}.weight") for k in ("fn", "scale", "base"))
         self.out_norm = weights.dense("output_norm.weight")
         self.output = weights.dense("output.weight")
+        report(total, total)
 
     def new_state(self) -> SequenceState:
         return SequenceState.empty(self.args)
