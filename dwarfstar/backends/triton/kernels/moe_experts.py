@@ -64,7 +64,8 @@ def _gate_up_kernel(
             acc_u = _product(acc_u, x, load_weight_tile(up_ptr, grid_ptr, row_off, k0, K, WTYPE, BN, BK),
                              USE_DOT, FAST)  # fmt: skip
         g = tl.minimum(acc_g, limit)
-        mid = g * tl.sigmoid(g) * tl.minimum(tl.maximum(acc_u, -limit), limit)
+        # silu(g) = g / (1 + e^-g); capping the exponent keeps it finite where silu is ~0 anyway
+        mid = g / (1.0 + tl.exp(tl.minimum(-g, 80.0))) * tl.minimum(tl.maximum(acc_u, -limit), limit)
         if WEIGHTED:
             mid = mid * tl.load(route_w_ptr + entry, mask=m_ok, other=0.0)[:, None]
         out = mid_ptr + (start + m).to(tl.int64)[:, None] * N + n[None, :]

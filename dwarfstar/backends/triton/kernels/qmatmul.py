@@ -65,7 +65,7 @@ def _qmatmul_kernel(
 def _config(m: int, n: int, use_dot: bool) -> tuple[int, int, int]:
     """(BM, BN, num_warps). GPU: enough programs to keep loads in flight; interpreter: few programs."""
     if interpreting():
-        return (next_pow2(m) if use_dot else 1, min(next_pow2(n), 256 if use_dot else 1024), 1)
+        return (min(64, next_pow2(m)) if use_dot else 1, min(next_pow2(n), 1024 if use_dot else 4096), 1)
     if not use_dot:
         bm = next_pow2(m)
         # the [BM, BN, BK] product lives in registers: keep it near 4K elements per 128 threads

@@ -1,0 +1,53 @@
+"""The Triton backend as the session layer sees it: `args`, `new_state()`, `forward()`.
+
+Weights are uploaded once from the memory-mapped GGUF, in their blocks; the KV state lives on the
+device. On CUDA, single-token decode steps replay captured graphs (`graphs.DecodeGraphs`); prefill
+chunks, the first steps of a sequence and CPU runs go through the eager kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dwarfstar.backends.triton.model import TritonModel
+from dwarfstar.backends.triton.runtime import EXACT, Precision, default_device
+from dwarfstar.backends.triton.weights import ModelWeights, upload
+from dwarfstar.model.loader import ModelFile
+from dwarfstar.model.state import SequenceState
+
+
+class TritonBackend:
+    def __init__(self, weights: ModelWeights, qat: bool = True, precision: Precision = EXACT, graphs: bool = True):
+        self.model = TritonModel(weights, qat=qat, precision=precision)
+        self.args = weights.args
+        self.device = self.model.device
+        self.graphs = None
+        if graphs and self.device.type == "cuda":
+            from dwarfstar.backends.triton.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model)
+
+    @classmethod
+    def from_model_file(
+        cls, model: ModelFile, device: torch.device | str | None = None, qat: bool = True, **kwargs
+    ) -> TritonBackend:
+        device = torch.device(device) if device is not None else default_device()
+        return cls(upload(model.gguf, model.args, device), qat=qat, **kwargs)
+
+    def new_state(self) -> SequenceState:
+        return self.model.new_state()
+
+    def forward(
+        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
+    ) -> torch.Tensor:
+        if self.graphs is not None and len(tokens) == 1:
+            return self.graphs.step(int(torch.as_tensor(tokens).flatten()[0]), state)
+        return self.model.forward(tokens, state, all_logits)
+
+    def forward_batch(
+        self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False
+    ) -> list[torch.Tensor]:
+        """Several sequences, one after another (the kernels take one sequence per launch)."""
+        return [self.forward(tokens, state, all_logits) for tokens, state in zip(token_lists, states, strict=True)]
