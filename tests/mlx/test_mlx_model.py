@@ -162,3 +162,16 @@ def test_bad_input_is_a_clear_error(tiny):
     with pytest.raises(DwarfStarError, match="appears twice"):
         model.forward_batch([[1], [2]], [state, state])
     assert state.pos == 10  # the failed calls changed nothing
+
+
+@pytest.mark.slow
+def test_fused_primitives_match_eager(tiny):
+    """The mx.compile'd primitives (the default on Metal) against eager ops, here on the CPU.
+
+    Slow only the first time on a machine: MLX compiles each fused graph with the C++ compiler.
+    """
+    eager, fused = MLXModel(tiny, qat=True, fuse=False), MLXModel(tiny, qat=True, fuse=True)
+    states = eager.new_state(), fused.new_state()
+    for chunk in (PROMPT[:40], PROMPT[40:41], PROMPT[41:42]):
+        a, b = (model.forward(chunk, state) for model, state in zip((eager, fused), states, strict=True))
+        assert compare_logits(a, b).max_rel < 1e-5

@@ -64,8 +64,8 @@ class Compressor:
 
 
 class Attention:
-    def __init__(self, args: ModelArgs, layer: LayerSpec, w: LayerWeights, qat: bool) -> None:
-        self.args, self.layer, self.qat = args, layer, qat
+    def __init__(self, args: ModelArgs, layer: LayerSpec, w: LayerWeights, qat: bool, fused: ops.Fused) -> None:
+        self.args, self.layer, self.qat, self.fused = args, layer, qat, fused
         self.inv_freq = np.array(yarn_inv_freq(args, layer), dtype=np.float64)
         self.wq_a = w.matrix("attn_q_a.weight")
         self.q_norm = w.dense("attn_q_a_norm.weight")
@@ -93,22 +93,22 @@ class Attention:
             self.w_index_heads = w.matrix("indexer.proj.weight")
 
     def _finish_kv_row(self, rows: mx.array, positions: np.ndarray) -> mx.array:
-        rows = ops.apply_rope(rows, *ops.rope_tables(positions, self.inv_freq))
-        return ops.fp8_round_nope(rows, self.args.rope_dim) if self.qat else rows
+        rows = self.fused.rope(rows, *ops.rope_tables(positions, self.inv_freq))
+        return self.fused.fp8_round_nope(rows) if self.qat else rows
 
     def _finish_index_row(self, rows: mx.array, positions: np.ndarray) -> mx.array:
-        rows = ops.apply_rope(rows, *ops.rope_tables(positions, self.inv_freq))
-        return ops.indexer_round(rows) if self.qat else rows
+        rows = self.fused.rope(rows, *ops.rope_tables(positions, self.inv_freq))
+        return self.fused.indexer_round(rows) if self.qat else rows
 
     def __call__(self, a: mx.array, positions: np.ndarray, state: MLXLayerState) -> mx.array:
         args, T = self.args, a.shape[0]
         cos, sin = ops.rope_tables(positions, self.inv_freq)
         qr = ops.rms_norm(self.wq_a.matmul(a), self.q_norm, args.norm_eps)
         q = ops.rms_norm(self.wq_b.matmul(qr).reshape(T, args.n_heads, args.head_dim), None, args.norm_eps)
-        q = ops.apply_rope(q, cos, sin)
-        kv = ops.apply_rope(ops.rms_norm(self.wkv.matmul(a), self.kv_norm, args.norm_eps), cos, sin)
+        q = self.fused.rope(q, cos, sin)
+        kv = self.fused.rope(ops.rms_norm(self.wkv.matmul(a), self.kv_norm, args.norm_eps), cos, sin)
         if self.qat:
-            kv = ops.fp8_round_nope(kv, args.rope_dim)
+            kv = self.fused.fp8_round_nope(kv)
 
         n_old = state.mx_raw_kv.shape[0]
         raw = mx.concatenate((state.mx_raw_kv, kv))
@@ -131,7 +131,7 @@ class Attention:
         state.mx_raw_kv = raw[-args.window :]
 
         o = ops.sink_attention(q, keys, mask, self.sinks)
-        o = ops.apply_rope(o, cos, sin, inverse=True)
+        o = self.fused.unrope(o, cos, sin)
         groups = mx.broadcast_to(self.group_ids, (T, args.o_groups))
         grouped = self.wo_a.gather(o.reshape(T, args.o_groups, 1, -1), groups)
         return self.wo_b.matmul(grouped.reshape(T, -1))
@@ -142,9 +142,9 @@ class Attention:
         """Lightning indexer: keep the top-k visible compressed rows per query (all if fewer)."""
         args, T = self.args, a.shape[0]
         q = self.wq_index.matmul(qr).reshape(T, args.index_n_heads, args.index_head_dim)
-        q = ops.apply_rope(q, cos, sin)
+        q = self.fused.rope(q, cos, sin)
         if self.qat:
-            q = ops.indexer_round(q)
+            q = self.fused.indexer_round(q)
         head_weights = self.w_index_heads.matmul(a) * (args.index_head_dim**-0.5 * args.index_n_heads**-0.5)
         per_head = mx.maximum(q @ index_rows.T, 0.0)  # [T, heads, rows]
         scores = mx.where(visible, (per_head * head_weights[..., None]).sum(1), -mx.inf)

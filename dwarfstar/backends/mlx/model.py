@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from dwarfstar.backends.mlx import ops
+from dwarfstar.backends.mlx import metal_available, ops
 from dwarfstar.backends.mlx import state as mlx_state
 from dwarfstar.backends.mlx.attention import Attention
 from dwarfstar.backends.mlx.moe import MoE
@@ -29,35 +29,44 @@ Group = tuple[slice, np.ndarray, LayerState]  # a sequence's rows in the batch, 
 
 
 class Block:
-    def __init__(self, args: ModelArgs, il: int, weights: Weights, qat: bool) -> None:
-        self.args = args
+    def __init__(self, args: ModelArgs, il: int, weights: Weights, qat: bool, fused: ops.Fused) -> None:
+        self.args, self.fused = args, fused
         w = LayerWeights(weights, il)
         self.hc_attn = tuple(w.dense(f"hc_attn_{k}.weight") for k in ("fn", "scale", "base"))
         self.hc_ffn = tuple(w.dense(f"hc_ffn_{k}.weight") for k in ("fn", "scale", "base"))
         self.attn_norm = w.dense("attn_norm.weight")
         self.ffn_norm = w.dense("ffn_norm.weight")
-        self.attn = Attention(args, args.layer(il), w, qat)
-        self.moe = MoE(args, args.layer(il), w)
+        self.attn = Attention(args, args.layer(il), w, qat, fused)
+        self.moe = MoE(args, args.layer(il), w, fused)
 
     def __call__(self, h: mx.array, tokens: mx.array, groups: list[Group]) -> mx.array:
         """Attention runs per sequence (each has its own KV); everything else on all rows at once."""
-        a = self.args
-        x, post, comb = ops.hc_pre(h, *self.hc_attn, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
-        x = ops.rms_norm(x, self.attn_norm, a.norm_eps)
+        eps, fused = self.args.norm_eps, self.fused
+        x, post, comb = fused.hc_pre(h, *self.hc_attn)
+        x = ops.rms_norm(x, self.attn_norm, eps)
         attn = mx.concatenate([self.attn(x[rows], positions, layer) for rows, positions, layer in groups])
-        h = ops.hc_post(attn, h, post, comb)
-        x, post, comb = ops.hc_pre(h, *self.hc_ffn, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
-        return ops.hc_post(self.moe(ops.rms_norm(x, self.ffn_norm, a.norm_eps), tokens), h, post, comb)
+        h = fused.hc_post(attn, h, post, comb)
+        x, post, comb = fused.hc_pre(h, *self.hc_ffn)
+        return fused.hc_post(self.moe(ops.rms_norm(x, self.ffn_norm, eps), tokens), h, post, comb)
 
 
 class MLXModel:
-    def __init__(self, model: ModelFile, qat: bool = True, packing: str = "exact", max_seq_len: int | None = None):
+    def __init__(
+        self,
+        model: ModelFile,
+        qat: bool = True,
+        packing: str = "exact",
+        max_seq_len: int | None = None,
+        fuse: bool | None = None,
+    ) -> None:
+        """`fuse` compiles the op-heavy primitives (`ops.Fused`); by default only where Metal runs them."""
         args = model.args
         self.args, self.qat, self.packing = args, qat, packing
+        self.fused = ops.Fused(args, metal_available() if fuse is None else fuse)
         self.max_seq_len = min(max_seq_len or args.max_seq_len, args.max_seq_len)
         weights = Weights(model.gguf, packing)
         self.embed = weights.dense("token_embd.weight")
-        self.blocks = [Block(args, il, weights, qat) for il in range(args.n_layers)]
+        self.blocks = [Block(args, il, weights, qat, self.fused) for il in range(args.n_layers)]
         self.head_hc = tuple(weights.dense(f"output_hc_{k}.weight") for k in ("fn", "scale", "base"))
         self.out_norm = weights.dense("output_norm.weight")
         self.output = weights.matrix("output.weight")
@@ -101,7 +110,7 @@ class MLXModel:
             h = block(h, tokens, [(rows, pos, seq[il]) for (rows, pos), seq in zip(bounds, layers, strict=True)])
         if not all_logits:
             h = h[mx.array([rows.stop - 1 for rows, _ in bounds])]
-        y = ops.rms_norm(ops.hc_head(h, *self.head_hc, a.hc_eps, a.norm_eps), self.out_norm, a.norm_eps)
+        y = ops.rms_norm(self.fused.hc_head(h, *self.head_hc), self.out_norm, a.norm_eps)
         logits = self.output.matmul(y)
         mx.eval(logits, *(arr for _, state in live for arr in mlx_state.lazy_arrays(state)))
         # numpy copies, not torch ops: torch's thread hand-offs cost more than a copy on busy cores

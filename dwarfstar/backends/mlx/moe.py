@@ -29,8 +29,8 @@ def route(
 
 
 class MoE:
-    def __init__(self, args: ModelArgs, layer: LayerSpec, w: LayerWeights) -> None:
-        self.args = args
+    def __init__(self, args: ModelArgs, layer: LayerSpec, w: LayerWeights, fused: ops.Fused) -> None:
+        self.args, self.swiglu = args, fused.swiglu
         self.router = w.matrix("ffn_gate_inp.weight")
         self.bias = None if layer.hash_routed else w.dense("exp_probs_b.bias")
         self.tid2eid = w.dense("ffn_gate_tid2eid.weight") if layer.hash_routed else None
@@ -43,7 +43,7 @@ class MoE:
         ids, weights = route(self.router.matmul(f), args.n_activated_experts, args.route_scale, self.bias, fixed)
         x = f[:, None, None, :]
         # the router weight scales the SwiGLU output before the down projection, as ds4 does
-        hidden = ops.swiglu_clamped(self.gate.gather(x, ids), self.up.gather(x, ids), args.swiglu_limit)
+        hidden = self.swiglu(self.gate.gather(x, ids), self.up.gather(x, ids))
         routed = self.down.gather(hidden * weights[..., None, None], ids).sum(axis=(1, 2))
         gate, up, down = self.shared
-        return routed + down.matmul(ops.swiglu_clamped(gate.matmul(f), up.matmul(f), args.swiglu_limit))
+        return routed + down.matmul(self.swiglu(gate.matmul(f), up.matmul(f)))

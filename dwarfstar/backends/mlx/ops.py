@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 
 from dwarfstar.backends.reference.ops import FP4_BLOCK, FP4_MAX, FP8_BLOCK, FP8_MAX
+from dwarfstar.model.config import ModelArgs
 
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(_E2M1_GRID[:-1], _E2M1_GRID[1:], strict=True))
@@ -174,3 +176,25 @@ def sink_attention(q: mx.array, kv: mx.array, mask: mx.array, sinks: mx.array) -
     k = kv[None, None]
     out = mx.fast.scaled_dot_product_attention(qh, k, k, scale=q.shape[-1] ** -0.5, mask=mask, sinks=sinks)
     return out[0].transpose(1, 0, 2)
+
+
+class Fused:
+    """The op-heavy primitives with the model's constants bound, compiled by `mx.compile` when `enabled`.
+
+    On Metal every op is a kernel launch, and HC-pre alone (20 Sinkhorn rounds) is about 85 of them
+    per use, twice per layer: fused, a decode step stops being bound by launches. On a CPU, MLX
+    compiles a fused graph with the system C++ compiler, seconds per graph the first time on each
+    machine, so there they stay eager by default (tests/mlx checks both agree).
+    """
+
+    def __init__(self, args: ModelArgs, enabled: bool) -> None:
+        wrap: Callable[[Callable], Callable] = mx.compile if enabled else (lambda fn: fn)
+        eps = {"hc_eps": args.hc_eps, "norm_eps": args.norm_eps}
+        self.hc_pre = wrap(functools.partial(hc_pre, iters=args.hc_sinkhorn_iters, **eps))
+        self.hc_post = wrap(hc_post)
+        self.hc_head = wrap(functools.partial(hc_head, **eps))
+        self.rope = wrap(apply_rope)
+        self.unrope = wrap(functools.partial(apply_rope, inverse=True))
+        self.fp8_round_nope = wrap(functools.partial(fp8_round_nope, rope_dim=args.rope_dim))
+        self.indexer_round = wrap(indexer_round)
+        self.swiglu = wrap(functools.partial(swiglu_clamped, limit=args.swiglu_limit))
