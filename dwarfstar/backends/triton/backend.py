@@ -11,11 +11,13 @@ from collections.abc import Sequence
 
 import torch
 
+from dwarfstar.backends.triton.kernels.sampling import sample
 from dwarfstar.backends.triton.model import TritonModel
 from dwarfstar.backends.triton.runtime import EXACT, Precision, default_device
 from dwarfstar.backends.triton.weights import ModelWeights, upload
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
+from dwarfstar.session.sampling import SamplingParams
 
 
 class TritonBackend:
@@ -45,6 +47,10 @@ class TritonBackend:
         if self.graphs is not None and len(tokens) == 1:
             return self.graphs.step(int(torch.as_tensor(tokens).flatten()[0]), state)
         return self.model.forward(tokens, state, all_logits)
+
+    def sample(self, logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -> int:
+        """Draw the next token on the device (`kernels.sampling`): the `Sampler` rules, Philox draws."""
+        return int(sample(logits, params, seed, step)[0])
 
     def forward_batch(
         self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False

@@ -59,9 +59,14 @@ def fused(linear: FusedLinear, x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def reserve(rows: RowBuffer, n: int) -> None:
-    """Grow a row buffer's storage to hold n rows (kernels write rows in place, by index)."""
+    """Grow a row buffer's storage to hold n rows (kernels write rows in place, by index).
+
+    Capacities stay multiples of 64: Triton specialises kernels on integer arguments divisible by
+    16, and a captured decode graph must not need a new compilation when a buffer has grown.
+    """
     if rows.data.shape[0] < n:
-        grown = torch.empty(max(n, 2 * rows.data.shape[0]), rows.data.shape[1], device=rows.data.device)
+        capacity = -(-max(n, 2 * rows.data.shape[0]) // 64) * 64
+        grown = torch.empty(capacity, rows.data.shape[1], device=rows.data.device)
         grown[: rows.n] = rows.data[: rows.n]
         rows.data = grown
 

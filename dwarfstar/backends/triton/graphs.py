@@ -1,0 +1,86 @@
+"""Single-token decode steps replayed from captured CUDA graphs (CUDA and ROCm/HIP graphs).
+
+A decode step launches about 30 kernels per layer; replaying them as one graph removes the CPU
+launch cost, which otherwise exceeds the GPU time of a step. The model reads every position-
+dependent value on the device (`TritonModel.launch`), so one graph serves every position with the
+same launch shape. The shape of a step is: the raw window is full (earlier steps run eagerly), and
+which compressors emit a row at this position (ratio 4 every 4th token, ratio 128 every 128th). A
+graph also bakes in the addresses of the state's tensors; it is captured again when one changed (a
+row buffer grew, or the session restored a snapshot, which swaps in copies).
+
+A shape is captured only after it ran once eagerly, so every kernel it launches is compiled before
+the capture starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dwarfstar.backends.triton.kernels.compressor import emitted
+from dwarfstar.backends.triton.model import TritonModel
+from dwarfstar.model.state import SequenceState
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # the graph's output buffer, [1, vocab]
+    addresses: tuple[int, ...]
+
+
+def state_addresses(state: SequenceState) -> tuple[int, ...]:
+    """Device addresses a captured step reads or writes in place."""
+    out = []
+    for layer in state.layers:
+        out.append(layer.raw_kv.data_ptr())
+        for comp in (layer.compressor, layer.indexer):
+            if comp is not None:
+                out += [comp.frontier_kv.data_ptr(), comp.frontier_gate.data_ptr(), comp.rows.data.data_ptr()]
+    return tuple(out)
+
+
+class DecodeGraphs:
+    def __init__(self, model: TritonModel) -> None:
+        self.model = model
+        self.tok = torch.zeros(1, dtype=torch.int32, device=model.device)
+        self.pos = torch.zeros(1, dtype=torch.int32, device=model.device)
+        self.captured: dict[tuple[int, ...], _Captured] = {}
+        self.compiled: set[tuple[int, ...]] = set()
+        self.ratios = sorted({r for r in model.args.compress_ratios[: model.args.n_layers] if r})
+
+    def shape(self, state: SequenceState) -> tuple[int, ...]:
+        return tuple(emitted(state.pos, 1, r) for r in self.ratios)
+
+    @torch.inference_mode()
+    def step(self, token: int, state: SequenceState) -> torch.Tensor:
+        """Logits [1, vocab] after one token; the state advances exactly as the eager path does."""
+        model = self.model
+        if state.pos < model.args.window:
+            return model.forward([token], state)
+        shape = self.shape(state)
+        if shape not in self.compiled:
+            self.compiled.add(shape)
+            return model.forward([token], state)
+        tokens = torch.tensor([token])
+        model.check(tokens, state)
+        model.prepare(state, 1)
+        addresses = state_addresses(state)
+        entry = self.captured.get(shape)
+        if entry is None or entry.addresses != addresses:
+            entry = self._capture(state, addresses)
+            self.captured[shape] = entry
+        self.tok.fill_(token)
+        self.pos.fill_(state.pos)
+        entry.graph.replay()
+        logits = entry.logits.clone()
+        model.commit(state, [token], logits)
+        return logits
+
+    def _capture(self, state: SequenceState, addresses: tuple[int, ...]) -> _Captured:
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            logits = self.model.launch(self.tok, self.pos, state, all_logits=True)
+        return _Captured(graph, logits, addresses)
