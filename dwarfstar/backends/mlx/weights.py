@@ -6,7 +6,7 @@
   dequantized weights, so this is for small models (tests, CI, the CPU bench).
 * `affine4` / `affine2`: as `exact`, but Q2_K and IQ2_XXS (the routed experts of the q2 files) are
   requantized by MLX into 4- or 2-bit affine groups of 32: the built-in-op path for an Apple
-  machine that keeps the weights small without the Metal kernels. Lossy; `kl.py` measures it.
+  machine that keeps the weights small without the Metal kernels. Lossy; `parity.packing_kl` measures it.
 * `blocks` (the default with Metal): quantized matrices stay GGUF blocks, read in place by the
   Metal kernels (`metal.py`).
 
