@@ -5,6 +5,11 @@ device. Its products pick a kernel by size: the fused dequant-GEMV for up to 8 t
 tiled dequant-GEMM beyond (prefill), and for routed experts the gathered GEMV or, for many pairs,
 the gathered GEMM over pairs sorted by expert.
 
+Attention, the compressors and the indexer need no kernel of their own: MLX's fused attention
+takes the per-head sinks and an arbitrary row mask (the raw window plus the indexer's choice), the
+indexer's scores are one matmul and an argpartition, and the long elementwise chains (Sinkhorn,
+rope, the FP8/FP4 roundings) are fused by `mx.compile` (`ops.Fused`).
+
 Every call is first described as a `Launch` (kernel, inputs, template, grid, outputs) and then run,
 so the launch geometry itself is tested where Metal is missing: tests/mlx runs the same launches
 through a CPU emulation of the kernels (their sources are also valid C++).
