@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -49,13 +50,19 @@ class Sampler:
         logits = logits.float().flatten()
         if p.greedy:
             return int(logits.argmax())
-        k = min(p.top_k, TOP_K_CAP) if p.top_k > 0 else logits.numel()
-        values, ids = logits.topk(min(k, logits.numel()))  # sorted, descending
+        # min-p keeps tokens with exp((l - max) / T) >= min_p, i.e. l >= max + T ln(min_p): filtering by
+        # that threshold first leaves a handful of candidates, so nothing sorts the whole vocabulary
+        ids = torch.arange(logits.numel())
+        if p.min_p > 0:
+            ids = (logits >= logits.max() + p.temperature * math.log(p.min_p)).nonzero().flatten()
+        values = logits[ids]
+        k = min(p.top_k, TOP_K_CAP) if p.top_k > 0 else values.numel()
+        values, order = values.topk(min(k, values.numel()))  # sorted, descending
+        ids = ids[order]
         probs = ((values - values[0]) / p.temperature).exp()
-        keep = probs >= p.min_p  # min-p relative to the top token, whose weight is exactly 1
         if p.top_p < 1.0:
-            cum = probs.cumsum(0) / probs.sum()
-            keep &= (cum - probs / probs.sum()) < p.top_p  # keep up to the token that crosses top_p
-        probs = probs * keep
+            total = probs.sum()
+            before = probs.cumsum(0) - probs  # mass of the better candidates
+            probs = probs * (before < p.top_p * total)  # keep up to the token that crosses top_p
         choice = torch.multinomial(probs / probs.sum(), 1, generator=self.generator)
         return int(ids[choice])
