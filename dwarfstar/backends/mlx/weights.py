@@ -16,11 +16,13 @@ Every matrix answers `matmul(x)` (x [..., in] -> [..., out]) and, when stacked [
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
+import torch
 
 from dwarfstar.backends.mlx import repack
 from dwarfstar.errors import DwarfStarError
@@ -112,13 +114,13 @@ class Weights:
             return DenseMatrix.stacked(w) if len(shape) == 3 else DenseMatrix(w)
         return AffineMatrix(parts.stacked(shape[0]) if len(shape) == 3 else parts)
 
-    def _row_band(self, name: str, cols: int):
+    def _row_band(self, name: str, cols: int) -> Callable[[int, int], torch.Tensor]:
         """Dequantize rows [start, stop) of a block matrix straight from the memory map."""
         info = self.gguf.tensors[name]
         raw = self.gguf.raw(name)
         row_bytes = info.nbytes // (info.n_elements // cols)
 
-        def band(start: int, stop: int):
+        def band(start: int, stop: int) -> torch.Tensor:
             n = stop - start
             return dequantize(raw[start * row_bytes : stop * row_bytes], info.ggml_type, n * cols).view(n, cols)
 
