@@ -15,6 +15,7 @@ import torch
 
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.backends.triton import load_backend
+from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY, TINY_K, write_synthetic_model
 
@@ -39,28 +40,49 @@ def model_file(request, tmp_path_factory):
     return open_model(path)
 
 
-def test_prefill_and_decode_match_reference(model_file, device, record_property):
+def test_prefill_and_decode_match_reference(model_file, device):
+    """Two prefill chunks (the second continues a window and a compressor frontier mid-window,
+    and asks for the last logits only), then single-token decode steps."""
     reference = ReferenceModel(model_file, qat=True)
     backend = load_backend(model_file, device=device)
     ref_state, state = reference.new_state(), backend.new_state()
-    want = reference.forward(PROMPT, ref_state)
-    got = backend.forward(PROMPT, state).cpu()
-    steps = [(got, want)]
+    first, second = PROMPT[:21], PROMPT[21:]
+    steps = [(backend.forward(first, state).cpu(), reference.forward(first, ref_state))]
+    got = backend.forward(second, state, all_logits=False).cpu()
+    want = reference.forward(second, ref_state, all_logits=False)
+    assert got.shape == want.shape == (1, model_file.args.vocab_size)
+    steps.append((got, want))
     for _ in range(DECODE_STEPS):
         token = [int(want[-1].argmax())]
         want = reference.forward(token, ref_state)
-        got = backend.forward(token, state).cpu()
-        steps.append((got, want))
+        steps.append((backend.forward(token, state).cpu(), want))
     for i, (g, w) in enumerate(steps):
         assert torch.equal(g.argmax(-1), w.argmax(-1)), f"step {i}"
         assert mean_kl(w, g) < 1e-6, f"step {i}"
         assert rel_err(g, w) < 1e-3, f"step {i}"
-    record_property("prefill_rel_err", rel_err(*steps[0]))
-    record_property("decode_rel_err", max(rel_err(g, w) for g, w in steps[1:]))
     assert state.pos == ref_state.pos == len(PROMPT) + DECODE_STEPS
+    assert torch.equal(state.logits.cpu(), steps[-1][0][-1])
     for mine, ref in zip(state.layers, ref_state.layers, strict=True):
-        torch.testing.assert_close(mine.raw_kv.cpu(), ref.raw_kv, rtol=1e-3, atol=1e-4)
+        assert rounded_close(mine.raw_kv.cpu(), ref.raw_kv)
         for a, b in ((mine.compressor, ref.compressor), (mine.indexer, ref.indexer)):
             if a is not None:
                 assert a.rows.n == b.rows.n
+                assert rounded_close(a.rows.rows.cpu(), b.rows.rows)
                 torch.testing.assert_close(a.frontier_kv.cpu(), b.frontier_kv, rtol=1e-3, atol=1e-4)
+
+
+def rounded_close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """QAT-rounded rows: equal to 1e-3 except the rare element whose rounding flipped by one step."""
+    off = (a - b).abs() > 1e-3 * (1 + b.abs())
+    return a.shape == b.shape and (off.numel() == 0 or off.float().mean().item() < 0.01)
+
+
+def test_bad_input_is_refused_before_any_work(model_file, device):
+    backend = load_backend(model_file, device=device)
+    state = backend.new_state()
+    with pytest.raises(DwarfStarError, match="outside the vocabulary"):
+        backend.forward([5, model_file.args.vocab_size], state)
+    state.pos = model_file.args.max_seq_len
+    with pytest.raises(ContextOverflowError):
+        backend.forward([5], state)
+    assert backend.forward([], backend.new_state()).shape == (0, model_file.args.vocab_size)

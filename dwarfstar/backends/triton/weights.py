@@ -14,6 +14,7 @@ GGUF matrix are independent runs of blocks, so concatenating them is exact.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -154,61 +155,69 @@ class ModelWeights:
 def upload(gguf: GGUFFile, args: ModelArgs, device: torch.device | str) -> ModelWeights:
     """Copy every tensor of the file to `device` once, matrices as blocks, vectors as float32."""
 
-    def q(name: str) -> QWeight:
+    def matrix(name: str) -> QWeight:
         info = gguf.tensors[name]
         return QWeight.from_bytes(gguf.raw(name), info.ggml_type, info.shape, device)
 
-    def v(name: str) -> torch.Tensor:
+    def vector(name: str) -> torch.Tensor:
         return gguf.tensor(name).to(device)
 
+    return build_weights(args, matrix, vector)
+
+
+def build_weights(
+    args: ModelArgs, matrix: Callable[[str], QWeight], vector: Callable[[str], torch.Tensor]
+) -> ModelWeights:
+    """Assemble the model's weights from per-tensor sources (a file, or random synthetic blocks)."""
+
     def hc(prefix: str) -> tuple[QWeight, torch.Tensor, torch.Tensor]:
-        return q(f"{prefix}fn.weight"), v(f"{prefix}scale.weight"), v(f"{prefix}base.weight")
+        return matrix(f"{prefix}fn.weight"), vector(f"{prefix}scale.weight"), vector(f"{prefix}base.weight")
 
     layers = []
     for layer in args.layers:
         p = f"blk.{layer.index}."
-        from_a = [("q_a", q(f"{p}attn_q_a.weight")), ("kv", q(f"{p}attn_kv.weight"))]
-        from_qr = [("q_b", q(f"{p}attn_q_b.weight"))]
+        from_a = [("q_a", matrix(f"{p}attn_q_a.weight")), ("kv", matrix(f"{p}attn_kv.weight"))]
+        from_qr = [("q_b", matrix(f"{p}attn_q_b.weight"))]
         compressor = indexer = None
         if layer.compress_ratio:
-            from_a += [(f"comp_{k}", q(f"{p}attn_compressor_{k}.weight")) for k in ("kv", "gate")]
-            compressor = (v(f"{p}attn_compressor_ape.weight"), v(f"{p}attn_compressor_norm.weight"))
+            from_a += [(f"comp_{k}", matrix(f"{p}attn_compressor_{k}.weight")) for k in ("kv", "gate")]
+            compressor = (vector(f"{p}attn_compressor_ape.weight"), vector(f"{p}attn_compressor_norm.weight"))
         if layer.has_indexer:
-            from_a += [(f"idx_{k}", q(f"{p}indexer_compressor_{k}.weight")) for k in ("kv", "gate")]
-            from_a.append(("idx_heads", q(f"{p}indexer.proj.weight")))
-            from_qr.append(("idx_q", q(f"{p}indexer.attn_q_b.weight")))
-            indexer = (v(f"{p}indexer_compressor_ape.weight"), v(f"{p}indexer_compressor_norm.weight"))
+            from_a += [(f"idx_{k}", matrix(f"{p}indexer_compressor_{k}.weight")) for k in ("kv", "gate")]
+            from_a.append(("idx_heads", matrix(f"{p}indexer.proj.weight")))
+            from_qr.append(("idx_q", matrix(f"{p}indexer.attn_q_b.weight")))
+            indexer = (vector(f"{p}indexer_compressor_ape.weight"), vector(f"{p}indexer_compressor_norm.weight"))
         layers.append(
             LayerWeights(
                 hc_attn=hc(f"{p}hc_attn_"),
                 hc_ffn=hc(f"{p}hc_ffn_"),
-                attn_norm=v(f"{p}attn_norm.weight"),
-                ffn_norm=v(f"{p}ffn_norm.weight"),
+                attn_norm=vector(f"{p}attn_norm.weight"),
+                ffn_norm=vector(f"{p}ffn_norm.weight"),
                 from_a=FusedLinear.build(from_a),
                 from_qr=FusedLinear.build(from_qr),
-                q_norm=v(f"{p}attn_q_a_norm.weight"),
-                kv_norm=v(f"{p}attn_kv_a_norm.weight"),
-                sinks=v(f"{p}attn_sinks.weight"),
-                wo_a=q(f"{p}attn_output_a.weight"),
-                wo_b=q(f"{p}attn_output_b.weight"),
+                q_norm=vector(f"{p}attn_q_a_norm.weight"),
+                kv_norm=vector(f"{p}attn_kv_a_norm.weight"),
+                sinks=vector(f"{p}attn_sinks.weight"),
+                wo_a=matrix(f"{p}attn_output_a.weight"),
+                wo_b=matrix(f"{p}attn_output_b.weight"),
                 compressor=compressor,
                 indexer=indexer,
-                router=q(f"{p}ffn_gate_inp.weight"),
-                router_bias=None if layer.hash_routed else v(f"{p}exp_probs_b.bias"),
-                tid2eid=v(f"{p}ffn_gate_tid2eid.weight").to(torch.int32) if layer.hash_routed else None,
-                gate_exps=q(f"{p}ffn_gate_exps.weight"),
-                up_exps=q(f"{p}ffn_up_exps.weight"),
-                down_exps=q(f"{p}ffn_down_exps.weight"),
-                gate_shared=q(f"{p}ffn_gate_shexp.weight"),
-                up_shared=q(f"{p}ffn_up_shexp.weight"),
-                down_shared=q(f"{p}ffn_down_shexp.weight"),
+                router=matrix(f"{p}ffn_gate_inp.weight"),
+                router_bias=None if layer.hash_routed else vector(f"{p}exp_probs_b.bias"),
+                tid2eid=vector(f"{p}ffn_gate_tid2eid.weight").to(torch.int32) if layer.hash_routed else None,
+                gate_exps=matrix(f"{p}ffn_gate_exps.weight"),
+                up_exps=matrix(f"{p}ffn_up_exps.weight"),
+                down_exps=matrix(f"{p}ffn_down_exps.weight"),
+                gate_shared=matrix(f"{p}ffn_gate_shexp.weight"),
+                up_shared=matrix(f"{p}ffn_up_shexp.weight"),
+                down_shared=matrix(f"{p}ffn_down_shexp.weight"),
             )
         )
     return ModelWeights(
         args=args,
-        embed=q("token_embd.weight"),
+        embed=matrix("token_embd.weight"),
         head_hc=hc("output_hc_"),
-        out_norm=v("output_norm.weight"),
-        output=q("output.weight"),
+        out_norm=vector("output_norm.weight"),
+        output=matrix("output.weight"),
         layers=layers,
     )

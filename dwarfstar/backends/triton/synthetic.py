@@ -1,0 +1,114 @@
+"""Full-size synthetic models made directly in device memory, for benchmarks without the real weights.
+
+`synthetic_weights("flash-q2")` builds every tensor of DeepSeek V4 Flash with its real shape and the
+block types of ds4's published files (Q8_0 projections; F16 embeddings, mHC, compressors, indexer and
+router; routed experts IQ2_XXS/Q2_K for q2, Q4_K for q4): random block payloads with sane fp16 scales,
+so activations stay finite and every kernel does the work it does on the real model. Nothing touches
+a file. Flash q2 takes about 81 GiB, q4 about 153 GiB (too much for one 141 GB GPU: pass `layers`),
+PRO q2 about 430 GB (pass `layers`).
+
+`synthetic_state(model, ctx)` is a sequence state as if `ctx` tokens had been seen (random rows, a
+full raw window, frontiers with the right pending slots), so decode at long context can be timed
+without running the prefill first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dwarfstar.backends.triton.model import TritonModel, reserve
+from dwarfstar.backends.triton.weights import ModelWeights, QWeight, build_weights
+from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
+from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.state import SequenceState
+from dwarfstar.model.synthetic import Q2, ExpertRecipe, _random_values, _short_name, tensor_type
+from dwarfstar.model.tensors import expected_tensors
+
+Q4 = ExpertRecipe(GGMLType.Q4_K, GGMLType.Q4_K)
+PRESETS: dict[str, tuple[ModelArgs, ExpertRecipe]] = {
+    "flash-q2": (ModelArgs.flash(), Q2),
+    "flash-q4": (ModelArgs.flash(), Q4),
+    "pro-q2": (ModelArgs.pro(), Q2),
+}
+# byte offsets of the fp16 scales (d, dmin) in a block; the rest of a block is random payload
+_SCALE_FIELDS = {GGMLType.Q8_0: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q4_K: (0, 2), GGMLType.IQ2_XXS: (0,)}
+# std of the decoded values of uniform payload bytes per unit of d (dmin = d / 4), measured once:
+# d = 1 / (this * sqrt(cols)) gives weights of std ~1/sqrt(cols), like the float tensors
+_STD_PER_D = {GGMLType.Q8_0: 74.0, GGMLType.Q2_K: 12.0, GGMLType.Q4_K: 217.0, GGMLType.IQ2_XXS: 53.0}
+
+
+def synthetic_args(preset: str, layers: int | None = None) -> tuple[ModelArgs, ExpertRecipe]:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown synthetic model {preset!r}; choose one of {', '.join(PRESETS)}")
+    args, recipe = PRESETS[preset]
+    if layers is not None:
+        if not 1 <= layers <= args.n_layers:
+            raise ValueError(f"{preset} has 1..{args.n_layers} layers, asked for {layers}")
+        args = args.with_(n_layers=layers, n_hash_layers=min(args.n_hash_layers, layers))
+    return args, recipe
+
+
+def random_qweight(ggml_type: GGMLType, shape: tuple[int, ...], device, gen: torch.Generator) -> QWeight:
+    """Random well-formed blocks: float types ~N(0, 1/cols); quant payloads uniform, scales sized alike."""
+    rows, cols = int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
+    block, size = BLOCK_GEOMETRY[ggml_type]
+    if ggml_type in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+        dtype = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}[ggml_type]
+        values = torch.randn(rows, cols, device=device, generator=gen) / cols**0.5
+        data = values.to(dtype).view(torch.uint8)
+    else:
+        data = torch.randint(0, 256, (rows, cols // block * size), dtype=torch.uint8, device=device, generator=gen)
+        blocks = data.view(rows, cols // block, size)
+        d = 1.0 / (_STD_PER_D[ggml_type] * cols**0.5)
+        scales = torch.tensor([d, d / 4], dtype=torch.float16).view(torch.uint8).to(device)
+        for i, at in enumerate(_SCALE_FIELDS[ggml_type]):
+            blocks[:, :, at : at + 2] = scales[2 * i : 2 * i + 2]
+    return QWeight(data, ggml_type, rows, cols, shape[0] if len(shape) == 3 else 1)
+
+
+def synthetic_weights(
+    preset: str, layers: int | None = None, device: torch.device | str = "cuda", seed: int = 0
+) -> ModelWeights:
+    args, recipe = synthetic_args(preset, layers)
+    specs = {spec.name: spec for spec in expected_tensors(args)}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cpu_gen = torch.Generator().manual_seed(seed)
+
+    def matrix(name: str) -> QWeight:
+        spec = specs[name]
+        return random_qweight(tensor_type(spec, "ds4", recipe), spec.shape, device, gen)
+
+    def vector(name: str) -> torch.Tensor:
+        spec = specs[name]
+        if spec.types == frozenset({GGMLType.I32}):  # token -> experts: k distinct experts per token
+            ranks = torch.rand(args.vocab_size, args.n_routed_experts, device=device, generator=gen).argsort(1)
+            return ranks[:, : args.n_activated_experts].to(torch.int32)
+        shape = (int(np.prod(spec.shape[:-1], dtype=np.int64)) if len(spec.shape) > 1 else 1, spec.shape[-1])
+        values = _random_values(_short_name(name), spec, shape, cpu_gen)
+        return values.reshape(spec.shape).to(device)
+
+    return build_weights(args, matrix, vector)
+
+
+def synthetic_state(model: TritonModel, ctx: int, seed: int = 0) -> SequenceState:
+    """A state as after `ctx` tokens: random raw window and rows, frontiers holding the pending slots."""
+    args, device = model.args, model.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state = model.new_state()
+    for layer in state.layers:
+        layer.raw_kv = torch.randn(min(ctx, args.window), args.head_dim, device=device, generator=gen)
+        for comp in (layer.compressor, layer.indexer):
+            if comp is None:
+                continue
+            n = ctx // comp.ratio
+            reserve(comp.rows, n)
+            comp.rows.data[:n] = torch.randn(n, comp.dim, device=device, generator=gen)
+            comp.rows.n = n
+            filled = ctx % comp.ratio + (comp.ratio if comp.overlap and n else 0)
+            start = 0 if comp.overlap and n else comp.current_offset
+            comp.frontier_kv[start : start + filled] = torch.randn(filled, comp.frontier_kv.shape[1], device=device)
+            comp.frontier_gate[start : start + filled] = torch.randn(filled, comp.frontier_kv.shape[1], device=device)
+    state.pos = ctx
+    state.tokens = torch.randint(3, args.vocab_size, (ctx,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return state
