@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dwarfstar.backends.triton.kernels import sampling
-from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.session.sampling import Sampler, SamplingParams
 
 
 def logits_for(device, vocab=3000, seed=0):
@@ -40,3 +40,15 @@ def test_draws_follow_the_reference_distribution(params, device):
     again = sampling.sample(logits, params, seed=1234, step=0, n=n).cpu()
     assert torch.equal(draws, again)  # a seed and step fix the draw
     assert not torch.equal(draws[:64], sampling.sample(logits, params, seed=99, n=64).cpu())
+
+
+def test_reference_distribution_is_the_session_samplers():
+    """Guards the kernel's torch reference against drifting from `Sampler`: its draws fit the same law."""
+    logits = logits_for("cpu", seed=2)
+    params = SamplingParams(temperature=0.8, top_k=30, top_p=0.9, min_p=0.02, seed=5)
+    want = sampling.reference_probs(logits, params)
+    sampler = Sampler(params)
+    n = 3000
+    freq = torch.bincount(torch.tensor([sampler(logits) for _ in range(n)]), minlength=want.numel()).float() / n
+    assert bool((want[freq > 0] > 0).all())
+    assert (freq - want).abs().max() < 5 * (want.max() / n) ** 0.5 + 1e-3

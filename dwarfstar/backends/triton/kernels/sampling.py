@@ -1,11 +1,11 @@
-"""Token sampling on the device: temperature, top-k, min-p, top-p, and a seeded counter-based RNG.
+"""Token sampling on the device: temperature, min-p, top-k, top-p, and a seeded counter-based RNG.
 
-Same rules and order as `dwarfstar.session.sampling.Sampler` (ds4's): among the top k logits
-(k capped at 1024; k = 0 also takes the 1024 best, which changes nothing once min-p or top-p
-excludes the rest, the usual case), weights p_i = exp((l_i - l_max) / T); keep p_i >= min_p (the top
-token weighs 1); with top-p, keep a token while the mass ranked strictly before it is below top_p
-of the total; draw among the kept tokens in proportion to p_i. Greedy (T <= 0) is the argmax,
-ties to the lower token id.
+Same rules and order as `dwarfstar.session.sampling.Sampler` (ds4's): keep the tokens whose weight
+p_i = exp((l_i - l_max) / T) is at least min_p (the top token weighs 1), then the k best of those,
+then, with top-p, each token while the mass of the better kept tokens is below top_p of the kept
+total; draw among the survivors in proportion to p_i. Greedy (T <= 0) is the argmax, ties to the
+lower token id. One difference: the device looks at the 1024 best logits at most (`TOP_K_CAP`), also
+when top_k is 0; that changes nothing unless more than 1024 tokens pass min-p.
 
 The candidates come from `topk` (unordered); the kernel ranks them by pairwise comparison (value,
 then lower id first), so the masses "before" each candidate need no sort. The draw uses Philox
@@ -41,9 +41,10 @@ def _sample_kernel(
             tl.store(out_ptr + draw, best + 0 * draw, mask=draw < n_draws)
     else:
         p = tl.where(live, tl.exp((v - top) / temperature), 0.0)
-        total = tl.sum(p, axis=0)
         keep = live & (p >= min_p)
-        # mass ranked strictly before each candidate (higher logit, or equal logit and lower id)
+        total = tl.sum(tl.where(keep, p, 0.0), axis=0)
+        # mass ranked strictly before each candidate (higher logit, or equal logit and lower id); the
+        # min-p survivors are a prefix of that ranking, so for a survivor it is survivors' mass only
         before = tl.zeros((KP,), tl.float32)
         for j0 in tl.static_range(0, KP, CHUNK):
             j = j0 + tl.arange(0, CHUNK)
@@ -86,16 +87,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int = 
 
 
 def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution `Sampler` draws from, over the whole vocabulary."""
+    """The distribution `Sampler` draws from, over the whole vocabulary (min-p, top-k, top-p)."""
     logits = logits.float().flatten().cpu()
-    k = min(params.top_k, TOP_K_CAP) if params.top_k > 0 else logits.numel()
-    values, ids = logits.topk(min(k, logits.numel()))
-    probs = ((values - values[0]) / params.temperature).exp()
+    probs = ((logits - logits.max()) / params.temperature).exp()
     keep = probs >= params.min_p
+    k = min(params.top_k, TOP_K_CAP) if params.top_k > 0 else int(keep.sum())
+    values, ids = torch.where(keep, probs, 0.0).topk(min(k, int(keep.sum())))
     if params.top_p < 1.0:
-        cum = probs.cumsum(0) / probs.sum()
-        keep &= (cum - probs / probs.sum()) < params.top_p
-    probs = probs * keep
+        values = values * ((values.cumsum(0) - values) < params.top_p * values.sum())
     out = torch.zeros_like(logits)
-    out[ids] = probs / probs.sum()
+    out[ids] = values / values.sum()
     return out
