@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dwarfstar.backends.triton import synthetic
+from dwarfstar.backends.triton import synthetic, weights
 from dwarfstar.backends.triton.model import TritonModel
 from dwarfstar.gguf.constants import GGMLType as T
 from dwarfstar.model.synthetic import Q2, TINY_K
@@ -14,7 +14,7 @@ from dwarfstar.model.synthetic import Q2, TINY_K
 @pytest.mark.parametrize("ggml_type", [T.F16, T.Q8_0, T.Q2_K, T.Q4_K, T.IQ2_XXS])
 def test_random_blocks_decode_to_sane_values(ggml_type, device):
     gen = torch.Generator(device=device).manual_seed(0)
-    w = synthetic.random_qweight(ggml_type, (4, 64, 512), device, gen)
+    w = weights.random_qweight(ggml_type, (4, 64, 512), device, gen)
     assert (w.rows, w.cols, w.experts, w.expert_rows) == (256, 512, 4, 64)
     values = w.dequantize()
     assert torch.isfinite(values).all()

@@ -10,10 +10,13 @@ large as possible. Every kernel wrapper asks this module instead of testing the 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import triton
+
+from dwarfstar.model.config import ModelArgs
 
 # GGML type ids the kernels specialise on (constexpr WTYPE); the values are ggml's enum.
 F32, F16, Q8_0, Q2_K, Q4_K, IQ2_XXS, BF16 = 0, 1, 8, 10, 12, 16, 30
@@ -56,3 +59,27 @@ class Precision:
 
 EXACT = Precision(fast=False)
 FAST = Precision(fast=True)
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """The model shapes a kernel bench case uses: decode at context `ctx`, prefill chunks of `prefill`."""
+
+    args: ModelArgs
+    device: torch.device
+    ctx: int
+    prefill: int
+
+    def generator(self, seed: int = 0) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    """One timed launch sequence: `bytes` is what it must move at least (for GB/s), `flops` its math."""
+
+    kernel: str
+    name: str
+    run: Callable[[], object]
+    bytes: int
+    flops: int = 0

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from dwarfstar.backends.triton.model import TritonModel, reserve
-from dwarfstar.backends.triton.weights import ModelWeights, QWeight, build_weights
-from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
+from dwarfstar.backends.triton.weights import ModelWeights, QWeight, build_weights, random_qweight
+from dwarfstar.gguf.constants import GGMLType
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.state import SequenceState
 from dwarfstar.model.synthetic import Q2, ExpertRecipe, _random_values, _short_name, tensor_type
@@ -31,11 +31,6 @@ PRESETS: dict[str, tuple[ModelArgs, ExpertRecipe]] = {
     "flash-q4": (ModelArgs.flash(), Q4),
     "pro-q2": (ModelArgs.pro(), Q2),
 }
-# byte offsets of the fp16 scales (d, dmin) in a block; the rest of a block is random payload
-_SCALE_FIELDS = {GGMLType.Q8_0: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q4_K: (0, 2), GGMLType.IQ2_XXS: (0,)}
-# std of the decoded values of uniform payload bytes per unit of d (dmin = d / 4), measured once:
-# d = 1 / (this * sqrt(cols)) gives weights of std ~1/sqrt(cols), like the float tensors
-_STD_PER_D = {GGMLType.Q8_0: 74.0, GGMLType.Q2_K: 12.0, GGMLType.Q4_K: 217.0, GGMLType.IQ2_XXS: 53.0}
 
 
 def synthetic_args(preset: str, layers: int | None = None) -> tuple[ModelArgs, ExpertRecipe]:
@@ -47,24 +42,6 @@ def synthetic_args(preset: str, layers: int | None = None) -> tuple[ModelArgs, E
             raise ValueError(f"{preset} has 1..{args.n_layers} layers, asked for {layers}")
         args = args.with_(n_layers=layers, n_hash_layers=min(args.n_hash_layers, layers))
     return args, recipe
-
-
-def random_qweight(ggml_type: GGMLType, shape: tuple[int, ...], device, gen: torch.Generator) -> QWeight:
-    """Random well-formed blocks: float types ~N(0, 1/cols); quant payloads uniform, scales sized alike."""
-    rows, cols = int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
-    block, size = BLOCK_GEOMETRY[ggml_type]
-    if ggml_type in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
-        dtype = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}[ggml_type]
-        values = torch.randn(rows, cols, device=device, generator=gen) / cols**0.5
-        data = values.to(dtype).view(torch.uint8)
-    else:
-        data = torch.randint(0, 256, (rows, cols // block * size), dtype=torch.uint8, device=device, generator=gen)
-        blocks = data.view(rows, cols // block, size)
-        d = 1.0 / (_STD_PER_D[ggml_type] * cols**0.5)
-        scales = torch.tensor([d, d / 4], dtype=torch.float16).view(torch.uint8).to(device)
-        for i, at in enumerate(_SCALE_FIELDS[ggml_type]):
-            blocks[:, :, at : at + 2] = scales[2 * i : 2 * i + 2]
-    return QWeight(data, ggml_type, rows, cols, shape[0] if len(shape) == 3 else 1)
 
 
 def synthetic_weights(

@@ -18,6 +18,7 @@ T, S and the buffer capacity, so a decode step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,7 +27,8 @@ import triton.language as tl
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels.rms_norm_rope import load_angles, rotate_pairs
-from dwarfstar.backends.triton.runtime import EXACT, Precision, interpreting, next_pow2
+from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, interpreting, next_pow2
+from dwarfstar.model.config import yarn_inv_freq
 
 COMP_NONE, COMP_ALL, COMP_SELECTED = 0, 1, 2
 NEG = -1.0e30  # finite "minus infinity": keeps exp(m_old - m_new) defined when a block is all masked
@@ -212,3 +214,36 @@ def reference(q, window_rows, n_prev, window, sinks, angles, p0, comp_rows=None,
         keys, mask = torch.cat((window_rows, comp_rows)), torch.cat((mask, vis), dim=1)
     o = ops.sink_attention(q, keys, mask, sinks)
     return ops.apply_rope(o, *angles, inverse=True)
+
+
+def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    """Decode of one token at context `ctx` in a ratio-4 layer (window + top-k rows) and a ratio-128
+    layer (window + every row), and a prefill chunk of a ratio-128 layer starting at position 0."""
+    a, dev, gen = shape.args, shape.device, shape.generator()
+    inv = torch.tensor(yarn_inv_freq(a, a.layer(a.n_layers - 1)), dtype=torch.float64, device=dev)
+    sinks = torch.zeros(a.n_heads, device=dev)
+    cases = []
+
+    def case(name: str, t: int, p0: int, n_comp: int, ratio: int, selected, split: int, precision=EXACT):
+        q = torch.randn(t, a.n_heads, a.head_dim, device=dev, generator=gen)
+        n_prev = min(p0, a.window)
+        window_rows = torch.randn(n_prev + t, a.head_dim, device=dev, generator=gen)
+        comp = torch.randn(max(n_comp, 1), a.head_dim, device=dev, generator=gen)
+        pos = torch.tensor([p0], dtype=torch.int32, device=dev)
+        angles = ops.rope_angles(pos.long() + torch.arange(t, device=dev), inv)
+        rows_read = min(p0 + t, a.window) + (selected.shape[1] if selected is not None else n_comp)
+        run = functools.partial(
+            attention, q, window_rows, n_prev, a.window, sinks, angles, a.rope_dim, pos, comp, ratio, selected,
+            split, precision,
+        )  # fmt: skip
+        moved = 4 * a.head_dim * (rows_read + 2 * t * a.n_heads)
+        cases.append(BenchCase("attention", name, run, moved, 4 * t * a.n_heads * a.head_dim * rows_read))
+
+    n4, n128 = shape.ctx // 4, shape.ctx // 128
+    k = min(a.index_topk, n4)
+    sel = torch.randperm(n4, device=dev, generator=gen)[:k].to(torch.int32).view(1, k)
+    case(f"decode ratio 4 at {shape.ctx}: {a.window} + {k} rows", 1, shape.ctx, n4, 4, sel, 8)
+    case(f"decode ratio 128 at {shape.ctx}: {a.window} + {n128} rows", 1, shape.ctx, n128, 128, None, 8)
+    t = shape.prefill
+    case(f"prefill ratio 128, {t} tokens from 0 (bf16 dot)", t, 0, t // 128, 128, None, 1, FAST)
+    return cases

@@ -22,12 +22,14 @@ scalar so the same launches serve every decode step of a captured CUDA graph.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference.attention import Compressor
-from dwarfstar.backends.triton.runtime import interpreting, next_pow2
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
 from dwarfstar.model.state import CompressorState
 
 
@@ -155,3 +157,23 @@ def reference(
     before = state.rows.n
     compressor(torch.cat((u, g), 1), torch.arange(p0, p0 + t, device=u.device), state)
     return state.rows.rows[before:]
+
+
+def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    """A decode step that completes a window, for each ratio (pooling 8 or 128 slots, then the frontier)."""
+    a, dev, gen = shape.args, shape.device, shape.generator()
+    cases = []
+    for ratio in (4, 128):
+        state = CompressorState.empty(ratio, a.head_dim, dev)
+        width = state.frontier_kv.shape[1]
+        state.frontier_kv.normal_(generator=gen)
+        state.frontier_gate.normal_(generator=gen)
+        ug = torch.randn(1, 2 * width, device=dev, generator=gen)
+        ape = torch.randn(ratio, width, device=dev, generator=gen)
+        pos = torch.tensor([ratio * 10 - 1], dtype=torch.int32, device=dev)  # completes window 9
+        run = functools.partial(
+            compress_chunk, ug[:, :width], ug[:, width:], ape, state.frontier_kv, state.frontier_gate, pos, 1, ratio
+        )
+        moved = 4 * (3 * state.frontier_kv.numel() + 2 * width + a.head_dim)
+        cases.append(BenchCase("compressor", f"decode step emitting a ratio-{ratio} row", run, moved))
+    return cases

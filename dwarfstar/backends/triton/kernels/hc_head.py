@@ -7,6 +7,8 @@ GEMV as partial sums, like `hc_pre`, whose stream loading this kernel shares.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -14,8 +16,9 @@ import triton.language as tl
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels.hc_pre import MIX_SPLIT, load_streams, sum_partials, tokens_per_program
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
-from dwarfstar.backends.triton.runtime import next_pow2
-from dwarfstar.backends.triton.weights import QWeight
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, next_pow2
+from dwarfstar.backends.triton.weights import QWeight, random_qweight
+from dwarfstar.gguf.constants import GGMLType
 
 
 @triton.jit
@@ -61,3 +64,16 @@ def hc_head(
 def reference(h, fn: QWeight, scale, base, norm_weight, hc_eps, norm_eps) -> torch.Tensor:
     y = ops.hc_head(h, fn.dequantize(), scale, base, hc_eps, norm_eps)
     return ops.rms_norm(y, norm_weight, norm_eps)
+
+
+def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    a, dev, gen = shape.args, shape.device, shape.generator()
+    fn = random_qweight(GGMLType.F16, (a.hc_mult, a.hc_mult * a.dim), dev, gen)
+    h = torch.randn(1, a.hc_mult, a.dim, device=dev, generator=gen)
+    scale, base, norm = (
+        torch.full((1,), 0.3, device=dev),
+        torch.zeros(a.hc_mult, device=dev),
+        torch.ones(a.dim, device=dev),
+    )
+    run = functools.partial(hc_head, h, fn, scale, base, norm, a.hc_eps, a.norm_eps)
+    return [BenchCase("hc_head", "decode 1 token", run, fn.nbytes + 4 * (h.numel() + a.dim), 2 * fn.rows * fn.cols)]

@@ -9,12 +9,14 @@ it whole before writing it back, so updating h in place is safe.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference import ops
-from dwarfstar.backends.triton.runtime import interpreting, next_pow2
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
 
 
 @triton.jit
@@ -59,3 +61,19 @@ def hc_post(h: torch.Tensor, parts: torch.Tensor, post: torch.Tensor, comb: torc
 def reference(h, parts, post, comb) -> torch.Tensor:
     out = parts.sum(1) if parts.dim() == 3 else parts
     return ops.hc_post(out, h, post, comb)
+
+
+def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    """mHC post after the MoE (k routed slots + the shared expert summed in) for decode and prefill."""
+    a, dev, gen = shape.args, shape.device, shape.generator()
+    cases = []
+    for what, t in (("decode", 1), ("prefill", shape.prefill)):
+        h = torch.randn(t, a.hc_mult, a.dim, device=dev, generator=gen)
+        parts = torch.randn(t, a.n_activated_experts + 1, a.dim, device=dev, generator=gen)
+        post = torch.rand(t, a.hc_mult, device=dev, generator=gen)
+        comb = torch.rand(t, a.hc_mult, a.hc_mult, device=dev, generator=gen)
+        run = functools.partial(hc_post, h, parts, post, comb)
+        cases.append(
+            BenchCase("hc_post", f"{what} {t} tokens, {parts.shape[1]} parts", run, 4 * (2 * h.numel() + parts.numel()))
+        )
+    return cases

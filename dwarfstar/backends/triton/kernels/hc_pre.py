@@ -14,14 +14,17 @@ token anyway), 16 in the interpreter, where each program instance costs a fixed 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
-from dwarfstar.backends.triton.runtime import interpreting, next_pow2
-from dwarfstar.backends.triton.weights import QWeight
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
+from dwarfstar.backends.triton.weights import QWeight, random_qweight
+from dwarfstar.gguf.constants import GGMLType
 
 MIX_SPLIT = 8  # K splits of the 24-row mix GEMV (4 * D columns)
 
@@ -115,3 +118,18 @@ def hc_pre(
 def reference(h, fn: QWeight, scale, base, norm_weight, iters, hc_eps, norm_eps):
     x, post, comb = ops.hc_pre(h, fn.dequantize(), scale, base, iters, hc_eps, norm_eps)
     return ops.rms_norm(x, norm_weight, norm_eps), post, comb
+
+
+def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    """mHC pre of one decode token and of a prefill chunk, the mix GEMV included."""
+    a, dev, gen = shape.args, shape.device, shape.generator()
+    fn = random_qweight(GGMLType.F16, (a.hc_mix_dim, a.hc_mult * a.dim), dev, gen)
+    scale, base = torch.full((3,), 0.3, device=dev), torch.zeros(a.hc_mix_dim, device=dev)
+    norm = torch.ones(a.dim, device=dev)
+    cases = []
+    for what, t in (("decode", 1), ("prefill", shape.prefill)):
+        h = torch.randn(t, a.hc_mult, a.dim, device=dev, generator=gen)
+        run = functools.partial(hc_pre, h, fn, scale, base, norm, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+        moved = fn.nbytes + 4 * (h.numel() + t * a.dim)
+        cases.append(BenchCase("hc_pre", f"{what} {t} tokens", run, moved, 2 * t * fn.rows * fn.cols))
+    return cases

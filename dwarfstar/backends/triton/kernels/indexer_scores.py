@@ -10,11 +10,13 @@ buffer's capacity (what a captured decode step needs).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from dwarfstar.backends.triton.runtime import EXACT, Precision, interpreting, next_pow2
+from dwarfstar.backends.triton.runtime import EXACT, BenchCase, BenchShape, Precision, interpreting, next_pow2
 
 
 @triton.jit
@@ -70,3 +72,16 @@ def reference(q, head_weights, rows, p0: int, ratio: int) -> torch.Tensor:
     scores = (per_head * (head_weights * (heads * dim) ** -0.5)[..., None]).sum(1)
     visible = torch.arange(rows.shape[0], device=q.device)[None, :] < ((torch.arange(t) + p0 + 1) // ratio)[:, None]
     return scores.masked_fill(~visible.to(q.device), float("-inf"))
+
+
+def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    """Decode at context `ctx`: one query against every indexer row (ctx / 4 of them)."""
+    a, dev, gen = shape.args, shape.device, shape.generator()
+    n = max(shape.ctx // 4, 1)
+    q = torch.randn(1, a.index_n_heads, a.index_head_dim, device=dev, generator=gen)
+    w = torch.randn(1, a.index_n_heads, device=dev, generator=gen)
+    rows = torch.randn(n, a.index_head_dim, device=dev, generator=gen)
+    pos = torch.tensor([shape.ctx], dtype=torch.int32, device=dev)
+    run = functools.partial(indexer_scores, q, w, rows, pos, 4)
+    flops = 2 * a.index_n_heads * a.index_head_dim * n
+    return [BenchCase("indexer_scores", f"decode at {shape.ctx}: {n} rows", run, rows.numel() * 4 + n * 4, flops)]

@@ -15,15 +15,18 @@ slot and exits at once when unused, so the grid is sized from T * k alone.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference import ops
-from dwarfstar.backends.triton.kernels.moe_sort import ExpertTiles
+from dwarfstar.backends.triton.kernels.moe_sort import ExpertTiles, single_expert_tiles, sort_by_expert
 from dwarfstar.backends.triton.kernels.quant_blocks import grid_table, load_weight_tile, tile_k
-from dwarfstar.backends.triton.runtime import EXACT, Precision, interpreting, next_pow2
-from dwarfstar.backends.triton.weights import QWeight
+from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, interpreting, next_pow2
+from dwarfstar.backends.triton.weights import QWeight, random_qweight
+from dwarfstar.gguf.constants import GGMLType
 
 
 @triton.jit
@@ -159,3 +162,30 @@ def reference(x, gate: QWeight, up: QWeight, down: QWeight, ids, route_weights, 
             mid = ops.swiglu_clamped(x[tok] @ g[e].T, x[tok] @ u[e].T, limit) * route_weights[tok, slot]
             out[tok, slot] = mid @ dn[e].T
     return out
+
+
+def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    """Routed experts (q2 recipe: IQ2_XXS gate/up, Q2_K down) for one decode token and a prefill
+    chunk, and the Q8_0 shared expert for one token."""
+    a, dev, gen = shape.args, shape.device, shape.generator()
+    e, f, d, k = a.n_routed_experts, a.moe_inter_dim, a.dim, a.n_activated_experts
+    gate = random_qweight(GGMLType.IQ2_XXS, (e, f, d), dev, gen)
+    up = random_qweight(GGMLType.IQ2_XXS, (e, f, d), dev, gen)
+    down = random_qweight(GGMLType.Q2_K, (e, d, f), dev, gen)
+    per_expert = (gate.nbytes + up.nbytes + down.nbytes) // e
+    cases = []
+    for what, t, precision in (("decode", 1, EXACT), ("prefill (bf16 dot)", shape.prefill, FAST)):
+        x = torch.randn(t, d, device=dev, generator=gen)
+        ids = torch.stack([torch.randperm(e, device=dev, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+        weights = torch.rand(t * k, device=dev, generator=gen)
+        tiles = sort_by_expert(ids, e)
+        out = torch.empty(t, k + 1, d, device=dev)
+        run = functools.partial(expert_ffn, x, gate, up, down, tiles, weights, out, 0, a.swiglu_limit, precision)
+        touched = min(e, t * k) * per_expert
+        cases.append(BenchCase("moe_experts", f"{what} {t} tokens x {k} experts", run, touched, 6 * t * k * f * d))
+    shared = [random_qweight(GGMLType.Q8_0, s, dev, gen) for s in ((f, d), (f, d), (d, f))]
+    x = torch.randn(1, d, device=dev, generator=gen)
+    out = torch.empty(1, k + 1, d, device=dev)
+    run = functools.partial(expert_ffn, x, *shared, single_expert_tiles(1, dev), None, out, k, a.swiglu_limit)
+    cases.append(BenchCase("moe_experts", "decode shared expert Q8_0", run, sum(w.nbytes for w in shared), 6 * f * d))
+    return cases

@@ -13,6 +13,8 @@ max k times; ties go to the lower expert id.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -20,8 +22,9 @@ import triton.language as tl
 from dwarfstar.backends.reference.moe import route as reference_route
 from dwarfstar.backends.triton.kernels.hc_pre import sum_partials
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
-from dwarfstar.backends.triton.runtime import interpreting, next_pow2
-from dwarfstar.backends.triton.weights import QWeight
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
+from dwarfstar.backends.triton.weights import QWeight, random_qweight
+from dwarfstar.gguf.constants import GGMLType
 
 ROUTER_SPLIT = 4
 
@@ -92,3 +95,15 @@ def route(
 def reference(f, router: QWeight, bias, tid2eid, tokens, k, route_scale):
     fixed = tid2eid[tokens.long()].long() if tid2eid is not None else None
     return reference_route(f @ router.dequantize().T, k, route_scale, bias, fixed)
+
+
+def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    """Routing one decode token: the router GEMV, then biased top-k."""
+    a, dev, gen = shape.args, shape.device, shape.generator()
+    router = random_qweight(GGMLType.F16, (a.n_routed_experts, a.dim), dev, gen)
+    f = torch.randn(1, a.dim, device=dev, generator=gen)
+    bias = torch.zeros(a.n_routed_experts, device=dev)
+    tokens = torch.zeros(1, dtype=torch.int32, device=dev)
+    run = functools.partial(route, f, router, bias, None, tokens, a.n_activated_experts, a.route_scale)
+    return [BenchCase("moe_route", f"decode: {a.n_routed_experts} experts, top {a.n_activated_experts}", run,
+                      router.nbytes, 2 * router.rows * router.cols)]  # fmt: skip

@@ -14,13 +14,14 @@ expert count, never from the data, so a decode step can be captured in a CUDA gr
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from dwarfstar.backends.triton.runtime import interpreting, next_pow2
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
 
 
 @dataclass
@@ -128,3 +129,15 @@ def single_expert_tiles(t: int, device: torch.device | str, block_m: int | None 
         block_m=block_m,
         k=1,
     )
+
+
+def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    """Sorting a decode token's and a prefill chunk's routing entries (launch latency, mostly)."""
+    a, dev, gen = shape.args, shape.device, shape.generator()
+    cases = []
+    for what, t in (("decode", 1), ("prefill", shape.prefill)):
+        ids = torch.randint(0, a.n_routed_experts, (t, a.n_activated_experts), device=dev, generator=gen)
+        ids = ids.to(torch.int32)
+        run = functools.partial(sort_by_expert, ids, a.n_routed_experts)
+        cases.append(BenchCase("moe_sort", f"{what} {t} x {a.n_activated_experts} entries", run, 16 * ids.numel()))
+    return cases

@@ -18,13 +18,16 @@ partial sums [S, M, N] that the consumer kernel adds, so no atomics and determin
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from dwarfstar.backends.triton.kernels.quant_blocks import grid_table, load_weight_tile, tile_k
-from dwarfstar.backends.triton.runtime import EXACT, Precision, interpreting, next_pow2
-from dwarfstar.backends.triton.weights import QWeight
+from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, interpreting, next_pow2
+from dwarfstar.backends.triton.weights import QWeight, random_qweight
+from dwarfstar.gguf.constants import GGMLType
 
 GEMV_MAX_ROWS = 8  # above this many activation rows the tensor-core GEMM wins
 
@@ -115,3 +118,40 @@ def reference(x: torch.Tensor, w: QWeight, groups: int = 1) -> torch.Tensor:
     dense = w.dequantize().view(groups, w.rows // groups, w.cols)
     xg = x.reshape(x.shape[0], groups, w.cols)
     return torch.einsum("mgk,gnk->mgn", xg, dense).reshape(x.shape[0], -1)
+
+
+def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    """The projections of one Flash/PRO layer at decode (one token) and two prefill GEMMs."""
+    a, dev, gen = shape.args, shape.device, shape.generator()
+    T = GGMLType
+    a_proj = 2 * 2 * a.head_dim + 2 * 2 * a.index_head_dim + a.index_n_heads
+    decode = [
+        ("attn q_a + kv", T.Q8_0, a.q_lora_rank + a.head_dim, a.dim, 1, 1),
+        ("compressor + indexer projections", T.F16, a_proj, a.dim, 1, 1),
+        ("attn q_b", T.Q8_0, a.n_heads * a.head_dim, a.q_lora_rank, 1, 1),
+        ("indexer q_b", T.F16, a.index_n_heads * a.index_head_dim, a.q_lora_rank, 1, 1),
+        ("attn output a (grouped)", T.Q8_0, a.o_groups * a.o_lora_rank, a.heads_per_group * a.head_dim, a.o_groups, 1),
+        ("attn output b", T.Q8_0, a.dim, a.o_groups * a.o_lora_rank, 1, 1),
+        ("mHC mixes (split-K)", T.F16, a.hc_mix_dim, a.hc_mult * a.dim, 1, 8),
+        ("output head", T.Q8_0, a.vocab_size, a.dim, 1, 1),
+    ]
+    cases = []
+    for what, ggml_type, n, k, groups, split in decode:
+        w = random_qweight(ggml_type, (n, k), dev, gen)
+        x = torch.randn(1, groups * k, device=dev, generator=gen)
+        cases.append(BenchCase(
+            "qmatmul", f"decode {what} {ggml_type.name} {n}x{k}",
+            functools.partial(qmatmul, x, w, groups, split), w.nbytes + 4 * (groups * k + n), 2 * n * k,
+        ))  # fmt: skip
+    for what, n, k in (
+        ("attn q_b", a.n_heads * a.head_dim, a.q_lora_rank),
+        ("attn output b", a.dim, a.o_groups * a.o_lora_rank),
+    ):
+        w = random_qweight(T.Q8_0, (n, k), dev, gen)
+        x = torch.randn(shape.prefill, k, device=dev, generator=gen)
+        cases.append(BenchCase(
+            "qmatmul", f"prefill {what} Q8_0 {shape.prefill}x{n}x{k} (bf16 dot)",
+            functools.partial(qmatmul, x, w, precision=FAST), w.nbytes + 4 * shape.prefill * (k + n),
+            2 * shape.prefill * n * k,
+        ))  # fmt: skip
+    return cases

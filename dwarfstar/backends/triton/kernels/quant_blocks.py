@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dwarfstar.backends.triton.runtime import QK_K, interpreting
+from dwarfstar.backends.triton.runtime import QK_K, BenchCase, BenchShape, interpreting
+from dwarfstar.backends.triton.weights import random_qweight
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
 from dwarfstar.gguf.dequant import _iq2xxs_tables, dequantize
 
@@ -201,3 +202,18 @@ def reference(data: torch.Tensor, ggml_type: GGMLType, k: int, ids: torch.Tensor
     rows = data.cpu()[ids.cpu().long()]
     flat = dequantize(rows.reshape(-1), ggml_type, rows.shape[0] * k).view(-1, 1, k)
     return flat.expand(-1, copies, -1).to(data.device)
+
+
+def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    a = shape.args
+    embed = random_qweight(GGMLType.F16, (a.vocab_size, a.dim), shape.device, shape.generator())
+    ids = torch.randint(0, a.vocab_size, (shape.prefill,), device=shape.device, dtype=torch.int32)
+    moved = shape.prefill * a.dim * (2 + 4 * a.hc_mult)
+    return [
+        BenchCase(
+            "quant_blocks",
+            f"embedding F16 gather {shape.prefill} x {a.dim} into {a.hc_mult} streams",
+            lambda: gather_rows(embed.data, GGMLType.F16, a.dim, ids, copies=a.hc_mult),
+            moved,
+        )  # fmt: skip
+    ]

@@ -19,12 +19,15 @@ e4m3 / e2m1 grid done in integer and float arithmetic that the interpreter and e
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference import ops
-from dwarfstar.backends.triton.runtime import interpreting, next_pow2
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
+from dwarfstar.model.config import yarn_inv_freq
 
 NORM_NONE, NORM_PLAIN, NORM_WEIGHTED = 0, 1, 2
 QAT_NONE, QAT_FP8, QAT_FP4 = 0, 1, 2
@@ -197,3 +200,21 @@ def reference(
     elif qat == QAT_FP4:
         y = ops.indexer_round(y)
     return y
+
+
+def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    """Decode: the query heads (norm + RoPE) and the indexer query (RoPE + Hadamard + FP4); prefill:
+    the chunk's raw KV rows (norm + RoPE + FP8)."""
+    a, dev, gen = shape.args, shape.device, shape.generator()
+    inv = torch.tensor(yarn_inv_freq(a, a.layer(a.n_layers - 1)), dtype=torch.float64, device=dev)
+    cases = []
+    for what, t, heads, d, kw in (
+        ("decode query heads", 1, a.n_heads, a.head_dim, dict(norm=NORM_PLAIN)),
+        ("decode indexer query", 1, a.index_n_heads, a.index_head_dim, dict(norm=NORM_NONE, qat=QAT_FP4)),
+        ("prefill KV rows", shape.prefill, 1, a.head_dim, dict(weight=torch.ones(a.head_dim, device=dev), qat=QAT_FP8)),
+    ):
+        x = torch.randn(t, heads, d, device=dev, generator=gen)
+        angles = ops.rope_angles(torch.arange(t, device=dev) + shape.ctx, inv)
+        run = functools.partial(rms_norm_rope, x, angles=angles, rope_dim=a.rope_dim, **kw)
+        cases.append(BenchCase("rms_norm_rope", f"{what} {t}x{heads}x{d}", run, 8 * x.numel()))
+    return cases

@@ -15,12 +15,14 @@ then lower id first), so the masses "before" each candidate need no sort. The dr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from dwarfstar.backends.triton.kernels.topk import topk_indices
-from dwarfstar.backends.triton.runtime import next_pow2
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, next_pow2
 from dwarfstar.session.sampling import TOP_K_CAP, SamplingParams
 
 
@@ -98,3 +100,9 @@ def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     out = torch.zeros_like(logits)
     out[ids] = values / values.sum()
     return out
+
+
+def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    logits = 3 * torch.randn(shape.args.vocab_size, device=shape.device, generator=shape.generator())
+    run = functools.partial(sample, logits, SamplingParams(temperature=0.8, top_p=0.95), 1234)
+    return [BenchCase("sampling", f"one draw over {logits.numel()} logits (min-p, top-p)", run, 4 * logits.numel())]

@@ -16,11 +16,13 @@ the selection is deterministic; the indices come out in ascending order, not by 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from dwarfstar.backends.triton.runtime import interpreting, next_pow2
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
 
 
 @triton.jit
@@ -111,3 +113,13 @@ def reference(scores: torch.Tensor, valid: torch.Tensor, k: int) -> list[set[int
         n = min(n, scores.shape[1])
         chosen.append(set(range(n)) if n <= k else set(row[:n].topk(k).indices.tolist()))
     return chosen
+
+
+def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    """The indexer's selection at decode: index_topk of the ctx / 4 row scores."""
+    a, dev = shape.args, shape.device
+    n = max(shape.ctx // 4, 1)
+    scores = torch.randn(1, n, device=dev, generator=shape.generator())
+    valid = torch.full((1,), n, dtype=torch.int32, device=dev)
+    run = functools.partial(topk_indices, scores, valid, a.index_topk)
+    return [BenchCase("topk", f"decode: top {a.index_topk} of {n}", run, 4 * n)]

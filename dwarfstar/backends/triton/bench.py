@@ -1,0 +1,294 @@
+"""Triton benchmarks: every kernel's bench cases, and decode / prefill of a synthetic full-size model.
+
+Kernel rows report time, achieved GB/s (bytes each case must move at least, over its time) and
+TFLOP/s, and the percentage of the device's peak memory bandwidth and dense bf16 rate, read from
+`KNOWN_GPUS` (vendor datasheet figures) or given with `--peak-gbs`. Decode rows report tokens per
+second and the bandwidth that implies for the weights a token must read.
+
+Runnable without the CLI's dependencies (the GPU check machine has only torch and triton):
+    python -m dwarfstar.backends.triton.bench kernels --csv kernels.csv
+    python -m dwarfstar.backends.triton.bench decode --synthetic flash-q2 --ctx 2048,32768
+    python -m dwarfstar.backends.triton.bench prefill --synthetic flash-q2 --tokens 8192
+    python -m dwarfstar.backends.triton.bench parity
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, default_device
+from dwarfstar.model.config import ModelArgs
+
+KERNELS = (
+    "quant_blocks", "qmatmul", "hc_pre", "hc_post", "hc_head", "rms_norm_rope", "compressor",
+    "indexer_scores", "topk", "attention", "moe_route", "moe_sort", "moe_experts", "sampling",
+)  # fmt: skip
+# (name substring, memory GB/s, dense bf16 TFLOP/s or None), vendor datasheets; most specific first
+KNOWN_GPUS: tuple[tuple[str, float, float | None], ...] = (
+    ("H200", 4800.0, 989.0),
+    ("H100 PCIe", 2000.0, 756.0),
+    ("H100", 3350.0, 989.0),
+    ("A100", 2039.0, 312.0),
+    ("GB10", 273.0, None),  # DGX Spark
+    ("MI300X", 5300.0, 1307.0),
+    ("gfx1151", 256.0, None),  # Strix Halo (Ryzen AI Max+ 395)
+)
+
+
+@dataclass(frozen=True)
+class Peak:
+    device: str
+    gbs: float | None
+    tflops: float | None
+
+
+def device_peak(device: torch.device, peak_gbs: float | None = None) -> Peak:
+    if device.type != "cuda":
+        return Peak("cpu (Triton interpreter)", peak_gbs, None)
+    props = torch.cuda.get_device_properties(device)
+    names = f"{props.name} {getattr(props, 'gcnArchName', '')}"
+    for key, gbs, tflops in KNOWN_GPUS:
+        if key in names:
+            return Peak(props.name, peak_gbs or gbs, tflops)
+    return Peak(props.name, peak_gbs, None)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Mean milliseconds per call: CUDA events over repeated calls with the L2 flushed (do_bench),
+    or one wall-clock call in the interpreter."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=10, rep=40))
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def kernel_cases(shape: BenchShape, only: Sequence[str] = ()) -> list[BenchCase]:
+    cases = []
+    for name in KERNELS:
+        if not only or name in only:
+            module = importlib.import_module(f"dwarfstar.backends.triton.kernels.{name}")
+            cases += module.bench_cases(shape)
+    return cases
+
+
+def run_kernels(shape: BenchShape, peak: Peak, only: Sequence[str] = ()) -> list[dict]:
+    rows = []
+    for case in kernel_cases(shape, only):
+        ms = time_ms(case.run, shape.device)
+        gbs = case.bytes / ms / 1e6
+        tflops = case.flops / ms / 1e9
+        rows.append({
+            "kernel": case.kernel, "case": case.name, "us": _sig(ms * 1e3), "GB/s": _sig(gbs),
+            "TFLOP/s": _sig(tflops), "%peak_bw": _pct(gbs, peak.gbs), "%peak_flops": _pct(tflops, peak.tflops),
+        })  # fmt: skip
+        print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def _sig(value: float) -> float:
+    return float(f"{value:.4g}")
+
+
+def _pct(value: float, peak: float | None) -> float | str:
+    return _sig(100 * value / peak) if peak else ""
+
+
+def _line(row: dict) -> str:
+    return "  ".join(f"{k}={v}" for k, v in row.items())
+
+
+def write_csv(rows: list[dict], path: Path | None) -> None:
+    if not rows:
+        return
+    out = open(path, "w", newline="") if path else sys.stdout  # noqa: SIM115
+    try:
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    finally:
+        if path:
+            out.close()
+
+
+# -- synthetic full-size model ----------------------------------------------------------------------
+def decode_bytes_per_token(weights) -> int:
+    """Weight bytes one decode token reads: everything but the embedding table (one row) and the routed
+    experts (k of E per layer, if all distinct); KV rows are not counted."""
+    a = weights.args
+    total = weights.nbytes - weights.embed.nbytes + weights.embed.row_bytes
+    for lw in weights.layers:
+        routed = lw.gate_exps.nbytes + lw.up_exps.nbytes + lw.down_exps.nbytes
+        total -= routed - routed * a.n_activated_experts // a.n_routed_experts
+    return total
+
+
+def run_decode(
+    preset: str,
+    layers: int | None,
+    ctxs: Sequence[int],
+    steps: int,
+    device: torch.device,
+    peak: Peak,
+    warmup: int = 8,
+) -> list[dict]:
+    from dwarfstar.backends.triton.backend import TritonBackend
+    from dwarfstar.backends.triton.synthetic import synthetic_state, synthetic_weights
+
+    weights = synthetic_weights(preset, layers, device)
+    backend = TritonBackend(weights)
+    per_token = decode_bytes_per_token(weights)
+    rows = []
+    for ctx in ctxs:
+        state = synthetic_state(backend.model, ctx)
+        token = 1000
+        for _ in range(warmup):  # compile each step shape once eagerly, then capture its graph
+            backend.forward([token], state)
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            backend.forward([token], state)
+        _sync(device)
+        seconds = (time.perf_counter() - start) / steps
+        gbs = per_token / seconds / 1e9
+        rows.append({
+            "model": preset, "layers": weights.args.n_layers, "ctx": ctx, "tok/s": round(1 / seconds, 2),
+            "ms/token": round(seconds * 1e3, 3), "weight_GB/token": round(per_token / 1e9, 3),
+            "GB/s": round(gbs, 1), "%peak_bw": _pct(gbs, peak.gbs),
+        })  # fmt: skip
+        print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def run_prefill(
+    preset: str, layers: int | None, tokens: int, chunk: int, device: torch.device, precision: Precision
+) -> list[dict]:
+    from dwarfstar.backends.triton.backend import TritonBackend
+    from dwarfstar.backends.triton.synthetic import synthetic_weights
+
+    weights = synthetic_weights(preset, layers, device)
+    backend = TritonBackend(weights, precision=precision)
+    prompt = torch.randint(3, weights.args.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
+    backend.forward(prompt[:chunk].tolist(), backend.new_state(), all_logits=False)  # compile
+    state = backend.new_state()
+    _sync(device)
+    start = time.perf_counter()
+    for i in range(0, tokens, chunk):
+        backend.forward(prompt[i : i + chunk].tolist(), state, all_logits=False)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    row = {
+        "model": preset, "layers": weights.args.n_layers, "tokens": tokens, "chunk": chunk,
+        "precision": "bf16 dot" if precision.fast else "fp32", "tok/s": round(tokens / seconds, 1),
+        "seconds": round(seconds, 3),
+    }  # fmt: skip
+    print(_line(row), flush=True)
+    return [row]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# -- logits parity on the tiny models ----------------------------------------------------------------
+def run_parity(device: torch.device, decode_steps: int = 8) -> list[dict]:
+    """Reference backend (CPU, fp32) against the Triton backend on tiny and tiny-k, exact and fast."""
+    from dwarfstar.backends.reference.model import ReferenceModel
+    from dwarfstar.backends.triton.backend import TritonBackend
+    from dwarfstar.model.loader import open_model
+    from dwarfstar.model.synthetic import TINY, TINY_K, write_synthetic_model
+
+    prompt = torch.randint(3, 120000, (150,), generator=torch.Generator().manual_seed(7)).tolist()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, args, layout in (("tiny", TINY, "f32"), ("tiny-k", TINY_K, "ds4")):
+            path = Path(tmp) / f"{name}.gguf"
+            write_synthetic_model(path, args, layout=layout, seed=3)
+            model = open_model(path)
+            reference = ReferenceModel(model)
+            for precision in (EXACT, FAST):
+                backend = TritonBackend.from_model_file(model, device=device, precision=precision)
+                rows += _parity_rows(name, precision, reference, backend, prompt, decode_steps)
+            model.close()
+    return rows
+
+
+def _parity_rows(name, precision, reference, backend, prompt, decode_steps) -> list[dict]:
+    ref_state, state = reference.new_state(), backend.new_state()
+    steps = [("prefill", backend.forward(prompt, state).cpu(), reference.forward(prompt, ref_state))]
+    for i in range(decode_steps):
+        token = [int(steps[-1][2][-1].argmax())]
+        steps.append((f"decode {i}", backend.forward(token, state).cpu(), reference.forward(token, ref_state)))
+    rows = []
+    for what, got, want in steps:
+        p = want.log_softmax(-1)
+        kl = (p.exp() * (p - got.log_softmax(-1))).sum(-1).mean().item()
+        diff = (got - want).abs().max().item()
+        rows.append({
+            "model": name, "precision": "bf16 dot" if precision.fast else "fp32", "step": what,
+            "max_abs": f"{diff:.3e}", "max_rel": f"{diff / want.abs().max().item():.3e}",
+            "top1_agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item(), "mean_kl": f"{kl:.3e}",
+        })  # fmt: skip
+        print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def bench_shape(model: str, device: torch.device, ctx: int, prefill: int) -> BenchShape:
+    args = {"flash": ModelArgs.flash(), "pro": ModelArgs.pro()}[model]
+    return BenchShape(args, device, ctx, prefill)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dwarfstar.backends.triton.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="what", required=True)
+    k = sub.add_parser("kernels", help="time every kernel's bench cases")
+    k.add_argument("--model", choices=("flash", "pro"), default="flash")
+    k.add_argument("--ctx", type=int, default=32768, help="decode context of the attention/indexer cases")
+    k.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill cases")
+    k.add_argument("--only", default="", help="comma-separated kernel files")
+    d = sub.add_parser("decode", help="synthetic full-size decode tok/s")
+    d.add_argument("--ctx", default="2048,32768")
+    d.add_argument("--steps", type=int, default=64)
+    p = sub.add_parser("prefill", help="synthetic full-size prefill tok/s")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--exact", action="store_true", help="fp32 products instead of bf16 tensor-core dots")
+    sub.add_parser("parity", help="logits of the tiny models against the reference backend")
+    for s in (k, d, p):
+        s.add_argument("--peak-gbs", type=float, default=None, help="device memory bandwidth, GB/s")
+    for s in (d, p):
+        s.add_argument("--synthetic", default="flash-q2", help="flash-q2, flash-q4 or pro-q2")
+        s.add_argument("--layers", type=int, default=None)
+    for s in (k, d, p, sub.choices["parity"]):
+        s.add_argument("--csv", type=Path, default=None)
+    opts = parser.parse_args(argv)
+    device = default_device()
+    peak = device_peak(device, getattr(opts, "peak_gbs", None))
+    print(f"device: {peak.device}, peak {peak.gbs} GB/s, {peak.tflops} bf16 TFLOP/s", flush=True)
+    if opts.what == "kernels":
+        only = [s for s in opts.only.split(",") if s]
+        rows = run_kernels(bench_shape(opts.model, device, opts.ctx, opts.prefill), peak, only)
+    elif opts.what == "decode":
+        rows = run_decode(opts.synthetic, opts.layers, [int(c) for c in opts.ctx.split(",")], opts.steps, device, peak)
+    elif opts.what == "prefill":
+        rows = run_prefill(opts.synthetic, opts.layers, opts.tokens, opts.chunk, device, EXACT if opts.exact else FAST)
+    else:
+        rows = run_parity(device)
+    write_csv(rows, opts.csv)
+
+
+if __name__ == "__main__":
+    main()
