@@ -123,9 +123,13 @@ def test_bad_importance_is_rejected() -> None:
 # llama_model_quantize runs per tensor; tools/quant_compare.py does the whole-file comparison)
 
 
-def _ggml_quantize(x: torch.Tensor, ggml_type: GGMLType, importance: torch.Tensor | None) -> np.ndarray:
+def _ggml() -> ctypes.CDLL:
     llama_cpp = pytest.importorskip("llama_cpp")
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    return ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+
+
+def _ggml_quantize(x: torch.Tensor, ggml_type: GGMLType, importance: torch.Tensor | None) -> np.ndarray:
+    lib = _ggml()
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
     # (type, src, dst, start, nrows, n_per_row, imatrix)
     lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 3, ctypes.c_void_p]
@@ -155,3 +159,16 @@ def test_error_no_worse_than_ggml(ggml_type: GGMLType, weighted: bool, dist: str
     ours = _decode(quantize(x, ggml_type, importance), ggml_type, x.shape)
     for weight in (None, importance):
         assert _rel_rmse(x, ours, weight) <= 1.05 * _rel_rmse(x, theirs, weight)
+
+
+@pytest.mark.parametrize("ggml_type", BLOCK_TYPES, ids=lambda t: t.name)
+def test_llama_cpp_decodes_our_bytes_like_we_do(ggml_type: GGMLType) -> None:
+    lib = _ggml()
+    decode = getattr(lib, f"dequantize_row_{ggml_type.name.lower().replace('_k', '_K')}")
+    decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    x = torch.cat([_awkward_rows(), torch.randn(22, 256, generator=torch.Generator().manual_seed(10))])
+    for importance in (None, _skewed(256, 11)):
+        raw = np.ascontiguousarray(quantize(x, ggml_type, importance))
+        theirs = np.zeros(x.numel(), dtype=np.float32)
+        decode(raw.ctypes.data, theirs.ctypes.data, x.numel())
+        np.testing.assert_array_equal(_decode(raw, ggml_type, x.shape).numpy().reshape(-1), theirs)

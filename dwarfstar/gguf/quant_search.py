@@ -62,7 +62,7 @@ def fit_scale_min(
     q, sums = levels(nmax / span, offset)
     best = error(scale, offset, q, sums)
     for k in range(nstep + 1):
-        # ggml lays the grid from the current best offset but keeps the range of the data, max − min
+        # as in ggml, the grid starts at the best offset so far and spans from there to max(x)
         iscale = (rmin + rdelta * k + nmax) / torch.where(flat, torch.ones_like(top), top - offset.float())
         q, (s_q, s_qq, s_xq) = levels(iscale, offset)
         det = s_w * s_qq - s_q * s_q
