@@ -33,3 +33,17 @@ def test_synthetic_decode_and_prefill_loops(device, monkeypatch):
     assert row["ctx"] == 40 and row["tok/s"] > 0 and row["weight_GB/token"] > 0
     (row,) = bench.run_prefill("tiny-k", None, tokens=2, chunk=2, device=device, precision=EXACT)
     assert row["tokens"] == 2 and row["tok/s"] > 0
+
+
+def test_cli_refuses_to_time_the_interpreter():
+    """Without a GPU, `dwarfstar bench kernels` says so instead of timing Python."""
+    if torch.cuda.is_available():
+        return  # on a GPU the command runs for real (tools/gpu_check.sh)
+    from typer.testing import CliRunner
+
+    from dwarfstar.cli import _register_commands, app
+
+    _register_commands()
+    result = CliRunner().invoke(app, ["bench", "kernels", "--only", "topk"])
+    assert result.exit_code != 0
+    assert "need a CUDA or ROCm GPU" in str(result.exception)

@@ -94,7 +94,7 @@ def run_kernels(shape: BenchShape, peak: Peak, only: Sequence[str] = ()) -> list
             "kernel": case.kernel, "case": case.name, "us": _sig(ms * 1e3), "GB/s": _sig(gbs),
             "TFLOP/s": _sig(tflops), "%peak_bw": _pct(gbs, peak.gbs), "%peak_flops": _pct(tflops, peak.tflops),
         })  # fmt: skip
-        print(_line(rows[-1]), flush=True)
+        print(_line(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
@@ -108,6 +108,22 @@ def _pct(value: float, peak: float | None) -> float | str:
 
 def _line(row: dict) -> str:
     return "  ".join(f"{k}={v}" for k, v in row.items())
+
+
+def format_table(rows: list[dict]) -> str:
+    """Rows as an aligned text table (numbers right-aligned)."""
+    if not rows:
+        return ""
+    cols = list(rows[0])
+    cells = [[str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+
+    def fmt(values: list[str], numeric: list[bool]) -> str:
+        return "  ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(values, widths, numeric, strict=True))
+
+    numeric = [all(isinstance(r[c], (int, float)) for r in rows) for c in cols]
+    lines = [fmt(cols, numeric), fmt(["-" * w for w in widths], numeric)]
+    return "\n".join(lines + [fmt(row, numeric) for row in cells])
 
 
 def write_csv(rows: list[dict], path: Path | None) -> None:
@@ -168,7 +184,7 @@ def run_decode(
             "ms/token": round(seconds * 1e3, 3), "weight_GB/token": round(per_token / 1e9, 3),
             "GB/s": round(gbs, 1), "%peak_bw": _pct(gbs, peak.gbs),
         })  # fmt: skip
-        print(_line(rows[-1]), flush=True)
+        print(_line(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
@@ -194,7 +210,7 @@ def run_prefill(
         "precision": "bf16 dot" if precision.fast else "fp32", "tok/s": round(tokens / seconds, 1),
         "seconds": round(seconds, 3),
     }  # fmt: skip
-    print(_line(row), flush=True)
+    print(_line(row), file=sys.stderr, flush=True)
     return [row]
 
 
@@ -242,7 +258,7 @@ def _parity_rows(name, precision, reference, backend, prompt, decode_steps) -> l
             "max_abs": f"{diff:.3e}", "max_rel": f"{diff / want.abs().max().item():.3e}",
             "top1_agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item(), "mean_kl": f"{kl:.3e}",
         })  # fmt: skip
-        print(_line(rows[-1]), flush=True)
+        print(_line(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
@@ -287,7 +303,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows = run_prefill(opts.synthetic, opts.layers, opts.tokens, opts.chunk, device, EXACT if opts.exact else FAST)
     else:
         rows = run_parity(device)
-    write_csv(rows, opts.csv)
+    print(format_table(rows), flush=True)
+    if opts.csv:
+        write_csv(rows, opts.csv)
 
 
 if __name__ == "__main__":

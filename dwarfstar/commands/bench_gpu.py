@@ -1,0 +1,87 @@
+"""`dwarfstar bench kernels` and `dwarfstar bench synthetic`: the Triton backend on a GPU.
+
+`kernels` times every Triton kernel on the shapes of Flash (or PRO) and prints a table with GB/s,
+TFLOP/s and the percentage of the device's peak (from a table of known GPUs or `--peak-gbs`), and the
+same rows as CSV. `synthetic` builds a full-size random quantized model in device memory (no file)
+and measures decode tok/s at the given contexts and prefill tok/s on a prompt. Both need a CUDA or
+ROCm GPU: in Triton's interpreter the timings would measure Python. Triton is imported only when a
+command runs, so the CLI loads without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dwarfstar.commands.bench import bench_app
+from dwarfstar.errors import DwarfStarError
+
+
+def _require_gpu() -> None:
+    from dwarfstar.backends.triton import triton_available
+
+    if not triton_available():
+        raise DwarfStarError("the Triton benchmarks need a CUDA or ROCm GPU and the triton package")
+
+
+@bench_app.command("kernels")
+def bench_kernels(
+    model: Annotated[str, typer.Option(help="Shapes of: flash or pro.")] = "flash",
+    ctx: Annotated[int, typer.Option(help="Context of the decode attention and indexer cases.")] = 32768,
+    prefill: Annotated[int, typer.Option(help="Tokens of the prefill cases.")] = 2048,
+    only: Annotated[str, typer.Option(help="Comma-separated kernel files to run (default: all).")] = "",
+    peak_gbs: Annotated[float | None, typer.Option(help="Device memory bandwidth in GB/s.")] = None,
+    csv_out: Annotated[Path | None, typer.Option("--csv", help="CSV file (default: printed after the table).")] = None,
+) -> None:
+    """Time each Triton kernel: microseconds, GB/s, TFLOP/s and % of the device's peak."""
+    if model not in ("flash", "pro"):
+        raise DwarfStarError(f"--model must be flash or pro, got {model!r}")
+    _require_gpu()
+    from dwarfstar.backends.triton import bench
+    from dwarfstar.backends.triton.runtime import default_device
+
+    device = default_device()
+    peak = bench.device_peak(device, peak_gbs)
+    typer.echo(f"{peak.device}: peak {peak.gbs or '?'} GB/s, {peak.tflops or '?'} bf16 TFLOP/s")
+    kernels = [k for k in only.split(",") if k]
+    unknown = sorted(set(kernels) - set(bench.KERNELS))
+    if unknown:
+        raise DwarfStarError(f"unknown kernel files {unknown}; choose from {', '.join(bench.KERNELS)}")
+    rows = bench.run_kernels(bench.bench_shape(model, device, ctx, prefill), peak, kernels)
+    typer.echo(bench.format_table(rows))
+    bench.write_csv(rows, csv_out)
+
+
+@bench_app.command("synthetic")
+def bench_synthetic(
+    model: Annotated[str, typer.Argument(help="flash-q2, flash-q4 or pro-q2.")] = "flash-q2",
+    layers: Annotated[int | None, typer.Option(help="Build only the first N layers (q4 and PRO need it).")] = None,
+    ctx: Annotated[str, typer.Option(help="Comma-separated decode contexts.")] = "2048,32768",
+    steps: Annotated[int, typer.Option(min=1, help="Decode steps timed per context.")] = 64,
+    prompt: Annotated[int, typer.Option(help="Prefill prompt tokens (0: skip the prefill).")] = 8192,
+    chunk: Annotated[int, typer.Option(min=1, help="Prefill chunk.")] = 4096,
+    peak_gbs: Annotated[float | None, typer.Option(help="Device memory bandwidth in GB/s.")] = None,
+    csv_out: Annotated[Path | None, typer.Option("--csv", help="CSV file for the decode rows.")] = None,
+) -> None:
+    """Decode and prefill speed of a full-size synthetic model built in device memory."""
+    _require_gpu()
+    from dwarfstar.backends.triton import bench
+    from dwarfstar.backends.triton.runtime import FAST, default_device
+    from dwarfstar.backends.triton.synthetic import PRESETS
+
+    if model not in PRESETS:
+        raise DwarfStarError(f"unknown synthetic model {model!r}; choose one of {', '.join(PRESETS)}")
+    try:
+        contexts = [int(c) for c in ctx.split(",") if c]
+    except ValueError as exc:
+        raise DwarfStarError(f"--ctx must be comma-separated integers, got {ctx!r}") from exc
+    device = default_device()
+    peak = bench.device_peak(device, peak_gbs)
+    rows = bench.run_decode(model, layers, contexts, steps, device, peak)
+    typer.echo(bench.format_table(rows))
+    if csv_out:
+        bench.write_csv(rows, csv_out)
+    if prompt:
+        typer.echo(bench.format_table(bench.run_prefill(model, layers, prompt, chunk, device, FAST)))
