@@ -220,14 +220,17 @@ def _sync(device: torch.device) -> None:
 
 
 # -- logits parity on the tiny models ----------------------------------------------------------------
-def run_parity(device: torch.device, decode_steps: int = 8) -> list[dict]:
-    """Reference backend (CPU, fp32) against the Triton backend on tiny and tiny-k, exact and fast."""
+def run_parity(device: torch.device, prompt_tokens: int = 150, decode_steps: int = 8) -> list[dict]:
+    """Reference backend (CPU, fp32) against the Triton backend on tiny and tiny-k, exact and fast.
+
+    150 prompt tokens fill the raw window, emit rows in every compressed layer (the first ratio-128 row
+    at position 127) and make the indexer choose among more rows than its top-k."""
     from dwarfstar.backends.reference.model import ReferenceModel
     from dwarfstar.backends.triton.backend import TritonBackend
     from dwarfstar.model.loader import open_model
     from dwarfstar.model.synthetic import TINY, TINY_K, write_synthetic_model
 
-    prompt = torch.randint(3, 120000, (150,), generator=torch.Generator().manual_seed(7)).tolist()
+    prompt = torch.randint(3, 120000, (prompt_tokens,), generator=torch.Generator().manual_seed(7)).tolist()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, args, layout in (("tiny", TINY, "f32"), ("tiny-k", TINY_K, "ds4")):

@@ -34,7 +34,7 @@ from dwarfstar.backends.triton.kernels import (
     quant_blocks,
     topk,
 )
-from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
+from dwarfstar.backends.triton.kernels.qmatmul import GEMV_MAX_ROWS, qmatmul
 from dwarfstar.backends.triton.kernels.rms_norm_rope import NORM_NONE, NORM_PLAIN, QAT_FP4, QAT_FP8, QAT_NONE
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
 from dwarfstar.backends.triton.runtime import EXACT, Precision, interpreting
@@ -46,11 +46,11 @@ from dwarfstar.model.state import CompressorState, LayerState, RowBuffer, Sequen
 DECODE_SPLIT = 8  # attention row splits per head group when a chunk has few tokens (flash decoding)
 
 
-def fused(linear: FusedLinear, x: torch.Tensor) -> dict[str, torch.Tensor]:
+def fused(linear: FusedLinear, x: torch.Tensor, precision: Precision = EXACT) -> dict[str, torch.Tensor]:
     """Run each part of a fused projection once; outputs are column slices of the parts' products."""
     out: dict[str, torch.Tensor] = {}
     for weight, names in linear.parts:
-        y = qmatmul(x, weight)
+        y = qmatmul(x, weight, precision=precision)
         col = 0
         for name, rows in names:
             out[name] = y[:, col : col + rows]
@@ -142,14 +142,16 @@ class TritonModel:
         counts, all functions of (state.pos, T) fixed for a captured decode shape."""
         a, w = self.args, self.w
         t = tok.numel()
+        # bf16 tensor-core operands pay off only for prefill-sized chunks; decode stays in fp32
+        precision = self.precision if t > GEMV_MAX_ROWS else EXACT
         positions = pos.long() + torch.arange(t, device=self.device)
         angles = {key: ops.rope_angles(positions, inv) for key, inv in self._inv_freq.items()}
         h = quant_blocks.gather_rows(w.embed.data, w.embed.ggml_type, a.dim, tok, copies=a.hc_mult)
         for layer, lw, ls in zip(a.layers, w.layers, state.layers, strict=True):
             x, post, comb = hc_pre.hc_pre(h, *lw.hc_attn, lw.attn_norm, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
-            hc_post.hc_post(h, self._attention(layer, lw, ls, x, pos, angles, state.pos), post, comb)
+            hc_post.hc_post(h, self._attention(layer, lw, ls, x, pos, angles, state.pos, precision), post, comb)
             x, post, comb = hc_pre.hc_pre(h, *lw.hc_ffn, lw.ffn_norm, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
-            hc_post.hc_post(h, self._moe(layer, lw, x, tok), post, comb)
+            hc_post.hc_post(h, self._moe(lw, x, tok, precision), post, comb)
         rows = h if all_logits else h[-1:]
         y = hc_head.hc_head(rows, *w.head_hc, w.out_norm, a.hc_eps, a.norm_eps)
         return qmatmul(y, w.output)
@@ -163,12 +165,13 @@ class TritonModel:
         pos: torch.Tensor,
         angles: dict,
         p0: int,
+        precision: Precision,
     ) -> torch.Tensor:
         a, t = self.args, x.shape[0]
         ang = angles[(layer.rope_theta, layer.yarn)]
-        proj = fused(lw.from_a, x)
+        proj = fused(lw.from_a, x, precision)
         qr = norm_rope(proj["q_a"], weight=lw.q_norm, eps=a.norm_eps)
-        qproj = fused(lw.from_qr, qr)
+        qproj = fused(lw.from_qr, qr, precision)
         q = norm_rope(
             qproj["q_b"].unflatten(1, (a.n_heads, a.head_dim)), norm=NORM_PLAIN, eps=a.norm_eps,
             angles=ang, rope_dim=a.rope_dim,
@@ -190,20 +193,20 @@ class TritonModel:
                 rope_dim=a.rope_dim, qat=QAT_FP4 if self.qat else QAT_NONE,
             )  # fmt: skip
             scores, valid = indexer_scores.indexer_scores(
-                qi, proj["idx_heads"], index_rows, pos, layer.compress_ratio, self.precision
+                qi, proj["idx_heads"], index_rows, pos, layer.compress_ratio, precision
             )
             selected = topk.topk_indices(scores, valid, a.index_topk)
         o = attention.attention(
             q, window_rows, n_prev, a.window, lw.sinks, ang, a.rope_dim, pos,
             comp_rows=comp_rows, ratio=layer.compress_ratio, selected=selected,
-            split=DECODE_SPLIT if t <= 4 and not interpreting() else 1, precision=self.precision,
+            split=DECODE_SPLIT if t <= 4 and not interpreting() else 1, precision=precision,
         )  # fmt: skip
         if n_prev == a.window and t == 1:
             ls.raw_kv.copy_(window_rows[1:])  # in place: a captured decode step keeps its pointers
         else:
             ls.raw_kv = window_rows[-a.window :].clone()
-        grouped = qmatmul(o.view(t, -1), lw.wo_a, groups=a.o_groups, precision=self.precision)
-        return qmatmul(grouped, lw.wo_b, precision=self.precision)
+        grouped = qmatmul(o.view(t, -1), lw.wo_a, groups=a.o_groups, precision=precision)
+        return qmatmul(grouped, lw.wo_b, precision=precision)
 
     def _compress(
         self,
@@ -242,17 +245,17 @@ class TritonModel:
             )  # fmt: skip
         return state.rows.data
 
-    def _moe(self, layer: LayerSpec, lw: LayerWeights, f: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    def _moe(self, lw: LayerWeights, f: torch.Tensor, tok: torch.Tensor, precision: Precision) -> torch.Tensor:
         a, t = self.args, f.shape[0]
         k = a.n_activated_experts
         ids, weights = moe_route.route(f, lw.router, lw.router_bias, lw.tid2eid, tok, k, a.route_scale)
         tiles = moe_sort.sort_by_expert(ids, a.n_routed_experts)
         parts = torch.empty(t, k + 1, a.dim, device=self.device)
         moe_experts.expert_ffn(
-            f, lw.gate_exps, lw.up_exps, lw.down_exps, tiles, weights.view(-1), parts, 0, a.swiglu_limit, self.precision
+            f, lw.gate_exps, lw.up_exps, lw.down_exps, tiles, weights.view(-1), parts, 0, a.swiglu_limit, precision
         )
         shared = moe_sort.single_expert_tiles(t, self.device)
         moe_experts.expert_ffn(
-            f, lw.gate_shared, lw.up_shared, lw.down_shared, shared, None, parts, k, a.swiglu_limit, self.precision
+            f, lw.gate_shared, lw.up_shared, lw.down_shared, shared, None, parts, k, a.swiglu_limit, precision
         )
         return parts
