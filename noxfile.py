@@ -40,4 +40,5 @@ def quant_compare(session: nox.Session) -> None:
     Same llama-cpp-python build as `parity`; add `-- --speed 1` to time a Flash expert tensor too.
     """
     session.install("-e", ".[dev]", LLAMA_CPP)
+    session.run("pytest", "-m", "llama_cpp", "tests/test_quant.py")
     session.run("python", "tools/quant_compare.py", *session.posargs)

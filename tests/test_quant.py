@@ -124,7 +124,8 @@ def test_bad_importance_is_rejected() -> None:
 
 
 def _ggml() -> ctypes.CDLL:
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp  # only in the `quant_compare` nox session: these tests carry the llama_cpp marker
+
     return ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
 
 
@@ -149,6 +150,7 @@ def _ggml_quantize(x: torch.Tensor, ggml_type: GGMLType, importance: torch.Tenso
     ids=lambda v: v.name if isinstance(v, GGMLType) else ("imatrix" if v else "plain"),
 )
 @pytest.mark.parametrize("dist", ["normal", "student-t"])
+@pytest.mark.llama_cpp
 def test_error_no_worse_than_ggml(ggml_type: GGMLType, weighted: bool, dist: str) -> None:
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(128, 1024, generator=gen)
@@ -162,6 +164,7 @@ def test_error_no_worse_than_ggml(ggml_type: GGMLType, weighted: bool, dist: str
 
 
 @pytest.mark.parametrize("ggml_type", BLOCK_TYPES, ids=lambda t: t.name)
+@pytest.mark.llama_cpp
 def test_llama_cpp_decodes_our_bytes_like_we_do(ggml_type: GGMLType) -> None:
     lib = _ggml()
     decode = getattr(lib, f"dequantize_row_{ggml_type.name.lower().replace('_k', '_K')}")
