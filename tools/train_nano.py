@@ -1,0 +1,366 @@
+"""Train the bundled nano model: the DeepSeek V4 architecture at toy size, on I promessi sposi, on the CPU.
+
+    .venv/bin/python tools/train_nano.py [--steps N] [--seed S] [--out dwarfstar/data/nano.gguf]
+
+Every mechanism of V4 is in the network and is trained:
+- raw-window layers, ratio-4 layers with the lightning indexer and ratio-128 layers (small window,
+  sequences of a few hundred tokens, so both compressors emit rows and the indexer picks a subset);
+- hash-routed MoE layers (a frequency-balanced token table), learned-routed ones with the router bias
+  moved by DeepSeek's auxiliary-loss-free balancing, a shared expert in every layer; mHC; sinks.
+
+The indexer only selects rows, so the language-model loss gives it no gradient. It is fitted as in
+DeepSeek V3.2: a KL loss pulls its score distribution toward the main attention's mass over the
+compressed rows (summed over heads), first with every visible row attended (dense warm-up), then
+only over the rows it selected. Its weight is small: Adam normalises each parameter's step, so the
+indexer-only weights still learn at the full rate while the weights it shares with attention (the
+query LoRA and the layer input) barely feel it, close to V3.2's detached indexer input.
+
+The softmax is restricted to the ids of the training data plus one learned row standing for all
+others (dwarfstar/train/params.py), which the file's full 129,280-id head reproduces exactly. The
+QAT rounding (FP8 KV, FP4 indexer) is not differentiable: training runs without it, and held-out
+perplexity is reported with it on and off. Same seed, same thread count: same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.model.config import ModelArgs, flash_compress_ratios
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
+from dwarfstar.train.corpus import chat_samples, read_split
+from dwarfstar.train.params import (
+    REST,
+    ParamWeights,
+    balanced_hash_table,
+    compact,
+    expand,
+    init_params,
+    rest_log_count,
+    write_gguf,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT.parent / "shared" / "fixtures" / "text" / "promessi_sposi.txt"
+
+NANO = ModelArgs(
+    n_layers=6,
+    dim=96,
+    n_heads=4,
+    head_dim=64,
+    rope_dim=16,
+    q_lora_rank=64,
+    o_groups=2,
+    o_lora_rank=64,
+    n_routed_experts=8,
+    n_activated_experts=2,
+    moe_inter_dim=128,
+    n_hash_layers=2,
+    window=32,
+    compress_ratios=flash_compress_ratios(6),
+    index_n_heads=4,
+    index_head_dim=32,
+    index_topk=16,
+    max_seq_len=65536,
+)
+DENSE_TOPK = 1 << 20  # index_topk of the warm-up model: every visible compressed row is attended
+
+
+@dataclass(frozen=True)
+class Recipe:
+    steps: int = 800
+    batch: int = 6
+    seq_len: int = 384
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: float = 0.05  # fraction of the steps with a linear learning-rate ramp
+    weight_decay: float = 0.05
+    clip: float = 1.0
+    chat_fraction: float = 0.2  # share of samples in the one-turn chat form
+    chat_pool: int = 4000
+    indexer_kl: float = 0.01
+    dense_warmup: float = 0.1  # fraction of the steps with the indexer selecting every row
+    bias_gamma: float = 0.01  # router bias step of the balancing update
+    eval_len: int = 512
+
+
+class IndexerLoss:
+    """Collects the KL(attention mass || indexer distribution) of every indexer layer in one forward."""
+
+    def __init__(self) -> None:
+        self.terms: list[torch.Tensor] = []
+
+    def __call__(self, layer: int, probs: torch.Tensor, scores: torch.Tensor) -> None:
+        target = probs.detach().sum(1)  # [T, N]: mass of all heads on each compressed row
+        attended = target > 0  # visible and selected
+        mass = target.sum(-1, keepdim=True)
+        live = attended.any(-1)
+        if not live.any():
+            return
+        p, attended = (target / mass.clamp_min(1e-30))[live], attended[live]
+        log_q = scores[live].masked_fill(~attended, float("-inf")).log_softmax(-1).masked_fill(~attended, 0.0)
+        log_p = p.clamp_min(1e-30).log()
+        self.terms.append(torch.where(attended, p * (log_p - log_q), 0.0).sum(-1).mean())
+
+    def pop(self) -> torch.Tensor:
+        loss = torch.stack(self.terms).mean() if self.terms else torch.zeros(())
+        self.terms = []
+        return loss
+
+
+class RouterBalance:
+    """DeepSeek's auxiliary-loss-free balancing: after each step, bias += gamma * sign(mean load - load)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], args: ModelArgs, gamma: float) -> None:
+        self.params, self.gamma, self.n = params, gamma, args.n_routed_experts
+        self.load: dict[int, torch.Tensor] = {}
+
+    def __call__(self, layer: int, ids: torch.Tensor) -> None:
+        counts = torch.bincount(ids.flatten(), minlength=self.n).float()
+        self.load[layer] = self.load.get(layer, torch.zeros(self.n)) + counts
+
+    def update(self) -> float:
+        """Apply the step; returns the worst max/mean load ratio over the layers (1 is perfect balance)."""
+        worst = 1.0
+        with torch.no_grad():
+            for layer, load in self.load.items():
+                self.params[f"blk.{layer}.exp_probs_b.bias"] += self.gamma * torch.sign(load.mean() - load)
+                worst = max(worst, float(load.max() / load.mean()))
+        self.load = {}
+        return worst
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, seed: int, corpus: Path, log: Callable[[str], None]) -> None:
+        self.recipe, self.seed, self.log = recipe, seed, log
+        start = time.perf_counter()
+        tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), NANO.vocab_size)
+        split = read_split(corpus)
+        self.train_ids = np.asarray(tokenizer.encode(split.train), dtype=np.int64)
+        self.heldout_ids = np.asarray(tokenizer.encode(split.heldout), dtype=np.int64)
+        self.chats = chat_samples(split.train, tokenizer, recipe.chat_pool, recipe.seq_len + 1, seed)
+        self.bos = tokenizer.bos_id
+        self.assistant = tokenizer.token_id("<｜Assistant｜>")
+        # the softmax covers the ids that occur in the book (held-out tail included, so evaluation has
+        # an embedding for every input; ids met only there are trained as negatives, never as targets)
+        seen = np.concatenate([self.train_ids, *self.chats, [self.bos]])
+        self.vocab = torch.as_tensor(np.unique(np.concatenate((seen, self.heldout_ids))))  # compact i = vocab[i]
+        self.local = torch.full((NANO.vocab_size,), -1, dtype=torch.long)
+        self.local[self.vocab] = torch.arange(self.vocab.numel())
+        counts = torch.bincount(self.local[torch.as_tensor(seen)], minlength=self.vocab.numel())
+        self.args = NANO.with_(vocab_size=self.vocab.numel())
+        self.full = init_params(NANO, seed)
+        params = compact(self.full, self.vocab)
+        for il in range(NANO.n_hash_layers):
+            params[f"blk.{il}.ffn_gate_tid2eid.weight"] = balanced_hash_table(
+                counts, NANO.n_routed_experts, NANO.n_activated_experts, seed + il
+            )
+        # selection-only tensors get no gradient: the hash tables are fixed, the router biases move by
+        # the balancing rule, the rest learns by gradient
+        self.params = {
+            name: t if t.dtype != torch.float32 or name.endswith("exp_probs_b.bias") else t.requires_grad_()
+            for name, t in params.items()
+        }
+        self.rest_offset = rest_log_count(NANO.vocab_size, self.vocab.numel())
+        self.indexer_loss = IndexerLoss()
+        self.balance = RouterBalance(self.params, self.args, recipe.bias_gamma)
+        trainable = [t for t in self.params.values() if t.requires_grad]
+        decay = [t for t in trainable if t.dim() >= 2]
+        no_decay = [t for t in trainable if t.dim() < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=recipe.lr,
+            betas=(0.9, 0.95),
+        )
+        self.rng = np.random.default_rng(seed)
+        self.step = 0
+        n_params = sum(t.numel() for t in trainable)
+        self.log(
+            f"data: {len(self.train_ids)} training tokens, {len(self.heldout_ids)} held out, "
+            f"{len(self.chats)} chat samples, {self.vocab.numel()} distinct ids; "
+            f"{n_params / 1e6:.2f} M trainable parameters; prepared in {time.perf_counter() - start:.1f} s"
+        )
+
+    # -- model ------------------------------------------------------------------------------------
+    def model(self, qat: bool = False, dense_indexer: bool = False) -> ReferenceModel:
+        args = self.args.with_(index_topk=DENSE_TOPK) if dense_indexer else self.args
+        model = ReferenceModel.from_weights(args, ParamWeights(self.params), qat=qat)
+        for block in model.blocks:
+            block.attn.observer = self.indexer_loss if block.attn.indexer is not None else None
+            block.moe.observer = None if block.moe.tid2eid is not None else self.balance
+        return model
+
+    def head(self, y: torch.Tensor) -> torch.Tensor:
+        """Logits over the corpus ids, then one for all other ids together."""
+        rest = y @ self.params[REST] + self.rest_offset
+        return torch.cat((y @ self.params["output.weight"].T, rest[:, None]), dim=1)
+
+    # -- data -------------------------------------------------------------------------------------
+    def batch(self) -> list[np.ndarray]:
+        r, n = self.recipe, self.recipe.seq_len
+        out = []
+        for _ in range(r.batch):
+            if self.rng.random() < r.chat_fraction:
+                out.append(self.chats[int(self.rng.integers(len(self.chats)))])
+            else:
+                start = int(self.rng.integers(len(self.train_ids) - n))
+                out.append(np.concatenate(([self.bos], self.train_ids[start : start + n])))
+        return out
+
+    def targets(self, sample: np.ndarray) -> torch.Tensor:
+        """Next-token targets in compact ids; the end of a user turn is not predictable, so it is masked."""
+        nxt = torch.as_tensor(sample[1:])
+        return self.local[nxt].masked_fill(nxt == self.assistant, -100)
+
+    # -- training ---------------------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        r = self.recipe
+        warm = max(1, int(r.warmup * r.steps))
+        if step < warm:
+            return r.lr * (step + 1) / warm
+        t = (step - warm) / max(1, r.steps - warm)
+        return r.lr * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+    def train_step(self, model: ReferenceModel) -> tuple[float, float, float]:
+        samples = self.batch()
+        inputs = [self.local[torch.as_tensor(s[:-1])] for s in samples]
+        states = [model.new_state() for _ in samples]
+        y = torch.cat(model.hidden_batch(inputs, states))
+        lm = F.cross_entropy(self.head(y), torch.cat([self.targets(s) for s in samples]))
+        kl = self.indexer_loss.pop()
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr_at(self.step)
+        self.opt.zero_grad(set_to_none=True)
+        (lm + self.recipe.indexer_kl * kl).backward()
+        torch.nn.utils.clip_grad_norm_([t for t in self.params.values() if t.requires_grad], self.recipe.clip)
+        self.opt.step()
+        imbalance = self.balance.update()
+        self.step += 1
+        return float(lm.detach()), float(kl.detach()), imbalance
+
+    @torch.no_grad()
+    def heldout_loss(self, qat: bool, limit: int | None = None) -> float:
+        """Mean next-token loss on the held-out text, in chunks of eval_len tokens after BOS."""
+        model = self.model(qat=qat)
+        for block in model.blocks:
+            block.attn.observer = block.moe.observer = None
+        ids = self.local[torch.as_tensor(self.heldout_ids[:limit])]
+        total, count = 0.0, 0
+        n = self.recipe.eval_len
+        for start in range(0, ids.numel() - 1, n):
+            chunk = torch.cat((self.local[self.bos].view(1), ids[start : start + n]))
+            (y,) = model.hidden_batch([chunk[:-1]], [model.new_state()])
+            total += float(F.cross_entropy(self.head(y), chunk[1:], reduction="sum"))
+            count += chunk.numel() - 1
+        return total / count
+
+    # -- checkpoints and export -------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        torch.save(
+            {
+                "step": self.step,
+                "params": self.params,
+                "opt": self.opt.state_dict(),
+                "rng": self.rng.bit_generator.state,
+            },
+            path,
+        )
+
+    def load(self, path: Path) -> None:
+        saved = torch.load(path, weights_only=False)
+        with torch.no_grad():
+            for name, t in self.params.items():
+                t.copy_(saved["params"][name])
+        self.opt.load_state_dict(saved["opt"])
+        self.rng.bit_generator.state = saved["rng"]
+        self.step = saved["step"]
+
+    def export(self, path: Path, layout: str) -> None:
+        full = expand(self.full, self.params, self.vocab)
+        write_gguf(path, NANO, full, layout, name="DwarfStar nano (I promessi sposi)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "dwarfstar" / "data" / "nano.gguf")
+    parser.add_argument("--f32-out", type=Path, help="also write an all-F32 file (the source for quantization)")
+    parser.add_argument("--workdir", type=Path, default=ROOT / "build" / "nano", help="log and checkpoint")
+    parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=Recipe.steps)
+    parser.add_argument("--batch", type=int, default=Recipe.batch)
+    parser.add_argument("--seq-len", type=int, default=Recipe.seq_len)
+    parser.add_argument("--lr", type=float, default=Recipe.lr)
+    # one thread: on the shared 2-core machine a second OpenMP thread mostly waits for the first
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--eval-every", type=int, default=500)
+    parser.add_argument("--resume", action="store_true", help="continue from the workdir checkpoint")
+    opts = parser.parse_args()
+
+    opts.workdir.mkdir(parents=True, exist_ok=True)
+    log_file = (opts.workdir / "train.log").open("a", encoding="utf-8")
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    torch.manual_seed(opts.seed)
+    recipe = Recipe(steps=opts.steps, batch=opts.batch, seq_len=opts.seq_len, lr=opts.lr)
+    began = time.perf_counter()
+    trainer = Trainer(recipe, opts.seed, opts.corpus, log)
+    log(f"recipe: {json.dumps(recipe.__dict__)}; args: {NANO}")
+    checkpoint = opts.workdir / "checkpoint.pt"
+    if opts.resume and checkpoint.exists():
+        trainer.load(checkpoint)
+        log(f"resumed at step {trainer.step}")
+    dense_steps = int(recipe.dense_warmup * recipe.steps)
+    model = None
+    tokens, window_start = 0, time.perf_counter()
+    while trainer.step < recipe.steps:
+        dense = trainer.step < dense_steps
+        if model is None or trainer.step == dense_steps:
+            model = trainer.model(dense_indexer=dense)
+            torch.set_num_threads(opts.threads)  # the reference model picks one thread for tiny inference
+        lm, kl, imbalance = trainer.train_step(model)
+        tokens += recipe.batch * recipe.seq_len
+        if trainer.step % opts.log_every == 0:
+            elapsed = time.perf_counter() - window_start
+            log(
+                f"step {trainer.step}/{recipe.steps} loss {lm:.3f} indexer-kl {kl:.3f} load max/mean "
+                f"{imbalance:.2f} lr {trainer.lr_at(trainer.step):.2e} {tokens / elapsed:.0f} tok/s "
+                f"{'dense' if dense else 'sparse'} t {time.perf_counter() - began:.0f} s"
+            )
+            tokens, window_start = 0, time.perf_counter()
+        if trainer.step % opts.eval_every == 0 or trainer.step == recipe.steps:
+            trainer.save(checkpoint)
+            log(f"step {trainer.step}: held-out loss {trainer.heldout_loss(qat=False, limit=4096):.3f} (4096 tokens)")
+    results = {qat: trainer.heldout_loss(qat=qat) for qat in (False, True)}
+    for qat, loss in results.items():
+        log(
+            f"held-out ({len(trainer.heldout_ids)} tokens), QAT rounding {'on' if qat else 'off'}: "
+            f"loss {loss:.4f}, perplexity {math.exp(loss):.2f}"
+        )
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
+    trainer.export(opts.out, "q8_0")
+    log(f"wrote {opts.out} ({opts.out.stat().st_size / 1e6:.1f} MB)")
+    if opts.f32_out:
+        trainer.export(opts.f32_out, "f32")
+        log(f"wrote {opts.f32_out} ({opts.f32_out.stat().st_size / 1e6:.1f} MB)")
+    log(f"total {time.perf_counter() - began:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
