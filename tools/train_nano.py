@@ -333,7 +333,7 @@ def main() -> None:
         dense = trainer.step < dense_steps
         if model is None or trainer.step == dense_steps:
             model = trainer.model(dense_indexer=dense)
-            torch.set_num_threads(opts.threads)  # the reference model picks one thread for tiny inference
+        torch.set_num_threads(opts.threads)  # building a reference model (evaluation too) picks one thread
         lm, kl, imbalance = trainer.train_step(model)
         tokens += recipe.batch * recipe.seq_len
         if trainer.step % opts.log_every == 0:
