@@ -102,18 +102,34 @@ def write_synthetic_model(
     """Write a random model; the same (args, layout, seed) always gives the same bytes."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}, expected one of {LAYOUTS}")
+
+    def data(index: int, spec: TensorSpec, ggml_type: GGMLType) -> Iterator:
+        if progress:
+            progress(spec.name)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        return _tensor_chunks(spec, ggml_type, args, gen)
+
+    write_model_gguf(path, args, name, lambda spec: tensor_type(spec, layout), data)
+
+
+def write_model_gguf(
+    path: str | os.PathLike,
+    args: ModelArgs,
+    name: str,
+    type_of: Callable[[TensorSpec], GGMLType],
+    data_of: Callable[[int, TensorSpec, GGMLType], Iterator],
+) -> None:
+    """Write a ds4-layout GGUF: the config and V4 tokenizer metadata, then every tensor of the inventory
+    in order, with the type `type_of(spec)` and the bytes `data_of(index, spec, type)` yields."""
     metadata = args.to_gguf_metadata()
     metadata["general.name"] = (ValueType.STRING, name)
     metadata.update(tokenizer_metadata(bundled_tokenizer_json(), args.vocab_size))
-    specs = list(expected_tensors(args))
+    specs = [(spec, type_of(spec)) for spec in expected_tensors(args)]
     with GGUFWriter(path, metadata) as writer:
-        for spec in specs:
-            writer.add_tensor(spec.name, spec.shape, tensor_type(spec, layout))
-        for index, spec in enumerate(specs):
-            if progress:
-                progress(spec.name)
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
-            writer.write_tensor(spec.name, _tensor_chunks(spec, tensor_type(spec, layout), args, gen))
+        for spec, ggml_type in specs:
+            writer.add_tensor(spec.name, spec.shape, ggml_type)
+        for index, (spec, ggml_type) in enumerate(specs):
+            writer.write_tensor(spec.name, data_of(index, spec, ggml_type))
 
 
 def _tensor_chunks(spec: TensorSpec, ggml_type: GGMLType, args: ModelArgs, gen: torch.Generator) -> Iterator:

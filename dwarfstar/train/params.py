@@ -18,12 +18,11 @@ from collections.abc import Iterator
 
 import torch
 
-from dwarfstar.gguf.constants import GGMLType, ValueType
+from dwarfstar.gguf.constants import GGMLType
 from dwarfstar.gguf.quantize import quantize
-from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.synthetic import write_model_gguf
 from dwarfstar.model.tensors import EXPERT, INDEX, NORM, TensorSpec, expected_tensors
-from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, tokenizer_metadata
 
 REST = "output.rest"
 LAYOUTS = ("q8_0", "f32")
@@ -163,15 +162,13 @@ def write_gguf(
     """Write full-vocabulary parameters as a ds4-layout GGUF with the V4 tokenizer in its metadata."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}, expected one of {LAYOUTS}")
-    metadata = args.to_gguf_metadata()
-    metadata["general.name"] = (ValueType.STRING, name)
-    metadata.update(tokenizer_metadata(bundled_tokenizer_json(), args.vocab_size))
-    specs = list(expected_tensors(args))
-    with GGUFWriter(path, metadata) as writer:
-        for spec in specs:
-            writer.add_tensor(spec.name, spec.shape, export_type(spec, layout))
-        for spec in specs:
-            writer.write_tensor(spec.name, _chunks(params[spec.name].detach(), export_type(spec, layout)))
+    write_model_gguf(
+        path,
+        args,
+        name,
+        lambda spec: export_type(spec, layout),
+        lambda _index, spec, ggml_type: _chunks(params[spec.name].detach(), ggml_type),
+    )
 
 
 def _chunks(tensor: torch.Tensor, ggml_type: GGMLType) -> Iterator:
