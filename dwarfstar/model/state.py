@@ -14,10 +14,12 @@ a softmax over them gives them weight 0.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.config import ModelArgs
 
 
@@ -176,3 +178,30 @@ class StateSnapshot:
     tokens: list[int]
     logits: torch.Tensor | None
     layers: list[tuple]
+
+
+def check_batch(
+    token_lists: Sequence[Sequence[int] | torch.Tensor],
+    states: Sequence[SequenceState],
+    vocab_size: int,
+    max_seq_len: int,
+) -> list[torch.Tensor]:
+    """Validate a batched forward before any state changes: each sequence's tokens as a 1-D long tensor.
+
+    Every backend runs this, so a context overflow or an out-of-vocabulary id is the same clear error
+    everywhere, and a failed batch leaves every state untouched.
+    """
+    chunks = [torch.as_tensor(t, dtype=torch.long).flatten() for t in token_lists]
+    if len(chunks) != len(states):
+        raise DwarfStarError(f"{len(chunks)} token lists for {len(states)} states")
+    if len({id(s) for s in states}) != len(states):
+        raise DwarfStarError("a sequence state appears twice in one batch")
+    for tokens, state in zip(chunks, states, strict=True):
+        if state.pos + tokens.numel() > max_seq_len:
+            raise ContextOverflowError(
+                f"context overflow: {state.pos} + {tokens.numel()} tokens exceed the context of {max_seq_len}"
+            )
+        bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
+        if bad.numel():
+            raise DwarfStarError(f"token id {int(bad[0])} is outside the vocabulary (0..{vocab_size - 1})")
+    return chunks

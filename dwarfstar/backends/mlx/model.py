@@ -20,10 +20,9 @@ from dwarfstar.backends.mlx import state as mlx_state
 from dwarfstar.backends.mlx.attention import Attention
 from dwarfstar.backends.mlx.moe import MoE
 from dwarfstar.backends.mlx.weights import LayerWeights, Weights
-from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.loader import ModelFile
-from dwarfstar.model.state import LayerState, SequenceState
+from dwarfstar.model.state import LayerState, SequenceState, check_batch
 
 Group = tuple[slice, np.ndarray, LayerState]  # a sequence's rows in the batch, its positions, its layer state
 
@@ -91,11 +90,7 @@ class MLXModel:
     ) -> list[torch.Tensor]:
         """Advance several independent sequences in one pass; all are validated before any state changes."""
         a = self.args
-        chunks = [np.asarray(torch.as_tensor(t, dtype=torch.long).flatten()) for t in token_lists]
-        for chunk, state in zip(chunks, states, strict=True):
-            self._check(chunk, state)
-        if len({id(s) for s in states}) != len(states):
-            raise DwarfStarError("a sequence state appears twice in one batch")
+        chunks = [np.asarray(t) for t in check_batch(token_lists, states, a.vocab_size, self.max_seq_len)]
         live = [(c, s) for c, s in zip(chunks, states, strict=True) if c.size]
         if not live:
             return [torch.empty(0, a.vocab_size) for _ in chunks]
@@ -124,12 +119,3 @@ class MLXModel:
             state.pos += chunk.size
             state.tokens.extend(chunk.tolist())
         return [out.get(id(s), torch.empty(0, a.vocab_size)) for s in states]
-
-    def _check(self, tokens: np.ndarray, state: SequenceState) -> None:
-        if state.pos + tokens.size > self.max_seq_len:
-            raise ContextOverflowError(
-                f"context overflow: {state.pos} + {tokens.size} tokens exceed the context of {self.max_seq_len}"
-            )
-        bad = tokens[(tokens < 0) | (tokens >= self.args.vocab_size)]
-        if bad.size:
-            raise DwarfStarError(f"token id {int(bad[0])} is outside the vocabulary (0..{self.args.vocab_size - 1})")

@@ -15,10 +15,9 @@ from dwarfstar.backends.reference import ops
 from dwarfstar.backends.reference.attention import Attention
 from dwarfstar.backends.reference.moe import MoE
 from dwarfstar.backends.reference.weights import GGUFWeights, WeightSource
-from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.loader import ModelFile
-from dwarfstar.model.state import LayerState, SequenceState
+from dwarfstar.model.state import LayerState, SequenceState, check_batch
 
 SMALL_MODEL_DIM = 1024
 
@@ -144,11 +143,7 @@ class ReferenceModel:
         (e.g. restricted to the corpus vocabulary) on top; updates the states like `forward_batch`.
         """
         a = self.args
-        chunks = [torch.as_tensor(t, dtype=torch.long).flatten() for t in token_lists]
-        for chunk, state in zip(chunks, states, strict=True):
-            self._check(chunk, state)
-        if len({id(s) for s in states}) != len(states):
-            raise DwarfStarError("a sequence state appears twice in one batch")
+        chunks = check_batch(token_lists, states, a.vocab_size, self.max_seq_len)
         live = [(c, s) for c, s in zip(chunks, states, strict=True) if c.numel()]
         if not live:
             return [torch.empty(0, a.dim) for _ in chunks]
@@ -172,12 +167,3 @@ class ReferenceModel:
             state.pos += chunk.numel()
             state.tokens.extend(chunk.tolist())
         return [out.get(id(s), torch.empty(0, a.dim)) for s in states]
-
-    def _check(self, tokens: torch.Tensor, state: SequenceState) -> None:
-        if state.pos + tokens.numel() > self.max_seq_len:
-            raise ContextOverflowError(
-                f"context overflow: {state.pos} + {tokens.numel()} tokens exceed the context of {self.max_seq_len}"
-            )
-        bad = tokens[(tokens < 0) | (tokens >= self.args.vocab_size)]
-        if bad.numel():
-            raise DwarfStarError(f"token id {int(bad[0])} is outside the vocabulary (0..{self.args.vocab_size - 1})")
