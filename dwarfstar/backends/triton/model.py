@@ -249,12 +249,15 @@ class TritonModel:
         a, t = self.args, f.shape[0]
         k = a.n_activated_experts
         ids, weights = moe_route.route(f, lw.router, lw.router_bias, lw.tid2eid, tok, k, a.route_scale)
-        tiles = moe_sort.sort_by_expert(ids, a.n_routed_experts)
+        rows = 64 if precision.fast else 32  # fp32 operands take twice the registers and shared memory
+        tiles = moe_sort.sort_by_expert(
+            ids, a.n_routed_experts, moe_sort.tile_rows_for(t * k, a.n_routed_experts, rows)
+        )
         parts = torch.empty(t, k + 1, a.dim, device=self.device)
         moe_experts.expert_ffn(
             f, lw.gate_exps, lw.up_exps, lw.down_exps, tiles, weights.view(-1), parts, 0, a.swiglu_limit, precision
         )
-        shared = moe_sort.single_expert_tiles(t, self.device)
+        shared = moe_sort.single_expert_tiles(t, self.device, moe_sort.tile_rows_for(t, 1, rows))
         moe_experts.expert_ffn(
             f, lw.gate_shared, lw.up_shared, lw.down_shared, shared, None, parts, k, a.swiglu_limit, precision
         )

@@ -31,7 +31,7 @@ from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape
 from dwarfstar.model.config import yarn_inv_freq
 
 COMP_NONE, COMP_ALL, COMP_SELECTED = 0, 1, 2
-NEG = -1.0e30  # finite "minus infinity": keeps exp(m_old - m_new) defined when a block is all masked
+NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": keeps exp(m_old - m_new) defined when a block is all masked
 
 
 @triton.jit
@@ -61,10 +61,13 @@ def _attention_kernel(
     split = tl.program_id(2)
     h = hg * BH + tl.arange(0, BH)
     heads_ok = h < H
-    d = tl.arange(0, BD)
-    cols_ok = d < D
-    q = tl.load(q_ptr + (i.to(tl.int64) * H + h[:, None]) * D + d[None, :],
-                mask=heads_ok[:, None] & cols_ok[None, :], other=0.0)  # fmt: skip
+    # rows are handled as two halves of BD / 2 columns, so the bf16 tensor-core operands of a step fit
+    # in 32 KB; the fp32 (FMA) products of the exact path keep q and k in 65 KB on NVIDIA, 16 KB on AMD
+    BD2: tl.constexpr = BD // 2
+    d = tl.arange(0, BD2)
+    q_row = q_ptr + (i.to(tl.int64) * H + h[:, None]) * D
+    q_lo = tl.load(q_row + d[None, :], mask=heads_ok[:, None] & (d < D)[None, :], other=0.0)
+    q_hi = tl.load(q_row + BD2 + d[None, :], mask=heads_ok[:, None] & (BD2 + d < D)[None, :], other=0.0)
     hi = n_prev + i  # the query's own raw row
     lo = tl.maximum(0, hi - window + 1)
     n_win = hi - lo + 1
@@ -78,14 +81,14 @@ def _attention_kernel(
     n_blocks = nb_win + tl.cdiv(n_comp, BN)
     m = tl.full((BH,), NEG, tl.float32)
     l = tl.zeros((BH,), tl.float32)
-    acc = tl.zeros((BH, BD), tl.float32)
+    acc_lo = tl.zeros((BH, BD2), tl.float32)
+    acc_hi = tl.zeros((BH, BD2), tl.float32)
     for b in range(split, n_blocks, SPLIT):
         r = tl.arange(0, BN)
         if b < nb_win:
             row = lo + b * BN + r
             ok = row <= hi
-            k = tl.load(win_ptr + row.to(tl.int64)[:, None] * D + d[None, :], mask=ok[:, None] & cols_ok[None, :],
-                        other=0.0)  # fmt: skip
+            base = win_ptr + row.to(tl.int64)[:, None] * D
         else:
             c = (b - nb_win) * BN + r
             if COMP == 2:
@@ -94,31 +97,37 @@ def _attention_kernel(
             else:
                 row = c
                 ok = c < n_comp
-            k = tl.load(comp_ptr + row.to(tl.int64)[:, None] * D + d[None, :], mask=ok[:, None] & cols_ok[None, :],
-                        other=0.0)  # fmt: skip
-        if FAST:
-            s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            base = comp_ptr + row.to(tl.int64)[:, None] * D
+        k_lo = tl.load(base + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
+        k_hi = tl.load(base + BD2 + d[None, :], mask=ok[:, None] & (BD2 + d < D)[None, :], other=0.0)
+        s = _dot(q_lo, tl.trans(k_lo), FAST) + _dot(q_hi, tl.trans(k_hi), FAST)
         s = tl.where(ok[None, :], s * sm_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        if FAST:
-            pv = tl.dot(p.to(tl.bfloat16), k.to(tl.bfloat16))
-        else:
-            pv = tl.dot(p, k, input_precision="ieee")
-        acc = acc * alpha[:, None] + pv
+        acc_lo = acc_lo * alpha[:, None] + _dot(p, k_lo, FAST)
+        acc_hi = acc_hi * alpha[:, None] + _dot(p, k_hi, FAST)
         m = m_new
     if SPLIT == 1:
         sink = tl.load(sinks_ptr + h, mask=heads_ok, other=0.0)
+        acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), [BH, BD])
         _finish(acc, m, l, sink, cos_ptr, sin_ptr, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
     else:
         part = (i.to(tl.int64) * H + h) * SPLIT + split  # [BH]
         tl.store(m_ptr + part, m, mask=heads_ok)
         tl.store(l_ptr + part, l, mask=heads_ok)
-        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=heads_ok[:, None] & cols_ok[None, :])
+        out = acc_ptr + part[:, None] * D + d[None, :]
+        tl.store(out, acc_lo, mask=heads_ok[:, None] & (d < D)[None, :])
+        tl.store(out + BD2, acc_hi, mask=heads_ok[:, None] & (BD2 + d < D)[None, :])
+
+
+@triton.jit
+def _dot(a, b, FAST: tl.constexpr):
+    if FAST:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -187,11 +196,11 @@ def attention(
         q, window_rows, comp_ptr, sel_ptr, sinks, pos, cos, sin, out, m, l, acc,
         d, n_prev, window, selected.shape[1] if selected is not None else 0, 1.0 / math.sqrt(d),
         H=heads, COMP=comp, RATIO=max(ratio, 1), SPLIT=split, ROPE_DIM=rope_dim,
-        BH=bh, BN=bn, BD=bd, FAST=precision.fast, num_warps=8 if bd >= 512 else 4,
+        BH=bh, BN=bn, BD=bd, FAST=precision.fast, num_warps=8 if bd >= 512 else 4, num_stages=1,
     )  # fmt: skip
     if split > 1:
         _combine_kernel[(t, groups)](
-            m, l, acc, sinks, cos, sin, out, d, H=heads, SPLIT=split, ROPE_DIM=rope_dim, BH=bh, BD=bd, num_warps=4
+            m, l, acc, sinks, cos, sin, out, d, H=heads, SPLIT=split, ROPE_DIM=rope_dim, BH=bh, BD=bd, num_warps=8
         )
     return out
 

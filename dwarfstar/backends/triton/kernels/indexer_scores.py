@@ -57,10 +57,10 @@ def indexer_scores(
     capacity = rows.shape[0]
     scores = torch.empty(t, capacity, device=q.device, dtype=torch.float32)
     valid = torch.empty(t, dtype=torch.int32, device=q.device)
-    bn = min(max(16, next_pow2(capacity)), 256) if interpreting() else 64
+    bn = min(max(16, next_pow2(capacity)), 256) if interpreting() else 16
     _scores_kernel[(t, max(1, triton.cdiv(capacity, bn)))](
         q, head_weights, rows, pos, scores, valid, head_weights.stride(0), capacity,
-        (heads * dim) ** -0.5, RATIO=ratio, HI=heads, DI=dim, BN=bn, FAST=precision.fast, num_warps=4,
+        (heads * dim) ** -0.5, RATIO=ratio, HI=heads, DI=dim, BN=bn, FAST=precision.fast, num_warps=8, num_stages=1,
     )  # fmt: skip
     return scores, valid
 

@@ -101,14 +101,21 @@ def _down_kernel(
         tl.store(out_ptr + row.to(tl.int64)[:, None] * N + n[None, :], acc, mask=m_ok[:, None] & (n < N)[None, :])
 
 
-def _tile_config(block_m: int, n: int) -> tuple[bool, int, int]:
-    """(use tl.dot, BN, num_warps) for tiles of block_m rows."""
+def _tile_config(block_m: int, n: int, bk: int, weights: int, fast: bool) -> tuple[bool, int, int]:
+    """(use tl.dot, BN, num_warps) for tiles of block_m rows reading `weights` weight tiles per step.
+
+    Tensor-core tiles stage their operands in shared memory (one pipeline stage): the [block_m, bk]
+    activations and `weights` decoded [BN, bk] tiles stay within 64 KB, the LDS of AMD GPUs; 8 warps
+    keep the decoded tiles in registers without spilling.
+    """
     use_dot = block_m >= 16
     if interpreting():
         return use_dot, min(next_pow2(n), 256), 1
-    if use_dot:
-        return True, 64, 8
-    return False, max(2, 8 // block_m), 4
+    if not use_dot:
+        return False, max(2, 8 // block_m), 4
+    rows = 65536 // (bk * (2 if fast else 4))  # operand rows of bk columns that fit in 64 KB
+    room = max(1, (rows - block_m) // weights)
+    return True, max(16, min(32, 1 << (room.bit_length() - 1))), 8
 
 
 def expert_ffn(
@@ -132,20 +139,23 @@ def expert_ffn(
     n_entries = tiles.sorted_entries.numel()
     n_tiles = tiles.tile_expert.numel()
     mid = torch.empty(n_entries, f, device=x.device, dtype=torch.float32)
-    use_dot, bn, warps = _tile_config(tiles.block_m, f)
+    use_dot = tiles.block_m >= 16
+    bk = tile_k(gate.ggml_type, d, gemm=use_dot)
+    use_dot, bn, warps = _tile_config(tiles.block_m, f, bk, 2, precision.fast)
     grid = grid_table(x.device)
     _gate_up_kernel[(triton.cdiv(f, bn), n_tiles)](
         x, gate.data, up.data, grid, tiles.sorted_entries, tiles.tile_expert, tiles.tile_start, tiles.tile_rows,
         route_weights if route_weights is not None else x, mid, d, f, x.stride(0), gate.row_bytes, tiles.k, limit,
-        WTYPE=gate.wtype, WEIGHTED=route_weights is not None, BM=tiles.block_m, BN=bn, BK=tile_k(gate.ggml_type, d),
-        USE_DOT=use_dot, FAST=precision.fast, num_warps=warps,
+        WTYPE=gate.wtype, WEIGHTED=route_weights is not None, BM=tiles.block_m, BN=bn, BK=bk,
+        USE_DOT=use_dot, FAST=precision.fast, num_warps=warps, num_stages=1,
     )  # fmt: skip
-    use_dot, bn, warps = _tile_config(tiles.block_m, d)
+    bk = tile_k(down.ggml_type, f, gemm=use_dot)
+    use_dot, bn, warps = _tile_config(tiles.block_m, d, bk, 1, precision.fast)
     _down_kernel[(triton.cdiv(d, bn), n_tiles)](
         mid, down.data, grid, tiles.sorted_entries, tiles.tile_expert, tiles.tile_start, tiles.tile_rows, out,
         f, d, down.row_bytes, tiles.k, out.shape[1], slot_offset,
-        WTYPE=down.wtype, BM=tiles.block_m, BN=bn, BK=tile_k(down.ggml_type, f),
-        USE_DOT=use_dot, FAST=precision.fast, num_warps=warps,
+        WTYPE=down.wtype, BM=tiles.block_m, BN=bn, BK=bk,
+        USE_DOT=use_dot, FAST=precision.fast, num_warps=warps, num_stages=1,
     )  # fmt: skip
 
 

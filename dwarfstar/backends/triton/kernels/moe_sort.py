@@ -79,12 +79,13 @@ def _scatter_kernel(ids_ptr, rank_ptr, start_ptr, sorted_ptr, n, B: tl.constexpr
     tl.store(sorted_ptr + at, j, mask=ok)
 
 
-def tile_rows_for(n_entries: int, n_experts: int) -> int:
-    """Tile height: tensor-core tiles once experts average 16+ entries (prefill), else GEMV rows."""
+def tile_rows_for(n_entries: int, n_experts: int, max_rows: int = 64) -> int:
+    """Tile height: tensor-core tiles (up to max_rows) once experts average 12+ entries, else GEMV rows."""
     mean = n_entries / n_experts
     if interpreting():
-        return min(64, next_pow2(n_entries))
-    return 64 if mean >= 48 else 32 if mean >= 24 else 16 if mean >= 12 else 1
+        return min(max_rows, next_pow2(n_entries))
+    rows = 64 if mean >= 48 else 32 if mean >= 24 else 16 if mean >= 12 else 1
+    return min(rows, max_rows)
 
 
 def sort_by_expert(ids: torch.Tensor, n_experts: int, block_m: int | None = None) -> ExpertTiles:

@@ -65,15 +65,25 @@ def _qmatmul_kernel(
     tl.store(y, acc, mask=(ms < M)[:, None] & (rows < N)[None, :])
 
 
-def _config(m: int, n: int, use_dot: bool) -> tuple[int, int, int]:
-    """(BM, BN, num_warps). GPU: enough programs to keep loads in flight; interpreter: few programs."""
+def _config(m: int, n: int, bk: int, use_dot: bool, fast: bool) -> tuple[int, int, int]:
+    """(BM, BN, num_warps). GPU: enough programs to keep loads in flight; interpreter: few programs.
+
+    The GEMM's weight operand is decoded in registers, then staged in shared memory for the tensor
+    cores, as is the activation tile (one pipeline stage): [BM, BK] + [BN, BK] operands stay within
+    64 KB (the LDS of AMD GPUs), and the 256-wide super-block tiles get 8 warps so the decoded tile
+    does not spill registers.
+    """
     if interpreting():
         return (min(64, next_pow2(m)) if use_dot else 1, min(next_pow2(n), 1024 if use_dot else 4096), 1)
     if not use_dot:
         bm = next_pow2(m)
         # the [BM, BN, BK] product lives in registers: keep it near 4K elements per 128 threads
         return bm, min(next_pow2(n), 8 if bm == 1 else max(2, 16 // bm)), 4
-    return (16 if m <= 16 else 32 if m <= 32 else 64), min(next_pow2(n), 64), 8
+    cap = 64 if fast else 32  # fp32 operands (FMA products) take twice the registers and shared memory
+    bm = min(cap, 16 if m <= 16 else 32 if m <= 32 else 64)
+    if bk == 256:
+        return bm, min(next_pow2(n), 32), 8
+    return bm, min(next_pow2(n), cap), 4
 
 
 def qmatmul(
@@ -98,8 +108,8 @@ def qmatmul(
         raise ValueError("split-K and groups do not combine")
     if use_dot is None:
         use_dot = m > GEMV_MAX_ROWS
-    bk = tile_k(w.ggml_type, k)
-    bm, bn, warps = _config(m, n, use_dot)
+    bk = tile_k(w.ggml_type, k, gemm=use_dot)
+    bm, bn, warps = _config(m, n, bk, use_dot, precision.fast)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
     split = triton.cdiv(k, k_per_split)
     out_shape = (split, m, groups * n) if split_k > 1 else (m, groups * n)
@@ -108,7 +118,7 @@ def qmatmul(
     _qmatmul_kernel[grid](
         x, w.data, grid_table(x.device), y, m, n, k, x.stride(0), groups * n, w.row_bytes, k_per_split,
         SPLIT=split, WTYPE=w.wtype, BM=bm, BN=bn, BK=bk, USE_DOT=use_dot, FAST=precision.fast,
-        num_warps=warps,
+        num_warps=warps, num_stages=1,
     )  # fmt: skip
     return y
 

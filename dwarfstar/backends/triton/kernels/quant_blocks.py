@@ -30,12 +30,14 @@ from dwarfstar.gguf.dequant import _iq2xxs_tables, dequantize
 SUPPORTED = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS)
 
 
-def tile_k(ggml_type: GGMLType, k: int) -> int:
-    """Columns decoded per step: one super-block for the 256-element formats, else up to 256."""
+def tile_k(ggml_type: GGMLType, k: int, gemm: bool = False) -> int:
+    """Columns decoded per step: one super-block for the 256-element formats; else up to 256, or 64
+    for a tensor-core GEMM, whose [BN, BK] tile also sits in registers next to the activations."""
     block, _ = BLOCK_GEOMETRY[ggml_type]
     if block == QK_K:
         return QK_K
-    return max(32 if ggml_type == GGMLType.Q8_0 else 16, min(256, triton.next_power_of_2(k)))
+    cap = 64 if gemm and not interpreting() else 256
+    return max(32 if ggml_type == GGMLType.Q8_0 else 16, min(cap, triton.next_power_of_2(k)))
 
 
 @functools.cache

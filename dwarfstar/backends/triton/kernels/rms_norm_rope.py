@@ -68,6 +68,19 @@ def _block_round(x, keep, BR: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexp
 
 
 @triton.jit
+def _hadamard(x, half_ptr, BR: tl.constexpr, BD: tl.constexpr):
+    """x @ H_BD / sqrt(BD) for the Sylvester H: with x = [a, b], it is [(a + b) M, (a - b) M] where
+    M = H_{BD/2} / sqrt(BD), so the tensor cores stage a matrix a quarter the size of H_BD."""
+    H2: tl.constexpr = BD // 2
+    a, b = tl.split(tl.permute(tl.reshape(x, [BR, 2, H2]), (0, 2, 1)))
+    k = tl.arange(0, H2)
+    half = tl.load(half_ptr + k[:, None] * H2 + k[None, :])
+    ya = tl.dot(a + b, half, input_precision="ieee")
+    yb = tl.dot(a - b, half, input_precision="ieee")
+    return tl.reshape(tl.permute(tl.join(ya, yb), (0, 2, 1)), [BR, BD])
+
+
+@triton.jit
 def rotate_pairs(x, cos, sin, BR: tl.constexpr, BD: tl.constexpr):
     """Rotate pairs (2i, 2i+1) of a [BR, BD] tile by [BR, BD / 2] angles (cos 1, sin 0 leaves a pair)."""
     a, b = tl.split(tl.reshape(x, [BR, BD // 2, 2]))
@@ -114,10 +127,7 @@ def _rms_norm_rope_kernel(
     if QAT == 1:  # KV: e4m3 on the nope dims, one scale per 64
         x = _block_round(x, m & (cols < D - ROPE_DIM)[None, :], BR, BD, 64, 448.0, 1e-4, 3, -6)
     elif QAT == 2:  # indexer: orthonormal Hadamard over the row, then e2m1, one scale per 32
-        hk = tl.arange(0, BD)
-        had = tl.load(had_ptr + hk[:, None] * BD + hk[None, :])
-        x = tl.dot(x, had, input_precision="ieee")
-        x = _block_round(x, m, BR, BD, 32, 6.0, 6.0 * 2.0**-126, 1, 0)
+        x = _block_round(_hadamard(x, had_ptr, BR, BD), m, BR, BD, 32, 6.0, 6.0 * 2.0**-126, 1, 0)
     out_tok = tok.to(tl.int64)
     if OUT_ROW_DIV:
         out_tok += tl.load(pos_ptr) // OUT_ROW_DIV
@@ -125,8 +135,9 @@ def _rms_norm_rope_kernel(
     tl.store(out_ptr + o_off, x, mask=m)
 
 
-def hadamard_matrix(n: int, device: torch.device | str) -> torch.Tensor:
-    return ops._hadamard_matrix(n).to(device)
+def half_hadamard(n: int, device: torch.device | str) -> torch.Tensor:
+    """H_{n/2} / sqrt(n): the block `_hadamard` multiplies by."""
+    return (ops._hadamard_matrix(n // 2) / 2**0.5).to(device)
 
 
 def rms_norm_rope(
@@ -166,14 +177,14 @@ def rms_norm_rope(
     else:
         br = 16 if qat == QAT_FP4 else max(1, min(16, 4096 // bd))
     cos, sin = angles if angles is not None else (x, x)  # unused placeholders when RoPE is off
-    had = hadamard_matrix(bd, x.device) if qat == QAT_FP4 else x
+    had = half_hadamard(bd, x.device) if qat == QAT_FP4 else x
     pos, row_div = out_row if out_row is not None else (x, 0)
     _rms_norm_rope_kernel[(triton.cdiv(n_rows, br),)](
         x3, weight if weight is not None else x, cos, sin, had, o3, pos,
         n_rows, h, d, x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), eps,
         NORM=norm, ROPE=angles is not None, INVERSE=inverse, QAT=qat, ROPE_DIM=rope_dim,
         OUT_ROW_DIV=row_div, BR=br, BD=bd,
-        num_warps=4 if bd <= 1024 else 8,
+        num_warps=4 if bd <= 1024 else 8, num_stages=1,
     )  # fmt: skip
     return out
 

@@ -5,13 +5,13 @@ context) and by device sampling (up to 1024 of the vocabulary).
 
 A round splits each row into blocks of BLOCK entries; one program finds its block's k best by radix
 selection instead of sorting: scores are mapped to unsigned integers of the same order, and the
-k-th largest is found four bits at a time (8 steps, each counting the entries above 16 candidate
-thresholds at once). The entries above it, plus as many entries equal to it as fit, lowest index
-first, are compacted in index order. Rounds repeat on the survivors (score and index) until one
-block remains: log_{BLOCK/k}(n) rounds, each launch sized from the buffer's capacity, not the
-data, so a decode step launches the same kernels at every position. A row with no more than k
-valid entries selects them all in the first round. Ties at the boundary go to the lower index, so
-the selection is deterministic; the indices come out in ascending order, not by score.
+k-th largest is found four bits at a time (8 steps, each one 16-bin histogram). The entries above
+it, plus as many entries equal to it as fit, lowest index first, are compacted in index order.
+Rounds repeat on the survivors (score and index) until one block remains: log_{BLOCK/k}(n) rounds,
+each launch sized from the buffer's capacity, not the data, so a decode step launches the same
+kernels at every position. A row with no more than k valid entries selects them all in the first
+round. Ties at the boundary go to the lower index, so the selection is deterministic; the indices
+come out in ascending order, not by score.
 """
 
 from __future__ import annotations
@@ -35,14 +35,25 @@ def order_key(scores, valid):
 
 @triton.jit
 def kth_largest(key, k):
-    """The k-th largest key, or -1 if fewer than k keys are valid (>= 0)."""
+    """The k-th largest key, or -1 if fewer than k keys are valid (>= 0).
+
+    Radix selection four bits at a time: a 16-bin histogram of the next digit of the keys that share
+    the digits chosen so far gives, with the count of keys already above them, the largest digit
+    that keeps at least k keys at or above the threshold.
+    """
     n_valid = tl.sum((key >= 0).to(tl.int32), axis=0)
     prefix = tl.full((), 0, tl.int64)
-    digit = tl.arange(0, 16).to(tl.int64)
+    above = tl.full((), 0, tl.int32)  # keys greater than every key sharing the prefix
+    d = tl.arange(0, 32)
     for step in tl.static_range(8):
-        shift: tl.constexpr = 28 - 4 * step
-        above = tl.sum((key[:, None] >= (prefix + (digit << shift))[None, :]).to(tl.int32), axis=0)
-        prefix += (tl.sum((above >= k).to(tl.int64), axis=0) - 1) << shift
+        shift = 28 - 4 * step
+        match = (key >= 0) & ((key >> (shift + 4)) == (prefix >> (shift + 4)))
+        hist = tl.histogram(tl.where(match, (key >> shift) & 15, 16).to(tl.int32), 32)  # bins 16+: no match
+        hist = tl.where(d < 16, hist, 0)
+        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # matching keys with digit >= d
+        best = tl.max(tl.where((d < 16) & (above + at_least >= k), d, 0), axis=0)
+        above += tl.sum(tl.where(d > best, hist, 0), axis=0)
+        prefix += best.to(tl.int64) << shift
     return tl.where(n_valid >= k, prefix, -1)
 
 

@@ -1,0 +1,153 @@
+"""Compile every Triton kernel for GPU targets on a machine without a GPU, and check its resources.
+
+    python -m dwarfstar.backends.triton.aot_check --targets cuda:90,hip:gfx942
+
+A CPU-only session cannot run the kernels compiled, but Triton compiles for any target it ships a
+backend for. This swaps in a driver that only names the target and turns every launch into a
+compile-only warmup, then drives the real launch code: every kernel's bench cases at Flash shapes
+(fewer experts and a smaller vocabulary, which change no kernel specialisation) and a prefill chunk
+and a decode step of a tiny model. It reports registers, spills and shared memory per
+specialisation and fails on a compile error, a register spill (CUDA targets, read with the
+cuobjdump Triton ships) or more shared memory than the smallest GPUs of the backend give a block.
+Each target compiles in its own process (Triton caches the target per kernel).
+
+The kernels run nowhere, so nothing is checked numerically: the interpreter tests do that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("aot_check compiles for real GPUs: run it without TRITON_INTERPRET=1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.runtime.jit as jit  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+# shared memory a block may use: 99 KB on the smallest NVIDIA parts (sm_86/89/120/121), 64 KB of LDS on AMD
+SHARED_LIMIT = {"cuda": 101376, "hip": 65536}
+SPILL_LIMIT = 64  # bytes of stack tolerated (a few registers' worth, in kernels that are not hot)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+class TargetOnlyDriver:
+    """Just enough of a Triton driver to compile for `target`: no device, no launches."""
+
+    def __init__(self, target: GPUTarget) -> None:
+        self.target = target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def is_active(self) -> bool:
+        return True
+
+
+def parse_target(text: str) -> GPUTarget:
+    backend, arch = text.split(":")
+    return GPUTarget(backend, int(arch) if backend == "cuda" else arch, 32 if backend == "cuda" else 64)
+
+
+def cuda_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) of a cubin; stack above zero means spills."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
+
+
+def check_target(target: GPUTarget) -> list[str]:
+    """Compile everything for one target; returns the problems found."""
+    driver.set_active(TargetOnlyDriver(target))
+    problems: list[str] = []
+    seen: set[str] = set()
+    run = jit.JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        name = self.fn.__name__
+        consts = " ".join(f"{k}={v}" for k, v in kwargs.items() if k[:1].isupper())
+        try:
+            kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        except Exception as exc:  # a compile error names the kernel and the constants
+            problems.append(f"{target.arch} {name} {consts}: {str(exc).strip().splitlines()[-1]}")
+            return None
+        line = f"{name} shared={kernel.metadata.shared}"
+        if kernel.metadata.shared > SHARED_LIMIT[target.backend]:
+            problems.append(f"{target.arch} {name} {consts}: {kernel.metadata.shared} B of shared memory")
+        if target.backend == "cuda":
+            regs, stack = cuda_usage(kernel.asm["cubin"])
+            line += f" regs={regs} stack={stack}"
+            if stack > SPILL_LIMIT:
+                problems.append(f"{target.arch} {name} {consts}: spills ({stack} B of stack)")
+        if line + consts not in seen:
+            seen.add(line + consts)
+            print(f"  {line} {consts}", flush=True)
+        return None
+
+    jit.JITFunction.run = compile_only
+    try:
+        _drive_launches()
+    finally:
+        jit.JITFunction.run = run
+    return problems
+
+
+def _drive_launches() -> None:
+    from dwarfstar.backends.triton import bench
+    from dwarfstar.backends.triton.model import TritonModel
+    from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchShape
+    from dwarfstar.backends.triton.synthetic import PRESETS, synthetic_state, synthetic_weights
+    from dwarfstar.model.config import ModelArgs
+    from dwarfstar.model.synthetic import Q2, TINY
+
+    cpu = torch.device("cpu")
+    for args in (ModelArgs.flash(), ModelArgs.pro()):
+        shape = BenchShape(args.with_(n_routed_experts=16, vocab_size=4096), cpu, ctx=32768, prefill=256)
+        for case in bench.kernel_cases(shape):
+            case.run()
+    PRESETS.setdefault("tiny", (TINY, Q2))
+    weights = synthetic_weights("tiny", device=cpu)
+    for precision in (EXACT, FAST):
+        model = TritonModel(weights, precision=precision)
+        model.forward(list(range(3, 40)), model.new_state(), all_logits=False)
+        model.forward([5], synthetic_state(model, ctx=300))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default="cuda:90,hip:gfx942", help="backend:arch, comma-separated")
+    opts = parser.parse_args(argv)
+    targets = opts.targets.split(",")
+    if len(targets) > 1:
+        codes = [subprocess.run([sys.executable, "-m", __spec__.name, "--targets", t]).returncode for t in targets]
+        return max(codes)
+    print(f"== {targets[0]}", flush=True)
+    problems = check_target(parse_target(targets[0]))
+    for problem in problems:
+        print("PROBLEM", problem)
+    print(f"{targets[0]}: {len(problems)} problems")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
