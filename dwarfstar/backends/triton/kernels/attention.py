@@ -78,37 +78,27 @@ def _attention_kernel(
     else:
         n_comp = 0
     nb_win = tl.cdiv(n_win, BN)
-    n_blocks = nb_win + tl.cdiv(n_comp, BN)
     m = tl.full((BH,), NEG, tl.float32)
     l = tl.zeros((BH,), tl.float32)
     acc_lo = tl.zeros((BH, BD2), tl.float32)
     acc_hi = tl.zeros((BH, BD2), tl.float32)
-    for b in range(split, n_blocks, SPLIT):
-        r = tl.arange(0, BN)
-        if b < nb_win:
-            row = lo + b * BN + r
-            ok = row <= hi
-            base = win_ptr + row.to(tl.int64)[:, None] * D
+    # blocks of the window, then of the compressed rows; block j of the sequence goes to split j % SPLIT
+    # (two loops rather than a branch choosing the base pointer, which AMD's Triton 3.6 cannot compile)
+    r = tl.arange(0, BN)
+    for b in range(split, nb_win, SPLIT):
+        row = lo + b * BN + r
+        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, win_ptr, row, row <= hi, d, D, sm_scale, m, l, acc_lo, acc_hi,
+                                      BD2, FAST)  # fmt: skip
+    for b in range((split - nb_win % SPLIT + SPLIT) % SPLIT, tl.cdiv(n_comp, BN), SPLIT):
+        c = b * BN + r
+        if COMP == 2:
+            row = tl.load(sel_ptr + i * n_sel + c, mask=c < n_sel, other=-1)
+            ok = row >= 0
         else:
-            c = (b - nb_win) * BN + r
-            if COMP == 2:
-                row = tl.load(sel_ptr + i * n_sel + c, mask=c < n_sel, other=-1)
-                ok = row >= 0
-            else:
-                row = c
-                ok = c < n_comp
-            base = comp_ptr + row.to(tl.int64)[:, None] * D
-        k_lo = tl.load(base + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
-        k_hi = tl.load(base + BD2 + d[None, :], mask=ok[:, None] & (BD2 + d < D)[None, :], other=0.0)
-        s = _dot(q_lo, tl.trans(k_lo), FAST) + _dot(q_hi, tl.trans(k_hi), FAST)
-        s = tl.where(ok[None, :], s * sm_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc_lo = acc_lo * alpha[:, None] + _dot(p, k_lo, FAST)
-        acc_hi = acc_hi * alpha[:, None] + _dot(p, k_hi, FAST)
-        m = m_new
+            row = c
+            ok = c < n_comp
+        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, comp_ptr, row, ok, d, D, sm_scale, m, l, acc_lo, acc_hi,
+                                      BD2, FAST)  # fmt: skip
     if SPLIT == 1:
         sink = tl.load(sinks_ptr + h, mask=heads_ok, other=0.0)
         acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), [BH, BD])
@@ -120,6 +110,23 @@ def _attention_kernel(
         out = acc_ptr + part[:, None] * D + d[None, :]
         tl.store(out, acc_lo, mask=heads_ok[:, None] & (d < D)[None, :])
         tl.store(out + BD2, acc_hi, mask=heads_ok[:, None] & (BD2 + d < D)[None, :])
+
+
+@triton.jit
+def _block(q_lo, q_hi, rows_ptr, row, ok, d, D, sm_scale, m, l, acc_lo, acc_hi, BD2: tl.constexpr, FAST: tl.constexpr):
+    """One online-softmax step over the key rows `row` (masked by `ok`) of `rows_ptr`."""
+    base = rows_ptr + row.to(tl.int64)[:, None] * D
+    k_lo = tl.load(base + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
+    k_hi = tl.load(base + BD2 + d[None, :], mask=ok[:, None] & (BD2 + d < D)[None, :], other=0.0)
+    s = _dot(q_lo, tl.trans(k_lo), FAST) + _dot(q_hi, tl.trans(k_hi), FAST)
+    s = tl.where(ok[None, :], s * sm_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc_lo = acc_lo * alpha[:, None] + _dot(p, k_lo, FAST)
+    acc_hi = acc_hi * alpha[:, None] + _dot(p, k_hi, FAST)
+    return m_new, l, acc_lo, acc_hi
 
 
 @triton.jit

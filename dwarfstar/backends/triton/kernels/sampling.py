@@ -83,7 +83,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int = 
     _sample_kernel[(1,)](
         logits, candidates, out, k, max(params.temperature, 1e-6), params.min_p, params.top_p,
         seed & 0x7FFFFFFF, step, n,
-        GREEDY=params.greedy, KP=kp, CHUNK=min(kp, 16), ND=min(next_pow2(n), max(1, 65536 // kp)), num_warps=8,
+        GREEDY=params.greedy, KP=kp, CHUNK=min(kp, 8), ND=min(next_pow2(n), max(1, 65536 // kp)), num_warps=8,
     )  # fmt: skip
     return out
 
