@@ -131,8 +131,12 @@ class TritonModel:
             return torch.empty(0, self.args.vocab_size, device=self.device)
         self.check(tokens, state)
         self.prepare(state, tokens.numel())
-        tok = tokens.to(device=self.device, dtype=torch.int32)
-        pos = torch.tensor([state.pos], dtype=torch.int32, device=self.device)
+        # a fill launches a kernel; a copy of a pageable host tensor would wait for the stream to drain
+        if tokens.numel() == 1:
+            tok = torch.full((1,), int(tokens[0]), dtype=torch.int32, device=self.device)
+        else:
+            tok = tokens.to(device=self.device, dtype=torch.int32)
+        pos = torch.full((1,), state.pos, dtype=torch.int32, device=self.device)
         logits = self.launch(tok, pos, state, all_logits)
         self.commit(state, tokens.tolist(), logits)
         return logits

@@ -135,8 +135,9 @@ def _rms_norm_rope_kernel(
     tl.store(out_ptr + o_off, x, mask=m)
 
 
-def half_hadamard(n: int, device: torch.device | str) -> torch.Tensor:
-    """H_{n/2} / sqrt(n): the block `_hadamard` multiplies by."""
+@functools.cache
+def half_hadamard(n: int, device: torch.device) -> torch.Tensor:
+    """H_{n/2} / sqrt(n): the block `_hadamard` multiplies by (cached: no host copy inside a CUDA graph)."""
     return (ops._hadamard_matrix(n // 2) / 2**0.5).to(device)
 
 
