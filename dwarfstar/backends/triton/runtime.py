@@ -18,26 +18,14 @@ import triton
 
 from dwarfstar.model.config import ModelArgs
 
-# GGML type ids the kernels specialise on (constexpr WTYPE); the values are ggml's enum.
-F32, F16, Q8_0, Q2_K, Q4_K, IQ2_XXS, BF16 = 0, 1, 8, 10, 12, 16, 30
-QK_K = 256  # super-block of the K-quants and IQ2_XXS: the kernels decode one per row per step
-
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def gpu_present() -> bool:
-    """A CUDA or ROCm device torch can use (ROCm builds also answer through torch.cuda)."""
-    return torch.cuda.is_available()
-
-
 def default_device() -> torch.device:
-    return torch.device("cuda") if gpu_present() and not interpreting() else torch.device("cpu")
-
-
-def is_rocm() -> bool:
-    return torch.version.hip is not None
+    """The GPU (ROCm builds of torch answer through torch.cuda too), or the CPU for the interpreter."""
+    return torch.device("cuda") if torch.cuda.is_available() and not interpreting() else torch.device("cpu")
 
 
 def next_pow2(n: int) -> int:

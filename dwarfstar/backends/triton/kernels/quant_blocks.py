@@ -22,12 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dwarfstar.backends.triton.runtime import QK_K, BenchCase, BenchShape, interpreting
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting
 from dwarfstar.backends.triton.weights import random_qweight
-from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
+from dwarfstar.gguf.constants import BLOCK_GEOMETRY, QK_K, GGMLType
 from dwarfstar.gguf.dequant import _iq2xxs_tables, dequantize
-
-SUPPORTED = (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS)
 
 
 def tile_k(ggml_type: GGMLType, k: int, gemm: bool = False) -> int:
