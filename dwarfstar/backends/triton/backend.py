@@ -1,8 +1,14 @@
 """The Triton backend as the session layer sees it: `args`, `new_state()`, `forward()`.
 
 Weights are uploaded once from the memory-mapped GGUF, in their blocks; the KV state lives on the
-device. On CUDA, single-token decode steps replay captured graphs (`graphs.DecodeGraphs`); prefill
+device. On a GPU, single-token decode steps replay captured graphs (`graphs.DecodeGraphs`); prefill
 chunks, the first steps of a sequence and CPU runs go through the eager kernels.
+
+Portability: the kernels use only Triton's portable language (no inline assembly, no libdevice
+calls, no fp8 conversion instructions), and `aot_check` compiles all of them for sm_90 and gfx942
+(gfx1151 and sm_121 compiled too, by hand). CUDA-only parts: the graph capture goes through
+`torch.cuda.CUDAGraph`, which ROCm builds of torch map to HIP graphs (never run here), and the
+register/spill report of `aot_check` reads CUDA binaries. Nothing here has run on a GPU yet.
 """
 
 from __future__ import annotations
