@@ -118,8 +118,13 @@ def sort_by_expert(ids: torch.Tensor, n_experts: int, block_m: int | None = None
 
 
 def single_expert_tiles(t: int, device: torch.device | str, block_m: int | None = None) -> ExpertTiles:
-    """All T tokens through one expert (the shared expert), without a sort."""
-    block_m = block_m or tile_rows_for(t, 1)
+    """All T tokens through one expert (the shared expert), without a sort; the same table for every
+    layer and step of a chunk size, so it is built once (read-only)."""
+    return _single_expert_tiles(t, torch.device(device), block_m or tile_rows_for(t, 1))
+
+
+@functools.lru_cache(maxsize=64)
+def _single_expert_tiles(t: int, device: torch.device, block_m: int) -> ExpertTiles:
     n_tiles = triton.cdiv(t, block_m)
     starts = torch.arange(n_tiles, dtype=torch.int32, device=device) * block_m
     return ExpertTiles(
