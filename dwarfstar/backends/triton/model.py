@@ -196,9 +196,8 @@ class TritonModel:
                 qproj["idx_q"].unflatten(1, (a.index_n_heads, a.index_head_dim)), norm=NORM_NONE, angles=ang,
                 rope_dim=a.rope_dim, qat=QAT_FP4 if self.qat else QAT_NONE,
             )  # fmt: skip
-            scores, valid = indexer_scores.indexer_scores(
-                qi, proj["idx_heads"], index_rows, pos, layer.compress_ratio, precision
-            )
+            # scores stay fp32 even in fast mode: the top-k boundary is where small errors change the model
+            scores, valid = indexer_scores.indexer_scores(qi, proj["idx_heads"], index_rows, pos, layer.compress_ratio)
             selected = topk.topk_indices(scores, valid, a.index_topk)
         o = attention.attention(
             q, window_rows, n_prev, a.window, lw.sinks, ang, a.rope_dim, pos,
