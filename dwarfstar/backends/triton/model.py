@@ -39,9 +39,8 @@ from dwarfstar.backends.triton.kernels.rms_norm_rope import NORM_NONE, NORM_PLAI
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
 from dwarfstar.backends.triton.runtime import EXACT, Precision, interpreting
 from dwarfstar.backends.triton.weights import FusedLinear, LayerWeights, ModelWeights
-from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.config import LayerSpec, yarn_inv_freq
-from dwarfstar.model.state import CompressorState, LayerState, RowBuffer, SequenceState
+from dwarfstar.model.state import CompressorState, LayerState, RowBuffer, SequenceState, check_batch
 
 DECODE_SPLIT = 8  # attention row splits per head group when a chunk has few tokens (flash decoding)
 
@@ -94,13 +93,7 @@ class TritonModel:
 
     # -- checks and bookkeeping shared with the graph path -------------------------------------------------
     def check(self, tokens: torch.Tensor, state: SequenceState) -> None:
-        if state.pos + tokens.numel() > self.max_seq_len:
-            raise ContextOverflowError(
-                f"context overflow: {state.pos} + {tokens.numel()} tokens exceed the context of {self.max_seq_len}"
-            )
-        bad = tokens[(tokens < 0) | (tokens >= self.args.vocab_size)]
-        if bad.numel():
-            raise DwarfStarError(f"token id {int(bad[0])} is outside the vocabulary (0..{self.args.vocab_size - 1})")
+        check_batch([tokens], [state], self.args.vocab_size, self.max_seq_len)
 
     def prepare(self, state: SequenceState, t: int) -> None:
         """Make room in every row buffer for the rows this chunk can emit (kernels write by index)."""
