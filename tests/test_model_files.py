@@ -27,8 +27,14 @@ def tiny_path(tmp_path_factory) -> Path:
     return path
 
 
-def rewrite(src: Path, dst: Path, meta: dict | None = None, drop: str | None = None,
-            reshape: tuple[str, tuple[int, ...]] | None = None, retype: tuple[str, GGMLType] | None = None) -> Path:
+def rewrite(
+    src: Path,
+    dst: Path,
+    meta: dict | None = None,
+    drop: str | None = None,
+    reshape: tuple[str, tuple[int, ...]] | None = None,
+    retype: tuple[str, GGMLType] | None = None,
+) -> Path:
     """Copy a GGUF, changing one thing, to build a broken file."""
     with GGUFFile(src) as f:
         typed = {}
@@ -114,8 +120,18 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_dump_logits_contract(tiny_path, tmp_path):
     out = tmp_path / "logits.npy"
-    done = run_cli("run", "-m", str(tiny_path), "--prompt-tokens", "0,17,42", "--dump-logits", str(out),
-                   "--no-qat-rounding", "--backend", "reference")
+    done = run_cli(
+        "run",
+        "-m",
+        str(tiny_path),
+        "--prompt-tokens",
+        "0,17,42",
+        "--dump-logits",
+        str(out),
+        "--no-qat-rounding",
+        "--backend",
+        "reference",
+    )
     assert done.returncode == 0, done.stderr
     dumped = np.load(out)
     assert dumped.dtype == np.float32 and dumped.shape == (3, TINY.vocab_size)

@@ -21,8 +21,15 @@ def llama_logits(path: Path, tokens: list[int], batch: int) -> np.ndarray:
     import llama_cpp
 
     llm = llama_cpp.Llama(
-        model_path=str(path), n_ctx=max(1024, len(tokens)), n_batch=batch, n_ubatch=batch, logits_all=True,
-        type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, verbose=False, n_threads=2,
+        model_path=str(path),
+        n_ctx=max(1024, len(tokens)),
+        n_batch=batch,
+        n_ubatch=batch,
+        logits_all=True,
+        type_k=llama_cpp.GGML_TYPE_F32,
+        type_v=llama_cpp.GGML_TYPE_F32,
+        verbose=False,
+        n_threads=2,
     )
     llm.eval(tokens)
     logits = np.array(llm.scores[: len(tokens)], dtype=np.float32)
@@ -57,8 +64,10 @@ def main() -> int:
                     rel = err / float(np.abs(theirs).max())
                     top1 = float((ours.argmax(-1) == theirs.argmax(-1)).mean())
                     worst = max(worst, rel)
-                    print(f"{seed:>4} {length:>6} {batch:>5} {err:>12.3e} {rel:>10.3e} {top1:>6.3f} "
-                          f"{time.perf_counter() - start:>5.1f}")
+                    print(
+                        f"{seed:>4} {length:>6} {batch:>5} {err:>12.3e} {rel:>10.3e} {top1:>6.3f} "
+                        f"{time.perf_counter() - start:>5.1f}"
+                    )
     print(f"worst relative error {worst:.3e} (tolerance {opts.tolerance:g})")
     return 0 if worst <= opts.tolerance else 1
 
