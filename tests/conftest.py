@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -36,5 +37,21 @@ def quant_blocks() -> Callable[[GGMLType, int, int], np.ndarray]:
             scale = rng.uniform(1e-4, 0.1, size=n_blocks).astype(np.float16)
             blocks[:, at : at + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
         return blocks
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_file(tmp_path_factory) -> Callable[[int], Path]:
+    """tiny_model_file(seed) -> path of the `tiny` synthetic model for that seed, written once per run."""
+    from dwarfstar.model.synthetic import TINY, write_synthetic_model
+
+    written: dict[int, Path] = {}
+
+    def make(seed: int) -> Path:
+        if seed not in written:
+            written[seed] = tmp_path_factory.mktemp("tiny") / f"tiny-{seed}.gguf"
+            write_synthetic_model(written[seed], TINY, seed=seed)
+        return written[seed]
 
     return make

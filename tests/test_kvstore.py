@@ -53,10 +53,8 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # -- a real model: checkpoints must continue exactly ------------------------------------------------
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("m") / "tiny.gguf"
-    write_synthetic_model(path, TINY, seed=2)
-    return path
+def model_path(tiny_model_file):
+    return tiny_model_file(2)
 
 
 @pytest.fixture(scope="module")

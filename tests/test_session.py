@@ -13,7 +13,7 @@ import torch
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.loader import open_model
-from dwarfstar.model.synthetic import TINY, write_synthetic_model
+from dwarfstar.model.synthetic import TINY
 from dwarfstar.session.payload import read_payload, write_payload
 from dwarfstar.session.sampling import GREEDY, Sampler, SamplingParams
 from dwarfstar.session.session import Cancelled, Session, decode_batch
@@ -23,10 +23,8 @@ TOL = 1e-5  # fp32 noise between differently batched matmuls, relative to the la
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("m") / "tiny.gguf"
-    write_synthetic_model(path, TINY, seed=2)
-    return path
+def model_path(tiny_model_file):
+    return tiny_model_file(2)
 
 
 @pytest.fixture(scope="module")
