@@ -19,7 +19,6 @@ from dwarfstar.prompt.dsml_parser import ContentDelta, ReasoningDelta, ToolArgum
 from dwarfstar.serving.controls import (
     effort_value,
     output_budget,
-    resolve_thinking,
     sampling_params,
     stop_strings,
     thinking_switch,
@@ -121,12 +120,8 @@ def _conversation(fields: Fields, service: Service) -> tuple[str, list[dict[str,
     tools = anthropic_tools(fields)
     config = fields.mapping("output_config")
     effort = effort_value(config, "effort") if config is not None else None
-    thinking = resolve_thinking(
-        default=service.config.think_by_default,
-        model=model,
-        switch=thinking_switch(fields, "thinking"),
-        effort=effort or effort_value(fields, "reasoning_effort"),
-        ctx=service.config.ctx,
+    thinking = service.thinking(
+        model, thinking_switch(fields, "thinking"), effort or effort_value(fields, "reasoning_effort")
     )
     return model, messages, tools, thinking
 

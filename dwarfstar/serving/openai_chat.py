@@ -18,7 +18,6 @@ from dwarfstar.prompt.dsml_parser import ContentDelta, ReasoningDelta, ToolArgum
 from dwarfstar.serving.controls import (
     effort_value,
     output_budget,
-    resolve_thinking,
     sampling_params,
     stop_strings,
     thinking_switch,
@@ -118,13 +117,7 @@ async def chat_completions(request: Request) -> Response:
     for source, key in ((fields, "think"), (fields, "enable_thinking"), (kwargs, "enable_thinking")):
         if source is not None and source.flag(key) is not None:
             switch = source.flag(key)
-    thinking = resolve_thinking(
-        default=service.config.think_by_default,
-        model=model,
-        switch=switch,
-        effort=effort_value(fields, "reasoning_effort"),
-        ctx=service.config.ctx,
-    )
+    thinking = service.thinking(model, switch, effort_value(fields, "reasoning_effort"))
     knobs = Knobs(
         api="chat",
         param="messages",

@@ -22,7 +22,6 @@ from dwarfstar.serving.controls import (
     Thinking,
     effort_value,
     output_budget,
-    resolve_thinking,
     sampling_params,
     stop_strings,
     thinking_switch,
@@ -64,13 +63,7 @@ async def completions(request: Request) -> Response:
     switch = thinking_switch(fields, "thinking")
     if fields.flag("think") is not None:
         switch = fields.flag("think")
-    thinking = resolve_thinking(
-        default=service.config.think_by_default,
-        model=model,
-        switch=switch,
-        effort=effort_value(fields, "reasoning_effort"),
-        ctx=service.config.ctx,
-    )
+    thinking = service.thinking(model, switch, effort_value(fields, "reasoning_effort"))
     knobs = Knobs(
         api="completions",
         param="prompt",

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from dwarfstar.prompt.dsml_parser import ContentDelta, ReasoningDelta, ToolArgumentsDelta, ToolCallEnd
-from dwarfstar.serving.controls import Thinking, effort_value, output_budget, resolve_thinking, sampling_params
+from dwarfstar.serving.controls import Thinking, effort_value, output_budget, sampling_params
 from dwarfstar.serving.errors import ApiError, bad_request, json_response
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolCallOpened, Usage, new_id
@@ -139,13 +139,7 @@ async def responses_endpoint(request: Request) -> Response:
     messages = input_messages(fields)
     tools = function_tools(fields)
     reasoning = fields.mapping("reasoning") or Fields({}, "reasoning.")
-    thinking = resolve_thinking(
-        default=service.config.think_by_default,
-        model=model,
-        switch=None,
-        effort=effort_value(reasoning, "effort"),
-        ctx=service.config.ctx,
-    )
+    thinking = service.thinking(model, None, effort_value(reasoning, "effort"))
     text = fields.mapping("text")
     text_format = text.mapping("format") if text is not None else None
     knobs = Knobs(

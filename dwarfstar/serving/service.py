@@ -19,7 +19,7 @@ from dwarfstar.errors import DwarfStarError
 from dwarfstar.prompt.conversation import PromptError
 from dwarfstar.prompt.render import Prompt, render_conversation
 from dwarfstar.serving.config import ServerConfig
-from dwarfstar.serving.controls import Thinking, context_overflow
+from dwarfstar.serving.controls import Thinking, context_overflow, resolve_thinking
 from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.errors import ApiError, bad_request
 from dwarfstar.serving.generation import GenerationRequest
@@ -84,6 +84,12 @@ class Service:
             max_queue=config.max_queue,
             trace=self.trace,
             disk=self.disk,
+        )
+
+    def thinking(self, model: str, switch: bool | None, effort: str | None) -> Thinking:
+        """The request's thinking mode under this server's default (`--nothink`) and context size."""
+        return resolve_thinking(
+            default=self.config.think_by_default, model=model, switch=switch, effort=effort, ctx=self.config.ctx
         )
 
     def start(self) -> None:
