@@ -1,16 +1,39 @@
-"""Token sampling with ds4's knobs and order: temperature, min-p, top-k, top-p, then a seeded draw."""
+"""Token sampling with ds4's knobs and order: temperature, min-p, top-k, top-p, then a seeded draw.
+
+The rules, for one row of logits l with temperature T > 0: each token weighs p_i = exp((l_i - l_max) / T)
+(the top token weighs 1); keep the tokens with p_i >= min_p, then the k best of those (k capped at
+TOP_K_CAP; 0: all), then, with top-p, each token while the mass of the better kept tokens is below
+top_p of the kept total; draw among the survivors in proportion to p_i. Ranking is by logit, ties to
+the lower token id. T <= 0 is greedy: the argmax, ties to the lower id.
+
+`sample_batch` applies them to a batch of rows on the logits' own device with one host sync (the final
+`.tolist()`). The draw is inverse-CDF over the survivors in rank order with one uniform per row from a
+counter-based generator, Philox4x32-10 keyed by the seed at counter `step`, computed on the host
+(it does not depend on the logits) and bit-identical to Triton's `tl.rand(seed, step)`. So a seed
+gives the same tokens on every device, and the Triton backend's device kernel (`kernels/sampling.py`,
+same rules, same uniforms) and this code agree where both apply.
+"""
 
 from __future__ import annotations
 
-import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from dwarfstar.errors import DwarfStarError
 
 TOP_K_CAP = 1024  # ds4 caps top_k; larger values sort the whole vocabulary for nothing
+SEED_BITS = 0x7FFFFFFF  # the draw key: the Triton kernel takes the seed as an int32 argument
+
+_MASK32 = 0xFFFFFFFF
+_PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)  # Philox4x32 multipliers
+_PHILOX_KEY_STEP = (0x9E3779B9, 0xBB67AE85)  # Weyl sequence added to the key after each round
+_PHILOX_ROUNDS = 10
+_U32_TO_UNIT = np.float32(4.6566127342e-10)  # the largest scale with (2**31 - 1) * scale < 1 in fp32
 
 
 @dataclass(frozen=True)
@@ -35,34 +58,110 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
+    @property
+    def candidates(self) -> int | None:
+        """How many of the best tokens the rules can keep at most, None when top-k leaves it unbounded."""
+        return min(self.top_k, TOP_K_CAP) if self.top_k > 0 else None
+
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
+def philox_uniform(seed: int, counter: int) -> float:
+    """Triton's `tl.rand(seed, counter)` for a seed below 2**31: Philox4x32-10, first word, as fp32 in [0, 1)."""
+    c0, c1, c2, c3 = counter & _MASK32, 0, 0, 0
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(_PHILOX_ROUNDS):
+        p0, p2 = _PHILOX_ROUND[0] * c0, _PHILOX_ROUND[1] * c2
+        c0, c1, c2, c3 = (p2 >> 32) ^ c1 ^ k0, p2 & _MASK32, (p0 >> 32) ^ c3 ^ k1, p0 & _MASK32
+        k0, k1 = (k0 + _PHILOX_KEY_STEP[0]) & _MASK32, (k1 + _PHILOX_KEY_STEP[1]) & _MASK32
+    signed = c0 - (1 << 32) if c0 >> 31 else c0
+    folded = ~signed if signed < 0 else signed  # the sign bit folded away: 31 random bits
+    return float(np.float32(folded) * _U32_TO_UNIT)
+
+
 class Sampler:
+    """One request's sampling: its params and its draw counter (the RNG state is just (seed, step))."""
+
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed & SEED_BITS
+        self.step = 0  # draws made so far; the next one uses this counter
+
+    def advance(self) -> int:
+        """The counter of this draw; the next draw gets the following one."""
+        self.step += 1
+        return self.step - 1
 
     def __call__(self, logits: torch.Tensor) -> int:
-        p = self.params
-        logits = logits.float().flatten()
-        if p.greedy:
-            return int(logits.argmax())
-        # min-p keeps tokens with exp((l - max) / T) >= min_p, i.e. l >= max + T ln(min_p): filtering by
-        # that threshold first leaves a handful of candidates, so nothing sorts the whole vocabulary
-        ids = torch.arange(logits.numel())
-        if p.min_p > 0:
-            ids = (logits >= logits.max() + p.temperature * math.log(p.min_p)).nonzero().flatten()
-        values = logits[ids]
-        k = min(p.top_k, TOP_K_CAP) if p.top_k > 0 else values.numel()
-        values, order = values.topk(min(k, values.numel()))  # sorted, descending
-        ids = ids[order]
-        probs = ((values - values[0]) / p.temperature).exp()
-        if p.top_p < 1.0:
-            total = probs.sum()
-            before = probs.cumsum(0) - probs  # mass of the better candidates
-            probs = probs * (before < p.top_p * total)  # keep up to the token that crosses top_p
-        choice = torch.multinomial(probs / probs.sum(), 1, generator=self.generator)
-        return int(ids[choice])
+        return sample_batch(logits.reshape(1, -1), [self])[0]
+
+
+def sample_tokens(logits: torch.Tensor, samplers: Sequence[Sampler]) -> torch.Tensor:
+    """Token ids int64 [B] on the logits' device for logits [B, vocab], one row per sampler; no host sync.
+
+    Advances every sampler by one draw.
+    """
+    rows = logits.float().reshape(len(samplers), -1)
+    params = [s.params for s in samplers]
+    uniforms = [philox_uniform(s.seed, s.advance()) for s in samplers]
+    greedy = rows.argmax(-1)  # the first maximum: ties to the lower id
+    if all(p.greedy for p in params):
+        return greedy
+    vocab = rows.shape[1]
+    bounds = [p.candidates for p in params if not p.greedy]
+    width = vocab if None in bounds else min(max(bounds), vocab)
+    if width < vocab:  # top-k bounds every row: rank only the best `width`
+        values, order = rows.topk(width)
+    else:  # a stable descending sort ranks equal logits by id
+        values, order = rows.sort(dim=-1, descending=True, stable=True)
+    # per-row knobs in one host-to-device copy; greedy rows get neutral values and are replaced below
+    knobs = _to_device(
+        [
+            [1.0 if p.greedy else p.temperature for p in params],
+            [p.min_p for p in params],
+            [float(p.candidates or vocab) for p in params],
+            [p.top_p for p in params],
+            uniforms,
+            [float(p.greedy) for p in params],
+        ],
+        rows.device,
+    )
+    temperature, min_p, top_k, top_p, uniform = knobs[:5, :, None].unbind(0)
+    weight = ((values - values[:, :1]) / temperature).exp()
+    rank = torch.arange(width, device=rows.device)
+    keep = (weight >= min_p) & (weight > 0) & (rank < top_k)
+    kept = torch.where(keep, weight, 0.0)
+    mass_before = torch.nn.functional.pad(kept.cumsum(-1)[:, :-1], (1, 0))  # exclusive: better kept tokens
+    keep &= mass_before < top_p * kept.sum(-1, keepdim=True)
+    kept = torch.where(keep, weight, 0.0)
+    starts = torch.nn.functional.pad(kept.cumsum(-1)[:, :-1], (1, 0))
+    # the kept tokens are a prefix of the ranking; token r owns [starts_r, starts_r + weight_r) of the
+    # kept mass, so the drawn one is the last kept token starting at or below the target
+    target = uniform * kept.sum(-1, keepdim=True)
+    chosen = ((starts <= target) & keep).sum(-1, keepdim=True) - 1
+    sampled = order.gather(1, chosen).squeeze(1)
+    return torch.where(knobs[5] > 0, greedy, sampled)
+
+
+def sample_batch(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
+    """One token per row of logits [B, vocab] (any device) by each row's sampler; one host sync."""
+    if logits.shape[0] != len(samplers):
+        raise DwarfStarError(f"{logits.shape[0]} rows of logits for {len(samplers)} samplers")
+    return sample_tokens(logits, samplers).tolist()
+
+
+def backend_sample(backend: Any, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
+    """`backend.sample_batch(logits, samplers)` where the backend has one (Triton: device kernels), else
+    `sample_batch`: what the session and the server call until every backend's model class has it."""
+    own = getattr(backend, "sample_batch", None)
+    return own(logits, samplers) if own is not None else sample_batch(logits, samplers)
+
+
+def _to_device(values: list[list[float]], device: torch.device) -> torch.Tensor:
+    """float32 [len(values), B] on `device`, queued behind the work in flight instead of waiting for it."""
+    host = torch.tensor(values, dtype=torch.float32)
+    if device.type == "cuda":
+        host = host.pin_memory()  # a copy from pageable memory would make the host wait for the stream
+    return host.to(device, non_blocking=True)
