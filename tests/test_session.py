@@ -15,7 +15,7 @@ from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY
 from dwarfstar.session.payload import read_payload, write_payload
-from dwarfstar.session.sampling import GREEDY, Sampler, SamplingParams
+from dwarfstar.session.sampling import GREEDY, Sampler, SamplingParams, sample_batch
 from dwarfstar.session.session import Cancelled, Session, decode_batch
 
 PROMPT = torch.randint(3, 120000, (301,), generator=torch.Generator().manual_seed(11)).tolist()
@@ -140,6 +140,34 @@ def test_generation_is_deterministic_and_greedy_follows_argmax(backend):
     greedy = Session(backend, ctx=1024)
     first = int(greedy.prefill(PROMPT[:50]).argmax())
     assert next(greedy.generate(1, GREEDY)) == first
+
+
+class OwnSampling:
+    """The tiny model with a sampler of its own, as the Triton backend has; records each call's rows."""
+
+    def __init__(self, inner: ReferenceModel) -> None:
+        self.inner, self.args, self.calls = inner, inner.args, []
+
+    def new_state(self):
+        return self.inner.new_state()
+
+    def forward(self, tokens, state, all_logits=True):
+        return self.inner.forward(tokens, state, all_logits)
+
+    def sample_batch(self, logits, samplers):
+        self.calls.append((tuple(logits.shape), len(samplers)))
+        return sample_batch(logits, samplers)
+
+
+def test_generate_samples_through_the_backend_one_row_per_token(backend):
+    own = OwnSampling(backend)
+    params = SamplingParams(temperature=0.8, seed=9)
+    sessions = [Session(own, ctx=1024), Session(backend, ctx=1024)]
+    for s in sessions:
+        s.prefill(PROMPT[:40])
+    tokens = [list(s.generate(5, params)) for s in sessions]
+    assert tokens[0] == tokens[1]  # the same rules and draws as the generic sampler
+    assert own.calls == [((1, backend.args.vocab_size), 1)] * 5
 
 
 def test_generate_needs_a_prompt(backend):

@@ -20,6 +20,8 @@ import time
 from collections import deque
 from typing import Any
 
+import torch
+
 from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.generation import Event, Failed, Finished, GenerationRequest, Started, Usage
 from dwarfstar.serving.metrics import Metrics
@@ -28,7 +30,7 @@ from dwarfstar.serving.pool import Lease, SessionPool
 from dwarfstar.serving.replay import ToolMemory
 from dwarfstar.serving.trace import Trace
 from dwarfstar.session.kvpolicy import SaveReason
-from dwarfstar.session.sampling import Sampler
+from dwarfstar.session.sampling import Sampler, backend_sample
 from dwarfstar.session.session import decode_batch
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
@@ -220,13 +222,17 @@ class Scheduler:
         stepping: list[Job] = []
         tokens: list[int] = []
         closing: list[tuple[Job, str]] = []  # finished, but their last token still goes into the KV
-        for job in [job for job in self._active if job.phase == "decode"]:
-            session = job.lease.session
-            try:
-                token = job.sampler(session.logits)
-            except Exception as exc:
+        decoding = [job for job in self._active if job.phase == "decode"]
+        if not decoding:
+            return
+        try:
+            sampled = self._sample(decoding)
+        except Exception as exc:
+            for job in decoding:
                 self._fail(job, exc)
-                continue
+            return
+        for job, token in zip(decoding, sampled, strict=True):
+            session = job.lease.session
             job.usage.completion_tokens += 1
             self.metrics.inc("dwarfstar_generated_tokens_total")
             if token != self.tokenizer.eos_id:
@@ -264,6 +270,12 @@ class Scheduler:
             for job in stepping:
                 if job.phase == "decode" and self.disk.continued_due(job.lease.live, job.decoder.in_tool_call):
                     self.disk.save(job.lease.live, SaveReason.CONTINUED)
+
+    def _sample(self, jobs: list[Job]) -> list[int]:
+        """The next token of every decoding request, drawn together: one host sync per step, not one each."""
+        sessions = [job.lease.session for job in jobs]
+        logits = torch.stack([session.logits.reshape(-1) for session in sessions])
+        return backend_sample(sessions[0].backend, logits, [job.sampler for job in jobs])
 
     def _finish_reason(self, job: Job, token: int) -> str | None:
         decoder, session = job.decoder, job.lease.session

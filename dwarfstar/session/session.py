@@ -17,7 +17,7 @@ import torch
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.state import SequenceState, StateSnapshot
-from dwarfstar.session.sampling import Sampler, SamplingParams
+from dwarfstar.session.sampling import Sampler, SamplingParams, backend_sample
 
 DEFAULT_CHUNK = 4096
 MAX_CHECKPOINTS = 8  # checkpoints share row buffers; each holds only raw windows, frontiers and logits
@@ -125,7 +125,7 @@ class Session:
         for _ in range(min(max_tokens, self.ctx - self.state.pos)):
             if should_stop is not None and should_stop():
                 return
-            token = sampler(self.state.logits)
+            token = backend_sample(self.backend, self.state.logits.reshape(1, -1), [sampler])[0]
             self.decode(token)
             yield token
             if token in stops:

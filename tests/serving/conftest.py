@@ -4,6 +4,7 @@ The backend is wrapped by `ScriptedBackend`: when the last user turn carries `[[
 logits after the prompt are steered so that sampling (greedy or not) produces SCRIPTS[NAME] token by
 token (tool calls included), then EOS; `[[fail]]` makes the forward pass raise once two tokens have
 been generated, as an engine failure would. Every other prompt gets the model's own random output.
+It also counts the rows of each sampling call.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.service import Service
+from dwarfstar.session.sampling import Sampler, sample_batch
 from dwarfstar.tokenizer import specials
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
@@ -75,6 +77,7 @@ class ScriptedBackend:
         self.scripts = {name: tokenizer.encode_with_specials(text) for name, text in scripts.items()}
         self.user = tokenizer.token_id(specials.USER)
         self.assistant = tokenizer.token_id(specials.ASSISTANT)
+        self.sampled_rows: list[int] = []  # how many requests each sampling call served
 
     def new_state(self) -> SequenceState:
         return self.inner.new_state()
@@ -91,6 +94,10 @@ class ScriptedBackend:
         for state in states:
             self._steer(state)
         return out
+
+    def sample_batch(self, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
+        self.sampled_rows.append(logits.shape[0])
+        return sample_batch(logits, samplers)
 
     def _script(self, tokens: list[int]) -> tuple[str | None, int]:
         """The marker in the last user turn (None if none), and how many tokens follow the prompt."""

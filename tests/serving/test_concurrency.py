@@ -73,11 +73,15 @@ def test_conversations_keep_their_own_sessions_and_share_a_prefix_by_copy(oai, s
 
 def test_two_conversations_in_parallel_are_batched(oai, server):
     batched = server.metric("dwarfstar_batched_decode_steps_total")
+    sampled = server.service.engine.backend.sampled_rows
+    calls = len(sampled)
     prompts = ["First conversation, about rivers.", "Second conversation, about mountains."]
     with ThreadPoolExecutor(2) as pool:
         together = list(pool.map(lambda p: chat(oai, p, max_tokens=30), prompts))
     assert [r.usage.completion_tokens for r in together] == [30, 30]
     assert server.metric("dwarfstar_batched_decode_steps_total") - batched >= 15
+    # both requests' tokens of a batched step come from one sampling call (one host sync)
+    assert sum(sampled[calls:]) == 60 and sampled[calls:].count(2) >= 15
     # batching does not change what each conversation gets (greedy, same prompt: same reply)
     alone = [chat(oai, p, max_tokens=30) for p in prompts]
     assert [r.choices[0].message.content for r in alone] == [r.choices[0].message.content for r in together]
