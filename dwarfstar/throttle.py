@@ -1,11 +1,11 @@
 """`--power N`: keep the device about N% busy by sleeping in proportion to the work just done.
 
 After each unit of work that took `t` seconds the throttle owes `t * (100 - N) / N` seconds of idle
-time. Every forward call is a unit (a prefill chunk, or one decoded token); when the backend exposes
-its layers as a `blocks` list (the reference backend does) each layer is one too, so prefill pauses
-between layers as ds4 does, and the forward call then owes only for the rest (embedding, output
-head). Debts under a millisecond are carried over rather than slept, because a tiny model's layers
-take microseconds and `time.sleep` cannot wait that little accurately.
+time. Every forward call is a unit (a prefill chunk, or one decoded token), and so is each block of
+the shared forward pass (`Transformer.block`), so prefill pauses between layers as ds4 does, and the
+forward call then owes only for the rest (embedding, output head). Debts under a millisecond are
+carried over rather than slept, because a tiny model's layers take microseconds and `time.sleep`
+cannot wait that little accurately.
 
 Sleeping never touches the numbers, so the output is the same at any setting.
 """
@@ -20,6 +20,7 @@ import torch
 
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.forward import Transformer
 from dwarfstar.model.state import SequenceState
 from dwarfstar.session.session import Backend
 
@@ -67,10 +68,9 @@ class ThrottledBackend:
     def __init__(self, backend: Backend, duty: DutyCycle) -> None:
         self.inner, self.duty = backend, duty
         self.args: ModelArgs = backend.args
-        blocks = getattr(backend, "blocks", None)
-        if isinstance(blocks, list) and all(callable(b) for b in blocks):
+        if isinstance(backend, Transformer):
             # the CLI owns this backend for the whole process, so pacing its layers in place is safe
-            backend.blocks = [duty.timed(block) for block in blocks]
+            backend.block = duty.timed(backend.block)
 
     def new_state(self) -> SequenceState:
         return self.inner.new_state()

@@ -56,9 +56,7 @@ def test_collection_follows_the_router(tiny: Path) -> None:
         routed[layer] += torch.bincount(chosen.flatten(), minlength=TINY.n_routed_experts)
 
     collector = ImatrixCollector(TINY)
-    for block in model.blocks:
-        block.moe.observer = record
-        block.moe.expert_observer = collector
+    model.ops.route_observer, model.ops.expert_observer = record, collector
     for tokens in ids:
         model.forward(tokens, model.new_state())
     counts = dict(collector.counts)

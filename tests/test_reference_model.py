@@ -81,8 +81,7 @@ def test_indexer_selection_changes_the_output(tiny):
     """With 75 compressed rows and top-k 4 the indexer picks a strict subset; taking all rows differs."""
     sparse = ReferenceModel(tiny, qat=False)
     dense = ReferenceModel(tiny, qat=False)
-    for block in dense.blocks:
-        block.attn.args = block.attn.args.with_(index_topk=10_000)
+    dense.ops.args = dense.ops.args.with_(index_topk=10_000)
     a = sparse.forward(PROMPT, sparse.new_state())
     b = dense.forward(PROMPT, dense.new_state())
     assert torch.allclose(a[:15], b[:15])  # before row 4 exists, every visible row is selected

@@ -124,9 +124,12 @@ class RouterBalance:
 
     def __init__(self, params: dict[str, torch.Tensor], args: ModelArgs, gamma: float) -> None:
         self.params, self.gamma, self.n = params, gamma, args.n_routed_experts
+        self.learned = {layer.index for layer in args.layers if not layer.hash_routed}  # those with a bias
         self.load: dict[int, torch.Tensor] = {}
 
     def __call__(self, layer: int, ids: torch.Tensor) -> None:
+        if layer not in self.learned:
+            return
         counts = torch.bincount(ids.flatten(), minlength=self.n).float()
         self.load[layer] = self.load.get(layer, torch.zeros(self.n)) + counts
 
@@ -196,9 +199,7 @@ class Trainer:
     def model(self, qat: bool = False, dense_indexer: bool = False) -> ReferenceModel:
         args = self.args.with_(index_topk=DENSE_TOPK) if dense_indexer else self.args
         model = ReferenceModel.from_weights(args, ParamWeights(self.params), qat=qat)
-        for block in model.blocks:
-            block.attn.observer = self.indexer_loss if block.attn.indexer is not None else None
-            block.moe.observer = None if block.moe.tid2eid is not None else self.balance
+        model.ops.indexer_observer, model.ops.route_observer = self.indexer_loss, self.balance
         return model
 
     def head(self, y: torch.Tensor) -> torch.Tensor:
@@ -253,8 +254,7 @@ class Trainer:
     def heldout_loss(self, qat: bool, limit: int | None = None) -> float:
         """Mean next-token loss on the held-out text, in chunks of eval_len tokens after BOS."""
         model = self.model(qat=qat)
-        for block in model.blocks:
-            block.attn.observer = block.moe.observer = None
+        model.ops.indexer_observer = model.ops.route_observer = None
         ids = self.local[torch.as_tensor(self.heldout_ids[:limit])]
         total, count = 0.0, 0
         n = self.recipe.eval_len

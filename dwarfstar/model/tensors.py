@@ -1,4 +1,7 @@
-"""The tensor inventory of a ds4-layout DeepSeek V4 GGUF, and its validation.
+"""The tensor table of a ds4-layout DeepSeek V4 GGUF: names by role, fused groups, the inventory.
+
+Every backend names tensors through this table (roles such as `KV_NORM`, groups such as
+`ATTN_INPUT`), never with string literals of its own, so the file layout is described once.
 
 Shapes are torch order ([out, in], experts [n_expert, out, in]); GGUF stores the reverse
 (ne0 = in). Allowed types are what the loader can compute with: ds4 pins one type per tensor,
@@ -13,13 +16,104 @@ from typing import Protocol
 
 from dwarfstar.errors import ModelFileError
 from dwarfstar.gguf.constants import GGMLType as T
-from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.config import LayerSpec, ModelArgs
 
 FLOAT = frozenset({T.F32, T.F16, T.BF16})
 NORM = frozenset({T.F32})
 DENSE = FLOAT | {T.Q8_0}
 EXPERT = DENSE | {T.Q2_K, T.Q4_K, T.IQ2_XXS}
 INDEX = frozenset({T.I32})
+
+
+# -- roles: a layer's tensors by what they do (names inside `blk.{il}.`) ------------------------------
+EMBED = "token_embd.weight"
+HEAD_HC = ("output_hc_fn.weight", "output_hc_scale.weight", "output_hc_base.weight")  # fn, scale, base
+OUTPUT_NORM = "output_norm.weight"
+OUTPUT = "output.weight"
+
+SITES = ("attn", "ffn")  # the two sublayers of a block, each between an mHC pre and post
+
+
+def hc_mix(site: str) -> tuple[str, str, str]:
+    """The mHC pre-mix of a sublayer: fn [mix, n*D], scale [3], base [mix]."""
+    return (f"hc_{site}_fn.weight", f"hc_{site}_scale.weight", f"hc_{site}_base.weight")
+
+
+def sublayer_norm(site: str) -> str:
+    return f"{site}_norm.weight"
+
+
+Q_NORM = "attn_q_a_norm.weight"
+KV_NORM = "attn_kv_a_norm.weight"
+SINKS = "attn_sinks.weight"
+OUT_A = "attn_output_a.weight"  # block-diagonal: o_groups blocks of [o_lora_rank, heads_per_group * head_dim]
+OUT_B = "attn_output_b.weight"
+COMPRESSORS = ("attn", "indexer")  # the KV compressor (compressed layers) and the indexer's (ratio 4)
+
+
+def compressor(kind: str) -> tuple[str, str]:
+    """A compressor's position bias [ratio, width] and output norm; its kv/gate live in `ATTN_INPUT`."""
+    return (f"{kind}_compressor_ape.weight", f"{kind}_compressor_norm.weight")
+
+
+ROUTER = "ffn_gate_inp.weight"
+ROUTER_BIAS = "exp_probs_b.bias"  # learned routing: steers the choice, not the weights
+HASH_TABLE = "ffn_gate_tid2eid.weight"  # hash routing: token id -> expert ids
+EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")  # [n_expert, out, in]
+SHARED_EXPERT = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+
+
+def layer_tensor(il: int, name: str) -> str:
+    return f"blk.{il}.{name}"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One matrix of a fused projection group; `key` names its output in the forward pass."""
+
+    key: str
+    tensor: str
+    needs: str = ""  # "": every layer; "compressor": compressed layers; "indexer": ratio-4 layers
+
+    def present(self, layer: LayerSpec) -> bool:
+        if self.needs == "compressor":
+            return bool(layer.compress_ratio)
+        return layer.has_indexer if self.needs == "indexer" else True
+
+
+@dataclass(frozen=True)
+class ProjectionGroup:
+    """Matrices that read the same input, so a backend may fuse them into one pass over the input.
+
+    Rows of a matrix are independent, so stacking the present parts row-wise and slicing the
+    product's columns gives each part's product exactly.
+    """
+
+    name: str
+    parts: tuple[Part, ...]
+
+    def present(self, layer: LayerSpec) -> tuple[Part, ...]:
+        return tuple(p for p in self.parts if p.present(layer))
+
+
+# everything the attention computes from the normalised sublayer input
+ATTN_INPUT = ProjectionGroup(
+    "attn_input",
+    (
+        Part("q_a", "attn_q_a.weight"),
+        Part("kv", "attn_kv.weight"),
+        Part("attn_kv", "attn_compressor_kv.weight", "compressor"),
+        Part("attn_gate", "attn_compressor_gate.weight", "compressor"),
+        Part("indexer_kv", "indexer_compressor_kv.weight", "indexer"),
+        Part("indexer_gate", "indexer_compressor_gate.weight", "indexer"),
+        Part("index_weights", "indexer.proj.weight", "indexer"),
+    ),
+)
+# everything computed from the normalised low-rank query
+QUERY_INPUT = ProjectionGroup(
+    "query_input", (Part("q", "attn_q_b.weight"), Part("index_q", "indexer.attn_q_b.weight", "indexer"))
+)
+PROJECTION_GROUPS = (ATTN_INPUT, QUERY_INPUT)
 
 
 @dataclass(frozen=True)
@@ -43,64 +137,65 @@ class TensorLike(Protocol):
 def expected_tensors(args: ModelArgs) -> Iterator[TensorSpec]:
     """Every tensor of the trunk, in the order ds4's files store them."""
     d, hc = args.dim, args.hc_mult
-    yield TensorSpec("token_embd.weight", (args.vocab_size, d), DENSE)
-    yield TensorSpec("output_hc_fn.weight", (hc, hc * d), FLOAT)
-    yield TensorSpec("output_hc_scale.weight", (1,), NORM)
-    yield TensorSpec("output_hc_base.weight", (hc,), NORM)
-    yield TensorSpec("output_norm.weight", (d,), NORM)
-    yield TensorSpec("output.weight", (args.vocab_size, d), DENSE)
+    yield TensorSpec(EMBED, (args.vocab_size, d), DENSE)
+    yield TensorSpec(HEAD_HC[0], (hc, hc * d), FLOAT)
+    yield TensorSpec(HEAD_HC[1], (1,), NORM)
+    yield TensorSpec(HEAD_HC[2], (hc,), NORM)
+    yield TensorSpec(OUTPUT_NORM, (d,), NORM)
+    yield TensorSpec(OUTPUT, (args.vocab_size, d), DENSE)
     for layer in args.layers:
         yield from _layer_tensors(args, layer.index)
 
 
 def _layer_tensors(args: ModelArgs, il: int) -> Iterator[TensorSpec]:
     layer = args.layer(il)
-    d, mix, p = args.dim, args.hc_mix_dim, f"blk.{il}."
+    d, mix = args.dim, args.hc_mix_dim
     e, ffn = args.n_routed_experts, args.moe_inter_dim
-    for kind in ("attn", "ffn"):
-        yield TensorSpec(f"{p}hc_{kind}_fn.weight", (mix, args.hc_mult * d), FLOAT)
-        yield TensorSpec(f"{p}hc_{kind}_scale.weight", (3,), NORM)
-        yield TensorSpec(f"{p}hc_{kind}_base.weight", (mix,), NORM)
-    yield TensorSpec(f"{p}attn_norm.weight", (d,), NORM)
-    yield TensorSpec(f"{p}attn_q_a.weight", (args.q_lora_rank, d), DENSE)
-    yield TensorSpec(f"{p}attn_q_a_norm.weight", (args.q_lora_rank,), NORM)
-    yield TensorSpec(f"{p}attn_q_b.weight", (args.n_heads * args.head_dim, args.q_lora_rank), DENSE)
-    yield TensorSpec(f"{p}attn_kv.weight", (args.head_dim, d), DENSE)
-    yield TensorSpec(f"{p}attn_kv_a_norm.weight", (args.head_dim,), NORM)
-    yield TensorSpec(f"{p}attn_sinks.weight", (args.n_heads,), NORM)
-    yield TensorSpec(
-        f"{p}attn_output_a.weight", (args.o_groups * args.o_lora_rank, args.heads_per_group * args.head_dim), DENSE
-    )
-    yield TensorSpec(f"{p}attn_output_b.weight", (d, args.o_groups * args.o_lora_rank), DENSE)
+
+    def spec(name: str, shape: tuple[int, ...], types: frozenset[T]) -> TensorSpec:
+        return TensorSpec(layer_tensor(il, name), shape, types)
+
+    for site in SITES:
+        fn, scale, base = hc_mix(site)
+        yield spec(fn, (mix, args.hc_mult * d), FLOAT)
+        yield spec(scale, (3,), NORM)
+        yield spec(base, (mix,), NORM)
+    yield spec(sublayer_norm("attn"), (d,), NORM)
+    yield spec("attn_q_a.weight", (args.q_lora_rank, d), DENSE)
+    yield spec(Q_NORM, (args.q_lora_rank,), NORM)
+    yield spec("attn_q_b.weight", (args.n_heads * args.head_dim, args.q_lora_rank), DENSE)
+    yield spec("attn_kv.weight", (args.head_dim, d), DENSE)
+    yield spec(KV_NORM, (args.head_dim,), NORM)
+    yield spec(SINKS, (args.n_heads,), NORM)
+    yield spec(OUT_A, (args.o_groups * args.o_lora_rank, args.heads_per_group * args.head_dim), DENSE)
+    yield spec(OUT_B, (d, args.o_groups * args.o_lora_rank), DENSE)
     if layer.compress_ratio:
         width = layer.compressor_overlap * args.head_dim
-        yield TensorSpec(f"{p}attn_compressor_ape.weight", (layer.compress_ratio, width), FLOAT)
-        yield TensorSpec(f"{p}attn_compressor_kv.weight", (width, d), FLOAT)
-        yield TensorSpec(f"{p}attn_compressor_gate.weight", (width, d), FLOAT)
-        yield TensorSpec(f"{p}attn_compressor_norm.weight", (args.head_dim,), NORM)
+        ape, norm = compressor("attn")
+        yield spec(ape, (layer.compress_ratio, width), FLOAT)
+        yield spec("attn_compressor_kv.weight", (width, d), FLOAT)
+        yield spec("attn_compressor_gate.weight", (width, d), FLOAT)
+        yield spec(norm, (args.head_dim,), NORM)
     if layer.has_indexer:
         width = 2 * args.index_head_dim
-        yield TensorSpec(
-            f"{p}indexer.attn_q_b.weight", (args.index_n_heads * args.index_head_dim, args.q_lora_rank), FLOAT
-        )
-        yield TensorSpec(f"{p}indexer.proj.weight", (args.index_n_heads, d), FLOAT)
-        yield TensorSpec(f"{p}indexer_compressor_ape.weight", (layer.compress_ratio, width), FLOAT)
-        yield TensorSpec(f"{p}indexer_compressor_kv.weight", (width, d), FLOAT)
-        yield TensorSpec(f"{p}indexer_compressor_gate.weight", (width, d), FLOAT)
-        yield TensorSpec(f"{p}indexer_compressor_norm.weight", (args.index_head_dim,), NORM)
-    yield TensorSpec(f"{p}ffn_norm.weight", (d,), NORM)
-    yield TensorSpec(f"{p}ffn_gate_inp.weight", (e, d), FLOAT)
+        ape, norm = compressor("indexer")
+        yield spec("indexer.attn_q_b.weight", (args.index_n_heads * args.index_head_dim, args.q_lora_rank), FLOAT)
+        yield spec("indexer.proj.weight", (args.index_n_heads, d), FLOAT)
+        yield spec(ape, (layer.compress_ratio, width), FLOAT)
+        yield spec("indexer_compressor_kv.weight", (width, d), FLOAT)
+        yield spec("indexer_compressor_gate.weight", (width, d), FLOAT)
+        yield spec(norm, (args.index_head_dim,), NORM)
+    yield spec(sublayer_norm("ffn"), (d,), NORM)
+    yield spec(ROUTER, (e, d), FLOAT)
     if layer.hash_routed:
-        yield TensorSpec(f"{p}ffn_gate_tid2eid.weight", (args.vocab_size, args.n_activated_experts), INDEX)
+        yield spec(HASH_TABLE, (args.vocab_size, args.n_activated_experts), INDEX)
     else:
-        yield TensorSpec(f"{p}exp_probs_b.bias", (e,), NORM)
-    yield TensorSpec(f"{p}ffn_gate_exps.weight", (e, ffn, d), EXPERT)
-    yield TensorSpec(f"{p}ffn_up_exps.weight", (e, ffn, d), EXPERT)
-    yield TensorSpec(f"{p}ffn_down_exps.weight", (e, d, ffn), EXPERT)
+        yield spec(ROUTER_BIAS, (e,), NORM)
+    for name, shape in zip(EXPERTS, ((e, ffn, d), (e, ffn, d), (e, d, ffn)), strict=True):
+        yield spec(name, shape, EXPERT)
     shared = ffn * args.n_shared_experts
-    yield TensorSpec(f"{p}ffn_gate_shexp.weight", (shared, d), DENSE)
-    yield TensorSpec(f"{p}ffn_up_shexp.weight", (shared, d), DENSE)
-    yield TensorSpec(f"{p}ffn_down_shexp.weight", (d, shared), DENSE)
+    for name, shape in zip(SHARED_EXPERT, ((shared, d), (shared, d), (d, shared)), strict=True):
+        yield spec(name, shape, DENSE)
 
 
 def validate_tensors(args: ModelArgs, tensors: Mapping[str, TensorLike]) -> None:
@@ -118,7 +213,7 @@ def validate_tensors(args: ModelArgs, tensors: Mapping[str, TensorLike]) -> None
             allowed = ", ".join(sorted(t.name for t in spec.types))
             raise ModelFileError(f"tensor {spec.name!r} has type {info.ggml_type.name}, expected one of {allowed}")
     for il in range(args.n_layers):
-        gate, up = (tensors[f"blk.{il}.ffn_{k}_exps.weight"].ggml_type for k in ("gate", "up"))
+        gate, up = (tensors[layer_tensor(il, name)].ggml_type for name in EXPERTS[:2])
         if gate != up:
             raise ModelFileError(
                 f"blk.{il}: ffn_gate_exps is {gate.name} but ffn_up_exps is {up.name}; they must match"

@@ -169,8 +169,7 @@ def collect_imatrix(
 
     model = ReferenceModel(model_file)
     collector = ImatrixCollector(model.args)
-    for block in model.blocks:
-        block.moe.expert_observer = collector
+    model.ops.expert_observer = collector
     n_prompts = n_tokens = 0
     for tokens in prompts:
         model.forward(tokens, model.new_state())

@@ -1,61 +1,267 @@
-"""The whole DeepSeek V4 forward pass in torch float32: the numerical oracle of DwarfStar.
+"""The reference backend: DeepSeek V4's operations in plain torch float32, the numerical oracle.
 
-`forward(tokens, state)` runs any chunk of consecutive tokens against a sequence state, so a full
-pass, chunked prefill and token-by-token decode share one code path. `qat=False` skips the FP8 KV
-and Hadamard/FP4 indexer rounding, for comparison with implementations that do not apply it.
+`ReferenceOps` implements `dwarfstar.model.forward.Ops` as directly as the official code reads
+(spec §2, §3, §9); the order of the operations is `Transformer`'s. Attention and the compressors
+run per sequence (each has its own KV), everything else on all rows of a batch at once, so batched
+decode reads each weight once per step. `qat=False` skips the FP8 KV and Hadamard/FP4 indexer
+rounding, for comparison with implementations that do not apply it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from dwarfstar.backends.reference import ops
-from dwarfstar.backends.reference.attention import Attention
-from dwarfstar.backends.reference.moe import MoE
 from dwarfstar.backends.reference.weights import GGUFWeights, WeightSource
-from dwarfstar.model.config import ModelArgs
+from dwarfstar.model import tensors as tt
+from dwarfstar.model.config import ModelArgs, yarn_inv_freq
+from dwarfstar.model.forward import Batch, ExpertSource, Rows, Segment, Site, Transformer
 from dwarfstar.model.loader import ModelFile
-from dwarfstar.model.state import LayerState, SequenceState, check_batch
+from dwarfstar.model.state import SequenceState
+from dwarfstar.model.tensors import ProjectionGroup
 
 SMALL_MODEL_DIM = 1024
 
+# observer(layer, attention mass on the compressed rows [T, H, N], indexer scores [T, N], -inf where a
+# row is not visible): lets training fit the indexer to the attention (tools/train_nano.py)
+IndexerObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
+# observer(layer, chosen expert ids [T, k]): training balances the learned routers' load with it
+RouteObserver = Callable[[int, torch.Tensor], None]
+# observer(layer, expert tensor name, expert id, the rows that expert matrix multiplies): imatrix collection
+ExpertObserver = Callable[[int, str, int, torch.Tensor], None]
+# a layer's routed experts as the reference reads them: expert id -> (gate, up, down) float32 matrices
+ExpertGetter = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
-class Block:
-    def __init__(self, args: ModelArgs, il: int, weights: GGUFWeights, qat: bool) -> None:
-        self.args = args
-        layer = args.layer(il)
+
+@dataclass
+class Layer:
+    """One block's weights, named by the tensor table's roles."""
+
+    hc: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    norm: dict[str, torch.Tensor]
+    proj: dict[str, torch.Tensor]  # every `ProjectionGroup` part of the layer, by key
+    q_norm: torch.Tensor
+    kv_norm: torch.Tensor
+    sinks: torch.Tensor
+    wo_a: torch.Tensor  # [o_groups, o_lora_rank, heads_per_group * head_dim]
+    wo_b: torch.Tensor
+    compressors: dict[str, tuple[torch.Tensor, torch.Tensor]]  # kind -> (ape, norm)
+    inv_freq: torch.Tensor
+    router: torch.Tensor
+    bias: torch.Tensor | None
+    tid2eid: torch.Tensor | None
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class ResidentExperts:
+    """Every routed expert readable from the weight source (dequantized per use for large files)."""
+
+    def __init__(self, weights: WeightSource) -> None:
+        self.weights = weights
+
+    def experts(self, layer: int, ids: torch.Tensor) -> tuple[ExpertGetter, torch.Tensor]:
+        names = [tt.layer_tensor(layer, name) for name in tt.EXPERTS]
+        return (lambda e: tuple(self.weights.expert(name, e) for name in names)), ids
+
+
+class ReferenceOps:
+    def __init__(
+        self, args: ModelArgs, weights: WeightSource, qat: bool, progress: Callable[[int, int], None] | None
+    ) -> None:
+        report = progress or (lambda done, total: None)
+        self.args, self.qat = args, qat
+        self.experts = ResidentExperts(weights)
+        self.indexer_observer: IndexerObserver | None = None
+        self.route_observer: RouteObserver | None = None
+        self.expert_observer: ExpertObserver | None = None
+        total = args.n_layers + 2
+        self.embedding = weights.dense(tt.EMBED)
+        report(1, total)
+        self.layers = []
+        for il in range(args.n_layers):
+            self.layers.append(self._load_layer(weights, il))
+            report(il + 2, total)
+        self.head_hc = tuple(weights.dense(name) for name in tt.HEAD_HC)
+        self.out_norm = weights.dense(tt.OUTPUT_NORM)
+        self.output = weights.dense(tt.OUTPUT)
+        report(total, total)
+
+    def _load_layer(self, weights: WeightSource, il: int) -> Layer:
+        a, spec = self.args, self.args.layer(il)
 
         def w(name: str) -> torch.Tensor:
-            return weights.dense(f"blk.{il}.{name}")
+            return weights.dense(tt.layer_tensor(il, name))
 
-        def expert(name: str, e: int) -> torch.Tensor:
-            return weights.expert(f"blk.{il}.{name}", e)
+        return Layer(
+            hc={site: tuple(w(n) for n in tt.hc_mix(site)) for site in tt.SITES},
+            norm={site: w(tt.sublayer_norm(site)) for site in tt.SITES},
+            proj={p.key: w(p.tensor) for g in tt.PROJECTION_GROUPS for p in g.present(spec)},
+            q_norm=w(tt.Q_NORM),
+            kv_norm=w(tt.KV_NORM),
+            sinks=w(tt.SINKS),
+            wo_a=w(tt.OUT_A).view(a.o_groups, a.o_lora_rank, -1),
+            wo_b=w(tt.OUT_B),
+            compressors={
+                kind: tuple(w(n) for n in tt.compressor(kind))
+                for kind in tt.COMPRESSORS
+                if (kind == "attn" and spec.compress_ratio) or (kind == "indexer" and spec.has_indexer)
+            },
+            inv_freq=torch.tensor(yarn_inv_freq(a, spec), dtype=torch.float64),
+            router=w(tt.ROUTER),
+            bias=None if spec.hash_routed else w(tt.ROUTER_BIAS),
+            tid2eid=w(tt.HASH_TABLE).long() if spec.hash_routed else None,
+            shared=tuple(w(n) for n in tt.SHARED_EXPERT),
+        )
 
-        self.hc_attn = (w("hc_attn_fn.weight"), w("hc_attn_scale.weight"), w("hc_attn_base.weight"))
-        self.hc_ffn = (w("hc_ffn_fn.weight"), w("hc_ffn_scale.weight"), w("hc_ffn_base.weight"))
-        self.attn_norm = w("attn_norm.weight")
-        self.ffn_norm = w("ffn_norm.weight")
-        self.attn = Attention(args, layer, w, qat)
-        self.moe = MoE(args, layer, w, expert)
+    def new_state(self) -> SequenceState:
+        return SequenceState.empty(self.args)
 
-    def __call__(self, h: torch.Tensor, tokens: torch.Tensor, groups: list[tuple[slice, torch.Tensor, LayerState]]):
-        """h holds the rows of several sequences; `groups` gives each one's rows, positions and state.
+    # -- streams -----------------------------------------------------------------------------------------
+    def embed(self, batch: Batch) -> torch.Tensor:
+        batch.tokens = torch.cat([s.tokens for s in batch.seqs])
+        batch.aux["positions"] = torch.cat([torch.arange(s.start, s.start + s.length) for s in batch.seqs])
+        return self.embedding[batch.tokens].unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
 
-        Attention runs per sequence (each has its own KV); everything else runs on all rows at once,
-        so batched decode reads each weight once per step instead of once per sequence.
-        """
+    def hc_pre(self, il: int, site: Site, h: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        a, layer = self.args, self.layers[il]
+        x, post, comb = ops.hc_pre(h, *layer.hc[site], a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+        return ops.rms_norm(x, layer.norm[site], a.norm_eps), (post, comb)
+
+    def hc_post(self, h: torch.Tensor, out: torch.Tensor, mix: tuple) -> torch.Tensor:
+        return ops.hc_post(out, h, *mix)
+
+    def hc_head(self, h: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
         a = self.args
-        x, post, comb = ops.hc_pre(h, *self.hc_attn, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
-        x = ops.rms_norm(x, self.attn_norm, a.norm_eps)
-        attn = torch.cat([self.attn(x[rows], positions, state) for rows, positions, state in groups])
-        h = ops.hc_post(attn, h, post, comb)
-        x, post, comb = ops.hc_pre(h, *self.hc_ffn, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
-        return ops.hc_post(self.moe(ops.rms_norm(x, self.ffn_norm, a.norm_eps), tokens), h, post, comb)
+        h = h if rows is None else h[rows]
+        return ops.rms_norm(ops.hc_head(h, *self.head_hc, a.hc_eps, a.norm_eps), self.out_norm, a.norm_eps)
+
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        return y @ self.output.T
+
+    def finish(self, batch: Batch) -> None:
+        """Nothing: this layout's row buffers count their rows as they are appended."""
+
+    # -- attention ---------------------------------------------------------------------------------------
+    def project(self, il: int, group: ProjectionGroup, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        proj = self.layers[il].proj
+        return {p.key: x @ proj[p.key].T for p in group.present(self.args.layer(il))}
+
+    def _rope(self, il: int, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        return ops.apply_rope(x, *ops.rope_angles(positions, self.layers[il].inv_freq), inverse)
+
+    def norm_rope(self, il: int, kind: Rows, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        a, layer, positions = self.args, self.layers[il], batch.aux["positions"]
+        if kind is Rows.Q_LORA:
+            return ops.rms_norm(x, layer.q_norm, a.norm_eps)
+        if kind is Rows.QUERY:
+            return self._rope(il, ops.rms_norm(x.view(x.shape[0], a.n_heads, a.head_dim), None, a.norm_eps), positions)
+        if kind is Rows.KV:
+            kv = self._rope(il, ops.rms_norm(x, layer.kv_norm, a.norm_eps), positions)
+            return ops.fp8_round_nope(kv, a.rope_dim) if self.qat else kv
+        q = self._rope(il, x.view(x.shape[0], a.index_n_heads, a.index_head_dim), positions)
+        return ops.indexer_round(q) if self.qat else q
+
+    def write_window(self, il: int, kv: torch.Tensor, batch: Batch) -> None:
+        for seq in batch.seqs:
+            layer = seq.state.layers[il]
+            layer.raw_kv = torch.cat((layer.raw_kv, kv[seq.rows]))
+
+    def compress(self, il: int, kind: str, proj: dict[str, torch.Tensor], batch: Batch) -> None:
+        a, (ape, norm) = self.args, self.layers[il].compressors[kind]
+        for seq in batch.seqs:
+            layer = seq.state.layers[il]
+            state = layer.compressor if kind == "attn" else layer.indexer
+            kv, gate = proj[f"{kind}_kv"][seq.rows], proj[f"{kind}_gate"][seq.rows]
+            rows = ops.compress(state, kv, gate, ape, norm, seq.start, a.norm_eps)
+            if rows.shape[0]:
+                row_positions = (state.rows.n + torch.arange(rows.shape[0])) * state.ratio  # its window's first token
+                rows = self._rope(il, rows, row_positions)
+                if self.qat:
+                    rows = ops.fp8_round_nope(rows, a.rope_dim) if kind == "attn" else ops.indexer_round(rows)
+                state.rows.append(rows)
+
+    def _visible(self, il: int, seq: Segment, n_rows: int) -> torch.Tensor:
+        """[T, n_rows]: row w is complete, hence visible, once token ratio * (w + 1) - 1 has been seen."""
+        positions = torch.arange(seq.start, seq.start + seq.length)
+        ratio = self.args.layer(il).compress_ratio
+        return torch.arange(n_rows)[None, :] < ((positions + 1) // ratio)[:, None]
+
+    def index_topk(self, il: int, q: torch.Tensor, weights: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+        """Per sequence, the mask [T, rows] of the compressed rows each query attends to."""
+        a, chosen = self.args, []
+        weights = weights * (a.index_head_dim**-0.5 * a.index_n_heads**-0.5)
+        for seq in batch.seqs:
+            index_rows = seq.state.layers[il].indexer.rows.rows
+            visible = self._visible(il, seq, index_rows.shape[0])
+            per_head = torch.einsum("thd,nd->thn", q[seq.rows], index_rows).relu()
+            scores = (per_head * weights[seq.rows, :, None]).sum(1).masked_fill(~visible, float("-inf"))
+            k = min(a.index_topk, scores.shape[1])
+            if k:  # keep the top-k visible compressed rows per query (all if fewer)
+                visible = visible & torch.zeros_like(visible).scatter_(1, scores.topk(k, dim=1).indices, True)
+            batch.aux[("index_scores", il, id(seq.state))] = scores
+            chosen.append(visible)
+        return chosen
+
+    def sparse_attention(self, il: int, q: torch.Tensor, batch: Batch, selected) -> torch.Tensor:
+        a, layer, out = self.args, self.layers[il], []
+        for i, seq in enumerate(batch.seqs):
+            state = seq.state.layers[il]
+            raw = state.raw_kv
+            positions = torch.arange(seq.start, seq.start + seq.length)
+            age = positions[:, None] - torch.arange(seq.start + seq.length - raw.shape[0], seq.start + seq.length)
+            keys, mask = raw, (age >= 0) & (age < a.window)
+            if state.compressor is not None:
+                rows = state.compressor.rows.rows
+                visible = self._visible(il, seq, rows.shape[0]) if selected is None else selected[i]
+                keys, mask = torch.cat((raw, rows)), torch.cat((mask, visible), dim=1)
+            state.raw_kv = raw[-a.window :]
+            probs = ops.sink_attention_probs(q[seq.rows], keys, mask, layer.sinks)
+            if self.indexer_observer is not None and selected is not None:
+                scores = batch.aux[("index_scores", il, id(seq.state))]
+                self.indexer_observer(il, probs[..., raw.shape[0] :], scores)
+            out.append(self._rope(il, torch.einsum("thn,nd->thd", probs, keys), positions, inverse=True))
+        return torch.cat(out)
+
+    def attn_output(self, il: int, o: torch.Tensor) -> torch.Tensor:
+        layer, groups = self.layers[il], self.args.o_groups
+        grouped = torch.einsum("tgi,goi->tgo", o.reshape(o.shape[0], groups, -1), layer.wo_a)
+        return grouped.flatten(1) @ layer.wo_b.T
+
+    # -- mixture of experts --------------------------------------------------------------------------------
+    def route(self, il: int, x: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        a, layer = self.args, self.layers[il]
+        fixed = None if layer.tid2eid is None else layer.tid2eid[batch.tokens]
+        ids, weights = ops.route(x @ layer.router.T, a.n_activated_experts, a.route_scale, layer.bias, fixed)
+        if self.route_observer is not None:
+            self.route_observer(il, ids)
+        return ids, weights
+
+    def moe(
+        self, il: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertSource
+    ) -> torch.Tensor:
+        limit = self.args.swiglu_limit
+        expert, slot_ids = experts.experts(il, ids)
+        out = torch.zeros_like(x)
+        for e in slot_ids.unique().tolist():
+            rows, slots = (slot_ids == e).nonzero(as_tuple=True)
+            gate, up, down = expert(e)
+            inputs = x[rows]
+            # the router weight scales the SwiGLU output before the down projection, as ds4 does
+            hidden = ops.swiglu_clamped(inputs @ gate.T, inputs @ up.T, limit) * weights[rows, slots, None]
+            if self.expert_observer is not None:
+                for name, seen in zip(tt.EXPERTS, (inputs, inputs, hidden), strict=True):
+                    self.expert_observer(il, name, int(ids[rows[0], slots[0]]), seen)
+            out.index_add_(0, rows, hidden @ down.T)
+        gate, up, down = self.layers[il].shared
+        return out + ops.swiglu_clamped(x @ gate.T, x @ up.T, limit) @ down.T
 
 
-class ReferenceModel:
+class ReferenceModel(Transformer[torch.Tensor]):
+    """The forward pass over `ReferenceOps`: what the session layer drives."""
+
     def __init__(
         self,
         model: ModelFile,
@@ -63,107 +269,19 @@ class ReferenceModel:
         max_seq_len: int | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
-        self._build(model.args, GGUFWeights(model.gguf), qat, max_seq_len, progress)
+        self._setup(model.args, GGUFWeights(model.gguf), qat, max_seq_len, progress)
 
     @classmethod
     def from_weights(cls, args: ModelArgs, weights: WeightSource, qat: bool = True) -> ReferenceModel:
         """A model over any weight source, e.g. trainable parameters (tools/train_nano.py)."""
         model = cls.__new__(cls)
-        model._build(args, weights, qat, None)
+        model._setup(args, weights, qat, None, None)
         return model
 
-    def _build(
-        self,
-        args: ModelArgs,
-        weights: WeightSource,
-        qat: bool,
-        max_seq_len: int | None,
-        progress: Callable[[int, int], None] | None = None,
-    ) -> None:
-        """Read every weight; `progress(done, total)` counts the embedding, each block and the head."""
-        report = progress or (lambda done, total: None)
-        self.args, self.qat = args, qat
+    def _setup(self, args, weights, qat, max_seq_len, progress) -> None:
         if args.dim < SMALL_MODEL_DIM:
             # Tiny models run hundreds of microsecond-sized ops per token; OpenMP hand-offs between
             # threads cost more than the math (30x slower decode on 2 busy cores), so use one thread.
             torch.set_num_threads(1)
-        self.max_seq_len = min(max_seq_len or args.max_seq_len, args.max_seq_len)
-        total = args.n_layers + 2
-        self.embed = weights.dense("token_embd.weight")
-        report(1, total)
-        self.blocks = []
-        for il in range(args.n_layers):
-            self.blocks.append(Block(args, il, weights, qat))
-            report(il + 2, total)
-        self.head_hc = tuple(weights.dense(f"output_hc_{k}.weight") for k in ("fn", "scale", "base"))
-        self.out_norm = weights.dense("output_norm.weight")
-        self.output = weights.dense("output.weight")
-        report(total, total)
-
-    def new_state(self) -> SequenceState:
-        return SequenceState.empty(self.args)
-
-    def forward(
-        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
-    ) -> torch.Tensor:
-        """Logits after the T tokens, which continue `state` (updated in place, `state.logits` included).
-
-        Returns [T, vocab] with `all_logits`, else [1, vocab] for the last token only: prefill skips
-        the output head for every other position.
-        """
-        return self.forward_batch([tokens], [state], all_logits)[0]
-
-    @torch.inference_mode()
-    def forward_batch(
-        self,
-        token_lists: Sequence[Sequence[int] | torch.Tensor],
-        states: Sequence[SequenceState],
-        all_logits: bool = False,
-    ) -> list[torch.Tensor]:
-        """Advance several independent sequences in one pass (continuous batching).
-
-        Each sequence may add any number of tokens; all are validated before any state changes.
-        Returns each sequence's logits, [T, vocab] with `all_logits`, else [1, vocab].
-        """
-        logits = [y @ self.output.T for y in self.hidden_batch(token_lists, states, all_positions=all_logits)]
-        for state, out in zip(states, logits, strict=True):
-            if out.numel():
-                state.logits = out[-1].clone()
-        return logits
-
-    def hidden_batch(
-        self,
-        token_lists: Sequence[Sequence[int] | torch.Tensor],
-        states: Sequence[SequenceState],
-        all_positions: bool = True,
-    ) -> list[torch.Tensor]:
-        """The output-normalised final hidden rows of each sequence, before the output head.
-
-        Runs with autograd when called outside inference mode, so training can put its own head
-        (e.g. restricted to the corpus vocabulary) on top; updates the states like `forward_batch`.
-        """
-        a = self.args
-        chunks = check_batch(token_lists, states, a.vocab_size, self.max_seq_len)
-        live = [(c, s) for c, s in zip(chunks, states, strict=True) if c.numel()]
-        if not live:
-            return [torch.empty(0, a.dim) for _ in chunks]
-        tokens = torch.cat([c for c, _ in live])
-        bounds, start = [], 0
-        for chunk, state in live:
-            bounds.append((slice(start, start + chunk.numel()), torch.arange(state.pos, state.pos + chunk.numel())))
-            start += chunk.numel()
-        h = self.embed[tokens].unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
-        for il, block in enumerate(self.blocks):
-            groups = [(rows, pos, state.layers[il]) for (rows, pos), (_, state) in zip(bounds, live, strict=True)]
-            h = block(h, tokens, groups)
-        if not all_positions:
-            h = h[[rows.stop - 1 for rows, _ in bounds]]
-        y = ops.rms_norm(ops.hc_head(h, *self.head_hc, a.hc_eps, a.norm_eps), self.out_norm, a.norm_eps)
-        out, row = {}, 0
-        for chunk, state in live:
-            n = chunk.numel() if all_positions else 1
-            out[id(state)] = y[row : row + n]
-            row += n
-            state.pos += chunk.numel()
-            state.tokens.extend(chunk.tolist())
-        return [out.get(id(s), torch.empty(0, a.dim)) for s in states]
+        self.qat = qat
+        super().__init__(ReferenceOps(args, weights, qat, progress), max_seq_len)

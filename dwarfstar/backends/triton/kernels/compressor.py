@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dwarfstar.backends.reference.attention import Compressor
+from dwarfstar.backends.reference.ops import compress as reference_compress
 from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
 from dwarfstar.model.state import CompressorState
 
@@ -141,22 +141,8 @@ def emitted(p0: int, t: int, ratio: int) -> int:
 def reference(
     u: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor, state: CompressorState, p0: int, eps: float
 ) -> torch.Tensor:
-    """The reference compressor on the same projections; returns the new rows after RMSNorm.
-
-    Feeding a = [u | g] through identity-block weights makes the reference's projections exact copies.
-    """
-    t, width = u.shape
-    eye, zero = torch.eye(width, device=u.device), torch.zeros(width, width, device=u.device)
-    weights = {
-        "c_kv.weight": torch.cat((eye, zero), 1),
-        "c_gate.weight": torch.cat((zero, eye), 1),
-        "c_ape.weight": ape,
-        "c_norm.weight": norm,
-    }
-    compressor = Compressor(state.ratio, state.dim, weights.__getitem__, "c", eps, lambda rows, _pos: rows)
-    before = state.rows.n
-    compressor(torch.cat((u, g), 1), torch.arange(p0, p0 + t, device=u.device), state)
-    return state.rows.rows[before:]
+    """The reference compressor on the same projections: the new rows after RMSNorm (frontier updated)."""
+    return reference_compress(state, u, g, ape, norm, p0, eps)
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:

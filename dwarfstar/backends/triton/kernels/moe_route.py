@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dwarfstar.backends.reference.moe import route as reference_route
+from dwarfstar.backends.reference.ops import route as reference_route
 from dwarfstar.backends.triton.kernels.hc_pre import sum_partials
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
 from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2

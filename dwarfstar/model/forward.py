@@ -1,0 +1,302 @@
+"""The DeepSeek V4 forward pass, once, over the operations a backend provides (spec §2, §3).
+
+`Transformer` owns the order of everything: per block, mHC pre -> attention -> mHC post ->
+mHC pre -> MoE -> mHC post; inside attention the raw KV rows join the window first, then the
+compressors pool finished windows (a row completed by token p is visible to p), then the indexer
+picks the ratio-4 rows, then sink attention reads the window and the visible compressed rows. A
+backend implements `Ops` (coarse, fusable steps over its own array type) and never restates this
+order; it gets batching, chunked prefill and decode from this one code path.
+
+Entry points for the features built on top: `embed`, `run_layers(h, batch, first, last)` and
+`head` run apart (a pipeline stage runs a layer range), `hooks` are called with each layer's
+attention and FFN outputs (steering, activation capture), and the MoE takes its weights from an
+`ExpertSource` (resident by default; a cache of streamed experts can stand behind it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Generic, Literal, Protocol, TypeVar
+
+import torch
+
+from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.state import SequenceState, check_batch
+from dwarfstar.model.tensors import ATTN_INPUT, QUERY_INPUT, ProjectionGroup
+
+A = TypeVar("A")  # the backend's array type (torch.Tensor, mx.array)
+W = TypeVar("W")  # the backend's view of one layer's routed experts
+
+Site = Literal["attn", "ffn"]
+HookPoint = Literal["attn_out", "ffn_out"]
+# hook(layer index, the sublayer's [N, dim] output, the batch) -> a replacement output, or None to keep it
+Hook = Callable[[int, Any, "Batch"], Any]
+
+
+class Rows(Enum):
+    """The four kinds of rows `Ops.norm_rope` finishes; each is RMS norm, RoPE and QAT rounding in some mix."""
+
+    Q_LORA = "q_lora"  # low-rank query: RMS norm with attn_q_a_norm, no rotation
+    QUERY = "query"  # per head: weightless RMS norm, RoPE on the last rope_dim dims
+    KV = "kv"  # the shared K=V row: RMS norm with attn_kv_a_norm, RoPE, FP8 rounding of the nope dims
+    INDEX_QUERY = "index_query"  # indexer query per head: RoPE, Hadamard rotation, FP4 rounding
+
+
+@dataclass
+class Segment:
+    """One sequence's part of a batched call: its rows in the batch and the positions they take."""
+
+    state: SequenceState
+    tokens: torch.Tensor  # host int64 [length]
+    start: int  # position of its first token
+    rows: slice  # its rows in the batch's [N, ...] arrays
+
+    @property
+    def length(self) -> int:
+        return self.rows.stop - self.rows.start
+
+
+@dataclass
+class Batch:
+    """The rows of one forward call: several sequences, each continuing its own state.
+
+    `tokens` is set by `Ops.embed` (the backend's array of all ids); `aux` holds what a backend
+    derives once per call and reuses in every layer (device positions, RoPE tables).
+    """
+
+    seqs: list[Segment]
+    tokens: Any = None
+    aux: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_rows(self) -> int:
+        return self.seqs[-1].rows.stop if self.seqs else 0
+
+    @property
+    def last_rows(self) -> list[int]:
+        return [s.rows.stop - 1 for s in self.seqs]
+
+
+class ExpertSource(Protocol[W, A]):
+    """Where the MoE reads a layer's routed experts from."""
+
+    def experts(self, layer: int, ids: A) -> tuple[W, A]:
+        """Weights holding at least the experts in `ids` [N, k], and `ids` as indices into them.
+
+        A resident source returns the layer's whole stack and the ids unchanged; a cache returns
+        the slots it loaded them into.
+        """
+        ...
+
+
+class Ops(Protocol[A]):
+    """What a backend computes. Each step names the official semantics; the reference implements
+    them plainly in torch float32 (`backends/reference/ops.py`), the others fuse as they like."""
+
+    args: ModelArgs
+    experts: ExpertSource  # the resident routed experts
+
+    def new_state(self) -> SequenceState: ...
+
+    def embed(self, batch: Batch) -> A:
+        """Set `batch.tokens`; return the embedding rows copied into the hc_mult streams [N, n, dim]."""
+        ...
+
+    def hc_pre(self, il: int, site: Site, h: A) -> tuple[A, Any]:
+        """mHC pre-mix of the streams h [N, n, dim], then the sublayer's RMS norm: (x [N, dim], mix).
+
+        `mix` (post weights and the Sinkhorn combination) is opaque to the forward pass.
+        """
+        ...
+
+    def hc_post(self, h: A, out: A, mix: Any) -> A:
+        """New streams: post_k * out + sum_j comb[j, k] * h_j."""
+        ...
+
+    def project(self, il: int, group: ProjectionGroup, x: A) -> dict[str, A]:
+        """x times every matrix of the group present in layer il, keyed by `Part.key`."""
+        ...
+
+    def norm_rope(self, il: int, kind: Rows, x: A, batch: Batch) -> A:
+        """Finish rows of one kind at the batch's positions (`Rows` says what that involves)."""
+        ...
+
+    def write_window(self, il: int, kv: A, batch: Batch) -> None:
+        """Append each sequence's raw KV rows to its window (until attention, older rows stay too)."""
+        ...
+
+    def compress(self, il: int, kind: str, proj: dict[str, A], batch: Batch) -> None:
+        """Advance compressor `kind` ("attn" or "indexer") over the batch's tokens.
+
+        Each finished window of `ratio` tokens is pooled (softmax gate over its slots, plus the
+        first half of the previous window for ratio 4), RMS-normed, rotated at the window's first
+        position and rounded (FP8 for KV rows, Hadamard + FP4 for indexer rows) into a new row;
+        the unfinished window stays in the frontier.
+        """
+        ...
+
+    def index_topk(self, il: int, q: A, weights: A, batch: Batch) -> Any:
+        """The lightning indexer: per query, the top-k compressed rows visible to it by score
+        sum_h w_h * relu(q_h . k) (at most index_topk; all visible rows when fewer)."""
+        ...
+
+    def sparse_attention(self, il: int, q: A, batch: Batch, selected: Any) -> A:
+        """Sink attention [N, H, head_dim] over the raw rows of the last `window` positions and the
+        compressed rows visible to each query (the selected ones in ratio-4 layers), with K = V and
+        the RoPE removed from the output. The window then keeps only its last `window` rows."""
+        ...
+
+    def attn_output(self, il: int, o: A) -> A:
+        """Grouped low-rank output projection: per group, its heads through wo_a, then wo_b."""
+        ...
+
+    def route(self, il: int, x: A, batch: Batch) -> tuple[A, A]:
+        """(expert ids [N, k], weights [N, k]): sqrt-softplus scores, top-k by score + bias (or the
+        token's hash-table ids), weights the chosen unbiased scores renormalised times route_scale."""
+        ...
+
+    def moe(self, il: int, x: A, ids: A, weights: A, experts: ExpertSource) -> A:
+        """Routed experts (SwiGLU with clamp, scaled by the route weight before the down projection)
+        plus the shared expert."""
+        ...
+
+    def hc_head(self, h: A, rows: list[int] | None) -> A:
+        """Collapse the streams of `rows` (all when None) with sigmoid weights, then the output norm."""
+        ...
+
+    def logits(self, y: A) -> torch.Tensor:
+        """The output head: [N, vocab] float32 torch logits, on the backend's device."""
+        ...
+
+    def finish(self, batch: Batch) -> None:
+        """Host bookkeeping the backend's own state layout needs once the call's work is queued."""
+        ...
+
+
+class Transformer(Generic[A]):
+    """DeepSeek V4 over a backend's `Ops`: what the session layer drives as a backend."""
+
+    def __init__(self, ops: Ops[A], max_seq_len: int | None = None) -> None:
+        self.ops, self.args = ops, ops.args
+        self.max_seq_len = min(max_seq_len or self.args.max_seq_len, self.args.max_seq_len)
+        self.experts: ExpertSource = ops.experts
+        self.hooks: dict[HookPoint, list[Hook]] = {"attn_out": [], "ffn_out": []}
+
+    def new_state(self) -> SequenceState:
+        return self.ops.new_state()
+
+    # -- entry points ------------------------------------------------------------------------------------
+    def batch(self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState]) -> Batch:
+        """Validate a call (context, vocabulary, repeated states) before any state changes."""
+        chunks = check_batch(token_lists, states, self.args.vocab_size, self.max_seq_len)
+        seqs, row = [], 0
+        for tokens, state in zip(chunks, states, strict=True):
+            if tokens.numel():
+                seqs.append(Segment(state, tokens, state.pos, slice(row, row + tokens.numel())))
+                row += tokens.numel()
+        return Batch(seqs)
+
+    def embed(self, batch: Batch) -> A:
+        return self.ops.embed(batch)
+
+    def run_layers(self, h: A, batch: Batch, first: int = 0, last: int | None = None) -> A:
+        """Blocks first..last-1 over the streams h [N, n, dim]."""
+        for il in range(first, self.args.n_layers if last is None else last):
+            h = self.block(il, h, batch)
+        return h
+
+    def head(self, h: A, batch: Batch, all_positions: bool) -> tuple[A, list[int] | None]:
+        """Output-normalised final rows: of every position, or each sequence's last only."""
+        rows = None if all_positions else batch.last_rows
+        return self.ops.hc_head(h, rows), rows
+
+    def advance(self, batch: Batch) -> None:
+        """Every state now includes its tokens."""
+        self.ops.finish(batch)
+        for seq in batch.seqs:
+            seq.state.pos += seq.length
+            seq.state.tokens.extend(seq.tokens.tolist())
+
+    # -- the model -----------------------------------------------------------------------------------------
+    def block(self, il: int, h: A, batch: Batch) -> A:
+        ops = self.ops
+        x, mix = ops.hc_pre(il, "attn", h)
+        h = ops.hc_post(h, self._hook("attn_out", il, self.attention(il, x, batch), batch), mix)
+        x, mix = ops.hc_pre(il, "ffn", h)
+        ids, weights = ops.route(il, x, batch)
+        return ops.hc_post(h, self._hook("ffn_out", il, ops.moe(il, x, ids, weights, self.experts), batch), mix)
+
+    def attention(self, il: int, x: A, batch: Batch) -> A:
+        ops, layer = self.ops, self.args.layer(il)
+        proj = ops.project(il, ATTN_INPUT, x)
+        qr = ops.norm_rope(il, Rows.Q_LORA, proj["q_a"], batch)
+        query = ops.project(il, QUERY_INPUT, qr)
+        q = ops.norm_rope(il, Rows.QUERY, query["q"], batch)
+        ops.write_window(il, ops.norm_rope(il, Rows.KV, proj["kv"], batch), batch)
+        selected = None
+        if layer.compress_ratio:
+            ops.compress(il, "attn", proj, batch)
+        if layer.has_indexer:
+            ops.compress(il, "indexer", proj, batch)
+            q_index = ops.norm_rope(il, Rows.INDEX_QUERY, query["index_q"], batch)
+            selected = ops.index_topk(il, q_index, proj["index_weights"], batch)
+        return ops.attn_output(il, ops.sparse_attention(il, q, batch, selected))
+
+    def _hook(self, point: HookPoint, il: int, out: A, batch: Batch) -> A:
+        for hook in self.hooks[point]:
+            replaced = hook(il, out, batch)
+            out = out if replaced is None else replaced
+        return out
+
+    # -- what the session layer calls --------------------------------------------------------------------
+    def hidden_batch(
+        self,
+        token_lists: Sequence[Sequence[int] | torch.Tensor],
+        states: Sequence[SequenceState],
+        all_positions: bool = True,
+    ) -> list[A | None]:
+        """Each sequence's output-normalised final rows (None for a sequence given no tokens).
+
+        Runs with autograd on a backend that has it when called outside inference mode, so
+        training can put its own head on top; the states advance as in `forward_batch`.
+        """
+        batch = self.batch(token_lists, states)
+        out: dict[int, A] = {}
+        if batch.seqs:
+            y, rows = self.head(self.run_layers(self.embed(batch), batch), batch, all_positions)
+            self.advance(batch)
+            for i, seq in enumerate(batch.seqs):
+                out[id(seq.state)] = y[seq.rows] if rows is None else y[i : i + 1]
+        return [out.get(id(s)) for s in states]
+
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        token_lists: Sequence[Sequence[int] | torch.Tensor],
+        states: Sequence[SequenceState],
+        all_logits: bool = False,
+    ) -> list[torch.Tensor]:
+        """Advance several sequences in one pass (continuous batching); each may add any number of
+        tokens. Returns each one's logits, [T, vocab] with `all_logits`, else [1, vocab]; a state's
+        `logits` holds its next-token logits afterwards."""
+        batch = self.batch(token_lists, states)
+        out: dict[int, torch.Tensor] = {}
+        if batch.seqs:
+            y, rows = self.head(self.run_layers(self.embed(batch), batch), batch, all_logits)
+            logits = self.ops.logits(y)
+            self.advance(batch)
+            for i, seq in enumerate(batch.seqs):
+                mine = logits[seq.rows] if rows is None else logits[i : i + 1]
+                seq.state.logits = mine[-1].clone()
+                out[id(seq.state)] = mine
+        empty = torch.empty(0, self.args.vocab_size)
+        return [out.get(id(s), empty) for s in states]
+
+    def forward(
+        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
+    ) -> torch.Tensor:
+        """Logits after the T tokens, which continue `state`: [T, vocab] with `all_logits`, else
+        [1, vocab] (prefill skips the output head for every other position)."""
+        return self.forward_batch([tokens], [state], all_logits)[0]
