@@ -166,8 +166,11 @@ class Ops(Protocol[A]):
         """Collapse the streams of `rows` (all when None) with sigmoid weights, then the output norm."""
         ...
 
-    def logits(self, y: A) -> torch.Tensor:
-        """The output head: [N, vocab] float32 torch logits, on the backend's device."""
+    def logits(self, y: A, batch: Batch) -> torch.Tensor:
+        """The output head: [N, vocab] float32 torch logits, on the backend's device.
+
+        The batch's work is complete after it (a lazy backend evaluates the states with the logits).
+        """
         ...
 
     def finish(self, batch: Batch) -> None:
@@ -285,7 +288,7 @@ class Transformer(Generic[A]):
         out: dict[int, torch.Tensor] = {}
         if batch.seqs:
             y, rows = self.head(self.run_layers(self.embed(batch), batch), batch, all_logits)
-            logits = self.ops.logits(y)
+            logits = self.ops.logits(y, batch)
             self.advance(batch)
             for i, seq in enumerate(batch.seqs):
                 mine = logits[seq.rows] if rows is None else logits[i : i + 1]

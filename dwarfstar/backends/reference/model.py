@@ -138,7 +138,7 @@ class ReferenceOps:
         h = h if rows is None else h[rows]
         return ops.rms_norm(ops.hc_head(h, *self.head_hc, a.hc_eps, a.norm_eps), self.out_norm, a.norm_eps)
 
-    def logits(self, y: torch.Tensor) -> torch.Tensor:
+    def logits(self, y: torch.Tensor, batch: Batch) -> torch.Tensor:
         return y @ self.output.T
 
     def finish(self, batch: Batch) -> None:
