@@ -13,19 +13,40 @@ import torch
 
 
 def triton_available() -> bool:
-    """True where the kernels compile: triton importable and a CUDA or ROCm device present."""
+    """True where the kernels compile: triton importable, a CUDA or ROCm device present, and Triton's
+    interpreter not switched on (with TRITON_INTERPRET=1 every kernel runs in it, GPU or not)."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
-    return torch.cuda.is_available()
+    return torch.cuda.is_available() and not interpreter_requested()
 
 
-def load_backend(model_file, device: torch.device | str | None = None, qat: bool = True):
+def interpreter_requested() -> bool:
+    """True where TRITON_INTERPRET=1 asks for Triton's interpreter: the kernels run on the CPU, slowly,
+    which is how to debug them from the CLI on a machine without a GPU."""
+    try:
+        from dwarfstar.backends.triton.runtime import interpreting
+    except ImportError:  # triton itself is missing
+        return False
+    return interpreting()
+
+
+def load_backend(
+    model_file,
+    device: torch.device | str | None = None,
+    qat: bool = True,
+    precision: str = "exact",
+    max_seq_len: int | None = None,
+):
     """A `TritonBackend` over `model_file` (a `ModelFile`), on `device` (default: the GPU, else the
-    CPU through Triton's interpreter)."""
+    CPU through Triton's interpreter), with `precision` "exact" or "fast" (`runtime.PRECISIONS`) and
+    sequences of at most `max_seq_len` tokens (default: the model's)."""
     if not torch.cuda.is_available() or (device is not None and torch.device(device).type == "cpu"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from dwarfstar.backends.triton.backend import TritonBackend
+    from dwarfstar.backends.triton.runtime import PRECISIONS
 
-    return TritonBackend.from_model_file(model_file, device=device, qat=qat)
+    return TritonBackend.from_model_file(
+        model_file, device=device, qat=qat, precision=PRECISIONS[precision], max_seq_len=max_seq_len
+    )

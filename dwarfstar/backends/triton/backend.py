@@ -1,4 +1,4 @@
-"""The Triton backend as the session layer sees it: `args`, `new_state()`, `forward()`.
+"""The Triton backend as the session layer sees it: `args`, `new_state()`, `forward()`, `sample_batch()`.
 
 Weights are uploaded once from the memory-mapped GGUF, in their blocks; the KV state lives on the
 device. On a GPU, single-token decode steps replay captured graphs (`graphs.DecodeGraphs`); prefill
@@ -23,14 +23,22 @@ from dwarfstar.backends.triton.runtime import EXACT, Precision, default_device
 from dwarfstar.backends.triton.weights import ModelWeights, upload
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.session.sampling import Sampler, sample_tokens
 
 
 class TritonBackend:
-    def __init__(self, weights: ModelWeights, qat: bool = True, precision: Precision = EXACT, graphs: bool = True):
-        self.model = TritonModel(weights, qat=qat, precision=precision)
+    def __init__(
+        self,
+        weights: ModelWeights,
+        qat: bool = True,
+        precision: Precision = EXACT,
+        graphs: bool = True,
+        max_seq_len: int | None = None,
+    ):
+        self.model = TritonModel(weights, qat=qat, precision=precision, max_seq_len=max_seq_len)
         self.args = weights.args
         self.device = self.model.device
+        self.max_seq_len = self.model.max_seq_len
         self.graphs = None
         if graphs and self.device.type == "cuda":
             from dwarfstar.backends.triton.graphs import DecodeGraphs
@@ -54,9 +62,27 @@ class TritonBackend:
             return self.graphs.step(int(torch.as_tensor(tokens).flatten()[0]), state)
         return self.model.forward(tokens, state, all_logits)
 
-    def sample(self, logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -> int:
-        """Draw the next token on the device (`kernels.sampling`): the `Sampler` rules, Philox draws."""
-        return int(sample(logits, params, seed, step)[0])
+    def sample_batch(self, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
+        """One token per row of logits [B, vocab], drawn on the device; one host sync for the batch.
+
+        A row goes through the sampling kernel where its rules are the kernel's: greedy, or top-k set
+        (the kernel ranks at most the TOP_K_CAP best logits, which top-k caps anyway). Without top-k
+        more tokens than that may pass min-p, so those rows take the generic `sample_tokens`. Both draw
+        the same Philox uniform from (seed, step), so the split does not change a seed's tokens.
+        """
+        rows = logits.reshape(len(samplers), -1)
+        tokens: list[torch.Tensor | None] = [None] * len(samplers)
+        generic = []
+        for i, sampler in enumerate(samplers):
+            if sampler.params.greedy or sampler.params.candidates is not None:
+                tokens[i] = sample(rows[i], sampler.params, sampler.seed, sampler.advance()).long()
+            else:
+                generic.append(i)
+        if generic:
+            drawn = sample_tokens(torch.stack([rows[i] for i in generic]), [samplers[i] for i in generic])
+            for i, token in zip(generic, drawn.split(1), strict=True):
+                tokens[i] = token
+        return torch.cat(tokens).tolist()
 
     def forward_batch(
         self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False

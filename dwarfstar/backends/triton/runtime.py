@@ -47,6 +47,7 @@ class Precision:
 
 EXACT = Precision(fast=False)
 FAST = Precision(fast=True)
+PRECISIONS = {"exact": EXACT, "fast": FAST}  # the names `--precision` takes
 
 
 @dataclass(frozen=True)
