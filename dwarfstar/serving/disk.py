@@ -62,6 +62,7 @@ class DiskCache:
             chunk,
             render_key=engine.tokenizer.decode_bytes,
             options=options,
+            device=engine.state_device,
         )
         return cls(store, memory)
 

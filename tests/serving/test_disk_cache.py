@@ -4,9 +4,18 @@ tool calls' exact DSML, even across a restart."""
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import openai
+import torch
 from conftest import API_KEY, BASE_CONFIG, TOOLS, start_server
+
+from dwarfstar.model.state import SequenceState
+from dwarfstar.serving.disk import DiskCache
+from dwarfstar.serving.pool import LiveSession
+from dwarfstar.serving.replay import ToolMemory
+from dwarfstar.session.kvpolicy import SaveReason
+from dwarfstar.session.session import Session
 
 NOTHINK = {"thinking": {"type": "disabled"}}
 
@@ -72,3 +81,37 @@ def test_memory_budget_sends_idle_conversations_to_disk(engine, tmp_path):
     assert server.metric("dwarfstar_cache_lookups_total", source="disk") == 1
     assert again.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens
     running.close()
+
+
+class MetaStates:
+    """The engine's backend, keeping its states on the meta device (as a GPU backend keeps them on the GPU)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.args = inner, inner.args
+
+    def new_state(self) -> SequenceState:
+        return SequenceState.empty(self.args, "meta")
+
+
+def state_tensors(state: SequenceState) -> list[torch.Tensor]:
+    out = [state.logits]
+    for layer in state.layers:
+        out.append(layer.raw_kv)
+        for comp in (layer.compressor, layer.indexer):
+            if comp is not None:
+                out += [comp.rows.data, comp.frontier_kv, comp.frontier_gate]
+    return out
+
+
+def test_a_cache_hit_is_loaded_onto_the_backends_device(engine, tmp_path):
+    """A state read from disk goes where the backend keeps its states, not to the CPU."""
+    text = "A conversation long enough to be worth a file on disk. " * 4
+    session = Session(engine.backend, ctx=4096, chunk=256)
+    session.prefill(engine.tokenizer.encode(text))
+    opened = dict(space_mb=64, min_tokens=8, ctx=4096, chunk=256, memory=ToolMemory(100))
+    DiskCache.open(tmp_path, engine=engine, **opened).save(LiveSession(session), SaveReason.COLD)
+
+    on_meta = DiskCache.open(tmp_path, engine=replace(engine, backend=MetaStates(engine.backend)), **opened)
+    hit = on_meta.restore(SimpleNamespace(text=text + " And more."), better_than=0)
+    assert hit is not None and hit.tokens == session.tokens
+    assert {t.device.type for t in state_tensors(hit)} == {"meta"}
