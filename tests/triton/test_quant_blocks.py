@@ -1,4 +1,5 @@
-"""Block decoding inside Triton against the torch dequantizers (bit-exact against gguf-py)."""
+"""Block decoding inside Triton against the torch dequantizers (bit-exact against gguf-py), and the
+aligned layout the weights are repacked into at upload."""
 
 from __future__ import annotations
 
@@ -6,17 +7,28 @@ import pytest
 import torch
 
 from dwarfstar.backends.triton.kernels import quant_blocks as qb
+from dwarfstar.backends.triton.weights import QWeight, repack, unpack
+from dwarfstar.gguf.constants import BLOCK_GEOMETRY
 from dwarfstar.gguf.constants import GGMLType as T
 from dwarfstar.gguf.quantize import quantize
 
 QUANT = [T.Q8_0, T.Q2_K, T.Q4_K, T.IQ2_XXS]
+FLOAT = [T.F32, T.F16, T.BF16]
 
 
-@pytest.mark.parametrize("ggml_type", QUANT)
-def test_quant_rows_decode_bit_exact(ggml_type, quant_blocks, device):
+def gguf_rows(ggml_type, rows, k, quant_blocks, seed) -> torch.Tensor:
+    """uint8 [rows, blocks * size] as a GGUF file stores them."""
+    if ggml_type in QUANT:
+        blocks = quant_blocks(ggml_type, rows * k // BLOCK_GEOMETRY[ggml_type][0], seed=seed)
+        return torch.from_numpy(blocks).reshape(rows, -1)
+    values = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    return torch.from_numpy(quantize(values, ggml_type)).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("ggml_type", QUANT + FLOAT)
+def test_repacked_rows_decode_bit_exact(ggml_type, quant_blocks, device):
     k = 512
-    blocks = quant_blocks(ggml_type, 6 * k // (32 if ggml_type == T.Q8_0 else 256), seed=int(ggml_type))
-    data = torch.from_numpy(blocks).reshape(6, -1).to(device)
+    data = repack(gguf_rows(ggml_type, 6, k, quant_blocks, seed=int(ggml_type)), ggml_type, k).to(device)
     ids = torch.tensor([5, 0, 3, 3], dtype=torch.int32, device=device)
     got = qb.gather_rows(data, ggml_type, k, ids, copies=2)
     want = qb.reference(data, ggml_type, k, ids, copies=2)
@@ -24,12 +36,29 @@ def test_quant_rows_decode_bit_exact(ggml_type, quant_blocks, device):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("ggml_type", [T.F32, T.F16, T.BF16, T.Q8_0])
+@pytest.mark.parametrize("ggml_type", FLOAT + [T.Q8_0])
 def test_rows_ending_inside_a_tile(ggml_type, device):
     """K = 96 is a partial 256-column tile (three Q8_0 blocks of 32): the tail reads nothing past the row."""
     k = 96
     values = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
-    data = torch.from_numpy(quantize(values, ggml_type)).reshape(5, -1).to(device)
+    data = repack(torch.from_numpy(quantize(values, ggml_type)).reshape(5, -1), ggml_type, k).to(device)
     ids = torch.arange(5, dtype=torch.int32, device=device)
     got = qb.gather_rows(data, ggml_type, k, ids)
     assert torch.equal(got, qb.reference(data, ggml_type, k, ids))
+
+
+@pytest.mark.parametrize(
+    ("ggml_type", "k"), [(T.Q8_0, 96), (T.Q8_0, 512), (T.Q2_K, 512), (T.Q4_K, 256), (T.IQ2_XXS, 768)]
+)
+def test_aligned_layout_is_a_permutation_of_the_blocks(ggml_type, k, quant_blocks):
+    """Q8_0 rows of 96 columns are 102 bytes: padded to 112."""
+    raw = gguf_rows(ggml_type, 3, k, quant_blocks, seed=7)
+    w = QWeight.from_bytes(raw, ggml_type, (3, k), "cpu")
+    assert w.row_bytes % 16 == 0 and w.row_bytes >= raw.shape[1]
+    assert torch.equal(w.gguf_blocks(), raw)
+    assert torch.equal(unpack(repack(raw, ggml_type, k), ggml_type, k), raw)
+    # the payload comes first: the first 16 bytes of a row are quant bytes of its first block
+    first = raw[:, : BLOCK_GEOMETRY[ggml_type][1]]
+    payload_start = {T.Q8_0: 2, T.Q2_K: 16, T.Q4_K: 16, T.IQ2_XXS: 2}[ggml_type]
+    assert torch.equal(w.data[:, :16], first[:, payload_start : payload_start + 16])
+    assert torch.equal(w.data[:, raw.shape[1] :], torch.zeros_like(w.data[:, raw.shape[1] :]))

@@ -6,9 +6,12 @@ A CPU-only session cannot run the kernels compiled, but Triton compiles for any 
 backend for. This swaps in a driver that only names the target and turns every launch into a
 compile-only warmup, then drives the real launch code: every kernel's bench cases at Flash shapes
 (fewer experts and a smaller vocabulary, which change no kernel specialisation) and a prefill chunk
-and a decode step of a tiny model. It reports registers, spills and shared memory per
-specialisation and fails on a compile error, a register spill (CUDA targets, read with the
-cuobjdump Triton ships) or more shared memory than the smallest GPUs of the backend give a block.
+and a decode step of a tiny model (`--only qmatmul,moe_experts` compiles just those modules' bench
+cases). It reports registers, spills, shared memory and 128-bit global loads (PTX `ld.global.v4`,
+AMDGCN `global_load_dwordx4`) per specialisation and fails on a compile error, a register spill
+(the stack of a CUDA kernel, read with the cuobjdump Triton ships; the scratch of an AMD one),
+more shared memory than the smallest GPUs of the backend give a block, or a weight-streaming
+GEMV without 128-bit loads.
 Each target compiles in its own process (Triton caches the target per kernel).
 
 The kernels run nowhere, so nothing is checked numerically: the interpreter tests do that.
@@ -76,8 +79,32 @@ def cuda_usage(cubin: bytes) -> tuple[int, int]:
     return (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
 
 
-def check_target(target: GPUTarget) -> list[str]:
-    """Compile everything for one target; returns the problems found."""
+# 128-bit global loads: PTX vector loads of four 32-bit or two 64-bit lanes; AMDGCN dwordx4 / b128
+WIDE_LOAD = {
+    "cuda": re.compile(r"ld\.global(?:\.[a-z0-9]+)*\.v(?:4\.[bsuf]32|2\.[bsuf]64)\b"),
+    "hip": re.compile(r"\b(?:global|buffer)_load_(?:dwordx4|b128)\b"),
+}
+
+
+# the weight-streaming kernels: their GEMV form (decode) must read the weights with 128-bit loads
+GEMV_KERNELS = ("_qmatmul_kernel", "_gate_up_kernel", "_down_kernel")
+
+
+def wide_loads(kernel, backend: str) -> int:
+    """How many 128-bit global loads the compiled kernel's assembly holds."""
+    return len(WIDE_LOAD[backend].findall(kernel.asm["ptx" if backend == "cuda" else "amdgcn"]))
+
+
+def hip_usage(amdgcn: str) -> tuple[int, int]:
+    """(vector registers, scratch bytes) from the AMDGCN metadata; scratch above zero means spills."""
+    vgpr = re.search(r"\.vgpr_count:\s+(\d+)", amdgcn)
+    scratch = re.search(r"\.private_segment_fixed_size:\s+(\d+)", amdgcn)
+    return (int(vgpr.group(1)) if vgpr else -1, int(scratch.group(1)) if scratch else -1)
+
+
+def check_target(target: GPUTarget, only: Sequence[str] = ()) -> list[str]:
+    """Compile everything (or the bench cases of the kernel modules `only`) for one target; returns
+    the problems found."""
     driver.set_active(TargetOnlyDriver(target))
     problems: list[str] = []
     seen: set[str] = set()
@@ -91,28 +118,31 @@ def check_target(target: GPUTarget) -> list[str]:
         except Exception as exc:  # a compile error names the kernel and the constants
             problems.append(f"{target.arch} {name} {consts}: {str(exc).strip().splitlines()[-1]}")
             return None
-        line = f"{name} shared={kernel.metadata.shared}"
+        wide = wide_loads(kernel, target.backend)
+        line = f"{name} shared={kernel.metadata.shared} wide_loads={wide}"
+        regs, stack = cuda_usage(kernel.asm["cubin"]) if target.backend == "cuda" else hip_usage(kernel.asm["amdgcn"])
+        line += f" regs={regs} stack={stack}"
+        if line + consts in seen:
+            return None
+        seen.add(line + consts)
+        print(f"  {line} {consts}", flush=True)
+        if name in GEMV_KERNELS and not kwargs.get("USE_DOT") and wide == 0:
+            problems.append(f"{target.arch} {name} {consts}: no 128-bit loads in the GEMV")
         if kernel.metadata.shared > SHARED_LIMIT[target.backend]:
             problems.append(f"{target.arch} {name} {consts}: {kernel.metadata.shared} B of shared memory")
-        if target.backend == "cuda":
-            regs, stack = cuda_usage(kernel.asm["cubin"])
-            line += f" regs={regs} stack={stack}"
-            if stack > SPILL_LIMIT:
-                problems.append(f"{target.arch} {name} {consts}: spills ({stack} B of stack)")
-        if line + consts not in seen:
-            seen.add(line + consts)
-            print(f"  {line} {consts}", flush=True)
+        if stack > SPILL_LIMIT:
+            problems.append(f"{target.arch} {name} {consts}: spills ({stack} B of stack)")
         return None
 
     jit.JITFunction.run = compile_only
     try:
-        _drive_launches()
+        _drive_launches(only)
     finally:
         jit.JITFunction.run = run
     return problems
 
 
-def _drive_launches() -> None:
+def _drive_launches(only: Sequence[str]) -> None:
     from dwarfstar.backends.triton import bench
     from dwarfstar.backends.triton.model import TritonModel
     from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchShape
@@ -123,8 +153,10 @@ def _drive_launches() -> None:
     cpu = torch.device("cpu")
     for args in (ModelArgs.flash(), ModelArgs.pro()):
         shape = BenchShape(args.with_(n_routed_experts=16, vocab_size=4096), cpu, ctx=32768, prefill=256)
-        for case in bench.kernel_cases(shape):
+        for case in bench.kernel_cases(shape, only):
             case.run()
+    if only:
+        return
     PRESETS.setdefault("tiny", (TINY, Q2))
     weights = synthetic_weights("tiny", device=cpu)
     for precision in (EXACT, FAST):
@@ -136,13 +168,14 @@ def _drive_launches() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="cuda:90,hip:gfx942", help="backend:arch, comma-separated")
+    parser.add_argument("--only", default="", help="kernel modules to compile the bench cases of, comma-separated")
     opts = parser.parse_args(argv)
     targets = opts.targets.split(",")
     if len(targets) > 1:
-        codes = [subprocess.run([sys.executable, "-m", __spec__.name, "--targets", t]).returncode for t in targets]
-        return max(codes)
+        command = [sys.executable, "-m", __spec__.name, "--only", opts.only, "--targets"]
+        return max(subprocess.run([*command, t]).returncode for t in targets)
     print(f"== {targets[0]}", flush=True)
-    problems = check_target(parse_target(targets[0]))
+    problems = check_target(parse_target(targets[0]), [m for m in opts.only.split(",") if m])
     for problem in problems:
         print("PROBLEM", problem)
     print(f"{targets[0]}: {len(problems)} problems")

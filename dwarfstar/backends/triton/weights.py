@@ -1,7 +1,13 @@
 """Model weights on the device, kept in their GGUF blocks.
 
-Matrices become `QWeight`s: the raw block bytes of the file, one row of blocks per output row,
-uploaded once from the memory map and decoded only inside kernels. Vectors (norms, sinks, biases,
+Matrices become `QWeight`s: the block bytes of the file, one row of blocks per output row,
+uploaded once from the memory map and decoded only inside kernels. The quant formats are
+repacked on the way in (`repack`): GGUF blocks are 34 (Q8_0), 84 (Q2_K), 66 (IQ2_XXS) bytes, so
+their quants sit at odd offsets and kernels could only read them byte by byte. In the aligned
+layout each row holds first the quant payload of all its blocks (16-byte aligned runs that the
+kernels read with 128-bit loads), then the remaining bytes of every block (the fp16 scales and
+mins, and the packed sub-block scales), padded to a multiple of 16 bytes. It is a permutation of
+the row's bytes, so it decodes to exactly the same values. Vectors (norms, sinks, biases,
 mHC scales, position biases) and the hash-routing table are small and become float32 / int32
 tensors.
 
@@ -25,10 +31,64 @@ from dwarfstar.gguf.dequant import dequantize
 from dwarfstar.gguf.reader import GGUFFile
 from dwarfstar.model.config import ModelArgs
 
+# The bytes of a GGUF block that form its quant payload (IQ2_XXS: eight 8-byte groups, read as u64s)
+PAYLOAD = {
+    GGMLType.Q8_0: range(2, 34),
+    GGMLType.Q2_K: range(16, 80),
+    GGMLType.Q4_K: range(16, 144),
+    GGMLType.IQ2_XXS: range(2, 66),
+}
+ROW_ALIGN = 16  # bytes: rows (and so each row's payload) start on 128-bit boundaries
+
+
+def _block_order(ggml_type: GGMLType) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload, side) byte indexes of a block; side is every other byte, in block order."""
+    _, size = BLOCK_GEOMETRY[ggml_type]
+    payload = PAYLOAD[ggml_type]
+    side = [i for i in range(size) if i not in payload]
+    return torch.tensor(payload), torch.tensor(side)
+
+
+def aligned_row_bytes(ggml_type: GGMLType, cols: int) -> int:
+    """Bytes per row in the aligned layout (the GGUF row for the float formats)."""
+    block, size = BLOCK_GEOMETRY[ggml_type]
+    row = cols // block * size
+    return -(-row // ROW_ALIGN) * ROW_ALIGN if ggml_type in PAYLOAD else row
+
+
+def repack(blocks: torch.Tensor, ggml_type: GGMLType, cols: int) -> torch.Tensor:
+    """GGUF blocks uint8 [rows, blocks * size] -> the aligned layout [rows, aligned_row_bytes], same device."""
+    if ggml_type not in PAYLOAD:
+        return blocks
+    block, size = BLOCK_GEOMETRY[ggml_type]
+    rows, nb = blocks.shape[0], cols // block
+    payload, side = (i.to(blocks.device) for i in _block_order(ggml_type))
+    split = nb * len(payload)
+    out = torch.zeros(rows, aligned_row_bytes(ggml_type, cols), dtype=torch.uint8, device=blocks.device)
+    by_block = blocks.view(rows, nb, size)
+    out[:, :split].view(rows, nb, -1).copy_(by_block.index_select(2, payload))
+    out[:, split : nb * size].view(rows, nb, -1).copy_(by_block.index_select(2, side))
+    return out
+
+
+def unpack(data: torch.Tensor, ggml_type: GGMLType, cols: int) -> torch.Tensor:
+    """The aligned layout back to GGUF blocks uint8 [rows, blocks * size] (the inverse of `repack`)."""
+    if ggml_type not in PAYLOAD:
+        return data
+    block, size = BLOCK_GEOMETRY[ggml_type]
+    rows, nb = data.shape[0], cols // block
+    payload, side = (i.to(data.device) for i in _block_order(ggml_type))
+    split = nb * len(payload)
+    blocks = torch.empty(rows, nb, size, dtype=torch.uint8, device=data.device)
+    blocks[:, :, payload] = data[:, :split].reshape(rows, nb, -1)
+    blocks[:, :, side] = data[:, split : nb * size].reshape(rows, nb, -1)
+    return blocks.view(rows, nb * size)
+
 
 @dataclass
 class QWeight:
-    """A [rows, cols] matrix (or `experts` stacked [rows / experts, cols] matrices) as GGUF blocks."""
+    """A [rows, cols] matrix (or `experts` stacked [rows / experts, cols] matrices) as GGUF blocks,
+    the quant formats in the aligned layout (`repack`)."""
 
     data: torch.Tensor  # uint8 [rows, row_bytes]
     ggml_type: GGMLType
@@ -54,8 +114,12 @@ class QWeight:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols] through the torch dequantizer: the reference for kernel tests."""
-        flat = dequantize(self.data.cpu().reshape(-1), self.ggml_type, self.rows * self.cols)
+        flat = dequantize(self.gguf_blocks().cpu().reshape(-1), self.ggml_type, self.rows * self.cols)
         return flat.view(self.rows, self.cols).to(self.data.device)
+
+    def gguf_blocks(self) -> torch.Tensor:
+        """uint8 [rows, blocks * size]: the rows as the file stores them."""
+        return unpack(self.data, self.ggml_type, self.cols)
 
     @classmethod
     def from_bytes(cls, raw: np.ndarray | torch.Tensor, ggml_type: GGMLType, shape: tuple[int, ...], device) -> QWeight:
@@ -67,9 +131,9 @@ class QWeight:
             with warnings.catch_warnings():  # views of the read-only mmap; only ever copied from
                 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
                 raw = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
-        data = torch.empty(rows, cols // block * size, dtype=torch.uint8, device=device)
-        data.copy_(raw.reshape(rows, -1))
-        return cls(data, ggml_type, rows, cols, shape[0] if len(shape) == 3 else 1)
+        blocks = torch.empty(rows, cols // block * size, dtype=torch.uint8, device=device)
+        blocks.copy_(raw.reshape(rows, -1))
+        return cls(repack(blocks, ggml_type, cols), ggml_type, rows, cols, shape[0] if len(shape) == 3 else 1)
 
     @classmethod
     def concat(cls, parts: list[QWeight]) -> QWeight:
@@ -102,7 +166,13 @@ def random_qweight(ggml_type: GGMLType, shape: tuple[int, ...], device, gen: tor
         scales = torch.tensor([d, d / 4], dtype=torch.float16).view(torch.uint8).to(device)
         for i, at in enumerate(_SCALE_FIELDS[ggml_type]):
             blocks[:, :, at : at + 2] = scales[2 * i : 2 * i + 2]
+        data = repack(data, ggml_type, cols)
     return QWeight(data, ggml_type, rows, cols, shape[0] if len(shape) == 3 else 1)
+
+
+MatrixSource = Callable[[str], "QWeight"]  # tensor name -> its blocks on the device
+VectorSource = Callable[[str], torch.Tensor]  # tensor name -> float32 on the device
+HCWeights = tuple["QWeight", torch.Tensor, torch.Tensor]  # mHC fn blocks, scale, base
 
 
 @dataclass

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels.moe_sort import ExpertTiles, single_expert_tiles, sort_by_expert
-from dwarfstar.backends.triton.kernels.quant_blocks import grid_table, load_weight_tile, tile_k
+from dwarfstar.backends.triton.kernels.quant_blocks import gemv_tile, grid_table, load_weight_tile, tile_k
 from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, interpreting, next_pow2
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
@@ -101,7 +101,9 @@ def _down_kernel(
         tl.store(out_ptr + row.to(tl.int64)[:, None] * N + n[None, :], acc, mask=m_ok[:, None] & (n < N)[None, :])
 
 
-def _tile_config(block_m: int, n: int, bk: int, weights: int, fast: bool) -> tuple[bool, int, int]:
+def _tile_config(
+    block_m: int, n: int, ggml_type: GGMLType, bk: int, weights: int, fast: bool
+) -> tuple[bool, int, int]:
     """(use tl.dot, BN, num_warps) for tiles of block_m rows reading `weights` weight tiles per step.
 
     Tensor-core tiles stage their operands in shared memory (one pipeline stage): the [block_m, bk]
@@ -112,7 +114,7 @@ def _tile_config(block_m: int, n: int, bk: int, weights: int, fast: bool) -> tup
     if interpreting():
         return use_dot, min(next_pow2(n), 256), 1
     if not use_dot:
-        return False, max(2, 8 // block_m), 4
+        return False, *gemv_tile(block_m, n, ggml_type, bk)
     rows = 65536 // (bk * (2 if fast else 4))  # operand rows of bk columns that fit in 64 KB
     room = max(1, (rows - block_m) // weights)
     return True, max(16, min(32, 1 << (room.bit_length() - 1))), 8
@@ -141,7 +143,7 @@ def expert_ffn(
     mid = torch.empty(n_entries, f, device=x.device, dtype=torch.float32)
     use_dot = tiles.block_m >= 16
     bk = tile_k(gate.ggml_type, d, gemm=use_dot)
-    use_dot, bn, warps = _tile_config(tiles.block_m, f, bk, 2, precision.fast)
+    use_dot, bn, warps = _tile_config(tiles.block_m, f, gate.ggml_type, bk, 2, precision.fast)
     grid = grid_table(x.device)
     _gate_up_kernel[(triton.cdiv(f, bn), n_tiles)](
         x, gate.data, up.data, grid, tiles.sorted_entries, tiles.tile_expert, tiles.tile_start, tiles.tile_rows,
@@ -150,7 +152,7 @@ def expert_ffn(
         USE_DOT=use_dot, FAST=precision.fast, num_warps=warps, num_stages=1,
     )  # fmt: skip
     bk = tile_k(down.ggml_type, f, gemm=use_dot)
-    use_dot, bn, warps = _tile_config(tiles.block_m, d, bk, 1, precision.fast)
+    use_dot, bn, warps = _tile_config(tiles.block_m, d, down.ggml_type, bk, 1, precision.fast)
     _down_kernel[(triton.cdiv(d, bn), n_tiles)](
         mid, down.data, grid, tiles.sorted_entries, tiles.tile_expert, tiles.tile_start, tiles.tile_rows, out,
         f, d, down.row_bytes, tiles.k, out.shape[1], slot_offset,

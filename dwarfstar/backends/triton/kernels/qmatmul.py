@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dwarfstar.backends.triton.kernels.quant_blocks import grid_table, load_weight_tile, tile_k
+from dwarfstar.backends.triton.kernels.quant_blocks import gemv_tile, grid_table, load_weight_tile, tile_k
 from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, interpreting, next_pow2
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
@@ -65,7 +65,7 @@ def _qmatmul_kernel(
     tl.store(y, acc, mask=(ms < M)[:, None] & (rows < N)[None, :])
 
 
-def _config(m: int, n: int, bk: int, use_dot: bool, fast: bool) -> tuple[int, int, int]:
+def _config(m: int, n: int, ggml_type: GGMLType, bk: int, use_dot: bool, fast: bool) -> tuple[int, int, int]:
     """(BM, BN, num_warps). GPU: enough programs to keep loads in flight; interpreter: few programs.
 
     The GEMM's weight operand is decoded in registers, then staged in shared memory for the tensor
@@ -77,8 +77,7 @@ def _config(m: int, n: int, bk: int, use_dot: bool, fast: bool) -> tuple[int, in
         return (min(64, next_pow2(m)) if use_dot else 1, min(next_pow2(n), 1024 if use_dot else 4096), 1)
     if not use_dot:
         bm = next_pow2(m)
-        # the [BM, BN, BK] product lives in registers: keep it near 4K elements per 128 threads
-        return bm, min(next_pow2(n), 8 if bm == 1 else max(2, 16 // bm)), 4
+        return bm, *gemv_tile(bm, n, ggml_type, bk)
     cap = 64 if fast else 32  # fp32 operands (FMA products) take twice the registers and shared memory
     bm = min(cap, 16 if m <= 16 else 32 if m <= 32 else 64)
     if bk == 256:
@@ -109,7 +108,7 @@ def qmatmul(
     if use_dot is None:
         use_dot = m > GEMV_MAX_ROWS
     bk = tile_k(w.ggml_type, k, gemm=use_dot)
-    bm, bn, warps = _config(m, n, bk, use_dot, precision.fast)
+    bm, bn, warps = _config(m, n, w.ggml_type, bk, use_dot, precision.fast)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
     split = triton.cdiv(k, k_per_split)
     out_shape = (split, m, groups * n) if split_k > 1 else (m, groups * n)

@@ -1,8 +1,10 @@
 """Decoding GGUF quant blocks inside Triton kernels, and the row gather built on it (embeddings).
 
-`load_weight_tile` turns the raw bytes of BN weight rows into a [BN, BK] float32 tile for columns
-k0..k0+BK, straight from the GGUF block layout (spec §4.5): the weights stay in their blocks in
-device memory and are only ever expanded in registers. Every matrix kernel (GEMV, GEMM, experts)
+`load_weight_tile` turns the bytes of BN weight rows into a [BN, BK] float32 tile for columns
+k0..k0+BK, straight from the GGUF blocks (spec §4.5) in the aligned layout of `weights.repack`
+(each row: the quant payload of all blocks, 16-byte aligned, then the scales): the weights stay
+in their blocks in device memory and are only ever expanded in registers, and the payload is read
+with 128-bit loads. Every matrix kernel (GEMV, GEMM, experts)
 calls it, so this is the one place that knows the block formats.
 
 Each format is decoded in a [BN, blocks, elements-per-block] shape so the per-block fields (fp16
@@ -23,9 +25,39 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting
-from dwarfstar.backends.triton.weights import random_qweight
+from dwarfstar.backends.triton.weights import PAYLOAD, random_qweight, unpack
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, QK_K, GGMLType
 from dwarfstar.gguf.dequant import _iq2xxs_tables, dequantize
+
+
+def tile_payload_bytes(ggml_type: GGMLType, bk: int) -> int:
+    """Quant (or float) bytes one weight row contributes to a [rows, bk] tile: what its 128-bit
+    loads cover. A GEMV tile needs 16 of them per thread for every thread to issue one."""
+    block, size = BLOCK_GEOMETRY[ggml_type]
+    return bk // block * (len(PAYLOAD[ggml_type]) if ggml_type in PAYLOAD else size)
+
+
+@functools.cache
+def warp_size() -> int:
+    """Threads per warp of the target compiled for: 32 on NVIDIA, 64 on AMD CDNA (wave64)."""
+    return triton.runtime.driver.active.get_current_target().warp_size
+
+
+def gemv_tile(bm: int, n: int, ggml_type: GGMLType, bk: int) -> tuple[int, int]:
+    """(BN, num_warps) of a GEMV tile on a GPU: bm activation rows against BN weight rows of bk columns.
+
+    128 threads per program (4 NVIDIA warps, 2 AMD wavefronts). The [BM, BN, BK] product lives in
+    registers: near 4K elements per 128 threads. For one row the tile also grows until each thread
+    loads a full 128-bit vector (2-bit rows carry only 64 bytes per super-block, so they take 32
+    rows); more rows get fewer warps instead.
+    """
+    payload = tile_payload_bytes(ggml_type, bk)
+    bn = 8 if bm == 1 else max(2, 16 // bm)
+    if bm == 1:
+        bn = max(bn, 16 * 128 // payload)
+    bn = min(triton.next_power_of_2(n), bn)
+    warp = warp_size()
+    return bn, max(1, min(128 // warp, bn * payload // (16 * warp)))
 
 
 def tile_k(ggml_type: GGMLType, k: int, gemm: bool = False) -> int:
@@ -50,89 +82,85 @@ def grid_table(device: torch.device | str) -> torch.Tensor:
 
 @triton.jit
 def _q8_0_tile(w_ptr, row_off, k0, K, BN: tl.constexpr, BK: tl.constexpr):
-    # block: f16 d, int8 q[32]; x = d * q
+    # payload: int8 q[K]; side: f16 d per 32 columns. x = d * q
     NB: tl.constexpr = BK // 32
+    k = k0 + tl.arange(0, BK)
+    q_ptr = (w_ptr + row_off[:, None] + k[None, :]).to(tl.pointer_type(tl.int8))
+    q = tl.load(q_ptr, mask=(k < K)[None, :], other=0).to(tl.float32)
     b = k0 // 32 + tl.arange(0, NB)
-    j = tl.arange(0, 32)
-    block_off = row_off[:, None] + b[None, :].to(tl.int64) * 34  # [BN, NB]
-    valid = (b < K // 32)[None, :]
-    q = tl.load(
-        (w_ptr + block_off[:, :, None] + 2 + j[None, None, :]).to(tl.pointer_type(tl.int8)),
-        mask=valid[:, :, None],
-        other=0,
-    ).to(tl.float32)
-    d = tl.load((w_ptr + block_off).to(tl.pointer_type(tl.float16)), mask=valid, other=0.0).to(tl.float32)
-    return tl.reshape(q * d[:, :, None], [BN, BK])
+    d_ptr = (w_ptr + row_off[:, None] + K + 2 * b[None, :]).to(tl.pointer_type(tl.float16))
+    d = tl.load(d_ptr, mask=(b < K // 32)[None, :], other=0.0).to(tl.float32)
+    return tl.reshape(tl.reshape(q, [BN, NB, 32]) * d[:, :, None], [BN, BK])
 
 
 @triton.jit
-def _q2_k_tile(w_ptr, row_off, sb, BN: tl.constexpr):
-    # block (84 B): u8 scales[16] (low nibble scale, high nibble min), u8 qs[64], f16 d, f16 dmin.
-    # Sub-block j (16 elements) of half h = j // 8 reads qs[32h + 16(j % 2) + i] at shift 2((j % 8) // 2).
-    base = row_off + sb * 84  # [BN]
-    j = tl.arange(0, 16)
-    i = tl.arange(0, 16)
-    qbyte = 16 + 32 * (j // 8) + 16 * (j % 2)
-    shift = (2 * ((j % 8) // 2)).to(tl.uint8)
-    q = tl.load(w_ptr + base[:, None, None] + qbyte[None, :, None] + i[None, None, :])
-    q = ((q >> shift[None, :, None]) & 3).to(tl.float32)
-    sc = tl.load(w_ptr + base[:, None] + j[None, :])  # [BN, 16]
-    d = tl.load((w_ptr + base + 80).to(tl.pointer_type(tl.float16))).to(tl.float32)
-    dmin = tl.load((w_ptr + base + 82).to(tl.pointer_type(tl.float16))).to(tl.float32)
-    dl = d[:, None] * (sc & 15).to(tl.float32)
-    ml = dmin[:, None] * (sc >> 4).to(tl.float32)
-    return tl.reshape(dl[:, :, None] * q - ml[:, :, None], [BN, 256])
+def _q2_k_tile(w_ptr, row_off, sb, K, BN: tl.constexpr):
+    # payload: qs[64] per super-block; side (20 B): u8 scales[16] (low nibble scale, high nibble min),
+    # f16 d, f16 dmin. Element 128h + 32s + c (c < 32) is bits 2s..2s+1 of qs[32h + c], in the
+    # sub-block j = 8h + 2s + c // 16: each byte is loaded once and expanded by its four shifts.
+    c = tl.arange(0, 32)
+    qs = (row_off + sb * 64)[:, None, None] + (32 * tl.arange(0, 2))[None, :, None] + c[None, None, :]
+    qb = tl.load(w_ptr + qs)  # [BN, 2, 32]
+    shift = (2 * tl.arange(0, 4)).to(tl.uint8)
+    q = ((qb[:, :, None, :] >> shift[None, None, :, None]) & 3).to(tl.float32)  # [BN, 2, 4, 32]
+    side = row_off + K // 4 + sb * 20
+    sc = tl.load(w_ptr + side[:, None] + tl.arange(0, 16)[None, :])  # [BN, 16]
+    d = tl.load((w_ptr + side + 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    dmin = tl.load((w_ptr + side + 18).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    dl = tl.reshape(d[:, None] * (sc & 15).to(tl.float32), [BN, 8, 2])
+    ml = tl.reshape(dmin[:, None] * (sc >> 4).to(tl.float32), [BN, 8, 2])
+    x = dl[:, :, :, None] * tl.reshape(q, [BN, 8, 2, 16]) - ml[:, :, :, None]
+    return tl.reshape(x, [BN, 256])
 
 
 @triton.jit
-def _q4_k_tile(w_ptr, row_off, sb, BN: tl.constexpr):
-    # block (144 B): f16 d, f16 dmin, u8 scales[12] (eight 6-bit scales and mins, ggml's
-    # get_scale_min_k4 packing), u8 qs[128]; sub-blocks 2p and 2p+1 share qs[32p:32p+32] (low, high nibble).
-    base = row_off + sb * 144
-    j = tl.arange(0, 8)
+def _q4_k_tile(w_ptr, row_off, sb, K, BN: tl.constexpr):
+    # payload: qs[128] per super-block; side (16 B): f16 d, f16 dmin, u8 scales[12] (eight 6-bit
+    # scales and mins, ggml's get_scale_min_k4 packing). Element 64p + 32n + l is nibble n of
+    # qs[32p + l], in the sub-block j = 2p + n.
     l = tl.arange(0, 32)
-    s_j = tl.load(w_ptr + base[:, None] + 4 + j[None, :])  # scales[j]
-    s_j4 = tl.load(w_ptr + base[:, None] + 8 + j[None, :])  # scales[j + 4]
-    s_jm4 = tl.load(w_ptr + base[:, None] + 4 + (j % 4)[None, :])  # scales[j - 4] where j >= 4
+    qs = (row_off + sb * 128)[:, None, None] + (32 * tl.arange(0, 4))[None, :, None] + l[None, None, :]
+    qb = tl.load(w_ptr + qs)  # [BN, 4, 32]
+    nibble = (4 * tl.arange(0, 2)).to(tl.uint8)
+    q = ((qb[:, :, None, :] >> nibble[None, None, :, None]) & 15).to(tl.float32)  # [BN, 4, 2, 32]
+    side = row_off + K // 2 + sb * 16
+    j = tl.arange(0, 8)
+    s_j = tl.load(w_ptr + side[:, None] + 4 + j[None, :])  # scales[j]
+    s_j4 = tl.load(w_ptr + side[:, None] + 8 + j[None, :])  # scales[j + 4]
+    s_jm4 = tl.load(w_ptr + side[:, None] + 4 + (j % 4)[None, :])  # scales[j - 4] where j >= 4
     low = (j < 4)[None, :]
     sc = tl.where(low, s_j & 63, (s_j4 & 15) | ((s_jm4 >> 6) << 4)).to(tl.float32)
     mn = tl.where(low, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4)).to(tl.float32)
-    q = tl.load(w_ptr + base[:, None, None] + 16 + (32 * (j // 2))[None, :, None] + l[None, None, :])
-    q = ((q >> (4 * (j % 2)).to(tl.uint8)[None, :, None]) & 15).to(tl.float32)
-    d = tl.load((w_ptr + base).to(tl.pointer_type(tl.float16))).to(tl.float32)
-    dmin = tl.load((w_ptr + base + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    d = tl.load((w_ptr + side).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    dmin = tl.load((w_ptr + side + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
     dl = d[:, None] * sc
     ml = dmin[:, None] * mn
-    return tl.reshape(dl[:, :, None] * q - ml[:, :, None], [BN, 256])
+    return tl.reshape(dl[:, :, None] * tl.reshape(q, [BN, 8, 32]) - ml[:, :, None], [BN, 256])
 
 
 @triton.jit
-def _iq2_xxs_tile(w_ptr, grid_ptr, row_off, sb, BN: tl.constexpr):
-    # block (66 B): f16 d, then 8 groups of 8 bytes for 32 elements each. Bytes 0-3 of group g pick
-    # lattice points (8 elements each) of the 256-entry grid; bytes 4-7 are a u32 whose bits 0-27 hold
-    # four 7-bit sign patterns and bits 28-31 a scale s. The 8th sign bit makes the popcount even.
-    # x = (d * (0.5 + s) * 0.25) * grid * sign. Row c of the [32, 8] view is group c // 4, chunk c % 4.
-    base = row_off + sb * 66
-    c = tl.arange(0, 32)
+def _iq2_xxs_tile(w_ptr, grid_ptr, row_off, sb, K, BN: tl.constexpr):
+    # payload (64 B per super-block): 8 groups of 32 elements, each a little-endian u64 whose bytes
+    # 0-3 pick lattice points (8 elements each) of the 256-entry grid and whose high u32 holds four
+    # 7-bit sign patterns (bits 0-27) and a scale s (bits 28-31). The 8th sign bit makes the
+    # popcount even. side: f16 d. x = (d * (0.5 + s) * 0.25) * grid * sign.
+    group_ptr = (w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint64))
+    groups = tl.load(group_ptr[:, None] + tl.arange(0, 8)[None, :])[:, :, None]  # [BN, 8, 1]
+    chunk = tl.arange(0, 4).to(tl.uint64)
     i = tl.arange(0, 8)
-    group = base[:, None] + 2 + 8 * (c // 4)[None, :]  # [BN, 32] byte offset of the group
-    point = tl.load(w_ptr + group + (c % 4)[None, :]).to(tl.int32)
-    # the u32 is only 2-byte aligned (66-byte blocks): assemble it from its bytes
-    aux = tl.load(w_ptr + group + 4).to(tl.uint32)
-    aux |= tl.load(w_ptr + group + 5).to(tl.uint32) << 8
-    aux |= tl.load(w_ptr + group + 6).to(tl.uint32) << 16
-    aux |= tl.load(w_ptr + group + 7).to(tl.uint32) << 24
+    point = ((groups >> (8 * chunk)[None, None, :]) & 255).to(tl.int32)  # [BN, 8, 4]
+    aux = (groups >> 32).to(tl.uint32)
     scale = (aux >> 28).to(tl.float32)
-    signs = (aux >> (7 * (c % 4)).to(tl.uint32)[None, :]) & 127
+    signs = (aux >> (7 * chunk).to(tl.uint32)[None, None, :]) & 127  # [BN, 8, 4]
     parity = signs ^ (signs >> 4)
     parity ^= parity >> 2
     parity ^= parity >> 1
     signs |= (parity & 1) << 7
-    negative = ((signs[:, :, None] >> i.to(tl.uint32)[None, None, :]) & 1) != 0
-    values = tl.load(grid_ptr + point[:, :, None] * 8 + i[None, None, :])
-    d = tl.load((w_ptr + base).to(tl.pointer_type(tl.float16))).to(tl.float32)
-    db = d[:, None] * (0.5 + scale) * 0.25
-    x = db[:, :, None] * values
+    negative = ((signs[:, :, :, None] >> i.to(tl.uint32)[None, None, None, :]) & 1) != 0
+    values = tl.load(grid_ptr + point[:, :, :, None] * 8 + i[None, None, None, :])  # [BN, 8, 4, 8]
+    d = tl.load((w_ptr + row_off + K // 4 + 2 * sb).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    db = d[:, None, None] * (0.5 + scale) * 0.25  # [BN, 8, 1]
+    x = db[:, :, :, None] * values
     return tl.reshape(tl.where(negative, -x, x), [BN, 256])
 
 
@@ -140,29 +168,30 @@ def _iq2_xxs_tile(w_ptr, grid_ptr, row_off, sb, BN: tl.constexpr):
 def load_weight_tile(w_ptr, grid_ptr, row_off, k0, K, WTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """float32 [BN, BK] tile of the rows at byte offsets `row_off` [BN] (int64), columns k0..k0+BK.
 
-    `w_ptr` points at uint8 bytes; k0 is a multiple of BK, and for the 256-element formats BK == 256.
+    `w_ptr` points at uint8 bytes in the aligned layout; k0 is a multiple of BK, and for the
+    256-element formats BK == 256.
     Columns at or past K read as 0 (float and Q8_0 rows may end inside a tile).
     """
     if WTYPE == 8:  # Q8_0
         return _q8_0_tile(w_ptr, row_off, k0, K, BN, BK)
     elif WTYPE == 10:  # Q2_K
-        return _q2_k_tile(w_ptr, row_off, k0 // 256, BN)
+        return _q2_k_tile(w_ptr, row_off, k0 // 256, K, BN)
     elif WTYPE == 12:  # Q4_K
-        return _q4_k_tile(w_ptr, row_off, k0 // 256, BN)
+        return _q4_k_tile(w_ptr, row_off, k0 // 256, K, BN)
     elif WTYPE == 16:  # IQ2_XXS
-        return _iq2_xxs_tile(w_ptr, grid_ptr, row_off, k0 // 256, BN)
+        return _iq2_xxs_tile(w_ptr, grid_ptr, row_off, k0 // 256, K, BN)
     else:
         k = k0 + tl.arange(0, BK)
         mask = (k < K)[None, :]
+        # cast the row pointers before indexing in elements: unit steps of a typed pointer are what
+        # the compiler's contiguity analysis sees, so the loads vectorise
+        row = w_ptr + row_off[:, None]
         if WTYPE == 0:  # F32
-            ptr = (w_ptr + row_off[:, None] + 4 * k[None, :]).to(tl.pointer_type(tl.float32))
-            return tl.load(ptr, mask=mask, other=0.0)
+            return tl.load(row.to(tl.pointer_type(tl.float32)) + k[None, :], mask=mask, other=0.0)
         elif WTYPE == 1:  # F16
-            ptr = (w_ptr + row_off[:, None] + 2 * k[None, :]).to(tl.pointer_type(tl.float16))
-            return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+            return tl.load(row.to(tl.pointer_type(tl.float16)) + k[None, :], mask=mask, other=0.0).to(tl.float32)
         else:  # BF16: the top half of a float32 (shifted in integers: the interpreter mishandles bf16)
-            ptr = (w_ptr + row_off[:, None] + 2 * k[None, :]).to(tl.pointer_type(tl.uint16))
-            bits = tl.load(ptr, mask=mask, other=0).to(tl.uint32) << 16
+            bits = tl.load(row.to(tl.pointer_type(tl.uint16)) + k[None, :], mask=mask, other=0).to(tl.uint32) << 16
             return bits.to(tl.float32, bitcast=True)
 
 
@@ -183,7 +212,8 @@ def _gather_rows_kernel(
 
 
 def gather_rows(data: torch.Tensor, ggml_type: GGMLType, k: int, ids: torch.Tensor, copies: int = 1) -> torch.Tensor:
-    """Decode rows `ids` of a [rows, row_bytes] block tensor to float32 [len(ids), copies, k].
+    """Decode rows `ids` of a [rows, row_bytes] block tensor (a `QWeight.data`, in the aligned
+    layout) to float32 [len(ids), copies, k].
 
     The embedding lookup: `copies` = 4 writes the token's vector into all hyper-connection streams.
     """
@@ -199,7 +229,7 @@ def gather_rows(data: torch.Tensor, ggml_type: GGMLType, k: int, ids: torch.Tens
 
 def reference(data: torch.Tensor, ggml_type: GGMLType, k: int, ids: torch.Tensor, copies: int = 1) -> torch.Tensor:
     """The same rows decoded by the torch dequantizer (bit-exact against gguf-py)."""
-    rows = data.cpu()[ids.cpu().long()]
+    rows = unpack(data.cpu()[ids.cpu().long()], ggml_type, k)
     flat = dequantize(rows.reshape(-1), ggml_type, rows.shape[0] * k).view(-1, 1, k)
     return flat.expand(-1, copies, -1).to(data.device)
 
