@@ -1,9 +1,8 @@
 """Triton kernel tests: on a CPU-only machine they run in Triton's interpreter.
 
 `TRITON_INTERPRET=1` is read when `@triton.jit` runs, so it is set here, before any test module
-imports a kernel. Two patches make the interpreter usable: a dot that handles bf16 operands (the
-kernels upcast to fp32 right after loading; only the `fast` precision path feeds bf16 to `tl.dot`)
-and runs fast, and one that stops re-patching triton.language at every helper call.
+imports a kernel. The interpreter patches (a fast dot that handles bf16, no re-patching of
+triton.language per helper call) live in tests/triton_interpreter.py, shared with tests/backends.
 """
 
 from __future__ import annotations
@@ -15,77 +14,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import triton.language as tl  # noqa: E402
+from triton_interpreter import apply_patches  # noqa: E402  (pytest puts tests/, the root conftest's folder, on sys.path)
 
-
-def _patch_interpreter_dot() -> None:
-    """Float `tl.dot` through torch.matmul, with bf16 operands decoded exactly; fp32 -> bf16 casts rounded.
-
-    The interpreter stores bf16 as raw uint16, so its bf16 dot returns garbage and its fp32 -> bf16
-    cast truncates (TOOLCHAIN.md §2). Its np.matmul also goes through OpenBLAS threads that spin
-    for tens of milliseconds per product when the cores are shared; torch's matmul does not.
-    """
-    from triton.runtime import interpreter as interp
-
-    def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
-        return (u16.astype(np.uint32) << 16).view(np.float32)
-
-    def f32_to_bf16_rne(f: np.ndarray) -> np.ndarray:
-        u = np.ascontiguousarray(f, dtype=np.float32).view(np.uint32)
-        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-        return np.where(np.isnan(f), np.uint16(0x7FC0), r)
-
-    def as_f32(h) -> torch.Tensor:
-        data = bf16_to_f32(h.data) if h.dtype.scalar == tl.bfloat16 else h.data.astype(np.float32)
-        return torch.from_numpy(np.ascontiguousarray(data))
-
-    dot, cast = interp.InterpreterBuilder.create_dot, interp.InterpreterBuilder.cast_impl
-    floats = (tl.float32, tl.float16, tl.bfloat16)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if d.data.dtype == np.float32 and a.dtype.scalar in floats and b.dtype.scalar in floats:
-            return interp.TensorHandle(torch.matmul(as_f32(a), as_f32(b)).numpy() + d.data, d.dtype.scalar)
-        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            return interp.TensorHandle(f32_to_bf16_rne(src.data), dst_type.scalar)
-        return cast(self, src, dst_type)
-
-    interp.InterpreterBuilder.create_dot = create_dot
-    interp.InterpreterBuilder.cast_impl = cast_impl
-
-
-def _patch_interpreter_device_calls() -> None:
-    """Skip re-patching triton.language on every call of a @triton.jit helper.
-
-    The interpreter re-runs `_patch_lang` (an `inspect.getmembers` sweep of triton.language) at each
-    device-function call, including tl.sum, tl.max and tl.sigmoid, which are jit functions too; the
-    patches of such a nested call are never undone, so repeating them for the same function only
-    costs time (half of a Sinkhorn kernel's run time). Only the first call of each function patches.
-    """
-    from triton.runtime import interpreter as interp
-
-    patched: set = set()
-    call = interp.InterpretedFunction.__call__
-
-    def call_once_patched(self, *args, **kwargs):
-        if self.fn not in patched:
-            patched.add(self.fn)
-            return call(self, *args, **kwargs)
-        try:
-            return self.rewrite()(*args, **kwargs)
-        except Exception as e:
-            raise interp.InterpreterError(repr(e)) from e
-
-    interp.InterpretedFunction.__call__ = call_once_patched
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter_dot()
-    _patch_interpreter_device_calls()
+apply_patches()
 
 
 @pytest.fixture(scope="session")
