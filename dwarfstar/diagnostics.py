@@ -67,7 +67,7 @@ def greedy_logprobs(session: Session, tokenizer: Tokenizer, steps: int, top_k: i
     """
     out: list[dict[str, Any]] = []
     for step in range(min(steps, session.ctx - len(session.tokens))):
-        logits = session.logits.float().flatten()
+        logits = session.logits.float().flatten().cpu()  # one copy: each element read below would sync a device
         logprobs = torch.log_softmax(logits, dim=-1)
         values, ids = logprobs.topk(top_k)
         selected = int(logits.argmax())  # the sampler's greedy choice, also when the top logits tie

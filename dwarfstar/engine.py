@@ -2,6 +2,12 @@
 
 Backend choice: `auto` takes MLX on Apple silicon, Triton where a GPU is present, and the torch
 reference otherwise. A backend that cannot run here is a clear error, never a silent fallback.
+`triton` without a GPU runs only when TRITON_INTERPRET=1 asks for Triton's interpreter (slow: for
+debugging kernels), which `auto` never picks.
+
+Precision: `exact` keeps every product in fp32; `fast` lets the Triton backend's prefill products use
+bf16 operands with fp32 accumulation. No GPU run has shown `fast` to be accurate yet, so `exact` is
+the default, and the backends without the notion (reference, MLX) refuse `fast`.
 """
 
 from __future__ import annotations
@@ -12,12 +18,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.loader import ModelFile, open_model
 from dwarfstar.session.session import Backend
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 BACKENDS = ("auto", "reference", "triton", "mlx")
+PRECISIONS = ("exact", "fast")
+PRECISION_HELP = (
+    "exact: fp32 products; fast: bf16 operands in the Triton backend's prefill products (triton only; "
+    "no GPU run has shown fast to be accurate yet)."
+)
 
 
 @dataclass
@@ -27,6 +40,11 @@ class Engine:
     backend_name: str
     tokenizer: Tokenizer
     load_seconds: float
+
+    @property
+    def state_device(self) -> torch.device:
+        """Where the backend keeps its sequence states: states read from disk must go there."""
+        return self.backend.new_state().layers[0].raw_kv.device
 
 
 def available_backends() -> list[str]:
@@ -59,6 +77,15 @@ def pick_backend(requested: str) -> str:
             if metal_available():  # MLX also runs on a Linux CPU, but there the reference is faster
                 return "mlx"
         return "triton" if "triton" in available else "reference"
+    if requested == "triton" and "triton" not in available:
+        from dwarfstar.backends.triton import interpreter_requested
+
+        if interpreter_requested():
+            return requested
+        raise DwarfStarError(
+            f"backend 'triton' needs a CUDA or ROCm GPU (available: {', '.join(available)}); "
+            "set TRITON_INTERPRET=1 to run its kernels in Triton's interpreter on the CPU (very slow, for debugging)"
+        )
     if requested not in available:
         raise DwarfStarError(f"backend {requested!r} cannot run on this machine (available: {', '.join(available)})")
     return requested
@@ -70,10 +97,16 @@ def load_engine(
     qat: bool = True,
     ctx: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    precision: str = "exact",
 ) -> Engine:
-    """Open, validate and load a model; `progress(done, total)` follows the weights being read."""
+    """Open, validate and load a model for sequences of at most `ctx` tokens (default: the model's);
+    `progress(done, total)` follows the weights being read."""
     start = time.perf_counter()
     name = pick_backend(backend)
+    if precision not in PRECISIONS:
+        raise DwarfStarError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if precision == "fast" and name != "triton":
+        raise DwarfStarError(f"--precision fast needs the triton backend; the {name} backend has no fast mode")
     model = open_model(Path(path))
     tokenizer = Tokenizer.from_gguf_metadata(model.gguf.metadata)
     if name == "reference":
@@ -83,11 +116,11 @@ def load_engine(
     elif name == "triton":
         from dwarfstar.backends.triton import load_backend
 
-        impl = load_backend(model, qat=qat)
+        impl = load_backend(model, qat=qat, precision=precision, max_seq_len=ctx)
     else:
         from dwarfstar.backends.mlx import load_backend
 
-        impl = load_backend(model, qat=qat)
+        impl = load_backend(model, qat=qat, max_seq_len=ctx)
     if progress is not None and name != "reference":
         progress(1, 1)  # these backends report no steps; still finish the bar
     return Engine(model, impl, name, tokenizer, time.perf_counter() - start)

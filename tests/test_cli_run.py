@@ -1,4 +1,5 @@
-"""`dwarfstar run` one-shot use, `--power` and the diagnostic dumps, on the tiny random model."""
+"""`dwarfstar run` one-shot use, `--power`, the diagnostic dumps and the backend options (`--backend`,
+`--ctx`, `--precision`), on the tiny random model."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from click.testing import Result
 from typer.testing import CliRunner
 
+from dwarfstar.backends.mlx import mlx_available
 from dwarfstar.cli import _register_commands, app
-from dwarfstar.engine import load_engine
-from dwarfstar.errors import DwarfStarError
+from dwarfstar.engine import load_engine, pick_backend
+from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.prompt import render_conversation
 from dwarfstar.session.sampling import GREEDY
@@ -129,3 +133,68 @@ def test_prompt_errors_are_clear(tiny, tmp_path) -> None:
     assert isinstance(done.exception, DwarfStarError) and "not found" in str(done.exception)
     done = run_cli("-m", str(tiny), "--dump-logprobs", str(tmp_path / "x.json"))
     assert isinstance(done.exception, DwarfStarError) and "need a prompt" in str(done.exception)
+
+
+PROMPT_IDS = "0,17,42,9000,123,77"
+
+
+def dump_logits(tiny: Path, out: Path, *extra: str) -> np.ndarray:
+    done = run_cli("-m", str(tiny), "--prompt-tokens", PROMPT_IDS, "--dump-logits", str(out), *extra)
+    assert done.exit_code == 0, done.output
+    return np.load(out)
+
+
+def test_triton_backend_from_the_cli_matches_the_reference(tiny, tmp_path) -> None:
+    """On a CPU-only machine this is Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
+    which `--backend triton` accepts when asked for; on a GPU, the compiled kernels."""
+    want = dump_logits(tiny, tmp_path / "reference.npy", "--backend", "reference")
+    got = dump_logits(tiny, tmp_path / "triton.npy", "--backend", "triton")
+    assert got.shape == want.shape == (6, TINY.vocab_size)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-3  # the spec's bound with QAT rounding on
+
+
+def test_triton_without_a_gpu_names_the_interpreter(tiny, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    done = run_cli("-m", str(tiny), "--backend", "triton", "--prompt-tokens", PROMPT_IDS, "--dump-logits", "x.npy")
+    assert isinstance(done.exception, DwarfStarError) and "TRITON_INTERPRET=1" in str(done.exception)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pick_backend("triton") == "triton"
+    assert pick_backend("auto") != "triton"  # the interpreter only when asked for by name
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pick_backend("auto") != "triton"  # with the interpreter on, even a GPU would run in it
+
+
+BACKEND_NAMES = [
+    "reference",
+    "triton",
+    pytest.param("mlx", marks=pytest.mark.skipif(not mlx_available(), reason="no mlx")),
+]
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_ctx_bounds_every_backend(tiny, tmp_path, backend) -> None:
+    ids = ",".join(str(3 + i) for i in range(65))
+    args = ["-m", str(tiny), "--backend", backend, "--ctx", "64", "--prompt-tokens", ids]
+    done = run_cli(*args, "--dump-logits", str(tmp_path / "x.npy"))
+    assert isinstance(done.exception, ContextOverflowError), done.output
+    assert "0 + 65 tokens exceed the context of 64" in str(done.exception)
+    engine = load_engine(tiny, backend, ctx=64)
+    assert engine.backend.max_seq_len == 64
+    with pytest.raises(ContextOverflowError):
+        engine.backend.forward(list(range(3, 68)), engine.backend.new_state())
+
+
+def test_precision_is_exact_by_default_and_fast_only_on_triton(tiny) -> None:
+    assert load_engine(tiny, "triton").backend.model.precision.fast is False
+    assert load_engine(tiny, "triton", precision="fast").backend.model.precision.fast is True
+    for backend in ["reference", *(["mlx"] if mlx_available() else [])]:
+        with pytest.raises(DwarfStarError, match="--precision fast needs the triton backend"):
+            load_engine(tiny, backend, precision="fast")
+    done = run_cli("-m", str(tiny), "--backend", "reference", "--precision", "fast", "-p", "hi")
+    assert isinstance(done.exception, DwarfStarError) and "needs the triton backend" in str(done.exception)
+    done = CliRunner().invoke(app, ["serve", "-m", str(tiny), "--backend", "reference", "--precision", "fast"])
+    assert isinstance(done.exception, DwarfStarError) and "needs the triton backend" in str(done.exception)
+    done = run_cli("-m", str(tiny), "--precision", "bf16", "-p", "hi")
+    assert isinstance(done.exception, DwarfStarError) and "unknown precision 'bf16'" in str(done.exception)

@@ -18,7 +18,7 @@ import typer
 from dwarfstar.chat import DEFAULT_SYSTEM, Chat, ThinkMode, allowed_mode
 from dwarfstar.cli import app
 from dwarfstar.diagnostics import MAX_LOGPROBS_TOP_K, Trace, dump_tokens, greedy_logprobs, write_logprobs
-from dwarfstar.engine import BACKENDS, Engine, load_engine
+from dwarfstar.engine import BACKENDS, PRECISION_HELP, Engine, load_engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.hub import resolve_model
 from dwarfstar.repl import run_repl
@@ -70,7 +70,7 @@ def one_shot_ids(chat: Chat, tokenizer: Tokenizer, text: str) -> tuple[list[int]
 def write_logits(engine: Engine, ids: list[int], ctx: int, out: Path) -> None:
     session = Session(engine.backend, ctx=min(ctx, engine.model.args.max_seq_len))
     logits = engine.backend.forward(ids, session.state, all_logits=True)
-    np.save(out, logits.numpy().astype(np.float32, copy=False))
+    np.save(out, logits.float().cpu().numpy())
     typer.echo(f"wrote logits {tuple(logits.shape)} to {out}", err=True)
 
 
@@ -96,6 +96,7 @@ def run(
     tokens: Annotated[int, typer.Option("-n", "--tokens", min=1, help="Most tokens to generate per reply.")] = 50000,
     ctx: Annotated[int, typer.Option("-c", "--ctx", min=1, help="Context size in tokens.")] = 32768,
     backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
+    precision: Annotated[str, typer.Option(help=PRECISION_HELP)] = "exact",
     power: Annotated[
         int, typer.Option(min=1, max=100, help="Keep the device about N% busy (sleeps; same output).")
     ] = 100,
@@ -128,7 +129,7 @@ def run(
         raise DwarfStarError("the dumps need a prompt: -p, --prompt-file or --prompt-tokens")
 
     with loading(path) as progress:
-        engine = load_engine(path, backend, qat=not no_qat_rounding, ctx=ctx, progress=progress)
+        engine = load_engine(path, backend, qat=not no_qat_rounding, ctx=ctx, progress=progress, precision=precision)
     mode, warning = allowed_mode(think_mode(think, think_max), ctx)
     if warning:
         note(f"warning: {warning}", "yellow")

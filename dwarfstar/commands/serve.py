@@ -10,7 +10,7 @@ import typer
 
 from dwarfstar.cli import app
 from dwarfstar.commands.bench import bench_app
-from dwarfstar.engine import BACKENDS
+from dwarfstar.engine import BACKENDS, PRECISION_HELP
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.serving.config import API_KEY_ENV, TEMPLATES
 
@@ -40,6 +40,7 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     ctx: Annotated[int, typer.Option("-c", "--ctx", help="Context size of each session, in tokens.")] = 32768,
     backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
+    precision: Annotated[str, typer.Option(help=PRECISION_HELP)] = "exact",
     kv_disk_dir: Annotated[Path | None, typer.Option(help="Directory of the disk KV cache (off if unset).")] = None,
     kv_disk_space_mb: Annotated[int, typer.Option(help="Disk KV cache budget in MiB.")] = 4096,
     kv_cache_min_tokens: Annotated[int, typer.Option(help="Shortest state the disk cache keeps.")] = 512,
@@ -88,7 +89,7 @@ def serve(
         model_aliases=tuple(model_alias or ()),
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    engine = load_engine(model_path(model), backend, ctx=ctx)
+    engine = load_engine(model_path(model), backend, ctx=ctx, precision=precision)
     service = Service(engine, config)
     typer.echo(f"{service.models.id} on {engine.backend_name} (loaded in {engine.load_seconds:.1f} s)", err=True)
     if host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
