@@ -114,7 +114,7 @@ def test_model_on_emulated_kernels_matches_reference(ds4_model, emulate, monkeyp
 
     monkeypatch.setattr(metal.Launch, "run", run)
     reference, model = ReferenceModel(ds4_model, qat=False), MLXModel(ds4_model, qat=False, packing="blocks")
-    assert isinstance(model.blocks[3].moe.gate, metal.BlockMatrix)
+    assert isinstance(model.experts.layers[3].gate, metal.BlockMatrix)
     prompt = torch.randint(3, 120000, (42,), generator=torch.Generator().manual_seed(5)).tolist()
     want = reference.forward(prompt, reference.new_state())
     state = model.new_state()

@@ -1,157 +1,160 @@
-"""DeepSeek V4 attention in MLX: raw window, KV compressors, lightning indexer, sink attention.
+"""Attention's MLX operations on one sequence's state: compressor pooling, the indexer's top-k, and
+sink attention over the raw window and the chosen compressed rows.
 
-A line-for-line port of `dwarfstar.backends.reference.attention` (read that module for the model):
-a layer runs a chunk of T consecutive tokens against its state, so a full pass, chunked prefill and
-decode share one code path. Positions stay on the host as numpy integers, so the masks, slot
-indices and rope tables are built there and the device graph has no data-dependent shapes; a
-whole forward pass is evaluated once.
+These are the bodies of `MLXOps.compress`, `index_topk` and `sparse_attention` for one sequence;
+the order they run in is `dwarfstar.model.forward.Transformer`'s. Attention is really sparse: a
+query reads its raw window rows (a slice of the window buffer) and, in ratio-4 layers, the top-k
+compressed rows the indexer chose, gathered by index, so a decode step's attention costs window +
+top_k rows whatever the context; ratio-128 layers read all their visible rows (ctx / 128 of them).
+Only the indexer scores every visible indexer row (a small head dim), as the model defines.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
 from dwarfstar.backends.mlx import ops
-from dwarfstar.backends.mlx.state import MLXCompressorState, MLXLayerState
-from dwarfstar.backends.mlx.weights import LayerWeights
-from dwarfstar.model.config import LayerSpec, ModelArgs, yarn_inv_freq
+from dwarfstar.backends.mlx.state import MLXCompressorState
 
-RowFinish = Callable[[mx.array, np.ndarray], mx.array]
-
-
-class Compressor:
-    """Softmax-gated pooling of `ratio` tokens into one row (ratio 4 pools 8 slots with overlap)."""
-
-    def __init__(self, ratio: int, out_dim: int, w: LayerWeights, prefix: str, eps: float, finish: RowFinish) -> None:
-        self.ratio, self.out_dim, self.eps, self.finish = ratio, out_dim, eps, finish
-        self.overlap = ratio == 4
-        self.wkv = w.matrix(f"{prefix}_kv.weight")
-        self.wgate = w.matrix(f"{prefix}_gate.weight")
-        self.ape = w.dense(f"{prefix}_ape.weight")  # [ratio, width]: bias for the token's slot in its window
-        self.norm = w.dense(f"{prefix}_norm.weight")
-
-    def __call__(self, a: mx.array, positions: np.ndarray, state: MLXCompressorState) -> None:
-        r, off = self.ratio, state.current_offset
-        front_kv, front_gate = state.mx_frontier_kv, state.mx_frontier_gate
-        n_pending = int(positions[0]) % r  # tokens of the window in progress already in the frontier
-        slots = mx.array(positions % r)
-        kv = mx.concatenate((front_kv[off : off + n_pending], self.wkv.matmul(a)))
-        gate = mx.concatenate((front_gate[off : off + n_pending], self.wgate.matmul(a) + self.ape[slots]))
-        n = kv.shape[0] // r
-        kept_kv, kept_gate = front_kv[:off], front_gate[:off]  # ratio 4: the previous window
-        if n:
-            win_kv, win_gate = kv[: n * r].reshape(n, r, -1), gate[: n * r].reshape(n, r, -1)
-            if self.overlap:
-                # row w pools the first half of window w-1 and the second half of window w; before
-                # window 0 the frontier holds gate -inf, which gives those slots weight 0
-                d = self.out_dim
-                prev_kv = mx.concatenate((front_kv[None, :r], win_kv[:-1]))[..., :d]
-                prev_gate = mx.concatenate((front_gate[None, :r], win_gate[:-1]))[..., :d]
-                win_kv = mx.concatenate((prev_kv, win_kv[..., d:]), axis=1)
-                win_gate = mx.concatenate((prev_gate, win_gate[..., d:]), axis=1)
-                kept_kv, kept_gate = kv[(n - 1) * r : n * r], gate[(n - 1) * r : n * r]
-            pooled = (win_kv * mx.softmax(win_gate, axis=1)).sum(1)
-            row_positions = (state.rows.n + np.arange(n)) * r  # a row sits at its window's first token
-            state.rows.append(self.finish(ops.rms_norm(pooled, self.norm, self.eps), row_positions))
-        rest = kv.shape[0] - n * r
-        pad = front_kv.shape[0] - off - rest
-        width = front_kv.shape[1]
-        state.mx_frontier_kv = mx.concatenate((kept_kv, kv[n * r :], mx.zeros((pad, width))))
-        state.mx_frontier_gate = mx.concatenate((kept_gate, gate[n * r :], mx.full((pad, width), -mx.inf)))
+# Prefill queries attend in blocks of this many: a block gathers [block, top_k, head_dim] rows
+# (Flash: 128 x 512 x 512 floats, 128 MB), so a long chunk never holds them all at once, and its
+# raw keys are the window + block - 1 rows the block can see, not the whole chunk.
+QUERY_BLOCK = 128
 
 
-class Attention:
-    def __init__(self, args: ModelArgs, layer: LayerSpec, w: LayerWeights, qat: bool, fused: ops.Fused) -> None:
-        self.args, self.layer, self.qat, self.fused = args, layer, qat, fused
-        self.inv_freq = np.array(yarn_inv_freq(args, layer), dtype=np.float64)
-        self.wq_a = w.matrix("attn_q_a.weight")
-        self.q_norm = w.dense("attn_q_a_norm.weight")
-        self.wq_b = w.matrix("attn_q_b.weight")
-        self.wkv = w.matrix("attn_kv.weight")
-        self.kv_norm = w.dense("attn_kv_a_norm.weight")
-        self.sinks = w.dense("attn_sinks.weight")
-        # wo_a is block-diagonal over groups: group g maps its heads' concat to o_lora_rank dims,
-        # so it is loaded as a stack of o_groups matrices and applied with a gathered product
-        self.wo_a = w.matrix("attn_output_a.weight", groups=args.o_groups)
-        self.group_ids = mx.arange(args.o_groups)[None, :]
-        self.wo_b = w.matrix("attn_output_b.weight")
-        ratio = layer.compress_ratio
-        self.compressor = (
-            Compressor(ratio, args.head_dim, w, "attn_compressor", args.norm_eps, self._finish_kv_row)
-            if ratio
-            else None
-        )
-        self.indexer = None
-        if layer.has_indexer:
-            self.indexer = Compressor(
-                ratio, args.index_head_dim, w, "indexer_compressor", args.norm_eps, self._finish_index_row
-            )
-            self.wq_index = w.matrix("indexer.attn_q_b.weight")
-            self.w_index_heads = w.matrix("indexer.proj.weight")
+@dataclass
+class Selection:
+    """The compressed rows each query of one sequence attends to (ratio-4 layers).
 
-    def _finish_kv_row(self, rows: mx.array, positions: np.ndarray) -> mx.array:
-        rows = self.fused.rope(rows, *ops.rope_tables(positions, self.inv_freq))
-        return self.fused.fp8_round_nope(rows) if self.qat else rows
+    `ids` [T, k] index the layer's compressed rows; `valid` [T, k] is False where a chosen row is
+    not visible to the query yet (prefill queries that see fewer than k rows), None when all are.
+    """
 
-    def _finish_index_row(self, rows: mx.array, positions: np.ndarray) -> mx.array:
-        rows = self.fused.rope(rows, *ops.rope_tables(positions, self.inv_freq))
-        return self.fused.indexer_round(rows) if self.qat else rows
+    ids: mx.array
+    valid: mx.array | None
 
-    def __call__(self, a: mx.array, positions: np.ndarray, state: MLXLayerState) -> mx.array:
-        args, T = self.args, a.shape[0]
-        cos, sin = ops.rope_tables(positions, self.inv_freq)
-        qr = ops.rms_norm(self.wq_a.matmul(a), self.q_norm, args.norm_eps)
-        q = ops.rms_norm(self.wq_b.matmul(qr).reshape(T, args.n_heads, args.head_dim), None, args.norm_eps)
-        q = self.fused.rope(q, cos, sin)
-        kv = self.fused.rope(ops.rms_norm(self.wkv.matmul(a), self.kv_norm, args.norm_eps), cos, sin)
-        if self.qat:
-            kv = self.fused.fp8_round_nope(kv)
 
-        n_old = state.mx_raw_kv.shape[0]
-        raw = mx.concatenate((state.mx_raw_kv, kv))
-        raw_pos = np.arange(int(positions[0]) - n_old, int(positions[-1]) + 1)
-        age = positions[:, None] - raw_pos[None, :]
-        mask = mx.array((age >= 0) & (age < args.window))
-        keys = raw
-        if self.compressor is not None:
-            self.compressor(a, positions, state.compressor)
-            rows = state.compressor.rows.mx_rows
-            # row w is complete, hence visible, once token ratio * (w + 1) - 1 has been seen
-            visible = mx.array(
-                np.arange(rows.shape[0])[None, :] < ((positions + 1) // self.layer.compress_ratio)[:, None]
-            )
-            if self.indexer is not None:
-                self.indexer(a, positions, state.indexer)
-                visible = self._select(qr, a, cos, sin, state.indexer.rows.mx_rows, visible)
-            keys = mx.concatenate((raw, rows))
-            mask = mx.concatenate((mask, visible), axis=1)
-        state.mx_raw_kv = raw[-args.window :]
+def pool(state: MLXCompressorState, kv: mx.array, gate: mx.array, ape: mx.array, start: int) -> mx.array | None:
+    """Advance a compressor over T tokens from position `start`; the finished windows' pooled rows
+    (before their norm), or None when no window finished.
 
-        o = ops.sink_attention(q, keys, mask, self.sinks)
-        o = self.fused.unrope(o, cos, sin)
-        groups = mx.broadcast_to(self.group_ids, (T, args.o_groups))
-        grouped = self.wo_a.gather(o.reshape(T, args.o_groups, 1, -1), groups)
-        return self.wo_b.matmul(grouped.reshape(T, -1))
+    Same semantics as `dwarfstar.backends.reference.ops.compress`: a window of `ratio` tokens pools
+    by a softmax gate over its slots, ratio 4 over 8 slots (the previous window's first half too).
+    The frontier arrays are replaced, never modified in place (state.py relies on it).
+    """
+    r, off = state.ratio, state.current_offset
+    front_kv, front_gate = state.mx_frontier_kv, state.mx_frontier_gate
+    n_pending = start % r  # tokens of the window in progress already in the frontier
+    slots = mx.arange(start, start + kv.shape[0]) % r
+    kv = mx.concatenate((front_kv[off : off + n_pending], kv))
+    gate = mx.concatenate((front_gate[off : off + n_pending], gate + ape[slots]))
+    n = kv.shape[0] // r
+    kept_kv, kept_gate = front_kv[:off], front_gate[:off]  # ratio 4: the previous window
+    pooled = None
+    if n:
+        win_kv, win_gate = kv[: n * r].reshape(n, r, -1), gate[: n * r].reshape(n, r, -1)
+        if state.overlap:
+            # row w pools the first half of window w-1 and the second half of window w; before
+            # window 0 the frontier holds gate -inf, which gives those slots weight 0
+            d = state.dim
+            prev_kv = mx.concatenate((front_kv[None, :r], win_kv[:-1]))[..., :d]
+            prev_gate = mx.concatenate((front_gate[None, :r], win_gate[:-1]))[..., :d]
+            win_kv = mx.concatenate((prev_kv, win_kv[..., d:]), axis=1)
+            win_gate = mx.concatenate((prev_gate, win_gate[..., d:]), axis=1)
+            kept_kv, kept_gate = kv[(n - 1) * r : n * r], gate[(n - 1) * r : n * r]
+        pooled = (win_kv * mx.softmax(win_gate, axis=1)).sum(1)
+    rest = kv.shape[0] - n * r
+    pad = front_kv.shape[0] - off - rest
+    width = front_kv.shape[1]
+    state.mx_frontier_kv = mx.concatenate((kept_kv, kv[n * r :], mx.zeros((pad, width))))
+    state.mx_frontier_gate = mx.concatenate((kept_gate, gate[n * r :], mx.full((pad, width), -mx.inf)))
+    return pooled
 
-    def _select(
-        self, qr: mx.array, a: mx.array, cos: mx.array, sin: mx.array, index_rows: mx.array, visible: mx.array
-    ) -> mx.array:
-        """Lightning indexer: keep the top-k visible compressed rows per query (all if fewer)."""
-        args, T = self.args, a.shape[0]
-        q = self.wq_index.matmul(qr).reshape(T, args.index_n_heads, args.index_head_dim)
-        q = self.fused.rope(q, cos, sin)
-        if self.qat:
-            q = self.fused.indexer_round(q)
-        head_weights = self.w_index_heads.matmul(a) * (args.index_head_dim**-0.5 * args.index_n_heads**-0.5)
-        per_head = mx.maximum(q @ index_rows.T, 0.0)  # [T, heads, rows]
-        scores = mx.where(visible, (per_head * head_weights[..., None]).sum(1), -mx.inf)
-        n_rows = scores.shape[1]
-        k = min(args.index_topk, n_rows)
-        if k == 0 or k == n_rows:
-            return visible
-        top = mx.argpartition(-scores, kth=k - 1, axis=1)[:, :k]
-        chosen = mx.put_along_axis(mx.zeros((T, n_rows), dtype=mx.bool_), top, mx.array(True), axis=1)
-        return chosen & visible
+
+def visible_rows(positions: mx.array, ratio: int, n_rows: int) -> mx.array | None:
+    """[T, n_rows]: row w is complete, hence visible, once token ratio * (w + 1) - 1 has been seen.
+
+    None for a single query: after its own token every row in the buffer is complete.
+    """
+    if positions.shape[0] == 1:
+        return None
+    return mx.arange(n_rows)[None, :] < ((positions + 1) // ratio)[:, None]
+
+
+def top_k(scores: mx.array, visible: mx.array | None, k: int) -> Selection:
+    """The k best-scoring rows per query of scores [T, rows] (-inf where not visible), all when fewer."""
+    T, n_rows = scores.shape
+    if k >= n_rows:
+        return Selection(mx.broadcast_to(mx.arange(n_rows)[None, :], (T, n_rows)), visible)
+    ids = mx.argpartition(-scores, kth=k - 1, axis=1)[:, :k]
+    return Selection(ids, None if visible is None else mx.take_along_axis(visible, ids, axis=1))
+
+
+def index_scores(q: mx.array, weights: mx.array, index_rows: mx.array, visible: mx.array | None) -> mx.array:
+    """sum_h w_h * relu(q_h . k) [T, rows], -inf where a row is not visible; q [T, heads, dim]."""
+    scores = (mx.maximum(q @ index_rows.T, 0.0) * weights[..., None]).sum(1)
+    return scores if visible is None else mx.where(visible, scores, -mx.inf)
+
+
+def window_band(n_queries: int, first: int, lo: int, n_keys: int, window: int) -> mx.array | None:
+    """[B, n_keys]: query i (raw index first + i) sees raw key j (raw index lo + j) within its window.
+
+    None for a single query, whose keys are exactly the rows of its window.
+    """
+    if n_queries == 1:
+        return None
+    age = (first - lo + mx.arange(n_queries))[:, None] - mx.arange(n_keys)[None, :]
+    return (age >= 0) & (age < window)
+
+
+def _joined(a: mx.array | None, b: mx.array | None, shape_a: tuple[int, int], shape_b: tuple[int, int]) -> mx.array:
+    """Two [B, *] visibility masks side by side, either of which may be None (all visible)."""
+    a = mx.ones(shape_a, dtype=mx.bool_) if a is None else a
+    b = mx.ones(shape_b, dtype=mx.bool_) if b is None else b
+    return mx.concatenate((a, b), axis=1)
+
+
+def sparse_attention(
+    q: mx.array,
+    raw: mx.array,
+    n_new: int,
+    window: int,
+    sinks: mx.array,
+    rows: mx.array | None,
+    visible: mx.array | None,
+    selection: Selection | None,
+    band: dict,
+) -> mx.array:
+    """Sink attention of one sequence's T queries [T, H, D] over their raw windows and compressed rows.
+
+    raw [n_old + T, D] holds the window before this call and the T new rows; rows [n, D] are the
+    layer's compressed rows (None in a layer without); with a `selection` each query reads only the
+    rows it chose, gathered ([B, window + k, D] keys per query), else all of them under `visible`.
+    `band` caches the window masks, which are the same in every layer of a call.
+    """
+    T, n_old = q.shape[0], raw.shape[0] - n_new
+    out = []
+    for t0 in range(0, T, QUERY_BLOCK):
+        t1 = min(T, t0 + QUERY_BLOCK)
+        first, n_q = n_old + t0, t1 - t0  # raw index of the block's first query
+        lo = max(0, first - window + 1)
+        keys = raw[lo : n_old + t1]
+        key = (first, n_q, lo)
+        if key not in band:
+            band[key] = window_band(n_q, first, lo, keys.shape[0], window)
+        mask = band[key]
+        if selection is not None:
+            chosen = mx.take(rows, selection.ids[t0:t1], axis=0)  # [B, k, D]
+            keys = mx.concatenate((mx.broadcast_to(keys[None], (n_q, *keys.shape)), chosen), axis=1)
+            valid = None if selection.valid is None else selection.valid[t0:t1]
+            if mask is not None or valid is not None:
+                mask = _joined(mask, valid, (n_q, keys.shape[1] - chosen.shape[1]), (n_q, chosen.shape[1]))
+        elif rows is not None and rows.shape[0]:
+            seen = None if visible is None else visible[t0:t1]
+            if mask is not None or seen is not None:
+                mask = _joined(mask, seen, (n_q, keys.shape[0]), (n_q, rows.shape[0]))
+            keys = mx.concatenate((keys, rows))
+        out.append(ops.sink_attention(q[t0:t1], keys, mask, sinks))
+    return out[0] if len(out) == 1 else mx.concatenate(out)

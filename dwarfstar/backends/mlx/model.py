@@ -1,55 +1,270 @@
-"""The whole DeepSeek V4 forward pass in MLX: the MLX backend behind the session layer.
+"""The MLX backend: DeepSeek V4's operations in MLX (`MLXOps`) under the one forward pass.
 
-Same contract as `dwarfstar.backends.reference.model.ReferenceModel`: `forward(tokens, state)`
-runs any chunk of consecutive tokens against a sequence state (so one pass, chunked prefill and
-decode share a code path), and `forward_batch` advances several sequences in one pass. Logits come
-back as torch tensors, as the session layer and the samplers expect. The graph of a whole call is
-built lazily and evaluated once, together with the state it updated.
+`MLXModel` is `dwarfstar.model.forward.Transformer` over `MLXOps`, so the order of the operations,
+batching, layer ranges and hooks are the forward pass's; this module only says how each step is
+computed. Every step only records MLX's lazy graph: the graph of a whole call is evaluated once, in
+`logits`, together with the state arrays it updated, and the logits come back as torch tensors.
+Positions stay on the host as numpy integers (rope angles in float64 there), so the device graph
+has no data-dependent shapes. Attention and the compressors run per sequence (each has its own
+KV); everything else on all rows of a batch at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 import torch
 
-from dwarfstar.backends.mlx import metal_available, ops
+from dwarfstar.backends.mlx import attention, metal_available, ops
 from dwarfstar.backends.mlx import state as mlx_state
-from dwarfstar.backends.mlx.attention import Attention
-from dwarfstar.backends.mlx.moe import MoE
-from dwarfstar.backends.mlx.weights import LayerWeights, Weights
-from dwarfstar.model.config import ModelArgs
+from dwarfstar.backends.mlx.state import MLXLayerState
+from dwarfstar.backends.mlx.weights import LayerWeights, Matrix, Weights
+from dwarfstar.model import tensors as tt
+from dwarfstar.model.config import ModelArgs, yarn_inv_freq
+from dwarfstar.model.forward import Batch, ExpertSource, Rows, Segment, Site, Transformer
 from dwarfstar.model.loader import ModelFile
-from dwarfstar.model.state import LayerState, SequenceState, check_batch
-
-Group = tuple[slice, np.ndarray, LayerState]  # a sequence's rows in the batch, its positions, its layer state
-
-
-class Block:
-    def __init__(self, args: ModelArgs, il: int, weights: Weights, qat: bool, fused: ops.Fused) -> None:
-        self.args, self.fused = args, fused
-        w = LayerWeights(weights, il)
-        self.hc_attn = tuple(w.dense(f"hc_attn_{k}.weight") for k in ("fn", "scale", "base"))
-        self.hc_ffn = tuple(w.dense(f"hc_ffn_{k}.weight") for k in ("fn", "scale", "base"))
-        self.attn_norm = w.dense("attn_norm.weight")
-        self.ffn_norm = w.dense("ffn_norm.weight")
-        self.attn = Attention(args, args.layer(il), w, qat, fused)
-        self.moe = MoE(args, args.layer(il), w, fused)
-
-    def __call__(self, h: mx.array, tokens: mx.array, groups: list[Group]) -> mx.array:
-        """Attention runs per sequence (each has its own KV); everything else on all rows at once."""
-        eps, fused = self.args.norm_eps, self.fused
-        x, post, comb = fused.hc_pre(h, *self.hc_attn)
-        x = ops.rms_norm(x, self.attn_norm, eps)
-        attn = mx.concatenate([self.attn(x[rows], positions, layer) for rows, positions, layer in groups])
-        h = fused.hc_post(attn, h, post, comb)
-        x, post, comb = fused.hc_pre(h, *self.hc_ffn)
-        return fused.hc_post(self.moe(ops.rms_norm(x, self.ffn_norm, eps), tokens), h, post, comb)
+from dwarfstar.model.state import SequenceState
+from dwarfstar.model.tensors import ProjectionGroup
 
 
-class MLXModel:
+@dataclass
+class ExpertStack:
+    """A layer's routed experts, each projection stacked [n_expert, out, in] for gathered products."""
+
+    gate: Matrix
+    up: Matrix
+    down: Matrix
+
+
+class ResidentExperts:
+    """Every layer's routed experts, loaded in the model's packing."""
+
+    def __init__(self, weights: Weights, n_layers: int) -> None:
+        self.layers = [
+            ExpertStack(*(LayerWeights(weights, il).experts(n) for n in tt.EXPERTS)) for il in range(n_layers)
+        ]
+
+    def experts(self, layer: int, ids: mx.array) -> tuple[ExpertStack, mx.array]:
+        return self.layers[layer], ids
+
+
+@dataclass
+class Layer:
+    """One block's weights, named by the tensor table's roles."""
+
+    hc: dict[str, tuple[mx.array, mx.array, mx.array]]
+    norm: dict[str, mx.array]
+    proj: dict[str, Matrix]  # every `ProjectionGroup` part of the layer, by key
+    q_norm: mx.array
+    kv_norm: mx.array
+    sinks: mx.array
+    # wo_a is block-diagonal over groups: group g maps its heads' concat to o_lora_rank dims, so it
+    # is loaded as a stack of o_groups matrices and applied with a gathered product
+    wo_a: Matrix
+    wo_b: Matrix
+    compressors: dict[str, tuple[mx.array, mx.array]]  # kind -> (ape, norm)
+    rope: int  # index of the layer's rotary frequencies in `MLXOps.inv_freqs`
+    router: Matrix
+    bias: mx.array | None
+    tid2eid: mx.array | None
+    shared: tuple[Matrix, Matrix, Matrix]
+
+
+class MLXOps:
+    def __init__(self, args: ModelArgs, weights: Weights, qat: bool, fused: ops.Fused) -> None:
+        self.args, self.qat, self.fused = args, qat, fused
+        # layers share a few distinct frequency sets (compressed layers blend theirs), so a call's
+        # rope tables are built once per set, not per layer
+        self.inv_freqs: list[np.ndarray] = []
+        self.embedding = weights.dense(tt.EMBED)
+        self.layers = [self._load_layer(weights, il) for il in range(args.n_layers)]
+        self.experts = ResidentExperts(weights, args.n_layers)
+        self.head_hc = tuple(weights.dense(name) for name in tt.HEAD_HC)
+        self.out_norm = weights.dense(tt.OUTPUT_NORM)
+        self.output = weights.matrix(tt.OUTPUT)
+        self.group_ids = mx.arange(args.o_groups)[None, :]
+
+    def _load_layer(self, weights: Weights, il: int) -> Layer:
+        a, spec, w = self.args, self.args.layer(il), LayerWeights(weights, il)
+        inv_freq = np.array(yarn_inv_freq(a, spec), dtype=np.float64)
+        rope = next((i for i, f in enumerate(self.inv_freqs) if np.array_equal(f, inv_freq)), len(self.inv_freqs))
+        if rope == len(self.inv_freqs):
+            self.inv_freqs.append(inv_freq)
+        return Layer(
+            hc={site: tuple(w.dense(n) for n in tt.hc_mix(site)) for site in tt.SITES},
+            norm={site: w.dense(tt.sublayer_norm(site)) for site in tt.SITES},
+            proj={p.key: w.matrix(p.tensor) for g in tt.PROJECTION_GROUPS for p in g.present(spec)},
+            q_norm=w.dense(tt.Q_NORM),
+            kv_norm=w.dense(tt.KV_NORM),
+            sinks=w.dense(tt.SINKS),
+            wo_a=w.matrix(tt.OUT_A, groups=a.o_groups),
+            wo_b=w.matrix(tt.OUT_B),
+            compressors={
+                kind: tuple(w.dense(n) for n in tt.compressor(kind))
+                for kind in tt.COMPRESSORS
+                if (kind == "attn" and spec.compress_ratio) or (kind == "indexer" and spec.has_indexer)
+            },
+            rope=rope,
+            router=w.matrix(tt.ROUTER),
+            bias=None if spec.hash_routed else w.dense(tt.ROUTER_BIAS),
+            tid2eid=w.dense(tt.HASH_TABLE) if spec.hash_routed else None,
+            shared=tuple(w.matrix(n) for n in tt.SHARED_EXPERT),
+        )
+
+    def new_state(self) -> SequenceState:
+        return mlx_state.new_state(self.args)
+
+    @staticmethod
+    def _state(seq: Segment, il: int) -> MLXLayerState:
+        """The sequence's layer state as MLX arrays (a state read from a payload is adopted here, once)."""
+        layers = seq.state.layers
+        layers[il] = MLXLayerState.adopt(layers[il])
+        return layers[il]
+
+    # -- streams -----------------------------------------------------------------------------------------
+    def embed(self, batch: Batch) -> mx.array:
+        tokens = np.concatenate([s.tokens.numpy() for s in batch.seqs])
+        batch.tokens = mx.array(tokens.astype(np.int32))
+        batch.aux["positions"] = np.concatenate([np.arange(s.start, s.start + s.length) for s in batch.seqs])
+        a = self.args
+        return mx.broadcast_to(self.embedding[batch.tokens][:, None, :], (tokens.size, a.hc_mult, a.dim))
+
+    def hc_pre(self, il: int, site: Site, h: mx.array) -> tuple[mx.array, tuple]:
+        layer = self.layers[il]
+        x, post, comb = self.fused.hc_pre(h, *layer.hc[site])
+        return ops.rms_norm(x, layer.norm[site], self.args.norm_eps), (post, comb)
+
+    def hc_post(self, h: mx.array, out: mx.array, mix: tuple) -> mx.array:
+        return self.fused.hc_post(out, h, *mix)
+
+    def hc_head(self, h: mx.array, rows: list[int] | None) -> mx.array:
+        h = h if rows is None else h[mx.array(rows)]
+        return ops.rms_norm(self.fused.hc_head(h, *self.head_hc), self.out_norm, self.args.norm_eps)
+
+    def logits(self, y: mx.array, batch: Batch) -> torch.Tensor:
+        logits = self.output.matmul(y)
+        mx.eval(logits, *(arr for seq in batch.seqs for arr in mlx_state.lazy_arrays(seq.state)))
+        # a numpy copy, not torch ops: torch's thread hand-offs cost more than a copy on busy cores
+        return torch.from_numpy(np.array(logits))
+
+    def finish(self, batch: Batch) -> None:
+        """Nothing: the row buffers count their rows as they are appended."""
+
+    # -- attention ---------------------------------------------------------------------------------------
+    def project(self, il: int, group: ProjectionGroup, x: mx.array) -> dict[str, mx.array]:
+        proj = self.layers[il].proj
+        return {p.key: proj[p.key].matmul(x) for p in group.present(self.args.layer(il))}
+
+    def _rope_tables(self, il: int, batch: Batch) -> tuple[mx.array, mx.array]:
+        """cos/sin at the batch's positions for the layer's frequencies, built once per call."""
+        key = ("rope", self.layers[il].rope)
+        if key not in batch.aux:
+            batch.aux[key] = ops.rope_tables(batch.aux["positions"], self.inv_freqs[self.layers[il].rope])
+        return batch.aux[key]
+
+    def norm_rope(self, il: int, kind: Rows, x: mx.array, batch: Batch) -> mx.array:
+        a, layer, fused = self.args, self.layers[il], self.fused
+        if kind is Rows.Q_LORA:
+            return ops.rms_norm(x, layer.q_norm, a.norm_eps)
+        cos, sin = self._rope_tables(il, batch)
+        if kind is Rows.QUERY:
+            return fused.rope(ops.rms_norm(x.reshape(x.shape[0], a.n_heads, a.head_dim), None, a.norm_eps), cos, sin)
+        if kind is Rows.KV:
+            kv = fused.rope(ops.rms_norm(x, layer.kv_norm, a.norm_eps), cos, sin)
+            return fused.fp8_round_nope(kv) if self.qat else kv
+        q = fused.rope(x.reshape(x.shape[0], a.index_n_heads, a.index_head_dim), cos, sin)
+        return fused.indexer_round(q) if self.qat else q
+
+    def write_window(self, il: int, kv: mx.array, batch: Batch) -> None:
+        for seq in batch.seqs:
+            layer = self._state(seq, il)
+            layer.mx_raw_kv = mx.concatenate((layer.mx_raw_kv, kv[seq.rows]))
+
+    def compress(self, il: int, kind: str, proj: dict[str, mx.array], batch: Batch) -> None:
+        a, (ape, norm) = self.args, self.layers[il].compressors[kind]
+        for seq in batch.seqs:
+            layer = self._state(seq, il)
+            state = layer.compressor if kind == "attn" else layer.indexer
+            pooled = attention.pool(state, proj[f"{kind}_kv"][seq.rows], proj[f"{kind}_gate"][seq.rows], ape, seq.start)
+            if pooled is None:
+                continue
+            row_positions = (state.rows.n + np.arange(pooled.shape[0])) * state.ratio  # its window's first token
+            rows = self.fused.rope(
+                ops.rms_norm(pooled, norm, a.norm_eps),
+                *ops.rope_tables(row_positions, self.inv_freqs[self.layers[il].rope]),
+            )
+            if self.qat:
+                rows = self.fused.fp8_round_nope(rows) if kind == "attn" else self.fused.indexer_round(rows)
+            state.rows.append(rows)
+
+    def _visible(self, il: int, seq: Segment, n_rows: int, batch: Batch) -> mx.array | None:
+        """The sequence's [T, n_rows] row visibility, the same in every layer of a ratio, built once per call."""
+        ratio = self.args.layer(il).compress_ratio
+        key = ("visible", id(seq.state), ratio, n_rows)
+        if key not in batch.aux:
+            positions = mx.arange(seq.start, seq.start + seq.length)
+            batch.aux[key] = attention.visible_rows(positions, ratio, n_rows)
+        return batch.aux[key]
+
+    def index_topk(self, il: int, q: mx.array, weights: mx.array, batch: Batch) -> list[attention.Selection]:
+        a, chosen = self.args, []
+        weights = weights * (a.index_head_dim**-0.5 * a.index_n_heads**-0.5)
+        for seq in batch.seqs:
+            index_rows = self._state(seq, il).indexer.rows.mx_rows
+            visible = self._visible(il, seq, index_rows.shape[0], batch)
+            scores = attention.index_scores(q[seq.rows], weights[seq.rows], index_rows, visible)
+            chosen.append(attention.top_k(scores, visible, a.index_topk))
+        return chosen
+
+    def sparse_attention(
+        self, il: int, q: mx.array, batch: Batch, selected: list[attention.Selection] | None
+    ) -> mx.array:
+        a, layer, out = self.args, self.layers[il], []
+        cos, sin = self._rope_tables(il, batch)
+        band = batch.aux.setdefault("window_band", {})
+        for i, seq in enumerate(batch.seqs):
+            state = self._state(seq, il)
+            rows = visible = None
+            if state.compressor is not None:
+                rows = state.compressor.rows.mx_rows
+                visible = self._visible(il, seq, rows.shape[0], batch)
+            raw = state.mx_raw_kv
+            o = attention.sparse_attention(
+                q[seq.rows], raw, seq.length, a.window, layer.sinks, rows, visible,
+                None if selected is None else selected[i], band,
+            )  # fmt: skip
+            state.mx_raw_kv = raw[-a.window :]
+            out.append(o)
+        o = out[0] if len(out) == 1 else mx.concatenate(out)
+        return self.fused.unrope(o, cos, sin)
+
+    def attn_output(self, il: int, o: mx.array) -> mx.array:
+        layer, a, n = self.layers[il], self.args, o.shape[0]
+        groups = mx.broadcast_to(self.group_ids, (n, a.o_groups))
+        grouped = layer.wo_a.gather(o.reshape(n, a.o_groups, 1, -1), groups)
+        return layer.wo_b.matmul(grouped.reshape(n, -1))
+
+    # -- mixture of experts --------------------------------------------------------------------------------
+    def route(self, il: int, x: mx.array, batch: Batch) -> tuple[mx.array, mx.array]:
+        a, layer = self.args, self.layers[il]
+        fixed = None if layer.tid2eid is None else layer.tid2eid[batch.tokens]
+        return ops.route(layer.router.matmul(x), a.n_activated_experts, a.route_scale, layer.bias, fixed)
+
+    def moe(self, il: int, x: mx.array, ids: mx.array, weights: mx.array, experts: ExpertSource) -> mx.array:
+        stack, slot_ids = experts.experts(il, ids)
+        rows = x[:, None, None, :]
+        # the router weight scales the SwiGLU output before the down projection, as ds4 does
+        hidden = self.fused.swiglu(stack.gate.gather(rows, slot_ids), stack.up.gather(rows, slot_ids))
+        routed = stack.down.gather(hidden * weights[..., None, None], slot_ids).sum(axis=(1, 2))
+        gate, up, down = self.layers[il].shared
+        return routed + down.matmul(self.fused.swiglu(gate.matmul(x), up.matmul(x)))
+
+
+class MLXModel(Transformer[mx.array]):
+    """The forward pass over `MLXOps`: what the session layer drives."""
+
     def __init__(
         self,
         model: ModelFile,
@@ -59,63 +274,6 @@ class MLXModel:
         fuse: bool | None = None,
     ) -> None:
         """`fuse` compiles the op-heavy primitives (`ops.Fused`); by default only where Metal runs them."""
-        args = model.args
-        self.args, self.qat, self.packing = args, qat, packing
-        self.fused = ops.Fused(args, metal_available() if fuse is None else fuse)
-        self.max_seq_len = min(max_seq_len or args.max_seq_len, args.max_seq_len)
-        weights = Weights(model.gguf, packing)
-        self.embed = weights.dense("token_embd.weight")
-        self.blocks = [Block(args, il, weights, qat, self.fused) for il in range(args.n_layers)]
-        self.head_hc = tuple(weights.dense(f"output_hc_{k}.weight") for k in ("fn", "scale", "base"))
-        self.out_norm = weights.dense("output_norm.weight")
-        self.output = weights.matrix("output.weight")
-
-    def new_state(self) -> SequenceState:
-        return mlx_state.new_state(self.args)
-
-    def forward(
-        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
-    ) -> torch.Tensor:
-        """Logits after the T tokens, which continue `state` (updated in place, `state.logits` included).
-
-        Returns [T, vocab] with `all_logits`, else [1, vocab] for the last token only.
-        """
-        return self.forward_batch([tokens], [state], all_logits)[0]
-
-    def forward_batch(
-        self,
-        token_lists: Sequence[Sequence[int] | torch.Tensor],
-        states: Sequence[SequenceState],
-        all_logits: bool = False,
-    ) -> list[torch.Tensor]:
-        """Advance several independent sequences in one pass; all are validated before any state changes."""
-        a = self.args
-        chunks = [np.asarray(t) for t in check_batch(token_lists, states, a.vocab_size, self.max_seq_len)]
-        live = [(c, s) for c, s in zip(chunks, states, strict=True) if c.size]
-        if not live:
-            return [torch.empty(0, a.vocab_size) for _ in chunks]
-        tokens = mx.array(np.concatenate([c for c, _ in live]).astype(np.int32))
-        bounds, start = [], 0
-        for chunk, state in live:
-            bounds.append((slice(start, start + chunk.size), np.arange(state.pos, state.pos + chunk.size)))
-            start += chunk.size
-        layers = [mlx_state.adopt(state) for _, state in live]
-        h = mx.broadcast_to(self.embed[tokens][:, None, :], (tokens.shape[0], a.hc_mult, a.dim))
-        for il, block in enumerate(self.blocks):
-            h = block(h, tokens, [(rows, pos, seq[il]) for (rows, pos), seq in zip(bounds, layers, strict=True)])
-        if not all_logits:
-            h = h[mx.array([rows.stop - 1 for rows, _ in bounds])]
-        y = ops.rms_norm(self.fused.hc_head(h, *self.head_hc), self.out_norm, a.norm_eps)
-        logits = self.output.matmul(y)
-        mx.eval(logits, *(arr for _, state in live for arr in mlx_state.lazy_arrays(state)))
-        # numpy copies, not torch ops: torch's thread hand-offs cost more than a copy on busy cores
-        logits = np.array(logits)
-        out, row = {}, 0
-        for chunk, state in live:
-            n = chunk.size if all_logits else 1
-            out[id(state)] = torch.from_numpy(logits[row : row + n])
-            state.logits = torch.from_numpy(logits[row + n - 1].copy())
-            row += n
-            state.pos += chunk.size
-            state.tokens.extend(chunk.tolist())
-        return [out.get(id(s), torch.empty(0, a.vocab_size)) for s in states]
+        self.qat, self.packing = qat, packing
+        fused = ops.Fused(model.args, metal_available() if fuse is None else fuse)
+        super().__init__(MLXOps(model.args, Weights(model.gguf, packing), qat, fused), max_seq_len)

@@ -1,7 +1,7 @@
 """Numerical primitives of DeepSeek V4 in MLX built-in ops, float32.
 
 Each function mirrors its torch counterpart in `dwarfstar.backends.reference.ops` (same semantics,
-same order of roundings); tests/mlx/test_ops.py checks them against it. Only MLX's built-in ops
+same order of roundings); tests/mlx/test_mlx_ops.py checks them against it. Only MLX's built-in ops
 are used, so this runs wherever MLX does (Linux CPU included).
 """
 
@@ -167,15 +167,40 @@ def hc_head(h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, hc_eps: 
     return (weights[..., None] * h).sum(1)
 
 
-def sink_attention(q: mx.array, kv: mx.array, mask: mx.array, sinks: mx.array) -> mx.array:
-    """Softmax attention with a per-head sink logit in the denominator; q [T, H, D], kv [N, D] (K = V).
+def sink_attention(q: mx.array, kv: mx.array, mask: mx.array | None, sinks: mx.array) -> mx.array:
+    """Softmax attention with a per-head sink logit in the denominator; q [T, H, D] -> [T, H, D] (K = V).
 
-    MLX's fused attention takes the sinks directly; mask [T, N] is True where a row is visible.
+    kv is [N, D], shared by every query, or [T, N, D], each query its own rows (the gathered sparse
+    selection); mask [T, N] is True where a row is visible, None when all are. MLX's fused attention
+    takes the sinks directly.
     """
-    qh = q.transpose(1, 0, 2)[None]
-    k = kv[None, None]
-    out = mx.fast.scaled_dot_product_attention(qh, k, k, scale=q.shape[-1] ** -0.5, mask=mask, sinks=sinks)
-    return out[0].transpose(1, 0, 2)
+    scale = q.shape[-1] ** -0.5
+    if kv.ndim == 2:
+        k = kv[None, None]
+        out = mx.fast.scaled_dot_product_attention(
+            q.transpose(1, 0, 2)[None], k, k, scale=scale, mask=mask, sinks=sinks
+        )
+        return out[0].transpose(1, 0, 2)
+    # one query per batch entry: [T, H, 1, D] against its own [T, 1, N, D]
+    k = kv[:, None]
+    mask = None if mask is None else mask[:, None, None, :]
+    out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], k, k, scale=scale, mask=mask, sinks=sinks)
+    return out[:, :, 0, :]
+
+
+def route(
+    logits: mx.array, k: int, route_scale: float, bias: mx.array | None, fixed: mx.array | None
+) -> tuple[mx.array, mx.array]:
+    """Pick experts and their weights: (ids [T, k], weights [T, k]).
+
+    Scores are sqrt(softplus(logit)). The bias only steers selection; hash layers take the ids from
+    the token table instead. Weights are the un-biased scores of the chosen experts, renormalised
+    and multiplied by the routed scale.
+    """
+    scores = mx.sqrt(mx.logaddexp(logits, 0.0))
+    ids = fixed if fixed is not None else mx.argpartition(-(scores + bias), kth=k - 1, axis=-1)[:, :k]
+    weights = mx.take_along_axis(scores, ids, axis=1)
+    return ids, weights / weights.sum(-1, keepdims=True) * route_scale
 
 
 class Fused:

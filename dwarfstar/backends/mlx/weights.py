@@ -29,6 +29,7 @@ from dwarfstar.errors import DwarfStarError
 from dwarfstar.gguf.constants import GGMLType
 from dwarfstar.gguf.dequant import dequantize
 from dwarfstar.gguf.reader import GGUFFile
+from dwarfstar.model import tensors as tt
 
 PACKINGS = ("exact", "affine4", "affine2", "blocks")
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
@@ -128,16 +129,16 @@ class Weights:
 
 
 class LayerWeights:
-    """The tensors of block `il`, named without their `blk.{il}.` prefix."""
+    """The tensors of block `il`, named by their role in the tensor table (`dwarfstar.model.tensors`)."""
 
     def __init__(self, weights: Weights, il: int) -> None:
-        self.weights, self.prefix = weights, f"blk.{il}."
+        self.weights, self.il = weights, il
 
     def dense(self, name: str) -> mx.array:
-        return self.weights.dense(self.prefix + name)
+        return self.weights.dense(tt.layer_tensor(self.il, name))
 
     def matrix(self, name: str, groups: int = 1) -> Matrix:
-        return self.weights.matrix(self.prefix + name, groups)
+        return self.weights.matrix(tt.layer_tensor(self.il, name), groups)
 
     def experts(self, name: str) -> Matrix:
-        return self.weights.experts(self.prefix + name)
+        return self.weights.experts(tt.layer_tensor(self.il, name))
