@@ -26,7 +26,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("ggml_type", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q2_K, T.Q4_K, T.IQ2_XXS])
-@pytest.mark.parametrize("m", [1, 3, 20])
+@pytest.mark.parametrize("m", [1, 3, 12, 20])  # GEMV, GEMV, fused tensor-core GEMM, vendor GEMM
 def test_matches_dequantized_product(ggml_type, m, device, quant_blocks):
     w = make_weight(ggml_type, 24, 512, device, quant_blocks, seed=m)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(2)).to(device)
@@ -43,10 +43,11 @@ def test_partial_tile_and_row_stride(ggml_type, use_dot, device, quant_blocks):
     assert rel_err(qm.qmatmul(x, w, use_dot=use_dot), qm.reference(x.contiguous(), w)) < 2e-6
 
 
-def test_grouped_block_diagonal(device, quant_blocks):
+@pytest.mark.parametrize("m", [5, 20])
+def test_grouped_block_diagonal(m, device, quant_blocks):
     """Two groups: group g multiplies columns [g*K, (g+1)*K) of x by weight rows [g*N, (g+1)*N)."""
     w = make_weight(T.Q8_0, 2 * 16, 64, device, quant_blocks)
-    x = torch.randn(5, 2 * 64, generator=torch.Generator().manual_seed(4)).to(device)
+    x = torch.randn(m, 2 * 64, generator=torch.Generator().manual_seed(4)).to(device)
     got = qm.qmatmul(x, w, groups=2)
     dense = w.dequantize()
     want = torch.cat((x[:, :64] @ dense[:16].T, x[:, 64:] @ dense[16:].T), dim=1)
@@ -66,3 +67,19 @@ def test_fast_precision_uses_bf16_operands(device, quant_blocks):
     x = torch.randn(32, 512, generator=torch.Generator().manual_seed(6)).to(device)
     err = rel_err(qm.qmatmul(x, w, precision=FAST), qm.reference(x, w))
     assert 1e-5 < err < 2e-2  # bf16 rounding of the operands shows, but stays small
+
+
+@pytest.mark.parametrize("ggml_type", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q2_K, T.Q4_K, T.IQ2_XXS])
+def test_prefill_scratch_is_the_torch_dequantizer_bit_for_bit(ggml_type, device, quant_blocks):
+    """The vendor-GEMM path decodes the whole weight with the block decoder: exactly `dequantize`."""
+    w = make_weight(ggml_type, 20, 512, device, quant_blocks, seed=9)
+    assert torch.equal(qm.dequantized(w, torch.float32), w.dequantize())
+
+
+def test_vendor_gemm_reuses_one_scratch_per_shape(device, quant_blocks):
+    a, b = (make_weight(T.Q8_0, 16, 256, device, quant_blocks, seed=s) for s in (10, 11))
+    x = torch.randn(24, 300, generator=torch.Generator().manual_seed(12)).to(device)[:, 20:276]  # strided rows
+    ya, yb = qm.qmatmul(x, a), qm.qmatmul(x, b)
+    assert qm.dequantized(a, torch.float32).data_ptr() == qm.dequantized(b, torch.float32).data_ptr()
+    assert rel_err(ya, qm.reference(x.contiguous(), a)) < 2e-6
+    assert rel_err(yb, qm.reference(x.contiguous(), b)) < 2e-6

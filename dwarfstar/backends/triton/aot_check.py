@@ -148,7 +148,7 @@ def _drive_launches(only: Sequence[str]) -> None:
     from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchShape
     from dwarfstar.backends.triton.synthetic import PRESETS, synthetic_state, synthetic_weights
     from dwarfstar.model.config import ModelArgs
-    from dwarfstar.model.synthetic import Q2, TINY
+    from dwarfstar.model.synthetic import Q2, TINY_K
 
     cpu = torch.device("cpu")
     for args in (ModelArgs.flash(), ModelArgs.pro()):
@@ -157,8 +157,8 @@ def _drive_launches(only: Sequence[str]) -> None:
             case.run()
     if only:
         return
-    PRESETS.setdefault("tiny", (TINY, Q2))
-    weights = synthetic_weights("tiny", device=cpu)
+    PRESETS.setdefault("tiny-k", (TINY_K, Q2))  # rows of whole 256-column super-blocks for the q2 experts
+    weights = synthetic_weights("tiny-k", device=cpu)
     for precision in (EXACT, FAST):
         model = TritonModel(weights, precision=precision)
         model.forward(list(range(3, 40)), model.new_state(), all_logits=False)

@@ -61,6 +61,8 @@ def repack(blocks: torch.Tensor, ggml_type: GGMLType, cols: int) -> torch.Tensor
     if ggml_type not in PAYLOAD:
         return blocks
     block, size = BLOCK_GEOMETRY[ggml_type]
+    if cols % block:
+        raise ValueError(f"{ggml_type.name} needs rows that are a multiple of {block} elements, got {cols}")
     rows, nb = blocks.shape[0], cols // block
     payload, side = (i.to(blocks.device) for i in _block_order(ggml_type))
     split = nb * len(payload)

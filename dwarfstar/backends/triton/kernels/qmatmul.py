@@ -1,14 +1,18 @@
 """Fused dequantize + matrix product over GGUF blocks: GEMV for decode, GEMM for prefill.
 
-y[m, n] = sum_k x[m, k] * W[n, k], W read as raw GGUF blocks (F32/F16/BF16/Q8_0/Q2_K/Q4_K/IQ2_XXS)
-and decoded tile by tile in registers (`load_weight_tile`); nothing is ever expanded in memory.
+y[m, n] = sum_k x[m, k] * W[n, k], W read as GGUF blocks (F32/F16/BF16/Q8_0/Q2_K/Q4_K/IQ2_XXS) in
+the aligned layout and decoded tile by tile in registers (`load_weight_tile`).
 
-Two inner products share the kernel:
+Two inner products share the fused kernel:
 * GEMV (few rows of x, decode): each program owns BN weight rows, decodes each [BN, BK] tile once and
   multiplies it with the BM (<= 8) activation rows on the CUDA cores in fp32. This path is bound by
   memory: each weight byte is read exactly once per token.
 * GEMM (prefill): BM x BN output tiles through `tl.dot`, IEEE fp32 operands for exact results or bf16
-  operands (fp32 accumulation) with `Precision.fast`.
+  operands (fp32 accumulation) with `Precision.fast`, for chunks of up to 16 rows.
+
+Longer prefill chunks decode the weight once into a float32 (exact) or bf16 (fast) scratch with
+the block decoder and hand it to the vendor GEMM (`torch.bmm`: cuBLAS, hipBLASLt), whose tiling
+beats decoding the weight again in every output tile.
 
 Groups: the grouped low-rank attention output (wo_a) is G independent products, group g taking
 columns [g*K, (g+1)*K) of each x row and weight rows [g*N, (g+1)*N). Split-K: for a few rows over a
@@ -24,12 +28,53 @@ import torch
 import triton
 import triton.language as tl
 
-from dwarfstar.backends.triton.kernels.quant_blocks import gemv_tile, grid_table, load_weight_tile, tile_k
+from dwarfstar.backends.triton.kernels.quant_blocks import (
+    dequantize_rows,
+    gemv_tile,
+    grid_table,
+    load_weight_tile,
+    tile_k,
+)
 from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, interpreting, next_pow2
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
 
 GEMV_MAX_ROWS = 8  # above this many activation rows the tensor-core GEMM wins
+# from this many rows on (prefill chunks) decoding the weight once into a scratch and calling the
+# vendor GEMM (cuBLAS, hipBLASLt) beats decoding it in every output tile, as llama.cpp finds above 16
+VENDOR_GEMM_MIN_ROWS = 17
+
+_scratch: dict[tuple, torch.Tensor] = {}
+
+
+def dequantized(w: QWeight, dtype: torch.dtype) -> torch.Tensor:
+    """w decoded to [rows, cols] of `dtype` in a scratch shared by every weight of that shape.
+
+    The scratch is overwritten by the next decode of the same shape: consume it at once (stream
+    order makes that safe on a GPU).
+    """
+    key = (w.data.device, dtype, w.rows, w.cols)
+    if key not in _scratch:
+        _scratch[key] = torch.empty(w.rows, w.cols, dtype=dtype, device=w.data.device)
+    return dequantize_rows(w.data, w.ggml_type, _scratch[key])
+
+
+def _matmul_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [G, M, K] @ b [G, K, N] in float32; bf16 operands accumulate in fp32 without rounding the result."""
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b)
+    if a.is_cuda:  # cuBLAS / hipBLASLt write fp32 outputs of bf16 products
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())  # CPU (interpreter tests): the same exact products of bf16 values
+
+
+def _vendor_qmatmul(x: torch.Tensor, w: QWeight, groups: int, precision: Precision) -> torch.Tensor:
+    m, n, k = x.shape[0], w.rows // groups, w.cols
+    dtype = torch.bfloat16 if precision.fast else torch.float32
+    dense = dequantized(w, dtype).view(groups, n, k)
+    xg = x.as_strided((groups, m, k), (k, x.stride(0), 1)).to(dtype)
+    y = _matmul_fp32_out(xg, dense.transpose(1, 2))  # [G, M, N]
+    return y.transpose(0, 1).reshape(m, groups * n)
 
 
 @triton.jit
@@ -96,7 +141,9 @@ def qmatmul(
     """x [M, groups * K] float32 (row stride free, unit column stride) times w [groups * N, K]^T.
 
     Returns [M, groups * N], or partial sums [split_k, M, N] when split_k > 1 (groups must be 1).
-    `use_dot` forces the GEMM (True) or GEMV (False) path; by default it follows the number of rows.
+    `use_dot` forces the fused GEMM (True) or GEMV (False) path; by default it follows the number of
+    rows: GEMV up to GEMV_MAX_ROWS, the fused tensor-core GEMM up to 16, then the dequantized
+    weight through the vendor GEMM (split-K partials stay fused: their weights have 24 rows).
     """
     m = x.shape[0]
     k = w.cols
@@ -105,6 +152,8 @@ def qmatmul(
         raise ValueError(f"x must be [M, {groups * k}] with contiguous rows, got {tuple(x.shape)}")
     if split_k > 1 and groups != 1:
         raise ValueError("split-K and groups do not combine")
+    if use_dot is None and split_k == 1 and m >= VENDOR_GEMM_MIN_ROWS:
+        return _vendor_qmatmul(x, w, groups, precision)
     if use_dot is None:
         use_dot = m > GEMV_MAX_ROWS
     bk = tile_k(w.ggml_type, k, gemm=use_dot)

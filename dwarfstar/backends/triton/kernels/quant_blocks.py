@@ -198,13 +198,15 @@ def load_weight_tile(w_ptr, grid_ptr, row_off, k0, K, WTYPE: tl.constexpr, BN: t
 @triton.jit
 def _gather_rows_kernel(
     w_ptr, grid_ptr, ids_ptr, out_ptr, n, K, row_bytes, copies,
-    WTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    WTYPE: tl.constexpr, GATHER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    # program (row block, column block): decode BN gathered rows, write each `copies` times
+    # program (row block, column block): decode BN gathered rows (or rows in order), write each
+    # `copies` times in the output's dtype
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     k0 = tl.program_id(1) * BK
-    ids = tl.load(ids_ptr + rows, mask=rows < n, other=0)
+    ids = tl.load(ids_ptr + rows, mask=rows < n, other=0) if GATHER else tl.minimum(rows, n - 1)
     tile = load_weight_tile(w_ptr, grid_ptr, ids.to(tl.int64) * row_bytes, k0, K, WTYPE, BN, BK)
+    tile = tile.to(out_ptr.dtype.element_ty)
     k = k0 + tl.arange(0, BK)
     for c in range(copies):
         out = out_ptr + (rows.to(tl.int64) * copies + c)[:, None] * K + k[None, :]
@@ -223,7 +225,18 @@ def gather_rows(data: torch.Tensor, ggml_type: GGMLType, k: int, ids: torch.Tens
     bn = min(16, triton.next_power_of_2(n)) if interpreting() else 1
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _gather_rows_kernel[grid](data, grid_table(data.device), ids, out, n, k, data.shape[1], copies,
-                              WTYPE=int(ggml_type), BN=bn, BK=bk)  # fmt: skip
+                              WTYPE=int(ggml_type), GATHER=True, BN=bn, BK=bk)  # fmt: skip
+    return out
+
+
+def dequantize_rows(data: torch.Tensor, ggml_type: GGMLType, out: torch.Tensor) -> torch.Tensor:
+    """Decode every row of a [rows, row_bytes] block tensor into `out` [rows, k] (float32 or bfloat16)."""
+    n, k = out.shape
+    bk = tile_k(ggml_type, k)
+    bn, warps = (min(64, triton.next_power_of_2(n)), 1) if interpreting() else gemv_tile(1, n, ggml_type, bk)
+    grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
+    _gather_rows_kernel[grid](data, grid_table(data.device), data, out, n, k, data.shape[1], 1,
+                              WTYPE=int(ggml_type), GATHER=False, BN=bn, BK=bk, num_warps=warps)  # fmt: skip
     return out
 
 
