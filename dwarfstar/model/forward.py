@@ -101,7 +101,11 @@ class Ops(Protocol[A]):
     def new_state(self) -> SequenceState: ...
 
     def embed(self, batch: Batch) -> A:
-        """Set `batch.tokens`; return the embedding rows copied into the hc_mult streams [N, n, dim]."""
+        """The embedding rows copied into the hc_mult streams [N, n, dim].
+
+        Also prepares the call: sets `batch.tokens`, and whatever the backend derives once per call
+        goes into `batch.aux`.
+        """
         ...
 
     def hc_pre(self, il: int, site: Site, h: A) -> tuple[A, Any]:
@@ -215,6 +219,12 @@ class Transformer(Generic[A]):
         rows = None if all_positions else batch.last_rows
         return self.ops.hc_head(h, rows), rows
 
+    def compute(self, batch: Batch, all_positions: bool) -> tuple[torch.Tensor, list[int] | None]:
+        """The device work of a call, without the host bookkeeping (`advance`): a decode step can
+        be captured as a graph from it and replayed."""
+        y, rows = self.head(self.run_layers(self.embed(batch), batch), batch, all_positions)
+        return self.ops.logits(y, batch), rows
+
     def advance(self, batch: Batch) -> None:
         """Every state now includes its tokens."""
         self.ops.finish(batch)
@@ -287,8 +297,7 @@ class Transformer(Generic[A]):
         batch = self.batch(token_lists, states)
         out: dict[int, torch.Tensor] = {}
         if batch.seqs:
-            y, rows = self.head(self.run_layers(self.embed(batch), batch), batch, all_logits)
-            logits = self.ops.logits(y, batch)
+            logits, rows = self.compute(batch, all_logits)
             self.advance(batch)
             for i, seq in enumerate(batch.seqs):
                 mine = logits[seq.rows] if rows is None else logits[i : i + 1]

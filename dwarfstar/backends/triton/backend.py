@@ -87,5 +87,7 @@ class TritonBackend:
     def forward_batch(
         self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False
     ) -> list[torch.Tensor]:
-        """Several sequences, one after another (the kernels take one sequence per launch)."""
-        return [self.forward(tokens, state, all_logits) for tokens, state in zip(token_lists, states, strict=True)]
+        """Several sequences in one pass: every weight is read once; attention runs per sequence."""
+        if len(states) == 1:
+            return [self.forward(token_lists[0], states[0], all_logits)]
+        return self.model.forward_batch(token_lists, states, all_logits)

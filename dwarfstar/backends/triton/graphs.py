@@ -2,7 +2,7 @@
 
 A decode step launches about 30 kernels per layer; replaying them as one graph removes the CPU
 launch cost, which otherwise exceeds the GPU time of a step. The model reads every position-
-dependent value on the device (`TritonModel.launch`), so one graph serves every position with the
+dependent value on the device (`TritonOps`), so one graph serves every position with the
 same launch shape. The shape of a step is: the raw window is full (earlier steps run eagerly), and
 which compressors emit a row at this position (ratio 4 every 4th token, ratio 128 every 128th). A
 graph also bakes in the addresses of the state's tensors; it is captured again when one changed (a
@@ -20,6 +20,7 @@ import torch
 
 from dwarfstar.backends.triton.kernels.compressor import emitted
 from dwarfstar.backends.triton.model import TritonModel
+from dwarfstar.model.forward import Batch
 from dwarfstar.model.state import SequenceState
 
 
@@ -63,24 +64,26 @@ class DecodeGraphs:
         if shape not in self.compiled:
             self.compiled.add(shape)
             return model.forward([token], state)
-        tokens = torch.tensor([token])
-        model.check(tokens, state)
-        model.prepare(state, 1)
+        batch = model.batch([[token]], [state])
+        model.ops.reserve(state, 1)
         addresses = state_addresses(state)
         entry = self.captured.get(shape)
         if entry is None or entry.addresses != addresses:
-            entry = self._capture(state, addresses)
+            entry = self._capture(batch, addresses)
             self.captured[shape] = entry
         self.tok.fill_(token)
         self.pos.fill_(state.pos)
         entry.graph.replay()
         logits = entry.logits.clone()
-        model.commit(state, [token], logits)
+        model.advance(batch)
+        state.logits = logits[-1].clone()
         return logits
 
-    def _capture(self, state: SequenceState, addresses: tuple[int, ...]) -> _Captured:
+    def _capture(self, batch: Batch, addresses: tuple[int, ...]) -> _Captured:
+        """Record the device work of a step whose tokens and position come from the static buffers."""
         graph = torch.cuda.CUDAGraph()
+        batch.aux.update(tok=self.tok, pos=[self.pos])
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
-            logits = self.model.launch(self.tok, self.pos, state, all_logits=True)
+            logits, _ = self.model.compute(batch, all_positions=True)
         return _Captured(graph, logits, addresses)

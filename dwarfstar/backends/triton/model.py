@@ -1,22 +1,19 @@
-"""The DeepSeek V4 forward pass lowered onto the Triton kernels.
+"""DeepSeek V4's operations on the Triton kernels: `TritonOps`, driven by the shared forward pass.
 
-Same structure and order as the reference backend (`backends/reference/model.py`, spec §2, §3.1):
-per layer, mHC pre -> attention -> mHC post -> mHC pre -> MoE -> mHC post; inside attention the raw
-KV row is written first, then the compressors (a row completed by token p is visible to p), then the
-indexer's selection, then attention. The state is the backend-neutral `SequenceState`, kept on the
-device: raw windows, row buffers and compressor frontiers are read and updated in place by the
-kernels.
+The order of the operations is `dwarfstar.model.forward.Transformer`'s; this module only says how
+each runs on the device. The state is the backend-neutral `SequenceState`, kept on the device: raw
+windows, row buffers and compressor frontiers are read and updated in place by the kernels. The
+matrices, the mHC and the MoE run on all rows of a batch at once (each weight is read once per
+step); attention, the compressors and the indexer run per sequence, with that sequence's position.
 
-Everything that depends on the position is read on the device from `pos` (an int32 scalar): row
-visibility, compressed-row indices, frontier slots, RoPE angles. What the host decides from the
-position is only the launch shape (how many compressor rows a chunk emits, whether the raw window
-is full), which is what lets `graphs.DecodeGraphs` capture a decode step once per shape and replay
-it at every later position.
+Everything that depends on the position is read on the device from a sequence's `pos` (an int32
+scalar): row visibility, compressed-row indices, frontier slots, RoPE angles. What the host decides
+from the position is only the launch shape (how many compressor rows a chunk emits, whether the raw
+window is full), which is what lets `graphs.DecodeGraphs` capture a decode step once per shape and
+replay it at every later position.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 
@@ -38,9 +35,11 @@ from dwarfstar.backends.triton.kernels.qmatmul import GEMV_MAX_ROWS, qmatmul
 from dwarfstar.backends.triton.kernels.rms_norm_rope import NORM_NONE, NORM_PLAIN, QAT_FP4, QAT_FP8, QAT_NONE
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
 from dwarfstar.backends.triton.runtime import EXACT, Precision, interpreting
-from dwarfstar.backends.triton.weights import FusedLinear, LayerWeights, ModelWeights
-from dwarfstar.model.config import LayerSpec, yarn_inv_freq
-from dwarfstar.model.state import CompressorState, LayerState, RowBuffer, SequenceState, check_batch
+from dwarfstar.backends.triton.weights import FusedLinear, ModelWeights
+from dwarfstar.model.config import yarn_inv_freq
+from dwarfstar.model.forward import Batch, ExpertSource, Rows, Site, Transformer
+from dwarfstar.model.state import CompressorState, RowBuffer, SequenceState
+from dwarfstar.model.tensors import ProjectionGroup
 
 DECODE_SPLIT = 8  # attention row splits per head group when a chunk has few tokens (flash decoding)
 
@@ -57,30 +56,42 @@ def fused(linear: FusedLinear, x: torch.Tensor, precision: Precision = EXACT) ->
     return out
 
 
+ROW_CAPACITY_STEP = 64
+
+
 def reserve(rows: RowBuffer, n: int) -> None:
-    """Grow a row buffer's storage to hold n rows (kernels write rows in place, by index).
+    """Make a row buffer's storage hold n rows (kernels write rows in place, by index).
 
     Capacities stay multiples of 64: Triton specialises kernels on integer arguments divisible by
-    16, and a captured decode graph must not need a new compilation when a buffer has grown.
+    16, and a captured decode graph must not need a new compilation when a buffer has grown. A
+    buffer restored from a payload has exactly its rows, so it is regrown to the step here too.
     """
-    if rows.data.shape[0] < n:
-        capacity = -(-max(n, 2 * rows.data.shape[0]) // 64) * 64
-        grown = torch.empty(capacity, rows.data.shape[1], device=rows.data.device)
+    capacity = rows.data.shape[0]
+    if capacity < n or capacity % ROW_CAPACITY_STEP:
+        wanted = max(n, 2 * capacity if capacity < n else capacity)
+        grown = torch.empty(
+            -(-wanted // ROW_CAPACITY_STEP) * ROW_CAPACITY_STEP, rows.data.shape[1], device=rows.data.device
+        )
         grown[: rows.n] = rows.data[: rows.n]
         rows.data = grown
 
 
-class TritonModel:
-    def __init__(
-        self,
-        weights: ModelWeights,
-        qat: bool = True,
-        precision: Precision = EXACT,
-        max_seq_len: int | None = None,
-    ) -> None:
+class ResidentExperts:
+    """The routed experts uploaded with the model: `experts(layer, ids)` is the layer's whole stack."""
+
+    def __init__(self, weights: ModelWeights) -> None:
+        self.weights = weights
+
+    def experts(self, layer: int, ids: torch.Tensor):
+        lw = self.weights.layers[layer]
+        return (lw.gate_exps, lw.up_exps, lw.down_exps), ids
+
+
+class TritonOps:
+    def __init__(self, weights: ModelWeights, qat: bool = True, precision: Precision = EXACT) -> None:
         self.w, self.args, self.qat, self.precision = weights, weights.args, qat, precision
         self.device = weights.embed.data.device
-        self.max_seq_len = min(max_seq_len or self.args.max_seq_len, self.args.max_seq_len)
+        self.experts = ResidentExperts(weights)
         self._inv_freq: dict[tuple[float, bool], torch.Tensor] = {}
         for layer in self.args.layers:
             key = (layer.rope_theta, layer.yarn)
@@ -91,170 +102,200 @@ class TritonModel:
     def new_state(self) -> SequenceState:
         return SequenceState.empty(self.args, self.device)
 
-    # -- checks and bookkeeping shared with the graph path -------------------------------------------------
-    def check(self, tokens: torch.Tensor, state: SequenceState) -> None:
-        check_batch([tokens], [state], self.args.vocab_size, self.max_seq_len)
-
-    def prepare(self, state: SequenceState, t: int) -> None:
-        """Make room in every row buffer for the rows this chunk can emit (kernels write by index)."""
+    def reserve(self, state: SequenceState, t: int) -> None:
+        """Room in every row buffer for the rows the next t tokens can emit (kernels write by index)."""
         for layer in state.layers:
             for comp in (layer.compressor, layer.indexer):
                 if comp is not None:
                     reserve(comp.rows, (state.pos + t) // comp.ratio)
 
-    def commit(self, state: SequenceState, tokens: list[int], logits: torch.Tensor) -> None:
-        """Host-side bookkeeping after the device work: positions, row counts, tokens, logits."""
-        t = len(tokens)
-        for layer in state.layers:
-            for comp in (layer.compressor, layer.indexer):
-                if comp is not None:
-                    comp.rows.n += compressor.emitted(state.pos, t, comp.ratio)
-        state.pos += t
-        state.tokens.extend(tokens)
-        state.logits = logits[-1].clone()
+    # -- per call ----------------------------------------------------------------------------------------
+    def embed(self, batch: Batch) -> torch.Tensor:
+        """Tokens and positions on the device (`aux`: tok, pos per sequence, RoPE angles per base).
 
-    # -- the forward pass --------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def forward(
-        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
-    ) -> torch.Tensor:
-        """Logits [T, vocab] (or [1, vocab] for the last token only) after the tokens; updates the state."""
-        tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
-        if tokens.numel() == 0:
-            return torch.empty(0, self.args.vocab_size, device=self.device)
-        self.check(tokens, state)
-        self.prepare(state, tokens.numel())
-        # a fill launches a kernel; a copy of a pageable host tensor would wait for the stream to drain
-        if tokens.numel() == 1:
-            tok = torch.full((1,), int(tokens[0]), dtype=torch.int32, device=self.device)
-        else:
-            tok = tokens.to(device=self.device, dtype=torch.int32)
-        pos = torch.full((1,), state.pos, dtype=torch.int32, device=self.device)
-        logits = self.launch(tok, pos, state, all_logits)
-        self.commit(state, tokens.tolist(), logits)
-        return logits
-
-    def launch(self, tok: torch.Tensor, pos: torch.Tensor, state: SequenceState, all_logits: bool) -> torch.Tensor:
-        """All device work of one chunk. Host values it uses: T, the window fill and the emitted row
-        counts, all functions of (state.pos, T) fixed for a captured decode shape."""
-        a, w = self.args, self.w
-        t = tok.numel()
+        A captured decode step presets `tok` and `pos` to its static buffers.
+        """
+        a, aux = self.args, batch.aux
+        for seq in batch.seqs:
+            self.reserve(seq.state, seq.length)
+        if "tok" not in aux:
+            tokens = torch.cat([s.tokens for s in batch.seqs])
+            # a fill launches a kernel; a copy of a pageable host tensor would wait for the stream to drain
+            if tokens.numel() == 1:
+                aux["tok"] = torch.full((1,), int(tokens[0]), dtype=torch.int32, device=self.device)
+            else:
+                aux["tok"] = tokens.to(device=self.device, dtype=torch.int32)
+            aux["pos"] = [torch.full((1,), s.start, dtype=torch.int32, device=self.device) for s in batch.seqs]
+        batch.tokens = aux["tok"]
+        n = batch.n_rows
+        positions = torch.cat(
+            [p.long() + torch.arange(s.length, device=self.device) for p, s in zip(aux["pos"], batch.seqs, strict=True)]
+        )
+        aux["angles"] = {key: ops.rope_angles(positions, inv) for key, inv in self._inv_freq.items()}
         # bf16 tensor-core operands pay off only for prefill-sized chunks; decode stays in fp32
-        precision = self.precision if t > GEMV_MAX_ROWS else EXACT
-        positions = pos.long() + torch.arange(t, device=self.device)
-        angles = {key: ops.rope_angles(positions, inv) for key, inv in self._inv_freq.items()}
-        h = quant_blocks.gather_rows(w.embed.data, w.embed.ggml_type, a.dim, tok, copies=a.hc_mult)
-        for layer, lw, ls in zip(a.layers, w.layers, state.layers, strict=True):
-            x, post, comb = hc_pre.hc_pre(h, *lw.hc_attn, lw.attn_norm, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
-            hc_post.hc_post(h, self._attention(layer, lw, ls, x, pos, angles, state.pos, precision), post, comb)
-            x, post, comb = hc_pre.hc_pre(h, *lw.hc_ffn, lw.ffn_norm, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
-            hc_post.hc_post(h, self._moe(lw, x, tok, precision), post, comb)
-        rows = h if all_logits else h[-1:]
-        y = hc_head.hc_head(rows, *w.head_hc, w.out_norm, a.hc_eps, a.norm_eps)
-        return qmatmul(y, w.output)
+        aux["precision"] = self.precision if n > GEMV_MAX_ROWS else EXACT
+        w = self.w.embed
+        return quant_blocks.gather_rows(w.data, w.ggml_type, a.dim, batch.tokens, copies=a.hc_mult)
 
-    def _attention(
-        self,
-        layer: LayerSpec,
-        lw: LayerWeights,
-        ls: LayerState,
-        x: torch.Tensor,
-        pos: torch.Tensor,
-        angles: dict,
-        p0: int,
-        precision: Precision,
-    ) -> torch.Tensor:
-        a, t = self.args, x.shape[0]
-        ang = angles[(layer.rope_theta, layer.yarn)]
-        proj = fused(lw.from_a, x, precision)
-        qr = norm_rope(proj["q_a"], weight=lw.q_norm, eps=a.norm_eps)
-        qproj = fused(lw.from_qr, qr, precision)
-        q = norm_rope(
-            qproj["q_b"].unflatten(1, (a.n_heads, a.head_dim)), norm=NORM_PLAIN, eps=a.norm_eps,
-            angles=ang, rope_dim=a.rope_dim,
-        )  # fmt: skip
-        n_prev = ls.raw_kv.shape[0]
-        window_rows = torch.empty(n_prev + t, a.head_dim, device=self.device)
-        window_rows[:n_prev] = ls.raw_kv
-        norm_rope(
-            proj["kv"], weight=lw.kv_norm, eps=a.norm_eps, angles=ang, rope_dim=a.rope_dim,
-            qat=QAT_FP8 if self.qat else QAT_NONE, out=window_rows[n_prev:],
-        )  # fmt: skip
-        comp_rows = selected = None
-        if layer.compress_ratio:
-            comp_rows = self._compress(ls.compressor, proj, "comp", lw.compressor, layer, pos, p0, t, QAT_FP8)
-        if layer.has_indexer:
-            index_rows = self._compress(ls.indexer, proj, "idx", lw.indexer, layer, pos, p0, t, QAT_FP4)
-            qi = norm_rope(
-                qproj["idx_q"].unflatten(1, (a.index_n_heads, a.index_head_dim)), norm=NORM_NONE, angles=ang,
-                rope_dim=a.rope_dim, qat=QAT_FP4 if self.qat else QAT_NONE,
-            )  # fmt: skip
+    def finish(self, batch: Batch) -> None:
+        """The kernels wrote each emitted compressed row by index: count them in."""
+        for seq in batch.seqs:
+            for layer in seq.state.layers:
+                for comp in (layer.compressor, layer.indexer):
+                    if comp is not None:
+                        comp.rows.n += compressor.emitted(seq.start, seq.length, comp.ratio)
+
+    # -- streams -----------------------------------------------------------------------------------------
+    def hc_pre(self, il: int, site: Site, h: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        a, lw = self.args, self.w.layers[il]
+        mix, norm = (lw.hc_attn, lw.attn_norm) if site == "attn" else (lw.hc_ffn, lw.ffn_norm)
+        x, post, comb = hc_pre.hc_pre(h, *mix, norm, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+        return x, (post, comb)
+
+    def hc_post(self, h: torch.Tensor, out: torch.Tensor, mix: tuple) -> torch.Tensor:
+        return hc_post.hc_post(h, out, *mix)  # in place
+
+    def hc_head(self, h: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+        a, w = self.args, self.w
+        return hc_head.hc_head(h if rows is None else h[rows], *w.head_hc, w.out_norm, a.hc_eps, a.norm_eps)
+
+    def logits(self, y: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return qmatmul(y, self.w.output)
+
+    # -- attention ---------------------------------------------------------------------------------------
+    def project(self, il: int, group: ProjectionGroup, x: torch.Tensor, precision: Precision | None = None):
+        linear: FusedLinear = self.w.layers[il].projections[group.name]
+        out: dict[str, torch.Tensor] = {}
+        for weight, names in linear.parts:  # each part once; outputs are column slices of its product
+            y = qmatmul(x, weight, precision=self._precision(x) if precision is None else precision)
+            col = 0
+            for name, rows in names:
+                out[name] = y[:, col : col + rows]
+                col += rows
+        return out
+
+    def _precision(self, x: torch.Tensor) -> Precision:
+        return self.precision if x.shape[0] > GEMV_MAX_ROWS else EXACT
+
+    def _angles(self, il: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.args.layer(il)
+        return batch.aux["angles"][(layer.rope_theta, layer.yarn)]
+
+    def norm_rope(self, il: int, kind: Rows, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        a, lw = self.args, self.w.layers[il]
+        if kind is Rows.Q_LORA:
+            return norm_rope(x, weight=lw.q_norm, eps=a.norm_eps)
+        ang = self._angles(il, batch)
+        if kind is Rows.QUERY:
+            q = x.unflatten(1, (a.n_heads, a.head_dim))
+            return norm_rope(q, norm=NORM_PLAIN, eps=a.norm_eps, angles=ang, rope_dim=a.rope_dim)
+        if kind is Rows.KV:
+            qat = QAT_FP8 if self.qat else QAT_NONE
+            return norm_rope(x, weight=lw.kv_norm, eps=a.norm_eps, angles=ang, rope_dim=a.rope_dim, qat=qat)
+        q = x.unflatten(1, (a.index_n_heads, a.index_head_dim))
+        return norm_rope(q, norm=NORM_NONE, angles=ang, rope_dim=a.rope_dim, qat=QAT_FP4 if self.qat else QAT_NONE)
+
+    def write_window(self, il: int, kv: torch.Tensor, batch: Batch) -> None:
+        """Each sequence's window rows [n_prev + T] for its attention kernel (the state keeps its own
+        until attention has read them, so a captured step updates it in place afterwards)."""
+        for i, seq in enumerate(batch.seqs):
+            raw = seq.state.layers[il].raw_kv
+            rows = torch.empty(raw.shape[0] + seq.length, self.args.head_dim, device=self.device)
+            rows[: raw.shape[0]] = raw
+            rows[raw.shape[0] :] = kv[seq.rows]
+            batch.aux[("window", il, i)] = rows
+
+    def compress(self, il: int, kind: str, proj: dict[str, torch.Tensor], batch: Batch) -> None:
+        a, lw, layer = self.args, self.w.layers[il], self.args.layer(il)
+        ape, norm = lw.compressor if kind == "attn" else lw.indexer
+        rounding = (QAT_FP8 if kind == "attn" else QAT_FP4) if self.qat else QAT_NONE
+        inv = self._inv_freq[(layer.rope_theta, layer.yarn)]
+        for seq, pos in zip(batch.seqs, batch.aux["pos"], strict=True):
+            ls = seq.state.layers[il]
+            state: CompressorState = ls.compressor if kind == "attn" else ls.indexer
+            n_emit = compressor.emitted(seq.start, seq.length, state.ratio)
+            kv, gate = proj[f"{kind}_kv"][seq.rows], proj[f"{kind}_gate"][seq.rows]
+            pooled = compressor.compress_chunk(
+                kv, gate, ape, state.frontier_kv, state.frontier_gate, pos, n_emit, state.ratio
+            )
+            if n_emit:
+                # row w sits at its window's first position, w * ratio; the kernel writes it at index w
+                row_pos = (pos.long() // state.ratio + torch.arange(n_emit, device=self.device)) * state.ratio
+                norm_rope(
+                    pooled, weight=norm, eps=a.norm_eps, angles=ops.rope_angles(row_pos, inv), rope_dim=a.rope_dim,
+                    qat=rounding, out=state.rows.data, out_row=(pos, state.ratio),
+                )  # fmt: skip
+
+    def index_topk(self, il: int, q: torch.Tensor, weights: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+        """Per sequence, the selected row indices int32 [T, k] (the kernel pads with -1 where fewer)."""
+        ratio, chosen = self.args.layer(il).compress_ratio, []
+        for seq, pos in zip(batch.seqs, batch.aux["pos"], strict=True):
+            rows = seq.state.layers[il].indexer.rows.data
             # scores stay fp32 even in fast mode: the top-k boundary is where small errors change the model
-            scores, valid = indexer_scores.indexer_scores(qi, proj["idx_heads"], index_rows, pos, layer.compress_ratio)
-            selected = topk.topk_indices(scores, valid, a.index_topk)
-        o = attention.attention(
-            q, window_rows, n_prev, a.window, lw.sinks, ang, a.rope_dim, pos,
-            comp_rows=comp_rows, ratio=layer.compress_ratio, selected=selected,
-            split=DECODE_SPLIT if t <= 4 and not interpreting() else 1, precision=precision,
-        )  # fmt: skip
-        if n_prev == a.window and t == 1:
-            ls.raw_kv.copy_(window_rows[1:])  # in place: a captured decode step keeps its pointers
-        else:
-            ls.raw_kv = window_rows[-a.window :].clone()
-        grouped = qmatmul(o.view(t, -1), lw.wo_a, groups=a.o_groups, precision=precision)
+            scores, valid = indexer_scores.indexer_scores(q[seq.rows], weights[seq.rows], rows, pos, ratio)
+            chosen.append(topk.topk_indices(scores, valid, self.args.index_topk))
+        return chosen
+
+    def sparse_attention(self, il: int, q: torch.Tensor, batch: Batch, selected) -> torch.Tensor:
+        a, lw, layer = self.args, self.w.layers[il], self.args.layer(il)
+        cos, sin = self._angles(il, batch)
+        out = []
+        for i, (seq, pos) in enumerate(zip(batch.seqs, batch.aux["pos"], strict=True)):
+            ls = seq.state.layers[il]
+            rows, n_prev = batch.aux.pop(("window", il, i)), ls.raw_kv.shape[0]
+            comp = ls.compressor.rows.data if ls.compressor is not None else None
+            o = attention.attention(
+                q[seq.rows], rows, n_prev, a.window, lw.sinks, (cos[seq.rows], sin[seq.rows]), a.rope_dim, pos,
+                comp_rows=comp, ratio=layer.compress_ratio, selected=None if selected is None else selected[i],
+                split=DECODE_SPLIT if seq.length <= 4 and not interpreting() else 1, precision=batch.aux["precision"],
+            )  # fmt: skip
+            if n_prev == a.window and seq.length == 1:
+                ls.raw_kv.copy_(rows[1:])  # in place: a captured decode step keeps its pointers
+            else:
+                ls.raw_kv = rows[-a.window :].clone()
+            out.append(o)
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def attn_output(self, il: int, o: torch.Tensor) -> torch.Tensor:
+        lw, precision = self.w.layers[il], self._precision(o)
+        grouped = qmatmul(o.view(o.shape[0], -1), lw.wo_a, groups=self.args.o_groups, precision=precision)
         return qmatmul(grouped, lw.wo_b, precision=precision)
 
-    def _compress(
-        self,
-        state: CompressorState,
-        proj: dict[str, torch.Tensor],
-        prefix: str,
-        params: tuple[torch.Tensor, torch.Tensor],
-        layer: LayerSpec,
-        pos: torch.Tensor,
-        p0: int,
-        t: int,
-        rounding: int,
-    ) -> torch.Tensor:
-        """Advance one compressor over the chunk; finished rows go into its row buffer. Returns the buffer."""
-        ape, norm = params
-        ratio = state.ratio
-        n_emit = compressor.emitted(p0, t, ratio)
-        pooled = compressor.compress_chunk(
-            proj[f"{prefix}_kv"],
-            proj[f"{prefix}_gate"],
-            ape,
-            state.frontier_kv,
-            state.frontier_gate,
-            pos,
-            n_emit,
-            ratio,
+    # -- mixture of experts --------------------------------------------------------------------------------
+    def route(self, il: int, x: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        a, lw = self.args, self.w.layers[il]
+        return moe_route.route(
+            x, lw.router, lw.router_bias, lw.tid2eid, batch.tokens, a.n_activated_experts, a.route_scale
         )
-        if n_emit:
-            # row w sits at its window's first position, w * ratio
-            row_pos = (pos.long() // ratio + torch.arange(n_emit, device=self.device)) * ratio
-            inv = self._inv_freq[(layer.rope_theta, layer.yarn)]
-            norm_rope(
-                pooled, weight=norm, eps=self.args.norm_eps, angles=ops.rope_angles(row_pos, inv),
-                rope_dim=self.args.rope_dim, qat=rounding if self.qat else QAT_NONE,
-                out=state.rows.data, out_row=(pos, ratio),
-            )  # fmt: skip
-        return state.rows.data
 
-    def _moe(self, lw: LayerWeights, f: torch.Tensor, tok: torch.Tensor, precision: Precision) -> torch.Tensor:
-        a, t = self.args, f.shape[0]
-        k = a.n_activated_experts
-        ids, weights = moe_route.route(f, lw.router, lw.router_bias, lw.tid2eid, tok, k, a.route_scale)
-        rows = 64 if precision.fast else 32  # fp32 operands take twice the registers and shared memory
-        tiles = moe_sort.sort_by_expert(
-            ids, a.n_routed_experts, moe_sort.tile_rows_for(t * k, a.n_routed_experts, rows)
-        )
+    def moe(
+        self, il: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertSource
+    ) -> torch.Tensor:
+        a, lw, t = self.args, self.w.layers[il], x.shape[0]
+        k, precision = a.n_activated_experts, self._precision(x)
+        (gate, up, down), slots = experts.experts(il, ids)
+        tile = 64 if precision.fast else 32  # fp32 operands take twice the registers and shared memory
+        tiles = moe_sort.sort_by_expert(slots, gate.experts, moe_sort.tile_rows_for(t * k, gate.experts, tile))
+        # k routed slots and the shared expert, summed once all are written
         parts = torch.empty(t, k + 1, a.dim, device=self.device)
+        moe_experts.expert_ffn(x, gate, up, down, tiles, weights.view(-1), parts, 0, a.swiglu_limit, precision)
+        shared = moe_sort.single_expert_tiles(t, self.device, moe_sort.tile_rows_for(t, 1, tile))
         moe_experts.expert_ffn(
-            f, lw.gate_exps, lw.up_exps, lw.down_exps, tiles, weights.view(-1), parts, 0, a.swiglu_limit, precision
+            x, lw.gate_shared, lw.up_shared, lw.down_shared, shared, None, parts, k, a.swiglu_limit, precision
         )
-        shared = moe_sort.single_expert_tiles(t, self.device, moe_sort.tile_rows_for(t, 1, rows))
-        moe_experts.expert_ffn(
-            f, lw.gate_shared, lw.up_shared, lw.down_shared, shared, None, parts, k, a.swiglu_limit, precision
-        )
-        return parts
+        return parts.sum(1)
+
+
+class TritonModel(Transformer[torch.Tensor]):
+    """The shared forward pass over `TritonOps`."""
+
+    def __init__(
+        self,
+        weights: ModelWeights,
+        qat: bool = True,
+        precision: Precision = EXACT,
+        max_seq_len: int | None = None,
+    ) -> None:
+        self.w, self.qat, self.precision = weights, qat, precision
+        self.device = weights.embed.data.device
+        super().__init__(TritonOps(weights, qat, precision), max_seq_len)

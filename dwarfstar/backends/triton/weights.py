@@ -29,7 +29,8 @@ import torch
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
 from dwarfstar.gguf.dequant import dequantize
 from dwarfstar.gguf.reader import GGUFFile
-from dwarfstar.model.config import ModelArgs
+from dwarfstar.model import tensors as tt
+from dwarfstar.model.config import LayerSpec, ModelArgs
 
 # The bytes of a GGUF block that form its quant payload (IQ2_XXS: eight 8-byte groups, read as u64s)
 PAYLOAD = {
@@ -202,12 +203,11 @@ class FusedLinear:
 
 @dataclass
 class LayerWeights:
-    hc_attn: tuple[QWeight, torch.Tensor, torch.Tensor]  # fn [24, 4D] blocks, scale [3], base [24]
-    hc_ffn: tuple[QWeight, torch.Tensor, torch.Tensor]
+    hc_attn: HCWeights  # fn [24, 4D] blocks, scale [3], base [24]
+    hc_ffn: HCWeights
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
-    from_a: FusedLinear  # q_a, kv, compressor kv/gate, indexer compressor kv/gate, indexer head weights
-    from_qr: FusedLinear  # q_b, indexer q_b
+    projections: dict[str, FusedLinear]  # per tensor-table `ProjectionGroup`, outputs by `Part.key`
     q_norm: torch.Tensor
     kv_norm: torch.Tensor
     sinks: torch.Tensor
@@ -242,7 +242,9 @@ class ModelWeights:
             for value in vars(lw).values():
                 items = value if isinstance(value, tuple) else (value,)
                 for item in items:
-                    if isinstance(item, (QWeight, FusedLinear)):
+                    if isinstance(item, dict):
+                        total += sum(linear.nbytes for linear in item.values())
+                    elif isinstance(item, (QWeight, FusedLinear)):
                         total += item.nbytes
                     elif isinstance(item, torch.Tensor):
                         total += item.numel() * item.element_size()
@@ -262,59 +264,57 @@ def upload(gguf: GGUFFile, args: ModelArgs, device: torch.device | str) -> Model
     return build_weights(args, matrix, vector)
 
 
-def build_weights(
-    args: ModelArgs, matrix: Callable[[str], QWeight], vector: Callable[[str], torch.Tensor]
-) -> ModelWeights:
+def _hc(names: tuple[str, str, str], matrix: MatrixSource, vector: VectorSource) -> HCWeights:
+    fn, scale, base = names
+    return matrix(fn), vector(scale), vector(base)
+
+
+def _layer_weights(layer: LayerSpec, matrix: MatrixSource, vector: VectorSource) -> LayerWeights:
+    def name(role: str) -> str:
+        return tt.layer_tensor(layer.index, role)
+
+    def fused(group: tt.ProjectionGroup) -> FusedLinear:
+        return FusedLinear.build([(part.key, matrix(name(part.tensor))) for part in group.present(layer)])
+
+    def compressor(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        ape, norm = (vector(name(role)) for role in tt.compressor(kind))
+        return ape, norm
+
+    gate, up, down = (matrix(name(role)) for role in tt.EXPERTS)
+    gate_shared, up_shared, down_shared = (matrix(name(role)) for role in tt.SHARED_EXPERT)
+    return LayerWeights(
+        hc_attn=_hc(tuple(name(role) for role in tt.hc_mix("attn")), matrix, vector),
+        hc_ffn=_hc(tuple(name(role) for role in tt.hc_mix("ffn")), matrix, vector),
+        attn_norm=vector(name(tt.sublayer_norm("attn"))),
+        ffn_norm=vector(name(tt.sublayer_norm("ffn"))),
+        projections={group.name: fused(group) for group in tt.PROJECTION_GROUPS},
+        q_norm=vector(name(tt.Q_NORM)),
+        kv_norm=vector(name(tt.KV_NORM)),
+        sinks=vector(name(tt.SINKS)),
+        wo_a=matrix(name(tt.OUT_A)),
+        wo_b=matrix(name(tt.OUT_B)),
+        compressor=compressor("attn") if layer.compress_ratio else None,
+        indexer=compressor("indexer") if layer.has_indexer else None,
+        router=matrix(name(tt.ROUTER)),
+        router_bias=None if layer.hash_routed else vector(name(tt.ROUTER_BIAS)),
+        tid2eid=vector(name(tt.HASH_TABLE)).to(torch.int32) if layer.hash_routed else None,
+        gate_exps=gate,
+        up_exps=up,
+        down_exps=down,
+        gate_shared=gate_shared,
+        up_shared=up_shared,
+        down_shared=down_shared,
+    )
+
+
+def build_weights(args: ModelArgs, matrix: MatrixSource, vector: VectorSource) -> ModelWeights:
     """Assemble the model's weights from per-tensor sources (a file, or random synthetic blocks)."""
-
-    def hc(prefix: str) -> tuple[QWeight, torch.Tensor, torch.Tensor]:
-        return matrix(f"{prefix}fn.weight"), vector(f"{prefix}scale.weight"), vector(f"{prefix}base.weight")
-
-    layers = []
-    for layer in args.layers:
-        p = f"blk.{layer.index}."
-        from_a = [("q_a", matrix(f"{p}attn_q_a.weight")), ("kv", matrix(f"{p}attn_kv.weight"))]
-        from_qr = [("q_b", matrix(f"{p}attn_q_b.weight"))]
-        compressor = indexer = None
-        if layer.compress_ratio:
-            from_a += [(f"comp_{k}", matrix(f"{p}attn_compressor_{k}.weight")) for k in ("kv", "gate")]
-            compressor = (vector(f"{p}attn_compressor_ape.weight"), vector(f"{p}attn_compressor_norm.weight"))
-        if layer.has_indexer:
-            from_a += [(f"idx_{k}", matrix(f"{p}indexer_compressor_{k}.weight")) for k in ("kv", "gate")]
-            from_a.append(("idx_heads", matrix(f"{p}indexer.proj.weight")))
-            from_qr.append(("idx_q", matrix(f"{p}indexer.attn_q_b.weight")))
-            indexer = (vector(f"{p}indexer_compressor_ape.weight"), vector(f"{p}indexer_compressor_norm.weight"))
-        layers.append(
-            LayerWeights(
-                hc_attn=hc(f"{p}hc_attn_"),
-                hc_ffn=hc(f"{p}hc_ffn_"),
-                attn_norm=vector(f"{p}attn_norm.weight"),
-                ffn_norm=vector(f"{p}ffn_norm.weight"),
-                from_a=FusedLinear.build(from_a),
-                from_qr=FusedLinear.build(from_qr),
-                q_norm=vector(f"{p}attn_q_a_norm.weight"),
-                kv_norm=vector(f"{p}attn_kv_a_norm.weight"),
-                sinks=vector(f"{p}attn_sinks.weight"),
-                wo_a=matrix(f"{p}attn_output_a.weight"),
-                wo_b=matrix(f"{p}attn_output_b.weight"),
-                compressor=compressor,
-                indexer=indexer,
-                router=matrix(f"{p}ffn_gate_inp.weight"),
-                router_bias=None if layer.hash_routed else vector(f"{p}exp_probs_b.bias"),
-                tid2eid=vector(f"{p}ffn_gate_tid2eid.weight").to(torch.int32) if layer.hash_routed else None,
-                gate_exps=matrix(f"{p}ffn_gate_exps.weight"),
-                up_exps=matrix(f"{p}ffn_up_exps.weight"),
-                down_exps=matrix(f"{p}ffn_down_exps.weight"),
-                gate_shared=matrix(f"{p}ffn_gate_shexp.weight"),
-                up_shared=matrix(f"{p}ffn_up_shexp.weight"),
-                down_shared=matrix(f"{p}ffn_down_shexp.weight"),
-            )
-        )
+    layers = [_layer_weights(layer, matrix, vector) for layer in args.layers]
     return ModelWeights(
         args=args,
-        embed=matrix("token_embd.weight"),
-        head_hc=hc("output_hc_"),
-        out_norm=vector("output_norm.weight"),
-        output=matrix("output.weight"),
+        embed=matrix(tt.EMBED),
+        head_hc=_hc(tt.HEAD_HC, matrix, vector),
+        out_norm=vector(tt.OUTPUT_NORM),
+        output=matrix(tt.OUTPUT),
         layers=layers,
     )
