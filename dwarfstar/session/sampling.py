@@ -4,7 +4,9 @@ The rules, for one row of logits l with temperature T > 0: each token weighs p_i
 (the top token weighs 1); keep the tokens with p_i >= min_p, then the k best of those (k capped at
 TOP_K_CAP; 0: all), then, with top-p, each token while the mass of the better kept tokens is below
 top_p of the kept total; draw among the survivors in proportion to p_i. Ranking is by logit, ties to
-the lower token id. T <= 0 is greedy: the argmax, ties to the lower id.
+the lower token id (when top-k bounds every row of a batch only its best are ranked, by `torch.topk`,
+which leaves the order of exactly equal logits to the device). T <= 0 is greedy: the argmax, ties to
+the lower id.
 
 `sample_batch` applies them to a batch of rows on the logits' own device with one host sync (the final
 `.tolist()`). The draw is inverse-CDF over the survivors in rank order with one uniform per row from a
