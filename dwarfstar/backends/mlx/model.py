@@ -65,7 +65,7 @@ class Layer:
     wo_a: Matrix
     wo_b: Matrix
     compressors: dict[str, tuple[mx.array, mx.array]]  # kind -> (ape, norm)
-    rope: int  # index of the layer's rotary frequencies in `MLXOps.inv_freqs`
+    inv_freq: np.ndarray  # float64 rotary frequencies per pair
     router: Matrix
     bias: mx.array | None
     tid2eid: mx.array | None
@@ -75,9 +75,6 @@ class Layer:
 class MLXOps:
     def __init__(self, args: ModelArgs, weights: Weights, qat: bool, fused: ops.Fused) -> None:
         self.args, self.qat, self.fused = args, qat, fused
-        # layers share a few distinct frequency sets (compressed layers blend theirs), so a call's
-        # rope tables are built once per set, not per layer
-        self.inv_freqs: list[np.ndarray] = []
         self.embedding = weights.dense(tt.EMBED)
         self.layers = [self._load_layer(weights, il) for il in range(args.n_layers)]
         self.experts = ResidentExperts(weights, args.n_layers)
@@ -88,10 +85,6 @@ class MLXOps:
 
     def _load_layer(self, weights: Weights, il: int) -> Layer:
         a, spec, w = self.args, self.args.layer(il), LayerWeights(weights, il)
-        inv_freq = np.array(yarn_inv_freq(a, spec), dtype=np.float64)
-        rope = next((i for i, f in enumerate(self.inv_freqs) if np.array_equal(f, inv_freq)), len(self.inv_freqs))
-        if rope == len(self.inv_freqs):
-            self.inv_freqs.append(inv_freq)
         return Layer(
             hc={site: tuple(w.dense(n) for n in tt.hc_mix(site)) for site in tt.SITES},
             norm={site: w.dense(tt.sublayer_norm(site)) for site in tt.SITES},
@@ -106,7 +99,7 @@ class MLXOps:
                 for kind in tt.COMPRESSORS
                 if (kind == "attn" and spec.compress_ratio) or (kind == "indexer" and spec.has_indexer)
             },
-            rope=rope,
+            inv_freq=np.array(yarn_inv_freq(a, spec), dtype=np.float64),
             router=w.matrix(tt.ROUTER),
             bias=None if spec.hash_routed else w.dense(tt.ROUTER_BIAS),
             tid2eid=w.dense(tt.HASH_TABLE) if spec.hash_routed else None,
@@ -158,10 +151,12 @@ class MLXOps:
         return {p.key: proj[p.key].matmul(x) for p in group.present(self.args.layer(il))}
 
     def _rope_tables(self, il: int, batch: Batch) -> tuple[mx.array, mx.array]:
-        """cos/sin at the batch's positions for the layer's frequencies, built once per call."""
-        key = ("rope", self.layers[il].rope)
+        """cos/sin at the batch's positions for the layer's frequencies, built once per call: layers
+        share a few frequency sets (compressed layers blend theirs)."""
+        inv_freq = self.layers[il].inv_freq
+        key = ("rope", inv_freq.tobytes())
         if key not in batch.aux:
-            batch.aux[key] = ops.rope_tables(batch.aux["positions"], self.inv_freqs[self.layers[il].rope])
+            batch.aux[key] = ops.rope_tables(batch.aux["positions"], inv_freq)
         return batch.aux[key]
 
     def norm_rope(self, il: int, kind: Rows, x: mx.array, batch: Batch) -> mx.array:
@@ -183,7 +178,8 @@ class MLXOps:
             layer.mx_raw_kv = mx.concatenate((layer.mx_raw_kv, kv[seq.rows]))
 
     def compress(self, il: int, kind: str, proj: dict[str, mx.array], batch: Batch) -> None:
-        a, (ape, norm) = self.args, self.layers[il].compressors[kind]
+        a, layer_weights = self.args, self.layers[il]
+        ape, norm = layer_weights.compressors[kind]
         for seq in batch.seqs:
             layer = self._state(seq, il)
             state = layer.compressor if kind == "attn" else layer.indexer
@@ -191,10 +187,8 @@ class MLXOps:
             if pooled is None:
                 continue
             row_positions = (state.rows.n + np.arange(pooled.shape[0])) * state.ratio  # its window's first token
-            rows = self.fused.rope(
-                ops.rms_norm(pooled, norm, a.norm_eps),
-                *ops.rope_tables(row_positions, self.inv_freqs[self.layers[il].rope]),
-            )
+            cos, sin = ops.rope_tables(row_positions, layer_weights.inv_freq)
+            rows = self.fused.rope(ops.rms_norm(pooled, norm, a.norm_eps), cos, sin)
             if self.qat:
                 rows = self.fused.fp8_round_nope(rows) if kind == "attn" else self.fused.indexer_round(rows)
             state.rows.append(rows)
@@ -226,17 +220,17 @@ class MLXOps:
         band = batch.aux.setdefault("window_band", {})
         for i, seq in enumerate(batch.seqs):
             state = self._state(seq, il)
-            rows = visible = None
-            if state.compressor is not None:
-                rows = state.compressor.rows.mx_rows
-                visible = self._visible(il, seq, rows.shape[0], batch)
+            rows = None if state.compressor is None else state.compressor.rows.mx_rows
+            selection = None if selected is None else selected[i]
+            # the indexer's selection already holds visibility; ratio-128 queries read every visible row
+            visible = None if rows is None or selection is not None else self._visible(il, seq, rows.shape[0], batch)
             raw = state.mx_raw_kv
-            o = attention.sparse_attention(
-                q[seq.rows], raw, seq.length, a.window, layer.sinks, rows, visible,
-                None if selected is None else selected[i], band,
-            )  # fmt: skip
+            out.append(
+                attention.sparse_attention(
+                    q[seq.rows], raw, seq.length, a.window, layer.sinks, rows, visible, selection, band
+                )
+            )
             state.mx_raw_kv = raw[-a.window :]
-            out.append(o)
         o = out[0] if len(out) == 1 else mx.concatenate(out)
         return self.fused.unrope(o, cos, sin)
 
