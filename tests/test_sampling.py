@@ -116,12 +116,17 @@ def test_a_seed_fixes_the_sequence_and_seeds_differ():
 
 def test_every_tensor_stays_on_the_logits_device():
     """On the meta device any CPU tensor mixed into the computation raises, and nothing can sync."""
-    rows = torch.randn(3, 64, device="meta")
-    samplers = [Sampler(SamplingParams(seed=1, top_p=0.9)), Sampler(GREEDY), Sampler(SamplingParams(seed=2, top_k=5))]
+    rows = torch.randn(4, 64, device="meta")
+    samplers = [
+        Sampler(SamplingParams(seed=1)),  # min-p only: drawn in id order
+        Sampler(SamplingParams(seed=2, top_p=0.9)),  # ranked by a sort of the row
+        Sampler(GREEDY),
+        Sampler(SamplingParams(seed=3, top_k=5)),  # ranked by top-k
+    ]
     tokens = sample_tokens(rows, samplers)
-    assert tokens.device.type == "meta" and tokens.shape == (3,)
-    assert sample_tokens(rows[1:], samplers[1:]).device.type == "meta"  # the top-k-only path
-    assert [s.step for s in samplers] == [1, 2, 2]
+    assert tokens.device.type == "meta" and tokens.shape == (4,)
+    assert sample_tokens(rows[2:], samplers[2:]).device.type == "meta"  # top-k bounds every row
+    assert [s.step for s in samplers] == [1, 1, 2, 2]
 
 
 def test_backend_sample_prefers_the_backends_own():

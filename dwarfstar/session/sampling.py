@@ -9,11 +9,12 @@ which leaves the order of exactly equal logits to the device). T <= 0 is greedy:
 the lower id.
 
 `sample_batch` applies them to a batch of rows on the logits' own device with one host sync (the final
-`.tolist()`). The draw is inverse-CDF over the survivors in rank order with one uniform per row from a
-counter-based generator, Philox4x32-10 keyed by the seed at counter `step`, computed on the host
-(it does not depend on the logits) and bit-identical to Triton's `tl.rand(seed, step)`. So a seed
-gives the same tokens on every device, and the Triton backend's device kernel (`kernels/sampling.py`,
-same rules, same uniforms) and this code agree where both apply.
+`.tolist()`). The draw is inverse-CDF with one uniform per row from a counter-based generator,
+Philox4x32-10 keyed by the seed at counter `step`, computed on the host (it does not depend on the
+logits) and bit-identical to Triton's `tl.rand(seed, step)`. Where top-k or top-p needs a ranking the
+CDF runs in rank order, as the Triton backend's kernel (`kernels/sampling.py`) draws, so the two agree
+where both apply; with neither, in token-id order, which needs no sort of the vocabulary. Either way a
+seed gives the same tokens on every device.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class SamplingParams:
         return self.temperature <= 0
 
     @property
+    def ranks(self) -> bool:
+        """Whether the rules need the tokens in rank order (top-k or top-p); min-p alone does not."""
+        return self.top_k > 0 or self.top_p < 1
+
+    @property
     def candidates(self) -> int | None:
         """How many of the best tokens the rules can keep at most, None when top-k leaves it unbounded."""
         return min(self.top_k, TOP_K_CAP) if self.top_k > 0 else None
@@ -106,45 +112,68 @@ def sample_tokens(logits: torch.Tensor, samplers: Sequence[Sampler]) -> torch.Te
     Advances every sampler by one draw.
     """
     rows = logits.float().reshape(len(samplers), -1)
-    params = [s.params for s in samplers]
     uniforms = [philox_uniform(s.seed, s.advance()) for s in samplers]
-    greedy = rows.argmax(-1)  # the first maximum: ties to the lower id
-    if all(p.greedy for p in params):
-        return greedy
+    tokens = list(rows.argmax(-1).split(1))  # greedy: the first maximum, ties to the lower id
+    drawn = [i for i, s in enumerate(samplers) if not s.params.greedy]
+    for ranked, draw in ((True, _draw_ranked), (False, _draw_by_id)):
+        group = [i for i in drawn if samplers[i].params.ranks == ranked]
+        if group:
+            # rows gathered by Python indices: an index tensor would be a host-to-device copy
+            picked = draw(
+                torch.stack([rows[i] for i in group]), [samplers[i].params for i in group], [uniforms[i] for i in group]
+            )
+            for i, token in zip(group, picked.split(1), strict=True):
+                tokens[i] = token
+    return torch.cat(tokens)
+
+
+def _draw_ranked(rows: torch.Tensor, params: list[SamplingParams], uniforms: list[float]) -> torch.Tensor:
+    """Token ids [R] for rows with top-k or top-p: the rules applied in rank order."""
     vocab = rows.shape[1]
-    bounds = [p.candidates for p in params if not p.greedy]
+    bounds = [p.candidates for p in params]
     width = vocab if None in bounds else min(max(bounds), vocab)
+    temperature, min_p, top_k, top_p, uniform = _knobs(
+        rows.device,
+        [p.temperature for p in params],
+        [p.min_p for p in params],
+        [float(p.candidates or vocab) for p in params],
+        [p.top_p for p in params],
+        uniforms,
+    )
     if width < vocab:  # top-k bounds every row: rank only the best `width`
         values, order = rows.topk(width)
-    else:  # a stable descending sort ranks equal logits by id
-        values, order = rows.sort(dim=-1, descending=True, stable=True)
-    # per-row knobs in one host-to-device copy; greedy rows get neutral values and are replaced below
-    knobs = _to_device(
-        [
-            [1.0 if p.greedy else p.temperature for p in params],
-            [p.min_p for p in params],
-            [float(p.candidates or vocab) for p in params],
-            [p.top_p for p in params],
-            uniforms,
-            [float(p.greedy) for p in params],
-        ],
-        rows.device,
-    )
-    temperature, min_p, top_k, top_p, uniform = knobs[:5, :, None].unbind(0)
+    else:
+        # a stable descending sort ranks equal logits by id; tokens below min-p sink to the end as
+        # -inf (never kept either way), which makes the sort cheaper
+        weight = ((rows - rows.amax(-1, keepdim=True)) / temperature).exp()
+        values, order = torch.where(weight >= min_p, rows, -torch.inf).sort(dim=-1, descending=True, stable=True)
     weight = ((values - values[:, :1]) / temperature).exp()
     rank = torch.arange(width, device=rows.device)
-    keep = (weight >= min_p) & (weight > 0) & (rank < top_k)
-    kept = torch.where(keep, weight, 0.0)
-    mass_before = torch.nn.functional.pad(kept.cumsum(-1)[:, :-1], (1, 0))  # exclusive: better kept tokens
-    keep &= mass_before < top_p * kept.sum(-1, keepdim=True)
-    kept = torch.where(keep, weight, 0.0)
+    kept = torch.where((weight >= min_p) & (rank < top_k), weight, 0.0)
+    mass_before = torch.nn.functional.pad(kept.cumsum(-1)[:, :-1], (1, 0))  # of the better kept tokens
+    kept = torch.where(mass_before < top_p * kept.sum(-1, keepdim=True), kept, 0.0)
+    return order.gather(1, _draw(kept, uniform)).squeeze(1)
+
+
+def _draw_by_id(rows: torch.Tensor, params: list[SamplingParams], uniforms: list[float]) -> torch.Tensor:
+    """Token ids [R] for rows with min-p only: which tokens survive needs no ranking."""
+    temperature, min_p, uniform = _knobs(
+        rows.device, [p.temperature for p in params], [p.min_p for p in params], uniforms
+    )
+    weight = ((rows - rows.amax(-1, keepdim=True)) / temperature).exp()
+    return _draw(torch.where(weight >= min_p, weight, 0.0), uniform).squeeze(1)
+
+
+def _draw(kept: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Positions [R, 1] drawn in proportion to `kept` (zero: filtered out) by uniforms [R, 1] in [0, 1).
+
+    Position j owns [start_j, start_j + kept_j) of the row's mass, so the drawn one is the last kept
+    position starting at or below the target (also when rounding puts the target at the total).
+    """
     starts = torch.nn.functional.pad(kept.cumsum(-1)[:, :-1], (1, 0))
-    # the kept tokens are a prefix of the ranking; token r owns [starts_r, starts_r + weight_r) of the
-    # kept mass, so the drawn one is the last kept token starting at or below the target
     target = uniform * kept.sum(-1, keepdim=True)
-    chosen = ((starts <= target) & keep).sum(-1, keepdim=True) - 1
-    sampled = order.gather(1, chosen).squeeze(1)
-    return torch.where(knobs[5] > 0, greedy, sampled)
+    position = torch.arange(kept.shape[1], device=kept.device)
+    return torch.where((kept > 0) & (starts <= target), position, -1).amax(-1, keepdim=True)
 
 
 def sample_batch(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
@@ -161,9 +190,9 @@ def backend_sample(backend: Any, logits: torch.Tensor, samplers: Sequence[Sample
     return own(logits, samplers) if own is not None else sample_batch(logits, samplers)
 
 
-def _to_device(values: list[list[float]], device: torch.device) -> torch.Tensor:
-    """float32 [len(values), B] on `device`, queued behind the work in flight instead of waiting for it."""
-    host = torch.tensor(values, dtype=torch.float32)
+def _knobs(device: torch.device, *columns: list[float]) -> tuple[torch.Tensor, ...]:
+    """Per-row values as float32 [R, 1] tensors on `device`, in one copy queued behind the work in flight."""
+    host = torch.tensor(columns, dtype=torch.float32)
     if device.type == "cuda":
         host = host.pin_memory()  # a copy from pageable memory would make the host wait for the stream
-    return host.to(device, non_blocking=True)
+    return host.to(device, non_blocking=True)[:, :, None].unbind(0)
