@@ -17,7 +17,7 @@ import torch
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.reference.weights import GGUFWeights, WeightSource
 from dwarfstar.model import tensors as tt
-from dwarfstar.model.config import ModelArgs, yarn_inv_freq
+from dwarfstar.model.config import LayerSpec, ModelArgs, yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, Rows, Segment, Site, Transformer
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
@@ -40,6 +40,7 @@ ExpertGetter = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 class Layer:
     """One block's weights, named by the tensor table's roles."""
 
+    spec: LayerSpec
     hc: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     norm: dict[str, torch.Tensor]
     proj: dict[str, torch.Tensor]  # every `ProjectionGroup` part of the layer, by key
@@ -96,6 +97,7 @@ class ReferenceOps:
             return weights.dense(tt.layer_tensor(il, name))
 
         return Layer(
+            spec=spec,
             hc={site: tuple(w(n) for n in tt.hc_mix(site)) for site in tt.SITES},
             norm={site: w(tt.sublayer_norm(site)) for site in tt.SITES},
             proj={p.key: w(p.tensor) for g in tt.PROJECTION_GROUPS for p in g.present(spec)},
@@ -146,22 +148,31 @@ class ReferenceOps:
 
     # -- attention ---------------------------------------------------------------------------------------
     def project(self, il: int, group: ProjectionGroup, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        proj = self.layers[il].proj
-        return {p.key: x @ proj[p.key].T for p in group.present(self.args.layer(il))}
+        layer = self.layers[il]
+        return {p.key: x @ layer.proj[p.key].T for p in group.present(layer.spec)}
 
-    def _rope(self, il: int, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        return ops.apply_rope(x, *ops.rope_angles(positions, self.layers[il].inv_freq), inverse)
+    def _angles(self, il: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rope_angles(positions, self.layers[il].inv_freq)
+
+    def _batch_angles(self, il: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at every row's position, once per call for each RoPE base (layers share a few)."""
+        spec = self.layers[il].spec
+        key = ("angles", spec.rope_theta, spec.yarn)
+        if key not in batch.aux:
+            batch.aux[key] = self._angles(il, batch.aux["positions"])
+        return batch.aux[key]
 
     def norm_rope(self, il: int, kind: Rows, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        a, layer, positions = self.args, self.layers[il], batch.aux["positions"]
+        a, layer = self.args, self.layers[il]
         if kind is Rows.Q_LORA:
             return ops.rms_norm(x, layer.q_norm, a.norm_eps)
+        angles = self._batch_angles(il, batch)
         if kind is Rows.QUERY:
-            return self._rope(il, ops.rms_norm(x.view(x.shape[0], a.n_heads, a.head_dim), None, a.norm_eps), positions)
+            return ops.apply_rope(ops.rms_norm(x.view(x.shape[0], a.n_heads, a.head_dim), None, a.norm_eps), *angles)
         if kind is Rows.KV:
-            kv = self._rope(il, ops.rms_norm(x, layer.kv_norm, a.norm_eps), positions)
+            kv = ops.apply_rope(ops.rms_norm(x, layer.kv_norm, a.norm_eps), *angles)
             return ops.fp8_round_nope(kv, a.rope_dim) if self.qat else kv
-        q = self._rope(il, x.view(x.shape[0], a.index_n_heads, a.index_head_dim), positions)
+        q = ops.apply_rope(x.view(x.shape[0], a.index_n_heads, a.index_head_dim), *angles)
         return ops.indexer_round(q) if self.qat else q
 
     def write_window(self, il: int, kv: torch.Tensor, batch: Batch) -> None:
@@ -178,7 +189,7 @@ class ReferenceOps:
             rows = ops.compress(state, kv, gate, ape, norm, seq.start, a.norm_eps)
             if rows.shape[0]:
                 row_positions = (state.rows.n + torch.arange(rows.shape[0])) * state.ratio  # its window's first token
-                rows = self._rope(il, rows, row_positions)
+                rows = ops.apply_rope(rows, *self._angles(il, row_positions))
                 if self.qat:
                     rows = ops.fp8_round_nope(rows, a.rope_dim) if kind == "attn" else ops.indexer_round(rows)
                 state.rows.append(rows)
@@ -186,7 +197,7 @@ class ReferenceOps:
     def _visible(self, il: int, seq: Segment, n_rows: int) -> torch.Tensor:
         """[T, n_rows]: row w is complete, hence visible, once token ratio * (w + 1) - 1 has been seen."""
         positions = torch.arange(seq.start, seq.start + seq.length)
-        ratio = self.args.layer(il).compress_ratio
+        ratio = self.layers[il].spec.compress_ratio
         return torch.arange(n_rows)[None, :] < ((positions + 1) // ratio)[:, None]
 
     def index_topk(self, il: int, q: torch.Tensor, weights: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
@@ -207,6 +218,7 @@ class ReferenceOps:
 
     def sparse_attention(self, il: int, q: torch.Tensor, batch: Batch, selected) -> torch.Tensor:
         a, layer, out = self.args, self.layers[il], []
+        cos, sin = self._batch_angles(il, batch)
         for i, seq in enumerate(batch.seqs):
             state = seq.state.layers[il]
             raw = state.raw_kv
@@ -222,7 +234,8 @@ class ReferenceOps:
             if self.indexer_observer is not None and selected is not None:
                 scores = batch.aux[("index_scores", il, id(seq.state))]
                 self.indexer_observer(il, probs[..., raw.shape[0] :], scores)
-            out.append(self._rope(il, torch.einsum("thn,nd->thd", probs, keys), positions, inverse=True))
+            o = torch.einsum("thn,nd->thd", probs, keys)
+            out.append(ops.apply_rope(o, cos[seq.rows], sin[seq.rows], inverse=True))
         return torch.cat(out)
 
     def attn_output(self, il: int, o: torch.Tensor) -> torch.Tensor:
