@@ -70,3 +70,23 @@ def test_fast_precision_stays_close(device):
     want = at.reference(q, rows, WINDOW, WINDOW, sinks, cs, 50, comp_rows=comp, ratio=128)
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert 1e-6 < err < 3e-2
+
+
+def test_split_none_chooses_from_the_device(device):
+    """split=None: the decode rows are spread over the device's multiprocessors, and the result holds."""
+    p0 = 40
+    q, rows, comp, sinks, inv = setup(1, WINDOW, 12, device, seed=4)  # rows 0..9 visible at p = 40
+    cs = angles_at(p0, 1, inv, device)
+    pos = torch.tensor([p0], dtype=torch.int32, device=device)
+    got = at.attention(q, rows, WINDOW, WINDOW, sinks, cs, ROPE, pos, comp_rows=comp, ratio=4, split=None)
+    want = at.reference(q, rows, WINDOW, WINDOW, sinks, cs, p0, comp_rows=comp, ratio=4)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_split_covers_the_multiprocessors(monkeypatch):
+    monkeypatch.setattr(at, "multiprocessors", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert at.decode_split(cpu, t=1, groups=4, row_blocks=1000) == 64  # 4 * 64 programs >= 132 SMs
+    assert at.decode_split(cpu, t=1, groups=8, row_blocks=1000) == 32
+    assert at.decode_split(cpu, t=1, groups=4, row_blocks=10) == 8  # no more splits than key blocks
+    assert at.decode_split(cpu, t=64, groups=4, row_blocks=1000) == 1  # prefill fills the device alone

@@ -32,7 +32,7 @@ from dwarfstar.gguf.reader import GGUFFile
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import LayerSpec, ModelArgs
 
-# The bytes of a GGUF block that form its quant payload (IQ2_XXS: eight 8-byte groups, read as u64s)
+# The bytes of a GGUF block that form its quant payload (IQ2_XXS: eight 8-byte groups of two u32s)
 PAYLOAD = {
     GGMLType.Q8_0: range(2, 34),
     GGMLType.Q2_K: range(16, 80),

@@ -31,6 +31,7 @@ from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape
 from dwarfstar.model.config import yarn_inv_freq
 
 COMP_NONE, COMP_ALL, COMP_SELECTED = 0, 1, 2
+INTERPRETER_MULTIPROCESSORS = 4  # the interpreter runs programs one after another: a few splits suffice
 NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": keeps exp(m_old - m_new) defined when a block is all masked
 
 
@@ -148,12 +149,13 @@ def _combine_kernel(
     heads_ok = h < H
     d = tl.arange(0, BD)
     part = (i.to(tl.int64) * H + h) * SPLIT
+    # loops, not unrolled: the split count follows the device's multiprocessors (up to 64 and more)
     m = tl.full((BH,), NEG, tl.float32)
-    for s in tl.static_range(SPLIT):
+    for s in range(SPLIT):
         m = tl.maximum(m, tl.load(m_ptr + part + s, mask=heads_ok, other=NEG))
     l = tl.zeros((BH,), tl.float32)
     acc = tl.zeros((BH, BD), tl.float32)
-    for s in tl.static_range(SPLIT):
+    for s in range(SPLIT):
         w = tl.exp(tl.load(m_ptr + part + s, mask=heads_ok, other=NEG) - m)
         l += w * tl.load(l_ptr + part + s, mask=heads_ok, other=0.0)
         a = tl.load(acc_ptr + (part + s)[:, None] * D + d[None, :], mask=heads_ok[:, None] & (d < D)[None, :],
@@ -161,6 +163,27 @@ def _combine_kernel(
         acc += w[:, None] * a
     sink = tl.load(sinks_ptr + h, mask=heads_ok, other=0.0)
     _finish(acc, m, l, sink, cos_ptr, sin_ptr, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """SMs (NVIDIA) or CUs (AMD, through torch.cuda too) of the device the kernels run on."""
+    if device.type == "cuda":
+        return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return INTERPRETER_MULTIPROCESSORS
+
+
+def decode_split(device: torch.device, t: int, groups: int, row_blocks: int) -> int:
+    """Row splits per (token, head group) so the t * groups * splits programs cover every SM.
+
+    A power of two (each is a kernel specialisation), at most the key blocks a program could read.
+    """
+    want = triton.next_power_of_2(triton.cdiv(multiprocessors(device), t * groups))
+    return max(1, min(want, 1 << (max(1, row_blocks).bit_length() - 1)))
 
 
 def attention(
@@ -175,11 +198,13 @@ def attention(
     comp_rows: torch.Tensor | None = None,
     ratio: int = 0,
     selected: torch.Tensor | None = None,
-    split: int = 1,
+    split: int | None = 1,
     precision: Precision = EXACT,
 ) -> torch.Tensor:
     """Attention output [T, H, D] with the RoPE undone.
 
+    `split` row splits per head group; None chooses them from the device (`decode_split`): enough
+    programs for every SM when a chunk has few tokens, 1 for prefill.
     q [T, H, D] contiguous; window_rows [n_prev + T, D] (the state's raw rows, then the chunk's);
     comp_rows [capacity, D] with `ratio` (all visible rows) or `selected` int32 [T, k] (ratio-4
     layers); pos int32 [1] = p0; angles = cos/sin [T, rope_dim / 2] of the query positions.
@@ -191,6 +216,11 @@ def attention(
     bn = max(16, min(128, next_pow2(window))) if interpreting() else (16 if bd >= 512 else 32)
     out = torch.empty(t, heads, d, device=q.device, dtype=torch.float32)
     groups = triton.cdiv(heads, bh)
+    if split is None:
+        # bounded by buffer sizes, not by the device position, so a captured decode step stays valid
+        n_comp = 0 if comp_rows is None else selected.shape[1] if selected is not None else comp_rows.shape[0]
+        row_blocks = triton.cdiv(min(window, window_rows.shape[0]), bn) + triton.cdiv(n_comp, bn)
+        split = decode_split(q.device, t, groups, row_blocks)
     m = l = acc = out
     if split > 1:
         m = torch.empty(t, heads, split, device=q.device, dtype=torch.float32)
@@ -240,7 +270,7 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
     sinks = torch.zeros(a.n_heads, device=dev)
     cases = []
 
-    def case(name: str, t: int, p0: int, n_comp: int, ratio: int, selected, split: int, precision=EXACT):
+    def case(name: str, t: int, p0: int, n_comp: int, ratio: int, selected, split: int | None, precision=EXACT):
         q = torch.randn(t, a.n_heads, a.head_dim, device=dev, generator=gen)
         n_prev = min(p0, a.window)
         window_rows = torch.randn(n_prev + t, a.head_dim, device=dev, generator=gen)
@@ -258,8 +288,8 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
     n4, n128 = shape.ctx // 4, shape.ctx // 128
     k = min(a.index_topk, n4)
     sel = torch.randperm(n4, device=dev, generator=gen)[:k].to(torch.int32).view(1, k)
-    case(f"decode ratio 4 at {shape.ctx}: {a.window} + {k} rows", 1, shape.ctx, n4, 4, sel, 8)
-    case(f"decode ratio 128 at {shape.ctx}: {a.window} + {n128} rows", 1, shape.ctx, n128, 128, None, 8)
+    case(f"decode ratio 4 at {shape.ctx}: {a.window} + {k} rows", 1, shape.ctx, n4, 4, sel, None)
+    case(f"decode ratio 128 at {shape.ctx}: {a.window} + {n128} rows", 1, shape.ctx, n128, 128, None, None)
     t = shape.prefill
     case(f"prefill ratio 128, {t} tokens from 0 (bf16 dot)", t, 0, t // 128, 128, None, 1, FAST)
     return cases

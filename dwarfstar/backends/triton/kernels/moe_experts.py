@@ -23,7 +23,7 @@ import triton.language as tl
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels.moe_sort import ExpertTiles, single_expert_tiles, sort_by_expert
-from dwarfstar.backends.triton.kernels.quant_blocks import gemv_tile, grid_table, load_weight_tile, tile_k
+from dwarfstar.backends.triton.kernels.quant_blocks import gemv_tile, grid_table, load_weight_tile, tile_k, warp_size
 from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, interpreting, next_pow2
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
@@ -101,9 +101,7 @@ def _down_kernel(
         tl.store(out_ptr + row.to(tl.int64)[:, None] * N + n[None, :], acc, mask=m_ok[:, None] & (n < N)[None, :])
 
 
-def _tile_config(
-    block_m: int, n: int, ggml_type: GGMLType, bk: int, weights: int, fast: bool
-) -> tuple[bool, int, int]:
+def _tile_config(block_m: int, n: int, ggml_type: GGMLType, bk: int, weights: int, fast: bool) -> tuple[bool, int, int]:
     """(use tl.dot, BN, num_warps) for tiles of block_m rows reading `weights` weight tiles per step.
 
     Tensor-core tiles stage their operands in shared memory (one pipeline stage): the [block_m, bk]
@@ -117,7 +115,10 @@ def _tile_config(
         return False, *gemv_tile(block_m, n, ggml_type, bk)
     rows = 65536 // (bk * (2 if fast else 4))  # operand rows of bk columns that fit in 64 KB
     room = max(1, (rows - block_m) // weights)
-    return True, max(16, min(32, 1 << (room.bit_length() - 1))), 8
+    # AMD's MFMA operand layouts hold more of the decoded tiles per lane: two 256-column tiles of 32
+    # rows spill there, so they take 16
+    widest = 16 if weights * bk > 256 and warp_size() == 64 else 32
+    return True, max(16, min(widest, 1 << (room.bit_length() - 1))), 8
 
 
 def expert_ffn(

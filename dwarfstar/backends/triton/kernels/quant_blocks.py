@@ -140,18 +140,19 @@ def _q4_k_tile(w_ptr, row_off, sb, K, BN: tl.constexpr):
 
 @triton.jit
 def _iq2_xxs_tile(w_ptr, grid_ptr, row_off, sb, K, BN: tl.constexpr):
-    # payload (64 B per super-block): 8 groups of 32 elements, each a little-endian u64 whose bytes
-    # 0-3 pick lattice points (8 elements each) of the 256-entry grid and whose high u32 holds four
-    # 7-bit sign patterns (bits 0-27) and a scale s (bits 28-31). The 8th sign bit makes the
-    # popcount even. side: f16 d. x = (d * (0.5 + s) * 0.25) * grid * sign.
-    group_ptr = (w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint64))
-    groups = tl.load(group_ptr[:, None] + tl.arange(0, 8)[None, :])[:, :, None]  # [BN, 8, 1]
-    chunk = tl.arange(0, 4).to(tl.uint64)
+    # payload (64 B per super-block): 8 groups of 32 elements, each two u32 words: the bytes of the
+    # first pick lattice points (8 elements each) of the 256-entry grid, the second holds four 7-bit
+    # sign patterns (bits 0-27) and a scale s (bits 28-31). The 8th sign bit makes the popcount
+    # even. side: f16 d. x = (d * (0.5 + s) * 0.25) * grid * sign.
+    word_ptr = (w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))
+    words = tl.load(word_ptr[:, None] + tl.arange(0, 16)[None, :])  # [BN, 16], one 64-byte run per row
+    points, aux = tl.split(tl.reshape(words, [BN, 8, 2]))  # [BN, 8] each
+    chunk = tl.arange(0, 4).to(tl.uint32)
     i = tl.arange(0, 8)
-    point = ((groups >> (8 * chunk)[None, None, :]) & 255).to(tl.int32)  # [BN, 8, 4]
-    aux = (groups >> 32).to(tl.uint32)
+    point = ((points[:, :, None] >> (8 * chunk)[None, None, :]) & 255).to(tl.int32)  # [BN, 8, 4]
+    aux = aux[:, :, None]
     scale = (aux >> 28).to(tl.float32)
-    signs = (aux >> (7 * chunk).to(tl.uint32)[None, None, :]) & 127  # [BN, 8, 4]
+    signs = (aux >> (7 * chunk)[None, None, :]) & 127  # [BN, 8, 4]
     parity = signs ^ (signs >> 4)
     parity ^= parity >> 2
     parity ^= parity >> 1
