@@ -43,7 +43,7 @@ class DutyCycle:
         def run(*args: Any, **kwargs: Any) -> Any:
             start, slept, busy = time.perf_counter(), self.slept_s, self.busy_s
             out = work(*args, **kwargs)
-            if isinstance(out, torch.Tensor) and out.is_cuda:
+            if any(isinstance(o, torch.Tensor) and o.is_cuda for o in (out if isinstance(out, list) else [out])):
                 torch.cuda.synchronize()  # GPU work is asynchronous: wait for it, or busy time reads as ~0
             nested = (self.slept_s - slept) + (self.busy_s - busy)
             self._owe(time.perf_counter() - start - nested)
@@ -63,22 +63,31 @@ class DutyCycle:
 
 
 class ThrottledBackend:
-    """A backend whose forward calls, and layers where it shows them, are paced by a `DutyCycle`."""
+    """A backend whose forward calls, and the blocks of its forward pass, are paced by a `DutyCycle`.
+
+    Everything else (batched forward, device sampling, the context, state helpers) is the backend's own.
+    """
 
     def __init__(self, backend: Backend, duty: DutyCycle) -> None:
         self.inner, self.duty = backend, duty
         self.args: ModelArgs = backend.args
-        if isinstance(backend, Transformer):
+        model = backend if isinstance(backend, Transformer) else getattr(backend, "model", None)
+        if isinstance(model, Transformer):
             # the CLI owns this backend for the whole process, so pacing its layers in place is safe
-            backend.block = duty.timed(backend.block)
+            model.block = duty.timed(model.block)
 
-    def new_state(self) -> SequenceState:
-        return self.inner.new_state()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
     def forward(
         self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
     ) -> torch.Tensor:
         return self.duty.timed(self.inner.forward)(tokens, state, all_logits)
+
+    def forward_batch(
+        self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False
+    ) -> list[torch.Tensor]:
+        return self.duty.timed(self.inner.forward_batch)(token_lists, states, all_logits)
 
 
 def throttle(backend: Backend, percent: int) -> Backend:

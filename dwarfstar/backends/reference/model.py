@@ -22,6 +22,7 @@ from dwarfstar.model.forward import Batch, ExpertSource, Rows, Segment, Site, Tr
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
 from dwarfstar.model.tensors import ProjectionGroup
+from dwarfstar.session.sampling import sample_batch
 
 SMALL_MODEL_DIM = 1024
 
@@ -298,3 +299,6 @@ class ReferenceModel(Transformer[torch.Tensor]):
             torch.set_num_threads(1)
         self.qat = qat
         super().__init__(ReferenceOps(args, weights, qat, progress), max_seq_len)
+
+    # the sampling rules run on the logits' device (here the CPU), one host sync per step
+    sample_batch = staticmethod(sample_batch)
