@@ -6,9 +6,10 @@ tiled dequant-GEMM beyond (prefill), and for routed experts the gathered GEMV or
 the gathered GEMM over pairs sorted by expert.
 
 Attention, the compressors and the indexer need no kernel of their own: MLX's fused attention
-takes the per-head sinks and an arbitrary row mask (the raw window plus the indexer's choice), the
-indexer's scores are one matmul and an argpartition, and the long elementwise chains (Sinkhorn,
-rope, the FP8/FP4 roundings) are fused by `mx.compile` (`ops.Fused`).
+takes the per-head sinks, a batch of per-query keys (the raw window plus the rows the indexer
+chose, gathered by `mx.take`) and a row mask; the indexer's scores are one matmul and an
+argpartition; the long elementwise chains (Sinkhorn, rope, the FP8/FP4 roundings) are fused by
+`mx.compile` (`ops.Fused`).
 
 Every call is first described as a `Launch` (kernel, inputs, template, grid, outputs) and then run,
 so the launch geometry itself is tested where Metal is missing: tests/mlx runs the same launches
@@ -18,6 +19,7 @@ through a CPU emulation of the kernels (their sources are also valid C++).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -116,6 +118,15 @@ class BlockMatrix:
         experts = shape[0] if len(shape) == 3 else 1
         blocks = mx.array(np.ascontiguousarray(raw).reshape(experts * rows, cols // block * size))
         return cls(blocks, ggml_type, rows, cols, experts)
+
+    @staticmethod
+    def stack_rows(matrices: Sequence[BlockMatrix]) -> BlockMatrix | None:
+        """The matrices' rows as one matrix (weights.stack_rows), when they share a type and width."""
+        first = matrices[0]
+        if any((m.ggml_type, m.cols, m.experts) != (first.ggml_type, first.cols, 1) for m in matrices):
+            return None
+        blocks = mx.concatenate([m.blocks for m in matrices])
+        return BlockMatrix(blocks, first.ggml_type, sum(m.rows for m in matrices), first.cols)
 
     def _template(self) -> list[tuple[str, int]]:
         return [("QTYPE", int(self.ggml_type)), ("COLS", self.cols)]

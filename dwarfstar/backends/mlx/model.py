@@ -51,12 +51,33 @@ class ResidentExperts:
 
 
 @dataclass
+class Product:
+    """Consecutive parts of a projection group as one product: their matrices stacked row-wise."""
+
+    matrix: Matrix
+    keys: tuple[str, ...]
+    splits: list[int]  # the output columns where each part after the first begins
+
+    @classmethod
+    def runs(cls, weights: LayerWeights, parts: tuple[tt.Part, ...]) -> list[Product]:
+        runs = weights.stacked_rows([p.tensor for p in parts])
+        keys, products = iter(p.key for p in parts), []
+        for matrix, rows in runs:
+            products.append(cls(matrix, tuple(next(keys) for _ in rows), np.cumsum(rows)[:-1].tolist()))
+        return products
+
+    def __call__(self, x: mx.array) -> dict[str, mx.array]:
+        y = self.matrix.matmul(x)
+        return dict(zip(self.keys, mx.split(y, self.splits, axis=-1) if self.splits else [y], strict=True))
+
+
+@dataclass
 class Layer:
     """One block's weights, named by the tensor table's roles."""
 
     hc: dict[str, tuple[mx.array, mx.array, mx.array]]
     norm: dict[str, mx.array]
-    proj: dict[str, Matrix]  # every `ProjectionGroup` part of the layer, by key
+    proj: dict[str, list[Product]]  # each `ProjectionGroup` by name: one product per run of a packing
     q_norm: mx.array
     kv_norm: mx.array
     sinks: mx.array
@@ -88,7 +109,7 @@ class MLXOps:
         return Layer(
             hc={site: tuple(w.dense(n) for n in tt.hc_mix(site)) for site in tt.SITES},
             norm={site: w.dense(tt.sublayer_norm(site)) for site in tt.SITES},
-            proj={p.key: w.matrix(p.tensor) for g in tt.PROJECTION_GROUPS for p in g.present(spec)},
+            proj={g.name: Product.runs(w, g.present(spec)) for g in tt.PROJECTION_GROUPS},
             q_norm=w.dense(tt.Q_NORM),
             kv_norm=w.dense(tt.KV_NORM),
             sinks=w.dense(tt.SINKS),
@@ -147,8 +168,7 @@ class MLXOps:
 
     # -- attention ---------------------------------------------------------------------------------------
     def project(self, il: int, group: ProjectionGroup, x: mx.array) -> dict[str, mx.array]:
-        proj = self.layers[il].proj
-        return {p.key: proj[p.key].matmul(x) for p in group.present(self.args.layer(il))}
+        return {key: y for product in self.layers[il].proj[group.name] for key, y in product(x).items()}
 
     def _rope_tables(self, il: int, batch: Batch) -> tuple[mx.array, mx.array]:
         """cos/sin at the batch's positions for the layer's frequencies, built once per call: layers

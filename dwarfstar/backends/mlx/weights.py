@@ -11,12 +11,13 @@
   Metal kernels (`metal.py`).
 
 Every matrix answers `matmul(x)` (x [..., in] -> [..., out]) and, when stacked [E, out, in],
-`gather(x, ids)` (x [T, 1 or k, 1, in], ids [T, k] -> [T, k, 1, out]).
+`gather(x, ids)` (x [T, 1 or k, 1, in], ids [T, k] -> [T, k, 1, out]). Matrices of one packing that
+read the same input stack row-wise into one (`stack_rows`): a fused projection group is one product.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,6 +42,9 @@ class Matrix(Protocol):
 
     def gather(self, x: mx.array, ids: mx.array) -> mx.array: ...
 
+    @staticmethod
+    def stack_rows(matrices: Sequence[Matrix]) -> Matrix | None: ...
+
 
 @dataclass
 class DenseMatrix:
@@ -58,6 +62,10 @@ class DenseMatrix:
     def gather(self, x: mx.array, ids: mx.array) -> mx.array:
         return mx.gather_mm(x, self.w, rhs_indices=ids)
 
+    @staticmethod
+    def stack_rows(matrices: Sequence[DenseMatrix]) -> DenseMatrix:
+        return DenseMatrix(mx.concatenate([m.w for m in matrices]))
+
 
 @dataclass
 class AffineMatrix:
@@ -74,6 +82,22 @@ class AffineMatrix:
         return mx.gather_qmm(
             x, p.codes, p.scales, p.biases, rhs_indices=ids, transpose=True, group_size=repack.GROUP, bits=p.bits
         )
+
+    @staticmethod
+    def stack_rows(matrices: Sequence[AffineMatrix]) -> AffineMatrix | None:
+        parts = [m.parts for m in matrices]
+        if len({p.bits for p in parts}) > 1:
+            return None
+        stacked = (mx.concatenate([getattr(p, a) for p in parts]) for a in ("codes", "scales", "biases"))
+        return AffineMatrix(repack.AffineParts(*stacked, parts[0].bits))
+
+
+def stack_rows(matrices: Sequence[Matrix]) -> Matrix | None:
+    """One [sum out_i, in] matrix holding the rows of the [out_i, in] matrices in order, or None when
+    their packings differ. Rows of a product are independent, so its column ranges are each matrix's
+    own product exactly."""
+    kind = type(matrices[0])
+    return kind.stack_rows(matrices) if all(type(m) is kind for m in matrices) else None
 
 
 class Weights:
@@ -96,6 +120,19 @@ class Weights:
 
     def experts(self, name: str) -> Matrix:
         return self._load(name, self.gguf.tensors[name].shape)
+
+    def stacked_rows(self, names: Sequence[str]) -> list[tuple[Matrix, list[int]]]:
+        """Projections that read one input as few products as their packings allow: runs of
+        consecutive matrices stacked row-wise (`stack_rows`), each with its matrices' row counts."""
+        runs: list[tuple[list[Matrix], list[int]]] = []
+        for name in names:
+            m, rows = self.matrix(name), self.gguf.tensors[name].shape[0]
+            if runs and stack_rows([runs[-1][0][0], m]) is not None:
+                runs[-1][0].append(m)
+                runs[-1][1].append(rows)
+            else:
+                runs.append(([m], [rows]))
+        return [(ms[0] if len(ms) == 1 else stack_rows(ms), rows) for ms, rows in runs]
 
     def _load(self, name: str, shape: tuple[int, ...]) -> Matrix:
         info = self.gguf.tensors[name]
@@ -142,3 +179,6 @@ class LayerWeights:
 
     def experts(self, name: str) -> Matrix:
         return self.weights.experts(tt.layer_tensor(self.il, name))
+
+    def stacked_rows(self, names: Sequence[str]) -> list[tuple[Matrix, list[int]]]:
+        return self.weights.stacked_rows([tt.layer_tensor(self.il, name) for name in names])
