@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from dwarfstar.backends.triton.kernels import qmatmul as qm
 from dwarfstar.backends.triton.runtime import FAST
@@ -83,3 +84,19 @@ def test_vendor_gemm_reuses_one_scratch_per_shape(device, quant_blocks):
     assert qm.dequantized(a, torch.float32).data_ptr() == qm.dequantized(b, torch.float32).data_ptr()
     assert rel_err(ya, qm.reference(x.contiguous(), a)) < 2e-6
     assert rel_err(yb, qm.reference(x.contiguous(), b)) < 2e-6
+
+
+@pytest.mark.parametrize("warp", [32, 64])  # NVIDIA warps, AMD wavefronts
+def test_gemv_autotune_search_keeps_vector_loads_and_registers(warp, monkeypatch):
+    """The autotuned GEMV tiles: the heuristic (with 1 and 2 stages) and same-register-cost variants
+    in which every one of 64..256 threads loads a full 128-bit vector of the Q2_K weight tile."""
+    from dwarfstar.backends.triton.kernels import quant_blocks as qb
+
+    monkeypatch.setattr(qb, "warp_size", lambda: warp)
+    heuristic = triton.Config({"BN": 32}, num_warps=128 // warp, num_stages=1)
+    configs = qb.gemv_search(qb.GEMV_CANDIDATES, heuristic, bm=1, n=4096, ggml_type=T.Q2_K, bk=256)
+    shapes = {(c.kwargs["BN"], c.num_warps * warp, c.num_stages) for c in configs}
+    assert shapes == {(32, 128, 1), (32, 128, 2), (16, 64, 1), (64, 256, 1)}
+    for bn, threads, _ in shapes:
+        assert bn * 64 >= 16 * threads  # 64 payload bytes per row and super-block
+        assert bn * 256 // threads <= 64  # product elements per thread, as the heuristic

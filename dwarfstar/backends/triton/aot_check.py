@@ -7,7 +7,8 @@ backend for. This swaps in a driver that only names the target and turns every l
 compile-only warmup, then drives the real launch code: every kernel's bench cases at Flash shapes
 (fewer experts and a smaller vocabulary, which change no kernel specialisation) and a prefill chunk
 and a decode step of a tiny model (`--only qmatmul,moe_experts` compiles just those modules' bench
-cases). It reports registers, spills, shared memory and 128-bit global loads (PTX `ld.global.v4`,
+cases). Autotuned kernels compile every config their launch could pick. It reports warps, stages,
+registers, spills, shared memory and 128-bit global loads (PTX `ld.global.v4`,
 AMDGCN `global_load_dwordx4`) per specialisation and fails on a compile error, a register spill
 of a CUDA kernel (its stack, read with the cuobjdump Triton ships; an AMD kernel's scratch is
 only warned about), more shared memory than the smallest GPUs of the backend give a block, or a
@@ -35,6 +36,7 @@ import triton  # noqa: E402
 import triton.runtime.jit as jit  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
 
 # shared memory a block may use: 99 KB on the smallest NVIDIA parts (sm_86/89/120/121), 64 KB of LDS on AMD
 SHARED_LIMIT = {"cuda": 101376, "hip": 65536}
@@ -121,7 +123,8 @@ def check_target(target: GPUTarget, only: Sequence[str] = ()) -> list[str]:
             problems.append(f"{target.arch} {name} {consts}: {str(exc).strip().splitlines()[-1]}")
             return None
         wide = wide_loads(kernel, target.backend)
-        line = f"{name} shared={kernel.metadata.shared} wide_loads={wide}"
+        meta = kernel.metadata
+        line = f"{name} warps={meta.num_warps} stages={meta.num_stages} shared={meta.shared} wide_loads={wide}"
         regs, stack = cuda_usage(kernel.asm["cubin"]) if target.backend == "cuda" else hip_usage(kernel.asm["amdgcn"])
         line += f" regs={regs} stack={stack}"
         if line + consts in seen:
@@ -130,19 +133,27 @@ def check_target(target: GPUTarget, only: Sequence[str] = ()) -> list[str]:
         print(f"  {line} {consts}", flush=True)
         if name in GEMV_KERNELS and not kwargs.get("USE_DOT") and wide == 0:
             problems.append(f"{target.arch} {name} {consts}: no 128-bit loads in the GEMV")
-        if kernel.metadata.shared > SHARED_LIMIT[target.backend]:
-            problems.append(f"{target.arch} {name} {consts}: {kernel.metadata.shared} B of shared memory")
+        if meta.shared > SHARED_LIMIT[target.backend]:
+            problems.append(f"{target.arch} {name} {consts}: {meta.shared} B of shared memory")
         if stack > SPILL_LIMIT and target.backend == "cuda":
             problems.append(f"{target.arch} {name} {consts}: spills ({stack} B of stack)")
         elif stack > SPILL_LIMIT:  # reported, not failed: the exact decode attention spills on gfx942 today
             print(f"WARNING {target.arch} {name} {consts}: spills ({stack} B of scratch)", flush=True)
         return None
 
-    jit.JITFunction.run = compile_only
+    def compile_every_config(self, *args, **kwargs):
+        # instead of timing the configs on a device, compile each one the launch could pick
+        self.nargs = dict(zip(self.arg_names, args, strict=False))
+        for config in self.prune_configs(kwargs):
+            self.fn.run(*args, **kwargs, **config.all_kwargs())
+        self.nargs = None
+
+    tune = Autotuner.run
+    jit.JITFunction.run, Autotuner.run = compile_only, compile_every_config
     try:
         _drive_launches(only, target.backend)
     finally:
-        jit.JITFunction.run = run
+        jit.JITFunction.run, Autotuner.run = run, tune
     return problems
 
 

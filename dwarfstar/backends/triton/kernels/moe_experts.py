@@ -23,7 +23,14 @@ import triton.language as tl
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels.moe_sort import ExpertTiles, single_expert_tiles, sort_by_expert
-from dwarfstar.backends.triton.kernels.quant_blocks import gemv_tile, grid_table, load_weight_tile, tile_k, warp_size
+from dwarfstar.backends.triton.kernels.quant_blocks import (
+    GEMV_CANDIDATES,
+    gemv_search,
+    gemv_tile,
+    grid_table,
+    load_weight_tile,
+    tile_k,
+)
 from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, interpreting, next_pow2
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
@@ -40,6 +47,25 @@ def _product(acc, x, w, USE_DOT: tl.constexpr, FAST: tl.constexpr):
         return acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2)
 
 
+def _pruner(weights: int):
+    """early_config_prune for a kernel reading `weights` weight tiles per step (gate+up: 2, down: 1):
+    the heuristic tile for the interpreter and the tensor-core form, a few GEMV tiles to time."""
+
+    def prune(candidates: list[triton.Config], named: dict, **constants) -> list[triton.Config]:
+        ggml_type, bk, bm = GGMLType(constants["WTYPE"]), constants["BK"], constants["BM"]
+        use_dot, bn, warps = _tile_config(bm, named["N"], ggml_type, bk, weights, constants["FAST"])
+        heuristic = triton.Config({"BN": bn}, num_warps=warps, num_stages=1)
+        if interpreting() or use_dot:
+            return [heuristic]
+        return gemv_search(candidates, heuristic, bm, named["N"], ggml_type, bk)
+
+    return prune
+
+
+_KEY = ["K", "N", "WTYPE", "BM", "BK", "USE_DOT", "FAST"]
+
+
+@triton.autotune(configs=GEMV_CANDIDATES, key=[*_KEY, "WEIGHTED"], prune_configs_by={"early_config_prune": _pruner(2)})
 @triton.jit
 def _gate_up_kernel(
     x_ptr, gate_ptr, up_ptr, grid_ptr, sorted_ptr, tile_expert_ptr, tile_start_ptr, tile_rows_ptr,
@@ -75,6 +101,7 @@ def _gate_up_kernel(
         tl.store(out, mid, mask=m_ok[:, None] & (n < N)[None, :])
 
 
+@triton.autotune(configs=GEMV_CANDIDATES, key=_KEY, prune_configs_by={"early_config_prune": _pruner(1)})
 @triton.jit
 def _down_kernel(
     mid_ptr, down_ptr, grid_ptr, sorted_ptr, tile_expert_ptr, tile_start_ptr, tile_rows_ptr, out_ptr,
@@ -115,9 +142,8 @@ def _tile_config(block_m: int, n: int, ggml_type: GGMLType, bk: int, weights: in
         return False, *gemv_tile(block_m, n, ggml_type, bk)
     rows = 65536 // (bk * (2 if fast else 4))  # operand rows of bk columns that fit in 64 KB
     room = max(1, (rows - block_m) // weights)
-    # AMD's MFMA operand layouts hold more of the decoded tiles per lane: two 256-column tiles of 32
-    # rows spill there, so they take 16
-    widest = 16 if weights * bk > 256 and warp_size() == 64 else 32
+    # two decoded 256-column tiles of 32 rows next to the operands spill (AMD 132 B, NVIDIA 24 B): 16
+    widest = 16 if weights * bk > 256 else 32
     return True, max(16, min(widest, 1 << (room.bit_length() - 1))), 8
 
 
@@ -144,21 +170,18 @@ def expert_ffn(
     mid = torch.empty(n_entries, f, device=x.device, dtype=torch.float32)
     use_dot = tiles.block_m >= 16
     bk = tile_k(gate.ggml_type, d, gemm=use_dot)
-    use_dot, bn, warps = _tile_config(tiles.block_m, f, gate.ggml_type, bk, 2, precision.fast)
     grid = grid_table(x.device)
-    _gate_up_kernel[(triton.cdiv(f, bn), n_tiles)](
+    _gate_up_kernel[lambda meta: (triton.cdiv(f, meta["BN"]), n_tiles)](
         x, gate.data, up.data, grid, tiles.sorted_entries, tiles.tile_expert, tiles.tile_start, tiles.tile_rows,
         route_weights if route_weights is not None else x, mid, d, f, x.stride(0), gate.row_bytes, tiles.k, limit,
-        WTYPE=gate.wtype, WEIGHTED=route_weights is not None, BM=tiles.block_m, BN=bn, BK=bk,
-        USE_DOT=use_dot, FAST=precision.fast, num_warps=warps, num_stages=1,
+        WTYPE=gate.wtype, WEIGHTED=route_weights is not None, BM=tiles.block_m, BK=bk,
+        USE_DOT=use_dot, FAST=precision.fast,
     )  # fmt: skip
     bk = tile_k(down.ggml_type, f, gemm=use_dot)
-    use_dot, bn, warps = _tile_config(tiles.block_m, d, down.ggml_type, bk, 1, precision.fast)
-    _down_kernel[(triton.cdiv(d, bn), n_tiles)](
+    _down_kernel[lambda meta: (triton.cdiv(d, meta["BN"]), n_tiles)](
         mid, down.data, grid, tiles.sorted_entries, tiles.tile_expert, tiles.tile_start, tiles.tile_rows, out,
         f, d, down.row_bytes, tiles.k, out.shape[1], slot_offset,
-        WTYPE=down.wtype, BM=tiles.block_m, BN=bn, BK=bk,
-        USE_DOT=use_dot, FAST=precision.fast, num_warps=warps, num_stages=1,
+        WTYPE=down.wtype, BM=tiles.block_m, BK=bk, USE_DOT=use_dot, FAST=precision.fast,
     )  # fmt: skip
 
 

@@ -29,7 +29,9 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.triton.kernels.quant_blocks import (
+    GEMV_CANDIDATES,
     dequantize_rows,
+    gemv_search,
     gemv_tile,
     grid_table,
     load_weight_tile,
@@ -77,6 +79,21 @@ def _vendor_qmatmul(x: torch.Tensor, w: QWeight, groups: int, precision: Precisi
     return y.transpose(0, 1).reshape(m, groups * n)
 
 
+def _prune(candidates: list[triton.Config], named: dict, **constants) -> list[triton.Config]:
+    """The heuristic tile for the interpreter and the tensor-core GEMM; a few GEMV tiles to time."""
+    ggml_type, bk, use_dot = GGMLType(constants["WTYPE"]), constants["BK"], constants["USE_DOT"]
+    bm, bn, warps = _config(named["M"], named["N"], ggml_type, bk, use_dot, constants["FAST"])
+    heuristic = triton.Config({"BN": bn}, num_warps=warps, num_stages=1)
+    if interpreting() or use_dot:
+        return [heuristic]
+    return gemv_search(candidates, heuristic, bm, named["N"], ggml_type, bk)
+
+
+@triton.autotune(
+    configs=GEMV_CANDIDATES,
+    key=["M", "N", "K", "SPLIT", "WTYPE", "BM", "BK", "USE_DOT", "FAST"],
+    prune_configs_by={"early_config_prune": _prune},
+)
 @triton.jit
 def _qmatmul_kernel(
     x_ptr, w_ptr, grid_ptr, y_ptr,
@@ -157,16 +174,18 @@ def qmatmul(
     if use_dot is None:
         use_dot = m > GEMV_MAX_ROWS
     bk = tile_k(w.ggml_type, k, gemm=use_dot)
-    bm, bn, warps = _config(m, n, w.ggml_type, bk, use_dot, precision.fast)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
     split = triton.cdiv(k, k_per_split)
     out_shape = (split, m, groups * n) if split_k > 1 else (m, groups * n)
     y = torch.empty(out_shape, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), groups * split)
+    bm = _config(m, n, w.ggml_type, bk, use_dot, precision.fast)[0]
+
+    def grid(meta: dict) -> tuple[int, int, int]:
+        return triton.cdiv(n, meta["BN"]), triton.cdiv(m, bm), groups * split
+
     _qmatmul_kernel[grid](
         x, w.data, grid_table(x.device), y, m, n, k, x.stride(0), groups * n, w.row_bytes, k_per_split,
-        SPLIT=split, WTYPE=w.wtype, BM=bm, BN=bn, BK=bk, USE_DOT=use_dot, FAST=precision.fast,
-        num_warps=warps, num_stages=1,
+        SPLIT=split, WTYPE=w.wtype, BM=bm, BK=bk, USE_DOT=use_dot, FAST=precision.fast,
     )  # fmt: skip
     return y
 

@@ -60,6 +60,30 @@ def gemv_tile(bm: int, n: int, ggml_type: GGMLType, bk: int) -> tuple[int, int]:
     return bn, max(1, min(128 // warp, bn * payload // (16 * warp)))
 
 
+# GEMV tile candidates for `triton.autotune`; `gemv_search` keeps the few that suit a launch
+GEMV_CANDIDATES = [
+    triton.Config({"BN": bn}, num_warps=warps, num_stages=1) for bn in (4, 8, 16, 32, 64) for warps in (1, 2, 4, 8)
+]
+
+
+def gemv_search(
+    candidates: list[triton.Config], heuristic: triton.Config, bm: int, n: int, ggml_type: GGMLType, bk: int
+) -> list[triton.Config]:
+    """The heuristic GEMV tile (`gemv_tile`), it with two pipeline stages, and the candidates that keep
+    its guarantees: 64 to 256 threads that each load a full 128-bit vector of the weight tile, and
+    no more product elements per thread than the heuristic (its registers do not spill)."""
+    payload = tile_payload_bytes(ggml_type, bk)
+    warp = warp_size()
+    per_thread = bm * heuristic.kwargs["BN"] * bk // (heuristic.num_warps * warp)
+    kept = {(heuristic.kwargs["BN"], heuristic.num_warps, stages) for stages in (1, 2)}
+    for config in candidates:
+        bn, threads = config.kwargs["BN"], config.num_warps * warp
+        fits = 64 <= threads <= 256 and bn <= triton.next_power_of_2(n)
+        if fits and bn * payload >= 16 * threads and bm * bn * bk <= per_thread * threads:
+            kept.add((bn, config.num_warps, config.num_stages))
+    return [triton.Config({"BN": bn}, num_warps=w, num_stages=st) for bn, w, st in sorted(kept)]
+
+
 def tile_k(ggml_type: GGMLType, k: int, gemm: bool = False) -> int:
     """Columns decoded per step: one super-block for the 256-element formats; else up to 256, or 64
     for a tensor-core GEMM, whose [BN, BK] tile also sits in registers next to the activations."""
