@@ -17,6 +17,7 @@ at arbitrary downloads, and a struct.error from byte 7 of a truncated file helps
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -261,6 +262,27 @@ class GGUFFile:
         info = self._info(name)
         assert self._data is not None
         return self._data[info.offset : info.offset + info.nbytes]
+
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from memory once it has been copied elsewhere.
+
+        On GPUs that share RAM with the CPU (DGX Spark, Strix Halo) the mapped file would otherwise
+        stay resident next to its device copy, twice the model at peak. The pages leave this
+        process's mapping (MADV_DONTNEED) and the page cache (POSIX_FADV_DONTNEED); reading the
+        tensor again reads the file. Pages shared with a neighbouring tensor go too, harmlessly.
+        """
+        info = self._info(name)
+        assert self._data is not None
+        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        length = info.offset + info.nbytes - start
+        self._data._mmap.madvise(mmap.MADV_DONTNEED, start, length)
+        if not hasattr(os, "posix_fadvise"):  # macOS: the unified-memory case there is MLX's
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
     def tensor(self, name: str) -> torch.Tensor:
         """Dequantized copy: float32 for float and quant types, int32 for I32, in `TensorInfo.shape`."""

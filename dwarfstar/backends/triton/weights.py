@@ -252,14 +252,22 @@ class ModelWeights:
 
 
 def upload(gguf: GGUFFile, args: ModelArgs, device: torch.device | str) -> ModelWeights:
-    """Copy every tensor of the file to `device` once, matrices as blocks, vectors as float32."""
+    """Copy every tensor of the file to `device` once, matrices as blocks, vectors as float32.
+
+    Tensor by tensor, each one's mapped pages released after its copy (`GGUFFile.release`): where
+    the GPU shares RAM with the CPU, peak memory stays near one model instead of two.
+    """
 
     def matrix(name: str) -> QWeight:
         info = gguf.tensors[name]
-        return QWeight.from_bytes(gguf.raw(name), info.ggml_type, info.shape, device)
+        weight = QWeight.from_bytes(gguf.raw(name), info.ggml_type, info.shape, device)
+        gguf.release(name)
+        return weight
 
     def vector(name: str) -> torch.Tensor:
-        return gguf.tensor(name).to(device)
+        values = gguf.tensor(name).to(device)
+        gguf.release(name)
+        return values
 
     return build_weights(args, matrix, vector)
 
