@@ -94,6 +94,8 @@ class Layer:
 
 
 class MLXOps:
+    """`dwarfstar.model.forward.Ops` in MLX, over weights in one of `weights.PACKINGS`."""
+
     def __init__(self, args: ModelArgs, weights: Weights, qat: bool, fused: ops.Fused) -> None:
         self.args, self.qat, self.fused = args, qat, fused
         self.embedding = weights.dense(tt.EMBED)

@@ -15,8 +15,8 @@ every call would copy every compressed row per decoded token (about 1.3 GB per t
   on the state. Their setters copy torch data in, which is what `SequenceState.restore` does with
   the clones a snapshot kept. So snapshots, restores and payload writes work unchanged.
 * A state built elsewhere from torch tensors (a payload read back from disk) is adopted in place on
-  its first forward: its layers are replaced by MLX ones, one copy, and the session keeps the same
-  `SequenceState` object.
+  its first forward: each layer is replaced by an MLX one (`MLXLayerState.adopt`) when the forward
+  first touches it, one copy, and the session keeps the same `SequenceState` object.
 
 Frontier and raw-window arrays are never modified in place (the model builds new arrays), so a
 view or a snapshot clone can never observe a later step. Row buffers grow by in-place slice
@@ -155,12 +155,6 @@ def new_state(args: ModelArgs) -> SequenceState:
             )
         )
     return SequenceState(layers=layers)
-
-
-def adopt(state: SequenceState) -> list[MLXLayerState]:
-    """Make `state`'s layers MLX ones in place (a no-op after the first call); returns them."""
-    state.layers[:] = [MLXLayerState.adopt(layer) for layer in state.layers]
-    return state.layers
 
 
 def lazy_arrays(state: SequenceState) -> list[mx.array]:
