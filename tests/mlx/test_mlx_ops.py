@@ -98,3 +98,19 @@ def test_sink_attention_and_swiglu_match_reference():
     assert torch.allclose(
         to_torch(ops.swiglu_clamped(to_mx(g), to_mx(u), 10.0)), ref.swiglu_clamped(g, u, 10.0), atol=1e-5
     )
+
+
+def test_sink_attention_over_per_query_keys_matches_reference():
+    """The sparse path: each query its own gathered rows [T, N, D], against the reference row by row."""
+    gen = torch.Generator().manual_seed(4)
+    q, kv = torch.randn(5, 4, 128, generator=gen), torch.randn(5, 12, 128, generator=gen)
+    mask = torch.rand(5, 12, generator=gen) > 0.4
+    mask[:, 0] = True
+    sinks = torch.randn(4, generator=gen)
+    want = torch.cat([ref.sink_attention(q[t : t + 1], kv[t], mask[t : t + 1], sinks) for t in range(5)])
+    got = to_torch(ops.sink_attention(to_mx(q), to_mx(kv), to_mx(mask), to_mx(sinks)))
+    assert torch.allclose(got, want, atol=2e-6)
+    unmasked = torch.cat(
+        [ref.sink_attention(q[t : t + 1], kv[t], torch.ones(1, 12, dtype=torch.bool), sinks) for t in range(5)]
+    )
+    assert torch.allclose(to_torch(ops.sink_attention(to_mx(q), to_mx(kv), None, to_mx(sinks))), unmasked, atol=2e-6)

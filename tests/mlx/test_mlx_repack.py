@@ -14,6 +14,7 @@ import torch
 
 from dwarfstar.backends.mlx import repack
 from dwarfstar.backends.mlx.parity import packing_kl
+from dwarfstar.backends.mlx.weights import AffineMatrix, DenseMatrix, stack_rows
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
 from dwarfstar.gguf.dequant import dequantize
 from dwarfstar.model.loader import open_model
@@ -61,3 +62,19 @@ def test_repacking_kl_on_a_quantized_model(tmp_path):
         print(f"{name:8s} {diff}")
     assert report["exact"].mean_kl < 1e-9 and report["exact"].top1_agreement == 1.0
     assert report["affine4"].mean_kl < 0.1 and report["affine4"].mean_kl < report["affine2"].mean_kl < 1.0
+
+
+def test_stacked_rows_multiply_as_their_parts(quant_blocks):
+    """A projection group's matrices stacked row-wise give each part's product in their columns, and
+    matrices of different packings are refused (they are then multiplied apart)."""
+    cols = 64
+
+    def q8(rows: int) -> AffineMatrix:
+        raw = quant_blocks(GGMLType.Q8_0, rows * cols // 32, seed=rows)
+        return AffineMatrix(repack.repack_exact(raw, GGMLType.Q8_0, rows, cols))
+
+    x = mx.array(torch.randn(2, cols, generator=torch.Generator().manual_seed(0)).numpy())
+    for parts in ([q8(3), q8(5)], [DenseMatrix(mx.array(np.arange(4.0 * cols).reshape(4, cols))), DenseMatrix(-x)]):
+        want = np.concatenate([np.array(p.matmul(x)) for p in parts], axis=1)
+        assert np.array_equal(np.array(stack_rows(parts).matmul(x)), want)
+    assert stack_rows([q8(3), DenseMatrix(mx.ones((4, cols)))]) is None
