@@ -227,7 +227,7 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
         w = random_qweight(T.Q8_0, (n, k), dev, gen)
         x = torch.randn(shape.prefill, k, device=dev, generator=gen)
         cases.append(BenchCase(
-            "qmatmul", f"prefill {what} Q8_0 {shape.prefill}x{n}x{k} (bf16 dot)",
+            "qmatmul", f"prefill {what} Q8_0 {shape.prefill}x{n}x{k} (bf16 scratch, vendor GEMM)",
             functools.partial(qmatmul, x, w, precision=FAST), w.nbytes + 4 * shape.prefill * (k + n),
             2 * shape.prefill * n * k,
         ))  # fmt: skip
