@@ -9,13 +9,15 @@
 # (then `echo /.whl/ >> .git/info/exclude` and carry .whl to the machine).
 #
 # In priority order, within a total budget of $GPU_CHECK_BUDGET seconds (default 450: under 8 minutes with the kill grace):
-#   1. the kernel and backend tests on CUDA (tests/triton)          -> tests.log
-#   2. logits parity on the tiny models, reference vs Triton       -> parity.csv
-#   3. synthetic flash-q2 decode tok/s at 2k and 32k context      -> decode.csv
-#   4. synthetic flash-q2 prefill tok/s on an 8k prompt           -> prefill.csv
-#   5. every kernel's time, GB/s, TFLOP/s and % of the peak        -> kernels.csv
-# Logs of steps 2-5 go to bench.log; versions, step results and the tables to summary.txt. Seven files
-# in all: the device tool returns at most eight.
+#   1. the backend conformance suite (tests/backends: its triton-cuda parametrisation against the
+#      reference, which runs on the CPU) and the kernel tests (tests/triton), on CUDA  -> tests.log
+#   2. synthetic flash-q2 decode tok/s at 2k and 32k context      -> decode.csv
+#   3. synthetic flash-q2 prefill tok/s on an 8k prompt           -> prefill.csv
+#   4. every kernel's time, GB/s, TFLOP/s and % of the peak        -> kernels.csv
+#   5. logits of the tiny models, reference vs Triton, exact and bf16 dots (figures; the exact path's
+#      pass/fail is step 1's)                                      -> parity.csv
+# Logs of steps 2-5 go to bench.log; versions, step results, failing tests and the tables to
+# summary.txt. Seven files in all: the device tool returns at most eight.
 set -u
 
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR}
@@ -88,20 +90,23 @@ if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     exit 1
 fi
 
-# -- 1. tests on the GPU: kernels against their torch references, the tiny models, CUDA graphs --
+# -- 1. tests on the GPU: every backend's logits, states, payloads and sampling against the reference
+# (tests/backends; MLX's parametrisation skips where mlx is missing), kernels against their torch
+# references, the tiny models, CUDA graphs (tests/triton) --
 XDIST=""
 $PY -c "import xdist" 2>/dev/null && XDIST="-n 8"
-run tests 170 "$OUT/tests.log" $PY -m pytest tests/triton -q $XDIST -p no:cacheprovider --durations=15
-tail -n 3 "$OUT/tests.log" | tee -a "$SUMMARY"
+run tests 200 "$OUT/tests.log" $PY -m pytest tests/backends tests/triton -q $XDIST -p no:cacheprovider --durations=15
+grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -n 20 | tee -a "$SUMMARY"
+tail -n 1 "$OUT/tests.log" | tee -a "$SUMMARY"
 
-# -- 2-5. parity and benchmarks --
+# -- 2-5. benchmarks, then the parity figures --
 BENCH="$PY -m dwarfstar.backends.triton.bench"
-run parity 60 "$OUT/bench.log" $BENCH parity --csv "$OUT/parity.csv"
 run decode 110 "$OUT/bench.log" $BENCH decode --synthetic flash-q2 --ctx 2048,32768 --steps 64 --csv "$OUT/decode.csv"
 run prefill 90 "$OUT/bench.log" $BENCH prefill --synthetic flash-q2 --tokens 8192 --chunk 4096 --csv "$OUT/prefill.csv"
 run kernels 90 "$OUT/bench.log" $BENCH kernels --csv "$OUT/kernels.csv"
+run parity 60 "$OUT/bench.log" $BENCH parity --csv "$OUT/parity.csv"
 
-for table in parity decode prefill kernels; do
+for table in decode prefill kernels parity; do
     if [ -s "$OUT/$table.csv" ]; then
         say ""
         say "== $table.csv"
