@@ -34,27 +34,12 @@ from dwarfstar.backends.triton.kernels import (
 from dwarfstar.backends.triton.kernels.qmatmul import GEMV_MAX_ROWS, qmatmul
 from dwarfstar.backends.triton.kernels.rms_norm_rope import NORM_NONE, NORM_PLAIN, QAT_FP4, QAT_FP8, QAT_NONE
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
-from dwarfstar.backends.triton.runtime import EXACT, Precision, interpreting
+from dwarfstar.backends.triton.runtime import EXACT, Precision
 from dwarfstar.backends.triton.weights import FusedLinear, ModelWeights
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, Rows, Site, Transformer
 from dwarfstar.model.state import CompressorState, RowBuffer, SequenceState
 from dwarfstar.model.tensors import ProjectionGroup
-
-DECODE_SPLIT = 8  # attention row splits per head group when a chunk has few tokens (flash decoding)
-
-
-def fused(linear: FusedLinear, x: torch.Tensor, precision: Precision = EXACT) -> dict[str, torch.Tensor]:
-    """Run each part of a fused projection once; outputs are column slices of the parts' products."""
-    out: dict[str, torch.Tensor] = {}
-    for weight, names in linear.parts:
-        y = qmatmul(x, weight, precision=precision)
-        col = 0
-        for name, rows in names:
-            out[name] = y[:, col : col + rows]
-            col += rows
-    return out
-
 
 ROW_CAPACITY_STEP = 64
 
@@ -247,7 +232,7 @@ class TritonOps:
             o = attention.attention(
                 q[seq.rows], rows, n_prev, a.window, lw.sinks, (cos[seq.rows], sin[seq.rows]), a.rope_dim, pos,
                 comp_rows=comp, ratio=layer.compress_ratio, selected=None if selected is None else selected[i],
-                split=DECODE_SPLIT if seq.length <= 4 and not interpreting() else 1, precision=batch.aux["precision"],
+                split=None, precision=batch.aux["precision"],
             )  # fmt: skip
             if n_prev == a.window and seq.length == 1:
                 ls.raw_kv.copy_(rows[1:])  # in place: a captured decode step keeps its pointers
