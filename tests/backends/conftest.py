@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from conformance import CTX, MODEL_SEED, PROMPT, REFERENCE, BackendKind, backend_kinds, load, payload_of
 from triton_interpreter import apply_patches
 
@@ -56,7 +57,7 @@ def backend(kind, loaded) -> Backend:
 
 
 @pytest.fixture(scope="session")
-def reference_logits(loaded) -> Callable[[bool], object]:
+def reference_logits(loaded) -> Callable[[bool], torch.Tensor]:
     """reference_logits(qat) -> the reference's logits after every prefix of PROMPT, one pass."""
     cache = {}
 
