@@ -1,7 +1,9 @@
 """OpenAI-style messages checked and turned into the turns the renderer walks.
 
 Accepted message shapes (anything else is a `PromptError` naming the message):
-- `{"role": "system"|"developer", "content": ..., "tools"?: [...], "response_format"?: {...}}`
+- `{"role": "system"|"developer", "content": ..., "tools"?: [...], "response_format"?: {...}}`;
+  a system message may also carry `"in_place": true` (set by the Anthropic endpoint for a system
+  entry inside `messages`): it renders where it stands under every template, never hoisted.
 - `{"role": "user", "content": ..., "task"?: str}`
 - `{"role": "assistant", "content"?: ..., "reasoning_content"?: str, "tool_calls"?: [...],
    "task"?: str, "wo_eos"?: bool}`
@@ -49,6 +51,7 @@ class Turn:
     response_format: Mapping[str, Any] | None = None
     task: str | None = None
     wo_eos: bool = False
+    in_place: bool = False  # a system turn kept at its position even in ds4's hoisted system block
 
 
 def _text(content: Any, where: str) -> str:
@@ -138,7 +141,8 @@ def to_turn(message: Any, index: int) -> Turn:
         response_format = message.get("response_format")
         if response_format is not None and not isinstance(response_format, Mapping):
             raise PromptError(f"{where}: response_format must be an object")
-        return Turn(role, text=text, tools=list(tools), response_format=response_format)
+        in_place = role == "system" and message.get("in_place") is True
+        return Turn(role, text=text, tools=list(tools), response_format=response_format, in_place=in_place)
     if role == "latest_reminder":
         return Turn(role, text=text)
     reasoning = message.get("reasoning_content")

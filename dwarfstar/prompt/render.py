@@ -11,7 +11,11 @@ The rules, in the order they are applied:
 4. Each turn renders by role (system text; developer and user behind `<｜User｜>`; latest_reminder
    behind `<｜latest_reminder｜>`; assistant as `[reasoning</think>]content[DSML]<EOS>`), and a user
    or developer turn that ends the prompt or precedes an assistant/latest_reminder turn is followed
-   by `<｜Assistant｜>` and `<think>` (thinking, reasoning kept) or `</think>`.
+   by `<｜Assistant｜>` and `<think>` (thinking, reasoning kept) or `</think>`. A system turn inside a
+   user turn's run (Claude Code puts its environment notes after the first user message) renders
+   its text in place, as the official encoder does, and the opener moves after it: the official
+   encoder gives no opener at all when such a system message ends the prompt, which leaves nothing
+   to generate from, and keeping the opener after it makes every later turn render the same bytes.
 5. In thinking mode with reasoning_effort "max" the effort preamble opens the prompt.
 
 `RenderOptions` switches individual rules to ds4's server behaviour (see options.py).
@@ -136,7 +140,7 @@ def _response_format_section(response_format: Any, options: RenderOptions) -> li
 
 def _ds4_system_block(turns: list[Turn], options: RenderOptions) -> tuple[list[PromptPart], list[Turn]]:
     """ds4: the tools section first, then every non-empty system/developer text, joined by blank lines."""
-    hoisted = [t for t in turns if t.role in ("system", "developer")]
+    hoisted = [t for t in turns if t.role in ("system", "developer") and not t.in_place]
     tools = [tool for t in hoisted for tool in t.tools]
     sections = [_tools_section(tools, options)] if tools else []
     sections += [[t.text] for t in hoisted if t.text]
@@ -146,7 +150,7 @@ def _ds4_system_block(turns: list[Turn], options: RenderOptions) -> tuple[list[P
     block: list[PromptPart] = []
     for n, section in enumerate(sections):
         block += ["\n\n", *section] if n else section
-    return block, [t for t in turns if t.role not in ("system", "developer")]
+    return block, [t for t in turns if t.role not in ("system", "developer") or t.in_place]
 
 
 def _user_pieces(turn: Turn, options: RenderOptions) -> list[PromptPart]:
@@ -213,12 +217,20 @@ def render_conversation(
             if turn.task == "action":
                 out.add(Control(specials.ASSISTANT), Control(specials.THINK_START if thinking else specials.THINK_END))
             out.add(task)
-        elif turn.role in ("user", "developer"):
+        elif turn.role in ("user", "developer") or _closes_user_run(turns, i):
             opens_thinking = thinking and (keep_reasoning or i >= last_user)
             out.add(
                 Control(specials.ASSISTANT), Control(specials.THINK_START if opens_thinking else specials.THINK_END)
             )
     return Prompt(tuple(out.parts))
+
+
+def _closes_user_run(turns: list[Turn], i: int) -> bool:
+    """A system turn whose nearest earlier non-system turn is a user or developer turn."""
+    if turns[i].role != "system":
+        return False
+    earlier = next((t.role for t in reversed(turns[:i]) if t.role != "system"), None)
+    return earlier in ("user", "developer")
 
 
 def _render_turn(

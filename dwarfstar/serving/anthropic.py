@@ -6,10 +6,24 @@ images and documents are dropped. System text blocks are joined by newlines, wit
 `x-anthropic-` blocks Claude Code adds, whose text changes every request and would defeat prefix
 reuse. Errors use Anthropic's shape. Usage follows ds4: `cache_read_input_tokens` counts reused
 prompt tokens, `cache_creation_input_tokens` prefilled ones, so `input_tokens` is 0.
+
+A `system` entry inside `messages` (Claude Code 2.1 puts its environment notes there, after the
+first user message) renders where it stands, as the official encoder renders a system message that
+is not first, under either template. The request fields current Claude Code sends:
+- `thinking` `{"type": "enabled"|"adaptive"|"disabled", "budget_tokens"?, "display"?}`: the type
+  switches thinking (adaptive is on); `display: "omitted"` is honoured, thinking blocks come back
+  with empty text and their signature; `budget_tokens` is accepted and ignored (no budget here).
+- `output_config` `{"effort"?, "format"?}`: `effort` picks Think-Max for `max`, `none` turns
+  thinking off; `format` `{"type": "json_schema", "schema": ...}` becomes the response format.
+- `context_management` `{"edits": [{"type": ...}]}`: checked and ignored. Its edits ask the server
+  to clear old thinking or tool results from the context; the renderer already drops old reasoning
+  by the encoder's rules, and rewriting history here would break prefix reuse.
+- `metadata`, `cache_control` on blocks, `service_tier`: ignored.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -31,6 +45,8 @@ from dwarfstar.serving.sse import event_stream, final_event, sse
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
 BILLING_PREFIX = "x-anthropic-"
+ROLES = ("user", "assistant", "system")
+THINKING_DISPLAYS = ("summarized", "omitted")
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -65,9 +81,12 @@ def anthropic_messages(raw: list[Any], system: str) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     for n, message in enumerate(raw):
         where = f"messages[{n}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise bad_request(f'{where} must be an object with role "user" or "assistant"', param=where)
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise bad_request(f'{where} must be an object with role "user", "assistant" or "system"', param=where)
         content = message.get("content")
+        if message["role"] == "system":
+            messages.append({"role": "system", "content": _text_of(content, f"{where}.content"), "in_place": True})
+            continue
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise bad_request(f"{where}.content must be a string or an array of content blocks", f"{where}.content")
@@ -113,7 +132,49 @@ def anthropic_tools(fields: Fields) -> list[dict[str, Any]]:
     return tools
 
 
-def _conversation(fields: Fields, service: Service) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]], Any]:
+@dataclass
+class Conversation:
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    thinking: Any
+    response_format: dict[str, Any] | None
+    show_thinking: bool  # False for `thinking.display: "omitted"`
+
+
+def _thinking_display(fields: Fields) -> str | None:
+    thinking = fields.mapping("thinking") if isinstance(fields.raw("thinking"), dict) else None
+    if thinking is None:
+        return None
+    thinking.integer("budget_tokens", low=0)  # checked, then ignored: there is no thinking budget here
+    display = thinking.text("display")
+    if display is not None and display not in THINKING_DISPLAYS:
+        raise bad_request(f"thinking.display must be one of {', '.join(THINKING_DISPLAYS)}", param="thinking.display")
+    return display
+
+
+def _check_context_management(fields: Fields) -> None:
+    management = fields.mapping("context_management")
+    if management is None:
+        return
+    for n, edit in enumerate(management.array("edits") or []):
+        if not isinstance(edit, dict) or not isinstance(edit.get("type"), str):
+            where = f"context_management.edits[{n}]"
+            raise bad_request(f"{where} must be an object with a type", param=where)
+
+
+def _response_format(config: Fields | None) -> dict[str, Any] | None:
+    output_format = config.mapping("format") if config is not None else None
+    if output_format is None:
+        return None
+    if output_format.raw("type") != "json_schema" or not isinstance(output_format.raw("schema"), dict):
+        raise bad_request(
+            'output_config.format must be {"type": "json_schema", "schema": {...}}', param="output_config.format"
+        )
+    return {"type": "json_schema", "json_schema": {"schema": output_format.raw("schema")}}
+
+
+def _conversation(fields: Fields, service: Service) -> Conversation:
     model = service.models.resolve(fields.text("model"))
     raw = fields.required("messages", fields.array("messages"))
     messages = anthropic_messages(raw, system_text(fields))
@@ -123,37 +184,43 @@ def _conversation(fields: Fields, service: Service) -> tuple[str, list[dict[str,
     thinking = service.thinking(
         model, thinking_switch(fields, "thinking"), effort or effort_value(fields, "reasoning_effort")
     )
-    return model, messages, tools, thinking
+    display = _thinking_display(fields)
+    _check_context_management(fields)
+    return Conversation(model, messages, tools, thinking, _response_format(config), display != "omitted")
 
 
 async def messages_endpoint(request: Request) -> Response:
     service: Service = request.app.state.service
     fields = await read_json_object(request)
-    model, messages, tools, thinking = _conversation(fields, service)
+    talk = _conversation(fields, service)
     knobs = Knobs(
         api="messages",
         param="messages",
-        sampling=sampling_params(fields, thinking, min_p=False, seed=False),
+        sampling=sampling_params(fields, talk.thinking, min_p=False, seed=False),
         max_tokens=output_budget(fields, "max_tokens"),
         stop=stop_strings(fields, "stop_sequences"),
         tool_id_prefix="toolu_",
         body=fields.body,
     )
-    job = await service.submit_chat(messages, tools=tools, thinking=thinking, knobs=knobs)
+    job = await service.submit_chat(
+        talk.messages, tools=talk.tools, thinking=talk.thinking, knobs=knobs, response_format=talk.response_format
+    )
     message_id = new_id("msg_")
     if fields.flag("stream"):
-        return event_stream(job, MessageStream(message_id, model), service.config.keepalive_seconds)
+        stream = MessageStream(message_id, talk.model, show_thinking=talk.show_thinking)
+        return event_stream(job, stream, service.config.keepalive_seconds)
     outcome = await final_event(job, request)
     if isinstance(outcome, Failed):
         raise ApiError(500, outcome.message)
-    return json_response(message_object(message_id, model, outcome))
+    return json_response(message_object(message_id, talk.model, outcome, show_thinking=talk.show_thinking))
 
 
 async def count_tokens(request: Request) -> Response:
     service: Service = request.app.state.service
     fields = await read_json_object(request)
-    _, messages, tools, thinking = _conversation(fields, service)
-    return json_response({"input_tokens": await service.count_chat_tokens(messages, tools=tools, thinking=thinking)})
+    talk = _conversation(fields, service)
+    count = await service.count_chat_tokens(talk.messages, tools=talk.tools, thinking=talk.thinking)
+    return json_response({"input_tokens": count})
 
 
 def usage_object(usage: Usage, output_tokens: int) -> dict[str, Any]:
@@ -165,11 +232,12 @@ def usage_object(usage: Usage, output_tokens: int) -> dict[str, Any]:
     }
 
 
-def message_object(message_id: str, model: str, done: Finished) -> dict[str, Any]:
+def message_object(message_id: str, model: str, done: Finished, *, show_thinking: bool = True) -> dict[str, Any]:
     completion = done.completion
     content: list[dict[str, Any]] = []
     if completion.reasoning:
-        content.append({"type": "thinking", "thinking": completion.reasoning, "signature": message_id})
+        thinking = completion.reasoning if show_thinking else ""
+        content.append({"type": "thinking", "thinking": thinking, "signature": message_id})
     if completion.content or not completion.tool_calls:
         content.append({"type": "text", "text": completion.content})
     for call, call_id in zip(completion.tool_calls, done.tool_ids, strict=True):
@@ -189,8 +257,8 @@ def message_object(message_id: str, model: str, done: Finished) -> dict[str, Any
 class MessageStream:
     """Turns job events into Anthropic's `message_start … message_stop` SSE events."""
 
-    def __init__(self, message_id: str, model: str) -> None:
-        self.id, self.model = message_id, model
+    def __init__(self, message_id: str, model: str, *, show_thinking: bool = True) -> None:
+        self.id, self.model, self.show_thinking = message_id, model, show_thinking
         self.index = -1
         self.open: str | None = None  # type of the block being streamed
         self.saw_text = self.saw_tool = False
@@ -233,6 +301,8 @@ class MessageStream:
             return [self._event("message_start", message=message)]
         if isinstance(event, ReasoningDelta):
             out = [] if self.open == "thinking" else self._start({"type": "thinking", "thinking": "", "signature": ""})
+            if not self.show_thinking:  # display "omitted": the block and its signature, not the text
+                return out
             return out + [self._delta({"type": "thinking_delta", "thinking": event.text})]
         if isinstance(event, ContentDelta):
             self.saw_text = True
