@@ -42,3 +42,22 @@ def quant_compare(session: nox.Session) -> None:
     session.install("-e", ".[dev]", LLAMA_CPP)
     session.run("pytest", "-m", "llama_cpp", "tests/test_quant.py")
     session.run("python", "tools/quant_compare.py", *session.posargs)
+
+
+CLIENTS = ("@anthropic-ai/claude-code@2.1.332", "@openai/codex@0.171.0", "opencode-ai@1.18.33")
+
+
+@nox.session
+def clients(session: nox.Session) -> None:
+    """Claude Code, Codex and opencode (pinned, from npm into build/clients) against a loopback server.
+
+    Not in CI: the npm install is slow. Add `-- --bundled` for a plain turn with the bundled model too.
+    """
+    session.install("-e", ".[dev]")
+    folder = "build/clients"
+    # --ignore-scripts: the packages ship their platform binaries as optional dependencies, so
+    # nothing needs to run at install time (and nothing downloads from outside the registry)
+    session.run(
+        "npm", "install", "--prefix", folder, "--no-audit", "--no-fund", "--ignore-scripts", *CLIENTS, external=True
+    )
+    session.run("python", "tools/clients_check.py", "--clients", folder, *session.posargs)

@@ -30,3 +30,21 @@ class Trace:
     def close(self) -> None:
         with self._lock:
             self._file.close()
+
+
+def divergence(before: str, after: str, context: int = 120) -> dict[str, Any] | None:
+    """Where `after` stops extending `before`: the first differing character and the text around it.
+
+    None when `after` starts with all of `before` (a pure suffix was added, so a prefix cache hit is
+    possible up to the end of `before`); a miss before that point is the client rewriting history.
+    """
+    if after.startswith(before):
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), min(len(before), len(after)))
+    start = max(0, at - context)
+    return {
+        "offset": at,
+        "common": before[start:at],
+        "before": before[at : at + context],
+        "after": after[at : at + context],
+    }

@@ -1,0 +1,51 @@
+"""`dwarfstar serve` with the test suite's scripted backend, for driving real clients through tool calls.
+
+    python -m tests.serving.scripted_server --port 18700 --scripts scripts.json --trace trace.jsonl
+
+The model is the tiny random one the server tests use, wrapped in conftest's `ScriptedBackend`: a
+prompt whose last user turn holds `[[script:NAME]]` gets the text `scripts.json` gives for NAME
+(DSML tool calls included), sampled token by token; any other prompt gets random tokens. A tool
+result that contains a marker (a file the scripted call reads, say) scripts the answer after it.
+This is a test entry point, not part of the `dwarfstar` command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import uvicorn
+
+from dwarfstar.engine import load_engine
+from dwarfstar.model.synthetic import TINY, write_synthetic_model
+from dwarfstar.serving.app import create_app
+from dwarfstar.serving.config import ServerConfig
+from dwarfstar.serving.service import Service
+
+sys.path.insert(0, str(Path(__file__).parent))  # conftest is imported the way pytest imports it
+from conftest import ScriptedBackend  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--scripts", type=Path, required=True, help="JSON object: script name -> model text")
+    parser.add_argument("--trace", type=Path, default=None)
+    parser.add_argument("--ctx", type=int, default=TINY.max_seq_len)
+    args = parser.parse_args()
+    scripts = json.loads(args.scripts.read_text())
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "tiny.gguf"
+        write_synthetic_model(path, TINY, seed=0)
+        engine = load_engine(path, "reference", ctx=args.ctx)
+        engine.backend = ScriptedBackend(engine.backend, engine.tokenizer, scripts)
+        # every model name is accepted: clients ask for their own background models too
+        config = ServerConfig(ctx=args.ctx, trace=args.trace, model_aliases=("*",), max_sessions=4)
+        uvicorn.run(create_app(Service(engine, config)), host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
