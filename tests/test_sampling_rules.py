@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.session.sampling import GREEDY, Sampler, SamplingParams, backend_sample, sample_batch, sample_tokens
+from dwarfstar.session.sampling import GREEDY, Sampler, SamplingParams, sample_batch, sample_tokens
 
 PROBS = [0.3, 0.2, 0.15, 0.1, 0.08, 0.06, 0.05, 0.03, 0.02, 0.01]
 LOGITS = torch.log(torch.tensor(PROBS))[torch.tensor([3, 0, 7, 1, 9, 2, 5, 8, 4, 6])]  # not in rank order
@@ -127,16 +127,6 @@ def test_every_tensor_stays_on_the_logits_device():
     assert tokens.device.type == "meta" and tokens.shape == (4,)
     assert sample_tokens(rows[2:], samplers[2:]).device.type == "meta"  # top-k bounds every row
     assert [s.step for s in samplers] == [1, 1, 2, 2]
-
-
-def test_backend_sample_prefers_the_backends_own():
-    class Own:
-        def sample_batch(self, logits, samplers):
-            return [-1] * len(samplers)
-
-    rows = torch.randn(2, 10)
-    assert backend_sample(Own(), rows, [Sampler(GREEDY)] * 2) == [-1, -1]
-    assert backend_sample(object(), rows, [Sampler(GREEDY)] * 2) == rows.argmax(-1).tolist()
 
 
 def test_rows_and_samplers_must_match():

@@ -301,7 +301,8 @@ class Transformer(Generic[A]):
             self.advance(batch)
             for i, seq in enumerate(batch.seqs):
                 mine = logits[seq.rows] if rows is None else logits[i : i + 1]
-                seq.state.logits = mine[-1].clone()
+                # a view of the [B, vocab] last rows is already small; of all positions, keep a copy
+                seq.state.logits = mine[-1].clone() if rows is None else mine[-1]
                 out[id(seq.state)] = mine
         empty = torch.empty(0, self.args.vocab_size)
         return [out.get(id(s), empty) for s in states]

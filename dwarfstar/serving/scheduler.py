@@ -30,7 +30,7 @@ from dwarfstar.serving.pool import Lease, SessionPool
 from dwarfstar.serving.replay import ToolMemory
 from dwarfstar.serving.trace import Trace
 from dwarfstar.session.kvpolicy import SaveReason
-from dwarfstar.session.sampling import Sampler, backend_sample
+from dwarfstar.session.sampling import Sampler
 from dwarfstar.session.session import decode_batch
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
@@ -275,7 +275,7 @@ class Scheduler:
         """The next token of every decoding request, drawn together: one host sync per step, not one each."""
         sessions = [job.lease.session for job in jobs]
         logits = torch.stack([session.logits.reshape(-1) for session in sessions])
-        return backend_sample(sessions[0].backend, logits, [job.sampler for job in jobs])
+        return sessions[0].backend.sample_batch(logits, [job.sampler for job in jobs])
 
     def _finish_reason(self, job: Job, token: int) -> str | None:
         decoder, session = job.decoder, job.lease.session

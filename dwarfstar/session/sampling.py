@@ -22,7 +22,6 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -181,13 +180,6 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]
     if logits.shape[0] != len(samplers):
         raise DwarfStarError(f"{logits.shape[0]} rows of logits for {len(samplers)} samplers")
     return sample_tokens(logits, samplers).tolist()
-
-
-def backend_sample(backend: Any, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
-    """`backend.sample_batch(logits, samplers)` where the backend has one (Triton: device kernels), else
-    `sample_batch`: what the session and the server call until every backend's model class has it."""
-    own = getattr(backend, "sample_batch", None)
-    return own(logits, samplers) if own is not None else sample_batch(logits, samplers)
 
 
 def _knobs(device: torch.device, *columns: list[float]) -> tuple[torch.Tensor, ...]:

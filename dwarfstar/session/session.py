@@ -17,7 +17,7 @@ import torch
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.state import SequenceState, StateSnapshot
-from dwarfstar.session.sampling import Sampler, SamplingParams, backend_sample
+from dwarfstar.session.sampling import Sampler, SamplingParams
 
 DEFAULT_CHUNK = 4096
 MAX_CHECKPOINTS = 8  # checkpoints share row buffers; each holds only raw windows, frontiers and logits
@@ -31,6 +31,14 @@ class Backend(Protocol):
     def forward(
         self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
     ) -> torch.Tensor: ...
+
+    def forward_batch(
+        self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits: bool
+    ) -> list[torch.Tensor]: ...
+
+    def sample_batch(self, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
+        """One token per row of logits [B, vocab] on the backend's device, with one host sync."""
+        ...
 
 
 class Cancelled(DwarfStarError):
@@ -125,7 +133,7 @@ class Session:
         for _ in range(min(max_tokens, self.ctx - self.state.pos)):
             if should_stop is not None and should_stop():
                 return
-            token = backend_sample(self.backend, self.state.logits.reshape(1, -1), [sampler])[0]
+            token = self.backend.sample_batch(self.state.logits.reshape(1, -1), [sampler])[0]
             self.decode(token)
             yield token
             if token in stops:

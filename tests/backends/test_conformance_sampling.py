@@ -1,7 +1,7 @@
 """Each backend's sampling path against the rules of `dwarfstar.session.sampling.Sampler`.
 
-The draws go through `backend_sample` (the backend's own `sample_batch` where it has one, else the
-device-agnostic one, on logits held where the backend keeps them). The expected distribution is
+The draws go through the backend's own `sample_batch` (Triton's kernel for greedy and top-k rows,
+the device-agnostic rules elsewhere), on logits held where the backend keeps them. The expected distribution is
 computed here from the rules themselves (temperature, min-p, top-k, top-p, in that order; ranks by
 logit, ties to the lower id), in float64, and the draws are judged by a chi-square test. The seeds
 are fixed, so each case is deterministic; each case also rejects the distribution of a plausible
@@ -15,7 +15,7 @@ import pytest
 import torch
 from conformance import state_device
 
-from dwarfstar.session.sampling import Sampler, SamplingParams, backend_sample
+from dwarfstar.session.sampling import Sampler, SamplingParams
 
 # Rows of WIDTH logits: the rules do not depend on the width, and a draw costs Triton's interpreter
 # 0.05 s on 256 logits but 0.5 s on 4,096 (2.3 s for a greedy one over the 129,280 of the model).
@@ -106,7 +106,7 @@ def draws(backend, logits: torch.Tensor, params: SamplingParams, rows: int, call
     """rows * calls tokens: each call one batch of identical rows, one sampler (seed) per row."""
     samplers = [Sampler(SamplingParams(**{**params.__dict__, "seed": first_seed + i})) for i in range(rows)]
     batch = logits.float().to(state_device(backend)).expand(rows, -1)
-    return [t for _ in range(calls) for t in backend_sample(backend, batch, samplers)]
+    return [t for _ in range(calls) for t in backend.sample_batch(batch, samplers)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))

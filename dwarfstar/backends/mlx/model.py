@@ -27,6 +27,7 @@ from dwarfstar.model.forward import Batch, ExpertSource, Rows, Segment, Site, Tr
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
 from dwarfstar.model.tensors import ProjectionGroup
+from dwarfstar.session.sampling import sample_batch
 
 
 @dataclass
@@ -293,3 +294,6 @@ class MLXModel(Transformer[mx.array]):
         self.qat, self.packing = qat, packing
         fused = ops.Fused(model.args, metal_available() if fuse is None else fuse)
         super().__init__(MLXOps(model.args, Weights(model.gguf, packing), qat, fused), max_seq_len)
+
+    # logits come back as torch tensors on the CPU; the sampling rules run on them there, one sync a step
+    sample_batch = staticmethod(sample_batch)
