@@ -221,6 +221,20 @@ def report(label: str, ok: bool, result: subprocess.CompletedProcess, records: l
     return ok
 
 
+def request_shapes(records: list[dict]) -> None:
+    """The request fields, message roles and input item types a client sent: the audit of what it uses."""
+    fields, kinds = set(), set()
+    for record in records:
+        body = record["request"] or {}
+        fields.update(body)
+        for message in body.get("messages") or []:
+            kinds.add(f"role {message.get('role')}")
+        for item in body.get("input") if isinstance(body.get("input"), list) else []:
+            kinds.add(f"item {item.get('type')}" + (f"/{item['role']}" if item.get("role") else ""))
+    print(f"    request fields: {', '.join(sorted(fields))}")
+    print(f"    messages/items: {', '.join(sorted(kinds))}")
+
+
 def explain_reuse(turns: list[list[dict]]) -> None:
     """Per turn, the conversation's main request (the longest prompt), and where its bytes diverge."""
     previous = None
@@ -254,6 +268,7 @@ def check_scripted(name: str, clients: Path, root: Path, server: Server) -> dict
     result, records = turn(client, server, f"[[script:{name}_read]] What does notes.txt say?", first=True)
     ran = any("launch on Tuesday" in (r["prompt"] or "") for r in records)
     ok = result.returncode == 0 and ran and ANSWER in result.stdout
+    records_seen = records
     results["tool round trip"] = report("tool round trip", ok, result, records)
 
     client = make_client(name, clients, root / "reuse", server.url)
@@ -266,6 +281,7 @@ def check_scripted(name: str, clients: Path, root: Path, server: Server) -> dict
         turns.append(records)
     results["three turns"] = report("three turns", ok, result, [r for records in turns for r in records])
     explain_reuse(turns)
+    request_shapes([r for records in turns for r in records] + records_seen)
     return results
 
 

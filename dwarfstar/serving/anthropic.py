@@ -13,6 +13,9 @@ is not first, under either template. The request fields current Claude Code send
 - `thinking` `{"type": "enabled"|"adaptive"|"disabled", "budget_tokens"?, "display"?}`: the type
   switches thinking (adaptive is on); `display: "omitted"` is honoured, thinking blocks come back
   with empty text and their signature; `budget_tokens` is accepted and ignored (no budget here).
+  The server keeps the hidden reasoning under its signature (`HiddenThinking`) and puts it back
+  when the client returns the empty block, so the next turn's prompt extends the cached KV, which
+  holds the sampled reasoning, instead of diverging right after `<think>`.
 - `output_config` `{"effort"?, "format"?}`: `effort` picks Think-Max for `max`, `none` turns
   thinking off; `format` `{"type": "json_schema", "schema": ...}` becomes the response format.
 - `context_management` `{"edits": [{"type": ...}]}`: checked and ignored. Its edits ask the server
@@ -23,6 +26,7 @@ is not first, under either template. The request fields current Claude Code send
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +51,31 @@ STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_t
 BILLING_PREFIX = "x-anthropic-"
 ROLES = ("user", "assistant", "system")
 THINKING_DISPLAYS = ("summarized", "omitted")
+HIDDEN_THINKING_KEPT = 1024  # answers whose hidden reasoning is kept; older ones re-prefill from `<think>`
+
+
+class HiddenThinking:
+    """Reasoning sent as an empty thinking block, by the block's signature (the message id)."""
+
+    def __init__(self, capacity: int = HIDDEN_THINKING_KEPT) -> None:
+        self.capacity = capacity
+        self._texts: OrderedDict[str, str] = OrderedDict()
+
+    def remember(self, signature: str, reasoning: str) -> None:
+        self._texts[signature] = reasoning
+        self._texts.move_to_end(signature)
+        while len(self._texts) > self.capacity:
+            self._texts.popitem(last=False)
+
+    def recall(self, signature: Any) -> str | None:
+        return self._texts.get(signature) if isinstance(signature, str) else None
+
+
+def hidden_thinking(request: Request) -> HiddenThinking:
+    state = request.app.state
+    if not hasattr(state, "hidden_thinking"):
+        state.hidden_thinking = HiddenThinking()
+    return state.hidden_thinking
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -77,7 +106,7 @@ def system_text(fields: Fields) -> str:
     return "\n".join(texts)
 
 
-def anthropic_messages(raw: list[Any], system: str) -> list[dict[str, Any]]:
+def anthropic_messages(raw: list[Any], system: str, hidden: HiddenThinking | None = None) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     for n, message in enumerate(raw):
         where = f"messages[{n}]"
@@ -96,7 +125,8 @@ def anthropic_messages(raw: list[Any], system: str) -> list[dict[str, Any]]:
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
             elif kind == "thinking" and isinstance(block.get("thinking"), str):
-                reasoning.append(block["thinking"])
+                recalled = hidden.recall(block.get("signature")) if hidden and not block["thinking"] else None
+                reasoning.append(recalled or block["thinking"])
             elif kind == "tool_use":
                 if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
                     raise bad_request(f"{where}.content[{m}]: tool_use needs a name and an input object", where)
@@ -174,10 +204,10 @@ def _response_format(config: Fields | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"schema": output_format.raw("schema")}}
 
 
-def _conversation(fields: Fields, service: Service) -> Conversation:
+def _conversation(fields: Fields, service: Service, hidden: HiddenThinking) -> Conversation:
     model = service.models.resolve(fields.text("model"))
     raw = fields.required("messages", fields.array("messages"))
-    messages = anthropic_messages(raw, system_text(fields))
+    messages = anthropic_messages(raw, system_text(fields), hidden)
     tools = anthropic_tools(fields)
     config = fields.mapping("output_config")
     effort = effort_value(config, "effort") if config is not None else None
@@ -192,7 +222,8 @@ def _conversation(fields: Fields, service: Service) -> Conversation:
 async def messages_endpoint(request: Request) -> Response:
     service: Service = request.app.state.service
     fields = await read_json_object(request)
-    talk = _conversation(fields, service)
+    hidden = hidden_thinking(request)
+    talk = _conversation(fields, service, hidden)
     knobs = Knobs(
         api="messages",
         param="messages",
@@ -207,18 +238,20 @@ async def messages_endpoint(request: Request) -> Response:
     )
     message_id = new_id("msg_")
     if fields.flag("stream"):
-        stream = MessageStream(message_id, talk.model, show_thinking=talk.show_thinking)
+        stream = MessageStream(message_id, talk.model, hidden=None if talk.show_thinking else hidden)
         return event_stream(job, stream, service.config.keepalive_seconds)
     outcome = await final_event(job, request)
     if isinstance(outcome, Failed):
         raise ApiError(500, outcome.message)
+    if not talk.show_thinking and outcome.completion.reasoning:
+        hidden.remember(message_id, outcome.completion.reasoning)
     return json_response(message_object(message_id, talk.model, outcome, show_thinking=talk.show_thinking))
 
 
 async def count_tokens(request: Request) -> Response:
     service: Service = request.app.state.service
     fields = await read_json_object(request)
-    talk = _conversation(fields, service)
+    talk = _conversation(fields, service, hidden_thinking(request))
     count = await service.count_chat_tokens(talk.messages, tools=talk.tools, thinking=talk.thinking)
     return json_response({"input_tokens": count})
 
@@ -257,8 +290,9 @@ def message_object(message_id: str, model: str, done: Finished, *, show_thinking
 class MessageStream:
     """Turns job events into Anthropic's `message_start … message_stop` SSE events."""
 
-    def __init__(self, message_id: str, model: str, *, show_thinking: bool = True) -> None:
-        self.id, self.model, self.show_thinking = message_id, model, show_thinking
+    def __init__(self, message_id: str, model: str, *, hidden: HiddenThinking | None = None) -> None:
+        """`hidden`: thinking display "omitted", the reasoning goes there instead of to the client."""
+        self.id, self.model, self.hidden = message_id, model, hidden
         self.index = -1
         self.open: str | None = None  # type of the block being streamed
         self.saw_text = self.saw_tool = False
@@ -301,7 +335,7 @@ class MessageStream:
             return [self._event("message_start", message=message)]
         if isinstance(event, ReasoningDelta):
             out = [] if self.open == "thinking" else self._start({"type": "thinking", "thinking": "", "signature": ""})
-            if not self.show_thinking:  # display "omitted": the block and its signature, not the text
+            if self.hidden is not None:  # the block and its signature, not the text
                 return out
             return out + [self._delta({"type": "thinking_delta", "thinking": event.text})]
         if isinstance(event, ContentDelta):
@@ -314,6 +348,8 @@ class MessageStream:
         if isinstance(event, ToolArgumentsDelta):
             return [self._delta({"type": "input_json_delta", "partial_json": event.text})]
         if isinstance(event, Finished):
+            if self.hidden is not None and event.completion.reasoning:
+                self.hidden.remember(self.id, event.completion.reasoning)
             out = self._close()
             if not self.saw_text and not self.saw_tool:
                 out += self._start({"type": "text", "text": ""}) + self._close()

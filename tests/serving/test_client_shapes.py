@@ -63,17 +63,21 @@ def test_system_entry_prompt_is_a_byte_prefix_of_the_next_turn(http, server):
     assert content[1]["text"] == "Hello!"
     assert turn1["prompt"].endswith(f"hi [[script:think_hello]]{ENV}{ASSISTANT}<think>")
 
-    # Claude Code sends the hidden thinking back empty; the renderer must not care (tools keep reasoning)
-    history = [{"role": "assistant", "content": [{"type": "text", "text": "Hello!"}]}]
+    # Claude Code sends the hidden thinking back empty, with its signature: the server puts it back
+    history = [{"role": "assistant", "content": [{**content[0]}, {"type": "text", "text": "Hello!"}]}]
     second = post(http, {**body, "messages": messages + history + [{"role": "user", "content": "again"}]})
     assert second.status_code == 200, second.text
     turn2 = last_record(server)
-    generated = "A greeting deserves a greeting.</think>Hello!"
-    assert turn2["prompt"].startswith(turn1["prompt"])
-    assert turn2["prompt"] == turn1["prompt"] + f"</think>Hello!{EOS}{USER}again{ASSISTANT}<think>"
-    assert turn1["generated"] == generated
-    # the reused prefix ends where the bytes diverge: after `<think>` (the sampled reasoning is not sent back)
-    assert 0 < turn2["cached_tokens"] < turn2["prompt_tokens"]
+    assert turn1["generated"] == "A greeting deserves a greeting.</think>Hello!"
+    assert turn2["prompt"] == turn1["prompt"] + turn1["generated"] + f"{EOS}{USER}again{ASSISTANT}<think>"
+    # the whole first turn is reused, its sampled reasoning included
+    assert turn2["cached_tokens"] >= turn1["prompt_tokens"] + turn1["completion_tokens"] - 1
+
+    # an empty block whose signature this server never gave stays empty
+    history[0]["content"][0] = {"type": "thinking", "thinking": "", "signature": "msg_unknown"}
+    third = post(http, {**body, "messages": messages + history + [{"role": "user", "content": "again"}]})
+    assert third.status_code == 200, third.text
+    assert last_record(server)["prompt"] == turn1["prompt"] + f"</think>Hello!{EOS}{USER}again{ASSISTANT}<think>"
 
 
 def test_adaptive_thinking_and_output_config_effort(http, server):
