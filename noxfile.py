@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import nox
 
 nox.options.sessions = ["lint", "tests"]
@@ -47,17 +49,18 @@ def quant_compare(session: nox.Session) -> None:
 CLIENTS = ("@anthropic-ai/claude-code@2.1.332", "@openai/codex@0.171.0", "opencode-ai@1.18.33")
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def clients(session: nox.Session) -> None:
     """Claude Code, Codex and opencode (pinned, from npm into build/clients) against a loopback server.
 
-    Not in CI: the npm install is slow. Add `-- --bundled` for a plain turn with the bundled model too.
+    Runs in the Python nox runs from (the project's dev install, `.venv/bin/nox -s clients`), so the
+    only downloads are the npm packages. Not in CI: the npm install is slow. `-- --servers scripted bundled` adds a
+    plain turn with the bundled model.
     """
-    session.install("-e", ".[dev]")
     folder = "build/clients"
     # --ignore-scripts: the packages ship their platform binaries as optional dependencies, so
     # nothing needs to run at install time (and nothing downloads from outside the registry)
     session.run(
         "npm", "install", "--prefix", folder, "--no-audit", "--no-fund", "--ignore-scripts", *CLIENTS, external=True
     )
-    session.run("python", "tools/clients_check.py", "--clients", folder, *session.posargs)
+    session.run(sys.executable, "tools/clients_check.py", "--clients", folder, *session.posargs, external=True)

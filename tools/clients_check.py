@@ -1,13 +1,14 @@
 """Claude Code, Codex and opencode, run non-interactively against a local `dwarfstar serve`.
 
-    python tools/clients_check.py --clients build/clients [--bundled]
+    python tools/clients_check.py --clients build/clients [--only claude codex] [--servers scripted bundled]
 
 The clients are the npm packages installed under `--clients` (see `nox -s clients`). Each runs in
 its own temporary HOME with a configuration that points it at the loopback server and turns off
 telemetry and update checks; nothing but 127.0.0.1 is needed. Checks, per client:
 
-- plain turn: one prompt, answered (scripted server; with `--bundled`, also against the bundled
-  model through `python -m dwarfstar serve`, where the answer is whatever the model writes);
+- plain turn: one prompt, answered (scripted server; with `--servers scripted bundled`, also
+  against the bundled model through `python -m dwarfstar serve`, where the answer is whatever the
+  model writes, cut at BUNDLED_OUTPUT tokens where the client lets one say so);
 - tool round trip: the scripted model calls the client's file-reading tool on `notes.txt`, the
   client runs it, and the file's content (a script marker) makes the model write the final answer;
 - prefix reuse: three turns of one conversation, with the prompt, cached and prefilled tokens of
@@ -37,6 +38,8 @@ from dwarfstar.serving.trace import divergence  # noqa: E402
 MODEL = "deepseek-v4-flash"
 DSML = "｜DSML｜"
 ANSWER = "The notes say the launch is on Tuesday."
+BUNDLED_CTX = 12800  # Claude Code's first prompt is ~11.5k tokens
+BUNDLED_OUTPUT = 64  # output tokens the clients that have a setting ask the bundled model for
 TURN_TIMEOUT = 900  # seconds; a cold Claude Code prompt is ~11k tokens of CPU prefill
 PACKAGES = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex", "opencode": "opencode-ai"}
 
@@ -144,7 +147,7 @@ class Client:
             return subprocess.CompletedProcess(exc.cmd, 124, exc.stdout or "", f"timed out after {TURN_TIMEOUT} s")
 
 
-def make_client(name: str, clients: Path, root: Path, url: str) -> Client:
+def make_client(name: str, clients: Path, root: Path, url: str, output: int = 4096) -> Client:
     home, work = root / name / "home", root / name / "work"
     home.mkdir(parents=True)
     work.mkdir(parents=True)
@@ -158,6 +161,7 @@ def make_client(name: str, clients: Path, root: Path, url: str) -> Client:
             "DISABLE_AUTOUPDATER": "1",
             "DISABLE_ERROR_REPORTING": "1",
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(output),
         }
     elif name == "codex":
         codex_home = home / ".codex"
@@ -181,7 +185,7 @@ def make_client(name: str, clients: Path, root: Path, url: str) -> Client:
                     "npm": "@ai-sdk/openai-compatible",
                     "name": "DwarfStar",
                     "options": {"baseURL": f"{url}/v1", "apiKey": "dwarfstar"},
-                    "models": {MODEL: {"name": "DeepSeek V4 Flash", "limit": {"context": 65536, "output": 4096}}},
+                    "models": {MODEL: {"name": "DeepSeek V4 Flash", "limit": {"context": 65536, "output": output}}},
                 }
             },
         }
@@ -286,7 +290,7 @@ def check_scripted(name: str, clients: Path, root: Path, server: Server) -> dict
 
 
 def check_bundled(name: str, clients: Path, root: Path, server: Server) -> bool:
-    client = make_client(name, clients, root / "bundled", server.url)
+    client = make_client(name, clients, root / "bundled", server.url, output=BUNDLED_OUTPUT)
     result, records = turn(client, server, "Ciao! Come stai?", first=True)
     answered = any(r["finish"] in ("stop", "length") and r["completion_tokens"] > 0 for r in records)
     return report("plain turn, bundled model", result.returncode == 0 and answered, result, records)
@@ -306,7 +310,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=Path, default=ROOT / "build" / "clients")
     parser.add_argument("--only", nargs="*", choices=list(PACKAGES), default=list(PACKAGES))
-    parser.add_argument("--bundled", action="store_true", help="also a plain turn against the bundled model")
+    parser.add_argument(
+        "--servers", nargs="+", choices=("scripted", "bundled"), default=["scripted"], help="bundled: the bundled model"
+    )
     args = parser.parse_args()
     clients = args.clients.resolve()
     versions(clients)
@@ -314,10 +320,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dwarfstar-clients-") as folder:
         root = Path(folder)
         (root / "scripts.json").write_text(json.dumps(scripts(root)))
-        servers = {"scripted": ["tests.serving.scripted_server", "--scripts", str(root / "scripts.json")]}
-        if args.bundled:
-            servers["bundled"] = ["dwarfstar", "serve", "--ctx", "65536", "--model-alias", "*"]
-        for kind, command in servers.items():
+        servers = {
+            "scripted": ["tests.serving.scripted_server", "--scripts", str(root / "scripts.json")],
+            # the bundled model rarely ends a turn by itself: the small context bounds what Codex,
+            # which sends no output limit, can make it write
+            "bundled": ["dwarfstar", "serve", "--ctx", str(BUNDLED_CTX), "--model-alias", "*"],
+        }
+        for kind in args.servers:
+            command = servers[kind]
             server = start_server([sys.executable, "-m", *command], root / f"{kind}.jsonl", root / f"{kind}.log")
             try:
                 for name in args.only:
