@@ -9,6 +9,12 @@ Reasoning is shown as summary text when `reasoning.summary` asks for it (ds4's r
 returned in `encrypted_content` when `include` asks for that, as Codex does: the client sends it
 back with the next request, so the replayed turn renders with its reasoning and the live KV, which
 holds that reasoning, stays a prefix of the new prompt.
+
+What Codex 0.171 sends (checked by `nox -s clients`): `model`, `input` (items `message` with roles
+developer/user/assistant, `reasoning`, `function_call`, `function_call_output`), `tools`,
+`tool_choice`, `reasoning`, `include`, `stream`, all used as above; `store`, `parallel_tool_calls`
+(calls are always allowed in parallel), `prompt_cache_key` (prefix reuse needs no key: the cache
+matches prompt bytes) and `client_metadata` are accepted and ignored.
 """
 
 from __future__ import annotations
