@@ -32,9 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from dwarfstar.serving.trace import divergence  # noqa: E402
-
 MODEL = "deepseek-v4-flash"
 DSML = "｜DSML｜"
 ANSWER = "The notes say the launch is on Tuesday."
@@ -240,24 +237,22 @@ def request_shapes(records: list[dict]) -> None:
 
 
 def explain_reuse(turns: list[list[dict]]) -> None:
-    """Per turn, the conversation's main request (the longest prompt), and where its bytes diverge."""
-    previous = None
+    """Per turn, the conversation's main request (the longest prompt), and the trace's word on a miss."""
     for n, records in enumerate(turns, 1):
         if not records:
             print(f"    turn {n}: no request reached the server")
             continue
         main = max(records, key=lambda r: r["prompt_tokens"])
         print(f"    turn {n}: cached {main['cached_tokens']} of {main['prompt_tokens']} prompt tokens")
-        if previous is not None:
-            # the previous turn's prompt plus what the model generated is what the KV cache holds
-            where = divergence(previous["prompt"] + previous["generated"], main["prompt"])
-            if where is None:
-                print("      the prompt extends the previous turn's prompt and answer: a pure suffix")
-            else:
-                print(f"      diverges at character {where['offset']} after {where['common'][-80:]!r}")
-                print(f"        cached : {where['before'][:100]!r}")
-                print(f"        now    : {where['after'][:100]!r}")
-        previous = main
+        where = main.get("divergence")  # the server's trace: where the bytes leave the closest cached text
+        if where is None and main["cached_tokens"] == 0:
+            print("      cold: nothing traced before it")
+        elif where is None:
+            print("      the prompt extends a traced conversation (prompt and answer): only its suffix is new")
+        else:
+            print(f"      diverges at character {where['offset']} after {where['common'][-80:]!r}")
+            print(f"        cached : {where['before'][:100]!r}")
+            print(f"        now    : {where['after'][:100]!r}")
 
 
 def check_scripted(name: str, clients: Path, root: Path, server: Server) -> dict[str, bool]:
