@@ -54,8 +54,8 @@ def clients(session: nox.Session) -> None:
     """Claude Code, Codex and opencode (pinned, from npm into build/clients) against a loopback server.
 
     Runs in the Python nox runs from (the project's dev install, `.venv/bin/nox -s clients`), so the
-    only downloads are the npm packages. Not in CI: the npm install is slow. `-- --servers scripted bundled` adds a
-    plain turn with the bundled model.
+    only downloads are the npm packages. Not in CI: the npm install is slow.
+    `-- --servers scripted bundled` adds a plain turn with the bundled model.
     """
     folder = "build/clients"
     # --ignore-scripts: the packages ship their platform binaries as optional dependencies, so
