@@ -77,7 +77,7 @@ def test_every_backend_is_the_shared_transformer() -> None:
         assert issubclass(cls, forward.Transformer)
 
 
-RESTATED = '''
+RESTATED = """
 from dwarfstar.backends.reference.model import ReferenceOps
 
 class MyModel:
@@ -87,7 +87,7 @@ class MyModel:
 def layer(ops, h, x):
     x, mix = ops.hc_pre(0, "attn", h)
     return ops.hc_post(h, ops.sparse_attention(0, x, None, None), mix)
-'''
+"""
 
 
 def test_the_checker_finds_a_restated_forward() -> None:
