@@ -91,6 +91,16 @@ class ExpertSource(Protocol[W, A]):
         ...
 
 
+class ResidentExperts(Generic[W]):
+    """Every layer's routed experts held by the backend: a layer's whole set, the ids unchanged."""
+
+    def __init__(self, layers: Sequence[W]) -> None:
+        self.layers = list(layers)
+
+    def experts(self, layer: int, ids: A) -> tuple[W, A]:
+        return self.layers[layer], ids
+
+
 class Ops(Protocol[A]):
     """What a backend computes. Each step names the official semantics; the reference implements
     them plainly in torch float32 (`backends/reference/ops.py`), the others fuse as they like."""

@@ -23,7 +23,7 @@ from dwarfstar.backends.mlx.state import MLXLayerState
 from dwarfstar.backends.mlx.weights import LayerWeights, Matrix, Weights
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import ModelArgs, yarn_inv_freq
-from dwarfstar.model.forward import Batch, ExpertSource, Rows, Segment, Site, Transformer
+from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, Transformer
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
 from dwarfstar.model.tensors import ProjectionGroup
@@ -37,18 +37,6 @@ class ExpertStack:
     gate: Matrix
     up: Matrix
     down: Matrix
-
-
-class ResidentExperts:
-    """Every layer's routed experts, loaded in the model's packing."""
-
-    def __init__(self, weights: Weights, n_layers: int) -> None:
-        self.layers = [
-            ExpertStack(*(LayerWeights(weights, il).experts(n) for n in tt.EXPERTS)) for il in range(n_layers)
-        ]
-
-    def experts(self, layer: int, ids: mx.array) -> tuple[ExpertStack, mx.array]:
-        return self.layers[layer], ids
 
 
 @dataclass
@@ -101,7 +89,9 @@ class MLXOps:
         self.args, self.qat, self.fused = args, qat, fused
         self.embedding = weights.dense(tt.EMBED)
         self.layers = [self._load_layer(weights, il) for il in range(args.n_layers)]
-        self.experts = ResidentExperts(weights, args.n_layers)
+        self.experts = ResidentExperts(
+            [ExpertStack(*(LayerWeights(weights, il).experts(n) for n in tt.EXPERTS)) for il in range(args.n_layers)]
+        )
         self.head_hc = tuple(weights.dense(name) for name in tt.HEAD_HC)
         self.out_norm = weights.dense(tt.OUTPUT_NORM)
         self.output = weights.matrix(tt.OUTPUT)

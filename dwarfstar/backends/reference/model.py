@@ -18,7 +18,7 @@ from dwarfstar.backends.reference import ops
 from dwarfstar.backends.reference.weights import GGUFWeights, WeightSource
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import LayerSpec, ModelArgs, yarn_inv_freq
-from dwarfstar.model.forward import Batch, ExpertSource, Rows, Segment, Site, Transformer
+from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, Transformer
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
 from dwarfstar.model.tensors import ProjectionGroup
@@ -58,15 +58,11 @@ class Layer:
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class ResidentExperts:
-    """Every routed expert readable from the weight source (dequantized per use for large files)."""
-
-    def __init__(self, weights: WeightSource) -> None:
-        self.weights = weights
-
-    def experts(self, layer: int, ids: torch.Tensor) -> tuple[ExpertGetter, torch.Tensor]:
-        names = [tt.layer_tensor(layer, name) for name in tt.EXPERTS]
-        return (lambda e: tuple(self.weights.expert(name, e) for name in names)), ids
+def expert_reader(weights: WeightSource, il: int) -> ExpertGetter:
+    """Layer il's routed experts by id, read from the source as the router picks them (dequantized
+    per use for files too large to expand)."""
+    names = [tt.layer_tensor(il, name) for name in tt.EXPERTS]
+    return lambda e: tuple(weights.expert(name, e) for name in names)
 
 
 class ReferenceOps:
@@ -75,7 +71,7 @@ class ReferenceOps:
     ) -> None:
         report = progress or (lambda done, total: None)
         self.args, self.qat = args, qat
-        self.experts = ResidentExperts(weights)
+        self.experts = ResidentExperts([expert_reader(weights, il) for il in range(args.n_layers)])
         self.indexer_observer: IndexerObserver | None = None
         self.route_observer: RouteObserver | None = None
         self.expert_observer: ExpertObserver | None = None

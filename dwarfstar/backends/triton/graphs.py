@@ -74,9 +74,9 @@ class DecodeGraphs:
         self.tok.fill_(token)
         self.pos.fill_(state.pos)
         entry.graph.replay()
-        logits = entry.logits.clone()
+        logits = entry.logits.clone()  # the graph's buffer is overwritten by the next replay
         model.advance(batch)
-        state.logits = logits[-1].clone()
+        state.logits = logits[-1]
         return logits
 
     def _capture(self, batch: Batch, addresses: tuple[int, ...]) -> _Captured:

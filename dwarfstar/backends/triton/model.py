@@ -37,7 +37,7 @@ from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as nor
 from dwarfstar.backends.triton.runtime import EXACT, Precision
 from dwarfstar.backends.triton.weights import FusedLinear, ModelWeights
 from dwarfstar.model.config import yarn_inv_freq
-from dwarfstar.model.forward import Batch, ExpertSource, Rows, Site, Transformer
+from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Site, Transformer
 from dwarfstar.model.state import CompressorState, RowBuffer, SequenceState
 from dwarfstar.model.tensors import ProjectionGroup
 
@@ -61,22 +61,11 @@ def reserve(rows: RowBuffer, n: int) -> None:
         rows.data = grown
 
 
-class ResidentExperts:
-    """The routed experts uploaded with the model: `experts(layer, ids)` is the layer's whole stack."""
-
-    def __init__(self, weights: ModelWeights) -> None:
-        self.weights = weights
-
-    def experts(self, layer: int, ids: torch.Tensor):
-        lw = self.weights.layers[layer]
-        return (lw.gate_exps, lw.up_exps, lw.down_exps), ids
-
-
 class TritonOps:
     def __init__(self, weights: ModelWeights, qat: bool = True, precision: Precision = EXACT) -> None:
         self.w, self.args, self.qat, self.precision = weights, weights.args, qat, precision
         self.device = weights.embed.data.device
-        self.experts = ResidentExperts(weights)
+        self.experts = ResidentExperts([(lw.gate_exps, lw.up_exps, lw.down_exps) for lw in weights.layers])
         self._inv_freq: dict[tuple[float, bool], torch.Tensor] = {}
         for layer in self.args.layers:
             key = (layer.rope_theta, layer.yarn)
