@@ -209,7 +209,8 @@ class ReferenceOps:
             k = min(a.index_topk, scores.shape[1])
             if k:  # keep the top-k visible compressed rows per query (all if fewer)
                 visible = visible & torch.zeros_like(visible).scatter_(1, scores.topk(k, dim=1).indices, True)
-            batch.aux[("index_scores", il, id(seq.state))] = scores
+            if self.indexer_observer is not None:  # training fits the indexer to the attention with them
+                batch.aux[("index_scores", il, id(seq.state))] = scores
             chosen.append(visible)
         return chosen
 
@@ -229,7 +230,7 @@ class ReferenceOps:
             state.raw_kv = raw[-a.window :]
             probs = ops.sink_attention_probs(q[seq.rows], keys, mask, layer.sinks)
             if self.indexer_observer is not None and selected is not None:
-                scores = batch.aux[("index_scores", il, id(seq.state))]
+                scores = batch.aux.pop(("index_scores", il, id(seq.state)))
                 self.indexer_observer(il, probs[..., raw.shape[0] :], scores)
             o = torch.einsum("thn,nd->thd", probs, keys)
             out.append(ops.apply_rope(o, cos[seq.rows], sin[seq.rows], inverse=True))
