@@ -45,7 +45,7 @@ from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body,
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolCallOpened, Usage, new_id
 from dwarfstar.serving.service import Knobs, Service
-from dwarfstar.serving.sse import event_stream, final_event, sse
+from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
 BILLING_PREFIX = "x-anthropic-"
@@ -233,19 +233,21 @@ async def messages_endpoint(request: Request) -> Response:
         tool_id_prefix="toolu_",
         body=fields.body,
     )
+    stream = fields.flag("stream")  # every field is read before the job exists, so a 400 leaves none
     job = await service.submit_chat(
         talk.messages, tools=talk.tools, thinking=talk.thinking, knobs=knobs, response_format=talk.response_format
     )
-    message_id = new_id("msg_")
-    if fields.flag("stream"):
-        stream = MessageStream(message_id, talk.model, hidden=None if talk.show_thinking else hidden)
-        return event_stream(job, stream, service.config.keepalive_seconds)
-    outcome = await final_event(job, request)
-    if isinstance(outcome, Failed):
-        raise ApiError(500, outcome.message)
-    if not talk.show_thinking and outcome.completion.reasoning:
-        hidden.remember(message_id, outcome.completion.reasoning)
-    return json_response(message_object(message_id, talk.model, outcome, show_thinking=talk.show_thinking))
+    with cancelled_on_error(job):
+        message_id = new_id("msg_")
+        if stream:
+            writer = MessageStream(message_id, talk.model, hidden=None if talk.show_thinking else hidden)
+            return event_stream(job, writer, service.config.keepalive_seconds)
+        outcome = await final_event(job, request)
+        if isinstance(outcome, Failed):
+            raise ApiError(500, outcome.message)
+        if not talk.show_thinking and outcome.completion.reasoning:
+            hidden.remember(message_id, outcome.completion.reasoning)
+        return json_response(message_object(message_id, talk.model, outcome, show_thinking=talk.show_thinking))
 
 
 async def count_tokens(request: Request) -> Response:

@@ -30,7 +30,7 @@ from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body,
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolCallOpened, Usage, new_id
 from dwarfstar.serving.service import Knobs, Service
-from dwarfstar.serving.sse import event_stream, final_event, sse
+from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
 
 ROLES = ("system", "developer", "user", "assistant")
 TEXT_PARTS = ("text", "input_text", "output_text")
@@ -141,13 +141,14 @@ async def chat_completions(request: Request) -> Response:
         knobs=knobs,
         response_format=response_format.body if response_format and response_format.raw("type") != "text" else None,
     )
-    if stream:
-        writer = ChatStream(new_id("chatcmpl-"), model, include_usage)
-        return event_stream(job, writer, service.config.keepalive_seconds)
-    outcome = await final_event(job, request)
-    if isinstance(outcome, Failed):
-        raise failure_error(outcome.message)
-    return json_response(chat_completion(new_id("chatcmpl-"), model, outcome))
+    with cancelled_on_error(job):
+        if stream:
+            writer = ChatStream(new_id("chatcmpl-"), model, include_usage)
+            return event_stream(job, writer, service.config.keepalive_seconds)
+        outcome = await final_event(job, request)
+        if isinstance(outcome, Failed):
+            raise failure_error(outcome.message)
+        return json_response(chat_completion(new_id("chatcmpl-"), model, outcome))
 
 
 def chat_completion(response_id: str, model: str, done: Finished) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from dwarfstar.prompt.dsml_parser import ContentDelta
-from dwarfstar.prompt.render import render_conversation
 from dwarfstar.serving.controls import (
     Thinking,
     effort_value,
@@ -30,8 +29,9 @@ from dwarfstar.serving.errors import bad_request, json_response
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, new_id
 from dwarfstar.serving.openai_chat import failure_error, stream_error, usage_object
+from dwarfstar.serving.scheduler import Job
 from dwarfstar.serving.service import Knobs, Service
-from dwarfstar.serving.sse import event_stream, final_event, sse
+from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
 
 WRAP_SYSTEM = "You are a helpful assistant"
 
@@ -72,23 +72,25 @@ async def completions(request: Request) -> Response:
         stop=stop_strings(fields, "stop"),
         body=fields.body,
     )
+    options = fields.mapping("stream_options")
+    include_usage = bool(options and options.flag("include_usage"))
+    stream = fields.flag("stream")  # every field is read before the job exists, so a 400 leaves none
     if raw:
         ids = prompt if isinstance(prompt, list) else None
         text = prompt if isinstance(prompt, str) else None
         job = await service.submit_tokens(None, ids, raw_text=text, knobs=knobs)
     else:
-        wrapped = render_conversation(
-            [{"role": "system", "content": WRAP_SYSTEM}, {"role": "user", "content": prompt}],
-            thinking=thinking.enabled,
-            reasoning_effort=thinking.renderer_effort,
-            options=service.options,
-        )
-        job = await service.submit_tokens(wrapped, None, raw_text=None, knobs=knobs)
-    options = fields.mapping("stream_options")
+        wrapped = [{"role": "system", "content": WRAP_SYSTEM}, {"role": "user", "content": prompt}]
+        job = await service.submit_plain_chat(wrapped, thinking=thinking, knobs=knobs)
+    with cancelled_on_error(job):
+        return await _answer(job, request, model, stream=stream, include_usage=include_usage)
+
+
+async def _answer(job: Job, request: Request, model: str, *, stream: bool, include_usage: bool) -> Response:
     response_id = new_id("cmpl-")
-    if fields.flag("stream"):
-        writer = CompletionStream(response_id, model, bool(options and options.flag("include_usage")))
-        return event_stream(job, writer, service.config.keepalive_seconds)
+    if stream:
+        writer = CompletionStream(response_id, model, include_usage)
+        return event_stream(job, writer, request.app.state.service.config.keepalive_seconds)
     outcome = await final_event(job, request)
     if isinstance(outcome, Failed):
         raise failure_error(outcome.message)

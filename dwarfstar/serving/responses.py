@@ -33,7 +33,7 @@ from dwarfstar.serving.errors import ApiError, bad_request, json_response
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolCallOpened, Usage, new_id
 from dwarfstar.serving.service import Knobs, Service
-from dwarfstar.serving.sse import event_stream, final_event, sse
+from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
 
 TEXT_BLOCKS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 DROPPED_BLOCKS = ("input_image", "input_file", "input_audio", "refusal")
@@ -155,13 +155,6 @@ async def responses_endpoint(request: Request) -> Response:
         max_tokens=output_budget(fields, "max_output_tokens", "max_tokens"),
         body=fields.body,
     )
-    job = await service.submit_chat(
-        messages,
-        tools=tools,
-        thinking=thinking,
-        knobs=knobs,
-        response_format=text_format.body if text_format and text_format.raw("type") != "text" else None,
-    )
     shape = ResponseShape(
         id=new_id("resp_"),
         model=model,
@@ -170,12 +163,21 @@ async def responses_endpoint(request: Request) -> Response:
         thinking=thinking,
         echo={key: fields.raw(key) for key in ("instructions", "tool_choice", "temperature", "top_p")},
     )
-    if fields.flag("stream"):
-        return event_stream(job, ResponseStream(shape), service.config.keepalive_seconds)
-    outcome = await final_event(job, request)
-    if isinstance(outcome, Failed):
-        raise ApiError(500, outcome.message, code="server_error")
-    return json_response(shape.response(_final_items(shape, outcome), outcome))
+    stream = fields.flag("stream")  # every field is read before the job exists, so a 400 leaves none
+    job = await service.submit_chat(
+        messages,
+        tools=tools,
+        thinking=thinking,
+        knobs=knobs,
+        response_format=text_format.body if text_format and text_format.raw("type") != "text" else None,
+    )
+    with cancelled_on_error(job):
+        if stream:
+            return event_stream(job, ResponseStream(shape), service.config.keepalive_seconds)
+        outcome = await final_event(job, request)
+        if isinstance(outcome, Failed):
+            raise ApiError(500, outcome.message, code="server_error")
+        return json_response(shape.response(_final_items(shape, outcome), outcome))
 
 
 # -- output items -----------------------------------------------------------------------------------------

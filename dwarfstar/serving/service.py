@@ -155,6 +155,23 @@ class Service:
         request, replayed = await run_in_threadpool(prepare)
         return self._submit(request, replayed)
 
+    async def submit_plain_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, thinking: Thinking, knobs: Knobs
+    ) -> Job:
+        """A conversation without tools or replay whose output is raw text (chat-wrapped completions)."""
+
+        def prepare() -> GenerationRequest:
+            try:
+                prompt = render_conversation(
+                    messages, thinking=thinking.enabled, reasoning_effort=thinking.renderer_effort, options=self.options
+                )
+            except PromptError as exc:
+                raise bad_request(str(exc), param=knobs.param) from None
+            ids = self.tokenizer.encode_prompt(prompt.parts)
+            return self._request(prompt, ids, knobs, parse=False, thinking=False, tools=False)
+
+        return self._submit(await run_in_threadpool(prepare), [])
+
     async def submit_tokens(
         self, prompt: Prompt | None, ids: list[int] | None, *, raw_text: str | None, knobs: Knobs
     ) -> Job:

@@ -9,12 +9,14 @@ clients and proxies do not time out during a long prefill or while queued.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from dwarfstar.serving.generation import Event, Failed, Finished
 from dwarfstar.serving.scheduler import Job
@@ -51,8 +53,33 @@ async def _events(job: Job, writer: Writer, keepalive: float) -> AsyncIterator[b
         job.cancel()
 
 
+class JobStream(StreamingResponse):
+    """The SSE response of one job, which cancels the job however the response ends: a client that
+    leaves before the first byte never starts the event generator, so its `finally` alone would not."""
+
+    def __init__(self, job: Job, writer: Writer, keepalive: float) -> None:
+        super().__init__(_events(job, writer, keepalive), media_type="text/event-stream", headers=HEADERS)
+        self.job = job
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
 def event_stream(job: Job, writer: Writer, keepalive: float) -> StreamingResponse:
-    return StreamingResponse(_events(job, writer, keepalive), media_type="text/event-stream", headers=HEADERS)
+    return JobStream(job, writer, keepalive)
+
+
+@contextmanager
+def cancelled_on_error(job: Job) -> Iterator[None]:
+    """Cancel a submitted job if building its response raises: no generation outlives its request."""
+    try:
+        yield
+    except BaseException:
+        job.cancel()
+        raise
 
 
 async def _disconnected(request: Request) -> None:
