@@ -23,9 +23,12 @@ def _register_commands() -> None:
     import dwarfstar.commands.bench_gpu  # noqa: F401
     import dwarfstar.commands.bench_kv  # noqa: F401
     import dwarfstar.commands.convert  # noqa: F401
+    import dwarfstar.commands.eval  # noqa: F401
+    import dwarfstar.commands.gates  # noqa: F401
     import dwarfstar.commands.prompt_tools  # noqa: F401
     import dwarfstar.commands.quant_tools  # noqa: F401
     import dwarfstar.commands.serve  # noqa: F401
+    import dwarfstar.commands.steer  # noqa: F401
     from dwarfstar.commands import pull, run, synth  # noqa: F401
 
 
