@@ -1,0 +1,134 @@
+"""Put an expert store behind a loaded backend: the budget, the profile seeding, the backend's view.
+
+The CLI's `--ssd-streaming*` flags become a `StreamingOptions`; `attach_streaming` builds the store
+for the file and assigns the backend's `experts`, which the forward pass reads every MoE through.
+Without streaming, `check_fits` refuses a model larger than the memory and names the flag.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.experts.layout import (
+    BudgetError,
+    ExpertLayout,
+    auto_budget_bytes,
+    experts_for_bytes,
+    parse_size,
+    routed_tensor_names,
+)
+from dwarfstar.experts.policy import make_policy
+from dwarfstar.experts.source import StreamingExperts
+from dwarfstar.experts.store import ExpertBytes, ExpertStore
+from dwarfstar.experts.trace import RoutingTrace
+from dwarfstar.gguf.dequant import dequantize
+from dwarfstar.model.loader import ModelFile
+from dwarfstar.session.accounting import state_footprint
+
+PROFILE_SUFFIX = ".experts.npz"  # `dwarfstar profile-experts` writes MODEL.experts.npz next to the model
+PREFILL_CHUNK = 4096
+SCRATCH_ROWS_PER_TOKEN = 16  # float32 [chunk, dim] buffers a prefill chunk holds at once, roughly
+
+
+@dataclass(frozen=True)
+class StreamingOptions:
+    cache_experts: str | None = None  # a size (`32GB`); None: the automatic budget
+    cold: bool = False  # start empty and unseeded (measurement)
+    preload_experts: int = 0  # read the N hottest experts of the profile before the first token
+    policy: str = "ds4"
+    direct: bool = False  # O_DIRECT reads
+
+
+def profile_path(model_path: Path) -> Path:
+    return model_path.with_name(model_path.name + PROFILE_SUFFIX)
+
+
+def usable_memory(backend: str) -> int:
+    """The memory the backend's experts live in: the GPU's, MLX's working set, else the RAM."""
+    if backend == "triton" and torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[1]
+    if backend == "mlx":
+        import mlx.core as mx
+
+        if mx.metal.is_available():
+            return int(mx.metal.device_info()["max_recommended_working_set_size"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def resident_bytes(model: ModelFile, backend: str, ctx: int) -> int:
+    """What stays in memory besides the cached experts: non-routed weights (float32 in the reference,
+    as the file stores them elsewhere), one context's KV, and a prefill chunk's scratch."""
+    routed = set(routed_tensor_names(model.args.n_layers))
+    weights = 0
+    for name, info in model.gguf.tensors.items():
+        if name not in routed:
+            weights += info.n_elements * 4 if backend == "reference" else info.nbytes
+    kv = state_footprint(model.args).payload_bytes(ctx)
+    scratch = PREFILL_CHUNK * model.args.dim * 4 * SCRATCH_ROWS_PER_TOKEN
+    return weights + kv + scratch
+
+
+def check_fits(model: ModelFile, backend: str, ctx: int) -> None:
+    """A model whose routed experts do not fit next to everything else is an error naming the flag."""
+    layout = ExpertLayout.of(model.gguf, model.args)
+    need = layout.routed_bytes + resident_bytes(model, backend, ctx)
+    usable = usable_memory(backend)
+    if need > usable:
+        raise DwarfStarError(
+            f"{model.path.name} needs {need / (1 << 30):.1f} GiB on the {backend} backend but "
+            f"{usable / (1 << 30):.1f} GiB is usable; run with --ssd-streaming to keep the routed experts "
+            f"({layout.routed_bytes / (1 << 30):.1f} GiB) on disk and cache what fits"
+        )
+
+
+def plan_capacity(model: ModelFile, layout: ExpertLayout, backend: str, ctx: int, options: StreamingOptions) -> int:
+    if options.cache_experts is not None:
+        budget = parse_size(options.cache_experts)
+        what = f"--ssd-streaming-cache-experts {options.cache_experts}"
+    else:
+        budget = auto_budget_bytes(usable_memory(backend), resident_bytes(model, backend, ctx))
+        what = f"the automatic budget ({budget / (1 << 30):.2f} GiB: 80% of usable memory minus resident weights)"
+    capacity = experts_for_bytes(budget, layout.max_expert_bytes)
+    if capacity < layout.n_active:
+        raise BudgetError(
+            f"{what} holds {capacity} experts of {layout.max_expert_bytes / (1 << 20):.2f} MiB, fewer than the "
+            f"{layout.n_active} one token uses per layer; give a larger --ssd-streaming-cache-experts"
+        )
+    return capacity
+
+
+def reference_expert(expert: ExpertBytes) -> tuple[torch.Tensor, ...]:
+    """The reference's view: each part dequantized to float32 [out, in] (a copy, never a view)."""
+    return tuple(
+        dequantize(data, part.ggml_type, part.shape[0] * part.shape[1]).view(part.shape)
+        for part, data in zip(expert.parts, expert.data, strict=True)
+    )
+
+
+def build_store(model: ModelFile, capacity: int, options: StreamingOptions) -> ExpertStore:
+    layout = ExpertLayout.of(model.gguf, model.args)
+    policy = make_policy(options.policy, layout.total_experts)
+    store = ExpertStore(layout, capacity, policy, direct=options.direct)
+    profile = profile_path(model.path)
+    if not options.cold and profile.is_file():
+        trace = RoutingTrace.load(profile, layout.n_layers, layout.n_experts)
+        policy.seed(trace.counts())
+        store.preload(trace.hot_keys()[: options.preload_experts])
+    return store
+
+
+def attach_streaming(impl: object, backend: str, model: ModelFile, ctx: int, options: StreamingOptions) -> ExpertStore:
+    """Stream `impl`'s routed experts from the file; returns the store (its `stats` are the telemetry)."""
+    if backend != "reference":
+        raise DwarfStarError(
+            f"--ssd-streaming is not implemented for the {backend} backend yet; use --backend reference"
+        )
+    layout = ExpertLayout.of(model.gguf, model.args)
+    store = build_store(model, plan_capacity(model, layout, backend, ctx, options), options)
+    impl.experts = StreamingExperts(store, reference_expert)
+    return store

@@ -1,0 +1,279 @@
+"""A cache of whole routed experts under a budget, filled from the GGUF with parallel `pread`s.
+
+Each slot holds one expert's gate, up and down bytes exactly as the file stores them; the backend
+turns them into its own arrays (`source.py`). A miss takes a free slot or the policy's victim and
+reads the three slabs on a thread pool, so the k experts of a token load in parallel and the MoE
+computes on the first while the others are still arriving. Reads go through `pread` on a second
+descriptor (optionally `O_DIRECT`, so the page cache does not keep a second copy of what the cache
+holds), never by faulting through the memory map.
+
+The store's bookkeeping (which expert is in which slot, the pins, the policy) runs on the caller's
+thread; the pool threads only fill slots that are already assigned.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dwarfstar.errors import ModelFileError
+from dwarfstar.experts.layout import ExpertLayout, ExpertPart, check_capacity
+from dwarfstar.experts.policy import Policy
+
+READ_THREADS = 8  # a token's experts per layer (6 on Flash) read at once, plus the next call's first
+DIRECT_ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffers aligned to the logical block
+
+
+@dataclass(frozen=True)
+class ExpertBytes:
+    """One expert as the file stores it: its parts and a byte view of each, valid while pinned."""
+
+    layer: int
+    expert: int
+    parts: tuple[ExpertPart, ...]
+    data: tuple[np.ndarray, ...]
+
+
+@dataclass
+class Telemetry:
+    """What the cache did: the figures `run`'s summary, `--trace` and `/metrics` report."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    tokens: int = 0
+    preloaded: int = 0
+    stall_seconds: float = 0.0  # time the compute waited for a read
+    read_seconds: float = 0.0  # summed duration of the reads themselves (they overlap)
+    latencies: list[float] = field(default_factory=list)  # per miss: request to bytes in the slot
+
+    @property
+    def hit_rate(self) -> float:
+        uses = self.hits + self.misses
+        return self.hits / uses if uses else 0.0
+
+    def summary(self, resident: int, capacity: int) -> dict[str, float | int]:
+        lat = np.array(self.latencies) if self.latencies else np.zeros(1)
+        return {
+            "hit_rate": round(self.hit_rate, 4),
+            "hits": self.hits,
+            "misses": self.misses,
+            "bytes_read": self.bytes_read,
+            "bytes_per_token": round(self.bytes_read / self.tokens) if self.tokens else 0,
+            "miss_latency_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
+            "miss_latency_p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
+            "stall_seconds": round(self.stall_seconds, 4),
+            "resident_experts": resident,
+            "capacity_experts": capacity,
+        }
+
+
+def _round_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+class ExpertCache:
+    """The cache's bookkeeping without any bytes: which expert holds which slot, the pins, the
+    protection and the policy. The policy simulator replays traces through it alone; `ExpertStore`
+    adds the slots' memory and the reads."""
+
+    def __init__(self, n_layers: int, n_experts: int, n_active: int, capacity: int, policy: Policy) -> None:
+        self.n_layers, self.n_experts = n_layers, n_experts
+        self.capacity = check_capacity(capacity, n_active, n_layers * n_experts)
+        self.policy = policy
+        self.where: dict[int, int] = {}  # key -> slot
+        self.n_slots = 0
+        self.free: list[int] = []
+        self.pinned: set[int] = set()  # in use by the MoE call now: never evicted
+        self.protected: set[int] = set()  # used by the current step: evicted only when nothing else can be
+        self.stats = Telemetry()
+
+    def key(self, layer: int, e: int) -> int:
+        return layer * self.n_experts + e
+
+    def begin_step(self, n_tokens: int) -> None:
+        """A new forward call starts: the previous one's experts are no longer protected."""
+        self.protected.clear()
+        self.pinned.clear()
+        self.stats.tokens += n_tokens
+
+    def request(self, layer: int, e: int) -> None:
+        """Make expert e of `layer` resident (starting its read on a miss) and pin it."""
+        key = self.key(layer, e)
+        self.policy.used(key)
+        self.pinned.add(key)
+        self.protected.add(key)
+        if key in self.where:
+            self.stats.hits += 1
+            return
+        self.stats.misses += 1
+        self.where[key] = self._take_slot()
+        self._load(layer, e, self.where[key])
+
+    def get(self, layer: int, e: int) -> ExpertBytes | None:
+        """The requested expert (the bookkeeping alone has no bytes)."""
+        return None
+
+    def unpin(self, layer: int, e: int) -> None:
+        self.pinned.discard(self.key(layer, e))
+
+    def preload(self, keys: Iterable[int]) -> int:
+        """Load experts before any token (a profile's hot set, hottest first); returns how many came in."""
+        loaded = []
+        for key in keys:
+            if len(self.where) >= self.capacity:
+                break
+            if key not in self.where:
+                layer, e = divmod(key, self.n_experts)
+                self.where[key] = self._take_slot()
+                self._load(layer, e, self.where[key])
+                loaded.append(key)
+        for key in loaded:
+            self.get(*divmod(key, self.n_experts))
+            self.policy.preloaded(key)
+        self.stats.preloaded += len(loaded)
+        return len(loaded)
+
+    def resident(self, layer: int, e: int) -> bool:
+        return self.key(layer, e) in self.where
+
+    def _take_slot(self) -> int:
+        if self.free:
+            return self.free.pop()
+        if self.n_slots < self.capacity:
+            self.n_slots += 1
+            self._new_slot()
+            return self.n_slots - 1
+        victim = self.policy.victim(self.where.keys(), self.pinned, self.protected)
+        if victim in self.pinned:
+            raise RuntimeError(f"policy {self.policy.name} chose the pinned expert {victim}")
+        self.policy.evicted(victim)
+        return self.where.pop(victim)
+
+    def _new_slot(self) -> None:
+        """Room for one more expert (bookkeeping only: nothing)."""
+
+    def _load(self, layer: int, e: int, slot: int) -> None:
+        """Start filling `slot` with the expert (bookkeeping only: nothing to read)."""
+
+
+class ExpertStore(ExpertCache):
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        capacity: int,
+        policy: Policy,
+        threads: int = READ_THREADS,
+        direct: bool = False,
+    ) -> None:
+        super().__init__(layout.n_layers, layout.n_experts, layout.n_active, capacity, policy)
+        self.layout = layout
+        self.align = DIRECT_ALIGN if direct else 1
+        flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+        try:
+            self.fd = os.open(layout.path, flags)
+        except OSError as e:
+            raise ModelFileError(f"{layout.path}: cannot open for expert streaming: {e.strerror or e}") from None
+        # a slot holds any layer's expert: per part, the largest slab plus the alignment slack
+        self.part_capacity = [
+            _round_up(max(layout.parts[il][i].nbytes for il in range(layout.n_layers)), self.align) + self.align
+            for i in range(len(layout.parts[0]))
+        ]
+        self.slot_bytes = sum(self.part_capacity)
+        self.slots: list[np.ndarray] = []
+        self.pending: dict[int, Future] = {}
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="expert-read")
+
+    def begin_step(self, n_tokens: int) -> None:
+        super().begin_step(n_tokens)
+        self.pinned.update(self.pending)  # a read still in flight keeps its slot
+
+    def get(self, layer: int, e: int) -> ExpertBytes:
+        """The requested expert's bytes, waiting for its read if it is still in flight."""
+        key = self.key(layer, e)
+        future = self.pending.pop(key, None)
+        if future is not None:
+            start = time.perf_counter()
+            try:
+                self._record(future.result())
+            except BaseException:
+                self._drop(key)
+                raise
+            self.stats.stall_seconds += time.perf_counter() - start
+        return self._view(layer, e, self.where[key])
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        os.close(self.fd)
+
+    # -- slots and reads -----------------------------------------------------------------------------------
+    def _new_slot(self) -> None:
+        # anonymous maps are page-aligned, as O_DIRECT needs; slots are allocated as the cache fills
+        self.slots.append(np.frombuffer(mmap.mmap(-1, self.slot_bytes), dtype=np.uint8))
+
+    def _load(self, layer: int, e: int, slot: int) -> None:
+        self.pending[self.key(layer, e)] = self.pool.submit(self._read, layer, e, slot, time.perf_counter())
+
+    def _drop(self, key: int) -> None:
+        """A failed read leaves no half-filled expert behind."""
+        self.free.append(self.where.pop(key))
+        self.pinned.discard(key)
+        self.protected.discard(key)
+        self.policy.evicted(key)
+
+    def _part_spans(self, layer: int, e: int) -> list[tuple[ExpertPart, int, int, int]]:
+        """Per part: (part, where it starts in the slot, aligned file offset, aligned length)."""
+        spans, base = [], 0
+        for part, room in zip(self.layout.expert(layer, e), self.part_capacity, strict=True):
+            start = part.offset // self.align * self.align
+            length = _round_up(part.offset + part.nbytes, self.align) - start
+            spans.append((part, base, start, length))
+            base += room
+        return spans
+
+    def _record(self, read: tuple[float, float, int]) -> None:
+        latency, seconds, nbytes = read
+        self.stats.latencies.append(latency)
+        self.stats.read_seconds += seconds
+        self.stats.bytes_read += nbytes
+
+    def _read(self, layer: int, e: int, slot: int, submitted: float) -> tuple[float, float, int]:
+        """Fill the slot (on a pool thread): (latency since the request, read time, bytes)."""
+        buf = memoryview(self.slots[slot])
+        started = time.perf_counter()
+        total = 0
+        for part, base, start, length in self._part_spans(layer, e):
+            need = part.offset + part.nbytes - start  # the aligned tail past the slab may lie past EOF
+            done = 0
+            while done < need:
+                try:
+                    n = os.preadv(self.fd, [buf[base + done : base + length]], start + done)
+                except OSError as err:
+                    raise ModelFileError(
+                        f"{self.layout.path}: cannot read expert {e} of layer {layer} ({part.name}): "
+                        f"{err.strerror or err}"
+                    ) from None
+                if n == 0:
+                    raise ModelFileError(
+                        f"{self.layout.path}: file truncated inside expert {e} of layer {layer} ({part.name}): "
+                        f"{start + done} of the {part.offset + part.nbytes} bytes it needs are there"
+                    )
+                done += n
+            total += part.nbytes
+        end = time.perf_counter()
+        return end - submitted, end - started, total
+
+    def _view(self, layer: int, e: int, slot: int) -> ExpertBytes:
+        buf = self.slots[slot]
+        parts, data = [], []
+        for part, base, start, _ in self._part_spans(layer, e):
+            at = base + part.offset - start
+            parts.append(part)
+            data.append(buf[at : at + part.nbytes])
+        return ExpertBytes(layer, e, tuple(parts), tuple(data))
