@@ -87,5 +87,7 @@ def test_question_set_cli_errors(tmp_path):
 def test_budget_rules_are_checked():
     result = runner.invoke(app, ["eval", "-n", "100", "--hard-limit-reply-budget", "100"])
     assert "must be below --tokens" in str(result.exception)
-    result = runner.invoke(app, ["eval", "-n", "100", "--hard-limit-reply-budget", "50", "--soft-limit-reply-budget", "20"])
+    result = runner.invoke(
+        app, ["eval", "-n", "100", "--hard-limit-reply-budget", "50", "--soft-limit-reply-budget", "20"]
+    )
     assert "must be at least --hard-limit-reply-budget" in str(result.exception)
