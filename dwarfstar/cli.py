@@ -29,7 +29,7 @@ def _register_commands() -> None:
     import dwarfstar.commands.quant_tools  # noqa: F401
     import dwarfstar.commands.serve  # noqa: F401
     import dwarfstar.commands.steer  # noqa: F401
-    from dwarfstar.commands import pull, run, synth  # noqa: F401
+    from dwarfstar.commands import agent, pull, run, synth  # noqa: F401
 
 
 def main() -> None:

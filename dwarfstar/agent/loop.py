@@ -1,0 +1,256 @@
+"""The agent loop on one live session: a user turn, then model replies and tool rounds until the model
+answers without calling a tool.
+
+Each step renders the whole transcript (transcript.py) and prefills only what the session does not
+hold yet, so the tool results after a reply cost just their own tokens. A reply is parsed while it
+streams (the DSML parser); its tool calls run in order, and their results form the next user turn.
+Refused, with a tool error the model reads: a tool call written inside `<think>` and a malformed
+DSML block. Nothing is run for either.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dwarfstar.agent import compaction
+from dwarfstar.agent.policy import Policy
+from dwarfstar.agent.tools import Toolbox, ToolOutcome
+from dwarfstar.agent.transcript import Entry, Transcript
+from dwarfstar.diagnostics import Trace
+from dwarfstar.model.state import SequenceState
+from dwarfstar.prompt.dsml import BLOCK_OPEN
+from dwarfstar.prompt.dsml_parser import ContentDelta, DsmlParser, ParsedCompletion, ReasoningDelta
+from dwarfstar.session.prefix import common_prefix_len
+from dwarfstar.session.session import Backend, Cancelled, Session
+from dwarfstar.terminal import Speed
+from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+THINK_CALL_REFUSED = (
+    "error: tool calls are not allowed inside <think></think>; nothing was run. Close the reasoning with "
+    "</think>, then write the tool calls."
+)
+
+
+class Events:
+    """What the loop reports as it goes; the front ends override what they show."""
+
+    def text(self, kind: str, text: str) -> None:  # kind: "reasoning" or "content"
+        pass
+
+    def reply_end(self, finish: str) -> None:
+        pass
+
+    def tool_start(self, name: str, arguments: dict[str, Any]) -> None:
+        pass
+
+    def tool_progress(self, name: str, output: str) -> None:
+        pass
+
+    def tool_end(self, name: str, outcome: ToolOutcome) -> None:
+        pass
+
+    def status(self, text: str) -> None:
+        pass
+
+
+@dataclass
+class TurnResult:
+    finish: str  # "stop", "length", "interrupted" or "cancelled" (stopped during the prompt's prefill)
+    rounds: int  # tool rounds run
+    reused: int  # tokens of the first step's prompt already in the session
+    prefilled: int  # tokens the first step computed
+
+
+class Agent:
+    def __init__(
+        self,
+        *,
+        tokenizer: Tokenizer,
+        backend: Backend,
+        ctx: int,
+        policy: Policy,
+        toolbox: Toolbox,
+        transcript: Transcript,
+        max_tokens: int,
+        trace: Trace | None = None,
+    ) -> None:
+        self.tokenizer, self.backend, self.policy, self.toolbox = tokenizer, backend, policy, toolbox
+        self.transcript, self.max_tokens, self.trace = transcript, max_tokens, trace
+        self.eos = backend.args.eos_token_id
+        self.session = Session(backend, ctx=ctx)
+        self.prefill_speed, self.decode_speed = Speed(), Speed()
+        self.dirty = False  # the transcript changed since it was last saved or loaded
+
+    @property
+    def ctx(self) -> int:
+        return self.session.ctx
+
+    def note(self, title: str, body: str | None = None) -> None:
+        if self.trace:
+            self.trace.write(title, body)
+
+    # -- the session ------------------------------------------------------------------------------
+    def sync(self, should_stop: Callable[[], bool] = lambda: False, label: str = "step") -> tuple[int, int]:
+        """Bring the session to the transcript's tokens; returns (tokens reused, tokens computed)."""
+        ids = self.transcript.ids(self.tokenizer, self.eos)
+        keep = common_prefix_len(self.session.tokens, ids)
+        computed, start = self.session.stats.computed, time.perf_counter()
+        self.note(f"{label}: rendered prompt ({len(ids)} tokens)", self.tokenizer.decode(ids))
+        try:
+            self.session.truncate(keep)
+            self.session.prefill(ids[keep:], should_stop=should_stop)
+        finally:
+            prefilled = self.session.stats.computed - computed
+            self.prefill_speed.add(prefilled, time.perf_counter() - start)
+            self.note(f"cache: reused {keep} tokens, prefilled {prefilled}")
+        return keep, prefilled
+
+    def adopt(self, state: SequenceState, transcript: Transcript) -> None:
+        """Continue from a state read from disk (no prefill); the next step reuses what matches."""
+        self.session.reset()
+        self.session.state = state
+        self.transcript = transcript
+        self.dirty = False
+
+    def new_transcript(self, transcript: Transcript) -> None:
+        self.transcript = transcript
+        self.dirty = False
+
+    # -- a turn -----------------------------------------------------------------------------------
+    def run(
+        self,
+        text: str,
+        events: Events,
+        should_stop: Callable[[], bool] = lambda: False,
+        safe_point: Callable[[], None] = lambda: None,
+    ) -> TurnResult:
+        entries = self.transcript.entries
+        if entries and compaction.soft_due(len(self.session.tokens), self.ctx):
+            self.compact(events, "soft")
+            entries = self.transcript.entries
+        # after an interrupted tool round the user's words join its results, as one user turn
+        joins = bool(entries) and entries[-1].kind == "tools" and not entries[-1].text
+        if joins:
+            entries[-1].text = text
+        else:
+            entries.append(Entry("user", text=text, thinking=self.transcript.thinking))
+        self.dirty = True
+        rounds, first = 0, None
+        while True:
+            try:
+                step = self.sync(should_stop, label=f"turn {len(self.transcript.user_turns())} step {rounds}")
+            except Cancelled:
+                if rounds == 0:  # the model never saw this turn: drop it
+                    if joins:
+                        entries[-1].text = ""
+                    else:
+                        entries.pop()
+                return TurnResult("cancelled", rounds, *(first or (0, 0)))
+            first = first or step
+            completion, finish = self._reply(events, should_stop)
+            if finish != "stop":
+                return TurnResult(finish, rounds, *first)
+            results = self._run_tools(completion, events, should_stop)
+            if results is None:
+                return TurnResult("stop", rounds, *first)
+            rounds += 1
+            self._append_results(results, events)
+            safe_point()
+            if should_stop():
+                return TurnResult("interrupted", rounds, *first)
+
+    def _reply(self, events: Events, should_stop: Callable[[], bool]) -> tuple[ParsedCompletion, str]:
+        thinking = self.transcript.entries[-1].thinking
+        parser = DsmlParser(thinking=thinking)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        ids: list[int] = []
+        finish, start = "length", time.perf_counter()
+        room = self.ctx - len(self.session.tokens)
+        for token in self.policy.reply(self.session, min(self.max_tokens, room), should_stop):
+            if token == self.eos:
+                finish = "stop"
+                break
+            ids.append(token)
+            self._show(parser.feed(detok.push(token)), events)
+        if finish == "length" and should_stop():
+            finish = "interrupted"
+        self._show(parser.feed(detok.flush()) + parser.finish(), events)
+        self.decode_speed.add(len(ids) + (finish == "stop"), time.perf_counter() - start)
+        self.transcript.entries.append(Entry("assistant", ids=ids))
+        self.note(f"generated {len(ids)} tokens, finish {finish}", self.tokenizer.decode(ids))
+        events.reply_end(finish)
+        return parser.completion, finish
+
+    @staticmethod
+    def _show(parsed: list, events: Events) -> None:
+        for event in parsed:
+            if isinstance(event, ReasoningDelta):
+                events.text("reasoning", event.text)
+            elif isinstance(event, ContentDelta):
+                events.text("content", event.text)
+
+    def _run_tools(
+        self, completion: ParsedCompletion, events: Events, should_stop: Callable[[], bool]
+    ) -> list[str] | None:
+        """The results of the reply's tool calls, in order; None when the reply called none."""
+        if completion.reasoning and BLOCK_OPEN in completion.reasoning:
+            events.tool_end("(inside think)", ToolOutcome(THINK_CALL_REFUSED, True))
+            return [THINK_CALL_REFUSED]
+        if not completion.tool_calls:
+            if BLOCK_OPEN in completion.content:
+                why = "; ".join(completion.problems) or "unparsable block"
+                error = f"error: malformed tool call ({why}); nothing was run. Write the DSML block exactly as shown."
+                events.tool_end("(malformed)", ToolOutcome(error, True))
+                return [error]
+            return None
+        results = []
+        for call in completion.tool_calls:
+            if should_stop():
+                outcome = ToolOutcome("error: not run, the user interrupted", True)
+            else:
+                events.tool_start(call.name, call.arguments)
+                outcome = self.toolbox.call(
+                    call.name, call.arguments, should_stop, lambda out, name=call.name: events.tool_progress(name, out)
+                )
+            events.tool_end(call.name, outcome)
+            self.note(f"tool {call.name} {call.arguments_json}", outcome.text)
+            results.append(outcome.text)
+        return results
+
+    def _append_results(self, results: list[str], events: Events) -> None:
+        entry = Entry("tools", results=results, thinking=self.transcript.thinking)
+        size = len(self.transcript.entry_ids(entry, self.tokenizer, self.eos))
+        if compaction.hard_due(len(self.session.tokens), size, self.ctx):
+            self.compact(events, "hard")
+            if compaction.hard_due(len(self.transcript.ids(self.tokenizer, self.eos)), size, self.ctx):
+                entry.results = [
+                    f"error: this tool result ({size} tokens) does not fit in the context; ask for less output"
+                    for _ in results
+                ]
+        self.transcript.entries.append(entry)
+
+    # -- compaction -------------------------------------------------------------------------------
+    def compact(self, events: Events, trigger: str) -> None:
+        """Replace the conversation by the model's summary of it plus a verbatim tail."""
+        events.status(f"COMPACTING ({trigger}: {len(self.session.tokens)}/{self.ctx} tokens)")
+        transcript = self.transcript
+        kept = list(transcript.entries)
+        transcript.entries.append(Entry("user", text=compaction.SUMMARY_REQUEST, thinking=False))
+        self.sync(label="compaction")
+        saved_max, self.max_tokens = self.max_tokens, compaction.summary_budget(len(self.session.tokens), self.ctx)
+        try:
+            completion, _ = self._reply(events, lambda: False)
+        finally:
+            self.max_tokens = saved_max
+        summary = completion.content.split(BLOCK_OPEN)[0].strip() or "(the model wrote no summary)"
+        sizes = [len(transcript.entry_ids(e, self.tokenizer, self.eos)) for e in kept]
+        start = compaction.tail_start([e.kind for e in kept], sizes, self.ctx)
+        transcript.entries = kept[start:]
+        transcript.summary = summary
+        self.note(f"compaction ({trigger}): kept {len(kept) - start} of {len(kept)} entries", summary)
+        self.sync(label="after compaction")
+        events.status(f"compacted: {len(self.session.tokens)}/{self.ctx} tokens")

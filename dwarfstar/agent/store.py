@@ -1,0 +1,266 @@
+"""Saved agent sessions: KV files in the server's disk-cache format, plus a small JSON sidecar each.
+
+The directory (default `~/.dwarfstar/kvcache`, or `$DWARFSTAR_KVCACHE`, or `--kv-dir`) holds:
+* `<sha1 of key>.kv`: a session's state, a KVC file exactly as the server's disk cache writes it
+  (kvfile.py; reason AGENT_SESSION, key = the decoded text of its tokens). Switching to it loads
+  the state, with no prefill; the server could even serve a prompt that continues it.
+* `agent-<id>.json`: the session's transcript (transcript.py), title, creation time and the name of
+  its KV file, or none once `/strip` dropped it; a stripped session rebuilds by prefill.
+* `sysprompt.kv`: the system prompt's state (reason AGENT_SYSTEM), reused while its key, the system
+  prompt's text, is unchanged.
+
+The id is stable across saves: a hash of the first prompt and the creation time. Each save replaces
+the session's previous KV file. A file that cannot be used (damaged, another model's, another
+context) is listed with the reason and never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dwarfstar.agent.transcript import Transcript, TranscriptError
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.state import SequenceState
+from dwarfstar.session import kvfile
+from dwarfstar.session.kvfile import FileHeader, KVFileError, ModelIdentity
+from dwarfstar.session.kvpolicy import MIB, SaveReason
+from dwarfstar.session.payload import PayloadError, check_compatible, payload_nbytes, read_payload, write_payload
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+ENV_DIR = "DWARFSTAR_KVCACHE"
+SYSPROMPT = "sysprompt.kv"
+META_PREFIX = "agent-"
+ID_CHARS = 16
+SHOWN_ID = 8
+
+
+def default_directory() -> Path:
+    return Path(os.environ.get(ENV_DIR) or Path.home() / ".dwarfstar" / "kvcache")
+
+
+def session_id(first_prompt: str, created: float) -> str:
+    return hashlib.sha1(f"{created:.6f}\0{first_prompt}".encode()).hexdigest()[:ID_CHARS]
+
+
+class SessionError(DwarfStarError):
+    """A session that cannot be found, loaded or written."""
+
+
+@dataclass
+class SavedSession:
+    """One sidecar as listed: `problem` says why it cannot be switched to (None: it can)."""
+
+    id: str
+    title: str
+    created: float
+    updated: float
+    tokens: int
+    kv_bytes: int
+    kv_name: str | None  # None: stripped
+    problem: str | None = None
+
+    def age(self, now: float) -> str:
+        seconds = max(0, int(now - self.updated))
+        for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+            if seconds >= size:
+                return f"{seconds // size}{unit}"
+        return f"{seconds}s"
+
+    def line(self, now: float) -> str:
+        size = "stripped" if self.kv_name is None else f"{self.kv_bytes / MIB:.1f} MiB"
+        line = (
+            f"  {self.id[:SHOWN_ID]} ({self.age(now)} ago) {self.title or '(untitled)'}  [{self.tokens} tokens, {size}]"
+        )
+        return line + (f"  UNUSABLE: {self.problem}" if self.problem else "")
+
+
+class SessionStore:
+    def __init__(
+        self, directory: Path, args: ModelArgs, identity: ModelIdentity, ctx: int, chunk: int, tokenizer: Tokenizer,
+        new_state: Callable[[], SequenceState],
+    ) -> None:  # fmt: skip
+        self.directory, self.args, self.identity = Path(directory), args, identity
+        self.ctx, self.chunk, self.tokenizer, self.new_state = ctx, chunk, tokenizer, new_state
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SessionError(f"cannot create the session directory {self.directory}: {exc.strerror}") from None
+
+    # -- listing ----------------------------------------------------------------------------------
+    def sessions(self) -> list[SavedSession]:
+        """Every sidecar, most recently saved first; the unusable ones say why."""
+        found = [self._describe(path) for path in self.directory.glob(f"{META_PREFIX}*.json")]
+        return sorted(found, key=lambda s: s.updated, reverse=True)
+
+    def _describe(self, path: Path) -> SavedSession:
+        sid = path.stem.removeprefix(META_PREFIX)
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+            listed = SavedSession(
+                sid, str(meta["title"]), float(meta["created"]), float(meta["updated"]), int(meta["tokens"]), 0,
+                meta["kv"],
+            )  # fmt: skip
+            Transcript.from_json(meta["transcript"])
+        except (OSError, ValueError, KeyError, TypeError, TranscriptError) as exc:
+            mtime = path.stat().st_mtime if path.exists() else 0.0
+            return SavedSession(sid, "", mtime, mtime, 0, 0, None, f"unreadable session file ({exc})")
+        if listed.kv_name is not None:
+            listed.problem = self._kv_problem(self.directory / listed.kv_name)
+            listed.kv_bytes = (self.directory / listed.kv_name).stat().st_size if listed.problem is None else 0
+        return listed
+
+    def _kv_problem(self, path: Path) -> str | None:
+        try:
+            head = kvfile.read_head(path)
+        except FileNotFoundError:
+            return "its KV file is missing"
+        except (KVFileError, OSError) as exc:
+            return f"KV file: {exc}"
+        if head.fingerprint is None:
+            return "KV file has no DwarfStar identity (written by ds4 or another engine)"
+        if head.fingerprint != self.identity.fingerprint:
+            return "KV file was written for another model"
+        try:
+            check_compatible(head.payload, self.args, self.ctx, self.chunk)
+        except PayloadError as exc:
+            return f"KV file: {exc}"
+        return None
+
+    def find(self, prefix: str) -> SavedSession:
+        if not prefix:
+            raise SessionError("give a session id (or its first characters); /list shows them")
+        matches = [s for s in self.sessions() if s.id.startswith(prefix)]
+        if not matches:
+            raise SessionError(f"no session {prefix!r}; /list shows them")
+        if len(matches) > 1:
+            raise SessionError(f"{prefix!r} matches {len(matches)} sessions; give more characters")
+        return matches[0]
+
+    # -- save / load ------------------------------------------------------------------------------
+    def save(self, sid: str, created: float, transcript: Transcript, state: SequenceState) -> SavedSession:
+        """Write the state and the sidecar; the session's older KV file goes."""
+        old = self._meta_or_none(sid)
+        key = self.tokenizer.decode_bytes(state.tokens)
+        name = hashlib.sha1(key).hexdigest() + ".kv"
+        self._write_kv(self.directory / name, key, state, SaveReason.AGENT_SESSION)
+        now = time.time()
+        meta = {
+            "title": transcript.title,
+            "created": created,
+            "updated": now,
+            "tokens": len(state.tokens),
+            "kv": name,
+            "transcript": transcript.to_json(),
+        }
+        self._write_json(sid, meta)
+        if old and old.get("kv") not in (None, name) and not self._shared(old["kv"], sid):
+            (self.directory / old["kv"]).unlink(missing_ok=True)
+        return self._describe(self._meta_path(sid))
+
+    def load(self, prefix: str) -> tuple[SavedSession, Transcript, SequenceState | None]:
+        """The session's transcript and state (None when stripped: the caller rebuilds it by prefill)."""
+        listed = self.find(prefix)
+        if listed.problem:
+            raise SessionError(f"session {listed.id[:SHOWN_ID]} cannot be used: {listed.problem}")
+        meta = self._meta_or_none(listed.id)
+        transcript = Transcript.from_json(meta["transcript"])
+        if listed.kv_name is None:
+            return listed, transcript, None
+        return listed, transcript, self._read_kv(self.directory / listed.kv_name, expected_key=None)
+
+    def delete(self, prefix: str) -> SavedSession:
+        listed = self.find(prefix)
+        if listed.kv_name and not self._shared(listed.kv_name, listed.id):
+            (self.directory / listed.kv_name).unlink(missing_ok=True)
+        self._meta_path(listed.id).unlink(missing_ok=True)
+        return listed
+
+    def strip(self, prefix: str) -> SavedSession:
+        listed = self.find(prefix)
+        meta = self._meta_or_none(listed.id)
+        if meta is None:
+            raise SessionError(f"session {listed.id[:SHOWN_ID]} cannot be stripped: {listed.problem}")
+        if meta["kv"] and not self._shared(meta["kv"], listed.id):
+            (self.directory / meta["kv"]).unlink(missing_ok=True)
+        meta["kv"] = None
+        self._write_json(listed.id, meta)
+        return self._describe(self._meta_path(listed.id))
+
+    # -- the system prompt ------------------------------------------------------------------------
+    def load_system(self, ids: list[int]) -> SequenceState | None:
+        """sysprompt.kv's state if it holds exactly these tokens (else None: prefill and save_system)."""
+        path = self.directory / SYSPROMPT
+        if not path.exists():
+            return None
+        try:
+            state = self._read_kv(path, expected_key=self.tokenizer.decode_bytes(ids))
+        except SessionError:
+            return None
+        return state if state.tokens == ids else None
+
+    def save_system(self, state: SequenceState) -> None:
+        key = self.tokenizer.decode_bytes(state.tokens)
+        self._write_kv(self.directory / SYSPROMPT, key, state, SaveReason.AGENT_SYSTEM)
+
+    # -- files ------------------------------------------------------------------------------------
+    def _meta_path(self, sid: str) -> Path:
+        return self.directory / f"{META_PREFIX}{sid}.json"
+
+    def _meta_or_none(self, sid: str) -> dict | None:
+        try:
+            return json.loads(self._meta_path(sid).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    def _shared(self, kv_name: str, sid: str) -> bool:
+        """Another session points at the same KV file (two sessions that hold the same tokens)."""
+        for path in self.directory.glob(f"{META_PREFIX}*.json"):
+            meta = self._meta_or_none(path.stem.removeprefix(META_PREFIX)) if path != self._meta_path(sid) else None
+            if meta and meta.get("kv") == kv_name:
+                return True
+        return False
+
+    def _write_json(self, sid: str, meta: dict) -> None:
+        path = self._meta_path(sid)
+        tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise SessionError(f"cannot write {path}: {exc.strerror}") from None
+
+    def _write_kv(self, path: Path, key: bytes, state: SequenceState, reason: SaveReason) -> None:
+        n = len(state.tokens)
+        now = int(time.time())
+        header = FileHeader(
+            quant_bits=self.identity.quant_bits, reason=int(reason), ext_flags=0, tokens=n, hits=0, ctx=self.ctx,
+            crc=0, created=now, last_used=now, payload_bytes=payload_nbytes(self.args, n), key_len=0,
+        )  # fmt: skip
+        tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                kvfile.write_checkpoint(
+                    f, header, key, lambda out: write_payload(out, state, self.args, self.ctx, self.chunk), b"",
+                    self.identity.fingerprint,
+                )  # fmt: skip
+            os.replace(tmp, path)
+        except (OSError, PayloadError) as exc:
+            tmp.unlink(missing_ok=True)
+            raise SessionError(f"cannot save {path.name}: {exc}") from None
+
+    def _read_kv(self, path: Path, expected_key: bytes | None) -> SequenceState:
+        try:
+            ckpt = kvfile.read_checkpoint(path)
+            if expected_key is not None and ckpt.key != expected_key:
+                raise SessionError(f"{path.name} holds another prompt")
+            return read_payload(ckpt.payload, self.args, self.ctx, self.chunk, self.new_state)
+        except (KVFileError, PayloadError, OSError) as exc:
+            raise SessionError(f"cannot load {path.name}: {exc}") from None

@@ -1,0 +1,128 @@
+"""The agent's conversation and its exact tokens.
+
+Layout: BOS [+ Think-Max preamble], the system text with the tools section (official renderer, tool
+schemas from tools.py), then the entries: a user turn `<｜User｜>text<｜Assistant｜><think>`, the
+assistant's generated tokens verbatim plus EOS, and tool results as a user turn of
+`<tool_result>…</tool_result>` parts. As in chat.py, replies stay the token ids the model produced,
+so re-rendering a transcript (after a restart, on /switch) gives back exactly the tokens of its KV,
+and the renderer keeps every piece of user or tool text plain: nothing in a file or a command's
+output can become a control token.
+
+After a compaction the summary joins the system text, and the entries hold only the verbatim tail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dwarfstar.agent.tools import TOOLS
+from dwarfstar.chat import ThinkMode
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.prompt.render import render_conversation
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+DEFAULT_SYSTEM = "You are a helpful coding assistant running inside dwarfstar agent."
+TITLE_CHARS = 70
+
+AGENT_PROMPT = """You are a coding agent running in a local workspace: {root}
+You work by calling tools in the DSML format described below, and you see their results as <tool_result> \
+blocks. Tool calls are not allowed inside <think></think>: finish thinking, then call tools.
+
+Rules:
+- Read a file before you edit it. Line edits are accepted only for lines you were shown and that have not \
+changed since; otherwise read them again or use the exact old/new form.
+- Keep changes small and check them: run the tests or the program with bash.
+- bash runs with the workspace as its current directory. A long command continues in the background; \
+follow it with bash_status, end it with bash_stop.
+- Files outside the workspace are off limits unless the user allows it.
+- When the task is done, answer briefly: what you changed and how you checked it."""
+
+SUMMARY_HEADING = "## Summary of the work so far (the earlier conversation was compacted)"
+
+
+class TranscriptError(DwarfStarError):
+    """A saved transcript that cannot be read back."""
+
+
+@dataclass
+class Entry:
+    kind: str  # "user", "tools" (tool results) or "assistant"
+    text: str = ""  # a user turn's text; on a tools turn, what the user said after an interrupted round
+    results: list[str] = field(default_factory=list)  # tool results, in call order
+    ids: list[int] = field(default_factory=list)  # an assistant turn's generated tokens, EOS excluded
+    thinking: bool = True  # user and tools turns: whether the reply opens with <think>
+
+
+@dataclass
+class Transcript:
+    system: str  # the whole system text: the agent prompt plus the user's -sys text
+    mode: ThinkMode
+    entries: list[Entry] = field(default_factory=list)
+    summary: str | None = None
+
+    @property
+    def thinking(self) -> bool:
+        return self.mode is not ThinkMode.NOTHINK
+
+    @property
+    def title(self) -> str:
+        first = next((e.text for e in self.entries if e.text), "")
+        return " ".join(first.split())[:TITLE_CHARS]
+
+    def user_turns(self) -> list[str]:
+        return [e.text for e in self.entries if e.text]
+
+    # -- tokens -----------------------------------------------------------------------------------
+    def head_ids(self, tokenizer: Tokenizer, with_summary: bool = True) -> list[int]:
+        system = self.system
+        if with_summary and self.summary:
+            system += f"\n\n{SUMMARY_HEADING}\n\n{self.summary}"
+        max_effort = self.mode is ThinkMode.THINK_MAX
+        head = render_conversation(
+            [{"role": "system", "content": system}],
+            tools=TOOLS,
+            thinking=max_effort,
+            reasoning_effort="max" if max_effort else None,
+        )
+        return tokenizer.encode_prompt(head.parts)
+
+    def entry_ids(self, entry: Entry, tokenizer: Tokenizer, eos: int) -> list[int]:
+        if entry.kind == "assistant":
+            return [*entry.ids, eos]
+        if entry.kind == "user":
+            messages = [{"role": "user", "content": entry.text}]
+        else:  # the official renderer merges the user's text into the tool results' turn
+            messages = [{"role": "tool", "content": result} for result in entry.results]
+            messages += [{"role": "user", "content": entry.text}] if entry.text else []
+        return tokenizer.encode_prompt(render_conversation(messages, thinking=entry.thinking, add_bos=False).parts)
+
+    def ids(self, tokenizer: Tokenizer, eos: int) -> list[int]:
+        out = self.head_ids(tokenizer)
+        for entry in self.entries:
+            out += self.entry_ids(entry, tokenizer, eos)
+        return out
+
+    # -- saved form -------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "system": self.system,
+            "mode": self.mode.value,
+            "summary": self.summary,
+            "entries": [asdict(e) for e in self.entries],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> Transcript:
+        try:
+            entries = [Entry(**e) for e in data["entries"]]
+            if any(e.kind not in ("user", "tools", "assistant") for e in entries):
+                raise ValueError("unknown entry kind")
+            return cls(str(data["system"]), ThinkMode(data["mode"]), entries, data.get("summary"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TranscriptError(f"bad transcript: {exc}") from None
+
+
+def system_text(root: str, extra: str) -> str:
+    prompt = AGENT_PROMPT.format(root=root)
+    return f"{prompt}\n\n{extra}" if extra else prompt

@@ -1,0 +1,128 @@
+"""`dwarfstar agent`: the coding agent (dwarfstar/agent/), in the terminal UI or, with --plain, line mode.
+
+It works in the directory it was started in. Sessions are KV files under `~/.dwarfstar/kvcache`
+(or `--kv-dir`, or `$DWARFSTAR_KVCACHE`). The model, sampling and thinking flags are `run`'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dwarfstar.agent.commands import Commands
+from dwarfstar.agent.files import Workspace
+from dwarfstar.agent.loop import Agent
+from dwarfstar.agent.output import Printer
+from dwarfstar.agent.plain import confirm_from, run_plain
+from dwarfstar.agent.policy import SampledPolicy
+from dwarfstar.agent.store import SessionStore, default_directory
+from dwarfstar.agent.tools import Toolbox
+from dwarfstar.agent.transcript import DEFAULT_SYSTEM, Transcript, system_text
+from dwarfstar.agent.worker import Worker
+from dwarfstar.chat import allowed_mode
+from dwarfstar.cli import app
+from dwarfstar.commands.run import think_mode
+from dwarfstar.diagnostics import Trace
+from dwarfstar.engine import BACKENDS, PRECISION_HELP, load_engine
+from dwarfstar.hub import resolve_model
+from dwarfstar.repl import dwarfstar_home
+from dwarfstar.session.kvfile import ModelIdentity
+from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.terminal import loading, note, summary_line
+from dwarfstar.throttle import ThrottledBackend, throttle
+
+
+@app.command()
+def agent(
+    model: Annotated[
+        Path | None,
+        typer.Option("-m", "--model", help="GGUF model (default: ./ds4flash.gguf, else the bundled model)."),
+    ] = None,
+    prompt: Annotated[
+        str | None, typer.Option("-p", "--prompt", help="Submit this first; with --plain run it and exit.")
+    ] = None,
+    plain: Annotated[bool, typer.Option("--plain", help="Line mode for pipes and scripts, no terminal UI.")] = False,
+    system: Annotated[
+        str, typer.Option("-sys", "--system", help='Extra system text after the agent\'s prompt; "" for none.')
+    ] = DEFAULT_SYSTEM,
+    kv_dir: Annotated[
+        Path | None, typer.Option(help="Session directory (default $DWARFSTAR_KVCACHE or ~/.dwarfstar/kvcache).")
+    ] = None,
+    think: Annotated[bool, typer.Option("--think/--nothink", help="Reason before answering.")] = True,
+    think_max: Annotated[
+        bool, typer.Option("--think-max", help="Maximum reasoning effort (needs --ctx >= 393216).")
+    ] = False,
+    temp: Annotated[float, typer.Option(help="Sampling temperature, 0..100; 0 is greedy.")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling, 0..1.")] = 1.0,
+    top_k: Annotated[int, typer.Option(min=0, help="Sample among the K most likely tokens; 0: no limit.")] = 0,
+    min_p: Annotated[float, typer.Option(help="Keep tokens with p >= MIN_P * p_max.")] = 0.05,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed (default: random).")] = None,
+    tokens: Annotated[int, typer.Option("-n", "--tokens", min=1, help="Most tokens per model reply.")] = 50000,
+    ctx: Annotated[int, typer.Option("-c", "--ctx", min=1, help="Context size in tokens.")] = 100000,
+    backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
+    precision: Annotated[str, typer.Option(help=PRECISION_HELP)] = "exact",
+    power: Annotated[
+        int, typer.Option(min=1, max=100, help="Keep the device about N% busy (sleeps; same output).")
+    ] = 100,
+    trace: Annotated[Path | None, typer.Option(help="Append a session trace (prompts, cache, text) to FILE.")] = None,
+    no_qat_rounding: Annotated[
+        bool, typer.Option("--no-qat-rounding", help="Skip the FP8 KV / FP4 indexer rounding.")
+    ] = False,
+) -> None:
+    """A coding agent in this directory, running the model in-process; its sessions are KV files."""
+    path = resolve_model(model)
+    with loading(path) as progress:
+        engine = load_engine(path, backend, qat=not no_qat_rounding, ctx=ctx, progress=progress, precision=precision)
+    if ctx > engine.model.args.max_seq_len:
+        note(f"--ctx {ctx} is more than this model holds; using {engine.model.args.max_seq_len}", "yellow")
+        ctx = engine.model.args.max_seq_len
+    mode, warning = allowed_mode(think_mode(think, think_max), ctx)
+    if warning:
+        note(f"warning: {warning}", "yellow")
+    params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    tracer = Trace(trace) if trace else None
+    paced = throttle(engine.backend, power)
+    workspace = Workspace(Path.cwd())
+    printer = Printer()
+
+    def fresh() -> Transcript:
+        return Transcript(system_text(str(workspace.root), system), mode)
+
+    live = Agent(
+        tokenizer=engine.tokenizer,
+        backend=paced,
+        ctx=ctx,
+        policy=SampledPolicy(params, engine.backend.args.eos_token_id),
+        toolbox=Toolbox(workspace),
+        transcript=fresh(),
+        max_tokens=tokens,
+        trace=tracer,
+    )
+    store = SessionStore(
+        kv_dir or default_directory(), engine.backend.args, ModelIdentity.of(engine.model), ctx, live.session.chunk,
+        engine.tokenizer, engine.backend.new_state,
+    )  # fmt: skip
+    worker = Worker(live, store, printer)
+    if not plain:
+        workspace.confirm = worker.ask  # under --plain a write outside the workspace is refused
+    commands = Commands(worker, printer, fresh, confirm_from(None, printer))
+    code = 0
+    try:
+        worker.call(worker.start)
+        if plain:
+            code = run_plain(worker, commands, printer, prompt)
+        else:
+            from dwarfstar.agent.tui import run_tui
+
+            code = run_tui(worker, commands, printer, path.name, prompt, dwarfstar_home())
+    finally:
+        worker.close()
+        if live.prefill_speed.tokens:
+            idle = (power, paced.duty.slept_s) if isinstance(paced, ThrottledBackend) else None
+            note(summary_line(engine.load_seconds, live.prefill_speed, live.decode_speed, idle))
+        if tracer:
+            tracer.close()
+    if code:
+        raise typer.Exit(code)
