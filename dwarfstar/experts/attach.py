@@ -99,7 +99,7 @@ def plan_capacity(model: ModelFile, layout: ExpertLayout, backend: str, ctx: int
             f"{what} holds {capacity} experts of {layout.max_expert_bytes / (1 << 20):.2f} MiB, fewer than the "
             f"{layout.n_active} one token uses per layer; give a larger --ssd-streaming-cache-experts"
         )
-    return capacity
+    return min(capacity, layout.total_experts)
 
 
 def reference_expert(expert: ExpertBytes) -> tuple[torch.Tensor, ...]:
