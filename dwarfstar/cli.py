@@ -24,6 +24,7 @@ def _register_commands() -> None:
     import dwarfstar.commands.bench_kv  # noqa: F401
     import dwarfstar.commands.convert  # noqa: F401
     import dwarfstar.commands.eval  # noqa: F401
+    import dwarfstar.commands.experts  # noqa: F401
     import dwarfstar.commands.gates  # noqa: F401
     import dwarfstar.commands.prompt_tools  # noqa: F401
     import dwarfstar.commands.quant_tools  # noqa: F401

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.experts.attach import StreamingOptions, attach_streaming, check_fits
+from dwarfstar.experts.store import ExpertStore
 from dwarfstar.model.loader import ModelFile, open_model
 from dwarfstar.session.session import Backend
 from dwarfstar.tokenizer.tokenizer import Tokenizer
@@ -40,6 +42,7 @@ class Engine:
     backend_name: str
     tokenizer: Tokenizer
     load_seconds: float
+    experts: ExpertStore | None = None  # the routed-expert cache, with --ssd-streaming
 
     @property
     def state_device(self) -> torch.device:
@@ -98,6 +101,7 @@ def load_engine(
     ctx: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     precision: str = "exact",
+    streaming: StreamingOptions | None = None,
 ) -> Engine:
     """Open, validate and load a model for sequences of at most `ctx` tokens (default: the model's);
     `progress(done, total)` follows the weights being read."""
@@ -109,6 +113,9 @@ def load_engine(
         raise DwarfStarError(f"--precision fast needs the triton backend; the {name} backend has no fast mode")
     model = open_model(Path(path))
     tokenizer = Tokenizer.from_gguf_metadata(model.gguf.metadata)
+    limit = ctx or model.args.max_seq_len
+    if streaming is None:  # too big a model is an error naming --ssd-streaming, before any weight loads
+        check_fits(model, name, limit)
     if name == "reference":
         from dwarfstar.backends.reference.model import ReferenceModel
 
@@ -121,6 +128,7 @@ def load_engine(
         from dwarfstar.backends.mlx import load_backend
 
         impl = load_backend(model, qat=qat, max_seq_len=ctx)
+    experts = None if streaming is None else attach_streaming(impl, name, model, limit, streaming)
     if progress is not None and name != "reference":
         progress(1, 1)  # these backends report no steps; still finish the bar
-    return Engine(model, impl, name, tokenizer, time.perf_counter() - start)
+    return Engine(model, impl, name, tokenizer, time.perf_counter() - start, experts)

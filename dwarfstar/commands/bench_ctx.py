@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dwarfstar.commands.bench import bench_app
 from dwarfstar.commands.prompt_tools import default_bench_text
+from dwarfstar.commands.steer import DirSteeringAttn, DirSteeringFfn, DirSteeringFile, steering_options
 from dwarfstar.engine import BACKENDS, load_engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.hub import resolve_model
@@ -54,11 +55,15 @@ def bench(
     plot_out: Annotated[Path | None, typer.Option("--plot", help="Also draw tok/s against context (PNG).")] = None,
     backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
     power: Annotated[int, typer.Option(min=1, max=100, help="Keep the device about N% busy.")] = 100,
+    dir_steering_file: DirSteeringFile = None,
+    dir_steering_ffn: DirSteeringFfn = None,
+    dir_steering_attn: DirSteeringAttn = None,
 ) -> None:
     """Prefill and decode speed at growing context sizes, ds4-bench style; subcommands measure other parts."""
     if context.invoked_subcommand is not None:
         return
     points = frontiers(ctx_start, ctx_max, step_incr, step_mul)
+    steering = steering_options(dir_steering_file, dir_steering_ffn, dir_steering_attn)
     alloc = ctx_alloc or ctx_max + gen_tokens + 1
     text_path = prompt_file or default_bench_text()
     try:
@@ -67,7 +72,7 @@ def bench(
         raise DwarfStarError(f"cannot read {text_path}: {exc.strerror or exc}") from None
     path = resolve_model(model)
     with loading(path) as progress:
-        engine = load_engine(path, backend, ctx=alloc, progress=progress)
+        engine = load_engine(path, backend, ctx=alloc, progress=progress, steering=steering)
     tokens = read_bench_tokens(engine.tokenizer.encode, text, points[-1])
     note(
         f"{path.name} on {engine.backend_name}: {len(points)} frontiers {points[0]}..{points[-1]}, "

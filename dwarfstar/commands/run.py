@@ -17,6 +17,8 @@ import typer
 
 from dwarfstar.chat import DEFAULT_SYSTEM, Chat, ThinkMode, allowed_mode
 from dwarfstar.cli import app
+from dwarfstar.commands.experts import SsdCacheExperts, SsdCold, SsdPreload, SsdStreaming, describe, streaming_options
+from dwarfstar.commands.steer import DirSteeringAttn, DirSteeringFfn, DirSteeringFile, steering_options
 from dwarfstar.diagnostics import MAX_LOGPROBS_TOP_K, Trace, dump_tokens, greedy_logprobs, write_logprobs
 from dwarfstar.engine import BACKENDS, PRECISION_HELP, Engine, load_engine
 from dwarfstar.errors import DwarfStarError
@@ -114,8 +116,19 @@ def run(
     no_qat_rounding: Annotated[
         bool, typer.Option("--no-qat-rounding", help="Skip the FP8 KV / FP4 indexer rounding.")
     ] = False,
+    ssd_streaming: SsdStreaming = False,
+    ssd_streaming_cache_experts: SsdCacheExperts = None,
+    ssd_streaming_cold: SsdCold = False,
+    ssd_streaming_preload_experts: SsdPreload = 0,
+    dir_steering_file: DirSteeringFile = None,
+    dir_steering_ffn: DirSteeringFfn = None,
+    dir_steering_attn: DirSteeringAttn = None,
 ) -> None:
     """Chat with the model: one prompt with -p, else an interactive session."""
+    steering = steering_options(dir_steering_file, dir_steering_ffn, dir_steering_attn)
+    streaming = streaming_options(
+        ssd_streaming, ssd_streaming_cache_experts, ssd_streaming_cold, ssd_streaming_preload_experts
+    )
     text = read_prompt(prompt, prompt_file)
     if text is not None and prompt_tokens is not None:
         raise DwarfStarError("give a text prompt or --prompt-tokens, not both")
@@ -129,7 +142,16 @@ def run(
         raise DwarfStarError("the dumps need a prompt: -p, --prompt-file or --prompt-tokens")
 
     with loading(path) as progress:
-        engine = load_engine(path, backend, qat=not no_qat_rounding, ctx=ctx, progress=progress, precision=precision)
+        engine = load_engine(
+            path,
+            backend,
+            qat=not no_qat_rounding,
+            ctx=ctx,
+            progress=progress,
+            precision=precision,
+            streaming=streaming,
+            steering=steering,
+        )
     mode, warning = allowed_mode(think_mode(think, think_max), ctx)
     if warning:
         note(f"warning: {warning}", "yellow")
@@ -173,5 +195,7 @@ def run(
         if chat.prefill_speed.tokens:
             idle = (power, paced.duty.slept_s) if isinstance(paced, ThrottledBackend) else None
             note(summary_line(engine.load_seconds, chat.prefill_speed, chat.decode_speed, idle))
+        if engine.experts is not None:
+            note(describe(engine.experts.stats.summary(len(engine.experts.where), engine.experts.capacity)))
         if tracer:
             tracer.close()

@@ -10,6 +10,8 @@ import typer
 
 from dwarfstar.cli import app
 from dwarfstar.commands.bench import bench_app
+from dwarfstar.commands.experts import SsdCacheExperts, SsdCold, SsdPreload, SsdStreaming, streaming_options
+from dwarfstar.commands.steer import DirSteeringAttn, DirSteeringFfn, DirSteeringFile, steering_options
 from dwarfstar.engine import BACKENDS, PRECISION_HELP
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.serving.config import API_KEY_ENV, TEMPLATES
@@ -59,6 +61,13 @@ def serve(
         list[str] | None, typer.Option(help="Also accept these model names (fnmatch patterns, repeatable).")
     ] = None,
     trace: Annotated[Path | None, typer.Option(help="Append one JSON line per request to this file.")] = None,
+    ssd_streaming: SsdStreaming = False,
+    ssd_streaming_cache_experts: SsdCacheExperts = None,
+    ssd_streaming_cold: SsdCold = False,
+    ssd_streaming_preload_experts: SsdPreload = 0,
+    dir_steering_file: DirSteeringFile = None,
+    dir_steering_ffn: DirSteeringFfn = None,
+    dir_steering_attn: DirSteeringAttn = None,
 ) -> None:
     """Serve the model over HTTP for the OpenAI SDK, Codex, Claude Code and opencode."""
     import uvicorn
@@ -68,6 +77,10 @@ def serve(
     from dwarfstar.serving.config import ServerConfig
     from dwarfstar.serving.service import Service
 
+    steering = steering_options(dir_steering_file, dir_steering_ffn, dir_steering_attn)
+    streaming = streaming_options(
+        ssd_streaming, ssd_streaming_cache_experts, ssd_streaming_cold, ssd_streaming_preload_experts
+    )
     if template not in TEMPLATES:
         raise DwarfStarError(f"--template must be one of {', '.join(TEMPLATES)}")
     if max_sessions < 1 or max_queue < 0 or prefill_chunk < 1:
@@ -89,7 +102,9 @@ def serve(
         model_aliases=tuple(model_alias or ()),
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    engine = load_engine(model_path(model), backend, ctx=ctx, precision=precision)
+    engine = load_engine(
+        model_path(model), backend, ctx=ctx, precision=precision, streaming=streaming, steering=steering
+    )
     service = Service(engine, config)
     typer.echo(f"{service.models.id} on {engine.backend_name} (loaded in {engine.load_seconds:.1f} s)", err=True)
     if host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:

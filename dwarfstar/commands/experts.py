@@ -1,0 +1,201 @@
+"""Routed-expert streaming on the command line: the `--ssd-streaming*` options `run` and `serve` share,
+`dwarfstar profile-experts` (record a routing trace, the hot-expert profile) and
+`dwarfstar bench experts --replay TRACE` (the store against the disk and plain mmap, no compute).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+
+from dwarfstar.cli import app
+from dwarfstar.commands.bench import bench_app
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.experts.attach import StreamingOptions, profile_path
+from dwarfstar.experts.layout import ExpertLayout
+from dwarfstar.experts.policy import POLICIES, make_policy
+from dwarfstar.experts.replay import disk_figures, drop_page_cache, replay, replay_mmap, simulate
+from dwarfstar.experts.store import ExpertStore
+from dwarfstar.experts.trace import RoutingTrace, TraceRecorder, skewed_trace
+from dwarfstar.model.loader import open_model
+
+SsdStreaming = Annotated[
+    bool, typer.Option("--ssd-streaming", help="Keep routed experts on disk, in a cache of whole experts.")
+]
+SsdCacheExperts = Annotated[
+    str | None,
+    typer.Option(
+        "--ssd-streaming-cache-experts",
+        metavar="SIZE",
+        help="Expert cache budget, e.g. 32GB (default: 80% of usable memory minus the resident weights).",
+    ),
+]
+SsdCold = Annotated[
+    bool, typer.Option("--ssd-streaming-cold", help="Start the expert cache empty, unseeded by the profile.")
+]
+SsdPreload = Annotated[
+    int,
+    typer.Option("--ssd-streaming-preload-experts", min=0, metavar="N", help="Read the N hottest experts first."),
+]
+
+
+def streaming_options(enabled: bool, cache_experts: str | None, cold: bool, preload: int) -> StreamingOptions | None:
+    """The flags as options for `load_engine`; the sub-flags without --ssd-streaming are an error."""
+    if not enabled:
+        if cache_experts is not None or cold or preload:
+            raise DwarfStarError("--ssd-streaming-cache-experts, -cold and -preload-experts need --ssd-streaming")
+        return None
+    return StreamingOptions(cache_experts=cache_experts, cold=cold, preload_experts=preload)
+
+
+def describe(summary: dict) -> str:
+    """The exit-summary line of a streamed run."""
+    return (
+        f"experts: hit {summary['hit_rate']:.1%} | {summary['bytes_per_token'] / 1e6:.2f} MB read/token | "
+        f"miss p50 {summary['miss_latency_p50_ms']:.2f} ms p99 {summary['miss_latency_p99_ms']:.2f} ms | "
+        f"resident {summary['resident_experts']}/{summary['capacity_experts']}"
+    )
+
+
+def read_prompts(path: Path) -> list[str]:
+    """JSON lines with a `rendered` or `prompt` field (tools/nano_prompts.py), else the whole file as one."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DwarfStarError(f"cannot read {path}: {e}") from None
+    if path.suffix != ".jsonl":
+        return [text]
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                item = json.loads(line)
+                prompts.append(item.get("rendered") or item["prompt"])
+            except (ValueError, KeyError, AttributeError):
+                problem = "expected a JSON object with a 'rendered' or 'prompt' string"
+                raise DwarfStarError(f"{path}:{n}: {problem}") from None
+    return prompts
+
+
+@app.command("profile-experts")
+def profile_experts(
+    model: Annotated[Path, typer.Option("-m", "--model", help="GGUF model file.")],
+    prompts: Annotated[Path | None, typer.Option(help="Prompt set: .jsonl of rendered prompts, or a text.")] = None,
+    out: Annotated[Path | None, typer.Option("-o", "--out", help="Trace file (default: MODEL.experts.npz).")] = None,
+    tokens: Annotated[int, typer.Option("-n", "--tokens", min=0, help="Greedy tokens decoded after each prompt.")] = 32,
+    max_prompt_tokens: Annotated[int, typer.Option(min=1, help="Cut each prompt to this many tokens.")] = 512,
+    synthetic_zipf: Annotated[
+        float | None, typer.Option(help="Write a synthetic decode trace skewed as rank^-ZIPF instead (no model run).")
+    ] = None,
+    synthetic_tokens: Annotated[int, typer.Option(min=1, help="Tokens of the synthetic trace.")] = 2000,
+    seed: Annotated[int, typer.Option(help="Seed of the synthetic trace.")] = 0,
+) -> None:
+    """Record the experts the router picks over a prompt set: the hot-expert profile that seeds
+    --ssd-streaming (found next to the model), and a trace for `bench experts --replay`."""
+    from dwarfstar.backends.reference.model import ReferenceModel
+    from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+    model_file = open_model(model)
+    args = model_file.args
+    target = out or profile_path(model)
+    if synthetic_zipf is not None:
+        trace = skewed_trace(
+            args.n_layers, args.n_routed_experts, args.n_activated_experts, synthetic_tokens, synthetic_zipf, seed=seed
+        )
+    else:
+        if prompts is None:
+            raise DwarfStarError("give --prompts FILE (or --synthetic-zipf S for a synthetic trace)")
+        tokenizer = Tokenizer.from_gguf_metadata(model_file.gguf.metadata)
+        backend = ReferenceModel(model_file)
+        recorder = TraceRecorder(args.n_layers, args.n_routed_experts)
+        backend.ops.route_observer = recorder
+        for text in read_prompts(prompts):
+            ids = tokenizer.encode_with_specials(text)[:max_prompt_tokens]
+            state = backend.new_state()
+            logits = backend.forward(ids, state, all_logits=False)
+            for _ in range(tokens):
+                logits = backend.forward([int(logits[-1].argmax())], state, all_logits=False)
+        trace = recorder.trace()
+    trace.save(target)
+    counts = trace.counts()
+    top = np.sort(counts)[::-1]
+    share = top[: max(1, len(top) // 5)].sum() / max(1, top.sum())
+    typer.echo(
+        f"wrote {target}: {trace.n_tokens} tokens in {len(trace.calls)} calls; the hottest 20% of experts take "
+        f"{share:.0%} of the uses"
+    )
+
+
+def _row(label: str, values: dict) -> str:
+    return label + " " + " ".join(f"{k}={v}" for k, v in values.items())
+
+
+@bench_app.command("experts")
+def bench_experts(
+    replay_trace: Annotated[Path, typer.Option("--replay", help="Routing trace (dwarfstar profile-experts).")],
+    model: Annotated[Path, typer.Option("-m", "--model", help="GGUF model whose experts are read.")],
+    budgets: Annotated[str, typer.Option(help="Cache budgets, % of all experts, comma-separated.")] = "10,25,50,75,100",
+    policy: Annotated[str, typer.Option(help=f"The store's policy: {', '.join(POLICIES[:2])}.")] = "ds4",
+    direct: Annotated[bool, typer.Option(help="O_DIRECT reads (no page-cache copy).")] = True,
+    mmap_too: Annotated[bool, typer.Option("--mmap/--no-mmap", help="Also replay over plain mmap.")] = True,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Replay at most this many tokens of the trace.")] = 100000,
+    disk_seconds: Annotated[float, typer.Option(help="Seconds of each raw disk measurement.")] = 3.0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON.")] = None,
+) -> None:
+    """Replay a routing trace through the expert store with real reads and no compute, against Belady's
+    and LRU's hit rates, the disk's own read rates and the same replay over plain mmap."""
+    if policy not in POLICIES[:2]:
+        raise DwarfStarError(f"--policy must be one of {', '.join(POLICIES[:2])} (Belady is reported alongside)")
+    try:
+        percents = [float(p) for p in budgets.split(",") if p.strip()]
+    except ValueError:
+        raise DwarfStarError(f"--budgets must be comma-separated percentages, got {budgets!r}") from None
+    if not percents or not all(0 < p <= 100 for p in percents):
+        raise DwarfStarError("--budgets must be percentages in (0, 100]")
+    model_file = open_model(model)
+    layout = ExpertLayout.of(model_file.gguf, model_file.args)
+    trace = RoutingTrace.load(replay_trace, layout.n_layers, layout.n_experts)
+    if trace.n_tokens > max_tokens:
+        cut = np.searchsorted(np.cumsum(trace.calls), max_tokens, side="right")
+        trace = RoutingTrace(trace.ids[: int(trace.calls[:cut].sum())], trace.calls[:cut], trace.n_experts)
+    part_size = max(p.nbytes for p in layout.parts[0])
+    disk = disk_figures(layout.path, part_size, disk_seconds)
+    results: dict = {"model": str(model), "trace": str(replay_trace), "tokens": trace.n_tokens, "disk": disk}
+    results["rows"] = []
+    typer.echo(_row("disk", {k: f"{v:.2f}" for k, v in disk.items()}) + f" (random reads of {part_size} B)")
+    for pct in percents:
+        capacity = max(layout.n_active, int(layout.total_experts * pct / 100))
+        row: dict = {"budget_pct": pct, "capacity": capacity}
+        for name in ("belady", "lru", "ds4"):
+            row[f"{name}_hit"] = round(simulate(trace, capacity, name).stats.hit_rate, 4)
+        drop_page_cache(layout.path)
+        store = ExpertStore(layout, capacity, make_policy(policy, layout.total_experts), direct=direct)
+        start = time.perf_counter()
+        try:
+            replay(store, trace)
+        finally:
+            store.close()
+        seconds = time.perf_counter() - start
+        summary = store.stats.summary(len(store.where), capacity)
+        row.update({f"store_{k}": v for k, v in summary.items()})
+        row["store_gbps"] = round(store.stats.bytes_read / seconds / 1e9, 3)
+        if mmap_too:
+            mm = replay_mmap(layout, trace, capacity)
+            lat = np.array(mm.latencies or [0.0])
+            row.update(
+                {
+                    "mmap_hit": round(mm.hits / max(1, mm.hits + mm.misses), 4),
+                    "mmap_gbps": round(mm.bytes_read / mm.seconds / 1e9, 3),
+                    "mmap_miss_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
+                    "mmap_miss_p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
+                }
+            )
+        results["rows"].append(row)
+        typer.echo(_row(f"budget {pct:g}%", row))
+    if json_out:
+        json_out.write_text(json.dumps(results, indent=1) + "\n")

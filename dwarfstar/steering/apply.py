@@ -1,0 +1,187 @@
+"""A direction applied inside any backend, through the forward pass's `attn_out` / `ffn_out` hooks.
+
+The direction's rows live in the backend's own array type on its device, converted once at load;
+the hooks only multiply, so no layer makes a host round trip, and the CPU and GPU run the same
+code. `SteeredBackend` wraps the backend the engine hands out: before each forward call it sets the
+scale each hook reads for the call's rows. For the usual call, whose sequences share one setting,
+that is a persistent one-element array written in place, so a decode step that the Triton backend
+replays from a captured CUDA graph (which baked in that array's address) reads the current scale.
+Sequences with different settings in one batched call (the server's per-request scales) get a
+per-row array for that call; batched calls run eagerly.
+
+Per-sequence settings belong to sessions (`assign`): a session's state is replaced when it is cut
+back or restored, but the session stays, so the setting follows it.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.forward import Batch, HookPoint, Transformer
+from dwarfstar.model.state import SequenceState
+from dwarfstar.session.session import Backend, Session
+from dwarfstar.steering.direction import Direction, SteeringScale, read_direction, steer
+
+POINTS: tuple[HookPoint, ...] = ("ffn_out", "attn_out")
+
+
+def transformer_of(backend: Any) -> Transformer:
+    """The shared forward pass behind a backend: the backend itself (reference, MLX) or its `.model` (Triton)."""
+    model = backend if isinstance(backend, Transformer) else getattr(backend, "model", None)
+    if not isinstance(model, Transformer):
+        raise TypeError(f"{type(backend).__name__} has no Transformer to hook")
+    return model
+
+
+def _is_mlx(model: Transformer) -> bool:
+    # an MLX model exists only once its module is imported; never import it just to ask
+    module = sys.modules.get("dwarfstar.backends.mlx.model")
+    return module is not None and isinstance(model, module.MLXModel)
+
+
+class DeviceArrays:
+    """Making the backend's arrays from host values: torch tensors on the model's device, or MLX arrays."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.mlx = _is_mlx(model)
+        self.device = getattr(model, "device", torch.device("cpu"))
+
+    def from_host(self, values: np.ndarray | torch.Tensor) -> Any:
+        if self.mlx:
+            import mlx.core as mx
+
+            return mx.array(np.asarray(values, dtype=np.float32))
+        return torch.as_tensor(values, dtype=torch.float32).to(self.device)
+
+    def to_host(self, x: Any) -> torch.Tensor:
+        return torch.from_numpy(np.array(x, dtype=np.float32)) if self.mlx else x.detach().float().cpu()
+
+
+class Steering:
+    """The hooks of one direction on one forward pass, and the scales they read."""
+
+    def __init__(self, model: Transformer, direction: Direction, default: SteeringScale) -> None:
+        n_layers, hidden = model.args.n_layers, model.args.dim
+        if direction.shape != (n_layers, hidden):
+            raise ValueError(f"direction {direction.shape} for a model of [{n_layers}, {hidden}]")
+        self.direction, self.default, self.arrays = direction, default, DeviceArrays(model)
+        vectors = self.arrays.from_host(direction.vectors)
+        self.rows = [vectors[il] for il in range(n_layers)]  # views (lazy slices in MLX), made once
+        self._uniform = {point: self.arrays.from_host(np.zeros(1, np.float32)) for point in POINTS}
+        self._current: dict[HookPoint, Any] = dict(self._uniform)
+        self._set_uniform(default)
+        self.model = model
+        self._hooks = {point: self._hook(point) for point in POINTS}
+        for point, hook in self._hooks.items():
+            model.hooks[point].insert(0, hook)  # first: other hooks see the steered output
+
+    def detach(self) -> None:
+        """Take the hooks off the forward pass: it runs unsteered again."""
+        for point, hook in self._hooks.items():
+            self.model.hooks[point].remove(hook)
+
+    def _hook(self, point: HookPoint):
+        def apply(il: int, out: Any, batch: Batch) -> Any:
+            return steer(out, self.rows[il], self._current[point])
+
+        return apply
+
+    def _set_uniform(self, scale: SteeringScale) -> None:
+        for point in POINTS:
+            value = scale.at(point)
+            if self.arrays.mlx:
+                self._uniform[point] = self.arrays.from_host(np.full(1, value, np.float32))
+            else:
+                self._uniform[point].fill_(value)  # in place: a captured graph reads this address
+            self._current[point] = self._uniform[point]
+
+    def stage(self, scales: Sequence[SteeringScale], lengths: Sequence[int]) -> None:
+        """The scales of the next call, whose sequences add `lengths` rows each."""
+        if len(set(scales)) <= 1:
+            self._set_uniform(scales[0] if scales else self.default)
+            return
+        for point in POINTS:
+            rows = np.repeat(np.array([s.at(point) for s in scales], np.float32), lengths)
+            self._current[point] = self.arrays.from_host(rows)
+
+
+class SteeredBackend:
+    """A backend whose forward calls apply a steering direction; everything else is the backend's own."""
+
+    def __init__(self, backend: Backend, direction: Direction, default: SteeringScale) -> None:
+        self.inner = backend
+        self.args = backend.args
+        self.model = transformer_of(backend)
+        self.steering = Steering(self.model, direction, default)
+        self._sessions: weakref.WeakKeyDictionary[Session, SteeringScale] = weakref.WeakKeyDictionary()
+
+    @property
+    def default(self) -> SteeringScale:
+        return self.steering.default
+
+    def detach(self) -> Backend:
+        """The backend without steering (its hooks removed)."""
+        self.steering.detach()
+        return self.inner
+
+    def assign(self, session: Session, scale: SteeringScale) -> None:
+        """`session`'s sequence is steered at `scale` from its next forward call on."""
+        self._sessions[session] = scale
+
+    def scale_of(self, state: SequenceState) -> SteeringScale:
+        for session, scale in self._sessions.items():
+            if session.state is state:
+                return scale
+        return self.default
+
+    def _stage(self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState]) -> None:
+        # the forward pass skips sequences given no tokens, so they take no rows here either
+        pairs = [(self.scale_of(s), len(t)) for t, s in zip(token_lists, states, strict=True) if len(t)]
+        self.steering.stage([p[0] for p in pairs], [p[1] for p in pairs])
+
+    def forward(
+        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
+    ) -> torch.Tensor:
+        self._stage([tokens], [state])
+        return self.inner.forward(tokens, state, all_logits)
+
+    def forward_batch(
+        self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False
+    ) -> list[torch.Tensor]:
+        self._stage(token_lists, states)
+        return self.inner.forward_batch(token_lists, states, all_logits)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def steering_of(backend: Any) -> SteeredBackend | None:
+    """The steering layer of an engine's backend, through a throttle wrapper; None when unsteered."""
+    while backend is not None:
+        if isinstance(backend, SteeredBackend):
+            return backend
+        backend = backend.__dict__.get("inner")
+    return None
+
+
+class SteeringOptions:
+    """`--dir-steering-file/-ffn/-attn` as given: the file is read once the model's shape is known."""
+
+    def __init__(self, path: Path, ffn: float | None = None, attn: float | None = None) -> None:
+        # ds4's defaults: a given file steers the FFN fully and leaves attention alone
+        self.path = Path(path)
+        self.scale = SteeringScale(1.0 if ffn is None else ffn, 0.0 if attn is None else attn)
+
+    def read(self, args: ModelArgs) -> Direction:
+        return read_direction(self.path, args.n_layers, args.dim)
+
+    def install(self, backend: Backend, direction: Direction) -> SteeredBackend:
+        return SteeredBackend(backend, direction, self.scale)
