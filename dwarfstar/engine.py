@@ -25,6 +25,7 @@ from dwarfstar.experts.attach import StreamingOptions, attach_streaming, check_f
 from dwarfstar.experts.store import ExpertStore
 from dwarfstar.model.loader import ModelFile, open_model
 from dwarfstar.session.session import Backend
+from dwarfstar.steering.apply import SteeringOptions
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 BACKENDS = ("auto", "reference", "triton", "mlx")
@@ -102,9 +103,10 @@ def load_engine(
     progress: Callable[[int, int], None] | None = None,
     precision: str = "exact",
     streaming: StreamingOptions | None = None,
+    steering: SteeringOptions | None = None,
 ) -> Engine:
     """Open, validate and load a model for sequences of at most `ctx` tokens (default: the model's);
-    `progress(done, total)` follows the weights being read."""
+    `progress(done, total)` follows the weights being read; `steering` applies a direction file."""
     start = time.perf_counter()
     name = pick_backend(backend)
     if precision not in PRECISIONS:
@@ -116,6 +118,7 @@ def load_engine(
     limit = ctx or model.args.max_seq_len
     if streaming is None:  # too big a model is an error naming --ssd-streaming, before any weight loads
         check_fits(model, name, limit)
+    direction = steering.read(model.args) if steering is not None else None  # a bad file fails before the weights load
     if name == "reference":
         from dwarfstar.backends.reference.model import ReferenceModel
 
@@ -129,6 +132,8 @@ def load_engine(
 
         impl = load_backend(model, qat=qat, max_seq_len=ctx)
     experts = None if streaming is None else attach_streaming(impl, name, model, limit, streaming)
+    if steering is not None:
+        impl = steering.install(impl, direction)
     if progress is not None and name != "reference":
         progress(1, 1)  # these backends report no steps; still finish the bar
     return Engine(model, impl, name, tokenizer, time.perf_counter() - start, experts)
