@@ -27,6 +27,7 @@ from dwarfstar.session.prefix import common_prefix_len
 from dwarfstar.session.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
+from dwarfstar.tokenizer.specials import THINK_END
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 MAX_CONTEXT = 1_000_000  # ds4-eval's cap
@@ -169,7 +170,7 @@ def run_question(
     session.truncate(keep)
     session.prefill(ids[keep:], should_stop=_stop_check(progress))
     eos = tokenizer.eos_id
-    close_ids = tokenizer.encode("</think>") if settings.think else []
+    close_ids = tokenizer.encode_with_specials(THINK_END) if settings.think else []  # one special token
     thinking = settings.think
     progress.on_phase("thinking" if thinking else "answer")
     detok = IncrementalDetokenizer(tokenizer)
@@ -198,7 +199,7 @@ def run_question(
         piece = detok.push(token)
         text += piece
         progress.on_text(piece, thinking)
-        if thinking and "</think>" in text:
+        if thinking and THINK_END in text:
             thinking = False
             progress.on_phase("answer")
             if record.think_close.kind == "none":

@@ -121,16 +121,21 @@ def read_expectation(path: Path) -> dict[str, Any]:
     return doc
 
 
-def run_tool_call(engine: Engine, ctx: int = DEFAULT_CTX, expect: Path | None = None) -> ToolCallResult:
-    reply = reply_of(ask_server(engine, ctx))
+def judge_reply(reply: dict[str, Any], expectation: dict[str, Any] | None = None) -> ToolCallResult:
+    """ds4's check on a reply, or, given an expectation document, an exact comparison with its reply."""
     result = ToolCallResult(reply)
-    if expect is None:
+    if expectation is None:
         result.problems = call_problems(reply)
         return result
-    wanted = read_expectation(expect)["reply"]
+    wanted = expectation["reply"]
     for key in sorted(set(wanted) | set(reply)):
         if wanted.get(key) != reply.get(key):
             result.problems.append(f"{key}: got {reply.get(key)!r}, expected {wanted.get(key)!r}")
     if wanted.get("tool_calls"):  # an expected call must also be one ds4's check accepts
         result.problems += call_problems(reply)
     return result
+
+
+def run_tool_call(engine: Engine, ctx: int = DEFAULT_CTX, expect: Path | None = None) -> ToolCallResult:
+    expectation = read_expectation(expect) if expect is not None else None
+    return judge_reply(reply_of(ask_server(engine, ctx)), expectation)
