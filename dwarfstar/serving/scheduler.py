@@ -147,7 +147,7 @@ class Scheduler:
                 self._decode_step()
                 self._prefill_step()
                 self._update_gauges()
-            except Exception as exc:  # a bug, not one request's failure: end them all, keep serving
+            except Exception as exc:  # a bug outside any one request's work: end them all, keep serving
                 log.exception("engine loop error")
                 for job in list(self._active):
                     self._fail(job, exc)
@@ -172,19 +172,25 @@ class Scheduler:
                 return
             with self._cond:
                 self._waiting.popleft()
-            job.lease, job.phase = lease, "prefill"
-            job.pending = lease.plan.suffix
-            job.usage.cached_tokens = lease.plan.keep
-            lease.live.tool_ids.update(job.replayed)
-            if self.disk is not None:
-                job.save_stops = self.disk.prefill_stops(lease.live, job.request.prompt_ids, lease.plan.keep)
-            self._active.append(job)
-            self.metrics.inc("dwarfstar_cache_lookups_total", source=lease.source)
-            self.metrics.inc("dwarfstar_prompt_tokens_total", job.usage.prompt_tokens)
-            self.metrics.inc("dwarfstar_cached_tokens_total", job.usage.cached_tokens)
-            job.emit(Started(Usage(**vars(job.usage))))
-            if not job.pending:
-                self._start_decode(job)
+            try:
+                self._start(job, lease)
+            except Exception as exc:
+                self._fail(job, exc)
+
+    def _start(self, job: Job, lease: Lease) -> None:
+        job.lease, job.phase = lease, "prefill"
+        job.pending = lease.plan.suffix
+        job.usage.cached_tokens = lease.plan.keep
+        lease.live.tool_ids.update(job.replayed)
+        if self.disk is not None:
+            job.save_stops = self.disk.prefill_stops(lease.live, job.request.prompt_ids, lease.plan.keep)
+        self._active.append(job)
+        self.metrics.inc("dwarfstar_cache_lookups_total", source=lease.source)
+        self.metrics.inc("dwarfstar_prompt_tokens_total", job.usage.prompt_tokens)
+        self.metrics.inc("dwarfstar_cached_tokens_total", job.usage.cached_tokens)
+        job.emit(Started(Usage(**vars(job.usage))))
+        if not job.pending:
+            self._start_decode(job)
 
     def _start_decode(self, job: Job) -> None:
         job.phase = "decode"
@@ -197,6 +203,12 @@ class Scheduler:
             return
         job = prefilling[self._turn % len(prefilling)]
         self._turn += 1
+        try:
+            self._prefill_slice(job)
+        except Exception as exc:
+            self._fail(job, exc)
+
+    def _prefill_slice(self, job: Job) -> None:
         session = job.lease.session
         busy = any(other.phase == "decode" for other in self._active)
         size = BUSY_PREFILL_SLICE if busy else session.chunk
@@ -204,11 +216,7 @@ class Scheduler:
             size = min(size, job.save_stops[0][0] - len(session.tokens))
         piece, job.pending = job.pending[:size], job.pending[size:]
         start = time.perf_counter()
-        try:
-            session.prefill(piece)
-        except Exception as exc:
-            self._fail(job, exc)
-            return
+        session.prefill(piece)
         seconds = time.perf_counter() - start
         self.metrics.inc("dwarfstar_prefill_tokens_total", len(piece))
         self.metrics.inc("dwarfstar_prefill_seconds_total", seconds)
@@ -225,38 +233,37 @@ class Scheduler:
         decoding = [job for job in self._active if job.phase == "decode"]
         if not decoding:
             return
-        try:
-            sampled = self._sample(decoding)
-        except Exception as exc:
-            for job in decoding:
-                self._fail(job, exc)
-            return
-        for job, token in zip(decoding, sampled, strict=True):
+        for job, token in self._sample(decoding):
             session = job.lease.session
-            job.usage.completion_tokens += 1
-            self.metrics.inc("dwarfstar_generated_tokens_total")
-            if token != self.tokenizer.eos_id:
-                for event in job.decoder.push(token):
-                    job.emit(event)
-            reason = self._finish_reason(job, token)
-            # A tool-call turn's last token is run too, so the live KV, and a disk file saved from it,
-            # hold the whole DSML block the client sends back (with its id, for exact replay).
-            if reason is None or (reason == "tool_calls" and len(session.tokens) < session.ctx):
-                stepping.append(job)
-                tokens.append(token)
-                if reason is not None:
-                    closing.append((job, reason))
-            else:
-                self._finish(job, reason)
+            try:
+                job.usage.completion_tokens += 1
+                self.metrics.inc("dwarfstar_generated_tokens_total")
+                if token != self.tokenizer.eos_id:
+                    for event in job.decoder.push(token):
+                        job.emit(event)
+                reason = self._finish_reason(job, token)
+                # A tool-call turn's last token is run too, so the live KV, and a disk file saved from
+                # it, hold the whole DSML block the client sends back (with its id, for exact replay).
+                if reason is None or (reason == "tool_calls" and len(session.tokens) < session.ctx):
+                    stepping.append(job)
+                    tokens.append(token)
+                    if reason is not None:
+                        closing.append((job, reason))
+                else:
+                    self._finish(job, reason)
+            except Exception as exc:
+                self._fail(job, exc)
         if not stepping:
             return
         start = time.perf_counter()
+        ends = [(len(job.lease.session.tokens), job.lease.session.tokens[-1]) for job in stepping]
         try:
             decode_batch([job.lease.session for job in stepping], tokens)
         except Exception as exc:
-            for job in stepping:
-                self._fail(job, exc)
-            return
+            log.warning("batched decode of %d requests failed (%s); stepping each alone", len(stepping), exc)
+            kept = self._step_alone(stepping, tokens, ends)
+            closing = [(job, reason) for job, reason in closing if job in kept]
+            stepping = kept
         seconds = time.perf_counter() - start
         self.metrics.inc("dwarfstar_decode_seconds_total", seconds)
         self.metrics.inc("dwarfstar_decode_steps_total")
@@ -265,17 +272,52 @@ class Scheduler:
         if len(stepping) > 1:
             self.metrics.inc("dwarfstar_batched_decode_steps_total")
         for job, reason in closing:
-            self._finish(job, reason)
+            try:
+                self._finish(job, reason)
+            except Exception as exc:
+                self._fail(job, exc)
         if self.disk is not None:
             for job in stepping:
                 if job.phase == "decode" and self.disk.continued_due(job.lease.live, job.decoder.in_tool_call):
                     self.disk.save(job.lease.live, SaveReason.CONTINUED)
 
-    def _sample(self, jobs: list[Job]) -> list[int]:
-        """The next token of every decoding request, drawn together: one host sync per step, not one each."""
+    def _sample(self, jobs: list[Job]) -> list[tuple[Job, int]]:
+        """The next token of every decoding request, drawn together: one host sync per step, not one each.
+
+        If the batch raises, each request is drawn alone, and only those that raise again fail."""
+        try:
+            return list(zip(jobs, self._sample_rows(jobs), strict=True))
+        except Exception:
+            log.warning("batched sampling of %d requests failed; sampling each alone", len(jobs))
+        drawn = []
+        for job in jobs:
+            try:
+                drawn.append((job, self._sample_rows([job])[0]))
+            except Exception as exc:
+                self._fail(job, exc)
+        return drawn
+
+    def _sample_rows(self, jobs: list[Job]) -> list[int]:
         sessions = [job.lease.session for job in jobs]
         logits = torch.stack([session.logits.reshape(-1) for session in sessions])
         return sessions[0].backend.sample_batch(logits, [job.sampler for job in jobs])
+
+    def _step_alone(self, jobs: list[Job], tokens: list[int], ends: list[tuple[int, int]]) -> list[Job]:
+        """After a failed batched step: each request's state rebuilt as it was before the step (a forward
+        that raised midway may have written some layers' rows), then stepped alone. The requests that
+        fail on their own fail; the others go on. Returns those."""
+        kept = []
+        for job, token, (length, last) in zip(jobs, tokens, ends, strict=True):
+            session = job.lease.session
+            try:
+                session.truncate(length - 1)  # from the nearest chunk checkpoint, which the step never touched
+                session.prefill([last])
+                decode_batch([session], [token])
+            except Exception as exc:
+                self._fail(job, exc)
+                continue
+            kept.append(job)
+        return kept
 
     def _finish_reason(self, job: Job, token: int) -> str | None:
         decoder, session = job.decoder, job.lease.session
