@@ -204,7 +204,7 @@ class Chat:
             data = stem.with_suffix(".dsv4").read_bytes()
         except (OSError, ValueError) as exc:
             raise DwarfStarError(f"cannot load {stem.name}: {exc}") from None
-        state = read_payload(data, self.backend.args, self.session.ctx, self.session.chunk, self.engine.state_device)
+        state = read_payload(data, self.backend.args, self.session.ctx, self.session.chunk, self.backend.new_state)
         self.session.reset()
         self.session.state = state
         self.system, self.mode = meta["system"], ThinkMode(meta["mode"])

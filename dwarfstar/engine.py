@@ -18,8 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.attach import StreamingOptions, attach_streaming, check_fits
 from dwarfstar.experts.store import ExpertStore
@@ -44,11 +42,6 @@ class Engine:
     tokenizer: Tokenizer
     load_seconds: float
     experts: ExpertStore | None = None  # the routed-expert cache, with --ssd-streaming
-
-    @property
-    def state_device(self) -> torch.device:
-        """Where the backend keeps its sequence states: states read from disk must go there."""
-        return self.backend.new_state().layers[0].raw_kv.device
 
 
 def available_backends() -> list[str]:

@@ -136,7 +136,7 @@ def run_bench(
         gen_s = time.perf_counter() - start
         on_tokens(gen_tokens)
         session.restore(snapshot)
-        element_bytes = session.state.layers[0].raw_kv.element_size()
+        element_bytes = session.state.cache.storage.element_size
         gen_tps = gen_tokens / gen_s
         row = Row(
             ctx_tokens=point,

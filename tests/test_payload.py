@@ -54,10 +54,10 @@ def test_round_trip_is_byte_exact_and_continues_identically(tiny_state):
     model, state = tiny_state
     data = encode(state)
     assert len(data) == payload_nbytes(TINY, 301)
-    loaded = read_payload(data, TINY, 4096, 64)
+    loaded = read_payload(data, TINY, 4096, 64, model.new_state)
     assert encode(loaded) == data
     a = model.forward([5, 6, 7], loaded)
-    b = model.forward([5, 6, 7], read_payload(data, TINY, 4096, 64))
+    b = model.forward([5, 6, 7], read_payload(data, TINY, 4096, 64, model.new_state))
     assert torch.equal(a, b)
 
 
@@ -74,17 +74,17 @@ def test_round_trip_is_byte_exact_and_continues_identically(tiny_state):
 )
 def test_corrupt_payloads_are_refused(tiny_state, mutate, message):
     with pytest.raises(PayloadError, match=message):
-        read_payload(mutate(encode(tiny_state[1])), TINY, 4096, 64)
+        read_payload(mutate(encode(tiny_state[1])), TINY, 4096, 64, tiny_state[0].new_state)
 
 
 def test_foreign_payloads_are_refused_with_the_reason(tiny_state):
-    data = encode(tiny_state[1])
+    data, new_state = encode(tiny_state[1]), tiny_state[0].new_state
     with pytest.raises(PayloadError, match="prefill chunk 64, this session uses 128"):
-        read_payload(data, TINY, 4096, 128)
+        read_payload(data, TINY, 4096, 128, new_state)
     with pytest.raises(PayloadError, match="written for context 4096"):
-        read_payload(data, TINY, 2048, 64)
+        read_payload(data, TINY, 2048, 64, new_state)
     with pytest.raises(PayloadError, match="another model: head_dim"):
-        read_payload(data, TINY.with_(head_dim=64), 4096, 64)
+        read_payload(data, TINY.with_(head_dim=64), 4096, 64, new_state)
 
 
 def test_short_state_without_compressed_rows_round_trips(tiny_state):
@@ -94,4 +94,4 @@ def test_short_state_without_compressed_rows_round_trips(tiny_state):
     model.forward(list(range(1000, 1010)), state, all_logits=False)
     data = encode(state)
     assert len(data) == payload_nbytes(TINY, 10)
-    assert encode(read_payload(data, TINY, 4096, 64)) == data
+    assert encode(read_payload(data, TINY, 4096, 64, model.new_state)) == data

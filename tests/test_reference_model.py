@@ -3,6 +3,7 @@ decode agree; the compressed and indexed paths are really exercised; bad input g
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -64,17 +65,17 @@ def test_long_prompt_fills_every_kind_of_state(tiny):
     model = ReferenceModel(tiny, qat=True)
     state = model.new_state()
     model.forward(PROMPT, state)
-    window_only, ratio4, ratio128 = state.layers[0], state.layers[2], state.layers[3]
-    assert window_only.compressor is None and window_only.raw_kv.shape == (TINY.window, TINY.head_dim)
-    assert ratio4.compressor.rows.rows.shape == (300 // 4, TINY.head_dim)
-    assert ratio4.indexer.rows.rows.shape == (300 // 4, TINY.index_head_dim)
-    assert ratio128.compressor.rows.rows.shape == (300 // 128, TINY.head_dim)
+    window_only, ratio4, ratio128 = (state.host_parts(il) for il in (0, 2, 3))
+    assert set(window_only) == {"raw"} and window_only["raw"].shape == (TINY.window, TINY.head_dim)
+    assert ratio4["attn_rows"].shape == (300 // 4, TINY.head_dim)
+    assert ratio4["indexer_rows"].shape == (300 // 4, TINY.index_head_dim)
+    assert ratio128["attn_rows"].shape == (300 // 128, TINY.head_dim)
     # the window in progress (tokens 256..299) sits in frontier rows 0..43; the rest is unwritten
-    gate = ratio128.compressor.frontier_gate
-    assert torch.isfinite(gate[: 300 % 128]).all() and torch.isinf(gate[300 % 128 :]).all()
+    gate = ratio128["attn_gate"]
+    assert np.isfinite(gate[: 300 % 128]).all() and np.isinf(gate[300 % 128 :]).all()
     # ratio 4: rows 0..3 keep the last complete window (tokens 296..299), rows 4..7 are empty
-    gate4 = ratio4.compressor.frontier_gate
-    assert torch.isfinite(gate4[:4]).all() and torch.isinf(gate4[4:]).all()
+    gate4 = ratio4["attn_gate"]
+    assert np.isfinite(gate4[:4]).all() and np.isinf(gate4[4:]).all()
 
 
 def test_indexer_selection_changes_the_output(tiny):

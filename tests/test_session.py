@@ -103,14 +103,14 @@ from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY
 from dwarfstar.session.payload import read_payload
 model = ReferenceModel(open_model({str(model_path)!r}), qat=False)
-state = read_payload(open({str(tmp_path / "s.dsv4")!r}, "rb").read(), TINY, 1024, 64)
+state = read_payload(open({str(tmp_path / "s.dsv4")!r}, "rb").read(), TINY, 1024, 64, model.new_state)
 torch.save(model.forward({PROMPT[260:]!r}, state, all_logits=False), {str(tmp_path / "out.pt")!r})
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
     assert close(torch.load(tmp_path / "out.pt")[-1], reference_logits[-1])
     buf = io.BytesIO()
     write_payload(buf, session.state, TINY, 1024, 64)
-    assert close(read_payload(buf.getvalue(), TINY, 1024, 64).logits, reference_logits[259])
+    assert close(read_payload(buf.getvalue(), TINY, 1024, 64, backend.new_state).logits, reference_logits[259])
 
 
 def test_context_overflow_is_a_clear_error_and_changes_nothing(backend):

@@ -23,7 +23,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 import torch
 
 from dwarfstar.model.config import ModelArgs
-from dwarfstar.model.state import SequenceState, check_batch
+from dwarfstar.model.state import KVCache, SequenceState, Storage, check_batch
 from dwarfstar.model.tensors import ATTN_INPUT, QUERY_INPUT, ProjectionGroup
 
 A = TypeVar("A")  # the backend's array type (torch.Tensor, mx.array)
@@ -108,7 +108,9 @@ class Ops(Protocol[A]):
     args: ModelArgs
     experts: ExpertSource  # the resident routed experts
 
-    def new_state(self) -> SequenceState: ...
+    def kv_storage(self) -> Storage:
+        """The arrays the backend keeps its KV cache in (its device, its dtype)."""
+        ...
 
     def embed(self, batch: Batch) -> A:
         """The embedding rows copied into the hc_mult streams [N, n, dim].
@@ -187,22 +189,20 @@ class Ops(Protocol[A]):
         """
         ...
 
-    def finish(self, batch: Batch) -> None:
-        """Host bookkeeping the backend's own state layout needs once the call's work is queued."""
-        ...
-
 
 class Transformer(Generic[A]):
     """DeepSeek V4 over a backend's `Ops`: what the session layer drives as a backend."""
 
-    def __init__(self, ops: Ops[A], max_seq_len: int | None = None) -> None:
+    def __init__(self, ops: Ops[A], max_seq_len: int | None = None, kv_slots: int = 1) -> None:
+        """`kv_slots`: sequences per preallocated block of the KV cache (a server sizes it to its sessions)."""
         self.ops, self.args = ops, ops.args
         self.max_seq_len = min(max_seq_len or self.args.max_seq_len, self.args.max_seq_len)
+        self.cache = KVCache(self.args, self.max_seq_len, ops.kv_storage(), kv_slots)
         self.experts: ExpertSource = ops.experts
         self.hooks: dict[HookPoint, list[Hook]] = {"attn_out": [], "ffn_out": []}
 
     def new_state(self) -> SequenceState:
-        return self.ops.new_state()
+        return self.cache.new_state()
 
     # -- entry points ------------------------------------------------------------------------------------
     def batch(self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState]) -> Batch:
@@ -237,7 +237,6 @@ class Transformer(Generic[A]):
 
     def advance(self, batch: Batch) -> None:
         """Every state now includes its tokens."""
-        self.ops.finish(batch)
         for seq in batch.seqs:
             seq.state.pos += seq.length
             seq.state.tokens.extend(seq.tokens.tolist())

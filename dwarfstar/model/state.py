@@ -1,92 +1,108 @@
-"""The per-sequence KV state of DeepSeek V4, in the layout ds4 saves (spec §3.2, DS4_SURFACE §4.1).
+"""The per-sequence KV state of DeepSeek V4: slots of a backend-owned cache, and handles on them.
 
-Per layer: the raw window of post-RoPE KV rows; for compressed layers the emitted rows and the
-compressor frontier; for ratio-4 layers also the indexer rows and frontier. Plus the position, the
-tokens and the next-token logits. Backends keep these tensors on their device; the session layer
-snapshots, restores, saves and loads them without knowing which backend made them.
+What a sequence keeps (spec §3.2, DS4_SURFACE §4.1), per layer: the raw window of post-RoPE KV
+rows; for compressed layers the emitted rows and the compressor frontier; for ratio-4 layers also
+the indexer rows and frontier. Plus the position, the tokens and the next-token logits.
 
 Frontier layout (as ds4 and the official code): ratio 4 keeps [8, 2*dim] rows of projected values
 and gate logits (gate already includes the position bias); rows 0..3 hold the previous window,
 whose first half feeds the next row (overlap), rows 4..7 the window in progress (row 4 + p mod 4).
 Ratio 128 keeps [128, dim] rows, row p mod 128. Slots not yet written hold kv 0 and gate -inf, so
 a softmax over them gives them weight 0.
+
+Storage. `KVCache` holds each part of each layer for a block of sequences in one preallocated
+array, `[slots, ...]`: the raw window is a ring of `window` rows (position p in row p mod window),
+the row parts have a fixed capacity for the context (ctx // ratio, rounded up to `ROW_STEP`), the
+frontiers their fixed shapes. When every slot is taken a new block is added, so the arrays of a live
+slot never move or grow: kernels write rows by index, and a captured decode step keeps its
+addresses. The backend picks the arrays through `Storage` (torch on its device, or MLX arrays).
+
+Handle. `SequenceState` is a slot plus pos, tokens and logits; the slot returns to its cache when
+the handle is dropped. A ratio-r layer has emitted pos // r rows, so no row counts are kept.
+Snapshots copy the small fixed parts (raw ring, frontiers, logits) and share the rows, which are
+append-only; `rewinds` remembers where the state was rewound to, so a snapshot taken further along,
+whose rows may since have been overwritten, is refused instead of read.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.config import ModelArgs
 
+# Row capacities are multiples of 64: Triton specialises kernels on integer arguments divisible by
+# 16, so every slot's row arrays share one compiled variant whatever the context.
+ROW_STEP = 64
+KINDS = ("attn", "indexer")  # the compressors: the attention's rows, and the indexer's (ratio-4 layers)
 
-class RowBuffer:
-    """Append-only rows in a geometrically grown buffer.
 
-    Snapshots record only the row count, so they share the buffer. Rewinding to a snapshot and
-    appending overwrites the rows past it, which invalidates snapshots taken further along; `rewinds`
-    remembers every rewind so such a stale snapshot is refused instead of silently reading new rows.
-    """
+class Storage(Protocol):
+    """How a backend allocates the cache's arrays and moves them to and from the host.
 
-    def __init__(self, dim: int, device: torch.device | str = "cpu", capacity: int = 16) -> None:
-        self.data = torch.empty(capacity, dim, device=device)
-        self.n = 0
-        self.rewinds: list[int] = []
+    Arrays are indexed and assigned with Python indexing (`a[i]`, `a[i, lo:hi] = v`), which torch
+    tensors and MLX arrays share."""
+
+    def full(self, shape: tuple[int, ...], value: float | None) -> Any:
+        """A new array; `None` leaves the contents undefined (parts read only where written)."""
+        ...
+
+    def copy(self, a: Any) -> Any: ...
+
+    def cat(self, parts: Sequence[Any]) -> Any: ...
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        """float32 on the host."""
+        ...
+
+    def from_numpy(self, a: np.ndarray) -> Any: ...
+
+    element_size: int
+    device: torch.device | str  # where the backend's torch tensors (the logits) live
+
+
+@dataclass(frozen=True)
+class TorchStorage:
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype = torch.float32
+
+    def full(self, shape: tuple[int, ...], value: float | None) -> torch.Tensor:
+        # a normal tensor even when the first state is made under inference mode, so that training,
+        # outside it, can still write into the cache
+        with torch.inference_mode(False):
+            if value is None:
+                return torch.empty(shape, device=self.device, dtype=self.dtype)
+            return torch.full(shape, value, device=self.device, dtype=self.dtype)
+
+    def copy(self, a: torch.Tensor) -> torch.Tensor:
+        return a.clone()
+
+    def cat(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(parts))
+
+    def to_numpy(self, a: torch.Tensor) -> np.ndarray:
+        return a.detach().to("cpu", torch.float32).numpy()
+
+    def from_numpy(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(self.device, self.dtype)
 
     @property
-    def rows(self) -> torch.Tensor:
-        return self.data[: self.n]
-
-    def append(self, rows: torch.Tensor) -> None:
-        need = self.n + rows.shape[0]
-        if need > self.data.shape[0]:
-            grown = torch.empty(max(need, 2 * self.data.shape[0]), self.data.shape[1], device=self.data.device)
-            grown[: self.n] = self.data[: self.n]
-            self.data = grown
-        self.data[self.n : need] = rows
-        self.n = need
-
-    def mark(self) -> tuple[int, int]:
-        return self.n, len(self.rewinds)
-
-    def is_valid(self, mark: tuple[int, int]) -> bool:
-        """A mark stays valid unless a later rewind went below it (its rows may since be overwritten)."""
-        n, epoch = mark
-        return all(r >= n for r in self.rewinds[epoch:])
-
-    def rewind(self, mark: tuple[int, int]) -> None:
-        if not self.is_valid(mark):
-            raise ValueError("snapshot is no longer valid: the state was rewound before it and overwritten")
-        n = mark[0]
-        if n < self.n:
-            self.rewinds.append(n)
-        self.n = n
-
-    def nbytes(self) -> int:
-        return self.n * self.data.shape[1] * self.data.element_size()
+    def element_size(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
 
 
-@dataclass
-class CompressorState:
+@dataclass(frozen=True)
+class CompressorSpec:
+    kind: str  # "attn" or "indexer"
     ratio: int
     dim: int  # width of an emitted row
-    frontier_kv: torch.Tensor
-    frontier_gate: torch.Tensor
-    rows: RowBuffer
-
-    @classmethod
-    def empty(cls, ratio: int, dim: int, device: torch.device | str = "cpu") -> CompressorState:
-        coff = 2 if ratio == 4 else 1
-        return cls(
-            ratio=ratio,
-            dim=dim,
-            frontier_kv=torch.zeros(coff * ratio, coff * dim, device=device),
-            frontier_gate=torch.full((coff * ratio, coff * dim), float("-inf"), device=device),
-            rows=RowBuffer(dim, device),
-        )
 
     @property
     def overlap(self) -> bool:
@@ -97,87 +113,228 @@ class CompressorState:
         """First frontier row of the window in progress (after the previous window for ratio 4)."""
         return self.ratio if self.overlap else 0
 
-
-@dataclass
-class LayerState:
-    raw_kv: torch.Tensor  # [<= window, head_dim], oldest first
-    compressor: CompressorState | None
-    indexer: CompressorState | None
+    @property
+    def frontier_shape(self) -> tuple[int, int]:
+        coff = 2 if self.overlap else 1
+        return coff * self.ratio, coff * self.dim
 
 
-@dataclass
+def layer_compressors(args: ModelArgs) -> list[dict[str, CompressorSpec]]:
+    """Per layer, its compressors by kind."""
+    out = []
+    for layer in args.layers:
+        r, specs = layer.compress_ratio, {}
+        if r:
+            specs["attn"] = CompressorSpec("attn", r, args.head_dim)
+        if layer.has_indexer:
+            specs["indexer"] = CompressorSpec("indexer", r, args.index_head_dim)
+        out.append(specs)
+    return out
+
+
+class KVCache:
+    """Preallocated KV slots, `block_slots` sequences of at most `ctx` tokens per block."""
+
+    def __init__(self, args: ModelArgs, ctx: int, storage: Storage, block_slots: int = 1) -> None:
+        if block_slots < 1:
+            raise DwarfStarError(f"a KV cache block needs at least one slot, got {block_slots}")
+        self.args, self.ctx, self.storage, self.block_slots = args, ctx, storage, block_slots
+        self.compressors = layer_compressors(args)
+        self.blocks: list[list[dict[str, Any]]] = []  # block -> layer -> part name -> [slots, ...]
+        self.free: list[tuple[int, int]] = []
+        self._serial = itertools.count()
+
+    def capacity(self, ratio: int) -> int:
+        """Rows a slot holds at `ratio`: every row of a full context."""
+        return max(ROW_STEP, -(-(self.ctx // ratio) // ROW_STEP) * ROW_STEP)
+
+    def _add_block(self) -> None:
+        a, n, full = self.args, self.block_slots, self.storage.full
+        block = []
+        for specs in self.compressors:
+            parts = {"raw": full((n, a.window, a.head_dim), None)}
+            for kind, spec in specs.items():
+                parts[f"{kind}_rows"] = full((n, self.capacity(spec.ratio), spec.dim), None)
+                parts[f"{kind}_kv"] = full((n, *spec.frontier_shape), 0.0)
+                parts[f"{kind}_gate"] = full((n, *spec.frontier_shape), float("-inf"))
+            block.append(parts)
+        self.blocks.append(block)
+        b = len(self.blocks) - 1
+        self.free.extend((b, i) for i in reversed(range(n)))
+
+    def acquire(self) -> tuple[int, int]:
+        """A free slot (block, index) with empty frontiers."""
+        if not self.free:
+            self._add_block()
+        block, index = slot = self.free.pop()
+        for layer, specs in zip(self.blocks[block], self.compressors, strict=True):
+            for kind in specs:
+                layer[f"{kind}_kv"][index] = 0.0
+                layer[f"{kind}_gate"][index] = float("-inf")
+        return slot
+
+    def release(self, slot: tuple[int, int]) -> None:
+        self.free.append(slot)
+
+    @property
+    def slots_in_use(self) -> int:
+        return len(self.blocks) * self.block_slots - len(self.free)
+
+    def new_state(self) -> SequenceState:
+        return SequenceState(self)
+
+
 class SequenceState:
-    layers: list[LayerState]
-    pos: int = 0
-    tokens: list[int] = field(default_factory=list)
-    logits: torch.Tensor | None = None  # next-token logits after the last token
+    """A sequence's slot in a `KVCache`, with its position, tokens and next-token logits."""
 
-    @classmethod
-    def empty(cls, args: ModelArgs, device: torch.device | str = "cpu") -> SequenceState:
-        layers = []
-        for layer in args.layers:
-            r = layer.compress_ratio
-            layers.append(
-                LayerState(
-                    raw_kv=torch.empty(0, args.head_dim, device=device),
-                    compressor=CompressorState.empty(r, args.head_dim, device) if r else None,
-                    indexer=CompressorState.empty(r, args.index_head_dim, device) if layer.has_indexer else None,
-                )
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.slot = cache.acquire()
+        self.serial = next(cache._serial)  # tells snapshots of this state from those of a slot's earlier owner
+        self.pos = 0
+        self.tokens: list[int] = []
+        self.logits: torch.Tensor | None = None  # next-token logits after the last token
+        self.rewinds: list[int] = []
+        self.ancestors: dict[int, int] = {}  # serial of a state this one was forked from -> the fork's pos
+        weakref.finalize(self, cache.release, self.slot)
+
+    # -- the slot's arrays -----------------------------------------------------------------------------
+    def parts(self, il: int) -> dict[str, Any]:
+        """Layer il's arrays for every slot of this state's block (index them with `index`)."""
+        return self.cache.blocks[self.slot[0]][il]
+
+    @property
+    def index(self) -> int:
+        return self.slot[1]
+
+    def part(self, il: int, name: str) -> Any:
+        """This slot's array of a part: `raw` [window, head_dim] (a ring), `{kind}_rows` [capacity,
+        dim], `{kind}_kv` / `{kind}_gate` (the frontier). Torch gives a view, written in place."""
+        return self.parts(il)[name][self.index]
+
+    def write(self, il: int, name: str, value: Any, lo: int = 0) -> None:
+        """Store rows lo.. of a part (an assignment into the block, which MLX arrays need)."""
+        self.parts(il)[name][self.index, lo : lo + value.shape[0]] = value
+
+    def compressor(self, il: int, kind: str) -> CompressorSpec | None:
+        return self.cache.compressors[il].get(kind)
+
+    @property
+    def n_raw(self) -> int:
+        return min(self.pos, self.cache.args.window)
+
+    def raw_window(self, il: int, end: int | None = None) -> Any:
+        """The raw rows before position `end` (default: pos) still in the window, oldest first."""
+        end = self.pos if end is None else end
+        window, ring = self.cache.args.window, self.part(il, "raw")
+        if end <= window:
+            return ring[:end]
+        cut = end % window
+        return ring if cut == 0 else self.cache.storage.cat((ring[cut:], ring[:cut]))
+
+    def write_window(self, il: int, rows: Any, end: int) -> None:
+        """Put the rows of the positions just before `end` (oldest first; only the last `window`
+        are kept) into the ring, where position p lives in row p mod window."""
+        window = self.cache.args.window
+        rows = rows[-window:]
+        lo = (end - rows.shape[0]) % window
+        first = min(rows.shape[0], window - lo)
+        self.write(il, "raw", rows[:first], lo)
+        if first < rows.shape[0]:
+            self.write(il, "raw", rows[first:], 0)
+
+    def rows(self, il: int, kind: str, end: int | None = None) -> Any:
+        """The compressed rows emitted by the tokens before position `end` (default: pos)."""
+        spec = self.cache.compressors[il][kind]
+        return self.part(il, f"{kind}_rows")[: (self.pos if end is None else end) // spec.ratio]
+
+    def host_parts(self, il: int) -> dict[str, np.ndarray]:
+        """Layer il's live contents on the host, float32: `raw` oldest first, each compressor's rows
+        and frontier (for comparing states across backends)."""
+        to_numpy = self.cache.storage.to_numpy
+        out = {"raw": to_numpy(self.raw_window(il))}
+        for kind in self.cache.compressors[il]:
+            out[f"{kind}_rows"] = to_numpy(self.rows(il, kind))
+            out[f"{kind}_kv"], out[f"{kind}_gate"] = (
+                to_numpy(self.part(il, f"{kind}_kv")),
+                to_numpy(self.part(il, f"{kind}_gate")),
             )
-        return cls(layers=layers)
+        return out
+
+    # -- snapshots ---------------------------------------------------------------------------------------
+    def _fixed_parts(self) -> list[dict[str, Any]]:
+        return [
+            {name: self.part(il, name) for name in parts if not name.endswith("_rows")}
+            for il, parts in enumerate(self.cache.blocks[self.slot[0]])
+        ]
 
     def snapshot(self) -> StateSnapshot:
-        """Copy the small fixed-size parts; the growing row buffers are shared by row count."""
-        layers = []
-        for layer in self.layers:
-            parts = [layer.raw_kv.clone()]
-            for comp in (layer.compressor, layer.indexer):
-                parts.append(
-                    None if comp is None else (comp.frontier_kv.clone(), comp.frontier_gate.clone(), comp.rows.mark())
-                )
-            layers.append(tuple(parts))
+        """Copy the small fixed-size parts; the append-only rows are shared by position."""
+        copy = self.cache.storage.copy
+        layers = [{name: copy(a) for name, a in parts.items()} for parts in self._fixed_parts()]
         logits = None if self.logits is None else self.logits.clone()
-        return StateSnapshot(pos=self.pos, tokens=list(self.tokens), logits=logits, layers=layers)
+        return StateSnapshot(self.serial, self.pos, list(self.tokens), logits, layers, len(self.rewinds))
 
     def can_restore(self, snap: StateSnapshot) -> bool:
-        return all(
-            comp.rows.is_valid(saved[2])
-            for layer, (_raw, *comps) in zip(self.layers, snap.layers, strict=True)
-            for comp, saved in zip((layer.compressor, layer.indexer), comps, strict=True)
-            if comp is not None
-        )
+        """The snapshot is of this state (or of the one it was forked from, up to the fork) and no
+        later rewind went below a row it reads."""
+        if snap.serial != self.serial and snap.pos > self.ancestors.get(snap.serial, -1):
+            return False
+        ratios = {spec.ratio for specs in self.cache.compressors for spec in specs.values()}
+        return all(p // r >= snap.pos // r for p in self.rewinds[snap.epoch :] for r in ratios)
 
     def restore(self, snap: StateSnapshot) -> None:
         """Return to the snapshot; snapshots of this state taken after a rewound point are refused."""
         if not self.can_restore(snap):
-            raise ValueError("snapshot is no longer valid: the state was rewound before it and overwritten")
-        for layer, (raw, *comps) in zip(self.layers, snap.layers, strict=True):
-            layer.raw_kv = raw.clone()
-            for comp, saved in zip((layer.compressor, layer.indexer), comps, strict=True):
-                if comp is not None:
-                    comp.rows.rewind(saved[2])
-                    comp.frontier_kv, comp.frontier_gate = saved[0].clone(), saved[1].clone()
+            raise ValueError(
+                "snapshot is no longer valid: it is of another state, or this one was rewound before it and overwritten"
+            )
+        for il, parts in enumerate(snap.layers):
+            for name, a in parts.items():
+                self.write(il, name, a)
+        if snap.pos < self.pos:
+            self.rewinds.append(snap.pos)
         self.pos = snap.pos
         self.tokens = list(snap.tokens)
         self.logits = None if snap.logits is None else snap.logits.clone()
 
+    def __deepcopy__(self, memo: dict) -> SequenceState:
+        """A fork: a new slot of the same cache holding the same sequence (the cache is not copied).
+        The twin still restores this state's snapshots up to the fork, so a forked session keeps its
+        checkpoints."""
+        twin = SequenceState(self.cache)
+        twin.rewinds, twin.ancestors = list(self.rewinds), {**self.ancestors, self.serial: self.pos}
+        for il, specs in enumerate(self.cache.compressors):
+            twin.write(il, "raw", self.part(il, "raw"))
+            for kind in specs:
+                for name in (f"{kind}_kv", f"{kind}_gate"):
+                    twin.write(il, name, self.part(il, name))
+                rows = self.rows(il, kind)
+                if rows.shape[0]:
+                    twin.write(il, f"{kind}_rows", rows)
+        twin.pos, twin.tokens = self.pos, list(self.tokens)
+        twin.logits = None if self.logits is None else self.logits.clone()
+        return twin
+
     def nbytes(self) -> int:
-        """Bytes held by the KV state (raw windows, rows, frontiers, logits), not counting spare capacity."""
+        """Bytes the sequence uses (raw window, rows, frontiers, logits), not counting spare capacity."""
         total = 0 if self.logits is None else self.logits.numel() * self.logits.element_size()
-        for layer in self.layers:
-            total += layer.raw_kv.numel() * layer.raw_kv.element_size()
-            for comp in (layer.compressor, layer.indexer):
-                if comp is not None:
-                    total += comp.rows.nbytes() + 2 * comp.frontier_kv.numel() * comp.frontier_kv.element_size()
-        return total
+        elements = self.n_raw * self.cache.args.head_dim * self.cache.args.n_layers
+        for specs in self.cache.compressors:
+            for spec in specs.values():
+                rows, cols = spec.frontier_shape
+                elements += (self.pos // spec.ratio) * spec.dim + 2 * rows * cols
+        return total + elements * self.cache.storage.element_size
 
 
 @dataclass
 class StateSnapshot:
+    serial: int  # the state it was taken of
     pos: int
     tokens: list[int]
     logits: torch.Tensor | None
-    layers: list[tuple]
+    layers: list[dict[str, Any]] = field(repr=False)  # per layer: raw ring and frontier copies
+    epoch: int = 0  # how many rewinds the state had made when it was taken
 
 
 def check_batch(
@@ -197,9 +354,10 @@ def check_batch(
     if len({id(s) for s in states}) != len(states):
         raise DwarfStarError("a sequence state appears twice in one batch")
     for tokens, state in zip(chunks, states, strict=True):
-        if state.pos + tokens.numel() > max_seq_len:
+        limit = min(max_seq_len, state.cache.ctx)
+        if state.pos + tokens.numel() > limit:
             raise ContextOverflowError(
-                f"context overflow: {state.pos} + {tokens.numel()} tokens exceed the context of {max_seq_len}"
+                f"context overflow: {state.pos} + {tokens.numel()} tokens exceed the context of {limit}"
             )
         bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
         if bad.numel():

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dwarfstar.model.config import ModelArgs
-from dwarfstar.model.state import SequenceState
+from dwarfstar.model.state import KVCache, SequenceState, TorchStorage
 from dwarfstar.session.payload import payload_nbytes
 
 
@@ -52,20 +52,20 @@ def state_footprint(args: ModelArgs) -> StateFootprint:
 
 
 def random_state(args: ModelArgs, n_tokens: int, seed: int = 0) -> SequenceState:
-    """A state with the exact row counts of n_tokens and random contents (benches and cache tests).
+    """A state with the exact row counts of n_tokens and random contents (benches and cache tests),
+    in a host float32 cache of its own.
 
     No model runs, so a 100k-token Flash-shaped state takes a fraction of a second to build.
     """
     gen = torch.Generator().manual_seed(seed)
-    state = SequenceState.empty(args)
+    state = KVCache(args, n_tokens + 1, TorchStorage()).new_state()
     state.tokens = torch.randint(0, args.vocab_size, (n_tokens,), generator=gen).tolist()
     state.pos = n_tokens
     state.logits = torch.randn(args.vocab_size, generator=gen)
-    for layer in state.layers:
-        layer.raw_kv = torch.randn(min(n_tokens, args.window), args.head_dim, generator=gen)
-        for comp in (layer.compressor, layer.indexer):
-            if comp is not None:
-                comp.rows.append(torch.randn(n_tokens // comp.ratio, comp.dim, generator=gen))
-                comp.frontier_kv = torch.randn(comp.frontier_kv.shape, generator=gen)
-                comp.frontier_gate = torch.randn(comp.frontier_gate.shape, generator=gen)
+    for il, specs in enumerate(state.cache.compressors):
+        state.write_window(il, torch.randn(min(n_tokens, args.window), args.head_dim, generator=gen), n_tokens)
+        for kind, spec in specs.items():
+            state.write(il, f"{kind}_rows", torch.randn(n_tokens // spec.ratio, spec.dim, generator=gen))
+            state.write(il, f"{kind}_kv", torch.randn(spec.frontier_shape, generator=gen))
+            state.write(il, f"{kind}_gate", torch.randn(spec.frontier_shape, generator=gen))
     return state

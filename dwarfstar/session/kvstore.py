@@ -22,10 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from dwarfstar.model.config import ModelArgs
-from dwarfstar.model.state import SequenceState
+from dwarfstar.model.state import KVCache, SequenceState, TorchStorage
 from dwarfstar.session import kvfile
 from dwarfstar.session.kvfile import CorruptFile, FileHeader, ForeignFile, KVFileError, ModelIdentity
 from dwarfstar.session.kvpolicy import KVCacheOptions, SaveReason, plan_eviction, superseded
@@ -99,11 +97,12 @@ class KVStore:
     chunk: int
     render_key: Callable[[Sequence[int]], bytes]  # decoded text of tokens (Tokenizer.decode_bytes)
     options: KVCacheOptions = field(default_factory=KVCacheOptions)
-    device: torch.device | str = "cpu"
+    new_state: Callable[[], SequenceState] | None = None  # the backend's; None: a host float32 cache
     clock: Callable[[], float] = time.time
     _index: dict[str, Entry] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._new_state = self.new_state or KVCache(self.args, self.ctx, TorchStorage()).new_state
         self.directory = Path(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temporaries()
@@ -205,7 +204,7 @@ class KVStore:
             ckpt = kvfile.read_checkpoint(entry.path)
             if ckpt.key != entry.key:
                 raise CorruptFile("the file changed since it was scanned")
-            state = read_payload(ckpt.payload, self.args, self.ctx, self.chunk, self.device)
+            state = read_payload(ckpt.payload, self.args, self.ctx, self.chunk, self._new_state)
         except (CorruptFile, PayloadError) as exc:
             self._remove(entry.path, f"corrupt: {exc}")
             return None

@@ -11,7 +11,7 @@ frontier. All f32. For Flash this is exactly 23,995,788 + 13,764 * T bytes when 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -20,7 +20,7 @@ import torch
 
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import ModelArgs
-from dwarfstar.model.state import CompressorState, SequenceState
+from dwarfstar.model.state import KINDS, SequenceState
 
 MAGIC = 0x34565344  # "DSV4" little-endian
 VERSION = 1
@@ -104,25 +104,25 @@ def payload_nbytes(args: ModelArgs, n_tokens: int) -> int:
     return size
 
 
-def _f32(t: torch.Tensor) -> memoryview:
+def _f32(state: SequenceState, part) -> memoryview:
     # flatten first: memoryview cannot cast a multi-dimensional view with a zero dimension (no rows yet)
-    return memoryview(np.ascontiguousarray(t.detach().to("cpu", torch.float32).numpy()).reshape(-1)).cast("B")
+    return memoryview(np.ascontiguousarray(state.cache.storage.to_numpy(part), dtype="<f4").reshape(-1)).cast("B")
 
 
 def _pieces(state: SequenceState, header: PayloadHeader) -> Iterator[bytes | memoryview]:
     yield header.pack()
     yield np.asarray(state.tokens, dtype="<u4").tobytes()
-    yield _f32(state.logits)
-    for kind in ("compressor", "indexer"):
-        counts = [getattr(layer, kind).rows.n if getattr(layer, kind) else 0 for layer in state.layers]
+    yield memoryview(state.logits.detach().to("cpu", torch.float32).numpy().astype("<f4")).cast("B")
+    for kind in KINDS:
+        counts = [len(state.rows(il, kind)) if state.compressor(il, kind) else 0 for il in range(header.n_layers)]
         yield np.asarray(counts, dtype="<u4").tobytes()
-    for layer in state.layers:
-        yield _f32(layer.raw_kv[-header.raw_live :] if header.raw_live else layer.raw_kv[:0])
-        for comp in (layer.compressor, layer.indexer):
-            if comp is not None:
-                yield _f32(comp.rows.rows)
-                yield _f32(comp.frontier_kv)
-                yield _f32(comp.frontier_gate)
+    for il in range(header.n_layers):
+        yield _f32(state, state.raw_window(il))
+        for kind in KINDS:
+            if state.compressor(il, kind) is not None:
+                yield _f32(state, state.rows(il, kind))
+                yield _f32(state, state.part(il, f"{kind}_kv"))
+                yield _f32(state, state.part(il, f"{kind}_gate"))
 
 
 def write_payload(out: BinaryIO, state: SequenceState, args: ModelArgs, ctx: int, chunk: int) -> int:
@@ -154,39 +154,45 @@ def check_compatible(header: PayloadHeader, args: ModelArgs, ctx: int, chunk: in
 
 
 def read_payload(
-    data: bytes | memoryview, args: ModelArgs, ctx: int, chunk: int, device: torch.device | str = "cpu"
+    data: bytes | memoryview, args: ModelArgs, ctx: int, chunk: int, new_state: Callable[[], SequenceState]
 ) -> SequenceState:
-    """Rebuild a sequence state from payload bytes, validating every count and the exact size."""
+    """Rebuild a sequence state from payload bytes into a slot of `new_state()` (the backend's cache),
+    validating every count and the exact size."""
     header = PayloadHeader.unpack(data)
     check_compatible(header, args, ctx, chunk)
     expected = payload_nbytes(args, header.n_tokens)
     if len(data) != expected:
         raise PayloadError(f"payload is {len(data)} bytes, the layout for {header.n_tokens} tokens needs {expected}")
     reader = _Reader(memoryview(data), HEADER.size)
-    state = SequenceState.empty(args, device)
-    state.tokens = reader.array("<u4", header.n_tokens).astype(np.int64).tolist()
-    if any(t >= args.vocab_size for t in state.tokens):
+    tokens = reader.array("<u4", header.n_tokens).astype(np.int64).tolist()
+    if any(t >= args.vocab_size for t in tokens):
         raise PayloadError("payload holds a token id outside the vocabulary")
-    state.pos = header.n_tokens
-    state.logits = reader.tensor((args.vocab_size,), device)
-    counts = [reader.array("<u4", args.n_layers).tolist() for _ in range(2)]
-    for il, layer in enumerate(state.layers):
-        layer.raw_kv = reader.tensor((header.raw_live, args.head_dim), device)
-        for comp, n_rows in zip((layer.compressor, layer.indexer), (counts[0][il], counts[1][il]), strict=True):
-            if comp is None:
+    logits = torch.from_numpy(reader.array("<f4", args.vocab_size).copy())
+    counts = dict(zip(KINDS, (reader.array("<u4", args.n_layers).tolist() for _ in KINDS), strict=True))
+    state = new_state()
+    if header.n_tokens > state.cache.ctx:
+        raise PayloadError(f"payload holds {header.n_tokens} tokens; this backend's cache holds {state.cache.ctx}")
+    state.pos, state.tokens = header.n_tokens, tokens
+    for il in range(args.n_layers):
+        state.write_window(il, state.cache.storage.from_numpy(reader.rows(header.raw_live, args.head_dim)), state.pos)
+        for kind in KINDS:
+            spec, n_rows = state.compressor(il, kind), counts[kind][il]
+            if spec is None:
                 if n_rows:
                     raise PayloadError(f"layer {il} has {n_rows} compressed rows but no compressor of that kind")
                 continue
-            _read_compressor(reader, comp, n_rows, header.n_tokens, il, device)
+            if n_rows != header.n_tokens // spec.ratio:
+                raise PayloadError(
+                    f"layer {il}: {n_rows} compressed rows for {header.n_tokens} tokens at ratio {spec.ratio}"
+                )
+            for name, shape in (
+                (f"{kind}_rows", (n_rows, spec.dim)),
+                (f"{kind}_kv", spec.frontier_shape),
+                (f"{kind}_gate", spec.frontier_shape),
+            ):
+                state.write(il, name, state.cache.storage.from_numpy(reader.rows(*shape)))
+    state.logits = logits.to(state.cache.storage.device)
     return state
-
-
-def _read_compressor(reader: _Reader, comp: CompressorState, n_rows: int, n_tokens: int, il: int, device) -> None:
-    if n_rows != n_tokens // comp.ratio:
-        raise PayloadError(f"layer {il}: {n_rows} compressed rows for {n_tokens} tokens at ratio {comp.ratio}")
-    comp.rows.append(reader.tensor((n_rows, comp.dim), device))
-    comp.frontier_kv = reader.tensor(tuple(comp.frontier_kv.shape), device)
-    comp.frontier_gate = reader.tensor(tuple(comp.frontier_gate.shape), device)
 
 
 class _Reader:
@@ -198,6 +204,5 @@ class _Reader:
         self.offset += arr.nbytes
         return arr
 
-    def tensor(self, shape: tuple[int, ...], device) -> torch.Tensor:
-        count = int(np.prod(shape)) if shape else 1
-        return torch.from_numpy(self.array("<f4", count).reshape(shape).copy()).to(device)
+    def rows(self, n: int, width: int) -> np.ndarray:
+        return self.array("<f4", n * width).reshape(n, width)

@@ -80,8 +80,8 @@ def load(kind: BackendKind, model_path: Path, qat: bool) -> Backend:
 
 
 def state_device(backend: Backend) -> torch.device:
-    """Where the backend keeps its states' tensors (a payload is read back onto it)."""
-    return backend.new_state().layers[0].raw_kv.device
+    """Where the backend keeps its torch tensors (its states' logits)."""
+    return torch.device(backend.new_state().cache.storage.device)
 
 
 def payload_of(state: SequenceState, backend: Backend) -> bytes:
@@ -92,7 +92,7 @@ def payload_of(state: SequenceState, backend: Backend) -> bytes:
 
 def state_from_payload(data: bytes, backend: Backend) -> SequenceState:
     """A new state of `backend` holding the payload's sequence (states are backend-neutral)."""
-    return read_payload(data, backend.args, CTX, CHUNK, device=state_device(backend))
+    return read_payload(data, backend.args, CTX, CHUNK, backend.new_state)
 
 
 # -- comparing logits ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conformance import CHUNK, CTX, PROMPT, child_env, payload_of, state_device, state_from_payload
+from conformance import CHUNK, CTX, PROMPT, child_env, payload_of, state_from_payload
 
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.state import SequenceState
@@ -59,7 +59,7 @@ def test_snapshot_restore_replays_identically(backend, state_at_start):
     assert torch.equal(state.logits.flatten().cpu(), again[-1])
 
 
-def kv_store(directory: Path, model_path: Path, device: torch.device) -> KVStore:
+def kv_store(directory: Path, model_path: Path, new_state: Callable[[], SequenceState]) -> KVStore:
     return KVStore(
         directory,
         open_model(model_path).args,
@@ -68,7 +68,7 @@ def kv_store(directory: Path, model_path: Path, device: torch.device) -> KVStore
         CHUNK,
         render_key=Tokenizer.from_gguf(model_path).decode_bytes,
         options=KVCacheOptions(min_tokens=16, budget_bytes=1 << 30),
-        device=device,
+        new_state=new_state,
     )
 
 
@@ -85,7 +85,7 @@ def saved(backend, state_at_start, model_path, tmp_path_factory) -> Saved:
     state = state_at_start()
     payload = payload_of(state, backend)
     store_dir = tmp_path_factory.mktemp("kv")
-    assert kv_store(store_dir, model_path, state_device(backend)).save(state, SaveReason.COLD) is not None
+    assert kv_store(store_dir, model_path, backend.new_state).save(state, SaveReason.COLD) is not None
     return Saved(payload, store_dir, continue_with(backend, state, CONTINUE))
 
 
@@ -119,7 +119,7 @@ def test_payload_continues_identically_in_a_fresh_process(kind, saved, model_pat
 
 def test_kv_cache_round_trip_continues_identically(backend, saved, model_path):
     """A new KVStore over the directory (a restarted server) finds the state by its rendered prefix."""
-    store = kv_store(saved.store_dir, model_path, state_device(backend))
+    store = kv_store(saved.store_dir, model_path, backend.new_state)
     longer = store.render_key(PROMPT[: START + len(CONTINUE)])
     hit = store.lookup(longer)
     assert hit is not None and hit.state.pos == START and hit.state.tokens == PROMPT[:START]

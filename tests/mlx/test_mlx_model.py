@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import pytest
 import torch
 
@@ -114,24 +115,25 @@ def test_state_layout_matches_reference(tiny):
     reference.forward(PROMPT[:150], a)
     model.forward(PROMPT[:150], b)
     assert a.nbytes() == b.nbytes()
-    for la, lb in zip(a.layers, b.layers, strict=True):
-        assert torch.allclose(la.raw_kv, lb.raw_kv, atol=1e-4)
-        for ca, cb in ((la.compressor, lb.compressor), (la.indexer, lb.indexer)):
-            assert (ca is None) == (cb is None)
-            if ca is not None:
-                assert ca.rows.n == cb.rows.n and torch.allclose(ca.rows.rows, cb.rows.rows, atol=1e-4)
-                assert torch.equal(ca.frontier_gate.isinf(), cb.frontier_gate.isinf())
-                assert torch.allclose(ca.frontier_kv, cb.frontier_kv, atol=1e-4)
+    for il in range(tiny.args.n_layers):
+        pa, pb = a.host_parts(il), b.host_parts(il)
+        assert pa.keys() == pb.keys()
+        for name in pa:
+            assert pa[name].shape == pb[name].shape, name
+            if name.endswith("_gate"):
+                assert np.array_equal(np.isinf(pa[name]), np.isinf(pb[name]))
+            else:
+                assert np.allclose(pa[name], pb[name], atol=1e-4), name
 
 
 def test_payload_round_trip_continues_identically(tiny):
-    """A payload written from an MLX state, read back as a torch state, continues bit-exactly on MLX."""
+    """A payload written from an MLX state, read back into another MLX slot, continues bit-exactly."""
     model = MLXModel(tiny, qat=True)
     state = model.new_state()
     model.forward(PROMPT[:PREFIX], state, all_logits=False)
     buf = io.BytesIO()
     write_payload(buf, state, model.args, ctx=1024, chunk=64)
-    loaded = read_payload(buf.getvalue(), model.args, ctx=1024, chunk=64)
+    loaded = read_payload(buf.getvalue(), model.args, 1024, 64, model.new_state)
     assert torch.equal(loaded.logits, state.logits)
     assert torch.equal(model.forward(PROMPT[PREFIX:], loaded), model.forward(PROMPT[PREFIX:], state))
 

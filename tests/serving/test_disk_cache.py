@@ -10,7 +10,7 @@ import openai
 import torch
 from conftest import API_KEY, BASE_CONFIG, TOOLS, start_server
 
-from dwarfstar.model.state import SequenceState
+from dwarfstar.model.state import KVCache, SequenceState, TorchStorage
 from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.pool import LiveSession
 from dwarfstar.serving.replay import ToolMemory
@@ -89,18 +89,15 @@ class MetaStates:
     def __init__(self, inner) -> None:
         self.inner, self.args = inner, inner.args
 
+        self.cache = KVCache(inner.args, inner.args.max_seq_len, TorchStorage("meta"))
+
     def new_state(self) -> SequenceState:
-        return SequenceState.empty(self.args, "meta")
+        return self.cache.new_state()
 
 
 def state_tensors(state: SequenceState) -> list[torch.Tensor]:
-    out = [state.logits]
-    for layer in state.layers:
-        out.append(layer.raw_kv)
-        for comp in (layer.compressor, layer.indexer):
-            if comp is not None:
-                out += [comp.rows.data, comp.frontier_kv, comp.frontier_gate]
-    return out
+    layers = range(state.cache.args.n_layers)
+    return [state.logits] + [state.part(il, name) for il in layers for name in state.parts(il)]
 
 
 def test_a_cache_hit_is_loaded_onto_the_backends_device(engine, tmp_path):

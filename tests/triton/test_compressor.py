@@ -7,7 +7,7 @@ import torch
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels import compressor as comp
-from dwarfstar.model.state import CompressorState
+from dwarfstar.model.state import CompressorSpec
 
 
 @pytest.mark.parametrize(
@@ -25,8 +25,12 @@ def test_chunks_match_reference(ratio, dim, chunks, device):
     g = (2 * torch.randn(total, width, generator=gen)).to(device)
     ape = (0.5 * torch.randn(ratio, width, generator=gen)).to(device)
     norm = (1 + 0.1 * torch.randn(dim, generator=gen)).to(device)
-    mine = CompressorState.empty(ratio, dim, device)
-    ref = CompressorState.empty(ratio, dim, device)
+    spec = CompressorSpec("attn", ratio, dim)
+    mine = (
+        torch.zeros(spec.frontier_shape, device=device),
+        torch.full(spec.frontier_shape, float("-inf"), device=device),
+    )
+    ref = tuple(t.clone() for t in mine)
     p0 = 0
     emitted_total = 0
     for t in chunks:
@@ -35,13 +39,13 @@ def test_chunks_match_reference(ratio, dim, chunks, device):
         n = comp.emitted(p0, t, ratio)
         pos = torch.tensor([p0], dtype=torch.int32, device=device)
         pooled = comp.compress_chunk(
-            both[:, :width], both[:, width:], ape, mine.frontier_kv, mine.frontier_gate, pos, n, ratio
-        )
-        want = comp.reference(u[p0 : p0 + t], g[p0 : p0 + t], ape, norm, ref, p0, 1e-6)
+            both[:, :width], both[:, width:], ape, *mine, pos, n, ratio
+        )  # the kernel updates the frontier in place
+        want, *ref = comp.reference(u[p0 : p0 + t], g[p0 : p0 + t], ape, norm, spec, ref, p0, 1e-6)
         assert want.shape[0] == n
         torch.testing.assert_close(ops.rms_norm(pooled, norm, 1e-6), want, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(mine.frontier_kv, ref.frontier_kv, rtol=0, atol=0)
-        torch.testing.assert_close(mine.frontier_gate, ref.frontier_gate, rtol=0, atol=0)
+        torch.testing.assert_close(mine[0], ref[0], rtol=0, atol=0)
+        torch.testing.assert_close(mine[1], ref[1], rtol=0, atol=0)
         p0 += t
         emitted_total += n
     assert emitted_total == total // ratio >= 2

@@ -1,9 +1,9 @@
-"""A state restored from a ds4 payload keeps the invariant graph capture relies on.
+"""A state restored from a ds4 payload lands in a fixed slot of the backend's KV cache.
 
 Kernels are specialised on integer arguments divisible by 16, and a captured decode step bakes in
-its buffers' addresses, so the Triton backend keeps every row buffer's capacity a multiple of 64
-(`ROW_CAPACITY_STEP`). A payload holds exactly a state's rows: read back, its buffers have capacity
-n, which the backend must regrow to the step before its first launch.
+the addresses of a slot's arrays, so every slot has the row capacity of the whole context (a
+multiple of `ROW_STEP`), preallocated, and a payload read back is written into a slot rather than
+bringing arrays of its own.
 """
 
 from __future__ import annotations
@@ -13,26 +13,30 @@ import io
 import torch
 
 from dwarfstar.backends.triton import load_backend
-from dwarfstar.backends.triton.model import ROW_CAPACITY_STEP
 from dwarfstar.model.loader import open_model
+from dwarfstar.model.state import ROW_STEP
 from dwarfstar.session.payload import read_payload, write_payload
 
 PROMPT = list(range(3, 3 + 41))  # 41 tokens: ratio-4 layers hold 10 rows, not a multiple of 64
 
 
-def capacities(state) -> list[int]:
-    return [c.rows.data.shape[0] for layer in state.layers for c in (layer.compressor, layer.indexer) if c is not None]
+def row_arrays(state) -> list[torch.Tensor]:
+    layers = range(state.cache.args.n_layers)
+    return [state.part(il, name) for il in layers for name in state.parts(il) if name.endswith("_rows")]
 
 
-def test_rows_read_from_a_payload_are_regrown_to_the_capacity_step(tiny_model_file) -> None:
+def test_a_state_read_from_a_payload_uses_a_slot_of_the_cache(tiny_model_file) -> None:
     backend = load_backend(open_model(tiny_model_file(0)), device="cpu")
     state = backend.new_state()
     backend.forward(PROMPT, state, all_logits=False)
     buffer = io.BytesIO()
     write_payload(buffer, state, backend.args, ctx=1024, chunk=64)
-    restored = read_payload(buffer.getvalue(), backend.args, 1024, 64)
-    assert any(c % ROW_CAPACITY_STEP for c in capacities(restored))  # the payload breaks the invariant
+    restored = read_payload(buffer.getvalue(), backend.args, 1024, 64, backend.new_state)
+    assert restored.cache is state.cache and restored.slot != state.slot
+    capacities = {rows.shape[0] for rows in row_arrays(restored)}
+    assert all(c % ROW_STEP == 0 and c >= backend.max_seq_len // 128 for c in capacities)
+    pointers = [rows.data_ptr() for rows in row_arrays(restored)]
     want = backend.forward([7], state, all_logits=False)
     got = backend.forward([7], restored, all_logits=False)
-    assert all(c % ROW_CAPACITY_STEP == 0 for c in capacities(restored))
+    assert [rows.data_ptr() for rows in row_arrays(restored)] == pointers  # nothing moved or grew
     assert torch.equal(want, got)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,8 +43,10 @@ def test_tiny_synthetic_model_runs_from_a_long_context_state(device, monkeypatch
     monkeypatch.setitem(synthetic.PRESETS, "tiny-k", (TINY_K, Q2))
     model = TritonModel(synthetic.synthetic_weights("tiny-k", device=device))
     state = synthetic.synthetic_state(model, ctx=37)
-    assert state.layers[2].compressor.rows.n == 9 and state.layers[3].compressor.rows.n == 0
-    assert torch.isinf(state.layers[2].compressor.frontier_gate[5:]).all()  # 37 % 4 = 1 pending slot
+    ratio4 = state.host_parts(2)
+    assert ratio4["attn_rows"].shape[0] == 9 and np.isfinite(ratio4["attn_rows"]).all()  # written, not left empty
+    assert state.host_parts(3)["attn_rows"].shape[0] == 0
+    assert np.isinf(ratio4["attn_gate"][5:]).all() and np.isfinite(ratio4["attn_gate"][:5]).all()  # 37 % 4 = 1 pending
     logits = model.forward([11], state)
     assert logits.shape == (1, TINY_K.vocab_size) and torch.isfinite(logits).all()
-    assert state.pos == 38 and state.layers[2].compressor.rows.n == 9
+    assert state.pos == 38 and state.host_parts(2)["attn_rows"].shape[0] == 9

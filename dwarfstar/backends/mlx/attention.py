@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from dwarfstar.backends.mlx import ops
-from dwarfstar.backends.mlx.state import MLXCompressorState
+from dwarfstar.model.state import CompressorSpec
 
 # Prefill queries attend in blocks of this many: a block gathers [block, top_k, head_dim] rows
 # (Flash: 128 x 512 x 512 floats, 128 MB), so a long chunk never holds them all at once, and its
@@ -36,16 +36,22 @@ class Selection:
     valid: mx.array | None
 
 
-def pool(state: MLXCompressorState, kv: mx.array, gate: mx.array, ape: mx.array, start: int) -> mx.array | None:
-    """Advance a compressor over T tokens from position `start`; the finished windows' pooled rows
-    (before their norm), or None when no window finished.
+def pool(
+    spec: CompressorSpec,
+    front_kv: mx.array,
+    front_gate: mx.array,
+    kv: mx.array,
+    gate: mx.array,
+    ape: mx.array,
+    start: int,
+) -> tuple[mx.array | None, mx.array, mx.array]:
+    """Advance a compressor over T tokens from position `start`: the finished windows' pooled rows
+    (before their norm), or None when no window finished, and the new frontier (kv, gate).
 
     Same semantics as `dwarfstar.backends.reference.ops.compress`: a window of `ratio` tokens pools
     by a softmax gate over its slots, ratio 4 over 8 slots (the previous window's first half too).
-    The frontier arrays are replaced, never modified in place (state.py relies on it).
     """
-    r, off = state.ratio, state.current_offset
-    front_kv, front_gate = state.mx_frontier_kv, state.mx_frontier_gate
+    r, off = spec.ratio, spec.current_offset
     n_pending = start % r  # tokens of the window in progress already in the frontier
     slots = mx.arange(start, start + kv.shape[0]) % r
     kv = mx.concatenate((front_kv[off : off + n_pending], kv))
@@ -55,10 +61,10 @@ def pool(state: MLXCompressorState, kv: mx.array, gate: mx.array, ape: mx.array,
     pooled = None
     if n:
         win_kv, win_gate = kv[: n * r].reshape(n, r, -1), gate[: n * r].reshape(n, r, -1)
-        if state.overlap:
+        if spec.overlap:
             # row w pools the first half of window w-1 and the second half of window w; before
             # window 0 the frontier holds gate -inf, which gives those slots weight 0
-            d = state.dim
+            d = spec.dim
             prev_kv = mx.concatenate((front_kv[None, :r], win_kv[:-1]))[..., :d]
             prev_gate = mx.concatenate((front_gate[None, :r], win_gate[:-1]))[..., :d]
             win_kv = mx.concatenate((prev_kv, win_kv[..., d:]), axis=1)
@@ -68,9 +74,9 @@ def pool(state: MLXCompressorState, kv: mx.array, gate: mx.array, ape: mx.array,
     rest = kv.shape[0] - n * r
     pad = front_kv.shape[0] - off - rest
     width = front_kv.shape[1]
-    state.mx_frontier_kv = mx.concatenate((kept_kv, kv[n * r :], mx.zeros((pad, width))))
-    state.mx_frontier_gate = mx.concatenate((kept_gate, gate[n * r :], mx.full((pad, width), -mx.inf)))
-    return pooled
+    new_kv = mx.concatenate((kept_kv, kv[n * r :], mx.zeros((pad, width))))
+    new_gate = mx.concatenate((kept_gate, gate[n * r :], mx.full((pad, width), -mx.inf)))
+    return pooled, new_kv, new_gate
 
 
 def visible_rows(positions: mx.array, ratio: int, n_rows: int) -> mx.array | None:

@@ -18,14 +18,12 @@ import numpy as np
 import torch
 
 from dwarfstar.backends.mlx import attention, metal_available, ops
-from dwarfstar.backends.mlx import state as mlx_state
-from dwarfstar.backends.mlx.state import MLXLayerState
+from dwarfstar.backends.mlx.state import MLXStorage, lazy_arrays
 from dwarfstar.backends.mlx.weights import LayerWeights, Matrix, Weights
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import ModelArgs, yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, Transformer
 from dwarfstar.model.loader import ModelFile
-from dwarfstar.model.state import SequenceState
 from dwarfstar.model.tensors import ProjectionGroup
 from dwarfstar.session.sampling import sample_batch
 
@@ -120,15 +118,8 @@ class MLXOps:
             shared=tuple(w.matrix(n) for n in tt.SHARED_EXPERT),
         )
 
-    def new_state(self) -> SequenceState:
-        return mlx_state.new_state(self.args)
-
-    @staticmethod
-    def _state(seq: Segment, il: int) -> MLXLayerState:
-        """The sequence's layer state as MLX arrays (a state read from a payload is adopted here, once)."""
-        layers = seq.state.layers
-        layers[il] = MLXLayerState.adopt(layers[il])
-        return layers[il]
+    def kv_storage(self) -> MLXStorage:
+        return MLXStorage()
 
     # -- streams -----------------------------------------------------------------------------------------
     def embed(self, batch: Batch) -> mx.array:
@@ -152,12 +143,9 @@ class MLXOps:
 
     def logits(self, y: mx.array, batch: Batch) -> torch.Tensor:
         logits = self.output.matmul(y)
-        mx.eval(logits, *(arr for seq in batch.seqs for arr in mlx_state.lazy_arrays(seq.state)))
+        mx.eval(logits, *(arr for seq in batch.seqs for arr in lazy_arrays(seq.state)))
         # a numpy copy, not torch ops: torch's thread hand-offs cost more than a copy on busy cores
         return torch.from_numpy(np.array(logits))
-
-    def finish(self, batch: Batch) -> None:
-        """Nothing: the row buffers count their rows as they are appended."""
 
     # -- attention ---------------------------------------------------------------------------------------
     def project(self, il: int, group: ProjectionGroup, x: mx.array) -> dict[str, mx.array]:
@@ -186,25 +174,29 @@ class MLXOps:
         return fused.indexer_round(q) if self.qat else q
 
     def write_window(self, il: int, kv: mx.array, batch: Batch) -> None:
-        for seq in batch.seqs:
-            layer = self._state(seq, il)
-            layer.mx_raw_kv = mx.concatenate((layer.mx_raw_kv, kv[seq.rows]))
+        """The chunk's rows join the window for attention; the ring keeps them once attention has read
+        the rows they replace."""
+        batch.aux[("window", il)] = kv
 
     def compress(self, il: int, kind: str, proj: dict[str, mx.array], batch: Batch) -> None:
         a, layer_weights = self.args, self.layers[il]
         ape, norm = layer_weights.compressors[kind]
         for seq in batch.seqs:
-            layer = self._state(seq, il)
-            state = layer.compressor if kind == "attn" else layer.indexer
-            pooled = attention.pool(state, proj[f"{kind}_kv"][seq.rows], proj[f"{kind}_gate"][seq.rows], ape, seq.start)
+            state, spec = seq.state, seq.state.compressor(il, kind)
+            front = state.part(il, f"{kind}_kv"), state.part(il, f"{kind}_gate")
+            kv, gate = proj[f"{kind}_kv"][seq.rows], proj[f"{kind}_gate"][seq.rows]
+            pooled, *front = attention.pool(spec, *front, kv, gate, ape, seq.start)
+            state.write(il, f"{kind}_kv", front[0])
+            state.write(il, f"{kind}_gate", front[1])
             if pooled is None:
                 continue
-            row_positions = (state.rows.n + np.arange(pooled.shape[0])) * state.ratio  # its window's first token
+            first = seq.start // spec.ratio
+            row_positions = (first + np.arange(pooled.shape[0])) * spec.ratio  # its window's first token
             cos, sin = ops.rope_tables(row_positions, layer_weights.inv_freq)
             rows = self.fused.rope(ops.rms_norm(pooled, norm, a.norm_eps), cos, sin)
             if self.qat:
                 rows = self.fused.fp8_round_nope(rows) if kind == "attn" else self.fused.indexer_round(rows)
-            state.rows.append(rows)
+            state.write(il, f"{kind}_rows", rows, first)
 
     def _visible(self, il: int, seq: Segment, n_rows: int, batch: Batch) -> mx.array | None:
         """The sequence's [T, n_rows] row visibility, the same in every layer of a ratio, built once per call."""
@@ -219,7 +211,7 @@ class MLXOps:
         a, chosen = self.args, []
         weights = weights * (a.index_head_dim**-0.5 * a.index_n_heads**-0.5)
         for seq in batch.seqs:
-            index_rows = self._state(seq, il).indexer.rows.mx_rows
+            index_rows = seq.state.rows(il, "indexer", seq.start + seq.length)
             visible = self._visible(il, seq, index_rows.shape[0], batch)
             scores = attention.index_scores(q[seq.rows], weights[seq.rows], index_rows, visible)
             chosen.append(attention.top_k(scores, visible, a.index_topk))
@@ -231,19 +223,20 @@ class MLXOps:
         a, layer, out = self.args, self.layers[il], []
         cos, sin = self._rope_tables(il, batch)
         band = batch.aux.setdefault("window_band", {})
+        chunk = batch.aux.pop(("window", il))
         for i, seq in enumerate(batch.seqs):
-            state = self._state(seq, il)
-            rows = None if state.compressor is None else state.compressor.rows.mx_rows
+            state, end = seq.state, seq.start + seq.length
+            rows = state.rows(il, "attn", end) if state.compressor(il, "attn") else None
             selection = None if selected is None else selected[i]
             # the indexer's selection already holds visibility; ratio-128 queries read every visible row
             visible = None if rows is None or selection is not None else self._visible(il, seq, rows.shape[0], batch)
-            raw = state.mx_raw_kv
+            raw = mx.concatenate((state.raw_window(il), chunk[seq.rows]))
             out.append(
                 attention.sparse_attention(
                     q[seq.rows], raw, seq.length, a.window, layer.sinks, rows, visible, selection, band
                 )
             )
-            state.mx_raw_kv = raw[-a.window :]
+            state.write_window(il, raw, end)
         o = out[0] if len(out) == 1 else mx.concatenate(out)
         return self.fused.unrope(o, cos, sin)
 

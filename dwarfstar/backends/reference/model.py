@@ -20,7 +20,7 @@ from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import LayerSpec, ModelArgs, yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, Transformer
 from dwarfstar.model.loader import ModelFile
-from dwarfstar.model.state import SequenceState
+from dwarfstar.model.state import TorchStorage
 from dwarfstar.model.tensors import ProjectionGroup
 from dwarfstar.session.sampling import sample_batch
 
@@ -115,8 +115,8 @@ class ReferenceOps:
             shared=tuple(w(n) for n in tt.SHARED_EXPERT),
         )
 
-    def new_state(self) -> SequenceState:
-        return SequenceState.empty(self.args)
+    def kv_storage(self) -> TorchStorage:
+        return TorchStorage("cpu")  # the oracle keeps every part in float32
 
     # -- streams -----------------------------------------------------------------------------------------
     def embed(self, batch: Batch) -> torch.Tensor:
@@ -139,9 +139,6 @@ class ReferenceOps:
 
     def logits(self, y: torch.Tensor, batch: Batch) -> torch.Tensor:
         return y @ self.output.T
-
-    def finish(self, batch: Batch) -> None:
-        """Nothing: this layout's row buffers count their rows as they are appended."""
 
     # -- attention ---------------------------------------------------------------------------------------
     def project(self, il: int, group: ProjectionGroup, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -173,23 +170,29 @@ class ReferenceOps:
         return ops.indexer_round(q) if self.qat else q
 
     def write_window(self, il: int, kv: torch.Tensor, batch: Batch) -> None:
-        for seq in batch.seqs:
-            layer = seq.state.layers[il]
-            layer.raw_kv = torch.cat((layer.raw_kv, kv[seq.rows]))
+        """The chunk's rows join the window for attention; the ring keeps them once attention has read
+        the rows they replace."""
+        batch.aux[("window", il)] = kv
 
     def compress(self, il: int, kind: str, proj: dict[str, torch.Tensor], batch: Batch) -> None:
+        """Pool each sequence's finished windows; the call reads its new rows from `aux`, and the state
+        keeps detached copies (autograd, when training, runs through a call, not through the cache)."""
         a, (ape, norm) = self.args, self.layers[il].compressors[kind]
         for seq in batch.seqs:
-            layer = seq.state.layers[il]
-            state = layer.compressor if kind == "attn" else layer.indexer
+            state, spec = seq.state, seq.state.compressor(il, kind)
             kv, gate = proj[f"{kind}_kv"][seq.rows], proj[f"{kind}_gate"][seq.rows]
-            rows = ops.compress(state, kv, gate, ape, norm, seq.start, a.norm_eps)
+            front = state.part(il, f"{kind}_kv"), state.part(il, f"{kind}_gate")
+            rows, *front = ops.compress(spec, *front, kv, gate, ape, norm, seq.start, a.norm_eps)
+            state.write(il, f"{kind}_kv", front[0].detach())
+            state.write(il, f"{kind}_gate", front[1].detach())
+            first = seq.start // spec.ratio
             if rows.shape[0]:
-                row_positions = (state.rows.n + torch.arange(rows.shape[0])) * state.ratio  # its window's first token
+                row_positions = (first + torch.arange(rows.shape[0])) * spec.ratio  # its window's first token
                 rows = ops.apply_rope(rows, *self._angles(il, row_positions))
                 if self.qat:
                     rows = ops.fp8_round_nope(rows, a.rope_dim) if kind == "attn" else ops.indexer_round(rows)
-                state.rows.append(rows)
+                state.write(il, f"{kind}_rows", rows.detach(), first)
+            batch.aux[("rows", il, kind, id(state))] = torch.cat((state.rows(il, kind), rows))
 
     def _visible(self, il: int, seq: Segment, n_rows: int) -> torch.Tensor:
         """[T, n_rows]: row w is complete, hence visible, once token ratio * (w + 1) - 1 has been seen."""
@@ -202,7 +205,7 @@ class ReferenceOps:
         a, chosen = self.args, []
         weights = weights * (a.index_head_dim**-0.5 * a.index_n_heads**-0.5)
         for seq in batch.seqs:
-            index_rows = seq.state.layers[il].indexer.rows.rows
+            index_rows = batch.aux.pop(("rows", il, "indexer", id(seq.state)))
             visible = self._visible(il, seq, index_rows.shape[0])
             per_head = torch.einsum("thd,nd->thn", q[seq.rows], index_rows).relu()
             scores = (per_head * weights[seq.rows, :, None]).sum(1).masked_fill(~visible, float("-inf"))
@@ -217,17 +220,18 @@ class ReferenceOps:
     def sparse_attention(self, il: int, q: torch.Tensor, batch: Batch, selected) -> torch.Tensor:
         a, layer, out = self.args, self.layers[il], []
         cos, sin = self._batch_angles(il, batch)
+        chunk = batch.aux.pop(("window", il))
         for i, seq in enumerate(batch.seqs):
-            state = seq.state.layers[il]
-            raw = state.raw_kv
-            positions = torch.arange(seq.start, seq.start + seq.length)
-            age = positions[:, None] - torch.arange(seq.start + seq.length - raw.shape[0], seq.start + seq.length)
+            state, end = seq.state, seq.start + seq.length
+            raw = torch.cat((state.raw_window(il), chunk[seq.rows]))
+            positions = torch.arange(seq.start, end)
+            age = positions[:, None] - torch.arange(end - raw.shape[0], end)
             keys, mask = raw, (age >= 0) & (age < a.window)
-            if state.compressor is not None:
-                rows = state.compressor.rows.rows
+            if state.compressor(il, "attn") is not None:
+                rows = batch.aux.pop(("rows", il, "attn", id(state)))
                 visible = self._visible(il, seq, rows.shape[0]) if selected is None else selected[i]
                 keys, mask = torch.cat((raw, rows)), torch.cat((mask, visible), dim=1)
-            state.raw_kv = raw[-a.window :]
+            state.write_window(il, raw.detach(), end)
             probs = ops.sink_attention_probs(q[seq.rows], keys, mask, layer.sinks)
             if self.indexer_observer is not None and selected is not None:
                 scores = batch.aux.pop(("index_scores", il, id(seq.state)))

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dwarfstar.model.state import CompressorState
+from dwarfstar.model.state import CompressorSpec
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 FP8_BLOCK = 64  # the KV "FP8" rounding uses one power-of-two scale per 64 nope dims
@@ -195,49 +195,53 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sinks:
 
 
 def compress(
-    state: CompressorState,
+    spec: CompressorSpec,
+    front_kv: torch.Tensor,
+    front_gate: torch.Tensor,
     kv: torch.Tensor,
     gate: torch.Tensor,
     ape: torch.Tensor,
     norm: torch.Tensor,
     start: int,
     eps: float,
-) -> torch.Tensor:
-    """Advance a compressor over T tokens from position `start`; returns the rows finished, RMS-normed.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Advance a compressor over T tokens from position `start`: the rows finished, RMS-normed, and
+    the new frontier (kv, gate).
 
     kv and gate are the tokens' compressor projections [T, width]; ape [ratio, width] is the bias of
     a token's slot in its window. A finished window of `ratio` tokens pools into one row by a softmax
     gate over its slots (ratio 4 also pools the first half of the previous window: 8 slots with
-    overlap). The frontier (state.frontier_kv / frontier_gate) keeps the unfinished window in place;
-    the caller rotates, rounds and appends the rows.
+    overlap). The frontier keeps the unfinished window; the caller stores it, and rotates, rounds and
+    appends the rows. Nothing is written in place, so autograd can run through a call.
     """
-    r, off = state.ratio, state.current_offset
+    r, off = spec.ratio, spec.current_offset
+    front_kv, front_gate = front_kv.clone(), front_gate.clone()
     n_pending = start % r  # tokens of the window in progress already in the frontier
     positions = torch.arange(start, start + kv.shape[0], device=kv.device)
-    kv = torch.cat((state.frontier_kv[off : off + n_pending], kv))
-    gate = torch.cat((state.frontier_gate[off : off + n_pending], gate + ape[positions % r]))
+    kv = torch.cat((front_kv[off : off + n_pending], kv))
+    gate = torch.cat((front_gate[off : off + n_pending], gate + ape[positions % r]))
     n = kv.shape[0] // r
-    pooled = kv.new_empty(0, state.dim)
+    pooled = kv.new_empty(0, spec.dim)
     if n:
         win_kv, win_gate = kv[: n * r].view(n, r, -1), gate[: n * r].view(n, r, -1)
-        if state.overlap:
+        if spec.overlap:
             # row w pools the first half of window w-1 and the second half of window w; before
             # window 0 the frontier holds gate -inf, which gives those slots weight 0
-            d = state.dim
-            prev_kv = torch.cat((state.frontier_kv[None, :r], win_kv[:-1]))[..., :d]
-            prev_gate = torch.cat((state.frontier_gate[None, :r], win_gate[:-1]))[..., :d]
+            d = spec.dim
+            prev_kv = torch.cat((front_kv[None, :r], win_kv[:-1]))[..., :d]
+            prev_gate = torch.cat((front_gate[None, :r], win_gate[:-1]))[..., :d]
             slots_kv = torch.cat((prev_kv, win_kv[..., d:]), dim=1)
             slots_gate = torch.cat((prev_gate, win_gate[..., d:]), dim=1)
-            state.frontier_kv[:r], state.frontier_gate[:r] = win_kv[-1], win_gate[-1]
+            front_kv[:r], front_gate[:r] = win_kv[-1], win_gate[-1]
         else:
             slots_kv, slots_gate = win_kv, win_gate
         pooled = rms_norm((slots_kv * slots_gate.softmax(dim=1)).sum(1), norm, eps)
     rest = kv.shape[0] - n * r
-    state.frontier_kv[off:] = 0.0
-    state.frontier_gate[off:] = float("-inf")
-    state.frontier_kv[off : off + rest] = kv[n * r :]
-    state.frontier_gate[off : off + rest] = gate[n * r :]
-    return pooled
+    front_kv[off:] = 0.0
+    front_gate[off:] = float("-inf")
+    front_kv[off : off + rest] = kv[n * r :]
+    front_gate[off : off + rest] = gate[n * r :]
+    return pooled, front_kv, front_gate
 
 
 def route(

@@ -1,8 +1,8 @@
 """DeepSeek V4's operations on the Triton kernels: `TritonOps`, driven by the shared forward pass.
 
 The order of the operations is `dwarfstar.model.forward.Transformer`'s; this module only says how
-each runs on the device. The state is the backend-neutral `SequenceState`, kept on the device: raw
-windows, row buffers and compressor frontiers are read and updated in place by the kernels. The
+each runs on the device. The states are slots of the KV cache (`model.state.KVCache`) on the device:
+the raw-window rings, the rows and the compressor frontiers are read and updated in place. The
 matrices, the mHC and the MoE run on all rows of a batch at once (each weight is read once per
 step); attention, the compressors and the indexer run per sequence, with that sequence's position.
 
@@ -34,31 +34,18 @@ from dwarfstar.backends.triton.kernels import (
 from dwarfstar.backends.triton.kernels.qmatmul import GEMV_MAX_ROWS, qmatmul
 from dwarfstar.backends.triton.kernels.rms_norm_rope import NORM_NONE, NORM_PLAIN, QAT_FP4, QAT_FP8, QAT_NONE
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
-from dwarfstar.backends.triton.runtime import EXACT, Precision
+from dwarfstar.backends.triton.runtime import EXACT, Precision, next_pow2
 from dwarfstar.backends.triton.weights import FusedLinear, ModelWeights
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Site, Transformer
-from dwarfstar.model.state import CompressorState, RowBuffer, SequenceState
+from dwarfstar.model.state import ROW_STEP, KVCache, SequenceState, TorchStorage
 from dwarfstar.model.tensors import ProjectionGroup
 
-ROW_CAPACITY_STEP = 64
 
-
-def reserve(rows: RowBuffer, n: int) -> None:
-    """Make a row buffer's storage hold n rows (kernels write rows in place, by index).
-
-    Capacities stay multiples of 64: Triton specialises kernels on integer arguments divisible by
-    16, and a captured decode graph must not need a new compilation when a buffer has grown. A
-    buffer restored from a payload has exactly its rows, so it is regrown to the step here too.
-    """
-    capacity = rows.data.shape[0]
-    if capacity < n or capacity % ROW_CAPACITY_STEP:
-        wanted = max(n, 2 * capacity if capacity < n else capacity)
-        grown = torch.empty(
-            -(-wanted // ROW_CAPACITY_STEP) * ROW_CAPACITY_STEP, rows.data.shape[1], device=rows.data.device
-        )
-        grown[: rows.n] = rows.data[: rows.n]
-        rows.data = grown
+def row_bound(cache: KVCache, ratio: int, end: int) -> int:
+    """The rows of `ratio` visible before position `end`, rounded up to a power of two (at least
+    ROW_STEP, at most a slot's capacity)."""
+    return min(cache.capacity(ratio), max(ROW_STEP, next_pow2(end // ratio)))
 
 
 class TritonOps:
@@ -73,15 +60,16 @@ class TritonOps:
                 freq = yarn_inv_freq(self.args, layer)
                 self._inv_freq[key] = torch.tensor(freq, dtype=torch.float64, device=self.device)
 
-    def new_state(self) -> SequenceState:
-        return SequenceState.empty(self.args, self.device)
+    def kv_storage(self) -> TorchStorage:
+        return TorchStorage(self.device)
 
-    def reserve(self, state: SequenceState, t: int) -> None:
-        """Room in every row buffer for the rows the next t tokens can emit (kernels write by index)."""
-        for layer in state.layers:
-            for comp in (layer.compressor, layer.indexer):
-                if comp is not None:
-                    reserve(comp.rows, (state.pos + t) // comp.ratio)
+    def rows_in_reach(self, il: int, kind: str, state: SequenceState, end: int) -> torch.Tensor:
+        """The slot's rows a launch may read up to position `end`: the visible count rounded up to a
+        power of two (at least ROW_STEP). The kernels count the visible rows on the device; this bound
+        sizes their grids to the sequence rather than to the whole context, and it changes only when a
+        sequence crosses a power of two (a captured decode step is captured once per bound)."""
+        bound = row_bound(state.cache, state.compressor(il, kind).ratio, end)
+        return state.part(il, f"{kind}_rows")[:bound]
 
     # -- per call ----------------------------------------------------------------------------------------
     def embed(self, batch: Batch) -> torch.Tensor:
@@ -90,8 +78,6 @@ class TritonOps:
         A captured decode step presets `tok` and `pos` to its static buffers.
         """
         a, aux = self.args, batch.aux
-        for seq in batch.seqs:
-            self.reserve(seq.state, seq.length)
         if "tok" not in aux:
             tokens = torch.cat([s.tokens for s in batch.seqs])
             # a fill launches a kernel; a copy of a pageable host tensor would wait for the stream to drain
@@ -110,14 +96,6 @@ class TritonOps:
         aux["precision"] = self.precision if n > GEMV_MAX_ROWS else EXACT
         w = self.w.embed
         return quant_blocks.gather_rows(w.data, w.ggml_type, a.dim, batch.tokens, copies=a.hc_mult)
-
-    def finish(self, batch: Batch) -> None:
-        """The kernels wrote each emitted compressed row by index: count them in."""
-        for seq in batch.seqs:
-            for layer in seq.state.layers:
-                for comp in (layer.compressor, layer.indexer):
-                    if comp is not None:
-                        comp.rows.n += compressor.emitted(seq.start, seq.length, comp.ratio)
 
     # -- streams -----------------------------------------------------------------------------------------
     def hc_pre(self, il: int, site: Site, h: torch.Tensor) -> tuple[torch.Tensor, tuple]:
@@ -170,13 +148,18 @@ class TritonOps:
         return norm_rope(q, norm=NORM_NONE, angles=ang, rope_dim=a.rope_dim, qat=QAT_FP4 if self.qat else QAT_NONE)
 
     def write_window(self, il: int, kv: torch.Tensor, batch: Batch) -> None:
-        """Each sequence's window rows [n_prev + T] for its attention kernel (the state keeps its own
-        until attention has read them, so a captured step updates it in place afterwards)."""
-        for i, seq in enumerate(batch.seqs):
-            raw = seq.state.layers[il].raw_kv
-            rows = torch.empty(raw.shape[0] + seq.length, self.args.head_dim, device=self.device)
-            rows[: raw.shape[0]] = raw
-            rows[raw.shape[0] :] = kv[seq.rows]
+        """Each sequence's window rows [n_prev + T], oldest first, for its attention kernel: the ring's
+        rows before the chunk, gathered by device-computed index (a captured step replays at any
+        position), then the chunk's. The ring keeps the chunk's rows once attention has read them."""
+        window = self.args.window
+        for i, (seq, pos) in enumerate(zip(batch.seqs, batch.aux["pos"], strict=True)):
+            n_prev = min(seq.start, window)
+            rows = torch.empty(n_prev + seq.length, self.args.head_dim, device=self.device)
+            if n_prev:
+                ring = seq.state.part(il, "raw")
+                older = (pos.long() - n_prev + torch.arange(n_prev, device=self.device)) % window
+                torch.index_select(ring, 0, older, out=rows[:n_prev])
+            rows[n_prev:] = kv[seq.rows]
             batch.aux[("window", il, i)] = rows
 
     def compress(self, il: int, kind: str, proj: dict[str, torch.Tensor], batch: Batch) -> None:
@@ -185,26 +168,24 @@ class TritonOps:
         rounding = (QAT_FP8 if kind == "attn" else QAT_FP4) if self.qat else QAT_NONE
         inv = self._inv_freq[(layer.rope_theta, layer.yarn)]
         for seq, pos in zip(batch.seqs, batch.aux["pos"], strict=True):
-            ls = seq.state.layers[il]
-            state: CompressorState = ls.compressor if kind == "attn" else ls.indexer
-            n_emit = compressor.emitted(seq.start, seq.length, state.ratio)
+            state, ratio = seq.state, seq.state.compressor(il, kind).ratio
+            n_emit = compressor.emitted(seq.start, seq.length, ratio)
             kv, gate = proj[f"{kind}_kv"][seq.rows], proj[f"{kind}_gate"][seq.rows]
-            pooled = compressor.compress_chunk(
-                kv, gate, ape, state.frontier_kv, state.frontier_gate, pos, n_emit, state.ratio
-            )
+            front_kv, front_gate = state.part(il, f"{kind}_kv"), state.part(il, f"{kind}_gate")
+            pooled = compressor.compress_chunk(kv, gate, ape, front_kv, front_gate, pos, n_emit, ratio)
             if n_emit:
                 # row w sits at its window's first position, w * ratio; the kernel writes it at index w
-                row_pos = (pos.long() // state.ratio + torch.arange(n_emit, device=self.device)) * state.ratio
+                row_pos = (pos.long() // ratio + torch.arange(n_emit, device=self.device)) * ratio
                 norm_rope(
                     pooled, weight=norm, eps=a.norm_eps, angles=ops.rope_angles(row_pos, inv), rope_dim=a.rope_dim,
-                    qat=rounding, out=state.rows.data, out_row=(pos, state.ratio),
+                    qat=rounding, out=state.part(il, f"{kind}_rows"), out_row=(pos, ratio),
                 )  # fmt: skip
 
     def index_topk(self, il: int, q: torch.Tensor, weights: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
         """Per sequence, the selected row indices int32 [T, k] (the kernel pads with -1 where fewer)."""
         ratio, chosen = self.args.layer(il).compress_ratio, []
         for seq, pos in zip(batch.seqs, batch.aux["pos"], strict=True):
-            rows = seq.state.layers[il].indexer.rows.data
+            rows = self.rows_in_reach(il, "indexer", seq.state, seq.start + seq.length)
             # scores stay fp32 even in fast mode: the top-k boundary is where small errors change the model
             scores, valid = indexer_scores.indexer_scores(q[seq.rows], weights[seq.rows], rows, pos, ratio)
             chosen.append(topk.topk_indices(scores, valid, self.args.index_topk))
@@ -215,18 +196,18 @@ class TritonOps:
         cos, sin = self._angles(il, batch)
         out = []
         for i, (seq, pos) in enumerate(zip(batch.seqs, batch.aux["pos"], strict=True)):
-            ls = seq.state.layers[il]
-            rows, n_prev = batch.aux.pop(("window", il, i)), ls.raw_kv.shape[0]
-            comp = ls.compressor.rows.data if ls.compressor is not None else None
+            state, rows = seq.state, batch.aux.pop(("window", il, i))
+            n_prev = rows.shape[0] - seq.length
+            end = seq.start + seq.length
+            comp = self.rows_in_reach(il, "attn", state, end) if layer.compress_ratio else None
             o = attention.attention(
                 q[seq.rows], rows, n_prev, a.window, lw.sinks, (cos[seq.rows], sin[seq.rows]), a.rope_dim, pos,
                 comp_rows=comp, ratio=layer.compress_ratio, selected=None if selected is None else selected[i],
                 split=None, precision=batch.aux["precision"],
             )  # fmt: skip
-            if n_prev == a.window and seq.length == 1:
-                ls.raw_kv.copy_(rows[1:])  # in place: a captured decode step keeps its pointers
-            else:
-                ls.raw_kv = rows[-a.window :].clone()
+            keep = min(seq.length, a.window)  # the chunk's newest rows replace the oldest in the ring
+            newest = (pos.long() + seq.length - keep + torch.arange(keep, device=self.device)) % a.window
+            state.part(il, "raw").index_copy_(0, newest, rows[-keep:])
             out.append(o)
         return out[0] if len(out) == 1 else torch.cat(out)
 

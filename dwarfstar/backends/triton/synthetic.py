@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dwarfstar.backends.triton.model import TritonModel, reserve
+from dwarfstar.backends.triton.model import TritonModel
 from dwarfstar.backends.triton.weights import ModelWeights, QWeight, build_weights, random_qweight
 from dwarfstar.gguf.constants import GGMLType
 from dwarfstar.model.config import ModelArgs
@@ -73,19 +73,16 @@ def synthetic_state(model: TritonModel, ctx: int, seed: int = 0) -> SequenceStat
     args, device = model.args, model.device
     gen = torch.Generator(device=device).manual_seed(seed)
     state = model.new_state()
-    for layer in state.layers:
-        layer.raw_kv = torch.randn(min(ctx, args.window), args.head_dim, device=device, generator=gen)
-        for comp in (layer.compressor, layer.indexer):
-            if comp is None:
-                continue
-            n = ctx // comp.ratio
-            reserve(comp.rows, n)
-            comp.rows.data[:n] = torch.randn(n, comp.dim, device=device, generator=gen)
-            comp.rows.n = n
-            filled = ctx % comp.ratio + (comp.ratio if comp.overlap and n else 0)
-            start = 0 if comp.overlap and n else comp.current_offset
-            comp.frontier_kv[start : start + filled] = torch.randn(filled, comp.frontier_kv.shape[1], device=device)
-            comp.frontier_gate[start : start + filled] = torch.randn(filled, comp.frontier_kv.shape[1], device=device)
+    for il, specs in enumerate(state.cache.compressors):
+        state.write_window(il, torch.randn(min(ctx, args.window), args.head_dim, device=device, generator=gen), ctx)
+        for kind, spec in specs.items():
+            n = ctx // spec.ratio
+            state.write(il, f"{kind}_rows", torch.randn(n, spec.dim, device=device, generator=gen))
+            filled = ctx % spec.ratio + (spec.ratio if spec.overlap and n else 0)
+            start = 0 if spec.overlap and n else spec.current_offset
+            width = spec.frontier_shape[1]
+            for name in (f"{kind}_kv", f"{kind}_gate"):
+                state.write(il, name, torch.randn(filled, width, device=device, generator=gen), start)
     state.pos = ctx
     state.tokens = torch.randint(3, args.vocab_size, (ctx,), generator=torch.Generator().manual_seed(seed)).tolist()
     return state

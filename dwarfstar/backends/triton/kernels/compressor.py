@@ -30,7 +30,7 @@ import triton.language as tl
 
 from dwarfstar.backends.reference.ops import compress as reference_compress
 from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
-from dwarfstar.model.state import CompressorState
+from dwarfstar.model.state import CompressorSpec
 
 
 @triton.jit
@@ -139,10 +139,18 @@ def emitted(p0: int, t: int, ratio: int) -> int:
 
 
 def reference(
-    u: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor, state: CompressorState, p0: int, eps: float
-) -> torch.Tensor:
-    """The reference compressor on the same projections: the new rows after RMSNorm (frontier updated)."""
-    return reference_compress(state, u, g, ape, norm, p0, eps)
+    u: torch.Tensor,
+    g: torch.Tensor,
+    ape: torch.Tensor,
+    norm: torch.Tensor,
+    spec: CompressorSpec,
+    front: tuple[torch.Tensor, torch.Tensor],
+    p0: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference compressor on the same projections: the new rows after RMSNorm, and the new
+    frontier (kv, gate)."""
+    return reference_compress(spec, *front, u, g, ape, norm, p0, eps)
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
@@ -150,16 +158,14 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
     a, dev, gen = shape.args, shape.device, shape.generator()
     cases = []
     for ratio in (4, 128):
-        state = CompressorState.empty(ratio, a.head_dim, dev)
-        width = state.frontier_kv.shape[1]
-        state.frontier_kv.normal_(generator=gen)
-        state.frontier_gate.normal_(generator=gen)
+        shape = CompressorSpec("attn", ratio, a.head_dim).frontier_shape
+        width = shape[1]
+        front_kv = torch.randn(shape, device=dev, generator=gen)
+        front_gate = torch.randn(shape, device=dev, generator=gen)
         ug = torch.randn(1, 2 * width, device=dev, generator=gen)
         ape = torch.randn(ratio, width, device=dev, generator=gen)
         pos = torch.tensor([ratio * 10 - 1], dtype=torch.int32, device=dev)  # completes window 9
-        run = functools.partial(
-            compress_chunk, ug[:, :width], ug[:, width:], ape, state.frontier_kv, state.frontier_gate, pos, 1, ratio
-        )
-        moved = 4 * (3 * state.frontier_kv.numel() + 2 * width + a.head_dim)
+        run = functools.partial(compress_chunk, ug[:, :width], ug[:, width:], ape, front_kv, front_gate, pos, 1, ratio)
+        moved = 4 * (3 * front_kv.numel() + 2 * width + a.head_dim)
         cases.append(BenchCase("compressor", f"decode step emitting a ratio-{ratio} row", run, moved))
     return cases
