@@ -72,8 +72,8 @@ class DiskCache:
     # -- saving ----------------------------------------------------------------------------------------
     def save(self, live: LiveSession, reason: SaveReason) -> None:
         session = live.session
-        if len(session.tokens) < self.options.min_tokens:
-            return
+        if len(session.tokens) < self.options.min_tokens or live.steering is not None:
+            return  # files are keyed by text alone: they hold only unsteered states
         blocks = {call_id: dsml for call_id in live.tool_ids if (dsml := self.tool_memory.get(call_id)) is not None}
         with self._lock:
             saved = self.store.save(session.state, reason, tool_map=blocks)

@@ -13,6 +13,7 @@ from typing import Any
 from dwarfstar.prompt.dsml_parser import ContentDelta, ParsedCompletion, ReasoningDelta, ToolArgumentsDelta, ToolCallEnd
 from dwarfstar.prompt.render import Prompt
 from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.steering.direction import SteeringScale
 
 
 @dataclass
@@ -29,6 +30,7 @@ class GenerationRequest:
     tool_id_prefix: str = "call_"
     api: str = ""  # for the trace and metrics
     trace_body: Any = None  # the client's request, written to the trace
+    steering: SteeringScale | None = None  # None: computed without steering (part of the KV cache key)
 
 
 @dataclass

@@ -25,6 +25,8 @@ from dwarfstar.prompt.render import Prompt
 from dwarfstar.session.kvpolicy import SaveReason
 from dwarfstar.session.prefix import ReusePlan, common_prefix_len, plan_reuse
 from dwarfstar.session.session import Backend, Session
+from dwarfstar.steering.apply import steering_of
+from dwarfstar.steering.direction import SteeringScale
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 
@@ -43,6 +45,8 @@ class LiveSession:
     last_used: float = field(default_factory=time.monotonic)
     prompt_len: int = 0  # tokens of the last prompt run here: a request extending it continues this conversation
     tool_ids: set[str] = field(default_factory=set)  # tool calls of this conversation (kept with its KV files)
+    # the steering its KV was computed with, part of the cache key (None: none; the disk cache holds only those)
+    steering: SteeringScale | None = None
 
     def continued_by(self, shared: int) -> bool:
         # A thinking prompt ends in `<think>`, which the next turn renders as `</think>` once the
@@ -86,11 +90,13 @@ class SessionPool:
             return False
         return self.memory_bytes <= 0 or self.nbytes() < self.memory_bytes
 
-    def acquire(self, prompt: Prompt | None, ids: list[int]) -> Lease | None:
-        """A session brought to the state after `ids`' longest cached prefix; None while all are busy."""
+    def acquire(self, prompt: Prompt | None, ids: list[int], steering: SteeringScale | None = None) -> Lease | None:
+        """A session brought to the state after `ids`' longest cached prefix computed with the same
+        `steering`; None while all are busy."""
         idle = [live for live in self.live if not live.busy]
-        shared = {id(live): common_prefix_len(live.session.tokens, ids) for live in idle}
-        best = max(idle, key=lambda live: (shared[id(live)], live.last_used), default=None)
+        alike = [live for live in idle if live.steering == steering]  # a KV steered otherwise is no prefix
+        shared = {id(live): common_prefix_len(live.session.tokens, ids) for live in alike}
+        best = max(alike, key=lambda live: (shared[id(live)], live.last_used), default=None)
         best_shared = shared[id(best)] if best is not None else 0
         if best is not None and best.continued_by(best_shared):
             return self._lease(best, prompt, ids, "memory")
@@ -100,7 +106,8 @@ class SessionPool:
         useful = best_shared if best_shared >= self.chunk else 0
         if not self._has_room() and not idle:
             return None
-        state = self.disk.restore(prompt, better_than=useful) if self.disk and prompt else None
+        on_disk = self.disk is not None and prompt is not None and steering is None
+        state = self.disk.restore(prompt, better_than=useful) if on_disk else None
         if not self._has_room():
             victim = min(idle, key=lambda live: live.last_used)
             self._save(victim)
@@ -108,12 +115,12 @@ class SessionPool:
                 return self._lease(best, prompt, ids, "memory")  # taken over, cut back to the shared prefix
             self.live.remove(victim)
         if state is not None:
-            live, source = self._new(), "disk"
+            live, source = self._new(steering), "disk"
             live.session.state = state
         elif useful:
             live, source = self._fork(best), "fork"
         else:
-            live, source = self._new(), "cold"
+            live, source = self._new(steering), "cold"
         return self._lease(live, prompt, ids, source)
 
     def _lease(self, live: LiveSession, prompt: Prompt | None, ids: list[int], source: str) -> Lease:
@@ -144,16 +151,23 @@ class SessionPool:
         # the cached tokens may spell the prompt's text with other token boundaries (sampled text)
         return plan_reuse(session.tokens, prompt, self.tokenizer)
 
-    def _new(self) -> LiveSession:
-        live = LiveSession(Session(self.backend, ctx=self.ctx, chunk=self.chunk))
+    def _new(self, steering: SteeringScale | None) -> LiveSession:
+        live = LiveSession(Session(self.backend, ctx=self.ctx, chunk=self.chunk), steering=steering)
+        self._steer(live)
         self.live.append(live)
         return live
+
+    def _steer(self, live: LiveSession) -> None:
+        steered = steering_of(self.backend)
+        if steered is not None:
+            steered.assign(live.session, live.steering or SteeringScale())
 
     def _fork(self, source: LiveSession) -> LiveSession:
         # A deep copy keeps the state and its chunk checkpoints consistent with each other; the
         # backend (weights) is shared, not copied.
         session = copy.deepcopy(source.session, memo={id(self.backend): self.backend})
-        live = LiveSession(session, tool_ids=set(source.tool_ids))
+        live = LiveSession(session, tool_ids=set(source.tool_ids), steering=source.steering)
+        self._steer(live)
         self.live.append(live)
         return live
 

@@ -162,7 +162,7 @@ class Scheduler:
                     return
                 job = self._waiting[0]  # only this thread removes jobs, so it stays the head
             try:
-                lease = self.pool.acquire(job.request.prompt, job.request.prompt_ids)
+                lease = self.pool.acquire(job.request.prompt, job.request.prompt_ids, job.request.steering)
             except Exception as exc:
                 with self._cond:
                     self._waiting.popleft()

@@ -22,6 +22,7 @@ from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.controls import Thinking, context_overflow, resolve_thinking
 from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.errors import ApiError, bad_request
+from dwarfstar.serving.fields import Fields
 from dwarfstar.serving.generation import GenerationRequest
 from dwarfstar.serving.metrics import Metrics
 from dwarfstar.serving.models import ModelCatalog
@@ -30,6 +31,8 @@ from dwarfstar.serving.replay import ToolMemory, apply_exact_replay, history_too
 from dwarfstar.serving.scheduler import Job, QueueFull, Scheduler, ShuttingDown
 from dwarfstar.serving.trace import Trace
 from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.steering.apply import steering_of
+from dwarfstar.steering.direction import MAX_SCALE, SteeringScale
 
 
 @dataclass
@@ -51,6 +54,7 @@ class Service:
         if not 0 < config.ctx <= args.max_seq_len:
             raise DwarfStarError(f"--ctx {config.ctx} is outside 1..{args.max_seq_len} for this model")
         self.engine, self.config, self.tokenizer = engine, config, engine.tokenizer
+        self.steered = steering_of(engine.backend)  # None unless started with --dir-steering-file
         self.options = config.render_options
         self.models = ModelCatalog(args, config.ctx, config.model_aliases)
         self.metrics = Metrics()
@@ -210,7 +214,24 @@ class Service:
             tool_id_prefix=knobs.tool_id_prefix,
             api=knobs.api,
             trace_body=knobs.body,
+            steering=self._steering(knobs.body),
         )
+
+    def _steering(self, body: Any) -> SteeringScale | None:
+        """The request's steering scales, extension fields `dir_steering_ffn` / `dir_steering_attn`
+        (only on a server started with a direction file; the server's scales by default), as the KV
+        cache key: None when nothing is steered."""
+        fields = Fields(body if isinstance(body, Mapping) else {})
+        ffn = fields.number("dir_steering_ffn", low=-MAX_SCALE, high=MAX_SCALE)
+        attn = fields.number("dir_steering_attn", low=-MAX_SCALE, high=MAX_SCALE)
+        if self.steered is None:
+            if ffn is not None or attn is not None:
+                name = "dir_steering_ffn" if ffn is not None else "dir_steering_attn"
+                raise bad_request(f"{name} needs a server started with --dir-steering-file", param=name)
+            return None
+        default = self.steered.default
+        scale = SteeringScale(default.ffn if ffn is None else ffn, default.attn if attn is None else attn)
+        return None if scale.off else scale
 
     def _submit(self, request: GenerationRequest, replayed: list[str]) -> Job:
         job = Job(request, asyncio.get_running_loop(), replayed)
