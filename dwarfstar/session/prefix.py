@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from dwarfstar.prompt.render import Prompt
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.specials import Control, PromptPart
@@ -26,12 +28,35 @@ class ReusePlan:
     match: str  # "tokens", "text" or "none"
 
 
+FIRST_RUN = 256  # tokens compared in the first slice; each further slice doubles
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix. Integer arrays compare in one vectorised pass; lists
+    compare slice against slice in C (list equality) instead of token by token in Python: slices
+    double until one differs, then halving finds the first difference, so a mismatch at position k
+    costs O(k) compared tokens whatever the lengths."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        differ = np.flatnonzero(a[:n] != b[:n])
+        return int(differ[0]) if differ.size else n
+    a = a if isinstance(a, list) else list(a)
+    b = b if isinstance(b, list) else list(b)
+    lo, step = 0, FIRST_RUN  # invariant: a[:lo] == b[:lo]
+    while lo < n:
+        hi = min(n, lo + step)
+        if a[lo:hi] != b[lo:hi]:
+            break
+        lo, step = hi, step * 2
+    else:
+        return n
+    while hi - lo > 1:  # the first difference is in [lo, hi)
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def parts_after(parts: Sequence[PromptPart], byte_offset: int) -> list[PromptPart] | None:
