@@ -164,7 +164,7 @@ def bench_experts(
         cut = np.searchsorted(np.cumsum(trace.calls), max_tokens, side="right")
         trace = RoutingTrace(trace.ids[: int(trace.calls[:cut].sum())], trace.calls[:cut], trace.n_experts)
     part_size = max(p.nbytes for p in layout.parts[0])
-    disk = disk_figures(layout.path, part_size, disk_seconds)
+    disk = disk_figures(layout.path, part_size, disk_seconds, direct)
     results: dict = {"model": str(model), "trace": str(replay_trace), "tokens": trace.n_tokens, "disk": disk}
     results["rows"] = []
     typer.echo(_row("disk", {k: f"{v:.2f}" for k, v in disk.items()}) + f" (random reads of {part_size} B)")

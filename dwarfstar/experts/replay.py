@@ -13,6 +13,7 @@ import mmap
 import os
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch
 from dwarfstar.experts.layout import ExpertLayout
 from dwarfstar.experts.policy import make_policy
 from dwarfstar.experts.source import StreamingExperts
-from dwarfstar.experts.store import ExpertCache
+from dwarfstar.experts.store import DIRECT_ALIGN, READ_THREADS, ExpertCache, round_up
 from dwarfstar.experts.trace import RoutingTrace
 
 
@@ -107,25 +108,38 @@ def replay_mmap(layout: ExpertLayout, trace: RoutingTrace, capacity: int) -> Mma
     return result
 
 
-def disk_figures(path: str, block: int, seconds: float = 3.0, seed: int = 0) -> dict[str, float]:
-    """The disk's own read rates on this file, page cache dropped first: sequential (1 MiB reads from
-    the start) and random (`block`-byte reads at random aligned offsets, one at a time)."""
+def _read_for(path: str, seconds: float, block: int, sequential: bool, direct: bool, seed: int) -> int:
+    """Bytes read in `seconds` by one reader: `block`-byte preads from the start or at random aligned offsets."""
     size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    buf = np.frombuffer(mmap.mmap(-1, block), dtype=np.uint8)  # page-aligned, as O_DIRECT needs
+    rng = np.random.default_rng(seed)
+    done, offset, start = 0, 0, time.perf_counter()
+    try:
+        while time.perf_counter() - start < seconds:
+            if not sequential:
+                offset = int(rng.integers(0, max(1, (size - block) // DIRECT_ALIGN))) * DIRECT_ALIGN
+            n = os.preadv(fd, [buf], offset)
+            done += n
+            offset = offset + n if sequential and offset + n + block <= size else 0
+    finally:
+        os.close(fd)
+    return done
+
+
+def disk_figures(path: str, block: int, seconds: float, direct: bool, threads: int = READ_THREADS) -> dict[str, float]:
+    """The disk's own read rates on this file (GB/s), page cache dropped first: sequential 1 MiB reads,
+    random `block`-byte reads one at a time, and random reads from `threads` readers at once (the
+    store's parallelism)."""
+    block = round_up(block, DIRECT_ALIGN)
     out = {}
-    for kind in ("sequential", "random"):
+    for name, readers, size, sequential in (
+        ("sequential", 1, 1 << 20, True),
+        ("random", 1, block, False),
+        (f"random_x{threads}", threads, block, False),
+    ):
         drop_page_cache(path)
-        fd = os.open(path, os.O_RDONLY)
-        rng = np.random.default_rng(seed)
-        buf = bytearray(block if kind == "random" else 1 << 20)
-        done, offset, start = 0, 0, time.perf_counter()
-        try:
-            while time.perf_counter() - start < seconds:
-                if kind == "random":
-                    offset = int(rng.integers(0, max(1, (size - block) // 4096))) * 4096
-                n = os.preadv(fd, [buf], offset)
-                done += n
-                offset = offset + n if kind == "sequential" and offset + n < size else 0
-        finally:
-            os.close(fd)
-        out[f"{kind}_gbps"] = done / (time.perf_counter() - start) / 1e9
+        with ThreadPoolExecutor(readers) as pool:
+            jobs = [pool.submit(_read_for, path, seconds, size, sequential, direct, i) for i in range(readers)]
+            out[f"{name}_gbps"] = sum(j.result() for j in jobs) / seconds / 1e9
     return out

@@ -74,7 +74,7 @@ class Telemetry:
         }
 
 
-def _round_up(n: int, a: int) -> int:
+def round_up(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
@@ -182,7 +182,7 @@ class ExpertStore(ExpertCache):
             raise ModelFileError(f"{layout.path}: cannot open for expert streaming: {e.strerror or e}") from None
         # a slot holds any layer's expert: per part, the largest slab plus the alignment slack
         self.part_capacity = [
-            _round_up(max(layout.parts[il][i].nbytes for il in range(layout.n_layers)), self.align) + self.align
+            round_up(max(layout.parts[il][i].nbytes for il in range(layout.n_layers)), self.align) + self.align
             for i in range(len(layout.parts[0]))
         ]
         self.slot_bytes = sum(self.part_capacity)
@@ -232,7 +232,7 @@ class ExpertStore(ExpertCache):
         spans, base = [], 0
         for part, room in zip(self.layout.expert(layer, e), self.part_capacity, strict=True):
             start = part.offset // self.align * self.align
-            length = _round_up(part.offset + part.nbytes, self.align) - start
+            length = round_up(part.offset + part.nbytes, self.align) - start
             spans.append((part, base, start, length))
             base += room
         return spans
