@@ -9,6 +9,7 @@
 #   OUTDIR/system.txt            chip, macOS and MLX versions
 #   OUTDIR/tests.txt             pytest output
 #   OUTDIR/tiny_decode.json      MLX vs reference decode tok/s, parity
+#   OUTDIR/gates.txt             `dwarfstar test` gates (bundled fixtures; a real GGUF when present)
 #   OUTDIR/flash_q2_decode.json  MLX decode tok/s, GB/s, fraction of the bandwidth limit
 #   OUTDIR/flash-q2.gguf         the synthetic model (about 6 GB; reused when present)
 # Environment: PYTHON (default .venv/bin/python, else python3), FLASH_TOKENS (default 64).
@@ -40,6 +41,18 @@ grep -q "no Metal device" "$out/tests.txt" && fail "the Metal kernel tests were 
 
 echo "== tiny model: MLX against the reference backend"
 "$py" -m dwarfstar bench mlx --json > "$out/tiny_decode.json" || fail "tiny bench failed"
+
+echo "== gates: the bundled model's fixtures on MLX; ds4's gates on a real GGUF when one is here"
+"$py" -m dwarfstar test vectors --vector-file tests/data/gates/nano.vec --backend mlx > "$out/gates.txt" 2>&1 \
+    || fail "nano vectors on MLX failed, see $out/gates.txt"
+real=${DS4_TEST_MODEL:-ds4flash.gguf}
+if [ -f "$real" ]; then
+    vec=${DS4_TEST_VECTOR_FILE:-../shared/fixtures/ds4/test-vectors/official.vec}
+    "$py" -m dwarfstar test vectors -m "$real" --vector-file "$vec" --backend mlx >> "$out/gates.txt" 2>&1 \
+        || fail "vectors failed on $real, see $out/gates.txt"
+    "$py" -m dwarfstar test tool-call -m "$real" --backend mlx >> "$out/gates.txt" 2>&1 \
+        || fail "tool-call failed on $real, see $out/gates.txt"
+fi
 
 echo "== synthetic flash-shaped q2 model"
 model="$out/flash-q2.gguf"

@@ -99,6 +99,16 @@ run tests 200 "$OUT/tests.log" $PY -m pytest tests/backends tests/triton -q $XDI
 grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -n 20 | tee -a "$SUMMARY"
 tail -n 1 "$OUT/tests.log" | tee -a "$SUMMARY"
 
+# -- gates: the bundled model's fixtures on Triton (made by the reference backend), and ds4's gates
+# on a real GGUF when one is here ($DS4_TEST_MODEL or ./ds4flash.gguf; vectors: $DS4_TEST_VECTOR_FILE) --
+run gate-nano 60 "$OUT/tests.log" $PY -m dwarfstar test vectors --vector-file tests/data/gates/nano.vec --backend triton
+REAL_GGUF=${DS4_TEST_MODEL:-$REPO/ds4flash.gguf}
+if [ -f "$REAL_GGUF" ]; then
+    VEC=${DS4_TEST_VECTOR_FILE:-$REPO/../shared/fixtures/ds4/test-vectors/official.vec}
+    run gate-vec 120 "$OUT/tests.log" $PY -m dwarfstar test vectors -m "$REAL_GGUF" --vector-file "$VEC" --backend triton
+    run gate-tool 120 "$OUT/tests.log" $PY -m dwarfstar test tool-call -m "$REAL_GGUF" --backend triton
+fi
+
 # -- 2-5. benchmarks, then the parity figures --
 BENCH="$PY -m dwarfstar.backends.triton.bench"
 run decode 110 "$OUT/bench.log" $BENCH decode --synthetic flash-q2 --ctx 2048,32768 --steps 64 --csv "$OUT/decode.csv"
