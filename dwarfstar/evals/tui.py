@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from rich.console import Group
+from rich.console import Console, Group
 from rich.layout import Layout
 from rich.live import Live
 from rich.panel import Panel
@@ -137,7 +137,7 @@ class _Keys:
 class EvalTui:
     """The split screen; `check()` applies the keys pressed since the last call and raises `Stop`."""
 
-    def __init__(self, questions: Sequence[Question], model: str) -> None:
+    def __init__(self, questions: Sequence[Question], model: str, console: Console | None = None) -> None:
         self.questions, self.model = questions, model
         self.states = ["pending"] * len(questions)
         self.picked = [""] * len(questions)
@@ -148,7 +148,7 @@ class EvalTui:
         self.phase_name = "starting"
         self.started = time.perf_counter()
         self.tokens = 0
-        self.live = Live(self._render(), auto_refresh=False, screen=True, transient=True)
+        self.live = Live(self._render(), console=console, auto_refresh=False, screen=True, transient=True)
         self.keys: _Keys | None = None
 
     def __enter__(self) -> EvalTui:
