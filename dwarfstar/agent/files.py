@@ -77,7 +77,7 @@ class Workspace:
             raise ToolError(f"{path} is not UTF-8 text (byte {exc.start})") from None
 
     def _label(self, path: Path) -> str:
-        return str(path.relative_to(self.root)) if self.inside(path) and path != self.root else str(path)
+        return str(path.relative_to(self.root)) if self.inside(path) else str(path)
 
     # -- read / more --------------------------------------------------------------------------------
     def read(

@@ -1,9 +1,9 @@
 """Who picks the next tokens of a reply: the model's sampler, or a script.
 
 `ScriptedPolicy` is a deterministic stand-in for the model: each reply is given text (control tokens
-written as their strings, `</think>`, `<｜DSML｜...>`), fed through the live session token by token
-exactly as sampled tokens are, so the agent loop, its tools and its context accounting run for real
-with any model, including one too small to call a tool.
+written as their strings, `</think>`, `<｜DSML｜...>`), put through the live session as sampled tokens
+are (in one prefill), so the agent loop, its tools and its context accounting run for real with any
+model, including one too small to call a tool.
 """
 
 from __future__ import annotations
@@ -40,9 +40,8 @@ class ScriptedPolicy:
     def reply(self, session: Session, max_tokens: int, should_stop: Callable[[], bool]) -> Iterator[int]:
         if not self.replies:
             raise DwarfStarError("the script has no reply left")
-        ids = [*self.tokenizer.encode_with_specials(self.replies.pop(0)), self.eos]
-        for token in ids[:max_tokens]:
-            if should_stop():
-                return
-            session.decode(token)
-            yield token
+        ids = [*self.tokenizer.encode_with_specials(self.replies.pop(0)), self.eos][:max_tokens]
+        if should_stop():
+            return
+        session.prefill(ids)  # one pass, not one per token: the same state, and scripts can be long
+        yield from ids

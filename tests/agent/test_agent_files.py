@@ -1,0 +1,134 @@
+"""The file tools on their edge cases: windows, binary and oversized files, stale line edits, the
+exact-match fallback, writes outside the workspace, search with and without ripgrep."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dwarfstar.agent import files
+from dwarfstar.agent.files import MAX_FILE_BYTES, ToolError, Workspace
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Workspace:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text("".join(f"line {n}\n" for n in range(1, 13)))
+    return Workspace(tmp_path)
+
+
+def test_read_windows_and_more(ws: Workspace) -> None:
+    first = ws.read("src/a.py", max_lines=5)
+    assert first.splitlines()[0] == "src/a.py: lines 1-5 of 12"
+    assert "     5| line 5" in first and "line 6" not in first
+    assert "continue_offset: 6" in first
+    second = ws.more()
+    assert second.splitlines()[0] == "src/a.py: lines 6-10 of 12"
+    last = ws.more()
+    assert last.splitlines()[0] == "src/a.py: lines 11-12 of 12" and "continue_offset" not in last
+    raw = ws.read("src/a.py", start_line=12, raw=True)
+    assert raw.splitlines()[1] == "line 12"
+    assert "lines 1-12 of 12" in ws.read("src/a.py", max_lines=1, whole=True)
+
+
+def test_read_refuses_binary_oversized_missing_and_directories(ws: Workspace, tmp_path: Path) -> None:
+    (tmp_path / "blob.bin").write_bytes(b"ELF\0\1\2")
+    big = tmp_path / "big.txt"
+    with big.open("wb") as f:  # sparse: the size is what counts
+        f.truncate(MAX_FILE_BYTES + 1)
+    refusals = (("blob.bin", "binary"), ("big.txt", "16 MiB"), ("nope.txt", "no such file"), ("src", "directory"))
+    for path, why in refusals:
+        with pytest.raises(ToolError, match=why):
+            ws.read(path)
+    with pytest.raises(ToolError, match="16 MiB"):
+        ws.edit("big.txt", new="x", old="a")
+    with pytest.raises(ToolError, match="nothing to continue"):
+        Workspace(tmp_path).more()
+
+
+def test_line_edit_needs_the_lines_shown_and_unchanged(ws: Workspace, tmp_path: Path) -> None:
+    target = tmp_path / "src" / "a.py"
+    with pytest.raises(ToolError, match="line 3 .* was not shown"):
+        ws.edit("src/a.py", new="x", line=3)
+    ws.read("src/a.py", max_lines=4)
+    with pytest.raises(ToolError, match="line 5 .* was not shown"):
+        ws.edit("src/a.py", new="x", start_line=3, end_line=5)
+    target.write_text(target.read_text().replace("line 2\n", "changed\n"))
+    with pytest.raises(ToolError, match="line 2 .* changed since it was read"):
+        ws.edit("src/a.py", new="x", line_range="1:2")
+    reply = ws.edit("src/a.py", new="three\nthree and a half", line=3)
+    assert target.read_text().splitlines()[:5] == ["line 1", "changed", "three", "three and a half", "line 4"]
+    assert "replaced lines 3-3 with 2 lines; now 13 lines" in reply
+    # the echoed lines are shown, so they can be edited again; the old numbering after them is gone
+    ws.edit("src/a.py", new="four", line=4)
+    assert target.read_text().splitlines()[3] == "four"
+    with pytest.raises(ToolError, match="outside the file"):
+        ws.edit("src/a.py", new="x", start_line=13, end_line=99)
+    with pytest.raises(ToolError, match="exactly one of"):
+        ws.edit("src/a.py", new="x", line=1, start_line=1)
+
+
+def test_edit_all_keeps_a_missing_final_newline(ws: Workspace, tmp_path: Path) -> None:
+    (tmp_path / "n.txt").write_text("a\nb")
+    ws.read("n.txt")
+    ws.edit("n.txt", new="x\ny\nz", line_range="all")
+    assert (tmp_path / "n.txt").read_text() == "x\ny\nz"
+
+
+def test_exact_match_fallback(ws: Workspace, tmp_path: Path) -> None:
+    target = tmp_path / "src" / "a.py"
+    with pytest.raises(ToolError, match="does not occur"):
+        ws.edit("src/a.py", old="missing", new="x")
+    with pytest.raises(ToolError, match="occurs 4 times"):
+        ws.edit("src/a.py", old="line 1", new="x")  # lines 1, 10, 11 and 12 start with it
+    reply = ws.edit("src/a.py", old="line 7\n", new="seven\n")
+    assert "replaced the exact match" in reply and "     7| seven" in reply
+    assert target.read_text().splitlines()[6] == "seven"
+
+
+def test_writes_outside_the_workspace_are_refused_or_confirmed(tmp_path: Path) -> None:
+    inner = tmp_path / "work"
+    inner.mkdir()
+    outside = tmp_path / "elsewhere.txt"
+    outside.write_text("keep\n")
+    strict = Workspace(inner)
+    with pytest.raises(ToolError, match="outside the workspace"):
+        strict.write("../elsewhere.txt", "overwritten")
+    with pytest.raises(ToolError, match="outside the workspace"):
+        strict.edit(str(outside), old="keep", new="gone")
+    assert outside.read_text() == "keep\n"
+    asked: list[str] = []
+    allowing = Workspace(inner, confirm=lambda q: asked.append(q) or True)
+    allowing.write("../elsewhere.txt", "allowed\n")
+    assert outside.read_text() == "allowed\n" and "outside the workspace" in asked[0]
+    assert strict.write("deep/er/new.txt", "new\n\n") == "wrote 5 bytes (2 lines) to deep/er/new.txt"
+    assert (inner / "deep" / "er" / "new.txt").read_text() == "new\n\n"
+
+
+@pytest.mark.parametrize("ripgrep", [True, False])
+def test_search(ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ripgrep: bool) -> None:
+    if ripgrep and shutil.which("rg") is None:
+        pytest.skip("ripgrep is not installed")
+    if not ripgrep:
+        monkeypatch.setattr(files.shutil, "which", lambda name: None)
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "hidden.py").write_text("line 5\n")
+    (tmp_path / "notes.md").write_text("LINE 5 upper\n")
+    hits = ws.search("line 5", glob="*.py").splitlines()
+    assert hits == ["src/a.py:5:line 5"]
+    assert len(ws.search("line 5").splitlines()) == 2  # case-insensitive by default
+    assert ws.search("line 5", case_sensitive=True).splitlines() == ["src/a.py:5:line 5"]
+    assert ws.search(r"line 1[01]$", mode="regex").splitlines() == ["src/a.py:10:line 10", "src/a.py:11:line 11"]
+    with_context = ws.search("line 5", path="src", context=1).splitlines()
+    assert with_context == ["src/a.py-4-line 4", "src/a.py:5:line 5", "src/a.py-6-line 6"]
+    assert "2 more matches" in ws.search("line", max_results=10, path="src")
+    assert ws.search("zzz") == "no matches for 'zzz'"
+
+
+def test_list(ws: Workspace, tmp_path: Path) -> None:
+    (tmp_path / "b.txt").write_text("hey")
+    assert ws.list().splitlines() == ["./: 2 entries", "src/", "b.txt  3 bytes"]
+    with pytest.raises(ToolError, match="not a directory"):
+        ws.list("b.txt")
