@@ -53,7 +53,12 @@ def serve(
     ] = None,
     nothink: Annotated[bool, typer.Option(help="No thinking unless a request asks for it.")] = False,
     max_sessions: Annotated[int, typer.Option(help="Live KV sessions, and so requests served at once.")] = 4,
-    kv_memory_mb: Annotated[int, typer.Option(help="Memory budget of the live sessions in MiB (0: no limit).")] = 0,
+    kv_memory_mb: Annotated[
+        int | None,
+        typer.Option(
+            help="Live sessions' memory budget, MiB (0: no limit; default: a share of the machine's memory)."
+        ),
+    ] = None,
     max_queue: Annotated[int, typer.Option(help="Requests that may wait for a session; more get 429.")] = 32,
     prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk (and checkpoint spacing) in tokens.")] = 4096,
     template: Annotated[str, typer.Option(help=f"Prompt layout: {', '.join(TEMPLATES)}.")] = "ds4",

@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from dwarfstar.prompt.options import DS4, OFFICIAL, RenderOptions
 
 TEMPLATES: dict[str, RenderOptions] = {"ds4": DS4, "official": OFFICIAL}
 API_KEY_ENV = "DWARFSTAR_API_KEY"  # where `dwarfstar serve` also reads --api-key from
+
+
+HOST_SHARE = 4  # of physical memory for live sessions: the mapped weights and the page cache need most
+DEVICE_SHARE = 2  # of the device memory left free once the weights are loaded
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def session_memory_budget(backend_name: str) -> int:
+    """Bytes the live sessions may hold when `--kv-memory-mb` is not given, so a server under many
+    conversations gives idle ones up (to the disk cache) instead of growing until the machine swaps
+    or the device runs out: half the free device memory for the Triton backend, whose states live on
+    the GPU, and a quarter of physical memory for the CPU and unified-memory backends."""
+    if backend_name == "triton" and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info()
+        return free // DEVICE_SHARE
+    return physical_memory_bytes() // HOST_SHARE
 
 
 @dataclass(frozen=True)
@@ -21,7 +43,9 @@ class ServerConfig:
     # renders what the official encoder writes.
     template: str = "ds4"
     max_sessions: int = 4  # live KV sessions (each with its own state), and so concurrent requests
-    kv_memory_mb: int = 0  # byte budget of the live sessions; 0: only max_sessions limits them
+    # byte budget of the live sessions; None: derived from the machine (session_memory_budget);
+    # 0: only max_sessions limits them
+    kv_memory_mb: int | None = None
     max_queue: int = 32  # requests waiting for a session; one more is answered 429
     prefill_chunk: int = 4096
     keepalive_seconds: float = 5.0  # SSE comment this often while nothing else is sent

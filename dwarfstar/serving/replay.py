@@ -24,6 +24,10 @@ from dwarfstar.tokenizer.specials import Control, PromptPart
 MAX_MEMORY_BYTES = 512 * 1024 * 1024  # ds4's cap next to the id count
 
 
+def _nbytes(dsml: str) -> int:
+    return len(dsml.encode("utf-8", "surrogatepass"))  # the cap is in bytes, as ds4 counts it
+
+
 class ToolMemory:
     """Bounded map from tool-call id to sampled DSML block, oldest dropped first; thread-safe."""
 
@@ -40,11 +44,11 @@ class ToolMemory:
         with self._lock:
             for call_id in ids:
                 if call_id in self._blocks:
-                    self._bytes -= len(self._blocks.pop(call_id))
+                    self._bytes -= _nbytes(self._blocks.pop(call_id))
                 self._blocks[call_id] = dsml
-                self._bytes += len(dsml)
+                self._bytes += _nbytes(dsml)
             while self._blocks and (len(self._blocks) > self.max_ids or self._bytes > self.max_bytes):
-                self._bytes -= len(self._blocks.popitem(last=False)[1])
+                self._bytes -= _nbytes(self._blocks.popitem(last=False)[1])
 
     def get(self, call_id: str) -> str | None:
         with self._lock:

@@ -18,7 +18,7 @@ from dwarfstar.engine import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.prompt.conversation import PromptError
 from dwarfstar.prompt.render import Prompt, render_conversation
-from dwarfstar.serving.config import ServerConfig
+from dwarfstar.serving.config import ServerConfig, session_memory_budget
 from dwarfstar.serving.controls import Thinking, context_overflow, resolve_thinking
 from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.errors import ApiError, bad_request
@@ -71,13 +71,18 @@ class Service:
                 chunk=config.prefill_chunk,
                 memory=self.tool_memory,
             )
+        memory_bytes = (
+            session_memory_budget(engine.backend_name)
+            if config.kv_memory_mb is None
+            else config.kv_memory_mb * 1024 * 1024
+        )
         self.pool = SessionPool(
             engine.backend,
             engine.tokenizer,
             ctx=config.ctx,
             chunk=config.prefill_chunk,
             max_sessions=config.max_sessions,
-            memory_bytes=config.kv_memory_mb * 1024 * 1024,
+            memory_bytes=memory_bytes,
             disk=self.disk,
         )
         self.scheduler = Scheduler(
