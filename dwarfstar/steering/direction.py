@@ -27,6 +27,7 @@ from dwarfstar.errors import DwarfStarError
 FORMAT = "ds4-directional-steering-v1"
 COMPONENTS = ("ffn_out", "attn_out")
 DEFAULT_COMPONENT = "ffn_out"
+KNOWN_SHAPES = {"DeepSeek V4 Flash": (43, 4096), "DeepSeek V4 PRO": (61, 7168)}  # [n_layers, hidden]
 MAX_SCALE = 100.0  # ds4's range for --dir-steering-ffn / --dir-steering-attn
 # a mean difference this small has no direction worth normalising (fp32 noise of equal means)
 MIN_NORM = 1e-12
@@ -97,13 +98,9 @@ def read_direction(path: Path, n_layers: int, hidden: int) -> Direction:
         raise SteeringError(f"cannot read steering file {path}: {exc.strerror or exc}") from None
     want = n_layers * hidden * 4
     if len(raw) != want:
-        if len(raw) % (4 * hidden) == 0:
-            got = f"[{len(raw) // (4 * hidden)}, {hidden}]"
-        else:
-            got = f"{len(raw) // 4} float32 values" if len(raw) % 4 == 0 else "not whole float32 values"
         raise SteeringError(
-            f"steering file {path} has {len(raw)} bytes ({got}); this model needs [{n_layers}, {hidden}] "
-            f"float32 = {want} bytes"
+            f"steering file {path} has {len(raw)} bytes ({_file_shape(Path(path), len(raw), hidden)}); "
+            f"this model needs [{n_layers}, {hidden}] float32 = {want} bytes"
         )
     values = np.frombuffer(raw, dtype="<f4").reshape(n_layers, hidden)
     if not np.isfinite(values).all():
@@ -113,6 +110,22 @@ def read_direction(path: Path, n_layers: int, hidden: int) -> Direction:
     component, settings = _read_sidecar(Path(path), n_layers, hidden)
     vectors = torch.from_numpy(values.astype(np.float32))
     return Direction(vectors, component, settings, hashlib.sha256(raw).hexdigest())
+
+
+def _file_shape(path: Path, size: int, hidden: int) -> str:
+    """What a file of `size` bytes holds: its sidecar's shape, else a known model's, else rows of `hidden`."""
+    try:
+        shape = json.loads(sidecar_path(path).read_text(encoding="utf-8"))["shape"]
+        if isinstance(shape, list) and len(shape) == 2 and shape[0] * shape[1] * 4 == size:
+            return f"[{shape[0]}, {shape[1]}] by its sidecar"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    for name, (layers, width) in KNOWN_SHAPES.items():
+        if layers * width * 4 == size:
+            return f"[{layers}, {width}], {name}'s shape"
+    if size % 4:
+        return "not whole float32 values"
+    return f"[{size // (4 * hidden)}, {hidden}]" if size % (4 * hidden) == 0 else f"{size // 4} float32 values"
 
 
 def _read_sidecar(path: Path, n_layers: int, hidden: int) -> tuple[str, dict[str, Any]]:

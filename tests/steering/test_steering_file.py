@@ -59,8 +59,14 @@ def test_missing_sidecar_takes_the_defaults(tmp_path):
 def test_wrong_size_names_both_shapes(tmp_path):
     path = tmp_path / "flash.f32"
     path.write_bytes(bytes(43 * 4096 * 4))
-    with pytest.raises(SteeringError, match=r"704512 bytes \(\[43, 4096\]\).*\[61, 4096\]"):
+    flash = r"704512 bytes \(\[43, 4096\], DeepSeek V4 Flash's shape\); this model needs \[61, 4096\]"
+    with pytest.raises(SteeringError, match=flash):
         read_direction(path, 61, 4096)
+    path.write_bytes(bytes(4 * 2 * 6 * 4))
+    sidecar_path(path).write_text(json.dumps({"format": FORMAT, "shape": [8, 6]}))
+    with pytest.raises(SteeringError, match=r"\(\[8, 6\] by its sidecar\); this model needs \[4, 3\]"):
+        read_direction(path, 4, 3)
+    sidecar_path(path).unlink()
     path.write_bytes(bytes(20))
     with pytest.raises(SteeringError, match="5 float32 values.*needs \\[2, 3\\]"):
         read_direction(path, 2, 3)
