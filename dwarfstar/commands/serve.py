@@ -55,9 +55,7 @@ def serve(
     max_sessions: Annotated[int, typer.Option(help="Live KV sessions, and so requests served at once.")] = 4,
     kv_memory_mb: Annotated[
         int | None,
-        typer.Option(
-            help="Live sessions' memory budget, MiB (0: no limit; default: a share of the machine's memory)."
-        ),
+        typer.Option(help="Live sessions' memory budget, MiB (0: no limit; default: a share of the machine's memory)."),
     ] = None,
     max_queue: Annotated[int, typer.Option(help="Requests that may wait for a session; more get 429.")] = 32,
     prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk (and checkpoint spacing) in tokens.")] = 4096,
@@ -126,12 +124,19 @@ def bench_serve(
     clients: Annotated[str, typer.Option(help="Concurrent client counts, comma-separated.")] = "1,2,4,8",
     tokens: Annotated[int, typer.Option("-n", "--tokens", help="Tokens each request generates.")] = 64,
     ctx: Annotated[int, typer.Option(help="Context size in tokens.")] = 4096,
+    dir_steering_file: DirSteeringFile = None,
+    dir_steering_ffn: DirSteeringFfn = None,
+    dir_steering_attn: DirSteeringAttn = None,
 ) -> None:
     """Time to first token and aggregate decode tok/s against a live server, batched vs serialised."""
     from dwarfstar.serving.bench import run_bench
 
+    steering = steering_options(dir_steering_file, dir_steering_ffn, dir_steering_attn)
     counts = [int(c) for c in clients.split(",") if c.strip()]
     if not counts or min(counts) < 1:
         raise DwarfStarError("--clients must list positive counts, e.g. 1,2,4,8")
-    for line in run_bench(model_path(model), backend=backend, clients=counts, tokens=tokens, ctx=ctx):
+    server_args = [] if steering is None else steering.flags()
+    for line in run_bench(
+        model_path(model), backend=backend, clients=counts, tokens=tokens, ctx=ctx, server_args=server_args
+    ):
         typer.echo(line)

@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,9 +96,12 @@ def _wait_until_up(port: int, process: subprocess.Popen, timeout: float = 600) -
     raise DwarfStarError("the server did not come up")
 
 
-def run_bench(model: Path, *, backend: str, clients: list[int], tokens: int, ctx: int) -> Iterator[str]:
+def run_bench(
+    model: Path, *, backend: str, clients: list[int], tokens: int, ctx: int, server_args: Sequence[str] = ()
+) -> Iterator[str]:
+    """`server_args`: more `dwarfstar serve` flags (a steering direction)."""
     port = _free_port()
-    command = [sys.executable, "-m", "dwarfstar", "serve", "-m", str(model), "--backend", backend]
+    command = [sys.executable, "-m", "dwarfstar", "serve", "-m", str(model), "--backend", backend, *server_args]
     command += ["--port", str(port), "--ctx", str(ctx), "--nothink"]
     command += ["--max-sessions", str(max(clients)), "--max-queue", str(max(clients))]
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}  # its clients send no key

@@ -180,6 +180,14 @@ class SteeringOptions:
         self.path = Path(path)
         self.scale = SteeringScale(1.0 if ffn is None else ffn, 0.0 if attn is None else attn)
 
+    def flags(self) -> list[str]:
+        """The same options as `dwarfstar` flags (for a server started as a child process)."""
+        return [
+            "--dir-steering-file", str(self.path),
+            "--dir-steering-ffn", repr(self.scale.ffn),
+            "--dir-steering-attn", repr(self.scale.attn),
+        ]  # fmt: skip
+
     def read(self, args: ModelArgs) -> Direction:
         return read_direction(self.path, args.n_layers, args.dim)
 

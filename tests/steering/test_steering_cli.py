@@ -95,3 +95,13 @@ def test_build_writes_a_file_run_reads(tiny, tmp_path):
     assert out.stat().st_size == args.n_layers * args.dim * 4
     assert '"component": "attn_out"' in (tmp_path / "built.f32.json").read_text()
     assert run_text(tiny, "--dir-steering-file", str(out), "--dir-steering-attn", "1")
+
+
+def test_options_pass_to_a_child_server_as_flags(direction):
+    from dwarfstar.commands.steer import steering_options
+
+    options = steering_options(direction, None, -0.5)  # a file alone steers the FFN at 1
+    flags = options.flags()
+    assert flags == ["--dir-steering-file", str(direction), "--dir-steering-ffn", "1.0", "--dir-steering-attn", "-0.5"]
+    again = steering_options(Path(flags[1]), float(flags[3]), float(flags[5]))
+    assert again.path == options.path and again.scale == options.scale
