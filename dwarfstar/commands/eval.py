@@ -133,14 +133,16 @@ def eval_command(
 
     from dwarfstar.engine import load_engine
     from dwarfstar.hub import resolve_model
+    from dwarfstar.model.loader import open_model
     from dwarfstar.session.sampling import Sampler
     from dwarfstar.session.session import Session
     from dwarfstar.terminal import loading, note
     from dwarfstar.tokenizer.tokenizer import Tokenizer
 
     path = resolve_model(model)
-    model_max = _model_max_seq_len(path)
-    ctx = auto_context(Tokenizer.from_gguf(path), selected, settings, model_max)
+    model_file = open_model(path)  # the context is sized before the weights are loaded for it
+    tokenizer = Tokenizer.from_gguf_metadata(model_file.gguf.metadata)
+    ctx = auto_context(tokenizer, selected, settings, model_file.args.max_seq_len)
     with loading(path) as bar:
         engine = load_engine(path, backend, ctx=ctx, progress=bar)
     note(f"eval: {len(selected)} questions, ctx {ctx}, {engine.backend_name} backend")
@@ -208,9 +210,3 @@ def eval_command(
         typer.echo(line)
     if len(done) < len(selected):
         typer.echo(f"{len(selected) - len(done)} questions not run")
-
-
-def _model_max_seq_len(path: Path) -> int:
-    from dwarfstar.model.loader import open_model
-
-    return open_model(path).args.max_seq_len
