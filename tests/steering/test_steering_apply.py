@@ -118,3 +118,21 @@ def test_detach_restores_the_plain_forward(reference):
     assert backend.detach() is reference
     assert all(not hooks for hooks in reference.hooks.values())
     assert torch.equal(reference.forward(PROMPT, reference.new_state()), plain)
+
+
+def test_a_layer_range_applies_its_own_rows(steered):
+    """A pipeline stage runs `run_layers(first, last)`: the hooks get global layer indices, so two
+    stages together steer exactly as one pass does."""
+    rows = torch.randn(steered.args.n_layers, steered.args.dim, generator=torch.Generator().manual_seed(1))
+    per_layer = SteeredBackend(steered.inner, Direction(rows / rows.norm(dim=-1, keepdim=True)), SteeringScale(2, 1))
+    steered.steering.stage([SteeringScale()], [len(PROMPT)])  # only the per-layer direction acts
+    try:
+        whole = per_layer.forward(PROMPT, per_layer.new_state())
+        model = per_layer.model
+        batch = model.batch([PROMPT], [per_layer.new_state()])
+        split = model.args.n_layers // 2
+        h = model.run_layers(model.run_layers(model.embed(batch), batch, 0, split), batch, split)
+        staged = model.ops.logits(model.head(h, batch, all_positions=True)[0], batch)
+        assert torch.equal(staged, whole)
+    finally:
+        per_layer.detach()
