@@ -168,7 +168,7 @@ def steering_of(backend: Any) -> SteeredBackend | None:
     while backend is not None:
         if isinstance(backend, SteeredBackend):
             return backend
-        backend = backend.__dict__.get("inner")
+        backend = getattr(backend, "__dict__", {}).get("inner")  # not through a wrapper's __getattr__
     return None
 
 

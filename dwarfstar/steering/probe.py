@@ -2,7 +2,7 @@
 
 Both insert one hook ahead of any steering, so they see each layer's sublayer output as it arrives
 (shaped by the steering of earlier layers, not yet by this layer's). Values stay on the device
-during a call and come to the host once after it.
+during a call and come to the host after it.
 """
 
 from __future__ import annotations

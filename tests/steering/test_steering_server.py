@@ -87,6 +87,8 @@ def test_a_steered_request_never_reads_the_disk_cache(engine):
 
 
 def test_disk_cache_keeps_only_unsteered_states(engine, tmp_path):
+    from types import SimpleNamespace
+
     from dwarfstar.serving.disk import DiskCache
     from dwarfstar.serving.pool import LiveSession
     from dwarfstar.session.kvpolicy import SaveReason
@@ -94,12 +96,16 @@ def test_disk_cache_keeps_only_unsteered_states(engine, tmp_path):
     disk = DiskCache.open(
         tmp_path, space_mb=64, min_tokens=4, engine=engine, ctx=128, chunk=CHUNK, memory=ToolMemory(100)
     )
-    for steering in (SteeringScale(ffn=0.5), None):
+    texts = {SteeringScale(ffn=0.5): "Quel ramo del lago di Como, che volge", None: "Renzo e Lucia, promessi sposi"}
+    for steering, text in texts.items():
         session = Session(engine.backend, ctx=128, chunk=CHUNK)
         engine.backend.assign(session, steering or SteeringScale())
-        session.prefill(PROMPT)
+        session.prefill(engine.tokenizer.encode(text))
         disk.save(LiveSession(session, steering=steering), SaveReason.EVICT)
-        assert len(list(tmp_path.glob("*.kv"))) == (0 if steering else 1)
+    # the disk cache answers a prompt by its rendered text (the pool passes a `Prompt`)
+    found = {steering: disk.restore(SimpleNamespace(text=text + " e altro"), 0) for steering, text in texts.items()}
+    assert found[SteeringScale(ffn=0.5)] is None
+    assert found[None] is not None and found[None].tokens == engine.tokenizer.encode(texts[None])
 
 
 def completion(client: TestClient, **extra):
