@@ -135,34 +135,48 @@ class Weights:
         return [(ms[0] if len(ms) == 1 else stack_rows(ms), rows) for ms, rows in runs]
 
     def _load(self, name: str, shape: tuple[int, ...]) -> Matrix:
-        info = self.gguf.tensors[name]
-        ggml_type, cols = info.ggml_type, shape[-1]
-        rows = int(np.prod(shape[:-1]))
-        if self.packing == "blocks" and ggml_type not in FLOAT_TYPES:
-            from dwarfstar.backends.mlx.metal import BlockMatrix
+        return pack_matrix(self.gguf.raw(name), self.gguf.tensors[name].ggml_type, shape, self.packing)
 
-            return BlockMatrix.from_gguf(self.gguf.raw(name), ggml_type, shape)
-        if self.packing != "exact" and ggml_type in REQUANTIZED:
-            bits = 4 if self.packing == "affine4" else 2
-            parts = repack.requantize(self._row_band(name, cols), rows, cols, bits)
-        elif repack.exact_affine(ggml_type):
-            parts = repack.repack_exact(self.gguf.raw(name), ggml_type, rows, cols)
-        else:  # float tensors, and Q2_K in the exact packing
-            w = mx.array(self.gguf.tensor(name).numpy()).reshape(shape)
-            return DenseMatrix.stacked(w) if len(shape) == 3 else DenseMatrix(w)
-        return AffineMatrix(parts.stacked(shape[0]) if len(shape) == 3 else parts)
 
-    def _row_band(self, name: str, cols: int) -> Callable[[int, int], torch.Tensor]:
-        """Dequantize rows [start, stop) of a block matrix straight from the memory map."""
-        info = self.gguf.tensors[name]
-        raw = self.gguf.raw(name)
-        row_bytes = info.nbytes // (info.n_elements // cols)
+def pack_matrix(raw: np.ndarray, ggml_type: GGMLType, shape: tuple[int, ...], packing: str) -> Matrix:
+    """GGUF bytes of a [out, in] matrix, or a stack [E, out, in], in the packing."""
+    cols = shape[-1]
+    rows = int(np.prod(shape[:-1]))
+    if packing == "blocks" and ggml_type not in FLOAT_TYPES:
+        from dwarfstar.backends.mlx.metal import BlockMatrix
 
-        def band(start: int, stop: int) -> torch.Tensor:
-            n = stop - start
-            return dequantize(raw[start * row_bytes : stop * row_bytes], info.ggml_type, n * cols).view(n, cols)
+        return BlockMatrix.from_gguf(raw, ggml_type, shape)
+    if packing != "exact" and ggml_type in REQUANTIZED:
+        bits = 4 if packing == "affine4" else 2
+        parts = repack.requantize(_row_band(raw, ggml_type, rows, cols), rows, cols, bits)
+    elif repack.exact_affine(ggml_type):
+        parts = repack.repack_exact(raw, ggml_type, rows, cols)
+    else:  # float tensors, and Q2_K in the exact packing
+        w = mx.array(dequantize(raw, ggml_type, rows * cols).numpy()).reshape(shape)
+        return DenseMatrix.stacked(w) if len(shape) == 3 else DenseMatrix(w)
+    return AffineMatrix(parts.stacked(shape[0]) if len(shape) == 3 else parts)
 
-        return band
+
+def _row_band(raw: np.ndarray, ggml_type: GGMLType, rows: int, cols: int) -> Callable[[int, int], torch.Tensor]:
+    """Dequantize rows [start, stop) of a block matrix straight from its bytes (the memory map)."""
+    row_bytes = len(raw) // rows
+
+    def band(start: int, stop: int) -> torch.Tensor:
+        n = stop - start
+        return dequantize(raw[start * row_bytes : stop * row_bytes], ggml_type, n * cols).view(n, cols)
+
+    return band
+
+
+def concat_experts(stacks: Sequence[Matrix]) -> Matrix:
+    """Stacks [E_i, out, in] of one packing as one [sum E_i, out, in] stack, in order."""
+    first = stacks[0]
+    if isinstance(first, DenseMatrix):
+        return DenseMatrix(mx.concatenate([m.w for m in stacks]))
+    if isinstance(first, AffineMatrix):
+        joined = (mx.concatenate([getattr(m.parts, a) for m in stacks]) for a in ("codes", "scales", "biases"))
+        return AffineMatrix(repack.AffineParts(*joined, first.parts.bits))
+    raise DwarfStarError(f"streamed experts cannot be stacked in the {type(first).__name__} packing yet")
 
 
 class LayerWeights:
