@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from dwarfstar.cli import app
-from dwarfstar.engine import BACKENDS
+from dwarfstar.engine import BACKENDS, PRECISION_HELP
 
 test_app = typer.Typer(no_args_is_help=True, help="ds4's quality gates: prove a model still works after a change.")
 app.add_typer(test_app, name="test")
@@ -23,16 +23,18 @@ ModelOption = Annotated[
     Path | None, typer.Option("-m", "--model", envvar="DS4_TEST_MODEL", help="GGUF model (default: as in run).")
 ]
 BackendOption = Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")]
+# ds4 runs its tool-call gate with both its fast and its --quality kernels; `--precision` picks ours
+PrecisionOption = Annotated[str, typer.Option(help=PRECISION_HELP)]
 
 
-def _engine(model: Path | None, backend: str, ctx: int):
+def _engine(model: Path | None, backend: str, ctx: int, precision: str = "exact"):
     from dwarfstar.engine import load_engine
     from dwarfstar.hub import resolve_model
     from dwarfstar.terminal import loading
 
     path = resolve_model(model)
     with loading(path) as progress:
-        return load_engine(path, backend, ctx=ctx, progress=progress)
+        return load_engine(path, backend, ctx=ctx, progress=progress, precision=precision)
 
 
 def _verdict(name: str, passed: bool, detail: str) -> None:
@@ -48,13 +50,14 @@ def vectors(
     ],
     model: ModelOption = None,
     backend: BackendOption = "auto",
+    precision: PrecisionOption = "exact",
     max_delta: Annotated[float, typer.Option(help="Largest |logprob - recorded| allowed.")] = 4.0,
 ) -> None:
     """Official logprob vectors: greedy tokens equal by bytes, recorded tops in our top 20, |dlogprob| <= 4."""
     from dwarfstar.evals.vectors import read_vector_file, run_case
 
     cases = read_vector_file(vector_file)
-    engine = _engine(model, backend, max(c.ctx for c in cases))
+    engine = _engine(model, backend, max(c.ctx for c in cases), precision)
     failed = 0
     for case in cases:
         result = run_case(engine, case, max_delta)
@@ -83,6 +86,7 @@ def long_context(
     ] = None,
     model: ModelOption = None,
     backend: BackendOption = "auto",
+    precision: PrecisionOption = "exact",
     ctx: Annotated[int, typer.Option(help="Session context.")] = 100_000,
     tokens: Annotated[int, typer.Option("-n", "--tokens", help="Greedy tokens to generate.")] = 350,
     min_prompt_tokens: Annotated[int, typer.Option(help="The prompt must be longer than this.")] = 30_000,
@@ -92,7 +96,7 @@ def long_context(
     from dwarfstar.terminal import PrefillProgress
 
     wanted = read_facts(facts)
-    engine = _engine(model, backend, ctx)
+    engine = _engine(model, backend, ctx, precision)
     with PrefillProgress() as bar:
         result = run_long_context(engine, prompt_file, wanted, ctx, tokens, min_prompt_tokens, bar.update)
     typer.echo(f"prompt {result.prompt_tokens} tokens; output:\n{result.output}")
@@ -105,6 +109,7 @@ def long_context(
 def tool_call(
     model: ModelOption = None,
     backend: BackendOption = "auto",
+    precision: PrecisionOption = "exact",
     ctx: Annotated[int, typer.Option(help="Server context.")] = 32768,
     expect: Annotated[
         Path | None, typer.Option(help="Expected reply (JSON) for a model that does not call tools: exact match.")
@@ -115,7 +120,7 @@ def tool_call(
 
     from dwarfstar.evals.tool_call import run_tool_call
 
-    engine = _engine(model, backend, ctx)
+    engine = _engine(model, backend, ctx, precision)
     result = run_tool_call(engine, ctx, expect)
     typer.echo(json.dumps(result.reply, ensure_ascii=False)[:2000])
     for problem in result.problems:
@@ -128,6 +133,7 @@ def tool_call(
 def quality(
     model: ModelOption = None,
     backend: BackendOption = "auto",
+    precision: PrecisionOption = "exact",
     prompts: Annotated[Path | None, typer.Option(help="Prompts JSONL (default: ds4's 100).")] = None,
     manifest: Annotated[
         Path | None, typer.Option(help="ds4's manifest.tsv of official continuations (collect_official.py).")
@@ -147,14 +153,14 @@ def quality(
     if manifest is not None:
         if prompts is not None:
             raise DwarfStarError("--manifest holds its own prompts; --prompts goes with --against")
-        engine = _engine(model, backend, ctx)
+        engine = _engine(model, backend, ctx, precision)
         rows = [(case, engine.tokenizer.encode(text)) for case, text in q.read_manifest(manifest, limit)]
     else:
         cases = q.read_quality_prompts(prompts or q.BUNDLED_PROMPTS, limit)
-        reference = _engine(against, backend, ctx)
+        reference = _engine(against, backend, ctx, precision)
         rows = [(case, q.greedy_continuation(reference, case, ctx=ctx)) for case in cases]
         del reference
-        engine = _engine(model, backend, ctx)
+        engine = _engine(model, backend, ctx, precision)
     scores = []
     lines = [q.TSV_HEADER]
     for case, target in rows:
