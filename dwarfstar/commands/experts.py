@@ -58,7 +58,8 @@ def describe(summary: dict) -> str:
     return (
         f"experts: hit {summary['hit_rate']:.1%} | {summary['bytes_per_token'] / 1e6:.2f} MB read/token | "
         f"miss p50 {summary['miss_latency_p50_ms']:.2f} ms p99 {summary['miss_latency_p99_ms']:.2f} ms | "
-        f"resident {summary['resident_experts']}/{summary['capacity_experts']}"
+        f"resident {summary['resident_experts']}/{summary['capacity_experts']} | "
+        f"waited {summary['stall_seconds']:.2f} s for reads"
     )
 
 
