@@ -122,6 +122,8 @@ def test_request_fields_set_the_session_steering(engine):
         assert completion(client, dir_steering_attn=-3).status_code == 200
         keys = {live.steering for live in service.pool.live}
         assert keys == {SteeringScale(0.5), SteeringScale(1.0), None, SteeringScale(1.0, -3.0)}
+        for live in service.pool.live:  # what each session's forward calls are steered with
+            assert engine.backend.scale_of(live.session.state) == (live.steering or SteeringScale())
         bad = completion(client, dir_steering_ffn=100.5)
         assert bad.status_code == 400 and "dir_steering_ffn must be between -100.0 and 100.0" in bad.text
         wrong = completion(client, dir_steering_attn="strong")
