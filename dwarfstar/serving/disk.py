@@ -12,14 +12,20 @@ A request that finds no useful prefix in memory looks here (longest rendered-tex
 prefilling cold. Each file carries the tool-call ids of its conversation with their sampled DSML,
 and a request replaying a tool call the memory no longer knows (after a restart) finds it here.
 
-The store is used from the engine worker and from request threads, so every call holds one lock.
+Saves are written by a writer thread from a copy of the state taken when the save is asked for, so
+the engine thread never waits for the disk; a lookup that finds its best checkpoint still queued
+rebuilds the state from that copy. The store is used from the engine worker, the writer and request
+threads, so every use of its index holds one lock (the file writes themselves run outside it).
 """
 
 from __future__ import annotations
 
+import logging
+import queue
 import threading
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from dwarfstar.engine import Engine
@@ -30,14 +36,28 @@ from dwarfstar.serving.replay import ToolMemory
 from dwarfstar.session import kvfile
 from dwarfstar.session.kvfile import KVFileError, ModelIdentity
 from dwarfstar.session.kvpolicy import MIB, ContinuedSchedule, KVCacheOptions, SaveReason, cold_save_point
-from dwarfstar.session.kvstore import KVStore
+from dwarfstar.session.kvstore import KVStore, StateImage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class QueuedSave:
+    image: StateImage
+    reason: SaveReason
+    tool_map: dict[str, str]
 
 
 class DiskCache:
     def __init__(self, store: KVStore, tool_memory: ToolMemory) -> None:
         self.store, self.options, self.tool_memory = store, store.options, tool_memory
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the store: its directory index, evictions, lookups
         self._schedules: weakref.WeakKeyDictionary[LiveSession, ContinuedSchedule] = weakref.WeakKeyDictionary()
+        self._writes: queue.Queue[QueuedSave | None] = queue.Queue()
+        self._queued: list[QueuedSave] = []  # not yet on disk, in order; a lookup may serve one
+        self._queued_lock = threading.Lock()
+        self._writer = threading.Thread(target=self._write_loop, name="dwarfstar-kv-writer", daemon=True)
+        self._writer.start()
 
     @classmethod
     def open(
@@ -75,12 +95,43 @@ class DiskCache:
         if len(session.tokens) < self.options.min_tokens or live.steering is not None:
             return  # files are keyed by text alone: they hold only unsteered states
         blocks = {call_id: dsml for call_id in live.tool_ids if (dsml := self.tool_memory.get(call_id)) is not None}
-        with self._lock:
-            saved = self.store.save(session.state, reason, tool_map=blocks)
+        # The engine thread only copies the state (memory speed); choosing the file, evicting,
+        # writing and fsyncing run on the writer thread, so the other streams go on meanwhile.
+        image = self.store.freeze(session.state)
         if reason is SaveReason.EVICT:
             self._schedules.pop(live, None)  # the session is about to hold another conversation, or none
-        elif saved is not None:
+        elif image is not None:
             self._schedule(live).note_store(len(session.tokens))
+        if image is None:
+            return
+        save = QueuedSave(image, reason, blocks)
+        with self._queued_lock:
+            self._queued.append(save)
+        self._writes.put(save)
+
+    def _write_loop(self) -> None:
+        while (save := self._writes.get()) is not None:
+            try:
+                with self._lock:
+                    planned = self.store.plan_save(save.image, save.reason, tool_map=save.tool_map)
+                if planned is not None:
+                    self.store.write(planned)  # outside the lock: lookups go on during a long write
+            except Exception:  # a save is an optimisation: its failure must not stop the next ones
+                log.exception("kv cache save of %d tokens failed", len(save.image.tokens))
+            finally:
+                with self._queued_lock:
+                    self._queued.remove(save)
+                self._writes.task_done()
+        self._writes.task_done()
+
+    def flush(self) -> None:
+        """Wait until every save asked for so far is on disk (or refused)."""
+        self._writes.join()
+
+    def close(self) -> None:
+        """Finish the queued saves and stop the writer (server shutdown)."""
+        self._writes.put(None)
+        self._writer.join()
 
     def prefill_stops(self, live: LiveSession, prompt_ids: list[int], cached: int) -> list[tuple[int, SaveReason]]:
         """Positions inside this prefill where the session should be saved, in order."""
@@ -102,11 +153,18 @@ class DiskCache:
     def restore(self, prompt: Prompt, better_than: int) -> SequenceState | None:
         """The longest checkpoint of the prompt's text, if it holds more than `better_than` tokens."""
         text = prompt.text.encode("utf-8")
+        with self._queued_lock:
+            queued = [save for save in self._queued if len(save.image.tokens) > better_than]
+        queued = [save for save in queued if text.startswith(self.store.key_of(save.image))]
+        best_queued = max(queued, key=lambda save: len(save.image.tokens), default=None)
+        if best_queued is not None:
+            better_than = len(best_queued.image.tokens)
         with self._lock:
             longer = [e for e in self.store.entries() if e.tokens > better_than and text.startswith(e.key)]
             hit = self.store.lookup(text) if any(e.refusal is None for e in longer) else None
         if hit is None:
-            return None
+            # a checkpoint still waiting for the writer is served from its copy in memory
+            return None if best_queued is None else self.store.thaw(best_queued.image)
         for call_id, dsml in hit.tool_map.items():
             self.tool_memory.remember([call_id], dsml)
         return hit.state

@@ -105,7 +105,9 @@ class Service:
         self.scheduler.start()
 
     def stop(self) -> None:
-        self.scheduler.stop()
+        self.scheduler.stop()  # which queues the shutdown saves
+        if self.disk is not None:
+            self.disk.close()
         if self.trace is not None:
             self.trace.close()
 

@@ -14,6 +14,7 @@ What is kept when space runs out is kvpolicy.py's business; eviction also runs o
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
 import re
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.state import KVCache, SequenceState, TorchStorage
@@ -72,6 +74,27 @@ class _Incoming:
     last_used: int
     reason: int
     hits: int = 0
+
+
+@dataclass(eq=False)
+class StateImage:
+    """What a save writes: a state's tokens and a writer of its payload. A frozen image holds the
+    payload bytes as they were when it was made, so the live state goes on (and may be cut back)
+    while a writer thread stores the copy; an unfrozen one writes from the state itself."""
+
+    tokens: list[int]
+    write_payload: Callable[[BinaryIO], int]
+    payload: memoryview | None = None  # the bytes of a frozen image
+    key: bytes | None = None  # the decoded text of the tokens, once someone needed it
+
+
+@dataclass
+class PlannedSave:
+    path: Path
+    header: FileHeader | None  # None: the same checkpoint is already stored, nothing to write
+    key: bytes
+    image: StateImage
+    ktm: bytes
 
 
 @dataclass
@@ -238,11 +261,49 @@ class KVStore:
         `tool_map` keeps the tool-call ids whose exact DSML appears in the key; files that are prefixes
         of `keep_prefixes_of` (the prompt about to be looked up) survive this save's eviction.
         """
+        if not self._worth_a_file(state):
+            return None
+        image = StateImage(list(state.tokens), lambda out: write_payload(out, state, self.args, self.ctx, self.chunk))
+        planned = self.plan_save(image, reason, tool_map, key, key_flag, keep_prefixes_of)
+        return None if planned is None else self.write(planned)
+
+    def _worth_a_file(self, state: SequenceState) -> bool:
         n = len(state.tokens)
         if n < self.options.min_tokens or state.logits is None:
             log.info("kv cache skips a %d-token state (min %d)", n, self.options.min_tokens)
+            return False
+        return True
+
+    def freeze(self, state: SequenceState) -> StateImage | None:
+        """The state's payload as of now, or None when it is not worth a file (too short, no logits)."""
+        if not self._worth_a_file(state):
             return None
-        key = self.render_key(state.tokens) if key is None else key
+        out = io.BytesIO()
+        write_payload(out, state, self.args, self.ctx, self.chunk)
+        payload = out.getbuffer()
+        return StateImage(list(state.tokens), lambda target: target.write(payload), payload)
+
+    def key_of(self, image: StateImage) -> bytes:
+        if image.key is None:
+            image.key = self.render_key(image.tokens)
+        return image.key
+
+    def thaw(self, image: StateImage) -> SequenceState:
+        """A state rebuilt from a frozen image not yet written (a lookup that finds it still queued)."""
+        return read_payload(image.payload, self.args, self.ctx, self.chunk, self._new_state)
+
+    def plan_save(
+        self,
+        image: StateImage,
+        reason: SaveReason,
+        tool_map: Mapping[str, str] | None = None,
+        key: bytes | None = None,
+        key_flag: int = 0,
+        keep_prefixes_of: bytes | None = None,
+    ) -> PlannedSave | None:
+        """Decide the file and make room for it (evictions happen here); None when it is not stored."""
+        n = len(image.tokens)
+        key = self.key_of(image) if key is None else key
         tools = {i: d for i, d in (tool_map or {}).items() if d.encode("utf-8", "surrogateescape") in key}
         ktm = kvfile.encode_tool_map(tools)
         path = self.directory / (hashlib.sha1(key).hexdigest() + ".kv")
@@ -250,7 +311,7 @@ class KVStore:
         existing = self._index.get(path.name)  # a foreign file with this key is replaced, as ds4 does
         same = existing is not None and existing.refusal is None and existing.key == key
         if same and (not tools or self._has_tools(existing, tools)):
-            return path  # the same checkpoint is already there (ds4 keeps it too)
+            return PlannedSave(path, None, key, image, ktm)  # the same checkpoint is there (ds4 keeps it too)
         others = [e for e in entries if e.path != path]
         now = int(self.clock())
         size = kvfile.FIXED.size + len(key) + payload_nbytes(self.args, n) + len(ktm) + kvfile.IDENTITY.size
@@ -270,13 +331,20 @@ class KVStore:
         )  # fmt: skip
         if same:  # rewritten only to add tool ids: keep its history
             header.hits, header.created = existing.hits, existing.header.created
+        return PlannedSave(path, header, key, image, ktm)
+
+    def write(self, planned: PlannedSave) -> Path | None:
+        """Write a planned checkpoint; touches no store state, so it may run outside the caller's lock."""
+        if planned.header is None:
+            return planned.path
+        n, reason = planned.header.tokens, SaveReason(planned.header.reason)
         try:
-            self._write_atomically(path, header, key, state, ktm)
+            self._write_atomically(planned)
         except (OSError, PayloadError) as exc:
             log.warning("kv cache store of %d tokens failed: %s", n, exc)
             return None
-        log.info("kv cache stored tokens=%d reason=%s size=%d file=%s", n, reason.name.lower(), size, path.name)
-        return path
+        log.info("kv cache stored tokens=%d reason=%s file=%s", n, reason.name.lower(), planned.path.name)
+        return planned.path
 
     def _has_tools(self, entry: Entry, tools: Mapping[str, str]) -> bool:
         try:
@@ -285,12 +353,13 @@ class KVStore:
             return False
         return all(stored.get(i) == d for i, d in tools.items())
 
-    def _write_atomically(self, path: Path, header: FileHeader, key: bytes, state: SequenceState, ktm: bytes) -> None:
+    def _write_atomically(self, planned: PlannedSave) -> None:
+        path = planned.path
         tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
         try:
             with open(tmp, "wb") as f:
                 kvfile.write_checkpoint(
-                    f, header, key, lambda out: write_payload(out, state, self.args, self.ctx, self.chunk), ktm,
+                    f, planned.header, planned.key, planned.image.write_payload, planned.ktm,
                     self.identity.fingerprint,
                 )  # fmt: skip
                 f.flush()

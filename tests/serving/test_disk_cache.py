@@ -106,7 +106,9 @@ def test_a_cache_hit_is_loaded_onto_the_backends_device(engine, tmp_path):
     session = Session(engine.backend, ctx=4096, chunk=256)
     session.prefill(engine.tokenizer.encode(text))
     opened = dict(space_mb=64, min_tokens=8, ctx=4096, chunk=256, memory=ToolMemory(100))
-    DiskCache.open(tmp_path, engine=engine, **opened).save(LiveSession(session), SaveReason.COLD)
+    saving = DiskCache.open(tmp_path, engine=engine, **opened)
+    saving.save(LiveSession(session), SaveReason.COLD)
+    saving.flush()  # saves are written by the cache's writer thread
 
     on_meta = DiskCache.open(tmp_path, engine=replace(engine, backend=MetaStates(engine.backend)), **opened)
     hit = on_meta.restore(SimpleNamespace(text=text + " And more."), better_than=0)
