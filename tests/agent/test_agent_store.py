@@ -1,0 +1,112 @@
+"""Saved sessions: KV files in the disk-cache format plus sidecars; listing, loading, strip, delete,
+the system prompt's cache, and files that cannot be used (damaged, unreadable, another model's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import Recorder, make_agent
+
+from dwarfstar.agent.policy import ScriptedPolicy
+from dwarfstar.agent.store import SYSPROMPT, SessionError, SessionStore, session_id
+from dwarfstar.engine import Engine, load_engine
+from dwarfstar.model.synthetic import TINY, write_synthetic_model
+from dwarfstar.session import kvfile
+from dwarfstar.session.kvfile import ModelIdentity
+from dwarfstar.session.kvpolicy import SaveReason
+
+
+def open_store(engine: Engine, directory: Path, ctx: int = 8192) -> SessionStore:
+    return SessionStore(directory, engine.backend.args, ModelIdentity.of(engine.model), ctx, 4096,
+                        engine.tokenizer, engine.backend.new_state)  # fmt: skip
+
+
+@pytest.fixture
+def saved(nano: Engine, tmp_path: Path):
+    """A store holding one two-turn session; returns (store, agent, id)."""
+    policy = ScriptedPolicy(nano.tokenizer, nano.backend.args.eos_token_id, ["a</think>One.", "b</think>Two."])
+    agent = make_agent(nano, tmp_path / "work", policy)
+    (tmp_path / "work").mkdir(exist_ok=True)
+    agent.run("first   task\nwith lines", Recorder())
+    agent.run("second", Recorder())
+    store = open_store(nano, tmp_path / "kv")
+    sid = session_id("first", 1000.0)
+    store.save(sid, 1000.0, agent.transcript, agent.session.state)
+    return store, agent, sid
+
+
+def test_save_list_and_load_back_the_exact_state(saved) -> None:
+    store, agent, sid = saved
+    [listed] = store.sessions()
+    assert (listed.id, listed.title, listed.problem) == (sid, "first task with lines", None)
+    assert listed.tokens == len(agent.session.tokens)
+    head = kvfile.read_head(store.directory / listed.kv_name)
+    assert head.header.reason == SaveReason.AGENT_SESSION
+    assert head.key == agent.tokenizer.decode_bytes(agent.session.tokens)  # the server's key: the decoded tokens
+    found, transcript, state = store.load(sid[:4])
+    assert found.id == sid and transcript.to_json() == agent.transcript.to_json()
+    assert state.tokens == agent.session.tokens
+    assert state.logits.equal(agent.session.logits)
+
+
+def test_saving_again_replaces_the_old_kv_file(saved) -> None:
+    store, agent, sid = saved
+    old = store.sessions()[0].kv_name
+    agent.policy.replies.append("c</think>Three.")
+    agent.run("third", Recorder())
+    store.save(sid, 1000.0, agent.transcript, agent.session.state)
+    [listed] = store.sessions()
+    assert listed.kv_name != old and not (store.directory / old).exists()
+    assert sorted(p.name for p in store.directory.iterdir()) == sorted([listed.kv_name, f"agent-{sid}.json"])
+
+
+def test_strip_keeps_the_text_and_delete_removes_everything(saved) -> None:
+    store, agent, sid = saved
+    kv = store.directory / store.sessions()[0].kv_name
+    stripped = store.strip(sid[:6])
+    assert stripped.kv_name is None and stripped.title == "first task with lines" and not kv.exists()
+    assert "stripped" in stripped.line(stripped.updated)
+    _, transcript, state = store.load(sid)
+    assert state is None and transcript.user_turns() == ["first   task\nwith lines", "second"]
+    store.delete(sid)
+    assert store.sessions() == [] and list(store.directory.iterdir()) == []
+    with pytest.raises(SessionError, match="no session"):
+        store.load(sid)
+
+
+def test_the_system_prompt_cache_is_reused_only_for_the_same_prompt(saved) -> None:
+    store, agent, _ = saved
+    head = agent.transcript.head_ids(agent.tokenizer)
+    assert store.load_system(head) is None
+    agent.session.truncate(len(head))
+    store.save_system(agent.session.state)
+    assert (store.directory / SYSPROMPT).exists() and len(store.sessions()) == 1  # not listed as a session
+    assert store.load_system(head).tokens == head
+    agent.transcript.system += " changed"
+    assert store.load_system(agent.transcript.head_ids(agent.tokenizer)) is None
+
+
+def test_unusable_files_are_listed_with_the_reason(saved, tmp_path: Path) -> None:
+    store, agent, sid = saved
+    kv = store.directory / store.sessions()[0].kv_name
+    (store.directory / "agent-0123456789abcdef.json").write_text("{not json")
+    kv.write_bytes(kv.read_bytes()[:100])
+    listing = {s.id: s for s in store.sessions()}
+    assert listing[sid].problem.startswith("KV file: truncated")
+    assert listing["0123456789abcdef"].problem.startswith("unreadable session file")
+    assert "UNUSABLE: KV file: truncated" in listing[sid].line(0)
+    with pytest.raises(SessionError, match="cannot be used: KV file: truncated"):
+        store.load(sid)
+    with pytest.raises(SessionError, match="give a session id"):
+        store.find("")
+
+
+def test_another_models_session_is_listed_as_foreign(saved, tmp_path: Path) -> None:
+    store, _, sid = saved
+    path = tmp_path / "tiny.gguf"
+    write_synthetic_model(path, TINY, seed=0)
+    other = load_engine(path, "reference", ctx=8192)
+    [listed] = open_store(other, store.directory).sessions()
+    assert (listed.id, listed.problem) == (sid, "KV file was written for another model")
