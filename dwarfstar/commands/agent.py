@@ -1,7 +1,8 @@
 """`dwarfstar agent`: the coding agent (dwarfstar/agent/), in the terminal UI or, with --plain, line mode.
 
 It works in the directory it was started in. Sessions are KV files under `~/.dwarfstar/kvcache`
-(or `--kv-dir`, or `$DWARFSTAR_KVCACHE`). The model, sampling and thinking flags are `run`'s.
+(or `--kv-dir`, or `$DWARFSTAR_KVCACHE`). The model, sampling, thinking, expert-streaming and steering
+flags are `run`'s.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from dwarfstar.agent.transcript import DEFAULT_SYSTEM, Transcript, system_text
 from dwarfstar.agent.worker import Worker
 from dwarfstar.chat import allowed_mode
 from dwarfstar.cli import app
+from dwarfstar.commands.experts import SsdCacheExperts, SsdCold, SsdPreload, SsdStreaming, describe, streaming_options
 from dwarfstar.commands.run import think_mode
+from dwarfstar.commands.steer import DirSteeringAttn, DirSteeringFfn, DirSteeringFile, steering_options
 from dwarfstar.diagnostics import Trace
 from dwarfstar.engine import BACKENDS, PRECISION_HELP, load_engine
 from dwarfstar.hub import resolve_model
@@ -70,11 +73,25 @@ def agent(
     no_qat_rounding: Annotated[
         bool, typer.Option("--no-qat-rounding", help="Skip the FP8 KV / FP4 indexer rounding.")
     ] = False,
+    ssd_streaming: SsdStreaming = False,
+    ssd_streaming_cache_experts: SsdCacheExperts = None,
+    ssd_streaming_cold: SsdCold = False,
+    ssd_streaming_preload_experts: SsdPreload = 0,
+    dir_steering_file: DirSteeringFile = None,
+    dir_steering_ffn: DirSteeringFfn = None,
+    dir_steering_attn: DirSteeringAttn = None,
 ) -> None:
     """A coding agent in this directory, running the model in-process; its sessions are KV files."""
+    steering = steering_options(dir_steering_file, dir_steering_ffn, dir_steering_attn)
+    streaming = streaming_options(
+        ssd_streaming, ssd_streaming_cache_experts, ssd_streaming_cold, ssd_streaming_preload_experts
+    )
     path = resolve_model(model)
     with loading(path) as progress:
-        engine = load_engine(path, backend, qat=not no_qat_rounding, ctx=ctx, progress=progress, precision=precision)
+        engine = load_engine(
+            path, backend, qat=not no_qat_rounding, ctx=ctx, progress=progress, precision=precision,
+            streaming=streaming, steering=steering,
+        )  # fmt: skip
     if ctx > engine.model.args.max_seq_len:
         note(f"--ctx {ctx} is more than this model holds; using {engine.model.args.max_seq_len}", "yellow")
         ctx = engine.model.args.max_seq_len
@@ -122,6 +139,8 @@ def agent(
         if live.prefill_speed.tokens:
             idle = (power, paced.duty.slept_s) if isinstance(paced, ThrottledBackend) else None
             note(summary_line(engine.load_seconds, live.prefill_speed, live.decode_speed, idle))
+        if engine.experts is not None:
+            note(describe(engine.experts.stats.summary(len(engine.experts.where), engine.experts.capacity)))
         if tracer:
             tracer.close()
     if code:

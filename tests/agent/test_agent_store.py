@@ -3,7 +3,6 @@ the system prompt's cache, and files that cannot be used (damaged, unreadable, a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

@@ -4,6 +4,7 @@ session; strip and switch (rebuilt by prefill, same reply); delete; unusable fil
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -122,7 +123,7 @@ def test_unusable_session_files_are_listed_not_fatal(tmp_path: Path) -> None:
     (kv / kv_name).write_bytes(b"KVC\1" + b"\0" * 60)
     meta = {"title": "broken", "created": 1.0, "updated": 2.0, "tokens": 5, "kv": kv_name,
             "transcript": {"system": "s", "mode": "think", "summary": None, "entries": []}}  # fmt: skip
-    (kv / "agent-11111111cafecafe.json").write_text(__import__("json").dumps(meta))
+    (kv / "agent-11111111cafecafe.json").write_text(json.dumps(meta))
     agent = Agent(tmp_path, kv)
     listing = agent.command("/list")
     assert re.search(r"^  00000000 .*UNUSABLE: unreadable session file", listing, re.M), listing
