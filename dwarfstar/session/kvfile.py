@@ -311,6 +311,8 @@ def read_tool_map(path: Path) -> dict[str, str]:
         header = FileHeader.unpack(f.read(FIXED.size))
         if not header.ext_flags & EXT_TOOL_MAP:
             return {}
+        if header.payload_end > size - IDENTITY.size:  # a damaged length: seeking there is not even possible
+            raise CorruptFile(f"truncated: {size} bytes, the layout needs {header.payload_end + IDENTITY.size}")
         f.seek(header.payload_end)
         return decode_tool_map(memoryview(f.read(max(0, size - IDENTITY.size - header.payload_end))))
 
