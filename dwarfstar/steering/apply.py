@@ -2,12 +2,12 @@
 
 The direction's rows live in the backend's own array type on its device, converted once at load;
 the hooks only multiply, so no layer makes a host round trip, and the CPU and GPU run the same
-code. `SteeredBackend` wraps the backend the engine hands out: before each forward call it sets the
-scale each hook reads for the call's rows. For the usual call, whose sequences share one setting,
-that is a persistent one-element array written in place, so a decode step that the Triton backend
-replays from a captured CUDA graph (which baked in that array's address) reads the current scale.
-Sequences with different settings in one batched call (the server's per-request scales) get a
-per-row array for that call; batched calls run eagerly.
+code. `SteeredBackend` wraps the backend the engine hands out: before each forward call it writes
+the scale of every row of the call (each sequence's own, the server's per-request scales) into a
+per-row array that the hooks read. On torch that array is one persistent buffer written in place
+for any call of up to `ROW_CAPACITY` rows, so a decode step the Triton backend replays from a
+captured CUDA graph (which baked in the buffer's address and took the same code path) reads the
+current scales; a longer call, which is a prefill chunk and runs eagerly, gets its own array.
 
 Per-sequence settings belong to sessions (`assign`): a session's state is replaced when it is cut
 back or restored, but the session stays, so the setting follows it.
@@ -31,6 +31,8 @@ from dwarfstar.session.session import Backend, Session
 from dwarfstar.steering.direction import Direction, SteeringScale, read_direction, steer
 
 POINTS: tuple[HookPoint, ...] = ("ffn_out", "attn_out")
+# rows of the persistent scale buffer: more than any batched decode step has sequences
+ROW_CAPACITY = 1024
 
 
 def transformer_of(backend: Any) -> Transformer:
@@ -75,9 +77,9 @@ class Steering:
         self.direction, self.default, self.arrays = direction, default, DeviceArrays(model)
         vectors = self.arrays.from_host(direction.vectors)
         self.rows = [vectors[il] for il in range(n_layers)]  # views (lazy slices in MLX), made once
-        self._uniform = {point: self.arrays.from_host(np.zeros(1, np.float32)) for point in POINTS}
-        self._current: dict[HookPoint, Any] = dict(self._uniform)
-        self._set_uniform(default)
+        self._buffers = {point: self.arrays.from_host(np.zeros(ROW_CAPACITY, np.float32)) for point in POINTS}
+        self._current: dict[HookPoint, Any] = dict(self._buffers)
+        self.stage([default], [ROW_CAPACITY])  # a call that bypasses `SteeredBackend` gets the default
         self.model = model
         self._hooks = {point: self._hook(point) for point in POINTS}
         for point, hook in self._hooks.items():
@@ -90,27 +92,23 @@ class Steering:
 
     def _hook(self, point: HookPoint):
         def apply(il: int, out: Any, batch: Batch) -> Any:
-            return steer(out, self.rows[il], self._current[point])
+            return steer(out, self.rows[il], self._current[point][: out.shape[0]])
 
         return apply
 
-    def _set_uniform(self, scale: SteeringScale) -> None:
-        for point in POINTS:
-            value = scale.at(point)
-            if self.arrays.mlx:
-                self._uniform[point] = self.arrays.from_host(np.full(1, value, np.float32))
-            else:
-                self._uniform[point].fill_(value)  # in place: a captured graph reads this address
-            self._current[point] = self._uniform[point]
-
     def stage(self, scales: Sequence[SteeringScale], lengths: Sequence[int]) -> None:
         """The scales of the next call, whose sequences add `lengths` rows each."""
-        if len(set(scales)) <= 1:
-            self._set_uniform(scales[0] if scales else self.default)
-            return
+        n_rows = sum(lengths)
         for point in POINTS:
-            rows = np.repeat(np.array([s.at(point) for s in scales], np.float32), lengths)
-            self._current[point] = self.arrays.from_host(rows)
+            values = [s.at(point) for s in scales]
+            if self.arrays.mlx or n_rows > ROW_CAPACITY:
+                self._current[point] = self.arrays.from_host(np.repeat(np.array(values, np.float32), lengths))
+                continue
+            buffer = self._current[point] = self._buffers[point]
+            if len(set(values)) == 1:
+                buffer[:n_rows].fill_(values[0])  # a kernel, no host-to-device copy
+            else:
+                buffer[:n_rows].copy_(torch.from_numpy(np.repeat(np.array(values, np.float32), lengths)))
 
 
 class SteeredBackend:

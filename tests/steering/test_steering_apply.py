@@ -136,3 +136,19 @@ def test_a_layer_range_applies_its_own_rows(steered):
         assert torch.equal(staged, whole)
     finally:
         per_layer.detach()
+
+
+def test_decode_sized_calls_read_one_buffer_written_in_place(steered):
+    """A captured CUDA graph replays the hook's reads from fixed addresses: for every call of decode
+    size, uniform or mixed, the scales must land in the same buffer the capture saw."""
+    from dwarfstar.steering.apply import ROW_CAPACITY
+
+    steering = steered.steering
+    steering.stage([SteeringScale(ffn=1.0)], [1])
+    buffer = steering._current["ffn_out"]
+    for scales, lengths in [([SteeringScale(ffn=-2.0)], [1]), ([SteeringScale(ffn=0.5), SteeringScale()], [1, 1])]:
+        steering.stage(scales, lengths)
+        assert steering._current["ffn_out"] is buffer
+        assert buffer[: len(lengths)].tolist() == [s.ffn for s in scales]
+    steering.stage([SteeringScale(ffn=3.0)], [ROW_CAPACITY + 1])  # a prefill chunk: eager, its own array
+    assert steering._current["ffn_out"] is not buffer and steering._current["ffn_out"].shape == (ROW_CAPACITY + 1,)
