@@ -64,3 +64,15 @@ def clients(session: nox.Session) -> None:
         "npm", "install", "--prefix", folder, "--no-audit", "--no-fund", "--ignore-scripts", *CLIENTS, external=True
     )
     session.run(sys.executable, "tools/clients_check.py", "--clients", folder, *session.posargs, external=True)
+
+
+@nox.session(venv_backend="none")
+def reliability(session: nox.Session) -> None:
+    """Fuzzing (10,000 generated inputs per target: GGUF reader, KV-file loader, DSML parser, the
+    request bodies of every API) and the load and kill tests; prints each target's tally.
+
+    Runs in the Python nox runs from (`.venv/bin/nox -s reliability`); `-- -k gguf` picks targets.
+    The suite runs the same tests with a few dozen inputs each.
+    """
+    session.env["DWARFSTAR_FUZZ_EXAMPLES"] = session.env.get("DWARFSTAR_FUZZ_EXAMPLES", "10000")
+    session.run(sys.executable, "-m", "pytest", "tests/reliability", "-s", "-q", "-m", "", *session.posargs)
