@@ -316,6 +316,28 @@ class Transformer(Generic[A]):
         empty = torch.empty(0, self.args.vocab_size)
         return [out.get(id(s), empty) for s in states]
 
+    @torch.inference_mode()
+    def forward_streams(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        state: SequenceState,
+        inputs: Callable[[A], A] | None = None,
+        all_logits: bool = True,
+    ) -> tuple[torch.Tensor, A]:
+        """Logits after the T tokens ([T, vocab], else [1, vocab]) and the final streams [T, n, dim]
+        before the head: what a draft model continues from (speculative decoding, `dwarfstar.speculative`).
+
+        `inputs(embedded)` replaces the first layer's input (the embedding copied into the streams):
+        the MTP block mixes the trunk's streams into it."""
+        batch = self.batch([tokens], [state])
+        h = self.embed(batch)
+        h = self.run_layers(h if inputs is None else inputs(h), batch)
+        y, _ = self.head(h, batch, all_logits)
+        logits = self.ops.logits(y, batch)
+        self.advance(batch)
+        state.logits = logits[-1].clone()
+        return logits, h
+
     def forward(
         self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
     ) -> torch.Tensor:

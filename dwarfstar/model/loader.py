@@ -9,7 +9,7 @@ from pathlib import Path
 from dwarfstar.errors import ConfigError, ModelFileError
 from dwarfstar.gguf.reader import GGUFFile
 from dwarfstar.model.config import ARCH, ModelArgs
-from dwarfstar.model.tensors import validate_tensors
+from dwarfstar.model.tensors import MTP_NEXTN_PROJ, layer_tensor, validate_tensors
 
 
 @dataclass
@@ -38,6 +38,7 @@ def open_model(path: str | os.PathLike) -> ModelFile:
             args = ModelArgs.from_gguf_metadata(meta)
         except ConfigError as exc:
             raise ModelFileError(f"{path}: {exc}") from exc
+        args = trunk_args(args, gguf)
         try:
             validate_tensors(args, gguf.tensors)
         except ModelFileError as exc:
@@ -46,3 +47,12 @@ def open_model(path: str | os.PathLike) -> ModelFile:
         gguf.close()
         raise
     return ModelFile(path, gguf, args)
+
+
+def trunk_args(args: ModelArgs, gguf: GGUFFile) -> ModelArgs:
+    """The trunk's config: llama.cpp counts an in-file MTP block (`blk.{n}.nextn.*`) in block_count,
+    ds4 does not (its MTP block is a separate file), so the count is corrected when the block is there."""
+    first_mtp = args.n_layers - args.n_mtp_layers
+    if args.n_mtp_layers and layer_tensor(first_mtp, MTP_NEXTN_PROJ) in gguf.tensors:
+        return args.with_(n_layers=first_mtp)
+    return args

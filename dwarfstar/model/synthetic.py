@@ -26,7 +26,7 @@ from dwarfstar.gguf.constants import BLOCK_GEOMETRY, QK_K, GGMLType, ValueType
 from dwarfstar.gguf.quantize import quantize
 from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config import ModelArgs, flash_compress_ratios
-from dwarfstar.model.tensors import EXPERT, NORM, TensorSpec, expected_tensors
+from dwarfstar.model.tensors import EXPERT, NORM, TensorSpec, expected_tensors, mtp_tensors
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, tokenizer_metadata
 
 TINY = ModelArgs(
@@ -59,6 +59,7 @@ PRESETS: dict[str, ModelArgs] = {"tiny": TINY, "tiny-k": TINY_K, "flash-shaped":
 # q2 recipe for routed experts (IQ2_XXS gate/up, Q2_K down).
 _DS4_F16 = ("token_embd", "hc_", "compressor", "indexer", "ffn_gate_inp")
 LAYOUTS = ("f32", "ds4")
+MTP_SEED_OFFSET = 500_000  # a separate MTP file's tensors draw from other streams than the trunk's
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,10 @@ def write_synthetic_model(
     seed: int = 0,
     name: str = "synthetic",
     progress: Callable[[str], None] | None = None,
+    in_file_mtp: bool = False,
 ) -> None:
-    """Write a random model; the same (args, layout, seed) always gives the same bytes."""
+    """Write a random model; the same (args, layout, seed) always gives the same bytes. `in_file_mtp`
+    adds a random MTP block in llama.cpp's in-file layout (the trunk's tensors are unchanged by it)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}, expected one of {LAYOUTS}")
 
@@ -109,7 +112,21 @@ def write_synthetic_model(
         gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
         return _tensor_chunks(spec, ggml_type, args, gen)
 
-    write_model_gguf(path, args, name, lambda spec: tensor_type(spec, layout), data)
+    write_model_gguf(path, args, name, lambda spec: tensor_type(spec, layout), data, in_file_mtp)
+
+
+def write_synthetic_mtp(path: str | os.PathLike, args: ModelArgs, layout: str = "f32", seed: int = 0) -> None:
+    """A random MTP block for the trunk `args` as ds4 ships it: a separate GGUF of `mtp.0.*` tensors,
+    whose metadata is the trunk's config (ds4's loader reads none of it; ours checks it names the model)."""
+    metadata = args.to_gguf_metadata()
+    metadata["general.name"] = (ValueType.STRING, "synthetic-mtp")
+    specs = [(spec, tensor_type(spec, layout)) for spec in mtp_tensors(args, "ds4")]
+    with GGUFWriter(path, metadata) as writer:
+        for spec, ggml_type in specs:
+            writer.add_tensor(spec.name, spec.shape, ggml_type)
+        for index, (spec, ggml_type) in enumerate(specs):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + MTP_SEED_OFFSET + index)
+            writer.write_tensor(spec.name, _tensor_chunks(spec, ggml_type, args, gen))
 
 
 def write_model_gguf(
@@ -118,13 +135,22 @@ def write_model_gguf(
     name: str,
     type_of: Callable[[TensorSpec], GGMLType],
     data_of: Callable[[int, TensorSpec, GGMLType], Iterator],
+    in_file_mtp: bool = False,
 ) -> None:
     """Write a ds4-layout GGUF: the config and V4 tokenizer metadata, then every tensor of the inventory
-    in order, with the type `type_of(spec)` and the bytes `data_of(index, spec, type)` yields."""
-    metadata = args.to_gguf_metadata()
+    in order, with the type `type_of(spec)` and the bytes `data_of(index, spec, type)` yields.
+
+    `in_file_mtp` appends an MTP block in llama.cpp's layout (`blk.{n}.nextn.*`, counted in block_count)."""
+    file_args = args
+    if in_file_mtp:
+        file_args = args.with_(
+            n_layers=args.n_layers + 1, compress_ratios=(*args.compress_ratios[: args.n_layers], 0), n_mtp_layers=1
+        )
+    metadata = file_args.to_gguf_metadata()
     metadata["general.name"] = (ValueType.STRING, name)
     metadata.update(tokenizer_metadata(bundled_tokenizer_json(), args.vocab_size))
-    specs = [(spec, type_of(spec)) for spec in expected_tensors(args)]
+    inventory = [*expected_tensors(args), *(mtp_tensors(args, "nextn") if in_file_mtp else ())]
+    specs = [(spec, type_of(spec)) for spec in inventory]
     with GGUFWriter(path, metadata) as writer:
         for spec, ggml_type in specs:
             writer.add_tensor(spec.name, spec.shape, ggml_type)

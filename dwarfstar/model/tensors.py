@@ -201,20 +201,82 @@ def _layer_tensors(args: ModelArgs, il: int) -> Iterator[TensorSpec]:
 def validate_tensors(args: ModelArgs, tensors: Mapping[str, TensorLike]) -> None:
     """Raise ModelFileError naming the first missing, mis-shaped or mistyped tensor."""
     for spec in expected_tensors(args):
-        info = tensors.get(spec.name)
-        if info is None:
-            raise ModelFileError(f"missing tensor {spec.name!r} (expected shape {list(spec.shape)})")
-        if tuple(info.shape) != spec.shape:
-            raise ModelFileError(
-                f"tensor {spec.name!r} has shape {list(info.shape)}, expected {list(spec.shape)} "
-                "(torch order: [out, in])"
-            )
-        if info.ggml_type not in spec.types:
-            allowed = ", ".join(sorted(t.name for t in spec.types))
-            raise ModelFileError(f"tensor {spec.name!r} has type {info.ggml_type.name}, expected one of {allowed}")
+        check_tensor(spec, tensors.get(spec.name))
     for il in range(args.n_layers):
         gate, up = (tensors[layer_tensor(il, name)].ggml_type for name in EXPERTS[:2])
         if gate != up:
             raise ModelFileError(
                 f"blk.{il}: ffn_gate_exps is {gate.name} but ffn_up_exps is {up.name}; they must match"
             )
+
+
+# -- the MTP block (spec §2.6, §4.4, §8 item 9) ---------------------------------------------------------
+# Two file layouts hold it. ds4 ships a separate GGUF with every tensor under `mtp.0.`; llama.cpp keeps
+# it in the model file as one more block `blk.{n_trunk}` (counted in block_count) whose extra tensors
+# sit under `blk.{n_trunk}.nextn.`, with one eh_proj [D, 2D] over the concatenated [embedding, hidden]
+# instead of ds4's e_proj and h_proj. Either way the block itself has a trunk layer's tensor names.
+MTP_LAYOUTS = ("ds4", "nextn")
+MTP_PREFIX = "mtp.0."
+MTP_INPUT_NORMS = ("enorm.weight", "hnorm.weight")  # RMS norm of the embedding, of each hidden stream
+MTP_DS4_PROJ = ("e_proj.weight", "h_proj.weight")  # [D, D] each
+MTP_NEXTN_PROJ = "nextn.eh_proj.weight"  # [D, 2D]: columns 0..D-1 read the embedding, D..2D-1 the hidden
+# the block's own head: HC collapse weights and output norm (what `HEAD_HC` / `OUTPUT_NORM` are to the trunk)
+MTP_DS4_HEAD = ("hc_head_fn.weight", "hc_head_scale.weight", "hc_head_base.weight", "norm.weight")
+MTP_NEXTN_HEAD = (
+    "nextn.hc_head_fn.weight",
+    "nextn.hc_head_scale.weight",
+    "nextn.hc_head_base.weight",
+    "nextn.shared_head_norm.weight",
+)
+
+
+def mtp_block_args(args: ModelArgs) -> ModelArgs:
+    """The MTP block as a one-layer model of the trunk's shapes: window-only attention (ratio 0, base
+    RoPE, no YaRN) and learned top-k routing, never hashed."""
+    return args.with_(n_layers=1, compress_ratios=(0,), n_hash_layers=0, n_mtp_layers=0)
+
+
+def mtp_prefix(args: ModelArgs, layout: str) -> str:
+    if layout not in MTP_LAYOUTS:
+        raise ValueError(f"unknown MTP layout {layout!r}, expected one of {MTP_LAYOUTS}")
+    return MTP_PREFIX if layout == "ds4" else f"blk.{args.n_layers}."
+
+
+def mtp_block_names(args: ModelArgs, layout: str) -> dict[str, str]:
+    """The one-layer model's tensor names (`mtp_block_args`) -> the file's, for the block and its head.
+
+    The embedding and the output matrix are the trunk's and keep their names."""
+    prefix = mtp_prefix(args, layout)
+    block = {spec.name: prefix + spec.name.removeprefix("blk.0.") for spec in _layer_tensors(mtp_block_args(args), 0)}
+    head = MTP_DS4_HEAD if layout == "ds4" else MTP_NEXTN_HEAD
+    block.update({own: prefix + name for own, name in zip((*HEAD_HC, OUTPUT_NORM), head, strict=True)})
+    return block
+
+
+def mtp_tensors(args: ModelArgs, layout: str) -> Iterator[TensorSpec]:
+    """Every tensor of the MTP block in a file of `layout`, for the trunk `args` (file names)."""
+    prefix, d = mtp_prefix(args, layout), args.dim
+    for name in MTP_INPUT_NORMS:
+        yield TensorSpec(prefix + ("nextn." if layout == "nextn" else "") + name, (d,), NORM)
+    if layout == "ds4":
+        for name in MTP_DS4_PROJ:
+            yield TensorSpec(prefix + name, (d, d), DENSE)
+    else:
+        yield TensorSpec(prefix + MTP_NEXTN_PROJ, (d, 2 * d), DENSE)
+    own = {spec.name: spec for spec in expected_tensors(mtp_block_args(args)) if spec.name not in (EMBED, OUTPUT)}
+    for own_name, file_name in mtp_block_names(args, layout).items():
+        spec = own[own_name]
+        yield TensorSpec(file_name, spec.shape, spec.types)
+
+
+def check_tensor(spec: TensorSpec, info: TensorLike | None) -> None:
+    """Raise ModelFileError when a tensor is missing, mis-shaped or mistyped."""
+    if info is None:
+        raise ModelFileError(f"missing tensor {spec.name!r} (expected shape {list(spec.shape)})")
+    if tuple(info.shape) != spec.shape:
+        raise ModelFileError(
+            f"tensor {spec.name!r} has shape {list(info.shape)}, expected {list(spec.shape)} (torch order: [out, in])"
+        )
+    if info.ggml_type not in spec.types:
+        allowed = ", ".join(sorted(t.name for t in spec.types))
+        raise ModelFileError(f"tensor {spec.name!r} has type {info.ggml_type.name}, expected one of {allowed}")
