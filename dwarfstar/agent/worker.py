@@ -161,7 +161,11 @@ class Worker:
         listed, transcript, state = self.store.load(prefix)
         agent = self.agent
         if state is None:
-            agent.new_transcript(transcript)
+            system = self.store.load_system(transcript.head_ids(agent.tokenizer))
+            if system is None:
+                agent.new_transcript(transcript)
+            else:  # the head comes from sysprompt.kv; only the conversation is prefilled
+                agent.adopt(system, transcript)
             _, prefilled = agent.sync(label=f"switch {listed.id}")
             agent.note(f"switch {listed.id}: stripped, rebuilt by prefill ({prefilled} tokens)")
         else:
