@@ -181,6 +181,7 @@ class Agent:
         self._show(parser.feed(detok.flush()) + parser.finish(), events)
         self.decode_speed.add(len(ids) + (finish == "stop"), time.perf_counter() - start)
         self.transcript.entries.append(Entry("assistant", ids=ids))
+        self.dirty = True  # also after a save at a safe point earlier in this turn
         self.note(f"generated {len(ids)} tokens, finish {finish}", self.tokenizer.decode(ids))
         events.reply_end(finish)
         return parser.completion, finish

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import io
 import threading
 from pathlib import Path
 
 from conftest import Recorder, make_agent
 
+from dwarfstar.agent.commands import Commands
 from dwarfstar.agent.loop import THINK_CALL_REFUSED
+from dwarfstar.agent.output import Printer
 from dwarfstar.agent.policy import SampledPolicy, ScriptedPolicy
 from dwarfstar.agent.store import SessionStore
 from dwarfstar.agent.worker import Worker
@@ -175,6 +178,39 @@ def test_a_prompt_queued_during_a_tool_runs_next_and_escape_sends_it_now(nano, t
         tools = agent.transcript.entries[-2]
         assert tools.kind == "tools" and "interrupted by the user" in tools.results[0] and tools.text == "D"
         assert in_sync(agent)
+    finally:
+        worker.close()
+
+
+def test_save_while_busy_waits_for_the_next_safe_point(nano, tmp_path: Path) -> None:
+    policy = ScriptedPolicy(nano.tokenizer, nano.backend.args.eos_token_id,
+                            [reply("t", "", ("bash", {"command": "sleep 0.5"})), "t</think>Done."])  # fmt: skip
+    agent = make_agent(nano, tmp_path, policy)
+    started = threading.Event()
+
+    class Watch(Recorder):
+        def tool_start(self, name: str, arguments: dict) -> None:
+            started.set()
+
+    store = SessionStore(tmp_path / "kv", nano.backend.args, ModelIdentity.of(nano.model), agent.ctx,
+                         agent.session.chunk, nano.tokenizer, nano.backend.new_state)  # fmt: skip
+    events = Watch()
+    worker = Worker(agent, store, events)
+    out = io.StringIO()
+    commands = Commands(worker, Printer(out), lambda: agent.transcript, lambda question: False)
+    try:
+        worker.submit("A")
+        assert started.wait(30)
+        commands.handle("/save")
+        assert out.getvalue() == "[save deferred to the next safe point]\n"
+        at_tool = len(agent.session.tokens)  # the tool runs: the session holds the reply with its call
+        worker.wait_idle()
+        [saved] = store.sessions()
+        assert saved.tokens == at_tool < len(agent.session.tokens)  # saved between the rounds
+        assert [s for s in events.of("status") if s.startswith("saved")] == [
+            f"saved session {saved.id[:8]} ({at_tool} tokens)"
+        ]
+        assert agent.dirty  # the rest of the turn came after the save
     finally:
         worker.close()
 
