@@ -74,5 +74,11 @@ def reliability(session: nox.Session) -> None:
     Runs in the Python nox runs from (`.venv/bin/nox -s reliability`); `-- -k gguf` picks targets.
     The suite runs the same tests with a few dozen inputs each.
     """
-    session.env["DWARFSTAR_FUZZ_EXAMPLES"] = session.env.get("DWARFSTAR_FUZZ_EXAMPLES", "10000")
+    for name, value in (
+        ("DWARFSTAR_FUZZ_EXAMPLES", "10000"),
+        ("DWARFSTAR_SOAK_CLIENTS", "10"),
+        ("DWARFSTAR_SOAK_REQUESTS", "50"),
+        ("DWARFSTAR_KILLS", "50"),
+    ):
+        session.env.setdefault(name, value)
     session.run(sys.executable, "-m", "pytest", "tests/reliability", "-s", "-q", "-m", "", *session.posargs)

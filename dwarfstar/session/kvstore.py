@@ -243,7 +243,7 @@ class KVStore:
         self._index.pop(entry.path.name, None)
         log.info("kv cache hit tokens=%d key=%d bytes file=%s", header.tokens, len(ckpt.key), entry.path.name)
         flags = header.ext_flags & (kvfile.EXT_RESPONSES_VISIBLE | kvfile.EXT_THINKING_VISIBLE)
-        return CacheHit(state, ckpt.key, ckpt.tool_map, entry.path, SaveReason(header.reason), flags)
+        return CacheHit(state, ckpt.key, ckpt.tool_map, entry.path, _known_reason(header.reason), flags)
 
     # -- save -----------------------------------------------------------------------------------------
     def save(
@@ -381,6 +381,14 @@ class KVStore:
     def _evict(self, victims: list[Entry]) -> None:
         for v in victims:
             self._remove(v.path, f"evicted ({v.tokens} tokens, {v.hits} hits), cache full", logging.INFO)
+
+
+def _known_reason(value: int) -> SaveReason:
+    """A reason byte this engine does not know (a newer writer's) reads as UNKNOWN, not as an error."""
+    try:
+        return SaveReason(value)
+    except ValueError:
+        return SaveReason.UNKNOWN
 
 
 def _prefixes_of(entries: list[Entry], prompt: bytes | None) -> list[Entry]:

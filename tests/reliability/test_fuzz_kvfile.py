@@ -107,3 +107,11 @@ def test_a_tool_map_behind_a_damaged_length_is_refused(seed, tmp_path):
         path.write_bytes(original[:48] + struct.pack("<I", key_len) + original[52:])
         with pytest.raises(kvfile.CorruptFile, match="truncated"):
             kvfile.read_tool_map(path)
+
+
+def test_an_unknown_save_reason_loads_as_unknown(seed, tmp_path):
+    """Found by the fuzzer: a reason byte outside SaveReason (under a valid CRC) made lookup raise."""
+    name, original, state = seed
+    (tmp_path / name).write_bytes(with_crc_recomputed(original[:5] + bytes([9]) + original[6:]))
+    hit = open_store(tmp_path).lookup(render(state.tokens) + b" more")
+    assert hit is not None and hit.reason is SaveReason.UNKNOWN and hit.state.tokens == state.tokens
