@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import nox
@@ -80,5 +81,5 @@ def reliability(session: nox.Session) -> None:
         ("DWARFSTAR_SOAK_REQUESTS", "50"),
         ("DWARFSTAR_KILLS", "50"),
     ):
-        session.env.setdefault(name, value)
+        session.env[name] = os.environ.get(name, value)
     session.run(sys.executable, "-m", "pytest", "tests/reliability", "-s", "-q", "-m", "", *session.posargs)
