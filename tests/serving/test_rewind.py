@@ -1,0 +1,29 @@
+"""A prompt that is a strict prefix of a live KV (an earlier turn asked again, as a client does when
+it regenerates or edits) is served by cutting the live state back, not by prefilling it again."""
+
+from __future__ import annotations
+
+NOTHINK = {"thinking": {"type": "disabled"}}
+FIRST = "Remember this long story. " + "The lake lies between mountains and the town. " * 40  # ~450 tokens
+
+
+def ask(oai, messages):
+    return oai.chat.completions.create(
+        model="deepseek-v4-flash", messages=messages, temperature=0, max_tokens=4, extra_body=NOTHINK
+    )
+
+
+def test_a_prompt_that_is_a_strict_prefix_of_a_live_kv_rewinds_it(oai, server):
+    opening = [{"role": "system", "content": "Rewind test."}, {"role": "user", "content": FIRST}]
+    first = ask(oai, opening)
+    later = opening + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And then?"},
+    ]
+    ask(oai, later)  # the live KV now holds the opening, the answer and the second turn
+    prefilled = server.metric("dwarfstar_prefill_tokens_total")
+    again = ask(oai, opening)  # the opening alone: every token of it is in the live KV
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+    assert server.metric("dwarfstar_prefill_tokens_total") == prefilled  # nothing prefilled again
+    assert again.choices[0].message.content == first.choices[0].message.content  # the same state as before
