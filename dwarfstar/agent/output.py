@@ -30,9 +30,7 @@ class Printer(Events):
     def __init__(self, out: TextIO | None = None) -> None:
         self._out = out  # None: whatever sys.stdout is at the time (the terminal UI patches it)
         self.styled = is_styled(self.out)
-        self.console = Console(
-            file=out, highlight=False, soft_wrap=True, color_system="auto" if self.styled else None
-        )
+        self.console = Console(file=out, highlight=False, soft_wrap=True, color_system="auto" if self.styled else None)
         self.kind: str | None = None
         self.activity = "idle"  # for the status footer
         self.at_line_start = True
