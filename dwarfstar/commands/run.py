@@ -18,6 +18,14 @@ import typer
 from dwarfstar.chat import DEFAULT_SYSTEM, Chat, ThinkMode, allowed_mode
 from dwarfstar.cli import app
 from dwarfstar.commands.experts import SsdCacheExperts, SsdCold, SsdPreload, SsdStreaming, describe, streaming_options
+from dwarfstar.commands.speculate import (
+    MTPAlignOption,
+    MTPDraftOption,
+    MTPFileOption,
+    MTPMarginOption,
+    MTPOptions,
+    speculative_reply,
+)
 from dwarfstar.commands.steer import DirSteeringAttn, DirSteeringFfn, DirSteeringFile, steering_options
 from dwarfstar.diagnostics import MAX_LOGPROBS_TOP_K, Trace, dump_tokens, greedy_logprobs, write_logprobs
 from dwarfstar.engine import BACKENDS, PRECISION_HELP, Engine, load_engine
@@ -123,8 +131,13 @@ def run(
     dir_steering_file: DirSteeringFile = None,
     dir_steering_ffn: DirSteeringFfn = None,
     dir_steering_attn: DirSteeringAttn = None,
+    mtp: MTPFileOption = None,
+    mtp_draft: MTPDraftOption = None,
+    mtp_margin: MTPMarginOption = 0.0,
+    mtp_align: MTPAlignOption = "next",
 ) -> None:
     """Chat with the model: one prompt with -p, else an interactive session."""
+    speculation = MTPOptions.from_flags(mtp, mtp_draft, mtp_margin, mtp_align)
     steering = steering_options(dir_steering_file, dir_steering_ffn, dir_steering_attn)
     streaming = streaming_options(
         ssd_streaming, ssd_streaming_cache_experts, ssd_streaming_cold, ssd_streaming_preload_experts
@@ -138,6 +151,8 @@ def run(
             raise DwarfStarError("--dump-tokens needs -p or --prompt-file")
         sys.stdout.write(dump_tokens(Tokenizer.from_gguf(path), text))
         return
+    if speculation is not None and text is None and prompt_tokens is None:
+        raise DwarfStarError("MTP speculation (--mtp, --mtp-draft) needs a one-shot prompt: -p or --prompt-tokens")
     if (dump_logits or dump_logprobs) and text is None and prompt_tokens is None:
         raise DwarfStarError("the dumps need a prompt: -p, --prompt-file or --prompt-tokens")
 
@@ -178,6 +193,9 @@ def run(
                 ids, thinking = one_shot_ids(chat, engine.tokenizer, text)
             if dump_logits:
                 write_logits(engine, ids, ctx, dump_logits)
+                return
+            if speculation is not None:
+                speculative_reply(engine, speculation, ids, params, tokens, chat.session.ctx)
                 return
             if dump_logprobs:
                 k = min(logprobs_top_k, MAX_LOGPROBS_TOP_K)

@@ -1,0 +1,129 @@
+"""The MTP speculation flags (`--mtp`, `--mtp-draft`, `--mtp-margin`, `--mtp-align`) and the one-shot
+speculative reply `run` prints with them, plus `dwarfstar bench mtp`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dwarfstar.commands.bench import bench_app
+from dwarfstar.engine import BACKENDS, Engine, load_engine
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.hub import resolve_model
+from dwarfstar.session.sampling import GREEDY, SamplingParams
+from dwarfstar.session.session import Session
+from dwarfstar.speculative.decode import ALIGNMENTS, MAX_DRAFT, Speculator
+from dwarfstar.speculative.mtp import load_draft
+from dwarfstar.terminal import note
+from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
+
+MTPFileOption = Annotated[
+    Path | None,
+    typer.Option("--mtp", metavar="FILE", help="ds4's separate MTP GGUF (else the model file's in-file nextn block)."),
+]
+MTPDraftOption = Annotated[
+    int | None,
+    typer.Option(
+        "--mtp-draft", metavar="N", help=f"Speculate with the MTP block drafting N tokens a step (1..{MAX_DRAFT})."
+    ),
+]
+MTPMarginOption = Annotated[
+    float,
+    typer.Option(
+        "--mtp-margin", help="Stop drafting at a draft whose top-1/top-2 logit gap is below this (0..1000; 0: never)."
+    ),
+]
+MTPAlignOption = Annotated[
+    str,
+    typer.Option(
+        "--mtp-align",
+        help="next: hidden state i with token i+1 (DeepSeek-V3 training, vLLM); same: with token i (ds4).",
+    ),
+]
+
+
+@dataclass(frozen=True)
+class MTPOptions:
+    path: Path | None
+    n_draft: int
+    margin: float = 0.0
+    alignment: str = "next"
+
+    @classmethod
+    def from_flags(cls, path: Path | None, n_draft: int | None, margin: float, alignment: str) -> MTPOptions | None:
+        """None when speculation is off (no --mtp and no --mtp-draft); --mtp alone drafts 2."""
+        if path is None and n_draft is None:
+            return None
+        return cls(path, 2 if n_draft is None else n_draft, margin, alignment)
+
+    def speculator(self, engine: Engine, ctx: int) -> Speculator:
+        draft = load_draft(engine.backend, engine.model, self.path)
+        return Speculator(Session(engine.backend, ctx=ctx), draft, self.n_draft, self.alignment, self.margin)
+
+
+def speculative_reply(
+    engine: Engine, options: MTPOptions, ids: list[int], params: SamplingParams, max_tokens: int, ctx: int
+) -> None:
+    """Prefill `ids`, stream the reply's text to stdout, then a line of speculation figures."""
+    spec = options.speculator(engine, ctx)
+    start = time.perf_counter()
+    spec.prefill(ids)
+    prefill_s = time.perf_counter() - start
+    text = IncrementalDetokenizer(engine.tokenizer)
+    start, count = time.perf_counter(), 0
+    for token in spec.generate(max_tokens, params, [engine.model.args.eos_token_id]):
+        count += 1
+        sys.stdout.write(text.push(token))
+        sys.stdout.flush()
+    sys.stdout.write(text.flush() + "\n")
+    decode_s = time.perf_counter() - start
+    stats = spec.stats
+    per_position = ", ".join(f"{a:.2f}" for a in stats.acceptance()) or "-"
+    note(
+        f"prefill {len(ids)} tokens {prefill_s:.2f} s | decode {count} tokens {count / max(decode_s, 1e-9):.2f} tok/s"
+        f" | mtp N={options.n_draft} {options.alignment}: {stats.steps} steps, {stats.mean_accepted:.2f} accepted"
+        f" per step, acceptance by position {per_position}"
+    )
+
+
+@bench_app.command("mtp")
+def bench_mtp(
+    model: Annotated[Path | None, typer.Option("-m", "--model", help="GGUF model (default: the bundled one).")] = None,
+    mtp: MTPFileOption = None,
+    drafts: Annotated[str, typer.Option(help="Draft counts to measure, comma-separated.")] = "1,2,3",
+    tokens: Annotated[int, typer.Option("-n", "--tokens", min=1, help="Greedy tokens per run.")] = 64,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length (token ids 3.., fixed).")] = 32,
+    backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
+) -> None:
+    """Greedy decode speed with and without MTP speculation: acceptance per draft position, mean
+    accepted drafts per step, tok/s, for each draft count and both alignments."""
+    counts = [int(n) for n in drafts.split(",") if n.strip()]
+    if not counts:
+        raise DwarfStarError("--drafts needs at least one draft count")
+    engine = load_engine(resolve_model(model), backend, ctx=prompt_tokens + tokens + 8)
+    ctx = prompt_tokens + tokens + 8
+    ids = [3 + (i * 7919) % 5000 for i in range(prompt_tokens)]  # a fixed prompt, the same for every run
+    session = Session(engine.backend, ctx=ctx)
+    session.prefill(ids)
+    start = time.perf_counter()
+    want = list(session.generate(tokens, GREEDY))
+    base = len(want) / (time.perf_counter() - start)
+    typer.echo(f"backend {engine.backend_name} | plain greedy: {base:.2f} tok/s over {len(want)} tokens")
+    typer.echo("N  align  acceptance by position     accepted/step  tok/s   speed-up  same text")
+    for n in counts:
+        for alignment in ALIGNMENTS:
+            spec = MTPOptions(mtp, n, 0.0, alignment).speculator(engine, ctx)
+            spec.prefill(ids)
+            start = time.perf_counter()
+            got = list(spec.generate(tokens, GREEDY))
+            speed = len(got) / (time.perf_counter() - start)
+            accept = " ".join(f"{a:.2f}" for a in spec.stats.acceptance())
+            typer.echo(
+                f"{n:<2} {alignment:<6} {accept:<26} {spec.stats.mean_accepted:<14.2f} {speed:<7.2f} "
+                f"{speed / base:<9.2f} {'yes' if got == want else 'NO'}"
+            )
