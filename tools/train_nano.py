@@ -1,6 +1,7 @@
 """Train the bundled nano model: the DeepSeek V4 architecture at toy size, on I promessi sposi, on the CPU.
 
     .venv/bin/python tools/train_nano.py [--steps N] [--seed S] [--out dwarfstar/data/nano.gguf]
+    .venv/bin/python tools/train_nano.py --mtp [--mtp-steps N] [--mtp-out dwarfstar/data/nano-mtp.gguf]
 
 Every mechanism of V4 is in the network and is trained:
 - raw-window layers, ratio-4 layers with the lightning indexer and ratio-128 layers (small window,
@@ -37,9 +38,11 @@ import torch.nn.functional as F
 
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.model.config import ModelArgs, flash_compress_ratios
+from dwarfstar.model.loader import open_model
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train.corpus import chat_samples, read_split
+from dwarfstar.train.mtp import MTPRecipe, train_mtp
 from dwarfstar.train.params import (
     REST,
     ParamWeights,
@@ -291,6 +294,18 @@ class Trainer:
         write_gguf(path, NANO, full, layout, name="DwarfStar nano (I promessi sposi)")
 
 
+def train_nano_mtp(opts: argparse.Namespace) -> None:
+    """The MTP block of the bundled model (dwarfstar/train/mtp.py), the trunk frozen."""
+    torch.manual_seed(opts.seed)
+    torch.set_num_threads(opts.threads)
+    began = time.perf_counter()
+    tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), NANO.vocab_size)
+    ids = np.asarray(tokenizer.encode(read_split(opts.corpus).train), dtype=np.int64)
+    trainer = train_mtp(open_model(opts.out), ids, tokenizer.bos_id, MTPRecipe(steps=opts.mtp_steps), opts.seed, print)
+    trainer.export(opts.mtp_out)
+    print(f"wrote {opts.mtp_out} ({opts.mtp_out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - began:.0f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "dwarfstar" / "data" / "nano.gguf")
@@ -307,7 +322,13 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--resume", action="store_true", help="continue from the workdir checkpoint")
+    parser.add_argument("--mtp", action="store_true", help="train an MTP block on the frozen --out model instead")
+    parser.add_argument("--mtp-out", type=Path, default=ROOT / "dwarfstar" / "data" / "nano-mtp.gguf")
+    parser.add_argument("--mtp-steps", type=int, default=MTPRecipe.steps)
     opts = parser.parse_args()
+    if opts.mtp:
+        train_nano_mtp(opts)
+        return
 
     opts.workdir.mkdir(parents=True, exist_ok=True)
     log_file = (opts.workdir / "train.log").open("a", encoding="utf-8")

@@ -122,15 +122,22 @@ class MTPInput:
     Computed in torch float32 (on the hidden's device for a torch backend, through the host for
     another), then handed back as the backend's array: it is two [D, D] products per draft row."""
 
-    def __init__(self, mtp: MTPFile, args, storage) -> None:
+    def __init__(
+        self, norms: tuple[torch.Tensor, torch.Tensor], proj: tuple[torch.Tensor, torch.Tensor], eps: float, storage
+    ) -> None:
+        (self.enorm, self.hnorm), (self.e_proj, self.h_proj) = norms, proj
+        self.eps, self.storage = eps, storage
+
+    @classmethod
+    def from_file(cls, mtp: MTPFile, args, storage) -> MTPInput:
         prefix = tt.mtp_prefix(args, mtp.layout)
         norms = prefix + ("nextn." if mtp.layout == "nextn" else "")
-        self.enorm, self.hnorm = (mtp.gguf.tensor(norms + name) for name in tt.MTP_INPUT_NORMS)
+        enorm, hnorm = (mtp.gguf.tensor(norms + name) for name in tt.MTP_INPUT_NORMS)
         if mtp.layout == "ds4":
-            self.e_proj, self.h_proj = (mtp.gguf.tensor(prefix + name) for name in tt.MTP_DS4_PROJ)
+            proj = tuple(mtp.gguf.tensor(prefix + name) for name in tt.MTP_DS4_PROJ)
         else:  # one projection of the concatenated [embedding, hidden]
-            self.e_proj, self.h_proj = mtp.gguf.tensor(prefix + tt.MTP_NEXTN_PROJ).split(args.dim, dim=1)
-        self.eps, self.storage = args.norm_eps, storage
+            proj = tuple(mtp.gguf.tensor(prefix + tt.MTP_NEXTN_PROJ).split(args.dim, dim=1))
+        return cls((enorm, hnorm), proj, args.norm_eps, storage)
 
     def _torch(self, a: Any) -> torch.Tensor:
         return a.float() if isinstance(a, torch.Tensor) else torch.from_numpy(self.storage.to_numpy(a))
@@ -186,4 +193,4 @@ def load_draft(target: Transformer, model: ModelFile, mtp_path: str | os.PathLik
                 f"MTP speculation runs on the reference and MLX backends; not on {type(target).__name__} yet"
             )
         draft = MLXModel(mtp.draft, qat=target.qat, packing=target.packing, max_seq_len=target.max_seq_len)
-    return MTPDraft(draft, MTPInput(mtp, model.args, target.cache.storage), mtp)
+    return MTPDraft(draft, MTPInput.from_file(mtp, model.args, target.cache.storage), mtp)
