@@ -97,9 +97,11 @@ def load_engine(
     precision: str = "exact",
     streaming: StreamingOptions | None = None,
     steering: SteeringOptions | None = None,
+    kv_slots: int = 4,
 ) -> Engine:
     """Open, validate and load a model for sequences of at most `ctx` tokens (default: the model's);
-    `progress(done, total)` follows the weights being read; `steering` applies a direction file."""
+    `progress(done, total)` follows the weights being read; `steering` applies a direction file;
+    `kv_slots` sequences share the Triton backend's first KV-cache block, and decode in one batch."""
     start = time.perf_counter()
     name = pick_backend(backend)
     if precision not in PRECISIONS:
@@ -119,7 +121,7 @@ def load_engine(
     elif name == "triton":
         from dwarfstar.backends.triton import load_backend
 
-        impl = load_backend(model, qat=qat, precision=precision, max_seq_len=ctx)
+        impl = load_backend(model, qat=qat, precision=precision, max_seq_len=ctx, kv_slots=kv_slots)
     else:
         from dwarfstar.backends.mlx import load_backend
 

@@ -106,8 +106,9 @@ def serve(
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     engine = load_engine(
-        model_path(model), backend, ctx=ctx, precision=precision, streaming=streaming, steering=steering
-    )
+        model_path(model), backend, ctx=ctx, precision=precision, streaming=streaming, steering=steering,
+        kv_slots=max_sessions,  # every live session in the batch-decoding block
+    )  # fmt: skip
     service = Service(engine, config)
     typer.echo(f"{service.models.id} on {engine.backend_name} (loaded in {engine.load_seconds:.1f} s)", err=True)
     if host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:

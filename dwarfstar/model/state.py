@@ -145,8 +145,9 @@ class KVCache:
         self._serial = itertools.count()
 
     def capacity(self, ratio: int) -> int:
-        """Rows a slot holds at `ratio`: every row of a full context."""
-        return max(ROW_STEP, -(-(self.ctx // ratio) // ROW_STEP) * ROW_STEP)
+        """Rows a slot holds at `ratio`: every row of a full context, plus the row in progress, which a
+        batched decode step writes (unseen) at pos // ratio whether or not its window completes."""
+        return -(-(self.ctx // ratio + 1) // ROW_STEP) * ROW_STEP
 
     def _add_block(self) -> None:
         a, n, full = self.args, self.block_slots, self.storage.full

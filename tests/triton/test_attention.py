@@ -90,3 +90,51 @@ def test_decode_split_covers_the_multiprocessors(monkeypatch):
     assert at.decode_split(cpu, t=1, groups=8, row_blocks=1000) == 32
     assert at.decode_split(cpu, t=1, groups=4, row_blocks=10) == 8  # no more splits than key blocks
     assert at.decode_split(cpu, t=64, groups=4, row_blocks=1000) == 1  # prefill fills the device alone
+
+
+def gathered_window(ring: torch.Tensor, p: int) -> torch.Tensor:
+    """The ring rows of positions max(0, p - W + 1) .. p, oldest first (position q in row q mod W)."""
+    return ring[torch.arange(max(0, p - WINDOW + 1), p + 1) % WINDOW]
+
+
+@pytest.mark.parametrize("kind", ["window", "all rows", "selected"])
+def test_a_batch_of_sequences_in_cache_slots_matches_each_alone(kind, device):
+    """One launch for three sequences, each at its own position in its own slot of a cache block:
+    inside the raw window (p = 3), just past a ratio-4 boundary with the ring wrapped (p = 20), and
+    further on (p = 43). Each output equals the chunk kernel's reference on that sequence's rows."""
+    gen = torch.Generator().manual_seed(7)
+    positions, slots, capacity = [3, 20, 43], [2, 0, 3], 16
+    q = torch.randn(3, HEADS, DIM, generator=gen)
+    rings = torch.randn(4, WINDOW, DIM, generator=gen)
+    comp = torch.randn(4, capacity, DIM, generator=gen)
+    sinks = 0.5 * torch.randn(HEADS, generator=gen)
+    inv = 10000.0 ** (-torch.arange(0, ROPE, 2, dtype=torch.float64) / ROPE)
+    cs = ops.rope_angles(torch.tensor(positions), inv)
+    ratio = 0 if kind == "window" else 4
+    selected = None
+    if kind == "selected":  # per sequence: chosen visible rows, -1 padded (none yet at p = 3)
+        selected = torch.tensor([[-1, -1, -1], [4, 0, 2], [10, -1, 7]], dtype=torch.int32)
+    pos, slot = (torch.tensor(v, dtype=torch.int32, device=device) for v in (positions, slots))
+    got = at.attention_batch(
+        q.to(device), rings.to(device), sinks.to(device), tuple(a.to(device) for a in cs), ROPE, pos, slot,
+        comp_rows=None if kind == "window" else comp.to(device), comp_bound=capacity, ratio=ratio,
+        selected=None if selected is None else selected.to(device),
+    )  # fmt: skip
+    for b, (p, s) in enumerate(zip(positions, slots, strict=True)):
+        rows = gathered_window(rings[s], p)
+        want = at.reference(
+            q[b : b + 1], rows, rows.shape[0] - 1, WINDOW, sinks, (cs[0][b : b + 1], cs[1][b : b + 1]), p,
+            comp_rows=None if kind == "window" else comp[s], ratio=ratio,
+            selected=None if selected is None else selected[b : b + 1],
+        )  # fmt: skip
+        torch.testing.assert_close(got[b : b + 1].cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_kernels_refuse_strided_positions(device):
+    """pos[i] and slot[i] are read by plain offsets: an interleaved view would read the wrong words."""
+    both = torch.tensor([[0, 0], [5, 1]], dtype=torch.int32, device=device)
+    pos, slots = both.unbind(1)  # strided: the mistake this guards against
+    q, rings = torch.zeros(2, HEADS, DIM, device=device), torch.zeros(2, WINDOW, DIM, device=device)
+    angles = (torch.ones(2, ROPE // 2, device=device), torch.zeros(2, ROPE // 2, device=device))
+    with pytest.raises(ValueError, match="contiguous"):
+        at.attention_batch(q, rings, torch.zeros(HEADS, device=device), angles, ROPE, pos, slots)

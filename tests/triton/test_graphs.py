@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA grap
 
 def test_graph_steps_equal_eager_steps_across_emission_shapes(tmp_path):
     """Decode from position 120 to 140: ratio-4 rows every 4th step, the first ratio-128 row at 127;
-    then a snapshot restore swaps the state's tensors, so the graphs are captured again."""
+    then a snapshot restore, which writes into the state's slot: the same graphs replay."""
     path = tmp_path / "tiny.gguf"
     write_synthetic_model(path, TINY, seed=5)
     model = open_model(path)
@@ -34,7 +34,9 @@ def test_graph_steps_equal_eager_steps_across_emission_shapes(tmp_path):
     assert graphed.graphs.captured, "no step was replayed from a graph"
     snap = s_graph.snapshot()
     first = [graphed.forward([t], s_graph) for t in tokens[:6]]
+    captured = len(graphed.graphs.captured)
     s_graph.restore(snap)
     again = [graphed.forward([t], s_graph) for t in tokens[:6]]
     for a, b in zip(first, again, strict=True):
         assert torch.equal(a, b)
+    assert len(graphed.graphs.captured) == captured

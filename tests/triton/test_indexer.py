@@ -33,3 +33,21 @@ def test_no_visible_rows_yet(device):
     scores, valid = ix.indexer_scores(q, torch.randn(2, 16).to(device), torch.zeros(16, 64).to(device), pos, 4)
     assert valid.tolist() == [0, 0]
     assert topk.topk_indices(scores, valid, 4).tolist() == [[-1] * 4] * 2
+
+
+def test_a_batch_of_sequences_in_cache_slots_scores_each_alone(device):
+    """One launch scores one decode query for each of three sequences, each at its own position in
+    its own slot of a cache block, the row bound past every sequence's visible rows."""
+    gen = torch.Generator().manual_seed(1)
+    heads, dim, capacity, bound = 16, 64, 32, 16
+    positions, slots = [2, 27, 40], [1, 3, 0]  # no row yet; 7 rows; 10 rows
+    q = torch.randn(3, heads, dim, generator=gen)
+    w = torch.randn(3, heads, generator=gen)
+    block = torch.randn(4, capacity, dim, generator=gen)
+    pos, slot = (torch.tensor(v, dtype=torch.int32, device=device) for v in (positions, slots))
+    scores, valid = ix.indexer_scores_batch(q.to(device), w.to(device), block.to(device), pos, slot, bound, ratio=4)
+    assert scores.shape == (3, bound) and valid.tolist() == [0, 7, 10]
+    for b, (p, s) in enumerate(zip(positions, slots, strict=True)):
+        want = ix.reference(q[b : b + 1], w[b : b + 1], block[s, :bound], p, 4)
+        visible = torch.isfinite(want)
+        torch.testing.assert_close(scores[b : b + 1].cpu()[visible], want[visible], rtol=1e-5, atol=1e-5)

@@ -38,15 +38,17 @@ def load_backend(
     qat: bool = True,
     precision: str = "exact",
     max_seq_len: int | None = None,
+    kv_slots: int = 4,
 ):
     """A `TritonBackend` over `model_file` (a `ModelFile`), on `device` (default: the GPU, else the
     CPU through Triton's interpreter), with `precision` "exact" or "fast" (`runtime.PRECISIONS`) and
-    sequences of at most `max_seq_len` tokens (default: the model's)."""
+    sequences of at most `max_seq_len` tokens (default: the model's), `kv_slots` to a KV-cache block
+    (the sequences one batched decode launch can serve)."""
     if not torch.cuda.is_available() or (device is not None and torch.device(device).type == "cpu"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from dwarfstar.backends.triton.backend import TritonBackend
     from dwarfstar.backends.triton.runtime import PRECISIONS
 
     return TritonBackend.from_model_file(
-        model_file, device=device, qat=qat, precision=PRECISIONS[precision], max_seq_len=max_seq_len
+        model_file, device=device, qat=qat, precision=PRECISIONS[precision], max_seq_len=max_seq_len, kv_slots=kv_slots
     )

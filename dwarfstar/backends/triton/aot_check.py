@@ -7,7 +7,8 @@ backend for. This swaps in a driver that only names the target and turns every l
 compile-only warmup, then drives the real launch code: every kernel's bench cases at Flash shapes
 (fewer experts and a smaller vocabulary, which change no kernel specialisation) and a prefill chunk
 and a decode step of a tiny model (`--only qmatmul,moe_experts` compiles just those modules' bench
-cases). Autotuned kernels compile every config their launch could pick. It reports warps, stages,
+cases), and a batched decode step of three sequences. Autotuned kernels compile every config their
+launch could pick. It reports warps, stages,
 registers, spills, shared memory and 128-bit global loads (PTX `ld.global.v4`,
 AMDGCN `global_load_dwordx4`) per specialisation and fails on a compile error, a register spill
 of a CUDA kernel (its stack, read with the cuobjdump Triton ships; an AMD kernel's scratch is
@@ -180,6 +181,8 @@ def _drive_launches(only: Sequence[str], backend: str) -> None:
         model = TritonModel(weights, precision=precision)
         model.forward(list(range(3, 40)), model.new_state(), all_logits=False)
         model.forward([5], synthetic_state(model, ctx=300))
+        states = [synthetic_state(model, ctx=n) for n in (40, 300, 301)]  # one cache block: the batch kernels
+        model.forward_batch([[5], [6], [7]], states)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

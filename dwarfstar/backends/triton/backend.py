@@ -1,8 +1,9 @@
 """The Triton backend as the session layer sees it: `args`, `new_state()`, `forward()`, `sample_batch()`.
 
-Weights are uploaded once from the memory-mapped GGUF, in their blocks; the KV state lives on the
-device. On a GPU, single-token decode steps replay captured graphs (`graphs.DecodeGraphs`); prefill
-chunks, the first steps of a sequence and CPU runs go through the eager kernels.
+Weights are uploaded once from the memory-mapped GGUF, in their blocks; the KV cache lives on the
+device. Decode steps of the sequences of the first cache block run batch-native, and on a GPU
+replay a graph per batch-size bucket (`graphs.DecodeGraphs`); prefill chunks and CPU runs go
+through the eager kernels.
 
 Portability: the kernels use only Triton's portable language (no inline assembly, no libdevice
 calls, no fp8 conversion instructions), and `aot_check` compiles all of them for sm_90 and gfx942
@@ -34,13 +35,17 @@ class TritonBackend:
         precision: Precision = EXACT,
         graphs: bool = True,
         max_seq_len: int | None = None,
+        kv_slots: int = 4,
     ):
-        self.model = TritonModel(weights, qat=qat, precision=precision, max_seq_len=max_seq_len)
+        """`kv_slots`: sequences of the first KV-cache block, which decode together (one graph replay)."""
+        graphs = graphs and weights.embed.data.device.type == "cuda"
+        slots = kv_slots + 1 if graphs else kv_slots  # graphs pad their buckets on one more slot
+        self.model = TritonModel(weights, qat=qat, precision=precision, max_seq_len=max_seq_len, kv_slots=slots)
         self.args = weights.args
         self.device = self.model.device
         self.max_seq_len = self.model.max_seq_len
         self.graphs = None
-        if graphs and self.device.type == "cuda":
+        if graphs:
             from dwarfstar.backends.triton.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model)
@@ -58,8 +63,8 @@ class TritonBackend:
     def forward(
         self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
     ) -> torch.Tensor:
-        if self.graphs is not None and len(tokens) == 1:
-            return self.graphs.step(int(torch.as_tensor(tokens).flatten()[0]), state)
+        if self.graphs is not None and len(tokens) == 1 and self.graphs.serves([state]):
+            return self.graphs.step([int(torch.as_tensor(tokens).flatten()[0])], [state])[0]
         return self.model.forward(tokens, state, all_logits)
 
     def sample_batch(self, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
@@ -87,7 +92,11 @@ class TritonBackend:
     def forward_batch(
         self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False
     ) -> list[torch.Tensor]:
-        """Several sequences in one pass: every weight is read once; attention runs per sequence."""
+        """Several sequences in one pass: every weight is read once. A decode step of sequences in one
+        KV-cache block runs the batch-native kernels (a graph replay where graphs are on); a prefill
+        runs attention per sequence."""
         if len(states) == 1:
             return [self.forward(token_lists[0], states[0], all_logits)]
+        if self.graphs is not None and all(len(t) == 1 for t in token_lists) and self.graphs.serves(states):
+            return self.graphs.step([int(torch.as_tensor(t).flatten()[0]) for t in token_lists], states)
         return self.model.forward_batch(token_lists, states, all_logits)

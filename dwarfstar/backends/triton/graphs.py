@@ -1,79 +1,104 @@
-"""Single-token decode steps replayed from captured CUDA graphs (CUDA and ROCm/HIP graphs).
+"""Decode steps replayed from CUDA graphs (CUDA and ROCm/HIP graphs), one per batch-size bucket.
 
 A decode step launches about 30 kernels per layer; replaying them as one graph removes the CPU
-launch cost, which otherwise exceeds the GPU time of a step. The model reads every position-
-dependent value on the device (`TritonOps`), so one graph serves every position with the same
-launch shape. The shape of a step is: the raw window is full (earlier steps run eagerly), which
-compressors emit a row at this position (ratio 4 every 4th token, ratio 128 every 128th), and the
-power of two bounding the rows its launches reach (`model.row_bound`). A graph also bakes in the
-addresses of the state's arrays, which are its KV-cache slot's and never move (restoring a
-snapshot writes into the slot), so a graph is kept per (shape, slot): switching between sessions
-replays, never re-captures. The graphs share one memory pool.
+launch cost, which otherwise exceeds the GPU time of a step. A step of B sequences runs the
+batch-native kernels (`TritonOps` with `slots`): every position and every KV-cache slot is read on
+the device from the step's input buffer, so nothing a graph bakes in depends on which sequences it
+serves or where they are. A graph is captured per (bucket, row bounds): the bucket is B rounded up
+to a power of two, its spare rows run on a padding slot of the cache; the row bounds
+(`model.row_bound`, the powers of two sizing the indexer and attention grids) change only when a
+sequence crosses one. Switching sessions, restoring snapshots and moving to other positions replay
+the same graphs.
 
-A shape is captured only after it ran once eagerly, so every kernel it launches is compiled before
-the capture starts.
+Before a graph is captured its step runs once eagerly on the padding slot alone, so every kernel
+variant it launches is compiled before the capture starts, and no sequence's state is touched.
+The graphs share one memory pool.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from dwarfstar.backends.triton.kernels.compressor import emitted
 from dwarfstar.backends.triton.model import TritonModel, row_bound
-from dwarfstar.model.forward import Batch
+from dwarfstar.model.forward import Batch, Segment
 from dwarfstar.model.state import SequenceState
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes a graph is captured for; larger batches run eagerly
 
 
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # the graph's output buffer, [1, vocab]
+    replay: Callable[[], None]
+    logits: torch.Tensor  # the graph's output buffer, [bucket, vocab]
+    inputs: torch.Tensor  # int32 [3, bucket]: token, position and slot of each row
+
+
+def capture(run: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor]:
+    """Record `run`'s device work as a CUDA graph: its replay, and the output buffer it refills."""
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph.replay, out
 
 
 class DecodeGraphs:
     def __init__(self, model: TritonModel) -> None:
         self.model = model
-        self.tok = torch.zeros(1, dtype=torch.int32, device=model.device)
-        self.pos = torch.zeros(1, dtype=torch.int32, device=model.device)
-        self.captured: dict[tuple[tuple, tuple[int, int]], _Captured] = {}
-        self.pool = torch.cuda.graph_pool_handle()
-        self.compiled: set[tuple] = set()
+        # the slot that takes a bucket's spare rows: zeroed, so padding computes finite values
+        self.pad = model.new_state()
+        for il in range(model.args.n_layers):
+            for array in self.pad.parts(il).values():
+                array[self.pad.index].zero_()
+        self.captured: dict[tuple[int, tuple[int, ...]], _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
         self.ratios = sorted({r for r in model.args.compress_ratios[: model.args.n_layers] if r})
 
-    def shape(self, state: SequenceState) -> tuple[tuple[int, int], ...]:
-        """Per ratio: whether this step emits a row, and the row bound its launches are sized by."""
-        end = state.pos + 1
-        return tuple((emitted(state.pos, 1, r), row_bound(state.cache, r, end)) for r in self.ratios)
+    def serves(self, states: Sequence[SequenceState]) -> bool:
+        """Whether a decode step of these states can be replayed: all in the padding slot's block."""
+        block = self.pad.cache, self.pad.slot[0]
+        return len(states) <= BUCKETS[-1] and all((s.cache, s.slot[0]) == block for s in states)
 
     @torch.inference_mode()
-    def step(self, token: int, state: SequenceState) -> torch.Tensor:
-        """Logits [1, vocab] after one token; the state advances exactly as the eager path does."""
+    def step(self, tokens: Sequence[int], states: Sequence[SequenceState]) -> list[torch.Tensor]:
+        """Each sequence's logits [1, vocab] after its one token; the states advance exactly as the
+        eager path advances them."""
         model = self.model
-        if state.pos < model.args.window:
-            return model.forward([token], state)
-        shape = self.shape(state)
-        if shape not in self.compiled:
-            self.compiled.add(shape)
-            return model.forward([token], state)
-        batch = model.batch([[token]], [state])
-        entry = self.captured.get((shape, state.slot))
+        batch = model.batch([[t] for t in tokens], states)  # validated before any device work
+        bucket = next(b for b in BUCKETS if b >= len(states))
+        bounds = tuple(max(row_bound(s.cache, r, s.pos + 1) for s in states) for r in self.ratios)
+        entry = self.captured.get((bucket, bounds))
         if entry is None:
-            entry = self.captured[(shape, state.slot)] = self._capture(batch)
-        self.tok.fill_(token)
-        self.pos.fill_(state.pos)
-        entry.graph.replay()
-        logits = entry.logits.clone()  # the graph's buffer is overwritten by the next replay
+            entry = self.captured[(bucket, bounds)] = self._capture(bucket, bounds)
+        spare = bucket - len(states)
+        rows = [list(tokens), [s.pos for s in states], [s.index for s in states]]
+        host = torch.tensor([r + [fill] * spare for r, fill in zip(rows, (0, 0, self.pad.index), strict=True)])
+        entry.inputs.copy_(host.to(torch.int32))  # one copy to the device per step
+        entry.replay()
+        logits = entry.logits[: len(states)].clone()  # the graph's buffer is overwritten by the next replay
         model.advance(batch)
-        state.logits = logits[-1]
-        return logits
+        for state, row in zip(states, logits, strict=True):
+            state.logits = row
+        return list(logits.split(1))
 
-    def _capture(self, batch: Batch) -> _Captured:
-        """Record the device work of a step whose tokens and position come from the static buffers."""
-        graph = torch.cuda.CUDAGraph()
-        batch.aux.update(tok=self.tok, pos=[self.pos])
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits, _ = self.model.compute(batch, all_positions=True)
-        return _Captured(graph, logits)
+    def _capture(self, bucket: int, bounds: tuple[int, ...]) -> _Captured:
+        inputs = torch.zeros(3, bucket, dtype=torch.int32, device=self.model.device)
+        inputs[2] = self.pad.index
+
+        def run() -> torch.Tensor:
+            return self.model.compute(self._padding(bucket, inputs, bounds), all_positions=True)[0]
+
+        run()  # eagerly first, on the padding slot: compiles every kernel the graph will launch
+        replay, logits = capture(run, self.pool)
+        return _Captured(replay, logits, inputs)
+
+    def _padding(self, bucket: int, inputs: torch.Tensor, bounds: tuple[int, ...]) -> Batch:
+        """A step of `bucket` rows whose tokens, positions and slots are read from `inputs`."""
+        token = torch.zeros(1, dtype=torch.long)
+        batch = Batch([Segment(self.pad, token, 0, slice(i, i + 1)) for i in range(bucket)])
+        bound = dict(zip(self.ratios, bounds, strict=True))
+        batch.aux.update(tok=inputs[0], pos=inputs[1], slots=inputs[2], row_bound=bound)
+        return batch

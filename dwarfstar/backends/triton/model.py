@@ -48,6 +48,12 @@ def row_bound(cache: KVCache, ratio: int, end: int) -> int:
     return min(cache.capacity(ratio), max(ROW_STEP, next_pow2(end // ratio)))
 
 
+def decode_batch(batch: Batch) -> bool:
+    """Several sequences, one token each, in one block of the KV cache: one launch can serve them."""
+    seqs = batch.seqs
+    return len(seqs) > 1 and all(s.length == 1 and s.state.slot[0] == seqs[0].state.slot[0] for s in seqs)
+
+
 class TritonOps:
     def __init__(self, weights: ModelWeights, qat: bool = True, precision: Precision = EXACT) -> None:
         self.w, self.args, self.qat, self.precision = weights, weights.args, qat, precision
@@ -71,11 +77,24 @@ class TritonOps:
         bound = row_bound(state.cache, state.compressor(il, kind).ratio, end)
         return state.part(il, f"{kind}_rows")[:bound]
 
+    @staticmethod
+    def _slots(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch.aux["pos"], batch.aux["slots"]
+
+    @staticmethod
+    def _bound(batch: Batch, ratio: int) -> int:
+        """The row bound of a batched step: the widest of its sequences' (`row_bound`)."""
+        if "row_bound" in batch.aux:  # a captured step fixes it for every replay
+            return batch.aux["row_bound"][ratio]
+        return max(row_bound(s.state.cache, ratio, s.start + 1) for s in batch.seqs)
+
     # -- per call ----------------------------------------------------------------------------------------
     def embed(self, batch: Batch) -> torch.Tensor:
         """Tokens and positions on the device (`aux`: tok, pos per sequence, RoPE angles per base).
 
-        A captured decode step presets `tok` and `pos` to its static buffers.
+        A decode step of several sequences in one KV-cache block runs batch-native (`decode_batch`):
+        `pos` is then one int32 [B] tensor and `slots` their slots, and every attention-side kernel
+        serves all of them in one launch. A captured decode step presets these to its static buffers.
         """
         a, aux = self.args, batch.aux
         if "tok" not in aux:
@@ -85,12 +104,18 @@ class TritonOps:
                 aux["tok"] = torch.full((1,), int(tokens[0]), dtype=torch.int32, device=self.device)
             else:
                 aux["tok"] = tokens.to(device=self.device, dtype=torch.int32)
-            aux["pos"] = [torch.full((1,), s.start, dtype=torch.int32, device=self.device) for s in batch.seqs]
+            if decode_batch(batch):
+                host = torch.tensor([[s.start for s in batch.seqs], [s.state.index for s in batch.seqs]])
+                aux["pos"], aux["slots"] = host.to(self.device, torch.int32).unbind(0)  # contiguous rows
+            else:
+                aux["pos"] = [torch.full((1,), s.start, dtype=torch.int32, device=self.device) for s in batch.seqs]
         batch.tokens = aux["tok"]
         n = batch.n_rows
-        positions = torch.cat(
-            [p.long() + torch.arange(s.length, device=self.device) for p, s in zip(aux["pos"], batch.seqs, strict=True)]
-        )
+        if "slots" in aux:
+            positions = aux["pos"].long()
+        else:
+            pairs = zip(aux["pos"], batch.seqs, strict=True)
+            positions = torch.cat([p.long() + torch.arange(s.length, device=self.device) for p, s in pairs])
         aux["angles"] = {key: ops.rope_angles(positions, inv) for key, inv in self._inv_freq.items()}
         # bf16 tensor-core operands pay off only for prefill-sized chunks; decode stays in fp32
         aux["precision"] = self.precision if n > GEMV_MAX_ROWS else EXACT
@@ -152,6 +177,11 @@ class TritonOps:
         rows before the chunk, gathered by device-computed index (a captured step replays at any
         position), then the chunk's. The ring keeps the chunk's rows once attention has read them."""
         window = self.args.window
+        if "slots" in batch.aux:  # one token each: its row replaces one its query no longer sees
+            rings = batch.seqs[0].state.parts(il)["raw"]
+            at = batch.aux["slots"].long() * window + batch.aux["pos"].long() % window
+            rings.view(-1, rings.shape[-1]).index_copy_(0, at, kv)
+            return
         for i, (seq, pos) in enumerate(zip(batch.seqs, batch.aux["pos"], strict=True)):
             n_prev = min(seq.start, window)
             rows = torch.empty(n_prev + seq.length, self.args.head_dim, device=self.device)
@@ -167,6 +197,15 @@ class TritonOps:
         ape, norm = lw.compressor if kind == "attn" else lw.indexer
         rounding = (QAT_FP8 if kind == "attn" else QAT_FP4) if self.qat else QAT_NONE
         inv = self._inv_freq[(layer.rope_theta, layer.yarn)]
+        if "slots" in batch.aux:
+            parts, ratio, (pos, slots) = batch.seqs[0].state.parts(il), layer.compress_ratio, self._slots(batch)
+            front, rows = (parts[f"{kind}_kv"], parts[f"{kind}_gate"]), parts[f"{kind}_rows"]
+            pooled = compressor.compress_batch(proj[f"{kind}_kv"], proj[f"{kind}_gate"], ape, *front, pos, slots, ratio)
+            window = pos.long() // ratio  # each sequence's row in progress: written, unseen until complete
+            angles = ops.rope_angles(window * ratio, inv)
+            normed = norm_rope(pooled, weight=norm, eps=a.norm_eps, angles=angles, rope_dim=a.rope_dim, qat=rounding)
+            rows.view(-1, rows.shape[-1]).index_copy_(0, slots.long() * rows.shape[1] + window, normed)
+            return
         for seq, pos in zip(batch.seqs, batch.aux["pos"], strict=True):
             state, ratio = seq.state, seq.state.compressor(il, kind).ratio
             n_emit = compressor.emitted(seq.start, seq.length, ratio)
@@ -184,6 +223,10 @@ class TritonOps:
     def index_topk(self, il: int, q: torch.Tensor, weights: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
         """Per sequence, the selected row indices int32 [T, k] (the kernel pads with -1 where fewer)."""
         ratio, chosen = self.args.layer(il).compress_ratio, []
+        if "slots" in batch.aux:
+            rows, bound = batch.seqs[0].state.parts(il)["indexer_rows"], self._bound(batch, ratio)
+            scores, valid = indexer_scores.indexer_scores_batch(q, weights, rows, *self._slots(batch), bound, ratio)
+            return topk.topk_indices(scores, valid, self.args.index_topk)
         for seq, pos in zip(batch.seqs, batch.aux["pos"], strict=True):
             rows = self.rows_in_reach(il, "indexer", seq.state, seq.start + seq.length)
             # scores stay fp32 even in fast mode: the top-k boundary is where small errors change the model
@@ -194,6 +237,13 @@ class TritonOps:
     def sparse_attention(self, il: int, q: torch.Tensor, batch: Batch, selected) -> torch.Tensor:
         a, lw, layer = self.args, self.w.layers[il], self.args.layer(il)
         cos, sin = self._angles(il, batch)
+        if "slots" in batch.aux:
+            parts, ratio = batch.seqs[0].state.parts(il), layer.compress_ratio
+            return attention.attention_batch(
+                q, parts["raw"], lw.sinks, (cos, sin), a.rope_dim, *self._slots(batch),
+                comp_rows=parts["attn_rows"] if ratio else None, comp_bound=self._bound(batch, ratio) if ratio else 0,
+                ratio=ratio, selected=selected, precision=batch.aux["precision"],
+            )  # fmt: skip
         out = []
         for i, (seq, pos) in enumerate(zip(batch.seqs, batch.aux["pos"], strict=True)):
             state, rows = seq.state, batch.aux.pop(("window", il, i))
@@ -250,7 +300,9 @@ class TritonModel(Transformer[torch.Tensor]):
         qat: bool = True,
         precision: Precision = EXACT,
         max_seq_len: int | None = None,
+        kv_slots: int = 4,
     ) -> None:
+        """`kv_slots`: sequences per KV-cache block; a decode step batches the sequences of a block."""
         self.w, self.qat, self.precision = weights, qat, precision
         self.device = weights.embed.data.device
-        super().__init__(TritonOps(weights, qat, precision), max_seq_len)
+        super().__init__(TritonOps(weights, qat, precision), max_seq_len, kv_slots)

@@ -28,6 +28,12 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() and not interpreting() else torch.device("cpu")
 
 
+def per_sequence(*vectors: torch.Tensor) -> None:
+    """Batch kernels read pos[i] and slot[i] by plain offsets: refuse a strided view."""
+    if any(v.dim() != 1 or not v.is_contiguous() for v in vectors):
+        raise ValueError("per-sequence positions and slots must be contiguous 1-D tensors")
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
 

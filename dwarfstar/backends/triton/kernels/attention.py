@@ -27,7 +27,16 @@ import triton.language as tl
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels.rms_norm_rope import load_angles, rotate_pairs
-from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, interpreting, next_pow2
+from dwarfstar.backends.triton.runtime import (
+    EXACT,
+    FAST,
+    BenchCase,
+    BenchShape,
+    Precision,
+    interpreting,
+    next_pow2,
+    per_sequence,
+)
 from dwarfstar.model.config import yarn_inv_freq
 
 COMP_NONE, COMP_ALL, COMP_SELECTED = 0, 1, 2
@@ -51,13 +60,16 @@ def _finish(acc, m, l, sink, cos_ptr, sin_ptr, out_ptr, i, hg, heads_ok, D,
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, win_ptr, comp_ptr, sel_ptr, sinks_ptr, pos_ptr, cos_ptr, sin_ptr,
+    q_ptr, win_ptr, comp_ptr, sel_ptr, sinks_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
     out_ptr, m_ptr, l_ptr, acc_ptr,
-    D, n_prev, window, n_sel, sm_scale,
+    D, n_prev, window, n_sel, comp_cap, sm_scale,
     H: tl.constexpr, COMP: tl.constexpr, RATIO: tl.constexpr, SPLIT: tl.constexpr, ROPE_DIM: tl.constexpr,
-    BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr,
+    BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, BATCH: tl.constexpr,
 ):  # fmt: skip
-    i = tl.program_id(0)  # query token in the chunk
+    # BATCH: query i is sequence i's one token, at position pos[i], over the rings and rows of KV-cache
+    # slot slot[i] (win_ptr [slots * window, D], comp_ptr [slots * comp_cap, D]); else query i is
+    # token i of one sequence's chunk over its linear window rows (n_prev earlier rows, then the chunk).
+    i = tl.program_id(0)  # query token in the chunk, or sequence in the batch
     hg = tl.program_id(1)
     split = tl.program_id(2)
     h = hg * BH + tl.arange(0, BH)
@@ -69,11 +81,21 @@ def _attention_kernel(
     q_row = q_ptr + (i.to(tl.int64) * H + h[:, None]) * D
     q_lo = tl.load(q_row + d[None, :], mask=heads_ok[:, None] & (d < D)[None, :], other=0.0)
     q_hi = tl.load(q_row + BD2 + d[None, :], mask=heads_ok[:, None] & (BD2 + d < D)[None, :], other=0.0)
-    hi = n_prev + i  # the query's own raw row
+    if BATCH:
+        p = tl.load(pos_ptr + i)
+        slot = tl.load(slot_ptr + i).to(tl.int64)
+        hi = p  # positions: the ring holds position q in row q mod window
+        ring_base = slot * window
+        comp_base = slot * comp_cap
+    else:
+        p = tl.load(pos_ptr) + i
+        hi = n_prev + i  # the query's own row of the linear window
+        ring_base = 0
+        comp_base = 0
     lo = tl.maximum(0, hi - window + 1)
     n_win = hi - lo + 1
     if COMP == 1:
-        n_comp = (tl.load(pos_ptr) + i + 1) // RATIO
+        n_comp = (p + 1) // RATIO
     elif COMP == 2:
         n_comp = n_sel
     else:
@@ -88,7 +110,8 @@ def _attention_kernel(
     r = tl.arange(0, BN)
     for b in range(split, nb_win, SPLIT):
         row = lo + b * BN + r
-        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, win_ptr, row, row <= hi, d, D, sm_scale, m, l, acc_lo, acc_hi,
+        at = ring_base + row % window if BATCH else row
+        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, win_ptr, at, row <= hi, d, D, sm_scale, m, l, acc_lo, acc_hi,
                                       BD2, FAST)  # fmt: skip
     for b in range((split - nb_win % SPLIT + SPLIT) % SPLIT, tl.cdiv(n_comp, BN), SPLIT):
         c = b * BN + r
@@ -98,7 +121,7 @@ def _attention_kernel(
         else:
             row = c
             ok = c < n_comp
-        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, comp_ptr, row, ok, d, D, sm_scale, m, l, acc_lo, acc_hi,
+        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, comp_ptr, comp_base + row, ok, d, D, sm_scale, m, l, acc_lo, acc_hi,
                                       BD2, FAST)  # fmt: skip
     if SPLIT == 1:
         sink = tl.load(sinks_ptr + h, mask=heads_ok, other=0.0)
@@ -186,6 +209,13 @@ def decode_split(device: torch.device, t: int, groups: int, row_blocks: int) -> 
     return max(1, min(want, 1 << (max(1, row_blocks).bit_length() - 1)))
 
 
+def _tiles(heads: int, d: int, window: int) -> tuple[int, int]:
+    """Heads per program (tl.dot needs at least 16 rows) and key rows per block."""
+    if interpreting():  # big blocks: the interpreter pays per program
+        return max(16, next_pow2(heads)), max(16, min(128, next_pow2(window)))
+    return 16, 16 if next_pow2(d) >= 512 else 32
+
+
 def attention(
     q: torch.Tensor,
     window_rows: torch.Tensor,
@@ -210,17 +240,59 @@ def attention(
     layers); pos int32 [1] = p0; angles = cos/sin [T, rope_dim / 2] of the query positions.
     """
     t, heads, d = q.shape
-    comp = COMP_NONE if comp_rows is None else (COMP_SELECTED if selected is not None else COMP_ALL)
-    bd = next_pow2(d)
-    bh = max(16, next_pow2(heads)) if interpreting() else 16  # tl.dot needs at least 16 rows
-    bn = max(16, min(128, next_pow2(window))) if interpreting() else (16 if bd >= 512 else 32)
+    bh, bn = _tiles(heads, d, window)
     out = torch.empty(t, heads, d, device=q.device, dtype=torch.float32)
-    groups = triton.cdiv(heads, bh)
     if split is None:
         # bounded by buffer sizes, not by the device position, so a captured decode step stays valid
         n_comp = 0 if comp_rows is None else selected.shape[1] if selected is not None else comp_rows.shape[0]
         row_blocks = triton.cdiv(min(window, window_rows.shape[0]), bn) + triton.cdiv(n_comp, bn)
-        split = decode_split(q.device, t, groups, row_blocks)
+        split = decode_split(q.device, t, triton.cdiv(heads, bh), row_blocks)
+    return _launch(q, window_rows, comp_rows, selected, sinks, pos, None, angles, out, split, precision,
+                   n_prev=n_prev, window=window, comp_cap=0, ratio=ratio, rope_dim=rope_dim, bh=bh, bn=bn)  # fmt: skip
+
+
+def attention_batch(
+    q: torch.Tensor,
+    rings: torch.Tensor,
+    sinks: torch.Tensor,
+    angles: tuple[torch.Tensor, torch.Tensor],
+    rope_dim: int,
+    pos: torch.Tensor,
+    slots: torch.Tensor,
+    comp_rows: torch.Tensor | None = None,
+    comp_bound: int = 0,
+    ratio: int = 0,
+    selected: torch.Tensor | None = None,
+    precision: Precision = EXACT,
+) -> torch.Tensor:
+    """One decode token for each of B sequences in one launch: output [B, H, D] with the RoPE undone.
+
+    q [B, H, D] contiguous; rings [slots, window, D], the KV cache block's raw windows, already
+    holding each sequence's own row (position p in row p mod window); comp_rows [slots, capacity, D]
+    with `ratio` (all visible rows) or `selected` int32 [B, k] (ratio-4 layers), `comp_bound` the
+    rows any of them can see (it sizes the split); pos, slots int32 [B]: each sequence's position
+    and slot in the block; angles = cos/sin [B, rope_dim / 2] at the positions.
+    """
+    per_sequence(pos, slots)
+    b, heads, d = q.shape
+    window = rings.shape[1]
+    bh, bn = _tiles(heads, d, window)
+    out = torch.empty(b, heads, d, device=q.device, dtype=torch.float32)
+    n_comp = 0 if comp_rows is None else selected.shape[1] if selected is not None else comp_bound
+    row_blocks = triton.cdiv(window, bn) + triton.cdiv(n_comp, bn)
+    split = decode_split(q.device, b, triton.cdiv(heads, bh), row_blocks)
+    flat = comp_rows.flatten(0, 1) if comp_rows is not None else None
+    return _launch(q, rings.flatten(0, 1), flat, selected, sinks, pos, slots, angles, out, split, precision,
+                   n_prev=0, window=window, comp_cap=0 if comp_rows is None else comp_rows.shape[1], ratio=ratio,
+                   rope_dim=rope_dim, bh=bh, bn=bn)  # fmt: skip
+
+
+def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, angles, out, split, precision, *,
+            n_prev, window, comp_cap, ratio, rope_dim, bh, bn):  # fmt: skip
+    """The attention launch (and the combine of its splits) shared by the chunk and batch forms."""
+    t, heads, d = q.shape
+    bd, groups = next_pow2(d), triton.cdiv(heads, bh)
+    comp = COMP_NONE if comp_rows is None else (COMP_SELECTED if selected is not None else COMP_ALL)
     m = l = acc = out
     if split > 1:
         m = torch.empty(t, heads, split, device=q.device, dtype=torch.float32)
@@ -230,10 +302,11 @@ def attention(
     sel_ptr = selected if selected is not None else pos
     cos, sin = angles
     _attention_kernel[(t, groups, split)](
-        q, window_rows, comp_ptr, sel_ptr, sinks, pos, cos, sin, out, m, l, acc,
-        d, n_prev, window, selected.shape[1] if selected is not None else 0, 1.0 / math.sqrt(d),
+        q, window_rows, comp_ptr, sel_ptr, sinks, pos, slots if slots is not None else pos, cos, sin, out, m, l, acc,
+        d, n_prev, window, selected.shape[1] if selected is not None else 0, comp_cap, 1.0 / math.sqrt(d),
         H=heads, COMP=comp, RATIO=max(ratio, 1), SPLIT=split, ROPE_DIM=rope_dim,
-        BH=bh, BN=bn, BD=bd, FAST=precision.fast, num_warps=8 if bd >= 512 else 4, num_stages=1,
+        BH=bh, BN=bn, BD=bd, FAST=precision.fast, BATCH=slots is not None,
+        num_warps=8 if bd >= 512 else 4, num_stages=1,
     )  # fmt: skip
     if split > 1:
         _combine_kernel[(t, groups)](
@@ -292,4 +365,25 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
     case(f"decode ratio 128 at {shape.ctx}: {a.window} + {n128} rows", 1, shape.ctx, n128, 128, None, None)
     t = shape.prefill
     case(f"prefill ratio 128, {t} tokens from 0 (bf16 dot)", t, 0, t // 128, 128, None, 1, FAST)
+    cases.append(_batch_case(shape, inv, sinks, BATCH_BENCH, n4, k))
     return cases
+
+
+BATCH_BENCH = 8  # sequences of the batched decode bench case
+
+
+def _batch_case(shape: BenchShape, inv, sinks, b: int, n4: int, k: int) -> BenchCase:
+    """One launch for b sequences, each at context `ctx` in its own slot: a ratio-4 decode step."""
+    a, dev, gen = shape.args, shape.device, shape.generator()
+    q = torch.randn(b, a.n_heads, a.head_dim, device=dev, generator=gen)
+    rings = torch.randn(b, a.window, a.head_dim, device=dev, generator=gen)
+    comp = torch.randn(b, max(n4, 1), a.head_dim, device=dev, generator=gen)
+    pos = torch.full((b,), shape.ctx, dtype=torch.int32, device=dev)
+    slots = torch.arange(b, dtype=torch.int32, device=dev)
+    sel = torch.stack([torch.randperm(n4, device=dev, generator=gen)[:k] for _ in range(b)]).to(torch.int32)
+    angles = ops.rope_angles(pos.long(), inv)
+    run = functools.partial(attention_batch, q, rings, sinks, angles, a.rope_dim, pos, slots, comp, n4, 4, sel)
+    rows_read = b * (a.window + k)
+    moved = 4 * a.head_dim * (rows_read + 2 * b * a.n_heads)
+    name = f"decode batch of {b}, ratio 4 at {shape.ctx}: {a.window} + {k} rows each"
+    return BenchCase("attention", name, run, moved, 4 * a.n_heads * a.head_dim * rows_read)

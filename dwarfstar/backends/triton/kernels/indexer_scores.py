@@ -5,7 +5,8 @@ indexer rows likewise from the compressor. Query i (position p0 + i) sees rows c
 the kernel also writes that count, which `topk` uses as the row's valid length. One program scores a
 block of BN rows for one query: a [heads, dim] x [dim, BN] product on the tensor cores, ReLU, and the
 head-weighted sum. Blocks past the visible rows exit at once, so the grid can be sized from the row
-buffer's capacity (what a captured decode step needs).
+buffer's capacity (what a captured decode step needs). `indexer_scores_batch` scores one decode
+query for each of B sequences in one launch, each at its own position over its own KV-cache slot.
 """
 
 from __future__ import annotations
@@ -16,16 +17,31 @@ import torch
 import triton
 import triton.language as tl
 
-from dwarfstar.backends.triton.runtime import EXACT, BenchCase, BenchShape, Precision, interpreting, next_pow2
+from dwarfstar.backends.triton.runtime import (
+    EXACT,
+    BenchCase,
+    BenchShape,
+    Precision,
+    interpreting,
+    next_pow2,
+    per_sequence,
+)
 
 
 @triton.jit
 def _scores_kernel(
-    q_ptr, w_ptr, rows_ptr, pos_ptr, scores_ptr, valid_ptr, stride_w, stride_s, weight_scale,
+    q_ptr, w_ptr, rows_ptr, pos_ptr, slot_ptr, scores_ptr, valid_ptr, stride_w, stride_s, slot_rows, weight_scale,
     RATIO: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, FAST: tl.constexpr,
+    BATCH: tl.constexpr,
 ):  # fmt: skip
+    # BATCH: query i is sequence i's token at pos[i], over slot slot[i] of rows [slots * slot_rows, DI];
+    # else query i is token i of a chunk from pos[0] over one sequence's rows.
     i = tl.program_id(0)
-    n_vis = (tl.load(pos_ptr) + i + 1) // RATIO
+    if BATCH:
+        n_vis = (tl.load(pos_ptr + i) + 1) // RATIO
+        rows_ptr += tl.load(slot_ptr + i).to(tl.int64) * slot_rows * DI
+    else:
+        n_vis = (tl.load(pos_ptr) + i + 1) // RATIO
     if tl.program_id(1) == 0:
         tl.store(valid_ptr + i, n_vis)
     c = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -53,14 +69,35 @@ def indexer_scores(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, Di] contiguous, head_weights [T, H] (row stride free), rows [capacity, Di] contiguous,
     pos int32 [1] = p0 -> (scores [T, capacity] valid up to each query's count, counts int32 [T])."""
+    return _launch(q, head_weights, rows, pos, None, rows.shape[0], 0, ratio, precision)
+
+
+def indexer_scores_batch(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    slots: torch.Tensor,
+    bound: int,
+    ratio: int,
+    precision: Precision = EXACT,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode query per sequence: q [B, H, Di], head_weights [B, H], rows [slots, capacity, Di]
+    (a KV-cache block), pos and slots int32 [B] -> (scores [B, bound], counts int32 [B]); `bound` is
+    at least every sequence's visible rows."""
+    per_sequence(pos, slots)
+    return _launch(q, head_weights, rows.flatten(0, 1), pos, slots, bound, rows.shape[1], ratio, precision)
+
+
+def _launch(q, head_weights, rows, pos, slots, width, slot_rows, ratio, precision):
     t, heads, dim = q.shape
-    capacity = rows.shape[0]
-    scores = torch.empty(t, capacity, device=q.device, dtype=torch.float32)
+    scores = torch.empty(t, width, device=q.device, dtype=torch.float32)
     valid = torch.empty(t, dtype=torch.int32, device=q.device)
-    bn = min(max(16, next_pow2(capacity)), 256) if interpreting() else 16
-    _scores_kernel[(t, max(1, triton.cdiv(capacity, bn)))](
-        q, head_weights, rows, pos, scores, valid, head_weights.stride(0), capacity,
-        (heads * dim) ** -0.5, RATIO=ratio, HI=heads, DI=dim, BN=bn, FAST=precision.fast, num_warps=8, num_stages=1,
+    bn = min(max(16, next_pow2(width)), 256) if interpreting() else 16
+    _scores_kernel[(t, max(1, triton.cdiv(width, bn)))](
+        q, head_weights, rows, pos, slots if slots is not None else pos, scores, valid, head_weights.stride(0), width,
+        slot_rows, (heads * dim) ** -0.5,
+        RATIO=ratio, HI=heads, DI=dim, BN=bn, FAST=precision.fast, BATCH=slots is not None, num_warps=8, num_stages=1,
     )  # fmt: skip
     return scores, valid
 

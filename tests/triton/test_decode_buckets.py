@@ -1,0 +1,56 @@
+"""Decode steps by batch-size bucket (`graphs.DecodeGraphs`), with the graph replay stood in for.
+
+CUDA graphs need a GPU; here `graphs.capture` is replaced by a stand-in whose replay reruns the
+step's device work on the same input buffers, which is exactly what a graph replay does. What runs
+for real is everything around it: the padding slot, the per-row token/position/slot inputs, the
+row bounds and the host bookkeeping. Any set of sessions, in any order, at any positions, replays
+the graph of its bucket, and each sequence gets the eager kernels' logits.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from dwarfstar.backends.triton import graphs
+from dwarfstar.backends.triton.backend import TritonBackend
+from dwarfstar.model.loader import open_model
+
+LENGTHS = (5, 30, 131)  # inside the raw window, past a ratio-4 boundary, past the first ratio-128 row
+
+
+def replaying(run, pool):
+    out = run()
+    return (lambda: out.copy_(run())), out
+
+
+def test_any_sessions_replay_their_buckets_graph_and_match_the_eager_kernels(tiny_model_file, monkeypatch):
+    monkeypatch.setattr(graphs, "capture", replaying)
+    model = open_model(tiny_model_file(0))
+    served = TritonBackend.from_model_file(model, device="cpu", graphs=False, kv_slots=4)
+    buckets = graphs.DecodeGraphs(served.model)
+    prompt = torch.randint(3, model.args.vocab_size, (max(LENGTHS),), generator=torch.Generator().manual_seed(2))
+    mine = [served.new_state() for _ in LENGTHS]  # the first block: 3 sessions and the padding slot
+    for n, state in zip(LENGTHS, mine, strict=True):
+        served.forward(prompt[:n], state, all_logits=False)
+    theirs = [copy.deepcopy(state) for state in mine]  # forks in a second block run the eager kernels
+    assert buckets.serves(mine) and not buckets.serves(theirs[:1])
+
+    def step(order: list[int]) -> None:
+        tokens = [int(theirs[i].logits.argmax()) for i in order]
+        got = buckets.step(tokens, [mine[i] for i in order])
+        for i, token, logits in zip(order, tokens, got, strict=True):
+            want = served.forward([token], theirs[i], all_logits=False)
+            torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+            assert mine[i].pos == theirs[i].pos and mine[i].tokens == theirs[i].tokens
+            assert torch.equal(mine[i].logits, logits[0])
+
+    step([0, 1, 2])  # bucket 4: three sequences and one padding row
+    step([1])  # bucket 1
+    step([2, 0])  # bucket 2, the sessions switched
+    captured = len(buckets.captured)
+    step([2, 1, 0])  # bucket 4 again, in another order and at later positions: the same graph
+    step([0])
+    assert len(buckets.captured) == captured == 3
+    assert {bucket for bucket, _ in buckets.captured} == {1, 2, 4}
