@@ -21,6 +21,9 @@ from dwarfstar.speculative.decode import ALIGNMENTS, MAX_DRAFT, Speculator
 from dwarfstar.speculative.mtp import load_draft
 from dwarfstar.terminal import note
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+BENCH_PROMPT = "Quel ramo del lago di Como, che volge a mezzogiorno, tra due catene non interrotte di monti"
 
 MTPFileOption = Annotated[
     Path | None,
@@ -97,7 +100,7 @@ def bench_mtp(
     mtp: MTPFileOption = None,
     drafts: Annotated[str, typer.Option(help="Draft counts to measure, comma-separated.")] = "1,2,3",
     tokens: Annotated[int, typer.Option("-n", "--tokens", min=1, help="Greedy tokens per run.")] = 64,
-    prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length (token ids 3.., fixed).")] = 32,
+    prompt: Annotated[str, typer.Option("-p", "--prompt", help="Text to continue (no chat template).")] = BENCH_PROMPT,
     backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
 ) -> None:
     """Greedy decode speed with and without MTP speculation: acceptance per draft position, mean
@@ -105,15 +108,19 @@ def bench_mtp(
     counts = [int(n) for n in drafts.split(",") if n.strip()]
     if not counts:
         raise DwarfStarError("--drafts needs at least one draft count")
-    engine = load_engine(resolve_model(model), backend, ctx=prompt_tokens + tokens + 8)
-    ctx = prompt_tokens + tokens + 8
-    ids = [3 + (i * 7919) % 5000 for i in range(prompt_tokens)]  # a fixed prompt, the same for every run
+    path = resolve_model(model)
+    ids = Tokenizer.from_gguf(path).encode(prompt)
+    ctx = len(ids) + tokens + 8
+    engine = load_engine(path, backend, ctx=ctx)
     session = Session(engine.backend, ctx=ctx)
     session.prefill(ids)
     start = time.perf_counter()
     want = list(session.generate(tokens, GREEDY))
     base = len(want) / (time.perf_counter() - start)
-    typer.echo(f"backend {engine.backend_name} | plain greedy: {base:.2f} tok/s over {len(want)} tokens")
+    typer.echo(
+        f"backend {engine.backend_name} | prompt {len(ids)} tokens | "
+        f"plain greedy: {base:.2f} tok/s over {len(want)} tokens"
+    )
     typer.echo("N  align  acceptance by position     accepted/step  tok/s   speed-up  same text")
     for n in counts:
         for alignment in ALIGNMENTS:

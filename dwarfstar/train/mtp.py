@@ -35,7 +35,7 @@ from dwarfstar.train.params import REST, ParamWeights, init_params
 @dataclass(frozen=True)
 class MTPRecipe:
     steps: int = 300
-    sequences: int = 48  # distinct training sequences, the model's streams computed once for each
+    sequences: int = 384  # distinct training sequences, the model's streams computed once for each
     seq_len: int = 160
     batch: int = 4
     lr: float = 2e-3

@@ -48,7 +48,7 @@ def test_run_errors(mtp_files):
 
 def test_bench_mtp_reports_every_count_and_alignment(mtp_files):
     done = cli("bench", "mtp", "-m", str(mtp_files["nextn"]), "--backend", "reference", "--drafts", "1,2",
-               "-n", "12", "--prompt-tokens", "8")  # fmt: skip
+               "-n", "12", "-p", "ciao")  # fmt: skip
     assert done.exit_code == 0, done.output
     rows = re.findall(r"^(\d)\s+(next|same)\s+.*\s(yes|NO)$", done.stdout, flags=re.M)
     assert [(n, a) for n, a, _ in rows] == [("1", "next"), ("1", "same"), ("2", "next"), ("2", "same")]
