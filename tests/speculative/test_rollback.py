@@ -8,6 +8,7 @@ import torch
 from conftest import PROMPT
 from spec_support import payload, speculative
 
+from dwarfstar.engine import load_engine
 from dwarfstar.session.sampling import GREEDY
 from dwarfstar.speculative.mtp import load_draft
 
@@ -40,10 +41,11 @@ def test_restore_and_rerun_is_the_run_without_rejected_tokens(engines, backend_n
     assert payload(spec, backend) == payload(clean, backend)
 
 
-def test_draft_window_holds_only_true_rows(engines):
+def test_draft_window_holds_only_true_rows(mtp_files):
     """The MTP block's own window after speculation (its drafted rows rolled back) equals that of a
-    draft fed the target's streams of the final sequence, pair by pair."""
-    engine = engines("reference")
+    draft fed the target's streams of the final sequence, pair by pair. Without the QAT rounding:
+    the two feeds batch differently, and the FP8 rounding turns float noise into whole steps."""
+    engine = load_engine(mtp_files["nextn"], "reference", qat=False, ctx=1024)
     draft = load_draft(engine.backend, engine.model)
     spec = speculative(engine.backend, draft, PROMPT, 3)
     list(spec.generate(40, GREEDY))
@@ -54,4 +56,4 @@ def test_draft_window_holds_only_true_rows(engines):
     fresh = draft.new_state()
     draft.rows(streams[:-1], tokens[1:], fresh)
     got, want = spec.draft_state.host_parts(0)["raw"], fresh.host_parts(0)["raw"]
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
