@@ -193,7 +193,6 @@ class Speculator:
         else:  # rollback: back to before the pass, then only the kept tokens
             self.state.restore(snap)
             self._run(keep, known + emit, all_logits=False)
-            self.session.stats.computed -= len(keep)  # counted as verified already
         return emit
 
 
