@@ -53,3 +53,14 @@ def test_bench_mtp_reports_every_count_and_alignment(mtp_files):
     rows = re.findall(r"^(\d)\s+(next|same)\s+.*\s(yes|NO)$", done.stdout, flags=re.M)
     assert [(n, a) for n, a, _ in rows] == [("1", "next"), ("1", "same"), ("2", "next"), ("2", "same")]
     assert all(same == "yes" for _, _, same in rows)
+
+
+def test_bundled_model_speculates_with_its_bundled_block():
+    """The bundled model has no in-file block; --mtp-draft alone uses dwarfstar/data/nano-mtp.gguf,
+    and the reply is the plain greedy one."""
+    base = ["run", "--backend", "reference", "-p", "Quel ramo del lago di Como", "--nothink", "--temp", "0", "-n", "16"]
+    plain, spec = cli(*base), cli(*base, "--mtp-draft", "2")
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
+    assert spec.stdout == plain.stdout
+    accepted = float(re.search(r"([\d.]+) accepted per step", spec.stderr).group(1))
+    assert accepted > 0  # the trained block's drafts are accepted
