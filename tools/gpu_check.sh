@@ -11,7 +11,7 @@
 # In priority order, within a total budget of $GPU_CHECK_BUDGET seconds (default 450: under 8 minutes with the kill grace):
 #   1. the backend conformance suite (tests/backends: its triton-cuda parametrisation against the
 #      reference, which runs on the CPU) and the kernel tests (tests/triton), on CUDA  -> tests.log
-#   2. synthetic flash-q2 decode tok/s at 2k and 32k context      -> decode.csv
+#   2. synthetic flash-q2 decode tok/s at 2k and 32k context, 1 and 4 sequences batched -> decode.csv
 #   3. synthetic flash-q2 prefill tok/s on an 8k prompt           -> prefill.csv
 #   4. every kernel's time, GB/s, TFLOP/s and % of the peak        -> kernels.csv
 #   5. logits of the tiny models, reference vs Triton, exact and bf16 dots (figures; the exact path's
@@ -111,7 +111,7 @@ fi
 
 # -- 2-5. benchmarks, then the parity figures --
 BENCH="$PY -m dwarfstar.backends.triton.bench"
-run decode 110 "$OUT/bench.log" $BENCH decode --synthetic flash-q2 --ctx 2048,32768 --steps 64 --csv "$OUT/decode.csv"
+run decode 110 "$OUT/bench.log" $BENCH decode --synthetic flash-q2 --ctx 2048,32768 --batch 1,4 --steps 64 --csv "$OUT/decode.csv"
 run prefill 90 "$OUT/bench.log" $BENCH prefill --synthetic flash-q2 --tokens 8192 --chunk 4096 --csv "$OUT/prefill.csv"
 run kernels 90 "$OUT/bench.log" $BENCH kernels --csv "$OUT/kernels.csv"
 run parity 60 "$OUT/bench.log" $BENCH parity --csv "$OUT/parity.csv"

@@ -29,8 +29,9 @@ def test_peak_table_and_override():
 def test_synthetic_decode_and_prefill_loops(device, monkeypatch):
     monkeypatch.setitem(synthetic.PRESETS, "tiny-k", (TINY_K, Q2))
     peak = bench.Peak("test", 100.0, None)
-    (row,) = bench.run_decode("tiny-k", None, [40], steps=1, device=device, peak=peak, warmup=1)
-    assert row["ctx"] == 40 and row["tok/s"] > 0 and row["weight_GB/token"] > 0
+    one, two = bench.run_decode("tiny-k", None, [40], steps=1, device=device, peak=peak, warmup=1, batches=(1, 2))
+    assert (one["ctx"], one["batch"], two["batch"]) == (40, 1, 2)
+    assert one["tok/s"] > 0 and two["tok/s"] > 0 and one["weight_GB/step"] == two["weight_GB/step"] > 0
     (row,) = bench.run_prefill("tiny-k", None, tokens=2, chunk=2, device=device, precision=EXACT)
     assert row["tokens"] == 2 and row["tok/s"] > 0
 

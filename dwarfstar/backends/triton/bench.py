@@ -159,32 +159,40 @@ def run_decode(
     device: torch.device,
     peak: Peak,
     warmup: int = 8,
+    batches: Sequence[int] = (1,),
 ) -> list[dict]:
+    """Decode steps of `b` sequences at once (one cache block, batch-native kernels, a graph per
+    bucket) for each b in `batches`, at each context. tok/s counts every sequence's token; GB/s is
+    the weights' bytes (read once per step) over the step time."""
     from dwarfstar.backends.triton.backend import TritonBackend
     from dwarfstar.backends.triton.synthetic import synthetic_state, synthetic_weights
 
     weights = synthetic_weights(preset, layers, device)
-    backend = TritonBackend(weights)
+    # the KV cache holds what the bench reaches, not the model's whole context, in one block for the largest batch
+    ctx_cap = max(ctxs) + warmup + steps + 1
+    backend = TritonBackend(weights, max_seq_len=ctx_cap, kv_slots=max(batches))
     per_token = decode_bytes_per_token(weights)
     rows = []
     for ctx in ctxs:
-        state = synthetic_state(backend.model, ctx)
-        token = 1000
-        for _ in range(warmup):  # compile each step shape once eagerly, then capture its graph
-            backend.forward([token], state)
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            backend.forward([token], state)
-        _sync(device)
-        seconds = (time.perf_counter() - start) / steps
-        gbs = per_token / seconds / 1e9
-        rows.append({
-            "model": preset, "layers": weights.args.n_layers, "ctx": ctx, "tok/s": round(1 / seconds, 2),
-            "ms/token": round(seconds * 1e3, 3), "weight_GB/token": round(per_token / 1e9, 3),
-            "GB/s": round(gbs, 1), "%peak_bw": _pct(gbs, peak.gbs),
-        })  # fmt: skip
-        print(_line(rows[-1]), file=sys.stderr, flush=True)
+        for b in batches:
+            states = [synthetic_state(backend.model, ctx, seed=i) for i in range(b)]
+            tokens = [[1000 + i] for i in range(b)]
+            for _ in range(warmup):  # compile each step shape once eagerly, then capture its graph
+                backend.forward_batch(tokens, states)
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                backend.forward_batch(tokens, states)
+            _sync(device)
+            seconds = (time.perf_counter() - start) / steps
+            gbs = per_token / seconds / 1e9
+            rows.append({
+                "model": preset, "layers": weights.args.n_layers, "ctx": ctx, "batch": b,
+                "tok/s": round(b / seconds, 2), "ms/step": round(seconds * 1e3, 3),
+                "weight_GB/step": round(per_token / 1e9, 3), "GB/s": round(gbs, 1), "%peak_bw": _pct(gbs, peak.gbs),
+            })  # fmt: skip
+            print(_line(rows[-1]), file=sys.stderr, flush=True)
+            del states  # their slots return to the cache for the next batch size
     return rows
 
 
@@ -195,7 +203,7 @@ def run_prefill(
     from dwarfstar.backends.triton.synthetic import synthetic_weights
 
     weights = synthetic_weights(preset, layers, device)
-    backend = TritonBackend(weights, precision=precision)
+    backend = TritonBackend(weights, precision=precision, max_seq_len=tokens + 1)
     prompt = torch.randint(3, weights.args.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     backend.forward(prompt[:chunk].tolist(), backend.new_state(), all_logits=False)  # compile
     state = backend.new_state()
@@ -281,6 +289,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     d = sub.add_parser("decode", help="synthetic full-size decode tok/s")
     d.add_argument("--ctx", default="2048,32768")
     d.add_argument("--steps", type=int, default=64)
+    d.add_argument("--batch", default="1", help="comma-separated batch sizes (sequences decoding together)")
     p = sub.add_parser("prefill", help="synthetic full-size prefill tok/s")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--chunk", type=int, default=4096)
@@ -301,7 +310,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         only = [s for s in opts.only.split(",") if s]
         rows = run_kernels(bench_shape(opts.model, device, opts.ctx, opts.prefill), peak, only)
     elif opts.what == "decode":
-        rows = run_decode(opts.synthetic, opts.layers, [int(c) for c in opts.ctx.split(",")], opts.steps, device, peak)
+        contexts, batches = ([int(c) for c in text.split(",")] for text in (opts.ctx, opts.batch))
+        rows = run_decode(opts.synthetic, opts.layers, contexts, opts.steps, device, peak, batches=batches)
     elif opts.what == "prefill":
         rows = run_prefill(opts.synthetic, opts.layers, opts.tokens, opts.chunk, device, EXACT if opts.exact else FAST)
     else:
