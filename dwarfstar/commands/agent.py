@@ -25,10 +25,26 @@ from dwarfstar.agent.worker import Worker
 from dwarfstar.chat import allowed_mode
 from dwarfstar.cli import app
 from dwarfstar.commands.experts import SsdCacheExperts, SsdCold, SsdPreload, SsdStreaming, describe, streaming_options
+from dwarfstar.commands.options import (
+    BackendOption,
+    CtxOption,
+    MinPOption,
+    ModelOption,
+    NoQatOption,
+    PowerOption,
+    PrecisionOption,
+    SeedOption,
+    TempOption,
+    ThinkMaxOption,
+    ThinkOption,
+    TopKOption,
+    TopPOption,
+    TraceOption,
+)
 from dwarfstar.commands.run import think_mode
 from dwarfstar.commands.steer import DirSteeringAttn, DirSteeringFfn, DirSteeringFile, steering_options
 from dwarfstar.diagnostics import Trace
-from dwarfstar.engine import BACKENDS, PRECISION_HELP, load_engine
+from dwarfstar.engine import load_engine
 from dwarfstar.hub import resolve_model
 from dwarfstar.repl import dwarfstar_home
 from dwarfstar.session.kvfile import ModelIdentity
@@ -39,10 +55,7 @@ from dwarfstar.throttle import ThrottledBackend, throttle
 
 @app.command()
 def agent(
-    model: Annotated[
-        Path | None,
-        typer.Option("-m", "--model", help="GGUF model (default: ./ds4flash.gguf, else the bundled model)."),
-    ] = None,
+    model: ModelOption = None,
     prompt: Annotated[
         str | None, typer.Option("-p", "--prompt", help="Submit this first; with --plain run it and exit.")
     ] = None,
@@ -53,26 +66,20 @@ def agent(
     kv_dir: Annotated[
         Path | None, typer.Option(help="Session directory (default $DWARFSTAR_KVCACHE or ~/.dwarfstar/kvcache).")
     ] = None,
-    think: Annotated[bool, typer.Option("--think/--nothink", help="Reason before answering.")] = True,
-    think_max: Annotated[
-        bool, typer.Option("--think-max", help="Maximum reasoning effort (needs --ctx >= 393216).")
-    ] = False,
-    temp: Annotated[float, typer.Option(help="Sampling temperature, 0..100; 0 is greedy.")] = 1.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling, 0..1.")] = 1.0,
-    top_k: Annotated[int, typer.Option(min=0, help="Sample among the K most likely tokens; 0: no limit.")] = 0,
-    min_p: Annotated[float, typer.Option(help="Keep tokens with p >= MIN_P * p_max.")] = 0.05,
-    seed: Annotated[int | None, typer.Option(help="Sampling seed (default: random).")] = None,
+    think: ThinkOption = True,
+    think_max: ThinkMaxOption = False,
+    temp: TempOption = 1.0,
+    top_p: TopPOption = 1.0,
+    top_k: TopKOption = 0,
+    min_p: MinPOption = 0.05,
+    seed: SeedOption = None,
     tokens: Annotated[int, typer.Option("-n", "--tokens", min=1, help="Most tokens per model reply.")] = 50000,
-    ctx: Annotated[int, typer.Option("-c", "--ctx", min=1, help="Context size in tokens.")] = 100000,
-    backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
-    precision: Annotated[str, typer.Option(help=PRECISION_HELP)] = "exact",
-    power: Annotated[
-        int, typer.Option(min=1, max=100, help="Keep the device about N% busy (sleeps; same output).")
-    ] = 100,
-    trace: Annotated[Path | None, typer.Option(help="Append a session trace (prompts, cache, text) to FILE.")] = None,
-    no_qat_rounding: Annotated[
-        bool, typer.Option("--no-qat-rounding", help="Skip the FP8 KV / FP4 indexer rounding.")
-    ] = False,
+    ctx: CtxOption = 100000,
+    backend: BackendOption = "auto",
+    precision: PrecisionOption = "exact",
+    power: PowerOption = 100,
+    trace: TraceOption = None,
+    no_qat_rounding: NoQatOption = False,
     ssd_streaming: SsdStreaming = False,
     ssd_streaming_cache_experts: SsdCacheExperts = None,
     ssd_streaming_cold: SsdCold = False,

@@ -18,6 +18,22 @@ import typer
 from dwarfstar.chat import DEFAULT_SYSTEM, Chat, ThinkMode, allowed_mode
 from dwarfstar.cli import app
 from dwarfstar.commands.experts import SsdCacheExperts, SsdCold, SsdPreload, SsdStreaming, describe, streaming_options
+from dwarfstar.commands.options import (
+    BackendOption,
+    CtxOption,
+    MinPOption,
+    ModelOption,
+    NoQatOption,
+    PowerOption,
+    PrecisionOption,
+    SeedOption,
+    TempOption,
+    ThinkMaxOption,
+    ThinkOption,
+    TopKOption,
+    TopPOption,
+    TraceOption,
+)
 from dwarfstar.commands.speculate import (
     MTPAlignOption,
     MTPDraftOption,
@@ -28,7 +44,7 @@ from dwarfstar.commands.speculate import (
 )
 from dwarfstar.commands.steer import DirSteeringAttn, DirSteeringFfn, DirSteeringFile, steering_options
 from dwarfstar.diagnostics import MAX_LOGPROBS_TOP_K, Trace, dump_tokens, greedy_logprobs, write_logprobs
-from dwarfstar.engine import BACKENDS, PRECISION_HELP, Engine, load_engine
+from dwarfstar.engine import Engine, load_engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.hub import resolve_model
 from dwarfstar.repl import run_repl
@@ -86,31 +102,24 @@ def write_logits(engine: Engine, ids: list[int], ctx: int, out: Path) -> None:
 
 @app.command()
 def run(
-    model: Annotated[
-        Path | None,
-        typer.Option("-m", "--model", help="GGUF model (default: ./ds4flash.gguf, else the bundled model)."),
-    ] = None,
+    model: ModelOption = None,
     prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="Answer this once and exit.")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="Like -p, with the text of FILE.")] = None,
     prompt_tokens: Annotated[str | None, typer.Option(help="Raw prompt as token ids: 0,17,42.")] = None,
     system: Annotated[str, typer.Option("-sys", "--system", help='System prompt; "" for none.')] = DEFAULT_SYSTEM,
-    think: Annotated[bool, typer.Option("--think/--nothink", help="Reason before answering.")] = True,
-    think_max: Annotated[
-        bool, typer.Option("--think-max", help="Maximum reasoning effort (needs --ctx >= 393216).")
-    ] = False,
-    temp: Annotated[float, typer.Option(help="Sampling temperature, 0..100; 0 is greedy.")] = 1.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling, 0..1.")] = 1.0,
-    top_k: Annotated[int, typer.Option(min=0, help="Sample among the K most likely tokens; 0: no limit.")] = 0,
-    min_p: Annotated[float, typer.Option(help="Keep tokens with p >= MIN_P * p_max.")] = 0.05,
-    seed: Annotated[int | None, typer.Option(help="Sampling seed (default: random).")] = None,
+    think: ThinkOption = True,
+    think_max: ThinkMaxOption = False,
+    temp: TempOption = 1.0,
+    top_p: TopPOption = 1.0,
+    top_k: TopKOption = 0,
+    min_p: MinPOption = 0.05,
+    seed: SeedOption = None,
     tokens: Annotated[int, typer.Option("-n", "--tokens", min=1, help="Most tokens to generate per reply.")] = 50000,
-    ctx: Annotated[int, typer.Option("-c", "--ctx", min=1, help="Context size in tokens.")] = 32768,
-    backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
-    precision: Annotated[str, typer.Option(help=PRECISION_HELP)] = "exact",
-    power: Annotated[
-        int, typer.Option(min=1, max=100, help="Keep the device about N% busy (sleeps; same output).")
-    ] = 100,
-    trace: Annotated[Path | None, typer.Option(help="Append a session trace (prompts, cache, text) to FILE.")] = None,
+    ctx: CtxOption = 32768,
+    backend: BackendOption = "auto",
+    precision: PrecisionOption = "exact",
+    power: PowerOption = 100,
+    trace: TraceOption = None,
     dump_tokens_: Annotated[
         bool, typer.Option("--dump-tokens", help="Print the prompt's tokens (as written, no template) and exit.")
     ] = False,
@@ -121,9 +130,7 @@ def run(
     dump_logits: Annotated[
         Path | None, typer.Option(help="Write float32 logits (n_prompt x vocab) after each prompt token (.npy), exit.")
     ] = None,
-    no_qat_rounding: Annotated[
-        bool, typer.Option("--no-qat-rounding", help="Skip the FP8 KV / FP4 indexer rounding.")
-    ] = False,
+    no_qat_rounding: NoQatOption = False,
     ssd_streaming: SsdStreaming = False,
     ssd_streaming_cache_experts: SsdCacheExperts = None,
     ssd_streaming_cold: SsdCold = False,
