@@ -84,10 +84,13 @@ class SavedSession:
 class SessionStore:
     def __init__(
         self, directory: Path, args: ModelArgs, identity: ModelIdentity, ctx: int, chunk: int, tokenizer: Tokenizer,
-        new_state: Callable[[], SequenceState],
+        new_state: Callable[[], SequenceState], steering: str | None = None,
     ) -> None:  # fmt: skip
+        """`steering`: the running engine's steering setting (`steering_tag`), None without: a state
+        computed under one setting is never loaded under another."""
         self.directory, self.args, self.identity = Path(directory), args, identity
         self.ctx, self.chunk, self.tokenizer, self.new_state = ctx, chunk, tokenizer, new_state
+        self.steering = steering
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -111,7 +114,10 @@ class SessionStore:
         except (OSError, ValueError, KeyError, TypeError, TranscriptError) as exc:
             mtime = path.stat().st_mtime if path.exists() else 0.0
             return SavedSession(sid, "", mtime, mtime, 0, 0, None, f"unreadable session file ({exc})")
-        if listed.kv_name is not None:
+        if meta.get("steering") != self.steering:
+            saved, now = meta.get("steering") or "off", self.steering or "off"
+            listed.problem = f"saved with steering {saved}; this agent runs with steering {now}"
+        elif listed.kv_name is not None:
             listed.problem = self._kv_problem(self.directory / listed.kv_name)
             listed.kv_bytes = (self.directory / listed.kv_name).stat().st_size if listed.problem is None else 0
         return listed
@@ -148,7 +154,7 @@ class SessionStore:
         """Write the state and the sidecar; the session's older KV file goes."""
         old = self._meta_or_none(sid)
         key = self.tokenizer.decode_bytes(state.tokens)
-        name = hashlib.sha1(key).hexdigest() + ".kv"
+        name = hashlib.sha1(key + (self.steering or "").encode()).hexdigest() + ".kv"
         self._write_kv(self.directory / name, key, state, SaveReason.AGENT_SESSION)
         now = time.time()
         meta = {
@@ -157,6 +163,7 @@ class SessionStore:
             "updated": now,
             "tokens": len(state.tokens),
             "kv": name,
+            "steering": self.steering,
             "transcript": transcript.to_json(),
         }
         self._write_json(sid, meta)
@@ -196,7 +203,7 @@ class SessionStore:
     # -- the system prompt ------------------------------------------------------------------------
     def load_system(self, ids: list[int]) -> SequenceState | None:
         """sysprompt.kv's state if it holds exactly these tokens (else None: prefill and save_system)."""
-        path = self.directory / SYSPROMPT
+        path = self._system_path()
         if not path.exists():
             return None
         try:
@@ -207,7 +214,14 @@ class SessionStore:
 
     def save_system(self, state: SequenceState) -> None:
         key = self.tokenizer.decode_bytes(state.tokens)
-        self._write_kv(self.directory / SYSPROMPT, key, state, SaveReason.AGENT_SYSTEM)
+        self._write_kv(self._system_path(), key, state, SaveReason.AGENT_SYSTEM)
+
+    def _system_path(self) -> Path:
+        """sysprompt.kv, or a steered engine's own copy (its state differs from the unsteered one)."""
+        if self.steering is None:
+            return self.directory / SYSPROMPT
+        tag = hashlib.sha1(self.steering.encode()).hexdigest()[:12]
+        return self.directory / SYSPROMPT.replace(".kv", f"-steered-{tag}.kv")
 
     # -- files ------------------------------------------------------------------------------------
     def _meta_path(self, sid: str) -> Path:

@@ -126,7 +126,7 @@ def agent(
     )
     store = SessionStore(
         kv_dir or default_directory(), engine.backend.args, ModelIdentity.of(engine.model), ctx, live.session.chunk,
-        engine.tokenizer, engine.backend.new_state,
+        engine.tokenizer, engine.backend.new_state, steering=None if steering is None else steering.tag(),
     )  # fmt: skip
     worker = Worker(live, store, printer)
     if not plain:

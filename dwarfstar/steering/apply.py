@@ -15,6 +15,7 @@ back or restored, but the session stays, so the setting follows it.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import weakref
 from collections.abc import Sequence
@@ -28,7 +29,7 @@ from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.forward import Batch, HookPoint, Transformer
 from dwarfstar.model.state import SequenceState
 from dwarfstar.session.session import Backend, Session
-from dwarfstar.steering.direction import Direction, SteeringScale, read_direction, steer
+from dwarfstar.steering.direction import Direction, SteeringError, SteeringScale, read_direction, steer
 
 POINTS: tuple[HookPoint, ...] = ("ffn_out", "attn_out")
 # rows of the persistent scale buffer: more than any batched decode step has sequences
@@ -185,6 +186,14 @@ class SteeringOptions:
             "--dir-steering-ffn", repr(self.scale.ffn),
             "--dir-steering-attn", repr(self.scale.attn),
         ]  # fmt: skip
+
+    def tag(self) -> str:
+        """The setting as saved state records it: the direction's content hash and both scales."""
+        try:
+            digest = hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
+        except OSError as exc:
+            raise SteeringError(f"cannot read {self.path}: {exc.strerror}") from None
+        return f"direction {digest} ffn {self.scale.ffn:g} attn {self.scale.attn:g}"
 
     def read(self, args: ModelArgs) -> Direction:
         return read_direction(self.path, args.n_layers, args.dim)

@@ -109,3 +109,26 @@ def test_another_models_session_is_listed_as_foreign(saved, tmp_path: Path) -> N
     other = load_engine(path, "reference", ctx=8192)
     [listed] = open_store(other, store.directory).sessions()
     assert (listed.id, listed.problem) == (sid, "KV file was written for another model")
+
+
+def test_a_session_is_only_loaded_under_the_steering_it_was_saved_with(saved, nano: Engine) -> None:
+    """A state computed with a steering direction differs from one without: a store that runs with
+    another setting lists the session as unusable, keeps its own KV files and its own system prompt."""
+    store, agent, sid = saved
+    tag = "direction 0123456789abcdef ffn 1 attn 0"
+    steered = SessionStore(store.directory, store.args, store.identity, store.ctx, store.chunk, store.tokenizer,
+                           store.new_state, steering=tag)  # fmt: skip
+    [listed] = steered.sessions()
+    assert listed.problem == f"saved with steering off; this agent runs with steering {tag}"
+    with pytest.raises(SessionError, match="steering"):
+        steered.load(sid)
+    steered.save("steered1", 1000.0, agent.transcript, agent.session.state)
+    names = {s.id: s.kv_name for s in store.sessions()}
+    assert names["steered1"] != names[sid]  # the same tokens, another file: the unsteered one stays
+    assert [s.problem for s in store.sessions() if s.id == "steered1"] == [
+        f"saved with steering {tag}; this agent runs with steering off"
+    ]
+    steered.save_system(agent.session.state)
+    assert store.load_system(agent.session.tokens) is None  # the steered system prompt is not the plain one
+    assert steered.load_system(agent.session.tokens) is not None
+    assert not (store.directory / SYSPROMPT).exists()

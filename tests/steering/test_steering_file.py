@@ -146,3 +146,16 @@ def test_steer_removes_or_amplifies_the_component():
     assert steer(y, v, torch.tensor([-1.0])).tolist() == [[6.0, 4.0, 0.0], [-2.0, 2.0, 5.0]]
     # per-row scales: row 0 at 0.5, row 1 at 0
     assert steer(y, v, torch.tensor([0.5, 0.0])).tolist() == [[1.5, 4.0, 0.0], [-1.0, 2.0, 5.0]]
+
+
+def test_the_saved_states_tag_names_the_directions_content_and_both_scales(tmp_path):
+    from dwarfstar.steering.apply import SteeringOptions
+
+    first, second = tmp_path / "a.f32", tmp_path / "b.f32"
+    first.write_bytes(struct.pack("<4f", 1, 0, 0, 0))
+    second.write_bytes(struct.pack("<4f", 0, 1, 0, 0))
+    tag = SteeringOptions(first).tag()
+    assert tag.endswith("ffn 1 attn 0") and tag == SteeringOptions(first, 1.0, 0.0).tag()
+    assert SteeringOptions(first, 0.5).tag() != tag and SteeringOptions(second).tag() != tag
+    with pytest.raises(SteeringError, match="cannot read"):
+        SteeringOptions(tmp_path / "missing.f32").tag()
