@@ -26,7 +26,7 @@ def test_the_ring_gives_the_last_window_rows_oldest_first():
     state = cache().new_state()
     rows = torch.arange(3 * WINDOW + 5, dtype=torch.float32)[:, None].expand(-1, TINY.head_dim)
     for start, end in ((0, 7), (7, WINDOW + 3), (WINDOW + 3, WINDOW + 4), (WINDOW + 4, 3 * WINDOW + 5)):
-        state.write_window(0, rows[start:end], end)  # chunks that wrap the ring, one that overruns it
+        state.store_window(0, rows[start:end], end)  # chunks that wrap the ring, one that overruns it
         state.pos = end
         want = rows[max(0, end - WINDOW) : end]
         assert torch.equal(state.raw_window(0), want), end

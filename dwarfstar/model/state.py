@@ -233,7 +233,7 @@ class SequenceState:
         cut = end % window
         return ring if cut == 0 else self.cache.storage.cat((ring[cut:], ring[:cut]))
 
-    def write_window(self, il: int, rows: Any, end: int) -> None:
+    def store_window(self, il: int, rows: Any, end: int) -> None:
         """Put the rows of the positions just before `end` (oldest first; only the last `window`
         are kept) into the ring, where position p lives in row p mod window."""
         window = self.cache.args.window

@@ -63,7 +63,7 @@ def random_state(args: ModelArgs, n_tokens: int, seed: int = 0) -> SequenceState
     state.pos = n_tokens
     state.logits = torch.randn(args.vocab_size, generator=gen)
     for il, specs in enumerate(state.cache.compressors):
-        state.write_window(il, torch.randn(min(n_tokens, args.window), args.head_dim, generator=gen), n_tokens)
+        state.store_window(il, torch.randn(min(n_tokens, args.window), args.head_dim, generator=gen), n_tokens)
         for kind, spec in specs.items():
             state.write(il, f"{kind}_rows", torch.randn(n_tokens // spec.ratio, spec.dim, generator=gen))
             state.write(il, f"{kind}_kv", torch.randn(spec.frontier_shape, generator=gen))

@@ -174,7 +174,7 @@ def read_payload(
         raise PayloadError(f"payload holds {header.n_tokens} tokens; this backend's cache holds {state.cache.ctx}")
     state.pos, state.tokens = header.n_tokens, tokens
     for il in range(args.n_layers):
-        state.write_window(il, state.cache.storage.from_numpy(reader.rows(header.raw_live, args.head_dim)), state.pos)
+        state.store_window(il, state.cache.storage.from_numpy(reader.rows(header.raw_live, args.head_dim)), state.pos)
         for kind in KINDS:
             spec, n_rows = state.compressor(il, kind), counts[kind][il]
             if spec is None:

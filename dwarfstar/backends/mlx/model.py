@@ -236,7 +236,7 @@ class MLXOps:
                     q[seq.rows], raw, seq.length, a.window, layer.sinks, rows, visible, selection, band
                 )
             )
-            state.write_window(il, raw, end)
+            state.store_window(il, raw, end)
         o = out[0] if len(out) == 1 else mx.concatenate(out)
         return self.fused.unrope(o, cos, sin)
 

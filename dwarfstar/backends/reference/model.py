@@ -231,7 +231,7 @@ class ReferenceOps:
                 rows = batch.aux.pop(("rows", il, "attn", id(state)))
                 visible = self._visible(il, seq, rows.shape[0]) if selected is None else selected[i]
                 keys, mask = torch.cat((raw, rows)), torch.cat((mask, visible), dim=1)
-            state.write_window(il, raw.detach(), end)
+            state.store_window(il, raw.detach(), end)
             probs = ops.sink_attention_probs(q[seq.rows], keys, mask, layer.sinks)
             if self.indexer_observer is not None and selected is not None:
                 scores = batch.aux.pop(("index_scores", il, id(seq.state)))

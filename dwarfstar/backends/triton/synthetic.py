@@ -74,7 +74,7 @@ def synthetic_state(model: TritonModel, ctx: int, seed: int = 0) -> SequenceStat
     gen = torch.Generator(device=device).manual_seed(seed)
     state = model.new_state()
     for il, specs in enumerate(state.cache.compressors):
-        state.write_window(il, torch.randn(min(ctx, args.window), args.head_dim, device=device, generator=gen), ctx)
+        state.store_window(il, torch.randn(min(ctx, args.window), args.head_dim, device=device, generator=gen), ctx)
         for kind, spec in specs.items():
             n = ctx // spec.ratio
             state.write(il, f"{kind}_rows", torch.randn(n, spec.dim, device=device, generator=gen))
