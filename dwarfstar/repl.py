@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import re
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -146,6 +147,9 @@ QUIT = ("/quit", "/exit")
 
 
 def run_repl(chat: Chat) -> None:
+    # Ctrl+C is the chat's own key (stop a reply, then leave), even when started with SIGINT ignored,
+    # as a shell starts a background job; Interrupt restores this handler after each turn
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _enable_line_editing()
     note("type a message, /help for commands, Ctrl+D to quit")
     ctrl_c_at_prompt = False
