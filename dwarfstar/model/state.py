@@ -208,6 +208,11 @@ class SequenceState:
     def index(self) -> int:
         return self.slot[1]
 
+    @property
+    def block(self) -> tuple[KVCache, int]:
+        """The cache block holding the slot: states of one block can share a batched launch."""
+        return self.cache, self.slot[0]
+
     def part(self, il: int, name: str) -> Any:
         """This slot's array of a part: `raw` [window, head_dim] (a ring), `{kind}_rows` [capacity,
         dim], `{kind}_kv` / `{kind}_gate` (the frontier). Torch gives a view, written in place."""

@@ -59,8 +59,7 @@ class DecodeGraphs:
 
     def serves(self, states: Sequence[SequenceState]) -> bool:
         """Whether a decode step of these states can be replayed: all in the padding slot's block."""
-        block = self.pad.cache, self.pad.slot[0]
-        return len(states) <= BUCKETS[-1] and all((s.cache, s.slot[0]) == block for s in states)
+        return len(states) <= BUCKETS[-1] and all(s.block == self.pad.block for s in states)
 
     @torch.inference_mode()
     def step(self, tokens: Sequence[int], states: Sequence[SequenceState]) -> list[torch.Tensor]:

@@ -4,7 +4,8 @@ The order of the operations is `dwarfstar.model.forward.Transformer`'s; this mod
 each runs on the device. The states are slots of the KV cache (`model.state.KVCache`) on the device:
 the raw-window rings, the rows and the compressor frontiers are read and updated in place. The
 matrices, the mHC and the MoE run on all rows of a batch at once (each weight is read once per
-step); attention, the compressors and the indexer run per sequence, with that sequence's position.
+step); attention, the compressors and the indexer run per sequence in a prefill, and in one launch
+for every sequence of a cache block in a decode step (`decode_batch`).
 
 Everything that depends on the position is read on the device from a sequence's `pos` (an int32
 scalar): row visibility, compressed-row indices, frontier slots, RoPE angles. What the host decides
@@ -51,7 +52,7 @@ def row_bound(cache: KVCache, ratio: int, end: int) -> int:
 def decode_batch(batch: Batch) -> bool:
     """Several sequences, one token each, in one block of the KV cache: one launch can serve them."""
     seqs = batch.seqs
-    return len(seqs) > 1 and all(s.length == 1 and s.state.slot[0] == seqs[0].state.slot[0] for s in seqs)
+    return len(seqs) > 1 and all(s.length == 1 and s.state.block == seqs[0].state.block for s in seqs)
 
 
 class TritonOps:
