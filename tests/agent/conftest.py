@@ -15,6 +15,7 @@ from dwarfstar.agent.transcript import Transcript, system_text
 from dwarfstar.chat import ThinkMode
 from dwarfstar.engine import Engine, load_engine
 from dwarfstar.model.bundled import default_model_path
+from dwarfstar.prompt.dsml import ToolCall, render_tool_calls
 
 MODEL_CTX = 8192
 
@@ -22,6 +23,16 @@ MODEL_CTX = 8192
 @pytest.fixture(scope="session")
 def nano() -> Engine:
     return load_engine(default_model_path(), "reference", ctx=MODEL_CTX)
+
+
+def calls(*pairs: tuple[str, dict]) -> str:
+    """Tool calls as the model writes them in DSML."""
+    return "".join(str(part) for part in render_tool_calls([ToolCall(name, args) for name, args in pairs]))
+
+
+def reply(thought: str, text: str, *pairs: tuple[str, dict]) -> str:
+    """A scripted reply: reasoning, the answer's text, then its tool calls."""
+    return f"{thought}</think>{text}" + calls(*pairs)
 
 
 class Recorder(Events):

@@ -7,7 +7,7 @@ import io
 import threading
 from pathlib import Path
 
-from conftest import Recorder, make_agent
+from conftest import Recorder, calls, make_agent, reply
 
 from dwarfstar.agent.commands import Commands
 from dwarfstar.agent.loop import THINK_CALL_REFUSED
@@ -15,18 +15,9 @@ from dwarfstar.agent.output import Printer
 from dwarfstar.agent.policy import SampledPolicy, ScriptedPolicy
 from dwarfstar.agent.store import SessionStore
 from dwarfstar.agent.worker import Worker
-from dwarfstar.prompt.dsml import ToolCall, render_tool_calls
 from dwarfstar.session.kvfile import ModelIdentity
 from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.tokenizer import specials
-
-
-def calls(*pairs: tuple[str, dict]) -> str:
-    return "".join(str(part) for part in render_tool_calls([ToolCall(name, args) for name, args in pairs]))
-
-
-def reply(thought: str, text: str, *pairs: tuple[str, dict]) -> str:
-    return f"{thought}</think>{text}" + calls(*pairs)
 
 
 def in_sync(agent) -> bool:
