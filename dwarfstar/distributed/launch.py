@@ -1,0 +1,124 @@
+"""Starting either role: by hand (`--dist-role`, `--layers`, `--dist-addr`) or under torchrun.
+
+Under torchrun (RANK and WORLD_SIZE set) rank 0 is the coordinator, the others are workers, the
+layers split evenly by bytes unless `--layers` says otherwise, and the route's store listens on
+MASTER_ADDR at MASTER_PORT + 1 (torchrun's own store holds MASTER_PORT). By hand, a worker needs
+`--layers`; the coordinator defaults to its even share of `--dist-stages` stages. Either side may
+start first: the worker polls for the coordinator's store, the coordinator waits for its route.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from dwarfstar.distributed.membership import (
+    LayerSlice,
+    Registration,
+    Rendezvous,
+    local_host_toward,
+    model_identity,
+    parse_addr,
+    parse_layers,
+    split_by_bytes,
+)
+from dwarfstar.distributed.protocol import ACTIVATION_BITS, DistError
+from dwarfstar.distributed.route import Route, RouteBackend, RouteOptions
+from dwarfstar.distributed.stage import WorkerOptions, serve_stage
+from dwarfstar.engine import Engine
+from dwarfstar.model.forward import Transformer
+
+ROLES = ("coordinator", "worker")
+SECRET_ENV = "DWARFSTAR_DIST_SECRET"
+
+
+@dataclass
+class DistOptions:
+    role: str | None = None  # None: one process, no route
+    layers: str | None = None
+    addr: str | None = None
+    bind: str | None = None
+    stages: int = 2
+    bits: int = 32
+    prefill_chunk: int = 4096
+    prefill_window: int = 1
+    timeout_s: float = 600.0
+    wait_s: float = 600.0
+    secret: str = ""
+    data_backend: str = "gloo"
+    debug: bool = False
+
+    @classmethod
+    def resolved(cls, **flags) -> DistOptions:
+        """The flags, with torchrun's environment filling the role, address and stage count."""
+        opts = cls(**flags)
+        if opts.role is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            opts.role = "coordinator" if os.environ["RANK"] == "0" else "worker"
+            opts.stages = int(os.environ["WORLD_SIZE"])
+            if opts.addr is None:
+                port = int(os.environ.get("MASTER_PORT", "29500")) + 1
+                opts.addr = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
+        opts.secret = opts.secret or os.environ.get(SECRET_ENV, "")
+        if opts.role is None:
+            return opts
+        if opts.role not in ROLES:
+            raise DistError(f"--dist-role must be one of {', '.join(ROLES)}, got {opts.role!r}")
+        if opts.addr is None:
+            raise DistError("a distributed role needs --dist-addr HOST:PORT (the coordinator's address)")
+        if opts.bits not in ACTIVATION_BITS:
+            raise DistError(f"--dist-activation-bits must be one of {', '.join(map(str, ACTIVATION_BITS))}")
+        if opts.prefill_chunk < 1 or opts.prefill_window < 1:
+            raise DistError("--dist-prefill-chunk and --dist-prefill-window must be positive")
+        return opts
+
+    def slice_for(self, engine: Engine) -> LayerSlice:
+        n = engine.model.args.n_layers
+        if self.layers is not None:
+            return parse_layers(self.layers, n)
+        plan = split_by_bytes(engine.model, self.stages)
+        if self.role == "coordinator":
+            return plan[0]
+        rank = int(os.environ.get("RANK", "-1"))
+        if not 0 < rank < len(plan):
+            raise DistError("a worker started by hand needs --layers A:B (or A:output for the last one)")
+        return plan[rank]
+
+
+def local_model(engine: Engine) -> Transformer:
+    if not isinstance(engine.backend, Transformer):
+        raise DistError(
+            f"the {engine.backend_name} backend wrapped by another feature (steering, streaming) "
+            "cannot join a route yet"
+        )
+    return engine.backend
+
+
+def start_coordinator(engine: Engine, opts: DistOptions, ctx: int) -> Route:
+    """The coordinator's route on the engine's model, waiting up to `wait_s` for it to be whole."""
+    layers = opts.slice_for(engine)
+    host, port = parse_addr(opts.addr)
+    rendezvous = Rendezvous(host, port, opts.secret, opts.wait_s)
+    options = RouteOptions(opts.bits, opts.prefill_chunk, opts.timeout_s, opts.debug, opts.data_backend)
+    route = Route(local_model(engine), layers, rendezvous, model_identity(engine.model), ctx, options)
+    route.wait_complete(opts.wait_s)
+    return route
+
+
+def distribute(engine: Engine, opts: DistOptions, ctx: int) -> Route | None:
+    """On a coordinator, the engine's backend becomes the route (returned, to close); else nothing."""
+    if opts.role != "coordinator":
+        return None
+    route = start_coordinator(engine, opts, ctx)
+    engine.backend = RouteBackend(route)
+    return route
+
+
+def run_worker(engine: Engine, opts: DistOptions, ctx: int) -> None:
+    """Serve this process's layers until a coordinator sends SHUTDOWN."""
+    layers = opts.slice_for(engine)
+    host, port = parse_addr(opts.addr)
+    model_id, quant = model_identity(engine.model)
+    bind = opts.bind or local_host_toward(host)
+    registration = Registration(model_id, quant, layers.first, layers.last, ctx, bind)
+    worker = WorkerOptions(host, port, bind, opts.secret, opts.wait_s, opts.data_backend)
+    serve_stage(local_model(engine), layers, registration, worker)

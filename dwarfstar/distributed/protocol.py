@@ -1,0 +1,217 @@
+"""What travels between the coordinator and a stage: a fixed header, segment records, token ids and a payload.
+
+A message is up to four sends on one link, in this order: the header (`HEADER`, always), the segment
+table (int64 [n_segments, 5]: session, start, count, hash before, hash after), the token ids (int64
+[n_rows], which hash routing needs in every stage), and the payload (`payload_bytes` bytes: an
+activation, logits, or an npz of layer tensors). The header's counts say how big each later send is,
+so a receiver never guesses, and a count that disagrees with the payload is a `ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+import torch
+
+from dwarfstar.errors import DwarfStarError
+
+MAGIC = b"DSTG"
+HEADER = struct.Struct(
+    "<4sBBBBQIIQI"
+)  # magic, op, status, flags, bits, request, n_segments, n_rows, payload bytes, compute us
+SEGMENT_FIELDS = 5
+ACTIVATION_BITS = (32, 16, 8)
+FLAG_ALL_LOGITS = 1  # the last stage returns logits for every row, not only each sequence's last
+FLAG_LOGITS = 2  # a reply whose payload is float32 logits [rows, vocab], not an activation
+
+
+class DistError(DwarfStarError):
+    """A distributed route that cannot serve a request: the message says which stage and why."""
+
+
+class ProtocolError(DistError):
+    """A message that is truncated, of another protocol, or whose counts disagree with its contents."""
+
+
+class RouteIncompleteError(DistError):
+    """Some layers have no live worker; requests fail until a compatible worker registers."""
+
+
+class RegistrationError(DistError):
+    """A worker the coordinator refuses (another model, overlapping layers, a wrong secret)."""
+
+
+class Op(IntEnum):
+    FORWARD = 1  # run the stage's layers over the activation (the last stage: and the head)
+    SNAPSHOT = 2  # keep a copy of each session's small state under the request id
+    RESTORE = 3  # return each session to the snapshot named by the request id (truncation)
+    RESET = 4  # forget the sessions
+    FORK = 5  # segment 0's session copied into segment 1's id
+    EXPORT = 6  # the stage's layer tensors of a session, for a payload
+    IMPORT = 7  # a session rebuilt from layer tensors (a payload's slice)
+    SHUTDOWN = 8  # the worker exits
+
+
+class Status(IntEnum):
+    OK = 0
+    MISMATCH = 1  # a session's position or token-prefix hash differs from the stage's: replay it
+    MISSING = 2  # a snapshot the stage no longer has: replay the session
+    ERROR = 3  # the stage refused the message; the payload is the reason in UTF-8
+
+
+@dataclass(frozen=True)
+class Header:
+    op: Op
+    request: int = 0
+    n_segments: int = 0
+    n_rows: int = 0
+    payload_bytes: int = 0
+    bits: int = 32
+    flags: int = 0
+    status: Status = Status.OK
+    compute_us: int = 0  # a reply's time in the stage's compute, for the per-hop telemetry
+
+    def pack(self) -> torch.Tensor:
+        raw = HEADER.pack(
+            MAGIC,
+            self.op,
+            self.status,
+            self.flags,
+            self.bits,
+            self.request,
+            self.n_segments,
+            self.n_rows,
+            self.payload_bytes,
+            min(self.compute_us, 2**32 - 1),
+        )
+        return as_bytes(raw)
+
+    @classmethod
+    def unpack(cls, data: torch.Tensor | bytes) -> Header:
+        raw = bytes(data.numpy().tobytes() if isinstance(data, torch.Tensor) else data)
+        if len(raw) != HEADER.size:
+            raise ProtocolError(f"truncated header: {len(raw)} bytes, a header is {HEADER.size}")
+        magic, op, status, flags, bits, request, n_segments, n_rows, payload_bytes, compute_us = HEADER.unpack(raw)
+        if magic != MAGIC:
+            raise ProtocolError(f"not a DwarfStar stage message (magic {magic!r})")
+        try:
+            return cls(Op(op), request, n_segments, n_rows, payload_bytes, bits, flags, Status(status), compute_us)
+        except ValueError as exc:
+            raise ProtocolError(f"bad header: {exc}") from None
+
+
+@dataclass(frozen=True)
+class SegmentRecord:
+    """One sequence's span in a message: the stage checks `hash_before` against its own state."""
+
+    session: int
+    start: int
+    count: int
+    hash_before: int
+    hash_after: int
+
+    def row(self) -> list[int]:
+        return [self.session, self.start, self.count, _signed(self.hash_before), _signed(self.hash_after)]
+
+
+def pack_segments(segments: list[SegmentRecord]) -> torch.Tensor:
+    return torch.tensor([s.row() for s in segments], dtype=torch.int64).reshape(-1, SEGMENT_FIELDS)
+
+
+def unpack_segments(table: torch.Tensor, n_rows: int) -> list[SegmentRecord]:
+    out = [SegmentRecord(s, a, c, hb % 2**64, ha % 2**64) for s, a, c, hb, ha in table.tolist()]
+    if any(s.count < 0 or s.start < 0 for s in out):
+        raise ProtocolError("a segment with a negative start or count")
+    if out and sum(s.count for s in out) != n_rows:
+        raise ProtocolError(f"segments cover {sum(s.count for s in out)} rows, the header says {n_rows}")
+    return out
+
+
+def _signed(value: int) -> int:
+    """A u64 as the int64 with the same bits (torch has no uint64 tensors to send)."""
+    return value - 2**64 if value >= 2**63 else value
+
+
+# -- the token-prefix hash --------------------------------------------------------------------------------
+# FNV-1a over the ids' 4 little-endian bytes: a rolling hash, so a stage extends its own value by the
+# span it computes and compares the coordinator's, without keeping or resending the whole history.
+FNV_OFFSET = 0xCBF29CE484222325
+FNV_PRIME = 0x100000001B3
+MASK64 = 2**64 - 1
+
+
+def extend_hash(value: int, tokens: list[int]) -> int:
+    for token in tokens:
+        for byte in token.to_bytes(4, "little"):
+            value = ((value ^ byte) * FNV_PRIME) & MASK64
+    return value
+
+
+def prefix_hash(tokens: list[int]) -> int:
+    return extend_hash(FNV_OFFSET, tokens)
+
+
+# -- activations --------------------------------------------------------------------------------------------
+def activation_nbytes(n_rows: int, row_width: int, bits: int) -> int:
+    """Bytes of an encoded [n_rows, row_width] float activation (8 bits: int8 plus a float32 scale per row)."""
+    if bits == 32:
+        return 4 * n_rows * row_width
+    if bits == 16:
+        return 2 * n_rows * row_width
+    if bits == 8:
+        return n_rows * row_width + 4 * n_rows
+    raise DistError(f"activation bits must be one of {', '.join(map(str, ACTIVATION_BITS))}, got {bits}")
+
+
+def encode_activation(h: torch.Tensor, bits: int) -> torch.Tensor:
+    """The [N, n, dim] streams as bytes: float32 as is (bit-exact); 16 bits as bfloat16 (float32's
+    range, so no activation overflows); 8 bits as int8 with an absmax scale per [dim] row."""
+    rows = h.detach().to(torch.float32).reshape(-1, h.shape[-1])
+    activation_nbytes(0, 0, bits)  # refuses an unknown width
+    if bits == 32:
+        return rows.contiguous().view(torch.uint8).reshape(-1)
+    if bits == 16:
+        return rows.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1)
+    scale = (rows.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return torch.cat((q.view(torch.uint8).reshape(-1), scale.contiguous().view(torch.uint8)))
+
+
+def decode_activation(data: torch.Tensor, shape: tuple[int, ...], bits: int) -> torch.Tensor:
+    """The float32 [N, n, dim] activation from `encode_activation`'s bytes."""
+    width, n_rows = shape[-1], int(np.prod(shape[:-1]))
+    expected = activation_nbytes(n_rows, width, bits)
+    if data.numel() != expected:
+        raise ProtocolError(f"activation of {data.numel()} bytes; {shape} at {bits} bits needs {expected}")
+    if bits == 32:
+        return data.view(torch.float32).reshape(shape)
+    if bits == 16:
+        return data.view(torch.bfloat16).to(torch.float32).reshape(shape)
+    q = data[: n_rows * width].view(torch.int8).reshape(n_rows, width)
+    scale = data[n_rows * width :].view(torch.float32)
+    return (q.to(torch.float32) * scale[:, None]).reshape(shape)
+
+
+# -- layer tensors and text ----------------------------------------------------------------------------------
+def pack_arrays(arrays: dict[str, np.ndarray]) -> torch.Tensor:
+    """Named float32 arrays as npz bytes (no pickles), for EXPORT and IMPORT."""
+    buf = io.BytesIO()
+    np.savez(buf, **{name: np.ascontiguousarray(a, dtype=np.float32) for name, a in arrays.items()})
+    return as_bytes(buf.getvalue())
+
+
+def unpack_arrays(data: torch.Tensor) -> dict[str, np.ndarray]:
+    try:
+        with np.load(io.BytesIO(data.numpy().tobytes()), allow_pickle=False) as npz:
+            return {name: npz[name] for name in npz.files}
+    except (OSError, ValueError) as exc:
+        raise ProtocolError(f"unreadable layer tensors ({data.numel()} bytes): {exc}") from None
+
+
+def as_bytes(raw: bytes) -> torch.Tensor:
+    """A uint8 tensor of the bytes (torch.frombuffer refuses an empty buffer)."""
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)

@@ -1,0 +1,486 @@
+"""The coordinator's side of a route: its own first layers, the workers' links, and a `Backend`.
+
+`RouteBackend` is what the session layer drives (`Session`, `decode_batch`, `run`, `serve`), with
+`RouteState`s in place of plain states. One forward runs the coordinator's layers, then sends the
+activation to each worker in layer order and relays the reply to the next (a star: bytes are
+relayed as they came, so an 8-bit activation is not re-encoded by the coordinator); the last stage
+answers with logits. A worker that reports a session out of step (MISMATCH, MISSING) makes the
+coordinator replay that session's tokens through the whole route; a worker that disconnects fails
+the request in flight, is dropped, and marks every live session for replay once the route is whole.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from dwarfstar.distributed.link import Link, LinkBrokenError, Message
+from dwarfstar.distributed.membership import LayerSlice, Registration, Rendezvous
+from dwarfstar.distributed.protocol import (
+    FLAG_ALL_LOGITS,
+    FLAG_LOGITS,
+    DistError,
+    Header,
+    Op,
+    RegistrationError,
+    RouteIncompleteError,
+    SegmentRecord,
+    Status,
+    encode_activation,
+    extend_hash,
+    pack_arrays,
+    prefix_hash,
+    unpack_arrays,
+)
+from dwarfstar.distributed.stage import to_torch
+from dwarfstar.distributed.state import RouteSnapshot, RouteState
+from dwarfstar.model.forward import Batch, Transformer
+from dwarfstar.model.state import SequenceState, TorchStorage
+from dwarfstar.session.sampling import Sampler
+
+WATCH_INTERVAL_S = 0.5  # how often an idle coordinator looks for new registrations
+
+
+@dataclass
+class RouteOptions:
+    bits: int = 32  # activation width on the wire: 32 (bit-exact), 16 or 8
+    prefill_chunk: int = 4096  # tokens per route pass of a long prefill
+    timeout_s: float = 600.0  # a stage that takes longer for one message is dropped
+    debug: bool = False  # print each pass's per-hop telemetry on stderr
+    data_backend: str = "gloo"
+
+
+@dataclass
+class Hop:
+    """One stage's part of a pass; the coordinator's own hop has only compute."""
+
+    layers: str
+    who: str
+    tokens: int
+    compute_ms: float
+    wait_ms: float = 0.0  # waiting for the reply, beyond the stage's compute: transfer and queueing
+    send_ms: float = 0.0
+    bytes: int = 0  # sent and received
+
+    def line(self) -> str:
+        extra = (
+            f" wait {self.wait_ms:.2f} ms send {self.send_ms:.2f} ms bytes {self.bytes}"
+            if self.who != "coordinator"
+            else ""
+        )
+        return f"[dist] layers {self.layers} ({self.who}) tokens {self.tokens} compute {self.compute_ms:.2f} ms{extra}"
+
+
+@dataclass
+class RemoteStage:
+    layers: LayerSlice
+    worker: int
+    host: str
+    link: Link = field(repr=False)
+
+
+def _locked(method: Callable) -> Callable:
+    """Run under the route's lock: the registration watcher and the callers share the links."""
+
+    @functools.wraps(method)
+    def wrapper(self: Route, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class _Replay(Exception):
+    """A stage does not hold a session as the coordinator does (internal: the route replays it)."""
+
+
+class Route:
+    def __init__(
+        self,
+        local: Transformer,
+        local_layers: LayerSlice,
+        rendezvous: Rendezvous,
+        identity: tuple[str, str],
+        ctx: int,
+        options: RouteOptions,
+    ) -> None:
+        if local_layers.first != 0 or local_layers.holds_head:
+            raise DistError(f"the coordinator holds the first layers and not the head, not {local_layers}")
+        self.local, self.local_layers, self.rendezvous = local, local_layers, rendezvous
+        self.identity, self.ctx, self.options = identity, ctx, options
+        self.stages: list[RemoteStage] = []
+        self.live: weakref.WeakSet[RouteState] = weakref.WeakSet()
+        self.released: list[int] = []  # session ids of dropped states, reset on the workers at the next call
+        self.hops: list[Hop] = []  # the last pass's telemetry
+        self.lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._requests = itertools.count(1)
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name="dist-registrations", daemon=True).start()
+
+    def new_session_id(self) -> int:
+        return next(self._ids)
+
+    # -- membership ----------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._closed.wait(WATCH_INTERVAL_S):
+            if self.lock.acquire(blocking=False):
+                try:
+                    self.accept_arrivals()
+                except Exception as exc:  # noqa: BLE001 - the watcher must outlive a bad store reply
+                    self._log(f"[dist] registration check failed: {exc}")
+                finally:
+                    self.lock.release()
+
+    def accept_arrivals(self) -> None:
+        for worker, reg in self.rendezvous.arrivals():
+            try:
+                if isinstance(reg, RegistrationError):
+                    raise reg
+                self._admit(worker, reg)
+            except RegistrationError as exc:
+                self.rendezvous.answer(worker, str(exc))
+                self._log(f"[dist] refused worker {worker}: {exc}")
+
+    def _admit(self, worker: int, reg: Registration) -> None:
+        self.rendezvous.check_secret(worker, reg)
+        model_id, quant = self.identity
+        if reg.model_id != model_id or reg.quant != quant:
+            raise RegistrationError(
+                f"worker {worker} at {reg.host} serves another model (id {reg.model_id}, {reg.quant}); "
+                f"the coordinator's is {model_id} ({quant})"
+            )
+        n = self.local.args.n_layers
+        if not 0 <= reg.first < reg.last <= n:
+            raise RegistrationError(f"worker {worker} asks for layers {reg.first}:{reg.last} outside 0:{n}")
+        layers = LayerSlice(reg.first, reg.last, n)
+        if reg.ctx < self.ctx:
+            raise RegistrationError(f"worker {worker} holds a context of {reg.ctx}, the route needs {self.ctx}")
+        owners = [("the coordinator", self.local_layers)] + [(f"worker {s.worker}", s.layers) for s in self.stages]
+        for who, held in owners:
+            if held.first < layers.last and layers.first < held.last and held != layers:
+                raise RegistrationError(f"worker {worker}'s layers {layers} overlap {who}'s {held}")
+        replaced = [s for s in self.stages if s.layers == layers]
+        if any(who == "the coordinator" and held == layers for who, held in owners):
+            raise RegistrationError(f"worker {worker}'s layers {layers} are the coordinator's")
+        self.rendezvous.answer(worker, None)
+        link = Link(
+            self.rendezvous.store,
+            f"link/{worker}",
+            0,
+            self.rendezvous.host,
+            self.options.timeout_s,
+            self.options.data_backend,
+            self._device,
+        )
+        for old in replaced:  # a restarted worker for the same layers takes over; its sessions are gone
+            self._drop(old, f"replaced by worker {worker}")
+        self.stages = sorted([*self.stages, RemoteStage(layers, worker, reg.host, link)], key=lambda s: s.layers.first)
+        self._mark_all_dirty()
+        self._log(f"[dist] worker {worker} at {reg.host} serves layers {layers}")
+
+    @property
+    def _device(self) -> torch.device | str:
+        storage = self.local.cache.storage
+        return storage.device if isinstance(storage, TorchStorage) else "cpu"
+
+    def gaps(self) -> list[str]:
+        """The layer ranges no live stage holds."""
+        out, at = [], self.local_layers.last
+        for stage in self.stages:
+            if stage.layers.first > at:
+                out.append(str(LayerSlice(at, stage.layers.first, self.local_layers.n_layers)))
+            at = max(at, stage.layers.last)
+        if at < self.local_layers.n_layers:
+            out.append(str(LayerSlice(at, self.local_layers.n_layers, self.local_layers.n_layers)))
+        return out
+
+    def check_complete(self) -> None:
+        self.accept_arrivals()
+        missing = self.gaps()
+        if missing:
+            held = ", ".join(
+                [f"{self.local_layers} coordinator"] + [f"{s.layers} worker {s.worker}" for s in self.stages]
+            )
+            raise RouteIncompleteError(
+                f"the route is incomplete: layers {', '.join(missing)} have no worker (live: {held}); "
+                "start a worker for them with --dist-role worker --layers A:B"
+            )
+
+    def wait_complete(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self.lock:
+                try:
+                    self.check_complete()
+                    return
+                except RouteIncompleteError:
+                    if time.monotonic() > deadline:
+                        raise
+            time.sleep(WATCH_INTERVAL_S / 5)
+
+    def _drop(self, stage: RemoteStage, why: str) -> None:
+        if stage in self.stages:
+            self.stages.remove(stage)
+            self._mark_all_dirty()
+            self._log(f"[dist] dropped worker {stage.worker} (layers {stage.layers}): {why}")
+
+    def _mark_all_dirty(self) -> None:
+        for state in list(self.live):
+            state.dirty = True
+
+    def close(self) -> None:
+        """Tell the workers to exit, and stop listening."""
+        self._closed.set()
+        with self.lock:
+            for stage in list(self.stages):
+                try:
+                    stage.link.request(Message(Header(Op.SHUTDOWN)), min(self.options.timeout_s, 10.0))
+                except (LinkBrokenError, DistError):
+                    pass
+            self.stages.clear()
+            self.rendezvous.close()
+
+    # -- one message to one stage ------------------------------------------------------------------------
+    def _call(self, stage: RemoteStage, msg: Message) -> Message:
+        try:
+            reply = stage.link.request(msg, self.options.timeout_s)
+        except LinkBrokenError as exc:
+            self._drop(stage, str(exc))
+            raise RouteIncompleteError(
+                f"the worker for layers {stage.layers} ({stage.host}) disconnected during the request: {exc}; "
+                "requests fail until a worker for those layers registers again"
+            ) from None
+        if reply.header.status == Status.ERROR:
+            raise DistError(bytes(reply.payload.numpy()).decode(errors="replace"))
+        if reply.header.status in (Status.MISMATCH, Status.MISSING):
+            raise _Replay(f"layers {stage.layers}: {reply.header.status.name.lower()}")
+        return reply
+
+    def _broadcast(self, op: Op, segments: list[SegmentRecord], request: int = 0) -> list[Message]:
+        header = Header(op, request or next(self._requests), n_segments=len(segments))
+        return [self._call(stage, Message(header, segments)) for stage in list(self.stages)]
+
+    @staticmethod
+    def _record(state: RouteState, count: int = 0) -> SegmentRecord:
+        h = state.token_hash()
+        return SegmentRecord(state.session_id, state.pos, count, h, h)
+
+    # -- the forward pass --------------------------------------------------------------------------------
+    def run(self, batch: Batch, all_logits: bool) -> torch.Tensor:
+        """Logits [rows, vocab] of a validated batch of RouteStates, through every stage; not advanced."""
+        segments = []
+        for seq in batch.seqs:
+            before = seq.state.token_hash()
+            segments.append(
+                SegmentRecord(
+                    seq.state.session_id, seq.start, seq.length, before, extend_hash(before, seq.tokens.tolist())
+                )
+            )
+        tokens = torch.cat([seq.tokens for seq in batch.seqs])
+        started = time.perf_counter()
+        h = self.local.run_layers(self.local.embed(batch), batch, 0, self.local_layers.last)
+        payload = encode_activation(to_torch(h), self.options.bits)
+        hops = [Hop(str(self.local_layers), "coordinator", batch.n_rows, (time.perf_counter() - started) * 1e3)]
+        flags = FLAG_ALL_LOGITS if all_logits else 0
+        header = Header(Op.FORWARD, next(self._requests), len(segments), batch.n_rows, 0, self.options.bits, flags)
+        for stage in list(self.stages):
+            msg = Message(replace(header, payload_bytes=payload.numel()), segments, tokens, payload)
+            link, before_bytes = stage.link, stage.link.bytes_sent + stage.link.bytes_received
+            t0 = time.perf_counter()
+            reply = self._call(stage, msg)
+            t_sent, t_done = link.last_send_done, time.perf_counter()
+            compute_ms = reply.header.compute_us / 1e3
+            hops.append(
+                Hop(
+                    str(stage.layers),
+                    f"worker {stage.worker}",
+                    batch.n_rows,
+                    compute_ms,
+                    max(0.0, (t_done - t_sent) * 1e3 - compute_ms),
+                    (t_sent - t0) * 1e3,
+                    link.bytes_sent + link.bytes_received - before_bytes,
+                )
+            )
+            payload = reply.payload
+            if reply.header.flags & FLAG_LOGITS:
+                rows = batch.n_rows if all_logits else len(batch.seqs)
+                self._report(hops)
+                return payload.cpu().view(torch.float32).reshape(rows, self.local.args.vocab_size)
+        raise DistError("no stage of the route holds the output head")
+
+    def _report(self, hops: list[Hop]) -> None:
+        self.hops = hops
+        if self.options.debug:
+            for hop in hops:
+                self._log(hop.line())
+
+    def forward(self, spans: list[torch.Tensor], states: list[RouteState], all_logits: bool) -> list[torch.Tensor]:
+        """Run and advance sequences (each given tokens), replaying them once if a stage has them out of step."""
+        batch = self.local.batch(spans, states)
+        try:
+            logits = self.run(batch, all_logits)
+        except _Replay as why:
+            self._log(f"[dist] {why}: replaying {len(states)} session(s)")
+            for state in states:
+                self.rebuild(state)
+            batch = self.local.batch(spans, states)  # a fresh call: the backend's per-call preparation again
+            try:
+                logits = self.run(batch, all_logits)
+            except _Replay as again:
+                raise DistError(f"a stage still disagrees after replaying the sessions: {again}") from None
+        self.local.advance(batch)
+        device, out = self._device, []
+        for i, seq in enumerate(batch.seqs):
+            mine = (logits[seq.rows] if all_logits else logits[i : i + 1]).to(device)
+            seq.state.logits = mine[-1].clone()
+            out.append(mine)
+        return out
+
+    # -- keeping the workers' copies in step ---------------------------------------------------------------
+    @_locked
+    def sync(self, state: RouteState) -> None:
+        """Before a state is used: reset released sessions, send a pending import, or replay a lost session."""
+        if self.released:
+            dropped, self.released[:] = list(self.released), []
+            self._broadcast(Op.RESET, [SegmentRecord(s, 0, 0, 0, 0) for s in dropped])
+        if state.pending:
+            self._import(state)
+        elif state.dirty:
+            self.rebuild(state)
+
+    def rebuild(self, state: RouteState) -> None:
+        """Replay the state's tokens through every stage from an empty state."""
+        tokens = list(state.tokens)
+        self._broadcast(Op.RESET, [SegmentRecord(state.session_id, 0, 0, 0, 0)])
+        storage = state.cache.storage
+        for il in range(self.local_layers.last):
+            for kind, spec in state.cache.compressors[il].items():
+                SequenceState.write(state, il, f"{kind}_kv", storage.full(spec.frontier_shape, 0.0))
+                SequenceState.write(state, il, f"{kind}_gate", storage.full(spec.frontier_shape, float("-inf")))
+        state.pos, state.tokens, state.dirty, state.gathered = 0, [], False, None
+        state.reset_hash()
+        step = self.options.prefill_chunk
+        for at in range(0, len(tokens), step):
+            batch = self.local.batch([tokens[at : at + step]], [state])
+            try:
+                logits = self.run(batch, all_logits=False)
+            except _Replay as why:
+                raise DistError(f"replaying session {state.session_id} failed: {why}") from None
+            self.local.advance(batch)
+            state.logits = logits[0].to(self._device).clone()
+
+    @_locked
+    def snapshot(self, state: RouteState) -> int:
+        request = next(self._requests)
+        self._broadcast(Op.SNAPSHOT, [self._record(state)], request)
+        return request
+
+    @_locked
+    def restore(self, state: RouteState, snap: RouteSnapshot) -> None:
+        state.reset_hash()
+        try:
+            self._broadcast(Op.RESTORE, [self._record(state)], snap.request)
+        except _Replay:
+            self.rebuild(state)
+
+    @_locked
+    def fork(self, state: RouteState, twin: RouteState) -> None:
+        if state.dirty:
+            twin.dirty = True
+            return
+        self._broadcast(Op.FORK, [self._record(state), self._record(twin)])
+
+    @_locked
+    def export(self, state: RouteState) -> dict:
+        """Every remote layer's tensors of the state, as `host_parts` names them under `il/`."""
+        self.sync(state)
+        out: dict = {}
+        for reply in self._broadcast(Op.EXPORT, [self._record(state)]):
+            out.update(unpack_arrays(reply.payload))
+        return out
+
+    def _import(self, state: RouteState) -> None:
+        """Send each worker its layers of a state written whole (from a payload)."""
+        pending, state.pending = state.pending, {}
+        state.reset_hash()
+        n = len(state.tokens)
+        record = SegmentRecord(state.session_id, 0, n, prefix_hash([]), state.token_hash())
+        tokens = torch.tensor(state.tokens, dtype=torch.int64)
+        for stage in list(self.stages):
+            arrays = {
+                f"{il}/{name}": a
+                for il in range(stage.layers.first, stage.layers.last)
+                for name, a in pending.get(il, {}).items()
+            }
+            payload = pack_arrays(arrays)
+            header = Header(Op.IMPORT, next(self._requests), 1, n, payload.numel())
+            self._call(stage, Message(header, [record], tokens, payload))
+        state.dirty = False
+
+    @staticmethod
+    def _log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+
+class RouteBackend:
+    """A route as the session layer's `Backend`: sessions, `decode_batch`, `run` and `serve` unchanged."""
+
+    def __init__(self, route: Route) -> None:
+        self.route, self.local = route, route.local
+        self.args = route.local.args
+        self.max_seq_len = route.local.max_seq_len
+
+    def new_state(self) -> RouteState:
+        state = RouteState(self.route)
+        self.route.live.add(state)
+        return state
+
+    def forward(
+        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
+    ) -> torch.Tensor:
+        return self.forward_batch([tokens], [state], all_logits)[0]
+
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        token_lists: Sequence[Sequence[int] | torch.Tensor],
+        states: Sequence[SequenceState],
+        all_logits: bool = False,
+    ) -> list[torch.Tensor]:
+        if any(not isinstance(s, RouteState) or s.route is not self.route for s in states):
+            raise DistError("a route runs only the states it made (backend.new_state())")
+        with self.route.lock:
+            self.route.check_complete()
+            for state in states:
+                self.route.sync(state)
+            batch = self.local.batch(token_lists, states)
+            out: dict[int, torch.Tensor] = {}
+            if batch.seqs:
+                for seq, logits in zip(batch.seqs, self._chunked(batch, states, all_logits), strict=True):
+                    out[id(seq.state)] = logits
+        empty = torch.empty(0, self.args.vocab_size)
+        return [out.get(id(s), empty) for s in states]
+
+    def _chunked(self, batch: Batch, states: Sequence[RouteState], all_logits: bool) -> list[torch.Tensor]:
+        """One pass for a decode step or a short batch; a long single-sequence prefill in chunks of
+        `prefill_chunk` tokens, so no stage holds a whole prompt's activations at once."""
+        step = self.route.options.prefill_chunk
+        if len(batch.seqs) > 1 or batch.n_rows <= step:
+            return self.route.forward([seq.tokens for seq in batch.seqs], [seq.state for seq in batch.seqs], all_logits)
+        (seq,) = batch.seqs
+        parts = []
+        for at in range(0, seq.length, step):
+            parts.append(self.route.forward([seq.tokens[at : at + step]], [seq.state], all_logits)[0])
+        return [torch.cat(parts) if all_logits else parts[-1]]
+
+    def sample_batch(self, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
+        return self.local.sample_batch(logits, samplers)

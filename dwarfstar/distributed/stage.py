@@ -1,0 +1,276 @@
+"""A worker: one layer range of the model and the KV state of those layers, driven by its coordinator.
+
+`StageWorker.handle` turns one request into one reply and never raises for bad input: a refused
+message becomes an ERROR reply with the reason, a session whose position or token-prefix hash is
+not the coordinator's becomes MISMATCH (the coordinator replays it). `serve_stage` is the process
+loop: wait for a coordinator, register, serve the link until it breaks, then register again.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dwarfstar.distributed.link import Link, LinkBrokenError, Message
+from dwarfstar.distributed.membership import LayerSlice, Registration, connect_store, register
+from dwarfstar.distributed.protocol import (
+    FLAG_ALL_LOGITS,
+    FLAG_LOGITS,
+    DistError,
+    Header,
+    Op,
+    RegistrationError,
+    SegmentRecord,
+    Status,
+    as_bytes,
+    decode_activation,
+    encode_activation,
+    extend_hash,
+    pack_arrays,
+    prefix_hash,
+    unpack_arrays,
+)
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.model.forward import Transformer
+from dwarfstar.model.state import SequenceState, StateSnapshot, TorchStorage
+
+MAX_SNAPSHOTS = 256  # across sessions; an evicted one is MISSING, which the coordinator replays
+IDLE_WAIT_S = 7 * 24 * 3600  # a worker waits this long for its coordinator's next request
+
+
+def to_backend(t: torch.Tensor, model: Transformer):
+    """A float32 host or device tensor as the backend's array (MLX takes numpy)."""
+    storage = model.cache.storage
+    if isinstance(storage, TorchStorage):
+        return t.to(storage.device)
+    return storage.from_numpy(t.cpu().numpy())
+
+
+def to_torch(a) -> torch.Tensor:
+    return a if isinstance(a, torch.Tensor) else torch.from_numpy(np.asarray(a, dtype=np.float32))
+
+
+def restore_layers(state: SequenceState, layers: range, arrays: dict[str, np.ndarray]) -> None:
+    """Write a session's layer tensors (`host_parts` names under `il/`) into a fresh state at state.pos."""
+    from_numpy = state.cache.storage.from_numpy
+    for il in layers:
+        raw = arrays.get(f"{il}/raw")
+        if raw is None:
+            raise DistError(f"layer tensors for layer {il} are missing")
+        state.store_window(il, from_numpy(raw), state.pos)
+        for kind in state.cache.compressors[il]:
+            for name in (f"{kind}_rows", f"{kind}_kv", f"{kind}_gate"):
+                value = arrays.get(f"{il}/{name}")
+                if value is None:
+                    raise DistError(f"layer {il} lacks its {name} tensor")
+                if value.shape[0]:
+                    state.write(il, name, from_numpy(value))
+
+
+@dataclass
+class StageSession:
+    state: SequenceState
+    hash: int
+
+
+class StageWorker:
+    def __init__(self, model: Transformer, layers: LayerSlice) -> None:
+        self.model, self.layers = model, layers
+        self.sessions: dict[int, StageSession] = {}
+        self.snapshots: OrderedDict[tuple[int, int], tuple[StateSnapshot, int]] = OrderedDict()
+
+    @property
+    def range(self) -> range:
+        return range(self.layers.first, self.layers.last)
+
+    def handle(self, msg: Message) -> Message:
+        op = msg.header.op
+        try:
+            if op == Op.FORWARD:
+                return self._forward(msg)
+            if op in (Op.SNAPSHOT, Op.RESTORE):
+                return self._snapshot(msg) if op == Op.SNAPSHOT else self._restore(msg)
+            if op == Op.RESET:
+                for seg in msg.segments:
+                    self._drop(seg.session)
+                return self._reply(msg)
+            if op == Op.FORK:
+                return self._fork(msg)
+            if op == Op.EXPORT:
+                return self._export(msg)
+            if op == Op.IMPORT:
+                return self._import(msg)
+            return self._reply(msg)  # SHUTDOWN: acknowledged, the loop exits
+        except (DwarfStarError, ValueError) as exc:
+            return self._reply(msg, Status.ERROR, as_bytes(f"stage {self.layers}: {exc}".encode()))
+
+    # -- operations ------------------------------------------------------------------------------------
+    def _forward(self, msg: Message) -> Message:
+        stale = [s.session for s in msg.segments if not self._matches(s)]
+        if stale:
+            return self._reply(msg, Status.MISMATCH, as_bytes(",".join(map(str, stale)).encode()))
+        args, h = self.model.args, msg.header
+        activation = decode_activation(msg.payload.cpu(), (h.n_rows, args.hc_mult, args.dim), h.bits)
+        for seg in msg.segments:
+            if seg.start == 0 and seg.session not in self.sessions:
+                self.sessions[seg.session] = StageSession(self.model.new_state(), prefix_hash([]))
+        ids = msg.tokens.tolist()
+        spans, at = [], 0
+        for seg in msg.segments:
+            spans.append(ids[at : at + seg.count])
+            at += seg.count
+        sessions = [self.sessions[s.session] for s in msg.segments]
+        started = time.perf_counter()
+        with torch.inference_mode():
+            batch = self.model.batch(spans, [s.state for s in sessions])
+            self.model.embed(batch)  # only its per-call preparation (batch.tokens, positions) is used here
+            out = self.model.run_layers(to_backend(activation, self.model), batch, self.layers.first, self.layers.last)
+            if self.layers.holds_head:
+                y, _ = self.model.head(out, batch, bool(h.flags & FLAG_ALL_LOGITS))
+                payload, flags = self.model.ops.logits(y, batch).float().cpu().contiguous(), FLAG_LOGITS
+                payload = payload.view(torch.uint8).reshape(-1)
+            else:
+                payload, flags = encode_activation(to_torch(out), h.bits), 0
+            self.model.advance(batch)
+        compute_us = int((time.perf_counter() - started) * 1e6)
+        for seg, session, span in zip(msg.segments, sessions, spans, strict=True):
+            session.hash = extend_hash(session.hash, span)
+            if session.hash != seg.hash_after:
+                raise DistError(f"session {seg.session}: the tokens do not hash to the coordinator's value")
+        return self._reply(msg, payload=payload, flags=flags, compute_us=compute_us)
+
+    def _snapshot(self, msg: Message) -> Message:
+        for seg in msg.segments:
+            session = self._live(seg)
+            self.snapshots[(seg.session, msg.header.request)] = (session.state.snapshot(), session.hash)
+            while len(self.snapshots) > MAX_SNAPSHOTS:
+                self.snapshots.popitem(last=False)
+        return self._reply(msg)
+
+    def _restore(self, msg: Message) -> Message:
+        missing = []
+        for seg in msg.segments:
+            session, kept = self.sessions.get(seg.session), self.snapshots.get((seg.session, msg.header.request))
+            if session is None or kept is None or kept[0].pos != seg.start or not session.state.can_restore(kept[0]):
+                missing.append(seg.session)
+                continue
+            session.state.restore(kept[0])
+            session.hash = kept[1]
+        if missing:
+            return self._reply(msg, Status.MISSING, as_bytes(",".join(map(str, missing)).encode()))
+        return self._reply(msg)
+
+    def _fork(self, msg: Message) -> Message:
+        source, twin = msg.segments
+        session = self._live(source)
+        self.sessions[twin.session] = StageSession(copy.deepcopy(session.state), session.hash)
+        return self._reply(msg)
+
+    def _export(self, msg: Message) -> Message:
+        (seg,) = msg.segments
+        state = self._live(seg).state
+        arrays = {f"{il}/{name}": a for il in self.range for name, a in state.host_parts(il).items()}
+        return self._reply(msg, payload=pack_arrays(arrays))
+
+    def _import(self, msg: Message) -> Message:
+        (seg,) = msg.segments
+        tokens = msg.tokens.tolist()
+        if len(tokens) != seg.start or prefix_hash(tokens) != seg.hash_after:
+            raise DistError(f"session {seg.session}: imported tokens do not match the header")
+        self._drop(seg.session)
+        state = self.model.new_state()
+        if seg.start > state.cache.ctx:
+            raise DistError(f"an imported session of {seg.start} tokens exceeds this stage's context {state.cache.ctx}")
+        state.pos, state.tokens = seg.start, tokens
+        restore_layers(state, self.range, unpack_arrays(msg.payload))
+        self.sessions[seg.session] = StageSession(state, seg.hash_after)
+        return self._reply(msg)
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def _matches(self, seg: SegmentRecord) -> bool:
+        session = self.sessions.get(seg.session)
+        if session is None:
+            return seg.start == 0 and seg.hash_before == prefix_hash([])
+        return session.state.pos == seg.start and session.hash == seg.hash_before
+
+    def _live(self, seg: SegmentRecord) -> StageSession:
+        session = self.sessions.get(seg.session)
+        if session is None or session.state.pos != seg.start or session.hash != seg.hash_before:
+            raise DistError(f"session {seg.session} is not at position {seg.start} here")
+        return session
+
+    def _drop(self, session: int) -> None:
+        self.sessions.pop(session, None)
+        for key in [k for k in self.snapshots if k[0] == session]:
+            del self.snapshots[key]
+
+    def _reply(
+        self,
+        msg: Message,
+        status: Status = Status.OK,
+        payload: torch.Tensor | None = None,
+        flags: int = 0,
+        compute_us: int = 0,
+    ) -> Message:
+        payload = torch.empty(0, dtype=torch.uint8) if payload is None else payload
+        header = Header(
+            msg.header.op,
+            msg.header.request,
+            payload_bytes=payload.numel(),
+            bits=msg.header.bits,
+            flags=flags,
+            status=status,
+            compute_us=compute_us,
+        )
+        return Message(header, payload=payload)
+
+
+@dataclass
+class WorkerOptions:
+    host: str
+    port: int
+    bind: str  # the one address this worker's gloo pair listens on
+    secret: str
+    wait_s: float  # how long to wait for a coordinator to answer, each time
+    data_backend: str = "gloo"
+    once: bool = False  # serve one coordinator connection, then exit (tests)
+
+
+def serve_stage(
+    model: Transformer,
+    layers: LayerSlice,
+    registration: Registration,
+    options: WorkerOptions,
+    log: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True),
+) -> None:
+    """Serve coordinators until SHUTDOWN; a refused registration ends with its reason as an error."""
+    device = getattr(model.cache.storage, "device", "cpu")
+    while True:
+        store = connect_store(options.host, options.port, options.wait_s)
+        try:
+            worker = register(store, registration, options.secret, options.wait_s)
+        except RegistrationError:
+            raise
+        except (DistError, RuntimeError) as exc:
+            log(f"registration failed ({exc}); retrying")
+            continue
+        link = Link(store, f"link/{worker}", 1, options.bind, IDLE_WAIT_S, options.data_backend, device)
+        log(f"worker {worker}: serving layers {layers} for {options.host}:{options.port}")
+        stage = StageWorker(model, layers)
+        try:
+            while True:
+                msg = link.recv()
+                link.send(stage.handle(msg))
+                if msg.header.op == Op.SHUTDOWN:
+                    return
+        except LinkBrokenError as exc:
+            log(f"worker {worker}: {exc}; waiting for a coordinator again")
+            if options.once:
+                return
