@@ -17,6 +17,22 @@ import typer
 
 from dwarfstar.chat import DEFAULT_SYSTEM, Chat, ThinkMode, allowed_mode
 from dwarfstar.cli import app
+from dwarfstar.commands.dist_options import (
+    DistAddr,
+    DistBackend,
+    DistBind,
+    DistBits,
+    DistDebug,
+    DistLayers,
+    DistPrefillChunk,
+    DistPrefillWindow,
+    DistRole,
+    DistSecret,
+    DistStages,
+    DistTimeout,
+    dist_options,
+    join_route,
+)
 from dwarfstar.commands.experts import SsdCacheExperts, SsdCold, SsdPreload, SsdStreaming, describe, streaming_options
 from dwarfstar.commands.options import (
     BackendOption,
@@ -142,8 +158,24 @@ def run(
     mtp_draft: MTPDraftOption = None,
     mtp_margin: MTPMarginOption = 0.0,
     mtp_align: MTPAlignOption = "next",
+    dist_role: DistRole = None,
+    layers: DistLayers = None,
+    dist_addr: DistAddr = None,
+    dist_bind: DistBind = None,
+    dist_stages: DistStages = 2,
+    dist_activation_bits: DistBits = 32,
+    dist_prefill_chunk: DistPrefillChunk = 4096,
+    dist_prefill_window: DistPrefillWindow = 1,
+    dist_timeout: DistTimeout = 600.0,
+    dist_secret: DistSecret = "",
+    dist_backend: DistBackend = "gloo",
+    debug: DistDebug = False,
 ) -> None:
     """Chat with the model: one prompt with -p, else an interactive session."""
+    dist = dist_options(
+        dist_role, layers, dist_addr, dist_bind, dist_stages, dist_activation_bits, dist_prefill_chunk,
+        dist_prefill_window, dist_timeout, dist_secret, dist_backend, debug,
+    )  # fmt: skip
     speculation = MTPOptions.from_flags(mtp, mtp_draft, mtp_margin, mtp_align)
     steering = steering_options(dir_steering_file, dir_steering_ffn, dir_steering_attn)
     streaming = streaming_options(
@@ -174,6 +206,7 @@ def run(
             streaming=streaming,
             steering=steering,
         )
+    route = join_route(engine, dist, min(ctx, engine.model.args.max_seq_len))
     mode, warning = allowed_mode(think_mode(think, think_max), ctx)
     if warning:
         note(f"warning: {warning}", "yellow")
@@ -224,3 +257,5 @@ def run(
             note(describe(engine.experts.stats.summary(len(engine.experts.where), engine.experts.capacity)))
         if tracer:
             tracer.close()
+        if route is not None:
+            route.close()
