@@ -10,6 +10,22 @@ import typer
 
 from dwarfstar.cli import app
 from dwarfstar.commands.bench import bench_app
+from dwarfstar.commands.dist_options import (
+    DistAddr,
+    DistBackend,
+    DistBind,
+    DistBits,
+    DistDebug,
+    DistLayers,
+    DistPrefillChunk,
+    DistPrefillWindow,
+    DistRole,
+    DistSecret,
+    DistStages,
+    DistTimeout,
+    dist_options,
+    join_route,
+)
 from dwarfstar.commands.experts import SsdCacheExperts, SsdCold, SsdPreload, SsdStreaming, streaming_options
 from dwarfstar.commands.steer import DirSteeringAttn, DirSteeringFfn, DirSteeringFile, steering_options
 from dwarfstar.engine import BACKENDS, PRECISION_HELP
@@ -71,6 +87,18 @@ def serve(
     dir_steering_file: DirSteeringFile = None,
     dir_steering_ffn: DirSteeringFfn = None,
     dir_steering_attn: DirSteeringAttn = None,
+    dist_role: DistRole = None,
+    layers: DistLayers = None,
+    dist_addr: DistAddr = None,
+    dist_bind: DistBind = None,
+    dist_stages: DistStages = 2,
+    dist_activation_bits: DistBits = 32,
+    dist_prefill_chunk: DistPrefillChunk = 4096,
+    dist_prefill_window: DistPrefillWindow = 1,
+    dist_timeout: DistTimeout = 600.0,
+    dist_secret: DistSecret = "",
+    dist_backend: DistBackend = "gloo",
+    debug: DistDebug = False,
 ) -> None:
     """Serve the model over HTTP for the OpenAI SDK, Codex, Claude Code and opencode."""
     import uvicorn
@@ -84,6 +112,10 @@ def serve(
     streaming = streaming_options(
         ssd_streaming, ssd_streaming_cache_experts, ssd_streaming_cold, ssd_streaming_preload_experts
     )
+    dist = dist_options(
+        dist_role, layers, dist_addr, dist_bind, dist_stages, dist_activation_bits, dist_prefill_chunk,
+        dist_prefill_window, dist_timeout, dist_secret, dist_backend, debug,
+    )  # fmt: skip
     if template not in TEMPLATES:
         raise DwarfStarError(f"--template must be one of {', '.join(TEMPLATES)}")
     if max_sessions < 1 or max_queue < 0 or prefill_chunk < 1:
@@ -109,6 +141,7 @@ def serve(
         model_path(model), backend, ctx=ctx, precision=precision, streaming=streaming, steering=steering,
         kv_slots=max_sessions,  # every live session in the batch-decoding block
     )  # fmt: skip
+    join_route(engine, dist, ctx)  # a worker serves its layers here and exits
     service = Service(engine, config)
     typer.echo(f"{service.models.id} on {engine.backend_name} (loaded in {engine.load_seconds:.1f} s)", err=True)
     if host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
