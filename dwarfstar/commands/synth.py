@@ -1,4 +1,5 @@
-"""`dwarfstar synth`: write a deterministic random-weight model (tiny, tiny-k or flash-shaped)."""
+"""`dwarfstar synth`: write a deterministic random-weight model (tiny, tiny-k, flash- or pro-shaped),
+as one file or, with `--split-at`, as a split set in ds4's naming."""
 
 from __future__ import annotations
 
@@ -10,22 +11,44 @@ import typer
 
 from dwarfstar.cli import app
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.model.loader import write_split
 from dwarfstar.model.synthetic import LAYOUTS, PRESETS, write_synthetic_model
 
 
 @app.command()
 def synth(
-    out: Annotated[Path, typer.Argument(help="Output .gguf path.")],
+    out: Annotated[Path, typer.Argument(help="Output .gguf path (with --split-at, the parts' name stem).")],
     preset: Annotated[str, typer.Option(help=f"Model shape: {', '.join(PRESETS)}.")] = "tiny",
     layout: Annotated[str, typer.Option(help="f32: every float tensor F32; ds4: the published file types.")] = "f32",
     seed: Annotated[int, typer.Option(help="Random seed; the same seed writes the same bytes.")] = 0,
+    split_at: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--split-at",
+            help="Write a split set instead, a new part starting at this layer (repeat for more parts): "
+            "OUT-Layers00-02.gguf, OUT-Layers-03-output.gguf, as ds4 splits PRO Q4.",
+        ),
+    ] = None,
 ) -> None:
     """Write a random DeepSeek V4 model in ds4 layout, for tests and benches."""
     if preset not in PRESETS:
         raise DwarfStarError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if layout not in LAYOUTS:
         raise DwarfStarError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    n_layers = PRESETS[preset].n_layers
+    if split_at and not all(0 < layer < n_layers for layer in split_at):
+        raise DwarfStarError(f"--split-at must name layers 1 to {n_layers - 1} of the {n_layers}-layer {preset}")
     start = time.perf_counter()
-    write_synthetic_model(out, PRESETS[preset], layout=layout, seed=seed, name=f"dwarfstar-{preset}")
-    size = out.stat().st_size / 1e6
-    typer.echo(f"wrote {out} ({preset}, {layout}, seed {seed}): {size:.1f} MB in {time.perf_counter() - start:.1f} s")
+    whole = out.with_name(out.stem + ".whole.gguf") if split_at else out
+    write_synthetic_model(whole, PRESETS[preset], layout=layout, seed=seed, name=f"dwarfstar-{preset}")
+    files = [whole]
+    if split_at:
+        try:
+            files = write_split(whole, split_at, out.with_suffix(""))
+        finally:
+            whole.unlink()
+    took = time.perf_counter() - start
+    for path in files:
+        size = path.stat().st_size / 1e6
+        typer.echo(f"wrote {path} ({preset}, {layout}, seed {seed}): {size:.1f} MB")
+    typer.echo(f"in {took:.1f} s")

@@ -248,6 +248,18 @@ class GGUFFile:
             )
         return TensorInfo(name, shape, ggml_type, offset, nbytes)
 
+    def typed_metadata(self) -> dict[str, tuple[ValueType, Any]]:
+        """The metadata with its value types, as `GGUFWriter` takes it (arrays as (item type, items))."""
+        out: dict[str, tuple[ValueType, Any]] = {}
+        for key, value in self.metadata.items():
+            vtype, item_type = self.metadata_types[key]
+            if vtype == ValueType.ARRAY:
+                if item_type == ValueType.ARRAY:
+                    raise ModelFileError(f"{self.path}: metadata key {key!r} is an array of arrays, cannot copy it")
+                value = (item_type, value)
+            out[key] = (vtype, value)
+        return out
+
     # -- tensor access ---------------------------------------------------------------------------------
     def _info(self, name: str) -> TensorInfo:
         if self._data is None:

@@ -1,58 +1,190 @@
-"""Open a DeepSeek V4 GGUF: parse it, derive the config from its metadata, validate every tensor."""
+"""Open a DeepSeek V4 GGUF: parse it, derive the config from its metadata, validate every tensor.
+
+A model is one file or a split set (`dwarfstar.gguf.split`: ds4's `…-Layers00-30.gguf` and
+`…-Layers-31-output.gguf`), opened from any of its parts. A pipeline stage asks for its layers only,
+`open_model(path, layers=(first, end))`, and maps only the parts that hold them; one machine opens
+every part. `write_split` writes any model as such a set.
+"""
 
 from __future__ import annotations
 
+import bisect
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from dwarfstar.errors import ConfigError, ModelFileError
 from dwarfstar.gguf.reader import GGUFFile
+from dwarfstar.gguf.split import (
+    GGUFSet,
+    PartName,
+    check_not_llama_split,
+    check_same_model,
+    find_parts,
+    layer_of,
+    layers_in,
+    part_file_name,
+    select_parts,
+    write_parts,
+)
 from dwarfstar.model.config import ARCH, ModelArgs
-from dwarfstar.model.tensors import MTP_NEXTN_PROJ, layer_tensor, validate_tensors
+from dwarfstar.model.tensors import EMBED, MTP_NEXTN_PROJ, layer_tensor, validate_tensors
 
 
 @dataclass
 class ModelFile:
-    """A validated model file; its tensors stay memory-mapped until a backend reads them."""
+    """A validated model; its tensors stay memory-mapped until a backend reads them."""
 
-    path: Path
-    gguf: GGUFFile
-    args: ModelArgs
+    path: Path  # the file it was opened from (for a split set, the part named)
+    gguf: GGUFFile | GGUFSet
+    args: ModelArgs  # the whole model's config, also when only some layers are mapped
+    layers: range | None = None  # the layers a pipeline stage mapped; None: every layer
+    parts: tuple[Path, ...] = ()  # the files mapped, in layer order
+
+    @property
+    def layer_range(self) -> range:
+        return range(self.args.n_layers) if self.layers is None else self.layers
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.layer_range.start == 0
+
+    @property
+    def has_head(self) -> bool:
+        return self.layer_range.stop == self.args.n_layers
 
     def close(self) -> None:
         self.gguf.close()
 
 
-def open_model(path: str | os.PathLike) -> ModelFile:
+def open_model(path: str | os.PathLike, layers: tuple[int, int] | None = None) -> ModelFile:
+    """Open a model file or split set. `layers=(first, end)` (end exclusive, as in `run_layers`) maps and
+    validates only those layers, with the embedding when `first` is 0 and the head when `end` is the
+    last layer; from a split set it maps only the parts holding them."""
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
-    gguf = GGUFFile(path)
+    part = PartName.parse(path)
+    if part is None:
+        gguf = GGUFFile(path)
+        try:
+            check_not_llama_split(gguf)
+            args = _trunk_config(gguf, path)
+            span = _span(args, layers, path)
+            _validate(args, gguf.tensors, span, path)
+        except BaseException:
+            gguf.close()
+            raise
+        return ModelFile(path, gguf, args, None if layers is None else span, (path,))
+    return _open_parts(part, layers)
+
+
+def _open_parts(named: PartName, layers: tuple[int, int] | None) -> ModelFile:
+    opened: list[GGUFFile] = [GGUFFile(named.path)]  # its header gives the config the set is checked against
     try:
-        meta = dict(gguf.metadata)
-        embd = gguf.tensors.get("token_embd.weight")
-        if f"{ARCH}.vocab_size" not in meta and embd is not None:
-            meta[f"{ARCH}.vocab_size"] = embd.shape[0]  # ds4 files may omit it; the embedding knows
-        try:
-            args = ModelArgs.from_gguf_metadata(meta)
-        except ConfigError as exc:
-            raise ModelFileError(f"{path}: {exc}") from exc
-        args = trunk_args(args, gguf)
-        try:
-            validate_tensors(args, gguf.tensors)
-        except ModelFileError as exc:
-            raise ModelFileError(f"{path}: {exc}") from exc
+        file_args = _config(opened[0], named.path)
+        n_file = file_args.n_layers  # counts an in-file MTP block, which is in the output part
+        first, end = (0, n_file) if layers is None else layers
+        _span(file_args, (first, end), named.path)
+        needed = select_parts(find_parts(named), n_file, first, end)
+        files = []
+        for part in needed:
+            gguf = opened[0] if part.path == named.path else GGUFFile(part.path)
+            if gguf is not opened[0]:
+                opened.append(gguf)
+            check_same_model(opened[0], gguf)
+            found, claimed = layers_in(gguf), set(range(part.first, part.end(n_file)))
+            if found != claimed:
+                raise ModelFileError(f"{part.path} holds {_describe(found)}, but its name says {part.describe()}")
+            files.append(gguf)
+        if opened[0] not in files:  # the part named is not one this stage needs: unmap it
+            opened.pop(0).close()
+        gguf_set = GGUFSet(files)
+        args = trunk_args(file_args, gguf_set)
+        span = _span(args, None if layers is None else (first, min(end, args.n_layers)), named.path)
+        _validate(args, gguf_set.tensors, span, named.path)
     except BaseException:
-        gguf.close()
+        for gguf in opened:
+            gguf.close()
         raise
-    return ModelFile(path, gguf, args)
+    return ModelFile(named.path, gguf_set, args, None if layers is None else span, tuple(p.path for p in needed))
 
 
-def trunk_args(args: ModelArgs, gguf: GGUFFile) -> ModelArgs:
+def _config(gguf: GGUFFile, path: Path) -> ModelArgs:
+    meta = dict(gguf.metadata)
+    embd = gguf.tensors.get(EMBED)
+    if f"{ARCH}.vocab_size" not in meta and embd is not None:
+        meta[f"{ARCH}.vocab_size"] = embd.shape[0]  # ds4 files may omit it; the embedding knows
+    try:
+        return ModelArgs.from_gguf_metadata(meta)
+    except ConfigError as exc:
+        raise ModelFileError(f"{path}: {exc}") from exc
+
+
+def _trunk_config(gguf: GGUFFile, path: Path) -> ModelArgs:
+    return trunk_args(_config(gguf, path), gguf)
+
+
+def trunk_args(args: ModelArgs, gguf: GGUFFile | GGUFSet) -> ModelArgs:
     """The trunk's config: llama.cpp counts an in-file MTP block (`blk.{n}.nextn.*`) in block_count,
     ds4 does not (its MTP block is a separate file), so the count is corrected when the block is there."""
     first_mtp = args.n_layers - args.n_mtp_layers
     if args.n_mtp_layers and layer_tensor(first_mtp, MTP_NEXTN_PROJ) in gguf.tensors:
         return args.with_(n_layers=first_mtp)
     return args
+
+
+def _span(args: ModelArgs, layers: tuple[int, int] | None, path: Path) -> range:
+    if layers is None:
+        return range(args.n_layers)
+    first, end = layers
+    if not 0 <= first < end <= args.n_layers:
+        raise ModelFileError(
+            f"{path}: layers ({first}, {end}) are not a slice of its {args.n_layers} layers: "
+            f"need 0 <= first < end <= {args.n_layers} (end exclusive)"
+        )
+    return range(first, end)
+
+
+def _validate(args: ModelArgs, tensors, span: range, path: Path) -> None:
+    try:
+        validate_tensors(args, tensors, span)
+    except ModelFileError as exc:
+        raise ModelFileError(f"{path}: {exc}") from exc
+
+
+def _describe(layers: set[int]) -> str:
+    if not layers:
+        return "no layers"
+    lo, hi = min(layers), max(layers)
+    holes = "" if len(layers) == hi - lo + 1 else " with gaps"
+    return f"layers {lo}-{hi}{holes}"
+
+
+def write_split(src: str | os.PathLike, split_at: Sequence[int], stem: str | os.PathLike) -> list[Path]:
+    """Write the model `src` as a split set `<stem>-Layers00-…gguf`, …, `<stem>-Layers-…-output.gguf`,
+    a new part starting at each layer of `split_at`; tensor bytes are copied unchanged. Returns the parts."""
+    model = open_model(src)
+    try:
+        n = model.args.n_layers
+        starts = sorted(set(split_at))
+        if not starts or starts[0] <= 0 or starts[-1] >= n:
+            raise ModelFileError(f"split points {list(split_at)} must be layers between 1 and {n - 1}")
+        bounds = [0, *starts, n]
+        stem = Path(stem)
+        paths = [
+            stem.with_name(part_file_name(stem.name, a, None if b == n else b - 1))
+            for a, b in zip(bounds, bounds[1:], strict=False)
+        ]
+
+        def part_of(name: str) -> int:
+            layer = layer_of(name)
+            if layer is None:  # the embedding goes with layer 0, the output head with the last layer
+                return 0 if name == EMBED else len(starts)
+            return bisect.bisect_right(starts, layer)  # an in-file MTP block (index n) goes with the head
+
+        write_parts(model.gguf, paths, part_of)
+    finally:
+        model.close()
+    return paths

@@ -8,6 +8,8 @@ here. Presets keep the real ratios (4 and 128) and the real vocabulary, and shri
   compressed kinds and make the indexer choose a strict subset.
 * `tiny-k`: hidden and expert widths of 256, so Q2_K, Q4_K and IQ2_XXS blocks can hold the experts.
 * `flash-shaped`: the exact Flash dimensions with 2 layers (one ratio 4, one ratio 128), for benches.
+* `pro-shaped`: the exact PRO dimensions (hidden 7168, 128 heads, 384 experts) with 2 layers (ratio
+  128, then ratio 4), for benches; 18.0 GB in the ds4 layout (flash-shaped: 5.6 GB).
 
 Float weights are drawn N(0, 1/fan_in) so activations stay O(1); K-quant experts are random
 well-formed blocks (sane fp16 scales, random payload) until real quantizers exist.
@@ -51,8 +53,15 @@ TINY = ModelArgs(
 )
 TINY_K = TINY.with_(dim=256, moe_inter_dim=256, q_lora_rank=64, o_lora_rank=64)
 FLASH_SHAPED = ModelArgs.flash().with_(n_layers=2, n_hash_layers=1, compress_ratios=(4, 128))
+# PRO's first layers are ratio 128 (not window-only), so its 2 layers keep PRO's order: 128, then 4
+PRO_SHAPED = ModelArgs.pro().with_(n_layers=2, n_hash_layers=1, compress_ratios=(128, 4))
 
-PRESETS: dict[str, ModelArgs] = {"tiny": TINY, "tiny-k": TINY_K, "flash-shaped": FLASH_SHAPED}
+PRESETS: dict[str, ModelArgs] = {
+    "tiny": TINY,
+    "tiny-k": TINY_K,
+    "flash-shaped": FLASH_SHAPED,
+    "pro-shaped": PRO_SHAPED,
+}
 
 # Which type each tensor gets. "f32" keeps every float tensor F32 (parity runs); "ds4" follows the
 # published files: Q8_0 projections, F16 embeddings/HC/compressor/indexer/router, F32 norms, and the

@@ -198,16 +198,27 @@ def _layer_tensors(args: ModelArgs, il: int) -> Iterator[TensorSpec]:
         yield spec(name, shape, DENSE)
 
 
-def validate_tensors(args: ModelArgs, tensors: Mapping[str, TensorLike]) -> None:
-    """Raise ModelFileError naming the first missing, mis-shaped or mistyped tensor."""
+def validate_tensors(args: ModelArgs, tensors: Mapping[str, TensorLike], layers: range | None = None) -> None:
+    """Raise ModelFileError naming the first missing, mis-shaped or mistyped tensor. With `layers` (a
+    pipeline stage's slice), only those layers, the embedding if it starts at 0 and the head if it ends last."""
+    layers = range(args.n_layers) if layers is None else layers
     for spec in expected_tensors(args):
-        check_tensor(spec, tensors.get(spec.name))
-    for il in range(args.n_layers):
+        if _stage_needs(spec.name, args, layers):
+            check_tensor(spec, tensors.get(spec.name))
+    for il in layers:
         gate, up = (tensors[layer_tensor(il, name)].ggml_type for name in EXPERTS[:2])
         if gate != up:
             raise ModelFileError(
                 f"blk.{il}: ffn_gate_exps is {gate.name} but ffn_up_exps is {up.name}; they must match"
             )
+
+
+def _stage_needs(name: str, args: ModelArgs, layers: range) -> bool:
+    if name == EMBED:
+        return layers.start == 0
+    if not name.startswith("blk."):  # the output head: HC collapse, norm, output matrix
+        return layers.stop == args.n_layers
+    return int(name.split(".")[1]) in layers
 
 
 # -- the MTP block (spec §2.6, §4.4, §8 item 9) ---------------------------------------------------------
