@@ -1,6 +1,8 @@
 """Train the bundled nano model: the DeepSeek V4 architecture at toy size, on I promessi sposi, on the CPU.
 
     .venv/bin/python tools/train_nano.py [--steps N] [--seed S] [--out dwarfstar/data/nano.gguf]
+    .venv/bin/python tools/train_nano.py --init dwarfstar/data/nano.gguf --steps N --lr LR   # warm start
+    .venv/bin/python tools/train_nano.py --twin-k   # the 256-wide twin, written under build/
     .venv/bin/python tools/train_nano.py --mtp [--mtp-steps N] [--mtp-out dwarfstar/data/nano-mtp.gguf]
 
 Every mechanism of V4 is in the network and is trained:
@@ -15,6 +17,10 @@ compressed rows (summed over heads), first with every visible row attended (dens
 only over the rows it selected. Its weight is small: Adam normalises each parameter's step, so the
 indexer-only weights still learn at the full rate while the weights it shares with attention (the
 query LoRA and the layer input) barely feel it, close to V3.2's detached indexer input.
+
+Samples are book text after BOS, one-turn book chats, thinking turns and tool-call round trips
+(dwarfstar/train/chat_data.py), rendered as the server renders them; in the chat forms only what
+the assistant writes is a target (a book chat's user words too, as they are the book).
 
 The softmax is restricted to the ids of the training data plus one learned row standing for all
 others (dwarfstar/train/params.py), which the file's full 129,280-id head reproduces exactly. The
@@ -37,11 +43,14 @@ import torch
 import torch.nn.functional as F
 
 from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.gguf.reader import open_gguf
 from dwarfstar.model.config import ModelArgs, flash_compress_ratios
 from dwarfstar.model.loader import open_model
+from dwarfstar.model.tensors import INDEX, expected_tensors
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
-from dwarfstar.train.corpus import chat_samples, read_split
+from dwarfstar.train.chat_data import Sample, thinking_samples, tool_requests, tool_samples
+from dwarfstar.train.corpus import chat_prompts, chat_samples, read_split
 from dwarfstar.train.mtp import MTPRecipe, train_mtp
 from dwarfstar.train.params import (
     REST,
@@ -70,13 +79,17 @@ NANO = ModelArgs(
     n_activated_experts=2,
     moe_inter_dim=128,
     n_hash_layers=2,
-    window=32,
+    # 64: a tool call copies its argument from the request across the ~28 tokens of DSML that open
+    # the call (`<｜Assistant｜></think>` to `string="true">`), which a window of 32 barely reaches
+    window=64,
     compress_ratios=flash_compress_ratios(6),
     index_n_heads=4,
     index_head_dim=32,
     index_topk=16,
     max_seq_len=65536,
 )
+# the quantizable twin: hidden and expert widths of 256, the block size of Q4_K, Q2_K and IQ2_XXS
+TWIN_K = NANO.with_(dim=256, moe_inter_dim=256)
 DENSE_TOPK = 1 << 20  # index_topk of the warm-up model: every visible compressed row is attended
 
 
@@ -90,12 +103,38 @@ class Recipe:
     warmup: float = 0.05  # fraction of the steps with a linear learning-rate ramp
     weight_decay: float = 0.05
     clip: float = 1.0
-    chat_fraction: float = 0.2  # share of samples in the one-turn chat form
+    chat_fraction: float = 0.1  # share of samples in the one-turn chat form
+    thinking_fraction: float = 0.15  # thinking-mode book chats
+    tool_fraction: float = 0.35  # tool-call round trips; the rest is book text after BOS
     chat_pool: int = 4000
+    tool_pool: int = 3000
+    tool_thinking: float = 0.3  # share of tool round trips in thinking mode (empty reasoning)
     indexer_kl: float = 0.01
     dense_warmup: float = 0.1  # fraction of the steps with the indexer selecting every row
     bias_gamma: float = 0.01  # router bias step of the balancing update
     eval_len: int = 512
+
+
+def warm_params(path: Path, shape: ModelArgs, vocab: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A trained file's tensors (dequantized) as full-vocabulary parameters, to continue training.
+
+    Its `output.rest` row is the output row of an id outside `vocab`: the file wrote that row into
+    every id outside its own vocabulary, which `vocab` contains.
+    """
+    with open_gguf(path) as gguf:
+        params = {spec.name: gguf.tensor(spec.name).float().clone() for spec in expected_tensors(shape)}
+        for spec in expected_tensors(shape):
+            if tuple(params[spec.name].shape) != tuple(spec.shape):
+                raise SystemExit(f"{path}: {spec.name} is {tuple(params[spec.name].shape)}, expected {spec.shape}")
+            if spec.types == INDEX:
+                params[spec.name] = params[spec.name].to(torch.int32)
+    outside = torch.ones(shape.vocab_size, dtype=torch.bool)
+    outside[vocab] = False
+    rows = params["output.weight"][outside.nonzero()[[0, -1], 0]]
+    if not torch.equal(rows[0], rows[1]):
+        raise SystemExit(f"{path}: ids outside the corpus have different output rows; not a nano file")
+    params[REST] = rows[0].clone()
+    return params
 
 
 class IndexerLoss:
@@ -148,37 +187,57 @@ class RouterBalance:
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, seed: int, corpus: Path, log: Callable[[str], None]) -> None:
-        self.recipe, self.seed, self.log = recipe, seed, log
+    def __init__(
+        self,
+        recipe: Recipe,
+        seed: int,
+        corpus: Path,
+        log: Callable[[str], None],
+        shape: ModelArgs = NANO,
+        init: Path | None = None,
+    ) -> None:
+        self.recipe, self.seed, self.log, self.shape = recipe, seed, log, shape
         start = time.perf_counter()
-        tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), NANO.vocab_size)
+        tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), shape.vocab_size)
         split = read_split(corpus)
         self.train_ids = np.asarray(tokenizer.encode(split.train), dtype=np.int64)
         self.heldout_ids = np.asarray(tokenizer.encode(split.heldout), dtype=np.int64)
-        self.chats = chat_samples(split.train, tokenizer, recipe.chat_pool, recipe.seq_len + 1, seed)
         self.bos = tokenizer.bos_id
         self.assistant = tokenizer.token_id("<｜Assistant｜>")
+        length = recipe.seq_len + 1
+        self.chats = [
+            Sample(ids, ids[1:] != self.assistant)
+            for ids in chat_samples(split.train, tokenizer, recipe.chat_pool, length, seed)
+        ]
+        prompts = chat_prompts(split.train, recipe.chat_pool, seed + 1)
+        self.thinking = thinking_samples(split.train, tokenizer, prompts, length, np.random.default_rng(seed))
+        self.tools = tool_samples(split.train, tokenizer, recipe.tool_pool, seed, recipe.tool_thinking)
+        # held-out tool requests are inputs at test time: they get embeddings (trained as negatives only)
+        heldout_requests = tool_requests(split.train, recipe.tool_pool, seed, heldout=True)
+        heldout_request_ids = tokenizer.encode("\n".join(r.text for r in heldout_requests))
         # the softmax covers the ids that occur in the book (held-out tail included, so evaluation has
         # an embedding for every input; ids met only there are trained as negatives, never as targets)
-        seen = np.concatenate([self.train_ids, *self.chats, [self.bos]])
-        self.vocab = torch.as_tensor(np.unique(np.concatenate((seen, self.heldout_ids))))  # compact i = vocab[i]
-        self.local = torch.full((NANO.vocab_size,), -1, dtype=torch.long)
+        seen = np.concatenate([self.train_ids, *(s.ids for s in self.chats + self.thinking + self.tools), [self.bos]])
+        unseen = np.concatenate((self.heldout_ids, heldout_request_ids))
+        self.vocab = torch.as_tensor(np.unique(np.concatenate((seen, unseen))))  # compact i = vocab[i]
+        self.local = torch.full((shape.vocab_size,), -1, dtype=torch.long)
         self.local[self.vocab] = torch.arange(self.vocab.numel())
         counts = torch.bincount(self.local[torch.as_tensor(seen)], minlength=self.vocab.numel())
-        self.args = NANO.with_(vocab_size=self.vocab.numel())
-        self.full = init_params(NANO, seed)
+        self.args = shape.with_(vocab_size=self.vocab.numel())
+        self.full = init_params(shape, seed) if init is None else warm_params(init, shape, self.vocab)
         params = compact(self.full, self.vocab)
-        for il in range(NANO.n_hash_layers):
-            params[f"blk.{il}.ffn_gate_tid2eid.weight"] = balanced_hash_table(
-                counts, NANO.n_routed_experts, NANO.n_activated_experts, seed + il
-            )
+        if init is None:
+            for il in range(shape.n_hash_layers):
+                params[f"blk.{il}.ffn_gate_tid2eid.weight"] = balanced_hash_table(
+                    counts, shape.n_routed_experts, shape.n_activated_experts, seed + il
+                )
         # selection-only tensors get no gradient: the hash tables are fixed, the router biases move by
         # the balancing rule, the rest learns by gradient
         self.params = {
             name: t if t.dtype != torch.float32 or name.endswith("exp_probs_b.bias") else t.requires_grad_()
             for name, t in params.items()
         }
-        self.rest_offset = rest_log_count(NANO.vocab_size, self.vocab.numel())
+        self.rest_offset = rest_log_count(shape.vocab_size, self.vocab.numel())
         self.indexer_loss = IndexerLoss()
         self.balance = RouterBalance(self.params, self.args, recipe.bias_gamma)
         trainable = [t for t in self.params.values() if t.requires_grad]
@@ -194,7 +253,9 @@ class Trainer:
         n_params = sum(t.numel() for t in trainable)
         self.log(
             f"data: {len(self.train_ids)} training tokens, {len(self.heldout_ids)} held out, "
-            f"{len(self.chats)} chat samples, {self.vocab.numel()} distinct ids; "
+            f"{len(self.chats)} chat, {len(self.thinking)} thinking and {len(self.tools)} tool samples "
+            f"(tool samples {np.mean([len(s.ids) for s in self.tools]):.0f} tokens on average), "
+            f"{self.vocab.numel()} distinct ids; "
             f"{n_params / 1e6:.2f} M trainable parameters; prepared in {time.perf_counter() - start:.1f} s"
         )
 
@@ -211,21 +272,30 @@ class Trainer:
         return torch.cat((y @ self.params["output.weight"].T, rest[:, None]), dim=1)
 
     # -- data -------------------------------------------------------------------------------------
-    def batch(self) -> list[np.ndarray]:
+    def batch(self) -> list[Sample]:
         r, n = self.recipe, self.recipe.seq_len
         out = []
         for _ in range(r.batch):
-            if self.rng.random() < r.chat_fraction:
-                out.append(self.chats[int(self.rng.integers(len(self.chats)))])
+            draw = self.rng.random()
+            for pool, share in (
+                (self.chats, r.chat_fraction),
+                (self.thinking, r.thinking_fraction),
+                (self.tools, r.tool_fraction),
+            ):
+                if draw < share:
+                    out.append(pool[int(self.rng.integers(len(pool)))])
+                    break
+                draw -= share
             else:
                 start = int(self.rng.integers(len(self.train_ids) - n))
-                out.append(np.concatenate(([self.bos], self.train_ids[start : start + n])))
+                ids = np.concatenate(([self.bos], self.train_ids[start : start + n]))
+                out.append(Sample(ids, np.ones(n, dtype=bool)))
         return out
 
-    def targets(self, sample: np.ndarray) -> torch.Tensor:
-        """Next-token targets in compact ids; the end of a user turn is not predictable, so it is masked."""
-        nxt = torch.as_tensor(sample[1:])
-        return self.local[nxt].masked_fill(nxt == self.assistant, -100)
+    def targets(self, sample: Sample) -> torch.Tensor:
+        """Next-token targets in compact ids, -100 where the sample does not train them."""
+        nxt = self.local[torch.as_tensor(sample.ids[1:])]
+        return nxt.masked_fill(~torch.as_tensor(sample.trained), -100)
 
     # -- training ---------------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -238,7 +308,7 @@ class Trainer:
 
     def train_step(self, model: ReferenceModel) -> tuple[float, float, float]:
         samples = self.batch()
-        inputs = [self.local[torch.as_tensor(s[:-1])] for s in samples]
+        inputs = [self.local[torch.as_tensor(s.ids[:-1])] for s in samples]
         states = [model.new_state() for _ in samples]
         y = torch.cat(model.hidden_batch(inputs, states))
         lm = F.cross_entropy(self.head(y), torch.cat([self.targets(s) for s in samples]))
@@ -291,7 +361,8 @@ class Trainer:
 
     def export(self, path: Path, layout: str) -> None:
         full = expand(self.full, self.params, self.vocab)
-        write_gguf(path, NANO, full, layout, name="DwarfStar nano (I promessi sposi)")
+        name = "DwarfStar nano (I promessi sposi)" if self.shape == NANO else "DwarfStar nano 256-wide twin"
+        write_gguf(path, self.shape, full, layout, name=name)
 
 
 def train_nano_mtp(opts: argparse.Namespace) -> None:
@@ -308,9 +379,13 @@ def train_nano_mtp(opts: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "dwarfstar" / "data" / "nano.gguf")
+    parser.add_argument(
+        "--out", type=Path, help="default dwarfstar/data/nano.gguf, build/twin-k/nano-twin.gguf for the twin"
+    )
     parser.add_argument("--f32-out", type=Path, help="also write an all-F32 file (the source for quantization)")
-    parser.add_argument("--workdir", type=Path, default=ROOT / "build" / "nano", help="log and checkpoint")
+    parser.add_argument("--workdir", type=Path, help="log and checkpoint (default build/nano, build/twin-k)")
+    parser.add_argument("--init", type=Path, help="warm start: continue from this trained nano file's weights")
+    parser.add_argument("--twin-k", action="store_true", help="train the 256-wide twin (quantizable to K blocks)")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=Recipe.steps)
@@ -326,6 +401,11 @@ def main() -> None:
     parser.add_argument("--mtp-out", type=Path, default=ROOT / "dwarfstar" / "data" / "nano-mtp.gguf")
     parser.add_argument("--mtp-steps", type=int, default=MTPRecipe.steps)
     opts = parser.parse_args()
+    build = ROOT / "build" / ("twin-k" if opts.twin_k else "nano")
+    opts.workdir = opts.workdir or build
+    opts.out = opts.out or (build / "nano-twin.gguf" if opts.twin_k else ROOT / "dwarfstar" / "data" / "nano.gguf")
+    if opts.twin_k and opts.init:
+        parser.error("--init continues the bundled nano model; the twin is trained from scratch")
     if opts.mtp:
         train_nano_mtp(opts)
         return
@@ -341,8 +421,9 @@ def main() -> None:
     torch.manual_seed(opts.seed)
     recipe = Recipe(steps=opts.steps, batch=opts.batch, seq_len=opts.seq_len, lr=opts.lr)
     began = time.perf_counter()
-    trainer = Trainer(recipe, opts.seed, opts.corpus, log)
-    log(f"recipe: {json.dumps(recipe.__dict__)}; args: {NANO}")
+    shape = TWIN_K if opts.twin_k else NANO
+    trainer = Trainer(recipe, opts.seed, opts.corpus, log, shape=shape, init=opts.init)
+    log(f"recipe: {json.dumps(recipe.__dict__)}; args: {shape}; warm start: {opts.init}")
     checkpoint = opts.workdir / "checkpoint.pt"
     if opts.resume and checkpoint.exists():
         trainer.load(checkpoint)

@@ -46,11 +46,12 @@ def word_list(text: str) -> set[str]:
     return {w.lower() for w in _WORD.findall(text)}
 
 
-def chat_samples(text: str, tokenizer: Tokenizer, n: int, length: int, seed: int) -> list[np.ndarray]:
-    """`n` one-turn chats of `length` tokens: a few words of the text as the user turn, the rest as the answer."""
+def chat_prompts(text: str, n: int, seed: int) -> list[tuple[str, int]]:
+    """`n` user turns: a few words of the text from a sentence or clause start, each with the offset
+    in `text` where it ends (the answer is what comes next)."""
     rng = np.random.default_rng(seed)
     starts = np.array([m.end() for m in _PROMPT_START.finditer(text)])
-    samples = []
+    prompts = []
     for start in rng.choice(starts, size=n):
         spans = []
         for match in _WORD.finditer(text, int(start)):
@@ -61,7 +62,14 @@ def chat_samples(text: str, tokenizer: Tokenizer, n: int, length: int, seed: int
         if len(spans) < k:
             continue
         end = spans[k - 1].end()
-        prompt = " ".join(text[int(start) : end].split())
+        prompts.append((" ".join(text[int(start) : end].split()), end))
+    return prompts
+
+
+def chat_samples(text: str, tokenizer: Tokenizer, n: int, length: int, seed: int) -> list[np.ndarray]:
+    """`n` one-turn chats of `length` tokens: a few words of the text as the user turn, the rest as the answer."""
+    samples = []
+    for prompt, end in chat_prompts(text, n, seed):
         ids = tokenizer.encode_prompt(render_conversation([{"role": "user", "content": prompt}]).parts)
         answer_chars = length * 8  # far more text than `length` tokens need
         ids += tokenizer.encode(text[end : end + answer_chars].lstrip())

@@ -1,0 +1,289 @@
+"""Chat-format training data for the nano model: thinking turns and tool-call round trips.
+
+Every sample is a conversation rendered by our DeepSeek V4 renderer (the official `encoding_dsv4`
+rules, or ds4's server layout, the two templates `dwarfstar serve` offers) and tokenized as the
+server tokenizes a prompt, so the model learns exactly the bytes it is served:
+
+- thinking turns: a few words of the book as the user turn; in thinking mode the reasoning is the
+  sentence of the book that follows them, then `</think>` and the text after it as the answer;
+- tool round trips: the three tools of `TOOLS` declared in the system prompt in one of the three
+  client shapes (chat completions, Responses, Messages; the server renders the client's schema as
+  given), an Italian or English request answered by a DSML call whose argument is copied from it,
+  the tool result, and an answer quoting the start of that result.
+
+Request templates and arguments are split into a training and a held-out part (`tool_requests`),
+so tests can ask what the model never saw. Only the assistant's output is a training target in
+a tool round trip: the tools section, the request and the result are the client's text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import regex
+
+from dwarfstar.prompt.options import DS4, OFFICIAL, RenderOptions
+from dwarfstar.prompt.render import render_conversation
+from dwarfstar.tokenizer.specials import ASSISTANT, EOS, Control, PromptPart
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+TOOL_SPECS = (
+    ("read", "Read a text file and return its content.", "path", "Path of the file to read."),
+    ("list", "List the entries of a directory.", "path", "Path of the directory."),
+    ("search", "Search the files for a text and return the matching lines.", "query", "Text to look for."),
+)
+ARGUMENT = {name: param for name, _, param, _ in TOOL_SPECS}
+
+
+def _schema(param: str, about: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {param: {"type": "string", "description": about}}, "required": [param]}
+
+
+# the same tools as each API's clients declare them; the server renders the client's object as given
+TOOLS: dict[str, list[dict[str, Any]]] = {
+    "chat": [
+        {"type": "function", "function": {"name": n, "description": d, "parameters": _schema(p, pd)}}
+        for n, d, p, pd in TOOL_SPECS
+    ],
+    "responses": [
+        {"type": "function", "name": n, "description": d, "parameters": _schema(p, pd)} for n, d, p, pd in TOOL_SPECS
+    ],
+    "messages": [{"name": n, "description": d, "input_schema": _schema(p, pd)} for n, d, p, pd in TOOL_SPECS],
+}
+TEMPLATES: dict[str, RenderOptions] = {"ds4": DS4, "official": OFFICIAL}
+
+# (tool, language, template); the argument closes the request, so the call copies it from the last
+# few tokens before `<｜Assistant｜>`, within the raw attention window
+TRAIN_TEMPLATES = (
+    ("read", "it", "leggi il file {}"),
+    ("read", "it", "mostrami il contenuto di {}"),
+    ("read", "it", "apri {}"),
+    ("read", "en", "read the file {}"),
+    ("read", "en", "show me the content of {}"),
+    ("read", "en", "open {}"),
+    ("list", "it", "elenca i file in {}"),
+    ("list", "it", "cosa c'è nella cartella {}"),
+    ("list", "it", "mostrami la cartella {}"),
+    ("list", "en", "list the files in {}"),
+    ("list", "en", "what is in the directory {}"),
+    ("list", "en", "show me the folder {}"),
+    ("search", "it", "cerca {}"),
+    ("search", "it", "trova nei file il testo {}"),
+    ("search", "it", "cerca nei file {}"),
+    ("search", "en", "search for {}"),
+    ("search", "en", "find the text {}"),
+    ("search", "en", "search the files for {}"),
+)
+HELDOUT_TEMPLATES = (
+    ("read", "it", "per favore leggi il file {}"),
+    ("read", "en", "please read the file {}"),
+    ("list", "it", "per favore elenca i file in {}"),
+    ("list", "en", "please list the files in {}"),
+    ("search", "it", "per favore cerca {}"),
+    ("search", "en", "please search for {}"),
+)
+DIRECTORIES = ("src", "docs", "tests", "lib", "data", "notes", "capitoli", "lettere", "config", "scripts")
+EXTENSIONS = (".txt", ".md", ".py", ".json")
+HELDOUT_EVERY = 5  # every fifth argument word is held out
+_SENTENCE = regex.compile(r"[^.!?]*\p{L}[^.!?]*[.!?]")
+_ASCII_WORD = regex.compile(r"\b[a-z]{4,10}\b")
+QUOTE_WORDS = (4, 10)  # words of the tool result the answer quotes
+REASONING_TOKENS = (6, 40)  # the thinking passage: one sentence of this many tokens
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    tool: str
+    language: str
+    text: str  # the user's request
+    argument: str  # the value the call must carry
+
+
+@dataclass(frozen=True)
+class Sample:
+    ids: np.ndarray  # token ids
+    trained: np.ndarray  # bool per next-token target (len(ids) - 1): whether it is learned
+
+
+def argument_words(text: str) -> tuple[list[str], list[str]]:
+    """Lower-case ASCII words of the book for file names and queries: (training, held-out)."""
+    words = sorted(set(_ASCII_WORD.findall(text.lower())))
+    heldout = words[::HELDOUT_EVERY]
+    held = set(heldout)
+    return [w for w in words if w not in held], heldout
+
+
+def _argument(tool: str, words: Sequence[str], rng: np.random.Generator) -> str:
+    def word() -> str:
+        return str(words[int(rng.integers(len(words)))])
+
+    if tool == "search":
+        return " ".join(word() for _ in range(int(rng.integers(1, 3))))
+    name = word() + (str(EXTENSIONS[int(rng.integers(len(EXTENSIONS)))]) if tool == "read" else "")
+    if rng.random() < 0.6:
+        name = f"{DIRECTORIES[int(rng.integers(len(DIRECTORIES)))]}/{name}"
+    return name
+
+
+def tool_requests(text: str, n: int, seed: int, *, heldout: bool) -> list[ToolRequest]:
+    """`n` requests from the training (or held-out) templates with training (or held-out) arguments."""
+    rng = np.random.default_rng(seed)
+    train_words, heldout_words = argument_words(text)
+    templates, words = (HELDOUT_TEMPLATES, heldout_words) if heldout else (TRAIN_TEMPLATES, train_words)
+    out = []
+    for _ in range(n):
+        tool, language, template = templates[int(rng.integers(len(templates)))]
+        argument = _argument(tool, words, rng)
+        out.append(ToolRequest(tool, language, template.format(argument), argument))
+    return out
+
+
+def _book_sentences(text: str, tokenizer: Tokenizer) -> list[str]:
+    spans = (" ".join(m.group().split()) for m in _SENTENCE.finditer(text))
+    low, high = REASONING_TOKENS
+    return [s for s in spans if low <= len(tokenizer.encode(s)) <= high]
+
+
+def tool_result(request: ToolRequest, sentences: Sequence[str], rng: np.random.Generator) -> str:
+    """What the client's tool returns: a passage of the book, a directory listing or matching lines."""
+    passage = sentences[int(rng.integers(len(sentences)))]
+    if request.tool == "read":
+        return passage
+    if request.tool == "list":
+        names = {w.lower() for w in regex.findall(r"\p{L}{3,}", passage)}
+        return "\n".join(f"{name}{EXTENSIONS[i % len(EXTENSIONS)]}" for i, name in enumerate(sorted(names)[:6]))
+    return f"{request.argument.split()[0]}.txt:{int(rng.integers(1, 500))}: {passage}"
+
+
+def quoting_answer(request: ToolRequest, result: str, rng: np.random.Generator) -> str:
+    """The final answer: one fixed phrase per tool and language, then the start of the result."""
+    words = result.split()
+    quote = " ".join(words[: int(rng.integers(QUOTE_WORDS[0], QUOTE_WORDS[1] + 1))])
+    intro = {
+        ("read", "it"): "Il file dice:",
+        ("read", "en"): "The file says:",
+        ("list", "it"): "La cartella contiene:",
+        ("list", "en"): "The directory contains:",
+        ("search", "it"): "Ho trovato:",
+        ("search", "en"): "I found:",
+    }[request.tool, request.language]
+    return f'{intro} "{quote}"'
+
+
+def round_trip(request: ToolRequest, result: str, answer: str, call_id: str = "call_0") -> list[dict[str, Any]]:
+    """The conversation of one tool use: request, DSML call, tool result, final answer."""
+    call = {"id": call_id, "type": "function", "function": {"name": request.tool, "arguments": ""}}
+    call["function"]["arguments"] = {ARGUMENT[request.tool]: request.argument}
+    return [
+        {"role": "user", "content": request.text},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+        {"role": "assistant", "content": answer},
+    ]
+
+
+def assistant_targets(ids: Sequence[int], tokenizer: Tokenizer) -> np.ndarray:
+    """Which next-token targets are the assistant's output: from after the think token that follows
+    `<｜Assistant｜>` (the prompt's, in either mode) through the EOS that closes the turn."""
+    assistant, eos = tokenizer.token_id(ASSISTANT), tokenizer.token_id(EOS)
+    trained = np.zeros(len(ids) - 1, dtype=bool)  # trained[i - 1]: whether ids[i] is learned
+    inside = False
+    for i in range(2, len(ids)):
+        inside = inside or ids[i - 2] == assistant
+        if inside:
+            trained[i - 1] = True
+            inside = ids[i] != eos
+    return trained
+
+
+class PromptEncoder:
+    """`Tokenizer.encode_prompt` with each text run's ids remembered: thousands of samples share the
+    same tools section, which is most of their text (same runs as encode_prompt: adjacent text joined)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.runs: dict[str, list[int]] = {}
+
+    def _text(self, run: str) -> list[int]:
+        if run not in self.runs:
+            self.runs[run] = self.tokenizer.encode(run)
+        return self.runs[run]
+
+    def __call__(self, parts: Sequence[PromptPart]) -> list[int]:
+        ids: list[int] = []
+        run = ""
+        for part in parts:
+            if isinstance(part, Control):
+                ids += self._text(run) if run else []
+                ids.append(self.tokenizer.token_id(part.text))
+                run = ""
+            else:
+                run += part
+        return ids + (self._text(run) if run else [])
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Any] | None,
+        thinking: bool,
+        options: RenderOptions,
+    ) -> list[int]:
+        return self(render_conversation(messages, tools=tools, thinking=thinking, options=options).parts)
+
+
+def tool_samples(text: str, tokenizer: Tokenizer, n: int, seed: int, thinking_share: float) -> list[Sample]:
+    """`n` rendered tool round trips over training templates and arguments, in every client shape and
+    both server templates; a `thinking_share` of them in thinking mode with empty reasoning."""
+    rng = np.random.default_rng(seed + 1)
+    sentences = _book_sentences(text, tokenizer)
+    shapes, templates = sorted(TOOLS), sorted(TEMPLATES)
+    encode = PromptEncoder(tokenizer)
+    samples = []
+    for request in tool_requests(text, n, seed, heldout=False):
+        result = tool_result(request, sentences, rng)
+        messages = round_trip(request, result, quoting_answer(request, result, rng))
+        thinking = bool(rng.random() < thinking_share)
+        if thinking:
+            for m in messages:
+                if m["role"] == "assistant":
+                    m["reasoning_content"] = ""
+        shape = shapes[int(rng.integers(len(shapes)))]
+        options = TEMPLATES[templates[int(rng.integers(len(templates)))]]
+        ids = encode.render(messages, tools=TOOLS[shape], thinking=thinking, options=options)
+        samples.append(Sample(np.asarray(ids, dtype=np.int64), assistant_targets(ids, tokenizer)))
+    return samples
+
+
+def thinking_samples(
+    text: str, tokenizer: Tokenizer, prompts: Sequence[tuple[str, int]], length: int, rng: np.random.Generator
+) -> list[Sample]:
+    """Thinking-mode chats: for each (user words, end offset in `text`), the next sentence of the book
+    as the reasoning, then the text after it as the answer, cut at `length` tokens."""
+    low, high = REASONING_TOKENS
+    samples = []
+    for prompt, end in prompts:
+        match = _SENTENCE.match(text, end)
+        if match is None:
+            continue
+        reasoning = " ".join(match.group().split())
+        if not low <= len(tokenizer.encode(reasoning)) <= high:
+            continue
+        answer = text[match.end() : match.end() + length * 8].lstrip()  # more text than `length` tokens need
+        messages = [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "reasoning_content": reasoning, "content": answer, "wo_eos": True},
+        ]
+        options = TEMPLATES[sorted(TEMPLATES)[int(rng.integers(len(TEMPLATES)))]]
+        ids = PromptEncoder(tokenizer).render(messages, tools=None, thinking=True, options=options)
+        if len(ids) < length:
+            continue
+        ids = ids[:length]
+        trained = np.ones(length - 1, dtype=bool)
+        opener = ids.index(tokenizer.token_id(ASSISTANT))
+        trained[opener - 1 : opener + 1] = False  # the end of the user turn and the prompt's <think>
+        samples.append(Sample(np.asarray(ids, dtype=np.int64), trained))
+    return samples

@@ -1,0 +1,142 @@
+"""The nano model's chat training data (dwarfstar/train/chat_data.py): the bytes the renderer and the
+official tokenizer give, the assistant-only targets, DSML that parses to the request, and held-out
+requests the training never shows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+
+from dwarfstar.prompt.dsml_parser import parse_completion
+from dwarfstar.prompt.options import DS4, OFFICIAL
+from dwarfstar.prompt.render import render_conversation
+from dwarfstar.tokenizer.specials import EOS, THINK_END
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
+from dwarfstar.train import chat_data
+from dwarfstar.train.corpus import chat_prompts, read_split
+
+CORPUS = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "text" / "promessi_sposi.txt"
+# a slice of the book keeps the sentence pool (every sentence is tokenized) quick
+BOOK_CHARS = 60_000
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), 129280)
+
+
+@pytest.fixture(scope="module")
+def book() -> str:
+    return read_split(CORPUS).train[:BOOK_CHARS]
+
+
+@pytest.fixture(scope="module")
+def tool_samples(book: str, tok: Tokenizer) -> list[chat_data.Sample]:
+    return chat_data.tool_samples(book, tok, 24, seed=3, thinking_share=0.5)
+
+
+def output_text(sample: chat_data.Sample, tok: Tokenizer) -> str:
+    return tok.decode([int(i) for i, t in zip(sample.ids[1:], sample.trained, strict=True) if t])
+
+
+def test_prompt_encoder_is_encode_prompt(book: str, tok: Tokenizer) -> None:
+    encode = chat_data.PromptEncoder(tok)
+    for request in chat_data.tool_requests(book, 6, seed=0, heldout=False):
+        messages = chat_data.round_trip(request, "Renzo e Lucia.", 'Il file dice: "Renzo e Lucia."')
+        for options in (OFFICIAL, DS4):
+            prompt = render_conversation(messages, tools=chat_data.TOOLS["chat"], options=options)
+            assert encode(prompt.parts) == tok.encode_prompt(prompt.parts)
+            assert encode(prompt.parts) == encode(prompt.parts)  # and again from the remembered runs
+
+
+def test_official_rendering_tokenizes_as_the_official_tokenizer(book: str, tok: Tokenizer) -> None:
+    """A round trip in the official template: our ids are the official tokenizer.json's ids of the
+    text our renderer writes (the renderer is checked byte for byte against the official encoder's
+    own outputs in tests/test_prompt.py)."""
+    official = HFTokenizer.from_file(str(bundled_tokenizer_json()))
+    for request in chat_data.tool_requests(book, 6, seed=1, heldout=False):
+        messages = chat_data.round_trip(request, "Don Abbondio.", 'Il file dice: "Don Abbondio."')
+        for thinking in (False, True):
+            prompt = render_conversation(messages, tools=chat_data.TOOLS["chat"], thinking=thinking)
+            ids = chat_data.PromptEncoder(tok)(prompt.parts)
+            assert ids == official.encode(prompt.text, add_special_tokens=False).ids
+
+
+def test_tool_samples_train_only_the_assistant_output(tool_samples: list[chat_data.Sample], tok: Tokenizer) -> None:
+    for sample in tool_samples:
+        text = tok.decode(sample.ids.tolist())
+        outputs = output_text(sample, tok)
+        assert outputs.count(EOS) == 2  # the call turn and the answer turn
+        call_turn, answer_turn, _ = outputs.split(EOS)
+        assert "<｜DSML｜tool_calls>" in call_turn and "## Tools" not in outputs and "<｜User｜>" not in outputs
+        assert answer_turn.removeprefix(THINK_END).split(":")[0] in {
+            "Il file dice",
+            "The file says",
+            "La cartella contiene",
+            "The directory contains",
+            "Ho trovato",
+            "I found",
+        }
+        assert text.endswith(answer_turn + EOS)
+
+
+def test_tool_calls_parse_to_the_requested_tool_and_argument(
+    book: str, tool_samples: list[chat_data.Sample], tok: Tokenizer
+) -> None:
+    requests = chat_data.tool_requests(book, 24, seed=3, heldout=False)  # the samples' requests, same seed
+    for request, sample in zip(requests, tool_samples, strict=True):
+        text = tok.decode(sample.ids.tolist())
+        assert f"<｜User｜>{request.text}<｜Assistant｜>" in text
+        call_turn = output_text(sample, tok).split(EOS)[0]
+        thinking = call_turn.startswith(THINK_END)
+        parsed = parse_completion(call_turn.removeprefix(THINK_END) + EOS, thinking=False)
+        assert not parsed.problems, (thinking, call_turn)
+        assert [(c.name, c.arguments) for c in parsed.tool_calls] == [
+            (request.tool, {chat_data.ARGUMENT[request.tool]: request.argument})
+        ]
+        assert request.argument == request.text[-len(request.argument) :]  # copied from the request's end
+
+
+def test_answer_quotes_the_tool_result(book: str, tok: Tokenizer) -> None:
+    rng = np.random.default_rng(0)
+    sentences = ["Quel ramo del lago di Como, che volge a mezzogiorno, tra due catene non interrotte di monti."]
+    for request in chat_data.tool_requests(book, 12, seed=2, heldout=False):
+        result = chat_data.tool_result(request, sentences, rng)
+        answer = chat_data.quoting_answer(request, result, rng)
+        quote = answer.split('"')[1]
+        assert len(quote.split()) >= chat_data.QUOTE_WORDS[0] or quote == result
+        assert " ".join(result.split()).startswith(quote)  # a listing is quoted on one line
+
+
+def test_heldout_requests_share_no_template_or_argument_with_training(book: str) -> None:
+    train = chat_data.tool_requests(book, 400, seed=0, heldout=False)
+    heldout = chat_data.tool_requests(book, 60, seed=0, heldout=True)
+    train_words, heldout_words = chat_data.argument_words(book)
+    assert not set(train_words) & set(heldout_words)
+    train_templates = {t for _, _, t in chat_data.TRAIN_TEMPLATES}
+    for request in heldout:
+        assert not any(request.text == t.format(request.argument) for t in train_templates)
+        for word in request.argument.replace("/", " ").replace(".", " ").split():
+            assert word in heldout_words or word in chat_data.DIRECTORIES or f".{word}" in chat_data.EXTENSIONS
+    assert {r.tool for r in heldout} == {"read", "list", "search"} and {r.language for r in heldout} == {"it", "en"}
+    assert not {r.text for r in train} & {r.text for r in heldout}
+
+
+def test_thinking_samples_reason_with_one_sentence_then_answer(book: str, tok: Tokenizer) -> None:
+    prompts = chat_prompts(book, 40, seed=0)
+    samples = chat_data.thinking_samples(book, tok, prompts, 120, np.random.default_rng(0))
+    assert len(samples) >= 5
+    for sample in samples:
+        assert len(sample.ids) == 120
+        text = tok.decode(sample.ids.tolist())
+        prompt, output = text.split("<｜Assistant｜><think>")
+        reasoning, answer = output.split(THINK_END)
+        assert reasoning.rstrip()[-1] in ".!?" and answer
+        # the book words of both turns are learned; the end of the user turn and the prompt's <think> are not
+        opener = sample.ids.tolist().index(tok.token_id("<｜Assistant｜>"))
+        assert np.flatnonzero(~sample.trained).tolist() == [opener - 1, opener]
+        assert prompt.startswith("<｜begin▁of▁sentence｜><｜User｜>")
