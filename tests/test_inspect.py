@@ -99,3 +99,48 @@ def test_inspect_other_architectures(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert "F32          1 tensors" in out and "not a deepseek4 file" in out
     assert run_cli(monkeypatch, "inspect", str(tmp_path / "missing.gguf")) == 2
     assert "cannot open model file" in capsys.readouterr().err
+
+
+def _write_part(path: Path, tensors: dict[str, tuple[tuple[int, ...], GGMLType, int]]) -> None:
+    metadata = {
+        "general.architecture": (ValueType.STRING, "deepseek4"),
+        "deepseek4.block_count": (ValueType.UINT32, 2),
+        "deepseek4.expert_count": (ValueType.UINT32, 8),
+        "deepseek4.expert_used_count": (ValueType.UINT32, 2),
+    }
+    with GGUFWriter(path, metadata) as writer:
+        for name, (shape, ggml_type, _) in tensors.items():
+            writer.add_tensor(name, shape, ggml_type)
+        for name, (_, _, nbytes) in tensors.items():
+            writer.write_tensor(name, np.zeros(nbytes, np.uint8))
+
+
+def test_inspect_a_split_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    first, last = tmp_path / "small-Layers00-00.gguf", tmp_path / "small-Layers-01-output.gguf"
+    _write_part(
+        first,
+        {
+            "token_embd.weight": ((20, 256), GGMLType.F16, 20 * 256 * 2),
+            "blk.0.ffn_down_exps.weight": ((8, 256, 512), GGMLType.Q2_K, 8 * 256 * 2 * 84),
+        },
+    )
+    _write_part(
+        last,
+        {
+            "blk.1.ffn_down_exps.weight": ((8, 256, 512), GGMLType.Q2_K, 8 * 256 * 2 * 84),
+            "output.weight": ((20, 256), GGMLType.Q8_0, 20 * 8 * 34),
+        },
+    )
+    assert run_cli(monkeypatch, "inspect", str(last)) == 0  # any part shows the whole set
+    out = capsys.readouterr().out
+    assert f"split set of 2 parts in {tmp_path}, 4 tensors: complete" in out
+    assert f"  {first.name:48} {'layers 0-0':18} GGUF v3     2 tensors     0.354 MB" in out
+    assert f"  {last.name:48} {'layers 1-output':18} GGUF v3     2 tensors     0.350 MB" in out
+    assert "  all          4 tensors     0.704 MB" in out  # the set's totals, as for one file
+    per_token = 2 * 344064 // 4 + 512 + 20 * 8 * 34
+    assert f"bytes read per decoded token (2 of 8 routed experts): {per_token / 1e6:.3f} MB" in out
+
+    first.unlink()
+    assert run_cli(monkeypatch, "inspect", str(last)) == 0
+    out = capsys.readouterr().out
+    assert "split set of 1 parts" in out and "INCOMPLETE: missing part for layers 0-0" in out

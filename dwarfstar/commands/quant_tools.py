@@ -12,6 +12,7 @@ import typer
 from dwarfstar.cli import app
 from dwarfstar.gguf.constants import GGMLType
 from dwarfstar.gguf.reader import GGUFFile
+from dwarfstar.gguf.split import GGUFSet, PartName, open_all_parts, set_problem
 from dwarfstar.model.loader import open_model
 from dwarfstar.quant import inspection
 from dwarfstar.quant.imatrix import collect_imatrix, read_imatrix, write_imatrix
@@ -124,10 +125,19 @@ def _quality_row(q: Quality) -> str:
 
 
 @app.command("inspect")
-def inspect_command(model: Annotated[Path, typer.Argument(help="GGUF file.")]) -> None:
-    """Metadata, tensor table, totals per type, and the weight bytes read per decoded token."""
-    with GGUFFile(model) as gguf:
-        typer.echo(f"{model}: GGUF v{gguf.version}, {len(gguf.metadata)} metadata keys, {len(gguf.tensors)} tensors")
+def inspect_command(
+    model: Annotated[Path, typer.Argument(help="GGUF file, or any part of a split set (…-Layers00-30.gguf).")],
+) -> None:
+    """Metadata, tensor table, totals per type, and the weight bytes read per decoded token; for a
+    split set, its parts and their layer ranges first, then the set as one model."""
+    part = PartName.parse(model)
+    with GGUFFile(model) if part is None else open_all_parts(part) as gguf:
+        if isinstance(gguf, GGUFSet):
+            _show_parts(gguf)
+        else:
+            typer.echo(
+                f"{model}: GGUF v{gguf.version}, {len(gguf.metadata)} metadata keys, {len(gguf.tensors)} tensors"
+            )
         typer.echo("\nmetadata")
         for key, value in gguf.metadata.items():
             typer.echo(f"  {key} = {inspection.describe_value(value)}")
@@ -149,3 +159,19 @@ def inspect_command(model: Annotated[Path, typer.Argument(help="GGUF file.")]) -
         )
         for kind, size in sorted(per_token.by_kind.items(), key=lambda kv: -kv[1]):
             typer.echo(f"  {kind:22} {_gb(size):>12}")
+
+
+def _show_parts(gguf_set: GGUFSet) -> None:
+    problem = set_problem(gguf_set)
+    where = gguf_set.parts[0].path.parent
+    typer.echo(
+        f"split set of {len(gguf_set.parts)} parts in {where}, {len(gguf_set.tensors)} tensors: "
+        + ("complete" if problem is None else f"INCOMPLETE: {problem}")
+    )
+    for part in gguf_set.parts:
+        name = PartName.parse(part.path)
+        size = sum(t.nbytes for t in part.tensors.values())
+        typer.echo(
+            f"  {part.path.name:48} {name.describe():18} GGUF v{part.version} {len(part.tensors):5d} tensors "
+            f"{_gb(size):>12}"
+        )

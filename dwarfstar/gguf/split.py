@@ -204,6 +204,34 @@ class GGUFSet:
         self.close()
 
 
+def open_all_parts(part: PartName) -> GGUFSet:
+    """Every part of `part`'s set that is present, as one GGUFSet (for tools that read a whole set)."""
+    opened: list[GGUFFile] = []
+    try:
+        for name in find_parts(part):
+            opened.append(GGUFFile(name.path))
+        return GGUFSet(opened)
+    except BaseException:
+        for gguf in opened:
+            gguf.close()
+        raise
+
+
+def set_problem(gguf_set: GGUFSet) -> str | None:
+    """What keeps a whole set from opening as one model (a missing, overlapping or foreign part), or None."""
+    names = [PartName.parse(p.path) for p in gguf_set.parts]
+    arch = gguf_set.metadata.get("general.architecture")
+    n_layers = gguf_set.metadata.get(f"{arch}.block_count")
+    try:
+        for part in gguf_set.parts[1:]:
+            check_same_model(gguf_set.parts[0], part)
+        if isinstance(n_layers, int):
+            select_parts(names, n_layers, 0, n_layers)
+    except ModelFileError as exc:
+        return str(exc)
+    return None
+
+
 def write_parts(src: GGUFFile | GGUFSet, paths: Sequence[Path], part_of: Callable[[str], int]) -> None:
     """Copy `src` into the files `paths`, tensor `name` into `paths[part_of(name)]`, bytes unchanged and
     in the source's order, each file with the whole metadata (what makes a part openable alone)."""
