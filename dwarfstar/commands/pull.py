@@ -1,4 +1,5 @@
-"""`dwarfstar pull NAME`: download one of ds4's published model files, resumably; `--list` shows them."""
+"""`dwarfstar pull NAME`: download one of ds4's published model files through `huggingface_hub`
+(`dwarfstar.hub`); `--list` shows them and what is downloaded."""
 
 from __future__ import annotations
 
@@ -19,12 +20,10 @@ GGUF_DIR_ENV = "DS4_GGUF_DIR"  # ds4's variable, so both tools share one downloa
 
 
 def _file_state(path: Path) -> str:
-    part = path.with_name(path.name + ".part")
-    if path.exists():
-        return f"downloaded, {path.stat().st_size / 1e9:.1f} GB"
-    if part.exists():
-        return f"partial, {part.stat().st_size / 1e9:.1f} GB so far"
-    return "-"
+    if not path.exists():
+        return "-"
+    where = f" (in the HF cache: {path.resolve().parent})" if path.is_symlink() else ""
+    return f"downloaded, {path.stat().st_size / 1e9:.1f} GB{where}"
 
 
 def show_targets(out_dir: Path) -> None:
@@ -47,11 +46,13 @@ def pull(
     token: Annotated[
         str | None, typer.Option(help="Hugging Face token (default: HF_TOKEN, then HF's token file).")
     ] = None,
-    out_dir: Annotated[Path, typer.Option("--dir", envvar=GGUF_DIR_ENV, help="Download directory.")] = Path("gguf"),
+    out_dir: Annotated[
+        Path, typer.Option("--dir", envvar=GGUF_DIR_ENV, help="Where the files' links go (the data: the HF cache).")
+    ] = Path("gguf"),
     list_targets: Annotated[bool, typer.Option("--list", help="Show the files and what is downloaded.")] = False,
-    retries: Annotated[int, typer.Option(min=0, help="Resume attempts after a dropped connection.")] = 5,
 ) -> None:
-    """Download a DeepSeek V4 GGUF published for ds4; an interrupted download resumes where it stopped."""
+    """Download a DeepSeek V4 GGUF published for ds4 into the shared Hugging Face cache, resuming
+    dropped connections; `--dir` gets a link under ds4's file name."""
     if list_targets:
         show_targets(out_dir)
         return
@@ -62,29 +63,39 @@ def pull(
         raise DwarfStarError(f"unknown model {name!r}; choose one of {', '.join(TARGETS)}")
     secret, source = find_token(token)
     for file in target.files:
-        path = _pull_one(file, out_dir, secret, source, retries)
-        note(str(path), "")
+        path = _pull_one(file, out_dir, secret, source)
+        note(f"{path} -> {path.resolve()}" if path.is_symlink() else str(path), "")
     if target.links_default:
         link_default_model(out_dir / target.files[-1])
         note(f"./{DEFAULT_MODEL_LINK} -> {out_dir / target.files[-1]} (the default model now)", "")
 
 
-def _pull_one(file: str, out_dir: Path, token: str | None, source: str, retries: int) -> Path:
+def _pull_one(file: str, out_dir: Path, token: str | None, source: str) -> Path:
     if (out_dir / file).exists():
         note(f"already downloaded: {out_dir / file}", "")
         return out_dir / file
     note(f"downloading {file} from {REPO}", "")
-    with Progress(
-        TextColumn("{task.description}"),
+    # huggingface_hub draws the download's progress bar; ours, for the hash check after it, starts
+    # only then, so the two never share the terminal
+    bar = Progress(
+        TextColumn("verify SHA-256"),
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
         console=stderr_console,
-    ) as progress:
-        task = progress.add_task("download", total=None)
+        transient=True,
+    )
+    task = bar.add_task("verify", total=None, start=False)
 
-        def show(phase: str, done: int, total: int | None) -> None:
-            progress.update(task, description=phase, completed=done, total=total)
+    def show(done: int, total: int) -> None:
+        if not bar.live.is_started:
+            bar.start()
+            bar.start_task(task)
+        bar.update(task, completed=done, total=total)
 
-        return download(file, out_dir, token, source, retries=retries, on_progress=show)
+    try:
+        return download(file, out_dir, token, source, on_progress=show)
+    finally:
+        if bar.live.is_started:
+            bar.stop()
