@@ -42,7 +42,7 @@ from dwarfstar.distributed.protocol import (
 )
 from dwarfstar.distributed.stage import to_torch
 from dwarfstar.distributed.state import RouteSnapshot, RouteState
-from dwarfstar.model.forward import Batch, Transformer
+from dwarfstar.model.forward import Batch, Transformer, forward_then_sample
 from dwarfstar.model.state import SequenceState, TorchStorage
 from dwarfstar.session.sampling import Sampler
 
@@ -120,6 +120,8 @@ class Route:
         self.live: weakref.WeakSet[RouteState] = weakref.WeakSet()
         self.released: list[int] = []  # session ids of dropped states, reset on the workers at the next call
         self.hops: list[Hop] = []  # the last pass's telemetry
+        self.replays = 0  # sessions replayed through the route (after a mismatch or a lost worker)
+        self.mismatches = 0  # passes a stage refused because it held a session out of step
         self.lock = threading.RLock()
         self._ids = itertools.count(1)
         self._requests = itertools.count(1)
@@ -329,6 +331,7 @@ class Route:
         try:
             logits = self.run(batch, all_logits)
         except _Replay as why:
+            self.mismatches += 1
             self._log(f"[dist] {why}: replaying {len(states)} session(s)")
             for state in states:
                 self.rebuild(state)
@@ -360,6 +363,7 @@ class Route:
     def rebuild(self, state: RouteState) -> None:
         """Replay the state's tokens through every stage from an empty state."""
         tokens = list(state.tokens)
+        self.replays += 1
         self._broadcast(Op.RESET, [SegmentRecord(state.session_id, 0, 0, 0, 0)])
         storage = state.cache.storage
         for il in range(self.local_layers.last):
@@ -484,3 +488,9 @@ class RouteBackend:
 
     def sample_batch(self, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
         return self.local.sample_batch(logits, samplers)
+
+    def decode_sample(
+        self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler]
+    ) -> list[int]:
+        """A decode step through the route, then the coordinator samples (the head's logits came back)."""
+        return forward_then_sample(self, tokens, states, samplers)

@@ -182,13 +182,13 @@ class StageWorker:
     def _import(self, msg: Message) -> Message:
         (seg,) = msg.segments
         tokens = msg.tokens.tolist()
-        if len(tokens) != seg.start or prefix_hash(tokens) != seg.hash_after:
+        if seg.start != 0 or len(tokens) != seg.count or prefix_hash(tokens) != seg.hash_after:
             raise DistError(f"session {seg.session}: imported tokens do not match the header")
         self._drop(seg.session)
         state = self.model.new_state()
-        if seg.start > state.cache.ctx:
-            raise DistError(f"an imported session of {seg.start} tokens exceeds this stage's context {state.cache.ctx}")
-        state.pos, state.tokens = seg.start, tokens
+        if seg.count > state.cache.ctx:
+            raise DistError(f"an imported session of {seg.count} tokens exceeds this stage's context {state.cache.ctx}")
+        state.pos, state.tokens = seg.count, tokens
         restore_layers(state, self.range, unpack_arrays(msg.payload))
         self.sessions[seg.session] = StageSession(state, seg.hash_after)
         return self._reply(msg)
