@@ -22,6 +22,7 @@ from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.state import SequenceState
+from dwarfstar.session.sampling import Sampler
 from dwarfstar.session.session import Backend
 
 MIN_SLEEP_S = 0.001
@@ -88,6 +89,11 @@ class ThrottledBackend:
         self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False
     ) -> list[torch.Tensor]:
         return self.duty.timed(self.inner.forward_batch)(token_lists, states, all_logits)
+
+    def decode_sample(
+        self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler]
+    ) -> list[int]:
+        return self.duty.timed(self.inner.decode_sample)(tokens, states, samplers)
 
 
 def throttle(backend: Backend, percent: int) -> Backend:

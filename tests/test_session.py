@@ -12,6 +12,7 @@ import torch
 
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
+from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY
 from dwarfstar.session.payload import read_payload, write_payload
@@ -154,9 +155,15 @@ class OwnSampling:
     def forward(self, tokens, state, all_logits=True):
         return self.inner.forward(tokens, state, all_logits)
 
+    def forward_batch(self, token_lists, states, all_logits=False):
+        return self.inner.forward_batch(token_lists, states, all_logits)
+
     def sample_batch(self, logits, samplers):
         self.calls.append((tuple(logits.shape), len(samplers)))
         return sample_batch(logits, samplers)
+
+    def decode_sample(self, tokens, states, samplers):
+        return forward_then_sample(self, tokens, states, samplers)
 
 
 def test_generate_samples_through_the_backend_one_row_per_token(backend):
@@ -168,6 +175,22 @@ def test_generate_samples_through_the_backend_one_row_per_token(backend):
     tokens = [list(s.generate(5, params)) for s in sessions]
     assert tokens[0] == tokens[1]  # the same rules and draws as the generic sampler
     assert own.calls == [((1, backend.args.vocab_size), 1)] * 5
+
+
+def test_drawing_ahead_never_shifts_a_seeds_tokens(backend):
+    """A decode step draws the token after it; when that token is never used (the caller stops),
+    its draw is taken back, so stopping and going on gives the tokens of one uninterrupted call."""
+    params = SamplingParams(temperature=1.5, min_p=0.0, seed=3)
+    whole = Session(backend, ctx=1024)
+    whole.prefill(PROMPT[:40])
+    want = list(whole.generate(6, Sampler(params)))
+    parts, sampler, got = Session(backend, ctx=1024), Sampler(params), []
+    parts.prefill(PROMPT[:40])
+    for _ in range(6):
+        tokens = parts.generate(3, sampler)
+        got.append(next(tokens))
+        tokens.close()  # the token drawn ahead is not taken
+    assert got == want and len(set(want)) > 1
 
 
 def test_generate_needs_a_prompt(backend):

@@ -344,3 +344,16 @@ class Transformer(Generic[A]):
         """Logits after the T tokens, which continue `state`: [T, vocab] with `all_logits`, else
         [1, vocab] (prefill skips the output head for every other position)."""
         return self.forward_batch([tokens], [state], all_logits)[0]
+
+    def decode_sample(self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence) -> list[int]:
+        """A decode step (one token per state), then each state's next token drawn by its sampler."""
+        return forward_then_sample(self, tokens, states, samplers)
+
+
+def forward_then_sample(
+    backend: Any, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence
+) -> list[int]:
+    """`decode_sample` as one batched pass and then the backend's `sample_batch` (one host sync):
+    what a backend does that cannot draw inside its step."""
+    logits = backend.forward_batch([[t] for t in tokens], states, all_logits=False)
+    return backend.sample_batch(torch.cat(logits), samplers)

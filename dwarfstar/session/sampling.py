@@ -101,6 +101,11 @@ class Sampler:
         self.step += 1
         return self.step - 1
 
+    def withdraw(self) -> None:
+        """Take back the last draw, whose token was never used: the next draw reuses its counter, so
+        drawing ahead (a decode step that samples its successor) never shifts a seed's tokens."""
+        self.step -= 1
+
     def __call__(self, logits: torch.Tensor) -> int:
         return sample_batch(logits.reshape(1, -1), [self])[0]
 

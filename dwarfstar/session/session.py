@@ -40,6 +40,14 @@ class Backend(Protocol):
         """One token per row of logits [B, vocab] on the backend's device, with one host sync."""
         ...
 
+    def decode_sample(
+        self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler]
+    ) -> list[int]:
+        """A decode step (one token per state), then each state's next token drawn by its sampler, with
+        one host sync; the states' logits are left as `forward_batch` leaves them. A backend that
+        captures its decode step draws inside it."""
+        ...
+
 
 class Cancelled(DwarfStarError):
     """The caller asked to stop (client gone, Ctrl+C); the state is consistent at a chunk boundary."""
@@ -130,14 +138,28 @@ class Session:
             raise DwarfStarError("nothing to continue: prefill a prompt first")
         sampler = sampler if isinstance(sampler, Sampler) else Sampler(sampler)
         stops = set(stop_tokens)
-        for _ in range(min(max_tokens, self.ctx - self.state.pos)):
-            if should_stop is not None and should_stop():
-                return
-            token = self.backend.sample_batch(self.state.logits.reshape(1, -1), [sampler])[0]
-            self.decode(token)
-            yield token
-            if token in stops:
-                return
+        limit = min(max_tokens, self.ctx - self.state.pos)
+        if limit <= 0 or (should_stop is not None and should_stop()):
+            return
+        token = self.backend.sample_batch(self.state.logits.reshape(1, -1), [sampler])[0]
+        unused = True  # a drawn token not yet yielded: its draw is taken back if it never is
+        try:
+            for i in range(limit):
+                if i and should_stop is not None and should_stop():
+                    return
+                if i + 1 == limit:
+                    self.decode(token)  # nothing follows the last token
+                    following = None
+                else:  # the step that takes this token draws the next one with it: one sync a token
+                    following = decode_batch([self], [token], [sampler])[0]
+                unused = following is not None
+                yield token
+                if token in stops or following is None:
+                    return
+                token = following
+        finally:
+            if unused:
+                sampler.withdraw()
 
     # -- going back ------------------------------------------------------------------------------------
     def truncate(self, n_tokens: int) -> None:
@@ -189,21 +211,31 @@ class Session:
         return max(usable, key=lambda c: c.pos, default=None)
 
 
-def decode_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> None:
+def decode_batch(
+    sessions: Sequence[Session], tokens: Sequence[int], samplers: Sequence[Sampler] | None = None
+) -> list[int] | None:
     """One decode step for several sessions on the same backend in a single batched pass.
 
     Each session's `logits` then holds its next-token logits, exactly as `session.decode` would leave it.
+    With `samplers`, the step also draws each session's next token from them (the backend's
+    `decode_sample`: inside a captured step where it has one) and returns those tokens.
     """
     if not sessions:
-        return
+        return None if samplers is None else []
     backend = sessions[0].backend
     if any(s.backend is not backend for s in sessions):
         raise DwarfStarError("batched sessions must share one backend")
     for session in sessions:
         session._check_room(1)
-    backend.forward_batch([[t] for t in tokens], [s.state for s in sessions])
+    states = [s.state for s in sessions]
+    drawn = None
+    if samplers is None:
+        backend.forward_batch([[t] for t in tokens], states)
+    else:
+        drawn = backend.decode_sample(tokens, states, samplers)
     for session in sessions:
         session.stats.requested += 1
         session.stats.computed += 1
         if session.state.pos % session.chunk == 0:
             session._checkpoint()
+    return drawn

@@ -28,6 +28,7 @@ import torch
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.forward import Batch, HookPoint, Transformer
 from dwarfstar.model.state import SequenceState
+from dwarfstar.session.sampling import Sampler
 from dwarfstar.session.session import Backend, Session
 from dwarfstar.steering.direction import Direction, SteeringError, SteeringScale, read_direction, steer
 
@@ -157,6 +158,12 @@ class SteeredBackend:
     ) -> list[torch.Tensor]:
         self._stage(token_lists, states)
         return self.inner.forward_batch(token_lists, states, all_logits)
+
+    def decode_sample(
+        self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler]
+    ) -> list[int]:
+        self._stage([[t] for t in tokens], states)
+        return self.inner.decode_sample(tokens, states, samplers)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

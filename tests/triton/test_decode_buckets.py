@@ -16,6 +16,7 @@ import torch
 from dwarfstar.backends.triton import graphs
 from dwarfstar.backends.triton.backend import TritonBackend
 from dwarfstar.model.loader import open_model
+from dwarfstar.session.sampling import GREEDY, TOP_K_CAP, Sampler, SamplingParams
 
 LENGTHS = (5, 30, 131)  # inside the raw window, past a ratio-4 boundary, past the first ratio-128 row
 
@@ -39,7 +40,7 @@ def test_any_sessions_replay_their_buckets_graph_and_match_the_eager_kernels(tin
 
     def step(order: list[int]) -> None:
         tokens = [int(theirs[i].logits.argmax()) for i in order]
-        got = buckets.step(tokens, [mine[i] for i in order])
+        got, _ = buckets.step(tokens, [mine[i] for i in order])
         for i, token, logits in zip(order, tokens, got, strict=True):
             want = served.forward([token], theirs[i], all_logits=False)
             torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
@@ -53,4 +54,32 @@ def test_any_sessions_replay_their_buckets_graph_and_match_the_eager_kernels(tin
     step([2, 1, 0])  # bucket 4 again, in another order and at later positions: the same graph
     step([0])
     assert len(buckets.captured) == captured == 3
-    assert {bucket for bucket, _ in buckets.captured} == {1, 2, 4}
+    assert {bucket for bucket, _, _ in buckets.captured} == {1, 2, 4}
+
+
+def test_a_sampled_step_draws_inside_the_replay_what_the_sampler_draws_after_it(tiny_model_file, monkeypatch):
+    """The sampling kernel runs in the captured step, on the knobs of whichever requests it serves:
+    greedy rows and sampled rows (with and without top-k/top-p) get the tokens that sampling the
+    eager step's logits with the same seeds gives, the greedy-only and mixed steps are captured
+    apart, and a sampler's counter advances by one per step."""
+    monkeypatch.setattr(graphs, "capture", replaying)
+    model = open_model(tiny_model_file(0))
+    served = TritonBackend.from_model_file(model, device="cpu", graphs=False, kv_slots=3)
+    buckets = graphs.DecodeGraphs(served.model)
+    prompt = torch.randint(3, model.args.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    mine = [served.new_state() for _ in range(3)]
+    for n, state in zip((7, 21, 40), mine, strict=True):
+        served.forward(prompt[:n], state, all_logits=False)
+    theirs = [copy.deepcopy(state) for state in mine]
+    mixes = [
+        [GREEDY, GREEDY, GREEDY],
+        [GREEDY, SamplingParams(seed=1, temperature=1.5, min_p=0.01), SamplingParams(seed=2, top_k=9, top_p=0.9)],
+    ]
+    for params in mixes * 2:
+        tokens = [int(t.logits.argmax()) for t in theirs]
+        drawing, checking = [Sampler(p) for p in params], [Sampler(p) for p in params]
+        _, drawn = buckets.step(tokens, mine, drawing)
+        want = torch.cat([served.forward([t], s, all_logits=False) for t, s in zip(tokens, theirs, strict=True)])
+        assert drawn == served.sample_batch(want, checking)
+        assert [s.step for s in drawing] == [1, 1, 1]
+    assert sorted(k for _, _, k in buckets.captured) == [1, min(TOP_K_CAP, model.args.vocab_size)]

@@ -33,9 +33,10 @@ def backend(tiny_model_file, device):
 PARAMS = [
     GREEDY,  # kernel
     SamplingParams(seed=3, top_k=20),  # kernel
-    SamplingParams(seed=4, temperature=0.7, min_p=0.0),  # generic: no top-k, 3000 candidates pass min-p
+    SamplingParams(seed=4, temperature=0.7, min_p=0.0),  # flagged, redrawn generic: all 3000 pass min-p
     SamplingParams(seed=5, top_k=50, top_p=0.8, min_p=0.02),  # kernel
-    SamplingParams(seed=6, temperature=1.5, top_p=0.9),  # generic
+    SamplingParams(seed=6, temperature=1.5, top_p=0.9),  # kernel, in rank order (top-p)
+    SamplingParams(seed=7, temperature=1.0, min_p=0.05),  # kernel, in token-id order (min-p alone)
 ]
 
 

@@ -52,3 +52,18 @@ def test_reference_distribution_is_the_session_samplers():
     freq = torch.bincount(torch.tensor([sampler(logits) for _ in range(n)]), minlength=want.numel()).float() / n
     assert bool((want[freq > 0] > 0).all())
     assert (freq - want).abs().max() < 5 * (want.max() / n) ** 0.5 + 1e-3
+
+
+def test_rows_whose_rules_reach_past_the_candidates_are_flagged(device):
+    """Without top-k, a row whose TOP_K_CAP-th candidate still passes min-p may keep tokens the
+    kernel never saw: it is flagged for the full-vocabulary draw; the others are not."""
+    params = [
+        SamplingParams(temperature=0.7, min_p=0.0),  # every token passes
+        SamplingParams(temperature=0.7, min_p=0.0, top_k=5),  # top-k bounds it
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, min_p=0.05),  # the 1024th of 3000 weighs about 1e-3
+    ]
+    logits = logits_for(device).expand(len(params), -1)
+    knobs = sampling.knob_rows(params, [1] * len(params), [0] * len(params)).to(device)
+    _, flagged = sampling.sample_rows(logits, knobs, sampling.candidates_for(params, logits.shape[1]))
+    assert flagged.tolist() == [1, 0, 0, 0]

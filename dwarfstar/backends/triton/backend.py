@@ -1,4 +1,5 @@
-"""The Triton backend as the session layer sees it: `args`, `new_state()`, `forward()`, `sample_batch()`.
+"""The Triton backend as the session layer sees it: `args`, `new_state()`, `forward()`, `sample_batch()`,
+`decode_sample()`.
 
 Weights are uploaded once from the memory-mapped GGUF, in their blocks; the KV cache lives on the
 device. Decode steps of the sequences of the first cache block run batch-native, and on a GPU
@@ -18,13 +19,14 @@ from collections.abc import Sequence
 
 import torch
 
-from dwarfstar.backends.triton.kernels.sampling import sample
+from dwarfstar.backends.triton.kernels.sampling import candidates_for, knob_rows, redraw_overflow, sample_rows
 from dwarfstar.backends.triton.model import TritonModel
 from dwarfstar.backends.triton.runtime import EXACT, Precision, default_device
 from dwarfstar.backends.triton.weights import ModelWeights, upload
+from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.sampling import Sampler, sample_tokens
+from dwarfstar.session.sampling import Sampler
 
 
 class TritonBackend:
@@ -64,30 +66,23 @@ class TritonBackend:
         self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
     ) -> torch.Tensor:
         if self.graphs is not None and len(tokens) == 1 and self.graphs.serves([state]):
-            return self.graphs.step([int(torch.as_tensor(tokens).flatten()[0])], [state])[0]
+            return self.graphs.step([int(torch.as_tensor(tokens).flatten()[0])], [state])[0][0]
         return self.model.forward(tokens, state, all_logits)
 
     def sample_batch(self, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
-        """One token per row of logits [B, vocab], drawn on the device; one host sync for the batch.
+        """One token per row of logits [B, vocab], drawn on the device in one launch; one host sync.
 
-        A row goes through the sampling kernel where its rules are the kernel's: greedy, or top-k set
-        (the kernel ranks at most the TOP_K_CAP best logits, which top-k caps anyway). Without top-k
-        more tokens than that may pass min-p, so those rows take the generic `sample_tokens`. Both draw
-        the same Philox uniform from (seed, step), so the split does not change a seed's tokens.
-        """
+        The kernel ranks each row's TOP_K_CAP best logits; a row it flags (no top-k, and more tokens
+        than that may pass min-p) is redrawn by the generic `sample_tokens` at the same counter, which
+        costs a second sync only then. Both draw the same Philox uniform from (seed, step) in the same
+        order, so the split does not change a seed's tokens."""
         rows = logits.reshape(len(samplers), -1)
-        tokens: list[torch.Tensor | None] = [None] * len(samplers)
-        generic = []
-        for i, sampler in enumerate(samplers):
-            if sampler.params.greedy or sampler.params.candidates is not None:
-                tokens[i] = sample(rows[i], sampler.params, sampler.seed, sampler.advance()).long()
-            else:
-                generic.append(i)
-        if generic:
-            drawn = sample_tokens(torch.stack([rows[i] for i in generic]), [samplers[i] for i in generic])
-            for i, token in zip(generic, drawn.split(1), strict=True):
-                tokens[i] = token
-        return torch.cat(tokens).tolist()
+        steps = [s.advance() for s in samplers]
+        knobs = knob_rows([s.params for s in samplers], [s.seed for s in samplers], steps)
+        drawn, overflow = sample_rows(
+            rows, knobs.to(rows.device, non_blocking=True), candidates_for([s.params for s in samplers], rows.shape[1])
+        )
+        return redraw_overflow(rows, samplers, steps, torch.cat([drawn[:, 0], overflow]).tolist())
 
     def forward_batch(
         self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False
@@ -98,5 +93,14 @@ class TritonBackend:
         if len(states) == 1:
             return [self.forward(token_lists[0], states[0], all_logits)]
         if self.graphs is not None and all(len(t) == 1 for t in token_lists) and self.graphs.serves(states):
-            return self.graphs.step([int(torch.as_tensor(t).flatten()[0]) for t in token_lists], states)
+            return self.graphs.step([int(torch.as_tensor(t).flatten()[0]) for t in token_lists], states)[0]
         return self.model.forward_batch(token_lists, states, all_logits)
+
+    def decode_sample(
+        self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler]
+    ) -> list[int]:
+        """A decode step, then each state's next token: where graphs serve the states, both in one
+        replay (the sampling kernel is captured with the step), else one batched pass and one launch."""
+        if self.graphs is not None and self.graphs.serves(states):
+            return self.graphs.step(tokens, states, samplers)[1]
+        return forward_then_sample(self, tokens, states, samplers)

@@ -13,6 +13,11 @@ the same graphs.
 Before a graph is captured its step runs once eagerly on the padding slot alone, so every kernel
 variant it launches is compiled before the capture starts, and no sequence's state is touched.
 The graphs share one memory pool.
+
+A step given the sequences' samplers also draws each one's next token inside the graph
+(`kernels.sampling`): the knobs are another input buffer, so one graph serves any mix of requests,
+and the step's one host sync reads the tokens. Such graphs are captured apart from the
+logits-only ones, by whether every row is greedy (the argmax) or not (ranking TOP_K_CAP candidates).
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from dwarfstar.backends.triton.kernels.sampling import candidates_for, knob_rows, redraw_overflow, sample_rows
 from dwarfstar.backends.triton.model import TritonModel, row_bound
 from dwarfstar.model.forward import Batch, Segment
 from dwarfstar.model.state import SequenceState
+from dwarfstar.session.sampling import GREEDY, Sampler
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes a graph is captured for; larger batches run eagerly
 
@@ -34,6 +41,8 @@ class _Captured:
     replay: Callable[[], None]
     logits: torch.Tensor  # the graph's output buffer, [bucket, vocab]
     inputs: torch.Tensor  # int32 [3, bucket]: token, position and slot of each row
+    knobs: torch.Tensor  # float32 [bucket, 6]: each row's sampling knobs (`sampling.knob_rows`)
+    drawn: torch.Tensor  # int32 [2, bucket]: each row's next token, and its full-vocabulary flag
 
 
 def capture(run: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor]:
@@ -62,37 +71,57 @@ class DecodeGraphs:
         return len(states) <= BUCKETS[-1] and all(s.block == self.pad.block for s in states)
 
     @torch.inference_mode()
-    def step(self, tokens: Sequence[int], states: Sequence[SequenceState]) -> list[torch.Tensor]:
-        """Each sequence's logits [1, vocab] after its one token; the states advance exactly as the
-        eager path advances them."""
+    def step(
+        self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler] | None = None
+    ) -> tuple[list[torch.Tensor], list[int] | None]:
+        """Each sequence's logits [1, vocab] after its one token, and with `samplers` each one's next
+        token drawn in the same replay (one host sync); the states advance exactly as the eager path
+        advances them."""
         model = self.model
         batch = model.batch([[t] for t in tokens], states)  # validated before any device work
         bucket = next(b for b in BUCKETS if b >= len(states))
         bounds = tuple(max(row_bound(s.cache, r, s.pos + 1) for s in states) for r in self.ratios)
-        entry = self.captured.get((bucket, bounds))
+        k = 0 if samplers is None else candidates_for([s.params for s in samplers], model.args.vocab_size)
+        entry = self.captured.get((bucket, bounds, k))
         if entry is None:
-            entry = self.captured[(bucket, bounds)] = self._capture(bucket, bounds)
+            entry = self.captured[(bucket, bounds, k)] = self._capture(bucket, bounds, k)
         spare = bucket - len(states)
         rows = [list(tokens), [s.pos for s in states], [s.index for s in states]]
         host = torch.tensor([r + [fill] * spare for r, fill in zip(rows, (0, 0, self.pad.index), strict=True)])
         entry.inputs.copy_(host.to(torch.int32))  # one copy to the device per step
+        if samplers is not None:
+            steps = [s.advance() for s in samplers]
+            params = [s.params for s in samplers] + [GREEDY] * spare
+            knobs = knob_rows(params, [s.seed for s in samplers] + [0] * spare, steps + [0] * spare)
+            entry.knobs.copy_(knobs, non_blocking=True)
         entry.replay()
         logits = entry.logits[: len(states)].clone()  # the graph's buffer is overwritten by the next replay
         model.advance(batch)
         for state, row in zip(states, logits, strict=True):
             state.logits = row
-        return list(logits.split(1))
+        drawn = None
+        if samplers is not None:
+            n = len(states)
+            host_drawn = torch.cat([entry.drawn[0, :n], entry.drawn[1, :n]]).tolist()  # the step's host sync
+            drawn = redraw_overflow(logits, samplers, steps, host_drawn)
+        return list(logits.split(1)), drawn
 
-    def _capture(self, bucket: int, bounds: tuple[int, ...]) -> _Captured:
-        inputs = torch.zeros(3, bucket, dtype=torch.int32, device=self.model.device)
+    def _capture(self, bucket: int, bounds: tuple[int, ...], k: int) -> _Captured:
+        device = self.model.device
+        inputs = torch.zeros(3, bucket, dtype=torch.int32, device=device)
         inputs[2] = self.pad.index
+        knobs = knob_rows([GREEDY] * bucket, [0] * bucket, [0] * bucket).to(device)
+        drawn = torch.zeros(2, bucket, dtype=torch.int32, device=device)
 
         def run() -> torch.Tensor:
-            return self.model.compute(self._padding(bucket, inputs, bounds), all_positions=True)[0]
+            logits = self.model.compute(self._padding(bucket, inputs, bounds), all_positions=True)[0]
+            if k:
+                sample_rows(logits, knobs, k, out=(drawn[0].view(bucket, 1), drawn[1]))
+            return logits
 
         run()  # eagerly first, on the padding slot: compiles every kernel the graph will launch
         replay, logits = capture(run, self.pool)
-        return _Captured(replay, logits, inputs)
+        return _Captured(replay, logits, inputs, knobs, drawn)
 
     def _padding(self, bucket: int, inputs: torch.Tensor, bounds: tuple[int, ...]) -> Batch:
         """A step of `bucket` rows whose tokens, positions and slots are read from `inputs`."""

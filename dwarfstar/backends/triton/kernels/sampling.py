@@ -4,88 +4,172 @@ Same rules and order as `dwarfstar.session.sampling.Sampler` (ds4's): keep the t
 p_i = exp((l_i - l_max) / T) is at least min_p (the top token weighs 1), then the k best of those,
 then, with top-p, each token while the mass of the better kept tokens is below top_p of the kept
 total; draw among the survivors in proportion to p_i. Greedy (T <= 0) is the argmax, ties to the
-lower token id. One difference: the device looks at the 1024 best logits at most (`TOP_K_CAP`), also
-when top_k is 0; that changes nothing unless more than 1024 tokens pass min-p.
+lower token id.
 
-The candidates come from `topk` (unordered); the kernel ranks them by pairwise comparison (value,
-then lower id first), so the masses "before" each candidate need no sort. The draw uses Philox
-(`tl.rand(seed, offset)`): the same (seed, step) gives the same token on every device, and
-`n` draws at steps step..step+n-1 come out of one launch.
+One launch serves a batch of rows, each with its own knobs, read from a device buffer (so a captured
+decode step samples inside the graph, whatever its requests ask). The candidates are each row's
+`TOP_K_CAP` best logits, from `topk` (unordered); the kernel ranks them by pairwise comparison
+(value, then lower id first), so the masses "before" each candidate need no sort. Without top-k
+more than TOP_K_CAP tokens may pass min-p: the kernel flags such a row, and the caller redraws it
+over the whole vocabulary (`session.sampling`), which is rare (a flat distribution at a high
+temperature).
+
+The draw uses Philox (`tl.rand(seed, offset)`), inverse-CDF in the order `session.sampling` uses:
+rank order with top-k or top-p, token-id order with min-p alone. So the same (seed, step) gives the
+same token here and in the device-agnostic sampler, on every device; `n` draws at steps
+step..step+n-1 come out of one launch.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from dwarfstar.backends.triton.kernels.topk import topk_indices
 from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, next_pow2
-from dwarfstar.session.sampling import TOP_K_CAP, SamplingParams
+from dwarfstar.session.sampling import SEED_BITS, TOP_K_CAP, Sampler, SamplingParams, sample_tokens
 
 
 @triton.jit
 def _sample_kernel(
-    logits_ptr, cand_ptr, out_ptr, n_cand, temperature, min_p, top_p, seed, step, n_draws,
-    GREEDY: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr, ND: tl.constexpr,
+    logits_ptr, cand_ptr, knobs_ptr, ints_ptr, out_ptr, overflow_ptr, vocab, n_cand, n_draws,
+    KP: tl.constexpr, CHUNK: tl.constexpr, ND: tl.constexpr,
 ):  # fmt: skip
+    """Row `program_id` of the batch: its knobs (temperature, min_p, top_p) and ints (top_k or 0,
+    seed, step) are read here, so one compiled kernel (and one captured launch) serves any mix."""
+    row = tl.program_id(0)
+    temperature = tl.load(knobs_ptr + 6 * row)
+    min_p = tl.load(knobs_ptr + 6 * row + 1)
+    top_p = tl.load(knobs_ptr + 6 * row + 2)
+    top_k = tl.load(ints_ptr + 6 * row + 3)
+    seed = tl.load(ints_ptr + 6 * row + 4)
+    step = tl.load(ints_ptr + 6 * row + 5)
+    row_logits = logits_ptr + row.to(tl.int64) * vocab
+    row_cand = cand_ptr + row * n_cand
+    row_out = out_ptr + row * n_draws
     i = tl.arange(0, KP)
-    idx = tl.load(cand_ptr + i, mask=i < n_cand, other=-1)
+    idx = tl.load(row_cand + i, mask=i < n_cand, other=-1)
     live = idx >= 0
-    v = tl.load(logits_ptr + idx, mask=live, other=float("-inf"))
+    v = tl.load(row_logits + idx, mask=live, other=float("-inf"))
     top = tl.max(v, axis=0)
-    if GREEDY:
+    overflow = 0
+    if temperature <= 0:
         best = tl.min(tl.where(live & (v == top), idx, 2147483647), axis=0)
         for d0 in range(0, n_draws, ND):
             draw = d0 + tl.arange(0, ND)
-            tl.store(out_ptr + draw, best + 0 * draw, mask=draw < n_draws)
+            tl.store(row_out + draw, best + 0 * draw, mask=draw < n_draws)
     else:
         p = tl.where(live, tl.exp((v - top) / temperature), 0.0)
-        keep = live & (p >= min_p)
-        total = tl.sum(tl.where(keep, p, 0.0), axis=0)
-        # mass ranked strictly before each candidate (higher logit, or equal logit and lower id); the
-        # min-p survivors are a prefix of that ranking, so for a survivor it is survivors' mass only
+        # per candidate: the mass ranked strictly before it (higher logit, or equal logit and lower
+        # id), its rank, and the min-p survivors' mass at lower ids (the draw order without ranking)
         before = tl.zeros((KP,), tl.float32)
+        below = tl.zeros((KP,), tl.float32)
+        rank = tl.zeros((KP,), tl.int32)
         for j0 in tl.static_range(0, KP, CHUNK):
             j = j0 + tl.arange(0, CHUNK)
-            idx_j = tl.load(cand_ptr + j, mask=j < n_cand, other=-1)
-            v_j = tl.load(logits_ptr + idx_j, mask=idx_j >= 0, other=float("-inf"))
+            idx_j = tl.load(row_cand + j, mask=j < n_cand, other=-1)
+            v_j = tl.load(row_logits + idx_j, mask=idx_j >= 0, other=float("-inf"))
             p_j = tl.where(idx_j >= 0, tl.exp((v_j - top) / temperature), 0.0)
             ahead = (v_j[None, :] > v[:, None]) | ((v_j[None, :] == v[:, None]) & (idx_j[None, :] < idx[:, None]))
+            ahead = ahead & (idx_j[None, :] >= 0)
             before += tl.sum(tl.where(ahead, p_j[None, :], 0.0), axis=1)
-        keep = keep & (before / total < top_p)
-        # both filters keep a prefix of the ranking, so a kept candidate's kept mass before it is
-        # `before`: it owns [before, before + p) of the kept mass
-        kept_before = tl.where(keep, before, float("inf"))
+            rank += tl.sum(ahead.to(tl.int32), axis=1)
+            lower = (idx_j[None, :] >= 0) & (idx_j[None, :] < idx[:, None]) & (p_j[None, :] >= min_p)
+            below += tl.sum(tl.where(lower, p_j[None, :], 0.0), axis=1)
+        # min-p, then top-k, keep a prefix of the ranking, so a survivor's `before` is survivors' mass
+        # (the knobs are scalars: combined by arithmetic, which the interpreter's booleans allow)
+        keep = live & (p >= min_p) & (rank < tl.where(top_k > 0, top_k, KP))
+        total = tl.sum(tl.where(keep, p, 0.0), axis=0)
+        keep = keep & (before / total < tl.where(top_p < 1.0, top_p, float("inf")))
+        ranked = (top_k > 0).to(tl.int32) + (top_p < 1.0).to(tl.int32) > 0
+        # a kept candidate owns [start, start + p) of the kept mass, in rank order or in id order
+        start = tl.where(keep, tl.where(ranked, before, below), float("inf"))
         kept_total = tl.sum(tl.where(keep, p, 0.0), axis=0)
         for d0 in range(0, n_draws, ND):
             draw = d0 + tl.arange(0, ND)
             target = tl.rand(seed, step + draw) * kept_total  # [ND]
             # the chosen candidate starts the last kept interval at or below the target
-            start = tl.where(kept_before[None, :] <= target[:, None], kept_before[None, :], -1.0)  # [ND, KP]
-            last = tl.max(start, axis=1)
-            chosen = tl.min(tl.where((start == last[:, None]) & keep[None, :], idx[None, :], 2147483647), axis=1)
-            tl.store(out_ptr + draw, chosen, mask=draw < n_draws)
+            at = tl.where(start[None, :] <= target[:, None], start[None, :], -1.0)  # [ND, KP]
+            last = tl.max(at, axis=1)
+            chosen = tl.min(tl.where((at == last[:, None]) & keep[None, :], idx[None, :], 2147483647), axis=1)
+            tl.store(row_out + draw, chosen, mask=draw < n_draws)
+        # without top-k the rules may keep tokens past the candidates: when the weakest still passes
+        weakest = tl.min(tl.where(live, p, float("inf")), axis=0)
+        overflow = (top_k <= 0).to(tl.int32) * (n_cand < vocab).to(tl.int32) * (weakest >= min_p).to(tl.int32)
+    tl.store(overflow_ptr + row, overflow)
+
+
+def candidates_for(params: Sequence[SamplingParams], vocab: int) -> int:
+    """How many of each row's best logits the kernel ranks: one when every row is greedy (the argmax),
+    else TOP_K_CAP (each row's top-k then masks its own), so the launch shape depends on the batch's
+    kind only, never on its knobs."""
+    return 1 if all(p.greedy for p in params) else min(TOP_K_CAP, vocab)
+
+
+def knob_rows(params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]) -> torch.Tensor:
+    """The kernel's per-row inputs on the host, float32 [B, 6]: temperature, min_p, top_p, then the
+    int32 bits of top_k (0: none), seed and step, so one copy moves them all (`.to(device,
+    non_blocking=True)`, or `copy_(..., non_blocking=True)` into a captured step's buffer)."""
+    rows = np.zeros((len(params), 6), dtype=np.float32)
+    rows[:, :3] = [(p.temperature, p.min_p, p.top_p) for p in params]
+    rows.view(np.int32)[:, 3:] = [
+        (p.candidates or 0, seed & SEED_BITS, step) for p, seed, step in zip(params, seeds, steps, strict=True)
+    ]
+    host = torch.from_numpy(rows)
+    # pinned, so the copy queues behind the step in flight instead of waiting for it
+    return host.pin_memory() if torch.cuda.is_available() else host
+
+
+def sample_rows(
+    logits: torch.Tensor, knobs: torch.Tensor, k: int, n: int = 1, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids int32 [B, n] drawn from logits [B, vocab] by the rows' knobs (`knob_rows`, on the
+    device), with draw counters step..step+n-1, and an int32 [B] flag for the rows whose rules may keep
+    more tokens than the k candidates (no top-k and the k-th still passes min-p): those need
+    `session.sampling`'s full-vocabulary draw. `out` preallocates both (a captured step's buffers)."""
+    rows, vocab = logits.shape
+    logits = logits.float().contiguous()
+    valid = torch.full((rows,), vocab, dtype=torch.int32, device=logits.device)
+    candidates = topk_indices(logits, valid, k)
+    tokens, overflow = out if out is not None else (
+        torch.empty(rows, n, dtype=torch.int32, device=logits.device),
+        torch.empty(rows, dtype=torch.int32, device=logits.device),
+    )  # fmt: skip
+    kp = next_pow2(k)
+    _sample_kernel[(rows,)](
+        logits, candidates, knobs, knobs.view(torch.int32), tokens, overflow, vocab, k, n,
+        KP=kp, CHUNK=min(kp, 8), ND=min(next_pow2(n), max(1, 65536 // kp)), num_warps=8,
+    )  # fmt: skip
+    return tokens, overflow
+
+
+def redraw_overflow(
+    logits: torch.Tensor, samplers: Sequence[Sampler], steps: Sequence[int], host: list[int]
+) -> list[int]:
+    """The tokens of a one-draw `sample_rows` launch from its host copy (B tokens, then B flags: one
+    sync), with each flagged row redrawn over the whole vocabulary at the counter the kernel used."""
+    b = len(samplers)
+    tokens, flagged = host[:b], [i for i in range(b) if host[b + i]]
+    if flagged:
+        for i in flagged:
+            samplers[i].step = steps[i]  # the redraw takes the kernel's draw counter
+        redrawn = sample_tokens(torch.stack([logits[i] for i in flagged]), [samplers[i] for i in flagged])
+        for i, token in zip(flagged, redrawn.tolist(), strict=True):
+            tokens[i] = token
+    return tokens
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, seed: int, step: int = 0, n: int = 1) -> torch.Tensor:
-    """Token ids int32 [n] drawn from logits [vocab] (or [1, vocab]) with draw counters step..step+n-1."""
-    logits = logits.reshape(-1).float().contiguous()
-    vocab = logits.numel()
-    k = min(params.top_k, TOP_K_CAP) if params.top_k > 0 else TOP_K_CAP
-    k = min(k, vocab)
-    valid = torch.full((1,), vocab, dtype=torch.int32, device=logits.device)
-    candidates = topk_indices(logits.view(1, -1), valid, k)
-    out = torch.empty(n, dtype=torch.int32, device=logits.device)
-    kp = next_pow2(k)
-    _sample_kernel[(1,)](
-        logits, candidates, out, k, max(params.temperature, 1e-6), params.min_p, params.top_p,
-        seed & 0x7FFFFFFF, step, n,
-        GREEDY=params.greedy, KP=kp, CHUNK=min(kp, 8), ND=min(next_pow2(n), max(1, 65536 // kp)), num_warps=8,
-    )  # fmt: skip
-    return out
+    """Token ids int32 [n] drawn from logits [vocab] (or [1, vocab]) with draw counters step..step+n-1
+    (the kernel's own candidates only: no full-vocabulary fallback)."""
+    logits = logits.reshape(1, -1)
+    knobs = knob_rows([params], [seed], [step]).to(logits.device, non_blocking=True)
+    return sample_rows(logits, knobs, candidates_for([params], logits.shape[1]), n)[0][0]
 
 
 def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
