@@ -83,3 +83,26 @@ def reliability(session: nox.Session) -> None:
     ):
         session.env[name] = os.environ.get(name, value)
     session.run(sys.executable, "-m", "pytest", "tests/reliability", "-s", "-q", "-m", "", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def twin_k(session: nox.Session) -> None:
+    """The nano model's 256-wide twin (`tools/train_nano.py --twin-k`, under build/twin-k) and its
+    quantization table: perplexity, KL and top-1 against its f32 source for q8, q4, q2-q4 and q2, each
+    with and without an imatrix. Not in CI: training takes about as long as the bundled model's.
+
+    Runs in the Python nox runs from (`.venv/bin/nox -s twin_k`); `-- --resume` continues training.
+    """
+    build = "build/twin-k"
+    py = (sys.executable,)
+    ds = (sys.executable, "-m", "dwarfstar")
+    f32, prompts = f"{build}/nano-twin-f32.gguf", f"{build}/prompts"
+    session.run(*py, "tools/train_nano.py", "--twin-k", "--f32-out", f32, *session.posargs, external=True)
+    session.run(*py, "tools/nano_prompts.py", prompts, external=True)
+    imatrix = f"{build}/imatrix.dat"
+    session.run(*ds, "imatrix", "-m", f32, "--prompts", f"{prompts}/calibration.jsonl", "-o", imatrix, external=True)
+    for recipe in ("q8", "q4", "q2-q4", "q2"):
+        for calibration in ((), ("--imatrix", imatrix)):
+            out = f"{build}/nano-twin-{recipe}{'-imatrix' if calibration else ''}.gguf"
+            session.run(*ds, "quantize", f32, out, "--recipe", recipe, *calibration, external=True)
+            session.run(*ds, "quality", f32, out, "--prompts", f"{prompts}/heldout.jsonl", external=True)
