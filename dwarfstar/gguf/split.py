@@ -174,6 +174,17 @@ class GGUFSet:
                     raise ModelFileError(f"tensor {name!r} is in both {self._owner[name].path} and {part.path}")
                 self.tensors[name], self._owner[name] = info, part
 
+    @property
+    def path(self) -> Path:
+        """The one file, for code that reads tensors by offset (expert streaming): only a set opened
+        as a single part has one; offsets in two parts are not offsets in one file."""
+        if len(self.parts) == 1:
+            return self.parts[0].path
+        raise ModelFileError(
+            f"the split set {', '.join(p.path.name for p in self.parts)} spans {len(self.parts)} files, and this "
+            "reads tensors by offset in one file; open a layer range held by one part, or use a single-file model"
+        )
+
     def typed_metadata(self) -> dict[str, tuple[ValueType, Any]]:
         return self.parts[0].typed_metadata()
 
