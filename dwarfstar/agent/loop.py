@@ -178,7 +178,7 @@ class Agent:
             self._show(parser.feed(detok.push(token)), events)
         if finish == "length" and should_stop():
             finish = "interrupted"
-        self._show(parser.feed(detok.flush()) + parser.finish(), events)
+        self._show(parser.feed(detok.flush()) + parser.finish(ended=finish == "stop"), events)
         self.decode_speed.add(len(ids) + (finish == "stop"), time.perf_counter() - start)
         self.transcript.entries.append(Entry("assistant", ids=ids))
         self.dirty = True  # also after a save at a safe point earlier in this turn
@@ -202,7 +202,7 @@ class Agent:
             events.tool_end("(inside think)", ToolOutcome(THINK_CALL_REFUSED, True))
             return [THINK_CALL_REFUSED]
         if not completion.tool_calls:
-            if BLOCK_OPEN in completion.content:
+            if completion.invalid_dsml is not None:
                 why = "; ".join(completion.problems) or "unparsable block"
                 error = f"error: malformed tool call ({why}); nothing was run. Write the DSML block exactly as shown."
                 events.tool_end("(malformed)", ToolOutcome(error, True))
@@ -237,9 +237,15 @@ class Agent:
     # -- compaction -------------------------------------------------------------------------------
     def compact(self, events: Events, trigger: str) -> None:
         """Replace the conversation by the model's summary of it plus a verbatim tail."""
-        events.status(f"COMPACTING ({trigger}: {len(self.session.tokens)}/{self.ctx} tokens)")
         transcript = self.transcript
         kept = list(transcript.entries)
+        sizes = [len(transcript.entry_ids(e, self.tokenizer, self.eos)) for e in kept]
+        start = compaction.tail_start([e.kind for e in kept], sizes, self.ctx)
+        if start == 0:
+            # the whole conversation fits in the tail (the rest is the system prompt): a summary frees
+            # nothing, and compacting again would only repeat at every turn
+            return
+        events.status(f"COMPACTING ({trigger}: {len(self.session.tokens)}/{self.ctx} tokens)")
         transcript.entries.append(Entry("user", text=compaction.SUMMARY_REQUEST, thinking=False))
         self.sync(label="compaction")
         saved_max, self.max_tokens = self.max_tokens, compaction.summary_budget(len(self.session.tokens), self.ctx)
@@ -248,8 +254,8 @@ class Agent:
         finally:
             self.max_tokens = saved_max
         summary = completion.content.split(BLOCK_OPEN)[0].strip() or "(the model wrote no summary)"
-        sizes = [len(transcript.entry_ids(e, self.tokenizer, self.eos)) for e in kept]
-        start = compaction.tail_start([e.kind for e in kept], sizes, self.ctx)
+        if transcript.first_prompt is None:  # the title outlives the turn it came from
+            transcript.first_prompt = next((e.text for e in kept if e.text), None)
         transcript.entries = kept[start:]
         transcript.summary = summary
         self.note(f"compaction ({trigger}): kept {len(kept) - start} of {len(kept)} entries", summary)

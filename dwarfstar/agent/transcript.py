@@ -60,6 +60,7 @@ class Transcript:
     mode: ThinkMode
     entries: list[Entry] = field(default_factory=list)
     summary: str | None = None
+    first_prompt: str | None = None  # kept by compaction, which may drop the first user turn
 
     @property
     def thinking(self) -> bool:
@@ -67,7 +68,7 @@ class Transcript:
 
     @property
     def title(self) -> str:
-        first = next((e.text for e in self.entries if e.text), "")
+        first = self.first_prompt or next((e.text for e in self.entries if e.text), "")
         return " ".join(first.split())[:TITLE_CHARS]
 
     def user_turns(self) -> list[str]:
@@ -109,6 +110,7 @@ class Transcript:
             "system": self.system,
             "mode": self.mode.value,
             "summary": self.summary,
+            "first_prompt": self.first_prompt,
             "entries": [asdict(e) for e in self.entries],
         }
 
@@ -118,7 +120,10 @@ class Transcript:
             entries = [Entry(**e) for e in data["entries"]]
             if any(e.kind not in ("user", "tools", "assistant") for e in entries):
                 raise ValueError("unknown entry kind")
-            return cls(str(data["system"]), ThinkMode(data["mode"]), entries, data.get("summary"))
+            first = data.get("first_prompt")  # absent in sessions saved before it existed
+            if first is not None and not isinstance(first, str):
+                raise ValueError("first_prompt must be a string")
+            return cls(str(data["system"]), ThinkMode(data["mode"]), entries, data.get("summary"), first)
         except (KeyError, TypeError, ValueError) as exc:
             raise TranscriptError(f"bad transcript: {exc}") from None
 
