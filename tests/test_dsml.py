@@ -26,8 +26,13 @@ from dwarfstar.prompt.dsml_parser import (
 CORPUS = json.loads((Path(__file__).parent / "data" / "encoding" / "corpus.json").read_text(encoding="utf-8"))
 EOS = "<｜end▁of▁sentence｜>"
 USER = {"role": "user", "content": "go"}
-# A closing tag followed by what can only be structure: the one thing an unescaped value cannot hold.
-STRUCTURAL_CLOSE = re.compile(r"</｜DSML｜parameter>\s*(<｜DSML｜parameter name=\"|</｜DSML｜invoke>)")
+# A closing tag followed by what can only be structure: the one thing an unescaped value cannot hold
+# (in any spelling the parser accepts for a tag: see dwarfstar/prompt/dsml_tags.py).
+_OPEN, _DSML, _CLOSE = "[<‹＜]", "[｜|]?DSML[｜|]?", "[>›＞]"
+STRUCTURAL_CLOSE = re.compile(
+    rf"{_OPEN}/{_DSML}parameter{_CLOSE}\s*"
+    rf"({_OPEN}{_DSML}(parameter|invoke) name=\"|{_OPEN}/{_DSML}invoke{_CLOSE}|{_OPEN}/{_DSML}tool[_\- ]?calls{_CLOSE})"
+)
 
 
 def generated_part(message: dict, *, thinking: bool, options=OFFICIAL) -> tuple[str, str]:
@@ -227,7 +232,7 @@ def test_arbitrary_text_never_raises_and_loses_nothing(pieces, thinking, cuts) -
     if thinking or EOS in text:
         return
     if not whole.tool_calls:
-        assert whole.content == text
+        assert whole.content + (whole.invalid_dsml or "") == text
         return
     start = text.index(whole.raw_dsml)
     assert whole.content[:start] == text[:start]
@@ -306,11 +311,12 @@ def test_non_json_value_marked_false_is_kept_as_text() -> None:
         (CALL.replace("</｜DSML｜invoke>", "junk</｜DSML｜invoke>"), "value was not closed"),
     ],
 )
-def test_malformed_blocks_become_content(text: str, problem: str) -> None:
+def test_unrepairable_blocks_are_invalid_tool_calls(text: str, problem: str) -> None:
     completion, events = stream("Before." + text, [3, 20, 41], thinking=False)
     assert completion.tool_calls == []
-    assert completion.content == "Before." + text
-    assert any(problem in p for p in completion.problems)
+    assert completion.content == "Before."  # no raw DSML in the visible answer
+    assert completion.invalid_dsml == text
+    assert any(p.startswith("invalid tool call: ") and problem in p for p in completion.problems)
     check_events(completion, events)
 
 

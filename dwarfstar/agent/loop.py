@@ -102,7 +102,7 @@ class Agent:
         self.note(f"{label}: rendered prompt ({len(ids)} tokens)", self.tokenizer.decode(ids))
         try:
             self.session.truncate(keep)
-            self.session.prefill(ids[keep:], should_stop=should_stop)
+            self.policy.extend(self.session, ids[keep:], should_stop)
         finally:
             prefilled = self.session.stats.computed - computed
             self.prefill_speed.add(prefilled, time.perf_counter() - start)

@@ -15,8 +15,14 @@ not escape values, so a value ends at the first `</｜DSML｜parameter>` that is
 parameter or by `</｜DSML｜invoke>`; any other occurrence is part of the value. `escaped=True` reads
 ds4's escaping (entities in names, `&lt;/｜DSML｜parameter>` in values).
 
-Never raises on bad input: a malformed or unterminated block is reported as a `ParseProblem` and its
-raw text becomes ordinary content, so no part of the answer is lost.
+Tolerant of the drift long contexts bring (see `dsml_tags`): a misspelled tag reads as its canonical
+self, an invoke left open ends at the next invoke or the block's end, and a block the model ended
+(end-of-sentence, or `finish(ended=True)`) at a tag boundary is closed there. Each repair is noted in
+`problems`; the calls are exact, and `raw_dsml` keeps the bytes as generated for replay.
+
+Never raises on bad input. A block that cannot be repaired is an invalid tool call (ds4's term): it is
+reported as a `ParseProblem`, its raw text, up to the end of generation, goes to `invalid_dsml` and
+never into `content`, and it yields no calls.
 """
 
 from __future__ import annotations
@@ -26,17 +32,9 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
-from dwarfstar.prompt.dsml import (
-    BLOCK_CLOSE,
-    BLOCK_OPEN,
-    BLOCK_SEPARATOR,
-    INVOKE_CLOSE,
-    INVOKE_OPEN,
-    PARAM_CLOSE,
-    PARAM_CLOSE_ESCAPED,
-    PARAM_OPEN,
-    unescape_attribute,
-)
+from dwarfstar.prompt import dsml_tags
+from dwarfstar.prompt.dsml import BLOCK_SEPARATOR, PARAM_CLOSE, PARAM_CLOSE_ESCAPED, unescape_attribute
+from dwarfstar.prompt.dsml_tags import Tag
 from dwarfstar.tokenizer import specials
 
 # A name or key longer than this without its closing quote is model drift, not a name.
@@ -105,6 +103,8 @@ class ParsedCompletion:
     problems: list[str] = field(default_factory=list)
     # The exact bytes of the accepted DSML block (from its leading blank line), for exact replay.
     raw_dsml: str | None = None
+    # The raw text of a block given up as an invalid tool call, to the end of generation.
+    invalid_dsml: str | None = None
 
     def to_openai_message(self, call_ids: list[str] | None = None) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": self.content}
@@ -121,7 +121,8 @@ class _Phase(Enum):
     CONTENT = auto()
     BLOCK = auto()
     AFTER_BLOCK = auto()
-    TEXT = auto()  # after a rejected block or stray text: everything is content
+    TEXT = auto()  # after stray text following the block: everything is content
+    INVALID = auto()  # after a block given up: everything up to the end-of-sentence is its text
     END = auto()
 
 
@@ -157,6 +158,7 @@ class DsmlParser:
 
     def __init__(self, *, thinking: bool, escaped: bool = False) -> None:
         self._escaped = escaped
+        self._ended = False  # the model ended generation itself (so a block left open may be closed)
         self._phase = _Phase.REASONING if thinking else _Phase.CONTENT
         self._buf = ""
         self._events: list[Event] = []
@@ -182,8 +184,11 @@ class DsmlParser:
             pass
         return self._drain()
 
-    def finish(self) -> list[Event]:
-        # Under `final` nothing waits any more: a block that is still open is rejected on the way.
+    def finish(self, *, ended: bool = False) -> list[Event]:
+        """`ended`: the model ended the turn itself (its end-of-sentence token, not fed as text), as
+        opposed to a length limit or stop string; a block it left open at a tag boundary is then closed."""
+        # Under `final` nothing waits any more: a block that is still open is closed or given up on the way.
+        self._ended = ended
         while self._step(final=True):
             pass
         return self._drain()
@@ -228,6 +233,8 @@ class DsmlParser:
             return self._step_block(final)
         if self._phase is _Phase.AFTER_BLOCK:
             return self._step_after_block(final)
+        if self._phase is _Phase.INVALID:
+            return self._step_invalid(final)
         ignored = "text after the end-of-sentence token was ignored"
         if self._buf.strip() and ignored not in self.completion.problems:
             self._problem(ignored)
@@ -259,14 +266,15 @@ class DsmlParser:
     def _step_content(self, final: bool) -> bool:
         buf = self._buf
         looks_for_block = self._phase is _Phase.CONTENT
-        opener = buf.find(BLOCK_OPEN) if looks_for_block else -1
+        opener = dsml_tags.BLOCK_OPEN.find(buf) if looks_for_block else None
         eos = buf.find(specials.EOS)
-        if opener >= 0 and (eos < 0 or opener < eos):
-            start = opener - len(BLOCK_SEPARATOR) if buf[:opener].endswith(BLOCK_SEPARATOR) else opener
+        if opener is not None and not opener.partial and (eos < 0 or opener.at < eos):
+            start = self._separator_start(buf, opener.at)
             self._content(buf[:start])
             self._buf = buf[start:]
             self._reset_block()
-            self._take(opener - start + len(BLOCK_OPEN))
+            self._take(opener.at - start)
+            self._take_tag(dsml_tags.BLOCK_OPEN, opener.size)
             self._phase = _Phase.BLOCK
             return True
         if eos >= 0:
@@ -274,11 +282,20 @@ class DsmlParser:
             self._buf = buf[eos + len(specials.EOS) :]
             self._phase = _Phase.END
             return True
-        patterns = (BLOCK_SEPARATOR + BLOCK_OPEN, BLOCK_OPEN, specials.EOS) if looks_for_block else (specials.EOS,)
-        keep = 0 if final else held_suffix(buf, patterns)
+        keep = 0
+        if not final:
+            # a trailing blank line may be the separator of a block still to come
+            keep = held_suffix(buf, (BLOCK_SEPARATOR + "<", specials.EOS) if looks_for_block else (specials.EOS,))
+            if opener is not None:  # the text ends inside what may be the block's opening tag
+                keep = max(keep, len(buf) - self._separator_start(buf, opener.at))
         self._content(buf[: len(buf) - keep])
         self._buf = buf[len(buf) - keep :]
         return False
+
+    @staticmethod
+    def _separator_start(buf: str, opener: int) -> int:
+        """Where the block opening at `opener` starts: at its leading blank line when it has one."""
+        return opener - len(BLOCK_SEPARATOR) if buf[:opener].endswith(BLOCK_SEPARATOR) else opener
 
     def _step_after_block(self, final: bool) -> bool:
         rest = self._buf[_leading_space(self._buf) :]
@@ -296,13 +313,32 @@ class DsmlParser:
         self._phase = _Phase.TEXT
         return True
 
+    def _step_invalid(self, final: bool) -> bool:
+        buf = self._buf
+        eos = buf.find(specials.EOS)
+        size = eos if eos >= 0 else len(buf) - (0 if final else held_suffix(buf, (specials.EOS,)))
+        self.completion.invalid_dsml = (self.completion.invalid_dsml or "") + buf[:size]
+        if eos >= 0:
+            self._buf = buf[eos + len(specials.EOS) :]
+            self._phase = _Phase.END
+            return True
+        self._buf = buf[size:]
+        return False
+
     def _reject(self, why: str) -> None:
-        """Give up on the block: its text so far becomes content; later text stays content."""
+        """Give up on the block as an invalid tool call: its text, and all text after it, is kept aside."""
         inside_invoke = self._in in (_In.PARAMS, _In.PARAM_HEADER, _In.PARAM_VALUE)  # its start was announced
-        self._problem(f"malformed tool-call block: {why}", abandoned=len(self._calls) + inside_invoke)
-        self._content("".join(self._raw))
+        self._problem(f"invalid tool call: {why}", abandoned=len(self._calls) + inside_invoke)
+        self.completion.invalid_dsml = "".join(self._raw)
         self._reset_block()
-        self._phase = _Phase.TEXT
+        self._phase = _Phase.INVALID
+
+    def _repaired(self, what: str) -> None:
+        self._problem(f"repaired tool call: {what}")
+
+    def _take_tag(self, tag: Tag, size: int) -> None:
+        if self._take(size) != tag.canonical:
+            self._repaired(f"{tag.canonical!r} was misspelled")
 
     def _accept(self) -> None:
         if not self._calls:
@@ -315,33 +351,51 @@ class DsmlParser:
     # -- inside the block -----------------------------------------------------------------------------------
     def _step_block(self, final: bool) -> bool:
         if self._in is _In.INVOKES:
-            return self._expect((INVOKE_OPEN, BLOCK_CLOSE), final, "expected an invoke or the end of the block")
+            return self._expect(_BETWEEN_INVOKES, final, "expected an invoke or the end of the block")
         if self._in is _In.PARAMS:
-            return self._expect((PARAM_OPEN, INVOKE_CLOSE), final, "expected a parameter or the end of the invoke")
+            return self._expect(_BETWEEN_PARAMS, final, "expected a parameter or the end of the invoke")
         if self._in is _In.INVOKE_NAME:
             return self._read_name((('">', True),), final)
         if self._in is _In.PARAM_HEADER:
             return self._read_name(_HEADER_ENDS, final)
         return self._read_value(final)
 
-    def _expect(self, tags: tuple[str, str], final: bool, why: str) -> bool:
+    def _expect(self, tags: tuple[Tag, ...], final: bool, why: str) -> bool:
+        """Read the next tag between invokes or parameters (an invoke left open closes at the next
+        invoke or at the block's end), or close a block the model ended at this boundary."""
         self._take(_leading_space(self._buf))
-        opener, closer = tags
-        if self._buf.startswith(opener):
-            self._take(len(opener))
-            self._in = _In.INVOKE_NAME if opener == INVOKE_OPEN else _In.PARAM_HEADER
-            return True
-        if self._buf.startswith(closer):
-            self._take(len(closer))
-            if closer == BLOCK_CLOSE:
-                self._accept()
-            else:
+        waiting = False
+        for tag in tags:
+            size = tag.match(self._buf)
+            if size:
+                if self._in is _In.PARAMS and tag in (dsml_tags.INVOKE_OPEN, dsml_tags.BLOCK_CLOSE):
+                    self._repaired(f"invoke {self._name!r} was not closed")
+                    self._end_invoke()
+                self._take_tag(tag, size)
+                self._after_tag(tag)
+                return True
+            waiting = waiting or size == 0
+        ended = self._buf.startswith(specials.EOS) or (final and not self._buf and self._ended)
+        if ended and (self._calls or self._in is _In.PARAMS):
+            self._repaired("the tool-call block was not closed")
+            if self._in is _In.PARAMS:
                 self._end_invoke()
+            self._accept()
             return True
-        if not final and _could_become(self._buf, tags):
+        if not final and (waiting or _could_become(self._buf, (specials.EOS,))):
             return False
         self._reject(why if self._buf else "the tool-call block was not closed")
         return True
+
+    def _after_tag(self, tag: Tag) -> None:
+        if tag is dsml_tags.INVOKE_OPEN:
+            self._in = _In.INVOKE_NAME
+        elif tag is dsml_tags.PARAM_OPEN:
+            self._in = _In.PARAM_HEADER
+        elif tag is dsml_tags.INVOKE_CLOSE:
+            self._end_invoke()
+        else:
+            self._accept()
 
     def _read_name(self, ends: tuple[tuple[str, bool], ...], final: bool) -> bool:
         found = [(self._buf.find(end), end, is_string) for end, is_string in ends]
@@ -390,23 +444,31 @@ class DsmlParser:
 
     def _read_value(self, final: bool) -> bool:
         while True:
-            close = self._buf.find(PARAM_CLOSE, self._scan)
-            if close < 0:
+            close = dsml_tags.PARAM_CLOSE.find(self._buf, self._scan)
+            eos = self._buf.find(specials.EOS, self._scan)
+            if 0 <= eos and (close is None or eos < close.at):
+                self._value_text(eos)
+                self._reject("a parameter value was not closed")  # the model ended inside it
+                return True
+            if close is None or close.partial:
                 if final:
                     self._reject("a parameter value was not closed")
                     return True
-                closers = (PARAM_CLOSE, PARAM_CLOSE_ESCAPED) if self._escaped else (PARAM_CLOSE,)
-                self._value_text(len(self._buf) - held_suffix(self._buf, closers))
+                closers = (PARAM_CLOSE_ESCAPED, specials.EOS) if self._escaped else (specials.EOS,)
+                held = held_suffix(self._buf, closers)
+                self._value_text(min(len(self._buf) - held, len(self._buf) if close is None else close.at))
                 return False
-            after = close + len(PARAM_CLOSE)
+            after = close.at + close.size
             tail = self._buf[after:].lstrip()
-            if tail.startswith((PARAM_OPEN, INVOKE_CLOSE)):
-                self._value_text(close)
-                self._take(len(PARAM_CLOSE))
+            sizes = [tag.match(tail) for tag in _AFTER_VALUE]
+            model_ended = tail.startswith(specials.EOS) or (final and not tail and self._ended)
+            if any(sizes) or model_ended:
+                self._value_text(close.at)
+                self._take_tag(dsml_tags.PARAM_CLOSE, close.size)
                 self._end_param()
                 return True
-            if not final and _could_become(tail, (PARAM_OPEN, INVOKE_CLOSE)):
-                self._value_text(close)  # the value surely runs up to here; whether it ends here waits
+            if not final and (0 in sizes or _could_become(tail, (specials.EOS,))):
+                self._value_text(close.at)  # the value surely runs up to here; whether it ends here waits
                 return False
             self._scan = after  # a closing tag inside the value: it does not end the value
 
@@ -433,9 +495,15 @@ class DsmlParser:
         self._in = _In.INVOKES
 
 
-def parse_completion(text: str, *, thinking: bool, escaped: bool = False) -> ParsedCompletion:
+_BETWEEN_INVOKES = (dsml_tags.INVOKE_OPEN, dsml_tags.BLOCK_CLOSE)
+_BETWEEN_PARAMS = (dsml_tags.PARAM_OPEN, dsml_tags.INVOKE_CLOSE, dsml_tags.INVOKE_OPEN, dsml_tags.BLOCK_CLOSE)
+# What may follow a parameter's closing tag for it to end the value (anything else is value text).
+_AFTER_VALUE = _BETWEEN_PARAMS
+
+
+def parse_completion(text: str, *, thinking: bool, escaped: bool = False, ended: bool = False) -> ParsedCompletion:
     """Parse a whole generated text at once (same result as streaming it)."""
     parser = DsmlParser(thinking=thinking, escaped=escaped)
     parser.feed(text)
-    parser.finish()
+    parser.finish(ended=ended)
     return parser.completion

@@ -14,8 +14,11 @@ and a request replaying a tool call the memory no longer knows (after a restart)
 
 Saves are written by a writer thread from a copy of the state taken when the save is asked for, so
 the engine thread never waits for the disk; a lookup that finds its best checkpoint still queued
-rebuilds the state from that copy. The store is used from the engine worker, the writer and request
-threads, so every use of its index holds one lock (the file writes themselves run outside it).
+rebuilds the state from that copy. Restores run on a reader thread (`restore_async`): it reads,
+checks and decodes the file, and the engine thread only installs the state, so the other streams
+go on decoding while a long checkpoint loads. The store is used from the engine worker, the writer,
+the reader and request threads, so every use of its index holds one lock (the file writes
+themselves run outside it).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +62,8 @@ class DiskCache:
         self._queued_lock = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="dwarfstar-kv-writer", daemon=True)
         self._writer.start()
+        # one reader: restores are rare and each reads the disk flat out
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dwarfstar-kv-reader")
 
     @classmethod
     def open(
@@ -129,7 +135,8 @@ class DiskCache:
         self._writes.join()
 
     def close(self) -> None:
-        """Finish the queued saves and stop the writer (server shutdown)."""
+        """Finish the queued saves and restores and stop their threads (server shutdown)."""
+        self._reader.shutdown(wait=True)
         self._writes.put(None)
         self._writer.join()
 
@@ -150,6 +157,10 @@ class DiskCache:
         return bool(self._schedule(live).target(len(live.session.tokens), in_tool_call))
 
     # -- loading ---------------------------------------------------------------------------------------
+    def restore_async(self, prompt: Prompt, better_than: int) -> Future[SequenceState | None]:
+        """`restore` on the reader thread."""
+        return self._reader.submit(self.restore, prompt, better_than)
+
     def restore(self, prompt: Prompt, better_than: int) -> SequenceState | None:
         """The longest checkpoint of the prompt's text, if it holds more than `better_than` tokens."""
         text = prompt.text.encode("utf-8")

@@ -91,11 +91,12 @@ class OutputDecoder:
             self._reasoning = token != self._think_end
         return self._feed(self._stops.feed(self._detok.push(token)))
 
-    def finish(self) -> list[Event]:
+    def finish(self, *, ended: bool = False) -> list[Event]:
+        """`ended`: the model generated its end-of-sentence token (a DSML block it left open may be closed)."""
         events = self._feed(self._stops.feed(self._detok.flush()))
         events += self._feed(self._stops.flush())
         if self._parser is not None:
-            events += self._convert(self._parser.finish())
+            events += self._convert(self._parser.finish(ended=ended and self.stop_sequence is None))
         return events
 
     def _feed(self, text: str) -> list[Event]:

@@ -38,6 +38,14 @@ class DiskCache(Protocol):
     def restore(self, prompt: Prompt, better_than: int) -> SequenceState | None: ...
 
 
+@dataclass(frozen=True)
+class DiskLookup:
+    """A disk-cache lookup made ahead of `acquire` (off the engine thread), and what it found."""
+
+    better_than: int
+    state: SequenceState | None
+
+
 @dataclass(eq=False)
 class LiveSession:
     session: Session
@@ -90,24 +98,55 @@ class SessionPool:
             return False
         return self.memory_bytes <= 0 or self.nbytes() < self.memory_bytes
 
-    def acquire(self, prompt: Prompt | None, ids: list[int], steering: SteeringScale | None = None) -> Lease | None:
-        """A session brought to the state after `ids`' longest cached prefix computed with the same
-        `steering`; None while all are busy."""
+    def _best_idle(
+        self, ids: list[int], steering: SteeringScale | None
+    ) -> tuple[list[LiveSession], LiveSession | None, int]:
+        """The idle sessions, the one sharing the longest prefix with `ids` (same steering), and that length."""
         idle = [live for live in self.live if not live.busy]
         alike = [live for live in idle if live.steering == steering]  # a KV steered otherwise is no prefix
         shared = {id(live): common_prefix_len(live.session.tokens, ids) for live in alike}
         best = max(alike, key=lambda live: (shared[id(live)], live.last_used), default=None)
-        best_shared = shared[id(best)] if best is not None else 0
+        return idle, best, shared[id(best)] if best is not None else 0
+
+    def _useful(self, shared: int) -> int:
+        # A shared prefix shorter than a chunk is not worth keeping: cutting a session back replays
+        # from its last chunk checkpoint, which costs as much as prefilling that prefix cold.
+        return shared if shared >= self.chunk else 0
+
+    def disk_lookup_due(
+        self, prompt: Prompt | None, ids: list[int], steering: SteeringScale | None = None
+    ) -> int | None:
+        """The `better_than` of the disk lookup `acquire` would make now; None when it would make none
+        (memory continues the conversation, nothing is free, or no disk cache applies)."""
+        if self.disk is None or prompt is None or steering is not None:
+            return None
+        idle, best, best_shared = self._best_idle(ids, steering)
+        if (best is not None and best.continued_by(best_shared)) or (not self._has_room() and not idle):
+            return None
+        return self._useful(best_shared)
+
+    def acquire(
+        self,
+        prompt: Prompt | None,
+        ids: list[int],
+        steering: SteeringScale | None = None,
+        looked_up: DiskLookup | None = None,
+    ) -> Lease | None:
+        """A session brought to the state after `ids`' longest cached prefix computed with the same
+        `steering`; None while all are busy. `looked_up`: the disk lookup already made for this
+        request (else it is made here, when due)."""
+        idle, best, best_shared = self._best_idle(ids, steering)
         if best is not None and best.continued_by(best_shared):
             return self._lease(best, prompt, ids, "memory")
-        # Another conversation, or one that left memory. A shared prefix shorter than a chunk is not
-        # worth keeping: cutting a session back replays from its last chunk checkpoint, which costs
-        # as much as prefilling that prefix cold.
-        useful = best_shared if best_shared >= self.chunk else 0
+        # another conversation, or one that left memory
+        useful = self._useful(best_shared)
         if not self._has_room() and not idle:
             return None
         on_disk = self.disk is not None and prompt is not None and steering is None
-        state = self.disk.restore(prompt, better_than=useful) if on_disk else None
+        if looked_up is not None:  # made earlier: memory may have gained a longer prefix since
+            state = looked_up.state if looked_up.state is not None and len(looked_up.state.tokens) > useful else None
+        else:
+            state = self.disk.restore(prompt, better_than=useful) if on_disk else None
         if not self._has_room():
             victim = min(idle, key=lambda live: live.last_used)
             self._save(victim)

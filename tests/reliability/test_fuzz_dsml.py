@@ -1,6 +1,6 @@
-"""The DSML parser on generated-looking text made of tag fragments (well-formed, truncated and
-malformed), fed whole and in random chunkings: never an exception, and the same completion and the
-same event text whatever the chunking."""
+"""The DSML parser on generated-looking text made of tag fragments (well-formed, drifted, truncated
+and malformed), fed whole and in random chunkings: never an exception, the same completion and the
+same event text whatever the chunking, and no DSML block in the content of an answer without calls."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from fuzz_support import FUZZ, tally
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dwarfstar.prompt import dsml_tags
 from dwarfstar.prompt.dsml_parser import (
     ContentDelta,
     DsmlParser,
@@ -37,6 +38,13 @@ FRAGMENTS = [
     # the drift long contexts produce: a lookalike bracket, a lost underscore, a half tag
     f"‹{D}tool_calls>",
     f"<{D}toolcalls>",
+    f"</{D}tool-calls>",
+    f"‹/{D}parameter›",
+    f"＜/{D}invoke＞",
+    '<|DSML|invoke name="run">',
+    "<DSML｜tool_calls>",
+    "‹",
+    "<｜end▁of▁sentence｜>",
     f"<{D}tool_",
     f"<{D}",
     "｜DSML",
@@ -48,6 +56,17 @@ FRAGMENTS = [
     "null",
     "plain words ",
     "é✓🙂",
+]
+
+DRIFT = [
+    (f"<{D}", f"‹{D}"),
+    (f"</{D}", f"＜/{D}"),
+    ("tool_calls", "toolcalls"),
+    (D, "|DSML|"),
+    (f"<{D}tool_calls>", "<DSML｜tool_calls>"),
+    (f"</{D}invoke>\n</{D}tool_calls>", f"</{D}tool_calls>"),
+    (f"</{D}invoke>\n<{D}invoke", f"<{D}invoke"),
+    (f"\n</{D}tool_calls>", "<｜end▁of▁sentence｜>"),
 ]
 
 soup = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=6), max_size=40).map("".join)
@@ -66,9 +85,12 @@ def answers(draw) -> str:
         )
         invokes.append(f'<{D}invoke name="{draw(st.sampled_from(["get_weather", "run"]))}">\n{params}</{D}invoke>\n')
     text = draw(st.text(max_size=20)) + f"\n\n<{D}tool_calls>\n" + "".join(invokes) + f"</{D}tool_calls>"
-    damage = draw(st.sampled_from(["none", "none", "replace", "cut", "insert"]))
+    damage = draw(st.sampled_from(["none", "none", "drift", "replace", "cut", "insert"]))
     at = draw(st.integers(0, len(text)))
-    if damage == "cut":
+    if damage == "drift":  # one tag spelling drifts the way long contexts make it (a repairable kind)
+        canonical, drifted = draw(st.sampled_from(DRIFT))
+        text = text.replace(canonical, drifted, draw(st.integers(1, 3)))
+    elif damage == "cut":
         text = text[:at]
     elif damage == "insert":
         text = text[:at] + draw(st.sampled_from(FRAGMENTS)) + text[at:]
@@ -80,12 +102,12 @@ def answers(draw) -> str:
 texts = soup | answers()
 
 
-def run(pieces: list[str], thinking: bool, escaped: bool):
+def run(pieces: list[str], thinking: bool, escaped: bool, ended: bool):
     parser = DsmlParser(thinking=thinking, escaped=escaped)
     events = []
     for piece in pieces:
         events += parser.feed(piece)
-    events += parser.finish()
+    events += parser.finish(ended=ended)
     return parser.completion, events
 
 
@@ -107,15 +129,27 @@ def streams(events) -> dict[str, str]:
 
 
 @FUZZ
-@given(text=texts, cuts=st.lists(st.integers(0, 400), max_size=12), thinking=st.booleans(), escaped=st.booleans())
-def test_any_chunking_gives_the_same_completion(text, cuts, thinking, escaped):
+@given(
+    text=texts,
+    cuts=st.lists(st.integers(0, 400), max_size=12),
+    thinking=st.booleans(),
+    escaped=st.booleans(),
+    ended=st.booleans(),
+)
+def test_any_chunking_gives_the_same_completion(text, cuts, thinking, escaped, ended):
     bounds = sorted({c for c in cuts if c < len(text)} | {0, len(text)})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-    whole, whole_events = run([text], thinking, escaped)
-    chunked, chunked_events = run(pieces, thinking, escaped)
+    whole, whole_events = run([text], thinking, escaped, ended)
+    chunked, chunked_events = run(pieces, thinking, escaped, ended)
     assert chunked == whole
     assert streams(chunked_events) == streams(whole_events)
-    # nothing is lost: reasoning, content and the accepted block together hold all the text
-    kept = (whole.reasoning or "") + whole.content + (whole.raw_dsml or "")
+    # the parts are pieces of the text: reasoning, content, the accepted or the invalid block
+    kept = (whole.reasoning or "") + whole.content + (whole.raw_dsml or "") + (whole.invalid_dsml or "")
     assert len(kept) <= len(text)
-    tally("dsml parser", "tool calls" if whole.tool_calls else ("problems" if whole.problems else "plain text"))
+    if not whole.tool_calls:  # content after an accepted block is stray text; before, never DSML
+        opener = dsml_tags.BLOCK_OPEN.find(whole.content)
+        assert opener is None or opener.partial
+    repaired = any(p.startswith("repaired") for p in whole.problems)
+    outcome = "tool calls, repaired" if repaired and whole.tool_calls else "tool calls" if whole.tool_calls else ""
+    outcome = outcome or ("invalid tool call" if whole.invalid_dsml is not None else "")
+    tally("dsml parser", outcome or ("problems" if whole.problems else "plain text"))
