@@ -59,7 +59,10 @@ class TritonOps:
     def __init__(self, weights: ModelWeights, qat: bool = True, precision: Precision = EXACT) -> None:
         self.w, self.args, self.qat, self.precision = weights, weights.args, qat, precision
         self.device = weights.embed.data.device
-        self.experts = ResidentExperts([(lw.gate_exps, lw.up_exps, lw.down_exps) for lw in weights.layers])
+        # weights uploaded without their routed experts stream them: `experts.attach` sets the source
+        streamed = weights.layers[0].gate_exps is None
+        routed = [(lw.gate_exps, lw.up_exps, lw.down_exps) for lw in weights.layers]
+        self.experts: ExpertSource | None = None if streamed else ResidentExperts(routed)
         self._inv_freq: dict[tuple[float, bool], torch.Tensor] = {}
         for layer in self.args.layers:
             key = (layer.rope_theta, layer.yarn)

@@ -218,9 +218,10 @@ class LayerWeights:
     router: QWeight
     router_bias: torch.Tensor | None
     tid2eid: torch.Tensor | None  # int32 [vocab, k] for hash-routed layers
-    gate_exps: QWeight
-    up_exps: QWeight
-    down_exps: QWeight
+    # the routed experts; None where they stream from the file instead (`dwarfstar.experts`)
+    gate_exps: QWeight | None
+    up_exps: QWeight | None
+    down_exps: QWeight | None
     gate_shared: QWeight
     up_shared: QWeight
     down_shared: QWeight
@@ -251,8 +252,9 @@ class ModelWeights:
         return total
 
 
-def upload(gguf: GGUFFile, args: ModelArgs, device: torch.device | str) -> ModelWeights:
-    """Copy every tensor of the file to `device` once, matrices as blocks, vectors as float32.
+def upload(gguf: GGUFFile, args: ModelArgs, device: torch.device | str, routed_experts: bool = True) -> ModelWeights:
+    """Copy every tensor of the file to `device` once, matrices as blocks, vectors as float32; without
+    `routed_experts` all but the routed experts, which then stream from the file (`--ssd-streaming`).
 
     Tensor by tensor, each one's mapped pages released after its copy (`GGUFFile.release`): where
     the GPU shares RAM with the CPU, peak memory stays near one model instead of two.
@@ -269,7 +271,7 @@ def upload(gguf: GGUFFile, args: ModelArgs, device: torch.device | str) -> Model
         gguf.release(name)
         return values
 
-    return build_weights(args, matrix, vector)
+    return build_weights(args, matrix, vector, routed_experts)
 
 
 def _hc(names: tuple[str, str, str], matrix: MatrixSource, vector: VectorSource) -> HCWeights:
@@ -277,7 +279,7 @@ def _hc(names: tuple[str, str, str], matrix: MatrixSource, vector: VectorSource)
     return matrix(fn), vector(scale), vector(base)
 
 
-def _layer_weights(layer: LayerSpec, matrix: MatrixSource, vector: VectorSource) -> LayerWeights:
+def _layer_weights(layer: LayerSpec, matrix: MatrixSource, vector: VectorSource, routed_experts: bool) -> LayerWeights:
     def name(role: str) -> str:
         return tt.layer_tensor(layer.index, role)
 
@@ -288,7 +290,7 @@ def _layer_weights(layer: LayerSpec, matrix: MatrixSource, vector: VectorSource)
         ape, norm = (vector(name(role)) for role in tt.compressor(kind))
         return ape, norm
 
-    gate, up, down = (matrix(name(role)) for role in tt.EXPERTS)
+    gate, up, down = (matrix(name(role)) if routed_experts else None for role in tt.EXPERTS)
     gate_shared, up_shared, down_shared = (matrix(name(role)) for role in tt.SHARED_EXPERT)
     return LayerWeights(
         hc_attn=_hc(tuple(name(role) for role in tt.hc_mix("attn")), matrix, vector),
@@ -315,9 +317,11 @@ def _layer_weights(layer: LayerSpec, matrix: MatrixSource, vector: VectorSource)
     )
 
 
-def build_weights(args: ModelArgs, matrix: MatrixSource, vector: VectorSource) -> ModelWeights:
+def build_weights(
+    args: ModelArgs, matrix: MatrixSource, vector: VectorSource, routed_experts: bool = True
+) -> ModelWeights:
     """Assemble the model's weights from per-tensor sources (a file, or random synthetic blocks)."""
-    layers = [_layer_weights(layer, matrix, vector) for layer in args.layers]
+    layers = [_layer_weights(layer, matrix, vector, routed_experts) for layer in args.layers]
     return ModelWeights(
         args=args,
         embed=matrix(tt.EMBED),
