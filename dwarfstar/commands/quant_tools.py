@@ -130,7 +130,7 @@ def inspect_command(
 ) -> None:
     """Metadata, tensor table, totals per type, and the weight bytes read per decoded token; for a
     split set, its parts and their layer ranges first, then the set as one model."""
-    part = PartName.parse(model)
+    part = PartName.of(model)
     with GGUFFile(model) if part is None else open_all_parts(part) as gguf:
         if isinstance(gguf, GGUFSet):
             _show_parts(gguf)

@@ -18,6 +18,7 @@ scheme; a file carrying them under any other name is refused with a clear error 
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from dwarfstar.gguf.writer import GGUFWriter
 
 _PART_NAME = re.compile(r"(?P<stem>.+)-Layers-?(?P<first>\d+)-(?P<last>\d+|output)\.gguf")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")
+_MAX_LINK_HOPS = 40  # Linux's SYMLOOP_MAX: a longer chain is a loop
 LLAMA_SPLIT_COUNT = "split.count"  # llama.cpp gguf-split: how many files the set has (u16)
 LLAMA_SPLIT_NO = "split.no"  # this file's index in it, from 0 (u16)
 
@@ -54,6 +56,17 @@ class PartName:
             return None
         last = None if match["last"] == "output" else int(match["last"])
         return cls(path, match["stem"], int(match["first"]), last)
+
+    @classmethod
+    def of(cls, path: Path) -> PartName | None:
+        """The part `path` names, following links whose own name is not a part's (`./ds4flash.gguf` or
+        `-m model.gguf` pointing at one); the set is then looked for next to the part, not the link."""
+        for _ in range(_MAX_LINK_HOPS):
+            part = cls.parse(path)
+            if part is not None or not path.is_symlink():
+                return part
+            path = path.parent / os.readlink(path)
+        return None
 
     def end(self, n_layers: int) -> int:
         """One past its last layer."""

@@ -65,7 +65,7 @@ def open_model(path: str | os.PathLike, layers: tuple[int, int] | None = None) -
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
-    part = PartName.parse(path)
+    part = PartName.of(path)
     if part is None:
         gguf = GGUFFile(path)
         try:
@@ -77,10 +77,10 @@ def open_model(path: str | os.PathLike, layers: tuple[int, int] | None = None) -
             gguf.close()
             raise
         return ModelFile(path, gguf, args, None if layers is None else span, (path,))
-    return _open_parts(part, layers)
+    return _open_parts(path, part, layers)
 
 
-def _open_parts(named: PartName, layers: tuple[int, int] | None) -> ModelFile:
+def _open_parts(path: Path, named: PartName, layers: tuple[int, int] | None) -> ModelFile:
     opened: list[GGUFFile] = [GGUFFile(named.path)]  # its header gives the config the set is checked against
     try:
         file_args = _config(opened[0], named.path)
@@ -102,13 +102,13 @@ def _open_parts(named: PartName, layers: tuple[int, int] | None) -> ModelFile:
             opened.pop(0).close()
         gguf_set = GGUFSet(files)
         args = trunk_args(file_args, gguf_set)
-        span = _span(args, None if layers is None else (first, min(end, args.n_layers)), named.path)
+        span = _span(args, layers, named.path)  # past the trunk is an error: an in-file MTP block is no layer
         _validate(args, gguf_set.tensors, span, named.path)
     except BaseException:
         for gguf in opened:
             gguf.close()
         raise
-    return ModelFile(named.path, gguf_set, args, None if layers is None else span, tuple(p.path for p in needed))
+    return ModelFile(path, gguf_set, args, None if layers is None else span, tuple(p.path for p in needed))
 
 
 def _config(gguf: GGUFFile, path: Path) -> ModelArgs:

@@ -16,6 +16,7 @@ from dwarfstar.gguf.constants import ValueType
 from dwarfstar.gguf.reader import GGUFFile
 from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.loader import open_model, write_split
+from dwarfstar.model.synthetic import TINY, write_synthetic_model
 
 TOKENS = [0, 17, 42, 99, 1000, 5, 7, 128000, 3, 64, 65, 66]  # past the tiny raw window of 8
 
@@ -59,6 +60,15 @@ def test_a_split_set_gives_the_logits_of_the_single_file(single, halves, thirds)
         assert torch.equal(logits_of(part), expected)
     model = open_model(halves[1])
     assert model.parts == tuple(halves) and model.layers is None and model.has_embedding and model.has_head
+    model.close()
+
+
+def test_a_link_to_a_part_opens_the_set(halves, tmp_path) -> None:
+    """`./ds4flash.gguf` or `-m` pointing at a part: the set is looked for next to the part."""
+    link = tmp_path / "ds4flash.gguf"
+    link.symlink_to(halves[0])
+    model = open_model(link)
+    assert model.path == link and model.parts == tuple(halves)
     model.close()
 
 
@@ -153,3 +163,20 @@ def test_a_llama_cpp_gguf_split_file_is_refused_clearly(single, tmp_path) -> Non
         pass
     with pytest.raises(ModelFileError, match=r"file 1 of 3 of a llama.cpp gguf-split set.*llama-gguf-split --merge"):
         open_model(path)
+
+
+def test_an_in_file_mtp_block_goes_with_the_output_part(tmp_path) -> None:
+    """llama.cpp's layout counts the MTP block (blk.6.nextn.*) in block_count: it is no trunk layer."""
+    whole = tmp_path / "mtp.gguf"
+    write_synthetic_model(whole, TINY, in_file_mtp=True)
+    first, last = write_split(whole, [3], tmp_path / "mtp")
+    with GGUFFile(last) as part:
+        assert "blk.6.nextn.eh_proj.weight" in part.tensors
+    model = open_model(first)
+    assert model.args.n_layers == 6 and "blk.6.nextn.eh_proj.weight" in model.gguf.tensors
+    model.close()
+    stage = open_model(first, layers=(3, 6))
+    assert stage.parts == (last,) and stage.has_head
+    stage.close()
+    with pytest.raises(ModelFileError, match=r"layers \(3, 7\) are not a slice of its 6 layers"):
+        open_model(first, layers=(3, 7))
