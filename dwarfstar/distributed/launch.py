@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from dwarfstar.distributed.backend import RouteBackend
 from dwarfstar.distributed.membership import (
     LayerSlice,
     Registration,
@@ -23,7 +24,7 @@ from dwarfstar.distributed.membership import (
     split_by_bytes,
 )
 from dwarfstar.distributed.protocol import ACTIVATION_BITS, DistError
-from dwarfstar.distributed.route import Route, RouteBackend, RouteOptions
+from dwarfstar.distributed.route import Route, RouteOptions
 from dwarfstar.distributed.stage import WorkerOptions, serve_stage
 from dwarfstar.engine import Engine
 from dwarfstar.model.forward import Transformer
@@ -98,7 +99,9 @@ def start_coordinator(engine: Engine, opts: DistOptions, ctx: int) -> Route:
     layers = opts.slice_for(engine)
     host, port = parse_addr(opts.addr)
     rendezvous = Rendezvous(host, port, opts.secret, opts.wait_s)
-    options = RouteOptions(opts.bits, opts.prefill_chunk, opts.timeout_s, opts.debug, opts.data_backend)
+    options = RouteOptions(
+        opts.bits, opts.prefill_chunk, opts.prefill_window, opts.timeout_s, opts.debug, opts.data_backend
+    )
     route = Route(local_model(engine), layers, rendezvous, model_identity(engine.model), ctx, options)
     route.wait_complete(opts.wait_s)
     return route

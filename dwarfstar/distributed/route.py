@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -42,9 +42,8 @@ from dwarfstar.distributed.protocol import (
 )
 from dwarfstar.distributed.stage import to_torch
 from dwarfstar.distributed.state import RouteSnapshot, RouteState
-from dwarfstar.model.forward import Batch, Transformer, forward_then_sample
+from dwarfstar.model.forward import Batch, Transformer
 from dwarfstar.model.state import SequenceState, TorchStorage
-from dwarfstar.session.sampling import Sampler
 
 WATCH_INTERVAL_S = 0.5  # how often an idle coordinator looks for new registrations
 
@@ -53,6 +52,7 @@ WATCH_INTERVAL_S = 0.5  # how often an idle coordinator looks for new registrati
 class RouteOptions:
     bits: int = 32  # activation width on the wire: 32 (bit-exact), 16 or 8
     prefill_chunk: int = 4096  # tokens per route pass of a long prefill
+    prefill_window: int = 1  # prefill chunks in flight along the route (1: one pass at a time)
     timeout_s: float = 600.0  # a stage that takes longer for one message is dropped
     debug: bool = False  # print each pass's per-hop telemetry on stderr
     data_backend: str = "gloo"
@@ -98,7 +98,7 @@ def _locked(method: Callable) -> Callable:
     return wrapper
 
 
-class _Replay(Exception):
+class ReplayNeeded(Exception):
     """A stage does not hold a session as the coordinator does (internal: the route replays it)."""
 
 
@@ -138,7 +138,7 @@ class Route:
                 try:
                     self.accept_arrivals()
                 except Exception as exc:  # noqa: BLE001 - the watcher must outlive a bad store reply
-                    self._log(f"[dist] registration check failed: {exc}")
+                    self.log(f"[dist] registration check failed: {exc}")
                 finally:
                     self.lock.release()
 
@@ -150,7 +150,7 @@ class Route:
                 self._admit(worker, reg)
             except RegistrationError as exc:
                 self.rendezvous.answer(worker, str(exc))
-                self._log(f"[dist] refused worker {worker}: {exc}")
+                self.log(f"[dist] refused worker {worker}: {exc}")
 
     def _admit(self, worker: int, reg: Registration) -> None:
         self.rendezvous.check_secret(worker, reg)
@@ -181,16 +181,16 @@ class Route:
             self.rendezvous.host,
             self.options.timeout_s,
             self.options.data_backend,
-            self._device,
+            self.local_device,
         )
         for old in replaced:  # a restarted worker for the same layers takes over; its sessions are gone
             self._drop(old, f"replaced by worker {worker}")
         self.stages = sorted([*self.stages, RemoteStage(layers, worker, reg.host, link)], key=lambda s: s.layers.first)
         self._mark_all_dirty()
-        self._log(f"[dist] worker {worker} at {reg.host} serves layers {layers}")
+        self.log(f"[dist] worker {worker} at {reg.host} serves layers {layers}")
 
     @property
-    def _device(self) -> torch.device | str:
+    def local_device(self) -> torch.device | str:
         storage = self.local.cache.storage
         return storage.device if isinstance(storage, TorchStorage) else "cpu"
 
@@ -233,7 +233,7 @@ class Route:
         if stage in self.stages:
             self.stages.remove(stage)
             self._mark_all_dirty()
-            self._log(f"[dist] dropped worker {stage.worker} (layers {stage.layers}): {why}")
+            self.log(f"[dist] dropped worker {stage.worker} (layers {stage.layers}): {why}")
 
     def _mark_all_dirty(self) -> None:
         for state in list(self.live):
@@ -264,7 +264,7 @@ class Route:
         if reply.header.status == Status.ERROR:
             raise DistError(bytes(reply.payload.numpy()).decode(errors="replace"))
         if reply.header.status in (Status.MISMATCH, Status.MISSING):
-            raise _Replay(f"layers {stage.layers}: {reply.header.status.name.lower()}")
+            raise ReplayNeeded(f"layers {stage.layers}: {reply.header.status.name.lower()}")
         return reply
 
     def _broadcast(self, op: Op, segments: list[SegmentRecord], request: int = 0) -> list[Message]:
@@ -277,71 +277,88 @@ class Route:
         return SegmentRecord(state.session_id, state.pos, count, h, h)
 
     # -- the forward pass --------------------------------------------------------------------------------
-    def run(self, batch: Batch, all_logits: bool) -> torch.Tensor:
-        """Logits [rows, vocab] of a validated batch of RouteStates, through every stage; not advanced."""
+    def first_hop(self, batch: Batch, all_logits: bool) -> tuple[Message, Hop]:
+        """The coordinator's layers over a validated batch, as the message to the first worker."""
         segments = []
         for seq in batch.seqs:
             before = seq.state.token_hash()
-            segments.append(
-                SegmentRecord(
-                    seq.state.session_id, seq.start, seq.length, before, extend_hash(before, seq.tokens.tolist())
-                )
-            )
+            after = extend_hash(before, seq.tokens.tolist())
+            segments.append(SegmentRecord(seq.state.session_id, seq.start, seq.length, before, after))
         tokens = torch.cat([seq.tokens for seq in batch.seqs])
         started = time.perf_counter()
         h = self.local.run_layers(self.local.embed(batch), batch, 0, self.local_layers.last)
         payload = encode_activation(to_torch(h), self.options.bits)
-        hops = [Hop(str(self.local_layers), "coordinator", batch.n_rows, (time.perf_counter() - started) * 1e3)]
+        hop = Hop(str(self.local_layers), "coordinator", batch.n_rows, (time.perf_counter() - started) * 1e3)
         flags = FLAG_ALL_LOGITS if all_logits else 0
-        header = Header(Op.FORWARD, next(self._requests), len(segments), batch.n_rows, 0, self.options.bits, flags)
+        header = Header(
+            Op.FORWARD, next(self._requests), len(segments), batch.n_rows, payload.numel(), self.options.bits, flags
+        )
+        return Message(header, segments, tokens, payload), hop
+
+    def run(self, batch: Batch, all_logits: bool) -> torch.Tensor:
+        """Logits [rows, vocab] of a validated batch of RouteStates, through every stage; not advanced."""
+        msg, hop = self.first_hop(batch, all_logits)
+        hops = [hop]
         for stage in list(self.stages):
-            msg = Message(replace(header, payload_bytes=payload.numel()), segments, tokens, payload)
-            link, before_bytes = stage.link, stage.link.bytes_sent + stage.link.bytes_received
-            t0 = time.perf_counter()
-            reply = self._call(stage, msg)
-            t_sent, t_done = link.last_send_done, time.perf_counter()
-            compute_ms = reply.header.compute_us / 1e3
-            hops.append(
-                Hop(
-                    str(stage.layers),
-                    f"worker {stage.worker}",
-                    batch.n_rows,
-                    compute_ms,
-                    max(0.0, (t_done - t_sent) * 1e3 - compute_ms),
-                    (t_sent - t0) * 1e3,
-                    link.bytes_sent + link.bytes_received - before_bytes,
-                )
-            )
-            payload = reply.payload
+            reply, hop = self.relay(stage, msg)
+            hops.append(hop)
             if reply.header.flags & FLAG_LOGITS:
-                rows = batch.n_rows if all_logits else len(batch.seqs)
                 self._report(hops)
-                return payload.cpu().view(torch.float32).reshape(rows, self.local.args.vocab_size)
+                return self.logits_of(reply, batch.n_rows if all_logits else len(batch.seqs))
+            msg = self.next_message(msg, reply)
         raise DistError("no stage of the route holds the output head")
+
+    def relay(self, stage: RemoteStage, msg: Message) -> tuple[Message, Hop]:
+        """One stage's reply to a FORWARD, and its telemetry."""
+        link, before_bytes = stage.link, stage.link.bytes_sent + stage.link.bytes_received
+        t0 = time.perf_counter()
+        reply = self._call(stage, msg)
+        t_sent, t_done = link.last_send_done, time.perf_counter()
+        compute_ms = reply.header.compute_us / 1e3
+        hop = Hop(
+            str(stage.layers),
+            f"worker {stage.worker}",
+            msg.header.n_rows,
+            compute_ms,
+            max(0.0, (t_done - t_sent) * 1e3 - compute_ms),
+            (t_sent - t0) * 1e3,
+            link.bytes_sent + link.bytes_received - before_bytes,
+        )
+        return reply, hop
+
+    @staticmethod
+    def next_message(msg: Message, reply: Message) -> Message:
+        """The FORWARD for the next stage: the same spans, the reply's activation bytes as they came."""
+        return Message(
+            replace(msg.header, payload_bytes=reply.payload.numel()), msg.segments, msg.tokens, reply.payload
+        )
+
+    def logits_of(self, reply: Message, rows: int) -> torch.Tensor:
+        return reply.payload.cpu().view(torch.float32).reshape(rows, self.local.args.vocab_size)
 
     def _report(self, hops: list[Hop]) -> None:
         self.hops = hops
         if self.options.debug:
             for hop in hops:
-                self._log(hop.line())
+                self.log(hop.line())
 
     def forward(self, spans: list[torch.Tensor], states: list[RouteState], all_logits: bool) -> list[torch.Tensor]:
         """Run and advance sequences (each given tokens), replaying them once if a stage has them out of step."""
         batch = self.local.batch(spans, states)
         try:
             logits = self.run(batch, all_logits)
-        except _Replay as why:
+        except ReplayNeeded as why:
             self.mismatches += 1
-            self._log(f"[dist] {why}: replaying {len(states)} session(s)")
+            self.log(f"[dist] {why}: replaying {len(states)} session(s)")
             for state in states:
                 self.rebuild(state)
             batch = self.local.batch(spans, states)  # a fresh call: the backend's per-call preparation again
             try:
                 logits = self.run(batch, all_logits)
-            except _Replay as again:
+            except ReplayNeeded as again:
                 raise DistError(f"a stage still disagrees after replaying the sessions: {again}") from None
         self.local.advance(batch)
-        device, out = self._device, []
+        device, out = self.local_device, []
         for i, seq in enumerate(batch.seqs):
             mine = (logits[seq.rows] if all_logits else logits[i : i + 1]).to(device)
             seq.state.logits = mine[-1].clone()
@@ -377,10 +394,10 @@ class Route:
             batch = self.local.batch([tokens[at : at + step]], [state])
             try:
                 logits = self.run(batch, all_logits=False)
-            except _Replay as why:
+            except ReplayNeeded as why:
                 raise DistError(f"replaying session {state.session_id} failed: {why}") from None
             self.local.advance(batch)
-            state.logits = logits[0].to(self._device).clone()
+            state.logits = logits[0].to(self.local_device).clone()
 
     @_locked
     def snapshot(self, state: RouteState) -> int:
@@ -393,7 +410,7 @@ class Route:
         state.reset_hash()
         try:
             self._broadcast(Op.RESTORE, [self._record(state)], snap.request)
-        except _Replay:
+        except ReplayNeeded:
             self.rebuild(state)
 
     @_locked
@@ -431,66 +448,5 @@ class Route:
         state.dirty = False
 
     @staticmethod
-    def _log(text: str) -> None:
+    def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
-
-
-class RouteBackend:
-    """A route as the session layer's `Backend`: sessions, `decode_batch`, `run` and `serve` unchanged."""
-
-    def __init__(self, route: Route) -> None:
-        self.route, self.local = route, route.local
-        self.args = route.local.args
-        self.max_seq_len = route.local.max_seq_len
-
-    def new_state(self) -> RouteState:
-        state = RouteState(self.route)
-        self.route.live.add(state)
-        return state
-
-    def forward(
-        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
-    ) -> torch.Tensor:
-        return self.forward_batch([tokens], [state], all_logits)[0]
-
-    @torch.inference_mode()
-    def forward_batch(
-        self,
-        token_lists: Sequence[Sequence[int] | torch.Tensor],
-        states: Sequence[SequenceState],
-        all_logits: bool = False,
-    ) -> list[torch.Tensor]:
-        if any(not isinstance(s, RouteState) or s.route is not self.route for s in states):
-            raise DistError("a route runs only the states it made (backend.new_state())")
-        with self.route.lock:
-            self.route.check_complete()
-            for state in states:
-                self.route.sync(state)
-            batch = self.local.batch(token_lists, states)
-            out: dict[int, torch.Tensor] = {}
-            if batch.seqs:
-                for seq, logits in zip(batch.seqs, self._chunked(batch, states, all_logits), strict=True):
-                    out[id(seq.state)] = logits
-        empty = torch.empty(0, self.args.vocab_size)
-        return [out.get(id(s), empty) for s in states]
-
-    def _chunked(self, batch: Batch, states: Sequence[RouteState], all_logits: bool) -> list[torch.Tensor]:
-        """One pass for a decode step or a short batch; a long single-sequence prefill in chunks of
-        `prefill_chunk` tokens, so no stage holds a whole prompt's activations at once."""
-        step = self.route.options.prefill_chunk
-        if len(batch.seqs) > 1 or batch.n_rows <= step:
-            return self.route.forward([seq.tokens for seq in batch.seqs], [seq.state for seq in batch.seqs], all_logits)
-        (seq,) = batch.seqs
-        parts = []
-        for at in range(0, seq.length, step):
-            parts.append(self.route.forward([seq.tokens[at : at + step]], [seq.state], all_logits)[0])
-        return [torch.cat(parts) if all_logits else parts[-1]]
-
-    def sample_batch(self, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
-        return self.local.sample_batch(logits, samplers)
-
-    def decode_sample(
-        self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler]
-    ) -> list[int]:
-        """A decode step through the route, then the coordinator samples (the head's logits came back)."""
-        return forward_then_sample(self, tokens, states, samplers)

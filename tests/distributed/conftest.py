@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dwarfstar.distributed.backend import RouteBackend
 from dwarfstar.distributed.launch import DistOptions, start_coordinator
-from dwarfstar.distributed.route import Route, RouteBackend
+from dwarfstar.distributed.route import Route
 from dwarfstar.engine import Engine, load_engine
 from dwarfstar.model.bundled import default_model_path
 

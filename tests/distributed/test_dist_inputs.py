@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import CTX, free_port
 
+from dwarfstar.distributed.backend import RouteBackend
 from dwarfstar.distributed.link import Message
 from dwarfstar.distributed.membership import (
     LayerSlice,
@@ -33,7 +34,7 @@ from dwarfstar.distributed.protocol import (
     prefix_hash,
     unpack_segments,
 )
-from dwarfstar.distributed.route import Route, RouteBackend, RouteOptions
+from dwarfstar.distributed.route import Route, RouteOptions
 from dwarfstar.distributed.stage import StageWorker
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.model.loader import open_model

@@ -84,3 +84,23 @@ def test_truncate_and_fork_through_the_route(tiny2):
     local.decode(6)
     assert torch.equal(twin.logits.cpu(), local_twin.logits)
     assert torch.equal(routed.logits.cpu(), local.logits)
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_chunked_and_pipelined_prefill(tiny3, window):
+    """A 41-token prompt in route chunks of 8, one at a time or 3 in flight, equals one process
+    prefilling the same chunks (a different chunking rounds differently in the matrix products)."""
+    prompt = [(13 * i + 5) % 5000 for i in range(41)]
+    reference = tiny3.local.new_state()
+    want = torch.cat([tiny3.local.forward(prompt[at : at + 8], reference) for at in range(0, 41, 8)])
+    options = tiny3.route.options
+    options.prefill_chunk, options.prefill_window = 8, window
+    try:
+        state = tiny3.backend.new_state()
+        got = tiny3.backend.forward(prompt, state, all_logits=True)
+        assert torch.equal(got.cpu(), want)
+        assert state.pos == 41 and state.tokens == prompt
+        decoded = tiny3.backend.forward([1], state, all_logits=False)
+    finally:
+        options.prefill_chunk, options.prefill_window = 4096, 1
+    assert torch.equal(decoded.cpu(), tiny3.local.forward([1], reference, all_logits=False))

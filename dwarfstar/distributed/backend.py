@@ -1,0 +1,86 @@
+"""`RouteBackend`: a route as the session layer's `Backend`, so `Session`, `decode_batch`, `run` and
+`serve` drive it unchanged; a long single-sequence prefill goes in route chunks, pipelined when
+`prefill_window` > 1."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dwarfstar.distributed.pipeline import pipelined_prefill
+from dwarfstar.distributed.protocol import DistError
+from dwarfstar.distributed.route import ReplayNeeded, Route
+from dwarfstar.distributed.state import RouteState
+from dwarfstar.model.forward import Batch, forward_then_sample
+from dwarfstar.model.state import SequenceState
+from dwarfstar.session.sampling import Sampler
+
+
+class RouteBackend:
+    """A route as the session layer's `Backend`: sessions, `decode_batch`, `run` and `serve` unchanged."""
+
+    def __init__(self, route: Route) -> None:
+        self.route, self.local = route, route.local
+        self.args = route.local.args
+        self.max_seq_len = route.local.max_seq_len
+
+    def new_state(self) -> RouteState:
+        state = RouteState(self.route)
+        self.route.live.add(state)
+        return state
+
+    def forward(
+        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
+    ) -> torch.Tensor:
+        return self.forward_batch([tokens], [state], all_logits)[0]
+
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        token_lists: Sequence[Sequence[int] | torch.Tensor],
+        states: Sequence[SequenceState],
+        all_logits: bool = False,
+    ) -> list[torch.Tensor]:
+        if any(not isinstance(s, RouteState) or s.route is not self.route for s in states):
+            raise DistError("a route runs only the states it made (backend.new_state())")
+        with self.route.lock:
+            self.route.check_complete()
+            for state in states:
+                self.route.sync(state)
+            batch = self.local.batch(token_lists, states)
+            out: dict[int, torch.Tensor] = {}
+            if batch.seqs:
+                for seq, logits in zip(batch.seqs, self._chunked(batch, states, all_logits), strict=True):
+                    out[id(seq.state)] = logits
+        empty = torch.empty(0, self.args.vocab_size)
+        return [out.get(id(s), empty) for s in states]
+
+    def _chunked(self, batch: Batch, states: Sequence[RouteState], all_logits: bool) -> list[torch.Tensor]:
+        """One pass for a decode step or a short batch; a long single-sequence prefill in chunks of
+        `prefill_chunk` tokens, so no stage holds a whole prompt's activations at once."""
+        step = self.route.options.prefill_chunk
+        if len(batch.seqs) > 1 or batch.n_rows <= step:
+            return self.route.forward([seq.tokens for seq in batch.seqs], [seq.state for seq in batch.seqs], all_logits)
+        (seq,) = batch.seqs
+        parts = None
+        if self.route.options.prefill_window > 1:
+            try:
+                parts = pipelined_prefill(self.route, seq.state, seq.tokens, all_logits)
+            except ReplayNeeded as why:  # the state is back where it was, marked for replay
+                self.route.mismatches += 1
+                self.route.log(f"[dist] {why}: replaying the session, then prefilling chunk by chunk")
+                self.route.rebuild(seq.state)
+        if parts is None:
+            chunks = [seq.tokens[at : at + step] for at in range(0, seq.length, step)]
+            parts = [self.route.forward([chunk], [seq.state], all_logits)[0] for chunk in chunks]
+        return [torch.cat(parts) if all_logits else parts[-1]]
+
+    def sample_batch(self, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
+        return self.local.sample_batch(logits, samplers)
+
+    def decode_sample(
+        self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler]
+    ) -> list[int]:
+        """A decode step through the route, then the coordinator samples (the head's logits came back)."""
+        return forward_then_sample(self, tokens, states, samplers)
