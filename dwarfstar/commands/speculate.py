@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -15,16 +14,14 @@ from dwarfstar.commands.bench import bench_app
 from dwarfstar.engine import BACKENDS, Engine, load_engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.hub import resolve_model
-from dwarfstar.model.bundled import default_model_path
 from dwarfstar.session.sampling import GREEDY, SamplingParams
 from dwarfstar.session.session import Session
-from dwarfstar.speculative.decode import ALIGNMENTS, MAX_DRAFT, Speculator
-from dwarfstar.speculative.mtp import load_draft
+from dwarfstar.speculative.decode import ALIGNMENTS, MAX_DRAFT
+from dwarfstar.speculative.options import MTPOptions
 from dwarfstar.terminal import note
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
-BUNDLED_MTP = "nano-mtp.gguf"  # tools/train_nano.py --mtp
 BENCH_PROMPT = "Quel ramo del lago di Como, che volge a mezzogiorno, tra due catene non interrotte di monti"
 
 MTPFileOption = Annotated[
@@ -54,31 +51,6 @@ MTPAlignOption = Annotated[
         help="next: hidden state i with token i+1 (DeepSeek-V3 training, vLLM); same: with token i (ds4).",
     ),
 ]
-
-
-@dataclass(frozen=True)
-class MTPOptions:
-    path: Path | None
-    n_draft: int
-    margin: float = 0.0
-    alignment: str = "next"
-
-    def file_for(self, model: Path) -> Path | None:
-        """The MTP file to use: --mtp, else for the bundled model its bundled block (it has none in-file)."""
-        if self.path is None and model.resolve() == default_model_path().resolve():
-            return default_model_path().with_name(BUNDLED_MTP)
-        return self.path
-
-    @classmethod
-    def from_flags(cls, path: Path | None, n_draft: int | None, margin: float, alignment: str) -> MTPOptions | None:
-        """None when speculation is off (no --mtp and no --mtp-draft); --mtp alone drafts 2."""
-        if path is None and n_draft is None:
-            return None
-        return cls(path, 2 if n_draft is None else n_draft, margin, alignment)
-
-    def speculator(self, engine: Engine, ctx: int) -> Speculator:
-        draft = load_draft(engine.backend, engine.model, self.file_for(engine.model.path))
-        return Speculator(Session(engine.backend, ctx=ctx), draft, self.n_draft, self.alignment, self.margin)
 
 
 def speculative_reply(

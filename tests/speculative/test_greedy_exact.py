@@ -9,7 +9,8 @@ import pytest
 from conftest import PROMPT
 from spec_support import ScriptedDrafter, first_gap, payload, plain_greedy, speculative
 
-from dwarfstar.session.sampling import GREEDY
+from dwarfstar.session.sampling import GREEDY, Sampler
+from dwarfstar.speculative.decode import step_batch
 from dwarfstar.speculative.mtp import load_draft
 
 N_TOKENS = 300
@@ -37,16 +38,23 @@ def test_scripted_drafts_change_nothing(engines, backend_name, plain, n_draft):
         assert spec.stats.accepted[n_draft - 1] > 0
 
 
-@pytest.mark.parametrize(("n_draft", "alignment"), [(2, "next"), (3, "same")])
-def test_mtp_drafts_change_nothing(engines, backend_name, plain, n_draft, alignment):
+@pytest.mark.parametrize(("n_draft", "alignment", "rollback"), [(2, "next", "rerun"), (3, "same", "truncate")])
+def test_mtp_drafts_change_nothing(engines, backend_name, plain, n_draft, alignment, rollback):
     """The random MTP block agrees with the random trunk almost never, so nearly every step rolls
-    back; the state then holds what plain decoding built, byte for byte."""
+    back. Rerun rollbacks leave the state plain decoding built, byte for byte. Truncated ones run no
+    extra pass; their states equal plain decoding's within float rounding, which the FP8 rounding
+    of the KV rows turns into whole steps here and there (test_rollback.py compares those states)."""
     engine = engines(backend_name)
-    spec = speculative(engine.backend, load_draft(engine.backend, engine.model), PROMPT, n_draft, alignment=alignment)
+    draft = load_draft(engine.backend, engine.model)
+    spec = speculative(engine.backend, draft, PROMPT, n_draft, alignment=alignment, rollback=rollback)
     got = list(spec.generate(N_TOKENS, GREEDY))
     assert first_gap(got, plain.tokens[len(PROMPT) :]) is None and len(got) == N_TOKENS
     assert spec.stats.steps > 0 and sum(spec.stats.accepted) == 0  # every step rolled back
-    assert payload(spec.session.state, engine.backend) == payload(plain.state, engine.backend)
+    assert spec.stats.rollbacks == spec.stats.drafted[0]  # every step that drafted
+    if rollback == "rerun":
+        assert payload(spec.session.state, engine.backend) == payload(plain.state, engine.backend)
+    else:  # no extra pass: the prompt, each step's verified tokens, and the last token
+        assert spec.session.stats.computed == len(PROMPT) + spec.stats.steps + sum(spec.stats.drafted) + 1
 
 
 def test_stop_token_ends_inside_a_step(engines):
@@ -60,3 +68,31 @@ def test_stop_token_ends_inside_a_step(engines):
     got = list(spec.generate(N_TOKENS, GREEDY, stop_tokens=[stop]))
     assert got == want
     assert spec.session.tokens == PROMPT + want and spec.session.state.pos == len(PROMPT) + len(want)
+
+
+def test_speculators_verified_in_one_pass(engines):
+    """Two sequences speculating with different draft counts, verified together (as the server's
+    batched decode runs them), each emit the plain greedy text; one of them ends earlier."""
+    engine = engines("reference")
+    truth = plain_greedy(engine.backend, PROMPT, 60).tokens
+    draft = load_draft(engine.backend, engine.model)
+    specs = [speculative(engine.backend, draft, PROMPT, n) for n in (2, 4)]
+    for spec, wrong_every in zip(specs, (4, 7), strict=True):
+        spec.drafter = ScriptedDrafter(truth, wrong_every)
+    budgets = [60, 41]
+    out = [[int(spec.state.logits.argmax())] for spec in specs]
+    while live := [i for i in range(2) if len(out[i]) < budgets[i]]:
+        emitted = step_batch(
+            [specs[i] for i in live],
+            [out[i][-1] for i in live],
+            [Sampler(GREEDY)] * len(live),
+            [budgets[i] - len(out[i]) for i in live],
+            [lambda token: False] * len(live),
+        )
+        for i, emit in zip(live, emitted, strict=True):
+            out[i] += emit
+    for got, budget in zip(out, budgets, strict=True):
+        assert got == truth[len(PROMPT) : len(PROMPT) + budget]
+    for spec, got in zip(specs, out, strict=True):  # the state holds all but the pending token
+        assert spec.session.tokens == PROMPT + got[:-1]
+        assert spec.stats.rollbacks > 0 and sum(spec.stats.accepted) > 0
