@@ -27,6 +27,7 @@ from dwarfstar.commands.dist_options import (
     join_route,
 )
 from dwarfstar.commands.experts import SsdCacheExperts, SsdCold, SsdPreload, SsdStreaming, streaming_options
+from dwarfstar.commands.speculate import MTPAlignOption, MTPDraftOption, MTPFileOption, MTPMarginOption, MTPOptions
 from dwarfstar.commands.steer import DirSteeringAttn, DirSteeringFfn, DirSteeringFile, steering_options
 from dwarfstar.engine import BACKENDS, PRECISION_HELP
 from dwarfstar.errors import DwarfStarError
@@ -99,6 +100,10 @@ def serve(
     dist_secret: DistSecret = "",
     dist_backend: DistBackend = "gloo",
     debug: DistDebug = False,
+    mtp: MTPFileOption = None,
+    mtp_draft: MTPDraftOption = None,
+    mtp_margin: MTPMarginOption = 0.0,
+    mtp_align: MTPAlignOption = "next",
 ) -> None:
     """Serve the model over HTTP for the OpenAI SDK, Codex, Claude Code and opencode."""
     import uvicorn
@@ -135,6 +140,7 @@ def serve(
         kv_disk_space_mb=kv_disk_space_mb,
         kv_cache_min_tokens=kv_cache_min_tokens,
         model_aliases=tuple(model_alias or ()),
+        mtp=MTPOptions.from_flags(mtp, mtp_draft, mtp_margin, mtp_align),
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     engine = load_engine(

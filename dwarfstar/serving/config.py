@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from dwarfstar.prompt.options import DS4, OFFICIAL, RenderOptions
+from dwarfstar.speculative.options import MTPOptions
 
 TEMPLATES: dict[str, RenderOptions] = {"ds4": DS4, "official": OFFICIAL}
 API_KEY_ENV = "DWARFSTAR_API_KEY"  # where `dwarfstar serve` also reads --api-key from
@@ -55,6 +56,7 @@ class ServerConfig:
     kv_disk_space_mb: int = 4096
     kv_cache_min_tokens: int = 512  # shorter states are not worth a file
     model_aliases: tuple[str, ...] = field(default=())  # extra accepted `model` names, fnmatch patterns
+    mtp: MTPOptions | None = None  # MTP speculation in the batched decode (--mtp, --mtp-draft)
 
     @property
     def render_options(self) -> RenderOptions:

@@ -39,6 +39,8 @@ class Usage:
     cached_tokens: int = 0  # prompt tokens whose KV came from a live session or the disk cache
     completion_tokens: int = 0
     reasoning_tokens: int = 0
+    draft_tokens: int = 0  # MTP drafts verified (serve --mtp)
+    accepted_draft_tokens: int = 0  # of those, accepted
 
     @property
     def prefilled_tokens(self) -> int:

@@ -94,7 +94,12 @@ def usage_object(usage: Usage) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": usage.prefilled_tokens},
-        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "completion_tokens_details": {
+            "reasoning_tokens": usage.reasoning_tokens,
+            # OpenAI's predicted-output fields, here the MTP drafts (serve --mtp) accepted and rejected
+            "accepted_prediction_tokens": usage.accepted_draft_tokens,
+            "rejected_prediction_tokens": usage.draft_tokens - usage.accepted_draft_tokens,
+        },
     }
 
 

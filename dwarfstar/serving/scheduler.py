@@ -4,6 +4,9 @@ Each turn of the loop
 1. drops requests whose client left (queued ones, and active ones at the chunk or step they reached);
 2. admits queued requests while the session pool has a session for them (prefix reuse happens here);
 3. samples one token for every decoding request and advances them all in one batched forward;
+   with MTP speculation (`serve --mtp`), a request past its first token instead drafts after its
+   pending token, and all such requests are verified together in one batched pass, each emitting
+   its accepted drafts and one more token (`dwarfstar.speculative`);
 4. runs one prefill slice of one prefilling request (round robin), smaller while others decode, so a
    long prompt delays running generations by a slice, not by its whole prefill.
 The event loop never runs model code: handlers submit a `Job` and read its events from an asyncio
@@ -18,6 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +36,8 @@ from dwarfstar.serving.trace import Trace
 from dwarfstar.session.kvpolicy import SaveReason
 from dwarfstar.session.sampling import Sampler
 from dwarfstar.session.session import decode_batch
+from dwarfstar.speculative.decode import Speculator, step_batch
+from dwarfstar.speculative.options import MTPSpeculation
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -66,6 +72,8 @@ class Job:
         self.save_stops: list[tuple[int, SaveReason]] = []  # disk-cache saves due inside the prefill
         self.sampler: Sampler | None = None
         self.decoder: OutputDecoder | None = None
+        self.spec: Speculator | None = None  # with --mtp, from the request's first generated token
+        self.spec_pending: int | None = None  # emitted, not yet in the KV: the next step verifies after it
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -95,8 +103,9 @@ class Scheduler:
         max_queue: int,
         trace: Trace | None = None,
         disk: DiskCache | None = None,
+        speculation: MTPSpeculation | None = None,
     ) -> None:
-        self.pool, self.tokenizer, self.metrics = pool, tokenizer, metrics
+        self.pool, self.tokenizer, self.metrics, self.speculation = pool, tokenizer, metrics, speculation
         self.tool_memory, self.trace, self.max_queue, self.disk = tool_memory, trace, max_queue, disk
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
@@ -196,6 +205,8 @@ class Scheduler:
         job.phase = "decode"
         job.sampler = Sampler(job.request.sampling)
         job.decoder = OutputDecoder(self.tokenizer, job.request)
+        if self.speculation is not None:
+            job.spec = self.speculation.start(job.lease.session)
 
     def _prefill_step(self) -> None:
         prefilling = [job for job in self._active if job.phase == "prefill"]
@@ -230,7 +241,10 @@ class Scheduler:
         stepping: list[Job] = []
         tokens: list[int] = []
         closing: list[tuple[Job, str]] = []  # finished, but their last token still goes into the KV
-        decoding = [job for job in self._active if job.phase == "decode"]
+        decoding = [job for job in self._active if job.phase == "decode" and job.spec_pending is None]
+        speculating = [job for job in self._active if job.phase == "decode" and job.spec_pending is not None]
+        if speculating:
+            self._speculative_step(speculating)
         if not decoding:
             return
         for job, token in self._sample(decoding):
@@ -244,7 +258,9 @@ class Scheduler:
                 reason = self._finish_reason(job, token)
                 # A tool-call turn's last token is run too, so the live KV, and a disk file saved from
                 # it, hold the whole DSML block the client sends back (with its id, for exact replay).
-                if reason is None or (reason == "tool_calls" and len(session.tokens) < session.ctx):
+                if reason is None and job.spec is not None:
+                    job.spec_pending = token  # speculation runs it, with its drafts, from the next turn
+                elif reason is None or (reason == "tool_calls" and len(session.tokens) < session.ctx):
                     stepping.append(job)
                     tokens.append(token)
                     if reason is not None:
@@ -280,6 +296,72 @@ class Scheduler:
             for job in stepping:
                 if job.phase == "decode" and self.disk.continued_due(job.lease.live, job.decoder.in_tool_call):
                     self.disk.save(job.lease.live, SaveReason.CONTINUED)
+
+    def _speculative_step(self, jobs: list[Job]) -> None:
+        """One draft-verify round for every speculating request, their target passes batched: each
+        emits its accepted drafts and one more token, pushed one by one as plain decoding pushes its
+        sampled token, and cut at the first that ends the request."""
+        reasons: dict[int, str | None] = {}
+
+        def ends_for(job: Job) -> Callable[[int], bool]:
+            length = len(job.lease.session.tokens)  # before the pass: the pending token not yet in
+
+            def ends(token: int) -> bool:
+                nonlocal length
+                length += 1  # the tokens before this one, as plain decoding would hold them
+                job.usage.completion_tokens += 1
+                self.metrics.inc("dwarfstar_generated_tokens_total")
+                if token != self.tokenizer.eos_id:
+                    for event in job.decoder.push(token):
+                        job.emit(event)
+                reasons[job.id] = self._finish_reason(job, token, length)
+                return reasons[job.id] is not None
+
+            return ends
+
+        sessions = [job.lease.session for job in jobs]
+        rooms = [
+            min(job.request.max_tokens - job.usage.completion_tokens, s.ctx - len(s.tokens))
+            for job, s in zip(jobs, sessions, strict=True)
+        ]
+        before = [(sum(job.spec.stats.drafted), sum(job.spec.stats.accepted)) for job in jobs]
+        start = time.perf_counter()
+        try:
+            emitted = step_batch(
+                [job.spec for job in jobs],
+                [job.spec_pending for job in jobs],
+                [job.sampler for job in jobs],
+                rooms,
+                [ends_for(job) for job in jobs],
+            )
+        except Exception as exc:  # a pass that raised may have written some layers: these states are gone
+            for job in jobs:
+                self._fail(job, exc)
+            return
+        seconds = time.perf_counter() - start
+        self.metrics.inc("dwarfstar_decode_seconds_total", seconds)
+        self.metrics.inc("dwarfstar_decode_steps_total")
+        self.metrics.set("dwarfstar_decode_tokens_per_second", sum(map(len, emitted)) / max(seconds, 1e-9))
+        self.metrics.raise_to("dwarfstar_decode_batch_max", len(jobs))
+        if len(jobs) > 1:
+            self.metrics.inc("dwarfstar_batched_decode_steps_total")
+        self.metrics.inc("dwarfstar_speculative_steps_total", len(jobs))
+        for job, emit, (drafted, accepted) in zip(jobs, emitted, before, strict=True):
+            drafted, accepted = sum(job.spec.stats.drafted) - drafted, sum(job.spec.stats.accepted) - accepted
+            job.usage.draft_tokens += drafted
+            job.usage.accepted_draft_tokens += accepted
+            self.metrics.inc("dwarfstar_draft_tokens_total", drafted)
+            self.metrics.inc("dwarfstar_accepted_draft_tokens_total", accepted)
+            reason, session = reasons.get(job.id), job.lease.session
+            try:
+                if reason is None:
+                    job.spec_pending = emit[-1]
+                    continue
+                if reason == "tool_calls" and len(session.tokens) < session.ctx:
+                    job.spec.append(emit[-1])  # the DSML block's last token stays in the KV, as in plain decoding
+                self._finish(job, reason)
+            except Exception as exc:
+                self._fail(job, exc)
 
     def _sample(self, jobs: list[Job]) -> list[tuple[Job, int]]:
         """The next token of every decoding request, drawn together: one host sync per step, not one each.
@@ -319,13 +401,15 @@ class Scheduler:
             kept.append(job)
         return kept
 
-    def _finish_reason(self, job: Job, token: int) -> str | None:
+    def _finish_reason(self, job: Job, token: int, length: int | None = None) -> str | None:
+        """Why `token` ends the request, or None; `length`: the tokens before it (default: the session's)."""
         decoder, session = job.decoder, job.lease.session
+        length = len(session.tokens) if length is None else length
         if token == self.tokenizer.eos_id or decoder.stop_sequence is not None:
             return "stop"
         if job.request.tools and decoder.tool_block_closed:
             return "tool_calls"
-        if job.usage.completion_tokens >= job.request.max_tokens or len(session.tokens) >= session.ctx:
+        if job.usage.completion_tokens >= job.request.max_tokens or length >= session.ctx:
             return "length"
         return None
 
@@ -391,6 +475,8 @@ class Scheduler:
                 "cached_tokens": job.usage.cached_tokens,
                 "prefilled_tokens": job.usage.prefilled_tokens,
                 "completion_tokens": job.usage.completion_tokens,
+                "draft_tokens": job.usage.draft_tokens,
+                "accepted_draft_tokens": job.usage.accepted_draft_tokens,
                 "finish": finish,
                 "generated": decoder.text if decoder is not None else "",
                 "dsml": completion.raw_dsml if completion is not None else None,

@@ -93,6 +93,7 @@ class Service:
             max_queue=config.max_queue,
             trace=self.trace,
             disk=self.disk,
+            speculation=None if config.mtp is None else config.mtp.load(engine),
         )
 
     def thinking(self, model: str, switch: bool | None, effort: str | None) -> Thinking:

@@ -64,3 +64,18 @@ def test_bundled_model_speculates_with_its_bundled_block():
     assert spec.stdout == plain.stdout
     accepted = float(re.search(r"([\d.]+) accepted per step", spec.stderr).group(1))
     assert accepted > 0  # the trained block's drafts are accepted
+
+
+def test_serve_errors(mtp_files):
+    """serve refuses bad MTP settings before it listens: a draft count out of range, no MTP block."""
+    base = ["serve", "-m", str(mtp_files["plain"]), "--backend", "reference", "-c", "1024", "--port", "1"]
+    cases = [
+        ([*base, "--mtp-draft", "0"], "--mtp-draft must be"),
+        ([*base, "--mtp-draft", "2", "--mtp-align", "sideways"], "unknown MTP alignment"),
+        ([*base, "--mtp-draft", "2"], "has no MTP block"),
+        ([*base, "--mtp", str(mtp_files["other"])], "MTP block of another model"),
+    ]
+    for args, message in cases:
+        done = cli(*args)
+        assert done.exit_code != 0
+        assert message in str(done.exception) + done.output, (args, done.output)
