@@ -1,4 +1,4 @@
-"""Who picks the next tokens of a reply: the model's sampler, or a script.
+"""Who picks the next tokens of a reply: the model's sampler (with MTP speculation, or without), or a script.
 
 `ScriptedPolicy` is a deterministic stand-in for the model: each reply is given text (control tokens
 written as their strings, `</think>`, `<｜DSML｜...>`), put through the live session as sampled tokens
@@ -8,22 +8,30 @@ model, including one too small to call a tool.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterator, Sequence
 
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.session.sampling import Sampler, SamplingParams
-from dwarfstar.session.session import Session
+from dwarfstar.session.session import Cancelled, Session
+from dwarfstar.speculative.decode import SpecStats, Speculator
+from dwarfstar.speculative.options import MTPSpeculation
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 
-class Policy(Protocol):
+class Policy:
+    """Who picks a reply's tokens. The prompt's tokens go into the session through `extend` too, so a
+    policy that keeps state per position (the MTP draft) sees every token the model sees."""
+
+    def extend(self, session: Session, tokens: Sequence[int], should_stop: Callable[[], bool]) -> None:
+        """Append prompt tokens; `should_stop` raises Cancelled between chunks (the session stays valid)."""
+        session.prefill(tokens, should_stop=should_stop)
+
     def reply(self, session: Session, max_tokens: int, should_stop: Callable[[], bool]) -> Iterator[int]:
         """Append and yield a reply's tokens; the last one is EOS when the reply ended by itself."""
-        ...
+        raise NotImplementedError
 
 
-class SampledPolicy:
+class SampledPolicy(Policy):
     def __init__(self, params: SamplingParams, eos: int) -> None:
         self.sampler = Sampler(params)  # one generator for the session: a seed gives a reproducible run
         self.eos = eos
@@ -32,7 +40,81 @@ class SampledPolicy:
         return session.generate(max_tokens, self.sampler, [self.eos], should_stop)
 
 
-class ScriptedPolicy:
+class SpeculativePolicy(SampledPolicy):
+    """The model's replies, drafted by its MTP block and verified by the model: at temperature 0 the
+    same tokens as SampledPolicy, otherwise the same distribution (speculative/verify.py).
+
+    The speculator follows the live session: prompts are prefilled through it, so the draft has a row
+    for every position. When the session changes under it (cut back for a compaction or /new, loaded
+    from disk on /switch) a new speculator starts at the session's length: KV files hold no target
+    hidden states, so the draft's rows begin there. That costs some acceptance, never exactness.
+    """
+
+    def __init__(self, params: SamplingParams, eos: int, speculation: MTPSpeculation) -> None:
+        super().__init__(params, eos)
+        self.speculation = speculation
+        self.speculator: Speculator | None = None
+        self.followed: list[int] = []  # the session's tokens when the speculator last ran
+        self.finished: list[SpecStats] = []  # the stats of the speculators replaced so far
+
+    def start(self, session: Session) -> None:
+        """Follow `session` from here (also checks that its backend can speculate)."""
+        if self.speculator is not None:
+            self.finished.append(self.speculator.stats)
+        self.speculator = self.speculation.start(session)
+        self.followed = list(session.tokens)
+
+    def _following(self, session: Session) -> Speculator:
+        spec = self.speculator
+        if spec is None or spec.session is not session or session.tokens != self.followed:
+            self.start(session)
+        assert self.speculator is not None
+        return self.speculator
+
+    def extend(self, session: Session, tokens: Sequence[int], should_stop: Callable[[], bool]) -> None:
+        spec = self._following(session)
+        tokens = list(tokens)
+        done = 0
+        try:
+            while done < len(tokens):  # chunk by chunk, as Session.prefill polls should_stop
+                if should_stop():
+                    raise Cancelled(f"stopped after {done} of {len(tokens)} prompt tokens")
+                end = min(len(tokens), done + session.chunk - session.state.pos % session.chunk)
+                spec.prefill(tokens[done:end])
+                done = end
+        finally:
+            self.followed = list(session.tokens)
+
+    def reply(self, session: Session, max_tokens: int, should_stop: Callable[[], bool]) -> Iterator[int]:
+        spec = self._following(session)
+        start, count, last = len(session.tokens), 0, -1
+        try:
+            for last in spec.generate(max_tokens, self.sampler, [self.eos], should_stop):
+                count += 1
+                yield last
+        finally:
+            # every token yielded must be in the session (the loop renders it), and only those: the
+            # speculator holds a step's last token back until the next step, and the loop stops
+            # reading at EOS, which ends a step
+            if len(session.tokens) == start + count - 1:
+                spec.append(last)
+            elif len(session.tokens) > start + count:
+                session.truncate(start + count)
+            self.followed = list(session.tokens)
+
+    def describe(self) -> str:
+        """The acceptance figures of every speculator so far."""
+        stats = [*self.finished, *([self.speculator.stats] if self.speculator else [])]
+        steps = sum(s.steps for s in stats)
+        accepted = sum(sum(s.accepted) for s in stats)
+        drafted = sum(sum(s.drafted) for s in stats)
+        o = self.speculation.options
+        share = f"{accepted / drafted:.0%}" if drafted else "-"
+        mean = f"{accepted / steps:.2f}" if steps else "0"
+        return f"mtp N={o.n_draft} {o.alignment}: {steps} steps, {mean} drafts accepted per step ({share} of drafts)"
+
+
+class ScriptedPolicy(Policy):
     def __init__(self, tokenizer: Tokenizer, eos: int, replies: list[str]) -> None:
         self.tokenizer, self.eos = tokenizer, eos
         self.replies = list(replies)

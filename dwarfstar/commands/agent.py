@@ -1,8 +1,8 @@
 """`dwarfstar agent`: the coding agent (dwarfstar/agent/), in the terminal UI or, with --plain, line mode.
 
 It works in the directory it was started in. Sessions are KV files under `~/.dwarfstar/kvcache`
-(or `--kv-dir`, or `$DWARFSTAR_KVCACHE`). The model, sampling, thinking, expert-streaming and steering
-flags are `run`'s.
+(or `--kv-dir`, or `$DWARFSTAR_KVCACHE`). The model, sampling, thinking, expert-streaming, steering and
+MTP speculation flags are `run`'s; with `--mtp`/`--mtp-draft` every reply is speculative (agent/policy.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dwarfstar.agent.files import Workspace
 from dwarfstar.agent.loop import Agent
 from dwarfstar.agent.output import Printer
 from dwarfstar.agent.plain import confirm_from, run_plain
-from dwarfstar.agent.policy import SampledPolicy
+from dwarfstar.agent.policy import SampledPolicy, SpeculativePolicy
 from dwarfstar.agent.store import SessionStore, default_directory
 from dwarfstar.agent.tools import Toolbox
 from dwarfstar.agent.transcript import DEFAULT_SYSTEM, Transcript, system_text
@@ -42,6 +42,7 @@ from dwarfstar.commands.options import (
     TraceOption,
 )
 from dwarfstar.commands.run import think_mode
+from dwarfstar.commands.speculate import MTPAlignOption, MTPDraftOption, MTPFileOption, MTPMarginOption
 from dwarfstar.commands.steer import DirSteeringAttn, DirSteeringFfn, DirSteeringFile, steering_options
 from dwarfstar.diagnostics import Trace
 from dwarfstar.engine import load_engine
@@ -49,6 +50,7 @@ from dwarfstar.hub import resolve_model
 from dwarfstar.repl import dwarfstar_home
 from dwarfstar.session.kvfile import ModelIdentity
 from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.speculative.options import MTPOptions
 from dwarfstar.terminal import loading, note, summary_line
 from dwarfstar.throttle import ThrottledBackend, throttle
 
@@ -87,12 +89,17 @@ def agent(
     dir_steering_file: DirSteeringFile = None,
     dir_steering_ffn: DirSteeringFfn = None,
     dir_steering_attn: DirSteeringAttn = None,
+    mtp: MTPFileOption = None,
+    mtp_draft: MTPDraftOption = None,
+    mtp_margin: MTPMarginOption = 0.0,
+    mtp_align: MTPAlignOption = "next",
 ) -> None:
     """A coding agent in this directory, running the model in-process; its sessions are KV files."""
     steering = steering_options(dir_steering_file, dir_steering_ffn, dir_steering_attn)
     streaming = streaming_options(
         ssd_streaming, ssd_streaming_cache_experts, ssd_streaming_cold, ssd_streaming_preload_experts
     )
+    speculation = MTPOptions.from_flags(mtp, mtp_draft, mtp_margin, mtp_align)
     path = resolve_model(model)
     with loading(path) as progress:
         engine = load_engine(
@@ -114,16 +121,22 @@ def agent(
     def fresh() -> Transcript:
         return Transcript(system_text(str(workspace.root), system), mode)
 
+    eos = engine.backend.args.eos_token_id
+    policy = SampledPolicy(params, eos)
+    if speculation is not None:
+        policy = SpeculativePolicy(params, eos, speculation.load(engine))
     live = Agent(
         tokenizer=engine.tokenizer,
         backend=paced,
         ctx=ctx,
-        policy=SampledPolicy(params, engine.backend.args.eos_token_id),
+        policy=policy,
         toolbox=Toolbox(workspace),
         transcript=fresh(),
         max_tokens=tokens,
         trace=tracer,
     )
+    if isinstance(policy, SpeculativePolicy):
+        policy.start(live.session)  # here, so that a backend that cannot speculate says so before any work
     store = SessionStore(
         kv_dir or default_directory(), engine.backend.args, ModelIdentity.of(engine.model), ctx, live.session.chunk,
         engine.tokenizer, engine.backend.new_state, steering=None if steering is None else steering.tag(),
@@ -146,6 +159,8 @@ def agent(
         if live.prefill_speed.tokens:
             idle = (power, paced.duty.slept_s) if isinstance(paced, ThrottledBackend) else None
             note(summary_line(engine.load_seconds, live.prefill_speed, live.decode_speed, idle))
+        if isinstance(policy, SpeculativePolicy):
+            note(policy.describe())
         if engine.experts is not None:
             note(describe(engine.experts.stats.summary(len(engine.experts.where), engine.experts.capacity)))
         if tracer:

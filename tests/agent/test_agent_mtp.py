@@ -1,0 +1,83 @@
+"""MTP speculation in the agent: the bundled model with its bundled MTP block gives, at temperature 0,
+the replies plain decoding gives, across turns, after the session is cut back under the speculator
+(a new session), and from the command line; bad MTP flags are clear errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import Recorder, make_agent
+
+from dwarfstar.agent.loop import Agent
+from dwarfstar.agent.policy import SampledPolicy, SpeculativePolicy
+from dwarfstar.agent.transcript import Transcript
+from dwarfstar.engine import Engine
+from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.speculative.options import MTPOptions
+
+REPLY_TOKENS = 16
+TURNS = ("Quel ramo del lago di Como", "e poi?")
+GREEDY = SamplingParams(temperature=0)
+
+
+def agents(nano: Engine, root: Path) -> tuple[Agent, Agent, SpeculativePolicy]:
+    eos = nano.backend.args.eos_token_id
+    policy = SpeculativePolicy(GREEDY, eos, MTPOptions(None, 2).load(nano))
+    plain, speculative = make_agent(nano, root, SampledPolicy(GREEDY, eos)), make_agent(nano, root, policy)
+    policy.start(speculative.session)
+    for agent in (plain, speculative):
+        agent.max_tokens = REPLY_TOKENS
+    return plain, speculative, policy
+
+
+def replies(agent: Agent) -> list[list[int]]:
+    return [e.ids for e in agent.transcript.entries if e.kind == "assistant"]
+
+
+def test_speculative_replies_equal_plain_ones_across_turns_and_a_new_session(nano: Engine, tmp_path: Path) -> None:
+    plain, speculative, policy = agents(nano, tmp_path)
+    for text in TURNS:
+        results = [agent.run(text, Recorder()) for agent in (plain, speculative)]
+        assert results[0] == results[1]
+    assert replies(speculative) == replies(plain) and all(replies(plain))
+    assert speculative.session.tokens == plain.session.tokens
+    first = policy.speculator
+    assert first is not None and first.stats.steps > 0 and sum(first.stats.accepted) > 0  # it did draft
+    # a new session cuts the context back to the system prompt: the speculator restarts there
+    for agent in (plain, speculative):
+        agent.new_transcript(Transcript(agent.transcript.system, agent.transcript.mode))
+        agent.run(TURNS[0], Recorder())
+    assert policy.speculator is not first and policy.finished == [first.stats]
+    assert replies(speculative) == replies(plain) and speculative.session.tokens == plain.session.tokens
+    assert "mtp N=2 next: " in policy.describe()
+
+
+def agent_cli(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HOME=str(tmp_path / "home"), DWARFSTAR_KVCACHE=str(tmp_path / "kv"), NO_COLOR="1")
+    argv = [sys.executable, "-m", "dwarfstar", "agent", "--plain", "--backend", "reference", "--temp", "0"]
+    argv += ["-n", str(REPLY_TOKENS), "--ctx", "4096", "-p", TURNS[0], *flags]
+    return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_agent_command_speculates_with_the_mtp_flags(tmp_path: Path) -> None:
+    plain, speculative = agent_cli(tmp_path), agent_cli(tmp_path, "--mtp-draft", "2")
+    assert plain.returncode == speculative.returncode == 0, speculative.stderr
+    reply = plain.stdout.split("[")[0]
+    assert reply.strip() and speculative.stdout.split("[")[0] == reply
+    assert "mtp N=2 next: " in speculative.stderr + speculative.stdout
+    assert "mtp N=" not in plain.stderr + plain.stdout
+
+
+def test_bad_mtp_flags_are_clear_errors(tmp_path: Path) -> None:
+    for flags, message in (
+        (("--mtp-draft", "9"), "--mtp-draft must be in 1..8"),
+        (("--mtp-draft", "2", "--mtp-align", "sideways"), "unknown MTP alignment 'sideways'"),
+        (("--mtp", str(tmp_path / "missing.gguf")), "missing.gguf"),
+        (("--mtp-draft", "2", "--power", "50"), "speculative decoding needs a backend built on the shared forward"),
+    ):
+        done = agent_cli(tmp_path, *flags)
+        assert done.returncode != 0 and message in done.stderr + done.stdout, (flags, done.stderr)
+        assert "Traceback" not in done.stderr
