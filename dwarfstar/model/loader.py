@@ -29,7 +29,7 @@ from dwarfstar.gguf.split import (
     write_parts,
 )
 from dwarfstar.model.config import ARCH, ModelArgs
-from dwarfstar.model.tensors import EMBED, MTP_NEXTN_PROJ, layer_tensor, validate_tensors
+from dwarfstar.model.tensors import EMBED, MTP_NEXTN_PROJ, OUTPUT, layer_tensor, validate_tensors
 
 
 @dataclass
@@ -113,9 +113,10 @@ def _open_parts(path: Path, named: PartName, layers: tuple[int, int] | None) -> 
 
 def _config(gguf: GGUFFile, path: Path) -> ModelArgs:
     meta = dict(gguf.metadata)
-    embd = gguf.tensors.get(EMBED)
-    if f"{ARCH}.vocab_size" not in meta and embd is not None:
-        meta[f"{ARCH}.vocab_size"] = embd.shape[0]  # ds4 files may omit it; the embedding knows
+    # ds4 files may omit it; the embedding knows, or in a split set's later parts the output matrix
+    vocab = gguf.tensors.get(EMBED) or gguf.tensors.get(OUTPUT)
+    if f"{ARCH}.vocab_size" not in meta and vocab is not None:
+        meta[f"{ARCH}.vocab_size"] = vocab.shape[0]
     try:
         return ModelArgs.from_gguf_metadata(meta)
     except ConfigError as exc:
