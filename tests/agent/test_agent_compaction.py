@@ -17,7 +17,7 @@ from conftest import Recorder, make_agent, reply
 
 from dwarfstar.agent import compaction
 from dwarfstar.agent.loop import Agent
-from dwarfstar.agent.policy import SampledPolicy, ScriptedPolicy
+from dwarfstar.agent.policy import Policy, SampledPolicy, ScriptedPolicy
 from dwarfstar.agent.store import SessionStore
 from dwarfstar.agent.transcript import SUMMARY_HEADING, TITLE_CHARS
 from dwarfstar.agent.worker import Worker
@@ -34,7 +34,7 @@ REPLY_TOKENS = 8
 NO_SUMMARY = "(the model wrote no summary)"
 
 
-class ModelOrScript:
+class ModelOrScript(Policy):
     """Scripted replies where the nano model cannot do the part (calling a tool); None: the model replies."""
 
     def __init__(self, engine: Engine, replies: list[str | None]) -> None:
