@@ -20,6 +20,7 @@ def _register_commands() -> None:
     # One import per command module; each module adds its commands to `app`.
     import dwarfstar.backends.mlx.bench_command  # noqa: F401
     import dwarfstar.commands.bench_ctx  # noqa: F401
+    import dwarfstar.commands.bench_dist  # noqa: F401
     import dwarfstar.commands.bench_gpu  # noqa: F401
     import dwarfstar.commands.bench_kv  # noqa: F401
     import dwarfstar.commands.convert  # noqa: F401

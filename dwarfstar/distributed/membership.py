@@ -148,22 +148,23 @@ class Rendezvous:
 
     def __init__(self, host: str, port: int, secret: str, timeout_s: float) -> None:
         self.host, self.port, self.secret = host, port, secret
-        self.listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            self.listener.bind((host, port))
-            self.listener.listen(64)
+            listener.bind((host, port))
+            listener.listen(64)
         except OSError as exc:
-            self.listener.close()
+            listener.close()
             raise DistError(f"cannot listen on {host}:{port}: {exc}") from None
         self.store = TCPStore(
             host,
             port,
             is_master=True,
             wait_for_workers=False,
-            master_listen_fd=self.listener.fileno(),
+            master_listen_fd=listener.fileno(),
             timeout=dt.timedelta(seconds=timeout_s),
         )
+        listener.detach()  # the store owns the listening socket now, and closes it
         self.nonce = secrets.token_bytes(16)
         self.store.set("nonce", self.nonce)
         self.seen = 0
@@ -190,9 +191,6 @@ class Rendezvous:
 
     def answer(self, worker: int, refusal: str | None) -> None:
         self.store.set(f"reply/{worker}", "ok" if refusal is None else f"refused: {refusal}")
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 def connect_store(host: str, port: int, wait_s: float) -> TCPStore:

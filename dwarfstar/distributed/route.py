@@ -240,7 +240,8 @@ class Route:
             state.dirty = True
 
     def close(self) -> None:
-        """Tell the workers to exit, and stop listening."""
+        """Tell the workers to exit and stop watching for registrations (the store stops listening
+        when the route is dropped)."""
         self._closed.set()
         with self.lock:
             for stage in list(self.stages):
@@ -249,7 +250,6 @@ class Route:
                 except (LinkBrokenError, DistError):
                     pass
             self.stages.clear()
-            self.rendezvous.close()
 
     # -- one message to one stage ------------------------------------------------------------------------
     def _call(self, stage: RemoteStage, msg: Message) -> Message:

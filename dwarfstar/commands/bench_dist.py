@@ -1,0 +1,140 @@
+"""`dwarfstar bench dist`: prefill and decode speed of a layer pipeline with 1, 2, 3... stages.
+
+Each stage count splits the model evenly by bytes; the coordinator runs in this process and, with
+`--spawn` (the default), the other stages are local worker processes (`dwarfstar run --dist-role
+worker`) on loopback. With `--no-spawn` the bench waits for workers started by hand, on other
+machines, for the slices it prints: the same command measures a real network. Figures: prefill and
+decode tok/s, and per hop (averaged over the decode steps) the stage's compute, the wait beyond it,
+the send time and the bytes moved.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dwarfstar.commands.bench import bench_app
+from dwarfstar.commands.dist_options import DistBits, DistPrefillChunk, DistPrefillWindow
+from dwarfstar.distributed.backend import RouteBackend
+from dwarfstar.distributed.launch import DistOptions, start_coordinator
+from dwarfstar.distributed.membership import split_by_bytes
+from dwarfstar.distributed.route import Hop
+from dwarfstar.engine import load_engine
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.session.session import Session
+
+
+@dataclass
+class Figures:
+    stages: int
+    prefill_tps: float
+    decode_tps: float
+    hops: list[Hop]
+
+
+def _mean_hops(steps: list[list[Hop]]) -> list[Hop]:
+    out = []
+    for column in zip(*steps, strict=True):
+        n = len(column)
+        out.append(
+            Hop(
+                column[0].layers,
+                column[0].who,
+                column[0].tokens,
+                sum(h.compute_ms for h in column) / n,
+                sum(h.wait_ms for h in column) / n,
+                sum(h.send_ms for h in column) / n,
+                sum(h.bytes for h in column) // n,
+            )
+        )
+    return out
+
+
+def _measure(backend, stages: int, prompt: list[int], decode: int, ctx: int, route=None) -> Figures:
+    session = Session(backend, ctx=ctx)
+    start = time.perf_counter()
+    session.prefill(prompt)
+    prefill_s = time.perf_counter() - start
+    steps, greedy = [], SamplingParams(temperature=0.0)
+    start = time.perf_counter()
+    for _ in session.generate(decode, greedy):
+        if route is not None:
+            steps.append(route.hops)
+    decode_s = time.perf_counter() - start
+    return Figures(stages, len(prompt) / prefill_s, decode / decode_s, _mean_hops(steps) if steps else [])
+
+
+@bench_app.command("dist")
+def bench_dist(
+    model: Annotated[Path, typer.Option("-m", "--model", help="GGUF model (e.g. a `synth` file).")],
+    stages: Annotated[str, typer.Option(help="Stage counts to run, comma-separated.")] = "1,2,3",
+    prompt_tokens: Annotated[int, typer.Option("--prompt", min=1, help="Prompt tokens to prefill.")] = 512,
+    decode_tokens: Annotated[int, typer.Option("--decode", min=1, help="Tokens to decode.")] = 32,
+    backend: Annotated[str, typer.Option(help="Compute backend of every stage.")] = "reference",
+    addr: Annotated[str, typer.Option("--dist-addr", help="The coordinator's HOST:PORT.")] = "127.0.0.1:29700",
+    spawn: Annotated[bool, typer.Option(help="Start the workers here; --no-spawn waits for remote ones.")] = True,
+    dist_activation_bits: DistBits = 32,
+    dist_prefill_chunk: DistPrefillChunk = 4096,
+    dist_prefill_window: DistPrefillWindow = 1,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the workers, and per message.")] = 600.0,
+) -> None:
+    """Print prefill and decode tok/s and the per-hop overhead for each stage count."""
+    counts = [int(s) for s in stages.split(",") if s.strip()]
+    if not counts or min(counts) < 1:
+        raise DwarfStarError("--stages takes positive stage counts, e.g. 1,2,3")
+    ctx = prompt_tokens + decode_tokens + 1
+    engine = load_engine(model, backend, ctx=ctx)
+    local = engine.backend
+    prompt = [(7 * i + 11) % engine.model.args.vocab_size for i in range(prompt_tokens)]
+    host, _, port = addr.rpartition(":")
+    for n, count in enumerate(counts):
+        if count == 1:
+            report(_measure(local, 1, prompt, decode_tokens, ctx))
+            continue
+        plan = split_by_bytes(engine.model, count)
+        stage_addr = f"{host}:{int(port) + n}"  # a fresh port per run: the last one's may still be closing
+        workers = []
+        if spawn:
+            for layers in plan[1:]:
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "dwarfstar",
+                    "run",
+                    "-m",
+                    str(model),
+                    "--backend",
+                    backend,
+                    "-c",
+                    str(ctx),
+                ]
+                argv += ["--dist-role", "worker", "--layers", str(layers), "--dist-addr", stage_addr]
+                workers.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
+        else:
+            typer.echo(
+                f"waiting for workers at {stage_addr}: " + ", ".join(f"--layers {p}" for p in plan[1:]), err=True
+            )
+        opts = DistOptions.resolved(
+            role="coordinator", layers=str(plan[0]), addr=stage_addr, bits=dist_activation_bits,
+            prefill_chunk=dist_prefill_chunk, prefill_window=dist_prefill_window, wait_s=timeout, timeout_s=timeout,
+        )  # fmt: skip
+        route = start_coordinator(engine, opts, ctx)
+        try:
+            report(_measure(RouteBackend(route), count, prompt, decode_tokens, ctx, route))
+        finally:
+            route.close()
+            for proc in workers:
+                proc.wait(timeout=60)
+
+
+def report(fig: Figures) -> None:
+    typer.echo(f"stages {fig.stages}: prefill {fig.prefill_tps:.1f} tok/s, decode {fig.decode_tps:.2f} tok/s")
+    for hop in fig.hops:
+        typer.echo("  " + hop.line().removeprefix("[dist] "))
