@@ -58,9 +58,18 @@ def bench(
     dir_steering_file: DirSteeringFile = None,
     dir_steering_ffn: DirSteeringFfn = None,
     dir_steering_attn: DirSteeringAttn = None,
+    mtp: Annotated[
+        bool, typer.Option("--mtp", help="Instead: MTP speculation, with and without (as `bench mtp`; -n tokens).")
+    ] = False,
+    mtp_drafts: Annotated[str, typer.Option(help="With --mtp: draft counts, comma-separated.")] = "1,2,3",
 ) -> None:
     """Prefill and decode speed at growing context sizes, ds4-bench style; subcommands measure other parts."""
     if context.invoked_subcommand is not None:
+        return
+    if mtp:
+        from dwarfstar.commands.speculate import BENCH_PROMPT, mtp_bench
+
+        mtp_bench(model, None, mtp_drafts, gen_tokens, BENCH_PROMPT, backend)
         return
     points = frontiers(ctx_start, ctx_max, step_incr, step_mul)
     steering = steering_options(dir_steering_file, dir_steering_ffn, dir_steering_attn)

@@ -89,6 +89,11 @@ def bench_mtp(
 ) -> None:
     """Greedy decode speed with and without MTP speculation: acceptance per draft position, mean
     accepted drafts per step, tok/s, for each draft count and both alignments."""
+    mtp_bench(model, mtp, drafts, tokens, prompt, backend)
+
+
+def mtp_bench(model: Path | None, mtp: Path | None, drafts: str, tokens: int, prompt: str, backend: str) -> None:
+    """The MTP bench's table (`bench mtp`, and `bench --mtp`: the group's own options, bench_ctx.py)."""
     counts = [int(n) for n in drafts.split(",") if n.strip()]
     if not counts:
         raise DwarfStarError("--drafts needs at least one draft count")
@@ -105,7 +110,9 @@ def bench_mtp(
         f"backend {engine.backend_name} | prompt {len(ids)} tokens | "
         f"plain greedy: {base:.2f} tok/s over {len(want)} tokens"
     )
-    typer.echo("N  align  acceptance by position     accepted/step  tok/s   speed-up  same text")
+    typer.echo(
+        "N  align  acceptance by position     accepted/step  tokens/step  rollbacks  tok/s   speed-up  same text"
+    )
     for n in counts:
         for alignment in ALIGNMENTS:
             spec = MTPOptions(mtp, n, 0.0, alignment).speculator(engine, ctx)
@@ -113,8 +120,9 @@ def bench_mtp(
             start = time.perf_counter()
             got = list(spec.generate(tokens, GREEDY))
             speed = len(got) / (time.perf_counter() - start)
-            accept = " ".join(f"{a:.2f}" for a in spec.stats.acceptance())
+            stats = spec.stats
+            accept = " ".join(f"{a:.2f}" for a in stats.acceptance())
             typer.echo(
-                f"{n:<2} {alignment:<6} {accept:<26} {spec.stats.mean_accepted:<14.2f} {speed:<7.2f} "
-                f"{speed / base:<9.2f} {'yes' if got == want else 'NO'}"
+                f"{n:<2} {alignment:<6} {accept:<26} {stats.mean_accepted:<14.2f} {stats.emitted / stats.steps:<12.2f} "
+                f"{stats.rollbacks:<10} {speed:<7.2f} {speed / base:<9.2f} {'yes' if got == want else 'NO'}"
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from conftest import PROMPT
 from typer.testing import CliRunner
 
@@ -46,9 +47,11 @@ def test_run_errors(mtp_files):
         assert message in str(done.exception) + done.output, (args, done.output)
 
 
-def test_bench_mtp_reports_every_count_and_alignment(mtp_files):
-    done = cli("bench", "mtp", "-m", str(mtp_files["nextn"]), "--backend", "reference", "--drafts", "1,2",
-               "-n", "12", "-p", "ciao")  # fmt: skip
+@pytest.mark.parametrize(
+    "form", [["bench", "mtp", "--drafts", "1,2"], ["bench", "--mtp", "--mtp-drafts", "1,2"]], ids=["mtp", "--mtp"]
+)
+def test_bench_mtp_reports_every_count_and_alignment(mtp_files, form):
+    done = cli(*form, "-m", str(mtp_files["nextn"]), "--backend", "reference", "-n", "12")
     assert done.exit_code == 0, done.output
     rows = re.findall(r"^(\d)\s+(next|same)\s+.*\s(yes|NO)$", done.stdout, flags=re.M)
     assert [(n, a) for n, a, _ in rows] == [("1", "next"), ("1", "same"), ("2", "next"), ("2", "same")]
