@@ -6,8 +6,7 @@ from typing import Annotated
 
 import typer
 
-from dwarfstar.distributed.launch import ROLES, SECRET_ENV, DistOptions, distribute, run_worker
-from dwarfstar.distributed.link import DATA_BACKENDS
+from dwarfstar.distributed.launch import ROLES, SECRET_ENV, TRANSPORTS, DistOptions, distribute, run_worker
 from dwarfstar.distributed.route import Route
 from dwarfstar.engine import Engine
 
@@ -28,7 +27,10 @@ DistPrefillChunk = Annotated[int, typer.Option(min=1, help="Tokens per route pas
 DistPrefillWindow = Annotated[int, typer.Option(min=1, help="Prefill chunks in flight along the route.")]
 DistTimeout = Annotated[float, typer.Option(help="Seconds a stage may take per message before it is dropped.")]
 DistSecret = Annotated[str, typer.Option(envvar=SECRET_ENV, help="Shared secret every worker registration must prove.")]
-DistBackend = Annotated[str, typer.Option(help=f"Activation transport: {', '.join(DATA_BACKENDS)} (GPUs: nccl).")]
+DistBackend = Annotated[
+    str,
+    typer.Option(help=f"Transport: {', '.join(TRANSPORTS)} (GPUs: nccl; mlx: the mx.distributed ring, mlx.launch)."),
+]
 DistDebug = Annotated[bool, typer.Option("--debug", help="Print per-hop telemetry of every route pass.")]
 
 

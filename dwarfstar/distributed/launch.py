@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from dwarfstar.distributed.backend import RouteBackend
+from dwarfstar.distributed.link import DATA_BACKENDS
 from dwarfstar.distributed.membership import (
     LayerSlice,
     Registration,
@@ -23,13 +24,15 @@ from dwarfstar.distributed.membership import (
     parse_layers,
     split_by_bytes,
 )
+from dwarfstar.distributed.mlx_ring import MLXRingLink, admit_ring, register_over_ring, ring_group
 from dwarfstar.distributed.protocol import ACTIVATION_BITS, DistError
 from dwarfstar.distributed.route import Route, RouteOptions
-from dwarfstar.distributed.stage import WorkerOptions, serve_stage
+from dwarfstar.distributed.stage import StageWorker, WorkerOptions, serve_link, serve_stage
 from dwarfstar.engine import Engine
 from dwarfstar.model.forward import Transformer
 
 ROLES = ("coordinator", "worker")
+TRANSPORTS = (*DATA_BACKENDS, "mlx")  # mlx: the whole route on the mx.distributed ring
 SECRET_ENV = "DWARFSTAR_DIST_SECRET"
 
 
@@ -53,6 +56,11 @@ class DistOptions:
     def resolved(cls, **flags) -> DistOptions:
         """The flags, with torchrun's environment filling the role, address and stage count."""
         opts = cls(**flags)
+        if opts.data_backend not in TRANSPORTS:
+            raise DistError(f"--dist-backend must be one of {', '.join(TRANSPORTS)}, got {opts.data_backend!r}")
+        ring = opts.data_backend == "mlx"
+        if ring and opts.role is None and "MLX_RANK" in os.environ:
+            opts.role = "coordinator" if os.environ["MLX_RANK"] == "0" else "worker"
         if opts.role is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             opts.role = "coordinator" if os.environ["RANK"] == "0" else "worker"
             opts.stages = int(os.environ["WORLD_SIZE"])
@@ -64,7 +72,7 @@ class DistOptions:
             return opts
         if opts.role not in ROLES:
             raise DistError(f"--dist-role must be one of {', '.join(ROLES)}, got {opts.role!r}")
-        if opts.addr is None:
+        if opts.addr is None and not ring:
             raise DistError("a distributed role needs --dist-addr HOST:PORT (the coordinator's address)")
         if opts.bits not in ACTIVATION_BITS:
             raise DistError(f"--dist-activation-bits must be one of {', '.join(map(str, ACTIVATION_BITS))}")
@@ -72,14 +80,15 @@ class DistOptions:
             raise DistError("--dist-prefill-chunk and --dist-prefill-window must be positive")
         return opts
 
-    def slice_for(self, engine: Engine) -> LayerSlice:
+    def slice_for(self, engine: Engine, rank: int | None = None) -> LayerSlice:
+        """--layers, else this rank's share of an even split by bytes (`rank`: the MLX ring's)."""
         n = engine.model.args.n_layers
         if self.layers is not None:
             return parse_layers(self.layers, n)
         plan = split_by_bytes(engine.model, self.stages)
         if self.role == "coordinator":
             return plan[0]
-        rank = int(os.environ.get("RANK", "-1"))
+        rank = int(os.environ.get("RANK", "-1")) if rank is None else rank
         if not 0 < rank < len(plan):
             raise DistError("a worker started by hand needs --layers A:B (or A:output for the last one)")
         return plan[rank]
@@ -96,13 +105,20 @@ def local_model(engine: Engine) -> Transformer:
 
 def start_coordinator(engine: Engine, opts: DistOptions, ctx: int) -> Route:
     """The coordinator's route on the engine's model, waiting up to `wait_s` for it to be whole."""
-    layers = opts.slice_for(engine)
-    host, port = parse_addr(opts.addr)
-    rendezvous = Rendezvous(host, port, opts.secret, opts.wait_s)
     options = RouteOptions(
         opts.bits, opts.prefill_chunk, opts.prefill_window, opts.timeout_s, opts.debug, opts.data_backend
     )
-    route = Route(local_model(engine), layers, rendezvous, model_identity(engine.model), ctx, options)
+    identity = model_identity(engine.model)
+    if opts.data_backend == "mlx":
+        group = ring_group()
+        opts.stages = group.size()
+        route = Route(local_model(engine), opts.slice_for(engine), None, identity, ctx, options)
+        admit_ring(route, group, opts.secret)
+        route.check_complete()
+        return route
+    host, port = parse_addr(opts.addr)
+    rendezvous = Rendezvous(host, port, opts.secret, opts.wait_s)
+    route = Route(local_model(engine), opts.slice_for(engine), rendezvous, identity, ctx, options)
     route.wait_complete(opts.wait_s)
     return route
 
@@ -118,9 +134,19 @@ def distribute(engine: Engine, opts: DistOptions, ctx: int) -> Route | None:
 
 def run_worker(engine: Engine, opts: DistOptions, ctx: int) -> None:
     """Serve this process's layers until a coordinator sends SHUTDOWN."""
+    model_id, quant = model_identity(engine.model)
+    if opts.data_backend == "mlx":
+        group = ring_group()
+        opts.stages = group.size()
+        layers = opts.slice_for(engine, group.rank())
+        link = MLXRingLink(group, 0)
+        register_over_ring(
+            link, Registration(model_id, quant, layers.first, layers.last, ctx, "ring"), opts.secret, group.rank()
+        )
+        serve_link(StageWorker(local_model(engine), layers), link)
+        return
     layers = opts.slice_for(engine)
     host, port = parse_addr(opts.addr)
-    model_id, quant = model_identity(engine.model)
     bind = opts.bind or local_host_toward(host)
     registration = Registration(model_id, quant, layers.first, layers.last, ctx, bind)
     worker = WorkerOptions(host, port, bind, opts.secret, opts.wait_s, opts.data_backend)

@@ -54,6 +54,7 @@ class Op(IntEnum):
     EXPORT = 6  # the stage's layer tensors of a session, for a payload
     IMPORT = 7  # a session rebuilt from layer tensors (a payload's slice)
     SHUTDOWN = 8  # the worker exits
+    REGISTER = 9  # an MLX ring member's registration (torch workers register through the store)
 
 
 class Status(IntEnum):

@@ -40,7 +40,7 @@ from dwarfstar.distributed.protocol import (
     prefix_hash,
     unpack_arrays,
 )
-from dwarfstar.distributed.stage import to_torch
+from dwarfstar.distributed.stage import settle, to_torch
 from dwarfstar.distributed.state import RouteSnapshot, RouteState
 from dwarfstar.model.forward import Batch, Transformer
 from dwarfstar.model.state import SequenceState, TorchStorage
@@ -107,7 +107,7 @@ class Route:
         self,
         local: Transformer,
         local_layers: LayerSlice,
-        rendezvous: Rendezvous,
+        rendezvous: Rendezvous | None,
         identity: tuple[str, str],
         ctx: int,
         options: RouteOptions,
@@ -126,7 +126,8 @@ class Route:
         self._ids = itertools.count(1)
         self._requests = itertools.count(1)
         self._closed = threading.Event()
-        threading.Thread(target=self._watch, name="dist-registrations", daemon=True).start()
+        if rendezvous is not None:
+            threading.Thread(target=self._watch, name="dist-registrations", daemon=True).start()
 
     def new_session_id(self) -> int:
         return next(self._ids)
@@ -143,17 +144,26 @@ class Route:
                     self.lock.release()
 
     def accept_arrivals(self) -> None:
+        if self.rendezvous is None:  # an MLX ring: its members registered once, at the start
+            return
         for worker, reg in self.rendezvous.arrivals():
             try:
                 if isinstance(reg, RegistrationError):
                     raise reg
-                self._admit(worker, reg)
+                self.rendezvous.check_secret(worker, reg)
+                self.admit(worker, reg, functools.partial(self._open_store_link, worker))
             except RegistrationError as exc:
                 self.rendezvous.answer(worker, str(exc))
                 self.log(f"[dist] refused worker {worker}: {exc}")
 
-    def _admit(self, worker: int, reg: Registration) -> None:
-        self.rendezvous.check_secret(worker, reg)
+    def _open_store_link(self, worker: int) -> Link:
+        self.rendezvous.answer(worker, None)
+        store, host = self.rendezvous.store, self.rendezvous.host
+        timeout, backend = self.options.timeout_s, self.options.data_backend
+        return Link(store, f"link/{worker}", 0, host, timeout, backend, self.local_device)
+
+    def admit(self, worker: int, reg: Registration, open_link: Callable[[], Link]) -> None:
+        """Check a registration against the route (refusals raise `RegistrationError`), then open its link."""
         model_id, quant = self.identity
         if reg.model_id != model_id or reg.quant != quant:
             raise RegistrationError(
@@ -173,16 +183,7 @@ class Route:
         replaced = [s for s in self.stages if s.layers == layers]
         if any(who == "the coordinator" and held == layers for who, held in owners):
             raise RegistrationError(f"worker {worker}'s layers {layers} are the coordinator's")
-        self.rendezvous.answer(worker, None)
-        link = Link(
-            self.rendezvous.store,
-            f"link/{worker}",
-            0,
-            self.rendezvous.host,
-            self.options.timeout_s,
-            self.options.data_backend,
-            self.local_device,
-        )
+        link = open_link()
         for old in replaced:  # a restarted worker for the same layers takes over; its sessions are gone
             self._drop(old, f"replaced by worker {worker}")
         self.stages = sorted([*self.stages, RemoteStage(layers, worker, reg.host, link)], key=lambda s: s.layers.first)
@@ -287,6 +288,7 @@ class Route:
         tokens = torch.cat([seq.tokens for seq in batch.seqs])
         started = time.perf_counter()
         h = self.local.run_layers(self.local.embed(batch), batch, 0, self.local_layers.last)
+        settle(self.local, h, batch)
         payload = encode_activation(to_torch(h), self.options.bits)
         hop = Hop(str(self.local_layers), "coordinator", batch.n_rows, (time.perf_counter() - started) * 1e3)
         flags = FLAG_ALL_LOGITS if all_logits else 0

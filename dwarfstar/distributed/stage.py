@@ -53,6 +53,18 @@ def to_backend(t: torch.Tensor, model: Transformer):
     return storage.from_numpy(t.cpu().numpy())
 
 
+def settle(model: Transformer, out, batch) -> None:
+    """MLX leaves a pass lazy: evaluate the activation with the cache arrays the pass wrote, as its
+    `logits` does at the head (a stage without the head would otherwise grow the graph forever)."""
+    if isinstance(model.cache.storage, TorchStorage):
+        return
+    import mlx.core as mx
+
+    from dwarfstar.backends.mlx.state import lazy_arrays
+
+    mx.eval(out, *(a for seq in batch.seqs for a in lazy_arrays(seq.state)))
+
+
 def to_torch(a) -> torch.Tensor:
     return a if isinstance(a, torch.Tensor) else torch.from_numpy(np.asarray(a, dtype=np.float32))
 
@@ -137,6 +149,7 @@ class StageWorker:
                 payload, flags = self.model.ops.logits(y, batch).float().cpu().contiguous(), FLAG_LOGITS
                 payload = payload.view(torch.uint8).reshape(-1)
             else:
+                settle(self.model, out, batch)
                 payload, flags = encode_activation(to_torch(out), h.bits), 0
             self.model.advance(batch)
         compute_us = int((time.perf_counter() - started) * 1e6)
@@ -240,7 +253,6 @@ class WorkerOptions:
     secret: str
     wait_s: float  # how long to wait for a coordinator to answer, each time
     data_backend: str = "gloo"
-    once: bool = False  # serve one coordinator connection, then exit (tests)
 
 
 def serve_stage(
@@ -261,16 +273,19 @@ def serve_stage(
         except (DistError, RuntimeError) as exc:
             log(f"registration failed ({exc}); retrying")
             continue
-        link = Link(store, f"link/{worker}", 1, options.bind, IDLE_WAIT_S, options.data_backend, device)
-        log(f"worker {worker}: serving layers {layers} for {options.host}:{options.port}")
-        stage = StageWorker(model, layers)
         try:
-            while True:
-                msg = link.recv()
-                link.send(stage.handle(msg))
-                if msg.header.op == Op.SHUTDOWN:
-                    return
+            link = Link(store, f"link/{worker}", 1, options.bind, IDLE_WAIT_S, options.data_backend, device)
+            log(f"worker {worker}: serving layers {layers} for {options.host}:{options.port}")
+            serve_link(StageWorker(model, layers), link)
+            return
         except LinkBrokenError as exc:
             log(f"worker {worker}: {exc}; waiting for a coordinator again")
-            if options.once:
-                return
+
+
+def serve_link(stage: StageWorker, link) -> None:
+    """Answer the link's requests until SHUTDOWN (a broken link raises)."""
+    while True:
+        msg = link.recv()
+        link.send(stage.handle(msg))
+        if msg.header.op == Op.SHUTDOWN:
+            return
