@@ -5,6 +5,16 @@ model's own block often differs (spacing, key order, number spelling), so the re
 would leave the live KV at that turn and force a prefill of everything after it. The tool memory
 maps each call id to the block sampled for it; when every id of an assistant message maps to the
 same block, that block replaces the canonical one in the rendered prompt (DS4_SURFACE §2.9).
+
+Reasoning replay: an assistant tool-call turn is rendered with its reasoning (thinking mode keeps it
+when tools are in play), and the live KV holds the reasoning the model sampled. Clients drop it
+(Codex without `include`, Anthropic clients that strip thinking blocks, chat clients that never
+send `reasoning_content` back) or resend it trimmed. The tool memory also keeps each call's
+sampled reasoning, and a turn whose reasoning is missing, empty or equal to it up to surrounding
+whitespace renders with the sampled bytes, so the prompt stays a prefix of the live KV. Reasoning
+the client sent otherwise is its own, rendered as sent; a turn the memory no longer knows (evicted,
+or after a restart: the disk files keep the DSML, not the reasoning) renders as sent, which the
+template allows, and the cache serves the prefix up to it.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dwarfstar.prompt.conversation import to_turn
@@ -24,38 +35,64 @@ from dwarfstar.tokenizer.specials import Control, PromptPart
 MAX_MEMORY_BYTES = 512 * 1024 * 1024  # ds4's cap next to the id count
 
 
-def _nbytes(dsml: str) -> int:
-    return len(dsml.encode("utf-8", "surrogatepass"))  # the cap is in bytes, as ds4 counts it
+def _nbytes(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))  # the cap is in bytes, as ds4 counts it
+
+
+@dataclass(frozen=True, slots=True)
+class _Sampled:
+    dsml: str
+    reasoning: str | None  # None: not known (thinking off, or the block came from a disk file)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.dsml) + _nbytes(self.reasoning or "")
 
 
 class ToolMemory:
-    """Bounded map from tool-call id to sampled DSML block, oldest dropped first; thread-safe."""
+    """Bounded map from tool-call id to the DSML block and reasoning sampled for it, least recently
+    used dropped first; thread-safe."""
 
     def __init__(self, max_ids: int, max_bytes: int = MAX_MEMORY_BYTES) -> None:
         self.max_ids, self.max_bytes = max_ids, max_bytes
-        self._blocks: OrderedDict[str, str] = OrderedDict()
+        self._calls: OrderedDict[str, _Sampled] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._calls)
 
-    def remember(self, ids: Iterable[str], dsml: str) -> None:
+    def remember(self, ids: Iterable[str], dsml: str, reasoning: str | None = None) -> None:
+        """`reasoning` None keeps what is known for the same block (a disk file brings the DSML alone)."""
         with self._lock:
             for call_id in ids:
-                if call_id in self._blocks:
-                    self._bytes -= _nbytes(self._blocks.pop(call_id))
-                self._blocks[call_id] = dsml
-                self._bytes += _nbytes(dsml)
-            while self._blocks and (len(self._blocks) > self.max_ids or self._bytes > self.max_bytes):
-                self._bytes -= _nbytes(self._blocks.popitem(last=False)[1])
+                known = self._calls.pop(call_id, None)
+                if known is not None:
+                    self._bytes -= known.nbytes
+                    if reasoning is None and known.dsml == dsml:
+                        reasoning = known.reasoning
+                sampled = _Sampled(dsml, reasoning)
+                self._calls[call_id] = sampled
+                self._bytes += sampled.nbytes
+            while self._calls and (len(self._calls) > self.max_ids or self._bytes > self.max_bytes):
+                self._bytes -= self._calls.popitem(last=False)[1].nbytes
+
+    def _recall(self, call_id: str) -> _Sampled | None:
+        with self._lock:
+            sampled = self._calls.get(call_id)
+            if sampled is not None:
+                self._calls.move_to_end(call_id)
+            return sampled
 
     def get(self, call_id: str) -> str | None:
-        with self._lock:
-            dsml = self._blocks.get(call_id)
-            if dsml is not None:
-                self._blocks.move_to_end(call_id)
-            return dsml
+        """The DSML block sampled for the call."""
+        sampled = self._recall(call_id)
+        return None if sampled is None else sampled.dsml
+
+    def reasoning(self, call_id: str) -> str | None:
+        """The reasoning sampled before the call, when known."""
+        sampled = self._recall(call_id)
+        return None if sampled is None else sampled.reasoning
 
 
 def history_tool_ids(messages: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -67,6 +104,35 @@ def history_tool_ids(messages: Sequence[Mapping[str, Any]]) -> list[str]:
         for call in message["tool_calls"]
         if isinstance(call, Mapping) and isinstance(call.get("id"), str)
     ]
+
+
+def _call_ids(message: Any) -> list[str]:
+    """The tool-call ids of an assistant message (none for anything else; bad shapes are the renderer's to report)."""
+    if not isinstance(message, Mapping) or message.get("role") != "assistant":
+        return []
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return []
+    return [call["id"] for call in calls if isinstance(call, Mapping) and isinstance(call.get("id"), str)]
+
+
+def replay_reasoning(messages: Sequence[Mapping[str, Any]], memory: ToolMemory) -> list[Mapping[str, Any]]:
+    """The messages with each assistant tool-call turn's dropped or trimmed reasoning put back as
+    sampled (see the module docstring)."""
+    out: list[Mapping[str, Any]] = []
+    for message in messages:
+        ids = _call_ids(message)
+        known = {memory.reasoning(call_id) for call_id in ids}
+        if len(known) == 1 and None not in known:  # every call of the turn came from one sampled turn
+            sampled, sent = known.pop(), message.get("reasoning_content")
+            if (
+                (sent is None or isinstance(sent, str))
+                and sent != sampled
+                and (sent or "").strip() in ("", sampled.strip())
+            ):
+                message = {**message, "reasoning_content": sampled}
+        out.append(message)
+    return out
 
 
 def _normalized(parts: Iterable[PromptPart]) -> list[PromptPart]:

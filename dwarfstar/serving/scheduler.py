@@ -2,7 +2,9 @@
 
 Each turn of the loop
 1. drops requests whose client left (queued ones, and active ones at the chunk or step they reached);
-2. admits queued requests while the session pool has a session for them (prefix reuse happens here);
+2. admits queued requests while the session pool has a session for them (prefix reuse happens here;
+   a disk-cache restore is read on the disk cache's reader thread, and the request waiting for it
+   holds up the queue behind it, not the running generations);
 3. samples one token for every decoding request and advances them all in one batched forward;
    with MTP speculation (`serve --mtp`), a request past its first token instead drafts after its
    pending token, and all such requests are verified together in one batched pass, each emitting
@@ -22,15 +24,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
+from dwarfstar.model.state import SequenceState
 from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.generation import Event, Failed, Finished, GenerationRequest, Started, Usage
 from dwarfstar.serving.metrics import Metrics
 from dwarfstar.serving.output import OutputDecoder
-from dwarfstar.serving.pool import Lease, SessionPool
+from dwarfstar.serving.pool import DiskLookup, Lease, SessionPool
 from dwarfstar.serving.replay import ToolMemory
 from dwarfstar.serving.trace import Trace
 from dwarfstar.session.kvpolicy import SaveReason
@@ -74,6 +78,8 @@ class Job:
         self.decoder: OutputDecoder | None = None
         self.spec: Speculator | None = None  # with --mtp, from the request's first generated token
         self.spec_pending: int | None = None  # emitted, not yet in the KV: the next step verifies after it
+        # the disk-cache lookup under way for this queued request: its better_than and the reader's result
+        self.disk_lookup: tuple[int, Future[SequenceState | None]] | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -138,7 +144,7 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._waiting and not self._active:
+                while not self._stopping and not self._active and not self._admissible():
                     self._cond.wait()
                 if self._stopping:
                     left = list(self._waiting) + self._active
@@ -164,14 +170,42 @@ class Scheduler:
             job.emit(Failed("server shutting down", job.usage))
         self.pool.save_all()
 
+    def _admissible(self) -> bool:
+        """A queued request can be looked at now: there is one, and it waits for no disk read."""
+        if not self._waiting:
+            return False
+        lookup = self._waiting[0].disk_lookup
+        return lookup is None or lookup[1].done()
+
+    def _wake(self, _: Future) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _start_disk_lookup(self, job: Job) -> None:
+        """Hand the head request's disk-cache lookup to the reader thread, when its admission would make one."""
+        request = job.request
+        better_than = self.pool.disk_lookup_due(request.prompt, request.prompt_ids, request.steering)
+        if better_than is not None:
+            job.disk_lookup = (better_than, self.disk.restore_async(request.prompt, better_than))
+            job.disk_lookup[1].add_done_callback(self._wake)
+
     def _admit(self) -> None:
         while True:
             with self._cond:
                 if not self._waiting:
                     return
                 job = self._waiting[0]  # only this thread removes jobs, so it stays the head
+            request = job.request
             try:
-                lease = self.pool.acquire(job.request.prompt, job.request.prompt_ids, job.request.steering)
+                if self.disk is not None and job.disk_lookup is None:
+                    self._start_disk_lookup(job)
+                looked_up = None
+                if job.disk_lookup is not None:
+                    better_than, future = job.disk_lookup
+                    if not future.done():
+                        return  # the file is being read; the running requests go on meanwhile
+                    looked_up = DiskLookup(better_than, future.result())
+                lease = self.pool.acquire(request.prompt, request.prompt_ids, request.steering, looked_up)
             except Exception as exc:
                 with self._cond:
                     self._waiting.popleft()
@@ -415,14 +449,14 @@ class Scheduler:
 
     # -- ends of a job -----------------------------------------------------------------------------------
     def _finish(self, job: Job, reason: str) -> None:
-        for event in job.decoder.finish():
+        for event in job.decoder.finish(ended=reason == "stop"):
             job.emit(event)
         completion = job.decoder.completion
         tool_ids: list[str] = []
         if completion is not None and completion.tool_calls:
             tool_ids = job.decoder.tool_ids[: len(completion.tool_calls)]
             reason = "length" if reason == "length" else "tool_calls"
-            self.tool_memory.remember(tool_ids, completion.raw_dsml)
+            self.tool_memory.remember(tool_ids, completion.raw_dsml, completion.reasoning)
             job.lease.live.tool_ids.update(tool_ids)
         job.usage.reasoning_tokens = job.decoder.reasoning_tokens
         self.metrics.inc("dwarfstar_finished_requests_total", reason=reason)

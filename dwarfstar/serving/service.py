@@ -27,7 +27,7 @@ from dwarfstar.serving.generation import GenerationRequest
 from dwarfstar.serving.metrics import Metrics
 from dwarfstar.serving.models import ModelCatalog
 from dwarfstar.serving.pool import SessionPool
-from dwarfstar.serving.replay import ToolMemory, apply_exact_replay, history_tool_ids
+from dwarfstar.serving.replay import ToolMemory, apply_exact_replay, history_tool_ids, replay_reasoning
 from dwarfstar.serving.scheduler import Job, QueueFull, Scheduler, ShuttingDown
 from dwarfstar.serving.trace import Trace
 from dwarfstar.session.sampling import SamplingParams
@@ -125,7 +125,7 @@ class Service:
         """The conversation's prompt with exact DSML replay applied, and the tool-call ids replayed."""
         try:
             prompt = render_conversation(
-                messages,
+                replay_reasoning(messages, self.tool_memory),
                 tools=tools or None,
                 response_format=response_format,
                 thinking=thinking.enabled,

@@ -50,6 +50,14 @@ SCRIPTS = {
     "think_weather": "The user wants weather, so call the tool.</think>Checking." + WEATHER_CALL,
     "think_hello": "A greeting deserves a greeting.</think>Hello!",
     **{f"count{i}": f"Reply number {i}." for i in range(10)},
+    "long_story": " ".join(f"w{i}" for i in range(200)),  # a generation that lasts a while
+    # long-context drift the parser repairs: a lookalike bracket, a lost underscore, no closing tag
+    "drifted_weather": "Let me check."
+    + WEATHER_CALL.replace(f"<{DSML}invoke", f"‹{DSML}invoke")
+    .replace(f"\n</{DSML}tool_calls>", "")
+    .replace("tool_calls", "toolcalls"),
+    # a value the model ended inside: not repairable (the call's start has been streamed by then)
+    "broken_weather": "Let me check." + WEATHER_CALL[: WEATHER_CALL.index("Paris")],
 }
 TOOLS = [
     {
