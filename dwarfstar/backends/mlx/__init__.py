@@ -39,8 +39,15 @@ def default_packing() -> str:
 
 
 def load_backend(
-    model: ModelFile, qat: bool = True, packing: str | None = None, max_seq_len: int | None = None
+    model: ModelFile,
+    qat: bool = True,
+    packing: str | None = None,
+    max_seq_len: int | None = None,
+    stream_experts: bool = False,
 ) -> MLXModel:
+    """With `stream_experts` the routed experts are not loaded (`experts.attach` streams them)."""
     from dwarfstar.backends.mlx.model import MLXModel
 
-    return MLXModel(model, qat=qat, packing=packing or default_packing(), max_seq_len=max_seq_len)
+    return MLXModel(
+        model, qat=qat, packing=packing or default_packing(), max_seq_len=max_seq_len, routed_experts=not stream_experts
+    )

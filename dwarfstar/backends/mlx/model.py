@@ -83,13 +83,17 @@ class Layer:
 class MLXOps:
     """`dwarfstar.model.forward.Ops` in MLX, over weights in one of `weights.PACKINGS`."""
 
-    def __init__(self, args: ModelArgs, weights: Weights, qat: bool, fused: ops.Fused) -> None:
+    def __init__(self, args: ModelArgs, weights: Weights, qat: bool, fused: ops.Fused, routed_experts: bool) -> None:
+        """Without `routed_experts` none is packed: they stream from the file (`experts.attach` sets the source)."""
         self.args, self.qat, self.fused = args, qat, fused
         self.embedding = weights.dense(tt.EMBED)
         self.layers = [self._load_layer(weights, il) for il in range(args.n_layers)]
-        self.experts = ResidentExperts(
-            [ExpertStack(*(LayerWeights(weights, il).experts(n) for n in tt.EXPERTS)) for il in range(args.n_layers)]
-        )
+        self.experts: ExpertSource | None = None
+        if routed_experts:
+            stacks = [
+                ExpertStack(*(LayerWeights(weights, il).experts(n) for n in tt.EXPERTS)) for il in range(args.n_layers)
+            ]
+            self.experts = ResidentExperts(stacks)
         self.head_hc = tuple(weights.dense(name) for name in tt.HEAD_HC)
         self.out_norm = weights.dense(tt.OUTPUT_NORM)
         self.output = weights.matrix(tt.OUTPUT)
@@ -272,11 +276,13 @@ class MLXModel(Transformer[mx.array]):
         packing: str = "exact",
         max_seq_len: int | None = None,
         fuse: bool | None = None,
+        routed_experts: bool = True,
     ) -> None:
-        """`fuse` compiles the op-heavy primitives (`ops.Fused`); by default only where Metal runs them."""
+        """`fuse` compiles the op-heavy primitives (`ops.Fused`); by default only where Metal runs them.
+        Without `routed_experts` the routed experts are not packed: they stream (`--ssd-streaming`)."""
         self.qat, self.packing = qat, packing
         fused = ops.Fused(model.args, metal_available() if fuse is None else fuse)
-        super().__init__(MLXOps(model.args, Weights(model.gguf, packing), qat, fused), max_seq_len)
+        super().__init__(MLXOps(model.args, Weights(model.gguf, packing), qat, fused, routed_experts), max_seq_len)
 
     # logits come back as torch tensors on the CPU; the sampling rules run on them there, one sync a step
     sample_batch = staticmethod(sample_batch)

@@ -176,6 +176,11 @@ def concat_experts(stacks: Sequence[Matrix]) -> Matrix:
     if isinstance(first, AffineMatrix):
         joined = (mx.concatenate([getattr(m.parts, a) for m in stacks]) for a in ("codes", "scales", "biases"))
         return AffineMatrix(repack.AffineParts(*joined, first.parts.bits))
+    from dwarfstar.backends.mlx.metal import BlockMatrix
+
+    if isinstance(first, BlockMatrix):  # the blocks of expert e are rows [e * rows, (e + 1) * rows)
+        blocks = mx.concatenate([m.blocks for m in stacks])
+        return BlockMatrix(blocks, first.ggml_type, first.rows, first.cols, sum(m.experts for m in stacks))
     raise DwarfStarError(f"streamed experts cannot be stacked in the {type(first).__name__} packing yet")
 
 
