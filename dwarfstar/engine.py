@@ -111,7 +111,8 @@ def load_engine(
     model = open_model(Path(path))
     tokenizer = Tokenizer.from_gguf_metadata(model.gguf.metadata)
     limit = ctx or model.args.max_seq_len
-    if streaming is None:  # too big a model is an error naming --ssd-streaming, before any weight loads
+    stream = streaming is not None  # the routed experts are not loaded: they stream from the file
+    if not stream:  # too big a model is an error naming --ssd-streaming, before any weight loads
         check_fits(model, name, limit)
     direction = steering.read(model.args) if steering is not None else None  # a bad file fails before the weights load
     if name == "reference":
@@ -121,11 +122,13 @@ def load_engine(
     elif name == "triton":
         from dwarfstar.backends.triton import load_backend
 
-        impl = load_backend(model, qat=qat, precision=precision, max_seq_len=ctx, kv_slots=kv_slots)
+        impl = load_backend(
+            model, qat=qat, precision=precision, max_seq_len=ctx, kv_slots=kv_slots, stream_experts=stream
+        )
     else:
         from dwarfstar.backends.mlx import load_backend
 
-        impl = load_backend(model, qat=qat, max_seq_len=ctx)
+        impl = load_backend(model, qat=qat, max_seq_len=ctx, stream_experts=stream)
     experts = None if streaming is None else attach_streaming(impl, name, model, limit, streaming)
     if steering is not None:
         impl = steering.install(impl, direction)

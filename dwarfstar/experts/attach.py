@@ -124,11 +124,13 @@ def build_store(model: ModelFile, capacity: int, options: StreamingOptions) -> E
 
 def attach_streaming(impl: object, backend: str, model: ModelFile, ctx: int, options: StreamingOptions) -> ExpertStore:
     """Stream `impl`'s routed experts from the file; returns the store (its `stats` are the telemetry)."""
-    if backend == "triton":
-        raise DwarfStarError("--ssd-streaming is not implemented for the triton backend yet; use --backend reference")
     layout = ExpertLayout.of(model.gguf, model.args)
     store = build_store(model, plan_capacity(model, layout, backend, ctx, options), options)
-    if backend == "mlx":
+    if backend == "triton":  # loaded without its routed experts (`load_backend(stream_experts=True)`)
+        from dwarfstar.backends.triton.streaming import TritonStreamedExperts
+
+        impl.model.experts = TritonStreamedExperts(store, impl.device)
+    elif backend == "mlx":
         from dwarfstar.backends.mlx.streaming import MLXStreamedExperts
 
         impl.experts = MLXStreamedExperts(store, impl.packing)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ from dwarfstar.experts.policy import Policy
 
 READ_THREADS = 16  # a Flash token's 6 experts per layer are 18 part reads; the disk wants many in flight
 DIRECT_ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffers aligned to the logical block
+LATENCY_WINDOW = 100_000  # misses the latency percentiles cover
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class ExpertBytes:
     expert: int
     parts: tuple[ExpertPart, ...]
     data: tuple[np.ndarray, ...]
+    fresh: bool = False  # just read from the file: the first `get` after its miss
 
 
 @dataclass
@@ -49,14 +53,21 @@ class Telemetry:
     bytes_read: int = 0
     tokens: int = 0
     preloaded: int = 0
+    evictions: int = 0
     stall_seconds: float = 0.0  # time the compute waited for a read
     read_seconds: float = 0.0  # summed duration of the reads themselves (they overlap)
-    latencies: list[float] = field(default_factory=list)  # per miss: request to bytes in the slot
+    busy_seconds: float = 0.0  # wall time with at least one read in flight: bytes_read / this is the GB/s
+    # per miss, request to bytes in the slot; the last LATENCY_WINDOW, so a server's memory stays bounded
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
 
     @property
     def hit_rate(self) -> float:
         uses = self.hits + self.misses
         return self.hits / uses if uses else 0.0
+
+    @property
+    def read_gbps(self) -> float:
+        return self.bytes_read / self.busy_seconds / 1e9 if self.busy_seconds else 0.0
 
     def summary(self, resident: int, capacity: int) -> dict[str, float | int]:
         lat = np.array(self.latencies) if self.latencies else np.zeros(1)
@@ -66,6 +77,8 @@ class Telemetry:
             "misses": self.misses,
             "bytes_read": self.bytes_read,
             "bytes_per_token": round(self.bytes_read / self.tokens) if self.tokens else 0,
+            "read_gbps": round(self.read_gbps, 3),
+            "evictions": self.evictions,
             "miss_latency_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
             "miss_latency_p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
             "stall_seconds": round(self.stall_seconds, 4),
@@ -154,6 +167,7 @@ class ExpertCache:
         if victim in self.pinned:
             raise RuntimeError(f"policy {self.policy.name} chose the pinned expert {victim}")
         self.policy.evicted(victim)
+        self.stats.evictions += 1
         return self.where.pop(victim)
 
     def _new_slot(self) -> None:
@@ -186,9 +200,11 @@ class ExpertStore(ExpertCache):
             for i in range(len(layout.parts[0]))
         ]
         self.slot_bytes = sum(self.part_capacity)
-        self.slots: list[np.ndarray] = []
+        self.slot_maps: list[mmap.mmap] = []
+        self.slots: list[np.ndarray] = []  # byte views of slot_maps
         self.pending: dict[int, list[Future]] = {}
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="expert-read")
+        self._in_flight, self._busy_since, self._busy_lock = 0, 0.0, threading.Lock()
 
     def begin_step(self, n_tokens: int) -> None:
         super().begin_step(n_tokens)
@@ -207,7 +223,13 @@ class ExpertStore(ExpertCache):
             except BaseException:
                 self._drop(key)
                 raise
-        return self._view(layer, e, self.where[key])
+        return self._view(layer, e, self.where[key], fresh=futures is not None)
+
+    def release_bytes(self, layer: int, e: int) -> None:
+        """The backend keeps its own copy of this resident expert and never reads these bytes again
+        (its hits use that copy): the slot's pages go back to the OS until a later miss refills the
+        slot, so a device cache does not also hold the budget in RAM."""
+        self.slot_maps[self.where[self.key(layer, e)]].madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -216,7 +238,9 @@ class ExpertStore(ExpertCache):
     # -- slots and reads -----------------------------------------------------------------------------------
     def _new_slot(self) -> None:
         # anonymous maps are page-aligned, as O_DIRECT needs; slots are allocated as the cache fills
-        self.slots.append(np.frombuffer(mmap.mmap(-1, self.slot_bytes), dtype=np.uint8))
+        # private: MADV_DONTNEED frees its pages (a shared anonymous map would keep them)
+        self.slot_maps.append(mmap.mmap(-1, self.slot_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+        self.slots.append(np.frombuffer(self.slot_maps[-1], dtype=np.uint8))
 
     def _load(self, layer: int, e: int, slot: int) -> None:
         """Read the expert's three parts at once: a token's k experts are 3k reads in flight."""
@@ -254,7 +278,32 @@ class ExpertStore(ExpertCache):
         """Fill one part of the slot (on a pool thread): (latency since the request, read time, bytes)."""
         part, base, start, length = span
         buf = memoryview(self.slots[slot])
-        started = time.perf_counter()
+        started = self._read_starts()
+        try:
+            self._fill(layer, e, part, buf, base, start, length)
+        finally:
+            end = self._read_ends()
+        return end - submitted, end - started, part.nbytes
+
+    # reads overlap: the GB/s the store achieves is its bytes over the wall time any read was in flight
+    def _read_starts(self) -> float:
+        now = time.perf_counter()
+        with self._busy_lock:
+            if self._in_flight == 0:
+                self._busy_since = now
+            self._in_flight += 1
+        return now
+
+    def _read_ends(self) -> float:
+        now = time.perf_counter()
+        with self._busy_lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.stats.busy_seconds += now - self._busy_since
+        return now
+
+    def _fill(self, layer: int, e: int, part: ExpertPart, buf: memoryview, base: int, start: int, length: int) -> None:
+        """pread the part's aligned span into the slot at `base`, to the end of its slab."""
         need = part.offset + part.nbytes - start  # the aligned tail past the slab may lie past EOF
         done = 0
         while done < need:
@@ -270,14 +319,12 @@ class ExpertStore(ExpertCache):
                     f"{start + done} of the {part.offset + part.nbytes} bytes it needs are there"
                 )
             done += n
-        end = time.perf_counter()
-        return end - submitted, end - started, part.nbytes
 
-    def _view(self, layer: int, e: int, slot: int) -> ExpertBytes:
+    def _view(self, layer: int, e: int, slot: int, fresh: bool) -> ExpertBytes:
         buf = self.slots[slot]
         parts, data = [], []
         for part, base, start, _ in self._part_spans(layer, e):
             at = base + part.offset - start
             parts.append(part)
             data.append(buf[at : at + part.nbytes])
-        return ExpertBytes(layer, e, tuple(parts), tuple(data))
+        return ExpertBytes(layer, e, tuple(parts), tuple(data), fresh)

@@ -39,16 +39,23 @@ def load_backend(
     precision: str = "exact",
     max_seq_len: int | None = None,
     kv_slots: int = 4,
+    stream_experts: bool = False,
 ):
     """A `TritonBackend` over `model_file` (a `ModelFile`), on `device` (default: the GPU, else the
     CPU through Triton's interpreter), with `precision` "exact" or "fast" (`runtime.PRECISIONS`) and
     sequences of at most `max_seq_len` tokens (default: the model's), `kv_slots` to a KV-cache block
-    (the sequences one batched decode launch can serve)."""
+    (the sequences one batched decode launch can serve). With `stream_experts` the routed experts are
+    not uploaded (`experts.attach` streams them) and decode is not captured in graphs: a cache miss
+    reads the file on the host, which a graph replay cannot do."""
     if not torch.cuda.is_available() or (device is not None and torch.device(device).type == "cpu"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from dwarfstar.backends.triton.backend import TritonBackend
-    from dwarfstar.backends.triton.runtime import PRECISIONS
+    from dwarfstar.backends.triton.runtime import PRECISIONS, default_device
+    from dwarfstar.backends.triton.weights import upload
 
-    return TritonBackend.from_model_file(
-        model_file, device=device, qat=qat, precision=PRECISIONS[precision], max_seq_len=max_seq_len, kv_slots=kv_slots
-    )
+    options = dict(qat=qat, precision=PRECISIONS[precision], max_seq_len=max_seq_len, kv_slots=kv_slots)
+    if not stream_experts:
+        return TritonBackend.from_model_file(model_file, device=device, **options)
+    device = torch.device(device) if device is not None else default_device()
+    weights = upload(model_file.gguf, model_file.args, device, routed_experts=False)
+    return TritonBackend(weights, graphs=False, **options)
