@@ -24,6 +24,7 @@ from pathlib import Path
 from dwarfstar.diagnostics import Trace
 from dwarfstar.engine import Engine
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.prompt.render import render_conversation
 from dwarfstar.session.payload import read_payload, write_payload
 from dwarfstar.session.prefix import common_prefix_len
@@ -183,6 +184,8 @@ class Chat:
         self.decode_speed.add(len(ids) + (finish == "stop"), decode_s)
         if self.trace:
             self.trace.write(f"generated {len(ids)} tokens, finish {finish}", self.tokenizer.decode(ids))
+            if self.engine.experts is not None:  # the expert cache since the start (--ssd-streaming)
+                self.trace.write("experts", json.dumps(expert_summary(self.engine.experts)))
         return ids, finish, decode_s
 
     # -- saved chats ------------------------------------------------------------------------------------

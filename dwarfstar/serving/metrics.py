@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 # name: (type, help). Every metric the server reports is declared here, so /metrics lists them all
 # from the start (at 0) and a typo in a name fails loudly instead of creating a new series.
@@ -31,6 +32,19 @@ METRICS: dict[str, tuple[str, str]] = {
     "dwarfstar_active_requests": ("gauge", "Requests holding a session (prefill or decode)."),
     "dwarfstar_live_sessions": ("gauge", "Live KV sessions in memory."),
     "dwarfstar_session_bytes": ("gauge", "Bytes held by the live KV sessions."),
+    # with --ssd-streaming (`dwarfstar.experts.telemetry`); 0 without
+    "dwarfstar_expert_hits_total": ("counter", "Routed-expert uses served from the expert cache."),
+    "dwarfstar_expert_misses_total": ("counter", "Routed-expert uses read from the model file."),
+    "dwarfstar_expert_evictions_total": ("counter", "Experts evicted from the expert cache."),
+    "dwarfstar_expert_read_bytes_total": ("counter", "Bytes of routed experts read from the model file."),
+    "dwarfstar_expert_read_busy_seconds_total": ("counter", "Wall time with at least one expert read in flight."),
+    "dwarfstar_expert_stall_seconds_total": ("counter", "Time the compute waited for expert reads."),
+    "dwarfstar_expert_hit_rate": ("gauge", "Expert cache hits over uses since the start."),
+    "dwarfstar_expert_read_bytes_per_token": ("gauge", "Expert bytes read per token since the start."),
+    "dwarfstar_expert_read_gbps": ("gauge", "Expert read rate: bytes over read busy time, GB/s."),
+    "dwarfstar_expert_miss_latency_seconds": ("gauge", "Expert miss latency (request to bytes), by quantile."),
+    "dwarfstar_expert_resident": ("gauge", "Experts in the expert cache."),
+    "dwarfstar_expert_capacity": ("gauge", "Experts the expert cache's budget holds."),
 }
 
 Labels = tuple[tuple[str, str], ...]
@@ -40,6 +54,8 @@ class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, dict[Labels, float]] = {name: {} for name in METRICS}
+        # called at each render, to copy in figures kept elsewhere (the expert cache's telemetry)
+        self.collectors: list[Callable[[Metrics], None]] = []
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         key = tuple(sorted(labels.items()))
@@ -61,6 +77,8 @@ class Metrics:
             return self._values[name].get(tuple(sorted(labels.items())), 0.0)
 
     def render(self) -> str:
+        for collect in self.collectors:
+            collect(self)
         lines: list[str] = []
         with self._lock:
             for name, (kind, text) in METRICS.items():

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from dwarfstar.engine import Engine
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.experts.telemetry import collector as expert_collector
 from dwarfstar.prompt.conversation import PromptError
 from dwarfstar.prompt.render import Prompt, render_conversation
 from dwarfstar.serving.config import ServerConfig, session_memory_budget
@@ -58,6 +59,8 @@ class Service:
         self.options = config.render_options
         self.models = ModelCatalog(args, config.ctx, config.model_aliases)
         self.metrics = Metrics()
+        if engine.experts is not None:  # --ssd-streaming: the expert cache's figures at each /metrics
+            self.metrics.collectors.append(expert_collector(engine.experts))
         self.tool_memory = ToolMemory(config.tool_memory_ids)
         self.trace = Trace(config.trace) if config.trace else None
         self.disk = None
