@@ -19,7 +19,14 @@ from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.attach import StreamingOptions, profile_path
 from dwarfstar.experts.layout import ExpertLayout
 from dwarfstar.experts.policy import POLICIES, make_policy
-from dwarfstar.experts.replay import disk_figures, drop_page_cache, replay, replay_mmap, simulate
+from dwarfstar.experts.replay import (
+    disk_figures,
+    drop_page_cache,
+    frequency_oracle,
+    replay,
+    replay_mmap,
+    simulate,
+)
 from dwarfstar.experts.store import ExpertStore
 from dwarfstar.experts.trace import RoutingTrace, TraceRecorder, skewed_trace
 from dwarfstar.model.loader import open_model
@@ -149,7 +156,8 @@ def bench_experts(
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON.")] = None,
 ) -> None:
     """Replay a routing trace through the expert store with real reads and no compute, against Belady's
-    and LRU's hit rates, the disk's own read rates and the same replay over plain mmap."""
+    and LRU's hit rates and the frequency oracle's (an online policy's ceiling), the disk's own
+    read rates and the same replay over plain mmap."""
     if policy not in POLICIES[:2]:
         raise DwarfStarError(f"--policy must be one of {', '.join(POLICIES[:2])} (Belady is reported alongside)")
     try:
@@ -174,6 +182,8 @@ def bench_experts(
         row: dict = {"budget_pct": pct, "capacity": capacity}
         for name in ("belady", "lru", "ds4"):
             row[f"{name}_hit"] = round(simulate(trace, capacity, name).stats.hit_rate, 4)
+        # the online ceiling where routing is independent between calls (a drifting trace can pass it)
+        row["frequency_oracle_hit"] = round(frequency_oracle(trace, capacity), 4)
         drop_page_cache(layout.path)
         store = ExpertStore(layout, capacity, make_policy(policy, layout.total_experts), direct=direct)
         start = time.perf_counter()

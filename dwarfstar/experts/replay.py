@@ -45,6 +45,16 @@ def simulate(trace: RoutingTrace, capacity: int, policy: str) -> ExpertCache:
     return replay(ExpertCache(trace.n_layers, trace.n_experts, trace.k, capacity, chosen), trace)
 
 
+def frequency_oracle(trace: RoutingTrace, capacity: int) -> float:
+    """The hit rate of a cache that holds the trace's `capacity` most used experts from their first
+    use on. When routing is independent from call to call this is the best any online policy can do
+    (Aho, Denning and Ullman's A0, which knows each expert's probability): the ceiling for ds4's
+    counts and LRU, where Belady's optimum also knows the order of the future uses."""
+    uses = np.bincount(trace.accesses(), minlength=trace.n_layers * trace.n_experts)
+    kept = np.sort(uses)[::-1][:capacity]
+    return float((kept - (kept > 0)).sum() / max(1, uses.sum()))  # each kept expert's first use misses
+
+
 @dataclass
 class MmapResult:
     hits: int

@@ -10,7 +10,7 @@ import pytest
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.experts.layout import ExpertLayout
 from dwarfstar.experts.policy import FrequencyPolicy, LRUPolicy, make_policy
-from dwarfstar.experts.replay import replay, simulate
+from dwarfstar.experts.replay import frequency_oracle, replay, simulate
 from dwarfstar.experts.store import ExpertCache, ExpertStore
 from dwarfstar.experts.trace import RoutingTrace, TraceError, TraceRecorder, skewed_trace
 from dwarfstar.model.loader import open_model
@@ -175,3 +175,12 @@ def test_trace_round_trip_and_bad_files(tmp_path, skewed):
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(TraceError, match="not a routing trace"):
         RoutingTrace.load(tmp_path / "junk.npz")
+
+
+def test_frequency_oracle_keeps_the_most_used():
+    # one layer, k = 1: uses 0 0 1 0 2 1; a cache of 2 keeps 0 (3 uses) and 1 (2 uses), each missing once
+    ids = np.array([0, 0, 1, 0, 2, 1], dtype=np.int16).reshape(6, 1, 1)
+    trace = RoutingTrace(ids, np.ones(6, dtype=np.int64), 4)
+    assert frequency_oracle(trace, 2) == 3 / 6
+    assert frequency_oracle(trace, 4) == 3 / 6  # 2 is used once: holding it gains nothing
+    assert frequency_oracle(trace, 1) == 2 / 6
