@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import Recorder, make_agent
 
 from dwarfstar.agent.loop import Agent
@@ -16,6 +17,7 @@ from dwarfstar.agent.policy import SampledPolicy, SpeculativePolicy
 from dwarfstar.agent.transcript import Transcript
 from dwarfstar.engine import Engine
 from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.session.session import Cancelled
 from dwarfstar.speculative.options import MTPOptions
 
 REPLY_TOKENS = 16
@@ -53,6 +55,21 @@ def test_speculative_replies_equal_plain_ones_across_turns_and_a_new_session(nan
     assert policy.speculator is not first and policy.finished == [first.stats]
     assert replies(speculative) == replies(plain) and speculative.session.tokens == plain.session.tokens
     assert "mtp N=2 next: " in policy.describe()
+
+
+def test_a_stopped_prompt_leaves_the_session_valid_and_followed(nano: Engine, tmp_path: Path) -> None:
+    """ESC during a speculative prefill: Cancelled at a chunk boundary, as Session.prefill does, and the
+    speculator still follows the session (the next reply speculates without restarting)."""
+    plain, speculative, policy = agents(nano, tmp_path)
+    first = policy.speculator
+    ids = speculative.transcript.head_ids(nano.tokenizer)
+    with pytest.raises(Cancelled, match=f"stopped after 0 of {len(ids)} prompt tokens"):
+        policy.extend(speculative.session, ids, lambda: True)
+    assert speculative.session.tokens == [] and policy.followed == []
+    for agent in (plain, speculative):
+        agent.run(TURNS[0], Recorder())
+    assert policy.speculator is first and first.stats.steps > 0
+    assert replies(speculative) == replies(plain)
 
 
 def agent_cli(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
