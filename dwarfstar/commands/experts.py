@@ -148,7 +148,7 @@ def bench_experts(
     replay_trace: Annotated[Path, typer.Option("--replay", help="Routing trace (dwarfstar profile-experts).")],
     model: Annotated[Path, typer.Option("-m", "--model", help="GGUF model whose experts are read.")],
     budgets: Annotated[str, typer.Option(help="Cache budgets, % of all experts, comma-separated.")] = "10,25,50,75,100",
-    policy: Annotated[str, typer.Option(help=f"The store's policy: {', '.join(POLICIES[:2])}.")] = "ds4",
+    policy: Annotated[str, typer.Option(help=f"The store's policy: {', '.join(POLICIES[:3])}.")] = "ds4",
     direct: Annotated[bool, typer.Option(help="O_DIRECT reads (no page-cache copy).")] = True,
     mmap_too: Annotated[bool, typer.Option("--mmap/--no-mmap", help="Also replay over plain mmap.")] = True,
     max_tokens: Annotated[int, typer.Option(min=1, help="Replay at most this many tokens of the trace.")] = 100000,
@@ -158,8 +158,8 @@ def bench_experts(
     """Replay a routing trace through the expert store with real reads and no compute, against Belady's
     and LRU's hit rates and the frequency oracle's (an online policy's ceiling), the disk's own
     read rates and the same replay over plain mmap."""
-    if policy not in POLICIES[:2]:
-        raise DwarfStarError(f"--policy must be one of {', '.join(POLICIES[:2])} (Belady is reported alongside)")
+    if policy not in POLICIES[:3]:
+        raise DwarfStarError(f"--policy must be one of {', '.join(POLICIES[:3])} (Belady is reported alongside)")
     try:
         percents = [float(p) for p in budgets.split(",") if p.strip()]
     except ValueError:
@@ -180,7 +180,7 @@ def bench_experts(
     for pct in percents:
         capacity = max(layout.n_active, int(layout.total_experts * pct / 100))
         row: dict = {"budget_pct": pct, "capacity": capacity}
-        for name in ("belady", "lru", "ds4"):
+        for name in ("belady", "lru", "ds4", "lfu"):
             row[f"{name}_hit"] = round(simulate(trace, capacity, name).stats.hit_rate, 4)
         # the online ceiling where routing is independent between calls (a drifting trace can pass it)
         row["frequency_oracle_hit"] = round(frequency_oracle(trace, capacity), 4)
