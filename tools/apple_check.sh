@@ -11,6 +11,9 @@
 #   OUTDIR/tiny_decode.json      MLX vs reference decode tok/s, parity
 #   OUTDIR/gates.txt             `dwarfstar test` gates (bundled fixtures; a real GGUF when present)
 #   OUTDIR/flash_q2_decode.json  MLX decode tok/s, GB/s, fraction of the bandwidth limit
+#   OUTDIR/streaming.txt         expert streaming: MLX streamed logits equal resident (tests), and the
+#                                flash-q2 model run resident and with --ssd-streaming (a 1 GB cache):
+#                                the same greedy tokens, and the streamed run's expert line
 #   OUTDIR/flash-q2.gguf         the synthetic model (about 6 GB; reused when present)
 # Environment: PYTHON (default .venv/bin/python, else python3), FLASH_TOKENS (default 64).
 set -uo pipefail
@@ -61,6 +64,20 @@ if [ ! -f "$model" ]; then
 fi
 "$py" -m dwarfstar bench mlx --model "$model" --no-reference --packing blocks \
     -n "${FLASH_TOKENS:-64}" --prompt-tokens 64 --json > "$out/flash_q2_decode.json" || fail "flash-q2 bench failed"
+
+echo "== expert streaming"
+"$py" -m pytest tests/experts/test_streaming_mlx.py -q -p no:cacheprovider > "$out/streaming.txt" 2>&1 \
+    || fail "streaming tests failed, see $out/streaming.txt"
+run_flash() { "$py" -m dwarfstar run -m "$model" --backend mlx --prompt-tokens 0,17,4242,99,7 -n 16 --temp 0 "$@"; }
+run_flash > "$out/resident_run.tmp" 2>&1 || fail "resident flash-q2 run failed"
+run_flash --ssd-streaming --ssd-streaming-cache-experts 1GB > "$out/streamed_run.tmp" 2>&1 \
+    || fail "streamed flash-q2 run failed, see $out/streamed_run.tmp"
+{ echo "-- resident"; cat "$out/resident_run.tmp"; echo "-- streamed"; cat "$out/streamed_run.tmp"; } >> "$out/streaming.txt"
+# the reply is everything before the summary's `load` line
+[ "$(sed '/^load /,$d' "$out/resident_run.tmp")" = "$(sed '/^load /,$d' "$out/streamed_run.tmp")" ] \
+    || fail "streamed tokens differ from resident ones, see $out/streaming.txt"
+rm -f "$out/resident_run.tmp" "$out/streamed_run.tmp"
+grep "experts:" "$out/streaming.txt"
 
 "$py" - "$out" <<'EOF'
 import json, sys

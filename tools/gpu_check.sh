@@ -10,7 +10,9 @@
 #
 # In priority order, within a total budget of $GPU_CHECK_BUDGET seconds (default 450: under 8 minutes with the kill grace):
 #   1. the backend conformance suite (tests/backends: its triton-cuda parametrisation against the
-#      reference, which runs on the CPU) and the kernel tests (tests/triton), on CUDA  -> tests.log
+#      reference, which runs on the CPU) and the kernel tests (tests/triton), on CUDA  -> tests.log;
+#      expert streaming: Triton's streamed logits equal resident on the GPU (routed experts never
+#      uploaded, no graphs), and `run --ssd-streaming` on the bundled model   -> tests.log
 #   2. synthetic flash-q2 decode tok/s at 2k and 32k context, 1 and 4 sequences batched -> decode.csv
 #   3. synthetic flash-q2 prefill tok/s on an 8k prompt           -> prefill.csv
 #   4. every kernel's time, GB/s, TFLOP/s and % of the peak        -> kernels.csv
@@ -98,6 +100,11 @@ $PY -c "import xdist" 2>/dev/null && XDIST="-n 8"
 run tests 200 "$OUT/tests.log" $PY -m pytest tests/backends tests/triton -q $XDIST -p no:cacheprovider --durations=15
 grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -n 20 | tee -a "$SUMMARY"
 tail -n 1 "$OUT/tests.log" | tee -a "$SUMMARY"
+
+run streaming 90 "$OUT/tests.log" $PY -m pytest tests/experts/test_streaming_triton.py -q -p no:cacheprovider
+run stream-run 40 "$OUT/tests.log" $PY -m dwarfstar run --backend triton --prompt-tokens 0,17,4242,99 -n 16 \
+    --temp 0 --ssd-streaming --ssd-streaming-cache-experts 1MB
+grep "experts:" "$OUT/tests.log" | tail -n 1 | tee -a "$SUMMARY"
 
 # -- gates: the bundled model's fixtures on Triton (made by the reference backend), and ds4's gates
 # on a real GGUF when one is here ($DS4_TEST_MODEL or ./ds4flash.gguf; vectors: $DS4_TEST_VECTOR_FILE) --
