@@ -1,6 +1,8 @@
 """Routes for the distributed tests: the coordinator in the test process, workers as subprocesses on loopback.
 
-Workers run with the test process's torch thread count, so every layer computes as it does in the
+Every cluster's workers start together at the first test that needs one (loading torch is most of a
+worker's start), and each coordinator joins its workers when a test first asks for that route.
+Workers run with the test process's torch thread count, so every layer computes as in the
 single-process reference, and bit-identical logits are a fair demand.
 """
 
@@ -22,7 +24,8 @@ from dwarfstar.model.bundled import default_model_path
 
 CTX = 256  # stage_worker.CTX
 WORKER = Path(__file__).with_name("stage_worker.py")
-WAIT_S = 120.0  # loading torch in several processes on the 2 shared cores is slow
+WAIT_S = 300.0  # loading torch in several processes on the 2 shared cores is slow
+DIE_AT_ROWS = 37  # the fragile cluster's worker dies when a pass of this many rows arrives
 
 
 def free_port() -> int:
@@ -32,36 +35,43 @@ def free_port() -> int:
 
 
 class Cluster:
-    """A route over `layers` (the coordinator's slice first) of one model."""
+    """A route over `layers` (the coordinator's slice first) of one model file."""
 
-    def __init__(
-        self, engine: Engine, path: Path, layers: list[str], worker_args: dict[str, int | None] | None = None
-    ) -> None:
-        """`layers[1:]` start as plain workers, `worker_args` maps more slices to a die-at-rows count."""
-        self.engine, self.path = engine, path
-        self.local = engine.backend
+    def __init__(self, path: Path, layers: list[str], logs: Path, die_at_rows: int | None = None) -> None:
+        """Start the workers for `layers[1:]` (the last one dying at `die_at_rows`, if given)."""
+        self.path, self.layers, self.logs = path, layers, logs
         self.addr = f"127.0.0.1:{free_port()}"
         self.workers: dict[str, subprocess.Popen] = {}
-        for worker_layers in layers[1:]:
-            self.start_worker(worker_layers)
-        for worker_layers, die_at in (worker_args or {}).items():
-            self.start_worker(worker_layers, die_at)
-        opts = DistOptions.resolved(role="coordinator", layers=layers[0], addr=self.addr, wait_s=WAIT_S, timeout_s=60)
-        self.route: Route = start_coordinator(engine, opts, CTX)
-        self.backend = RouteBackend(self.route)
+        for i, worker_layers in enumerate(layers[1:], start=2):
+            self.start_worker(worker_layers, die_at_rows if i == len(layers) else None)
+        self.route: Route | None = None
+
+    def connect(self, engine: Engine) -> Cluster:
+        """The coordinator's route on `engine` (the same model file), once."""
+        if self.route is None:
+            self.engine, self.local = engine, engine.backend
+            opts = DistOptions.resolved(
+                role="coordinator", layers=self.layers[0], addr=self.addr, wait_s=WAIT_S, timeout_s=60
+            )
+            self.route = start_coordinator(engine, opts, CTX)
+            self.backend = RouteBackend(self.route)
+        return self
 
     def start_worker(self, layers: str, die_at_rows: int | None = None) -> subprocess.Popen:
         argv = [sys.executable, str(WORKER), str(self.path), layers, self.addr, str(torch.get_num_threads())]
         if die_at_rows is not None:
             argv.append(str(die_at_rows))
-        self.workers[layers] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        log = open(self.logs / f"worker-{self.addr.rsplit(':', 1)[1]}-{layers.replace(':', '_')}.log", "ab")
+        self.workers[layers] = subprocess.Popen(argv, stdout=log, stderr=log)
+        log.close()
         return self.workers[layers]
 
     def close(self) -> None:
-        self.route.close()
+        if self.route is not None:
+            self.route.close()
         for proc in self.workers.values():
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=30 if self.route is not None else 0.1)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -73,23 +83,38 @@ def tiny_engine(tiny_model_file) -> tuple[Engine, Path]:
     return load_engine(path, "reference", ctx=CTX), path
 
 
-@pytest.fixture(scope="module")
-def tiny2(tiny_engine):
-    cluster = Cluster(*tiny_engine, ["0:3", "3:output"])
-    yield cluster
-    cluster.close()
+@pytest.fixture(scope="session")
+def clusters(tiny_model_file, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("dist-logs")
+    tiny, nano = tiny_model_file(0), default_model_path()
+    pool = {
+        "tiny2": Cluster(tiny, ["0:3", "3:output"], logs),
+        "tiny3": Cluster(tiny, ["0:2", "2:4", "4:output"], logs),
+        "fragile": Cluster(tiny, ["0:3", "3:output"], logs, die_at_rows=DIE_AT_ROWS),
+        "nano2": Cluster(nano, ["0:2", "2:output"], logs),
+    }
+    yield pool
+    for cluster in pool.values():
+        cluster.close()
 
 
-@pytest.fixture(scope="module")
-def tiny3(tiny_engine):
-    cluster = Cluster(*tiny_engine, ["0:2", "2:4", "4:output"])
-    yield cluster
-    cluster.close()
+@pytest.fixture
+def tiny2(clusters, tiny_engine) -> Cluster:
+    return clusters["tiny2"].connect(tiny_engine[0])
 
 
-@pytest.fixture(scope="module")
-def nano2():
-    path = default_model_path()
-    cluster = Cluster(load_engine(path, "reference", ctx=CTX), path, ["0:2", "2:output"])
-    yield cluster
-    cluster.close()
+@pytest.fixture
+def tiny3(clusters, tiny_engine) -> Cluster:
+    return clusters["tiny3"].connect(tiny_engine[0])
+
+
+@pytest.fixture
+def fragile(clusters, tiny_engine) -> Cluster:
+    """A 2-stage route whose worker dies, before replying, on a pass of DIE_AT_ROWS rows."""
+    return clusters["fragile"].connect(tiny_engine[0])
+
+
+@pytest.fixture
+def nano2(clusters) -> Cluster:
+    cluster = clusters["nano2"]
+    return cluster.connect(load_engine(cluster.path, "reference", ctx=CTX)) if cluster.route is None else cluster

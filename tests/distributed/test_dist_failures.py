@@ -7,7 +7,7 @@ import io
 
 import pytest
 import torch
-from conftest import CTX, WAIT_S, Cluster
+from conftest import CTX, DIE_AT_ROWS, WAIT_S
 
 from dwarfstar.distributed.link import Message
 from dwarfstar.distributed.protocol import Header, Op, RouteIncompleteError, SegmentRecord
@@ -15,15 +15,6 @@ from dwarfstar.session.payload import read_payload, write_payload
 from dwarfstar.session.session import Session
 
 PROMPT = [5, 17, 42, 7, 99, 1000, 5, 31, 64, 2]
-DIE_AT_ROWS = 37  # the worker dies when a pass of this many rows arrives
-
-
-@pytest.fixture
-def fragile(tiny_engine):
-    """A 2-stage route whose worker dies, before replying, on a pass of DIE_AT_ROWS rows."""
-    cluster = Cluster(*tiny_engine, ["0:3"], worker_args={"3:output": DIE_AT_ROWS})
-    yield cluster
-    cluster.close()
 
 
 def test_worker_killed_mid_request_then_restarted(fragile):
