@@ -11,8 +11,9 @@ Grammar of the block (whitespace between tags is free; the renderer writes one n
     PARAM := <｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>
 
 Names and keys are single lines. A parameter without `string=` is a string. The official format does
-not escape values, so a value ends at the first `</｜DSML｜parameter>` that is followed by the next
-parameter or by `</｜DSML｜invoke>`; any other occurrence is part of the value. `escaped=True` reads
+not escape values, so a value ends at the first `</｜DSML｜parameter>` that is followed by structure:
+the next parameter or `</｜DSML｜invoke>` (or, as repairs, the next invoke, the block's end or the end
+of generation); any other occurrence is part of the value. `escaped=True` reads
 ds4's escaping (entities in names, `&lt;/｜DSML｜parameter>` in values).
 
 Tolerant of the drift long contexts bring (see `dsml_tags`): a misspelled tag reads as its canonical
