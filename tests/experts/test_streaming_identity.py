@@ -41,7 +41,7 @@ def resident(model_file) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("per_layer", [1, 2, 10, None], ids=["1", "2", "10", "full"])
-@pytest.mark.parametrize("policy", ["ds4", "lru"])
+@pytest.mark.parametrize("policy", ["ds4", "lfu", "lru"])
 def test_streamed_logits_equal_resident(model_file, resident, per_layer, policy):
     args = model_file.args
     layout = ExpertLayout.of(model_file.gguf, args)
