@@ -96,11 +96,13 @@ class SpeculativePolicy(SampledPolicy):
             # every token yielded must be in the session (the loop renders it), and only those: the
             # speculator holds a step's last token back until the next step, and the loop stops
             # reading at EOS, which ends a step
-            if len(session.tokens) == start + count - 1:
-                spec.append(last)
-            elif len(session.tokens) > start + count:
+            if len(session.tokens) > start + count:  # a caller that stopped reading mid-step
                 session.truncate(start + count)
-            self.followed = list(session.tokens)
+                self.start(session)  # the draft ran past the cut: follow from the cut
+            else:
+                if len(session.tokens) == start + count - 1:
+                    spec.append(last)
+                self.followed = list(session.tokens)
 
     def describe(self) -> str:
         """The acceptance figures of every speculator so far."""

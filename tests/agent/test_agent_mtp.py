@@ -4,6 +4,7 @@ the replies plain decoding gives, across turns, after the session is cut back un
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -70,6 +71,24 @@ def test_a_stopped_prompt_leaves_the_session_valid_and_followed(nano: Engine, tm
         agent.run(TURNS[0], Recorder())
     assert policy.speculator is first and first.stats.steps > 0
     assert replies(speculative) == replies(plain)
+
+
+def test_a_reply_read_in_part_leaves_exactly_the_tokens_read(nano: Engine, tmp_path: Path) -> None:
+    """The loop stops reading at EOS; a caller may stop anywhere, even in the middle of a verified step
+    (whose tokens the speculator already ran): the session then holds exactly the tokens yielded."""
+    plain, speculative, policy = agents(nano, tmp_path)
+    prompt = plain.transcript.head_ids(nano.tokenizer) + nano.tokenizer.encode(TURNS[0])
+    plain.session.prefill(prompt)
+    expected = list(plain.policy.reply(plain.session, 8, lambda: False))
+    policy.extend(speculative.session, prompt, lambda: False)
+    for count in (1, 2, 3, 5, 8):
+        speculative.session.truncate(len(prompt))
+        stream = policy.reply(speculative.session, 8, lambda: False)
+        taken = list(itertools.islice(stream, count))
+        stream.close()
+        assert taken == expected[:count]
+        assert speculative.session.tokens == prompt + taken
+    assert sum(s.steps for s in [*policy.finished, policy.speculator.stats]) > 0
 
 
 def agent_cli(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
