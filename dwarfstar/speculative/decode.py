@@ -32,7 +32,7 @@ from dwarfstar.model.forward import Transformer
 from dwarfstar.model.state import SequenceState, StateSnapshot
 from dwarfstar.session.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session
-from dwarfstar.speculative.mtp import MTPDraft
+from dwarfstar.speculative.mtp import MTPDraft, forward_of
 from dwarfstar.speculative.rollback import CompressorTap, can_truncate, truncate
 from dwarfstar.speculative.verify import Verdict, draw, next_uniform, rule_probabilities, verify_greedy, verify_sampled
 
@@ -100,12 +100,10 @@ class Speculator:
         drafter: Drafter | None = None,
         rollback: str = "truncate",
     ) -> None:
-        if not isinstance(session.backend, Transformer):
-            raise DwarfStarError("speculative decoding needs a backend built on the shared forward pass")
         check_settings(n_draft, alignment, margin)
         if rollback not in ROLLBACKS:
             raise DwarfStarError(f"unknown rollback {rollback!r}; choose one of {', '.join(ROLLBACKS)}")
-        self.session, self.target, self.draft = session, session.backend, draft
+        self.session, self.target, self.draft = session, forward_of(session.backend), draft
         self.n_draft, self.shift, self.margin = n_draft, ALIGNMENTS[alignment], margin
         self.truncates = rollback == "truncate"
         self.drafter = drafter or MTPDrafter()
@@ -178,7 +176,7 @@ class Speculator:
         stops, budget = set(stop_tokens), min(max_tokens, self.session.ctx - self.state.pos)
         if budget <= 0:
             return
-        pending = self.target.sample_batch(self.state.logits.reshape(1, -1), [sampler])[0]
+        pending = self.session.backend.sample_batch(self.state.logits.reshape(1, -1), [sampler])[0]
         emitted = 1
         yield pending
         while pending not in stops and emitted < budget and not (should_stop and should_stop()):
