@@ -37,9 +37,12 @@ def free_port() -> int:
 class Cluster:
     """A route over `layers` (the coordinator's slice first) of one model file."""
 
-    def __init__(self, path: Path, layers: list[str], logs: Path, die_at_rows: int | None = None) -> None:
-        """Start the workers for `layers[1:]` (the last one dying at `die_at_rows`, if given)."""
-        self.path, self.layers, self.logs = path, layers, logs
+    def __init__(
+        self, path: Path, layers: list[str], logs: Path, die_at_rows: int | None = None, cli: bool = False
+    ) -> None:
+        """Start the workers for `layers[1:]` (the last one dying at `die_at_rows`, if given; with
+        `cli`, as `dwarfstar run --dist-role worker` processes)."""
+        self.path, self.layers, self.logs, self.cli = path, layers, logs, cli
         self.addr = f"127.0.0.1:{free_port()}"
         self.workers: dict[str, subprocess.Popen] = {}
         for i, worker_layers in enumerate(layers[1:], start=2):
@@ -59,6 +62,9 @@ class Cluster:
 
     def start_worker(self, layers: str, die_at_rows: int | None = None) -> subprocess.Popen:
         argv = [sys.executable, str(WORKER), str(self.path), layers, self.addr, str(torch.get_num_threads())]
+        if self.cli:
+            argv = [sys.executable, "-m", "dwarfstar", "run", "-m", str(self.path), "--backend", "reference"]
+            argv += ["-c", str(CTX), "--dist-role", "worker", "--layers", layers, "--dist-addr", self.addr]
         if die_at_rows is not None:
             argv.append(str(die_at_rows))
         log = open(self.logs / f"worker-{self.addr.rsplit(':', 1)[1]}-{layers.replace(':', '_')}.log", "ab")
@@ -92,6 +98,7 @@ def clusters(tiny_model_file, tmp_path_factory):
         "tiny3": Cluster(tiny, ["0:2", "2:4", "4:output"], logs),
         "fragile": Cluster(tiny, ["0:3", "3:output"], logs, die_at_rows=DIE_AT_ROWS),
         "nano2": Cluster(nano, ["0:2", "2:output"], logs),
+        "cli": Cluster(tiny, ["0:3", "3:output"], logs, cli=True),  # its coordinator is a `run` in the test
     }
     yield pool
     for cluster in pool.values():
