@@ -75,14 +75,16 @@ def resident_bytes(model: ModelFile, backend: str, ctx: int) -> int:
 
 def check_fits(model: ModelFile, backend: str, ctx: int) -> None:
     """A model whose routed experts do not fit next to everything else is an error naming the flag."""
-    layout = ExpertLayout.of(model.gguf, model.args)
-    need = layout.routed_bytes + resident_bytes(model, backend, ctx)
+    # from the tensor table, not an `ExpertLayout` (which reads offsets in one file): a split set too
+    names = set(routed_tensor_names(model.args.n_layers))
+    routed = sum(info.nbytes for name, info in model.gguf.tensors.items() if name in names)
+    need = routed + resident_bytes(model, backend, ctx)
     usable = usable_memory(backend)
     if need > usable:
         raise DwarfStarError(
             f"{model.path.name} needs {need / (1 << 30):.1f} GiB on the {backend} backend but "
             f"{usable / (1 << 30):.1f} GiB is usable; run with --ssd-streaming to keep the routed experts "
-            f"({layout.routed_bytes / (1 << 30):.1f} GiB) on disk and cache what fits"
+            f"({routed / (1 << 30):.1f} GiB) on disk and cache what fits"
         )
 
 

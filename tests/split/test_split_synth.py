@@ -70,3 +70,17 @@ def test_the_pro_shaped_preset_has_the_pro_layers_shapes() -> None:
     assert (shaped.dim, shaped.n_heads, shaped.n_routed_experts, shaped.moe_inter_dim) == (7168, 128, 384, 3072)
     outside = {s.name: s.shape for s in expected_tensors(shaped) if not s.name.startswith("blk.")}
     assert outside == {s.name: s.shape for s in expected_tensors(pro) if not s.name.startswith("blk.")}
+
+
+def test_run_on_a_split_set_gives_the_single_files_reply(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`run -m` on any part of a set loads the whole set (the memory check sums the routed experts
+    of every part) and answers exactly as the single file does."""
+    assert run_cli(monkeypatch, "synth", str(tmp_path / "whole.gguf"), "--seed", "5") == 0
+    assert run_cli(monkeypatch, "synth", str(tmp_path / "t.gguf"), "--seed", "5", "--split-at", "3") == 0
+    capsys.readouterr()
+    replies = []
+    for path in (tmp_path / "whole.gguf", tmp_path / "t-Layers-03-output.gguf"):
+        argv = ("run", "-m", str(path), "--backend", "reference", "--prompt-tokens", "0,17,4242,99", "-n", "4")
+        assert run_cli(monkeypatch, *argv, "--temp", "0", "--nothink") == 0
+        replies.append(capsys.readouterr().out)
+    assert replies[0] == replies[1] and replies[0].strip()
