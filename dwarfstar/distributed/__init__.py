@@ -1,16 +1,21 @@
-"""Layer pipelines across processes and machines on torch.distributed.
+"""Layer pipelines across processes and machines on torch.distributed (and mx.distributed's ring).
 
 Rank 0, the coordinator, holds the tokenizer, sessions, sampling and the first layers; each worker
-owns a contiguous layer range and the KV state of those layers only; the last stage holds the output
+runs a contiguous layer range and keeps the KV of those layers; the last stage holds the output
 head. The coordinator talks to every worker over its own 2-rank gloo link (a star: a worker never
 talks to another worker), so a worker that dies breaks only its own link, and one that registers
 again gets a fresh one without the other ranks re-forming a group.
 
+Not yet: a stage still loads every layer's weights and allocates every layer's cache rows (the
+backends load whole files); it computes and writes only its own.
+
 - `protocol`: the fixed header, the segment records, the token-prefix hash, the activation codec;
 - `link`: one coordinator-worker link (gloo side group for headers, gloo or NCCL for the data);
+- `mlx_ring`: the same link and registration over the mx.distributed ring backend;
 - `membership`: the rendezvous store, registration and its checks, the layer plan;
 - `stage`: a worker's loop over its layer range;
-- `route`: the coordinator side, a session-layer `Backend`, and `RouteState`, whose remote layers
-  are gathered into, and split out of, the normal DSV4 payload;
-- `launch`: torchrun or by-hand start of either role.
+- `route`: the coordinator side: admission, forward passes, replay, snapshots, gather and split;
+- `state`: `RouteState`, whose remote layers the payload code reads and writes as if local;
+- `pipeline`: pipelined prefill; `backend`: `RouteBackend`, the session layer's `Backend`;
+- `launch`: torchrun, mlx.launch or by-hand start of either role.
 """

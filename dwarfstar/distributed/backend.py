@@ -51,12 +51,12 @@ class RouteBackend:
             batch = self.local.batch(token_lists, states)
             out: dict[int, torch.Tensor] = {}
             if batch.seqs:
-                for seq, logits in zip(batch.seqs, self._chunked(batch, states, all_logits), strict=True):
+                for seq, logits in zip(batch.seqs, self._chunked(batch, all_logits), strict=True):
                     out[id(seq.state)] = logits
         empty = torch.empty(0, self.args.vocab_size)
         return [out.get(id(s), empty) for s in states]
 
-    def _chunked(self, batch: Batch, states: Sequence[RouteState], all_logits: bool) -> list[torch.Tensor]:
+    def _chunked(self, batch: Batch, all_logits: bool) -> list[torch.Tensor]:
         """One pass for a decode step or a short batch; a long single-sequence prefill in chunks of
         `prefill_chunk` tokens, so no stage holds a whole prompt's activations at once."""
         step = self.route.options.prefill_chunk

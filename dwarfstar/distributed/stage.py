@@ -269,8 +269,8 @@ def serve_stage(
         try:
             worker = register(store, registration, options.secret, options.wait_s)
         except RegistrationError:
-            raise
-        except (DistError, RuntimeError) as exc:
+            raise  # a refusal is final: the same registration would be refused again
+        except (DistError, RuntimeError) as exc:  # the coordinator went away meanwhile
             log(f"registration failed ({exc}); retrying")
             continue
         try:
