@@ -392,6 +392,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=Recipe.batch)
     parser.add_argument("--seq-len", type=int, default=Recipe.seq_len)
     parser.add_argument("--lr", type=float, default=Recipe.lr)
+    parser.add_argument("--tool-fraction", type=float, default=Recipe.tool_fraction, help="share of tool round trips")
     # one thread: on the shared 2-core machine a second OpenMP thread mostly waits for the first
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--log-every", type=int, default=20)
@@ -419,7 +420,9 @@ def main() -> None:
         log_file.flush()
 
     torch.manual_seed(opts.seed)
-    recipe = Recipe(steps=opts.steps, batch=opts.batch, seq_len=opts.seq_len, lr=opts.lr)
+    recipe = Recipe(
+        steps=opts.steps, batch=opts.batch, seq_len=opts.seq_len, lr=opts.lr, tool_fraction=opts.tool_fraction
+    )
     began = time.perf_counter()
     shape = TWIN_K if opts.twin_k else NANO
     trainer = Trainer(recipe, opts.seed, opts.corpus, log, shape=shape, init=opts.init)
