@@ -355,5 +355,6 @@ def forward_then_sample(
 ) -> list[int]:
     """`decode_sample` as one batched pass and then the backend's `sample_batch` (one host sync):
     what a backend does that cannot draw inside its step."""
-    logits = backend.forward_batch([[t] for t in tokens], states, all_logits=False)
-    return backend.sample_batch(torch.cat(logits), samplers)
+    backend.forward_batch([[t] for t in tokens], states, all_logits=False)
+    # from the states' next-token logits, which a wrapper of the backend may have replaced
+    return backend.sample_batch(torch.stack([s.logits.reshape(-1) for s in states]), samplers)

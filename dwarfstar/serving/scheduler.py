@@ -27,8 +27,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-import torch
-
 from dwarfstar.model.state import SequenceState
 from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.generation import Event, Failed, Finished, GenerationRequest, Started, Usage
@@ -39,7 +37,7 @@ from dwarfstar.serving.replay import ToolMemory
 from dwarfstar.serving.trace import Trace
 from dwarfstar.session.kvpolicy import SaveReason
 from dwarfstar.session.sampling import Sampler
-from dwarfstar.session.session import decode_batch
+from dwarfstar.session.session import decode_batch, sample_next
 from dwarfstar.speculative.decode import Speculator, step_batch
 from dwarfstar.speculative.options import MTPSpeculation
 from dwarfstar.tokenizer.tokenizer import Tokenizer
@@ -75,6 +73,7 @@ class Job:
         self.pending: list[int] = []
         self.save_stops: list[tuple[int, SaveReason]] = []  # disk-cache saves due inside the prefill
         self.sampler: Sampler | None = None
+        self.drawn: int | None = None  # the next token, drawn by the decode step that took the last one
         self.decoder: OutputDecoder | None = None
         self.spec: Speculator | None = None  # with --mtp, from the request's first generated token
         self.spec_pending: int | None = None  # emitted, not yet in the KV: the next step verifies after it
@@ -308,7 +307,10 @@ class Scheduler:
         start = time.perf_counter()
         ends = [(len(job.lease.session.tokens), job.lease.session.tokens[-1]) for job in stepping]
         try:
-            decode_batch([job.lease.session for job in stepping], tokens)
+            # the step draws each request's next token with it (inside the captured step on a GPU)
+            drawn = decode_batch([job.lease.session for job in stepping], tokens, [job.sampler for job in stepping])
+            for job, token in zip(stepping, drawn, strict=True):
+                job.drawn = token
         except Exception as exc:
             log.warning("batched decode of %d requests failed (%s); stepping each alone", len(stepping), exc)
             kept = self._step_alone(stepping, tokens, ends)
@@ -414,9 +416,14 @@ class Scheduler:
         return drawn
 
     def _sample_rows(self, jobs: list[Job]) -> list[int]:
-        sessions = [job.lease.session for job in jobs]
-        logits = torch.stack([session.logits.reshape(-1) for session in sessions])
-        return sessions[0].backend.sample_batch(logits, [job.sampler for job in jobs])
+        """Each request's next token: drawn by its last decode step, else (after a prefill, or a step
+        stepped alone) now from its logits, all of those in one draw."""
+        fresh = [job for job in jobs if job.drawn is None]
+        new = iter(sample_next([job.lease.session for job in fresh], [job.sampler for job in fresh]))
+        tokens = [job.drawn if job.drawn is not None else next(new) for job in jobs]
+        for job in jobs:
+            job.drawn = None
+        return tokens
 
     def _step_alone(self, jobs: list[Job], tokens: list[int], ends: list[tuple[int, int]]) -> list[Job]:
         """After a failed batched step: each request's state rebuilt as it was before the step (a forward

@@ -141,7 +141,7 @@ class Session:
         limit = min(max_tokens, self.ctx - self.state.pos)
         if limit <= 0 or (should_stop is not None and should_stop()):
             return
-        token = self.backend.sample_batch(self.state.logits.reshape(1, -1), [sampler])[0]
+        token = sample_next([self], [sampler])[0]
         unused = True  # a drawn token not yet yielded: its draw is taken back if it never is
         try:
             for i in range(limit):
@@ -211,6 +211,24 @@ class Session:
         return max(usable, key=lambda c: c.pos, default=None)
 
 
+def _one_backend(sessions: Sequence[Session]) -> Backend:
+    backend = sessions[0].backend
+    if any(s.backend is not backend for s in sessions):
+        raise DwarfStarError("batched sessions must share one backend")
+    return backend
+
+
+def sample_next(sessions: Sequence[Session], samplers: Sequence[Sampler]) -> list[int]:
+    """Each session's next token, drawn from its logits by its sampler, all in one draw on the
+    backend's device (one host sync): the callers above the session layer handle tokens only."""
+    if not sessions:
+        return []
+    backend = _one_backend(sessions)
+    if any(s.logits is None for s in sessions):
+        raise DwarfStarError("nothing to continue: prefill a prompt first")
+    return backend.sample_batch(torch.stack([s.logits.reshape(-1) for s in sessions]), samplers)
+
+
 def decode_batch(
     sessions: Sequence[Session], tokens: Sequence[int], samplers: Sequence[Sampler] | None = None
 ) -> list[int] | None:
@@ -222,9 +240,7 @@ def decode_batch(
     """
     if not sessions:
         return None if samplers is None else []
-    backend = sessions[0].backend
-    if any(s.backend is not backend for s in sessions):
-        raise DwarfStarError("batched sessions must share one backend")
+    backend = _one_backend(sessions)
     for session in sessions:
         session._check_room(1)
     states = [s.state for s in sessions]

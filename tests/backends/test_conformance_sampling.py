@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conformance import state_device
+from conformance import PROMPT, state_device, state_from_payload
 
 from dwarfstar.session.sampling import Sampler, SamplingParams
 
@@ -137,3 +137,25 @@ def test_a_seed_fixes_the_draws(backend):
     first = draws(backend, logits, params, rows=8, calls=2)
     assert draws(backend, logits, params, rows=8, calls=2) == first
     assert draws(backend, logits, params, rows=8, calls=2, first_seed=8) != first
+
+
+def test_a_decode_step_draws_what_sampling_its_logits_draws(backend, reference_payload):
+    """`decode_sample` (on a GPU, the sampling kernel inside the captured step) gives three sequences
+    at once, greedy and sampled, the tokens that `sample_batch` draws from the same step's logits
+    with the same seeds; the states end exactly where a plain batched step leaves them."""
+    lengths = (5, 20, 131)  # inside the raw window, past ratio-4 rows, past the first ratio-128 row
+    states = [state_from_payload(reference_payload(n, True), backend) for n in lengths]
+    twins = [state_from_payload(reference_payload(n, True), backend) for n in lengths]
+    tokens = [PROMPT[n] for n in lengths]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.2, min_p=0.02, seed=1),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=2),
+    ]
+    drawing = [Sampler(p) for p in params]
+    drawn = backend.decode_sample(tokens, states, drawing)
+    logits = backend.forward_batch([[t] for t in tokens], twins, all_logits=False)
+    assert drawn == backend.sample_batch(torch.cat(logits), [Sampler(p) for p in params])
+    assert [s.step for s in drawing] == [1, 1, 1]
+    for state, twin in zip(states, twins, strict=True):
+        assert state.tokens == twin.tokens and torch.equal(state.logits, twin.logits)

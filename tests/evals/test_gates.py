@@ -18,6 +18,7 @@ from dwarfstar.evals.long_context import DS4_FACTS, check_fact, read_facts, run_
 from dwarfstar.evals.tool_call import judge_reply, run_tool_call
 from dwarfstar.evals.vectors import read_vector_file, run_case
 from dwarfstar.model.bundled import default_model_path
+from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.tokenizer.specials import ASSISTANT, THINK_END
 
 _register_commands()
@@ -161,6 +162,9 @@ class CallingBackend:
 
     def sample_batch(self, logits, samplers):
         return self.inner.sample_batch(logits, samplers)
+
+    def decode_sample(self, tokens, states, samplers):
+        return forward_then_sample(self, tokens, states, samplers)  # through this double's forward_batch
 
     def _steer(self, state) -> None:
         tokens, n = state.tokens, len(self.opener)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
+from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.service import Service
 
@@ -59,6 +60,9 @@ class EndsAtOnce:
         for state in states:
             self._end(state)
         return out
+
+    def decode_sample(self, tokens, states, samplers):
+        return forward_then_sample(self, tokens, states, samplers)  # through this double's forward_batch
 
     def _end(self, state) -> None:
         logits = state.logits.clone()

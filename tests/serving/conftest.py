@@ -26,6 +26,7 @@ import torch
 import uvicorn
 
 from dwarfstar.engine import Engine, load_engine
+from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.model.state import SequenceState
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.serving.app import create_app
@@ -106,6 +107,9 @@ class ScriptedBackend:
     def sample_batch(self, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
         self.sampled_rows.append(logits.shape[0])
         return sample_batch(logits, samplers)
+
+    def decode_sample(self, tokens, states, samplers):
+        return forward_then_sample(self, tokens, states, samplers)  # through this double's forward_batch
 
     def _script(self, tokens: list[int]) -> tuple[str | None, int]:
         """The marker in the last user turn (None if none), and how many tokens follow the prompt."""

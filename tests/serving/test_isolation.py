@@ -11,6 +11,7 @@ import openai
 import pytest
 from conftest import API_KEY, BASE_CONFIG, start_server
 
+from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.model.state import SequenceState
 
 MODEL = "deepseek-v4-flash"
@@ -42,6 +43,9 @@ class FailsAfterWriting:
 
     def sample_batch(self, logits, samplers):
         return self.inner.sample_batch(logits, samplers)
+
+    def decode_sample(self, tokens, states, samplers):
+        return forward_then_sample(self, tokens, states, samplers)  # through this double's forward_batch
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dwarfstar.backends.triton.kernels import sampling
-from dwarfstar.session.sampling import Sampler, SamplingParams
+from dwarfstar.session.sampling import Sampler, SamplingParams, sample_tokens
 
 
 def logits_for(device, vocab=3000, seed=0):
@@ -67,3 +67,19 @@ def test_rows_whose_rules_reach_past_the_candidates_are_flagged(device):
     knobs = sampling.knob_rows(params, [1] * len(params), [0] * len(params)).to(device)
     _, flagged = sampling.sample_rows(logits, knobs, sampling.candidates_for(params, logits.shape[1]))
     assert flagged.tolist() == [1, 0, 0, 0]
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.999])  # drawn in token-id order, and in rank order
+def test_tokens_too_light_to_move_a_float_sum_never_take_the_draw(top_p, device):
+    """With min-p 0 every token of the row is kept, most far too light to change a float32 running
+    sum, so runs of them share one interval start: the draw goes to the heavy token whose interval
+    holds the target, as the device-agnostic sampler draws."""
+    heavy = [201, 12, 250, 5, 128]
+    logits = torch.full((256,), -37.0)
+    logits[heavy] = torch.tensor([3.0, 2.6, 2.4, 2.4, 2.0])
+    params = [SamplingParams(temperature=2.0, min_p=0.0, top_p=top_p, seed=i) for i in range(16)]
+    rows = logits.expand(len(params), -1)
+    knobs = sampling.knob_rows(params, [p.seed for p in params], [0] * len(params)).to(device)
+    drawn, _ = sampling.sample_rows(rows.to(device), knobs, sampling.candidates_for(params, 256))
+    want = sample_tokens(rows.contiguous(), [Sampler(p) for p in params]).tolist()
+    assert drawn[:, 0].cpu().tolist() == want and set(want) <= set(heavy)

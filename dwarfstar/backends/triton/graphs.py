@@ -90,7 +90,7 @@ class DecodeGraphs:
         host = torch.tensor([r + [fill] * spare for r, fill in zip(rows, (0, 0, self.pad.index), strict=True)])
         entry.inputs.copy_(host.to(torch.int32))  # one copy to the device per step
         if samplers is not None:
-            steps = [s.advance() for s in samplers]
+            steps = [s.step for s in samplers]  # advanced once the step has run
             params = [s.params for s in samplers] + [GREEDY] * spare
             knobs = knob_rows(params, [s.seed for s in samplers] + [0] * spare, steps + [0] * spare)
             entry.knobs.copy_(knobs, non_blocking=True)
@@ -101,6 +101,8 @@ class DecodeGraphs:
             state.logits = row
         drawn = None
         if samplers is not None:
+            for sampler in samplers:
+                sampler.advance()
             n = len(states)
             host_drawn = torch.cat([entry.drawn[0, :n], entry.drawn[1, :n]]).tolist()  # the step's host sync
             drawn = redraw_overflow(logits, samplers, steps, host_drawn)

@@ -89,14 +89,19 @@ def _sample_kernel(
         ranked = (top_k > 0).to(tl.int32) + (top_p < 1.0).to(tl.int32) > 0
         # a kept candidate owns [start, start + p) of the kept mass, in rank order or in id order
         start = tl.where(keep, tl.where(ranked, before, below), float("inf"))
+        order = tl.where(ranked, rank, idx)
         kept_total = tl.sum(tl.where(keep, p, 0.0), axis=0)
         for d0 in range(0, n_draws, ND):
             draw = d0 + tl.arange(0, ND)
             target = tl.rand(seed, step + draw) * kept_total  # [ND]
-            # the chosen candidate starts the last kept interval at or below the target
+            # the chosen candidate starts the last kept interval at or below the target; where starts
+            # are equal (masses too small to move a float32 sum), the latest in the draw order, whose
+            # interval is the one that is not empty
             at = tl.where(start[None, :] <= target[:, None], start[None, :], -1.0)  # [ND, KP]
             last = tl.max(at, axis=1)
-            chosen = tl.min(tl.where((at == last[:, None]) & keep[None, :], idx[None, :], 2147483647), axis=1)
+            key = tl.where((at == last[:, None]) & keep[None, :], order[None, :], -1)
+            latest = tl.max(key, axis=1)
+            chosen = tl.max(tl.where(key == latest[:, None], idx[None, :], -1), axis=1)
             tl.store(row_out + draw, chosen, mask=draw < n_draws)
         # without top-k the rules may keep tokens past the candidates: when the weakest still passes
         weakest = tl.min(tl.where(live, p, float("inf")), axis=0)
