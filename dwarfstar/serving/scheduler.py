@@ -27,6 +27,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from dwarfstar.experts.store import ExpertStore
+from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.model.state import SequenceState
 from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.generation import Event, Failed, Finished, GenerationRequest, Started, Usage
@@ -109,8 +111,10 @@ class Scheduler:
         trace: Trace | None = None,
         disk: DiskCache | None = None,
         speculation: MTPSpeculation | None = None,
+        experts: ExpertStore | None = None,
     ) -> None:
         self.pool, self.tokenizer, self.metrics, self.speculation = pool, tokenizer, metrics, speculation
+        self.experts = experts  # --ssd-streaming's cache, whose figures each trace record carries
         self.tool_memory, self.trace, self.max_queue, self.disk = tool_memory, trace, max_queue, disk
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
@@ -523,6 +527,8 @@ class Scheduler:
                 "dsml": completion.raw_dsml if completion is not None else None,
                 "replayed_tool_ids": job.replayed,
                 "problems": decoder.problems if decoder is not None else [],
+                # the expert cache since the start (shared by every request in a batch)
+                **({"experts": expert_summary(self.experts)} if self.experts is not None else {}),
                 **extra,
             }
         )

@@ -97,6 +97,7 @@ class Service:
             trace=self.trace,
             disk=self.disk,
             speculation=None if config.mtp is None else config.mtp.load(engine),
+            experts=engine.experts,
         )
 
     def thinking(self, model: str, switch: bool | None, effort: str | None) -> Thinking:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import re
 
+from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
+from dwarfstar.engine import load_engine
+from dwarfstar.experts.attach import StreamingOptions
 from dwarfstar.experts.layout import ExpertLayout
 from dwarfstar.experts.policy import make_policy
 from dwarfstar.experts.replay import replay
@@ -16,7 +19,10 @@ from dwarfstar.experts.store import ExpertStore
 from dwarfstar.experts.telemetry import collector
 from dwarfstar.experts.trace import skewed_trace
 from dwarfstar.model.loader import open_model
+from dwarfstar.serving.app import create_app
+from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.metrics import Metrics
+from dwarfstar.serving.service import Service
 
 _register_commands()
 
@@ -66,3 +72,16 @@ def test_run_trace_records_the_expert_cache(tiny_k_path, tmp_path):
     assert record["capacity_experts"] == 7  # 400 KiB of 54 KiB experts
     assert record["hits"] + record["misses"] > 0 and record["bytes_read"] == record["misses"] * 55296
     assert record["evictions"] == record["misses"] - record["resident_experts"]
+
+
+def test_a_streaming_servers_trace_records_the_expert_cache(tiny_k_path, tmp_path):
+    """`serve --ssd-streaming --trace`: each request's record carries the cache's figures."""
+    engine = load_engine(tiny_k_path, "reference", ctx=512, streaming=StreamingOptions(cache_experts="400KB"))
+    trace = tmp_path / "serve.trace"
+    service = Service(engine, ServerConfig(ctx=512, max_sessions=2, trace=trace))
+    body = {"model": "deepseek-v4-flash", "prompt": [0, 17, 4242, 99], "max_tokens": 3, "temperature": 0, "raw": True}
+    with TestClient(create_app(service)) as client:
+        assert client.post("/v1/completions", json=body).status_code == 200
+    record = json.loads(trace.read_text().splitlines()[-1])["experts"]
+    assert record["capacity_experts"] == 7 and record["hits"] + record["misses"] > 0
+    assert record["bytes_read"] == record["misses"] * 55296
