@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.loader import open_model
-from dwarfstar.model.state import ROW_STEP, KVCache, TorchStorage
+from dwarfstar.model.state import ROW_STEP, KVCache, SplitRows, TorchStorage, layer_compressors
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.session.payload import PayloadError, read_payload, write_payload
 
@@ -107,3 +108,37 @@ def test_a_payload_longer_than_the_backends_cache_is_refused(tiny):
     write_payload(buf, state, TINY, 4096, 64)
     with pytest.raises(PayloadError, match="cache holds 256"):
         read_payload(buf.getvalue(), TINY, 4096, 64, short.new_state)
+
+
+def test_a_compact_cache_keeps_rounded_dims_in_bf16_and_gives_the_same_payload(tiny):
+    """With QAT the KV rows' nope dims and the whole indexer rows are bf16-exact: a compact cache
+    holds them in bf16 (the RoPE dims in float32), and a state copied into it gives back the same
+    rows and the same payload bytes, in fewer bytes."""
+    model = ReferenceModel(tiny)
+    src, ctx = model.new_state(), model.cache.ctx
+    model.forward(torch.randint(3, TINY.vocab_size, (150,), generator=torch.Generator().manual_seed(4)), src)
+    compact = KVCache(TINY, ctx, TorchStorage(compact=True), block_slots=1).new_state()
+    buf = io.BytesIO()
+    write_payload(buf, src, TINY, ctx, 64)
+    read_payload(buf.getvalue(), TINY, ctx, 64, lambda: compact)
+    ratio4 = next(il for il in range(TINY.n_layers) if TINY.layer(il).compress_ratio == 4)
+    rows = compact.part(ratio4, "attn_rows")
+    nope = TINY.head_dim - TINY.rope_dim
+    assert isinstance(rows, SplitRows) and rows.exact.dtype == torch.bfloat16 and rows.exact.shape[-1] == nope
+    assert rows.rest.dtype == torch.float32 and compact.part(ratio4, "indexer_rows").dtype == torch.bfloat16
+    for il in range(TINY.n_layers):
+        want, got = src.host_parts(il), compact.host_parts(il)
+        assert all((want[k] == got[k]).all() for k in want), il
+    again = io.BytesIO()
+    write_payload(again, compact, TINY, ctx, 64)
+    assert again.getvalue() == buf.getvalue()
+    assert compact.nbytes() < src.nbytes()
+
+
+def test_compact_rows_at_flash_widths_take_the_bytes_of_their_layout():
+    storage, flash = TorchStorage(compact=True), ModelArgs.flash()
+    specs = {spec.kind: spec for layer in layer_compressors(flash) for spec in layer.values()}
+    # a KV row: 448 nope dims in bf16, 64 RoPE dims in float32; an indexer row: 128 dims in bf16
+    assert storage.row_nbytes(specs["attn"].dim, specs["attn"].exact_dims) == 448 * 2 + 64 * 4
+    assert storage.row_nbytes(specs["indexer"].dim, specs["indexer"].exact_dims) == 128 * 2
+    assert TorchStorage().row_nbytes(specs["attn"].dim, specs["attn"].exact_dims) == 512 * 4

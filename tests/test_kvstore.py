@@ -469,6 +469,8 @@ def test_options_are_validated():
 def test_state_footprint_matches_the_spec():
     flash = state_footprint(ModelArgs.flash())
     assert flash.kv_elements_per_token == 3440 and flash.kv_bytes_per_token(2) == 6880
+    # compact: 21 ratio-4 layers of 448 * 2 + 64 * 4 B KV and 128 * 2 B indexer rows, 20 ratio-128 layers
+    assert flash.compact_bytes_per_token == 21 * (1152 + 256) / 4 + 20 * 1152 / 128 == 7572
     assert flash.payload_bytes_per_token == 13764 and flash.payload_fixed_bytes == 23_995_788
     assert flash.payload_bytes(65536) == payload_nbytes(ModelArgs.flash(), 65536) == 926_033_292
     assert state_footprint(ModelArgs.pro()).kv_elements_per_token == 4924

@@ -74,6 +74,7 @@ def bench_kv(
         ("state", f"{layers} Flash-shaped layers", "Flash (43 layers)"),
         ("KV bytes/token, bf16", f"{mine.kv_bytes_per_token(2):,.0f}", f"{flash.kv_bytes_per_token(2):,.0f}"),
         ("KV bytes/token, f32", f"{mine.kv_bytes_per_token(4):,.0f}", f"{flash.kv_bytes_per_token(4):,.0f}"),
+        ("KV bytes/token, compact", f"{mine.compact_bytes_per_token:,.0f}", f"{flash.compact_bytes_per_token:,.0f}"),
         ("payload bytes/token", f"{mine.payload_bytes_per_token:,.0f}", f"{flash.payload_bytes_per_token:,.0f}"),
         ("payload fixed bytes", f"{mine.payload_fixed_bytes:,}", f"{flash.payload_fixed_bytes:,}"),
         (f"file at {tokens:,} tokens", f"{size:,}", f"{payload_nbytes(ModelArgs.flash(), tokens):,} (payload)"),

@@ -15,7 +15,11 @@ array, `[slots, ...]`: the raw window is a ring of `window` rows (position p in 
 the row parts have a fixed capacity for the context (ctx // ratio, rounded up to `ROW_STEP`), the
 frontiers their fixed shapes. When every slot is taken a new block is added, so the arrays of a live
 slot never move or grow: kernels write rows by index, and a captured decode step keeps its
-addresses. The backend picks the arrays through `Storage` (torch on its device, or MLX arrays).
+addresses. The backend picks the arrays through `Storage` (torch on its device, or MLX arrays),
+and their precision: the reference and MLX keep float32; a compact `TorchStorage` (Triton with QAT
+rounding) keeps each row part's QAT-rounded dims, exactly representable in bf16, in bf16 (`SplitRows`
+when the RoPE dims, which are not rounded, stay float32). Every reader gets the float32 values, so
+payloads are the same bytes whichever layout held them.
 
 Handle. `SequenceState` is a slot plus pos, tokens and logits; the slot returns to its cache when
 the handle is dropped. A ratio-r layer has emitted pos // r rows, so no row counts are kept.
@@ -54,6 +58,15 @@ class Storage(Protocol):
         """A new array; `None` leaves the contents undefined (parts read only where written)."""
         ...
 
+    def rows(self, shape: tuple[int, ...], exact_dims: int) -> Any:
+        """A row part's array (contents undefined): its rows' first `exact_dims` values are exactly
+        representable in bf16 (QAT-rounded), which a backend may use to store them compactly."""
+        ...
+
+    def row_nbytes(self, dim: int, exact_dims: int) -> int:
+        """Bytes a row of `rows(..., exact_dims)` takes."""
+        ...
+
     def copy(self, a: Any) -> Any: ...
 
     def cat(self, parts: Sequence[Any]) -> Any: ...
@@ -68,10 +81,56 @@ class Storage(Protocol):
     device: torch.device | str  # where the backend's torch tensors (the logits) live
 
 
+@dataclass
+class SplitRows:
+    """Rows stored as their bf16-exact leading dims (`exact` [..., e], bf16) and the rest (`rest`
+    [..., dim - e], float32): the KV rows' FP8-rounded nope dims and their RoPE dims, which are not
+    rounded. Indexed on the leading dims like a tensor; assigning float32 rows splits them (the cast
+    to bf16 is exact on QAT-rounded values), so the cache reads and writes them as one array."""
+
+    exact: torch.Tensor
+    rest: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.exact.shape[:-1], self.exact.shape[-1] + self.rest.shape[-1])
+
+    def __len__(self) -> int:
+        return self.exact.shape[0]
+
+    def __getitem__(self, key: Any) -> SplitRows:
+        return SplitRows(self.exact[key], self.rest[key])
+
+    def __setitem__(self, key: Any, value: SplitRows | torch.Tensor) -> None:
+        if not isinstance(value, SplitRows):
+            value = SplitRows(value[..., : self.exact.shape[-1]], value[..., self.exact.shape[-1] :])
+        self.exact[key] = value.exact
+        self.rest[key] = value.rest
+
+    def index_copy_(self, index: torch.Tensor, value: torch.Tensor) -> None:
+        """Rows `value` [n, dim] into rows `index` of the flattened leading dims."""
+        e = self.exact.shape[-1]
+        self.exact.view(-1, e).index_copy_(0, index, value[:, :e].to(self.exact.dtype))
+        self.rest.view(-1, self.rest.shape[-1]).index_copy_(0, index, value[:, e:])
+
+    def zero_(self) -> SplitRows:
+        self.exact.zero_()
+        self.rest.zero_()
+        return self
+
+    def float(self) -> torch.Tensor:
+        return torch.cat((self.exact.float(), self.rest), dim=-1)
+
+
 @dataclass(frozen=True)
 class TorchStorage:
+    """Arrays as torch tensors on `device`. `compact` keeps row parts' bf16-exact dims in bf16 (a
+    backend that rounds with QAT, on a device where KV memory is the context limit): 1,152 bytes
+    for a 512-wide KV row with 64 RoPE dims instead of 2,048, and 256 for a 128-wide indexer row."""
+
     device: torch.device | str = "cpu"
     dtype: torch.dtype = torch.float32
+    compact: bool = False
 
     def full(self, shape: tuple[int, ...], value: float | None) -> torch.Tensor:
         # a normal tensor even when the first state is made under inference mode, so that training,
@@ -81,14 +140,28 @@ class TorchStorage:
                 return torch.empty(shape, device=self.device, dtype=self.dtype)
             return torch.full(shape, value, device=self.device, dtype=self.dtype)
 
+    def rows(self, shape: tuple[int, ...], exact_dims: int) -> torch.Tensor | SplitRows:
+        if not self.compact or exact_dims == 0:
+            return self.full(shape, None)
+        with torch.inference_mode(False):
+            exact = torch.empty((*shape[:-1], exact_dims), device=self.device, dtype=torch.bfloat16)
+            if exact_dims == shape[-1]:
+                return exact
+            return SplitRows(exact, self.full((*shape[:-1], shape[-1] - exact_dims), None))
+
+    def row_nbytes(self, dim: int, exact_dims: int) -> int:
+        if not self.compact:
+            return dim * self.element_size
+        return 2 * exact_dims + (dim - exact_dims) * self.element_size
+
     def copy(self, a: torch.Tensor) -> torch.Tensor:
         return a.clone()
 
     def cat(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(parts))
 
-    def to_numpy(self, a: torch.Tensor) -> np.ndarray:
-        return a.detach().to("cpu", torch.float32).numpy()
+    def to_numpy(self, a: torch.Tensor | SplitRows) -> np.ndarray:
+        return a.float().detach().to("cpu", torch.float32).numpy()
 
     def from_numpy(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(self.device, self.dtype)
@@ -103,6 +176,9 @@ class CompressorSpec:
     kind: str  # "attn" or "indexer"
     ratio: int
     dim: int  # width of an emitted row
+    # leading dims that QAT rounds, so exactly representable in bf16: the attention rows' nope dims
+    # (FP8 e4m3 with a power-of-two scale), the whole indexer row (FP4 e2m1, likewise)
+    exact_dims: int = 0
 
     @property
     def overlap(self) -> bool:
@@ -125,9 +201,9 @@ def layer_compressors(args: ModelArgs) -> list[dict[str, CompressorSpec]]:
     for layer in args.layers:
         r, specs = layer.compress_ratio, {}
         if r:
-            specs["attn"] = CompressorSpec("attn", r, args.head_dim)
+            specs["attn"] = CompressorSpec("attn", r, args.head_dim, args.head_dim - args.rope_dim)
         if layer.has_indexer:
-            specs["indexer"] = CompressorSpec("indexer", r, args.index_head_dim)
+            specs["indexer"] = CompressorSpec("indexer", r, args.index_head_dim, args.index_head_dim)
         out.append(specs)
     return out
 
@@ -155,7 +231,7 @@ class KVCache:
         for specs in self.compressors:
             parts = {"raw": full((n, a.window, a.head_dim), None)}
             for kind, spec in specs.items():
-                parts[f"{kind}_rows"] = full((n, self.capacity(spec.ratio), spec.dim), None)
+                parts[f"{kind}_rows"] = self.storage.rows((n, self.capacity(spec.ratio), spec.dim), spec.exact_dims)
                 parts[f"{kind}_kv"] = full((n, *spec.frontier_shape), 0.0)
                 parts[f"{kind}_gate"] = full((n, *spec.frontier_shape), float("-inf"))
             block.append(parts)
@@ -324,13 +400,15 @@ class SequenceState:
 
     def nbytes(self) -> int:
         """Bytes the sequence uses (raw window, rows, frontiers, logits), not counting spare capacity."""
+        storage = self.cache.storage
         total = 0 if self.logits is None else self.logits.numel() * self.logits.element_size()
         elements = self.n_raw * self.cache.args.head_dim * self.cache.args.n_layers
         for specs in self.cache.compressors:
             for spec in specs.values():
                 rows, cols = spec.frontier_shape
-                elements += (self.pos // spec.ratio) * spec.dim + 2 * rows * cols
-        return total + elements * self.cache.storage.element_size
+                elements += 2 * rows * cols
+                total += (self.pos // spec.ratio) * storage.row_nbytes(spec.dim, spec.exact_dims)
+        return total + elements * storage.element_size
 
 
 @dataclass

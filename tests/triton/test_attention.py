@@ -7,6 +7,7 @@ import torch
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels import attention as at
+from dwarfstar.model.state import SplitRows
 
 HEADS, DIM, ROPE, WINDOW = 4, 128, 32, 8
 
@@ -138,3 +139,32 @@ def test_batch_kernels_refuse_strided_positions(device):
     angles = (torch.ones(2, ROPE // 2, device=device), torch.zeros(2, ROPE // 2, device=device))
     with pytest.raises(ValueError, match="contiguous"):
         at.attention_batch(q, rings, torch.zeros(HEADS, device=device), angles, ROPE, pos, slots)
+
+
+@pytest.mark.parametrize("kind", ["all rows", "selected"])
+def test_compact_rows_read_as_their_float32_values(kind, device):
+    """A compact cache's compressed rows (`SplitRows`: the bf16-exact leading dims in bf16, the RoPE
+    dims in float32) give the batch kernel exactly the output of the same values stored whole."""
+    gen = torch.Generator().manual_seed(8)
+    positions, slots, capacity, exact = [9, 30], [1, 0], 16, DIM - ROPE
+    q = torch.randn(2, HEADS, DIM, generator=gen)
+    rings = torch.randn(2, WINDOW, DIM, generator=gen)
+    comp = torch.randn(2, capacity, DIM, generator=gen)
+    comp[..., :exact] = comp[..., :exact].bfloat16().float()  # what QAT rounding guarantees
+    split = SplitRows(comp[..., :exact].bfloat16().to(device), comp[..., exact:].contiguous().to(device))
+    sinks = 0.5 * torch.randn(HEADS, generator=gen)
+    inv = 10000.0 ** (-torch.arange(0, ROPE, 2, dtype=torch.float64) / ROPE)
+    cs = tuple(a.to(device) for a in ops.rope_angles(torch.tensor(positions), inv))
+    selected = torch.tensor([[1, 0, -1], [6, 2, 5]], dtype=torch.int32, device=device) if kind == "selected" else None
+    pos, slot = (torch.tensor(v, dtype=torch.int32, device=device) for v in (positions, slots))
+    common = dict(comp_bound=capacity, ratio=4, selected=selected)
+    args = (q.to(device), rings.to(device), sinks.to(device), cs, ROPE, pos, slot)
+    whole = at.attention_batch(*args, comp_rows=comp.to(device), **common)
+    assert torch.equal(at.attention_batch(*args, comp_rows=split, **common), whole)
+    chunk = dict(ratio=4, selected=None if selected is None else selected[:1])
+    rows = gathered_window(rings[slots[0]], positions[0]).to(device)
+    one = (q[:1].to(device), rows, rows.shape[0] - 1, WINDOW, sinks.to(device), (cs[0][:1], cs[1][:1]), ROPE, pos[:1])
+    assert torch.equal(
+        at.attention(*one, comp_rows=split[slots[0]], **chunk),
+        at.attention(*one, comp_rows=comp[slots[0]].to(device), **chunk),
+    )

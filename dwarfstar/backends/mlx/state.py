@@ -26,6 +26,12 @@ class MLXStorage:
     def full(self, shape: tuple[int, ...], value: float | None) -> mx.array:
         return mx.zeros(shape) if value is None else mx.full(shape, value)
 
+    def rows(self, shape: tuple[int, ...], exact_dims: int) -> mx.array:
+        return self.full(shape, None)  # float32 throughout: the MLX ops compute in it
+
+    def row_nbytes(self, dim: int, exact_dims: int) -> int:
+        return dim * self.element_size
+
     def copy(self, a: mx.array) -> mx.array:
         return mx.array(a)
 

@@ -39,7 +39,7 @@ from dwarfstar.backends.triton.runtime import EXACT, Precision, next_pow2
 from dwarfstar.backends.triton.weights import FusedLinear, ModelWeights
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Site, Transformer
-from dwarfstar.model.state import ROW_STEP, KVCache, SequenceState, TorchStorage
+from dwarfstar.model.state import ROW_STEP, KVCache, SequenceState, SplitRows, TorchStorage
 from dwarfstar.model.tensors import ProjectionGroup
 
 
@@ -47,6 +47,15 @@ def row_bound(cache: KVCache, ratio: int, end: int) -> int:
     """The rows of `ratio` visible before position `end`, rounded up to a power of two (at least
     ROW_STEP, at most a slot's capacity)."""
     return min(cache.capacity(ratio), max(ROW_STEP, next_pow2(end // ratio)))
+
+
+def put_rows(rows: torch.Tensor | SplitRows, index: torch.Tensor, value: torch.Tensor) -> None:
+    """Float32 rows `value` [n, dim] into rows `index` of the flattened leading dims of a row part,
+    in its layout (float32, bf16, or split)."""
+    if isinstance(rows, SplitRows):
+        rows.index_copy_(index, value)
+    else:
+        rows.view(-1, rows.shape[-1]).index_copy_(0, index, value.to(rows.dtype))
 
 
 def decode_batch(batch: Batch) -> bool:
@@ -71,7 +80,8 @@ class TritonOps:
                 self._inv_freq[key] = torch.tensor(freq, dtype=torch.float64, device=self.device)
 
     def kv_storage(self) -> TorchStorage:
-        return TorchStorage(self.device)
+        # compact rows where QAT rounds them, so bf16 holds their rounded dims exactly
+        return TorchStorage(self.device, compact=self.qat)
 
     def rows_in_reach(self, il: int, kind: str, state: SequenceState, end: int) -> torch.Tensor:
         """The slot's rows a launch may read up to position `end`: the visible count rounded up to a
@@ -208,7 +218,7 @@ class TritonOps:
             window = pos.long() // ratio  # each sequence's row in progress: written, unseen until complete
             angles = ops.rope_angles(window * ratio, inv)
             normed = norm_rope(pooled, weight=norm, eps=a.norm_eps, angles=angles, rope_dim=a.rope_dim, qat=rounding)
-            rows.view(-1, rows.shape[-1]).index_copy_(0, slots.long() * rows.shape[1] + window, normed)
+            put_rows(rows, slots.long() * rows.shape[1] + window, normed)
             return
         for seq, pos in zip(batch.seqs, batch.aux["pos"], strict=True):
             state, ratio = seq.state, seq.state.compressor(il, kind).ratio
@@ -218,11 +228,18 @@ class TritonOps:
             pooled = compressor.compress_chunk(kv, gate, ape, front_kv, front_gate, pos, n_emit, ratio)
             if n_emit:
                 # row w sits at its window's first position, w * ratio; the kernel writes it at index w
-                row_pos = (pos.long() // ratio + torch.arange(n_emit, device=self.device)) * ratio
-                norm_rope(
-                    pooled, weight=norm, eps=a.norm_eps, angles=ops.rope_angles(row_pos, inv), rope_dim=a.rope_dim,
-                    qat=rounding, out=state.part(il, f"{kind}_rows"), out_row=(pos, ratio),
-                )  # fmt: skip
+                index = pos.long() // ratio + torch.arange(n_emit, device=self.device)
+                angles, rows = ops.rope_angles(index * ratio, inv), state.part(il, f"{kind}_rows")
+                if isinstance(rows, SplitRows):  # two arrays: normalised first, then split into them
+                    normed = norm_rope(
+                        pooled, weight=norm, eps=a.norm_eps, angles=angles, rope_dim=a.rope_dim, qat=rounding
+                    )
+                    put_rows(rows, index, normed)
+                else:
+                    norm_rope(
+                        pooled, weight=norm, eps=a.norm_eps, angles=angles, rope_dim=a.rope_dim, qat=rounding,
+                        out=rows, out_row=(pos, ratio),
+                    )  # fmt: skip
 
     def index_topk(self, il: int, q: torch.Tensor, weights: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
         """Per sequence, the selected row indices int32 [T, k] (the kernel pads with -1 where fewer)."""

@@ -38,6 +38,7 @@ from dwarfstar.backends.triton.runtime import (
     per_sequence,
 )
 from dwarfstar.model.config import yarn_inv_freq
+from dwarfstar.model.state import SplitRows
 
 COMP_NONE, COMP_ALL, COMP_SELECTED = 0, 1, 2
 INTERPRETER_MULTIPROCESSORS = 4  # the interpreter runs programs one after another: a few splits suffice
@@ -60,15 +61,18 @@ def _finish(acc, m, l, sink, cos_ptr, sin_ptr, out_ptr, i, hg, heads_ok, D,
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, win_ptr, comp_ptr, sel_ptr, sinks_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
+    q_ptr, win_ptr, comp_ptr, comp_rest_ptr, sel_ptr, sinks_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
     out_ptr, m_ptr, l_ptr, acc_ptr,
-    D, n_prev, window, n_sel, comp_cap, sm_scale,
+    D, comp_exact, n_prev, window, n_sel, comp_cap, sm_scale,
     H: tl.constexpr, COMP: tl.constexpr, RATIO: tl.constexpr, SPLIT: tl.constexpr, ROPE_DIM: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, BATCH: tl.constexpr,
 ):  # fmt: skip
     # BATCH: query i is sequence i's one token, at position pos[i], over the rings and rows of KV-cache
     # slot slot[i] (win_ptr [slots * window, D], comp_ptr [slots * comp_cap, D]); else query i is
     # token i of one sequence's chunk over its linear window rows (n_prev earlier rows, then the chunk).
+    # A compressed row's first comp_exact dims are read from comp_ptr (row stride comp_exact: bf16 in
+    # a compact cache), the others from comp_rest_ptr (row stride D - comp_exact); comp_exact = D
+    # reads whole rows from comp_ptr.
     i = tl.program_id(0)  # query token in the chunk, or sequence in the batch
     hg = tl.program_id(1)
     split = tl.program_id(2)
@@ -111,8 +115,8 @@ def _attention_kernel(
     for b in range(split, nb_win, SPLIT):
         row = lo + b * BN + r
         at = ring_base + row % window if BATCH else row
-        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, win_ptr, at, row <= hi, d, D, sm_scale, m, l, acc_lo, acc_hi,
-                                      BD2, FAST)  # fmt: skip
+        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, win_ptr, win_ptr, D, at, row <= hi, d, D, sm_scale, m, l,
+                                      acc_lo, acc_hi, BD2, FAST)  # fmt: skip
     for b in range((split - nb_win % SPLIT + SPLIT) % SPLIT, tl.cdiv(n_comp, BN), SPLIT):
         c = b * BN + r
         if COMP == 2:
@@ -121,8 +125,8 @@ def _attention_kernel(
         else:
             row = c
             ok = c < n_comp
-        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, comp_ptr, comp_base + row, ok, d, D, sm_scale, m, l, acc_lo, acc_hi,
-                                      BD2, FAST)  # fmt: skip
+        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, comp_ptr, comp_rest_ptr, comp_exact, comp_base + row, ok, d, D,
+                                      sm_scale, m, l, acc_lo, acc_hi, BD2, FAST)  # fmt: skip
     if SPLIT == 1:
         sink = tl.load(sinks_ptr + h, mask=heads_ok, other=0.0)
         acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), [BH, BD])
@@ -137,11 +141,12 @@ def _attention_kernel(
 
 
 @triton.jit
-def _block(q_lo, q_hi, rows_ptr, row, ok, d, D, sm_scale, m, l, acc_lo, acc_hi, BD2: tl.constexpr, FAST: tl.constexpr):
-    """One online-softmax step over the key rows `row` (masked by `ok`) of `rows_ptr`."""
-    base = rows_ptr + row.to(tl.int64)[:, None] * D
-    k_lo = tl.load(base + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
-    k_hi = tl.load(base + BD2 + d[None, :], mask=ok[:, None] & (BD2 + d < D)[None, :], other=0.0)
+def _block(q_lo, q_hi, rows_ptr, rest_ptr, exact, row, ok, d, D, sm_scale, m, l, acc_lo, acc_hi,
+           BD2: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+    """One online-softmax step over the key rows `row` (masked by `ok`): dims below `exact` from
+    `rows_ptr` (row stride `exact`), the rest from `rest_ptr` (row stride D - exact)."""
+    k_lo = _load_cols(rows_ptr, rest_ptr, exact, row, ok, d, D)
+    k_hi = _load_cols(rows_ptr, rest_ptr, exact, row, ok, BD2 + d, D)
     s = _dot(q_lo, tl.trans(k_lo), FAST) + _dot(q_hi, tl.trans(k_hi), FAST)
     s = tl.where(ok[None, :], s * sm_scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -151,6 +156,16 @@ def _block(q_lo, q_hi, rows_ptr, row, ok, d, D, sm_scale, m, l, acc_lo, acc_hi, 
     acc_lo = acc_lo * alpha[:, None] + _dot(p, k_lo, FAST)
     acc_hi = acc_hi * alpha[:, None] + _dot(p, k_hi, FAST)
     return m_new, l, acc_lo, acc_hi
+
+
+@triton.jit
+def _load_cols(rows_ptr, rest_ptr, exact, row, ok, c, D):
+    """Columns c of the rows, in float32 (a bf16 part is widened straight after its load)."""
+    r = row.to(tl.int64)[:, None]
+    head = tl.load(rows_ptr + r * exact + c[None, :], mask=ok[:, None] & (c < exact)[None, :], other=0.0)
+    in_tail = (c >= exact) & (c < D)
+    tail = tl.load(rest_ptr + r * (D - exact) + (c - exact)[None, :], mask=ok[:, None] & in_tail[None, :], other=0.0)
+    return head.to(tl.float32) + tail
 
 
 @triton.jit
@@ -281,7 +296,7 @@ def attention_batch(
     n_comp = 0 if comp_rows is None else selected.shape[1] if selected is not None else comp_bound
     row_blocks = triton.cdiv(window, bn) + triton.cdiv(n_comp, bn)
     split = decode_split(q.device, b, triton.cdiv(heads, bh), row_blocks)
-    flat = comp_rows.flatten(0, 1) if comp_rows is not None else None
+    flat = None if comp_rows is None else _flat_slots(comp_rows)
     return _launch(q, rings.flatten(0, 1), flat, selected, sinks, pos, slots, angles, out, split, precision,
                    n_prev=0, window=window, comp_cap=0 if comp_rows is None else comp_rows.shape[1], ratio=ratio,
                    rope_dim=rope_dim, bh=bh, bn=bn)  # fmt: skip
@@ -298,12 +313,13 @@ def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, angles, out,
         m = torch.empty(t, heads, split, device=q.device, dtype=torch.float32)
         l = torch.empty_like(m)
         acc = torch.empty(t, heads, split, d, device=q.device, dtype=torch.float32)
-    comp_ptr = comp_rows if comp_rows is not None else window_rows
+    comp_ptr, comp_rest, comp_exact = _row_parts(comp_rows if comp_rows is not None else window_rows, d)
     sel_ptr = selected if selected is not None else pos
     cos, sin = angles
     _attention_kernel[(t, groups, split)](
-        q, window_rows, comp_ptr, sel_ptr, sinks, pos, slots if slots is not None else pos, cos, sin, out, m, l, acc,
-        d, n_prev, window, selected.shape[1] if selected is not None else 0, comp_cap, 1.0 / math.sqrt(d),
+        q, window_rows, comp_ptr, comp_rest, sel_ptr, sinks, pos, slots if slots is not None else pos, cos, sin,
+        out, m, l, acc, d, comp_exact, n_prev, window, selected.shape[1] if selected is not None else 0, comp_cap,
+        1.0 / math.sqrt(d),
         H=heads, COMP=comp, RATIO=max(ratio, 1), SPLIT=split, ROPE_DIM=rope_dim,
         BH=bh, BN=bn, BD=bd, FAST=precision.fast, BATCH=slots is not None,
         num_warps=8 if bd >= 512 else 4, num_stages=1,
@@ -313,6 +329,20 @@ def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, angles, out,
             m, l, acc, sinks, cos, sin, out, d, H=heads, SPLIT=split, ROPE_DIM=rope_dim, BH=bh, BD=bd, num_warps=8
         )
     return out
+
+
+def _flat_slots(rows: torch.Tensor | SplitRows) -> torch.Tensor | SplitRows:
+    """A block's rows [slots, capacity, D] as [slots * capacity, D], in either layout."""
+    if isinstance(rows, SplitRows):
+        return SplitRows(rows.exact.flatten(0, 1), rows.rest.flatten(0, 1))
+    return rows.flatten(0, 1)
+
+
+def _row_parts(rows: torch.Tensor | SplitRows, d: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The kernel's view of a row array: (leading part, rest, leading width); whole rows are all lead."""
+    if isinstance(rows, SplitRows):
+        return rows.exact, rows.rest, rows.exact.shape[-1]
+    return rows, rows, d
 
 
 def reference(q, window_rows, n_prev, window, sinks, angles, p0, comp_rows=None, ratio=0, selected=None):

@@ -49,7 +49,9 @@ def _scores_kernel(
         h = tl.arange(0, HI)
         d = tl.arange(0, DI)
         q = tl.load(q_ptr + (i * HI + h[:, None]) * DI + d[None, :])
+        # rows may be bf16 (a compact cache: FP4-rounded, so exact), widened straight after the load
         k = tl.load(rows_ptr + c.to(tl.int64)[:, None] * DI + d[None, :], mask=(c < n_vis)[:, None], other=0.0)
+        k = k.to(tl.float32)
         if FAST:
             dots = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
         else:
