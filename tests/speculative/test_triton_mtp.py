@@ -33,6 +33,9 @@ def plain(triton_model):
     return plain_greedy(triton_model[0], PROMPT, N_TOKENS).tokens
 
 
+# slow: about 20 minutes in the interpreter on two busy cores; tools/gpu_check.sh runs it on the GPU,
+# and `pytest -m slow tests/speculative/test_triton_mtp.py` here
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["mtp", "scripted"])
 def test_triton_speculation_is_greedy_exact(triton_model, plain, drafter):
     backend, model = triton_model

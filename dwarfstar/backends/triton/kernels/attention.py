@@ -63,16 +63,18 @@ def _finish(acc, m, l, sink, cos_ptr, sin_ptr, out_ptr, i, hg, heads_ok, D,
 def _attention_kernel(
     q_ptr, win_ptr, comp_ptr, comp_rest_ptr, sel_ptr, sinks_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
     out_ptr, m_ptr, l_ptr, acc_ptr,
-    D, comp_exact, n_prev, window, n_sel, comp_cap, sm_scale,
+    D, n_prev, window, n_sel, comp_cap, sm_scale,
     H: tl.constexpr, COMP: tl.constexpr, RATIO: tl.constexpr, SPLIT: tl.constexpr, ROPE_DIM: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, BATCH: tl.constexpr,
+    COMP_EXACT: tl.constexpr,
 ):  # fmt: skip
     # BATCH: query i is sequence i's one token, at position pos[i], over the rings and rows of KV-cache
     # slot slot[i] (win_ptr [slots * window, D], comp_ptr [slots * comp_cap, D]); else query i is
     # token i of one sequence's chunk over its linear window rows (n_prev earlier rows, then the chunk).
-    # A compressed row's first comp_exact dims are read from comp_ptr (row stride comp_exact: bf16 in
-    # a compact cache), the others from comp_rest_ptr (row stride D - comp_exact); comp_exact = D
-    # reads whole rows from comp_ptr.
+    # COMP_EXACT > 0: a compressed row's first COMP_EXACT dims are read from comp_ptr (row stride
+    # COMP_EXACT: bf16 in a compact cache), the others from comp_rest_ptr (row stride D - COMP_EXACT);
+    # 0: whole rows from comp_ptr. A compile-time width, so a half of the row that lies in one part
+    # is one load, as for whole rows.
     i = tl.program_id(0)  # query token in the chunk, or sequence in the batch
     hg = tl.program_id(1)
     split = tl.program_id(2)
@@ -115,8 +117,8 @@ def _attention_kernel(
     for b in range(split, nb_win, SPLIT):
         row = lo + b * BN + r
         at = ring_base + row % window if BATCH else row
-        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, win_ptr, win_ptr, D, at, row <= hi, d, D, sm_scale, m, l,
-                                      acc_lo, acc_hi, BD2, FAST)  # fmt: skip
+        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, win_ptr, win_ptr, at, row <= hi, D, sm_scale, m, l,
+                                      acc_lo, acc_hi, BD2, FAST, 0)  # fmt: skip
     for b in range((split - nb_win % SPLIT + SPLIT) % SPLIT, tl.cdiv(n_comp, BN), SPLIT):
         c = b * BN + r
         if COMP == 2:
@@ -125,8 +127,8 @@ def _attention_kernel(
         else:
             row = c
             ok = c < n_comp
-        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, comp_ptr, comp_rest_ptr, comp_exact, comp_base + row, ok, d, D,
-                                      sm_scale, m, l, acc_lo, acc_hi, BD2, FAST)  # fmt: skip
+        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, comp_ptr, comp_rest_ptr, comp_base + row, ok, D,
+                                      sm_scale, m, l, acc_lo, acc_hi, BD2, FAST, COMP_EXACT)  # fmt: skip
     if SPLIT == 1:
         sink = tl.load(sinks_ptr + h, mask=heads_ok, other=0.0)
         acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), [BH, BD])
@@ -141,12 +143,12 @@ def _attention_kernel(
 
 
 @triton.jit
-def _block(q_lo, q_hi, rows_ptr, rest_ptr, exact, row, ok, d, D, sm_scale, m, l, acc_lo, acc_hi,
-           BD2: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
-    """One online-softmax step over the key rows `row` (masked by `ok`): dims below `exact` from
-    `rows_ptr` (row stride `exact`), the rest from `rest_ptr` (row stride D - exact)."""
-    k_lo = _load_cols(rows_ptr, rest_ptr, exact, row, ok, d, D)
-    k_hi = _load_cols(rows_ptr, rest_ptr, exact, row, ok, BD2 + d, D)
+def _block(q_lo, q_hi, rows_ptr, rest_ptr, row, ok, D, sm_scale, m, l, acc_lo, acc_hi,
+           BD2: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+    """One online-softmax step over the key rows `row` (masked by `ok`): whole rows of `rows_ptr`
+    (EXACT = 0), or their first EXACT dims there and the rest in `rest_ptr`."""
+    k_lo = _load_cols(rows_ptr, rest_ptr, row, ok, D, 0, BD2, EXACT)
+    k_hi = _load_cols(rows_ptr, rest_ptr, row, ok, D, BD2, BD2, EXACT)
     s = _dot(q_lo, tl.trans(k_lo), FAST) + _dot(q_hi, tl.trans(k_hi), FAST)
     s = tl.where(ok[None, :], s * sm_scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -159,13 +161,22 @@ def _block(q_lo, q_hi, rows_ptr, rest_ptr, exact, row, ok, d, D, sm_scale, m, l,
 
 
 @triton.jit
-def _load_cols(rows_ptr, rest_ptr, exact, row, ok, c, D):
-    """Columns c of the rows, in float32 (a bf16 part is widened straight after its load)."""
+def _load_cols(rows_ptr, rest_ptr, row, ok, D, C0: tl.constexpr, BW: tl.constexpr, EXACT: tl.constexpr):
+    """Columns C0 .. C0 + BW of the rows in float32 (a bf16 part is widened straight after its load)."""
     r = row.to(tl.int64)[:, None]
-    head = tl.load(rows_ptr + r * exact + c[None, :], mask=ok[:, None] & (c < exact)[None, :], other=0.0)
-    in_tail = (c >= exact) & (c < D)
-    tail = tl.load(rest_ptr + r * (D - exact) + (c - exact)[None, :], mask=ok[:, None] & in_tail[None, :], other=0.0)
-    return head.to(tl.float32) + tail
+    c = C0 + tl.arange(0, BW)
+    if EXACT == 0:
+        cols = tl.load(rows_ptr + r * D + c[None, :], mask=ok[:, None] & (c < D)[None, :], other=0.0)
+    else:
+        head = tl.load(rows_ptr + r * EXACT + c[None, :], mask=ok[:, None] & (c < EXACT)[None, :], other=0.0)
+        if C0 + BW <= EXACT:  # these columns lie in the leading part only
+            cols = head.to(tl.float32)
+        else:
+            in_tail = (c >= EXACT) & (c < D)
+            tail = tl.load(rest_ptr + r * (D - EXACT) + (c - EXACT)[None, :], mask=ok[:, None] & in_tail[None, :],
+                           other=0.0)  # fmt: skip
+            cols = head.to(tl.float32) + tail
+    return cols
 
 
 @triton.jit
@@ -313,15 +324,15 @@ def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, angles, out,
         m = torch.empty(t, heads, split, device=q.device, dtype=torch.float32)
         l = torch.empty_like(m)
         acc = torch.empty(t, heads, split, d, device=q.device, dtype=torch.float32)
-    comp_ptr, comp_rest, comp_exact = _row_parts(comp_rows if comp_rows is not None else window_rows, d)
+    comp_ptr, comp_rest, comp_exact = _row_parts(comp_rows if comp_rows is not None else window_rows)
     sel_ptr = selected if selected is not None else pos
     cos, sin = angles
     _attention_kernel[(t, groups, split)](
         q, window_rows, comp_ptr, comp_rest, sel_ptr, sinks, pos, slots if slots is not None else pos, cos, sin,
-        out, m, l, acc, d, comp_exact, n_prev, window, selected.shape[1] if selected is not None else 0, comp_cap,
+        out, m, l, acc, d, n_prev, window, selected.shape[1] if selected is not None else 0, comp_cap,
         1.0 / math.sqrt(d),
         H=heads, COMP=comp, RATIO=max(ratio, 1), SPLIT=split, ROPE_DIM=rope_dim,
-        BH=bh, BN=bn, BD=bd, FAST=precision.fast, BATCH=slots is not None,
+        BH=bh, BN=bn, BD=bd, FAST=precision.fast, BATCH=slots is not None, COMP_EXACT=comp_exact,
         num_warps=8 if bd >= 512 else 4, num_stages=1,
     )  # fmt: skip
     if split > 1:
@@ -338,11 +349,11 @@ def _flat_slots(rows: torch.Tensor | SplitRows) -> torch.Tensor | SplitRows:
     return rows.flatten(0, 1)
 
 
-def _row_parts(rows: torch.Tensor | SplitRows, d: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The kernel's view of a row array: (leading part, rest, leading width); whole rows are all lead."""
+def _row_parts(rows: torch.Tensor | SplitRows) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The kernel's view of a row array: (leading part, rest, leading width), width 0 for whole rows."""
     if isinstance(rows, SplitRows):
         return rows.exact, rows.rest, rows.exact.shape[-1]
-    return rows, rows, d
+    return rows, rows, 0
 
 
 def reference(q, window_rows, n_prev, window, sinks, angles, p0, comp_rows=None, ratio=0, selected=None):
@@ -372,20 +383,26 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
     inv = torch.tensor(yarn_inv_freq(a, a.layer(a.n_layers - 1)), dtype=torch.float64, device=dev)
     sinks = torch.zeros(a.n_heads, device=dev)
     cases = []
+    exact = a.head_dim - a.rope_dim
+    row_bytes = 2 * exact + 4 * a.rope_dim
+
+    def compact(rows: torch.Tensor) -> SplitRows:  # the layout of a compact cache (Triton with QAT)
+        return SplitRows(rows[..., :exact].bfloat16(), rows[..., exact:].contiguous())
 
     def case(name: str, t: int, p0: int, n_comp: int, ratio: int, selected, split: int | None, precision=EXACT):
         q = torch.randn(t, a.n_heads, a.head_dim, device=dev, generator=gen)
         n_prev = min(p0, a.window)
         window_rows = torch.randn(n_prev + t, a.head_dim, device=dev, generator=gen)
-        comp = torch.randn(max(n_comp, 1), a.head_dim, device=dev, generator=gen)
+        comp = compact(torch.randn(max(n_comp, 1), a.head_dim, device=dev, generator=gen))
         pos = torch.tensor([p0], dtype=torch.int32, device=dev)
         angles = ops.rope_angles(pos.long() + torch.arange(t, device=dev), inv)
-        rows_read = min(p0 + t, a.window) + (selected.shape[1] if selected is not None else n_comp)
+        window_read, comp_read = min(p0 + t, a.window), selected.shape[1] if selected is not None else n_comp
+        rows_read = window_read + comp_read
         run = functools.partial(
             attention, q, window_rows, n_prev, a.window, sinks, angles, a.rope_dim, pos, comp, ratio, selected,
             split, precision,
         )  # fmt: skip
-        moved = 4 * a.head_dim * (rows_read + 2 * t * a.n_heads)
+        moved = 4 * a.head_dim * (window_read + 2 * t * a.n_heads) + row_bytes * comp_read  # float32 window
         cases.append(BenchCase("attention", name, run, moved, 4 * t * a.n_heads * a.head_dim * rows_read))
 
     n4, n128 = shape.ctx // 4, shape.ctx // 128
@@ -395,25 +412,25 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
     case(f"decode ratio 128 at {shape.ctx}: {a.window} + {n128} rows", 1, shape.ctx, n128, 128, None, None)
     t = shape.prefill
     case(f"prefill ratio 128, {t} tokens from 0 (bf16 dot)", t, 0, t // 128, 128, None, 1, FAST)
-    cases.append(_batch_case(shape, inv, sinks, BATCH_BENCH, n4, k))
+    cases.append(_batch_case(shape, inv, sinks, BATCH_BENCH, n4, k, compact, row_bytes))
     return cases
 
 
 BATCH_BENCH = 8  # sequences of the batched decode bench case
 
 
-def _batch_case(shape: BenchShape, inv, sinks, b: int, n4: int, k: int) -> BenchCase:
+def _batch_case(shape: BenchShape, inv, sinks, b: int, n4: int, k: int, compact, row_bytes: int) -> BenchCase:
     """One launch for b sequences, each at context `ctx` in its own slot: a ratio-4 decode step."""
     a, dev, gen = shape.args, shape.device, shape.generator()
     q = torch.randn(b, a.n_heads, a.head_dim, device=dev, generator=gen)
     rings = torch.randn(b, a.window, a.head_dim, device=dev, generator=gen)
-    comp = torch.randn(b, max(n4, 1), a.head_dim, device=dev, generator=gen)
+    comp = compact(torch.randn(b, max(n4, 1), a.head_dim, device=dev, generator=gen))
     pos = torch.full((b,), shape.ctx, dtype=torch.int32, device=dev)
     slots = torch.arange(b, dtype=torch.int32, device=dev)
     sel = torch.stack([torch.randperm(n4, device=dev, generator=gen)[:k] for _ in range(b)]).to(torch.int32)
     angles = ops.rope_angles(pos.long(), inv)
     run = functools.partial(attention_batch, q, rings, sinks, angles, a.rope_dim, pos, slots, comp, n4, 4, sel)
     rows_read = b * (a.window + k)
-    moved = 4 * a.head_dim * (rows_read + 2 * b * a.n_heads)
+    moved = 4 * a.head_dim * (b * a.window + 2 * b * a.n_heads) + row_bytes * b * k
     name = f"decode batch of {b}, ratio 4 at {shape.ctx}: {a.window} + {k} rows each"
     return BenchCase("attention", name, run, moved, 4 * a.n_heads * a.head_dim * rows_read)

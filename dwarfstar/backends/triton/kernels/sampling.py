@@ -70,7 +70,7 @@ def _sample_kernel(
         before = tl.zeros((KP,), tl.float32)
         below = tl.zeros((KP,), tl.float32)
         rank = tl.zeros((KP,), tl.int32)
-        for j0 in tl.static_range(0, KP, CHUNK):
+        for j0 in range(0, KP, CHUNK):  # a loop, not unrolled: unrolled, its loads are hoisted and spill
             j = j0 + tl.arange(0, CHUNK)
             idx_j = tl.load(row_cand + j, mask=j < n_cand, other=-1)
             v_j = tl.load(row_logits + idx_j, mask=idx_j >= 0, other=float("-inf"))
