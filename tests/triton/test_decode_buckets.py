@@ -64,10 +64,11 @@ def test_a_sampled_step_draws_inside_the_replay_what_the_sampler_draws_after_it(
     apart, and a sampler's counter advances by one per step."""
     monkeypatch.setattr(graphs, "capture", replaying)
     model = open_model(tiny_model_file(0))
-    served = TritonBackend.from_model_file(model, device="cpu", graphs=False, kv_slots=3)
+    served = TritonBackend.from_model_file(model, device="cpu", graphs=False, kv_slots=4)
     buckets = graphs.DecodeGraphs(served.model)
     prompt = torch.randint(3, model.args.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
-    mine = [served.new_state() for _ in range(3)]
+    mine = [served.new_state() for _ in range(3)]  # the first block: 3 sessions and the padding slot
+    assert buckets.serves(mine)
     for n, state in zip((7, 21, 40), mine, strict=True):
         served.forward(prompt[:n], state, all_logits=False)
     theirs = [copy.deepcopy(state) for state in mine]
@@ -78,8 +79,11 @@ def test_a_sampled_step_draws_inside_the_replay_what_the_sampler_draws_after_it(
     for params in mixes * 2:
         tokens = [int(t.logits.argmax()) for t in theirs]
         drawing, checking = [Sampler(p) for p in params], [Sampler(p) for p in params]
-        _, drawn = buckets.step(tokens, mine, drawing)
+        logits, drawn = buckets.step(tokens, mine, drawing)
         want = torch.cat([served.forward([t], s, all_logits=False) for t, s in zip(tokens, theirs, strict=True)])
-        assert drawn == served.sample_batch(want, checking)
+        torch.testing.assert_close(torch.cat(logits), want, rtol=1e-4, atol=1e-4)
+        # drawn from the step's own logits: a random model's near-tied logits may rank apart between
+        # the batched and the eager kernels, which moves a sampled draw
+        assert drawn == served.sample_batch(torch.cat(logits), checking)
         assert [s.step for s in drawing] == [1, 1, 1]
     assert sorted(k for _, _, k in buckets.captured) == [1, min(TOP_K_CAP, model.args.vocab_size)]
