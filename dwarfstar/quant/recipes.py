@@ -74,21 +74,8 @@ def recipe_types(args: ModelArgs, recipe: str) -> dict[str, GGMLType]:
     return types
 
 
-def _typed_metadata(gguf: GGUFFile) -> dict[str, tuple[ValueType, Any]]:
-    """The file's metadata with its value types, as GGUFWriter takes it."""
-    out: dict[str, tuple[ValueType, Any]] = {}
-    for key, value in gguf.metadata.items():
-        vtype, item_type = gguf.metadata_types[key]
-        if vtype == ValueType.ARRAY:
-            if item_type == ValueType.ARRAY:
-                raise DwarfStarError(f"metadata key {key!r} is an array of arrays, which cannot be copied")
-            value = (item_type, value)
-        out[key] = (vtype, value)
-    return out
-
-
 def output_metadata(src: GGUFFile, recipe: str, imatrix: Imatrix | None) -> dict[str, tuple[ValueType, Any]]:
-    meta = {k: v for k, v in _typed_metadata(src).items() if not k.startswith("quantize.")}
+    meta = {k: v for k, v in src.typed_metadata().items() if not k.startswith("quantize.")}
     meta.pop("general.file_type", None)  # it named the input's type; the recipe key says what this file is
     meta["quantize.recipe"] = (ValueType.STRING, recipe)
     if imatrix is not None:
