@@ -132,22 +132,22 @@ class TorchStorage:
     dtype: torch.dtype = torch.float32
     compact: bool = False
 
-    def full(self, shape: tuple[int, ...], value: float | None) -> torch.Tensor:
+    def full(self, shape: tuple[int, ...], value: float | None, dtype: torch.dtype | None = None) -> torch.Tensor:
         # a normal tensor even when the first state is made under inference mode, so that training,
         # outside it, can still write into the cache
+        dtype = self.dtype if dtype is None else dtype
         with torch.inference_mode(False):
             if value is None:
-                return torch.empty(shape, device=self.device, dtype=self.dtype)
-            return torch.full(shape, value, device=self.device, dtype=self.dtype)
+                return torch.empty(shape, device=self.device, dtype=dtype)
+            return torch.full(shape, value, device=self.device, dtype=dtype)
 
     def rows(self, shape: tuple[int, ...], exact_dims: int) -> torch.Tensor | SplitRows:
         if not self.compact or exact_dims == 0:
             return self.full(shape, None)
-        with torch.inference_mode(False):
-            exact = torch.empty((*shape[:-1], exact_dims), device=self.device, dtype=torch.bfloat16)
-            if exact_dims == shape[-1]:
-                return exact
-            return SplitRows(exact, self.full((*shape[:-1], shape[-1] - exact_dims), None))
+        exact = self.full((*shape[:-1], exact_dims), None, torch.bfloat16)
+        if exact_dims == shape[-1]:
+            return exact
+        return SplitRows(exact, self.full((*shape[:-1], shape[-1] - exact_dims), None))
 
     def row_nbytes(self, dim: int, exact_dims: int) -> int:
         if not self.compact:
