@@ -14,15 +14,17 @@ import torch
 
 from dwarfstar.backends.triton import load_backend
 from dwarfstar.model.loader import open_model
-from dwarfstar.model.state import ROW_STEP
+from dwarfstar.model.state import ROW_STEP, SplitRows
 from dwarfstar.session.payload import read_payload, write_payload
 
 PROMPT = list(range(3, 3 + 41))  # 41 tokens: ratio-4 layers hold 10 rows, not a multiple of 64
 
 
 def row_arrays(state) -> list[torch.Tensor]:
+    """Every tensor holding rows; with QAT rounding the KV rows are a SplitRows of two tensors."""
     layers = range(state.cache.args.n_layers)
-    return [state.part(il, name) for il in layers for name in state.parts(il) if name.endswith("_rows")]
+    parts = [state.part(il, name) for il in layers for name in state.parts(il) if name.endswith("_rows")]
+    return [t for rows in parts for t in ((rows.exact, rows.rest) if isinstance(rows, SplitRows) else (rows,))]
 
 
 def test_a_state_read_from_a_payload_uses_a_slot_of_the_cache(tiny_model_file) -> None:
