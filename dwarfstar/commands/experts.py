@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -28,7 +29,7 @@ from dwarfstar.experts.replay import (
     simulate,
 )
 from dwarfstar.experts.store import ExpertStore
-from dwarfstar.experts.trace import RoutingTrace, TraceRecorder, skewed_trace
+from dwarfstar.experts.trace import RoutingTrace, TraceError, TraceRecorder, skewed_trace
 from dwarfstar.model.loader import open_model
 
 SsdStreaming = Annotated[
@@ -140,7 +141,46 @@ def profile_experts(
 
 
 def _row(label: str, values: dict) -> str:
-    return label + " " + " ".join(f"{k}={v}" for k, v in values.items())
+    return label + " " + " ".join(f"{k}={v}" for k, v in values.items() if not isinstance(v, list | dict))
+
+
+def _layer_line(label: str, per_layer: list[dict]) -> str:
+    """One budget's per-layer figures: hit rate and MB read per token of each layer."""
+    cells = " ".join(f"{c['layer']}:{c['hit_rate']:.3f}/{c['bytes_per_token'] / 1e6:.1f}" for c in per_layer)
+    return f"  {label} per layer (hit rate/MB per token): {cells}"
+
+
+def available_memory() -> int:
+    """Bytes a new allocation can take now (Linux MemAvailable; elsewhere the physical memory)."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+STORE_MEMORY_FRACTION = 0.6  # the store's slots are real memory: a budget past this is simulated only
+
+
+def replay_layout(layout: ExpertLayout, trace: RoutingTrace) -> tuple[ExpertLayout, str | None]:
+    """The layout the trace replays over: the file's, or for a smaller model's trace (nano's real
+    routing over a Flash-shaped file) the file's first layers and experts, and a note saying so."""
+    if (trace.n_layers, trace.n_experts) == (layout.n_layers, layout.n_experts):
+        return layout, None
+    if trace.n_layers > layout.n_layers or trace.n_experts > layout.n_experts or trace.k > layout.n_active:
+        raise TraceError(
+            f"a trace of {trace.n_layers} layers x {trace.n_experts} experts (k {trace.k}) does not fit in the "
+            f"model's {layout.n_layers} x {layout.n_experts} (k {layout.n_active})"
+        )
+    note = (
+        f"the trace is {trace.n_layers} layers x {trace.n_experts} experts (k {trace.k}): replayed over the file's "
+        f"first {trace.n_layers} layers' first {trace.n_experts} experts; budgets are % of those "
+        f"{trace.n_layers * trace.n_experts}"
+    )
+    return layout.restricted(trace.n_layers, trace.n_experts, trace.k), note
 
 
 @bench_app.command("experts")
@@ -157,7 +197,8 @@ def bench_experts(
 ) -> None:
     """Replay a routing trace through the expert store with real reads and no compute, against Belady's
     and LRU's hit rates and the frequency oracle's (an online policy's ceiling), the disk's own
-    read rates and the same replay over plain mmap."""
+    read rates and the same replay over plain mmap. A budget whose cache does not fit in the free
+    memory is simulated only (hit rates, bytes per token), without the store's real reads."""
     if policy not in POLICIES[:3]:
         raise DwarfStarError(f"--policy must be one of {', '.join(POLICIES[:3])} (Belady is reported alongside)")
     try:
@@ -167,40 +208,59 @@ def bench_experts(
     if not percents or not all(0 < p <= 100 for p in percents):
         raise DwarfStarError("--budgets must be percentages in (0, 100]")
     model_file = open_model(model)
-    layout = ExpertLayout.of(model_file.gguf, model_file.args)
-    trace = RoutingTrace.load(replay_trace, layout.n_layers, layout.n_experts)
+    trace = RoutingTrace.load(replay_trace)
+    layout, note = replay_layout(ExpertLayout.of(model_file.gguf, model_file.args), trace)
+    if note:
+        typer.echo(note)
     if trace.n_tokens > max_tokens:
         cut = np.searchsorted(np.cumsum(trace.calls), max_tokens, side="right")
         trace = RoutingTrace(trace.ids[: int(trace.calls[:cut].sum())], trace.calls[:cut], trace.n_experts)
     part_size = max(p.nbytes for p in layout.parts[0])
     disk = disk_figures(layout.path, part_size, disk_seconds, direct)
     results: dict = {"model": str(model), "trace": str(replay_trace), "tokens": trace.n_tokens, "disk": disk}
+    results.update({"file_bytes": layout.file_size, "expert_bytes": layout.max_expert_bytes, "mapping": note})
     results["rows"] = []
     typer.echo(_row("disk", {k: f"{v:.2f}" for k, v in disk.items()}) + f" (random reads of {part_size} B)")
+    typer.echo(f"file {layout.file_size / 2**30:.1f} GiB, RAM {available_memory() / 2**30:.1f} GiB available")
     for pct in percents:
         capacity = max(layout.n_active, int(layout.total_experts * pct / 100))
         row: dict = {"budget_pct": pct, "capacity": capacity}
         for name in ("belady", "lru", "ds4", "lfu"):
-            row[f"{name}_hit"] = round(simulate(trace, capacity, name).stats.hit_rate, 4)
+            simulated = simulate(trace, capacity, name)
+            row[f"{name}_hit"] = round(simulated.stats.hit_rate, 4)
+            if name == policy:  # the store's policy: its bytes per token, whether the store runs or not
+                misses = [c.misses for c in simulated.stats.layers]
+                read = sum(m * layout.expert_bytes(il) for il, m in enumerate(misses))
+                row["sim_bytes_per_token"] = round(read / max(1, trace.n_tokens))
+                row["sim_per_layer"] = simulated.stats.per_layer()
+                for cell in row["sim_per_layer"]:
+                    cell["bytes_per_token"] = round(
+                        misses[cell["layer"]] * layout.expert_bytes(cell["layer"]) / trace.n_tokens
+                    )
         # the online ceiling where routing is independent between calls (a drifting trace can pass it)
         row["frequency_oracle_hit"] = round(frequency_oracle(trace, capacity), 4)
-        drop_page_cache(layout.path)
-        store = ExpertStore(layout, capacity, make_policy(policy, layout.total_experts), direct=direct)
-        start = time.perf_counter()
-        try:
-            replay(store, trace)
-        finally:
-            store.close()
-        seconds = time.perf_counter() - start
-        summary = store.stats.summary(len(store.where), capacity)
-        row.update({f"store_{k}": v for k, v in summary.items()})
-        row["store_gbps"] = round(store.stats.bytes_read / seconds / 1e9, 3)
+        slots = capacity * layout.max_expert_bytes
+        if slots > STORE_MEMORY_FRACTION * available_memory():
+            row["store"] = f"simulated only: {slots / 2**30:.1f} GiB of slots, {available_memory() / 2**30:.1f} free"
+        else:
+            drop_page_cache(layout.path)
+            store = ExpertStore(layout, capacity, make_policy(policy, layout.total_experts), direct=direct)
+            start = time.perf_counter()
+            try:
+                replay(store, trace)
+            finally:
+                store.close()
+            seconds = time.perf_counter() - start
+            summary = store.stats.summary(len(store.where), capacity)
+            row.update({f"store_{k}": v for k, v in summary.items()})
+            row["store_gbps"] = round(store.stats.bytes_read / seconds / 1e9, 3)
         if mmap_too:
             mm = replay_mmap(layout, trace, capacity)
             lat = np.array(mm.latencies or [0.0])
             row.update(
                 {
                     "mmap_hit": round(mm.hits / max(1, mm.hits + mm.misses), 4),
+                    "mmap_bytes_per_token": round(mm.bytes_read / max(1, trace.n_tokens)),
                     "mmap_gbps": round(mm.bytes_read / mm.seconds / 1e9, 3),
                     "mmap_miss_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
                     "mmap_miss_p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
@@ -208,5 +268,10 @@ def bench_experts(
             )
         results["rows"].append(row)
         typer.echo(_row(f"budget {pct:g}%", row))
+        typer.echo(
+            _layer_line(
+                "store" if "store_per_layer" in row else "simulated", row.get("store_per_layer", row["sim_per_layer"])
+            )
+        )
     if json_out:
         json_out.write_text(json.dumps(results, indent=1) + "\n")

@@ -12,7 +12,7 @@ import typer
 from dwarfstar.cli import app
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.loader import write_split
-from dwarfstar.model.synthetic import LAYOUTS, PRESETS, write_synthetic_model
+from dwarfstar.model.synthetic import LAYOUTS, PRESETS, preset_with_layers, write_synthetic_model
 
 
 @app.command()
@@ -21,6 +21,10 @@ def synth(
     preset: Annotated[str, typer.Option(help=f"Model shape: {', '.join(PRESETS)}.")] = "tiny",
     layout: Annotated[str, typer.Option(help="f32: every float tensor F32; ds4: the published file types.")] = "f32",
     seed: Annotated[int, typer.Option(help="Random seed; the same seed writes the same bytes.")] = 0,
+    layers: Annotated[
+        int | None,
+        typer.Option(min=1, help="Layers instead of the preset's, in its compression pattern (e.g. 14 Flash layers)."),
+    ] = None,
     split_at: Annotated[
         list[int] | None,
         typer.Option(
@@ -35,12 +39,13 @@ def synth(
         raise DwarfStarError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if layout not in LAYOUTS:
         raise DwarfStarError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-    n_layers = PRESETS[preset].n_layers
+    args = PRESETS[preset] if layers is None else preset_with_layers(preset, layers)
+    n_layers = args.n_layers
     if split_at and not all(0 < layer < n_layers for layer in split_at):
         raise DwarfStarError(f"--split-at must name layers 1 to {n_layers - 1} of the {n_layers}-layer {preset}")
     start = time.perf_counter()
     whole = out.with_name(out.stem + ".whole.gguf") if split_at else out
-    write_synthetic_model(whole, PRESETS[preset], layout=layout, seed=seed, name=f"dwarfstar-{preset}")
+    write_synthetic_model(whole, args, layout=layout, seed=seed, name=f"dwarfstar-{preset}")
     files = [whole]
     if split_at:
         try:
@@ -50,5 +55,5 @@ def synth(
     took = time.perf_counter() - start
     for path in files:
         size = path.stat().st_size / 1e6
-        typer.echo(f"wrote {path} ({preset}, {layout}, seed {seed}): {size:.1f} MB")
+        typer.echo(f"wrote {path} ({preset}, {n_layers} layers, {layout}, seed {seed}): {size:.1f} MB")
     typer.echo(f"in {took:.1f} s")

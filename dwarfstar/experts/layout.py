@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.gguf.constants import GGMLType, tensor_nbytes
@@ -75,6 +75,24 @@ class ExpertLayout:
             tuple(parts),
             tuple(strides),
             routed,
+        )
+
+    def restricted(self, n_layers: int, n_experts: int, n_active: int) -> ExpertLayout:
+        """The first `n_layers` layers' first `n_experts` experts, `n_active` per token: a smaller
+        model's routing trace replayed over this file's expert sizes (`bench experts`)."""
+        if n_layers > self.n_layers or n_experts > self.n_experts or n_active > self.n_active:
+            raise ValueError(
+                f"{n_layers} x {n_experts} (k {n_active}) does not fit in {self.n_layers} x {self.n_experts}"
+            )
+        routed = sum(self.expert_bytes(il) for il in range(n_layers)) * n_experts
+        return replace(
+            self,
+            n_layers=n_layers,
+            n_experts=n_experts,
+            n_active=n_active,
+            parts=self.parts[:n_layers],
+            strides=self.strides[:n_layers],
+            routed_bytes=routed,
         )
 
     def expert(self, layer: int, e: int) -> tuple[ExpertPart, ...]:

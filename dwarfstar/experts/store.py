@@ -45,9 +45,24 @@ class ExpertBytes:
 
 
 @dataclass
+class LayerCounts:
+    """One layer's share of the cache's work: where the misses and the bytes come from."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        uses = self.hits + self.misses
+        return self.hits / uses if uses else 0.0
+
+
+@dataclass
 class Telemetry:
     """What the cache did: the figures `run`'s summary, `--trace` and `/metrics` report."""
 
+    n_layers: int = 0
     hits: int = 0
     misses: int = 0
     bytes_read: int = 0
@@ -59,6 +74,10 @@ class Telemetry:
     busy_seconds: float = 0.0  # wall time with at least one read in flight: bytes_read / this is the GB/s
     # per miss, request to bytes in the slot; the last LATENCY_WINDOW, so a server's memory stays bounded
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+    layers: list[LayerCounts] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.layers = [LayerCounts() for _ in range(self.n_layers)]
 
     @property
     def hit_rate(self) -> float:
@@ -69,7 +88,34 @@ class Telemetry:
     def read_gbps(self) -> float:
         return self.bytes_read / self.busy_seconds / 1e9 if self.busy_seconds else 0.0
 
-    def summary(self, resident: int, capacity: int) -> dict[str, float | int]:
+    def hit(self, layer: int) -> None:
+        self.hits += 1
+        self.layers[layer].hits += 1
+
+    def miss(self, layer: int) -> None:
+        self.misses += 1
+        self.layers[layer].misses += 1
+
+    def read(self, layer: int, nbytes: int) -> None:
+        self.bytes_read += nbytes
+        self.layers[layer].bytes_read += nbytes
+
+    def per_layer(self) -> list[dict[str, float | int]]:
+        """Each layer's hit rate, hits, misses and bytes read (per token too)."""
+        tokens = max(1, self.tokens)
+        return [
+            {
+                "layer": il,
+                "hit_rate": round(c.hit_rate, 4),
+                "hits": c.hits,
+                "misses": c.misses,
+                "bytes_read": c.bytes_read,
+                "bytes_per_token": round(c.bytes_read / tokens),
+            }
+            for il, c in enumerate(self.layers)
+        ]
+
+    def summary(self, resident: int, capacity: int) -> dict:
         lat = np.array(self.latencies) if self.latencies else np.zeros(1)
         return {
             "hit_rate": round(self.hit_rate, 4),
@@ -84,6 +130,7 @@ class Telemetry:
             "stall_seconds": round(self.stall_seconds, 4),
             "resident_experts": resident,
             "capacity_experts": capacity,
+            "per_layer": self.per_layer(),
         }
 
 
@@ -105,7 +152,7 @@ class ExpertCache:
         self.free: list[int] = []
         self.pinned: set[int] = set()  # in use by the MoE call now: never evicted
         self.protected: set[int] = set()  # used by the current step: evicted only when nothing else can be
-        self.stats = Telemetry()
+        self.stats = Telemetry(n_layers)
 
     def key(self, layer: int, e: int) -> int:
         return layer * self.n_experts + e
@@ -123,9 +170,9 @@ class ExpertCache:
         self.pinned.add(key)
         self.protected.add(key)
         if key in self.where:
-            self.stats.hits += 1
+            self.stats.hit(layer)
             return
-        self.stats.misses += 1
+        self.stats.miss(layer)
         self.where[key] = self._take_slot()
         self._load(layer, e, self.where[key])
 
@@ -219,7 +266,7 @@ class ExpertStore(ExpertCache):
             wait(futures)  # every part, also after a failure: no read may still write into a freed slot
             self.stats.stall_seconds += time.perf_counter() - start
             try:
-                self._record([f.result() for f in futures])
+                self._record(layer, [f.result() for f in futures])
             except BaseException:
                 self._drop(key)
                 raise
@@ -266,11 +313,11 @@ class ExpertStore(ExpertCache):
             base += room
         return spans
 
-    def _record(self, reads: list[tuple[float, float, int]]) -> None:
+    def _record(self, layer: int, reads: list[tuple[float, float, int]]) -> None:
         """One expert's part reads: its miss latency is the last part's."""
         self.stats.latencies.append(max(latency for latency, _, _ in reads))
         self.stats.read_seconds += sum(seconds for _, seconds, _ in reads)
-        self.stats.bytes_read += sum(nbytes for _, _, nbytes in reads)
+        self.stats.read(layer, sum(nbytes for _, _, nbytes in reads))
 
     def _read_part(
         self, layer: int, e: int, slot: int, span: tuple[ExpertPart, int, int, int], submitted: float

@@ -14,7 +14,7 @@ QUANTILES = {"0.5": "miss_latency_p50_ms", "0.99": "miss_latency_p99_ms"}
 
 
 def summary(store: ExpertStore) -> dict[str, Any]:
-    """The figures of `run`'s exit line and its `--trace` record."""
+    """The figures of `run`'s exit line and its `--trace` record (with `per_layer`: each layer's counts)."""
     return store.stats.summary(len(store.where), store.capacity)
 
 
@@ -40,5 +40,10 @@ def collector(store: ExpertStore) -> Callable[[Metrics], None]:
             metrics.set(f"dwarfstar_expert_{name}", value)
         for quantile, field in QUANTILES.items():
             metrics.set("dwarfstar_expert_miss_latency_seconds", figures[field] / 1e3, quantile=quantile)
+        # per layer, labelled: a layer whose experts miss more than the others shows up here
+        for il, counts in enumerate(stats.layers):
+            metrics.set("dwarfstar_expert_layer_hits_total", counts.hits, layer=str(il))
+            metrics.set("dwarfstar_expert_layer_misses_total", counts.misses, layer=str(il))
+            metrics.set("dwarfstar_expert_layer_read_bytes_total", counts.bytes_read, layer=str(il))
 
     return collect

@@ -11,6 +11,8 @@ here. Presets keep the real ratios (4 and 128) and the real vocabulary, and shri
 * `pro-shaped`: the exact PRO dimensions (hidden 7168, 128 heads, 384 experts) with 2 layers (ratio
   128, then ratio 4), for benches; 18.0 GB in the ds4 layout (flash-shaped: 5.6 GB).
 
+`preset_with_layers` gives any preset another layer count (`synth --layers N`).
+
 Float weights are drawn N(0, 1/fan_in) so activations stay O(1); K-quant experts are random
 well-formed blocks (sane fp16 scales, random payload) until real quantizers exist.
 """
@@ -27,7 +29,7 @@ import torch
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, QK_K, GGMLType, ValueType
 from dwarfstar.gguf.quantize import quantize
 from dwarfstar.gguf.writer import GGUFWriter
-from dwarfstar.model.config import ModelArgs, flash_compress_ratios
+from dwarfstar.model.config import ModelArgs, flash_compress_ratios, pro_compress_ratios
 from dwarfstar.model.tensors import EXPERT, NORM, TensorSpec, expected_tensors, mtp_tensors
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, tokenizer_metadata
 
@@ -62,6 +64,16 @@ PRESETS: dict[str, ModelArgs] = {
     "flash-shaped": FLASH_SHAPED,
     "pro-shaped": PRO_SHAPED,
 }
+
+
+def preset_with_layers(preset: str, n_layers: int) -> ModelArgs:
+    """A preset's dimensions with `n_layers` layers in its family's compression pattern (PRO's for
+    pro-shaped, Flash's for the others) and up to 3 hash-routed layers, as the real models have: a
+    Flash-shaped file larger than a machine's memory (`synth --layers 14` is 27.3 GiB in ds4 layout)."""
+    ratios = pro_compress_ratios if preset == "pro-shaped" else flash_compress_ratios
+    hash_layers = min(ModelArgs.flash().n_hash_layers, n_layers)
+    return PRESETS[preset].with_(n_layers=n_layers, n_hash_layers=hash_layers, compress_ratios=ratios(n_layers))
+
 
 # Which type each tensor gets. "f32" keeps every float tensor F32 (parity runs); "ds4" follows the
 # published files: Q8_0 projections, F16 embeddings/HC/compressor/indexer/router, F32 norms, and the

@@ -45,6 +45,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "dwarfstar_expert_miss_latency_seconds": ("gauge", "Expert miss latency (request to bytes), by quantile."),
     "dwarfstar_expert_resident": ("gauge", "Experts in the expert cache."),
     "dwarfstar_expert_capacity": ("gauge", "Experts the expert cache's budget holds."),
+    "dwarfstar_expert_layer_hits_total": ("counter", "Routed-expert cache hits, by layer."),
+    "dwarfstar_expert_layer_misses_total": ("counter", "Routed-expert cache misses, by layer."),
+    "dwarfstar_expert_layer_read_bytes_total": ("counter", "Bytes of routed experts read from the file, by layer."),
 }
 
 Labels = tuple[tuple[str, str], ...]

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from dwarfstar.cli import _register_commands, app
 from dwarfstar.engine import load_engine
 from dwarfstar.experts.attach import StreamingOptions, profile_path
-from dwarfstar.experts.trace import RoutingTrace
+from dwarfstar.experts.trace import RoutingTrace, TraceError, skewed_trace
 
 _register_commands()
 PROMPT = "0,17,4242,99,12001,7,300"
@@ -75,3 +75,35 @@ def test_bench_replays_every_budget(tiny_k_path, tmp_path):
     assert full["belady_hit"] == full["lru_hit"] == full["ds4_hit"] == full["store_hit_rate"]  # nothing evicted
     assert rows[0]["belady_hit"] >= max(rows[0]["lru_hit"], rows[0]["ds4_hit"])
     assert rows[0]["store_hit_rate"] == rows[0]["ds4_hit"]  # the store's own hits are the simulator's
+
+
+def test_bench_replays_a_smaller_models_trace_and_simulates_a_budget_past_the_memory(
+    tiny_k_path, tmp_path, monkeypatch
+):
+    """A 3-layer, 4-expert trace (a smaller model's routing) replays over the file's first layers' first
+    experts; a budget whose slots would not fit in memory gets the simulated figures only."""
+    import dwarfstar.commands.experts as experts_command
+
+    trace = tmp_path / "small.npz"
+    skewed_trace(3, 4, 2, 40, zipf=1.0, seed=1).save(trace)
+    args = ["--replay", str(trace), "-m", str(tiny_k_path), "--budgets", "50", "--disk-seconds", "0.05", "--no-mmap"]
+    done = invoke("bench", "experts", *args, "--json", str(tmp_path / "real.json"))
+    assert "first 3 layers' first 4 experts" in done.output
+    real = json.loads((tmp_path / "real.json").read_text())["rows"][0]
+    assert real["capacity"] == 6  # 50% of the trace's 12 experts, not of the file's 48
+    assert real["store_hit_rate"] == real["ds4_hit"] and real["store_bytes_per_token"] == real["sim_bytes_per_token"]
+    layers = real["store_per_layer"]
+    assert [c["layer"] for c in layers] == [0, 1, 2] and sum(c["misses"] for c in layers) == real["store_misses"]
+    assert [c["misses"] for c in layers] == [c["misses"] for c in real["sim_per_layer"]]
+    monkeypatch.setattr(experts_command, "STORE_MEMORY_FRACTION", 0.0)
+    invoke("bench", "experts", *args, "--json", str(tmp_path / "sim.json"))
+    simulated = json.loads((tmp_path / "sim.json").read_text())["rows"][0]
+    assert simulated["store"].startswith("simulated only") and "store_hit_rate" not in simulated
+    assert simulated["sim_bytes_per_token"] == real["sim_bytes_per_token"]
+
+
+def test_bench_refuses_a_trace_larger_than_the_file(tiny_k_path, tmp_path):
+    trace = tmp_path / "big.npz"
+    skewed_trace(6, 16, 2, 5, zipf=1.0).save(trace)  # tiny-k has 8 experts per layer
+    done = CliRunner().invoke(app, ["bench", "experts", "--replay", str(trace), "-m", str(tiny_k_path)])
+    assert isinstance(done.exception, TraceError) and "does not fit in the model's 6 x 8" in str(done.exception)

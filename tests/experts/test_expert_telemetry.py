@@ -58,6 +58,14 @@ def test_metrics_show_the_store(tiny_k_path):
     assert abs(metric(text, "dwarfstar_expert_read_gbps") - stats.bytes_read / busy / 1e9) < 1e-6
     p50 = metric(text, "dwarfstar_expert_miss_latency_seconds", '{quantile="0.5"}')
     assert 0 < p50 <= metric(text, "dwarfstar_expert_miss_latency_seconds", '{quantile="0.99"}')
+    # per layer: each layer's uses are the trace's (30 tokens x 2 experts, one per call), and they add up
+    layer = range(layout.n_layers)
+    hits = [metric(text, "dwarfstar_expert_layer_hits_total", f'{{layer="{il}"}}') for il in layer]
+    misses = [metric(text, "dwarfstar_expert_layer_misses_total", f'{{layer="{il}"}}') for il in layer]
+    read = [metric(text, "dwarfstar_expert_layer_read_bytes_total", f'{{layer="{il}"}}') for il in layer]
+    assert [h + m for h, m in zip(hits, misses, strict=True)] == [60] * layout.n_layers
+    assert sum(hits) == stats.hits and sum(misses) == stats.misses and sum(read) == stats.bytes_read
+    assert read == [m * layout.expert_bytes(il) for il, m in enumerate(misses)]
 
 
 def test_run_trace_records_the_expert_cache(tiny_k_path, tmp_path):
@@ -72,6 +80,10 @@ def test_run_trace_records_the_expert_cache(tiny_k_path, tmp_path):
     assert record["capacity_experts"] == 7  # 400 KiB of 54 KiB experts
     assert record["hits"] + record["misses"] > 0 and record["bytes_read"] == record["misses"] * 55296
     assert record["evictions"] == record["misses"] - record["resident_experts"]
+    layers = record["per_layer"]
+    assert [c["layer"] for c in layers] == list(range(6))
+    assert sum(c["hits"] for c in layers) == record["hits"] and sum(c["misses"] for c in layers) == record["misses"]
+    assert all(c["bytes_read"] == c["misses"] * 55296 for c in layers)
 
 
 def test_a_streaming_servers_trace_records_the_expert_cache(tiny_k_path, tmp_path):
