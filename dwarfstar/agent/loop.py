@@ -10,6 +10,7 @@ DSML block. Nothing is run for either.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from dwarfstar.agent.policy import Policy
 from dwarfstar.agent.tools import Toolbox, ToolOutcome
 from dwarfstar.agent.transcript import Entry, Transcript
 from dwarfstar.diagnostics import Trace
+from dwarfstar.experts.store import ExpertStore
+from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.model.state import SequenceState
 from dwarfstar.prompt.dsml import BLOCK_OPEN
 from dwarfstar.prompt.dsml_parser import ContentDelta, DsmlParser, ParsedCompletion, ReasoningDelta
@@ -77,9 +80,11 @@ class Agent:
         transcript: Transcript,
         max_tokens: int,
         trace: Trace | None = None,
+        experts: ExpertStore | None = None,
     ) -> None:
         self.tokenizer, self.backend, self.policy, self.toolbox = tokenizer, backend, policy, toolbox
         self.transcript, self.max_tokens, self.trace = transcript, max_tokens, trace
+        self.experts = experts  # the streamed-expert cache (--ssd-streaming): its figures go in the trace
         self.eos = backend.args.eos_token_id
         self.session = Session(backend, ctx=ctx)
         self.prefill_speed, self.decode_speed = Speed(), Speed()
@@ -183,6 +188,8 @@ class Agent:
         self.transcript.entries.append(Entry("assistant", ids=ids))
         self.dirty = True  # also after a save at a safe point earlier in this turn
         self.note(f"generated {len(ids)} tokens, finish {finish}", self.tokenizer.decode(ids))
+        if self.experts is not None:  # the cache since the start, as `run --trace` records it
+            self.note("experts", json.dumps(expert_summary(self.experts)))
         events.reply_end(finish)
         return parser.completion, finish
 
