@@ -22,6 +22,13 @@ Samples are book text after BOS, one-turn book chats, thinking turns and tool-ca
 (dwarfstar/train/chat_data.py), rendered as the server renders them; in the chat forms only what
 the assistant writes is a target (a book chat's user words too, as they are the book).
 
+A tool round trip is ~530 tokens, ~420 of them the system prompt declaring the tools, one of six
+(three client shapes, two templates), and its call is decided by a few tokens (the tool name and the
+argument copied from the request). So each step draws `tool_batch` round trips sharing one of those
+prefixes, runs the prefix once without autograd and continues each sample from a fork of its state
+(the state keeps detached rows, as at inference), and weighs the call's targets by `call_weight`.
+Held-out tool requests are scored in process (dwarfstar/train/tool_eval.py) at each evaluation.
+
 The softmax is restricted to the ids of the training data plus one learned row standing for all
 others (dwarfstar/train/params.py), which the file's full 129,280-id head reproduces exactly. The
 QAT rounding (FP8 KV, FP4 indexer) is not differentiable: training runs without it, and held-out
@@ -31,6 +38,7 @@ perplexity is reported with it on and off. Same seed, same thread count: same fi
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import time
@@ -49,7 +57,7 @@ from dwarfstar.model.loader import open_model
 from dwarfstar.model.tensors import INDEX, expected_tensors
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
-from dwarfstar.train.chat_data import Sample, thinking_samples, tool_requests, tool_samples
+from dwarfstar.train.chat_data import TOOLS, Sample, thinking_samples, tool_requests, tool_samples
 from dwarfstar.train.corpus import chat_prompts, chat_samples, read_split
 from dwarfstar.train.mtp import MTPRecipe, train_mtp
 from dwarfstar.train.params import (
@@ -62,6 +70,7 @@ from dwarfstar.train.params import (
     rest_log_count,
     write_gguf,
 )
+from dwarfstar.train.tool_eval import ToolCallScore, tool_call_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "fixtures" / "text" / "promessi_sposi.txt"
@@ -104,11 +113,14 @@ class Recipe:
     weight_decay: float = 0.05
     clip: float = 1.0
     chat_fraction: float = 0.1  # share of samples in the one-turn chat form
-    thinking_fraction: float = 0.15  # thinking-mode book chats
-    tool_fraction: float = 0.35  # tool-call round trips; the rest is book text after BOS
+    thinking_fraction: float = 0.15  # thinking-mode book chats; the rest of `batch` is book text after BOS
+    # tool round trips per step besides `batch`, all with one of the tools prefixes (client shape and
+    # template), which the step then runs once: a round trip's own part is ~110 tokens
+    tool_batch: int = 16
     chat_pool: int = 4000
     tool_pool: int = 3000
     tool_thinking: float = 0.3  # share of tool round trips in thinking mode (empty reasoning)
+    call_weight: float = 1.0  # loss weight of a tool call's targets
     indexer_kl: float = 0.01
     dense_warmup: float = 0.1  # fraction of the steps with the indexer selecting every row
     bias_gamma: float = 0.01  # router bias step of the balancing update
@@ -202,7 +214,8 @@ class Trainer:
         split = read_split(corpus)
         self.train_ids = np.asarray(tokenizer.encode(split.train), dtype=np.int64)
         self.heldout_ids = np.asarray(tokenizer.encode(split.heldout), dtype=np.int64)
-        self.bos = tokenizer.bos_id
+        self.bos, self.eos = tokenizer.bos_id, tokenizer.eos_id
+        self.tokenizer, self.book = tokenizer, split.train
         self.assistant = tokenizer.token_id("<｜Assistant｜>")
         length = recipe.seq_len + 1
         self.chats = [
@@ -212,6 +225,10 @@ class Trainer:
         prompts = chat_prompts(split.train, recipe.chat_pool, seed + 1)
         self.thinking = thinking_samples(split.train, tokenizer, prompts, length, np.random.default_rng(seed))
         self.tools = tool_samples(split.train, tokenizer, recipe.tool_pool, seed, recipe.tool_thinking)
+        groups: dict[bytes, list[Sample]] = {}
+        for sample in self.tools:
+            groups.setdefault(sample.ids[: sample.prefix].tobytes(), []).append(sample)
+        self.tool_groups = list(groups.values())
         # held-out tool requests are inputs at test time: they get embeddings (trained as negatives only)
         heldout_requests = tool_requests(split.train, recipe.tool_pool, seed, heldout=True)
         heldout_request_ids = tokenizer.encode("\n".join(r.text for r in heldout_requests))
@@ -254,7 +271,8 @@ class Trainer:
         self.log(
             f"data: {len(self.train_ids)} training tokens, {len(self.heldout_ids)} held out, "
             f"{len(self.chats)} chat, {len(self.thinking)} thinking and {len(self.tools)} tool samples "
-            f"(tool samples {np.mean([len(s.ids) for s in self.tools]):.0f} tokens on average), "
+            f"(tool samples {np.mean([len(s.ids) for s in self.tools]):.0f} tokens on average, "
+            f"{np.mean([s.prefix for s in self.tools]):.0f} of them in {len(self.tool_groups)} shared prefixes), "
             f"{self.vocab.numel()} distinct ids; "
             f"{n_params / 1e6:.2f} M trainable parameters; prepared in {time.perf_counter() - start:.1f} s"
         )
@@ -274,14 +292,11 @@ class Trainer:
     # -- data -------------------------------------------------------------------------------------
     def batch(self) -> list[Sample]:
         r, n = self.recipe, self.recipe.seq_len
-        out = []
+        group = self.tool_groups[int(self.rng.integers(len(self.tool_groups)))]
+        out = [group[int(i)] for i in self.rng.integers(len(group), size=r.tool_batch)]
         for _ in range(r.batch):
             draw = self.rng.random()
-            for pool, share in (
-                (self.chats, r.chat_fraction),
-                (self.thinking, r.thinking_fraction),
-                (self.tools, r.tool_fraction),
-            ):
+            for pool, share in ((self.chats, r.chat_fraction), (self.thinking, r.thinking_fraction)):
                 if draw < share:
                     out.append(pool[int(self.rng.integers(len(pool)))])
                     break
@@ -306,12 +321,41 @@ class Trainer:
         t = (step - warm) / max(1, r.steps - warm)
         return r.lr * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
-    def train_step(self, model: ReferenceModel) -> tuple[float, float, float]:
+    def weights(self, sample: Sample) -> torch.Tensor:
+        """Per target: `call_weight` on a tool round trip's first assistant turn (the call, whose few
+        name and argument tokens decide it; its fixed DSML is soon learned), 1 elsewhere."""
+        weights = torch.ones(len(sample.ids) - 1)
+        if sample.prefix:
+            weights[: int(np.flatnonzero(sample.ids == self.eos)[0])] = self.recipe.call_weight
+        return weights[sample.prefix :]
+
+    def hidden(self, model: ReferenceModel, samples: list[Sample]) -> torch.Tensor:
+        """Final rows of every sample's trained span; the shared prefixes (tool declarations) run
+        once, without autograd and unobserved, and each of their samples continues from a fork."""
+        prefixes: dict[bytes, object] = {}
+        for s in samples:
+            if s.prefix:
+                prefixes.setdefault(s.ids[: s.prefix].tobytes(), s.ids[: s.prefix])
+        states = {key: model.new_state() for key in prefixes}
+        if prefixes:
+            observers = model.ops.indexer_observer, model.ops.route_observer
+            model.ops.indexer_observer = model.ops.route_observer = None
+            with torch.no_grad():
+                model.hidden_batch(
+                    [self.local[torch.as_tensor(ids)] for ids in prefixes.values()], list(states.values()), False
+                )
+            model.ops.indexer_observer, model.ops.route_observer = observers
+        inputs = [self.local[torch.as_tensor(s.ids[s.prefix : -1])] for s in samples]
+        forks = [copy.deepcopy(states[s.ids[: s.prefix].tobytes()]) if s.prefix else model.new_state() for s in samples]
+        return torch.cat(model.hidden_batch(inputs, forks))
+
+    def train_step(self, model: ReferenceModel) -> tuple[float, float, float, int]:
+        """One optimizer step: (weighted loss, indexer KL, worst load ratio, tokens run with autograd)."""
         samples = self.batch()
-        inputs = [self.local[torch.as_tensor(s.ids[:-1])] for s in samples]
-        states = [model.new_state() for _ in samples]
-        y = torch.cat(model.hidden_batch(inputs, states))
-        lm = F.cross_entropy(self.head(y), torch.cat([self.targets(s) for s in samples]))
+        y = self.hidden(model, samples)
+        targets = torch.cat([self.targets(s)[s.prefix :] for s in samples])
+        losses = F.cross_entropy(self.head(y), targets, reduction="none")
+        lm = (losses * torch.cat([self.weights(s) for s in samples])).sum() / (targets != -100).sum()
         kl = self.indexer_loss.pop()
         for group in self.opt.param_groups:
             group["lr"] = self.lr_at(self.step)
@@ -321,7 +365,17 @@ class Trainer:
         self.opt.step()
         imbalance = self.balance.update()
         self.step += 1
-        return float(lm.detach()), float(kl.detach()), imbalance
+        return float(lm.detach()), float(kl.detach()), imbalance, y.shape[0]
+
+    def tool_accuracy(self, n: int) -> list[tuple[str, ToolCallScore]]:
+        """Held-out tool requests (other seeds than the served checks' 0-2) per client shape."""
+        model = self.model()
+        model.ops.indexer_observer = model.ops.route_observer = None
+        return [
+            (shape, tool_call_accuracy(model, self.head, self.local, self.vocab, self.tokenizer, requests, shape))
+            for i, shape in enumerate(sorted(TOOLS))
+            for requests in [tool_requests(self.book, n, 100 + i, heldout=True)]
+        ]
 
     @torch.no_grad()
     def heldout_loss(self, qat: bool, limit: int | None = None) -> float:
@@ -365,6 +419,17 @@ class Trainer:
         write_gguf(path, self.shape, full, layout, name=name)
 
 
+def log_tool_accuracy(trainer: Trainer, n: int, log: Callable[[str], None]) -> None:
+    start = time.perf_counter()
+    scores = trainer.tool_accuracy(n)
+    log(
+        f"step {trainer.step}: held-out tool calls "
+        + ", ".join(f"{shape} {score.right}/{score.total}" for shape, score in scores)
+        + f" ({time.perf_counter() - start:.0f} s); "
+        + "; ".join(scores[0][1].samples)
+    )
+
+
 def train_nano_mtp(opts: argparse.Namespace) -> None:
     """The MTP block of the bundled model (dwarfstar/train/mtp.py), the trunk frozen."""
     torch.manual_seed(opts.seed)
@@ -392,7 +457,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=Recipe.batch)
     parser.add_argument("--seq-len", type=int, default=Recipe.seq_len)
     parser.add_argument("--lr", type=float, default=Recipe.lr)
-    parser.add_argument("--tool-fraction", type=float, default=Recipe.tool_fraction, help="share of tool round trips")
+    parser.add_argument("--tool-batch", type=int, default=Recipe.tool_batch, help="tool round trips per step")
+    parser.add_argument("--call-weight", type=float, default=Recipe.call_weight, help="loss weight of tool calls")
+    parser.add_argument("--tool-evals", type=int, default=20, help="held-out tool requests per shape at each eval")
     # one thread: on the shared 2-core machine a second OpenMP thread mostly waits for the first
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--log-every", type=int, default=20)
@@ -421,7 +488,12 @@ def main() -> None:
 
     torch.manual_seed(opts.seed)
     recipe = Recipe(
-        steps=opts.steps, batch=opts.batch, seq_len=opts.seq_len, lr=opts.lr, tool_fraction=opts.tool_fraction
+        steps=opts.steps,
+        batch=opts.batch,
+        seq_len=opts.seq_len,
+        lr=opts.lr,
+        tool_batch=opts.tool_batch,
+        call_weight=opts.call_weight,
     )
     began = time.perf_counter()
     shape = TWIN_K if opts.twin_k else NANO
@@ -439,8 +511,8 @@ def main() -> None:
         if model is None or trainer.step == dense_steps:
             model = trainer.model(dense_indexer=dense)
         torch.set_num_threads(opts.threads)  # building a reference model (evaluation too) picks one thread
-        lm, kl, imbalance = trainer.train_step(model)
-        tokens += recipe.batch * recipe.seq_len
+        lm, kl, imbalance, step_tokens = trainer.train_step(model)
+        tokens += step_tokens
         if trainer.step % opts.log_every == 0:
             elapsed = time.perf_counter() - window_start
             log(
@@ -452,6 +524,7 @@ def main() -> None:
         if trainer.step % opts.eval_every == 0 or trainer.step == recipe.steps:
             trainer.save(checkpoint)
             log(f"step {trainer.step}: held-out loss {trainer.heldout_loss(qat=False, limit=4096):.3f} (4096 tokens)")
+            log_tool_accuracy(trainer, opts.tool_evals, log)
     results = {qat: trainer.heldout_loss(qat=qat) for qat in (False, True)}
     for qat, loss in results.items():
         log(

@@ -27,7 +27,7 @@ import regex
 
 from dwarfstar.prompt.options import DS4, OFFICIAL, RenderOptions
 from dwarfstar.prompt.render import render_conversation
-from dwarfstar.tokenizer.specials import ASSISTANT, EOS, Control, PromptPart
+from dwarfstar.tokenizer.specials import ASSISTANT, EOS, USER, Control, PromptPart
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 TOOL_SPECS = (
@@ -106,6 +106,9 @@ class ToolRequest:
 class Sample:
     ids: np.ndarray  # token ids
     trained: np.ndarray  # bool per next-token target (len(ids) - 1): whether it is learned
+    # ids[:prefix] are the same in many samples (a tool round trip's system prompt with the tools),
+    # so training can run them once per step for all of those samples
+    prefix: int = 0
 
 
 def argument_words(text: str) -> tuple[list[str], list[str]]:
@@ -254,7 +257,8 @@ def tool_samples(text: str, tokenizer: Tokenizer, n: int, seed: int, thinking_sh
         shape = shapes[int(rng.integers(len(shapes)))]
         options = TEMPLATES[templates[int(rng.integers(len(templates)))]]
         ids = encode.render(messages, tools=TOOLS[shape], thinking=thinking, options=options)
-        samples.append(Sample(np.asarray(ids, dtype=np.int64), assistant_targets(ids, tokenizer)))
+        prefix = ids.index(tokenizer.token_id(USER))  # the system prompt, the tools section in it
+        samples.append(Sample(np.asarray(ids, dtype=np.int64), assistant_targets(ids, tokenizer), prefix))
     return samples
 
 

@@ -140,3 +140,17 @@ def test_thinking_samples_reason_with_one_sentence_then_answer(book: str, tok: T
         opener = sample.ids.tolist().index(tok.token_id("<｜Assistant｜>"))
         assert np.flatnonzero(~sample.trained).tolist() == [opener - 1, opener]
         assert prompt.startswith("<｜begin▁of▁sentence｜><｜User｜>")
+
+
+def test_tool_prefix_is_the_system_prompt_shared_by_shape_and_template(
+    tool_samples: list[chat_data.Sample], tok: Tokenizer
+) -> None:
+    """Training runs ids[:prefix] once for every sample that shares it: it must be the same tokens
+    for a client shape and template, hold the tools section, train nothing, and end at the request."""
+    prefixes = {sample.ids[: sample.prefix].tobytes() for sample in tool_samples}
+    assert 1 < len(prefixes) <= len(chat_data.TOOLS) * len(chat_data.TEMPLATES)
+    for sample in tool_samples:
+        prefix = tok.decode(sample.ids[: sample.prefix].tolist())
+        assert "## Tools" in prefix and '"read"' in prefix and "<｜User｜>" not in prefix
+        assert sample.ids[sample.prefix] == tok.token_id("<｜User｜>")
+        assert not sample.trained[: sample.prefix].any()

@@ -1,0 +1,91 @@
+"""Held-out tool-call accuracy of a model in training, in process: the prompt each API's client
+would send (its tools shape, the server's ds4 template, thinking off), greedy decoding, and the
+server's DSML parser on the text.
+
+It measures what the served checks (tests/nano_tools/served_checks.py) measure through the SDKs,
+without a server, so a training run can log it as it goes.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dwarfstar.model.forward import Transformer
+from dwarfstar.prompt.dsml_parser import parse_completion
+from dwarfstar.prompt.options import DS4
+from dwarfstar.tokenizer.specials import EOS, USER
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+from dwarfstar.train.chat_data import ARGUMENT, TOOLS, PromptEncoder, ToolRequest
+
+CALL_TOKENS = 60  # a DSML call of one short argument is about 45 tokens
+
+
+@dataclass(frozen=True)
+class ToolCallScore:
+    right: int
+    total: int
+    samples: list[str]  # the first few generations, for the log
+
+    @property
+    def rate(self) -> float:
+        return self.right / self.total
+
+
+def _greedy(
+    model: Transformer, head: Callable[[torch.Tensor], torch.Tensor], state, last: torch.Tensor, stops: set[int], n: int
+) -> list[int]:
+    """Up to `n` greedy tokens (compact ids) from the final row `last`, ending at one of `stops`."""
+    out: list[int] = []
+    y = last
+    for _ in range(n):
+        token = int(head(y)[0].argmax())
+        out.append(token)
+        if token in stops:
+            break
+        (y,) = model.hidden_batch([torch.tensor([token])], [state], all_positions=False)
+    return out
+
+
+@torch.no_grad()
+def tool_call_accuracy(
+    model: Transformer,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    local: torch.Tensor,
+    vocab: torch.Tensor,
+    tokenizer: Tokenizer,
+    requests: Sequence[ToolRequest],
+    shape: str,
+    keep: int = 3,
+) -> ToolCallScore:
+    """How many of `requests`, declared with the tools in `shape`'s form, get a parsed call of the
+    right tool with exactly the request's argument. `head` maps final rows to logits over the
+    compact ids `vocab` plus one for all other ids (a choice of that one ends the generation);
+    `local` maps full ids to compact ones."""
+    encode = PromptEncoder(tokenizer)
+    user, eos = tokenizer.token_id(USER), tokenizer.token_id(EOS)
+    prefixes: dict[tuple[int, ...], object] = {}
+    right, samples = 0, []
+    for request in requests:
+        ids = encode.render(
+            [{"role": "user", "content": request.text}], tools=TOOLS[shape], thinking=False, options=DS4
+        )
+        cut = ids.index(user)  # the system prompt with the tools is the same for every request
+        key = tuple(ids[:cut])
+        if key not in prefixes:
+            prefixes[key] = model.new_state()
+            model.hidden_batch([local[torch.tensor(ids[:cut])]], [prefixes[key]], all_positions=False)
+        state = copy.deepcopy(prefixes[key])
+        (y,) = model.hidden_batch([local[torch.tensor(ids[cut:])]], [state], all_positions=False)
+        out = _greedy(model, head, state, y, {int(local[eos]), vocab.numel()}, CALL_TOKENS)
+        text = tokenizer.decode([int(vocab[t]) for t in out if t < vocab.numel()])
+        ended = "<rest>" if out[-1] == vocab.numel() else ""  # an id outside the training data
+        parsed = parse_completion(text, thinking=False, ended=True)
+        calls = [(c.name, c.arguments) for c in parsed.tool_calls]
+        right += calls == [(request.tool, {ARGUMENT[request.tool]: request.argument})]
+        if len(samples) < keep:
+            samples.append(f"{request.text!r} -> {calls or text[:80] + ended!r}")
+    return ToolCallScore(right, len(requests), samples)
