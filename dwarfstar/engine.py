@@ -98,17 +98,19 @@ def load_engine(
     streaming: StreamingOptions | None = None,
     steering: SteeringOptions | None = None,
     kv_slots: int = 4,
+    layers: tuple[int, int] | None = None,
 ) -> Engine:
     """Open, validate and load a model for sequences of at most `ctx` tokens (default: the model's);
     `progress(done, total)` follows the weights being read; `steering` applies a direction file;
-    `kv_slots` sequences share the Triton backend's first KV-cache block, and decode in one batch."""
+    `kv_slots` sequences share the Triton backend's first KV-cache block, and decode in one batch;
+    `layers=(first, end)` loads only those layers (a pipeline stage: `DistOptions.stage_layers`)."""
     start = time.perf_counter()
     name = pick_backend(backend)
     if precision not in PRECISIONS:
         raise DwarfStarError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     if precision == "fast" and name != "triton":
         raise DwarfStarError(f"--precision fast needs the triton backend; the {name} backend has no fast mode")
-    model = open_model(Path(path))
+    model = open_model(Path(path), layers)
     tokenizer = Tokenizer.from_gguf_metadata(model.gguf.metadata)
     limit = ctx or model.args.max_seq_len
     stream = streaming is not None  # the routed experts are not loaded: they stream from the file

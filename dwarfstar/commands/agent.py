@@ -137,7 +137,7 @@ def agent(
     with loading(path) as progress:
         engine = load_engine(
             path, backend, qat=not no_qat_rounding, ctx=ctx, progress=progress, precision=precision,
-            streaming=streaming, steering=steering,
+            streaming=streaming, steering=steering, layers=dist.stage_layers(path),
         )  # fmt: skip
     if ctx > engine.model.args.max_seq_len:
         note(f"--ctx {ctx} is more than this model holds; using {engine.model.args.max_seq_len}", "yellow")
@@ -169,6 +169,7 @@ def agent(
             transcript=fresh(),
             max_tokens=tokens,
             trace=tracer,
+            experts=engine.experts,
         )
         if isinstance(policy, SpeculativePolicy):
             policy.start(live.session)  # here, so that a backend that cannot speculate says so before any work

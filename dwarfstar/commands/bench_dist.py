@@ -5,11 +5,14 @@ Each stage count splits the model evenly by bytes; the coordinator runs in this 
 worker`) on loopback. With `--no-spawn` the bench waits for workers started by hand, on other
 machines, for the slices it prints: the same command measures a real network. Figures: prefill and
 decode tok/s, and per hop (averaged over the decode steps) the stage's compute, the wait beyond it,
-the send time and the bytes moved.
+the send time and the bytes moved. Every stage loads only its slice (the coordinator too, once per
+stage count); on Linux the bench prints each spawned worker's resident memory after the run, and
+the one-stage line the bench process's own.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -27,6 +30,7 @@ from dwarfstar.distributed.membership import split_by_bytes
 from dwarfstar.distributed.route import Hop
 from dwarfstar.engine import load_engine
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.model.loader import open_model
 from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.session.session import Session
 
@@ -55,6 +59,17 @@ def _mean_hops(steps: list[list[Hop]]) -> list[Hop]:
             )
         )
     return out
+
+
+def resident_mib(pid: int) -> str:
+    """A process's resident memory now and at its peak (VmRSS, VmHWM), where /proc has them."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return ""
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    now, peak = (int(fields[k].split()[0]) / 1024 for k in ("VmRSS", "VmHWM"))
+    return f"resident {now:.0f} MiB (peak {peak:.0f} MiB)"
 
 
 def _measure(backend, stages: int, prompt: list[int], decode: int, ctx: int, route=None) -> Figures:
@@ -90,15 +105,19 @@ def bench_dist(
     if not counts or min(counts) < 1:
         raise DwarfStarError("--stages takes positive stage counts, e.g. 1,2,3")
     ctx = prompt_tokens + decode_tokens + 1
-    engine = load_engine(model, backend, ctx=ctx)
-    local = engine.backend
-    prompt = [(7 * i + 11) % engine.model.args.vocab_size for i in range(prompt_tokens)]
+    whole = open_model(model)  # the tensor table, for the splits by bytes
+    try:
+        vocab, plans = whole.args.vocab_size, {count: split_by_bytes(whole, count) for count in counts if count > 1}
+    finally:
+        whole.close()
+    prompt = [(7 * i + 11) % vocab for i in range(prompt_tokens)]
     host, _, port = addr.rpartition(":")
     for n, count in enumerate(counts):
         if count == 1:
-            report(_measure(local, 1, prompt, decode_tokens, ctx))
+            report(_measure(load_engine(model, backend, ctx=ctx).backend, 1, prompt, decode_tokens, ctx))
+            typer.echo(f"  this process: {resident_mib(os.getpid())}")
             continue
-        plan = split_by_bytes(engine.model, count)
+        plan = plans[count]
         stage_addr = f"{host}:{int(port) + n}"  # a fresh port per run: the last one's may still be closing
         workers = []
         if spawn:
@@ -125,9 +144,12 @@ def bench_dist(
             role="coordinator", layers=str(plan[0]), addr=stage_addr, bits=dist_activation_bits,
             prefill_chunk=dist_prefill_chunk, prefill_window=dist_prefill_window, wait_s=timeout, timeout_s=timeout,
         )  # fmt: skip
+        engine = load_engine(model, backend, ctx=ctx, layers=(plan[0].first, plan[0].last))
         route = start_coordinator(engine, opts, ctx)
         try:
             report(_measure(RouteBackend(route), count, prompt, decode_tokens, ctx, route))
+            for layers, proc in zip(plan[1:], workers, strict=False):
+                typer.echo(f"  worker {layers}: {resident_mib(proc.pid)}")
         finally:
             route.close()
             for proc in workers:

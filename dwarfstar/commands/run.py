@@ -205,6 +205,7 @@ def run(
             precision=precision,
             streaming=streaming,
             steering=steering,
+            layers=dist.stage_layers(path),  # a stage loads only its slice
         )
     route = join_route(engine, dist, min(ctx, engine.model.args.max_seq_len))
     mode, warning = allowed_mode(think_mode(think, think_max), ctx)

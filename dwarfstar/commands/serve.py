@@ -143,9 +143,11 @@ def serve(
         mtp=MTPOptions.from_flags(mtp, mtp_draft, mtp_margin, mtp_align),
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    path = model_path(model)
     engine = load_engine(
-        model_path(model), backend, ctx=ctx, precision=precision, streaming=streaming, steering=steering,
+        path, backend, ctx=ctx, precision=precision, streaming=streaming, steering=steering,
         kv_slots=max_sessions,  # every live session in the batch-decoding block
+        layers=dist.stage_layers(path),  # a stage loads only its slice
     )  # fmt: skip
     join_route(engine, dist, ctx)  # a worker serves its layers here and exits
     service = Service(engine, config)

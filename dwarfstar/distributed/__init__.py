@@ -6,8 +6,9 @@ head. The coordinator talks to every worker over its own 2-rank gloo link (a sta
 talks to another worker), so a worker that dies breaks only its own link, and one that registers
 again gets a fresh one without the other ranks re-forming a group.
 
-Not yet: a stage still loads every layer's weights and allocates every layer's cache rows (the
-backends load whole files); it computes and writes only its own.
+Each stage loads only its slice (`launch.DistOptions.stage_layers`, then `load_engine(...,
+layers=...)`): the backends read and keep only those layers' weights, with the embedding on the
+coordinator and the head on the last stage, and its KV cache holds arrays for those layers only.
 
 - `protocol`: the fixed header, the segment records, the token-prefix hash, the activation codec;
 - `link`: one coordinator-worker link (gloo side group for headers, gloo or NCCL for the data);

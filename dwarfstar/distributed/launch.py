@@ -5,12 +5,17 @@ layers split evenly by bytes unless `--layers` says otherwise, and the route's s
 MASTER_ADDR at MASTER_PORT + 1 (torchrun's own store holds MASTER_PORT). By hand, a worker needs
 `--layers`; the coordinator defaults to its even share of `--dist-stages` stages. Either side may
 start first: the worker polls for the coordinator's store, the coordinator waits for its route.
+
+Each role loads only its slice (`stage_layers`, before the engine loads: `load_engine(...,
+layers=...)`): its layers' weights and KV arrays, the embedding on the coordinator, the head on the
+last stage. A stage given a model that holds more layers (one process's engine) runs its own only.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from dwarfstar.distributed.backend import RouteBackend
 from dwarfstar.distributed.link import DATA_BACKENDS
@@ -30,6 +35,7 @@ from dwarfstar.distributed.route import Route, RouteOptions
 from dwarfstar.distributed.stage import StageWorker, WorkerOptions, serve_link, serve_stage
 from dwarfstar.engine import Engine
 from dwarfstar.model.forward import Transformer
+from dwarfstar.model.loader import ModelFile, open_model
 
 ROLES = ("coordinator", "worker")
 TRANSPORTS = (*DATA_BACKENDS, "mlx")  # mlx: the whole route on the mx.distributed ring
@@ -80,27 +86,51 @@ class DistOptions:
             raise DistError("--dist-prefill-chunk and --dist-prefill-window must be positive")
         return opts
 
-    def slice_for(self, engine: Engine, rank: int | None = None) -> LayerSlice:
+    def slice_for(self, model: ModelFile, rank: int | None = None) -> LayerSlice:
         """--layers, else this rank's share of an even split by bytes (`rank`: the MLX ring's)."""
-        n = engine.model.args.n_layers
+        n = model.args.n_layers
         if self.layers is not None:
             return parse_layers(self.layers, n)
-        plan = split_by_bytes(engine.model, self.stages)
+        if model.layers is not None:  # loaded for this role's slice (`stage_layers`)
+            return LayerSlice(model.layers.start, model.layers.stop, n)
+        plan = split_by_bytes(model, self.stages)
         if self.role == "coordinator":
             return plan[0]
-        rank = int(os.environ.get("RANK", "-1")) if rank is None else rank
+        if rank is None:
+            rank = int(os.environ.get("MLX_RANK" if self.data_backend == "mlx" else "RANK", "-1"))
         if not 0 < rank < len(plan):
             raise DistError("a worker started by hand needs --layers A:B (or A:output for the last one)")
         return plan[rank]
 
+    def stage_layers(self, path: str | os.PathLike) -> tuple[int, int] | None:
+        """The layers this role loads, `load_engine(..., layers=...)`: its slice (None: one process).
 
-def local_model(engine: Engine) -> Transformer:
-    if not isinstance(engine.backend, Transformer):
+        The split by bytes reads only the file's tensor table; an MLX ring member's rank is MLX_RANK,
+        which `mx.distributed.init` takes it from too."""
+        if self.role is None:
+            return None
+        model = open_model(Path(path))
+        try:
+            layers = self.slice_for(model)
+        finally:
+            model.close()
+        return layers.first, layers.last
+
+
+def local_model(engine: Engine, layers: LayerSlice) -> Transformer:
+    """The engine's model, which must hold the slice's layers (loaded for it, or every layer)."""
+    model = engine.backend
+    if not isinstance(model, Transformer):
         raise DistError(
             f"the {engine.backend_name} backend wrapped by another feature (steering, streaming) "
             "cannot join a route yet"
         )
-    return engine.backend
+    held = model.layer_range
+    if not held.start <= layers.first < layers.last <= held.stop:
+        raise DistError(
+            f"this process loaded layers {held.start}..{held.stop - 1}, which do not cover its slice {layers}"
+        )
+    return model
 
 
 def start_coordinator(engine: Engine, opts: DistOptions, ctx: int) -> Route:
@@ -112,13 +142,15 @@ def start_coordinator(engine: Engine, opts: DistOptions, ctx: int) -> Route:
     if opts.data_backend == "mlx":
         group = ring_group()
         opts.stages = group.size()
-        route = Route(local_model(engine), opts.slice_for(engine), None, identity, ctx, options)
+        layers = opts.slice_for(engine.model, group.rank())
+        route = Route(local_model(engine, layers), layers, None, identity, ctx, options)
         admit_ring(route, group, opts.secret)
         route.check_complete()
         return route
     host, port = parse_addr(opts.addr)
     rendezvous = Rendezvous(host, port, opts.secret, opts.wait_s)
-    route = Route(local_model(engine), opts.slice_for(engine), rendezvous, identity, ctx, options)
+    layers = opts.slice_for(engine.model)
+    route = Route(local_model(engine, layers), layers, rendezvous, identity, ctx, options)
     route.wait_complete(opts.wait_s)
     return route
 
@@ -138,16 +170,16 @@ def run_worker(engine: Engine, opts: DistOptions, ctx: int) -> None:
     if opts.data_backend == "mlx":
         group = ring_group()
         opts.stages = group.size()
-        layers = opts.slice_for(engine, group.rank())
+        layers = opts.slice_for(engine.model, group.rank())
         link = MLXRingLink(group, 0)
         register_over_ring(
             link, Registration(model_id, quant, layers.first, layers.last, ctx, "ring"), opts.secret, group.rank()
         )
-        serve_link(StageWorker(local_model(engine), layers), link)
+        serve_link(StageWorker(local_model(engine, layers), layers), link)
         return
-    layers = opts.slice_for(engine)
+    layers = opts.slice_for(engine.model)
     host, port = parse_addr(opts.addr)
     bind = opts.bind or local_host_toward(host)
     registration = Registration(model_id, quant, layers.first, layers.last, ctx, bind)
     worker = WorkerOptions(host, port, bind, opts.secret, opts.wait_s, opts.data_backend)
-    serve_stage(local_model(engine), layers, registration, worker)
+    serve_stage(local_model(engine, layers), layers, registration, worker)

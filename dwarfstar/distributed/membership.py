@@ -16,7 +16,6 @@ import json
 import secrets
 import socket
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 
 from torch.distributed import TCPStore
@@ -87,12 +86,13 @@ def split_by_bytes(model: ModelFile, stages: int) -> list[LayerSlice]:
 
 
 def model_identity(model: ModelFile) -> tuple[str, str]:
-    """(model id, quant): a digest of the config and the file's name metadata, and the layer
-    tensors' types; a worker must match both to join a route."""
+    """(model id, quant): a digest of the config and the file's name metadata, and the types of the
+    layer tensors mapped; a worker must match both to join a route. The types, not their counts: a
+    stage of a split set maps only the parts holding its layers."""
     meta = model.gguf.metadata
     config = json.dumps([repr(model.args), meta.get("general.name", "")], sort_keys=True)
-    roles = Counter(info.ggml_type.name for name, info in model.gguf.tensors.items() if name.startswith("blk."))
-    quant = ",".join(f"{t}x{c}" for t, c in sorted(roles.items()))
+    types = {info.ggml_type.name for name, info in model.gguf.tensors.items() if name.startswith("blk.")}
+    quant = ",".join(sorted(types))
     return hashlib.sha256(config.encode()).hexdigest()[:16], quant
 
 

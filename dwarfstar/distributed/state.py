@@ -104,12 +104,12 @@ class RouteState(SequenceState):
         """The coordinator's fixed parts copied, the workers told to keep theirs under a request id."""
         self.route.sync(self)
         copy = self.cache.storage.copy
-        layers = [
-            {name: copy(SequenceState.part(self, il, name)) for name in self.parts(il) if not name.endswith("_rows")}
-            if self.is_local(il)
-            else {}
-            for il in range(self.cache.args.n_layers)
-        ]
+        layers = {
+            il: {
+                name: copy(SequenceState.part(self, il, name)) for name in self.parts(il) if not name.endswith("_rows")
+            }
+            for il in range(self.route.local_layers.last)
+        }
         logits = None if self.logits is None else self.logits.clone()
         request = self.route.snapshot(self)
         return RouteSnapshot(self.serial, self.pos, list(self.tokens), logits, layers, len(self.rewinds), request)
@@ -118,7 +118,7 @@ class RouteState(SequenceState):
         if not isinstance(snap, RouteSnapshot):
             raise DistError("a route state restores only snapshots taken on the route")
         self.route.sync(self)
-        super().restore(snap)  # the coordinator's layers (remote layers' dicts are empty)
+        super().restore(snap)  # the coordinator's layers (the snapshot holds no others)
         self.gathered = None
         self.route.restore(self, snap)
 

@@ -7,21 +7,24 @@ picks the ratio-4 rows, then sink attention reads the window and the visible com
 backend implements `Ops` (coarse, fusable steps over its own array type) and never restates this
 order; it gets batching, chunked prefill and decode from this one code path.
 
-Entry points for the features built on top: `embed`, `run_layers(h, batch, first, last)` and
-`head` run apart (a pipeline stage runs a layer range), `hooks` are called with each layer's
-attention and FFN outputs (steering, activation capture), and the MoE takes its weights from an
-`ExpertSource` (resident by default; a cache of streamed experts can stand behind it).
+Entry points for the features built on top: `embed`, `run_layers(h, batch, first, last)` and `head`
+run apart (a pipeline stage runs a layer range: its `Ops` may hold only those layers' weights,
+`layer_range`, with the embedding on the first stage and the head on the last; layer indices stay
+the model's, so routing tables and compress ratios are the global layer's), `hooks` are called with
+each layer's attention and FFN outputs (steering, activation capture), and the MoE takes its weights
+from an `ExpertSource` (resident by default; a cache of streamed experts can stand behind it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import torch
 
+from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.state import KVCache, SequenceState, Storage, check_batch
 from dwarfstar.model.tensors import ATTN_INPUT, QUERY_INPUT, ProjectionGroup
@@ -92,10 +95,11 @@ class ExpertSource(Protocol[W, A]):
 
 
 class ResidentExperts(Generic[W]):
-    """Every layer's routed experts held by the backend: a layer's whole set, the ids unchanged."""
+    """Every held layer's routed experts: a layer's whole set, the ids unchanged."""
 
-    def __init__(self, layers: Sequence[W]) -> None:
-        self.layers = list(layers)
+    def __init__(self, layers: Sequence[W] | Mapping[int, W]) -> None:
+        """`layers`: by global layer index (a sequence: from layer 0)."""
+        self.layers = dict(layers) if isinstance(layers, Mapping) else dict(enumerate(layers))
 
     def experts(self, layer: int, ids: A) -> tuple[W, A]:
         return self.layers[layer], ids
@@ -107,13 +111,17 @@ class Ops(Protocol[A]):
 
     args: ModelArgs
     experts: ExpertSource  # the resident routed experts
+    # the blocks whose weights it holds (a pipeline stage's slice; every layer on one process); it
+    # holds the embedding when the range starts at 0 and the output head when it ends at the last
+    layer_range: range
 
     def kv_storage(self) -> Storage:
         """The arrays the backend keeps its KV cache in (its device, its dtype)."""
         ...
 
-    def embed(self, batch: Batch) -> A:
-        """The embedding rows copied into the hc_mult streams [N, n, dim].
+    def embed(self, batch: Batch) -> A | None:
+        """The embedding rows copied into the hc_mult streams [N, n, dim] (None when it holds no
+        embedding: a later pipeline stage, whose streams arrive from the previous one).
 
         Also prepares the call: sets `batch.tokens`, and whatever the backend derives once per call
         goes into `batch.aux`.
@@ -197,7 +205,8 @@ class Transformer(Generic[A]):
         """`kv_slots`: sequences per preallocated block of the KV cache (a server sizes it to its sessions)."""
         self.ops, self.args = ops, ops.args
         self.max_seq_len = min(max_seq_len or self.args.max_seq_len, self.args.max_seq_len)
-        self.cache = KVCache(self.args, self.max_seq_len, ops.kv_storage(), kv_slots)
+        self.layer_range = ops.layer_range
+        self.cache = KVCache(self.args, self.max_seq_len, ops.kv_storage(), kv_slots, self.layer_range)
         self.experts: ExpertSource = ops.experts
         self.hooks: dict[HookPoint, list[Hook]] = {"attn_out": [], "ffn_out": []}
 
@@ -215,17 +224,35 @@ class Transformer(Generic[A]):
                 row += tokens.numel()
         return Batch(seqs)
 
-    def embed(self, batch: Batch) -> A:
+    @property
+    def holds_embedding(self) -> bool:
+        return self.layer_range.start == 0
+
+    @property
+    def holds_head(self) -> bool:
+        return self.layer_range.stop == self.args.n_layers
+
+    def embed(self, batch: Batch) -> A | None:
+        """The first layer's input streams, and the call prepared (None without the embedding)."""
         return self.ops.embed(batch)
 
     def run_layers(self, h: A, batch: Batch, first: int = 0, last: int | None = None) -> A:
         """Blocks first..last-1 over the streams h [N, n, dim]."""
-        for il in range(first, self.args.n_layers if last is None else last):
+        last = self.args.n_layers if last is None else last
+        held = self.layer_range
+        if not held.start <= first <= last <= held.stop:
+            raise DwarfStarError(
+                f"layers {first}..{last - 1} are not all loaded here: "
+                f"this model holds layers {held.start}..{held.stop - 1}"
+            )
+        for il in range(first, last):
             h = self.block(il, h, batch)
         return h
 
     def head(self, h: A, batch: Batch, all_positions: bool) -> tuple[A, list[int] | None]:
         """Output-normalised final rows: of every position, or each sequence's last only."""
+        if not self.holds_head:
+            raise DwarfStarError(f"the output head is not loaded here: this model holds layers {self.layer_range}")
         rows = None if all_positions else batch.last_rows
         return self.ops.hc_head(h, rows), rows
 

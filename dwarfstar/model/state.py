@@ -10,16 +10,18 @@ whose first half feeds the next row (overlap), rows 4..7 the window in progress 
 Ratio 128 keeps [128, dim] rows, row p mod 128. Slots not yet written hold kv 0 and gate -inf, so
 a softmax over them gives them weight 0.
 
-Storage. `KVCache` holds each part of each layer for a block of sequences in one preallocated
-array, `[slots, ...]`: the raw window is a ring of `window` rows (position p in row p mod window),
-the row parts have a fixed capacity for the context (ctx // ratio, rounded up to `ROW_STEP`), the
-frontiers their fixed shapes. When every slot is taken a new block is added, so the arrays of a live
-slot never move or grow: kernels write rows by index, and a captured decode step keeps its
-addresses. The backend picks the arrays through `Storage` (torch on its device, or MLX arrays),
-and their precision: the reference and MLX keep float32; a compact `TorchStorage` (Triton with QAT
-rounding) keeps each row part's QAT-rounded dims, exactly representable in bf16, in bf16 (`SplitRows`
-when the RoPE dims, which are not rounded, stay float32). Every reader gets the float32 values, so
-payloads are the same bytes whichever layout held them.
+Storage. `KVCache` holds each part of each layer for a block of sequences in one preallocated array,
+`[slots, ...]`: the raw window is a ring of `window` rows (position p in row p mod window), the row
+parts have a fixed capacity for the context (ctx // ratio, rounded up to `ROW_STEP`), the frontiers
+their fixed shapes. A pipeline stage's cache holds only its layers (`layers`, a range of the
+model's): parts are keyed by the global layer index, so a layer's arrays have one name on every
+stage, and the other layers have no arrays at all. When every slot is taken a new block is added, so
+the arrays of a live slot never move or grow: kernels write rows by index, and a captured decode
+step keeps its addresses. The backend picks the arrays through `Storage` (torch on its device, or
+MLX arrays), and their precision: the reference and MLX keep float32; a compact `TorchStorage`
+(Triton with QAT rounding) keeps each row part's QAT-rounded dims, exactly representable in bf16, in
+bf16 (`SplitRows` when the RoPE dims, which are not rounded, stay float32). Every reader gets the
+float32 values, so payloads are the same bytes whichever layout held them.
 
 Handle. `SequenceState` is a slot plus pos, tokens and logits; the slot returns to its cache when
 the handle is dropped. A ratio-r layer has emitted pos // r rows, so no row counts are kept.
@@ -211,12 +213,19 @@ def layer_compressors(args: ModelArgs) -> list[dict[str, CompressorSpec]]:
 class KVCache:
     """Preallocated KV slots, `block_slots` sequences of at most `ctx` tokens per block."""
 
-    def __init__(self, args: ModelArgs, ctx: int, storage: Storage, block_slots: int = 1) -> None:
+    def __init__(
+        self, args: ModelArgs, ctx: int, storage: Storage, block_slots: int = 1, layers: range | None = None
+    ) -> None:
+        """`layers`: the layers it holds arrays for (a pipeline stage's slice); default every layer."""
         if block_slots < 1:
             raise DwarfStarError(f"a KV cache block needs at least one slot, got {block_slots}")
+        self.layers = range(args.n_layers) if layers is None else layers
+        if not 0 <= self.layers.start < self.layers.stop <= args.n_layers or self.layers.step != 1:
+            raise DwarfStarError(f"a KV cache of layers {self.layers} is not a slice of the {args.n_layers} layers")
         self.args, self.ctx, self.storage, self.block_slots = args, ctx, storage, block_slots
+        # every layer's specs, held or not: a route's coordinator names its workers' parts by them
         self.compressors = layer_compressors(args)
-        self.blocks: list[list[dict[str, Any]]] = []  # block -> layer -> part name -> [slots, ...]
+        self.blocks: list[dict[int, dict[str, Any]]] = []  # block -> global layer -> part name -> [slots, ...]
         self.free: list[tuple[int, int]] = []
         self._serial = itertools.count()
 
@@ -227,14 +236,16 @@ class KVCache:
 
     def _add_block(self) -> None:
         a, n, full = self.args, self.block_slots, self.storage.full
-        block = []
-        for specs in self.compressors:
-            parts = {"raw": full((n, a.window, a.head_dim), None)}
-            for kind, spec in specs.items():
+        block = {}
+        for il in self.layers:
+            # zeros, not undefined: a batched decode step may read the whole ring under a mask, and
+            # garbage bits (NaN) in an unwritten row would survive its weight of 0 (the ring is small)
+            parts = {"raw": full((n, a.window, a.head_dim), 0.0)}
+            for kind, spec in self.compressors[il].items():
                 parts[f"{kind}_rows"] = self.storage.rows((n, self.capacity(spec.ratio), spec.dim), spec.exact_dims)
                 parts[f"{kind}_kv"] = full((n, *spec.frontier_shape), 0.0)
                 parts[f"{kind}_gate"] = full((n, *spec.frontier_shape), float("-inf"))
-            block.append(parts)
+            block[il] = parts
         self.blocks.append(block)
         b = len(self.blocks) - 1
         self.free.extend((b, i) for i in reversed(range(n)))
@@ -244,8 +255,8 @@ class KVCache:
         if not self.free:
             self._add_block()
         block, index = slot = self.free.pop()
-        for layer, specs in zip(self.blocks[block], self.compressors, strict=True):
-            for kind in specs:
+        for il, layer in self.blocks[block].items():
+            for kind in self.compressors[il]:
                 layer[f"{kind}_kv"][index] = 0.0
                 layer[f"{kind}_gate"][index] = float("-inf")
         return slot
@@ -278,7 +289,13 @@ class SequenceState:
     # -- the slot's arrays -----------------------------------------------------------------------------
     def parts(self, il: int) -> dict[str, Any]:
         """Layer il's arrays for every slot of this state's block (index them with `index`)."""
-        return self.cache.blocks[self.slot[0]][il]
+        try:
+            return self.cache.blocks[self.slot[0]][il]
+        except KeyError:
+            held = self.cache.layers
+            raise DwarfStarError(
+                f"layer {il} has no KV arrays here: this cache holds layers {held.start}..{held.stop - 1}"
+            ) from None
 
     @property
     def index(self) -> int:
@@ -344,16 +361,13 @@ class SequenceState:
         return out
 
     # -- snapshots ---------------------------------------------------------------------------------------
-    def _fixed_parts(self) -> list[dict[str, Any]]:
-        return [
-            {name: self.part(il, name) for name in parts if not name.endswith("_rows")}
-            for il, parts in enumerate(self.cache.blocks[self.slot[0]])
-        ]
-
     def snapshot(self) -> StateSnapshot:
         """Copy the small fixed-size parts; the append-only rows are shared by position."""
         copy = self.cache.storage.copy
-        layers = [{name: copy(a) for name, a in parts.items()} for parts in self._fixed_parts()]
+        layers = {
+            il: {name: copy(self.part(il, name)) for name in parts if not name.endswith("_rows")}
+            for il, parts in self.cache.blocks[self.slot[0]].items()
+        }
         logits = None if self.logits is None else self.logits.clone()
         return StateSnapshot(self.serial, self.pos, list(self.tokens), logits, layers, len(self.rewinds))
 
@@ -362,7 +376,7 @@ class SequenceState:
         later rewind went below a row it reads."""
         if snap.serial != self.serial and snap.pos > self.ancestors.get(snap.serial, -1):
             return False
-        ratios = {spec.ratio for specs in self.cache.compressors for spec in specs.values()}
+        ratios = {spec.ratio for il in self.cache.layers for spec in self.cache.compressors[il].values()}
         return all(p // r >= snap.pos // r for p in self.rewinds[snap.epoch :] for r in ratios)
 
     def restore(self, snap: StateSnapshot) -> None:
@@ -371,7 +385,7 @@ class SequenceState:
             raise ValueError(
                 "snapshot is no longer valid: it is of another state, or this one was rewound before it and overwritten"
             )
-        for il, parts in enumerate(snap.layers):
+        for il, parts in snap.layers.items():
             for name, a in parts.items():
                 self.write(il, name, a)
         if snap.pos < self.pos:
@@ -386,9 +400,9 @@ class SequenceState:
         checkpoints."""
         twin = SequenceState(self.cache)
         twin.rewinds, twin.ancestors = list(self.rewinds), {**self.ancestors, self.serial: self.pos}
-        for il, specs in enumerate(self.cache.compressors):
+        for il in self.cache.layers:
             twin.write(il, "raw", self.part(il, "raw"))
-            for kind in specs:
+            for kind in self.cache.compressors[il]:
                 for name in (f"{kind}_kv", f"{kind}_gate"):
                     twin.write(il, name, self.part(il, name))
                 rows = self.rows(il, kind)
@@ -402,9 +416,9 @@ class SequenceState:
         """Bytes the sequence uses (raw window, rows, frontiers, logits), not counting spare capacity."""
         storage = self.cache.storage
         total = 0 if self.logits is None else self.logits.numel() * self.logits.element_size()
-        elements = self.n_raw * self.cache.args.head_dim * self.cache.args.n_layers
-        for specs in self.cache.compressors:
-            for spec in specs.values():
+        elements = self.n_raw * self.cache.args.head_dim * len(self.cache.layers)
+        for il in self.cache.layers:
+            for spec in self.cache.compressors[il].values():
                 rows, cols = spec.frontier_shape
                 elements += 2 * rows * cols
                 total += (self.pos // spec.ratio) * storage.row_nbytes(spec.dim, spec.exact_dims)
@@ -417,7 +431,7 @@ class StateSnapshot:
     pos: int
     tokens: list[int]
     logits: torch.Tensor | None
-    layers: list[dict[str, Any]] = field(repr=False)  # per layer: raw ring and frontier copies
+    layers: dict[int, dict[str, Any]] = field(repr=False)  # per held layer: raw ring and frontier copies
     epoch: int = 0  # how many rewinds the state had made when it was taken
 
 

@@ -23,11 +23,11 @@ PROMPT = [0, 17, 42, 7, 99, 1000, 5, 31, 64, 2, 11, 128]
 
 def main() -> None:
     model, out = sys.argv[1:3]
-    engine = load_engine(model, "mlx", ctx=CTX)
     opts = DistOptions.resolved(data_backend="mlx", layers="0:3" if os.environ["MLX_RANK"] == "0" else "3:output")
-    if opts.role == "worker":
-        run_worker(engine, opts, CTX)
+    if opts.role == "worker":  # its slice only; the coordinator loads every layer, to compare with one process
+        run_worker(load_engine(model, "mlx", ctx=CTX, layers=opts.stage_layers(model)), opts, CTX)
         return
+    engine = load_engine(model, "mlx", ctx=CTX)
     local = engine.backend
     route = start_coordinator(engine, opts, CTX)
     routed = RouteBackend(route)

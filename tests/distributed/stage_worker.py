@@ -32,8 +32,9 @@ def main() -> None:
             return handle(self, msg)
 
         StageWorker.handle = dying
-    engine = load_engine(model, "reference", ctx=CTX)
-    run_worker(engine, DistOptions.resolved(role="worker", layers=layers, addr=addr, wait_s=300, timeout_s=60), CTX)
+    opts = DistOptions.resolved(role="worker", layers=layers, addr=addr, wait_s=300, timeout_s=60)
+    engine = load_engine(model, "reference", ctx=CTX, layers=opts.stage_layers(model))  # its slice only
+    run_worker(engine, opts, CTX)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def test_triton_streamed_logits_equal_resident(model_file, resident, per_layer):
     layout = ExpertLayout.of(model_file.gguf, args)
     backend = load_backend(model_file, max_seq_len=64, stream_experts=True)
     assert backend.graphs is None
-    assert all(lw.gate_exps is None and lw.down_exps is None for lw in backend.model.w.layers)
+    assert all(lw.gate_exps is None and lw.down_exps is None for lw in backend.model.w.layers.values())
     store = ExpertStore(layout, (per_layer or args.n_routed_experts) * args.n_layers, make_policy("ds4", 48))
     backend.model.experts = TritonStreamedExperts(store, backend.device)
     try:

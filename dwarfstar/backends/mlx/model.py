@@ -83,20 +83,31 @@ class Layer:
 class MLXOps:
     """`dwarfstar.model.forward.Ops` in MLX, over weights in one of `weights.PACKINGS`."""
 
-    def __init__(self, args: ModelArgs, weights: Weights, qat: bool, fused: ops.Fused, routed_experts: bool) -> None:
-        """Without `routed_experts` none is packed: they stream from the file (`experts.attach` sets the source)."""
+    def __init__(
+        self,
+        args: ModelArgs,
+        weights: Weights,
+        qat: bool,
+        fused: ops.Fused,
+        routed_experts: bool,
+        layer_range: range | None = None,
+    ) -> None:
+        """Without `routed_experts` none is packed: they stream from the file (`experts.attach` sets the source).
+        `layer_range`: the layers packed (a pipeline stage's), with the embedding when it starts at 0
+        and the head when it ends at the last layer; `layers` is keyed by the global index."""
         self.args, self.qat, self.fused = args, qat, fused
-        self.embedding = weights.dense(tt.EMBED)
-        self.layers = [self._load_layer(weights, il) for il in range(args.n_layers)]
+        self.layer_range = held = range(args.n_layers) if layer_range is None else layer_range
+        self.embedding = weights.dense(tt.EMBED) if held.start == 0 else None
+        self.layers = {il: self._load_layer(weights, il) for il in held}
         self.experts: ExpertSource | None = None
         if routed_experts:
-            stacks = [
-                ExpertStack(*(LayerWeights(weights, il).experts(n) for n in tt.EXPERTS)) for il in range(args.n_layers)
-            ]
+            stacks = {il: ExpertStack(*(LayerWeights(weights, il).experts(n) for n in tt.EXPERTS)) for il in held}
             self.experts = ResidentExperts(stacks)
-        self.head_hc = tuple(weights.dense(name) for name in tt.HEAD_HC)
-        self.out_norm = weights.dense(tt.OUTPUT_NORM)
-        self.output = weights.matrix(tt.OUTPUT)
+        self.head_hc = self.out_norm = self.output = None
+        if held.stop == args.n_layers:
+            self.head_hc = tuple(weights.dense(name) for name in tt.HEAD_HC)
+            self.out_norm = weights.dense(tt.OUTPUT_NORM)
+            self.output = weights.matrix(tt.OUTPUT)
         self.group_ids = mx.arange(args.o_groups)[None, :]
 
     def _load_layer(self, weights: Weights, il: int) -> Layer:
@@ -126,10 +137,12 @@ class MLXOps:
         return MLXStorage()
 
     # -- streams -----------------------------------------------------------------------------------------
-    def embed(self, batch: Batch) -> mx.array:
+    def embed(self, batch: Batch) -> mx.array | None:
         tokens = np.concatenate([s.tokens.numpy() for s in batch.seqs])
         batch.tokens = mx.array(tokens.astype(np.int32))
         batch.aux["positions"] = np.concatenate([np.arange(s.start, s.start + s.length) for s in batch.seqs])
+        if self.embedding is None:  # a later pipeline stage: its streams arrive from the previous one
+            return None
         a = self.args
         return mx.broadcast_to(self.embedding[batch.tokens][:, None, :], (tokens.size, a.hc_mult, a.dim))
 
@@ -282,7 +295,8 @@ class MLXModel(Transformer[mx.array]):
         Without `routed_experts` the routed experts are not packed: they stream (`--ssd-streaming`)."""
         self.qat, self.packing = qat, packing
         fused = ops.Fused(model.args, metal_available() if fuse is None else fuse)
-        super().__init__(MLXOps(model.args, Weights(model.gguf, packing), qat, fused, routed_experts), max_seq_len)
+        weights = Weights(model.gguf, packing)
+        super().__init__(MLXOps(model.args, weights, qat, fused, routed_experts, model.layer_range), max_seq_len)
 
     # logits come back as torch tensors on the CPU; the sampling rules run on them there, one sync a step
     sample_batch = staticmethod(sample_batch)

@@ -47,4 +47,4 @@ class MLXStorage:
 
 def lazy_arrays(state: SequenceState) -> list[mx.array]:
     """The cache arrays of the state's block, which a forward pass may have left lazy."""
-    return [a for il in range(state.cache.args.n_layers) for a in state.parts(il).values()]
+    return [a for il in state.cache.layers for a in state.parts(il).values()]

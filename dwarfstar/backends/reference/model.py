@@ -67,24 +67,34 @@ def expert_reader(weights: WeightSource, il: int) -> ExpertGetter:
 
 class ReferenceOps:
     def __init__(
-        self, args: ModelArgs, weights: WeightSource, qat: bool, progress: Callable[[int, int], None] | None
+        self,
+        args: ModelArgs,
+        weights: WeightSource,
+        qat: bool,
+        progress: Callable[[int, int], None] | None,
+        layer_range: range | None = None,
     ) -> None:
+        """`layer_range`: the layers to load (a pipeline stage's), with the embedding when it starts at
+        0 and the head when it ends at the last layer; `layers` is keyed by the global index."""
         report = progress or (lambda done, total: None)
         self.args, self.qat = args, qat
-        self.experts = ResidentExperts([expert_reader(weights, il) for il in range(args.n_layers)])
+        self.layer_range = range(args.n_layers) if layer_range is None else layer_range
+        self.experts = ResidentExperts({il: expert_reader(weights, il) for il in self.layer_range})
         self.indexer_observer: IndexerObserver | None = None
         self.route_observer: RouteObserver | None = None
         self.expert_observer: ExpertObserver | None = None
-        total = args.n_layers + 2
-        self.embedding = weights.dense(tt.EMBED)
+        total = len(self.layer_range) + 2
+        self.embedding = weights.dense(tt.EMBED) if self.layer_range.start == 0 else None
         report(1, total)
-        self.layers = []
-        for il in range(args.n_layers):
-            self.layers.append(self._load_layer(weights, il))
-            report(il + 2, total)
-        self.head_hc = tuple(weights.dense(name) for name in tt.HEAD_HC)
-        self.out_norm = weights.dense(tt.OUTPUT_NORM)
-        self.output = weights.dense(tt.OUTPUT)
+        self.layers: dict[int, Layer] = {}
+        for done, il in enumerate(self.layer_range, start=2):
+            self.layers[il] = self._load_layer(weights, il)
+            report(done, total)
+        self.head_hc = self.out_norm = self.output = None
+        if self.layer_range.stop == args.n_layers:
+            self.head_hc = tuple(weights.dense(name) for name in tt.HEAD_HC)
+            self.out_norm = weights.dense(tt.OUTPUT_NORM)
+            self.output = weights.dense(tt.OUTPUT)
         report(total, total)
 
     def _load_layer(self, weights: WeightSource, il: int) -> Layer:
@@ -119,9 +129,11 @@ class ReferenceOps:
         return TorchStorage("cpu")  # the oracle keeps every part in float32
 
     # -- streams -----------------------------------------------------------------------------------------
-    def embed(self, batch: Batch) -> torch.Tensor:
+    def embed(self, batch: Batch) -> torch.Tensor | None:
         batch.tokens = torch.cat([s.tokens for s in batch.seqs])
         batch.aux["positions"] = torch.cat([torch.arange(s.start, s.start + s.length) for s in batch.seqs])
+        if self.embedding is None:
+            return None
         return self.embedding[batch.tokens].unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
 
     def hc_pre(self, il: int, site: Site, h: torch.Tensor) -> tuple[torch.Tensor, tuple]:
@@ -284,22 +296,22 @@ class ReferenceModel(Transformer[torch.Tensor]):
         max_seq_len: int | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
-        self._setup(model.args, GGUFWeights(model.gguf), qat, max_seq_len, progress)
+        self._setup(model.args, GGUFWeights(model.gguf), qat, max_seq_len, progress, model.layer_range)
 
     @classmethod
     def from_weights(cls, args: ModelArgs, weights: WeightSource, qat: bool = True) -> ReferenceModel:
         """A model over any weight source, e.g. trainable parameters (tools/train_nano.py)."""
         model = cls.__new__(cls)
-        model._setup(args, weights, qat, None, None)
+        model._setup(args, weights, qat, None, None, None)
         return model
 
-    def _setup(self, args, weights, qat, max_seq_len, progress) -> None:
+    def _setup(self, args, weights, qat, max_seq_len, progress, layer_range) -> None:
         if args.dim < SMALL_MODEL_DIM:
             # Tiny models run hundreds of microsecond-sized ops per token; OpenMP hand-offs between
             # threads cost more than the math (30x slower decode on 2 busy cores), so use one thread.
             torch.set_num_threads(1)
         self.qat = qat
-        super().__init__(ReferenceOps(args, weights, qat, progress), max_seq_len)
+        super().__init__(ReferenceOps(args, weights, qat, progress, layer_range), max_seq_len)
 
     # the sampling rules run on the logits' device (here the CPU), one host sync per step
     sample_batch = staticmethod(sample_batch)

@@ -40,7 +40,7 @@ class TritonBackend:
         kv_slots: int = 4,
     ):
         """`kv_slots`: sequences of the first KV-cache block, which decode together (one graph replay)."""
-        graphs = graphs and weights.embed.data.device.type == "cuda"
+        graphs = graphs and weights.device.type == "cuda"
         slots = kv_slots + 1 if graphs else kv_slots  # graphs pad their buckets on one more slot
         self.model = TritonModel(weights, qat=qat, precision=precision, max_seq_len=max_seq_len, kv_slots=slots)
         self.args = weights.args
@@ -57,7 +57,7 @@ class TritonBackend:
         cls, model: ModelFile, device: torch.device | str | None = None, qat: bool = True, **kwargs
     ) -> TritonBackend:
         device = torch.device(device) if device is not None else default_device()
-        return cls(upload(model.gguf, model.args, device), qat=qat, **kwargs)
+        return cls(upload(model.gguf, model.args, device, layer_range=model.layer_range), qat=qat, **kwargs)
 
     def new_state(self) -> SequenceState:
         return self.model.new_state()

@@ -145,7 +145,7 @@ def decode_bytes_per_token(weights) -> int:
     experts (k of E per layer, if all distinct); KV rows are not counted."""
     a = weights.args
     total = weights.nbytes - weights.embed.nbytes + weights.embed.row_bytes
-    for lw in weights.layers:
+    for lw in weights.layers.values():
         routed = lw.gate_exps.nbytes + lw.up_exps.nbytes + lw.down_exps.nbytes
         total -= routed - routed * a.n_activated_experts // a.n_routed_experts
     return total

@@ -67,10 +67,10 @@ def decode_batch(batch: Batch) -> bool:
 class TritonOps:
     def __init__(self, weights: ModelWeights, qat: bool = True, precision: Precision = EXACT) -> None:
         self.w, self.args, self.qat, self.precision = weights, weights.args, qat, precision
-        self.device = weights.embed.data.device
+        self.device, self.layer_range = weights.device, weights.layer_range
         # weights uploaded without their routed experts stream them: `experts.attach` sets the source
-        streamed = weights.layers[0].gate_exps is None
-        routed = [(lw.gate_exps, lw.up_exps, lw.down_exps) for lw in weights.layers]
+        streamed = weights.layers[self.layer_range.start].gate_exps is None
+        routed = {il: (lw.gate_exps, lw.up_exps, lw.down_exps) for il, lw in weights.layers.items()}
         self.experts: ExpertSource | None = None if streamed else ResidentExperts(routed)
         self._inv_freq: dict[tuple[float, bool], torch.Tensor] = {}
         for layer in self.args.layers:
@@ -103,7 +103,7 @@ class TritonOps:
         return max(row_bound(s.state.cache, ratio, s.start + 1) for s in batch.seqs)
 
     # -- per call ----------------------------------------------------------------------------------------
-    def embed(self, batch: Batch) -> torch.Tensor:
+    def embed(self, batch: Batch) -> torch.Tensor | None:
         """Tokens and positions on the device (`aux`: tok, pos per sequence, RoPE angles per base).
 
         A decode step of several sequences in one KV-cache block runs batch-native (`decode_batch`):
@@ -134,6 +134,8 @@ class TritonOps:
         # bf16 tensor-core operands pay off only for prefill-sized chunks; decode stays in fp32
         aux["precision"] = self.precision if n > GEMV_MAX_ROWS else EXACT
         w = self.w.embed
+        if w is None:  # a later pipeline stage: its streams arrive from the previous one
+            return None
         return quant_blocks.gather_rows(w.data, w.ggml_type, a.dim, batch.tokens, copies=a.hc_mult)
 
     # -- streams -----------------------------------------------------------------------------------------
@@ -325,5 +327,5 @@ class TritonModel(Transformer[torch.Tensor]):
     ) -> None:
         """`kv_slots`: sequences per KV-cache block; a decode step batches the sequences of a block."""
         self.w, self.qat, self.precision = weights, qat, precision
-        self.device = weights.embed.data.device
+        self.device = weights.device
         super().__init__(TritonOps(weights, qat, precision), max_seq_len, kv_slots)

@@ -229,17 +229,27 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
+    """The uploaded weights of `layer_range` (a pipeline stage's slice, or every layer), `layers` keyed
+    by the global layer index; the embedding only when the range starts at layer 0, the head (its mHC
+    collapse, output norm and matrix) only when it ends at the last layer."""
+
     args: ModelArgs
-    embed: QWeight
-    head_hc: tuple[QWeight, torch.Tensor, torch.Tensor]
-    out_norm: torch.Tensor
-    output: QWeight
-    layers: list[LayerWeights]
+    embed: QWeight | None
+    head_hc: tuple[QWeight, torch.Tensor, torch.Tensor] | None
+    out_norm: torch.Tensor | None
+    output: QWeight | None
+    layers: dict[int, LayerWeights]
+    layer_range: range
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[self.layer_range.start].attn_norm.device
 
     @property
     def nbytes(self) -> int:
-        total = self.embed.nbytes + self.output.nbytes + self.head_hc[0].nbytes
-        for lw in self.layers:
+        total = sum(w.nbytes for w in (self.embed, self.output) if w is not None)
+        total += 0 if self.head_hc is None else self.head_hc[0].nbytes
+        for lw in self.layers.values():
             for value in vars(lw).values():
                 items = value if isinstance(value, tuple) else (value,)
                 for item in items:
@@ -252,9 +262,16 @@ class ModelWeights:
         return total
 
 
-def upload(gguf: GGUFFile, args: ModelArgs, device: torch.device | str, routed_experts: bool = True) -> ModelWeights:
+def upload(
+    gguf: GGUFFile,
+    args: ModelArgs,
+    device: torch.device | str,
+    routed_experts: bool = True,
+    layer_range: range | None = None,
+) -> ModelWeights:
     """Copy every tensor of the file to `device` once, matrices as blocks, vectors as float32; without
-    `routed_experts` all but the routed experts, which then stream from the file (`--ssd-streaming`).
+    `routed_experts` all but the routed experts, which then stream from the file (`--ssd-streaming`);
+    with `layer_range` only those layers' (and the embedding or head where the range has them).
 
     Tensor by tensor, each one's mapped pages released after its copy (`GGUFFile.release`): where
     the GPU shares RAM with the CPU, peak memory stays near one model instead of two.
@@ -271,7 +288,7 @@ def upload(gguf: GGUFFile, args: ModelArgs, device: torch.device | str, routed_e
         gguf.release(name)
         return values
 
-    return build_weights(args, matrix, vector, routed_experts)
+    return build_weights(args, matrix, vector, routed_experts, layer_range)
 
 
 def _hc(names: tuple[str, str, str], matrix: MatrixSource, vector: VectorSource) -> HCWeights:
@@ -318,15 +335,22 @@ def _layer_weights(layer: LayerSpec, matrix: MatrixSource, vector: VectorSource,
 
 
 def build_weights(
-    args: ModelArgs, matrix: MatrixSource, vector: VectorSource, routed_experts: bool = True
+    args: ModelArgs,
+    matrix: MatrixSource,
+    vector: VectorSource,
+    routed_experts: bool = True,
+    layer_range: range | None = None,
 ) -> ModelWeights:
-    """Assemble the model's weights from per-tensor sources (a file, or random synthetic blocks)."""
-    layers = [_layer_weights(layer, matrix, vector, routed_experts) for layer in args.layers]
+    """Assemble the model's weights from per-tensor sources (a file, or random synthetic blocks): of
+    `layer_range` (default every layer), reading no tensor outside it."""
+    held = range(args.n_layers) if layer_range is None else layer_range
+    has_head = held.stop == args.n_layers
     return ModelWeights(
         args=args,
-        embed=matrix(tt.EMBED),
-        head_hc=_hc(tt.HEAD_HC, matrix, vector),
-        out_norm=vector(tt.OUTPUT_NORM),
-        output=matrix(tt.OUTPUT),
-        layers=layers,
+        embed=matrix(tt.EMBED) if held.start == 0 else None,
+        head_hc=_hc(tt.HEAD_HC, matrix, vector) if has_head else None,
+        out_norm=vector(tt.OUTPUT_NORM) if has_head else None,
+        output=matrix(tt.OUTPUT) if has_head else None,
+        layers={il: _layer_weights(args.layer(il), matrix, vector, routed_experts) for il in held},
+        layer_range=held,
     )
