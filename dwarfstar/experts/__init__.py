@@ -10,4 +10,6 @@ whole experts under a budget and are read from the GGUF with `pread` on a miss.
 * `source`: the `ExpertSource` the forward pass reads a layer's experts from.
 * `trace`: recorded routing (per token and layer, the chosen ids) and hot-expert profiles.
 * `replay`: the store and plain mmap driven by a recorded trace, with no compute (the benchmark).
+* `bound`: the best hit rate an online policy can expect on the synthetic skewed trace (the
+  independent-reference bound), to set Belady's optimum against.
 """
