@@ -14,7 +14,7 @@ from dwarfstar.distributed.route import ReplayNeeded, Route
 from dwarfstar.distributed.state import RouteState
 from dwarfstar.model.forward import Batch, forward_then_sample
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.sampling import Sampler
+from dwarfstar.session.sampling import Sampler, sample_batch
 
 
 class RouteBackend:
@@ -76,8 +76,9 @@ class RouteBackend:
             parts = [self.route.forward([chunk], [seq.state], all_logits)[0] for chunk in chunks]
         return [torch.cat(parts) if all_logits else parts[-1]]
 
-    def sample_batch(self, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
-        return self.local.sample_batch(logits, samplers)
+    # the sampling rules on the logits the last stage sent back (the generic sampler: the reference's
+    # and MLX's own, and the one whose draws the Triton kernel's equal)
+    sample_batch = staticmethod(sample_batch)
 
     def decode_sample(
         self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler]

@@ -118,8 +118,14 @@ class DistOptions:
 
 
 def local_model(engine: Engine, layers: LayerSlice) -> Transformer:
-    """The engine's model, which must hold the slice's layers (loaded for it, or every layer)."""
+    """The engine's model, which must hold the slice's layers (loaded for it, or every layer): the
+    backend itself, or the shared forward pass it wraps (Triton's `TritonBackend.model`; a stage
+    runs it eagerly, without the decode graphs around it)."""
     model = engine.backend
+    if engine.backend_name == "triton":
+        from dwarfstar.backends.triton.backend import TritonBackend
+
+        model = model.model if isinstance(model, TritonBackend) else model
     if not isinstance(model, Transformer):
         raise DistError(
             f"the {engine.backend_name} backend wrapped by another feature (steering, streaming) "

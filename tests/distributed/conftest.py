@@ -38,11 +38,17 @@ class Cluster:
     """A route over `layers` (the coordinator's slice first) of one model file."""
 
     def __init__(
-        self, path: Path, layers: list[str], logs: Path, die_at_rows: int | None = None, cli: bool = False
+        self,
+        path: Path,
+        layers: list[str],
+        logs: Path,
+        die_at_rows: int | None = None,
+        cli: bool = False,
+        backend: str = "reference",
     ) -> None:
         """Start the workers for `layers[1:]` (the last one dying at `die_at_rows`, if given; with
-        `cli`, as `dwarfstar run --dist-role worker` processes)."""
-        self.path, self.layers, self.logs, self.cli = path, layers, logs, cli
+        `cli`, as `dwarfstar run --dist-role worker` processes on `backend`)."""
+        self.path, self.layers, self.logs, self.cli, self.backend_name = path, layers, logs, cli, backend
         self.addr = f"127.0.0.1:{free_port()}"
         self.workers: dict[str, subprocess.Popen] = {}
         for i, worker_layers in enumerate(layers[1:], start=2):
@@ -63,7 +69,7 @@ class Cluster:
     def start_worker(self, layers: str, die_at_rows: int | None = None) -> subprocess.Popen:
         argv = [sys.executable, str(WORKER), str(self.path), layers, self.addr, str(torch.get_num_threads())]
         if self.cli:
-            argv = [sys.executable, "-m", "dwarfstar", "run", "-m", str(self.path), "--backend", "reference"]
+            argv = [sys.executable, "-m", "dwarfstar", "run", "-m", str(self.path), "--backend", self.backend_name]
             argv += ["-c", str(CTX), "--dist-role", "worker", "--layers", layers, "--dist-addr", self.addr]
         if die_at_rows is not None:
             argv.append(str(die_at_rows))

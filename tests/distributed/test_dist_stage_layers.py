@@ -193,7 +193,8 @@ def test_triton_stages_upload_only_their_layers(tiny_path):
     full = TritonBackend.from_model_file(full_file, device="cpu", max_seq_len=CTX).model
     n = full.args.n_layers
     files = [logged(tiny_path, (0, SPLIT)), logged(tiny_path, (SPLIT, n))]
-    stages = [TritonBackend.from_model_file(f, device="cpu", max_seq_len=CTX).model for f in files]
+    backends = [TritonBackend.from_model_file(f, device="cpu", max_seq_len=CTX) for f in files]
+    stages = [backend.model for backend in backends]
     for f, stage in zip(files, stages, strict=True):
         assert f.gguf.names == stage_tensors(f, stage.layer_range)
         assert sorted(stage.w.layers) == list(stage.layer_range)
@@ -203,6 +204,9 @@ def test_triton_stages_upload_only_their_layers(tiny_path):
     assert last.w.embed is None and last.w.output is not None
     assert first.w.nbytes + last.w.nbytes == full.w.nbytes
     assert files[0].gguf.names | files[1].gguf.names == full_file.gguf.names
+    # a stage runs the shared forward pass the backend wraps (eagerly, without its decode graphs)
+    engine = Engine(files[1], backends[1], "triton", None, 0.0)
+    assert local_model(engine, LayerSlice(SPLIT, n, n)) is last
 
 
 def test_mlx_stages_pack_only_their_layers_and_chain_to_the_same_logits(tiny_path):
