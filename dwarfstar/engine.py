@@ -102,7 +102,7 @@ def load_engine(
 ) -> Engine:
     """Open, validate and load a model for sequences of at most `ctx` tokens (default: the model's);
     `progress(done, total)` follows the weights being read; `steering` applies a direction file;
-    `kv_slots` sequences share the Triton backend's first KV-cache block, and decode in one batch;
+    `kv_slots` sequences share the first KV-cache block (Triton, reference), and decode in one batch;
     `layers=(first, end)` loads only those layers (a pipeline stage: `DistOptions.stage_layers`)."""
     start = time.perf_counter()
     name = pick_backend(backend)
@@ -120,7 +120,7 @@ def load_engine(
     if name == "reference":
         from dwarfstar.backends.reference.model import ReferenceModel
 
-        impl: Backend = ReferenceModel(model, qat=qat, max_seq_len=ctx, progress=progress)
+        impl: Backend = ReferenceModel(model, qat=qat, max_seq_len=ctx, progress=progress, kv_slots=kv_slots)
     elif name == "triton":
         from dwarfstar.backends.triton import load_backend
 

@@ -189,6 +189,8 @@ class ReferenceOps:
     def compress(self, il: int, kind: str, proj: dict[str, torch.Tensor], batch: Batch) -> None:
         """Pool each sequence's finished windows; the call reads its new rows from `aux`, and the state
         keeps detached copies (autograd, when training, runs through a call, not through the cache)."""
+        if self._decode_step(batch):
+            return self._decode_compress(il, kind, proj, batch)
         a, (ape, norm) = self.args, self.layers[il].compressors[kind]
         for seq in batch.seqs:
             state, spec = seq.state, seq.state.compressor(il, kind)
@@ -199,12 +201,16 @@ class ReferenceOps:
             state.write(il, f"{kind}_gate", front[1].detach())
             first = seq.start // spec.ratio
             if rows.shape[0]:
-                row_positions = (first + torch.arange(rows.shape[0])) * spec.ratio  # its window's first token
-                rows = ops.apply_rope(rows, *self._angles(il, row_positions))
-                if self.qat:
-                    rows = ops.fp8_round_nope(rows, a.rope_dim) if kind == "attn" else ops.indexer_round(rows)
+                rows = self._finish_rows(il, kind, rows, (first + torch.arange(rows.shape[0])) * spec.ratio)
                 state.write(il, f"{kind}_rows", rows.detach(), first)
             batch.aux[("rows", il, kind, id(state))] = torch.cat((state.rows(il, kind), rows))
+
+    def _finish_rows(self, il: int, kind: str, rows: torch.Tensor, window_starts: torch.Tensor) -> torch.Tensor:
+        """Pooled rows rotated at their window's first token, then QAT-rounded as they are stored."""
+        rows = ops.apply_rope(rows, *self._angles(il, window_starts))
+        if not self.qat:
+            return rows
+        return ops.fp8_round_nope(rows, self.args.rope_dim) if kind == "attn" else ops.indexer_round(rows)
 
     def _visible(self, il: int, seq: Segment, n_rows: int) -> torch.Tensor:
         """[T, n_rows]: row w is complete, hence visible, once token ratio * (w + 1) - 1 has been seen."""
@@ -213,9 +219,18 @@ class ReferenceOps:
         return torch.arange(n_rows)[None, :] < ((positions + 1) // ratio)[:, None]
 
     def index_topk(self, il: int, q: torch.Tensor, weights: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
-        """Per sequence, the mask [T, rows] of the compressed rows each query attends to."""
+        """Per sequence, the mask [T, rows] of the compressed rows each query attends to (for a
+        decode step, one [B, rows] mask over the rows `_slot_rows` gathers)."""
         a, chosen = self.args, []
         weights = weights * (a.index_head_dim**-0.5 * a.index_n_heads**-0.5)
+        if self._decode_step(batch):
+            index_rows, visible = self._slot_rows(il, "indexer", batch)
+            per_head = torch.einsum("bhd,bnd->bhn", q, index_rows).relu()
+            scores = (per_head * weights[:, :, None]).sum(1).masked_fill(~visible, float("-inf"))
+            k = min(a.index_topk, scores.shape[1])
+            if k:  # the top-k of the padded rows, then the visible ones among them: each row's own top-k
+                visible = visible & torch.zeros_like(visible).scatter_(1, scores.topk(k, dim=1).indices, True)
+            return visible
         for seq in batch.seqs:
             index_rows = batch.aux.pop(("rows", il, "indexer", id(seq.state)))
             visible = self._visible(il, seq, index_rows.shape[0])
@@ -233,6 +248,9 @@ class ReferenceOps:
         a, layer, out = self.args, self.layers[il], []
         cos, sin = self._batch_angles(il, batch)
         chunk = batch.aux.pop(("window", il))
+        if self._decode_step(batch):
+            o = self._decode_attention(il, q, chunk, batch, selected)
+            return ops.apply_rope(o, cos, sin, inverse=True)
         for i, seq in enumerate(batch.seqs):
             state, end = seq.state, seq.start + seq.length
             raw = torch.cat((state.raw_window(il), chunk[seq.rows]))
@@ -251,6 +269,89 @@ class ReferenceOps:
             o = torch.einsum("thn,nd->thd", probs, keys)
             out.append(ops.apply_rope(o, cos[seq.rows], sin[seq.rows], inverse=True))
         return torch.cat(out)
+
+    # -- decode steps: attention over every sequence at once -------------------------------------------------
+    def _decode_step(self, batch: Batch) -> bool:
+        """Whether the call is a decode step: one token for each sequence. A step gathers each
+        sequence's keys into one padded [B, ...] array and runs attention once for all of them
+        (per-sequence attention made a batched step cost nearly as much as its sequences stepped
+        alone). Prefill chunks, and the training observer, which reads per-sequence scores, take the
+        per-sequence path."""
+        if "decode_step" not in batch.aux:
+            blocks = {s.state.block for s in batch.seqs}
+            step = all(s.length == 1 for s in batch.seqs) and self.indexer_observer is None
+            batch.aux["decode_step"] = step
+            # sequences of one cache block are gathered by slot index in one op, others one by one
+            batch.aux["decode_slots"] = torch.tensor([s.state.index for s in batch.seqs]) if len(blocks) == 1 else None
+        return batch.aux["decode_step"]
+
+    def _gather(self, il: int, name: str, batch: Batch, n: int | None = None) -> torch.Tensor:
+        """A decode step's sequences' arrays of a part, [B, ...] (the first n rows of each)."""
+        rows, slots = slice(n), batch.aux["decode_slots"]
+        if slots is not None:
+            return batch.seqs[0].state.parts(il)[name][slots, rows]
+        return torch.stack([s.state.part(il, name)[rows] for s in batch.seqs])
+
+    def _scatter(
+        self,
+        il: int,
+        name: str,
+        batch: Batch,
+        value: torch.Tensor,
+        at: torch.Tensor | None = None,
+        which: torch.Tensor | None = None,
+    ) -> None:
+        """Write value[i] into a part of the i-th decode-step sequence (of those `which` picks): the
+        whole array, or its row at[i]."""
+        slots = batch.aux["decode_slots"]
+        if slots is not None:
+            part, index = batch.seqs[0].state.parts(il)[name], slots if which is None else slots[which]
+            part[(index,) if at is None else (index, at)] = value
+            return
+        seqs = batch.seqs if which is None else [s for s, w in zip(batch.seqs, which.tolist(), strict=True) if w]
+        for i, seq in enumerate(seqs):
+            if at is None:
+                seq.state.write(il, name, value[i])
+            else:
+                seq.state.write(il, name, value[i : i + 1], int(at[i]))
+
+    def _decode_compress(self, il: int, kind: str, proj: dict[str, torch.Tensor], batch: Batch) -> None:
+        """`compress` for a decode step, all sequences at once (`ops.compress_step`)."""
+        spec, (ape, norm) = batch.seqs[0].state.compressor(il, kind), self.layers[il].compressors[kind]
+        positions = batch.aux["positions"]
+        front = self._gather(il, f"{kind}_kv", batch), self._gather(il, f"{kind}_gate", batch)
+        kv, gate = proj[f"{kind}_kv"], proj[f"{kind}_gate"]
+        rows, done, *front = ops.compress_step(spec, *front, kv, gate, ape, norm, positions, self.args.norm_eps)
+        self._scatter(il, f"{kind}_kv", batch, front[0].detach())
+        self._scatter(il, f"{kind}_gate", batch, front[1].detach())
+        if rows.shape[0]:
+            window = positions[done] // spec.ratio
+            rows = self._finish_rows(il, kind, rows, window * spec.ratio)
+            self._scatter(il, f"{kind}_rows", batch, rows.detach(), at=window, which=done)
+
+    def _slot_rows(self, il: int, kind: str, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's compressed rows [B, n, dim], n the most any sequence has, and which are its
+        own [B, n]: those its windows completed, the row its token just finished included."""
+        counts = (batch.aux["positions"] + 1) // self.layers[il].spec.compress_ratio
+        n = int(counts.max())
+        return self._gather(il, f"{kind}_rows", batch, n), torch.arange(n)[None, :] < counts[:, None]
+
+    def _decode_attention(self, il: int, q: torch.Tensor, kv: torch.Tensor, batch: Batch, selected) -> torch.Tensor:
+        """Sink attention of a decode step, [B, H, D] before the inverse RoPE: each token's row goes
+        into its ring first (over the row that has left the window), then the query reads the ring's
+        filled rows and its visible compressed rows (`selected` by the indexer for ratio 4)."""
+        a, layer, positions = self.args, self.layers[il], batch.aux["positions"]
+        self._scatter(il, "raw", batch, kv.detach(), at=positions % a.window)
+        keys = self._gather(il, "raw", batch)
+        mask = torch.arange(a.window)[None, :] < (positions + 1).clamp(max=a.window)[:, None]
+        if layer.spec.compress_ratio:
+            rows, visible = self._slot_rows(il, "attn", batch)
+            keys, mask = torch.cat((keys, rows), 1), torch.cat((mask, visible if selected is None else selected), 1)
+        # padding (rows a sequence has not written: uninitialised memory) gets weight 0, and 0 * NaN
+        # would still be NaN
+        keys = keys.masked_fill(~mask[..., None], 0.0)
+        probs = ops.sink_attention_probs(q[:, None], keys, mask[:, None], layer.sinks)
+        return torch.einsum("bthn,bnd->bthd", probs, keys)[:, 0]
 
     def attn_output(self, il: int, o: torch.Tensor) -> torch.Tensor:
         layer, groups = self.layers[il], self.args.o_groups
@@ -295,23 +396,25 @@ class ReferenceModel(Transformer[torch.Tensor]):
         qat: bool = True,
         max_seq_len: int | None = None,
         progress: Callable[[int, int], None] | None = None,
+        kv_slots: int = 1,
     ) -> None:
-        self._setup(model.args, GGUFWeights(model.gguf), qat, max_seq_len, progress, model.layer_range)
+        """`kv_slots`: sequences per KV-cache block (a server's sessions decode in one block)."""
+        self._setup(model.args, GGUFWeights(model.gguf), qat, max_seq_len, progress, model.layer_range, kv_slots)
 
     @classmethod
     def from_weights(cls, args: ModelArgs, weights: WeightSource, qat: bool = True) -> ReferenceModel:
         """A model over any weight source, e.g. trainable parameters (tools/train_nano.py)."""
         model = cls.__new__(cls)
-        model._setup(args, weights, qat, None, None, None)
+        model._setup(args, weights, qat, None, None, None, 1)
         return model
 
-    def _setup(self, args, weights, qat, max_seq_len, progress, layer_range) -> None:
+    def _setup(self, args, weights, qat, max_seq_len, progress, layer_range, kv_slots) -> None:
         if args.dim < SMALL_MODEL_DIM:
             # Tiny models run hundreds of microsecond-sized ops per token; OpenMP hand-offs between
             # threads cost more than the math (30x slower decode on 2 busy cores), so use one thread.
             torch.set_num_threads(1)
         self.qat = qat
-        super().__init__(ReferenceOps(args, weights, qat, progress, layer_range), max_seq_len)
+        super().__init__(ReferenceOps(args, weights, qat, progress, layer_range), max_seq_len, kv_slots)
 
     # the sampling rules run on the logits' device (here the CPU), one host sync per step
     sample_batch = staticmethod(sample_batch)

@@ -179,13 +179,14 @@ def hc_head(
 
 
 def sink_attention_probs(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """Attention weights [T, H, N] with a per-head sink logit that only enlarges the denominator.
+    """Attention weights [..., T, H, N] with a per-head sink logit that only enlarges the denominator.
 
-    q [T, H, D], kv [N, D] (one shared head, K = V), mask [T, N] bool (True = visible), sinks [H].
+    q [..., T, H, D], kv [..., N, D] (one shared head, K = V), mask [..., T, N] bool (True = visible),
+    sinks [H]; the leading dims (none, or a decode step's sequences) are batch dims.
     """
-    scores = torch.einsum("thd,nd->thn", q, kv) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-    sink = sinks.view(1, -1, 1).expand(scores.shape[0], -1, 1)
+    scores = torch.einsum("...thd,...nd->...thn", q, kv) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask[..., None, :], float("-inf"))
+    sink = sinks.view(-1, 1).expand(*scores.shape[:-1], 1)
     return torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
 
 
@@ -242,6 +243,45 @@ def compress(
     front_kv[off : off + rest] = kv[n * r :]
     front_gate[off : off + rest] = gate[n * r :]
     return pooled, front_kv, front_gate
+
+
+def compress_step(
+    spec: CompressorSpec,
+    front_kv: torch.Tensor,
+    front_gate: torch.Tensor,
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    norm: torch.Tensor,
+    positions: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`compress` for one token of each of B sequences (a decode step): the rows finished [D, dim],
+    which sequences finished one (`done` [B] bool), and the new frontiers [B, ...].
+
+    front_kv / front_gate [B, rows, width] are the sequences' frontiers, kv / gate [B, width] their
+    tokens' projections, positions [B] the tokens' positions. A token fills its slot of the window in
+    progress; the token that fills a window's last slot pools it as `compress` does, and its
+    frontier moves on (ratio 4: the finished window becomes the previous one).
+    """
+    r, off = spec.ratio, spec.current_offset
+    front_kv, front_gate = front_kv.clone(), front_gate.clone()
+    seqs, slot = torch.arange(kv.shape[0]), positions % r
+    front_kv[seqs, off + slot] = kv
+    front_gate[seqs, off + slot] = gate + ape[slot]
+    done = slot == r - 1
+    win_kv, win_gate = front_kv[done], front_gate[done]
+    if spec.overlap:  # the previous window's first half of the dims, this window's second half
+        d = spec.dim
+        slots_kv = torch.cat((win_kv[:, :r, :d], win_kv[:, r:, d:]), dim=1)
+        slots_gate = torch.cat((win_gate[:, :r, :d], win_gate[:, r:, d:]), dim=1)
+        front_kv[done, :r], front_gate[done, :r] = win_kv[:, r:], win_gate[:, r:]
+    else:
+        slots_kv, slots_gate = win_kv, win_gate
+    pooled = rms_norm((slots_kv * slots_gate.softmax(dim=1)).sum(1), norm, eps)
+    front_kv[done, off:] = 0.0
+    front_gate[done, off:] = float("-inf")
+    return pooled, done, front_kv, front_gate
 
 
 def route(
