@@ -1,6 +1,9 @@
 """Plot `dwarfstar bench experts --json` results and project Flash decode tok/s from them.
 
-    .venv/bin/python tools/experts_projection.py BENCH.json [BENCH2.json ...] --out plot.png
+    .venv/bin/python tools/experts_projection.py BENCH.json [BENCH2.json ...] --out plot.png [--bound BOUND.json]
+
+`--bound` adds the online bound of `dwarfstar bench experts-bound --json` (the best hit rate any online
+policy can expect on the synthetic skewed trace) to the hit-rate panel.
 
 The projection is a model, not a measurement: a decode token of the real Flash q2 file reads every
 routed expert it uses (43 layers x 6 x 6.75 MiB) from memory, the missed fraction (1 - hit rate at
@@ -51,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("bench", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--bound", type=Path, help="bench experts-bound --json output")
     opts = parser.parse_args()
     routed_gb, dense_gb = flash_bytes()
     print(f"Flash q2 decode token: {routed_gb:.3f} GB of routed experts, {dense_gb:.3f} GB of other weights")
@@ -66,6 +70,10 @@ def main() -> None:
             tps = [project(r["ds4_hit"], routed_gb, dense_gb, memory, ssd) for r in rows]
             speed.plot(budgets, tps, "-o", label=f"{label}: {machine}")
             print(label, machine, " ".join(f"{b:g}%={t:.1f}" for b, t in zip(budgets, tps, strict=True)))
+    if opts.bound:
+        rows = json.loads(opts.bound.read_text())["rows"]
+        budgets = [r["budget_pct"] for r in rows]
+        hits.plot(budgets, [r["online_bound"] for r in rows], "k-.", label="skewed: online bound (independent refs)")
     hits.set(xlabel="cache budget (% of experts)", ylabel="hit rate", title="Expert cache hit rate (replay)")
     speed.set(xlabel="cache budget (% of experts)", ylabel="tok/s", title="PROJECTED Flash q2 decode tok/s")
     hits.legend(fontsize=7)
