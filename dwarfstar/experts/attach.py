@@ -66,7 +66,7 @@ def resident_bytes(model: ModelFile, backend: str, ctx: int) -> int:
     routed = set(routed_tensor_names(model.args.n_layers))
     weights = 0
     for name, info in model.gguf.tensors.items():
-        if name not in routed:
+        if name not in routed and model.holds(name):  # a pipeline stage loads only its slice
             weights += info.n_elements * 4 if backend == "reference" else info.nbytes
     kv = state_footprint(model.args).payload_bytes(ctx)
     scratch = PREFILL_CHUNK * model.args.dim * 4 * SCRATCH_ROWS_PER_TOKEN
@@ -77,7 +77,7 @@ def check_fits(model: ModelFile, backend: str, ctx: int) -> None:
     """A model whose routed experts do not fit next to everything else is an error naming the flag."""
     # from the tensor table, not an `ExpertLayout` (which reads offsets in one file): a split set too
     names = set(routed_tensor_names(model.args.n_layers))
-    routed = sum(info.nbytes for name, info in model.gguf.tensors.items() if name in names)
+    routed = sum(info.nbytes for name, info in model.gguf.tensors.items() if name in names and model.holds(name))
     need = routed + resident_bytes(model, backend, ctx)
     usable = usable_memory(backend)
     if need > usable:

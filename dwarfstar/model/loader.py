@@ -54,6 +54,16 @@ class ModelFile:
     def has_head(self) -> bool:
         return self.layer_range.stop == self.args.n_layers
 
+    def holds(self, tensor_name: str) -> bool:
+        """Whether a backend loading this model reads the tensor: every one when all layers are
+        mapped, else those of its layers, the embedding on the first stage and the head on the last."""
+        if self.layers is None:
+            return True
+        il = layer_of(tensor_name)
+        if il is None:
+            return self.has_embedding if tensor_name == EMBED else self.has_head
+        return il in self.layers
+
     def close(self) -> None:
         self.gguf.close()
 

@@ -120,6 +120,7 @@ def test_reference_stages_read_and_keep_only_their_layers(tiny_path):
     # every tensor read (the routed experts too, read as the router picks them) is the stage's own
     for f, stage in zip(files, stages, strict=True):
         assert f.gguf.names == stage_tensors(f, stage.layer_range)
+        assert {name for name in f.gguf.tensors if f.holds(name)} == f.gguf.names  # what the memory check counts
     assert files[0].gguf.names | files[1].gguf.names == full_file.gguf.names
     assert not files[0].gguf.names & files[1].gguf.names
 
