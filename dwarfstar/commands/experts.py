@@ -28,7 +28,7 @@ from dwarfstar.experts.replay import (
     replay_mmap,
     simulate,
 )
-from dwarfstar.experts.store import ExpertStore
+from dwarfstar.experts.store import ExpertStore, Telemetry
 from dwarfstar.experts.trace import RoutingTrace, TraceError, TraceRecorder, skewed_trace
 from dwarfstar.model.loader import open_model
 
@@ -173,6 +173,16 @@ def first_tokens(trace: RoutingTrace, n_tokens: int) -> RoutingTrace:
     return RoutingTrace(trace.ids[: int(trace.calls[:cut].sum())], trace.calls[:cut], trace.n_experts)
 
 
+def simulated_reads(stats: Telemetry, layout: ExpertLayout, n_tokens: int) -> tuple[int, list[dict]]:
+    """What a simulated cache (bookkeeping only) would have read: each layer's misses times the size of
+    its experts; (bytes per token, the per-layer figures with their bytes filled in)."""
+    per_layer = stats.per_layer()
+    for cell in per_layer:
+        cell["bytes_read"] = cell["misses"] * layout.expert_bytes(cell["layer"])
+        cell["bytes_per_token"] = round(cell["bytes_read"] / n_tokens)
+    return round(sum(cell["bytes_read"] for cell in per_layer) / n_tokens), per_layer
+
+
 def replay_layout(layout: ExpertLayout, trace: RoutingTrace) -> tuple[ExpertLayout, str | None]:
     """The layout the trace replays over: the file's, or for a smaller model's trace (nano's real
     routing over a Flash-shaped file) the file's first layers and experts, and a note saying so."""
@@ -241,14 +251,9 @@ def bench_experts(
             simulated = simulate(trace, capacity, name)
             row[f"{name}_hit"] = round(simulated.stats.hit_rate, 4)
             if name == policy:  # the store's policy: its bytes per token, whether the store runs or not
-                misses = [c.misses for c in simulated.stats.layers]
-                read = sum(m * layout.expert_bytes(il) for il, m in enumerate(misses))
-                row["sim_bytes_per_token"] = round(read / max(1, trace.n_tokens))
-                row["sim_per_layer"] = simulated.stats.per_layer()
-                for cell in row["sim_per_layer"]:
-                    cell["bytes_per_token"] = round(
-                        misses[cell["layer"]] * layout.expert_bytes(cell["layer"]) / trace.n_tokens
-                    )
+                row["sim_bytes_per_token"], row["sim_per_layer"] = simulated_reads(
+                    simulated.stats, layout, trace.n_tokens
+                )
         # the online ceiling where routing is independent between calls (a drifting trace can pass it)
         row["frequency_oracle_hit"] = round(frequency_oracle(trace, capacity), 4)
         slots = capacity * layout.max_expert_bytes
