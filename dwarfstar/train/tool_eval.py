@@ -3,30 +3,41 @@ would send (its tools shape, the server's ds4 template, thinking off), greedy de
 server's DSML parser on the text.
 
 It measures what the served checks (tests/nano_tools/served_checks.py) measure through the SDKs,
-without a server, so a training run can log it as it goes.
+without a server, so a training run can log it as it goes, and scores a file on the served
+checks' own requests:
+
+    .venv/bin/python -m dwarfstar.train.tool_eval build/nano/nano.gguf [--requests 20]
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.model.forward import Transformer
+from dwarfstar.model.loader import open_model
 from dwarfstar.prompt.dsml_parser import parse_completion
 from dwarfstar.prompt.options import DS4
 from dwarfstar.tokenizer.specials import EOS, USER
 from dwarfstar.tokenizer.tokenizer import Tokenizer
-from dwarfstar.train.chat_data import ARGUMENT, TOOLS, PromptEncoder, ToolRequest
+from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
+from dwarfstar.train.chat_data import ARGUMENT, TOOLS, PromptEncoder, ToolRequest, tool_requests
+from dwarfstar.train.corpus import read_split
 
+CORPUS = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "text" / "promessi_sposi.txt"
 CALL_TOKENS = 60  # a DSML call of one short argument is about 45 tokens
 
 
 @dataclass(frozen=True)
 class ToolCallScore:
-    right: int
+    right: int  # the right tool with exactly the argument
+    named: int  # one parsed call of the right tool, whatever its argument
     total: int
     samples: list[str]  # the first few generations, for the log
 
@@ -68,7 +79,7 @@ def tool_call_accuracy(
     encode = PromptEncoder(tokenizer)
     user, eos = tokenizer.token_id(USER), tokenizer.token_id(EOS)
     prefixes: dict[tuple[int, ...], object] = {}
-    right, samples = 0, []
+    right, named, samples = 0, 0, []
     for request in requests:
         ids = encode.render(
             [{"role": "user", "content": request.text}], tools=TOOLS[shape], thinking=False, options=DS4
@@ -86,6 +97,37 @@ def tool_call_accuracy(
         parsed = parse_completion(text, thinking=False, ended=True)
         calls = [(c.name, c.arguments) for c in parsed.tool_calls]
         right += calls == [(request.tool, {ARGUMENT[request.tool]: request.argument})]
+        named += [name for name, _ in calls] == [request.tool]
         if len(samples) < keep:
             samples.append(f"{request.text!r} -> {calls or text[:80] + ended!r}")
-    return ToolCallScore(right, len(requests), samples)
+    return ToolCallScore(right, named, len(requests), samples)
+
+
+def file_tool_accuracy(path: Path, n: int, corpus: Path = CORPUS) -> list[tuple[str, ToolCallScore]]:
+    """A model file's score, QAT rounding on as served, on the requests of the served checks
+    (tests/nano_tools: `n` held-out requests per client shape, seeds 0, 1, 2 in shape order)."""
+    model = ReferenceModel(open_model(path))
+    tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), model.args.vocab_size)
+    ids = torch.arange(model.args.vocab_size)
+    book = read_split(corpus).train
+    return [
+        (shape, tool_call_accuracy(model, lambda y: model.ops.logits(y, None), ids, ids, tokenizer, requests, shape))
+        for seed, shape in enumerate(sorted(TOOLS))
+        for requests in [tool_requests(book, n, seed, heldout=True)]
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="held-out tool-call accuracy of a nano model file")
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--requests", type=int, default=20, help="per client shape")
+    parser.add_argument("--corpus", type=Path, default=CORPUS)
+    opts = parser.parse_args()
+    for shape, score in file_tool_accuracy(opts.model, opts.requests, opts.corpus):
+        print(f"{shape}: {score.right}/{score.total} right, {score.named}/{score.total} the right tool")
+        for line in score.samples:
+            print(f"  {line}")
+
+
+if __name__ == "__main__":
+    main()
