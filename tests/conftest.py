@@ -55,3 +55,24 @@ def tiny_model_file(tmp_path_factory) -> Callable[[int], Path]:
         return written[seed]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def close_arrays() -> Callable[..., bool]:
+    """close(got, want, tol=1e-5) -> whether two arrays (torch or numpy) match: the same shape, the same
+    infinities (a compressor frontier's empty slots hold gate -inf), and the finite values within tol
+    of the largest finite magnitude (fp32 noise between differently batched matmuls)."""
+
+    def close(got, want, tol: float = 1e-5) -> bool:
+        got, want = torch.as_tensor(np.asarray(got)), torch.as_tensor(np.asarray(want))
+        if got.shape != want.shape or not torch.equal(got.isinf(), want.isinf()):
+            return False
+        if not torch.equal(got[want.isinf()], want[want.isinf()]):
+            return False  # infinities of the same sign
+        finite = ~want.isinf()
+        if not finite.any():
+            return True
+        scale = max(float(want[finite].abs().max()), 1e-6)
+        return bool((got[finite] - want[finite]).abs().max() <= tol * scale)
+
+    return close

@@ -39,7 +39,7 @@ from dwarfstar.serving.replay import ToolMemory
 from dwarfstar.serving.trace import Trace
 from dwarfstar.session.kvpolicy import SaveReason
 from dwarfstar.session.sampling import Sampler
-from dwarfstar.session.session import decode_batch, sample_next
+from dwarfstar.session.session import Session, decode_batch, prefill_batch, sample_next
 from dwarfstar.speculative.decode import Speculator, step_batch
 from dwarfstar.speculative.options import MTPSpeculation
 from dwarfstar.tokenizer.tokenizer import Tokenizer
@@ -246,33 +246,79 @@ class Scheduler:
             job.spec = self.speculation.start(job.lease.session)
 
     def _prefill_step(self) -> None:
+        """One pass over the waiting prompts: a budget of tokens (a chunk; a slice while others decode,
+        so their next token is not held up long) shared out in turn, every piece in one batched call."""
         prefilling = [job for job in self._active if job.phase == "prefill"]
         if not prefilling:
             return
-        job = prefilling[self._turn % len(prefilling)]
+        busy = any(job.phase == "decode" for job in self._active)
+        budget = BUSY_PREFILL_SLICE if busy else prefilling[0].lease.session.chunk
+        first = self._turn % len(prefilling)
         self._turn += 1
-        try:
-            self._prefill_slice(job)
-        except Exception as exc:
-            self._fail(job, exc)
-
-    def _prefill_slice(self, job: Job) -> None:
-        session = job.lease.session
-        busy = any(other.phase == "decode" for other in self._active)
-        size = BUSY_PREFILL_SLICE if busy else session.chunk
-        if job.save_stops:
-            size = min(size, job.save_stops[0][0] - len(session.tokens))
-        piece, job.pending = job.pending[:size], job.pending[size:]
+        jobs, pieces = [], []
+        for job in prefilling[first:] + prefilling[:first]:
+            session = job.lease.session
+            size = min(budget, session.chunk - len(session.tokens) % session.chunk)  # up to its next chunk end
+            if job.save_stops:
+                size = min(size, job.save_stops[0][0] - len(session.tokens))
+            if size <= 0:
+                break
+            piece, job.pending = job.pending[:size], job.pending[size:]
+            jobs.append(job)
+            pieces.append(piece)
+            budget -= len(piece)
+        lengths = [len(job.lease.session.tokens) for job in jobs]
         start = time.perf_counter()
-        session.prefill(piece)
+        try:
+            prefill_batch([job.lease.session for job in jobs], pieces)
+        except Exception as exc:
+            if len(jobs) == 1:
+                self._fail(jobs[0], exc)
+                return
+            log.warning("batched prefill of %d requests failed (%s); prefilling each alone", len(jobs), exc)
+            jobs, pieces = self._prefill_alone(jobs, pieces, lengths)
         seconds = time.perf_counter() - start
-        self.metrics.inc("dwarfstar_prefill_tokens_total", len(piece))
+        tokens = sum(map(len, pieces))
+        self.metrics.inc("dwarfstar_prefill_tokens_total", tokens)
         self.metrics.inc("dwarfstar_prefill_seconds_total", seconds)
-        self.metrics.set("dwarfstar_prefill_tokens_per_second", len(piece) / max(seconds, 1e-9))
-        if job.save_stops and len(session.tokens) == job.save_stops[0][0]:
-            self.disk.save(job.lease.live, job.save_stops.pop(0)[1])
-        if not job.pending:
-            self._start_decode(job)
+        self.metrics.set("dwarfstar_prefill_tokens_per_second", tokens / max(seconds, 1e-9))
+        for job in jobs:
+            try:
+                session = job.lease.session
+                if job.save_stops and len(session.tokens) == job.save_stops[0][0]:
+                    self.disk.save(job.lease.live, job.save_stops.pop(0)[1])
+                if not job.pending:
+                    self._start_decode(job)
+            except Exception as exc:
+                self._fail(job, exc)
+
+    def _prefill_alone(
+        self, jobs: list[Job], pieces: list[list[int]], lengths: list[int]
+    ) -> tuple[list[Job], list[list[int]]]:
+        """After a failed batched prefill: each request rebuilt as it was before the call, then given
+        its piece alone; those that fail on their own fail. Returns the others and their pieces."""
+        kept: tuple[list[Job], list[list[int]]] = ([], [])
+        for job, piece, length in zip(jobs, pieces, lengths, strict=True):
+            try:
+                self._rebuild(job.lease.session, length)
+                prefill_batch([job.lease.session], [piece])
+            except Exception as exc:
+                self._fail(job, exc)
+                continue
+            kept[0].append(job)
+            kept[1].append(piece)
+        return kept
+
+    @staticmethod
+    def _rebuild(session: Session, length: int) -> None:
+        """The session's state as it was at `length` tokens, recomputed from its nearest checkpoint
+        below (a forward that raised midway may have written some layers' rows)."""
+        if length == 0:
+            session.reset()
+            return
+        last = session.tokens[length - 1]
+        session.truncate(length - 1)
+        session.prefill([last])
 
     def _decode_step(self) -> None:
         stepping: list[Job] = []
@@ -309,7 +355,7 @@ class Scheduler:
         if not stepping:
             return
         start = time.perf_counter()
-        ends = [(len(job.lease.session.tokens), job.lease.session.tokens[-1]) for job in stepping]
+        lengths = [len(job.lease.session.tokens) for job in stepping]
         try:
             # the step draws each request's next token with it (inside the captured step on a GPU)
             drawn = decode_batch([job.lease.session for job in stepping], tokens, [job.sampler for job in stepping])
@@ -317,7 +363,7 @@ class Scheduler:
                 job.drawn = token
         except Exception as exc:
             log.warning("batched decode of %d requests failed (%s); stepping each alone", len(stepping), exc)
-            kept = self._step_alone(stepping, tokens, ends)
+            kept = self._step_alone(stepping, tokens, lengths)
             closing = [(job, reason) for job, reason in closing if job in kept]
             stepping = kept
         seconds = time.perf_counter() - start
@@ -429,16 +475,15 @@ class Scheduler:
             job.drawn = None
         return tokens
 
-    def _step_alone(self, jobs: list[Job], tokens: list[int], ends: list[tuple[int, int]]) -> list[Job]:
+    def _step_alone(self, jobs: list[Job], tokens: list[int], lengths: list[int]) -> list[Job]:
         """After a failed batched step: each request's state rebuilt as it was before the step (a forward
         that raised midway may have written some layers' rows), then stepped alone. The requests that
         fail on their own fail; the others go on. Returns those."""
         kept = []
-        for job, token, (length, last) in zip(jobs, tokens, ends, strict=True):
+        for job, token, length in zip(jobs, tokens, lengths, strict=True):
             session = job.lease.session
             try:
-                session.truncate(length - 1)  # from the nearest chunk checkpoint, which the step never touched
-                session.prefill([last])
+                self._rebuild(session, length)  # from the nearest chunk checkpoint, which the step never touched
                 decode_batch([session], [token])
             except Exception as exc:
                 self._fail(job, exc)

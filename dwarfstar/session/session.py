@@ -229,6 +229,28 @@ def sample_next(sessions: Sequence[Session], samplers: Sequence[Sampler]) -> lis
     return backend.sample_batch(torch.stack([s.logits.reshape(-1) for s in sessions]), samplers)
 
 
+def prefill_batch(sessions: Sequence[Session], pieces: Sequence[Sequence[int]]) -> None:
+    """Prompt pieces of several sessions on the same backend in one batched pass, so that requests
+    which arrive together start decoding together.
+
+    Each piece ends at or before its session's next chunk boundary (where `Session.prefill` would
+    split it), so the call is one forward: refused whole by its checks, or run whole. A session
+    that reaches a boundary keeps a checkpoint there, as its own prefill would.
+    """
+    backend = _one_backend(sessions)
+    for session, piece in zip(sessions, pieces, strict=True):
+        session._check_room(len(piece))
+        room = session.chunk - session.state.pos % session.chunk
+        if len(piece) > room:
+            raise DwarfStarError(f"a piece of {len(piece)} tokens crosses the chunk boundary {room} tokens ahead")
+    backend.forward_batch([list(p) for p in pieces], [s.state for s in sessions], all_logits=False)
+    for session, piece in zip(sessions, pieces, strict=True):
+        session.stats.requested += len(piece)
+        session.stats.computed += len(piece)
+        if session.state.pos % session.chunk == 0:
+            session._checkpoint()
+
+
 def decode_batch(
     sessions: Sequence[Session], tokens: Sequence[int], samplers: Sequence[Sampler] | None = None
 ) -> list[int] | None:
