@@ -166,6 +166,7 @@ def bench_serve(
     clients: Annotated[str, typer.Option(help="Concurrent client counts, comma-separated.")] = "1,2,4,8",
     tokens: Annotated[int, typer.Option("-n", "--tokens", help="Tokens each request generates.")] = 64,
     ctx: Annotated[int, typer.Option(help="Context size in tokens.")] = 4096,
+    repeats: Annotated[int, typer.Option(help="Rounds per client count; medians are reported.")] = 3,
     dir_steering_file: DirSteeringFile = None,
     dir_steering_ffn: DirSteeringFfn = None,
     dir_steering_attn: DirSteeringAttn = None,
@@ -177,8 +178,16 @@ def bench_serve(
     counts = [int(c) for c in clients.split(",") if c.strip()]
     if not counts or min(counts) < 1:
         raise DwarfStarError("--clients must list positive counts, e.g. 1,2,4,8")
+    if repeats < 1:
+        raise DwarfStarError(f"--repeats must be at least 1, got {repeats}")
     server_args = [] if steering is None else steering.flags()
     for line in run_bench(
-        model_path(model), backend=backend, clients=counts, tokens=tokens, ctx=ctx, server_args=server_args
+        model_path(model),
+        backend=backend,
+        clients=counts,
+        tokens=tokens,
+        ctx=ctx,
+        repeats=repeats,
+        server_args=server_args,
     ):
         typer.echo(line)

@@ -3,7 +3,8 @@ then N more requests one after another, for each N.
 
 Reported per N: time to first token (mean and worst), aggregate decode rate (all generated tokens
 over the time from the first client's first token to the last client's last token), the same rate
-with the requests serialised, and their ratio: what batching the decode steps buys. Every request
+with the requests serialised, and their ratio: what batching the decode steps buys (medians over
+`repeats` rounds, each a batched run then its serialised twin). Every request
 has its own prompt, so neither run gets a prefix-cache hit the other did not. Clients speak plain
 HTTP/SSE from the standard library, so the bench needs no SDK; the server runs in its own process,
 so the clients do not compete with it for the interpreter lock.
@@ -97,9 +98,18 @@ def _wait_until_up(port: int, process: subprocess.Popen, timeout: float = 600) -
 
 
 def run_bench(
-    model: Path, *, backend: str, clients: list[int], tokens: int, ctx: int, server_args: Sequence[str] = ()
+    model: Path,
+    *,
+    backend: str,
+    clients: list[int],
+    tokens: int,
+    ctx: int,
+    repeats: int = 1,
+    server_args: Sequence[str] = (),
 ) -> Iterator[str]:
-    """`server_args`: more `dwarfstar serve` flags (a steering direction)."""
+    """`repeats`: rounds of (batched, serialised) per client count, reported as medians, so that a
+    load spike on a shared machine in one round does not decide the ratio; `server_args`: more
+    `dwarfstar serve` flags (a steering direction)."""
     port = _free_port()
     command = [sys.executable, "-m", "dwarfstar", "serve", "-m", str(model), "--backend", backend, *server_args]
     command += ["--port", str(port), "--ctx", str(ctx), "--nothink"]
@@ -109,19 +119,23 @@ def run_bench(
     try:
         _wait_until_up(port, process)
         stream_one(port, "Warm up.", 4)
-        yield f"model {model.name} ({backend} backend), {tokens} tokens per request, greedy, no thinking"
+        rounds = f", median of {repeats} rounds" if repeats > 1 else ""
+        yield f"model {model.name} ({backend} backend), {tokens} tokens per request, greedy, no thinking{rounds}"
         yield "clients  ttft_mean_ms  ttft_max_ms  batched_tok_s  serial_tok_s  speedup"
         for n in clients:
-            prompts = [f"Request {i} of {n}: write about anything." for i in range(n)]
-            with ThreadPoolExecutor(n) as pool:
-                together = list(pool.map(lambda p: stream_one(port, p, tokens), prompts))
-            serial = [stream_one(port, "Again. " + p, tokens) for p in prompts]
-            batched_rate = _decode_rate(together)
-            serial_rate = sum(t.tokens for t in serial) / sum(t.end - t.first_token for t in serial)
-            ttfts = [t.ttft * 1000 for t in together]
+            ttfts, batched, serial = [], [], []
+            for r in range(repeats):
+                prompts = [f"Request {i} of {n}, round {r}: write about anything." for i in range(n)]
+                with ThreadPoolExecutor(n) as pool:
+                    together = list(pool.map(lambda p: stream_one(port, p, tokens), prompts))
+                alone = [stream_one(port, "Again. " + p, tokens) for p in prompts]
+                ttfts += [t.ttft * 1000 for t in together]
+                batched.append(_decode_rate(together))
+                serial.append(sum(t.tokens for t in alone) / sum(t.end - t.first_token for t in alone))
+            speedup = statistics.median(b / s for b, s in zip(batched, serial, strict=True))
             yield (
-                f"{n:7d}  {statistics.mean(ttfts):12.1f}  {max(ttfts):11.1f}  {batched_rate:13.1f}  "
-                f"{serial_rate:12.1f}  {batched_rate / serial_rate:6.2f}x"
+                f"{n:7d}  {statistics.mean(ttfts):12.1f}  {max(ttfts):11.1f}  {statistics.median(batched):13.1f}  "
+                f"{statistics.median(serial):12.1f}  {speedup:6.2f}x"
             )
     finally:
         process.terminate()
