@@ -109,7 +109,7 @@ def serve(
     import uvicorn
 
     from dwarfstar.engine import load_engine
-    from dwarfstar.serving.app import create_app
+    from dwarfstar.serving.app import KEEP_ALIVE_SECONDS, create_app
     from dwarfstar.serving.config import ServerConfig
     from dwarfstar.serving.service import Service
 
@@ -154,7 +154,14 @@ def serve(
     typer.echo(f"{service.models.id} on {engine.backend_name} (loaded in {engine.load_seconds:.1f} s)", err=True)
     if host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         typer.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
-    uvicorn.run(create_app(service), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    uvicorn.run(
+        create_app(service),
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
+    )
 
 
 @bench_app.command("serve")

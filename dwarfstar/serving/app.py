@@ -82,6 +82,12 @@ async def server_error(request: Request, exc: Exception) -> Response:
     return error_response(error, dialect_of(request.url.path, request.headers))
 
 
+# An idle keep-alive connection is closed after this long. Clients drop theirs after their own expiry
+# (httpx and the OpenAI/Anthropic SDKs: 5 s, Node: 4-5 s); a server that closes at the same moment
+# races their next request, which then dies with a connection reset (uvicorn's default is 5 s).
+KEEP_ALIVE_SECONDS = 75
+
+
 def create_app(service: Service) -> ASGIApp:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -29,7 +29,7 @@ from dwarfstar.engine import Engine, load_engine
 from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.model.state import SequenceState
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
-from dwarfstar.serving.app import create_app
+from dwarfstar.serving.app import KEEP_ALIVE_SECONDS, create_app
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.service import Service
 from dwarfstar.session.sampling import Sampler, sample_batch
@@ -170,7 +170,10 @@ def engine(tmp_path_factory) -> Engine:
 def start_server(engine: Engine, config: ServerConfig) -> Iterator[LiveServer]:
     service = Service(engine, config)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    listening = uvicorn.Config(
+        create_app(service), host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_SECONDS
+    )
+    server = uvicorn.Server(listening)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
