@@ -20,6 +20,13 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def slow(session: nox.Session) -> None:
+    """The tests marked slow (kept out of CI: most run the Triton interpreter for many minutes)."""
+    session.install("-e", ".[dev]")
+    session.run("pytest", "-m", "slow", *session.posargs)
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff>=0.15")
     session.run("ruff", "check", ".")

@@ -105,8 +105,10 @@ run streaming 90 "$OUT/tests.log" $PY -m pytest tests/experts/test_streaming_tri
 run stream-run 40 "$OUT/tests.log" $PY -m dwarfstar run --backend triton --prompt-tokens 0,17,4242,99 -n 16 \
     --temp 0 --ssd-streaming --ssd-streaming-cache-experts 1MB
 grep "experts:" "$OUT/tests.log" | tail -n 1 | tee -a "$SUMMARY"
-# MTP speculation on Triton: greedy-exact against plain decoding (marked slow: the interpreter takes 20 min)
-run mtp 60 "$OUT/tests.log" $PY -m pytest tests/speculative/test_triton_mtp.py -q -m "" -p no:cacheprovider
+# marked slow (the interpreter takes 11-20 min each): MTP speculation on Triton, greedy-exact against
+# plain decoding, and sampling inside the captured decode step
+run mtp 90 "$OUT/tests.log" $PY -m pytest tests/speculative/test_triton_mtp.py tests/triton/test_decode_buckets.py \
+    -q -m "" -p no:cacheprovider
 
 # -- gates: the bundled model's fixtures on Triton (made by the reference backend), and ds4's gates
 # on a real GGUF when one is here ($DS4_TEST_MODEL or ./ds4flash.gguf; vectors: $DS4_TEST_VECTOR_FILE) --

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from dwarfstar.backends.triton import graphs
@@ -57,6 +58,7 @@ def test_any_sessions_replay_their_buckets_graph_and_match_the_eager_kernels(tin
     assert {bucket for bucket, _, _ in buckets.captured} == {1, 2, 4}
 
 
+@pytest.mark.slow  # 11 minutes in the interpreter (a fifth of the suite): tools/gpu_check.sh and `nox -s slow`
 def test_a_sampled_step_draws_inside_the_replay_what_the_sampler_draws_after_it(tiny_model_file, monkeypatch):
     """The sampling kernel runs in the captured step, on the knobs of whichever requests it serves:
     greedy rows and sampled rows (with and without top-k/top-p) get the tokens that sampling the
