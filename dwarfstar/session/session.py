@@ -111,10 +111,8 @@ class Session:
             # whatever the caller's split
             end = min(len(tokens), done + self.chunk - self.state.pos % self.chunk)
             self.backend.forward(tokens[done:end], self.state, all_logits=False)
-            self.stats.computed += end - done
+            self._computed(end - done)
             done = end
-            if self.state.pos % self.chunk == 0:
-                self._checkpoint()
             if on_chunk is not None:
                 on_chunk(done, len(tokens))
         return self.state.logits
@@ -195,6 +193,12 @@ class Session:
                 f"context overflow: {self.state.pos} tokens in the session + {n} new exceed the context of {self.ctx}"
             )
 
+    def _computed(self, n_tokens: int) -> None:
+        """Count a pass's tokens; one that ended on a chunk boundary leaves a checkpoint there."""
+        self.stats.computed += n_tokens
+        if self.state.pos % self.chunk == 0:
+            self._checkpoint()
+
     def _checkpoint(self) -> None:
         self._checkpoints.append(self.state.snapshot())
         if len(self._checkpoints) > MAX_CHECKPOINTS:
@@ -246,9 +250,7 @@ def prefill_batch(sessions: Sequence[Session], pieces: Sequence[Sequence[int]]) 
     backend.forward_batch([list(p) for p in pieces], [s.state for s in sessions], all_logits=False)
     for session, piece in zip(sessions, pieces, strict=True):
         session.stats.requested += len(piece)
-        session.stats.computed += len(piece)
-        if session.state.pos % session.chunk == 0:
-            session._checkpoint()
+        session._computed(len(piece))
 
 
 def decode_batch(
@@ -273,7 +275,5 @@ def decode_batch(
         drawn = backend.decode_sample(tokens, states, samplers)
     for session in sessions:
         session.stats.requested += 1
-        session.stats.computed += 1
-        if session.state.pos % session.chunk == 0:
-            session._checkpoint()
+        session._computed(1)
     return drawn
