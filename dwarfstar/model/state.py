@@ -238,9 +238,9 @@ class KVCache:
         a, n, full = self.args, self.block_slots, self.storage.full
         block = {}
         for il in self.layers:
-            # zeros, not undefined: a batched decode step may read the whole ring under a mask, and
-            # garbage bits (NaN) in an unwritten row would survive its weight of 0 (the ring is small)
-            parts = {"raw": full((n, a.window, a.head_dim), 0.0)}
+            # left undefined like the rows (and a reused slot holds its last owner's): a reader of
+            # rows it has not written masks them itself (the reference decode step zeroes them)
+            parts = {"raw": full((n, a.window, a.head_dim), None)}
             for kind, spec in self.compressors[il].items():
                 parts[f"{kind}_rows"] = self.storage.rows((n, self.capacity(spec.ratio), spec.dim), spec.exact_dims)
                 parts[f"{kind}_kv"] = full((n, *spec.frontier_shape), 0.0)
