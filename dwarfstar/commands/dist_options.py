@@ -9,6 +9,7 @@ import typer
 from dwarfstar.distributed.launch import ROLES, SECRET_ENV, TRANSPORTS, DistOptions, distribute, run_worker
 from dwarfstar.distributed.route import Route
 from dwarfstar.engine import Engine
+from dwarfstar.speculative.options import MTPOptions
 
 DistRole = Annotated[
     str | None,
@@ -65,10 +66,12 @@ def dist_options(
     )
 
 
-def join_route(engine: Engine, opts: DistOptions, ctx: int) -> Route | None:
+def join_route(engine: Engine, opts: DistOptions, ctx: int, speculation: MTPOptions | None = None) -> Route | None:
     """A worker serves its layers here and exits when its coordinator shuts it down; a coordinator's
-    engine gets the route as its backend (the returned route, to close at the end)."""
+    engine gets the route as its backend (the returned route, to close at the end). With MTP
+    `speculation` the last worker loads the block and drafts, and the coordinator requires it."""
     if opts.role == "worker":
-        run_worker(engine, opts, ctx)
+        run_worker(engine, opts, ctx, speculation)
         raise typer.Exit(0)
+    opts.mtp = speculation is not None
     return distribute(engine, opts, ctx)

@@ -190,7 +190,7 @@ def run(
             raise DwarfStarError("--dump-tokens needs -p or --prompt-file")
         sys.stdout.write(dump_tokens(Tokenizer.from_gguf(path), text))
         return
-    if speculation is not None and text is None and prompt_tokens is None:
+    if speculation is not None and text is None and prompt_tokens is None and dist.role != "worker":
         raise DwarfStarError("MTP speculation (--mtp, --mtp-draft) needs a one-shot prompt: -p or --prompt-tokens")
     if (dump_logits or dump_logprobs) and text is None and prompt_tokens is None:
         raise DwarfStarError("the dumps need a prompt: -p, --prompt-file or --prompt-tokens")
@@ -207,7 +207,7 @@ def run(
             steering=steering,
             layers=dist.stage_layers(path),  # a stage loads only its slice
         )
-    route = join_route(engine, dist, min(ctx, engine.model.args.max_seq_len))
+    route = join_route(engine, dist, min(ctx, engine.model.args.max_seq_len), speculation)
     mode, warning = allowed_mode(think_mode(think, think_max), ctx)
     if warning:
         note(f"warning: {warning}", "yellow")

@@ -149,7 +149,7 @@ def serve(
         kv_slots=max_sessions,  # every live session in the batch-decoding block
         layers=dist.stage_layers(path),  # a stage loads only its slice
     )  # fmt: skip
-    join_route(engine, dist, ctx)  # a worker serves its layers here and exits
+    join_route(engine, dist, ctx, config.mtp)  # a worker serves its layers here and exits
     service = Service(engine, config)
     typer.echo(f"{service.models.id} on {engine.backend_name} (loaded in {engine.load_seconds:.1f} s)", err=True)
     if host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:

@@ -18,5 +18,7 @@ coordinator and the head on the last stage, and its KV cache holds arrays for th
 - `route`: the coordinator side: admission, forward passes, replay, snapshots, gather and split;
 - `state`: `RouteState`, whose remote layers the payload code reads and writes as if local;
 - `pipeline`: pipelined prefill; `backend`: `RouteBackend`, the session layer's `Backend`;
+- `speculation`: MTP speculative decoding on a route (the coordinator's runner and remote draft
+  track); `drafting`: the last stage's MTP draft, next to the final streams it drafts from;
 - `launch`: torchrun, mlx.launch or by-hand start of either role.
 """

@@ -24,6 +24,29 @@ class RouteBackend:
         self.route, self.local = route, route.local
         self.args = route.local.args
         self.max_seq_len = route.local.max_seq_len
+        self._runner = None
+
+    # MTP speculation (`dwarfstar.speculative`): the draft on the last stage, the target through the route
+    def mtp_draft(self):
+        """The route's MTP draft (`load_draft` on a route); a clear error when the last stage has none."""
+        from dwarfstar.distributed.speculation import RouteDraft
+
+        with self.route.lock:
+            self.route.check_complete()
+            head = self.route.stages[-1]
+            if not head.mtp:
+                raise DistError(
+                    f"the route's last stage (worker {head.worker} at {head.host}, layers {head.layers}) has no "
+                    "MTP block: start it with --mtp FILE (or --mtp-draft N for the model's own block)"
+                )
+        return RouteDraft(self.route)
+
+    def speculation_runner(self):
+        from dwarfstar.distributed.speculation import RouteRunner
+
+        if self._runner is None:
+            self._runner = RouteRunner(self)
+        return self._runner
 
     def new_state(self) -> RouteState:
         state = RouteState(self.route)

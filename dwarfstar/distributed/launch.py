@@ -6,6 +6,11 @@ MASTER_ADDR at MASTER_PORT + 1 (torchrun's own store holds MASTER_PORT). By hand
 `--layers`; the coordinator defaults to its even share of `--dist-stages` stages. Either side may
 start first: the worker polls for the coordinator's store, the coordinator waits for its route.
 
+With MTP speculation (`--mtp`, `--mtp-draft`) the coordinator drafts through its last stage, which
+loads the block itself from its own `--mtp` flags (a worker started by hand on another machine
+names its file there) and registers that it holds one; a coordinator that drafts refuses a last
+stage without one.
+
 Each role loads only its slice (`stage_layers`, before the engine loads: `load_engine(...,
 layers=...)`): its layers' weights and KV arrays, the embedding on the coordinator, the head on the
 last stage. A stage given a model that holds more layers (one process's engine) runs its own only.
@@ -14,8 +19,10 @@ last stage. A stage given a model that holds more layers (one process's engine) 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dwarfstar.distributed.backend import RouteBackend
 from dwarfstar.distributed.link import DATA_BACKENDS
@@ -37,6 +44,9 @@ from dwarfstar.engine import Engine
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.loader import ModelFile, open_model
 
+if TYPE_CHECKING:
+    from dwarfstar.speculative.options import MTPOptions
+
 ROLES = ("coordinator", "worker")
 TRANSPORTS = (*DATA_BACKENDS, "mlx")  # mlx: the whole route on the mx.distributed ring
 SECRET_ENV = "DWARFSTAR_DIST_SECRET"
@@ -57,6 +67,7 @@ class DistOptions:
     secret: str = ""
     data_backend: str = "gloo"
     debug: bool = False
+    mtp: bool = False  # the coordinator drafts with MTP: its last stage must hold the block
 
     @classmethod
     def resolved(cls, **flags) -> DistOptions:
@@ -149,14 +160,14 @@ def start_coordinator(engine: Engine, opts: DistOptions, ctx: int) -> Route:
         group = ring_group()
         opts.stages = group.size()
         layers = opts.slice_for(engine.model, group.rank())
-        route = Route(local_model(engine, layers), layers, None, identity, ctx, options)
+        route = Route(local_model(engine, layers), layers, None, identity, ctx, options, opts.mtp)
         admit_ring(route, group, opts.secret)
         route.check_complete()
         return route
     host, port = parse_addr(opts.addr)
     rendezvous = Rendezvous(host, port, opts.secret, opts.wait_s)
     layers = opts.slice_for(engine.model)
-    route = Route(local_model(engine, layers), layers, rendezvous, identity, ctx, options)
+    route = Route(local_model(engine, layers), layers, rendezvous, identity, ctx, options, opts.mtp)
     route.wait_complete(opts.wait_s)
     return route
 
@@ -170,22 +181,39 @@ def distribute(engine: Engine, opts: DistOptions, ctx: int) -> Route | None:
     return route
 
 
-def run_worker(engine: Engine, opts: DistOptions, ctx: int) -> None:
-    """Serve this process's layers until a coordinator sends SHUTDOWN."""
+def run_worker(engine: Engine, opts: DistOptions, ctx: int, speculation: MTPOptions | None = None) -> None:
+    """Serve this process's layers until a coordinator sends SHUTDOWN; with `speculation`, the last
+    stage loads the MTP block and drafts for the coordinator."""
     model_id, quant = model_identity(engine.model)
     if opts.data_backend == "mlx":
         group = ring_group()
         opts.stages = group.size()
         layers = opts.slice_for(engine.model, group.rank())
+        model = local_model(engine, layers)
+        draft = stage_draft(engine, model, layers, speculation)
         link = MLXRingLink(group, 0)
-        register_over_ring(
-            link, Registration(model_id, quant, layers.first, layers.last, ctx, "ring"), opts.secret, group.rank()
-        )
-        serve_link(StageWorker(local_model(engine, layers), layers), link)
+        reg = Registration(model_id, quant, layers.first, layers.last, ctx, "ring", mtp=draft is not None)
+        register_over_ring(link, reg, opts.secret, group.rank())
+        serve_link(StageWorker(model, layers, draft), link)
         return
     layers = opts.slice_for(engine.model)
     host, port = parse_addr(opts.addr)
     bind = opts.bind or local_host_toward(host)
-    registration = Registration(model_id, quant, layers.first, layers.last, ctx, bind)
+    model = local_model(engine, layers)
+    draft = stage_draft(engine, model, layers, speculation)
+    registration = Registration(model_id, quant, layers.first, layers.last, ctx, bind, mtp=draft is not None)
     worker = WorkerOptions(host, port, bind, opts.secret, opts.wait_s, opts.data_backend)
-    serve_stage(local_model(engine, layers), layers, registration, worker)
+    serve_stage(model, layers, registration, worker, draft=draft)
+
+
+def stage_draft(engine: Engine, model: Transformer, layers: LayerSlice, speculation: MTPOptions | None):
+    """The MTP draft a stage runs: the last stage's, when MTP is asked for; else None (a stage
+    without the head has nothing to draft from, and says so)."""
+    if speculation is None:
+        return None
+    if not layers.holds_head:
+        print(f"[dist] layers {layers} do not end at the output head: --mtp is the last stage's", file=sys.stderr)
+        return None
+    from dwarfstar.speculative.mtp import load_draft
+
+    return load_draft(model, engine.model, speculation.file_for(engine.model.path))

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 from torch.distributed import TCPStore
 
-from dwarfstar.distributed.protocol import DistError, RegistrationError
+from dwarfstar.distributed.protocol import PROTOCOL, DistError, RegistrationError
 from dwarfstar.model.loader import ModelFile
 
 OUTPUT = "output"
@@ -105,6 +105,8 @@ class Registration:
     ctx: int
     host: str
     proof: str = ""
+    mtp: bool = False  # it holds the head and the MTP block, and drafts (DRAFT)
+    protocol: int = PROTOCOL  # the worker's message set (a registration without one is version 1's)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -112,7 +114,7 @@ class Registration:
     @classmethod
     def from_json(cls, raw: bytes) -> Registration:
         try:
-            return cls(**json.loads(raw))
+            return cls(**{"protocol": 1, **json.loads(raw)})
         except (ValueError, TypeError) as exc:
             raise RegistrationError(f"unreadable registration: {exc}") from None
 

@@ -5,13 +5,18 @@ table (int64 [n_segments, 5]: session, start, count, hash before, hash after), t
 [n_rows], which hash routing needs in every stage), and the payload (`payload_bytes` bytes: an
 activation, logits, or an npz of layer tensors). The header's counts say how big each later send is,
 so a receiver never guesses, and a count that disagrees with the payload is a `ProtocolError`.
+
+`PROTOCOL` numbers the message set; a worker registers with it and the coordinator refuses another.
+Version 2 added MTP drafting on the last stage: the DRAFT and TRUNCATE ops and the FORWARD flags
+FLAG_DRAFT and FLAG_VERIFY (the header's layout is version 1's).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import struct
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 
 import numpy as np
@@ -20,6 +25,7 @@ import torch
 from dwarfstar.errors import DwarfStarError
 
 MAGIC = b"DSTG"
+PROTOCOL = 2
 HEADER = struct.Struct(
     "<4sBBBBQIIQI"
 )  # magic, op, status, flags, bits, request, n_segments, n_rows, payload bytes, compute us
@@ -27,6 +33,9 @@ SEGMENT_FIELDS = 5
 ACTIVATION_BITS = (32, 16, 8)
 FLAG_ALL_LOGITS = 1  # the last stage returns logits for every row, not only each sequence's last
 FLAG_LOGITS = 2  # a reply whose payload is float32 logits [rows, vocab], not an activation
+FLAG_DRAFT = 4  # the last stage keeps each session's final streams for its MTP draft track
+FLAG_VERIFY = 8  # each stage snapshots the sessions (under the request id) and records the pass's
+# compressor projections, so that a TRUNCATE naming the request cuts them back without a pass
 
 
 class DistError(DwarfStarError):
@@ -55,12 +64,14 @@ class Op(IntEnum):
     IMPORT = 7  # a session rebuilt from layer tensors (a payload's slice)
     SHUTDOWN = 8  # the worker exits
     REGISTER = 9  # an MLX ring member's registration (torch workers register through the store)
+    DRAFT = 10  # the last stage's MTP draft: start a track, feed it held rows, propose (a `DraftRequest`)
+    TRUNCATE = 11  # each session cut back to the first tokens of the FLAG_VERIFY pass the request id names
 
 
 class Status(IntEnum):
     OK = 0
     MISMATCH = 1  # a session's position or token-prefix hash differs from the stage's: replay it
-    MISSING = 2  # a snapshot the stage no longer has: replay the session
+    MISSING = 2  # a snapshot (or a draft track) the stage no longer has: replay the session (restart the track)
     ERROR = 3  # the stage refused the message; the payload is the reason in UTF-8
 
 
@@ -135,6 +146,30 @@ def unpack_segments(table: torch.Tensor, n_rows: int) -> list[SegmentRecord]:
 def _signed(value: int) -> int:
     """A u64 as the int64 with the same bits (torch has no uint64 tensors to send)."""
     return value - 2**64 if value >= 2**63 else value
+
+
+@dataclass
+class DraftRequest:
+    """A DRAFT's payload (JSON): what the last stage does with one session's draft track, in order."""
+
+    track: int  # the coordinator's id of the track (a new speculator on a session starts a new one)
+    start: int | None = None  # (re)start the track at this target position
+    shift: int = 1  # the alignment: a held row's paired token is this many positions after it
+    feeds: list[list[int]] = field(default_factory=list)  # each: one draft call's paired tokens
+    pending: int = -1  # the token after the target's, which the drafts continue
+    n: int = 0  # drafts to propose (0: only start and feed)
+    margin: float = 0.0
+    sampling: dict | None = None  # SamplingParams fields and the sampler's seed and step; None: greedy
+
+    def pack(self) -> torch.Tensor:
+        return as_bytes(json.dumps(asdict(self)).encode())
+
+    @classmethod
+    def unpack(cls, data: torch.Tensor) -> DraftRequest:
+        try:
+            return cls(**json.loads(data.numpy().tobytes()))
+        except (ValueError, TypeError) as exc:
+            raise ProtocolError(f"unreadable draft request: {exc}") from None
 
 
 # -- the token-prefix hash --------------------------------------------------------------------------------

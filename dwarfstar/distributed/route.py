@@ -27,7 +27,9 @@ from dwarfstar.distributed.membership import LayerSlice, Registration, Rendezvou
 from dwarfstar.distributed.protocol import (
     FLAG_ALL_LOGITS,
     FLAG_LOGITS,
+    PROTOCOL,
     DistError,
+    DraftRequest,
     Header,
     Op,
     RegistrationError,
@@ -85,6 +87,7 @@ class RemoteStage:
     worker: int
     host: str
     link: Link = field(repr=False)
+    mtp: bool = False  # it holds the head and an MTP block (it drafts)
 
 
 def _locked(method: Callable) -> Callable:
@@ -111,11 +114,13 @@ class Route:
         identity: tuple[str, str],
         ctx: int,
         options: RouteOptions,
+        mtp: bool = False,
     ) -> None:
+        """`mtp`: the coordinator drafts with MTP, so the last stage must hold the block."""
         if local_layers.first != 0 or local_layers.holds_head:
             raise DistError(f"the coordinator holds the first layers and not the head, not {local_layers}")
         self.local, self.local_layers, self.rendezvous = local, local_layers, rendezvous
-        self.identity, self.ctx, self.options = identity, ctx, options
+        self.identity, self.ctx, self.options, self.mtp = identity, ctx, options, mtp
         self.stages: list[RemoteStage] = []
         self.live: weakref.WeakSet[RouteState] = weakref.WeakSet()
         self.released: list[int] = []  # session ids of dropped states, reset on the workers at the next call
@@ -165,6 +170,11 @@ class Route:
     def admit(self, worker: int, reg: Registration, open_link: Callable[[], Link]) -> None:
         """Check a registration against the route (refusals raise `RegistrationError`), then open its link."""
         model_id, quant = self.identity
+        if reg.protocol != PROTOCOL:
+            raise RegistrationError(
+                f"worker {worker} at {reg.host} speaks stage protocol {reg.protocol}, this coordinator {PROTOCOL}: "
+                "run the same DwarfStar version on every machine"
+            )
         if reg.model_id != model_id or reg.quant != quant:
             raise RegistrationError(
                 f"worker {worker} at {reg.host} serves another model (id {reg.model_id}, {reg.quant}); "
@@ -174,6 +184,12 @@ class Route:
         if not 0 <= reg.first < reg.last <= n:
             raise RegistrationError(f"worker {worker} asks for layers {reg.first}:{reg.last} outside 0:{n}")
         layers = LayerSlice(reg.first, reg.last, n)
+        if self.mtp and layers.holds_head and not reg.mtp:
+            raise RegistrationError(
+                f"worker {worker} at {reg.host} serves the output head (layers {layers}) without an MTP block, "
+                "and this coordinator drafts with MTP: start that worker with --mtp FILE (or --mtp-draft N "
+                "for the model's own block)"
+            )
         if reg.ctx < self.ctx:
             raise RegistrationError(f"worker {worker} holds a context of {reg.ctx}, the route needs {self.ctx}")
         owners = [("the coordinator", self.local_layers)] + [(f"worker {s.worker}", s.layers) for s in self.stages]
@@ -186,9 +202,12 @@ class Route:
         link = open_link()
         for old in replaced:  # a restarted worker for the same layers takes over; its sessions are gone
             self._drop(old, f"replaced by worker {worker}")
-        self.stages = sorted([*self.stages, RemoteStage(layers, worker, reg.host, link)], key=lambda s: s.layers.first)
+        stage = RemoteStage(layers, worker, reg.host, link, reg.mtp and layers.holds_head)
+        self.stages = sorted([*self.stages, stage], key=lambda s: s.layers.first)
         self._mark_all_dirty()
-        self.log(f"[dist] worker {worker} at {reg.host} serves layers {layers}")
+        self.log(
+            f"[dist] worker {worker} at {reg.host} serves layers {layers}{' and the MTP draft' if stage.mtp else ''}"
+        )
 
     @property
     def local_device(self) -> torch.device | str:
@@ -278,8 +297,9 @@ class Route:
         return SegmentRecord(state.session_id, state.pos, count, h, h)
 
     # -- the forward pass --------------------------------------------------------------------------------
-    def first_hop(self, batch: Batch, all_logits: bool) -> tuple[Message, Hop]:
-        """The coordinator's layers over a validated batch, as the message to the first worker."""
+    def first_hop(self, batch: Batch, all_logits: bool, flags: int = 0, request: int = 0) -> tuple[Message, Hop]:
+        """The coordinator's layers over a validated batch, as the message to the first worker
+        (`flags`: FLAG_DRAFT, FLAG_VERIFY; `request`: the id a FLAG_VERIFY pass's snapshots go under)."""
         segments = []
         for seq in batch.seqs:
             before = seq.state.token_hash()
@@ -291,15 +311,14 @@ class Route:
         settle(self.local, h, batch)
         payload = encode_activation(to_torch(h), self.options.bits)
         hop = Hop(str(self.local_layers), "coordinator", batch.n_rows, (time.perf_counter() - started) * 1e3)
-        flags = FLAG_ALL_LOGITS if all_logits else 0
-        header = Header(
-            Op.FORWARD, next(self._requests), len(segments), batch.n_rows, payload.numel(), self.options.bits, flags
-        )
+        flags |= FLAG_ALL_LOGITS if all_logits else 0
+        request = request or next(self._requests)
+        header = Header(Op.FORWARD, request, len(segments), batch.n_rows, payload.numel(), self.options.bits, flags)
         return Message(header, segments, tokens, payload), hop
 
-    def run(self, batch: Batch, all_logits: bool) -> torch.Tensor:
+    def run(self, batch: Batch, all_logits: bool, flags: int = 0, request: int = 0) -> torch.Tensor:
         """Logits [rows, vocab] of a validated batch of RouteStates, through every stage; not advanced."""
-        msg, hop = self.first_hop(batch, all_logits)
+        msg, hop = self.first_hop(batch, all_logits, flags, request)
         hops = [hop]
         for stage in list(self.stages):
             reply, hop = self.relay(stage, msg)
@@ -344,11 +363,13 @@ class Route:
             for hop in hops:
                 self.log(hop.line())
 
-    def forward(self, spans: list[torch.Tensor], states: list[RouteState], all_logits: bool) -> list[torch.Tensor]:
+    def forward(
+        self, spans: list[torch.Tensor], states: list[RouteState], all_logits: bool, flags: int = 0, request: int = 0
+    ) -> list[torch.Tensor]:
         """Run and advance sequences (each given tokens), replaying them once if a stage has them out of step."""
         batch = self.local.batch(spans, states)
         try:
-            logits = self.run(batch, all_logits)
+            logits = self.run(batch, all_logits, flags, request)
         except ReplayNeeded as why:
             self.mismatches += 1
             self.log(f"[dist] {why}: replaying {len(states)} session(s)")
@@ -356,7 +377,7 @@ class Route:
                 self.rebuild(state)
             batch = self.local.batch(spans, states)  # a fresh call: the backend's per-call preparation again
             try:
-                logits = self.run(batch, all_logits)
+                logits = self.run(batch, all_logits, flags, request)
             except ReplayNeeded as again:
                 raise DistError(f"a stage still disagrees after replaying the sessions: {again}") from None
         self.local.advance(batch)
@@ -407,13 +428,51 @@ class Route:
         self._broadcast(Op.SNAPSHOT, [self._record(state)], request)
         return request
 
+    def next_request(self) -> int:
+        return next(self._requests)
+
     @_locked
     def restore(self, state: RouteState, snap: RouteSnapshot) -> None:
-        state.reset_hash()
+        state.rewound_to(snap)
         try:
             self._broadcast(Op.RESTORE, [self._record(state)], snap.request)
         except ReplayNeeded:
             self.rebuild(state)
+
+    @_locked
+    def truncate(self, state: RouteState, snap: RouteSnapshot, kept: list[int]) -> None:
+        """Every worker's layers of the state cut back to `kept`, the first tokens of the FLAG_VERIFY
+        pass under the snapshot's request id (the coordinator's own layers are cut already). A worker
+        that lost the pass's record marks the state for replay."""
+        before = snap.token_hash
+        record = SegmentRecord(state.session_id, snap.pos, len(kept), before, extend_hash(before, kept))
+        header = Header(Op.TRUNCATE, snap.request, 1, len(kept))
+        msg = Message(header, [record], torch.tensor(kept, dtype=torch.int64))
+        for stage in list(self.stages):
+            try:
+                self._call(stage, msg)
+            except ReplayNeeded as why:
+                self.log(f"[dist] truncating session {state.session_id}: {why}; it will be replayed")
+                state.dirty = True
+                return
+
+    @_locked
+    def draft(self, state: RouteState, request: DraftRequest) -> Message:
+        """One DRAFT to the last stage (raises ReplayNeeded when it holds no such track); --debug
+        prints its hop, its tokens the drafts proposed."""
+        self.check_complete()
+        stage = self.stages[-1]
+        if not stage.mtp:
+            raise DistError(
+                f"the route's last stage (worker {stage.worker}, layers {stage.layers}) has no MTP block: "
+                "start it with --mtp FILE (or --mtp-draft N for the model's own block) to draft on a route"
+            )
+        payload = request.pack()
+        header = Header(Op.DRAFT, next(self._requests), 1, payload_bytes=payload.numel())
+        msg = Message(header, [SegmentRecord(state.session_id, state.pos, 0, 0, 0)], payload=payload)
+        reply, hop = self.relay(stage, msg)
+        self._report([replace(hop, layers=f"{stage.layers} mtp draft", tokens=reply.header.n_rows)])
+        return reply
 
     @_locked
     def fork(self, state: RouteState, twin: RouteState) -> None:

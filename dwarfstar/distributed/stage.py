@@ -4,10 +4,16 @@
 message becomes an ERROR reply with the reason, a session whose position or token-prefix hash is
 not the coordinator's becomes MISMATCH (the coordinator replays it). `serve_stage` is the process
 loop: wait for a coordinator, register, serve the link until it breaks, then register again.
+
+Speculative decoding: a FORWARD with FLAG_VERIFY is snapshotted and its compressor projections
+recorded, so that a TRUNCATE cuts it back to the accepted tokens in place (`speculative.rollback`);
+the last stage with an MTP block keeps FLAG_DRAFT passes' final streams and drafts from them
+(`drafting.StageDrafts`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 import time
@@ -18,12 +24,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dwarfstar.distributed.drafting import StageDrafts
 from dwarfstar.distributed.link import Link, LinkBrokenError, Message
 from dwarfstar.distributed.membership import LayerSlice, Registration, connect_store, register
 from dwarfstar.distributed.protocol import (
     FLAG_ALL_LOGITS,
+    FLAG_DRAFT,
     FLAG_LOGITS,
+    FLAG_VERIFY,
     DistError,
+    DraftRequest,
     Header,
     Op,
     RegistrationError,
@@ -40,6 +50,8 @@ from dwarfstar.distributed.protocol import (
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.state import SequenceState, StateSnapshot, TorchStorage
+from dwarfstar.speculative.mtp import MTPDraft
+from dwarfstar.speculative.rollback import CompressorTap, truncate
 
 MAX_SNAPSHOTS = 256  # across sessions; an evicted one is MISSING, which the coordinator replays
 IDLE_WAIT_S = 7 * 24 * 3600  # a worker waits this long for its coordinator's next request
@@ -92,11 +104,23 @@ class StageSession:
     hash: int
 
 
+@dataclass
+class Verified:
+    """A session's last FLAG_VERIFY pass: its request id, tokens and compressor projections."""
+
+    request: int
+    count: int
+    projections: list
+
+
 class StageWorker:
-    def __init__(self, model: Transformer, layers: LayerSlice) -> None:
+    def __init__(self, model: Transformer, layers: LayerSlice, draft: MTPDraft | None = None) -> None:
+        """`draft`: the MTP block, on the last stage (it drafts for the coordinator's speculators)."""
         self.model, self.layers = model, layers
         self.sessions: dict[int, StageSession] = {}
         self.snapshots: OrderedDict[tuple[int, int], tuple[StateSnapshot, int]] = OrderedDict()
+        self.verified: dict[int, Verified] = {}
+        self.drafts = StageDrafts(draft) if draft is not None and layers.holds_head else None
 
     @property
     def range(self) -> range:
@@ -119,6 +143,10 @@ class StageWorker:
                 return self._export(msg)
             if op == Op.IMPORT:
                 return self._import(msg)
+            if op == Op.TRUNCATE:
+                return self._truncate(msg)
+            if op == Op.DRAFT:
+                return self._draft(msg)
             return self._reply(msg)  # SHUTDOWN: acknowledged, the loop exits
         except (DwarfStarError, ValueError) as exc:
             return self._reply(msg, Status.ERROR, as_bytes(f"stage {self.layers}: {exc}".encode()))
@@ -139,11 +167,26 @@ class StageWorker:
             spans.append(ids[at : at + seg.count])
             at += seg.count
         sessions = [self.sessions[s.session] for s in msg.segments]
+        verify = bool(h.flags & FLAG_VERIFY)
+        for seg, session in zip(msg.segments, sessions, strict=True):
+            self.verified.pop(seg.session, None)  # a later pass: the last verify's projections are stale
+            if verify:
+                self._keep_snapshot(seg.session, h.request, session)
         started = time.perf_counter()
-        with torch.inference_mode():
+        # the tap copies every compressor's projections: only for a pass that may be truncated
+        with torch.inference_mode(), CompressorTap(self.model) if verify else contextlib.nullcontext() as tap:
             batch = self.model.batch(spans, [s.state for s in sessions])
             self.model.embed(batch)  # only its per-call preparation (batch.tokens, positions) is used here
             out = self.model.run_layers(to_backend(activation, self.model), batch, self.layers.first, self.layers.last)
+            rows = {id(seq.state): seq.rows for seq in batch.seqs}
+            for seg, session in zip(msg.segments, sessions, strict=True):
+                mine = rows.get(id(session.state))
+                if mine is None:
+                    continue
+                if verify:
+                    self.verified[seg.session] = Verified(h.request, seg.count, tap.of(mine))
+                if h.flags & FLAG_DRAFT and self.drafts is not None:
+                    self.drafts.hold(seg.session, out[mine])
             if self.layers.holds_head:
                 y, _ = self.model.head(out, batch, bool(h.flags & FLAG_ALL_LOGITS))
                 payload, flags = self.model.ops.logits(y, batch).float().cpu().contiguous(), FLAG_LOGITS
@@ -161,11 +204,13 @@ class StageWorker:
 
     def _snapshot(self, msg: Message) -> Message:
         for seg in msg.segments:
-            session = self._live(seg)
-            self.snapshots[(seg.session, msg.header.request)] = (session.state.snapshot(), session.hash)
-            while len(self.snapshots) > MAX_SNAPSHOTS:
-                self.snapshots.popitem(last=False)
+            self._keep_snapshot(seg.session, msg.header.request, self._live(seg))
         return self._reply(msg)
+
+    def _keep_snapshot(self, session_id: int, request: int, session: StageSession) -> None:
+        self.snapshots[(session_id, request)] = (session.state.snapshot(), session.hash)
+        while len(self.snapshots) > MAX_SNAPSHOTS:
+            self.snapshots.popitem(last=False)
 
     def _restore(self, msg: Message) -> Message:
         missing = []
@@ -176,9 +221,61 @@ class StageWorker:
                 continue
             session.state.restore(kept[0])
             session.hash = kept[1]
+            self.verified.pop(seg.session, None)
+            if self.drafts is not None:
+                self.drafts.cut(seg.session, session.state.pos)
         if missing:
             return self._reply(msg, Status.MISSING, as_bytes(",".join(map(str, missing)).encode()))
         return self._reply(msg)
+
+    def _truncate(self, msg: Message) -> Message:
+        """Each session as if only the segment's tokens, the first of its verify pass, had followed
+        the snapshot that pass took; MISSING when the snapshot or the pass's record is gone."""
+        ids, at, missing = msg.tokens.tolist(), 0, []
+        for seg in msg.segments:
+            kept, at = ids[at : at + seg.count], at + seg.count
+            session, snap = self.sessions.get(seg.session), self.snapshots.get((seg.session, msg.header.request))
+            done = self.verified.get(seg.session)
+            if (
+                session is None
+                or snap is None
+                or done is None
+                or done.request != msg.header.request
+                or snap[0].pos != seg.start
+                or snap[1] != seg.hash_before
+                or session.state.pos != seg.start + done.count
+                or not session.state.can_restore(snap[0])
+            ):
+                missing.append(seg.session)
+                continue
+            if not 0 < seg.count <= done.count or extend_hash(seg.hash_before, kept) != seg.hash_after:
+                raise DistError(f"session {seg.session}: the kept tokens are not a prefix of the verified ones")
+            with torch.inference_mode():
+                truncate(self.model, session.state, snap[0], done.projections, kept, None, self.range)
+            session.hash = seg.hash_after
+            del self.verified[seg.session]
+            if self.drafts is not None:
+                self.drafts.cut(seg.session, session.state.pos)
+        if missing:
+            return self._reply(msg, Status.MISSING, as_bytes(",".join(map(str, missing)).encode()))
+        return self._reply(msg)
+
+    def _draft(self, msg: Message) -> Message:
+        if self.drafts is None:
+            raise DistError("this stage has no MTP block to draft with (start the last worker with --mtp FILE)")
+        (seg,) = msg.segments
+        session = self.sessions.get(seg.session)
+        done = self.drafts.handle(
+            seg.session, None if session is None else session.state, DraftRequest.unpack(msg.payload)
+        )
+        if done is None:
+            return self._reply(msg, Status.MISSING, as_bytes(f"no draft track for session {seg.session}".encode()))
+        drafts, logits, compute_us = done
+        payload = None if logits is None else logits.view(torch.uint8).reshape(-1)
+        tokens = torch.tensor(drafts, dtype=torch.int64)
+        return self._reply(
+            msg, payload=payload, flags=FLAG_LOGITS if logits is not None else 0, compute_us=compute_us, tokens=tokens
+        )
 
     def _fork(self, msg: Message) -> Message:
         source, twin = msg.segments
@@ -221,6 +318,9 @@ class StageWorker:
 
     def _drop(self, session: int) -> None:
         self.sessions.pop(session, None)
+        self.verified.pop(session, None)
+        if self.drafts is not None:
+            self.drafts.drop(session)
         for key in [k for k in self.snapshots if k[0] == session]:
             del self.snapshots[key]
 
@@ -231,18 +331,21 @@ class StageWorker:
         payload: torch.Tensor | None = None,
         flags: int = 0,
         compute_us: int = 0,
+        tokens: torch.Tensor | None = None,
     ) -> Message:
         payload = torch.empty(0, dtype=torch.uint8) if payload is None else payload
+        tokens = torch.empty(0, dtype=torch.int64) if tokens is None else tokens
         header = Header(
             msg.header.op,
             msg.header.request,
+            n_rows=tokens.numel(),
             payload_bytes=payload.numel(),
             bits=msg.header.bits,
             flags=flags,
             status=status,
             compute_us=compute_us,
         )
-        return Message(header, payload=payload)
+        return Message(header, tokens=tokens, payload=payload)
 
 
 @dataclass
@@ -261,6 +364,7 @@ def serve_stage(
     registration: Registration,
     options: WorkerOptions,
     log: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True),
+    draft: MTPDraft | None = None,
 ) -> None:
     """Serve coordinators until SHUTDOWN; a refused registration ends with its reason as an error."""
     device = getattr(model.cache.storage, "device", "cpu")
@@ -276,7 +380,7 @@ def serve_stage(
         try:
             link = Link(store, f"link/{worker}", 1, options.bind, IDLE_WAIT_S, options.data_backend, device)
             log(f"worker {worker}: serving layers {layers} for {options.host}:{options.port}")
-            serve_link(StageWorker(model, layers), link)
+            serve_link(StageWorker(model, layers, draft), link)
             return
         except LinkBrokenError as exc:
             log(f"worker {worker}: {exc}; waiting for a coordinator again")

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 @dataclass
 class RouteSnapshot(StateSnapshot):
     request: int = 0  # the id the workers keep their part of the snapshot under
+    token_hash: int = FNV_OFFSET  # the rolling hash of its tokens
 
 
 class RouteState(SequenceState):
@@ -50,6 +51,11 @@ class RouteState(SequenceState):
     def reset_hash(self) -> None:
         """The tokens were replaced, not extended (restore, replay, import)."""
         self._hash = (0, FNV_OFFSET)
+
+    def rewound_to(self, snap: RouteSnapshot) -> None:
+        """The tokens were cut back to the snapshot's (and maybe extended since): its hash holds."""
+        self._hash = (snap.pos, snap.token_hash)
+        self.gathered = None
 
     def is_local(self, il: int) -> bool:
         return il < self.route.local_layers.last
@@ -103,6 +109,13 @@ class RouteState(SequenceState):
     def snapshot(self) -> RouteSnapshot:
         """The coordinator's fixed parts copied, the workers told to keep theirs under a request id."""
         self.route.sync(self)
+        snap = self.local_snapshot(0)
+        snap.request = self.route.snapshot(self)
+        return snap
+
+    def local_snapshot(self, request: int) -> RouteSnapshot:
+        """The coordinator's fixed parts only: the workers take theirs under `request` themselves
+        (a FLAG_VERIFY pass)."""
         copy = self.cache.storage.copy
         layers = {
             il: {
@@ -111,8 +124,10 @@ class RouteState(SequenceState):
             for il in range(self.route.local_layers.last)
         }
         logits = None if self.logits is None else self.logits.clone()
-        request = self.route.snapshot(self)
-        return RouteSnapshot(self.serial, self.pos, list(self.tokens), logits, layers, len(self.rewinds), request)
+        epoch = len(self.rewinds)
+        return RouteSnapshot(
+            self.serial, self.pos, list(self.tokens), logits, layers, epoch, request, self.token_hash()
+        )
 
     def restore(self, snap: StateSnapshot) -> None:
         if not isinstance(snap, RouteSnapshot):

@@ -2,5 +2,6 @@
 
 `mtp` loads DeepSeek V4's MTP block (ds4's separate file or llama.cpp's in-file layout) as a
 one-layer model on the target's backend; `verify` holds greedy verification and rejection sampling;
-`decode` drives a `Session` with drafting, verification and rollback.
+`decode` drives a `Session` with drafting, verification and rollback; `track` is the draft's side of
+one sequence (on a route's last stage too).
 """

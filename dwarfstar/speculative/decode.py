@@ -15,6 +15,11 @@ predicts the token at i + 2. "next" (the DeepSeek-V3 training convention, as vLL
 with the token at i + 1; "same" (ds4's driver) with the token at i. Drafting k > 1 feeds the block
 its own output streams as the next row's hidden.
 
+Where it runs. The speculator drives a runner (`LocalRunner`: the target model in this process) and
+a `DraftTrack` (the draft state, the target streams not fed to it yet). A route supplies its own
+runner and a remote track (`dwarfstar.distributed.speculation`): the same loop, with the draft on
+the last stage, next to the streams.
+
 `margin` is ds4's confidence gate: drafting stops at the first draft whose top-1 / top-2 logit gap
 is below it. It changes only how much is drafted, never what is emitted.
 """
@@ -34,7 +39,8 @@ from dwarfstar.session.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.mtp import MTPDraft, forward_of
 from dwarfstar.speculative.rollback import CompressorTap, can_truncate, truncate
-from dwarfstar.speculative.verify import Verdict, draw, next_uniform, rule_probabilities, verify_greedy, verify_sampled
+from dwarfstar.speculative.track import DraftTrack
+from dwarfstar.speculative.verify import Verdict, rule_probabilities, verify_greedy, verify_sampled
 
 MAX_DRAFT = 8  # drafts per step: verifying N tokens routes up to 6N experts per layer
 MAX_MARGIN = 1000.0  # ds4's range for --mtp-margin
@@ -87,6 +93,51 @@ class SpecStats:
         return sum(self.accepted) / self.steps if self.steps else 0.0
 
 
+class LocalRunner:
+    """How a speculator runs a target model in its own process: its passes, its snapshots, and the
+    rollback of its states. A route has its own (`dwarfstar.distributed.speculation`), whose last
+    stage holds the draft."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.target = model
+
+    def track(self, draft: MTPDraft, state: SequenceState, shift: int) -> DraftTrack:
+        """The draft following `state` from its position now."""
+        return DraftTrack(draft, shift, state.pos)
+
+    def run(self, tokens: list[int], state: SequenceState, all_logits: bool, track: DraftTrack) -> tuple[Any, Any]:
+        """Logits of a pass and its final streams, for the draft."""
+        return self.target.forward_streams(tokens, state, all_logits=all_logits)
+
+    def snapshot(self, state: SequenceState) -> StateSnapshot:
+        return state.snapshot()
+
+    def verify(
+        self, token_lists: Sequence[Sequence[int]], states: Sequence[SequenceState], tracks: Sequence[DraftTrack]
+    ) -> tuple[list[tuple[torch.Tensor, Any, slice]], CompressorTap]:
+        """One pass over every sequence's verified tokens, its compressor projections recorded."""
+        with CompressorTap(self.target) as tap:
+            passes = forward_streams_batch(self.target, token_lists, states)
+        return passes, tap
+
+    def can_truncate(self, verified: int, tap: CompressorTap) -> bool:
+        return can_truncate(self.target, verified)
+
+    def truncate(
+        self, state: SequenceState, snap: StateSnapshot, tap: CompressorTap, rows: slice, kept: list[int], logits
+    ) -> None:
+        truncate(self.target, state, snap, tap.of(rows), kept, logits)
+
+    def restore(self, state: SequenceState, snap: StateSnapshot) -> None:
+        state.restore(snap)
+
+
+def runner_for(backend: Any) -> Any:
+    """The backend's own runner (a route's), else one for the shared forward pass it runs."""
+    own = getattr(backend, "speculation_runner", None)
+    return own() if own is not None else LocalRunner(forward_of(backend))
+
+
 class Speculator:
     """Speculative generation for one session of `target`, drafting with `drafter` (MTP by default)."""
 
@@ -103,16 +154,14 @@ class Speculator:
         check_settings(n_draft, alignment, margin)
         if rollback not in ROLLBACKS:
             raise DwarfStarError(f"unknown rollback {rollback!r}; choose one of {', '.join(ROLLBACKS)}")
-        self.session, self.target, self.draft = session, forward_of(session.backend), draft
+        self.session, self.runner, self.draft = session, runner_for(session.backend), draft
+        self.target = self.runner.target
         self.n_draft, self.shift, self.margin = n_draft, ALIGNMENTS[alignment], margin
         self.truncates = rollback == "truncate"
         self.drafter = drafter or MTPDrafter()
         # the draft follows the target from where speculation starts: a session that already holds a
         # prefix (a server's reused one) has no target streams for it, so the draft's rows begin here
-        self.base = session.state.pos
-        self.draft_state = draft.new_state()
-        self.hidden: Any = None  # target streams of positions base + draft_state.pos .. state.pos - 1, not yet fed
-        self.last: tuple[torch.Tensor, Any] | None = None  # the draft's last row: logits, output streams
+        self.track = self.runner.track(draft, session.state, self.shift)
         self.pending = -1  # the step's pending token, for the drafter
         self.stats = SpecStats()
 
@@ -120,31 +169,44 @@ class Speculator:
     def state(self):
         return self.session.state
 
+    # the track's parts under their earlier names (a local track's)
+    @property
+    def draft_state(self) -> SequenceState:
+        return self.track.state
+
+    @property
+    def hidden(self) -> Any:
+        return self.track.hidden
+
+    @hidden.setter
+    def hidden(self, value: Any) -> None:
+        self.track.hidden = value
+
+    @property
+    def last(self) -> tuple[torch.Tensor, Any] | None:
+        return self.track.last
+
+    @last.setter
+    def last(self, value: tuple[torch.Tensor, Any] | None) -> None:
+        self.track.last = value
+
     # -- the target ----------------------------------------------------------------------------------------
     def _run(self, tokens: list[int], known: list[int], all_logits: bool) -> torch.Tensor:
         """Run tokens through the target, keep their streams for the draft, feed the draft what it can."""
-        logits, streams = self.target.forward_streams(tokens, self.state, all_logits=all_logits)
-        storage = self.state.cache.storage
-        self.hidden = streams if self.hidden is None else storage.cat((self.hidden, streams))
+        logits, streams = self.runner.run(tokens, self.state, all_logits, self.track)
+        self.track.hold(streams)
         self.session.stats.computed += len(tokens)
         self._feed(known)
         return logits
 
     def _feed(self, known: list[int]) -> None:
         """Draft rows for every held hidden row whose paired token is known (`known`: the sequence)."""
-        start = self.drafted_to
-        end = min(self.state.pos, len(known) - self.shift)
-        if end <= start:
-            return
-        count = end - start
-        rows, rest = self.hidden[:count], self.hidden[count:]
-        self.last = self.draft.rows(rows, known[start + self.shift : end + self.shift], self.draft_state)
-        self.hidden = rest if rest.shape[0] else None
+        self.track.feed(known, self.state.pos)
 
     @property
     def drafted_to(self) -> int:
         """The target position the draft's next row reads."""
-        return self.base + self.draft_state.pos
+        return self.track.fed_to
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append a prompt in the session's chunks; the draft follows. Returns the next-token logits."""
@@ -170,7 +232,7 @@ class Speculator:
         """As `Session.generate`: up to max_tokens tokens, each kept in the session, a stop token last."""
         if self.state.logits is None:
             raise DwarfStarError("nothing to continue: prefill a prompt first")
-        if self.drafted_to + (0 if self.hidden is None else self.hidden.shape[0]) != self.state.pos:
+        if self.track.fed_to + self.track.held != self.state.pos:
             raise DwarfStarError("the session changed outside the speculator; prefill through it")
         sampler = sampler if isinstance(sampler, Sampler) else Sampler(sampler)
         stops, budget = set(stop_tokens), min(max_tokens, self.session.ctx - self.state.pos)
@@ -195,10 +257,10 @@ class Speculator:
         before the draft has a row (the first step of speculation started on a filled session)."""
         self._feed(self.state.tokens + [pending])
         self.pending = pending
-        n = min(self.n_draft, room - 1) if self.last is not None else 0
+        n = min(self.n_draft, room - 1) if self.track.ready else 0
         return self.drafter.propose(self, n, sampler) if n > 0 else ([], None)
 
-    def _settle(self, step: _Step, logits: torch.Tensor, streams: Any, tap: CompressorTap, rows: slice) -> list[int]:
+    def _settle(self, step: _Step, logits: torch.Tensor, streams: Any, tap: Any, rows: slice) -> list[int]:
         """Verify the step's drafts against the pass's logits [n+1, vocab]; keep what is accepted."""
         pending, drafts = step.verified[0], step.verified[1:]
         if step.sampler.params.greedy:
@@ -215,15 +277,14 @@ class Speculator:
         known = self.state.tokens[: self.state.pos - len(step.verified)] + keep + emit[-1:]
         if len(keep) < len(step.verified):
             self.stats.rollbacks += 1
-            if self.truncates and can_truncate(self.target, len(step.verified)):
-                truncate(self.target, self.state, step.snap, tap.of(rows), keep, logits)
+            if self.truncates and self.runner.can_truncate(len(step.verified), tap):
+                self.runner.truncate(self.state, step.snap, tap, rows, keep, logits)
                 streams = streams[: len(keep)]
             else:  # (or the pass overwrote kept ring rows) back to before it, then the kept tokens again
-                self.state.restore(step.snap)
+                self.runner.restore(self.state, step.snap)
                 self._run(keep, known, all_logits=False)
                 return emit
-        storage = self.state.cache.storage
-        self.hidden = streams if self.hidden is None else storage.cat((self.hidden, streams))
+        self.track.hold(streams)
         self._feed(known)
         return emit
 
@@ -252,16 +313,17 @@ def step_batch(
     Each emits at most its `room` tokens, cut after the first for which its `ends(token)` is true
     (called in order, once per emitted token). Each state then holds its pending token and every
     emitted token but the last, the new pending one."""
-    target = specs[0].target
-    if any(spec.target is not target for spec in specs):
+    runner = specs[0].runner
+    if any(spec.target is not runner.target for spec in specs):
         raise DwarfStarError("speculators verified together must share one target model")
     steps = []
     for spec, token, sampler, room, end in zip(specs, pending, samplers, rooms, ends, strict=True):
         drafts, q = spec._draft(token, sampler, room)
-        snap = spec.state.snapshot() if drafts else None
+        snap = runner.snapshot(spec.state) if drafts else None
         steps.append(_Step([token, *drafts], q, snap, sampler, room, end))
-    with CompressorTap(target) as tap:
-        passes = forward_streams_batch(target, [step.verified for step in steps], [spec.state for spec in specs])
+    passes, tap = runner.verify(
+        [step.verified for step in steps], [spec.state for spec in specs], [spec.track for spec in specs]
+    )
     emitted = []
     for spec, step, (logits, streams, rows) in zip(specs, steps, passes, strict=True):
         spec.session.stats.computed += len(step.verified)
@@ -290,35 +352,11 @@ def forward_streams_batch(
 
 class MTPDrafter(Drafter):
     """The MTP block drafting on its own output: the first draft from the target's streams, each
-    further one from the block's output streams of the row before."""
+    further one from the block's output streams of the row before (`DraftTrack.propose`, wherever
+    the speculator's track lives)."""
 
     def propose(self, spec: Speculator, n: int, sampler: Sampler) -> tuple[list[int], list[torch.Tensor] | None]:
-        greedy = sampler.params.greedy
-        drafts: list[int] = []
-        dists: list[torch.Tensor] = []
-        snap = spec.draft_state.snapshot() if n > 1 else None
-        assert spec.last is not None
-        logits, streams = spec.last
-        sequence = spec.state.tokens + [spec.pending]
-        for k in range(n):
-            if k:
-                token = sequence[spec.drafted_to + spec.shift]
-                logits, streams = spec.draft.rows(streams, [token], spec.draft_state)
-            if spec.margin and _margin(logits) < spec.margin:
-                break
-            if greedy:
-                token = int(logits.argmax())
-            else:
-                q = rule_probabilities(logits, sampler.params)
-                token = draw(q, next_uniform(sampler))
-                dists.append(q)
-            drafts.append(token)
-            sequence.append(token)
-        if snap is not None:
-            spec.draft_state.restore(snap)
-        return drafts, None if greedy else dists
-
-
-def _margin(logits: torch.Tensor) -> float:
-    top = logits.float().topk(2).values
-    return float(top[0] - top[1])
+        drafts, logits = spec.track.propose(spec.state.tokens + [spec.pending], n, sampler, spec.margin)
+        if sampler.params.greedy:
+            return drafts, None
+        return drafts, [rule_probabilities(row, sampler.params) for row in logits]

@@ -187,7 +187,11 @@ def forward_of(backend: Any) -> Transformer:
 
 
 def load_draft(backend: Any, model: ModelFile, mtp_path: str | os.PathLike | None = None) -> MTPDraft:
-    """The MTP draft of `model` on the backend `backend` runs on (reference, MLX or Triton)."""
+    """The MTP draft of `model` on the backend `backend` runs on (reference, MLX or Triton); on a
+    route, the route's own (its last stage holds the block, loaded from that worker's --mtp)."""
+    remote = getattr(backend, "mtp_draft", None)
+    if remote is not None:
+        return remote()
     target = forward_of(backend)
     mtp = open_mtp(model, mtp_path)
     return MTPDraft(_draft_model(target, mtp), MTPInput.from_file(mtp, model.args, target.cache.storage), mtp)

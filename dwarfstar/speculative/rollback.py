@@ -80,19 +80,26 @@ def truncate(
     snap: StateSnapshot,
     projections: list[tuple[int, str, dict[str, Any]]],
     kept: list[int],
-    logits: torch.Tensor,
+    logits: torch.Tensor | None,
+    layers: range | None = None,
 ) -> None:
     """Leave `state` as if only `kept`, the first tokens of a pass whose compressor projections are
     `projections` (`CompressorTap.of`), had followed `snap`. `logits` [T, vocab] are the pass's;
-    the state's next-token logits become row len(kept) - 1."""
+    the state's next-token logits become row len(kept) - 1 (None: a pipeline stage without them).
+
+    `layers`: the layers the state holds here (default every one): a pipeline stage truncates its
+    own, and the base class's restore is used, as a route state's own would restore the other
+    stages too, which truncate theirs themselves."""
     start, end = snap.pos, snap.pos + len(kept)
-    rows = [ring_rows(state, il, start, end) for il in range(model.args.n_layers)]
-    state.restore(snap)
-    for il, layer_rows in enumerate(rows):
+    layers = range(model.args.n_layers) if layers is None else layers
+    rows = {il: ring_rows(state, il, start, end) for il in layers}
+    SequenceState.restore(state, snap)
+    for il, layer_rows in rows.items():
         state.store_window(il, layer_rows, end)
     batch = model.batch([kept], [state])
     model.embed(batch)  # the backend's per-call positions, which its compressors read
     for il, kind, proj in projections:
         model.ops.compress(il, kind, {key: value[: len(kept)] for key, value in proj.items()}, batch)
     model.advance(batch)
-    state.logits = logits[len(kept) - 1].clone()
+    if logits is not None:
+        state.logits = logits[len(kept) - 1].clone()

@@ -21,6 +21,7 @@ from dwarfstar.distributed.launch import DistOptions, start_coordinator
 from dwarfstar.distributed.route import Route
 from dwarfstar.engine import Engine, load_engine
 from dwarfstar.model.bundled import default_model_path
+from dwarfstar.speculative.options import BUNDLED_MTP
 
 CTX = 256  # stage_worker.CTX
 WORKER = Path(__file__).with_name("stage_worker.py")
@@ -45,10 +46,15 @@ class Cluster:
         die_at_rows: int | None = None,
         cli: bool = False,
         backend: str = "reference",
+        mtp: Path | None = None,
+        qat: bool = True,
     ) -> None:
         """Start the workers for `layers[1:]` (the last one dying at `die_at_rows`, if given; with
-        `cli`, as `dwarfstar run --dist-role worker` processes on `backend`)."""
+        `cli`, as `dwarfstar run --dist-role worker` processes on `backend`; with `mtp`, the last
+        one drafting with that MTP block, and the coordinator requiring it; `qat` False: every
+        stage without QAT rounding)."""
         self.path, self.layers, self.logs, self.cli, self.backend_name = path, layers, logs, cli, backend
+        self.mtp, self.qat = mtp, qat
         self.addr = f"127.0.0.1:{free_port()}"
         self.workers: dict[str, subprocess.Popen] = {}
         for i, worker_layers in enumerate(layers[1:], start=2):
@@ -62,6 +68,7 @@ class Cluster:
             opts = DistOptions.resolved(
                 role="coordinator", layers=self.layers[0], addr=self.addr, wait_s=WAIT_S, timeout_s=60
             )
+            opts.mtp = self.mtp is not None
             self.route = start_coordinator(engine, opts, CTX)
             self.backend = RouteBackend(self.route)
         return self
@@ -71,8 +78,14 @@ class Cluster:
         if self.cli:
             argv = [sys.executable, "-m", "dwarfstar", "run", "-m", str(self.path), "--backend", self.backend_name]
             argv += ["-c", str(CTX), "--dist-role", "worker", "--layers", layers, "--dist-addr", self.addr]
-        if die_at_rows is not None:
-            argv.append(str(die_at_rows))
+        last = layers.endswith("output")
+        if self.cli:
+            argv += (["--mtp", str(self.mtp)] if self.mtp is not None and last else []) + (
+                [] if self.qat else ["--no-qat-rounding"]
+            )
+        else:
+            options = {"die": die_at_rows, "mtp": self.mtp if last else None, "qat": None if self.qat else 0}
+            argv += [f"{key}={value}" for key, value in options.items() if value is not None]
         log = open(self.logs / f"worker-{self.addr.rsplit(':', 1)[1]}-{layers.replace(':', '_')}.log", "ab")
         self.workers[layers] = subprocess.Popen(argv, stdout=log, stderr=log)
         log.close()
@@ -105,6 +118,9 @@ def clusters(tiny_model_file, tmp_path_factory):
         "fragile": Cluster(tiny, ["0:3", "3:output"], logs, die_at_rows=DIE_AT_ROWS),
         "nano2": Cluster(nano, ["0:2", "2:output"], logs),
         "cli": Cluster(tiny, ["0:3", "3:output"], logs, cli=True),  # its coordinator is a `run` in the test
+        # MTP drafting on the last stage, without QAT rounding (where greedy speculation is bit-exact)
+        "mtp2": Cluster(nano, ["0:2", "2:output"], logs, mtp=nano.with_name(BUNDLED_MTP), qat=False),
+        "mtp3": Cluster(nano, ["0:2", "2:4", "4:output"], logs, mtp=nano.with_name(BUNDLED_MTP), qat=False),
     }
     yield pool
     for cluster in pool.values():
@@ -131,3 +147,19 @@ def fragile(clusters, tiny_engine) -> Cluster:
 def nano2(clusters) -> Cluster:
     cluster = clusters["nano2"]
     return cluster.connect(load_engine(cluster.path, "reference", ctx=CTX)) if cluster.route is None else cluster
+
+
+@pytest.fixture(scope="session")
+def exact_nano() -> Engine:
+    """The bundled model in one process without QAT rounding: the MTP routes' coordinator and reference."""
+    return load_engine(default_model_path(), "reference", ctx=CTX, qat=False)
+
+
+@pytest.fixture
+def mtp2(clusters, exact_nano) -> Cluster:
+    return clusters["mtp2"].connect(exact_nano)
+
+
+@pytest.fixture
+def mtp3(clusters, exact_nano) -> Cluster:
+    return clusters["mtp3"].connect(exact_nano)

@@ -1,13 +1,15 @@
-"""A worker process for the distributed tests: `python stage_worker.py MODEL LAYERS HOST:PORT THREADS [DIE_AT_ROWS]`.
+"""A worker process for the distributed tests: `python stage_worker.py MODEL LAYERS HOST:PORT THREADS [KEY=VALUE...]`.
 
-With DIE_AT_ROWS the process exits abruptly when a FORWARD of that many rows arrives, before it
-replies: a worker that dies in the middle of a request, at a point the test chooses.
+Options: `die=ROWS`: the process exits abruptly when a FORWARD of that many rows arrives, before it
+replies (a worker that dies in the middle of a request, at a point the test chooses); `mtp=FILE`:
+the last stage loads that MTP block and drafts; `qat=0`: no QAT rounding (as the coordinator's engine).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -15,15 +17,17 @@ from dwarfstar.distributed.launch import DistOptions, run_worker
 from dwarfstar.distributed.protocol import Op
 from dwarfstar.distributed.stage import StageWorker
 from dwarfstar.engine import load_engine
+from dwarfstar.speculative.options import MTPOptions
 
 CTX = 256
 
 
 def main() -> None:
-    model, layers, addr, threads = sys.argv[1:5]
+    model, layers, addr, threads, *rest = sys.argv[1:]
+    options = dict(arg.split("=", 1) for arg in rest)
     torch.set_num_threads(int(threads))
-    if len(sys.argv) > 5:
-        die_at = int(sys.argv[5])
+    if "die" in options:
+        die_at = int(options["die"])
         handle = StageWorker.handle
 
         def dying(self, msg):
@@ -32,9 +36,11 @@ def main() -> None:
             return handle(self, msg)
 
         StageWorker.handle = dying
+    speculation = MTPOptions(Path(options["mtp"]), 2) if "mtp" in options else None
     opts = DistOptions.resolved(role="worker", layers=layers, addr=addr, wait_s=300, timeout_s=60)
-    engine = load_engine(model, "reference", ctx=CTX, layers=opts.stage_layers(model))  # its slice only
-    run_worker(engine, opts, CTX)
+    qat = options.get("qat", "1") != "0"
+    engine = load_engine(model, "reference", ctx=CTX, qat=qat, layers=opts.stage_layers(model))  # its slice only
+    run_worker(engine, opts, CTX, speculation)
 
 
 if __name__ == "__main__":
