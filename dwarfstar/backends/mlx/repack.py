@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
-from dwarfstar.gguf.dequant import _byte_tensor, _f16, _iq2xxs_tables, _q4_k_scale_min, _shifts
+from dwarfstar.gguf.dequant import _byte_tensor, _f16, _iq2xxs_tables, _q4_k_scale_min, _shifts, iq2_xxs_parts
 
 GROUP = 32
 # Elements converted per step: bounds the temporary float32/int copies for Flash-sized tensors.
@@ -70,17 +70,12 @@ def _q4_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _iq2_xxs(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # same decoding as dwarfstar.gguf.dequant._iq2_xxs, keeping grid * sign as an integer code
+    # the reference decoding (dwarfstar.gguf.dequant), keeping grid * sign as an integer code
     n = b.shape[0]
-    grid, ksigns = _iq2xxs_tables()
-    offset = int(grid.max())  # 43: codes grid * sign + 43 span 0..86
-    g = b[:, 2:].reshape(n, 8, 8)
-    aux = (g[..., 4:].long() << _shifts(0, 8, 16, 24, dtype=torch.long)).sum(-1)
-    db = (_f16(b, 0) * (0.5 + (aux >> 28).float()) * 0.25).reshape(-1, 1)
-    sign_idx = (aux.unsqueeze(-1) >> _shifts(0, 7, 14, 21, dtype=torch.long)) & 0x7F
-    sign_bits = (ksigns[sign_idx].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
-    signed = grid[g[..., :4].long()].int() * (1 - 2 * sign_bits.int())
-    return signed.reshape(n * 8, 32) + offset, db, -offset * db
+    offset = int(_iq2xxs_tables()[0].max())  # 43: codes grid * sign + 43 span 0..86
+    db, values = iq2_xxs_parts(b)
+    db = db.reshape(-1, 1)
+    return values.int().reshape(n * 8, 32) + offset, db, -offset * db
 
 
 # ggml type -> (bits, decoder of (n_blocks, block_bytes) to (codes [groups, 32], scale, bias [groups, 1]))
