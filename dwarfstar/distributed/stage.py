@@ -169,7 +169,7 @@ class StageWorker:
         sessions = [self.sessions[s.session] for s in msg.segments]
         verify = bool(h.flags & FLAG_VERIFY)
         for seg, session in zip(msg.segments, sessions, strict=True):
-            self.verified.pop(seg.session, None)  # a later pass: the last verify's projections are stale
+            self._forget_verified(seg.session)  # a later pass: the last verify's record is stale
             if verify:
                 self._keep_snapshot(seg.session, h.request, session)
         started = time.perf_counter()
@@ -221,7 +221,7 @@ class StageWorker:
                 continue
             session.state.restore(kept[0])
             session.hash = kept[1]
-            self.verified.pop(seg.session, None)
+            self._forget_verified(seg.session)
             if self.drafts is not None:
                 self.drafts.cut(seg.session, session.state.pos)
         if missing:
@@ -253,7 +253,7 @@ class StageWorker:
             with torch.inference_mode():
                 truncate(self.model, session.state, snap[0], done.projections, kept, None, self.range)
             session.hash = seg.hash_after
-            del self.verified[seg.session]
+            self._forget_verified(seg.session)
             if self.drafts is not None:
                 self.drafts.cut(seg.session, session.state.pos)
         if missing:
@@ -315,6 +315,13 @@ class StageWorker:
         if session is None or session.state.pos != seg.start or session.hash != seg.hash_before:
             raise DistError(f"session {seg.session} is not at position {seg.start} here")
         return session
+
+    def _forget_verified(self, session: int) -> None:
+        """A verify pass's record and snapshot, once truncated, restored or passed: each step's would
+        otherwise fill the snapshot store (a snapshot copies the stage's raw rings and frontiers)."""
+        done = self.verified.pop(session, None)
+        if done is not None:
+            self.snapshots.pop((session, done.request), None)
 
     def _drop(self, session: int) -> None:
         self.sessions.pop(session, None)
