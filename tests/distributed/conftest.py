@@ -1,7 +1,9 @@
 """Routes for the distributed tests: the coordinator in the test process, workers as subprocesses on loopback.
 
 Every cluster's workers start together at the first test that needs one (loading torch is most of a
-worker's start), and each coordinator joins its workers when a test first asks for that route.
+worker's start), and each coordinator joins its workers when a test first asks for that route,
+loading only its own slice of the model as the CLI's does (`connected`); the tests compare it with
+one process holding every layer.
 Workers run with the test process's torch thread count, so every layer computes as in the
 single-process reference, and bit-identical logits are a fair demand.
 """
@@ -18,6 +20,7 @@ import torch
 
 from dwarfstar.distributed.backend import RouteBackend
 from dwarfstar.distributed.launch import DistOptions, start_coordinator
+from dwarfstar.distributed.membership import parse_layers
 from dwarfstar.distributed.route import Route
 from dwarfstar.engine import Engine, load_engine
 from dwarfstar.model.bundled import default_model_path
@@ -61,10 +64,12 @@ class Cluster:
             self.start_worker(worker_layers, die_at_rows if i == len(layers) else None)
         self.route: Route | None = None
 
-    def connect(self, engine: Engine) -> Cluster:
-        """The coordinator's route on `engine` (the same model file), once."""
+    def connect(self, engine: Engine, reference: Engine | None = None) -> Cluster:
+        """The coordinator's route on `engine` (the same model file), once; `reference` (default
+        `engine`): the one-process engine the tests compare the route with (`local`)."""
         if self.route is None:
-            self.engine, self.local = engine, engine.backend
+            self.engine = reference or engine
+            self.local = self.engine.backend
             opts = DistOptions.resolved(
                 role="coordinator", layers=self.layers[0], addr=self.addr, wait_s=WAIT_S, timeout_s=60
             )
@@ -127,39 +132,54 @@ def clusters(tiny_model_file, tmp_path_factory):
         cluster.close()
 
 
+def connected(cluster: Cluster, reference: Engine) -> Cluster:
+    """The cluster's route, its coordinator loading only its slice as the CLI does; `reference`, one
+    process holding every layer of the same file (with the cluster's QAT setting), is what the tests
+    compare it with."""
+    if cluster.route is None:
+        layers = parse_layers(cluster.layers[0], reference.model.args.n_layers)
+        sliced = (layers.first, layers.last)
+        cluster.connect(load_engine(cluster.path, "reference", ctx=CTX, qat=cluster.qat, layers=sliced), reference)
+    return cluster
+
+
 @pytest.fixture
 def tiny2(clusters, tiny_engine) -> Cluster:
-    return clusters["tiny2"].connect(tiny_engine[0])
+    return connected(clusters["tiny2"], tiny_engine[0])
 
 
 @pytest.fixture
 def tiny3(clusters, tiny_engine) -> Cluster:
-    return clusters["tiny3"].connect(tiny_engine[0])
+    return connected(clusters["tiny3"], tiny_engine[0])
 
 
 @pytest.fixture
 def fragile(clusters, tiny_engine) -> Cluster:
     """A 2-stage route whose worker dies, before replying, on a pass of DIE_AT_ROWS rows."""
-    return clusters["fragile"].connect(tiny_engine[0])
+    return connected(clusters["fragile"], tiny_engine[0])
+
+
+@pytest.fixture(scope="session")
+def nano_engine() -> Engine:
+    return load_engine(default_model_path(), "reference", ctx=CTX)
 
 
 @pytest.fixture
-def nano2(clusters) -> Cluster:
-    cluster = clusters["nano2"]
-    return cluster.connect(load_engine(cluster.path, "reference", ctx=CTX)) if cluster.route is None else cluster
+def nano2(clusters, nano_engine) -> Cluster:
+    return connected(clusters["nano2"], nano_engine)
 
 
 @pytest.fixture(scope="session")
 def exact_nano() -> Engine:
-    """The bundled model in one process without QAT rounding: the MTP routes' coordinator and reference."""
+    """The bundled model in one process without QAT rounding: the MTP routes' reference."""
     return load_engine(default_model_path(), "reference", ctx=CTX, qat=False)
 
 
 @pytest.fixture
 def mtp2(clusters, exact_nano) -> Cluster:
-    return clusters["mtp2"].connect(exact_nano)
+    return connected(clusters["mtp2"], exact_nano)
 
 
 @pytest.fixture
 def mtp3(clusters, exact_nano) -> Cluster:
-    return clusters["mtp3"].connect(exact_nano)
+    return connected(clusters["mtp3"], exact_nano)

@@ -18,6 +18,7 @@ def test_logits_bit_identical_at_32_bits(name, request):
     got = cluster.backend.forward(PROMPT, cluster.backend.new_state(), all_logits=True)
     assert got.shape == want.shape == (len(PROMPT), cluster.local.args.vocab_size)
     assert torch.equal(got, want)
+    assert cluster.route.local.layer_range == range(cluster.route.local_layers.last)  # the coordinator's slice only
     hops = cluster.route.hops
     assert [h.layers for h in hops] == [str(cluster.route.local_layers)] + [str(s.layers) for s in cluster.route.stages]
     assert all(h.bytes > 0 for h in hops[1:])
