@@ -126,6 +126,7 @@ def clusters(tiny_model_file, tmp_path_factory):
         # MTP drafting on the last stage, without QAT rounding (where greedy speculation is bit-exact)
         "mtp2": Cluster(nano, ["0:2", "2:output"], logs, mtp=nano.with_name(BUNDLED_MTP), qat=False),
         "mtp3": Cluster(nano, ["0:2", "2:4", "4:output"], logs, mtp=nano.with_name(BUNDLED_MTP), qat=False),
+        "mtpcli": Cluster(nano, ["0:2", "2:output"], logs, cli=True, mtp=nano.with_name(BUNDLED_MTP), qat=False),
     }
     yield pool
     for cluster in pool.values():

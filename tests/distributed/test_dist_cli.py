@@ -1,11 +1,16 @@
-"""`dwarfstar run` as a coordinator and as a worker: --dump-logits through a route equals one process."""
+"""`dwarfstar run` as a coordinator and as a worker: --dump-logits through a route equals one process,
+and so does an MTP speculative reply (the worker drafting with its own --mtp)."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
+from dwarfstar.model.bundled import default_model_path
+from dwarfstar.speculative.options import BUNDLED_MTP
 
 PROMPT_IDS = "0,17,42,99,5,1000"
 
@@ -27,3 +32,25 @@ def test_run_dump_logits_on_a_coordinator(clusters, tiny_model_file, tmp_path):
     assert got.shape == (6, 129280)
     assert np.array_equal(got, want)
     assert cluster.workers["3:output"].wait(timeout=60) == 0  # the coordinator's exit shut the worker down
+
+
+def speculative_reply(*extra: str) -> tuple[str, str]:
+    """`run --mtp` on the bundled model without QAT rounding: the reply and the speculation figures."""
+    _register_commands()
+    nano = default_model_path()
+    args = ["run", "-m", str(nano), "--backend", "reference", "-c", "256", "--prompt-tokens", PROMPT_IDS]
+    args += ["--temp", "0", "-n", "24", "--mtp", str(nano.with_name(BUNDLED_MTP)), "--no-qat-rounding", *extra]
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0, done.output
+    output = "".join(line for line in done.output.splitlines(True) if not line.startswith("[dist]"))
+    figures = re.search(r"mtp N=2 next: .*", output)
+    assert figures is not None, output
+    return output[: figures.start()].split("prefill")[0], figures.group(0)
+
+
+def test_run_mtp_on_a_coordinator(clusters):
+    cluster = clusters["mtpcli"]
+    want = speculative_reply()
+    route = ["--dist-role", "coordinator", "--layers", "0:2", "--dist-addr", cluster.addr, "--dist-timeout", "300"]
+    assert speculative_reply(*route) == want
+    assert cluster.workers["2:output"].wait(timeout=60) == 0
