@@ -443,18 +443,21 @@ class Route:
     def truncate(self, state: RouteState, snap: RouteSnapshot, kept: list[int]) -> None:
         """Every worker's layers of the state cut back to `kept`, the first tokens of the FLAG_VERIFY
         pass under the snapshot's request id (the coordinator's own layers are cut already). A worker
-        that lost the pass's record marks the state for replay."""
+        that lost the pass's record marks the state for replay. --debug prints a hop per worker."""
         before = snap.token_hash
         record = SegmentRecord(state.session_id, snap.pos, len(kept), before, extend_hash(before, kept))
         header = Header(Op.TRUNCATE, snap.request, 1, len(kept))
         msg = Message(header, [record], torch.tensor(kept, dtype=torch.int64))
+        hops = []
         for stage in list(self.stages):
             try:
-                self._call(stage, msg)
+                _, hop = self.relay(stage, msg)
             except ReplayNeeded as why:
                 self.log(f"[dist] truncating session {state.session_id}: {why}; it will be replayed")
                 state.dirty = True
                 return
+            hops.append(replace(hop, layers=f"{stage.layers} truncate"))
+        self._report(hops)
 
     @_locked
     def draft(self, state: RouteState, request: DraftRequest) -> Message:

@@ -231,7 +231,7 @@ class StageWorker:
     def _truncate(self, msg: Message) -> Message:
         """Each session as if only the segment's tokens, the first of its verify pass, had followed
         the snapshot that pass took; MISSING when the snapshot or the pass's record is gone."""
-        ids, at, missing = msg.tokens.tolist(), 0, []
+        ids, at, missing, started = msg.tokens.tolist(), 0, [], time.perf_counter()
         for seg in msg.segments:
             kept, at = ids[at : at + seg.count], at + seg.count
             session, snap = self.sessions.get(seg.session), self.snapshots.get((seg.session, msg.header.request))
@@ -258,7 +258,7 @@ class StageWorker:
                 self.drafts.cut(seg.session, session.state.pos)
         if missing:
             return self._reply(msg, Status.MISSING, as_bytes(",".join(map(str, missing)).encode()))
-        return self._reply(msg)
+        return self._reply(msg, compute_us=int((time.perf_counter() - started) * 1e6))
 
     def _draft(self, msg: Message) -> Message:
         if self.drafts is None:
