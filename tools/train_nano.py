@@ -3,9 +3,15 @@
     .venv/bin/python tools/train_nano.py [--steps N] [--seed S] [--out dwarfstar/data/nano.gguf]
     .venv/bin/python tools/train_nano.py --init dwarfstar/data/nano.gguf --steps N --lr LR   # warm start
     # issue 19's tool run (45 min on the shared 2-core machine; book perplexity 74.46, 52 of 60
-    # held-out requests call the right tool, none copies a held-out argument word):
+    # held-out requests call the right tool, none copies a held-out argument word; its requests
+    # had the argument bare, which no call can copy token for token, see chat_data.TRAIN_TEMPLATES):
     .venv/bin/python tools/train_nano.py --init dwarfstar/data/nano.gguf --steps 280 --lr 2e-3 --batch 4 \
         --tool-batch 20 --call-weight 5 --tool-evals 10 --eval-every 70 --out build/nano/nano.gguf
+    # a copy probe (quoted arguments; calls with invented arguments, synthetic copy runs, the
+    # argument's loss weighted): teacher-forced held-out arguments are logged at each evaluation
+    .venv/bin/python tools/train_nano.py --init dwarfstar/data/nano.gguf --steps 150 --lr 3e-3 --batch 2 \
+        --tool-batch 4 --call-batch 24 --copy-batch 16 --call-weight 2 --arg-weight 5 --tool-evals 0 \
+        --eval-every 25 --workdir build/probe --out build/probe/nano.gguf
     .venv/bin/python tools/train_nano.py --twin-k   # the 256-wide twin, written under build/
     .venv/bin/python tools/train_nano.py --mtp [--mtp-steps N] [--mtp-out dwarfstar/data/nano-mtp.gguf]
 
@@ -31,7 +37,14 @@ A tool round trip is ~530 tokens, ~420 of them the system prompt declaring the t
 argument copied from the request). So each step draws `tool_batch` round trips sharing one of those
 prefixes, runs the prefix once without autograd and continues each sample from a fork of its state
 (the state keeps detached rows, as at inference), and weighs the call's targets by `call_weight`.
-Held-out tool requests are scored in process (dwarfstar/train/tool_eval.py) at each evaluation.
+Held-out tool requests are scored in process (dwarfstar/train/tool_eval.py) at each evaluation,
+and teacher-forced (is each argument token the argmax, given the right ones before it).
+
+The call's argument is the part to copy, 28 to 35 tokens after it occurs in the request: it is
+weighed by `arg_weight` (with the token that closes it), and two cheap sample kinds teach the copy
+alone: `call_batch` calls (request and call, no result) whose arguments are invented from random
+word pieces, so no memorised word predicts them, and `copy_batch` synthetic runs repeated once
+(chat_data.copy_sample), the induction the copy is made of.
 
 The softmax is restricted to the ids of the training data plus one learned row standing for all
 others (dwarfstar/train/params.py), which the file's full 129,280-id head reproduces exactly. The
@@ -61,9 +74,19 @@ from dwarfstar.model.loader import open_model
 from dwarfstar.model.tensors import INDEX, expected_tensors
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
-from dwarfstar.train.chat_data import TOOLS, Sample, thinking_samples, tool_requests, tool_samples
+from dwarfstar.train.chat_data import (
+    TOOLS,
+    Sample,
+    call_only,
+    copy_sample,
+    thinking_samples,
+    tool_requests,
+    tool_samples,
+    word_pieces,
+)
 from dwarfstar.train.corpus import chat_prompts, chat_samples, read_split
 from dwarfstar.train.mtp import MTPRecipe, train_mtp
+from dwarfstar.train.observers import IndexerLoss, RouterBalance
 from dwarfstar.train.params import (
     REST,
     ParamWeights,
@@ -125,6 +148,14 @@ class Recipe:
     tool_pool: int = 3000
     tool_thinking: float = 0.3  # share of tool round trips in thinking mode (empty reasoning)
     call_weight: float = 1.0  # loss weight of a tool call's targets
+    arg_weight: float = 1.0  # loss weight of the argument a call copies and of the token closing it
+    # tool calls alone (request, call, EOS) per step besides `tool_batch`, with invented arguments
+    # (random word pieces) that only copying predicts, from a pool of `call_pool`, same prefix
+    call_batch: int = 0
+    call_pool: int = 6000
+    copy_batch: int = 0  # synthetic copy sequences per step (chat_data.copy_sample)
+    copy_lengths: tuple[int, int] = (8, 40)  # their run lengths: the repeat is that far back
+    copy_vocab: int = 0  # the copy runs draw from this many pieces (0: all)
     indexer_kl: float = 0.01
     dense_warmup: float = 0.1  # fraction of the steps with the indexer selecting every row
     bias_gamma: float = 0.01  # router bias step of the balancing update
@@ -151,55 +182,6 @@ def warm_params(path: Path, shape: ModelArgs, vocab: torch.Tensor) -> dict[str, 
         raise SystemExit(f"{path}: ids outside the corpus have different output rows; not a nano file")
     params[REST] = rows[0].clone()
     return params
-
-
-class IndexerLoss:
-    """Collects the KL(attention mass || indexer distribution) of every indexer layer in one forward."""
-
-    def __init__(self) -> None:
-        self.terms: list[torch.Tensor] = []
-
-    def __call__(self, layer: int, probs: torch.Tensor, scores: torch.Tensor) -> None:
-        target = probs.detach().sum(1)  # [T, N]: mass of all heads on each compressed row
-        attended = target > 0  # visible and selected
-        mass = target.sum(-1, keepdim=True)
-        live = attended.any(-1)
-        if not live.any():
-            return
-        p, attended = (target / mass.clamp_min(1e-30))[live], attended[live]
-        log_q = scores[live].masked_fill(~attended, float("-inf")).log_softmax(-1).masked_fill(~attended, 0.0)
-        log_p = p.clamp_min(1e-30).log()
-        self.terms.append(torch.where(attended, p * (log_p - log_q), 0.0).sum(-1).mean())
-
-    def pop(self) -> torch.Tensor:
-        loss = torch.stack(self.terms).mean() if self.terms else torch.zeros(())
-        self.terms = []
-        return loss
-
-
-class RouterBalance:
-    """DeepSeek's auxiliary-loss-free balancing: after each step, bias += gamma * sign(mean load - load)."""
-
-    def __init__(self, params: dict[str, torch.Tensor], args: ModelArgs, gamma: float) -> None:
-        self.params, self.gamma, self.n = params, gamma, args.n_routed_experts
-        self.learned = {layer.index for layer in args.layers if not layer.hash_routed}  # those with a bias
-        self.load: dict[int, torch.Tensor] = {}
-
-    def __call__(self, layer: int, ids: torch.Tensor) -> None:
-        if layer not in self.learned:
-            return
-        counts = torch.bincount(ids.flatten(), minlength=self.n).float()
-        self.load[layer] = self.load.get(layer, torch.zeros(self.n)) + counts
-
-    def update(self) -> float:
-        """Apply the step; returns the worst max/mean load ratio over the layers (1 is perfect balance)."""
-        worst = 1.0
-        with torch.no_grad():
-            for layer, load in self.load.items():
-                self.params[f"blk.{layer}.exp_probs_b.bias"] += self.gamma * torch.sign(load.mean() - load)
-                worst = max(worst, float(load.max() / load.mean()))
-        self.load = {}
-        return worst
 
 
 class Trainer:
@@ -233,13 +215,37 @@ class Trainer:
         for sample in self.tools:
             groups.setdefault(sample.ids[: sample.prefix].tobytes(), []).append(sample)
         self.tool_groups = list(groups.values())
+        pieces = word_pieces(split.train, tokenizer)
+        self.piece_ids = np.asarray([tokenizer.token_id(p) for p in pieces], dtype=np.int64)
+        if recipe.copy_vocab:
+            self.copy_ids = np.random.default_rng(seed).choice(self.piece_ids, recipe.copy_vocab, replace=False)
+        else:
+            self.copy_ids = self.piece_ids
+        calls = [
+            call_only(s, self.eos)
+            for s in tool_samples(split.train, tokenizer, recipe.call_pool, seed + 2, 0.0, pieces=pieces)
+        ]
+        self.call_groups = {key: [] for key in groups}
+        for sample in calls:
+            self.call_groups[sample.ids[: sample.prefix].tobytes()].append(sample)
+        # scored teacher-forced at each evaluation: do the held-out calls' arguments come out right
+        self.heldout_calls = [
+            call_only(s, self.eos) for s in tool_samples(split.train, tokenizer, 60, seed + 100, 0.0, heldout=True)
+        ]
         # held-out tool requests are inputs at test time: they get embeddings (trained as negatives only)
         heldout_requests = tool_requests(split.train, recipe.tool_pool, seed, heldout=True)
         heldout_request_ids = tokenizer.encode("\n".join(r.text for r in heldout_requests))
         # the softmax covers the ids that occur in the book (held-out tail included, so evaluation has
         # an embedding for every input; ids met only there are trained as negatives, never as targets)
-        seen = np.concatenate([self.train_ids, *(s.ids for s in self.chats + self.thinking + self.tools), [self.bos]])
-        unseen = np.concatenate((self.heldout_ids, heldout_request_ids))
+        seen = np.concatenate(
+            [
+                self.train_ids,
+                *(s.ids for s in self.chats + self.thinking + self.tools + calls),
+                self.piece_ids,
+                [self.bos],
+            ]
+        )
+        unseen = np.concatenate((self.heldout_ids, heldout_request_ids, *(s.ids for s in self.heldout_calls)))
         self.vocab = torch.as_tensor(np.unique(np.concatenate((seen, unseen))))  # compact i = vocab[i]
         self.local = torch.full((shape.vocab_size,), -1, dtype=torch.long)
         self.local[self.vocab] = torch.arange(self.vocab.numel())
@@ -298,6 +304,10 @@ class Trainer:
         r, n = self.recipe, self.recipe.seq_len
         group = self.tool_groups[int(self.rng.integers(len(self.tool_groups)))]
         out = [group[int(i)] for i in self.rng.integers(len(group), size=r.tool_batch)]
+        if r.call_batch:
+            calls = self.call_groups[group[0].ids[: group[0].prefix].tobytes()]
+            out += [calls[int(i)] for i in self.rng.integers(len(calls), size=r.call_batch)]
+        out += [copy_sample(self.copy_ids, self.bos, self.rng, r.copy_lengths) for _ in range(r.copy_batch)]
         for _ in range(r.batch):
             draw = self.rng.random()
             for pool, share in ((self.chats, r.chat_fraction), (self.thinking, r.thinking_fraction)):
@@ -327,10 +337,13 @@ class Trainer:
 
     def weights(self, sample: Sample) -> torch.Tensor:
         """Per target: `call_weight` on a tool round trip's first assistant turn (the call, whose few
-        name and argument tokens decide it; its fixed DSML is soon learned), 1 elsewhere."""
+        name and argument tokens decide it; its fixed DSML is soon learned), `arg_weight` on the
+        argument and the token that closes it (the copy, the part the call gets wrong), 1 elsewhere."""
         weights = torch.ones(len(sample.ids) - 1)
         if sample.prefix:
             weights[: int(np.flatnonzero(sample.ids == self.eos)[0])] = self.recipe.call_weight
+            start, end = sample.argument
+            weights[start - 1 : end] = self.recipe.arg_weight  # target i predicts ids[i + 1]
         return weights[sample.prefix :]
 
     def hidden(self, model: ReferenceModel, samples: list[Sample]) -> torch.Tensor:
@@ -382,6 +395,25 @@ class Trainer:
         ]
 
     @torch.no_grad()
+    def argument_accuracy(self) -> tuple[float, float, float]:
+        """Teacher-forced on held-out calls: the share whose argument tokens and closing token are
+        all the argmax, the share with the first one right (found in the request) and the share of
+        later argument tokens right (each follows its predecessor's copy in the request)."""
+        model = self.model()
+        model.ops.indexer_observer = model.ops.route_observer = None
+        predicted = self.head(self.hidden(model, self.heldout_calls)).argmax(-1)
+        whole = first = later = n_later = offset = 0
+        for s in self.heldout_calls:
+            start, end = s.argument
+            span = slice(offset + start - 1 - s.prefix, offset + end - s.prefix)
+            hit = predicted[span] == self.local[torch.as_tensor(s.ids[start : end + 1])]
+            whole, first = whole + bool(hit.all()), first + bool(hit[0])
+            later, n_later = later + int(hit[1:-1].sum()), n_later + len(hit) - 2
+            offset += len(s.ids) - 1 - s.prefix
+        n = len(self.heldout_calls)
+        return whole / n, first / n, later / max(1, n_later)
+
+    @torch.no_grad()
     def heldout_loss(self, qat: bool, limit: int | None = None) -> float:
         """Mean next-token loss on the held-out text, in chunks of eval_len tokens after BOS."""
         model = self.model(qat=qat)
@@ -424,6 +456,13 @@ class Trainer:
 
 
 def log_tool_accuracy(trainer: Trainer, n: int, log: Callable[[str], None]) -> None:
+    whole, first, later = trainer.argument_accuracy()
+    log(
+        f"step {trainer.step}: held-out call arguments, teacher-forced: {whole:.0%} whole, "
+        f"{first:.0%} first token, {later:.0%} of the later tokens"
+    )
+    if not n:
+        return
     start = time.perf_counter()
     scores = trainer.tool_accuracy(n)
     log(
@@ -463,6 +502,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=Recipe.lr)
     parser.add_argument("--tool-batch", type=int, default=Recipe.tool_batch, help="tool round trips per step")
     parser.add_argument("--call-weight", type=float, default=Recipe.call_weight, help="loss weight of tool calls")
+    parser.add_argument("--arg-weight", type=float, default=Recipe.arg_weight, help="loss weight of call arguments")
+    parser.add_argument("--call-batch", type=int, default=Recipe.call_batch, help="calls with invented arguments")
+    parser.add_argument("--copy-batch", type=int, default=Recipe.copy_batch, help="synthetic copy sequences")
+    parser.add_argument("--copy-vocab", type=int, default=Recipe.copy_vocab)
+    parser.add_argument("--copy-lengths", type=int, nargs=2, default=Recipe.copy_lengths)
     parser.add_argument("--tool-evals", type=int, default=20, help="held-out tool requests per shape at each eval")
     # one thread: on the shared 2-core machine a second OpenMP thread mostly waits for the first
     parser.add_argument("--threads", type=int, default=1)
@@ -498,6 +542,11 @@ def main() -> None:
         lr=opts.lr,
         tool_batch=opts.tool_batch,
         call_weight=opts.call_weight,
+        arg_weight=opts.arg_weight,
+        call_batch=opts.call_batch,
+        copy_batch=opts.copy_batch,
+        copy_vocab=opts.copy_vocab,
+        copy_lengths=tuple(opts.copy_lengths),
     )
     began = time.perf_counter()
     shape = TWIN_K if opts.twin_k else NANO

@@ -12,13 +12,15 @@ server tokenizes a prompt, so the model learns exactly the bytes it is served:
   the tool result, and an answer quoting the start of that result.
 
 Request templates and arguments are split into a training and a held-out part (`tool_requests`),
-so tests can ask what the model never saw. Only the assistant's output is a training target in
-a tool round trip: the tools section, the request and the result are the client's text.
+so tests can ask what the model never saw; training can also invent arguments from word pieces
+(`word_pieces`) and mix in synthetic copy runs (`copy_sample`), which teach the copy alone.
+Only the assistant's output is a training target in a tool round trip: the tools section, the
+request and the result are the client's text.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,40 +58,44 @@ TOOLS: dict[str, list[dict[str, Any]]] = {
 TEMPLATES: dict[str, RenderOptions] = {"ds4": DS4, "official": OFFICIAL}
 
 # (tool, language, template); the argument closes the request, so the call copies it from the last
-# few tokens before `<｜Assistant｜>`, within the raw attention window
+# few tokens before `<｜Assistant｜>`, within the raw attention window. It is quoted: after a space
+# the tokenizer splits a word otherwise than after the call's `">` (` donazione` is ` don`+`azione`,
+# `donazione` after `">` is `don`+`azione`; no bare argument's call tokens occur in its request),
+# so only a quoted argument can be copied token for token; a path in backticks, a text in quotes.
 TRAIN_TEMPLATES = (
-    ("read", "it", "leggi il file {}"),
-    ("read", "it", "mostrami il contenuto di {}"),
-    ("read", "it", "apri {}"),
-    ("read", "en", "read the file {}"),
-    ("read", "en", "show me the content of {}"),
-    ("read", "en", "open {}"),
-    ("list", "it", "elenca i file in {}"),
-    ("list", "it", "cosa c'è nella cartella {}"),
-    ("list", "it", "mostrami la cartella {}"),
-    ("list", "en", "list the files in {}"),
-    ("list", "en", "what is in the directory {}"),
-    ("list", "en", "show me the folder {}"),
-    ("search", "it", "cerca {}"),
-    ("search", "it", "trova nei file il testo {}"),
-    ("search", "it", "cerca nei file {}"),
-    ("search", "en", "search for {}"),
-    ("search", "en", "find the text {}"),
-    ("search", "en", "search the files for {}"),
+    ("read", "it", "leggi il file `{}`"),
+    ("read", "it", "mostrami il contenuto di `{}`"),
+    ("read", "it", "apri `{}`"),
+    ("read", "en", "read the file `{}`"),
+    ("read", "en", "show me the content of `{}`"),
+    ("read", "en", "open `{}`"),
+    ("list", "it", "elenca i file in `{}`"),
+    ("list", "it", "cosa c'è nella cartella `{}`"),
+    ("list", "it", "mostrami la cartella `{}`"),
+    ("list", "en", "list the files in `{}`"),
+    ("list", "en", "what is in the directory `{}`"),
+    ("list", "en", "show me the folder `{}`"),
+    ("search", "it", 'cerca "{}"'),
+    ("search", "it", 'trova nei file il testo "{}"'),
+    ("search", "it", 'cerca nei file "{}"'),
+    ("search", "en", 'search for "{}"'),
+    ("search", "en", 'find the text "{}"'),
+    ("search", "en", 'search the files for "{}"'),
 )
 HELDOUT_TEMPLATES = (
-    ("read", "it", "per favore leggi il file {}"),
-    ("read", "en", "please read the file {}"),
-    ("list", "it", "per favore elenca i file in {}"),
-    ("list", "en", "please list the files in {}"),
-    ("search", "it", "per favore cerca {}"),
-    ("search", "en", "please search for {}"),
+    ("read", "it", "per favore leggi il file `{}`"),
+    ("read", "en", "please read the file `{}`"),
+    ("list", "it", "per favore elenca i file in `{}`"),
+    ("list", "en", "please list the files in `{}`"),
+    ("search", "it", 'per favore cerca "{}"'),
+    ("search", "en", 'please search for "{}"'),
 )
 DIRECTORIES = ("src", "docs", "tests", "lib", "data", "notes", "capitoli", "lettere", "config", "scripts")
 EXTENSIONS = (".txt", ".md", ".py", ".json")
 HELDOUT_EVERY = 5  # every fifth argument word is held out
 _SENTENCE = regex.compile(r"[^.!?]*\p{L}[^.!?]*[.!?]")
 _ASCII_WORD = regex.compile(r"\b[a-z]{4,10}\b")
+_PIECE = regex.compile(r"[a-z]+")
 QUOTE_WORDS = (4, 10)  # words of the tool result the answer quotes
 REASONING_TOKENS = (6, 40)  # the thinking passage: one sentence of this many tokens
 
@@ -109,6 +115,8 @@ class Sample:
     # ids[:prefix] are the same in many samples (a tool round trip's system prompt with the tools),
     # so training can run them once per step for all of those samples
     prefix: int = 0
+    # ids[argument[0]:argument[1]] are the argument value the first tool call copies from the request
+    argument: tuple[int, int] = (0, 0)
 
 
 def argument_words(text: str) -> tuple[list[str], list[str]]:
@@ -119,10 +127,7 @@ def argument_words(text: str) -> tuple[list[str], list[str]]:
     return [w for w in words if w not in held], heldout
 
 
-def _argument(tool: str, words: Sequence[str], rng: np.random.Generator) -> str:
-    def word() -> str:
-        return str(words[int(rng.integers(len(words)))])
-
+def _argument(tool: str, word: Callable[[], str], rng: np.random.Generator) -> str:
     if tool == "search":
         return " ".join(word() for _ in range(int(rng.integers(1, 3))))
     name = word() + (str(EXTENSIONS[int(rng.integers(len(EXTENSIONS)))]) if tool == "read" else "")
@@ -131,15 +136,50 @@ def _argument(tool: str, words: Sequence[str], rng: np.random.Generator) -> str:
     return name
 
 
-def tool_requests(text: str, n: int, seed: int, *, heldout: bool) -> list[ToolRequest]:
-    """`n` requests from the training (or held-out) templates with training (or held-out) arguments."""
+def word_pieces(text: str, tokenizer: Tokenizer) -> list[str]:
+    """The lower-case letter tokens that the book's argument words (held-out ones too) split into.
+
+    Invented arguments are made of them: a call can only copy a token the head was trained to
+    emit, and a tenth of the held-out requests hold a piece that no training word has."""
+    train_words, heldout_words = argument_words(text)
+    ids = {t for w in train_words + heldout_words for t in tokenizer.encode(w)}
+    return sorted(p for p in (tokenizer.decode([t]) for t in ids) if _PIECE.fullmatch(p))
+
+
+def copy_sample(pieces: np.ndarray, bos: int, rng: np.random.Generator, lengths: tuple[int, int]) -> Sample:
+    """A synthetic copy task: BOS, a run of random piece ids, the same run again; the repeat after
+    its first token is the target, which only attending back one run's length predicts (the
+    induction a tool call's argument needs, the call being some 30 tokens after the request)."""
+    run = pieces[rng.integers(len(pieces), size=int(rng.integers(lengths[0], lengths[1] + 1)))]
+    ids = np.concatenate(([bos], run, run))
+    trained = np.zeros(len(ids) - 1, dtype=bool)
+    trained[len(run) + 1 :] = True  # targets ids[len(run) + 2:], the repeat after its first token
+    return Sample(ids, trained)
+
+
+def tool_requests(
+    text: str, n: int, seed: int, *, heldout: bool, pieces: Sequence[str] | None = None
+) -> list[ToolRequest]:
+    """`n` requests from the training (or held-out) templates with training (or held-out) arguments;
+    with `pieces`, training templates with invented words of 1 to 3 random pieces (never a held-out
+    word), so that only copying, not a memorised word, predicts them."""
     rng = np.random.default_rng(seed)
     train_words, heldout_words = argument_words(text)
     templates, words = (HELDOUT_TEMPLATES, heldout_words) if heldout else (TRAIN_TEMPLATES, train_words)
+    held = set(heldout_words)
+
+    def word() -> str:
+        if pieces is None:
+            return str(words[int(rng.integers(len(words)))])
+        while True:
+            invented = "".join(str(pieces[int(i)]) for i in rng.integers(len(pieces), size=int(rng.integers(1, 4))))
+            if invented not in held:
+                return invented
+
     out = []
     for _ in range(n):
         tool, language, template = templates[int(rng.integers(len(templates)))]
-        argument = _argument(tool, words, rng)
+        argument = _argument(tool, word, rng)
         out.append(ToolRequest(tool, language, template.format(argument), argument))
     return out
 
@@ -238,15 +278,38 @@ class PromptEncoder:
         return self(render_conversation(messages, tools=tools, thinking=thinking, options=options).parts)
 
 
-def tool_samples(text: str, tokenizer: Tokenizer, n: int, seed: int, thinking_share: float) -> list[Sample]:
-    """`n` rendered tool round trips over training templates and arguments, in every client shape and
-    both server templates; a `thinking_share` of them in thinking mode with empty reasoning."""
+def argument_span(ids: Sequence[int], tokenizer: Tokenizer) -> tuple[int, int]:
+    """Where the first DSML call's parameter value lies in `ids`: between the `string="true">` that
+    opens it and the `</｜DSML｜parameter` that closes it (the value is text the request holds)."""
+    dsml, close, parameter = (tokenizer.token_id(t) for t in ("｜DSML｜", "</", "parameter"))
+    reply = list(ids).index(tokenizer.token_id(ASSISTANT))  # the system prompt shows the format too
+    end = next(
+        i for i in range(reply, len(ids) - 1) if ids[i] == dsml and ids[i + 1] == parameter and ids[i - 1] == close
+    )
+    opener = tokenizer.encode('="true">')
+    start = next(i for i in range(end - len(opener), reply, -1) if list(ids[i : i + len(opener)]) == opener)
+    return start + len(opener), end - 1
+
+
+def tool_samples(
+    text: str,
+    tokenizer: Tokenizer,
+    n: int,
+    seed: int,
+    thinking_share: float,
+    *,
+    heldout: bool = False,
+    pieces: Sequence[str] | None = None,
+) -> list[Sample]:
+    """`n` rendered tool round trips over training (or held-out) templates and arguments, in every
+    client shape and both server templates; a `thinking_share` of them in thinking mode with empty
+    reasoning."""
     rng = np.random.default_rng(seed + 1)
     sentences = _book_sentences(text, tokenizer)
     shapes, templates = sorted(TOOLS), sorted(TEMPLATES)
     encode = PromptEncoder(tokenizer)
     samples = []
-    for request in tool_requests(text, n, seed, heldout=False):
+    for request in tool_requests(text, n, seed, heldout=heldout, pieces=pieces):
         result = tool_result(request, sentences, rng)
         messages = round_trip(request, result, quoting_answer(request, result, rng))
         thinking = bool(rng.random() < thinking_share)
@@ -258,7 +321,8 @@ def tool_samples(text: str, tokenizer: Tokenizer, n: int, seed: int, thinking_sh
         options = TEMPLATES[templates[int(rng.integers(len(templates)))]]
         ids = encode.render(messages, tools=TOOLS[shape], thinking=thinking, options=options)
         prefix = ids.index(tokenizer.token_id(USER))  # the system prompt, the tools section in it
-        samples.append(Sample(np.asarray(ids, dtype=np.int64), assistant_targets(ids, tokenizer), prefix))
+        span = argument_span(ids, tokenizer)
+        samples.append(Sample(np.asarray(ids, dtype=np.int64), assistant_targets(ids, tokenizer), prefix, span))
     return samples
 
 
@@ -291,3 +355,9 @@ def thinking_samples(
         trained[opener - 1 : opener + 1] = False  # the end of the user turn and the prompt's <think>
         samples.append(Sample(np.asarray(ids, dtype=np.int64), trained))
     return samples
+
+
+def call_only(sample: Sample, eos: int) -> Sample:
+    """A tool round trip cut after its call's EOS: the request and the call."""
+    end = int(np.flatnonzero(sample.ids == eos)[0]) + 1
+    return Sample(sample.ids[:end], sample.trained[: end - 1], sample.prefix, sample.argument)

@@ -98,7 +98,51 @@ def test_tool_calls_parse_to_the_requested_tool_and_argument(
         assert [(c.name, c.arguments) for c in parsed.tool_calls] == [
             (request.tool, {chat_data.ARGUMENT[request.tool]: request.argument})
         ]
-        assert request.argument == request.text[-len(request.argument) :]  # copied from the request's end
+        # copied from the request's end, where it is quoted
+        assert request.text.endswith((f"`{request.argument}`", f'"{request.argument}"'))
+
+
+def test_the_call_copies_the_requests_argument_tokens(book: str, tok: Tokenizer) -> None:
+    """The call's argument is the same token ids as in the request (what a model can copy), and
+    `argument_span` finds them in the call, for held-out, training and invented requests alike."""
+    pieces = chat_data.word_pieces(book, tok)
+    for kwargs in ({"heldout": True}, {"heldout": False}, {"heldout": False, "pieces": pieces}):
+        requests = chat_data.tool_requests(book, 30, seed=5, **kwargs)
+        samples = chat_data.tool_samples(book, tok, 30, seed=5, thinking_share=0.5, **kwargs)
+        for request, sample in zip(requests, samples, strict=True):
+            start, end = sample.argument
+            ids = sample.ids.tolist()
+            assert tok.decode(ids[start:end]) == request.argument
+            assert ids[end : end + 3] == [tok.token_id(t) for t in ("</", "｜DSML｜", "parameter")]
+            request_ids = ids[sample.prefix : ids.index(tok.token_id("<｜Assistant｜>"))]
+            n = end - start
+            assert any(request_ids[i : i + n] == ids[start:end] for i in range(len(request_ids))), request.text
+
+
+def test_invented_arguments_are_book_pieces_and_never_a_heldout_word(book: str, tok: Tokenizer) -> None:
+    pieces = chat_data.word_pieces(book, tok)
+    _, heldout_words = chat_data.argument_words(book)
+    assert pieces and all(p.isascii() and p.isalpha() and p.islower() for p in pieces)
+    requests = chat_data.tool_requests(book, 300, seed=0, heldout=False, pieces=pieces)
+    train_texts = {r.text for r in chat_data.tool_requests(book, 300, seed=0, heldout=False)}
+    assert not train_texts & {r.text for r in requests}  # other arguments than the book words'
+    for request in requests:
+        words = request.argument.replace("/", " ").replace(".", " ").split()
+        words = [w for w in words if w not in chat_data.DIRECTORIES and f".{w}" not in chat_data.EXTENSIONS]
+        assert not set(words) & set(heldout_words)
+        assert all(w.isascii() and w.isalpha() and w.islower() for w in words)
+
+
+def test_copy_sample_repeats_a_run_and_trains_only_the_repeat() -> None:
+    pieces = np.arange(100, 200)
+    for seed in range(5):
+        sample = chat_data.copy_sample(pieces, 0, np.random.default_rng(seed), (3, 9))
+        n = (len(sample.ids) - 1) // 2
+        assert 3 <= n <= 9 and sample.ids[0] == 0
+        assert sample.ids[1 : n + 1].tolist() == sample.ids[n + 1 :].tolist()
+        assert set(sample.ids[1:].tolist()) <= set(pieces.tolist())
+        # targets are the repeat's tokens after its first one (that one nothing predicts)
+        assert np.flatnonzero(sample.trained).tolist() == list(range(n + 1, 2 * n))
 
 
 def test_answer_quotes_the_tool_result(book: str, tok: Tokenizer) -> None:
