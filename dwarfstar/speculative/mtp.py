@@ -113,6 +113,11 @@ def _draft_view(model: ModelFile, gguf: GGUFFile, layout: str, path: Path) -> Mo
             raise ModelFileError(f"{path}: the MTP block does not fit {model.path}: {exc}") from exc
     sources = {own: (gguf, name) for own, name in tt.mtp_block_names(model.args, layout).items()}
     for shared in (tt.EMBED, tt.OUTPUT):
+        if shared not in model.gguf.tensors:  # a pipeline stage maps only the parts of a split set it holds
+            raise ModelFileError(
+                f"the MTP draft shares the model's {shared}, which {model.path} does not map here (a route's "
+                "last stage of a split set maps only its own parts; drafting there is not supported yet)"
+            )
         sources[shared] = (model.gguf, shared)
     return ModelFile(path, DraftFile(sources, dict(gguf.metadata)), tt.mtp_block_args(model.args))  # type: ignore[arg-type]
 
