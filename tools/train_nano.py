@@ -397,8 +397,9 @@ class Trainer:
     @torch.no_grad()
     def argument_accuracy(self) -> tuple[float, float, float]:
         """Teacher-forced on held-out calls: the share whose argument tokens and closing token are
-        all the argmax, the share with the first one right (found in the request) and the share of
-        later argument tokens right (each follows its predecessor's copy in the request)."""
+        all the argmax, the share with the first one right (found in the request; a directory is
+        one of ten, so it can be guessed) and the share of later argument tokens right (each
+        follows its predecessor's copy in the request; an extension is one of four)."""
         model = self.model()
         model.ops.indexer_observer = model.ops.route_observer = None
         predicted = self.head(self.hidden(model, self.heldout_calls)).argmax(-1)
