@@ -117,43 +117,38 @@ def bench_dist(
             report(_measure(load_engine(model, backend, ctx=ctx).backend, 1, prompt, decode_tokens, ctx))
             typer.echo(f"  this process: {resident_mib(os.getpid())}")
             continue
-        plan = plans[count]
-        stage_addr = f"{host}:{int(port) + n}"  # a fresh port per run: the last one's may still be closing
-        workers = []
-        if spawn:
-            for layers in plan[1:]:
-                argv = [
-                    sys.executable,
-                    "-m",
-                    "dwarfstar",
-                    "run",
-                    "-m",
-                    str(model),
-                    "--backend",
-                    backend,
-                    "-c",
-                    str(ctx),
-                ]
-                argv += ["--dist-role", "worker", "--layers", str(layers), "--dist-addr", stage_addr]
-                workers.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
-        else:
-            typer.echo(
-                f"waiting for workers at {stage_addr}: " + ", ".join(f"--layers {p}" for p in plan[1:]), err=True
-            )
+        # a fresh port per run: the last one's may still be closing
         opts = DistOptions.resolved(
-            role="coordinator", layers=str(plan[0]), addr=stage_addr, bits=dist_activation_bits,
-            prefill_chunk=dist_prefill_chunk, prefill_window=dist_prefill_window, wait_s=timeout, timeout_s=timeout,
+            role="coordinator", layers=str(plans[count][0]), addr=f"{host}:{int(port) + n}",
+            bits=dist_activation_bits, prefill_chunk=dist_prefill_chunk, prefill_window=dist_prefill_window,
+            wait_s=timeout, timeout_s=timeout,
         )  # fmt: skip
-        engine = load_engine(model, backend, ctx=ctx, layers=(plan[0].first, plan[0].last))
-        route = start_coordinator(engine, opts, ctx)
-        try:
-            report(_measure(RouteBackend(route), count, prompt, decode_tokens, ctx, route))
-            for layers, proc in zip(plan[1:], workers, strict=False):
-                typer.echo(f"  worker {layers}: {resident_mib(proc.pid)}")
-        finally:
-            route.close()
-            for proc in workers:
-                proc.wait(timeout=60)
+        _run_route(model, backend, plans[count], opts, spawn, prompt, decode_tokens, ctx)
+
+
+def _run_route(
+    model: Path, backend: str, plan: list, opts: DistOptions, spawn: bool, prompt: list[int], decode: int, ctx: int
+) -> None:
+    """One stage count's run. Its own function so that its engine is freed before the next count loads
+    its slice: a PRO-shaped coordinator holds gigabytes of float32 weights on the reference backend."""
+    workers = []
+    if spawn:
+        for layers in plan[1:]:
+            argv = [sys.executable, "-m", "dwarfstar", "run", "-m", str(model), "--backend", backend, "-c", str(ctx)]
+            argv += ["--dist-role", "worker", "--layers", str(layers), "--dist-addr", opts.addr]
+            workers.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
+    else:
+        typer.echo(f"waiting for workers at {opts.addr}: " + ", ".join(f"--layers {p}" for p in plan[1:]), err=True)
+    engine = load_engine(model, backend, ctx=ctx, layers=(plan[0].first, plan[0].last))
+    route = start_coordinator(engine, opts, ctx)
+    try:
+        report(_measure(RouteBackend(route), len(plan), prompt, decode, ctx, route))
+        for layers, proc in zip(plan[1:], workers, strict=False):
+            typer.echo(f"  worker {layers}: {resident_mib(proc.pid)}")
+    finally:
+        route.close()
+        for proc in workers:
+            proc.wait(timeout=60)
 
 
 def report(fig: Figures) -> None:
