@@ -142,7 +142,7 @@ def agent(
     if ctx > engine.model.args.max_seq_len:
         note(f"--ctx {ctx} is more than this model holds; using {engine.model.args.max_seq_len}", "yellow")
         ctx = engine.model.args.max_seq_len
-    route = join_route(engine, dist, ctx)  # a worker serves its layers here and exits; a coordinator routes
+    route = join_route(engine, dist, ctx, speculation)  # a worker serves its layers and exits; a coordinator routes
     try:
         mode, warning = allowed_mode(think_mode(think, think_max), ctx)
         if warning:
