@@ -169,27 +169,6 @@ class Speculator:
     def state(self):
         return self.session.state
 
-    # the track's parts under their earlier names (a local track's)
-    @property
-    def draft_state(self) -> SequenceState:
-        return self.track.state
-
-    @property
-    def hidden(self) -> Any:
-        return self.track.hidden
-
-    @hidden.setter
-    def hidden(self, value: Any) -> None:
-        self.track.hidden = value
-
-    @property
-    def last(self) -> tuple[torch.Tensor, Any] | None:
-        return self.track.last
-
-    @last.setter
-    def last(self, value: tuple[torch.Tensor, Any] | None) -> None:
-        self.track.last = value
-
     # -- the target ----------------------------------------------------------------------------------------
     def _run(self, tokens: list[int], known: list[int], all_logits: bool) -> torch.Tensor:
         """Run tokens through the target, keep their streams for the draft, feed the draft what it can."""

@@ -91,7 +91,7 @@ def test_model_tokens_follow_plain_sampling(engines):
     spec = Speculator(Session(backend, ctx=CTX, chunk=CHUNK), load_draft(backend, engine.model), 1)
     spec.drafter = SkewedTargetDrafter(skew=4.0)
     spec.prefill(PROMPT)
-    start = (spec.state.snapshot(), spec.draft_state.snapshot(), spec.hidden, spec.last)
+    start = (spec.state.snapshot(), spec.track.state.snapshot(), spec.track.hidden, spec.track.last)
 
     p1 = rule_probabilities(spec.state.logits, params)
     expected = {}
@@ -105,8 +105,8 @@ def test_model_tokens_follow_plain_sampling(engines):
     trials, counts = 150, Counter()
     for seed in range(trials):
         spec.state.restore(start[0])
-        spec.draft_state.restore(start[1])
-        spec.hidden, spec.last = start[2], start[3]
+        spec.track.state.restore(start[1])
+        spec.track.hidden, spec.track.last = start[2], start[3]
         tokens = list(itertools.islice(spec.generate(3, SamplingParams(**{**params.__dict__, "seed": seed})), 2))
         counts[tuple(tokens)] += 1
     drafted, accepted = spec.stats.drafted[0], spec.stats.accepted[0]

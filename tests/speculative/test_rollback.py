@@ -111,10 +111,10 @@ def test_draft_window_holds_only_true_rows(mtp_files):
     spec = speculative(engine.backend, draft, PROMPT, 3)
     list(spec.generate(40, GREEDY))
     tokens = spec.session.tokens
-    assert spec.draft_state.pos == len(tokens) - 1  # the last row waits for the next token
+    assert spec.track.state.pos == len(tokens) - 1  # the last row waits for the next token
 
     _, streams = engine.backend.forward_streams(tokens, engine.backend.new_state())
     fresh = draft.new_state()
     draft.rows(streams[:-1], tokens[1:], fresh)
-    got, want = spec.draft_state.host_parts(0)["raw"], fresh.host_parts(0)["raw"]
+    got, want = spec.track.state.host_parts(0)["raw"], fresh.host_parts(0)["raw"]
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
