@@ -26,6 +26,7 @@ import torch
 
 from dwarfstar.errors import DwarfStarError, ModelFileError
 from dwarfstar.gguf.reader import GGUFFile, TensorInfo
+from dwarfstar.gguf.split import PartName, find_parts
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import ARCH
 from dwarfstar.model.forward import Transformer
@@ -113,13 +114,24 @@ def _draft_view(model: ModelFile, gguf: GGUFFile, layout: str, path: Path) -> Mo
             raise ModelFileError(f"{path}: the MTP block does not fit {model.path}: {exc}") from exc
     sources = {own: (gguf, name) for own, name in tt.mtp_block_names(model.args, layout).items()}
     for shared in (tt.EMBED, tt.OUTPUT):
-        if shared not in model.gguf.tensors:  # a pipeline stage maps only the parts of a split set it holds
-            raise ModelFileError(
-                f"the MTP draft shares the model's {shared}, which {model.path} does not map here (a route's "
-                "last stage of a split set maps only its own parts; drafting there is not supported yet)"
-            )
-        sources[shared] = (model.gguf, shared)
+        sources[shared] = (model.gguf if shared in model.gguf.tensors else _set_part_holding(model, shared), shared)
     return ModelFile(path, DraftFile(sources, dict(gguf.metadata)), tt.mtp_block_args(model.args))  # type: ignore[arg-type]
+
+
+def _set_part_holding(model: ModelFile, name: str) -> GGUFFile:
+    """The part of `model`'s split set holding a tensor the stage did not map: a route's last stage
+    maps only the output part, but its draft shares the embedding, which is in the first. Mapping that
+    part pages in only the embedding rows the draft looks up; it stays mapped as long as the draft."""
+    named = PartName.of(model.path)
+    for part in find_parts(named) if named is not None else []:
+        if part.path not in model.parts:
+            held = GGUFFile(part.path)
+            if name in held.tensors:
+                return held
+            held.close()
+    raise ModelFileError(
+        f"the MTP draft shares the model's {name}, which neither {model.path} nor another part of its set holds"
+    )
 
 
 class MTPInput:
