@@ -15,11 +15,28 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dwarfstar.commands.bench import bench_app
+from dwarfstar.commands.dist_options import (
+    DistAddr,
+    DistBackend,
+    DistBind,
+    DistBits,
+    DistDebug,
+    DistLayers,
+    DistPrefillChunk,
+    DistPrefillWindow,
+    DistRole,
+    DistSecret,
+    DistStages,
+    DistTimeout,
+    dist_options,
+    join_route,
+)
 from dwarfstar.commands.prompt_tools import default_bench_text
 from dwarfstar.commands.steer import DirSteeringAttn, DirSteeringFfn, DirSteeringFile, steering_options
 from dwarfstar.engine import BACKENDS, load_engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.hub import resolve_model
+from dwarfstar.model.loader import ModelFile, open_model
 from dwarfstar.speedbench import Row, frontiers, plot, read_bench_tokens, run_bench, weight_bytes_per_token, write_csv
 from dwarfstar.terminal import loading, note, stderr_console
 from dwarfstar.throttle import throttle
@@ -62,6 +79,18 @@ def bench(
         bool, typer.Option("--mtp", help="Instead: MTP speculation, with and without (as `bench mtp`; -n tokens).")
     ] = False,
     mtp_drafts: Annotated[str, typer.Option(help="With --mtp: draft counts, comma-separated.")] = "1,2,3",
+    dist_role: DistRole = None,
+    layers: DistLayers = None,
+    dist_addr: DistAddr = None,
+    dist_bind: DistBind = None,
+    dist_stages: DistStages = 2,
+    dist_activation_bits: DistBits = 32,
+    dist_prefill_chunk: DistPrefillChunk = 4096,
+    dist_prefill_window: DistPrefillWindow = 1,
+    dist_timeout: DistTimeout = 600.0,
+    dist_secret: DistSecret = "",
+    dist_backend: DistBackend = "gloo",
+    debug: DistDebug = False,
 ) -> None:
     """Prefill and decode speed at growing context sizes, ds4-bench style; subcommands measure other parts."""
     if context.invoked_subcommand is not None:
@@ -79,14 +108,53 @@ def bench(
         text = text_path.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise DwarfStarError(f"cannot read {text_path}: {exc.strerror or exc}") from None
+    dist = dist_options(
+        dist_role, layers, dist_addr, dist_bind, dist_stages, dist_activation_bits, dist_prefill_chunk,
+        dist_prefill_window, dist_timeout, dist_secret, dist_backend, debug,
+    )  # fmt: skip
     path = resolve_model(model)
     with loading(path) as progress:
-        engine = load_engine(path, backend, ctx=alloc, progress=progress, steering=steering)
-    tokens = read_bench_tokens(engine.tokenizer.encode, text, points[-1])
-    note(
-        f"{path.name} on {engine.backend_name}: {len(points)} frontiers {points[0]}..{points[-1]}, "
-        f"{gen_tokens} gen tokens each; weights read per token {weight_bytes_per_token(engine.model) / 1e6:.1f} MB"
-    )
+        engine = load_engine(
+            path, backend, ctx=alloc, progress=progress, steering=steering, layers=dist.stage_layers(path)
+        )
+    route = join_route(engine, dist, alloc)  # a worker serves its layers here and exits; a coordinator routes
+    table = engine.model if route is None else _whole_table(path)
+    try:
+        tokens = read_bench_tokens(engine.tokenizer.encode, text, points[-1])
+        note(
+            f"{path.name} on {engine.backend_name}{'' if route is None else ' (a route)'}: {len(points)} frontiers "
+            f"{points[0]}..{points[-1]}, {gen_tokens} gen tokens each; weights read per token "
+            f"{weight_bytes_per_token(table) / 1e6:.1f} MB"
+        )
+        rows = _measure(engine.backend, table, tokens, points, gen_tokens, alloc, power)
+    finally:
+        if route is not None:
+            route.close()
+            table.close()
+    if csv_out is None:
+        write_csv(rows, sys.stdout)
+    else:
+        with csv_out.open("w", encoding="utf-8") as out:
+            write_csv(rows, out)
+        note(f"wrote {csv_out}")
+    if plot_out is not None:
+        plot(rows, plot_out, f"{path.name} ({engine.backend_name}), {gen_tokens} gen tokens per frontier")
+        note(f"wrote {plot_out}")
+
+
+def _whole_table(path: Path) -> ModelFile:
+    """The whole model's tensor table, for the weights a token reads on every stage of a route (a
+    coordinator maps only its own layers, and of a split set only its own parts)."""
+    try:
+        return open_model(path)
+    except DwarfStarError as exc:
+        raise DwarfStarError(
+            "bench on a route counts the weights every stage reads from the whole model's tensor table, "
+            f"which needs every part of the model next to the coordinator's: {exc}"
+        ) from None
+
+
+def _measure(backend, table: ModelFile, tokens, points, gen_tokens: int, alloc: int, power: int) -> list[Row]:
     with Progress(
         TextColumn("bench"),
         BarColumn(),
@@ -97,9 +165,9 @@ def bench(
         transient=True,
     ) as progress:
         task = progress.add_task("bench", total=points[-1] + gen_tokens * len(points))
-        rows = run_bench(
-            throttle(engine.backend, power),
-            engine.model,
+        return run_bench(
+            throttle(backend, power),
+            table,
             tokens,
             points,
             gen_tokens,
@@ -107,12 +175,3 @@ def bench(
             on_row=lambda row: progress.console.print(_row_line(row), markup=False, highlight=False, soft_wrap=True),
             on_tokens=lambda n: progress.advance(task, n),
         )
-    if csv_out is None:
-        write_csv(rows, sys.stdout)
-    else:
-        with csv_out.open("w", encoding="utf-8") as out:
-            write_csv(rows, out)
-        note(f"wrote {csv_out}")
-    if plot_out is not None:
-        plot(rows, plot_out, f"{path.name} ({engine.backend_name}), {gen_tokens} gen tokens per frontier")
-        note(f"wrote {plot_out}")

@@ -123,6 +123,7 @@ def clusters(tiny_model_file, tmp_path_factory):
         "fragile": Cluster(tiny, ["0:3", "3:output"], logs, die_at_rows=DIE_AT_ROWS),
         "nano2": Cluster(nano, ["0:2", "2:output"], logs),
         "cli": Cluster(tiny, ["0:3", "3:output"], logs, cli=True),  # its coordinator is a `run` in the test
+        "bench": Cluster(tiny, ["0:3", "3:output"], logs, cli=True),  # and this one's a `bench`
         # MTP drafting on the last stage, without QAT rounding (where greedy speculation is bit-exact)
         "mtp2": Cluster(nano, ["0:2", "2:output"], logs, mtp=nano.with_name(BUNDLED_MTP), qat=False),
         "mtp3": Cluster(nano, ["0:2", "2:4", "4:output"], logs, mtp=nano.with_name(BUNDLED_MTP), qat=False),

@@ -1,15 +1,20 @@
 """`dwarfstar bench dist`: one process, then a 2-stage route whose worker the bench spawns itself,
-with each hop's layers and the bytes it moved."""
+with each hop's layers and the bytes it moved. And `dwarfstar bench` (the context frontiers) as a
+route's coordinator."""
 
 from __future__ import annotations
 
+import csv
 import re
 
+import pytest
 from conftest import free_port
 from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
+from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY
+from dwarfstar.speedbench import kv_bytes_read, weight_bytes_per_token
 
 
 def test_bench_dist_runs_one_process_then_a_spawned_route(tiny_model_file):
@@ -29,3 +34,27 @@ def test_bench_dist_runs_one_process_then_a_spawned_route(tiny_model_file):
     payload = 4 * TINY.dim * 4 + TINY.vocab_size * 4
     assert payload <= moved < payload + 1024
     assert re.search(r"^  worker 3:output: resident \d+ MiB", done.output, re.M)
+
+
+def frontier_rows(tiny, out, *extra: str) -> list[dict[str, str]]:
+    _register_commands()
+    args = ["bench", "-m", str(tiny), "--backend", "reference", "--ctx-start", "16", "--ctx-max", "32"]
+    done = CliRunner().invoke(app, [*args, "--step-incr", "16", "-n", "4", "--csv", str(out), *extra])
+    assert done.exit_code == 0, done.output
+    with out.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_bench_runs_on_a_coordinator(clusters, tiny_model_file, tmp_path):
+    cluster, tiny = clusters["bench"], tiny_model_file(0)
+    one = frontier_rows(tiny, tmp_path / "one.csv")
+    route = ["--dist-role", "coordinator", "--layers", "0:3", "--dist-addr", cluster.addr, "--dist-timeout", "300"]
+    routed = frontier_rows(tiny, tmp_path / "route.csv", *route)
+    fixed = ("ctx_tokens", "prefill_tokens", "gen_tokens", "kvcache_bytes")
+    assert [[r[k] for k in fixed] for r in routed] == [[r[k] for k in fixed] for r in one]
+    # GB/s counts the weights of every stage, not only the coordinator's 3 layers
+    weights = weight_bytes_per_token(open_model(tiny))
+    for row in routed:
+        expected = (weights + kv_bytes_read(TINY, int(row["ctx_tokens"]), 4)) * float(row["gen_tps"]) / 1e9
+        assert float(row["gen_gbps"]) == pytest.approx(expected, abs=0.006, rel=0.01)
+    assert cluster.workers["3:output"].wait(timeout=60) == 0  # the coordinator's exit shut the worker down
