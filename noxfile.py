@@ -71,6 +71,10 @@ def clients(session: nox.Session) -> None:
     session.run(
         "npm", "install", "--prefix", folder, "--no-audit", "--no-fund", "--ignore-scripts", *CLIENTS, external=True
     )
+    # but Claude Code's and opencode's own bins are stubs until their postinstalls link the platform
+    # binary in (a local link or copy, no download): run just those two
+    for postinstall in ("@anthropic-ai/claude-code/install.cjs", "opencode-ai/postinstall.mjs"):
+        session.run("node", f"{folder}/node_modules/{postinstall}", external=True)
     session.run(sys.executable, "tools/clients_check.py", "--clients", folder, *session.posargs, external=True)
 
 
