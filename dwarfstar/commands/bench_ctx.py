@@ -118,8 +118,8 @@ def bench(
             path, backend, ctx=alloc, progress=progress, steering=steering, layers=dist.stage_layers(path)
         )
     route = join_route(engine, dist, alloc)  # a worker serves its layers here and exits; a coordinator routes
-    table = engine.model if route is None else _whole_table(path)
     try:
+        table = engine.model if route is None else _whole_table(path)
         tokens = read_bench_tokens(engine.tokenizer.encode, text, points[-1])
         note(
             f"{path.name} on {engine.backend_name}{'' if route is None else ' (a route)'}: {len(points)} frontiers "
@@ -127,10 +127,11 @@ def bench(
             f"{weight_bytes_per_token(table) / 1e6:.1f} MB"
         )
         rows = _measure(engine.backend, table, tokens, points, gen_tokens, alloc, power)
+        if table is not engine.model:
+            table.close()
     finally:
         if route is not None:
             route.close()
-            table.close()
     if csv_out is None:
         write_csv(rows, sys.stdout)
     else:
