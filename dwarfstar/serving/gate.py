@@ -61,7 +61,22 @@ class Gate:
                 error = ApiError(401, message, code="invalid_api_key")
                 await error_response(error, dialect_of(scope["path"], headers))(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+        completed = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal completed
+            await send(message)
+            completed = message["type"] == "http.response.body" and not message.get("more_body", False)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception:
+            # Starlette re-raises an unhandled error once its handler (`server_error`) has logged it
+            # and sent the 500. Re-raised into uvicorn, it would be logged again and the connection
+            # closed under a client that may already be sending its next request on it (a reset).
+            # A response that was not completed still goes up, for uvicorn to close the connection.
+            if not completed:
+                raise
 
     @staticmethod
     def _with_cors(send: Send) -> Send:
