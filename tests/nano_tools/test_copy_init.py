@@ -1,0 +1,68 @@
+"""The copy circuit planted in the nano model's initial weights (dwarfstar/train/induction.py): before
+any training, layer 0's head 0 attends to the previous token and layer 1's head 0 to the token after
+the earlier occurrence of the current one, in the nano shape and the 256-wide twin's; plain random
+weights attend to neither."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dwarfstar.backends.reference import ops
+from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.model.config import ModelArgs, flash_compress_ratios
+from dwarfstar.train.induction import plant_copy_circuit
+from dwarfstar.train.params import ParamWeights, init_params
+
+VOCAB = 600
+RUN = 20  # a run of random tokens, then the same run again: the repeat is RUN tokens back
+NANO = ModelArgs(
+    n_layers=6, dim=96, vocab_size=VOCAB, n_heads=4, head_dim=64, rope_dim=16, q_lora_rank=64, o_groups=2,
+    o_lora_rank=64, n_routed_experts=8, n_activated_experts=2, moe_inter_dim=128, n_hash_layers=2, window=64,
+    compress_ratios=flash_compress_ratios(6), index_n_heads=4, index_head_dim=32, index_topk=16,
+)  # fmt: skip
+TWIN = NANO.with_(dim=256, moe_inter_dim=256)
+
+
+def attention_mass(args: ModelArgs, planted: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[float, float]:
+    """Mean attention of layer 0's head 0 on the previous token and of layer 1's head 0 on the
+    induction target, over the repeat of four copy sequences."""
+    params = init_params(args, seed=0)
+    if planted:
+        plant_copy_circuit(params, args, seed=0)
+    model = ReferenceModel.from_weights(args, ParamWeights(params), qat=False)
+    probs: list[torch.Tensor] = []
+    attend = ops.sink_attention_probs
+
+    def spy(*inputs: torch.Tensor) -> torch.Tensor:
+        probs.append(attend(*inputs))
+        return probs[-1]
+
+    monkeypatch.setattr(ops, "sink_attention_probs", spy)
+    rng = np.random.default_rng(1)
+    previous, induction = [], []
+    for _ in range(4):
+        run = rng.integers(2, VOCAB, size=RUN)
+        tokens = torch.as_tensor(np.concatenate(([0], run, run)))
+        probs.clear()
+        with torch.no_grad():
+            model.hidden_batch([tokens], [model.new_state()])
+        first, second = probs[0][:, 0], probs[1][:, 0]  # [T, keys] of head 0
+        for t in range(RUN + 2, len(tokens)):  # tokens[t] repeats tokens[t - RUN]
+            previous.append(float(first[t, t - 1]))
+            induction.append(float(second[t, t - RUN + 1]))
+    return float(np.mean(previous)), float(np.mean(induction))
+
+
+@pytest.mark.parametrize("args", [NANO, TWIN], ids=["nano", "twin"])
+def test_planted_heads_attend_to_the_previous_token_and_the_induction_target(
+    args: ModelArgs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    previous, induction = attention_mass(args, planted=True, monkeypatch=monkeypatch)
+    assert previous > 0.8 and induction > 0.8, (previous, induction)
+
+
+def test_random_weights_attend_to_neither(monkeypatch: pytest.MonkeyPatch) -> None:
+    previous, induction = attention_mass(NANO, planted=False, monkeypatch=monkeypatch)
+    assert previous < 0.2 and induction < 0.2, (previous, induction)
