@@ -6,12 +6,14 @@ import copy
 import gc
 import io
 
+import numpy as np
 import pytest
 import torch
 
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.loader import open_model
+from dwarfstar.model.pages import PAGE_ROWS
 from dwarfstar.model.state import ROW_STEP, KVCache, SplitRows, TorchStorage, layer_compressors
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.session.payload import PayloadError, read_payload, write_payload
@@ -38,12 +40,15 @@ def test_slots_are_preallocated_reused_and_never_move():
     kv = cache(ctx=1000, slots=2)
     a, b = kv.new_state(), kv.new_state()
     assert len(kv.blocks) == 1 and kv.slots_in_use == 2
-    # every row part holds the whole context, in multiples of ROW_STEP
-    rows = a.part(2, "attn_rows")
-    assert rows.shape[0] % ROW_STEP == 0 and rows.shape[0] >= 1000 // 4
-    pointer = rows.data_ptr()
+    # a slot's page table reaches the whole context, in multiples of ROW_STEP, and the block's pool
+    # has a page for every entry of its tables
+    table = a.row_pages(4).table
+    assert table.shape[1] * PAGE_ROWS % ROW_STEP == 0 and table.shape[1] * PAGE_ROWS >= 1000 // 4
+    pool = a.parts(2)["attn_rows"]
+    assert pool.shape[:2] == (2 * table.shape[1], PAGE_ROWS)
+    pointer = pool.data_ptr()
     c = kv.new_state()  # a third sequence opens a second block; the first block's arrays stay put
-    assert len(kv.blocks) == 2 and a.part(2, "attn_rows").data_ptr() == pointer
+    assert len(kv.blocks) == 2 and a.parts(2)["attn_rows"].data_ptr() == pointer
     slot = b.slot
     del b
     gc.collect()
@@ -122,10 +127,10 @@ def test_a_compact_cache_keeps_rounded_dims_in_bf16_and_gives_the_same_payload(t
     write_payload(buf, src, TINY, ctx, 64)
     read_payload(buf.getvalue(), TINY, ctx, 64, lambda: compact)
     ratio4 = next(il for il in range(TINY.n_layers) if TINY.layer(il).compress_ratio == 4)
-    rows = compact.part(ratio4, "attn_rows")
+    rows = compact.parts(ratio4)["attn_rows"]
     nope = TINY.head_dim - TINY.rope_dim
     assert isinstance(rows, SplitRows) and rows.exact.dtype == torch.bfloat16 and rows.exact.shape[-1] == nope
-    assert rows.rest.dtype == torch.float32 and compact.part(ratio4, "indexer_rows").dtype == torch.bfloat16
+    assert rows.rest.dtype == torch.float32 and compact.parts(ratio4)["indexer_rows"].dtype == torch.bfloat16
     for il in range(TINY.n_layers):
         want, got = src.host_parts(il), compact.host_parts(il)
         assert all((want[k] == got[k]).all() for k in want), il
@@ -142,3 +147,86 @@ def test_compact_rows_at_flash_widths_take_the_bytes_of_their_layout():
     assert storage.row_nbytes(specs["attn"].dim, specs["attn"].exact_dims) == 448 * 2 + 64 * 4
     assert storage.row_nbytes(specs["indexer"].dim, specs["indexer"].exact_dims) == 128 * 2
     assert TorchStorage().row_nbytes(specs["attn"].dim, specs["attn"].exact_dims) == 512 * 4
+
+
+def rows_of(state, n_layers: int) -> dict[str, torch.Tensor]:
+    return {f"{il}/{k}": v for il in range(n_layers) for k, v in state.host_parts(il).items() if k.endswith("_rows")}
+
+
+def test_a_fork_shares_its_parents_pages_until_one_of_them_writes_there(tiny):
+    """A fork points its page tables at its parent's row pages instead of copying them. A write
+    into a shared page (each continues past the fork, inside the partly filled last page) first
+    gives the writer a copy of its own, so neither sees the other's rows, and each continues exactly
+    as a sequence that was never forked."""
+    model = ReferenceModel(tiny, kv_slots=4)
+    prompt = torch.randint(3, TINY.vocab_size, (600,), generator=torch.Generator().manual_seed(5)).tolist()
+    parent = model.new_state()
+    model.forward(prompt, parent, all_logits=False)
+    pages = model.cache.pages_in_use()
+    assert pages == 3 + 1  # ratio 4: 150 rows in pages of 64; ratio 128: 4 rows
+    shared_rows = rows_of(parent, TINY.n_layers)
+    twin = copy.deepcopy(parent)
+    assert model.cache.pages_in_use() == pages  # shared, not copied
+    assert (twin.row_pages(4).host[twin.index] == parent.row_pages(4).host[parent.index]).all()
+    alone = model.new_state()  # the same prompt, never forked
+    model.forward(prompt, alone, all_logits=False)
+    assert model.cache.pages_in_use() == 2 * pages
+    # the pool's accounting: each holder counts half of a shared page, so the pair counts its rows once
+    row_bytes = {4: 0, 128: 0}  # a row of every layer of the ratio, float32
+    for specs in layer_compressors(TINY):
+        for spec in specs.values():
+            row_bytes[spec.ratio] += 4 * spec.dim
+    page_bytes = PAGE_ROWS * (3 * row_bytes[4] + row_bytes[128])
+    assert parent.nbytes() == twin.nbytes() and 2 * alone.nbytes() - 2 * twin.nbytes() == page_bytes
+
+    parent_next = model.forward([11, 12], parent)
+    # the parent wrote into the last page of each ratio, which it shared: it took a copy of each
+    assert model.cache.pages_in_use() == 2 * pages + 2
+    twin_next = model.forward([21, 22], twin)
+    assert model.cache.pages_in_use() == 2 * pages + 2  # the twin now holds the old last pages alone
+    assert torch.equal(parent_next, model.forward([11, 12], copy.deepcopy(alone)))
+    assert torch.equal(twin_next, model.forward([21, 22], copy.deepcopy(alone)))
+    for name, rows in rows_of(twin, TINY.n_layers).items():  # below the fork: the parent's rows, untouched
+        assert np.array_equal(rows[: len(shared_rows[name])], shared_rows[name]), name
+    used = model.cache.pages_in_use()
+    del twin
+    gc.collect()
+    assert model.cache.pages_in_use() == used - 2  # only the pages it held alone are freed
+
+
+def test_a_rewind_into_pages_a_fork_shares_copies_them_first(tiny):
+    """The parent goes back below the fork (a snapshot restore) and writes other rows there: the
+    pages it rewrites are copied first, so the fork's rows and continuation stay its own."""
+    model = ReferenceModel(tiny, kv_slots=4)
+    gen = torch.Generator().manual_seed(6)
+    prompt = torch.randint(3, TINY.vocab_size, (520,), generator=gen).tolist()
+    other = torch.randint(3, TINY.vocab_size, (300,), generator=gen).tolist()
+    parent = model.new_state()
+    model.forward(prompt[:200], parent, all_logits=False)
+    early = parent.snapshot()
+    model.forward(prompt[200:], parent, all_logits=False)
+    twin = copy.deepcopy(parent)
+    want = rows_of(twin, TINY.n_layers)
+    parent.restore(early)
+    model.forward(other, parent, all_logits=False)  # rows 50..124 of ratio 4: pages 0 and 1, both shared
+    assert rows_of(twin, TINY.n_layers).keys() == want.keys()
+    for name, rows in rows_of(twin, TINY.n_layers).items():
+        assert np.array_equal(rows, want[name]), name
+    fresh, redone = model.new_state(), model.new_state()  # the same chunks, never forked
+    for state, tail in ((fresh, prompt[200:]), (redone, other)):
+        model.forward(prompt[:200], state, all_logits=False)
+        model.forward(tail, state, all_logits=False)
+    assert torch.equal(model.forward([7], twin), model.forward([7], fresh))
+    assert torch.equal(model.forward([7], parent), model.forward([7], redone))
+
+
+def test_a_fork_the_cache_puts_in_another_block_gets_copies(tiny):
+    """Pools are per cache block: a fork placed in a new block (the first is full) copies the rows."""
+    model = ReferenceModel(tiny, kv_slots=1)
+    parent = model.new_state()
+    model.forward(list(range(3, 303)), parent, all_logits=False)
+    twin = copy.deepcopy(parent)
+    assert twin.block != parent.block
+    for name, rows in rows_of(parent, TINY.n_layers).items():
+        assert np.array_equal(rows_of(twin, TINY.n_layers)[name], rows), name
+    assert torch.equal(model.forward([9], twin), model.forward([9], copy.deepcopy(parent)))

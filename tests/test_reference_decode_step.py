@@ -31,9 +31,11 @@ def test_a_batched_decode_step_leaves_each_sequence_as_one_prefill_does(model_fi
     assert (len({s.block for s in states}) == 1) == (kv_slots == 4)
     for state in states:  # rows not written yet are uninitialised memory: make reading one show
         for il in range(model.args.n_layers):
-            for name in state.parts(il):
-                if name == "raw" or name.endswith("_rows"):
+            for name, array in state.parts(il).items():
+                if name == "raw":
                     state.part(il, name).fill_(float("nan"))
+                elif name.endswith("_rows"):  # the block's row pool, every page of it
+                    array.fill_(float("nan"))
     for n, state in zip(STARTS, states, strict=True):
         model.forward(PROMPT[:n], state, all_logits=False)
     stepped = []

@@ -31,8 +31,8 @@ class RouteSnapshot(StateSnapshot):
 
 
 class RouteState(SequenceState):
-    def __init__(self, route: Route) -> None:
-        super().__init__(route.local.cache)
+    def __init__(self, route: Route, near: int | None = None) -> None:
+        super().__init__(route.local.cache, near)
         self.route = route
         self.session_id = route.new_session_id()
         self.dirty = False  # the workers lost this session (a worker was replaced): replay before use
@@ -140,17 +140,7 @@ class RouteState(SequenceState):
     def __deepcopy__(self, memo: dict) -> RouteState:
         """A fork: a new session id on every stage holding the same sequence."""
         self.route.sync(self)
-        twin = RouteState(self.route)
-        twin.rewinds, twin.ancestors = list(self.rewinds), {**self.ancestors, self.serial: self.pos}
-        for il in range(self.route.local_layers.last):
-            SequenceState.write(twin, il, "raw", SequenceState.part(self, il, "raw"))
-            for kind in self.cache.compressors[il]:
-                for name in (f"{kind}_kv", f"{kind}_gate"):
-                    SequenceState.write(twin, il, name, SequenceState.part(self, il, name))
-                rows = SequenceState.rows(self, il, kind)
-                if rows.shape[0]:
-                    SequenceState.write(twin, il, f"{kind}_rows", rows)
-        twin.pos, twin.tokens = self.pos, list(self.tokens)
-        twin.logits = None if self.logits is None else self.logits.clone()
+        twin = RouteState(self.route, near=self.slot[0])
+        self.fork_into(twin)  # the coordinator's layers (its cache holds no others)
         self.route.fork(self, twin)
         return twin

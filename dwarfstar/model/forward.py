@@ -215,11 +215,13 @@ class Transformer(Generic[A]):
 
     # -- entry points ------------------------------------------------------------------------------------
     def batch(self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState]) -> Batch:
-        """Validate a call (context, vocabulary, repeated states) before any state changes."""
+        """Validate a call (context, vocabulary, repeated states) before any state changes, then
+        give each state row pages of its own where the call writes (`SequenceState.reserve`)."""
         chunks = check_batch(token_lists, states, self.args.vocab_size, self.max_seq_len)
         seqs, row = [], 0
         for tokens, state in zip(chunks, states, strict=True):
             if tokens.numel():
+                state.reserve(state.pos, state.pos + tokens.numel())
                 seqs.append(Segment(state, tokens, state.pos, slice(row, row + tokens.numel())))
                 row += tokens.numel()
         return Batch(seqs)

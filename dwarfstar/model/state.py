@@ -10,29 +10,35 @@ whose first half feeds the next row (overlap), rows 4..7 the window in progress 
 Ratio 128 keeps [128, dim] rows, row p mod 128. Slots not yet written hold kv 0 and gate -inf, so
 a softmax over them gives them weight 0.
 
-Storage. `KVCache` holds each part of each layer for a block of sequences in one preallocated array,
-`[slots, ...]`: the raw window is a ring of `window` rows (position p in row p mod window), the row
-parts have a fixed capacity for the context (ctx // ratio, rounded up to `ROW_STEP`), the frontiers
-their fixed shapes. A pipeline stage's cache holds only its layers (`layers`, a range of the
-model's): parts are keyed by the global layer index, so a layer's arrays have one name on every
-stage, and the other layers have no arrays at all. When every slot is taken a new block is added, so
-the arrays of a live slot never move or grow: kernels write rows by index, and a captured decode
-step keeps its addresses. The backend picks the arrays through `Storage` (torch on its device, or
-MLX arrays), and their precision: the reference and MLX keep float32; a compact `TorchStorage`
-(Triton with QAT rounding) keeps each row part's QAT-rounded dims, exactly representable in bf16, in
-bf16 (`SplitRows` when the RoPE dims, which are not rounded, stay float32). Every reader gets the
-float32 values, so payloads are the same bytes whichever layout held them.
+Storage. `KVCache` holds each part of each layer for a block of sequences in preallocated arrays:
+the raw window is a ring of `window` rows per slot (position p in row p mod window), the frontiers
+have their fixed shapes per slot, `[slots, ...]`. The compressed rows live in the pages of a pool
+that the block's slots share, `[pages, PAGE_ROWS, dim]`, each slot finding its rows through a page
+table per ratio (`pages.py`) that reaches a whole context (ctx // ratio rows, rounded up to
+`ROW_STEP`); a fork shares its parent's pages instead of copying them. A pipeline stage's cache
+holds only its layers (`layers`, a range of the model's): parts are keyed by the global layer index,
+so a layer's arrays have one name on every stage, and the other layers have no arrays at all. When
+every slot is taken a new block is added, so the arrays of a live slot never move or grow: kernels
+write rows by index, and a captured decode step keeps its addresses. The backend picks the arrays
+through `Storage` (torch on its device, or MLX arrays), and their precision: the reference and MLX
+keep float32; a compact `TorchStorage` (Triton with QAT rounding) keeps each row part's QAT-rounded
+dims, exactly representable in bf16, in bf16 (`SplitRows` when the RoPE dims, which are not
+rounded, stay float32). Every reader gets the float32 values, so payloads are the same bytes
+whichever layout held them.
 
 Handle. `SequenceState` is a slot plus pos, tokens and logits; the slot returns to its cache when
-the handle is dropped. A ratio-r layer has emitted pos // r rows, so no row counts are kept.
-Snapshots copy the small fixed parts (raw ring, frontiers, logits) and share the rows, which are
-append-only; `rewinds` remembers where the state was rewound to, so a snapshot taken further along,
-whose rows may since have been overwritten, is refused instead of read.
+the handle is dropped, with its row pages. A ratio-r layer has emitted pos // r rows, so no row
+counts are kept. Before a forward pass writes rows, `reserve` gives the state pages of its own under
+them (copying a page it shares first), so a write never reaches another state's rows. Snapshots
+copy the small fixed parts (raw ring, frontiers, logits) and share the rows, which are append-only;
+`rewinds` remembers where the state was rewound to, so a snapshot taken further along, whose rows
+may since have been overwritten, is refused instead of read.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +49,7 @@ import torch
 
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.pages import PAGE_ROWS, RowPages
 
 # Row capacities are multiples of 64: Triton specialises kernels on integer arguments divisible by
 # 16, so every slot's row arrays share one compiled variant whatever the context.
@@ -67,6 +74,18 @@ class Storage(Protocol):
 
     def row_nbytes(self, dim: int, exact_dims: int) -> int:
         """Bytes a row of `rows(..., exact_dims)` takes."""
+        ...
+
+    def table(self, shape: tuple[int, ...]) -> Any:
+        """A zeroed int32 array: a page table, read by kernels where the rows are."""
+        ...
+
+    def take_rows(self, pool: Any, pages: np.ndarray, offsets: np.ndarray) -> Any:
+        """Rows of a row pool [pages, PAGE_ROWS, dim]: row offsets[i] of page pages[i], [n, dim]."""
+        ...
+
+    def put_rows(self, pool: Any, pages: np.ndarray, offsets: np.ndarray, value: Any) -> None:
+        """Float32 rows `value` [n, dim] into row offsets[i] of page pages[i], in the pool's layout."""
         ...
 
     def copy(self, a: Any) -> Any: ...
@@ -109,11 +128,12 @@ class SplitRows:
         self.exact[key] = value.exact
         self.rest[key] = value.rest
 
-    def index_copy_(self, index: torch.Tensor, value: torch.Tensor) -> None:
-        """Rows `value` [n, dim] into rows `index` of the flattened leading dims."""
+    def index_copy_(self, index: torch.Tensor, value: SplitRows | torch.Tensor) -> None:
+        """Rows `value` [n, dim] (float32, or split) into rows `index` of the flattened leading dims."""
         e = self.exact.shape[-1]
-        self.exact.view(-1, e).index_copy_(0, index, value[:, :e].to(self.exact.dtype))
-        self.rest.view(-1, self.rest.shape[-1]).index_copy_(0, index, value[:, e:])
+        exact, rest = (value.exact, value.rest) if isinstance(value, SplitRows) else (value[:, :e], value[:, e:])
+        self.exact.view(-1, e).index_copy_(0, index, exact.to(self.exact.dtype))
+        self.rest.view(-1, self.rest.shape[-1]).index_copy_(0, index, rest)
 
     def zero_(self) -> SplitRows:
         self.exact.zero_()
@@ -122,6 +142,15 @@ class SplitRows:
 
     def float(self) -> torch.Tensor:
         return torch.cat((self.exact.float(), self.rest), dim=-1)
+
+
+def index_copy_rows(rows: torch.Tensor | SplitRows, index: torch.Tensor, value: torch.Tensor) -> None:
+    """Float32 rows `value` [n, dim] into rows `index` (int64, on the rows' device) of the flattened
+    leading dims of a row array, in its layout (float32, bf16, or split)."""
+    if isinstance(rows, SplitRows):
+        rows.index_copy_(index, value)
+    else:
+        rows.view(-1, rows.shape[-1]).index_copy_(0, index, value.to(rows.dtype))
 
 
 @dataclass(frozen=True)
@@ -155,6 +184,18 @@ class TorchStorage:
         if not self.compact:
             return dim * self.element_size
         return 2 * exact_dims + (dim - exact_dims) * self.element_size
+
+    def table(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.full(shape, 0, torch.int32)
+
+    def take_rows(self, pool: torch.Tensor | SplitRows, pages: np.ndarray, offsets: np.ndarray) -> Any:
+        return pool[self._index(pages), self._index(offsets)]
+
+    def put_rows(self, pool: torch.Tensor | SplitRows, pages: np.ndarray, offsets: np.ndarray, value: Any) -> None:
+        index_copy_rows(pool, self._index(pages * pool.shape[1] + offsets), value)
+
+    def _index(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
 
     def copy(self, a: torch.Tensor) -> torch.Tensor:
         return a.clone()
@@ -225,9 +266,19 @@ class KVCache:
         self.args, self.ctx, self.storage, self.block_slots = args, ctx, storage, block_slots
         # every layer's specs, held or not: a route's coordinator names its workers' parts by them
         self.compressors = layer_compressors(args)
-        self.blocks: list[dict[int, dict[str, Any]]] = []  # block -> global layer -> part name -> [slots, ...]
+        self.blocks: list[dict[int, dict[str, Any]]] = []  # block -> global layer -> part name -> array
+        self.pages: list[dict[int, RowPages]] = []  # block -> ratio -> its page tables
         self.free: list[tuple[int, int]] = []
         self._serial = itertools.count()
+        # slots and pages are taken and given back from more than one thread: the engine's, the disk
+        # cache's reader (a restored state) and writer (a saved state's frozen copy, released there);
+        # reentrant, as a state dropped while it is held (a collection) gives its slot back
+        self.lock = threading.RLock()
+        # the held layers' compressors by ratio: one page table serves them all
+        self.ratios: dict[int, list[tuple[int, str]]] = {}
+        for il in self.layers:
+            for kind, spec in self.compressors[il].items():
+                self.ratios.setdefault(spec.ratio, []).append((il, kind))
 
     def capacity(self, ratio: int) -> int:
         """Rows a slot holds at `ratio`: every row of a full context, plus the row in progress, which a
@@ -236,25 +287,32 @@ class KVCache:
 
     def _add_block(self) -> None:
         a, n, full = self.args, self.block_slots, self.storage.full
+        tables = {r: (n, self.capacity(r) // PAGE_ROWS) for r in self.ratios}  # [slots, pages a slot can hold]
+        pages = {r: RowPages(*shape, self.storage.table(shape)) for r, shape in tables.items()}
         block = {}
         for il in self.layers:
             # left undefined like the rows (and a reused slot holds its last owner's): a reader of
             # rows it has not written masks them itself (the reference decode step zeroes them)
             parts = {"raw": full((n, a.window, a.head_dim), None)}
             for kind, spec in self.compressors[il].items():
-                parts[f"{kind}_rows"] = self.storage.rows((n, self.capacity(spec.ratio), spec.dim), spec.exact_dims)
+                pool = (len(pages[spec.ratio].holders), PAGE_ROWS, spec.dim)
+                parts[f"{kind}_rows"] = self.storage.rows(pool, spec.exact_dims)
                 parts[f"{kind}_kv"] = full((n, *spec.frontier_shape), 0.0)
                 parts[f"{kind}_gate"] = full((n, *spec.frontier_shape), float("-inf"))
             block[il] = parts
         self.blocks.append(block)
+        self.pages.append(pages)
         b = len(self.blocks) - 1
         self.free.extend((b, i) for i in reversed(range(n)))
 
-    def acquire(self) -> tuple[int, int]:
-        """A free slot (block, index) with empty frontiers."""
-        if not self.free:
-            self._add_block()
-        block, index = slot = self.free.pop()
+    def acquire(self, near: int | None = None) -> tuple[int, int]:
+        """A free slot (block, index) with empty frontiers: one of block `near` when it has one (a
+        fork there shares its parent's row pages)."""
+        with self.lock:
+            if not self.free:
+                self._add_block()
+            mine = [i for i, slot in enumerate(self.free) if slot[0] == near]
+            block, index = slot = self.free.pop(mine[-1] if mine else -1)
         for il, layer in self.blocks[block].items():
             for kind in self.compressors[il]:
                 layer[f"{kind}_kv"][index] = 0.0
@@ -262,7 +320,14 @@ class KVCache:
         return slot
 
     def release(self, slot: tuple[int, int]) -> None:
-        self.free.append(slot)
+        with self.lock:
+            for pages in self.pages[slot[0]].values():
+                pages.release(slot[1])
+            self.free.append(slot)
+
+    def pages_in_use(self) -> int:
+        """Row pages held by some sequence, over every block and ratio."""
+        return sum(pages.pages_in_use for block in self.pages for pages in block.values())
 
     @property
     def slots_in_use(self) -> int:
@@ -275,9 +340,10 @@ class KVCache:
 class SequenceState:
     """A sequence's slot in a `KVCache`, with its position, tokens and next-token logits."""
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: KVCache, near: int | None = None) -> None:
+        """`near`: a cache block to take the slot in when it has one free."""
         self.cache = cache
-        self.slot = cache.acquire()
+        self.slot = cache.acquire(near)
         self.serial = next(cache._serial)  # tells snapshots of this state from those of a slot's earlier owner
         self.pos = 0
         self.tokens: list[int] = []
@@ -307,13 +373,46 @@ class SequenceState:
         return self.cache, self.slot[0]
 
     def part(self, il: int, name: str) -> Any:
-        """This slot's array of a part: `raw` [window, head_dim] (a ring), `{kind}_rows` [capacity,
-        dim], `{kind}_kv` / `{kind}_gate` (the frontier). Torch gives a view, written in place."""
+        """This slot's array of a part: `raw` [window, head_dim] (a ring), `{kind}_kv` /
+        `{kind}_gate` (the frontier). Torch gives a view, written in place. The compressed rows
+        are paged: read them with `rows`, find them with `row_pages`."""
+        if name.endswith("_rows"):
+            raise DwarfStarError(f"{name} are paged: read them with rows(), address them through row_pages()")
         return self.parts(il)[name][self.index]
 
     def write(self, il: int, name: str, value: Any, lo: int = 0) -> None:
         """Store rows lo.. of a part (an assignment into the block, which MLX arrays need)."""
-        self.parts(il)[name][self.index, lo : lo + value.shape[0]] = value
+        if name.endswith("_rows"):
+            self._write_rows(il, name.removesuffix("_rows"), value, lo)
+        else:
+            self.parts(il)[name][self.index, lo : lo + value.shape[0]] = value
+
+    def row_pages(self, ratio: int) -> RowPages:
+        """The page tables of the state's block for the rows of `ratio` (index them with `index`)."""
+        return self.cache.pages[self.slot[0]][ratio]
+
+    def reserve(self, start: int, end: int) -> None:
+        """Pages of the state's own under every row tokens start..end-1 write: the rows they
+        complete and the row in progress, which a batched decode step writes unseen. A page shared
+        with another state (a fork) is copied first, in every layer of its ratio."""
+        with self.cache.lock:  # until the copies are made: a shared page is freed once its last holder goes
+            for ratio, compressors in self.cache.ratios.items():
+                copies = self.row_pages(ratio).make_writable(self.index, start // ratio, (end - 1) // ratio + 1)
+                if copies:
+                    parts = self.cache.blocks[self.slot[0]]
+                    for il, kind in compressors:
+                        pool = parts[il][f"{kind}_rows"]
+                        for shared, own in copies:
+                            pool[own] = pool[shared]
+
+    def _write_rows(self, il: int, kind: str, value: Any, lo: int) -> None:
+        spec = self.cache.compressors[il][kind]
+        hi = lo + value.shape[0]
+        if hi == lo:
+            return
+        self.reserve(lo * spec.ratio, hi * spec.ratio)
+        pages, offsets = self.row_pages(spec.ratio).locate(self.index, np.arange(lo, hi))
+        self.cache.storage.put_rows(self.parts(il)[f"{kind}_rows"], pages, offsets, value)
 
     def compressor(self, il: int, kind: str) -> CompressorSpec | None:
         return self.cache.compressors[il].get(kind)
@@ -343,9 +442,12 @@ class SequenceState:
             self.write(il, "raw", rows[first:], 0)
 
     def rows(self, il: int, kind: str, end: int | None = None) -> Any:
-        """The compressed rows emitted by the tokens before position `end` (default: pos)."""
+        """The compressed rows emitted by the tokens before position `end` (default: pos), gathered
+        from their pages [n, dim]."""
         spec = self.cache.compressors[il][kind]
-        return self.part(il, f"{kind}_rows")[: (self.pos if end is None else end) // spec.ratio]
+        n = (self.pos if end is None else end) // spec.ratio
+        pages, offsets = self.row_pages(spec.ratio).locate(self.index, np.arange(n))
+        return self.cache.storage.take_rows(self.parts(il)[f"{kind}_rows"], pages, offsets)
 
     def host_parts(self, il: int) -> dict[str, np.ndarray]:
         """Layer il's live contents on the host, float32: `raw` oldest first, each compressor's rows
@@ -396,24 +498,37 @@ class SequenceState:
 
     def __deepcopy__(self, memo: dict) -> SequenceState:
         """A fork: a new slot of the same cache holding the same sequence (the cache is not copied).
-        The twin still restores this state's snapshots up to the fork, so a forked session keeps its
+        Its compressed rows are its parent's pages, shared until one of them writes there (a twin
+        the cache had to put in another block, whose pool is another array, gets copies). The twin
+        still restores this state's snapshots up to the fork, so a forked session keeps its
         checkpoints."""
-        twin = SequenceState(self.cache)
-        twin.rewinds, twin.ancestors = list(self.rewinds), {**self.ancestors, self.serial: self.pos}
-        for il in self.cache.layers:
-            twin.write(il, "raw", self.part(il, "raw"))
-            for kind in self.cache.compressors[il]:
-                for name in (f"{kind}_kv", f"{kind}_gate"):
-                    twin.write(il, name, self.part(il, name))
-                rows = self.rows(il, kind)
-                if rows.shape[0]:
-                    twin.write(il, f"{kind}_rows", rows)
-        twin.pos, twin.tokens = self.pos, list(self.tokens)
-        twin.logits = None if self.logits is None else self.logits.clone()
+        twin = SequenceState(self.cache, near=self.slot[0])
+        self.fork_into(twin)
         return twin
 
+    def fork_into(self, twin: SequenceState) -> None:
+        """Make the fresh state `twin` (a slot of this cache) hold this state's sequence."""
+        twin.rewinds, twin.ancestors = list(self.rewinds), {**self.ancestors, self.serial: self.pos}
+        for il in self.cache.layers:
+            SequenceState.write(twin, il, "raw", SequenceState.part(self, il, "raw"))
+            for kind in self.cache.compressors[il]:
+                for name in (f"{kind}_kv", f"{kind}_gate"):
+                    SequenceState.write(twin, il, name, SequenceState.part(self, il, name))
+        for ratio, compressors in self.cache.ratios.items():
+            if twin.slot[0] == self.slot[0]:
+                with self.cache.lock:
+                    self.row_pages(ratio).share(self.index, twin.index, self.pos // ratio)
+                continue
+            for il, kind in compressors:
+                rows = SequenceState.rows(self, il, kind)
+                if rows.shape[0]:
+                    SequenceState.write(twin, il, f"{kind}_rows", rows)
+        twin.pos, twin.tokens = self.pos, list(self.tokens)
+        twin.logits = None if self.logits is None else self.logits.clone()
+
     def nbytes(self) -> int:
-        """Bytes the sequence uses (raw window, rows, frontiers, logits), not counting spare capacity."""
+        """Bytes the sequence uses: raw window, frontiers, logits, and its row pages, a page shared
+        with other states counted as its share (so the states of a cache sum to the pages in use)."""
         storage = self.cache.storage
         total = 0 if self.logits is None else self.logits.numel() * self.logits.element_size()
         elements = self.n_raw * self.cache.args.head_dim * len(self.cache.layers)
@@ -421,7 +536,10 @@ class SequenceState:
             for spec in self.cache.compressors[il].values():
                 rows, cols = spec.frontier_shape
                 elements += 2 * rows * cols
-                total += (self.pos // spec.ratio) * storage.row_nbytes(spec.dim, spec.exact_dims)
+        for ratio, compressors in self.cache.ratios.items():
+            specs = (self.cache.compressors[il][kind] for il, kind in compressors)
+            row = sum(storage.row_nbytes(spec.dim, spec.exact_dims) for spec in specs)
+            total += round(self.row_pages(ratio).share_of(self.index) * PAGE_ROWS * row)
         return total + elements * storage.element_size
 
 

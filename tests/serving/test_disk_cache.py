@@ -97,7 +97,8 @@ class MetaStates:
 
 def state_tensors(state: SequenceState) -> list[torch.Tensor]:
     layers = range(state.cache.args.n_layers)
-    return [state.logits] + [state.part(il, name) for il in layers for name in state.parts(il)]
+    tables = [pages.table for pages in state.cache.pages[state.slot[0]].values()]
+    return [state.logits, *tables] + [array for il in layers for array in state.parts(il).values()]
 
 
 def test_a_cache_hit_is_loaded_onto_the_backends_device(engine, tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels import attention as at
-from dwarfstar.model.state import SplitRows
+from dwarfstar.backends.triton.runtime import PagedRows
 
 HEADS, DIM, ROPE, WINDOW = 4, 128, 32, 8
 
@@ -44,7 +44,8 @@ def test_all_visible_compressed_rows_at_a_boundary(split, device):
     q, rows, comp, sinks, inv = setup(t, WINDOW, 6, device, seed=1)
     cs = angles_at(p0, t, inv, device)
     pos = torch.tensor([p0], dtype=torch.int32, device=device)
-    got = at.attention(q, rows, WINDOW, WINDOW, sinks, cs, ROPE, pos, comp_rows=comp, ratio=ratio, split=split)
+    paged = PagedRows.scattered(comp)
+    got = at.attention(q, rows, WINDOW, WINDOW, sinks, cs, ROPE, pos, comp_rows=paged, ratio=ratio, split=split)
     want = at.reference(q, rows, WINDOW, WINDOW, sinks, cs, p0, comp_rows=comp, ratio=ratio)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -56,7 +57,8 @@ def test_selected_rows_with_padding(split, device):
     selected = torch.tensor([[0, 3, 5, -1], [6, 1, -1, -1], [-1, -1, -1, -1]], dtype=torch.int32, device=device)
     cs = angles_at(p0, t, inv, device)
     pos = torch.tensor([p0], dtype=torch.int32, device=device)
-    got = at.attention(q, rows, WINDOW, WINDOW, sinks, cs, ROPE, pos, comp_rows=comp, selected=selected, split=split)
+    paged = PagedRows.scattered(comp)
+    got = at.attention(q, rows, WINDOW, WINDOW, sinks, cs, ROPE, pos, comp_rows=paged, selected=selected, split=split)
     want = at.reference(q, rows, WINDOW, WINDOW, sinks, cs, p0, comp_rows=comp, selected=selected)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -67,7 +69,8 @@ def test_fast_precision_stays_close(device):
     q, rows, comp, sinks, inv = setup(2, WINDOW, 5, device, seed=3)
     cs = angles_at(50, 2, inv, device)
     pos = torch.tensor([50], dtype=torch.int32, device=device)
-    got = at.attention(q, rows, WINDOW, WINDOW, sinks, cs, ROPE, pos, comp_rows=comp, ratio=128, precision=FAST)
+    paged = PagedRows.scattered(comp)
+    got = at.attention(q, rows, WINDOW, WINDOW, sinks, cs, ROPE, pos, comp_rows=paged, ratio=128, precision=FAST)
     want = at.reference(q, rows, WINDOW, WINDOW, sinks, cs, 50, comp_rows=comp, ratio=128)
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert 1e-6 < err < 3e-2
@@ -79,7 +82,8 @@ def test_split_none_chooses_from_the_device(device):
     q, rows, comp, sinks, inv = setup(1, WINDOW, 12, device, seed=4)  # rows 0..9 visible at p = 40
     cs = angles_at(p0, 1, inv, device)
     pos = torch.tensor([p0], dtype=torch.int32, device=device)
-    got = at.attention(q, rows, WINDOW, WINDOW, sinks, cs, ROPE, pos, comp_rows=comp, ratio=4, split=None)
+    paged = PagedRows.scattered(comp)
+    got = at.attention(q, rows, WINDOW, WINDOW, sinks, cs, ROPE, pos, comp_rows=paged, ratio=4, split=None)
     want = at.reference(q, rows, WINDOW, WINDOW, sinks, cs, p0, comp_rows=comp, ratio=4)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -118,7 +122,7 @@ def test_a_batch_of_sequences_in_cache_slots_matches_each_alone(kind, device):
     pos, slot = (torch.tensor(v, dtype=torch.int32, device=device) for v in (positions, slots))
     got = at.attention_batch(
         q.to(device), rings.to(device), sinks.to(device), tuple(a.to(device) for a in cs), ROPE, pos, slot,
-        comp_rows=None if kind == "window" else comp.to(device), comp_bound=capacity, ratio=ratio,
+        comp_rows=None if kind == "window" else PagedRows.scattered(comp.to(device)), comp_bound=capacity, ratio=ratio,
         selected=None if selected is None else selected.to(device),
     )  # fmt: skip
     for b, (p, s) in enumerate(zip(positions, slots, strict=True)):
@@ -151,7 +155,7 @@ def test_compact_rows_read_as_their_float32_values(kind, device):
     rings = torch.randn(2, WINDOW, DIM, generator=gen)
     comp = torch.randn(2, capacity, DIM, generator=gen)
     comp[..., :exact] = comp[..., :exact].bfloat16().float()  # what QAT rounding guarantees
-    split = SplitRows(comp[..., :exact].bfloat16().to(device), comp[..., exact:].contiguous().to(device))
+    split = PagedRows.scattered(comp.to(device), exact_dims=exact)
     sinks = 0.5 * torch.randn(HEADS, generator=gen)
     inv = 10000.0 ** (-torch.arange(0, ROPE, 2, dtype=torch.float64) / ROPE)
     cs = tuple(a.to(device) for a in ops.rope_angles(torch.tensor(positions), inv))
@@ -159,12 +163,38 @@ def test_compact_rows_read_as_their_float32_values(kind, device):
     pos, slot = (torch.tensor(v, dtype=torch.int32, device=device) for v in (positions, slots))
     common = dict(comp_bound=capacity, ratio=4, selected=selected)
     args = (q.to(device), rings.to(device), sinks.to(device), cs, ROPE, pos, slot)
-    whole = at.attention_batch(*args, comp_rows=comp.to(device), **common)
+    whole = at.attention_batch(*args, comp_rows=PagedRows.scattered(comp.to(device)), **common)
     assert torch.equal(at.attention_batch(*args, comp_rows=split, **common), whole)
     chunk = dict(ratio=4, selected=None if selected is None else selected[:1])
     rows = gathered_window(rings[slots[0]], positions[0]).to(device)
     one = (q[:1].to(device), rows, rows.shape[0] - 1, WINDOW, sinks.to(device), (cs[0][:1], cs[1][:1]), ROPE, pos[:1])
     assert torch.equal(
-        at.attention(*one, comp_rows=split[slots[0]], **chunk),
-        at.attention(*one, comp_rows=comp[slots[0]].to(device), **chunk),
+        at.attention(*one, comp_rows=PagedRows(split.pool, split.table[slots[0]]), **chunk),
+        at.attention(*one, comp_rows=PagedRows.scattered(comp[slots[0]].to(device)), **chunk),
     )
+
+
+@pytest.mark.parametrize("selection", [False, True])
+def test_rows_across_pages_in_any_order(selection, device):
+    """176 visible rows of a ratio-4 layer at p = 703 span three pages of the pool, laid out in a
+    shuffled order (as forks leave them): the chunk and batch kernels read each row through its
+    page table, and equal the reference on the same rows kept contiguous."""
+    p0, n_comp = 703, 180
+    q, rows, comp, sinks, inv = setup(1, WINDOW, n_comp, device, seed=9)
+    cs = angles_at(p0, 1, inv, device)
+    pos = torch.tensor([p0], dtype=torch.int32, device=device)
+    # rows at both ends of every page, and past a page's end, in a scrambled order
+    picks = [0, 63, 64, 127, 128, 175, 100, 5] if selection else None
+    selected = None if picks is None else torch.tensor([picks], dtype=torch.int32, device=device)
+    common = dict(ratio=4, selected=selected)
+    want = at.reference(q, rows, WINDOW, WINDOW, sinks, cs, p0, comp_rows=comp, **common)
+    paged = PagedRows.scattered(comp, seed=5)
+    assert paged.table.tolist() != sorted(paged.table.tolist())  # pages out of order
+    got = at.attention(q, rows, WINDOW, WINDOW, sinks, cs, ROPE, pos, comp_rows=paged, split=2, **common)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    block = PagedRows.scattered(torch.stack((torch.zeros_like(comp), comp)), seed=6)  # the sequence in slot 1
+    ring = torch.zeros(2, WINDOW, DIM, device=device)
+    ring[1, torch.arange(p0 - WINDOW + 1, p0 + 1) % WINDOW] = rows[1:]
+    slot = torch.tensor([1], dtype=torch.int32, device=device)
+    got = at.attention_batch(q, ring, sinks, cs, ROPE, pos, slot, comp_rows=block, comp_bound=256, **common)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ import torch
 
 from dwarfstar.backends.triton.kernels import indexer_scores as ix
 from dwarfstar.backends.triton.kernels import topk
+from dwarfstar.backends.triton.runtime import PagedRows
 
 
 def test_scores_and_selection_across_a_chunk(device):
@@ -16,7 +17,7 @@ def test_scores_and_selection_across_a_chunk(device):
     w = weights_wide[:, 3 : 3 + heads]  # a strided column slice, as the fused projection gives it
     rows = torch.randn(capacity, dim, generator=gen).to(device)
     pos = torch.tensor([p0], dtype=torch.int32, device=device)
-    scores, valid = ix.indexer_scores(q, w, rows, pos, ratio=4)
+    scores, valid = ix.indexer_scores(q, w, PagedRows.scattered(rows), capacity, pos, ratio=4)
     want = ix.reference(q, w, rows, p0, 4)
     assert valid.tolist() == [3, 3, 4, 4, 4, 4]
     visible = torch.isfinite(want)
@@ -30,7 +31,8 @@ def test_scores_and_selection_across_a_chunk(device):
 def test_no_visible_rows_yet(device):
     q = torch.randn(2, 16, 64).to(device)
     pos = torch.tensor([0], dtype=torch.int32, device=device)
-    scores, valid = ix.indexer_scores(q, torch.randn(2, 16).to(device), torch.zeros(16, 64).to(device), pos, 4)
+    rows = PagedRows.scattered(torch.zeros(16, 64).to(device))
+    scores, valid = ix.indexer_scores(q, torch.randn(2, 16).to(device), rows, 16, pos, 4)
     assert valid.tolist() == [0, 0]
     assert topk.topk_indices(scores, valid, 4).tolist() == [[-1] * 4] * 2
 
@@ -45,9 +47,28 @@ def test_a_batch_of_sequences_in_cache_slots_scores_each_alone(device):
     w = torch.randn(3, heads, generator=gen)
     block = torch.randn(4, capacity, dim, generator=gen)
     pos, slot = (torch.tensor(v, dtype=torch.int32, device=device) for v in (positions, slots))
-    scores, valid = ix.indexer_scores_batch(q.to(device), w.to(device), block.to(device), pos, slot, bound, ratio=4)
+    paged = PagedRows.scattered(block.to(device))
+    scores, valid = ix.indexer_scores_batch(q.to(device), w.to(device), paged, pos, slot, bound, ratio=4)
     assert scores.shape == (3, bound) and valid.tolist() == [0, 7, 10]
     for b, (p, s) in enumerate(zip(positions, slots, strict=True)):
         want = ix.reference(q[b : b + 1], w[b : b + 1], block[s, :bound], p, 4)
         visible = torch.isfinite(want)
         torch.testing.assert_close(scores[b : b + 1].cpu()[visible], want[visible], rtol=1e-5, atol=1e-5)
+
+
+def test_rows_across_pages_in_any_order(device):
+    """Queries at 700..702 see 175 rows spanning three pages of the pool, laid out in a shuffled
+    order: each block of rows is read from the page its table names."""
+    gen = torch.Generator().manual_seed(2)
+    t, heads, dim, p0, bound = 3, 16, 64, 700, 256
+    q = torch.randn(t, heads, dim, generator=gen).to(device)
+    w = torch.randn(t, heads, generator=gen).to(device)
+    rows = torch.randn(190, dim, generator=gen).to(device)
+    paged = PagedRows.scattered(rows, seed=4)
+    assert paged.table.tolist() != sorted(paged.table.tolist())
+    pos = torch.tensor([p0], dtype=torch.int32, device=device)
+    scores, valid = ix.indexer_scores(q, w, paged, bound, pos, ratio=4)
+    assert valid.tolist() == [175, 175, 175]
+    want = ix.reference(q, w, rows, p0, 4)
+    visible = torch.isfinite(want)
+    torch.testing.assert_close(scores[:, :190][visible], want[visible], rtol=1e-5, atol=1e-5)

@@ -32,6 +32,16 @@ class MLXStorage:
     def row_nbytes(self, dim: int, exact_dims: int) -> int:
         return dim * self.element_size
 
+    def table(self, shape: tuple[int, ...]) -> np.ndarray:
+        # the MLX ops gather rows by host indices (`take_rows`): no kernel reads a table here
+        return np.zeros(shape, dtype=np.int32)
+
+    def take_rows(self, pool: mx.array, pages: np.ndarray, offsets: np.ndarray) -> mx.array:
+        return pool[mx.array(pages), mx.array(offsets)]
+
+    def put_rows(self, pool: mx.array, pages: np.ndarray, offsets: np.ndarray, value: mx.array) -> None:
+        pool[mx.array(pages), mx.array(offsets)] = value
+
     def copy(self, a: mx.array) -> mx.array:
         return mx.array(a)
 

@@ -20,7 +20,8 @@ from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import LayerSpec, ModelArgs, yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, Transformer
 from dwarfstar.model.loader import ModelFile
-from dwarfstar.model.state import TorchStorage
+from dwarfstar.model.pages import PAGE_ROWS
+from dwarfstar.model.state import SequenceState, TorchStorage
 from dwarfstar.model.tensors import ProjectionGroup
 from dwarfstar.session.sampling import sample_batch
 
@@ -304,7 +305,7 @@ class ReferenceOps:
         """Write value[i] into a part of the i-th decode-step sequence (of those `which` picks): the
         whole array, or its row at[i]."""
         slots = batch.aux["decode_slots"]
-        if slots is not None:
+        if slots is not None and not name.endswith("_rows"):  # rows go through their pages, one by one
             part, index = batch.seqs[0].state.parts(il)[name], slots if which is None else slots[which]
             part[(index,) if at is None else (index, at)] = value
             return
@@ -332,9 +333,23 @@ class ReferenceOps:
     def _slot_rows(self, il: int, kind: str, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step's compressed rows [B, n, dim], n the most any sequence has, and which are its
         own [B, n]: those its windows completed, the row its token just finished included."""
-        counts = (batch.aux["positions"] + 1) // self.layers[il].spec.compress_ratio
+        ratio = self.layers[il].spec.compress_ratio
+        counts = (batch.aux["positions"] + 1) // ratio
         n = int(counts.max())
-        return self._gather(il, f"{kind}_rows", batch, n), torch.arange(n)[None, :] < counts[:, None]
+        at, slots = torch.arange(n), batch.aux["decode_slots"]
+        if slots is not None:  # one index op: page (by each slot's table) and row in the page
+            state = batch.seqs[0].state
+            pages = state.row_pages(ratio).table[slots][:, at // PAGE_ROWS].long()
+            rows = state.parts(il)[f"{kind}_rows"][pages, at % PAGE_ROWS]
+        else:
+            rows = torch.stack([self._table_rows(il, kind, s.state, at) for s in batch.seqs])
+        return rows, at[None, :] < counts[:, None]
+
+    @staticmethod
+    def _table_rows(il: int, kind: str, state: SequenceState, at: torch.Tensor) -> torch.Tensor:
+        """Rows `at` of the state's pages; where it has none, whatever its table's entry points at."""
+        pages = state.row_pages(state.compressor(il, kind).ratio).table[state.index, at // PAGE_ROWS].long()
+        return state.parts(il)[f"{kind}_rows"][pages, at % PAGE_ROWS]
 
     def _decode_attention(self, il: int, q: torch.Tensor, kv: torch.Tensor, batch: Batch, selected) -> torch.Tensor:
         """Sink attention of a decode step, [B, H, D] before the inverse RoPE: each token's row goes

@@ -57,11 +57,18 @@ def capture(run: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], 
 class DecodeGraphs:
     def __init__(self, model: TritonModel) -> None:
         self.model = model
-        # the slot that takes a bucket's spare rows: zeroed, so padding computes finite values
+        # the slot that takes a bucket's spare rows: zeroed, so padding computes finite values; it
+        # stays at position 0, so its steps write only row 0 of each ratio, in a page of its own
         self.pad = model.new_state()
+        self.pad.reserve(0, 1)
         for il in range(model.args.n_layers):
-            for array in self.pad.parts(il).values():
-                array[self.pad.index].zero_()
+            for name, array in self.pad.parts(il).items():
+                if not name.endswith("_rows"):
+                    array[self.pad.index].zero_()
+        for ratio, compressors in model.cache.ratios.items():
+            page = int(self.pad.row_pages(ratio).host[self.pad.index, 0])
+            for il, kind in compressors:
+                self.pad.parts(il)[f"{kind}_rows"][page].zero_()
         self.captured: dict[tuple[int, tuple[int, ...]], _Captured] = {}
         self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
         self.ratios = sorted({r for r in model.args.compress_ratios[: model.args.n_layers] if r})

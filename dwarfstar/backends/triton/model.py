@@ -35,11 +35,12 @@ from dwarfstar.backends.triton.kernels import (
 from dwarfstar.backends.triton.kernels.qmatmul import GEMV_MAX_ROWS, qmatmul
 from dwarfstar.backends.triton.kernels.rms_norm_rope import NORM_NONE, NORM_PLAIN, QAT_FP4, QAT_FP8, QAT_NONE
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
-from dwarfstar.backends.triton.runtime import EXACT, Precision, next_pow2
+from dwarfstar.backends.triton.runtime import EXACT, PagedRows, Precision, next_pow2
 from dwarfstar.backends.triton.weights import FusedLinear, ModelWeights
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Site, Transformer
-from dwarfstar.model.state import ROW_STEP, KVCache, SequenceState, SplitRows, TorchStorage
+from dwarfstar.model.pages import PAGE_ROWS
+from dwarfstar.model.state import ROW_STEP, KVCache, SequenceState, TorchStorage, index_copy_rows
 from dwarfstar.model.tensors import ProjectionGroup
 
 
@@ -49,13 +50,12 @@ def row_bound(cache: KVCache, ratio: int, end: int) -> int:
     return min(cache.capacity(ratio), max(ROW_STEP, next_pow2(end // ratio)))
 
 
-def put_rows(rows: torch.Tensor | SplitRows, index: torch.Tensor, value: torch.Tensor) -> None:
-    """Float32 rows `value` [n, dim] into rows `index` of the flattened leading dims of a row part,
-    in its layout (float32, bf16, or split)."""
-    if isinstance(rows, SplitRows):
-        rows.index_copy_(index, value)
-    else:
-        rows.view(-1, rows.shape[-1]).index_copy_(0, index, value.to(rows.dtype))
+def paged_index(table: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Where `rows` (int64 row numbers) lie in a pool's flattened rows, on the device: the page the
+    table names for each, times PAGE_ROWS, plus the row in the page. `table` is one sequence's [n],
+    or a block's [slots, n] with `slots` the slot of each row."""
+    pages = table[rows // PAGE_ROWS] if slots is None else table[slots, rows // PAGE_ROWS]
+    return pages.long() * PAGE_ROWS + rows % PAGE_ROWS
 
 
 def decode_batch(batch: Batch) -> bool:
@@ -83,13 +83,20 @@ class TritonOps:
         # compact rows where QAT rounds them, so bf16 holds their rounded dims exactly
         return TorchStorage(self.device, compact=self.qat)
 
-    def rows_in_reach(self, il: int, kind: str, state: SequenceState, end: int) -> torch.Tensor:
-        """The slot's rows a launch may read up to position `end`: the visible count rounded up to a
-        power of two (at least ROW_STEP). The kernels count the visible rows on the device; this bound
-        sizes their grids to the sequence rather than to the whole context, and it changes only when a
+    @staticmethod
+    def paged_rows(il: int, kind: str, state: SequenceState, slots: bool = False) -> PagedRows:
+        """A layer's rows of the state's block: the pool, and the state's page table (the block's
+        tables, one row per slot, with `slots`)."""
+        table = state.row_pages(state.compressor(il, kind).ratio).table
+        return PagedRows(state.parts(il)[f"{kind}_rows"], table if slots else table[state.index])
+
+    @staticmethod
+    def rows_in_reach(il: int, kind: str, state: SequenceState, end: int) -> int:
+        """The rows a launch may read up to position `end`: the visible count rounded up to a power
+        of two (at least ROW_STEP). The kernels count the visible rows on the device; this bound sizes
+        their grids to the sequence rather than to the whole context, and it changes only when a
         sequence crosses a power of two (a captured decode step is captured once per bound)."""
-        bound = row_bound(state.cache, state.compressor(il, kind).ratio, end)
-        return state.part(il, f"{kind}_rows")[:bound]
+        return row_bound(state.cache, state.compressor(il, kind).ratio, end)
 
     @staticmethod
     def _slots(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,13 +221,14 @@ class TritonOps:
         rounding = (QAT_FP8 if kind == "attn" else QAT_FP4) if self.qat else QAT_NONE
         inv = self._inv_freq[(layer.rope_theta, layer.yarn)]
         if "slots" in batch.aux:
-            parts, ratio, (pos, slots) = batch.seqs[0].state.parts(il), layer.compress_ratio, self._slots(batch)
-            front, rows = (parts[f"{kind}_kv"], parts[f"{kind}_gate"]), parts[f"{kind}_rows"]
+            state, ratio, (pos, slots) = batch.seqs[0].state, layer.compress_ratio, self._slots(batch)
+            parts, rows = state.parts(il), self.paged_rows(il, kind, state, slots=True)
+            front = parts[f"{kind}_kv"], parts[f"{kind}_gate"]
             pooled = compressor.compress_batch(proj[f"{kind}_kv"], proj[f"{kind}_gate"], ape, *front, pos, slots, ratio)
             window = pos.long() // ratio  # each sequence's row in progress: written, unseen until complete
             angles = ops.rope_angles(window * ratio, inv)
             normed = norm_rope(pooled, weight=norm, eps=a.norm_eps, angles=angles, rope_dim=a.rope_dim, qat=rounding)
-            put_rows(rows, slots.long() * rows.shape[1] + window, normed)
+            index_copy_rows(rows.pool, paged_index(rows.table, window, slots.long()), normed)
             return
         for seq, pos in zip(batch.seqs, batch.aux["pos"], strict=True):
             state, ratio = seq.state, seq.state.compressor(il, kind).ratio
@@ -229,31 +237,26 @@ class TritonOps:
             front_kv, front_gate = state.part(il, f"{kind}_kv"), state.part(il, f"{kind}_gate")
             pooled = compressor.compress_chunk(kv, gate, ape, front_kv, front_gate, pos, n_emit, ratio)
             if n_emit:
-                # row w sits at its window's first position, w * ratio; the kernel writes it at index w
+                # row w sits at its window's first position, w * ratio, in the page its table names
                 index = pos.long() // ratio + torch.arange(n_emit, device=self.device)
-                angles, rows = ops.rope_angles(index * ratio, inv), state.part(il, f"{kind}_rows")
-                if isinstance(rows, SplitRows):  # two arrays: normalised first, then split into them
-                    normed = norm_rope(
-                        pooled, weight=norm, eps=a.norm_eps, angles=angles, rope_dim=a.rope_dim, qat=rounding
-                    )
-                    put_rows(rows, index, normed)
-                else:
-                    norm_rope(
-                        pooled, weight=norm, eps=a.norm_eps, angles=angles, rope_dim=a.rope_dim, qat=rounding,
-                        out=rows, out_row=(pos, ratio),
-                    )  # fmt: skip
+                angles, rows = ops.rope_angles(index * ratio, inv), self.paged_rows(il, kind, state)
+                normed = norm_rope(
+                    pooled, weight=norm, eps=a.norm_eps, angles=angles, rope_dim=a.rope_dim, qat=rounding
+                )
+                index_copy_rows(rows.pool, paged_index(rows.table, index), normed)
 
     def index_topk(self, il: int, q: torch.Tensor, weights: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
         """Per sequence, the selected row indices int32 [T, k] (the kernel pads with -1 where fewer)."""
         ratio, chosen = self.args.layer(il).compress_ratio, []
         if "slots" in batch.aux:
-            rows, bound = batch.seqs[0].state.parts(il)["indexer_rows"], self._bound(batch, ratio)
+            rows, bound = self.paged_rows(il, "indexer", batch.seqs[0].state, slots=True), self._bound(batch, ratio)
             scores, valid = indexer_scores.indexer_scores_batch(q, weights, rows, *self._slots(batch), bound, ratio)
             return topk.topk_indices(scores, valid, self.args.index_topk)
         for seq, pos in zip(batch.seqs, batch.aux["pos"], strict=True):
-            rows = self.rows_in_reach(il, "indexer", seq.state, seq.start + seq.length)
+            rows = self.paged_rows(il, "indexer", seq.state)
+            bound = self.rows_in_reach(il, "indexer", seq.state, seq.start + seq.length)
             # scores stay fp32 even in fast mode: the top-k boundary is where small errors change the model
-            scores, valid = indexer_scores.indexer_scores(q[seq.rows], weights[seq.rows], rows, pos, ratio)
+            scores, valid = indexer_scores.indexer_scores(q[seq.rows], weights[seq.rows], rows, bound, pos, ratio)
             chosen.append(topk.topk_indices(scores, valid, self.args.index_topk))
         return chosen
 
@@ -261,10 +264,11 @@ class TritonOps:
         a, lw, layer = self.args, self.w.layers[il], self.args.layer(il)
         cos, sin = self._angles(il, batch)
         if "slots" in batch.aux:
-            parts, ratio = batch.seqs[0].state.parts(il), layer.compress_ratio
+            state, ratio = batch.seqs[0].state, layer.compress_ratio
             return attention.attention_batch(
-                q, parts["raw"], lw.sinks, (cos, sin), a.rope_dim, *self._slots(batch),
-                comp_rows=parts["attn_rows"] if ratio else None, comp_bound=self._bound(batch, ratio) if ratio else 0,
+                q, state.parts(il)["raw"], lw.sinks, (cos, sin), a.rope_dim, *self._slots(batch),
+                comp_rows=self.paged_rows(il, "attn", state, slots=True) if ratio else None,
+                comp_bound=self._bound(batch, ratio) if ratio else 0,
                 ratio=ratio, selected=selected, precision=batch.aux["precision"],
             )  # fmt: skip
         out = []
@@ -272,11 +276,13 @@ class TritonOps:
             state, rows = seq.state, batch.aux.pop(("window", il, i))
             n_prev = rows.shape[0] - seq.length
             end = seq.start + seq.length
-            comp = self.rows_in_reach(il, "attn", state, end) if layer.compress_ratio else None
+            comp, bound = None, None
+            if layer.compress_ratio:
+                comp, bound = self.paged_rows(il, "attn", state), self.rows_in_reach(il, "attn", state, end)
             o = attention.attention(
                 q[seq.rows], rows, n_prev, a.window, lw.sinks, (cos[seq.rows], sin[seq.rows]), a.rope_dim, pos,
                 comp_rows=comp, ratio=layer.compress_ratio, selected=None if selected is None else selected[i],
-                split=None, precision=batch.aux["precision"],
+                split=None, precision=batch.aux["precision"], comp_bound=bound,
             )  # fmt: skip
             keep = min(seq.length, a.window)  # the chunk's newest rows replace the oldest in the ring
             newest = (pos.long() + seq.length - keep + torch.arange(keep, device=self.device)) % a.window

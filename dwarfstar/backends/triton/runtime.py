@@ -17,6 +17,8 @@ import torch
 import triton
 
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.pages import PAGE_ROWS
+from dwarfstar.model.state import SplitRows
 
 
 def interpreting() -> bool:
@@ -36,6 +38,44 @@ def per_sequence(*vectors: torch.Tensor) -> None:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
+
+
+@dataclass(frozen=True)
+class PagedRows:
+    """Compressed rows as the KV cache keeps them (`model.pages`): a pool of pages `pool` [pages,
+    PAGE_ROWS, D] (float32, bf16, or `SplitRows`) and int32 page tables, row r of a sequence in row
+    r % PAGE_ROWS of page table[r // PAGE_ROWS]. `table` is one sequence's [n] for a chunk kernel,
+    or a cache block's [slots, n] for a batch kernel (a row per slot)."""
+
+    pool: torch.Tensor | SplitRows
+    table: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        """Rows one sequence's table reaches."""
+        return self.table.shape[-1] * PAGE_ROWS
+
+    @property
+    def table_stride(self) -> int:
+        """A slot's table row to the next (0 for one sequence's table)."""
+        return self.table.stride(0) if self.table.dim() == 2 else 0
+
+    @classmethod
+    def scattered(cls, rows: torch.Tensor, seed: int = 0, exact_dims: int = 0) -> PagedRows:
+        """Float32 rows [n, D] (one sequence) or [slots, n, D] (a block) laid out in the pages of a
+        pool in a shuffled order, as forks and reused pages leave them (for tests and benches of the
+        kernels that read pages); n is rounded up to whole pages with zero rows. `exact_dims`: a
+        compact pool, the rows' leading dims in bf16 (`SplitRows`)."""
+        lead, n_pages, dim = rows.shape[:-2], -(-rows.shape[-2] // PAGE_ROWS), rows.shape[-1]
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, n_pages * PAGE_ROWS - rows.shape[-2]))
+        total = n_pages * (lead.numel() if lead else 1)
+        generator = torch.Generator(device=rows.device).manual_seed(seed)
+        order = torch.randperm(total, generator=generator, device=rows.device)
+        pool = torch.empty(total, PAGE_ROWS, dim, device=rows.device)
+        pool[order] = rows.reshape(total, PAGE_ROWS, dim)
+        if exact_dims:
+            pool = SplitRows(pool[..., :exact_dims].bfloat16(), pool[..., exact_dims:].contiguous())
+        return cls(pool, order.to(torch.int32).view(*lead, n_pages))
 
 
 @dataclass(frozen=True)

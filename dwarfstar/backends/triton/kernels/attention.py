@@ -5,7 +5,8 @@ reads each key row once for all of them. The rows a query at position p sees:
 * the raw window: positions max(0, p - W + 1) .. p, rows of `window` (the state's previous rows
   followed by this chunk's rows);
 * compressed rows: all rows c < (p + 1) / ratio (ratio 128), or the indexer's selected rows, -1
-  padded (ratio 4); none for ratio 0.
+  padded (ratio 4); none for ratio 0. They are read through the sequence's page table
+  (`PagedRows`): row c is row c % PAGE of page table[c // PAGE] of the pool.
 Scores are online-softmaxed block by block; the per-head sink logit joins only the denominator.
 
 Decode has one query token, so its rows are split over S programs per head group (flash decoding):
@@ -32,12 +33,14 @@ from dwarfstar.backends.triton.runtime import (
     FAST,
     BenchCase,
     BenchShape,
+    PagedRows,
     Precision,
     interpreting,
     next_pow2,
     per_sequence,
 )
 from dwarfstar.model.config import yarn_inv_freq
+from dwarfstar.model.pages import PAGE_ROWS
 from dwarfstar.model.state import SplitRows
 
 COMP_NONE, COMP_ALL, COMP_SELECTED = 0, 1, 2
@@ -61,16 +64,17 @@ def _finish(acc, m, l, sink, cos_ptr, sin_ptr, out_ptr, i, hg, heads_ok, D,
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, win_ptr, comp_ptr, comp_rest_ptr, sel_ptr, sinks_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
+    q_ptr, win_ptr, comp_ptr, comp_rest_ptr, table_ptr, sel_ptr, sinks_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
     out_ptr, m_ptr, l_ptr, acc_ptr,
-    D, n_prev, window, n_sel, comp_cap, sm_scale,
+    D, n_prev, window, n_sel, table_stride, sm_scale,
     H: tl.constexpr, COMP: tl.constexpr, RATIO: tl.constexpr, SPLIT: tl.constexpr, ROPE_DIM: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, BATCH: tl.constexpr,
-    COMP_EXACT: tl.constexpr,
+    COMP_EXACT: tl.constexpr, PAGE: tl.constexpr,
 ):  # fmt: skip
-    # BATCH: query i is sequence i's one token, at position pos[i], over the rings and rows of KV-cache
-    # slot slot[i] (win_ptr [slots * window, D], comp_ptr [slots * comp_cap, D]); else query i is
-    # token i of one sequence's chunk over its linear window rows (n_prev earlier rows, then the chunk).
+    # BATCH: query i is sequence i's one token, at position pos[i], over the ring and page table of
+    # KV-cache slot slot[i] (win_ptr [slots * window, D], table_ptr [slots, table_stride]); else query i
+    # is token i of one sequence's chunk over its linear window rows (n_prev earlier rows, then the
+    # chunk) and its page table (table_ptr). comp_ptr is the pool's pages, [pages * PAGE, D].
     # COMP_EXACT > 0: a compressed row's first COMP_EXACT dims are read from comp_ptr (row stride
     # COMP_EXACT: bf16 in a compact cache), the others from comp_rest_ptr (row stride D - COMP_EXACT);
     # 0: whole rows from comp_ptr. A compile-time width, so a half of the row that lies in one part
@@ -92,12 +96,12 @@ def _attention_kernel(
         slot = tl.load(slot_ptr + i).to(tl.int64)
         hi = p  # positions: the ring holds position q in row q mod window
         ring_base = slot * window
-        comp_base = slot * comp_cap
+        pages = table_ptr + slot * table_stride
     else:
         p = tl.load(pos_ptr) + i
         hi = n_prev + i  # the query's own row of the linear window
         ring_base = 0
-        comp_base = 0
+        pages = table_ptr
     lo = tl.maximum(0, hi - window + 1)
     n_win = hi - lo + 1
     if COMP == 1:
@@ -127,7 +131,8 @@ def _attention_kernel(
         else:
             row = c
             ok = c < n_comp
-        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, comp_ptr, comp_rest_ptr, comp_base + row, ok, D,
+        page = tl.load(pages + row // PAGE, mask=ok, other=0).to(tl.int64)
+        m, l, acc_lo, acc_hi = _block(q_lo, q_hi, comp_ptr, comp_rest_ptr, page * PAGE + row % PAGE, ok, D,
                                       sm_scale, m, l, acc_lo, acc_hi, BD2, FAST, COMP_EXACT)  # fmt: skip
     if SPLIT == 1:
         sink = tl.load(sinks_ptr + h, mask=heads_ok, other=0.0)
@@ -251,30 +256,35 @@ def attention(
     angles: tuple[torch.Tensor, torch.Tensor],
     rope_dim: int,
     pos: torch.Tensor,
-    comp_rows: torch.Tensor | None = None,
+    comp_rows: PagedRows | None = None,
     ratio: int = 0,
     selected: torch.Tensor | None = None,
     split: int | None = 1,
     precision: Precision = EXACT,
+    comp_bound: int | None = None,
 ) -> torch.Tensor:
     """Attention output [T, H, D] with the RoPE undone.
 
     `split` row splits per head group; None chooses them from the device (`decode_split`): enough
     programs for every SM when a chunk has few tokens, 1 for prefill.
     q [T, H, D] contiguous; window_rows [n_prev + T, D] (the state's raw rows, then the chunk's);
-    comp_rows [capacity, D] with `ratio` (all visible rows) or `selected` int32 [T, k] (ratio-4
-    layers); pos int32 [1] = p0; angles = cos/sin [T, rope_dim / 2] of the query positions.
+    comp_rows the sequence's paged rows (table [n]) with `ratio` (all visible rows) or `selected`
+    int32 [T, k] (ratio-4 layers), `comp_bound` the rows the chunk can see at most (default: all the
+    table reaches; it sizes the split); pos int32 [1] = p0; angles = cos/sin [T, rope_dim / 2] of
+    the query positions.
     """
     t, heads, d = q.shape
     bh, bn = _tiles(heads, d, window)
     out = torch.empty(t, heads, d, device=q.device, dtype=torch.float32)
     if split is None:
         # bounded by buffer sizes, not by the device position, so a captured decode step stays valid
-        n_comp = 0 if comp_rows is None else selected.shape[1] if selected is not None else comp_rows.shape[0]
+        n_comp = 0
+        if comp_rows is not None:
+            n_comp = selected.shape[1] if selected is not None else comp_bound or comp_rows.capacity
         row_blocks = triton.cdiv(min(window, window_rows.shape[0]), bn) + triton.cdiv(n_comp, bn)
         split = decode_split(q.device, t, triton.cdiv(heads, bh), row_blocks)
     return _launch(q, window_rows, comp_rows, selected, sinks, pos, None, angles, out, split, precision,
-                   n_prev=n_prev, window=window, comp_cap=0, ratio=ratio, rope_dim=rope_dim, bh=bh, bn=bn)  # fmt: skip
+                   n_prev=n_prev, window=window, ratio=ratio, rope_dim=rope_dim, bh=bh, bn=bn)  # fmt: skip
 
 
 def attention_batch(
@@ -285,7 +295,7 @@ def attention_batch(
     rope_dim: int,
     pos: torch.Tensor,
     slots: torch.Tensor,
-    comp_rows: torch.Tensor | None = None,
+    comp_rows: PagedRows | None = None,
     comp_bound: int = 0,
     ratio: int = 0,
     selected: torch.Tensor | None = None,
@@ -294,10 +304,11 @@ def attention_batch(
     """One decode token for each of B sequences in one launch: output [B, H, D] with the RoPE undone.
 
     q [B, H, D] contiguous; rings [slots, window, D], the KV cache block's raw windows, already
-    holding each sequence's own row (position p in row p mod window); comp_rows [slots, capacity, D]
-    with `ratio` (all visible rows) or `selected` int32 [B, k] (ratio-4 layers), `comp_bound` the
-    rows any of them can see (it sizes the split); pos, slots int32 [B]: each sequence's position
-    and slot in the block; angles = cos/sin [B, rope_dim / 2] at the positions.
+    holding each sequence's own row (position p in row p mod window); comp_rows the block's paged
+    rows (table [slots, n]) with `ratio` (all visible rows) or `selected` int32 [B, k] (ratio-4
+    layers), `comp_bound` the rows any of them can see (it sizes the split); pos, slots int32 [B]:
+    each sequence's position and slot in the block; angles = cos/sin [B, rope_dim / 2] at the
+    positions.
     """
     per_sequence(pos, slots)
     b, heads, d = q.shape
@@ -307,14 +318,12 @@ def attention_batch(
     n_comp = 0 if comp_rows is None else selected.shape[1] if selected is not None else comp_bound
     row_blocks = triton.cdiv(window, bn) + triton.cdiv(n_comp, bn)
     split = decode_split(q.device, b, triton.cdiv(heads, bh), row_blocks)
-    flat = None if comp_rows is None else _flat_slots(comp_rows)
-    return _launch(q, rings.flatten(0, 1), flat, selected, sinks, pos, slots, angles, out, split, precision,
-                   n_prev=0, window=window, comp_cap=0 if comp_rows is None else comp_rows.shape[1], ratio=ratio,
-                   rope_dim=rope_dim, bh=bh, bn=bn)  # fmt: skip
+    return _launch(q, rings.flatten(0, 1), comp_rows, selected, sinks, pos, slots, angles, out, split, precision,
+                   n_prev=0, window=window, ratio=ratio, rope_dim=rope_dim, bh=bh, bn=bn)  # fmt: skip
 
 
 def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, angles, out, split, precision, *,
-            n_prev, window, comp_cap, ratio, rope_dim, bh, bn):  # fmt: skip
+            n_prev, window, ratio, rope_dim, bh, bn):  # fmt: skip
     """The attention launch (and the combine of its splits) shared by the chunk and batch forms."""
     t, heads, d = q.shape
     bd, groups = next_pow2(d), triton.cdiv(heads, bh)
@@ -324,15 +333,16 @@ def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, angles, out,
         m = torch.empty(t, heads, split, device=q.device, dtype=torch.float32)
         l = torch.empty_like(m)
         acc = torch.empty(t, heads, split, d, device=q.device, dtype=torch.float32)
-    comp_ptr, comp_rest, comp_exact = _row_parts(comp_rows if comp_rows is not None else window_rows)
+    comp_ptr, comp_rest, comp_exact = _row_parts(comp_rows.pool if comp_rows is not None else window_rows)
+    table, table_stride = (comp_rows.table, comp_rows.table_stride) if comp_rows is not None else (pos, 0)
     sel_ptr = selected if selected is not None else pos
     cos, sin = angles
     _attention_kernel[(t, groups, split)](
-        q, window_rows, comp_ptr, comp_rest, sel_ptr, sinks, pos, slots if slots is not None else pos, cos, sin,
-        out, m, l, acc, d, n_prev, window, selected.shape[1] if selected is not None else 0, comp_cap,
+        q, window_rows, comp_ptr, comp_rest, table, sel_ptr, sinks, pos, slots if slots is not None else pos, cos,
+        sin, out, m, l, acc, d, n_prev, window, selected.shape[1] if selected is not None else 0, table_stride,
         1.0 / math.sqrt(d),
         H=heads, COMP=comp, RATIO=max(ratio, 1), SPLIT=split, ROPE_DIM=rope_dim,
-        BH=bh, BN=bn, BD=bd, FAST=precision.fast, BATCH=slots is not None, COMP_EXACT=comp_exact,
+        BH=bh, BN=bn, BD=bd, FAST=precision.fast, BATCH=slots is not None, COMP_EXACT=comp_exact, PAGE=PAGE_ROWS,
         num_warps=8 if bd >= 512 else 4, num_stages=1,
     )  # fmt: skip
     if split > 1:
@@ -340,13 +350,6 @@ def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, angles, out,
             m, l, acc, sinks, cos, sin, out, d, H=heads, SPLIT=split, ROPE_DIM=rope_dim, BH=bh, BD=bd, num_warps=8
         )
     return out
-
-
-def _flat_slots(rows: torch.Tensor | SplitRows) -> torch.Tensor | SplitRows:
-    """A block's rows [slots, capacity, D] as [slots * capacity, D], in either layout."""
-    if isinstance(rows, SplitRows):
-        return SplitRows(rows.exact.flatten(0, 1), rows.rest.flatten(0, 1))
-    return rows.flatten(0, 1)
 
 
 def _row_parts(rows: torch.Tensor | SplitRows) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -386,14 +389,14 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
     exact = a.head_dim - a.rope_dim
     row_bytes = 2 * exact + 4 * a.rope_dim
 
-    def compact(rows: torch.Tensor) -> SplitRows:  # the layout of a compact cache (Triton with QAT)
-        return SplitRows(rows[..., :exact].bfloat16(), rows[..., exact:].contiguous())
+    def compact(*lead: int, n: int) -> PagedRows:  # random rows as a compact cache keeps them (Triton with QAT)
+        return PagedRows.scattered(torch.randn(*lead, max(n, 1), a.head_dim, device=dev, generator=gen), 0, exact)
 
     def case(name: str, t: int, p0: int, n_comp: int, ratio: int, selected, split: int | None, precision=EXACT):
         q = torch.randn(t, a.n_heads, a.head_dim, device=dev, generator=gen)
         n_prev = min(p0, a.window)
         window_rows = torch.randn(n_prev + t, a.head_dim, device=dev, generator=gen)
-        comp = compact(torch.randn(max(n_comp, 1), a.head_dim, device=dev, generator=gen))
+        comp = compact(n=n_comp)
         pos = torch.tensor([p0], dtype=torch.int32, device=dev)
         angles = ops.rope_angles(pos.long() + torch.arange(t, device=dev), inv)
         window_read, comp_read = min(p0 + t, a.window), selected.shape[1] if selected is not None else n_comp
@@ -424,7 +427,7 @@ def _batch_case(shape: BenchShape, inv, sinks, b: int, n4: int, k: int, compact,
     a, dev, gen = shape.args, shape.device, shape.generator()
     q = torch.randn(b, a.n_heads, a.head_dim, device=dev, generator=gen)
     rings = torch.randn(b, a.window, a.head_dim, device=dev, generator=gen)
-    comp = compact(torch.randn(b, max(n4, 1), a.head_dim, device=dev, generator=gen))
+    comp = compact(b, n=n4)
     pos = torch.full((b,), shape.ctx, dtype=torch.int32, device=dev)
     slots = torch.arange(b, dtype=torch.int32, device=dev)
     sel = torch.stack([torch.randperm(n4, device=dev, generator=gen)[:k] for _ in range(b)]).to(torch.int32)

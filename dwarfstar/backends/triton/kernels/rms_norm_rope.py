@@ -103,13 +103,12 @@ def load_angles(cos_ptr, sin_ptr, tok, rows_ok, D, ROPE_DIM: tl.constexpr, INVER
 
 @triton.jit
 def _rms_norm_rope_kernel(
-    x_ptr, w_ptr, cos_ptr, sin_ptr, had_ptr, out_ptr, pos_ptr,
+    x_ptr, w_ptr, cos_ptr, sin_ptr, had_ptr, out_ptr,
     n_rows, H, D, stride_xt, stride_xh, stride_ot, stride_oh, eps,
     NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr, QAT: tl.constexpr,
-    ROPE_DIM: tl.constexpr, OUT_ROW_DIV: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    ROPE_DIM: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
     # rows r = t * H + h of an x [T, H, D] view; one program handles BR rows of BD >= D columns.
-    # With OUT_ROW_DIV, output token t goes to row pos // OUT_ROW_DIV + t (a compressed row's index).
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     tok, head = r // H, r % H
     cols = tl.arange(0, BD)
@@ -128,10 +127,7 @@ def _rms_norm_rope_kernel(
         x = _block_round(x, m & (cols < D - ROPE_DIM)[None, :], BR, BD, 64, 448.0, 1e-4, 3, -6)
     elif QAT == 2:  # indexer: orthonormal Hadamard over the row, then e2m1, one scale per 32
         x = _block_round(_hadamard(x, had_ptr, BR, BD), m, BR, BD, 32, 6.0, 6.0 * 2.0**-126, 1, 0)
-    out_tok = tok.to(tl.int64)
-    if OUT_ROW_DIV:
-        out_tok += tl.load(pos_ptr) // OUT_ROW_DIV
-    o_off = out_tok[:, None] * stride_ot + head[:, None] * stride_oh + cols[None, :]
+    o_off = tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + cols[None, :]
     tl.store(out_ptr + o_off, x, mask=m)
 
 
@@ -151,21 +147,17 @@ def rms_norm_rope(
     inverse: bool = False,
     qat: int = QAT_NONE,
     rope_dim: int = 0,
-    out: torch.Tensor | None = None,
-    out_row: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """x [T, H, D] or [T, D] (unit column stride) -> float32 of the same shape (or into `out`).
+    """x [T, H, D] or [T, D] (unit column stride) -> float32 of the same shape.
 
     `angles` = (cos, sin) [T, rope_dim / 2] turns RoPE on (`inverse` undoes it); `qat` picks the
-    rounding. `out` may alias x (each program reads its rows before writing them). With
-    `out_row` = (pos, ratio), row t is written to row pos // ratio + t of `out`, the position read on
-    the device (compressed rows land at their window index inside a captured decode step).
+    rounding.
     """
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     t, h, d = x3.shape
-    out = torch.empty(x.shape, device=x.device, dtype=torch.float32) if out is None else out
+    out = torch.empty(x.shape, device=x.device, dtype=torch.float32)
     o3 = out if out.dim() == 3 else out.unsqueeze(1)
-    if x3.stride(2) != 1 or o3.stride(2) != 1:
+    if x3.stride(2) != 1:
         raise ValueError("rows must have unit column stride")
     if norm == NORM_WEIGHTED and weight is None:
         raise ValueError("a weighted RMSNorm needs its weight")
@@ -179,12 +171,11 @@ def rms_norm_rope(
         br = 16 if qat == QAT_FP4 else max(1, min(16, 4096 // bd))
     cos, sin = angles if angles is not None else (x, x)  # unused placeholders when RoPE is off
     had = half_hadamard(bd, x.device) if qat == QAT_FP4 else x
-    pos, row_div = out_row if out_row is not None else (x, 0)
     _rms_norm_rope_kernel[(triton.cdiv(n_rows, br),)](
-        x3, weight if weight is not None else x, cos, sin, had, o3, pos,
+        x3, weight if weight is not None else x, cos, sin, had, o3,
         n_rows, h, d, x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), eps,
         NORM=norm, ROPE=angles is not None, INVERSE=inverse, QAT=qat, ROPE_DIM=rope_dim,
-        OUT_ROW_DIV=row_div, BR=br, BD=bd,
+        BR=br, BD=bd,
         num_warps=4 if bd <= 1024 else 8, num_stages=1,
     )  # fmt: skip
     return out
