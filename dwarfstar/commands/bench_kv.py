@@ -4,10 +4,16 @@ The state is built with random contents and the exact row counts of a real one (
 the layer shapes of Flash: `--layers` layers alternating ratio 4 and ratio 128 as Flash does from
 layer 2 on. Save and load go through `KVStore`, so they include the checksum, the fsync and the
 rebuild of the `SequenceState`; loads read from a warm page cache right after the save.
+
+A fork (what the server makes when a subagent's prompt shares a conversation's prefix) is timed two
+ways in the same run: in the parent's cache block, where it shares the parent's row pages, and in
+another block (the first is full), where it copies them. "KV added" is what the cache's accounting
+(`SequenceState.nbytes`, shared pages counted once) grows by.
 """
 
 from __future__ import annotations
 
+import copy
 import tempfile
 import time
 from pathlib import Path
@@ -49,7 +55,8 @@ def bench_kv(
         raise DwarfStarError("--layers, --tokens and --repeat must be positive")
     args = flash_layers(layers)
     ctx = max(tokens + 1, 4096)
-    state = random_state(args, tokens)
+    state = random_state(args, tokens, block_slots=2)
+    forks = _forks(state)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         store = KVStore(
             Path(tmp), args, ModelIdentity(2, bytes(32)), ctx, chunk=4096, render_key=_render,
@@ -80,8 +87,26 @@ def bench_kv(
         (f"file at {tokens:,} tokens", f"{size:,}", f"{payload_nbytes(ModelArgs.flash(), tokens):,} (payload)"),
         ("save MB/s (fsync)", f"{size / min(saves) / 1e6:,.0f}", ""),
         ("load MB/s (warm)", f"{size / min(loads) / 1e6:,.0f}", ""),
+        *forks,
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for label, *cells in rows:
         figures = (cell.rjust(w) for cell, w in zip(cells, widths[1:], strict=True))
         typer.echo("  ".join([label.ljust(widths[0]), *figures]))
+
+
+def _forks(state) -> list[tuple[str, str, str]]:
+    """Fork the state twice: into its own block (the rows' pages shared), then into a new block
+    (the rows copied): each one's time and the KV bytes it added."""
+    held = [state]
+    rows = []
+    for label in ("fork, pages shared", "fork, rows copied"):
+        before = sum(s.nbytes() for s in held)
+        start = time.perf_counter()
+        held.append(copy.deepcopy(state))
+        seconds = time.perf_counter() - start
+        added = sum(s.nbytes() for s in held) - before
+        rows.append((f"{label}: ms / KV MB added", f"{seconds * 1e3:,.1f} / {added / 1e6:,.1f}", ""))
+    if held[1].block != state.block or held[2].block == state.block:
+        raise DwarfStarError("the forks did not land in the blocks the bench measures")
+    return rows

@@ -62,14 +62,14 @@ def state_footprint(args: ModelArgs) -> StateFootprint:
     )
 
 
-def random_state(args: ModelArgs, n_tokens: int, seed: int = 0) -> SequenceState:
+def random_state(args: ModelArgs, n_tokens: int, seed: int = 0, block_slots: int = 1) -> SequenceState:
     """A state with the exact row counts of n_tokens and random contents (benches and cache tests),
-    in a host float32 cache of its own.
+    in a host float32 cache of its own (`block_slots` sequences to a block).
 
     No model runs, so a 100k-token Flash-shaped state takes a fraction of a second to build.
     """
     gen = torch.Generator().manual_seed(seed)
-    state = KVCache(args, n_tokens + 1, TorchStorage()).new_state()
+    state = KVCache(args, n_tokens + 1, TorchStorage(), block_slots).new_state()
     state.tokens = torch.randint(0, args.vocab_size, (n_tokens,), generator=gen).tolist()
     state.pos = n_tokens
     state.logits = torch.randn(args.vocab_size, generator=gen)
