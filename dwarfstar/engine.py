@@ -88,6 +88,9 @@ def pick_backend(requested: str) -> str:
     return requested
 
 
+KV_SLOTS = 4  # sequences to a KV-cache block on the reference and Triton backends, by default
+
+
 def load_engine(
     path: str | os.PathLike,
     backend: str = "auto",
@@ -97,12 +100,13 @@ def load_engine(
     precision: str = "exact",
     streaming: StreamingOptions | None = None,
     steering: SteeringOptions | None = None,
-    kv_slots: int = 4,
+    kv_slots: int | None = None,
     layers: tuple[int, int] | None = None,
 ) -> Engine:
     """Open, validate and load a model for sequences of at most `ctx` tokens (default: the model's);
     `progress(done, total)` follows the weights being read; `steering` applies a direction file;
-    `kv_slots` sequences share the first KV-cache block (Triton, reference), and decode in one batch;
+    `kv_slots` sequences share a KV-cache block, decode in one batch (Triton, reference) and share
+    their row pages when forked (default: 4, and 1 on MLX, which allocates a block's rows whole);
     `layers=(first, end)` loads only those layers (a pipeline stage: `DistOptions.stage_layers`)."""
     start = time.perf_counter()
     name = pick_backend(backend)
@@ -120,17 +124,18 @@ def load_engine(
     if name == "reference":
         from dwarfstar.backends.reference.model import ReferenceModel
 
-        impl: Backend = ReferenceModel(model, qat=qat, max_seq_len=ctx, progress=progress, kv_slots=kv_slots)
+        slots = kv_slots or KV_SLOTS
+        impl: Backend = ReferenceModel(model, qat=qat, max_seq_len=ctx, progress=progress, kv_slots=slots)
     elif name == "triton":
         from dwarfstar.backends.triton import load_backend
 
         impl = load_backend(
-            model, qat=qat, precision=precision, max_seq_len=ctx, kv_slots=kv_slots, stream_experts=stream
+            model, qat=qat, precision=precision, max_seq_len=ctx, kv_slots=kv_slots or KV_SLOTS, stream_experts=stream
         )
     else:
         from dwarfstar.backends.mlx import load_backend
 
-        impl = load_backend(model, qat=qat, max_seq_len=ctx, stream_experts=stream)
+        impl = load_backend(model, qat=qat, max_seq_len=ctx, stream_experts=stream, kv_slots=kv_slots or 1)
     experts = None if streaming is None else attach_streaming(impl, name, model, limit, streaming)
     if steering is not None:
         impl = steering.install(impl, direction)

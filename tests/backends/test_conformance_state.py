@@ -5,6 +5,7 @@ run: the same ops on the same state in the same order, so bit-identical, no tole
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from collections.abc import Callable
@@ -124,3 +125,17 @@ def test_kv_cache_round_trip_continues_identically(backend, saved, model_path):
     hit = store.lookup(longer)
     assert hit is not None and hit.state.pos == START and hit.state.tokens == PROMPT[:START]
     assert torch.equal(continue_with(backend, hit.state, CONTINUE), saved.continued)
+
+
+def test_a_fork_continues_identically_on_both_sides(backend, state_at_start, saved):
+    """A fork of the state (sharing its row pages where the backend's cache block has room), then
+    both continue with the same tokens: each gives the uninterrupted run's logits exactly, whichever
+    writes first into the page they share (the ratio-4 rows' first page is partly filled)."""
+    state = state_at_start()
+    twin = copy.deepcopy(state)
+    # the reference and Triton take 4 sequences to a block by default, MLX one (forks there copy)
+    assert (twin.block == state.block) == (state.cache.block_slots > 1)
+    if twin.block == state.block:  # the rows are shared, not copied
+        assert (twin.row_pages(4).host[twin.index] == state.row_pages(4).host[state.index]).all()
+    assert torch.equal(continue_with(backend, twin, CONTINUE), saved.continued)
+    assert torch.equal(continue_with(backend, state, CONTINUE), saved.continued)

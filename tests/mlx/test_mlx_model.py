@@ -17,6 +17,7 @@ Tolerances, and why:
 
 from __future__ import annotations
 
+import copy
 import io
 
 import numpy as np
@@ -177,3 +178,18 @@ def test_fused_primitives_match_eager(tiny):
     for chunk in (PROMPT[:40], PROMPT[40:41], PROMPT[41:42]):
         a, b = (model.forward(chunk, state) for model, state in zip((eager, fused), states, strict=True))
         assert compare_logits(a, b).max_rel < 1e-5
+
+
+def test_a_fork_in_the_block_shares_row_pages_and_both_continue_exactly(tiny):
+    """With two slots to a block (as a server gives its sessions), a fork holds its parent's row
+    pages; both then write past the fork (a page they share is copied by the first writer) and
+    continue exactly as an unforked state does."""
+    model = MLXModel(tiny, qat=False, kv_slots=3)
+    parent, alone = model.new_state(), model.new_state()
+    for state in (parent, alone):
+        model.forward(PROMPT[:PREFIX], state, all_logits=False)
+    twin = copy.deepcopy(parent)
+    assert twin.block == parent.block and model.cache.pages_in_use() == 2 * 2  # 60 rows at ratio 4, 1 at 128
+    want = model.forward(PROMPT[PREFIX:], alone)
+    assert torch.equal(model.forward(PROMPT[PREFIX:], parent), want)
+    assert torch.equal(model.forward(PROMPT[PREFIX:], twin), want)

@@ -44,10 +44,13 @@ def load_backend(
     packing: str | None = None,
     max_seq_len: int | None = None,
     stream_experts: bool = False,
+    kv_slots: int = 1,
 ) -> MLXModel:
-    """With `stream_experts` the routed experts are not loaded (`experts.attach` streams them)."""
+    """With `stream_experts` the routed experts are not loaded (`experts.attach` streams them);
+    `kv_slots` sequences to a KV-cache block (forks in a block share their row pages)."""
     from dwarfstar.backends.mlx.model import MLXModel
 
     return MLXModel(
-        model, qat=qat, packing=packing or default_packing(), max_seq_len=max_seq_len, routed_experts=not stream_experts
-    )
+        model, qat=qat, packing=packing or default_packing(), max_seq_len=max_seq_len,
+        routed_experts=not stream_experts, kv_slots=kv_slots,
+    )  # fmt: skip

@@ -290,13 +290,17 @@ class MLXModel(Transformer[mx.array]):
         max_seq_len: int | None = None,
         fuse: bool | None = None,
         routed_experts: bool = True,
+        kv_slots: int = 1,
     ) -> None:
         """`fuse` compiles the op-heavy primitives (`ops.Fused`); by default only where Metal runs them.
-        Without `routed_experts` the routed experts are not packed: they stream (`--ssd-streaming`)."""
+        Without `routed_experts` the routed experts are not packed: they stream (`--ssd-streaming`).
+        `kv_slots`: sequences to a KV-cache block. MLX evaluates a block's row pool whole at its first
+        write, so one is the default; a server gives its sessions one block, where forks share rows."""
         self.qat, self.packing = qat, packing
         fused = ops.Fused(model.args, metal_available() if fuse is None else fuse)
         weights = Weights(model.gguf, packing)
-        super().__init__(MLXOps(model.args, weights, qat, fused, routed_experts, model.layer_range), max_seq_len)
+        operations = MLXOps(model.args, weights, qat, fused, routed_experts, model.layer_range)
+        super().__init__(operations, max_seq_len, kv_slots)
 
     # logits come back as torch tensors on the CPU; the sampling rules run on them there, one sync a step
     sample_batch = staticmethod(sample_batch)
