@@ -152,8 +152,8 @@ def responses_answer(oai: openai.OpenAI, items: list[dict]) -> str:
 def messages_call(claude: anthropic.Anthropic, request: chat_data.ToolRequest) -> tuple[str, dict, list[dict]]:
     messages = [{"role": "user", "content": request.text}]
     reply = claude.messages.create(
-        model=MODEL, messages=messages, tools=chat_data.TOOLS["messages"], max_tokens=CALL_TOKENS, temperature=0,
-        thinking={"type": "disabled"},
+        model=MODEL, messages=messages, tools=chat_data.TOOLS["messages"], max_tokens=CALL_TOKENS,
+        thinking={"type": "disabled"}, extra_body={"temperature": 0},  # a field this SDK lacks
     )  # fmt: skip
     uses = [block for block in reply.content if block.type == "tool_use"]
     if not uses:
@@ -168,8 +168,8 @@ def messages_call(claude: anthropic.Anthropic, request: chat_data.ToolRequest) -
 
 def messages_answer(claude: anthropic.Anthropic, messages: list[dict]) -> str:
     reply = claude.messages.create(
-        model=MODEL, messages=messages, tools=chat_data.TOOLS["messages"], max_tokens=CALL_TOKENS, temperature=0,
-        thinking={"type": "disabled"},
+        model=MODEL, messages=messages, tools=chat_data.TOOLS["messages"], max_tokens=CALL_TOKENS,
+        thinking={"type": "disabled"}, extra_body={"temperature": 0},  # a field this SDK lacks
     )  # fmt: skip
     return "".join(block.text for block in reply.content if block.type == "text")
 
