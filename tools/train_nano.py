@@ -12,10 +12,12 @@
     .venv/bin/python tools/train_nano.py --init dwarfstar/data/nano.gguf --steps 150 --lr 3e-3 --batch 2 \
         --tool-batch 4 --call-batch 24 --copy-batch 16 --call-weight 2 --arg-weight 5 --tool-evals 0 \
         --eval-every 25 --workdir build/probe --out build/probe/nano.gguf
-    # issue 19 from scratch with the copy circuit planted (dwarfstar/train/induction.py) and, per step,
-    # 2 round trips, 3 calls with invented arguments and 4 copy runs (37.4 min, 2243 s): book perplexity
-    # 69.35 (QAT on), held-out arguments teacher-forced 82% whole (100% first token, 94% later), served
-    # checks 19/20 chat, 19/20 Responses, 16/20 Messages; round trips and thinking streams still fail
+    # issue 19 from scratch with the copy circuit planted (dwarfstar/train/induction.py); the recipe of
+    # 8668877 (2 round trips, 3 calls, 4 copy runs per step; 37.4 min) reached book perplexity
+    # 69.35 (QAT on) and served checks 19/20 chat, 19/20 Responses, 16/20 Messages. These defaults (3 round
+    # trips, 5 calls, answer weight 3, thinking 0.2 with clause-cut reasoning; 42.1 min) close the served
+    # prompt's sampled reasoning 8 times in 10 (was 3), but never learned the argument's first token
+    # (5% teacher-forced, 1/30 greedy calls right), book perplexity 72.46: no recipe passes yet
     .venv/bin/python tools/train_nano.py --out build/nano/nano.gguf --f32-out build/nano/nano-f32.gguf
     .venv/bin/python tools/train_nano.py --twin-k   # the 256-wide twin, written under build/
     .venv/bin/python tools/train_nano.py --mtp [--mtp-steps N] [--mtp-out dwarfstar/data/nano-mtp.gguf]
@@ -146,18 +148,22 @@ class Recipe:
     weight_decay: float = 0.05
     clip: float = 1.0
     chat_fraction: float = 0.1  # share of samples in the one-turn chat form
-    thinking_fraction: float = 0.15  # thinking-mode book chats; the rest of `batch` is book text after BOS
+    thinking_fraction: float = 0.2  # thinking-mode book chats; the rest of `batch` is book text after BOS
     # tool round trips per step besides `batch`, all with one of the tools prefixes (client shape and
     # template), which the step then runs once: a round trip's own part is ~110 tokens
-    tool_batch: int = 2
+    tool_batch: int = 3
     chat_pool: int = 4000
     tool_pool: int = 3000
     tool_thinking: float = 0.3  # share of tool round trips in thinking mode (empty reasoning)
     call_weight: float = 2.0  # loss weight of a tool call's targets
     arg_weight: float = 3.0  # loss weight of the argument a call copies and of the token closing it
+    # loss weight of the argument's first token, the one the copy must find after the request's opening
+    # quote or backtick (later tokens follow their predecessor's copy in the request)
+    first_weight: float = 3.0
+    answer_weight: float = 3.0  # loss weight of a round trip's final answer (it quotes the tool result)
     # tool calls alone (request, call, EOS) per step besides `tool_batch`, with invented arguments
     # (random word pieces) that only copying predicts, from a pool of `call_pool`, same prefix
-    call_batch: int = 3
+    call_batch: int = 5
     call_pool: int = 6000
     copy_batch: int = 4  # synthetic copy sequences per step (chat_data.copy_sample)
     copy_lengths: tuple[int, int] = (8, 40)  # their run lengths: the repeat is that far back
@@ -350,12 +356,16 @@ class Trainer:
     def weights(self, sample: Sample) -> torch.Tensor:
         """Per target: `call_weight` on a tool round trip's first assistant turn (the call, whose few
         name and argument tokens decide it; its fixed DSML is soon learned), `arg_weight` on the
-        argument and the token that closes it (the copy, the part the call gets wrong), 1 elsewhere."""
+        argument and the token that closes it (the copy, the part the call gets wrong), `first_weight`
+        on its first token, `answer_weight` on what follows the call (the answer quoting the tool's
+        result), 1 elsewhere."""
         weights = torch.ones(len(sample.ids) - 1)
         if sample.prefix:
             weights[: int(np.flatnonzero(sample.ids == self.eos)[0])] = self.recipe.call_weight
             start, end = sample.argument
             weights[start - 1 : end] = self.recipe.arg_weight  # target i predicts ids[i + 1]
+            weights[start - 1] = self.recipe.first_weight
+            weights[int(np.flatnonzero(sample.ids == self.eos)[0]) :] = self.recipe.answer_weight
         return weights[sample.prefix :]
 
     def hidden(self, model: ReferenceModel, samples: list[Sample]) -> torch.Tensor:
@@ -516,6 +526,12 @@ def main() -> None:
     parser.add_argument("--tool-batch", type=int, default=Recipe.tool_batch, help="tool round trips per step")
     parser.add_argument("--call-weight", type=float, default=Recipe.call_weight, help="loss weight of tool calls")
     parser.add_argument("--arg-weight", type=float, default=Recipe.arg_weight, help="loss weight of call arguments")
+    parser.add_argument(
+        "--first-weight", type=float, default=Recipe.first_weight, help="loss weight of an argument's first token"
+    )
+    parser.add_argument(
+        "--answer-weight", type=float, default=Recipe.answer_weight, help="loss weight of a round trip's answer"
+    )
     parser.add_argument("--call-batch", type=int, default=Recipe.call_batch, help="calls with invented arguments")
     parser.add_argument("--copy-batch", type=int, default=Recipe.copy_batch, help="synthetic copy sequences")
     parser.add_argument("--copy-vocab", type=int, default=Recipe.copy_vocab)
@@ -559,6 +575,8 @@ def main() -> None:
         tool_batch=opts.tool_batch,
         call_weight=opts.call_weight,
         arg_weight=opts.arg_weight,
+        first_weight=opts.first_weight,
+        answer_weight=opts.answer_weight,
         call_batch=opts.call_batch,
         copy_batch=opts.copy_batch,
         copy_vocab=opts.copy_vocab,

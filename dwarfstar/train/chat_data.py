@@ -5,7 +5,8 @@ rules, or ds4's server layout, the two templates `dwarfstar serve` offers) and t
 server tokenizes a prompt, so the model learns exactly the bytes it is served:
 
 - thinking turns: a few words of the book as the user turn; in thinking mode the reasoning is the
-  sentence of the book that follows them, then `</think>` and the text after it as the answer;
+  sentence of the book that follows them (or, for a sentence too long, its first clauses up to a
+  comma, semicolon or colon), then `</think>` and the text after it as the answer;
 - tool round trips: the three tools of `TOOLS` declared in the system prompt in one of the three
   client shapes (chat completions, Responses, Messages; the server renders the client's schema as
   given), an Italian or English request answered by a DSML call whose argument is copied from it,
@@ -94,6 +95,7 @@ DIRECTORIES = ("src", "docs", "tests", "lib", "data", "notes", "capitoli", "lett
 EXTENSIONS = (".txt", ".md", ".py", ".json")
 HELDOUT_EVERY = 5  # every fifth argument word is held out
 _SENTENCE = regex.compile(r"[^.!?]*\p{L}[^.!?]*[.!?]")
+_CLAUSE_END = regex.compile(r"[,;:]")
 _ASCII_WORD = regex.compile(r"\b[a-z]{4,10}\b")
 _PIECE = regex.compile(r"[a-z]+")
 QUOTE_WORDS = (4, 10)  # words of the tool result the answer quotes
@@ -330,17 +332,27 @@ def thinking_samples(
     text: str, tokenizer: Tokenizer, prompts: Sequence[tuple[str, int]], length: int, rng: np.random.Generator
 ) -> list[Sample]:
     """Thinking-mode chats: for each (user words, end offset in `text`), the next sentence of the book
-    as the reasoning, then the text after it as the answer, cut at `length` tokens."""
+    as the reasoning, then the text after it as the answer, cut at `length` tokens. A sentence longer
+    than the reasoning's budget is cut after its last comma, semicolon or colon within the budget
+    (Manzoni's sentences often run past a hundred tokens, and a model that only saw short sentences
+    closed never reasons past one it cannot finish: served thinking never ended)."""
     low, high = REASONING_TOKENS
     samples = []
     for prompt, end in prompts:
         match = _SENTENCE.match(text, end)
         if match is None:
             continue
-        reasoning = " ".join(match.group().split())
+        stop = match.end()
+        if len(tokenizer.encode(" ".join(match.group().split()))) > high:
+            cuts = [c.end() for c in _CLAUSE_END.finditer(text, end, stop)]
+            cuts = [c for c in cuts if low <= len(tokenizer.encode(" ".join(text[end:c].split()))) <= high]
+            if not cuts:
+                continue
+            stop = cuts[-1]
+        reasoning = " ".join(text[end:stop].split())
         if not low <= len(tokenizer.encode(reasoning)) <= high:
             continue
-        answer = text[match.end() : match.end() + length * 8].lstrip()  # more text than `length` tokens need
+        answer = text[stop : stop + length * 8].lstrip()  # more text than `length` tokens need
         messages = [
             {"role": "user", "content": prompt},
             {"role": "assistant", "reasoning_content": reasoning, "content": answer, "wo_eos": True},

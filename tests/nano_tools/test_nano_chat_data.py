@@ -170,20 +170,28 @@ def test_heldout_requests_share_no_template_or_argument_with_training(book: str)
     assert not {r.text for r in train} & {r.text for r in heldout}
 
 
-def test_thinking_samples_reason_with_one_sentence_then_answer(book: str, tok: Tokenizer) -> None:
+def test_thinking_samples_reason_with_one_sentence_or_its_first_clauses_then_answer(book: str, tok: Tokenizer) -> None:
     prompts = chat_prompts(book, 40, seed=0)
     samples = chat_data.thinking_samples(book, tok, prompts, 120, np.random.default_rng(0))
     assert len(samples) >= 5
+    ends = set()
     for sample in samples:
         assert len(sample.ids) == 120
         text = tok.decode(sample.ids.tolist())
         prompt, output = text.split("<｜Assistant｜><think>")
         reasoning, answer = output.split(THINK_END)
-        assert reasoning.rstrip()[-1] in ".!?" and answer
+        low, high = chat_data.REASONING_TOKENS
+        assert low <= len(tok.encode(reasoning)) <= high and answer
+        assert reasoning.rstrip()[-1] in ".!?,;:"
+        ends.add(reasoning.rstrip()[-1] in ".!?")
+        # both are the book's own text
+        flat = " ".join(book.split())
+        assert " ".join(reasoning.split()) in flat and " ".join(answer[:40].split()) in flat
         # the book words of both turns are learned; the end of the user turn and the prompt's <think> are not
         opener = sample.ids.tolist().index(tok.token_id("<｜Assistant｜>"))
         assert np.flatnonzero(~sample.trained).tolist() == [opener - 1, opener]
         assert prompt.startswith("<｜begin▁of▁sentence｜><｜User｜>")
+    assert ends == {True, False}  # whole sentences and the first clauses of long ones
 
 
 def test_tool_prefix_is_the_system_prompt_shared_by_shape_and_template(
