@@ -84,8 +84,10 @@ from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train.chat_data import (
     TOOLS,
     Sample,
+    call_markers,
     call_only,
     copy_sample,
+    quote_openers,
     thinking_samples,
     tool_requests,
     tool_samples,
@@ -169,6 +171,8 @@ class Recipe:
     copy_lengths: tuple[int, int] = (8, 40)  # their run lengths: the repeat is that far back
     copy_vocab: int = 0  # the copy runs draw from this many pieces (0: all)
     copy_init: bool = True  # a from-scratch run starts with the copy circuit planted (dwarfstar/train/induction.py)
+    # and with its head that finds a copy's start: at a call's `">` the token after the request's quote
+    find_init: bool = True
     indexer_kl: float = 0.01
     dense_warmup: float = 0.1  # fraction of the steps with the indexer selecting every row
     bias_gamma: float = 0.01  # router bias step of the balancing update
@@ -267,7 +271,8 @@ class Trainer:
         if init is None:
             self.full = init_params(shape, seed)
             if recipe.copy_init:
-                plant_copy_circuit(self.full, shape, seed)
+                markers, openers = (call_markers(tokenizer), quote_openers(tokenizer)) if recipe.find_init else ((), ())
+                plant_copy_circuit(self.full, shape, seed, markers=markers, openers=openers)
         else:
             self.full = warm_params(init, shape, self.vocab)
         params = compact(self.full, self.vocab)
@@ -539,6 +544,9 @@ def main() -> None:
     parser.add_argument(
         "--no-copy-init", action="store_true", help="start from plain random weights, no planted copy circuit"
     )
+    parser.add_argument(
+        "--no-find-init", action="store_true", help="plant the copy circuit without its copy-start head"
+    )
     parser.add_argument("--tool-evals", type=int, default=20, help="held-out tool requests per shape at each eval")
     # one thread: on the shared 2-core machine a second OpenMP thread mostly waits for the first
     parser.add_argument("--threads", type=int, default=1)
@@ -582,6 +590,7 @@ def main() -> None:
         copy_vocab=opts.copy_vocab,
         copy_lengths=tuple(opts.copy_lengths),
         copy_init=not opts.no_copy_init,
+        find_init=not opts.no_find_init,
     )
     began = time.perf_counter()
     shape = TWIN_K if opts.twin_k else NANO

@@ -98,7 +98,7 @@ _SENTENCE = regex.compile(r"[^.!?]*\p{L}[^.!?]*[.!?]")
 _CLAUSE_END = regex.compile(r"[,;:]")
 _ASCII_WORD = regex.compile(r"\b[a-z]{4,10}\b")
 _PIECE = regex.compile(r"[a-z]+")
-QUOTE_WORDS = (4, 10)  # words of the tool result the answer quotes
+QUOTE_WORDS = (6, 12)  # words of the tool result the answer quotes
 REASONING_TOKENS = (6, 40)  # the thinking passage: one sentence of this many tokens
 
 
@@ -291,6 +291,17 @@ def argument_span(ids: Sequence[int], tokenizer: Tokenizer) -> tuple[int, int]:
     opener = tokenizer.encode('="true">')
     start = next(i for i in range(end - len(opener), reply, -1) if list(ids[i : i + len(opener)]) == opener)
     return start + len(opener), end - 1
+
+
+def call_markers(tokenizer: Tokenizer) -> list[int]:
+    """The token after which a DSML call's argument starts: the `">` that ends `string="true">`."""
+    return tokenizer.encode('="true">')[-1:]
+
+
+def quote_openers(tokenizer: Tokenizer) -> list[int]:
+    """The tokens after which a request's argument starts: its opening backtick or quote (`` ` ``, ` "`)."""
+    (backtick,), (quote,) = tokenizer.encode(" `"), tokenizer.encode(' "')
+    return [backtick, quote]
 
 
 def tool_samples(

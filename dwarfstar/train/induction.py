@@ -27,12 +27,20 @@ The circuit (an initialisation only: every weight it sets trains as usual):
 - the output head is the embedding minus its constant seen through a random rotation `G`
   (`output[y] = scale * G e_y`),
   so the copied code raises the copied token's logit, and the current token's own embedding does not
-  raise its own.
+  raise its own;
+- with markers and openers (a tool call: the `">` that ends `string="true">`, and the request's
+  opening `` ` `` or ` "`), layer 1's head 1 finds where the copy starts: its query at a marker is the
+  openers' code in the key half (previous-token codes), so it attends to the token after an opener
+  and copies its value like head 0. The matching head cannot find that first token (the marker has
+  no earlier occurrence), and gradient alone found it late or never: in the full recipe, held-out
+  arguments' first token teacher-forced, 3% after 100 steps without this head (2% at step 400 and 5%
+  at step 800 in a full run; 33% and 100% in another), 88% after 100 steps and 95% after 150 with it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,13 +64,27 @@ class CopyInit:
     match_sharpness: float = 4.0  # kv-norm weight of the matching head's key dims
     copy_gain: float = 2.0  # how strongly layer 1 writes the copied code
     output_scale: float = 0.1  # output rows: scale * G e_y (a random init row has norm ~1)
+    # the finding head's query: weight of the marker match, and of a constant part pointing at a key
+    # dim that is always 0 (a larger one, with a sink logit of ~8, would also keep other tokens off
+    # the opener; these weights leave that to training: the head is not gated at init)
+    find_gain: float = 3.0
+    find_null: float = 1.0
 
 
 @torch.no_grad()
 def plant_copy_circuit(
-    params: dict[str, torch.Tensor], args: ModelArgs, seed: int, init: CopyInit = CopyInit()
+    params: dict[str, torch.Tensor],
+    args: ModelArgs,
+    seed: int,
+    init: CopyInit = CopyInit(),
+    *,
+    markers: Sequence[int] = (),
+    openers: Sequence[int] = (),
 ) -> None:
-    """Set the circuit's weights in `params` (full-vocabulary initial parameters, in place)."""
+    """Set the circuit's weights in `params` (full-vocabulary initial parameters, in place).
+
+    With `markers` and `openers` (token ids), layer 1's head 1 finds where a copy starts: at a
+    marker it attends to the token after an opener and copies it."""
     gen = torch.Generator().manual_seed(seed + 7919)
     d, hd, rope = args.dim, args.head_dim, args.rope_dim
     nope = hd - rope
@@ -130,3 +152,18 @@ def plant_copy_circuit(
     wo_a[:n_v, init.key_dims : init.key_dims + n_v] = torch.eye(n_v)
     wo_a[n_v:rank, :hd] = 0
     wo_b[:, :n_v] = init.copy_gain * (rotation @ tok @ v_rows.T)
+
+    if not markers:
+        return
+    # layer 1, head 1: at a marker token, find the token after an opener and copy it (the first token
+    # of a copy, which the matching head cannot find: no earlier occurrence of the marker precedes it)
+    const_row = n_tok  # a latent dim of the query LoRA reading the constant direction
+    q_a[const_row] = u
+    marker = codes[list(markers)].sum(0)
+    opener = codes[list(openers)].sum(0)
+    query = k_rows @ (opener / opener.norm())  # in the key half: the opener's code as a previous token
+    q_b[hd : 2 * hd] = 0
+    q_b[hd : hd + init.key_dims, :n_tok] = init.find_gain * torch.outer(query / query.norm(), marker / marker.norm())
+    q_b[hd + nope - 1, const_row] = init.find_null  # elsewhere the query points at a key dim that is always 0
+    wo_a[:n_v, hd + init.key_dims : hd + init.key_dims + n_v] = torch.eye(n_v)  # its value into the copy's output
+    wo_a[n_v:rank, hd : 2 * hd] = 0

@@ -1,7 +1,8 @@
 """The copy circuit planted in the nano model's initial weights (dwarfstar/train/induction.py): before
 any training, layer 0's head 0 attends to the previous token and layer 1's head 0 to the token after
 the earlier occurrence of the current one, in the nano shape and the 256-wide twin's; plain random
-weights attend to neither."""
+weights attend to neither. With markers and openers, layer 1's head 1 attends from a marker to the
+token after an opener (where a copied argument starts)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,45 @@ def test_planted_heads_attend_to_the_previous_token_and_the_induction_target(
 def test_random_weights_attend_to_neither(monkeypatch: pytest.MonkeyPatch) -> None:
     previous, induction = attention_mass(NANO, planted=False, monkeypatch=monkeypatch)
     assert previous < 0.2 and induction < 0.2, (previous, induction)
+
+
+MARKER, OPENERS = 5, (6, 7)  # stand-ins for a call's `">` and a request's ` `` ` and ` "`
+
+
+def finding_mass(args: ModelArgs, markers: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> float:
+    """Mean attention of layer 1's head 1 on the token after an opener, from the marker that follows
+    the opener's text some 30 tokens later."""
+    params = init_params(args, seed=0)
+    plant_copy_circuit(params, args, seed=0, markers=markers, openers=OPENERS if markers else ())
+    model = ReferenceModel.from_weights(args, ParamWeights(params), qat=False)
+    probs: list[torch.Tensor] = []
+    attend = ops.sink_attention_probs
+
+    def spy(*inputs: torch.Tensor) -> torch.Tensor:
+        probs.append(attend(*inputs))
+        return probs[-1]
+
+    monkeypatch.setattr(ops, "sink_attention_probs", spy)
+    rng = np.random.default_rng(2)
+    at_marker = []
+    for opener in OPENERS * 2:
+        before, argument, after = (rng.integers(8, VOCAB, size=n) for n in (10, 5, 30))
+        tokens = torch.as_tensor(np.concatenate(([0], before, [opener], argument, after, [MARKER])))
+        start = 1 + len(before) + 1  # the argument's first token
+        probs.clear()
+        with torch.no_grad():
+            model.hidden_batch([tokens], [model.new_state()])
+        finding = probs[1][:, 1]  # [T, keys] of layer 1's head 1
+        at_marker.append(float(finding[-1, start]))
+    return float(np.mean(at_marker))
+
+
+@pytest.mark.parametrize("args", [NANO, TWIN], ids=["nano", "twin"])
+def test_planted_finding_head_attends_from_the_marker_to_the_token_after_the_opener(
+    args: ModelArgs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert finding_mass(args, (MARKER,), monkeypatch) > 0.6
+
+
+def test_without_markers_head_1_finds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert finding_mass(NANO, (), monkeypatch) < 0.2

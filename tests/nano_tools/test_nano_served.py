@@ -1,16 +1,15 @@
-"""A nano model as a real user of the serving paths: tool calls on held-out requests through the
-official `openai` and `anthropic` SDKs, full tool round trips with exact DSML replay, and thinking
+"""The bundled nano model as a real user of the serving paths: tool calls on held-out requests through
+the official `openai` and `anthropic` SDKs, full tool round trips with exact DSML replay, and thinking
 streamed as reasoning in each API's own shape (issue 19).
 
-Not collected by the suite (the file name does not start with `test_`): the bundled model does not
-pass it yet. Run it on a candidate before it replaces `dwarfstar/data/nano.gguf`, then rename it:
-
-    DWARFSTAR_TEST_NANO=build/nano/nano.gguf .venv/bin/python -m pytest tests/nano_tools/served_checks.py -s
-
 The server is `dwarfstar serve`'s app (its default ds4 template) on a loopback uvicorn. Tool requests
-run at temperature 0 with thinking off; thinking turns are sampled, as the server resets sampling in
-thinking mode, and the Responses and Messages APIs take no seed, so those draws are fresh each run.
-`DWARFSTAR_TEST_NANO=FILE` picks the file (default: the bundled one).
+run at temperature 0 with thinking off. Thinking turns are sampled (the server resets sampling in
+thinking mode, as ds4 does): the chat request sends a seed; the Responses and Messages APIs have no
+seed field (ds4 reads none there either), so those tests fix the seed that a request without one
+draws, and every run samples the same tokens. `DWARFSTAR_TEST_NANO=FILE` checks another file (a
+candidate before it replaces `dwarfstar/data/nano.gguf`):
+
+    DWARFSTAR_TEST_NANO=build/nano/nano.gguf .venv/bin/python -m pytest tests/nano_tools/test_nano_served.py -s
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import anthropic
 import openai
@@ -34,6 +34,7 @@ from dwarfstar.model.bundled import default_model_path
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.service import Service
+from dwarfstar.session import sampling
 from dwarfstar.train import chat_data
 from dwarfstar.train.corpus import Split, read_split
 
@@ -46,6 +47,7 @@ RESULT = "Renzo e Lucia stavano aspettando davanti alla chiesa, e don Abbondio n
 QUOTED_WORDS = 4  # the answer quotes at least this many consecutive words of the result
 THINK_PROMPT = "Quel ramo del lago di Como"
 THINK_TOKENS = 300  # the reasoning is one book sentence, some run past 100 tokens
+THINK_SEED = 7  # the chat request's seed, and the one a Responses or Messages request draws here
 
 
 @dataclass
@@ -96,6 +98,18 @@ def oai(served: Served) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def claude(served: Served) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=served.base_url, api_key="none", max_retries=0, timeout=300)
+
+
+@pytest.fixture
+def fixed_fresh_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request without a seed samples with THINK_SEED instead of a fresh random one."""
+
+    class Fixed:
+        def randrange(self, stop: int) -> int:
+            return THINK_SEED
+
+    monkeypatch.setattr(sampling, "random", SimpleNamespace(SystemRandom=Fixed))
+    assert sampling.Sampler(sampling.SamplingParams()).seed == THINK_SEED  # the server's draws use it
 
 
 def heldout_requests(split: Split, seed: int) -> list[chat_data.ToolRequest]:
@@ -227,7 +241,7 @@ def test_chat_completions_stream_reasoning_then_content(oai: openai.OpenAI) -> N
             messages=[{"role": "user", "content": THINK_PROMPT}],
             max_tokens=THINK_TOKENS,
             stream=True,
-            seed=7,
+            seed=THINK_SEED,
             extra_body={"thinking": {"type": "enabled"}},
         )  # fmt: skip
     )
@@ -239,7 +253,7 @@ def test_chat_completions_stream_reasoning_then_content(oai: openai.OpenAI) -> N
     assert any(getattr(d, "reasoning_content", None) for d in deltas[:first_content])
 
 
-def test_responses_stream_a_reasoning_item_then_the_message(oai: openai.OpenAI) -> None:
+def test_responses_stream_a_reasoning_item_then_the_message(oai: openai.OpenAI, fixed_fresh_seed: None) -> None:
     events = list(
         oai.responses.create(
             model=MODEL,
@@ -258,7 +272,7 @@ def test_responses_stream_a_reasoning_item_then_the_message(oai: openai.OpenAI) 
     assert message.type == "message" and message.content[0].text.strip()
 
 
-def test_messages_stream_a_thinking_block_then_text(claude: anthropic.Anthropic) -> None:
+def test_messages_stream_a_thinking_block_then_text(claude: anthropic.Anthropic, fixed_fresh_seed: None) -> None:
     with claude.messages.stream(
         model=MODEL, max_tokens=THINK_TOKENS, messages=[{"role": "user", "content": THINK_PROMPT}],
         thinking={"type": "enabled", "budget_tokens": 1024},
