@@ -111,6 +111,7 @@ from dwarfstar.train.tool_eval import ToolCallScore, tool_call_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "fixtures" / "text" / "promessi_sposi.txt"
+MTP_CHATS = 64  # tool round trips and thinking turns, each, beside the MTP block's 384 book windows
 
 NANO = ModelArgs(
     n_layers=6,
@@ -507,8 +508,17 @@ def train_nano_mtp(opts: argparse.Namespace) -> None:
     torch.set_num_threads(opts.threads)
     began = time.perf_counter()
     tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), NANO.vocab_size)
-    ids = np.asarray(tokenizer.encode(read_split(opts.corpus).train), dtype=np.int64)
-    trainer = train_mtp(open_model(opts.out), ids, tokenizer.bos_id, MTPRecipe(steps=opts.mtp_steps), opts.seed, print)
+    book = read_split(opts.corpus).train
+    ids = np.asarray(tokenizer.encode(book), dtype=np.int64)
+    # chats the trunk was trained on besides the book: tool round trips (thinking mode for some) and
+    # thinking turns, a quarter of the sequences as in the trunk's steps
+    rng = np.random.default_rng(opts.seed)
+    prompts = chat_prompts(book, 2 * MTP_CHATS, opts.seed + 1)
+    thinking = thinking_samples(book, tokenizer, prompts, Recipe.seq_len + 1, rng)
+    tools = tool_samples(book, tokenizer, MTP_CHATS, opts.seed, Recipe.tool_thinking)
+    chats = [s.ids for s in tools + thinking[:MTP_CHATS]]
+    recipe = MTPRecipe(steps=opts.mtp_steps)
+    trainer = train_mtp(open_model(opts.out), ids, tokenizer.bos_id, recipe, opts.seed, print, chats)
     trainer.export(opts.mtp_out)
     print(f"wrote {opts.mtp_out} ({opts.mtp_out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - began:.0f} s")
 

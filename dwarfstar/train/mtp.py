@@ -7,7 +7,9 @@ position i+1, the token that verification will compare it with. The softmax runs
 the corpus only (the block shares the model's output matrix, whose other rows stay unused here).
 
 The model's streams and choices are computed once for a fixed set of sequences (inference, QAT
-rounding on, as decoding runs), then the block trains over them; the block's own attention runs
+rounding on, as decoding runs): windows of the book, and whole chats besides (tool round trips and
+thinking turns: a block trained on prose alone never guessed a DSML token, and the agent's replies
+are mostly tool calls), then the block trains over them; the block's own attention runs
 without the QAT rounding, which has no gradient. The result is written in ds4's layout: a separate
 GGUF of `mtp.0.*` tensors, all F32 (a few MB for the nano model).
 """
@@ -15,7 +17,7 @@ GGUF of `mtp.0.*` tensors, all F32 (a few MB for the nano model).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +36,7 @@ from dwarfstar.train.params import REST, ParamWeights, init_params
 
 @dataclass(frozen=True)
 class MTPRecipe:
-    steps: int = 300
+    steps: int = 500
     sequences: int = 384  # distinct training sequences, the model's streams computed once for each
     seq_len: int = 160
     batch: int = 4
@@ -42,7 +44,17 @@ class MTPRecipe:
 
 
 class MTPTrainer:
-    def __init__(self, model: ModelFile, token_ids: np.ndarray, bos: int, recipe: MTPRecipe, seed: int) -> None:
+    def __init__(
+        self,
+        model: ModelFile,
+        token_ids: np.ndarray,
+        bos: int,
+        recipe: MTPRecipe,
+        seed: int,
+        chats: Sequence[np.ndarray] = (),
+    ) -> None:
+        """`token_ids`: running text, cut into `recipe.sequences` windows after BOS; `chats`: whole
+        rendered sequences (from BOS) trained as they are."""
         self.recipe, self.model = recipe, model
         args = model.args
         self.trunk = ReferenceModel(model, qat=True)
@@ -50,7 +62,8 @@ class MTPTrainer:
         rng = np.random.default_rng(seed)
         starts = rng.integers(0, len(token_ids) - recipe.seq_len, recipe.sequences)
         self.samples = [np.concatenate(([bos], token_ids[s : s + recipe.seq_len - 1])) for s in starts]
-        self.vocab = torch.as_tensor(np.unique(np.concatenate((token_ids, [bos]))))
+        self.samples += [np.asarray(chat, dtype=np.int64) for chat in chats]
+        self.vocab = torch.as_tensor(np.unique(np.concatenate((token_ids, [bos], *self.samples))))
         local = torch.full((args.vocab_size,), -1, dtype=torch.long)
         local[self.vocab] = torch.arange(self.vocab.numel())
         self.streams, self.choices = [], []
@@ -138,10 +151,16 @@ class MTPTrainer:
 
 
 def train_mtp(
-    model: ModelFile, token_ids: np.ndarray, bos: int, recipe: MTPRecipe, seed: int, log: Callable[[str], None]
+    model: ModelFile,
+    token_ids: np.ndarray,
+    bos: int,
+    recipe: MTPRecipe,
+    seed: int,
+    log: Callable[[str], None],
+    chats: Sequence[np.ndarray] = (),
 ) -> MTPTrainer:
-    trainer = MTPTrainer(model, token_ids, bos, recipe, seed)
-    log(f"mtp: {len(trainer.samples)} sequences of {recipe.seq_len}, {trainer.vocab.numel()} ids")
+    trainer = MTPTrainer(model, token_ids, bos, recipe, seed, chats)
+    log(f"mtp: {recipe.sequences} windows of {recipe.seq_len} and {len(chats)} chats, {trainer.vocab.numel()} ids")
     while trainer.step < recipe.steps:
         loss, agree = trainer.train_step()
         if trainer.step % 20 == 0 or trainer.step == recipe.steps:
