@@ -6,6 +6,8 @@ token after an opener (where a copied argument starts)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -24,14 +26,18 @@ NANO = ModelArgs(
     compress_ratios=flash_compress_ratios(6), index_n_heads=4, index_head_dim=32, index_topk=16,
 )  # fmt: skip
 TWIN = NANO.with_(dim=256, moe_inter_dim=256)
+MARKER, OPENERS = 5, (6, 7)  # stand-ins for a call's `">` and a request's ` `` ` and ` "`
 
 
-def attention_mass(args: ModelArgs, planted: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[float, float]:
-    """Mean attention of layer 0's head 0 on the previous token and of layer 1's head 0 on the
-    induction target, over the repeat of four copy sequences."""
+def attention_of(
+    args: ModelArgs, monkeypatch: pytest.MonkeyPatch, markers: tuple[int, ...] | None
+) -> Callable[[np.ndarray], list[torch.Tensor]]:
+    """A function from tokens to each layer's attention probabilities [T, heads, keys], over a model at
+    its initialisation: random weights (`markers` None), or the circuit planted (with the finding head
+    when `markers` are given)."""
     params = init_params(args, seed=0)
-    if planted:
-        plant_copy_circuit(params, args, seed=0)
+    if markers is not None:
+        plant_copy_circuit(params, args, seed=0, markers=markers, openers=OPENERS if markers else ())
     model = ReferenceModel.from_weights(args, ParamWeights(params), qat=False)
     probs: list[torch.Tensor] = []
     attend = ops.sink_attention_probs
@@ -41,16 +47,27 @@ def attention_mass(args: ModelArgs, planted: bool, monkeypatch: pytest.MonkeyPat
         return probs[-1]
 
     monkeypatch.setattr(ops, "sink_attention_probs", spy)
+
+    def run(tokens: np.ndarray) -> list[torch.Tensor]:
+        probs.clear()
+        with torch.no_grad():
+            model.hidden_batch([torch.as_tensor(tokens)], [model.new_state()])
+        return list(probs)
+
+    return run
+
+
+def attention_mass(args: ModelArgs, planted: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[float, float]:
+    """Mean attention of layer 0's head 0 on the previous token and of layer 1's head 0 on the
+    induction target, over the repeat of four copy sequences."""
+    attention = attention_of(args, monkeypatch, markers=() if planted else None)
     rng = np.random.default_rng(1)
     previous, induction = [], []
     for _ in range(4):
         run = rng.integers(2, VOCAB, size=RUN)
-        tokens = torch.as_tensor(np.concatenate(([0], run, run)))
-        probs.clear()
-        with torch.no_grad():
-            model.hidden_batch([tokens], [model.new_state()])
+        probs = attention(np.concatenate(([0], run, run)))
         first, second = probs[0][:, 0], probs[1][:, 0]  # [T, keys] of head 0
-        for t in range(RUN + 2, len(tokens)):  # tokens[t] repeats tokens[t - RUN]
+        for t in range(RUN + 2, 1 + 2 * RUN):  # token t repeats token t - RUN
             previous.append(float(first[t, t - 1]))
             induction.append(float(second[t, t - RUN + 1]))
     return float(np.mean(previous)), float(np.mean(induction))
@@ -69,32 +86,16 @@ def test_random_weights_attend_to_neither(monkeypatch: pytest.MonkeyPatch) -> No
     assert previous < 0.2 and induction < 0.2, (previous, induction)
 
 
-MARKER, OPENERS = 5, (6, 7)  # stand-ins for a call's `">` and a request's ` `` ` and ` "`
-
-
 def finding_mass(args: ModelArgs, markers: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> float:
     """Mean attention of layer 1's head 1 on the token after an opener, from the marker that follows
     the opener's text some 30 tokens later."""
-    params = init_params(args, seed=0)
-    plant_copy_circuit(params, args, seed=0, markers=markers, openers=OPENERS if markers else ())
-    model = ReferenceModel.from_weights(args, ParamWeights(params), qat=False)
-    probs: list[torch.Tensor] = []
-    attend = ops.sink_attention_probs
-
-    def spy(*inputs: torch.Tensor) -> torch.Tensor:
-        probs.append(attend(*inputs))
-        return probs[-1]
-
-    monkeypatch.setattr(ops, "sink_attention_probs", spy)
+    attention = attention_of(args, monkeypatch, markers=markers)
     rng = np.random.default_rng(2)
     at_marker = []
     for opener in OPENERS * 2:
         before, argument, after = (rng.integers(8, VOCAB, size=n) for n in (10, 5, 30))
-        tokens = torch.as_tensor(np.concatenate(([0], before, [opener], argument, after, [MARKER])))
+        probs = attention(np.concatenate(([0], before, [opener], argument, after, [MARKER])))
         start = 1 + len(before) + 1  # the argument's first token
-        probs.clear()
-        with torch.no_grad():
-            model.hidden_batch([tokens], [model.new_state()])
         finding = probs[1][:, 1]  # [T, keys] of layer 1's head 1
         at_marker.append(float(finding[-1, start]))
     return float(np.mean(at_marker))

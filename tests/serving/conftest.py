@@ -9,29 +9,22 @@ It also counts the rows of each sampling call.
 
 from __future__ import annotations
 
-import json
 import re
-import socket
-import threading
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import anthropic
 import httpx2 as httpx
 import openai
 import pytest
 import torch
-import uvicorn
+from live_server import LiveServer, start_server  # noqa: F401  (start_server: the tests import it from here)
 
 from dwarfstar.engine import Engine, load_engine
 from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.model.state import SequenceState
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
-from dwarfstar.serving.app import KEEP_ALIVE_SECONDS, create_app
 from dwarfstar.serving.config import ServerConfig
-from dwarfstar.serving.service import Service
 from dwarfstar.session.sampling import Sampler, sample_batch
 from dwarfstar.tokenizer import specials
 from dwarfstar.tokenizer.tokenizer import Tokenizer
@@ -139,25 +132,6 @@ class ScriptedBackend:
         state.logits = logits
 
 
-@dataclass
-class LiveServer:
-    base_url: str
-    service: Service
-    trace: Path | None
-
-    def metric(self, name: str, **labels: str) -> float:
-        return self.service.metrics.value(name, **labels)
-
-    def trace_records(self) -> list[dict]:
-        return [json.loads(line) for line in self.trace.read_text().splitlines()]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory) -> Engine:
     path = tmp_path_factory.mktemp("model") / "tiny.gguf"
@@ -165,26 +139,6 @@ def engine(tmp_path_factory) -> Engine:
     engine = load_engine(path, "reference", ctx=4096)
     engine.backend = ScriptedBackend(engine.backend, engine.tokenizer, SCRIPTS)
     return engine
-
-
-def start_server(engine: Engine, config: ServerConfig) -> Iterator[LiveServer]:
-    service = Service(engine, config)
-    port = free_port()
-    listening = uvicorn.Config(
-        create_app(service), host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_SECONDS
-    )
-    server = uvicorn.Server(listening)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield LiveServer(f"http://127.0.0.1:{port}", service, config.trace)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 BASE_CONFIG = ServerConfig(
