@@ -14,7 +14,9 @@ same gates then check, each from the reference backend (the numerical oracle):
   book (past the raw window, ratio-128 compression and the indexer's top-16 selection), and 16
   phrases of three words spread over the reference's greedy continuation, which must all come back.
 - `nano_tool_call.json`: the reply the reference gives to ds4's tool-call request through the server
-  application (nano writes prose, never a call: the gate then checks the exact reply).
+  application (nano knows only its own `read`, `list` and `search` tools: asked for `list_files`, it
+  starts a `search` call it does not finish, which the server ends as an invalid tool call; the gate
+  then checks that exact reply).
 
 Run it again after retraining the bundled model; the tests in tests/evals run the gates on these files.
 """

@@ -3,12 +3,13 @@
 ds4's request, sent to the real server application in process (Starlette's TestClient over the same
 routes, renderer, scheduler and streaming DSML parser `dwarfstar serve` runs): one `list_files(path)`
 tool, `think: false`, temperature 0, 256 tokens, a 32,768-token context. The reply must carry a tool
-call to `list_files` whose arguments parse as a JSON object; a DSML block the parser cannot read comes
-back as text with finish `stop`, and fails.
+call to `list_files` whose arguments parse as a JSON object; a DSML block the parser cannot read ends
+the turn without calls, finish `stop` (ds4's recoverable invalid tool call), and fails.
 
-A model that never calls tools (the bundled one) is checked against an expectation file instead: the
-reply the reference backend gave through the same path (`tools/make_gate_fixtures.py`), which must
-come back identical, tool calls, text and finish reason included.
+A model that cannot make this call (the bundled one, trained on other tools) is checked against an
+expectation file instead: the reply the reference backend gave through the same path
+(`tools/make_gate_fixtures.py`), which must come back identical, tool calls, text and finish reason
+included.
 """
 
 from __future__ import annotations

@@ -22,7 +22,9 @@ from dwarfstar.session.session import Session
 from dwarfstar.speculative.options import MTPOptions
 
 CTX = 128
-PROMPT = [0, 17, 42, 7, 99, 1000, 5, 31, 64, 2, 11, 128]
+# BOS and "Quel ramo del lago di Como, che vol": from a prompt of the book, the bundled model's greedy
+# text is prose its MTP block drafts (from arbitrary ids it loops over word pieces no draft guesses)
+PROMPT = [0, 4100, 317, 14982, 81, 1543, 116338, 1298, 42029, 14, 1639, 2538]
 GREEDY = SamplingParams(temperature=0.0)
 
 

