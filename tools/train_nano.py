@@ -12,12 +12,8 @@
     .venv/bin/python tools/train_nano.py --init dwarfstar/data/nano.gguf --steps 150 --lr 3e-3 --batch 2 \
         --tool-batch 4 --call-batch 24 --copy-batch 16 --call-weight 2 --arg-weight 5 --tool-evals 0 \
         --eval-every 25 --workdir build/probe --out build/probe/nano.gguf
-    # issue 19 from scratch with the copy circuit planted (dwarfstar/train/induction.py); the recipe of
-    # 8668877 (2 round trips, 3 calls, 4 copy runs per step; 37.4 min) reached book perplexity
-    # 69.35 (QAT on) and served checks 19/20 chat, 19/20 Responses, 16/20 Messages. These defaults (3 round
-    # trips, 5 calls, answer weight 3, thinking 0.2 with clause-cut reasoning; 42.1 min) close the served
-    # prompt's sampled reasoning 8 times in 10 (was 3), but never learned the argument's first token
-    # (5% teacher-forced, 1/30 greedy calls right), book perplexity 72.46: no recipe passes yet
+    # the bundled file: from scratch, the copy circuit and its finding head planted
+    # (dwarfstar/train/induction.py), about 41 min; README "Model" has its figures
     .venv/bin/python tools/train_nano.py --out build/nano/nano.gguf --f32-out build/nano/nano-f32.gguf
     .venv/bin/python tools/train_nano.py --twin-k   # the 256-wide twin, written under build/
     .venv/bin/python tools/train_nano.py --mtp [--mtp-steps N] [--mtp-out dwarfstar/data/nano-mtp.gguf]

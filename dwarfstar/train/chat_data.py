@@ -353,16 +353,12 @@ def thinking_samples(
         match = _SENTENCE.match(text, end)
         if match is None:
             continue
-        stop = match.end()
-        if len(tokenizer.encode(" ".join(match.group().split()))) > high:
-            cuts = [c.end() for c in _CLAUSE_END.finditer(text, end, stop)]
-            cuts = [c for c in cuts if low <= len(tokenizer.encode(" ".join(text[end:c].split()))) <= high]
-            if not cuts:
-                continue
-            stop = cuts[-1]
-        reasoning = " ".join(text[end:stop].split())
-        if not low <= len(tokenizer.encode(reasoning)) <= high:
+        # the whole sentence, else its longest first clauses: the first of these that fits the budget
+        stops = [match.end(), *reversed([c.end() for c in _CLAUSE_END.finditer(text, end, match.end())])]
+        stop = next((s for s in stops if low <= len(tokenizer.encode(" ".join(text[end:s].split()))) <= high), None)
+        if stop is None:
             continue
+        reasoning = " ".join(text[end:stop].split())
         answer = text[stop : stop + length * 8].lstrip()  # more text than `length` tokens need
         messages = [
             {"role": "user", "content": prompt},

@@ -63,7 +63,7 @@ class MTPTrainer:
         starts = rng.integers(0, len(token_ids) - recipe.seq_len, recipe.sequences)
         self.samples = [np.concatenate(([bos], token_ids[s : s + recipe.seq_len - 1])) for s in starts]
         self.samples += [np.asarray(chat, dtype=np.int64) for chat in chats]
-        self.vocab = torch.as_tensor(np.unique(np.concatenate((token_ids, [bos], *self.samples))))
+        self.vocab = torch.as_tensor(np.unique(np.concatenate((token_ids, *self.samples))))  # samples start with BOS
         local = torch.full((args.vocab_size,), -1, dtype=torch.long)
         local[self.vocab] = torch.arange(self.vocab.numel())
         self.streams, self.choices = [], []

@@ -5,19 +5,14 @@ loads in a one-process agent with no prefill and the same reply."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from live_server import free_port
+
 CTX = "4096"
 PROMPT = "Quel ramo del lago di Como"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dwarfstar(tmp: Path, kv: Path, *argv: str) -> tuple[list[str], dict[str, str]]:

@@ -10,13 +10,13 @@ single-process reference, and bit-identical logits are a fair demand.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from live_server import free_port
 
 from dwarfstar.distributed.backend import RouteBackend
 from dwarfstar.distributed.launch import DistOptions, start_coordinator
@@ -30,12 +30,6 @@ CTX = 256  # stage_worker.CTX
 WORKER = Path(__file__).with_name("stage_worker.py")
 WAIT_S = 300.0  # loading torch in several processes on the 2 shared cores is slow
 DIE_AT_ROWS = 37  # the fragile cluster's worker dies when a pass of this many rows arrives
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:

@@ -37,7 +37,7 @@ def attention_of(
     when `markers` are given)."""
     params = init_params(args, seed=0)
     if markers is not None:
-        plant_copy_circuit(params, args, seed=0, markers=markers, openers=OPENERS if markers else ())
+        plant_copy_circuit(params, args, seed=0, markers=markers, openers=OPENERS)
     model = ReferenceModel.from_weights(args, ParamWeights(params), qat=False)
     probs: list[torch.Tensor] = []
     attend = ops.sink_attention_probs
