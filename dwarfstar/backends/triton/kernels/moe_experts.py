@@ -31,7 +31,16 @@ from dwarfstar.backends.triton.kernels.quant_blocks import (
     load_weight_tile,
     tile_k,
 )
-from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, interpreting, next_pow2
+from dwarfstar.backends.triton.runtime import (
+    EXACT,
+    FAST,
+    BenchCase,
+    BenchShape,
+    KernelWork,
+    Precision,
+    interpreting,
+    next_pow2,
+)
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
 
@@ -183,6 +192,19 @@ def expert_ffn(
         f, d, down.row_bytes, tiles.k, out.shape[1], slot_offset,
         WTYPE=down.wtype, BM=tiles.block_m, BK=bk, USE_DOT=use_dot, FAST=precision.fast,
     )  # fmt: skip
+
+
+def launch_work(kernel: str, a: dict) -> KernelWork | None:
+    """What a gate/up or down launch streams (`runtime.KernelWork`): each entry's expert rows, as if
+    no two entries shared an expert (decode)."""
+    if kernel not in ("_gate_up_kernel", "_down_kernel"):
+        return None
+    matrices = 2 if kernel == "_gate_up_kernel" else 1
+    entries = a["sorted_ptr"].numel()
+    weight = entries * matrices * a["N"] * a["row_bytes"]
+    activations = 4 * entries * (a["K"] + a["N"])
+    loop = matrices * a["BN"] * a["row_bytes"] * a["BK"] // a["K"] + 4 * a["BM"] * a["BK"]
+    return KernelWork(weight + activations, weight, triton.cdiv(a["K"], a["BK"]), loop)
 
 
 def reference(x, gate: QWeight, up: QWeight, down: QWeight, ids, route_weights, limit) -> torch.Tensor:
