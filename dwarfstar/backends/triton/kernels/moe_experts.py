@@ -195,13 +195,14 @@ def expert_ffn(
 
 
 def launch_work(kernel: str, a: dict) -> KernelWork | None:
-    """What a gate/up or down launch streams (`runtime.KernelWork`): each entry's expert rows, as if
-    no two entries shared an expert (decode)."""
+    """What a gate/up or down launch streams (`runtime.KernelWork`): each tile's expert rows once, as
+    if no two tiles shared an expert (decode: a tile per routed entry; the shared expert's tiles)."""
     if kernel not in ("_gate_up_kernel", "_down_kernel"):
         return None
     matrices = 2 if kernel == "_gate_up_kernel" else 1
     entries = a["sorted_ptr"].numel()
-    weight = entries * matrices * a["N"] * a["row_bytes"]
+    tiles = triton.cdiv(entries, a["BM"]) if a["k_slots"] == 1 else entries
+    weight = tiles * matrices * a["N"] * a["row_bytes"]
     activations = 4 * entries * (a["K"] + a["N"])
     loop = matrices * a["BN"] * a["row_bytes"] * a["BK"] // a["K"] + 4 * a["BM"] * a["BK"]
     return KernelWork(weight + activations, weight, triton.cdiv(a["K"], a["BK"]), loop)

@@ -23,6 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.autotuner import Autotuner
 
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset; fusion on, as on 3.6
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 CUOBJDUMP = os.path.join(BIN, "cuobjdump")
 
