@@ -2,7 +2,8 @@
 
 `submit_chat` and `submit_tokens` are the two ways a request reaches the model. Rendering and
 tokenizing a long conversation takes a while, so both run it in a thread pool, never on the event
-loop; the context check there answers an over-long prompt with a 400 before any stream starts.
+loop; the checks there (validation.py: the prompt and its output budget fit the context, the
+conversation ends where the model answers) answer with a 400 before any stream starts.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dwarfstar.serving.pool import SessionPool
 from dwarfstar.serving.replay import ToolMemory, apply_exact_replay, history_tool_ids, replay_reasoning
 from dwarfstar.serving.scheduler import Job, QueueFull, Scheduler, ShuttingDown
 from dwarfstar.serving.trace import Trace
+from dwarfstar.serving.validation import budget_overflow, nothing_to_answer, opens_answer
 from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.steering.apply import steering_of
 from dwarfstar.steering.direction import MAX_SCALE, SteeringScale
@@ -164,6 +166,8 @@ class Service:
             prompt, replayed = self._render(
                 messages, tools, thinking, param=knobs.param, response_format=response_format
             )
+            if not opens_answer(prompt):
+                raise nothing_to_answer(knobs.api, messages, knobs.param)
             ids = self.tokenizer.encode_prompt(prompt.parts)
             request = self._request(prompt, ids, knobs, parse=True, thinking=thinking.enabled, tools=bool(tools))
             return request, replayed
@@ -212,11 +216,12 @@ class Service:
             raise bad_request("the prompt is empty", param=knobs.param)
         if len(ids) >= ctx:
             raise context_overflow(len(ids), ctx, knobs.param)
-        free = ctx - len(ids)
+        if knobs.max_tokens is not None and len(ids) + knobs.max_tokens > ctx:
+            raise budget_overflow(knobs.api, len(ids), knobs.max_tokens, ctx, knobs.param)
         return GenerationRequest(
             prompt=prompt,
             prompt_ids=ids,
-            max_tokens=min(knobs.max_tokens or free, free),
+            max_tokens=knobs.max_tokens or ctx - len(ids),  # validation.py: given, it fits; else the rest
             sampling=knobs.sampling,
             stop=knobs.stop,
             parse=parse,
