@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -28,6 +28,7 @@ from dwarfstar.serving.fields import Fields
 from dwarfstar.serving.generation import GenerationRequest
 from dwarfstar.serving.metrics import Metrics
 from dwarfstar.serving.models import ModelCatalog
+from dwarfstar.serving.output import refused_ids
 from dwarfstar.serving.pool import SessionPool
 from dwarfstar.serving.replay import ToolMemory, apply_exact_replay, history_tool_ids, replay_reasoning
 from dwarfstar.serving.scheduler import Job, QueueFull, Scheduler, ShuttingDown
@@ -57,6 +58,7 @@ class Service:
         if not 0 < config.ctx <= args.max_seq_len:
             raise DwarfStarError(f"--ctx {config.ctx} is outside 1..{args.max_seq_len} for this model")
         self.engine, self.config, self.tokenizer = engine, config, engine.tokenizer
+        self.refused = refused_ids(engine.tokenizer)  # control tokens a templated answer never holds
         self.steered = steering_of(engine.backend)  # None unless started with --dir-steering-file
         self.options = config.render_options
         self.models = ModelCatalog(args, config.ctx, config.model_aliases)
@@ -204,13 +206,23 @@ class Service:
                 tokens = ids
             else:
                 tokens = self.tokenizer.encode_prompt(prompt.parts)
-            return self._request(prompt, tokens, knobs, parse=False, thinking=False, tools=False)
+            return self._request(prompt, tokens, knobs, parse=False, thinking=False, tools=False, templated=False)
 
         return self._submit(await run_in_threadpool(prepare), [])
 
     def _request(
-        self, prompt: Prompt | None, ids: list[int], knobs: Knobs, *, parse: bool, thinking: bool, tools: bool
+        self,
+        prompt: Prompt | None,
+        ids: list[int],
+        knobs: Knobs,
+        *,
+        parse: bool,
+        thinking: bool,
+        tools: bool,
+        templated: bool = True,
     ) -> GenerationRequest:
+        """`templated`: rendered by this server, so control tokens other than an answer's are refused
+        (output.py); a raw prompt's client owns its template and gets every token."""
         ctx = self.config.ctx
         if not ids:
             raise bad_request("the prompt is empty", param=knobs.param)
@@ -222,7 +234,7 @@ class Service:
             prompt=prompt,
             prompt_ids=ids,
             max_tokens=knobs.max_tokens or ctx - len(ids),  # validation.py: given, it fits; else the rest
-            sampling=knobs.sampling,
+            sampling=replace(knobs.sampling, refused=self.refused) if templated else knobs.sampling,
             stop=knobs.stop,
             parse=parse,
             thinking=thinking,
