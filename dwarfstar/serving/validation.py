@@ -52,7 +52,8 @@ Messages (https://platform.claude.com/docs/en/api/messages):
   turn": their content blocks are read as one message's, the texts of the messages joined by a blank
   line, as the DeepSeek V4 encoder joins user turns it merges.
 - `tool_choice`: `{"type": "any"}` or `{"type": "tool", "name"}` need tools, and the named tool must
-  be one of them (https://platform.claude.com/docs/en/agents-and-tools/tool-use/implement-tool-use);
+  be one of them ("any tells Claude that it must use one of the provided tools",
+  https://platform.claude.com/cookbook/tool-use-tool-choice);
   `{"type": "none"}` offers none.
 - `context`: the prompt plus `max_tokens` must fit the context; the message is Anthropic's, "input
   length and `max_tokens` exceed context limit: P + M > N, decrease input length or `max_tokens` and
