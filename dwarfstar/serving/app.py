@@ -69,8 +69,12 @@ async def api_error(request: Request, exc: Exception) -> Response:
 
 async def http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    message = "unknown endpoint" if exc.status_code == 404 else exc.detail
-    return await api_error(request, ApiError(exc.status_code, message))
+    message = exc.detail
+    if exc.status_code == 404:
+        message = "unknown endpoint"
+    elif exc.status_code == 405:  # OpenAI's wording; Starlette's exception carries the `Allow` header
+        message = f"Invalid method for URL ({request.method} {request.url.path})"
+    return await api_error(request, ApiError(exc.status_code, message, headers=exc.headers))
 
 
 async def client_gone(request: Request, exc: Exception) -> Response:
