@@ -138,7 +138,7 @@ class DecodeGraphs:
             for il, kind in compressors:
                 self.pad.parts(il)[f"{kind}_rows"][page].zero_()
         self.captured: dict[tuple[int, tuple[int, ...], int], _Captured] = {}
-        self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+        self.pool = torch.cuda.graph_pool_handle() if model.device.type == "cuda" else None
         self.pinned = model.device.type == "cuda"
         self._staging: dict[int, list[_Staging]] = {}  # per bucket, the pair its steps use in turn
         self._next: _Plan | None = None  # the last step's sequences one position on
@@ -185,6 +185,13 @@ class DecodeGraphs:
         if samplers is not None:
             drawn = redraw_overflow(logits, samplers, steps, staging.fetched(n))  # the step's host sync
         return list(logits.split(1)), drawn
+
+    def graph(
+        self, states: Sequence[SequenceState], samplers: Sequence[Sampler] | None = None
+    ) -> tuple[int, tuple[int, ...], int]:
+        """(bucket, row bounds, sampling candidates): the graph a step of these states replays (`body`'s
+        arguments)."""
+        return self._plan(states, samplers).graph
 
     def _plan(self, states: Sequence[SequenceState], samplers: Sequence[Sampler] | None) -> _Plan:
         """The inputs of a step of `states` at their positions, all but the tokens."""
