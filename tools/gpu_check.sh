@@ -137,29 +137,32 @@ if [ -z "$DRY" ] && [ -z "$TARGET" ]; then
     exit 1
 fi
 DRYFLAG=${DRY:+--dry}
-TESTFLAGS="-p no:cacheprovider -q"
-[ -n "$DRY" ] && TESTFLAGS="$TESTFLAGS --collect-only"
+# a line per test as it ends (a step cut short still shows which failed); dry: collected only
+TESTFLAGS="-p no:cacheprovider -v"
+[ -n "$DRY" ] && TESTFLAGS="-p no:cacheprovider -q --collect-only"
 XDIST=""
 [ -z "$DRY" ] && $PY -c "import xdist" 2>/dev/null && XDIST="-n 16"
-$PY -c "import pytest_timeout" 2>/dev/null && TESTFLAGS="$TESTFLAGS -p pytest_timeout --timeout 100"
+# pytest-timeout (on the image, loaded by its entry point): a hung test ends alone, not the whole step
+$PY -c "import pytest_timeout" 2>/dev/null && TESTFLAGS="$TESTFLAGS --timeout 100"
 
 # -- benchmarks first: the warm step compiles what the bench will launch (the same arguments) --
 BENCH="$PY -m dwarfstar.backends.triton.bench"
 DECODE="decode --synthetic flash-q2 --ctx 2048,32768 --batch 1,4 --steps 64 --then-prefill 8192 --chunk 4096 --tune first"
 run warm "$OUT/bench.log" $BENCH $DECODE --warm 16 --target "${TARGET:-cuda:90}" --sms "${SMS:-132}" $DRYFLAG
 run bench "$OUT/bench.log" $BENCH $DECODE --csv "$OUT/decode.csv" --prefill-csv "$OUT/prefill.csv" $DRYFLAG
-grep -E "^jit: [0-9]+ kernels" "$OUT/bench.log" | tail -n 1 | tee -a "$SUMMARY"
-if [ -s "$OUT/decode.csv" ]; then # tok/s, GB/s and the share of the ceiling (the weights at the peak bandwidth)
-    awk -F, 'NR > 1 {printf "decode ctx=%s batch=%s: %s tok/s, %s GB/s, %s%% of the %s tok/s ceiling\n", $3, $4, $5, $8, $10, $9}' \
-        "$OUT/decode.csv" | tee -a "$SUMMARY"
-fi
+grep -E "^warm: |^PROBLEM|^jit: [0-9]+ kernels" "$OUT/bench.log" | tee -a "$SUMMARY"
+# tok/s, GB/s and the share of the ceiling (a step's weight bytes at the peak bandwidth: 502 tok/s at batch 1)
+[ -s "$OUT/decode.csv" ] && awk -F, 'NR > 1 {printf "decode ctx=%s batch=%s: %s tok/s, %s GB/s, %s%% of the %s tok/s ceiling\n",
+    $3, $4, $5, $8, $10, $9}' "$OUT/decode.csv" | tee -a "$SUMMARY"
+[ -s "$OUT/prefill.csv" ] && awk -F, 'NR > 1 {printf "prefill %s tokens (%s): %s tok/s\n", $3, $5, $6}' \
+    "$OUT/prefill.csv" | tee -a "$SUMMARY"
 
 # -- tests on the GPU: every backend's logits, states, payloads and sampling against the reference, the
 # kernels against their torch references, CUDA graphs, then the slow ones --
 # (-m "": the slow-marked ones too, sampling inside the captured step among them; not the aot compiles)
 run tests "$OUT/tests.log" $PY -m pytest tests/backends tests/triton -m "" --ignore tests/triton/test_aot_compile.py \
     $TESTFLAGS $XDIST --durations=10
-grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -n 20 | tee -a "$SUMMARY"
+grep -E "^(FAILED|ERROR) |\] (FAILED|ERROR) " "$OUT/tests.log" | head -n 20 | tee -a "$SUMMARY"
 tail -n 1 "$OUT/tests.log" | tee -a "$SUMMARY"
 # apart: its `from conftest import` must find tests/speculative's conftest, not tests/triton's
 run mtp "$OUT/tests.log" $PY -m pytest tests/speculative/test_triton_mtp.py -m "" $TESTFLAGS

@@ -252,7 +252,7 @@ def run_decode(
             ceiling = b * peak.gbs * 1e9 / per_step if peak.gbs else None
             rows.append({
                 "model": preset, "layers": weights.args.n_layers, "ctx": ctx, "batch": b,
-                "tok/s": round(b / seconds, 2), "ms/step": round(seconds * 1e3, 3),
+                "tok/s": _sig(b / seconds), "ms/step": _sig(seconds * 1e3),
                 "weight_GB/step": round(per_step / 1e9, 3), "GB/s": round(gbs, 1),
                 "ceiling_tok/s": round(ceiling, 1) if ceiling else "", "%ceiling": _pct(gbs, peak.gbs),
             })  # fmt: skip
@@ -286,7 +286,7 @@ def run_prefill(
     seconds = time.perf_counter() - start
     row = {
         "model": preset, "layers": weights.args.n_layers, "tokens": tokens, "chunk": chunk,
-        "precision": "bf16 dot" if precision.fast else "fp32", "tok/s": round(tokens / seconds, 1),
+        "precision": "bf16 dot" if precision.fast else "fp32", "tok/s": _sig(tokens / seconds),
         "seconds": round(seconds, 3),
     }  # fmt: skip
     emit(row)
