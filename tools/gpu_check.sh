@@ -56,6 +56,7 @@ unset TRITON_INTERPRET
 CAPS=(warm:90 bench:120 tests:110 mtp:40 streaming:30 stream-run:20 gate-nano:20 parity:25 kernels:10)
 cap() { local c; for c in "${CAPS[@]}"; do [ "${c%%:*}" = "$1" ] && echo "${c#*:}"; done; }
 TOTAL=0
+NOT_OK=0
 for c in "${CAPS[@]}"; do TOTAL=$((TOTAL + ${c#*:})); done
 
 say() { echo "$*" | tee -a "$SUMMARY"; }
@@ -85,6 +86,7 @@ run() {
     fi
     [ $rc -eq 124 ] || [ $rc -eq 137 ] && verdict=TIMEOUT
     [ $rc -ne 0 ] && [ "$verdict" = ok ] && verdict="FAILED rc=$rc"
+    [ "$verdict" = ok ] || NOT_OK=$((NOT_OK + 1))
     say "$(printf '%-8s %-10s %4ss' "$verdict" "$name" $(($(date +%s) - t0)))"
 }
 
@@ -150,7 +152,7 @@ BENCH="$PY -m dwarfstar.backends.triton.bench"
 DECODE="decode --synthetic flash-q2 --ctx 2048,32768 --batch 1,4 --steps 64 --then-prefill 8192 --chunk 4096 --tune first"
 run warm "$OUT/bench.log" $BENCH $DECODE --warm 16 --target "${TARGET:-cuda:90}" --sms "${SMS:-132}" $DRYFLAG
 run bench "$OUT/bench.log" $BENCH $DECODE --csv "$OUT/decode.csv" --prefill-csv "$OUT/prefill.csv" $DRYFLAG
-grep -E "^warm: |^PROBLEM|^jit: [0-9]+ kernels" "$OUT/bench.log" | tee -a "$SUMMARY"
+grep -E "^warm: |^PROBLEM|^jit: [0-9]+ kernels|^dry: " "$OUT/bench.log" | tee -a "$SUMMARY"
 # tok/s, GB/s and the share of the ceiling (a step's weight bytes at the peak bandwidth: 502 tok/s at batch 1)
 [ -s "$OUT/decode.csv" ] && awk -F, 'NR > 1 {printf "decode ctx=%s batch=%s: %s tok/s, %s GB/s, %s%% of the %s tok/s ceiling\n",
     $3, $4, $5, $8, $10, $9}' "$OUT/decode.csv" | tee -a "$SUMMARY"
@@ -182,4 +184,5 @@ for table in decode prefill kernels parity; do
     fi
 done
 say ""
-say "total $(($(date +%s) - START))s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+say "total $(($(date +%s) - START))s, $NOT_OK steps not ok; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+[ "$NOT_OK" -eq 0 ]
