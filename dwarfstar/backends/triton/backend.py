@@ -40,7 +40,8 @@ class TritonBackend:
         kv_slots: int = 4,
     ):
         """`kv_slots`: sequences of the first KV-cache block, which decode together (one graph replay)."""
-        graphs = graphs and weights.device.type == "cuda"
+        # on the meta device too: `warm` records the steps a GPU's graphs would replay
+        graphs = graphs and weights.device.type in ("cuda", "meta")
         slots = kv_slots + 1 if graphs else kv_slots  # graphs pad their buckets on one more slot
         self.model = TritonModel(weights, qat=qat, precision=precision, max_seq_len=max_seq_len, kv_slots=slots)
         self.args = weights.args

@@ -10,17 +10,27 @@ Runnable without the CLI's dependencies (the GPU check machine has only torch an
     python -m dwarfstar.backends.triton.bench decode --synthetic flash-q2 --ctx 2048,32768
     python -m dwarfstar.backends.triton.bench prefill --synthetic flash-q2 --tokens 8192
     python -m dwarfstar.backends.triton.bench parity
+
+Each CSV row is written and flushed as it is measured (the header first), so a run stopped by a
+timeout keeps what it finished. `decode --then-prefill N` times a prefill of N tokens on the same
+weights afterwards. `--tune first` launches an autotuned kernel's first pruned config untimed
+(`plan.target.first_config`), as a cold machine can afford; `decode --warm JOBS` instead compiles
+every kernel variant the same run would launch into Triton's cache, in JOBS processes (`warm`);
+`--dry` goes as far as it can without a device: arguments, imports, the synthetic model's tensors on
+the meta device, the CSV headers.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import gc
 import importlib
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,7 +94,20 @@ def kernel_cases(shape: BenchShape, only: Sequence[str] = ()) -> list[BenchCase]
     return cases
 
 
-def run_kernels(shape: BenchShape, peak: Peak, only: Sequence[str] = ()) -> list[dict]:
+KERNEL_COLUMNS = ("kernel", "case", "us", "GB/s", "TFLOP/s", "%peak_bw", "%peak_flops")
+DECODE_COLUMNS = (
+    "model", "layers", "ctx", "batch", "tok/s", "ms/step", "weight_GB/step", "GB/s", "ceiling_tok/s", "%ceiling",
+)  # fmt: skip
+PREFILL_COLUMNS = ("model", "layers", "tokens", "chunk", "precision", "tok/s", "seconds")
+PARITY_COLUMNS = ("model", "precision", "step", "max_abs", "max_rel", "top1_agree", "mean_kl")
+Emit = Callable[[dict], None]  # where each row goes as it is measured (`CsvRows`)
+
+
+def _print_row(row: dict) -> None:
+    print(_line(row), file=sys.stderr, flush=True)
+
+
+def run_kernels(shape: BenchShape, peak: Peak, only: Sequence[str] = (), emit: Emit = _print_row) -> list[dict]:
     rows = []
     for case in kernel_cases(shape, only):
         ms = time_ms(case.run, shape.device)
@@ -94,7 +117,7 @@ def run_kernels(shape: BenchShape, peak: Peak, only: Sequence[str] = ()) -> list
             "kernel": case.kernel, "case": case.name, "us": _sig(ms * 1e3), "GB/s": _sig(gbs),
             "TFLOP/s": _sig(tflops), "%peak_bw": _pct(gbs, peak.gbs), "%peak_flops": _pct(tflops, peak.tflops),
         })  # fmt: skip
-        print(_line(rows[-1]), file=sys.stderr, flush=True)
+        emit(rows[-1])
     return rows
 
 
@@ -126,6 +149,30 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines + [fmt(row, numeric) for row in cells])
 
 
+class CsvRows:
+    """Rows written to a CSV file as they come, the header at once, each row flushed; every row is
+    also printed (stderr) and kept in `rows`."""
+
+    def __init__(self, path: Path | None, columns: Sequence[str]) -> None:
+        self.rows: list[dict] = []
+        self.file = open(path, "w", newline="") if path else None  # noqa: SIM115 (closed by close())
+        self.writer = csv.DictWriter(self.file, fieldnames=list(columns)) if self.file else None
+        if self.writer:
+            self.writer.writeheader()
+            self.file.flush()
+
+    def __call__(self, row: dict) -> None:
+        _print_row(row)
+        self.rows.append(row)
+        if self.writer:
+            self.writer.writerow(row)
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
 def write_csv(rows: list[dict], path: Path | None) -> None:
     if not rows:
         return
@@ -153,6 +200,20 @@ def decode_bytes_per_token(weights, batch: int = 1) -> int:
     return total
 
 
+def decode_backend(weights, ctxs: Sequence[int], batches: Sequence[int], steps: int, warmup: int):
+    """`run_decode`'s backend: a KV cache for what the bench reaches, not the model's whole context, in
+    one block for the largest batch (`warm` builds the same, on the meta device)."""
+    from dwarfstar.backends.triton.backend import TritonBackend
+
+    return TritonBackend(weights, max_seq_len=max(ctxs) + warmup + steps + 1, kv_slots=max(batches))
+
+
+def prefill_backend(weights, tokens: int, precision: Precision):
+    from dwarfstar.backends.triton.backend import TritonBackend
+
+    return TritonBackend(weights, precision=precision, max_seq_len=tokens + 1)
+
+
 def run_decode(
     preset: str,
     layers: int | None,
@@ -162,17 +223,17 @@ def run_decode(
     peak: Peak,
     warmup: int = 8,
     batches: Sequence[int] = (1,),
+    emit: Emit = _print_row,
+    weights=None,
 ) -> list[dict]:
     """Decode steps of `b` sequences at once (one cache block, batch-native kernels, a graph per
     bucket) for each b in `batches`, at each context. tok/s counts every sequence's token; GB/s is
-    the weights' bytes a step reads (`decode_bytes_per_token`) over the step time."""
-    from dwarfstar.backends.triton.backend import TritonBackend
+    the weights' bytes a step reads (`decode_bytes_per_token`) over the step time; the ceiling is
+    the tok/s that moving those bytes at the peak bandwidth allows."""
     from dwarfstar.backends.triton.synthetic import synthetic_state, synthetic_weights
 
-    weights = synthetic_weights(preset, layers, device)
-    # the KV cache holds what the bench reaches, not the model's whole context, in one block for the largest batch
-    ctx_cap = max(ctxs) + warmup + steps + 1
-    backend = TritonBackend(weights, max_seq_len=ctx_cap, kv_slots=max(batches))
+    weights = weights if weights is not None else synthetic_weights(preset, layers, device)
+    backend = decode_backend(weights, ctxs, batches, steps, warmup)
     rows = []
     for ctx in ctxs:
         for b in batches:
@@ -188,24 +249,32 @@ def run_decode(
             _sync(device)
             seconds = (time.perf_counter() - start) / steps
             gbs = per_step / seconds / 1e9
+            ceiling = b * peak.gbs * 1e9 / per_step if peak.gbs else None
             rows.append({
                 "model": preset, "layers": weights.args.n_layers, "ctx": ctx, "batch": b,
-                "tok/s": round(b / seconds, 2), "ms/step": round(seconds * 1e3, 3),
-                "weight_GB/step": round(per_step / 1e9, 3), "GB/s": round(gbs, 1), "%peak_bw": _pct(gbs, peak.gbs),
+                "tok/s": _sig(b / seconds), "ms/step": _sig(seconds * 1e3),
+                "weight_GB/step": round(per_step / 1e9, 3), "GB/s": round(gbs, 1),
+                "ceiling_tok/s": round(ceiling, 1) if ceiling else "", "%ceiling": _pct(gbs, peak.gbs),
             })  # fmt: skip
-            print(_line(rows[-1]), file=sys.stderr, flush=True)
+            emit(rows[-1])
             del states  # their slots return to the cache for the next batch size
     return rows
 
 
 def run_prefill(
-    preset: str, layers: int | None, tokens: int, chunk: int, device: torch.device, precision: Precision
+    preset: str,
+    layers: int | None,
+    tokens: int,
+    chunk: int,
+    device: torch.device,
+    precision: Precision,
+    emit: Emit = _print_row,
+    weights=None,
 ) -> list[dict]:
-    from dwarfstar.backends.triton.backend import TritonBackend
     from dwarfstar.backends.triton.synthetic import synthetic_weights
 
-    weights = synthetic_weights(preset, layers, device)
-    backend = TritonBackend(weights, precision=precision, max_seq_len=tokens + 1)
+    weights = weights if weights is not None else synthetic_weights(preset, layers, device)
+    backend = prefill_backend(weights, tokens, precision)
     prompt = torch.randint(3, weights.args.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     backend.forward(prompt[:chunk].tolist(), backend.new_state(), all_logits=False)  # compile
     state = backend.new_state()
@@ -217,10 +286,10 @@ def run_prefill(
     seconds = time.perf_counter() - start
     row = {
         "model": preset, "layers": weights.args.n_layers, "tokens": tokens, "chunk": chunk,
-        "precision": "bf16 dot" if precision.fast else "fp32", "tok/s": round(tokens / seconds, 1),
+        "precision": "bf16 dot" if precision.fast else "fp32", "tok/s": _sig(tokens / seconds),
         "seconds": round(seconds, 3),
     }  # fmt: skip
-    print(_line(row), file=sys.stderr, flush=True)
+    emit(row)
     return [row]
 
 
@@ -230,7 +299,9 @@ def _sync(device: torch.device) -> None:
 
 
 # -- logits parity on the tiny models ----------------------------------------------------------------
-def run_parity(device: torch.device, prompt_tokens: int = 150, decode_steps: int = 8) -> list[dict]:
+def run_parity(
+    device: torch.device, prompt_tokens: int = 150, decode_steps: int = 8, emit: Emit = _print_row
+) -> list[dict]:
     """Reference backend (CPU, fp32) against the Triton backend on tiny and tiny-k, exact and fast.
 
     150 prompt tokens fill the raw window, emit rows in every compressed layer (the first ratio-128 row
@@ -250,12 +321,12 @@ def run_parity(device: torch.device, prompt_tokens: int = 150, decode_steps: int
             reference = ReferenceModel(model)
             for precision in (EXACT, FAST):
                 backend = TritonBackend.from_model_file(model, device=device, precision=precision)
-                rows += _parity_rows(name, precision, reference, backend, prompt, decode_steps)
+                rows += _parity_rows(name, precision, reference, backend, prompt, decode_steps, emit)
             model.close()
     return rows
 
 
-def _parity_rows(name, precision, reference, backend, prompt, decode_steps) -> list[dict]:
+def _parity_rows(name, precision, reference, backend, prompt, decode_steps, emit: Emit) -> list[dict]:
     ref_state, state = reference.new_state(), backend.new_state()
     steps = [("prefill", backend.forward(prompt, state).cpu(), reference.forward(prompt, ref_state))]
     for i in range(decode_steps):
@@ -271,7 +342,7 @@ def _parity_rows(name, precision, reference, backend, prompt, decode_steps) -> l
             "max_abs": f"{diff:.3e}", "max_rel": f"{diff / want.abs().max().item():.3e}",
             "top1_agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item(), "mean_kl": f"{kl:.3e}",
         })  # fmt: skip
-        print(_line(rows[-1]), file=sys.stderr, flush=True)
+        emit(rows[-1])
     return rows
 
 
@@ -291,36 +362,144 @@ def main(argv: Sequence[str] | None = None) -> None:
     d = sub.add_parser("decode", help="synthetic full-size decode tok/s")
     d.add_argument("--ctx", default="2048,32768")
     d.add_argument("--steps", type=int, default=64)
+    d.add_argument("--warmup", type=int, default=8, help="untimed steps first (the graphs are captured in them)")
     d.add_argument("--batch", default="1", help="comma-separated batch sizes (sequences decoding together)")
+    d.add_argument("--then-prefill", type=int, default=0, metavar="TOKENS", help="then prefill, same weights")
+    d.add_argument("--prefill-csv", type=Path, default=None)
+    d.add_argument("--warm", type=int, default=0, metavar="JOBS", help="compile this run's kernels, don't time")
+    d.add_argument("--target", default="cuda:90", help="--warm: the GPU's target (cuda:ARCH)")
+    d.add_argument("--sms", type=int, default=132, help="--warm: the GPU's multiprocessors")
     p = sub.add_parser("prefill", help="synthetic full-size prefill tok/s")
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--chunk", type=int, default=4096)
-    p.add_argument("--exact", action="store_true", help="fp32 products instead of bf16 tensor-core dots")
+    for s in (d, p):
+        s.add_argument("--chunk", type=int, default=4096, help="prefill chunk")
+        s.add_argument("--exact", action="store_true", help="prefill: fp32 products, not bf16 tensor-core dots")
+        s.add_argument("--synthetic", default="flash-q2", help="flash-q2, flash-q4 or pro-q2")
+        s.add_argument("--layers", type=int, default=None)
     sub.add_parser("parity", help="logits of the tiny models against the reference backend")
     for s in (k, d, p):
         s.add_argument("--peak-gbs", type=float, default=None, help="device memory bandwidth, GB/s")
-    for s in (d, p):
-        s.add_argument("--synthetic", default="flash-q2", help="flash-q2, flash-q4 or pro-q2")
-        s.add_argument("--layers", type=int, default=None)
-    for s in (k, d, p, sub.choices["parity"]):
+        s.add_argument("--tune", choices=("time", "first"), default="time", help="autotuned kernels: time their "
+                       "configs, or launch the first pruned one (what `--warm` compiles)")  # fmt: skip
+    for s in sub.choices.values():
         s.add_argument("--csv", type=Path, default=None)
+        s.add_argument("--dry", action="store_true", help="no device: arguments, imports, shapes, CSV headers")
     opts = parser.parse_args(argv)
-    device = default_device()
-    peak = device_peak(device, getattr(opts, "peak_gbs", None))
+    if opts.what == "decode" and opts.warm:
+        from dwarfstar.backends.triton import warm
+
+        sys.exit(warm.main(opts))
+    device = torch.device("meta") if opts.dry else default_device()
+    peak = _dry_peak(opts) if opts.dry else device_peak(device, getattr(opts, "peak_gbs", None))
     print(f"device: {peak.device}, peak {peak.gbs} GB/s, {peak.tflops} bf16 TFLOP/s", flush=True)
+    columns = {"kernels": KERNEL_COLUMNS, "decode": DECODE_COLUMNS, "prefill": PREFILL_COLUMNS}
+    out = CsvRows(opts.csv, columns.get(opts.what, PARITY_COLUMNS))
+    then = CsvRows(opts.prefill_csv, PREFILL_COLUMNS) if getattr(opts, "then_prefill", 0) else None
+    try:
+        with _tuning(getattr(opts, "tune", "time")), _compile_log():
+            _run(opts, device, peak, out, then)
+    finally:
+        out.close()
+        if then is not None:
+            then.close()
+    for rows in (out.rows, then.rows if then else []):
+        if rows:
+            print(format_table(rows), flush=True)
+
+
+def _run(opts, device: torch.device, peak: Peak, out: CsvRows, then: CsvRows | None) -> None:
+    precision = EXACT if getattr(opts, "exact", False) else FAST
     if opts.what == "kernels":
         only = [s for s in opts.only.split(",") if s]
-        rows = run_kernels(bench_shape(opts.model, device, opts.ctx, opts.prefill), peak, only)
+        shape = bench_shape(opts.model, device, opts.ctx, opts.prefill)
+        if opts.dry:
+            return _dry_kernels(only)
+        run_kernels(shape, peak, only, out)
     elif opts.what == "decode":
+        from dwarfstar.backends.triton.synthetic import synthetic_weights
+
         contexts, batches = ([int(c) for c in text.split(",")] for text in (opts.ctx, opts.batch))
-        rows = run_decode(opts.synthetic, opts.layers, contexts, opts.steps, device, peak, batches=batches)
+        if opts.dry:
+            return _dry_decode(opts.synthetic, opts.layers, batches, peak)
+        weights = synthetic_weights(opts.synthetic, opts.layers, device)
+        run_decode(opts.synthetic, opts.layers, contexts, opts.steps, device, peak, opts.warmup, batches, out, weights)
+        if then is not None:
+            gc.collect()  # the decode backend's cache and graphs go before the prefill's come
+            torch.cuda.empty_cache()
+            run_prefill(opts.synthetic, opts.layers, opts.then_prefill, opts.chunk, device, precision, then, weights)
     elif opts.what == "prefill":
-        rows = run_prefill(opts.synthetic, opts.layers, opts.tokens, opts.chunk, device, EXACT if opts.exact else FAST)
-    else:
-        rows = run_parity(device)
-    print(format_table(rows), flush=True)
-    if opts.csv:
-        write_csv(rows, opts.csv)
+        if opts.dry:
+            return _dry_decode(opts.synthetic, opts.layers, [], peak)
+        run_prefill(opts.synthetic, opts.layers, opts.tokens, opts.chunk, device, precision, out)
+    elif not opts.dry:
+        run_parity(device, emit=out)
+
+
+@contextlib.contextmanager
+def _tuning(how: str) -> Iterator[None]:
+    """`first`: an autotuned kernel launches its first pruned config, untimed."""
+    if how == "time":
+        yield
+        return
+    from triton.runtime.autotuner import Autotuner
+
+    from dwarfstar.backends.triton.plan.target import first_config
+
+    timed, Autotuner.run = Autotuner.run, first_config
+    try:
+        yield
+    finally:
+        Autotuner.run = timed
+
+
+@contextlib.contextmanager
+def _compile_log() -> Iterator[None]:
+    """Print each kernel Triton compiles (not found in its cache) as it does, and the totals."""
+    import triton
+
+    counts = {True: 0, False: 0}
+
+    def listener(src, metadata, metadata_group, times, cache_hit) -> None:
+        counts[cache_hit] += 1
+        if not cache_hit:
+            print(f"jit: compiled {getattr(src, 'name', src)}", file=sys.stderr, flush=True)
+
+    triton.knobs.compilation.listener = listener
+    try:
+        yield
+    finally:
+        triton.knobs.compilation.listener = None
+        if counts[True] or counts[False]:
+            print(f"jit: {counts[False]} kernels compiled, {counts[True]} loaded from Triton's cache", flush=True)
+
+
+# -- dry runs: everything up to the first device work ------------------------------------------------
+def _dry_peak(opts) -> Peak:
+    gpu = next(g for g in KNOWN_GPUS if g[0] == "H200")
+    return Peak(f"none (dry run; figures of the {gpu[0]})", getattr(opts, "peak_gbs", None) or gpu[1], gpu[2])
+
+
+def _dry_decode(preset: str, layers: int | None, batches: Sequence[int], peak: Peak) -> None:
+    """The synthetic model's tensors on the meta device, and what a decode step of each batch reads."""
+    from dwarfstar.backends.triton.backend import TritonBackend  # noqa: F401  (what the run imports)
+    from dwarfstar.backends.triton.graphs import DecodeGraphs  # noqa: F401
+    from dwarfstar.backends.triton.synthetic import meta_weights
+
+    weights = meta_weights(preset, layers)
+    print(f"dry: {preset}, {weights.args.n_layers} layers, {weights.nbytes / 2**30:.1f} GiB of weights", flush=True)
+    for b in batches:
+        per_step = decode_bytes_per_token(weights, b)
+        print(f"dry: batch {b} reads {per_step / 1e9:.3f} GB a step: ceiling {b * peak.gbs * 1e9 / per_step:.0f} "
+              f"tok/s at {peak.gbs:.0f} GB/s", flush=True)  # fmt: skip
+
+
+def _dry_kernels(only: Sequence[str]) -> None:
+    for name in KERNELS:
+        if not only or name in only:
+            module = importlib.import_module(f"dwarfstar.backends.triton.kernels.{name}")
+            if not callable(getattr(module, "bench_cases", None)):
+                raise AttributeError(f"kernels.{name} has no bench_cases(shape)")
+    print(f"dry: {len(only) or len(KERNELS)} kernel modules with bench cases", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,17 @@ A step given the sequences' samplers also draws each one's next token inside the
 (`kernels.sampling`): the knobs are another input buffer, so one graph serves any mix of requests,
 and the step's one host sync reads the tokens. Such graphs are captured apart from the
 logits-only ones, by whether every row is greedy (the argmax) or not (ranking TOP_K_CAP candidates).
+
+The host side of a step never waits for the device before its replay is queued. The step's inputs
+go to the graph's buffers from pinned host memory (`_Staging`, two per bucket used in turn, each
+reused only once the device has read it), asynchronously; the drawn tokens come back into pinned
+memory the same way. Between queuing the replay and reading the tokens the host does the step's
+bookkeeping (positions, token lists, sampler counters) and works out the next step's inputs but its
+tokens (`_Plan`: positions, slots, row bounds, the graph to replay, sampler knobs), for the same
+sequences one position on; a next step whose sequences, positions, slots and samplers match takes
+that plan, any other computes its own. Without samplers a step has no host sync at all, so the
+host queues step n+1 while the device runs step n. The tokens themselves cannot be prepared ahead:
+step n+1's tokens are step n's draws.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dwarfstar.backends.triton.kernels.sampling import candidates_for, knob_rows, redraw_overflow, sample_rows
@@ -43,6 +55,62 @@ class _Captured:
     inputs: torch.Tensor  # int32 [3, bucket]: token, position and slot of each row
     knobs: torch.Tensor  # float32 [bucket, 6]: each row's sampling knobs (`sampling.knob_rows`)
     drawn: torch.Tensor  # int32 [2, bucket]: each row's next token, and its full-vocabulary flag
+
+
+def _plan_key(states: Sequence[SequenceState], samplers: Sequence[Sampler] | None) -> tuple:
+    """Everything a step's `_Plan` is computed from (a block's states share one cache)."""
+    rows = tuple((s.pos, s.index) for s in states)
+    return rows, None if samplers is None else tuple((s.params, s.seed, s.step) for s in samplers)
+
+
+@dataclass
+class _Plan:
+    """A decode step's inputs but its tokens, a function of `key` (`_plan_key`) alone."""
+
+    key: tuple
+    bucket: int
+    graph: tuple[int, tuple[int, ...], int]  # (bucket, row bounds, sampling candidates): its graph
+    rows: np.ndarray  # int32 [3, bucket]: row 0 for the tokens, positions, slots (spare rows: the padding slot)
+    knobs: torch.Tensor | None  # float32 [bucket, 6] (`sampling.knob_rows`) with samplers
+
+
+class _Staging:
+    """Host buffers a step's inputs leave from and its drawn tokens arrive in: pinned on a GPU, so
+    the copies are queued behind the work in flight instead of waiting for it. A buffer is filled
+    again only once the copies that read it have run (`sent`)."""
+
+    def __init__(self, bucket: int, pinned: bool) -> None:
+        self.rows = torch.zeros(3, bucket, dtype=torch.int32, pin_memory=pinned)
+        self.knobs = torch.zeros(bucket, 6, dtype=torch.float32, pin_memory=pinned)
+        self.drawn = torch.zeros(2, bucket, dtype=torch.int32, pin_memory=pinned)
+        self.sent = torch.cuda.Event() if pinned else None
+        self.arrived = torch.cuda.Event() if pinned else None
+
+    def send(self, plan: _Plan, tokens: Sequence[int], entry: _Captured) -> None:
+        """Queue the copies of the plan's inputs, with `tokens`, into the graph's buffers."""
+        if self.sent is not None:
+            self.sent.synchronize()  # this buffer's last copies have read it
+        rows = self.rows.numpy()
+        rows[:] = plan.rows
+        rows[0, : len(tokens)] = tokens
+        entry.inputs.copy_(self.rows, non_blocking=True)
+        if plan.knobs is not None:
+            self.knobs.copy_(plan.knobs)
+            entry.knobs.copy_(self.knobs, non_blocking=True)
+        if self.sent is not None:
+            self.sent.record()
+
+    def fetch(self, drawn: torch.Tensor) -> None:
+        """Queue the copy of the replay's drawn tokens and flags back to the host."""
+        self.drawn.copy_(drawn, non_blocking=True)
+        if self.arrived is not None:
+            self.arrived.record()
+
+    def fetched(self, n: int) -> list[int]:
+        """The first `n` rows' tokens, then their flags, once the copy has run (waits for the replay)."""
+        if self.arrived is not None:
+            self.arrived.synchronize()
+        return self.drawn[:, :n].flatten().tolist()
 
 
 def capture(run: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor]:
@@ -69,8 +137,11 @@ class DecodeGraphs:
             page = int(self.pad.row_pages(ratio).host[self.pad.index, 0])
             for il, kind in compressors:
                 self.pad.parts(il)[f"{kind}_rows"][page].zero_()
-        self.captured: dict[tuple[int, tuple[int, ...]], _Captured] = {}
-        self.pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+        self.captured: dict[tuple[int, tuple[int, ...], int], _Captured] = {}
+        self.pool = torch.cuda.graph_pool_handle() if model.device.type == "cuda" else None
+        self.pinned = model.device.type == "cuda"
+        self._staging: dict[int, list[_Staging]] = {}  # per bucket, the pair its steps use in turn
+        self._next: _Plan | None = None  # the last step's sequences one position on
         self.ratios = sorted({r for r in model.args.compress_ratios[: model.args.n_layers] if r})
 
     def serves(self, states: Sequence[SequenceState]) -> bool:
@@ -86,34 +157,58 @@ class DecodeGraphs:
         advances them."""
         model = self.model
         batch = model.batch([[t] for t in tokens], states)  # validated before any device work
-        bucket = next(b for b in BUCKETS if b >= len(states))
-        bounds = tuple(max(row_bound(s.cache, r, s.pos + 1) for s in states) for r in self.ratios)
-        k = 0 if samplers is None else candidates_for([s.params for s in samplers], model.args.vocab_size)
-        entry = self.captured.get((bucket, bounds, k))
+        plan, self._next = self._next, None
+        if plan is None or plan.key != _plan_key(states, samplers):
+            plan = self._plan(states, samplers)
+        entry = self.captured.get(plan.graph)
         if entry is None:
-            entry = self.captured[(bucket, bounds, k)] = self._capture(bucket, bounds, k)
-        spare = bucket - len(states)
-        rows = [list(tokens), [s.pos for s in states], [s.index for s in states]]
-        host = torch.tensor([r + [fill] * spare for r, fill in zip(rows, (0, 0, self.pad.index), strict=True)])
-        entry.inputs.copy_(host.to(torch.int32))  # one copy to the device per step
-        if samplers is not None:
-            steps = [s.step for s in samplers]  # advanced once the step has run
-            params = [s.params for s in samplers] + [GREEDY] * spare
-            knobs = knob_rows(params, [s.seed for s in samplers] + [0] * spare, steps + [0] * spare)
-            entry.knobs.copy_(knobs, non_blocking=True)
+            entry = self.captured[plan.graph] = self._capture(*plan.graph)
+        pair = self._staging.setdefault(plan.bucket, [_Staging(plan.bucket, self.pinned) for _ in range(2)])
+        staging = pair.pop(0)  # the pair in turn: one is filled while the device may still read the other
+        pair.append(staging)
+        staging.send(plan, tokens, entry)
+        steps = None if samplers is None else [s.step for s in samplers]  # advanced once the step has run
         entry.replay()
-        logits = entry.logits[: len(states)].clone()  # the graph's buffer is overwritten by the next replay
+        n = len(states)
+        logits = entry.logits[:n].clone()  # the graph's buffer is overwritten by the next replay
+        if samplers is not None:
+            staging.fetch(entry.drawn)
+        # host work while the device replays: the bookkeeping, and the next step's inputs but its tokens
         model.advance(batch)
         for state, row in zip(states, logits, strict=True):
             state.logits = row
-        drawn = None
         if samplers is not None:
             for sampler in samplers:
                 sampler.advance()
-            n = len(states)
-            host_drawn = torch.cat([entry.drawn[0, :n], entry.drawn[1, :n]]).tolist()  # the step's host sync
-            drawn = redraw_overflow(logits, samplers, steps, host_drawn)
+        self._next = self._plan(states, samplers)
+        drawn = None
+        if samplers is not None:
+            drawn = redraw_overflow(logits, samplers, steps, staging.fetched(n))  # the step's host sync
         return list(logits.split(1)), drawn
+
+    def graph(
+        self, states: Sequence[SequenceState], samplers: Sequence[Sampler] | None = None
+    ) -> tuple[int, tuple[int, ...], int]:
+        """(bucket, row bounds, sampling candidates): the graph a step of these states replays (`body`'s
+        arguments)."""
+        return self._plan(states, samplers).graph
+
+    def _plan(self, states: Sequence[SequenceState], samplers: Sequence[Sampler] | None) -> _Plan:
+        """The inputs of a step of `states` at their positions, all but the tokens."""
+        bucket = next(b for b in BUCKETS if b >= len(states))
+        bounds = tuple(max(row_bound(s.cache, r, s.pos + 1) for s in states) for r in self.ratios)
+        spare = bucket - len(states)
+        rows = np.zeros((3, bucket), dtype=np.int32)  # tokens (the step's own), positions, slots
+        rows[1, : len(states)] = [s.pos for s in states]
+        rows[2] = [s.index for s in states] + [self.pad.index] * spare
+        k, knobs = 0, None
+        if samplers is not None:
+            params = [s.params for s in samplers] + [GREEDY] * spare
+            k = candidates_for(params, self.model.args.vocab_size)
+            knobs = knob_rows(
+                params, [s.seed for s in samplers] + [0] * spare, [s.step for s in samplers] + [0] * spare
+            )
+        return _Plan(_plan_key(states, samplers), bucket, (bucket, bounds, k), rows, knobs)
 
     def _capture(self, bucket: int, bounds: tuple[int, ...], k: int) -> _Captured:
         run, inputs, knobs, drawn = self.body(bucket, bounds, k)

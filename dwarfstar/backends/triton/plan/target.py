@@ -67,6 +67,15 @@ def activate(target: GPUTarget) -> None:
     driver.set_active(TargetOnlyDriver(target))
 
 
+def first_config(tuner: Autotuner, *args, **kwargs):
+    """`Autotuner.run` without the timing: launch the first config its pruning keeps (what
+    `intercepted` records, and what `bench --tune first` launches on a GPU)."""
+    tuner.nargs = dict(zip(tuner.arg_names, args, strict=False))
+    config = tuner.prune_configs(kwargs)[0]
+    tuner.nargs = None
+    return tuner.fn.run(*args, **kwargs, **config.all_kwargs())
+
+
 Launch = Callable[..., object]  # (jit_function, args, grid, kwargs) -> anything
 Tune = Callable[..., object]  # (autotuner, args, kwargs) -> anything
 
@@ -81,12 +90,6 @@ def intercepted(launch: Launch, tune: Tune | None = None) -> Iterator[Callable]:
 
     def on_run(self, *args, grid, warmup, **kwargs):
         return launch(self, args, grid, kwargs)
-
-    def first_config(self, *args, **kwargs):
-        self.nargs = dict(zip(self.arg_names, args, strict=False))
-        config = self.prune_configs(kwargs)[0]
-        self.nargs = None
-        return self.fn.run(*args, **kwargs, **config.all_kwargs())
 
     def on_tune(self, *args, **kwargs):
         return tune(self, args, kwargs) if tune is not None else first_config(self, *args, **kwargs)

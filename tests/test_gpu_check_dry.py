@@ -1,0 +1,36 @@
+"""`GPU_CHECK_DRY=1 tools/gpu_check.sh`: every step of the GPU check gets past its imports, paths and
+arguments on this machine, without a GPU and without the packages the GPU image lacks, before a
+GPU's minutes are spent on it."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tools" / "gpu_check.sh"
+
+
+def test_the_dry_gpu_check_gets_every_step_past_its_imports(tmp_path):
+    steps = re.search(r"^CAPS=\((.*)\)$", SCRIPT.read_text(), re.M).group(1).split()
+    caps = {step.split(":")[0]: int(step.split(":")[1]) for step in steps}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "GPU_CHECK_", "DWARFSTAR_"))}
+    env.update(GPU_CHECK_DRY="1", PYTHON=sys.executable, DWARFSTAR_WHEELS=str(tmp_path / "no-wheels"))
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(SCRIPT), str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
+    summary = (out / "summary.txt").read_text()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sum(caps.values()) <= 465 and list(caps)[:3] == ["warm", "bench", "tests"]  # benchmarks first
+    verdicts = {m[1]: m[0] for m in re.findall(r"^(ok|SKIP|TIMEOUT|FAILED rc=\d+)\s+(\S+)", summary, re.M)}
+    assert verdicts == {name: "ok" for name in caps}, summary
+    bench_log = (out / "bench.log").read_text()
+    assert re.search(r"warm: \d+ launches of 8 decode graphs and 2 prefill chunks recorded", bench_log)
+    assert "dry: batch 4 reads" in bench_log and "dry: 2 kernel modules with bench cases" in bench_log
+    for table, first in (("decode", "model"), ("prefill", "model"), ("parity", "model"), ("kernels", "kernel")):
+        with open(out / f"{table}.csv") as f:
+            assert next(csv.reader(f))[0] == first  # the header, written before any row is measured
