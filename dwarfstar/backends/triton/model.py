@@ -146,18 +146,41 @@ class TritonOps:
         return quant_blocks.gather_rows(w.data, w.ggml_type, a.dim, batch.tokens, copies=a.hc_mult)
 
     # -- streams -----------------------------------------------------------------------------------------
-    def hc_pre(self, il: int, site: Site, h: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    def _pre_mix(self, il: int, site: Site) -> tuple:
+        """The sublayer's mix (fn, scale, base) and norm, then the constants of `hc_pre.hc_pre`."""
         a, lw = self.args, self.w.layers[il]
         mix, norm = (lw.hc_attn, lw.attn_norm) if site == "attn" else (lw.hc_ffn, lw.ffn_norm)
-        x, post, comb = hc_pre.hc_pre(h, *mix, norm, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+        return *mix, norm, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps
+
+    def hc_pre(self, il: int, site: Site, h: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        x, post, comb = hc_pre.hc_pre(h, *self._pre_mix(il, site))
         return x, (post, comb)
 
     def hc_post(self, h: torch.Tensor, out: torch.Tensor, mix: tuple) -> torch.Tensor:
         return hc_post.hc_post(h, out, *mix)  # in place
 
-    def hc_head(self, h: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+    def hc_post_pre(self, il: int, site: Site, h: torch.Tensor, out: torch.Tensor, mix: tuple):
+        """One launch in a decode step (`hc_pre.hc_post_pre`); h is updated in place."""
+        if h.shape[0] <= hc_pre.FUSED_MAX_ROWS:
+            x, post, comb = hc_pre.hc_post_pre(h, out, *mix, *self._pre_mix(il, site))
+        else:
+            hc_post.hc_post(h, out, *mix)
+            x, post, comb = hc_pre.hc_pre(h, *self._pre_mix(il, site))
+        return h, x, (post, comb)
+
+    def _head(self) -> tuple:
         a, w = self.args, self.w
-        return hc_head.hc_head(h if rows is None else h[rows], *w.head_hc, w.out_norm, a.hc_eps, a.norm_eps)
+        return *w.head_hc, w.out_norm, a.hc_eps, a.norm_eps
+
+    def hc_head(self, h: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+        return hc_head.hc_head(h if rows is None else h[rows], *self._head())
+
+    def hc_post_head(self, h: torch.Tensor, out: torch.Tensor, mix: tuple, rows: list[int] | None):
+        """One launch in a decode step, where the head takes every row (`hc_head.hc_post_head`)."""
+        if h.shape[0] <= hc_pre.FUSED_MAX_ROWS and (rows is None or rows == list(range(h.shape[0]))):
+            return h, hc_head.hc_post_head(h, out, *mix, *self._head())
+        hc_post.hc_post(h, out, *mix)
+        return h, self.hc_head(h, rows)
 
     def logits(self, y: torch.Tensor, batch: Batch) -> torch.Tensor:
         return qmatmul(y, self.w.output)
