@@ -51,12 +51,12 @@ def assert_counters_clear(device):
     assert not ticket_counters(device, "hc", 1).any()
 
 
-# (tokens, dim): decode (one launch, the programs' partial mixes added by the last) and prefill (GEMV + one kernel)
-@pytest.mark.parametrize("tokens,dim", [(1, 4096), (19, 64), (67, 64)])
-def test_hc_pre_matches_reference(tokens, dim, device):
+# one launch (decode: the programs' partial mixes added by the last) and the prefill form (GEMV + one kernel)
+@pytest.mark.parametrize("tokens,dim,fused", [(1, 4096, True), (19, 64, True), (1, 4096, False), (19, 64, False)])
+def test_hc_pre_matches_reference(tokens, dim, fused, device):
     h = rand(tokens, 4, dim, seed=1, scale=3.0).to(device)
     args = (h, *pre_mix(dim, device))
-    for got, want in zip(hc_pre.hc_pre(*args), hc_pre.reference(*args), strict=True):
+    for got, want in zip(hc_pre.hc_pre(*args, fused=fused), hc_pre.reference(*args), strict=True):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
 
 
@@ -96,17 +96,17 @@ def test_post_fused_with_the_next_pre(tokens, dims, block, parts, device):
 def test_hc_pre_in_one_launch_over_several_programs(device):
     h = rand(3, 4, 80, seed=1, scale=3.0).to(device)
     args = (h, *pre_mix(80, device))
-    for got, want in zip(hc_pre.hc_pre(*args, dims=16, tokens=2), hc_pre.reference(*args), strict=True):
+    for got, want in zip(hc_pre.hc_pre(*args, fused=True, dims=16, tokens=2), hc_pre.reference(*args), strict=True):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
     assert torch.equal(h, rand(3, 4, 80, seed=1, scale=3.0).to(device))  # the streams stay as they were
     assert_counters_clear(device)
 
 
-@pytest.mark.parametrize("tokens,dims,block", [(3, 64, 2), (3, None, None), (66, None, None)])
-def test_hc_head_matches_reference(tokens, dims, block, device):
-    h = rand(tokens, 4, 256, seed=10, scale=2.0).to(device)
+@pytest.mark.parametrize("fused,dims,block", [(True, 64, 2), (True, None, None), (False, None, None)])
+def test_hc_head_matches_reference(fused, dims, block, device):
+    h = rand(3, 4, 256, seed=10, scale=2.0).to(device)
     args = (h, *head_mix(256, device))
-    got = hc_head.hc_head(*args, dims=dims, tokens=block)
+    got = hc_head.hc_head(*args, fused=fused, dims=dims, tokens=block)
     torch.testing.assert_close(got, hc_head.reference(*args), rtol=2e-5, atol=2e-6)
 
 
@@ -126,4 +126,4 @@ def test_fused_mix_must_be_a_float_matrix(device):
     fn, *rest = pre_mix(64, device)
     q8 = QWeight.from_bytes(torch.from_numpy(quantize(fn.dequantize().cpu(), T.Q8_0)), T.Q8_0, (24, 256), device)
     with pytest.raises(ValueError, match="F32, F16 or BF16"):
-        hc_pre.hc_pre(h, q8, *rest)
+        hc_pre.hc_pre(h, q8, *rest, fused=True)

@@ -26,16 +26,16 @@ def route_args(tokens, hashed, device, ggml_type=T.F16):
     return f, router, bias, tid2eid if hashed else None, tokens, K, 1.5
 
 
-# (tokens, (router rows, columns) per program, tokens per program, hash routed); 70 tokens: the prefill form
+# (tokens, (router rows, columns) per program, tokens per program, hash routed) in one launch; then the prefill form
 @pytest.mark.parametrize(
-    "tokens,tile,block,hashed",
-    [(1, (4, 64), 1, False), (2, (8, 128), 1, True), (3, (16, 32), 2, False), (4, None, None, True),
-     (70, None, None, False)],
+    "tokens,fused,tile,block,hashed",
+    [(1, True, (4, 64), 1, False), (2, True, (8, 128), 1, True), (3, True, (16, 32), 2, False),
+     (4, True, None, None, True), (9, False, None, None, False)],
 )  # fmt: skip
-def test_routing_matches_reference(tokens, tile, block, hashed, device):
+def test_routing_matches_reference(tokens, fused, tile, block, hashed, device):
     args = route_args(tokens, hashed, device)
     want_ids, want_weights = moe_route.reference(*args)
-    runs = [moe_route.route(*args, tile=tile, block_tokens=block) for _ in range(2)]
+    runs = [moe_route.route(*args, fused=fused, tile=tile, block_tokens=block) for _ in range(2)]
     assert not ticket_counters(device, "route", 1).any()  # reset by each launch's last programs
     ids, weights = runs[0]
     assert torch.equal(ids.long(), want_ids.long())
@@ -46,7 +46,7 @@ def test_routing_matches_reference(tokens, tile, block, hashed, device):
 
 def test_routing_reads_a_bf16_router(device):
     args = route_args(2, False, device, T.BF16)
-    ids, weights = moe_route.route(*args, tile=(8, 64))
+    ids, weights = moe_route.route(*args, fused=True, tile=(8, 64))
     want_ids, want_weights = moe_route.reference(*args)
     assert torch.equal(ids.long(), want_ids.long())
     torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)

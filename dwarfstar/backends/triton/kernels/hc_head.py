@@ -1,10 +1,9 @@
 """mHC output head: collapse the streams with sigmoid weights, then the output RMSNorm.
 
 Spec §2.5: m = (fn @ flatten(h)) * rsqrt(mean(h^2) + eps), w_s = sigmoid(m_s * scale + base_s) + eps,
-y = sum_s w_s h_s, out = RMSNorm(y; output_norm). No Sinkhorn. Up to `hc_pre.FUSED_MAX_ROWS` tokens
-it is one launch as `hc_pre`'s, with the post of the last sublayer fused in front (`hc_post_head`);
-larger chunks take the 4 mixes from the split-K GEMV as partial sums, and share `hc_pre`'s stream
-loading.
+y = sum_s w_s h_s, out = RMSNorm(y; output_norm). No Sinkhorn. In a decode step (`fused`) it is one
+launch as `hc_pre`'s, with the post of the last sublayer fused in front (`hc_post_head`); prefill
+chunks take the 4 mixes from the split-K GEMV as partial sums, and share `hc_pre`'s stream loading.
 """
 
 from __future__ import annotations
@@ -17,13 +16,13 @@ import triton.language as tl
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels.hc_pre import (
-    FUSED_MAX_ROWS,
     MIX_SPLIT,
     as_parts,
     collapse_norm,
     fused_launch,
     load_streams,
     post_and_mix,
+    streams_rsqrt,
     sum_partials,
     tokens_per_program,
 )
@@ -69,9 +68,8 @@ def _hc_head_fused_kernel(
         for i in range(BT):
             t = tb * BT + i
             if t < T:
-                sq = tl.sum(program_sums(part_ptr, t, s * 0 + MIXP, s == 0, n_prog, MIXP + 1, NPP), axis=1)
                 mix = program_sums(part_ptr, t, s, s >= 0, n_prog, MIXP + 1, NPP)
-                mix = mix * tl.rsqrt(sq / (NHC * D) + norm_eps)[:, None]
+                mix = mix * streams_rsqrt(part_ptr, t, n_prog, D, norm_eps, NHC, MIXP, NPP)[:, None]
                 w = tl.sigmoid(mix * tl.load(scale_ptr) + tl.load(base_ptr + s)) + hc_eps
                 collapse_norm(h_ptr, t, w, norm_ptr, out_ptr, D, norm_eps, NHC, FD)
 
@@ -95,12 +93,13 @@ def hc_head(
     norm_weight: torch.Tensor,
     hc_eps: float,
     norm_eps: float,
+    fused: bool = False,
     dims: int | None = None,
     tokens: int | None = None,
 ) -> torch.Tensor:
-    """h [T, n_hc, D] contiguous -> RMSNorm(sum_s w_s h_s; output_norm) [T, D]."""
+    """h [T, n_hc, D] contiguous -> RMSNorm(sum_s w_s h_s; output_norm) [T, D]; `fused` as `hc_pre.hc_pre`'s."""
     t, nhc, d = h.shape
-    if t <= FUSED_MAX_ROWS:
+    if fused:
         return _fused(h, None, None, None, fn, scale, base, norm_weight, hc_eps, norm_eps, dims, tokens)
     mix = qmatmul(h.view(t, nhc * d), fn, split_k=MIX_SPLIT)
     out = torch.empty(t, d, device=h.device, dtype=torch.float32)
@@ -113,22 +112,12 @@ def hc_head(
 
 
 def hc_post_head(
-    h: torch.Tensor,
-    out: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    fn: QWeight,
-    scale: torch.Tensor,
-    base: torch.Tensor,
-    norm_weight: torch.Tensor,
-    hc_eps: float,
-    norm_eps: float,
-    dims: int | None = None,
-    tokens: int | None = None,
+    h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *head, dims=None, tokens=None
 ) -> torch.Tensor:
     """The post of the last sublayer (h updated in place, as `hc_post`), then `hc_head` of every token,
-    in one launch. For up to FUSED_MAX_ROWS tokens; a prefill chunk runs `hc_post`, then `hc_head`."""
-    return _fused(h, as_parts(out), post, comb, fn, scale, base, norm_weight, hc_eps, norm_eps, dims, tokens)
+    `head` its (fn, scale, base, norm_weight, hc_eps, norm_eps), in one launch. For a decode step; a
+    prefill chunk runs `hc_post`, then `hc_head`."""
+    return _fused(h, as_parts(out), post, comb, *head, dims, tokens)
 
 
 def reference(h, fn: QWeight, scale, base, norm_weight, hc_eps, norm_eps) -> torch.Tensor:
@@ -150,11 +139,10 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
     out = torch.randn(1, a.dim, device=dev, generator=gen)
     post = torch.rand(1, a.hc_mult, device=dev, generator=gen)
     comb = torch.rand(1, a.hc_mult, a.hc_mult, device=dev, generator=gen)
-    moved = fn.nbytes + 4 * (h.numel() + a.dim)
+    moved, flops = fn.nbytes + 4 * (h.numel() + a.dim), 2 * fn.rows * fn.cols
+    alone = functools.partial(hc_head, h, *const, fused=True)
+    after_post = functools.partial(hc_post_head, h, out, post, comb, *const)
     return [
-        BenchCase("hc_head", "decode 1 token", functools.partial(hc_head, h, *const), moved, 2 * fn.rows * fn.cols),
-        BenchCase(
-            "hc_head", "decode post + head, 1 token", functools.partial(hc_post_head, h, out, post, comb, *const),
-            moved + 4 * (2 * h.numel() + a.dim), 2 * fn.rows * fn.cols,
-        ),
-    ]  # fmt: skip
+        BenchCase("hc_head", "decode 1 token", alone, moved, flops),
+        BenchCase("hc_head", "decode post + head, 1 token", after_post, moved + 4 * (2 * h.numel() + a.dim), flops),
+    ]

@@ -5,13 +5,13 @@ sigmoid(.) + eps and post = 2 sigmoid(.); Sinkhorn on the 4 x 4 combination logi
 column normalise, 19 rounds of row and column normalisation); the collapse x = sum_s pre_s h_s and
 the sublayer's RMSNorm, so the output is the attention or MoE input directly.
 
-Up to FUSED_MAX_ROWS tokens (a decode step) it is one launch, `hc_post_pre` included: the post of
-the sublayer before (stream k = post_k * out + sum_j comb[j, k] h_j, `hc_post`) and this pre-mix.
+In a decode step (`fused`) it is one launch, `hc_post_pre` included: the post of the sublayer
+before (stream k = post_k * out + sum_j comb[j, k] h_j, `hc_post`) and this pre-mix.
 Each program owns BD dims of a token's 4 streams: it updates them in place (with the post), and
 stores its partial sums of the 24 mixes and of the squares; the last program of the token to finish
 (`runtime.last_program`) adds the partials in a fixed order, runs Sinkhorn and reads the new streams
-back for the collapse and the norm. Larger chunks (prefill) take the mixes from the split-K GEMV
-(`qmatmul`) and run one program per token with its streams in registers (4 x 4096 floats for Flash).
+back for the collapse and the norm. Prefill chunks take the mixes from the split-K GEMV (`qmatmul`)
+and run one program per token with its streams in registers (4 x 4096 floats for Flash).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
 
 MIX_SPLIT = 8  # K splits of the 24-row mix GEMV (4 * D columns), in the prefill form
-FUSED_MAX_ROWS = 64  # up to this many tokens (every decode batch) the one-launch form
 FUSED_DIMS = 64  # dims of a token's streams per program of the one-launch form: 64 programs at D = 4096
 FLOAT_MIXES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 
@@ -154,6 +153,14 @@ def post_and_mix(
 
 
 @triton.jit
+def streams_rsqrt(part_ptr, t, n_prog, D, eps, NHC: tl.constexpr, MIXP: tl.constexpr, NPP: tl.constexpr):
+    """rsqrt(mean(h^2) + eps) [1] of token t's streams, from the programs' sums of squares (`post_and_mix`)."""
+    s = tl.arange(0, NHC)[None, :]
+    sq = tl.sum(program_sums(part_ptr, t, s * 0 + MIXP, s == 0, n_prog, MIXP + 1, NPP), axis=1)
+    return tl.rsqrt(sq / (NHC * D) + eps)
+
+
+@triton.jit
 def collapse_norm(h_ptr, t, weights, norm_ptr, out_ptr, D, eps, NHC: tl.constexpr, FD: tl.constexpr):
     """out[t] = RMSNorm(sum_s weights_s h_s; norm) for token t, weights [1, NHC], FD dims at a time.
 
@@ -199,11 +206,10 @@ def _hc_pre_fused_kernel(
         for i in range(BT):
             t = tb * BT + i
             if t < T:
-                sq = tl.sum(program_sums(part_ptr, t, s * 0 + MIXP, s == 0, n_prog, width, NPP), axis=1)
                 pre = program_sums(part_ptr, t, s, s >= 0, n_prog, width, NPP)
                 post = program_sums(part_ptr, t, NHC + s, s >= 0, n_prog, width, NPP)
                 comb = program_sums(part_ptr, t, jk, jk >= 0, n_prog, width, NPP)[None, :, :]
-                rs = tl.rsqrt(sq / (NHC * D) + norm_eps)
+                rs = streams_rsqrt(part_ptr, t, n_prog, D, norm_eps, NHC, MIXP, NPP)
                 pre, post, comb = mix_weights(pre, post, comb, rs, scale_ptr, base_ptr, iters, hc_eps, NHC)
                 t64 = t.to(tl.int64)
                 tl.store(post_out_ptr + t64 * NHC + s, post)
@@ -272,14 +278,15 @@ def hc_pre(
     iters: int,
     hc_eps: float,
     norm_eps: float,
+    fused: bool = False,
     dims: int | None = None,
     tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [T, n_hc, D] contiguous -> (RMSNorm(collapsed x; norm_weight) [T, D], post [T, n], comb [T, n, n]).
 
-    `dims` and `tokens` size the one-launch form's programs (`fused_launch`)."""
+    `fused`: in one launch (a decode step), its programs sized by `dims` and `tokens` (`fused_launch`)."""
     t, nhc, d = h.shape
-    if t <= FUSED_MAX_ROWS:
+    if fused:
         return _fused(h, None, None, None, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, dims, tokens)
     mix = qmatmul(h.view(t, nhc * d), fn, split_k=MIX_SPLIT)
     out = torch.empty(t, d, device=h.device, dtype=torch.float32)
@@ -294,24 +301,13 @@ def hc_pre(
 
 
 def hc_post_pre(
-    h: torch.Tensor,
-    out: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    fn: QWeight,
-    scale: torch.Tensor,
-    base: torch.Tensor,
-    norm_weight: torch.Tensor,
-    iters: int,
-    hc_eps: float,
-    norm_eps: float,
-    dims: int | None = None,
-    tokens: int | None = None,
+    h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *mix, dims=None, tokens=None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The post of one sublayer (h updated in place, `hc_post`: out [T, D] or [T, P, D] parts, post
-    [T, n], comb [T, n, n]), then `hc_pre` of the next with its mix fn, in one launch: (x, post, comb)
-    of the next. For up to FUSED_MAX_ROWS tokens; a prefill chunk runs `hc_post`, then `hc_pre`."""
-    return _fused(h, as_parts(out), post, comb, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, dims, tokens)
+    [T, n], comb [T, n, n]), then `hc_pre` of the next, `mix` its (fn, scale, base, norm_weight, iters,
+    hc_eps, norm_eps), in one launch: (x, post, comb) of the next. For a decode step; a prefill chunk
+    runs `hc_post`, then `hc_pre`."""
+    return _fused(h, as_parts(out), post, comb, *mix, dims, tokens)
 
 
 def tokens_per_program(t: int) -> int:
@@ -340,7 +336,7 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
     cases = []
     for what, t in (("decode", 1), ("prefill", shape.prefill)):
         h = torch.randn(t, a.hc_mult, a.dim, device=dev, generator=gen)
-        run = functools.partial(hc_pre, h, *const)
+        run = functools.partial(hc_pre, h, *const, fused=t == 1)
         moved = fn.nbytes + 4 * (h.numel() + t * a.dim)
         cases.append(BenchCase("hc_pre", f"{what} {t} tokens", run, moved, 2 * t * fn.rows * fn.cols))
     h = torch.randn(1, a.hc_mult, a.dim, device=dev, generator=gen)

@@ -3,11 +3,11 @@
 Spec §2.4. Per token: s = sqrt(softplus(router logits)); the experts are the top k of s + bias
 (the bias steers selection only) or, in the hash-routed first layers, the token's fixed row of
 tid2eid; the weights are the chosen un-biased scores divided by their sum, times route_scale.
-Up to `hc_pre.FUSED_MAX_ROWS` tokens (a decode step) routing is one launch: each program multiplies
+In a decode step (`fused`) routing is one launch: each program multiplies
 a [RB, BK] tile of the router by its columns of the tokens of its block and stores the partial
 logits; the block's last program (`runtime.last_program`) adds them in a fixed order and routes.
-Larger chunks take the logits from the fused GEMV split over K (a 256 x 4096 product would occupy
-only a few programs), as partial sums added by one program per token.
+Prefill chunks take the logits from the GEMV split over K (a 256 x 4096 product would occupy only a
+few programs), as partial sums added by one program per token.
 
 softplus(x) = log1p(exp(x)) is computed with a log1p that keeps full relative precision for very
 negative logits (log(1 + u) * u / ((1 + u) - 1)), and is x above 20, as torch's. Top-k picks the
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference.ops import route as reference_route
-from dwarfstar.backends.triton.kernels.hc_pre import FUSED_MAX_ROWS, sum_partials
+from dwarfstar.backends.triton.kernels.hc_pre import sum_partials
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
 from dwarfstar.backends.triton.kernels.quant_blocks import load_weight_tile
 from dwarfstar.backends.triton.runtime import (
@@ -131,12 +131,14 @@ def route(
     tokens: torch.Tensor,
     k: int,
     route_scale: float,
+    fused: bool = False,
     tile: tuple[int, int] | None = None,
     block_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """f [T, D] -> (expert ids int32 [T, k], weights float32 [T, k]); tokens [T] on the device.
 
-    `tile` (router rows, columns) and `block_tokens` size the one-launch form's programs (defaults:
+    `fused`: in one launch (a decode step), its programs sized by `tile` (router rows, columns) and
+    `block_tokens` (defaults:
     ROUTER_TILE and 1 token on a GPU, the whole router and up to 16 tokens in the interpreter)."""
     t, d = f.shape
     n_experts = router.rows
@@ -146,7 +148,7 @@ def route(
     choice = dict(K=k, KP=next_pow2(k), HASH=hashed, BE=next_pow2(n_experts), num_warps=4)
     bias_or_any = bias if bias is not None else f
     table = tid2eid if hashed else ids
-    if t <= FUSED_MAX_ROWS:
+    if fused:
         if f.stride(1) != 1:
             raise ValueError("the router input needs contiguous rows")
         rb, bk = tile or ((next_pow2(n_experts), next_pow2(d)) if interpreting() else ROUTER_TILE)
@@ -180,6 +182,6 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
     f = torch.randn(1, a.dim, device=dev, generator=gen)
     bias = torch.zeros(a.n_routed_experts, device=dev)
     tokens = torch.zeros(1, dtype=torch.int32, device=dev)
-    run = functools.partial(route, f, router, bias, None, tokens, a.n_activated_experts, a.route_scale)
+    run = functools.partial(route, f, router, bias, None, tokens, a.n_activated_experts, a.route_scale, fused=True)
     return [BenchCase("moe_route", f"decode: {a.n_routed_experts} experts, top {a.n_activated_experts}", run,
                       router.nbytes, 2 * router.rows * router.cols)]  # fmt: skip
