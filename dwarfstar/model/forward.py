@@ -279,7 +279,8 @@ class Transformer(Generic[A]):
     def run_to_head(self, h: A, batch: Batch, all_positions: bool, first: int = 0) -> tuple[A, A, list[int] | None]:
         """`run_layers` from `first` to the last layer, then `head`, the last post fused with it:
         (the final streams, the output-normalised rows, which rows)."""
-        rows, last = self._head_rows(batch, all_positions), self._held(first, None)
+        last = self._held(first, None)  # the layers first: a stage short of them is told so
+        rows = self._head_rows(batch, all_positions)
         if first == last:
             return h, self.ops.hc_head(h, rows), rows
         return (*self.ops.hc_post_head(*self._blocks(h, batch, first, last), rows), rows)
