@@ -20,6 +20,7 @@ from dwarfstar.backends.triton.kernels.hc_pre import (
     as_parts,
     collapse_norm,
     fused_launch,
+    fused_work,
     load_streams,
     post_and_mix,
     streams_rsqrt,
@@ -27,7 +28,14 @@ from dwarfstar.backends.triton.kernels.hc_pre import (
     tokens_per_program,
 )
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
-from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, last_program, next_pow2, program_sums
+from dwarfstar.backends.triton.runtime import (
+    BenchCase,
+    BenchShape,
+    KernelWork,
+    last_program,
+    next_pow2,
+    program_sums,
+)
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
 
@@ -118,6 +126,11 @@ def hc_post_head(
     `head` its (fn, scale, base, norm_weight, hc_eps, norm_eps), in one launch. For a decode step; a
     prefill chunk runs `hc_post`, then `hc_head`."""
     return _fused(h, as_parts(out), post, comb, *head, dims, tokens)
+
+
+def launch_work(kernel: str, a: dict) -> KernelWork | None:
+    """What a `_hc_head_fused_kernel` launch moves (see `runtime.KernelWork`)."""
+    return fused_work(a, a["NHC"]) if kernel == "_hc_head_fused_kernel" else None
 
 
 def reference(h, fn: QWeight, scale, base, norm_weight, hc_eps, norm_eps) -> torch.Tensor:

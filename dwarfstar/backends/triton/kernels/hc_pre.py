@@ -29,6 +29,7 @@ from dwarfstar.backends.triton.kernels.quant_blocks import load_weight_tile
 from dwarfstar.backends.triton.runtime import (
     BenchCase,
     BenchShape,
+    KernelWork,
     interpreting,
     last_program,
     next_pow2,
@@ -308,6 +309,20 @@ def hc_post_pre(
     hc_eps, norm_eps), in one launch: (x, post, comb) of the next. For a decode step; a prefill chunk
     runs `hc_post`, then `hc_pre`."""
     return _fused(h, as_parts(out), post, comb, *mix, dims, tokens)
+
+
+def fused_work(a: dict, n_mix: int) -> KernelWork:
+    """What a one-launch mHC kernel moves: the mix, the streams read (twice: the finisher reads them
+    back) and, with the post, written and the sublayer output read, and the output rows."""
+    t, d, nhc = a["T"], a["D"], a["NHC"]
+    weight, streams = n_mix * a["fn_row_bytes"], 4 * t * nhc * d
+    post = (streams + 4 * t * a["P"] * d) if a["POST"] else 0
+    return KernelWork(weight + 2 * streams + post + 4 * t * d, weight, 1, 0)
+
+
+def launch_work(kernel: str, a: dict) -> KernelWork | None:
+    """What a `_hc_pre_fused_kernel` launch moves (see `runtime.KernelWork`)."""
+    return fused_work(a, a["NHC"] * (a["NHC"] + 2)) if kernel == "_hc_pre_fused_kernel" else None
 
 
 def tokens_per_program(t: int) -> int:

@@ -29,6 +29,7 @@ from dwarfstar.backends.triton.kernels.quant_blocks import load_weight_tile
 from dwarfstar.backends.triton.runtime import (
     BenchCase,
     BenchShape,
+    KernelWork,
     interpreting,
     last_program,
     next_pow2,
@@ -168,6 +169,16 @@ def route(
         SPLIT=logits.shape[0], BT=bt, **choice,
     )  # fmt: skip
     return ids, weights
+
+
+def launch_work(kernel: str, a: dict) -> KernelWork | None:
+    """What a `_route_fused_kernel` launch moves (see `runtime.KernelWork`): the router, the inputs and
+    the partial logits (written, then read by the finishers)."""
+    if kernel != "_route_fused_kernel":
+        return None
+    weight = a["E"] * a["row_bytes"]
+    partials = 2 * 4 * a["T"] * a["E"] * triton.cdiv(a["D"], a["BK"])
+    return KernelWork(weight + 4 * a["T"] * a["D"] + partials, weight, 1, 0)
 
 
 def reference(f, router: QWeight, bias, tid2eid, tokens, k, route_scale):
