@@ -7,12 +7,17 @@ picks the ratio-4 rows, then sink attention reads the window and the visible com
 backend implements `Ops` (coarse, fusable steps over its own array type) and never restates this
 order; it gets batching, chunked prefill and decode from this one code path.
 
+Across sublayers the forward pass hands each sublayer's output to `Ops.hc_post_pre`: the post of
+that sublayer and the pre of the next in one step, so a backend can fuse them (one pass over the
+streams); the last post goes with the output head (`Ops.hc_post_head`) where the head follows.
+
 Entry points for the features built on top: `embed`, `run_layers(h, batch, first, last)` and `head`
-run apart (a pipeline stage runs a layer range: its `Ops` may hold only those layers' weights,
-`layer_range`, with the embedding on the first stage and the head on the last; layer indices stay
-the model's, so routing tables and compress ratios are the global layer's), `hooks` are called with
-each layer's attention and FFN outputs (steering, activation capture), and the MoE takes its weights
-from an `ExpertSource` (resident by default; a cache of streamed experts can stand behind it).
+(or both at once, `run_to_head`) run apart (a pipeline stage runs a layer range: its `Ops` may hold
+only those layers' weights, `layer_range`, with the embedding on the first stage and the head on the
+last; layer indices stay the model's, so routing tables and compress ratios are the global layer's),
+`hooks` are called with each layer's attention and FFN outputs before their post (steering,
+activation capture), and the MoE takes its weights from an `ExpertSource` (resident by default; a
+cache of streamed experts can stand behind it).
 """
 
 from __future__ import annotations
@@ -190,12 +195,33 @@ class Ops(Protocol[A]):
         """Collapse the streams of `rows` (all when None) with sigmoid weights, then the output norm."""
         ...
 
+    def hc_post_pre(self, il: int, site: Site, h: A, out: A, mix: Any) -> tuple[A, A, Any]:
+        """`hc_post` of the sublayer whose output is `out` (`mix`: its pre-mix), then `hc_pre` of
+        sublayer (il, site) over the new streams: (streams, x, mix). `StreamSteps` composes the two."""
+        ...
+
+    def hc_post_head(self, h: A, out: A, mix: Any, rows: list[int] | None) -> tuple[A, A]:
+        """`hc_post` of the last sublayer, then `hc_head` of `rows`: (streams, output rows)."""
+        ...
+
     def logits(self, y: A, batch: Batch) -> torch.Tensor:
         """The output head: [N, vocab] float32 torch logits, on the backend's device.
 
         The batch's work is complete after it (a lazy backend evaluates the states with the logits).
         """
         ...
+
+
+class StreamSteps:
+    """`Ops.hc_post_pre` and `Ops.hc_post_head` as their two steps, for a backend that does not fuse them."""
+
+    def hc_post_pre(self, il: int, site: Site, h: Any, out: Any, mix: Any) -> tuple[Any, Any, Any]:
+        h = self.hc_post(h, out, mix)
+        return (h, *self.hc_pre(il, site, h))
+
+    def hc_post_head(self, h: Any, out: Any, mix: Any, rows: list[int] | None) -> tuple[Any, Any]:
+        h = self.hc_post(h, out, mix)
+        return h, self.hc_head(h, rows)
 
 
 class Transformer(Generic[A]):
@@ -240,6 +266,27 @@ class Transformer(Generic[A]):
 
     def run_layers(self, h: A, batch: Batch, first: int = 0, last: int | None = None) -> A:
         """Blocks first..last-1 over the streams h [N, n, dim]."""
+        last = self._held(first, last)
+        if first == last:
+            return h
+        return self.ops.hc_post(*self._blocks(h, batch, first, last))
+
+    def head(self, h: A, batch: Batch, all_positions: bool) -> tuple[A, list[int] | None]:
+        """Output-normalised final rows: of every position, or each sequence's last only."""
+        rows = self._head_rows(batch, all_positions)
+        return self.ops.hc_head(h, rows), rows
+
+    def run_to_head(self, h: A, batch: Batch, all_positions: bool, first: int = 0) -> tuple[A, A, list[int] | None]:
+        """`run_layers` from `first` to the last layer, then `head`, the last post fused with it:
+        (the final streams, the output-normalised rows, which rows)."""
+        last = self._held(first, None)  # the layers first: a stage short of them is told so
+        rows = self._head_rows(batch, all_positions)
+        if first == last:
+            return h, self.ops.hc_head(h, rows), rows
+        return (*self.ops.hc_post_head(*self._blocks(h, batch, first, last), rows), rows)
+
+    def _held(self, first: int, last: int | None) -> int:
+        """`last` (the model's end when None), once layers first..last-1 are known to be held here."""
         last = self.args.n_layers if last is None else last
         held = self.layer_range
         if not held.start <= first <= last <= held.stop:
@@ -247,21 +294,17 @@ class Transformer(Generic[A]):
                 f"layers {first}..{last - 1} are not all loaded here: "
                 f"this model holds layers {held.start}..{held.stop - 1}"
             )
-        for il in range(first, last):
-            h = self.block(il, h, batch)
-        return h
+        return last
 
-    def head(self, h: A, batch: Batch, all_positions: bool) -> tuple[A, list[int] | None]:
-        """Output-normalised final rows: of every position, or each sequence's last only."""
+    def _head_rows(self, batch: Batch, all_positions: bool) -> list[int] | None:
         if not self.holds_head:
             raise DwarfStarError(f"the output head is not loaded here: this model holds layers {self.layer_range}")
-        rows = None if all_positions else batch.last_rows
-        return self.ops.hc_head(h, rows), rows
+        return None if all_positions else batch.last_rows
 
     def compute(self, batch: Batch, all_positions: bool) -> tuple[torch.Tensor, list[int] | None]:
         """The device work of a call, without the host bookkeeping (`advance`): a decode step can
         be captured as a graph from it and replayed."""
-        y, rows = self.head(self.run_layers(self.embed(batch), batch), batch, all_positions)
+        _, y, rows = self.run_to_head(self.embed(batch), batch, all_positions)
         return self.ops.logits(y, batch), rows
 
     def advance(self, batch: Batch) -> None:
@@ -271,13 +314,23 @@ class Transformer(Generic[A]):
             seq.state.tokens.extend(seq.tokens.tolist())
 
     # -- the model -----------------------------------------------------------------------------------------
-    def block(self, il: int, h: A, batch: Batch) -> A:
+    def _blocks(self, h: A, batch: Batch, first: int, last: int) -> tuple[A, A, Any]:
+        """Blocks first..last-1 (at least one), each sublayer's post fused with the next one's pre; the
+        last post is the caller's: (streams, the last FFN output, its pre-mix)."""
+        x, mix = self.ops.hc_pre(first, "attn", h)
+        h, out, mix = self.block(first, h, x, mix, batch)
+        for il in range(first + 1, last):
+            h, x, mix = self.ops.hc_post_pre(il, "attn", h, out, mix)
+            h, out, mix = self.block(il, h, x, mix, batch)
+        return h, out, mix
+
+    def block(self, il: int, h: A, x: A, mix: Any, batch: Batch) -> tuple[A, A, Any]:
+        """Layer il from its attention input x (`mix`: that sublayer's pre-mix of the streams h) to its
+        FFN output, whose post goes with the next pre or the head: (streams, FFN output, its pre-mix)."""
         ops = self.ops
-        x, mix = ops.hc_pre(il, "attn", h)
-        h = ops.hc_post(h, self._hook("attn_out", il, self.attention(il, x, batch), batch), mix)
-        x, mix = ops.hc_pre(il, "ffn", h)
+        h, x, mix = ops.hc_post_pre(il, "ffn", h, self._hook("attn_out", il, self.attention(il, x, batch), batch), mix)
         ids, weights = ops.route(il, x, batch)
-        return ops.hc_post(h, self._hook("ffn_out", il, ops.moe(il, x, ids, weights, self.experts), batch), mix)
+        return h, self._hook("ffn_out", il, ops.moe(il, x, ids, weights, self.experts), batch), mix
 
     def attention(self, il: int, x: A, batch: Batch) -> A:
         ops, layer = self.ops, self.args.layer(il)
@@ -316,7 +369,7 @@ class Transformer(Generic[A]):
         batch = self.batch(token_lists, states)
         out: dict[int, A] = {}
         if batch.seqs:
-            y, rows = self.head(self.run_layers(self.embed(batch), batch), batch, all_positions)
+            _, y, rows = self.run_to_head(self.embed(batch), batch, all_positions)
             self.advance(batch)
             for i, seq in enumerate(batch.seqs):
                 out[id(seq.state)] = y[seq.rows] if rows is None else y[i : i + 1]
@@ -360,8 +413,7 @@ class Transformer(Generic[A]):
         the MTP block mixes the trunk's streams into it."""
         batch = self.batch([tokens], [state])
         h = self.embed(batch)
-        h = self.run_layers(h if inputs is None else inputs(h), batch)
-        y, _ = self.head(h, batch, all_logits)
+        h, y, _ = self.run_to_head(h if inputs is None else inputs(h), batch, all_logits)
         logits = self.ops.logits(y, batch)
         self.advance(batch)
         state.logits = logits[-1].clone()

@@ -317,8 +317,7 @@ def forward_streams_batch(
     """`Transformer.forward_streams` for several sequences in one pass: per sequence its logits at
     every position [T, vocab], its final streams [T, n, dim] and its rows in the batch."""
     batch = model.batch(token_lists, states)
-    h = model.run_layers(model.embed(batch), batch)
-    y, _ = model.head(h, batch, True)
+    h, y, _ = model.run_to_head(model.embed(batch), batch, True)
     logits = model.ops.logits(y, batch)
     model.advance(batch)
     out = []

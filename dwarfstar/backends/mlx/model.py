@@ -22,7 +22,7 @@ from dwarfstar.backends.mlx.state import MLXStorage, lazy_arrays
 from dwarfstar.backends.mlx.weights import LayerWeights, Matrix, Weights
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import ModelArgs, yarn_inv_freq
-from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, Transformer
+from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, StreamSteps, Transformer
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.tensors import ProjectionGroup
 from dwarfstar.session.sampling import sample_batch
@@ -80,7 +80,7 @@ class Layer:
     shared: tuple[Matrix, Matrix, Matrix]
 
 
-class MLXOps:
+class MLXOps(StreamSteps):
     """`dwarfstar.model.forward.Ops` in MLX, over weights in one of `weights.PACKINGS`."""
 
     def __init__(

@@ -18,7 +18,7 @@ from dwarfstar.backends.reference import ops
 from dwarfstar.backends.reference.weights import GGUFWeights, WeightSource
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import LayerSpec, ModelArgs, yarn_inv_freq
-from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, Transformer
+from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, StreamSteps, Transformer
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.pages import PAGE_ROWS
 from dwarfstar.model.state import SequenceState, TorchStorage
@@ -66,7 +66,7 @@ def expert_reader(weights: WeightSource, il: int) -> ExpertGetter:
     return lambda e: tuple(weights.expert(name, e) for name in names)
 
 
-class ReferenceOps:
+class ReferenceOps(StreamSteps):
     def __init__(
         self,
         args: ModelArgs,

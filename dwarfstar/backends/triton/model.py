@@ -35,7 +35,7 @@ from dwarfstar.backends.triton.kernels import (
 from dwarfstar.backends.triton.kernels.qmatmul import GEMV_MAX_ROWS, qmatmul
 from dwarfstar.backends.triton.kernels.rms_norm_rope import NORM_NONE, NORM_PLAIN, QAT_FP4, QAT_FP8, QAT_NONE
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
-from dwarfstar.backends.triton.runtime import EXACT, PagedRows, Precision, next_pow2
+from dwarfstar.backends.triton.runtime import EXACT, TICKET_SLOTS, PagedRows, Precision, next_pow2
 from dwarfstar.backends.triton.weights import FusedLinear, ModelWeights
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Site, Transformer
@@ -73,6 +73,7 @@ class TritonOps:
         routed = {il: (lw.gate_exps, lw.up_exps, lw.down_exps) for il, lw in weights.layers.items()}
         self.experts: ExpertSource | None = None if streamed else ResidentExperts(routed)
         self._inv_freq: dict[tuple[float, bool], torch.Tensor] = {}
+        self.decoding = False  # set per call by `embed`
         for layer in self.args.layers:
             key = (layer.rope_theta, layer.yarn)
             if key not in self._inv_freq:
@@ -140,24 +141,50 @@ class TritonOps:
         aux["angles"] = {key: ops.rope_angles(positions, inv) for key, inv in self._inv_freq.items()}
         # bf16 tensor-core operands pay off only for prefill-sized chunks; decode stays in fp32
         aux["precision"] = self.precision if n > GEMV_MAX_ROWS else EXACT
+        # a decode step (one token per sequence) runs the mHC steps and the routing as one launch
+        # each; a prefill chunk keeps their GEMV and kernel (and their numerics)
+        self.decoding = n <= TICKET_SLOTS and all(s.length == 1 for s in batch.seqs)
         w = self.w.embed
         if w is None:  # a later pipeline stage: its streams arrive from the previous one
             return None
         return quant_blocks.gather_rows(w.data, w.ggml_type, a.dim, batch.tokens, copies=a.hc_mult)
 
     # -- streams -----------------------------------------------------------------------------------------
-    def hc_pre(self, il: int, site: Site, h: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    def _pre_mix(self, il: int, site: Site) -> tuple:
+        """The sublayer's mix (fn, scale, base) and norm, then the constants of `hc_pre.hc_pre`."""
         a, lw = self.args, self.w.layers[il]
         mix, norm = (lw.hc_attn, lw.attn_norm) if site == "attn" else (lw.hc_ffn, lw.ffn_norm)
-        x, post, comb = hc_pre.hc_pre(h, *mix, norm, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+        return *mix, norm, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps
+
+    def hc_pre(self, il: int, site: Site, h: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        x, post, comb = hc_pre.hc_pre(h, *self._pre_mix(il, site), fused=self.decoding)
         return x, (post, comb)
 
     def hc_post(self, h: torch.Tensor, out: torch.Tensor, mix: tuple) -> torch.Tensor:
         return hc_post.hc_post(h, out, *mix)  # in place
 
-    def hc_head(self, h: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+    def hc_post_pre(self, il: int, site: Site, h: torch.Tensor, out: torch.Tensor, mix: tuple):
+        """One launch in a decode step (`hc_pre.hc_post_pre`); h is updated in place."""
+        if self.decoding:
+            x, post, comb = hc_pre.hc_post_pre(h, out, *mix, *self._pre_mix(il, site))
+        else:
+            hc_post.hc_post(h, out, *mix)
+            x, post, comb = hc_pre.hc_pre(h, *self._pre_mix(il, site))
+        return h, x, (post, comb)
+
+    def _head(self) -> tuple:
         a, w = self.args, self.w
-        return hc_head.hc_head(h if rows is None else h[rows], *w.head_hc, w.out_norm, a.hc_eps, a.norm_eps)
+        return *w.head_hc, w.out_norm, a.hc_eps, a.norm_eps
+
+    def hc_head(self, h: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+        return hc_head.hc_head(h if rows is None else h[rows], *self._head(), fused=self.decoding)
+
+    def hc_post_head(self, h: torch.Tensor, out: torch.Tensor, mix: tuple, rows: list[int] | None):
+        """One launch in a decode step, where the head takes every row (`hc_head.hc_post_head`)."""
+        if self.decoding and (rows is None or rows == list(range(h.shape[0]))):
+            return h, hc_head.hc_post_head(h, out, *mix, *self._head())
+        hc_post.hc_post(h, out, *mix)
+        return h, self.hc_head(h, rows)
 
     def logits(self, y: torch.Tensor, batch: Batch) -> torch.Tensor:
         return qmatmul(y, self.w.output)
@@ -298,9 +325,8 @@ class TritonOps:
     # -- mixture of experts --------------------------------------------------------------------------------
     def route(self, il: int, x: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         a, lw = self.args, self.w.layers[il]
-        return moe_route.route(
-            x, lw.router, lw.router_bias, lw.tid2eid, batch.tokens, a.n_activated_experts, a.route_scale
-        )
+        k, scale, decoding = a.n_activated_experts, a.route_scale, self.decoding
+        return moe_route.route(x, lw.router, lw.router_bias, lw.tid2eid, batch.tokens, k, scale, fused=decoding)
 
     def moe(
         self, il: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertSource

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.pages import PAGE_ROWS
@@ -132,3 +133,46 @@ class KernelWork:
     weight_bytes: int  # of which weights (or KV rows): what streams from memory once per step
     iterations: int  # passes through the main loop per program
     loop_bytes: int  # bytes one program loads per main-loop iteration (weights and activations)
+
+
+# -- "the last program finishes": one launch where a reduction over programs used to take two ---------------
+TICKET_SLOTS = 256  # counters per (device, purpose): the most token blocks one launch may finish
+_tickets: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def ticket_counters(device: torch.device | str, purpose: str, n: int) -> torch.Tensor:
+    """int32 [TICKET_SLOTS] counters for `last_program`, zeroed once and kept for the process's life
+    (a captured graph holds their address); each launch leaves them at 0 again. `purpose` keeps the
+    kernels that use them apart; `n` is how many this launch needs."""
+    if n > TICKET_SLOTS:
+        raise ValueError(f"a launch may finish at most {TICKET_SLOTS} token blocks, not {n}")
+    key = (str(device), purpose)
+    if key not in _tickets:
+        _tickets[key] = torch.zeros(TICKET_SLOTS, dtype=torch.int32, device=device)
+    return _tickets[key]
+
+
+@triton.jit
+def last_program(counter_ptr, n):
+    """Whether this program is the last of the `n` sharing the counter to get here, once its partial
+    results are stored: the one that then reads all of them (with `cache_modifier=".cg"`) and finishes.
+
+    The barrier orders every thread's stores before the one acquire-release atomic that draws the
+    ticket; the last resets the counter, so the next launch (a graph replay) starts from 0. The
+    interpreter runs programs one after another, so there too the last sees every partial.
+    """
+    tl.debug_barrier()
+    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
+    tl.store(counter_ptr, 0, mask=last)
+    return last
+
+
+@triton.jit
+def program_sums(part_ptr, t, offsets, mask, n, width, NP: tl.constexpr):
+    """Sum over the `n` programs of one token's partial results [T, n, width] at `offsets` [A, B]
+    (where `mask`), in a fixed order: the same inputs give the same bits every run."""
+    q = tl.arange(0, NP)
+    row = (t.to(tl.int64) * n + q) * width
+    ok = (q < n)[:, None, None] & mask[None, :, :]
+    values = tl.load(part_ptr + row[:, None, None] + offsets[None, :, :], mask=ok, other=0.0, cache_modifier=".cg")
+    return tl.sum(values, axis=0)

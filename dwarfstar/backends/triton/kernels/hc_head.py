@@ -1,8 +1,9 @@
 """mHC output head: collapse the streams with sigmoid weights, then the output RMSNorm.
 
 Spec §2.5: m = (fn @ flatten(h)) * rsqrt(mean(h^2) + eps), w_s = sigmoid(m_s * scale + base_s) + eps,
-y = sum_s w_s h_s, out = RMSNorm(y; output_norm). No Sinkhorn. The 4 mixes come from the split-K
-GEMV as partial sums, like `hc_pre`, whose stream loading this kernel shares.
+y = sum_s w_s h_s, out = RMSNorm(y; output_norm). No Sinkhorn. In a decode step (`fused`) it is one
+launch as `hc_pre`'s, with the post of the last sublayer fused in front (`hc_post_head`); prefill
+chunks take the 4 mixes from the split-K GEMV as partial sums, and share `hc_pre`'s stream loading.
 """
 
 from __future__ import annotations
@@ -14,9 +15,27 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference import ops
-from dwarfstar.backends.triton.kernels.hc_pre import MIX_SPLIT, load_streams, sum_partials, tokens_per_program
+from dwarfstar.backends.triton.kernels.hc_pre import (
+    MIX_SPLIT,
+    as_parts,
+    collapse_norm,
+    fused_launch,
+    fused_work,
+    load_streams,
+    post_and_mix,
+    streams_rsqrt,
+    sum_partials,
+    tokens_per_program,
+)
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
-from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, next_pow2
+from dwarfstar.backends.triton.runtime import (
+    BenchCase,
+    BenchShape,
+    KernelWork,
+    last_program,
+    next_pow2,
+    program_sums,
+)
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
 
@@ -40,6 +59,40 @@ def _hc_head_kernel(
     tl.store(out_ptr + t.to(tl.int64)[:, None] * D + d[None, :], y, mask=t_ok[:, None] & (d < D)[None, :])
 
 
+@triton.jit
+def _hc_head_fused_kernel(
+    h_ptr, parts_ptr, post_ptr, comb_ptr, fn_ptr, scale_ptr, base_ptr, norm_ptr, out_ptr, part_ptr, counter_ptr,
+    T, D, P, fn_row_bytes, stream_bytes, hc_eps, norm_eps,
+    POST: tl.constexpr, WTYPE: tl.constexpr, NHC: tl.constexpr, MIXP: tl.constexpr, BT: tl.constexpr,
+    BD: tl.constexpr, NPP: tl.constexpr, FD: tl.constexpr,
+):  # fmt: skip
+    tb, n_prog = tl.program_id(1), tl.num_programs(0)
+    post_and_mix(
+        h_ptr, parts_ptr, post_ptr, comb_ptr, fn_ptr, part_ptr, tb, T, D, P, fn_row_bytes, stream_bytes, NHC,
+        POST, WTYPE, NHC, MIXP, BT, BD,
+    )  # fmt: skip
+    if last_program(counter_ptr + tb, n_prog):
+        s = tl.arange(0, NHC)[None, :]  # [1, NHC]
+        for i in range(BT):
+            t = tb * BT + i
+            if t < T:
+                mix = program_sums(part_ptr, t, s, s >= 0, n_prog, MIXP + 1, NPP)
+                mix = mix * streams_rsqrt(part_ptr, t, n_prog, D, norm_eps, NHC, MIXP, NPP)[:, None]
+                w = tl.sigmoid(mix * tl.load(scale_ptr) + tl.load(base_ptr + s)) + hc_eps
+                collapse_norm(h_ptr, t, w, norm_ptr, out_ptr, D, norm_eps, NHC, FD)
+
+
+def _fused(h, parts, post, comb, fn, scale, base, norm_weight, hc_eps, norm_eps, dims, tokens) -> torch.Tensor:
+    t, nhc, d = h.shape
+    sizes, grid, part, counters = fused_launch(h, parts, fn, nhc, dims, tokens)
+    out = torch.empty(t, d, device=h.device, dtype=torch.float32)
+    before = (h, h, h) if parts is None else (parts, post, comb)  # unread without the post
+    _hc_head_fused_kernel[grid](
+        h, *before, fn.data, scale, base, norm_weight, out, part, counters, hc_eps=hc_eps, norm_eps=norm_eps, **sizes
+    )
+    return out
+
+
 def hc_head(
     h: torch.Tensor,
     fn: QWeight,
@@ -48,9 +101,14 @@ def hc_head(
     norm_weight: torch.Tensor,
     hc_eps: float,
     norm_eps: float,
+    fused: bool = False,
+    dims: int | None = None,
+    tokens: int | None = None,
 ) -> torch.Tensor:
-    """h [T, n_hc, D] contiguous -> RMSNorm(sum_s w_s h_s; output_norm) [T, D]."""
+    """h [T, n_hc, D] contiguous -> RMSNorm(sum_s w_s h_s; output_norm) [T, D]; `fused` as `hc_pre.hc_pre`'s."""
     t, nhc, d = h.shape
+    if fused:
+        return _fused(h, None, None, None, fn, scale, base, norm_weight, hc_eps, norm_eps, dims, tokens)
     mix = qmatmul(h.view(t, nhc * d), fn, split_k=MIX_SPLIT)
     out = torch.empty(t, d, device=h.device, dtype=torch.float32)
     bt, bd = tokens_per_program(t), next_pow2(d)
@@ -61,12 +119,27 @@ def hc_head(
     return out
 
 
+def hc_post_head(
+    h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *head, dims=None, tokens=None
+) -> torch.Tensor:
+    """The post of the last sublayer (h updated in place, as `hc_post`), then `hc_head` of every token,
+    `head` its (fn, scale, base, norm_weight, hc_eps, norm_eps), in one launch. For a decode step; a
+    prefill chunk runs `hc_post`, then `hc_head`."""
+    return _fused(h, as_parts(out), post, comb, *head, dims, tokens)
+
+
+def launch_work(kernel: str, a: dict) -> KernelWork | None:
+    """What a `_hc_head_fused_kernel` launch moves (see `runtime.KernelWork`)."""
+    return fused_work(a, a["NHC"]) if kernel == "_hc_head_fused_kernel" else None
+
+
 def reference(h, fn: QWeight, scale, base, norm_weight, hc_eps, norm_eps) -> torch.Tensor:
     y = ops.hc_head(h, fn.dequantize(), scale, base, hc_eps, norm_eps)
     return ops.rms_norm(y, norm_weight, norm_eps)
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    """The head of one decode token, alone and with the last sublayer's post fused in front."""
     a, dev, gen = shape.args, shape.device, shape.generator()
     fn = random_qweight(GGMLType.F16, (a.hc_mult, a.hc_mult * a.dim), dev, gen)
     h = torch.randn(1, a.hc_mult, a.dim, device=dev, generator=gen)
@@ -75,5 +148,14 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
         torch.zeros(a.hc_mult, device=dev),
         torch.ones(a.dim, device=dev),
     )
-    run = functools.partial(hc_head, h, fn, scale, base, norm, a.hc_eps, a.norm_eps)
-    return [BenchCase("hc_head", "decode 1 token", run, fn.nbytes + 4 * (h.numel() + a.dim), 2 * fn.rows * fn.cols)]
+    const = (fn, scale, base, norm, a.hc_eps, a.norm_eps)
+    out = torch.randn(1, a.dim, device=dev, generator=gen)
+    post = torch.rand(1, a.hc_mult, device=dev, generator=gen)
+    comb = torch.rand(1, a.hc_mult, a.hc_mult, device=dev, generator=gen)
+    moved, flops = fn.nbytes + 4 * (h.numel() + a.dim), 2 * fn.rows * fn.cols
+    alone = functools.partial(hc_head, h, *const, fused=True)
+    after_post = functools.partial(hc_post_head, h, out, post, comb, *const)
+    return [
+        BenchCase("hc_head", "decode 1 token", alone, moved, flops),
+        BenchCase("hc_head", "decode post + head, 1 token", after_post, moved + 4 * (2 * h.numel() + a.dim), flops),
+    ]

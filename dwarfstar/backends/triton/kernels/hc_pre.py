@@ -1,15 +1,17 @@
-"""mHC pre-mix: from the 24 mixes to the sublayer input, with Sinkhorn, in one kernel per token.
+"""mHC pre-mix: from the 24 mixes to the sublayer input, with Sinkhorn; alone or fused with the post before.
 
-Spec §2.2. The 24 mixes `fn @ flatten(h)` come from the fused GEMV (`qmatmul`, split over K: 24 rows
-of 16384 columns would leave the GPU idle) as partial sums that this kernel adds. Per token it then:
-scales the mixes by rsqrt(mean(h^2) + eps); takes pre = sigmoid(.) + eps and post = 2 sigmoid(.);
-runs Sinkhorn on the 4 x 4 combination logits (row softmax, column normalise, 19 rounds of row and
-column normalisation); collapses x = sum_s pre_s h_s; and applies the sublayer's RMSNorm, so the
-output is the attention or MoE input directly. The token's 4 streams stay in registers throughout
-(4 x 4096 floats for Flash).
+Spec §2.2. Per token: the 24 mixes fn @ flatten(h), scaled by rsqrt(mean(h^2) + eps); pre =
+sigmoid(.) + eps and post = 2 sigmoid(.); Sinkhorn on the 4 x 4 combination logits (row softmax,
+column normalise, 19 rounds of row and column normalisation); the collapse x = sum_s pre_s h_s and
+the sublayer's RMSNorm, so the output is the attention or MoE input directly.
 
-BT tokens per program: 1 on a GPU (a program per token fills the chip in prefill; decode is one
-token anyway), 16 in the interpreter, where each program instance costs a fixed overhead.
+In a decode step (`fused`) it is one launch, `hc_post_pre` included: the post of the sublayer
+before (stream k = post_k * out + sum_j comb[j, k] h_j, `hc_post`) and this pre-mix.
+Each program owns BD dims of a token's 4 streams: it updates them in place (with the post), and
+stores its partial sums of the 24 mixes and of the squares; the last program of the token to finish
+(`runtime.last_program`) adds the partials in a fixed order, runs Sinkhorn and reads the new streams
+back for the collapse and the norm. Prefill chunks take the mixes from the split-K GEMV (`qmatmul`)
+and run one program per token with its streams in registers (4 x 4096 floats for Flash).
 """
 
 from __future__ import annotations
@@ -21,12 +23,25 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference import ops
+from dwarfstar.backends.triton.kernels import hc_post as post_kernel
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
-from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
+from dwarfstar.backends.triton.kernels.quant_blocks import load_weight_tile
+from dwarfstar.backends.triton.runtime import (
+    BenchCase,
+    BenchShape,
+    KernelWork,
+    interpreting,
+    last_program,
+    next_pow2,
+    program_sums,
+    ticket_counters,
+)
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
-from dwarfstar.gguf.constants import GGMLType
+from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
 
-MIX_SPLIT = 8  # K splits of the 24-row mix GEMV (4 * D columns)
+MIX_SPLIT = 8  # K splits of the 24-row mix GEMV (4 * D columns), in the prefill form
+FUSED_DIMS = 64  # dims of a token's streams per program of the one-launch form: 64 programs at D = 4096
+FLOAT_MIXES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 
 
 @triton.jit
@@ -50,6 +65,25 @@ def sum_partials(ptr, offsets, mask, split_stride, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def mix_weights(pre, post, comb, rs, scale_ptr, base_ptr, iters, hc_eps, NHC: tl.constexpr):
+    """The mixes fn @ h of X tokens (pre, post [X, NHC], comb [X, NHC, NHC]) and rsqrt(mean(h^2) + eps)
+    [X] -> pre = sigmoid + eps, post = 2 sigmoid, and comb through Sinkhorn."""
+    s = tl.arange(0, NHC)
+    pre = tl.sigmoid(pre * rs[:, None] * tl.load(scale_ptr) + tl.load(base_ptr + s)[None, :]) + hc_eps
+    post = 2.0 * tl.sigmoid(post * rs[:, None] * tl.load(scale_ptr + 1) + tl.load(base_ptr + NHC + s)[None, :])
+    jk = 2 * NHC + NHC * s[:, None] + s[None, :]  # [NHC, NHC]: comb[j, k] at 8 + 4j + k
+    comb = comb * rs[:, None, None] * tl.load(scale_ptr + 2) + tl.load(base_ptr + jk)[None, :, :]
+    # Sinkhorn: row softmax (+eps), column normalisation, then iters - 1 rounds of row and column
+    comb = tl.exp(comb - tl.max(comb, axis=2)[:, :, None])
+    comb = comb / tl.sum(comb, axis=2)[:, :, None] + hc_eps
+    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    return pre, post, comb
+
+
+@triton.jit
 def _hc_pre_kernel(
     h_ptr, mix_ptr, scale_ptr, base_ptr, norm_ptr, out_ptr, post_ptr, comb_ptr,
     T, D, iters, hc_eps, norm_eps,
@@ -58,26 +92,18 @@ def _hc_pre_kernel(
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     t_ok = t < T
     h, mean_sq = load_streams(h_ptr, t, t_ok, D, NHC, BD)
-    rs = tl.rsqrt(mean_sq + norm_eps)  # [BT]
     n_mix = NHC * (NHC + 2)
     s = tl.arange(0, NHC)
     t2, t3 = t_ok[:, None], t_ok[:, None, None]
     row = t.to(tl.int64) * n_mix
     stride = T * n_mix
-    pre = sum_partials(mix_ptr, row[:, None] + s[None, :], t2, stride, SPLIT) * rs[:, None]
-    pre = tl.sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + s)[None, :]) + hc_eps
-    post = sum_partials(mix_ptr, row[:, None] + NHC + s[None, :], t2, stride, SPLIT) * rs[:, None]
-    post = 2.0 * tl.sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + NHC + s)[None, :])
-    jk = 2 * NHC + NHC * s[:, None] + s[None, :]  # [NHC, NHC]: comb[j, k] at 8 + 4j + k
-    comb = sum_partials(mix_ptr, row[:, None, None] + jk[None, :, :], t3, stride, SPLIT) * rs[:, None, None]
-    comb = comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + jk)[None, :, :]
-    # Sinkhorn: row softmax (+eps), column normalisation, then iters - 1 rounds of row and column
-    comb = tl.exp(comb - tl.max(comb, axis=2)[:, :, None])
-    comb = comb / tl.sum(comb, axis=2)[:, :, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    jk = 2 * NHC + NHC * s[:, None] + s[None, :]
+    pre = sum_partials(mix_ptr, row[:, None] + s[None, :], t2, stride, SPLIT)
+    post = sum_partials(mix_ptr, row[:, None] + NHC + s[None, :], t2, stride, SPLIT)
+    comb = sum_partials(mix_ptr, row[:, None, None] + jk[None, :, :], t3, stride, SPLIT)
+    pre, post, comb = mix_weights(
+        pre, post, comb, tl.rsqrt(mean_sq + norm_eps), scale_ptr, base_ptr, iters, hc_eps, NHC
+    )
     x = tl.sum(pre[:, :, None] * h, axis=1)  # [BT, BD], from the raw (un-normalised) streams
     d = tl.arange(0, BD)
     x = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + norm_eps)[:, None]
@@ -87,8 +113,161 @@ def _hc_pre_kernel(
     tl.store(comb_ptr + t[:, None, None] * NHC * NHC + (NHC * s[:, None] + s[None, :])[None, :, :], comb, mask=t3)
 
 
-def tokens_per_program(t: int) -> int:
-    return min(16, next_pow2(t)) if interpreting() else 1
+@triton.jit
+def post_and_mix(
+    h_ptr, parts_ptr, post_ptr, comb_ptr, fn_ptr, part_ptr, tb, T, D, P, fn_row_bytes, stream_bytes, n_mix,
+    POST: tl.constexpr, WTYPE: tl.constexpr, NHC: tl.constexpr, MIXP: tl.constexpr, BT: tl.constexpr,
+    BD: tl.constexpr,
+):  # fmt: skip
+    """The programs' part of the one-launch mHC kernels, for token block tb and this program's BD dims:
+    the streams' slice, first updated in place by the post of the sublayer before (with POST), times
+    the matching columns of the next mix fn [n_mix, NHC * D], and the slice's sum of squares, stored
+    as the program's partials [MIXP + 1] at part[t, program]."""
+    p, n_prog = tl.program_id(0), tl.num_programs(0)
+    d = p * BD + tl.arange(0, BD)
+    d_ok = d < D
+    s = tl.arange(0, NHC)
+    m = tl.arange(0, MIXP)
+    rows = tl.where(m < n_mix, m, 0).to(tl.int64) * fn_row_bytes  # padding rows repeat row 0, unused
+    for i in range(BT):
+        t = (tb * BT + i).to(tl.int64)
+        if t < T:
+            at = (t * NHC + s[:, None]) * D + d[None, :]  # [NHC, BD]
+            if POST:  # as `hc_post`: post_k * out, then + comb[j, k] h_j in order of j
+                o = tl.zeros((BD,), tl.float32)
+                for q in range(P):
+                    o += tl.load(parts_ptr + (t * P + q) * D + d, mask=d_ok, other=0.0)
+                new = tl.load(post_ptr + t * NHC + s)[:, None] * o[None, :]
+                for j in tl.static_range(NHC):
+                    comb_j = tl.load(comb_ptr + (t * NHC + j) * NHC + s)  # row j: comb[j, k] for every k
+                    new += comb_j[:, None] * tl.load(h_ptr + (t * NHC + j) * D + d, mask=d_ok, other=0.0)[None, :]
+                tl.store(h_ptr + at, new, mask=d_ok[None, :])
+            else:
+                new = tl.load(h_ptr + at, mask=d_ok[None, :], other=0.0)
+            acc = tl.zeros((MIXP, BD), tl.float32)
+            for k in tl.static_range(NHC):  # stream k's columns of fn: k * D + d
+                w = load_weight_tile(fn_ptr, fn_ptr, rows + k * stream_bytes, p * BD, D, WTYPE, MIXP, BD)
+                acc += w * tl.sum(tl.where(s[:, None] == k, new, 0.0), axis=0)[None, :]
+            part = part_ptr + (t * n_prog + p) * (MIXP + 1)
+            tl.store(part + m, tl.sum(acc, axis=1))
+            tl.store(part + MIXP, tl.sum(tl.sum(new * new, axis=1), axis=0))
+
+
+@triton.jit
+def streams_rsqrt(part_ptr, t, n_prog, D, eps, NHC: tl.constexpr, MIXP: tl.constexpr, NPP: tl.constexpr):
+    """rsqrt(mean(h^2) + eps) [1] of token t's streams, from the programs' sums of squares (`post_and_mix`)."""
+    s = tl.arange(0, NHC)[None, :]
+    sq = tl.sum(program_sums(part_ptr, t, s * 0 + MIXP, s == 0, n_prog, MIXP + 1, NPP), axis=1)
+    return tl.rsqrt(sq / (NHC * D) + eps)
+
+
+@triton.jit
+def collapse_norm(h_ptr, t, weights, norm_ptr, out_ptr, D, eps, NHC: tl.constexpr, FD: tl.constexpr):
+    """out[t] = RMSNorm(sum_s weights_s h_s; norm) for token t, weights [1, NHC], FD dims at a time.
+
+    Other programs of the launch wrote the streams: they are read past L1. The unnormalised sum goes
+    to `out` first and is scaled in a second pass, once its sum of squares is known."""
+    s = tl.arange(0, NHC)
+    t = t.to(tl.int64)
+    sq = tl.zeros((1,), tl.float32)
+    for d0 in range(0, D, FD):
+        d = d0 + tl.arange(0, FD)
+        ok = (d < D)[None, :]
+        h = tl.load(h_ptr + (t * NHC + s[:, None]) * D + d[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+        x = tl.sum(weights[:, :, None] * h[None, :, :], axis=1)  # [1, FD]
+        tl.store(out_ptr + t * D + d[None, :], x, mask=ok)
+        sq += tl.sum(x * x, axis=1)
+    tl.debug_barrier()  # the second pass's threads read what others stored
+    r = tl.rsqrt(sq / D + eps)
+    for d0 in range(0, D, FD):
+        d = d0 + tl.arange(0, FD)
+        ok = (d < D)[None, :]
+        x = tl.load(out_ptr + t * D + d[None, :], mask=ok, other=0.0, cache_modifier=".cg") * r[:, None]
+        x = x * tl.load(norm_ptr + d, mask=d < D, other=0.0)[None, :]
+        tl.store(out_ptr + t * D + d[None, :], x, mask=ok)
+
+
+@triton.jit
+def _hc_pre_fused_kernel(
+    h_ptr, parts_ptr, post_ptr, comb_ptr, fn_ptr, scale_ptr, base_ptr, norm_ptr, x_ptr, post_out_ptr, comb_out_ptr,
+    part_ptr, counter_ptr, T, D, P, fn_row_bytes, stream_bytes, iters, hc_eps, norm_eps,
+    POST: tl.constexpr, WTYPE: tl.constexpr, NHC: tl.constexpr, MIXP: tl.constexpr, BT: tl.constexpr,
+    BD: tl.constexpr, NPP: tl.constexpr, FD: tl.constexpr,
+):  # fmt: skip
+    tb, n_prog = tl.program_id(1), tl.num_programs(0)
+    n_mix = NHC * (NHC + 2)
+    post_and_mix(
+        h_ptr, parts_ptr, post_ptr, comb_ptr, fn_ptr, part_ptr, tb, T, D, P, fn_row_bytes, stream_bytes, n_mix,
+        POST, WTYPE, NHC, MIXP, BT, BD,
+    )  # fmt: skip
+    if last_program(counter_ptr + tb, n_prog):
+        s = tl.arange(0, NHC)[None, :]  # [1, NHC]
+        jk = 2 * NHC + NHC * tl.arange(0, NHC)[:, None] + tl.arange(0, NHC)[None, :]
+        width = MIXP + 1
+        for i in range(BT):
+            t = tb * BT + i
+            if t < T:
+                pre = program_sums(part_ptr, t, s, s >= 0, n_prog, width, NPP)
+                post = program_sums(part_ptr, t, NHC + s, s >= 0, n_prog, width, NPP)
+                comb = program_sums(part_ptr, t, jk, jk >= 0, n_prog, width, NPP)[None, :, :]
+                rs = streams_rsqrt(part_ptr, t, n_prog, D, norm_eps, NHC, MIXP, NPP)
+                pre, post, comb = mix_weights(pre, post, comb, rs, scale_ptr, base_ptr, iters, hc_eps, NHC)
+                t64 = t.to(tl.int64)
+                tl.store(post_out_ptr + t64 * NHC + s, post)
+                tl.store(comb_out_ptr + t64 * NHC * NHC + (jk - 2 * NHC)[None, :, :], comb)
+                collapse_norm(h_ptr, t, pre, norm_ptr, x_ptr, D, norm_eps, NHC, FD)
+
+
+@functools.cache
+def _stream_bytes_per_col(ggml_type: GGMLType) -> int:
+    if ggml_type not in FLOAT_MIXES:
+        raise ValueError(f"the mHC mixes must be F32, F16 or BF16, not {ggml_type.name}")
+    return BLOCK_GEOMETRY[ggml_type][1]
+
+
+def fused_launch(
+    h: torch.Tensor, parts: torch.Tensor | None, fn: QWeight, n_mix: int, dims: int | None, tokens: int | None
+) -> tuple[dict, tuple[int, int], torch.Tensor, torch.Tensor]:
+    """The one-launch form's sizes and buffers: (constexprs and the shared scalars, grid, partials,
+    counters). `dims` per program (default FUSED_DIMS; in the interpreter all of them) and `tokens`
+    per program (default 1; 16 in the interpreter) size the grid."""
+    t, nhc, d = h.shape
+    if not h.is_contiguous() or (parts is not None and not parts.is_contiguous()):
+        raise ValueError("h and the sublayer output must be contiguous")
+    if fn.cols != nhc * d or fn.rows != n_mix:
+        raise ValueError(f"the mix must be [{n_mix}, {nhc * d}], got [{fn.rows}, {fn.cols}]")
+    bd = next_pow2(dims or (d if interpreting() else FUSED_DIMS))
+    bt = tokens or (min(16, next_pow2(t)) if interpreting() else 1)
+    grid = (triton.cdiv(d, bd), triton.cdiv(t, bt))
+    mixp = next_pow2(n_mix)
+    part = torch.empty(t, grid[0], mixp + 1, device=h.device, dtype=torch.float32)
+    counters = ticket_counters(h.device, "hc", grid[1])
+    scalars = dict(T=t, D=d, P=1 if parts is None else parts.shape[1], fn_row_bytes=fn.row_bytes,
+                   stream_bytes=d * _stream_bytes_per_col(fn.ggml_type))  # fmt: skip
+    constexprs = dict(
+        POST=parts is not None, WTYPE=fn.wtype, NHC=nhc, MIXP=mixp, BT=bt, BD=bd, NPP=next_pow2(grid[0]),
+        FD=next_pow2(d) if interpreting() else min(2048, next_pow2(d)), num_warps=8,
+    )  # fmt: skip
+    return scalars | constexprs, grid, part, counters
+
+
+def as_parts(out: torch.Tensor) -> torch.Tensor:
+    """The sublayer output as [T, P, D] parts ([T, D] is one part)."""
+    return out if out.dim() == 3 else out.unsqueeze(1)
+
+
+def _fused(h, parts, post, comb, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, dims, tokens):
+    t, nhc, d = h.shape
+    sizes, grid, part, counters = fused_launch(h, parts, fn, nhc * (nhc + 2), dims, tokens)
+    x = torch.empty(t, d, device=h.device, dtype=torch.float32)
+    post_out = torch.empty(t, nhc, device=h.device, dtype=torch.float32)
+    comb_out = torch.empty(t, nhc, nhc, device=h.device, dtype=torch.float32)
+    before = (h, h, h) if parts is None else (parts, post, comb)  # unread without the post
+    _hc_pre_fused_kernel[grid](
+        h, *before, fn.data, scale, base, norm_weight, x, post_out, comb_out, part, counters,
+        iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, **sizes,
+    )  # fmt: skip
+    return x, post_out, comb_out
 
 
 def hc_pre(
@@ -100,9 +279,16 @@ def hc_pre(
     iters: int,
     hc_eps: float,
     norm_eps: float,
+    fused: bool = False,
+    dims: int | None = None,
+    tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [T, n_hc, D] contiguous -> (RMSNorm(collapsed x; norm_weight) [T, D], post [T, n], comb [T, n, n])."""
+    """h [T, n_hc, D] contiguous -> (RMSNorm(collapsed x; norm_weight) [T, D], post [T, n], comb [T, n, n]).
+
+    `fused`: in one launch (a decode step), its programs sized by `dims` and `tokens` (`fused_launch`)."""
     t, nhc, d = h.shape
+    if fused:
+        return _fused(h, None, None, None, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, dims, tokens)
     mix = qmatmul(h.view(t, nhc * d), fn, split_k=MIX_SPLIT)
     out = torch.empty(t, d, device=h.device, dtype=torch.float32)
     post = torch.empty(t, nhc, device=h.device, dtype=torch.float32)
@@ -115,21 +301,64 @@ def hc_pre(
     return out, post, comb
 
 
+def hc_post_pre(
+    h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *mix, dims=None, tokens=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The post of one sublayer (h updated in place, `hc_post`: out [T, D] or [T, P, D] parts, post
+    [T, n], comb [T, n, n]), then `hc_pre` of the next, `mix` its (fn, scale, base, norm_weight, iters,
+    hc_eps, norm_eps), in one launch: (x, post, comb) of the next. For a decode step; a prefill chunk
+    runs `hc_post`, then `hc_pre`."""
+    return _fused(h, as_parts(out), post, comb, *mix, dims, tokens)
+
+
+def fused_work(a: dict, n_mix: int) -> KernelWork:
+    """What a one-launch mHC kernel moves: the mix, the streams read (twice: the finisher reads them
+    back) and, with the post, written and the sublayer output read, and the output rows."""
+    t, d, nhc = a["T"], a["D"], a["NHC"]
+    weight, streams = n_mix * a["fn_row_bytes"], 4 * t * nhc * d
+    post = (streams + 4 * t * a["P"] * d) if a["POST"] else 0
+    return KernelWork(weight + 2 * streams + post + 4 * t * d, weight, 1, 0)
+
+
+def launch_work(kernel: str, a: dict) -> KernelWork | None:
+    """What a `_hc_pre_fused_kernel` launch moves (see `runtime.KernelWork`)."""
+    return fused_work(a, a["NHC"] * (a["NHC"] + 2)) if kernel == "_hc_pre_fused_kernel" else None
+
+
+def tokens_per_program(t: int) -> int:
+    return min(16, next_pow2(t)) if interpreting() else 1
+
+
 def reference(h, fn: QWeight, scale, base, norm_weight, iters, hc_eps, norm_eps):
     x, post, comb = ops.hc_pre(h, fn.dequantize(), scale, base, iters, hc_eps, norm_eps)
     return ops.rms_norm(x, norm_weight, norm_eps), post, comb
 
 
+def reference_post_pre(h, out, post, comb, fn: QWeight, scale, base, norm_weight, iters, hc_eps, norm_eps):
+    """(new streams, x, post, comb): `hc_post`'s reference, then `hc_pre`'s."""
+    h = post_kernel.reference(h, out, post, comb)
+    return h, *reference(h, fn, scale, base, norm_weight, iters, hc_eps, norm_eps)
+
+
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """mHC pre of one decode token and of a prefill chunk, the mix GEMV included."""
+    """mHC pre of one decode token (one launch, the mix GEMV included) and of a prefill chunk; the
+    post of the MoE fused with the next pre (the decode transition)."""
     a, dev, gen = shape.args, shape.device, shape.generator()
     fn = random_qweight(GGMLType.F16, (a.hc_mix_dim, a.hc_mult * a.dim), dev, gen)
     scale, base = torch.full((3,), 0.3, device=dev), torch.zeros(a.hc_mix_dim, device=dev)
     norm = torch.ones(a.dim, device=dev)
+    const = (fn, scale, base, norm, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
     cases = []
     for what, t in (("decode", 1), ("prefill", shape.prefill)):
         h = torch.randn(t, a.hc_mult, a.dim, device=dev, generator=gen)
-        run = functools.partial(hc_pre, h, fn, scale, base, norm, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+        run = functools.partial(hc_pre, h, *const, fused=t == 1)
         moved = fn.nbytes + 4 * (h.numel() + t * a.dim)
         cases.append(BenchCase("hc_pre", f"{what} {t} tokens", run, moved, 2 * t * fn.rows * fn.cols))
+    h = torch.randn(1, a.hc_mult, a.dim, device=dev, generator=gen)
+    out = torch.randn(1, a.dim, device=dev, generator=gen)
+    post = torch.rand(1, a.hc_mult, device=dev, generator=gen)
+    comb = torch.rand(1, a.hc_mult, a.hc_mult, device=dev, generator=gen)
+    run = functools.partial(hc_post_pre, h, out, post, comb, *const)
+    moved = fn.nbytes + 4 * (3 * h.numel() + 2 * a.dim)
+    cases.append(BenchCase("hc_pre", "decode post + pre, 1 token", run, moved, 2 * fn.rows * fn.cols))
     return cases

@@ -3,8 +3,11 @@
 Spec §2.4. Per token: s = sqrt(softplus(router logits)); the experts are the top k of s + bias
 (the bias steers selection only) or, in the hash-routed first layers, the token's fixed row of
 tid2eid; the weights are the chosen un-biased scores divided by their sum, times route_scale.
-The router logits come from the fused GEMV split over K (a 256 x 4096 product would occupy only a
-few programs), as partial sums added here.
+In a decode step (`fused`) routing is one launch: each program multiplies
+a [RB, BK] tile of the router by its columns of the tokens of its block and stores the partial
+logits; the block's last program (`runtime.last_program`) adds them in a fixed order and routes.
+Prefill chunks take the logits from the GEMV split over K (a 256 x 4096 product would occupy only a
+few programs), as partial sums added by one program per token.
 
 softplus(x) = log1p(exp(x)) is computed with a log1p that keeps full relative precision for very
 negative logits (log(1 + u) * u / ((1 + u) - 1)), and is x above 20, as torch's. Top-k picks the
@@ -22,24 +25,32 @@ import triton.language as tl
 from dwarfstar.backends.reference.ops import route as reference_route
 from dwarfstar.backends.triton.kernels.hc_pre import sum_partials
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
-from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
+from dwarfstar.backends.triton.kernels.quant_blocks import load_weight_tile
+from dwarfstar.backends.triton.runtime import (
+    BenchCase,
+    BenchShape,
+    KernelWork,
+    interpreting,
+    last_program,
+    next_pow2,
+    program_sums,
+    ticket_counters,
+)
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
 
 ROUTER_SPLIT = 4
+ROUTER_TILE = (16, 256)  # rows, columns of the router per program of the one-launch form: 256 programs for Flash
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr, bias_ptr, tid2eid_ptr, tokens_ptr, ids_ptr, weights_ptr, T, E, route_scale,
-    K: tl.constexpr, KP: tl.constexpr, SPLIT: tl.constexpr, HASH: tl.constexpr, BT: tl.constexpr,
-    BE: tl.constexpr,
+def choose(
+    x, t, t_ok, bias_ptr, tid2eid_ptr, tokens_ptr, ids_ptr, weights_ptr, E, route_scale,
+    K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    t_ok = t < T
+    """Route tokens t [BT] from their router logits x [BT, BE]: store their expert ids and weights."""
     e = tl.arange(0, BE)
     ok = t_ok[:, None] & (e < E)[None, :]
-    x = sum_partials(logits_ptr, t.to(tl.int64)[:, None] * E + e[None, :], ok, T * E, SPLIT)
     u = tl.exp(tl.minimum(x, 20.0))  # above 20 softplus(x) is x; keeps the unused branch finite
     w = 1.0 + u
     log1p = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
@@ -67,6 +78,52 @@ def _route_kernel(
     tl.store(weights_ptr + out, weights, mask=out_ok)
 
 
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, tid2eid_ptr, tokens_ptr, ids_ptr, weights_ptr, T, E, route_scale,
+    K: tl.constexpr, KP: tl.constexpr, SPLIT: tl.constexpr, HASH: tl.constexpr, BT: tl.constexpr,
+    BE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t_ok = t < T
+    e = tl.arange(0, BE)
+    x = sum_partials(
+        logits_ptr, t.to(tl.int64)[:, None] * E + e[None, :], t_ok[:, None] & (e < E)[None, :], T * E, SPLIT
+    )
+    choose(x, t, t_ok, bias_ptr, tid2eid_ptr, tokens_ptr, ids_ptr, weights_ptr, E, route_scale, K, KP, HASH, BT, BE)
+
+
+@triton.jit
+def _route_fused_kernel(
+    f_ptr, w_ptr, bias_ptr, tid2eid_ptr, tokens_ptr, part_ptr, counter_ptr, ids_ptr, weights_ptr,
+    T, E, D, f_stride, row_bytes, route_scale,
+    WTYPE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr, BT: tl.constexpr,
+    RB: tl.constexpr, BK: tl.constexpr, NKP: tl.constexpr, BE: tl.constexpr,
+):  # fmt: skip
+    """Program (k, r, b): router rows r * RB.. times columns k * BK.. of the tokens of block b, as
+    partial logits part[t, k, rows]; the block's last program adds them and routes its tokens."""
+    pk, pr, tb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_k = tl.num_programs(0)
+    r = pr * RB + tl.arange(0, RB)
+    r_ok = r < E
+    w = load_weight_tile(w_ptr, w_ptr, tl.where(r_ok, r, 0).to(tl.int64) * row_bytes, pk * BK, D, WTYPE, RB, BK)
+    k = pk * BK + tl.arange(0, BK)
+    for i in range(BT):
+        t = (tb * BT + i).to(tl.int64)
+        if t < T:
+            f = tl.load(f_ptr + t * f_stride + k, mask=k < D, other=0.0)
+            tl.store(part_ptr + (t * n_k + pk) * E + r, tl.sum(w * f[None, :], axis=1), mask=r_ok)
+    if last_program(counter_ptr + tb, n_k * tl.num_programs(1)):
+        e = tl.arange(0, BE)[None, :]
+        for i in range(BT):
+            t = tb * BT + i
+            if t < T:
+                x = program_sums(part_ptr, t, e, e < E, n_k, E, NKP)  # [1, BE]
+                one = tl.zeros((1,), tl.int32) + t
+                choose(x, one, one < T, bias_ptr, tid2eid_ptr, tokens_ptr, ids_ptr, weights_ptr, E, route_scale,
+                       K, KP, HASH, 1, BE)  # fmt: skip
+
+
 def route(
     f: torch.Tensor,
     router: QWeight,
@@ -75,21 +132,53 @@ def route(
     tokens: torch.Tensor,
     k: int,
     route_scale: float,
+    fused: bool = False,
+    tile: tuple[int, int] | None = None,
+    block_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """f [T, D] -> (expert ids int32 [T, k], weights float32 [T, k]); tokens [T] on the device."""
-    t = f.shape[0]
+    """f [T, D] -> (expert ids int32 [T, k], weights float32 [T, k]); tokens [T] on the device.
+
+    `fused`: in one launch (a decode step), its programs sized by `tile` (router rows, columns) and
+    `block_tokens` (defaults:
+    ROUTER_TILE and 1 token on a GPU, the whole router and up to 16 tokens in the interpreter)."""
+    t, d = f.shape
     n_experts = router.rows
-    logits = qmatmul(f, router, split_k=ROUTER_SPLIT)
     ids = torch.empty(t, k, dtype=torch.int32, device=f.device)
     weights = torch.empty(t, k, dtype=torch.float32, device=f.device)
-    bt = min(64, next_pow2(t)) if interpreting() else 1
     hashed = tid2eid is not None
+    choice = dict(K=k, KP=next_pow2(k), HASH=hashed, BE=next_pow2(n_experts), num_warps=4)
+    bias_or_any = bias if bias is not None else f
+    table = tid2eid if hashed else ids
+    if fused:
+        if f.stride(1) != 1:
+            raise ValueError("the router input needs contiguous rows")
+        rb, bk = tile or ((next_pow2(n_experts), next_pow2(d)) if interpreting() else ROUTER_TILE)
+        bt = block_tokens or (min(16, next_pow2(t)) if interpreting() else 1)
+        grid = (triton.cdiv(d, bk), triton.cdiv(n_experts, rb), triton.cdiv(t, bt))
+        part = torch.empty(t, grid[0], n_experts, device=f.device, dtype=torch.float32)
+        _route_fused_kernel[grid](
+            f, router.data, bias_or_any, table, tokens, part, ticket_counters(f.device, "route", grid[2]), ids,
+            weights, t, n_experts, d, f.stride(0), router.row_bytes, route_scale,
+            WTYPE=router.wtype, BT=bt, RB=rb, BK=bk, NKP=next_pow2(grid[0]), **choice,
+        )  # fmt: skip
+        return ids, weights
+    logits = qmatmul(f, router, split_k=ROUTER_SPLIT)
+    bt = min(64, next_pow2(t)) if interpreting() else 1
     _route_kernel[(triton.cdiv(t, bt),)](
-        logits, bias if bias is not None else logits, tid2eid if hashed else ids, tokens, ids, weights,
-        t, n_experts, route_scale,
-        K=k, KP=next_pow2(k), SPLIT=logits.shape[0], HASH=hashed, BT=bt, BE=next_pow2(n_experts), num_warps=4,
+        logits, bias_or_any, table, tokens, ids, weights, t, n_experts, route_scale,
+        SPLIT=logits.shape[0], BT=bt, **choice,
     )  # fmt: skip
     return ids, weights
+
+
+def launch_work(kernel: str, a: dict) -> KernelWork | None:
+    """What a `_route_fused_kernel` launch moves (see `runtime.KernelWork`): the router, the inputs and
+    the partial logits (written, then read by the finishers)."""
+    if kernel != "_route_fused_kernel":
+        return None
+    weight = a["E"] * a["row_bytes"]
+    partials = 2 * 4 * a["T"] * a["E"] * triton.cdiv(a["D"], a["BK"])
+    return KernelWork(weight + 4 * a["T"] * a["D"] + partials, weight, 1, 0)
 
 
 def reference(f, router: QWeight, bias, tid2eid, tokens, k, route_scale):
@@ -98,12 +187,12 @@ def reference(f, router: QWeight, bias, tid2eid, tokens, k, route_scale):
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """Routing one decode token: the router GEMV, then biased top-k."""
+    """Routing one decode token in one launch: the router GEMV, then biased top-k."""
     a, dev, gen = shape.args, shape.device, shape.generator()
     router = random_qweight(GGMLType.F16, (a.n_routed_experts, a.dim), dev, gen)
     f = torch.randn(1, a.dim, device=dev, generator=gen)
     bias = torch.zeros(a.n_routed_experts, device=dev)
     tokens = torch.zeros(1, dtype=torch.int32, device=dev)
-    run = functools.partial(route, f, router, bias, None, tokens, a.n_activated_experts, a.route_scale)
+    run = functools.partial(route, f, router, bias, None, tokens, a.n_activated_experts, a.route_scale, fused=True)
     return [BenchCase("moe_route", f"decode: {a.n_routed_experts} experts, top {a.n_activated_experts}", run,
                       router.nbytes, 2 * router.rows * router.cols)]  # fmt: skip
