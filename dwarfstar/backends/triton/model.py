@@ -326,7 +326,7 @@ class TritonOps:
         a, lw, layer = self.args, self.w.layers[il], self.args.layer(il)
         inv = self._inv(il)
         if "slots" in batch.aux:
-            if batch.aux["pending"].pop(il):
+            if batch.aux.get("pending", {}).pop(il, None):
                 raise DwarfStarError(f"layer {il}: decode rows left unfinished (Transformer.attention's order)")
             state, ratio = batch.seqs[0].state, layer.compress_ratio
             return attention.attention_batch(

@@ -322,7 +322,7 @@ def attention_batch(
     n_comp = 0 if comp_rows is None else selected.shape[1] if selected is not None else comp_bound
     row_blocks = triton.cdiv(window, bn) + triton.cdiv(n_comp, bn)
     split = decode_split(q.device, b, triton.cdiv(heads, bh), row_blocks)
-    return _launch(q, rings.flatten(0, 1), comp_rows, selected, sinks, pos, slots, inv_freq, out, split, precision,
+    return _launch(q, rings.view(-1, d), comp_rows, selected, sinks, pos, slots, inv_freq, out, split, precision,
                    n_prev=0, window=window, ratio=ratio, rope_dim=rope_dim, bh=bh, bn=bn)  # fmt: skip
 
 
@@ -335,7 +335,7 @@ def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, inv_freq, ou
     m = l = acc = out
     if split > 1:
         m = torch.empty(t, heads, split, device=q.device, dtype=torch.float32)
-        l = torch.empty_like(m)
+        l = torch.empty(t, heads, split, device=q.device, dtype=torch.float32)
         acc = torch.empty(t, heads, split, d, device=q.device, dtype=torch.float32)
     comp_ptr, comp_rest, comp_exact = comp_rows.parts() if comp_rows is not None else (window_rows, window_rows, 0)
     table, table_stride = (comp_rows.table, comp_rows.table_stride) if comp_rows is not None else (pos, 0)
