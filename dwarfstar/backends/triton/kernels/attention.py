@@ -51,14 +51,25 @@ NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": keeps exp(m_old - m_new)
 
 
 @triton.jit
-def _finish(acc, m, l, sink, inv_ptr, p, out_ptr, i, hg, heads_ok, D,
+def _position(pos_ptr, i, BATCH: tl.constexpr):
+    """Query i's position: sequence i's in a batch, token i's of the chunk from pos[0] otherwise (read
+    again where the output is finished, rather than kept in a register through the row loops)."""
+    if BATCH:
+        return tl.load(pos_ptr + i)
+    else:
+        return tl.load(pos_ptr) + i
+
+
+@triton.jit
+def _finish(acc, m, l, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D,
             H: tl.constexpr, ROPE_DIM: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    h = hg * BH + tl.arange(0, BH)
+    sink = tl.load(sinks_ptr + h, mask=heads_ok, other=0.0)
     big = tl.maximum(sink, m)
     scale = tl.exp(m - big)
     o = acc * (scale / (tl.exp(sink - big) + l * scale))[:, None]
     cos, sin = rope_cos_sin(tl.zeros([1], tl.int32) + p, inv_ptr, D, ROPE_DIM, True, BD)
     o = rotate_pairs(o, cos, sin, BH, BD)
-    h = hg * BH + tl.arange(0, BH)
     d = tl.arange(0, BD)
     tl.store(out_ptr + (i.to(tl.int64) * H + h[:, None]) * D + d[None, :], o, mask=heads_ok[:, None] & (d < D)[None, :])
 
@@ -92,14 +103,13 @@ def _attention_kernel(
     q_row = q_ptr + (i.to(tl.int64) * H + h[:, None]) * D
     q_lo = tl.load(q_row + d[None, :], mask=heads_ok[:, None] & (d < D)[None, :], other=0.0)
     q_hi = tl.load(q_row + BD2 + d[None, :], mask=heads_ok[:, None] & (BD2 + d < D)[None, :], other=0.0)
+    p = _position(pos_ptr, i, BATCH)
     if BATCH:
-        p = tl.load(pos_ptr + i)
         slot = tl.load(slot_ptr + i).to(tl.int64)
         hi = p  # positions: the ring holds position q in row q mod window
         ring_base = slot * window
         pages = table_ptr + slot * table_stride
     else:
-        p = tl.load(pos_ptr) + i
         hi = n_prev + i  # the query's own row of the linear window
         ring_base = 0
         pages = table_ptr
@@ -135,10 +145,10 @@ def _attention_kernel(
         page = tl.load(pages + row // PAGE, mask=ok, other=0).to(tl.int64)
         m, l, acc_lo, acc_hi = _block(q_lo, q_hi, comp_ptr, comp_rest_ptr, page * PAGE + row % PAGE, ok, D,
                                       sm_scale, m, l, acc_lo, acc_hi, BD2, FAST, COMP_EXACT)  # fmt: skip
-    sink = tl.load(sinks_ptr + h, mask=heads_ok, other=0.0)
     if SPLIT == 1:
         acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), [BH, BD])
-        _finish(acc, m, l, sink, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
+        p = _position(pos_ptr, i, BATCH)
+        _finish(acc, m, l, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
     else:
         part = (i.to(tl.int64) * H + h) * SPLIT + split  # [BH]
         tl.store(m_ptr + part, m, mask=heads_ok)
@@ -151,7 +161,8 @@ def _attention_kernel(
         ticket_ptr += i * tl.num_programs(1) + hg
         if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
             tl.store(ticket_ptr, 0)  # ready for the next launch (or graph replay)
-            _combine(m_ptr, l_ptr, acc_ptr, sink, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H, SPLIT, ROPE_DIM, BH, BD)
+            _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, inv_ptr, _position(pos_ptr, i, BATCH), out_ptr, i, hg, heads_ok,
+                     D, H, SPLIT, ROPE_DIM, BH, BD)  # fmt: skip
 
 
 @triton.jit
@@ -200,7 +211,7 @@ def _dot(a, b, FAST: tl.constexpr):
 
 
 @triton.jit
-def _combine(m_ptr, l_ptr, acc_ptr, sink, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H: tl.constexpr,
+def _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H: tl.constexpr,
              SPLIT: tl.constexpr, ROPE_DIM: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):  # fmt: skip
     """Merge the SPLIT partial results of a (token, head group) in split order, read past L1 (other
     programs wrote them), then finish."""
@@ -219,7 +230,7 @@ def _combine(m_ptr, l_ptr, acc_ptr, sink, inv_ptr, p, out_ptr, i, hg, heads_ok, 
         a = tl.load(acc_ptr + (part + s)[:, None] * D + d[None, :], mask=heads_ok[:, None] & (d < D)[None, :],
                     other=0.0, cache_modifier=".cg")  # fmt: skip
         acc += w[:, None] * a
-    _finish(acc, m, l, sink, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
+    _finish(acc, m, l, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
 
 
 @functools.cache

@@ -174,7 +174,8 @@ def reference(q, head_weights, rows, p0: int, ratio: int) -> torch.Tensor:
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """Decode at context `ctx`: one query against every indexer row (ctx / 4 of them)."""
+    """Decode at context `ctx`: one query against every indexer row (ctx / 4 of them); and a batch of
+    4 sequences scored and selected in one launch."""
     a, dev, gen = shape.args, shape.device, shape.generator()
     n = max(shape.ctx // 4, 1)
     q = torch.randn(1, a.index_n_heads, a.index_head_dim, device=dev, generator=gen)
@@ -184,4 +185,21 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
     run = functools.partial(indexer_scores, q, w, rows, n, pos, 4)
     flops = 2 * a.index_n_heads * a.index_head_dim * n
     moved = n * a.index_head_dim * 4 + n * 4
-    return [BenchCase("indexer_scores", f"decode at {shape.ctx}: {n} rows", run, moved, flops)]
+    b = 4
+    qb = torch.randn(b, a.index_n_heads, a.index_head_dim, device=dev, generator=gen)
+    wb = torch.randn(b, a.index_n_heads, device=dev, generator=gen)
+    block = PagedRows.scattered(torch.randn(b, n, a.index_head_dim, device=dev, generator=gen).bfloat16().float())
+    block = PagedRows(block.pool.bfloat16(), block.table)  # a compact cache's indexer rows
+    posb = torch.full((b,), shape.ctx, dtype=torch.int32, device=dev)
+    slots = torch.arange(b, dtype=torch.int32, device=dev)
+    batch = functools.partial(indexer_topk_batch, qb, wb, block, posb, slots, n, 4, a.index_topk)
+    return [
+        BenchCase("indexer_scores", f"decode at {shape.ctx}: {n} rows", run, moved, flops),
+        BenchCase(
+            "indexer_scores",
+            f"decode batch of {b} at {shape.ctx}: scores and top-{a.index_topk}",
+            batch,
+            b * (n * a.index_head_dim * 2 + n * 8),
+            b * flops,
+        ),  # fmt: skip
+    ]

@@ -380,4 +380,12 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
         angles = ops.rope_angles(torch.arange(t, device=dev) + shape.ctx, inv)
         run = functools.partial(rms_norm_rope, x, angles=angles, rope_dim=a.rope_dim, **kw)
         cases.append(BenchCase("rms_norm_rope", f"{what} {t}x{heads}x{d}", run, 8 * x.numel()))
+    b = 8
+    q = torch.randn(b, a.n_heads * a.head_dim, device=dev, generator=gen)
+    index_q = torch.randn(b, a.index_n_heads * a.index_head_dim, device=dev, generator=gen)
+    pos = torch.arange(shape.ctx, shape.ctx + b, dtype=torch.int32, device=dev)
+    heads, index_heads = (a.n_heads, a.head_dim), (a.index_n_heads, a.index_head_dim)
+    run = functools.partial(query_rows, q, index_q, pos, inv, heads, index_heads, a.rope_dim, a.norm_eps, True)
+    cases.append(BenchCase("rms_norm_rope", f"decode batch of {b}: query and indexer query rows", run,
+                           8 * (q.numel() + index_q.numel())))  # fmt: skip
     return cases
