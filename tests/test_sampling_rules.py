@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.session.sampling import GREEDY, Sampler, SamplingParams, sample_batch, sample_tokens
+from dwarfstar.session.sampling import GREEDY, Sampler, SamplingParams, redraw_refused, sample_batch, sample_tokens
 
 PROBS = [0.3, 0.2, 0.15, 0.1, 0.08, 0.06, 0.05, 0.03, 0.02, 0.01]
 LOGITS = torch.log(torch.tensor(PROBS))[torch.tensor([3, 0, 7, 1, 9, 2, 5, 8, 4, 6])]  # not in rank order
@@ -132,3 +132,27 @@ def test_every_tensor_stays_on_the_logits_device():
 def test_rows_and_samplers_must_match():
     with pytest.raises(DwarfStarError, match="2 rows of logits for 1 samplers"):
         sample_batch(torch.zeros(2, 10), [Sampler(GREEDY)])
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0, min_p=0.0), CASES[3]], ids=str)
+def test_refused_ids_are_never_drawn(params):
+    """A refused draw is replaced by an independent one over the other ids: token t comes with
+    probability P(t) + P(refused) * P'(t), P the rules over all ids and P' over the allowed ones,
+    both computed here in plain Python; the sampler's counter moves by one a token all the same."""
+    refused = frozenset({int(LOGITS.argmax()), 4})  # the best token among them
+    params = SamplingParams(**{**vars(params), "refused": refused})
+    allowed = [v if i not in refused else -math.inf for i, v in enumerate(LOGITS.tolist())]
+    if params.greedy:
+        sampler = Sampler(params)
+        drawn = redraw_refused([LOGITS], [sampler], sample_batch(LOGITS.reshape(1, -1), [sampler]))
+        assert drawn == [max(range(len(allowed)), key=lambda i: (allowed[i], -i))] and sampler.step == 1
+        return
+    full, rest = rule_probs(LOGITS.tolist(), params), rule_probs(allowed, params)
+    lost = sum(full[i] for i in refused)
+    want = [0.0 if i in refused else full[i] + lost * rest[i] for i in range(len(full))]
+    draws = []
+    for seed in range(3000):
+        sampler = Sampler(SamplingParams(**{**vars(params), "seed": seed + 1}))
+        draws += redraw_refused([LOGITS], [sampler], sample_batch(LOGITS.reshape(1, -1), [sampler]))
+        assert sampler.step == 1
+    assert_fits(draws, want)

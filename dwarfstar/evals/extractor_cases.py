@@ -1,6 +1,6 @@
 """Tricky model outputs and what ds4's graders read from them: `dwarfstar eval --self-test-extractors`
-runs this table, and the test suite runs it too. Each expected pick was worked out by hand from the
-rules in graders.py, not produced by running them.
+runs this table, and the test suite runs it too. Each expected pick was worked out by hand, as a
+person reads the reply (for choices) or from the rules in graders.py, not produced by running them.
 """
 
 from __future__ import annotations
@@ -20,23 +20,66 @@ class ExtractorCase:
 
 
 CASES: tuple[ExtractorCase, ...] = (
-    # -- multiple choice ---------------------------------------------------------------------------
+    # -- multiple choice: 30 replies graded by hand as a person reads them (issue 35), ds4's fallback to
+    # any standalone letter dropped: prose that holds the article "a" is no answer
+    ExtractorCase(
+        "choice italian prose with a",
+        "choice",
+        "</think>perchè non avrebbe potuto\na farne a un altro",
+        "A",
+        "?",
+        False,
+    ),
+    ExtractorCase(
+        "choice italian sentence opens with A", "choice", "</think>A mio parere non si può dire.", "A", "?", False
+    ),
+    ExtractorCase(
+        "choice italian articles", "choice", "</think>Andò a casa a piedi, e a lungo pensò a lei.", "A", "?", False
+    ),
+    ExtractorCase("choice italian a causa", "choice", "</think>Non lo so: forse è a causa del tempo.", "A", "?", False),
+    ExtractorCase(
+        "choice english prose with a", "choice", "</think>This is a hard question and I am not sure.", "A", "?", False
+    ),
+    ExtractorCase(
+        "choice english sentence opens with A",
+        "choice",
+        "</think>A novel like this was written by a poet.",
+        "A",
+        "?",
+        False,
+    ),
+    ExtractorCase("choice label then the article", "choice", "</think>The answer is a guess at best.", "A", "?", False),
+    ExtractorCase(
+        "choice letter inside a word after the label", "choice", "</think>Answer: Both are wrong", "B", "?", False
+    ),
+    ExtractorCase(
+        "choice verdict in prose only", "choice", "</think>Leopardi? No. Foscolo? No. It must be D.", "D", "?", False
+    ),
+    ExtractorCase("choice nothing", "choice", "</think>no idea", "A", "?", False),
     ExtractorCase("choice plain", "choice", "</think>Answer: B", "B", "B", True),
+    ExtractorCase("choice after reasons", "choice", "</think>It is by Manzoni.\nAnswer: B", "B", "B", True),
     ExtractorCase("choice no think close", "choice", "I think it is C.\nAnswer: C", "C", "C", True),
     ExtractorCase("choice only reasoning counts nothing", "choice", "Answer: D</think>", "D", "?", False),
     ExtractorCase("choice reasoning answer ignored", "choice", "Answer: A</think>\nAnswer: C", "A", "C", False),
-    ExtractorCase("choice lower-case label", "choice", "</think>answer - (d)", "D", "D", True),
+    ExtractorCase("choice lower-case label and letter", "choice", "</think>answer - (d)", "D", "D", True),
     ExtractorCase("choice upper-case label", "choice", "</think>FINAL ANSWER: A", "A", "A", True),
-    ExtractorCase("choice bold markdown", "choice", "</think>**Answer:** **B**", "B", "B", True),
-    ExtractorCase("choice several answers: first wins", "choice", "</think>Answer: B\nAnswer: C", "C", "B", False),
-    ExtractorCase("choice letter inside a word skipped", "choice", "</think>Answer: Both are wrong, C", "C", "C", True),
-    ExtractorCase("choice lone a after answer is A", "choice", "</think>The answer is a guess: C", "C", "A", False),
-    ExtractorCase("choice beyond the last choice", "choice", "</think>Answer: E, so B", "B", "B", True),
+    ExtractorCase("choice lower-case a after the label", "choice", "</think>Answer: a", "A", "A", True),
+    ExtractorCase("choice bold label and letter", "choice", "</think>**Answer:** **B**", "B", "B", True),
+    ExtractorCase("choice letter and its text", "choice", "</think>Answer: B. Alessandro Manzoni", "B", "B", True),
+    ExtractorCase("choice the final line wins", "choice", "</think>Answer: B\nAnswer: C", "C", "C", True),
+    ExtractorCase("choice beyond the last choice", "choice", "</think>Answer: E", "B", "?", False),
     ExtractorCase("choice five options allow E", "choice", "</think>Answer: E", "E", "E", True, 5),
-    ExtractorCase("choice no label: last letter", "choice", "</think>So A is out; it must be D.", "D", "D", True),
+    ExtractorCase("choice italian label", "choice", "</think>Secondo me la risposta è B.", "B", "B", True),
+    ExtractorCase("choice boxed", "choice", "</think>Therefore the answer is $\\boxed{C}$.", "C", "C", True),
+    ExtractorCase(
+        "choice boxed text", "choice", "</think>Quindi a conti fatti: $$\\boxed{\\text{A}}$$", "A", "A", True
+    ),
+    ExtractorCase(
+        "choice bold in a sentence", "choice", "</think>Manzoni wrote it, so I choose **B**.", "B", "B", True
+    ),
+    ExtractorCase("choice lone letter", "choice", "</think>After checking each option:\n\nC", "C", "C", True),
+    ExtractorCase("choice lone lower-case reply", "choice", "</think>a", "A", "A", True),
     ExtractorCase("choice inside code after answer", "choice", "</think>Answer:\n```\nB\n```", "B", "B", True),
-    ExtractorCase("choice out of window", "choice", "</think>Answer" + "." * 100 + " B", "B", "B", True),
-    ExtractorCase("choice nothing", "choice", "</think>no idea", "A", "?", False),
     # -- integers ------------------------------------------------------------------------------------
     ExtractorCase("integer plain", "integer", "</think>Answer: 70", "70", "70", True),
     ExtractorCase("integer leading zeros", "integer", "</think>Answer: 007", "7", "7", True),

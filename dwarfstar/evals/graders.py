@@ -3,10 +3,19 @@
 Every extractor reads only what follows the first `</think>` (the whole output when there is none),
 so an answer the model considered while reasoning never counts. Then:
 
-- `choice`: the first standalone letter A..(last choice) within 96 characters from the first
-  case-insensitive "answer", else the last standalone letter of the text. Letters are compared in
-  upper case, as ds4 does, so a lone "a" after "answer" reads as A. "Standalone" means no ASCII
-  letter on either side.
+- `choice`: the letter only in a form the prompt asks for or a reader takes as the answer, never a
+  letter picked out of prose (ds4 falls back to any standalone letter, so Italian or English prose
+  with the article "a" reads as choice A). In order, the first form found wins:
+  1. an answer label ("Answer", "Final answer", "The answer is", "Risposta", "la risposta è", any
+     case) followed, after only punctuation or markup (`: `, ` - (`, `:** **`), by the letter, which
+     ends the line or is followed by `.`, `)` or `:` and the choice's text (`Answer: B. Manzoni`);
+     the last such label in the text counts, as the prompt asks for a final line;
+  2. the last boxed letter, `\\boxed{C}` or `\\boxed{\\text{C}}`;
+  3. the last bold letter, `**D**` or `**(D)**`;
+  4. the last line that holds nothing but the letter (markup, brackets and a period allowed), in
+     upper case; a reply that is one letter in any case.
+  A letter past the last choice is no answer. This deviates from ds4's extractor on purpose
+  (issue 35): the letter prose happens to contain is no answer.
 - `integer`: the first run of digits within 160 characters from the first "answer", else the last
   run of digits of the text; leading zeros are dropped (`007` is `7`, `000` is `0`).
 - `lines` (ds4's C security review): the numbers and `a-b` ranges on the "answer" line (at most 160
@@ -28,13 +37,21 @@ ANSWER_KINDS = ("choice", "integer", "lines")
 MAX_CHOICES = 10
 THINK_CLOSE = "</think>"
 NOTHING = "?"
-CHOICE_WINDOW = 96  # ds4's reach after "answer" for a letter
-NUMBER_WINDOW = 160  # and for a number or a line spec
+NUMBER_WINDOW = 160  # ds4's reach after "answer" for a number or a line spec
 MAX_LINE = 255  # ds4 grades line numbers 0..255 (its C files are short)
 
 _ANSWER = re.compile("answer", re.IGNORECASE | re.ASCII)
 _DIGITS = re.compile(r"[0-9]+")
 _LINE_ITEM = re.compile(r"([0-9]+)(?:[ \t\r\f\v]*-[ \t\r\f\v]*([0-9]+))?")
+_ANSWER_LINE = re.compile(
+    r"(?:answer|risposta)(?:[ \t]+(?:is|è))?[^\w\n]*?"  # the label, then punctuation or markup only
+    r"(?<![A-Za-z])([A-Za-z])"  # the letter
+    r"[*_`)\]}$]*(?:[.):][ \t]+\S[^\n]*|[.,;:!)]*[*_`)\]}$ \t]*)$",  # the line ends, or the choice's text follows
+    re.IGNORECASE | re.MULTILINE,
+)
+_BOXED = re.compile(r"\\boxed\{\s*(?:\\text(?:bf)?\{\s*)?\(?([A-Za-z])\)?\s*\}")
+_BOLD = re.compile(r"(?:\*\*|__)\s*\(?([A-Z])\)?\.?\s*(?:\*\*|__)")
+_LONE = re.compile(r"^[ \t*_`(\[>#]*([A-Za-z])[ \t*_`)\].]*$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -49,30 +66,23 @@ def visible_text(output: str) -> str:
     return output if at < 0 else output[at + len(THINK_CLOSE) :]
 
 
-def _is_letter(text: str, i: int) -> bool:
-    return 0 <= i < len(text) and text[i].isascii() and text[i].isalpha()
-
-
-def _standalone_choice(text: str, i: int, last: str) -> str | None:
-    letter = text[i].upper()
-    if "A" <= letter <= last and text[i].isascii() and not _is_letter(text, i - 1) and not _is_letter(text, i + 1):
-        return letter
-    return None
+def _letters(pattern: re.Pattern[str], text: str) -> list[str]:
+    return [m.group(1).upper() for m in pattern.finditer(text)]
 
 
 def extract_choice(output: str, n_choices: int) -> str:
     text = visible_text(output)
-    last = chr(ord("A") + n_choices - 1)
-    found = _ANSWER.search(text)
-    if found:
-        for i in range(found.start(), min(len(text), found.start() + CHOICE_WINDOW)):
-            letter = _standalone_choice(text, i, last)
-            if letter:
-                return letter
-    for i in range(len(text) - 1, -1, -1):
-        letter = _standalone_choice(text, i, last)
-        if letter:
-            return letter
+    choices = {chr(ord("A") + i) for i in range(n_choices)}
+    lone = [m.group(1) for m in _LONE.finditer(text)]
+    whole = [letter.upper() for letter in lone if text.strip(" \t\n*_`()[].") == letter]
+    for found in (
+        _letters(_ANSWER_LINE, text),
+        _letters(_BOXED, text),
+        _letters(_BOLD, text),
+        [letter for letter in lone if letter.isupper()] + whole,
+    ):
+        if found:
+            return found[-1] if found[-1] in choices else NOTHING
     return NOTHING
 
 

@@ -2,9 +2,10 @@
 
 Content blocks map to the renderer's OpenAI-style messages by their own `type` (DS4_SURFACE §2.3):
 `text` is content, `thinking` is reasoning, `tool_use` a tool call, `tool_result` a tool message;
-images and documents are dropped. System text blocks are joined by newlines, without the
-`x-anthropic-` blocks Claude Code adds, whose text changes every request and would defeat prefix
-reuse. Errors use Anthropic's shape. Usage follows ds4: `cache_read_input_tokens` counts reused
+images and documents are refused, consecutive user or assistant messages read as one turn, and
+`max_tokens` is required (validation.py has these rules). System text blocks are joined by newlines,
+without the `x-anthropic-` blocks Claude Code adds, whose text changes every request and would defeat
+prefix reuse. Errors use Anthropic's shape. Usage follows ds4: `cache_read_input_tokens` counts reused
 prompt tokens, `cache_creation_input_tokens` prefilled ones, so `input_tokens` is 0.
 
 A `system` entry inside `messages` (Claude Code 2.1 puts its environment notes there, after the
@@ -27,7 +28,7 @@ is not first, under either template. The request fields current Claude Code send
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -46,10 +47,13 @@ from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolCallOpened, Usage, new_id
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
+from dwarfstar.serving.validation import check_tool_choice, media_refused, non_empty, unsupported_part
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
 BILLING_PREFIX = "x-anthropic-"
 ROLES = ("user", "assistant", "system")
+REFUSED_BLOCKS = ("image", "document")
+TOOL_CHOICES = ("auto", "any", "tool", "none")
 THINKING_DISPLAYS = ("summarized", "omitted")
 HIDDEN_THINKING_KEPT = 1024  # answers whose hidden reasoning is kept; older ones re-prefill from `<think>`
 
@@ -78,16 +82,21 @@ def hidden_thinking(request: Request) -> HiddenThinking:
     return state.hidden_thinking
 
 
-def _text_of(content: Any, where: str) -> str:
+def _text_of(content: Any, where: str, *, tool: bool = False) -> str:
+    """Text blocks joined; in a tool result (`tool`) another block is `[Unsupported TYPE]`, elsewhere
+    dropped (system entries)."""
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list):
-        return "".join(
-            block["text"]
-            for block in content
-            if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)
-        )
-    raise bad_request(f"{where} must be a string or an array of content blocks", param=where)
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or an array of content blocks", param=where)
+    texts = []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif tool:
+            texts.append(unsupported_part(kind))
+    return "".join(texts)
 
 
 def system_text(fields: Fields) -> str:
@@ -106,47 +115,72 @@ def system_text(fields: Fields) -> str:
     return "\n".join(texts)
 
 
-def anthropic_messages(raw: list[Any], system: str, hidden: HiddenThinking | None = None) -> list[dict[str, Any]]:
+@dataclass
+class _Turn:
+    """A run of consecutive user or assistant messages, read as one turn (validation.py, `merge`)."""
+
+    role: str
+    texts: list[str] = field(default_factory=list)  # one per message
+    reasoning: list[str] = field(default_factory=list)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    results: list[dict[str, Any]] = field(default_factory=list)
+
+    def messages(self) -> list[dict[str, Any]]:
+        text = "\n\n".join(t for t in self.texts if t)
+        if self.role == "user":  # a message of tool results alone is no user turn
+            return self.results + ([{"role": "user", "content": text}] if text or not self.results else [])
+        out: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning:
+            out["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            out["tool_calls"] = self.calls
+        return [out]
+
+
+def _read_blocks(turn: _Turn, blocks: list[Any], where: str, hidden: HiddenThinking | None) -> None:
+    texts = []
+    for m, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            recalled = hidden.recall(block.get("signature")) if hidden and not block["thinking"] else None
+            turn.reasoning.append(recalled or block["thinking"])
+        elif kind == "tool_use":
+            if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
+                raise bad_request(f"{where}.content[{m}]: tool_use needs a name and an input object", where)
+            function = {"name": block["name"], "arguments": block.get("input") or {}}
+            turn.calls.append({"id": block.get("id") or "", "type": "function", "function": function})
+        elif kind == "tool_result":
+            result = _text_of(block.get("content"), f"{where}.content[{m}].content", tool=True)
+            turn.results.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": result})
+        elif kind in REFUSED_BLOCKS:
+            raise media_refused(kind, f"{where}.content[{m}]")
+    turn.texts.append("".join(texts))
+
+
+def anthropic_messages(
+    raw: list[Any] | None, system: str, hidden: HiddenThinking | None = None
+) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
-    for n, message in enumerate(raw):
+    turn: _Turn | None = None
+    for n, message in enumerate(non_empty(raw, "messages")):
         where = f"messages[{n}]"
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise bad_request(f'{where} must be an object with role "user", "assistant" or "system"', param=where)
-        content = message.get("content")
-        if message["role"] == "system":
+        role, content = message["role"], message.get("content")
+        if turn is not None and turn.role != role:
+            messages += turn.messages()
+            turn = None
+        if role == "system":
             messages.append({"role": "system", "content": _text_of(content, f"{where}.content"), "in_place": True})
             continue
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise bad_request(f"{where}.content must be a string or an array of content blocks", f"{where}.content")
-        texts, reasoning, calls, results = [], [], [], 0
-        for m, block in enumerate(blocks):
-            kind = block.get("type") if isinstance(block, dict) else None
-            if kind == "text" and isinstance(block.get("text"), str):
-                texts.append(block["text"])
-            elif kind == "thinking" and isinstance(block.get("thinking"), str):
-                recalled = hidden.recall(block.get("signature")) if hidden and not block["thinking"] else None
-                reasoning.append(recalled or block["thinking"])
-            elif kind == "tool_use":
-                if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
-                    raise bad_request(f"{where}.content[{m}]: tool_use needs a name and an input object", where)
-                function = {"name": block["name"], "arguments": block.get("input") or {}}
-                calls.append({"id": block.get("id") or "", "type": "function", "function": function})
-            elif kind == "tool_result":
-                result = _text_of(block.get("content"), f"{where}.content[{m}].content")
-                messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": result})
-                results += 1
-        if message["role"] == "user":
-            if texts or not results:  # a message of tool results alone is no user turn
-                messages.append({"role": "user", "content": "".join(texts)})
-        else:
-            out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-            if reasoning:
-                out["reasoning_content"] = "".join(reasoning)
-            if calls:
-                out["tool_calls"] = calls
-            messages.append(out)
-    return messages
+        turn = turn or _Turn(role)
+        _read_blocks(turn, blocks, where, hidden)
+    return messages + (turn.messages() if turn is not None else [])
 
 
 def anthropic_tools(fields: Fields) -> list[dict[str, Any]]:
@@ -157,9 +191,13 @@ def anthropic_tools(fields: Fields) -> list[dict[str, Any]]:
         if tool.get("input_schema") is not None and not isinstance(tool["input_schema"], dict):
             raise bad_request(f"tools[{n}].input_schema must be an object", param=f"tools[{n}].input_schema")
     choice = fields.mapping("tool_choice")
-    if choice is not None and choice.raw("type") == "none":
-        return []
-    return tools
+    kind = choice.raw("type") if choice is not None else None
+    if choice is not None and kind not in TOOL_CHOICES:
+        raise bad_request(f"tool_choice.type must be one of {', '.join(TOOL_CHOICES)}", param="tool_choice.type")
+    named = choice.required("name", choice.text("name")) if kind == "tool" else None
+    names = [tool["name"] for tool in tools]
+    check_tool_choice(kind, names, named=named, needs_tools=kind in ("any", "tool"))
+    return [] if kind == "none" else tools
 
 
 @dataclass
@@ -206,8 +244,7 @@ def _response_format(config: Fields | None) -> dict[str, Any] | None:
 
 def _conversation(fields: Fields, service: Service, hidden: HiddenThinking) -> Conversation:
     model = service.models.resolve(fields.text("model"))
-    raw = fields.required("messages", fields.array("messages"))
-    messages = anthropic_messages(raw, system_text(fields), hidden)
+    messages = anthropic_messages(fields.array("messages"), system_text(fields), hidden)
     tools = anthropic_tools(fields)
     config = fields.mapping("output_config")
     effort = effort_value(config, "effort") if config is not None else None
@@ -228,7 +265,7 @@ async def messages_endpoint(request: Request) -> Response:
         api="messages",
         param="messages",
         sampling=sampling_params(fields, talk.thinking, min_p=False, seed=False),
-        max_tokens=output_budget(fields, "max_tokens"),
+        max_tokens=fields.required("max_tokens", output_budget(fields, "max_tokens")),  # validation.py
         stop=stop_strings(fields, "stop_sequences"),
         tool_id_prefix="toolu_",
         body=fields.body,

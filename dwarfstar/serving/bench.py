@@ -61,6 +61,8 @@ def stream_one(port: int, prompt: str, tokens: int) -> Timing:
     start = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
+    if response.status != 200:  # a request the server refuses (its output over --ctx, say) is no timing
+        raise DwarfStarError(f"the server answered {response.status}: {response.read().decode(errors='replace')}")
     first = None
     count = 0
     for raw in response:

@@ -112,7 +112,8 @@ def stop_strings(fields: Fields, key: str) -> tuple[str, ...]:
 
 
 def output_budget(fields: Fields, *keys: str) -> int | None:
-    """The first of `keys` that is set; a value over the free context is clamped later, as ds4 does."""
+    """The first of `keys` that is set; whether it fits the context with the prompt is checked once the
+    prompt is tokenized (validation.py, `context`)."""
     for key in keys:
         value = fields.integer(key, low=1)
         if value is not None:

@@ -1,7 +1,9 @@
 """`POST /v1/chat/completions`: OpenAI Chat Completions with DeepSeek's `reasoning_content`.
 
-Messages are read as ds4 reads them (DS4_SURFACE §2.3): a missing role is `user`, `function` is
-`tool`, unknown roles and non-text content parts (images) are dropped. Streaming follows §2.7: a
+Messages are read as ds4 reads them (DS4_SURFACE §2.3), `function` as `tool`, text parts joined with
+nothing between them, except where the API's rules refuse a request (validation.py: empty messages, an
+unknown or missing role, image and other non-text parts, `tool_choice` without tools, `n` > 1, an
+output budget over the context). Streaming follows §2.7: a
 role chunk, reasoning and content deltas, tool-call headers as soon as a call's name is known and
 its arguments as they are generated, a finish chunk, an optional usage chunk, `[DONE]`.
 
@@ -31,46 +33,63 @@ from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolCallOpened, Usage, new_id
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
+from dwarfstar.serving.validation import (
+    check_tool_choice,
+    media_refused,
+    non_empty,
+    unknown_role,
+    unsupported_part,
+)
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "latest_reminder")
 TEXT_PARTS = ("text", "input_text", "output_text")
 
 
-def content_text(content: Any, where: str) -> str:
-    """String content, or the text parts of a list joined with nothing between (others dropped)."""
+def content_text(content: Any, where: str, *, tool: bool = False) -> str:
+    """String content, or the text parts of a list joined with nothing between (an assistant's
+    `refusal` parts left out); any other part is refused, or in a tool result (`tool`) written as
+    `[Unsupported TYPE]` (validation.py, `media`)."""
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list):
-        return "".join(
-            part["text"]
-            for part in content
-            if isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str)
-        )
-    raise bad_request(f"{where}.content must be a string, an array of parts or null", param=f"{where}.content")
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string, an array of parts or null", param=f"{where}.content")
+    texts = []
+    for m, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif tool:
+            texts.append(unsupported_part(kind))
+        elif kind != "refusal":
+            raise media_refused(kind, f"{where}.content[{m}]")
+    return "".join(texts)
 
 
-def openai_messages(raw: list[Any]) -> list[dict[str, Any]]:
+def openai_messages(raw: list[Any] | None) -> list[dict[str, Any]]:
     messages = []
-    for n, message in enumerate(raw):
+    for n, message in enumerate(non_empty(raw, "messages")):
         where = f"messages[{n}]"
         if not isinstance(message, dict):
             raise bad_request(f"{where} must be an object", param=where)
-        role = message.get("role") or "user"
-        text = content_text(message.get("content"), where)
+        role = message.get("role")
         if role in ("tool", "function"):
+            text = content_text(message.get("content"), where, tool=True)
             messages.append({"role": "tool", "tool_call_id": message.get("tool_call_id") or "", "content": text})
         elif role in ROLES:
-            out: dict[str, Any] = {"role": role, "content": text}
+            out: dict[str, Any] = {"role": role, "content": content_text(message.get("content"), where)}
             if role == "assistant":
                 for key in ("reasoning_content", "tool_calls"):
                     if message.get(key) is not None:
                         out[key] = message[key]
             messages.append(out)
+        else:
+            raise unknown_role(role, where, (*ROLES, "tool", "function"))
     return messages
 
 
 def openai_tools(fields: Fields) -> list[dict[str, Any]]:
-    """`tools` checked: each `{"type": "function", "function": {"name", "parameters"?...}}`."""
+    """`tools` checked: each `{"type": "function", "function": {"name", "parameters"?...}}`, and
+    `tool_choice` against them (validation.py, `tool_choice`)."""
     tools = fields.array("tools") or []
     for n, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -83,7 +102,19 @@ def openai_tools(fields: Fields) -> list[dict[str, Any]]:
             raise bad_request(f'tools[{n}] must be {{"type": "function", "function": {{"name": ...}}}}', f"tools[{n}]")
         if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
             raise bad_request(f"tools[{n}].function.parameters must be an object", f"tools[{n}].function.parameters")
-    if fields.raw("tool_choice") == "none":
+    choice, named = fields.raw("tool_choice"), None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        named = function.get("name") if choice.get("type") == "function" and isinstance(function, dict) else None
+        if not isinstance(named, str):
+            raise bad_request('tool_choice must be {"type": "function", "function": {"name": ...}}', "tool_choice")
+    elif choice not in (None, "none", "auto", "required"):
+        raise bad_request(
+            f'tool_choice must be "none", "auto", "required" or a function, got {choice!r}', "tool_choice"
+        )
+    names = [tool["function"]["name"] for tool in tools]
+    check_tool_choice(choice, names, named=named, needs_tools=named is not None or choice == "required")
+    if choice == "none":
         return []  # ds4: no tools section at all
     return tools
 
@@ -116,8 +147,7 @@ async def chat_completions(request: Request) -> Response:
     service: Service = request.app.state.service
     fields = await read_json_object(request)
     model = service.models.resolve(fields.text("model"))
-    raw_messages = fields.required("messages", fields.array("messages"))
-    messages = openai_messages(raw_messages)
+    messages = openai_messages(fields.array("messages"))
     if (fields.integer("n", low=1) or 1) != 1:
         raise bad_request("n must be 1: one choice per request", param="n")
     tools = openai_tools(fields)

@@ -4,6 +4,14 @@ Stop strings are matched on the raw generated text (as ds4 does), before the DSM
 string cuts wherever it appears. Text that might be the start of a stop string is held back until
 the next token decides; the parser holds back partial tags the same way. Tool calls get their ids
 here, when their name is known, so streamed and final ids agree.
+
+Control tokens never reach a client as text. A templated request refuses every control token but the
+ones an answer is made of (`refused_ids`: all but `<｜end▁of▁sentence｜>`, which ends the turn,
+`</think>`, which ends the reasoning, and `｜DSML｜`, which tool-call tags are made of), and its
+sampler never draws those (`session.sampling.redraw_refused`): a role token such as `<｜User｜>`
+inside an answer becomes the model's next choice. Should one still come (MTP speculation accepts
+tokens without that sampler), it is dropped here and noted in the trace, as is a `</think>` once the
+reasoning has ended. A raw completion (`"raw": true`, the client's own template) keeps every token.
 """
 
 from __future__ import annotations
@@ -22,6 +30,12 @@ from dwarfstar.serving.generation import Event, GenerationRequest, ToolCallOpene
 from dwarfstar.tokenizer import specials
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+
+def refused_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The control tokens a templated answer never holds: all but EOS, `</think>` and `｜DSML｜`."""
+    kept = {tokenizer.token_id(text) for text in (specials.EOS, specials.THINK_END, specials.DSML)}
+    return tokenizer.added_ids - kept
 
 
 class StopScanner:
@@ -57,6 +71,7 @@ class OutputDecoder:
         self._parser = DsmlParser(thinking=request.thinking, escaped=request.escaped_dsml) if request.parse else None
         self._id_prefix = request.tool_id_prefix
         self._think_end = tokenizer.token_id(specials.THINK_END)
+        self._refused, self._piece = request.sampling.refused, tokenizer.piece
         self._reasoning = request.thinking
         self._text: list[str] = []
         self.tool_ids: list[str] = []
@@ -86,6 +101,10 @@ class OutputDecoder:
         return "".join(self._text)
 
     def push(self, token: int) -> list[Event]:
+        stray_close = token == self._think_end and not self._reasoning and self._parser is not None
+        if token in self._refused or stray_close:
+            self.problems.append(f"control token {self._piece(token)} ({token}) dropped from the answer")
+            return []
         if self._reasoning:
             self.reasoning_tokens += 1
             self._reasoning = token != self._think_end

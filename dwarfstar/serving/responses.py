@@ -1,9 +1,10 @@
 """`POST /v1/responses`: the OpenAI Responses API, as Codex uses it (stateless, full input replayed).
 
-Input items (DS4_SURFACE §2.3): `message` (text blocks; images dropped), `function_call` (merged into
-the assistant turn right before it), `function_call_output`, and `reasoning`, whose text goes to the
-next assistant turn. Only `function` tools are offered to the model; hosted tool types are ignored.
-`previous_response_id` and `conversation` are refused: this server keeps no response store.
+Input items (DS4_SURFACE §2.3): `message` (text blocks; images refused, see validation.py),
+`function_call` (merged into the assistant turn right before it), `function_call_output`, and
+`reasoning`, whose text goes to the next assistant turn. Only `function` tools are offered to the
+model; hosted tool types are ignored. `previous_response_id` and `conversation` are refused: this
+server keeps no response store.
 
 Reasoning is shown as summary text when `reasoning.summary` asks for it (ds4's rule). It is also
 returned in `encrypted_content` when `include` asks for that, as Codex does: the client sends it
@@ -34,14 +35,24 @@ from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolCallOpened, Usage, new_id
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
+from dwarfstar.serving.validation import (
+    check_tool_choice,
+    media_refused,
+    non_empty,
+    unknown_role,
+    unsupported_part,
+)
 
 TEXT_BLOCKS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
-DROPPED_BLOCKS = ("input_image", "input_file", "input_audio", "refusal")
+MEDIA_BLOCKS = ("input_image", "input_file", "input_audio")
+ROLES = ("user", "system", "developer", "assistant")
 SUMMARY_MODES = ("auto", "concise", "detailed")
 ENCRYPTED_PREFIX = "dwarfstar:"
 
 
-def _blocks_text(content: Any, where: str) -> str:
+def _blocks_text(content: Any, where: str, *, tool: bool = False) -> str:
+    """Text blocks joined; images, files and audio refused, or in a tool output (`tool`) written as
+    `[Unsupported TYPE]` (validation.py, `media`); a `refusal` dropped."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -51,7 +62,11 @@ def _blocks_text(content: Any, where: str) -> str:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in TEXT_BLOCKS and isinstance(block.get("text"), str):
             texts.append(block["text"])
-        elif kind not in DROPPED_BLOCKS:
+        elif kind in MEDIA_BLOCKS and tool:
+            texts.append(unsupported_part(kind))
+        elif kind in MEDIA_BLOCKS:
+            raise media_refused(kind, f"{where}.content[{m}]")
+        elif kind != "refusal":
             raise bad_request(f"{where}.content[{m}]: unsupported content block type {kind!r}", f"{where}.content")
     return "".join(texts)
 
@@ -77,6 +92,7 @@ def input_messages(fields: Fields) -> list[dict[str, Any]]:
         items = [{"type": "message", "role": "user", "content": items}]
     if not isinstance(items, list):
         raise bad_request("input must be a string or an array of items", param="input")
+    non_empty(items, "input")
     instructions = fields.text("instructions")
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     reasoning: str | None = None
@@ -86,12 +102,14 @@ def input_messages(fields: Fields) -> list[dict[str, Any]]:
             raise bad_request(f"{where} must be an object", param=where)
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message":
-            role = item.get("role") or "user"
+            role = item.get("role")
+            if role not in ROLES:
+                raise unknown_role(role, where, ROLES)
             text = _blocks_text(item.get("content"), where)
             if role == "assistant":
                 messages.append({"role": "assistant", "content": text, "reasoning_content": reasoning})
                 reasoning = None
-            elif role in ("user", "system", "developer"):
+            else:
                 messages.append({"role": role, "content": text})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str | dict):
@@ -107,7 +125,7 @@ def input_messages(fields: Fields) -> list[dict[str, Any]]:
                 )
                 reasoning = None
         elif kind == "function_call_output":
-            output = _blocks_text(item.get("output"), where)
+            output = _blocks_text(item.get("output"), where, tool=True)
             messages.append({"role": "tool", "tool_call_id": item.get("call_id") or "", "content": output})
         elif kind == "reasoning":
             reasoning = _reasoning_text(item)
@@ -128,6 +146,8 @@ def function_tools(fields: Fields) -> list[dict[str, Any]]:
             raise bad_request(f"tools[{n}].parameters must be an object", param=f"tools[{n}].parameters")
         offered.append(tool)
     choice = fields.raw("tool_choice")
+    names = [tool["name"] for tool in offered]
+    check_tool_choice(choice, names, named=None, needs_tools=isinstance(choice, dict) or choice == "required")
     if isinstance(choice, dict):
         raise bad_request("forced tool_choice not supported", param="tool_choice")
     if choice not in (None, "auto", "none"):

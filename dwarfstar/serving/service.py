@@ -2,21 +2,21 @@
 
 `submit_chat` and `submit_tokens` are the two ways a request reaches the model. Rendering and
 tokenizing a long conversation takes a while, so both run it in a thread pool, never on the event
-loop; the context check there answers an over-long prompt with a 400 before any stream starts.
+loop; the checks there (validation.py: the prompt and its output budget fit the context, the
+conversation ends where the model answers) answer with a 400 before any stream starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
 from dwarfstar.engine import Engine
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.experts.telemetry import collector as expert_collector
 from dwarfstar.prompt.conversation import PromptError
 from dwarfstar.prompt.render import Prompt, render_conversation
 from dwarfstar.serving.config import ServerConfig, session_memory_budget
@@ -25,12 +25,15 @@ from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.errors import ApiError, bad_request
 from dwarfstar.serving.fields import Fields
 from dwarfstar.serving.generation import GenerationRequest
-from dwarfstar.serving.metrics import Metrics
+from dwarfstar.serving.jobs import Job
+from dwarfstar.serving.metrics import Metric, Metrics, expert_collector
 from dwarfstar.serving.models import ModelCatalog
+from dwarfstar.serving.output import refused_ids
 from dwarfstar.serving.pool import SessionPool
 from dwarfstar.serving.replay import ToolMemory, apply_exact_replay, history_tool_ids, replay_reasoning
-from dwarfstar.serving.scheduler import Job, QueueFull, Scheduler, ShuttingDown
+from dwarfstar.serving.scheduler import QueueFull, Scheduler, ShuttingDown
 from dwarfstar.serving.trace import Trace
+from dwarfstar.serving.validation import budget_overflow, nothing_to_answer, opens_answer
 from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.steering.apply import steering_of
 from dwarfstar.steering.direction import MAX_SCALE, SteeringScale
@@ -55,6 +58,7 @@ class Service:
         if not 0 < config.ctx <= args.max_seq_len:
             raise DwarfStarError(f"--ctx {config.ctx} is outside 1..{args.max_seq_len} for this model")
         self.engine, self.config, self.tokenizer = engine, config, engine.tokenizer
+        self.refused = refused_ids(engine.tokenizer)  # control tokens a templated answer never holds
         self.steered = steering_of(engine.backend)  # None unless started with --dir-steering-file
         self.options = config.render_options
         self.models = ModelCatalog(args, config.ctx, config.model_aliases)
@@ -164,6 +168,8 @@ class Service:
             prompt, replayed = self._render(
                 messages, tools, thinking, param=knobs.param, response_format=response_format
             )
+            if not opens_answer(prompt):
+                raise nothing_to_answer(knobs.api, messages, knobs.param)
             ids = self.tokenizer.encode_prompt(prompt.parts)
             request = self._request(prompt, ids, knobs, parse=True, thinking=thinking.enabled, tools=bool(tools))
             return request, replayed
@@ -200,24 +206,35 @@ class Service:
                 tokens = ids
             else:
                 tokens = self.tokenizer.encode_prompt(prompt.parts)
-            return self._request(prompt, tokens, knobs, parse=False, thinking=False, tools=False)
+            return self._request(prompt, tokens, knobs, parse=False, thinking=False, tools=False, templated=False)
 
         return self._submit(await run_in_threadpool(prepare), [])
 
     def _request(
-        self, prompt: Prompt | None, ids: list[int], knobs: Knobs, *, parse: bool, thinking: bool, tools: bool
+        self,
+        prompt: Prompt | None,
+        ids: list[int],
+        knobs: Knobs,
+        *,
+        parse: bool,
+        thinking: bool,
+        tools: bool,
+        templated: bool = True,
     ) -> GenerationRequest:
+        """`templated`: rendered by this server, so control tokens other than an answer's are refused
+        (output.py); a raw prompt's client owns its template and gets every token."""
         ctx = self.config.ctx
         if not ids:
             raise bad_request("the prompt is empty", param=knobs.param)
         if len(ids) >= ctx:
             raise context_overflow(len(ids), ctx, knobs.param)
-        free = ctx - len(ids)
+        if knobs.max_tokens is not None and len(ids) + knobs.max_tokens > ctx:
+            raise budget_overflow(knobs.api, len(ids), knobs.max_tokens, ctx, knobs.param)
         return GenerationRequest(
             prompt=prompt,
             prompt_ids=ids,
-            max_tokens=min(knobs.max_tokens or free, free),
-            sampling=knobs.sampling,
+            max_tokens=knobs.max_tokens or ctx - len(ids),  # validation.py: given, it fits; else the rest
+            sampling=replace(knobs.sampling, refused=self.refused) if templated else knobs.sampling,
             stop=knobs.stop,
             parse=parse,
             thinking=thinking,
@@ -255,5 +272,5 @@ class Service:
             ) from None
         except ShuttingDown:
             raise ApiError(503, "server shutting down") from None
-        self.metrics.inc("dwarfstar_requests_total", api=request.api)
+        self.metrics.inc(Metric.REQUESTS_TOTAL, api=request.api)
         return job

@@ -9,16 +9,21 @@ which leaves the order of exactly equal logits to the device). T <= 0 is greedy:
 the lower id.
 
 `sample_batch` applies them to a batch of rows on the logits' own device with one host sync (the final
-`.tolist()`). The draw is inverse-CDF with one uniform per row from a counter-based generator,
-Philox4x32-10 keyed by the seed at counter `step`, computed on the host (it does not depend on the
-logits) and bit-identical to Triton's `tl.rand(seed, step)`. Where top-k or top-p needs a ranking the
-CDF runs in rank order, as the Triton backend's kernel (`kernels/sampling.py`) draws, so the two agree
-where both apply; with neither, in token-id order, which needs no sort of the vocabulary. Either way a
-seed gives the same tokens on every device.
+`.tolist()`). Ids a request refuses (`SamplingParams.refused`: the server's control tokens that have
+no place in an answer) are never drawn: `redraw_refused` draws again without them, whichever backend
+made the draw.
+
+The draw is inverse-CDF with one uniform per row from a counter-based generator, Philox4x32-10 keyed
+by the seed at counter `step`, computed on the host (it does not depend on the logits) and
+bit-identical to Triton's `tl.rand(seed, step)`. Where top-k or top-p needs a ranking the CDF runs in
+rank order, as the Triton backend's kernel (`kernels/sampling.py`) draws, so the two agree where both
+apply; with neither, in token-id order, which needs no sort of the vocabulary. Either way a seed gives
+the same tokens on every device.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +35,7 @@ from dwarfstar.errors import DwarfStarError
 
 TOP_K_CAP = 1024  # ds4 caps top_k; larger values sort the whole vocabulary for nothing
 SEED_BITS = 0x7FFFFFFF  # the draw key: the Triton kernel takes the seed as an int32 argument
+REDRAW_KEY = 0x5BD1E995  # xored into the key for a refused token's second draw
 
 _MASK32 = 0xFFFFFFFF
 _PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)  # Philox4x32 multipliers
@@ -45,6 +51,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.05  # keep tokens with p >= min_p * p_max (after temperature)
     seed: int | None = None  # None: a fresh random seed
+    refused: frozenset[int] = frozenset()  # ids never drawn: a draw of one is redrawn without them
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature <= 100:
@@ -178,6 +185,35 @@ def _draw(kept: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     target = uniform * kept.sum(-1, keepdim=True)
     position = torch.arange(kept.shape[1], device=kept.device)
     return torch.where((kept > 0) & (starts <= target), position, -1).amax(-1, keepdim=True)
+
+
+def redraw_refused(rows: Sequence[torch.Tensor], samplers: Sequence[Sampler], drawn: list[int]) -> list[int]:
+    """`drawn` (one token per sampler, each sampler advanced by its draw) with every token its sampler
+    refuses replaced by a second draw from its row of logits without the refused ids, the rules applied
+    again over the rest. The second draw's uniform comes from the seed xor REDRAW_KEY at the same
+    counter: independent of the first (whose uniform fell in a refused token's interval), and the
+    sampler's counter still moves by one a token, so a seed's later tokens do not shift. A token t
+    is thus drawn with probability P(t) + P(refused) * P'(t), P the rules' distribution over the
+    whole row and P' over the allowed ids. Any backend's draw (a captured step's included) is checked
+    on the host after its one sync; a redraw, rare, costs a second one."""
+    flagged = [
+        i for i, (sampler, token) in enumerate(zip(samplers, drawn, strict=True)) if token in sampler.params.refused
+    ]
+    if not flagged:
+        return drawn
+    masked, twins = [], []
+    for i in flagged:
+        twin = copy.copy(samplers[i])
+        twin.seed, twin.step = (twin.seed ^ REDRAW_KEY) & SEED_BITS, twin.step - 1
+        twins.append(twin)
+        row = rows[i].reshape(-1).float().clone()
+        row[torch.tensor(sorted(twin.params.refused), device=row.device)] = -torch.inf
+        masked.append(row)
+    redrawn = sample_tokens(torch.stack(masked), twins).tolist()
+    tokens = list(drawn)
+    for i, token in zip(flagged, redrawn, strict=True):
+        tokens[i] = token
+    return tokens
 
 
 def sample_batch(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:

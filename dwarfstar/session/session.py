@@ -17,7 +17,7 @@ import torch
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.state import SequenceState, StateSnapshot
-from dwarfstar.session.sampling import Sampler, SamplingParams
+from dwarfstar.session.sampling import Sampler, SamplingParams, redraw_refused
 
 DEFAULT_CHUNK = 4096
 MAX_CHECKPOINTS = 8  # checkpoints share row buffers; each holds only raw windows, frontiers and logits
@@ -230,7 +230,8 @@ def sample_next(sessions: Sequence[Session], samplers: Sequence[Sampler]) -> lis
     backend = _one_backend(sessions)
     if any(s.logits is None for s in sessions):
         raise DwarfStarError("nothing to continue: prefill a prompt first")
-    return backend.sample_batch(torch.stack([s.logits.reshape(-1) for s in sessions]), samplers)
+    drawn = backend.sample_batch(torch.stack([s.logits.reshape(-1) for s in sessions]), samplers)
+    return redraw_refused([s.logits for s in sessions], samplers, drawn)
 
 
 def prefill_batch(sessions: Sequence[Session], pieces: Sequence[Sequence[int]]) -> None:
@@ -272,7 +273,7 @@ def decode_batch(
     if samplers is None:
         backend.forward_batch([[t] for t in tokens], states)
     else:
-        drawn = backend.decode_sample(tokens, states, samplers)
+        drawn = redraw_refused([s.logits for s in states], samplers, backend.decode_sample(tokens, states, samplers))
     for session in sessions:
         session.stats.requested += 1
         session._computed(1)

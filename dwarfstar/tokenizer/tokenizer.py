@@ -176,6 +176,11 @@ class Tokenizer:
         """The token's vocabulary string (byte-level alphabet for BPE pieces), as ds4's --dump-tokens prints it."""
         return self._tokens[self._checked(token_id)]
 
+    @property
+    def added_ids(self) -> frozenset[int]:
+        """The ids of every control and user-defined token."""
+        return self._added
+
     def is_added(self, token_id: int) -> bool:
         """True for control and user-defined tokens (the ones plain text never produces)."""
         return self._checked(token_id) in self._added

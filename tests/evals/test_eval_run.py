@@ -127,7 +127,7 @@ def test_report_lines():
     _, cases = read_trace(GATES / "nano_eval.trace")
     lines = report_lines(cases, 6.5)
     assert lines[0] == "eval: 0/3 passed, 3 failed, runtime 6.5 s"
-    assert lines[2].split()[:3] == ["1", "failed", "95"] and lines[2].endswith("A        B        DwarfStar/mc-011")
+    assert lines[2].split()[:3] == ["1", "failed", "95"] and lines[2].endswith("?        B        DwarfStar/mc-011")
 
 
 def test_quality_self_comparison_and_a_different_target(engine):

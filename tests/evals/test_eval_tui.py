@@ -66,7 +66,7 @@ def test_screen_shows_states_and_stream(tui):
     tui.phase("thinking")
     tui.text("ragiono", True)
     tui.finish(cases[0])
-    assert tui.states[0] == "failed" and tui.picked[0] == "A"
+    assert tui.states[0] == "failed" and tui.picked[0] == "?"
     assert "ragiono" in tui.stream.plain
 
 
@@ -81,4 +81,4 @@ def test_plain_display_reports_each_question():
     display.finish(cases[0])
     text = out.getvalue()
     assert text.startswith("\n[1/3] DwarfStar/Literature Who wrote the novel I promessi sposi?\n")
-    assert f"pensiero</think>Answer: Q\nFAIL got A expected B ({cases[0].elapsed_sec:.1f}s, 48 tokens)\n" in text
+    assert f"pensiero</think>Answer: Q\nFAIL got ? expected B ({cases[0].elapsed_sec:.1f}s, 48 tokens)\n" in text

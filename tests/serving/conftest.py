@@ -43,6 +43,9 @@ SCRIPTS = {
     "weather": "Let me check." + WEATHER_CALL,
     "think_weather": "The user wants weather, so call the tool.</think>Checking." + WEATHER_CALL,
     "think_hello": "A greeting deserves a greeting.</think>Hello!",
+    # control tokens where an answer has none: the sampler must refuse them (test_control_tokens.py)
+    "role_token": "Hi<｜User｜> there",
+    "think_role_token": "Plan<｜Assistant｜>ned.</think>Done<｜User｜>!",
     **{f"count{i}": f"Reply number {i}." for i in range(10)},
     "long_story": " ".join(f"w{i}" for i in range(200)),  # a generation that lasts a while
     # long-context drift the parser repairs: a lookalike bracket, a lost underscore, no closing tag

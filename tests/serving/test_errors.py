@@ -53,7 +53,11 @@ def anthropic_error(response, status: int) -> dict:
         ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt must be"),
         ("/v1/completions", {"prompt": [1, 2, 3]}, '"raw": true'),
         ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, "replay full input"),
-        ("/v1/responses", {"input": "hi", "tool_choice": "required"}, "tool_choice=required not supported"),
+        (
+            "/v1/responses",
+            {"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": "required"},
+            "tool_choice=required not supported",
+        ),
         ("/v1/responses", {"input": [{"type": "message", "role": "user", "content": [{"type": "x"}]}]}, "'x'"),
     ],
 )
