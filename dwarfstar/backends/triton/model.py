@@ -239,21 +239,9 @@ class TritonOps:
             raise DwarfStarError(f"layer {il}: the low-rank query's rows come after {needs} (Transformer.attention)")
         rings = batch.seqs[0].state.parts(il)["raw"]
         return decode_rows.decode_rows(
-            pos,
-            slots,
-            self._inv(il),
-            x,
-            lw.q_norm,
-            pending.pop("kv"),
-            lw.kv_norm,
-            rings,
-            layer.compress_ratio,
-            a.rope_dim,
-            a.norm_eps,
-            self.qat,
-            pending.pop("attn", None),
-            pending.pop("indexer", None),
-        )
+            pos, slots, self._inv(il), x, lw.q_norm, pending.pop("kv"), lw.kv_norm, rings, layer.compress_ratio,
+            a.rope_dim, a.norm_eps, self.qat, pending.pop("attn", None), pending.pop("indexer", None),
+        )  # fmt: skip
 
     def write_window(self, il: int, kv: torch.Tensor, batch: Batch) -> None:
         """Each sequence's window rows [n_prev + T], oldest first, for its attention kernel: the ring's
@@ -282,14 +270,9 @@ class TritonOps:
             state = batch.seqs[0].state
             parts = state.parts(il)
             self._pending(il, batch)[kind] = decode_rows.Compressing(
-                proj[f"{kind}_kv"],
-                proj[f"{kind}_gate"],
-                ape,
-                norm,
-                parts[f"{kind}_kv"],
-                parts[f"{kind}_gate"],
+                proj[f"{kind}_kv"], proj[f"{kind}_gate"], ape, norm, parts[f"{kind}_kv"], parts[f"{kind}_gate"],
                 self.paged_rows(il, kind, state, slots=True),
-            )
+            )  # fmt: skip
             return
         for seq, pos in zip(batch.seqs, batch.aux["pos"], strict=True):
             state, ratio = seq.state, seq.state.compressor(il, kind).ratio
