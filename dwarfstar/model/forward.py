@@ -333,17 +333,20 @@ class Transformer(Generic[A]):
         return h, self._hook("ffn_out", il, ops.moe(il, x, ids, weights, self.experts), batch), mix
 
     def attention(self, il: int, x: A, batch: Batch) -> A:
+        # the rows of the ATTN_INPUT projections, the low-rank query's last, then those of QUERY_INPUT,
+        # the query heads before the indexer's: a backend may finish each group in one launch there
         ops, layer = self.ops, self.args.layer(il)
         proj = ops.project(il, ATTN_INPUT, x)
-        qr = ops.norm_rope(il, Rows.Q_LORA, proj["q_a"], batch)
-        query = ops.project(il, QUERY_INPUT, qr)
-        q = ops.norm_rope(il, Rows.QUERY, query["q"], batch)
         ops.write_window(il, ops.norm_rope(il, Rows.KV, proj["kv"], batch), batch)
-        selected = None
         if layer.compress_ratio:
             ops.compress(il, "attn", proj, batch)
         if layer.has_indexer:
             ops.compress(il, "indexer", proj, batch)
+        qr = ops.norm_rope(il, Rows.Q_LORA, proj["q_a"], batch)
+        query = ops.project(il, QUERY_INPUT, qr)
+        q = ops.norm_rope(il, Rows.QUERY, query["q"], batch)
+        selected = None
+        if layer.has_indexer:
             q_index = ops.norm_rope(il, Rows.INDEX_QUERY, query["index_q"], batch)
             selected = ops.index_topk(il, q_index, proj["index_weights"], batch)
         return ops.attn_output(il, ops.sparse_attention(il, q, batch, selected))

@@ -19,11 +19,11 @@ def setup(t, n_prev, n_comp, device, seed=0):
     comp = torch.randn(max(n_comp, 1), DIM, generator=gen).to(device)
     sinks = (0.5 * torch.randn(HEADS, generator=gen)).to(device)
     inv = 10000.0 ** (-torch.arange(0, ROPE, 2, dtype=torch.float64) / ROPE)
-    return q, window_rows, comp, sinks, inv
+    return q, window_rows, comp, sinks, inv.to(device)
 
 
 def angles_at(p0, t, inv, device):
-    return tuple(a.to(device) for a in ops.rope_angles(torch.arange(p0, p0 + t), inv))
+    return tuple(a.to(device) for a in ops.rope_angles(torch.arange(p0, p0 + t), inv.cpu()))
 
 
 @pytest.mark.parametrize("split", [1, 3])
@@ -33,7 +33,7 @@ def test_window_only(p0, t, split, device):
     q, rows, _, sinks, inv = setup(t, n_prev, 0, device, seed=p0)
     cs = angles_at(p0, t, inv, device)
     pos = torch.tensor([p0], dtype=torch.int32, device=device)
-    got = at.attention(q, rows, n_prev, WINDOW, sinks, cs, ROPE, pos, split=split)
+    got = at.attention(q, rows, n_prev, WINDOW, sinks, inv, ROPE, pos, split=split)
     torch.testing.assert_close(got, at.reference(q, rows, n_prev, WINDOW, sinks, cs, p0), rtol=1e-5, atol=1e-5)
 
 
@@ -45,7 +45,7 @@ def test_all_visible_compressed_rows_at_a_boundary(split, device):
     cs = angles_at(p0, t, inv, device)
     pos = torch.tensor([p0], dtype=torch.int32, device=device)
     paged = PagedRows.scattered(comp)
-    got = at.attention(q, rows, WINDOW, WINDOW, sinks, cs, ROPE, pos, comp_rows=paged, ratio=ratio, split=split)
+    got = at.attention(q, rows, WINDOW, WINDOW, sinks, inv, ROPE, pos, comp_rows=paged, ratio=ratio, split=split)
     want = at.reference(q, rows, WINDOW, WINDOW, sinks, cs, p0, comp_rows=comp, ratio=ratio)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -58,7 +58,7 @@ def test_selected_rows_with_padding(split, device):
     cs = angles_at(p0, t, inv, device)
     pos = torch.tensor([p0], dtype=torch.int32, device=device)
     paged = PagedRows.scattered(comp)
-    got = at.attention(q, rows, WINDOW, WINDOW, sinks, cs, ROPE, pos, comp_rows=paged, selected=selected, split=split)
+    got = at.attention(q, rows, WINDOW, WINDOW, sinks, inv, ROPE, pos, comp_rows=paged, selected=selected, split=split)
     want = at.reference(q, rows, WINDOW, WINDOW, sinks, cs, p0, comp_rows=comp, selected=selected)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -70,7 +70,7 @@ def test_fast_precision_stays_close(device):
     cs = angles_at(50, 2, inv, device)
     pos = torch.tensor([50], dtype=torch.int32, device=device)
     paged = PagedRows.scattered(comp)
-    got = at.attention(q, rows, WINDOW, WINDOW, sinks, cs, ROPE, pos, comp_rows=paged, ratio=128, precision=FAST)
+    got = at.attention(q, rows, WINDOW, WINDOW, sinks, inv, ROPE, pos, comp_rows=paged, ratio=128, precision=FAST)
     want = at.reference(q, rows, WINDOW, WINDOW, sinks, cs, 50, comp_rows=comp, ratio=128)
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert 1e-6 < err < 3e-2
@@ -83,7 +83,7 @@ def test_split_none_chooses_from_the_device(device):
     cs = angles_at(p0, 1, inv, device)
     pos = torch.tensor([p0], dtype=torch.int32, device=device)
     paged = PagedRows.scattered(comp)
-    got = at.attention(q, rows, WINDOW, WINDOW, sinks, cs, ROPE, pos, comp_rows=paged, ratio=4, split=None)
+    got = at.attention(q, rows, WINDOW, WINDOW, sinks, inv, ROPE, pos, comp_rows=paged, ratio=4, split=None)
     want = at.reference(q, rows, WINDOW, WINDOW, sinks, cs, p0, comp_rows=comp, ratio=4)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -121,7 +121,7 @@ def test_a_batch_of_sequences_in_cache_slots_matches_each_alone(kind, device):
         selected = torch.tensor([[-1, -1, -1], [4, 0, 2], [10, -1, 7]], dtype=torch.int32)
     pos, slot = (torch.tensor(v, dtype=torch.int32, device=device) for v in (positions, slots))
     got = at.attention_batch(
-        q.to(device), rings.to(device), sinks.to(device), tuple(a.to(device) for a in cs), ROPE, pos, slot,
+        q.to(device), rings.to(device), sinks.to(device), inv.to(device), ROPE, pos, slot,
         comp_rows=None if kind == "window" else PagedRows.scattered(comp.to(device)), comp_bound=capacity, ratio=ratio,
         selected=None if selected is None else selected.to(device),
     )  # fmt: skip
@@ -140,9 +140,9 @@ def test_batch_kernels_refuse_strided_positions(device):
     both = torch.tensor([[0, 0], [5, 1]], dtype=torch.int32, device=device)
     pos, slots = both.unbind(1)  # strided: the mistake this guards against
     q, rings = torch.zeros(2, HEADS, DIM, device=device), torch.zeros(2, WINDOW, DIM, device=device)
-    angles = (torch.ones(2, ROPE // 2, device=device), torch.zeros(2, ROPE // 2, device=device))
+    inv = torch.ones(ROPE // 2, dtype=torch.float64, device=device)
     with pytest.raises(ValueError, match="contiguous"):
-        at.attention_batch(q, rings, torch.zeros(HEADS, device=device), angles, ROPE, pos, slots)
+        at.attention_batch(q, rings, torch.zeros(HEADS, device=device), inv, ROPE, pos, slots)
 
 
 @pytest.mark.parametrize("kind", ["all rows", "selected"])
@@ -158,16 +158,15 @@ def test_compact_rows_read_as_their_float32_values(kind, device):
     split = PagedRows.scattered(comp.to(device), exact_dims=exact)
     sinks = 0.5 * torch.randn(HEADS, generator=gen)
     inv = 10000.0 ** (-torch.arange(0, ROPE, 2, dtype=torch.float64) / ROPE)
-    cs = tuple(a.to(device) for a in ops.rope_angles(torch.tensor(positions), inv))
     selected = torch.tensor([[1, 0, -1], [6, 2, 5]], dtype=torch.int32, device=device) if kind == "selected" else None
     pos, slot = (torch.tensor(v, dtype=torch.int32, device=device) for v in (positions, slots))
     common = dict(comp_bound=capacity, ratio=4, selected=selected)
-    args = (q.to(device), rings.to(device), sinks.to(device), cs, ROPE, pos, slot)
+    args = (q.to(device), rings.to(device), sinks.to(device), inv.to(device), ROPE, pos, slot)
     whole = at.attention_batch(*args, comp_rows=PagedRows.scattered(comp.to(device)), **common)
     assert torch.equal(at.attention_batch(*args, comp_rows=split, **common), whole)
     chunk = dict(ratio=4, selected=None if selected is None else selected[:1])
     rows = gathered_window(rings[slots[0]], positions[0]).to(device)
-    one = (q[:1].to(device), rows, rows.shape[0] - 1, WINDOW, sinks.to(device), (cs[0][:1], cs[1][:1]), ROPE, pos[:1])
+    one = (q[:1].to(device), rows, rows.shape[0] - 1, WINDOW, sinks.to(device), inv.to(device), ROPE, pos[:1])
     assert torch.equal(
         at.attention(*one, comp_rows=PagedRows(split.pool, split.table[slots[0]]), **chunk),
         at.attention(*one, comp_rows=PagedRows.scattered(comp[slots[0]].to(device)), **chunk),
@@ -190,11 +189,39 @@ def test_rows_across_pages_in_any_order(selection, device):
     want = at.reference(q, rows, WINDOW, WINDOW, sinks, cs, p0, comp_rows=comp, **common)
     paged = PagedRows.scattered(comp, seed=5)
     assert paged.table.tolist() != sorted(paged.table.tolist())  # pages out of order
-    got = at.attention(q, rows, WINDOW, WINDOW, sinks, cs, ROPE, pos, comp_rows=paged, split=2, **common)
+    got = at.attention(q, rows, WINDOW, WINDOW, sinks, inv, ROPE, pos, comp_rows=paged, split=2, **common)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     block = PagedRows.scattered(torch.stack((torch.zeros_like(comp), comp)), seed=6)  # the sequence in slot 1
     ring = torch.zeros(2, WINDOW, DIM, device=device)
     ring[1, torch.arange(p0 - WINDOW + 1, p0 + 1) % WINDOW] = rows[1:]
     slot = torch.tensor([1], dtype=torch.int32, device=device)
-    got = at.attention_batch(q, ring, sinks, cs, ROPE, pos, slot, comp_rows=block, comp_bound=256, **common)
+    got = at.attention_batch(q, ring, sinks, inv, ROPE, pos, slot, comp_rows=block, comp_bound=256, **common)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_splits_are_combined_by_the_last_to_finish(monkeypatch, device):
+    """With several splits per (sequence, head group) the program that draws the last ticket combines
+    them: the output equals one split's, and the counters are back at zero, so a second launch (a
+    graph replay) combines again."""
+    monkeypatch.setattr(at, "multiprocessors", lambda device: 64)  # 2 sequences x 1 group x 32 splits wanted
+    gen = torch.Generator().manual_seed(11)
+    positions, slots, capacity = [40, 700], [1, 0], 256
+    q = torch.randn(2, HEADS, DIM, generator=gen).to(device)
+    rings = torch.randn(2, WINDOW, DIM, generator=gen).to(device)
+    comp = PagedRows.scattered(torch.randn(2, capacity, DIM, generator=gen).to(device), seed=3)
+    sinks = (0.5 * torch.randn(HEADS, generator=gen)).to(device)
+    inv = (10000.0 ** (-torch.arange(0, ROPE, 2, dtype=torch.float64) / ROPE)).to(device)
+    pos, slot = (torch.tensor(v, dtype=torch.int32, device=device) for v in (positions, slots))
+    args = (q, rings, sinks, inv, ROPE, pos, slot, comp, capacity, 128)
+    first, again = at.attention_batch(*args), at.attention_batch(*args)
+    tickets = at.ticket_counters(q.device, "attention", 1)
+    assert not tickets.any()
+    assert torch.equal(first, again)
+    monkeypatch.setattr(at, "multiprocessors", lambda device: 1)  # one split: no combine
+    torch.testing.assert_close(first, at.attention_batch(*args), rtol=1e-5, atol=1e-5)
+    for b, (p, s) in enumerate(zip(positions, slots, strict=True)):
+        rows = gathered_window(rings[s].cpu(), p)
+        cs = ops.rope_angles(torch.tensor([p]), inv.cpu())
+        want = at.reference(q[b : b + 1].cpu(), rows, rows.shape[0] - 1, WINDOW, sinks.cpu(), cs, p,
+                            comp_rows=comp.pool[comp.table[s].long()].flatten(0, 1).cpu(), ratio=128)  # fmt: skip
+        torch.testing.assert_close(first[b : b + 1].cpu(), want, rtol=1e-5, atol=1e-5)

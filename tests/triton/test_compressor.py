@@ -49,31 +49,3 @@ def test_chunks_match_reference(ratio, dim, chunks, device):
         p0 += t
         emitted_total += n
     assert emitted_total == total // ratio >= 2
-
-
-@pytest.mark.parametrize("ratio,positions", [(4, [3, 6, 11]), (128, [127, 130, 0])])
-def test_a_batch_of_sequences_in_cache_slots_matches_each_alone(ratio, positions, device):
-    """One launch advances three sequences by one token each, every one at its own position in its
-    own slot of a frontier block: those whose token completes a window pool the same row as the
-    chunk kernel on that sequence alone, and every frontier matches."""
-    dim = 32
-    spec = CompressorSpec("attn", ratio, dim)
-    rows, width = spec.frontier_shape
-    gen = torch.Generator().manual_seed(ratio + 1)
-    slots = [2, 0, 1]
-    block_kv = torch.randn(3, rows, width, generator=gen).to(device)
-    block_gate = torch.randn(3, rows, width, generator=gen).to(device)
-    ug = torch.randn(3, 2 * width, generator=gen).to(device)
-    ape = (0.5 * torch.randn(ratio, width, generator=gen)).to(device)
-    alone = [(block_kv[s].clone(), block_gate[s].clone()) for s in slots]
-    pos, slot = (torch.tensor(v, dtype=torch.int32, device=device) for v in (positions, slots))
-    pooled = comp.compress_batch(ug[:, :width], ug[:, width:], ape, block_kv, block_gate, pos, slot, ratio)
-    for b, (p, s) in enumerate(zip(positions, slots, strict=True)):
-        n = comp.emitted(p, 1, ratio)
-        one = ug[b : b + 1]
-        p0 = torch.tensor([p], dtype=torch.int32, device=device)
-        want = comp.compress_chunk(one[:, :width], one[:, width:], ape, *alone[b], p0, n, ratio)
-        if n:
-            torch.testing.assert_close(pooled[b : b + 1], want, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(block_kv[s], alone[b][0], rtol=0, atol=0)
-        torch.testing.assert_close(block_gate[s], alone[b][1], rtol=0, atol=0)

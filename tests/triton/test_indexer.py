@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dwarfstar.backends.triton.kernels import indexer_scores as ix
@@ -37,23 +38,36 @@ def test_no_visible_rows_yet(device):
     assert topk.topk_indices(scores, valid, 4).tolist() == [[-1] * 4] * 2
 
 
-def test_a_batch_of_sequences_in_cache_slots_scores_each_alone(device):
+@pytest.mark.parametrize(
+    "k,capacity,bound,positions",
+    [
+        (3, 32, 16, [2, 27, 40]),  # no row yet; 7 rows; 10 rows: one top-k block, its round final
+        (4, 640, 512, [2050, 30, 1500]),  # 512, 7 and 375 rows in two blocks: both rounds in the launch
+        (64, 2048, 2048, [8190, 100, 4000]),  # eight blocks of 64 candidates: a further round launched
+    ],
+)
+def test_a_batch_of_sequences_in_cache_slots_selects_each_alone(k, capacity, bound, positions, device):
     """One launch scores one decode query for each of three sequences, each at its own position in
-    its own slot of a cache block, the row bound past every sequence's visible rows."""
-    gen = torch.Generator().manual_seed(1)
-    heads, dim, capacity, bound = 16, 64, 32, 16
-    positions, slots = [2, 27, 40], [1, 3, 0]  # no row yet; 7 rows; 10 rows
+    its own slot of a cache block (pages shuffled), and selects each one's top-k rows: the last
+    scoring programs to finish run the selection. Twice, as a replayed graph would: the ticket
+    counters are reset by the launch itself."""
+    gen = torch.Generator().manual_seed(k)
+    heads, dim, slots = 16, 64, [1, 3, 0]
     q = torch.randn(3, heads, dim, generator=gen)
-    w = torch.randn(3, heads, generator=gen)
+    w = torch.randn(3, heads + 2, generator=gen)[:, 1:-1]  # a strided column slice
     block = torch.randn(4, capacity, dim, generator=gen)
     pos, slot = (torch.tensor(v, dtype=torch.int32, device=device) for v in (positions, slots))
-    paged = PagedRows.scattered(block.to(device))
-    scores, valid = ix.indexer_scores_batch(q.to(device), w.to(device), paged, pos, slot, bound, ratio=4)
-    assert scores.shape == (3, bound) and valid.tolist() == [0, 7, 10]
+    paged = PagedRows.scattered(block.to(device), seed=k)
+    args = (q.to(device), w.to(device), paged, pos, slot, bound, 4, k)
+    chosen = ix.indexer_topk_batch(*args)
+    assert torch.equal(ix.indexer_topk_batch(*args), chosen)
+    assert not ix.ticket_counters(chosen.device, "indexer", 1).any()
     for b, (p, s) in enumerate(zip(positions, slots, strict=True)):
         want = ix.reference(q[b : b + 1], w[b : b + 1], block[s, :bound], p, 4)
-        visible = torch.isfinite(want)
-        torch.testing.assert_close(scores[b : b + 1].cpu()[visible], want[visible], rtol=1e-5, atol=1e-5)
+        n = int(torch.isfinite(want).sum())
+        row = chosen[b].tolist()
+        assert row == sorted(row[: min(n, k)]) + [-1] * (k - min(n, k))  # ascending, then -1
+        assert set(row[: min(n, k)]) == topk.reference(want, torch.tensor([n]), k)[0]
 
 
 def test_rows_across_pages_in_any_order(device):

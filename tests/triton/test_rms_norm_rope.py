@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels import rms_norm_rope as nr
@@ -82,3 +84,56 @@ def test_indexer_hadamard_fp4(device):
     w = (1 + 0.1 * rand(64, seed=8)).to(device)
     kw = dict(weight=w, angles=cs, qat=nr.QAT_FP4, rope_dim=32)
     assert (nr.rms_norm_rope(x, **kw) != nr.reference(x, **kw)).float().mean() < 0.005
+
+
+@triton.jit
+def _angles_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, D: tl.constexpr, ROPE: tl.constexpr, BN: tl.constexpr):
+    i = tl.arange(0, BN)
+    cos, sin = nr.rope_cos_sin(tl.load(pos_ptr + i), inv_ptr, D, ROPE, False, D)
+    at = i[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
+    tl.store(cos_ptr + at, cos)
+    tl.store(sin_ptr + at, sin)
+
+
+@pytest.mark.parametrize("yarn", [False, True])
+def test_angles_from_positions_agree_with_the_float64_tables(yarn, device):
+    """The kernels' own angles (float64 product, reduction by pi / 2, float64 series) against
+    `rope_angles`: to the float32 rounding, at small positions and near a million."""
+    args = ModelArgs.flash()
+    inv = torch.tensor(yarn_inv_freq(args, args.layer(2 if yarn else 0)), dtype=torch.float64)
+    gen = torch.Generator().manual_seed(9)
+    pos = torch.cat((torch.arange(40), torch.randint(0, 1 << 20, (80,), generator=gen), (1 << 20) - torch.arange(8)))
+    d = 128  # 32 pairs before the rope dims: cos 1, sin 0
+    cos, sin = (torch.empty(pos.numel(), d // 2, device=device) for _ in range(2))
+    _angles_kernel[(1,)](pos.to(torch.int32).to(device), inv.to(device), cos, sin, D=d, ROPE=args.rope_dim, BN=128)
+    want_cos, want_sin = ops.rope_angles(pos, inv)
+    got_cos, got_sin = cos.cpu(), sin.cpu()
+    half = args.rope_dim // 2
+    assert bool((got_cos[:, :-half] == 1).all()) and bool((got_sin[:, :-half] == 0).all())
+    torch.testing.assert_close(got_cos[:, -half:], want_cos, rtol=0, atol=2**-24)
+    torch.testing.assert_close(got_sin[:, -half:], want_sin, rtol=0, atol=2**-24)
+
+
+@pytest.mark.parametrize("indexer,qat", [(True, True), (True, False), (False, True)])
+def test_query_rows_of_a_decode_step(indexer, qat, device):
+    """One launch: each sequence's query heads (plain norm, RoPE at its own position) and indexer query
+    heads (RoPE, Hadamard, FP4), from strided projections, against the reference ops."""
+    gen = torch.Generator().manual_seed(10)
+    positions = [3, 1_000_003, 77]
+    heads, index_heads = (4, 128), (16, 64)
+    q = torch.randn(3, 4 * 128 + 8, generator=gen)[:, :512]
+    index_q = torch.randn(3, 16 * 64 + 3, generator=gen)[:, 3:] if indexer else None
+    args = ModelArgs.flash().with_(rope_dim=32)
+    inv = torch.tensor(yarn_inv_freq(args, args.layer(2)), dtype=torch.float64)
+    pos = torch.tensor(positions, dtype=torch.int32)
+    common = (heads, index_heads, 32, 1e-6, qat)
+    got = nr.query_rows(q.to(device), None if index_q is None else index_q.to(device), pos.to(device),
+                        inv.to(device), *common)  # fmt: skip
+    want = nr.reference_query_rows(q, index_q, pos, inv, *common)
+    torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-5, atol=1e-5)
+    if not indexer:
+        assert got[1] is None
+    elif qat:  # on the e2m1 grid: a rare fp32 tie may flip one step
+        assert (got[1].cpu() != want[1]).float().mean() < 0.005
+    else:
+        torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5, atol=1e-5)

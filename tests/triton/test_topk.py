@@ -37,8 +37,10 @@ def test_merge_rounds_and_ties_prefer_lower_index(device):
     high = torch.randperm(n, generator=torch.Generator().manual_seed(3))[:10]
     scores[1] = 0.0  # massive ties at the boundary
     scores[1, high] = 2.0
-    valid = torch.tensor([n, n - 5], dtype=torch.int32)
+    scores = torch.cat((scores, scores[:1]))  # a third row with fewer valid entries than k
+    valid = torch.tensor([n, n - 5, 5], dtype=torch.int32)
     out = topk.topk_indices(scores.to(device), valid.to(device), k).cpu()
     assert chosen_sets(out)[0] == topk.reference(scores, valid, k)[0]
     zeros = [i for i in range(n) if i not in set(high.tolist())][:6]  # tied entries: lowest indices win
     assert out[1].tolist() == sorted(high.tolist() + zeros)
+    assert out[2].tolist() == [0, 1, 2, 3, 4] + [-1] * (k - 5)  # done by the first of several rounds

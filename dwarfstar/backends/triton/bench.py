@@ -40,7 +40,7 @@ from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape
 from dwarfstar.model.config import ModelArgs
 
 KERNELS = (
-    "quant_blocks", "qmatmul", "hc_pre", "hc_post", "hc_head", "rms_norm_rope", "compressor",
+    "quant_blocks", "qmatmul", "hc_pre", "hc_post", "hc_head", "rms_norm_rope", "compressor", "decode_rows",
     "indexer_scores", "topk", "attention", "moe_route", "moe_sort", "moe_experts", "sampling",
 )  # fmt: skip
 # (name substring, memory GB/s, dense bf16 TFLOP/s or None), vendor datasheets; most specific first

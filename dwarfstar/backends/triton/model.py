@@ -22,6 +22,7 @@ from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels import (
     attention,
     compressor,
+    decode_rows,
     hc_head,
     hc_post,
     hc_pre,
@@ -33,10 +34,18 @@ from dwarfstar.backends.triton.kernels import (
     topk,
 )
 from dwarfstar.backends.triton.kernels.qmatmul import GEMV_MAX_ROWS, qmatmul
-from dwarfstar.backends.triton.kernels.rms_norm_rope import NORM_NONE, NORM_PLAIN, QAT_FP4, QAT_FP8, QAT_NONE
+from dwarfstar.backends.triton.kernels.rms_norm_rope import (
+    NORM_NONE,
+    NORM_PLAIN,
+    QAT_FP4,
+    QAT_FP8,
+    QAT_NONE,
+    query_rows,
+)
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
 from dwarfstar.backends.triton.runtime import EXACT, TICKET_SLOTS, PagedRows, Precision, next_pow2
 from dwarfstar.backends.triton.weights import FusedLinear, ModelWeights
+from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Site, Transformer
 from dwarfstar.model.pages import PAGE_ROWS
@@ -50,12 +59,10 @@ def row_bound(cache: KVCache, ratio: int, end: int) -> int:
     return min(cache.capacity(ratio), max(ROW_STEP, next_pow2(end // ratio)))
 
 
-def paged_index(table: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
-    """Where `rows` (int64 row numbers) lie in a pool's flattened rows, on the device: the page the
-    table names for each, times PAGE_ROWS, plus the row in the page. `table` is one sequence's [n],
-    or a block's [slots, n] with `slots` the slot of each row."""
-    pages = table[rows // PAGE_ROWS] if slots is None else table[slots, rows // PAGE_ROWS]
-    return pages.long() * PAGE_ROWS + rows % PAGE_ROWS
+def paged_index(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Where `rows` (int64 row numbers) lie in a pool's flattened rows, on the device: the page one
+    sequence's table [n] names for each, times PAGE_ROWS, plus the row in the page."""
+    return table[rows // PAGE_ROWS].long() * PAGE_ROWS + rows % PAGE_ROWS
 
 
 def decode_batch(batch: Batch) -> bool:
@@ -112,11 +119,16 @@ class TritonOps:
 
     # -- per call ----------------------------------------------------------------------------------------
     def embed(self, batch: Batch) -> torch.Tensor | None:
-        """Tokens and positions on the device (`aux`: tok, pos per sequence, RoPE angles per base).
+        """Tokens and positions on the device, in `batch.aux`: `tok` int32 [N]; `pos`, per sequence an
+        int32 [1] with its first position; `angles`, the RoPE cos/sin tables per (theta, yarn) of the
+        call's positions; `precision`, the matrices' (host-side).
 
         A decode step of several sequences in one KV-cache block runs batch-native (`decode_batch`):
-        `pos` is then one int32 [B] tensor and `slots` their slots, and every attention-side kernel
-        serves all of them in one launch. A captured decode step presets these to its static buffers.
+        `pos` is then one int32 [B] tensor and `slots` their slots, every attention-side kernel serves
+        all of them in one launch and forms its RoPE angles from the positions (no tables: the step's
+        only device inputs are tok, pos and slots; a captured step presets them to its buffers, and
+        `row_bound` to its bounds). Its attention sublayer keeps one more key between calls,
+        `pending` (layer -> inputs waiting for their launch, `_decode_rows`).
         """
         a, aux = self.args, batch.aux
         if "tok" not in aux:
@@ -133,12 +145,10 @@ class TritonOps:
                 aux["pos"] = [torch.full((1,), s.start, dtype=torch.int32, device=self.device) for s in batch.seqs]
         batch.tokens = aux["tok"]
         n = batch.n_rows
-        if "slots" in aux:
-            positions = aux["pos"].long()
-        else:
+        if "slots" not in aux:
             pairs = zip(aux["pos"], batch.seqs, strict=True)
             positions = torch.cat([p.long() + torch.arange(s.length, device=self.device) for p, s in pairs])
-        aux["angles"] = {key: ops.rope_angles(positions, inv) for key, inv in self._inv_freq.items()}
+            aux["angles"] = {key: ops.rope_angles(positions, inv) for key, inv in self._inv_freq.items()}
         # bf16 tensor-core operands pay off only for prefill-sized chunks; decode stays in fp32
         aux["precision"] = self.precision if n > GEMV_MAX_ROWS else EXACT
         # a decode step (one token per sequence) runs the mHC steps and the routing as one launch
@@ -204,12 +214,19 @@ class TritonOps:
     def _precision(self, x: torch.Tensor) -> Precision:
         return self.precision if x.shape[0] > GEMV_MAX_ROWS else EXACT
 
+    def _inv(self, il: int) -> torch.Tensor:
+        """The layer's RoPE inverse frequencies, float64 [rope_dim / 2] on the device."""
+        layer = self.args.layer(il)
+        return self._inv_freq[(layer.rope_theta, layer.yarn)]
+
     def _angles(self, il: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.args.layer(il)
         return batch.aux["angles"][(layer.rope_theta, layer.yarn)]
 
     def norm_rope(self, il: int, kind: Rows, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         a, lw = self.args, self.w.layers[il]
+        if "slots" in batch.aux:
+            return self._decode_rows(il, kind, x, batch)
         if kind is Rows.Q_LORA:
             return norm_rope(x, weight=lw.q_norm, eps=a.norm_eps)
         ang = self._angles(il, batch)
@@ -222,15 +239,44 @@ class TritonOps:
         q = x.unflatten(1, (a.index_n_heads, a.index_head_dim))
         return norm_rope(q, norm=NORM_NONE, angles=ang, rope_dim=a.rope_dim, qat=QAT_FP4 if self.qat else QAT_NONE)
 
+    @staticmethod
+    def _pending(il: int, batch: Batch) -> dict:
+        return batch.aux.setdefault("pending", {}).setdefault(il, {})
+
+    def _decode_rows(self, il: int, kind: Rows, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """A batch-native decode step's rows in two launches per layer. The raw KV row (returned as
+        projected: `write_window` keeps it) and the compressors' inputs wait in `aux["pending"]` until
+        the low-rank query's launch (`decode_rows`) finishes them with it; in ratio-4 layers the query
+        heads (returned unfilled) wait for the indexer query's launch (`query_rows`), which fills both.
+        `Transformer.attention` calls them in that order; `sparse_attention` checks nothing waits."""
+        a, lw, layer = self.args, self.w.layers[il], self.args.layer(il)
+        pending, (pos, slots) = self._pending(il, batch), self._slots(batch)
+        if kind is Rows.KV:
+            return x
+        heads, index_heads = (a.n_heads, a.head_dim), (a.index_n_heads, a.index_head_dim)
+        if kind is Rows.QUERY and layer.has_indexer:
+            pending["query"] = x, torch.empty(x.shape[0], *heads, device=self.device)
+            return pending["query"][1]
+        if kind is not Rows.Q_LORA:
+            q, out, index_q = (x, None, None) if kind is Rows.QUERY else (*pending.pop("query"), x)
+            done = query_rows(q, index_q, pos, self._inv(il), heads, index_heads, a.rope_dim, a.norm_eps, self.qat, out)
+            return done[0] if kind is Rows.QUERY else done[1]
+        needs = ["kv"] + ["attn"] * bool(layer.compress_ratio) + ["indexer"] * layer.has_indexer
+        if sorted(pending) != sorted(needs):
+            raise DwarfStarError(f"layer {il}: the low-rank query's rows come after {needs} (Transformer.attention)")
+        rings = batch.seqs[0].state.parts(il)["raw"]
+        return decode_rows.decode_rows(
+            pos, slots, self._inv(il), x, lw.q_norm, pending.pop("kv"), lw.kv_norm, rings, layer.compress_ratio,
+            a.rope_dim, a.norm_eps, self.qat, pending.pop("attn", None), pending.pop("indexer", None),
+        )  # fmt: skip
+
     def write_window(self, il: int, kv: torch.Tensor, batch: Batch) -> None:
         """Each sequence's window rows [n_prev + T], oldest first, for its attention kernel: the ring's
         rows before the chunk, gathered by device-computed index (a captured step replays at any
         position), then the chunk's. The ring keeps the chunk's rows once attention has read them."""
         window = self.args.window
         if "slots" in batch.aux:  # one token each: its row replaces one its query no longer sees
-            rings = batch.seqs[0].state.parts(il)["raw"]
-            at = batch.aux["slots"].long() * window + batch.aux["pos"].long() % window
-            rings.view(-1, rings.shape[-1]).index_copy_(0, at, kv)
+            self._pending(il, batch)["kv"] = kv  # finished into the ring by the low-rank query's launch
             return
         for i, (seq, pos) in enumerate(zip(batch.seqs, batch.aux["pos"], strict=True)):
             n_prev = min(seq.start, window)
@@ -243,19 +289,17 @@ class TritonOps:
             batch.aux[("window", il, i)] = rows
 
     def compress(self, il: int, kind: str, proj: dict[str, torch.Tensor], batch: Batch) -> None:
-        a, lw, layer = self.args, self.w.layers[il], self.args.layer(il)
+        a, lw = self.args, self.w.layers[il]
         ape, norm = lw.compressor if kind == "attn" else lw.indexer
         rounding = (QAT_FP8 if kind == "attn" else QAT_FP4) if self.qat else QAT_NONE
-        inv = self._inv_freq[(layer.rope_theta, layer.yarn)]
-        if "slots" in batch.aux:
-            state, ratio, (pos, slots) = batch.seqs[0].state, layer.compress_ratio, self._slots(batch)
-            parts, rows = state.parts(il), self.paged_rows(il, kind, state, slots=True)
-            front = parts[f"{kind}_kv"], parts[f"{kind}_gate"]
-            pooled = compressor.compress_batch(proj[f"{kind}_kv"], proj[f"{kind}_gate"], ape, *front, pos, slots, ratio)
-            window = pos.long() // ratio  # each sequence's row in progress: written, unseen until complete
-            angles = ops.rope_angles(window * ratio, inv)
-            normed = norm_rope(pooled, weight=norm, eps=a.norm_eps, angles=angles, rope_dim=a.rope_dim, qat=rounding)
-            index_copy_rows(rows.pool, paged_index(rows.table, window, slots.long()), normed)
+        inv = self._inv(il)
+        if "slots" in batch.aux:  # advanced by the low-rank query's launch
+            state = batch.seqs[0].state
+            parts = state.parts(il)
+            self._pending(il, batch)[kind] = decode_rows.Compressing(
+                proj[f"{kind}_kv"], proj[f"{kind}_gate"], ape, norm, parts[f"{kind}_kv"], parts[f"{kind}_gate"],
+                self.paged_rows(il, kind, state, slots=True),
+            )  # fmt: skip
             return
         for seq, pos in zip(batch.seqs, batch.aux["pos"], strict=True):
             state, ratio = seq.state, seq.state.compressor(il, kind).ratio
@@ -277,8 +321,9 @@ class TritonOps:
         ratio, chosen = self.args.layer(il).compress_ratio, []
         if "slots" in batch.aux:
             rows, bound = self.paged_rows(il, "indexer", batch.seqs[0].state, slots=True), self._bound(batch, ratio)
-            scores, valid = indexer_scores.indexer_scores_batch(q, weights, rows, *self._slots(batch), bound, ratio)
-            return topk.topk_indices(scores, valid, self.args.index_topk)
+            return indexer_scores.indexer_topk_batch(
+                q, weights, rows, *self._slots(batch), bound, ratio, self.args.index_topk
+            )
         for seq, pos in zip(batch.seqs, batch.aux["pos"], strict=True):
             rows = self.paged_rows(il, "indexer", seq.state)
             bound = self.rows_in_reach(il, "indexer", seq.state, seq.start + seq.length)
@@ -289,11 +334,13 @@ class TritonOps:
 
     def sparse_attention(self, il: int, q: torch.Tensor, batch: Batch, selected) -> torch.Tensor:
         a, lw, layer = self.args, self.w.layers[il], self.args.layer(il)
-        cos, sin = self._angles(il, batch)
+        inv = self._inv(il)
         if "slots" in batch.aux:
+            if batch.aux.get("pending", {}).pop(il, None):
+                raise DwarfStarError(f"layer {il}: decode rows left unfinished (Transformer.attention's order)")
             state, ratio = batch.seqs[0].state, layer.compress_ratio
             return attention.attention_batch(
-                q, state.parts(il)["raw"], lw.sinks, (cos, sin), a.rope_dim, *self._slots(batch),
+                q, state.parts(il)["raw"], lw.sinks, inv, a.rope_dim, *self._slots(batch),
                 comp_rows=self.paged_rows(il, "attn", state, slots=True) if ratio else None,
                 comp_bound=self._bound(batch, ratio) if ratio else 0,
                 ratio=ratio, selected=selected, precision=batch.aux["precision"],
@@ -307,7 +354,7 @@ class TritonOps:
             if layer.compress_ratio:
                 comp, bound = self.paged_rows(il, "attn", state), self.rows_in_reach(il, "attn", state, end)
             o = attention.attention(
-                q[seq.rows], rows, n_prev, a.window, lw.sinks, (cos[seq.rows], sin[seq.rows]), a.rope_dim, pos,
+                q[seq.rows], rows, n_prev, a.window, lw.sinks, inv, a.rope_dim, pos,
                 comp_rows=comp, ratio=layer.compress_ratio, selected=None if selected is None else selected[i],
                 split=None, precision=batch.aux["precision"], comp_bound=bound,
             )  # fmt: skip

@@ -41,6 +41,24 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
 
 
+_COUNTERS: dict[tuple[str, str], torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # replaced counters, kept: a captured graph may still point at them
+
+
+def ticket_counters(device: torch.device, purpose: str, n: int) -> torch.Tensor:
+    """At least n zeroed int32 counters for a kernel's "last program finishes" tickets, one buffer per
+    device and purpose, allocated once (outside a graph capture: a step runs eagerly before it is
+    captured). A kernel's last program of each group resets its counter, so the counters are zero
+    again after every launch and graph replay."""
+    key = (str(device), purpose)
+    have = _COUNTERS.get(key)
+    if have is None or have.numel() < n:
+        if have is not None:
+            _OUTGROWN.append(have)
+        _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
 @dataclass(frozen=True)
 class PagedRows:
     """Compressed rows as the KV cache keeps them (`model.pages`): a pool of pages `pool` [pages,
@@ -60,6 +78,13 @@ class PagedRows:
     def table_stride(self) -> int:
         """A slot's table row to the next (0 for one sequence's table)."""
         return self.table.stride(0) if self.table.dim() == 2 else 0
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The kernels' view of the pool: (leading part, rest, leading width), width 0 for float32 rows,
+        else the bf16 width of a compact pool (a `SplitRows`' exact part, or all of a bf16 pool's)."""
+        if isinstance(self.pool, SplitRows):
+            return self.pool.exact, self.pool.rest, self.pool.exact.shape[-1]
+        return self.pool, self.pool, self.pool.shape[-1] if self.pool.dtype == torch.bfloat16 else 0
 
     @classmethod
     def scattered(cls, rows: torch.Tensor, seed: int = 0, exact_dims: int = 0) -> PagedRows:

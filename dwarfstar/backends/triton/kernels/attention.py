@@ -10,11 +10,13 @@ reads each key row once for all of them. The rows a query at position p sees:
 Scores are online-softmaxed block by block; the per-head sink logit joins only the denominator.
 
 Decode has one query token, so its rows are split over S programs per head group (flash decoding):
-each writes its running max, sum and weighted values, and `_combine_kernel` merges them with the
-sink. With S = 1 (prefill) the attention kernel finishes the rows itself. Either way the finish
-undoes the RoPE on the output's tail dims (V carries the rotation), so the grouped output projection
-reads the result directly. Row counts come from the device position, and the launch depends only on
-T, S and the buffer capacity, so a decode step can be captured in a CUDA graph.
+each writes its running max, sum and weighted values, and the last of a (token, head group)'s S
+programs to finish (an atomic ticket: DECODE_PLAN's "last program finishes") merges them in split
+order with the sink, so the result is deterministic and the step one launch. With S = 1 (prefill)
+the program finishes its rows itself. Either way the finish undoes the RoPE on the output's tail dims
+(V carries the rotation), with angles formed from the position in the kernel, so the grouped output
+projection reads the result directly. Row counts come from the device position, and the launch
+depends only on T, S and the buffer capacity, so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference import ops
-from dwarfstar.backends.triton.kernels.rms_norm_rope import load_angles, rotate_pairs
+from dwarfstar.backends.triton.kernels.rms_norm_rope import rope_cos_sin, rotate_pairs
 from dwarfstar.backends.triton.runtime import (
     EXACT,
     FAST,
@@ -38,10 +40,10 @@ from dwarfstar.backends.triton.runtime import (
     interpreting,
     next_pow2,
     per_sequence,
+    ticket_counters,
 )
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.pages import PAGE_ROWS
-from dwarfstar.model.state import SplitRows
 
 COMP_NONE, COMP_ALL, COMP_SELECTED = 0, 1, 2
 INTERPRETER_MULTIPROCESSORS = 4  # the interpreter runs programs one after another: a few splits suffice
@@ -49,23 +51,33 @@ NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": keeps exp(m_old - m_new)
 
 
 @triton.jit
-def _finish(acc, m, l, sink, cos_ptr, sin_ptr, out_ptr, i, hg, heads_ok, D,
+def _position(pos_ptr, i, BATCH: tl.constexpr):
+    """Query i's position: sequence i's in a batch, token i's of the chunk from pos[0] otherwise (read
+    again where the output is finished, rather than kept in a register through the row loops)."""
+    if BATCH:
+        return tl.load(pos_ptr + i)
+    else:
+        return tl.load(pos_ptr) + i
+
+
+@triton.jit
+def _finish(acc, m, l, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D,
             H: tl.constexpr, ROPE_DIM: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    h = hg * BH + tl.arange(0, BH)
+    sink = tl.load(sinks_ptr + h, mask=heads_ok, other=0.0)
     big = tl.maximum(sink, m)
     scale = tl.exp(m - big)
     o = acc * (scale / (tl.exp(sink - big) + l * scale))[:, None]
-    tok = i + 0 * tl.arange(0, BH)
-    cos, sin = load_angles(cos_ptr, sin_ptr, tok, heads_ok, D, ROPE_DIM, True, BH, BD)
+    cos, sin = rope_cos_sin(tl.zeros([1], tl.int32) + p, inv_ptr, D, ROPE_DIM, True, BD)
     o = rotate_pairs(o, cos, sin, BH, BD)
-    h = hg * BH + tl.arange(0, BH)
     d = tl.arange(0, BD)
     tl.store(out_ptr + (i.to(tl.int64) * H + h[:, None]) * D + d[None, :], o, mask=heads_ok[:, None] & (d < D)[None, :])
 
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, win_ptr, comp_ptr, comp_rest_ptr, table_ptr, sel_ptr, sinks_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
-    out_ptr, m_ptr, l_ptr, acc_ptr,
+    q_ptr, win_ptr, comp_ptr, comp_rest_ptr, table_ptr, sel_ptr, sinks_ptr, pos_ptr, slot_ptr, inv_ptr, out_ptr,
+    m_ptr, l_ptr, acc_ptr, ticket_ptr,
     D, n_prev, window, n_sel, table_stride, sm_scale,
     H: tl.constexpr, COMP: tl.constexpr, RATIO: tl.constexpr, SPLIT: tl.constexpr, ROPE_DIM: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, BATCH: tl.constexpr,
@@ -91,14 +103,13 @@ def _attention_kernel(
     q_row = q_ptr + (i.to(tl.int64) * H + h[:, None]) * D
     q_lo = tl.load(q_row + d[None, :], mask=heads_ok[:, None] & (d < D)[None, :], other=0.0)
     q_hi = tl.load(q_row + BD2 + d[None, :], mask=heads_ok[:, None] & (BD2 + d < D)[None, :], other=0.0)
+    p = _position(pos_ptr, i, BATCH)
     if BATCH:
-        p = tl.load(pos_ptr + i)
         slot = tl.load(slot_ptr + i).to(tl.int64)
         hi = p  # positions: the ring holds position q in row q mod window
         ring_base = slot * window
         pages = table_ptr + slot * table_stride
     else:
-        p = tl.load(pos_ptr) + i
         hi = n_prev + i  # the query's own row of the linear window
         ring_base = 0
         pages = table_ptr
@@ -135,9 +146,9 @@ def _attention_kernel(
         m, l, acc_lo, acc_hi = _block(q_lo, q_hi, comp_ptr, comp_rest_ptr, page * PAGE + row % PAGE, ok, D,
                                       sm_scale, m, l, acc_lo, acc_hi, BD2, FAST, COMP_EXACT)  # fmt: skip
     if SPLIT == 1:
-        sink = tl.load(sinks_ptr + h, mask=heads_ok, other=0.0)
         acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), [BH, BD])
-        _finish(acc, m, l, sink, cos_ptr, sin_ptr, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
+        p = _position(pos_ptr, i, BATCH)
+        _finish(acc, m, l, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
     else:
         part = (i.to(tl.int64) * H + h) * SPLIT + split  # [BH]
         tl.store(m_ptr + part, m, mask=heads_ok)
@@ -145,6 +156,13 @@ def _attention_kernel(
         out = acc_ptr + part[:, None] * D + d[None, :]
         tl.store(out, acc_lo, mask=heads_ok[:, None] & (d < D)[None, :])
         tl.store(out + BD2, acc_hi, mask=heads_ok[:, None] & (BD2 + d < D)[None, :])
+        # the last of the (token, head group)'s splits to finish combines them all
+        tl.debug_barrier()
+        ticket_ptr += i * tl.num_programs(1) + hg
+        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            tl.store(ticket_ptr, 0)  # ready for the next launch (or graph replay)
+            _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, inv_ptr, _position(pos_ptr, i, BATCH), out_ptr, i, hg, heads_ok,
+                     D, H, SPLIT, ROPE_DIM, BH, BD)  # fmt: skip
 
 
 @triton.jit
@@ -193,30 +211,26 @@ def _dot(a, b, FAST: tl.constexpr):
 
 
 @triton.jit
-def _combine_kernel(
-    m_ptr, l_ptr, acc_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, D,
-    H: tl.constexpr, SPLIT: tl.constexpr, ROPE_DIM: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
-):  # fmt: skip
-    i = tl.program_id(0)
-    hg = tl.program_id(1)
+def _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H: tl.constexpr,
+             SPLIT: tl.constexpr, ROPE_DIM: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """Merge the SPLIT partial results of a (token, head group) in split order, read past L1 (other
+    programs wrote them), then finish."""
     h = hg * BH + tl.arange(0, BH)
-    heads_ok = h < H
     d = tl.arange(0, BD)
     part = (i.to(tl.int64) * H + h) * SPLIT
     # loops, not unrolled: the split count follows the device's multiprocessors (up to 64 and more)
     m = tl.full((BH,), NEG, tl.float32)
     for s in range(SPLIT):
-        m = tl.maximum(m, tl.load(m_ptr + part + s, mask=heads_ok, other=NEG))
+        m = tl.maximum(m, tl.load(m_ptr + part + s, mask=heads_ok, other=NEG, cache_modifier=".cg"))
     l = tl.zeros((BH,), tl.float32)
     acc = tl.zeros((BH, BD), tl.float32)
     for s in range(SPLIT):
-        w = tl.exp(tl.load(m_ptr + part + s, mask=heads_ok, other=NEG) - m)
-        l += w * tl.load(l_ptr + part + s, mask=heads_ok, other=0.0)
+        w = tl.exp(tl.load(m_ptr + part + s, mask=heads_ok, other=NEG, cache_modifier=".cg") - m)
+        l += w * tl.load(l_ptr + part + s, mask=heads_ok, other=0.0, cache_modifier=".cg")
         a = tl.load(acc_ptr + (part + s)[:, None] * D + d[None, :], mask=heads_ok[:, None] & (d < D)[None, :],
-                    other=0.0)  # fmt: skip
+                    other=0.0, cache_modifier=".cg")  # fmt: skip
         acc += w[:, None] * a
-    sink = tl.load(sinks_ptr + h, mask=heads_ok, other=0.0)
-    _finish(acc, m, l, sink, cos_ptr, sin_ptr, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
+    _finish(acc, m, l, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
 
 
 @functools.cache
@@ -253,7 +267,7 @@ def attention(
     n_prev: int,
     window: int,
     sinks: torch.Tensor,
-    angles: tuple[torch.Tensor, torch.Tensor],
+    inv_freq: torch.Tensor,
     rope_dim: int,
     pos: torch.Tensor,
     comp_rows: PagedRows | None = None,
@@ -270,8 +284,8 @@ def attention(
     q [T, H, D] contiguous; window_rows [n_prev + T, D] (the state's raw rows, then the chunk's);
     comp_rows the sequence's paged rows (table [n]) with `ratio` (all visible rows) or `selected`
     int32 [T, k] (ratio-4 layers), `comp_bound` the rows the chunk can see at most (default: all the
-    table reaches; it sizes the split); pos int32 [1] = p0; angles = cos/sin [T, rope_dim / 2] of
-    the query positions.
+    table reaches; it sizes the split); pos int32 [1] = p0; inv_freq float64 [rope_dim / 2], the
+    layer's RoPE frequencies (the inverse rotation's angles are formed from the positions).
     """
     t, heads, d = q.shape
     bh, bn = _tiles(heads, d, window)
@@ -283,7 +297,7 @@ def attention(
             n_comp = selected.shape[1] if selected is not None else comp_bound or comp_rows.capacity
         row_blocks = triton.cdiv(min(window, window_rows.shape[0]), bn) + triton.cdiv(n_comp, bn)
         split = decode_split(q.device, t, triton.cdiv(heads, bh), row_blocks)
-    return _launch(q, window_rows, comp_rows, selected, sinks, pos, None, angles, out, split, precision,
+    return _launch(q, window_rows, comp_rows, selected, sinks, pos, None, inv_freq, out, split, precision,
                    n_prev=n_prev, window=window, ratio=ratio, rope_dim=rope_dim, bh=bh, bn=bn)  # fmt: skip
 
 
@@ -291,7 +305,7 @@ def attention_batch(
     q: torch.Tensor,
     rings: torch.Tensor,
     sinks: torch.Tensor,
-    angles: tuple[torch.Tensor, torch.Tensor],
+    inv_freq: torch.Tensor,
     rope_dim: int,
     pos: torch.Tensor,
     slots: torch.Tensor,
@@ -307,8 +321,9 @@ def attention_batch(
     holding each sequence's own row (position p in row p mod window); comp_rows the block's paged
     rows (table [slots, n]) with `ratio` (all visible rows) or `selected` int32 [B, k] (ratio-4
     layers), `comp_bound` the rows any of them can see (it sizes the split); pos, slots int32 [B]:
-    each sequence's position and slot in the block; angles = cos/sin [B, rope_dim / 2] at the
-    positions.
+    each sequence's position and slot in the block; inv_freq float64 [rope_dim / 2]. The splits of a
+    (sequence, head group) are combined by the last of them to finish (ticket counters of
+    `runtime.ticket_counters`), so the step is one launch.
     """
     per_sequence(pos, slots)
     b, heads, d = q.shape
@@ -318,45 +333,35 @@ def attention_batch(
     n_comp = 0 if comp_rows is None else selected.shape[1] if selected is not None else comp_bound
     row_blocks = triton.cdiv(window, bn) + triton.cdiv(n_comp, bn)
     split = decode_split(q.device, b, triton.cdiv(heads, bh), row_blocks)
-    return _launch(q, rings.flatten(0, 1), comp_rows, selected, sinks, pos, slots, angles, out, split, precision,
+    return _launch(q, rings.view(-1, d), comp_rows, selected, sinks, pos, slots, inv_freq, out, split, precision,
                    n_prev=0, window=window, ratio=ratio, rope_dim=rope_dim, bh=bh, bn=bn)  # fmt: skip
 
 
-def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, angles, out, split, precision, *,
+def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, inv_freq, out, split, precision, *,
             n_prev, window, ratio, rope_dim, bh, bn):  # fmt: skip
-    """The attention launch (and the combine of its splits) shared by the chunk and batch forms."""
+    """The attention launch shared by the chunk and batch forms."""
     t, heads, d = q.shape
     bd, groups = next_pow2(d), triton.cdiv(heads, bh)
     comp = COMP_NONE if comp_rows is None else (COMP_SELECTED if selected is not None else COMP_ALL)
     m = l = acc = out
     if split > 1:
         m = torch.empty(t, heads, split, device=q.device, dtype=torch.float32)
-        l = torch.empty_like(m)
+        l = torch.empty(t, heads, split, device=q.device, dtype=torch.float32)
         acc = torch.empty(t, heads, split, d, device=q.device, dtype=torch.float32)
-    comp_ptr, comp_rest, comp_exact = _row_parts(comp_rows.pool if comp_rows is not None else window_rows)
+    comp_ptr, comp_rest, comp_exact = comp_rows.parts() if comp_rows is not None else (window_rows, window_rows, 0)
     table, table_stride = (comp_rows.table, comp_rows.table_stride) if comp_rows is not None else (pos, 0)
     sel_ptr = selected if selected is not None else pos
-    cos, sin = angles
+    tickets = ticket_counters(q.device, "attention", t * groups) if split > 1 else pos
     _attention_kernel[(t, groups, split)](
-        q, window_rows, comp_ptr, comp_rest, table, sel_ptr, sinks, pos, slots if slots is not None else pos, cos,
-        sin, out, m, l, acc, d, n_prev, window, selected.shape[1] if selected is not None else 0, table_stride,
+        q, window_rows, comp_ptr, comp_rest, table, sel_ptr, sinks, pos, slots if slots is not None else pos,
+        inv_freq, out, m, l, acc, tickets, d, n_prev, window, selected.shape[1] if selected is not None else 0,
+        table_stride,
         1.0 / math.sqrt(d),
         H=heads, COMP=comp, RATIO=max(ratio, 1), SPLIT=split, ROPE_DIM=rope_dim,
         BH=bh, BN=bn, BD=bd, FAST=precision.fast, BATCH=slots is not None, COMP_EXACT=comp_exact, PAGE=PAGE_ROWS,
         num_warps=8 if bd >= 512 else 4, num_stages=1,
     )  # fmt: skip
-    if split > 1:
-        _combine_kernel[(t, groups)](
-            m, l, acc, sinks, cos, sin, out, d, H=heads, SPLIT=split, ROPE_DIM=rope_dim, BH=bh, BD=bd, num_warps=8
-        )
     return out
-
-
-def _row_parts(rows: torch.Tensor | SplitRows) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The kernel's view of a row array: (leading part, rest, leading width), width 0 for whole rows."""
-    if isinstance(rows, SplitRows):
-        return rows.exact, rows.rest, rows.exact.shape[-1]
-    return rows, rows, 0
 
 
 def reference(q, window_rows, n_prev, window, sinks, angles, p0, comp_rows=None, ratio=0, selected=None):
@@ -398,11 +403,10 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
         window_rows = torch.randn(n_prev + t, a.head_dim, device=dev, generator=gen)
         comp = compact(n=n_comp)
         pos = torch.tensor([p0], dtype=torch.int32, device=dev)
-        angles = ops.rope_angles(pos.long() + torch.arange(t, device=dev), inv)
         window_read, comp_read = min(p0 + t, a.window), selected.shape[1] if selected is not None else n_comp
         rows_read = window_read + comp_read
         run = functools.partial(
-            attention, q, window_rows, n_prev, a.window, sinks, angles, a.rope_dim, pos, comp, ratio, selected,
+            attention, q, window_rows, n_prev, a.window, sinks, inv, a.rope_dim, pos, comp, ratio, selected,
             split, precision,
         )  # fmt: skip
         moved = 4 * a.head_dim * (window_read + 2 * t * a.n_heads) + row_bytes * comp_read  # float32 window
@@ -431,8 +435,7 @@ def _batch_case(shape: BenchShape, inv, sinks, b: int, n4: int, k: int, compact,
     pos = torch.full((b,), shape.ctx, dtype=torch.int32, device=dev)
     slots = torch.arange(b, dtype=torch.int32, device=dev)
     sel = torch.stack([torch.randperm(n4, device=dev, generator=gen)[:k] for _ in range(b)]).to(torch.int32)
-    angles = ops.rope_angles(pos.long(), inv)
-    run = functools.partial(attention_batch, q, rings, sinks, angles, a.rope_dim, pos, slots, comp, n4, 4, sel)
+    run = functools.partial(attention_batch, q, rings, sinks, inv, a.rope_dim, pos, slots, comp, n4, 4, sel)
     rows_read = b * (a.window + k)
     moved = 4 * a.head_dim * (b * a.window + 2 * b * a.n_heads) + row_bytes * b * k
     name = f"decode batch of {b}, ratio 4 at {shape.ctx}: {a.window} + {k} rows each"

@@ -17,7 +17,7 @@ window for ratio 4), chunk row i holds token p0 + i. Every kernel below addresse
 
 The pooled rows then go through RMSNorm, RoPE at the window's first position and the FP8 / FP4
 rounding (`rms_norm_rope`), written straight into the row buffer. The position comes from a device
-scalar so the same launches serve every decode step of a captured CUDA graph.
+scalar. A batch-native decode step advances its compressors in `decode_rows`' launch instead.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference.ops import compress as reference_compress
-from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2, per_sequence
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
 from dwarfstar.model.state import CompressorSpec
 
 
@@ -51,27 +51,12 @@ def _token_rows(kv_ptr, gate_ptr, u_ptr, g_ptr, ape_ptr, tok, col, p0, T, F, str
 
 
 @triton.jit
-def _sequence(kv_ptr, gate_ptr, u_ptr, g_ptr, pos_ptr, slot_ptr, b, stride_chunk, FRONT: tl.constexpr):
-    """Batch form: sequence b's position, and its frontier (slot slot[b] of the block) and chunk row."""
-    p0 = tl.load(pos_ptr + b)
-    front = tl.load(slot_ptr + b).to(tl.int64) * FRONT
-    chunk = b.to(tl.int64) * stride_chunk
-    return p0, kv_ptr + front, gate_ptr + front, u_ptr + chunk, g_ptr + chunk
-
-
-@triton.jit
 def _pool_kernel(
-    kv_ptr, gate_ptr, u_ptr, g_ptr, ape_ptr, pos_ptr, slot_ptr, out_ptr, T, stride_chunk, D,
-    RATIO: tl.constexpr, OVERLAP: tl.constexpr, BC: tl.constexpr, BATCH: tl.constexpr, FRONT: tl.constexpr,
+    kv_ptr, gate_ptr, u_ptr, g_ptr, ape_ptr, pos_ptr, out_ptr, T, stride_chunk, D,
+    RATIO: tl.constexpr, OVERLAP: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
-    # BATCH: program b pools sequence b's window in progress (complete when its token is the last)
-    if BATCH:
-        p0, kv_ptr, gate_ptr, u_ptr, g_ptr = _sequence(kv_ptr, gate_ptr, u_ptr, g_ptr, pos_ptr, slot_ptr,
-                                                       tl.program_id(0), stride_chunk, FRONT)  # fmt: skip
-        w = p0 // RATIO
-    else:
-        p0 = tl.load(pos_ptr)
-        w = p0 // RATIO + tl.program_id(0)  # window completed by this chunk
+    p0 = tl.load(pos_ptr)
+    w = p0 // RATIO + tl.program_id(0)  # window completed by this chunk
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     width = 2 * D if OVERLAP else D
     F = p0 % RATIO + (RATIO if OVERLAP else 0)
@@ -93,15 +78,10 @@ def _pool_kernel(
 
 @triton.jit
 def _frontier_kernel(
-    kv_ptr, gate_ptr, u_ptr, g_ptr, ape_ptr, pos_ptr, slot_ptr, T, stride_chunk, width,
-    RATIO: tl.constexpr, OVERLAP: tl.constexpr, NROWS: tl.constexpr, BC: tl.constexpr, BATCH: tl.constexpr,
-    FRONT: tl.constexpr,
+    kv_ptr, gate_ptr, u_ptr, g_ptr, ape_ptr, pos_ptr, T, stride_chunk, width,
+    RATIO: tl.constexpr, OVERLAP: tl.constexpr, NROWS: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
-    if BATCH:
-        p0, kv_ptr, gate_ptr, u_ptr, g_ptr = _sequence(kv_ptr, gate_ptr, u_ptr, g_ptr, pos_ptr, slot_ptr,
-                                                       tl.program_id(1), stride_chunk, FRONT)  # fmt: skip
-    else:
-        p0 = tl.load(pos_ptr)
+    p0 = tl.load(pos_ptr)
     p1 = p0 + T
     F = p0 % RATIO + (RATIO if OVERLAP else 0)
     r = tl.arange(0, NROWS)
@@ -131,49 +111,22 @@ def compress_chunk(
     u, g [T, c*d] (row stride free), ape [ratio, c*d], frontier [c*ratio, c*d], pos int32 [1] = p0 on
     the device. Returns the pooled rows [n_emit, d] before their norm / RoPE / rounding.
     """
-    return _launch(u, g, ape, frontier_kv, frontier_gate, pos, None, n_emit, ratio)
-
-
-def compress_batch(
-    u: torch.Tensor,
-    g: torch.Tensor,
-    ape: torch.Tensor,
-    frontier_kv: torch.Tensor,
-    frontier_gate: torch.Tensor,
-    pos: torch.Tensor,
-    slots: torch.Tensor,
-    ratio: int,
-) -> torch.Tensor:
-    """One decode token for each of B sequences in one launch: u, g [B, c*d], frontier [slots,
-    c*ratio, c*d] (a KV-cache block), pos and slots int32 [B]. Returns [B, d]: row b is sequence b's
-    window pooled as far as it has come, a row of the model where the token completes the window
-    (pos + 1 a multiple of ratio) and an unused row otherwise, since the launch shape cannot depend on
-    the positions."""
-    per_sequence(pos, slots)
-    return _launch(u, g, ape, frontier_kv, frontier_gate, pos, slots, u.shape[0], ratio)
-
-
-def _launch(u, g, ape, frontier_kv, frontier_gate, pos, slots, n_pooled, ratio):
-    """The pool and frontier launches shared by the chunk form and the batch form (`slots` given)."""
-    batch = slots is not None
     t, width = u.shape
     overlap = ratio == 4
     d = width // 2 if overlap else width
     if u.stride(1) != 1 or g.stride(1) != 1 or u.stride(0) != g.stride(0):
         raise ValueError("u and g must be column slices of one buffer")
-    pooled = torch.empty(n_pooled, d, device=u.device, dtype=torch.float32)
-    rows, front = frontier_kv.shape[-2], frontier_kv.shape[-2] * frontier_kv.shape[-1]
-    common = dict(RATIO=ratio, OVERLAP=overlap, BATCH=batch, FRONT=front, num_warps=4)
-    slot_arg = slots if batch else pos
-    span = 1 if batch else t  # chunk tokens per sequence
+    pooled = torch.empty(n_emit, d, device=u.device, dtype=torch.float32)
+    common = dict(RATIO=ratio, OVERLAP=overlap, num_warps=4)
     bc = next_pow2(d) if interpreting() else max(16, min(128, 4096 // (2 * ratio if overlap else ratio)))
-    if n_pooled:
-        _pool_kernel[(n_pooled, triton.cdiv(d, bc))](
-            frontier_kv, frontier_gate, u, g, ape, pos, slot_arg, pooled, span, u.stride(0), d, BC=bc, **common
+    if n_emit:
+        _pool_kernel[(n_emit, triton.cdiv(d, bc))](
+            frontier_kv, frontier_gate, u, g, ape, pos, pooled, t, u.stride(0), d, BC=bc, **common
         )
+    rows = frontier_kv.shape[0]
     bc = next_pow2(width) if interpreting() else max(16, min(256, 4096 // rows))
-    _frontier_kernel[(triton.cdiv(width, bc), t if batch else 1)](
-        frontier_kv, frontier_gate, u, g, ape, pos, slot_arg, span, u.stride(0), width, NROWS=rows, BC=bc, **common
+    _frontier_kernel[(triton.cdiv(width, bc),)](
+        frontier_kv, frontier_gate, u, g, ape, pos, t, u.stride(0), width, NROWS=rows, BC=bc, **common
     )
     return pooled
 

@@ -8,9 +8,14 @@ One kernel covers every per-row epilogue of the attention path (spec §2.1, §9)
 * indexer row / indexer query: [RMSNorm], RoPE, Hadamard, FP4
 
 RoPE rotates interleaved pairs of the last `rope_dim` dims; the pairs are split out of the register
-tile with reshape + split, and pairs before the rope dims get cos 1 / sin 0. Angles come in as
-cos/sin tables [tokens, rope_dim / 2], built in float64 by `reference.ops.rope_angles` on the device
-(a float32 product of position and frequency loses whole radians at million-token positions).
+tile with reshape + split, and pairs before the rope dims get cos 1 / sin 0. Angles are formed in
+float64 (a float32 product of position and frequency loses whole radians at million-token
+positions): a chunk brings cos/sin tables [tokens, rope_dim / 2] built by `reference.ops.rope_angles`
+on the device; a decode step's kernels form them from the device positions and the layer's inverse
+frequencies (`rope_cos_sin`: the float64 product, a Cody-Waite reduction by pi/2 and Taylor
+polynomials to float64 accuracy, then float32), which agrees with the tables to the float32 rounding.
+`query_rows` finishes a decode step's query heads (norm + RoPE) and, in ratio-4 layers, the indexer
+query heads (RoPE + Hadamard + FP4) in one launch.
 
 The QAT roundings are exact: a power-of-two block scale (UE8M0) and round-to-nearest-even on the
 e4m3 / e2m1 grid done in integer and float arithmetic that the interpreter and every GPU agree on
@@ -20,6 +25,7 @@ e4m3 / e2m1 grid done in integer and float arithmetic that the interpreter and e
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -102,6 +108,71 @@ def load_angles(cos_ptr, sin_ptr, tok, rows_ok, D, ROPE_DIM: tl.constexpr, INVER
 
 
 @triton.jit
+def finish_rows(x, m, w_ptr, cos, sin, had_ptr, D, eps, NORM: tl.constexpr, ROPE: tl.constexpr, QAT: tl.constexpr,
+                ROPE_DIM: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """The epilogue of rows x [BR, BD] (m: the valid entries): RMSNorm (NORM 1 plain, 2 weighted),
+    RoPE by cos/sin [BR or 1, BD / 2], then the QAT rounding."""
+    cols = tl.arange(0, BD)
+    if NORM != 0:
+        x = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        if NORM == 2:
+            x = x * tl.load(w_ptr + cols, mask=cols < D, other=0.0)[None, :]
+    if ROPE:
+        x = rotate_pairs(x, cos, sin, BR, BD)
+    if QAT == 1:  # KV: e4m3 on the nope dims, one scale per 64
+        x = _block_round(x, m & (cols < D - ROPE_DIM)[None, :], BR, BD, 64, 448.0, 1e-4, 3, -6)
+    elif QAT == 2:  # indexer: orthonormal Hadamard over the row, then e2m1, one scale per 32
+        x = _block_round(_hadamard(x, had_ptr, BR, BD), m, BR, BD, 32, 6.0, 6.0 * 2.0**-126, 1, 0)
+    return x
+
+
+# pi / 2 in three parts (the first two of 33 significant bits: k * part is exact for the k < 2^20
+# quarter turns of any angle below 1.6e6 radians, positions to a million at frequency 1)
+PIO2_1 = tl.constexpr(float.fromhex("0x1.921fb544p+0"))
+PIO2_2 = tl.constexpr(float.fromhex("0x1.0b4611a6p-34"))
+PIO2_3 = tl.constexpr(float.fromhex("0x1.3198a2e037073p-69"))
+TWO_OVER_PI = tl.constexpr(2 / math.pi)
+
+
+@triton.jit
+def _f64(value: tl.constexpr):
+    """A float64 constant (a bare Python float meets a float64 tensor as float32 in Triton 3.6)."""
+    return tl.full([], value, tl.float64)
+
+
+@triton.jit
+def _sin_cos(a):
+    """sin and cos in float32 of float64 angles a >= 0, computed to float64 accuracy first."""
+    k = tl.floor(a * _f64(TWO_OVER_PI) + 0.5)  # the nearest quarter turn: |r| <= pi / 4
+    r = a - k * _f64(PIO2_1) - k * _f64(PIO2_2) - k * _f64(PIO2_3)
+    r2 = r * r
+    # Taylor series: the first omitted terms, r^19 / 19! and r^18 / 18!, are below 1e-17 at pi / 4
+    s = _f64(1 / 355687428096000) - r2 * _f64(1 / 121645100408832000)
+    s = _f64(1 / 6227020800) - r2 * (_f64(1 / 1307674368000) - r2 * s)
+    s = _f64(1 / 120) - r2 * (_f64(1 / 5040) - r2 * (_f64(1 / 362880) - r2 * (_f64(1 / 39916800) - r2 * s)))
+    s = r - r * r2 * (_f64(1 / 6) - r2 * s)
+    c = _f64(1 / 87178291200) - r2 * _f64(1 / 20922789888000)
+    c = _f64(1 / 40320) - r2 * (_f64(1 / 3628800) - r2 * (_f64(1 / 479001600) - r2 * c))
+    c = 1.0 - r2 * (_f64(0.5) - r2 * (_f64(1 / 24) - r2 * (_f64(1 / 720) - r2 * c)))
+    q = k.to(tl.int32) & 3  # sin(q pi / 2 + r), cos(q pi / 2 + r)
+    sin = tl.where(q == 0, s, tl.where(q == 1, c, tl.where(q == 2, -s, -c)))
+    cos = tl.where(q == 0, c, tl.where(q == 1, -s, tl.where(q == 2, -c, s)))
+    return sin.to(tl.float32), cos.to(tl.float32)
+
+
+@triton.jit
+def rope_cos_sin(pos, inv_ptr, D, ROPE_DIM: tl.constexpr, INVERSE: tl.constexpr, BD: tl.constexpr):
+    """cos/sin [R, BD / 2] at the positions `pos` [R] for the pairs of D-wide rows, from the layer's
+    float64 inverse frequencies [ROPE_DIM / 2]; pairs before the rope dims get (1, 0)."""
+    pair = tl.arange(0, BD // 2)
+    first = (D - ROPE_DIM) // 2
+    is_rope = (pair >= first) & (pair < D // 2)
+    inv = tl.load(inv_ptr + pair - first, mask=is_rope, other=0.0)
+    sin, cos = _sin_cos(pos.to(tl.float64)[:, None] * inv[None, :])
+    return cos, (-sin if INVERSE else sin)
+
+
+@triton.jit
 def _rms_norm_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, had_ptr, out_ptr,
     n_rows, H, D, stride_xt, stride_xh, stride_ot, stride_oh, eps,
@@ -116,17 +187,10 @@ def _rms_norm_rope_kernel(
     m = rows_ok[:, None] & (cols < D)[None, :]
     x_off = tok.to(tl.int64)[:, None] * stride_xt + head[:, None] * stride_xh + cols[None, :]
     x = tl.load(x_ptr + x_off, mask=m, other=0.0)
-    if NORM != 0:
-        x = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-        if NORM == 2:
-            x = x * tl.load(w_ptr + cols, mask=cols < D, other=0.0)[None, :]
+    cos, sin = x, x  # unused without RoPE
     if ROPE:
         cos, sin = load_angles(cos_ptr, sin_ptr, tok, rows_ok, D, ROPE_DIM, INVERSE, BR, BD)
-        x = rotate_pairs(x, cos, sin, BR, BD)
-    if QAT == 1:  # KV: e4m3 on the nope dims, one scale per 64
-        x = _block_round(x, m & (cols < D - ROPE_DIM)[None, :], BR, BD, 64, 448.0, 1e-4, 3, -6)
-    elif QAT == 2:  # indexer: orthonormal Hadamard over the row, then e2m1, one scale per 32
-        x = _block_round(_hadamard(x, had_ptr, BR, BD), m, BR, BD, 32, 6.0, 6.0 * 2.0**-126, 1, 0)
+    x = finish_rows(x, m, w_ptr, cos, sin, had_ptr, D, eps, NORM, ROPE, QAT, ROPE_DIM, BR, BD)
     o_off = tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + cols[None, :]
     tl.store(out_ptr + o_off, x, mask=m)
 
@@ -181,6 +245,102 @@ def rms_norm_rope(
     return out
 
 
+@triton.jit
+def _head_rows(x_ptr, out_ptr, p, blk, inv_ptr, had_ptr, eps, H, D, NORM: tl.constexpr, QAT: tl.constexpr,
+               ROPE_DIM: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """Heads blk * BR .. of one token's row x_ptr [H * D] at position p, finished into out_ptr [H, D]."""
+    h = blk * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BD)
+    m = (h < H)[:, None] & (cols < D)[None, :]
+    at = h[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + at, mask=m, other=0.0)
+    cos, sin = rope_cos_sin(tl.zeros([1], tl.int32) + p, inv_ptr, D, ROPE_DIM, False, BD)
+    x = finish_rows(x, m, x_ptr, cos, sin, had_ptr, D, eps, NORM, True, QAT, ROPE_DIM, BR, BD)
+    tl.store(out_ptr + at, x, mask=m)
+
+
+@triton.jit
+def _query_rows_kernel(
+    q_ptr, iq_ptr, pos_ptr, inv_ptr, had_ptr, q_out, iq_out, stride_q, stride_iq, eps,
+    H, D, HI, DI, QAT_INDEX: tl.constexpr, ROPE_DIM: tl.constexpr,
+    BR: tl.constexpr, BD: tl.constexpr, BRI: tl.constexpr, BDI: tl.constexpr,
+):  # fmt: skip
+    # program (b, j): sequence b's query heads j * BR .. (the first cdiv(H, BR) programs), then its
+    # indexer query heads
+    b = tl.program_id(0)
+    blk = tl.program_id(1)
+    p = tl.load(pos_ptr + b)
+    n_q = tl.cdiv(H, BR)
+    if blk < n_q:
+        _head_rows(
+            q_ptr + b * stride_q, q_out + b * H * D, p, blk, inv_ptr, had_ptr, eps, H, D, 1, 0, ROPE_DIM, BR, BD
+        )  # fmt: skip  (NORM_PLAIN, QAT_NONE)
+    else:
+        _head_rows(
+            iq_ptr + b * stride_iq,
+            iq_out + b * HI * DI,
+            p,
+            blk - n_q,
+            inv_ptr,
+            had_ptr,
+            eps,
+            HI,
+            DI,
+            0,
+            QAT_INDEX,
+            ROPE_DIM,
+            BRI,
+            BDI,
+        )  # fmt: skip  (NORM_NONE)
+
+
+def query_rows(
+    q: torch.Tensor,
+    index_q: torch.Tensor | None,
+    pos: torch.Tensor,
+    inv_freq: torch.Tensor,
+    heads: tuple[int, int],
+    index_heads: tuple[int, int],
+    rope_dim: int,
+    eps: float,
+    qat: bool,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decode step's query rows in one launch: q [B, H * D] (row stride free) -> its heads [B, H, D]
+    RMS-normed (no weight) and rotated (into `out` when given); index_q [B, HI * DI] (ratio-4 layers,
+    else None) -> [B, HI, DI] rotated, then Hadamard + FP4 with `qat`. pos int32 [B], inv_freq float64
+    [rope_dim / 2]; `heads` = (H, D), `index_heads` = (HI, DI)."""
+    (h, d), (hi, di) = heads, index_heads
+    b = q.shape[0]
+    q_out = torch.empty(b, h, d, device=q.device, dtype=torch.float32) if out is None else out
+    iq_out = None if index_q is None else torch.empty(b, hi, di, device=q.device, dtype=torch.float32)
+    if q.stride(1) != 1 or (index_q is not None and index_q.stride(1) != 1):
+        raise ValueError("query rows must have unit column stride")
+    if index_q is not None and qat and di & (di - 1):
+        raise ValueError(f"the Hadamard transform needs a power-of-two row, got {di}")
+    bd, bdi = next_pow2(max(d, 64)), next_pow2(max(di, 64))
+    br, bri = (next_pow2(h), max(16, next_pow2(hi))) if interpreting() else (max(1, min(16, 4096 // bd)), 16)
+    programs = triton.cdiv(h, br) + (0 if index_q is None else triton.cdiv(hi, bri))
+    _query_rows_kernel[(b, programs)](
+        q, index_q if index_q is not None else q, pos, inv_freq, half_hadamard(bdi, q.device), q_out,
+        iq_out if iq_out is not None else q_out, q.stride(0), index_q.stride(0) if index_q is not None else 0, eps,
+        h, d, hi, di, QAT_INDEX=QAT_FP4 if qat else QAT_NONE, ROPE_DIM=rope_dim, BR=br, BD=bd, BRI=bri, BDI=bdi,
+        num_warps=4, num_stages=1,
+    )  # fmt: skip
+    return q_out, iq_out
+
+
+def reference_query_rows(q, index_q, pos, inv_freq, heads, index_heads, rope_dim, eps, qat):
+    """`query_rows` by the reference ops, with the angles from `reference.ops.rope_angles`."""
+    angles = ops.rope_angles(pos.long(), inv_freq)
+    q_out = reference(q.unflatten(1, heads), norm=NORM_PLAIN, eps=eps, angles=angles, rope_dim=rope_dim)
+    if index_q is None:
+        return q_out, None
+    qat_index = QAT_FP4 if qat else QAT_NONE
+    return q_out, reference(index_q.unflatten(1, index_heads), norm=NORM_NONE, angles=angles, rope_dim=rope_dim,
+                            qat=qat_index)  # fmt: skip
+
+
 def reference(
     x: torch.Tensor,
     *,
@@ -220,4 +380,12 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
         angles = ops.rope_angles(torch.arange(t, device=dev) + shape.ctx, inv)
         run = functools.partial(rms_norm_rope, x, angles=angles, rope_dim=a.rope_dim, **kw)
         cases.append(BenchCase("rms_norm_rope", f"{what} {t}x{heads}x{d}", run, 8 * x.numel()))
+    b = 8
+    q = torch.randn(b, a.n_heads * a.head_dim, device=dev, generator=gen)
+    index_q = torch.randn(b, a.index_n_heads * a.index_head_dim, device=dev, generator=gen)
+    pos = torch.arange(shape.ctx, shape.ctx + b, dtype=torch.int32, device=dev)
+    heads, index_heads = (a.n_heads, a.head_dim), (a.index_n_heads, a.index_head_dim)
+    run = functools.partial(query_rows, q, index_q, pos, inv, heads, index_heads, a.rope_dim, a.norm_eps, True)
+    cases.append(BenchCase("rms_norm_rope", f"decode batch of {b}: query and indexer query rows", run,
+                           8 * (q.numel() + index_q.numel())))  # fmt: skip
     return cases

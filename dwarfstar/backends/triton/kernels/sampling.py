@@ -8,8 +8,10 @@ lower token id.
 
 One launch serves a batch of rows, each with its own knobs, read from a device buffer (so a captured
 decode step samples inside the graph, whatever its requests ask). The candidates are each row's
-`TOP_K_CAP` best logits, from `topk` (unordered); the kernel ranks them by pairwise comparison
-(value, then lower id first), so the masses "before" each candidate need no sort. Without top-k
+`TOP_K_CAP` best logits, from `topk` (in ascending token id). The kernel ranks them with one sort in
+registers (a key of the logit's order bits over the complemented id: value, then lower id first) and
+takes the masses before each candidate, in rank order and in id order, as prefix sums: the work is
+spread over the program's threads, with no chain of dependent loads. Without top-k
 more than TOP_K_CAP tokens may pass min-p: the kernel flags such a row, and the caller redraws it
 over the whole vocabulary (`session.sampling`), which is rare (a flat distribution at a high
 temperature).
@@ -30,15 +32,36 @@ import torch
 import triton
 import triton.language as tl
 
-from dwarfstar.backends.triton.kernels.topk import topk_indices
+from dwarfstar.backends.triton.kernels.topk import order_key, topk_indices
 from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, next_pow2
 from dwarfstar.session.sampling import SEED_BITS, TOP_K_CAP, Sampler, SamplingParams, sample_tokens
 
 
 @triton.jit
+def _exclusive_cumsum(x, i):
+    """The sum of the entries before each entry of x [KP] (i: arange(KP))."""
+    inclusive = tl.cumsum(x, axis=0)
+    return tl.where(i == 0, 0.0, tl.gather(inclusive, tl.maximum(i - 1, 0), 0))
+
+
+@triton.jit
+def _ranked(v, idx, live, KP: tl.constexpr):
+    """The candidates in rank order (higher logit first, then lower id; the others last, id -1): their
+    logits and ids, sorted in one key, order bits of the logit over the complement of the id."""
+    low = tl.full([], 4294967295, tl.int64) - idx.to(tl.int64)  # a lower id sorts higher
+    key = tl.where(live, (order_key(v, live).to(tl.uint64) << 32) | low.to(tl.uint64), 0)
+    if KP > 1:
+        key = tl.sort(key, descending=True)
+    order = (key >> 32).to(tl.int64)  # back from the order bits (`topk.order_key`) to the float
+    bits = tl.where(order >= 2147483648, order - 2147483648, -1 - order).to(tl.int32)
+    ranked_idx = (tl.full([], 4294967295, tl.int64) - (key & 4294967295).to(tl.int64)).to(tl.int32)
+    return bits.to(tl.float32, bitcast=True), ranked_idx
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr, cand_ptr, knobs_ptr, ints_ptr, out_ptr, overflow_ptr, vocab, n_cand, n_draws,
-    KP: tl.constexpr, CHUNK: tl.constexpr, ND: tl.constexpr,
+    KP: tl.constexpr, ND: tl.constexpr,
 ):  # fmt: skip
     """Row `program_id` of the batch: its knobs (temperature, min_p, top_p) and ints (top_k or 0,
     seed, step) are read here, so one compiled kernel (and one captured launch) serves any mix."""
@@ -50,10 +73,9 @@ def _sample_kernel(
     seed = tl.load(ints_ptr + 6 * row + 4)
     step = tl.load(ints_ptr + 6 * row + 5)
     row_logits = logits_ptr + row.to(tl.int64) * vocab
-    row_cand = cand_ptr + row * n_cand
     row_out = out_ptr + row * n_draws
     i = tl.arange(0, KP)
-    idx = tl.load(row_cand + i, mask=i < n_cand, other=-1)
+    idx = tl.load(cand_ptr + row * n_cand + i, mask=i < n_cand, other=-1)
     live = idx >= 0
     v = tl.load(row_logits + idx, mask=live, other=float("-inf"))
     top = tl.max(v, axis=0)
@@ -65,32 +87,26 @@ def _sample_kernel(
             tl.store(row_out + draw, best + 0 * draw, mask=draw < n_draws)
     else:
         p = tl.where(live, tl.exp((v - top) / temperature), 0.0)
-        # per candidate: the mass ranked strictly before it (higher logit, or equal logit and lower
-        # id), its rank, and the min-p survivors' mass at lower ids (the draw order without ranking)
-        before = tl.zeros((KP,), tl.float32)
-        below = tl.zeros((KP,), tl.float32)
-        rank = tl.zeros((KP,), tl.int32)
-        for j0 in range(0, KP, CHUNK):  # a loop, not unrolled: unrolled, its loads are hoisted and spill
-            j = j0 + tl.arange(0, CHUNK)
-            idx_j = tl.load(row_cand + j, mask=j < n_cand, other=-1)
-            v_j = tl.load(row_logits + idx_j, mask=idx_j >= 0, other=float("-inf"))
-            p_j = tl.where(idx_j >= 0, tl.exp((v_j - top) / temperature), 0.0)
-            ahead = (v_j[None, :] > v[:, None]) | ((v_j[None, :] == v[:, None]) & (idx_j[None, :] < idx[:, None]))
-            ahead = ahead & (idx_j[None, :] >= 0)
-            before += tl.sum(tl.where(ahead, p_j[None, :], 0.0), axis=1)
-            rank += tl.sum(ahead.to(tl.int32), axis=1)
-            lower = (idx_j[None, :] >= 0) & (idx_j[None, :] < idx[:, None]) & (p_j[None, :] >= min_p)
-            below += tl.sum(tl.where(lower, p_j[None, :], 0.0), axis=1)
-        # min-p, then top-k, keep a prefix of the ranking, so a survivor's `before` is survivors' mass
+        # in token-id order (the candidates' own: `topk` gives them ascending): the min-p survivors'
+        # mass at lower ids, where a draw without ranking starts each kept token's interval
+        keep_id = live & (p >= min_p)
+        below = _exclusive_cumsum(tl.where(keep_id, p, 0.0), i)
+        # in rank order (i is the rank): the mass ranked before each; min-p, then top-k, keep a prefix
+        # of the ranking, so a survivor's mass before it is the survivors' mass
+        v_r, idx_r = _ranked(v, idx, live, KP)
+        live_r = idx_r >= 0
+        p_r = tl.where(live_r, tl.exp((v_r - top) / temperature), 0.0)
+        before = _exclusive_cumsum(p_r, i)
+        keep_r = live_r & (p_r >= min_p) & (i < tl.where(top_k > 0, top_k, KP))
+        total = tl.sum(tl.where(keep_r, p_r, 0.0), axis=0)
+        keep_r = keep_r & (before / total < tl.where(top_p < 1.0, top_p, float("inf")))
         # (the knobs are scalars: combined by arithmetic, which the interpreter's booleans allow)
-        keep = live & (p >= min_p) & (rank < tl.where(top_k > 0, top_k, KP))
-        total = tl.sum(tl.where(keep, p, 0.0), axis=0)
-        keep = keep & (before / total < tl.where(top_p < 1.0, top_p, float("inf")))
         ranked = (top_k > 0).to(tl.int32) + (top_p < 1.0).to(tl.int32) > 0
         # a kept candidate owns [start, start + p) of the kept mass, in rank order or in id order
+        keep = tl.where(ranked, keep_r, keep_id)
         start = tl.where(keep, tl.where(ranked, before, below), float("inf"))
-        order = tl.where(ranked, rank, idx)
-        kept_total = tl.sum(tl.where(keep, p, 0.0), axis=0)
+        chosen_id = tl.where(ranked, idx_r, idx)
+        kept_total = tl.sum(tl.where(keep, tl.where(ranked, p_r, p), 0.0), axis=0)
         for d0 in range(0, n_draws, ND):
             draw = d0 + tl.arange(0, ND)
             target = tl.rand(seed, step + draw) * kept_total  # [ND]
@@ -99,9 +115,8 @@ def _sample_kernel(
             # interval is the one that is not empty
             at = tl.where(start[None, :] <= target[:, None], start[None, :], -1.0)  # [ND, KP]
             last = tl.max(at, axis=1)
-            key = tl.where((at == last[:, None]) & keep[None, :], order[None, :], -1)
-            latest = tl.max(key, axis=1)
-            chosen = tl.max(tl.where(key == latest[:, None], idx[None, :], -1), axis=1)
+            latest = tl.max(tl.where((at == last[:, None]) & keep[None, :], i[None, :], -1), axis=1)
+            chosen = tl.max(tl.where(i[None, :] == latest[:, None], chosen_id[None, :], -1), axis=1)
             tl.store(row_out + draw, chosen, mask=draw < n_draws)
         # without top-k the rules may keep tokens past the candidates: when the weakest still passes
         weakest = tl.min(tl.where(live, p, float("inf")), axis=0)
@@ -148,7 +163,7 @@ def sample_rows(
     kp = next_pow2(k)
     _sample_kernel[(rows,)](
         logits, candidates, knobs, knobs.view(torch.int32), tokens, overflow, vocab, k, n,
-        KP=kp, CHUNK=min(kp, 8), ND=min(next_pow2(n), max(1, 65536 // kp)), num_warps=8,
+        KP=kp, ND=min(next_pow2(n), max(1, 65536 // kp)), num_warps=8,
     )  # fmt: skip
     return tokens, overflow
 

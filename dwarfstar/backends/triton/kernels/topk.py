@@ -58,17 +58,27 @@ def kth_largest(key, k):
 
 
 @triton.jit
-def _round_kernel(
-    scores_ptr, idx_ptr, valid_ptr, out_scores_ptr, out_idx_ptr, N, n_in, stride_in, n_blocks, k,
-    FIRST: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
+def _load(ptr, mask, other, CG: tl.constexpr):
+    if CG:  # written by other programs of the launch: read past L1
+        return tl.load(ptr, mask=mask, other=other, cache_modifier=".cg")
+    else:
+        return tl.load(ptr, mask=mask, other=other)
+
+
+@triton.jit
+def select_block(
+    scores_ptr, idx_ptr, valid_ptr, out_scores_ptr, out_idx_ptr, final_ptr, row, blk, N, n_in, stride_in, n_blocks, k,
+    FIRST: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr, CG: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
-    n_row = tl.minimum(tl.load(valid_ptr + row), N)
+    """One block of one row in a round: its k best (score, index) candidates, compacted in index order
+    into slots (row * n_blocks + blk) * k of the round's outputs. A row with no more than k valid
+    entries is done by the first round: its indices, then -1, straight into `final_ptr` [rows, k].
+    CG: the inputs were written by other programs of the same launch."""
+    n_row = tl.minimum(_load(valid_ptr + row, True, 0, CG), N)
     if n_row <= k:  # everything valid is selected, by the first round: indices in order, then -1
         if FIRST and blk == 0:
             j = tl.arange(0, KP)
-            tl.store(out_idx_ptr + row * k + j, tl.where(j < n_row, j, -1), mask=j < k)
+            tl.store(final_ptr + row * k + j, tl.where(j < n_row, j, -1), mask=j < k)
     else:
         i = blk * BLOCK + tl.arange(0, BLOCK)
         in_row = row.to(tl.int64) * stride_in + i
@@ -76,9 +86,9 @@ def _round_kernel(
             idx = i
             live = i < n_row
         else:
-            idx = tl.load(idx_ptr + in_row, mask=i < n_in, other=-1)
+            idx = _load(idx_ptr + in_row, i < n_in, -1, CG)
             live = idx >= 0
-        s = tl.load(scores_ptr + in_row, mask=live, other=0.0)
+        s = _load(scores_ptr + in_row, live, 0.0, CG)
         key = order_key(s, live)
         kth = kth_largest(key, k)
         above = key > kth
@@ -91,6 +101,15 @@ def _round_kernel(
             tl.store(out_scores_ptr + out, s, mask=take)
 
 
+@triton.jit
+def _round_kernel(
+    scores_ptr, idx_ptr, valid_ptr, out_scores_ptr, out_idx_ptr, final_ptr, N, n_in, stride_in, n_blocks, k,
+    FIRST: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
+):  # fmt: skip
+    select_block(scores_ptr, idx_ptr, valid_ptr, out_scores_ptr, out_idx_ptr, final_ptr, tl.program_id(0),
+                 tl.program_id(1), N, n_in, stride_in, n_blocks, k, FIRST, FINAL, BLOCK, KP, False)  # fmt: skip
+
+
 def block_size(k: int) -> int:
     return max(next_pow2(4 * k), 256 if interpreting() else 4096)
 
@@ -101,16 +120,32 @@ def topk_indices(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Ten
     Row r selects among its first min(valid[r], N) entries, in ascending index order.
     """
     rows, n = scores.shape
-    block = block_size(k)
     out = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
-    cand_scores, cand_idx, n_in, stride, first = scores, out, n, scores.stride(0), True
+    return finish_rounds(scores, out, valid, n, n, scores.stride(0), k, out, first=True)
+
+
+def finish_rounds(
+    cand_scores: torch.Tensor,
+    cand_idx: torch.Tensor,
+    valid: torch.Tensor,
+    width: int,
+    n_in: int,
+    stride: int,
+    k: int,
+    out: torch.Tensor,
+    first: bool = False,
+) -> torch.Tensor:
+    """Rounds over candidates (scores and indices [R, n_in], row stride `stride`; with `first`, the
+    scores [R, width] themselves, the indices implied) until one block remains, the last round writing
+    `out` [R, k]; `width` is what the scores had, which bounds each row's valid count."""
+    rows, block = out.shape[0], block_size(k)
     while first or n_in > k:
         n_blocks = triton.cdiv(n_in, block)
         final = n_blocks == 1
-        next_scores = out if final else torch.empty(rows, n_blocks * k, device=scores.device)
-        next_idx = out if final else torch.empty(rows, n_blocks * k, dtype=torch.int32, device=scores.device)
+        next_scores = out if final else torch.empty(rows, n_blocks * k, device=out.device)
+        next_idx = out if final else torch.empty(rows, n_blocks * k, dtype=torch.int32, device=out.device)
         _round_kernel[(rows, n_blocks)](
-            cand_scores, cand_idx, valid, next_scores, next_idx, n, n_in, stride, n_blocks, k,
+            cand_scores, cand_idx, valid, next_scores, next_idx, out, width, n_in, stride, n_blocks, k,
             FIRST=first, FINAL=final, BLOCK=block, KP=next_pow2(k), num_warps=8,
         )  # fmt: skip
         cand_scores, cand_idx, n_in, stride, first = next_scores, next_idx, n_blocks * k, n_blocks * k, False
