@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference import ops
+from dwarfstar.backends.triton.kernels.expert_blocks import EXACT_TYPES, FAST_TYPES, exact_step, fast_step, tables
 from dwarfstar.backends.triton.kernels.moe_sort import ExpertTiles, single_expert_tiles, sort_by_expert
 from dwarfstar.backends.triton.kernels.quant_blocks import (
     GEMV_CANDIDATES,
@@ -33,7 +34,7 @@ from dwarfstar.backends.triton.kernels.quant_blocks import (
 )
 from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, interpreting, next_pow2
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
-from dwarfstar.gguf.constants import GGMLType
+from dwarfstar.gguf.constants import QK_K, GGMLType
 
 
 @triton.jit
@@ -45,6 +46,13 @@ def _product(acc, x, w, USE_DOT: tl.constexpr, FAST: tl.constexpr):
             return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
     else:
         return acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+
+
+@triton.jit
+def _swiglu(g, u, limit):
+    """silu(min(g, L)) * clamp(u, -L, L); silu(g) = g / (1 + e^-g), the exponent capped where silu is ~0."""
+    g = tl.minimum(g, limit)
+    return g / (1.0 + tl.exp(tl.minimum(-g, 80.0))) * tl.minimum(tl.maximum(u, -limit), limit)
 
 
 def _pruner(weights: int):
@@ -92,9 +100,7 @@ def _gate_up_kernel(
                              USE_DOT, FAST)  # fmt: skip
             acc_u = _product(acc_u, x, load_weight_tile(up_ptr, grid_ptr, row_off, k0, K, WTYPE, BN, BK),
                              USE_DOT, FAST)  # fmt: skip
-        g = tl.minimum(acc_g, limit)
-        # silu(g) = g / (1 + e^-g); capping the exponent keeps it finite where silu is ~0 anyway
-        mid = g / (1.0 + tl.exp(tl.minimum(-g, 80.0))) * tl.minimum(tl.maximum(acc_u, -limit), limit)
+        mid = _swiglu(acc_g, acc_u, limit)
         if WEIGHTED:
             mid = mid * tl.load(route_w_ptr + entry, mask=m_ok, other=0.0)[:, None]
         out = mid_ptr + (start + m).to(tl.int64)[:, None] * N + n[None, :]
@@ -183,6 +189,199 @@ def expert_ffn(
         f, d, down.row_bytes, tiles.k, out.shape[1], slot_offset,
         WTYPE=down.wtype, BM=tiles.block_m, BK=bk, USE_DOT=use_dot, FAST=precision.fast,
     )  # fmt: skip
+
+
+# -- decode form ---------------------------------------------------------------------------------------
+DECODE_TOKENS = 8  # up to this many tokens a step runs the decode form: no sort, one launch per projection
+
+
+@triton.jit
+def _rows_dot(x_ptr, x_off, x_ok, w1_ptr, w2_ptr, tab_ptr, row_off, K,
+              WTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr,
+              FAST: tl.constexpr, BCAST: tl.constexpr):  # fmt: skip
+    """Products of BN weight rows (w1, and w2 when TWO) with activation rows: [R, BN] each, R = x_off's
+    length. FAST: the tensor-core form over 16 rows (BCAST: one row in all 16, every result row equal)."""
+    if FAST:
+        a1 = tl.zeros([BN, 16], tl.float32)
+        a2 = a1
+        for sb in range(0, K // 256):
+            a1 += fast_step(w1_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST, WTYPE, BN)
+            if TWO:
+                a2 += fast_step(w2_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST, WTYPE, BN)
+        return tl.trans(a1), tl.trans(a2)
+    else:
+        a1 = exact_step(w1_ptr, tab_ptr, row_off, 0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+        a2 = a1
+        if TWO:
+            a2 = exact_step(w2_ptr, tab_ptr, row_off, 0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+        for k0 in range(BK, K, BK):
+            a1 += exact_step(w1_ptr, tab_ptr, row_off, k0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+            if TWO:
+                a2 += exact_step(w2_ptr, tab_ptr, row_off, k0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+        return tl.sum(a1, axis=2), tl.sum(a2, axis=2)
+
+
+@triton.jit
+def _decode_gate_up_kernel(
+    x_ptr, ids_ptr, route_w_ptr, gate_ptr, up_ptr, sgate_ptr, sup_ptr, tab_ptr, mid_ptr,
+    T, k, D, F, FS, FM, stride_x, row_bytes, srow_bytes, limit,
+    RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
+    SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr,
+):  # fmt: skip
+    # column 0: the shared expert for every token (the longest programs, so scheduled first); column
+    # 1 + e: routing entry e = t * k + slot. mid rows: e for the entries, T * k + t for the shared expert
+    col = tl.program_id(1)
+    if col == 0:
+        rows = tl.arange(0, 16 if SFAST else TB)
+        ok = rows < T
+        x_off = tl.where(ok, rows, 0).to(tl.int64) * stride_x
+        for part in range(0, BN // SBN):
+            n = tl.program_id(0) * BN + part * SBN + tl.arange(0, SBN)
+            row_off = tl.minimum(n, FS - 1).to(tl.int64) * srow_bytes
+            g, u = _rows_dot(x_ptr, x_off, ok, sgate_ptr, sup_ptr, tab_ptr, row_off, D,
+                             STYPE, SBN, SBK, True, SFAST, False)  # fmt: skip
+            out = mid_ptr + (T * k + rows).to(tl.int64)[:, None] * FM + n[None, :]
+            tl.store(out, _swiglu(g, u, limit), mask=ok[:, None] & (n < FS)[None, :])
+    else:
+        e = col - 1
+        expert = tl.load(ids_ptr + e).to(tl.int64)
+        rows = tl.arange(0, 16 if RFAST else 1)
+        x_off = tl.full(rows.shape, 0, tl.int64) + (e // k).to(tl.int64) * stride_x
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        row_off = (expert * F + tl.minimum(n, F - 1)) * row_bytes
+        g, u = _rows_dot(x_ptr, x_off, rows >= 0, gate_ptr, up_ptr, tab_ptr, row_off, D,
+                         RTYPE, BN, RBK, True, RFAST, True)  # fmt: skip
+        mid = _swiglu(g, u, limit) * tl.load(route_w_ptr + e)
+        out = mid_ptr + e.to(tl.int64) * FM + rows[:, None] * 0 + n[None, :]
+        tl.store(out, mid, mask=(rows == 0)[:, None] & (n < F)[None, :])
+
+
+@triton.jit
+def _decode_down_kernel(
+    mid_ptr, ids_ptr, down_ptr, sdown_ptr, tab_ptr, part_ptr, tickets_ptr, out_ptr,
+    T, k, F, FS, FM, D, row_bytes, srow_bytes, stride_out,
+    RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
+    SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr,
+):  # fmt: skip
+    # every program writes its [rows, BN] products to part (rows as in mid); the last program of a
+    # column block to finish (a ticket per block, back to 0 for the next launch) sums each token's
+    # k routed slots, in slot order, then its shared expert, into out
+    nb = tl.program_id(0)
+    col = tl.program_id(1)
+    if col == 0:
+        rows = tl.arange(0, 16 if SFAST else TB)
+        ok = rows < T
+        x_off = (T * k + tl.where(ok, rows, 0)).to(tl.int64) * FM
+        for part in range(0, BN // SBN):
+            n = nb * BN + part * SBN + tl.arange(0, SBN)
+            row_off = tl.minimum(n, D - 1).to(tl.int64) * srow_bytes
+            y, _ = _rows_dot(mid_ptr, x_off, ok, sdown_ptr, sdown_ptr, tab_ptr, row_off, FS,
+                             STYPE, SBN, SBK, False, SFAST, False)  # fmt: skip
+            out = part_ptr + (T * k + rows).to(tl.int64)[:, None] * D + n[None, :]
+            tl.store(out, y, mask=ok[:, None] & (n < D)[None, :])
+    else:
+        e = col - 1
+        expert = tl.load(ids_ptr + e).to(tl.int64)
+        rows = tl.arange(0, 16 if RFAST else 1)
+        x_off = tl.full(rows.shape, 0, tl.int64) + e.to(tl.int64) * FM
+        n = nb * BN + tl.arange(0, BN)
+        row_off = (expert * D + tl.minimum(n, D - 1)) * row_bytes
+        y, _ = _rows_dot(mid_ptr, x_off, rows >= 0, down_ptr, down_ptr, tab_ptr, row_off, F,
+                         RTYPE, BN, RBK, False, RFAST, True)  # fmt: skip
+        out = part_ptr + e.to(tl.int64) * D + rows[:, None] * 0 + n[None, :]
+        tl.store(out, y, mask=(rows == 0)[:, None] & (n < D)[None, :])
+    tl.debug_barrier()
+    ticket = tl.atomic_add(tickets_ptr + nb, 1, sem="acq_rel", scope="gpu")
+    if ticket == T * k:
+        tl.store(tickets_ptr + nb, 0)
+        t = tl.arange(0, TB)
+        n = nb * BN + tl.arange(0, BN)
+        ok = (t < T)[:, None] & (n < D)[None, :]
+        total = tl.zeros([TB, BN], tl.float32)
+        for slot in range(0, k):
+            at = part_ptr + (t * k + slot).to(tl.int64)[:, None] * D + n[None, :]
+            total += tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
+        at = part_ptr + (T * k + t).to(tl.int64)[:, None] * D + n[None, :]
+        total += tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_out + n[None, :], total, mask=ok)
+
+
+_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """int32 [n] counters at 0, one buffer per (device, size) kept for good: a captured graph holds its
+    address, and every launch leaves its counters at 0 again."""
+    key = (device, n)
+    if key not in _TICKETS:
+        _TICKETS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _TICKETS[key]
+
+
+def _decode_tile(ggml_type: GGMLType, fast: bool) -> tuple[int, int, int]:
+    """(BN, num_warps, BK) of a decode loop: 128 threads that each read 16-byte runs of the blocks (rows
+    of 4 runs per super-block for the 2-bit formats, 8 for Q4_K, 16 for Q8_0's 256 columns); the
+    tensor-core form takes 2 warps of 16-row mma tiles (4 warps would pick wgmma, which stages the
+    activations in shared memory)."""
+    if interpreting():
+        return 16, 1, 256 if ggml_type in EXACT_TYPES else tile_k(ggml_type, QK_K)
+    if fast and ggml_type in FAST_TYPES:
+        return 64, 2, 256
+    if ggml_type in EXACT_TYPES:
+        runs = {GGMLType.Q8_0: 16, GGMLType.Q4_K: 8}.get(ggml_type, 4)
+        return 128 // runs, 4, 256
+    return 16, 4, tile_k(ggml_type, QK_K)
+
+
+def decode_ffn(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    routed: tuple[QWeight, QWeight, QWeight],
+    shared: tuple[QWeight, QWeight, QWeight],
+    limit: float,
+    precision: Precision = EXACT,
+) -> torch.Tensor:
+    """[T, D] float32: each token's k routed experts (ids int32 [T, k], route_weights float32 [T, k],
+    applied before the down projection) and the shared expert, summed in slot order then shared.
+
+    Two launches whatever T is (at most DECODE_TOKENS): gate+up, then down with the sum; their grids
+    depend on T and k only, so a captured decode step replays them.
+    """
+    t, k = ids.shape
+    if t > DECODE_TOKENS:
+        raise ValueError(f"the decode form takes at most {DECODE_TOKENS} tokens, got {t}")
+    gate, up, down = routed
+    sgate, sup, sdown = shared
+    d, f, fs = gate.cols, gate.expert_rows, sgate.rows
+    device, tb = x.device, next_pow2(t)
+    fm = max(f, fs)
+    fast = precision.fast
+    mid = torch.empty(t * k + t, fm, device=device, dtype=torch.float16 if fast else torch.float32)
+    parts = torch.empty(t * k + t, d, device=device)
+    out = torch.empty(t, d, device=device)
+    tab = tables(device)
+    ids, route_weights = ids.contiguous(), route_weights.contiguous()
+    for step, (w, s) in enumerate(((gate, sgate), (down, sdown))):
+        rfast, sfast = fast and w.ggml_type in FAST_TYPES, fast and s.ggml_type in FAST_TYPES
+        bn, warps, rbk = _decode_tile(w.ggml_type, fast)
+        sbn, _, sbk = _decode_tile(s.ggml_type, fast)
+        sbn = min(sbn, bn)
+        consts = dict(RTYPE=w.wtype, STYPE=s.wtype, BN=bn, SBN=sbn, RBK=rbk, SBK=sbk, RFAST=rfast, SFAST=sfast,
+                      TB=tb, num_warps=warps, num_stages=1 if interpreting() else 3)  # fmt: skip
+        if step == 0:
+            grid = (triton.cdiv(fm, bn), t * k + 1)
+            _decode_gate_up_kernel[grid](
+                x, ids, route_weights, gate.data, up.data, sgate.data, sup.data, tab, mid,
+                t, k, d, f, fs, fm, x.stride(0), gate.row_bytes, sgate.row_bytes, limit, **consts,
+            )  # fmt: skip
+        else:
+            blocks = triton.cdiv(d, bn)
+            _decode_down_kernel[(blocks, t * k + 1)](
+                mid, ids, down.data, sdown.data, tab, parts, _tickets(device, blocks), out,
+                t, k, f, fs, fm, d, down.row_bytes, sdown.row_bytes, out.stride(0), **consts,
+            )  # fmt: skip
+    return out
 
 
 def reference(x, gate: QWeight, up: QWeight, down: QWeight, ids, route_weights, limit) -> torch.Tensor:
