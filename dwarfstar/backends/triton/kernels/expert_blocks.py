@@ -53,17 +53,23 @@ def _tables(device: torch.device) -> torch.Tensor:
     grid16 = halves[:, 0::2] | (halves[:, 1::2] << 16)
     bits = (ksigns.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32)) & 1
     masks = (bits[:, 0::2] << 15) | (bits[:, 1::2] << 31)
-    return torch.cat([grid.view(torch.int32).reshape(-1), grid16.reshape(-1), masks.reshape(-1)]).to(device)
+    masks32 = bits << 31
+    one = torch.tensor([1.0]).view(torch.int32)
+    parts = [grid.view(torch.int32).reshape(-1), grid16.reshape(-1), masks.reshape(-1), masks32.reshape(-1), one]
+    return torch.cat(parts).to(device)
 
 
 def tables(device: torch.device | str) -> torch.Tensor:
     """IQ2_XXS lookup tables as one int32 tensor (stays in cache): the float32 lattice (256 x 8), its
-    fp16 pairs (256 x 4 words) and the fp16 sign masks (128 x 4 words)."""
+    fp16 pairs (256 x 4 words), and per 7-bit sign index the masks of its 8 signs (parity included)
+    on fp16 pairs (4 words) and on float32 (8 words); then the bits of 1.0."""
     return _tables(torch.device(device))
 
 
 GRID16_AT = tl.constexpr(2048)  # word offsets of the fp16 lattice and the sign masks in `tables`
 SIGNS16_AT = tl.constexpr(3072)
+SIGNS32_AT = tl.constexpr(3584)
+ONE_AT = tl.constexpr(4608)
 
 
 @triton.jit
@@ -77,6 +83,53 @@ def _bytes_f32(v):
 
 
 @triton.jit
+def _field_f32(w, one, AT: tl.constexpr, BITS: tl.constexpr):
+    """The BITS-bit field at bit AT of each word as the float 1 + q / 2^BITS: shifted to the top of the
+    mantissa and or-ed into `one`, the bits of 1.0 (read from memory: a register, where a constant
+    would leave the compiler a second constant to rebuild in every instruction)."""
+    if AT + BITS <= 23:
+        top = w << (23 - BITS - AT)
+    else:
+        top = w >> (AT + BITS - 23)
+    return (top & (((1 << BITS) - 1) << (23 - BITS))) | one
+
+
+@triton.jit
+def _fields_f32(w, one, AT: tl.constexpr, BITS: tl.constexpr, STEP: tl.constexpr):
+    """Fields at AT, AT + STEP, AT + 2 STEP, AT + 3 STEP joined [..., 2, 2] (i + 2 j)."""
+    f0 = _field_f32(w, one, AT, BITS)
+    f1 = _field_f32(w, one, AT + STEP, BITS)
+    f2 = _field_f32(w, one, AT + 2 * STEP, BITS)
+    f3 = _field_f32(w, one, AT + 3 * STEP, BITS)
+    return tl.join(tl.join(f0, f1), tl.join(f2, f3))
+
+
+@triton.jit
+def _fma_last(a, b, acc):
+    """acc + sum of a * b over the last dim (2), as a multiply-add chain."""
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a1 * b1 + (a0 * b0 + acc)
+
+
+@triton.jit
+def _chain(a, b, acc, N: tl.constexpr):
+    """acc + sum of a * b over the last N dims (each 2, held by one thread), as one multiply-add chain."""
+    if N == 1:
+        return _fma_last(a, b, acc)
+    else:
+        a0, a1 = tl.split(a)
+        b0, b1 = tl.split(b)
+        return _chain(a1, b1, _chain(a0, b0, acc, N - 1), N - 1)
+
+
+@triton.jit
+def _dot_last2(a, b):
+    """Sum of a * b over the last two dims (2, 2)."""
+    return _chain(a, b, 0.0, 2)
+
+
+@triton.jit
 def _x_rows(x_ptr, x_off, x_ok, k, k_ok):
     """Activations float32 [TB, *k.shape]: rows at element offsets x_off [TB] (int64), masked by
     x_ok [TB], columns k where k_ok."""
@@ -84,13 +137,6 @@ def _x_rows(x_ptr, x_off, x_ok, k, k_ok):
         x_off = tl.expand_dims(x_off, len(x_off.shape))
         x_ok = tl.expand_dims(x_ok, len(x_ok.shape))
     return tl.load(x_ptr + x_off + k[None], mask=x_ok & k_ok[None], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _sum_last(a, n: tl.constexpr):
-    for _ in tl.static_range(n):
-        a = tl.sum(a, axis=len(a.shape) - 1)
-    return a
 
 
 @triton.jit
@@ -104,10 +150,10 @@ def _exact_q8_0(w_ptr, row_off, k0, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
     run_ok = (k0 + 16 * c) < K
     words = tl.load((w_ptr + row_off + k0).to(tl.pointer_type(tl.uint32))[:, None, None] + word[None],
                     mask=run_ok[None, :, None], other=0)  # fmt: skip
-    q = _bytes_f32(words ^ tl.full([], 0x80808080, tl.uint32)).to(tl.float32, bitcast=True) - 8388736.0  # [BN, 16, 4, 2, 2]
+    q = _bytes_f32(words ^ tl.full([], 0x80808080, tl.uint32)).to(tl.float32, bitcast=True) - 8388736.0
     k = (4 * word)[:, :, None, None] + i[None, None, :, None] + (2 * i)[None, None, None, :]
     x = _x_rows(x_ptr, x_off, x_ok, k0 + k, k0 + k < K)  # [TB, 16, 4, 2, 2]; past K: q and x are 0
-    part = _sum_last(tl.reshape(q, [1, BN, 16, 4, 2, 2]) * x[:, None], 3)  # [TB, BN, 16]
+    part = tl.sum(_dot_last2(tl.reshape(q, [1, BN, 16, 4, 2, 2]), x[:, None]), axis=3)  # [TB, BN, 16]
     blk = (k0 // 32 + c // 2)[None, :]
     d = tl.load((w_ptr + row_off[:, None] + K + 2 * blk).to(tl.pointer_type(tl.float16)), mask=run_ok[None, :])
     return part * d.to(tl.float32)[None]
@@ -123,32 +169,41 @@ def _q2_k_scales(w_ptr, side, BN: tl.constexpr):
 
 
 @triton.jit
-def _exact_q2_k(w_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
+def _q2_byte(w, one, B: tl.constexpr):
+    """Byte B's four 2-bit quants as 1 + q / 4, joined [..., s_i, s_j] (s = s_i + 2 s_j)."""
+    return _fields_f32(w, one, 8 * B, 2, 2)
+
+
+@triton.jit
+def _exact_q2_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
     # payload: qs[64] per super-block; byte 32 h + l holds elements 128 h + 32 s + l (s = 0..3) at
     # bit 2 s. A thread takes a 16-byte run c (h = c // 2, l = 16 (c % 2) + 0..15): 4 whole
-    # sub-blocks, one per s. side (20 B): scales[16] (low nibble scale, high min), f16 d, dmin
+    # sub-blocks, one per s. side (20 B): scales[16] (low nibble scale, high min), f16 d, dmin.
+    # Each quant is the float 1 + q / 4: sum (1 + q / 4) x = X + sum q x / 4 with X the sum of x
     c = tl.arange(0, 4)
     w = tl.arange(0, 4)
     i = tl.arange(0, 2)
     words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None, None]
                     + (4 * c)[None, :, None] + w[None, None, :])  # fmt: skip
-    by_s = tl.join(tl.join(words & 0x03030303, (words >> 2) & 0x03030303),
-                   tl.join((words >> 4) & 0x03030303, (words >> 6) & 0x03030303))  # [BN, c, w, s_i, s_j]
-    q = _bytes_f32(by_s).to(tl.float32, bitcast=True) - 8388608.0  # [BN, c, w, s_i, s_j, b_i, b_j]
+    one = tl.load(tab_ptr + ONE_AT)
+    q = tl.join(tl.join(_q2_byte(words, one, 0), _q2_byte(words, one, 1)),
+                tl.join(_q2_byte(words, one, 2), _q2_byte(words, one, 3)))  # fmt: skip
+    q = q.to(tl.float32, bitcast=True)  # [BN, c, w, s_i, s_j, b_i, b_j]
     s = i[:, None] + 2 * i[None, :]  # [s_i, s_j]
     b = i[:, None] + 2 * i[None, :]
     k = (128 * (c // 2) + 16 * (c % 2))[:, None, None, None, None, None] + (4 * w)[None, :, None, None, None, None] \
         + (32 * s)[None, None, :, :, None, None] + b[None, None, None, None, :, :]
     x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, c, w, s_i, s_j, b_i, b_j]
-    sq = tl.sum(_sum_last(tl.reshape(q, [1, BN, 4, 4, 2, 2, 2, 2]) * x[:, None], 2), axis=3)  # [TB, BN, c, s_i, s_j]
-    sx = tl.sum(_sum_last(x, 2), axis=2)  # [TB, c, s_i, s_j]
+    sq = tl.sum(_dot_last2(tl.reshape(q, [1, BN, 4, 4, 2, 2, 2, 2]), x[:, None]), axis=3)  # [TB, BN, c, s_i, s_j]
+    sx = tl.sum(tl.sum(tl.sum(x, axis=6), axis=5), axis=2)  # [TB, c, s_i, s_j]
     side = row_off + K // 4 + sb * 20
     sc = _q2_k_scales(w_ptr, side, BN)
     d = tl.load((w_ptr + side + 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
     dmin = tl.load((w_ptr + side + 18).to(tl.pointer_type(tl.float16))).to(tl.float32)
     dl = d[:, None, None, None] * (sc & 15).to(tl.float32)
     ml = dmin[:, None, None, None] * (sc >> 4).to(tl.float32)
-    return tl.reshape(sq * dl[None] - sx[:, None] * ml[None], [x.shape[0], BN, 16])
+    part = (4.0 * (sq - sx[:, None])) * dl[None] - sx[:, None] * ml[None]
+    return tl.reshape(part, [x.shape[0], BN, 16])
 
 
 @triton.jit
@@ -165,23 +220,32 @@ def _q4_k_scale_min(w_ptr, side, BN: tl.constexpr):
 
 
 @triton.jit
-def _exact_q4_k(w_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
+def _q4_byte(w, one, B: tl.constexpr):
+    """Byte B's two nibbles as 1 + q / 16, joined [..., n]."""
+    return tl.join(_field_f32(w, one, 8 * B, 4), _field_f32(w, one, 8 * B + 4, 4))
+
+
+@triton.jit
+def _exact_q4_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
     # payload: qs[128] per super-block; byte 32 p + l holds element 64 p + l (low nibble, sub-block
     # 2 p) and 64 p + 32 + l (high nibble, 2 p + 1). A thread takes a 16-byte run c (p = c // 2,
-    # l = 16 (c % 2) + 0..15): half of two sub-blocks. side (16 B): f16 d, dmin, 12 scale bytes
+    # l = 16 (c % 2) + 0..15): half of two sub-blocks. side (16 B): f16 d, dmin, 12 scale bytes.
+    # Each quant is the float 1 + q / 16 (as in _exact_q2_k)
     c = tl.arange(0, 8)
     w = tl.arange(0, 4)
     i = tl.arange(0, 2)
     words = tl.load((w_ptr + row_off + sb * 128).to(tl.pointer_type(tl.uint32))[:, None, None]
                     + (4 * c)[None, :, None] + w[None, None, :])  # fmt: skip
-    by_n = tl.join(words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F)  # [BN, c, w, n]
-    q = _bytes_f32(by_n).to(tl.float32, bitcast=True) - 8388608.0  # [BN, c, w, n, b_i, b_j]
+    one = tl.load(tab_ptr + ONE_AT)
+    q = tl.join(tl.join(_q4_byte(words, one, 0), _q4_byte(words, one, 1)),
+                tl.join(_q4_byte(words, one, 2), _q4_byte(words, one, 3)))  # fmt: skip
+    q = q.to(tl.float32, bitcast=True)  # [BN, c, w, n, b_i, b_j]
     b = i[:, None] + 2 * i[None, :]
     k = (64 * (c // 2) + 16 * (c % 2))[:, None, None, None, None] + (4 * w)[None, :, None, None, None] \
         + (32 * i)[None, None, :, None, None] + b[None, None, None, :, :]
     x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, c, w, n, b_i, b_j]
-    sq = tl.sum(_sum_last(tl.reshape(q, [1, BN, 8, 4, 2, 2, 2]) * x[:, None], 2), axis=3)  # [TB, BN, c, n]
-    sx = tl.sum(_sum_last(x, 2), axis=2)  # [TB, c, n]
+    sq = tl.sum(_dot_last2(tl.reshape(q, [1, BN, 8, 4, 2, 2, 2]), x[:, None]), axis=3)  # [TB, BN, c, n]
+    sx = tl.sum(tl.sum(tl.sum(x, axis=5), axis=4), axis=2)  # [TB, c, n]
     side = row_off + K // 2 + sb * 16
     sc, mn = _q4_k_scale_min(w_ptr, side, BN)
     d = tl.load((w_ptr + side).to(tl.pointer_type(tl.float16))).to(tl.float32)
@@ -191,32 +255,33 @@ def _exact_q4_k(w_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
                     [BN, 8, 2])  # fmt: skip
     ml = tl.reshape(tl.broadcast_to(tl.reshape(dmin[:, None] * mn.to(tl.float32), [BN, 4, 1, 2]), [BN, 4, 2, 2]),
                     [BN, 8, 2])  # fmt: skip
-    return tl.reshape(sq * dl[None] - sx[:, None] * ml[None], [x.shape[0], BN, 16])
+    part = (16.0 * (sq - sx[:, None])) * dl[None] - sx[:, None] * ml[None]
+    return tl.reshape(part, [x.shape[0], BN, 16])
 
 
 @triton.jit
 def _exact_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
     # payload (64 B per super-block): 8 groups of 32 elements, each two words: 4 bytes picking lattice
     # rows (8 elements each) and four 7-bit sign indexes (bits 0-27) with a scale s (bits 28-31);
-    # the 8th sign makes the count of minus signs even. side: f16 d. x = d (0.5 + s) / 4 * grid * sign
+    # the 8th sign makes the count of minus signs even. side: f16 d. x = d (0.5 + s) / 4 * grid * sign.
+    # The lattice rows and the sign masks (xor on the float sign bits) come from `tables`
     words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None]
                     + tl.arange(0, 16)[None, :])  # fmt: skip
     points, aux = tl.split(tl.reshape(words, [BN, 8, 2]))  # [BN, g]
     pick = tl.join(tl.join(points & 255, (points >> 8) & 255), tl.join((points >> 16) & 255, points >> 24))
     signs = tl.join(tl.join(aux & 127, (aux >> 7) & 127), tl.join((aux >> 14) & 127, (aux >> 21) & 127))
-    parity = signs ^ (signs >> 4)
-    parity ^= parity >> 2
-    parity ^= parity >> 1
-    signs |= (parity & 1) << 7  # [BN, g, c_i, c_j]
-    e = tl.arange(0, 8)
-    grid = tl.load(tab_ptr + (pick * 8)[:, :, :, :, None] + e[None, None, None, None, :])  # [BN, g, c_i, c_j, e]
-    flip = ((signs[:, :, :, :, None] >> e.to(tl.uint32)) & 1) << 31
-    v = (grid.to(tl.uint32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
+    e = tl.arange(0, 4)  # 16-byte lookups: a thread keeps a whole lattice row
+    at = (8 * pick)[:, :, :, :, None] + e[None, None, None, None, :]
+    grid = tl.join(tl.load(tab_ptr + at), tl.load(tab_ptr + at + 4))  # [BN, g, c_i, c_j, e, e_hi]
+    at = SIGNS32_AT + (8 * signs)[:, :, :, :, None] + e[None, None, None, None, :]
+    flip = tl.join(tl.load(tab_ptr + at), tl.load(tab_ptr + at + 4))
+    v = (grid ^ flip).to(tl.float32, bitcast=True)
     i = tl.arange(0, 2)
-    k = (32 * tl.arange(0, 8))[:, None, None, None] + (8 * i)[None, :, None, None] \
-        + (16 * i)[None, None, :, None] + e[None, None, None, :]  # fmt: skip
-    x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, g, c_i, c_j, e]
-    part = _sum_last(tl.reshape(v, [1, BN, 8, 2, 2, 8]) * x[:, None], 3)  # [TB, BN, g]
+    k = (32 * tl.arange(0, 8))[:, None, None, None, None] + (8 * i)[None, :, None, None, None] \
+        + (16 * i)[None, None, :, None, None] + e[None, None, None, :, None] + (4 * i)[None, None, None, None, :]
+    x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, g, c_i, c_j, e, e_hi]
+    prod = _fma_last(tl.reshape(v, [1, BN, 8, 2, 2, 4, 2]), x[:, None], 0.0)
+    part = tl.sum(tl.sum(tl.sum(prod, axis=5), axis=4), axis=3)  # [TB, BN, g]
     d = tl.load((w_ptr + row_off + K // 4 + 2 * sb).to(tl.pointer_type(tl.float16))).to(tl.float32)
     db = d[:, None] * (0.5 + (aux >> 28).to(tl.float32)) * 0.25  # [BN, g]
     return part * db[None]
@@ -231,9 +296,9 @@ def exact_step(w_ptr, tab_ptr, row_off, k0, K, x_ptr, x_off, x_ok,
     if WTYPE == 8:
         return _exact_q8_0(w_ptr, row_off, k0, K, x_ptr, x_off, x_ok, BN)
     elif WTYPE == 10:
-        return _exact_q2_k(w_ptr, row_off, k0 // 256, K, x_ptr, x_off, x_ok, BN)
+        return _exact_q2_k(w_ptr, tab_ptr, row_off, k0 // 256, K, x_ptr, x_off, x_ok, BN)
     elif WTYPE == 12:
-        return _exact_q4_k(w_ptr, row_off, k0 // 256, K, x_ptr, x_off, x_ok, BN)
+        return _exact_q4_k(w_ptr, tab_ptr, row_off, k0 // 256, K, x_ptr, x_off, x_ok, BN)
     elif WTYPE == 16:
         return _exact_iq2_xxs(w_ptr, tab_ptr, row_off, k0 // 256, K, x_ptr, x_off, x_ok, BN)
     else:

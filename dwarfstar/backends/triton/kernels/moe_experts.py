@@ -23,7 +23,7 @@ import triton.language as tl
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels.expert_blocks import EXACT_TYPES, FAST_TYPES, exact_step, fast_step, tables
-from dwarfstar.backends.triton.kernels.moe_sort import ExpertTiles, single_expert_tiles, sort_by_expert
+from dwarfstar.backends.triton.kernels.moe_sort import ExpertTiles, sort_by_expert
 from dwarfstar.backends.triton.kernels.quant_blocks import (
     GEMV_CANDIDATES,
     gemv_search,
@@ -201,12 +201,14 @@ def _rows_dot(x_ptr, x_off, x_ok, w1_ptr, w2_ptr, tab_ptr, row_off, K,
               FAST: tl.constexpr, BCAST: tl.constexpr):  # fmt: skip
     """Products of BN weight rows (w1, and w2 when TWO) with activation rows: [R, BN] each, R = x_off's
     length. FAST: the tensor-core form over 16 rows (BCAST: one row in all 16, every result row equal)."""
-    if FAST:
+    if FAST:  # one matrix after the other: a super-block of both would not fit the registers
         a1 = tl.zeros([BN, 16], tl.float32)
-        a2 = a1
         for sb in range(0, K // 256):
             a1 += fast_step(w1_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST, WTYPE, BN)
-            if TWO:
+        a2 = a1
+        if TWO:
+            a2 = tl.zeros([BN, 16], tl.float32)
+            for sb in range(0, K // 256):
                 a2 += fast_step(w2_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST, WTYPE, BN)
         return tl.trans(a1), tl.trans(a2)
     else:
@@ -222,6 +224,40 @@ def _rows_dot(x_ptr, x_off, x_ok, w1_ptr, w2_ptr, tab_ptr, row_off, K,
 
 
 @triton.jit
+def _shared_rows(x_ptr, x_row0, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_row0, stride_out,
+                 n0, T, K, N, row_bytes, limit, WTYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr,
+                 BK: tl.constexpr, FAST: tl.constexpr, TB: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+    """The shared expert's rows n0..n0+BN (SBN at a time) for every token: activation rows x_row0 + t,
+    output rows out_row0 + t; GATED: SwiGLU of w1 and w2 (gate, up), else w1 alone (down)."""
+    rows = tl.arange(0, 16 if FAST else TB)
+    ok = rows < T
+    x_off = (x_row0 + tl.where(ok, rows, 0)).to(tl.int64) * stride_x
+    for part in range(0, BN // SBN):
+        n = n0 + part * SBN + tl.arange(0, SBN)
+        row_off = tl.minimum(n, N - 1).to(tl.int64) * row_bytes
+        a1, a2 = _rows_dot(x_ptr, x_off, ok, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, SBN, BK, GATED, FAST, False)
+        y = _swiglu(a1, a2, limit) if GATED else a1
+        out = out_ptr + (out_row0 + rows).to(tl.int64)[:, None] * stride_out + n[None, :]
+        tl.store(out, y, mask=ok[:, None] & (n < N)[None, :])
+
+
+@triton.jit
+def _routed_rows(x_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_row, stride_out,
+                 n0, expert, K, N, row_bytes, limit, scale, WTYPE: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+    """One routing entry's rows n0..n0+BN of `expert`: activation row x_row, output row out_row
+    (GATED: SwiGLU of gate and up, times `scale`)."""
+    rows = tl.arange(0, 16 if FAST else 1)
+    x_off = tl.full(rows.shape, 0, tl.int64) + x_row.to(tl.int64) * stride_x
+    n = n0 + tl.arange(0, BN)
+    row_off = (expert.to(tl.int64) * N + tl.minimum(n, N - 1)) * row_bytes
+    a1, a2 = _rows_dot(x_ptr, x_off, rows >= 0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, BN, BK, GATED, FAST, True)
+    y = _swiglu(a1, a2, limit) * scale if GATED else a1
+    out = out_ptr + out_row.to(tl.int64) * stride_out + rows[:, None] * 0 + n[None, :]
+    tl.store(out, y, mask=(rows == 0)[:, None] & (n < N)[None, :])  # FAST: 16 equal rows
+
+
+@triton.jit
 def _decode_gate_up_kernel(
     x_ptr, ids_ptr, route_w_ptr, gate_ptr, up_ptr, sgate_ptr, sup_ptr, tab_ptr, mid_ptr,
     T, k, D, F, FS, FM, stride_x, row_bytes, srow_bytes, limit,
@@ -231,29 +267,14 @@ def _decode_gate_up_kernel(
     # column 0: the shared expert for every token (the longest programs, so scheduled first); column
     # 1 + e: routing entry e = t * k + slot. mid rows: e for the entries, T * k + t for the shared expert
     col = tl.program_id(1)
+    n0 = tl.program_id(0) * BN
     if col == 0:
-        rows = tl.arange(0, 16 if SFAST else TB)
-        ok = rows < T
-        x_off = tl.where(ok, rows, 0).to(tl.int64) * stride_x
-        for part in range(0, BN // SBN):
-            n = tl.program_id(0) * BN + part * SBN + tl.arange(0, SBN)
-            row_off = tl.minimum(n, FS - 1).to(tl.int64) * srow_bytes
-            g, u = _rows_dot(x_ptr, x_off, ok, sgate_ptr, sup_ptr, tab_ptr, row_off, D,
-                             STYPE, SBN, SBK, True, SFAST, False)  # fmt: skip
-            out = mid_ptr + (T * k + rows).to(tl.int64)[:, None] * FM + n[None, :]
-            tl.store(out, _swiglu(g, u, limit), mask=ok[:, None] & (n < FS)[None, :])
+        _shared_rows(x_ptr, 0, stride_x, sgate_ptr, sup_ptr, tab_ptr, mid_ptr, T * k, FM, n0, T, D, FS,
+                     srow_bytes, limit, STYPE, BN, SBN, SBK, SFAST, TB, True)  # fmt: skip
     else:
         e = col - 1
-        expert = tl.load(ids_ptr + e).to(tl.int64)
-        rows = tl.arange(0, 16 if RFAST else 1)
-        x_off = tl.full(rows.shape, 0, tl.int64) + (e // k).to(tl.int64) * stride_x
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        row_off = (expert * F + tl.minimum(n, F - 1)) * row_bytes
-        g, u = _rows_dot(x_ptr, x_off, rows >= 0, gate_ptr, up_ptr, tab_ptr, row_off, D,
-                         RTYPE, BN, RBK, True, RFAST, True)  # fmt: skip
-        mid = _swiglu(g, u, limit) * tl.load(route_w_ptr + e)
-        out = mid_ptr + e.to(tl.int64) * FM + rows[:, None] * 0 + n[None, :]
-        tl.store(out, mid, mask=(rows == 0)[:, None] & (n < F)[None, :])
+        _routed_rows(x_ptr, e // k, stride_x, gate_ptr, up_ptr, tab_ptr, mid_ptr, e, FM, n0, tl.load(ids_ptr + e),
+                     D, F, row_bytes, limit, tl.load(route_w_ptr + e), RTYPE, BN, RBK, RFAST, True)  # fmt: skip
 
 
 @triton.jit
@@ -263,33 +284,18 @@ def _decode_down_kernel(
     RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
     SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr,
 ):  # fmt: skip
-    # every program writes its [rows, BN] products to part (rows as in mid); the last program of a
-    # column block to finish (a ticket per block, back to 0 for the next launch) sums each token's
-    # k routed slots, in slot order, then its shared expert, into out
+    # every program writes its products to part (rows as in mid); the last program of a column block
+    # to finish (a ticket per block, back to 0 for the next launch) sums each token's k routed slots,
+    # in slot order, then its shared expert, into out
     nb = tl.program_id(0)
     col = tl.program_id(1)
     if col == 0:
-        rows = tl.arange(0, 16 if SFAST else TB)
-        ok = rows < T
-        x_off = (T * k + tl.where(ok, rows, 0)).to(tl.int64) * FM
-        for part in range(0, BN // SBN):
-            n = nb * BN + part * SBN + tl.arange(0, SBN)
-            row_off = tl.minimum(n, D - 1).to(tl.int64) * srow_bytes
-            y, _ = _rows_dot(mid_ptr, x_off, ok, sdown_ptr, sdown_ptr, tab_ptr, row_off, FS,
-                             STYPE, SBN, SBK, False, SFAST, False)  # fmt: skip
-            out = part_ptr + (T * k + rows).to(tl.int64)[:, None] * D + n[None, :]
-            tl.store(out, y, mask=ok[:, None] & (n < D)[None, :])
+        _shared_rows(mid_ptr, T * k, FM, sdown_ptr, sdown_ptr, tab_ptr, part_ptr, T * k, D, nb * BN, T, FS, D,
+                     srow_bytes, 0.0, STYPE, BN, SBN, SBK, SFAST, TB, False)  # fmt: skip
     else:
         e = col - 1
-        expert = tl.load(ids_ptr + e).to(tl.int64)
-        rows = tl.arange(0, 16 if RFAST else 1)
-        x_off = tl.full(rows.shape, 0, tl.int64) + e.to(tl.int64) * FM
-        n = nb * BN + tl.arange(0, BN)
-        row_off = (expert * D + tl.minimum(n, D - 1)) * row_bytes
-        y, _ = _rows_dot(mid_ptr, x_off, rows >= 0, down_ptr, down_ptr, tab_ptr, row_off, F,
-                         RTYPE, BN, RBK, False, RFAST, True)  # fmt: skip
-        out = part_ptr + e.to(tl.int64) * D + rows[:, None] * 0 + n[None, :]
-        tl.store(out, y, mask=(rows == 0)[:, None] & (n < D)[None, :])
+        _routed_rows(mid_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, e, D, nb * BN, tl.load(ids_ptr + e),
+                     F, D, row_bytes, 0.0, 1.0, RTYPE, BN, RBK, RFAST, False)  # fmt: skip
     tl.debug_barrier()
     ticket = tl.atomic_add(tickets_ptr + nb, 1, sem="acq_rel", scope="gpu")
     if ticket == T * k:
@@ -323,8 +329,8 @@ def _decode_tile(ggml_type: GGMLType, fast: bool) -> tuple[int, int, int]:
     of 4 runs per super-block for the 2-bit formats, 8 for Q4_K, 16 for Q8_0's 256 columns); the
     tensor-core form takes 2 warps of 16-row mma tiles (4 warps would pick wgmma, which stages the
     activations in shared memory)."""
-    if interpreting():
-        return 16, 1, 256 if ggml_type in EXACT_TYPES else tile_k(ggml_type, QK_K)
+    if interpreting():  # programs run one after another: as few as possible
+        return 256, 1, 256 if ggml_type in EXACT_TYPES else tile_k(ggml_type, QK_K)
     if fast and ggml_type in FAST_TYPES:
         return 64, 2, 256
     if ggml_type in EXACT_TYPES:
@@ -366,9 +372,12 @@ def decode_ffn(
         rfast, sfast = fast and w.ggml_type in FAST_TYPES, fast and s.ggml_type in FAST_TYPES
         bn, warps, rbk = _decode_tile(w.ggml_type, fast)
         sbn, _, sbk = _decode_tile(s.ggml_type, fast)
+        bn = min(bn, next_pow2(max(fm, d)))
         sbn = min(sbn, bn)
+        # the pipeliner would stage IQ2_XXS's table lookups of the fast form through shared memory
+        stages = 1 if interpreting() or (rfast and w.ggml_type == GGMLType.IQ2_XXS) else 3
         consts = dict(RTYPE=w.wtype, STYPE=s.wtype, BN=bn, SBN=sbn, RBK=rbk, SBK=sbk, RFAST=rfast, SFAST=sfast,
-                      TB=tb, num_warps=warps, num_stages=1 if interpreting() else 3)  # fmt: skip
+                      TB=tb, num_warps=warps, num_stages=stages)  # fmt: skip
         if step == 0:
             grid = (triton.cdiv(fm, bn), t * k + 1)
             _decode_gate_up_kernel[grid](
@@ -400,27 +409,31 @@ def reference(x, gate: QWeight, up: QWeight, down: QWeight, ids, route_weights, 
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """Routed experts (q2 recipe: IQ2_XXS gate/up, Q2_K down) for one decode token and a prefill
-    chunk, and the Q8_0 shared expert for one token."""
+    """The decode form (q2 recipe: IQ2_XXS gate/up, Q2_K down, with the Q8_0 shared expert) for 1 and 4
+    tokens, exact and fast, and the routed experts of a prefill chunk (sorted tiles, bf16 dot)."""
     a, dev, gen = shape.args, shape.device, shape.generator()
     e, f, d, k = a.n_routed_experts, a.moe_inter_dim, a.dim, a.n_activated_experts
     gate = random_qweight(GGMLType.IQ2_XXS, (e, f, d), dev, gen)
     up = random_qweight(GGMLType.IQ2_XXS, (e, f, d), dev, gen)
     down = random_qweight(GGMLType.Q2_K, (e, d, f), dev, gen)
+    shared = tuple(random_qweight(GGMLType.Q8_0, s, dev, gen) for s in ((f, d), (f, d), (d, f)))
     per_expert = (gate.nbytes + up.nbytes + down.nbytes) // e
     cases = []
-    for what, t, precision in (("decode", 1, EXACT), ("prefill (bf16 dot)", shape.prefill, FAST)):
+    for t, precision in ((1, EXACT), (4, EXACT), (1, FAST), (4, FAST)):
         x = torch.randn(t, d, device=dev, generator=gen)
         ids = torch.stack([torch.randperm(e, device=dev, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
-        weights = torch.rand(t * k, device=dev, generator=gen)
-        tiles = sort_by_expert(ids, e)
-        out = torch.empty(t, k + 1, d, device=dev)
-        run = functools.partial(expert_ffn, x, gate, up, down, tiles, weights, out, 0, a.swiglu_limit, precision)
-        touched = min(e, t * k) * per_expert
-        cases.append(BenchCase("moe_experts", f"{what} {t} tokens x {k} experts", run, touched, 6 * t * k * f * d))
-    shared = [random_qweight(GGMLType.Q8_0, s, dev, gen) for s in ((f, d), (f, d), (d, f))]
-    x = torch.randn(1, d, device=dev, generator=gen)
-    out = torch.empty(1, k + 1, d, device=dev)
-    run = functools.partial(expert_ffn, x, *shared, single_expert_tiles(1, dev), None, out, k, a.swiglu_limit)
-    cases.append(BenchCase("moe_experts", "decode shared expert Q8_0", run, sum(w.nbytes for w in shared), 6 * f * d))
+        weights = torch.rand(t, k, device=dev, generator=gen)
+        run = functools.partial(decode_ffn, x, ids, weights, (gate, up, down), shared, a.swiglu_limit, precision)
+        moved = min(e, t * k) * per_expert + sum(w.nbytes for w in shared)
+        name = f"decode {t} tokens x {k} experts + shared ({'fast' if precision.fast else 'exact'})"
+        cases.append(BenchCase("moe_experts", name, run, moved, 6 * t * (k + 1) * f * d))
+    t = shape.prefill
+    x = torch.randn(t, d, device=dev, generator=gen)
+    ids = torch.stack([torch.randperm(e, device=dev, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    weights = torch.rand(t * k, device=dev, generator=gen)
+    tiles = sort_by_expert(ids, e)
+    out = torch.empty(t, k + 1, d, device=dev)
+    run = functools.partial(expert_ffn, x, gate, up, down, tiles, weights, out, 0, a.swiglu_limit, FAST)
+    name = f"prefill (bf16 dot) {t} tokens x {k} experts"
+    cases.append(BenchCase("moe_experts", name, run, min(e, t * k) * per_expert, 6 * t * k * f * d))
     return cases
