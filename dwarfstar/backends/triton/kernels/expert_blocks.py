@@ -191,8 +191,12 @@ def _exact_q2_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.const
     q = q.to(tl.float32, bitcast=True)  # [BN, c, w, s_i, s_j, b_i, b_j]
     s = i[:, None] + 2 * i[None, :]  # [s_i, s_j]
     b = i[:, None] + 2 * i[None, :]
-    k = (128 * (c // 2) + 16 * (c % 2))[:, None, None, None, None, None] + (4 * w)[None, :, None, None, None, None] \
-        + (32 * s)[None, None, :, :, None, None] + b[None, None, None, None, :, :]
+    k = (
+        (128 * (c // 2) + 16 * (c % 2))[:, None, None, None, None, None]
+        + (4 * w)[None, :, None, None, None, None]
+        + (32 * s)[None, None, :, :, None, None]
+        + b[None, None, None, None, :, :]
+    )
     x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, c, w, s_i, s_j, b_i, b_j]
     sq = tl.sum(_dot_last2(tl.reshape(q, [1, BN, 4, 4, 2, 2, 2, 2]), x[:, None]), axis=3)  # [TB, BN, c, s_i, s_j]
     sx = tl.sum(tl.sum(tl.sum(x, axis=6), axis=5), axis=2)  # [TB, c, s_i, s_j]
@@ -241,8 +245,12 @@ def _exact_q4_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.const
                 tl.join(_q4_byte(words, one, 2), _q4_byte(words, one, 3)))  # fmt: skip
     q = q.to(tl.float32, bitcast=True)  # [BN, c, w, n, b_i, b_j]
     b = i[:, None] + 2 * i[None, :]
-    k = (64 * (c // 2) + 16 * (c % 2))[:, None, None, None, None] + (4 * w)[None, :, None, None, None] \
-        + (32 * i)[None, None, :, None, None] + b[None, None, None, :, :]
+    k = (
+        (64 * (c // 2) + 16 * (c % 2))[:, None, None, None, None]
+        + (4 * w)[None, :, None, None, None]
+        + (32 * i)[None, None, :, None, None]
+        + b[None, None, None, :, :]
+    )
     x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, c, w, n, b_i, b_j]
     sq = tl.sum(_dot_last2(tl.reshape(q, [1, BN, 8, 4, 2, 2, 2]), x[:, None]), axis=3)  # [TB, BN, c, n]
     sx = tl.sum(tl.sum(tl.sum(x, axis=5), axis=4), axis=2)  # [TB, c, n]
@@ -277,8 +285,13 @@ def _exact_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.co
     flip = tl.join(tl.load(tab_ptr + at), tl.load(tab_ptr + at + 4))
     v = (grid ^ flip).to(tl.float32, bitcast=True)
     i = tl.arange(0, 2)
-    k = (32 * tl.arange(0, 8))[:, None, None, None, None] + (8 * i)[None, :, None, None, None] \
-        + (16 * i)[None, None, :, None, None] + e[None, None, None, :, None] + (4 * i)[None, None, None, None, :]
+    k = (
+        (32 * tl.arange(0, 8))[:, None, None, None, None]
+        + (8 * i)[None, :, None, None, None]
+        + (16 * i)[None, None, :, None, None]
+        + e[None, None, None, :, None]
+        + (4 * i)[None, None, None, None, :]
+    )
     x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, g, c_i, c_j, e, e_hi]
     prod = _fma_last(tl.reshape(v, [1, BN, 8, 2, 2, 4, 2]), x[:, None], 0.0)
     part = tl.sum(tl.sum(tl.sum(prod, axis=5), axis=4), axis=3)  # [TB, BN, g]

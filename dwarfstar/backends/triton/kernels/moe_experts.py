@@ -324,19 +324,17 @@ def _tickets(device: torch.device, n: int) -> torch.Tensor:
     return _TICKETS[key]
 
 
-def _decode_tile(ggml_type: GGMLType, fast: bool) -> tuple[int, int, int]:
-    """(BN, num_warps, BK) of a decode loop: 128 threads that each read 16-byte runs of the blocks (rows
-    of 4 runs per super-block for the 2-bit formats, 8 for Q4_K, 16 for Q8_0's 256 columns); the
-    tensor-core form takes 2 warps of 16-row mma tiles (4 warps would pick wgmma, which stages the
-    activations in shared memory)."""
+def _decode_rows(ggml_type: GGMLType, fast: bool, warps: int) -> tuple[int, int]:
+    """(rows, BK) of a decode loop over `warps` warps: each thread reads 16-byte runs of the blocks (rows
+    of 4 runs per super-block for the 2-bit formats, 8 for Q4_K, 16 for Q8_0's 256 columns), one run
+    per thread; the tensor-core form takes 16-row mma tiles, two per warp."""
     if interpreting():  # programs run one after another: as few as possible
-        return 256, 1, 256 if ggml_type in EXACT_TYPES else tile_k(ggml_type, QK_K)
+        return 256, 256 if ggml_type in EXACT_TYPES else tile_k(ggml_type, QK_K)
     if fast and ggml_type in FAST_TYPES:
-        return 64, 2, 256
+        return 32 * warps, 256
     if ggml_type in EXACT_TYPES:
-        runs = {GGMLType.Q8_0: 16, GGMLType.Q4_K: 8}.get(ggml_type, 4)
-        return 128 // runs, 4, 256
-    return 16, 4, tile_k(ggml_type, QK_K)
+        return warps * 32 // {GGMLType.Q8_0: 16, GGMLType.Q4_K: 8}.get(ggml_type, 4), 256
+    return 16, tile_k(ggml_type, QK_K)
 
 
 def decode_ffn(
@@ -370,8 +368,10 @@ def decode_ffn(
     ids, route_weights = ids.contiguous(), route_weights.contiguous()
     for step, (w, s) in enumerate(((gate, sgate), (down, sdown))):
         rfast, sfast = fast and w.ggml_type in FAST_TYPES, fast and s.ggml_type in FAST_TYPES
-        bn, warps, rbk = _decode_tile(w.ggml_type, fast)
-        sbn, _, sbk = _decode_tile(s.ggml_type, fast)
+        # the tensor-core form on 2 warps (4 would pick wgmma, which stages the activations in shared memory)
+        warps = 2 if rfast else 4
+        bn, rbk = _decode_rows(w.ggml_type, fast, warps)
+        sbn, sbk = _decode_rows(s.ggml_type, fast, warps)
         bn = min(bn, next_pow2(max(fm, d)))
         sbn = min(sbn, bn)
         # the pipeliner would stage IQ2_XXS's table lookups of the fast form through shared memory
