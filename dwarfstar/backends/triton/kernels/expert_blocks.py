@@ -169,48 +169,6 @@ def _q2_k_scales(w_ptr, side, BN: tl.constexpr):
 
 
 @triton.jit
-def _q2_byte(w, one, B: tl.constexpr):
-    """Byte B's four 2-bit quants as 1 + q / 4, joined [..., s_i, s_j] (s = s_i + 2 s_j)."""
-    return _fields_f32(w, one, 8 * B, 2, 2)
-
-
-@triton.jit
-def _exact_q2_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
-    # payload: qs[64] per super-block; byte 32 h + l holds elements 128 h + 32 s + l (s = 0..3) at
-    # bit 2 s. A thread takes a 16-byte run c (h = c // 2, l = 16 (c % 2) + 0..15): 4 whole
-    # sub-blocks, one per s. side (20 B): scales[16] (low nibble scale, high min), f16 d, dmin.
-    # Each quant is the float 1 + q / 4: sum (1 + q / 4) x = X + sum q x / 4 with X the sum of x
-    c = tl.arange(0, 4)
-    w = tl.arange(0, 4)
-    i = tl.arange(0, 2)
-    words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None, None]
-                    + (4 * c)[None, :, None] + w[None, None, :])  # fmt: skip
-    one = tl.load(tab_ptr + ONE_AT)
-    q = tl.join(tl.join(_q2_byte(words, one, 0), _q2_byte(words, one, 1)),
-                tl.join(_q2_byte(words, one, 2), _q2_byte(words, one, 3)))  # fmt: skip
-    q = q.to(tl.float32, bitcast=True)  # [BN, c, w, s_i, s_j, b_i, b_j]
-    s = i[:, None] + 2 * i[None, :]  # [s_i, s_j]
-    b = i[:, None] + 2 * i[None, :]
-    k = (
-        (128 * (c // 2) + 16 * (c % 2))[:, None, None, None, None, None]
-        + (4 * w)[None, :, None, None, None, None]
-        + (32 * s)[None, None, :, :, None, None]
-        + b[None, None, None, None, :, :]
-    )
-    x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, c, w, s_i, s_j, b_i, b_j]
-    sq = tl.sum(_dot_last2(tl.reshape(q, [1, BN, 4, 4, 2, 2, 2, 2]), x[:, None]), axis=3)  # [TB, BN, c, s_i, s_j]
-    sx = tl.sum(tl.sum(tl.sum(x, axis=6), axis=5), axis=2)  # [TB, c, s_i, s_j]
-    side = row_off + K // 4 + sb * 20
-    sc = _q2_k_scales(w_ptr, side, BN)
-    d = tl.load((w_ptr + side + 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
-    dmin = tl.load((w_ptr + side + 18).to(tl.pointer_type(tl.float16))).to(tl.float32)
-    dl = d[:, None, None, None] * (sc & 15).to(tl.float32)
-    ml = dmin[:, None, None, None] * (sc >> 4).to(tl.float32)
-    part = (4.0 * (sq - sx[:, None])) * dl[None] - sx[:, None] * ml[None]
-    return tl.reshape(part, [x.shape[0], BN, 16])
-
-
-@triton.jit
 def _q4_k_scale_min(w_ptr, side, BN: tl.constexpr):
     """Q4_K's eight 6-bit scales and mins (ggml's get_scale_min_k4) as uint8 [BN, 8] each."""
     j = tl.arange(0, 8)
@@ -224,36 +182,73 @@ def _q4_k_scale_min(w_ptr, side, BN: tl.constexpr):
 
 
 @triton.jit
-def _q4_byte(w, one, B: tl.constexpr):
-    """Byte B's two nibbles as 1 + q / 16, joined [..., n]."""
-    return tl.join(_field_f32(w, one, 8 * B, 4), _field_f32(w, one, 8 * B + 4, 4))
+def _byte_quants(w, one, B: tl.constexpr, BITS: tl.constexpr):
+    """Byte B's quants as floats 1 + q / 2^BITS, joined: [..., s_i, s_j] (2 bits, s = s_i + 2 s_j,
+    at bits 2 s) or [..., n] (4 bits, nibble n)."""
+    if BITS == 2:
+        return _fields_f32(w, one, 8 * B, 2, 2)
+    else:
+        return tl.join(_field_f32(w, one, 8 * B, 4), _field_f32(w, one, 8 * B + 4, 4))
+
+
+@triton.jit
+def _k_quant_sums(w_ptr, tab_ptr, row_off, sb, x_ptr, x_off, x_ok, k_base, BN: tl.constexpr, RUNS: tl.constexpr,
+                  BITS: tl.constexpr, FIELDS: tl.constexpr):  # fmt: skip
+    """For each 16-byte run of a K-quant super-block (RUNS per row, a thread each): the sums of q * x
+    and of x over each of its sub-blocks, [TB, BN, RUNS, *F] and [TB, RUNS, *F] (F: a byte's fields,
+    2 x 2 for Q2_K, 2 for Q4_K). The quants are the floats 1 + q / 2^BITS, so the sum of q * x is
+    2^BITS (sum of those times x - the sum of x). Element of run c, word w, byte b_i + 2 b_j and
+    field f: column sb * 256 + k_base[c, f] + 4 w + b."""
+    c = tl.arange(0, RUNS)
+    w = tl.arange(0, 4)
+    i = tl.arange(0, 2)
+    payload = (w_ptr + row_off + sb * RUNS * 16).to(tl.pointer_type(tl.uint32))
+    words = tl.load(payload[:, None, None] + (4 * c)[None, :, None] + w[None, None, :])  # [BN, c, w]
+    one = tl.load(tab_ptr + ONE_AT)
+    q = tl.join(tl.join(_byte_quants(words, one, 0, BITS), _byte_quants(words, one, 1, BITS)),
+                tl.join(_byte_quants(words, one, 2, BITS), _byte_quants(words, one, 3, BITS)))  # fmt: skip
+    q = q.to(tl.float32, bitcast=True)  # [BN, c, w, *F, b_i, b_j]
+    b = i[:, None] + 2 * i[None, :]
+    if FIELDS == 4:
+        k = k_base[:, None, :, :, None, None] + (4 * w)[None, :, None, None, None, None] + b[None, None, None, None]
+        x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, c, w, s_i, s_j, b_i, b_j]
+        sq = tl.sum(_dot_last2(tl.reshape(q, [1, BN, RUNS, 4, 2, 2, 2, 2]), x[:, None]), axis=3)
+        sx = tl.sum(tl.sum(tl.sum(x, axis=6), axis=5), axis=2)
+    else:
+        k = k_base[:, None, :, None, None] + (4 * w)[None, :, None, None, None] + b[None, None, None]
+        x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, c, w, n, b_i, b_j]
+        sq = tl.sum(_dot_last2(tl.reshape(q, [1, BN, RUNS, 4, 2, 2, 2]), x[:, None]), axis=3)
+        sx = tl.sum(tl.sum(tl.sum(x, axis=5), axis=4), axis=2)
+    return (1 << BITS) * (sq - sx[:, None]), sx
+
+
+@triton.jit
+def _exact_q2_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
+    # payload: qs[64] per super-block; byte 32 h + l holds elements 128 h + 32 s + l (s = 0..3) at
+    # bit 2 s. A thread takes a 16-byte run c (h = c // 2, l = 16 (c % 2) + 0..15): 4 whole
+    # sub-blocks, one per s. side (20 B): scales[16] (low nibble scale, high min), f16 d, dmin
+    c = tl.arange(0, 4)
+    i = tl.arange(0, 2)
+    s = i[:, None] + 2 * i[None, :]  # [s_i, s_j]
+    k_base = (128 * (c // 2) + 16 * (c % 2))[:, None, None] + (32 * s)[None]
+    sq, sx = _k_quant_sums(w_ptr, tab_ptr, row_off, sb, x_ptr, x_off, x_ok, k_base, BN, 4, 2, 4)
+    side = row_off + K // 4 + sb * 20
+    sc = _q2_k_scales(w_ptr, side, BN)
+    d = tl.load((w_ptr + side + 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    dmin = tl.load((w_ptr + side + 18).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    dl = d[:, None, None, None] * (sc & 15).to(tl.float32)
+    ml = dmin[:, None, None, None] * (sc >> 4).to(tl.float32)
+    return tl.reshape(sq * dl[None] - sx[:, None] * ml[None], [sx.shape[0], BN, 16])
 
 
 @triton.jit
 def _exact_q4_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
     # payload: qs[128] per super-block; byte 32 p + l holds element 64 p + l (low nibble, sub-block
     # 2 p) and 64 p + 32 + l (high nibble, 2 p + 1). A thread takes a 16-byte run c (p = c // 2,
-    # l = 16 (c % 2) + 0..15): half of two sub-blocks. side (16 B): f16 d, dmin, 12 scale bytes.
-    # Each quant is the float 1 + q / 16 (as in _exact_q2_k)
+    # l = 16 (c % 2) + 0..15): half of two sub-blocks. side (16 B): f16 d, dmin, 12 scale bytes
     c = tl.arange(0, 8)
-    w = tl.arange(0, 4)
-    i = tl.arange(0, 2)
-    words = tl.load((w_ptr + row_off + sb * 128).to(tl.pointer_type(tl.uint32))[:, None, None]
-                    + (4 * c)[None, :, None] + w[None, None, :])  # fmt: skip
-    one = tl.load(tab_ptr + ONE_AT)
-    q = tl.join(tl.join(_q4_byte(words, one, 0), _q4_byte(words, one, 1)),
-                tl.join(_q4_byte(words, one, 2), _q4_byte(words, one, 3)))  # fmt: skip
-    q = q.to(tl.float32, bitcast=True)  # [BN, c, w, n, b_i, b_j]
-    b = i[:, None] + 2 * i[None, :]
-    k = (
-        (64 * (c // 2) + 16 * (c % 2))[:, None, None, None, None]
-        + (4 * w)[None, :, None, None, None]
-        + (32 * i)[None, None, :, None, None]
-        + b[None, None, None, :, :]
-    )
-    x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, c, w, n, b_i, b_j]
-    sq = tl.sum(_dot_last2(tl.reshape(q, [1, BN, 8, 4, 2, 2, 2]), x[:, None]), axis=3)  # [TB, BN, c, n]
-    sx = tl.sum(tl.sum(tl.sum(x, axis=5), axis=4), axis=2)  # [TB, c, n]
+    k_base = (64 * (c // 2) + 16 * (c % 2))[:, None] + (32 * tl.arange(0, 2))[None, :]
+    sq, sx = _k_quant_sums(w_ptr, tab_ptr, row_off, sb, x_ptr, x_off, x_ok, k_base, BN, 8, 4, 2)
     side = row_off + K // 2 + sb * 16
     sc, mn = _q4_k_scale_min(w_ptr, side, BN)
     d = tl.load((w_ptr + side).to(tl.pointer_type(tl.float16))).to(tl.float32)
@@ -263,8 +258,7 @@ def _exact_q4_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.const
                     [BN, 8, 2])  # fmt: skip
     ml = tl.reshape(tl.broadcast_to(tl.reshape(dmin[:, None] * mn.to(tl.float32), [BN, 4, 1, 2]), [BN, 4, 2, 2]),
                     [BN, 8, 2])  # fmt: skip
-    part = (16.0 * (sq - sx[:, None])) * dl[None] - sx[:, None] * ml[None]
-    return tl.reshape(part, [x.shape[0], BN, 16])
+    return tl.reshape(sq * dl[None] - sx[:, None] * ml[None], [sx.shape[0], BN, 16])
 
 
 @triton.jit
