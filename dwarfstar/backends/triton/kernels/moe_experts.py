@@ -1,16 +1,29 @@
-"""Grouped expert FFN over the entries sorted by expert: gate/up with the SwiGLU clamp fused, then down.
+"""The expert FFN of the MoE (spec §2.4): routed experts and the shared expert, SwiGLU with the clamp
+fused into the gate/up product, the route weight applied before the down projection.
 
-Spec §2.4. For every tile of one expert's entries (`moe_sort`), `_gate_up_kernel` gathers the tokens'
-input rows, decodes the expert's gate and up blocks once per K step for all the tile's rows, and
-writes silu(min(g, L)) * clamp(u, -L, L) * routing weight, so the mid activations never exist
-unclamped in memory. `_down_kernel` multiplies each tile's mid rows by the expert's down blocks and
-writes every entry's output to its own row of a [T, slots, D] buffer: slot = the routing slot for
-routed experts, and the last slot for the shared expert, which runs through the same kernels as a
-single expert over all tokens with weight 1. `hc_post` then adds the slots, in order.
+Decode form (`decode_ffn`, up to DECODE_TOKENS tokens: a decode step): no sort, two launches, with
+grids from T and k alone (a captured step replays them).
+- `_decode_gate_up_kernel`, grid (F / BN, T * k + 1): column 0 is the shared expert for all T tokens,
+  with its own weights and block type (Q8_0 in ds4 files); column 1 + e is routing entry
+  e = t * k + slot, its expert read from `ids` on the device. Each program reads gate and up rows
+  and writes silu(min(g, L)) * clamp(u, -L, L) (times the route weight) to its row of `mid`, so the
+  mid activations never exist unclamped in memory.
+- `_decode_down_kernel`, same columns over D: each program writes its entry's down rows to `parts`;
+  the last program of a column block to finish (an atomic ticket, reset for the next launch) adds
+  each token's k routed slots, in slot order, then its shared expert, into out [T, D]. No float
+  atomics: the sum is the same at every replay.
+The loops are `expert_blocks`' decoders: fp32 products (EXACT), or fp16 tensor-core operands under
+Precision.fast for the formats that have them (the mid activations are then stored as fp16 too).
 
-Tiles of >= 16 rows (prefill) go through `tl.dot`; small tiles (decode: one token per expert) use
-the GEMV form, where each weight block is read exactly once per step. Each program checks its tile
-slot and exits at once when unused, so the grid is sized from T * k alone.
+Prefill form (`expert_ffn`): the entries sorted by expert (`moe_sort`). For every tile of one
+expert's entries, `_gate_up_kernel` gathers the tokens' input rows, decodes the expert's gate and up
+blocks once per K step for all the tile's rows, and writes the clamped SwiGLU times the routing
+weight; `_down_kernel` multiplies each tile's mid rows by the expert's down blocks and writes every
+entry's output to its own row of a [T, slots, D] buffer (slot = the routing slot, or the last slot
+for the shared expert, which runs through the same kernels as one expert over all tokens with weight
+1), summed by the caller. Tiles of >= 16 rows go through `tl.dot`; smaller tiles (few entries per
+expert) use the GEMV form, where each weight block is read once per step. Each program checks its
+tile slot and exits at once when unused, so the grid is sized from T * k alone.
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ from dwarfstar.backends.triton.kernels.quant_blocks import (
     grid_table,
     load_weight_tile,
     tile_k,
+    warp_size,
 )
 from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, interpreting, next_pow2
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
@@ -325,15 +339,15 @@ def _tickets(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _decode_rows(ggml_type: GGMLType, fast: bool, warps: int) -> tuple[int, int]:
-    """(rows, BK) of a decode loop over `warps` warps: each thread reads 16-byte runs of the blocks (rows
-    of 4 runs per super-block for the 2-bit formats, 8 for Q4_K, 16 for Q8_0's 256 columns), one run
-    per thread; the tensor-core form takes 16-row mma tiles, two per warp."""
+    """(rows, BK) of a decode loop over `warps` warps: each thread reads one 16-byte run of the blocks
+    per step (rows of 4 runs per super-block for the 2-bit formats, 8 for Q4_K, 16 for Q8_0's 256
+    columns); the tensor-core form takes 16-row mma tiles, two per warp."""
     if interpreting():  # programs run one after another: as few as possible
         return 256, 256 if ggml_type in EXACT_TYPES else tile_k(ggml_type, QK_K)
     if fast and ggml_type in FAST_TYPES:
         return 32 * warps, 256
     if ggml_type in EXACT_TYPES:
-        return warps * 32 // {GGMLType.Q8_0: 16, GGMLType.Q4_K: 8}.get(ggml_type, 4), 256
+        return warps * warp_size() // {GGMLType.Q8_0: 16, GGMLType.Q4_K: 8}.get(ggml_type, 4), 256
     return 16, tile_k(ggml_type, QK_K)
 
 
