@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dwarfstar.backends.triton.kernels import moe_experts, moe_route, moe_sort
+from dwarfstar.backends.triton.runtime import EXACT, FAST
 from dwarfstar.backends.triton.weights import QWeight
 from dwarfstar.gguf.constants import GGMLType as T
 from dwarfstar.gguf.quantize import quantize
@@ -55,7 +56,7 @@ def test_sort_groups_entries_and_skips_empty_experts(device):
     assert sorted({e for e in tiles.tile_expert.tolist() if e >= 0}) == [0, 3, 5]
 
 
-@pytest.mark.parametrize("tokens", [1, 6, 40])  # decode (GEMV tiles) to prefill (tensor-core tiles)
+@pytest.mark.parametrize("tokens", [6, 40])  # prefill: GEMV tiles (few entries per expert), tensor-core tiles
 def test_expert_ffn_matches_reference(tokens, device, quant_blocks):
     gen = torch.Generator().manual_seed(tokens)
     e, d, f, k = 8, 256, 256, 2
@@ -76,3 +77,44 @@ def test_expert_ffn_matches_reference(tokens, device, quant_blocks):
     assert ((out[:, :k] - want).abs().max() / scale) < 1e-5
     want_shared = moe_experts.reference(x, *shared, None, None, 10.0)
     assert ((out[:, k:] - want_shared).abs().max() / want_shared.abs().max()) < 1e-5
+
+
+# (gate/up, down, shared) block types: the q2 recipe with ds4's Q8_0 shared expert, the q4 recipe, and
+# float types (the generic tile decoder); FAST runs the tensor-core form where a type has one
+DECODE_CASES = [
+    pytest.param((T.IQ2_XXS, T.Q2_K, T.Q8_0), EXACT, 1, id="q2-exact-1-token"),
+    pytest.param((T.IQ2_XXS, T.Q2_K, T.Q8_0), EXACT, 3, id="q2-exact"),
+    pytest.param((T.Q4_K, T.Q4_K, T.Q8_0), EXACT, 3, id="q4-exact"),
+    pytest.param((T.F16, T.F32, T.BF16), EXACT, 2, id="float-exact"),
+    pytest.param((T.IQ2_XXS, T.Q2_K, T.Q8_0), FAST, 3, id="q2-fast"),
+    pytest.param((T.Q4_K, T.Q4_K, T.Q4_K), FAST, 3, id="q4-fast-shared-in-mma"),
+]
+# FAST rounds the activations (and the mid activations) to fp16: measured 2e-4 to 6e-4 of the
+# largest output on these shapes, against 3e-7 for EXACT
+FAST_TOLERANCE = 2e-3
+
+
+@pytest.mark.parametrize("types,precision,tokens", DECODE_CASES)
+def test_decode_ffn_matches_reference(types, precision, tokens, device, quant_blocks):
+    gate_up, down_type, shared_type = types
+    gen = torch.Generator().manual_seed(tokens)
+    e, d, f, k = 8, 256, 256, 2
+    x = torch.randn(tokens, d, generator=gen).to(device)
+    gate = weight(gate_up, (e, f, d), device, quant_blocks, seed=2)
+    up = weight(gate_up, (e, f, d), device, quant_blocks, seed=3)
+    down = weight(down_type, (e, d, f), device, quant_blocks, seed=4)
+    shared = [weight(shared_type, (1, f, d), device, quant_blocks, seed=5 + i) for i in range(2)]
+    shared.append(weight(shared_type, (1, d, f), device, quant_blocks, seed=7))
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)]).int()
+    if tokens > 1:
+        ids[1, 1] = ids[0, 0]  # one expert chosen by two tokens, at different slots
+    ids = ids.to(device)
+    route_w = torch.rand(tokens, k, generator=gen).to(device)
+    out = moe_experts.decode_ffn(x, ids, route_w, (gate, up, down), tuple(shared), 10.0, precision)
+    want = moe_experts.reference(x, gate, up, down, ids, route_w, 10.0).sum(1)
+    want += moe_experts.reference(x, *shared, None, None, 10.0)[:, 0]
+    assert out.shape == (tokens, d)
+    error = ((out - want).abs().max() / want.abs().max()).item()
+    assert error < (FAST_TOLERANCE if precision.fast else 1e-5), error
+    tickets = [v for key, v in moe_experts._TICKETS.items() if key[0] == out.device]
+    assert all(int(t.abs().sum()) == 0 for t in tickets)  # back at 0: a replayed launch starts over

@@ -381,15 +381,16 @@ class TritonOps:
         a, lw, t = self.args, self.w.layers[il], x.shape[0]
         k, precision = a.n_activated_experts, self._precision(x)
         (gate, up, down), slots = experts.experts(il, ids)
+        shared = (lw.gate_shared, lw.up_shared, lw.down_shared)
+        if t <= moe_experts.DECODE_TOKENS:  # two launches, routed and shared experts and their sum together
+            return moe_experts.decode_ffn(x, slots, weights, (gate, up, down), shared, a.swiglu_limit, self.precision)
         tile = 64 if precision.fast else 32  # fp32 operands take twice the registers and shared memory
         tiles = moe_sort.sort_by_expert(slots, gate.experts, moe_sort.tile_rows_for(t * k, gate.experts, tile))
         # k routed slots and the shared expert, summed once all are written
         parts = torch.empty(t, k + 1, a.dim, device=self.device)
         moe_experts.expert_ffn(x, gate, up, down, tiles, weights.view(-1), parts, 0, a.swiglu_limit, precision)
-        shared = moe_sort.single_expert_tiles(t, self.device, moe_sort.tile_rows_for(t, 1, tile))
-        moe_experts.expert_ffn(
-            x, lw.gate_shared, lw.up_shared, lw.down_shared, shared, None, parts, k, a.swiglu_limit, precision
-        )
+        shared_tiles = moe_sort.single_expert_tiles(t, self.device, moe_sort.tile_rows_for(t, 1, tile))
+        moe_experts.expert_ffn(x, *shared, shared_tiles, None, parts, k, a.swiglu_limit, precision)
         return parts.sum(1)
 
 

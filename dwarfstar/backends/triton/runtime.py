@@ -110,8 +110,9 @@ class Precision:
 
     `fast=False` keeps every product in IEEE fp32 (what the parity tests need: the reference is fp32).
     `fast=True` lets the prefill GEMM and attention tiles use bf16 operands with fp32 accumulation,
-    as the official model does between its ops; decode GEMVs stay fp32 either way (they are bound by
-    memory, not arithmetic).
+    as the official model does between its ops; decode GEMVs stay fp32 (they are bound by memory,
+    not arithmetic), except the experts' decode loops, which take fp16 activations into the tensor
+    cores to cut their instructions per weight byte (`kernels.expert_blocks`).
     """
 
     fast: bool = False

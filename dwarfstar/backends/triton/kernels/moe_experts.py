@@ -1,16 +1,29 @@
-"""Grouped expert FFN over the entries sorted by expert: gate/up with the SwiGLU clamp fused, then down.
+"""The expert FFN of the MoE (spec §2.4): routed experts and the shared expert, SwiGLU with the clamp
+fused into the gate/up product, the route weight applied before the down projection.
 
-Spec §2.4. For every tile of one expert's entries (`moe_sort`), `_gate_up_kernel` gathers the tokens'
-input rows, decodes the expert's gate and up blocks once per K step for all the tile's rows, and
-writes silu(min(g, L)) * clamp(u, -L, L) * routing weight, so the mid activations never exist
-unclamped in memory. `_down_kernel` multiplies each tile's mid rows by the expert's down blocks and
-writes every entry's output to its own row of a [T, slots, D] buffer: slot = the routing slot for
-routed experts, and the last slot for the shared expert, which runs through the same kernels as a
-single expert over all tokens with weight 1. `hc_post` then adds the slots, in order.
+Decode form (`decode_ffn`, up to DECODE_TOKENS tokens: a decode step): no sort, two launches, with
+grids from T and k alone (a captured step replays them).
+- `_decode_gate_up_kernel`, grid (F / BN, T * k + 1): column 0 is the shared expert for all T tokens,
+  with its own weights and block type (Q8_0 in ds4 files); column 1 + e is routing entry
+  e = t * k + slot, its expert read from `ids` on the device. Each program reads gate and up rows
+  and writes silu(min(g, L)) * clamp(u, -L, L) (times the route weight) to its row of `mid`, so the
+  mid activations never exist unclamped in memory.
+- `_decode_down_kernel`, same columns over D: each program writes its entry's down rows to `parts`;
+  the last program of a column block to finish (an atomic ticket, reset for the next launch) adds
+  each token's k routed slots, in slot order, then its shared expert, into out [T, D]. No float
+  atomics: the sum is the same at every replay.
+The loops are `expert_blocks`' decoders: fp32 products (EXACT), or fp16 tensor-core operands under
+Precision.fast for the formats that have them (the mid activations are then stored as fp16 too).
 
-Tiles of >= 16 rows (prefill) go through `tl.dot`; small tiles (decode: one token per expert) use
-the GEMV form, where each weight block is read exactly once per step. Each program checks its tile
-slot and exits at once when unused, so the grid is sized from T * k alone.
+Prefill form (`expert_ffn`): the entries sorted by expert (`moe_sort`). For every tile of one
+expert's entries, `_gate_up_kernel` gathers the tokens' input rows, decodes the expert's gate and up
+blocks once per K step for all the tile's rows, and writes the clamped SwiGLU times the routing
+weight; `_down_kernel` multiplies each tile's mid rows by the expert's down blocks and writes every
+entry's output to its own row of a [T, slots, D] buffer (slot = the routing slot, or the last slot
+for the shared expert, which runs through the same kernels as one expert over all tokens with weight
+1), summed by the caller. Tiles of >= 16 rows go through `tl.dot`; smaller tiles (few entries per
+expert) use the GEMV form, where each weight block is read once per step. Each program checks its
+tile slot and exits at once when unused, so the grid is sized from T * k alone.
 """
 
 from __future__ import annotations
@@ -22,7 +35,8 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference import ops
-from dwarfstar.backends.triton.kernels.moe_sort import ExpertTiles, single_expert_tiles, sort_by_expert
+from dwarfstar.backends.triton.kernels.expert_blocks import EXACT_TYPES, FAST_TYPES, exact_step, fast_step, tables
+from dwarfstar.backends.triton.kernels.moe_sort import ExpertTiles, sort_by_expert
 from dwarfstar.backends.triton.kernels.quant_blocks import (
     GEMV_CANDIDATES,
     gemv_search,
@@ -30,6 +44,7 @@ from dwarfstar.backends.triton.kernels.quant_blocks import (
     grid_table,
     load_weight_tile,
     tile_k,
+    warp_size,
 )
 from dwarfstar.backends.triton.runtime import (
     EXACT,
@@ -42,7 +57,7 @@ from dwarfstar.backends.triton.runtime import (
     next_pow2,
 )
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
-from dwarfstar.gguf.constants import GGMLType
+from dwarfstar.gguf.constants import QK_K, GGMLType
 
 
 @triton.jit
@@ -54,6 +69,13 @@ def _product(acc, x, w, USE_DOT: tl.constexpr, FAST: tl.constexpr):
             return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
     else:
         return acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+
+
+@triton.jit
+def _swiglu(g, u, limit):
+    """silu(min(g, L)) * clamp(u, -L, L); silu(g) = g / (1 + e^-g), the exponent capped where silu is ~0."""
+    g = tl.minimum(g, limit)
+    return g / (1.0 + tl.exp(tl.minimum(-g, 80.0))) * tl.minimum(tl.maximum(u, -limit), limit)
 
 
 def _pruner(weights: int):
@@ -101,9 +123,7 @@ def _gate_up_kernel(
                              USE_DOT, FAST)  # fmt: skip
             acc_u = _product(acc_u, x, load_weight_tile(up_ptr, grid_ptr, row_off, k0, K, WTYPE, BN, BK),
                              USE_DOT, FAST)  # fmt: skip
-        g = tl.minimum(acc_g, limit)
-        # silu(g) = g / (1 + e^-g); capping the exponent keeps it finite where silu is ~0 anyway
-        mid = g / (1.0 + tl.exp(tl.minimum(-g, 80.0))) * tl.minimum(tl.maximum(acc_u, -limit), limit)
+        mid = _swiglu(acc_g, acc_u, limit)
         if WEIGHTED:
             mid = mid * tl.load(route_w_ptr + entry, mask=m_ok, other=0.0)[:, None]
         out = mid_ptr + (start + m).to(tl.int64)[:, None] * N + n[None, :]
@@ -208,6 +228,208 @@ def launch_work(kernel: str, a: dict) -> KernelWork | None:
     return KernelWork(weight + activations, weight, triton.cdiv(a["K"], a["BK"]), loop)
 
 
+# -- decode form ---------------------------------------------------------------------------------------
+DECODE_TOKENS = 8  # up to this many tokens a step runs the decode form: no sort, one launch per projection
+
+
+@triton.jit
+def _rows_dot(x_ptr, x_off, x_ok, w1_ptr, w2_ptr, tab_ptr, row_off, K,
+              WTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr,
+              FAST: tl.constexpr, BCAST: tl.constexpr):  # fmt: skip
+    """Products of BN weight rows (w1, and w2 when TWO) with activation rows: [R, BN] each, R = x_off's
+    length. FAST: the tensor-core form over 16 rows (BCAST: one row in all 16, every result row equal)."""
+    if FAST:  # one matrix after the other: a super-block of both would not fit the registers
+        a1 = tl.zeros([BN, 16], tl.float32)
+        for sb in range(0, K // 256):
+            a1 += fast_step(w1_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST, WTYPE, BN)
+        a2 = a1
+        if TWO:
+            a2 = tl.zeros([BN, 16], tl.float32)
+            for sb in range(0, K // 256):
+                a2 += fast_step(w2_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST, WTYPE, BN)
+        return tl.trans(a1), tl.trans(a2)
+    else:
+        a1 = exact_step(w1_ptr, tab_ptr, row_off, 0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+        a2 = a1
+        if TWO:
+            a2 = exact_step(w2_ptr, tab_ptr, row_off, 0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+        for k0 in range(BK, K, BK):
+            a1 += exact_step(w1_ptr, tab_ptr, row_off, k0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+            if TWO:
+                a2 += exact_step(w2_ptr, tab_ptr, row_off, k0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+        return tl.sum(a1, axis=2), tl.sum(a2, axis=2)
+
+
+@triton.jit
+def _shared_rows(x_ptr, x_row0, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_row0, stride_out,
+                 n0, T, K, N, row_bytes, limit, WTYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr,
+                 BK: tl.constexpr, FAST: tl.constexpr, TB: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+    """The shared expert's rows n0..n0+BN (SBN at a time) for every token: activation rows x_row0 + t,
+    output rows out_row0 + t; GATED: SwiGLU of w1 and w2 (gate, up), else w1 alone (down)."""
+    rows = tl.arange(0, 16 if FAST else TB)
+    ok = rows < T
+    x_off = (x_row0 + tl.where(ok, rows, 0)).to(tl.int64) * stride_x
+    for part in range(0, BN // SBN):
+        n = n0 + part * SBN + tl.arange(0, SBN)
+        row_off = tl.minimum(n, N - 1).to(tl.int64) * row_bytes
+        a1, a2 = _rows_dot(x_ptr, x_off, ok, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, SBN, BK, GATED, FAST, False)
+        y = _swiglu(a1, a2, limit) if GATED else a1
+        out = out_ptr + (out_row0 + rows).to(tl.int64)[:, None] * stride_out + n[None, :]
+        tl.store(out, y, mask=ok[:, None] & (n < N)[None, :])
+
+
+@triton.jit
+def _routed_rows(x_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_row, stride_out,
+                 n0, expert, K, N, row_bytes, limit, scale, WTYPE: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+    """One routing entry's rows n0..n0+BN of `expert`: activation row x_row, output row out_row
+    (GATED: SwiGLU of gate and up, times `scale`)."""
+    rows = tl.arange(0, 16 if FAST else 1)
+    x_off = tl.full(rows.shape, 0, tl.int64) + x_row.to(tl.int64) * stride_x
+    n = n0 + tl.arange(0, BN)
+    row_off = (expert.to(tl.int64) * N + tl.minimum(n, N - 1)) * row_bytes
+    a1, a2 = _rows_dot(x_ptr, x_off, rows >= 0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, BN, BK, GATED, FAST, True)
+    y = _swiglu(a1, a2, limit) * scale if GATED else a1
+    out = out_ptr + out_row.to(tl.int64) * stride_out + rows[:, None] * 0 + n[None, :]
+    tl.store(out, y, mask=(rows == 0)[:, None] & (n < N)[None, :])  # FAST: 16 equal rows
+
+
+@triton.jit
+def _decode_gate_up_kernel(
+    x_ptr, ids_ptr, route_w_ptr, gate_ptr, up_ptr, sgate_ptr, sup_ptr, tab_ptr, mid_ptr,
+    T, k, D, F, FS, FM, stride_x, row_bytes, srow_bytes, limit,
+    RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
+    SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr,
+):  # fmt: skip
+    # column 0: the shared expert for every token (the longest programs, so scheduled first); column
+    # 1 + e: routing entry e = t * k + slot. mid rows: e for the entries, T * k + t for the shared expert
+    col = tl.program_id(1)
+    n0 = tl.program_id(0) * BN
+    if col == 0:
+        _shared_rows(x_ptr, 0, stride_x, sgate_ptr, sup_ptr, tab_ptr, mid_ptr, T * k, FM, n0, T, D, FS,
+                     srow_bytes, limit, STYPE, BN, SBN, SBK, SFAST, TB, True)  # fmt: skip
+    else:
+        e = col - 1
+        _routed_rows(x_ptr, e // k, stride_x, gate_ptr, up_ptr, tab_ptr, mid_ptr, e, FM, n0, tl.load(ids_ptr + e),
+                     D, F, row_bytes, limit, tl.load(route_w_ptr + e), RTYPE, BN, RBK, RFAST, True)  # fmt: skip
+
+
+@triton.jit
+def _decode_down_kernel(
+    mid_ptr, ids_ptr, down_ptr, sdown_ptr, tab_ptr, part_ptr, tickets_ptr, out_ptr,
+    T, k, F, FS, FM, D, row_bytes, srow_bytes, stride_out,
+    RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
+    SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr,
+):  # fmt: skip
+    # every program writes its products to part (rows as in mid); the last program of a column block
+    # to finish (a ticket per block, back to 0 for the next launch) sums each token's k routed slots,
+    # in slot order, then its shared expert, into out
+    nb = tl.program_id(0)
+    col = tl.program_id(1)
+    if col == 0:
+        _shared_rows(mid_ptr, T * k, FM, sdown_ptr, sdown_ptr, tab_ptr, part_ptr, T * k, D, nb * BN, T, FS, D,
+                     srow_bytes, 0.0, STYPE, BN, SBN, SBK, SFAST, TB, False)  # fmt: skip
+    else:
+        e = col - 1
+        _routed_rows(mid_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, e, D, nb * BN, tl.load(ids_ptr + e),
+                     F, D, row_bytes, 0.0, 1.0, RTYPE, BN, RBK, RFAST, False)  # fmt: skip
+    tl.debug_barrier()
+    ticket = tl.atomic_add(tickets_ptr + nb, 1, sem="acq_rel", scope="gpu")
+    if ticket == T * k:
+        tl.store(tickets_ptr + nb, 0)
+        t = tl.arange(0, TB)
+        n = nb * BN + tl.arange(0, BN)
+        ok = (t < T)[:, None] & (n < D)[None, :]
+        total = tl.zeros([TB, BN], tl.float32)
+        for slot in range(0, k):
+            at = part_ptr + (t * k + slot).to(tl.int64)[:, None] * D + n[None, :]
+            total += tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
+        at = part_ptr + (T * k + t).to(tl.int64)[:, None] * D + n[None, :]
+        total += tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_out + n[None, :], total, mask=ok)
+
+
+_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """int32 [n] counters at 0, one buffer per (device, size) kept for good: a captured graph holds its
+    address, and every launch leaves its counters at 0 again."""
+    key = (device, n)
+    if key not in _TICKETS:
+        _TICKETS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _TICKETS[key]
+
+
+def _decode_rows(ggml_type: GGMLType, fast: bool, warps: int) -> tuple[int, int]:
+    """(rows, BK) of a decode loop over `warps` warps: each thread reads one 16-byte run of the blocks
+    per step (rows of 4 runs per super-block for the 2-bit formats, 8 for Q4_K, 16 for Q8_0's 256
+    columns); the tensor-core form takes 16-row mma tiles, two per warp."""
+    if interpreting():  # programs run one after another: as few as possible
+        return 256, 256 if ggml_type in EXACT_TYPES else tile_k(ggml_type, QK_K)
+    if fast and ggml_type in FAST_TYPES:
+        return 32 * warps, 256
+    if ggml_type in EXACT_TYPES:
+        return warps * warp_size() // {GGMLType.Q8_0: 16, GGMLType.Q4_K: 8}.get(ggml_type, 4), 256
+    return 16, tile_k(ggml_type, QK_K)
+
+
+def decode_ffn(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    route_weights: torch.Tensor,
+    routed: tuple[QWeight, QWeight, QWeight],
+    shared: tuple[QWeight, QWeight, QWeight],
+    limit: float,
+    precision: Precision = EXACT,
+) -> torch.Tensor:
+    """[T, D] float32: each token's k routed experts (ids int32 [T, k], route_weights float32 [T, k],
+    applied before the down projection) and the shared expert, summed in slot order then shared.
+
+    Two launches whatever T is (at most DECODE_TOKENS): gate+up, then down with the sum; their grids
+    depend on T and k only, so a captured decode step replays them.
+    """
+    t, k = ids.shape
+    if t > DECODE_TOKENS:
+        raise ValueError(f"the decode form takes at most {DECODE_TOKENS} tokens, got {t}")
+    gate, up, down = routed
+    sgate, sup, sdown = shared
+    d, f, fs = gate.cols, gate.expert_rows, sgate.rows
+    device, tb = x.device, next_pow2(t)
+    fm = max(f, fs)
+    fast = precision.fast
+    mid = torch.empty(t * k + t, fm, device=device, dtype=torch.float16 if fast else torch.float32)
+    parts = torch.empty(t * k + t, d, device=device)
+    out = torch.empty(t, d, device=device)
+    tab = tables(device)
+    ids, route_weights = ids.contiguous(), route_weights.contiguous()
+    for step, (w, s) in enumerate(((gate, sgate), (down, sdown))):
+        rfast, sfast = fast and w.ggml_type in FAST_TYPES, fast and s.ggml_type in FAST_TYPES
+        # the tensor-core form on 2 warps (4 would pick wgmma, which stages the activations in shared memory)
+        warps = 2 if rfast else 4
+        bn, rbk = _decode_rows(w.ggml_type, fast, warps)
+        sbn, sbk = _decode_rows(s.ggml_type, fast, warps)
+        bn = min(bn, next_pow2(max(fm, d)))
+        sbn = min(sbn, bn)
+        # the pipeliner would stage IQ2_XXS's table lookups of the fast form through shared memory
+        stages = 1 if interpreting() or (rfast and w.ggml_type == GGMLType.IQ2_XXS) else 3
+        consts = dict(RTYPE=w.wtype, STYPE=s.wtype, BN=bn, SBN=sbn, RBK=rbk, SBK=sbk, RFAST=rfast, SFAST=sfast,
+                      TB=tb, num_warps=warps, num_stages=stages)  # fmt: skip
+        if step == 0:
+            grid = (triton.cdiv(fm, bn), t * k + 1)
+            _decode_gate_up_kernel[grid](
+                x, ids, route_weights, gate.data, up.data, sgate.data, sup.data, tab, mid,
+                t, k, d, f, fs, fm, x.stride(0), gate.row_bytes, sgate.row_bytes, limit, **consts,
+            )  # fmt: skip
+        else:
+            blocks = triton.cdiv(d, bn)
+            _decode_down_kernel[(blocks, t * k + 1)](
+                mid, ids, down.data, sdown.data, tab, parts, _tickets(device, blocks), out,
+                t, k, f, fs, fm, d, down.row_bytes, sdown.row_bytes, out.stride(0), **consts,
+            )  # fmt: skip
+    return out
+
+
 def reference(x, gate: QWeight, up: QWeight, down: QWeight, ids, route_weights, limit) -> torch.Tensor:
     """[T, k, D]: each routing slot's expert output, from dequantized experts (ids None: one shared expert)."""
     g, u, dn = (w.dequantize().view(w.experts, w.expert_rows, w.cols) for w in (gate, up, down))
@@ -224,27 +446,31 @@ def reference(x, gate: QWeight, up: QWeight, down: QWeight, ids, route_weights, 
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """Routed experts (q2 recipe: IQ2_XXS gate/up, Q2_K down) for one decode token and a prefill
-    chunk, and the Q8_0 shared expert for one token."""
+    """The decode form (q2 recipe: IQ2_XXS gate/up, Q2_K down, with the Q8_0 shared expert) for 1 and 4
+    tokens, exact and fast, and the routed experts of a prefill chunk (sorted tiles, bf16 dot)."""
     a, dev, gen = shape.args, shape.device, shape.generator()
     e, f, d, k = a.n_routed_experts, a.moe_inter_dim, a.dim, a.n_activated_experts
     gate = random_qweight(GGMLType.IQ2_XXS, (e, f, d), dev, gen)
     up = random_qweight(GGMLType.IQ2_XXS, (e, f, d), dev, gen)
     down = random_qweight(GGMLType.Q2_K, (e, d, f), dev, gen)
+    shared = tuple(random_qweight(GGMLType.Q8_0, s, dev, gen) for s in ((f, d), (f, d), (d, f)))
     per_expert = (gate.nbytes + up.nbytes + down.nbytes) // e
     cases = []
-    for what, t, precision in (("decode", 1, EXACT), ("prefill (bf16 dot)", shape.prefill, FAST)):
+    for t, precision in ((1, EXACT), (4, EXACT), (1, FAST), (4, FAST)):
         x = torch.randn(t, d, device=dev, generator=gen)
         ids = torch.stack([torch.randperm(e, device=dev, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
-        weights = torch.rand(t * k, device=dev, generator=gen)
-        tiles = sort_by_expert(ids, e)
-        out = torch.empty(t, k + 1, d, device=dev)
-        run = functools.partial(expert_ffn, x, gate, up, down, tiles, weights, out, 0, a.swiglu_limit, precision)
-        touched = min(e, t * k) * per_expert
-        cases.append(BenchCase("moe_experts", f"{what} {t} tokens x {k} experts", run, touched, 6 * t * k * f * d))
-    shared = [random_qweight(GGMLType.Q8_0, s, dev, gen) for s in ((f, d), (f, d), (d, f))]
-    x = torch.randn(1, d, device=dev, generator=gen)
-    out = torch.empty(1, k + 1, d, device=dev)
-    run = functools.partial(expert_ffn, x, *shared, single_expert_tiles(1, dev), None, out, k, a.swiglu_limit)
-    cases.append(BenchCase("moe_experts", "decode shared expert Q8_0", run, sum(w.nbytes for w in shared), 6 * f * d))
+        weights = torch.rand(t, k, device=dev, generator=gen)
+        run = functools.partial(decode_ffn, x, ids, weights, (gate, up, down), shared, a.swiglu_limit, precision)
+        moved = min(e, t * k) * per_expert + sum(w.nbytes for w in shared)
+        name = f"decode {t} tokens x {k} experts + shared ({'fast' if precision.fast else 'exact'})"
+        cases.append(BenchCase("moe_experts", name, run, moved, 6 * t * (k + 1) * f * d))
+    t = shape.prefill
+    x = torch.randn(t, d, device=dev, generator=gen)
+    ids = torch.stack([torch.randperm(e, device=dev, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    weights = torch.rand(t * k, device=dev, generator=gen)
+    tiles = sort_by_expert(ids, e)
+    out = torch.empty(t, k + 1, d, device=dev)
+    run = functools.partial(expert_ffn, x, gate, up, down, tiles, weights, out, 0, a.swiglu_limit, FAST)
+    name = f"prefill (bf16 dot) {t} tokens x {k} experts"
+    cases.append(BenchCase("moe_experts", name, run, min(e, t * k) * per_expert, 6 * t * k * f * d))
     return cases

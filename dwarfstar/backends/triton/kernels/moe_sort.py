@@ -1,4 +1,5 @@
-"""Group the (token, slot) routing entries by expert and cut them into tiles for the expert GEMM.
+"""Group the (token, slot) routing entries by expert and cut them into tiles for the expert GEMM of a
+prefill chunk (a decode step's few entries skip the sort: `moe_experts.decode_ffn`).
 
 Entry j = t * k + slot of the [T, k] expert ids. Three small launches, all sized from T * k and the
 expert count, never from the data, so a decode step can be captured in a CUDA graph:

@@ -1,0 +1,449 @@
+"""Dot products of activation rows with rows of GGUF blocks, decoded in registers: the decode loops
+of the experts (`moe_experts`' decode form).
+
+Each function covers one step of a K loop (BK columns: one 256-element super-block, or 256 columns
+of Q8_0) for BN weight rows at byte offsets `row_off`, in the aligned layout of `weights.repack`.
+
+`exact_step` keeps fp32 products: it returns [TB, BN, C] partial sums for TB activation rows (C
+spans the threads; the caller adds the steps up and reduces C once, after the loop). Weights are
+never built as floats by table lookups per element or int-to-float conversions: the quants are cut
+out of 32-bit words with shifts and masks, turned into floats by or-ing them into the mantissa of
+2^23 (`0x4B000000 | q` is 2^23 + q, one subtraction from q) and joined (`tl.join`) so that each
+thread holds whole 16-byte runs and sums its products in registers. The K-quants' scales apply per
+sub-block to the sums of q * x, the mins to the sums of x; IQ2_XXS looks up its lattice rows in
+a float32 table (8 values per 32-byte read) and flips signs on the float bits.
+
+`fast_step` (Precision.fast) feeds the tensor cores fp16 operands: the activations rounded to fp16,
+the weights as exact small integers w' (Q2_K: sc * q <= 45, Q4_K: sc * q <= 945, IQ2_XXS: sign *
+lattice value <= 43) written straight into fp16 bit patterns two at a time with integer operations
+(`q * sc + 0x3C003C00` is the fp16 pair (1 + w0 / 2^s, 1 + w1 / 2^s), no conversion instruction).
+The constant 1 is cancelled inside the same accumulator by a second product with -1, the super-
+block scale d and the min terms (a product with the sub-block mins, exact in fp16) apply per
+super-block, IQ2_XXS's group scale per 32-column product. The K order inside a step is permuted so
+that each thread of the mma operand layout holds whole sub-blocks or lattice points: the
+activations are gathered in the same order, so the product is unchanged. Its error is the fp16
+rounding of the activations (relative 2^-12 per product; tests/triton/test_moe.py bounds it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from dwarfstar.backends.triton.kernels.quant_blocks import load_weight_tile
+from dwarfstar.gguf.dequant import _iq2xxs_tables
+
+MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: or-ing an integer q < 2^23 into them gives 2^23 + q
+FP16_ONE_PAIR = tl.constexpr(0x3C003C00)  # two fp16 1.0 in one word
+
+# the block types with decoders here; others go through quant_blocks.load_weight_tile
+EXACT_TYPES = (8, 10, 12, 16)  # Q8_0, Q2_K, Q4_K, IQ2_XXS
+FAST_TYPES = (10, 12, 16)  # Q2_K, Q4_K, IQ2_XXS
+
+
+@functools.cache
+def _tables(device: torch.device) -> torch.Tensor:
+    grid, ksigns = _iq2xxs_tables()
+    # fp16 lattice values, 8 per row (4 words of two halves), then per 7-bit sign index the xor masks
+    # of its 8 signs (parity bit included) on the fp16 sign bits, 4 words of two halves
+    halves = grid.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    grid16 = halves[:, 0::2] | (halves[:, 1::2] << 16)
+    bits = (ksigns.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32)) & 1
+    masks = (bits[:, 0::2] << 15) | (bits[:, 1::2] << 31)
+    masks32 = bits << 31
+    one = torch.tensor([1.0]).view(torch.int32)
+    parts = [grid.view(torch.int32).reshape(-1), grid16.reshape(-1), masks.reshape(-1), masks32.reshape(-1), one]
+    return torch.cat(parts).to(device)
+
+
+def tables(device: torch.device | str) -> torch.Tensor:
+    """IQ2_XXS lookup tables as one int32 tensor (stays in cache): the float32 lattice (256 x 8), its
+    fp16 pairs (256 x 4 words), and per 7-bit sign index the masks of its 8 signs (parity included)
+    on fp16 pairs (4 words) and on float32 (8 words); then the bits of 1.0."""
+    return _tables(torch.device(device))
+
+
+GRID16_AT = tl.constexpr(2048)  # word offsets of the fp16 lattice and the sign masks in `tables`
+SIGNS16_AT = tl.constexpr(3072)
+SIGNS32_AT = tl.constexpr(3584)
+ONE_AT = tl.constexpr(4608)
+
+
+@triton.jit
+def _bytes_f32(v):
+    """The 4 bytes of each word as 2^23 + byte (float32 bits), joined [..., 2, 2]: byte i + 2 j."""
+    b0 = (v & 0xFF) | MAGIC
+    b1 = ((v >> 8) & 0xFF) | MAGIC
+    b2 = ((v >> 16) & 0xFF) | MAGIC
+    b3 = (v >> 24) | MAGIC
+    return tl.join(tl.join(b0, b1), tl.join(b2, b3))
+
+
+@triton.jit
+def _field_f32(w, one, AT: tl.constexpr, BITS: tl.constexpr):
+    """The BITS-bit field at bit AT of each word as the float 1 + q / 2^BITS: shifted to the top of the
+    mantissa and or-ed into `one`, the bits of 1.0 (read from memory: a register, where a constant
+    would leave the compiler a second constant to rebuild in every instruction)."""
+    if AT + BITS <= 23:
+        top = w << (23 - BITS - AT)
+    else:
+        top = w >> (AT + BITS - 23)
+    return (top & (((1 << BITS) - 1) << (23 - BITS))) | one
+
+
+@triton.jit
+def _fields_f32(w, one, AT: tl.constexpr, BITS: tl.constexpr, STEP: tl.constexpr):
+    """Fields at AT, AT + STEP, AT + 2 STEP, AT + 3 STEP joined [..., 2, 2] (i + 2 j)."""
+    f0 = _field_f32(w, one, AT, BITS)
+    f1 = _field_f32(w, one, AT + STEP, BITS)
+    f2 = _field_f32(w, one, AT + 2 * STEP, BITS)
+    f3 = _field_f32(w, one, AT + 3 * STEP, BITS)
+    return tl.join(tl.join(f0, f1), tl.join(f2, f3))
+
+
+@triton.jit
+def _fma_last(a, b, acc):
+    """acc + sum of a * b over the last dim (2), as a multiply-add chain."""
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a1 * b1 + (a0 * b0 + acc)
+
+
+@triton.jit
+def _chain(a, b, acc, N: tl.constexpr):
+    """acc + sum of a * b over the last N dims (each 2, held by one thread), as one multiply-add chain."""
+    if N == 1:
+        return _fma_last(a, b, acc)
+    else:
+        a0, a1 = tl.split(a)
+        b0, b1 = tl.split(b)
+        return _chain(a1, b1, _chain(a0, b0, acc, N - 1), N - 1)
+
+
+@triton.jit
+def _dot_last2(a, b):
+    """Sum of a * b over the last two dims (2, 2)."""
+    return _chain(a, b, 0.0, 2)
+
+
+@triton.jit
+def _x_rows(x_ptr, x_off, x_ok, k, k_ok):
+    """Activations float32 [TB, *k.shape]: rows at element offsets x_off [TB] (int64), masked by
+    x_ok [TB], columns k where k_ok."""
+    for _ in tl.static_range(len(k.shape)):
+        x_off = tl.expand_dims(x_off, len(x_off.shape))
+        x_ok = tl.expand_dims(x_ok, len(x_ok.shape))
+    return tl.load(x_ptr + x_off + k[None], mask=x_ok & k_ok[None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _exact_q8_0(w_ptr, row_off, k0, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
+    # payload: int8 q[K]; side: f16 d per 32 columns. Each thread takes a 16-byte run (half a block);
+    # q + 128 (the sign bit flipped) goes into the float: 2^23 + 128 + q
+    c = tl.arange(0, 16)
+    w = tl.arange(0, 4)
+    i = tl.arange(0, 2)
+    word = (4 * c)[:, None] + w[None, :]  # [16, 4] words of the 256 columns
+    run_ok = (k0 + 16 * c) < K
+    words = tl.load((w_ptr + row_off + k0).to(tl.pointer_type(tl.uint32))[:, None, None] + word[None],
+                    mask=run_ok[None, :, None], other=0)  # fmt: skip
+    q = _bytes_f32(words ^ tl.full([], 0x80808080, tl.uint32)).to(tl.float32, bitcast=True) - 8388736.0
+    k = (4 * word)[:, :, None, None] + i[None, None, :, None] + (2 * i)[None, None, None, :]
+    x = _x_rows(x_ptr, x_off, x_ok, k0 + k, k0 + k < K)  # [TB, 16, 4, 2, 2]; past K: q and x are 0
+    part = tl.sum(_dot_last2(tl.reshape(q, [1, BN, 16, 4, 2, 2]), x[:, None]), axis=3)  # [TB, BN, 16]
+    blk = (k0 // 32 + c // 2)[None, :]
+    d = tl.load((w_ptr + row_off[:, None] + K + 2 * blk).to(tl.pointer_type(tl.float16)), mask=run_ok[None, :])
+    return part * d.to(tl.float32)[None]
+
+
+@triton.jit
+def _q2_k_scales(w_ptr, side, BN: tl.constexpr):
+    """Q2_K's 16 sub-block scale bytes as [BN, 4 (16-byte run c = 2 h + lh), 2, 2 (s = i + 2 j)]:
+    sub-block 8 h + 2 s + lh."""
+    sc = tl.load(w_ptr + side[:, None] + tl.arange(0, 16)[None, :])  # [BN, 16]
+    sc = tl.reshape(sc, [BN, 2, 2, 2, 2])  # [BN, h, s_j, s_i, lh]
+    return tl.reshape(tl.permute(sc, 0, 1, 4, 3, 2), [BN, 4, 2, 2])
+
+
+@triton.jit
+def _q4_k_scale_min(w_ptr, side, BN: tl.constexpr):
+    """Q4_K's eight 6-bit scales and mins (ggml's get_scale_min_k4) as uint8 [BN, 8] each."""
+    j = tl.arange(0, 8)
+    s_j = tl.load(w_ptr + side[:, None] + 4 + j[None, :])  # scales[j]
+    s_j4 = tl.load(w_ptr + side[:, None] + 8 + j[None, :])  # scales[j + 4]
+    s_jm4 = tl.load(w_ptr + side[:, None] + 4 + (j % 4)[None, :])  # scales[j - 4] where j >= 4
+    low = (j < 4)[None, :]
+    sc = tl.where(low, s_j & 63, (s_j4 & 15) | ((s_jm4 >> 6) << 4))
+    mn = tl.where(low, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4))
+    return sc, mn
+
+
+@triton.jit
+def _byte_quants(w, one, B: tl.constexpr, BITS: tl.constexpr):
+    """Byte B's quants as floats 1 + q / 2^BITS, joined: [..., s_i, s_j] (2 bits, s = s_i + 2 s_j,
+    at bits 2 s) or [..., n] (4 bits, nibble n)."""
+    if BITS == 2:
+        return _fields_f32(w, one, 8 * B, 2, 2)
+    else:
+        return tl.join(_field_f32(w, one, 8 * B, 4), _field_f32(w, one, 8 * B + 4, 4))
+
+
+@triton.jit
+def _k_quant_sums(w_ptr, tab_ptr, row_off, sb, x_ptr, x_off, x_ok, k_base, BN: tl.constexpr, RUNS: tl.constexpr,
+                  BITS: tl.constexpr, FIELDS: tl.constexpr):  # fmt: skip
+    """For each 16-byte run of a K-quant super-block (RUNS per row, a thread each): the sums of q * x
+    and of x over each of its sub-blocks, [TB, BN, RUNS, *F] and [TB, RUNS, *F] (F: a byte's fields,
+    2 x 2 for Q2_K, 2 for Q4_K). The quants are the floats 1 + q / 2^BITS, so the sum of q * x is
+    2^BITS (sum of those times x - the sum of x). Element of run c, word w, byte b_i + 2 b_j and
+    field f: column sb * 256 + k_base[c, f] + 4 w + b."""
+    c = tl.arange(0, RUNS)
+    w = tl.arange(0, 4)
+    i = tl.arange(0, 2)
+    payload = (w_ptr + row_off + sb * RUNS * 16).to(tl.pointer_type(tl.uint32))
+    words = tl.load(payload[:, None, None] + (4 * c)[None, :, None] + w[None, None, :])  # [BN, c, w]
+    one = tl.load(tab_ptr + ONE_AT)
+    q = tl.join(tl.join(_byte_quants(words, one, 0, BITS), _byte_quants(words, one, 1, BITS)),
+                tl.join(_byte_quants(words, one, 2, BITS), _byte_quants(words, one, 3, BITS)))  # fmt: skip
+    q = q.to(tl.float32, bitcast=True)  # [BN, c, w, *F, b_i, b_j]
+    b = i[:, None] + 2 * i[None, :]
+    if FIELDS == 4:
+        k = k_base[:, None, :, :, None, None] + (4 * w)[None, :, None, None, None, None] + b[None, None, None, None]
+        x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, c, w, s_i, s_j, b_i, b_j]
+        sq = tl.sum(_dot_last2(tl.reshape(q, [1, BN, RUNS, 4, 2, 2, 2, 2]), x[:, None]), axis=3)
+        sx = tl.sum(tl.sum(tl.sum(x, axis=6), axis=5), axis=2)
+    else:
+        k = k_base[:, None, :, None, None] + (4 * w)[None, :, None, None, None] + b[None, None, None]
+        x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, c, w, n, b_i, b_j]
+        sq = tl.sum(_dot_last2(tl.reshape(q, [1, BN, RUNS, 4, 2, 2, 2]), x[:, None]), axis=3)
+        sx = tl.sum(tl.sum(tl.sum(x, axis=5), axis=4), axis=2)
+    return (1 << BITS) * (sq - sx[:, None]), sx
+
+
+@triton.jit
+def _exact_q2_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
+    # payload: qs[64] per super-block; byte 32 h + l holds elements 128 h + 32 s + l (s = 0..3) at
+    # bit 2 s. A thread takes a 16-byte run c (h = c // 2, l = 16 (c % 2) + 0..15): 4 whole
+    # sub-blocks, one per s. side (20 B): scales[16] (low nibble scale, high min), f16 d, dmin
+    c = tl.arange(0, 4)
+    i = tl.arange(0, 2)
+    s = i[:, None] + 2 * i[None, :]  # [s_i, s_j]
+    k_base = (128 * (c // 2) + 16 * (c % 2))[:, None, None] + (32 * s)[None]
+    sq, sx = _k_quant_sums(w_ptr, tab_ptr, row_off, sb, x_ptr, x_off, x_ok, k_base, BN, 4, 2, 4)
+    side = row_off + K // 4 + sb * 20
+    sc = _q2_k_scales(w_ptr, side, BN)
+    d = tl.load((w_ptr + side + 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    dmin = tl.load((w_ptr + side + 18).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    dl = d[:, None, None, None] * (sc & 15).to(tl.float32)
+    ml = dmin[:, None, None, None] * (sc >> 4).to(tl.float32)
+    return tl.reshape(sq * dl[None] - sx[:, None] * ml[None], [sx.shape[0], BN, 16])
+
+
+@triton.jit
+def _exact_q4_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
+    # payload: qs[128] per super-block; byte 32 p + l holds element 64 p + l (low nibble, sub-block
+    # 2 p) and 64 p + 32 + l (high nibble, 2 p + 1). A thread takes a 16-byte run c (p = c // 2,
+    # l = 16 (c % 2) + 0..15): half of two sub-blocks. side (16 B): f16 d, dmin, 12 scale bytes
+    c = tl.arange(0, 8)
+    k_base = (64 * (c // 2) + 16 * (c % 2))[:, None] + (32 * tl.arange(0, 2))[None, :]
+    sq, sx = _k_quant_sums(w_ptr, tab_ptr, row_off, sb, x_ptr, x_off, x_ok, k_base, BN, 8, 4, 2)
+    side = row_off + K // 2 + sb * 16
+    sc, mn = _q4_k_scale_min(w_ptr, side, BN)
+    d = tl.load((w_ptr + side).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    dmin = tl.load((w_ptr + side + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    # sub-block 2 p + n of run c = 2 p + (c % 2): the [BN, 4, 2] scales repeated for both runs of p
+    dl = tl.reshape(tl.broadcast_to(tl.reshape(d[:, None] * sc.to(tl.float32), [BN, 4, 1, 2]), [BN, 4, 2, 2]),
+                    [BN, 8, 2])  # fmt: skip
+    ml = tl.reshape(tl.broadcast_to(tl.reshape(dmin[:, None] * mn.to(tl.float32), [BN, 4, 1, 2]), [BN, 4, 2, 2]),
+                    [BN, 8, 2])  # fmt: skip
+    return tl.reshape(sq * dl[None] - sx[:, None] * ml[None], [sx.shape[0], BN, 16])
+
+
+@triton.jit
+def _exact_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
+    # payload (64 B per super-block): 8 groups of 32 elements, each two words: 4 bytes picking lattice
+    # rows (8 elements each) and four 7-bit sign indexes (bits 0-27) with a scale s (bits 28-31);
+    # the 8th sign makes the count of minus signs even. side: f16 d. x = d (0.5 + s) / 4 * grid * sign.
+    # The lattice rows and the sign masks (xor on the float sign bits) come from `tables`
+    words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None]
+                    + tl.arange(0, 16)[None, :])  # fmt: skip
+    points, aux = tl.split(tl.reshape(words, [BN, 8, 2]))  # [BN, g]
+    pick = tl.join(tl.join(points & 255, (points >> 8) & 255), tl.join((points >> 16) & 255, points >> 24))
+    signs = tl.join(tl.join(aux & 127, (aux >> 7) & 127), tl.join((aux >> 14) & 127, (aux >> 21) & 127))
+    e = tl.arange(0, 4)  # 16-byte lookups: a thread keeps a whole lattice row
+    at = (8 * pick)[:, :, :, :, None] + e[None, None, None, None, :]
+    grid = tl.join(tl.load(tab_ptr + at), tl.load(tab_ptr + at + 4))  # [BN, g, c_i, c_j, e, e_hi]
+    at = SIGNS32_AT + (8 * signs)[:, :, :, :, None] + e[None, None, None, None, :]
+    flip = tl.join(tl.load(tab_ptr + at), tl.load(tab_ptr + at + 4))
+    v = (grid ^ flip).to(tl.float32, bitcast=True)
+    i = tl.arange(0, 2)
+    k = (
+        (32 * tl.arange(0, 8))[:, None, None, None, None]
+        + (8 * i)[None, :, None, None, None]
+        + (16 * i)[None, None, :, None, None]
+        + e[None, None, None, :, None]
+        + (4 * i)[None, None, None, None, :]
+    )
+    x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, g, c_i, c_j, e, e_hi]
+    prod = _fma_last(tl.reshape(v, [1, BN, 8, 2, 2, 4, 2]), x[:, None], 0.0)
+    part = tl.sum(tl.sum(tl.sum(prod, axis=5), axis=4), axis=3)  # [TB, BN, g]
+    d = tl.load((w_ptr + row_off + K // 4 + 2 * sb).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    db = d[:, None] * (0.5 + (aux >> 28).to(tl.float32)) * 0.25  # [BN, g]
+    return part * db[None]
+
+
+@triton.jit
+def exact_step(w_ptr, tab_ptr, row_off, k0, K, x_ptr, x_off, x_ok,
+               WTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """fp32 partial sums [TB, BN, C] of rows `row_off` [BN] (int64 byte offsets) times activation rows
+    x_ptr + x_off [TB] (int64 element offsets; x_ok [TB] masks rows) over columns k0..k0+BK. BK is
+    256 for the types with decoders here; the others take `load_weight_tile`'s BK (C = 1)."""
+    if WTYPE == 8:
+        return _exact_q8_0(w_ptr, row_off, k0, K, x_ptr, x_off, x_ok, BN)
+    elif WTYPE == 10:
+        return _exact_q2_k(w_ptr, tab_ptr, row_off, k0 // 256, K, x_ptr, x_off, x_ok, BN)
+    elif WTYPE == 12:
+        return _exact_q4_k(w_ptr, tab_ptr, row_off, k0 // 256, K, x_ptr, x_off, x_ok, BN)
+    elif WTYPE == 16:
+        return _exact_iq2_xxs(w_ptr, tab_ptr, row_off, k0 // 256, K, x_ptr, x_off, x_ok, BN)
+    else:
+        tile = load_weight_tile(w_ptr, tab_ptr, row_off, k0, K, WTYPE, BN, BK)  # [BN, BK]
+        k = k0 + tl.arange(0, BK)
+        x = _x_rows(x_ptr, x_off, x_ok, k, k < K)
+        return tl.sum(tile[None] * x[:, None], axis=2)[:, :, None]
+
+
+@triton.jit
+def _x_operand(x_ptr, x_off, x_ok, e, BCAST: tl.constexpr):
+    """fp16 [E, 16] mma operand: activations at columns e [E] of the rows at element offsets x_off
+    [16] (masked by x_ok); BCAST: the row x_off[0] in every column (one token's entry)."""
+    if BCAST:
+        x = tl.load(x_ptr + tl.max(x_off, axis=0) + e).to(tl.float16)
+        return tl.broadcast_to(x[:, None], [e.shape[0], 16])
+    else:
+        return tl.load(x_ptr + x_off[None, :] + e[:, None], mask=x_ok[None, :], other=0.0).to(tl.float16)
+
+
+@triton.jit
+def _halves(enc):
+    """int32 words of two fp16 bit patterns -> fp16 [..., 2] (low half first)."""
+    lo = (enc & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    hi = (enc >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _broadcast_q2_k(v, BN: tl.constexpr):
+    """Per-sub-block values [BN, t, shi, slo] spread over their K positions, as `_fast_q2_k` orders them."""
+    v = tl.broadcast_to(v[:, :, None, None, :, :, None], [BN, 4, 4, 2, 2, 2, 2])
+    return tl.reshape(tl.permute(v, 0, 4, 5, 2, 1, 3, 6), [BN, 256])
+
+
+@triton.jit
+def _fast_q2_k(w_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST: tl.constexpr, BN: tl.constexpr):
+    # lane t of an mma quad takes the 16-byte run t (h = t // 2, l = 16 (t % 2) + 4 w + b): its 64
+    # K positions are the 4 sub-blocks of those bytes, one per s. Word (t, w) shifted right by
+    # 8 hi + 4 shi and masked with 0x00030003 << 2 slo holds q * 4^slo of bytes hi and hi + 2 in its
+    # halves (s = 2 shi + slo); times sc * 16 / 4^slo plus 0x3C003C00 it is the fp16 pair 1 + q sc / 64
+    t = tl.arange(0, 4)
+    two = tl.arange(0, 2)
+    words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None, None]
+                    + (4 * t)[None, :, None] + t[None, None, :])  # [BN, t, w]  # fmt: skip
+    shift = ((8 * two)[:, None] + (4 * two)[None, :]).to(tl.uint32)  # [hi, shi]
+    v = words[:, :, :, None, None] >> shift[None, None, None, :, :]  # [BN, t, w, hi, shi]
+    mask = (0x00030003 << (2 * two)).to(tl.uint32)  # [slo]
+    q = v[:, :, :, :, :, None] & mask[None, None, None, None, None, :]  # [BN, t, w, hi, shi, slo]
+    side = row_off + K // 4 + sb * 20
+    sc = tl.load(w_ptr + side[:, None] + tl.arange(0, 16)[None, :]).to(tl.uint32)  # sub-block 8 h + 2 s + lh
+    sc = tl.reshape(tl.permute(tl.reshape(sc, [BN, 2, 2, 2, 2]), 0, 1, 4, 2, 3), [BN, 4, 2, 2])  # [BN, t, shi, slo]
+    mult = (sc & 15) << (4 - 2 * two)[None, None, None, :]
+    enc = q * mult[:, :, None, None, :, :] + FP16_ONE_PAIR
+    w16 = tl.reshape(tl.permute(_halves(enc), 0, 4, 5, 2, 1, 3, 6), [BN, 256])  # [BN, shi, slo, w, t, hi, lo]
+    m16 = _broadcast_q2_k((sc >> 4).to(tl.float16), BN)
+    # -1 everywhere, derived from the scales (sc >> 8 is 0) so that it shares the operands' layout
+    minus = _broadcast_q2_k((sc >> 8).to(tl.float16) - 1.0, BN)
+    p = tl.arange(0, 256)
+    lane = (p // 4) % 4
+    e = 128 * (lane // 2) + 16 * (lane % 2) + 32 * (p // 64) + 4 * ((p // 16) % 4) + (p // 2) % 2 + 2 * (p % 2)
+    xb = _x_operand(x_ptr, x_off, x_ok, sb * 256 + e, BCAST)
+    part = tl.dot(w16, xb)
+    part = tl.dot(minus, xb, part)  # sum of q sc x / 64
+    mins = tl.dot(m16, xb)
+    d = tl.load((w_ptr + side + 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    dmin = tl.load((w_ptr + side + 18).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    return part * (64.0 * d)[:, None] - mins * dmin[:, None]
+
+
+@triton.jit
+def _broadcast_q4_k(v, BN: tl.constexpr):
+    """Per-sub-block values [BN, 8 = 2 t + n] spread over their K positions, as `_fast_q4_k` orders them."""
+    v = tl.broadcast_to(tl.reshape(v, [BN, 4, 2])[:, :, None, None, :, None], [BN, 4, 8, 2, 2, 2])
+    return tl.reshape(tl.permute(v, 0, 2, 4, 1, 3, 5), [BN, 256])
+
+
+@triton.jit
+def _fast_q4_k(w_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST: tl.constexpr, BN: tl.constexpr):
+    # lane t takes the 32 bytes of qs group p = t: sub-blocks 2 t (low nibbles) and 2 t + 1. Word
+    # (t, w) shifted right by 8 hi + 4 n and masked with 0x000F000F holds nibble n of bytes hi and
+    # hi + 2; times sc plus 0x3C003C00 it is the fp16 pair 1 + q sc / 1024 (q sc <= 945)
+    t = tl.arange(0, 4)
+    two = tl.arange(0, 2)
+    words = tl.load((w_ptr + row_off + sb * 128).to(tl.pointer_type(tl.uint32))[:, None, None]
+                    + (8 * t)[None, :, None] + tl.arange(0, 8)[None, None, :])  # [BN, t, w]  # fmt: skip
+    shift = ((8 * two)[:, None] + (4 * two)[None, :]).to(tl.uint32)  # [hi, n]
+    q = (words[:, :, :, None, None] >> shift[None, None, None, :, :]) & 0x000F000F  # [BN, t, w, hi, n]
+    side = row_off + K // 2 + sb * 16
+    sc, mn = _q4_k_scale_min(w_ptr, side, BN)
+    sc = tl.reshape(sc.to(tl.uint32), [BN, 4, 2])  # [BN, t, n]
+    enc = q * sc[:, :, None, None, :] + FP16_ONE_PAIR
+    w16 = tl.reshape(tl.permute(_halves(enc), 0, 2, 4, 1, 3, 5), [BN, 256])  # [BN, w, n, t, hi, lo]
+    m16 = _broadcast_q4_k(mn.to(tl.float16), BN)
+    minus = _broadcast_q4_k((mn >> 8).to(tl.float16) - 1.0, BN)  # -1, shaped like the operands (mn >> 8 is 0)
+    p = tl.arange(0, 256)
+    step = p // 16
+    e = 64 * ((p // 4) % 4) + 32 * (step % 2) + 4 * (step // 2) + (p // 2) % 2 + 2 * (p % 2)
+    xb = _x_operand(x_ptr, x_off, x_ok, sb * 256 + e, BCAST)
+    part = tl.dot(w16, xb)
+    part = tl.dot(minus, xb, part)  # sum of q sc x / 1024
+    mins = tl.dot(m16, xb)
+    d = tl.load((w_ptr + side).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    dmin = tl.load((w_ptr + side + 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    return part * (1024.0 * d)[:, None] - mins * dmin[:, None]
+
+
+@triton.jit
+def _fast_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST: tl.constexpr, BN: tl.constexpr):
+    # one 32-column product per group (its scale differs): lane t takes lattice point t of the group
+    # (8 columns), looked up as 4 words of fp16 pairs and signed by xor with the sign table's masks
+    t = tl.arange(0, 4)
+    v = tl.arange(0, 4)
+    base = (w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))
+    d = tl.load((w_ptr + row_off + K // 4 + 2 * sb).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    acc = tl.zeros([BN, 16], tl.float32)
+    for g in tl.static_range(8):
+        points = tl.load(base + 2 * g)
+        aux = tl.load(base + 2 * g + 1)
+        pick = ((points[:, None] >> (8 * t)[None, :].to(tl.uint32)) & 255).to(tl.int32)  # [BN, t]
+        signs = ((aux[:, None] >> (7 * t)[None, :].to(tl.uint32)) & 127).to(tl.int32)
+        grid = tl.load(tab_ptr + GRID16_AT + (4 * pick)[:, :, None] + v[None, None, :])  # [BN, t, v]
+        flip = tl.load(tab_ptr + SIGNS16_AT + (4 * signs)[:, :, None] + v[None, None, :])
+        w16 = tl.reshape(_halves(grid ^ flip), [BN, 32])  # columns 8 t + 2 v + lo, in order
+        xb = _x_operand(x_ptr, x_off, x_ok, sb * 256 + 32 * g + tl.arange(0, 32), BCAST)
+        db = d * (0.5 + (aux >> 28).to(tl.float32)) * 0.25
+        acc += tl.dot(w16, xb) * db[:, None]
+    return acc
+
+
+@triton.jit
+def fast_step(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok,
+              BCAST: tl.constexpr, WTYPE: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """[BN, 16] float32 products of super-block sb of rows `row_off` [BN] with 16 activation rows
+    (`_x_operand`) through fp16 tensor-core operands; WTYPE in FAST_TYPES, BN a multiple of 16."""
+    if WTYPE == 10:
+        return _fast_q2_k(w_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST, BN)
+    elif WTYPE == 12:
+        return _fast_q4_k(w_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST, BN)
+    else:
+        return _fast_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST, BN)
