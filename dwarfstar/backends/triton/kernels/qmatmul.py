@@ -6,29 +6,31 @@ the aligned layout of `weights.repack` and decoded in registers.
 Decode GEMV (`gemv`, up to GEMV_MAX_ROWS rows of x): bound by memory, each weight byte read once per
 step, so the kernel is built to keep the bytes coming with as few instructions as possible.
 * The vector formats (F32/F16/BF16/Q8_0) go through `load_vector_tile`: a program owns R weight rows
-  and walks K in passes of BK = 32 x warps x VE columns; each thread loads, per row, one 128-bit
-  vector of VE consecutive columns (a Q8_0 half-block is 16 quants) with the matching activations
-  (x stays fp32: the products are exact fp32 products), and reduces the vector's VE products inside
-  the thread. The rows are a static loop, so each activation vector is loaded once for the R rows
-  and each thread has R x 16 bytes of weights in flight per pass. Every (row, activation row) keeps
-  one thread-local partial sum per vector position ([NV, R * BM] accumulators, the in-thread layout
-  of the loads): nothing crosses threads in the K loop, the program reduces across its threads
-  once after it. Q8_0's fp16 scale multiplies the vector's dot product, once per 16 products.
-  The main loop runs whole passes without masks; a ragged K end is one masked pass after it.
+  and walks K in passes of BK = warp size x VE columns (one warp); each thread loads, per row, one 128-bit
+  vector of VE consecutive columns (a Q8_0 half-block is 16 quants) and the activations of those
+  columns (x stays fp32: the products are exact fp32 products, as the reference's). The rows are a
+  static loop, so a thread loads each activation vector once for its R rows and has R x 16 bytes of
+  weights in flight per pass. A vector's VE products are chained as fused multiply-adds inside the
+  thread (`_chain`) into one partial sum per (row, activation row) and vector position: the
+  accumulators [NV, R * BM] keep the layout of the loads, so nothing crosses threads in the K loop,
+  and the warp reduces across its lanes once, after it. Q8_0's quants widen to float32 by a
+  byte permute and an add (`int8_to_float`: Hopper's conversion unit would bound the stream), its
+  fp16 scale multiplies each vector's sum, once per 16 products. The main loop runs whole passes
+  without masks; a ragged K end is one masked pass after it.
 * The super-block formats (Q2_K/Q4_K/IQ2_XXS, whose decoders are shared with the expert kernels) and
-  Triton's interpreter use the block path: `load_weight_tile` decodes [R, BK] and the product reduces
-  per pass.
-* Split-K: where the rows are too few to keep enough bytes in flight (3.4 MB over the chip saturates
-  HBM), S programs share a row block, each over K/S columns. They finish in the same launch: each
-  writes its partial sums, then takes a ticket (an atomic counter per row block); the program that
-  draws the last ticket adds the S partials in split order (deterministic) and writes y, and resets
-  the counter for the next launch (or graph replay).
-* The tile, the warps and the split come from `gemv_plan` (M, N, K, block type, multiprocessors),
-  chosen ahead of time: nothing is autotuned (a cold start compiles one variant per shape).
-* One launch serves two weights of different block types that read the same x (`FusedLinear`: the
-  attention's Q8_0 q_a+kv with its F16 compressor/indexer projections, Q8_0 q_b with the F16 indexer
-  q_b): programs [0, P0) run the first segment, the rest the second, each with its own constexpr
-  type and plan, writing its columns of one output.
+  Triton's interpreter (large programs: numpy runs them whole) take the block path: `load_weight_tile`
+  decodes [R, BK] and the product reduces per pass.
+* Split-K: where the rows are too few to keep the chip's bytes in flight (IN_FLIGHT saturates an
+  H200's HBM), S programs share a row block, each over about K/S columns. They finish in the same
+  launch: each writes its partial sums, then takes a ticket (an atomic counter per row block, acq_rel
+  at GPU scope); the program that draws the last ticket adds the S partials in split order
+  (deterministic), writes y and puts the counter back to zero for the next launch or graph replay.
+* The rows, warps and split come from `gemv_plan` (M, N, K, block type, multiprocessors), chosen
+  ahead of time: nothing is autotuned, a cold start compiles one variant per shape.
+* One launch serves two weights of different block types that read the same x (`project`, for a
+  `FusedLinear`: the attention's Q8_0 q_a+kv with its F16 compressor and indexer projections, Q8_0
+  q_b with the F16 indexer q_b): programs [0, P0) run the first weight, the rest the second, each
+  with its own constexpr block type and plan, writing its columns of one output.
 
 Prefill GEMM (9..16 rows): BM x BN output tiles through `tl.dot`, IEEE fp32 operands for exact
 results or bf16 operands (fp32 accumulation) with `Precision.fast`. Longer chunks decode the weight
@@ -99,21 +101,23 @@ class GemvPlan:
 
 
 def _resident(plan: GemvPlan, bm: int, ve: int) -> int:
-    """Programs one SM keeps resident: 2048 threads, 64K registers (a vector-path thread holds about
-    32 + R * BM * VE / 2 of them: its weights and activations in flight; measured on sm_90)."""
+    """Programs one SM keeps resident: 32, 2048 threads, 64K registers (a vector-path thread holds
+    about 32 + R * BM * VE / 2 of them: its weights and activations in flight; measured on sm_90)."""
     registers = 32 + plan.rows * bm * ve // 2 if plan.vector else 64
-    return max(1, min(64 // plan.warps, 65536 // (registers * 32 * plan.warps)))
+    return max(1, min(32, 64 // plan.warps, 65536 // (registers * 32 * plan.warps)))
 
 
 def gemv_plan(m: int, n: int, k: int, ggml_type: GGMLType, groups: int = 1, sms: int = 132, warps: int = 0) -> GemvPlan:
     """The GEMV tile for x [m, k] times a [groups * n, k] weight, chosen ahead of time.
 
-    Vector formats: 4 rows a program (2 from 5 activation rows on, for registers), 4 warps (fewer when
-    K is short, so no warp idles: BK = 32 x warps x VE <= K), each thread 16 bytes per row and pass.
+    Vector formats: 4 rows a program (2 from 5 activation rows on, for registers), each thread 16 bytes
+    per row and pass, one warp: BK = 32 x VE columns a pass, so a row's K takes many passes for the
+    one reduction across the warp's lanes at the end (about 200 to 400 instructions; with more warps a
+    program's rows take fewer passes and that reduction weighs more), and no shared memory.
     The super-block formats take the block decoders' tile (`gemv_tile`). Then K is split in powers of
-    two (while every split keeps at least one whole pass) until the programs resident on `sms`
-    multiprocessors have IN_FLIGHT bytes of weights in flight, or the whole weight. `warps` forces the
-    warp count (a two-segment launch has one).
+    two, while every split keeps two whole passes or more (a split's reduction and ticket cost about
+    what a pass does), until the programs resident on `sms` multiprocessors have IN_FLIGHT bytes of
+    weights in flight, or the whole weight. `warps` forces the warp count (a two-segment launch has one).
     """
     bm = min(GEMV_MAX_ROWS, next_pow2(m))
     if interpreting():  # few, large programs: numpy runs the whole block at once
@@ -123,9 +127,7 @@ def gemv_plan(m: int, n: int, k: int, ggml_type: GGMLType, groups: int = 1, sms:
         rows, w = gemv_tile(bm, n, ggml_type, QK_K)
         plan = GemvPlan(rows, QK_K, 1, False, warps or w)
     else:
-        w = warps or 4
-        while not warps and w > 1 and warp * w * ve > k:
-            w //= 2
+        w = warps or 1
         plan = GemvPlan(min(4 if bm <= 4 else 2, next_pow2(n)), warp * w * ve, 1, True, w)
     row_bytes = aligned_row_bytes(ggml_type, k)
     pass_bytes = plan.rows * plan.block_k * row_bytes // k
@@ -133,7 +135,7 @@ def gemv_plan(m: int, n: int, k: int, ggml_type: GGMLType, groups: int = 1, sms:
     target = min(IN_FLIGHT, groups * n * row_bytes)
     resident = sms * _resident(plan, bm, ve or 1)  # more programs than this wait for a free SM
     split = 1
-    while split < MAX_SPLIT and k >= 2 * split * plan.block_k and tiles * split < resident:
+    while split < MAX_SPLIT and k >= 4 * split * plan.block_k and tiles * split < resident:
         if tiles * split * pass_bytes >= target:
             break
         split *= 2
@@ -177,8 +179,8 @@ def _segment(
     pid, first_pid, x_ptr, stride_xm, M, K, y_ptr, stride_ym, y_col, part_ptr, count_ptr, grid_ptr,
     w_ptr, N, row_bytes,
     WTYPE: tl.constexpr, GROUPS: tl.constexpr, BM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
-    S: tl.constexpr, VECTOR: tl.constexpr, VE: tl.constexpr, PARTIALS: tl.constexpr, RBMAX: tl.constexpr,
-    PTX: tl.constexpr,
+    S: tl.constexpr, VECTOR: tl.constexpr, VE: tl.constexpr, TAIL: tl.constexpr, PARTIALS: tl.constexpr,
+    RBMAX: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     # program `pid` of this segment: split s (fastest), row block, m-tile, group
     s = pid % S
@@ -201,7 +203,7 @@ def _segment(
         for k0 in range(k_lo, k_full, BK):
             acc = _vector_pass(acc, x_base, m0, stride_xm, M, w_ptr, w_row0, g * N + N, row_bytes, k0, k_hi, K,
                                WTYPE, R, BM, NV, VE, False, PTX)  # fmt: skip
-        if k_full < k_hi:
+        if TAIL and k_full < k_hi:  # K ends inside a pass (compiled only then)
             acc = _vector_pass(acc, x_base, m0, stride_xm, M, w_ptr, w_row0, g * N + N, row_bytes, k_full, k_hi, K,
                                WTYPE, R, BM, NV, VE, True, PTX)  # fmt: skip
         out = tl.sum(acc, axis=0)
@@ -245,9 +247,9 @@ def _qmatmul_kernel(
     w0_ptr, N0, row_bytes0, w1_ptr, N1, row_bytes1,
     GROUPS: tl.constexpr, BM: tl.constexpr, PARTIALS: tl.constexpr, RBMAX: tl.constexpr, PTX: tl.constexpr,
     WTYPE0: tl.constexpr, R0: tl.constexpr, BK0: tl.constexpr, S0: tl.constexpr, VECTOR0: tl.constexpr,
-    VE0: tl.constexpr,
+    VE0: tl.constexpr, TAIL0: tl.constexpr,
     TWO: tl.constexpr, WTYPE1: tl.constexpr, R1: tl.constexpr, BK1: tl.constexpr, S1: tl.constexpr,
-    VECTOR1: tl.constexpr, VE1: tl.constexpr,
+    VECTOR1: tl.constexpr, VE1: tl.constexpr, TAIL1: tl.constexpr,
 ):  # fmt: skip
     # the decode GEMV: programs [0, P0) the first weight, the rest the second (TWO), which writes
     # output columns N0.. of the same y
@@ -256,11 +258,11 @@ def _qmatmul_kernel(
     if pid < p0:
         _segment(pid, 0, x_ptr, stride_xm, M, K, y_ptr, stride_ym, 0, part_ptr, count_ptr, grid_ptr,
                  w0_ptr, N0, row_bytes0,
-                 WTYPE0, GROUPS, BM, R0, BK0, S0, VECTOR0, VE0, PARTIALS, RBMAX, PTX)  # fmt: skip
+                 WTYPE0, GROUPS, BM, R0, BK0, S0, VECTOR0, VE0, TAIL0, PARTIALS, RBMAX, PTX)  # fmt: skip
     elif TWO:
         _segment(pid - p0, p0, x_ptr, stride_xm, M, K, y_ptr, stride_ym, N0, part_ptr, count_ptr, grid_ptr,
                  w1_ptr, N1, row_bytes1,
-                 WTYPE1, 1, BM, R1, BK1, S1, VECTOR1, VE1, PARTIALS, RBMAX, PTX)  # fmt: skip
+                 WTYPE1, 1, BM, R1, BK1, S1, VECTOR1, VE1, TAIL1, PARTIALS, RBMAX, PTX)  # fmt: skip
 
 
 def _programs(m: int, n: int, groups: int, plan: GemvPlan) -> int:
@@ -281,7 +283,7 @@ def _ticket_scratch(device: torch.device, programs: int, slots: int) -> tuple[to
 def _segment_args(w: QWeight, plan: GemvPlan) -> dict:
     return {
         "WTYPE": w.wtype, "R": plan.rows, "BK": plan.block_k, "S": plan.split, "VECTOR": plan.vector,
-        "VE": VECTOR_ELEMENTS.get(w.ggml_type, 1),
+        "VE": VECTOR_ELEMENTS.get(w.ggml_type, 1), "TAIL": w.cols % plan.block_k != 0,
     }  # fmt: skip
 
 

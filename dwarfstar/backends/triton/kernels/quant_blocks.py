@@ -4,8 +4,9 @@
 k0..k0+BK, straight from the GGUF blocks (spec §4.5) in the aligned layout of `weights.repack`
 (each row: the quant payload of all blocks, 16-byte aligned, then the scales): the weights stay
 in their blocks in device memory and are only ever expanded in registers, and the payload is read
-with 128-bit loads. Every matrix kernel (GEMV, GEMM, experts)
-calls it, so this is the one place that knows the block formats.
+with 128-bit loads. The matrix kernels (GEMM, experts, the GEMV's super-block path) call it, and
+the decode GEMV reads the vector formats (F32/F16/BF16/Q8_0) through `load_vector_tile`, one 128-bit
+vector of a row per thread, so this is the one place that knows the block formats.
 
 Each format is decoded in a [BN, blocks, elements-per-block] shape so the per-block fields (fp16
 scales, packed sub-block scales) are loaded once per block and broadcast, then reshaped to
