@@ -1,12 +1,18 @@
-"""Fused dequantize + GEMV/GEMM against dequantize-then-matmul in torch."""
+"""Fused dequantize + GEMV/GEMM against dequantize-then-matmul in torch.
+
+The decode GEMV's GPU path (16-byte vectors, rows in a static loop, split-K finished by a ticket) is
+forced with explicit plans: the interpreter's own plan takes the block path.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 from dwarfstar.backends.triton.kernels import qmatmul as qm
+from dwarfstar.backends.triton.kernels import quant_blocks as qb
 from dwarfstar.backends.triton.runtime import FAST
 from dwarfstar.backends.triton.weights import QWeight
 from dwarfstar.gguf.constants import GGMLType as T
@@ -100,3 +106,100 @@ def test_gemv_autotune_search_keeps_vector_loads_and_registers(warp, monkeypatch
     for bn, threads, _ in shapes:
         assert bn * 64 >= 16 * threads  # 64 payload bytes per row and super-block
         assert bn * 256 // threads <= 64  # product elements per thread, as the heuristic
+
+
+def exact(x: torch.Tensor, w: QWeight, groups: int = 1) -> torch.Tensor:
+    """float64 product of x and the dequantized weight, group by group."""
+    dense = w.dequantize().double().view(groups, w.rows // groups, w.cols)
+    return torch.einsum("mgk,gnk->mgn", x.double().view(x.shape[0], groups, w.cols), dense).reshape(x.shape[0], -1)
+
+
+def vector_plan(ggml_type: T, rows: int, split: int = 1, vectors: int = 4) -> qm.GemvPlan:
+    """The GPU path's plan with `vectors` threads' worth of 16-byte vectors per pass."""
+    return qm.GemvPlan(rows, vectors * qb.VECTOR_ELEMENTS[ggml_type], split, True, 1)
+
+
+@pytest.mark.parametrize(("ggml_type", "m"), [(T.Q8_0, 1), (T.Q8_0, 8), (T.F16, 5), (T.BF16, 2), (T.F32, 3)])
+def test_vector_gemv_ragged_rows_and_k_tail(ggml_type, m, device, quant_blocks):
+    """Rows past N (6 = a block of 4 + 2) and a K tail past the last whole pass (K = 160 = 2 x 64 + 32)."""
+    w = make_weight(ggml_type, 6, 160, device, quant_blocks, seed=m)
+    x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m)).to(device)
+    got = qm.gemv(x, [w], plans=[vector_plan(ggml_type, rows=4, vectors=64 // qb.VECTOR_ELEMENTS[ggml_type])])
+    assert rel_err(got.double(), exact(x, w)) < 2e-6
+
+
+@pytest.mark.parametrize("ggml_type", [T.F16, T.Q8_0])
+def test_split_k_finished_by_the_last_ticket(ggml_type, device, quant_blocks):
+    """Three splits of K = 288 in passes of 64: 128, 128 and a 32-column tail. The last program of each
+    row block adds the partials in split order: twice the same bits, and every ticket back at zero
+    for the next launch."""
+    w = make_weight(ggml_type, 5, 288, device, quant_blocks)
+    x = torch.randn(2, 288, generator=torch.Generator().manual_seed(7)).to(device)
+    plan = vector_plan(ggml_type, rows=2, split=3, vectors=64 // qb.VECTOR_ELEMENTS[ggml_type])
+    first = qm.gemv(x, [w], plans=[plan])
+    assert rel_err(first.double(), exact(x, w)) < 2e-6
+    assert torch.equal(qm.gemv(x, [w], plans=[plan]), first)
+    tickets = [t for key, t in qm._scratch.items() if key[1] == "gemv" and key[-1] == "tickets"]
+    assert tickets and all(int(t.abs().sum()) == 0 for t in tickets)
+
+
+def test_two_weights_of_two_block_types_in_one_launch(device, quant_blocks):
+    """Q8_0 [6, 256] then F16 [3, 256] side by side, each with its own plan (the F16 one split)."""
+    a = make_weight(T.Q8_0, 6, 256, device, quant_blocks, seed=1)
+    b = make_weight(T.F16, 3, 256, device, quant_blocks, seed=2)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(8)).to(device)
+    plans = [vector_plan(T.Q8_0, rows=4), vector_plan(T.F16, rows=2, split=2, vectors=8)]
+    got = qm.gemv(x, [a, b], plans=plans)
+    assert got.shape == (2, 9)
+    assert rel_err(got[:, :6].double(), exact(x, a)) < 2e-6
+    assert rel_err(got[:, 6:].double(), exact(x, b)) < 2e-6
+
+
+def test_project_pairs_the_weights_in_launches(device, quant_blocks):
+    """Three weights (the interpreter's plans): two launches, the outputs side by side."""
+    ws = [make_weight(t, 6, 128, device, quant_blocks, seed=i) for i, t in enumerate((T.Q8_0, T.F16, T.BF16))]
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(9)).to(device)
+    got = qm.project(x, ws)
+    assert rel_err(got.double(), torch.cat([exact(x, w) for w in ws], dim=1)) < 2e-6
+
+
+def test_vector_gemv_grouped_like_wo_a(device, quant_blocks):
+    """Two groups of 6 rows (a block of 4 and a ragged one each), each reading its own 64 columns of x."""
+    w = make_weight(T.Q8_0, 2 * 6, 64, device, quant_blocks, seed=3)
+    x = torch.randn(2, 2 * 64, generator=torch.Generator().manual_seed(10)).to(device)
+    got = qm.gemv(x, [w], groups=2, plans=[vector_plan(T.Q8_0, rows=4, split=2, vectors=2)])
+    assert rel_err(got.double(), exact(x, w, groups=2)) < 2e-6
+
+
+@triton.jit
+def _to_float_kernel(q_ptr, out_ptr):
+    i = tl.arange(0, 256)
+    tl.store(out_ptr + i, qb.int8_to_float(tl.load(q_ptr + i), False))
+
+
+def test_int8_to_float_is_exact_for_every_byte(device):
+    q = torch.arange(-128, 128, dtype=torch.int8, device=device)
+    out = torch.empty(256, device=device)
+    _to_float_kernel[(1,)](q, out)
+    assert torch.equal(out, q.float())
+
+
+def test_decode_plans_keep_the_weights_in_flight(monkeypatch):
+    """The GPU heuristic at Flash shapes on 132 SMs: two 16-byte vectors or more per thread, and K split
+    until the resident programs hold 3.4 MB (or the whole weight), unless a split would drop below
+    two passes of K."""
+    monkeypatch.setattr(qm, "interpreting", lambda: False)
+    monkeypatch.setattr(qm, "warp_size", lambda: 32)
+    shapes = [(T.Q8_0, 1536, 4096, 1), (T.Q8_0, 32768, 1024, 1), (T.Q8_0, 1024, 4096, 8), (T.Q8_0, 4096, 8192, 1),
+              (T.F16, 2624, 4096, 1), (T.F16, 8192, 1024, 1), (T.F16, 256, 4096, 1), (T.F16, 24, 16384, 1)]  # fmt: skip
+    for m in (1, 4):
+        for ggml_type, n, k, groups in shapes:
+            plan = qm.gemv_plan(m, n, k, ggml_type, groups, sms=132)
+            assert plan.vector and plan.rows * 16 >= 32 and plan.block_k <= k
+            row_bytes = qm.aligned_row_bytes(ggml_type, k)
+            pass_bytes = plan.rows * plan.block_k * row_bytes // k
+            programs = qm._programs(m, n, groups, plan)
+            resident = min(programs, 132 * qm._resident(plan, m, qb.VECTOR_ELEMENTS[ggml_type]))
+            passes = k // plan.split // plan.block_k
+            filled = resident * pass_bytes >= min(qm.IN_FLIGHT, groups * n * row_bytes)
+            assert passes >= 2 and (filled or passes < 4 or resident < programs)

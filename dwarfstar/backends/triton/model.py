@@ -34,6 +34,7 @@ from dwarfstar.backends.triton.kernels import (
     topk,
 )
 from dwarfstar.backends.triton.kernels.qmatmul import GEMV_MAX_ROWS, qmatmul
+from dwarfstar.backends.triton.kernels.qmatmul import project as gemv_project
 from dwarfstar.backends.triton.kernels.rms_norm_rope import (
     NORM_NONE,
     NORM_PLAIN,
@@ -202,9 +203,15 @@ class TritonOps:
     # -- attention ---------------------------------------------------------------------------------------
     def project(self, il: int, group: ProjectionGroup, x: torch.Tensor, precision: Precision | None = None):
         linear: FusedLinear = self.w.layers[il].projections[group.name]
+        if x.shape[0] <= GEMV_MAX_ROWS:  # decode: the parts' block types in one GEMV launch, side by side
+            products = [gemv_project(x, [weight for weight, _ in linear.parts])]
+            named = [[n for _, names in linear.parts for n in names]]
+        else:
+            precision = self._precision(x) if precision is None else precision
+            products = [qmatmul(x, weight, precision=precision) for weight, _ in linear.parts]
+            named = [names for _, names in linear.parts]
         out: dict[str, torch.Tensor] = {}
-        for weight, names in linear.parts:  # each part once; outputs are column slices of its product
-            y = qmatmul(x, weight, precision=self._precision(x) if precision is None else precision)
+        for y, names in zip(products, named, strict=True):  # outputs are column slices of the products
             col = 0
             for name, rows in names:
                 out[name] = y[:, col : col + rows]

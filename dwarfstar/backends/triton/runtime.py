@@ -162,20 +162,7 @@ class KernelWork:
 
 
 # -- "the last program finishes": one launch where a reduction over programs used to take two ---------------
-TICKET_SLOTS = 256  # counters per (device, purpose): the most token blocks one launch may finish
-_tickets: dict[tuple[str, str], torch.Tensor] = {}
-
-
-def ticket_counters(device: torch.device | str, purpose: str, n: int) -> torch.Tensor:
-    """int32 [TICKET_SLOTS] counters for `last_program`, zeroed once and kept for the process's life
-    (a captured graph holds their address); each launch leaves them at 0 again. `purpose` keeps the
-    kernels that use them apart; `n` is how many this launch needs."""
-    if n > TICKET_SLOTS:
-        raise ValueError(f"a launch may finish at most {TICKET_SLOTS} token blocks, not {n}")
-    key = (str(device), purpose)
-    if key not in _tickets:
-        _tickets[key] = torch.zeros(TICKET_SLOTS, dtype=torch.int32, device=device)
-    return _tickets[key]
+TICKET_SLOTS = 256  # the most token blocks a decode step finishes in one launch (`TritonOps.decoding`)
 
 
 @triton.jit

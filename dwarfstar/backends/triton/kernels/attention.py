@@ -38,6 +38,7 @@ from dwarfstar.backends.triton.runtime import (
     PagedRows,
     Precision,
     interpreting,
+    last_program,
     next_pow2,
     per_sequence,
     ticket_counters,
@@ -157,10 +158,7 @@ def _attention_kernel(
         tl.store(out, acc_lo, mask=heads_ok[:, None] & (d < D)[None, :])
         tl.store(out + BD2, acc_hi, mask=heads_ok[:, None] & (BD2 + d < D)[None, :])
         # the last of the (token, head group)'s splits to finish combines them all
-        tl.debug_barrier()
-        ticket_ptr += i * tl.num_programs(1) + hg
-        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            tl.store(ticket_ptr, 0)  # ready for the next launch (or graph replay)
+        if last_program(ticket_ptr + i * tl.num_programs(1) + hg, SPLIT):
             _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, inv_ptr, _position(pos_ptr, i, BATCH), out_ptr, i, hg, heads_ok,
                      D, H, SPLIT, ROPE_DIM, BH, BD)  # fmt: skip
 

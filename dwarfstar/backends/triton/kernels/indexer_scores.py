@@ -29,6 +29,7 @@ from dwarfstar.backends.triton.runtime import (
     PagedRows,
     Precision,
     interpreting,
+    last_program,
     next_pow2,
     per_sequence,
     ticket_counters,
@@ -79,17 +80,11 @@ def _scores_kernel(
         per_block: tl.constexpr = BLOCK // BN
         blk = tl.program_id(1) // per_block
         members = tl.minimum(per_block, tl.num_programs(1) - blk * per_block)
-        tl.debug_barrier()
-        first = ticket_ptr + i * n_blocks + blk
-        if tl.atomic_add(first, 1, sem="acq_rel", scope="gpu") == members - 1:
-            tl.store(first, 0)
+        if last_program(ticket_ptr + i * n_blocks + blk, members):
             select_block(scores_ptr, scores_ptr, valid_ptr, cand_scores_ptr, cand_idx_ptr, out_ptr, i, blk, stride_s,
                          stride_s, stride_s, n_blocks, k, True, ROUNDS == 1, BLOCK, KP, True)  # fmt: skip
             if ROUNDS == 2:
-                tl.debug_barrier()
-                last = ticket_ptr + tl.num_programs(0) * n_blocks + i
-                if tl.atomic_add(last, 1, sem="acq_rel", scope="gpu") == n_blocks - 1:
-                    tl.store(last, 0)
+                if last_program(ticket_ptr + tl.num_programs(0) * n_blocks + i, n_blocks):
                     select_block(cand_scores_ptr, cand_idx_ptr, valid_ptr, out_ptr, out_ptr, out_ptr, i, 0, stride_s,
                                  n_blocks * k, n_blocks * k, 1, k, False, True, BLOCK, KP, True)  # fmt: skip
 

@@ -54,7 +54,9 @@ from dwarfstar.backends.triton.runtime import (
     KernelWork,
     Precision,
     interpreting,
+    last_program,
     next_pow2,
+    ticket_counters,
 )
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import QK_K, GGMLType
@@ -333,10 +335,7 @@ def _decode_down_kernel(
         e = col - 1
         _routed_rows(mid_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, e, D, nb * BN, tl.load(ids_ptr + e),
                      F, D, row_bytes, 0.0, 1.0, RTYPE, BN, RBK, RFAST, False)  # fmt: skip
-    tl.debug_barrier()
-    ticket = tl.atomic_add(tickets_ptr + nb, 1, sem="acq_rel", scope="gpu")
-    if ticket == T * k:
-        tl.store(tickets_ptr + nb, 0)
+    if last_program(tickets_ptr + nb, T * k + 1):
         t = tl.arange(0, TB)
         n = nb * BN + tl.arange(0, BN)
         ok = (t < T)[:, None] & (n < D)[None, :]
@@ -347,18 +346,6 @@ def _decode_down_kernel(
         at = part_ptr + (T * k + t).to(tl.int64)[:, None] * D + n[None, :]
         total += tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
         tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_out + n[None, :], total, mask=ok)
-
-
-_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _tickets(device: torch.device, n: int) -> torch.Tensor:
-    """int32 [n] counters at 0, one buffer per (device, size) kept for good: a captured graph holds its
-    address, and every launch leaves its counters at 0 again."""
-    key = (device, n)
-    if key not in _TICKETS:
-        _TICKETS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _TICKETS[key]
 
 
 def _decode_rows(ggml_type: GGMLType, fast: bool, warps: int) -> tuple[int, int]:
@@ -424,7 +411,7 @@ def decode_ffn(
         else:
             blocks = triton.cdiv(d, bn)
             _decode_down_kernel[(blocks, t * k + 1)](
-                mid, ids, down.data, sdown.data, tab, parts, _tickets(device, blocks), out,
+                mid, ids, down.data, sdown.data, tab, parts, ticket_counters(device, "experts", blocks), out,
                 t, k, f, fs, fm, d, down.row_bytes, sdown.row_bytes, out.stride(0), **consts,
             )  # fmt: skip
     return out

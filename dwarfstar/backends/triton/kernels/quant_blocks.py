@@ -4,9 +4,10 @@
 k0..k0+BK, straight from the GGUF blocks (spec §4.5) in the aligned layout of `weights.repack`
 (each row: the quant payload of all blocks, 16-byte aligned, then the scales): the weights stay
 in their blocks in device memory and are only ever expanded in registers, and the payload is read
-with 128-bit loads. Every matrix kernel (GEMV, GEMM, prefill experts)
-calls it; the decode loops of the experts use `expert_blocks`, which decodes the quant formats
-straight into sums of products instead of float tiles.
+with 128-bit loads. The matrix kernels (GEMM, prefill experts, the GEMV's super-block path) call
+it; the decode GEMV reads the vector formats (F32/F16/BF16/Q8_0) through `load_vector_tile`, one
+128-bit vector of a row per thread, and the decode loops of the experts use `expert_blocks`, which
+decodes the quant formats straight into sums of products instead of float tiles.
 
 Each format is decoded in a [BN, blocks, elements-per-block] shape so the per-block fields (fp16
 scales, packed sub-block scales) are loaded once per block and broadcast, then reshaped to
@@ -42,6 +43,12 @@ def tile_payload_bytes(ggml_type: GGMLType, bk: int) -> int:
 def warp_size() -> int:
     """Threads per warp of the target compiled for: 32 on NVIDIA, 64 on AMD CDNA (wave64)."""
     return triton.runtime.driver.active.get_current_target().warp_size
+
+
+@functools.cache
+def compiles_ptx() -> bool:
+    """Whether kernels compile for NVIDIA, where they may hold PTX (never in the interpreter)."""
+    return not interpreting() and triton.runtime.driver.active.get_current_target().backend == "cuda"
 
 
 def gemv_tile(bm: int, n: int, ggml_type: GGMLType, bk: int) -> tuple[int, int]:
@@ -188,6 +195,75 @@ def _iq2_xxs_tile(w_ptr, grid_ptr, row_off, sb, K, BN: tl.constexpr):
     db = d[:, None, None] * (0.5 + scale) * 0.25  # [BN, 8, 1]
     x = db[:, :, :, None] * values
     return tl.reshape(tl.where(negative, -x, x), [BN, 256])
+
+
+# The vector formats: a 128-bit load holds VECTOR_ELEMENTS of their columns (Q8_0: 16 quants of
+# half a block, whose fp16 scale sits in the row's side bytes)
+VECTOR_ELEMENTS = {GGMLType.F32: 4, GGMLType.F16: 8, GGMLType.BF16: 8, GGMLType.Q8_0: 16}
+
+
+@triton.jit
+def load_vector_tile(
+    w_ptr, row_off, kv, K, k_end, WTYPE: tl.constexpr, VE: tl.constexpr, MASKED: tl.constexpr, PTX: tl.constexpr
+):
+    """One weight row of a vector format, at byte offset `row_off` (int64 scalar): (values, scale).
+
+    `kv` [NV] are the first columns of NV vectors of VE consecutive columns; values are the float32
+    [NV, VE] weights before the scale, scale [NV, 1] Q8_0's block scale of each vector (1.0 for the float
+    formats), so a dot product over a vector is scaled once. With MASKED, columns at or past `k_end`
+    read as 0. Exact: int8 and fp16/bf16 widen to float32 without rounding. PTX: compiled for NVIDIA.
+    """
+    col = kv[:, None] + tl.arange(0, VE)[None, :]
+    row = w_ptr + row_off
+    if WTYPE == 8:  # Q8_0
+        q = int8_to_float(load_columns(row.to(tl.pointer_type(tl.int8)), col, k_end, MASKED), PTX)
+        d = load_columns((row + K).to(tl.pointer_type(tl.float16)), kv // 32, k_end // 32, MASKED)
+        return q, d.to(tl.float32)[:, None]
+    elif WTYPE == 0:  # F32
+        return load_columns(row.to(tl.pointer_type(tl.float32)), col, k_end, MASKED), 1.0
+    elif WTYPE == 1:  # F16
+        return load_columns(row.to(tl.pointer_type(tl.float16)), col, k_end, MASKED).to(tl.float32), 1.0
+    else:  # BF16: the top half of a float32
+        bits = load_columns(row.to(tl.pointer_type(tl.uint16)), col, k_end, MASKED).to(tl.uint32) << 16
+        return bits.to(tl.float32, bitcast=True), 1.0
+
+
+@triton.jit
+def int8_to_float(q, PTX: tl.constexpr):
+    """int8 -> float32, exactly, without the conversion unit (Hopper converts 16 values per clock and
+    SM, about what one SM's share of HBM brings in Q8_0): q + 128 becomes the low mantissa byte of
+    2^23, and 2^23 + 128 is subtracted. On NVIDIA one xor per 4 values, one byte permute and one add
+    per value (PTX, 4 packed values per register, value i in byte i); elsewhere the same in Triton."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t;
+            xor.b32 t, $4, 0x80808080;
+            prmt.b32 $0, t, 0x4B000000, 0x7540;
+            prmt.b32 $1, t, 0x4B000000, 0x7541;
+            prmt.b32 $2, t, 0x4B000000, 0x7542;
+            prmt.b32 $3, t, 0x4B000000, 0x7543;
+            sub.f32 $0, $0, 0f4B000080;
+            sub.f32 $1, $1, 0f4B000080;
+            sub.f32 $2, $2, 0f4B000080;
+            sub.f32 $3, $3, 0f4B000080;
+            }""",
+            constraints="=r,=r,=r,=r,r",
+            args=[q],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=4,
+        )
+    u = (q.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint32) | 0x4B000000
+    return u.to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def load_columns(ptr, col, k_end, MASKED: tl.constexpr):
+    """ptr[col], with MASKED the columns at or past k_end as 0."""
+    if MASKED:
+        return tl.load(ptr + col, mask=col < k_end, other=0)
+    return tl.load(ptr + col)
 
 
 @triton.jit
