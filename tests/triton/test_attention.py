@@ -89,7 +89,7 @@ def test_split_none_chooses_from_the_device(device):
 
 
 def test_decode_split_covers_the_multiprocessors(monkeypatch):
-    monkeypatch.setattr(at, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(at, "multiprocessors", lambda device: 132)  # as runtime.assume_multiprocessors(132)
     cpu = torch.device("cpu")
     assert at.decode_split(cpu, t=1, groups=4, row_blocks=1000) == 64  # 4 * 64 programs >= 132 SMs
     assert at.decode_split(cpu, t=1, groups=8, row_blocks=1000) == 32

@@ -11,8 +11,8 @@ import sys
 from dwarfstar.backends.triton.plan.disasm import parse_amdgcn, parse_sass
 
 # launches of one captured Flash decode step (43 layers, batch 1 and 4, 2k context, sampling in the
-# step); issue 30's goal is at most 700
-LAUNCH_BUDGET = 2900
+# step); issue 30 asked for at most 700, stretch 450
+LAUNCH_BUDGET = 560
 
 
 def _plan(tmp_path, *flags: str) -> dict:
@@ -31,6 +31,7 @@ def test_flash_decode_step_launches_within_budget(tmp_path):
         assert plan["layers"] == 43
         assert totals["launches"] == totals["triton_launches"] + totals["torch_launches"]
         assert totals["launches"] <= LAUNCH_BUDGET, totals
+        assert totals["torch_launches"] == 0, totals  # all the step's work is in its kernels
         kernels = [row["kernel"] for row in plan["rows"] if row["kind"] == "triton"]
         assert any(name.startswith("_sample") for name in kernels)  # the step ran to its end, sampling included
         assert "MODEL" in plan["note"]

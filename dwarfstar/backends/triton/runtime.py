@@ -9,6 +9,7 @@ large as possible. Every kernel wrapper asks this module instead of testing the 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,31 @@ def per_sequence(*vectors: torch.Tensor) -> None:
     """Batch kernels read pos[i] and slot[i] by plain offsets: refuse a strided view."""
     if any(v.dim() != 1 or not v.is_contiguous() for v in vectors):
         raise ValueError("per-sequence positions and slots must be contiguous 1-D tensors")
+
+
+INTERPRETER_MULTIPROCESSORS = 4  # the interpreter runs programs one after another: a few splits suffice
+_assumed_multiprocessors: int | None = None
+
+
+def assume_multiprocessors(n: int | None) -> None:
+    """Size launches for a GPU of `n` multiprocessors that is not here (compiling or recording for a
+    target: `plan`, `aot_check`, `warm`); None goes back to the device's own count."""
+    global _assumed_multiprocessors
+    _assumed_multiprocessors = n
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """SMs (NVIDIA) or CUs (AMD, through torch.cuda too) the kernels' grids are sized for."""
+    if _assumed_multiprocessors is not None:
+        return _assumed_multiprocessors
+    if device.type == "cuda":
+        return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return INTERPRETER_MULTIPROCESSORS
 
 
 def next_pow2(n: int) -> int:

@@ -36,13 +36,12 @@ def record(opts) -> tuple[list[list[tuple]], str]:
     """Every Triton launch (fn, args, grid, kwargs) of `bench decode` with these options, grouped, and
     what was recorded."""
     from dwarfstar.backends.triton import bench
-    from dwarfstar.backends.triton.kernels import attention
     from dwarfstar.backends.triton.plan.target import activate, intercepted, parse_target
-    from dwarfstar.backends.triton.runtime import EXACT, FAST
+    from dwarfstar.backends.triton.runtime import EXACT, FAST, assume_multiprocessors
     from dwarfstar.backends.triton.synthetic import meta_weights
 
     activate(parse_target(opts.target))
-    attention.multiprocessors = lambda device: opts.sms  # the weights are on the meta device
+    assume_multiprocessors(opts.sms)  # the weights are on the meta device
     contexts, batches = ([int(c) for c in text.split(",")] for text in (opts.ctx, opts.batch))
     weights = meta_weights(opts.synthetic, opts.layers)
     launches: list[tuple] = []

@@ -39,6 +39,7 @@ from dwarfstar.backends.triton.runtime import (
     Precision,
     interpreting,
     last_program,
+    multiprocessors,
     next_pow2,
     per_sequence,
     ticket_counters,
@@ -47,7 +48,6 @@ from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.pages import PAGE_ROWS
 
 COMP_NONE, COMP_ALL, COMP_SELECTED = 0, 1, 2
-INTERPRETER_MULTIPROCESSORS = 4  # the interpreter runs programs one after another: a few splits suffice
 NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": keeps exp(m_old - m_new) defined when a block is all masked
 
 
@@ -229,18 +229,6 @@ def _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads
                     other=0.0, cache_modifier=".cg")  # fmt: skip
         acc += w[:, None] * a
     _finish(acc, m, l, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
-
-
-@functools.cache
-def _cuda_multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def multiprocessors(device: torch.device) -> int:
-    """SMs (NVIDIA) or CUs (AMD, through torch.cuda too) of the device the kernels run on."""
-    if device.type == "cuda":
-        return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-    return INTERPRETER_MULTIPROCESSORS
 
 
 def decode_split(device: torch.device, t: int, groups: int, row_blocks: int) -> int:

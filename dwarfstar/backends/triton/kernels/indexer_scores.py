@@ -26,6 +26,7 @@ from dwarfstar.backends.triton.runtime import (
     EXACT,
     BenchCase,
     BenchShape,
+    KernelWork,
     PagedRows,
     Precision,
     interpreting,
@@ -87,6 +88,17 @@ def _scores_kernel(
                 if last_program(ticket_ptr + tl.num_programs(0) * n_blocks + i, n_blocks):
                     select_block(cand_scores_ptr, cand_idx_ptr, valid_ptr, out_ptr, out_ptr, out_ptr, i, 0, stride_s,
                                  n_blocks * k, n_blocks * k, 1, k, False, True, BLOCK, KP, True)  # fmt: skip
+
+
+def launch_work(kernel: str, a: dict) -> KernelWork | None:
+    """What a scores launch reads (`runtime.KernelWork`): each query's rows up to the launch's bound
+    (`stride_s`, the visible rows rounded up to a power of two), the indexer rows being its stream."""
+    if kernel != "_scores_kernel":
+        return None
+    queries, width = a["q_ptr"].shape[0], a["stride_s"]
+    row = a["DI"] * a["rows_ptr"].element_size()
+    rows = queries * width * row
+    return KernelWork(rows + 8 * queries * width, rows, 1, a["BN"] * row)
 
 
 def indexer_scores(

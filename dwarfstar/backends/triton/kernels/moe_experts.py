@@ -217,17 +217,27 @@ def expert_ffn(
 
 
 def launch_work(kernel: str, a: dict) -> KernelWork | None:
-    """What a gate/up or down launch streams (`runtime.KernelWork`): each tile's expert rows once, as
-    if no two tiles shared an expert (decode: a tile per routed entry; the shared expert's tiles)."""
-    if kernel not in ("_gate_up_kernel", "_down_kernel"):
-        return None
-    matrices = 2 if kernel == "_gate_up_kernel" else 1
-    entries = a["sorted_ptr"].numel()
-    tiles = triton.cdiv(entries, a["BM"]) if a["k_slots"] == 1 else entries
-    weight = tiles * matrices * a["N"] * a["row_bytes"]
-    activations = 4 * entries * (a["K"] + a["N"])
-    loop = matrices * a["BN"] * a["row_bytes"] * a["BK"] // a["K"] + 4 * a["BM"] * a["BK"]
-    return KernelWork(weight + activations, weight, triton.cdiv(a["K"], a["BK"]), loop)
+    """What a launch streams (`runtime.KernelWork`). Sorted tiles (prefill): each tile's expert rows
+    once; the decode form: each routing entry's expert rows (as if no two entries shared an expert)
+    and the shared expert's once, its main loop the routed rows' (RBK columns of BN rows a pass)."""
+    if kernel in ("_gate_up_kernel", "_down_kernel"):
+        matrices = 2 if kernel == "_gate_up_kernel" else 1
+        entries = a["sorted_ptr"].numel()
+        tiles = triton.cdiv(entries, a["BM"]) if a["k_slots"] == 1 else entries
+        weight = tiles * matrices * a["N"] * a["row_bytes"]
+        activations = 4 * entries * (a["K"] + a["N"])
+        loop = matrices * a["BN"] * a["row_bytes"] * a["BK"] // a["K"] + 4 * a["BM"] * a["BK"]
+        return KernelWork(weight + activations, weight, triton.cdiv(a["K"], a["BK"]), loop)
+    if kernel in ("_decode_gate_up_kernel", "_decode_down_kernel"):
+        gate_up = kernel == "_decode_gate_up_kernel"
+        matrices = 2 if gate_up else 1
+        entries = a["T"] * a["k"]
+        k_in, rows, shared_rows = (a["D"], a["F"], a["FS"]) if gate_up else (a["F"], a["D"], a["D"])
+        weight = matrices * (entries * rows * a["row_bytes"] + shared_rows * a["srow_bytes"])
+        activations = 4 * (entries + a["T"]) * (k_in + rows)
+        loop = matrices * a["BN"] * a["row_bytes"] * a["RBK"] // k_in + 4 * a["RBK"]
+        return KernelWork(weight + activations, weight, triton.cdiv(k_in, a["RBK"]), loop)
+    return None
 
 
 # -- decode form ---------------------------------------------------------------------------------------

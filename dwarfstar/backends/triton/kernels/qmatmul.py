@@ -51,7 +51,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dwarfstar.backends.triton.kernels import attention
 from dwarfstar.backends.triton.kernels.quant_blocks import (
     VECTOR_ELEMENTS,
     compiles_ptx,
@@ -73,6 +72,7 @@ from dwarfstar.backends.triton.runtime import (
     Precision,
     interpreting,
     last_program,
+    multiprocessors,
     next_pow2,
     ticket_counters,
 )
@@ -296,7 +296,7 @@ def gemv(
         raise ValueError("gemv takes one weight (optionally grouped) or two of the same width")
     ns = [w.rows // groups for w in weights]
     if plans is None:
-        sms = attention.multiprocessors(x.device)
+        sms = multiprocessors(x.device)
         plans = [gemv_plan(m, n, k, w.ggml_type, groups, sms) for n, w in zip(ns, weights, strict=True)]
         if len(plans) == 2 and plans[0].warps != plans[1].warps:  # one launch, one warp count
             warps = min(p.warps for p in plans)

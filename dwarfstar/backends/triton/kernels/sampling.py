@@ -145,6 +145,12 @@ def knob_rows(params: Sequence[SamplingParams], seeds: Sequence[int], steps: Seq
     return host.pin_memory() if torch.cuda.is_available() else host
 
 
+@functools.cache
+def _whole_rows(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """int32 [rows] of `vocab`: every logit is a candidate (made once: no fill inside a captured step)."""
+    return torch.full((rows,), vocab, dtype=torch.int32, device=device)
+
+
 def sample_rows(
     logits: torch.Tensor, knobs: torch.Tensor, k: int, n: int = 1, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +160,7 @@ def sample_rows(
     `session.sampling`'s full-vocabulary draw. `out` preallocates both (a captured step's buffers)."""
     rows, vocab = logits.shape
     logits = logits.float().contiguous()
-    valid = torch.full((rows,), vocab, dtype=torch.int32, device=logits.device)
+    valid = _whole_rows(rows, vocab, logits.device)
     candidates = topk_indices(logits, valid, k)
     tokens, overflow = out if out is not None else (
         torch.empty(rows, n, dtype=torch.int32, device=logits.device),

@@ -61,14 +61,17 @@ class _TorchLaunches(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         tensors = [x for x in tree_flatten((args, kwargs, out))[0] if isinstance(x, torch.Tensor)]
-        if name not in NO_LAUNCH and any(t.device.type == "meta" for t in tensors):
+        no_op = any(out is x for x in tree_flatten((args, kwargs))[0])  # e.g. .float() of a float32 tensor
+        if name not in NO_LAUNCH and not no_op and any(t.device.type == "meta" for t in tensors):
             moved = sum(t.numel() * t.element_size() for t in tensors if t.device.type == "meta")
             self.launches.append(Launch("torch", name, bytes=moved))
         return out
 
 
 def record(step) -> list[Launch]:
-    """Run `step()` with every device launch recorded instead of run."""
+    """Run `step()` twice with every device launch intercepted, and return the second run's: as a
+    graph capture follows an eager run, which made the step's one-time buffers (ticket counters,
+    lookup tables)."""
     launches: list[Launch] = []
 
     def on_launch(fn, args, grid, kwargs):
@@ -77,6 +80,8 @@ def record(step) -> list[Launch]:
 
     with intercepted(on_launch), _TorchLaunches(launches), torch.inference_mode():
         try:
+            step()
+            launches.clear()
             step()
         except NotImplementedError as exc:  # a meta tensor read on the host: a sync inside the step
             raise DwarfStarError(f"the decode step reads a device value on the host (breaks capture): {exc}") from exc
@@ -103,19 +108,27 @@ class DecodeStep:
 
 
 def record_decode_step(
-    preset: str = "flash-q2", batch: int = 1, ctx: int = 2048, layers: int | None = None, sample: bool = True
+    preset: str = "flash-q2",
+    batch: int = 1,
+    ctx: int = 2048,
+    layers: int | None = None,
+    sample: bool = True,
+    multiprocessors: int = 132,
 ) -> DecodeStep:
     """The decode step a graph replays for `batch` sequences at context `ctx` on the synthetic
-    `preset` model's exact shapes (`synthetic.PRESETS`), with the sampling kernel when `sample`."""
+    `preset` model's exact shapes (`synthetic.PRESETS`), with the sampling kernel when `sample`, its
+    grids sized for a GPU of `multiprocessors` SMs / CUs."""
     from dwarfstar.backends.triton.bench import decode_bytes_per_token
     from dwarfstar.backends.triton.graphs import BUCKETS, DecodeGraphs
     from dwarfstar.backends.triton.kernels.sampling import candidates_for
     from dwarfstar.backends.triton.model import TritonModel, row_bound
+    from dwarfstar.backends.triton.runtime import assume_multiprocessors
     from dwarfstar.backends.triton.synthetic import meta_weights
     from dwarfstar.session.sampling import SamplingParams
 
     if batch > BUCKETS[-1]:
         raise DwarfStarError(f"a captured decode step serves at most {BUCKETS[-1]} sequences, asked for {batch}")
+    assume_multiprocessors(multiprocessors)
     weights = meta_weights(preset, layers)
     bucket = next(b for b in BUCKETS if b >= batch)
     model = TritonModel(weights, max_seq_len=ctx + 1, kv_slots=bucket + 1)

@@ -108,7 +108,7 @@ def build_plan(
     gpu_target = parse_target(target)
     activate(gpu_target)
     gpu = predict.FIGURES[gpu_target.backend]
-    step = record_decode_step(preset, batch, ctx, layers)
+    step = record_decode_step(preset, batch, ctx, layers, multiprocessors=gpu.multiprocessors)
     rows: dict[tuple, Row] = {}
     compiled: dict[int, tuple] = {}
     for launch in step.launches:
