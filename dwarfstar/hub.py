@@ -26,11 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx2
-from huggingface_hub import constants as hf_constants
-from huggingface_hub import hf_hub_download
-from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-
 from dwarfstar.errors import DwarfStarError
 
 REPO = "antirez/deepseek-v4-gguf"
@@ -132,6 +127,9 @@ def find_token(explicit: str | None) -> tuple[str | None, str]:
 def _hub_error(exc: BaseException, file: str, token_source: str) -> HubError:
     """What went wrong, from the chain `huggingface_hub` raises (it wraps HEAD failures in
     LocalEntryNotFoundError, with the HTTP or connection error as the cause)."""
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
     chain = [exc]
     while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
         chain.append(chain[-1].__cause__ or chain[-1].__context__)
@@ -192,6 +190,12 @@ def download(
     on_progress: Progress = lambda done, total: None,
 ) -> Path:
     """Fetch `file` into the HF cache, check it, and link `out_dir/file` to it; returns that path."""
+    # imported here, not at the top: every command resolves its model through this module, and only
+    # a download needs the hub client (the GPU check's machine has no httpx2)
+    import httpx2
+    from huggingface_hub import constants as hf_constants
+    from huggingface_hub import hf_hub_download
+
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / file
     if final.exists():

@@ -15,7 +15,8 @@ from typing import Annotated
 
 import typer
 
-from dwarfstar.commands.bench import bench_app
+from dwarfstar.commands.apps import bench_app
+from dwarfstar.commands.flags import output
 from dwarfstar.errors import DwarfStarError
 
 
@@ -33,7 +34,7 @@ def bench_kernels(
     prefill: Annotated[int, typer.Option(help="Tokens of the prefill cases.")] = 2048,
     only: Annotated[str, typer.Option(help="Comma-separated kernel files to run (default: all).")] = "",
     peak_gbs: Annotated[float | None, typer.Option(help="Device memory bandwidth in GB/s.")] = None,
-    csv_out: Annotated[Path | None, typer.Option("--csv", help="CSV file (default: printed after the table).")] = None,
+    csv_out: Annotated[Path | None, output("--csv", help="CSV file (default: printed after the table).")] = None,
 ) -> None:
     """Time each Triton kernel: microseconds, GB/s, TFLOP/s and % of the device's peak."""
     if model not in ("flash", "pro"):
@@ -63,7 +64,7 @@ def bench_synthetic(
     prompt: Annotated[int, typer.Option(help="Prefill prompt tokens (0: skip the prefill).")] = 8192,
     chunk: Annotated[int, typer.Option(min=1, help="Prefill chunk.")] = 4096,
     peak_gbs: Annotated[float | None, typer.Option(help="Device memory bandwidth in GB/s.")] = None,
-    csv_out: Annotated[Path | None, typer.Option("--csv", help="CSV file for the decode rows.")] = None,
+    csv_out: Annotated[Path | None, output("--csv", help="CSV file for the decode rows.")] = None,
 ) -> None:
     """Decode and prefill speed of a full-size synthetic model built in device memory."""
     _require_gpu()

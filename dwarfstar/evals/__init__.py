@@ -9,6 +9,8 @@ prompts, graders, thinking budgets and trace format. `../shared/spec/DS4_SURFACE
 
 from dwarfstar.errors import DwarfStarError
 
+DEFAULT_TOKENS = 16000  # ds4-eval's -n
+
 
 class EvalError(DwarfStarError):
     """A gate or eval input (vector file, prompt, fixture, question set, trace) is missing or malformed."""

@@ -32,6 +32,7 @@ from dwarfstar.serving.replay import ToolMemory, apply_exact_replay, history_too
 from dwarfstar.serving.scheduler import Job, QueueFull, Scheduler, ShuttingDown
 from dwarfstar.serving.trace import Trace
 from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.speculative.decode import load_speculation
 from dwarfstar.steering.apply import steering_of
 from dwarfstar.steering.direction import MAX_SCALE, SteeringScale
 
@@ -96,7 +97,7 @@ class Service:
             max_queue=config.max_queue,
             trace=self.trace,
             disk=self.disk,
-            speculation=None if config.mtp is None else config.mtp.load(engine),
+            speculation=None if config.mtp is None else load_speculation(config.mtp, engine.backend, engine.model),
             experts=engine.experts,
         )
 

@@ -19,6 +19,7 @@ from dwarfstar.agent.transcript import Transcript
 from dwarfstar.engine import Engine
 from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.session.session import Cancelled
+from dwarfstar.speculative.decode import load_speculation
 from dwarfstar.speculative.options import MTPOptions
 
 REPLY_TOKENS = 16
@@ -31,7 +32,7 @@ GREEDY = SamplingParams(temperature=0)
 
 def agents(nano: Engine, root: Path) -> tuple[Agent, Agent, SpeculativePolicy]:
     eos = nano.backend.args.eos_token_id
-    policy = SpeculativePolicy(GREEDY, eos, MTPOptions(None, 2).load(nano))
+    policy = SpeculativePolicy(GREEDY, eos, load_speculation(MTPOptions(None, 2), nano.backend, nano.model))
     plain, speculative = make_agent(nano, root, SampledPolicy(GREEDY, eos)), make_agent(nano, root, policy)
     policy.start(speculative.session)
     for agent in (plain, speculative):

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.experts.attach import StreamingOptions, profile_path
 from dwarfstar.experts.trace import RoutingTrace, TraceError, skewed_trace
 
@@ -52,12 +53,14 @@ def test_profile_seeds_and_preloads_the_next_run(tiny_k_path, tmp_path):
     trace = RoutingTrace.load(profile_path(model), 6, 8)
     assert trace.calls[1:].tolist() == [1, 1, 1, 1]  # the prompt in one call, then 4 decode steps
     seeded = StreamingOptions(cache_experts="1MB", preload_experts=5)
-    engine = load_engine(model, "reference", ctx=256, streaming=seeded)
+    engine = load_engine(EngineSpec(model, "reference", ctx=256, streaming=seeded))
     hot = trace.hot_keys()[:5]
     assert engine.experts.stats.preloaded == 5
     assert sorted(engine.experts.where) == sorted(hot)
     assert np.array_equal(engine.experts.policy.counts, trace.counts())
-    cold = load_engine(model, "reference", ctx=256, streaming=StreamingOptions(cold=True, preload_experts=5))
+    cold = load_engine(
+        EngineSpec(model, "reference", ctx=256, streaming=StreamingOptions(cold=True, preload_experts=5))
+    )
     assert not cold.experts.where and not cold.experts.policy.counts.any()
 
 
