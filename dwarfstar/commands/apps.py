@@ -200,7 +200,7 @@ def read_config(ctx: typer.Context, value: Path | None) -> Path | None:
         param = options.get(key.replace("-", "_"))
         if param is None:
             raise DwarfStarError(f"{value}: unknown key {key!r}: `{ctx.command_path}` has no --{key.replace('_', '-')}")
-        defaults[param.name] = _checked(value, key, param, item, ctx)
+        defaults[param.name] = _checked(value, key, param, item)
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
 
@@ -217,23 +217,24 @@ ConfigOption = Annotated[
 ]
 
 
-def _checked(path: Path, key: str, param: Any, item: Any, ctx: typer.Context) -> Any:
-    kind = param.type.name  # click's type names: boolean, integer, integer range, float, text, path...
-    if param.is_flag or kind == "boolean":
+def _checked(path: Path, key: str, param: Any, item: Any) -> Any:
+    """`item` if it is what the option takes: its type, a list of it for a repeatable option, its range."""
+    kind = param.type_descriptor.annotation
+    if param.is_flag or kind is bool:
         what, fits = "true or false", lambda v: isinstance(v, bool)
-    elif kind.startswith("integer"):
+    elif kind is int:
         what, fits = "an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)
-    elif kind.startswith("float"):
+    elif kind is float:
         what, fits = "a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)
     else:
         what, fits = "a string", lambda v: isinstance(v, str)
+    values = item if param.multiple and isinstance(item, list) else [item]
     if param.multiple:
-        what, one = f"a list of {what.removeprefix('a ').removeprefix('an ')}s", fits
-        fits = lambda v: isinstance(v, list) and all(one(x) for x in v)  # noqa: E731
-    if not fits(item):
+        what = f"a list of {what.split(' ', 1)[1]}s" if " " in what else what
+    if (param.multiple and not isinstance(item, list)) or not all(fits(v) for v in values):
         raise DwarfStarError(f"{path}: {key} must be {what}, got {item!r}")
-    try:
-        param.type_cast_value(ctx, item)
-    except typer.BadParameter as exc:
-        raise DwarfStarError(f"{path}: {key}: {exc.format_message()}") from None
+    low, high = param.min, param.max
+    if any((low is not None and v < low) or (high is not None and v > high) for v in values):
+        bounds = f"at least {low}" if high is None else f"at most {high}" if low is None else f"{low}..{high}"
+        raise DwarfStarError(f"{path}: {key} must be {bounds}, got {item!r}")
     return item

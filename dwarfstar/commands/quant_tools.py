@@ -68,8 +68,8 @@ def growth_note(src: Path, dst: Path) -> str | None:
     if after <= before:
         return None
     grown.sort(reverse=True)
-    what = ", ".join(f"{name} {was} -> {now} (+{_gb(extra)})" for extra, name, was, now in grown[:3])
-    return f"note: the output's tensors are {_gb(after - before)} larger than the input's; the recipe stores {what}"
+    wider = ", ".join(f"{name} as {now} (was {was}, +{_gb(extra)})" for extra, name, was, now in grown[:3])
+    return f"note: {dst.name} is {_gb(after - before)} larger than {src.name}: the recipe stores {wider}"
 
 
 def open_gguf(path: Path):
