@@ -177,3 +177,11 @@ def test_quantize_notes_a_larger_output(tmp_path):
     assert note.startswith("note: wide.gguf is ") and "larger than small.gguf" in note
     assert "(was " in note and "as F32" in note
     assert growth_note(wide, small) is None
+
+
+def test_piped_output_has_no_think_markup():
+    """The bundled model thinks (here it closes its reasoning at once): a pipe gets the answer alone."""
+    args = ["run", "--backend", "reference", "-p", "Chi era Renzo?", "-n", "12", "--temp", "0"]
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0, done.output
+    assert done.stdout.strip() and "think>" not in done.stdout

@@ -122,3 +122,18 @@ def test_bad_mtp_flags_are_clear_errors(tmp_path: Path) -> None:
         done = agent_cli(tmp_path, *flags)
         assert done.returncode != 0 and message in done.stderr + done.stdout, (flags, done.stderr)
         assert "Traceback" not in done.stderr
+
+
+def test_the_context_warning_is_for_a_ctx_the_user_set(tmp_path: Path) -> None:
+    """The default --ctx (100000) quietly becomes the bundled model's 65536; a --ctx the user gives
+    beyond it is named. (Both runs stop at the speculation refusal, after the warning would print.)"""
+    env = dict(os.environ, HOME=str(tmp_path / "home"), DWARFSTAR_KVCACHE=str(tmp_path / "kv"), NO_COLOR="1")
+    argv = [sys.executable, "-m", "dwarfstar", "agent", "--plain", "--backend", "reference", "-p", "hi"]
+    argv += ["--mtp-draft", "2", "--power", "50"]
+    default, given = (
+        subprocess.run(argv + extra, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        for extra in ([], ["--ctx", "100000"])
+    )
+    assert "speculative decoding needs" in default.stderr + default.stdout
+    assert "more than this model holds" not in default.stderr + default.stdout
+    assert "--ctx 100000 is more than this model holds; using 65536" in given.stderr + given.stdout
