@@ -14,30 +14,14 @@ from typing import Annotated
 import typer
 
 from dwarfstar.commands.apps import app, given
-from dwarfstar.commands.flags import (
-    GENERATION,
-    Ctx,
-    DistFlags,
-    ModelFlags,
-    NoQatRounding,
-    Power,
-    SamplingFlags,
-    SpeculativeFlags,
-    SteeringFlags,
-    StreamingFlags,
-    Trace,
-)
+from dwarfstar.commands.flags import GENERATION, Ctx, EngineFlags, NoQatRounding, Power, SamplingFlags, Trace
 from dwarfstar.commands.run import DEFAULT_TOKENS
 
 
 @app.command()
 def agent(
-    model: ModelFlags,
+    engine_flags: EngineFlags,
     sampling: SamplingFlags,
-    steering: SteeringFlags,
-    streaming: StreamingFlags,
-    speculative: SpeculativeFlags,
-    dist: DistFlags,
     prompt: Annotated[
         str | None, typer.Option("-p", "--prompt", help="Submit this first; with --plain run it and exit.")
     ] = None,
@@ -63,10 +47,7 @@ def agent(
     from dwarfstar.commands.engines import start
     from dwarfstar.terminal import note
 
-    spec = model.spec(
-        ctx=ctx, qat=not no_qat_rounding, power=power, steering=steering, streaming=streaming,
-        speculative=speculative, dist=dist,
-    )  # fmt: skip
+    spec = engine_flags.spec(ctx=ctx, qat=not no_qat_rounding, power=power)
     engine, route = start(spec)  # a worker serves its layers and exits; a coordinator routes
     try:
         held = engine.model.args.max_seq_len

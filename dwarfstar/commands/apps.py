@@ -128,8 +128,7 @@ def with_flags(func: Callable) -> Callable:
         hint = hints.get(param.name, param.annotation)
         if is_group(hint):
             groups[param.name] = hint
-            fields = typing.get_type_hints(hint, include_extras=True)
-            params += [_keyword(f.name, fields[f.name], f.default) for f in dataclasses.fields(hint)]
+            params += _options(hint)
         else:
             params.append(_keyword(param.name, hint, param.default))
     if groups:
@@ -148,7 +147,7 @@ def with_flags(func: Callable) -> Callable:
         context = values[context_name] if own_context else values.pop(context_name)
         values.pop("config", None)
         for name, group in groups.items():
-            values[name] = group(**{f.name: values.pop(f.name) for f in dataclasses.fields(group)})
+            values[name] = _built(group, values)
         sources = {name: context.get_parameter_source(name) for name in context.params}
         set_by_user = frozenset(name for name, source in sources.items() if source and source.name != "DEFAULT")
         token = _given.set(set_by_user)
@@ -161,6 +160,25 @@ def with_flags(func: Callable) -> Callable:
     command.__annotations__ = {p.name: p.annotation for p in params}
     command.expanded_flags = True
     return command
+
+
+def _options(group: type) -> list[inspect.Parameter]:
+    """A group's options, those of the groups it holds included."""
+    hints = typing.get_type_hints(group, include_extras=True)
+    options = []
+    for field in dataclasses.fields(group):
+        hint = hints[field.name]
+        options += _options(hint) if is_group(hint) else [_keyword(field.name, hint, field.default)]
+    return options
+
+
+def _built(group: type, values: dict[str, Any]) -> Any:
+    """The group from its options' values (taken out of `values`)."""
+    hints = typing.get_type_hints(group, include_extras=True)
+    fields = dataclasses.fields(group)
+    return group(
+        **{f.name: _built(hints[f.name], values) if is_group(hints[f.name]) else values.pop(f.name) for f in fields}
+    )
 
 
 def _keyword(name: str, hint: Any, default: Any) -> inspect.Parameter:

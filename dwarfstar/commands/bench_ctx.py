@@ -84,7 +84,7 @@ def bench(
     points = frontiers(ctx_start, ctx_max, step_incr, step_mul)
     alloc = ctx_alloc or ctx_max + gen_tokens + 1
     text = bench_text(prompt_file, points[-1])
-    spec = model.spec(ctx=alloc, power=power, steering=steering, dist=dist)
+    spec = model.spec(ctx=alloc, power=power, steering=steering.options(), dist=dist.options())
     engine, route = start(spec)  # a worker serves its layers here and exits; a coordinator routes
     try:
         table = engine.model if route is None else _whole_table(spec.model)

@@ -75,6 +75,15 @@ def _next_question(states: list[str], display, start: int) -> int | None:
     return next((i for i in order if states[i] == "pending"), None)
 
 
+SoftBudget = Annotated[
+    int, typer.Option(help="In the last N tokens, accept </think> when it ranks high enough (at most -n / 2).")
+]
+CloseRank = Annotated[int, typer.Option(help="How high </think> must rank for the soft limit to take it.")]
+HardBudget = Annotated[
+    int, typer.Option(help="Force </think> when N tokens remain (below --tokens, at most the soft budget; -n / 4).")
+]
+
+
 @app.command("eval", rich_help_panel=TOOLS)
 def eval_command(
     model: ModelFlags,
@@ -86,16 +95,9 @@ def eval_command(
     min_p: MinP = 0.05,
     seed: Seed = None,
     think: Think = True,
-    soft_limit_reply_budget: Annotated[
-        int,
-        typer.Option(help="In the last N tokens, accept </think> when it ranks high enough (at most -n / 2)."),
-    ] = SOFT_BUDGET,
-    soft_limit_think_close_rank: Annotated[
-        int, typer.Option(help="How high </think> must rank for the soft limit to take it.")
-    ] = 3,
-    hard_limit_reply_budget: Annotated[
-        int, typer.Option(help="Force </think> when N tokens remain (below --tokens, at most the soft budget; -n / 4).")
-    ] = HARD_BUDGET,
+    soft_limit_reply_budget: SoftBudget = SOFT_BUDGET,
+    soft_limit_think_close_rank: CloseRank = 3,
+    hard_limit_reply_budget: HardBudget = HARD_BUDGET,
     trace: Annotated[Path | None, output(help="Write ds4-eval's trace (prompts, outputs, grades) to FILE.")] = None,
     plain: Annotated[
         bool, typer.Option("--plain", help="Plain streamed text instead of the split-screen TUI.")

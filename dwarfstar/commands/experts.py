@@ -186,12 +186,9 @@ def bench_experts(
     and LRU's hit rates and the frequency oracle's (an online policy's ceiling), the disk's own
     read rates and the same replay over plain mmap. A budget whose cache does not fit in the free
     memory is simulated only (hit rates, bytes per token), without the store's real reads."""
-    import numpy as np
-
     from dwarfstar.experts.layout import ExpertLayout
-    from dwarfstar.experts.policy import POLICIES, make_policy
-    from dwarfstar.experts.replay import disk_figures, drop_page_cache, frequency_oracle, replay, replay_mmap, simulate
-    from dwarfstar.experts.store import ExpertStore
+    from dwarfstar.experts.policy import POLICIES
+    from dwarfstar.experts.replay import disk_figures, frequency_oracle, simulate
     from dwarfstar.experts.trace import RoutingTrace
     from dwarfstar.model.loader import open_model
 
@@ -231,33 +228,9 @@ def bench_experts(
                 )
         # the online ceiling where routing is independent between calls (a drifting trace can pass it)
         row["frequency_oracle_hit"] = round(frequency_oracle(trace, capacity), 4)
-        slots = capacity * layout.max_expert_bytes
-        if slots > STORE_MEMORY_FRACTION * available_memory():
-            row["store"] = f"simulated only: {slots / 2**30:.1f} GiB of slots, {available_memory() / 2**30:.1f} free"
-        else:
-            drop_page_cache(layout.path)
-            store = ExpertStore(layout, capacity, make_policy(policy, layout.total_experts), direct=direct)
-            start = time.perf_counter()
-            try:
-                replay(store, io_trace)
-            finally:
-                store.close()
-            seconds = time.perf_counter() - start
-            summary = store.stats.summary(len(store.where), capacity)
-            row.update({f"store_{k}": v for k, v in summary.items()})
-            row["store_gbps"] = round(store.stats.bytes_read / seconds / 1e9, 3)
+        row.update(store_replay(layout, io_trace, capacity, policy, direct))
         if mmap_too:
-            mm = replay_mmap(layout, io_trace, capacity)
-            lat = np.array(mm.latencies or [0.0])
-            row.update(
-                {
-                    "mmap_hit": round(mm.hits / max(1, mm.hits + mm.misses), 4),
-                    "mmap_bytes_per_token": round(mm.bytes_read / io_trace.n_tokens),
-                    "mmap_gbps": round(mm.bytes_read / mm.seconds / 1e9, 3),
-                    "mmap_miss_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
-                    "mmap_miss_p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
-                }
-            )
+            row.update(mmap_replay(layout, io_trace, capacity))
         results["rows"].append(row)
         typer.echo(_row(f"budget {pct:g}%", row))
         typer.echo(
@@ -267,6 +240,44 @@ def bench_experts(
         )
     if json_out:
         json_out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def store_replay(layout: ExpertLayout, trace: RoutingTrace, capacity: int, policy: str, direct: bool) -> dict:
+    """The store's figures over the trace with real reads, or why it was only simulated (too little memory)."""
+    from dwarfstar.experts.policy import make_policy
+    from dwarfstar.experts.replay import drop_page_cache, replay
+    from dwarfstar.experts.store import ExpertStore
+
+    slots = capacity * layout.max_expert_bytes
+    if slots > STORE_MEMORY_FRACTION * available_memory():
+        return {"store": f"simulated only: {slots / 2**30:.1f} GiB of slots, {available_memory() / 2**30:.1f} free"}
+    drop_page_cache(layout.path)
+    store = ExpertStore(layout, capacity, make_policy(policy, layout.total_experts), direct=direct)
+    start = time.perf_counter()
+    try:
+        replay(store, trace)
+    finally:
+        store.close()
+    seconds = time.perf_counter() - start
+    figures = {f"store_{k}": v for k, v in store.stats.summary(len(store.where), capacity).items()}
+    return {**figures, "store_gbps": round(store.stats.bytes_read / seconds / 1e9, 3)}
+
+
+def mmap_replay(layout: ExpertLayout, trace: RoutingTrace, capacity: int) -> dict:
+    """The same replay over plain mmap: hit rate, bytes per token, GB/s and miss latencies."""
+    import numpy as np
+
+    from dwarfstar.experts.replay import replay_mmap
+
+    mm = replay_mmap(layout, trace, capacity)
+    lat = np.array(mm.latencies or [0.0])
+    return {
+        "mmap_hit": round(mm.hits / max(1, mm.hits + mm.misses), 4),
+        "mmap_bytes_per_token": round(mm.bytes_read / trace.n_tokens),
+        "mmap_gbps": round(mm.bytes_read / mm.seconds / 1e9, 3),
+        "mmap_miss_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
+        "mmap_miss_p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
+    }
 
 
 @bench_app.command("experts-bound")

@@ -11,7 +11,8 @@ the dist flags of `bench dist`) are shared `Annotated` types. Each option sits i
 Model, Generation, Speculative, Memory, Distributed or Debug.
 
 Nothing here imports torch: a group builds its options in a method, with its imports inside.
-`ModelFlags.spec` turns the groups a command took into its `EngineSpec`.
+`EngineFlags` holds the engine's groups; its `spec` (or `ModelFlags.spec` with the options a command
+builds itself) is the command's `EngineSpec`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -117,32 +118,9 @@ class ModelFlags:
 
         return resolve_model(self.model)
 
-    def spec(
-        self,
-        *,
-        ctx: int | None = None,
-        qat: bool = True,
-        power: int = 100,
-        kv_slots: int | None = None,
-        steering: SteeringFlags | None = None,
-        streaming: StreamingFlags | None = None,
-        speculative: SpeculativeFlags | None = None,
-        dist: DistFlags | None = None,
-    ) -> EngineSpec:
-        """The engine these flags and the other groups a command took describe (each checked here)."""
-        return EngineSpec(
-            self.path(),
-            self.backend,
-            self.precision,
-            qat=qat,
-            ctx=ctx,
-            kv_slots=kv_slots,
-            streaming=None if streaming is None else streaming.options(),
-            steering=None if steering is None else steering.options(),
-            speculation=None if speculative is None else speculative.options(),
-            dist=None if dist is None else dist.options(),
-            power=power,
-        )
+    def spec(self, **options: Any) -> EngineSpec:
+        """The engine these flags name, with `options` (`EngineSpec`'s other fields: ctx, steering...)."""
+        return EngineSpec(self.path(), self.backend, self.precision, **options)
 
 
 @dataclass(frozen=True)
@@ -374,4 +352,23 @@ class DistFlags:
         return None if opts.role is None else opts
 
 
-GROUPS = (ModelFlags, SamplingFlags, SteeringFlags, StreamingFlags, SpeculativeFlags, DistFlags)
+@dataclass(frozen=True)
+class EngineFlags:
+    """Every flag of the engine `run`, `agent` and `serve` load (the context, --power and the QAT
+    rounding are each command's own: their defaults differ)."""
+
+    model: ModelFlags
+    steering: SteeringFlags
+    streaming: StreamingFlags
+    speculative: SpeculativeFlags
+    dist: DistFlags
+
+    def spec(self, **options: Any) -> EngineSpec:
+        """The engine these flags describe, with `options` (`EngineSpec`'s ctx, qat, power, kv_slots)."""
+        return self.model.spec(
+            steering=self.steering.options(),
+            streaming=self.streaming.options(),
+            speculation=self.speculative.options(),
+            dist=self.dist.options(),
+            **options,
+        )

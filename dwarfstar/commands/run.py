@@ -19,14 +19,10 @@ from dwarfstar.commands.flags import (
     DEBUG,
     GENERATION,
     Ctx,
-    DistFlags,
-    ModelFlags,
+    EngineFlags,
     NoQatRounding,
     Power,
     SamplingFlags,
-    SpeculativeFlags,
-    SteeringFlags,
-    StreamingFlags,
     Trace,
     output,
 )
@@ -83,14 +79,32 @@ def write_logits(engine: Engine, ids: list[int], ctx: int, out: Path) -> None:
     typer.echo(f"wrote logits {tuple(logits.shape)} to {out}", err=True)
 
 
+Tokens = Annotated[
+    int,
+    typer.Option(
+        "-n", "--tokens", min=1, help="Most tokens per reply (ds4's default; never past the context).",
+        rich_help_panel=GENERATION,
+    ),
+]  # fmt: skip
+DumpTokens = Annotated[
+    bool, typer.Option(help="Print the prompt's tokens (as written, no template) and exit.", rich_help_panel=DEBUG)
+]
+DumpLogprobs = Annotated[
+    Path | None, output(help="Write the greedy continuation with top-K logprobs per step (JSON), exit.", panel=DEBUG)
+]
+LogprobsTopK = Annotated[
+    int, typer.Option(min=1, help="Alternatives per step in --dump-logprobs.", rich_help_panel=DEBUG)
+]
+DumpLogits = Annotated[
+    Path | None,
+    output(help="Write float32 logits (n_prompt x vocab) after each prompt token (.npy), exit.", panel=DEBUG),
+]
+
+
 @app.command()
 def run(
-    model: ModelFlags,
+    engine_flags: EngineFlags,
     sampling: SamplingFlags,
-    steering: SteeringFlags,
-    streaming: StreamingFlags,
-    speculative: SpeculativeFlags,
-    dist: DistFlags,
     prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="Answer this once and exit.")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="Like -p, with the text of FILE.")] = None,
     prompt_tokens: Annotated[str | None, typer.Option(help="Raw prompt as token ids: 0,17,42.")] = None,
@@ -100,44 +114,21 @@ def run(
             "-s", "--system", help='System prompt (default: ds4\'s "You are a helpful assistant"); "" for none.'
         ),
     ] = None,
-    tokens: Annotated[
-        int,
-        typer.Option(
-            "-n",
-            "--tokens",
-            min=1,
-            help="Most tokens per reply (ds4's default; never past the context).",
-            rich_help_panel=GENERATION,
-        ),
-    ] = DEFAULT_TOKENS,
+    tokens: Tokens = DEFAULT_TOKENS,
     ctx: Ctx = 32768,
     power: Power = 100,
     no_qat_rounding: NoQatRounding = False,
     trace: Trace = None,
-    dump_tokens: Annotated[
-        bool,
-        typer.Option(help="Print the prompt's tokens (as written, no template) and exit.", rich_help_panel=DEBUG),
-    ] = False,
-    dump_logprobs: Annotated[
-        Path | None,
-        output(help="Write the greedy continuation with top-K logprobs per step (JSON), exit.", panel=DEBUG),
-    ] = None,
-    logprobs_top_k: Annotated[
-        int, typer.Option(min=1, help="Alternatives per step in --dump-logprobs.", rich_help_panel=DEBUG)
-    ] = 20,
-    dump_logits: Annotated[
-        Path | None,
-        output(help="Write float32 logits (n_prompt x vocab) after each prompt token (.npy), exit.", panel=DEBUG),
-    ] = None,
+    dump_tokens: DumpTokens = False,
+    dump_logprobs: DumpLogprobs = None,
+    logprobs_top_k: LogprobsTopK = 20,
+    dump_logits: DumpLogits = None,
 ) -> None:
     """Chat with the model: one prompt with -p, else an interactive session."""
     from dwarfstar.commands.engines import closing_lines, start
     from dwarfstar.repl import run_repl
 
-    spec = model.spec(
-        ctx=ctx, qat=not no_qat_rounding, power=power, steering=steering, streaming=streaming,
-        speculative=speculative, dist=dist,
-    )  # fmt: skip
+    spec = engine_flags.spec(ctx=ctx, qat=not no_qat_rounding, power=power)
     text = read_prompt(prompt, prompt_file)
     if text is not None and prompt_tokens is not None:
         raise DwarfStarError("give a text prompt or --prompt-tokens, not both")

@@ -13,16 +13,7 @@ from typing import Annotated
 import typer
 
 from dwarfstar.commands.apps import app, bench_app
-from dwarfstar.commands.flags import (
-    GENERATION,
-    Ctx,
-    DistFlags,
-    ModelFlags,
-    SpeculativeFlags,
-    SteeringFlags,
-    StreamingFlags,
-    output,
-)
+from dwarfstar.commands.flags import GENERATION, Ctx, EngineFlags, ModelFlags, SteeringFlags, output
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.serving.config import API_KEY_ENV, TEMPLATES
 
@@ -50,11 +41,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 @app.command()
 def serve(
-    model: ModelFlags,
-    steering: SteeringFlags,
-    streaming: StreamingFlags,
-    speculative: SpeculativeFlags,
-    dist: DistFlags,
+    engine_flags: EngineFlags,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port (0: any free one).")] = 8000,
     ctx: Ctx = 32768,
@@ -98,10 +85,7 @@ def serve(
         raise DwarfStarError(f"--template must be one of {', '.join(TEMPLATES)}")
     if max_sessions < 1 or max_queue < 0 or prefill_chunk < 1:
         raise DwarfStarError("--max-sessions and --prefill-chunk must be positive, --max-queue not negative")
-    spec = model.spec(
-        ctx=ctx, steering=steering, streaming=streaming, speculative=speculative, dist=dist,
-        kv_slots=max_sessions,  # every live session in the batch-decoding block
-    )  # fmt: skip
+    spec = engine_flags.spec(ctx=ctx, kv_slots=max_sessions)  # every live session in the batch-decoding block
     config = ServerConfig(
         ctx=ctx, api_key=api_key or None, cors=cors, think_by_default=think, template=template,
         max_sessions=max_sessions, kv_memory_mb=kv_memory_mb, max_queue=max_queue, prefill_chunk=prefill_chunk,
