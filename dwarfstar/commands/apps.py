@@ -162,9 +162,14 @@ def with_flags(func: Callable) -> Callable:
     return command
 
 
+@functools.cache
+def _hints(group: type) -> dict[str, Any]:
+    return typing.get_type_hints(group, include_extras=True)
+
+
 def _options(group: type) -> list[inspect.Parameter]:
     """A group's options, those of the groups it holds included."""
-    hints = typing.get_type_hints(group, include_extras=True)
+    hints = _hints(group)
     options = []
     for field in dataclasses.fields(group):
         hint = hints[field.name]
@@ -174,7 +179,7 @@ def _options(group: type) -> list[inspect.Parameter]:
 
 def _built(group: type, values: dict[str, Any]) -> Any:
     """The group from its options' values (taken out of `values`)."""
-    hints = typing.get_type_hints(group, include_extras=True)
+    hints = _hints(group)
     fields = dataclasses.fields(group)
     return group(
         **{f.name: _built(hints[f.name], values) if is_group(hints[f.name]) else values.pop(f.name) for f in fields}

@@ -16,8 +16,7 @@ import typer
 
 from dwarfstar.commands.apps import TOOLS, app, given
 from dwarfstar.commands.flags import MinP, ModelFlags, Seed, Temp, Think, TopP, output
-from dwarfstar.evals import DEFAULT_TOKENS
-from dwarfstar.evals.questions import BUNDLED_SET
+from dwarfstar.evals import BUNDLED_SET, DEFAULT_TOKENS
 
 if TYPE_CHECKING:
     from dwarfstar.engine import Engine

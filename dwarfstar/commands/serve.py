@@ -6,9 +6,8 @@ before the model loads), then loads the model and hands the bound socket to uvic
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -17,11 +16,16 @@ from dwarfstar.commands.flags import GENERATION, Ctx, EngineFlags, ModelFlags, S
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.serving.config import API_KEY_ENV, TEMPLATES
 
+if TYPE_CHECKING:
+    import socket
+
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (port 0: any free one), or a one-line error."""
+    import socket
+
     if not 0 <= port <= 65535:
         raise DwarfStarError(f"--port must be 0..65535, got {port}")
     try:

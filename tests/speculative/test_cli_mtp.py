@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 from conftest import PROMPT
 from typer.testing import CliRunner
 
