@@ -242,7 +242,7 @@ ConfigOption = Annotated[
 
 def _checked(path: Path, key: str, param: Any, item: Any) -> Any:
     """`item` if it is what the option takes: its type, a list of it for a repeatable option, its range."""
-    kind = param.type_descriptor.annotation
+    kind = _python_type(param)
     if param.is_flag or kind is bool:
         what, fits = "true or false", lambda v: isinstance(v, bool)
     elif kind is int:
@@ -256,8 +256,17 @@ def _checked(path: Path, key: str, param: Any, item: Any) -> Any:
         what = f"a list of {what.split(' ', 1)[1]}s" if " " in what else what
     if (param.multiple and not isinstance(item, list)) or not all(fits(v) for v in values):
         raise DwarfStarError(f"{path}: {key} must be {what}, got {item!r}")
-    low, high = param.min, param.max
+    low, high = (getattr(param, b) if hasattr(param, b) else getattr(param.type, b, None) for b in ("min", "max"))
     if any((low is not None and v < low) or (high is not None and v > high) for v in values):
         bounds = f"at least {low}" if high is None else f"at most {high}" if low is None else f"{low}..{high}"
         raise DwarfStarError(f"{path}: {key} must be {bounds}, got {item!r}")
     return item
+
+
+def _python_type(param: Any) -> type:
+    """The Python type an option converts to: Typer 0.29's own descriptor, or click's type name."""
+    descriptor = getattr(param, "type_descriptor", None)
+    if descriptor is not None:
+        return descriptor.annotation
+    names = {"boolean": bool, "integer": int, "integer range": int, "float": float, "float range": float}
+    return names.get(param.type.name, str)
