@@ -86,3 +86,32 @@ def bench_synthetic(
         bench.write_csv(rows, csv_out)
     if prompt:
         typer.echo(bench.format_table(bench.run_prefill(model, layers, prompt, chunk, device, FAST)))
+
+
+@bench_app.command("gpu-plan")
+def bench_gpu_plan(
+    preset: Annotated[str, typer.Option(help="flash or pro (q2 experts, as ds4's files).")] = "flash",
+    ctx: Annotated[int, typer.Option(min=1, help="Context of the decode step.")] = 2048,
+    batch: Annotated[int, typer.Option(min=1, max=64, help="Sequences decoding together.")] = 1,
+    target: Annotated[str, typer.Option(help="GPU target: cuda:90 (H100/H200) or hip:gfx942 (MI300X).")] = "cuda:90",
+    layers: Annotated[int | None, typer.Option(min=1, help="Only the first N layers.")] = None,
+    no_compile: Annotated[bool, typer.Option("--no-compile", help="Count launches only.")] = False,
+    json_out: Annotated[Path | None, output("--json", help="Write the plan as JSON here.")] = None,
+) -> None:
+    """The decode step as the GPU would run it, without one: launches, compiled code, modelled time."""
+    import json
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise DwarfStarError("gpu-plan compiles for a GPU target: run it without TRITON_INTERPRET=1")
+    if preset not in ("flash", "pro"):
+        raise DwarfStarError(f"--preset must be flash or pro, got {preset!r}")
+    from dwarfstar.backends.triton.plan.report import build_plan, format_plan, plan_json
+
+    try:
+        plan = build_plan(f"{preset}-q2", batch, ctx, target, not no_compile, layers)
+    except ValueError as exc:
+        raise DwarfStarError(str(exc)) from exc
+    typer.echo(format_plan(plan))
+    if json_out is not None:
+        json_out.write_text(json.dumps(plan_json(plan), indent=1))

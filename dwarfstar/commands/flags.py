@@ -3,11 +3,11 @@
 A group of flags is a frozen dataclass; a command takes it by naming it as a parameter's type,
 
     @app.command()
-    def run(engine_flags: EngineFlags, sampling: SamplingFlags, ..., prompt: Annotated[...] = None): ...
+    def run(engine_flags: EngineFlags, sampling: SamplingFlags, ..., prompt: Prompt = None): ...
 
 and `dwarfstar.commands.apps` gives the command the group's options (a group may hold groups) and
-hands it their values as one object. Single flags whose default or meaning differs by command (`--ctx`, `--power`, `--trace`,
-the dist flags of `bench dist`) are shared `Annotated` types. Each option sits in one help panel:
+hands it their values as one object. Single flags whose default or meaning differs by command
+(`--ctx`, `--power`, `--trace`, the dist flags of `bench dist`) are shared `Annotated` types. Each option sits in one help panel:
 Model, Generation, Speculative, Memory, Distributed or Debug.
 
 Nothing here imports torch: a group builds its options in a method, with its imports inside.

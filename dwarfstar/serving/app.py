@@ -20,6 +20,7 @@ from starlette.types import ASGIApp
 from dwarfstar.serving.anthropic import count_tokens, messages_endpoint
 from dwarfstar.serving.errors import ApiError, Dialect, error_response, json_response
 from dwarfstar.serving.gate import Gate, dialect_of
+from dwarfstar.serving.metrics import Metric
 from dwarfstar.serving.openai_chat import chat_completions
 from dwarfstar.serving.openai_completions import completions
 from dwarfstar.serving.responses import responses_endpoint
@@ -62,7 +63,7 @@ async def get_model(request: Request) -> Response:
 
 async def api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    _service(request).metrics.inc("dwarfstar_rejected_requests_total", status=str(exc.status))
+    _service(request).metrics.inc(Metric.REJECTED_REQUESTS_TOTAL, status=str(exc.status))
     return error_response(exc, dialect_of(request.url.path, request.headers))
 
 

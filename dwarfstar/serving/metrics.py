@@ -4,51 +4,73 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from enum import Enum, unique
 
-# name: (type, help). Every metric the server reports is declared here, so /metrics lists them all
-# from the start (at 0) and a typo in a name fails loudly instead of creating a new series.
-METRICS: dict[str, tuple[str, str]] = {
-    "dwarfstar_requests_total": ("counter", "Generation requests accepted, by API."),
-    "dwarfstar_rejected_requests_total": ("counter", "Requests answered with an error status, by status."),
-    "dwarfstar_finished_requests_total": ("counter", "Generations finished, by finish reason."),
-    "dwarfstar_cancelled_requests_total": ("counter", "Generations stopped because the client left, by phase."),
-    "dwarfstar_failed_requests_total": ("counter", "Generations that failed inside the engine."),
-    "dwarfstar_prompt_tokens_total": ("counter", "Prompt tokens of admitted requests."),
-    "dwarfstar_cached_tokens_total": ("counter", "Prompt tokens reused from a live session or the disk cache."),
-    "dwarfstar_prefill_tokens_total": ("counter", "Prompt tokens run through the model."),
-    "dwarfstar_generated_tokens_total": ("counter", "Tokens generated."),
-    "dwarfstar_prefill_seconds_total": ("counter", "Time spent in prefill."),
-    "dwarfstar_decode_seconds_total": ("counter", "Time spent in decode steps."),
-    "dwarfstar_prefill_tokens_per_second": ("gauge", "Prefill rate of the last prompt slice."),
-    "dwarfstar_decode_tokens_per_second": ("gauge", "Aggregate decode rate over all requests of the last step."),
-    "dwarfstar_decode_steps_total": ("counter", "Batched decode steps."),
-    "dwarfstar_batched_decode_steps_total": ("counter", "Decode steps that advanced more than one request."),
-    "dwarfstar_decode_batch_max": ("gauge", "Largest number of requests advanced in one decode step."),
-    "dwarfstar_speculative_steps_total": ("counter", "Draft-verify rounds of requests (serve --mtp), one per request."),
-    "dwarfstar_draft_tokens_total": ("counter", "MTP draft tokens verified."),
-    "dwarfstar_accepted_draft_tokens_total": ("counter", "MTP draft tokens accepted."),
-    "dwarfstar_cache_lookups_total": ("counter", "Where each request's session came from (memory, fork, disk, cold)."),
-    "dwarfstar_queue_depth": ("gauge", "Requests waiting for a session."),
-    "dwarfstar_active_requests": ("gauge", "Requests holding a session (prefill or decode)."),
-    "dwarfstar_live_sessions": ("gauge", "Live KV sessions in memory."),
-    "dwarfstar_session_bytes": ("gauge", "Bytes held by the live KV sessions."),
-    # with --ssd-streaming (`dwarfstar.experts.telemetry`); 0 without
-    "dwarfstar_expert_hits_total": ("counter", "Routed-expert uses served from the expert cache."),
-    "dwarfstar_expert_misses_total": ("counter", "Routed-expert uses read from the model file."),
-    "dwarfstar_expert_evictions_total": ("counter", "Experts evicted from the expert cache."),
-    "dwarfstar_expert_read_bytes_total": ("counter", "Bytes of routed experts read from the model file."),
-    "dwarfstar_expert_read_busy_seconds_total": ("counter", "Wall time with at least one expert read in flight."),
-    "dwarfstar_expert_stall_seconds_total": ("counter", "Time the compute waited for expert reads."),
-    "dwarfstar_expert_hit_rate": ("gauge", "Expert cache hits over uses since the start."),
-    "dwarfstar_expert_read_bytes_per_token": ("gauge", "Expert bytes read per token since the start."),
-    "dwarfstar_expert_read_gbps": ("gauge", "Expert read rate: bytes over read busy time, GB/s."),
-    "dwarfstar_expert_miss_latency_seconds": ("gauge", "Expert miss latency (request to bytes), by quantile."),
-    "dwarfstar_expert_resident": ("gauge", "Experts in the expert cache."),
-    "dwarfstar_expert_capacity": ("gauge", "Experts the expert cache's budget holds."),
-    "dwarfstar_expert_layer_hits_total": ("counter", "Routed-expert cache hits, by layer."),
-    "dwarfstar_expert_layer_misses_total": ("counter", "Routed-expert cache misses, by layer."),
-    "dwarfstar_expert_layer_read_bytes_total": ("counter", "Bytes of routed experts read from the file, by layer."),
-}
+from dwarfstar.experts.store import ExpertStore
+from dwarfstar.experts.telemetry import summary as expert_summary
+
+COUNTER, GAUGE = "counter", "gauge"
+
+
+@unique  # two members with the same type and help would silently be one
+class Metric(Enum):
+    """Every metric the server reports, with its type and help text. `/metrics` lists them all from the
+    start (at 0); `Metrics` takes nothing else, so a metric cannot be reported without being declared."""
+
+    REQUESTS_TOTAL = COUNTER, "Generation requests accepted, by API."
+    REJECTED_REQUESTS_TOTAL = COUNTER, "Requests answered with an error status, by status."
+    FINISHED_REQUESTS_TOTAL = COUNTER, "Generations finished, by finish reason."
+    CANCELLED_REQUESTS_TOTAL = COUNTER, "Generations stopped because the client left, by phase."
+    FAILED_REQUESTS_TOTAL = COUNTER, "Generations that failed inside the engine."
+    PROMPT_TOKENS_TOTAL = COUNTER, "Prompt tokens of admitted requests."
+    CACHED_TOKENS_TOTAL = COUNTER, "Prompt tokens reused from a live session or the disk cache."
+    PREFILL_TOKENS_TOTAL = COUNTER, "Prompt tokens run through the model."
+    GENERATED_TOKENS_TOTAL = COUNTER, "Tokens generated."
+    PREFILL_SECONDS_TOTAL = COUNTER, "Time spent in prefill."
+    DECODE_SECONDS_TOTAL = COUNTER, "Time spent in decode steps."
+    PREFILL_TOKENS_PER_SECOND = GAUGE, "Prefill rate of the last prompt slice."
+    DECODE_TOKENS_PER_SECOND = GAUGE, "Aggregate decode rate over all requests of the last step."
+    DECODE_STEPS_TOTAL = COUNTER, "Batched decode steps."
+    BATCHED_DECODE_STEPS_TOTAL = COUNTER, "Decode steps that advanced more than one request."
+    DECODE_BATCH_MAX = GAUGE, "Largest number of requests advanced in one decode step."
+    SPECULATIVE_STEPS_TOTAL = COUNTER, "Draft-verify rounds of requests (serve --mtp), one per request."
+    DRAFT_TOKENS_TOTAL = COUNTER, "MTP draft tokens verified."
+    ACCEPTED_DRAFT_TOKENS_TOTAL = COUNTER, "MTP draft tokens accepted."
+    CACHE_LOOKUPS_TOTAL = COUNTER, "Where each request's session came from (memory, fork, disk, cold)."
+    QUEUE_DEPTH = GAUGE, "Requests waiting for a session."
+    ACTIVE_REQUESTS = GAUGE, "Requests holding a session (prefill or decode)."
+    LIVE_SESSIONS = GAUGE, "Live KV sessions in memory."
+    SESSION_BYTES = GAUGE, "Bytes held by the live KV sessions."
+    # with --ssd-streaming (`expert_collector`); 0 without
+    EXPERT_HITS_TOTAL = COUNTER, "Routed-expert uses served from the expert cache."
+    EXPERT_MISSES_TOTAL = COUNTER, "Routed-expert uses read from the model file."
+    EXPERT_EVICTIONS_TOTAL = COUNTER, "Experts evicted from the expert cache."
+    EXPERT_READ_BYTES_TOTAL = COUNTER, "Bytes of routed experts read from the model file."
+    EXPERT_READ_BUSY_SECONDS_TOTAL = COUNTER, "Wall time with at least one expert read in flight."
+    EXPERT_STALL_SECONDS_TOTAL = COUNTER, "Time the compute waited for expert reads."
+    EXPERT_HIT_RATE = GAUGE, "Expert cache hits over uses since the start."
+    EXPERT_READ_BYTES_PER_TOKEN = GAUGE, "Expert bytes read per token since the start."
+    EXPERT_READ_GBPS = GAUGE, "Expert read rate: bytes over read busy time, GB/s."
+    EXPERT_MISS_LATENCY_SECONDS = GAUGE, "Expert miss latency (request to bytes), by quantile."
+    EXPERT_RESIDENT = GAUGE, "Experts in the expert cache."
+    EXPERT_CAPACITY = GAUGE, "Experts the expert cache's budget holds."
+    EXPERT_LAYER_HITS_TOTAL = COUNTER, "Routed-expert cache hits, by layer."
+    EXPERT_LAYER_MISSES_TOTAL = COUNTER, "Routed-expert cache misses, by layer."
+    EXPERT_LAYER_READ_BYTES_TOTAL = COUNTER, "Bytes of routed experts read from the file, by layer."
+
+    @property
+    def key(self) -> str:
+        """Its name in /metrics: `dwarfstar_` and the member's name in lower case."""
+        return "dwarfstar_" + self.name.lower()
+
+    @property
+    def kind(self) -> str:
+        return self.value[0]
+
+    @property
+    def help(self) -> str:
+        return self.value[1]
+
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -56,26 +78,27 @@ Labels = tuple[tuple[str, str], ...]
 class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values: dict[str, dict[Labels, float]] = {name: {} for name in METRICS}
+        self._values: dict[str, dict[Labels, float]] = {metric.key: {} for metric in Metric}
         # called at each render, to copy in figures kept elsewhere (the expert cache's telemetry)
         self.collectors: list[Callable[[Metrics], None]] = []
 
-    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+    def inc(self, metric: Metric, value: float = 1.0, **labels: str) -> None:
         key = tuple(sorted(labels.items()))
         with self._lock:
-            series = self._values[name]
+            series = self._values[metric.key]
             series[key] = series.get(key, 0.0) + float(value)
 
-    def set(self, name: str, value: float, **labels: str) -> None:
+    def set(self, metric: Metric, value: float, **labels: str) -> None:
         with self._lock:
-            self._values[name][tuple(sorted(labels.items()))] = float(value)
+            self._values[metric.key][tuple(sorted(labels.items()))] = float(value)
 
-    def raise_to(self, name: str, value: float) -> None:
+    def raise_to(self, metric: Metric, value: float) -> None:
         with self._lock:
-            series = self._values[name]
+            series = self._values[metric.key]
             series[()] = max(series.get((), 0.0), float(value))
 
     def value(self, name: str, **labels: str) -> float:
+        """A series' value, by its name in /metrics."""
         with self._lock:
             return self._values[name].get(tuple(sorted(labels.items())), 0.0)
 
@@ -84,11 +107,46 @@ class Metrics:
             collect(self)
         lines: list[str] = []
         with self._lock:
-            for name, (kind, text) in METRICS.items():
-                lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+            for metric in Metric:
+                name = metric.key
+                lines += [f"# HELP {name} {metric.help}", f"# TYPE {name} {metric.kind}"]
                 series = self._values[name] or {(): 0.0}
                 for labels, value in sorted(series.items()):
                     label_text = ",".join(f'{k}="{v}"' for k, v in labels)
                     number = str(int(value)) if value.is_integer() else repr(value)
                     lines.append(f"{name}{{{label_text}}} {number}" if labels else f"{name} {number}")
         return "\n".join(lines) + "\n"
+
+
+QUANTILES = {"0.5": "miss_latency_p50_ms", "0.99": "miss_latency_p99_ms"}  # of the expert miss latency
+
+
+def expert_collector(store: ExpertStore) -> Callable[[Metrics], None]:
+    """A `Metrics` collector copying the expert cache's figures (--ssd-streaming) in at each `/metrics` render."""
+
+    def collect(metrics: Metrics) -> None:
+        figures = expert_summary(store)
+        stats = store.stats
+        for metric, value in (
+            (Metric.EXPERT_HITS_TOTAL, stats.hits),
+            (Metric.EXPERT_MISSES_TOTAL, stats.misses),
+            (Metric.EXPERT_EVICTIONS_TOTAL, stats.evictions),
+            (Metric.EXPERT_READ_BYTES_TOTAL, stats.bytes_read),
+            (Metric.EXPERT_READ_BUSY_SECONDS_TOTAL, stats.busy_seconds),
+            (Metric.EXPERT_STALL_SECONDS_TOTAL, stats.stall_seconds),
+            (Metric.EXPERT_HIT_RATE, stats.hit_rate),
+            (Metric.EXPERT_READ_BYTES_PER_TOKEN, figures["bytes_per_token"]),
+            (Metric.EXPERT_READ_GBPS, stats.read_gbps),
+            (Metric.EXPERT_RESIDENT, len(store.where)),
+            (Metric.EXPERT_CAPACITY, store.capacity),
+        ):
+            metrics.set(metric, value)
+        for quantile, field in QUANTILES.items():
+            metrics.set(Metric.EXPERT_MISS_LATENCY_SECONDS, figures[field] / 1e3, quantile=quantile)
+        # per layer, labelled: a layer whose experts miss more than the others shows up here
+        for il, counts in enumerate(stats.layers):
+            metrics.set(Metric.EXPERT_LAYER_HITS_TOTAL, counts.hits, layer=str(il))
+            metrics.set(Metric.EXPERT_LAYER_MISSES_TOTAL, counts.misses, layer=str(il))
+            metrics.set(Metric.EXPERT_LAYER_READ_BYTES_TOTAL, counts.bytes_read, layer=str(il))
+
+    return collect

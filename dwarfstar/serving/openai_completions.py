@@ -28,8 +28,8 @@ from dwarfstar.serving.controls import (
 from dwarfstar.serving.errors import bad_request, json_response
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, new_id
+from dwarfstar.serving.jobs import Job
 from dwarfstar.serving.openai_chat import failure_error, stream_error, usage_object
-from dwarfstar.serving.scheduler import Job
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
 

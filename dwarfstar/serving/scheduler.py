@@ -11,42 +11,40 @@ Each turn of the loop
    its accepted drafts and one more token (`dwarfstar.speculative`);
 4. runs one prefill slice of one prefilling request (round robin), smaller while others decode, so a
    long prompt delays running generations by a slice, not by its whole prefill.
-The event loop never runs model code: handlers submit a `Job` and read its events from an asyncio
-queue the worker fills. The waiting queue is bounded; `submit` refuses beyond it (HTTP 429).
+The event loop never runs model code: handlers submit a `Job` (`jobs.py`) and read its events from an
+asyncio queue the worker fills. The waiting queue is bounded; `submit` refuses beyond it (HTTP 429).
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 from dwarfstar.experts.store import ExpertStore
 from dwarfstar.experts.telemetry import summary as expert_summary
-from dwarfstar.model.state import SequenceState
 from dwarfstar.serving.disk import DiskCache
-from dwarfstar.serving.generation import Event, Failed, Finished, GenerationRequest, Started, Usage
-from dwarfstar.serving.metrics import Metrics
+from dwarfstar.serving.generation import Failed, Finished, Started, Usage
+from dwarfstar.serving.jobs import KV, Decoding, DiskRead, Drafting, Job, Phase
+from dwarfstar.serving.metrics import Metric, Metrics
 from dwarfstar.serving.output import OutputDecoder
-from dwarfstar.serving.pool import DiskLookup, Lease, SessionPool
+from dwarfstar.serving.pool import Lease, SessionPool
 from dwarfstar.serving.replay import ToolMemory
 from dwarfstar.serving.trace import Trace
 from dwarfstar.session.kvpolicy import SaveReason
 from dwarfstar.session.sampling import Sampler
 from dwarfstar.session.session import Session, decode_batch, prefill_batch, sample_next
-from dwarfstar.speculative.decode import MTPSpeculation, Speculator, step_batch
+from dwarfstar.speculative.decode import MTPSpeculation, step_batch
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 BUSY_PREFILL_SLICE = 512  # prompt tokens per loop turn while other requests are decoding
-_job_ids = itertools.count(1)
 
 
 class QueueFull(Exception):
@@ -55,47 +53,6 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     pass
-
-
-class Job:
-    """One request's life in the worker, and the queue its events travel back to the event loop on."""
-
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, replayed: list[str]) -> None:
-        self.id = next(_job_ids)
-        self.request = request
-        self.replayed = replayed  # tool-call ids rendered from their sampled DSML (for the trace)
-        self.cancelled = threading.Event()
-        self._loop = loop
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
-        # worker-side state
-        self.phase = "queued"  # queued | prefill | decode | done
-        self.usage = Usage(prompt_tokens=len(request.prompt_ids))
-        self.lease: Lease | None = None
-        self.pending: list[int] = []
-        self.save_stops: list[tuple[int, SaveReason]] = []  # disk-cache saves due inside the prefill
-        self.sampler: Sampler | None = None
-        self.drawn: int | None = None  # the next token, drawn by the decode step that took the last one
-        self.decoder: OutputDecoder | None = None
-        self.spec: Speculator | None = None  # with --mtp, from the request's first generated token
-        self.spec_pending: int | None = None  # emitted, not yet in the KV: the next step verifies after it
-        # the disk-cache lookup under way for this queued request: its better_than and the reader's result
-        self.disk_lookup: tuple[int, Future[SequenceState | None]] | None = None
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def emit(self, event: Event) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-        except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
-            pass
-
-    async def next_event(self, timeout: float | None = None) -> Event | None:
-        """The next event, or None when `timeout` seconds pass without one."""
-        try:
-            return await asyncio.wait_for(self._events.get(), timeout)
-        except TimeoutError:
-            return None
 
 
 class Scheduler:
@@ -139,7 +96,7 @@ class Scheduler:
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull
             self._waiting.append(job)
-            self.metrics.set("dwarfstar_queue_depth", len(self._waiting))
+            self.metrics.set(Metric.QUEUE_DEPTH, len(self._waiting))
             self._cond.notify()
 
     # -- worker ----------------------------------------------------------------------------------------
@@ -155,8 +112,10 @@ class Scheduler:
                 dropped = [job for job in self._waiting if job.cancelled.is_set()]
                 for job in dropped:
                     self._waiting.remove(job)
+            for job in dropped:
+                job.end()
             if dropped:
-                self.metrics.inc("dwarfstar_cancelled_requests_total", len(dropped), phase="queued")
+                self.metrics.inc(Metric.CANCELLED_REQUESTS_TOTAL, len(dropped), phase=Phase.QUEUED.value)
             try:
                 for job in [job for job in self._active if job.cancelled.is_set()]:
                     self._cancel(job)
@@ -169,27 +128,36 @@ class Scheduler:
                 for job in list(self._active):
                     self._fail(job, exc)
         for job in left:
+            job.end()
             job.emit(Failed("server shutting down", job.usage))
         self.pool.save_all()
+
+    @contextmanager
+    def _failing(self, job: Job) -> Iterator[None]:
+        """Runs one request's part of a step: what it raises fails that request alone."""
+        try:
+            yield
+        except Exception as exc:
+            self._fail(job, exc)
 
     def _admissible(self) -> bool:
         """A queued request can be looked at now: there is one, and it waits for no disk read."""
         if not self._waiting:
             return False
-        lookup = self._waiting[0].disk_lookup
-        return lookup is None or lookup[1].done()
+        read = self._waiting[0].disk_read
+        return read is None or read.future.done()
 
     def _wake(self, _: Future) -> None:
         with self._cond:
             self._cond.notify()
 
-    def _start_disk_lookup(self, job: Job) -> None:
+    def _start_disk_read(self, job: Job) -> None:
         """Hand the head request's disk-cache lookup to the reader thread, when its admission would make one."""
         request = job.request
         better_than = self.pool.disk_lookup_due(request.prompt, request.prompt_ids, request.steering)
         if better_than is not None:
-            job.disk_lookup = (better_than, self.disk.restore_async(request.prompt, better_than))
-            job.disk_lookup[1].add_done_callback(self._wake)
+            job.disk_read = DiskRead(better_than, self.disk.restore_async(request.prompt, better_than))
+            job.disk_read.future.add_done_callback(self._wake)
 
     def _admit(self) -> None:
         while True:
@@ -199,14 +167,11 @@ class Scheduler:
                 job = self._waiting[0]  # only this thread removes jobs, so it stays the head
             request = job.request
             try:
-                if self.disk is not None and job.disk_lookup is None:
-                    self._start_disk_lookup(job)
-                looked_up = None
-                if job.disk_lookup is not None:
-                    better_than, future = job.disk_lookup
-                    if not future.done():
-                        return  # the file is being read; the running requests go on meanwhile
-                    looked_up = DiskLookup(better_than, future.result())
+                if self.disk is not None and job.disk_read is None:
+                    self._start_disk_read(job)
+                if job.disk_read is not None and not job.disk_read.future.done():
+                    return  # the file is being read; the running requests go on meanwhile
+                looked_up = job.disk_read.lookup() if job.disk_read is not None else None
                 lease = self.pool.acquire(request.prompt, request.prompt_ids, request.steering, looked_up)
             except Exception as exc:
                 with self._cond:
@@ -217,59 +182,50 @@ class Scheduler:
                 return
             with self._cond:
                 self._waiting.popleft()
-            try:
+            with self._failing(job):
                 self._start(job, lease)
-            except Exception as exc:
-                self._fail(job, exc)
 
     def _start(self, job: Job, lease: Lease) -> None:
-        job.lease, job.phase = lease, "prefill"
-        job.pending = lease.plan.suffix
+        job.admit(KV(lease, lease.plan.suffix))
         job.usage.cached_tokens = lease.plan.keep
         lease.live.tool_ids.update(job.replayed)
         if self.disk is not None:
-            job.save_stops = self.disk.prefill_stops(lease.live, job.request.prompt_ids, lease.plan.keep)
+            job.kv.save_stops = self.disk.prefill_stops(lease.live, job.request.prompt_ids, lease.plan.keep)
         self._active.append(job)
-        self.metrics.inc("dwarfstar_cache_lookups_total", source=lease.source)
-        self.metrics.inc("dwarfstar_prompt_tokens_total", job.usage.prompt_tokens)
-        self.metrics.inc("dwarfstar_cached_tokens_total", job.usage.cached_tokens)
+        self.metrics.inc(Metric.CACHE_LOOKUPS_TOTAL, source=lease.source)
+        self.metrics.inc(Metric.PROMPT_TOKENS_TOTAL, job.usage.prompt_tokens)
+        self.metrics.inc(Metric.CACHED_TOKENS_TOTAL, job.usage.cached_tokens)
         job.emit(Started(Usage(**vars(job.usage))))
-        if not job.pending:
+        if not job.kv.pending:
             self._start_decode(job)
 
     def _start_decode(self, job: Job) -> None:
-        job.phase = "decode"
-        job.sampler = Sampler(job.request.sampling)
-        job.decoder = OutputDecoder(self.tokenizer, job.request)
-        if self.speculation is not None:
-            job.spec = self.speculation.start(job.lease.session)
+        decoding = Decoding(Sampler(job.request.sampling), OutputDecoder(self.tokenizer, job.request))
+        drafting = None if self.speculation is None else Drafting(self.speculation.start(job.session))
+        job.start_decoding(decoding, drafting)
 
     def _prefill_step(self) -> None:
         """One pass over the waiting prompts: a budget of tokens (a chunk; a slice while others decode,
         so their next token is not held up long) shared out in turn, every piece in one batched call."""
-        prefilling = [job for job in self._active if job.phase == "prefill"]
+        prefilling = [job for job in self._active if job.phase is Phase.PREFILL]
         if not prefilling:
             return
-        busy = any(job.phase == "decode" for job in self._active)
-        budget = BUSY_PREFILL_SLICE if busy else prefilling[0].lease.session.chunk
+        busy = any(job.phase is Phase.DECODE for job in self._active)
+        budget = BUSY_PREFILL_SLICE if busy else prefilling[0].session.chunk
         first = self._turn % len(prefilling)
         self._turn += 1
         jobs, pieces = [], []
         for job in prefilling[first:] + prefilling[:first]:
-            session = job.lease.session
-            size = min(budget, session.chunk - len(session.tokens) % session.chunk)  # up to its next chunk end
-            if job.save_stops:
-                size = min(size, job.save_stops[0][0] - len(session.tokens))
-            if size <= 0:
+            piece = job.kv.take(budget)  # up to its next chunk end
+            if not piece:
                 break
-            piece, job.pending = job.pending[:size], job.pending[size:]
             jobs.append(job)
             pieces.append(piece)
             budget -= len(piece)
-        lengths = [len(job.lease.session.tokens) for job in jobs]
+        lengths = [len(job.session.tokens) for job in jobs]
         start = time.perf_counter()
         try:
-            prefill_batch([job.lease.session for job in jobs], pieces)
+            prefill_batch([job.session for job in jobs], pieces)
         except Exception as exc:
             if len(jobs) == 1:
                 self._fail(jobs[0], exc)
@@ -278,18 +234,16 @@ class Scheduler:
             jobs, pieces = self._prefill_alone(jobs, pieces, lengths)
         seconds = time.perf_counter() - start
         tokens = sum(map(len, pieces))
-        self.metrics.inc("dwarfstar_prefill_tokens_total", tokens)
-        self.metrics.inc("dwarfstar_prefill_seconds_total", seconds)
-        self.metrics.set("dwarfstar_prefill_tokens_per_second", tokens / max(seconds, 1e-9))
+        self.metrics.inc(Metric.PREFILL_TOKENS_TOTAL, tokens)
+        self.metrics.inc(Metric.PREFILL_SECONDS_TOTAL, seconds)
+        self.metrics.set(Metric.PREFILL_TOKENS_PER_SECOND, tokens / max(seconds, 1e-9))
         for job in jobs:
-            try:
-                session = job.lease.session
-                if job.save_stops and len(session.tokens) == job.save_stops[0][0]:
-                    self.disk.save(job.lease.live, job.save_stops.pop(0)[1])
-                if not job.pending:
+            with self._failing(job):
+                kv = job.kv
+                if kv.save_stops and len(job.session.tokens) == kv.save_stops[0][0]:
+                    self.disk.save(kv.lease.live, kv.save_stops.pop(0)[1])
+                if not kv.pending:
                     self._start_decode(job)
-            except Exception as exc:
-                self._fail(job, exc)
 
     def _prefill_alone(
         self, jobs: list[Job], pieces: list[list[int]], lengths: list[int]
@@ -299,8 +253,8 @@ class Scheduler:
         kept: tuple[list[Job], list[list[int]]] = ([], [])
         for job, piece, length in zip(jobs, pieces, lengths, strict=True):
             try:
-                self._rebuild(job.lease.session, length)
-                prefill_batch([job.lease.session], [piece])
+                self._rebuild(job.session, length)
+                prefill_batch([job.session], [piece])
             except Exception as exc:
                 self._fail(job, exc)
                 continue
@@ -320,67 +274,54 @@ class Scheduler:
         session.prefill([last])
 
     def _decode_step(self) -> None:
+        """One token for every plain-decoding request, one draft-verify round for every speculating one."""
+        decoding = [job for job in self._active if job.phase is Phase.DECODE]
+        plain = [job for job in decoding if not job.speculating]
+        speculating = [job for job in decoding if job.speculating]
+        if speculating:
+            self._speculative_step(speculating)
+        if plain:
+            self._plain_step(plain)
+
+    def _plain_step(self, jobs: list[Job]) -> None:
+        """Each request's next token emitted, and run in one batched forward (which draws the one after)."""
         stepping: list[Job] = []
         tokens: list[int] = []
         closing: list[tuple[Job, str]] = []  # finished, but their last token still goes into the KV
-        decoding = [job for job in self._active if job.phase == "decode" and job.spec_pending is None]
-        speculating = [job for job in self._active if job.phase == "decode" and job.spec_pending is not None]
-        if speculating:
-            self._speculative_step(speculating)
-        if not decoding:
-            return
-        for job, token in self._sample(decoding):
-            session = job.lease.session
-            try:
-                job.usage.completion_tokens += 1
-                self.metrics.inc("dwarfstar_generated_tokens_total")
-                if token != self.tokenizer.eos_id:
-                    for event in job.decoder.push(token):
-                        job.emit(event)
-                reason = self._finish_reason(job, token)
-                # A tool-call turn's last token is run too, so the live KV, and a disk file saved from
-                # it, hold the whole DSML block the client sends back (with its id, for exact replay).
-                if reason is None and job.spec is not None:
-                    job.spec_pending = token  # speculation runs it, with its drafts, from the next turn
-                elif reason is None or (reason == "tool_calls" and len(session.tokens) < session.ctx):
+        for job, token in self._sample(jobs):
+            with self._failing(job):
+                reason = self._emit_token(job, token)
+                if reason is None and job.drafting is not None:
+                    job.drafting.pending = token  # speculation runs it, with its drafts, from the next turn
+                elif reason is None or self._keeps_last(job, reason):
                     stepping.append(job)
                     tokens.append(token)
                     if reason is not None:
                         closing.append((job, reason))
                 else:
                     self._finish(job, reason)
-            except Exception as exc:
-                self._fail(job, exc)
         if not stepping:
             return
         start = time.perf_counter()
-        lengths = [len(job.lease.session.tokens) for job in stepping]
+        lengths = [len(job.session.tokens) for job in stepping]
         try:
             # the step draws each request's next token with it (inside the captured step on a GPU)
-            drawn = decode_batch([job.lease.session for job in stepping], tokens, [job.sampler for job in stepping])
+            drawn = decode_batch([job.session for job in stepping], tokens, [job.decoding.sampler for job in stepping])
             for job, token in zip(stepping, drawn, strict=True):
-                job.drawn = token
+                job.decoding.drawn = token
         except Exception as exc:
             log.warning("batched decode of %d requests failed (%s); stepping each alone", len(stepping), exc)
-            kept = self._step_alone(stepping, tokens, lengths)
-            closing = [(job, reason) for job, reason in closing if job in kept]
-            stepping = kept
-        seconds = time.perf_counter() - start
-        self.metrics.inc("dwarfstar_decode_seconds_total", seconds)
-        self.metrics.inc("dwarfstar_decode_steps_total")
-        self.metrics.set("dwarfstar_decode_tokens_per_second", len(stepping) / max(seconds, 1e-9))
-        self.metrics.raise_to("dwarfstar_decode_batch_max", len(stepping))
-        if len(stepping) > 1:
-            self.metrics.inc("dwarfstar_batched_decode_steps_total")
+            stepping = self._step_alone(stepping, tokens, lengths)
+            closing = [(job, reason) for job, reason in closing if job in stepping]
+        self._count_step(len(stepping), len(stepping), time.perf_counter() - start)
         for job, reason in closing:
-            try:
+            with self._failing(job):
                 self._finish(job, reason)
-            except Exception as exc:
-                self._fail(job, exc)
         if self.disk is not None:
             for job in stepping:
-                if job.phase == "decode" and self.disk.continued_due(job.lease.live, job.decoder.in_tool_call):
-                    self.disk.save(job.lease.live, SaveReason.CONTINUED)
+                live = job.kv.lease.live
+                if job.phase is Phase.DECODE and self.disk.continued_due(live, job.decoding.decoder.in_tool_call):
+                    self.disk.save(live, SaveReason.CONTINUED)
 
     def _speculative_step(self, jobs: list[Job]) -> None:
         """One draft-verify round for every speculating request, their target passes batched: each
@@ -389,33 +330,27 @@ class Scheduler:
         reasons: dict[int, str | None] = {}
 
         def ends_for(job: Job) -> Callable[[int], bool]:
-            length = len(job.lease.session.tokens)  # before the pass: the pending token not yet in
+            length = len(job.session.tokens)  # before the pass: the pending token not yet in
 
             def ends(token: int) -> bool:
                 nonlocal length
                 length += 1  # the tokens before this one, as plain decoding would hold them
-                job.usage.completion_tokens += 1
-                self.metrics.inc("dwarfstar_generated_tokens_total")
-                if token != self.tokenizer.eos_id:
-                    for event in job.decoder.push(token):
-                        job.emit(event)
-                reasons[job.id] = self._finish_reason(job, token, length)
+                reasons[job.id] = self._emit_token(job, token, length)
                 return reasons[job.id] is not None
 
             return ends
 
-        sessions = [job.lease.session for job in jobs]
         rooms = [
-            min(job.request.max_tokens - job.usage.completion_tokens, s.ctx - len(s.tokens))
-            for job, s in zip(jobs, sessions, strict=True)
+            min(job.request.max_tokens - job.usage.completion_tokens, job.session.ctx - len(job.session.tokens))
+            for job in jobs
         ]
-        before = [(sum(job.spec.stats.drafted), sum(job.spec.stats.accepted)) for job in jobs]
+        before = [job.drafting.counts() for job in jobs]
         start = time.perf_counter()
         try:
             emitted = step_batch(
-                [job.spec for job in jobs],
-                [job.spec_pending for job in jobs],
-                [job.sampler for job in jobs],
+                [job.drafting.speculator for job in jobs],
+                [job.drafting.pending for job in jobs],
+                [job.decoding.sampler for job in jobs],
                 rooms,
                 [ends_for(job) for job in jobs],
             )
@@ -423,30 +358,56 @@ class Scheduler:
             for job in jobs:
                 self._fail(job, exc)
             return
-        seconds = time.perf_counter() - start
-        self.metrics.inc("dwarfstar_decode_seconds_total", seconds)
-        self.metrics.inc("dwarfstar_decode_steps_total")
-        self.metrics.set("dwarfstar_decode_tokens_per_second", sum(map(len, emitted)) / max(seconds, 1e-9))
-        self.metrics.raise_to("dwarfstar_decode_batch_max", len(jobs))
-        if len(jobs) > 1:
-            self.metrics.inc("dwarfstar_batched_decode_steps_total")
-        self.metrics.inc("dwarfstar_speculative_steps_total", len(jobs))
+        self._count_step(len(jobs), sum(map(len, emitted)), time.perf_counter() - start)
+        self.metrics.inc(Metric.SPECULATIVE_STEPS_TOTAL, len(jobs))
         for job, emit, (drafted, accepted) in zip(jobs, emitted, before, strict=True):
-            drafted, accepted = sum(job.spec.stats.drafted) - drafted, sum(job.spec.stats.accepted) - accepted
+            now_drafted, now_accepted = job.drafting.counts()
+            drafted, accepted = now_drafted - drafted, now_accepted - accepted
             job.usage.draft_tokens += drafted
             job.usage.accepted_draft_tokens += accepted
-            self.metrics.inc("dwarfstar_draft_tokens_total", drafted)
-            self.metrics.inc("dwarfstar_accepted_draft_tokens_total", accepted)
-            reason, session = reasons.get(job.id), job.lease.session
-            try:
+            self.metrics.inc(Metric.DRAFT_TOKENS_TOTAL, drafted)
+            self.metrics.inc(Metric.ACCEPTED_DRAFT_TOKENS_TOTAL, accepted)
+            reason = reasons.get(job.id)
+            with self._failing(job):
                 if reason is None:
-                    job.spec_pending = emit[-1]
+                    job.drafting.pending = emit[-1]
                     continue
-                if reason == "tool_calls" and len(session.tokens) < session.ctx:
-                    job.spec.append(emit[-1])  # the DSML block's last token stays in the KV, as in plain decoding
+                if self._keeps_last(job, reason):
+                    job.drafting.speculator.append(emit[-1])  # into the KV, as plain decoding runs it
                 self._finish(job, reason)
-            except Exception as exc:
-                self._fail(job, exc)
+
+    def _emit_token(self, job: Job, token: int, length: int | None = None) -> str | None:
+        """A generated token: counted, its text sent to the client, and why it ends the request (None:
+        it does not). `length`: the tokens before it (default: the session's)."""
+        job.usage.completion_tokens += 1
+        self.metrics.inc(Metric.GENERATED_TOKENS_TOTAL)
+        decoder, session = job.decoding.decoder, job.session
+        if token != self.tokenizer.eos_id:
+            for event in decoder.push(token):
+                job.emit(event)
+        length = len(session.tokens) if length is None else length
+        if token == self.tokenizer.eos_id or decoder.stop_sequence is not None:
+            return "stop"
+        if job.request.tools and decoder.tool_block_closed:
+            return "tool_calls"
+        if job.usage.completion_tokens >= job.request.max_tokens or length >= session.ctx:
+            return "length"
+        return None
+
+    @staticmethod
+    def _keeps_last(job: Job, reason: str) -> bool:
+        """A tool-call turn's last token is run too when there is room, so the live KV, and a disk file
+        saved from it, hold the whole DSML block the client sends back (with its id, for exact replay)."""
+        return reason == "tool_calls" and len(job.session.tokens) < job.session.ctx
+
+    def _count_step(self, requests: int, tokens: int, seconds: float) -> None:
+        """A decode step's figures: `requests` advanced together, `tokens` emitted in all."""
+        self.metrics.inc(Metric.DECODE_SECONDS_TOTAL, seconds)
+        self.metrics.inc(Metric.DECODE_STEPS_TOTAL)
+        self.metrics.set(Metric.DECODE_TOKENS_PER_SECOND, tokens / max(seconds, 1e-9))
+        self.metrics.raise_to(Metric.DECODE_BATCH_MAX, requests)
+        if requests > 1:
+            self.metrics.inc(Metric.BATCHED_DECODE_STEPS_TOTAL)
 
     def _sample(self, jobs: list[Job]) -> list[tuple[Job, int]]:
         """The next token of every decoding request, drawn together: one host sync per step, not one each.
@@ -467,11 +428,11 @@ class Scheduler:
     def _sample_rows(self, jobs: list[Job]) -> list[int]:
         """Each request's next token: drawn by its last decode step, else (after a prefill, or a step
         stepped alone) now from its logits, all of those in one draw."""
-        fresh = [job for job in jobs if job.drawn is None]
-        new = iter(sample_next([job.lease.session for job in fresh], [job.sampler for job in fresh]))
-        tokens = [job.drawn if job.drawn is not None else next(new) for job in jobs]
+        fresh = [job for job in jobs if job.decoding.drawn is None]
+        new = iter(sample_next([job.session for job in fresh], [job.decoding.sampler for job in fresh]))
+        tokens = [job.decoding.drawn if job.decoding.drawn is not None else next(new) for job in jobs]
         for job in jobs:
-            job.drawn = None
+            job.decoding.drawn = None
         return tokens
 
     def _step_alone(self, jobs: list[Job], tokens: list[int], lengths: list[int]) -> list[Job]:
@@ -480,99 +441,65 @@ class Scheduler:
         fail on their own fail; the others go on. Returns those."""
         kept = []
         for job, token, length in zip(jobs, tokens, lengths, strict=True):
-            session = job.lease.session
             try:
-                self._rebuild(session, length)  # from the nearest chunk checkpoint, which the step never touched
-                decode_batch([session], [token])
+                self._rebuild(job.session, length)  # from the nearest chunk checkpoint, which the step never touched
+                decode_batch([job.session], [token])
             except Exception as exc:
                 self._fail(job, exc)
                 continue
             kept.append(job)
         return kept
 
-    def _finish_reason(self, job: Job, token: int, length: int | None = None) -> str | None:
-        """Why `token` ends the request, or None; `length`: the tokens before it (default: the session's)."""
-        decoder, session = job.decoder, job.lease.session
-        length = len(session.tokens) if length is None else length
-        if token == self.tokenizer.eos_id or decoder.stop_sequence is not None:
-            return "stop"
-        if job.request.tools and decoder.tool_block_closed:
-            return "tool_calls"
-        if job.usage.completion_tokens >= job.request.max_tokens or length >= session.ctx:
-            return "length"
-        return None
-
     # -- ends of a job -----------------------------------------------------------------------------------
     def _finish(self, job: Job, reason: str) -> None:
-        for event in job.decoder.finish(ended=reason == "stop"):
+        decoder = job.decoding.decoder
+        for event in decoder.finish(ended=reason == "stop"):
             job.emit(event)
-        completion = job.decoder.completion
+        completion = decoder.completion
         tool_ids: list[str] = []
         if completion is not None and completion.tool_calls:
-            tool_ids = job.decoder.tool_ids[: len(completion.tool_calls)]
+            tool_ids = decoder.tool_ids[: len(completion.tool_calls)]
             reason = "length" if reason == "length" else "tool_calls"
             self.tool_memory.remember(tool_ids, completion.raw_dsml, completion.reasoning)
-            job.lease.live.tool_ids.update(tool_ids)
-        job.usage.reasoning_tokens = job.decoder.reasoning_tokens
-        self.metrics.inc("dwarfstar_finished_requests_total", reason=reason)
+            job.kv.lease.live.tool_ids.update(tool_ids)
+        job.usage.reasoning_tokens = decoder.reasoning_tokens
+        self.metrics.inc(Metric.FINISHED_REQUESTS_TOTAL, reason=reason)
         self._write_trace(job, finish=reason, tool_ids=tool_ids)  # before the client can see the end
         self._release(job)
-        job.emit(Finished(reason, job.usage, completion, job.decoder.text, tool_ids, job.decoder.stop_sequence))
+        job.emit(Finished(reason, job.usage, completion, decoder.text, tool_ids, decoder.stop_sequence))
 
     def _cancel(self, job: Job) -> None:
-        self.metrics.inc("dwarfstar_cancelled_requests_total", phase=job.phase)
+        self.metrics.inc(Metric.CANCELLED_REQUESTS_TOTAL, phase=job.phase.value)
         self._write_trace(job, finish="cancelled")
         self._release(job)
 
     def _fail(self, job: Job, exc: Exception) -> None:
         log.exception("request %d failed", job.id, exc_info=exc)
-        self.metrics.inc("dwarfstar_failed_requests_total")
+        self.metrics.inc(Metric.FAILED_REQUESTS_TOTAL)
         self._write_trace(job, finish="error", error=str(exc))
-        if job.lease is not None:
-            self.pool.discard(job.lease.live)  # the state may be half-updated
+        if job.kv is not None:
+            self.pool.discard(job.kv.lease.live)  # the state may be half-updated
         if job in self._active:
             self._active.remove(job)
-        job.phase = "done"
+        job.end()
         job.emit(Failed(f"generation failed: {exc}", job.usage))
 
     def _release(self, job: Job) -> None:
-        job.phase = "done"
         self._active.remove(job)
-        self.pool.release(job.lease, prompt_len=job.usage.prompt_tokens)
+        self.pool.release(job.kv.lease, prompt_len=job.usage.prompt_tokens)
+        job.end()
 
     def _update_gauges(self) -> None:
         with self._cond:
-            self.metrics.set("dwarfstar_queue_depth", len(self._waiting))
-        self.metrics.set("dwarfstar_active_requests", len(self._active))
-        self.metrics.set("dwarfstar_live_sessions", len(self.pool.live))
-        self.metrics.set("dwarfstar_session_bytes", self.pool.nbytes())
+            self.metrics.set(Metric.QUEUE_DEPTH, len(self._waiting))
+        self.metrics.set(Metric.ACTIVE_REQUESTS, len(self._active))
+        self.metrics.set(Metric.LIVE_SESSIONS, len(self.pool.live))
+        self.metrics.set(Metric.SESSION_BYTES, self.pool.nbytes())
 
     def _write_trace(self, job: Job, *, finish: str, **extra: Any) -> None:
         if self.trace is None:
             return
-        request, lease, decoder = job.request, job.lease, job.decoder
-        completion = decoder.completion if decoder is not None else None
-        self.trace.write(
-            {
-                "job": job.id,
-                "api": request.api,
-                "request": request.trace_body,
-                "prompt": request.prompt.text if request.prompt is not None else None,
-                "cache": lease.source if lease is not None else None,
-                "match": lease.plan.match if lease is not None else None,
-                "prompt_tokens": job.usage.prompt_tokens,
-                "cached_tokens": job.usage.cached_tokens,
-                "prefilled_tokens": job.usage.prefilled_tokens,
-                "completion_tokens": job.usage.completion_tokens,
-                "draft_tokens": job.usage.draft_tokens,
-                "accepted_draft_tokens": job.usage.accepted_draft_tokens,
-                "finish": finish,
-                "generated": decoder.text if decoder is not None else "",
-                "dsml": completion.raw_dsml if completion is not None else None,
-                "replayed_tool_ids": job.replayed,
-                "problems": decoder.problems if decoder is not None else [],
-                # the expert cache since the start (shared by every request in a batch)
-                **({"experts": expert_summary(self.experts)} if self.experts is not None else {}),
-                **extra,
-            }
-        )
+        record = job.trace_record(finish)
+        if self.experts is not None:  # the expert cache since the start (shared by every request in a batch)
+            record["experts"] = expert_summary(self.experts)
+        self.trace.write(record | extra)

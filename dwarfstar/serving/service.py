@@ -16,7 +16,6 @@ from starlette.concurrency import run_in_threadpool
 
 from dwarfstar.engine import Engine
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.experts.telemetry import collector as expert_collector
 from dwarfstar.prompt.conversation import PromptError
 from dwarfstar.prompt.render import Prompt, render_conversation
 from dwarfstar.serving.config import ServerConfig, session_memory_budget
@@ -25,11 +24,12 @@ from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.errors import ApiError, bad_request
 from dwarfstar.serving.fields import Fields
 from dwarfstar.serving.generation import GenerationRequest
-from dwarfstar.serving.metrics import Metrics
+from dwarfstar.serving.jobs import Job
+from dwarfstar.serving.metrics import Metric, Metrics, expert_collector
 from dwarfstar.serving.models import ModelCatalog
 from dwarfstar.serving.pool import SessionPool
 from dwarfstar.serving.replay import ToolMemory, apply_exact_replay, history_tool_ids, replay_reasoning
-from dwarfstar.serving.scheduler import Job, QueueFull, Scheduler, ShuttingDown
+from dwarfstar.serving.scheduler import QueueFull, Scheduler, ShuttingDown
 from dwarfstar.serving.trace import Trace
 from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.speculative.decode import load_speculation
@@ -256,5 +256,5 @@ class Service:
             ) from None
         except ShuttingDown:
             raise ApiError(503, "server shutting down") from None
-        self.metrics.inc("dwarfstar_requests_total", api=request.api)
+        self.metrics.inc(Metric.REQUESTS_TOTAL, api=request.api)
         return job

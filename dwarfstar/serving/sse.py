@@ -19,7 +19,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from dwarfstar.serving.generation import Event, Failed, Finished, ToolCallOpened
-from dwarfstar.serving.scheduler import Job
+from dwarfstar.serving.jobs import Job
 
 KEEPALIVE = b": keepalive\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -17,12 +17,11 @@ from dwarfstar.experts.layout import ExpertLayout
 from dwarfstar.experts.policy import make_policy
 from dwarfstar.experts.replay import replay
 from dwarfstar.experts.store import ExpertStore
-from dwarfstar.experts.telemetry import collector
 from dwarfstar.experts.trace import skewed_trace
 from dwarfstar.model.loader import open_model
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.config import ServerConfig
-from dwarfstar.serving.metrics import Metrics
+from dwarfstar.serving.metrics import Metrics, expert_collector
 from dwarfstar.serving.service import Service
 
 _register_commands()
@@ -40,7 +39,7 @@ def test_metrics_show_the_store(tiny_k_path):
     trace = skewed_trace(layout.n_layers, layout.n_experts, 2, 30, zipf=1.0, seed=2)
     store = ExpertStore(layout, 12, make_policy("ds4", layout.total_experts))
     metrics = Metrics()
-    metrics.collectors.append(collector(store))
+    metrics.collectors.append(expert_collector(store))
     assert metric(metrics.render(), "dwarfstar_expert_misses_total") == 0
     try:
         replay(store, trace)

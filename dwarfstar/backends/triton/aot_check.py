@@ -23,110 +23,47 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("aot_check compiles for real GPUs: run it without TRITON_INTERPRET=1")
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.runtime.jit as jit  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime import driver  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
+
+from dwarfstar.backends.triton.plan.target import activate, intercepted, parse_target, usage, wide_loads  # noqa: E402
 
 # shared memory a block may use: 99 KB on the smallest NVIDIA parts (sm_86/89/120/121), 64 KB of LDS on AMD
 SHARED_LIMIT = {"cuda": 101376, "hip": 65536}
 # SMs / CUs the decode attention splits its rows for: an H100/H200 SXM and an MI300X
 MULTIPROCESSORS = {"cuda": 132, "hip": 304}
 SPILL_LIMIT = 64  # bytes of stack tolerated (a few registers' worth, in kernels that are not hot)
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
-class TargetOnlyDriver:
-    """Just enough of a Triton driver to compile for `target`: no device, no launches."""
-
-    def __init__(self, target: GPUTarget) -> None:
-        self.target = target
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
-
-    def get_current_target(self) -> GPUTarget:
-        return self.target
-
-    def get_active_torch_device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def is_active(self) -> bool:
-        return True
-
-
-def parse_target(text: str) -> GPUTarget:
-    backend, arch = text.split(":")
-    return GPUTarget(backend, int(arch) if backend == "cuda" else arch, 32 if backend == "cuda" else 64)
-
-
-def cuda_usage(cubin: bytes) -> tuple[int, int]:
-    """(registers, stack bytes) of a cubin; stack above zero means spills."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    return (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
-
-
-# 128-bit global loads: PTX vector loads of four 32-bit or two 64-bit lanes; AMDGCN dwordx4 / b128
-WIDE_LOAD = {
-    "cuda": re.compile(r"ld\.global(?:\.[a-z0-9]+)*\.v(?:4\.[bsuf]32|2\.[bsuf]64)\b"),
-    "hip": re.compile(r"\b(?:global|buffer)_load_(?:dwordx4|b128)\b"),
-}
-
-
 # the weight-streaming kernels: their GEMV form (decode) must read the weights with 128-bit loads
 GEMV_KERNELS = ("_qmatmul_kernel", "_gate_up_kernel", "_down_kernel")
-
-
-def wide_loads(kernel, backend: str) -> int:
-    """How many 128-bit global loads the compiled kernel's assembly holds."""
-    return len(WIDE_LOAD[backend].findall(kernel.asm["ptx" if backend == "cuda" else "amdgcn"]))
-
-
-def hip_usage(amdgcn: str) -> tuple[int, int]:
-    """(vector registers, scratch bytes) from the AMDGCN metadata; scratch above zero means spills."""
-    vgpr = re.search(r"\.vgpr_count:\s+(\d+)", amdgcn)
-    scratch = re.search(r"\.private_segment_fixed_size:\s+(\d+)", amdgcn)
-    return (int(vgpr.group(1)) if vgpr else -1, int(scratch.group(1)) if scratch else -1)
 
 
 def check_target(target: GPUTarget, only: Sequence[str] = ()) -> list[str]:
     """Compile everything (or the bench cases of the kernel modules `only`) for one target; returns
     the problems found."""
-    driver.set_active(TargetOnlyDriver(target))
+    activate(target)
     problems: list[str] = []
     seen: set[str] = set()
-    run = jit.JITFunction.run
 
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        name = self.fn.__name__
+    def compile_only(fn, args, grid, kwargs):
+        name = fn.fn.__name__
         consts = " ".join(f"{k}={v}" for k, v in kwargs.items() if k[:1].isupper())
         try:
-            kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+            kernel = run(fn, *args, grid=grid, warmup=True, **kwargs)
         except Exception as exc:  # a compile error names the kernel and the constants
             problems.append(f"{target.arch} {name} {consts}: {str(exc).strip().splitlines()[-1]}")
             return None
         wide = wide_loads(kernel, target.backend)
         meta = kernel.metadata
         line = f"{name} warps={meta.num_warps} stages={meta.num_stages} shared={meta.shared} wide_loads={wide}"
-        regs, stack = cuda_usage(kernel.asm["cubin"]) if target.backend == "cuda" else hip_usage(kernel.asm["amdgcn"])
+        regs, stack = usage(kernel, target.backend)
         line += f" regs={regs} stack={stack}"
         if line + consts in seen:
             return None
@@ -142,19 +79,15 @@ def check_target(target: GPUTarget, only: Sequence[str] = ()) -> list[str]:
             print(f"WARNING {target.arch} {name} {consts}: spills ({stack} B of scratch)", flush=True)
         return None
 
-    def compile_every_config(self, *args, **kwargs):
+    def compile_every_config(tuner: Autotuner, args, kwargs):
         # instead of timing the configs on a device, compile each one the launch could pick
-        self.nargs = dict(zip(self.arg_names, args, strict=False))
-        for config in self.prune_configs(kwargs):
-            self.fn.run(*args, **kwargs, **config.all_kwargs())
-        self.nargs = None
+        tuner.nargs = dict(zip(tuner.arg_names, args, strict=False))
+        for config in tuner.prune_configs(kwargs):
+            tuner.fn.run(*args, **kwargs, **config.all_kwargs())
+        tuner.nargs = None
 
-    tune = Autotuner.run
-    jit.JITFunction.run, Autotuner.run = compile_only, compile_every_config
-    try:
+    with intercepted(compile_only, compile_every_config) as run:
         _drive_launches(only, target.backend)
-    finally:
-        jit.JITFunction.run, Autotuner.run = run, tune
     return problems
 
 

@@ -140,14 +140,16 @@ def write_csv(rows: list[dict], path: Path | None) -> None:
 
 
 # -- synthetic full-size model ----------------------------------------------------------------------
-def decode_bytes_per_token(weights) -> int:
-    """Weight bytes one decode token reads: everything but the embedding table (one row) and the routed
-    experts (k of E per layer, if all distinct); KV rows are not counted."""
+def decode_bytes_per_token(weights, batch: int = 1) -> int:
+    """Weight bytes one decode step of `batch` sequences reads: everything but the embedding table (a
+    row per sequence) and the routed experts (min(E, batch * k) of E per layer: as if all distinct);
+    KV rows are not counted."""
     a = weights.args
-    total = weights.nbytes - weights.embed.nbytes + weights.embed.row_bytes
+    total = weights.nbytes - weights.embed.nbytes + batch * weights.embed.row_bytes
+    used = min(a.n_routed_experts, batch * a.n_activated_experts)
     for lw in weights.layers.values():
         routed = lw.gate_exps.nbytes + lw.up_exps.nbytes + lw.down_exps.nbytes
-        total -= routed - routed * a.n_activated_experts // a.n_routed_experts
+        total -= routed - routed * used // a.n_routed_experts
     return total
 
 
@@ -163,7 +165,7 @@ def run_decode(
 ) -> list[dict]:
     """Decode steps of `b` sequences at once (one cache block, batch-native kernels, a graph per
     bucket) for each b in `batches`, at each context. tok/s counts every sequence's token; GB/s is
-    the weights' bytes (read once per step) over the step time."""
+    the weights' bytes a step reads (`decode_bytes_per_token`) over the step time."""
     from dwarfstar.backends.triton.backend import TritonBackend
     from dwarfstar.backends.triton.synthetic import synthetic_state, synthetic_weights
 
@@ -171,10 +173,10 @@ def run_decode(
     # the KV cache holds what the bench reaches, not the model's whole context, in one block for the largest batch
     ctx_cap = max(ctxs) + warmup + steps + 1
     backend = TritonBackend(weights, max_seq_len=ctx_cap, kv_slots=max(batches))
-    per_token = decode_bytes_per_token(weights)
     rows = []
     for ctx in ctxs:
         for b in batches:
+            per_step = decode_bytes_per_token(weights, b)
             states = [synthetic_state(backend.model, ctx, seed=i) for i in range(b)]
             tokens = [[1000 + i] for i in range(b)]
             for _ in range(warmup):  # compile each step shape once eagerly, then capture its graph
@@ -185,11 +187,11 @@ def run_decode(
                 backend.forward_batch(tokens, states)
             _sync(device)
             seconds = (time.perf_counter() - start) / steps
-            gbs = per_token / seconds / 1e9
+            gbs = per_step / seconds / 1e9
             rows.append({
                 "model": preset, "layers": weights.args.n_layers, "ctx": ctx, "batch": b,
                 "tok/s": round(b / seconds, 2), "ms/step": round(seconds * 1e3, 3),
-                "weight_GB/step": round(per_token / 1e9, 3), "GB/s": round(gbs, 1), "%peak_bw": _pct(gbs, peak.gbs),
+                "weight_GB/step": round(per_step / 1e9, 3), "GB/s": round(gbs, 1), "%peak_bw": _pct(gbs, peak.gbs),
             })  # fmt: skip
             print(_line(rows[-1]), file=sys.stderr, flush=True)
             del states  # their slots return to the cache for the next batch size

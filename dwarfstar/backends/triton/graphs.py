@@ -116,6 +116,17 @@ class DecodeGraphs:
         return list(logits.split(1)), drawn
 
     def _capture(self, bucket: int, bounds: tuple[int, ...], k: int) -> _Captured:
+        run, inputs, knobs, drawn = self.body(bucket, bounds, k)
+        run()  # eagerly first, on the padding slot: compiles every kernel the graph will launch
+        replay, logits = capture(run, self.pool)
+        return _Captured(replay, logits, inputs, knobs, drawn)
+
+    def body(
+        self, bucket: int, bounds: tuple[int, ...], k: int
+    ) -> tuple[Callable[[], torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The device work of one decode step of `bucket` rows (what a graph captures, and what
+        `dwarfstar bench gpu-plan` counts): (run, its input, knob and drawn-token buffers); `run`
+        returns the logits, and with k > 0 also draws each row's token into `drawn`."""
         device = self.model.device
         inputs = torch.zeros(3, bucket, dtype=torch.int32, device=device)
         inputs[2] = self.pad.index
@@ -128,9 +139,7 @@ class DecodeGraphs:
                 sample_rows(logits, knobs, k, out=(drawn[0].view(bucket, 1), drawn[1]))
             return logits
 
-        run()  # eagerly first, on the padding slot: compiles every kernel the graph will launch
-        replay, logits = capture(run, self.pool)
-        return _Captured(replay, logits, inputs, knobs, drawn)
+        return run, inputs, knobs, drawn
 
     def _padding(self, bucket: int, inputs: torch.Tensor, bounds: tuple[int, ...]) -> Batch:
         """A step of `bucket` rows whose tokens, positions and slots are read from `inputs`."""

@@ -118,3 +118,17 @@ class BenchCase:
     run: Callable[[], object]
     bytes: int
     flops: int = 0
+
+
+@dataclass(frozen=True)
+class KernelWork:
+    """What one launch of a memory-streaming kernel moves, for `dwarfstar bench gpu-plan`'s model.
+
+    A kernel module declares it through `launch_work(kernel_name, args) -> KernelWork | None`, from
+    the launch's arguments by name (constexprs included, tensors possibly on the meta device).
+    """
+
+    bytes: int  # bytes the launch must read and write at least (weights, activations, outputs)
+    weight_bytes: int  # of which weights (or KV rows): what streams from memory once per step
+    iterations: int  # passes through the main loop per program
+    loop_bytes: int  # bytes one program loads per main-loop iteration (weights and activations)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from dwarfstar.backends.triton.model import TritonModel
-from dwarfstar.backends.triton.weights import ModelWeights, QWeight, build_weights, random_qweight
+from dwarfstar.backends.triton.weights import ModelWeights, QWeight, aligned_row_bytes, build_weights, random_qweight
 from dwarfstar.gguf.constants import GGMLType
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.state import SequenceState
@@ -64,6 +64,29 @@ def synthetic_weights(
         shape = (int(np.prod(spec.shape[:-1], dtype=np.int64)) if len(spec.shape) > 1 else 1, spec.shape[-1])
         values = _random_values(_short_name(name), spec, shape, cpu_gen)
         return values.reshape(spec.shape).to(device)
+
+    return build_weights(args, matrix, vector)
+
+
+def meta_weights(preset: str, layers: int | None = None) -> ModelWeights:
+    """The preset's weights on torch's meta device: every tensor with its real shape, block type and
+    aligned row bytes, and no memory (what `plan` records a decode step on)."""
+    args, recipe = synthetic_args(preset, layers)
+    specs = {spec.name: spec for spec in expected_tensors(args)}
+    meta = torch.device("meta")
+
+    def matrix(name: str) -> QWeight:
+        spec = specs[name]
+        ggml_type = tensor_type(spec, "ds4", recipe)
+        rows, cols = int(np.prod(spec.shape[:-1], dtype=np.int64)), spec.shape[-1]
+        data = torch.empty(rows, aligned_row_bytes(ggml_type, cols), dtype=torch.uint8, device=meta)
+        return QWeight(data, ggml_type, rows, cols, spec.shape[0] if len(spec.shape) == 3 else 1)
+
+    def vector(name: str) -> torch.Tensor:
+        spec = specs[name]
+        if spec.types == frozenset({GGMLType.I32}):  # token -> experts
+            return torch.empty(args.vocab_size, args.n_activated_experts, dtype=torch.int32, device=meta)
+        return torch.empty(spec.shape, device=meta)
 
     return build_weights(args, matrix, vector)
 

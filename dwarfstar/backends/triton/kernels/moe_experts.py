@@ -31,7 +31,16 @@ from dwarfstar.backends.triton.kernels.quant_blocks import (
     load_weight_tile,
     tile_k,
 )
-from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, interpreting, next_pow2
+from dwarfstar.backends.triton.runtime import (
+    EXACT,
+    FAST,
+    BenchCase,
+    BenchShape,
+    KernelWork,
+    Precision,
+    interpreting,
+    next_pow2,
+)
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
 
@@ -183,6 +192,20 @@ def expert_ffn(
         f, d, down.row_bytes, tiles.k, out.shape[1], slot_offset,
         WTYPE=down.wtype, BM=tiles.block_m, BK=bk, USE_DOT=use_dot, FAST=precision.fast,
     )  # fmt: skip
+
+
+def launch_work(kernel: str, a: dict) -> KernelWork | None:
+    """What a gate/up or down launch streams (`runtime.KernelWork`): each tile's expert rows once, as
+    if no two tiles shared an expert (decode: a tile per routed entry; the shared expert's tiles)."""
+    if kernel not in ("_gate_up_kernel", "_down_kernel"):
+        return None
+    matrices = 2 if kernel == "_gate_up_kernel" else 1
+    entries = a["sorted_ptr"].numel()
+    tiles = triton.cdiv(entries, a["BM"]) if a["k_slots"] == 1 else entries
+    weight = tiles * matrices * a["N"] * a["row_bytes"]
+    activations = 4 * entries * (a["K"] + a["N"])
+    loop = matrices * a["BN"] * a["row_bytes"] * a["BK"] // a["K"] + 4 * a["BM"] * a["BK"]
+    return KernelWork(weight + activations, weight, triton.cdiv(a["K"], a["BK"]), loop)
 
 
 def reference(x, gate: QWeight, up: QWeight, down: QWeight, ids, route_weights, limit) -> torch.Tensor:

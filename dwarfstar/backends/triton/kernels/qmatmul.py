@@ -37,7 +37,16 @@ from dwarfstar.backends.triton.kernels.quant_blocks import (
     load_weight_tile,
     tile_k,
 )
-from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, interpreting, next_pow2
+from dwarfstar.backends.triton.runtime import (
+    EXACT,
+    FAST,
+    BenchCase,
+    BenchShape,
+    KernelWork,
+    Precision,
+    interpreting,
+    next_pow2,
+)
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
 
@@ -188,6 +197,17 @@ def qmatmul(
         SPLIT=split, WTYPE=w.wtype, BM=bm, BK=bk, USE_DOT=use_dot, FAST=precision.fast,
     )  # fmt: skip
     return y
+
+
+def launch_work(kernel: str, a: dict) -> KernelWork | None:
+    """What a `_qmatmul_kernel` launch streams (see `runtime.KernelWork`)."""
+    if kernel != "_qmatmul_kernel":
+        return None
+    groups = a["y_ptr"].shape[-1] // a["N"]
+    weight = groups * a["N"] * a["row_bytes"]
+    activations = 4 * a["M"] * (groups * a["K"] + groups * a["N"] * a["SPLIT"])
+    loop = a["BN"] * a["row_bytes"] * a["BK"] // a["K"] + 4 * a["BM"] * a["BK"]
+    return KernelWork(weight + activations, weight, triton.cdiv(a["k_per_split"], a["BK"]), loop)
 
 
 def reference(x: torch.Tensor, w: QWeight, groups: int = 1) -> torch.Tensor:

@@ -1,0 +1,2 @@
+"""`dwarfstar bench gpu-plan`: a decode step recorded, compiled for a GPU target and modelled, with
+no GPU (`recorder`, `target`, `disasm`, `predict`, `report`)."""

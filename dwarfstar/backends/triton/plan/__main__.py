@@ -1,0 +1,5 @@
+import sys
+
+from dwarfstar.backends.triton.plan.report import main
+
+sys.exit(main())

@@ -1,0 +1,98 @@
+"""A model of a decode step's time on a GPU, from the compiled code and stated hardware figures.
+
+It is a model, not a measurement. Each launch costs a graph node (the gap a replay leaves between
+two kernels) plus the longest of three times:
+* memory: a round trip of latency, then its bytes at the bandwidth its loads in flight sustain
+  (Little's law: bytes in flight / latency, at most the measured copy bandwidth);
+* issue: its warp-instructions over the schedulers it occupies (one instruction per cycle each);
+* nothing else: a launch with neither bytes nor a main loop costs its node and one latency.
+Bytes in flight: each resident program keeps one main-loop pass of loads outstanding (the loads of a
+pass are issued before their results are used); residency follows registers, warps and shared
+memory per multiprocessor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GPUFigures:
+    """Stated figures of a GPU, the model's only inputs besides the code."""
+
+    name: str
+    bandwidth: float  # bytes/s a device-to-device copy moves (read + written)
+    datasheet_bandwidth: float  # bytes/s the vendor states
+    multiprocessors: int  # SMs / CUs
+    schedulers: int  # warp schedulers (SIMDs) per multiprocessor, one instruction per cycle each
+    clock: float  # Hz under load
+    lanes: int  # threads per warp / wavefront
+    latency: float  # s: a load's round trip to HBM under load
+    node: float  # s: a graph node's cost between two kernels
+    max_warps: int  # resident warps per multiprocessor
+    max_programs: int  # resident blocks per multiprocessor
+    registers: int  # 32-bit registers per multiprocessor (per SIMD lane x lanes on AMD)
+    shared: int  # bytes of shared memory (LDS) per multiprocessor
+
+    @property
+    def issue_rate(self) -> float:
+        """Warp-instructions per second over the whole chip."""
+        return self.multiprocessors * self.schedulers * self.clock
+
+    @property
+    def instructions_per_byte(self) -> float:
+        """Warp-instructions the chip issues in the time it moves one byte: the budget of a
+        memory-bound loop."""
+        return self.issue_rate / self.bandwidth
+
+
+# H200: 4.3 TB/s measured by a device-to-device copy on the lent machine (KINDS.md), 4.8 TB/s
+# datasheet, 132 SMs at 1.98 GHz under load; ~0.8 us loaded HBM latency (3.4 MB in flight saturate
+# 4.3 TB/s); ~1.2 us per graph node between dependent kernels
+H200 = GPUFigures("H200", 4.3e12, 4.8e12, 132, 4, 1.98e9, 32, 0.8e-6, 1.2e-6, 64, 32, 65536, 232448)
+# MI300X: 5.3 TB/s datasheet (about 4.3 measured by others' copies), 304 CUs of 4 SIMDs at 2.1 GHz
+MI300X = GPUFigures("MI300X", 4.3e12, 5.3e12, 304, 4, 2.1e9, 64, 1.0e-6, 1.5e-6, 32, 32, 131072, 65536)
+FIGURES = {"cuda": H200, "hip": MI300X}
+
+
+def resident(gpu: GPUFigures, warps: int, registers: int, shared: int) -> int:
+    """Programs of `warps` warps using `registers` per thread and `shared` bytes one multiprocessor
+    holds at once (registers allocated per warp in units of 256)."""
+    per_warp = max(1, math.ceil(max(registers, 1) * gpu.lanes / 256) * 256)
+    limits = [gpu.max_programs, gpu.max_warps // max(1, warps), gpu.registers // (per_warp * max(1, warps))]
+    if shared:
+        limits.append(gpu.shared // (shared + 1024))
+    return max(1, min(limits))
+
+
+@dataclass
+class Timing:
+    """A launch's modelled time and the figures it came from."""
+
+    seconds: float  # node + max(memory, issue)
+    memory: float
+    issue: float
+    in_flight: int  # bytes
+
+
+def launch_time(
+    gpu: GPUFigures,
+    programs: int,
+    warps: int,
+    registers: int,
+    shared: int,
+    moved: int,
+    loop_load_bytes: int,
+    instructions: int,
+) -> Timing:
+    """`moved`: bytes the launch reads and writes; `loop_load_bytes`: what one program loads per pass
+    of its main loop (0: no loop); `instructions`: warp-instructions the whole launch issues."""
+    per_sm = resident(gpu, warps, registers, shared)
+    live = min(programs, per_sm * gpu.multiprocessors)
+    in_flight = live * loop_load_bytes
+    rate = min(gpu.bandwidth, in_flight / gpu.latency) if in_flight else gpu.bandwidth
+    memory = gpu.latency + (moved / rate if moved else 0.0)
+    schedulers = min(programs * warps, min(programs, gpu.multiprocessors) * gpu.schedulers)
+    issue = instructions / (schedulers * gpu.clock)
+    return Timing(gpu.node + max(memory, issue), memory, issue, in_flight)

@@ -1,0 +1,72 @@
+"""`dwarfstar bench gpu-plan`: the launches of a Flash-shaped captured decode step, counted without a
+GPU, stay within the launch budget; the machine-code reader finds a GEMV's main loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from dwarfstar.backends.triton.plan.disasm import parse_amdgcn, parse_sass
+
+# launches of one captured Flash decode step (43 layers, batch 1 and 4, 2k context, sampling in the
+# step); issue 30's goal is at most 700
+LAUNCH_BUDGET = 2900
+
+
+def _plan(tmp_path, *flags: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "plan.json"
+    command = [sys.executable, "-m", "dwarfstar.backends.triton.plan", "--no-compile", "--json", str(out), *flags]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_flash_decode_step_launches_within_budget(tmp_path):
+    for batch in ("1", "4"):
+        plan = _plan(tmp_path, "--preset", "flash", "--ctx", "2048", "--batch", batch)
+        totals = plan["totals"]
+        assert plan["layers"] == 43
+        assert totals["launches"] == totals["triton_launches"] + totals["torch_launches"]
+        assert totals["launches"] <= LAUNCH_BUDGET, totals
+        kernels = [row["kernel"] for row in plan["rows"] if row["kind"] == "triton"]
+        assert any(name.startswith("_sample") for name in kernels)  # the step ran to its end, sampling included
+        assert "MODEL" in plan["note"]
+
+
+SASS = """
+        /*0100*/                   MOV R1, c[0x0][0x28] ;
+        /*0110*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0120*/                   LDG.E.U16 R8, desc[UR4][R2.64] ;
+        /*0130*/                   FFMA R9, R4, R5, R9 ;
+        /*0140*/                   SHFL.BFLY PT, R10, R9, 0x10, 0x1f ;
+        /*0150*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0160*/              @!P0 BRA 0x110 ;
+        /*0170*/                   EXIT ;
+        /*0180*/                   BRA 0x180;
+"""
+
+AMDGCN = """
+_kernel:
+	s_load_dwordx2 s[0:1], s[4:5], 0x0
+.LBB0_1:                                ; =>This Inner Loop Header: Depth=1
+	global_load_dwordx4 v[0:3], v4, s[0:1]
+	global_load_ushort v5, v4, s[0:1]
+	v_fmac_f32_e32 v6, v0, v1
+	s_cbranch_scc1 .LBB0_1
+; %bb.2:
+	s_endpgm
+"""
+
+
+def test_main_loop_of_sass_and_amdgcn():
+    code = parse_sass(SASS)
+    assert code.total.instructions == 9
+    loop = code.loop
+    assert (loop.instructions, loop.global_loads, loop.load_bytes) == (6, 2, 18)
+    assert (loop.shuffles, loop.barriers) == (1, 1)
+    code = parse_amdgcn(AMDGCN)
+    assert code.total.instructions == 6
+    assert (code.loop.instructions, code.loop.load_bytes, dict(code.loop.widths)) == (4, 18, {16: 1, 2: 1})
