@@ -7,8 +7,8 @@ A group of flags is a frozen dataclass; a command takes it by naming it as a par
 
 and `dwarfstar.commands.apps` gives the command the group's options (a group may hold groups) and
 hands it their values as one object. Single flags whose default or meaning differs by command
-(`--ctx`, `--power`, `--trace`, the dist flags of `bench dist`) are shared `Annotated` types. Each option sits in one help panel:
-Model, Generation, Speculative, Memory, Distributed or Debug.
+(`--ctx`, `--power`, `--trace`, the dist flags of `bench dist`) are shared `Annotated` types. Each
+option sits in one help panel: Model, Generation, Speculative, Memory, Distributed or Debug.
 
 Nothing here imports torch: a group builds its options in a method, with its imports inside.
 `EngineFlags` holds the engine's groups; its `spec` (or `ModelFlags.spec` with the options a command
