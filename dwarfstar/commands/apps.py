@@ -18,7 +18,6 @@ import copy
 import dataclasses
 import functools
 import inspect
-import tomllib
 import typing
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -211,6 +210,8 @@ def read_config(ctx: typer.Context, value: Path | None) -> Path | None:
     """Set the command's defaults from a TOML file; unknown keys and wrong types are errors."""
     if value is None:
         return None
+    import tomllib
+
     try:
         data = tomllib.loads(value.read_text(encoding="utf-8"))
     except OSError as exc:
