@@ -66,9 +66,9 @@ class Cluster:
             self.engine = reference or engine
             self.local = self.engine.backend
             opts = DistOptions.resolved(
-                role="coordinator", layers=self.layers[0], addr=self.addr, wait_s=WAIT_S, timeout_s=60
-            )
-            opts.mtp = self.mtp is not None
+                role="coordinator", layers=self.layers[0], addr=self.addr, wait_s=WAIT_S, timeout_s=60,
+                mtp=self.mtp is not None,
+            )  # fmt: skip
             self.route = start_coordinator(engine, opts, CTX)
             self.backend = RouteBackend(self.route)
         return self
