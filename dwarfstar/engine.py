@@ -1,4 +1,5 @@
-"""Load a model file onto a compute backend, with its tokenizer: what the CLI and the server share.
+"""Load what an `EngineSpec` describes (a model file on a compute backend, with its tokenizer):
+`load_engine(spec)`, what the CLI, the server and the tests share.
 
 Backend choice: `auto` takes MLX on Apple silicon, Triton where a GPU is present, and the torch
 reference otherwise. A backend that cannot run here is a clear error, never a silent fallback.
@@ -12,26 +13,17 @@ the default, and the backends without the notion (reference, MLX) refuse `fast`.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
+from dwarfstar.engine_spec import BACKENDS, EngineSpec
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.experts.attach import StreamingOptions, attach_streaming, check_fits
+from dwarfstar.experts.attach import attach_streaming, check_fits
 from dwarfstar.experts.store import ExpertStore
 from dwarfstar.model.loader import ModelFile, open_model
 from dwarfstar.session.session import Backend
-from dwarfstar.steering.apply import SteeringOptions
 from dwarfstar.tokenizer.tokenizer import Tokenizer
-
-BACKENDS = ("auto", "reference", "triton", "mlx")
-PRECISIONS = ("exact", "fast")
-PRECISION_HELP = (
-    "exact: fp32 products; fast: bf16 operands in the Triton backend's prefill products (triton only; "
-    "no GPU run has shown fast to be accurate yet)."
-)
 
 
 @dataclass
@@ -88,54 +80,44 @@ def pick_backend(requested: str) -> str:
     return requested
 
 
+def spec_backend(spec: EngineSpec) -> str:
+    """The backend `spec` runs on here, and whether it can take the spec's precision (before anything loads)."""
+    name = pick_backend(spec.backend)
+    if spec.precision == "fast" and name != "triton":
+        raise DwarfStarError(f"--precision fast needs the triton backend; the {name} backend has no fast mode")
+    return name
+
+
 KV_SLOTS = 4  # sequences to a KV-cache block on the reference and Triton backends, by default
 
 
-def load_engine(
-    path: str | os.PathLike,
-    backend: str = "auto",
-    qat: bool = True,
-    ctx: int | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    precision: str = "exact",
-    streaming: StreamingOptions | None = None,
-    steering: SteeringOptions | None = None,
-    kv_slots: int | None = None,
-    layers: tuple[int, int] | None = None,
-) -> Engine:
-    """Open, validate and load a model for sequences of at most `ctx` tokens (default: the model's);
-    `progress(done, total)` follows the weights being read; `steering` applies a direction file;
-    `kv_slots` sequences share a KV-cache block, decode in one batch (Triton, reference) and share
-    their row pages when forked (default: 4, and 1 on MLX, which allocates a block's rows whole);
-    `layers=(first, end)` loads only those layers (a pipeline stage: `DistOptions.stage_layers`)."""
+def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = None) -> Engine:
+    """Open, validate and load what `spec` describes; `progress(done, total)` follows the weights being
+    read. The only way to an `Engine`: the command line builds the spec from its flags."""
     start = time.perf_counter()
-    name = pick_backend(backend)
-    if precision not in PRECISIONS:
-        raise DwarfStarError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    if precision == "fast" and name != "triton":
-        raise DwarfStarError(f"--precision fast needs the triton backend; the {name} backend has no fast mode")
-    model = open_model(Path(path), layers)
+    name = spec_backend(spec)
+    model = open_model(spec.model, spec.stage_layers())
     tokenizer = Tokenizer.from_gguf_metadata(model.gguf.metadata)
+    ctx, qat, streaming, steering = spec.ctx, spec.qat, spec.streaming, spec.steering
     limit = ctx or model.args.max_seq_len
     stream = streaming is not None  # the routed experts are not loaded: they stream from the file
     if not stream:  # too big a model is an error naming --ssd-streaming, before any weight loads
         check_fits(model, name, limit)
     direction = steering.read(model.args) if steering is not None else None  # a bad file fails before the weights load
+    slots = spec.kv_slots or KV_SLOTS
     if name == "reference":
         from dwarfstar.backends.reference.model import ReferenceModel
 
-        slots = kv_slots or KV_SLOTS
         impl: Backend = ReferenceModel(model, qat=qat, max_seq_len=ctx, progress=progress, kv_slots=slots)
     elif name == "triton":
         from dwarfstar.backends.triton import load_backend
 
-        impl = load_backend(
-            model, qat=qat, precision=precision, max_seq_len=ctx, kv_slots=kv_slots or KV_SLOTS, stream_experts=stream
-        )
+        precision = spec.precision
+        impl = load_backend(model, qat=qat, precision=precision, max_seq_len=ctx, kv_slots=slots, stream_experts=stream)
     else:
         from dwarfstar.backends.mlx import load_backend
 
-        impl = load_backend(model, qat=qat, max_seq_len=ctx, stream_experts=stream, kv_slots=kv_slots or 1)
+        impl = load_backend(model, qat=qat, max_seq_len=ctx, stream_experts=stream, kv_slots=spec.kv_slots or 1)
     experts = None if streaming is None else attach_streaming(impl, name, model, limit, streaming)
     if steering is not None:
         impl = steering.install(impl, direction)

@@ -16,6 +16,7 @@ are the file's (quantized) bytes, so a backend that holds dequantized copies mov
 from __future__ import annotations
 
 import csv
+import importlib.util
 import math
 import time
 from collections.abc import Callable
@@ -159,12 +160,17 @@ def write_csv(rows: list[Row], out: TextIO) -> None:
         writer.writerow(f"{v:.2f}" if isinstance(v, float) else v for v in astuple(row))
 
 
+def require_plotting() -> None:
+    """--plot's library is installed, else an error (checked before a bench runs)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise DwarfStarError("--plot needs matplotlib: pip install 'dwarfstar[plot]'")
+
+
 def plot(rows: list[Row], path: Path, title: str) -> None:
     """Prefill and generation tok/s against context, with generation GB/s on a second axis."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise DwarfStarError("--plot needs matplotlib: pip install 'dwarfstar[plot]'") from None
+    require_plotting()
+    import matplotlib
+
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 

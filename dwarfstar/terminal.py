@@ -40,34 +40,38 @@ def is_styled(stream: TextIO) -> bool:
 
 
 class StreamPrinter:
-    """Writes generated text as it arrives: styled through the DSML parser on a terminal, raw elsewhere."""
+    """Writes generated text as it arrives, through the DSML parser: on a terminal the reasoning dim
+    before the answer; elsewhere (a pipe, a file) the answer alone, the reasoning on `reasoning_out`
+    (stderr), with no `</think>` or DSML markup in the output."""
 
-    def __init__(self, thinking: bool, out: TextIO | None = None) -> None:
+    def __init__(self, thinking: bool, out: TextIO | None = None, reasoning_out: TextIO | None = None) -> None:
         self.out = out or sys.stdout
         self.styled = is_styled(self.out)
-        self.parser = DsmlParser(thinking=thinking) if self.styled else None
+        self.reasoning_out = None if self.styled else reasoning_out or sys.stderr
+        self.parser = DsmlParser(thinking=thinking)
         self.in_reasoning = False
         self.last_char = "\n"
+        self.reasoning_last = "\n"
 
     def feed(self, text: str) -> None:
-        if self.parser is None:
-            self._write(text)
-        else:
-            for event in self.parser.feed(text):
-                self._show(event)
+        for event in self.parser.feed(text):
+            self._show(event)
         self.out.flush()
 
     def finish(self) -> None:
-        if self.parser is not None:
-            for event in self.parser.finish():
-                self._show(event)
+        for event in self.parser.finish():
+            self._show(event)
         self._set_reasoning(False)
         if self.last_char != "\n":
             self._write("\n")
         self.out.flush()
 
     def _show(self, event: object) -> None:
-        if isinstance(event, ReasoningDelta):
+        if isinstance(event, ReasoningDelta) and self.reasoning_out is not None:
+            if event.text:
+                self.reasoning_out.write(event.text)
+                self.reasoning_last = event.text[-1]
+        elif isinstance(event, ReasoningDelta):
             self._set_reasoning(True)
             self._write(event.text)
         elif isinstance(event, ContentDelta):
@@ -78,6 +82,9 @@ class StreamPrinter:
             self._write(f"\n[tool call {event.call.name} {event.call.arguments_json}]\n")
 
     def _set_reasoning(self, on: bool) -> None:
+        if self.reasoning_out is not None and self.reasoning_last != "\n":
+            self.reasoning_out.write("\n")  # the reasoning ends its own line on stderr
+            self.reasoning_last = "\n"
         if on == self.in_reasoning:
             return
         self.in_reasoning = on

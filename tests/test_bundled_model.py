@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.engine import Engine, load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.model.loader import open_model
 from dwarfstar.session.sampling import GREEDY
@@ -34,7 +35,7 @@ CONTINUATION_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return load_engine(default_model_path(), "reference")
+    return load_engine(EngineSpec(default_model_path(), "reference"))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from dwarfstar.backends.mlx import mlx_available
 from dwarfstar.cli import _register_commands, app
 from dwarfstar.engine import load_engine, pick_backend
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.prompt import render_conversation
@@ -38,7 +39,7 @@ def tiny(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(tiny: Path) -> tuple[list[int], list[int], str]:
     """(prompt ids, greedy tokens without EOS, their text) straight from the session layer."""
-    engine = load_engine(tiny, "reference", ctx=32768)
+    engine = load_engine(EngineSpec(tiny, "reference", ctx=32768))
     prompt = render_conversation([{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}])
     ids = engine.tokenizer.encode_prompt(prompt.parts)
     session = Session(engine.backend, ctx=32768)
@@ -180,18 +181,18 @@ def test_ctx_bounds_every_backend(tiny, tmp_path, backend) -> None:
     done = run_cli(*args, "--dump-logits", str(tmp_path / "x.npy"))
     assert isinstance(done.exception, ContextOverflowError), done.output
     assert "0 + 65 tokens exceed the context of 64" in str(done.exception)
-    engine = load_engine(tiny, backend, ctx=64)
+    engine = load_engine(EngineSpec(tiny, backend, ctx=64))
     assert engine.backend.max_seq_len == 64
     with pytest.raises(ContextOverflowError):
         engine.backend.forward(list(range(3, 68)), engine.backend.new_state())
 
 
 def test_precision_is_exact_by_default_and_fast_only_on_triton(tiny) -> None:
-    assert load_engine(tiny, "triton").backend.model.precision.fast is False
-    assert load_engine(tiny, "triton", precision="fast").backend.model.precision.fast is True
+    assert load_engine(EngineSpec(tiny, "triton")).backend.model.precision.fast is False
+    assert load_engine(EngineSpec(tiny, "triton", precision="fast")).backend.model.precision.fast is True
     for backend in ["reference", *(["mlx"] if mlx_available() else [])]:
         with pytest.raises(DwarfStarError, match="--precision fast needs the triton backend"):
-            load_engine(tiny, backend, precision="fast")
+            load_engine(EngineSpec(tiny, backend, precision="fast"))
     done = run_cli("-m", str(tiny), "--backend", "reference", "--precision", "fast", "-p", "hi")
     assert isinstance(done.exception, DwarfStarError) and "needs the triton backend" in str(done.exception)
     done = CliRunner().invoke(app, ["serve", "-m", str(tiny), "--backend", "reference", "--precision", "fast"])

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dwarfstar.engine import load_engine  # noqa: E402
+from dwarfstar.engine_spec import EngineSpec  # noqa: E402
 from dwarfstar.evals.long_context import run_long_context  # noqa: E402
 from dwarfstar.evals.tool_call import ask_server, reply_of  # noqa: E402
 from dwarfstar.evals.vectors import VECTOR_MAGIC, vector_prompt_ids  # noqa: E402
@@ -96,7 +97,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "gates")
     args = parser.parse_args()
     (args.out / "prompts").mkdir(parents=True, exist_ok=True)
-    engine = load_engine(args.model, "reference", ctx=max(VECTOR_CTX, LONG_CTX, TOOL_CTX))
+    engine = load_engine(EngineSpec(args.model, "reference", ctx=max(VECTOR_CTX, LONG_CTX, TOOL_CTX)))
 
     vec = [VECTOR_MAGIC, f"# {args.model.name}, reference backend: tools/make_gate_fixtures.py", ""]
     for name, prompt in VECTOR_PROMPTS.items():

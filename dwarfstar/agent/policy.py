@@ -13,8 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.session.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Cancelled, Session
-from dwarfstar.speculative.decode import SpecStats, Speculator
-from dwarfstar.speculative.options import MTPSpeculation
+from dwarfstar.speculative.decode import MTPSpeculation, SpecStats, Speculator
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 

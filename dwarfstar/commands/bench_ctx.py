@@ -9,37 +9,18 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dwarfstar.commands.bench import bench_app
-from dwarfstar.commands.dist_options import (
-    DistAddr,
-    DistBackend,
-    DistBind,
-    DistBits,
-    DistDebug,
-    DistLayers,
-    DistPrefillChunk,
-    DistPrefillWindow,
-    DistRole,
-    DistSecret,
-    DistStages,
-    DistTimeout,
-    dist_options,
-    join_route,
-)
-from dwarfstar.commands.prompt_tools import default_bench_text
-from dwarfstar.commands.steer import DirSteeringAttn, DirSteeringFfn, DirSteeringFile, steering_options
-from dwarfstar.engine import BACKENDS, load_engine
+from dwarfstar.commands.apps import bench_app
+from dwarfstar.commands.flags import DistFlags, ModelFlags, Power, SteeringFlags, output
+from dwarfstar.commands.prompt_tools import EXCERPT, default_bench_text
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.hub import resolve_model
-from dwarfstar.model.loader import ModelFile, open_model
-from dwarfstar.speedbench import Row, frontiers, plot, read_bench_tokens, run_bench, weight_bytes_per_token, write_csv
-from dwarfstar.terminal import loading, note, stderr_console
-from dwarfstar.throttle import throttle
+
+if TYPE_CHECKING:
+    from dwarfstar.model.loader import ModelFile
+    from dwarfstar.speedbench import Row
 
 
 def _row_line(row: Row) -> str:
@@ -50,13 +31,30 @@ def _row_line(row: Row) -> str:
     )
 
 
+def bench_text(path: Path | None, tokens: int) -> str:
+    """--prompt-file's text, else the book beside the checkout, else the packaged excerpt repeated to
+    about `tokens` tokens (a few kB; the speed of prefill and decode does not depend on the words)."""
+    text_path = path or default_bench_text()
+    try:
+        text = text_path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise DwarfStarError(f"cannot read {text_path}: {exc.strerror or exc}") from None
+    if path is None and text_path.name == EXCERPT:
+        text = "\n".join([text] * (tokens * 8 // len(text) + 2))  # more characters than tokens, by far
+    return text
+
+
 @bench_app.callback(invoke_without_command=True, no_args_is_help=False)
 def bench(
     context: typer.Context,
-    model: Annotated[Path | None, typer.Option("-m", "--model", help="GGUF model (default: ./ds4flash.gguf).")] = None,
+    model: ModelFlags,
+    steering: SteeringFlags,
+    dist: DistFlags,
     prompt_file: Annotated[
         Path | None,
-        typer.Option("--prompt-file", "--text-file", help="Benchmark text (default: shared promessi_sposi.txt)."),
+        typer.Option(
+            "--prompt-file", "--text-file", help="Benchmark text (default: the book, packaged as a few kB repeated)."
+        ),
     ] = None,
     ctx_start: Annotated[int, typer.Option(help="First frontier (tokens).")] = 2048,
     ctx_max: Annotated[int, typer.Option(help="Last frontier (tokens).")] = 32768,
@@ -68,62 +66,32 @@ def bench(
     gen_tokens: Annotated[
         int, typer.Option("--gen-tokens", "-n", "--tokens", min=1, help="Greedy tokens decoded per frontier.")
     ] = 128,
-    csv_out: Annotated[Path | None, typer.Option("--csv", help="CSV output file (default: stdout).")] = None,
-    plot_out: Annotated[Path | None, typer.Option("--plot", help="Also draw tok/s against context (PNG).")] = None,
-    backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
-    power: Annotated[int, typer.Option(min=1, max=100, help="Keep the device about N% busy.")] = 100,
-    dir_steering_file: DirSteeringFile = None,
-    dir_steering_ffn: DirSteeringFfn = None,
-    dir_steering_attn: DirSteeringAttn = None,
-    mtp: Annotated[
-        bool, typer.Option("--mtp", help="Instead: MTP speculation, with and without (as `bench mtp`; -n tokens).")
-    ] = False,
-    mtp_drafts: Annotated[str, typer.Option(help="With --mtp: draft counts, comma-separated.")] = "1,2,3",
-    dist_role: DistRole = None,
-    layers: DistLayers = None,
-    dist_addr: DistAddr = None,
-    dist_bind: DistBind = None,
-    dist_stages: DistStages = 2,
-    dist_activation_bits: DistBits = 32,
-    dist_prefill_chunk: DistPrefillChunk = 4096,
-    dist_prefill_window: DistPrefillWindow = 1,
-    dist_timeout: DistTimeout = 600.0,
-    dist_secret: DistSecret = "",
-    dist_backend: DistBackend = "gloo",
-    debug: DistDebug = False,
+    csv_out: Annotated[Path | None, output("--csv", help="CSV output file (default: stdout).")] = None,
+    plot_out: Annotated[
+        Path | None, output("--plot", help="Also draw tok/s against context (PNG, matplotlib).")
+    ] = None,
+    power: Power = 100,
 ) -> None:
     """Prefill and decode speed at growing context sizes, ds4-bench style; subcommands measure other parts."""
     if context.invoked_subcommand is not None:
         return
-    if mtp:
-        from dwarfstar.commands.speculate import BENCH_PROMPT, mtp_bench
+    from dwarfstar.commands.engines import start
+    from dwarfstar.speedbench import frontiers, read_bench_tokens, require_plotting, weight_bytes_per_token
+    from dwarfstar.terminal import note
 
-        mtp_bench(model, None, mtp_drafts, gen_tokens, BENCH_PROMPT, backend)
-        return
+    if plot_out is not None:
+        require_plotting()
     points = frontiers(ctx_start, ctx_max, step_incr, step_mul)
-    steering = steering_options(dir_steering_file, dir_steering_ffn, dir_steering_attn)
     alloc = ctx_alloc or ctx_max + gen_tokens + 1
-    text_path = prompt_file or default_bench_text()
+    text = bench_text(prompt_file, points[-1])
+    spec = model.spec(ctx=alloc, power=power, steering=steering.options(), dist=dist.options())
+    engine, route = start(spec)  # a worker serves its layers here and exits; a coordinator routes
     try:
-        text = text_path.read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise DwarfStarError(f"cannot read {text_path}: {exc.strerror or exc}") from None
-    dist = dist_options(
-        dist_role, layers, dist_addr, dist_bind, dist_stages, dist_activation_bits, dist_prefill_chunk,
-        dist_prefill_window, dist_timeout, dist_secret, dist_backend, debug,
-    )  # fmt: skip
-    path = resolve_model(model)
-    with loading(path) as progress:
-        engine = load_engine(
-            path, backend, ctx=alloc, progress=progress, steering=steering, layers=dist.stage_layers(path)
-        )
-    route = join_route(engine, dist, alloc)  # a worker serves its layers here and exits; a coordinator routes
-    try:
-        table = engine.model if route is None else _whole_table(path)
+        table = engine.model if route is None else _whole_table(spec.model)
         tokens = read_bench_tokens(engine.tokenizer.encode, text, points[-1])
         note(
-            f"{path.name} on {engine.backend_name}{'' if route is None else ' (a route)'}: {len(points)} frontiers "
-            f"{points[0]}..{points[-1]}, {gen_tokens} gen tokens each; weights read per token "
+            f"{spec.model.name} on {engine.backend_name}{'' if route is None else ' (a route)'}: {len(points)} "
+            f"frontiers {points[0]}..{points[-1]}, {gen_tokens} gen tokens each; weights read per token "
             f"{weight_bytes_per_token(table) / 1e6:.1f} MB"
         )
         rows = _measure(engine.backend, table, tokens, points, gen_tokens, alloc, power)
@@ -132,6 +100,13 @@ def bench(
     finally:
         if route is not None:
             route.close()
+    _write(rows, csv_out, plot_out, f"{spec.model.name} ({engine.backend_name}), {gen_tokens} gen tokens per frontier")
+
+
+def _write(rows: list[Row], csv_out: Path | None, plot_out: Path | None, title: str) -> None:
+    from dwarfstar.speedbench import plot, write_csv
+    from dwarfstar.terminal import note
+
     if csv_out is None:
         write_csv(rows, sys.stdout)
     else:
@@ -139,13 +114,15 @@ def bench(
             write_csv(rows, out)
         note(f"wrote {csv_out}")
     if plot_out is not None:
-        plot(rows, plot_out, f"{path.name} ({engine.backend_name}), {gen_tokens} gen tokens per frontier")
+        plot(rows, plot_out, title)
         note(f"wrote {plot_out}")
 
 
 def _whole_table(path: Path) -> ModelFile:
     """The whole model's tensor table, for the weights a token reads on every stage of a route (a
     coordinator maps only its own layers, and of a split set only its own parts)."""
+    from dwarfstar.model.loader import open_model
+
     try:
         return open_model(path)
     except DwarfStarError as exc:
@@ -156,6 +133,12 @@ def _whole_table(path: Path) -> ModelFile:
 
 
 def _measure(backend, table: ModelFile, tokens, points, gen_tokens: int, alloc: int, power: int) -> list[Row]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dwarfstar.speedbench import run_bench
+    from dwarfstar.terminal import stderr_console
+    from dwarfstar.throttle import throttle
+
     with Progress(
         TextColumn("bench"),
         BarColumn(),

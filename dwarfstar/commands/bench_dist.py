@@ -16,23 +16,20 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from dwarfstar.commands.bench import bench_app
-from dwarfstar.commands.dist_options import DistBits, DistPrefillChunk, DistPrefillWindow
-from dwarfstar.distributed.backend import RouteBackend
-from dwarfstar.distributed.launch import DistOptions, start_coordinator
-from dwarfstar.distributed.membership import split_by_bytes
-from dwarfstar.distributed.route import Hop
-from dwarfstar.engine import load_engine
+from dwarfstar.commands.apps import bench_app
+from dwarfstar.commands.flags import DistBits, DistPrefillChunk, DistPrefillWindow, ModelFlags
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.model.loader import open_model
-from dwarfstar.session.sampling import SamplingParams
-from dwarfstar.session.session import Session
+
+if TYPE_CHECKING:
+    from dwarfstar.distributed.options import DistOptions
+    from dwarfstar.distributed.route import Hop
+    from dwarfstar.engine_spec import EngineSpec
 
 
 @dataclass
@@ -44,6 +41,8 @@ class Figures:
 
 
 def _mean_hops(steps: list[list[Hop]]) -> list[Hop]:
+    from dwarfstar.distributed.route import Hop
+
     out = []
     for column in zip(*steps, strict=True):
         n = len(column)
@@ -73,6 +72,9 @@ def resident_mib(pid: int) -> str:
 
 
 def _measure(backend, stages: int, prompt: list[int], decode: int, ctx: int, route=None) -> Figures:
+    from dwarfstar.session.sampling import SamplingParams
+    from dwarfstar.session.session import Session
+
     session = Session(backend, ctx=ctx)
     start = time.perf_counter()
     session.prefill(prompt)
@@ -88,11 +90,10 @@ def _measure(backend, stages: int, prompt: list[int], decode: int, ctx: int, rou
 
 @bench_app.command("dist")
 def bench_dist(
-    model: Annotated[Path, typer.Option("-m", "--model", help="GGUF model (e.g. a `synth` file).")],
+    model: ModelFlags,
     stages: Annotated[str, typer.Option(help="Stage counts to run, comma-separated.")] = "1,2,3",
     prompt_tokens: Annotated[int, typer.Option("--prompt", min=1, help="Prompt tokens to prefill.")] = 512,
     decode_tokens: Annotated[int, typer.Option("--decode", min=1, help="Tokens to decode.")] = 32,
-    backend: Annotated[str, typer.Option(help="Compute backend of every stage.")] = "reference",
     addr: Annotated[str, typer.Option("--dist-addr", help="The coordinator's HOST:PORT.")] = "127.0.0.1:29700",
     spawn: Annotated[bool, typer.Option(help="Start the workers here; --no-spawn waits for remote ones.")] = True,
     dist_activation_bits: DistBits = 32,
@@ -101,11 +102,16 @@ def bench_dist(
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the workers, and per message.")] = 600.0,
 ) -> None:
     """Print prefill and decode tok/s and the per-hop overhead for each stage count."""
+    from dwarfstar.distributed.membership import split_by_bytes
+    from dwarfstar.distributed.options import DistOptions
+    from dwarfstar.engine import load_engine
+    from dwarfstar.model.loader import open_model
+
     counts = [int(s) for s in stages.split(",") if s.strip()]
     if not counts or min(counts) < 1:
         raise DwarfStarError("--stages takes positive stage counts, e.g. 1,2,3")
-    ctx = prompt_tokens + decode_tokens + 1
-    whole = open_model(model)  # the tensor table, for the splits by bytes
+    spec = model.spec(ctx=prompt_tokens + decode_tokens + 1)
+    whole = open_model(spec.model)  # the tensor table, for the splits by bytes
     try:
         vocab, plans = whole.args.vocab_size, {count: split_by_bytes(whole, count) for count in counts if count > 1}
     finally:
@@ -114,7 +120,7 @@ def bench_dist(
     host, _, port = addr.rpartition(":")
     for n, count in enumerate(counts):
         if count == 1:
-            report(_measure(load_engine(model, backend, ctx=ctx).backend, 1, prompt, decode_tokens, ctx))
+            report(_measure(load_engine(spec).backend, 1, prompt, decode_tokens, spec.ctx))
             typer.echo(f"  this process: {resident_mib(os.getpid())}")
             continue
         # a fresh port per run: the last one's may still be closing
@@ -123,23 +129,26 @@ def bench_dist(
             bits=dist_activation_bits, prefill_chunk=dist_prefill_chunk, prefill_window=dist_prefill_window,
             wait_s=timeout, timeout_s=timeout,
         )  # fmt: skip
-        _run_route(model, backend, plans[count], opts, spawn, prompt, decode_tokens, ctx)
+        _run_route(spec, plans[count], opts, spawn, prompt, decode_tokens)
 
 
-def _run_route(
-    model: Path, backend: str, plan: list, opts: DistOptions, spawn: bool, prompt: list[int], decode: int, ctx: int
-) -> None:
+def _run_route(spec: EngineSpec, plan: list, opts: DistOptions, spawn: bool, prompt: list[int], decode: int) -> None:
     """One stage count's run. Its own function so that its engine is freed before the next count loads
     its slice: a PRO-shaped coordinator holds gigabytes of float32 weights on the reference backend."""
-    workers = []
+    from dwarfstar.distributed.backend import RouteBackend
+    from dwarfstar.distributed.launch import start_coordinator
+    from dwarfstar.engine import load_engine
+
+    workers, ctx = [], spec.ctx
     if spawn:
         for layers in plan[1:]:
-            argv = [sys.executable, "-m", "dwarfstar", "run", "-m", str(model), "--backend", backend, "-c", str(ctx)]
+            argv = [sys.executable, "-m", "dwarfstar", "run", "-m", str(spec.model), "--backend", spec.backend]
+            argv += ["--precision", spec.precision, "-c", str(ctx)]
             argv += ["--dist-role", "worker", "--layers", str(layers), "--dist-addr", opts.addr]
             workers.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
     else:
         typer.echo(f"waiting for workers at {opts.addr}: " + ", ".join(f"--layers {p}" for p in plan[1:]), err=True)
-    engine = load_engine(model, backend, ctx=ctx, layers=(plan[0].first, plan[0].last))
+    engine = load_engine(replace(spec, layers=(plan[0].first, plan[0].last)))
     route = start_coordinator(engine, opts, ctx)
     try:
         report(_measure(RouteBackend(route), len(plan), prompt, decode, ctx, route))

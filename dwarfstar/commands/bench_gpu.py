@@ -15,7 +15,8 @@ from typing import Annotated
 
 import typer
 
-from dwarfstar.commands.bench import bench_app
+from dwarfstar.commands.apps import bench_app
+from dwarfstar.commands.flags import output
 from dwarfstar.errors import DwarfStarError
 
 
@@ -33,7 +34,7 @@ def bench_kernels(
     prefill: Annotated[int, typer.Option(help="Tokens of the prefill cases.")] = 2048,
     only: Annotated[str, typer.Option(help="Comma-separated kernel files to run (default: all).")] = "",
     peak_gbs: Annotated[float | None, typer.Option(help="Device memory bandwidth in GB/s.")] = None,
-    csv_out: Annotated[Path | None, typer.Option("--csv", help="CSV file (default: printed after the table).")] = None,
+    csv_out: Annotated[Path | None, output("--csv", help="CSV file (default: printed after the table).")] = None,
 ) -> None:
     """Time each Triton kernel: microseconds, GB/s, TFLOP/s and % of the device's peak."""
     if model not in ("flash", "pro"):
@@ -63,7 +64,7 @@ def bench_synthetic(
     prompt: Annotated[int, typer.Option(help="Prefill prompt tokens (0: skip the prefill).")] = 8192,
     chunk: Annotated[int, typer.Option(min=1, help="Prefill chunk.")] = 4096,
     peak_gbs: Annotated[float | None, typer.Option(help="Device memory bandwidth in GB/s.")] = None,
-    csv_out: Annotated[Path | None, typer.Option("--csv", help="CSV file for the decode rows.")] = None,
+    csv_out: Annotated[Path | None, output("--csv", help="CSV file for the decode rows.")] = None,
 ) -> None:
     """Decode and prefill speed of a full-size synthetic model built in device memory."""
     _require_gpu()
@@ -95,7 +96,7 @@ def bench_gpu_plan(
     target: Annotated[str, typer.Option(help="GPU target: cuda:90 (H100/H200) or hip:gfx942 (MI300X).")] = "cuda:90",
     layers: Annotated[int | None, typer.Option(min=1, help="Only the first N layers.")] = None,
     no_compile: Annotated[bool, typer.Option("--no-compile", help="Count launches only.")] = False,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write the plan as JSON here.")] = None,
+    json_out: Annotated[Path | None, output("--json", help="Write the plan as JSON here.")] = None,
 ) -> None:
     """The decode step as the GPU would run it, without one: launches, compiled code, modelled time."""
     import json
@@ -105,8 +106,6 @@ def bench_gpu_plan(
         raise DwarfStarError("gpu-plan compiles for a GPU target: run it without TRITON_INTERPRET=1")
     if preset not in ("flash", "pro"):
         raise DwarfStarError(f"--preset must be flash or pro, got {preset!r}")
-    if json_out is not None and not json_out.parent.is_dir():
-        raise DwarfStarError(f"--json: folder {json_out.parent} does not exist")
     from dwarfstar.backends.triton.plan.report import build_plan, format_plan, plan_json
 
     try:

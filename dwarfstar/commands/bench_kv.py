@@ -17,28 +17,27 @@ import copy
 import tempfile
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import numpy as np
 import typer
 
-from dwarfstar.commands.bench import bench_app
+from dwarfstar.commands.apps import bench_app
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.model.config import ModelArgs
-from dwarfstar.model.synthetic import FLASH_SHAPED
-from dwarfstar.session.accounting import random_state, state_footprint
-from dwarfstar.session.kvfile import ModelIdentity
-from dwarfstar.session.kvpolicy import KVCacheOptions, SaveReason
-from dwarfstar.session.kvstore import KVStore
-from dwarfstar.session.payload import payload_nbytes
+
+if TYPE_CHECKING:
+    from dwarfstar.model.config import ModelArgs
 
 
 def flash_layers(n_layers: int) -> ModelArgs:
+    from dwarfstar.model.synthetic import FLASH_SHAPED
+
     ratios = tuple(4 if i % 2 == 0 else 128 for i in range(n_layers))
     return FLASH_SHAPED.with_(n_layers=n_layers, compress_ratios=ratios, n_hash_layers=min(1, n_layers))
 
 
 def _render(tokens) -> bytes:
+    import numpy as np
+
     # 4 bytes a token, about what decoded text takes; the real key is the decoded token text
     return np.asarray(tokens, dtype="<u4").tobytes()
 
@@ -51,6 +50,13 @@ def bench_kv(
     directory: Annotated[Path | None, typer.Option("--dir", help="Cache directory (default: a temporary one).")] = None,
 ) -> None:
     """Print the state's bytes per token and the disk KV cache save and load MB/s."""
+    from dwarfstar.model.config import ModelArgs
+    from dwarfstar.session.accounting import random_state, state_footprint
+    from dwarfstar.session.kvfile import ModelIdentity
+    from dwarfstar.session.kvpolicy import KVCacheOptions, SaveReason
+    from dwarfstar.session.kvstore import KVStore
+    from dwarfstar.session.payload import payload_nbytes
+
     if layers < 1 or tokens < 1 or repeat < 1:
         raise DwarfStarError("--layers, --tokens and --repeat must be positive")
     args = flash_layers(layers)

@@ -7,24 +7,25 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-from dwarfstar.cli import app
-from dwarfstar.convert.hf import OutType, plan_conversion, write_gguf
+from dwarfstar.commands.apps import TOOLS, app
+from dwarfstar.commands.flags import writable
 
-_OUTTYPES = ", ".join(t.value for t in OutType)
+OUTTYPES_HELP = "f32, f16, q8_0: all F32; matrices F16; ds4's Q8_0 layout (experts Q8_0 too)."  # convert.hf.OutType
 
 
-@app.command()
+@app.command(rich_help_panel=TOOLS)
 def convert(
     src_dir: Annotated[Path, typer.Argument(help="Checkpoint directory: config.json and *.safetensors.")],
-    out: Annotated[Path, typer.Argument(help="Output .gguf path.")],
-    outtype: Annotated[
-        str, typer.Option(help=f"{_OUTTYPES}: all F32; matrices F16; ds4's Q8_0 layout (experts Q8_0 too).")
-    ] = OutType.F16.value,
+    out: Annotated[Path, typer.Argument(help="Output .gguf path.", callback=writable)],
+    outtype: Annotated[str, typer.Option(help=OUTTYPES_HELP)] = "f16",
 ) -> None:
     """Convert an official or transformers-saved DeepSeek V4 checkpoint into a GGUF that ds4 can load."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    from dwarfstar.convert.hf import plan_conversion, write_gguf
+
     console = Console(stderr=True)
     start = time.perf_counter()
     plan = plan_conversion(src_dir, outtype)

@@ -10,30 +10,27 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from dwarfstar.cli import app
-from dwarfstar.engine import BACKENDS
-from dwarfstar.evals.extractor_cases import CASES
-from dwarfstar.evals.graders import grade
-from dwarfstar.evals.questions import BUNDLED_SET, load_questions
-from dwarfstar.evals.runner import (
-    DEFAULT_TOKENS,
-    EvalSettings,
-    Progress,
-    Stop,
-    auto_context,
-    report_lines,
-    run_question,
-)
-from dwarfstar.evals.trace import CaseRecord, regrade_trace, write_case, write_header
-from dwarfstar.evals.tui import EvalTui, PlainDisplay
+from dwarfstar.commands.apps import TOOLS, app, given
+from dwarfstar.commands.flags import MinP, ModelFlags, Seed, Temp, Think, TopP, output
+from dwarfstar.evals import BUNDLED_SET, DEFAULT_TOKENS
+
+if TYPE_CHECKING:
+    from dwarfstar.engine import Engine
+    from dwarfstar.evals.runner import EvalSettings
+    from dwarfstar.evals.trace import CaseRecord
+
+SOFT_BUDGET, HARD_BUDGET = 1024, 512  # ds4-eval's reply budgets, at most a half and a quarter of -n when not given
 
 
 def self_test_extractors() -> int:
     """Run the table of tricky outputs; returns the number of cases graded differently than written."""
+    from dwarfstar.evals.extractor_cases import CASES
+    from dwarfstar.evals.graders import grade
+
     failures = 0
     for case in CASES:
         got = grade(case.kind, case.output, case.expected, case.n_choices)
@@ -49,6 +46,8 @@ def self_test_extractors() -> int:
 
 def print_regrade(path: Path) -> int:
     """Grade a trace's outputs again and print what changed; returns how many changed."""
+    from dwarfstar.evals.trace import regrade_trace
+
     results = regrade_trace(path)
     changed = 0
     for result in results:
@@ -75,32 +74,30 @@ def _next_question(states: list[str], display, start: int) -> int | None:
     return next((i for i in order if states[i] == "pending"), None)
 
 
-@app.command("eval")
+SoftBudget = Annotated[
+    int, typer.Option(help="In the last N tokens, accept </think> when it ranks high enough (at most -n / 2).")
+]
+CloseRank = Annotated[int, typer.Option(help="How high </think> must rank for the soft limit to take it.")]
+HardBudget = Annotated[
+    int, typer.Option(help="Force </think> when N tokens remain (below --tokens, at most the soft budget; -n / 4).")
+]
+
+
+@app.command("eval", rich_help_panel=TOOLS)
 def eval_command(
-    model: Annotated[
-        Path | None, typer.Option("-m", "--model", help="GGUF model (default: ./ds4flash.gguf, else bundled).")
-    ] = None,
-    backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
+    model: ModelFlags,
     questions_file: Annotated[Path, typer.Option(help="Question set (JSONL).")] = BUNDLED_SET,
     questions: Annotated[int | None, typer.Option(help="Run only the first N questions.")] = None,
     tokens: Annotated[int, typer.Option("-n", "--tokens", help="Most tokens generated per question.")] = DEFAULT_TOKENS,
-    temp: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling, 0..1.")] = 1.0,
-    min_p: Annotated[float, typer.Option(help="Keep tokens with p >= MIN_P * p_max.")] = 0.05,
-    seed: Annotated[int | None, typer.Option(help="Sampling seed (default: random).")] = None,
-    think: Annotated[bool, typer.Option("--think/--nothink", help="Reason before answering.")] = True,
-    soft_limit_reply_budget: Annotated[
-        int, typer.Option(help="In the last N tokens, accept </think> when it ranks high enough.")
-    ] = 1024,
-    soft_limit_think_close_rank: Annotated[
-        int, typer.Option(help="How high </think> must rank for the soft limit to take it.")
-    ] = 3,
-    hard_limit_reply_budget: Annotated[
-        int, typer.Option(help="Force </think> when N tokens remain (below --tokens, at most the soft budget).")
-    ] = 512,
-    trace: Annotated[
-        Path | None, typer.Option(help="Write ds4-eval's trace (prompts, outputs, grades) to FILE.")
-    ] = None,
+    temp: Temp = 0.0,
+    top_p: TopP = 1.0,
+    min_p: MinP = 0.05,
+    seed: Seed = None,
+    think: Think = True,
+    soft_limit_reply_budget: SoftBudget = SOFT_BUDGET,
+    soft_limit_think_close_rank: CloseRank = 3,
+    hard_limit_reply_budget: HardBudget = HARD_BUDGET,
+    trace: Annotated[Path | None, output(help="Write ds4-eval's trace (prompts, outputs, grades) to FILE.")] = None,
     plain: Annotated[
         bool, typer.Option("--plain", help="Plain streamed text instead of the split-screen TUI.")
     ] = False,
@@ -117,6 +114,13 @@ def eval_command(
         raise typer.Exit(1 if self_test_extractors() else 0)
     if regrade_trace is not None:
         raise typer.Exit(1 if print_regrade(regrade_trace) else 0)
+    from dwarfstar.engine import load_engine
+    from dwarfstar.evals.questions import load_questions
+    from dwarfstar.evals.runner import EvalSettings, auto_context
+    from dwarfstar.model.loader import open_model
+    from dwarfstar.terminal import loading, note
+    from dwarfstar.tokenizer.tokenizer import Tokenizer
+
     settings = EvalSettings(
         max_tokens=tokens,
         temperature=temp,
@@ -124,50 +128,57 @@ def eval_command(
         min_p=min_p,
         seed=seed,
         think=think,
-        soft_reply_budget=soft_limit_reply_budget,
+        # a budget the user left alone shrinks with a small -n, so `-n 200` runs
+        soft_reply_budget=soft_limit_reply_budget
+        if given("soft_limit_reply_budget")
+        else min(SOFT_BUDGET, tokens // 2),
         soft_close_rank=soft_limit_think_close_rank,
-        hard_reply_budget=hard_limit_reply_budget,
+        hard_reply_budget=hard_limit_reply_budget
+        if given("hard_limit_reply_budget")
+        else min(HARD_BUDGET, tokens // 4),
     )
     settings.check()
     selected = load_questions(questions_file, questions)
-
-    from dwarfstar.engine import load_engine
-    from dwarfstar.hub import resolve_model
-    from dwarfstar.model.loader import open_model
-    from dwarfstar.session.sampling import Sampler
-    from dwarfstar.session.session import Session
-    from dwarfstar.terminal import loading, note
-    from dwarfstar.tokenizer.tokenizer import Tokenizer
-
-    path = resolve_model(model)
+    path = model.path()
     model_file = open_model(path)  # the context is sized before the weights are loaded for it
     tokenizer = Tokenizer.from_gguf_metadata(model_file.gguf.metadata)
     ctx = auto_context(tokenizer, selected, settings, model_file.args.max_seq_len)
     with loading(path) as bar:
-        engine = load_engine(path, backend, ctx=ctx, progress=bar)
+        engine = load_engine(model.spec(ctx=ctx), bar)
     note(f"eval: {len(selected)} questions, ctx {ctx}, {engine.backend_name} backend")
+    header = {
+        "model": path,
+        "backend": engine.backend_name,
+        "ctx": ctx,
+        "max_tokens": tokens,
+        "max_prompt_tokens": ctx - tokens,
+        "questions": len(selected),
+        "temperature": f"{temp:.6g}",
+        "top_p": f"{top_p:.6g}",
+        "min_p": f"{min_p:.6g}",
+        "seed": seed if seed is not None else "random",
+        "think_mode_requested": settings.think_mode,
+        "soft_limit_reply_budget": settings.soft_reply_budget,
+        "hard_limit_reply_budget": settings.hard_reply_budget,
+        "soft_limit_think_close_rank": soft_limit_think_close_rank,
+    }
+    run_eval(engine, ctx, selected, settings, trace, header, not plain and sys.stdin.isatty() and sys.stdout.isatty(),
+             pause_ms)  # fmt: skip
+
+
+def run_eval(engine: Engine, ctx: int, selected, settings: EvalSettings, trace, header, tui: bool, pause_ms: int):
+    """The questions in the TUI's order (or one after another), the trace, and the report."""
+    from dwarfstar.evals.runner import Progress, Stop, report_lines, run_question
+    from dwarfstar.evals.trace import write_case, write_header
+    from dwarfstar.evals.tui import EvalTui, PlainDisplay
+    from dwarfstar.session.sampling import Sampler
+    from dwarfstar.session.session import Session
+
     session = Session(engine.backend, ctx=ctx)
     sampler = Sampler(settings.sampling)
-    tui = not plain and sys.stdin.isatty() and sys.stdout.isatty()
-    display = EvalTui(selected, path.name) if tui else PlainDisplay()
+    display = EvalTui(selected, engine.model.path.name) if tui else PlainDisplay()
     out = trace.open("wb") if trace else None
     if out:
-        header = {
-            "model": path,
-            "backend": engine.backend_name,
-            "ctx": ctx,
-            "max_tokens": tokens,
-            "max_prompt_tokens": ctx - tokens,
-            "questions": len(selected),
-            "temperature": f"{temp:.6g}",
-            "top_p": f"{top_p:.6g}",
-            "min_p": f"{min_p:.6g}",
-            "seed": seed if seed is not None else "random",
-            "think_mode_requested": settings.think_mode,
-            "soft_limit_reply_budget": soft_limit_reply_budget,
-            "hard_limit_reply_budget": hard_limit_reply_budget,
-            "soft_limit_think_close_rank": soft_limit_think_close_rank,
-        }
         write_header(out, header)
     records: list[CaseRecord | None] = [None] * len(selected)
     states = ["pending"] * len(selected)

@@ -1,5 +1,5 @@
-"""Routed-expert streaming on the command line: the `--ssd-streaming*` options `run` and `serve` share,
-`dwarfstar profile-experts` (record a routing trace, the hot-expert profile) and
+"""Routed-expert streaming on the command line (the `--ssd-streaming*` options are `StreamingFlags`,
+dwarfstar/commands/flags.py): `dwarfstar profile-experts` (record a routing trace, the hot-expert profile) and
 `dwarfstar bench experts --replay TRACE` (the store against the disk and plain mmap, no compute).
 """
 
@@ -9,66 +9,20 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import numpy as np
 import typer
 
-from dwarfstar.cli import app
-from dwarfstar.commands.bench import bench_app
+from dwarfstar.commands.apps import TOOLS, app, bench_app
+from dwarfstar.commands.flags import output, writable
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.experts.attach import StreamingOptions, profile_path
-from dwarfstar.experts.layout import ExpertLayout
-from dwarfstar.experts.policy import POLICIES, make_policy
-from dwarfstar.experts.replay import (
-    disk_figures,
-    drop_page_cache,
-    frequency_oracle,
-    replay,
-    replay_mmap,
-    simulate,
-)
-from dwarfstar.experts.store import ExpertStore, Telemetry
-from dwarfstar.experts.trace import RoutingTrace, TraceError, TraceRecorder, skewed_trace
-from dwarfstar.model.loader import open_model
 
-SsdStreaming = Annotated[
-    bool, typer.Option("--ssd-streaming", help="Keep routed experts on disk, in a cache of whole experts.")
-]
-SsdCacheExperts = Annotated[
-    str | None,
-    typer.Option(
-        "--ssd-streaming-cache-experts",
-        metavar="SIZE",
-        help="Expert cache budget, e.g. 32GB (default: 80% of usable memory minus the resident weights).",
-    ),
-]
-SsdCold = Annotated[
-    bool, typer.Option("--ssd-streaming-cold", help="Start the expert cache empty, unseeded by the profile.")
-]
-SsdPreload = Annotated[
-    int,
-    typer.Option("--ssd-streaming-preload-experts", min=0, metavar="N", help="Read the N hottest experts first."),
-]
+if TYPE_CHECKING:
+    from dwarfstar.experts.layout import ExpertLayout
+    from dwarfstar.experts.store import Telemetry
+    from dwarfstar.experts.trace import RoutingTrace
 
-
-def streaming_options(enabled: bool, cache_experts: str | None, cold: bool, preload: int) -> StreamingOptions | None:
-    """The flags as options for `load_engine`; the sub-flags without --ssd-streaming are an error."""
-    if not enabled:
-        if cache_experts is not None or cold or preload:
-            raise DwarfStarError("--ssd-streaming-cache-experts, -cold and -preload-experts need --ssd-streaming")
-        return None
-    return StreamingOptions(cache_experts=cache_experts, cold=cold, preload_experts=preload)
-
-
-def describe(summary: dict) -> str:
-    """The exit-summary line of a streamed run."""
-    return (
-        f"experts: hit {summary['hit_rate']:.1%} | {summary['bytes_per_token'] / 1e6:.2f} MB read/token | "
-        f"miss p50 {summary['miss_latency_p50_ms']:.2f} ms p99 {summary['miss_latency_p99_ms']:.2f} ms | "
-        f"resident {summary['resident_experts']}/{summary['capacity_experts']} | "
-        f"waited {summary['stall_seconds']:.2f} s for reads"
-    )
+POLICIES_HELP = "The store's policy: ds4, lfu, lru."  # experts.policy.POLICIES[:3]
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -91,11 +45,11 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-@app.command("profile-experts")
+@app.command("profile-experts", rich_help_panel=TOOLS)
 def profile_experts(
     model: Annotated[Path, typer.Option("-m", "--model", help="GGUF model file.")],
     prompts: Annotated[Path | None, typer.Option(help="Prompt set: .jsonl of rendered prompts, or a text.")] = None,
-    out: Annotated[Path | None, typer.Option("-o", "--out", help="Trace file (default: MODEL.experts.npz).")] = None,
+    out: Annotated[Path | None, output("-o", "--out", help="Trace file (default: MODEL.experts.npz).")] = None,
     tokens: Annotated[int, typer.Option("-n", "--tokens", min=0, help="Greedy tokens decoded after each prompt.")] = 32,
     max_prompt_tokens: Annotated[int, typer.Option(min=1, help="Cut each prompt to this many tokens.")] = 512,
     synthetic_zipf: Annotated[
@@ -106,12 +60,18 @@ def profile_experts(
 ) -> None:
     """Record the experts the router picks over a prompt set: the hot-expert profile that seeds
     --ssd-streaming (found next to the model), and a trace for `bench experts --replay`."""
-    from dwarfstar.backends.reference.model import ReferenceModel
-    from dwarfstar.tokenizer.tokenizer import Tokenizer
+    import numpy as np
+
+    from dwarfstar.engine import load_engine
+    from dwarfstar.engine_spec import EngineSpec
+    from dwarfstar.experts.attach import profile_path
+    from dwarfstar.experts.trace import TraceRecorder, skewed_trace
+    from dwarfstar.model.loader import open_model
 
     model_file = open_model(model)
     args = model_file.args
-    target = out or profile_path(model)
+    model_file.close()
+    target = writable(out or profile_path(model))
     if synthetic_zipf is not None:
         trace = skewed_trace(
             args.n_layers, args.n_routed_experts, args.n_activated_experts, synthetic_tokens, synthetic_zipf, seed=seed
@@ -119,8 +79,8 @@ def profile_experts(
     else:
         if prompts is None:
             raise DwarfStarError("give --prompts FILE (or --synthetic-zipf S for a synthetic trace)")
-        tokenizer = Tokenizer.from_gguf_metadata(model_file.gguf.metadata)
-        backend = ReferenceModel(model_file)
+        engine = load_engine(EngineSpec(model, "reference", ctx=max_prompt_tokens + tokens + 1))
+        tokenizer, backend = engine.tokenizer, engine.backend
         recorder = TraceRecorder(args.n_layers, args.n_routed_experts)
         backend.ops.route_observer = recorder
         for text in read_prompts(prompts):
@@ -167,6 +127,10 @@ STORE_MEMORY_FRACTION = 0.6  # the store's slots are real memory: a budget past 
 
 def first_tokens(trace: RoutingTrace, n_tokens: int) -> RoutingTrace:
     """The trace's first forward calls up to `n_tokens` tokens (whole calls: a prefill chunk stays one)."""
+    import numpy as np
+
+    from dwarfstar.experts.trace import RoutingTrace
+
     if trace.n_tokens <= n_tokens:
         return trace
     cut = int(np.searchsorted(np.cumsum(trace.calls), n_tokens, side="right"))
@@ -186,6 +150,8 @@ def simulated_reads(stats: Telemetry, layout: ExpertLayout, n_tokens: int) -> tu
 def replay_layout(layout: ExpertLayout, trace: RoutingTrace) -> tuple[ExpertLayout, str | None]:
     """The layout the trace replays over: the file's, or for a smaller model's trace (nano's real
     routing over a Flash-shaped file) the file's first layers and experts, and a note saying so."""
+    from dwarfstar.experts.trace import TraceError
+
     if (trace.n_layers, trace.n_experts) == (layout.n_layers, layout.n_experts):
         return layout, None
     if trace.n_layers > layout.n_layers or trace.n_experts > layout.n_experts or trace.k > layout.n_active:
@@ -206,7 +172,7 @@ def bench_experts(
     replay_trace: Annotated[Path, typer.Option("--replay", help="Routing trace (dwarfstar profile-experts).")],
     model: Annotated[Path, typer.Option("-m", "--model", help="GGUF model whose experts are read.")],
     budgets: Annotated[str, typer.Option(help="Cache budgets, % of all experts, comma-separated.")] = "10,25,50,75,100",
-    policy: Annotated[str, typer.Option(help=f"The store's policy: {', '.join(POLICIES[:3])}.")] = "ds4",
+    policy: Annotated[str, typer.Option(help=POLICIES_HELP)] = "ds4",
     direct: Annotated[bool, typer.Option(help="O_DIRECT reads (no page-cache copy).")] = True,
     mmap_too: Annotated[bool, typer.Option("--mmap/--no-mmap", help="Also replay over plain mmap.")] = True,
     max_tokens: Annotated[int, typer.Option(min=1, help="Replay at most this many tokens of the trace.")] = 100000,
@@ -214,12 +180,18 @@ def bench_experts(
         int | None, typer.Option(min=1, help="Read for the store and mmap only this many first tokens (default: all).")
     ] = None,
     disk_seconds: Annotated[float, typer.Option(help="Seconds of each raw disk measurement.")] = 3.0,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON.")] = None,
+    json_out: Annotated[Path | None, output("--json", help="Also write the figures as JSON.")] = None,
 ) -> None:
     """Replay a routing trace through the expert store with real reads and no compute, against Belady's
     and LRU's hit rates and the frequency oracle's (an online policy's ceiling), the disk's own
     read rates and the same replay over plain mmap. A budget whose cache does not fit in the free
     memory is simulated only (hit rates, bytes per token), without the store's real reads."""
+    from dwarfstar.experts.layout import ExpertLayout
+    from dwarfstar.experts.policy import POLICIES
+    from dwarfstar.experts.replay import disk_figures, frequency_oracle, simulate
+    from dwarfstar.experts.trace import RoutingTrace
+    from dwarfstar.model.loader import open_model
+
     if policy not in POLICIES[:3]:
         raise DwarfStarError(f"--policy must be one of {', '.join(POLICIES[:3])} (Belady is reported alongside)")
     try:
@@ -256,33 +228,9 @@ def bench_experts(
                 )
         # the online ceiling where routing is independent between calls (a drifting trace can pass it)
         row["frequency_oracle_hit"] = round(frequency_oracle(trace, capacity), 4)
-        slots = capacity * layout.max_expert_bytes
-        if slots > STORE_MEMORY_FRACTION * available_memory():
-            row["store"] = f"simulated only: {slots / 2**30:.1f} GiB of slots, {available_memory() / 2**30:.1f} free"
-        else:
-            drop_page_cache(layout.path)
-            store = ExpertStore(layout, capacity, make_policy(policy, layout.total_experts), direct=direct)
-            start = time.perf_counter()
-            try:
-                replay(store, io_trace)
-            finally:
-                store.close()
-            seconds = time.perf_counter() - start
-            summary = store.stats.summary(len(store.where), capacity)
-            row.update({f"store_{k}": v for k, v in summary.items()})
-            row["store_gbps"] = round(store.stats.bytes_read / seconds / 1e9, 3)
+        row.update(store_replay(layout, io_trace, capacity, policy, direct))
         if mmap_too:
-            mm = replay_mmap(layout, io_trace, capacity)
-            lat = np.array(mm.latencies or [0.0])
-            row.update(
-                {
-                    "mmap_hit": round(mm.hits / max(1, mm.hits + mm.misses), 4),
-                    "mmap_bytes_per_token": round(mm.bytes_read / io_trace.n_tokens),
-                    "mmap_gbps": round(mm.bytes_read / mm.seconds / 1e9, 3),
-                    "mmap_miss_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
-                    "mmap_miss_p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
-                }
-            )
+            row.update(mmap_replay(layout, io_trace, capacity))
         results["rows"].append(row)
         typer.echo(_row(f"budget {pct:g}%", row))
         typer.echo(
@@ -294,6 +242,44 @@ def bench_experts(
         json_out.write_text(json.dumps(results, indent=1) + "\n")
 
 
+def store_replay(layout: ExpertLayout, trace: RoutingTrace, capacity: int, policy: str, direct: bool) -> dict:
+    """The store's figures over the trace with real reads, or why it was only simulated (too little memory)."""
+    from dwarfstar.experts.policy import make_policy
+    from dwarfstar.experts.replay import drop_page_cache, replay
+    from dwarfstar.experts.store import ExpertStore
+
+    slots = capacity * layout.max_expert_bytes
+    if slots > STORE_MEMORY_FRACTION * available_memory():
+        return {"store": f"simulated only: {slots / 2**30:.1f} GiB of slots, {available_memory() / 2**30:.1f} free"}
+    drop_page_cache(layout.path)
+    store = ExpertStore(layout, capacity, make_policy(policy, layout.total_experts), direct=direct)
+    start = time.perf_counter()
+    try:
+        replay(store, trace)
+    finally:
+        store.close()
+    seconds = time.perf_counter() - start
+    figures = {f"store_{k}": v for k, v in store.stats.summary(len(store.where), capacity).items()}
+    return {**figures, "store_gbps": round(store.stats.bytes_read / seconds / 1e9, 3)}
+
+
+def mmap_replay(layout: ExpertLayout, trace: RoutingTrace, capacity: int) -> dict:
+    """The same replay over plain mmap: hit rate, bytes per token, GB/s and miss latencies."""
+    import numpy as np
+
+    from dwarfstar.experts.replay import replay_mmap
+
+    mm = replay_mmap(layout, trace, capacity)
+    lat = np.array(mm.latencies or [0.0])
+    return {
+        "mmap_hit": round(mm.hits / max(1, mm.hits + mm.misses), 4),
+        "mmap_bytes_per_token": round(mm.bytes_read / trace.n_tokens),
+        "mmap_gbps": round(mm.bytes_read / mm.seconds / 1e9, 3),
+        "mmap_miss_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),
+        "mmap_miss_p99_ms": round(float(np.percentile(lat, 99)) * 1e3, 3),
+    }
+
+
 @bench_app.command("experts-bound")
 def bench_experts_bound(
     zipf: Annotated[float, typer.Option(min=0.0, help="Skew of the synthetic trace: popularity rank^-ZIPF.")] = 0.7,
@@ -303,13 +289,15 @@ def bench_experts_bound(
     tokens: Annotated[int, typer.Option(min=1, help="Decode tokens of each trace.")] = 2000,
     budgets: Annotated[str, typer.Option(help="Cache budgets, % of all experts, comma-separated.")] = "10,25,50,75,100",
     seed: Annotated[int, typer.Option(help="Seed of the traces.")] = 0,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON.")] = None,
+    json_out: Annotated[Path | None, output("--json", help="Also write the figures as JSON.")] = None,
 ) -> None:
     """The best expected hit rate of any online policy on the synthetic skewed trace (the independent-
     reference bound, `dwarfstar/experts/bound.py`), next to Belady's offline optimum and what ds4, lfu,
     LRU and the frequency oracle reach, on an i.i.d. trace and on the drifting one `profile-experts
     --synthetic-zipf` writes: where 0.9 x Belady is above the bound, no online policy is within 10%."""
     from dwarfstar.experts.bound import inclusion_probabilities, online_bound, zipf_weights
+    from dwarfstar.experts.replay import frequency_oracle, simulate
+    from dwarfstar.experts.trace import skewed_trace
 
     if k > experts:
         raise DwarfStarError(f"--k {k} is more than the {experts} experts per layer")

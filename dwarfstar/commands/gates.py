@@ -13,28 +13,23 @@ from typing import Annotated
 
 import typer
 
-from dwarfstar.cli import app
-from dwarfstar.engine import BACKENDS, PRECISION_HELP
-
-test_app = typer.Typer(no_args_is_help=True, help="ds4's quality gates: prove a model still works after a change.")
-app.add_typer(test_app, name="test")
+from dwarfstar.commands.apps import test_app
+from dwarfstar.commands.flags import MODEL, ModelFlags, output
+from dwarfstar.commands.flags import Backend as BackendOption
+from dwarfstar.commands.flags import Precision as PrecisionOption  # ds4's fast and --quality kernels: ours
 
 ModelOption = Annotated[
-    Path | None, typer.Option("-m", "--model", envvar="DS4_TEST_MODEL", help="GGUF model (default: as in run).")
+    Path | None,
+    typer.Option(
+        "-m", "--model", envvar="DS4_TEST_MODEL", help="GGUF model (default: as in run).", rich_help_panel=MODEL
+    ),
 ]
-BackendOption = Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")]
-# ds4 runs its tool-call gate with both its fast and its --quality kernels; `--precision` picks ours
-PrecisionOption = Annotated[str, typer.Option(help=PRECISION_HELP)]
 
 
 def _engine(model: Path | None, backend: str, ctx: int, precision: str = "exact"):
-    from dwarfstar.engine import load_engine
-    from dwarfstar.hub import resolve_model
-    from dwarfstar.terminal import loading
+    from dwarfstar.commands.engines import start
 
-    path = resolve_model(model)
-    with loading(path) as progress:
-        return load_engine(path, backend, ctx=ctx, progress=progress, precision=precision)
+    return start(ModelFlags(model, backend, precision).spec(ctx=ctx))[0]
 
 
 def _verdict(name: str, passed: bool, detail: str) -> None:
@@ -141,7 +136,7 @@ def quality(
     against: Annotated[Path | None, typer.Option(help="Score on this GGUF's greedy continuations instead.")] = None,
     limit: Annotated[int | None, typer.Option(help="Only the first N prompts.")] = None,
     ctx: Annotated[int, typer.Option(help="Session context.")] = 4096,
-    out: Annotated[Path | None, typer.Option(help="Write ds4's per-case TSV here.")] = None,
+    out: Annotated[Path | None, output(help="Write ds4's per-case TSV here.")] = None,
     max_avg_nll: Annotated[float | None, typer.Option(help="Fail when the overall avg_nll is above this.")] = None,
 ) -> None:
     """The 100-prompt quality set: avg_nll, first-token matches and greedy common prefix on target continuations."""

@@ -11,21 +11,21 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 import dwarfstar
-from dwarfstar.cli import app
-from dwarfstar.commands.bench import bench_app
+from dwarfstar.commands.apps import TOOLS, app, bench_app
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.prompt import DS4, OFFICIAL, PromptError, render_conversation
-from dwarfstar.tokenizer import Tokenizer
-from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
+
+if TYPE_CHECKING:
+    from dwarfstar.tokenizer import Tokenizer
 
 # The official V4 vocabulary size; the bundled tokenizer.json defines exactly these ids.
 BUNDLED_VOCAB_SIZE = 129280
 BENCH_TEXT = Path("fixtures") / "text" / "promessi_sposi.txt"
+EXCERPT = "promessi_sposi_excerpt.txt"  # dwarfstar/data: its first pages, for a checkout without ../shared
 
 
 class InputFileError(DwarfStarError):
@@ -42,6 +42,9 @@ def _read_bytes(path: Path) -> bytes:
 
 
 def load_tokenizer(model: Path | None) -> Tokenizer:
+    from dwarfstar.tokenizer import Tokenizer
+    from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
+
     if model is None:
         return Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), BUNDLED_VOCAB_SIZE)
     return Tokenizer.from_gguf(model)
@@ -49,6 +52,8 @@ def load_tokenizer(model: Path | None) -> Tokenizer:
 
 def load_conversation(path: Path) -> dict[str, Any]:
     """`{"messages": [...], "tools"?: [...], "response_format"?: {...}}`, or a bare messages list."""
+    from dwarfstar.prompt import PromptError
+
     try:
         data = json.loads(_read_bytes(path).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -60,7 +65,7 @@ def load_conversation(path: Path) -> dict[str, Any]:
     return data
 
 
-@app.command()
+@app.command(rich_help_panel=TOOLS)
 def tokens(
     text_file: Annotated[Path, typer.Option("--text-file", help="Text to tokenize ('-' reads stdin).")],
     model: Annotated[
@@ -77,7 +82,7 @@ def tokens(
     typer.echo(" ".join(map(str, ids)))
 
 
-@app.command()
+@app.command(rich_help_panel=TOOLS)
 def render(
     messages_file: Annotated[
         Path, typer.Option("--messages-file", help='JSON {"messages": [...], "tools"?, "response_format"?}.')
@@ -89,6 +94,8 @@ def render(
     ds4: Annotated[bool, typer.Option("--ds4", help="Render as ds4's server does, not the official way.")] = False,
 ) -> None:
     """Print the rendered DeepSeek V4 prompt, byte for byte (no newline is added)."""
+    from dwarfstar.prompt import DS4, OFFICIAL, render_conversation
+
     request = load_conversation(messages_file)
     prompt = render_conversation(
         request["messages"],
@@ -103,25 +110,27 @@ def render(
 
 
 def default_bench_text() -> Path:
-    # `shared/` sits beside the repository checkout (and CI lays it out the same way).
-    repo = Path(dwarfstar.__file__).resolve().parents[1]
-    for shared in (repo.parent / "shared", Path.cwd().parent / "shared", Path.cwd() / "shared"):
+    """The whole book where `shared/` sits beside the checkout (as CI lays it out), else its first
+    pages, shipped in the package."""
+    package = Path(dwarfstar.__file__).resolve().parent
+    for shared in (package.parents[1] / "shared", Path.cwd().parent / "shared", Path.cwd() / "shared"):
         if (shared / BENCH_TEXT).is_file():
             return shared / BENCH_TEXT
-    raise InputFileError("promessi_sposi.txt not found beside the checkout; give one with --text-file")
+    return package / "data" / EXCERPT
 
 
 @bench_app.command("tokenizer")
 @app.command("bench-tokenizer", hidden=True)  # its first name, kept for scripts
 def bench_tokenizer(
     text_file: Annotated[
-        Path | None, typer.Option("--text-file", help="Benchmark text (default: shared promessi_sposi.txt).")
+        Path | None, typer.Option("--text-file", help="Benchmark text (default: the book, or its packaged pages).")
     ] = None,
     model: Annotated[Path | None, typer.Option("-m", "--model", help="GGUF model whose tokenizer to use.")] = None,
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs; the best one counts.")] = 3,
 ) -> None:
     """Encode speed against HF tokenizers on the official tokenizer.json, and a 100-message render+tokenize."""
     from dwarfstar.prompt.bench import run_bench
+    from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 
     path = text_file or default_bench_text()
     text = _read_bytes(path).decode("utf-8", errors="replace")

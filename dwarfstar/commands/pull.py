@@ -7,14 +7,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
 
-from dwarfstar.cli import app
+from dwarfstar.commands.apps import app
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.hub import DEFAULT_MODEL_LINK, REPO, TARGETS, download, find_token, link_default_model
-from dwarfstar.terminal import note, stderr_console
 
 GGUF_DIR_ENV = "DS4_GGUF_DIR"  # ds4's variable, so both tools share one download directory
 
@@ -27,6 +23,9 @@ def _file_state(path: Path) -> str:
 
 
 def show_targets(out_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     default = DEFAULT_MODEL_LINK.resolve() if DEFAULT_MODEL_LINK.is_symlink() else None
     table = Table(title=f"{REPO} (into {out_dir}/)", title_justify="left")
     for column in ("name", "size", "on disk", "what"):
@@ -53,6 +52,8 @@ def pull(
 ) -> None:
     """Download a DeepSeek V4 GGUF published for ds4 into the shared Hugging Face cache, resuming
     dropped connections; `--dir` gets a link under ds4's file name."""
+    from dwarfstar.terminal import note
+
     if list_targets:
         show_targets(out_dir)
         return
@@ -71,6 +72,10 @@ def pull(
 
 
 def _pull_one(file: str, out_dir: Path, token: str | None, source: str) -> Path:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from dwarfstar.terminal import note, stderr_console
+
     if (out_dir / file).exists():
         note(f"already downloaded: {out_dir / file}", "")
         return out_dir / file

@@ -5,24 +5,20 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from dwarfstar.cli import app
-from dwarfstar.gguf.constants import GGMLType
-from dwarfstar.gguf.reader import GGUFFile
-from dwarfstar.gguf.split import GGUFSet, PartName, open_all_parts, set_problem
-from dwarfstar.model.loader import open_model
-from dwarfstar.quant import inspection
-from dwarfstar.quant.imatrix import collect_imatrix, read_imatrix, write_imatrix
-from dwarfstar.quant.prompts import read_prompts, tokenize_prompt
-from dwarfstar.quant.quality import Quality, compare_models
-from dwarfstar.quant.recipes import RECIPES, quantize_model
-from dwarfstar.tokenizer.tokenizer import Tokenizer
+from dwarfstar.commands.apps import TOOLS, app
+from dwarfstar.commands.flags import output, writable
 
-_RECIPE_HELP = (
-    f"One of {', '.join(RECIPES)}. q2: routed gate/up IQ2_XXS, down Q2_K; "
+if TYPE_CHECKING:
+    from dwarfstar.gguf.constants import GGMLType
+    from dwarfstar.gguf.split import GGUFSet
+    from dwarfstar.quant.quality import Quality
+
+RECIPE_HELP = (  # quant.recipes.RECIPES
+    "One of q2, q2-q4, q4, q8. q2: routed gate/up IQ2_XXS, down Q2_K; "
     "q2-q4: q2 with the last 6 layers' experts Q4_K; q4: experts Q4_K; q8: experts Q8_0. "
     "Everything else: Q8_0 projections, F16 embedding/HC/compressor/indexer/router, F32 norms."
 )
@@ -34,14 +30,17 @@ def _gb(n: int) -> str:
     return f"{n / 1e6:.3f} MB" if n >= 1e5 else f"{n / 1e3:.3f} kB"
 
 
-@app.command()
+@app.command(rich_help_panel=TOOLS)
 def quantize(
     src: Annotated[Path, typer.Argument(help="Input GGUF (any float or quantized types).")],
-    dst: Annotated[Path, typer.Argument(help="Output GGUF.")],
-    recipe: Annotated[str, typer.Option(help=_RECIPE_HELP)],
+    dst: Annotated[Path, typer.Argument(help="Output GGUF.", callback=writable)],
+    recipe: Annotated[str, typer.Option(help=RECIPE_HELP)],
     imatrix: Annotated[Path | None, typer.Option(help="Importance matrix from `dwarfstar imatrix` (.dat).")] = None,
 ) -> None:
     """Re-encode a DeepSeek V4 GGUF with one of ds4's recipes, tensor by tensor."""
+    from dwarfstar.quant.imatrix import read_imatrix
+    from dwarfstar.quant.recipes import quantize_model
+
     start = time.perf_counter()
     matrix = read_imatrix(imatrix) if imatrix is not None else None
 
@@ -51,13 +50,42 @@ def quantize(
 
     quantize_model(src, dst, recipe, matrix, progress)
     typer.echo(f"wrote {dst} ({recipe}): {_gb(dst.stat().st_size)} in {time.perf_counter() - start:.1f} s")
+    growth = growth_note(src, dst)
+    if growth:
+        typer.echo(growth, err=True)
 
 
-@app.command("imatrix")
+def growth_note(src: Path, dst: Path) -> str | None:
+    """When the output is larger than the input: by how much, and the tensors the recipe stored wider."""
+    with open_gguf(src) as old, open_gguf(dst) as new:
+        before = sum(t.nbytes for t in old.tensors.values())
+        after = sum(t.nbytes for t in new.tensors.values())
+        grown = [
+            (new.tensors[name].nbytes - t.nbytes, name, t.ggml_type.name, new.tensors[name].ggml_type.name)
+            for name, t in old.tensors.items()
+            if name in new.tensors and new.tensors[name].nbytes > t.nbytes
+        ]
+    if after <= before:
+        return None
+    grown.sort(reverse=True)
+    wider = ", ".join(f"{name} as {now} (was {was}, +{_gb(extra)})" for extra, name, was, now in grown[:3])
+    return f"note: {dst.name} is {_gb(after - before)} larger than {src.name}: the recipe stores {wider}"
+
+
+def open_gguf(path: Path):
+    """A GGUF file, or every part of the split set `path` is a part of."""
+    from dwarfstar.gguf.reader import GGUFFile
+    from dwarfstar.gguf.split import PartName, open_all_parts
+
+    part = PartName.of(path)
+    return GGUFFile(path) if part is None else open_all_parts(part)
+
+
+@app.command("imatrix", rich_help_panel=TOOLS)
 def imatrix_command(
     model: Annotated[Path, typer.Option("-m", "--model", help="GGUF model to run (the reference backend).")],
     prompts: Annotated[Path, typer.Option(help="Prompt file: JSON lines, ds4 rendered prompts, or one per line.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Imatrix file to write (llama.cpp legacy .dat).")],
+    output_file: Annotated[Path, output("-o", "--output", help="Imatrix file to write (llama.cpp legacy .dat).")],
 ) -> None:
     """Collect routed-expert activation statistics (ds4's routed-MoE imatrix).
 
@@ -66,6 +94,11 @@ def imatrix_command(
     routed tensor (blk.N.ffn_{gate,up,down}_exps.weight) with n_expert × n_columns values, expert after
     expert; the format is spelled out in dwarfstar/quant/imatrix.py.
     """
+    from dwarfstar.model.loader import open_model
+    from dwarfstar.quant.imatrix import collect_imatrix, write_imatrix
+    from dwarfstar.quant.prompts import read_prompts, tokenize_prompt
+    from dwarfstar.tokenizer.tokenizer import Tokenizer
+
     start = time.perf_counter()
     model_file = open_model(model)
     try:
@@ -79,15 +112,15 @@ def imatrix_command(
     finally:
         model_file.close()
     typer.echo("", err=True)
-    write_imatrix(output, result)
+    write_imatrix(output_file, result)
     n_tokens = sum(len(t) for t in token_lists)
     typer.echo(
-        f"wrote {output}: {len(result.entries)} entries from {result.chunks} prompts, {n_tokens} tokens "
+        f"wrote {output_file}: {len(result.entries)} entries from {result.chunks} prompts, {n_tokens} tokens "
         f"in {time.perf_counter() - start:.1f} s"
     )
 
 
-@app.command()
+@app.command(rich_help_panel=TOOLS)
 def quality(
     ref: Annotated[Path, typer.Argument(help="Reference GGUF.")],
     test: Annotated[Path, typer.Argument(help="GGUF to measure against the reference.")],
@@ -95,6 +128,11 @@ def quality(
     json_output: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
 ) -> None:
     """KL divergence, top-1 agreement and perplexity of TEST against REF, per prompt and overall."""
+    from dwarfstar.model.loader import open_model
+    from dwarfstar.quant.prompts import read_prompts, tokenize_prompt
+    from dwarfstar.quant.quality import compare_models
+    from dwarfstar.tokenizer.tokenizer import Tokenizer
+
     ref_file = open_model(ref)
     try:
         test_file = open_model(test)
@@ -124,14 +162,16 @@ def _quality_row(q: Quality) -> str:
     return f"{q.id[:24]:24} {q.positions:6d} {q.kl:10.6f} {q.top1:7.3f} {q.ppl_ref:9.3f} {q.ppl_test:9.3f}"
 
 
-@app.command("inspect")
+@app.command("inspect", rich_help_panel=TOOLS)
 def inspect_command(
     model: Annotated[Path, typer.Argument(help="GGUF file, or any part of a split set (…-Layers00-30.gguf).")],
 ) -> None:
     """Metadata, tensor table, totals per type, and the weight bytes read per decoded token; for a
     split set, its parts and their layer ranges first, then the set as one model."""
-    part = PartName.of(model)
-    with GGUFFile(model) if part is None else open_all_parts(part) as gguf:
+    from dwarfstar.gguf.split import GGUFSet
+    from dwarfstar.quant import inspection
+
+    with open_gguf(model) as gguf:
         if isinstance(gguf, GGUFSet):
             _show_parts(gguf)
         else:
@@ -162,6 +202,8 @@ def inspect_command(
 
 
 def _show_parts(gguf_set: GGUFSet) -> None:
+    from dwarfstar.gguf.split import PartName, set_problem
+
     problem = set_problem(gguf_set)
     where = gguf_set.parts[0].path.parent
     typer.echo(

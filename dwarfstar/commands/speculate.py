@@ -1,73 +1,53 @@
-"""The MTP speculation flags (`--mtp`, `--mtp-draft`, `--mtp-margin`, `--mtp-align`) and the one-shot
-speculative reply `run` prints with them, plus `dwarfstar bench mtp`."""
+"""The one-shot speculative reply `run` prints with the MTP flags (`SpeculativeFlags`), and
+`dwarfstar bench mtp`."""
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from dwarfstar.commands.bench import bench_app
-from dwarfstar.engine import BACKENDS, Engine, load_engine
+from dwarfstar.commands.apps import bench_app
+from dwarfstar.commands.flags import ModelFlags, MTPFile
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.hub import resolve_model
-from dwarfstar.session.sampling import GREEDY, SamplingParams
-from dwarfstar.session.session import Session
-from dwarfstar.speculative.decode import ALIGNMENTS, MAX_DRAFT
-from dwarfstar.speculative.options import MTPOptions
-from dwarfstar.terminal import note
-from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
-from dwarfstar.tokenizer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from dwarfstar.engine import Engine
+    from dwarfstar.session.sampling import SamplingParams
+    from dwarfstar.speculative.options import MTPOptions
 
 BENCH_PROMPT = "Quel ramo del lago di Como, che volge a mezzogiorno, tra due catene non interrotte di monti"
 
-MTPFileOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--mtp",
-        metavar="FILE",
-        help="ds4's separate MTP GGUF (default: the model file's in-file nextn block; the bundled model's own).",
-    ),
-]
-MTPDraftOption = Annotated[
-    int | None,
-    typer.Option(
-        "--mtp-draft", metavar="N", help=f"Speculate with the MTP block drafting N tokens a step (1..{MAX_DRAFT})."
-    ),
-]
-MTPMarginOption = Annotated[
-    float,
-    typer.Option(
-        "--mtp-margin", help="Stop drafting at a draft whose top-1/top-2 logit gap is below this (0..1000; 0: never)."
-    ),
-]
-MTPAlignOption = Annotated[
-    str,
-    typer.Option(
-        "--mtp-align",
-        help="next: hidden state i with token i+1 (DeepSeek-V3 training, vLLM); same: with token i (ds4).",
-    ),
-]
-
 
 def speculative_reply(
-    engine: Engine, options: MTPOptions, ids: list[int], params: SamplingParams, max_tokens: int, ctx: int
+    engine: Engine,
+    options: MTPOptions,
+    ids: list[int],
+    params: SamplingParams,
+    max_tokens: int,
+    ctx: int,
+    thinking: bool,
 ) -> None:
-    """Prefill `ids`, stream the reply's text to stdout, then a line of speculation figures."""
-    spec = options.speculator(engine, ctx)
+    """Prefill `ids`, stream the reply to stdout as `run` does, then a line of speculation figures."""
+    from dwarfstar.session.session import Session
+    from dwarfstar.speculative.decode import load_speculation
+    from dwarfstar.terminal import StreamPrinter, note
+    from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
+
+    spec = load_speculation(options, engine.backend, engine.model).start(Session(engine.backend, ctx=ctx))
     start = time.perf_counter()
     spec.prefill(ids)
     prefill_s = time.perf_counter() - start
-    text = IncrementalDetokenizer(engine.tokenizer)
+    text, printer = IncrementalDetokenizer(engine.tokenizer), StreamPrinter(thinking)
+    eos = engine.model.args.eos_token_id
     start, count = time.perf_counter(), 0
-    for token in spec.generate(max_tokens, params, [engine.model.args.eos_token_id]):
+    for token in spec.generate(max_tokens, params, [eos]):
         count += 1
-        sys.stdout.write(text.push(token))
-        sys.stdout.flush()
-    sys.stdout.write(text.flush() + "\n")
+        if token != eos:
+            printer.feed(text.push(token))
+    printer.feed(text.flush())
+    printer.finish()
     decode_s = time.perf_counter() - start
     stats = spec.stats
     per_position = ", ".join(f"{a:.2f}" for a in stats.acceptance()) or "-"
@@ -80,27 +60,31 @@ def speculative_reply(
 
 @bench_app.command("mtp")
 def bench_mtp(
-    model: Annotated[Path | None, typer.Option("-m", "--model", help="GGUF model (default: the bundled one).")] = None,
-    mtp: MTPFileOption = None,
+    model: ModelFlags,
+    mtp: MTPFile = None,
     drafts: Annotated[str, typer.Option(help="Draft counts to measure, comma-separated.")] = "1,2,3",
     tokens: Annotated[int, typer.Option("-n", "--tokens", min=1, help="Greedy tokens per run.")] = 64,
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="Text to continue (no chat template).")] = BENCH_PROMPT,
-    backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
 ) -> None:
     """Greedy decode speed with and without MTP speculation: acceptance per draft position, mean
     accepted drafts per step, tok/s, for each draft count and both alignments."""
-    mtp_bench(model, mtp, drafts, tokens, prompt, backend)
+    from dwarfstar.engine import load_engine
+    from dwarfstar.session.sampling import GREEDY
+    from dwarfstar.session.session import Session
+    from dwarfstar.speculative.decode import ALIGNMENTS, load_speculation
+    from dwarfstar.speculative.options import MTPOptions
+    from dwarfstar.tokenizer.tokenizer import Tokenizer
 
-
-def mtp_bench(model: Path | None, mtp: Path | None, drafts: str, tokens: int, prompt: str, backend: str) -> None:
-    """The MTP bench's table (`bench mtp`, and `bench --mtp`: the group's own options, bench_ctx.py)."""
-    counts = [int(n) for n in drafts.split(",") if n.strip()]
+    try:
+        counts = [int(n) for n in drafts.split(",") if n.strip()]
+    except ValueError:
+        raise DwarfStarError(f"--drafts must be comma-separated draft counts, got {drafts!r}") from None
     if not counts:
         raise DwarfStarError("--drafts needs at least one draft count")
-    path = resolve_model(model)
+    path = model.path()
     ids = Tokenizer.from_gguf(path).encode(prompt)
     ctx = len(ids) + tokens + 8
-    engine = load_engine(path, backend, ctx=ctx)
+    engine = load_engine(model.spec(ctx=ctx))
     session = Session(engine.backend, ctx=ctx)
     session.prefill(ids)
     start = time.perf_counter()
@@ -115,7 +99,8 @@ def mtp_bench(model: Path | None, mtp: Path | None, drafts: str, tokens: int, pr
     )
     for n in counts:
         for alignment in ALIGNMENTS:
-            spec = MTPOptions(mtp, n, 0.0, alignment).speculator(engine, ctx)
+            loaded = load_speculation(MTPOptions(mtp, n, 0.0, alignment), engine.backend, engine.model)
+            spec = loaded.start(Session(engine.backend, ctx=ctx))
             spec.prefill(ids)
             start = time.perf_counter()
             got = list(spec.generate(tokens, GREEDY))

@@ -1,4 +1,5 @@
-"""`dwarfstar steer build` / `steer eval`, and the `--dir-steering-*` flags `run`, `serve` and `bench` share.
+"""`dwarfstar steer build` / `steer eval` (the `--dir-steering-*` flags that apply a direction are
+`SteeringFlags`, dwarfstar/commands/flags.py).
 
 `build` renders each paired prompt as a one-turn chat, runs it, and takes the hook point's output at
 its last row in every layer; the direction is the normalised difference of the means (good minus
@@ -9,47 +10,26 @@ mean projection of the component on the direction, with a sample.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dwarfstar.cli import app
-from dwarfstar.engine import BACKENDS, load_engine
-from dwarfstar.hub import resolve_model
-from dwarfstar.quant.prompts import read_prompts
-from dwarfstar.steering.apply import SteeringOptions
-from dwarfstar.steering.direction import COMPONENTS, MAX_SCALE, SteeringError, build_direction, write_direction
-from dwarfstar.steering.probe import evaluate, last_row_activations, prompt_ids
-from dwarfstar.terminal import loading, note, stderr_console
+from dwarfstar.commands.apps import steer_app
+from dwarfstar.commands.flags import ModelFlags, Think, output
 
-steer_app = typer.Typer(no_args_is_help=True, help="Directional steering: build a direction, measure its effect.")
-app.add_typer(steer_app, name="steer")
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
-_SCALE_HELP = f"-{MAX_SCALE:g}..{MAX_SCALE:g}; positive removes the direction, negative amplifies it"
-DirSteeringFile = Annotated[
-    Path | None, typer.Option("--dir-steering-file", help="Steering direction (ds4's raw f32 [n_layers][hidden]).")
-]
-DirSteeringFfn = Annotated[
-    float | None, typer.Option("--dir-steering-ffn", help=f"FFN steering scale (default 1 with a file; {_SCALE_HELP}).")
-]
-DirSteeringAttn = Annotated[
-    float | None,
-    typer.Option("--dir-steering-attn", help=f"Attention steering scale (default 0; {_SCALE_HELP})."),
-]
-
-
-def steering_options(path: Path | None, ffn: float | None, attn: float | None) -> SteeringOptions | None:
-    """The `--dir-steering-*` flags: None without a file; a scale without one is an error."""
-    if path is None:
-        if ffn is not None or attn is not None:
-            raise SteeringError("--dir-steering-ffn and --dir-steering-attn need --dir-steering-file")
-        return None
-    return SteeringOptions(path, ffn, attn)
+COMPONENTS_HELP = "Hook point: ffn_out or attn_out."  # steering.direction.COMPONENTS
 
 
 def _bar(label: str) -> Progress:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dwarfstar.terminal import stderr_console
+
     return Progress(
         TextColumn(label),
         BarColumn(),
@@ -61,6 +41,8 @@ def _bar(label: str) -> Progress:
 
 
 def parse_scales(text: str) -> list[float]:
+    from dwarfstar.steering.direction import SteeringError
+
     try:
         scales = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -72,27 +54,30 @@ def parse_scales(text: str) -> list[float]:
 
 @steer_app.command("build")
 def build(
+    model: ModelFlags,
     good: Annotated[Path, typer.Option(help="Prompts to steer toward: one a line, or JSON lines with 'prompt'.")],
     bad: Annotated[Path, typer.Option(help="The contrasting prompts, same layout.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Direction file to write (sidecar: FILE.json).")],
-    model: Annotated[Path | None, typer.Option("-m", "--model", help="GGUF model (default: the bundled one).")] = None,
-    component: Annotated[str, typer.Option(help=f"Hook point: {', '.join(COMPONENTS)}.")] = "ffn_out",
-    think: Annotated[bool, typer.Option("--think/--nothink", help="Render the prompts with thinking on.")] = False,
+    output_file: Annotated[Path, output("-o", "--output", help="Direction file to write (sidecar: FILE.json).")],
+    component: Annotated[str, typer.Option(help=COMPONENTS_HELP)] = "ffn_out",
+    think: Think = False,
     remove_bad_projection: Annotated[
         bool,
         typer.Option(
             "--remove-bad-projection/--keep-bad-projection", help="Take out the part along the bad mean (default)."
         ),
     ] = True,
-    backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
 ) -> None:
     """Build a steering direction from paired prompt lists and write it in ds4's layout."""
+    from dwarfstar.commands.engines import start
+    from dwarfstar.quant.prompts import read_prompts
+    from dwarfstar.steering.direction import COMPONENTS, SteeringError, build_direction, write_direction
+    from dwarfstar.steering.probe import last_row_activations, prompt_ids
+
     if component not in COMPONENTS:
         raise SteeringError(f"--component must be one of {', '.join(COMPONENTS)}, got {component!r}")
     good_prompts, bad_prompts = read_prompts(good), read_prompts(bad)
-    path = resolve_model(model)
-    with loading(path) as progress:
-        engine = load_engine(path, backend, progress=progress)
+    spec = model.spec()
+    engine, _ = start(spec)
     good_ids = [prompt_ids(p, engine.tokenizer, think) for p in good_prompts]
     bad_ids = [prompt_ids(p, engine.tokenizer, think) for p in bad_prompts]
     with _bar("capturing") as bar:
@@ -105,38 +90,43 @@ def build(
         bad_acts = last_row_activations(engine.backend, component, bad_ids, step)
     vectors = build_direction(good_acts, bad_acts, remove_bad_projection)
     settings = {
-        "model": path.name,
+        "model": spec.model.name,
         "think": think,
         "remove_bad_projection": remove_bad_projection,
         "good": {"file": str(good), "prompts": len(good_ids)},
         "bad": {"file": str(bad), "prompts": len(bad_ids)},
     }
-    write_direction(output, vectors, component, settings)
+    write_direction(output_file, vectors, component, settings)
     n_layers, hidden = vectors.shape
-    typer.echo(f"wrote {output} ({component}, [{n_layers}, {hidden}], {output.stat().st_size} bytes) and its sidecar")
+    size = output_file.stat().st_size
+    typer.echo(f"wrote {output_file} ({component}, [{n_layers}, {hidden}], {size} bytes) and its sidecar")
 
 
 @steer_app.command("eval")
 def eval_command(
+    model: ModelFlags,
     direction: Annotated[Path, typer.Argument(help="Direction file (ds4's raw f32).")],
     prompts: Annotated[Path, typer.Option(help="Prompts: one a line, or JSON lines with 'prompt'.")],
     scales: Annotated[str, typer.Option(help="Scales to compare, comma-separated.")] = "-2,-1,0,1,2",
-    model: Annotated[Path | None, typer.Option("-m", "--model", help="GGUF model (default: the bundled one).")] = None,
     tokens: Annotated[int, typer.Option("-n", "--tokens", min=1, help="Most tokens per reply.")] = 64,
-    think: Annotated[bool, typer.Option("--think/--nothink", help="Render the prompts with thinking on.")] = False,
-    backend: Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.")] = "auto",
+    think: Think = False,
 ) -> None:
     """Greedy replies at each scale: mean length, mean projection on the direction, a sample."""
+    from dwarfstar.commands.engines import start
+    from dwarfstar.quant.prompts import read_prompts
+    from dwarfstar.steering.apply import SteeringOptions
+    from dwarfstar.steering.probe import evaluate, prompt_ids
+    from dwarfstar.terminal import note
+
     values = parse_scales(scales)
     texts = read_prompts(prompts)
-    path = resolve_model(model)
-    with loading(path) as progress:
-        engine = load_engine(path, backend, progress=progress, steering=SteeringOptions(direction, 0.0, 0.0))
+    spec = replace(model.spec(), steering=SteeringOptions(direction, 0.0, 0.0))
+    engine, _ = start(spec)
     ids = [prompt_ids(p, engine.tokenizer, think) for p in texts]
     with _bar("evaluating") as bar:
         task = bar.add_task("eval", total=len(ids) * len(values))
         results = evaluate(engine.backend, engine.tokenizer, ids, values, tokens, lambda: bar.advance(task))
-    run = f"{direction.name} on {path.name} ({engine.backend_name})"
+    run = f"{direction.name} on {spec.model.name} ({engine.backend_name})"
     note(f"{run}, {len(ids)} prompts, greedy, at most {tokens} tokens per reply")
     typer.echo(f"{'scale':>7}  {'mean length':>11}  {'projection in':>13}  {'projection out':>14}  sample")
     for r in results:

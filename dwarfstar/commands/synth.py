@@ -9,16 +9,19 @@ from typing import Annotated
 
 import typer
 
-from dwarfstar.cli import app
+from dwarfstar.commands.apps import TOOLS, app
+from dwarfstar.commands.flags import writable
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.model.loader import write_split
-from dwarfstar.model.synthetic import LAYOUTS, PRESETS, preset_with_layers, write_synthetic_model
+
+PRESETS_HELP = "Model shape: tiny, tiny-k, flash-shaped, pro-shaped."  # model.synthetic.PRESETS
 
 
-@app.command()
+@app.command(rich_help_panel=TOOLS)
 def synth(
-    out: Annotated[Path, typer.Argument(help="Output .gguf path (with --split-at, the parts' name stem).")],
-    preset: Annotated[str, typer.Option(help=f"Model shape: {', '.join(PRESETS)}.")] = "tiny",
+    out: Annotated[
+        Path, typer.Argument(help="Output .gguf path (with --split-at, the parts' name stem).", callback=writable)
+    ],
+    preset: Annotated[str, typer.Option(help=PRESETS_HELP)] = "tiny",
     layout: Annotated[str, typer.Option(help="f32: every float tensor F32; ds4: the published file types.")] = "f32",
     seed: Annotated[int, typer.Option(help="Random seed; the same seed writes the same bytes.")] = 0,
     layers: Annotated[
@@ -35,6 +38,9 @@ def synth(
     ] = None,
 ) -> None:
     """Write a random DeepSeek V4 model in ds4 layout, for tests and benches."""
+    from dwarfstar.model.loader import write_split
+    from dwarfstar.model.synthetic import LAYOUTS, PRESETS, preset_with_layers, write_synthetic_model
+
     if preset not in PRESETS:
         raise DwarfStarError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if layout not in LAYOUTS:

@@ -6,9 +6,9 @@ head. The coordinator talks to every worker over its own 2-rank gloo link (a sta
 talks to another worker), so a worker that dies breaks only its own link, and one that registers
 again gets a fresh one without the other ranks re-forming a group.
 
-Each stage loads only its slice (`launch.DistOptions.stage_layers`, then `load_engine(...,
-layers=...)`): the backends read and keep only those layers' weights, with the embedding on the
-coordinator and the head on the last stage, and its KV cache holds arrays for those layers only.
+Each stage loads only its slice (`options.DistOptions.stage_layers`, which `load_engine` asks): the
+backends read and keep only those layers' weights, with the embedding on the coordinator and the head
+on the last stage, and its KV cache holds arrays for those layers only.
 
 - `protocol`: the fixed header, the segment records, the token-prefix hash, the activation codec;
 - `link`: one coordinator-worker link (gloo side group for headers, gloo or NCCL for the data);
@@ -20,5 +20,5 @@ coordinator and the head on the last stage, and its KV cache holds arrays for th
 - `pipeline`: pipelined prefill; `backend`: `RouteBackend`, the session layer's `Backend`;
 - `speculation`: MTP speculative decoding on a route (the coordinator's runner and remote draft
   track); `drafting`: the last stage's MTP draft, next to the final streams it drafts from;
-- `launch`: torchrun, mlx.launch or by-hand start of either role.
+- `options`: what the `--dist-*` flags ask; `launch`: torchrun, mlx.launch or by-hand start of either role.
 """

@@ -45,7 +45,7 @@ class RouteBackend:
         from dwarfstar.distributed.speculation import RouteRunner
 
         if self._runner is None:
-            self._runner = RouteRunner(self)
+            self._runner = RouteRunner(self, self.route)
         return self._runner
 
     def new_state(self) -> RouteState:

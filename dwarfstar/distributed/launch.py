@@ -11,21 +11,18 @@ loads the block itself from its own `--mtp` flags (a worker started by hand on a
 names its file there) and registers that it holds one; a coordinator that drafts refuses a last
 stage without one.
 
-Each role loads only its slice (`stage_layers`, before the engine loads: `load_engine(...,
-layers=...)`): its layers' weights and KV arrays, the embedding on the coordinator, the head on the
+Each role loads only its slice (`DistOptions.stage_layers`, which `load_engine` asks before the
+weights load): its layers' weights and KV arrays, the embedding on the coordinator, the head on the
 last stage. A stage given a model that holds more layers (one process's engine) runs its own only.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from dwarfstar.distributed.backend import RouteBackend
-from dwarfstar.distributed.link import DATA_BACKENDS
 from dwarfstar.distributed.membership import (
     LayerSlice,
     Registration,
@@ -33,99 +30,17 @@ from dwarfstar.distributed.membership import (
     local_host_toward,
     model_identity,
     parse_addr,
-    parse_layers,
-    split_by_bytes,
 )
 from dwarfstar.distributed.mlx_ring import MLXRingLink, admit_ring, register_over_ring, ring_group
-from dwarfstar.distributed.protocol import ACTIVATION_BITS, DistError
+from dwarfstar.distributed.options import DistOptions
+from dwarfstar.distributed.protocol import DistError
 from dwarfstar.distributed.route import Route, RouteOptions
 from dwarfstar.distributed.stage import StageWorker, WorkerOptions, serve_link, serve_stage
 from dwarfstar.engine import Engine
 from dwarfstar.model.forward import Transformer
-from dwarfstar.model.loader import ModelFile, open_model
 
 if TYPE_CHECKING:
     from dwarfstar.speculative.options import MTPOptions
-
-ROLES = ("coordinator", "worker")
-TRANSPORTS = (*DATA_BACKENDS, "mlx")  # mlx: the whole route on the mx.distributed ring
-SECRET_ENV = "DWARFSTAR_DIST_SECRET"
-
-
-@dataclass
-class DistOptions:
-    role: str | None = None  # None: one process, no route
-    layers: str | None = None
-    addr: str | None = None
-    bind: str | None = None
-    stages: int = 2
-    bits: int = 32
-    prefill_chunk: int = 4096
-    prefill_window: int = 1
-    timeout_s: float = 600.0
-    wait_s: float = 600.0
-    secret: str = ""
-    data_backend: str = "gloo"
-    debug: bool = False
-    mtp: bool = False  # the coordinator drafts with MTP: its last stage must hold the block
-
-    @classmethod
-    def resolved(cls, **flags) -> DistOptions:
-        """The flags, with torchrun's environment filling the role, address and stage count."""
-        opts = cls(**flags)
-        if opts.data_backend not in TRANSPORTS:
-            raise DistError(f"--dist-backend must be one of {', '.join(TRANSPORTS)}, got {opts.data_backend!r}")
-        ring = opts.data_backend == "mlx"
-        if ring and opts.role is None and "MLX_RANK" in os.environ:
-            opts.role = "coordinator" if os.environ["MLX_RANK"] == "0" else "worker"
-        if opts.role is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            opts.role = "coordinator" if os.environ["RANK"] == "0" else "worker"
-            opts.stages = int(os.environ["WORLD_SIZE"])
-            if opts.addr is None:
-                port = int(os.environ.get("MASTER_PORT", "29500")) + 1
-                opts.addr = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
-        opts.secret = opts.secret or os.environ.get(SECRET_ENV, "")
-        if opts.role is None:
-            return opts
-        if opts.role not in ROLES:
-            raise DistError(f"--dist-role must be one of {', '.join(ROLES)}, got {opts.role!r}")
-        if opts.addr is None and not ring:
-            raise DistError("a distributed role needs --dist-addr HOST:PORT (the coordinator's address)")
-        if opts.bits not in ACTIVATION_BITS:
-            raise DistError(f"--dist-activation-bits must be one of {', '.join(map(str, ACTIVATION_BITS))}")
-        if opts.prefill_chunk < 1 or opts.prefill_window < 1:
-            raise DistError("--dist-prefill-chunk and --dist-prefill-window must be positive")
-        return opts
-
-    def slice_for(self, model: ModelFile, rank: int | None = None) -> LayerSlice:
-        """--layers, else this rank's share of an even split by bytes (`rank`: the MLX ring's)."""
-        n = model.args.n_layers
-        if self.layers is not None:
-            return parse_layers(self.layers, n)
-        if model.layers is not None:  # loaded for this role's slice (`stage_layers`)
-            return LayerSlice(model.layers.start, model.layers.stop, n)
-        plan = split_by_bytes(model, self.stages)
-        if self.role == "coordinator":
-            return plan[0]
-        if rank is None:
-            rank = int(os.environ.get("MLX_RANK" if self.data_backend == "mlx" else "RANK", "-1"))
-        if not 0 < rank < len(plan):
-            raise DistError("a worker started by hand needs --layers A:B (or A:output for the last one)")
-        return plan[rank]
-
-    def stage_layers(self, path: str | os.PathLike) -> tuple[int, int] | None:
-        """The layers this role loads, `load_engine(..., layers=...)`: its slice (None: one process).
-
-        The split by bytes reads only the file's tensor table; an MLX ring member's rank is MLX_RANK,
-        which `mx.distributed.init` takes it from too."""
-        if self.role is None:
-            return None
-        model = open_model(Path(path))
-        try:
-            layers = self.slice_for(model)
-        finally:
-            model.close()
-        return layers.first, layers.last
 
 
 def local_model(engine: Engine, layers: LayerSlice) -> Transformer:
@@ -156,9 +71,9 @@ def start_coordinator(engine: Engine, opts: DistOptions, ctx: int) -> Route:
         opts.bits, opts.prefill_chunk, opts.prefill_window, opts.timeout_s, opts.debug, opts.data_backend
     )
     identity = model_identity(engine.model)
-    if opts.data_backend == "mlx":
+    if opts.ring:
         group = ring_group()
-        opts.stages = group.size()
+        opts = replace(opts, stages=group.size())
         layers = opts.slice_for(engine.model, group.rank())
         route = Route(local_model(engine, layers), layers, None, identity, ctx, options, opts.mtp)
         admit_ring(route, group, opts.secret)
@@ -185,9 +100,9 @@ def run_worker(engine: Engine, opts: DistOptions, ctx: int, speculation: MTPOpti
     """Serve this process's layers until a coordinator sends SHUTDOWN; with `speculation`, the last
     stage loads the MTP block and drafts for the coordinator."""
     model_id, quant = model_identity(engine.model)
-    if opts.data_backend == "mlx":
+    if opts.ring:
         group = ring_group()
-        opts.stages = group.size()
+        opts = replace(opts, stages=group.size())
         layers = opts.slice_for(engine.model, group.rank())
         model = local_model(engine, layers)
         draft = stage_draft(engine, model, layers, speculation)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, Store
 
+from dwarfstar.distributed.options import DATA_BACKENDS
 from dwarfstar.distributed.protocol import (
     FLAG_LOGITS,
     HEADER,
@@ -28,7 +29,6 @@ from dwarfstar.distributed.protocol import (
     unpack_segments,
 )
 
-DATA_BACKENDS = ("gloo", "nccl")
 SIDE_TAG, DATA_TAG = 0, 1
 
 

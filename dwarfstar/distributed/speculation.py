@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -29,11 +29,9 @@ from dwarfstar.distributed.route import ReplayNeeded, Route
 from dwarfstar.distributed.state import RouteSnapshot, RouteState
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.session.sampling import Sampler
+from dwarfstar.session.session import Backend
 from dwarfstar.speculative.rollback import CompressorTap, can_truncate, truncate
 from dwarfstar.speculative.track import paired_tokens
-
-if TYPE_CHECKING:
-    from dwarfstar.distributed.backend import RouteBackend
 
 
 @dataclass(frozen=True)
@@ -143,8 +141,9 @@ class RouteTap:
 class RouteRunner:
     """A speculator's target on a route (`decode.LocalRunner`'s methods)."""
 
-    def __init__(self, backend: RouteBackend) -> None:
-        self.target, self.route = backend, backend.route
+    def __init__(self, target: Backend, route: Route) -> None:
+        """`target`: the route as a backend (`RouteBackend`), which the speculator's session runs."""
+        self.target, self.route = target, route
         self._snaps: list[RouteSnapshot] = []  # taken for the next verify pass
 
     def track(self, draft: Any, state: RouteState, shift: int) -> RemoteTrack:

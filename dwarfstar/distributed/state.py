@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from dwarfstar.distributed.membership import LayerSlice
 from dwarfstar.distributed.protocol import FNV_OFFSET, DistError, extend_hash
+from dwarfstar.model.forward import Transformer
 from dwarfstar.model.state import SequenceState, StateSnapshot
-
-if TYPE_CHECKING:
-    from dwarfstar.distributed.route import Route
 
 
 @dataclass
@@ -30,8 +29,24 @@ class RouteSnapshot(StateSnapshot):
     token_hash: int = FNV_OFFSET  # the rolling hash of its tokens
 
 
+class StateRoute(Protocol):
+    """What a route state asks of its route (`route.Route`): its local model and layers, session ids,
+    and the workers' side of gathering, syncing, snapshots and forks."""
+
+    local: Transformer
+    local_layers: LayerSlice
+    released: list[int]  # session ids of dropped states
+
+    def new_session_id(self) -> int: ...
+    def export(self, state: RouteState) -> dict: ...
+    def sync(self, state: RouteState) -> None: ...
+    def snapshot(self, state: RouteState) -> int: ...
+    def restore(self, state: RouteState, snap: RouteSnapshot) -> None: ...
+    def fork(self, state: RouteState, twin: RouteState) -> None: ...
+
+
 class RouteState(SequenceState):
-    def __init__(self, route: Route, near: int | None = None) -> None:
+    def __init__(self, route: StateRoute, near: int | None = None) -> None:
         super().__init__(route.local.cache, near)
         self.route = route
         self.session_id = route.new_session_id()

@@ -7,7 +7,12 @@ prompts, graders, thinking budgets and trace format. `../shared/spec/DS4_SURFACE
 §5.3 and §5.4 give ds4's semantics, which these modules follow.
 """
 
+from pathlib import Path
+
 from dwarfstar.errors import DwarfStarError
+
+DEFAULT_TOKENS = 16000  # ds4-eval's -n
+BUNDLED_SET = Path(__file__).resolve().parent.parent / "data" / "evals" / "dwarfstar_v1.jsonl"
 
 
 class EvalError(DwarfStarError):

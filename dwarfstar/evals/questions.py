@@ -30,7 +30,6 @@ INSTRUCTIONS = {
     "integer": "\nSolve the problem. " + _FINAL_LINE + "Answer: <integer>",
 }
 TITLE_CHARS = 60
-BUNDLED_SET = Path(__file__).resolve().parent.parent / "data" / "evals" / "dwarfstar_v1.jsonl"
 _LINE_SPEC = re.compile(r"^[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*$")
 _REQUIRED = ("source", "id", "domain", "question", "choices", "answer", "answer_kind")
 

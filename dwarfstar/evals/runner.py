@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dwarfstar.evals import EvalError
+from dwarfstar.evals import DEFAULT_TOKENS, EvalError
 from dwarfstar.evals.questions import SYSTEM_PROMPT, Question
 from dwarfstar.evals.trace import CaseRecord, ThinkClose
 from dwarfstar.prompt.render import render_conversation
@@ -31,7 +31,6 @@ from dwarfstar.tokenizer.specials import THINK_END
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 MAX_CONTEXT = 1_000_000  # ds4-eval's cap
-DEFAULT_TOKENS = 16000
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,8 @@ def open_model(path: str | os.PathLike, layers: tuple[int, int] | None = None) -
     validates only those layers, with the embedding when `first` is 0 and the head when `end` is the
     last layer; from a split set it maps only the parts holding them."""
     path = Path(path)
+    if path.is_dir():
+        raise ModelFileError(f"{path} is a directory; give the GGUF model file in it")
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
     part = PartName.of(path)

@@ -1,17 +1,19 @@
-"""Server settings: what `dwarfstar serve` options set, in one place the other modules read."""
+"""Server settings: what `dwarfstar serve` options set, in one place the other modules read. Nothing
+heavy is imported at the top: the command line reads the names here."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from dwarfstar.prompt.options import DS4, OFFICIAL, RenderOptions
 from dwarfstar.speculative.options import MTPOptions
 
-TEMPLATES: dict[str, RenderOptions] = {"ds4": DS4, "official": OFFICIAL}
+if TYPE_CHECKING:
+    from dwarfstar.prompt.options import RenderOptions
+
+TEMPLATES = ("ds4", "official")  # ds4's server layout, or the official encoder's
 API_KEY_ENV = "DWARFSTAR_API_KEY"  # where `dwarfstar serve` also reads --api-key from
 
 
@@ -28,6 +30,8 @@ def session_memory_budget(backend_name: str) -> int:
     conversations gives idle ones up (to the disk cache) instead of growing until the machine swaps
     or the device runs out: half the free device memory for the Triton backend, whose states live on
     the GPU, and a quarter of physical memory for the CPU and unified-memory backends."""
+    import torch
+
     if backend_name == "triton" and torch.cuda.is_available():
         free, _total = torch.cuda.mem_get_info()
         return free // DEVICE_SHARE
@@ -60,4 +64,6 @@ class ServerConfig:
 
     @property
     def render_options(self) -> RenderOptions:
-        return TEMPLATES[self.template]
+        from dwarfstar.prompt.options import DS4, OFFICIAL
+
+        return {"ds4": DS4, "official": OFFICIAL}[self.template]

@@ -39,8 +39,7 @@ from dwarfstar.serving.trace import Trace
 from dwarfstar.session.kvpolicy import SaveReason
 from dwarfstar.session.sampling import Sampler
 from dwarfstar.session.session import Session, decode_batch, prefill_batch, sample_next
-from dwarfstar.speculative.decode import step_batch
-from dwarfstar.speculative.options import MTPSpeculation
+from dwarfstar.speculative.decode import MTPSpeculation, step_batch
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -35,6 +35,7 @@ from dwarfstar.serving.scheduler import QueueFull, Scheduler, ShuttingDown
 from dwarfstar.serving.trace import Trace
 from dwarfstar.serving.validation import budget_overflow, nothing_to_answer, opens_answer
 from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.speculative.decode import load_speculation
 from dwarfstar.steering.apply import steering_of
 from dwarfstar.steering.direction import MAX_SCALE, SteeringScale
 
@@ -100,7 +101,7 @@ class Service:
             max_queue=config.max_queue,
             trace=self.trace,
             disk=self.disk,
-            speculation=None if config.mtp is None else config.mtp.load(engine),
+            speculation=None if config.mtp is None else load_speculation(config.mtp, engine.backend, engine.model),
             experts=engine.experts,
         )
 

@@ -34,31 +34,20 @@ import torch
 
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.forward import Transformer
+from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState, StateSnapshot
 from dwarfstar.session.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session
-from dwarfstar.speculative.mtp import MTPDraft, forward_of
+from dwarfstar.speculative.mtp import MTPDraft, forward_of, load_draft
+from dwarfstar.speculative.options import ALIGNMENTS, MAX_DRAFT, MTPOptions, check_settings
 from dwarfstar.speculative.rollback import CompressorTap, can_truncate, truncate
 from dwarfstar.speculative.track import DraftTrack
 from dwarfstar.speculative.verify import Verdict, rule_probabilities, verify_greedy, verify_sampled
 
-MAX_DRAFT = 8  # drafts per step: verifying N tokens routes up to 6N experts per layer
-MAX_MARGIN = 1000.0  # ds4's range for --mtp-margin
-ALIGNMENTS = {"next": 1, "same": 0}  # the paired token's offset from the hidden state's position
 # truncate: cut the state back in place (no pass); rerun: restore the snapshot and run the kept tokens
 # again, one more pass, which computes them exactly as plain decoding does (the MoE of a longer pass
 # groups rows differently, so truncated states differ from plain decoding's in float rounding)
 ROLLBACKS = ("truncate", "rerun")
-
-
-def check_settings(n_draft: int, alignment: str, margin: float) -> None:
-    """The draft count, alignment and margin are usable, else a clear error (named as the flags)."""
-    if not 1 <= n_draft <= MAX_DRAFT:
-        raise DwarfStarError(f"--mtp-draft must be in 1..{MAX_DRAFT}, got {n_draft}")
-    if alignment not in ALIGNMENTS:
-        raise DwarfStarError(f"unknown MTP alignment {alignment!r}; choose one of {', '.join(ALIGNMENTS)}")
-    if not 0 <= margin <= MAX_MARGIN:
-        raise DwarfStarError(f"--mtp-margin must be in 0..{MAX_MARGIN:g}, got {margin}")
 
 
 class Drafter:
@@ -338,3 +327,20 @@ class MTPDrafter(Drafter):
         if sampler.params.greedy:
             return drafts, None
         return drafts, [rule_probabilities(row, sampler.params) for row in logits]
+
+
+@dataclass(frozen=True)
+class MTPSpeculation:
+    """A loaded draft and its settings: a speculator for any session of its target (a server's)."""
+
+    options: MTPOptions
+    draft: MTPDraft
+
+    def start(self, session: Session) -> Speculator:
+        o = self.options
+        return Speculator(session, self.draft, o.n_draft, o.alignment, o.margin)
+
+
+def load_speculation(options: MTPOptions, backend: Any, model: ModelFile) -> MTPSpeculation:
+    """The MTP draft `options` name for `backend` running `model` (the engine's), loaded once."""
+    return MTPSpeculation(options, load_draft(backend, model, options.file_for(model.path)))

@@ -1,18 +1,30 @@
-"""What `--mtp`, `--mtp-draft`, `--mtp-margin` and `--mtp-align` choose, for `run`, `serve` and `bench`."""
+"""What `--mtp`, `--mtp-draft`, `--mtp-margin` and `--mtp-align` choose, for `run`, `serve`, `agent` and
+`bench`; `decode.load_speculation` loads the draft they name. Nothing heavy is imported here, so the
+command line states the limits without loading torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from dwarfstar.engine import Engine
+from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.bundled import default_model_path
-from dwarfstar.session.session import Session
-from dwarfstar.speculative.decode import Speculator, check_settings
-from dwarfstar.speculative.mtp import MTPDraft, load_draft
 
 BUNDLED_MTP = "nano-mtp.gguf"  # tools/train_nano.py --mtp
 DEFAULT_DRAFT = 2  # --mtp without --mtp-draft
+MAX_DRAFT = 8  # drafts per step: verifying N tokens routes up to 6N experts per layer
+MAX_MARGIN = 1000.0  # ds4's range for --mtp-margin
+ALIGNMENTS = {"next": 1, "same": 0}  # the paired token's offset from the hidden state's position
+
+
+def check_settings(n_draft: int, alignment: str, margin: float) -> None:
+    """The draft count, alignment and margin are usable, else a clear error (named as the flags)."""
+    if not 1 <= n_draft <= MAX_DRAFT:
+        raise DwarfStarError(f"--mtp-draft must be in 1..{MAX_DRAFT}, got {n_draft}")
+    if alignment not in ALIGNMENTS:
+        raise DwarfStarError(f"unknown MTP alignment {alignment!r}; choose one of {', '.join(ALIGNMENTS)}")
+    if not 0 <= margin <= MAX_MARGIN:
+        raise DwarfStarError(f"--mtp-margin must be in 0..{MAX_MARGIN:g}, got {margin}")
 
 
 @dataclass(frozen=True)
@@ -37,22 +49,3 @@ class MTPOptions:
         if path is None and n_draft is None:
             return None
         return cls(path, DEFAULT_DRAFT if n_draft is None else n_draft, margin, alignment)
-
-    def load(self, engine: Engine) -> MTPSpeculation:
-        """The engine's MTP draft, loaded once, with these settings."""
-        return MTPSpeculation(self, load_draft(engine.backend, engine.model, self.file_for(engine.model.path)))
-
-    def speculator(self, engine: Engine, ctx: int) -> Speculator:
-        return self.load(engine).start(Session(engine.backend, ctx=ctx))
-
-
-@dataclass(frozen=True)
-class MTPSpeculation:
-    """A loaded draft and its settings: a speculator for any session of its target (a server's)."""
-
-    options: MTPOptions
-    draft: MTPDraft
-
-    def start(self, session: Session) -> Speculator:
-        o = self.options
-        return Speculator(session, self.draft, o.n_draft, o.alignment, o.margin)

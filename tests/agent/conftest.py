@@ -14,6 +14,7 @@ from dwarfstar.agent.tools import Toolbox, ToolOutcome
 from dwarfstar.agent.transcript import Transcript, system_text
 from dwarfstar.chat import ThinkMode
 from dwarfstar.engine import Engine, load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.prompt.dsml import ToolCall, render_tool_calls
 
@@ -22,7 +23,7 @@ MODEL_CTX = 8192
 
 @pytest.fixture(scope="session")
 def nano() -> Engine:
-    return load_engine(default_model_path(), "reference", ctx=MODEL_CTX)
+    return load_engine(EngineSpec(default_model_path(), "reference", ctx=MODEL_CTX))
 
 
 def calls(*pairs: tuple[str, dict]) -> str:

@@ -19,6 +19,7 @@ from dwarfstar.agent.transcript import Transcript
 from dwarfstar.engine import Engine
 from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.session.session import Cancelled
+from dwarfstar.speculative.decode import load_speculation
 from dwarfstar.speculative.options import MTPOptions
 
 REPLY_TOKENS = 16
@@ -31,7 +32,7 @@ GREEDY = SamplingParams(temperature=0)
 
 def agents(nano: Engine, root: Path) -> tuple[Agent, Agent, SpeculativePolicy]:
     eos = nano.backend.args.eos_token_id
-    policy = SpeculativePolicy(GREEDY, eos, MTPOptions(None, 2).load(nano))
+    policy = SpeculativePolicy(GREEDY, eos, load_speculation(MTPOptions(None, 2), nano.backend, nano.model))
     plain, speculative = make_agent(nano, root, SampledPolicy(GREEDY, eos)), make_agent(nano, root, policy)
     policy.start(speculative.session)
     for agent in (plain, speculative):
@@ -121,3 +122,18 @@ def test_bad_mtp_flags_are_clear_errors(tmp_path: Path) -> None:
         done = agent_cli(tmp_path, *flags)
         assert done.returncode != 0 and message in done.stderr + done.stdout, (flags, done.stderr)
         assert "Traceback" not in done.stderr
+
+
+def test_the_context_warning_is_for_a_ctx_the_user_set(tmp_path: Path) -> None:
+    """The default --ctx (100000) quietly becomes the bundled model's 65536; a --ctx the user gives
+    beyond it is named. (Both runs stop at the speculation refusal, after the warning would print.)"""
+    env = dict(os.environ, HOME=str(tmp_path / "home"), DWARFSTAR_KVCACHE=str(tmp_path / "kv"), NO_COLOR="1")
+    argv = [sys.executable, "-m", "dwarfstar", "agent", "--plain", "--backend", "reference", "-p", "hi"]
+    argv += ["--mtp-draft", "2", "--power", "50"]
+    default, given = (
+        subprocess.run(argv + extra, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        for extra in ([], ["--ctx", "100000"])
+    )
+    assert "speculative decoding needs" in default.stderr + default.stdout
+    assert "more than this model holds" not in default.stderr + default.stdout
+    assert "--ctx 100000 is more than this model holds; using 65536" in given.stderr + given.stdout

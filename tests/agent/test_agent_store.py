@@ -11,6 +11,7 @@ from conftest import Recorder, make_agent
 from dwarfstar.agent.policy import ScriptedPolicy
 from dwarfstar.agent.store import SYSPROMPT, SessionError, SessionStore, session_id
 from dwarfstar.engine import Engine, load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.session import kvfile
 from dwarfstar.session.kvfile import ModelIdentity
@@ -106,7 +107,7 @@ def test_another_models_session_is_listed_as_foreign(saved, tmp_path: Path) -> N
     store, _, sid = saved
     path = tmp_path / "tiny.gguf"
     write_synthetic_model(path, TINY, seed=0)
-    other = load_engine(path, "reference", ctx=8192)
+    other = load_engine(EngineSpec(path, "reference", ctx=8192))
     [listed] = open_store(other, store.directory).sessions()
     assert (listed.id, listed.problem) == (sid, "KV file was written for another model")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.state import SequenceState
 from dwarfstar.session.payload import read_payload, write_payload
 from dwarfstar.session.session import Backend
@@ -76,7 +77,7 @@ def load(kind: BackendKind, model_path: Path, qat: bool) -> Backend:
         return load_backend(open_model(model_path), device="cpu", qat=qat)
     from dwarfstar.engine import load_engine
 
-    return load_engine(model_path, backend=kind.name, qat=qat).backend
+    return load_engine(EngineSpec(model_path, backend=kind.name, qat=qat)).backend
 
 
 def state_device(backend: Backend) -> torch.device:

@@ -23,6 +23,7 @@ from dwarfstar.distributed.launch import DistOptions, start_coordinator
 from dwarfstar.distributed.membership import parse_layers
 from dwarfstar.distributed.route import Route
 from dwarfstar.engine import Engine, load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.speculative.options import BUNDLED_MTP
 
@@ -65,9 +66,9 @@ class Cluster:
             self.engine = reference or engine
             self.local = self.engine.backend
             opts = DistOptions.resolved(
-                role="coordinator", layers=self.layers[0], addr=self.addr, wait_s=WAIT_S, timeout_s=60
-            )
-            opts.mtp = self.mtp is not None
+                role="coordinator", layers=self.layers[0], addr=self.addr, wait_s=WAIT_S, timeout_s=60,
+                mtp=self.mtp is not None,
+            )  # fmt: skip
             self.route = start_coordinator(engine, opts, CTX)
             self.backend = RouteBackend(self.route)
         return self
@@ -104,7 +105,7 @@ class Cluster:
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model_file) -> tuple[Engine, Path]:
     path = tiny_model_file(0)
-    return load_engine(path, "reference", ctx=CTX), path
+    return load_engine(EngineSpec(path, "reference", ctx=CTX)), path
 
 
 @pytest.fixture(scope="session")
@@ -135,7 +136,9 @@ def connected(cluster: Cluster, reference: Engine) -> Cluster:
     if cluster.route is None:
         layers = parse_layers(cluster.layers[0], reference.model.args.n_layers)
         sliced = (layers.first, layers.last)
-        cluster.connect(load_engine(cluster.path, "reference", ctx=CTX, qat=cluster.qat, layers=sliced), reference)
+        cluster.connect(
+            load_engine(EngineSpec(cluster.path, "reference", ctx=CTX, qat=cluster.qat, layers=sliced)), reference
+        )
     return cluster
 
 
@@ -157,7 +160,7 @@ def fragile(clusters, tiny_engine) -> Cluster:
 
 @pytest.fixture(scope="session")
 def nano_engine() -> Engine:
-    return load_engine(default_model_path(), "reference", ctx=CTX)
+    return load_engine(EngineSpec(default_model_path(), "reference", ctx=CTX))
 
 
 @pytest.fixture
@@ -168,7 +171,7 @@ def nano2(clusters, nano_engine) -> Cluster:
 @pytest.fixture(scope="session")
 def exact_nano() -> Engine:
     """The bundled model in one process without QAT rounding: the MTP routes' reference."""
-    return load_engine(default_model_path(), "reference", ctx=CTX, qat=False)
+    return load_engine(EngineSpec(default_model_path(), "reference", ctx=CTX, qat=False))
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +18,10 @@ import numpy as np
 from dwarfstar.distributed.backend import RouteBackend
 from dwarfstar.distributed.launch import DistOptions, run_worker, start_coordinator
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.session.session import Session
+from dwarfstar.speculative.decode import load_speculation
 from dwarfstar.speculative.options import MTPOptions
 
 CTX = 128
@@ -40,7 +43,7 @@ def plain(backend) -> dict[str, np.ndarray]:
 
 
 def speculative(engine, speculation: MTPOptions) -> dict[str, np.ndarray]:
-    spec = speculation.speculator(engine, CTX)
+    spec = load_speculation(speculation, engine.backend, engine.model).start(Session(engine.backend, ctx=CTX))
     spec.prefill(PROMPT)
     tokens = list(spec.generate(24, GREEDY))
     stats = spec.stats
@@ -54,11 +57,16 @@ def main() -> None:
     speculation = None if qat else MTPOptions(Path(sys.argv[3]), 2)
     opts = DistOptions.resolved(data_backend="mlx", layers="0:3" if os.environ["MLX_RANK"] == "0" else "3:output")
     if opts.role == "worker":  # its slice only; the coordinator loads every layer, to compare with one process
-        run_worker(load_engine(model, "mlx", qat=qat, ctx=CTX, layers=opts.stage_layers(model)), opts, CTX, speculation)
+        run_worker(
+            load_engine(EngineSpec(model, "mlx", qat=qat, ctx=CTX, dist=opts)),
+            opts,
+            CTX,
+            speculation,
+        )
         return
-    engine = load_engine(model, "mlx", qat=qat, ctx=CTX)
+    engine = load_engine(EngineSpec(model, "mlx", qat=qat, ctx=CTX))
     local = engine.backend
-    opts.mtp = speculation is not None
+    opts = replace(opts, mtp=speculation is not None)
     route = start_coordinator(engine, opts, CTX)
     figures = {}
     for name, backend in (("local", local), ("route", RouteBackend(route))):

@@ -17,6 +17,7 @@ from dwarfstar.distributed.launch import DistOptions, run_worker
 from dwarfstar.distributed.protocol import Op
 from dwarfstar.distributed.stage import StageWorker
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.speculative.options import MTPOptions
 
 CTX = 256
@@ -39,7 +40,7 @@ def main() -> None:
     speculation = MTPOptions(Path(options["mtp"]), 2) if "mtp" in options else None
     opts = DistOptions.resolved(role="worker", layers=layers, addr=addr, wait_s=300, timeout_s=60)
     qat = options.get("qat", "1") != "0"
-    engine = load_engine(model, "reference", ctx=CTX, qat=qat, layers=opts.stage_layers(model))  # its slice only
+    engine = load_engine(EngineSpec(model, "reference", ctx=CTX, qat=qat, dist=opts))  # its slice only
     run_worker(engine, opts, CTX, speculation)
 
 

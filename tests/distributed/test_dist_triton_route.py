@@ -8,6 +8,7 @@ import torch
 from conftest import CTX, Cluster
 
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 
 PROMPT = [0, 17, 42, 7, 99, 1000, 5, 31]
 
@@ -17,10 +18,10 @@ def test_triton_route_matches_one_process(tiny_model_file, tmp_path):
     path = tiny_model_file(0)
     cluster = Cluster(path, ["0:3", "3:output"], tmp_path, cli=True, backend="triton")
     try:
-        single = load_engine(path, "triton", ctx=CTX).backend
+        single = load_engine(EngineSpec(path, "triton", ctx=CTX)).backend
         alone = single.new_state()
         want = single.forward(PROMPT, alone, all_logits=True)
-        cluster.connect(load_engine(path, "triton", ctx=CTX, layers=(0, 3)))
+        cluster.connect(load_engine(EngineSpec(path, "triton", ctx=CTX, layers=(0, 3))))
         local = cluster.route.local
         assert local.layer_range == range(0, 3) and local.w.output is None and sorted(local.w.layers) == [0, 1, 2]
         routed = cluster.backend.new_state()

@@ -8,10 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
-from dwarfstar.evals import EvalError
+from dwarfstar.evals import BUNDLED_SET, EvalError
 from dwarfstar.evals.extractor_cases import CASES
 from dwarfstar.evals.graders import grade, line_set, lines_match
-from dwarfstar.evals.questions import BUNDLED_SET, load_questions
+from dwarfstar.evals.questions import load_questions
 
 _register_commands()
 runner = CliRunner()

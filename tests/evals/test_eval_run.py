@@ -11,9 +11,10 @@ from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
 from dwarfstar.engine import load_engine
-from dwarfstar.evals import EvalError
+from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.evals import BUNDLED_SET, EvalError
 from dwarfstar.evals import quality as q
-from dwarfstar.evals.questions import BUNDLED_SET, load_questions
+from dwarfstar.evals.questions import load_questions
 from dwarfstar.evals.runner import MAX_CONTEXT, EvalSettings, auto_context, prompt_ids, report_lines, run_question
 from dwarfstar.evals.trace import read_trace
 from dwarfstar.model.bundled import default_model_path
@@ -29,7 +30,7 @@ VOCAB_RANK = 200_000  # a rank every token has: the soft limit then closes as so
 
 @pytest.fixture(scope="module")
 def engine():
-    return load_engine(default_model_path(), "reference", ctx=2048)
+    return load_engine(EngineSpec(default_model_path(), "reference", ctx=2048))
 
 
 @pytest.fixture(scope="module")

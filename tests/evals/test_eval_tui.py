@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dwarfstar.evals.questions import BUNDLED_SET, load_questions
+from dwarfstar.evals import BUNDLED_SET
+from dwarfstar.evals.questions import load_questions
 from dwarfstar.evals.runner import Stop
 from dwarfstar.evals.trace import read_trace
 from dwarfstar.evals.tui import EvalTui, PlainDisplay

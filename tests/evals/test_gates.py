@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.evals import EvalError
 from dwarfstar.evals.long_context import DS4_FACTS, check_fact, read_facts, run_long_context
 from dwarfstar.evals.tool_call import judge_reply, run_tool_call
@@ -31,7 +32,7 @@ DSML = "｜DSML｜"
 
 @pytest.fixture(scope="module")
 def engine():
-    return load_engine(default_model_path(), "reference", ctx=4096)
+    return load_engine(EngineSpec(default_model_path(), "reference", ctx=4096))
 
 
 def _altered_vectors(tmp_path: Path, old: str, new: str) -> Path:

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.experts.attach import StreamingOptions
 from dwarfstar.experts.layout import ExpertLayout
 from dwarfstar.experts.policy import make_policy
@@ -87,7 +88,9 @@ def test_run_trace_records_the_expert_cache(tiny_k_path, tmp_path):
 
 def test_a_streaming_servers_trace_records_the_expert_cache(tiny_k_path, tmp_path):
     """`serve --ssd-streaming --trace`: each request's record carries the cache's figures."""
-    engine = load_engine(tiny_k_path, "reference", ctx=512, streaming=StreamingOptions(cache_experts="400KB"))
+    engine = load_engine(
+        EngineSpec(tiny_k_path, "reference", ctx=512, streaming=StreamingOptions(cache_experts="400KB"))
+    )
     trace = tmp_path / "serve.trace"
     service = Service(engine, ServerConfig(ctx=512, max_sessions=2, trace=trace))
     body = {"model": "deepseek-v4-flash", "prompt": [0, 17, 4242, 99], "max_tokens": 3, "temperature": 0, "raw": True}

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.train.corpus import read_split
 
@@ -21,7 +22,7 @@ EVAL_LEN = 512
 def test_heldout_book_perplexity_stays_within_five_percent() -> None:
     """Measured as tools/train_nano.py measures it (each window starts a fresh sequence at BOS), here
     on the shipped file's own weights with the QAT rounding on, as they are served."""
-    engine = load_engine(default_model_path(), "reference")
+    engine = load_engine(EngineSpec(default_model_path(), "reference"))
     model, tokenizer = engine.backend, engine.tokenizer
     ids = tokenizer.encode(read_split(CORPUS).heldout)
     total, count = 0.0, 0

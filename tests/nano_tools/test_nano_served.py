@@ -26,6 +26,7 @@ import pytest
 from live_server import LiveServer, start_server
 
 from dwarfstar.engine import Engine, load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.session import sampling
@@ -46,7 +47,7 @@ THINK_SEED = 7  # the chat request's seed, and the one a Responses or Messages r
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return load_engine(os.environ.get("DWARFSTAR_TEST_NANO") or default_model_path(), "reference", ctx=4096)
+    return load_engine(EngineSpec(os.environ.get("DWARFSTAR_TEST_NANO") or default_model_path(), "reference", ctx=4096))
 
 
 @pytest.fixture(scope="module")

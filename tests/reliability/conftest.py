@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.service import Service
@@ -32,7 +33,7 @@ FUZZ_CONFIG = replace(serving.BASE_CONFIG, ctx=512, max_sessions=2, max_queue=64
 def tiny_engine(tmp_path_factory):
     path = tmp_path_factory.mktemp("model") / "tiny.gguf"
     serving.write_synthetic_model(path, serving.TINY, seed=0)
-    return serving.load_engine(path, "reference", ctx=4096)
+    return serving.load_engine(EngineSpec(path, "reference", ctx=4096))
 
 
 # The fuzzing checks the HTTP layer, not the model: one layer of the tiny model prefills its valid
@@ -76,7 +77,7 @@ def fuzz_app(tmp_path_factory) -> Iterator[tuple[TestClient, Service]]:
     second of a loopback uvicorn) and its service; server exceptions are raised, not hidden in a 500."""
     path = tmp_path_factory.mktemp("model") / "fuzz.gguf"
     serving.write_synthetic_model(path, FUZZ_MODEL, seed=0)
-    engine = serving.load_engine(path, "reference", ctx=FUZZ_CONFIG.ctx)
+    engine = serving.load_engine(EngineSpec(path, "reference", ctx=FUZZ_CONFIG.ctx))
     engine.backend = EndsAtOnce(engine.backend, engine.tokenizer.eos_id)
     service = Service(engine, FUZZ_CONFIG)
     headers = {"Authorization": f"Bearer {serving.API_KEY}", "Content-Type": "application/json"}

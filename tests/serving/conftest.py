@@ -21,6 +21,7 @@ import torch
 from live_server import LiveServer, start_server  # noqa: F401  (start_server: the tests import it from here)
 
 from dwarfstar.engine import Engine, load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.model.state import SequenceState
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
@@ -139,7 +140,7 @@ class ScriptedBackend:
 def engine(tmp_path_factory) -> Engine:
     path = tmp_path_factory.mktemp("model") / "tiny.gguf"
     write_synthetic_model(path, TINY, seed=0)
-    engine = load_engine(path, "reference", ctx=4096)
+    engine = load_engine(EngineSpec(path, "reference", ctx=4096))
     engine.backend = ScriptedBackend(engine.backend, engine.tokenizer, SCRIPTS)
     return engine
 

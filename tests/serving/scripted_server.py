@@ -20,6 +20,7 @@ from pathlib import Path
 import uvicorn
 
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.config import ServerConfig
@@ -40,7 +41,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "tiny.gguf"
         write_synthetic_model(path, TINY, seed=0)
-        engine = load_engine(path, "reference", ctx=args.ctx)
+        engine = load_engine(EngineSpec(path, "reference", ctx=args.ctx))
         engine.backend = ScriptedBackend(engine.backend, engine.tokenizer, scripts)
         # every model name is accepted: clients ask for their own background models too
         config = ServerConfig(ctx=args.ctx, trace=args.trace, model_aliases=("*",), max_sessions=4)

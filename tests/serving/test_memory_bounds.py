@@ -8,6 +8,7 @@ import torch
 from conftest import BASE_CONFIG
 
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.synthetic import TINY
 from dwarfstar.serving.config import ServerConfig, physical_memory_bytes
 from dwarfstar.serving.pool import SessionPool
@@ -44,7 +45,7 @@ def test_a_forked_session_shares_the_prefixs_rows_and_the_budget_counts_them_onc
     """A request sharing a long prefix with an idle conversation gets a fork of it (cut back to the
     prefix): below the last checkpoint before the cut, its rows are the conversation's own pages,
     not copies, and the pool's byte count holds them once."""
-    engine = load_engine(tiny_model_file(0), "reference", ctx=4096, kv_slots=2)
+    engine = load_engine(EngineSpec(tiny_model_file(0), "reference", ctx=4096, kv_slots=2))
     pool = SessionPool(engine.backend, engine.tokenizer, ctx=4096, chunk=256, max_sessions=2)
     ids = torch.randint(3, TINY.vocab_size, (750,), generator=torch.Generator().manual_seed(1)).tolist()
     other = ids[:600] + [7] * 50  # a subagent: the same first 600 tokens, then its own task

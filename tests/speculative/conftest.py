@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.config import flash_compress_ratios
 from dwarfstar.model.synthetic import TINY, write_synthetic_model, write_synthetic_mtp
 
@@ -56,7 +57,7 @@ def engines(mtp_files) -> Callable[[str, str], object]:
 
     def get(backend: str, file: str = "nextn"):
         if (backend, file) not in cache:
-            cache[backend, file] = load_engine(mtp_files[file], backend=backend, ctx=1024)
+            cache[backend, file] = load_engine(EngineSpec(mtp_files[file], backend=backend, ctx=1024))
         return cache[backend, file]
 
     return get

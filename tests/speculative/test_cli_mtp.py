@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 from conftest import PROMPT
 from typer.testing import CliRunner
 
@@ -47,11 +46,8 @@ def test_run_errors(mtp_files):
         assert message in str(done.exception) + done.output, (args, done.output)
 
 
-@pytest.mark.parametrize(
-    "form", [["bench", "mtp", "--drafts", "1,2"], ["bench", "--mtp", "--mtp-drafts", "1,2"]], ids=["mtp", "--mtp"]
-)
-def test_bench_mtp_reports_every_count_and_alignment(mtp_files, form):
-    done = cli(*form, "-m", str(mtp_files["nextn"]), "--backend", "reference", "-n", "12")
+def test_bench_mtp_reports_every_count_and_alignment(mtp_files):
+    done = cli("bench", "mtp", "--drafts", "1,2", "-m", str(mtp_files["nextn"]), "--backend", "reference", "-n", "12")
     assert done.exit_code == 0, done.output
     rows = re.findall(r"^(\d)\s+(next|same)\s+.*\s(yes|NO)$", done.stdout, flags=re.M)
     assert [(n, a) for n, a, _ in rows] == [("1", "next"), ("1", "same"), ("2", "next"), ("2", "same")]
@@ -71,7 +67,7 @@ def test_bundled_model_speculates_with_its_bundled_block():
 
 def test_serve_errors(mtp_files):
     """serve refuses bad MTP settings before it listens: a draft count out of range, no MTP block."""
-    base = ["serve", "-m", str(mtp_files["plain"]), "--backend", "reference", "-c", "1024", "--port", "1"]
+    base = ["serve", "-m", str(mtp_files["plain"]), "--backend", "reference", "-c", "1024", "--port", "0"]
     cases = [
         ([*base, "--mtp-draft", "0"], "--mtp-draft must be"),
         ([*base, "--mtp-draft", "2", "--mtp-align", "sideways"], "unknown MTP alignment"),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.errors import ModelFileError
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.model.loader import write_split
@@ -32,9 +33,9 @@ def drafted(engine, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_the_last_stage_of_a_split_set_drafts_as_the_whole_file(halves):
-    whole = load_engine(NANO, "reference", qat=False, ctx=64)
+    whole = load_engine(EngineSpec(NANO, "reference", qat=False, ctx=64))
     _, hidden = whole.backend.forward_streams(TOKENS, whole.backend.new_state())
-    stage = load_engine(halves[1], "reference", qat=False, ctx=64, layers=(3, whole.model.args.n_layers))
+    stage = load_engine(EngineSpec(halves[1], "reference", qat=False, ctx=64, layers=(3, whole.model.args.n_layers)))
     assert stage.model.parts == (halves[1],)  # the stage itself maps only the output part
     want_logits, want_streams = drafted(whole, hidden[:-1])
     got_logits, got_streams = drafted(stage, hidden[:-1])
@@ -45,6 +46,6 @@ def test_the_last_stage_of_a_split_set_drafts_as_the_whole_file(halves):
 def test_a_last_stage_without_the_first_part_is_refused(halves, tmp_path):
     alone = tmp_path / halves[1].name
     shutil.copy(halves[1], alone)
-    stage = load_engine(alone, "reference", qat=False, ctx=64, layers=(3, 6))
+    stage = load_engine(EngineSpec(alone, "reference", qat=False, ctx=64, layers=(3, 6)))
     with pytest.raises(ModelFileError, match="token_embd"):
         load_draft(stage.backend, stage.model, MTP)

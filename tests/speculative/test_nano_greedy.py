@@ -14,6 +14,7 @@ import pytest
 from spec_support import first_gap
 
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.session.sampling import GREEDY
 from dwarfstar.session.session import Session
@@ -26,7 +27,7 @@ NEAR_TIE = 1e-2  # a top-1 / top-2 logit gap the QAT rounding's amplified noise 
 
 
 def run_nano(qat: bool):
-    engine = load_engine(default_model_path(), "reference", ctx=CTX, qat=qat)
+    engine = load_engine(EngineSpec(default_model_path(), "reference", ctx=CTX, qat=qat))
     prompt = engine.tokenizer.encode("Quel ramo del lago di Como, che volge a mezzogiorno")
     session = Session(engine.backend, ctx=CTX)
     session.prefill(prompt)

@@ -9,6 +9,7 @@ from conftest import PROMPT
 from spec_support import payload, speculative
 
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.session.sampling import GREEDY
 from dwarfstar.speculative.mtp import load_draft
 from dwarfstar.speculative.rollback import CompressorTap, truncate
@@ -106,7 +107,7 @@ def test_draft_window_holds_only_true_rows(mtp_files):
     """The MTP block's own window after speculation (its drafted rows rolled back) equals that of a
     draft fed the target's streams of the final sequence, pair by pair. Without the QAT rounding:
     the two feeds batch differently, and the FP8 rounding turns float noise into whole steps."""
-    engine = load_engine(mtp_files["nextn"], "reference", qat=False, ctx=1024)
+    engine = load_engine(EngineSpec(mtp_files["nextn"], "reference", qat=False, ctx=1024))
     draft = load_draft(engine.backend, engine.model)
     spec = speculative(engine.backend, draft, PROMPT, 3)
     list(spec.generate(40, GREEDY))

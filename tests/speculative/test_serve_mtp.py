@@ -11,6 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.config import ServerConfig
@@ -24,7 +25,7 @@ MAX_TOKENS = [48, 31, 7]  # 7 and 31: a request can end inside a step's accepted
 
 @pytest.fixture(scope="module")
 def engine():
-    return load_engine(default_model_path(), "reference", ctx=512)
+    return load_engine(EngineSpec(default_model_path(), "reference", ctx=512))
 
 
 def replies(engine, mtp: MTPOptions | None, concurrent: bool) -> tuple[list[dict], str]:

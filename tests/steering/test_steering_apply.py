@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.session.session import Session
 from dwarfstar.steering.apply import SteeredBackend, steering_of
 from dwarfstar.steering.direction import Direction, SteeringScale
@@ -22,7 +23,7 @@ K = 5  # the steered hidden dimension
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_file):
-    return load_engine(tiny_model_file(4), backend="reference", qat=False).backend
+    return load_engine(EngineSpec(tiny_model_file(4), backend="reference", qat=False)).backend
 
 
 def basis_direction(args) -> Direction:

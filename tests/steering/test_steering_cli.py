@@ -98,10 +98,10 @@ def test_build_writes_a_file_run_reads(tiny, tmp_path):
 
 
 def test_options_pass_to_a_child_server_as_flags(direction):
-    from dwarfstar.commands.steer import steering_options
+    from dwarfstar.commands.flags import SteeringFlags
 
-    options = steering_options(direction, None, -0.5)  # a file alone steers the FFN at 1
+    options = SteeringFlags(direction, None, -0.5).options()  # a file alone steers the FFN at 1
     flags = options.flags()
     assert flags == ["--dir-steering-file", str(direction), "--dir-steering-ffn", "1.0", "--dir-steering-attn", "-0.5"]
-    again = steering_options(Path(flags[1]), float(flags[3]), float(flags[5]))
+    again = SteeringFlags(Path(flags[1]), float(flags[3]), float(flags[5])).options()
     assert again.path == options.path and again.scale == options.scale

@@ -8,6 +8,7 @@ import torch
 from starlette.testclient import TestClient
 
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.pool import SessionPool
@@ -34,7 +35,9 @@ def direction_file(tiny_model_file, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_file, direction_file):
-    return load_engine(tiny_model_file(4), backend="reference", steering=SteeringOptions(direction_file, 1.0, 0.0))
+    return load_engine(
+        EngineSpec(tiny_model_file(4), backend="reference", steering=SteeringOptions(direction_file, 1.0, 0.0))
+    )
 
 
 class RecordingDisk:
@@ -131,7 +134,7 @@ def test_request_fields_set_the_session_steering(engine):
 
 
 def test_request_fields_need_a_server_with_a_direction(tiny_model_file):
-    engine = load_engine(tiny_model_file(4), backend="reference")
+    engine = load_engine(EngineSpec(tiny_model_file(4), backend="reference"))
     service = Service(engine, ServerConfig(ctx=256, prefill_chunk=CHUNK))
     with TestClient(create_app(service)) as client:
         refused = completion(client, dir_steering_ffn=1.0)

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from dwarfstar.commands.bench import bench_app
+from dwarfstar.commands.apps import bench_app
 from dwarfstar.errors import DwarfStarError
 
 

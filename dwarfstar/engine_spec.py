@@ -1,0 +1,64 @@
+"""`EngineSpec`: what to load and how, in one frozen description; `dwarfstar.engine.load_engine(spec)`
+loads it. The command line builds it once from its flags (dwarfstar/commands/flags.py); tests and
+tools build it directly: `EngineSpec(path, "reference", ctx=4096)`.
+
+This module imports nothing heavy (the option types only for annotations), so the command line can
+name the backends and precisions without loading torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dwarfstar.errors import DwarfStarError
+
+if TYPE_CHECKING:
+    from dwarfstar.distributed.options import DistOptions
+    from dwarfstar.experts.attach import StreamingOptions
+    from dwarfstar.speculative.options import MTPOptions
+    from dwarfstar.steering.apply import SteeringOptions
+
+BACKENDS = ("auto", "reference", "triton", "mlx")
+PRECISIONS = ("exact", "fast")
+PRECISION_HELP = (
+    "exact: fp32 products; fast: bf16 operands in the Triton backend's prefill products (triton only; "
+    "no GPU run has shown fast to be accurate yet)."
+)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: Path  # a GGUF file, or any part of a split set
+    backend: str = "auto"  # one of BACKENDS; `auto` picks MLX on Apple silicon, Triton on a GPU, else reference
+    precision: str = "exact"  # one of PRECISIONS
+    qat: bool = True  # the FP8 KV / FP4 indexer rounding of the QAT-trained checkpoints
+    ctx: int | None = None  # the longest sequence, in tokens (default and most: the model's)
+    kv_slots: int | None = None  # sequences to a KV-cache block (default: 4, and 1 on MLX)
+    layers: tuple[int, int] | None = None  # load only these layers, (first, end); default: `dist`'s slice
+    streaming: StreamingOptions | None = None  # routed experts read from the file into a cache
+    steering: SteeringOptions | None = None  # a direction file applied in every layer
+    # a draft model for speculative decoding; other drafters (DSpark) would be other option types here
+    speculation: MTPOptions | None = None
+    dist: DistOptions | None = None  # this process as one stage of a layer pipeline
+    power: int = 100  # keep the device about this % busy (`dwarfstar.throttle`, applied by the caller)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", Path(self.model))
+        if self.backend not in BACKENDS:
+            raise DwarfStarError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.precision not in PRECISIONS:
+            raise DwarfStarError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.ctx is not None and self.ctx < 1:
+            raise DwarfStarError(f"the context must be at least 1 token, got {self.ctx}")
+        if self.kv_slots is not None and self.kv_slots < 1:
+            raise DwarfStarError(f"a KV-cache block holds at least 1 sequence, got {self.kv_slots}")
+        if not 1 <= self.power <= 100:
+            raise DwarfStarError(f"--power must be 1..100, got {self.power}")
+
+    def stage_layers(self) -> tuple[int, int] | None:
+        """The layers to load: `layers`, else this process's slice of the pipeline, else all (None)."""
+        if self.layers is not None or self.dist is None:
+            return self.layers
+        return self.dist.stage_layers(self.model)

@@ -1,0 +1,188 @@
+"""The shape of dwarfstar's import graph, read from the source with `ast` (nothing is imported):
+no circles, the command line on top, no arrow from the lower rooms up into the backends, and no
+backend name compared as a string outside dwarfstar/backends/.
+
+Every import counts as an arrow: at module level, inside a function (deferred so that `--help` stays
+fast, but still a dependency) and under `if TYPE_CHECKING:` (a type named is a dependency too).
+`import a.b.c` and `from a.b import c` are arrows to the module a.b.c (to the package a.b when c is
+not a module); the packages' `__init__` on the way are not counted.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "dwarfstar"
+
+# What remains for the backends registry (issue 31, item 2), where each backend gets one entry module
+# and its hooks: the MLX package's load_backend imports its model, which reads metal_available from
+# the package.
+KNOWN_CIRCLES = [{"dwarfstar.backends.mlx", "dwarfstar.backends.mlx.model"}]
+# the same work: streaming attaches each backend's expert source by importing it
+KNOWN_UPWARD = {
+    ("dwarfstar.experts.attach", "dwarfstar.backends.triton.streaming"),
+    ("dwarfstar.experts.attach", "dwarfstar.backends.mlx.streaming"),
+}
+LOWER_ROOMS = ("model", "gguf", "tokenizer", "prompt", "session", "experts")  # below the backends
+BACKEND_NAMES = {"reference", "triton", "mlx"}
+# the same work: until the registry, these choose by the backend's name
+KNOWN_NAME_COMPARISONS = Counter(
+    {
+        "dwarfstar/engine.py": 8,  # pick_backend, spec_backend, load_engine
+        "dwarfstar/experts/attach.py": 5,  # usable memory, resident bytes, attaching the expert source
+        "dwarfstar/serving/config.py": 1,  # the sessions' memory budget on a GPU
+        "dwarfstar/distributed/launch.py": 1,  # unwrapping Triton's backend to its Transformer
+    }
+)
+HEAVY = ("torch", "triton", "mlx", "starlette", "uvicorn", "huggingface_hub", "httpx2", "prompt_toolkit", "numpy")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The dwarfstar modules `name` imports anywhere in its file."""
+    anchor = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(anchor[: len(anchor) - node.level + 1] + ([base] if base else []))
+            targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
+    found = set()
+    for target in targets:
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target.startswith("dwarfstar") and target != name:
+            found.add(target)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, arrows = work[-1]
+            nxt = next(arrows, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(component)
+    return found
+
+
+def test_the_circle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [{"a", "b", "c"}]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles(graph):
+    found = circles(graph)
+    assert [c for c in found if c not in KNOWN_CIRCLES] == []
+    assert [c for c in KNOWN_CIRCLES if c not in found] == []  # a fixed one leaves the list
+
+
+def test_the_command_line_is_on_top(graph):
+    """Only the command line imports the command modules: each command registers on an app defined in
+    dwarfstar/commands/apps.py, and cli.py imports the command modules, never the other way."""
+
+    def on_top(name: str) -> bool:
+        return name in ("dwarfstar.cli", "dwarfstar.__main__") or name.startswith("dwarfstar.commands")
+
+    up = {(name, target) for name, targets in graph.items() for target in targets if on_top(target) > on_top(name)}
+    assert up == set()
+    assert {name for name, targets in graph.items() if "dwarfstar.cli" in targets} == {"dwarfstar.__main__"}
+
+
+def test_no_arrow_from_the_lower_rooms_into_the_backends(graph):
+    up = {
+        (name, target)
+        for name, targets in graph.items()
+        if name.split(".")[1:2] and name.split(".")[1] in LOWER_ROOMS
+        for target in targets
+        if target.startswith("dwarfstar.backends")
+    }
+    assert up == KNOWN_UPWARD
+
+
+def name_comparisons(path: Path) -> int:
+    """Comparisons (==, !=, in, not in) with a backend's name as a string literal on either side."""
+    count = 0
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            count += any(isinstance(s, ast.Constant) and s.value in BACKEND_NAMES for s in sides)
+    return count
+
+
+def test_backend_names_are_compared_only_in_the_backends():
+    found = Counter()
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(ROOT).as_posix()
+        if not relative.startswith("dwarfstar/backends/"):
+            found[relative] = name_comparisons(path)
+    assert +found == KNOWN_NAME_COMPARISONS
+
+
+def test_the_name_comparison_finder(tmp_path):
+    source = tmp_path / "x.py"
+    source.write_text('if backend == "triton" or "mlx" != name or kind in ("a",):\n    pass\nx = "reference"\n')
+    assert name_comparisons(source) == 2
+
+
+def test_the_command_line_imports_nothing_heavy():
+    """Every command module is imported (as `dwarfstar --help` does) without torch, the server, the
+    hub client or the terminal UI, so the help answers at once."""
+    script = (
+        "import sys; from dwarfstar.cli import _register_commands; _register_commands(); "
+        f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == ""
