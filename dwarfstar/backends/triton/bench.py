@@ -14,8 +14,9 @@ Runnable without the CLI's dependencies (the GPU check machine has only torch an
 Each CSV row is written and flushed as it is measured (the header first), so a run stopped by a
 timeout keeps what it finished. `decode --then-prefill N` times a prefill of N tokens on the same
 weights afterwards. `--tune first` launches an autotuned kernel's first pruned config untimed
-(`plan.target.first_config`), as a cold machine can afford; `decode --warm JOBS` instead compiles
-every kernel variant the same run would launch into Triton's cache, in JOBS processes (`warm`);
+(`plan.target.first_config`), as a cold machine can afford; `python -m dwarfstar.backends.triton.warm`
+with the same arguments and `--warm JOBS` compiles every kernel variant the run would launch into
+Triton's cache, in JOBS processes;
 `--dry` goes as far as it can without a device: arguments, imports, the synthetic model's tensors on
 the meta device, the CSV headers.
 """
@@ -351,7 +352,8 @@ def bench_shape(model: str, device: torch.device, ctx: int, prefill: int) -> Ben
     return BenchShape(args, device, ctx, prefill)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The benchmarks' arguments (also `warm`'s, which compiles what the same arguments would launch)."""
     parser = argparse.ArgumentParser(prog="python -m dwarfstar.backends.triton.bench", description=__doc__)
     sub = parser.add_subparsers(dest="what", required=True)
     k = sub.add_parser("kernels", help="time every kernel's bench cases")
@@ -384,11 +386,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     for s in sub.choices.values():
         s.add_argument("--csv", type=Path, default=None)
         s.add_argument("--dry", action="store_true", help="no device: arguments, imports, shapes, CSV headers")
-    opts = parser.parse_args(argv)
-    if opts.what == "decode" and opts.warm:
-        from dwarfstar.backends.triton import warm
+    return parser.parse_args(argv)
 
-        sys.exit(warm.main(opts))
+
+def main(argv: Sequence[str] | None = None) -> None:
+    opts = parse_args(argv)
+    if opts.warm:
+        sys.exit("--warm compiles instead of timing: python -m dwarfstar.backends.triton.warm takes the same arguments")
     device = torch.device("meta") if opts.dry else default_device()
     peak = _dry_peak(opts) if opts.dry else device_peak(device, getattr(opts, "peak_gbs", None))
     print(f"device: {peak.device}, peak {peak.gbs} GB/s, {peak.tflops} bf16 TFLOP/s", flush=True)

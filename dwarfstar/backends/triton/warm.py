@@ -1,4 +1,5 @@
-"""Triton's kernel cache filled ahead of a benchmark, on every core: `bench decode ... --warm JOBS`.
+"""Triton's kernel cache filled ahead of a benchmark, on every core:
+`python -m dwarfstar.backends.triton.warm decode ... --warm JOBS` (the bench's own arguments).
 
 On a cold machine `bench decode` compiles each kernel variant of the decode step (and of the prefill
 after it) at its first launch, one after another: about a hundred at Flash shape, minutes of the few
@@ -29,13 +30,14 @@ from collections import defaultdict
 
 import torch
 
+from dwarfstar.backends.triton import bench
+
 _GROUPS: list[list[tuple]] = []  # the recorded launches by kernel and constants, read by the forked workers
 
 
 def record(opts) -> tuple[list[list[tuple]], str]:
     """Every Triton launch (fn, args, grid, kwargs) of `bench decode` with these options, grouped, and
     what was recorded."""
-    from dwarfstar.backends.triton import bench
     from dwarfstar.backends.triton.plan.target import activate, intercepted, parse_target
     from dwarfstar.backends.triton.runtime import EXACT, FAST, assume_multiprocessors
     from dwarfstar.backends.triton.synthetic import meta_weights
@@ -116,3 +118,7 @@ def main(opts) -> int:
     for problem in problems:
         print("PROBLEM", problem, flush=True)
     return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(bench.parse_args()))
