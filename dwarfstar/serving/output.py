@@ -4,6 +4,11 @@ Stop strings are matched on the raw generated text (as ds4 does), before the DSM
 string cuts wherever it appears. Text that might be the start of a stop string is held back until
 the next token decides; the parser holds back partial tags the same way. Tool calls get their ids
 here, when their name is known, so streamed and final ids agree.
+
+A tool-call block's events (each call's start, its arguments, its end) are held until the parser
+accepts the block, and dropped if it gives the block up (an invalid tool call): a client, streamed or
+not, sees only calls it can run, and a request ends the same way either way (issue 37). A stream
+shows a block's calls when the block closes, as ds4 does when its live projection never started.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from dwarfstar.prompt.dsml_parser import (
     DsmlParser,
     ParsedCompletion,
     ParseProblem,
+    ToolArgumentsDelta,
+    ToolCallEnd,
     ToolCallStart,
     held_suffix,
 )
@@ -62,6 +69,7 @@ class OutputDecoder:
         self.tool_ids: list[str] = []
         self.problems: list[str] = []
         self.reasoning_tokens = 0
+        self._calls: list[Event] = []  # the open block's call events, until the parser accepts it
 
     @property
     def stop_sequence(self) -> str | None:
@@ -113,9 +121,21 @@ class OutputDecoder:
             if isinstance(event, ToolCallStart):
                 call_id = new_id(self._id_prefix, 32)
                 self.tool_ids.append(call_id)
-                out.append(ToolCallOpened(event.index, call_id, event.name))
+                self._calls.append(ToolCallOpened(event.index, call_id, event.name))
+            elif isinstance(event, ToolArgumentsDelta | ToolCallEnd):
+                self._calls.append(event)
             elif isinstance(event, ParseProblem):
                 self.problems.append(event.message)
             else:
+                out += self._settled_calls()
                 out.append(event)
-        return out
+        return out + self._settled_calls()
+
+    def _settled_calls(self) -> list[Event]:
+        """The held call events once their block is settled: all of them if the parser accepted it,
+        none if it gave the block up (its calls were never calls)."""
+        completion = self.completion
+        if completion is None or (completion.raw_dsml is None and completion.invalid_dsml is None):
+            return []
+        calls, self._calls = self._calls, []
+        return calls if completion.invalid_dsml is None else []
