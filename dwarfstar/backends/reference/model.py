@@ -1,10 +1,19 @@
 """The reference backend: DeepSeek V4's operations in plain torch float32, the numerical oracle.
 
 `ReferenceOps` implements `dwarfstar.model.forward.Ops` as directly as the official code reads
-(spec §2, §3, §9); the order of the operations is `Transformer`'s. Attention and the compressors
-run per sequence (each has its own KV), everything else on all rows of a batch at once, so batched
-decode reads each weight once per step. `qat=False` skips the FP8 KV and Hadamard/FP4 indexer
-rounding, for comparison with implementations that do not apply it.
+(spec §2, §3, §9); the order of the operations is `Transformer`'s. A prefill chunk's attention and
+compressors run per sequence (each has its own KV), a decode step's for all sequences at once, and
+everything else on all rows of a batch at once, so batched decode reads each weight once per step.
+
+Batch-invariant (issue 37): a token's logits and KV rows are the same bits whatever else shares the
+call, however its prompt was cut into chunks, and whether a chunk or a decode step ran it: every
+product goes through `ops.linear`, attention through `ops.attention_rows` with the decode step's key
+layout on both paths, the indexer's top-k breaks ties by row (`ops.top_k_visible`). Rounding-level
+differences would otherwise not stay small: a value near a rounding midpoint of the FP8 KV or FP4
+indexer QAT moves by a whole grid step, and an exact tie in the indexer's scores went either way.
+
+`qat=False` skips the FP8 KV and Hadamard/FP4 indexer rounding, for comparison with implementations
+that do not apply it.
 """
 
 from __future__ import annotations
@@ -268,18 +277,18 @@ class ReferenceOps:
         state.store_window(il, raw.detach(), end)
         positions = torch.arange(seq.start, end)[:, None]
         held = positions - (positions - torch.arange(a.window)) % a.window  # [T, window]: each slot's position
-        window = (raw[(held - (end - raw.shape[0])).clamp(min=0)], held >= 0)
+        at = (held - (end - raw.shape[0])).clamp(min=0)  # where in `raw`
         rows = None
         if state.compressor(il, "attn") is not None:
             rows = batch.aux.pop(("rows", il, "attn", id(state)))
             visible = self._visible(il, seq, rows.shape[0]) if selected is None else selected
-            pad = -rows.shape[0] % ops.KEY_BLOCK  # whole blocks before the rows are shared by every query
+            pad = -rows.shape[0] % ops.KEY_BLOCK  # to whole key blocks once, not in each query's view
             rows, visible = F.pad(rows, (0, 0, 0, pad)), F.pad(visible, (0, pad))
         out, mass = [], []
         step = max(1, ATTENTION_BYTES // ((a.window + (0 if rows is None else rows.shape[0])) * a.head_dim * 4))
         for lo in range(0, seq.length, step):
             block = slice(lo, lo + step)
-            parts = [(window[0][block], window[1][block])]
+            parts = [(raw[at[block]], held[block] >= 0)]
             if rows is not None:
                 parts.append((rows.expand(q[block].shape[0], -1, -1), visible[block]))
             o, weights = ops.attention_rows(q[block], parts, layer.sinks)
