@@ -34,7 +34,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -42,7 +44,7 @@ import httpx2 as httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # live_server, when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from live_server import start_server  # noqa: E402
+from live_server import LiveServer, start_server  # noqa: E402
 from stress_clients import APIS, Reply, first_body, next_body, send  # noqa: E402
 from stress_record import Recorder, replay  # noqa: E402
 
@@ -153,6 +155,18 @@ def config(disk: Path) -> ServerConfig:
     )  # fmt: skip
 
 
+@contextmanager
+def serving(engine: Engine) -> Iterator[tuple[LiveServer, Recorder]]:
+    """A live server over the engine's backend wrapped in a recorder, with a fresh disk cache."""
+    recorder = Recorder(engine.backend)
+    with tempfile.TemporaryDirectory() as disk:
+        server = start_server(replace(engine, backend=recorder), config(Path(disk)))
+        try:
+            yield next(server), recorder
+        finally:
+            server.close()
+
+
 def run_seed(
     engine: Engine,
     seed: int,
@@ -162,35 +176,33 @@ def run_seed(
     out: Path,
     command: str,
     prefix: str | None = PREFIX,
+    served: tuple[LiveServer, Recorder] | None = None,
 ) -> Outcome:
-    recorder = Recorder(engine.backend)
-    outcome = Outcome(seed)
-    with tempfile.TemporaryDirectory() as disk:
-        server = start_server(replace(engine, backend=recorder), config(Path(disk)))
-        live = next(server)
-        try:
-            with httpx.Client(base_url=live.base_url, timeout=3600) as http:
-                outcome.rss_mb = (rss_mb(), 0.0)
-                with ThreadPoolExecutor(clients) as pool:
-                    rngs = [random.Random(seed * 1000 + c) for c in range(clients)]
-                    jobs = [
-                        pool.submit(run_client, http, rngs[c], f"c{c}", requests, max_tokens, prefix)
-                        for c in range(clients)
-                    ]
-                    sent = [item for job in jobs for item in job.result()]
-                outcome.rss_mb = (outcome.rss_mb[0], rss_mb())
-                drained(live)  # the streams clients left may still be winding down: alone means alone
-                outcome.latencies = [s.seconds for s in sent if s.reply is not None]
-                for item in sent:
-                    if item.reply is not None:
-                        compare_alone(http, recorder, item, outcome, command)
-        finally:
-            server.close()
-    outcome.steps = len(recorder.steps)
-    outcome.conflicts = len(recorder.conflicts)
-    outcome.flips = sum(c.flipped for c in recorder.conflicts)
-    outcome.moved = max((c.gap for c in recorder.conflicts), default=0.0)
-    worst = sorted(recorder.conflicts, key=lambda c: (c.flipped, c.gap), reverse=True)
+    """One seed's traffic, then each request alone; on a server of its own unless `served`."""
+    if served is None:
+        with serving(engine) as served:
+            return run_seed(engine, seed, clients, requests, max_tokens, out, command, prefix, served)
+    live, recorder = served
+    outcome, steps, known = Outcome(seed), len(recorder.steps), len(recorder.conflicts)
+    with httpx.Client(base_url=live.base_url, timeout=3600) as http:
+        outcome.rss_mb = (rss_mb(), 0.0)
+        with ThreadPoolExecutor(clients) as pool:
+            rngs = [random.Random(seed * 1000 + c) for c in range(clients)]
+            jobs = [
+                pool.submit(run_client, http, rngs[c], f"c{c}", requests, max_tokens, prefix) for c in range(clients)
+            ]
+            sent = [item for job in jobs for item in job.result()]
+        outcome.rss_mb = (outcome.rss_mb[0], rss_mb())
+        drained(live)  # the streams clients left may still be winding down: alone means alone
+        outcome.latencies = [s.seconds for s in sent if s.reply is not None]
+        for item in sent:
+            if item.reply is not None:
+                compare_alone(http, recorder, item, outcome, command)
+    conflicts = recorder.conflicts[known:]
+    outcome.steps, outcome.conflicts = len(recorder.steps) - steps, len(conflicts)
+    outcome.flips = sum(c.flipped for c in conflicts)
+    outcome.moved = max((c.gap for c in conflicts), default=0.0)
+    worst = sorted(conflicts, key=lambda c: (c.flipped, c.gap), reverse=True)
     for n, conflict in enumerate(worst[:3]):  # the best token flipped, or moved furthest
         path = out / f"seed{seed}-conflict{n}.json"
         recorder.dump(conflict, path, command)
@@ -285,6 +297,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--backend", default="reference")
     parser.add_argument("--no-prefix", action="store_true", help="short prompts only (Triton's interpreter)")
+    parser.add_argument("--same-server", action="store_true", help="every seed on one server: a long run")
     parser.add_argument("--out", type=Path, default=Path("build/stress"))
     parser.add_argument("--replay", type=Path, help="run both steps of a dumped conflict again")
     parser.add_argument("--bits", action=argparse.BooleanOptionalAction, default=None,
@@ -294,18 +307,24 @@ def main() -> None:
     if args.replay:
         print(replay(engine.backend, config(Path()).prefill_chunk, args.replay))
         return
-    outcomes = []
+    outcomes, stack = [], ExitStack()
+    served = stack.enter_context(serving(engine)) if args.same_server else None
     for seed in seeds_of(args.seeds):
-        command = (
-            f"python tests/serving/stress.py --seeds {seed} --clients {args.clients} --requests {args.requests} "
-            f"--max-tokens {args.max_tokens} --backend {args.backend}{' --no-prefix' if args.no_prefix else ''}"
+        command = (  # on one server a seed's traffic follows the seeds before it: run them all again
+            f"python tests/serving/stress.py --seeds {args.seeds if args.same_server else seed} "
+            f"--clients {args.clients} --requests {args.requests} --max-tokens {args.max_tokens} "
+            f"--backend {args.backend}{' --no-prefix' if args.no_prefix else ''}"
+            f"{' --same-server' if args.same_server else ''}"
         )
         prefix = None if args.no_prefix else PREFIX
-        outcome = run_seed(engine, seed, args.clients, args.requests, args.max_tokens, args.out, command, prefix)
+        outcome = run_seed(
+            engine, seed, args.clients, args.requests, args.max_tokens, args.out, command, prefix, served
+        )
         for report in outcome.differing + outcome.conflict_reports:
             print(report, flush=True)
         print(summary([outcome]).splitlines()[0], flush=True)
         outcomes.append(outcome)
+    stack.close()
     print(summary(outcomes))
     bits = args.backend == "reference" if args.bits is None else args.bits
     if any(o.differing or (bits and o.conflicts) for o in outcomes):
