@@ -98,6 +98,24 @@ def reliability(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def stress(session: nox.Session) -> None:
+    """Mixed concurrent traffic through the server on the bundled model, each completed reply compared
+    with the request run alone and every token prefix's logits bit for bit (tests/serving/stress.py):
+    20 seeds on the reference backend, then a small seed on Triton in its interpreter (slow; its
+    logits are not batch-invariant yet, so only its replies count). The suite runs one small seed.
+
+    Runs in the Python nox runs from (`.venv/bin/nox -s stress`); `-- --seeds 7 --clients 6` runs
+    those arguments alone, as a report's rerun command does.
+    """
+    script = "tests/serving/stress.py"
+    session.run(sys.executable, script, *(session.posargs or ["--seeds", "0-19"]), external=True)
+    if not session.posargs:
+        small = ["--backend", "triton", "--seeds", "0", "--clients", "2", "--requests", "1", "--max-tokens", "4"]
+        small.append("--no-prefix")  # a decode step takes the interpreter about a minute
+        session.run(sys.executable, script, *small, env={"TRITON_INTERPRET": "1"}, external=True)
+
+
+@nox.session(venv_backend="none")
 def twin_k(session: nox.Session) -> None:
     """The nano model's 256-wide twin (`tools/train_nano.py --twin-k`, under build/twin-k) and its
     quantization table: perplexity, KL and top-1 against its f32 source for q8, q4, q2-q4 and q2, each

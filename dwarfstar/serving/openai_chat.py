@@ -3,9 +3,9 @@
 Messages are read as ds4 reads them (DS4_SURFACE §2.3), `function` as `tool`, text parts joined with
 nothing between them, except where the API's rules refuse a request (validation.py: empty messages, an
 unknown or missing role, image and other non-text parts, `tool_choice` without tools, `n` > 1, an
-output budget over the context). Streaming follows §2.7: a
-role chunk, reasoning and content deltas, tool-call headers as soon as a call's name is known and
-its arguments as they are generated, a finish chunk, an optional usage chunk, `[DONE]`.
+output budget over the context). Streaming follows §2.7: a role chunk, reasoning and content deltas,
+each tool call's header and arguments once its block is accepted (never a call that turns out
+invalid: `output.py`), a finish chunk, an optional usage chunk, `[DONE]`.
 
 What opencode 1.18 sends (checked by `nox -s clients`): `model`, `messages` (roles system, user,
 assistant with `reasoning_content` and `tool_calls`, tool), `tools`, `tool_choice: "auto"`,

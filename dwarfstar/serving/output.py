@@ -12,6 +12,11 @@ sampler never draws those (`session.sampling.redraw_refused`): a role token such
 inside an answer becomes the model's next choice. Should one still come (MTP speculation accepts
 tokens without that sampler), it is dropped here and noted in the trace, as is a `</think>` once the
 reasoning has ended. A raw completion (`"raw": true`, the client's own template) keeps every token.
+
+A tool-call block's events (each call's start, its arguments, its end) are held until the parser
+accepts the block, and dropped if it gives the block up (an invalid tool call): a client, streamed or
+not, sees only calls it can run, and a request ends the same way either way (issue 37). A stream
+shows a block's calls when the block closes, as ds4 does when its live projection never started.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from dwarfstar.prompt.dsml_parser import (
     DsmlParser,
     ParsedCompletion,
     ParseProblem,
+    ToolArgumentsDelta,
+    ToolCallEnd,
     ToolCallStart,
     held_suffix,
 )
@@ -77,6 +84,7 @@ class OutputDecoder:
         self.tool_ids: list[str] = []
         self.problems: list[str] = []
         self.reasoning_tokens = 0
+        self._calls: list[Event] = []  # the open block's call events, until the parser accepts it
 
     @property
     def stop_sequence(self) -> str | None:
@@ -132,9 +140,21 @@ class OutputDecoder:
             if isinstance(event, ToolCallStart):
                 call_id = new_id(self._id_prefix, 32)
                 self.tool_ids.append(call_id)
-                out.append(ToolCallOpened(event.index, call_id, event.name))
+                self._calls.append(ToolCallOpened(event.index, call_id, event.name))
+            elif isinstance(event, ToolArgumentsDelta | ToolCallEnd):
+                self._calls.append(event)
             elif isinstance(event, ParseProblem):
                 self.problems.append(event.message)
             else:
+                out += self._settled_calls()
                 out.append(event)
-        return out
+        return out + self._settled_calls()
+
+    def _settled_calls(self) -> list[Event]:
+        """The held call events once their block is settled: all of them if the parser accepted it,
+        none if it gave the block up (its calls were never calls)."""
+        completion = self.completion
+        if completion is None or (completion.raw_dsml is None and completion.invalid_dsml is None):
+            return []
+        calls, self._calls = self._calls, []
+        return calls if completion.invalid_dsml is None else []

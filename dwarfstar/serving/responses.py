@@ -181,7 +181,8 @@ async def responses_endpoint(request: Request) -> Response:
         summary=reasoning.text("summary") in SUMMARY_MODES,
         sealed="reasoning.encrypted_content" in (fields.array("include") or []),
         thinking=thinking,
-        echo={key: fields.raw(key) for key in ("instructions", "tool_choice", "temperature", "top_p")},
+        echo={key: fields.raw(key) for key in ("instructions", "tool_choice", "temperature", "top_p")}
+        | {"tools": fields.raw("tools") or []},  # as sent: hosted tools too, though only functions run
     )
     stream = fields.flag("stream")  # every field is read before the job exists, so a 400 leaves none
     job = await service.submit_chat(
@@ -268,7 +269,6 @@ class ResponseShape:
             **body,
             **self.echo,
             "parallel_tool_calls": True,
-            "tools": [],
         }
         if done is not None:
             response["usage"] = usage_object(done.usage)

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from dwarfstar.serving.generation import Event, Failed, Finished, ToolCallOpened
+from dwarfstar.serving.generation import Event, Failed, Finished
 from dwarfstar.serving.jobs import Job
 
 KEEPALIVE = b": keepalive\n\n"
@@ -37,28 +37,13 @@ def sse(data: Any, event: str | None = None) -> bytes:
     return head + b"data: " + body + b"\n\n"
 
 
-def _invalid_streamed_call(event: Finished) -> Failed | None:
-    """A turn whose tool call was given up after its start was streamed fails (as ds4 does): a
-    streamed call cannot be retracted, and a client must not run its partial arguments. Without a
-    streamed start the turn ends normally, without calls (ds4's recoverable invalid tool call)."""
-    completion = event.completion
-    if completion is None or completion.invalid_dsml is None:
-        return None
-    why = next((p for p in completion.problems if p.startswith("invalid tool call")), "invalid tool call")
-    return Failed(why, event.usage)
-
-
 async def _events(job: Job, writer: Writer, keepalive: float) -> AsyncIterator[bytes]:
-    streamed_call = False
     try:
         while True:
             event = await job.next_event(keepalive)
             if event is None:
                 yield KEEPALIVE
                 continue
-            streamed_call = streamed_call or isinstance(event, ToolCallOpened)
-            if streamed_call and isinstance(event, Finished):
-                event = _invalid_streamed_call(event) or event
             for chunk in writer(event):
                 yield chunk
             if isinstance(event, Finished | Failed):

@@ -36,7 +36,12 @@ from dwarfstar.session.session import Session, decode_batch
 PROMPT = torch.randint(3, 120000, (300,), generator=torch.Generator().manual_seed(7)).tolist()
 PREFIX = 240  # decode the rest: crosses ratio-4 rows and the ratio-128 row completed at position 255
 EXACT_REL = 1e-5
-QAT_KL, QAT_REL = 1e-5, 1e-2
+# QAT on, a value within fp32 noise of an FP8/FP4 rounding midpoint rounds the other way and moves
+# what follows by a grid step; where the flips fall depends on the two summation orders. Against the
+# reference's batch-invariant attention (issue 37), MLX's one-pass prefill measured a mean KL of
+# 4.7e-5 and a worst row 0.12 relative (3 rows over 0.05), no top-1 change; dropping the rounding
+# moves the tiny model by a mean KL of 1.4e-2 (tests/backends/test_conformance_logits.py).
+QAT_KL, QAT_REL = 1e-4, 0.25
 
 
 @pytest.fixture(scope="module")

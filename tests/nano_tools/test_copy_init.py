@@ -32,21 +32,22 @@ MARKER, OPENERS = 5, (6, 7)  # stand-ins for a call's `">` and a request's ` `` 
 def attention_of(
     args: ModelArgs, monkeypatch: pytest.MonkeyPatch, markers: tuple[int, ...] | None
 ) -> Callable[[np.ndarray], list[torch.Tensor]]:
-    """A function from tokens to each layer's attention probabilities [T, heads, keys], over a model at
-    its initialisation: random weights (`markers` None), or the circuit planted (with the finding head
-    when `markers` are given)."""
+    """A function from tokens to each layer's attention probabilities [T, heads, window keys], over a
+    model at its initialisation: random weights (`markers` None), or the circuit planted (with the
+    finding head when `markers` are given). Key i is position i while the tokens fit in the window."""
     params = init_params(args, seed=0)
     if markers is not None:
         plant_copy_circuit(params, args, seed=0, markers=markers, openers=OPENERS)
     model = ReferenceModel.from_weights(args, ParamWeights(params), qat=False)
     probs: list[torch.Tensor] = []
-    attend = ops.sink_attention_probs
+    attend = ops.attention_rows
 
-    def spy(*inputs: torch.Tensor) -> torch.Tensor:
-        probs.append(attend(*inputs))
-        return probs[-1]
+    def spy(q: torch.Tensor, parts: list, sinks: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        out, weights = attend(q, parts, sinks)
+        probs.append(weights[0])  # the window's part, slot p holding position p
+        return out, weights
 
-    monkeypatch.setattr(ops, "sink_attention_probs", spy)
+    monkeypatch.setattr(ops, "attention_rows", spy)
 
     def run(tokens: np.ndarray) -> list[torch.Tensor]:
         probs.clear()

@@ -54,8 +54,10 @@ SCRIPTS = {
     + WEATHER_CALL.replace(f"<{DSML}invoke", f"‹{DSML}invoke")
     .replace(f"\n</{DSML}tool_calls>", "")
     .replace("tool_calls", "toolcalls"),
-    # a value the model ended inside: not repairable (the call's start has been streamed by then)
+    # a value the model ended inside: not repairable (the call's name is known by then)
     "broken_weather": "Let me check." + WEATHER_CALL[: WEATHER_CALL.index("Paris")],
+    # a value never closed, with drifted structure inside it: the parser reads it all as the value
+    "leaky_weather": "Let me check." + WEATHER_CALL[: WEATHER_CALL.index("Paris") + 5] + f"‹/{DSML}invoke>\n",
 }
 TOOLS = [
     {

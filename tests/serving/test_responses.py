@@ -53,6 +53,9 @@ def test_stream_event_order_with_reasoning_and_a_tool_call(oai):
     deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert deltas == call.arguments
     assert final.status == "completed" and final.usage.output_tokens > 0
+    # the tools it was sent, echoed (hosted ones too), in the first event and the last
+    assert [t.model_dump(exclude_none=True) for t in final.tools] == FUNCTION_TOOLS
+    assert [t.model_dump(exclude_none=True) for t in events[0].response.tools] == FUNCTION_TOOLS
 
 
 def test_round_trip_with_encrypted_reasoning_reuses_the_live_session(oai):

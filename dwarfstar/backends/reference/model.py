@@ -1,10 +1,19 @@
 """The reference backend: DeepSeek V4's operations in plain torch float32, the numerical oracle.
 
 `ReferenceOps` implements `dwarfstar.model.forward.Ops` as directly as the official code reads
-(spec §2, §3, §9); the order of the operations is `Transformer`'s. Attention and the compressors
-run per sequence (each has its own KV), everything else on all rows of a batch at once, so batched
-decode reads each weight once per step. `qat=False` skips the FP8 KV and Hadamard/FP4 indexer
-rounding, for comparison with implementations that do not apply it.
+(spec §2, §3, §9); the order of the operations is `Transformer`'s. A prefill chunk's attention and
+compressors run per sequence (each has its own KV), a decode step's for all sequences at once, and
+everything else on all rows of a batch at once, so batched decode reads each weight once per step.
+
+Batch-invariant (issue 37): a token's logits and KV rows are the same bits whatever else shares the
+call, however its prompt was cut into chunks, and whether a chunk or a decode step ran it: every
+product goes through `ops.linear`, attention through `ops.attention_rows` with the decode step's key
+layout on both paths, the indexer's top-k breaks ties by row (`ops.top_k_visible`). Rounding-level
+differences would otherwise not stay small: a value near a rounding midpoint of the FP8 KV or FP4
+indexer QAT moves by a whole grid step, and an exact tie in the indexer's scores went either way.
+
+`qat=False` skips the FP8 KV and Hadamard/FP4 indexer rounding, for comparison with implementations
+that do not apply it.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.reference.weights import GGUFWeights, WeightSource
@@ -26,6 +36,7 @@ from dwarfstar.model.tensors import ProjectionGroup
 from dwarfstar.session.sampling import sample_batch
 
 SMALL_MODEL_DIM = 1024
+ATTENTION_BYTES = 1 << 26  # a prefill chunk's attention runs its queries in blocks of about this many key bytes
 
 # observer(layer, attention mass on the compressed rows [T, H, N], indexer scores [T, N], -inf where a
 # row is not visible): lets training fit the indexer to the attention (tools/train_nano.py)
@@ -151,12 +162,12 @@ class ReferenceOps(StreamSteps):
         return ops.rms_norm(ops.hc_head(h, *self.head_hc, a.hc_eps, a.norm_eps), self.out_norm, a.norm_eps)
 
     def logits(self, y: torch.Tensor, batch: Batch) -> torch.Tensor:
-        return y @ self.output.T
+        return ops.linear(y, self.output)
 
     # -- attention ---------------------------------------------------------------------------------------
     def project(self, il: int, group: ProjectionGroup, x: torch.Tensor) -> dict[str, torch.Tensor]:
         layer = self.layers[il]
-        return {p.key: x @ layer.proj[p.key].T for p in group.present(layer.spec)}
+        return {p.key: ops.linear(x, layer.proj[p.key]) for p in group.present(layer.spec)}
 
     def _angles(self, il: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return ops.rope_angles(positions, self.layers[il].inv_freq)
@@ -221,54 +232,71 @@ class ReferenceOps(StreamSteps):
 
     def index_topk(self, il: int, q: torch.Tensor, weights: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
         """Per sequence, the mask [T, rows] of the compressed rows each query attends to (for a
-        decode step, one [B, rows] mask over the rows `_slot_rows` gathers)."""
-        a, chosen = self.args, []
+        decode step, one [B, rows] mask over the rows `_slot_rows` gathers). A query scores its rows
+        alike on both paths (`ops.index_scores`, `ops.top_k_visible`)."""
+        a = self.args
         weights = weights * (a.index_head_dim**-0.5 * a.index_n_heads**-0.5)
         if self._decode_step(batch):
-            index_rows, visible = self._slot_rows(il, "indexer", batch)
-            per_head = torch.einsum("bhd,bnd->bhn", q, index_rows).relu()
-            scores = (per_head * weights[:, :, None]).sum(1).masked_fill(~visible, float("-inf"))
-            k = min(a.index_topk, scores.shape[1])
-            if k:  # the top-k of the padded rows, then the visible ones among them: each row's own top-k
-                visible = visible & torch.zeros_like(visible).scatter_(1, scores.topk(k, dim=1).indices, True)
-            return visible
+            keys, visible = self._slot_rows(il, "indexer", batch)
+            return ops.top_k_visible(ops.index_scores(q, weights, keys), visible, a.index_topk)
+        chosen = []
         for seq in batch.seqs:
-            index_rows = batch.aux.pop(("rows", il, "indexer", id(seq.state)))
-            visible = self._visible(il, seq, index_rows.shape[0])
-            per_head = torch.einsum("thd,nd->thn", q[seq.rows], index_rows).relu()
-            scores = (per_head * weights[seq.rows, :, None]).sum(1).masked_fill(~visible, float("-inf"))
-            k = min(a.index_topk, scores.shape[1])
-            if k:  # keep the top-k visible compressed rows per query (all if fewer)
-                visible = visible & torch.zeros_like(visible).scatter_(1, scores.topk(k, dim=1).indices, True)
+            keys = batch.aux.pop(("rows", il, "indexer", id(seq.state)))
+            visible = self._visible(il, seq, keys.shape[0])
+            scores = ops.index_scores(q[seq.rows], weights[seq.rows], keys.expand(seq.length, -1, -1))
             if self.indexer_observer is not None:  # training fits the indexer to the attention with them
-                batch.aux[("index_scores", il, id(seq.state))] = scores
-            chosen.append(visible)
+                batch.aux[("index_scores", il, id(seq.state))] = scores.masked_fill(~visible, float("-inf"))
+            chosen.append(ops.top_k_visible(scores, visible, a.index_topk))
         return chosen
 
     def sparse_attention(self, il: int, q: torch.Tensor, batch: Batch, selected) -> torch.Tensor:
-        a, layer, out = self.args, self.layers[il], []
         cos, sin = self._batch_angles(il, batch)
         chunk = batch.aux.pop(("window", il))
         if self._decode_step(batch):
             o = self._decode_attention(il, q, chunk, batch, selected)
-            return ops.apply_rope(o, cos, sin, inverse=True)
-        for i, seq in enumerate(batch.seqs):
-            state, end = seq.state, seq.start + seq.length
-            raw = torch.cat((state.raw_window(il), chunk[seq.rows]))
-            positions = torch.arange(seq.start, end)
-            age = positions[:, None] - torch.arange(end - raw.shape[0], end)
-            keys, mask = raw, (age >= 0) & (age < a.window)
-            if state.compressor(il, "attn") is not None:
-                rows = batch.aux.pop(("rows", il, "attn", id(state)))
-                visible = self._visible(il, seq, rows.shape[0]) if selected is None else selected[i]
-                keys, mask = torch.cat((raw, rows)), torch.cat((mask, visible), dim=1)
-            state.store_window(il, raw.detach(), end)
-            probs = ops.sink_attention_probs(q[seq.rows], keys, mask, layer.sinks)
-            if self.indexer_observer is not None and selected is not None:
-                scores = batch.aux.pop(("index_scores", il, id(seq.state)))
-                self.indexer_observer(il, probs[..., raw.shape[0] :], scores)
-            o = torch.einsum("thn,nd->thd", probs, keys)
-            out.append(ops.apply_rope(o, cos[seq.rows], sin[seq.rows], inverse=True))
+        else:
+            picks = [None] * len(batch.seqs) if selected is None else selected
+            o = torch.cat(
+                [
+                    self._chunk_attention(il, q[seq.rows], chunk[seq.rows], seq, batch, picked)
+                    for seq, picked in zip(batch.seqs, picks, strict=True)
+                ]
+            )
+        return ops.apply_rope(o, cos, sin, inverse=True)
+
+    def _chunk_attention(
+        self, il: int, q: torch.Tensor, kv: torch.Tensor, seq: Segment, batch: Batch, selected: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A prefill chunk's attention [T, H, D] for one sequence, each query over its keys laid out as a
+        decode step lays them (`ops.attention_rows`): the window as the ring holds it at the query's
+        position (position p in slot p mod window), then the compressed rows visible to it. So a token
+        gets the same bits in a chunk of any length as in a decode step of any batch."""
+        a, layer, state = self.args, self.layers[il], seq.state
+        end = seq.start + seq.length
+        raw = torch.cat((state.raw_window(il), kv))  # positions end - len(raw) .. end - 1
+        state.store_window(il, raw.detach(), end)
+        positions = torch.arange(seq.start, end)[:, None]
+        held = positions - (positions - torch.arange(a.window)) % a.window  # [T, window]: each slot's position
+        at = (held - (end - raw.shape[0])).clamp(min=0)  # where in `raw`
+        rows = None
+        if state.compressor(il, "attn") is not None:
+            rows = batch.aux.pop(("rows", il, "attn", id(state)))
+            visible = self._visible(il, seq, rows.shape[0]) if selected is None else selected
+            pad = -rows.shape[0] % ops.KEY_BLOCK  # to whole key blocks once, not in each query's view
+            rows, visible = F.pad(rows, (0, 0, 0, pad)), F.pad(visible, (0, pad))
+        out, mass = [], []
+        step = max(1, ATTENTION_BYTES // ((a.window + (0 if rows is None else rows.shape[0])) * a.head_dim * 4))
+        for lo in range(0, seq.length, step):
+            block = slice(lo, lo + step)
+            parts = [(raw[at[block]], held[block] >= 0)]
+            if rows is not None:
+                parts.append((rows.expand(q[block].shape[0], -1, -1), visible[block]))
+            o, weights = ops.attention_rows(q[block], parts, layer.sinks)
+            out.append(o)
+            mass.append(weights[-1])
+        if self.indexer_observer is not None and selected is not None:
+            scores = batch.aux.pop(("index_scores", il, id(state)))
+            self.indexer_observer(il, torch.cat(mass)[..., : scores.shape[1]], scores)
         return torch.cat(out)
 
     # -- decode steps: attention over every sequence at once -------------------------------------------------
@@ -357,27 +385,24 @@ class ReferenceOps(StreamSteps):
         filled rows and its visible compressed rows (`selected` by the indexer for ratio 4)."""
         a, layer, positions = self.args, self.layers[il], batch.aux["positions"]
         self._scatter(il, "raw", batch, kv.detach(), at=positions % a.window)
-        keys = self._gather(il, "raw", batch)
-        mask = torch.arange(a.window)[None, :] < (positions + 1).clamp(max=a.window)[:, None]
+        filled = torch.arange(a.window)[None, :] < (positions + 1).clamp(max=a.window)[:, None]
+        parts = [(self._gather(il, "raw", batch), filled)]
         if layer.spec.compress_ratio:
             rows, visible = self._slot_rows(il, "attn", batch)
-            keys, mask = torch.cat((keys, rows), 1), torch.cat((mask, visible if selected is None else selected), 1)
-        # padding (rows a sequence has not written: uninitialised memory) gets weight 0, and 0 * NaN
-        # would still be NaN
-        keys = keys.masked_fill(~mask[..., None], 0.0)
-        probs = ops.sink_attention_probs(q[:, None], keys, mask[:, None], layer.sinks)
-        return torch.einsum("bthn,bnd->bthd", probs, keys)[:, 0]
+            parts.append((rows, visible if selected is None else selected))
+        return ops.attention_rows(q, parts, layer.sinks)[0]
 
     def attn_output(self, il: int, o: torch.Tensor) -> torch.Tensor:
-        layer, groups = self.layers[il], self.args.o_groups
-        grouped = torch.einsum("tgi,goi->tgo", o.reshape(o.shape[0], groups, -1), layer.wo_a)
-        return grouped.flatten(1) @ layer.wo_b.T
+        layer = self.layers[il]
+        heads = o.reshape(o.shape[0], self.args.o_groups, -1)
+        grouped = torch.cat([ops.linear(heads[:, g], wo_a) for g, wo_a in enumerate(layer.wo_a)], dim=1)
+        return ops.linear(grouped, layer.wo_b)
 
     # -- mixture of experts --------------------------------------------------------------------------------
     def route(self, il: int, x: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         a, layer = self.args, self.layers[il]
         fixed = None if layer.tid2eid is None else layer.tid2eid[batch.tokens]
-        ids, weights = ops.route(x @ layer.router.T, a.n_activated_experts, a.route_scale, layer.bias, fixed)
+        ids, weights = ops.route(ops.linear(x, layer.router), a.n_activated_experts, a.route_scale, layer.bias, fixed)
         if self.route_observer is not None:
             self.route_observer(il, ids)
         return ids, weights
@@ -393,13 +418,15 @@ class ReferenceOps(StreamSteps):
             gate, up, down = expert(e)
             inputs = x[rows]
             # the router weight scales the SwiGLU output before the down projection, as ds4 does
-            hidden = ops.swiglu_clamped(inputs @ gate.T, inputs @ up.T, limit) * weights[rows, slots, None]
+            hidden = (
+                ops.swiglu_clamped(ops.linear(inputs, gate), ops.linear(inputs, up), limit) * weights[rows, slots, None]
+            )
             if self.expert_observer is not None:
                 for name, seen in zip(tt.EXPERTS, (inputs, inputs, hidden), strict=True):
                     self.expert_observer(il, name, int(ids[rows[0], slots[0]]), seen)
-            out.index_add_(0, rows, hidden @ down.T)
+            out.index_add_(0, rows, ops.linear(hidden, down))
         gate, up, down = self.layers[il].shared
-        return out + ops.swiglu_clamped(x @ gate.T, x @ up.T, limit) @ down.T
+        return out + ops.linear(ops.swiglu_clamped(ops.linear(x, gate), ops.linear(x, up), limit), down)
 
 
 class ReferenceModel(Transformer[torch.Tensor]):

@@ -2,12 +2,20 @@
 
 Each function states the official semantics it follows (spec §2.1, §2.2, §9). Backends check
 their kernels against these.
+
+Batch invariance: a row's result is the same bits however many other rows share the call (other
+sequences of a batch, the rest of a prefill chunk, padding). BLAS picks its kernel, and so the order
+in which it sums, by the shape of a product, so every product with weights goes through `linear`,
+which never hands BLAS fewer than `MIN_ROWS` rows; attention sums over its keys in fixed blocks
+(`attention_rows`), so that the masked keys padding a row out to its batch's longest add exact zeros;
+and the transcendental functions go through `elementwise`, which computes every element alike.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +26,41 @@ FP8_MAX = 448.0  # largest finite float8 e4m3fn
 FP8_BLOCK = 64  # the KV "FP8" rounding uses one power-of-two scale per 64 nope dims
 FP4_MAX = 6.0  # largest e2m1 magnitude
 FP4_BLOCK = 32
+# MKL multiplies fewer than 16 rows with other kernels (another summation order) than 16 or more,
+# whose per-element order does not depend on the row count: measured for M = 1..4200 rows over the
+# reference's product shapes (and K up to 16,384), AVX-512. tests/test_batch_invariance.py checks it.
+MIN_ROWS = 16
+KEY_BLOCK = 64  # keys per block of an attention row's sums (`attention_rows`)
 # e2m1 magnitudes and the midpoints between neighbours; a tie goes to the even code.
 _E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _E2M1_MIDPOINTS = (_E2M1_GRID[1:] + _E2M1_GRID[:-1]) / 2
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ w [out, in].T, each row's result the same bits whatever the number of rows: the
+    rows go to BLAS contiguous and at least `MIN_ROWS` of them (zero rows pad the rest)."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    n = flat.shape[0]
+    if n < MIN_ROWS:
+        flat = torch.cat((flat, flat.new_zeros(MIN_ROWS - n, flat.shape[1])))
+    return (flat @ w.T)[:n].reshape(*x.shape[:-1], w.shape[0])
+
+
+def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn(x), each element computed by the same code wherever it sits in x. A vectorised torch loop
+    leaves a tensor's last few elements (and, threaded, each thread's last few) to its scalar code,
+    whose sigmoid, silu, softplus... round otherwise than the vector code: which elements those are
+    depends on the tensor's size, so a row's values would depend on the rows beside it. Laid two
+    apart, the elements go through the scalar loop, every one of them."""
+    spread = x.new_empty(*x.shape, 2)
+    spread[..., 0] = x
+    return fn(spread[..., 0])
+
+
+def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x.softmax(dim) with its exponentials through `elementwise`."""
+    e = elementwise(torch.exp, x - x.amax(dim, keepdim=True))
+    return e / e.sum(dim, keepdim=True)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -34,7 +74,7 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
     Angles are formed in float64: at million-token positions a float32 product loses whole radians.
     """
     angles = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
-    return angles.cos().float(), angles.sin().float()
+    return elementwise(torch.cos, angles).float(), elementwise(torch.sin, angles).float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -114,7 +154,7 @@ def _hadamard_matrix(n: int) -> torch.Tensor:
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
-    return x @ _hadamard_matrix(x.shape[-1]).to(x.device)
+    return linear(x, _hadamard_matrix(x.shape[-1]).to(x.device))  # symmetric: x @ H = x @ H.T
 
 
 def indexer_round(x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +164,7 @@ def indexer_round(x: torch.Tensor) -> torch.Tensor:
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """SiLU(min(gate, limit)) * clamp(up, -limit, limit): the clamp is applied before the activation."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    return elementwise(F.silu, gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -132,7 +172,7 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
     One column normalisation follows the softmax, then iters-1 (row, column) rounds (official order).
     """
-    comb = logits.softmax(-1) + eps
+    comb = softmax(logits, -1) + eps
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + eps)
@@ -155,9 +195,9 @@ def hc_pre(
     """
     n = h.shape[1]
     flat = h.flatten(1)
-    mix = (flat @ fn.T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + hc_eps
-    post = 2 * torch.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    mix = linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    pre = elementwise(torch.sigmoid, mix[:, :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * elementwise(torch.sigmoid, mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
     comb_logits = mix[:, 2 * n :].view(-1, n, n) * scale[2] + base[2 * n :].view(n, n)
     comb = sinkhorn(comb_logits, iters, hc_eps)
     return (pre.unsqueeze(-1) * h).sum(1), post, comb
@@ -173,8 +213,8 @@ def hc_head(
 ) -> torch.Tensor:
     """Final collapse of the n streams with sigmoid weights (no Sinkhorn, no post)."""
     flat = h.flatten(1)
-    mix = (flat @ fn.T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    weights = torch.sigmoid(mix * scale + base) + hc_eps
+    mix = linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    weights = elementwise(torch.sigmoid, mix * scale + base) + hc_eps
     return (weights.unsqueeze(-1) * h).sum(1)
 
 
@@ -193,6 +233,61 @@ def sink_attention_probs(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """Softmax attention with sinks (see `sink_attention_probs`): output [T, H, D]."""
     return torch.einsum("thn,nd->thd", sink_attention_probs(q, kv, mask, sinks), kv)
+
+
+def attention_rows(
+    q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Sink attention (`sink_attention_probs`) of R query rows q [R, H, D], each over keys of its own:
+    `parts` [(keys [R, n, D] (K = V), mask [R, n] bool)], a row's keys one part after the other.
+    Returns the output [R, H, D] and each part's weights [R, H, n].
+
+    Batch-invariant: a row's result depends on its keys and where they sit in the parts, not on R, nor
+    on masked keys after a part's last visible one. Scores are one product per key; the softmax
+    denominator and the weighted sum run over blocks of `KEY_BLOCK` keys (a part is padded to whole
+    blocks), added block after block: a block of masked keys adds an exact 0. Masked keys are zeroed
+    (padding may be uninitialised memory, and 0 * NaN is NaN).
+    """
+    blocked, top = [], sinks.expand(q.shape[0], -1)
+    for keys, mask in parts:
+        pad = -keys.shape[1] % KEY_BLOCK
+        if pad:
+            keys, mask = F.pad(keys, (0, 0, 0, pad)), F.pad(mask, (0, pad))
+        keys = keys.masked_fill(~mask[..., None], 0.0)
+        scores = torch.bmm(q, keys.transpose(1, 2)) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+        if scores.shape[-1]:
+            top = torch.maximum(top, scores.amax(-1))
+        blocked.append((keys, scores, keys.shape[1] - pad))
+    denominator = elementwise(torch.exp, sinks - top)
+    exps = []
+    for _, scores, _ in blocked:
+        e = elementwise(torch.exp, scores - top[..., None])
+        sums = e.unflatten(-1, (-1, KEY_BLOCK)).sum(-1)
+        for b in range(sums.shape[-1]):
+            denominator = denominator + sums[..., b]
+        exps.append(e)
+    out, weights = torch.zeros_like(q), []
+    for (keys, _, n), e in zip(blocked, exps, strict=True):
+        p = e / denominator[..., None]
+        for lo in range(0, p.shape[-1], KEY_BLOCK):
+            out = out + torch.bmm(p[..., lo : lo + KEY_BLOCK], keys[:, lo : lo + KEY_BLOCK])
+        weights.append(p[..., :n])
+    return out, weights
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Lightning-indexer scores [R, n] = sum_h weights_h * relu(q_h . k) of R query rows q [R, H, D]
+    (weights [R, H]) over keys [R, n, D] of their own: one product per key, so a row's scores do not
+    depend on R or on the keys after it."""
+    return (torch.bmm(q, keys.transpose(1, 2)).relu() * weights[:, :, None]).sum(1)
+
+
+def top_k_visible(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best-scoring visible keys of each row, as a mask like `visible` (all of them when fewer);
+    equal scores go to the lower index, so padding a row with more keys never changes its choice."""
+    order = torch.sort(scores.masked_fill(~visible, float("-inf")), dim=-1, descending=True, stable=True).indices
+    return visible & torch.zeros_like(visible).scatter_(-1, order[..., :k], True)
 
 
 def compress(
@@ -236,7 +331,7 @@ def compress(
             front_kv[:r], front_gate[:r] = win_kv[-1], win_gate[-1]
         else:
             slots_kv, slots_gate = win_kv, win_gate
-        pooled = rms_norm((slots_kv * slots_gate.softmax(dim=1)).sum(1), norm, eps)
+        pooled = rms_norm((slots_kv * softmax(slots_gate, 1)).sum(1), norm, eps)
     rest = kv.shape[0] - n * r
     front_kv[off:] = 0.0
     front_gate[off:] = float("-inf")
@@ -278,7 +373,7 @@ def compress_step(
         front_kv[done, :r], front_gate[done, :r] = win_kv[:, r:], win_gate[:, r:]
     else:
         slots_kv, slots_gate = win_kv, win_gate
-    pooled = rms_norm((slots_kv * slots_gate.softmax(dim=1)).sum(1), norm, eps)
+    pooled = rms_norm((slots_kv * softmax(slots_gate, 1)).sum(1), norm, eps)
     front_kv[done, off:] = 0.0
     front_gate[done, off:] = float("-inf")
     return pooled, done, front_kv, front_gate
@@ -293,7 +388,7 @@ def route(
     the token table (`fixed`) instead. Weights are the un-biased scores of the chosen experts,
     renormalised and multiplied by the routed scale.
     """
-    scores = F.softplus(logits).sqrt()
+    scores = elementwise(F.softplus, logits).sqrt()
     ids = fixed if fixed is not None else (scores + bias).topk(k, dim=-1).indices
     weights = scores.gather(1, ids)
     return ids, weights / weights.sum(-1, keepdim=True) * route_scale
