@@ -122,8 +122,9 @@ def gemv_plan(m: int, n: int, k: int, ggml_type: GGMLType, groups: int = 1, sms:
     weights in flight, or the whole weight. `warps` forces the warp count (a two-segment launch has one).
     """
     bm = min(GEMV_MAX_ROWS, next_pow2(m))
-    if interpreting():  # few, large programs: numpy runs the whole block at once
-        return GemvPlan(min(next_pow2(n), 1024), tile_k(ggml_type, k), 1, False, 1)
+    if interpreting():  # few, large programs: numpy runs the whole block at once (at most 2^20 elements)
+        bk = tile_k(ggml_type, k)
+        return GemvPlan(min(next_pow2(n), 1024, (1 << 20) // (bm * bk)), bk, 1, False, 1)
     warp, ve = warp_size(), VECTOR_ELEMENTS.get(ggml_type)
     if ve is None:
         rows, w = gemv_tile(bm, n, ggml_type, QK_K)
