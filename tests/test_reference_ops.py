@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dwarfstar.backends.reference import ops
+from dwarfstar.model.numerics import rope_angles
 
 E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 E4M3_GRID = torch.unique(E4M3_VALUES[torch.isfinite(E4M3_VALUES)])
@@ -84,7 +85,7 @@ def test_rope_matches_complex_rotation_and_inverts():
     x = torch.randn(6, 3, 40)  # [T, heads, dim]: 24 nope + 16 rope dims
     pos = torch.arange(100, 106)
     inv_freq = torch.tensor([10000 ** (-2 * i / 16) for i in range(8)], dtype=torch.float64)
-    cos, sin = ops.rope_angles(pos, inv_freq)
+    cos, sin = rope_angles(pos, inv_freq)
     y = ops.apply_rope(x, cos, sin)
     pairs = torch.view_as_complex(x[..., 24:].reshape(6, 3, 8, 2).contiguous())
     rot = torch.polar(torch.ones(6, 8, dtype=torch.float64), pos[:, None].double() * inv_freq).to(torch.complex64)

@@ -47,6 +47,7 @@ import torch
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.model.config import ModelArgs, yarn_inv_freq
+from dwarfstar.model.numerics import rope_angles
 
 # weights of the first four rope pairs in the positional score: with the base-10000 frequencies
 # (1, 0.32, 0.1, 0.03 rad per token) their cosines peak together at one token back and stay at most
@@ -112,7 +113,7 @@ def plant_copy_circuit(
     for i, w in enumerate(PAIR_WEIGHTS):
         a[2 * i] = math.sqrt(w)
     inv = torch.tensor(yarn_inv_freq(args, args.layer(0)))
-    cos, sin = ops.rope_angles(torch.tensor([1]), inv)
+    cos, sin = rope_angles(torch.tensor([1]), inv)
     b = ops.apply_rope(a[None], cos, sin)[0]  # the query's rope vector one position on
     q_a = params[p + "attn_q_a.weight"]
     q_a[0] = u

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels import attention as at
 from dwarfstar.backends.triton.runtime import PagedRows
+from dwarfstar.model.numerics import rope_angles
 
 HEADS, DIM, ROPE, WINDOW = 4, 128, 32, 8
 
@@ -23,7 +23,7 @@ def setup(t, n_prev, n_comp, device, seed=0):
 
 
 def angles_at(p0, t, inv, device):
-    return tuple(a.to(device) for a in ops.rope_angles(torch.arange(p0, p0 + t), inv.cpu()))
+    return tuple(a.to(device) for a in rope_angles(torch.arange(p0, p0 + t), inv.cpu()))
 
 
 @pytest.mark.parametrize("split", [1, 3])
@@ -114,7 +114,7 @@ def test_a_batch_of_sequences_in_cache_slots_matches_each_alone(kind, device):
     comp = torch.randn(4, capacity, DIM, generator=gen)
     sinks = 0.5 * torch.randn(HEADS, generator=gen)
     inv = 10000.0 ** (-torch.arange(0, ROPE, 2, dtype=torch.float64) / ROPE)
-    cs = ops.rope_angles(torch.tensor(positions), inv)
+    cs = rope_angles(torch.tensor(positions), inv)
     ratio = 0 if kind == "window" else 4
     selected = None
     if kind == "selected":  # per sequence: chosen visible rows, -1 padded (none yet at p = 3)
@@ -221,7 +221,7 @@ def test_splits_are_combined_by_the_last_to_finish(monkeypatch, device):
     torch.testing.assert_close(first, at.attention_batch(*args), rtol=1e-5, atol=1e-5)
     for b, (p, s) in enumerate(zip(positions, slots, strict=True)):
         rows = gathered_window(rings[s].cpu(), p)
-        cs = ops.rope_angles(torch.tensor([p]), inv.cpu())
+        cs = rope_angles(torch.tensor([p]), inv.cpu())
         want = at.reference(q[b : b + 1].cpu(), rows, rows.shape[0] - 1, WINDOW, sinks.cpu(), cs, p,
                             comp_rows=comp.pool[comp.table[s].long()].flatten(0, 1).cpu(), ratio=128)  # fmt: skip
         torch.testing.assert_close(first[b : b + 1].cpu(), want, rtol=1e-5, atol=1e-5)

@@ -8,17 +8,13 @@ are used, so this runs wherever MLX does (Linux CPU included).
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 
-from dwarfstar.backends.reference.ops import FP4_BLOCK, FP4_MAX, FP8_BLOCK, FP8_MAX
 from dwarfstar.model.config import ModelArgs
-
-_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_E2M1_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(_E2M1_GRID[:-1], _E2M1_GRID[1:], strict=True))
+from dwarfstar.model.numerics import E2M1_GRID, E2M1_MIDPOINTS, FP4_BLOCK, FP4_MAX, FP8_BLOCK, FP8_MAX, hadamard_matrix
 
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
@@ -93,23 +89,17 @@ def fp4_round(x: mx.array) -> mx.array:
     scale = _pow2_ceil(amax * (1.0 / FP4_MAX))
     v = mx.clip(blocks / scale, -FP4_MAX, FP4_MAX)
     mag = mx.abs(v)
-    mids = mx.array(_E2M1_MIDPOINTS)
+    mids = mx.array(E2M1_MIDPOINTS)
     code = (mag[..., None] > mids).astype(mx.int32).sum(-1)  # midpoints strictly below |v|
-    tie = mag == mx.take(mids, mx.minimum(code, len(_E2M1_MIDPOINTS) - 1))
+    tie = mag == mx.take(mids, mx.minimum(code, len(E2M1_MIDPOINTS) - 1))
     code = mx.where(tie & (code % 2 == 1), code + 1, code)
-    q = mx.take(mx.array(_E2M1_GRID), code) * mx.sign(v) * scale
+    q = mx.take(mx.array(E2M1_GRID), code) * mx.sign(v) * scale
     return q.reshape(*q.shape[:-2], -1)[..., :n]
 
 
 @functools.cache
 def _hadamard_matrix(n: int) -> mx.array:
-    """Sylvester (natural order) Walsh-Hadamard matrix scaled to be orthonormal."""
-    if n & (n - 1):
-        raise ValueError(f"Hadamard size {n} is not a power of two")
-    h = np.ones((1, 1), dtype=np.float32)
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return mx.array(h / math.sqrt(n))
+    return mx.array(hadamard_matrix(n).numpy())
 
 
 def hadamard(x: mx.array) -> mx.array:

@@ -30,6 +30,7 @@ from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import LayerSpec, ModelArgs, yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, StreamSteps, Transformer
 from dwarfstar.model.loader import ModelFile
+from dwarfstar.model.numerics import rope_angles, route
 from dwarfstar.model.pages import PAGE_ROWS
 from dwarfstar.model.state import SequenceState, TorchStorage
 from dwarfstar.model.tensors import ProjectionGroup
@@ -170,7 +171,7 @@ class ReferenceOps(StreamSteps):
         return {p.key: ops.linear(x, layer.proj[p.key]) for p in group.present(layer.spec)}
 
     def _angles(self, il: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rope_angles(positions, self.layers[il].inv_freq)
+        return rope_angles(positions, self.layers[il].inv_freq)
 
     def _batch_angles(self, il: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin at every row's position, once per call for each RoPE base (layers share a few)."""
@@ -402,7 +403,7 @@ class ReferenceOps(StreamSteps):
     def route(self, il: int, x: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         a, layer = self.args, self.layers[il]
         fixed = None if layer.tid2eid is None else layer.tid2eid[batch.tokens]
-        ids, weights = ops.route(ops.linear(x, layer.router), a.n_activated_experts, a.route_scale, layer.bias, fixed)
+        ids, weights = route(ops.linear(x, layer.router), a.n_activated_experts, a.route_scale, layer.bias, fixed)
         if self.route_observer is not None:
             self.route_observer(il, ids)
         return ids, weights

@@ -13,27 +13,30 @@ and the transcendental functions go through `elementwise`, which computes every 
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from dwarfstar.model.numerics import (
+    E2M1_GRID,
+    E2M1_MIDPOINTS,
+    FP4_BLOCK,
+    FP4_MAX,
+    FP8_BLOCK,
+    FP8_MAX,
+    elementwise,
+    hadamard_matrix,
+)
 from dwarfstar.model.state import CompressorSpec
 
-FP8_MAX = 448.0  # largest finite float8 e4m3fn
-FP8_BLOCK = 64  # the KV "FP8" rounding uses one power-of-two scale per 64 nope dims
-FP4_MAX = 6.0  # largest e2m1 magnitude
-FP4_BLOCK = 32
 # MKL multiplies fewer than 16 rows with other kernels (another summation order) than 16 or more,
 # whose per-element order does not depend on the row count: measured for M = 1..4200 rows over the
 # reference's product shapes (and K up to 16,384), AVX-512. tests/test_batch_invariance.py checks it.
 MIN_ROWS = 16
 KEY_BLOCK = 64  # keys per block of an attention row's sums (`attention_rows`)
-# e2m1 magnitudes and the midpoints between neighbours; a tie goes to the even code.
-_E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-_E2M1_MIDPOINTS = (_E2M1_GRID[1:] + _E2M1_GRID[:-1]) / 2
+_E2M1_GRID = torch.tensor(E2M1_GRID)
+_E2M1_MIDPOINTS = torch.tensor(E2M1_MIDPOINTS)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -46,17 +49,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (flat @ w.T)[:n].reshape(*x.shape[:-1], w.shape[0])
 
 
-def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn(x), each element computed by the same code wherever it sits in x. A vectorised torch loop
-    leaves a tensor's last few elements (and, threaded, each thread's last few) to its scalar code,
-    whose sigmoid, silu, softplus... round otherwise than the vector code: which elements those are
-    depends on the tensor's size, so a row's values would depend on the rows beside it. Laid two
-    apart, the elements go through the scalar loop, every one of them."""
-    spread = x.new_empty(*x.shape, 2)
-    spread[..., 0] = x
-    return fn(spread[..., 0])
-
-
 def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     """x.softmax(dim) with its exponentials through `elementwise`."""
     e = elementwise(torch.exp, x - x.amax(dim, keepdim=True))
@@ -66,15 +58,6 @@ def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
     return y if weight is None else y * weight
-
-
-def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of p * freq per interleaved pair, shape [T, rope_dim / 2].
-
-    Angles are formed in float64: at million-token positions a float32 product loses whole radians.
-    """
-    angles = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
-    return elementwise(torch.cos, angles).float(), elementwise(torch.sin, angles).float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -142,19 +125,8 @@ def fp4_round(x: torch.Tensor) -> torch.Tensor:
     return q.flatten(-2)[..., :n]
 
 
-@functools.cache
-def _hadamard_matrix(n: int) -> torch.Tensor:
-    """Sylvester (natural order) Walsh-Hadamard matrix scaled to be orthonormal."""
-    if n & (n - 1):
-        raise ValueError(f"Hadamard size {n} is not a power of two")
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return h / math.sqrt(n)
-
-
 def hadamard(x: torch.Tensor) -> torch.Tensor:
-    return linear(x, _hadamard_matrix(x.shape[-1]).to(x.device))  # symmetric: x @ H = x @ H.T
+    return linear(x, hadamard_matrix(x.shape[-1]).to(x.device))  # symmetric: x @ H = x @ H.T
 
 
 def indexer_round(x: torch.Tensor) -> torch.Tensor:
@@ -377,18 +349,3 @@ def compress_step(
     front_kv[done, off:] = 0.0
     front_gate[done, off:] = float("-inf")
     return pooled, done, front_kv, front_gate
-
-
-def route(
-    logits: torch.Tensor, k: int, route_scale: float, bias: torch.Tensor | None, fixed: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick experts and their weights: (ids [T, k], weights [T, k]).
-
-    Scores are sqrt(softplus(logit)). The bias only steers selection; hash layers take the ids from
-    the token table (`fixed`) instead. Weights are the un-biased scores of the chosen experts,
-    renormalised and multiplied by the routed scale.
-    """
-    scores = elementwise(F.softplus, logits).sqrt()
-    ids = fixed if fixed is not None else (scores + bias).topk(k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    return ids, weights / weights.sum(-1, keepdim=True) * route_scale

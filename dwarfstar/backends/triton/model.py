@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels import (
     attention,
     compressor,
@@ -49,6 +48,7 @@ from dwarfstar.backends.triton.weights import FusedLinear, ModelWeights
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Site, Transformer
+from dwarfstar.model.numerics import rope_angles
 from dwarfstar.model.pages import PAGE_ROWS
 from dwarfstar.model.state import ROW_STEP, KVCache, SequenceState, TorchStorage, index_copy_rows
 from dwarfstar.model.tensors import ProjectionGroup
@@ -149,7 +149,7 @@ class TritonOps:
         if "slots" not in aux:
             pairs = zip(aux["pos"], batch.seqs, strict=True)
             positions = torch.cat([p.long() + torch.arange(s.length, device=self.device) for p, s in pairs])
-            aux["angles"] = {key: ops.rope_angles(positions, inv) for key, inv in self._inv_freq.items()}
+            aux["angles"] = {key: rope_angles(positions, inv) for key, inv in self._inv_freq.items()}
         # bf16 tensor-core operands pay off only for prefill-sized chunks; decode stays in fp32
         aux["precision"] = self.precision if n > GEMV_MAX_ROWS else EXACT
         # a decode step (one token per sequence) runs the mHC steps and the routing as one launch
@@ -317,7 +317,7 @@ class TritonOps:
             if n_emit:
                 # row w sits at its window's first position, w * ratio, in the page its table names
                 index = pos.long() // ratio + torch.arange(n_emit, device=self.device)
-                angles, rows = ops.rope_angles(index * ratio, inv), self.paged_rows(il, kind, state)
+                angles, rows = rope_angles(index * ratio, inv), self.paged_rows(il, kind, state)
                 normed = norm_rope(
                     pooled, weight=norm, eps=a.norm_eps, angles=angles, rope_dim=a.rope_dim, qat=rounding
                 )

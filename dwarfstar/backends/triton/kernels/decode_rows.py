@@ -32,6 +32,7 @@ from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels.rms_norm_rope import finish_rows, half_hadamard, rope_cos_sin
 from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, PagedRows, interpreting, next_pow2, per_sequence
 from dwarfstar.model.config import yarn_inv_freq
+from dwarfstar.model.numerics import rope_angles
 from dwarfstar.model.pages import PAGE_ROWS
 from dwarfstar.model.state import CompressorSpec
 
@@ -248,7 +249,7 @@ def reference_compress(
     )  # fmt: skip
     rows = torch.zeros(len(slots), spec.dim)
     if pooled.shape[0]:
-        cos, sin = ops.rope_angles(torch.tensor(positions)[done] // spec.ratio * spec.ratio, inv_freq)
+        cos, sin = rope_angles(torch.tensor(positions)[done] // spec.ratio * spec.ratio, inv_freq)
         pooled = ops.apply_rope(pooled, cos, sin)
         if qat:
             pooled = ops.fp8_round_nope(pooled, rope_dim) if spec.kind == "attn" else ops.indexer_round(pooled)

@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dwarfstar.backends.reference.ops import route as reference_route
 from dwarfstar.backends.triton.kernels.hc_pre import sum_partials
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
 from dwarfstar.backends.triton.kernels.quant_blocks import load_weight_tile
@@ -38,6 +37,7 @@ from dwarfstar.backends.triton.runtime import (
 )
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
+from dwarfstar.model.numerics import route as reference_route
 
 ROUTER_SPLIT = 4
 ROUTER_TILE = (16, 256)  # rows, columns of the router per program of the one-launch form: 256 programs for Flash

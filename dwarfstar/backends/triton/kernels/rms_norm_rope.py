@@ -10,7 +10,7 @@ One kernel covers every per-row epilogue of the attention path (spec §2.1, §9)
 RoPE rotates interleaved pairs of the last `rope_dim` dims; the pairs are split out of the register
 tile with reshape + split, and pairs before the rope dims get cos 1 / sin 0. Angles are formed in
 float64 (a float32 product of position and frequency loses whole radians at million-token
-positions): a chunk brings cos/sin tables [tokens, rope_dim / 2] built by `reference.ops.rope_angles`
+positions): a chunk brings cos/sin tables [tokens, rope_dim / 2] built by `model.numerics.rope_angles`
 on the device; a decode step's kernels form them from the device positions and the layer's inverse
 frequencies (`rope_cos_sin`: the float64 product, a Cody-Waite reduction by pi/2 and Taylor
 polynomials to float64 accuracy, then float32), which agrees with the tables to the float32 rounding.
@@ -34,6 +34,7 @@ import triton.language as tl
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
 from dwarfstar.model.config import yarn_inv_freq
+from dwarfstar.model.numerics import hadamard_matrix, rope_angles
 
 NORM_NONE, NORM_PLAIN, NORM_WEIGHTED = 0, 1, 2
 QAT_NONE, QAT_FP8, QAT_FP4 = 0, 1, 2
@@ -198,7 +199,7 @@ def _rms_norm_rope_kernel(
 @functools.cache
 def half_hadamard(n: int, device: torch.device) -> torch.Tensor:
     """H_{n/2} / sqrt(n): the block `_hadamard` multiplies by (cached: no host copy inside a CUDA graph)."""
-    return (ops._hadamard_matrix(n // 2) / 2**0.5).to(device)
+    return (hadamard_matrix(n // 2) / 2**0.5).to(device)
 
 
 def rms_norm_rope(
@@ -331,8 +332,8 @@ def query_rows(
 
 
 def reference_query_rows(q, index_q, pos, inv_freq, heads, index_heads, rope_dim, eps, qat):
-    """`query_rows` by the reference ops, with the angles from `reference.ops.rope_angles`."""
-    angles = ops.rope_angles(pos.long(), inv_freq)
+    """`query_rows` by the reference ops, with the angles from `model.numerics.rope_angles`."""
+    angles = rope_angles(pos.long(), inv_freq)
     q_out = reference(q.unflatten(1, heads), norm=NORM_PLAIN, eps=eps, angles=angles, rope_dim=rope_dim)
     if index_q is None:
         return q_out, None
@@ -377,7 +378,7 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
         ("prefill KV rows", shape.prefill, 1, a.head_dim, dict(weight=torch.ones(a.head_dim, device=dev), qat=QAT_FP8)),
     ):
         x = torch.randn(t, heads, d, device=dev, generator=gen)
-        angles = ops.rope_angles(torch.arange(t, device=dev) + shape.ctx, inv)
+        angles = rope_angles(torch.arange(t, device=dev) + shape.ctx, inv)
         run = functools.partial(rms_norm_rope, x, angles=angles, rope_dim=a.rope_dim, **kw)
         cases.append(BenchCase("rms_norm_rope", f"{what} {t}x{heads}x{d}", run, 8 * x.numel()))
     b = 8
