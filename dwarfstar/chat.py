@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from dwarfstar.backends.protocol import Backend
 from dwarfstar.diagnostics import Trace
 from dwarfstar.engine import Engine
 from dwarfstar.errors import DwarfStarError
@@ -29,7 +30,7 @@ from dwarfstar.prompt.render import render_conversation
 from dwarfstar.session.payload import read_payload, write_payload
 from dwarfstar.session.prefix import common_prefix_len
 from dwarfstar.session.sampling import Sampler, SamplingParams
-from dwarfstar.session.session import Backend, Cancelled, Session
+from dwarfstar.session.session import Cancelled, Session
 from dwarfstar.terminal import PrefillProgress, Speed, StreamPrinter
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dwarfstar.backends.registry import ENTRIES
 from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from dwarfstar.speculative.options import MTPOptions
     from dwarfstar.steering.apply import SteeringOptions
 
-BACKENDS = ("auto", "reference", "triton", "mlx")
+BACKENDS = ("auto", *ENTRIES)
 PRECISIONS = ("exact", "fast")
 PRECISION_HELP = (
     "exact: fp32 products; fast: bf16 operands in the Triton backend's prefill products (triton only; "

@@ -24,12 +24,13 @@ from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import TextIO
 
+from dwarfstar.backends.protocol import Backend
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.tensors import expected_tensors
 from dwarfstar.session.payload import payload_nbytes
-from dwarfstar.session.session import Backend, Session
+from dwarfstar.session.session import Session
 
 EXPERT_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 ROW_TENSORS = ("token_embd.weight", "ffn_gate_tid2eid.weight")  # a token reads one row of these

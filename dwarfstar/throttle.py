@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
+from dwarfstar.backends.protocol import Backend
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.state import SequenceState
 from dwarfstar.session.sampling import Sampler
-from dwarfstar.session.session import Backend
 
 MIN_SLEEP_S = 0.001
 

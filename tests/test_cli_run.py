@@ -14,8 +14,9 @@ from click.testing import Result
 from typer.testing import CliRunner
 
 from dwarfstar.backends.mlx import mlx_available
+from dwarfstar.backends.registry import pick_backend
 from dwarfstar.cli import _register_commands, app
-from dwarfstar.engine import load_engine, pick_backend
+from dwarfstar.engine import load_engine
 from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.synthetic import TINY, write_synthetic_model

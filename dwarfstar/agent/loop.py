@@ -20,6 +20,7 @@ from dwarfstar.agent import compaction
 from dwarfstar.agent.policy import Policy
 from dwarfstar.agent.tools import Toolbox, ToolOutcome
 from dwarfstar.agent.transcript import Entry, Transcript
+from dwarfstar.backends.protocol import Backend
 from dwarfstar.diagnostics import Trace
 from dwarfstar.experts.store import ExpertStore
 from dwarfstar.experts.telemetry import summary as expert_summary
@@ -27,7 +28,7 @@ from dwarfstar.model.state import SequenceState
 from dwarfstar.prompt.dsml import BLOCK_OPEN
 from dwarfstar.prompt.dsml_parser import ContentDelta, DsmlParser, ParsedCompletion, ReasoningDelta
 from dwarfstar.session.prefix import common_prefix_len
-from dwarfstar.session.session import Backend, Cancelled, Session
+from dwarfstar.session.session import Cancelled, Session
 from dwarfstar.terminal import Speed
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 from dwarfstar.tokenizer.tokenizer import Tokenizer

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
+    from dwarfstar.backends.protocol import Backend
     from dwarfstar.distributed.route import Route
     from dwarfstar.engine import Engine
     from dwarfstar.engine_spec import EngineSpec
-    from dwarfstar.session.session import Backend
     from dwarfstar.terminal import Speed
 
 

@@ -45,13 +45,9 @@ if TYPE_CHECKING:
 
 def local_model(engine: Engine, layers: LayerSlice) -> Transformer:
     """The engine's model, which must hold the slice's layers (loaded for it, or every layer): the
-    backend itself, or the shared forward pass it wraps (Triton's `TritonBackend.model`; a stage
-    runs it eagerly, without the decode graphs around it)."""
-    model = engine.backend
-    if engine.backend_name == "triton":
-        from dwarfstar.backends.triton.backend import TritonBackend
-
-        model = model.model if isinstance(model, TritonBackend) else model
+    shared forward pass the backend runs (`BackendEntry.forward_pass`: Triton's is the one its
+    `TritonBackend` wraps, which a stage runs eagerly, without the decode graphs around it)."""
+    model = engine.entry.forward_pass(engine.backend)
     if not isinstance(model, Transformer):
         raise DistError(
             f"the {engine.backend_name} backend wrapped by another feature (steering, streaming) "

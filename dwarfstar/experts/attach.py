@@ -1,15 +1,16 @@
 """Put an expert store behind a loaded backend: the budget, the profile seeding, the backend's view.
 
-The CLI's `--ssd-streaming*` flags become a `StreamingOptions`; `attach_streaming` builds the store
-for the file and assigns the backend's `experts`, which the forward pass reads every MoE through.
+The CLI's `--ssd-streaming*` flags become a `StreamingOptions`; `streaming_store` builds the store
+for the file, which the backend's entry attaches (`backends.registry`) as the expert source the forward
+pass reads every MoE through.
 Without streaming, `check_fits` refuses a model larger than the memory and names the flag.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -23,7 +24,6 @@ from dwarfstar.experts.layout import (
     routed_tensor_names,
 )
 from dwarfstar.experts.policy import make_policy
-from dwarfstar.experts.source import StreamingExperts
 from dwarfstar.experts.store import ExpertBytes, ExpertStore
 from dwarfstar.experts.trace import RoutingTrace
 from dwarfstar.gguf.dequant import dequantize
@@ -48,52 +48,51 @@ def profile_path(model_path: Path) -> Path:
     return model_path.with_name(model_path.name + PROFILE_SUFFIX)
 
 
-def usable_memory(backend: str) -> int:
-    """The memory the backend's experts live in: the GPU's, MLX's working set, else the RAM."""
-    if backend == "triton" and torch.cuda.is_available():
-        return torch.cuda.mem_get_info()[1]
-    if backend == "mlx":
-        import mlx.core as mx
+class BackendMemory(Protocol):
+    """The memory facts of a backend's entry (`backends.registry.BackendEntry`)."""
 
-        if mx.metal.is_available():
-            return int(mx.metal.device_info()["max_recommended_working_set_size"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    name: str
+    float32_weights: bool  # the non-routed weights held as float32 (else as the file stores them)
+
+    def usable_memory(self) -> int: ...
 
 
-def resident_bytes(model: ModelFile, backend: str, ctx: int) -> int:
-    """What stays in memory besides the cached experts: non-routed weights (float32 in the reference,
-    as the file stores them elsewhere), one context's KV, and a prefill chunk's scratch."""
+def resident_bytes(model: ModelFile, backend: BackendMemory, ctx: int) -> int:
+    """What stays in memory besides the cached experts: non-routed weights (float32 where the backend
+    holds them so, else as the file stores them), one context's KV, and a prefill chunk's scratch."""
     routed = set(routed_tensor_names(model.args.n_layers))
     weights = 0
     for name, info in model.gguf.tensors.items():
         if name not in routed and model.holds(name):  # a pipeline stage loads only its slice
-            weights += info.n_elements * 4 if backend == "reference" else info.nbytes
+            weights += info.n_elements * 4 if backend.float32_weights else info.nbytes
     kv = state_footprint(model.args).payload_bytes(ctx)
     scratch = PREFILL_CHUNK * model.args.dim * 4 * SCRATCH_ROWS_PER_TOKEN
     return weights + kv + scratch
 
 
-def check_fits(model: ModelFile, backend: str, ctx: int) -> None:
+def check_fits(model: ModelFile, backend: BackendMemory, ctx: int) -> None:
     """A model whose routed experts do not fit next to everything else is an error naming the flag."""
     # from the tensor table, not an `ExpertLayout` (which reads offsets in one file): a split set too
     names = set(routed_tensor_names(model.args.n_layers))
     routed = sum(info.nbytes for name, info in model.gguf.tensors.items() if name in names and model.holds(name))
     need = routed + resident_bytes(model, backend, ctx)
-    usable = usable_memory(backend)
+    usable = backend.usable_memory()
     if need > usable:
         raise DwarfStarError(
-            f"{model.path.name} needs {need / (1 << 30):.1f} GiB on the {backend} backend but "
+            f"{model.path.name} needs {need / (1 << 30):.1f} GiB on the {backend.name} backend but "
             f"{usable / (1 << 30):.1f} GiB is usable; run with --ssd-streaming to keep the routed experts "
             f"({routed / (1 << 30):.1f} GiB) on disk and cache what fits"
         )
 
 
-def plan_capacity(model: ModelFile, layout: ExpertLayout, backend: str, ctx: int, options: StreamingOptions) -> int:
+def plan_capacity(
+    model: ModelFile, layout: ExpertLayout, backend: BackendMemory, ctx: int, options: StreamingOptions
+) -> int:
     if options.cache_experts is not None:
         budget = parse_size(options.cache_experts)
         what = f"--ssd-streaming-cache-experts {options.cache_experts}"
     else:
-        budget = auto_budget_bytes(usable_memory(backend), resident_bytes(model, backend, ctx))
+        budget = auto_budget_bytes(backend.usable_memory(), resident_bytes(model, backend, ctx))
         what = f"the automatic budget ({budget / (1 << 30):.2f} GiB: 80% of usable memory minus resident weights)"
     capacity = experts_for_bytes(budget, layout.max_expert_bytes)
     if capacity < layout.n_active:
@@ -124,18 +123,8 @@ def build_store(model: ModelFile, capacity: int, options: StreamingOptions) -> E
     return store
 
 
-def attach_streaming(impl: object, backend: str, model: ModelFile, ctx: int, options: StreamingOptions) -> ExpertStore:
-    """Stream `impl`'s routed experts from the file; returns the store (its `stats` are the telemetry)."""
+def streaming_store(model: ModelFile, backend: BackendMemory, ctx: int, options: StreamingOptions) -> ExpertStore:
+    """The store the backend's routed experts stream through (its `stats` are the telemetry); the
+    backend's entry attaches it (`BackendEntry.attach_experts`)."""
     layout = ExpertLayout.of(model.gguf, model.args)
-    store = build_store(model, plan_capacity(model, layout, backend, ctx, options), options)
-    if backend == "triton":  # loaded without its routed experts (`load_backend(stream_experts=True)`)
-        from dwarfstar.backends.triton.streaming import TritonStreamedExperts
-
-        impl.model.experts = TritonStreamedExperts(store, impl.device)
-    elif backend == "mlx":
-        from dwarfstar.backends.mlx.streaming import MLXStreamedExperts
-
-        impl.experts = MLXStreamedExperts(store, impl.packing)
-    else:
-        impl.experts = StreamingExperts(store, reference_expert)
-    return store
+    return build_store(model, plan_capacity(model, layout, backend, ctx, options), options)

@@ -3,11 +3,11 @@ heavy is imported at the top: the command line reads the names here."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dwarfstar.backends.registry import BackendEntry, host_memory
 from dwarfstar.speculative.options import MTPOptions
 
 if TYPE_CHECKING:
@@ -21,21 +21,13 @@ HOST_SHARE = 4  # of physical memory for live sessions: the mapped weights and t
 DEVICE_SHARE = 2  # of the device memory left free once the weights are loaded
 
 
-def physical_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def session_memory_budget(backend_name: str) -> int:
+def session_memory_budget(backend: BackendEntry) -> int:
     """Bytes the live sessions may hold when `--kv-memory-mb` is not given, so a server under many
     conversations gives idle ones up (to the disk cache) instead of growing until the machine swaps
-    or the device runs out: half the free device memory for the Triton backend, whose states live on
-    the GPU, and a quarter of physical memory for the CPU and unified-memory backends."""
-    import torch
-
-    if backend_name == "triton" and torch.cuda.is_available():
-        free, _total = torch.cuda.mem_get_info()
-        return free // DEVICE_SHARE
-    return physical_memory_bytes() // HOST_SHARE
+    or the device runs out: half the free device memory for a backend whose states live on a device
+    (Triton on a GPU), and a quarter of physical memory for the CPU and unified-memory backends."""
+    free = backend.free_device_memory()
+    return free // DEVICE_SHARE if free is not None else host_memory() // HOST_SHARE
 
 
 @dataclass(frozen=True)

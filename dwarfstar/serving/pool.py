@@ -20,11 +20,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from dwarfstar.backends.protocol import Backend
 from dwarfstar.model.state import SequenceState
 from dwarfstar.prompt.render import Prompt
 from dwarfstar.session.kvpolicy import SaveReason
 from dwarfstar.session.prefix import ReusePlan, common_prefix_len, plan_reuse
-from dwarfstar.session.session import Backend, Session
+from dwarfstar.session.session import Session
 from dwarfstar.steering.apply import steering_of
 from dwarfstar.steering.direction import SteeringScale
 from dwarfstar.tokenizer.tokenizer import Tokenizer

@@ -80,9 +80,7 @@ class Service:
                 memory=self.tool_memory,
             )
         memory_bytes = (
-            session_memory_budget(engine.backend_name)
-            if config.kv_memory_mb is None
-            else config.kv_memory_mb * 1024 * 1024
+            session_memory_budget(engine.entry) if config.kv_memory_mb is None else config.kv_memory_mb * 1024 * 1024
         )
         self.pool = SessionPool(
             engine.backend,

@@ -10,43 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
+from dwarfstar.backends.protocol import Backend
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
-from dwarfstar.model.config import ModelArgs
-from dwarfstar.model.state import SequenceState, StateSnapshot
+from dwarfstar.model.state import StateSnapshot
 from dwarfstar.session.sampling import Sampler, SamplingParams, redraw_refused
 
 DEFAULT_CHUNK = 4096
 MAX_CHECKPOINTS = 8  # checkpoints share row buffers; each holds only raw windows, frontiers and logits
-
-
-class Backend(Protocol):
-    args: ModelArgs
-
-    def new_state(self) -> SequenceState: ...
-
-    def forward(
-        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
-    ) -> torch.Tensor: ...
-
-    def forward_batch(
-        self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits: bool
-    ) -> list[torch.Tensor]: ...
-
-    def sample_batch(self, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
-        """One token per row of logits [B, vocab] on the backend's device, with one host sync."""
-        ...
-
-    def decode_sample(
-        self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler]
-    ) -> list[int]:
-        """A decode step (one token per state), then each state's next token drawn by its sampler, with
-        one host sync; the states' logits are left as `forward_batch` leaves them. A backend that
-        captures its decode step draws inside it."""
-        ...
 
 
 class Cancelled(DwarfStarError):

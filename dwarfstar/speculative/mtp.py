@@ -16,7 +16,6 @@ embedding as the first layer's input (`Transformer.forward_streams(inputs=...)`)
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dwarfstar.backends.registry import entry_of
 from dwarfstar.errors import DwarfStarError, ModelFileError
 from dwarfstar.gguf.reader import GGUFFile, TensorInfo
 from dwarfstar.gguf.split import PartName, find_parts
@@ -215,40 +215,10 @@ def load_draft(backend: Any, model: ModelFile, mtp_path: str | os.PathLike | Non
 
 
 def _draft_model(target: Transformer, mtp: MTPFile) -> Transformer:
-    """The block as a one-layer model of the target's backend, with the target's settings. A backend
-    module not imported yet cannot be the target's, so only the target's own is imported."""
-    from dwarfstar.backends.reference.model import ReferenceModel
-
-    if isinstance(target, ReferenceModel):
-        return ReferenceModel(mtp.draft, qat=target.qat, max_seq_len=target.max_seq_len)
-    mlx = sys.modules.get("dwarfstar.backends.mlx.model")
-    if mlx is not None and isinstance(target, mlx.MLXModel):
-        return mlx.MLXModel(mtp.draft, qat=target.qat, packing=target.packing, max_seq_len=target.max_seq_len)
-    triton = sys.modules.get("dwarfstar.backends.triton.model")
-    if triton is not None and isinstance(target, triton.TritonModel):
-        return _triton_draft(target, mtp)
-    raise DwarfStarError(
-        f"MTP speculation runs on the reference, MLX and Triton backends; not on {type(target).__name__}"
-    )
-
-
-def _triton_draft(target: Any, mtp: MTPFile) -> Transformer:
-    """Triton's draft model: the block's tensors uploaded, the embedding and output matrix the
-    target's own (a second copy of each would be the largest part of the block by far)."""
-    from dwarfstar.backends.triton.model import TritonModel
-    from dwarfstar.backends.triton.weights import QWeight, build_weights
-
-    view, device = mtp.draft.gguf, target.device
-    shared = {tt.EMBED: target.w.embed, tt.OUTPUT: target.w.output}
-
-    def matrix(name: str) -> QWeight:
-        if name in shared:
-            return shared[name]
-        info = view.tensors[name]
-        return QWeight.from_bytes(view.raw(name), info.ggml_type, info.shape, device)
-
-    def vector(name: str) -> torch.Tensor:
-        return view.tensor(name).to(device)
-
-    weights = build_weights(mtp.draft.args, matrix, vector)
-    return TritonModel(weights, qat=target.qat, precision=target.precision, max_seq_len=target.max_seq_len, kv_slots=1)
+    """The block as a one-layer model of the target's backend, with the target's settings."""
+    entry = entry_of(target)
+    if entry is None:
+        raise DwarfStarError(
+            f"MTP speculation runs on the reference, MLX and Triton backends; not on {type(target).__name__}"
+        )
+    return entry.draft_model(target, mtp.draft)

@@ -16,7 +16,6 @@ back or restored, but the session stays, so the setting follows it.
 from __future__ import annotations
 
 import hashlib
-import sys
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,11 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from dwarfstar.backends.protocol import Backend
+from dwarfstar.backends.registry import entry_of
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.forward import Batch, HookPoint, Transformer
 from dwarfstar.model.state import SequenceState
 from dwarfstar.session.sampling import Sampler
-from dwarfstar.session.session import Backend, Session
+from dwarfstar.session.session import Session
 from dwarfstar.steering.direction import Direction, SteeringError, SteeringScale, read_direction, steer
 
 POINTS: tuple[HookPoint, ...] = ("ffn_out", "attn_out")
@@ -45,17 +46,12 @@ def transformer_of(backend: Any) -> Transformer:
     return model
 
 
-def _is_mlx(model: Transformer) -> bool:
-    # an MLX model exists only once its module is imported; never import it just to ask
-    module = sys.modules.get("dwarfstar.backends.mlx.model")
-    return module is not None and isinstance(model, module.MLXModel)
-
-
 class DeviceArrays:
     """Making the backend's arrays from host values: torch tensors on the model's device, or MLX arrays."""
 
     def __init__(self, model: Transformer) -> None:
-        self.mlx = _is_mlx(model)
+        entry = entry_of(model)
+        self.mlx = entry is not None and entry.mlx_arrays
         self.device = getattr(model, "device", torch.device("cpu"))
 
     def from_host(self, values: np.ndarray | torch.Tensor) -> Any:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
+from dwarfstar.backends.protocol import Backend
 from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.state import SequenceState
 from dwarfstar.session.payload import read_payload, write_payload
-from dwarfstar.session.session import Backend
 
 # One prompt for every check. The tiny model has a raw window of 8, ratio-4 layers (indexer top-4)
 # and ratio-128 layers, so position 5 is inside the window, 20 tokens make 5 ratio-4 rows (the

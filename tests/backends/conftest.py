@@ -15,7 +15,7 @@ import torch
 from conformance import CTX, MODEL_SEED, PROMPT, REFERENCE, BackendKind, backend_kinds, load, payload_of
 from triton_interpreter import apply_patches
 
-from dwarfstar.session.session import Backend
+from dwarfstar.backends.protocol import Backend
 
 apply_patches()  # Triton's interpreter runs the kernels wherever no GPU is present
 

@@ -14,7 +14,8 @@ from contextlib import contextmanager
 import torch
 from conformance import PROMPT, REFERENCE, compare_logits
 
-from dwarfstar.session.session import Backend, Session
+from dwarfstar.backends.protocol import Backend
+from dwarfstar.session.session import Session
 from dwarfstar.steering.apply import SteeredBackend
 from dwarfstar.steering.direction import Direction, SteeringScale
 

@@ -8,13 +8,15 @@ import shutil
 
 import pytest
 
+from dwarfstar.backends import registry
 from dwarfstar.errors import DwarfStarError, ModelFileError
-from dwarfstar.experts import attach
 from dwarfstar.experts.attach import StreamingOptions, check_fits, plan_capacity
 from dwarfstar.experts.layout import BudgetError, ExpertLayout
 from dwarfstar.experts.policy import LRUPolicy
 from dwarfstar.experts.store import ExpertStore
 from dwarfstar.model.loader import open_model
+
+REFERENCE = registry.backend_entry("reference")
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +73,15 @@ def test_budget_smaller_than_one_tokens_experts(model_file, layout):
     one_expert = f"{layout.max_expert_bytes + 1}"
     options = StreamingOptions(cache_experts=one_expert)
     with pytest.raises(BudgetError, match=f"--ssd-streaming-cache-experts {one_expert} holds 1 experts"):
-        plan_capacity(model_file, layout, "reference", 256, options)
+        plan_capacity(model_file, layout, REFERENCE, 256, options)
     # a budget above the whole file holds every expert, no more
-    assert plan_capacity(model_file, layout, "reference", 256, StreamingOptions(cache_experts="1GB")) == 6 * 8
+    assert plan_capacity(model_file, layout, REFERENCE, 256, StreamingOptions(cache_experts="1GB")) == 6 * 8
 
 
 def test_too_big_without_the_flag_names_it(model_file, layout, monkeypatch):
-    check_fits(model_file, "reference", 256)  # fits in this machine's memory
-    monkeypatch.setattr(attach, "usable_memory", lambda backend: 1 << 20)
+    check_fits(model_file, REFERENCE, 256)  # fits in this machine's memory
+    monkeypatch.setattr(registry.Reference, "usable_memory", lambda self: 1 << 20)
     with pytest.raises(DwarfStarError, match="run with --ssd-streaming"):
-        check_fits(model_file, "reference", 256)
+        check_fits(model_file, REFERENCE, 256)
     with pytest.raises(BudgetError, match="the automatic budget"):
-        plan_capacity(model_file, layout, "reference", 256, StreamingOptions())
+        plan_capacity(model_file, layout, REFERENCE, 256, StreamingOptions())

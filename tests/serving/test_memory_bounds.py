@@ -7,10 +7,11 @@ from dataclasses import replace
 import torch
 from conftest import BASE_CONFIG
 
+from dwarfstar.backends.registry import host_memory
 from dwarfstar.engine import load_engine
 from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.synthetic import TINY
-from dwarfstar.serving.config import ServerConfig, physical_memory_bytes
+from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.pool import SessionPool
 from dwarfstar.serving.replay import ToolMemory
 from dwarfstar.serving.service import Service
@@ -20,7 +21,7 @@ from dwarfstar.session.session import Session
 def test_the_session_budget_defaults_to_a_share_of_the_machine(engine):
     assert ServerConfig().kv_memory_mb is None
     budget = Service(engine, BASE_CONFIG).pool.memory_bytes
-    assert 0 < budget < physical_memory_bytes()
+    assert 0 < budget < host_memory()
     assert Service(engine, replace(BASE_CONFIG, kv_memory_mb=0)).pool.memory_bytes == 0  # asked: unbounded
     assert Service(engine, replace(BASE_CONFIG, kv_memory_mb=3)).pool.memory_bytes == 3 << 20
 

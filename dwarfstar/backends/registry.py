@@ -1,0 +1,256 @@
+"""The compute backends, one entry each: name, what it can do, its memory facts and its hooks.
+
+Everything that differs by backend outside the backends themselves is asked of its entry here
+(`backend_entry(name)`), never decided by comparing names: which backend `auto` picks, how one
+loads, which precision it takes, the memory its experts live in, how a streamed expert source is
+attached, the forward pass a pipeline stage runs and the MTP draft model beside a target
+(`entry_of(model)` finds the entry of a model already built). An entry imports its backend only when a hook
+runs, so naming the backends costs no torch, Triton or MLX import.
+
+Backend choice: `auto` takes MLX on Apple silicon, Triton where a GPU is present, and the torch
+reference otherwise. A backend that cannot run here is a clear error, never a silent fallback.
+`triton` without a GPU runs only when TRITON_INTERPRET=1 asks for Triton's interpreter (slow: for
+debugging kernels), which `auto` never picks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dwarfstar.errors import DwarfStarError
+
+if TYPE_CHECKING:
+    from dwarfstar.backends.protocol import Backend
+    from dwarfstar.experts.store import ExpertStore
+    from dwarfstar.model.forward import Transformer
+    from dwarfstar.model.loader import ModelFile
+
+
+def host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class Load:
+    """How to load a backend (from an `EngineSpec`, with the entry's defaults filled in)."""
+
+    qat: bool
+    precision: str  # `engine_spec.PRECISIONS`; only an entry with `fast_precision` is given "fast"
+    ctx: int | None  # the longest sequence (None: the model's)
+    kv_slots: int  # sequences to a KV-cache block
+    stream: bool  # leave the routed experts in the file (`attach_experts` streams them)
+    progress: Callable[[int, int], None] | None = None  # (done, total) as the weights are read
+
+
+class BackendEntry(ABC):
+    """One backend. The defaults describe a backend on the host's memory that takes every spec as is."""
+
+    name: str
+    model_class: tuple[str, str]  # (module, class) of the `Transformer` the backend builds
+    fast_precision = False  # takes `--precision fast` (bf16 operands in prefill products)
+    kv_slots = 4  # sequences to a KV-cache block, by default
+    float32_weights = False  # holds the non-routed weights as float32 (else as the file stores them)
+    reports_progress = False  # `load` calls `progress` as the weights are read
+    mlx_arrays = False  # its activations are MLX arrays (else torch tensors)
+
+    def available(self) -> bool:
+        """Whether it runs on this machine."""
+        return True
+
+    def runs_on_request(self) -> bool:
+        """Whether it runs when asked for by name (where `auto` would not take it)."""
+        return self.available()
+
+    def preferred(self) -> bool:
+        """Whether `auto` takes it (entries are asked in `PREFERENCE` order)."""
+        return self.available()
+
+    def missing(self, available: list[str]) -> str:
+        return f"backend {self.name!r} cannot run on this machine (available: {', '.join(available)})"
+
+    @abstractmethod
+    def load(self, model: ModelFile, load: Load) -> Backend:
+        """The backend over `model`; with `load.stream` the routed experts are left in the file."""
+
+    def usable_memory(self) -> int:
+        """Bytes the backend's experts can live in."""
+        return host_memory()
+
+    def free_device_memory(self) -> int | None:
+        """Free bytes of the device memory its states live in; None where they live in the host's."""
+        return None
+
+    @abstractmethod
+    def attach_experts(self, backend: Backend, store: ExpertStore) -> None:
+        """Read the routed experts of `backend` (loaded with `stream`) through `store`."""
+
+    @abstractmethod
+    def draft_model(self, target: Transformer, draft: ModelFile) -> Transformer:
+        """The MTP block `draft` (`speculative.mtp.DraftFile`'s model) as a one-layer model of the backend
+        that built `target`, with `target`'s settings."""
+
+    def owns(self, model: object) -> bool:
+        """Whether this backend built `model` (a backend whose module is not imported yet cannot have)."""
+        module = sys.modules.get(self.model_class[0])
+        return module is not None and isinstance(model, getattr(module, self.model_class[1]))
+
+    def forward_pass(self, backend: Backend) -> Backend:
+        """The shared forward pass (`model.forward.Transformer`) `backend` runs, which a pipeline stage drives."""
+        return backend
+
+
+class Reference(BackendEntry):
+    name = "reference"
+    model_class = ("dwarfstar.backends.reference.model", "ReferenceModel")
+    float32_weights = True
+    reports_progress = True
+
+    def load(self, model, load):
+        from dwarfstar.backends.reference.model import ReferenceModel
+
+        return ReferenceModel(model, qat=load.qat, max_seq_len=load.ctx, progress=load.progress, kv_slots=load.kv_slots)
+
+    def attach_experts(self, backend, store):
+        from dwarfstar.experts.attach import reference_expert
+        from dwarfstar.experts.source import StreamingExperts
+
+        backend.experts = StreamingExperts(store, reference_expert)
+
+    def draft_model(self, target, draft):
+        from dwarfstar.backends.reference.model import ReferenceModel
+
+        return ReferenceModel(draft, qat=target.qat, max_seq_len=target.max_seq_len)
+
+
+class Triton(BackendEntry):
+    name = "triton"
+    model_class = ("dwarfstar.backends.triton.model", "TritonModel")
+    fast_precision = True
+
+    def available(self) -> bool:
+        try:
+            from dwarfstar.backends.triton import triton_available
+        except ImportError:
+            return False
+        return triton_available()
+
+    def runs_on_request(self) -> bool:
+        from dwarfstar.backends.triton import interpreter_requested
+
+        return self.available() or interpreter_requested()
+
+    def missing(self, available: list[str]) -> str:
+        return (
+            f"backend 'triton' needs a CUDA or ROCm GPU (available: {', '.join(available)}); "
+            "set TRITON_INTERPRET=1 to run its kernels in Triton's interpreter on the CPU (very slow, for debugging)"
+        )
+
+    def load(self, model, load):
+        from dwarfstar.backends.triton import load_backend
+
+        return load_backend(
+            model, qat=load.qat, precision=load.precision, max_seq_len=load.ctx, kv_slots=load.kv_slots,
+            stream_experts=load.stream,
+        )  # fmt: skip
+
+    def usable_memory(self) -> int:
+        import torch
+
+        return torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else host_memory()
+
+    def free_device_memory(self) -> int | None:
+        import torch
+
+        return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+
+    def attach_experts(self, backend, store):
+        from dwarfstar.backends.triton.streaming import TritonStreamedExperts
+
+        backend.model.experts = TritonStreamedExperts(store, backend.device)
+
+    def draft_model(self, target, draft):
+        from dwarfstar.backends.triton.draft import draft_model
+
+        return draft_model(target, draft)
+
+    def forward_pass(self, backend):
+        from dwarfstar.backends.triton.backend import TritonBackend
+
+        return backend.model if isinstance(backend, TritonBackend) else backend
+
+
+class MLX(BackendEntry):
+    name = "mlx"
+    model_class = ("dwarfstar.backends.mlx.model", "MLXModel")
+    mlx_arrays = True
+    kv_slots = 1
+
+    def available(self) -> bool:
+        from dwarfstar.backends.mlx import mlx_available
+
+        return mlx_available()
+
+    def preferred(self) -> bool:
+        from dwarfstar.backends.mlx import metal_available
+
+        return metal_available()  # MLX also runs on a Linux CPU, but there the reference is faster
+
+    def load(self, model, load):
+        from dwarfstar.backends.mlx import default_packing
+        from dwarfstar.backends.mlx.model import MLXModel
+
+        return MLXModel(
+            model, qat=load.qat, packing=default_packing(), max_seq_len=load.ctx, routed_experts=not load.stream,
+            kv_slots=load.kv_slots,
+        )  # fmt: skip
+
+    def usable_memory(self) -> int:
+        import mlx.core as mx
+
+        if mx.metal.is_available():
+            return int(mx.metal.device_info()["max_recommended_working_set_size"])
+        return host_memory()
+
+    def attach_experts(self, backend, store):
+        from dwarfstar.backends.mlx.streaming import MLXStreamedExperts
+
+        backend.experts = MLXStreamedExperts(store, backend.packing)
+
+    def draft_model(self, target, draft):
+        from dwarfstar.backends.mlx.model import MLXModel
+
+        return MLXModel(draft, qat=target.qat, packing=target.packing, max_seq_len=target.max_seq_len)
+
+
+ENTRIES = {entry.name: entry for entry in (Reference(), Triton(), MLX())}
+PREFERENCE = ("mlx", "triton", "reference")  # what `auto` tries, in order
+
+
+def backend_entry(name: str) -> BackendEntry:
+    if name not in ENTRIES:
+        raise DwarfStarError(f"unknown backend {name!r}; choose one of {', '.join(ENTRIES)}")
+    return ENTRIES[name]
+
+
+def available_backends() -> list[str]:
+    return [name for name, entry in ENTRIES.items() if entry.available()]
+
+
+def pick_backend(requested: str) -> str:
+    """The backend `requested` (a name, or `auto`) runs on here; an error if it cannot run."""
+    if requested == "auto":
+        return next(name for name in PREFERENCE if ENTRIES[name].preferred())
+    entry = backend_entry(requested)
+    if not entry.runs_on_request():
+        raise DwarfStarError(entry.missing(available_backends()))
+    return requested
+
+
+def entry_of(model: object) -> BackendEntry | None:
+    """The entry of the backend that built `model` (a `Transformer`), None for another object."""
+    return next((entry for entry in ENTRIES.values() if entry.owns(model)), None)
