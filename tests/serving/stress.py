@@ -49,6 +49,7 @@ from stress_clients import APIS, Reply, first_body, next_body, send  # noqa: E40
 from stress_record import Recorder, replay  # noqa: E402
 
 from dwarfstar.engine import Engine, load_engine  # noqa: E402
+from dwarfstar.engine_spec import EngineSpec  # noqa: E402
 from dwarfstar.model.bundled import default_model_path  # noqa: E402
 from dwarfstar.serving.config import ServerConfig  # noqa: E402
 
@@ -303,7 +304,7 @@ def main() -> None:
     parser.add_argument("--bits", action=argparse.BooleanOptionalAction, default=None,
                         help="fail on differing logits too (default: on the reference backend)")  # fmt: skip
     args = parser.parse_args()
-    engine = load_engine(default_model_path(), args.backend, ctx=4096)
+    engine = load_engine(EngineSpec(default_model_path(), args.backend, ctx=4096))
     if args.replay:
         print(replay(engine.backend, config(Path()).prefill_chunk, args.replay))
         return

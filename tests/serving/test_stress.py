@@ -8,11 +8,12 @@ from __future__ import annotations
 from stress import run_seed, summary
 
 from dwarfstar.engine import load_engine
+from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 
 
 def test_concurrent_replies_are_the_replies_alone(tmp_path) -> None:
-    engine = load_engine(default_model_path(), "reference", ctx=4096)
+    engine = load_engine(EngineSpec(default_model_path(), "reference", ctx=4096))
     outcome = run_seed(engine, 0, clients=3, requests=2, max_tokens=8, out=tmp_path, command="seed 0")
     print(summary([outcome]))
     assert outcome.compared >= 8 and outcome.steps > 50

@@ -391,7 +391,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     opts = parse_args(argv)
-    if opts.warm:
+    if getattr(opts, "warm", 0):
         sys.exit("--warm compiles instead of timing: python -m dwarfstar.backends.triton.warm takes the same arguments")
     device = torch.device("meta") if opts.dry else default_device()
     peak = _dry_peak(opts) if opts.dry else device_peak(device, getattr(opts, "peak_gbs", None))
