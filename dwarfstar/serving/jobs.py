@@ -20,7 +20,7 @@ from enum import Enum
 from typing import Any
 
 from dwarfstar.model.state import SequenceState
-from dwarfstar.serving.generation import Event, GenerationRequest, Usage
+from dwarfstar.serving.generation import Event, GenerationRequest, TokenLogprob, Usage
 from dwarfstar.serving.output import OutputDecoder
 from dwarfstar.serving.pool import DiskLookup, Lease
 from dwarfstar.session.kvpolicy import SaveReason
@@ -89,6 +89,7 @@ class Decoding:
     sampler: Sampler
     decoder: OutputDecoder
     drawn: int | None = None  # the next token, drawn by the decode step that ran the last one
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens' so far, when the request asks
 
 
 @dataclass

@@ -31,6 +31,7 @@ from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.generation import Failed, Finished, Started, Usage
 from dwarfstar.serving.jobs import KV, Decoding, DiskRead, Drafting, Job, Phase
+from dwarfstar.serving.logprobs import event_of
 from dwarfstar.serving.metrics import Metric, Metrics
 from dwarfstar.serving.output import OutputDecoder
 from dwarfstar.serving.pool import Lease, SessionPool
@@ -200,8 +201,11 @@ class Scheduler:
             self._start_decode(job)
 
     def _start_decode(self, job: Job) -> None:
-        decoding = Decoding(Sampler(job.request.sampling), OutputDecoder(self.tokenizer, job.request))
-        drafting = None if self.speculation is None else Drafting(self.speculation.start(job.session))
+        sampling = job.request.sampling
+        decoding = Decoding(Sampler(sampling), OutputDecoder(self.tokenizer, job.request))
+        # an accepted draft has no draw of its own, so a request that asks for logprobs is not speculated
+        speculate = self.speculation is not None and sampling.logprobs is None
+        drafting = Drafting(self.speculation.start(job.session)) if speculate else None
         job.start_decoding(decoding, drafting)
 
     def _prefill_step(self) -> None:
@@ -383,6 +387,11 @@ class Scheduler:
         self.metrics.inc(Metric.GENERATED_TOKENS_TOTAL)
         decoder, session = job.decoding.decoder, job.session
         if token != self.tokenizer.eos_id:
+            drawn = job.decoding.sampler.logprobs  # the draw of this token (a request that asks)
+            if drawn is not None:
+                entry = event_of(self.tokenizer, drawn)
+                job.decoding.logprobs.append(entry)
+                job.emit(entry)
             for event in decoder.push(token):
                 job.emit(event)
         length = len(session.tokens) if length is None else length
@@ -466,7 +475,8 @@ class Scheduler:
         self.metrics.inc(Metric.FINISHED_REQUESTS_TOTAL, reason=reason)
         self._write_trace(job, finish=reason, tool_ids=tool_ids)  # before the client can see the end
         self._release(job)
-        job.emit(Finished(reason, job.usage, completion, decoder.text, tool_ids, decoder.stop_sequence))
+        logprobs = job.decoding.logprobs if job.request.sampling.logprobs is not None else None
+        job.emit(Finished(reason, job.usage, completion, decoder.text, tool_ids, decoder.stop_sequence, logprobs))
 
     def _cancel(self, job: Job) -> None:
         self.metrics.inc(Metric.CANCELLED_REQUESTS_TOTAL, phase=job.phase.value)
