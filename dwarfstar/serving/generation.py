@@ -12,6 +12,7 @@ from typing import Any
 
 from dwarfstar.prompt.dsml_parser import ContentDelta, ParsedCompletion, ReasoningDelta, ToolArgumentsDelta, ToolCallEnd
 from dwarfstar.prompt.render import Prompt
+from dwarfstar.session.loopguard import LoopGuard
 from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.steering.direction import SteeringScale
 
@@ -31,6 +32,9 @@ class GenerationRequest:
     api: str = ""  # for the trace and metrics
     trace_body: Any = None  # the client's request, written to the trace
     steering: SteeringScale | None = None  # None: computed without steering (part of the KV cache key)
+    loop_guard: LoopGuard | None = None  # None: off (session/loopguard.py)
+    tool_loop: str | None = None  # the repeated tool call the guard found in the history, for the trace
+    halted: bool = False  # the guard stops the turn before it is generated (a tool loop, `stop`)
 
 
 @dataclass

@@ -212,10 +212,21 @@ def chat_completion(response_id: str, model: str, done: Finished) -> dict[str, A
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {"index": 0, "message": message, "logprobs": logprobs_object(done.logprobs), "finish_reason": done.reason}
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": logprobs_object(done.logprobs),
+                "finish_reason": openai_finish(done.reason),
+            }
         ],
         "usage": usage_object(done.usage),
     }
+
+
+def openai_finish(reason: str) -> str:
+    """OpenAI's finish reason: the loop guard's `repetition` is not among them, and reads as `stop` (the
+    output ended on the server's decision, not for lack of room; the trace has the detail)."""
+    return "stop" if reason == "repetition" else reason
 
 
 def logprobs_object(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -264,7 +275,7 @@ class ChatStream:
         if isinstance(event, ToolArgumentsDelta):
             return [self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})]
         if isinstance(event, Finished):
-            out = [self._chunk({}, event.reason)]
+            out = [self._chunk({}, openai_finish(event.reason))]
             if self.include_usage:
                 out.append(sse({**self._envelope([]), "usage": usage_object(event.usage)}))
             return out + [b"data: [DONE]\n\n"]

@@ -31,7 +31,7 @@ from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, TokenLogprob, new_id
 from dwarfstar.serving.jobs import Job
 from dwarfstar.serving.logprobs import Pending, completion_block, completion_logprobs
-from dwarfstar.serving.openai_chat import failure_error, stream_error, usage_object
+from dwarfstar.serving.openai_chat import failure_error, openai_finish, stream_error, usage_object
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
 
@@ -109,7 +109,7 @@ async def _answer(job: Job, request: Request, model: str, *, stream: bool, inclu
                     "text": outcome.text,
                     "index": 0,
                     "logprobs": None if outcome.logprobs is None else completion_block(outcome.logprobs),
-                    "finish_reason": outcome.reason,
+                    "finish_reason": openai_finish(outcome.reason),
                 }
             ],
             "usage": usage_object(outcome.usage),
@@ -142,7 +142,7 @@ class CompletionStream:
         if isinstance(event, ContentDelta):
             return [self._chunk([self._choice(event.text, None)])]
         if isinstance(event, Finished):
-            out = [self._chunk([self._choice("", event.reason)])]
+            out = [self._chunk([self._choice("", openai_finish(event.reason))])]
             if self.include_usage:
                 out.append(self._chunk([], usage=usage_object(event.usage)))
             return out + [b"data: [DONE]\n\n"]

@@ -55,6 +55,8 @@ from dwarfstar.serving.validation import (
     unsupported_part,
 )
 
+# an unfinished output's reason: the budget, or the loop guard's `repetition` (the trace has the detail)
+INCOMPLETE = {"length": "max_output_tokens", "repetition": "repetition"}
 TEXT_BLOCKS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 MEDIA_BLOCKS = ("input_image", "input_file", "input_audio")
 ROLES = ("user", "system", "developer", "assistant")
@@ -272,9 +274,10 @@ class ResponseShape:
         status = "in_progress"
         body: dict[str, Any] = {"error": None, "incomplete_details": None}
         if isinstance(done, Finished):
-            status = "incomplete" if done.reason == "length" else "completed"
-            if status == "incomplete":
-                body["incomplete_details"] = {"reason": "max_output_tokens"}
+            incomplete = INCOMPLETE.get(done.reason)
+            status = "completed" if incomplete is None else "incomplete"
+            if incomplete is not None:
+                body["incomplete_details"] = {"reason": incomplete}
         elif isinstance(done, Failed):
             status = "failed"
             body["error"] = {"code": "server_error", "message": done.message}
@@ -420,7 +423,7 @@ class ResponseStream:
             out = self._close()
             if not any(item["type"] in ("message", "function_call") for item in self.output):
                 out += self._add(message_item(new_id("msg_"), "", "in_progress")) + self._close()
-            kind = "response.incomplete" if event.reason == "length" else "response.completed"
+            kind = "response.incomplete" if event.reason in INCOMPLETE else "response.completed"
             return out + [self._event(kind, response=shape.response(self.output, event))]
         if isinstance(event, Failed):
             error = self._event("error", code="server_error", message=event.message, param=None)

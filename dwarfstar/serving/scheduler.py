@@ -38,6 +38,7 @@ from dwarfstar.serving.pool import Lease, SessionPool
 from dwarfstar.serving.replay import ToolMemory
 from dwarfstar.serving.trace import Trace
 from dwarfstar.session.kvpolicy import SaveReason
+from dwarfstar.session.loopguard import Repetition
 from dwarfstar.session.sampling import Sampler
 from dwarfstar.session.session import Session, decode_batch, prefill_batch, sample_next
 from dwarfstar.speculative.decode import MTPSpeculation, step_batch
@@ -206,7 +207,11 @@ class Scheduler:
         # an accepted draft has no draw of its own, so a request that asks for logprobs is not speculated
         speculate = self.speculation is not None and sampling.logprobs is None
         drafting = Drafting(self.speculation.start(job.session)) if speculate else None
+        if job.request.loop_guard is not None:
+            decoding.repetition = Repetition(job.request.loop_guard)
         job.start_decoding(decoding, drafting)
+        if job.request.halted:  # the loop guard stops a repeated tool call before the turn is generated
+            self._finish(job, "repetition")
 
     def _prefill_step(self) -> None:
         """One pass over the waiting prompts: a budget of tokens (a chunk; a slice while others decode,
@@ -399,6 +404,8 @@ class Scheduler:
             return "stop"
         if job.request.tools and decoder.tool_block_closed:
             return "tool_calls"
+        if job.decoding.repetition is not None and job.decoding.repetition.push(token):
+            return "repetition"
         if job.usage.completion_tokens >= job.request.max_tokens or length >= session.ctx:
             return "length"
         return None
@@ -473,6 +480,8 @@ class Scheduler:
             job.kv.lease.live.tool_ids.update(tool_ids)
         job.usage.reasoning_tokens = decoder.reasoning_tokens
         self.metrics.inc(Metric.FINISHED_REQUESTS_TOTAL, reason=reason)
+        if reason == "repetition":
+            self.metrics.inc(Metric.LOOP_GUARD_TOTAL, kind="tool_stop" if job.request.halted else "repetition")
         self._write_trace(job, finish=reason, tool_ids=tool_ids)  # before the client can see the end
         self._release(job)
         logprobs = job.decoding.logprobs if job.request.sampling.logprobs is not None else None
