@@ -217,3 +217,5 @@ def answer(chat: Chat, spec, ids: list[int], thinking: bool, dumps: tuple[Path |
         if stats.finish in ("interrupted", "cancelled"):
             note(f"[{stats.finish}]", "dim")
             raise typer.Exit(INTERRUPTED_EXIT)
+        if stats.finish == "repetition":
+            note("[loop guard: the reply repeated itself and was stopped]", "yellow")
