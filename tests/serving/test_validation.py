@@ -166,6 +166,13 @@ def test_chat_logprobs(http, extra, fragment):
     assert fragment in error["message"] and error["param"] in ("logprobs", "top_logprobs")
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_loop_guard_field(http, path):
+    body = {"model": MODEL, "messages": HI, "max_tokens": 4, "loop_guard": "yes"}
+    error = refused(http, path, body)
+    assert "loop_guard must be a boolean" in error["message"]
+
+
 # -- Completions --------------------------------------------------------------------------------------
 def test_completions_logprobs(http):
     error = refused(http, "/v1/completions", {"prompt": "hi", "logprobs": 21})
