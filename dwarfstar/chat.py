@@ -27,6 +27,7 @@ from dwarfstar.engine import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.prompt.render import render_conversation
+from dwarfstar.session.loopguard import LoopGuard, Repetition
 from dwarfstar.session.payload import read_payload, write_payload
 from dwarfstar.session.prefix import common_prefix_len
 from dwarfstar.session.sampling import Sampler, SamplingParams
@@ -66,7 +67,9 @@ class TurnStats:
     prefill_s: float
     ids: list[int]  # generated tokens, EOS excluded
     decode_s: float
-    finish: str  # "stop" (EOS), "length", "interrupted" (during generation) or "cancelled" (during prefill)
+    # "stop" (EOS), "length", "interrupted" (during generation), "cancelled" (during prefill) or "repetition"
+    # (the loop guard ended a reply that loops)
+    finish: str
 
 
 class Chat:
@@ -81,8 +84,10 @@ class Chat:
         params: SamplingParams,
         max_tokens: int,
         trace: Trace | None = None,
+        loop_guard: LoopGuard | None = None,
     ) -> None:
         self.engine, self.backend = engine, backend
+        self.loop_guard = loop_guard  # --loop-guard: a reply that loops ends with finish "repetition"
         self.tokenizer = engine.tokenizer
         self.eos = backend.args.eos_token_id
         self.session = Session(backend, ctx=ctx)
@@ -171,12 +176,16 @@ class Chat:
         ids: list[int] = []
         finish = "length"
         start = time.perf_counter()
+        repetition = Repetition(self.loop_guard) if self.loop_guard is not None else None
         for token in self.session.generate(self.max_tokens, self.sampler, [self.eos], should_stop):
             if token == self.eos:
                 finish = "stop"
                 break
             ids.append(token)
             printer.feed(detok.push(token))
+            if repetition is not None and repetition.push(token):
+                finish = "repetition"  # the loop guard (--loop-guard)
+                break
         decode_s = time.perf_counter() - start
         if finish == "length" and should_stop():
             finish = "interrupted"
@@ -185,6 +194,8 @@ class Chat:
         self.decode_speed.add(len(ids) + (finish == "stop"), decode_s)
         if self.trace:
             self.trace.write(f"generated {len(ids)} tokens, finish {finish}", self.tokenizer.decode(ids))
+            if repetition is not None and repetition.detail is not None:
+                self.trace.write("loop guard", repetition.detail)
             if self.engine.experts is not None:  # the expert cache since the start (--ssd-streaming)
                 self.trace.write("experts", json.dumps(expert_summary(self.engine.experts)))
         return ids, finish, decode_s

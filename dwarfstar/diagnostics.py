@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-import torch
-
-from dwarfstar.session.session import Session
+from dwarfstar.session.sampling import Sampler, SamplingParams
+from dwarfstar.session.session import Session, decode_batch, sample_next
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 MAX_LOGPROBS_TOP_K = 128  # ds4's cap
@@ -62,29 +61,33 @@ def _token_entry(tokenizer: Tokenizer, token: int) -> dict[str, Any]:
 def greedy_logprobs(session: Session, tokenizer: Tokenizer, steps: int, top_k: int, eos: int) -> list[dict[str, Any]]:
     """Greedy continuation from the session's state, with the top-k alternatives of every step.
 
-    The caller clamps `top_k` to MAX_LOGPROBS_TOP_K, since the JSON reports it. Stops after `steps`
-    tokens, after EOS (which is recorded), or when the context is full.
+    The tokens and logprobs are drawn as a server request's are (a greedy sampler that asks for
+    `top_k` logprobs: `session.sampling`), so the same prompt gives the same numbers here and in the
+    API. The caller clamps `top_k` to MAX_LOGPROBS_TOP_K, since the JSON reports it. Stops after
+    `steps` tokens, after EOS (which is recorded), or when the context is full.
     """
     out: list[dict[str, Any]] = []
-    for step in range(min(steps, session.ctx - len(session.tokens))):
-        logits = session.logits.float().flatten().cpu()  # one copy: each element read below would sync a device
-        logprobs = torch.log_softmax(logits, dim=-1)
-        values, ids = logprobs.topk(top_k)
-        selected = int(logits.argmax())  # the sampler's greedy choice, also when the top logits tie
+    limit = min(steps, session.ctx - len(session.tokens))
+    if limit <= 0:
+        return out
+    sampler = Sampler(SamplingParams(temperature=0.0, logprobs=top_k))
+    token = sample_next([session], [sampler])[0]
+    for step in range(limit):
+        drawn = sampler.logprobs
         out.append(
             {
                 "step": step,
-                "selected": _token_entry(tokenizer, selected),
-                "logprob": float(logprobs[selected]),
+                "selected": _token_entry(tokenizer, token),
+                "logprob": drawn.logprob,
                 "top_logprobs": [
-                    {"token": _token_entry(tokenizer, int(t)), "logit": float(logits[t]), "logprob": float(v)}
-                    for v, t in zip(values, ids, strict=True)
+                    {"token": _token_entry(tokenizer, alt.token), "logit": alt.logit, "logprob": alt.logprob}
+                    for alt in drawn.top
                 ],
             }
         )
-        if selected == eos:
+        if token == eos or step + 1 == limit:
             break
-        session.decode(selected)
+        token = decode_batch([session], [token], [sampler])[0]  # the step draws the next token with it
     return out
 
 

@@ -27,6 +27,7 @@ from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.model.state import SequenceState
 from dwarfstar.prompt.dsml import BLOCK_OPEN
 from dwarfstar.prompt.dsml_parser import ContentDelta, DsmlParser, ParsedCompletion, ReasoningDelta
+from dwarfstar.session.loopguard import LoopGuard, Repetition, ToolStreak, call_key, tool_loop_note
 from dwarfstar.session.prefix import common_prefix_len
 from dwarfstar.session.session import Cancelled, Session
 from dwarfstar.terminal import Speed
@@ -63,7 +64,9 @@ class Events:
 
 @dataclass
 class TurnResult:
-    finish: str  # "stop", "length", "interrupted" or "cancelled" (stopped during the prompt's prefill)
+    # "stop", "length", "interrupted", "cancelled" (stopped during the prompt's prefill) or "repetition"
+    # (the loop guard: a reply that loops, or the same tool calls in K replies with `stop`)
+    finish: str
     rounds: int  # tool rounds run
     reused: int  # tokens of the first step's prompt already in the session
     prefilled: int  # tokens the first step computed
@@ -82,6 +85,7 @@ class Agent:
         max_tokens: int,
         trace: Trace | None = None,
         experts: ExpertStore | None = None,
+        loop_guard: LoopGuard | None = None,
     ) -> None:
         self.tokenizer, self.backend, self.policy, self.toolbox = tokenizer, backend, policy, toolbox
         self.transcript, self.max_tokens, self.trace = transcript, max_tokens, trace
@@ -90,6 +94,8 @@ class Agent:
         self.session = Session(backend, ctx=ctx)
         self.prefill_speed, self.decode_speed = Speed(), Speed()
         self.dirty = False  # the transcript changed since it was last saved or loaded
+        self.loop_guard = loop_guard  # --loop-guard (session/loopguard.py)
+        self.streak = ToolStreak()  # the same tool calls in consecutive replies
 
     @property
     def ctx(self) -> int:
@@ -160,7 +166,12 @@ class Agent:
             completion, finish = self._reply(events, should_stop)
             if finish != "stop":
                 return TurnResult(finish, rounds, *first)
+            looped = self._tool_loop(completion, events)
+            if looped and self.loop_guard.tools == "stop":
+                return TurnResult("repetition", rounds, *first)
             results = self._run_tools(completion, events, should_stop)
+            if results and looped:  # the model reads the note with the results
+                results[-1] += "\n\n" + tool_loop_note(self.streak.name, self.streak.turns)
             if results is None:
                 return TurnResult("stop", rounds, *first)
             rounds += 1
@@ -176,12 +187,18 @@ class Agent:
         ids: list[int] = []
         finish, start = "length", time.perf_counter()
         room = self.ctx - len(self.session.tokens)
+        repetition = Repetition(self.loop_guard) if self.loop_guard is not None else None
         for token in self.policy.reply(self.session, min(self.max_tokens, room), should_stop):
             if token == self.eos:
                 finish = "stop"
                 break
             ids.append(token)
             self._show(parser.feed(detok.push(token)), events)
+            if repetition is not None and repetition.push(token):
+                finish = "repetition"
+                events.status(f"loop guard: {repetition.detail}; reply stopped")
+                self.note("loop guard", repetition.detail)
+                break
         if finish == "length" and should_stop():
             finish = "interrupted"
         self._show(parser.feed(detok.flush()) + parser.finish(ended=finish == "stop"), events)
@@ -201,6 +218,16 @@ class Agent:
                 events.text("reasoning", event.text)
             elif isinstance(event, ContentDelta):
                 events.text("content", event.text)
+
+    def _tool_loop(self, completion: ParsedCompletion, events: Events) -> bool:
+        """Whether this reply's tool calls make K replies in a row with the same calls (the loop guard)."""
+        turns = self.streak.push([call_key(c.name, c.arguments) for c in completion.tool_calls])
+        if self.loop_guard is None or turns < self.loop_guard.tool_turns:
+            return False
+        detail = f"{self.streak.name} called the same way in {turns} replies in a row"
+        events.status(f"loop guard: {detail}; " + ("stopped" if self.loop_guard.tools == "stop" else "noted"))
+        self.note("loop guard", detail)
+        return True
 
     def _run_tools(
         self, completion: ParsedCompletion, events: Events, should_stop: Callable[[], bool]

@@ -14,7 +14,16 @@ from typing import Annotated
 import typer
 
 from dwarfstar.commands.apps import app, given
-from dwarfstar.commands.flags import GENERATION, Ctx, EngineFlags, NoQatRounding, Power, SamplingFlags, Trace
+from dwarfstar.commands.flags import (
+    GENERATION,
+    Ctx,
+    EngineFlags,
+    LoopGuardFlags,
+    NoQatRounding,
+    Power,
+    SamplingFlags,
+    Trace,
+)
 from dwarfstar.commands.run import DEFAULT_TOKENS
 
 
@@ -22,6 +31,7 @@ from dwarfstar.commands.run import DEFAULT_TOKENS
 def agent(
     engine_flags: EngineFlags,
     sampling: SamplingFlags,
+    loop_guard: LoopGuardFlags,
     prompt: Annotated[
         str | None, typer.Option("-p", "--prompt", help="Submit this first; with --plain run it and exit.")
     ] = None,
@@ -53,7 +63,9 @@ def agent(
         held = engine.model.args.max_seq_len
         if ctx > held and given("ctx"):  # the default is the model's size when it holds less
             note(f"--ctx {ctx} is more than this model holds; using {held}", "yellow")
-        code = run_agent(engine, spec, sampling, min(ctx, held), system, tokens, trace, kv_dir, plain, prompt)
+        code = run_agent(
+            engine, spec, sampling, min(ctx, held), system, tokens, trace, kv_dir, plain, prompt, loop_guard.options()
+        )
     finally:
         if route is not None:
             route.close()  # its workers exit with it
@@ -61,7 +73,9 @@ def agent(
         raise typer.Exit(code)
 
 
-def run_agent(engine, spec, sampling: SamplingFlags, ctx: int, system, tokens, trace, kv_dir, plain, prompt) -> int:
+def run_agent(
+    engine, spec, sampling: SamplingFlags, ctx: int, system, tokens, trace, kv_dir, plain, prompt, loop_guard
+) -> int:
     """The agent's loop on a loaded engine, in the terminal UI or in line mode; its exit code."""
     from dwarfstar.agent.commands import Commands
     from dwarfstar.agent.files import Workspace
@@ -109,6 +123,7 @@ def run_agent(engine, spec, sampling: SamplingFlags, ctx: int, system, tokens, t
         max_tokens=tokens,
         trace=tracer,
         experts=engine.experts,
+        loop_guard=loop_guard,
     )
     if isinstance(policy, SpeculativePolicy):
         policy.start(live.session)  # here, so that a backend that cannot speculate says so before any work

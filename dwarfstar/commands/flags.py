@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from dwarfstar.chat import ThinkMode
     from dwarfstar.distributed.options import DistOptions
     from dwarfstar.experts.attach import StreamingOptions
+    from dwarfstar.session.loopguard import LoopGuard
     from dwarfstar.session.sampling import SamplingParams
     from dwarfstar.speculative.options import MTPOptions
     from dwarfstar.steering.apply import SteeringOptions
@@ -149,6 +150,34 @@ class SamplingFlags:
         if self.think_max:
             return ThinkMode.THINK_MAX
         return ThinkMode.THINK if self.think else ThinkMode.NOTHINK
+
+
+@dataclass(frozen=True)
+class LoopGuardFlags:
+    """The loop guard of `serve`, `run` and `agent` (dwarfstar/session/loopguard.py); a server's
+    requests may turn it on or off with the field `loop_guard`."""
+
+    loop_guard: Annotated[
+        bool,
+        typer.Option(
+            "--loop-guard",
+            help="End an output that repeats itself (finish: repetition) and catch repeated tool calls.",
+            rich_help_panel=GENERATION,
+        ),
+    ] = False
+    loop_guard_tools: Annotated[
+        str,
+        typer.Option(
+            help="On the same tool call in 3 replies in a row: note (tell the model) or stop (end the turn).",
+            rich_help_panel=GENERATION,
+        ),
+    ] = "note"
+
+    def options(self) -> LoopGuard | None:
+        """None without --loop-guard."""
+        from dwarfstar.session.loopguard import LoopGuard
+
+        return LoopGuard(tools=self.loop_guard_tools) if self.loop_guard else None
 
 
 _SCALE_HELP = "-100..100; positive removes the direction, negative amplifies it"  # steering.direction.MAX_SCALE

@@ -20,6 +20,7 @@ from dwarfstar.commands.flags import (
     GENERATION,
     Ctx,
     EngineFlags,
+    LoopGuardFlags,
     NoQatRounding,
     Power,
     SamplingFlags,
@@ -105,6 +106,7 @@ DumpLogits = Annotated[
 def run(
     engine_flags: EngineFlags,
     sampling: SamplingFlags,
+    loop_guard: LoopGuardFlags,
     prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="Answer this once and exit.")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="Like -p, with the text of FILE.")] = None,
     prompt_tokens: Annotated[str | None, typer.Option(help="Raw prompt as token ids: 0,17,42.")] = None,
@@ -147,7 +149,7 @@ def run(
         raise DwarfStarError("the dumps need a prompt: -p, --prompt-file or --prompt-tokens")
     engine, route = start(spec)
     try:
-        chat = open_chat(engine, spec, sampling, system, tokens, trace)
+        chat = open_chat(engine, spec, sampling, system, tokens, trace, loop_guard)
         try:
             if not one_shot:
                 run_repl(chat)
@@ -165,7 +167,9 @@ def run(
             route.close()
 
 
-def open_chat(engine, spec, sampling: SamplingFlags, system: str | None, tokens: int, trace: Path | None) -> Chat:
+def open_chat(
+    engine, spec, sampling: SamplingFlags, system: str | None, tokens: int, trace: Path | None, guard: LoopGuardFlags
+) -> Chat:
     """The chat on the engine: paced by --power, in the thinking mode the flags and the context allow."""
     from dwarfstar.chat import DEFAULT_SYSTEM, Chat, allowed_mode
     from dwarfstar.diagnostics import Trace
@@ -184,6 +188,7 @@ def open_chat(engine, spec, sampling: SamplingFlags, system: str | None, tokens:
         params=sampling.params(),
         max_tokens=tokens,
         trace=Trace(trace) if trace else None,
+        loop_guard=guard.options(),
     )
 
 
@@ -212,3 +217,5 @@ def answer(chat: Chat, spec, ids: list[int], thinking: bool, dumps: tuple[Path |
         if stats.finish in ("interrupted", "cancelled"):
             note(f"[{stats.finish}]", "dim")
             raise typer.Exit(INTERRUPTED_EXIT)
+        if stats.finish == "repetition":
+            note("[loop guard: the reply repeated itself and was stopped]", "yellow")

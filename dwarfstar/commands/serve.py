@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from dwarfstar.commands.apps import app, bench_app
-from dwarfstar.commands.flags import GENERATION, Ctx, EngineFlags, ModelFlags, SteeringFlags, output
+from dwarfstar.commands.flags import (
+    GENERATION,
+    Ctx,
+    EngineFlags,
+    LoopGuardFlags,
+    ModelFlags,
+    SteeringFlags,
+    output,
+)
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.serving.config import API_KEY_ENV, TEMPLATES
 
@@ -46,6 +54,7 @@ def listen(host: str, port: int) -> socket.socket:
 @app.command()
 def serve(
     engine_flags: EngineFlags,
+    loop_guard: LoopGuardFlags,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port (0: any free one).")] = 8000,
     ctx: Ctx = 32768,
@@ -95,6 +104,7 @@ def serve(
         max_sessions=max_sessions, kv_memory_mb=kv_memory_mb, max_queue=max_queue, prefill_chunk=prefill_chunk,
         trace=trace, kv_disk_dir=kv_disk_dir, kv_disk_space_mb=kv_disk_space_mb,
         kv_cache_min_tokens=kv_cache_min_tokens, model_aliases=tuple(model_alias or ()), mtp=spec.speculation,
+        loop_guard=loop_guard.options(),
     )  # fmt: skip
     spec_backend(spec)  # a backend that cannot run here, before the port
     worker = spec.dist is not None and spec.dist.role == "worker"  # serves its layers, not HTTP

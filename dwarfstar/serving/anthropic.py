@@ -49,7 +49,8 @@ from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
 from dwarfstar.serving.validation import check_tool_choice, media_refused, non_empty, unsupported_part
 
-STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
+# the loop guard's `repetition` ends the turn: `end_turn` (the trace has the detail)
+STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn", "repetition": "end_turn"}
 BILLING_PREFIX = "x-anthropic-"
 ROLES = ("user", "assistant", "system")
 REFUSED_BLOCKS = ("image", "document")

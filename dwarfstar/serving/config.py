@@ -12,6 +12,7 @@ from dwarfstar.speculative.options import MTPOptions
 
 if TYPE_CHECKING:
     from dwarfstar.prompt.options import RenderOptions
+    from dwarfstar.session.loopguard import LoopGuard
 
 TEMPLATES = ("ds4", "official")  # ds4's server layout, or the official encoder's
 API_KEY_ENV = "DWARFSTAR_API_KEY"  # where `dwarfstar serve` also reads --api-key from
@@ -53,6 +54,7 @@ class ServerConfig:
     kv_cache_min_tokens: int = 512  # shorter states are not worth a file
     model_aliases: tuple[str, ...] = field(default=())  # extra accepted `model` names, fnmatch patterns
     mtp: MTPOptions | None = None  # MTP speculation in the batched decode (--mtp, --mtp-draft)
+    loop_guard: LoopGuard | None = None  # --loop-guard: every request's default (session/loopguard.py)
 
     @property
     def render_options(self) -> RenderOptions:

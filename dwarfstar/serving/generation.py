@@ -12,6 +12,7 @@ from typing import Any
 
 from dwarfstar.prompt.dsml_parser import ContentDelta, ParsedCompletion, ReasoningDelta, ToolArgumentsDelta, ToolCallEnd
 from dwarfstar.prompt.render import Prompt
+from dwarfstar.session.loopguard import LoopGuard
 from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.steering.direction import SteeringScale
 
@@ -31,6 +32,9 @@ class GenerationRequest:
     api: str = ""  # for the trace and metrics
     trace_body: Any = None  # the client's request, written to the trace
     steering: SteeringScale | None = None  # None: computed without steering (part of the KV cache key)
+    loop_guard: LoopGuard | None = None  # None: off (session/loopguard.py)
+    tool_loop: str | None = None  # the repeated tool call the guard found in the history, for the trace
+    halted: bool = False  # the guard stops the turn before it is generated (a tool loop, `stop`)
 
 
 @dataclass
@@ -62,13 +66,25 @@ class ToolCallOpened:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's logprob and its best alternatives (text, bytes, logprob), sent before the
+    token's text (serving/logprobs.py)."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+    top: tuple[tuple[str, list[int], float], ...]
+
+
+@dataclass(frozen=True)
 class Finished:
-    reason: str  # stop | length | tool_calls
+    reason: str  # stop | length | tool_calls | repetition (the loop guard)
     usage: Usage
     completion: ParsedCompletion | None  # None when the request asked for raw text
     text: str  # the generated text, raw (stop string cut off)
     tool_ids: list[str] = field(default_factory=list)
     stop_sequence: str | None = None  # the client's stop string that ended the text
+    logprobs: list[TokenLogprob] | None = None  # each generated token's, when the request asked
 
 
 @dataclass(frozen=True)
@@ -77,7 +93,17 @@ class Failed:
     usage: Usage
 
 
-Event = Started | ReasoningDelta | ContentDelta | ToolCallOpened | ToolArgumentsDelta | ToolCallEnd | Finished | Failed
+Event = (
+    Started
+    | TokenLogprob
+    | ReasoningDelta
+    | ContentDelta
+    | ToolCallOpened
+    | ToolArgumentsDelta
+    | ToolCallEnd
+    | Finished
+    | Failed
+)
 
 
 def new_id(prefix: str, hex_chars: int = 24) -> str:

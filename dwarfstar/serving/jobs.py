@@ -20,10 +20,11 @@ from enum import Enum
 from typing import Any
 
 from dwarfstar.model.state import SequenceState
-from dwarfstar.serving.generation import Event, GenerationRequest, Usage
+from dwarfstar.serving.generation import Event, GenerationRequest, TokenLogprob, Usage
 from dwarfstar.serving.output import OutputDecoder
 from dwarfstar.serving.pool import DiskLookup, Lease
 from dwarfstar.session.kvpolicy import SaveReason
+from dwarfstar.session.loopguard import Repetition
 from dwarfstar.session.sampling import Sampler
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.decode import Speculator
@@ -89,6 +90,8 @@ class Decoding:
     sampler: Sampler
     decoder: OutputDecoder
     drawn: int | None = None  # the next token, drawn by the decode step that ran the last one
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens' so far, when the request asks
+    repetition: Repetition | None = None  # the loop guard's watch on the output, when it is on
 
 
 @dataclass
@@ -192,4 +195,12 @@ class Job:
             "dsml": completion.raw_dsml if completion is not None else None,
             "replayed_tool_ids": self.replayed,
             "problems": decoder.problems if decoder is not None else [],
+            "loop_guard": self.loop_guard_detail(),
         }
+
+    def loop_guard_detail(self) -> str | None:
+        """What the loop guard found: a repetition that ended the output, or a tool loop in the history."""
+        repetition = self.decoding.repetition if self.decoding is not None else None
+        if repetition is not None and repetition.detail is not None:
+            return repetition.detail
+        return self.request.tool_loop

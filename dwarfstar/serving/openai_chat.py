@@ -15,6 +15,7 @@ assistant with `reasoning_content` and `tool_calls`, tool), `tools`, `tool_choic
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -30,7 +31,17 @@ from dwarfstar.serving.controls import (
 )
 from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body, json_response
 from dwarfstar.serving.fields import Fields, read_json_object
-from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolCallOpened, Usage, new_id
+from dwarfstar.serving.generation import (
+    Event,
+    Failed,
+    Finished,
+    Started,
+    TokenLogprob,
+    ToolCallOpened,
+    Usage,
+    new_id,
+)
+from dwarfstar.serving.logprobs import Pending, chat_logprobs, openai_entry
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
 from dwarfstar.serving.validation import (
@@ -160,7 +171,7 @@ async def chat_completions(request: Request) -> Response:
     knobs = Knobs(
         api="chat",
         param="messages",
-        sampling=sampling_params(fields, thinking),
+        sampling=replace(sampling_params(fields, thinking), logprobs=chat_logprobs(fields)),
         max_tokens=output_budget(fields, "max_completion_tokens", "max_tokens"),
         stop=stop_strings(fields, "stop"),
         body=fields.body,
@@ -200,9 +211,29 @@ def chat_completion(response_id: str, model: str, done: Finished) -> dict[str, A
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": done.reason}],
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": logprobs_object(done.logprobs),
+                "finish_reason": openai_finish(done.reason),
+            }
+        ],
         "usage": usage_object(done.usage),
     }
+
+
+def openai_finish(reason: str) -> str:
+    """OpenAI's finish reason: the loop guard's `repetition` is not among them, and reads as `stop` (the
+    output ended on the server's decision, not for lack of room; the trace has the detail)."""
+    return "stop" if reason == "repetition" else reason
+
+
+def logprobs_object(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """A choice's `logprobs`: None when the request did not ask (a stream's chunk: or has none to send)."""
+    if entries is None:
+        return None
+    return {"content": [openai_entry(e) for e in entries], "refusal": None}
 
 
 class ChatStream:
@@ -211,9 +242,11 @@ class ChatStream:
     def __init__(self, response_id: str, model: str, include_usage: bool) -> None:
         self.id, self.model, self.include_usage = response_id, model, include_usage
         self.created = int(time.time())
+        self.pending = Pending()  # logprobs of tokens whose text has not been sent yet
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        logprobs = logprobs_object(self.pending.take() or None)
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse(self._envelope([choice]))
 
     def _envelope(self, choices: list[Any]) -> dict[str, Any]:
@@ -228,6 +261,9 @@ class ChatStream:
     def __call__(self, event: Event) -> list[bytes]:
         if isinstance(event, Started):
             return [self._chunk({"role": "assistant", "content": ""})]
+        if isinstance(event, TokenLogprob):
+            self.pending.entries.append(event)
+            return []
         if isinstance(event, ReasoningDelta):
             return [self._chunk({"reasoning_content": event.text})]
         if isinstance(event, ContentDelta):
@@ -239,7 +275,7 @@ class ChatStream:
         if isinstance(event, ToolArgumentsDelta):
             return [self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})]
         if isinstance(event, Finished):
-            out = [self._chunk({}, event.reason)]
+            out = [self._chunk({}, openai_finish(event.reason))]
             if self.include_usage:
                 out.append(sse({**self._envelope([]), "usage": usage_object(event.usage)}))
             return out + [b"data: [DONE]\n\n"]

@@ -11,6 +11,7 @@ use, its own chat format).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -27,9 +28,10 @@ from dwarfstar.serving.controls import (
 )
 from dwarfstar.serving.errors import bad_request, json_response
 from dwarfstar.serving.fields import Fields, read_json_object
-from dwarfstar.serving.generation import Event, Failed, Finished, new_id
+from dwarfstar.serving.generation import Event, Failed, Finished, TokenLogprob, new_id
 from dwarfstar.serving.jobs import Job
-from dwarfstar.serving.openai_chat import failure_error, stream_error, usage_object
+from dwarfstar.serving.logprobs import Pending, completion_block, completion_logprobs
+from dwarfstar.serving.openai_chat import failure_error, openai_finish, stream_error, usage_object
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
 
@@ -67,7 +69,9 @@ async def completions(request: Request) -> Response:
     knobs = Knobs(
         api="completions",
         param="prompt",
-        sampling=sampling_params(fields, Thinking(False) if raw else thinking),
+        sampling=replace(
+            sampling_params(fields, Thinking(False) if raw else thinking), logprobs=completion_logprobs(fields)
+        ),
         max_tokens=output_budget(fields, "max_tokens"),
         stop=stop_strings(fields, "stop"),
         body=fields.body,
@@ -100,7 +104,14 @@ async def _answer(job: Job, request: Request, model: str, *, stream: bool, inclu
             "object": "text_completion",
             "created": int(time.time()),
             "model": model,
-            "choices": [{"text": outcome.text, "index": 0, "logprobs": None, "finish_reason": outcome.reason}],
+            "choices": [
+                {
+                    "text": outcome.text,
+                    "index": 0,
+                    "logprobs": None if outcome.logprobs is None else completion_block(outcome.logprobs),
+                    "finish_reason": openai_finish(outcome.reason),
+                }
+            ],
             "usage": usage_object(outcome.usage),
         }
     )
@@ -110,16 +121,28 @@ class CompletionStream:
     def __init__(self, response_id: str, model: str, include_usage: bool) -> None:
         self.id, self.model, self.include_usage = response_id, model, include_usage
         self.created = int(time.time())
+        self.pending = Pending()  # logprobs of tokens whose text has not been sent yet
+        self.offset = 0  # the text length of the tokens whose logprobs were sent
 
     def _chunk(self, choices: list[Any], **extra: Any) -> bytes:
         body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
         return sse({**body, "choices": choices, **extra})
 
+    def _choice(self, text: str, finish: str | None) -> dict[str, Any]:
+        entries, logprobs = self.pending.take(), None
+        if entries:
+            logprobs = completion_block(entries, self.offset)
+            self.offset += sum(len(e.token) for e in entries)
+        return {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
+
     def __call__(self, event: Event) -> list[bytes]:
+        if isinstance(event, TokenLogprob):
+            self.pending.entries.append(event)
+            return []
         if isinstance(event, ContentDelta):
-            return [self._chunk([{"text": event.text, "index": 0, "logprobs": None, "finish_reason": None}])]
+            return [self._chunk([self._choice(event.text, None)])]
         if isinstance(event, Finished):
-            out = [self._chunk([{"text": "", "index": 0, "logprobs": None, "finish_reason": event.reason}])]
+            out = [self._chunk([self._choice("", openai_finish(event.reason))])]
             if self.include_usage:
                 out.append(self._chunk([], usage=usage_object(event.usage)))
             return out + [b"data: [DONE]\n\n"]

@@ -23,6 +23,8 @@ from __future__ import annotations
 import base64
 import binascii
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -32,7 +34,17 @@ from dwarfstar.prompt.dsml_parser import ContentDelta, ReasoningDelta, ToolArgum
 from dwarfstar.serving.controls import Thinking, effort_value, output_budget, sampling_params
 from dwarfstar.serving.errors import ApiError, bad_request, json_response
 from dwarfstar.serving.fields import Fields, read_json_object
-from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolCallOpened, Usage, new_id
+from dwarfstar.serving.generation import (
+    Event,
+    Failed,
+    Finished,
+    Started,
+    TokenLogprob,
+    ToolCallOpened,
+    Usage,
+    new_id,
+)
+from dwarfstar.serving.logprobs import Pending, openai_entry, responses_logprobs
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
 from dwarfstar.serving.validation import (
@@ -43,6 +55,8 @@ from dwarfstar.serving.validation import (
     unsupported_part,
 )
 
+# an unfinished output's reason: the budget, or the loop guard's `repetition` (the trace has the detail)
+INCOMPLETE = {"length": "max_output_tokens", "repetition": "repetition"}
 TEXT_BLOCKS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 MEDIA_BLOCKS = ("input_image", "input_file", "input_audio")
 ROLES = ("user", "system", "developer", "assistant")
@@ -171,7 +185,10 @@ async def responses_endpoint(request: Request) -> Response:
     knobs = Knobs(
         api="responses",
         param="input",
-        sampling=sampling_params(fields, thinking, top_k=False, min_p=False, seed=False),
+        sampling=replace(
+            sampling_params(fields, thinking, top_k=False, min_p=False, seed=False),
+            logprobs=responses_logprobs(fields),
+        ),
         max_tokens=output_budget(fields, "max_output_tokens", "max_tokens"),
         body=fields.body,
     )
@@ -211,8 +228,12 @@ def reasoning_item(item_id: str, text: str, shape: ResponseShape, status: str) -
     return item
 
 
-def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+def message_item(
+    item_id: str, text: str, status: str, logprobs: Sequence[TokenLogprob] | None = None
+) -> dict[str, Any]:
+    """`logprobs`: the entries of the response's tokens so far (serving/logprobs.py), when asked."""
+    entries = [openai_entry(e) for e in logprobs or ()]
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": entries}]
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
@@ -233,7 +254,7 @@ def _final_items(shape: ResponseShape, done: Finished) -> list[dict[str, Any]]:
     if shape.shows_reasoning and completion.reasoning:
         items.append(reasoning_item(new_id("rs_"), completion.reasoning, shape, "completed"))
     if completion.content or not completion.tool_calls:
-        items.append(message_item(new_id("msg_"), completion.content, "completed"))
+        items.append(message_item(new_id("msg_"), completion.content, "completed", done.logprobs))
     for call, call_id in zip(completion.tool_calls, done.tool_ids, strict=True):
         items.append(call_item(new_id("fc_"), call_id, call.name, call.arguments_json, "completed"))
     return items
@@ -253,9 +274,10 @@ class ResponseShape:
         status = "in_progress"
         body: dict[str, Any] = {"error": None, "incomplete_details": None}
         if isinstance(done, Finished):
-            status = "incomplete" if done.reason == "length" else "completed"
-            if status == "incomplete":
-                body["incomplete_details"] = {"reason": "max_output_tokens"}
+            incomplete = INCOMPLETE.get(done.reason)
+            status = "completed" if incomplete is None else "incomplete"
+            if incomplete is not None:
+                body["incomplete_details"] = {"reason": incomplete}
         elif isinstance(done, Failed):
             status = "failed"
             body["error"] = {"code": "server_error", "message": done.message}
@@ -294,6 +316,8 @@ class ResponseStream:
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being streamed
         self.text = ""  # text of the open reasoning or message item
+        self.logprobs: list[TokenLogprob] = []  # every token's so far, when the request asks
+        self.pending = Pending()  # those not yet sent with a text delta
 
     def _event(self, kind: str, **body: Any) -> bytes:
         event = {"type": kind, "sequence_number": self.sequence, **body}
@@ -331,7 +355,7 @@ class ResponseStream:
                     self._event("response.reasoning_summary_part.done", **self._at(), summary_index=0, part=part)
                 )
         elif item["type"] == "message":
-            final = message_item(item["id"], self.text, "completed")
+            final = message_item(item["id"], self.text, "completed", self.logprobs)
             out.append(self._event("response.output_text.done", **self._at(), content_index=0, text=self.text))
             part = final["content"][0]
             out.append(self._event("response.content_part.done", **self._at(), content_index=0, part=part))
@@ -350,6 +374,10 @@ class ResponseStream:
                 self._event("response.created", response=response),
                 self._event("response.in_progress", response=response),
             ]
+        if isinstance(event, TokenLogprob):
+            self.logprobs.append(event)
+            self.pending.entries.append(event)
+            return []
         if isinstance(event, ReasoningDelta):
             if not shape.shows_reasoning:
                 return []
@@ -373,7 +401,11 @@ class ResponseStream:
                 else self._add(message_item(new_id("msg_"), "", "in_progress"))
             )
             self.text += event.text
-            return out + [self._event("response.output_text.delta", **self._at(), content_index=0, delta=event.text)]
+            logprobs = [openai_entry(e) for e in self.pending.take()]
+            delta = self._event(
+                "response.output_text.delta", **self._at(), content_index=0, delta=event.text, logprobs=logprobs
+            )
+            return out + [delta]
         if isinstance(event, ToolCallOpened):
             return self._add(call_item(new_id("fc_"), event.id, event.name, "", "in_progress"))
         if isinstance(event, ToolArgumentsDelta):
@@ -391,7 +423,7 @@ class ResponseStream:
             out = self._close()
             if not any(item["type"] in ("message", "function_call") for item in self.output):
                 out += self._add(message_item(new_id("msg_"), "", "in_progress")) + self._close()
-            kind = "response.incomplete" if event.reason == "length" else "response.completed"
+            kind = "response.incomplete" if event.reason in INCOMPLETE else "response.completed"
             return out + [self._event(kind, response=shape.response(self.output, event))]
         if isinstance(event, Failed):
             error = self._event("error", code="server_error", message=event.message, param=None)

@@ -31,12 +31,14 @@ from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.generation import Failed, Finished, Started, Usage
 from dwarfstar.serving.jobs import KV, Decoding, DiskRead, Drafting, Job, Phase
+from dwarfstar.serving.logprobs import event_of
 from dwarfstar.serving.metrics import Metric, Metrics
 from dwarfstar.serving.output import OutputDecoder
 from dwarfstar.serving.pool import Lease, SessionPool
 from dwarfstar.serving.replay import ToolMemory
 from dwarfstar.serving.trace import Trace
 from dwarfstar.session.kvpolicy import SaveReason
+from dwarfstar.session.loopguard import Repetition
 from dwarfstar.session.sampling import Sampler
 from dwarfstar.session.session import Session, decode_batch, prefill_batch, sample_next
 from dwarfstar.speculative.decode import MTPSpeculation, step_batch
@@ -200,9 +202,16 @@ class Scheduler:
             self._start_decode(job)
 
     def _start_decode(self, job: Job) -> None:
-        decoding = Decoding(Sampler(job.request.sampling), OutputDecoder(self.tokenizer, job.request))
-        drafting = None if self.speculation is None else Drafting(self.speculation.start(job.session))
+        sampling = job.request.sampling
+        decoding = Decoding(Sampler(sampling), OutputDecoder(self.tokenizer, job.request))
+        # an accepted draft has no draw of its own, so a request that asks for logprobs is not speculated
+        speculate = self.speculation is not None and sampling.logprobs is None
+        drafting = Drafting(self.speculation.start(job.session)) if speculate else None
+        if job.request.loop_guard is not None:
+            decoding.repetition = Repetition(job.request.loop_guard)
         job.start_decoding(decoding, drafting)
+        if job.request.halted:  # the loop guard stops a repeated tool call before the turn is generated
+            self._finish(job, "repetition")
 
     def _prefill_step(self) -> None:
         """One pass over the waiting prompts: a budget of tokens (a chunk; a slice while others decode,
@@ -383,6 +392,11 @@ class Scheduler:
         self.metrics.inc(Metric.GENERATED_TOKENS_TOTAL)
         decoder, session = job.decoding.decoder, job.session
         if token != self.tokenizer.eos_id:
+            drawn = job.decoding.sampler.logprobs  # the draw of this token (a request that asks)
+            if drawn is not None:
+                entry = event_of(self.tokenizer, drawn)
+                job.decoding.logprobs.append(entry)
+                job.emit(entry)
             for event in decoder.push(token):
                 job.emit(event)
         length = len(session.tokens) if length is None else length
@@ -390,6 +404,8 @@ class Scheduler:
             return "stop"
         if job.request.tools and decoder.tool_block_closed:
             return "tool_calls"
+        if job.decoding.repetition is not None and job.decoding.repetition.push(token):
+            return "repetition"
         if job.usage.completion_tokens >= job.request.max_tokens or length >= session.ctx:
             return "length"
         return None
@@ -464,9 +480,12 @@ class Scheduler:
             job.kv.lease.live.tool_ids.update(tool_ids)
         job.usage.reasoning_tokens = decoder.reasoning_tokens
         self.metrics.inc(Metric.FINISHED_REQUESTS_TOTAL, reason=reason)
+        if reason == "repetition":
+            self.metrics.inc(Metric.LOOP_GUARD_TOTAL, kind="tool_stop" if job.request.halted else "repetition")
         self._write_trace(job, finish=reason, tool_ids=tool_ids)  # before the client can see the end
         self._release(job)
-        job.emit(Finished(reason, job.usage, completion, decoder.text, tool_ids, decoder.stop_sequence))
+        logprobs = job.decoding.logprobs if job.request.sampling.logprobs is not None else None
+        job.emit(Finished(reason, job.usage, completion, decoder.text, tool_ids, decoder.stop_sequence, logprobs))
 
     def _cancel(self, job: Job) -> None:
         self.metrics.inc(Metric.CANCELLED_REQUESTS_TOTAL, phase=job.phase.value)

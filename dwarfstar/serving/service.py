@@ -34,6 +34,7 @@ from dwarfstar.serving.replay import ToolMemory, apply_exact_replay, history_too
 from dwarfstar.serving.scheduler import QueueFull, Scheduler, ShuttingDown
 from dwarfstar.serving.trace import Trace
 from dwarfstar.serving.validation import budget_overflow, nothing_to_answer, opens_answer
+from dwarfstar.session.loopguard import LoopGuard, tool_loop, tool_loop_note
 from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.speculative.decode import load_speculation
 from dwarfstar.steering.apply import steering_of
@@ -164,13 +165,20 @@ class Service:
         response_format: Any = None,
     ) -> Job:
         def prepare() -> tuple[GenerationRequest, list[str]]:
-            prompt, replayed = self._render(
-                messages, tools, thinking, param=knobs.param, response_format=response_format
-            )
+            guard = self._loop_guard(knobs.body)
+            looped = None if guard is None else tool_loop(messages, guard.tool_turns)
+            shown = messages
+            if looped is not None and guard.tools == "note":
+                shown = [*messages, {"role": "system", "content": tool_loop_note(looped, guard.tool_turns)}]
+                self.metrics.inc(Metric.LOOP_GUARD_TOTAL, kind="tool_note")
+            prompt, replayed = self._render(shown, tools, thinking, param=knobs.param, response_format=response_format)
             if not opens_answer(prompt):
                 raise nothing_to_answer(knobs.api, messages, knobs.param)
             ids = self.tokenizer.encode_prompt(prompt.parts)
             request = self._request(prompt, ids, knobs, parse=True, thinking=thinking.enabled, tools=bool(tools))
+            if looped is not None:
+                request.tool_loop = f"{looped} called the same way in {guard.tool_turns} assistant turns in a row"
+                request.halted = guard.tools == "stop"
             return request, replayed
 
         request, replayed = await run_in_threadpool(prepare)
@@ -243,7 +251,16 @@ class Service:
             api=knobs.api,
             trace_body=knobs.body,
             steering=self._steering(knobs.body),
+            loop_guard=self._loop_guard(knobs.body),
         )
+
+    def _loop_guard(self, body: Any) -> LoopGuard | None:
+        """The request's loop guard: the extension field `loop_guard` (a boolean) turns it on, with the
+        server's settings or the defaults, or off; without it, the server's (`--loop-guard`)."""
+        asked = Fields(body if isinstance(body, Mapping) else {}).flag("loop_guard")
+        if asked is None:
+            return self.config.loop_guard
+        return (self.config.loop_guard or LoopGuard()) if asked else None
 
     def _steering(self, body: Any) -> SteeringScale | None:
         """The request's steering scales, extension fields `dir_steering_ffn` / `dir_steering_attn`

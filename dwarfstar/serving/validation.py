@@ -33,14 +33,18 @@ Chat Completions (https://platform.openai.com/docs/api-reference/chat/create):
   or holds only system messages, would render a prompt with no `<｜Assistant｜>` opener; the model
   then writes the next user turn itself.
 
+- `logprobs`: a boolean; `top_logprobs` an integer 0–20 ("An integer between 0 and 20") that needs
+  `logprobs: true` ("logprobs must be set to true if this parameter is used"). serving/logprobs.py.
+
 Completions (https://platform.openai.com/docs/api-reference/completions/create): `n` and `context`
-as above, with `max_tokens`.
+as above, with `max_tokens`; `logprobs` an integer 0–20 (OpenAI's own limit is 5; 20 as for chat).
 
 Responses (https://platform.openai.com/docs/api-reference/responses/create), the same checks on
 `input`: `empty` (a string, or a non-empty array of items), `role` (a message item's role is `user`,
 `system`, `developer` or `assistant`), `tool_choice` (as above; with tools, only `auto` and `none` are
 served, as ds4 serves them), `context` with `max_output_tokens`, `media` (`input_image`,
-`input_file`, `input_audio`; in a `function_call_output`, `[Unsupported TYPE]`) and `answer`.
+`input_file`, `input_audio`; in a `function_call_output`, `[Unsupported TYPE]`) and `answer`;
+`top_logprobs` 0–20, which needs `include: ["message.output_text.logprobs"]` (the field that asks).
 
 Messages (https://platform.claude.com/docs/en/api/messages):
 - `max_tokens`: required ("The maximum number of tokens to generate before stopping"); count_tokens
@@ -63,6 +67,8 @@ Messages (https://platform.claude.com/docs/en/api/messages):
 - `answer`: a last `assistant` message (a prefill) is refused with the message Claude 4.6 and later
   models answer ("This model does not support assistant message prefill. The conversation must end
   with a user message.", https://platform.claude.com/docs/en/about-claude/models/whats-new-claude-4-6).
+
+Every generation request: the DwarfStar extension `loop_guard` is a boolean (session/loopguard.py).
 
 Every route: a method the route does not serve is a 405 `invalid_request_error` with an `Allow`
 header (OpenAI answers `GET /v1/chat/completions` with "Invalid method for URL (GET ...)").

@@ -19,6 +19,16 @@ bit-identical to Triton's `tl.rand(seed, step)`. Where top-k or top-p needs a ra
 rank order, as the Triton backend's kernel (`kernels/sampling.py`) draws, so the two agree where both
 apply; with neither, in token-id order, which needs no sort of the vocabulary. Either way a seed gives
 the same tokens on every device.
+
+Logprobs (`SamplingParams.logprobs`: how many alternatives to report, None for none). A draw of a
+sampler that asks records its token's log-probability and its `logprobs` best alternatives in
+`Sampler.logprobs` (`TokenLogprobs`). They are the model's: log-softmax of logits / T, after the
+temperature but before min-p, top-k and top-p, so they describe the distribution the model gave and
+not the truncated one the token was drawn from (a token those rules cut still has its logprob). A
+greedy request reports them at temperature 1. `logprob_rows` computes them on the device with the
+draw (a log-sum-exp, a gather and a top-k of the rows that ask), and the draw's one host sync reads
+them with the tokens (`read_draws`); a redrawn token's (a refused token's, or one the Triton kernel
+flags) is read again with its redraw.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -52,6 +62,7 @@ class SamplingParams:
     min_p: float = 0.05  # keep tokens with p >= min_p * p_max (after temperature)
     seed: int | None = None  # None: a fresh random seed
     refused: frozenset[int] = frozenset()  # ids never drawn: a draw of one is redrawn without them
+    logprobs: int | None = None  # alternatives reported with each drawn token's logprob; None: no logprobs
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature <= 100:
@@ -62,6 +73,8 @@ class SamplingParams:
             raise DwarfStarError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < 0:
             raise DwarfStarError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise DwarfStarError(f"logprobs must be >= 0, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +89,11 @@ class SamplingParams:
     def candidates(self) -> int | None:
         """How many of the best tokens the rules can keep at most, None when top-k leaves it unbounded."""
         return min(self.top_k, TOP_K_CAP) if self.top_k > 0 else None
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature logprobs are reported at: the request's, 1 for a greedy one."""
+        return 1.0 if self.greedy else self.temperature
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -94,6 +112,35 @@ def philox_uniform(seed: int, counter: int) -> float:
     return float(np.float32(folded) * _U32_TO_UNIT)
 
 
+@dataclass(frozen=True)
+class Alternative:
+    token: int
+    logit: float
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A drawn token's logprob and the best alternatives (best first), at `temperature`: logprob =
+    logit / temperature - lse, lse the log-sum-exp of the row's logits / temperature."""
+
+    token: int
+    logit: float
+    logprob: float
+    top: tuple[Alternative, ...]
+    lse: float
+    temperature: float
+
+    def of(self, token: int, logit: float) -> TokenLogprobs:
+        """The same step's figures for another drawn token (a redraw) whose logit is `logit`."""
+        return replace(self, token=token, logit=logit, logprob=_logprob(logit, self.temperature, self.lse))
+
+
+def _logprob(logit: float, temperature: float, lse: float) -> float:
+    # at most 0: rounding in the float32 log-sum-exp may put the best token a hair above it
+    return min(0.0, logit / temperature - lse)
+
+
 class Sampler:
     """One request's sampling: its params and its draw counter (the RNG state is just (seed, step))."""
 
@@ -102,6 +149,7 @@ class Sampler:
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         self.seed = seed & SEED_BITS
         self.step = 0  # draws made so far; the next one uses this counter
+        self.logprobs: TokenLogprobs | None = None  # the last draw's, when the params ask for them
 
     def advance(self) -> int:
         """The counter of this draw; the next draw gets the following one."""
@@ -213,14 +261,73 @@ def redraw_refused(rows: Sequence[torch.Tensor], samplers: Sequence[Sampler], dr
     tokens = list(drawn)
     for i, token in zip(flagged, redrawn, strict=True):
         tokens[i] = token
+        relabel_logprobs(samplers[i], rows[i], token)
     return tokens
 
 
 def sample_batch(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
-    """One token per row of logits [B, vocab] (any device) by each row's sampler; one host sync."""
+    """One token per row of logits [B, vocab] (any device) by each row's sampler, with the logprobs of
+    the rows that ask; one host sync."""
     if logits.shape[0] != len(samplers):
         raise DwarfStarError(f"{logits.shape[0]} rows of logits for {len(samplers)} samplers")
-    return sample_tokens(logits, samplers).tolist()
+    tokens = sample_tokens(logits, samplers)
+    return read_draws(tokens, logits, tokens, samplers)
+
+
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, samplers: Sequence[Sampler]) -> torch.Tensor | None:
+    """What the samplers that ask for logprobs need of a draw, on the logits' device without a host
+    sync: float32 [R, 3 + 2k], one row per such sampler (in order): its drawn token, that token's logit,
+    the log-sum-exp of the row's logits / T, the k best logits and their ids (k: the most any of them
+    asks; ids are exact in float32 below 2**24). `logits` [B, vocab], `tokens` [B] the drawn ids; None
+    when no sampler asks."""
+    asking = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
+    if not asking:
+        return None
+    rows, drawn = logits.reshape(len(samplers), -1), tokens.reshape(-1)
+    if len(asking) < len(samplers):  # by Python indices: an index tensor would be a host-to-device copy
+        rows, drawn = torch.stack([rows[i] for i in asking]), torch.stack([drawn[i] for i in asking])
+    rows, chosen = rows.float(), drawn.long()[:, None]
+    (temperature,) = _knobs(rows.device, [samplers[i].params.logprob_temperature for i in asking])
+    best, ids = rows.topk(min(max(samplers[i].params.logprobs for i in asking), rows.shape[1]))
+    lse = (rows / temperature).logsumexp(-1, keepdim=True)
+    return torch.cat([chosen.float(), rows.gather(1, chosen), lse, best, ids.float()], dim=1)
+
+
+def record_logprobs(samplers: Sequence[Sampler], packed: Sequence[float]) -> None:
+    """Each asking sampler's `logprobs`, from the host copy of `logprob_rows`' result (flattened)."""
+    asking = [s for s in samplers if s.params.logprobs is not None]
+    width = len(packed) // len(asking)
+    k = (width - 3) // 2
+    for n, sampler in enumerate(asking):
+        row = packed[n * width : (n + 1) * width]
+        t, lse = sampler.params.logprob_temperature, row[2]
+        top = tuple(
+            Alternative(int(row[3 + k + m]), row[3 + m], _logprob(row[3 + m], t, lse))
+            for m in range(min(sampler.params.logprobs, k))
+        )
+        sampler.logprobs = TokenLogprobs(int(row[0]), row[1], _logprob(row[1], t, lse), top, lse, t)
+
+
+def read_draws(
+    ints: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, samplers: Sequence[Sampler]
+) -> list[int]:
+    """`ints.tolist()` (a draw's results: its tokens, maybe flags), with the logprobs of the drawn
+    `tokens` [B] from `logits` [B, vocab] read in the same host sync and recorded in the samplers
+    that ask for them."""
+    packed = logprob_rows(logits, tokens, samplers)
+    if packed is None:
+        return ints.tolist()
+    n = ints.numel()
+    host = torch.cat([ints.reshape(-1).float(), packed.reshape(-1)]).tolist()  # ids and flags exact in float32
+    record_logprobs(samplers, host[n:])
+    return [int(v) for v in host[:n]]
+
+
+def relabel_logprobs(sampler: Sampler, row: torch.Tensor, token: int) -> None:
+    """After a redraw of the sampler's last draw from `row`: its logprobs for the token it now drew
+    (one read of the row, on top of the redraw's own sync)."""
+    if sampler.logprobs is not None and sampler.logprobs.token != token:
+        sampler.logprobs = sampler.logprobs.of(token, float(row.reshape(-1)[token]))
 
 
 def _knobs(device: torch.device, *columns: list[float]) -> tuple[torch.Tensor, ...]:

@@ -16,6 +16,7 @@ from dwarfstar.agent.policy import SampledPolicy, ScriptedPolicy
 from dwarfstar.agent.store import SessionStore
 from dwarfstar.agent.worker import Worker
 from dwarfstar.session.kvfile import ModelIdentity
+from dwarfstar.session.loopguard import LoopGuard, tool_loop_note
 from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.tokenizer import specials
 
@@ -219,3 +220,17 @@ def test_a_plain_text_turn_on_the_real_model(nano, tmp_path: Path) -> None:
     assert held == (rendered if first.finish == "stop" else rendered[:-1])
     second = agent.run("e poi?", Recorder())
     assert second.reused == len(held)  # the whole first turn stayed in the session
+
+
+def test_the_loop_guard_notes_then_stops_a_repeated_tool_call(scripted, tmp_path: Path) -> None:
+    (tmp_path / "x.txt").write_text("hi\n")
+    same = reply("t", "", ("read", {"path": "x.txt"}))
+    for action, finish, rounds in (("note", "stop", 3), ("stop", "repetition", 2)):
+        agent = scripted([same, same, same, "ok</think>Done."])
+        agent.loop_guard = LoopGuard(tools=action)
+        events = Recorder()
+        result = agent.run("read x", events)
+        assert (result.finish, result.rounds) == (finish, rounds)
+        assert any("loop guard: read called the same way in 3 replies" in s for s in events.of("status"))
+        if action == "note":  # the third call's result carries the note, and the model goes on
+            assert agent.transcript.entries[-2].results[-1].endswith(tool_loop_note("read", 3))

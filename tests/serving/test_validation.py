@@ -152,7 +152,33 @@ def test_chat_answer(http, messages, fragment):
     assert fragment in error["message"] and "nothing for the model to answer" in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"logprobs": True, "top_logprobs": 21}, "between 0 and 20"),
+        ({"top_logprobs": 3}, '"logprobs": true'),
+        ({"logprobs": False, "top_logprobs": 3}, '"logprobs": true'),
+        ({"logprobs": 5}, "must be a boolean"),
+    ],
+)
+def test_chat_logprobs(http, extra, fragment):
+    error = refused(http, "/v1/chat/completions", {"model": MODEL, "messages": HI, **extra})
+    assert fragment in error["message"] and error["param"] in ("logprobs", "top_logprobs")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_loop_guard_field(http, path):
+    body = {"model": MODEL, "messages": HI, "max_tokens": 4, "loop_guard": "yes"}
+    error = refused(http, path, body)
+    assert "loop_guard must be a boolean" in error["message"]
+
+
 # -- Completions --------------------------------------------------------------------------------------
+def test_completions_logprobs(http):
+    error = refused(http, "/v1/completions", {"prompt": "hi", "logprobs": 21})
+    assert error["param"] == "logprobs" and "between 0 and 20" in error["message"]
+
+
 def test_completions_n(http):
     assert refused(http, "/v1/completions", {"prompt": "hi", "n": 3})["param"] == "n"
 
@@ -196,6 +222,17 @@ def test_responses_tool_choice(http, extra, fragment):
 def test_responses_context(http):
     error = refused(http, "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": CTX})
     assert error["code"] == "context_length_exceeded" and "in the input" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [({"top_logprobs": 2}, "message.output_text.logprobs"), ({"top_logprobs": 30}, "between 0 and 20")],
+)
+def test_responses_logprobs(http, extra, fragment):
+    asked = {"include": ["message.output_text.logprobs"]} if extra["top_logprobs"] > 20 else {}
+    body = {"model": MODEL, "input": "hi", **asked, **extra}
+    error = refused(http, "/v1/responses", body)
+    assert error["param"] == "top_logprobs" and fragment in error["message"]
 
 
 @pytest.mark.parametrize(

@@ -49,3 +49,23 @@ def test_kernel_and_generic_rows_give_the_generic_samplers_tokens(backend, devic
         logits = 2.0 * torch.randn(len(PARAMS), 3000, generator=gen)
         assert backend.sample_batch(logits.to(device), on_device) == sample_batch(logits, generic)
     assert [s.step for s in on_device] == [6] * len(PARAMS)
+
+
+def test_logprobs_come_with_the_kernels_draw_and_a_redraw(backend, device):
+    """The logprobs of the rows that ask, read in the draw's sync: the generic sampler's, for kernel
+    rows and for a flagged row redrawn over the whole vocabulary (min-p 0 at temperature 0.7)."""
+    params = [
+        SamplingParams(seed=3, top_k=20, logprobs=4),
+        SamplingParams(seed=4, temperature=0.7, min_p=0.0, logprobs=2),  # flagged, redrawn
+        SamplingParams(seed=6, temperature=1.5, top_p=0.9),  # asks for none
+    ]
+    on_device, generic = [Sampler(p) for p in params], [Sampler(p) for p in params]
+    logits = 2.0 * torch.randn(len(params), 3000, generator=torch.Generator().manual_seed(1))
+    assert backend.sample_batch(logits.to(device), on_device) == sample_batch(logits, generic)
+    for got, want in zip(on_device, generic, strict=True):
+        if want.logprobs is None:
+            assert got.logprobs is None
+            continue
+        assert got.logprobs.token == want.logprobs.token
+        assert got.logprobs.logprob == pytest.approx(want.logprobs.logprob, abs=1e-5)
+        assert [a.token for a in got.logprobs.top] == [a.token for a in want.logprobs.top]

@@ -26,7 +26,7 @@ from dwarfstar.backends.triton.weights import ModelWeights, upload
 from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.sampling import Sampler
+from dwarfstar.session.sampling import Sampler, read_draws
 
 
 class TritonBackend:
@@ -76,14 +76,16 @@ class TritonBackend:
         The kernel ranks each row's TOP_K_CAP best logits; a row it flags (no top-k, and more tokens
         than that may pass min-p) is redrawn by the generic `sample_tokens` at the same counter, which
         costs a second sync only then. Both draw the same Philox uniform from (seed, step) in the same
-        order, so the split does not change a seed's tokens."""
+        order, so the split does not change a seed's tokens. The logprobs of the rows that ask come
+        back in the same sync (`read_draws`)."""
         rows = logits.reshape(len(samplers), -1)
         steps = [s.advance() for s in samplers]
         knobs = knob_rows([s.params for s in samplers], [s.seed for s in samplers], steps)
         drawn, overflow = sample_rows(
             rows, knobs.to(rows.device, non_blocking=True), candidates_for([s.params for s in samplers], rows.shape[1])
         )
-        return redraw_overflow(rows, samplers, steps, torch.cat([drawn[:, 0], overflow]).tolist())
+        host = read_draws(torch.cat([drawn[:, 0], overflow]), rows, drawn[:, 0], samplers)
+        return redraw_overflow(rows, samplers, steps, host)
 
     def forward_batch(
         self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False

@@ -18,6 +18,9 @@ A step given the sequences' samplers also draws each one's next token inside the
 (`kernels.sampling`): the knobs are another input buffer, so one graph serves any mix of requests,
 and the step's one host sync reads the tokens. Such graphs are captured apart from the
 logits-only ones, by whether every row is greedy (the argmax) or not (ranking TOP_K_CAP candidates).
+The logprobs of the rows whose samplers ask for them are not in the graph: a few launches right
+after the replay read its logits and drawn tokens (`sampling.logprob_rows`), and their copy to the
+host is waited for by the same sync as the tokens'.
 
 The host side of a step never waits for the device before its replay is queued. The step's inputs
 go to the graph's buffers from pinned host memory (`_Staging`, two per bucket used in turn, each
@@ -43,7 +46,7 @@ from dwarfstar.backends.triton.kernels.sampling import candidates_for, knob_rows
 from dwarfstar.backends.triton.model import TritonModel, row_bound
 from dwarfstar.model.forward import Batch, Segment
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.sampling import GREEDY, Sampler
+from dwarfstar.session.sampling import GREEDY, Sampler, logprob_rows, record_logprobs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes a graph is captured for; larger batches run eagerly
 
@@ -85,6 +88,7 @@ class _Staging:
         self.drawn = torch.zeros(2, bucket, dtype=torch.int32, pin_memory=pinned)
         self.sent = torch.cuda.Event() if pinned else None
         self.arrived = torch.cuda.Event() if pinned else None
+        self.logprobs: torch.Tensor | None = None  # the last step's, from `fetch`
 
     def send(self, plan: _Plan, tokens: Sequence[int], entry: _Captured) -> None:
         """Queue the copies of the plan's inputs, with `tokens`, into the graph's buffers."""
@@ -100,17 +104,22 @@ class _Staging:
         if self.sent is not None:
             self.sent.record()
 
-    def fetch(self, drawn: torch.Tensor) -> None:
-        """Queue the copy of the replay's drawn tokens and flags back to the host."""
+    def fetch(self, drawn: torch.Tensor, logprobs: torch.Tensor | None) -> None:
+        """Queue the copies of the replay's drawn tokens and flags, and of the logprobs of the rows
+        that ask for them (`sampling.logprob_rows`), back to the host."""
         self.drawn.copy_(drawn, non_blocking=True)
+        # from a GPU, a non-blocking copy to the CPU lands in pinned memory it allocates
+        self.logprobs = None if logprobs is None else logprobs.to("cpu", non_blocking=True)
         if self.arrived is not None:
             self.arrived.record()
 
-    def fetched(self, n: int) -> list[int]:
-        """The first `n` rows' tokens, then their flags, once the copy has run (waits for the replay)."""
+    def fetched(self, n: int) -> tuple[list[int], list[float] | None]:
+        """The first `n` rows' tokens, then their flags, and the logprobs fetched with them (None: no
+        row asked), once the copies have run (waits for the replay)."""
         if self.arrived is not None:
             self.arrived.synchronize()
-        return self.drawn[:, :n].flatten().tolist()
+        logprobs = None if self.logprobs is None else self.logprobs.reshape(-1).tolist()
+        return self.drawn[:, :n].flatten().tolist(), logprobs
 
 
 def capture(run: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor]:
@@ -171,8 +180,8 @@ class DecodeGraphs:
         entry.replay()
         n = len(states)
         logits = entry.logits[:n].clone()  # the graph's buffer is overwritten by the next replay
-        if samplers is not None:
-            staging.fetch(entry.drawn)
+        if samplers is not None:  # the logprobs of the rows that ask: a few launches after the replay
+            staging.fetch(entry.drawn, logprob_rows(logits, entry.drawn[0, :n], samplers))
         # host work while the device replays: the bookkeeping, and the next step's inputs but its tokens
         model.advance(batch)
         for state, row in zip(states, logits, strict=True):
@@ -183,7 +192,10 @@ class DecodeGraphs:
         self._next = self._plan(states, samplers)
         drawn = None
         if samplers is not None:
-            drawn = redraw_overflow(logits, samplers, steps, staging.fetched(n))  # the step's host sync
+            host, logprobs = staging.fetched(n)  # the step's host sync
+            if logprobs is not None:
+                record_logprobs(samplers, logprobs)
+            drawn = redraw_overflow(logits, samplers, steps, host)
         return list(logits.split(1)), drawn
 
     def graph(

@@ -34,7 +34,14 @@ import triton.language as tl
 
 from dwarfstar.backends.triton.kernels.topk import order_key, topk_indices
 from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, next_pow2
-from dwarfstar.session.sampling import SEED_BITS, TOP_K_CAP, Sampler, SamplingParams, sample_tokens
+from dwarfstar.session.sampling import (
+    SEED_BITS,
+    TOP_K_CAP,
+    Sampler,
+    SamplingParams,
+    relabel_logprobs,
+    sample_tokens,
+)
 
 
 @triton.jit
@@ -178,7 +185,8 @@ def redraw_overflow(
     logits: torch.Tensor, samplers: Sequence[Sampler], steps: Sequence[int], host: list[int]
 ) -> list[int]:
     """The tokens of a one-draw `sample_rows` launch from its host copy (B tokens, then B flags: one
-    sync), with each flagged row redrawn over the whole vocabulary at the counter the kernel used."""
+    sync), with each flagged row redrawn over the whole vocabulary at the counter the kernel used (and
+    its logprobs, when it asks for them, relabelled to the token redrawn)."""
     b = len(samplers)
     tokens, flagged = host[:b], [i for i in range(b) if host[b + i]]
     if flagged:
@@ -187,6 +195,7 @@ def redraw_overflow(
         redrawn = sample_tokens(torch.stack([logits[i] for i in flagged]), [samplers[i] for i in flagged])
         for i, token in zip(flagged, redrawn.tolist(), strict=True):
             tokens[i] = token
+            relabel_logprobs(samplers[i], logits[i], token)
     return tokens
 
 
