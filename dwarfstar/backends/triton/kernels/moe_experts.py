@@ -431,9 +431,10 @@ def decode_ffn(
     for step, (w, s) in enumerate(((gate, sgate), (down, sdown))):
         rfast, sfast = fast and w.ggml_type in FAST_TYPES, fast and s.ggml_type in FAST_TYPES
         # the tensor-core form on 2 warps (4 would pick wgmma, which stages the activations in shared
-        # memory); IQ2_XXS's on 1: its lattice rows, looked up where the mma operand layout wants them,
-        # would cross warps on 2 (a round trip through shared memory per group)
-        warps = (1 if w.ggml_type == GGMLType.IQ2_XXS else 2) if rfast else 4
+        # memory); IQ2_XXS's on 1 up to 4 tokens: its lattice rows, looked up where the mma operand
+        # layout wants them, would cross warps on 2 (a round trip through shared memory per group);
+        # from 5 tokens the shared expert's rows in the same program would spill on 1
+        warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else 4
         bn, rbk = _decode_rows(w.ggml_type, fast, warps)
         sbn, sbk = _decode_rows(s.ggml_type, fast, warps)
         bn = min(bn, next_pow2(max(fm, d)))

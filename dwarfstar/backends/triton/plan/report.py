@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -170,6 +171,24 @@ def _declared(work: KernelWork, programs: int) -> list[LoopWork]:
     return [LoopWork("main", programs, work.iterations, weight, 0, work.loop_bytes)]
 
 
+def _pairs(work: KernelWork, programs: int, bodies: list[disasm.Body], threads: int) -> list[tuple]:
+    """(declared loop, compiled loop): the main loop with the compiled loop that loads the most per
+    pass; declared loops each with the unpaired compiled loop whose bytes loaded per pass (over a
+    program's `threads`) are nearest their own by ratio (a kernel's other loops, a final sum over
+    slots say, load other amounts)."""
+    if not work.loops:
+        return list(zip(_declared(work, programs), bodies[:1], strict=False))
+    free, pairs = list(bodies), []
+    for lw in _declared(work, programs):
+        if not free:
+            break
+        want = max(1, lw.loads or lw.streamed)
+        body = min(free, key=lambda b: abs(math.log(max(1, b.load_bytes * threads) / want)))
+        free.remove(body)
+        pairs.append((lw, body))
+    return pairs
+
+
 def _analyse(row: Row, launch: Launch, work: KernelWork | None, gpu, backend: str, compiled: dict) -> None:
     args, grid, kwargs = launch.call
     kernel = launch.fn.run(*args, grid=grid, warmup=True, **kwargs)
@@ -185,8 +204,7 @@ def _analyse(row: Row, launch: Launch, work: KernelWork | None, gpu, backend: st
         row.program_loads = code.loop.load_bytes * gpu.lanes * row.warps
     if work is not None:
         row.weight_bytes, row.bytes = work.weight_bytes, work.bytes
-        # compiled loops paired with the declared ones by bytes loaded per pass
-        pairs = zip(_declared(work, launch.programs), code.loops, strict=False)
+        pairs = _pairs(work, launch.programs, code.loops, gpu.lanes * row.warps)
         row.loops = [_loop_row(lw, body, row.warps, gpu) for lw, body in pairs]
     per_warp = code.total.instructions - sum(lr.instructions for lr in row.loops)
     per_warp *= launch.programs
