@@ -53,7 +53,7 @@ class Row:
     spills: int = 0
     shared: int = 0
     wide_loads: int = 0  # 128-bit global loads in the code
-    loop_instructions: int = 0  # warp-instructions per pass of the main loop
+    loop_instructions: int = 0  # warp-instructions per pass of the main loop (of several: streaming the most weights)
     loop_loads: dict = field(default_factory=dict)  # bytes per lane -> global loads per pass
     unroll: int = 1  # source iterations per compiled pass
     # warp-instructions per weight byte in the loops: the main loop's, or over all of them where the
@@ -67,7 +67,7 @@ class Row:
     issue_s: float = 0.0  # per launch
     total_instructions: int = 0  # warp-instructions per launch
     program_loads: int = 0  # bytes one program loads per pass of its main loop
-    loops: list[LoopRow] = field(default_factory=list)  # each declared loop, the main one first
+    loops: list[LoopRow] = field(default_factory=list)  # each declared loop, the most bytes loaded per pass first
 
 
 @dataclass
@@ -212,7 +212,8 @@ def _analyse(row: Row, launch: Launch, work: KernelWork | None, gpu, backend: st
         per_warp += lr.programs * lr.instructions * lr.passes
     row.total_instructions = row.warps * per_warp
     if row.loops:
-        row.unroll = row.loops[0].unroll
+        main = max(row.loops, key=lambda lr: lr.programs * lr.passes * lr.weight_bytes)  # streams the most weights
+        row.unroll, row.loop_instructions, row.loop_loads = main.unroll, main.instructions, main.loads
         row.instructions_per_weight_byte = _launch_ipb(row.loops, row.warps)
         # what a program has in flight, on average over the launch's programs
         row.program_loads = sum(lr.programs * lr.program_bytes for lr in row.loops) // max(1, launch.programs)
