@@ -95,6 +95,7 @@ def bench_gpu_plan(
     batch: Annotated[int, typer.Option(min=1, max=64, help="Sequences decoding together.")] = 1,
     target: Annotated[str, typer.Option(help="GPU target: cuda:90 (H100/H200) or hip:gfx942 (MI300X).")] = "cuda:90",
     layers: Annotated[int | None, typer.Option(min=1, help="Only the first N layers.")] = None,
+    precision: Annotated[str, typer.Option(help="The matrices' precision: exact (fp32) or fast.")] = "exact",
     no_compile: Annotated[bool, typer.Option("--no-compile", help="Count launches only.")] = False,
     json_out: Annotated[Path | None, output("--json", help="Write the plan as JSON here.")] = None,
 ) -> None:
@@ -106,10 +107,12 @@ def bench_gpu_plan(
         raise DwarfStarError("gpu-plan compiles for a GPU target: run it without TRITON_INTERPRET=1")
     if preset not in ("flash", "pro"):
         raise DwarfStarError(f"--preset must be flash or pro, got {preset!r}")
+    if precision not in ("exact", "fast"):
+        raise DwarfStarError(f"--precision must be exact or fast, got {precision!r}")
     from dwarfstar.backends.triton.plan.report import build_plan, format_plan, plan_json
 
     try:
-        plan = build_plan(f"{preset}-q2", batch, ctx, target, not no_compile, layers)
+        plan = build_plan(f"{preset}-q2", batch, ctx, target, not no_compile, layers, precision)
     except ValueError as exc:
         raise DwarfStarError(str(exc)) from exc
     typer.echo(format_plan(plan))

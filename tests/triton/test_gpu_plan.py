@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from dwarfstar.backends.triton.plan.disasm import parse_amdgcn, parse_sass
+from dwarfstar.backends.triton.plan.report import LoopRow, _launch_ipb
 
 # launches of one captured Flash decode step (43 layers, batch 1 and 4, 2k context, sampling in the
 # step); issue 30 asked for at most 700, stretch 450
@@ -71,3 +72,33 @@ def test_main_loop_of_sass_and_amdgcn():
     code = parse_amdgcn(AMDGCN)
     assert code.total.instructions == 6
     assert (code.loop.instructions, code.loop.load_bytes, dict(code.loop.widths)) == (4, 18, {16: 1, 2: 1})
+
+
+TWO_LOOPS = """
+        /*0100*/                   MOV R1, c[0x0][0x28] ;
+        /*0110*/                   LDG.E.64 R4, desc[UR4][R2.64] ;
+        /*0120*/                   FFMA R9, R4, R5, R9 ;
+        /*0130*/              @!P0 BRA 0x110 ;
+        /*0140*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0150*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0160*/                   FFMA R9, R4, R5, R9 ;
+        /*0170*/                   FFMA R9, R4, R5, R9 ;
+        /*0180*/              @!P0 BRA 0x140 ;
+        /*0190*/                   EXIT ;
+"""
+
+
+def test_kernel_with_two_loops():
+    # programs that take different branches: both loops, the one loading more bytes per pass first
+    code = parse_sass(TWO_LOOPS)
+    assert [(b.instructions, b.load_bytes) for b in code.loops] == [(5, 32), (3, 8)]
+    assert code.loop is code.loops[0]
+    # the launch's figure: all programs' passes through their loops over the weight bytes they stream
+    loops = [
+        LoopRow("a", programs=3, instructions=10, loads={}, unroll=1, passes=2, instructions_per_weight_byte=None,
+                weight_bytes=40, program_bytes=0),
+        LoopRow("b", programs=1, instructions=5, loads={}, unroll=1, passes=4, instructions_per_weight_byte=None,
+                weight_bytes=10, program_bytes=0),
+    ]  # fmt: skip
+    warp_instructions = 2 * (3 * 2 * 10 + 1 * 4 * 5)
+    assert _launch_ipb(loops, warps=2) == round(warp_instructions / (3 * 2 * 40 + 1 * 4 * 10), 3)

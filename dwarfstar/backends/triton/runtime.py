@@ -174,17 +174,33 @@ class BenchCase:
 
 
 @dataclass(frozen=True)
+class LoopWork:
+    """One loop of a kernel whose programs run different loops (e.g. the shared expert in column 0,
+    routed entries elsewhere), per source iteration of one program."""
+
+    name: str
+    programs: int  # programs of the launch that run it
+    passes: int  # iterations per program
+    weight_bytes: int  # weight bytes an iteration streams
+    streamed: int  # bytes an iteration streams from memory (weights and activations)
+    loads: int = 0  # bytes its load instructions fetch, cached lookups included (0: `streamed`)
+
+
+@dataclass(frozen=True)
 class KernelWork:
     """What one launch of a memory-streaming kernel moves, for `dwarfstar bench gpu-plan`'s model.
 
     A kernel module declares it through `launch_work(kernel_name, args) -> KernelWork | None`, from
-    the launch's arguments by name (constexprs included, tensors possibly on the meta device).
+    the launch's arguments by name (constexprs included, tensors possibly on the meta device). One
+    main loop (`iterations`, `loop_bytes`), or `loops`: the plan pairs them with the compiled code's
+    innermost loops in order of the bytes they load per pass (`LoopWork.loads`, most first).
     """
 
     bytes: int  # bytes the launch must read and write at least (weights, activations, outputs)
     weight_bytes: int  # of which weights (or KV rows): what streams from memory once per step
-    iterations: int  # passes through the main loop per program
-    loop_bytes: int  # bytes one program loads per main-loop iteration (weights and activations)
+    iterations: int = 0  # passes through the main loop per program
+    loop_bytes: int = 0  # bytes one program loads per main-loop iteration (weights and activations)
+    loops: tuple[LoopWork, ...] = ()
 
 
 # -- "the last program finishes": one launch where a reduction over programs used to take two ---------------

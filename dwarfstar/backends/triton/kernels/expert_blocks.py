@@ -416,9 +416,15 @@ def _fast_q4_k(w_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST: tl.constexpr, B
 @triton.jit
 def _fast_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST: tl.constexpr, BN: tl.constexpr):
     # one 32-column product per group (its scale differs): lane t takes lattice point t of the group
-    # (8 columns), looked up as 4 words of fp16 pairs and signed by xor with the sign table's masks
+    # (8 columns), looked up as 4 words of fp16 pairs and signed by xor with the sign table's masks.
+    # Word v of point t goes to K positions 8 v + 2 t (+ its half): in NVIDIA's mma operand layout
+    # lane t of a quad holds positions 2 t, 2 t + 1 of each 8, so the words it looked up are its
+    # operand registers as loaded (on one warp: `moe_experts.decode_ffn`); the activations are
+    # gathered in the same order, so the product is unchanged
     t = tl.arange(0, 4)
     v = tl.arange(0, 4)
+    p = tl.arange(0, 32)
+    col = 8 * ((p // 2) % 4) + 2 * (p // 8) + p % 2  # the column at K position p
     base = (w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))
     d = tl.load((w_ptr + row_off + K // 4 + 2 * sb).to(tl.pointer_type(tl.float16))).to(tl.float32)
     acc = tl.zeros([BN, 16], tl.float32)
@@ -429,8 +435,8 @@ def _fast_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST: tl.
         signs = ((aux[:, None] >> (7 * t)[None, :].to(tl.uint32)) & 127).to(tl.int32)
         grid = tl.load(tab_ptr + GRID16_AT + (4 * pick)[:, :, None] + v[None, None, :])  # [BN, t, v]
         flip = tl.load(tab_ptr + SIGNS16_AT + (4 * signs)[:, :, None] + v[None, None, :])
-        w16 = tl.reshape(_halves(grid ^ flip), [BN, 32])  # columns 8 t + 2 v + lo, in order
-        xb = _x_operand(x_ptr, x_off, x_ok, sb * 256 + 32 * g + tl.arange(0, 32), BCAST)
+        w16 = tl.reshape(tl.permute(_halves(grid ^ flip), 0, 2, 1, 3), [BN, 32])
+        xb = _x_operand(x_ptr, x_off, x_ok, sb * 256 + 32 * g + col, BCAST)
         db = d * (0.5 + (aux >> 28).to(tl.float32)) * 0.25
         acc += tl.dot(w16, xb) * db[:, None]
     return acc

@@ -52,6 +52,7 @@ from dwarfstar.backends.triton.runtime import (
     BenchCase,
     BenchShape,
     KernelWork,
+    LoopWork,
     Precision,
     interpreting,
     last_program,
@@ -231,13 +232,40 @@ def launch_work(kernel: str, a: dict) -> KernelWork | None:
     if kernel in ("_decode_gate_up_kernel", "_decode_down_kernel"):
         gate_up = kernel == "_decode_gate_up_kernel"
         matrices = 2 if gate_up else 1
-        entries = a["T"] * a["k"]
+        entries, t = a["T"] * a["k"], a["T"]
         k_in, rows, shared_rows = (a["D"], a["F"], a["FS"]) if gate_up else (a["F"], a["D"], a["D"])
         weight = matrices * (entries * rows * a["row_bytes"] + shared_rows * a["srow_bytes"])
-        activations = 4 * (entries + a["T"]) * (k_in + rows)
-        loop = matrices * a["BN"] * a["row_bytes"] * a["RBK"] // k_in + 4 * a["RBK"]
-        return KernelWork(weight + activations, weight, triton.cdiv(k_in, a["RBK"]), loop)
+        activations = 4 * (entries + t) * (k_in + rows)
+        blocks = triton.cdiv(a["FM"] if gate_up else a["D"], a["BN"])
+        x_bytes = (a["x_ptr"] if gate_up else a["mid_ptr"]).element_size()  # mid: fp16 under Precision.fast
+        routed = _decode_loops("routed", blocks * entries, matrices, a["RTYPE"], a["BN"], a["row_bytes"], k_in,
+                               a["RBK"], 1, x_bytes, a["RFAST"])  # fmt: skip
+        shared = _decode_loops("shared", blocks, matrices, a["STYPE"], a["SBN"], a["srow_bytes"], k_in, a["SBK"], t,
+                               x_bytes, a["SFAST"], parts=a["BN"] // a["SBN"], rows_loaded=a["TB"])  # fmt: skip
+        return KernelWork(weight + activations, weight, loops=routed + shared)
     return None
+
+
+def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, row_bytes: int, k_in: int,
+                  bk: int, t: int, x_bytes: int, fast: bool, parts: int = 1,
+                  rows_loaded: int = 1) -> tuple[LoopWork, ...]:  # fmt: skip
+    """The loops of `_routed_rows` / `_shared_rows` (`_rows_dot`) as `runtime.LoopWork`s: one over
+    `matrices` x bn rows of bk columns an iteration, or in the tensor-core form (fast) one per matrix
+    (the form runs them one after the other); `parts` row parts of k_in / bk iterations each; t
+    activation rows (`rows_loaded` of them loaded: masked rows too), 16 in the tensor-core form."""
+    ggml_type = GGMLType(wtype)
+    per_loop = 1 if fast else matrices
+    weight = per_loop * bn * row_bytes * bk // k_in
+    x = (16 if fast and name == "shared" else rows_loaded) * x_bytes * bk
+    lookups = 0
+    if ggml_type == GGMLType.IQ2_XXS:  # lattice rows and sign masks per 8 columns, from the cached table
+        lookups = per_loop * bn * bk // 8 * (32 if fast else 64)
+    what = ("gate", "up") if fast and matrices == 2 else ("gate/up" if matrices == 2 else "down",)
+    return tuple(
+        LoopWork(f"{name} {ggml_type.name} {m}", programs, parts * k_in // bk, weight, weight + t * x_bytes * bk,
+                 weight + x + lookups)
+        for m in what
+    )  # fmt: skip
 
 
 # -- decode form ---------------------------------------------------------------------------------------
@@ -402,8 +430,11 @@ def decode_ffn(
     ids, route_weights = ids.contiguous(), route_weights.contiguous()
     for step, (w, s) in enumerate(((gate, sgate), (down, sdown))):
         rfast, sfast = fast and w.ggml_type in FAST_TYPES, fast and s.ggml_type in FAST_TYPES
-        # the tensor-core form on 2 warps (4 would pick wgmma, which stages the activations in shared memory)
-        warps = 2 if rfast else 4
+        # the tensor-core form on 2 warps (4 would pick wgmma, which stages the activations in shared
+        # memory); IQ2_XXS's on 1 up to 4 tokens: its lattice rows, looked up where the mma operand
+        # layout wants them, would cross warps on 2 (a round trip through shared memory per group);
+        # from 5 tokens the shared expert's rows in the same program would spill on 1
+        warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else 4
         bn, rbk = _decode_rows(w.ggml_type, fast, warps)
         sbn, sbk = _decode_rows(s.ggml_type, fast, warps)
         bn = min(bn, next_pow2(max(fm, d)))

@@ -4,8 +4,10 @@ NVIDIA: the SASS that cuobjdump prints, one instruction per `/*addr*/` line; a l
 branch (`BRA` to a lower address). AMD: the AMDGCN assembly Triton keeps, whose basic blocks carry
 LLVM's loop annotations (`; =>This Inner Loop Header: Depth=N`, `; in Loop: Header=BB0_3 Depth=N`).
 The main loop is the innermost loop that loads the most bytes from global memory per pass: the K
-loop of a GEMV, the row loop of attention. Counts are per warp (wavefront) and per pass through the
-loop body as compiled (a loop the assembler unrolled covers several source iterations per pass).
+loop of a GEMV, the row loop of attention; a kernel whose programs take different branches has more
+(`Code.loops`: innermost loops by bytes loaded per pass, most first). Counts are per warp (wavefront)
+and per pass through the loop body as compiled (a loop the assembler unrolled covers several source
+iterations per pass).
 """
 
 from __future__ import annotations
@@ -39,10 +41,16 @@ class Body:
 
 @dataclass
 class Code:
-    """A compiled kernel's code: the whole of it, and its main loop (None where it has no loop)."""
+    """A compiled kernel's code: the whole of it, and its innermost loops, the most global bytes
+    loaded per pass first (then the longest)."""
 
     total: Body
-    loop: Body | None
+    loops: list[Body]
+
+    @property
+    def loop(self) -> Body | None:
+        """The main loop (None where the kernel has no loop)."""
+        return self.loops[0] if self.loops else None
 
 
 # -- NVIDIA SASS ----------------------------------------------------------------------------------------
@@ -87,7 +95,7 @@ def parse_sass(sass: str) -> Code:
         return run
 
     total = body(0, ops[-1][0]) if ops else Body()
-    return Code(total, _main(body(lo, hi) for lo, hi in innermost))
+    return Code(total, _ranked(body(lo, hi) for lo, hi in innermost))
 
 
 # -- AMD AMDGCN --------------------------------------------------------------------------------------------
@@ -130,12 +138,12 @@ def parse_amdgcn(asm: str) -> Code:
         if header:
             loops[header].add(op, *kind)
     # each block counts in its innermost loop only, so every loop's body is its own code
-    return Code(total, _main(loops.values()))
+    return Code(total, _ranked(loops.values()))
 
 
-def _main(bodies) -> Body | None:
-    """The loop that loads the most global bytes per pass (then the longest)."""
-    return max(bodies, key=lambda b: (b.load_bytes, b.instructions), default=None)
+def _ranked(bodies) -> list[Body]:
+    """Loops by global bytes loaded per pass, then length, the most first."""
+    return sorted(bodies, key=lambda b: (b.load_bytes, b.instructions), reverse=True)
 
 
 def parse(kernel, backend: str) -> Code:

@@ -114,15 +114,17 @@ def record_decode_step(
     layers: int | None = None,
     sample: bool = True,
     multiprocessors: int = 132,
+    precision: str = "exact",
 ) -> DecodeStep:
     """The decode step a graph replays for `batch` sequences at context `ctx` on the synthetic
     `preset` model's exact shapes (`synthetic.PRESETS`), with the sampling kernel when `sample`, its
-    grids sized for a GPU of `multiprocessors` SMs / CUs."""
+    grids sized for a GPU of `multiprocessors` SMs / CUs, its matrices at `precision` ("exact" or
+    "fast", `runtime.PRECISIONS`)."""
     from dwarfstar.backends.triton.bench import decode_bytes_per_token
     from dwarfstar.backends.triton.graphs import BUCKETS, DecodeGraphs
     from dwarfstar.backends.triton.kernels.sampling import candidates_for
     from dwarfstar.backends.triton.model import TritonModel, row_bound
-    from dwarfstar.backends.triton.runtime import assume_multiprocessors
+    from dwarfstar.backends.triton.runtime import PRECISIONS, assume_multiprocessors
     from dwarfstar.backends.triton.synthetic import meta_weights
     from dwarfstar.session.sampling import SamplingParams
 
@@ -131,7 +133,7 @@ def record_decode_step(
     assume_multiprocessors(multiprocessors)
     weights = meta_weights(preset, layers)
     bucket = next(b for b in BUCKETS if b >= batch)
-    model = TritonModel(weights, max_seq_len=ctx + 1, kv_slots=bucket + 1)
+    model = TritonModel(weights, max_seq_len=ctx + 1, kv_slots=bucket + 1, precision=PRECISIONS[precision])
     graphs = DecodeGraphs(model)
     states = [model.new_state() for _ in range(batch)]
     for state in states:  # as after ctx tokens: pages under every row, the position at ctx

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -17,8 +18,25 @@ from dataclasses import asdict, dataclass, field
 from dwarfstar.backends.triton.plan import disasm, predict
 from dwarfstar.backends.triton.plan.recorder import Launch, record_decode_step
 from dwarfstar.backends.triton.plan.target import activate, parse_target, usage, wide_loads
+from dwarfstar.backends.triton.runtime import KernelWork, LoopWork
 
 MODEL_NOTE = "MODEL, not a measurement: launches counted and code compiled without a GPU, time from stated figures"
+
+
+@dataclass
+class LoopRow:
+    """One declared loop of a kernel (`runtime.LoopWork`) and the compiled loop it was paired with."""
+
+    name: str
+    programs: int
+    instructions: int  # warp-instructions per compiled pass
+    loads: dict  # bytes per lane -> global loads per compiled pass
+    unroll: int  # source iterations per compiled pass
+    passes: int  # compiled passes per program
+    instructions_per_weight_byte: float | None
+    weight_bytes: float  # weight bytes one program streams per compiled pass
+    program_bytes: int  # bytes one program streams per compiled pass
+    in_flight_bytes: int = 0  # over the whole chip: its share of the resident programs
 
 
 @dataclass
@@ -35,10 +53,12 @@ class Row:
     spills: int = 0
     shared: int = 0
     wide_loads: int = 0  # 128-bit global loads in the code
-    loop_instructions: int = 0  # warp-instructions per pass of the main loop
+    loop_instructions: int = 0  # warp-instructions per pass of the main loop (of several: streaming the most weights)
     loop_loads: dict = field(default_factory=dict)  # bytes per lane -> global loads per pass
     unroll: int = 1  # source iterations per compiled pass
-    instructions_per_weight_byte: float | None = None  # main loop, warp-instructions
+    # warp-instructions per weight byte in the loops: the main loop's, or over all of them where the
+    # programs run different loops (`_launch_ipb`; each loop's own figure in `loops`)
+    instructions_per_weight_byte: float | None = None
     in_flight_bytes: int = 0  # over the whole chip, from resident programs
     weight_bytes: int = 0  # per launch
     bytes: int = 0  # per launch
@@ -47,6 +67,7 @@ class Row:
     issue_s: float = 0.0  # per launch
     total_instructions: int = 0  # warp-instructions per launch
     program_loads: int = 0  # bytes one program loads per pass of its main loop
+    loops: list[LoopRow] = field(default_factory=list)  # each declared loop, the most bytes loaded per pass first
 
 
 @dataclass
@@ -59,6 +80,7 @@ class Plan:
     n_layers: int
     weight_bytes: int  # one step reads
     rows: list[Row]
+    precision: str = "exact"
     compiled: bool = True  # False: launches counted only, times as if every launch ran at full bandwidth
     note: str = MODEL_NOTE
 
@@ -102,13 +124,20 @@ def _variant(launch: Launch) -> str:
 
 
 def build_plan(
-    preset: str, batch: int, ctx: int, target: str, compile_kernels: bool = True, layers: int | None = None
+    preset: str,
+    batch: int,
+    ctx: int,
+    target: str,
+    compile_kernels: bool = True,
+    layers: int | None = None,
+    precision: str = "exact",
 ) -> Plan:
-    """Record, compile and model one decode step for `target` (this process compiles for it only)."""
+    """Record, compile and model one decode step for `target` (this process compiles for it only),
+    its matrices at `precision` ("exact" or "fast")."""
     gpu_target = parse_target(target)
     activate(gpu_target)
     gpu = predict.FIGURES[gpu_target.backend]
-    step = record_decode_step(preset, batch, ctx, layers, multiprocessors=gpu.multiprocessors)
+    step = record_decode_step(preset, batch, ctx, layers, multiprocessors=gpu.multiprocessors, precision=precision)
     rows: dict[tuple, Row] = {}
     compiled: dict[int, tuple] = {}
     for launch in step.launches:
@@ -129,10 +158,38 @@ def build_plan(
         row.launches += 1
         row.seconds += _time(row, gpu, work)
     rows_ = list(rows.values())
-    return Plan(preset, target, gpu.name, batch, ctx, step.n_layers, step.weight_bytes, rows_, compile_kernels)
+    return Plan(
+        preset, target, gpu.name, batch, ctx, step.n_layers, step.weight_bytes, rows_, precision, compile_kernels
+    )
 
 
-def _analyse(row: Row, launch: Launch, work, gpu, backend: str, compiled: dict) -> None:
+def _declared(work: KernelWork, programs: int) -> list[LoopWork]:
+    """A launch's loops, most bytes loaded per pass first: as declared, or the one main loop."""
+    if work.loops:
+        return sorted(work.loops, key=lambda lw: -(lw.loads or lw.streamed))
+    weight = work.weight_bytes / max(1, programs * work.iterations) if work.loop_bytes else 0
+    return [LoopWork("main", programs, work.iterations, weight, 0, work.loop_bytes)]
+
+
+def _pairs(work: KernelWork, programs: int, bodies: list[disasm.Body], threads: int) -> list[tuple]:
+    """(declared loop, compiled loop): the main loop with the compiled loop that loads the most per
+    pass; declared loops each with the unpaired compiled loop whose bytes loaded per pass (over a
+    program's `threads`) are nearest their own by ratio (a kernel's other loops, a final sum over
+    slots say, load other amounts)."""
+    if not work.loops:
+        return list(zip(_declared(work, programs), bodies[:1], strict=False))
+    free, pairs = list(bodies), []
+    for lw in _declared(work, programs):
+        if not free:
+            break
+        want = max(1, lw.loads or lw.streamed)
+        body = min(free, key=lambda b: abs(math.log(max(1, b.load_bytes * threads) / want)))
+        free.remove(body)
+        pairs.append((lw, body))
+    return pairs
+
+
+def _analyse(row: Row, launch: Launch, work: KernelWork | None, gpu, backend: str, compiled: dict) -> None:
     args, grid, kwargs = launch.call
     kernel = launch.fn.run(*args, grid=grid, warmup=True, **kwargs)
     if kernel.hash not in compiled:
@@ -141,23 +198,45 @@ def _analyse(row: Row, launch: Launch, work, gpu, backend: str, compiled: dict) 
     meta = kernel.metadata
     row.warps, row.registers, row.spills, row.shared, row.wide_loads = meta.num_warps, regs, spills, meta.shared, wide
     row.variant += f" warps={meta.num_warps} stages={meta.num_stages}"
-    loop = code.loop
-    program_loads = loop.load_bytes * gpu.lanes * row.warps if loop else 0
-    if loop:
-        row.loop_instructions = loop.instructions
-        row.loop_loads = dict(sorted(loop.widths.items()))
+    if code.loop:
+        row.loop_instructions = code.loop.instructions
+        row.loop_loads = dict(sorted(code.loop.widths.items()))
+        row.program_loads = code.loop.load_bytes * gpu.lanes * row.warps
     if work is not None:
         row.weight_bytes, row.bytes = work.weight_bytes, work.bytes
-        if loop and work.loop_bytes:
-            row.unroll = max(1, round(program_loads / work.loop_bytes))
-            passes = max(1, work.iterations // row.unroll)
-            weight_per_pass = work.weight_bytes / (launch.programs * passes)
-            row.instructions_per_weight_byte = round(loop.instructions * row.warps / weight_per_pass, 3)
-    straight = code.total.instructions - (loop.instructions if loop else 0)
-    passes = max(1, work.iterations // row.unroll) if work is not None and loop else 1
-    per_warp = straight + (loop.instructions * passes if loop else 0)
-    row.total_instructions = launch.programs * row.warps * per_warp
-    row.program_loads = program_loads
+        pairs = _pairs(work, launch.programs, code.loops, gpu.lanes * row.warps)
+        row.loops = [_loop_row(lw, body, row.warps, gpu) for lw, body in pairs]
+    per_warp = code.total.instructions - sum(lr.instructions for lr in row.loops)
+    per_warp *= launch.programs
+    for lr in row.loops:
+        per_warp += lr.programs * lr.instructions * lr.passes
+    row.total_instructions = row.warps * per_warp
+    if row.loops:
+        main = max(row.loops, key=lambda lr: lr.programs * lr.passes * lr.weight_bytes)  # streams the most weights
+        row.unroll, row.loop_instructions, row.loop_loads = main.unroll, main.instructions, main.loads
+        row.instructions_per_weight_byte = _launch_ipb(row.loops, row.warps)
+        # what a program has in flight, on average over the launch's programs
+        row.program_loads = sum(lr.programs * lr.program_bytes for lr in row.loops) // max(1, launch.programs)
+
+
+def _launch_ipb(loops: list[LoopRow], warps: int) -> float | None:
+    """Warp-instructions per weight byte over all of a launch's loops: every program's passes through
+    its loop, over the weight bytes those passes stream (one loop: that loop's own figure)."""
+    weight = sum(lr.programs * lr.passes * lr.weight_bytes for lr in loops)
+    if not weight:
+        return None
+    return round(sum(lr.programs * lr.passes * lr.instructions * warps for lr in loops) / weight, 3)
+
+
+def _loop_row(lw: LoopWork, body: disasm.Body, warps: int, gpu) -> LoopRow:
+    loads = body.load_bytes * gpu.lanes * warps  # what one program's load instructions fetch per compiled pass
+    unroll = max(1, round(loads / (lw.loads or lw.streamed))) if lw.loads or lw.streamed else 1
+    per_pass = lw.weight_bytes * unroll
+    ipb = round(body.instructions * warps / per_pass, 3) if per_pass else None
+    streamed = lw.streamed * unroll if lw.streamed else loads
+    passes = max(1, lw.passes // unroll)
+    widths = dict(sorted(body.widths.items()))
+    return LoopRow(lw.name, lw.programs, body.instructions, widths, unroll, passes, ipb, per_pass, streamed)
 
 
 def _time(row: Row, gpu, work) -> float:
@@ -166,6 +245,9 @@ def _time(row: Row, gpu, work) -> float:
         gpu, row.programs, row.warps or 4, row.registers, row.shared, moved, row.program_loads, row.total_instructions
     )
     row.memory_s, row.issue_s, row.in_flight_bytes = timing.memory, timing.issue, timing.in_flight
+    everything = max(1, row.programs * row.program_loads)
+    for lr in row.loops:  # each loop's share of the resident programs
+        lr.in_flight_bytes = timing.in_flight * lr.programs * lr.program_bytes // everything
     return timing.seconds
 
 
@@ -177,6 +259,7 @@ def plan_json(plan: Plan) -> dict:
         "gpu_figures": asdict(predict.FIGURES[plan.target.split(":")[0]]),
         "batch": plan.batch,
         "ctx": plan.ctx,
+        "precision": plan.precision,
         "layers": plan.n_layers,
         "totals": plan.totals(),
         "compiled": plan.compiled,
@@ -190,7 +273,8 @@ def format_plan(plan: Plan, top: int = 40) -> str:
     totals = plan.totals()
     step = plan.seconds
     lines = [
-        f"{plan.preset} decode step, batch {plan.batch}, context {plan.ctx}, {plan.n_layers} layers, "
+        f"{plan.preset} decode step ({plan.precision}), batch {plan.batch}, context {plan.ctx}, "
+        f"{plan.n_layers} layers, "
         f"compiled for {plan.target}, timed at {plan.gpu}'s stated figures",
         f"** {plan.note} **" + ("" if plan.compiled else " (not compiled: times assume full bandwidth)"),
         "launches per step {launches} (Triton {triton_launches}, torch {torch_launches}), "
@@ -218,6 +302,25 @@ def format_plan(plan: Plan, top: int = 40) -> str:
             "share %": round(100 * r.seconds / step, 1),
         })  # fmt: skip
     lines.append(format_table(table))
+    lines.append(
+        "instr/B: SASS (AMDGCN) warp-instructions per weight byte in the main loop; for a kernel whose programs "
+        "run different loops, over all its loops' passes (each loop below); the goal is <= 0.25 on sm_90"
+    )
+    loops = [(r, lr) for r in sorted(plan.rows, key=lambda r: -r.seconds) if len(r.loops) > 1 for lr in r.loops]
+    if loops:  # kernels whose programs take different branches: each loop
+        lines += ["", "loops of kernels whose programs run different loops (per compiled pass):"]
+        lines.append(format_table([{
+            "kernel": r.kernel,
+            "loop": lr.name,
+            "programs": lr.programs,
+            "regs": r.registers,
+            "instr/pass": lr.instructions,
+            "loads/pass": " ".join(f"{n}x{w}B" for w, n in lr.loads.items()) or "-",
+            "unroll": lr.unroll,
+            "instr/B": lr.instructions_per_weight_byte if lr.instructions_per_weight_byte is not None else "-",
+            "KB/program": round(lr.program_bytes / 1024, 1),
+            "in flight KB": round(lr.in_flight_bytes / 1024),
+        } for r, lr in loops]))  # fmt: skip
     return "\n".join(lines)
 
 
@@ -230,11 +333,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--target", default="cuda:90", help="cuda:90 or hip:gfx942")
     parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--precision", default="exact", choices=["exact", "fast"], help="the matrices' precision")
     parser.add_argument("--no-compile", action="store_true", help="count launches only")
     parser.add_argument("--json", default=None, help="write the plan as JSON here")
     opts = parser.parse_args(argv)
     preset = {"flash": "flash-q2", "pro": "pro-q2"}.get(opts.preset, opts.preset)
-    plan = build_plan(preset, opts.batch, opts.ctx, opts.target, not opts.no_compile, opts.layers)
+    plan = build_plan(preset, opts.batch, opts.ctx, opts.target, not opts.no_compile, opts.layers, opts.precision)
     print(format_plan(plan), flush=True)
     if opts.json:
         with open(opts.json, "w") as f:
