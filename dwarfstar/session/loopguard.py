@@ -12,8 +12,8 @@ how many tokens in a row equal the token p before them, so the tail is periodic 
 
 Tool loops. An agent that emits the same tool call, with identical arguments, in K consecutive
 assistant turns is not making progress. With `tools="note"` the next prompt gets TOOL_LOOP_NOTE, a
-short system note that names the call (as the invalid-tool-call note of ds4 steers a model that
-wrote a broken call); with `tools="stop"` the turn is not generated and ends with `repetition`.
+short note in the form ds4 gives a model that wrote a broken call ("Tool error: ..."), naming the
+repeated call; with `tools="stop"` the turn is not generated and ends with `repetition`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ MAX_PERIOD = 256  # longest repeated unit looked for, in tokens
 MIN_REPEATS = 4  # the unit at least this many times in a row
 MIN_SPAN = 96  # covering at least this many tokens
 TOOL_ACTIONS = ("note", "stop")
+# in the form of ds4's note for an invalid tool call ("Tool error: invalid DSML tool call: <why>\n",
+# ds4_agent.c), the reason naming the repeated call
 TOOL_LOOP_NOTE = (
-    "Note: you have called {name} with the same arguments {turns} times in a row and got the same kind of "
-    "result. Do not repeat that call; change the arguments, use another tool, or answer."
+    "Tool error: repeated tool call: {name} was called with the same arguments {turns} times in a row. "
+    "Change the arguments, use another tool, or answer.\n"
 )
 
 

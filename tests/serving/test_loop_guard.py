@@ -16,7 +16,7 @@ from dwarfstar.session.loopguard import MIN_SPAN, LoopGuard, Repetition, ToolStr
 
 MODEL = "deepseek-v4-flash"
 LOOP = "[[script:loop]]"
-NOTE = "Do not repeat that call"
+NOTE = "Tool error: repeated tool call: get_weather"
 SPAN = 24  # the server's guard here ends a loop sooner than the default's MIN_SPAN, so the tests are short
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
