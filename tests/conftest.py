@@ -18,6 +18,22 @@ import pytest
 
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
 
+TESTS = Path(__file__).parent
+# Test folders whose files must run one after another in one process: tests/distributed starts its
+# stage workers once per session and they wait a bounded time for their coordinator.
+ONE_WORKER = ("distributed",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's `--dist loadgroup` (.ci/run), a file's tests stay on one worker, in order,
+    as with `--dist loadfile` (module fixtures built once); the ONE_WORKER folders are one group each."""
+    for item in items:
+        if not item.path.is_relative_to(TESTS):
+            continue
+        part = item.path.relative_to(TESTS).parts
+        item.add_marker(pytest.mark.xdist_group(part[0] if part[0] in ONE_WORKER else "/".join(part)))
+
+
 # Byte offsets of the fp16 scale fields (d, dmin) inside one block of each quant type.
 _FP16_FIELDS = {GGMLType.Q8_0: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q4_K: (0, 2), GGMLType.IQ2_XXS: (0,)}
 

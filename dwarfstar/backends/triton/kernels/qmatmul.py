@@ -392,16 +392,17 @@ def _dot_config(m: int, n: int, bk: int, fast: bool) -> tuple[int, int, int]:
 
     The weight operand is decoded in registers, then staged in shared memory for the tensor cores,
     as is the activation tile (one pipeline stage): [BM, BK] + [BN, BK] operands stay within 64 KB
-    (the LDS of AMD GPUs), and the 256-wide super-block tiles get 8 warps so the decoded tile does
-    not spill registers.
+    (the LDS of AMD GPUs), and the 256-wide super-block tiles and the exact 32 x 32 tiles get 8 warps
+    so the decoded tile and the fp32 products do not spill registers.
     """
     if interpreting():
         return min(64, next_pow2(m)), min(next_pow2(n), 1024), 1
     cap = 64 if fast else 32  # fp32 operands (FMA products) take twice the registers and shared memory
     bm = min(cap, 16 if m <= 16 else 32 if m <= 32 else 64)
-    if bk == 256:
-        return bm, min(next_pow2(n), 32), 8
-    return bm, min(next_pow2(n), cap), 4
+    bn = min(next_pow2(n), 32 if bk == 256 else cap)
+    # the 256-wide super-block tiles, and exact products of a 32 x 32 tile (triton 3.6 and 3.9 spill
+    # 136-168 B of it on 4 warps for sm_90), take 8 warps
+    return bm, bn, 8 if bk == 256 or (not fast and bm * bn >= 32 * 32) else 4
 
 
 def _dot_qmatmul(x: torch.Tensor, w: QWeight, groups: int, split_k: int, precision: Precision) -> torch.Tensor:
