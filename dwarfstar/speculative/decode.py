@@ -42,7 +42,7 @@ from dwarfstar.speculative.mtp import MTPDraft, forward_of, load_draft
 from dwarfstar.speculative.options import ALIGNMENTS, MAX_DRAFT, MTPOptions, check_settings
 from dwarfstar.speculative.rollback import CompressorTap, can_truncate, truncate
 from dwarfstar.speculative.track import DraftTrack
-from dwarfstar.speculative.verify import Verdict, rule_probabilities, verify_greedy, verify_sampled
+from dwarfstar.speculative.verify import Verdict, rule_probabilities, verify_greedy, verify_sampled, without_refused
 
 # truncate: cut the state back in place (no pass); rerun: restore the snapshot and run the kept tokens
 # again, one more pass, which computes them exactly as plain decoding does (the MoE of a longer pass
@@ -232,7 +232,7 @@ class Speculator:
         """Verify the step's drafts against the pass's logits [n+1, vocab]; keep what is accepted."""
         pending, drafts = step.verified[0], step.verified[1:]
         if step.sampler.params.greedy:
-            verdict = verify_greedy(logits, drafts)
+            verdict = verify_greedy(without_refused(logits, step.sampler.params), drafts)
         else:
             p = [rule_probabilities(row, step.sampler.params) for row in logits]
             verdict = verify_sampled(p, step.q or [], drafts, step.sampler)

@@ -8,7 +8,10 @@ distribution q_k; it is accepted with probability min(1, p_k(d_k) / q_k(d_k)), p
 distribution there. At the first rejection the next token is drawn from the residual
 max(0, p_k - q_k) renormalised; when all are accepted, from p_{n+1}. Each emitted token is then
 distributed exactly as non-speculative sampling would draw it. p and q are the same sampling rules
-(`session/sampling.py`: temperature, min-p, top-k, top-p) applied to each model's logits.
+(`session/sampling.py`: temperature, min-p, top-k, top-p) applied to each model's logits, and the
+ids a request refuses (`SamplingParams.refused`) taken out as plain decoding takes them out: greedy,
+the best allowed id; sampled, a refused id's mass goes to a second draw over the others
+(`redraw_refused`), so p is P without the refused ids plus P(refused) times P over the rest.
 
 Uniforms come from the request's Philox stream (`philox_uniform(seed, counter)`), one counter per use,
 so a seed replays the same tokens on every device.
@@ -23,10 +26,30 @@ import torch
 from dwarfstar.session.sampling import TOP_K_CAP, Sampler, SamplingParams, philox_uniform
 
 
-def rule_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution [vocab] (float64) that sampling with `params` draws from for one row of logits.
+def without_refused(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., vocab] with the ids `params` refuses at -inf (the same tensor when it refuses none)."""
+    if not params.refused:
+        return logits
+    out = logits.clone()
+    out[..., sorted(params.refused)] = float("-inf")
+    return out
 
-    Weights exp((l - l_max) / T); kept while >= min_p; then the top_k best (by logit, ties to the
+
+def rule_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution [vocab] (float64) that sampling with `params` draws from for one row of logits,
+    a refused id's mass moved to the redraw over the other ids."""
+    probs = _rules(logits, params)
+    if params.refused:
+        refused = sorted(params.refused)
+        lost = probs[refused].sum()
+        probs[refused] = 0.0
+        if lost > 0:
+            probs += lost * _rules(without_refused(logits.flatten(), params), params)
+    return probs
+
+
+def _rules(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Weights exp((l - l_max) / T); kept while >= min_p; then the top_k best (by logit, ties to the
     lower id); then each while the kept mass of better tokens is below top_p of the kept total."""
     logits = logits.double().flatten()
     weight = ((logits - logits.max()) / params.temperature).exp()

@@ -10,11 +10,19 @@ import torch
 from conftest import PROMPT
 from spec_support import CHUNK, CTX
 
-from dwarfstar.session.sampling import Sampler, SamplingParams, sample_batch
+from dwarfstar.session.sampling import Sampler, SamplingParams, redraw_refused, sample_batch
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.decode import Drafter, Speculator
 from dwarfstar.speculative.mtp import load_draft
-from dwarfstar.speculative.verify import draw, next_uniform, rule_probabilities, verify_sampled
+from dwarfstar.speculative.verify import (
+    Verdict,
+    draw,
+    next_uniform,
+    rule_probabilities,
+    verify_greedy,
+    verify_sampled,
+    without_refused,
+)
 
 # a test fails when its counts are this unlikely under the claimed distribution
 SIGNIFICANCE = 1e-3
@@ -58,6 +66,31 @@ def test_rule_probabilities_are_what_the_sampler_draws():
     support = {i: float(v) for i, v in enumerate(probs) if v > 0}
     assert 1 < len(support) <= 10
     assert chi_square_p(counts, support, trials) > SIGNIFICANCE
+
+
+def test_refused_ids_get_no_mass_and_theirs_goes_to_the_redraw():
+    """Speculation takes refused ids (the server's control tokens) out as plain decoding does: p is P
+    without them plus P(refused) times the distribution over the other ids, here a softmax by hand, and
+    plain sampling's draw + redraw_refused follows it."""
+    logits = torch.tensor([3.0, 2.0, 1.5, 0.5, 0.0, -1.0])
+    params = SamplingParams(temperature=1.0, min_p=0.0, refused=frozenset({0, 3}), seed=5)
+    whole = torch.softmax(logits.double(), 0)
+    others = torch.softmax(logits.double()[[1, 2, 4, 5]], 0)
+    want = torch.zeros(6, dtype=torch.float64)
+    want[[1, 2, 4, 5]] = whole[[1, 2, 4, 5]] + (whole[0] + whole[3]) * others
+    probs = rule_probabilities(logits, params)
+    assert torch.allclose(probs, want, atol=1e-12) and probs[[0, 3]].sum() == 0
+    sampler, trials, counts = Sampler(params), 4000, Counter()
+    for _ in range(trials):
+        counts[redraw_refused([logits], [sampler], sample_batch(logits.reshape(1, -1), [sampler]))[0]] += 1
+    assert chi_square_p(counts, {i: float(v) for i, v in enumerate(probs) if v > 0}, trials) > SIGNIFICANCE
+
+
+def test_greedy_verification_never_emits_a_refused_id():
+    rows = torch.tensor([[0.0, 5.0, 4.0, 1.0], [7.0, 1.0, 2.0, 3.0]])  # the best: 1, then 0 (both refused)
+    params = SamplingParams(temperature=0.0, refused=frozenset({0, 1}))
+    assert verify_greedy(rows, [2]) == Verdict(0, 1)
+    assert verify_greedy(without_refused(rows, params), [2]) == Verdict(1, 3)  # the best allowed ids
 
 
 class SkewedTargetDrafter(Drafter):
