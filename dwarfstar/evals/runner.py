@@ -123,6 +123,33 @@ def _stop_check(progress: Progress) -> Callable[[], bool]:
     return should_stop
 
 
+def _blank_record(question: Question, settings: EvalSettings, prompt_tokens: int, index: int, total: int) -> CaseRecord:
+    """A question's record before it runs: skipped, nothing generated."""
+    return CaseRecord(
+        index=index,
+        total=total,
+        source=question.source,
+        id=question.id,
+        domain=question.domain,
+        title=question.title,
+        status="skipped",
+        picked="?",
+        expected=question.answer,
+        answer_kind=question.answer_kind,
+        choices=question.choices,
+        prompt_tokens=prompt_tokens,
+        generated_tokens=0,
+        elapsed_sec=0.0,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        min_p=settings.min_p,
+        think_mode=settings.think_mode,
+        system_prompt=SYSTEM_PROMPT,
+        question_prompt=question.user_prompt(),
+        output="",
+    )
+
+
 def run_question(
     session: Session,
     tokenizer: Tokenizer,
@@ -136,29 +163,7 @@ def run_question(
     """Prefill the question's prompt (reusing what the session holds), generate, grade."""
     progress = progress or Progress()
     ids = prompt_ids(tokenizer, question, settings.think)
-    record = CaseRecord(
-        index=index,
-        total=total,
-        source=question.source,
-        id=question.id,
-        domain=question.domain,
-        title=question.title,
-        status="skipped",
-        picked="?",
-        expected=question.answer,
-        answer_kind=question.answer_kind,
-        choices=question.choices,
-        prompt_tokens=len(ids),
-        generated_tokens=0,
-        elapsed_sec=0.0,
-        temperature=settings.temperature,
-        top_p=settings.top_p,
-        min_p=settings.min_p,
-        think_mode=settings.think_mode,
-        system_prompt=SYSTEM_PROMPT,
-        question_prompt=question.user_prompt(),
-        output="",
-    )
+    record = _blank_record(question, settings, len(ids), index, total)
     limit = min(settings.max_tokens, session.ctx - len(ids))
     if limit < 1:
         record.error = "prompt leaves no generation room" if len(ids) <= session.ctx else "prompt does not fit context"
