@@ -5,7 +5,9 @@ mHC pre -> MoE -> mHC post; inside attention the raw KV rows join the window fir
 compressors pool finished windows (a row completed by token p is visible to p), then the indexer
 picks the ratio-4 rows, then sink attention reads the window and the visible compressed rows. A
 backend implements `Ops` (coarse, fusable steps over its own array type) and never restates this
-order; it gets batching, chunked prefill and decode from this one code path.
+order; it gets batching, chunked prefill and decode from this one code path. What a backend
+derives once per call, and what one of its steps leaves for a later one of the same layer, lives in
+its own typed record of the call (`Ops.prepare`, `Batch.step`), which the forward pass never reads.
 
 Across sublayers the forward pass hands each sublayer's output to `Ops.hc_post_pre`: the post of
 that sublayer and the pre of the next in one step, so a backend can fuse them (one pass over the
