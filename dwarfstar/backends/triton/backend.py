@@ -30,6 +30,9 @@ from dwarfstar.session.sampling import Sampler, read_draws
 
 
 class TritonBackend(TritonModel):
+    """The forward pass over `TritonOps` (it is the model, as every backend is), with its decode steps
+    replayed from graphs where they serve the states and its sampling on the device."""
+
     def __init__(
         self,
         weights: ModelWeights,
