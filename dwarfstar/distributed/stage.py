@@ -173,7 +173,7 @@ class StageWorker:
         # the tap copies every compressor's projections: only for a pass that may be truncated
         with torch.inference_mode(), CompressorTap(self.model) if verify else contextlib.nullcontext() as tap:
             batch = self.model.batch(spans, [s.state for s in sessions])
-            self.model.embed(batch)  # only its per-call preparation (batch.tokens, positions) is used here
+            self.model.embed(batch)  # only its per-call preparation (`Ops.prepare`: ids, positions) is used here
             out = self.model.run_layers(to_backend(activation, self.model), batch, self.layers.first, self.layers.last)
             rows = {id(seq.state): seq.rows for seq in batch.seqs}
             for seg, session in zip(msg.segments, sessions, strict=True):
