@@ -189,8 +189,8 @@ def test_ctx_bounds_every_backend(tiny, tmp_path, backend) -> None:
 
 
 def test_precision_is_exact_by_default_and_fast_only_on_triton(tiny) -> None:
-    assert load_engine(EngineSpec(tiny, "triton")).backend.model.precision.fast is False
-    assert load_engine(EngineSpec(tiny, "triton", precision="fast")).backend.model.precision.fast is True
+    assert load_engine(EngineSpec(tiny, "triton")).backend.precision.fast is False
+    assert load_engine(EngineSpec(tiny, "triton", precision="fast")).backend.precision.fast is True
     for backend in ["reference", *(["mlx"] if mlx_available() else [])]:
         with pytest.raises(DwarfStarError, match="--precision fast needs the triton backend"):
             load_engine(EngineSpec(tiny, backend, precision="fast"))

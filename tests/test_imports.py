@@ -1,7 +1,8 @@
 """The shape of dwarfstar's import graph, read from the source with `ast` (nothing is imported):
 no circles, the command line on top, no arrow from the lower rooms up into the backends (only to the
-`Backend` protocol, which imports none), and no
-backend name compared as a string outside dwarfstar/backends/.
+`Backend` protocol, which imports none), no arrow from outside the backends into a backend's
+internals (`test_backends_are_entered_by_their_front_doors`), and no backend name compared as a
+string outside dwarfstar/backends/.
 
 Every import counts as an arrow: at module level, inside a function (deferred so that `--help` stays
 fast, but still a dependency) and under `if TYPE_CHECKING:` (a type named is a dependency too).
@@ -26,6 +27,7 @@ LOWER_ROOMS = ("model", "gguf", "tokenizer", "prompt", "session", "experts")  # 
 # the contract the lower rooms are written against; it imports no backend (checked below)
 PROTOCOL = "dwarfstar.backends.protocol"
 BACKEND_NAMES = {"reference", "triton", "mlx"}
+ORACLE = "reference"  # the numerical oracle: its plain-torch model and ops define what the others compute
 HEAVY = ("torch", "triton", "mlx", "starlette", "uvicorn", "huggingface_hub", "httpx2", "prompt_toolkit", "numpy")
 
 
@@ -134,6 +136,42 @@ def test_no_arrow_from_the_lower_rooms_into_the_backends(graph):
     }
     assert up == set()
     assert {target for target in graph[PROTOCOL] if target.startswith("dwarfstar.backends")} == set()
+
+
+def reaches_inside(name: str, target: str) -> bool:
+    """Whether module `name` (outside dwarfstar/backends/) importing `target` reaches into a backend.
+
+    The rule: outside the backends, a backend is entered by its front door, the package itself
+    (`dwarfstar.backends.triton`: whether it runs here, how it loads), or through `backends.registry`
+    and `backends.protocol`; a module inside a backend's package (`dwarfstar.backends.<name>.<...>`) is
+    its business. Two kinds of importer may go further, each for a reason of its kind, not by name:
+    the command line (`dwarfstar.commands.*`, on top of everything: a backend's own command, such as
+    `bench gpu`, drives that backend's tools), and any module importing the oracle (`ORACLE`), whose
+    plain-torch model and ops are the definition training and quantization measure against.
+    """
+    parts = target.split(".")
+    inside = parts[:2] == ["dwarfstar", "backends"] and len(parts) > 3 and parts[2] in BACKEND_NAMES
+    return inside and parts[2] != ORACLE and not name.startswith("dwarfstar.commands.")
+
+
+def test_backends_are_entered_by_their_front_doors(graph):
+    inside = {
+        (name, target)
+        for name, targets in graph.items()
+        if not name.startswith("dwarfstar.backends.")
+        for target in targets
+        if reaches_inside(name, target)
+    }
+    assert inside == set()
+
+
+def test_the_front_door_rule():
+    assert reaches_inside("dwarfstar.distributed.stage", "dwarfstar.backends.mlx.state")
+    assert reaches_inside("dwarfstar.steering.apply", "dwarfstar.backends.triton.kernels.sampling")
+    assert not reaches_inside("dwarfstar.steering.apply", "dwarfstar.backends.triton")  # the front door
+    assert not reaches_inside("dwarfstar.engine", "dwarfstar.backends.registry")
+    assert not reaches_inside("dwarfstar.train.mtp", "dwarfstar.backends.reference.model")  # the oracle
+    assert not reaches_inside("dwarfstar.commands.bench_gpu", "dwarfstar.backends.triton.bench")
 
 
 def name_comparisons(path: Path) -> int:

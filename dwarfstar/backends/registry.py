@@ -3,8 +3,9 @@
 Everything that differs by backend outside the backends themselves is asked of its entry here
 (`backend_entry(name)`), never decided by comparing names: which backend `auto` picks, how one
 loads, which precision it takes, the memory its experts live in, how a streamed expert source is
-attached, the forward pass a pipeline stage runs and the MTP draft model beside a target
-(`entry_of(model)` finds the entry of a model already built). An entry imports its backend only when a hook
+attached and the MTP draft model beside a target (`entry_of(model)` finds the entry of a model
+already built). Every backend is a `model.forward.Transformer` over its `Ops`: what a pipeline stage,
+steering and speculation drive is the backend itself. An entry imports its backend only when a hook
 runs, so naming the backends costs no torch, Triton or MLX import.
 
 Backend choice: `auto` takes MLX on Apple silicon, Triton where a GPU is present, and the torch
@@ -27,7 +28,7 @@ from dwarfstar.errors import DwarfStarError
 if TYPE_CHECKING:
     from dwarfstar.backends.protocol import Backend
     from dwarfstar.experts.store import ExpertStore
-    from dwarfstar.model.forward import Transformer
+    from dwarfstar.model.forward import Batch, Transformer
     from dwarfstar.model.loader import ModelFile
 
 
@@ -51,7 +52,7 @@ class BackendEntry(ABC):
     """One backend. The defaults describe a backend on the host's memory that takes every spec as is."""
 
     name: str
-    model_class: tuple[str, str]  # (module, class) of the `Transformer` the backend builds
+    model_class: tuple[str, str]  # (module, class) of the `Transformer` the backend is (or subclasses)
     fast_precision = False  # takes `--precision fast` (bf16 operands in prefill products)
     kv_slots = 4  # sequences to a KV-cache block, by default
     float32_weights = False  # holds the non-routed weights as float32 (else as the file stores them)
@@ -94,14 +95,16 @@ class BackendEntry(ABC):
         """The MTP block `draft` (`speculative.mtp.DraftFile`'s model) as a one-layer model of the backend
         that built `target`, with `target`'s settings."""
 
+    def settle(self, out: object, batch: Batch) -> None:
+        """Finish the work of a pass that stops before the output head (a pipeline stage's): the
+        activation `out` and the states `batch` wrote, as `Ops.logits` does at the head. Eager
+        backends have nothing left to do."""
+        return None
+
     def owns(self, model: object) -> bool:
         """Whether this backend built `model` (a backend whose module is not imported yet cannot have)."""
         module = sys.modules.get(self.model_class[0])
         return module is not None and isinstance(model, getattr(module, self.model_class[1]))
-
-    def forward_pass(self, backend: Backend) -> Backend:
-        """The shared forward pass (`model.forward.Transformer`) `backend` runs, which a pipeline stage drives."""
-        return backend
 
 
 class Reference(BackendEntry):
@@ -171,17 +174,12 @@ class Triton(BackendEntry):
     def attach_experts(self, backend, store):
         from dwarfstar.backends.triton.streaming import TritonStreamedExperts
 
-        backend.model.experts = TritonStreamedExperts(store, backend.device)
+        backend.experts = TritonStreamedExperts(store, backend.device)
 
     def draft_model(self, target, draft):
         from dwarfstar.backends.triton.draft import draft_model
 
         return draft_model(target, draft)
-
-    def forward_pass(self, backend):
-        from dwarfstar.backends.triton.backend import TritonBackend
-
-        return backend.model if isinstance(backend, TritonBackend) else backend
 
 
 class MLX(BackendEntry):
@@ -215,6 +213,13 @@ class MLX(BackendEntry):
         if mx.metal.is_available():
             return int(mx.metal.device_info()["max_recommended_working_set_size"])
         return host_memory()
+
+    def settle(self, out, batch):
+        import mlx.core as mx
+
+        from dwarfstar.backends.mlx.state import lazy_arrays
+
+        mx.eval(out, *(a for seq in batch.seqs for a in lazy_arrays(seq.state)))  # the pass was only recorded
 
     def attach_experts(self, backend, store):
         from dwarfstar.backends.mlx.streaming import MLXStreamedExperts

@@ -45,9 +45,9 @@ if TYPE_CHECKING:
 
 def local_model(engine: Engine, layers: LayerSlice) -> Transformer:
     """The engine's model, which must hold the slice's layers (loaded for it, or every layer): the
-    shared forward pass the backend runs (`BackendEntry.forward_pass`: Triton's is the one its
-    `TritonBackend` wraps, which a stage runs eagerly, without the decode graphs around it)."""
-    model = engine.entry.forward_pass(engine.backend)
+    backend, which is the shared forward pass (a stage drives its lower entry points, which run
+    eagerly: Triton's decode graphs serve only its public calls)."""
+    model = engine.backend
     if not isinstance(model, Transformer):
         raise DistError(
             f"the {engine.backend_name} backend wrapped by another feature (steering, streaming) "

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dwarfstar.backends.registry import entry_of
 from dwarfstar.distributed.drafting import StageDrafts
 from dwarfstar.distributed.link import Link, LinkBrokenError, Message
 from dwarfstar.distributed.membership import LayerSlice, Registration, connect_store, register
@@ -66,15 +67,11 @@ def to_backend(t: torch.Tensor, model: Transformer):
 
 
 def settle(model: Transformer, out, batch) -> None:
-    """MLX leaves a pass lazy: evaluate the activation with the cache arrays the pass wrote, as its
-    `logits` does at the head (a stage without the head would otherwise grow the graph forever)."""
-    if isinstance(model.cache.storage, TorchStorage):
-        return
-    import mlx.core as mx
-
-    from dwarfstar.backends.mlx.state import lazy_arrays
-
-    mx.eval(out, *(a for seq in batch.seqs for a in lazy_arrays(seq.state)))
+    """The work of a pass that stops before the head done, as `logits` does it at the head
+    (`BackendEntry.settle`: MLX's graph would otherwise grow forever)."""
+    entry = entry_of(model)
+    if entry is not None:
+        entry.settle(out, batch)
 
 
 def to_torch(a) -> torch.Tensor:
@@ -176,7 +173,7 @@ class StageWorker:
         # the tap copies every compressor's projections: only for a pass that may be truncated
         with torch.inference_mode(), CompressorTap(self.model) if verify else contextlib.nullcontext() as tap:
             batch = self.model.batch(spans, [s.state for s in sessions])
-            self.model.embed(batch)  # only its per-call preparation (batch.tokens, positions) is used here
+            self.model.embed(batch)  # only its per-call preparation (`Ops.prepare`: ids, positions) is used here
             out = self.model.run_layers(to_backend(activation, self.model), batch, self.layers.first, self.layers.last)
             rows = {id(seq.state): seq.rows for seq in batch.seqs}
             for seg, session in zip(msg.segments, sessions, strict=True):

@@ -5,7 +5,9 @@ mHC pre -> MoE -> mHC post; inside attention the raw KV rows join the window fir
 compressors pool finished windows (a row completed by token p is visible to p), then the indexer
 picks the ratio-4 rows, then sink attention reads the window and the visible compressed rows. A
 backend implements `Ops` (coarse, fusable steps over its own array type) and never restates this
-order; it gets batching, chunked prefill and decode from this one code path.
+order; it gets batching, chunked prefill and decode from this one code path. What a backend
+derives once per call, and what one of its steps leaves for a later one of the same layer, lives in
+its own typed record of the call (`Ops.prepare`, `Batch.step`), which the forward pass never reads.
 
 Across sublayers the forward pass hands each sublayer's output to `Ops.hc_post_pre`: the post of
 that sublayer and the pre of the next in one step, so a backend can fuse them (one pass over the
@@ -23,7 +25,7 @@ cache of streamed experts can stand behind it).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
@@ -36,11 +38,12 @@ from dwarfstar.model.tensors import ATTN_INPUT, QUERY_INPUT, ProjectionGroup
 
 A = TypeVar("A")  # the backend's array type (torch.Tensor, mx.array)
 W = TypeVar("W")  # the backend's view of one layer's routed experts
+S = TypeVar("S")  # the backend's record of one call (`Ops.prepare`)
 
 Site = Literal["attn", "ffn"]
 HookPoint = Literal["attn_out", "ffn_out"]
 # hook(layer index, the sublayer's [N, dim] output, the batch) -> a replacement output, or None to keep it
-Hook = Callable[[int, Any, "Batch"], Any]
+Hook = Callable[[int, Any, "Batch[Any]"], Any]
 
 
 class Rows(Enum):
@@ -67,16 +70,23 @@ class Segment:
 
 
 @dataclass
-class Batch:
+class Batch(Generic[S]):
     """The rows of one forward call: several sequences, each continuing its own state.
 
-    `tokens` is set by `Ops.embed` (the backend's array of all ids); `aux` holds what a backend
-    derives once per call and reuses in every layer (device positions, RoPE tables).
+    `prepared` is the backend's record of the call, of its own type (`Ops.prepare`, which
+    `Transformer.embed` calls): what it derives once per call and reuses in every layer (the ids and
+    positions on its device, RoPE tables), and the values one op of a layer leaves for a later one.
     """
 
     seqs: list[Segment]
-    tokens: Any = None
-    aux: dict[str, Any] = field(default_factory=dict)
+    prepared: S | None = None
+
+    @property
+    def step(self) -> S:
+        """The backend's record of the call, once `Transformer.embed` has prepared it."""
+        if self.prepared is None:
+            raise DwarfStarError("the call is not prepared: Transformer.embed prepares it before the layers run")
+        return self.prepared
 
     @property
     def n_rows(self) -> int:
@@ -110,9 +120,15 @@ class ResidentExperts(Generic[W]):
         return self.layers[layer], ids
 
 
-class Ops(Protocol[A]):
+class Ops(Protocol[A, S]):
     """What a backend computes. Each step names the official semantics; the reference implements
-    them plainly in torch float32 (`backends/reference/ops.py`), the others fuse as they like."""
+    them plainly in torch float32 (`backends/reference/ops.py`), the others fuse as they like.
+
+    `S` is the backend's record of a call (`prepare`): each step reads the call's inputs from
+    `batch.step`, and the steps of one layer that hand a value on (the window rows `write_window`
+    leaves for `sparse_attention`, the compressed rows `compress` leaves for `index_topk`...) do it
+    through its fields, each typed and documented with the step that writes it and those that read it.
+    """
 
     args: ModelArgs
     experts: ExpertSource  # the resident routed experts
@@ -124,13 +140,15 @@ class Ops(Protocol[A]):
         """The arrays the backend keeps its KV cache in (its device, its dtype)."""
         ...
 
-    def embed(self, batch: Batch) -> A | None:
-        """The embedding rows copied into the hc_mult streams [N, n, dim] (None when it holds no
-        embedding: a later pipeline stage, whose streams arrive from the previous one).
+    def prepare(self, batch: Batch[S]) -> S:
+        """The call's record: what the backend derives once per call (ids and positions on its device,
+        RoPE tables), and room for what its steps hand on within a layer. Every stage of a pipeline
+        prepares its calls, the ones without the embedding too."""
+        ...
 
-        Also prepares the call: sets `batch.tokens`, and whatever the backend derives once per call
-        goes into `batch.aux`.
-        """
+    def embed(self, batch: Batch[S]) -> A | None:
+        """The embedding rows copied into the hc_mult streams [N, n, dim] (None when it holds no
+        embedding: a later pipeline stage, whose streams arrive from the previous one)."""
         ...
 
     def hc_pre(self, il: int, site: Site, h: A) -> tuple[A, Any]:
@@ -148,15 +166,15 @@ class Ops(Protocol[A]):
         """x times every matrix of the group present in layer il, keyed by `Part.key`."""
         ...
 
-    def norm_rope(self, il: int, kind: Rows, x: A, batch: Batch) -> A:
+    def norm_rope(self, il: int, kind: Rows, x: A, batch: Batch[S]) -> A:
         """Finish rows of one kind at the batch's positions (`Rows` says what that involves)."""
         ...
 
-    def write_window(self, il: int, kv: A, batch: Batch) -> None:
+    def write_window(self, il: int, kv: A, batch: Batch[S]) -> None:
         """Append each sequence's raw KV rows to its window (until attention, older rows stay too)."""
         ...
 
-    def compress(self, il: int, kind: str, proj: dict[str, A], batch: Batch) -> None:
+    def compress(self, il: int, kind: str, proj: dict[str, A], batch: Batch[S]) -> None:
         """Advance compressor `kind` ("attn" or "indexer") over the batch's tokens.
 
         Each finished window of `ratio` tokens is pooled (softmax gate over its slots, plus the
@@ -166,12 +184,12 @@ class Ops(Protocol[A]):
         """
         ...
 
-    def index_topk(self, il: int, q: A, weights: A, batch: Batch) -> Any:
+    def index_topk(self, il: int, q: A, weights: A, batch: Batch[S]) -> Any:
         """The lightning indexer: per query, the top-k compressed rows visible to it by score
         sum_h w_h * relu(q_h . k) (at most index_topk; all visible rows when fewer)."""
         ...
 
-    def sparse_attention(self, il: int, q: A, batch: Batch, selected: Any) -> A:
+    def sparse_attention(self, il: int, q: A, batch: Batch[S], selected: Any) -> A:
         """Sink attention [N, H, head_dim] over the raw rows of the last `window` positions and the
         compressed rows visible to each query (the selected ones in ratio-4 layers), with K = V and
         the RoPE removed from the output. The window then keeps only its last `window` rows."""
@@ -181,7 +199,7 @@ class Ops(Protocol[A]):
         """Grouped low-rank output projection: per group, its heads through wo_a, then wo_b."""
         ...
 
-    def route(self, il: int, x: A, batch: Batch) -> tuple[A, A]:
+    def route(self, il: int, x: A, batch: Batch[S]) -> tuple[A, A]:
         """(expert ids [N, k], weights [N, k]): sqrt-softplus scores, top-k by score + bias (or the
         token's hash-table ids), weights the chosen unbiased scores renormalised times route_scale."""
         ...
@@ -204,7 +222,7 @@ class Ops(Protocol[A]):
         """`hc_post` of the last sublayer, then `hc_head` of `rows`: (streams, output rows)."""
         ...
 
-    def logits(self, y: A, batch: Batch) -> torch.Tensor:
+    def logits(self, y: A, batch: Batch[S]) -> torch.Tensor:
         """The output head: [N, vocab] float32 torch logits, on the backend's device.
 
         The batch's work is complete after it (a lazy backend evaluates the states with the logits).
@@ -224,10 +242,10 @@ class StreamSteps:
         return h, self.hc_head(h, rows)
 
 
-class Transformer(Generic[A]):
+class Transformer(Generic[A, S]):
     """DeepSeek V4 over a backend's `Ops`: what the session layer drives as a backend."""
 
-    def __init__(self, ops: Ops[A], max_seq_len: int | None = None, kv_slots: int = 1) -> None:
+    def __init__(self, ops: Ops[A, S], max_seq_len: int | None = None, kv_slots: int = 1) -> None:
         """`kv_slots`: sequences per preallocated block of the KV cache (a server sizes it to its sessions)."""
         self.ops, self.args = ops, ops.args
         self.max_seq_len = min(max_seq_len or self.args.max_seq_len, self.args.max_seq_len)
@@ -240,7 +258,7 @@ class Transformer(Generic[A]):
         return self.cache.new_state()
 
     # -- entry points ------------------------------------------------------------------------------------
-    def batch(self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState]) -> Batch:
+    def batch(self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState]) -> Batch[S]:
         """Validate a call (context, vocabulary, repeated states) before any state changes, then
         give each state row pages of its own where the call writes (`SequenceState.reserve`)."""
         chunks = check_batch(token_lists, states, self.args.vocab_size, self.max_seq_len)
@@ -260,23 +278,26 @@ class Transformer(Generic[A]):
     def holds_head(self) -> bool:
         return self.layer_range.stop == self.args.n_layers
 
-    def embed(self, batch: Batch) -> A | None:
-        """The first layer's input streams, and the call prepared (None without the embedding)."""
+    def embed(self, batch: Batch[S]) -> A | None:
+        """The call prepared (`Ops.prepare`, unless its record was preset: a captured decode step's),
+        then the first layer's input streams (None without the embedding)."""
+        if batch.prepared is None:
+            batch.prepared = self.ops.prepare(batch)
         return self.ops.embed(batch)
 
-    def run_layers(self, h: A, batch: Batch, first: int = 0, last: int | None = None) -> A:
+    def run_layers(self, h: A, batch: Batch[S], first: int = 0, last: int | None = None) -> A:
         """Blocks first..last-1 over the streams h [N, n, dim]."""
         last = self._held(first, last)
         if first == last:
             return h
         return self.ops.hc_post(*self._blocks(h, batch, first, last))
 
-    def head(self, h: A, batch: Batch, all_positions: bool) -> tuple[A, list[int] | None]:
+    def head(self, h: A, batch: Batch[S], all_positions: bool) -> tuple[A, list[int] | None]:
         """Output-normalised final rows: of every position, or each sequence's last only."""
         rows = self._head_rows(batch, all_positions)
         return self.ops.hc_head(h, rows), rows
 
-    def run_to_head(self, h: A, batch: Batch, all_positions: bool, first: int = 0) -> tuple[A, A, list[int] | None]:
+    def run_to_head(self, h: A, batch: Batch[S], all_positions: bool, first: int = 0) -> tuple[A, A, list[int] | None]:
         """`run_layers` from `first` to the last layer, then `head`, the last post fused with it:
         (the final streams, the output-normalised rows, which rows)."""
         last = self._held(first, None)  # the layers first: a stage short of them is told so
@@ -296,25 +317,25 @@ class Transformer(Generic[A]):
             )
         return last
 
-    def _head_rows(self, batch: Batch, all_positions: bool) -> list[int] | None:
+    def _head_rows(self, batch: Batch[S], all_positions: bool) -> list[int] | None:
         if not self.holds_head:
             raise DwarfStarError(f"the output head is not loaded here: this model holds layers {self.layer_range}")
         return None if all_positions else batch.last_rows
 
-    def compute(self, batch: Batch, all_positions: bool) -> tuple[torch.Tensor, list[int] | None]:
+    def compute(self, batch: Batch[S], all_positions: bool) -> tuple[torch.Tensor, list[int] | None]:
         """The device work of a call, without the host bookkeeping (`advance`): a decode step can
         be captured as a graph from it and replayed."""
         _, y, rows = self.run_to_head(self.embed(batch), batch, all_positions)
         return self.ops.logits(y, batch), rows
 
-    def advance(self, batch: Batch) -> None:
+    def advance(self, batch: Batch[S]) -> None:
         """Every state now includes its tokens."""
         for seq in batch.seqs:
             seq.state.pos += seq.length
             seq.state.tokens.extend(seq.tokens.tolist())
 
     # -- the model -----------------------------------------------------------------------------------------
-    def _blocks(self, h: A, batch: Batch, first: int, last: int) -> tuple[A, A, Any]:
+    def _blocks(self, h: A, batch: Batch[S], first: int, last: int) -> tuple[A, A, Any]:
         """Blocks first..last-1 (at least one), each sublayer's post fused with the next one's pre; the
         last post is the caller's: (streams, the last FFN output, its pre-mix)."""
         x, mix = self.ops.hc_pre(first, "attn", h)
@@ -324,7 +345,7 @@ class Transformer(Generic[A]):
             h, out, mix = self.block(il, h, x, mix, batch)
         return h, out, mix
 
-    def block(self, il: int, h: A, x: A, mix: Any, batch: Batch) -> tuple[A, A, Any]:
+    def block(self, il: int, h: A, x: A, mix: Any, batch: Batch[S]) -> tuple[A, A, Any]:
         """Layer il from its attention input x (`mix`: that sublayer's pre-mix of the streams h) to its
         FFN output, whose post goes with the next pre or the head: (streams, FFN output, its pre-mix)."""
         ops = self.ops
@@ -332,7 +353,7 @@ class Transformer(Generic[A]):
         ids, weights = ops.route(il, x, batch)
         return h, self._hook("ffn_out", il, ops.moe(il, x, ids, weights, self.experts), batch), mix
 
-    def attention(self, il: int, x: A, batch: Batch) -> A:
+    def attention(self, il: int, x: A, batch: Batch[S]) -> A:
         # the rows of the ATTN_INPUT projections, the low-rank query's last, then those of QUERY_INPUT,
         # the query heads before the indexer's: a backend may finish each group in one launch there
         ops, layer = self.ops, self.args.layer(il)
@@ -351,7 +372,7 @@ class Transformer(Generic[A]):
             selected = ops.index_topk(il, q_index, proj["index_weights"], batch)
         return ops.attn_output(il, ops.sparse_attention(il, q, batch, selected))
 
-    def _hook(self, point: HookPoint, il: int, out: A, batch: Batch) -> A:
+    def _hook(self, point: HookPoint, il: int, out: A, batch: Batch[S]) -> A:
         for hook in self.hooks[point]:
             replaced = hook(il, out, batch)
             out = out if replaced is None else replaced

@@ -195,8 +195,8 @@ class MTPDraft:
 
 
 def forward_of(backend: Any) -> Transformer:
-    """The shared forward pass a backend runs: the backend itself, or the model it wraps (Triton's
-    `TritonBackend.model`, which adds decode graphs around it)."""
+    """The shared forward pass a backend runs: the backend itself (every backend is one), or the one
+    a steering wrapper hooks (`SteeredBackend.model`)."""
     for candidate in (backend, getattr(backend, "model", None)):
         if isinstance(candidate, Transformer):
             return candidate

@@ -38,12 +38,11 @@ POINTS: tuple[HookPoint, ...] = ("ffn_out", "attn_out")
 ROW_CAPACITY = 1024
 
 
-def transformer_of(backend: Any) -> Transformer:
-    """The shared forward pass behind a backend: the backend itself (reference, MLX) or its `.model` (Triton)."""
-    model = backend if isinstance(backend, Transformer) else getattr(backend, "model", None)
-    if not isinstance(model, Transformer):
+def hookable(backend: Backend) -> Transformer:
+    """The backend as the forward pass its hooks go on: every backend is one (a route is not)."""
+    if not isinstance(backend, Transformer):
         raise TypeError(f"{type(backend).__name__} has no Transformer to hook")
-    return model
+    return backend
 
 
 class DeviceArrays:
@@ -115,7 +114,7 @@ class SteeredBackend:
     def __init__(self, backend: Backend, direction: Direction, default: SteeringScale) -> None:
         self.inner = backend
         self.args = backend.args
-        self.model = transformer_of(backend)
+        self.model = hookable(backend)
         self.steering = Steering(self.model, direction, default)
         self._sessions: weakref.WeakKeyDictionary[Session, SteeringScale] = weakref.WeakKeyDictionary()
 

@@ -20,7 +20,7 @@ from dwarfstar.prompt import render_conversation
 from dwarfstar.quant.prompts import PromptText
 from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.session.session import Session
-from dwarfstar.steering.apply import DeviceArrays, SteeredBackend, steering_of, transformer_of
+from dwarfstar.steering.apply import DeviceArrays, SteeredBackend, hookable, steering_of
 from dwarfstar.steering.direction import SteeringScale, projection
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
@@ -46,7 +46,7 @@ def last_row_activations(
     backend: Backend, point: HookPoint, prompts: Sequence[list[int]], on_prompt: Callable[[], None] | None = None
 ) -> torch.Tensor:
     """The component at each prompt's last row, every layer: float32 [n_prompts, n_layers, hidden]."""
-    model = transformer_of(backend)
+    model = hookable(backend)
     arrays = DeviceArrays(model)
     rows: list[Any] = []
 

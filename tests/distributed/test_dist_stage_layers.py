@@ -191,11 +191,10 @@ def test_triton_stages_upload_only_their_layers(tiny_path):
     from dwarfstar.backends.triton.backend import TritonBackend
 
     full_file = logged(tiny_path, None)
-    full = TritonBackend.from_model_file(full_file, device="cpu", max_seq_len=CTX).model
+    full = TritonBackend.from_model_file(full_file, device="cpu", max_seq_len=CTX)
     n = full.args.n_layers
     files = [logged(tiny_path, (0, SPLIT)), logged(tiny_path, (SPLIT, n))]
-    backends = [TritonBackend.from_model_file(f, device="cpu", max_seq_len=CTX) for f in files]
-    stages = [backend.model for backend in backends]
+    stages = [TritonBackend.from_model_file(f, device="cpu", max_seq_len=CTX) for f in files]
     for f, stage in zip(files, stages, strict=True):
         assert f.gguf.names == stage_tensors(f, stage.layer_range)
         assert sorted(stage.w.layers) == list(stage.layer_range)
@@ -205,8 +204,8 @@ def test_triton_stages_upload_only_their_layers(tiny_path):
     assert last.w.embed is None and last.w.output is not None
     assert first.w.nbytes + last.w.nbytes == full.w.nbytes
     assert files[0].gguf.names | files[1].gguf.names == full_file.gguf.names
-    # a stage runs the shared forward pass the backend wraps (eagerly, without its decode graphs)
-    engine = Engine(files[1], backends[1], "triton", None, 0.0)
+    # a stage runs the backend itself: the shared forward pass's entry points, eagerly
+    engine = Engine(files[1], last, "triton", None, 0.0)
     assert local_model(engine, LayerSlice(SPLIT, n, n)) is last
 
 

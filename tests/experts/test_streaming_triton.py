@@ -44,9 +44,9 @@ def test_triton_streamed_logits_equal_resident(model_file, resident, per_layer):
     layout = ExpertLayout.of(model_file.gguf, args)
     backend = load_backend(model_file, max_seq_len=64, stream_experts=True)
     assert backend.graphs is None
-    assert all(lw.gate_exps is None and lw.down_exps is None for lw in backend.model.w.layers.values())
+    assert all(lw.gate_exps is None and lw.down_exps is None for lw in backend.w.layers.values())
     store = ExpertStore(layout, (per_layer or args.n_routed_experts) * args.n_layers, make_policy("ds4", 48))
-    backend.model.experts = TritonStreamedExperts(store, backend.device)
+    backend.experts = TritonStreamedExperts(store, backend.device)
     try:
         streamed = run(backend)
     finally:
@@ -60,6 +60,6 @@ def test_triton_streamed_logits_equal_resident(model_file, resident, per_layer):
     else:  # 8 experts a layer in a cache of 6: re-reads
         assert stats.misses > store.capacity
     # the device pool holds the budget; the store's host copy of each uploaded expert was handed back
-    pool = backend.model.experts.pool
+    pool = backend.experts.pool
     assert [p.shape[0] for p in pool] == [store.capacity] * 3
     assert all(not store.slots[slot].any() for slot in store.where.values())

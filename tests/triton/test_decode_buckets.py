@@ -31,7 +31,7 @@ def test_any_sessions_replay_their_buckets_graph_and_match_the_eager_kernels(tin
     monkeypatch.setattr(graphs, "capture", replaying)
     model = open_model(tiny_model_file(0))
     served = TritonBackend.from_model_file(model, device="cpu", graphs=False, kv_slots=4)
-    buckets = graphs.DecodeGraphs(served.model)
+    buckets = graphs.DecodeGraphs(served)
     prompt = torch.randint(3, model.args.vocab_size, (max(LENGTHS),), generator=torch.Generator().manual_seed(2))
     mine = [served.new_state() for _ in LENGTHS]  # the first block: 3 sessions and the padding slot
     for n, state in zip(LENGTHS, mine, strict=True):
@@ -67,7 +67,7 @@ def test_a_sampled_step_draws_inside_the_replay_what_the_sampler_draws_after_it(
     monkeypatch.setattr(graphs, "capture", replaying)
     model = open_model(tiny_model_file(0))
     served = TritonBackend.from_model_file(model, device="cpu", graphs=False, kv_slots=4)
-    buckets = graphs.DecodeGraphs(served.model)
+    buckets = graphs.DecodeGraphs(served)
     prompt = torch.randint(3, model.args.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
     mine = [served.new_state() for _ in range(3)]  # the first block: 3 sessions and the padding slot
     assert buckets.serves(mine)

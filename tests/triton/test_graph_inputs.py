@@ -59,7 +59,7 @@ class InFlight:
 @pytest.fixture
 def buckets(tiny_model_file, monkeypatch):
     backend = TritonBackend.from_model_file(open_model(tiny_model_file(0)), device="cpu", graphs=False, kv_slots=4)
-    decode = graphs.DecodeGraphs(backend.model)
+    decode = graphs.DecodeGraphs(backend)
     replays = Replays()
     monkeypatch.setattr(decode, "_capture", replays.capture)
     plans = []

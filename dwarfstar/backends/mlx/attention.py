@@ -131,7 +131,7 @@ def sparse_attention(
     rows: mx.array | None,
     visible: mx.array | None,
     selection: Selection | None,
-    band: dict,
+    band: dict[tuple[int, int, int], mx.array | None],
 ) -> mx.array:
     """Sink attention of one sequence's T queries [T, H, D] over their raw windows and compressed rows.
 

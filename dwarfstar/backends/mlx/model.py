@@ -11,7 +11,7 @@ KV); everything else on all rows of a batch at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -56,6 +56,25 @@ class Product:
     def __call__(self, x: mx.array) -> dict[str, mx.array]:
         y = self.matrix.matmul(x)
         return dict(zip(self.keys, mx.split(y, self.splits, axis=-1) if self.splits else [y], strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class MLXStep:
+    """One call as `MLXOps` runs it (`prepare`), and what its steps of a layer hand on."""
+
+    tokens: mx.array  # int32 [N]: every row's id (hash-routed layers look their experts up by it)
+    positions: np.ndarray  # int64 [N]: every row's position, on the host
+    # cos/sin at `positions` per set of rotary frequencies (their bytes): `norm_rope` fills it at the
+    # first layer of a set, `norm_rope` and `sparse_attention` read it in every layer of that set
+    rope: dict[bytes, tuple[mx.array, mx.array]] = field(default_factory=dict)
+    # layer -> the call's finished KV rows [N, head_dim]: `write_window` leaves them, `sparse_attention`
+    # takes them (attention reads them before the ring keeps them)
+    window: dict[int, mx.array] = field(default_factory=dict)
+    # (sequence's index in the batch, ratio, rows) -> its [T, rows] row visibility, the same in every
+    # layer of a ratio: `index_topk` and `sparse_attention` fill and read it (`_visible`)
+    visible: dict[tuple[int, int, int], mx.array] = field(default_factory=dict)
+    # the raw window masks by query block, the same in every layer: `attention.sparse_attention` fills and reads it
+    band: dict[tuple[int, int, int], mx.array | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,14 +156,16 @@ class MLXOps(StreamSteps):
         return MLXStorage()
 
     # -- streams -----------------------------------------------------------------------------------------
-    def embed(self, batch: Batch) -> mx.array | None:
+    def prepare(self, batch: Batch[MLXStep]) -> MLXStep:
         tokens = np.concatenate([s.tokens.numpy() for s in batch.seqs])
-        batch.tokens = mx.array(tokens.astype(np.int32))
-        batch.aux["positions"] = np.concatenate([np.arange(s.start, s.start + s.length) for s in batch.seqs])
+        positions = np.concatenate([np.arange(s.start, s.start + s.length) for s in batch.seqs])
+        return MLXStep(mx.array(tokens.astype(np.int32)), positions)
+
+    def embed(self, batch: Batch[MLXStep]) -> mx.array | None:
         if self.embedding is None:  # a later pipeline stage: its streams arrive from the previous one
             return None
-        a = self.args
-        return mx.broadcast_to(self.embedding[batch.tokens][:, None, :], (tokens.size, a.hc_mult, a.dim))
+        a, tokens = self.args, batch.step.tokens
+        return mx.broadcast_to(self.embedding[tokens][:, None, :], (tokens.size, a.hc_mult, a.dim))
 
     def hc_pre(self, il: int, site: Site, h: mx.array) -> tuple[mx.array, tuple]:
         layer = self.layers[il]
@@ -158,7 +179,7 @@ class MLXOps(StreamSteps):
         h = h if rows is None else h[mx.array(rows)]
         return ops.rms_norm(self.fused.hc_head(h, *self.head_hc), self.out_norm, self.args.norm_eps)
 
-    def logits(self, y: mx.array, batch: Batch) -> torch.Tensor:
+    def logits(self, y: mx.array, batch: Batch[MLXStep]) -> torch.Tensor:
         logits = self.output.matmul(y)
         mx.eval(logits, *(arr for seq in batch.seqs for arr in lazy_arrays(seq.state)))
         # a numpy copy, not torch ops: torch's thread hand-offs cost more than a copy on busy cores
@@ -168,20 +189,20 @@ class MLXOps(StreamSteps):
     def project(self, il: int, group: ProjectionGroup, x: mx.array) -> dict[str, mx.array]:
         return {key: y for product in self.layers[il].proj[group.name] for key, y in product(x).items()}
 
-    def _rope_tables(self, il: int, batch: Batch) -> tuple[mx.array, mx.array]:
+    def _rope_tables(self, il: int, step: MLXStep) -> tuple[mx.array, mx.array]:
         """cos/sin at the batch's positions for the layer's frequencies, built once per call: layers
         share a few frequency sets (compressed layers blend theirs)."""
         inv_freq = self.layers[il].inv_freq
-        key = ("rope", inv_freq.tobytes())
-        if key not in batch.aux:
-            batch.aux[key] = ops.rope_tables(batch.aux["positions"], inv_freq)
-        return batch.aux[key]
+        key = inv_freq.tobytes()
+        if key not in step.rope:
+            step.rope[key] = ops.rope_tables(step.positions, inv_freq)
+        return step.rope[key]
 
-    def norm_rope(self, il: int, kind: Rows, x: mx.array, batch: Batch) -> mx.array:
+    def norm_rope(self, il: int, kind: Rows, x: mx.array, batch: Batch[MLXStep]) -> mx.array:
         a, layer, fused = self.args, self.layers[il], self.fused
         if kind is Rows.Q_LORA:
             return ops.rms_norm(x, layer.q_norm, a.norm_eps)
-        cos, sin = self._rope_tables(il, batch)
+        cos, sin = self._rope_tables(il, batch.step)
         if kind is Rows.QUERY:
             return fused.rope(ops.rms_norm(x.reshape(x.shape[0], a.n_heads, a.head_dim), None, a.norm_eps), cos, sin)
         if kind is Rows.KV:
@@ -190,12 +211,12 @@ class MLXOps(StreamSteps):
         q = fused.rope(x.reshape(x.shape[0], a.index_n_heads, a.index_head_dim), cos, sin)
         return fused.indexer_round(q) if self.qat else q
 
-    def write_window(self, il: int, kv: mx.array, batch: Batch) -> None:
+    def write_window(self, il: int, kv: mx.array, batch: Batch[MLXStep]) -> None:
         """The chunk's rows join the window for attention; the ring keeps them once attention has read
         the rows they replace."""
-        batch.aux[("window", il)] = kv
+        batch.step.window[il] = kv
 
-    def compress(self, il: int, kind: str, proj: dict[str, mx.array], batch: Batch) -> None:
+    def compress(self, il: int, kind: str, proj: dict[str, mx.array], batch: Batch[MLXStep]) -> None:
         a, layer_weights = self.args, self.layers[il]
         ape, norm = layer_weights.compressors[kind]
         for seq in batch.seqs:
@@ -215,42 +236,42 @@ class MLXOps(StreamSteps):
                 rows = self.fused.fp8_round_nope(rows) if kind == "attn" else self.fused.indexer_round(rows)
             state.write(il, f"{kind}_rows", rows, first)
 
-    def _visible(self, il: int, seq: Segment, n_rows: int, batch: Batch) -> mx.array | None:
-        """The sequence's [T, n_rows] row visibility, the same in every layer of a ratio, built once per call."""
+    def _visible(self, il: int, i: int, seq: Segment, n_rows: int, step: MLXStep) -> mx.array | None:
+        """The i-th sequence's [T, n_rows] row visibility, the same in every layer of a ratio, built once per call."""
         ratio = self.args.layer(il).compress_ratio
-        key = ("visible", id(seq.state), ratio, n_rows)
-        if key not in batch.aux:
+        key = (i, ratio, n_rows)
+        if key not in step.visible:
             positions = mx.arange(seq.start, seq.start + seq.length)
-            batch.aux[key] = attention.visible_rows(positions, ratio, n_rows)
-        return batch.aux[key]
+            step.visible[key] = attention.visible_rows(positions, ratio, n_rows)
+        return step.visible[key]
 
-    def index_topk(self, il: int, q: mx.array, weights: mx.array, batch: Batch) -> list[attention.Selection]:
+    def index_topk(self, il: int, q: mx.array, weights: mx.array, batch: Batch[MLXStep]) -> list[attention.Selection]:
         a, chosen = self.args, []
         weights = weights * (a.index_head_dim**-0.5 * a.index_n_heads**-0.5)
-        for seq in batch.seqs:
+        for i, seq in enumerate(batch.seqs):
             index_rows = seq.state.rows(il, "indexer", seq.start + seq.length)
-            visible = self._visible(il, seq, index_rows.shape[0], batch)
+            visible = self._visible(il, i, seq, index_rows.shape[0], batch.step)
             scores = attention.index_scores(q[seq.rows], weights[seq.rows], index_rows, visible)
             chosen.append(attention.top_k(scores, visible, a.index_topk))
         return chosen
 
     def sparse_attention(
-        self, il: int, q: mx.array, batch: Batch, selected: list[attention.Selection] | None
+        self, il: int, q: mx.array, batch: Batch[MLXStep], selected: list[attention.Selection] | None
     ) -> mx.array:
         a, layer, out = self.args, self.layers[il], []
-        cos, sin = self._rope_tables(il, batch)
-        band = batch.aux.setdefault("window_band", {})
-        chunk = batch.aux.pop(("window", il))
+        step = batch.step
+        cos, sin = self._rope_tables(il, step)
+        chunk = step.window.pop(il)
         for i, seq in enumerate(batch.seqs):
             state, end = seq.state, seq.start + seq.length
             rows = state.rows(il, "attn", end) if state.compressor(il, "attn") else None
             selection = None if selected is None else selected[i]
             # the indexer's selection already holds visibility; ratio-128 queries read every visible row
-            visible = None if rows is None or selection is not None else self._visible(il, seq, rows.shape[0], batch)
+            visible = None if rows is None or selection is not None else self._visible(il, i, seq, rows.shape[0], step)
             raw = mx.concatenate((state.raw_window(il), chunk[seq.rows]))
             out.append(
                 attention.sparse_attention(
-                    q[seq.rows], raw, seq.length, a.window, layer.sinks, rows, visible, selection, band
+                    q[seq.rows], raw, seq.length, a.window, layer.sinks, rows, visible, selection, step.band
                 )
             )
             state.store_window(il, raw, end)
@@ -264,9 +285,9 @@ class MLXOps(StreamSteps):
         return layer.wo_b.matmul(grouped.reshape(n, -1))
 
     # -- mixture of experts --------------------------------------------------------------------------------
-    def route(self, il: int, x: mx.array, batch: Batch) -> tuple[mx.array, mx.array]:
+    def route(self, il: int, x: mx.array, batch: Batch[MLXStep]) -> tuple[mx.array, mx.array]:
         a, layer = self.args, self.layers[il]
-        fixed = None if layer.tid2eid is None else layer.tid2eid[batch.tokens]
+        fixed = None if layer.tid2eid is None else layer.tid2eid[batch.step.tokens]
         return ops.route(layer.router.matmul(x), a.n_activated_experts, a.route_scale, layer.bias, fixed)
 
     def moe(self, il: int, x: mx.array, ids: mx.array, weights: mx.array, experts: ExpertSource) -> mx.array:
@@ -279,7 +300,7 @@ class MLXOps(StreamSteps):
         return routed + down.matmul(self.fused.swiglu(gate.matmul(x), up.matmul(x)))
 
 
-class MLXModel(Transformer[mx.array]):
+class MLXModel(Transformer[mx.array, MLXStep]):
     """The forward pass over `MLXOps`: what the session layer drives."""
 
     def __init__(

@@ -19,7 +19,7 @@ that do not apply it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +69,31 @@ class Layer:
     bias: torch.Tensor | None
     tid2eid: torch.Tensor | None
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceStep:
+    """One call as `ReferenceOps` runs it (`prepare`), and what its steps of a layer hand on."""
+
+    tokens: torch.Tensor  # int64 [N]: every row's id (hash-routed layers look their experts up by it)
+    positions: torch.Tensor  # int64 [N]: every row's position
+    # a decode step: one token per sequence, attention and the compressors for all at once (`_decode_step`)
+    decode: bool
+    # a decode step's sequences' slots when all are in one cache block (gathered in one op), else None
+    slots: torch.Tensor | None
+    # cos/sin at `positions` per RoPE base (rope_theta, yarn): `norm_rope` fills it at the first layer
+    # of a base, `norm_rope` and `sparse_attention` read it in every layer of that base
+    angles: dict[tuple[float, bool], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # layer -> the call's finished KV rows [N, head_dim]: `write_window` leaves them, `sparse_attention`
+    # takes them (a chunk's attention reads them before the ring keeps them)
+    window: dict[int, torch.Tensor] = field(default_factory=dict)
+    # (layer, compressor kind) -> per sequence in batch order, its compressed rows with the ones the call
+    # finished: `compress` leaves them in a prefill chunk; `index_topk` takes the indexer's,
+    # `sparse_attention` the attention's (autograd, when training, runs through these, not the cache)
+    compressed: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
+    # layer -> per sequence, the indexer's scores [T, rows] with -inf where a row is not visible:
+    # `index_topk` leaves them while an indexer observer is set, `sparse_attention` takes them for it
+    index_scores: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
 def expert_reader(weights: WeightSource, il: int) -> ExpertGetter:
@@ -141,13 +166,29 @@ class ReferenceOps(StreamSteps):
     def kv_storage(self) -> TorchStorage:
         return TorchStorage("cpu")  # the oracle keeps every part in float32
 
+    # -- per call ----------------------------------------------------------------------------------------
+    def prepare(self, batch: Batch[ReferenceStep]) -> ReferenceStep:
+        """The call's ids and positions, and whether it is a decode step: one token for each sequence.
+        A step gathers each sequence's keys into one padded [B, ...] array and runs attention once for
+        all of them (per-sequence attention made a batched step cost nearly as much as its sequences
+        stepped alone). Prefill chunks, and the training observer, which reads per-sequence scores,
+        take the per-sequence path."""
+        seqs = batch.seqs
+        decode = all(s.length == 1 for s in seqs) and self.indexer_observer is None
+        # sequences of one cache block are gathered by slot index in one op, others one by one
+        one_block = len({s.state.block for s in seqs}) == 1
+        return ReferenceStep(
+            tokens=torch.cat([s.tokens for s in seqs]),
+            positions=torch.cat([torch.arange(s.start, s.start + s.length) for s in seqs]),
+            decode=decode,
+            slots=torch.tensor([s.state.index for s in seqs]) if decode and one_block else None,
+        )
+
     # -- streams -----------------------------------------------------------------------------------------
-    def embed(self, batch: Batch) -> torch.Tensor | None:
-        batch.tokens = torch.cat([s.tokens for s in batch.seqs])
-        batch.aux["positions"] = torch.cat([torch.arange(s.start, s.start + s.length) for s in batch.seqs])
+    def embed(self, batch: Batch[ReferenceStep]) -> torch.Tensor | None:
         if self.embedding is None:
             return None
-        return self.embedding[batch.tokens].unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+        return self.embedding[batch.step.tokens].unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
 
     def hc_pre(self, il: int, site: Site, h: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         a, layer = self.args, self.layers[il]
@@ -162,7 +203,7 @@ class ReferenceOps(StreamSteps):
         h = h if rows is None else h[rows]
         return ops.rms_norm(ops.hc_head(h, *self.head_hc, a.hc_eps, a.norm_eps), self.out_norm, a.norm_eps)
 
-    def logits(self, y: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def logits(self, y: torch.Tensor, batch: Batch[ReferenceStep]) -> torch.Tensor:
         return ops.linear(y, self.output)
 
     # -- attention ---------------------------------------------------------------------------------------
@@ -173,19 +214,19 @@ class ReferenceOps(StreamSteps):
     def _angles(self, il: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_angles(positions, self.layers[il].inv_freq)
 
-    def _batch_angles(self, il: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch_angles(self, il: int, step: ReferenceStep) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin at every row's position, once per call for each RoPE base (layers share a few)."""
         spec = self.layers[il].spec
-        key = ("angles", spec.rope_theta, spec.yarn)
-        if key not in batch.aux:
-            batch.aux[key] = self._angles(il, batch.aux["positions"])
-        return batch.aux[key]
+        key = (spec.rope_theta, spec.yarn)
+        if key not in step.angles:
+            step.angles[key] = self._angles(il, step.positions)
+        return step.angles[key]
 
-    def norm_rope(self, il: int, kind: Rows, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def norm_rope(self, il: int, kind: Rows, x: torch.Tensor, batch: Batch[ReferenceStep]) -> torch.Tensor:
         a, layer = self.args, self.layers[il]
         if kind is Rows.Q_LORA:
             return ops.rms_norm(x, layer.q_norm, a.norm_eps)
-        angles = self._batch_angles(il, batch)
+        angles = self._batch_angles(il, batch.step)
         if kind is Rows.QUERY:
             return ops.apply_rope(ops.rms_norm(x.view(x.shape[0], a.n_heads, a.head_dim), None, a.norm_eps), *angles)
         if kind is Rows.KV:
@@ -194,17 +235,19 @@ class ReferenceOps(StreamSteps):
         q = ops.apply_rope(x.view(x.shape[0], a.index_n_heads, a.index_head_dim), *angles)
         return ops.indexer_round(q) if self.qat else q
 
-    def write_window(self, il: int, kv: torch.Tensor, batch: Batch) -> None:
+    def write_window(self, il: int, kv: torch.Tensor, batch: Batch[ReferenceStep]) -> None:
         """The chunk's rows join the window for attention; the ring keeps them once attention has read
         the rows they replace."""
-        batch.aux[("window", il)] = kv
+        batch.step.window[il] = kv
 
-    def compress(self, il: int, kind: str, proj: dict[str, torch.Tensor], batch: Batch) -> None:
-        """Pool each sequence's finished windows; the call reads its new rows from `aux`, and the state
-        keeps detached copies (autograd, when training, runs through a call, not through the cache)."""
-        if self._decode_step(batch):
+    def compress(self, il: int, kind: str, proj: dict[str, torch.Tensor], batch: Batch[ReferenceStep]) -> None:
+        """Pool each sequence's finished windows; the call reads its new rows from `step.compressed`, and
+        the state keeps detached copies (autograd, when training, runs through a call, not through the cache)."""
+        step = batch.step
+        if step.decode:
             return self._decode_compress(il, kind, proj, batch)
         a, (ape, norm) = self.args, self.layers[il].compressors[kind]
+        compressed = step.compressed[(il, kind)] = []
         for seq in batch.seqs:
             state, spec = seq.state, seq.state.compressor(il, kind)
             kv, gate = proj[f"{kind}_kv"][seq.rows], proj[f"{kind}_gate"][seq.rows]
@@ -216,7 +259,7 @@ class ReferenceOps(StreamSteps):
             if rows.shape[0]:
                 rows = self._finish_rows(il, kind, rows, (first + torch.arange(rows.shape[0])) * spec.ratio)
                 state.write(il, f"{kind}_rows", rows.detach(), first)
-            batch.aux[("rows", il, kind, id(state))] = torch.cat((state.rows(il, kind), rows))
+            compressed.append(torch.cat((state.rows(il, kind), rows)))
 
     def _finish_rows(self, il: int, kind: str, rows: torch.Tensor, window_starts: torch.Tensor) -> torch.Tensor:
         """Pooled rows rotated at their window's first token, then QAT-rounded as they are stored."""
@@ -231,47 +274,63 @@ class ReferenceOps(StreamSteps):
         ratio = self.layers[il].spec.compress_ratio
         return torch.arange(n_rows)[None, :] < ((positions + 1) // ratio)[:, None]
 
-    def index_topk(self, il: int, q: torch.Tensor, weights: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+    def index_topk(
+        self, il: int, q: torch.Tensor, weights: torch.Tensor, batch: Batch[ReferenceStep]
+    ) -> list[torch.Tensor]:
         """Per sequence, the mask [T, rows] of the compressed rows each query attends to (for a
         decode step, one [B, rows] mask over the rows `_slot_rows` gathers). A query scores its rows
         alike on both paths (`ops.index_scores`, `ops.top_k_visible`)."""
         a = self.args
         weights = weights * (a.index_head_dim**-0.5 * a.index_n_heads**-0.5)
-        if self._decode_step(batch):
+        step = batch.step
+        if step.decode:
             keys, visible = self._slot_rows(il, "indexer", batch)
             return ops.top_k_visible(ops.index_scores(q, weights, keys), visible, a.index_topk)
-        chosen = []
-        for seq in batch.seqs:
-            keys = batch.aux.pop(("rows", il, "indexer", id(seq.state)))
+        chosen, observed = [], []
+        for seq, keys in zip(batch.seqs, step.compressed.pop((il, "indexer")), strict=True):
             visible = self._visible(il, seq, keys.shape[0])
             scores = ops.index_scores(q[seq.rows], weights[seq.rows], keys.expand(seq.length, -1, -1))
             if self.indexer_observer is not None:  # training fits the indexer to the attention with them
-                batch.aux[("index_scores", il, id(seq.state))] = scores.masked_fill(~visible, float("-inf"))
+                observed.append(scores.masked_fill(~visible, float("-inf")))
             chosen.append(ops.top_k_visible(scores, visible, a.index_topk))
+        if observed:
+            step.index_scores[il] = observed
         return chosen
 
-    def sparse_attention(self, il: int, q: torch.Tensor, batch: Batch, selected) -> torch.Tensor:
-        cos, sin = self._batch_angles(il, batch)
-        chunk = batch.aux.pop(("window", il))
-        if self._decode_step(batch):
+    def sparse_attention(self, il: int, q: torch.Tensor, batch: Batch[ReferenceStep], selected) -> torch.Tensor:
+        step = batch.step
+        cos, sin = self._batch_angles(il, step)
+        chunk = step.window.pop(il)
+        if step.decode:
             o = self._decode_attention(il, q, chunk, batch, selected)
         else:
-            picks = [None] * len(batch.seqs) if selected is None else selected
+            n = len(batch.seqs)
+            picks = [None] * n if selected is None else selected
+            rows = step.compressed.pop((il, "attn"), [None] * n)
+            scores = step.index_scores.pop(il, [None] * n)
             o = torch.cat(
                 [
-                    self._chunk_attention(il, q[seq.rows], chunk[seq.rows], seq, batch, picked)
-                    for seq, picked in zip(batch.seqs, picks, strict=True)
+                    self._chunk_attention(il, q[seq.rows], chunk[seq.rows], seq, *parts)
+                    for seq, *parts in zip(batch.seqs, picks, rows, scores, strict=True)
                 ]
             )
         return ops.apply_rope(o, cos, sin, inverse=True)
 
     def _chunk_attention(
-        self, il: int, q: torch.Tensor, kv: torch.Tensor, seq: Segment, batch: Batch, selected: torch.Tensor | None
+        self,
+        il: int,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        seq: Segment,
+        selected: torch.Tensor | None,
+        rows: torch.Tensor | None,
+        scores: torch.Tensor | None,
     ) -> torch.Tensor:
         """A prefill chunk's attention [T, H, D] for one sequence, each query over its keys laid out as a
         decode step lays them (`ops.attention_rows`): the window as the ring holds it at the query's
         position (position p in slot p mod window), then the compressed rows visible to it. So a token
-        gets the same bits in a chunk of any length as in a decode step of any batch."""
+        gets the same bits in a chunk of any length as in a decode step of any batch. `rows`: the
+        sequence's compressed rows (`compress`), `scores`: its indexer scores for the observer."""
         a, layer, state = self.args, self.layers[il], seq.state
         end = seq.start + seq.length
         raw = torch.cat((state.raw_window(il), kv))  # positions end - len(raw) .. end - 1
@@ -279,9 +338,7 @@ class ReferenceOps(StreamSteps):
         positions = torch.arange(seq.start, end)[:, None]
         held = positions - (positions - torch.arange(a.window)) % a.window  # [T, window]: each slot's position
         at = (held - (end - raw.shape[0])).clamp(min=0)  # where in `raw`
-        rows = None
-        if state.compressor(il, "attn") is not None:
-            rows = batch.aux.pop(("rows", il, "attn", id(state)))
+        if rows is not None:
             visible = self._visible(il, seq, rows.shape[0]) if selected is None else selected
             pad = -rows.shape[0] % ops.KEY_BLOCK  # to whole key blocks once, not in each query's view
             rows, visible = F.pad(rows, (0, 0, 0, pad)), F.pad(visible, (0, pad))
@@ -295,29 +352,14 @@ class ReferenceOps(StreamSteps):
             o, weights = ops.attention_rows(q[block], parts, layer.sinks)
             out.append(o)
             mass.append(weights[-1])
-        if self.indexer_observer is not None and selected is not None:
-            scores = batch.aux.pop(("index_scores", il, id(state)))
+        if self.indexer_observer is not None and scores is not None:
             self.indexer_observer(il, torch.cat(mass)[..., : scores.shape[1]], scores)
         return torch.cat(out)
 
     # -- decode steps: attention over every sequence at once -------------------------------------------------
-    def _decode_step(self, batch: Batch) -> bool:
-        """Whether the call is a decode step: one token for each sequence. A step gathers each
-        sequence's keys into one padded [B, ...] array and runs attention once for all of them
-        (per-sequence attention made a batched step cost nearly as much as its sequences stepped
-        alone). Prefill chunks, and the training observer, which reads per-sequence scores, take the
-        per-sequence path."""
-        if "decode_step" not in batch.aux:
-            blocks = {s.state.block for s in batch.seqs}
-            step = all(s.length == 1 for s in batch.seqs) and self.indexer_observer is None
-            batch.aux["decode_step"] = step
-            # sequences of one cache block are gathered by slot index in one op, others one by one
-            batch.aux["decode_slots"] = torch.tensor([s.state.index for s in batch.seqs]) if len(blocks) == 1 else None
-        return batch.aux["decode_step"]
-
-    def _gather(self, il: int, name: str, batch: Batch, n: int | None = None) -> torch.Tensor:
+    def _gather(self, il: int, name: str, batch: Batch[ReferenceStep], n: int | None = None) -> torch.Tensor:
         """A decode step's sequences' arrays of a part, [B, ...] (the first n rows of each)."""
-        rows, slots = slice(n), batch.aux["decode_slots"]
+        rows, slots = slice(n), batch.step.slots
         if slots is not None:
             return batch.seqs[0].state.parts(il)[name][slots, rows]
         return torch.stack([s.state.part(il, name)[rows] for s in batch.seqs])
@@ -326,14 +368,14 @@ class ReferenceOps(StreamSteps):
         self,
         il: int,
         name: str,
-        batch: Batch,
+        batch: Batch[ReferenceStep],
         value: torch.Tensor,
         at: torch.Tensor | None = None,
         which: torch.Tensor | None = None,
     ) -> None:
         """Write value[i] into a part of the i-th decode-step sequence (of those `which` picks): the
         whole array, or its row at[i]."""
-        slots = batch.aux["decode_slots"]
+        slots = batch.step.slots
         if slots is not None and not name.endswith("_rows"):  # rows go through their pages, one by one
             part, index = batch.seqs[0].state.parts(il)[name], slots if which is None else slots[which]
             part[(index,) if at is None else (index, at)] = value
@@ -345,10 +387,10 @@ class ReferenceOps(StreamSteps):
             else:
                 seq.state.write(il, name, value[i : i + 1], int(at[i]))
 
-    def _decode_compress(self, il: int, kind: str, proj: dict[str, torch.Tensor], batch: Batch) -> None:
+    def _decode_compress(self, il: int, kind: str, proj: dict[str, torch.Tensor], batch: Batch[ReferenceStep]) -> None:
         """`compress` for a decode step, all sequences at once (`ops.compress_step`)."""
         spec, (ape, norm) = batch.seqs[0].state.compressor(il, kind), self.layers[il].compressors[kind]
-        positions = batch.aux["positions"]
+        positions = batch.step.positions
         front = self._gather(il, f"{kind}_kv", batch), self._gather(il, f"{kind}_gate", batch)
         kv, gate = proj[f"{kind}_kv"], proj[f"{kind}_gate"]
         rows, done, *front = ops.compress_step(spec, *front, kv, gate, ape, norm, positions, self.args.norm_eps)
@@ -359,13 +401,13 @@ class ReferenceOps(StreamSteps):
             rows = self._finish_rows(il, kind, rows, window * spec.ratio)
             self._scatter(il, f"{kind}_rows", batch, rows.detach(), at=window, which=done)
 
-    def _slot_rows(self, il: int, kind: str, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _slot_rows(self, il: int, kind: str, batch: Batch[ReferenceStep]) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step's compressed rows [B, n, dim], n the most any sequence has, and which are its
         own [B, n]: those its windows completed, the row its token just finished included."""
         ratio = self.layers[il].spec.compress_ratio
-        counts = (batch.aux["positions"] + 1) // ratio
+        counts = (batch.step.positions + 1) // ratio
         n = int(counts.max())
-        at, slots = torch.arange(n), batch.aux["decode_slots"]
+        at, slots = torch.arange(n), batch.step.slots
         if slots is not None:  # one index op: page (by each slot's table) and row in the page
             state = batch.seqs[0].state
             pages = state.row_pages(ratio).table[slots][:, at // PAGE_ROWS].long()
@@ -380,11 +422,13 @@ class ReferenceOps(StreamSteps):
         pages = state.row_pages(state.compressor(il, kind).ratio).table[state.index, at // PAGE_ROWS].long()
         return state.parts(il)[f"{kind}_rows"][pages, at % PAGE_ROWS]
 
-    def _decode_attention(self, il: int, q: torch.Tensor, kv: torch.Tensor, batch: Batch, selected) -> torch.Tensor:
+    def _decode_attention(
+        self, il: int, q: torch.Tensor, kv: torch.Tensor, batch: Batch[ReferenceStep], selected
+    ) -> torch.Tensor:
         """Sink attention of a decode step, [B, H, D] before the inverse RoPE: each token's row goes
         into its ring first (over the row that has left the window), then the query reads the ring's
         filled rows and its visible compressed rows (`selected` by the indexer for ratio 4)."""
-        a, layer, positions = self.args, self.layers[il], batch.aux["positions"]
+        a, layer, positions = self.args, self.layers[il], batch.step.positions
         self._scatter(il, "raw", batch, kv.detach(), at=positions % a.window)
         filled = torch.arange(a.window)[None, :] < (positions + 1).clamp(max=a.window)[:, None]
         parts = [(self._gather(il, "raw", batch), filled)]
@@ -400,9 +444,9 @@ class ReferenceOps(StreamSteps):
         return ops.linear(grouped, layer.wo_b)
 
     # -- mixture of experts --------------------------------------------------------------------------------
-    def route(self, il: int, x: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, il: int, x: torch.Tensor, batch: Batch[ReferenceStep]) -> tuple[torch.Tensor, torch.Tensor]:
         a, layer = self.args, self.layers[il]
-        fixed = None if layer.tid2eid is None else layer.tid2eid[batch.tokens]
+        fixed = None if layer.tid2eid is None else layer.tid2eid[batch.step.tokens]
         ids, weights = route(ops.linear(x, layer.router), a.n_activated_experts, a.route_scale, layer.bias, fixed)
         if self.route_observer is not None:
             self.route_observer(il, ids)
@@ -430,7 +474,7 @@ class ReferenceOps(StreamSteps):
         return out + ops.linear(ops.swiglu_clamped(ops.linear(x, gate), ops.linear(x, up), limit), down)
 
 
-class ReferenceModel(Transformer[torch.Tensor]):
+class ReferenceModel(Transformer[torch.Tensor, ReferenceStep]):
     """The forward pass over `ReferenceOps`: what the session layer drives."""
 
     def __init__(

@@ -1,10 +1,11 @@
-"""The Triton backend as the session layer sees it: `args`, `new_state()`, `forward()`, `sample_batch()`,
-`decode_sample()`.
+"""The Triton backend as the session layer drives it: `TritonModel` (the shared forward pass over
+`TritonOps`) with decode steps replayed from graphs and sampling on the device.
 
 Weights are uploaded once from the memory-mapped GGUF, in their blocks; the KV cache lives on the
 device. Decode steps of the sequences of the first cache block run batch-native, and on a GPU
-replay a graph per batch-size bucket (`graphs.DecodeGraphs`); prefill chunks and CPU runs go
-through the eager kernels.
+replay a graph per batch-size bucket (`graphs.DecodeGraphs`, which runs the forward pass's own
+`batch`/`compute`/`advance`); prefill chunks, CPU runs and the lower entry points a pipeline stage
+or a draft drives (`embed`, `run_layers`, `forward_streams`...) go through the eager kernels.
 
 Portability: the kernels use only Triton's portable language (no inline assembly, no libdevice
 calls, no fp8 conversion instructions), and `aot_check` compiles all of them for sm_90 and gfx942
@@ -23,13 +24,15 @@ from dwarfstar.backends.triton.kernels.sampling import candidates_for, knob_rows
 from dwarfstar.backends.triton.model import TritonModel
 from dwarfstar.backends.triton.runtime import EXACT, Precision, default_device
 from dwarfstar.backends.triton.weights import ModelWeights, upload
-from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
 from dwarfstar.session.sampling import Sampler, read_draws
 
 
-class TritonBackend:
+class TritonBackend(TritonModel):
+    """The forward pass over `TritonOps` (it is the model, as every backend is), with its decode steps
+    replayed from graphs where they serve the states and its sampling on the device."""
+
     def __init__(
         self,
         weights: ModelWeights,
@@ -43,15 +46,12 @@ class TritonBackend:
         # on the meta device too: `warm` records the steps a GPU's graphs would replay
         graphs = graphs and weights.device.type in ("cuda", "meta")
         slots = kv_slots + 1 if graphs else kv_slots  # graphs pad their buckets on one more slot
-        self.model = TritonModel(weights, qat=qat, precision=precision, max_seq_len=max_seq_len, kv_slots=slots)
-        self.args = weights.args
-        self.device = self.model.device
-        self.max_seq_len = self.model.max_seq_len
+        super().__init__(weights, qat=qat, precision=precision, max_seq_len=max_seq_len, kv_slots=slots)
         self.graphs = None
         if graphs:
             from dwarfstar.backends.triton.graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model)
+            self.graphs = DecodeGraphs(self)
 
     @classmethod
     def from_model_file(
@@ -59,16 +59,6 @@ class TritonBackend:
     ) -> TritonBackend:
         device = torch.device(device) if device is not None else default_device()
         return cls(upload(model.gguf, model.args, device, layer_range=model.layer_range), qat=qat, **kwargs)
-
-    def new_state(self) -> SequenceState:
-        return self.model.new_state()
-
-    def forward(
-        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
-    ) -> torch.Tensor:
-        if self.graphs is not None and len(tokens) == 1 and self.graphs.serves([state]):
-            return self.graphs.step([int(torch.as_tensor(tokens).flatten()[0])], [state])[0][0]
-        return self.model.forward(tokens, state, all_logits)
 
     def sample_batch(self, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
         """One token per row of logits [B, vocab], drawn on the device in one launch; one host sync.
@@ -92,12 +82,10 @@ class TritonBackend:
     ) -> list[torch.Tensor]:
         """Several sequences in one pass: every weight is read once. A decode step of sequences in one
         KV-cache block runs the batch-native kernels (a graph replay where graphs are on); a prefill
-        runs attention per sequence."""
-        if len(states) == 1:
-            return [self.forward(token_lists[0], states[0], all_logits)]
+        runs attention per sequence. `forward` comes here too."""
         if self.graphs is not None and all(len(t) == 1 for t in token_lists) and self.graphs.serves(states):
             return self.graphs.step([int(torch.as_tensor(t).flatten()[0]) for t in token_lists], states)[0]
-        return self.model.forward_batch(token_lists, states, all_logits)
+        return super().forward_batch(token_lists, states, all_logits)
 
     def decode_sample(
         self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler]
@@ -106,4 +94,4 @@ class TritonBackend:
         replay (the sampling kernel is captured with the step), else one batched pass and one launch."""
         if self.graphs is not None and self.graphs.serves(states):
             return self.graphs.step(tokens, states, samplers)[1]
-        return forward_then_sample(self, tokens, states, samplers)
+        return super().decode_sample(tokens, states, samplers)

@@ -239,7 +239,7 @@ def run_decode(
     for ctx in ctxs:
         for b in batches:
             per_step = decode_bytes_per_token(weights, b)
-            states = [synthetic_state(backend.model, ctx, seed=i) for i in range(b)]
+            states = [synthetic_state(backend, ctx, seed=i) for i in range(b)]
             tokens = [[1000 + i] for i in range(b)]
             for _ in range(warmup):  # compile each step shape once eagerly, then capture its graph
                 backend.forward_batch(tokens, states)

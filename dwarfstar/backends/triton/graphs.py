@@ -2,7 +2,7 @@
 
 A decode step launches about 30 kernels per layer; replaying them as one graph removes the CPU
 launch cost, which otherwise exceeds the GPU time of a step. A step of B sequences runs the
-batch-native kernels (`TritonOps` with `slots`): every position and every KV-cache slot is read on
+batch-native kernels (`TritonOps` with `DecodeInputs`): every position and every KV-cache slot is read on
 the device from the step's input buffer, so nothing a graph bakes in depends on which sequences it
 serves or where they are. A graph is captured per (bucket, row bounds): the bucket is B rounded up
 to a power of two, its spare rows run on a padding slot of the cache; the row bounds
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from dwarfstar.backends.triton.kernels.sampling import candidates_for, knob_rows, redraw_overflow, sample_rows
-from dwarfstar.backends.triton.model import TritonModel, row_bound
+from dwarfstar.backends.triton.model import DecodeInputs, TritonModel, TritonStep, row_bound
 from dwarfstar.model.forward import Batch, Segment
 from dwarfstar.model.state import SequenceState
 from dwarfstar.session.sampling import GREEDY, Sampler, logprob_rows, record_logprobs
@@ -248,10 +248,10 @@ class DecodeGraphs:
 
         return run, inputs, knobs, drawn
 
-    def _padding(self, bucket: int, inputs: torch.Tensor, bounds: tuple[int, ...]) -> Batch:
+    def _padding(self, bucket: int, inputs: torch.Tensor, bounds: tuple[int, ...]) -> Batch[TritonStep]:
         """A step of `bucket` rows whose tokens, positions and slots are read from `inputs`."""
         token = torch.zeros(1, dtype=torch.long)
-        batch = Batch([Segment(self.pad, token, 0, slice(i, i + 1)) for i in range(bucket)])
-        bound = dict(zip(self.ratios, bounds, strict=True))
-        batch.aux.update(tok=inputs[0], pos=inputs[1], slots=inputs[2], row_bound=bound)
+        batch: Batch[TritonStep] = Batch([Segment(self.pad, token, 0, slice(i, i + 1)) for i in range(bucket)])
+        decode = DecodeInputs(inputs[1], inputs[2], dict(zip(self.ratios, bounds, strict=True)))
+        batch.prepared = self.model.ops.record(batch, inputs[0], decode)
         return batch

@@ -16,6 +16,8 @@ replay it at every later position.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from dwarfstar.backends.triton.kernels import (
@@ -66,10 +68,64 @@ def paged_index(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return table[rows // PAGE_ROWS].long() * PAGE_ROWS + rows % PAGE_ROWS
 
 
-def decode_batch(batch: Batch) -> bool:
+def decode_batch(batch: Batch[TritonStep]) -> bool:
     """Several sequences, one token each, in one block of the KV cache: one launch can serve them."""
     seqs = batch.seqs
     return len(seqs) > 1 and all(s.length == 1 and s.state.block == seqs[0].state.block for s in seqs)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeInputs:
+    """The device inputs of a batch-native decode step (`decode_batch`), its only ones besides the
+    tokens: every attention-side kernel serves all its sequences in one launch and forms its RoPE
+    angles from `pos` (no tables). A captured step presets them to its graph's buffers."""
+
+    pos: torch.Tensor  # int32 [B]: each sequence's position
+    slots: torch.Tensor  # int32 [B]: each sequence's slot in the cache block
+    # ratio -> the compressed rows the grids cover (`row_bound`), fixed by a captured step for every
+    # replay; None: the widest of the sequences' own
+    row_bound: dict[int, int] | None = None
+
+
+@dataclass(slots=True)
+class PendingRows:
+    """A batch-native decode step's inputs to one layer's rows launches, waiting for them (`_decode_rows`)."""
+
+    # the raw KV row as projected: `write_window` leaves it, the low-rank query's launch finishes it into the ring
+    kv: torch.Tensor | None = None
+    # compressor kind -> its inputs: `compress` leaves them, the low-rank query's launch advances them
+    compressing: dict[str, decode_rows.Compressing] = field(default_factory=dict)
+    # (the query heads as projected, their output): `norm_rope` of the query leaves them in a ratio-4
+    # layer, that of the indexer query fills both in one launch
+    query: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def waiting(self) -> bool:
+        return self.kv is not None or bool(self.compressing) or self.query is not None
+
+
+@dataclass(frozen=True, slots=True)
+class TritonStep:
+    """One call as `TritonOps` runs it (`prepare`, or `record` for a captured step), and what its steps
+    of a layer hand on."""
+
+    tok: torch.Tensor  # int32 [N]: every row's id, on the device
+    precision: Precision  # the matrices': bf16 tensor-core operands pay off only for prefill-sized calls
+    # one token per sequence, at most TICKET_SLOTS: the mHC steps and the routing run one launch each
+    # (a prefill chunk keeps their GEMV and kernel, and their numerics)
+    fused: bool
+    # a batch-native decode step's inputs; None: attention, the compressors and the indexer run per sequence
+    decode: DecodeInputs | None
+    # per sequence (without `decode`): its first position, int32 [1] on the device
+    starts: list[torch.Tensor] = field(default_factory=list)
+    # without `decode`: RoPE cos/sin at every row's position per (rope_theta, yarn), for `norm_rope`
+    angles: dict[tuple[float, bool], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # layer -> per sequence (without `decode`) its window rows [n_prev + T], oldest first:
+    # `write_window` leaves them, `sparse_attention` takes them
+    window: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    # layer -> inputs waiting for the layer's rows launches (with `decode`): `write_window`, `compress`
+    # and `norm_rope` leave them, `norm_rope` takes them, `sparse_attention` checks none is left
+    pending: dict[int, PendingRows] = field(default_factory=dict)
 
 
 class TritonOps:
@@ -81,7 +137,7 @@ class TritonOps:
         routed = {il: (lw.gate_exps, lw.up_exps, lw.down_exps) for il, lw in weights.layers.items()}
         self.experts: ExpertSource | None = None if streamed else ResidentExperts(routed)
         self._inv_freq: dict[tuple[float, bool], torch.Tensor] = {}
-        self.decoding = False  # set per call by `embed`
+        self.decoding = False  # the call's `TritonStep.fused`, set by `embed` (the stream steps take no batch)
         for layer in self.args.layers:
             key = (layer.rope_theta, layer.yarn)
             if key not in self._inv_freq:
@@ -108,57 +164,54 @@ class TritonOps:
         return row_bound(state.cache, state.compressor(il, kind).ratio, end)
 
     @staticmethod
-    def _slots(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch.aux["pos"], batch.aux["slots"]
-
-    @staticmethod
-    def _bound(batch: Batch, ratio: int) -> int:
+    def _bound(batch: Batch[TritonStep], decode: DecodeInputs, ratio: int) -> int:
         """The row bound of a batched step: the widest of its sequences' (`row_bound`)."""
-        if "row_bound" in batch.aux:  # a captured step fixes it for every replay
-            return batch.aux["row_bound"][ratio]
+        if decode.row_bound is not None:  # a captured step fixes it for every replay
+            return decode.row_bound[ratio]
         return max(row_bound(s.state.cache, ratio, s.start + 1) for s in batch.seqs)
 
     # -- per call ----------------------------------------------------------------------------------------
-    def embed(self, batch: Batch) -> torch.Tensor | None:
-        """Tokens and positions on the device, in `batch.aux`: `tok` int32 [N]; `pos`, per sequence an
-        int32 [1] with its first position; `angles`, the RoPE cos/sin tables per (theta, yarn) of the
-        call's positions; `precision`, the matrices' (host-side).
+    def prepare(self, batch: Batch[TritonStep]) -> TritonStep:
+        """Tokens and positions on the device. A decode step of several sequences in one KV-cache block
+        runs batch-native (`decode_batch`, `DecodeInputs`); any other call per sequence, each with its
+        first position (int32 [1]) and RoPE tables at every row."""
+        tokens = torch.cat([s.tokens for s in batch.seqs])
+        # a fill launches a kernel; a copy of a pageable host tensor would wait for the stream to drain
+        if tokens.numel() == 1:
+            tok = torch.full((1,), int(tokens[0]), dtype=torch.int32, device=self.device)
+        else:
+            tok = tokens.to(device=self.device, dtype=torch.int32)
+        decode = None
+        if decode_batch(batch):
+            host = torch.tensor([[s.start for s in batch.seqs], [s.state.index for s in batch.seqs]])
+            decode = DecodeInputs(*host.to(self.device, torch.int32).unbind(0))  # contiguous rows
+        return self.record(batch, tok, decode)
 
-        A decode step of several sequences in one KV-cache block runs batch-native (`decode_batch`):
-        `pos` is then one int32 [B] tensor and `slots` their slots, every attention-side kernel serves
-        all of them in one launch and forms its RoPE angles from the positions (no tables: the step's
-        only device inputs are tok, pos and slots; a captured step presets them to its buffers, and
-        `row_bound` to its bounds). Its attention sublayer keeps one more key between calls,
-        `pending` (layer -> inputs waiting for their launch, `_decode_rows`).
-        """
-        a, aux = self.args, batch.aux
-        if "tok" not in aux:
-            tokens = torch.cat([s.tokens for s in batch.seqs])
-            # a fill launches a kernel; a copy of a pageable host tensor would wait for the stream to drain
-            if tokens.numel() == 1:
-                aux["tok"] = torch.full((1,), int(tokens[0]), dtype=torch.int32, device=self.device)
-            else:
-                aux["tok"] = tokens.to(device=self.device, dtype=torch.int32)
-            if decode_batch(batch):
-                host = torch.tensor([[s.start for s in batch.seqs], [s.state.index for s in batch.seqs]])
-                aux["pos"], aux["slots"] = host.to(self.device, torch.int32).unbind(0)  # contiguous rows
-            else:
-                aux["pos"] = [torch.full((1,), s.start, dtype=torch.int32, device=self.device) for s in batch.seqs]
-        batch.tokens = aux["tok"]
+    def record(self, batch: Batch[TritonStep], tok: torch.Tensor, decode: DecodeInputs | None) -> TritonStep:
+        """The call's record over device inputs already made: `prepare`'s, or a captured step's buffers."""
         n = batch.n_rows
-        if "slots" not in aux:
-            pairs = zip(aux["pos"], batch.seqs, strict=True)
+        starts, angles = [], {}
+        if decode is None:
+            starts = [torch.full((1,), s.start, dtype=torch.int32, device=self.device) for s in batch.seqs]
+            pairs = zip(starts, batch.seqs, strict=True)
             positions = torch.cat([p.long() + torch.arange(s.length, device=self.device) for p, s in pairs])
-            aux["angles"] = {key: rope_angles(positions, inv) for key, inv in self._inv_freq.items()}
-        # bf16 tensor-core operands pay off only for prefill-sized chunks; decode stays in fp32
-        aux["precision"] = self.precision if n > GEMV_MAX_ROWS else EXACT
-        # a decode step (one token per sequence) runs the mHC steps and the routing as one launch
-        # each; a prefill chunk keeps their GEMV and kernel (and their numerics)
-        self.decoding = n <= TICKET_SLOTS and all(s.length == 1 for s in batch.seqs)
+            angles = {key: rope_angles(positions, inv) for key, inv in self._inv_freq.items()}
+        return TritonStep(
+            tok=tok,
+            precision=self.precision if n > GEMV_MAX_ROWS else EXACT,
+            fused=n <= TICKET_SLOTS and all(s.length == 1 for s in batch.seqs),
+            decode=decode,
+            starts=starts,
+            angles=angles,
+        )
+
+    def embed(self, batch: Batch[TritonStep]) -> torch.Tensor | None:
+        a, step = self.args, batch.step
+        self.decoding = step.fused
         w = self.w.embed
         if w is None:  # a later pipeline stage: its streams arrive from the previous one
             return None
-        return quant_blocks.gather_rows(w.data, w.ggml_type, a.dim, batch.tokens, copies=a.hc_mult)
+        return quant_blocks.gather_rows(w.data, w.ggml_type, a.dim, step.tok, copies=a.hc_mult)
 
     # -- streams -----------------------------------------------------------------------------------------
     def _pre_mix(self, il: int, site: Site) -> tuple:
@@ -197,7 +250,7 @@ class TritonOps:
         hc_post.hc_post(h, out, *mix)
         return h, self.hc_head(h, rows)
 
-    def logits(self, y: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def logits(self, y: torch.Tensor, batch: Batch[TritonStep]) -> torch.Tensor:
         return qmatmul(y, self.w.output)
 
     # -- attention ---------------------------------------------------------------------------------------
@@ -226,17 +279,14 @@ class TritonOps:
         layer = self.args.layer(il)
         return self._inv_freq[(layer.rope_theta, layer.yarn)]
 
-    def _angles(self, il: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = self.args.layer(il)
-        return batch.aux["angles"][(layer.rope_theta, layer.yarn)]
-
-    def norm_rope(self, il: int, kind: Rows, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        a, lw = self.args, self.w.layers[il]
-        if "slots" in batch.aux:
-            return self._decode_rows(il, kind, x, batch)
+    def norm_rope(self, il: int, kind: Rows, x: torch.Tensor, batch: Batch[TritonStep]) -> torch.Tensor:
+        a, lw, step = self.args, self.w.layers[il], batch.step
+        if step.decode is not None:
+            return self._decode_rows(il, kind, x, batch, step.decode)
         if kind is Rows.Q_LORA:
             return norm_rope(x, weight=lw.q_norm, eps=a.norm_eps)
-        ang = self._angles(il, batch)
+        layer = self.args.layer(il)
+        ang = step.angles[(layer.rope_theta, layer.yarn)]
         if kind is Rows.QUERY:
             q = x.unflatten(1, (a.n_heads, a.head_dim))
             return norm_rope(q, norm=NORM_PLAIN, eps=a.norm_eps, angles=ang, rope_dim=a.rope_dim)
@@ -246,46 +296,57 @@ class TritonOps:
         q = x.unflatten(1, (a.index_n_heads, a.index_head_dim))
         return norm_rope(q, norm=NORM_NONE, angles=ang, rope_dim=a.rope_dim, qat=QAT_FP4 if self.qat else QAT_NONE)
 
-    @staticmethod
-    def _pending(il: int, batch: Batch) -> dict:
-        return batch.aux.setdefault("pending", {}).setdefault(il, {})
-
-    def _decode_rows(self, il: int, kind: Rows, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def _decode_rows(
+        self, il: int, kind: Rows, x: torch.Tensor, batch: Batch[TritonStep], decode: DecodeInputs
+    ) -> torch.Tensor:
         """A batch-native decode step's rows in two launches per layer. The raw KV row (returned as
-        projected: `write_window` keeps it) and the compressors' inputs wait in `aux["pending"]` until
-        the low-rank query's launch (`decode_rows`) finishes them with it; in ratio-4 layers the query
-        heads (returned unfilled) wait for the indexer query's launch (`query_rows`), which fills both.
-        `Transformer.attention` calls them in that order; `sparse_attention` checks nothing waits."""
+        projected: `write_window` keeps it) and the compressors' inputs wait in `TritonStep.pending`
+        until the low-rank query's launch (`decode_rows`) finishes them with it; in ratio-4 layers the
+        query heads (returned unfilled) wait for the indexer query's launch (`query_rows`), which fills
+        both. `Transformer.attention` calls them in that order; `sparse_attention` checks nothing waits."""
         a, lw, layer = self.args, self.w.layers[il], self.args.layer(il)
-        pending, (pos, slots) = self._pending(il, batch), self._slots(batch)
+        pending = batch.step.pending.setdefault(il, PendingRows())
         if kind is Rows.KV:
             return x
         heads, index_heads = (a.n_heads, a.head_dim), (a.index_n_heads, a.index_head_dim)
         if kind is Rows.QUERY and layer.has_indexer:
-            pending["query"] = x, torch.empty(x.shape[0], *heads, device=self.device)
-            return pending["query"][1]
+            pending.query = x, torch.empty(x.shape[0], *heads, device=self.device)
+            return pending.query[1]
         if kind is not Rows.Q_LORA:
-            q, out, index_q = (x, None, None) if kind is Rows.QUERY else (*pending.pop("query"), x)
-            done = query_rows(q, index_q, pos, self._inv(il), heads, index_heads, a.rope_dim, a.norm_eps, self.qat, out)
+            q, out, index_q = (x, None, None) if kind is Rows.QUERY else (*self._waiting_query(il, pending), x)
+            pos, inv = decode.pos, self._inv(il)
+            done = query_rows(q, index_q, pos, inv, heads, index_heads, a.rope_dim, a.norm_eps, self.qat, out)
             return done[0] if kind is Rows.QUERY else done[1]
-        needs = ["kv"] + ["attn"] * bool(layer.compress_ratio) + ["indexer"] * layer.has_indexer
-        if sorted(pending) != sorted(needs):
+        kinds = {"attn"} if layer.compress_ratio else set()
+        kinds |= {"indexer"} if layer.has_indexer else set()
+        kv, compressing = pending.kv, pending.compressing
+        if kv is None or set(compressing) != kinds:
+            needs = ["kv", *sorted(kinds)]
             raise DwarfStarError(f"layer {il}: the low-rank query's rows come after {needs} (Transformer.attention)")
+        pending.kv, pending.compressing = None, {}
         rings = batch.seqs[0].state.parts(il)["raw"]
         return decode_rows.decode_rows(
-            pos, slots, self._inv(il), x, lw.q_norm, pending.pop("kv"), lw.kv_norm, rings, layer.compress_ratio,
-            a.rope_dim, a.norm_eps, self.qat, pending.pop("attn", None), pending.pop("indexer", None),
+            decode.pos, decode.slots, self._inv(il), x, lw.q_norm, kv, lw.kv_norm, rings, layer.compress_ratio,
+            a.rope_dim, a.norm_eps, self.qat, compressing.get("attn"), compressing.get("indexer"),
         )  # fmt: skip
 
-    def write_window(self, il: int, kv: torch.Tensor, batch: Batch) -> None:
+    @staticmethod
+    def _waiting_query(il: int, pending: PendingRows) -> tuple[torch.Tensor, torch.Tensor]:
+        query, pending.query = pending.query, None
+        if query is None:
+            raise DwarfStarError(f"layer {il}: the indexer query's rows come after the query's (Transformer.attention)")
+        return query
+
+    def write_window(self, il: int, kv: torch.Tensor, batch: Batch[TritonStep]) -> None:
         """Each sequence's window rows [n_prev + T], oldest first, for its attention kernel: the ring's
         rows before the chunk, gathered by device-computed index (a captured step replays at any
         position), then the chunk's. The ring keeps the chunk's rows once attention has read them."""
-        window = self.args.window
-        if "slots" in batch.aux:  # one token each: its row replaces one its query no longer sees
-            self._pending(il, batch)["kv"] = kv  # finished into the ring by the low-rank query's launch
+        window, step = self.args.window, batch.step
+        if step.decode is not None:  # one token each: its row replaces one its query no longer sees
+            step.pending.setdefault(il, PendingRows()).kv = kv  # finished into the ring by the low-rank query's launch
             return
-        for i, (seq, pos) in enumerate(zip(batch.seqs, batch.aux["pos"], strict=True)):
+        windows = step.window[il] = []
+        for seq, pos in zip(batch.seqs, step.starts, strict=True):
             n_prev = min(seq.start, window)
             rows = torch.empty(n_prev + seq.length, self.args.head_dim, device=self.device)
             if n_prev:
@@ -293,22 +354,22 @@ class TritonOps:
                 older = (pos.long() - n_prev + torch.arange(n_prev, device=self.device)) % window
                 torch.index_select(ring, 0, older, out=rows[:n_prev])
             rows[n_prev:] = kv[seq.rows]
-            batch.aux[("window", il, i)] = rows
+            windows.append(rows)
 
-    def compress(self, il: int, kind: str, proj: dict[str, torch.Tensor], batch: Batch) -> None:
+    def compress(self, il: int, kind: str, proj: dict[str, torch.Tensor], batch: Batch[TritonStep]) -> None:
         a, lw = self.args, self.w.layers[il]
         ape, norm = lw.compressor if kind == "attn" else lw.indexer
         rounding = (QAT_FP8 if kind == "attn" else QAT_FP4) if self.qat else QAT_NONE
-        inv = self._inv(il)
-        if "slots" in batch.aux:  # advanced by the low-rank query's launch
+        inv, step = self._inv(il), batch.step
+        if step.decode is not None:  # advanced by the low-rank query's launch
             state = batch.seqs[0].state
             parts = state.parts(il)
-            self._pending(il, batch)[kind] = decode_rows.Compressing(
+            step.pending.setdefault(il, PendingRows()).compressing[kind] = decode_rows.Compressing(
                 proj[f"{kind}_kv"], proj[f"{kind}_gate"], ape, norm, parts[f"{kind}_kv"], parts[f"{kind}_gate"],
                 self.paged_rows(il, kind, state, slots=True),
             )  # fmt: skip
             return
-        for seq, pos in zip(batch.seqs, batch.aux["pos"], strict=True):
+        for seq, pos in zip(batch.seqs, step.starts, strict=True):
             state, ratio = seq.state, seq.state.compressor(il, kind).ratio
             n_emit = compressor.emitted(seq.start, seq.length, ratio)
             kv, gate = proj[f"{kind}_kv"][seq.rows], proj[f"{kind}_gate"][seq.rows]
@@ -323,15 +384,18 @@ class TritonOps:
                 )
                 index_copy_rows(rows.pool, paged_index(rows.table, index), normed)
 
-    def index_topk(self, il: int, q: torch.Tensor, weights: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+    def index_topk(
+        self, il: int, q: torch.Tensor, weights: torch.Tensor, batch: Batch[TritonStep]
+    ) -> list[torch.Tensor]:
         """Per sequence, the selected row indices int32 [T, k] (the kernel pads with -1 where fewer)."""
-        ratio, chosen = self.args.layer(il).compress_ratio, []
-        if "slots" in batch.aux:
-            rows, bound = self.paged_rows(il, "indexer", batch.seqs[0].state, slots=True), self._bound(batch, ratio)
+        ratio, chosen, decode = self.args.layer(il).compress_ratio, [], batch.step.decode
+        if decode is not None:
+            rows = self.paged_rows(il, "indexer", batch.seqs[0].state, slots=True)
+            bound = self._bound(batch, decode, ratio)
             return indexer_scores.indexer_topk_batch(
-                q, weights, rows, *self._slots(batch), bound, ratio, self.args.index_topk
+                q, weights, rows, decode.pos, decode.slots, bound, ratio, self.args.index_topk
             )
-        for seq, pos in zip(batch.seqs, batch.aux["pos"], strict=True):
+        for seq, pos in zip(batch.seqs, batch.step.starts, strict=True):
             rows = self.paged_rows(il, "indexer", seq.state)
             bound = self.rows_in_reach(il, "indexer", seq.state, seq.start + seq.length)
             # scores stay fp32 even in fast mode: the top-k boundary is where small errors change the model
@@ -339,22 +403,24 @@ class TritonOps:
             chosen.append(topk.topk_indices(scores, valid, self.args.index_topk))
         return chosen
 
-    def sparse_attention(self, il: int, q: torch.Tensor, batch: Batch, selected) -> torch.Tensor:
+    def sparse_attention(self, il: int, q: torch.Tensor, batch: Batch[TritonStep], selected) -> torch.Tensor:
         a, lw, layer = self.args, self.w.layers[il], self.args.layer(il)
-        inv = self._inv(il)
-        if "slots" in batch.aux:
-            if batch.aux.get("pending", {}).pop(il, None):
+        inv, step = self._inv(il), batch.step
+        if step.decode is not None:
+            left = step.pending.pop(il, None)
+            if left is not None and left.waiting:
                 raise DwarfStarError(f"layer {il}: decode rows left unfinished (Transformer.attention's order)")
-            state, ratio = batch.seqs[0].state, layer.compress_ratio
+            state, ratio, decode = batch.seqs[0].state, layer.compress_ratio, step.decode
             return attention.attention_batch(
-                q, state.parts(il)["raw"], lw.sinks, inv, a.rope_dim, *self._slots(batch),
+                q, state.parts(il)["raw"], lw.sinks, inv, a.rope_dim, decode.pos, decode.slots,
                 comp_rows=self.paged_rows(il, "attn", state, slots=True) if ratio else None,
-                comp_bound=self._bound(batch, ratio) if ratio else 0,
-                ratio=ratio, selected=selected, precision=batch.aux["precision"],
+                comp_bound=self._bound(batch, decode, ratio) if ratio else 0,
+                ratio=ratio, selected=selected, precision=step.precision,
             )  # fmt: skip
         out = []
-        for i, (seq, pos) in enumerate(zip(batch.seqs, batch.aux["pos"], strict=True)):
-            state, rows = seq.state, batch.aux.pop(("window", il, i))
+        windows = step.window.pop(il)
+        for i, (seq, pos, rows) in enumerate(zip(batch.seqs, step.starts, windows, strict=True)):
+            state = seq.state
             n_prev = rows.shape[0] - seq.length
             end = seq.start + seq.length
             comp, bound = None, None
@@ -363,7 +429,7 @@ class TritonOps:
             o = attention.attention(
                 q[seq.rows], rows, n_prev, a.window, lw.sinks, inv, a.rope_dim, pos,
                 comp_rows=comp, ratio=layer.compress_ratio, selected=None if selected is None else selected[i],
-                split=None, precision=batch.aux["precision"], comp_bound=bound,
+                split=None, precision=step.precision, comp_bound=bound,
             )  # fmt: skip
             keep = min(seq.length, a.window)  # the chunk's newest rows replace the oldest in the ring
             newest = (pos.long() + seq.length - keep + torch.arange(keep, device=self.device)) % a.window
@@ -377,10 +443,10 @@ class TritonOps:
         return qmatmul(grouped, lw.wo_b, precision=precision)
 
     # -- mixture of experts --------------------------------------------------------------------------------
-    def route(self, il: int, x: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, il: int, x: torch.Tensor, batch: Batch[TritonStep]) -> tuple[torch.Tensor, torch.Tensor]:
         a, lw = self.args, self.w.layers[il]
-        k, scale, decoding = a.n_activated_experts, a.route_scale, self.decoding
-        return moe_route.route(x, lw.router, lw.router_bias, lw.tid2eid, batch.tokens, k, scale, fused=decoding)
+        k, scale, step = a.n_activated_experts, a.route_scale, batch.step
+        return moe_route.route(x, lw.router, lw.router_bias, lw.tid2eid, step.tok, k, scale, fused=step.fused)
 
     def moe(
         self, il: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertSource
@@ -401,8 +467,10 @@ class TritonOps:
         return parts.sum(1)
 
 
-class TritonModel(Transformer[torch.Tensor]):
+class TritonModel(Transformer[torch.Tensor, TritonStep]):
     """The shared forward pass over `TritonOps`."""
+
+    ops: TritonOps
 
     def __init__(
         self,
