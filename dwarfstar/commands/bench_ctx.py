@@ -76,8 +76,8 @@ def bench(
     if context.invoked_subcommand is not None:
         return
     from dwarfstar.commands.engines import start
+    from dwarfstar.console.terminal import note
     from dwarfstar.speedbench import frontiers, read_bench_tokens, require_plotting, weight_bytes_per_token
-    from dwarfstar.terminal import note
 
     if plot_out is not None:
         require_plotting()
@@ -104,8 +104,8 @@ def bench(
 
 
 def _write(rows: list[Row], csv_out: Path | None, plot_out: Path | None, title: str) -> None:
+    from dwarfstar.console.terminal import note
     from dwarfstar.speedbench import plot, write_csv
-    from dwarfstar.terminal import note
 
     if csv_out is None:
         write_csv(rows, sys.stdout)
@@ -135,8 +135,8 @@ def _whole_table(path: Path) -> ModelFile:
 def _measure(backend, table: ModelFile, tokens, points, gen_tokens: int, alloc: int, power: int) -> list[Row]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from dwarfstar.console.terminal import stderr_console
     from dwarfstar.speedbench import run_bench
-    from dwarfstar.terminal import stderr_console
     from dwarfstar.throttle import throttle
 
     with Progress(

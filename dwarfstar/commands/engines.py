@@ -11,17 +11,17 @@ import typer
 
 if TYPE_CHECKING:
     from dwarfstar.backends.protocol import Backend
+    from dwarfstar.console.terminal import Speed
     from dwarfstar.distributed.route import Route
     from dwarfstar.engine import Engine
     from dwarfstar.engine_spec import EngineSpec
-    from dwarfstar.terminal import Speed
 
 
 def start(spec: EngineSpec) -> tuple[Engine, Route | None]:
     """Load the engine; on a coordinator also its route (the caller closes it), whose sessions are at
     most the spec's context (the model's when it is longer)."""
+    from dwarfstar.console.terminal import loading
     from dwarfstar.engine import load_engine
-    from dwarfstar.terminal import loading
 
     with loading(spec.model) as progress:
         engine = load_engine(spec, progress)
@@ -47,7 +47,7 @@ def join_route(engine: Engine, spec: EngineSpec, ctx: int) -> Route | None:
 def closing_lines(engine: Engine, paced: Backend, power: int, prefill: Speed, decode: Speed) -> None:
     """After a chat: load, prefill and decode speed (with the idle time of --power), and the expert
     cache's figures under --ssd-streaming."""
-    from dwarfstar.terminal import note, summary_line
+    from dwarfstar.console.terminal import note, summary_line
     from dwarfstar.throttle import ThrottledBackend
 
     if prefill.tokens:

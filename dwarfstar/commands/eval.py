@@ -114,11 +114,11 @@ def eval_command(
         raise typer.Exit(1 if self_test_extractors() else 0)
     if regrade_trace is not None:
         raise typer.Exit(1 if print_regrade(regrade_trace) else 0)
+    from dwarfstar.console.terminal import loading, note
     from dwarfstar.engine import load_engine
     from dwarfstar.evals.questions import load_questions
     from dwarfstar.evals.runner import EvalSettings, auto_context
     from dwarfstar.model.loader import open_model
-    from dwarfstar.terminal import loading, note
     from dwarfstar.tokenizer.tokenizer import Tokenizer
 
     settings = EvalSettings(

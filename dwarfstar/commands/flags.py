@@ -30,7 +30,7 @@ from dwarfstar.errors import DwarfStarError
 from dwarfstar.speculative.options import ALIGNMENTS, MAX_DRAFT, MAX_MARGIN
 
 if TYPE_CHECKING:
-    from dwarfstar.chat import ThinkMode
+    from dwarfstar.console.chat import ThinkMode
     from dwarfstar.distributed.options import DistOptions
     from dwarfstar.experts.attach import StreamingOptions
     from dwarfstar.session.loopguard import LoopGuard
@@ -145,7 +145,7 @@ class SamplingFlags:
         return SamplingParams(self.temp, self.top_k, self.top_p, self.min_p, self.seed)
 
     def mode(self) -> ThinkMode:
-        from dwarfstar.chat import ThinkMode
+        from dwarfstar.console.chat import ThinkMode
 
         if self.think_max:
             return ThinkMode.THINK_MAX

@@ -52,7 +52,7 @@ def pull(
 ) -> None:
     """Download a DeepSeek V4 GGUF published for ds4 into the shared Hugging Face cache, resuming
     dropped connections; `--dir` gets a link under ds4's file name."""
-    from dwarfstar.terminal import note
+    from dwarfstar.console.terminal import note
 
     if list_targets:
         show_targets(out_dir)
@@ -74,7 +74,7 @@ def pull(
 def _pull_one(file: str, out_dir: Path, token: str | None, source: str) -> Path:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    from dwarfstar.terminal import note, stderr_console
+    from dwarfstar.console.terminal import note, stderr_console
 
     if (out_dir / file).exists():
         note(f"already downloaded: {out_dir / file}", "")

@@ -30,9 +30,9 @@ def speculative_reply(
     thinking: bool,
 ) -> None:
     """Prefill `ids`, stream the reply to stdout as `run` does, then a line of speculation figures."""
+    from dwarfstar.console.terminal import StreamPrinter, note
     from dwarfstar.session.session import Session
     from dwarfstar.speculative.decode import load_speculation
-    from dwarfstar.terminal import StreamPrinter, note
     from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 
     spec = load_speculation(options, engine.backend, engine.model).start(Session(engine.backend, ctx=ctx))

@@ -22,7 +22,8 @@ from enum import Enum
 from pathlib import Path
 
 from dwarfstar.backends.protocol import Backend
-from dwarfstar.diagnostics import Trace
+from dwarfstar.console.diagnostics import Trace
+from dwarfstar.console.terminal import PrefillProgress, Speed, StreamPrinter
 from dwarfstar.engine import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.telemetry import summary as expert_summary
@@ -32,7 +33,6 @@ from dwarfstar.session.payload import read_payload, write_payload
 from dwarfstar.session.prefix import common_prefix_len
 from dwarfstar.session.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Cancelled, Session
-from dwarfstar.terminal import PrefillProgress, Speed, StreamPrinter
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 
 DEFAULT_SYSTEM = "You are a helpful assistant"  # ds4's CLI default, without a period
