@@ -43,7 +43,7 @@ class EngineSpec:
     # a draft model for speculative decoding; other drafters (DSpark) would be other option types here
     speculation: MTPOptions | None = None
     dist: DistOptions | None = None  # this process as one stage of a layer pipeline
-    power: int = 100  # keep the device about this % busy (`dwarfstar.throttle`, applied by the caller)
+    power: int = 100  # keep the device about this % busy (`dwarfstar.session.throttle`, applied by the caller)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))

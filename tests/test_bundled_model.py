@@ -21,7 +21,7 @@ from dwarfstar.engine import Engine, load_engine
 from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.model.loader import open_model
-from dwarfstar.session.sampling import GREEDY
+from dwarfstar.sampling import GREEDY
 from dwarfstar.session.session import Session
 from dwarfstar.train.corpus import Split, read_split, word_list
 from dwarfstar.train.params import ParamWeights, init_params

@@ -21,7 +21,7 @@ from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.prompt import render_conversation
-from dwarfstar.session.sampling import GREEDY
+from dwarfstar.sampling import GREEDY
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.specials import BOS, USER
 

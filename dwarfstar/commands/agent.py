@@ -92,9 +92,9 @@ def run_agent(
     from dwarfstar.console.diagnostics import Trace
     from dwarfstar.console.repl import dwarfstar_home
     from dwarfstar.console.terminal import note
-    from dwarfstar.session.kvfile import ModelIdentity
+    from dwarfstar.kvcache.kvfile import ModelIdentity
+    from dwarfstar.session.throttle import throttle
     from dwarfstar.speculative.decode import load_speculation
-    from dwarfstar.throttle import throttle
 
     mode, warning = allowed_mode(sampling.mode(), ctx)
     if warning:

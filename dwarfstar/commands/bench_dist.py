@@ -72,7 +72,7 @@ def resident_mib(pid: int) -> str:
 
 
 def _measure(backend, stages: int, prompt: list[int], decode: int, ctx: int, route=None) -> Figures:
-    from dwarfstar.session.sampling import SamplingParams
+    from dwarfstar.sampling import SamplingParams
     from dwarfstar.session.session import Session
 
     session = Session(backend, ctx=ctx)

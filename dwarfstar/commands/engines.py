@@ -48,7 +48,7 @@ def closing_lines(engine: Engine, paced: Backend, power: int, prefill: Speed, de
     """After a chat: load, prefill and decode speed (with the idle time of --power), and the expert
     cache's figures under --ssd-streaming."""
     from dwarfstar.console.terminal import note, summary_line
-    from dwarfstar.throttle import ThrottledBackend
+    from dwarfstar.session.throttle import ThrottledBackend
 
     if prefill.tokens:
         idle = (power, paced.duty.slept_s) if isinstance(paced, ThrottledBackend) else None

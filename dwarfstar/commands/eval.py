@@ -171,7 +171,7 @@ def run_eval(engine: Engine, ctx: int, selected, settings: EvalSettings, trace, 
     from dwarfstar.evals.runner import Progress, Stop, report_lines, run_question
     from dwarfstar.evals.trace import write_case, write_header
     from dwarfstar.evals.tui import EvalTui, PlainDisplay
-    from dwarfstar.session.sampling import Sampler
+    from dwarfstar.sampling import Sampler
     from dwarfstar.session.session import Session
 
     session = Session(engine.backend, ctx=ctx)

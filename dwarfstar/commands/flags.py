@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from dwarfstar.console.chat import ThinkMode
     from dwarfstar.distributed.options import DistOptions
     from dwarfstar.experts.attach import StreamingOptions
+    from dwarfstar.sampling import SamplingParams
     from dwarfstar.session.loopguard import LoopGuard
-    from dwarfstar.session.sampling import SamplingParams
     from dwarfstar.speculative.options import MTPOptions
     from dwarfstar.steering.apply import SteeringOptions
 
@@ -115,7 +115,7 @@ class ModelFlags:
     precision: Precision = "exact"
 
     def path(self) -> Path:
-        from dwarfstar.hub import resolve_model
+        from dwarfstar.model.hub import resolve_model
 
         return resolve_model(self.model)
 
@@ -140,7 +140,7 @@ class SamplingFlags:
     ] = False
 
     def params(self) -> SamplingParams:
-        from dwarfstar.session.sampling import SamplingParams
+        from dwarfstar.sampling import SamplingParams
 
         return SamplingParams(self.temp, self.top_k, self.top_p, self.min_p, self.seed)
 

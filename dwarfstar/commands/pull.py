@@ -1,5 +1,5 @@
 """`dwarfstar pull NAME`: download one of ds4's published model files through `huggingface_hub`
-(`dwarfstar.hub`); `--list` shows them and what is downloaded."""
+(`dwarfstar.model.hub`); `--list` shows them and what is downloaded."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import typer
 
 from dwarfstar.commands.apps import app
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.hub import DEFAULT_MODEL_LINK, REPO, TARGETS, download, find_token, link_default_model
+from dwarfstar.model.hub import DEFAULT_MODEL_LINK, REPO, TARGETS, download, find_token, link_default_model
 
 GGUF_DIR_ENV = "DS4_GGUF_DIR"  # ds4's variable, so both tools share one download directory
 

@@ -174,7 +174,7 @@ def open_chat(
     from dwarfstar.console.chat import DEFAULT_SYSTEM, Chat, allowed_mode
     from dwarfstar.console.diagnostics import Trace
     from dwarfstar.console.terminal import note
-    from dwarfstar.throttle import throttle
+    from dwarfstar.session.throttle import throttle
 
     mode, warning = allowed_mode(sampling.mode(), spec.ctx)
     if warning:

@@ -14,7 +14,7 @@ from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
     from dwarfstar.engine import Engine
-    from dwarfstar.session.sampling import SamplingParams
+    from dwarfstar.sampling import SamplingParams
     from dwarfstar.speculative.options import MTPOptions
 
 BENCH_PROMPT = "Quel ramo del lago di Como, che volge a mezzogiorno, tra due catene non interrotte di monti"
@@ -69,7 +69,7 @@ def bench_mtp(
     """Greedy decode speed with and without MTP speculation: acceptance per draft position, mean
     accepted drafts per step, tok/s, for each draft count and both alignments."""
     from dwarfstar.engine import load_engine
-    from dwarfstar.session.sampling import GREEDY
+    from dwarfstar.sampling import GREEDY
     from dwarfstar.session.session import Session
     from dwarfstar.speculative.decode import ALIGNMENTS, load_speculation
     from dwarfstar.speculative.options import MTPOptions

@@ -27,11 +27,11 @@ from dwarfstar.console.terminal import PrefillProgress, Speed, StreamPrinter
 from dwarfstar.engine import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.telemetry import summary as expert_summary
+from dwarfstar.kvcache.payload import read_payload, write_payload
 from dwarfstar.prompt.render import render_conversation
+from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.loopguard import LoopGuard, Repetition
-from dwarfstar.session.payload import read_payload, write_payload
 from dwarfstar.session.prefix import common_prefix_len
-from dwarfstar.session.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Cancelled, Session
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 

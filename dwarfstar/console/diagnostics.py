@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from dwarfstar.session.sampling import Sampler, SamplingParams
+from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session, decode_batch, sample_next
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 

@@ -14,7 +14,7 @@ from dwarfstar.distributed.route import ReplayNeeded, Route
 from dwarfstar.distributed.state import RouteState
 from dwarfstar.model.forward import Batch, forward_then_sample
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.sampling import Sampler, sample_batch
+from dwarfstar.sampling import Sampler, sample_batch
 
 
 class RouteBackend:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dwarfstar.engine import Engine
 from dwarfstar.evals import EvalError
-from dwarfstar.session.sampling import Sampler, SamplingParams
+from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from dwarfstar.sampling import TokenLogprobs
 from dwarfstar.serving.errors import bad_request
 from dwarfstar.serving.fields import Fields
 from dwarfstar.serving.generation import TokenLogprob
-from dwarfstar.session.sampling import TokenLogprobs
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat and responses

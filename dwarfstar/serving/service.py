@@ -19,6 +19,7 @@ from dwarfstar.engine import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.prompt.conversation import PromptError
 from dwarfstar.prompt.render import Prompt, render_conversation
+from dwarfstar.sampling import SamplingParams
 from dwarfstar.serving.config import ServerConfig, session_memory_budget
 from dwarfstar.serving.controls import Thinking, context_overflow, resolve_thinking
 from dwarfstar.serving.disk import DiskCache
@@ -35,7 +36,6 @@ from dwarfstar.serving.scheduler import QueueFull, Scheduler, ShuttingDown
 from dwarfstar.serving.trace import Trace
 from dwarfstar.serving.validation import budget_overflow, nothing_to_answer, opens_answer
 from dwarfstar.session.loopguard import LoopGuard, tool_loop, tool_loop_note
-from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.speculative.decode import load_speculation
 from dwarfstar.steering.apply import steering_of
 from dwarfstar.steering.direction import MAX_SCALE, SteeringScale

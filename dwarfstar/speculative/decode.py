@@ -36,7 +36,7 @@ from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState, StateSnapshot
-from dwarfstar.session.sampling import Sampler, SamplingParams
+from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.mtp import MTPDraft, forward_of, load_draft
 from dwarfstar.speculative.options import ALIGNMENTS, MAX_DRAFT, MTPOptions, check_settings

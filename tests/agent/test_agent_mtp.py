@@ -17,7 +17,7 @@ from dwarfstar.agent.loop import Agent
 from dwarfstar.agent.policy import SampledPolicy, SpeculativePolicy
 from dwarfstar.agent.transcript import Transcript
 from dwarfstar.engine import Engine
-from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.session import Cancelled
 from dwarfstar.speculative.decode import load_speculation
 from dwarfstar.speculative.options import MTPOptions

@@ -17,8 +17,8 @@ import torch
 
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.kvcache.payload import read_payload, write_payload
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.payload import read_payload, write_payload
 
 # One prompt for every check. The tiny model has a raw window of 8, ratio-4 layers (indexer top-4)
 # and ratio-128 layers, so position 5 is inside the window, 20 tokens make 5 ratio-4 rows (the

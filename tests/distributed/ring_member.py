@@ -19,7 +19,7 @@ from dwarfstar.distributed.backend import RouteBackend
 from dwarfstar.distributed.launch import DistOptions, run_worker, start_coordinator
 from dwarfstar.engine import load_engine
 from dwarfstar.engine_spec import EngineSpec
-from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.decode import load_speculation
 from dwarfstar.speculative.options import MTPOptions

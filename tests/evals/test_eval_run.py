@@ -18,7 +18,7 @@ from dwarfstar.evals.questions import load_questions
 from dwarfstar.evals.runner import MAX_CONTEXT, EvalSettings, auto_context, prompt_ids, report_lines, run_question
 from dwarfstar.evals.trace import read_trace
 from dwarfstar.model.bundled import default_model_path
-from dwarfstar.session.sampling import Sampler
+from dwarfstar.sampling import Sampler
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.specials import THINK_END
 

@@ -25,8 +25,8 @@ from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.model.state import SequenceState
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
+from dwarfstar.sampling import Sampler, sample_batch
 from dwarfstar.serving.config import ServerConfig
-from dwarfstar.session.sampling import Sampler, sample_batch
 from dwarfstar.tokenizer import specials
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 

@@ -10,7 +10,7 @@ from spec_support import payload, speculative
 
 from dwarfstar.engine import load_engine
 from dwarfstar.engine_spec import EngineSpec
-from dwarfstar.session.sampling import GREEDY
+from dwarfstar.sampling import GREEDY
 from dwarfstar.speculative.mtp import load_draft
 from dwarfstar.speculative.rollback import CompressorTap, truncate
 

@@ -25,7 +25,7 @@ from dwarfstar.model.config import ModelArgs, yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, StreamSteps, Transformer
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.tensors import ProjectionGroup
-from dwarfstar.session.sampling import sample_batch
+from dwarfstar.sampling import sample_batch
 
 
 @dataclass

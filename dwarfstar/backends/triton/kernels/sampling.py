@@ -1,6 +1,6 @@
 """Token sampling on the device: temperature, min-p, top-k, top-p, and a seeded counter-based RNG.
 
-Same rules and order as `dwarfstar.session.sampling.Sampler` (ds4's): keep the tokens whose weight
+Same rules and order as `dwarfstar.sampling.Sampler` (ds4's): keep the tokens whose weight
 p_i = exp((l_i - l_max) / T) is at least min_p (the top token weighs 1), then the k best of those,
 then, with top-p, each token while the mass of the better kept tokens is below top_p of the kept
 total; draw among the survivors in proportion to p_i. Greedy (T <= 0) is the argmax, ties to the
@@ -34,7 +34,7 @@ import triton.language as tl
 
 from dwarfstar.backends.triton.kernels.topk import order_key, topk_indices
 from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, next_pow2
-from dwarfstar.session.sampling import (
+from dwarfstar.sampling import (
     SEED_BITS,
     TOP_K_CAP,
     Sampler,

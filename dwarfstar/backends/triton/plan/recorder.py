@@ -126,7 +126,7 @@ def record_decode_step(
     from dwarfstar.backends.triton.model import TritonModel, row_bound
     from dwarfstar.backends.triton.runtime import PRECISIONS, assume_multiprocessors
     from dwarfstar.backends.triton.synthetic import meta_weights
-    from dwarfstar.session.sampling import SamplingParams
+    from dwarfstar.sampling import SamplingParams
 
     if batch > BUCKETS[-1]:
         raise DwarfStarError(f"a captured decode step serves at most {BUCKETS[-1]} sequences, asked for {batch}")
