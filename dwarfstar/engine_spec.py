@@ -16,9 +16,9 @@ from dwarfstar.backends.registry import ENTRIES
 from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
-    from dwarfstar.distributed.options import DistOptions
+    from dwarfstar.distributed.dist_options import DistOptions
     from dwarfstar.experts.attach import StreamingOptions
-    from dwarfstar.speculative.options import MTPOptions
+    from dwarfstar.speculative.mtp_options import MTPOptions
     from dwarfstar.steering.apply import SteeringOptions
 
 BACKENDS = ("auto", *ENTRIES)

@@ -27,7 +27,7 @@ from dwarfstar.commands.flags import DistBits, DistPrefillChunk, DistPrefillWind
 from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
-    from dwarfstar.distributed.options import DistOptions
+    from dwarfstar.distributed.dist_options import DistOptions
     from dwarfstar.distributed.route import Hop
     from dwarfstar.engine_spec import EngineSpec
 
@@ -102,8 +102,8 @@ def bench_dist(
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the workers, and per message.")] = 600.0,
 ) -> None:
     """Print prefill and decode tok/s and the per-hop overhead for each stage count."""
+    from dwarfstar.distributed.dist_options import DistOptions
     from dwarfstar.distributed.membership import split_by_bytes
-    from dwarfstar.distributed.options import DistOptions
     from dwarfstar.engine import load_engine
     from dwarfstar.model.loader import open_model
 

@@ -15,7 +15,7 @@ from dwarfstar.errors import DwarfStarError
 if TYPE_CHECKING:
     from dwarfstar.engine import Engine
     from dwarfstar.sampling import SamplingParams
-    from dwarfstar.speculative.options import MTPOptions
+    from dwarfstar.speculative.mtp_options import MTPOptions
 
 BENCH_PROMPT = "Quel ramo del lago di Como, che volge a mezzogiorno, tra due catene non interrotte di monti"
 
@@ -72,7 +72,7 @@ def bench_mtp(
     from dwarfstar.sampling import GREEDY
     from dwarfstar.session.session import Session
     from dwarfstar.speculative.decode import ALIGNMENTS, load_speculation
-    from dwarfstar.speculative.options import MTPOptions
+    from dwarfstar.speculative.mtp_options import MTPOptions
     from dwarfstar.tokenizer.tokenizer import Tokenizer
 
     try:

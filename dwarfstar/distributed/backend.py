@@ -11,7 +11,7 @@ import torch
 from dwarfstar.distributed.pipeline import pipelined_prefill
 from dwarfstar.distributed.protocol import DistError
 from dwarfstar.distributed.route import ReplayNeeded, Route
-from dwarfstar.distributed.state import RouteState
+from dwarfstar.distributed.route_state import RouteState
 from dwarfstar.model.forward import Batch, forward_then_sample
 from dwarfstar.model.state import SequenceState
 from dwarfstar.sampling import Sampler, sample_batch

@@ -27,7 +27,7 @@ import torch
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.distributed.protocol import FLAG_DRAFT, FLAG_VERIFY, DraftRequest
 from dwarfstar.distributed.route import ReplayNeeded, Route
-from dwarfstar.distributed.state import RouteSnapshot, RouteState
+from dwarfstar.distributed.route_state import RouteSnapshot, RouteState
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.sampling import Sampler
 from dwarfstar.speculative.rollback import CompressorTap, can_truncate, truncate

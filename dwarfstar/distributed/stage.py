@@ -72,7 +72,7 @@ def settle(model: Transformer, out, batch) -> None:
         return
     import mlx.core as mx
 
-    from dwarfstar.backends.mlx.state import lazy_arrays
+    from dwarfstar.backends.mlx.storage import lazy_arrays
 
     mx.eval(out, *(a for seq in batch.seqs for a in lazy_arrays(seq.state)))
 

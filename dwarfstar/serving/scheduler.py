@@ -38,7 +38,7 @@ from dwarfstar.serving.metrics import Metric, Metrics
 from dwarfstar.serving.output import OutputDecoder
 from dwarfstar.serving.pool import Lease, SessionPool
 from dwarfstar.serving.replay import ToolMemory
-from dwarfstar.serving.trace import Trace
+from dwarfstar.serving.request_trace import Trace
 from dwarfstar.session.loopguard import Repetition
 from dwarfstar.session.session import Session, decode_batch, prefill_batch, sample_next
 from dwarfstar.speculative.decode import MTPSpeculation, step_batch

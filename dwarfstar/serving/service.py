@@ -32,8 +32,8 @@ from dwarfstar.serving.models import ModelCatalog
 from dwarfstar.serving.output import refused_ids
 from dwarfstar.serving.pool import SessionPool
 from dwarfstar.serving.replay import ToolMemory, apply_exact_replay, history_tool_ids, replay_reasoning
+from dwarfstar.serving.request_trace import Trace
 from dwarfstar.serving.scheduler import QueueFull, Scheduler, ShuttingDown
-from dwarfstar.serving.trace import Trace
 from dwarfstar.serving.validation import budget_overflow, nothing_to_answer, opens_answer
 from dwarfstar.session.loopguard import LoopGuard, tool_loop, tool_loop_note
 from dwarfstar.speculative.decode import load_speculation

@@ -39,7 +39,7 @@ from dwarfstar.model.state import SequenceState, StateSnapshot
 from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.mtp import MTPDraft, forward_of, load_draft
-from dwarfstar.speculative.options import ALIGNMENTS, MAX_DRAFT, MTPOptions, check_settings
+from dwarfstar.speculative.mtp_options import ALIGNMENTS, MAX_DRAFT, MTPOptions, check_settings
 from dwarfstar.speculative.rollback import CompressorTap, can_truncate, truncate
 from dwarfstar.speculative.track import DraftTrack
 from dwarfstar.speculative.verify import Verdict, rule_probabilities, verify_greedy, verify_sampled, without_refused

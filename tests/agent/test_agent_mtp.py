@@ -20,7 +20,7 @@ from dwarfstar.engine import Engine
 from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.session import Cancelled
 from dwarfstar.speculative.decode import load_speculation
-from dwarfstar.speculative.options import MTPOptions
+from dwarfstar.speculative.mtp_options import MTPOptions
 
 REPLY_TOKENS = 16
 # the command's replies: to TURNS[0] the bundled model first calls its `search` tool (a call that

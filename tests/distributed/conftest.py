@@ -25,7 +25,7 @@ from dwarfstar.distributed.route import Route
 from dwarfstar.engine import Engine, load_engine
 from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
-from dwarfstar.speculative.options import BUNDLED_MTP
+from dwarfstar.speculative.mtp_options import BUNDLED_MTP
 
 CTX = 256  # stage_worker.CTX
 WORKER = Path(__file__).with_name("stage_worker.py")

@@ -22,7 +22,7 @@ from dwarfstar.engine_spec import EngineSpec
 from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.decode import load_speculation
-from dwarfstar.speculative.options import MTPOptions
+from dwarfstar.speculative.mtp_options import MTPOptions
 
 CTX = 128
 # BOS and "Quel ramo del lago di Como, che vol": from a prompt of the book, the bundled model's greedy

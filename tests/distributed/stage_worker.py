@@ -18,7 +18,7 @@ from dwarfstar.distributed.protocol import Op
 from dwarfstar.distributed.stage import StageWorker
 from dwarfstar.engine import load_engine
 from dwarfstar.engine_spec import EngineSpec
-from dwarfstar.speculative.options import MTPOptions
+from dwarfstar.speculative.mtp_options import MTPOptions
 
 CTX = 256
 

@@ -31,7 +31,7 @@ from dwarfstar.sampling import GREEDY, SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.decode import Speculator
 from dwarfstar.speculative.mtp import load_draft
-from dwarfstar.speculative.options import BUNDLED_MTP
+from dwarfstar.speculative.mtp_options import BUNDLED_MTP
 
 N_TOKENS = 60
 TEXT = "Quel ramo del lago di Como, che volge a mezzogiorno"

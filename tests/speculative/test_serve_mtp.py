@@ -16,7 +16,7 @@ from dwarfstar.model.bundled import default_model_path
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.service import Service
-from dwarfstar.speculative.options import MTPOptions
+from dwarfstar.speculative.mtp_options import MTPOptions
 
 PROMPTS = ["Quel ramo del lago di Como", "Renzo e Lucia", "Don Abbondio tornava bel bello"]
 MODEL = "deepseek-v4-flash"  # the name the server gives the bundled model

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from dwarfstar.backends.mlx import attention, metal_available, ops
-from dwarfstar.backends.mlx.state import MLXStorage, lazy_arrays
+from dwarfstar.backends.mlx.storage import MLXStorage, lazy_arrays
 from dwarfstar.backends.mlx.weights import LayerWeights, Matrix, Weights
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import ModelArgs, yarn_inv_freq

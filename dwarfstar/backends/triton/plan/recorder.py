@@ -120,7 +120,7 @@ def record_decode_step(
     `preset` model's exact shapes (`synthetic.PRESETS`), with the sampling kernel when `sample`, its
     grids sized for a GPU of `multiprocessors` SMs / CUs, its matrices at `precision` ("exact" or
     "fast", `runtime.PRECISIONS`)."""
-    from dwarfstar.backends.triton.bench import decode_bytes_per_token
+    from dwarfstar.backends.triton.gpu_bench import decode_bytes_per_token
     from dwarfstar.backends.triton.graphs import BUCKETS, DecodeGraphs
     from dwarfstar.backends.triton.kernels.sampling import candidates_for
     from dwarfstar.backends.triton.model import TritonModel, row_bound
