@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from dwarfstar.backends.reference.model import ReferenceModel
-from dwarfstar.engine import Engine, load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import Engine, load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.model.loader import open_model
 from dwarfstar.sampling import GREEDY

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from dwarfstar.backends.mlx import mlx_available
 from dwarfstar.backends.registry import pick_backend
 from dwarfstar.cli import _register_commands, app
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.prompt import render_conversation

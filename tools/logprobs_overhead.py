@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session, decode_batch, sample_next

@@ -19,7 +19,7 @@ from dwarfstar.commands.flags import MinP, ModelFlags, Seed, Temp, Think, TopP, 
 from dwarfstar.evals import BUNDLED_SET, DEFAULT_TOKENS
 
 if TYPE_CHECKING:
-    from dwarfstar.engine import Engine
+    from dwarfstar.engine.load import Engine
     from dwarfstar.evals.eval_trace import CaseRecord
     from dwarfstar.evals.runner import EvalSettings
 
@@ -115,7 +115,7 @@ def eval_command(
     if regrade_trace is not None:
         raise typer.Exit(1 if print_regrade(regrade_trace) else 0)
     from dwarfstar.console.terminal import loading, note
-    from dwarfstar.engine import load_engine
+    from dwarfstar.engine.load import load_engine
     from dwarfstar.evals.questions import load_questions
     from dwarfstar.evals.runner import EvalSettings, auto_context
     from dwarfstar.model.loader import open_model

@@ -62,8 +62,8 @@ def profile_experts(
     --ssd-streaming (found next to the model), and a trace for `bench experts --replay`."""
     import numpy as np
 
-    from dwarfstar.engine import load_engine
-    from dwarfstar.engine_spec import EngineSpec
+    from dwarfstar.engine.load import load_engine
+    from dwarfstar.engine.spec import EngineSpec
     from dwarfstar.experts.attach import profile_path
     from dwarfstar.experts.routing_trace import TraceRecorder, skewed_trace
     from dwarfstar.model.loader import open_model

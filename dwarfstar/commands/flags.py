@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from dwarfstar.distributed.dist_options import ROLES, SECRET_ENV, TRANSPORTS
-from dwarfstar.engine_spec import BACKENDS, PRECISION_HELP, EngineSpec
+from dwarfstar.engine.spec import BACKENDS, PRECISION_HELP, EngineSpec
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.speculative.mtp_options import ALIGNMENTS, MAX_DRAFT, MAX_MARGIN
 

@@ -31,7 +31,7 @@ from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
     from dwarfstar.console.chat import Chat
-    from dwarfstar.engine import Engine
+    from dwarfstar.engine.load import Engine
     from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 INTERRUPTED_EXIT = 130  # the shell's code for a run stopped by Ctrl+C

@@ -89,7 +89,7 @@ def serve(
     import uvicorn
 
     from dwarfstar.commands.engines import start
-    from dwarfstar.engine import spec_backend
+    from dwarfstar.engine.load import spec_backend
     from dwarfstar.serving.app import KEEP_ALIVE_SECONDS, create_app
     from dwarfstar.serving.config import ServerConfig
     from dwarfstar.serving.service import Service

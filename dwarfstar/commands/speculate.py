@@ -13,7 +13,7 @@ from dwarfstar.commands.flags import ModelFlags, MTPFile
 from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
-    from dwarfstar.engine import Engine
+    from dwarfstar.engine.load import Engine
     from dwarfstar.sampling import SamplingParams
     from dwarfstar.speculative.mtp_options import MTPOptions
 
@@ -68,7 +68,7 @@ def bench_mtp(
 ) -> None:
     """Greedy decode speed with and without MTP speculation: acceptance per draft position, mean
     accepted drafts per step, tok/s, for each draft count and both alignments."""
-    from dwarfstar.engine import load_engine
+    from dwarfstar.engine.load import load_engine
     from dwarfstar.sampling import GREEDY
     from dwarfstar.session.session import Session
     from dwarfstar.speculative.decode import ALIGNMENTS, load_speculation

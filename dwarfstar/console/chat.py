@@ -24,7 +24,7 @@ from pathlib import Path
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.console.diagnostics import Trace
 from dwarfstar.console.terminal import PrefillProgress, Speed, StreamPrinter
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.kvcache.payload import read_payload, write_payload

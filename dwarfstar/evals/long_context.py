@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
 from dwarfstar.evals import EvalError
 from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session

@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
 from dwarfstar.kvcache import kvfile
 from dwarfstar.kvcache.kvfile import KVFileError, ModelIdentity
 from dwarfstar.kvcache.kvpolicy import MIB, ContinuedSchedule, KVCacheOptions, SaveReason, cold_save_point

@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.prompt.conversation import PromptError
 from dwarfstar.prompt.render import Prompt, render_conversation

@@ -21,7 +21,7 @@ from dwarfstar.agent.policy import Policy, SampledPolicy, ScriptedPolicy
 from dwarfstar.agent.store import SessionStore
 from dwarfstar.agent.transcript import SUMMARY_HEADING, TITLE_CHARS
 from dwarfstar.agent.worker import Worker
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
 from dwarfstar.kvcache.kvfile import ModelIdentity
 from dwarfstar.prompt.dsml import BLOCK_OPEN
 from dwarfstar.sampling import SamplingParams

@@ -16,7 +16,7 @@ from conftest import Recorder, make_agent
 from dwarfstar.agent.loop import Agent
 from dwarfstar.agent.policy import SampledPolicy, SpeculativePolicy
 from dwarfstar.agent.transcript import Transcript
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
 from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.session import Cancelled
 from dwarfstar.speculative.decode import load_speculation

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from dwarfstar.distributed.backend import RouteBackend
-from dwarfstar.distributed.launch import DistOptions, run_worker, start_coordinator
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.launch import DistOptions, run_worker, start_coordinator
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.decode import load_speculation

@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.evals import BUNDLED_SET, EvalError
 from dwarfstar.evals import quality as q
 from dwarfstar.evals.eval_trace import read_trace

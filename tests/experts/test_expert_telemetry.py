@@ -10,8 +10,8 @@ from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.experts.attach import StreamingOptions
 from dwarfstar.experts.layout import ExpertLayout
 from dwarfstar.experts.policy import make_policy

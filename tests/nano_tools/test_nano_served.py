@@ -26,8 +26,8 @@ import pytest
 from live_server import LiveServer, start_server
 
 from dwarfstar import sampling
-from dwarfstar.engine import Engine, load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import Engine, load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.train import chat_data

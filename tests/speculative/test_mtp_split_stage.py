@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.errors import ModelFileError
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.model.loader import write_split

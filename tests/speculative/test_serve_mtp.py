@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from starlette.testclient import TestClient
 
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.config import ServerConfig

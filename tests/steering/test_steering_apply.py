@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.session.session import Session
 from dwarfstar.session.throttle import throttle
 from dwarfstar.steering.apply import SteeredBackend, steering_of

@@ -7,8 +7,8 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.pool import SessionPool

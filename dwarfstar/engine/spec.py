@@ -1,4 +1,4 @@
-"""`EngineSpec`: what to load and how, in one frozen description; `dwarfstar.engine.load_engine(spec)`
+"""`EngineSpec`: what to load and how, in one frozen description; `dwarfstar.engine.load.load_engine(spec)`
 loads it. The command line builds it once from its flags (dwarfstar/commands/flags.py); tests and
 tools build it directly: `EngineSpec(path, "reference", ctx=4096)`.
 

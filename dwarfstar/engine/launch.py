@@ -36,7 +36,7 @@ from dwarfstar.distributed.mlx_ring import MLXRingLink, admit_ring, register_ove
 from dwarfstar.distributed.protocol import DistError
 from dwarfstar.distributed.route import Route, RouteOptions
 from dwarfstar.distributed.stage import StageWorker, WorkerOptions, serve_link, serve_stage
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
 from dwarfstar.model.forward import Transformer
 
 if TYPE_CHECKING:
