@@ -97,7 +97,6 @@ class Chat:
         self.turns: list[Turn] = []
         self.prefill_speed, self.decode_speed = Speed(), Speed()
         self.last: TurnStats | None = None
-        self._prefilled = (0, 0.0)  # tokens and seconds of the latest prefill
 
     # -- the transcript -----------------------------------------------------------------------------
     @property

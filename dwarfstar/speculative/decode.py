@@ -171,11 +171,6 @@ class Speculator:
         """Draft rows for every held hidden row whose paired token is known (`known`: the sequence)."""
         self.track.feed(known, self.state.pos)
 
-    @property
-    def drafted_to(self) -> int:
-        """The target position the draft's next row reads."""
-        return self.track.fed_to
-
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append a prompt in the session's chunks; the draft follows. Returns the next-token logits."""
         tokens = list(tokens)
