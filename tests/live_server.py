@@ -13,7 +13,7 @@ from pathlib import Path
 
 import uvicorn
 
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
 from dwarfstar.serving.app import KEEP_ALIVE_SECONDS, create_app
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.service import Service

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from dwarfstar.bench.frontier import CSV_HEADER, frontiers, kv_bytes_read, weight_bytes_per_token
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.kvcache.payload import payload_nbytes
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
-from dwarfstar.session.payload import payload_nbytes
-from dwarfstar.speedbench import CSV_HEADER, frontiers, kv_bytes_read, weight_bytes_per_token
 
 
 @pytest.fixture(scope="module")

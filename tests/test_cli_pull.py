@@ -17,7 +17,7 @@ from huggingface_hub import constants as hf_constants
 from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
-from dwarfstar.hub import DEFAULT_MODEL_LINK, REPO, TARGETS, HubError
+from dwarfstar.model.hub import DEFAULT_MODEL_LINK, REPO, TARGETS, HubError
 
 _register_commands()
 runner = CliRunner()
@@ -197,7 +197,7 @@ def test_missing_file_bad_token_offline_and_no_network(hub, tmp_path, monkeypatc
 
 def test_a_full_disk_is_refused_before_downloading_and_a_bad_hash_is_caught(hub, tmp_path, monkeypatch) -> None:
     with monkeypatch.context() as patch:
-        patch.setattr("dwarfstar.hub.shutil.disk_usage", lambda path: SimpleNamespace(free=1000))
+        patch.setattr("dwarfstar.model.hub.shutil.disk_usage", lambda path: SimpleNamespace(free=1000))
         full = pull("q2-imatrix", "--token", GOOD_TOKEN)
     assert isinstance(full.exception, HubError) and "not enough disk space" in str(full.exception)
     assert cdn_gets(hub) == []

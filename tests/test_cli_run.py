@@ -16,12 +16,12 @@ from typer.testing import CliRunner
 from dwarfstar.backends.mlx import mlx_available
 from dwarfstar.backends.registry import pick_backend
 from dwarfstar.cli import _register_commands, app
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.prompt import render_conversation
-from dwarfstar.session.sampling import GREEDY
+from dwarfstar.sampling import GREEDY
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.specials import BOS, USER
 

@@ -1,8 +1,14 @@
 """The shape of dwarfstar's import graph, read from the source with `ast` (nothing is imported):
-no circles, the command line on top, no arrow from the lower rooms up into the backends (only to the
-`Backend` protocol, which imports none), no arrow from outside the backends into a backend's
-internals (`test_backends_are_entered_by_their_front_doors`), and no backend name compared as a
-string outside dwarfstar/backends/.
+no circles, every arrow between rooms pointing down the room order (`ROOMS`), the command line on
+top, no arrow from the lower rooms up into the backends (only to the `Backend` protocol, which imports
+none), no arrow from outside the backends into a backend's internals
+(`test_backends_are_entered_by_their_front_doors`), and no backend name compared as a string outside
+dwarfstar/backends/.
+
+A room is a top-level package or module of dwarfstar (`dwarfstar.session`, `dwarfstar.sampling`);
+the `Backend` protocol is a room of its own, below the backends and the session that drives them.
+`python tests/test_imports.py` prints the graph's figures: modules, arrows, rooms, arrows between
+rooms, upward arrows and circles.
 
 Every import counts as an arrow: at module level, inside a function (deferred so that `--help` stays
 fast, but still a dependency) and under `if TYPE_CHECKING:` (a type named is a dependency too).
@@ -23,9 +29,39 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dwarfstar"
 
-LOWER_ROOMS = ("model", "gguf", "tokenizer", "prompt", "session", "experts")  # below the backends
 # the contract the lower rooms are written against; it imports no backend (checked below)
 PROTOCOL = "dwarfstar.backends.protocol"
+# every room, lowest first: a module imports only from its own room and the rooms before it
+ROOMS = (
+    "dwarfstar",  # the package itself: its version
+    "errors",
+    "gguf",
+    "sampling",
+    "tokenizer",
+    "model",
+    "prompt",
+    "kvcache",  # the disk KV cache, apart from the live session
+    PROTOCOL,
+    "session",
+    "experts",
+    "bench",
+    "backends",
+    "quant",
+    "speculative",
+    "steering",
+    "distributed",
+    "train",
+    "convert",
+    "engine",
+    "console",
+    "serving",
+    "evals",
+    "agent",
+    "commands",
+    "cli",
+    "__main__",
+)
+LOWER_ROOMS = ROOMS[: ROOMS.index("backends")]  # below the backends
 BACKEND_NAMES = {"reference", "triton", "mlx"}
 ORACLE = "reference"  # the numerical oracle: its plain-torch model and ops define what the others compute
 HEAVY = ("torch", "triton", "mlx", "starlette", "uvicorn", "huggingface_hub", "httpx2", "prompt_toolkit", "numpy")
@@ -60,10 +96,52 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def graph() -> dict[str, set[str]]:
+def module_graph() -> dict[str, set[str]]:
     known = modules()
     return {name: imports(name, path, known) for name, path in known.items()}
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return module_graph()
+
+
+def room(name: str) -> str:
+    """The room of a dwarfstar module: its top-level package or module, or the protocol's own."""
+    if name == PROTOCOL or name.startswith(PROTOCOL + "."):
+        return PROTOCOL
+    return name.split(".")[1] if "." in name else name
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    rooms: dict[str, set[str]] = {room(name): set() for name in graph}
+    for name, targets in graph.items():
+        rooms[room(name)].update(room(t) for t in targets if room(t) != room(name))
+    return rooms
+
+
+def upward(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """The arrows from a module to one in a room after its own in `ROOMS` (or in no room of it)."""
+    order = {name: i for i, name in enumerate(ROOMS)}
+    return {
+        (name, target)
+        for name, targets in graph.items()
+        for target in targets
+        if order.get(room(target), len(ROOMS)) > order.get(room(name), -1)
+    }
+
+
+def figures(graph: dict[str, set[str]]) -> dict[str, int]:
+    rooms = room_graph(graph)
+    return {
+        "modules": len(graph),
+        "arrows": sum(len(targets) for targets in graph.values()),
+        "rooms": len(rooms),
+        "arrows between rooms": sum(len(targets) for targets in rooms.values()),
+        "upward arrows": len(upward(graph)),
+        "circles of modules": len(circles(graph)),
+        "circles of rooms": len(circles(rooms)),
+    }
 
 
 def circles(graph: dict[str, set[str]]) -> list[set[str]]:
@@ -114,6 +192,24 @@ def test_no_import_circles(graph):
     assert circles(graph) == []
 
 
+def test_every_room_is_in_the_order(graph):
+    assert sorted(set(room_graph(graph)) - set(ROOMS)) == []
+    assert sorted(set(ROOMS) - set(room_graph(graph))) == []
+
+
+def test_every_arrow_points_down_the_room_order(graph):
+    assert upward(graph) == set()
+    assert circles(room_graph(graph)) == []
+
+
+def test_the_room_order_finds_an_upward_arrow():
+    graph = {"dwarfstar.model.config": {"dwarfstar.session.session"}, "dwarfstar.session.session": set()}
+    assert upward(graph) == {("dwarfstar.model.config", "dwarfstar.session.session")}
+    assert room("dwarfstar.backends.protocol") == PROTOCOL
+    assert room("dwarfstar.backends.triton.backend") == "backends"
+    assert room("dwarfstar.sampling") == "sampling"
+
+
 def test_the_command_line_is_on_top(graph):
     """Only the command line imports the command modules: each command registers on an app defined in
     dwarfstar/commands/apps.py, and cli.py imports the command modules, never the other way."""
@@ -130,7 +226,7 @@ def test_no_arrow_from_the_lower_rooms_into_the_backends(graph):
     up = {
         (name, target)
         for name, targets in graph.items()
-        if name.split(".")[1:2] and name.split(".")[1] in LOWER_ROOMS
+        if room(name) in LOWER_ROOMS
         for target in targets
         if target.startswith("dwarfstar.backends") and target != PROTOCOL
     }
@@ -166,12 +262,12 @@ def test_backends_are_entered_by_their_front_doors(graph):
 
 
 def test_the_front_door_rule():
-    assert reaches_inside("dwarfstar.distributed.stage", "dwarfstar.backends.mlx.state")
+    assert reaches_inside("dwarfstar.distributed.stage", "dwarfstar.backends.mlx.storage")
     assert reaches_inside("dwarfstar.steering.apply", "dwarfstar.backends.triton.kernels.sampling")
     assert not reaches_inside("dwarfstar.steering.apply", "dwarfstar.backends.triton")  # the front door
     assert not reaches_inside("dwarfstar.engine", "dwarfstar.backends.registry")
     assert not reaches_inside("dwarfstar.train.mtp", "dwarfstar.backends.reference.model")  # the oracle
-    assert not reaches_inside("dwarfstar.commands.bench_gpu", "dwarfstar.backends.triton.bench")
+    assert not reaches_inside("dwarfstar.commands.bench_gpu", "dwarfstar.backends.triton.gpu_bench")
 
 
 def name_comparisons(path: Path) -> int:
@@ -208,3 +304,8 @@ def test_the_command_line_imports_nothing_heavy():
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == ""
+
+
+if __name__ == "__main__":
+    for label, value in figures(module_graph()).items():
+        print(f"{label}: {value}")

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.kvcache.payload import PayloadError, read_payload, write_payload
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.pages import PAGE_ROWS
 from dwarfstar.model.state import ROW_STEP, KVCache, SplitRows, TorchStorage, layer_compressors
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
-from dwarfstar.session.payload import PayloadError, read_payload, write_payload
 
 WINDOW = TINY.window
 

@@ -19,13 +19,9 @@ from typer.testing import CliRunner
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.cli import _register_commands, app
 from dwarfstar.gguf.constants import GGMLType
-from dwarfstar.model.config import ModelArgs
-from dwarfstar.model.loader import open_model
-from dwarfstar.model.synthetic import TINY, write_synthetic_model
-from dwarfstar.session import kvfile
-from dwarfstar.session.accounting import random_state, state_footprint
-from dwarfstar.session.kvfile import ModelIdentity
-from dwarfstar.session.kvpolicy import (
+from dwarfstar.kvcache import kvfile
+from dwarfstar.kvcache.kvfile import ModelIdentity
+from dwarfstar.kvcache.kvpolicy import (
     ASSISTANT_TOKEN,
     USER_TOKEN,
     ContinuedSchedule,
@@ -35,8 +31,12 @@ from dwarfstar.session.kvpolicy import (
     cold_save_point,
     store_len,
 )
-from dwarfstar.session.kvstore import KVStore
-from dwarfstar.session.payload import payload_nbytes
+from dwarfstar.kvcache.kvstore import KVStore
+from dwarfstar.kvcache.payload import payload_nbytes
+from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.loader import open_model
+from dwarfstar.model.synthetic import TINY, write_synthetic_model
+from dwarfstar.session.accounting import random_state, state_footprint
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
@@ -44,7 +44,7 @@ PROMPT = torch.randint(3, 120000, (301,), generator=torch.Generator().manual_see
 TOL = 1e-5
 CTX, CHUNK = 1024, 64
 OPTS = KVCacheOptions(min_tokens=64, budget_bytes=1 << 30)
-LOGGER = "dwarfstar.session.kvstore"
+LOGGER = "dwarfstar.kvcache.kvstore"
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -248,10 +248,10 @@ def test_kill_during_save_leaves_nothing_loadable(tmp_path, caplog):
     script = textwrap.dedent(f"""
         import io, time
         from dwarfstar.model.synthetic import TINY
-        from dwarfstar.session import kvstore
+        from dwarfstar.kvcache import kvstore
         from dwarfstar.session.accounting import random_state
-        from dwarfstar.session.kvfile import ModelIdentity
-        from dwarfstar.session.kvpolicy import KVCacheOptions, SaveReason
+        from dwarfstar.kvcache.kvfile import ModelIdentity
+        from dwarfstar.kvcache.kvpolicy import KVCacheOptions, SaveReason
 
         def stall_halfway(out, *args):  # write half the payload, then wait to be killed
             buf = io.BytesIO()

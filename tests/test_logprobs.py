@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.session.sampling import GREEDY, Sampler, SamplingParams, redraw_refused, sample_batch
+from dwarfstar.sampling import GREEDY, Sampler, SamplingParams, redraw_refused, sample_batch
 
 VOCAB = 500
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 import dwarfstar
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.prompt import render_conversation
+from dwarfstar.sampling import GREEDY
 from dwarfstar.session.loopguard import LoopGuard, Repetition
-from dwarfstar.session.sampling import GREEDY
 from dwarfstar.session.session import Session
 
 TOKENS = 128

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.kvcache.payload import PayloadError, payload_nbytes, read_payload, write_payload
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
-from dwarfstar.session.payload import PayloadError, payload_nbytes, read_payload, write_payload
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 

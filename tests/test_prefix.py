@@ -9,8 +9,8 @@ from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.prompt.render import Prompt, render_conversation
+from dwarfstar.sampling import GREEDY
 from dwarfstar.session.prefix import parts_after, plan_reuse, prefill_with_reuse
-from dwarfstar.session.sampling import GREEDY
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.specials import Control
 from dwarfstar.tokenizer.tokenizer import Tokenizer

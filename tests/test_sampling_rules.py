@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.session.sampling import GREEDY, Sampler, SamplingParams, redraw_refused, sample_batch, sample_tokens
+from dwarfstar.sampling import GREEDY, Sampler, SamplingParams, redraw_refused, sample_batch, sample_tokens
 
 PROBS = [0.3, 0.2, 0.15, 0.1, 0.08, 0.06, 0.05, 0.03, 0.02, 0.01]
 LOGITS = torch.log(torch.tensor(PROBS))[torch.tensor([3, 0, 7, 1, 9, 2, 5, 8, 4, 6])]  # not in rank order

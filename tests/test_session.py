@@ -12,11 +12,11 @@ import torch
 
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
+from dwarfstar.kvcache.payload import read_payload, write_payload
 from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY
-from dwarfstar.session.payload import read_payload, write_payload
-from dwarfstar.session.sampling import GREEDY, Sampler, SamplingParams, sample_batch
+from dwarfstar.sampling import GREEDY, Sampler, SamplingParams, sample_batch
 from dwarfstar.session.session import Cancelled, Session, decode_batch
 
 PROMPT = torch.randint(3, 120000, (301,), generator=torch.Generator().manual_seed(11)).tolist()
@@ -102,7 +102,7 @@ import sys, torch
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY
-from dwarfstar.session.payload import read_payload
+from dwarfstar.kvcache.payload import read_payload
 model = ReferenceModel(open_model({str(model_path)!r}), qat=False)
 state = read_payload(open({str(tmp_path / "s.dsv4")!r}, "rb").read(), TINY, 1024, 64, model.new_state)
 torch.save(model.forward({PROMPT[260:]!r}, state, all_logits=False), {str(tmp_path / "out.pt")!r})

@@ -6,8 +6,8 @@ import torch
 
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.model.loader import open_model
-from dwarfstar.session.sampling import GREEDY, Sampler
-from dwarfstar.throttle import throttle
+from dwarfstar.sampling import GREEDY, Sampler
+from dwarfstar.session.throttle import throttle
 
 
 def test_a_throttled_backend_keeps_batching_sampling_and_its_context(tiny_model_file) -> None:

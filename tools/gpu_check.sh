@@ -150,7 +150,7 @@ XDIST=""
 $PY -c "import pytest_timeout" 2>/dev/null && TESTFLAGS="$TESTFLAGS --timeout 100"
 
 # -- benchmarks first: the warm step compiles what the bench will launch (the same arguments) --
-BENCH="$PY -m dwarfstar.backends.triton.bench"
+BENCH="$PY -m dwarfstar.backends.triton.gpu_bench"
 DECODE="decode --synthetic flash-q2 --ctx 2048,32768 --batch 1,4 --steps 64 --then-prefill 8192 --chunk 4096 --tune first"
 run warm "$OUT/bench.log" $PY -m dwarfstar.backends.triton.warm $DECODE --warm 16 --target "${TARGET:-cuda:90}" --sms "${SMS:-132}" $DRYFLAG
 run bench "$OUT/bench.log" $BENCH $DECODE --csv "$OUT/decode.csv" --prefill-csv "$OUT/prefill.csv" $DRYFLAG

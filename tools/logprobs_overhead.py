@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
-from dwarfstar.session.sampling import Sampler, SamplingParams
+from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session, decode_batch, sample_next
 
 PROMPT = "Quel ramo del lago di Como, che volge a mezzogiorno"

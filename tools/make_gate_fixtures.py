@@ -34,8 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dwarfstar.engine import load_engine  # noqa: E402
-from dwarfstar.engine_spec import EngineSpec  # noqa: E402
+from dwarfstar.engine.load import load_engine  # noqa: E402
+from dwarfstar.engine.spec import EngineSpec  # noqa: E402
 from dwarfstar.evals.long_context import run_long_context  # noqa: E402
 from dwarfstar.evals.tool_call import ask_server, reply_of  # noqa: E402
 from dwarfstar.evals.vectors import VECTOR_MAGIC, vector_prompt_ids  # noqa: E402

@@ -21,7 +21,8 @@ from dwarfstar.agent.policy import Policy
 from dwarfstar.agent.tools import Toolbox, ToolOutcome
 from dwarfstar.agent.transcript import Entry, Transcript
 from dwarfstar.backends.protocol import Backend
-from dwarfstar.diagnostics import Trace
+from dwarfstar.console.diagnostics import Trace
+from dwarfstar.console.terminal import Speed
 from dwarfstar.experts.store import ExpertStore
 from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.model.state import SequenceState
@@ -30,7 +31,6 @@ from dwarfstar.prompt.dsml_parser import ContentDelta, DsmlParser, ParsedComplet
 from dwarfstar.session.loopguard import LoopGuard, Repetition, ToolStreak, call_key, tool_loop_note
 from dwarfstar.session.prefix import common_prefix_len
 from dwarfstar.session.session import Cancelled, Session
-from dwarfstar.terminal import Speed
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from dwarfstar.agent.loop import Events
 from dwarfstar.agent.tools import ToolOutcome
-from dwarfstar.terminal import REASONING_STYLE, RESET_STYLE, is_styled
+from dwarfstar.console.terminal import REASONING_STYLE, RESET_STYLE, is_styled
 
 RESULT_PREVIEW_LINES = 6
 ARGUMENT_PREVIEW_CHARS = 160

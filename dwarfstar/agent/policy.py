@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.session.sampling import Sampler, SamplingParams
+from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Cancelled, Session
 from dwarfstar.speculative.decode import MTPSpeculation, SpecStats, Speculator
 from dwarfstar.tokenizer.tokenizer import Tokenizer

@@ -26,12 +26,12 @@ from pathlib import Path
 
 from dwarfstar.agent.transcript import Transcript, TranscriptError
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.kvcache import kvfile
+from dwarfstar.kvcache.kvfile import FileHeader, KVFileError, ModelIdentity
+from dwarfstar.kvcache.kvpolicy import MIB, SaveReason
+from dwarfstar.kvcache.payload import PayloadError, check_compatible, payload_nbytes, read_payload, write_payload
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session import kvfile
-from dwarfstar.session.kvfile import FileHeader, KVFileError, ModelIdentity
-from dwarfstar.session.kvpolicy import MIB, SaveReason
-from dwarfstar.session.payload import PayloadError, check_compatible, payload_nbytes, read_payload, write_payload
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 ENV_DIR = "DWARFSTAR_KVCACHE"

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dwarfstar.agent.tools import TOOLS
-from dwarfstar.chat import ThinkMode
+from dwarfstar.console.chat import ThinkMode
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.prompt.render import render_conversation
 from dwarfstar.tokenizer.tokenizer import Tokenizer

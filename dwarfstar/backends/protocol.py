@@ -13,7 +13,7 @@ import torch
 
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.sampling import Sampler
+from dwarfstar.sampling import Sampler
 
 
 class Backend(Protocol):

@@ -41,7 +41,7 @@ class Load:
     """How to load a backend (from an `EngineSpec`, with the entry's defaults filled in)."""
 
     qat: bool
-    precision: str  # `engine_spec.PRECISIONS`; only an entry with `fast_precision` is given "fast"
+    precision: str  # `engine.spec.PRECISIONS`; only an entry with `fast_precision` is given "fast"
     ctx: int | None  # the longest sequence (None: the model's)
     kv_slots: int  # sequences to a KV-cache block
     stream: bool  # leave the routed experts in the file (`attach_experts` streams them)
@@ -217,7 +217,7 @@ class MLX(BackendEntry):
     def settle(self, out, batch):
         import mlx.core as mx
 
-        from dwarfstar.backends.mlx.state import lazy_arrays
+        from dwarfstar.backends.mlx.storage import lazy_arrays
 
         mx.eval(out, *(a for seq in batch.seqs for a in lazy_arrays(seq.state)))  # the pass was only recorded
 

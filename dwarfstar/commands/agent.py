@@ -55,7 +55,7 @@ def agent(
 ) -> None:
     """A coding agent in this directory, running the model in-process; its sessions are KV files."""
     from dwarfstar.commands.engines import start
-    from dwarfstar.terminal import note
+    from dwarfstar.console.terminal import note
 
     spec = engine_flags.spec(ctx=ctx, qat=not no_qat_rounding, power=power)
     engine, route = start(spec)  # a worker serves its layers and exits; a coordinator routes
@@ -87,14 +87,14 @@ def run_agent(
     from dwarfstar.agent.tools import Toolbox
     from dwarfstar.agent.transcript import DEFAULT_SYSTEM, Transcript, system_text
     from dwarfstar.agent.worker import Worker
-    from dwarfstar.chat import allowed_mode
     from dwarfstar.commands.engines import closing_lines
-    from dwarfstar.diagnostics import Trace
-    from dwarfstar.repl import dwarfstar_home
-    from dwarfstar.session.kvfile import ModelIdentity
+    from dwarfstar.console.chat import allowed_mode
+    from dwarfstar.console.diagnostics import Trace
+    from dwarfstar.console.repl import dwarfstar_home
+    from dwarfstar.console.terminal import note
+    from dwarfstar.kvcache.kvfile import ModelIdentity
+    from dwarfstar.session.throttle import throttle
     from dwarfstar.speculative.decode import load_speculation
-    from dwarfstar.terminal import note
-    from dwarfstar.throttle import throttle
 
     mode, warning = allowed_mode(sampling.mode(), ctx)
     if warning:

@@ -19,8 +19,8 @@ from dwarfstar.commands.prompt_tools import EXCERPT, default_bench_text
 from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
+    from dwarfstar.bench.frontier import Row
     from dwarfstar.model.loader import ModelFile
-    from dwarfstar.speedbench import Row
 
 
 def _row_line(row: Row) -> str:
@@ -75,9 +75,9 @@ def bench(
     """Prefill and decode speed at growing context sizes, ds4-bench style; subcommands measure other parts."""
     if context.invoked_subcommand is not None:
         return
+    from dwarfstar.bench.frontier import frontiers, read_bench_tokens, require_plotting, weight_bytes_per_token
     from dwarfstar.commands.engines import start
-    from dwarfstar.speedbench import frontiers, read_bench_tokens, require_plotting, weight_bytes_per_token
-    from dwarfstar.terminal import note
+    from dwarfstar.console.terminal import note
 
     if plot_out is not None:
         require_plotting()
@@ -104,8 +104,8 @@ def bench(
 
 
 def _write(rows: list[Row], csv_out: Path | None, plot_out: Path | None, title: str) -> None:
-    from dwarfstar.speedbench import plot, write_csv
-    from dwarfstar.terminal import note
+    from dwarfstar.bench.frontier import plot, write_csv
+    from dwarfstar.console.terminal import note
 
     if csv_out is None:
         write_csv(rows, sys.stdout)
@@ -135,9 +135,9 @@ def _whole_table(path: Path) -> ModelFile:
 def _measure(backend, table: ModelFile, tokens, points, gen_tokens: int, alloc: int, power: int) -> list[Row]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from dwarfstar.speedbench import run_bench
-    from dwarfstar.terminal import stderr_console
-    from dwarfstar.throttle import throttle
+    from dwarfstar.bench.frontier import run_bench
+    from dwarfstar.console.terminal import stderr_console
+    from dwarfstar.session.throttle import throttle
 
     with Progress(
         TextColumn("bench"),

@@ -27,9 +27,9 @@ from dwarfstar.commands.flags import DistBits, DistPrefillChunk, DistPrefillWind
 from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
-    from dwarfstar.distributed.options import DistOptions
+    from dwarfstar.distributed.dist_options import DistOptions
     from dwarfstar.distributed.route import Hop
-    from dwarfstar.engine_spec import EngineSpec
+    from dwarfstar.engine.spec import EngineSpec
 
 
 @dataclass
@@ -72,7 +72,7 @@ def resident_mib(pid: int) -> str:
 
 
 def _measure(backend, stages: int, prompt: list[int], decode: int, ctx: int, route=None) -> Figures:
-    from dwarfstar.session.sampling import SamplingParams
+    from dwarfstar.sampling import SamplingParams
     from dwarfstar.session.session import Session
 
     session = Session(backend, ctx=ctx)
@@ -102,9 +102,9 @@ def bench_dist(
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the workers, and per message.")] = 600.0,
 ) -> None:
     """Print prefill and decode tok/s and the per-hop overhead for each stage count."""
+    from dwarfstar.distributed.dist_options import DistOptions
     from dwarfstar.distributed.membership import split_by_bytes
-    from dwarfstar.distributed.options import DistOptions
-    from dwarfstar.engine import load_engine
+    from dwarfstar.engine.load import load_engine
     from dwarfstar.model.loader import open_model
 
     counts = [int(s) for s in stages.split(",") if s.strip()]
@@ -136,8 +136,8 @@ def _run_route(spec: EngineSpec, plan: list, opts: DistOptions, spawn: bool, pro
     """One stage count's run. Its own function so that its engine is freed before the next count loads
     its slice: a PRO-shaped coordinator holds gigabytes of float32 weights on the reference backend."""
     from dwarfstar.distributed.backend import RouteBackend
-    from dwarfstar.distributed.launch import start_coordinator
-    from dwarfstar.engine import load_engine
+    from dwarfstar.engine.launch import start_coordinator
+    from dwarfstar.engine.load import load_engine
 
     workers, ctx = [], spec.ctx
     if spawn:

@@ -40,19 +40,19 @@ def bench_kernels(
     if model not in ("flash", "pro"):
         raise DwarfStarError(f"--model must be flash or pro, got {model!r}")
     _require_gpu()
-    from dwarfstar.backends.triton import bench
+    from dwarfstar.backends.triton import gpu_bench
     from dwarfstar.backends.triton.runtime import default_device
 
     device = default_device()
-    peak = bench.device_peak(device, peak_gbs)
+    peak = gpu_bench.device_peak(device, peak_gbs)
     typer.echo(f"{peak.device}: peak {peak.gbs or '?'} GB/s, {peak.tflops or '?'} bf16 TFLOP/s")
     kernels = [k for k in only.split(",") if k]
-    unknown = sorted(set(kernels) - set(bench.KERNELS))
+    unknown = sorted(set(kernels) - set(gpu_bench.KERNELS))
     if unknown:
-        raise DwarfStarError(f"unknown kernel files {unknown}; choose from {', '.join(bench.KERNELS)}")
-    rows = bench.run_kernels(bench.bench_shape(model, device, ctx, prefill), peak, kernels)
-    typer.echo(bench.format_table(rows))
-    bench.write_csv(rows, csv_out)
+        raise DwarfStarError(f"unknown kernel files {unknown}; choose from {', '.join(gpu_bench.KERNELS)}")
+    rows = gpu_bench.run_kernels(gpu_bench.bench_shape(model, device, ctx, prefill), peak, kernels)
+    typer.echo(gpu_bench.format_table(rows))
+    gpu_bench.write_csv(rows, csv_out)
 
 
 @bench_app.command("synthetic")
@@ -68,7 +68,7 @@ def bench_synthetic(
 ) -> None:
     """Decode and prefill speed of a full-size synthetic model built in device memory."""
     _require_gpu()
-    from dwarfstar.backends.triton import bench
+    from dwarfstar.backends.triton import gpu_bench
     from dwarfstar.backends.triton.runtime import FAST, default_device
     from dwarfstar.backends.triton.synthetic import PRESETS
 
@@ -79,13 +79,13 @@ def bench_synthetic(
     except ValueError as exc:
         raise DwarfStarError(f"--ctx must be comma-separated integers, got {ctx!r}") from exc
     device = default_device()
-    peak = bench.device_peak(device, peak_gbs)
-    rows = bench.run_decode(model, layers, contexts, steps, device, peak)
-    typer.echo(bench.format_table(rows))
+    peak = gpu_bench.device_peak(device, peak_gbs)
+    rows = gpu_bench.run_decode(model, layers, contexts, steps, device, peak)
+    typer.echo(gpu_bench.format_table(rows))
     if csv_out:
-        bench.write_csv(rows, csv_out)
+        gpu_bench.write_csv(rows, csv_out)
     if prompt:
-        typer.echo(bench.format_table(bench.run_prefill(model, layers, prompt, chunk, device, FAST)))
+        typer.echo(gpu_bench.format_table(gpu_bench.run_prefill(model, layers, prompt, chunk, device, FAST)))
 
 
 @bench_app.command("gpu-plan")

@@ -50,12 +50,12 @@ def bench_kv(
     directory: Annotated[Path | None, typer.Option("--dir", help="Cache directory (default: a temporary one).")] = None,
 ) -> None:
     """Print the state's bytes per token and the disk KV cache save and load MB/s."""
+    from dwarfstar.kvcache.kvfile import ModelIdentity
+    from dwarfstar.kvcache.kvpolicy import KVCacheOptions, SaveReason
+    from dwarfstar.kvcache.kvstore import KVStore
+    from dwarfstar.kvcache.payload import payload_nbytes
     from dwarfstar.model.config import ModelArgs
     from dwarfstar.session.accounting import random_state, state_footprint
-    from dwarfstar.session.kvfile import ModelIdentity
-    from dwarfstar.session.kvpolicy import KVCacheOptions, SaveReason
-    from dwarfstar.session.kvstore import KVStore
-    from dwarfstar.session.payload import payload_nbytes
 
     if layers < 1 or tokens < 1 or repeat < 1:
         raise DwarfStarError("--layers, --tokens and --repeat must be positive")

@@ -35,7 +35,7 @@ def bench_mlx(
 
     if not mlx_available():
         raise DwarfStarError("MLX is not installed: pip install 'dwarfstar[mlx]'")
-    from dwarfstar.backends.mlx.bench import compare_decode
+    from dwarfstar.backends.mlx.decode_bench import compare_decode
 
     with tempfile.TemporaryDirectory() as tmp:
         if model is None:

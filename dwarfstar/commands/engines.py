@@ -11,17 +11,17 @@ import typer
 
 if TYPE_CHECKING:
     from dwarfstar.backends.protocol import Backend
+    from dwarfstar.console.terminal import Speed
     from dwarfstar.distributed.route import Route
-    from dwarfstar.engine import Engine
-    from dwarfstar.engine_spec import EngineSpec
-    from dwarfstar.terminal import Speed
+    from dwarfstar.engine.load import Engine
+    from dwarfstar.engine.spec import EngineSpec
 
 
 def start(spec: EngineSpec) -> tuple[Engine, Route | None]:
     """Load the engine; on a coordinator also its route (the caller closes it), whose sessions are at
     most the spec's context (the model's when it is longer)."""
-    from dwarfstar.engine import load_engine
-    from dwarfstar.terminal import loading
+    from dwarfstar.console.terminal import loading
+    from dwarfstar.engine.load import load_engine
 
     with loading(spec.model) as progress:
         engine = load_engine(spec, progress)
@@ -33,7 +33,7 @@ def join_route(engine: Engine, spec: EngineSpec, ctx: int) -> Route | None:
     """A worker serves its layers here and exits when its coordinator shuts it down; a coordinator's
     engine gets the route as its backend (the returned route). With MTP speculation the last worker
     loads the block and drafts, and the coordinator requires it."""
-    from dwarfstar.distributed.launch import distribute, run_worker
+    from dwarfstar.engine.launch import distribute, run_worker
 
     dist = spec.dist
     if dist is None:
@@ -47,8 +47,8 @@ def join_route(engine: Engine, spec: EngineSpec, ctx: int) -> Route | None:
 def closing_lines(engine: Engine, paced: Backend, power: int, prefill: Speed, decode: Speed) -> None:
     """After a chat: load, prefill and decode speed (with the idle time of --power), and the expert
     cache's figures under --ssd-streaming."""
-    from dwarfstar.terminal import note, summary_line
-    from dwarfstar.throttle import ThrottledBackend
+    from dwarfstar.console.terminal import note, summary_line
+    from dwarfstar.session.throttle import ThrottledBackend
 
     if prefill.tokens:
         idle = (power, paced.duty.slept_s) if isinstance(paced, ThrottledBackend) else None

@@ -19,9 +19,9 @@ from dwarfstar.commands.flags import MinP, ModelFlags, Seed, Temp, Think, TopP, 
 from dwarfstar.evals import BUNDLED_SET, DEFAULT_TOKENS
 
 if TYPE_CHECKING:
-    from dwarfstar.engine import Engine
+    from dwarfstar.engine.load import Engine
+    from dwarfstar.evals.eval_trace import CaseRecord
     from dwarfstar.evals.runner import EvalSettings
-    from dwarfstar.evals.trace import CaseRecord
 
 SOFT_BUDGET, HARD_BUDGET = 1024, 512  # ds4-eval's reply budgets, at most a half and a quarter of -n when not given
 
@@ -46,7 +46,7 @@ def self_test_extractors() -> int:
 
 def print_regrade(path: Path) -> int:
     """Grade a trace's outputs again and print what changed; returns how many changed."""
-    from dwarfstar.evals.trace import regrade_trace
+    from dwarfstar.evals.eval_trace import regrade_trace
 
     results = regrade_trace(path)
     changed = 0
@@ -114,11 +114,11 @@ def eval_command(
         raise typer.Exit(1 if self_test_extractors() else 0)
     if regrade_trace is not None:
         raise typer.Exit(1 if print_regrade(regrade_trace) else 0)
-    from dwarfstar.engine import load_engine
+    from dwarfstar.console.terminal import loading, note
+    from dwarfstar.engine.load import load_engine
     from dwarfstar.evals.questions import load_questions
     from dwarfstar.evals.runner import EvalSettings, auto_context
     from dwarfstar.model.loader import open_model
-    from dwarfstar.terminal import loading, note
     from dwarfstar.tokenizer.tokenizer import Tokenizer
 
     settings = EvalSettings(
@@ -168,10 +168,10 @@ def eval_command(
 
 def run_eval(engine: Engine, ctx: int, selected, settings: EvalSettings, trace, header, tui: bool, pause_ms: int):
     """The questions in the TUI's order (or one after another), the trace, and the report."""
+    from dwarfstar.evals.eval_trace import write_case, write_header
     from dwarfstar.evals.runner import Progress, Stop, report_lines, run_question
-    from dwarfstar.evals.trace import write_case, write_header
     from dwarfstar.evals.tui import EvalTui, PlainDisplay
-    from dwarfstar.session.sampling import Sampler
+    from dwarfstar.sampling import Sampler
     from dwarfstar.session.session import Session
 
     session = Session(engine.backend, ctx=ctx)

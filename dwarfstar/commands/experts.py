@@ -19,8 +19,8 @@ from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
     from dwarfstar.experts.layout import ExpertLayout
+    from dwarfstar.experts.routing_trace import RoutingTrace
     from dwarfstar.experts.store import Telemetry
-    from dwarfstar.experts.trace import RoutingTrace
 
 POLICIES_HELP = "The store's policy: ds4, lfu, lru."  # experts.policy.POLICIES[:3]
 
@@ -62,10 +62,10 @@ def profile_experts(
     --ssd-streaming (found next to the model), and a trace for `bench experts --replay`."""
     import numpy as np
 
-    from dwarfstar.engine import load_engine
-    from dwarfstar.engine_spec import EngineSpec
+    from dwarfstar.engine.load import load_engine
+    from dwarfstar.engine.spec import EngineSpec
     from dwarfstar.experts.attach import profile_path
-    from dwarfstar.experts.trace import TraceRecorder, skewed_trace
+    from dwarfstar.experts.routing_trace import TraceRecorder, skewed_trace
     from dwarfstar.model.loader import open_model
 
     model_file = open_model(model)
@@ -129,7 +129,7 @@ def first_tokens(trace: RoutingTrace, n_tokens: int) -> RoutingTrace:
     """The trace's first forward calls up to `n_tokens` tokens (whole calls: a prefill chunk stays one)."""
     import numpy as np
 
-    from dwarfstar.experts.trace import RoutingTrace
+    from dwarfstar.experts.routing_trace import RoutingTrace
 
     if trace.n_tokens <= n_tokens:
         return trace
@@ -150,7 +150,7 @@ def simulated_reads(stats: Telemetry, layout: ExpertLayout, n_tokens: int) -> tu
 def replay_layout(layout: ExpertLayout, trace: RoutingTrace) -> tuple[ExpertLayout, str | None]:
     """The layout the trace replays over: the file's, or for a smaller model's trace (nano's real
     routing over a Flash-shaped file) the file's first layers and experts, and a note saying so."""
-    from dwarfstar.experts.trace import TraceError
+    from dwarfstar.experts.routing_trace import TraceError
 
     if (trace.n_layers, trace.n_experts) == (layout.n_layers, layout.n_experts):
         return layout, None
@@ -189,7 +189,7 @@ def bench_experts(
     from dwarfstar.experts.layout import ExpertLayout
     from dwarfstar.experts.policy import POLICIES
     from dwarfstar.experts.replay import disk_figures, frequency_oracle, simulate
-    from dwarfstar.experts.trace import RoutingTrace
+    from dwarfstar.experts.routing_trace import RoutingTrace
     from dwarfstar.model.loader import open_model
 
     if policy not in POLICIES[:3]:
@@ -297,7 +297,7 @@ def bench_experts_bound(
     --synthetic-zipf` writes: where 0.9 x Belady is above the bound, no online policy is within 10%."""
     from dwarfstar.experts.bound import inclusion_probabilities, online_bound, zipf_weights
     from dwarfstar.experts.replay import frequency_oracle, simulate
-    from dwarfstar.experts.trace import skewed_trace
+    from dwarfstar.experts.routing_trace import skewed_trace
 
     if k > experts:
         raise DwarfStarError(f"--k {k} is more than the {experts} experts per layer")

@@ -24,18 +24,18 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from dwarfstar.distributed.options import ROLES, SECRET_ENV, TRANSPORTS
-from dwarfstar.engine_spec import BACKENDS, PRECISION_HELP, EngineSpec
+from dwarfstar.distributed.dist_options import ROLES, SECRET_ENV, TRANSPORTS
+from dwarfstar.engine.spec import BACKENDS, PRECISION_HELP, EngineSpec
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.speculative.options import ALIGNMENTS, MAX_DRAFT, MAX_MARGIN
+from dwarfstar.speculative.mtp_options import ALIGNMENTS, MAX_DRAFT, MAX_MARGIN
 
 if TYPE_CHECKING:
-    from dwarfstar.chat import ThinkMode
-    from dwarfstar.distributed.options import DistOptions
+    from dwarfstar.console.chat import ThinkMode
+    from dwarfstar.distributed.dist_options import DistOptions
     from dwarfstar.experts.attach import StreamingOptions
+    from dwarfstar.sampling import SamplingParams
     from dwarfstar.session.loopguard import LoopGuard
-    from dwarfstar.session.sampling import SamplingParams
-    from dwarfstar.speculative.options import MTPOptions
+    from dwarfstar.speculative.mtp_options import MTPOptions
     from dwarfstar.steering.apply import SteeringOptions
 
 MODEL, GENERATION, SPECULATIVE, MEMORY, DISTRIBUTED, DEBUG = (
@@ -115,7 +115,7 @@ class ModelFlags:
     precision: Precision = "exact"
 
     def path(self) -> Path:
-        from dwarfstar.hub import resolve_model
+        from dwarfstar.model.hub import resolve_model
 
         return resolve_model(self.model)
 
@@ -140,12 +140,12 @@ class SamplingFlags:
     ] = False
 
     def params(self) -> SamplingParams:
-        from dwarfstar.session.sampling import SamplingParams
+        from dwarfstar.sampling import SamplingParams
 
         return SamplingParams(self.temp, self.top_k, self.top_p, self.min_p, self.seed)
 
     def mode(self) -> ThinkMode:
-        from dwarfstar.chat import ThinkMode
+        from dwarfstar.console.chat import ThinkMode
 
         if self.think_max:
             return ThinkMode.THINK_MAX
@@ -296,7 +296,7 @@ class SpeculativeFlags:
     ] = "next"
 
     def options(self) -> MTPOptions | None:
-        from dwarfstar.speculative.options import MTPOptions
+        from dwarfstar.speculative.mtp_options import MTPOptions
 
         return MTPOptions.from_flags(self.mtp, self.mtp_draft, self.mtp_margin, self.mtp_align)
 
@@ -361,7 +361,7 @@ class DistFlags:
 
     def options(self) -> DistOptions | None:
         """None for one process (no role given, none from torchrun's or mlx.launch's environment)."""
-        from dwarfstar.distributed.options import DistOptions
+        from dwarfstar.distributed.dist_options import DistOptions
 
         opts = DistOptions.resolved(
             role=self.dist_role,

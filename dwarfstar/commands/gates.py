@@ -87,8 +87,8 @@ def long_context(
     min_prompt_tokens: Annotated[int, typer.Option(help="The prompt must be longer than this.")] = 30_000,
 ) -> None:
     """Long-context recall: every fact of the story must be in the greedy answer."""
+    from dwarfstar.console.terminal import PrefillProgress
     from dwarfstar.evals.long_context import read_facts, run_long_context
-    from dwarfstar.terminal import PrefillProgress
 
     wanted = read_facts(facts)
     engine = _engine(model, backend, ctx, precision)

@@ -129,7 +129,7 @@ def bench_tokenizer(
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs; the best one counts.")] = 3,
 ) -> None:
     """Encode speed against HF tokenizers on the official tokenizer.json, and a 100-message render+tokenize."""
-    from dwarfstar.prompt.bench import run_bench
+    from dwarfstar.prompt.tokenize_bench import run_bench
     from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 
     path = text_file or default_bench_text()

@@ -1,5 +1,5 @@
 """`dwarfstar pull NAME`: download one of ds4's published model files through `huggingface_hub`
-(`dwarfstar.hub`); `--list` shows them and what is downloaded."""
+(`dwarfstar.model.hub`); `--list` shows them and what is downloaded."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import typer
 
 from dwarfstar.commands.apps import app
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.hub import DEFAULT_MODEL_LINK, REPO, TARGETS, download, find_token, link_default_model
+from dwarfstar.model.hub import DEFAULT_MODEL_LINK, REPO, TARGETS, download, find_token, link_default_model
 
 GGUF_DIR_ENV = "DS4_GGUF_DIR"  # ds4's variable, so both tools share one download directory
 
@@ -52,7 +52,7 @@ def pull(
 ) -> None:
     """Download a DeepSeek V4 GGUF published for ds4 into the shared Hugging Face cache, resuming
     dropped connections; `--dir` gets a link under ds4's file name."""
-    from dwarfstar.terminal import note
+    from dwarfstar.console.terminal import note
 
     if list_targets:
         show_targets(out_dir)
@@ -74,7 +74,7 @@ def pull(
 def _pull_one(file: str, out_dir: Path, token: str | None, source: str) -> Path:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    from dwarfstar.terminal import note, stderr_console
+    from dwarfstar.console.terminal import note, stderr_console
 
     if (out_dir / file).exists():
         note(f"already downloaded: {out_dir / file}", "")

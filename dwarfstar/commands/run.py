@@ -1,6 +1,6 @@
 """`dwarfstar run`: one-shot prompts, the interactive chat, and ds4's diagnostic dumps.
 
-With `-p`/`--prompt-file` it answers once; with neither it opens the chat (dwarfstar/repl.py). A
+With `-p`/`--prompt-file` it answers once; with neither it opens the chat (dwarfstar/console/repl.py). A
 prompt that starts with BOS is taken as already rendered, as in ds4. `--dump-logits` is a contract
 other checks depend on: `--prompt-tokens 0,17,42 --dump-logits OUT.npy` writes float32
 [n_prompt, vocab] logits after each prompt position and exits 0.
@@ -30,8 +30,8 @@ from dwarfstar.commands.flags import (
 from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
-    from dwarfstar.chat import Chat
-    from dwarfstar.engine import Engine
+    from dwarfstar.console.chat import Chat
+    from dwarfstar.engine.load import Engine
     from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 INTERRUPTED_EXIT = 130  # the shell's code for a run stopped by Ctrl+C
@@ -128,7 +128,7 @@ def run(
 ) -> None:
     """Chat with the model: one prompt with -p, else an interactive session."""
     from dwarfstar.commands.engines import closing_lines, start
-    from dwarfstar.repl import run_repl
+    from dwarfstar.console.repl import run_repl
 
     spec = engine_flags.spec(ctx=ctx, qat=not no_qat_rounding, power=power)
     text = read_prompt(prompt, prompt_file)
@@ -137,7 +137,7 @@ def run(
     if dump_tokens:
         if text is None:
             raise DwarfStarError("--dump-tokens needs -p or --prompt-file")
-        from dwarfstar.diagnostics import dump_tokens as dump
+        from dwarfstar.console.diagnostics import dump_tokens as dump
         from dwarfstar.tokenizer.tokenizer import Tokenizer
 
         sys.stdout.write(dump(Tokenizer.from_gguf(spec.model), text))
@@ -171,10 +171,10 @@ def open_chat(
     engine, spec, sampling: SamplingFlags, system: str | None, tokens: int, trace: Path | None, guard: LoopGuardFlags
 ) -> Chat:
     """The chat on the engine: paced by --power, in the thinking mode the flags and the context allow."""
-    from dwarfstar.chat import DEFAULT_SYSTEM, Chat, allowed_mode
-    from dwarfstar.diagnostics import Trace
-    from dwarfstar.terminal import note
-    from dwarfstar.throttle import throttle
+    from dwarfstar.console.chat import DEFAULT_SYSTEM, Chat, allowed_mode
+    from dwarfstar.console.diagnostics import Trace
+    from dwarfstar.console.terminal import note
+    from dwarfstar.session.throttle import throttle
 
     mode, warning = allowed_mode(sampling.mode(), spec.ctx)
     if warning:
@@ -195,8 +195,8 @@ def open_chat(
 def answer(chat: Chat, spec, ids: list[int], thinking: bool, dumps: tuple[Path | None, Path | None], top_k: int):
     """One prompt's answer, streamed (speculative with --mtp), or one of the dumps."""
     from dwarfstar.commands.speculate import speculative_reply
-    from dwarfstar.diagnostics import MAX_LOGPROBS_TOP_K, greedy_logprobs, write_logprobs
-    from dwarfstar.terminal import Interrupt, note
+    from dwarfstar.console.diagnostics import MAX_LOGPROBS_TOP_K, greedy_logprobs, write_logprobs
+    from dwarfstar.console.terminal import Interrupt, note
 
     engine, (dump_logits, dump_logprobs) = chat.engine, dumps
     if dump_logits:

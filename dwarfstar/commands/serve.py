@@ -89,7 +89,7 @@ def serve(
     import uvicorn
 
     from dwarfstar.commands.engines import start
-    from dwarfstar.engine import spec_backend
+    from dwarfstar.engine.load import spec_backend
     from dwarfstar.serving.app import KEEP_ALIVE_SECONDS, create_app
     from dwarfstar.serving.config import ServerConfig
     from dwarfstar.serving.service import Service
@@ -144,7 +144,7 @@ def bench_serve(
     repeats: Annotated[int, typer.Option(help="Rounds per client count; medians are reported.")] = 3,
 ) -> None:
     """Time to first token and aggregate decode tok/s against a live server, batched vs serialised."""
-    from dwarfstar.serving.bench import run_bench
+    from dwarfstar.serving.load_bench import run_bench
 
     options = steering.options()
     try:

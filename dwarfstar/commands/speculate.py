@@ -13,9 +13,9 @@ from dwarfstar.commands.flags import ModelFlags, MTPFile
 from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
-    from dwarfstar.engine import Engine
-    from dwarfstar.session.sampling import SamplingParams
-    from dwarfstar.speculative.options import MTPOptions
+    from dwarfstar.engine.load import Engine
+    from dwarfstar.sampling import SamplingParams
+    from dwarfstar.speculative.mtp_options import MTPOptions
 
 BENCH_PROMPT = "Quel ramo del lago di Como, che volge a mezzogiorno, tra due catene non interrotte di monti"
 
@@ -30,9 +30,9 @@ def speculative_reply(
     thinking: bool,
 ) -> None:
     """Prefill `ids`, stream the reply to stdout as `run` does, then a line of speculation figures."""
+    from dwarfstar.console.terminal import StreamPrinter, note
     from dwarfstar.session.session import Session
     from dwarfstar.speculative.decode import load_speculation
-    from dwarfstar.terminal import StreamPrinter, note
     from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 
     spec = load_speculation(options, engine.backend, engine.model).start(Session(engine.backend, ctx=ctx))
@@ -68,11 +68,11 @@ def bench_mtp(
 ) -> None:
     """Greedy decode speed with and without MTP speculation: acceptance per draft position, mean
     accepted drafts per step, tok/s, for each draft count and both alignments."""
-    from dwarfstar.engine import load_engine
-    from dwarfstar.session.sampling import GREEDY
+    from dwarfstar.engine.load import load_engine
+    from dwarfstar.sampling import GREEDY
     from dwarfstar.session.session import Session
     from dwarfstar.speculative.decode import ALIGNMENTS, load_speculation
-    from dwarfstar.speculative.options import MTPOptions
+    from dwarfstar.speculative.mtp_options import MTPOptions
     from dwarfstar.tokenizer.tokenizer import Tokenizer
 
     try:

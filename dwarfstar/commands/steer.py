@@ -28,7 +28,7 @@ COMPONENTS_HELP = "Hook point: ffn_out or attn_out."  # steering.direction.COMPO
 def _bar(label: str) -> Progress:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from dwarfstar.terminal import stderr_console
+    from dwarfstar.console.terminal import stderr_console
 
     return Progress(
         TextColumn(label),
@@ -113,10 +113,10 @@ def eval_command(
 ) -> None:
     """Greedy replies at each scale: mean length, mean projection on the direction, a sample."""
     from dwarfstar.commands.engines import start
+    from dwarfstar.console.terminal import note
     from dwarfstar.quant.prompts import read_prompts
     from dwarfstar.steering.apply import SteeringOptions
     from dwarfstar.steering.probe import evaluate, prompt_ids
-    from dwarfstar.terminal import note
 
     values = parse_scales(scales)
     texts = read_prompts(prompts)

@@ -11,10 +11,10 @@ import torch
 from dwarfstar.distributed.pipeline import pipelined_prefill
 from dwarfstar.distributed.protocol import DistError
 from dwarfstar.distributed.route import ReplayNeeded, Route
-from dwarfstar.distributed.state import RouteState
+from dwarfstar.distributed.route_state import RouteState
 from dwarfstar.model.forward import Batch, forward_then_sample
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.sampling import Sampler, sample_batch
+from dwarfstar.sampling import Sampler, sample_batch
 
 
 class RouteBackend:

@@ -16,7 +16,7 @@ import torch
 
 from dwarfstar.distributed.protocol import DistError, DraftRequest
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.sampling import Sampler, SamplingParams
+from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.speculative.mtp import MTPDraft
 from dwarfstar.speculative.track import DraftTrack
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, Store
 
-from dwarfstar.distributed.options import DATA_BACKENDS
+from dwarfstar.distributed.dist_options import DATA_BACKENDS
 from dwarfstar.distributed.protocol import (
     FLAG_LOGITS,
     HEADER,

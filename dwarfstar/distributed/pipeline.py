@@ -17,7 +17,7 @@ import torch
 
 from dwarfstar.distributed.protocol import FLAG_LOGITS, DistError
 from dwarfstar.distributed.route import RemoteStage, Route
-from dwarfstar.distributed.state import RouteState
+from dwarfstar.distributed.route_state import RouteState
 
 _STOP = None  # sentinel down the relay queues
 

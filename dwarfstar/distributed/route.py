@@ -42,8 +42,8 @@ from dwarfstar.distributed.protocol import (
     prefix_hash,
     unpack_arrays,
 )
+from dwarfstar.distributed.route_state import RouteSnapshot, RouteState
 from dwarfstar.distributed.stage import settle, to_torch
-from dwarfstar.distributed.state import RouteSnapshot, RouteState
 from dwarfstar.model.forward import Batch, Transformer
 from dwarfstar.model.state import SequenceState, TorchStorage
 

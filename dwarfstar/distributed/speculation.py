@@ -27,9 +27,9 @@ import torch
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.distributed.protocol import FLAG_DRAFT, FLAG_VERIFY, DraftRequest
 from dwarfstar.distributed.route import ReplayNeeded, Route
-from dwarfstar.distributed.state import RouteSnapshot, RouteState
+from dwarfstar.distributed.route_state import RouteSnapshot, RouteState
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.session.sampling import Sampler
+from dwarfstar.sampling import Sampler
 from dwarfstar.speculative.rollback import CompressorTap, can_truncate, truncate
 from dwarfstar.speculative.track import paired_tokens
 

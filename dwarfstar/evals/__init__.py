@@ -2,7 +2,7 @@
 
 The gates (`vectors.py`, `long_context.py`, `tool_call.py`, `quality.py`) tell whoever holds real
 weights whether kernels, quantization, rendering, the KV cache and tool streaming still work; the eval
-(`questions.py`, `graders.py`, `runner.py`, `trace.py`, `tui.py`) runs a question set with ds4-eval's
+(`questions.py`, `graders.py`, `runner.py`, `eval_trace.py`, `tui.py`) runs a question set with ds4-eval's
 prompts, graders, thinking budgets and trace format. `../shared/spec/DS4_SURFACE.md` §1.6, §1.7, §5.1,
 §5.3 and §5.4 give ds4's semantics, which these modules follow.
 """

@@ -18,9 +18,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
 from dwarfstar.evals import EvalError
-from dwarfstar.session.sampling import Sampler, SamplingParams
+from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
 from dwarfstar.evals import EvalError
 from dwarfstar.evals.vectors import vector_prompt_ids
 from dwarfstar.session.session import Session

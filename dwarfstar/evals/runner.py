@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from dwarfstar.evals import DEFAULT_TOKENS, EvalError
+from dwarfstar.evals.eval_trace import CaseRecord, ThinkClose
 from dwarfstar.evals.questions import SYSTEM_PROMPT, Question
-from dwarfstar.evals.trace import CaseRecord, ThinkClose
 from dwarfstar.prompt.render import render_conversation
+from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.prefix import common_prefix_len
-from dwarfstar.session.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 from dwarfstar.tokenizer.specials import THINK_END

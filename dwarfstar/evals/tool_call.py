@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
 from dwarfstar.evals import EvalError
 
 TOOL_NAME = "list_files"

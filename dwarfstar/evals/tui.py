@@ -23,9 +23,9 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.text import Text
 
+from dwarfstar.evals.eval_trace import CaseRecord
 from dwarfstar.evals.questions import Question
 from dwarfstar.evals.runner import Stop
-from dwarfstar.evals.trace import CaseRecord
 
 STREAM_CHARS = 6000  # the tail of the running output the right pane keeps
 STATE_STYLES = {"passed": "green", "failed": "red", "skipped": "yellow", "stopped": "yellow", "pending": "dim"}

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
 from dwarfstar.evals import EvalError
 from dwarfstar.prompt.render import render_conversation
 from dwarfstar.session.session import Session

@@ -24,8 +24,8 @@ from dwarfstar.experts.layout import (
     routed_tensor_names,
 )
 from dwarfstar.experts.policy import make_policy
+from dwarfstar.experts.routing_trace import RoutingTrace
 from dwarfstar.experts.store import ExpertBytes, ExpertStore
-from dwarfstar.experts.trace import RoutingTrace
 from dwarfstar.gguf.dequant import dequantize
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.session.accounting import state_footprint

@@ -21,9 +21,9 @@ import torch
 
 from dwarfstar.experts.layout import ExpertLayout
 from dwarfstar.experts.policy import make_policy
+from dwarfstar.experts.routing_trace import RoutingTrace
 from dwarfstar.experts.source import StreamingExperts
 from dwarfstar.experts.store import DIRECT_ALIGN, READ_THREADS, ExpertCache, round_up
-from dwarfstar.experts.trace import RoutingTrace
 
 
 def replay(cache: ExpertCache, trace: RoutingTrace) -> ExpertCache:

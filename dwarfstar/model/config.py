@@ -103,10 +103,6 @@ class ModelArgs:
 
     # -- derived -----------------------------------------------------------------------------------
     @property
-    def nope_dim(self) -> int:
-        return self.head_dim - self.rope_dim
-
-    @property
     def heads_per_group(self) -> int:
         return self.n_heads // self.o_groups
 

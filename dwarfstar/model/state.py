@@ -54,7 +54,6 @@ from dwarfstar.model.pages import PAGE_ROWS, RowPages
 # Row capacities are multiples of 64: Triton specialises kernels on integer arguments divisible by
 # 16, so every slot's row arrays share one compiled variant whatever the context.
 ROW_STEP = 64
-KINDS = ("attn", "indexer")  # the compressors: the attention's rows, and the indexer's (ratio-4 layers)
 
 
 class Storage(Protocol):

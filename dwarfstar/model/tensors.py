@@ -122,10 +122,6 @@ class TensorSpec:
     shape: tuple[int, ...]  # torch order
     types: frozenset[T]
 
-    @property
-    def gguf_dims(self) -> tuple[int, ...]:
-        return tuple(reversed(self.shape))
-
 
 class TensorLike(Protocol):
     """What validation needs from a tensor in a file: its torch-order shape and ggml type."""

@@ -3,8 +3,8 @@
 from dwarfstar.prompt.conversation import PromptError
 from dwarfstar.prompt.dsml import ToolCall
 from dwarfstar.prompt.dsml_parser import DsmlParser, ParsedCompletion, ParsedToolCall, parse_completion
-from dwarfstar.prompt.options import DS4, OFFICIAL, RenderOptions
 from dwarfstar.prompt.render import Prompt, render_conversation
+from dwarfstar.prompt.render_options import DS4, OFFICIAL, RenderOptions
 
 __all__ = [
     "DS4",

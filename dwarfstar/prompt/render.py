@@ -18,7 +18,7 @@ The rules, in the order they are applied:
    to generate from, and keeping the opener after it makes every later turn render the same bytes.
 5. In thinking mode with reasoning_effort "max" the effort preamble opens the prompt.
 
-`RenderOptions` switches individual rules to ds4's server behaviour (see options.py).
+`RenderOptions` switches individual rules to ds4's server behaviour (see render_options.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 from dwarfstar.prompt import templates
 from dwarfstar.prompt.conversation import PromptError, ToolResult, Turn, to_turns, tool_schema
 from dwarfstar.prompt.dsml import render_tool_calls, to_json
-from dwarfstar.prompt.options import OFFICIAL, RenderOptions
+from dwarfstar.prompt.render_options import OFFICIAL, RenderOptions
 from dwarfstar.tokenizer import specials
 from dwarfstar.tokenizer.specials import TASK_TOKENS, Control, PromptPart
 

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dwarfstar.backends.registry import BackendEntry, host_memory
-from dwarfstar.speculative.options import MTPOptions
+from dwarfstar.speculative.mtp_options import MTPOptions
 
 if TYPE_CHECKING:
-    from dwarfstar.prompt.options import RenderOptions
+    from dwarfstar.prompt.render_options import RenderOptions
     from dwarfstar.session.loopguard import LoopGuard
 
 TEMPLATES = ("ds4", "official")  # ds4's server layout, or the official encoder's
@@ -58,6 +58,6 @@ class ServerConfig:
 
     @property
     def render_options(self) -> RenderOptions:
-        from dwarfstar.prompt.options import DS4, OFFICIAL
+        from dwarfstar.prompt.render_options import DS4, OFFICIAL
 
         return {"ds4": DS4, "official": OFFICIAL}[self.template]

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.sampling import SamplingParams
 from dwarfstar.serving.errors import ApiError, bad_request
 from dwarfstar.serving.fields import Fields
-from dwarfstar.session.sampling import SamplingParams
 
 THINK_MAX_MIN_CTX = 393_216
 EFFORTS = ("max", "xhigh", "high", "medium", "low", "minimal", "none")

@@ -1,6 +1,6 @@
 """The disk KV cache (`--kv-disk-dir`) as the server uses it: ds4's save points around live sessions.
 
-Saves (DS4_SURFACE §4.3, policy in `session/kvpolicy.py`):
+Saves (DS4_SURFACE §4.3, policy in `kvcache/kvpolicy.py`):
 * cold: a request that found nothing to reuse stops its prefill at the stable system + tools prefix
   (or its aligned length) and saves there, so the next conversation with that prefix starts warm;
 * continued: at every multiple of the continued interval, in prefill and in decode (not inside a
@@ -32,15 +32,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
+from dwarfstar.kvcache import kvfile
+from dwarfstar.kvcache.kvfile import KVFileError, ModelIdentity
+from dwarfstar.kvcache.kvpolicy import MIB, ContinuedSchedule, KVCacheOptions, SaveReason, cold_save_point
+from dwarfstar.kvcache.kvstore import KVStore, StateImage
 from dwarfstar.model.state import SequenceState
 from dwarfstar.prompt.render import Prompt
 from dwarfstar.serving.pool import LiveSession
 from dwarfstar.serving.replay import ToolMemory
-from dwarfstar.session import kvfile
-from dwarfstar.session.kvfile import KVFileError, ModelIdentity
-from dwarfstar.session.kvpolicy import MIB, ContinuedSchedule, KVCacheOptions, SaveReason, cold_save_point
-from dwarfstar.session.kvstore import KVStore, StateImage
 
 log = logging.getLogger(__name__)
 

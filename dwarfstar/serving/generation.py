@@ -12,8 +12,8 @@ from typing import Any
 
 from dwarfstar.prompt.dsml_parser import ContentDelta, ParsedCompletion, ReasoningDelta, ToolArgumentsDelta, ToolCallEnd
 from dwarfstar.prompt.render import Prompt
+from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.loopguard import LoopGuard
-from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.steering.direction import SteeringScale
 
 

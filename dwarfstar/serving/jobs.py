@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from dwarfstar.kvcache.kvpolicy import SaveReason
 from dwarfstar.model.state import SequenceState
+from dwarfstar.sampling import Sampler
 from dwarfstar.serving.generation import Event, GenerationRequest, TokenLogprob, Usage
 from dwarfstar.serving.output import OutputDecoder
 from dwarfstar.serving.pool import DiskLookup, Lease
-from dwarfstar.session.kvpolicy import SaveReason
 from dwarfstar.session.loopguard import Repetition
-from dwarfstar.session.sampling import Sampler
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.decode import Speculator
 

@@ -1,6 +1,6 @@
 """Logprobs in the APIs: which requests ask for them, and their shapes.
 
-The numbers are the sampler's (`session.sampling`): the model's log-softmax of logits / T at the
+The numbers are the sampler's (`dwarfstar.sampling`): the model's log-softmax of logits / T at the
 request's temperature (T = 1 for a greedy request), before min-p, top-k and top-p, computed on the
 device with the draw and read in the decode step's one host sync. `dwarfstar run --dump-logprobs`
 draws through the same sampler, so the same prompt gives the same numbers there.
@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from dwarfstar.sampling import TokenLogprobs
 from dwarfstar.serving.errors import bad_request
 from dwarfstar.serving.fields import Fields
 from dwarfstar.serving.generation import TokenLogprob
-from dwarfstar.session.sampling import TokenLogprobs
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat and responses

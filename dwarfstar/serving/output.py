@@ -8,7 +8,7 @@ here, when their name is known, so streamed and final ids agree.
 Control tokens never reach a client as text. A templated request refuses every control token but the
 ones an answer is made of (`refused_ids`: all but `<｜end▁of▁sentence｜>`, which ends the turn,
 `</think>`, which ends the reasoning, and `｜DSML｜`, which tool-call tags are made of), and its
-sampler never draws those (`session.sampling.redraw_refused`): a role token such as `<｜User｜>`
+sampler never draws those (`sampling.redraw_refused`): a role token such as `<｜User｜>`
 inside an answer becomes the model's next choice. Should one still come (MTP speculation accepts
 tokens without that sampler), it is dropped here and noted in the trace, as is a `</think>` once the
 reasoning has ended. A raw completion (`"raw": true`, the client's own template) keeps every token.

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dwarfstar.backends.protocol import Backend
+from dwarfstar.kvcache.kvpolicy import SaveReason
 from dwarfstar.model.state import SequenceState
 from dwarfstar.prompt.render import Prompt
-from dwarfstar.session.kvpolicy import SaveReason
 from dwarfstar.session.prefix import ReusePlan, common_prefix_len, plan_reuse
 from dwarfstar.session.session import Session
 from dwarfstar.steering.apply import steering_of

@@ -27,8 +27,8 @@ from typing import Any
 
 from dwarfstar.prompt.conversation import to_turn
 from dwarfstar.prompt.dsml import render_tool_calls
-from dwarfstar.prompt.options import RenderOptions
 from dwarfstar.prompt.render import Prompt
+from dwarfstar.prompt.render_options import RenderOptions
 from dwarfstar.tokenizer import specials
 from dwarfstar.tokenizer.specials import Control, PromptPart
 

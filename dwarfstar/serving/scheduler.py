@@ -28,6 +28,8 @@ from typing import Any
 
 from dwarfstar.experts.store import ExpertStore
 from dwarfstar.experts.telemetry import summary as expert_summary
+from dwarfstar.kvcache.kvpolicy import SaveReason
+from dwarfstar.sampling import Sampler
 from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.generation import Failed, Finished, Started, Usage
 from dwarfstar.serving.jobs import KV, Decoding, DiskRead, Drafting, Job, Phase
@@ -36,10 +38,8 @@ from dwarfstar.serving.metrics import Metric, Metrics
 from dwarfstar.serving.output import OutputDecoder
 from dwarfstar.serving.pool import Lease, SessionPool
 from dwarfstar.serving.replay import ToolMemory
-from dwarfstar.serving.trace import Trace
-from dwarfstar.session.kvpolicy import SaveReason
+from dwarfstar.serving.request_trace import Trace
 from dwarfstar.session.loopguard import Repetition
-from dwarfstar.session.sampling import Sampler
 from dwarfstar.session.session import Session, decode_batch, prefill_batch, sample_next
 from dwarfstar.speculative.decode import MTPSpeculation, step_batch
 from dwarfstar.tokenizer.tokenizer import Tokenizer

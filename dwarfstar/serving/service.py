@@ -15,10 +15,11 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.prompt.conversation import PromptError
 from dwarfstar.prompt.render import Prompt, render_conversation
+from dwarfstar.sampling import SamplingParams
 from dwarfstar.serving.config import ServerConfig, session_memory_budget
 from dwarfstar.serving.controls import Thinking, context_overflow, resolve_thinking
 from dwarfstar.serving.disk import DiskCache
@@ -31,11 +32,10 @@ from dwarfstar.serving.models import ModelCatalog
 from dwarfstar.serving.output import refused_ids
 from dwarfstar.serving.pool import SessionPool
 from dwarfstar.serving.replay import ToolMemory, apply_exact_replay, history_tool_ids, replay_reasoning
+from dwarfstar.serving.request_trace import Trace
 from dwarfstar.serving.scheduler import QueueFull, Scheduler, ShuttingDown
-from dwarfstar.serving.trace import Trace
 from dwarfstar.serving.validation import budget_overflow, nothing_to_answer, opens_answer
 from dwarfstar.session.loopguard import LoopGuard, tool_loop, tool_loop_note
-from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.speculative.decode import load_speculation
 from dwarfstar.steering.apply import steering_of
 from dwarfstar.steering.direction import MAX_SCALE, SteeringScale

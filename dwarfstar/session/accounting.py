@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dwarfstar.kvcache.payload import payload_nbytes
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.state import KVCache, SequenceState, TorchStorage, layer_compressors
-from dwarfstar.session.payload import payload_nbytes
 
 
 @dataclass(frozen=True)

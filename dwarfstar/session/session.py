@@ -16,7 +16,7 @@ import torch
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.state import StateSnapshot
-from dwarfstar.session.sampling import Sampler, SamplingParams, redraw_refused
+from dwarfstar.sampling import Sampler, SamplingParams, redraw_refused
 
 DEFAULT_CHUNK = 4096
 MAX_CHECKPOINTS = 8  # checkpoints share row buffers; each holds only raw windows, frontiers and logits

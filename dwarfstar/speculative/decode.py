@@ -36,10 +36,10 @@ from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState, StateSnapshot
-from dwarfstar.session.sampling import Sampler, SamplingParams
+from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.mtp import MTPDraft, forward_of, load_draft
-from dwarfstar.speculative.options import ALIGNMENTS, MAX_DRAFT, MTPOptions, check_settings
+from dwarfstar.speculative.mtp_options import ALIGNMENTS, MAX_DRAFT, MTPOptions, check_settings
 from dwarfstar.speculative.rollback import CompressorTap, can_truncate, truncate
 from dwarfstar.speculative.track import DraftTrack
 from dwarfstar.speculative.verify import Verdict, rule_probabilities, verify_greedy, verify_sampled, without_refused
@@ -170,11 +170,6 @@ class Speculator:
     def _feed(self, known: list[int]) -> None:
         """Draft rows for every held hidden row whose paired token is known (`known`: the sequence)."""
         self.track.feed(known, self.state.pos)
-
-    @property
-    def drafted_to(self) -> int:
-        """The target position the draft's next row reads."""
-        return self.track.fed_to
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append a prompt in the session's chunks; the draft follows. Returns the next-token logits."""

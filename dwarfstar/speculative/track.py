@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dwarfstar.session.sampling import Sampler
+from dwarfstar.sampling import Sampler
 from dwarfstar.speculative.mtp import MTPDraft
 from dwarfstar.speculative.verify import draw, next_uniform, rule_probabilities
 

@@ -8,7 +8,7 @@ distribution q_k; it is accepted with probability min(1, p_k(d_k) / q_k(d_k)), p
 distribution there. At the first rejection the next token is drawn from the residual
 max(0, p_k - q_k) renormalised; when all are accepted, from p_{n+1}. Each emitted token is then
 distributed exactly as non-speculative sampling would draw it. p and q are the same sampling rules
-(`session/sampling.py`: temperature, min-p, top-k, top-p) applied to each model's logits, and the
+(`sampling.py`: temperature, min-p, top-k, top-p) applied to each model's logits, and the
 ids a request refuses (`SamplingParams.refused`) taken out as plain decoding takes them out: greedy,
 the best allowed id; sampled, a refused id's mass goes to a second draw over the others
 (`redraw_refused`), so p is P without the refused ids plus P(refused) times P over the rest.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dwarfstar.session.sampling import TOP_K_CAP, Sampler, SamplingParams, philox_uniform
+from dwarfstar.sampling import TOP_K_CAP, Sampler, SamplingParams, philox_uniform
 
 
 def without_refused(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

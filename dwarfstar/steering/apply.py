@@ -29,7 +29,7 @@ from dwarfstar.backends.registry import entry_of
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.forward import Batch, HookPoint, Transformer
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.sampling import Sampler
+from dwarfstar.sampling import Sampler
 from dwarfstar.session.session import Session
 from dwarfstar.steering.direction import Direction, SteeringError, SteeringScale, read_direction, steer
 

@@ -18,7 +18,7 @@ from dwarfstar.backends.protocol import Backend
 from dwarfstar.model.forward import Batch, HookPoint, Transformer
 from dwarfstar.prompt import render_conversation
 from dwarfstar.quant.prompts import PromptText
-from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.steering.apply import DeviceArrays, SteeredBackend, hookable, steering_of
 from dwarfstar.steering.direction import SteeringScale, projection

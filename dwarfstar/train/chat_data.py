@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import regex
 
-from dwarfstar.prompt.options import DS4, OFFICIAL, RenderOptions
 from dwarfstar.prompt.render import render_conversation
+from dwarfstar.prompt.render_options import DS4, OFFICIAL, RenderOptions
 from dwarfstar.tokenizer.specials import ASSISTANT, EOS, USER, Control, PromptPart
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 

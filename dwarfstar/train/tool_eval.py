@@ -23,7 +23,7 @@ from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.loader import open_model
 from dwarfstar.prompt.dsml_parser import parse_completion
-from dwarfstar.prompt.options import DS4
+from dwarfstar.prompt.render_options import DS4
 from dwarfstar.tokenizer.specials import EOS, USER
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json

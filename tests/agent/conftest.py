@@ -12,9 +12,9 @@ from dwarfstar.agent.loop import Agent, Events
 from dwarfstar.agent.policy import Policy, ScriptedPolicy
 from dwarfstar.agent.tools import Toolbox, ToolOutcome
 from dwarfstar.agent.transcript import Transcript, system_text
-from dwarfstar.chat import ThinkMode
-from dwarfstar.engine import Engine, load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.console.chat import ThinkMode
+from dwarfstar.engine.load import Engine, load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.prompt.dsml import ToolCall, render_tool_calls
 

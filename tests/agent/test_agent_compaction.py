@@ -21,10 +21,10 @@ from dwarfstar.agent.policy import Policy, SampledPolicy, ScriptedPolicy
 from dwarfstar.agent.store import SessionStore
 from dwarfstar.agent.transcript import SUMMARY_HEADING, TITLE_CHARS
 from dwarfstar.agent.worker import Worker
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
+from dwarfstar.kvcache.kvfile import ModelIdentity
 from dwarfstar.prompt.dsml import BLOCK_OPEN
-from dwarfstar.session.kvfile import ModelIdentity
-from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.session import Session
 
 CTX = 2048

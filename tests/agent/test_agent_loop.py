@@ -15,9 +15,9 @@ from dwarfstar.agent.output import Printer
 from dwarfstar.agent.policy import SampledPolicy, ScriptedPolicy
 from dwarfstar.agent.store import SessionStore
 from dwarfstar.agent.worker import Worker
-from dwarfstar.session.kvfile import ModelIdentity
+from dwarfstar.kvcache.kvfile import ModelIdentity
+from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.loopguard import LoopGuard, tool_loop_note
-from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.tokenizer import specials
 
 

@@ -16,11 +16,11 @@ from conftest import Recorder, make_agent
 from dwarfstar.agent.loop import Agent
 from dwarfstar.agent.policy import SampledPolicy, SpeculativePolicy
 from dwarfstar.agent.transcript import Transcript
-from dwarfstar.engine import Engine
-from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.engine.load import Engine
+from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.session import Cancelled
 from dwarfstar.speculative.decode import load_speculation
-from dwarfstar.speculative.options import MTPOptions
+from dwarfstar.speculative.mtp_options import MTPOptions
 
 REPLY_TOKENS = 16
 # the command's replies: to TURNS[0] the bundled model first calls its `search` tool (a call that

@@ -10,12 +10,12 @@ from conftest import Recorder, make_agent
 
 from dwarfstar.agent.policy import ScriptedPolicy
 from dwarfstar.agent.store import SYSPROMPT, SessionError, SessionStore, session_id
-from dwarfstar.engine import Engine, load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import Engine, load_engine
+from dwarfstar.engine.spec import EngineSpec
+from dwarfstar.kvcache import kvfile
+from dwarfstar.kvcache.kvfile import ModelIdentity
+from dwarfstar.kvcache.kvpolicy import SaveReason
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
-from dwarfstar.session import kvfile
-from dwarfstar.session.kvfile import ModelIdentity
-from dwarfstar.session.kvpolicy import SaveReason
 
 
 def open_store(engine: Engine, directory: Path, ctx: int = 8192) -> SessionStore:

@@ -21,7 +21,7 @@ from dwarfstar.agent.policy import ScriptedPolicy
 from dwarfstar.agent.store import SessionStore
 from dwarfstar.agent.tui import run_tui
 from dwarfstar.agent.worker import Worker
-from dwarfstar.session.kvfile import ModelIdentity
+from dwarfstar.kvcache.kvfile import ModelIdentity
 
 WAIT_S = 60
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from dwarfstar.backends.protocol import Backend
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.spec import EngineSpec
+from dwarfstar.kvcache.payload import read_payload, write_payload
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.payload import read_payload, write_payload
 
 # One prompt for every check. The tiny model has a raw window of 8, ratio-4 layers (indexer top-4)
 # and ratio-128 layers, so position 5 is inside the window, 20 tokens make 5 ratio-4 rows (the
@@ -65,7 +65,7 @@ def backend_kinds() -> list[tuple[BackendKind | None, str, str | None]]:
 
 
 def load(kind: BackendKind, model_path: Path, qat: bool) -> Backend:
-    """The backend as `dwarfstar.engine.load_engine` builds it; Triton's interpreter only through the
+    """The backend as `dwarfstar.engine.load.load_engine` builds it; Triton's interpreter only through the
     Triton loader, as load_engine refuses Triton without a GPU."""
     if kind.runs_on == "interpret":
         from triton_interpreter import apply_patches
@@ -75,7 +75,7 @@ def load(kind: BackendKind, model_path: Path, qat: bool) -> Backend:
 
         apply_patches()
         return load_backend(open_model(model_path), device="cpu", qat=qat)
-    from dwarfstar.engine import load_engine
+    from dwarfstar.engine.load import load_engine
 
     return load_engine(EngineSpec(model_path, backend=kind.name, qat=qat)).backend
 

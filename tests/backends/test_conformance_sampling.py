@@ -1,4 +1,4 @@
-"""Each backend's sampling path against the rules of `dwarfstar.session.sampling.Sampler`.
+"""Each backend's sampling path against the rules of `dwarfstar.sampling.Sampler`.
 
 The draws go through the backend's own `sample_batch` (Triton's kernel for greedy and top-k rows,
 the device-agnostic rules elsewhere), on logits held where the backend keeps them. The expected distribution is
@@ -15,7 +15,7 @@ import pytest
 import torch
 from conformance import PROMPT, state_device, state_from_payload
 
-from dwarfstar.session.sampling import Sampler, SamplingParams
+from dwarfstar.sampling import Sampler, SamplingParams
 
 # Rows of WIDTH logits: the rules do not depend on the width, and a draw costs Triton's interpreter
 # 0.05 s on 256 logits but 0.5 s on 4,096 (2.3 s for a greedy one over the 129,280 of the model).

@@ -16,11 +16,11 @@ import pytest
 import torch
 from conformance import CHUNK, CTX, PROMPT, child_env, payload_of, state_from_payload
 
+from dwarfstar.kvcache.kvfile import ModelIdentity
+from dwarfstar.kvcache.kvpolicy import KVCacheOptions, SaveReason
+from dwarfstar.kvcache.kvstore import KVStore
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.kvfile import ModelIdentity
-from dwarfstar.session.kvpolicy import KVCacheOptions, SaveReason
-from dwarfstar.session.kvstore import KVStore
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 # The reference prefills PROMPT[:28]; the backend adds 28 and 29 (a chunk that writes its own raw

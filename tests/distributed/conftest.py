@@ -19,13 +19,13 @@ import torch
 from live_server import free_port
 
 from dwarfstar.distributed.backend import RouteBackend
-from dwarfstar.distributed.launch import DistOptions, start_coordinator
 from dwarfstar.distributed.membership import parse_layers
 from dwarfstar.distributed.route import Route
-from dwarfstar.engine import Engine, load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.launch import DistOptions, start_coordinator
+from dwarfstar.engine.load import Engine, load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
-from dwarfstar.speculative.options import BUNDLED_MTP
+from dwarfstar.speculative.mtp_options import BUNDLED_MTP
 
 CTX = 256  # stage_worker.CTX
 WORKER = Path(__file__).with_name("stage_worker.py")

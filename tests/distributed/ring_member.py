@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from dwarfstar.distributed.backend import RouteBackend
-from dwarfstar.distributed.launch import DistOptions, run_worker, start_coordinator
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
-from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.engine.launch import DistOptions, run_worker, start_coordinator
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
+from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.decode import load_speculation
-from dwarfstar.speculative.options import MTPOptions
+from dwarfstar.speculative.mtp_options import MTPOptions
 
 CTX = 128
 # BOS and "Quel ramo del lago di Como, che vol": from a prompt of the book, the bundled model's greedy

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from dwarfstar.distributed.launch import DistOptions, run_worker
 from dwarfstar.distributed.protocol import Op
 from dwarfstar.distributed.stage import StageWorker
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
-from dwarfstar.speculative.options import MTPOptions
+from dwarfstar.engine.launch import DistOptions, run_worker
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
+from dwarfstar.speculative.mtp_options import MTPOptions
 
 CTX = 256
 

@@ -11,10 +11,10 @@ import pytest
 from conftest import free_port
 from typer.testing import CliRunner
 
+from dwarfstar.bench.frontier import kv_bytes_read, weight_bytes_per_token
 from dwarfstar.cli import _register_commands, app
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY
-from dwarfstar.speedbench import kv_bytes_read, weight_bytes_per_token
 
 
 def test_bench_dist_runs_one_process_then_a_spawned_route(tiny_model_file):

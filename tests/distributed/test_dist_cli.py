@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
 from dwarfstar.model.bundled import default_model_path
-from dwarfstar.speculative.options import BUNDLED_MTP
+from dwarfstar.speculative.mtp_options import BUNDLED_MTP
 
 PROMPT_IDS = "0,17,42,99,5,1000"
 

@@ -11,7 +11,7 @@ from conftest import CTX, DIE_AT_ROWS, WAIT_S
 
 from dwarfstar.distributed.link import Message
 from dwarfstar.distributed.protocol import Header, Op, RouteIncompleteError, SegmentRecord
-from dwarfstar.session.payload import read_payload, write_payload
+from dwarfstar.kvcache.payload import read_payload, write_payload
 from dwarfstar.session.session import Session
 
 PROMPT = [5, 17, 42, 7, 99, 1000, 5, 31, 64, 2]

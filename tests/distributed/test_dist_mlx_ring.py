@@ -13,7 +13,7 @@ import pytest
 from conftest import WAIT_S, free_port
 
 from dwarfstar.model.bundled import default_model_path
-from dwarfstar.speculative.options import BUNDLED_MTP
+from dwarfstar.speculative.mtp_options import BUNDLED_MTP
 
 pytest.importorskip("mlx.core")
 

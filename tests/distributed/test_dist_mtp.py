@@ -26,12 +26,12 @@ from dwarfstar.distributed.membership import (
 from dwarfstar.distributed.protocol import DistError, DraftRequest, Header, Op, RegistrationError, SegmentRecord, Status
 from dwarfstar.distributed.route import Route, RouteOptions
 from dwarfstar.distributed.stage import StageWorker
-from dwarfstar.session.payload import write_payload
-from dwarfstar.session.sampling import GREEDY, SamplingParams
+from dwarfstar.kvcache.payload import write_payload
+from dwarfstar.sampling import GREEDY, SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.decode import Speculator
 from dwarfstar.speculative.mtp import load_draft
-from dwarfstar.speculative.options import BUNDLED_MTP
+from dwarfstar.speculative.mtp_options import BUNDLED_MTP
 
 N_TOKENS = 60
 TEXT = "Quel ramo del lago di Como, che volge a mezzogiorno"

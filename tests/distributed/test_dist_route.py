@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dwarfstar.session.sampling import SamplingParams
+from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.session import Session, decode_batch
 
 PROMPT = [0, 17, 42, 7, 99, 1000, 5, 31, 64, 2, 11, 128, 77, 3, 4096, 12, 8, 9, 250, 6]

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from dwarfstar.backends.reference.model import ReferenceModel
-from dwarfstar.distributed.launch import DistOptions, local_model
 from dwarfstar.distributed.membership import LayerSlice
 from dwarfstar.distributed.protocol import DistError
-from dwarfstar.engine import Engine
+from dwarfstar.engine.launch import DistOptions, local_model
+from dwarfstar.engine.load import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.gguf.split import layer_of
 from dwarfstar.model.loader import ModelFile, open_model

@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import CTX, Cluster
 
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 
 PROMPT = [0, 17, 42, 7, 99, 1000, 5, 31]
 

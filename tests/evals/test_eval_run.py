@@ -10,15 +10,15 @@ import pytest
 from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.evals import BUNDLED_SET, EvalError
 from dwarfstar.evals import quality as q
+from dwarfstar.evals.eval_trace import read_trace
 from dwarfstar.evals.questions import load_questions
 from dwarfstar.evals.runner import MAX_CONTEXT, EvalSettings, auto_context, prompt_ids, report_lines, run_question
-from dwarfstar.evals.trace import read_trace
 from dwarfstar.model.bundled import default_model_path
-from dwarfstar.session.sampling import Sampler
+from dwarfstar.sampling import Sampler
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.specials import THINK_END
 

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
 from dwarfstar.evals import EvalError, graders
-from dwarfstar.evals.trace import CaseRecord, read_trace, regrade_trace, write_case, write_header
+from dwarfstar.evals.eval_trace import CaseRecord, read_trace, regrade_trace, write_case, write_header
 
 _register_commands()
 runner = CliRunner()

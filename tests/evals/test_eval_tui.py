@@ -9,9 +9,9 @@ import pytest
 from rich.console import Console
 
 from dwarfstar.evals import BUNDLED_SET
+from dwarfstar.evals.eval_trace import read_trace
 from dwarfstar.evals.questions import load_questions
 from dwarfstar.evals.runner import Stop
-from dwarfstar.evals.trace import read_trace
 from dwarfstar.evals.tui import EvalTui, PlainDisplay
 
 GATES = Path(__file__).resolve().parent.parent / "data" / "gates"

@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.evals import EvalError
 from dwarfstar.evals.long_context import DS4_FACTS, check_fact, read_facts, run_long_context
 from dwarfstar.evals.tool_call import judge_reply, run_tool_call

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from dwarfstar.cli import _register_commands, app
 from dwarfstar.experts.bound import inclusion_probabilities, online_bound, zipf_weights
 from dwarfstar.experts.replay import simulate
-from dwarfstar.experts.trace import skewed_trace
+from dwarfstar.experts.routing_trace import skewed_trace
 
 _register_commands()
 

@@ -11,10 +11,10 @@ import numpy as np
 from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.experts.attach import StreamingOptions, profile_path
-from dwarfstar.experts.trace import RoutingTrace, TraceError, skewed_trace
+from dwarfstar.experts.routing_trace import RoutingTrace, TraceError, skewed_trace
 
 _register_commands()
 PROMPT = "0,17,4242,99,12001,7,300"

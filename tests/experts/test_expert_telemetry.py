@@ -10,14 +10,14 @@ from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
 from dwarfstar.cli import _register_commands, app
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.experts.attach import StreamingOptions
 from dwarfstar.experts.layout import ExpertLayout
 from dwarfstar.experts.policy import make_policy
 from dwarfstar.experts.replay import replay
+from dwarfstar.experts.routing_trace import skewed_trace
 from dwarfstar.experts.store import ExpertStore
-from dwarfstar.experts.trace import skewed_trace
 from dwarfstar.model.loader import open_model
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.config import ServerConfig

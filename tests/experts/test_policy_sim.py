@@ -11,8 +11,8 @@ from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.experts.layout import ExpertLayout
 from dwarfstar.experts.policy import FrequencyPolicy, LRUPolicy, make_policy
 from dwarfstar.experts.replay import frequency_oracle, replay, simulate
+from dwarfstar.experts.routing_trace import RoutingTrace, TraceError, TraceRecorder, skewed_trace
 from dwarfstar.experts.store import ExpertCache, ExpertStore
-from dwarfstar.experts.trace import RoutingTrace, TraceError, TraceRecorder, skewed_trace
 from dwarfstar.model.loader import open_model
 
 PROMPT = [0, 300, 17, 4242, 99, 12001, 7, 8, 9, 600]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from dwarfstar import engine
 from dwarfstar.backends import mlx as mlx_backend
 from dwarfstar.backends import registry
 from dwarfstar.backends.mlx.model import MLXModel
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
@@ -24,7 +24,7 @@ def model_path(tmp_path_factory):
 
 def test_mlx_backend_loads_and_runs_through_the_engine(model_path, monkeypatch):
     monkeypatch.delenv(mlx_backend.PACKING_ENV, raising=False)
-    loaded = engine.load_engine(EngineSpec(model_path, backend="mlx"))
+    loaded = load_engine(EngineSpec(model_path, backend="mlx"))
     assert loaded.backend_name == "mlx" and isinstance(loaded.backend, MLXModel)
     expected = "blocks" if mlx_backend.metal_available() else "exact"
     assert loaded.backend.packing == expected

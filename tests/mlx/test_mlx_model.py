@@ -28,9 +28,9 @@ from dwarfstar.backends.mlx.model import MLXModel
 from dwarfstar.backends.mlx.parity import compare_logits
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
+from dwarfstar.kvcache.payload import read_payload, write_payload
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
-from dwarfstar.session.payload import read_payload, write_payload
 from dwarfstar.session.session import Session, decode_batch
 
 PROMPT = torch.randint(3, 120000, (300,), generator=torch.Generator().manual_seed(7)).tolist()

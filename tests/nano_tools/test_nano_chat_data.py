@@ -11,8 +11,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from dwarfstar.prompt.dsml_parser import parse_completion
-from dwarfstar.prompt.options import DS4, OFFICIAL
 from dwarfstar.prompt.render import render_conversation
+from dwarfstar.prompt.render_options import DS4, OFFICIAL
 from dwarfstar.tokenizer.specials import EOS, THINK_END
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json

@@ -25,11 +25,11 @@ import openai
 import pytest
 from live_server import LiveServer, start_server
 
-from dwarfstar.engine import Engine, load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar import sampling
+from dwarfstar.engine.load import Engine, load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.serving.config import ServerConfig
-from dwarfstar.session import sampling
 from dwarfstar.train import chat_data
 from dwarfstar.train.corpus import Split, read_split
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.service import Service

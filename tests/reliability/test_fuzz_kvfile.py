@@ -17,14 +17,14 @@ from fuzz_support import FUZZ, mutated, tally
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dwarfstar.kvcache import kvfile
+from dwarfstar.kvcache.kvfile import FIXED, FileHeader, KVFileError, ModelIdentity
+from dwarfstar.kvcache.kvpolicy import KVCacheOptions, SaveReason
+from dwarfstar.kvcache.kvstore import KVStore
+from dwarfstar.kvcache.payload import PayloadError, read_payload
 from dwarfstar.model.state import KVCache, TorchStorage
 from dwarfstar.model.synthetic import TINY
-from dwarfstar.session import kvfile
 from dwarfstar.session.accounting import random_state
-from dwarfstar.session.kvfile import FIXED, FileHeader, KVFileError, ModelIdentity
-from dwarfstar.session.kvpolicy import KVCacheOptions, SaveReason
-from dwarfstar.session.kvstore import KVStore
-from dwarfstar.session.payload import PayloadError, read_payload
 
 CTX, CHUNK, TOKENS = 1024, 64, 96
 IDENTITY = ModelIdentity(32, bytes(range(32)))

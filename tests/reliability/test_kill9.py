@@ -17,14 +17,14 @@ import time
 
 import torch
 
+from dwarfstar.kvcache import kvfile
+from dwarfstar.kvcache.kvfile import KVFileError, ModelIdentity
+from dwarfstar.kvcache.kvpolicy import KVCacheOptions
+from dwarfstar.kvcache.kvstore import KVStore
+from dwarfstar.kvcache.payload import PayloadError, read_payload
 from dwarfstar.model.state import KVCache, TorchStorage
 from dwarfstar.model.synthetic import TINY
-from dwarfstar.session import kvfile
 from dwarfstar.session.accounting import random_state
-from dwarfstar.session.kvfile import KVFileError, ModelIdentity
-from dwarfstar.session.kvpolicy import KVCacheOptions
-from dwarfstar.session.kvstore import KVStore
-from dwarfstar.session.payload import PayloadError, read_payload
 
 KILLS = int(os.environ.get("DWARFSTAR_KILLS", "3"))
 CTX, CHUNK = 2048, 64
@@ -37,9 +37,9 @@ WRITER = textwrap.dedent(
     import itertools, sys
     from dwarfstar.model.synthetic import TINY
     from dwarfstar.session.accounting import random_state
-    from dwarfstar.session.kvfile import ModelIdentity
-    from dwarfstar.session.kvpolicy import KVCacheOptions, SaveReason
-    from dwarfstar.session.kvstore import KVStore
+    from dwarfstar.kvcache.kvfile import ModelIdentity
+    from dwarfstar.kvcache.kvpolicy import KVCacheOptions, SaveReason
+    from dwarfstar.kvcache.kvstore import KVStore
     directory, sizes = sys.argv[1], [int(n) for n in sys.argv[2].split(",")]
     store = KVStore(directory, TINY, ModelIdentity(32, bytes(range(32))), {ctx}, {chunk},
                     lambda t: repr(list(t)).encode(), KVCacheOptions(min_tokens=8, budget_bytes=64 << 20))

@@ -20,13 +20,13 @@ import pytest
 import torch
 from live_server import LiveServer, start_server  # noqa: F401  (start_server: the tests import it from here)
 
-from dwarfstar.engine import Engine, load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import Engine, load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.model.state import SequenceState
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
+from dwarfstar.sampling import Sampler, sample_batch
 from dwarfstar.serving.config import ServerConfig
-from dwarfstar.session.sampling import Sampler, sample_batch
 from dwarfstar.tokenizer import specials
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 

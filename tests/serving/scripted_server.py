@@ -19,8 +19,8 @@ from pathlib import Path
 
 import uvicorn
 
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.config import ServerConfig

@@ -48,8 +48,8 @@ from live_server import LiveServer, start_server  # noqa: E402
 from stress_clients import APIS, Reply, first_body, next_body, send  # noqa: E402
 from stress_record import Recorder, replay  # noqa: E402
 
-from dwarfstar.engine import Engine, load_engine  # noqa: E402
-from dwarfstar.engine_spec import EngineSpec  # noqa: E402
+from dwarfstar.engine.load import Engine, load_engine  # noqa: E402
+from dwarfstar.engine.spec import EngineSpec  # noqa: E402
 from dwarfstar.model.bundled import default_model_path  # noqa: E402
 from dwarfstar.serving.config import ServerConfig  # noqa: E402
 

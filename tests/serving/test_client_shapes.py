@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import orjson
 
-from dwarfstar.prompt.options import OFFICIAL
 from dwarfstar.prompt.render import render_conversation
+from dwarfstar.prompt.render_options import OFFICIAL
 
 BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 ENV = "# Environment\nPrimary working directory: /tmp/work"

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 
+from dwarfstar.sampling import SamplingParams
 from dwarfstar.serving.generation import GenerationRequest
 from dwarfstar.serving.output import OutputDecoder, refused_ids
-from dwarfstar.session.sampling import SamplingParams
 from dwarfstar.tokenizer import specials
 
 MODEL = "deepseek-v4-flash"

@@ -10,11 +10,11 @@ import openai
 import torch
 from conftest import API_KEY, BASE_CONFIG, TOOLS, start_server
 
+from dwarfstar.kvcache.kvpolicy import SaveReason
 from dwarfstar.model.state import KVCache, SequenceState, TorchStorage
 from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.pool import LiveSession
 from dwarfstar.serving.replay import ToolMemory
-from dwarfstar.session.kvpolicy import SaveReason
 from dwarfstar.session.session import Session
 
 NOTHINK = {"thinking": {"type": "disabled"}}

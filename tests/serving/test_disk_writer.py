@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
+from dwarfstar.kvcache.kvpolicy import SaveReason
 from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.pool import LiveSession
 from dwarfstar.serving.replay import ToolMemory
-from dwarfstar.session.kvpolicy import SaveReason
 from dwarfstar.session.session import Session
 
 TEXT = "A conversation long enough to be worth a file on disk. " * 4

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 import openai
 import pytest
 
+from dwarfstar.sampling import SamplingParams
 from dwarfstar.serving.generation import GenerationRequest
 from dwarfstar.serving.jobs import KV, Decoding, IllegalTransition, Job, Phase
-from dwarfstar.session.sampling import SamplingParams
 
 MODEL = "deepseek-v4-flash"
 # the life cycle, written out: (phase, move) -> the phase it leads to; every other pair is illegal

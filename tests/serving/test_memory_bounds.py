@@ -8,8 +8,8 @@ import torch
 from conftest import BASE_CONFIG
 
 from dwarfstar.backends.registry import host_memory
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.synthetic import TINY
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.pool import SessionPool

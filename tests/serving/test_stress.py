@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from stress import run_seed, summary
 
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from dwarfstar.serving.trace import Trace, divergence
+from dwarfstar.serving.request_trace import Trace, divergence
 
 
 def test_a_pure_suffix_is_no_divergence():

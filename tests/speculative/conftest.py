@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.config import flash_compress_ratios
 from dwarfstar.model.synthetic import TINY, write_synthetic_model, write_synthetic_mtp
 
@@ -51,7 +51,7 @@ def backend_name(request) -> str:
 @pytest.fixture(scope="session")
 def engines(mtp_files) -> Callable[[str, str], object]:
     """engines(backend, file) -> the engine over that file, loaded once per session."""
-    from dwarfstar.engine import load_engine
+    from dwarfstar.engine.load import load_engine
 
     cache: dict[tuple[str, str], object] = {}
 

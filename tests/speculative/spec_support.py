@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import io
 
+from dwarfstar.kvcache.payload import write_payload
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.payload import write_payload
-from dwarfstar.session.sampling import GREEDY
+from dwarfstar.sampling import GREEDY
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.decode import Drafter, Speculator
 from dwarfstar.speculative.mtp import MTPDraft

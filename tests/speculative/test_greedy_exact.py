@@ -9,7 +9,7 @@ import pytest
 from conftest import PROMPT
 from spec_support import ScriptedDrafter, first_gap, payload, plain_greedy, speculative
 
-from dwarfstar.session.sampling import GREEDY, Sampler
+from dwarfstar.sampling import GREEDY, Sampler
 from dwarfstar.speculative.decode import step_batch
 from dwarfstar.speculative.mtp import load_draft
 

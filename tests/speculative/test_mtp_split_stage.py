@@ -9,13 +9,13 @@ import shutil
 import pytest
 import torch
 
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.errors import ModelFileError
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.model.loader import write_split
 from dwarfstar.speculative.mtp import load_draft
-from dwarfstar.speculative.options import BUNDLED_MTP
+from dwarfstar.speculative.mtp_options import BUNDLED_MTP
 
 NANO = default_model_path()
 MTP = NANO.with_name(BUNDLED_MTP)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 from spec_support import first_gap
 
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
-from dwarfstar.session.sampling import GREEDY
+from dwarfstar.sampling import GREEDY
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.decode import Speculator
 from dwarfstar.speculative.mtp import load_draft

@@ -10,7 +10,7 @@ import torch
 from conftest import PROMPT
 from spec_support import CHUNK, CTX
 
-from dwarfstar.session.sampling import Sampler, SamplingParams, redraw_refused, sample_batch
+from dwarfstar.sampling import Sampler, SamplingParams, redraw_refused, sample_batch
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.decode import Drafter, Speculator
 from dwarfstar.speculative.mtp import load_draft

@@ -8,9 +8,9 @@ import torch
 from conftest import PROMPT
 from spec_support import payload, speculative
 
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
-from dwarfstar.session.sampling import GREEDY
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
+from dwarfstar.sampling import GREEDY
 from dwarfstar.speculative.mtp import load_draft
 from dwarfstar.speculative.rollback import CompressorTap, truncate
 

@@ -10,13 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from starlette.testclient import TestClient
 
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.service import Service
-from dwarfstar.speculative.options import MTPOptions
+from dwarfstar.speculative.mtp_options import MTPOptions
 
 PROMPTS = ["Quel ramo del lago di Como", "Renzo e Lucia", "Don Abbondio tornava bel bello"]
 MODEL = "deepseek-v4-flash"  # the name the server gives the bundled model

@@ -9,7 +9,7 @@ import pytest
 from conftest import PROMPT
 from spec_support import ScriptedDrafter, first_gap, plain_greedy, speculative
 
-from dwarfstar.session.sampling import GREEDY
+from dwarfstar.sampling import GREEDY
 from dwarfstar.speculative.mtp import load_draft
 
 pytest.importorskip("triton")

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.session.session import Session
+from dwarfstar.session.throttle import throttle
 from dwarfstar.steering.apply import SteeredBackend, steering_of
 from dwarfstar.steering.direction import Direction, SteeringScale
-from dwarfstar.throttle import throttle
 
 PROMPT = torch.randint(3, 120000, (12,), generator=torch.Generator().manual_seed(3)).tolist()
 K = 5  # the steered hidden dimension

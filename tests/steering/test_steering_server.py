@@ -7,8 +7,8 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from dwarfstar.engine import load_engine
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.serving.app import create_app
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.pool import SessionPool
@@ -92,9 +92,9 @@ def test_a_steered_request_never_reads_the_disk_cache(engine):
 def test_disk_cache_keeps_only_unsteered_states(engine, tmp_path):
     from types import SimpleNamespace
 
+    from dwarfstar.kvcache.kvpolicy import SaveReason
     from dwarfstar.serving.disk import DiskCache
     from dwarfstar.serving.pool import LiveSession
-    from dwarfstar.session.kvpolicy import SaveReason
 
     disk = DiskCache.open(
         tmp_path, space_mb=64, min_tokens=4, engine=engine, ctx=128, chunk=CHUNK, memory=ToolMemory(100)

@@ -6,31 +6,31 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dwarfstar.backends.triton import bench, synthetic
+from dwarfstar.backends.triton import gpu_bench, synthetic
 from dwarfstar.backends.triton.runtime import EXACT, BenchShape
 from dwarfstar.model.synthetic import Q2, TINY_K
 
 
 def test_every_kernel_has_bench_cases_that_run(device, tmp_path):
     shape = BenchShape(TINY_K, device, ctx=64, prefill=16)
-    rows = bench.run_kernels(shape, bench.Peak("test", 100.0, 10.0))
-    assert {r["kernel"] for r in rows} == set(bench.KERNELS)
+    rows = gpu_bench.run_kernels(shape, gpu_bench.Peak("test", 100.0, 10.0))
+    assert {r["kernel"] for r in rows} == set(gpu_bench.KERNELS)
     assert all(r["us"] > 0 and r["GB/s"] > 0 and r["%peak_bw"] != "" for r in rows)
     path = tmp_path / "kernels.csv"
-    bench.write_csv(rows, path)
+    gpu_bench.write_csv(rows, path)
     assert path.read_text().splitlines()[0].startswith("kernel,case,us,GB/s")
 
 
 def test_peak_table_and_override():
-    assert bench.device_peak(torch.device("cpu"), peak_gbs=273.0).gbs == 273.0
-    names = [name for name, _, _ in bench.KNOWN_GPUS]
+    assert gpu_bench.device_peak(torch.device("cpu"), peak_gbs=273.0).gbs == 273.0
+    names = [name for name, _, _ in gpu_bench.KNOWN_GPUS]
     assert names.index("H100 PCIe") < names.index("H100")  # the specific entry matches first
 
 
 def test_synthetic_decode_and_prefill_loops(device, monkeypatch):
     monkeypatch.setitem(synthetic.PRESETS, "tiny-k", (TINY_K, Q2))
-    peak = bench.Peak("test", 100.0, None)
-    one, two = bench.run_decode("tiny-k", None, [40], steps=1, device=device, peak=peak, warmup=1, batches=(1, 2))
+    peak = gpu_bench.Peak("test", 100.0, None)
+    one, two = gpu_bench.run_decode("tiny-k", None, [40], steps=1, device=device, peak=peak, warmup=1, batches=(1, 2))
     assert (one["ctx"], one["batch"], two["batch"]) == (40, 1, 2)
     assert one["tok/s"] > 0 and two["tok/s"] > 0
     # a step of two sequences reads up to twice the routed experts (TINY_K: 2 of 8 per layer), the rest once
@@ -40,7 +40,7 @@ def test_synthetic_decode_and_prefill_loops(device, monkeypatch):
     assert two["weight_GB/step"] - one["weight_GB/step"] == pytest.approx(
         (TINY_K.n_activated_experts * per_expert + weights.embed.row_bytes) / 1e9, abs=1e-3
     )
-    (row,) = bench.run_prefill("tiny-k", None, tokens=2, chunk=2, device=device, precision=EXACT)
+    (row,) = gpu_bench.run_prefill("tiny-k", None, tokens=2, chunk=2, device=device, precision=EXACT)
     assert row["tokens"] == 2 and row["tok/s"] > 0
 
 
@@ -61,7 +61,7 @@ def test_cli_refuses_to_time_the_interpreter():
 def test_csv_rows_are_on_disk_as_they_come(tmp_path):
     """The header at once and each row flushed when emitted: a run killed mid-way keeps its rows."""
     path = tmp_path / "decode.csv"
-    out = bench.CsvRows(path, ("ctx", "tok/s"))
+    out = gpu_bench.CsvRows(path, ("ctx", "tok/s"))
     assert path.read_text().splitlines() == ["ctx,tok/s"]
     out({"ctx": 2048, "tok/s": 80.5})
     assert path.read_text().splitlines() == ["ctx,tok/s", "2048,80.5"] and out.rows == [{"ctx": 2048, "tok/s": 80.5}]

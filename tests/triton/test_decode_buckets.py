@@ -17,7 +17,7 @@ import torch
 from dwarfstar.backends.triton import graphs
 from dwarfstar.backends.triton.backend import TritonBackend
 from dwarfstar.model.loader import open_model
-from dwarfstar.session.sampling import GREEDY, TOP_K_CAP, Sampler, SamplingParams
+from dwarfstar.sampling import GREEDY, TOP_K_CAP, Sampler, SamplingParams
 
 LENGTHS = (5, 30, 131)  # inside the raw window, past a ratio-4 boundary, past the first ratio-128 row
 

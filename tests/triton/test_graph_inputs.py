@@ -16,7 +16,7 @@ from dwarfstar.backends.triton import graphs
 from dwarfstar.backends.triton.backend import TritonBackend
 from dwarfstar.backends.triton.kernels.sampling import knob_rows
 from dwarfstar.model.loader import open_model
-from dwarfstar.session.sampling import GREEDY, Sampler, SamplingParams
+from dwarfstar.sampling import GREEDY, Sampler, SamplingParams
 
 VOCAB = 1000  # the stand-in's logits: token + pos at a row's own column, so every row is told apart
 

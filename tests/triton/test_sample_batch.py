@@ -9,7 +9,7 @@ import triton.language as tl
 
 from dwarfstar.backends.triton import load_backend
 from dwarfstar.model.loader import open_model
-from dwarfstar.session.sampling import GREEDY, Sampler, SamplingParams, philox_uniform, sample_batch
+from dwarfstar.sampling import GREEDY, Sampler, SamplingParams, philox_uniform, sample_batch
 
 
 @triton.jit

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dwarfstar.backends.triton.kernels import sampling
-from dwarfstar.session.sampling import Sampler, SamplingParams, sample_tokens
+from dwarfstar.sampling import Sampler, SamplingParams, sample_tokens
 
 
 def logits_for(device, vocab=3000, seed=0):

@@ -13,10 +13,10 @@ import io
 import torch
 
 from dwarfstar.backends.triton import load_backend
+from dwarfstar.kvcache.payload import read_payload, write_payload
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.pages import PAGE_ROWS
 from dwarfstar.model.state import ROW_STEP, SplitRows
-from dwarfstar.session.payload import read_payload, write_payload
 
 PROMPT = list(range(3, 3 + 41))  # 41 tokens: ratio-4 layers hold 10 rows, not a multiple of 64
 

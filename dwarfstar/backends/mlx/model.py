@@ -18,14 +18,14 @@ import numpy as np
 import torch
 
 from dwarfstar.backends.mlx import attention, metal_available, ops
-from dwarfstar.backends.mlx.state import MLXStorage, lazy_arrays
+from dwarfstar.backends.mlx.storage import MLXStorage, lazy_arrays
 from dwarfstar.backends.mlx.weights import LayerWeights, Matrix, Weights
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import ModelArgs, yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, StreamSteps, Transformer
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.tensors import ProjectionGroup
-from dwarfstar.session.sampling import sample_batch
+from dwarfstar.sampling import sample_batch
 
 
 @dataclass

@@ -34,7 +34,7 @@ from dwarfstar.model.numerics import rope_angles, route
 from dwarfstar.model.pages import PAGE_ROWS
 from dwarfstar.model.state import SequenceState, TorchStorage
 from dwarfstar.model.tensors import ProjectionGroup
-from dwarfstar.session.sampling import sample_batch
+from dwarfstar.sampling import sample_batch
 
 SMALL_MODEL_DIM = 1024
 ATTENTION_BYTES = 1 << 26  # a prefill chunk's attention runs its queries in blocks of about this many key bytes

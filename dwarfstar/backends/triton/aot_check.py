@@ -92,7 +92,7 @@ def check_target(target: GPUTarget, only: Sequence[str] = ()) -> list[str]:
 
 
 def _drive_launches(only: Sequence[str], backend: str) -> None:
-    from dwarfstar.backends.triton import bench
+    from dwarfstar.backends.triton import gpu_bench
     from dwarfstar.backends.triton.model import TritonModel
     from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchShape, assume_multiprocessors
     from dwarfstar.backends.triton.synthetic import PRESETS, synthetic_state, synthetic_weights
@@ -103,7 +103,7 @@ def _drive_launches(only: Sequence[str], backend: str) -> None:
     assume_multiprocessors(MULTIPROCESSORS[backend])  # the tensors are on the CPU
     for args in (ModelArgs.flash(), ModelArgs.pro()):
         shape = BenchShape(args.with_(n_routed_experts=16, vocab_size=4096), cpu, ctx=32768, prefill=256)
-        for case in bench.kernel_cases(shape, only):
+        for case in gpu_bench.kernel_cases(shape, only):
             case.run()
     if only:
         return

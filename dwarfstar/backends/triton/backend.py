@@ -26,7 +26,7 @@ from dwarfstar.backends.triton.runtime import EXACT, Precision, default_device
 from dwarfstar.backends.triton.weights import ModelWeights, upload
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.sampling import Sampler, read_draws
+from dwarfstar.sampling import Sampler, read_draws
 
 
 class TritonBackend(TritonModel):

@@ -46,7 +46,7 @@ from dwarfstar.backends.triton.kernels.sampling import candidates_for, knob_rows
 from dwarfstar.backends.triton.model import DecodeInputs, TritonModel, TritonStep, row_bound
 from dwarfstar.model.forward import Batch, Segment
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.sampling import GREEDY, Sampler, logprob_rows, record_logprobs
+from dwarfstar.sampling import GREEDY, Sampler, logprob_rows, record_logprobs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes a graph is captured for; larger batches run eagerly
 

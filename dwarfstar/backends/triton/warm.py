@@ -4,8 +4,8 @@
 On a cold machine `bench decode` compiles each kernel variant of the decode step (and of the prefill
 after it) at its first launch, one after another: about a hundred at Flash shape, minutes of the few
 a GPU is lent for. This records, without touching the GPU, every launch the same command would make:
-its arguments build the same backend over weights on torch's meta device (`bench.decode_backend`,
-`bench.prefill_backend`), whose decode graphs (`graphs.DecodeGraphs.body`) run once per graph the
+its arguments build the same backend over weights on torch's meta device (`gpu_bench.decode_backend`,
+`gpu_bench.prefill_backend`), whose decode graphs (`graphs.DecodeGraphs.body`) run once per graph the
 bench captures (each batch and context, each row bound its positions reach) and whose prefill runs
 the bench's chunks, every Triton launch intercepted (`plan.target.intercepted`). The launches are
 grouped by kernel and constants and compiled for the GPU in JOBS processes, forked after the
@@ -30,7 +30,7 @@ from collections import defaultdict
 
 import torch
 
-from dwarfstar.backends.triton import bench
+from dwarfstar.backends.triton import gpu_bench
 
 _GROUPS: list[list[tuple]] = []  # the recorded launches by kernel and constants, read by the forked workers
 
@@ -50,7 +50,7 @@ def record(opts) -> tuple[list[list[tuple]], str]:
     graphs_seen: set[tuple] = set()
     with intercepted(lambda fn, args, grid, kwargs: launches.append((fn, args, grid, kwargs))):
         with torch.inference_mode():
-            backend = bench.decode_backend(weights, contexts, batches, opts.steps, opts.warmup)
+            backend = gpu_bench.decode_backend(weights, contexts, batches, opts.steps, opts.warmup)
             for ctx in contexts:
                 for b in batches:
                     states = [backend.new_state() for _ in range(b)]
@@ -65,7 +65,7 @@ def record(opts) -> tuple[list[list[tuple]], str]:
             del backend
             chunks = 0
             if opts.then_prefill:
-                backend = bench.prefill_backend(weights, opts.then_prefill, EXACT if opts.exact else FAST)
+                backend = gpu_bench.prefill_backend(weights, opts.then_prefill, EXACT if opts.exact else FAST)
                 state = backend.new_state()
                 for start in range(0, opts.then_prefill, opts.chunk):
                     backend.forward(list(range(3, 3 + min(opts.chunk, opts.then_prefill - start))), state, False)
@@ -121,4 +121,4 @@ def main(opts) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(bench.parse_args()))
+    sys.exit(main(gpu_bench.parse_args()))

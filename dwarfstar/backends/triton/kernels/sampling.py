@@ -1,6 +1,6 @@
 """Token sampling on the device: temperature, min-p, top-k, top-p, and a seeded counter-based RNG.
 
-Same rules and order as `dwarfstar.session.sampling.Sampler` (ds4's): keep the tokens whose weight
+Same rules and order as `dwarfstar.sampling.Sampler` (ds4's): keep the tokens whose weight
 p_i = exp((l_i - l_max) / T) is at least min_p (the top token weighs 1), then the k best of those,
 then, with top-p, each token while the mass of the better kept tokens is below top_p of the kept
 total; draw among the survivors in proportion to p_i. Greedy (T <= 0) is the argmax, ties to the
@@ -13,10 +13,10 @@ registers (a key of the logit's order bits over the complemented id: value, then
 takes the masses before each candidate, in rank order and in id order, as prefix sums: the work is
 spread over the program's threads, with no chain of dependent loads. Without top-k
 more than TOP_K_CAP tokens may pass min-p: the kernel flags such a row, and the caller redraws it
-over the whole vocabulary (`session.sampling`), which is rare (a flat distribution at a high
+over the whole vocabulary (`dwarfstar.sampling`), which is rare (a flat distribution at a high
 temperature).
 
-The draw uses Philox (`tl.rand(seed, offset)`), inverse-CDF in the order `session.sampling` uses:
+The draw uses Philox (`tl.rand(seed, offset)`), inverse-CDF in the order `dwarfstar.sampling` uses:
 rank order with top-k or top-p, token-id order with min-p alone. So the same (seed, step) gives the
 same token here and in the device-agnostic sampler, on every device; `n` draws at steps
 step..step+n-1 come out of one launch.
@@ -34,7 +34,7 @@ import triton.language as tl
 
 from dwarfstar.backends.triton.kernels.topk import order_key, topk_indices
 from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, next_pow2
-from dwarfstar.session.sampling import (
+from dwarfstar.sampling import (
     SEED_BITS,
     TOP_K_CAP,
     Sampler,
@@ -164,7 +164,7 @@ def sample_rows(
     """Token ids int32 [B, n] drawn from logits [B, vocab] by the rows' knobs (`knob_rows`, on the
     device), with draw counters step..step+n-1, and an int32 [B] flag for the rows whose rules may keep
     more tokens than the k candidates (no top-k and the k-th still passes min-p): those need
-    `session.sampling`'s full-vocabulary draw. `out` preallocates both (a captured step's buffers)."""
+    `dwarfstar.sampling`'s full-vocabulary draw. `out` preallocates both (a captured step's buffers)."""
     rows, vocab = logits.shape
     logits = logits.float().contiguous()
     valid = _whole_rows(rows, vocab, logits.device)

@@ -35,17 +35,6 @@ class GPUFigures:
     registers: int  # 32-bit registers per multiprocessor (per SIMD lane x lanes on AMD)
     shared: int  # bytes of shared memory (LDS) per multiprocessor
 
-    @property
-    def issue_rate(self) -> float:
-        """Warp-instructions per second over the whole chip."""
-        return self.multiprocessors * self.schedulers * self.clock
-
-    @property
-    def instructions_per_byte(self) -> float:
-        """Warp-instructions the chip issues in the time it moves one byte: the budget of a
-        memory-bound loop."""
-        return self.issue_rate / self.bandwidth
-
 
 # H200: 4.3 TB/s measured by a device-to-device copy on the lent machine (KINDS.md), 4.8 TB/s
 # datasheet, 132 SMs at 1.98 GHz under load; ~0.8 us loaded HBM latency (3.4 MB in flight saturate

@@ -120,13 +120,13 @@ def record_decode_step(
     `preset` model's exact shapes (`synthetic.PRESETS`), with the sampling kernel when `sample`, its
     grids sized for a GPU of `multiprocessors` SMs / CUs, its matrices at `precision` ("exact" or
     "fast", `runtime.PRECISIONS`)."""
-    from dwarfstar.backends.triton.bench import decode_bytes_per_token
+    from dwarfstar.backends.triton.gpu_bench import decode_bytes_per_token
     from dwarfstar.backends.triton.graphs import BUCKETS, DecodeGraphs
     from dwarfstar.backends.triton.kernels.sampling import candidates_for
     from dwarfstar.backends.triton.model import TritonModel, row_bound
     from dwarfstar.backends.triton.runtime import PRECISIONS, assume_multiprocessors
     from dwarfstar.backends.triton.synthetic import meta_weights
-    from dwarfstar.session.sampling import SamplingParams
+    from dwarfstar.sampling import SamplingParams
 
     if batch > BUCKETS[-1]:
         raise DwarfStarError(f"a captured decode step serves at most {BUCKETS[-1]} sequences, asked for {batch}")

@@ -268,7 +268,7 @@ def plan_json(plan: Plan) -> dict:
 
 
 def format_plan(plan: Plan, top: int = 40) -> str:
-    from dwarfstar.backends.triton.bench import format_table
+    from dwarfstar.backends.triton.gpu_bench import format_table
 
     totals = plan.totals()
     step = plan.seconds

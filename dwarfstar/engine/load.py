@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.backends.registry import BackendEntry, Load, backend_entry, pick_backend
-from dwarfstar.engine_spec import EngineSpec
+from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.attach import check_fits, streaming_store
 from dwarfstar.experts.store import ExpertStore

@@ -20,7 +20,8 @@ import torch
 
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import ModelArgs
-from dwarfstar.model.state import KINDS, SequenceState
+from dwarfstar.model.state import SequenceState
+from dwarfstar.model.tensors import COMPRESSORS
 
 MAGIC = 0x34565344  # "DSV4" little-endian
 VERSION = 1
@@ -113,12 +114,12 @@ def _pieces(state: SequenceState, header: PayloadHeader) -> Iterator[bytes | mem
     yield header.pack()
     yield np.asarray(state.tokens, dtype="<u4").tobytes()
     yield memoryview(state.logits.detach().to("cpu", torch.float32).numpy().astype("<f4")).cast("B")
-    for kind in KINDS:
+    for kind in COMPRESSORS:
         counts = [len(state.rows(il, kind)) if state.compressor(il, kind) else 0 for il in range(header.n_layers)]
         yield np.asarray(counts, dtype="<u4").tobytes()
     for il in range(header.n_layers):
         yield _f32(state, state.raw_window(il))
-        for kind in KINDS:
+        for kind in COMPRESSORS:
             if state.compressor(il, kind) is not None:
                 yield _f32(state, state.rows(il, kind))
                 yield _f32(state, state.part(il, f"{kind}_kv"))
@@ -168,14 +169,14 @@ def read_payload(
     if any(t >= args.vocab_size for t in tokens):
         raise PayloadError("payload holds a token id outside the vocabulary")
     logits = torch.from_numpy(reader.array("<f4", args.vocab_size).copy())
-    counts = dict(zip(KINDS, (reader.array("<u4", args.n_layers).tolist() for _ in KINDS), strict=True))
+    counts = dict(zip(COMPRESSORS, (reader.array("<u4", args.n_layers).tolist() for _ in COMPRESSORS), strict=True))
     state = new_state()
     if header.n_tokens > state.cache.ctx:
         raise PayloadError(f"payload holds {header.n_tokens} tokens; this backend's cache holds {state.cache.ctx}")
     state.pos, state.tokens = header.n_tokens, tokens
     for il in range(args.n_layers):
         state.store_window(il, state.cache.storage.from_numpy(reader.rows(header.raw_live, args.head_dim)), state.pos)
-        for kind in KINDS:
+        for kind in COMPRESSORS:
             spec, n_rows = state.compressor(il, kind), counts[kind][il]
             if spec is None:
                 if n_rows:

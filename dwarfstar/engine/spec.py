@@ -1,4 +1,4 @@
-"""`EngineSpec`: what to load and how, in one frozen description; `dwarfstar.engine.load_engine(spec)`
+"""`EngineSpec`: what to load and how, in one frozen description; `dwarfstar.engine.load.load_engine(spec)`
 loads it. The command line builds it once from its flags (dwarfstar/commands/flags.py); tests and
 tools build it directly: `EngineSpec(path, "reference", ctx=4096)`.
 
@@ -16,9 +16,9 @@ from dwarfstar.backends.registry import ENTRIES
 from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
-    from dwarfstar.distributed.options import DistOptions
+    from dwarfstar.distributed.dist_options import DistOptions
     from dwarfstar.experts.attach import StreamingOptions
-    from dwarfstar.speculative.options import MTPOptions
+    from dwarfstar.speculative.mtp_options import MTPOptions
     from dwarfstar.steering.apply import SteeringOptions
 
 BACKENDS = ("auto", *ENTRIES)
@@ -43,7 +43,7 @@ class EngineSpec:
     # a draft model for speculative decoding; other drafters (DSpark) would be other option types here
     speculation: MTPOptions | None = None
     dist: DistOptions | None = None  # this process as one stage of a layer pipeline
-    power: int = 100  # keep the device about this % busy (`dwarfstar.throttle`, applied by the caller)
+    power: int = 100  # keep the device about this % busy (`dwarfstar.session.throttle`, applied by the caller)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))

@@ -23,7 +23,7 @@ from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.state import SequenceState
-from dwarfstar.session.sampling import Sampler
+from dwarfstar.sampling import Sampler
 
 MIN_SLEEP_S = 0.001
 

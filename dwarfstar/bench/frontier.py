@@ -26,10 +26,10 @@ from typing import TextIO
 
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.kvcache.payload import payload_nbytes
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.tensors import expected_tensors
-from dwarfstar.session.payload import payload_nbytes
 from dwarfstar.session.session import Session
 
 EXPERT_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")

@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from dwarfstar.distributed.backend import RouteBackend
+from dwarfstar.distributed.dist_options import DistOptions
 from dwarfstar.distributed.membership import (
     LayerSlice,
     Registration,
@@ -32,15 +33,14 @@ from dwarfstar.distributed.membership import (
     parse_addr,
 )
 from dwarfstar.distributed.mlx_ring import MLXRingLink, admit_ring, register_over_ring, ring_group
-from dwarfstar.distributed.options import DistOptions
 from dwarfstar.distributed.protocol import DistError
 from dwarfstar.distributed.route import Route, RouteOptions
 from dwarfstar.distributed.stage import StageWorker, WorkerOptions, serve_link, serve_stage
-from dwarfstar.engine import Engine
+from dwarfstar.engine.load import Engine
 from dwarfstar.model.forward import Transformer
 
 if TYPE_CHECKING:
-    from dwarfstar.speculative.options import MTPOptions
+    from dwarfstar.speculative.mtp_options import MTPOptions
 
 
 def local_model(engine: Engine, layers: LayerSlice) -> Transformer:

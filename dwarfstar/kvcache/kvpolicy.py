@@ -146,11 +146,6 @@ def cold_save_point(opts: KVCacheOptions, prompt: Sequence[int], cached_tokens: 
     return point if point >= opts.min_tokens else 0
 
 
-def should_save_live(opts: KVCacheOptions, live_tokens: int) -> bool:
-    """Evict and shutdown saves: the whole live state, when it is long enough to be worth a file."""
-    return live_tokens >= opts.min_tokens
-
-
 @dataclass
 class ContinuedSchedule:
     """Continued saves at absolute multiples of `continued_step`, each above the last stored frontier.

@@ -6,10 +6,10 @@ TFLOP/s, and the percentage of the device's peak memory bandwidth and dense bf16
 second and the bandwidth that implies for the weights a token must read.
 
 Runnable without the CLI's dependencies (the GPU check machine has only torch and triton):
-    python -m dwarfstar.backends.triton.bench kernels --csv kernels.csv
-    python -m dwarfstar.backends.triton.bench decode --synthetic flash-q2 --ctx 2048,32768
-    python -m dwarfstar.backends.triton.bench prefill --synthetic flash-q2 --tokens 8192
-    python -m dwarfstar.backends.triton.bench parity
+    python -m dwarfstar.backends.triton.gpu_bench kernels --csv kernels.csv
+    python -m dwarfstar.backends.triton.gpu_bench decode --synthetic flash-q2 --ctx 2048,32768
+    python -m dwarfstar.backends.triton.gpu_bench prefill --synthetic flash-q2 --tokens 8192
+    python -m dwarfstar.backends.triton.gpu_bench parity
 
 Each CSV row is written and flushed as it is measured (the header first), so a run stopped by a
 timeout keeps what it finished. `decode --then-prefill N` times a prefill of N tokens on the same
@@ -354,7 +354,7 @@ def bench_shape(model: str, device: torch.device, ctx: int, prefill: int) -> Ben
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The benchmarks' arguments (also `warm`'s, which compiles what the same arguments would launch)."""
-    parser = argparse.ArgumentParser(prog="python -m dwarfstar.backends.triton.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dwarfstar.backends.triton.gpu_bench", description=__doc__)
     sub = parser.add_subparsers(dest="what", required=True)
     k = sub.add_parser("kernels", help="time every kernel's bench cases")
     k.add_argument("--model", choices=("flash", "pro"), default="flash")

@@ -24,8 +24,8 @@ from dwarfstar.backends.mlx.model import MLXModel
 from dwarfstar.backends.mlx.parity import compare_logits
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.bench.frontier import kv_bytes_read, weight_bytes_per_token
 from dwarfstar.model.loader import open_model
-from dwarfstar.speedbench import kv_bytes_read, weight_bytes_per_token
 
 # Specified unified-memory bandwidth (GB/s) by chip, and by performance-core count where one name
 # covers two bandwidths (binned Max chips).

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from dwarfstar.kvcache import kvfile
+from dwarfstar.kvcache.kvfile import CorruptFile, FileHeader, ForeignFile, KVFileError, ModelIdentity
+from dwarfstar.kvcache.kvpolicy import KVCacheOptions, SaveReason, plan_eviction, superseded
+from dwarfstar.kvcache.payload import PayloadError, check_compatible, payload_nbytes, read_payload, write_payload
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.state import KVCache, SequenceState, TorchStorage
-from dwarfstar.session import kvfile
-from dwarfstar.session.kvfile import CorruptFile, FileHeader, ForeignFile, KVFileError, ModelIdentity
-from dwarfstar.session.kvpolicy import KVCacheOptions, SaveReason, plan_eviction, superseded
-from dwarfstar.session.payload import PayloadError, check_compatible, payload_nbytes, read_payload, write_payload
 
 log = logging.getLogger(__name__)
 

@@ -22,17 +22,17 @@ from enum import Enum
 from pathlib import Path
 
 from dwarfstar.backends.protocol import Backend
-from dwarfstar.diagnostics import Trace
-from dwarfstar.engine import Engine
+from dwarfstar.console.diagnostics import Trace
+from dwarfstar.console.terminal import PrefillProgress, Speed, StreamPrinter
+from dwarfstar.engine.load import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.telemetry import summary as expert_summary
+from dwarfstar.kvcache.payload import read_payload, write_payload
 from dwarfstar.prompt.render import render_conversation
+from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.loopguard import LoopGuard, Repetition
-from dwarfstar.session.payload import read_payload, write_payload
 from dwarfstar.session.prefix import common_prefix_len
-from dwarfstar.session.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Cancelled, Session
-from dwarfstar.terminal import PrefillProgress, Speed, StreamPrinter
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 
 DEFAULT_SYSTEM = "You are a helpful assistant"  # ds4's CLI default, without a period
@@ -97,7 +97,6 @@ class Chat:
         self.turns: list[Turn] = []
         self.prefill_speed, self.decode_speed = Speed(), Speed()
         self.last: TurnStats | None = None
-        self._prefilled = (0, 0.0)  # tokens and seconds of the latest prefill
 
     # -- the transcript -----------------------------------------------------------------------------
     @property

@@ -48,10 +48,10 @@ from typing import BinaryIO
 
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.gguf.constants import GGMLType
+from dwarfstar.kvcache.payload import HEADER as PAYLOAD_HEADER
+from dwarfstar.kvcache.payload import PayloadError, PayloadHeader
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.tensors import NORM, expected_tensors
-from dwarfstar.session.payload import HEADER as PAYLOAD_HEADER
-from dwarfstar.session.payload import PayloadError, PayloadHeader
 
 MAGIC = b"KVC"
 VERSION = 1

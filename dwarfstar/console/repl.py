@@ -14,9 +14,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from dwarfstar.chat import Chat, ThinkMode
+from dwarfstar.console.chat import Chat, ThinkMode
+from dwarfstar.console.terminal import Interrupt, note
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.terminal import Interrupt, note
 
 PROMPT = "dwarfstar> "
 HISTORY_LINES = 1000

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from dwarfstar.session.sampling import Sampler, SamplingParams
+from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session, decode_batch, sample_next
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
@@ -62,7 +62,7 @@ def greedy_logprobs(session: Session, tokenizer: Tokenizer, steps: int, top_k: i
     """Greedy continuation from the session's state, with the top-k alternatives of every step.
 
     The tokens and logprobs are drawn as a server request's are (a greedy sampler that asks for
-    `top_k` logprobs: `session.sampling`), so the same prompt gives the same numbers here and in the
+    `top_k` logprobs: `dwarfstar.sampling`), so the same prompt gives the same numbers here and in the
     API. The caller clamps `top_k` to MAX_LOGPROBS_TOP_K, since the JSON reports it. Stops after
     `steps` tokens, after EOS (which is recorded), or when the context is full.
     """

@@ -1,0 +1,2 @@
+"""Measurement code shared by the `dwarfstar bench` commands: the context-frontier speed benchmark and
+the bytes a decoded token reads (`frontier.py`)."""
