@@ -82,7 +82,7 @@ def _attention_kernel(
     D, n_prev, window, n_sel, table_stride, sm_scale,
     H: tl.constexpr, COMP: tl.constexpr, RATIO: tl.constexpr, SPLIT: tl.constexpr, ROPE_DIM: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, BATCH: tl.constexpr,
-    COMP_EXACT: tl.constexpr, PAGE: tl.constexpr,
+    COMP_EXACT: tl.constexpr, PAGE: tl.constexpr, OWN_SPLIT: tl.constexpr, LOG_CAP: tl.constexpr,
 ):  # fmt: skip
     # BATCH: query i is sequence i's one token, at position pos[i], over the ring and page table of
     # KV-cache slot slot[i] (win_ptr [slots * window, D], table_ptr [slots, table_stride]); else query i
@@ -123,19 +123,21 @@ def _attention_kernel(
     else:
         n_comp = 0
     nb_win = tl.cdiv(n_win, BN)
+    n_split = _own_split(nb_win + tl.cdiv(n_comp, BN), SPLIT, OWN_SPLIT, LOG_CAP)
     m = tl.full((BH,), NEG, tl.float32)
     l = tl.zeros((BH,), tl.float32)
     acc_lo = tl.zeros((BH, BD2), tl.float32)
     acc_hi = tl.zeros((BH, BD2), tl.float32)
-    # blocks of the window, then of the compressed rows; block j of the sequence goes to split j % SPLIT
+    # blocks of the window, then of the compressed rows; block j of the sequence goes to split j % n_split
     # (two loops rather than a branch choosing the base pointer, which AMD's Triton 3.6 cannot compile)
     r = tl.arange(0, BN)
-    for b in range(split, nb_win, SPLIT):
+    mine = split < n_split  # splits past the query's own count read nothing (OWN_SPLIT)
+    for b in range(split, tl.where(mine, nb_win, 0), n_split):
         row = lo + b * BN + r
         at = ring_base + row % window if BATCH else row
         m, l, acc_lo, acc_hi = _block(q_lo, q_hi, win_ptr, win_ptr, at, row <= hi, D, sm_scale, m, l,
                                       acc_lo, acc_hi, BD2, FAST, 0)  # fmt: skip
-    for b in range((split - nb_win % SPLIT + SPLIT) % SPLIT, tl.cdiv(n_comp, BN), SPLIT):
+    for b in range((split - nb_win % n_split + n_split) % n_split, tl.where(mine, tl.cdiv(n_comp, BN), 0), n_split):
         c = b * BN + r
         if COMP == 2:
             row = tl.load(sel_ptr + i * n_sel + c, mask=c < n_sel, other=-1)
@@ -152,15 +154,31 @@ def _attention_kernel(
         _finish(acc, m, l, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
     else:
         part = (i.to(tl.int64) * H + h) * SPLIT + split  # [BH]
-        tl.store(m_ptr + part, m, mask=heads_ok)
-        tl.store(l_ptr + part, l, mask=heads_ok)
-        out = acc_ptr + part[:, None] * D + d[None, :]
-        tl.store(out, acc_lo, mask=heads_ok[:, None] & (d < D)[None, :])
-        tl.store(out + BD2, acc_hi, mask=heads_ok[:, None] & (BD2 + d < D)[None, :])
+        if mine:
+            tl.store(m_ptr + part, m, mask=heads_ok)
+            tl.store(l_ptr + part, l, mask=heads_ok)
+            out = acc_ptr + part[:, None] * D + d[None, :]
+            tl.store(out, acc_lo, mask=heads_ok[:, None] & (d < D)[None, :])
+            tl.store(out + BD2, acc_hi, mask=heads_ok[:, None] & (BD2 + d < D)[None, :])
         # the last of the (token, head group)'s splits to finish combines them all
         if last_program(ticket_ptr + i * tl.num_programs(1) + hg, SPLIT):
             _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, inv_ptr, _position(pos_ptr, i, BATCH), out_ptr, i, hg, heads_ok,
-                     D, H, SPLIT, ROPE_DIM, BH, BD)  # fmt: skip
+                     D, H, SPLIT, n_split, ROPE_DIM, BH, BD)  # fmt: skip
+
+
+@triton.jit
+def _own_split(blocks, SPLIT: tl.constexpr, OWN_SPLIT: tl.constexpr, LOG_CAP: tl.constexpr):
+    """The splits a query's key blocks are dealt to: the launch's SPLIT, or with OWN_SPLIT the largest
+    power of two up to 2^LOG_CAP and up to its own `blocks`, which depends on nothing but the query's
+    position and the layer (not on the other sequences of a batch nor on the launch's grid)."""
+    if OWN_SPLIT:
+        n = tl.full([], 1, tl.int32)
+        for _ in tl.static_range(LOG_CAP):
+            n = tl.where(2 * n <= blocks, 2 * n, n)
+        n = tl.minimum(n, SPLIT)  # the grid's (never below it where the launch's bound holds the rows)
+    else:
+        n = tl.full([], SPLIT, tl.int32)
+    return n
 
 
 @triton.jit
@@ -210,19 +228,20 @@ def _dot(a, b, FAST: tl.constexpr):
 
 @triton.jit
 def _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H: tl.constexpr,
-             SPLIT: tl.constexpr, ROPE_DIM: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):  # fmt: skip
-    """Merge the SPLIT partial results of a (token, head group) in split order, read past L1 (other
-    programs wrote them), then finish."""
+             SPLIT: tl.constexpr, n_split, ROPE_DIM: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """Merge the first n_split of the SPLIT partial results of a (token, head group) in split order,
+    read past L1 (other programs wrote them), then finish. sums start at -0.0, so one partial comes
+    out with its own bits (as a program that finishes its rows itself leaves them)."""
     h = hg * BH + tl.arange(0, BH)
     d = tl.arange(0, BD)
     part = (i.to(tl.int64) * H + h) * SPLIT
     # loops, not unrolled: the split count follows the device's multiprocessors (up to 64 and more)
     m = tl.full((BH,), NEG, tl.float32)
-    for s in range(SPLIT):
+    for s in range(n_split):
         m = tl.maximum(m, tl.load(m_ptr + part + s, mask=heads_ok, other=NEG, cache_modifier=".cg"))
-    l = tl.zeros((BH,), tl.float32)
-    acc = tl.zeros((BH, BD), tl.float32)
-    for s in range(SPLIT):
+    l = tl.full((BH,), -0.0, tl.float32)
+    acc = tl.full((BH, BD), -0.0, tl.float32)
+    for s in range(n_split):
         w = tl.exp(tl.load(m_ptr + part + s, mask=heads_ok, other=NEG, cache_modifier=".cg") - m)
         l += w * tl.load(l_ptr + part + s, mask=heads_ok, other=0.0, cache_modifier=".cg")
         a = tl.load(acc_ptr + (part + s)[:, None] * D + d[None, :], mask=heads_ok[:, None] & (d < D)[None, :],
@@ -238,6 +257,21 @@ def decode_split(device: torch.device, t: int, groups: int, row_blocks: int) -> 
     """
     want = triton.next_power_of_2(triton.cdiv(multiprocessors(device), t * groups))
     return max(1, min(want, 1 << (max(1, row_blocks).bit_length() - 1)))
+
+
+def own_split(device: torch.device, precision: Precision, t: int, groups: int, row_blocks: int) -> tuple[int, int]:
+    """(the launch's splits, log2 of the cap of each query's own) for a decode launch.
+
+    Exact decode (batch invariance, issue 37): a query's key blocks are dealt over as many splits as
+    one token alone would take, `decode_split` for t = 1 over its own blocks (the kernel's
+    `_own_split`), so the order its scores and values add in depends on its position only, not on how
+    many sequences share the launch or how far the others reach; the grid has the most any of them
+    takes. Fast decode keeps one split count for the launch: (`decode_split`, 0).
+    """
+    if precision.fast:
+        return decode_split(device, t, groups, row_blocks), 0
+    cap = decode_split(device, 1, groups, 1 << 30)
+    return min(cap, decode_split(device, 1, groups, row_blocks)), cap.bit_length() - 1
 
 
 def _tiles(heads: int, d: int, window: int) -> tuple[int, int]:
@@ -276,15 +310,20 @@ def attention(
     t, heads, d = q.shape
     bh, bn = _tiles(heads, d, window)
     out = torch.empty(t, heads, d, device=q.device, dtype=torch.float32)
+    log_cap = 0
     if split is None:
         # bounded by buffer sizes, not by the device position, so a captured decode step stays valid
         n_comp = 0
         if comp_rows is not None:
             n_comp = selected.shape[1] if selected is not None else comp_bound or comp_rows.capacity
         row_blocks = triton.cdiv(min(window, window_rows.shape[0]), bn) + triton.cdiv(n_comp, bn)
-        split = decode_split(q.device, t, triton.cdiv(heads, bh), row_blocks)
+        if t == 1:  # a decode step alone: as the batch form splits it
+            split, log_cap = own_split(q.device, precision, 1, triton.cdiv(heads, bh), row_blocks)
+        else:
+            split = decode_split(q.device, t, triton.cdiv(heads, bh), row_blocks)
     return _launch(q, window_rows, comp_rows, selected, sinks, pos, None, inv_freq, out, split, precision,
-                   n_prev=n_prev, window=window, ratio=ratio, rope_dim=rope_dim, bh=bh, bn=bn)  # fmt: skip
+                   n_prev=n_prev, window=window, ratio=ratio, rope_dim=rope_dim, bh=bh, bn=bn,
+                   log_cap=log_cap)  # fmt: skip
 
 
 def attention_batch(
@@ -318,14 +357,15 @@ def attention_batch(
     out = torch.empty(b, heads, d, device=q.device, dtype=torch.float32)
     n_comp = 0 if comp_rows is None else selected.shape[1] if selected is not None else comp_bound
     row_blocks = triton.cdiv(window, bn) + triton.cdiv(n_comp, bn)
-    split = decode_split(q.device, b, triton.cdiv(heads, bh), row_blocks)
+    split, log_cap = own_split(q.device, precision, b, triton.cdiv(heads, bh), row_blocks)
     return _launch(q, rings.view(-1, d), comp_rows, selected, sinks, pos, slots, inv_freq, out, split, precision,
-                   n_prev=0, window=window, ratio=ratio, rope_dim=rope_dim, bh=bh, bn=bn)  # fmt: skip
+                   n_prev=0, window=window, ratio=ratio, rope_dim=rope_dim, bh=bh, bn=bn, log_cap=log_cap)  # fmt: skip
 
 
 def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, inv_freq, out, split, precision, *,
-            n_prev, window, ratio, rope_dim, bh, bn):  # fmt: skip
-    """The attention launch shared by the chunk and batch forms."""
+            n_prev, window, ratio, rope_dim, bh, bn, log_cap=0):  # fmt: skip
+    """The attention launch shared by the chunk and batch forms; log_cap > 0: each query's own split
+    (`own_split`)."""
     t, heads, d = q.shape
     bd, groups = next_pow2(d), triton.cdiv(heads, bh)
     comp = COMP_NONE if comp_rows is None else (COMP_SELECTED if selected is not None else COMP_ALL)
@@ -345,7 +385,7 @@ def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, inv_freq, ou
         1.0 / math.sqrt(d),
         H=heads, COMP=comp, RATIO=max(ratio, 1), SPLIT=split, ROPE_DIM=rope_dim,
         BH=bh, BN=bn, BD=bd, FAST=precision.fast, BATCH=slots is not None, COMP_EXACT=comp_exact, PAGE=PAGE_ROWS,
-        num_warps=8 if bd >= 512 else 4, num_stages=1,
+        OWN_SPLIT=log_cap > 0, LOG_CAP=log_cap, num_warps=8 if bd >= 512 else 4, num_stages=1,
     )  # fmt: skip
     return out
 

@@ -157,7 +157,8 @@ def _launch(q, head_weights, rows: PagedRows, pos, slots, width, ratio, precisio
     t, heads, dim = q.shape
     scores = torch.empty(t, width, device=q.device, dtype=torch.float32)
     valid = torch.empty(t, dtype=torch.int32, device=q.device)
-    bn = min(max(16, next_pow2(width)), PAGE_ROWS) if interpreting() else 16  # a block within one page
+    # a block within one page, the same whatever the width (a batch's bound): a row's scores keep their bits
+    bn = PAGE_ROWS if interpreting() else 16
     cand_scores, cand_idx, out, tickets, k, n_blocks, rounds, block = select or (scores, valid, valid, valid, 0, 1,
                                                                                    1, bn)  # fmt: skip
     _scores_kernel[(t, max(1, triton.cdiv(width, bn)))](

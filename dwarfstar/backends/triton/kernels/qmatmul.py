@@ -120,23 +120,34 @@ def gemv_plan(m: int, n: int, k: int, ggml_type: GGMLType, groups: int = 1, sms:
     two, while every split keeps two whole passes or more (a split's reduction and ticket cost about
     what a pass does), until the programs resident on `sms` multiprocessors have IN_FLIGHT bytes of
     weights in flight, or the whole weight. `warps` forces the warp count (a two-segment launch has one).
+
+    Batch invariance (issue 37): everything that orders a product's K reduction (the pass width, the
+    split, the warps, the path; for the super-block formats also the rows, whose [rows, BK] tile the
+    reduction's layout follows) is the one-row plan's, whatever m: a row's output has the same bits
+    decoded alone as beside other rows. Only the vector path's rows per program follow m.
     """
     bm = min(GEMV_MAX_ROWS, next_pow2(m))
     if interpreting():  # few, large programs: numpy runs the whole block at once (at most 2^20 elements)
         bk = tile_k(ggml_type, k)
         return GemvPlan(min(next_pow2(n), 1024, (1 << 20) // (bm * bk)), bk, 1, False, 1)
+    plan = _one_row_plan(n, k, ggml_type, groups, sms, warps)
+    return replace(plan, rows=min(4 if bm <= 4 else 2, next_pow2(n))) if plan.vector else plan
+
+
+def _one_row_plan(n: int, k: int, ggml_type: GGMLType, groups: int, sms: int, warps: int) -> GemvPlan:
+    """`gemv_plan` for one activation row on a GPU."""
     warp, ve = warp_size(), VECTOR_ELEMENTS.get(ggml_type)
     if ve is None:
-        rows, w = gemv_tile(bm, n, ggml_type, QK_K)
+        rows, w = gemv_tile(1, n, ggml_type, QK_K)
         plan = GemvPlan(rows, QK_K, 1, False, warps or w)
     else:
         w = warps or 1
-        plan = GemvPlan(min(4 if bm <= 4 else 2, next_pow2(n)), warp * w * ve, 1, True, w)
+        plan = GemvPlan(min(4, next_pow2(n)), warp * w * ve, 1, True, w)
     row_bytes = aligned_row_bytes(ggml_type, k)
     pass_bytes = plan.rows * plan.block_k * row_bytes // k
-    tiles = groups * triton.cdiv(n, plan.rows) * triton.cdiv(m, bm)
+    tiles = groups * triton.cdiv(n, plan.rows)
     target = min(IN_FLIGHT, groups * n * row_bytes)
-    resident = sms * _resident(plan, bm, ve or 1)  # more programs than this wait for a free SM
+    resident = sms * _resident(plan, 1, ve or 1)  # more programs than this wait for a free SM
     split = 1
     while split < MAX_SPLIT and k >= 4 * split * plan.block_k and tiles * split < resident:
         if tiles * split * pass_bytes >= target:
@@ -213,13 +224,16 @@ def _segment(
     else:
         rr = tl.arange(0, R)
         offs = (g * N + tl.minimum(row0 + rr, N - 1)).to(tl.int64) * row_bytes
-        xs = tl.minimum(m0 + tl.arange(0, BM), M - 1).to(tl.int64) * stride_xm
         acc = tl.zeros([R, BM], dtype=tl.float32)
+        which = tl.arange(0, BM)[None, :]
         for k0 in range(k_lo, k_hi, BK):
             ks = k0 + tl.arange(0, BK)
-            x = tl.load(x_base + xs[:, None] + ks[None, :], mask=(ks < k_hi)[None, :], other=0.0)
             w = load_weight_tile(w_ptr, grid_ptr, offs, k0, K, WTYPE, R, BK)
-            acc += tl.sum(w[:, None, :] * x[None, :, :], axis=2)
+            # each activation row reduces its own [R, BK] product (the same tile whatever BM), so its
+            # sums do not depend on the rows beside it; adding -0.0 leaves the other columns' bits
+            for m in tl.static_range(BM):
+                x = tl.load(x_base + tl.minimum(m0 + m, M - 1).to(tl.int64) * stride_xm + ks, mask=ks < k_hi, other=0.0)
+                acc += tl.where(which == m, tl.sum(w * x[None, :], axis=1)[:, None], -0.0)
         out = tl.reshape(acc, [R * BM])
     c = tl.arange(0, R * BM)
     rows = row0 + c // BM
