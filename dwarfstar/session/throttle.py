@@ -72,10 +72,9 @@ class ThrottledBackend:
     def __init__(self, backend: Backend, duty: DutyCycle) -> None:
         self.inner, self.duty = backend, duty
         self.args: ModelArgs = backend.args
-        model = backend if isinstance(backend, Transformer) else getattr(backend, "model", None)
-        if isinstance(model, Transformer):
+        if isinstance(backend, Transformer):  # every backend's own forward pass (one shape)
             # the CLI owns this backend for the whole process, so pacing its layers in place is safe
-            model.block = duty.timed(model.block)
+            backend.block = duty.timed(backend.block)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
