@@ -125,7 +125,7 @@ def store_q8(y, q_ptr, s_ptr, sum_ptr, row_at, n0, N, BN: tl.constexpr):
     whose row starts at element row_at (int64); columns at or past N are not written."""
     blocks = tl.reshape(y, [BN // 32, 32])
     amax = tl.max(tl.abs(blocks), axis=1)
-    inv = tl.where(amax > 0.0, 127.0 / amax, 0.0)
+    inv = 127.0 / tl.maximum(amax, 1e-30)  # an all-zero block: r = 0, scale 0
     r = (blocks * inv[:, None] + ROUND).to(tl.int32, bitcast=True) - ROUND_BITS  # |r| <= 127
     scale = amax / 127.0
     n = n0 + tl.arange(0, BN)
