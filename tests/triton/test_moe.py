@@ -89,6 +89,9 @@ DECODE_CASES = [
     pytest.param((T.F16, T.F32, T.BF16), EXACT, 2, id="float-exact"),
     pytest.param((T.IQ2_XXS, T.Q2_K, T.Q8_0), FAST, 3, id="q2-fast"),
     pytest.param((T.Q4_K, T.Q4_K, T.Q4_K), FAST, 3, id="q4-fast-shared-in-mma"),
+    # mixed 2-bit and 4-bit files: the 2-bit matrices take the fp16 tensor-core form (the int8 form needs both)
+    pytest.param((T.IQ2_XXS, T.Q4_K, T.Q8_0), FAST, 1, id="iq2-q4-fast"),
+    pytest.param((T.Q4_K, T.Q2_K, T.Q8_0), FAST, 1, id="q4-q2-fast"),
 ]
 # FAST rounds the activations (and the mid activations) to fp16: measured 2e-4 to 6e-4 of the
 # largest output on these shapes, against 3e-7 for EXACT
