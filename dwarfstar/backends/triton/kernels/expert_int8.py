@@ -166,42 +166,53 @@ def reference_rows(x: torch.Tensor) -> Q8Rows:
 
 
 @triton.jit
-def _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, x0, PTX: tl.constexpr, BN: tl.constexpr):
+def _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, one, PTX: tl.constexpr, BN: tl.constexpr):
     # a thread takes a 16-byte run c of the payload (h = c // 2, bytes l = 16 (c % 2) + 4 w + b): with
     # shift 2 s, word w holds the quants of columns 128 h + 32 s + l, sub-block 8 h + 2 s + c % 2, four
-    # bytes of one activation word. side (20 B): scales[16] (low nibble scale, high min), f16 d, dmin
+    # bytes of one activation word. side (20 B): scales[16] (low nibble scale, high min), f16 d, dmin.
+    # The activations are loaded in the words' shape [BN, c, w], at the same addresses for every row,
+    # and the per-sub-block operands [BN, c] at offsets times `one` (1 at run time: not seen as
+    # contiguous, so not vectorised across the threads of a row), so that no value changes threads
     c = tl.arange(0, 4)
-    i = tl.arange(0, 2)
-    w = i[:, None] * 2 + i[None, :]  # [2, 2]
-    words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None, None, None]
-                    + (4 * c)[None, :, None, None] + w[None, None])  # [BN, c, 2, 2]  # fmt: skip
-    col = x0 + sb * 256 + 128 * (c // 2) + 16 * (c % 2)  # [c], int64
-    side = row_off + K // 4 + sb * 20
+    h = (c >> 1)[None, :]
+    lh = (c & 1)[None, :]
+    w = tl.arange(0, 4)[None, None, :]  # 16-byte loads, split in registers as [2, 2]
+    words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None, None]
+                    + (4 * c)[None, :, None] + w)  # fmt: skip
+    words = tl.reshape(words, [BN, 4, 2, 2])
+    rows = tl.zeros([BN], tl.int32)[:, None]
+    run = (rows + sb * 64 + 32 * h + 4 * lh)[:, :, None] + w  # activation words of the run for s = 0
+    side = row_off[:, None] + K // 4 + sb * 20
     acc_q = tl.zeros([BN, 4], tl.float32)
     acc_m = tl.zeros([BN, 4], tl.float32)
     for s in tl.static_range(4):
         q = (words >> (2 * s)) & 0x03030303
-        xw = tl.load(xw_ptr + ((col + 32 * s) // 4)[:, None, None] + w[None])  # [c, 2, 2]
-        t = _dp4a_last2(q, tl.broadcast_to(xw[None], [BN, 4, 2, 2]), tl.zeros([BN, 4], tl.int32), PTX)
-        sc = tl.load(w_ptr + side[:, None] + (8 * (c // 2) + 2 * s + c % 2)[None, :]).to(tl.int32)  # [BN, c]
-        acc_q += (t * (sc & 15)).to(tl.float32) * tl.load(xs_ptr + (col + 32 * s) // 32)[None, :]
-        acc_m += (sc >> 4).to(tl.float32) * tl.load(xm_ptr + (col + 32 * s) // 16)[None, :]
+        xw = tl.reshape(tl.load(xw_ptr + run + 8 * s), [BN, 4, 2, 2])
+        t = _dp4a_last2(q, xw, tl.zeros([BN, 4], tl.int32), PTX)  # [BN, c]
+        sc = tl.load(w_ptr + side + (8 * h + 2 * s + lh) * one).to(tl.int32)
+        xs = tl.load(xs_ptr + (rows + sb * 8 + (4 * h + s) * one))
+        xm = tl.load(xm_ptr + (rows + sb * 16 + (8 * h + 2 * s + lh) * one))
+        acc_q += (t * (sc & 15)).to(tl.float32) * xs
+        acc_m += (sc >> 4).to(tl.float32) * xm
     d = tl.load((w_ptr + side + 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
     dmin = tl.load((w_ptr + side + 18).to(tl.pointer_type(tl.float16))).to(tl.float32)
-    return acc_q * d[:, None] - acc_m * dmin[:, None]
+    return acc_q * d - acc_m * dmin
 
 
 @triton.jit
-def _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, x0, PTX: tl.constexpr, BN: tl.constexpr):
+def _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, PTX: tl.constexpr, BN: tl.constexpr):
     # payload (64 B per super-block): 8 groups of 32 columns, each two words: 4 bytes picking lattice
     # rows (8 columns each) and four 7-bit sign indexes (bits 0-27) with a scale s (bits 28-31);
-    # side: f16 d; x = d (2 s + 1) / 8 * grid * sign. Group g is activation block x0 / 32 + 8 sb + g
-    words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None]
-                    + tl.arange(0, 16)[None, :])  # fmt: skip
-    points, aux = tl.split(tl.reshape(words, [BN, 8, 2]))  # [BN, g]
+    # side: f16 d; x = d (2 s + 1) / 8 * grid * sign. Group g is activation block 8 sb + g
     g = tl.arange(0, 8)
     v = tl.arange(0, 4)
     half = tl.arange(0, 2)
+    # a thread takes whole groups, as the lookups below want them (16-byte runs would be regrouped)
+    words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None, None]
+                    + (2 * g)[None, :, None] + half[None, None, :])  # fmt: skip
+    points, aux = tl.split(words)  # [BN, g]
+    # the activations in the products' shape (every row the same addresses: no layout conversion)
+    rows = tl.zeros([BN], tl.int32)[:, None, None]
     isum = tl.zeros([BN, 8], tl.int32)
     for t in tl.static_range(4):
         pick = ((points >> (8 * t)) & 255).to(tl.int32)
@@ -210,21 +221,26 @@ def _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, x0, PTX: tl.cons
         value, negated = tl.split(tl.reshape(pair, [BN, 8, 2, 2]))  # [BN, g, half]
         mask = tl.load(tab_ptr + SIGNS8_AT + (2 * sign)[:, :, None] + half[None, None, :])
         signed = (value & ~mask) | (negated & mask)
-        xw = tl.load(xw_ptr + (x0 // 4 + sb * 64 + 8 * g + 2 * t)[:, None] + half[None, :])  # [g, half]
-        isum = _dp4a_last(signed, tl.broadcast_to(xw[None], [BN, 8, 2]), isum, PTX)
-    xs = tl.load(xs_ptr + x0 // 32 + sb * 8 + g)
+        xw = tl.load(xw_ptr + (rows + (sb * 64 + 8 * g + 2 * t)[None, :, None] + half[None, None, :]))  # [BN, g, half]
+        isum = _dp4a_last(signed, xw, isum, PTX)
+    xs = tl.load(xs_ptr + (sb * 8 + tl.zeros([BN], tl.int32)[:, None] + g[None, :]))
     d = tl.load((w_ptr + row_off + K // 4 + 2 * sb).to(tl.pointer_type(tl.float16))).to(tl.float32)
-    part = (isum * (2 * (aux >> 28) + 1).to(tl.int32)).to(tl.float32) * xs[None, :]
+    part = (isum * (2 * (aux >> 28) + 1).to(tl.int32)).to(tl.float32) * xs
     return part * (0.125 * d)[:, None]
 
 
 @triton.jit
-def _q8_step(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, x0,
+def _q8_step(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr,
              WTYPE: tl.constexpr, PTX: tl.constexpr, BN: tl.constexpr):  # fmt: skip
     if WTYPE == 10:
-        return _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, x0, PTX, BN)
+        return _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, K // 256 * 0 + 1, PTX, BN)  # [BN, 4]
     else:
-        return _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, x0, PTX, BN)
+        return _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, PTX, BN)  # [BN, 8]
+
+
+@triton.jit
+def _row_sums(a, WTYPE: tl.constexpr):
+    return tl.sum(a, axis=1)
 
 
 @triton.jit
@@ -234,12 +250,15 @@ def q8_rows_dot(xw_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K,
     int8 activation row (`Q8Rows` buffers as int32 words, scales, sums; its column 0 at element x0,
     a multiple of 256), over K columns; WTYPE in Q8_TYPES. The partial sums of each thread are added
     over super-blocks first and across threads once, after the loop: an order fixed by the shapes."""
-    a1 = _q8_step(w1_ptr, tab_ptr, row_off, 0, K, xw_ptr, xs_ptr, xm_ptr, x0, WTYPE, PTX, BN)
+    xw_ptr += x0 // 4  # the row's words, block scales and sums
+    xs_ptr += x0 // 32
+    xm_ptr += x0 // 16
+    a1 = _q8_step(w1_ptr, tab_ptr, row_off, 0, K, xw_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
     a2 = a1
     if TWO:
-        a2 = _q8_step(w2_ptr, tab_ptr, row_off, 0, K, xw_ptr, xs_ptr, xm_ptr, x0, WTYPE, PTX, BN)
+        a2 = _q8_step(w2_ptr, tab_ptr, row_off, 0, K, xw_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
     for sb in range(1, K // 256):
-        a1 += _q8_step(w1_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, x0, WTYPE, PTX, BN)
+        a1 += _q8_step(w1_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
         if TWO:
-            a2 += _q8_step(w2_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, x0, WTYPE, PTX, BN)
-    return tl.sum(a1, axis=1), tl.sum(a2, axis=1)
+            a2 += _q8_step(w2_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+    return _row_sums(a1, WTYPE), _row_sums(a2, WTYPE)

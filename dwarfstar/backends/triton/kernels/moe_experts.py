@@ -13,7 +13,9 @@ grids from T and k alone (a captured step replays them).
   each token's k routed slots, in slot order, then its shared expert, into out [T, D]. No float
   atomics: the sum is the same at every replay.
 The loops are `expert_blocks`' decoders: fp32 products (EXACT), or fp16 tensor-core operands under
-Precision.fast for the formats that have them (the mid activations are then stored as fp16 too).
+Precision.fast for the formats that have them (the mid activations are then stored as fp16 too);
+for 2-bit experts (both matrices IQ2_XXS or Q2_K) the fast form is `expert_int8`'s: x quantized to
+int8 by one more launch, the routed mid rows quantized by the gate/up kernel that computes them.
 
 Prefill form (`expert_ffn`): the entries sorted by expert (`moe_sort`). For every tile of one
 expert's entries, `_gate_up_kernel` gathers the tokens' input rows, decodes the expert's gate and up
