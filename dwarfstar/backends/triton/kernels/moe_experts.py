@@ -478,8 +478,10 @@ def decode_ffn(
         # the tensor-core form on 2 warps (4 would pick wgmma, which stages the activations in shared
         # memory); IQ2_XXS's on 1 up to 4 tokens: its lattice rows, looked up where the mma operand
         # layout wants them, would cross warps on 2 (a round trip through shared memory per group);
-        # from 5 tokens the shared expert's rows in the same program would spill on 1
-        warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else 4
+        # from 5 tokens the shared expert's rows in the same program would spill on 1. The int8 loops on
+        # 2: each thread then holds 4 rows of a run or group, sharing its activation loads (0.261
+        # warp-instructions per weight byte for IQ2_XXS gate/up on sm_90 against 0.281 on 4 warps)
+        warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else 2 if q8 else 4
         bn, rbk = _decode_rows(w.ggml_type, rfast, warps)
         sbn, sbk = _decode_rows(s.ggml_type, sfast, warps)
         if q8:  # whole activation blocks per program (the gate/up kernel quantizes its mid columns)
