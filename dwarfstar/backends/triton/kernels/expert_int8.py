@@ -166,13 +166,12 @@ def reference_rows(x: torch.Tensor) -> Q8Rows:
 
 
 @triton.jit
-def _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, one, PTX: tl.constexpr, BN: tl.constexpr):
+def _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, PTX: tl.constexpr, BN: tl.constexpr):
     # a thread takes a 16-byte run c of the payload (h = c // 2, bytes l = 16 (c % 2) + 4 w + b): with
     # shift 2 s, word w holds the quants of columns 128 h + 32 s + l, sub-block 8 h + 2 s + c % 2, four
     # bytes of one activation word. side (20 B): scales[16] (low nibble scale, high min), f16 d, dmin.
-    # The activations are loaded in the words' shape [BN, c, w], at the same addresses for every row,
-    # and the per-sub-block operands [BN, c] at offsets times `one` (1 at run time: not seen as
-    # contiguous, so not vectorised across the threads of a row), so that no value changes threads
+    # The activations are loaded in the words' shape [BN, c, w] (16 bytes a thread), at the same
+    # addresses for every row, so that no value changes threads
     c = tl.arange(0, 4)
     h = (c >> 1)[None, :]
     lh = (c & 1)[None, :]
@@ -189,9 +188,9 @@ def _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, one, PTX: tl.constex
         q = (words >> (2 * s)) & 0x03030303
         xw = tl.reshape(tl.load(xw_ptr + run + 8 * s), [BN, 4, 2, 2])
         t = _dp4a_last2(q, xw, tl.zeros([BN, 4], tl.int32), PTX)  # [BN, c]
-        sc = tl.load(w_ptr + side + (8 * h + 2 * s + lh) * one).to(tl.int32)
-        xs = tl.load(xs_ptr + (rows + sb * 8 + (4 * h + s) * one))
-        xm = tl.load(xm_ptr + (rows + sb * 16 + (8 * h + 2 * s + lh) * one))
+        sc = tl.load(w_ptr + side + 8 * h + 2 * s + lh).to(tl.int32)
+        xs = tl.load(xs_ptr + (rows + sb * 8 + 4 * h + s))
+        xm = tl.load(xm_ptr + (rows + sb * 16 + 8 * h + 2 * s + lh))
         acc_q += (t * (sc & 15)).to(tl.float32) * xs
         acc_m += (sc >> 4).to(tl.float32) * xm
     d = tl.load((w_ptr + side + 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
@@ -233,14 +232,9 @@ def _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, PTX: tl.constexp
 def _q8_step(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr,
              WTYPE: tl.constexpr, PTX: tl.constexpr, BN: tl.constexpr):  # fmt: skip
     if WTYPE == 10:
-        return _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, K // 256 * 0 + 1, PTX, BN)  # [BN, 4]
+        return _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, PTX, BN)  # [BN, 4]
     else:
         return _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, PTX, BN)  # [BN, 8]
-
-
-@triton.jit
-def _row_sums(a, WTYPE: tl.constexpr):
-    return tl.sum(a, axis=1)
 
 
 @triton.jit
@@ -261,4 +255,4 @@ def q8_rows_dot(xw_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K,
         a1 += _q8_step(w1_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
         if TWO:
             a2 += _q8_step(w2_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
-    return _row_sums(a1, WTYPE), _row_sums(a2, WTYPE)
+    return tl.sum(a1, axis=1), tl.sum(a2, axis=1)
