@@ -244,7 +244,7 @@ def launch_work(kernel: str, a: dict) -> KernelWork | None:
         blocks = triton.cdiv(a["FM"] if gate_up else a["D"], a["BN"])
         x_bytes = (a["x_ptr"] if gate_up else a["mid_ptr"]).element_size()  # mid: fp16 under Precision.fast
         routed = _decode_loops("routed", blocks * entries, matrices, a["RTYPE"], a["BN"], a["row_bytes"], k_in,
-                               a["RBK"], 1, x_bytes, a["RFAST"], q8=a["RQ8"])  # fmt: skip
+                               a["RBK"], 1, x_bytes, a["RFAST"], q8=a["RQ8"] and 32 * a["num_warps"])  # fmt: skip
         shared = _decode_loops("shared", blocks, matrices, a["STYPE"], a["SBN"], a["srow_bytes"], k_in, a["SBK"], t,
                                x_bytes, a["SFAST"], parts=a["BN"] // a["SBN"], rows_loaded=a["TB"])  # fmt: skip
         return KernelWork(weight + activations, weight, loops=routed + shared)
@@ -253,17 +253,21 @@ def launch_work(kernel: str, a: dict) -> KernelWork | None:
 
 def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, row_bytes: int, k_in: int,
                   bk: int, t: int, x_bytes: int, fast: bool, parts: int = 1,
-                  rows_loaded: int = 1, q8: bool = False) -> tuple[LoopWork, ...]:  # fmt: skip
+                  rows_loaded: int = 1, q8: int = 0) -> tuple[LoopWork, ...]:  # fmt: skip
     """The loops of `_routed_rows` / `_shared_rows` (`_rows_dot`) as `runtime.LoopWork`s: one over
     `matrices` x bn rows of bk columns an iteration, or in the tensor-core form (fast) one per matrix
     (the form runs them one after the other); `parts` row parts of k_in / bk iterations each; t
     activation rows (`rows_loaded` of them loaded: masked rows too), 16 in the tensor-core form; q8:
-    the int8 form (`expert_int8`: a byte per column, a float scale per 32 and a sum per 16)."""
+    the int8 form (`expert_int8`: a byte per column, a float scale per 32 and a sum per 16) over q8
+    threads, each loading the activations of its run (Q2_K: 64 bytes and 8 floats) or group (IQ2_XXS:
+    32 bytes and a float) once for the rows it holds."""
     ggml_type = GGMLType(wtype)
     per_loop = 1 if fast else matrices
     weight = per_loop * bn * row_bytes * bk // k_in
     x_bytes = x_bytes if not q8 else 1 + 4 / 32 + 4 / 16
     x = int((16 if fast and name == "shared" else rows_loaded) * x_bytes * bk)
+    if q8:
+        x = q8 * (96 if ggml_type == GGMLType.Q2_K else 36)
     lookups = 0
     if ggml_type == GGMLType.IQ2_XXS:  # lattice rows and sign masks per 8 columns, from the cached table
         lookups = per_loop * bn * bk // 8 * (24 if q8 else 32 if fast else 64)
