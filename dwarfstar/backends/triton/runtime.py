@@ -138,7 +138,9 @@ class Precision:
     `fast=True` lets the prefill GEMM and attention tiles use bf16 operands with fp32 accumulation,
     as the official model does between its ops; decode GEMVs stay fp32 (they are bound by memory,
     not arithmetic), except the experts' decode loops, which take fp16 activations into the tensor
-    cores to cut their instructions per weight byte (`kernels.expert_blocks`).
+    cores (`kernels.expert_blocks`), or for 2-bit experts (IQ2_XXS gate/up, Q2_K down) int8
+    activations into integer dot products (`kernels.expert_int8`), to cut their instructions per
+    weight byte.
     """
 
     fast: bool = False

@@ -13,7 +13,9 @@ grids from T and k alone (a captured step replays them).
   each token's k routed slots, in slot order, then its shared expert, into out [T, D]. No float
   atomics: the sum is the same at every replay.
 The loops are `expert_blocks`' decoders: fp32 products (EXACT), or fp16 tensor-core operands under
-Precision.fast for the formats that have them (the mid activations are then stored as fp16 too).
+Precision.fast for the formats that have them (the mid activations are then stored as fp16 too);
+for 2-bit experts (both matrices IQ2_XXS or Q2_K) the fast form is `expert_int8`'s: x quantized to
+int8 by one more launch, the routed mid rows quantized by the gate/up kernel that computes them.
 
 Prefill form (`expert_ffn`): the entries sorted by expert (`moe_sort`). For every tile of one
 expert's entries, `_gate_up_kernel` gathers the tokens' input rows, decodes the expert's gate and up
@@ -36,9 +38,12 @@ import triton.language as tl
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels.expert_blocks import EXACT_TYPES, FAST_TYPES, exact_step, fast_step, tables
+from dwarfstar.backends.triton.kernels.expert_int8 import Q8_TYPES, Q8Rows, q8_rows_dot, quantize_rows, store_q8
+from dwarfstar.backends.triton.kernels.expert_int8 import tables as q8_tables
 from dwarfstar.backends.triton.kernels.moe_sort import ExpertTiles, sort_by_expert
 from dwarfstar.backends.triton.kernels.quant_blocks import (
     GEMV_CANDIDATES,
+    compiles_ptx,
     gemv_search,
     gemv_tile,
     grid_table,
@@ -239,7 +244,7 @@ def launch_work(kernel: str, a: dict) -> KernelWork | None:
         blocks = triton.cdiv(a["FM"] if gate_up else a["D"], a["BN"])
         x_bytes = (a["x_ptr"] if gate_up else a["mid_ptr"]).element_size()  # mid: fp16 under Precision.fast
         routed = _decode_loops("routed", blocks * entries, matrices, a["RTYPE"], a["BN"], a["row_bytes"], k_in,
-                               a["RBK"], 1, x_bytes, a["RFAST"])  # fmt: skip
+                               a["RBK"], 1, x_bytes, a["RFAST"], q8=a["RQ8"] and 32 * a["num_warps"])  # fmt: skip
         shared = _decode_loops("shared", blocks, matrices, a["STYPE"], a["SBN"], a["srow_bytes"], k_in, a["SBK"], t,
                                x_bytes, a["SFAST"], parts=a["BN"] // a["SBN"], rows_loaded=a["TB"])  # fmt: skip
         return KernelWork(weight + activations, weight, loops=routed + shared)
@@ -248,21 +253,27 @@ def launch_work(kernel: str, a: dict) -> KernelWork | None:
 
 def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, row_bytes: int, k_in: int,
                   bk: int, t: int, x_bytes: int, fast: bool, parts: int = 1,
-                  rows_loaded: int = 1) -> tuple[LoopWork, ...]:  # fmt: skip
+                  rows_loaded: int = 1, q8: int = 0) -> tuple[LoopWork, ...]:  # fmt: skip
     """The loops of `_routed_rows` / `_shared_rows` (`_rows_dot`) as `runtime.LoopWork`s: one over
     `matrices` x bn rows of bk columns an iteration, or in the tensor-core form (fast) one per matrix
     (the form runs them one after the other); `parts` row parts of k_in / bk iterations each; t
-    activation rows (`rows_loaded` of them loaded: masked rows too), 16 in the tensor-core form."""
+    activation rows (`rows_loaded` of them loaded: masked rows too), 16 in the tensor-core form; q8:
+    the int8 form (`expert_int8`: a byte per column, a float scale per 32 and a sum per 16) over q8
+    threads, each loading the activations of its run (Q2_K: 64 bytes and 8 floats) or group (IQ2_XXS:
+    32 bytes and a float) once for the rows it holds."""
     ggml_type = GGMLType(wtype)
     per_loop = 1 if fast else matrices
     weight = per_loop * bn * row_bytes * bk // k_in
-    x = (16 if fast and name == "shared" else rows_loaded) * x_bytes * bk
+    x_bytes = x_bytes if not q8 else 1 + 4 / 32 + 4 / 16
+    x = int((16 if fast and name == "shared" else rows_loaded) * x_bytes * bk)
+    if q8:
+        x = q8 * (96 if ggml_type == GGMLType.Q2_K else 36)
     lookups = 0
     if ggml_type == GGMLType.IQ2_XXS:  # lattice rows and sign masks per 8 columns, from the cached table
-        lookups = per_loop * bn * bk // 8 * (32 if fast else 64)
+        lookups = per_loop * bn * bk // 8 * (24 if q8 else 32 if fast else 64)
     what = ("gate", "up") if fast and matrices == 2 else ("gate/up" if matrices == 2 else "down",)
     return tuple(
-        LoopWork(f"{name} {ggml_type.name} {m}", programs, parts * k_in // bk, weight, weight + t * x_bytes * bk,
+        LoopWork(f"{name} {ggml_type.name} {m}", programs, parts * k_in // bk, weight, int(weight + t * x_bytes * bk),
                  weight + x + lookups)
         for m in what
     )  # fmt: skip
@@ -270,6 +281,7 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
 
 # -- decode form ---------------------------------------------------------------------------------------
 DECODE_TOKENS = 8  # up to this many tokens a step runs the decode form: no sort, one launch per projection
+Q8_ROWS = 64  # weight rows per program of the int8 loops (a multiple of the 32-column activation blocks)
 
 
 @triton.jit
@@ -335,11 +347,31 @@ def _routed_rows(x_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_r
 
 
 @triton.jit
+def _routed_rows_q8(xq_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, os_ptr, om_ptr, out_row,
+                    stride_out, n0, expert, K, N, row_bytes, limit, scale, WTYPE: tl.constexpr, BN: tl.constexpr,
+                    GATED: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """`_routed_rows` over int8 activations (`expert_int8.Q8Rows` buffers xq as int32 words, xs, xm;
+    row x_row): GATED quantizes its SwiGLU rows into row out_row of the Q8Rows out, os, om (the down
+    projection's input), else stores the floats at out_ptr (the parts)."""
+    n = n0 + tl.arange(0, BN)
+    row_off = (expert.to(tl.int64) * N + tl.minimum(n, N - 1)) * row_bytes
+    x0 = x_row.to(tl.int64) * stride_x
+    a1, a2 = q8_rows_dot(xq_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, BN, GATED, PTX)
+    if GATED:
+        store_q8(_swiglu(a1, a2, limit) * scale, out_ptr, os_ptr, om_ptr, out_row.to(tl.int64) * stride_out, n0, N,
+                 BN)  # fmt: skip
+    else:
+        tl.store(out_ptr + out_row.to(tl.int64) * stride_out + n, a1, mask=n < N)
+
+
+@triton.jit
 def _decode_gate_up_kernel(
     x_ptr, ids_ptr, route_w_ptr, gate_ptr, up_ptr, sgate_ptr, sup_ptr, tab_ptr, mid_ptr,
+    xq_ptr, xs_ptr, xm_ptr, mq_ptr, ms_ptr, mm_ptr,
     T, k, D, F, FS, FM, stride_x, row_bytes, srow_bytes, limit,
     RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
-    SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr,
+    SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr, RQ8: tl.constexpr,
+    PTX: tl.constexpr,
 ):  # fmt: skip
     # column 0: the shared expert for every token (the longest programs, so scheduled first); column
     # 1 + e: routing entry e = t * k + slot. mid rows: e for the entries, T * k + t for the shared expert
@@ -350,16 +382,23 @@ def _decode_gate_up_kernel(
                      srow_bytes, limit, STYPE, BN, SBN, SBK, SFAST, TB, True)  # fmt: skip
     else:
         e = col - 1
-        _routed_rows(x_ptr, e // k, stride_x, gate_ptr, up_ptr, tab_ptr, mid_ptr, e, FM, n0, tl.load(ids_ptr + e),
-                     D, F, row_bytes, limit, tl.load(route_w_ptr + e), RTYPE, BN, RBK, RFAST, True)  # fmt: skip
+        if RQ8:  # int8 rows x_q (D columns) in, int8 mid rows m_q (FM columns) out
+            _routed_rows_q8(xq_ptr, xs_ptr, xm_ptr, e // k, D, gate_ptr, up_ptr, tab_ptr, mq_ptr, ms_ptr, mm_ptr, e,
+                            FM, n0, tl.load(ids_ptr + e), D, F, row_bytes, limit, tl.load(route_w_ptr + e), RTYPE,
+                            BN, True, PTX)  # fmt: skip
+        else:
+            _routed_rows(x_ptr, e // k, stride_x, gate_ptr, up_ptr, tab_ptr, mid_ptr, e, FM, n0,
+                         tl.load(ids_ptr + e), D, F, row_bytes, limit, tl.load(route_w_ptr + e), RTYPE, BN, RBK,
+                         RFAST, True)  # fmt: skip
 
 
 @triton.jit
 def _decode_down_kernel(
-    mid_ptr, ids_ptr, down_ptr, sdown_ptr, tab_ptr, part_ptr, tickets_ptr, out_ptr,
+    mid_ptr, ids_ptr, down_ptr, sdown_ptr, tab_ptr, part_ptr, tickets_ptr, out_ptr, mq_ptr, ms_ptr, mm_ptr,
     T, k, F, FS, FM, D, row_bytes, srow_bytes, stride_out,
     RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
-    SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr,
+    SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr, RQ8: tl.constexpr,
+    PTX: tl.constexpr,
 ):  # fmt: skip
     # every program writes its products to part (rows as in mid); the last program of a column block
     # to finish (a ticket per block, back to 0 for the next launch) sums each token's k routed slots,
@@ -371,8 +410,13 @@ def _decode_down_kernel(
                      srow_bytes, 0.0, STYPE, BN, SBN, SBK, SFAST, TB, False)  # fmt: skip
     else:
         e = col - 1
-        _routed_rows(mid_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, e, D, nb * BN, tl.load(ids_ptr + e),
-                     F, D, row_bytes, 0.0, 1.0, RTYPE, BN, RBK, RFAST, False)  # fmt: skip
+        if RQ8:
+            _routed_rows_q8(mq_ptr, ms_ptr, mm_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, part_ptr, part_ptr,
+                            e, D, nb * BN, tl.load(ids_ptr + e), F, D, row_bytes, 0.0, 1.0, RTYPE, BN, False,
+                            PTX)  # fmt: skip
+        else:
+            _routed_rows(mid_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, e, D, nb * BN,
+                         tl.load(ids_ptr + e), F, D, row_bytes, 0.0, 1.0, RTYPE, BN, RBK, RFAST, False)  # fmt: skip
     if last_program(tickets_ptr + nb, T * k + 1):
         t = tl.arange(0, TB)
         n = nb * BN + tl.arange(0, BN)
@@ -426,33 +470,44 @@ def decode_ffn(
     mid = torch.empty(t * k + t, fm, device=device, dtype=torch.float16 if fast else torch.float32)
     parts = torch.empty(t * k + t, d, device=device)
     out = torch.empty(t, d, device=device)
-    tab = tables(device)
+    # the 2-bit recipe's fast form: int8 activations (`expert_int8`), x quantized here, the routed
+    # mid rows by the gate/up kernel
+    q8 = fast and gate.ggml_type in Q8_TYPES and down.ggml_type in Q8_TYPES
+    xq = quantize_rows(x) if q8 else Q8Rows.empty(1, 32, device)
+    mq = Q8Rows.empty(t * k, fm, device) if q8 else xq
+    tab = q8_tables(device) if q8 else tables(device)
     ids, route_weights = ids.contiguous(), route_weights.contiguous()
     for step, (w, s) in enumerate(((gate, sgate), (down, sdown))):
-        rfast, sfast = fast and w.ggml_type in FAST_TYPES, fast and s.ggml_type in FAST_TYPES
+        rfast, sfast = fast and not q8 and w.ggml_type in FAST_TYPES, fast and s.ggml_type in FAST_TYPES
         # the tensor-core form on 2 warps (4 would pick wgmma, which stages the activations in shared
         # memory); IQ2_XXS's on 1 up to 4 tokens: its lattice rows, looked up where the mma operand
         # layout wants them, would cross warps on 2 (a round trip through shared memory per group);
-        # from 5 tokens the shared expert's rows in the same program would spill on 1
-        warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else 4
-        bn, rbk = _decode_rows(w.ggml_type, fast, warps)
-        sbn, sbk = _decode_rows(s.ggml_type, fast, warps)
+        # from 5 tokens the shared expert's rows in the same program would spill on 1. The int8 loops on
+        # 2: each thread then holds 4 rows of a run or group, sharing its activation loads (0.261
+        # warp-instructions per weight byte for IQ2_XXS gate/up on sm_90 against 0.281 on 4 warps)
+        warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else 2 if q8 else 4
+        bn, rbk = _decode_rows(w.ggml_type, rfast, warps)
+        sbn, sbk = _decode_rows(s.ggml_type, sfast, warps)
+        if q8:  # whole activation blocks per program (the gate/up kernel quantizes its mid columns)
+            bn = 256 if interpreting() else Q8_ROWS
         bn = min(bn, next_pow2(max(fm, d)))
         sbn = min(sbn, bn)
         # the pipeliner would stage IQ2_XXS's table lookups of the fast form through shared memory
         stages = 1 if interpreting() or (rfast and w.ggml_type == GGMLType.IQ2_XXS) else 3
         consts = dict(RTYPE=w.wtype, STYPE=s.wtype, BN=bn, SBN=sbn, RBK=rbk, SBK=sbk, RFAST=rfast, SFAST=sfast,
-                      TB=tb, num_warps=warps, num_stages=stages)  # fmt: skip
+                      TB=tb, RQ8=q8, PTX=compiles_ptx(), num_warps=warps, num_stages=stages)  # fmt: skip
         if step == 0:
             grid = (triton.cdiv(fm, bn), t * k + 1)
             _decode_gate_up_kernel[grid](
                 x, ids, route_weights, gate.data, up.data, sgate.data, sup.data, tab, mid,
+                xq.q.view(torch.int32), xq.scale, xq.sums, mq.q, mq.scale, mq.sums,
                 t, k, d, f, fs, fm, x.stride(0), gate.row_bytes, sgate.row_bytes, limit, **consts,
             )  # fmt: skip
         else:
             blocks = triton.cdiv(d, bn)
             _decode_down_kernel[(blocks, t * k + 1)](
                 mid, ids, down.data, sdown.data, tab, parts, ticket_counters(device, "experts", blocks), out,
+                mq.q.view(torch.int32), mq.scale, mq.sums,
                 t, k, f, fs, fm, d, down.row_bytes, sdown.row_bytes, out.stride(0), **consts,
             )  # fmt: skip
     return out

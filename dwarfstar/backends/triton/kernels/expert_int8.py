@@ -1,0 +1,258 @@
+"""Integer dot products of int8 activation rows with rows of 2-bit GGUF blocks: the routed experts'
+decode loops under Precision.fast (`moe_experts.decode_ffn`), for Q2_K and IQ2_XXS.
+
+The activations are quantized once per row (`quantize_rows`, or `store_q8` where a kernel has the
+row in registers), in blocks of 32 columns, like ggml's q8_1: int8 values r = round(x * 127 / amax),
+a float32 scale amax / 127 per block and, per 16 columns, the scale times the sum of r (the K-quants'
+mins multiply those). The weights are never floats: their integer quants are cut out four at a time
+from 32-bit words (one shift and one mask give four int8 lanes) and multiplied with four activation
+bytes by one dp4a (`dp4a`); the integer sums take the weight sub-block scale as an integer, then the
+activation block scale and the super-block scale d as floats, once per sub-block.
+
+IQ2_XXS's lattice values are 8, 25 and 43, exact in int8: `tables` holds per lattice row its 8 values
+and their negations as bytes (four words), and per 7-bit sign index the byte masks of its 8 signs
+(parity included), so a signed word is one select, (grid & ~mask) | (negated & mask).
+
+The products are exact integers; the only rounding against the float reference is that of the
+activations to int8 (and of the mid activations, quantized by the gate/up kernel that computes
+them). tests/triton/test_moe.py bounds the error.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dwarfstar.backends.triton.kernels import expert_blocks
+from dwarfstar.gguf.dequant import _iq2xxs_tables
+
+Q8_BLOCK = 32  # activation columns per int8 scale
+Q8_TYPES = (10, 16)  # Q2_K, IQ2_XXS: the block types with int8 loops here
+ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: v + ROUND holds round-to-nearest-even(v) in its low mantissa bits
+ROUND_BITS = tl.constexpr(0x4B400000)
+GRID8_AT = tl.constexpr(4612)  # word offsets of the int8 lattice and the sign masks in `tables`
+SIGNS8_AT = tl.constexpr(4612 + 1024)
+
+
+@functools.cache
+def _tables(device: torch.device) -> torch.Tensor:
+    grid, ksigns = _iq2xxs_tables()
+    values = grid.to(torch.int32)
+    byte = 256 ** torch.arange(4, dtype=torch.int64)
+
+    def words(v: torch.Tensor) -> torch.Tensor:  # [..., 8] bytes -> [..., 2] little-endian words
+        return ((v.to(torch.int64) & 255).reshape(*v.shape[:-1], 2, 4) * byte).sum(-1)
+
+    # per lattice row (values, negated) of its low 4 then its high 4 elements: words (lo, -lo, hi, -hi)
+    pairs = torch.stack([words(values), words(-values)], dim=-1).reshape(256, 4)
+    negative = (ksigns.to(torch.int64)[:, None] >> torch.arange(8)) & 1
+    masks = words(negative * 255)
+    flat = torch.cat([pairs.reshape(-1), masks.reshape(-1)])
+    ours = torch.where(flat >= 2**31, flat - 2**32, flat).to(torch.int32).to(device)
+    theirs = expert_blocks.tables(device)
+    pad = torch.zeros(GRID8_AT - theirs.numel(), dtype=torch.int32, device=device)  # 16-byte aligned rows
+    return torch.cat([theirs, pad, ours])
+
+
+def tables(device: torch.device | str) -> torch.Tensor:
+    """`expert_blocks.tables` (the other loops of a launch read it), then from GRID8_AT IQ2_XXS's
+    lattice as int8 bytes, 4 words per row (values and negations of elements 0-3, then of 4-7), and
+    from SIGNS8_AT per 7-bit sign index two words of byte masks (0xFF where negative)."""
+    return _tables(torch.device(device))
+
+
+@dataclass(frozen=True)
+class Q8Rows:
+    """Rows quantized to int8 in blocks of 32: q int8 [R, C], scale float32 [R, C / 32], and sums
+    float32 [R, C / 16] (per 16 columns: the block scale times the sum of q)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    sums: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, cols: int, device: torch.device) -> Q8Rows:
+        if cols % Q8_BLOCK:
+            raise ValueError(f"int8 activation rows take a multiple of {Q8_BLOCK} columns, got {cols}")
+        return cls(
+            torch.empty(rows, cols, device=device, dtype=torch.int8),
+            torch.empty(rows, cols // Q8_BLOCK, device=device),
+            torch.empty(rows, cols // 16, device=device),
+        )
+
+
+@triton.jit
+def dp4a(a, b, c, PTX: tl.constexpr):
+    """c + the dot product of the four signed bytes of a and of b (int32 words): one dp4a on NVIDIA."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            asm="dp4a.s32.s32 $0, $1, $2, $3;",
+            constraints="=r,r,r,r",
+            args=[a, b, c],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    a = a.to(tl.int32, bitcast=True)
+    b = b.to(tl.int32, bitcast=True)
+    c += ((a << 24) >> 24) * ((b << 24) >> 24) + ((a << 16) >> 24) * ((b << 16) >> 24)
+    return c + ((a << 8) >> 24) * ((b << 8) >> 24) + (a >> 24) * (b >> 24)
+
+
+@triton.jit
+def _dp4a_last(a, b, c, PTX: tl.constexpr):
+    """c + dp4a over the last dim (2) of a and b, as one chain."""
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return dp4a(a1, b1, dp4a(a0, b0, c, PTX), PTX)
+
+
+@triton.jit
+def _dp4a_last2(a, b, c, PTX: tl.constexpr):
+    """c + dp4a over the last two dims (2, 2) of a and b, as one chain."""
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return _dp4a_last(a1, b1, _dp4a_last(a0, b0, c, PTX), PTX)
+
+
+@triton.jit
+def store_q8(y, q_ptr, s_ptr, sum_ptr, row_at, n0, N, BN: tl.constexpr):
+    """Quantize y float32 [BN] (columns n0..n0+BN of a row, n0 and N multiples of 32) into a `Q8Rows`
+    whose row starts at element row_at (int64); columns at or past N are not written."""
+    blocks = tl.reshape(y, [BN // 32, 32])
+    amax = tl.max(tl.abs(blocks), axis=1)
+    inv = 127.0 / tl.maximum(amax, 1e-30)  # an all-zero block: r = 0, scale 0
+    r = (blocks * inv[:, None] + ROUND).to(tl.int32, bitcast=True) - ROUND_BITS  # |r| <= 127
+    scale = amax / 127.0
+    n = n0 + tl.arange(0, BN)
+    tl.store(q_ptr + row_at + n, tl.reshape(r, [BN]).to(tl.int8), mask=n < N)
+    b = (n0 + 32 * tl.arange(0, BN // 32)) // 32
+    tl.store(s_ptr + row_at // 32 + b, scale, mask=b < N // 32)
+    sums = tl.sum(tl.reshape(r, [BN // 32, 2, 16]), axis=2).to(tl.float32) * scale[:, None]
+    h = n0 // 16 + tl.arange(0, BN // 16)
+    tl.store(sum_ptr + row_at // 16 + h, tl.reshape(sums, [BN // 16]), mask=h < N // 16)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, stride_x, q_ptr, s_ptr, sum_ptr, K, BK: tl.constexpr):
+    t = tl.program_id(0)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    y = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+    store_q8(y, q_ptr, s_ptr, sum_ptr, t.to(tl.int64) * K, tl.program_id(1) * BK, K, BK)
+
+
+def quantize_rows(x: torch.Tensor) -> Q8Rows:
+    """float rows [R, C] (row stride free, C a multiple of 32) as `Q8Rows`: one launch."""
+    rows, cols = x.shape
+    out = Q8Rows.empty(rows, cols, x.device)
+    bk = min(1024, triton.next_power_of_2(cols))
+    _quantize_kernel[(rows, triton.cdiv(cols, bk))](x, x.stride(0), out.q, out.scale, out.sums, cols, BK=bk)
+    return out
+
+
+def reference_rows(x: torch.Tensor) -> Q8Rows:
+    """`quantize_rows` in torch (round half to even, as the kernel)."""
+    blocks = x.float().reshape(x.shape[0], -1, Q8_BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    r = torch.round(blocks * inv)
+    scale = amax / 127.0
+    sums = r.reshape(x.shape[0], -1, 2, 16).sum(-1) * scale
+    return Q8Rows(r.reshape(x.shape).to(torch.int8), scale.reshape(x.shape[0], -1), sums.reshape(x.shape[0], -1))
+
+
+@triton.jit
+def _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, PTX: tl.constexpr, BN: tl.constexpr):
+    # a thread takes a 16-byte run c of the payload (h = c // 2, bytes l = 16 (c % 2) + 4 w + b): with
+    # shift 2 s, word w holds the quants of columns 128 h + 32 s + l, sub-block 8 h + 2 s + c % 2, four
+    # bytes of one activation word. side (20 B): scales[16] (low nibble scale, high min), f16 d, dmin.
+    # The activations are loaded in the words' shape [BN, c, w] (16 bytes a thread), at the same
+    # addresses for every row, so that no value changes threads
+    c = tl.arange(0, 4)
+    h = (c >> 1)[None, :]
+    lh = (c & 1)[None, :]
+    w = tl.arange(0, 4)[None, None, :]  # 16-byte loads, split in registers as [2, 2]
+    words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None, None]
+                    + (4 * c)[None, :, None] + w)  # fmt: skip
+    words = tl.reshape(words, [BN, 4, 2, 2])
+    rows = tl.zeros([BN], tl.int32)[:, None]
+    run = (rows + sb * 64 + 32 * h + 4 * lh)[:, :, None] + w  # activation words of the run for s = 0
+    side = row_off[:, None] + K // 4 + sb * 20
+    acc_q = tl.zeros([BN, 4], tl.float32)
+    acc_m = tl.zeros([BN, 4], tl.float32)
+    for s in tl.static_range(4):
+        q = (words >> (2 * s)) & 0x03030303
+        xw = tl.reshape(tl.load(xw_ptr + run + 8 * s), [BN, 4, 2, 2])
+        t = _dp4a_last2(q, xw, tl.zeros([BN, 4], tl.int32), PTX)  # [BN, c]
+        sc = tl.load(w_ptr + side + 8 * h + 2 * s + lh).to(tl.int32)
+        xs = tl.load(xs_ptr + (rows + sb * 8 + 4 * h + s))
+        xm = tl.load(xm_ptr + (rows + sb * 16 + 8 * h + 2 * s + lh))
+        acc_q += (t * (sc & 15)).to(tl.float32) * xs
+        acc_m += (sc >> 4).to(tl.float32) * xm
+    d = tl.load((w_ptr + side + 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    dmin = tl.load((w_ptr + side + 18).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    return acc_q * d - acc_m * dmin
+
+
+@triton.jit
+def _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, PTX: tl.constexpr, BN: tl.constexpr):
+    # payload (64 B per super-block): 8 groups of 32 columns, each two words: 4 bytes picking lattice
+    # rows (8 columns each) and four 7-bit sign indexes (bits 0-27) with a scale s (bits 28-31);
+    # side: f16 d; x = d (2 s + 1) / 8 * grid * sign. Group g is activation block 8 sb + g
+    g = tl.arange(0, 8)
+    v = tl.arange(0, 4)
+    half = tl.arange(0, 2)
+    # a thread takes whole groups, as the lookups below want them (16-byte runs would be regrouped)
+    words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None, None]
+                    + (2 * g)[None, :, None] + half[None, None, :])  # fmt: skip
+    points, aux = tl.split(words)  # [BN, g]
+    # the activations in the products' shape (every row the same addresses: no layout conversion)
+    rows = tl.zeros([BN], tl.int32)[:, None, None]
+    isum = tl.zeros([BN, 8], tl.int32)
+    for t in tl.static_range(4):
+        pick = ((points >> (8 * t)) & 255).to(tl.int32)
+        sign = ((aux >> (7 * t)) & 127).to(tl.int32)
+        pair = tl.load(tab_ptr + GRID8_AT + (4 * pick)[:, :, None] + v[None, None, :])  # [BN, g, 4]: lo, -lo, hi, -hi
+        value, negated = tl.split(tl.reshape(pair, [BN, 8, 2, 2]))  # [BN, g, half]
+        mask = tl.load(tab_ptr + SIGNS8_AT + (2 * sign)[:, :, None] + half[None, None, :])
+        signed = (value & ~mask) | (negated & mask)
+        xw = tl.load(xw_ptr + (rows + (sb * 64 + 8 * g + 2 * t)[None, :, None] + half[None, None, :]))  # [BN, g, half]
+        isum = _dp4a_last(signed, xw, isum, PTX)
+    xs = tl.load(xs_ptr + (sb * 8 + tl.zeros([BN], tl.int32)[:, None] + g[None, :]))
+    d = tl.load((w_ptr + row_off + K // 4 + 2 * sb).to(tl.pointer_type(tl.float16))).to(tl.float32)
+    part = (isum * (2 * (aux >> 28) + 1).to(tl.int32)).to(tl.float32) * xs
+    return part * (0.125 * d)[:, None]
+
+
+@triton.jit
+def _q8_step(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr,
+             WTYPE: tl.constexpr, PTX: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    if WTYPE == 10:
+        return _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, PTX, BN)  # [BN, 4]
+    else:
+        return _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, PTX, BN)  # [BN, 8]
+
+
+@triton.jit
+def q8_rows_dot(xw_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K,
+                WTYPE: tl.constexpr, BN: tl.constexpr, TWO: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """Products [BN] of the rows at byte offsets row_off [BN] (int64) of w1 (and w2 when TWO) with one
+    int8 activation row (`Q8Rows` buffers as int32 words, scales, sums; its column 0 at element x0,
+    a multiple of 256), over K columns; WTYPE in Q8_TYPES. The partial sums of each thread are added
+    over super-blocks first and across threads once, after the loop: an order fixed by the shapes."""
+    xw_ptr += x0 // 4  # the row's words, block scales and sums
+    xs_ptr += x0 // 32
+    xm_ptr += x0 // 16
+    a1 = _q8_step(w1_ptr, tab_ptr, row_off, 0, K, xw_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+    a2 = a1
+    if TWO:
+        a2 = _q8_step(w2_ptr, tab_ptr, row_off, 0, K, xw_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+    for sb in range(1, K // 256):
+        a1 += _q8_step(w1_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+        if TWO:
+            a2 += _q8_step(w2_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+    return tl.sum(a1, axis=1), tl.sum(a2, axis=1)
