@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,8 @@ from dwarfstar.speculative.decode import load_speculation
 from dwarfstar.speculative.mtp_options import MTPOptions
 
 REPLY_TOKENS = 16
-# the command's replies: to TURNS[0] the bundled model first calls its `search` tool (a call that
-# fails, then one that is malformed), then answers from the result, in about 110 tokens
+# the command's replies: to TURNS[0] the bundled model first makes one or two tool calls (often
+# malformed), then answers, in about 50-110 tokens
 CLI_REPLY_TOKENS = 64
 TURNS = ("Quel ramo del lago di Como", "e poi?")
 GREEDY = SamplingParams(temperature=0)
@@ -103,10 +104,14 @@ def agent_cli(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
 
 
 def test_the_agent_command_speculates_with_the_mtp_flags(tmp_path: Path) -> None:
+    """The reply's words depend on the workspace path in the system prompt (tmp_path differs from run
+    to run and between xdist workers), so the test asserts only what every path gives: at least one
+    tool round (malformed or not), an answer, and the same transcript with and without speculation."""
     plain, speculative = agent_cli(tmp_path), agent_cli(tmp_path, "--mtp-draft", "2")
     assert plain.returncode == speculative.returncode == 0, speculative.stderr
     reply = plain.stdout.split("\n[")[0]  # the tool rounds and the answer, before the stats line
-    assert "search(" in reply and reply.splitlines()[-1].strip()
+    rounds = re.search(r"^\[\w+, (\d+) tool rounds", plain.stdout, re.MULTILINE)
+    assert rounds is not None and int(rounds[1]) >= 1 and reply.splitlines()[-1].strip(), plain.stdout
     assert speculative.stdout.split("\n[")[0] == reply
     assert "mtp N=2 next: " in speculative.stderr + speculative.stdout
     assert "mtp N=" not in plain.stderr + plain.stdout
