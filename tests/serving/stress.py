@@ -99,7 +99,8 @@ class Outcome:
     moved: float = 0.0  # the most the best token's logit moved where it did not flip
     conflict_reports: list[str] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
-    rss_mb: tuple[float, float] = (0.0, 0.0)
+    rss_mb: tuple[float, float] = (0.0, 0.0)  # the process, before and after the seed's traffic
+    recorder_mb: tuple[float, float] = (0.0, 0.0)  # of which the recorder's own records
     steps: int = 0
 
 
@@ -186,14 +187,17 @@ def run_seed(
     live, recorder = served
     outcome, steps, known = Outcome(seed), len(recorder.steps), len(recorder.conflicts)
     with httpx.Client(base_url=live.base_url, timeout=3600) as http:
-        outcome.rss_mb = (rss_mb(), 0.0)
+        outcome.rss_mb, outcome.recorder_mb = (rss_mb(), 0.0), (recorder.held_mb(), 0.0)
         with ThreadPoolExecutor(clients) as pool:
             rngs = [random.Random(seed * 1000 + c) for c in range(clients)]
             jobs = [
                 pool.submit(run_client, http, rngs[c], f"c{c}", requests, max_tokens, prefix) for c in range(clients)
             ]
             sent = [item for job in jobs for item in job.result()]
-        outcome.rss_mb = (outcome.rss_mb[0], rss_mb())
+        outcome.rss_mb, outcome.recorder_mb = (
+            (outcome.rss_mb[0], rss_mb()),
+            (outcome.recorder_mb[0], recorder.held_mb()),
+        )
         drained(live)  # the streams clients left may still be winding down: alone means alone
         outcome.latencies = [s.seconds for s in sent if s.reply is not None]
         for item in sent:
@@ -277,7 +281,8 @@ def summary(outcomes: list[Outcome]) -> str:
     lines = [
         f"seed {o.seed}: {o.compared} lone runs compared, {len(o.differing)} differ; {o.steps} steps, "
         f"{o.conflicts} prefixes with differing logits ({o.flips} with another best token, the best logit "
-        f"moved {o.moved:.2g} at most otherwise); RSS {o.rss_mb[0]:.0f} -> {o.rss_mb[1]:.0f} MB"
+        f"moved {o.moved:.2g} at most otherwise); RSS {o.rss_mb[0]:.0f} -> {o.rss_mb[1]:.0f} MB, "
+        f"of which the recorder's records {o.recorder_mb[0]:.1f} -> {o.recorder_mb[1]:.1f} MB"
         for o in outcomes
     ]
     lines.append(

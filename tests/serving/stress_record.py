@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -145,6 +146,27 @@ class Recorder:
             if first != where and self.entry(first).logits != entry.logits:
                 (a, x), (b, y) = self.entry(first).top[0], entry.top[0]
                 self.conflicts.append(Conflict(entry.key, first, where, a != b, 0.0 if a != b else abs(x - y)))
+
+    def held_mb(self) -> float:
+        """What the recorder itself holds (its steps, prefixes and conflicts), so that a soak's RSS
+        growth can be told apart from the harness's own: every object reachable from them, counted once."""
+        with self._lock:
+            roots = [self.steps, self.seen, self.parents, self.conflicts, self.keys_by_phase]
+            seen, stack, total = set(), roots, 0
+            while stack:
+                obj = stack.pop()
+                if id(obj) in seen:
+                    continue
+                seen.add(id(obj))
+                total += obj.nbytes + sys.getsizeof(obj) if isinstance(obj, np.ndarray) else sys.getsizeof(obj)
+                if isinstance(obj, dict):
+                    stack.extend(obj.keys())
+                    stack.extend(obj.values())
+                elif isinstance(obj, list | tuple):
+                    stack.extend(obj)
+                elif hasattr(obj, "__dataclass_fields__"):
+                    stack.extend(vars(obj).values())
+        return total / 2**20
 
     # -- reading it back -------------------------------------------------------------------------------
     def entry(self, where: tuple[int, int]) -> Entry:

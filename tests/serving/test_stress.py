@@ -17,5 +17,6 @@ def test_concurrent_replies_are_the_replies_alone(tmp_path) -> None:
     outcome = run_seed(engine, 0, clients=3, requests=2, max_tokens=8, out=tmp_path, command="seed 0")
     print(summary([outcome]))
     assert outcome.compared >= 8 and outcome.steps > 50
+    assert outcome.recorder_mb[1] > outcome.recorder_mb[0]  # the traffic's steps are held, and counted
     assert not outcome.differing, "\n".join(outcome.differing)
     assert not outcome.conflicts, "\n".join(outcome.conflict_reports)
