@@ -26,7 +26,8 @@ from dwarfstar.serving.app import create_app
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.service import Service
 
-sys.path.insert(0, str(Path(__file__).parent))  # conftest is imported the way pytest imports it
+# conftest and the live server it imports (tests/) are imported the way pytest imports them
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
 from conftest import ScriptedBackend  # noqa: E402
 
 
