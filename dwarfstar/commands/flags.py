@@ -18,9 +18,10 @@ builds itself) is the command's `EngineSpec`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from dwarfstar.speculative.mtp_options import MTPOptions
     from dwarfstar.steering.apply import SteeringOptions
 
+T = TypeVar("T")
 MODEL, GENERATION, SPECULATIVE, MEMORY, DISTRIBUTED, DEBUG = (
     "Model", "Generation", "Speculative", "Memory", "Distributed", "Debug"
 )  # fmt: skip
@@ -60,6 +62,20 @@ def writable(path: Path | None) -> Path | None:
     if not os.access(folder, os.W_OK):
         raise DwarfStarError(f"cannot write {path}: {folder} is not writable")
     return path
+
+
+def comma_list(
+    text: str, kind: Callable[[str], T], flag: str, what: str, error: type[DwarfStarError] = DwarfStarError
+) -> list[T]:
+    """The values of a comma-separated flag (`--drafts 1,2,3`), spaces ignored; a value `kind` refuses,
+    or none at all, is an `error` naming the flag and `what` its values are."""
+    try:
+        values = [kind(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise error(f"{flag} must be comma-separated {what}, got {text!r}") from None
+    if not values:
+        raise error(f"{flag} is empty")
+    return values
 
 
 def output(*decls: str, help: str, panel: str | None = None) -> typer.models.OptionInfo:

@@ -25,6 +25,7 @@ from dwarfstar.commands.flags import (
     Power,
     SamplingFlags,
     Trace,
+    comma_list,
     output,
 )
 from dwarfstar.errors import DwarfStarError
@@ -36,16 +37,6 @@ if TYPE_CHECKING:
 
 INTERRUPTED_EXIT = 130  # the shell's code for a run stopped by Ctrl+C
 DEFAULT_TOKENS = 50000  # ds4's `-n` (DS4_SURFACE §1.2); a reply also ends where the context does
-
-
-def parse_token_list(text: str) -> list[int]:
-    try:
-        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
-    except ValueError as exc:
-        raise DwarfStarError(f"--prompt-tokens must be comma-separated integers, got {text!r}") from exc
-    if not ids:
-        raise DwarfStarError("--prompt-tokens is empty")
-    return ids
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
@@ -134,6 +125,7 @@ def run(
     text = read_prompt(prompt, prompt_file)
     if text is not None and prompt_tokens is not None:
         raise DwarfStarError("give a text prompt or --prompt-tokens, not both")
+    ids = None if prompt_tokens is None else comma_list(prompt_tokens, int, "--prompt-tokens", "integers")
     if dump_tokens:
         if text is None:
             raise DwarfStarError("--dump-tokens needs -p or --prompt-file")
@@ -153,8 +145,8 @@ def run(
         try:
             if not one_shot:
                 run_repl(chat)
-            elif prompt_tokens is not None:
-                answer(chat, spec, parse_token_list(prompt_tokens), False, (dump_logits, dump_logprobs), logprobs_top_k)
+            elif ids is not None:
+                answer(chat, spec, ids, False, (dump_logits, dump_logprobs), logprobs_top_k)
             else:
                 answer(chat, spec, *one_shot_ids(chat, engine.tokenizer, text), (dump_logits, dump_logprobs),
                        logprobs_top_k)  # fmt: skip
