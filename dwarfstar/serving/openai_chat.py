@@ -27,9 +27,10 @@ from dwarfstar.serving.controls import (
     output_budget,
     sampling_params,
     stop_strings,
+    structured_format,
     thinking_switch,
 )
-from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body, json_response
+from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import (
     Event,
@@ -43,7 +44,7 @@ from dwarfstar.serving.generation import (
 )
 from dwarfstar.serving.logprobs import Pending, chat_logprobs, openai_entry
 from dwarfstar.serving.service import Knobs, Service
-from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
+from dwarfstar.serving.sse import respond, sse
 from dwarfstar.serving.validation import (
     check_tool_choice,
     media_refused,
@@ -145,13 +146,9 @@ def usage_object(usage: Usage) -> dict[str, Any]:
     }
 
 
-def failure_error(message: str) -> ApiError:
-    return ApiError(500, message, code="server_error")
-
-
 def stream_error(message: str) -> list[bytes]:
     """The end of an OpenAI stream whose generation failed (the SDKs raise `APIError` on it)."""
-    return [sse(error_body(failure_error(message), Dialect.OPENAI), "error"), b"data: [DONE]\n\n"]
+    return [sse(error_body(ApiError(500, message, code="server_error"), Dialect.OPENAI), "error"), b"data: [DONE]\n\n"]
 
 
 async def chat_completions(request: Request) -> Response:
@@ -179,22 +176,21 @@ async def chat_completions(request: Request) -> Response:
     stream = bool(fields.flag("stream"))
     options = fields.mapping("stream_options")
     include_usage = bool(options and options.flag("include_usage"))
-    response_format = fields.mapping("response_format")
     job = await service.submit_chat(
         messages,
         tools=tools,
         thinking=thinking,
         knobs=knobs,
-        response_format=response_format.body if response_format and response_format.raw("type") != "text" else None,
+        response_format=structured_format(fields, "response_format"),
     )
-    with cancelled_on_error(job):
-        if stream:
-            writer = ChatStream(new_id("chatcmpl-"), model, include_usage)
-            return event_stream(job, writer, service.config.keepalive_seconds)
-        outcome = await final_event(job, request)
-        if isinstance(outcome, Failed):
-            raise failure_error(outcome.message)
-        return json_response(chat_completion(new_id("chatcmpl-"), model, outcome))
+    response_id = new_id("chatcmpl-")
+    return await respond(
+        job,
+        request,
+        stream,
+        lambda: ChatStream(response_id, model, include_usage),
+        lambda done: chat_completion(response_id, model, done),
+    )
 
 
 def chat_completion(response_id: str, model: str, done: Finished) -> dict[str, Any]:

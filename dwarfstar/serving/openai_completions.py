@@ -26,14 +26,13 @@ from dwarfstar.serving.controls import (
     stop_strings,
     thinking_switch,
 )
-from dwarfstar.serving.errors import bad_request, json_response
+from dwarfstar.serving.errors import bad_request
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, TokenLogprob, new_id
-from dwarfstar.serving.jobs import Job
 from dwarfstar.serving.logprobs import Pending, completion_block, completion_logprobs
-from dwarfstar.serving.openai_chat import failure_error, openai_finish, stream_error, usage_object
+from dwarfstar.serving.openai_chat import openai_finish, stream_error, usage_object
 from dwarfstar.serving.service import Knobs, Service
-from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
+from dwarfstar.serving.sse import respond, sse
 
 WRAP_SYSTEM = "You are a helpful assistant"
 
@@ -78,7 +77,7 @@ async def completions(request: Request) -> Response:
     )
     options = fields.mapping("stream_options")
     include_usage = bool(options and options.flag("include_usage"))
-    stream = fields.flag("stream")  # every field is read before the job exists, so a 400 leaves none
+    stream = bool(fields.flag("stream"))  # every field is read before the job exists, so a 400 leaves none
     if raw:
         ids = prompt if isinstance(prompt, list) else None
         text = prompt if isinstance(prompt, str) else None
@@ -86,35 +85,32 @@ async def completions(request: Request) -> Response:
     else:
         wrapped = [{"role": "system", "content": WRAP_SYSTEM}, {"role": "user", "content": prompt}]
         job = await service.submit_plain_chat(wrapped, thinking=thinking, knobs=knobs)
-    with cancelled_on_error(job):
-        return await _answer(job, request, model, stream=stream, include_usage=include_usage)
-
-
-async def _answer(job: Job, request: Request, model: str, *, stream: bool, include_usage: bool) -> Response:
     response_id = new_id("cmpl-")
-    if stream:
-        writer = CompletionStream(response_id, model, include_usage)
-        return event_stream(job, writer, request.app.state.service.config.keepalive_seconds)
-    outcome = await final_event(job, request)
-    if isinstance(outcome, Failed):
-        raise failure_error(outcome.message)
-    return json_response(
-        {
-            "id": response_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [
-                {
-                    "text": outcome.text,
-                    "index": 0,
-                    "logprobs": None if outcome.logprobs is None else completion_block(outcome.logprobs),
-                    "finish_reason": openai_finish(outcome.reason),
-                }
-            ],
-            "usage": usage_object(outcome.usage),
-        }
+    return await respond(
+        job,
+        request,
+        stream,
+        lambda: CompletionStream(response_id, model, include_usage),
+        lambda done: completion(response_id, model, done),
     )
+
+
+def completion(response_id: str, model: str, outcome: Finished) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "text": outcome.text,
+                "index": 0,
+                "logprobs": None if outcome.logprobs is None else completion_block(outcome.logprobs),
+                "finish_reason": openai_finish(outcome.reason),
+            }
+        ],
+        "usage": usage_object(outcome.usage),
+    }
 
 
 class CompletionStream:
