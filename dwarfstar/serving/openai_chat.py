@@ -32,26 +32,11 @@ from dwarfstar.serving.controls import (
 )
 from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body
 from dwarfstar.serving.fields import Fields, read_json_object
-from dwarfstar.serving.generation import (
-    Event,
-    Failed,
-    Finished,
-    Started,
-    TokenLogprob,
-    ToolCallOpened,
-    Usage,
-    new_id,
-)
+from dwarfstar.serving.generation import Event, Failed, Finished, Started, TokenLogprob, ToolCallOpened, Usage, new_id
 from dwarfstar.serving.logprobs import Pending, chat_logprobs, openai_entry
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import respond, sse
-from dwarfstar.serving.validation import (
-    check_tool_choice,
-    media_refused,
-    non_empty,
-    unknown_role,
-    unsupported_part,
-)
+from dwarfstar.serving.validation import check_tool_choice, media_refused, non_empty, unknown_role, unsupported_part
 
 ROLES = ("system", "developer", "user", "assistant", "latest_reminder")
 TEXT_PARTS = ("text", "input_text", "output_text")

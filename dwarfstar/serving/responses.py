@@ -34,26 +34,11 @@ from dwarfstar.prompt.dsml_parser import ContentDelta, ReasoningDelta, ToolArgum
 from dwarfstar.serving.controls import Thinking, effort_value, output_budget, sampling_params, structured_format
 from dwarfstar.serving.errors import bad_request
 from dwarfstar.serving.fields import Fields, read_json_object
-from dwarfstar.serving.generation import (
-    Event,
-    Failed,
-    Finished,
-    Started,
-    TokenLogprob,
-    ToolCallOpened,
-    Usage,
-    new_id,
-)
+from dwarfstar.serving.generation import Event, Failed, Finished, Started, TokenLogprob, ToolCallOpened, Usage, new_id
 from dwarfstar.serving.logprobs import Pending, openai_entry, responses_logprobs
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import respond, sse
-from dwarfstar.serving.validation import (
-    check_tool_choice,
-    media_refused,
-    non_empty,
-    unknown_role,
-    unsupported_part,
-)
+from dwarfstar.serving.validation import check_tool_choice, media_refused, non_empty, unknown_role, unsupported_part
 
 # an unfinished output's reason: the budget, or the loop guard's `repetition` (the trace has the detail)
 INCOMPLETE = {"length": "max_output_tokens", "repetition": "repetition"}
