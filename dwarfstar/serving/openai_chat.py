@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -116,6 +117,12 @@ def openai_tools(fields: Fields) -> list[dict[str, Any]]:
     return tools
 
 
+def usage_chunk(fields: Fields) -> bool:
+    """Whether a stream ends with a usage chunk (`stream_options.include_usage`)."""
+    options = fields.mapping("stream_options")
+    return bool(options and options.flag("include_usage"))
+
+
 def usage_object(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
@@ -158,9 +165,7 @@ async def chat_completions(request: Request) -> Response:
         stop=stop_strings(fields, "stop"),
         body=fields.body,
     )
-    stream = bool(fields.flag("stream"))
-    options = fields.mapping("stream_options")
-    include_usage = bool(options and options.flag("include_usage"))
+    stream, include_usage = bool(fields.flag("stream")), usage_chunk(fields)
     job = await service.submit_chat(
         messages,
         tools=tools,
@@ -169,13 +174,8 @@ async def chat_completions(request: Request) -> Response:
         response_format=structured_format(fields, "response_format"),
     )
     response_id = new_id("chatcmpl-")
-    return await respond(
-        job,
-        request,
-        stream,
-        lambda: ChatStream(response_id, model, include_usage),
-        lambda done: chat_completion(response_id, model, done),
-    )
+    writer = partial(ChatStream, response_id, model, include_usage)
+    return await respond(job, request, stream, writer, partial(chat_completion, response_id, model))
 
 
 def chat_completion(response_id: str, model: str, done: Finished) -> dict[str, Any]:
@@ -187,21 +187,15 @@ def chat_completion(response_id: str, model: str, done: Finished) -> dict[str, A
         message["tool_calls"] = [
             call.to_openai(i) for call, i in zip(completion.tool_calls, done.tool_ids, strict=True)
         ]
-    return {
-        "id": response_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs_object(done.logprobs),
-                "finish_reason": openai_finish(done.reason),
-            }
-        ],
-        "usage": usage_object(done.usage),
-    }
+    logprobs = logprobs_object(done.logprobs)
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": openai_finish(done.reason)}
+    return envelope("chat.completion", response_id, int(time.time()), model, [choice], usage=usage_object(done.usage))
+
+
+def envelope(kind: str, response_id: str, created: int, model: str, choices: list[Any], **extra: Any) -> dict[str, Any]:
+    """An OpenAI chat or completions object or chunk of type `kind`: its id, times and model around the
+    `choices`, then `extra` fields (usage)."""
+    return {"id": response_id, "object": kind, "created": created, "model": model, "choices": choices, **extra}
 
 
 def openai_finish(reason: str) -> str:
@@ -230,14 +224,8 @@ class ChatStream:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse(self._envelope([choice]))
 
-    def _envelope(self, choices: list[Any]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
+    def _envelope(self, choices: list[Any], **extra: Any) -> dict[str, Any]:
+        return envelope("chat.completion.chunk", self.id, self.created, self.model, choices, **extra)
 
     def __call__(self, event: Event) -> list[bytes]:
         if isinstance(event, Started):
@@ -258,7 +246,7 @@ class ChatStream:
         if isinstance(event, Finished):
             out = [self._chunk({}, openai_finish(event.reason))]
             if self.include_usage:
-                out.append(sse({**self._envelope([]), "usage": usage_object(event.usage)}))
+                out.append(sse(self._envelope([], usage=usage_object(event.usage))))
             return out + [b"data: [DONE]\n\n"]
         if isinstance(event, Failed):
             return stream_error(event.message)
