@@ -2,8 +2,9 @@
 no circles, every arrow between rooms pointing down the room order (`ROOMS`), the command line on
 top, no arrow from the lower rooms up into the backends (only to the `Backend` protocol, which imports
 none), no arrow from outside the backends into a backend's internals
-(`test_backends_are_entered_by_their_front_doors`), and no backend name compared as a string outside
-dwarfstar/backends/.
+(`test_backends_are_entered_by_their_front_doors`) nor past the `Backend` protocol into a backend
+object's attributes (`test_backends_are_driven_through_their_protocol`), and no backend name compared as
+a string outside dwarfstar/backends/.
 
 A room is a top-level package or module of dwarfstar (`dwarfstar.session`, `dwarfstar.sampling`);
 the `Backend` protocol is a room of its own, below the backends and the session that drives them.
@@ -268,6 +269,159 @@ def test_the_front_door_rule():
     assert not reaches_inside("dwarfstar.engine", "dwarfstar.backends.registry")
     assert not reaches_inside("dwarfstar.train.mtp", "dwarfstar.backends.reference.model")  # the oracle
     assert not reaches_inside("dwarfstar.commands.bench_gpu", "dwarfstar.backends.triton.gpu_bench")
+
+
+def protocol_names() -> set[str]:
+    """What the `Backend` protocol declares: its attributes and methods."""
+    tree = ast.parse((PACKAGE / "backends" / "protocol.py").read_text(encoding="utf-8"))
+    protocol = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Backend")
+    names = {node.target.id for node in protocol.body if isinstance(node, ast.AnnAssign)}
+    return names | {node.name for node in protocol.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
+
+
+class BackendAccess(ast.NodeVisitor):
+    """The attributes read or written on a backend object, as (line, name), outside the protocol's names.
+
+    A backend object, by what the code says rather than by inference: anything's `.backend`
+    (`engine.backend`, `self.backend`), a name `backend`, a name annotated `Backend`, and a name
+    assigned from one of those (`tokenizer, backend = engine.tokenizer, engine.backend`). Not a name
+    annotated with another type (a registry entry called `backend`), nor one narrowed to a type T: in
+    the body of `if isinstance(name, T):`, or after `if not isinstance(name, T): raise ...` (T is
+    `model.forward.Transformer`: every backend is one, and its interface is the backend-neutral model's,
+    not a backend's internals).
+    """
+
+    def __init__(self, allowed: set[str]) -> None:
+        self.allowed = allowed
+        self.scopes: list[set[str]] = [{"backend"}]
+        self.narrowed: list[str] = []
+        self.found: list[tuple[int, str]] = []
+
+    @staticmethod
+    def _names(annotation: ast.expr) -> set[str]:
+        if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+            annotation = ast.parse(annotation.value, mode="eval").body
+        return {node.id for node in ast.walk(annotation) if isinstance(node, ast.Name)}
+
+    def _is_backend(self, node: ast.expr) -> bool:
+        if isinstance(node, ast.Attribute):
+            return node.attr == "backend"
+        return isinstance(node, ast.Name) and node.id in self.scopes[-1]
+
+    def _bind(self, target: ast.expr, value: ast.expr | None, annotation: ast.expr | None = None) -> None:
+        if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
+            for t, v in zip(target.elts, value.elts, strict=True):
+                self._bind(t, v)
+        elif isinstance(target, ast.Name):
+            typed = annotation is not None and "Backend" in self._names(annotation)
+            if typed or (value is not None and self._is_backend(value)):
+                self.scopes[-1].add(target.id)
+            elif annotation is not None:
+                self.scopes[-1].discard(target.id)
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        scope = {"backend"}
+        args = node.args
+        for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+            if arg.annotation is not None:
+                (scope.add if "Backend" in self._names(arg.annotation) else scope.discard)(arg.arg)
+        self.scopes.append(scope)
+        narrowed = len(self.narrowed)
+        self.generic_visit(node)
+        del self.narrowed[narrowed:]  # a guard narrows to the end of its function
+        self.scopes.pop()
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        self.generic_visit(node)
+        for target in node.targets:
+            self._bind(target, node.value)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        self.generic_visit(node)
+        self._bind(node.target, node.value, node.annotation)
+
+    def _narrowed_subject(self, test: ast.expr) -> str | None:
+        """The backend expression `isinstance(expr, T)` tests, as `ast.dump` writes it."""
+        if isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance":
+            if test.args and self._is_backend(test.args[0]):
+                return ast.dump(test.args[0])
+        return None
+
+    def visit_If(self, node: ast.If) -> None:
+        test = node.test
+        self.visit(test)
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            subject = self._narrowed_subject(test.operand)
+            for statement in [*node.body, *node.orelse]:
+                self.visit(statement)
+            if subject is not None and isinstance(node.body[-1], ast.Raise | ast.Return):
+                self.narrowed.append(subject)  # a guard: what follows sees a T
+            return
+        subject = self._narrowed_subject(test)
+        if subject is not None:
+            self.narrowed.append(subject)
+            for statement in node.body:
+                self.visit(statement)
+            self.narrowed.pop()
+        else:
+            for statement in node.body:
+                self.visit(statement)
+        for statement in node.orelse:
+            self.visit(statement)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if self._is_backend(node.value) and ast.dump(node.value) not in self.narrowed and node.attr not in self.allowed:
+            self.found.append((node.lineno, node.attr))
+        self.generic_visit(node)
+
+
+def backend_internals(source: str, allowed: set[str]) -> list[tuple[int, str]]:
+    """Where `source` reaches past the `Backend` protocol (`allowed`) into a backend object."""
+    visitor = BackendAccess(allowed)
+    visitor.visit(ast.parse(source))
+    return visitor.found
+
+
+def test_backends_are_driven_through_their_protocol(graph):
+    """Outside dwarfstar/backends/, a backend object is used only by the names the `Backend` protocol
+    declares; what else a backend offers is asked of its registry entry (`backends.registry`). Excepted
+    as in the front-door rule: the command line, and modules that import the oracle."""
+    allowed = protocol_names()
+    found = {}
+    for name, path in modules().items():
+        oracle = any(t.startswith(f"dwarfstar.backends.{ORACLE}.") for t in graph[name])
+        if name.startswith(("dwarfstar.backends.", "dwarfstar.commands.")) or oracle:
+            continue
+        reached = backend_internals(path.read_text(encoding="utf-8"), allowed)
+        if reached:
+            found[name] = reached
+    assert found == {}
+
+
+def test_the_protocol_access_finder():
+    source = """
+def run(engine, entry: BackendEntry, model: Backend, backend: BackendMemory):
+    engine.backend.forward([1], engine.backend.new_state())
+    engine.backend.ops.route_observer = None
+    backend.usable_memory()
+    model.weights
+    tokenizer, inner = engine.tokenizer, engine.backend
+    inner.cache.clear()
+    if isinstance(inner, Transformer):
+        inner.block = None
+    inner.block = None
+
+
+def other(backend):
+    backend.args, backend.kernels
+    if not isinstance(backend, Transformer):
+        raise TypeError(backend.kind)
+    return backend.layer_range
+"""
+    found = backend_internals(source, protocol_names())
+    assert found == [(4, "ops"), (6, "weights"), (8, "cache"), (11, "block"), (15, "kernels"), (17, "kind")]
 
 
 def name_comparisons(path: Path) -> int:

@@ -46,6 +46,16 @@ class Commands:
     def session_ids(self) -> list[str]:
         return [s.id[:SHOWN_ID] for s in self.worker.store.sessions()]
 
+    def typed(self, line: str, submit: Callable[[str], None]) -> bool:
+        """A line the user typed: a command is run, any other text given to `submit` as a task (a blank
+        line is nothing); False when the agent should exit."""
+        line = line.strip()
+        if line.startswith("/"):
+            return self.handle(line)
+        if line:
+            submit(line)
+        return True
+
     def handle(self, line: str) -> bool:
         """Run one command line; False when the agent should exit."""
         command, _, arg = line.strip().partition(" ")

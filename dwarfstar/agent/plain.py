@@ -53,10 +53,14 @@ def run_plain(
 ) -> int:
     """The line loop; with `first` (-p) it runs that one task and returns 0 unless it failed or was stopped."""
     source = stdin or sys.stdin
-    if first is not None:
-        worker.submit(first)
+
+    def run_task(task: str) -> None:
+        worker.submit(task)
         wait(worker)
         printer.message(status_line(worker), "dim")
+
+    if first is not None:
+        run_task(first)
         result = worker.last_result
         return 0 if result is not None and result.finish in ("stop", "length") else 1
     while True:
@@ -71,16 +75,8 @@ def run_plain(
             printer.message("")
             commands.handle("/quit")
             return 0
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("/"):
-            if not commands.handle(line):
-                return 0
-            continue
-        worker.submit(line)
-        wait(worker)
-        printer.message(status_line(worker), "dim")
+        if not commands.typed(line, run_task):
+            return 0
 
 
 def confirm_from(stdin: TextIO | None, printer: Printer):

@@ -107,6 +107,12 @@ def run_tui(
         complete_while_typing=False,
     )
     commands.confirm = lambda question: editor.prompt(f"{question} [y/N] ").strip().lower() in ("y", "yes")
+
+    def queue(task: str) -> None:
+        if worker.busy:
+            printer.message(f"[queued: {task[:60]}]", "dim")
+        worker.submit(task)
+
     with patch_stdout(raw=True):
         printer.message("type a task, /help for commands, Ctrl+D to quit", "dim")
         if first is not None:
@@ -122,13 +128,5 @@ def run_tui(
             if worker.question is not None:
                 worker.answer(line.strip().lower() in ("y", "yes"))
                 continue
-            line = line.strip()
-            if not line:
-                continue
-            if line.startswith("/"):
-                if not commands.handle(line):
-                    return 0
-                continue
-            if worker.busy:
-                printer.message(f"[queued: {line[:60]}]", "dim")
-            worker.submit(line)
+            if not commands.typed(line, queue):
+                return 0

@@ -14,24 +14,12 @@ from typing import Annotated
 import typer
 
 from dwarfstar.commands.apps import app, given
-from dwarfstar.commands.flags import (
-    GENERATION,
-    Ctx,
-    EngineFlags,
-    LoopGuardFlags,
-    NoQatRounding,
-    Power,
-    SamplingFlags,
-    Trace,
-)
-from dwarfstar.commands.run import DEFAULT_TOKENS
+from dwarfstar.commands.flags import ChatFlags, Ctx
 
 
 @app.command()
 def agent(
-    engine_flags: EngineFlags,
-    sampling: SamplingFlags,
-    loop_guard: LoopGuardFlags,
+    flags: ChatFlags,
     prompt: Annotated[
         str | None, typer.Option("-p", "--prompt", help="Submit this first; with --plain run it and exit.")
     ] = None,
@@ -45,27 +33,19 @@ def agent(
     kv_dir: Annotated[
         Path | None, typer.Option(help="Session directory (default $DWARFSTAR_KVCACHE or ~/.dwarfstar/kvcache).")
     ] = None,
-    tokens: Annotated[
-        int, typer.Option("-n", "--tokens", min=1, help="Most tokens per model reply.", rich_help_panel=GENERATION)
-    ] = DEFAULT_TOKENS,
     ctx: Ctx = 100000,
-    power: Power = 100,
-    no_qat_rounding: NoQatRounding = False,
-    trace: Trace = None,
 ) -> None:
     """A coding agent in this directory, running the model in-process; its sessions are KV files."""
     from dwarfstar.commands.engines import start
     from dwarfstar.console.terminal import note
 
-    spec = engine_flags.spec(ctx=ctx, qat=not no_qat_rounding, power=power)
+    spec = flags.spec(ctx)
     engine, route = start(spec)  # a worker serves its layers and exits; a coordinator routes
     try:
         held = engine.model.args.max_seq_len
         if ctx > held and given("ctx"):  # the default is the model's size when it holds less
             note(f"--ctx {ctx} is more than this model holds; using {held}", "yellow")
-        code = run_agent(
-            engine, spec, sampling, min(ctx, held), system, tokens, trace, kv_dir, plain, prompt, loop_guard.options()
-        )
+        code = run_agent(engine, spec, flags, min(ctx, held), system, kv_dir, plain, prompt)
     finally:
         if route is not None:
             route.close()  # its workers exit with it
@@ -73,9 +53,7 @@ def agent(
         raise typer.Exit(code)
 
 
-def run_agent(
-    engine, spec, sampling: SamplingFlags, ctx: int, system, tokens, trace, kv_dir, plain, prompt, loop_guard
-) -> int:
+def run_agent(engine, spec, flags: ChatFlags, ctx: int, system, kv_dir, plain, prompt) -> int:
     """The agent's loop on a loaded engine, in the terminal UI or in line mode; its exit code."""
     from dwarfstar.agent.commands import Commands
     from dwarfstar.agent.files import Workspace
@@ -96,11 +74,11 @@ def run_agent(
     from dwarfstar.session.throttle import throttle
     from dwarfstar.speculative.decode import load_speculation
 
-    mode, warning = allowed_mode(sampling.mode(), ctx)
+    mode, warning = allowed_mode(flags.sampling.mode(), ctx)
     if warning:
         note(f"warning: {warning}", "yellow")
-    params = sampling.params()
-    tracer = Trace(trace) if trace else None
+    params = flags.sampling.params()
+    tracer = Trace(flags.trace) if flags.trace else None
     paced = throttle(engine.backend, spec.power)
     workspace = Workspace(Path.cwd())
     printer = Printer()
@@ -120,10 +98,10 @@ def run_agent(
         policy=policy,
         toolbox=Toolbox(workspace),
         transcript=fresh(),
-        max_tokens=tokens,
+        max_tokens=flags.tokens,
         trace=tracer,
         experts=engine.experts,
-        loop_guard=loop_guard,
+        loop_guard=flags.loop_guard.options(),
     )
     if isinstance(policy, SpeculativePolicy):
         policy.start(live.session)  # here, so that a backend that cannot speculate says so before any work

@@ -133,21 +133,13 @@ def _whole_table(path: Path) -> ModelFile:
 
 
 def _measure(backend, table: ModelFile, tokens, points, gen_tokens: int, alloc: int, power: int) -> list[Row]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import TextColumn
 
     from dwarfstar.bench.frontier import run_bench
-    from dwarfstar.console.terminal import stderr_console
+    from dwarfstar.console.terminal import count_bar
     from dwarfstar.session.throttle import throttle
 
-    with Progress(
-        TextColumn("bench"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("tokens"),
-        TimeElapsedColumn(),
-        console=stderr_console,
-        transient=True,
-    ) as progress:
+    with count_bar("bench", TextColumn("tokens")) as progress:
         task = progress.add_task("bench", total=points[-1] + gen_tokens * len(points))
         return run_bench(
             throttle(backend, power),

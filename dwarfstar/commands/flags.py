@@ -3,7 +3,7 @@
 A group of flags is a frozen dataclass; a command takes it by naming it as a parameter's type,
 
     @app.command()
-    def run(engine_flags: EngineFlags, sampling: SamplingFlags, ..., prompt: Prompt = None): ...
+    def serve(engine_flags: EngineFlags, loop_guard: LoopGuardFlags, ..., ctx: Ctx = 32768): ...
 
 and `dwarfstar.commands.apps` gives the command the group's options (a group may hold groups) and
 hands it their values as one object. Single flags whose default or meaning differs by command
@@ -12,15 +12,17 @@ option sits in one help panel: Model, Generation, Speculative, Memory, Distribut
 
 Nothing here imports torch: a group builds its options in a method, with its imports inside.
 `EngineFlags` holds the engine's groups; its `spec` (or `ModelFlags.spec` with the options a command
-builds itself) is the command's `EngineSpec`.
+builds itself) is the command's `EngineSpec`. `ChatFlags` is what `run` and `agent`, the in-process
+chats, share: the engine, sampling, the loop guard and their own single flags.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from dwarfstar.speculative.mtp_options import MTPOptions
     from dwarfstar.steering.apply import SteeringOptions
 
+T = TypeVar("T")
 MODEL, GENERATION, SPECULATIVE, MEMORY, DISTRIBUTED, DEBUG = (
     "Model", "Generation", "Speculative", "Memory", "Distributed", "Debug"
 )  # fmt: skip
@@ -60,6 +63,20 @@ def writable(path: Path | None) -> Path | None:
     if not os.access(folder, os.W_OK):
         raise DwarfStarError(f"cannot write {path}: {folder} is not writable")
     return path
+
+
+def comma_list(
+    text: str, kind: Callable[[str], T], flag: str, what: str, error: type[DwarfStarError] = DwarfStarError
+) -> list[T]:
+    """The values of a comma-separated flag (`--drafts 1,2,3`), spaces ignored; a value `kind` refuses,
+    or none at all, is an `error` naming the flag and `what` its values are."""
+    try:
+        values = [kind(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise error(f"{flag} must be comma-separated {what}, got {text!r}") from None
+    if not values:
+        raise error(f"{flag} is empty")
+    return values
 
 
 def output(*decls: str, help: str, panel: str | None = None) -> typer.models.OptionInfo:
@@ -93,6 +110,14 @@ TopK = Annotated[
 ]
 MinP = Annotated[float, typer.Option(help="Keep tokens with p >= MIN_P * p_max.", rich_help_panel=GENERATION)]
 Seed = Annotated[int | None, typer.Option(help="Sampling seed (default: random).", rich_help_panel=GENERATION)]
+DEFAULT_REPLY_TOKENS = 50000  # ds4's `-n` (DS4_SURFACE §1.2); a reply also ends where the context does
+Tokens = Annotated[
+    int,
+    typer.Option(
+        "-n", "--tokens", min=1, help="Most tokens per reply (ds4's default; never past the context).",
+        rich_help_panel=GENERATION,
+    ),
+]  # fmt: skip
 Think = Annotated[bool, typer.Option("--think/--no-think", help="Reason before answering.", rich_help_panel=GENERATION)]
 DistBits = Annotated[
     int, typer.Option(help="Activation bits between stages: 32 (bit-exact), 16 or 8.", rich_help_panel=DISTRIBUTED)
@@ -383,8 +408,8 @@ class DistFlags:
 
 @dataclass(frozen=True)
 class EngineFlags:
-    """Every flag of the engine `run`, `agent` and `serve` load (the context, --power and the QAT
-    rounding are each command's own: their defaults differ)."""
+    """Every flag of the engine `run`, `agent` and `serve` load but the context, whose default differs
+    by command (`ChatFlags` adds --power and the QAT rounding for `run` and `agent`)."""
 
     model: ModelFlags
     steering: SteeringFlags
@@ -401,3 +426,21 @@ class EngineFlags:
             dist=self.dist.options(),
             **options,
         )
+
+
+@dataclass(frozen=True)
+class ChatFlags:
+    """The in-process chat of `run` and `agent`: the engine, sampling and the loop guard, with the reply
+    budget, --power, the QAT rounding and --trace (the context is each command's own: its default differs)."""
+
+    engine: EngineFlags
+    sampling: SamplingFlags
+    loop_guard: LoopGuardFlags
+    tokens: Tokens = DEFAULT_REPLY_TOKENS
+    power: Power = 100
+    no_qat_rounding: NoQatRounding = False
+    trace: Trace = None
+
+    def spec(self, ctx: int) -> EngineSpec:
+        """The engine to load, holding `ctx` tokens."""
+        return self.engine.spec(ctx=ctx, qat=not self.no_qat_rounding, power=self.power)

@@ -15,18 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from dwarfstar.commands.apps import app
-from dwarfstar.commands.flags import (
-    DEBUG,
-    GENERATION,
-    Ctx,
-    EngineFlags,
-    LoopGuardFlags,
-    NoQatRounding,
-    Power,
-    SamplingFlags,
-    Trace,
-    output,
-)
+from dwarfstar.commands.flags import DEBUG, ChatFlags, Ctx, comma_list, output
 from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
@@ -35,17 +24,6 @@ if TYPE_CHECKING:
     from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 INTERRUPTED_EXIT = 130  # the shell's code for a run stopped by Ctrl+C
-DEFAULT_TOKENS = 50000  # ds4's `-n` (DS4_SURFACE §1.2); a reply also ends where the context does
-
-
-def parse_token_list(text: str) -> list[int]:
-    try:
-        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
-    except ValueError as exc:
-        raise DwarfStarError(f"--prompt-tokens must be comma-separated integers, got {text!r}") from exc
-    if not ids:
-        raise DwarfStarError("--prompt-tokens is empty")
-    return ids
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
@@ -80,13 +58,6 @@ def write_logits(engine: Engine, ids: list[int], ctx: int, out: Path) -> None:
     typer.echo(f"wrote logits {tuple(logits.shape)} to {out}", err=True)
 
 
-Tokens = Annotated[
-    int,
-    typer.Option(
-        "-n", "--tokens", min=1, help="Most tokens per reply (ds4's default; never past the context).",
-        rich_help_panel=GENERATION,
-    ),
-]  # fmt: skip
 DumpTokens = Annotated[
     bool, typer.Option(help="Print the prompt's tokens (as written, no template) and exit.", rich_help_panel=DEBUG)
 ]
@@ -104,9 +75,7 @@ DumpLogits = Annotated[
 
 @app.command()
 def run(
-    engine_flags: EngineFlags,
-    sampling: SamplingFlags,
-    loop_guard: LoopGuardFlags,
+    flags: ChatFlags,
     prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="Answer this once and exit.")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="Like -p, with the text of FILE.")] = None,
     prompt_tokens: Annotated[str | None, typer.Option(help="Raw prompt as token ids: 0,17,42.")] = None,
@@ -116,11 +85,7 @@ def run(
             "-s", "--system", help='System prompt (default: ds4\'s "You are a helpful assistant"); "" for none.'
         ),
     ] = None,
-    tokens: Tokens = DEFAULT_TOKENS,
     ctx: Ctx = 32768,
-    power: Power = 100,
-    no_qat_rounding: NoQatRounding = False,
-    trace: Trace = None,
     dump_tokens: DumpTokens = False,
     dump_logprobs: DumpLogprobs = None,
     logprobs_top_k: LogprobsTopK = 20,
@@ -130,10 +95,11 @@ def run(
     from dwarfstar.commands.engines import closing_lines, start
     from dwarfstar.console.repl import run_repl
 
-    spec = engine_flags.spec(ctx=ctx, qat=not no_qat_rounding, power=power)
+    spec = flags.spec(ctx)
     text = read_prompt(prompt, prompt_file)
     if text is not None and prompt_tokens is not None:
         raise DwarfStarError("give a text prompt or --prompt-tokens, not both")
+    ids = None if prompt_tokens is None else comma_list(prompt_tokens, int, "--prompt-tokens", "integers")
     if dump_tokens:
         if text is None:
             raise DwarfStarError("--dump-tokens needs -p or --prompt-file")
@@ -149,12 +115,12 @@ def run(
         raise DwarfStarError("the dumps need a prompt: -p, --prompt-file or --prompt-tokens")
     engine, route = start(spec)
     try:
-        chat = open_chat(engine, spec, sampling, system, tokens, trace, loop_guard)
+        chat = open_chat(engine, spec, flags, system)
         try:
             if not one_shot:
                 run_repl(chat)
-            elif prompt_tokens is not None:
-                answer(chat, spec, parse_token_list(prompt_tokens), False, (dump_logits, dump_logprobs), logprobs_top_k)
+            elif ids is not None:
+                answer(chat, spec, ids, False, (dump_logits, dump_logprobs), logprobs_top_k)
             else:
                 answer(chat, spec, *one_shot_ids(chat, engine.tokenizer, text), (dump_logits, dump_logprobs),
                        logprobs_top_k)  # fmt: skip
@@ -167,16 +133,14 @@ def run(
             route.close()
 
 
-def open_chat(
-    engine, spec, sampling: SamplingFlags, system: str | None, tokens: int, trace: Path | None, guard: LoopGuardFlags
-) -> Chat:
+def open_chat(engine, spec, flags: ChatFlags, system: str | None) -> Chat:
     """The chat on the engine: paced by --power, in the thinking mode the flags and the context allow."""
     from dwarfstar.console.chat import DEFAULT_SYSTEM, Chat, allowed_mode
     from dwarfstar.console.diagnostics import Trace
     from dwarfstar.console.terminal import note
     from dwarfstar.session.throttle import throttle
 
-    mode, warning = allowed_mode(sampling.mode(), spec.ctx)
+    mode, warning = allowed_mode(flags.sampling.mode(), spec.ctx)
     if warning:
         note(f"warning: {warning}", "yellow")
     return Chat(
@@ -185,10 +149,10 @@ def open_chat(
         ctx=min(spec.ctx, engine.model.args.max_seq_len),
         system=DEFAULT_SYSTEM if system is None else system,
         mode=mode,
-        params=sampling.params(),
-        max_tokens=tokens,
-        trace=Trace(trace) if trace else None,
-        loop_guard=guard.options(),
+        params=flags.sampling.params(),
+        max_tokens=flags.tokens,
+        trace=Trace(flags.trace) if flags.trace else None,
+        loop_guard=flags.loop_guard.options(),
     )
 
 

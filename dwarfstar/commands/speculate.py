@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from dwarfstar.commands.apps import bench_app
-from dwarfstar.commands.flags import ModelFlags, MTPFile
-from dwarfstar.errors import DwarfStarError
+from dwarfstar.commands.flags import ModelFlags, MTPFile, comma_list
 
 if TYPE_CHECKING:
     from dwarfstar.engine.load import Engine
@@ -75,12 +74,7 @@ def bench_mtp(
     from dwarfstar.speculative.mtp_options import MTPOptions
     from dwarfstar.tokenizer.tokenizer import Tokenizer
 
-    try:
-        counts = [int(n) for n in drafts.split(",") if n.strip()]
-    except ValueError:
-        raise DwarfStarError(f"--drafts must be comma-separated draft counts, got {drafts!r}") from None
-    if not counts:
-        raise DwarfStarError("--drafts needs at least one draft count")
+    counts = comma_list(drafts, int, "--drafts", "draft counts")
     path = model.path()
     ids = Tokenizer.from_gguf(path).encode(prompt)
     ctx = len(ids) + tokens + 8

@@ -12,44 +12,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from dwarfstar.commands.apps import steer_app
-from dwarfstar.commands.flags import ModelFlags, Think, output
-
-if TYPE_CHECKING:
-    from rich.progress import Progress
+from dwarfstar.commands.flags import ModelFlags, Think, comma_list, output
 
 COMPONENTS_HELP = "Hook point: ffn_out or attn_out."  # steering.direction.COMPONENTS
-
-
-def _bar(label: str) -> Progress:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from dwarfstar.console.terminal import stderr_console
-
-    return Progress(
-        TextColumn(label),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=stderr_console,
-        transient=True,
-    )
-
-
-def parse_scales(text: str) -> list[float]:
-    from dwarfstar.steering.direction import SteeringError
-
-    try:
-        scales = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise SteeringError(f"--scales must be comma-separated numbers, got {text!r}") from None
-    if not scales:
-        raise SteeringError("--scales is empty")
-    return scales
 
 
 @steer_app.command("build")
@@ -69,6 +39,7 @@ def build(
 ) -> None:
     """Build a steering direction from paired prompt lists and write it in ds4's layout."""
     from dwarfstar.commands.engines import start
+    from dwarfstar.console.terminal import count_bar
     from dwarfstar.quant.prompts import read_prompts
     from dwarfstar.steering.direction import COMPONENTS, SteeringError, build_direction, write_direction
     from dwarfstar.steering.probe import last_row_activations, prompt_ids
@@ -80,7 +51,7 @@ def build(
     engine, _ = start(spec)
     good_ids = [prompt_ids(p, engine.tokenizer, think) for p in good_prompts]
     bad_ids = [prompt_ids(p, engine.tokenizer, think) for p in bad_prompts]
-    with _bar("capturing") as bar:
+    with count_bar("capturing") as bar:
         task = bar.add_task("capture", total=len(good_ids) + len(bad_ids))
 
         def step() -> None:
@@ -113,17 +84,18 @@ def eval_command(
 ) -> None:
     """Greedy replies at each scale: mean length, mean projection on the direction, a sample."""
     from dwarfstar.commands.engines import start
-    from dwarfstar.console.terminal import note
+    from dwarfstar.console.terminal import count_bar, note
     from dwarfstar.quant.prompts import read_prompts
     from dwarfstar.steering.apply import SteeringOptions
+    from dwarfstar.steering.direction import SteeringError
     from dwarfstar.steering.probe import evaluate, prompt_ids
 
-    values = parse_scales(scales)
+    values = comma_list(scales, float, "--scales", "numbers", SteeringError)
     texts = read_prompts(prompts)
     spec = replace(model.spec(), steering=SteeringOptions(direction, 0.0, 0.0))
     engine, _ = start(spec)
     ids = [prompt_ids(p, engine.tokenizer, think) for p in texts]
-    with _bar("evaluating") as bar:
+    with count_bar("evaluating") as bar:
         task = bar.add_task("eval", total=len(ids) * len(values))
         results = evaluate(engine.backend, engine.tokenizer, ids, values, tokens, lambda: bar.advance(task))
     run = f"{direction.name} on {spec.model.name} ({engine.backend_name})"

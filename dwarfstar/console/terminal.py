@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import TextIO
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from dwarfstar.prompt.dsml_parser import ContentDelta, DsmlParser, ReasoningDelta, ToolCallEnd
 
@@ -122,6 +130,21 @@ class Interrupt:
         return self.requested
 
 
+def count_bar(label: str, *extra: ProgressColumn, spinner: bool = False) -> Progress:
+    """A transient bar on stderr: [a spinner,] `label`, the bar, done/total, the `extra` columns, the
+    time elapsed."""
+    return Progress(
+        *([SpinnerColumn()] if spinner else []),
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        *extra,
+        TimeElapsedColumn(),
+        console=stderr_console,
+        transient=True,
+    )
+
+
 @contextmanager
 def loading(path: Path) -> Iterator[Callable[[int, int], None]]:
     """A bar over the weights being read while the model loads; yields the `progress` callback."""
@@ -129,15 +152,7 @@ def loading(path: Path) -> Iterator[Callable[[int, int], None]]:
         size = f"{path.stat().st_size / 1e9:.1f} GB"
     except OSError:
         size = "?"
-    bar = Progress(
-        SpinnerColumn(),
-        TextColumn(f"loading {path.name} ({size})"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=stderr_console,
-        transient=True,
-    )
+    bar = count_bar(f"loading {path.name} ({size})", spinner=True)
     task = bar.add_task("load", total=None)
     with bar:
         yield lambda done, total: bar.update(task, completed=done, total=total)
@@ -152,16 +167,7 @@ class PrefillProgress:
 
     def __init__(self, total: int | None = None, label: str = "prefill") -> None:
         self.start = time.perf_counter()
-        self.progress = Progress(
-            SpinnerColumn(),
-            TextColumn(label),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[speed]}"),
-            TimeElapsedColumn(),
-            console=stderr_console,
-            transient=True,
-        )
+        self.progress = count_bar(label, TextColumn("{task.fields[speed]}"), spinner=True)
         self.task = self.progress.add_task(label, total=total, speed="")
         self.lock = threading.Lock()
         self.shown = False

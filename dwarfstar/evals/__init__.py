@@ -17,3 +17,12 @@ BUNDLED_SET = Path(__file__).resolve().parent.parent / "data" / "evals" / "dwarf
 
 class EvalError(DwarfStarError):
     """A gate or eval input (vector file, prompt, fixture, question set, trace) is missing or malformed."""
+
+
+def read_input(path: Path, what: str) -> str:
+    """The text of an eval input file; one that cannot be read or is not UTF-8 is an `EvalError`
+    naming `what` it is ("question set", "prompt file", ...)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EvalError(f"cannot read {what} {path}: {exc}") from None

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dwarfstar.engine.load import Engine
-from dwarfstar.evals import EvalError
+from dwarfstar.evals import EvalError, read_input
 from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
@@ -49,10 +49,7 @@ class LongContextResult:
 def read_facts(path: Path | None) -> list[str]:
     if path is None:
         return list(DS4_FACTS)
-    try:
-        facts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
-    except (OSError, UnicodeDecodeError) as exc:
-        raise EvalError(f"cannot read facts file {path}: {exc}") from None
+    facts = [line.strip() for line in read_input(path, "facts file").splitlines()]
     facts = [f for f in facts if f and not f.startswith("#")]
     if not facts:
         raise EvalError(f"{path} lists no facts")
@@ -78,13 +75,6 @@ def check_fact(text: str, fact: str) -> str | None:
     return f"missing assignment {name}={number}"
 
 
-def read_rendered_prompt(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise EvalError(f"cannot read prompt file {path}: {exc}") from None
-
-
 def run_long_context(
     engine: Engine,
     prompt_file: Path,
@@ -94,7 +84,7 @@ def run_long_context(
     min_prompt_tokens: int = MIN_PROMPT_TOKENS,
     on_chunk=None,
 ) -> LongContextResult:
-    ids = engine.tokenizer.encode_with_specials(read_rendered_prompt(prompt_file))
+    ids = engine.tokenizer.encode_with_specials(read_input(prompt_file, "prompt file"))
     result = LongContextResult(len(ids), "")
     if len(ids) <= min_prompt_tokens:
         result.problems.append(f"the prompt has {len(ids)} tokens, not more than {min_prompt_tokens}")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dwarfstar.engine.load import Engine
-from dwarfstar.evals import EvalError
+from dwarfstar.evals import EvalError, read_input
 from dwarfstar.evals.vectors import vector_prompt_ids
 from dwarfstar.session.session import Session
 
@@ -59,10 +59,7 @@ class CaseScore:
 
 
 def read_quality_prompts(path: Path, limit: int | None = None) -> list[QualityCase]:
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise EvalError(f"cannot read quality prompts {path}: {exc}") from None
+    lines = read_input(path, "quality prompts").splitlines()
     cases = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -93,10 +90,7 @@ def _manifest_path(manifest: Path, name: str) -> Path:
 
 def read_manifest(manifest: Path, limit: int | None = None) -> list[tuple[QualityCase, str]]:
     """Prompts and official continuations from ds4's `manifest.tsv`."""
-    try:
-        lines = manifest.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise EvalError(f"cannot read manifest {manifest}: {exc}") from None
+    lines = read_input(manifest, "manifest").splitlines()
     rows = []
     for number, line in enumerate(lines, 1):
         if not line.strip() or line.startswith("#"):

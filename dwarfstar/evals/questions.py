@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dwarfstar.evals import EvalError
+from dwarfstar.evals import EvalError, read_input
 from dwarfstar.evals.graders import ANSWER_KINDS, MAX_CHOICES, Grade, grade
 
 SYSTEM_PROMPT = (
@@ -113,10 +113,7 @@ def parse_question(record: object, where: str) -> Question:
 
 def load_questions(path: Path, limit: int | None = None) -> list[Question]:
     """The questions of a JSONL file, the first `limit` of them when given."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise EvalError(f"cannot read question set {path}: {exc}") from None
+    lines = read_input(path, "question set").splitlines()
     questions: list[Question] = []
     seen: set[str] = set()
     for number, line in enumerate(lines, 1):

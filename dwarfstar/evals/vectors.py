@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from dwarfstar.engine.load import Engine
-from dwarfstar.evals import EvalError
+from dwarfstar.evals import EvalError, read_input
 from dwarfstar.prompt.render import render_conversation
 from dwarfstar.session.session import Session
 
@@ -98,10 +98,7 @@ def resolve_prompt(vector_file: Path, name: str) -> Path:
 
 
 def read_vector_file(path: Path) -> list[VectorCase]:
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise EvalError(f"cannot read vector file {path}: {exc}") from None
+    lines = read_input(path, "vector file").splitlines()
     if not lines or lines[0].strip() != VECTOR_MAGIC:
         raise EvalError(f"{path} is not a ds4 vector file (first line must be {VECTOR_MAGIC!r})")
     cases: list[VectorCase] = []
@@ -152,19 +149,12 @@ def vector_prompt_ids(engine: Engine, prompt: str) -> list[int]:
     return engine.tokenizer.encode_prompt(parts)
 
 
-def read_prompt(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise EvalError(f"cannot read prompt file {path}: {exc}") from None
-
-
 def run_case(engine: Engine, case: VectorCase, max_delta: float = MAX_LOGPROB_DELTA) -> CaseResult:
     if case.id in DS4_SKIPS:
         return CaseResult(case.id, passed=True, skipped=DS4_SKIPS[case.id])
     result = CaseResult(case.id, passed=True)
     session = Session(engine.backend, ctx=case.ctx)
-    session.prefill(vector_prompt_ids(engine, read_prompt(case.prompt_path)))
+    session.prefill(vector_prompt_ids(engine, read_input(case.prompt_path, "prompt file")))
     token_bytes = engine.tokenizer.token_bytes
     for i, step in enumerate(case.steps):
         logits = session.logits.float().flatten().cpu()

@@ -65,26 +65,53 @@ def _lower_weighted_error(x: torch.Tensor, qw: torch.Tensor, encode: Encoder, gg
     return torch.where((errors[0] <= errors[1]).unsqueeze(-1), *candidates)
 
 
-def _q4_k(x: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
+def _fit_super_block(
+    x: torch.Tensor,
+    qw: torch.Tensor | None,
+    subs: int,
+    nmax: int,
+    scale_max: int,
+    sigma_weight: float,
+    reference: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, ...]:
+    """One K-quant super-block fit, shared by Q4_K and Q2_K: each of the `subs` sub-blocks' scale and
+    min, by ggml's `reference` search (qw None) or its imatrix one (weights qw·sqrt(sigma_weight·σ² + x²)),
+    quantized to levels 0..scale_max against one fp16 d and dmin; then every element re-rounded to a
+    level 0..nmax against them as decoded. Returns (scale levels, min levels, d bytes, dmin bytes, levels)."""
     n = x.shape[0]
-    sub = x.reshape(n * 8, 32)
+    sub = x.reshape(n * subs, -1)
     if qw is None:
-        # weights favour large elements over the sub-block's RMS, as in quantize_row_q4_K_ref
-        weights = sub.square().mean(-1, keepdim=True).sqrt() + sub.abs()
-        scales, mins = fit_scale_min(sub, weights, 15, -1.0, 0.1, 20, mad=False)
-        scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
-        ls, d = _quantize_super(scales, scales.amax(-1), 63)
-        lm, dmin = _quantize_super(mins, mins.amax(-1), 63)
+        scales, mins = reference(sub)
+        scales, mins = scales.reshape(n, subs), mins.reshape(n, subs)
+        ls, d = _quantize_super(scales, scales.amax(-1), scale_max)
+        lm, dmin = _quantize_super(mins, mins.amax(-1), scale_max)
     else:
-        sigma2 = 2 * x.square().mean(-1, keepdim=True)
-        weights = (qw * (sigma2 + x.square()).sqrt()).reshape(n * 8, 32)
-        scales, mins = fit_scale_min(sub, weights, 15, -0.9, 0.05, 36, mad=False)
-        sw = weights.sum(-1).reshape(n, 8)
-        d, ls = fit_scale(scales.reshape(n, 8), sw, 63)
-        dmin, lm = fit_scale(mins.reshape(n, 8), sw, 63)
+        sigma2 = sigma_weight * x.square().mean(-1, keepdim=True)
+        weights = (qw * (sigma2 + x.square()).sqrt()).reshape(n * subs, -1)
+        scales, mins = fit_scale_min(sub, weights, nmax, -0.9, 0.05, 36, mad=False)
+        sw = weights.sum(-1).reshape(n, subs)
+        d, ls = fit_scale(scales.reshape(n, subs), sw, scale_max)
+        dmin, lm = fit_scale(mins.reshape(n, subs), sw, scale_max)
     d, d_bytes = _f16_bytes(d)
     dmin, dmin_bytes = _f16_bytes(dmin)
-    q = _requantize(x.reshape(n, 8, 32), d * ls, dmin * lm, 15)
+    q = _requantize(x.reshape(n, subs, -1), d * ls, dmin * lm, nmax)
+    return ls, lm, d_bytes, dmin_bytes, q
+
+
+def _q4_k_reference(sub: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # weights favour large elements over the sub-block's RMS, as in quantize_row_q4_K_ref
+    weights = sub.square().mean(-1, keepdim=True).sqrt() + sub.abs()
+    return fit_scale_min(sub, weights, 15, -1.0, 0.1, 20, mad=False)
+
+
+def _q2_k_reference(sub: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # ggml's reference minimises the |x|-weighted absolute error here, not the squared one
+    return fit_scale_min(sub, sub.abs(), 3, -0.5, 0.1, 15, mad=True)
+
+
+def _q4_k(x: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
+    n = x.shape[0]
+    ls, lm, d_bytes, dmin_bytes, q = _fit_super_block(x, qw, 8, 15, 63, 2.0, _q4_k_reference)
     ls, lm = ls.to(torch.uint8), lm.to(torch.uint8)
     # 12 scale bytes: 6-bit scales 0-3 and mins 0-3 in bytes 0-7, whose top 2 bits carry the high bits of
     # scales/mins 4-7; bytes 8-11 hold the low nibbles of scales 4-7 (low) and mins 4-7 (high)
@@ -104,23 +131,7 @@ def _q4_k(x: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
 
 def _q2_k(x: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
     n = x.shape[0]
-    sub = x.reshape(n * 16, 16)
-    if qw is None:
-        # ggml's reference minimises the |x|-weighted absolute error here, not the squared one
-        scales, mins = fit_scale_min(sub, sub.abs(), 3, -0.5, 0.1, 15, mad=True)
-        scales, mins = scales.reshape(n, 16), mins.reshape(n, 16)
-        ls, d = _quantize_super(scales, scales.amax(-1), 15)
-        lm, dmin = _quantize_super(mins, mins.amax(-1), 15)
-    else:
-        sigma2 = x.square().mean(-1, keepdim=True)
-        weights = (qw * (sigma2 + x.square()).sqrt()).reshape(n * 16, 16)
-        scales, mins = fit_scale_min(sub, weights, 3, -0.9, 0.05, 36, mad=False)
-        sw = weights.sum(-1).reshape(n, 16)
-        d, ls = fit_scale(scales.reshape(n, 16), sw, 15)
-        dmin, lm = fit_scale(mins.reshape(n, 16), sw, 15)
-    d, d_bytes = _f16_bytes(d)
-    dmin, dmin_bytes = _f16_bytes(dmin)
-    q = _requantize(x.reshape(n, 16, 16), d * ls, dmin * lm, 3)
+    ls, lm, d_bytes, dmin_bytes, q = _fit_super_block(x, qw, 16, 3, 15, 1.0, _q2_k_reference)
     packed_scales = ls.to(torch.uint8) | (lm.to(torch.uint8) << 4)
     # each half of 128 elements packs 4 runs of 32 into one byte each, at bit shifts 0, 2, 4, 6
     runs = q.reshape(n, 2, 4, 32)

@@ -271,10 +271,6 @@ class Transformer(Generic[A, S]):
         return Batch(seqs)
 
     @property
-    def holds_embedding(self) -> bool:
-        return self.layer_range.start == 0
-
-    @property
     def holds_head(self) -> bool:
         return self.layer_range.stop == self.args.n_layers
 

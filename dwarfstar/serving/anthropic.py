@@ -46,7 +46,7 @@ from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body,
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolCallOpened, Usage, new_id
 from dwarfstar.serving.service import Knobs, Service
-from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
+from dwarfstar.serving.sse import respond, sse
 from dwarfstar.serving.validation import check_tool_choice, media_refused, non_empty, unsupported_part
 
 # the loop guard's `repetition` ends the turn: `end_turn` (the trace has the detail)
@@ -271,21 +271,21 @@ async def messages_endpoint(request: Request) -> Response:
         tool_id_prefix="toolu_",
         body=fields.body,
     )
-    stream = fields.flag("stream")  # every field is read before the job exists, so a 400 leaves none
+    stream = bool(fields.flag("stream"))  # every field is read before the job exists, so a 400 leaves none
     job = await service.submit_chat(
         talk.messages, tools=talk.tools, thinking=talk.thinking, knobs=knobs, response_format=talk.response_format
     )
-    with cancelled_on_error(job):
-        message_id = new_id("msg_")
-        if stream:
-            writer = MessageStream(message_id, talk.model, hidden=None if talk.show_thinking else hidden)
-            return event_stream(job, writer, service.config.keepalive_seconds)
-        outcome = await final_event(job, request)
-        if isinstance(outcome, Failed):
-            raise ApiError(500, outcome.message)
-        if not talk.show_thinking and outcome.completion.reasoning:
-            hidden.remember(message_id, outcome.completion.reasoning)
-        return json_response(message_object(message_id, talk.model, outcome, show_thinking=talk.show_thinking))
+    message_id = new_id("msg_")
+
+    def writer() -> MessageStream:
+        return MessageStream(message_id, talk.model, hidden=None if talk.show_thinking else hidden)
+
+    def body(done: Finished) -> dict[str, Any]:
+        if not talk.show_thinking and done.completion.reasoning:
+            hidden.remember(message_id, done.completion.reasoning)
+        return message_object(message_id, talk.model, done, show_thinking=talk.show_thinking)
+
+    return await respond(job, request, stream, writer, body)
 
 
 async def count_tokens(request: Request) -> Response:

@@ -15,6 +15,7 @@ output needs thinking off.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.sampling import SamplingParams
@@ -109,6 +110,13 @@ def stop_strings(fields: Fields, key: str) -> tuple[str, ...]:
     if len(value) > MAX_STOP_STRINGS:
         raise bad_request(f"{fields.where}{key} holds more than {MAX_STOP_STRINGS} strings", param=key)
     return tuple(s for s in value if s)
+
+
+def structured_format(fields: Fields | None, key: str) -> dict[str, Any] | None:
+    """The output format at `key` (chat's `response_format`, Responses' `text.format`) as the renderer
+    takes it: None when absent or plain `{"type": "text"}`."""
+    spec = fields.mapping(key) if fields is not None else None
+    return spec.body if spec is not None and spec.raw("type") != "text" else None
 
 
 def output_budget(fields: Fields, *keys: str) -> int | None:

@@ -75,21 +75,25 @@ class Fields:
         name = self.where + key
         return bad_request(f"{name} must be {expected}, got {_type_name(value)}", param=name)
 
-    def text(self, key: str, default: str | None = None) -> str | None:
+    def _typed(self, key: str, kind: type, expected: str) -> Any:
+        """The field's value, None when absent; a value not of `kind` is a 400 saying it must be `expected`."""
         value = self.body.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, str):
-            raise self._wrong(key, "a string")
+        if value is not None and not isinstance(value, kind):
+            raise self._wrong(key, expected)
         return value
 
+    def _within(self, key: str, value: float, low: float, high: float) -> None:
+        if not low <= value <= high:
+            name = self.where + key
+            raise bad_request(f"{name} must be between {low} and {high}, got {value}", param=name)
+
+    def text(self, key: str, default: str | None = None) -> str | None:
+        value = self._typed(key, str, "a string")
+        return default if value is None else value
+
     def flag(self, key: str, default: bool | None = None) -> bool | None:
-        value = self.body.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self._wrong(key, "a boolean")
-        return value
+        value = self._typed(key, bool, "a boolean")
+        return default if value is None else value
 
     def integer(self, key: str, *, low: int, high: int = 2**31 - 1) -> int | None:
         value = self.body.get(key)
@@ -99,9 +103,7 @@ class Fields:
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise self._wrong(key, "an integer")
-        if not low <= value <= high:
-            name = self.where + key
-            raise bad_request(f"{name} must be between {low} and {high}, got {value}", param=name)
+        self._within(key, value, low, high)
         return value
 
     def number(self, key: str, *, low: float, high: float) -> float | None:
@@ -110,24 +112,15 @@ class Fields:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self._wrong(key, "a number")
-        if not low <= value <= high:
-            name = self.where + key
-            raise bad_request(f"{name} must be between {low} and {high}, got {value}", param=name)
+        self._within(key, value, low, high)
         return float(value)
 
     def array(self, key: str) -> list[Any] | None:
-        value = self.body.get(key)
-        if value is not None and not isinstance(value, list):
-            raise self._wrong(key, "an array")
-        return value
+        return self._typed(key, list, "an array")
 
     def mapping(self, key: str) -> Fields | None:
-        value = self.body.get(key)
-        if value is None:
-            return None
-        if not isinstance(value, dict):
-            raise self._wrong(key, "an object")
-        return Fields(value, f"{self.where}{key}.")
+        value = self._typed(key, dict, "an object")
+        return None if value is None else Fields(value, f"{self.where}{key}.")
 
     def required(self, key: str, value: Any) -> Any:
         if value is None:

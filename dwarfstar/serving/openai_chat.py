@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -27,30 +28,16 @@ from dwarfstar.serving.controls import (
     output_budget,
     sampling_params,
     stop_strings,
+    structured_format,
     thinking_switch,
 )
-from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body, json_response
+from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body
 from dwarfstar.serving.fields import Fields, read_json_object
-from dwarfstar.serving.generation import (
-    Event,
-    Failed,
-    Finished,
-    Started,
-    TokenLogprob,
-    ToolCallOpened,
-    Usage,
-    new_id,
-)
+from dwarfstar.serving.generation import Event, Failed, Finished, Started, TokenLogprob, ToolCallOpened, Usage, new_id
 from dwarfstar.serving.logprobs import Pending, chat_logprobs, openai_entry
 from dwarfstar.serving.service import Knobs, Service
-from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
-from dwarfstar.serving.validation import (
-    check_tool_choice,
-    media_refused,
-    non_empty,
-    unknown_role,
-    unsupported_part,
-)
+from dwarfstar.serving.sse import respond, sse
+from dwarfstar.serving.validation import check_tool_choice, media_refused, non_empty, unknown_role, unsupported_part
 
 ROLES = ("system", "developer", "user", "assistant", "latest_reminder")
 TEXT_PARTS = ("text", "input_text", "output_text")
@@ -130,6 +117,12 @@ def openai_tools(fields: Fields) -> list[dict[str, Any]]:
     return tools
 
 
+def usage_chunk(fields: Fields) -> bool:
+    """Whether a stream ends with a usage chunk (`stream_options.include_usage`)."""
+    options = fields.mapping("stream_options")
+    return bool(options and options.flag("include_usage"))
+
+
 def usage_object(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
@@ -145,13 +138,9 @@ def usage_object(usage: Usage) -> dict[str, Any]:
     }
 
 
-def failure_error(message: str) -> ApiError:
-    return ApiError(500, message, code="server_error")
-
-
 def stream_error(message: str) -> list[bytes]:
     """The end of an OpenAI stream whose generation failed (the SDKs raise `APIError` on it)."""
-    return [sse(error_body(failure_error(message), Dialect.OPENAI), "error"), b"data: [DONE]\n\n"]
+    return [sse(error_body(ApiError(500, message, code="server_error"), Dialect.OPENAI), "error"), b"data: [DONE]\n\n"]
 
 
 async def chat_completions(request: Request) -> Response:
@@ -176,25 +165,17 @@ async def chat_completions(request: Request) -> Response:
         stop=stop_strings(fields, "stop"),
         body=fields.body,
     )
-    stream = bool(fields.flag("stream"))
-    options = fields.mapping("stream_options")
-    include_usage = bool(options and options.flag("include_usage"))
-    response_format = fields.mapping("response_format")
+    stream, include_usage = bool(fields.flag("stream")), usage_chunk(fields)
     job = await service.submit_chat(
         messages,
         tools=tools,
         thinking=thinking,
         knobs=knobs,
-        response_format=response_format.body if response_format and response_format.raw("type") != "text" else None,
+        response_format=structured_format(fields, "response_format"),
     )
-    with cancelled_on_error(job):
-        if stream:
-            writer = ChatStream(new_id("chatcmpl-"), model, include_usage)
-            return event_stream(job, writer, service.config.keepalive_seconds)
-        outcome = await final_event(job, request)
-        if isinstance(outcome, Failed):
-            raise failure_error(outcome.message)
-        return json_response(chat_completion(new_id("chatcmpl-"), model, outcome))
+    response_id = new_id("chatcmpl-")
+    writer = partial(ChatStream, response_id, model, include_usage)
+    return await respond(job, request, stream, writer, partial(chat_completion, response_id, model))
 
 
 def chat_completion(response_id: str, model: str, done: Finished) -> dict[str, Any]:
@@ -206,21 +187,15 @@ def chat_completion(response_id: str, model: str, done: Finished) -> dict[str, A
         message["tool_calls"] = [
             call.to_openai(i) for call, i in zip(completion.tool_calls, done.tool_ids, strict=True)
         ]
-    return {
-        "id": response_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs_object(done.logprobs),
-                "finish_reason": openai_finish(done.reason),
-            }
-        ],
-        "usage": usage_object(done.usage),
-    }
+    logprobs = logprobs_object(done.logprobs)
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": openai_finish(done.reason)}
+    return envelope("chat.completion", response_id, int(time.time()), model, [choice], usage=usage_object(done.usage))
+
+
+def envelope(kind: str, response_id: str, created: int, model: str, choices: list[Any], **extra: Any) -> dict[str, Any]:
+    """An OpenAI chat or completions object or chunk of type `kind`: its id, times and model around the
+    `choices`, then `extra` fields (usage)."""
+    return {"id": response_id, "object": kind, "created": created, "model": model, "choices": choices, **extra}
 
 
 def openai_finish(reason: str) -> str:
@@ -249,14 +224,8 @@ class ChatStream:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse(self._envelope([choice]))
 
-    def _envelope(self, choices: list[Any]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
+    def _envelope(self, choices: list[Any], **extra: Any) -> dict[str, Any]:
+        return envelope("chat.completion.chunk", self.id, self.created, self.model, choices, **extra)
 
     def __call__(self, event: Event) -> list[bytes]:
         if isinstance(event, Started):
@@ -277,7 +246,7 @@ class ChatStream:
         if isinstance(event, Finished):
             out = [self._chunk({}, openai_finish(event.reason))]
             if self.include_usage:
-                out.append(sse({**self._envelope([]), "usage": usage_object(event.usage)}))
+                out.append(sse(self._envelope([], usage=usage_object(event.usage))))
             return out + [b"data: [DONE]\n\n"]
         if isinstance(event, Failed):
             return stream_error(event.message)

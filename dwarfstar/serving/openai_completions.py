@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -26,14 +27,13 @@ from dwarfstar.serving.controls import (
     stop_strings,
     thinking_switch,
 )
-from dwarfstar.serving.errors import bad_request, json_response
+from dwarfstar.serving.errors import bad_request
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, TokenLogprob, new_id
-from dwarfstar.serving.jobs import Job
 from dwarfstar.serving.logprobs import Pending, completion_block, completion_logprobs
-from dwarfstar.serving.openai_chat import failure_error, openai_finish, stream_error, usage_object
+from dwarfstar.serving.openai_chat import envelope, openai_finish, stream_error, usage_chunk, usage_object
 from dwarfstar.serving.service import Knobs, Service
-from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
+from dwarfstar.serving.sse import respond, sse
 
 WRAP_SYSTEM = "You are a helpful assistant"
 
@@ -76,9 +76,8 @@ async def completions(request: Request) -> Response:
         stop=stop_strings(fields, "stop"),
         body=fields.body,
     )
-    options = fields.mapping("stream_options")
-    include_usage = bool(options and options.flag("include_usage"))
-    stream = fields.flag("stream")  # every field is read before the job exists, so a 400 leaves none
+    include_usage = usage_chunk(fields)
+    stream = bool(fields.flag("stream"))  # every field is read before the job exists, so a 400 leaves none
     if raw:
         ids = prompt if isinstance(prompt, list) else None
         text = prompt if isinstance(prompt, str) else None
@@ -86,35 +85,16 @@ async def completions(request: Request) -> Response:
     else:
         wrapped = [{"role": "system", "content": WRAP_SYSTEM}, {"role": "user", "content": prompt}]
         job = await service.submit_plain_chat(wrapped, thinking=thinking, knobs=knobs)
-    with cancelled_on_error(job):
-        return await _answer(job, request, model, stream=stream, include_usage=include_usage)
-
-
-async def _answer(job: Job, request: Request, model: str, *, stream: bool, include_usage: bool) -> Response:
     response_id = new_id("cmpl-")
-    if stream:
-        writer = CompletionStream(response_id, model, include_usage)
-        return event_stream(job, writer, request.app.state.service.config.keepalive_seconds)
-    outcome = await final_event(job, request)
-    if isinstance(outcome, Failed):
-        raise failure_error(outcome.message)
-    return json_response(
-        {
-            "id": response_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [
-                {
-                    "text": outcome.text,
-                    "index": 0,
-                    "logprobs": None if outcome.logprobs is None else completion_block(outcome.logprobs),
-                    "finish_reason": openai_finish(outcome.reason),
-                }
-            ],
-            "usage": usage_object(outcome.usage),
-        }
-    )
+    writer = partial(CompletionStream, response_id, model, include_usage)
+    return await respond(job, request, stream, writer, partial(completion, response_id, model))
+
+
+def completion(response_id: str, model: str, outcome: Finished) -> dict[str, Any]:
+    logprobs = None if outcome.logprobs is None else completion_block(outcome.logprobs)
+    choice = {"text": outcome.text, "index": 0, "logprobs": logprobs, "finish_reason": openai_finish(outcome.reason)}
+    created = int(time.time())
+    return envelope("text_completion", response_id, created, model, [choice], usage=usage_object(outcome.usage))
 
 
 class CompletionStream:
@@ -125,8 +105,7 @@ class CompletionStream:
         self.offset = 0  # the text length of the tokens whose logprobs were sent
 
     def _chunk(self, choices: list[Any], **extra: Any) -> bytes:
-        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
-        return sse({**body, "choices": choices, **extra})
+        return sse(envelope("text_completion", self.id, self.created, self.model, choices, **extra))
 
     def _choice(self, text: str, finish: str | None) -> dict[str, Any]:
         entries, logprobs = self.pending.take(), None

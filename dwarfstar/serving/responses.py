@@ -31,29 +31,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from dwarfstar.prompt.dsml_parser import ContentDelta, ReasoningDelta, ToolArgumentsDelta, ToolCallEnd
-from dwarfstar.serving.controls import Thinking, effort_value, output_budget, sampling_params
-from dwarfstar.serving.errors import ApiError, bad_request, json_response
+from dwarfstar.serving.controls import Thinking, effort_value, output_budget, sampling_params, structured_format
+from dwarfstar.serving.errors import bad_request
 from dwarfstar.serving.fields import Fields, read_json_object
-from dwarfstar.serving.generation import (
-    Event,
-    Failed,
-    Finished,
-    Started,
-    TokenLogprob,
-    ToolCallOpened,
-    Usage,
-    new_id,
-)
+from dwarfstar.serving.generation import Event, Failed, Finished, Started, TokenLogprob, ToolCallOpened, Usage, new_id
 from dwarfstar.serving.logprobs import Pending, openai_entry, responses_logprobs
 from dwarfstar.serving.service import Knobs, Service
-from dwarfstar.serving.sse import cancelled_on_error, event_stream, final_event, sse
-from dwarfstar.serving.validation import (
-    check_tool_choice,
-    media_refused,
-    non_empty,
-    unknown_role,
-    unsupported_part,
-)
+from dwarfstar.serving.sse import respond, sse
+from dwarfstar.serving.validation import check_tool_choice, media_refused, non_empty, unknown_role, unsupported_part
 
 # an unfinished output's reason: the budget, or the loop guard's `repetition` (the trace has the detail)
 INCOMPLETE = {"length": "max_output_tokens", "repetition": "repetition"}
@@ -180,8 +165,6 @@ async def responses_endpoint(request: Request) -> Response:
     tools = function_tools(fields)
     reasoning = fields.mapping("reasoning") or Fields({}, "reasoning.")
     thinking = service.thinking(model, None, effort_value(reasoning, "effort"))
-    text = fields.mapping("text")
-    text_format = text.mapping("format") if text is not None else None
     knobs = Knobs(
         api="responses",
         param="input",
@@ -201,21 +184,21 @@ async def responses_endpoint(request: Request) -> Response:
         echo={key: fields.raw(key) for key in ("instructions", "tool_choice", "temperature", "top_p")}
         | {"tools": fields.raw("tools") or []},  # as sent: hosted tools too, though only functions run
     )
-    stream = fields.flag("stream")  # every field is read before the job exists, so a 400 leaves none
+    stream = bool(fields.flag("stream"))  # every field is read before the job exists, so a 400 leaves none
     job = await service.submit_chat(
         messages,
         tools=tools,
         thinking=thinking,
         knobs=knobs,
-        response_format=text_format.body if text_format and text_format.raw("type") != "text" else None,
+        response_format=structured_format(fields.mapping("text"), "format"),
     )
-    with cancelled_on_error(job):
-        if stream:
-            return event_stream(job, ResponseStream(shape), service.config.keepalive_seconds)
-        outcome = await final_event(job, request)
-        if isinstance(outcome, Failed):
-            raise ApiError(500, outcome.message, code="server_error")
-        return json_response(shape.response(_final_items(shape, outcome), outcome))
+    return await respond(
+        job,
+        request,
+        stream,
+        lambda: ResponseStream(shape),
+        lambda done: shape.response(_final_items(shape, done), done),
+    )
 
 
 # -- output items -----------------------------------------------------------------------------------------

@@ -15,9 +15,10 @@ from typing import Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from dwarfstar.serving.errors import ApiError, json_response
 from dwarfstar.serving.generation import Event, Failed, Finished
 from dwarfstar.serving.jobs import Job
 
@@ -107,3 +108,22 @@ async def final_event(job: Job, request: Request) -> Finished | Failed:
         result.cancel()
         gone.cancel()
         job.cancel()
+
+
+async def respond(
+    job: Job,
+    request: Request,
+    stream: bool,
+    writer: Callable[[], Writer],
+    body: Callable[[Finished], dict[str, Any]],
+) -> Response:
+    """A submitted job's answer, in any API: with `stream`, its events as SSE through the writer that
+    `writer` makes, else the JSON `body` of its outcome; a failed job is a 500 error. The job is
+    cancelled if the answer cannot be built."""
+    with cancelled_on_error(job):
+        if stream:
+            return event_stream(job, writer(), request.app.state.service.config.keepalive_seconds)
+        outcome = await final_event(job, request)
+        if isinstance(outcome, Failed):
+            raise ApiError(500, outcome.message, code="server_error")
+        return json_response(body(outcome))
