@@ -130,6 +130,10 @@ def test_decode_ffn_matches_reference(types, precision, tokens, device, quant_bl
             _int8_reference(x, gate, up, down, ids, route_w) + moe_experts.reference(x, *shared, None, None, 10.0)[:, 0]
         )
         assert ((out - rounded).abs().max() / want.abs().max()).item() < 1e-3
+        # x quantized before the call (by the routing launch in a decode step): the same bits
+        xq = expert_int8.reference_rows(x)
+        again = moe_experts.decode_ffn(x, ids, route_w, (gate, up, down), tuple(shared), 10.0, precision, xq=xq)
+        assert torch.equal(again, out)
     assert not ticket_counters(device, "experts", 1).any()  # back at 0: a replayed launch starts over
 
 

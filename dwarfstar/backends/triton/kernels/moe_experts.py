@@ -14,8 +14,9 @@ grids from T and k alone (a captured step replays them).
   atomics: the sum is the same at every replay.
 The loops are `expert_blocks`' decoders: fp32 products (EXACT), or fp16 tensor-core operands under
 Precision.fast for the formats that have them (the mid activations are then stored as fp16 too);
-for 2-bit experts (both matrices IQ2_XXS or Q2_K) the fast form is `expert_int8`'s: x quantized to
-int8 by one more launch, the routed mid rows quantized by the gate/up kernel that computes them.
+for 2-bit experts (both matrices IQ2_XXS or Q2_K, `int8_form`) the fast form is `expert_int8`'s: x
+quantized to int8 by the routing launch (`moe_route.route(q8=...)`, or by one more launch here), the
+routed mid rows quantized by the gate/up kernel that computes them.
 
 Prefill form (`expert_ffn`): the entries sorted by expert (`moe_sort`). For every tile of one
 expert's entries, `_gate_up_kernel` gathers the tokens' input rows, decodes the expert's gate and up
@@ -443,6 +444,11 @@ def _decode_rows(ggml_type: GGMLType, fast: bool, warps: int) -> tuple[int, int]
     return 16, tile_k(ggml_type, QK_K)
 
 
+def int8_form(gate: QWeight, down: QWeight, precision: Precision) -> bool:
+    """Whether `decode_ffn` takes int8 activations (`expert_int8`): Precision.fast, 2-bit gate/up and down."""
+    return precision.fast and gate.ggml_type in Q8_TYPES and down.ggml_type in Q8_TYPES
+
+
 def decode_ffn(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -451,12 +457,15 @@ def decode_ffn(
     shared: tuple[QWeight, QWeight, QWeight],
     limit: float,
     precision: Precision = EXACT,
+    xq: Q8Rows | None = None,
 ) -> torch.Tensor:
     """[T, D] float32: each token's k routed experts (ids int32 [T, k], route_weights float32 [T, k],
     applied before the down projection) and the shared expert, summed in slot order then shared.
 
     Two launches whatever T is (at most DECODE_TOKENS): gate+up, then down with the sum; their grids
-    depend on T and k only, so a captured decode step replays them.
+    depend on T and k only, so a captured decode step replays them. In the `int8_form`, xq is x as
+    int8 rows (`expert_int8.quantize_rows`'s values, stored by the routing launch); None: one more
+    launch quantizes x.
     """
     t, k = ids.shape
     if t > DECODE_TOKENS:
@@ -470,10 +479,15 @@ def decode_ffn(
     mid = torch.empty(t * k + t, fm, device=device, dtype=torch.float16 if fast else torch.float32)
     parts = torch.empty(t * k + t, d, device=device)
     out = torch.empty(t, d, device=device)
-    # the 2-bit recipe's fast form: int8 activations (`expert_int8`), x quantized here, the routed
-    # mid rows by the gate/up kernel
-    q8 = fast and gate.ggml_type in Q8_TYPES and down.ggml_type in Q8_TYPES
-    xq = quantize_rows(x) if q8 else Q8Rows.empty(1, 32, device)
+    # the 2-bit recipe's fast form: int8 activations (`expert_int8`), x quantized by the routing launch
+    # (or here), the routed mid rows by the gate/up kernel
+    q8 = int8_form(gate, down, precision)
+    if not q8:
+        xq = Q8Rows.empty(1, 32, device)
+    elif xq is None:
+        xq = quantize_rows(x)
+    elif xq.q.shape != x.shape:
+        raise ValueError(f"int8 rows {tuple(xq.q.shape)} for activations {tuple(x.shape)}")
     mq = Q8Rows.empty(t * k, fm, device) if q8 else xq
     tab = q8_tables(device) if q8 else tables(device)
     ids, route_weights = ids.contiguous(), route_weights.contiguous()
