@@ -348,19 +348,19 @@ def _routed_rows(x_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_r
 
 
 @triton.jit
-def _routed_rows_q8(xq_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, os_ptr, om_ptr, out_row,
-                    stride_out, n0, expert, K, N, row_bytes, limit, scale, WTYPE: tl.constexpr, BN: tl.constexpr,
-                    GATED: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
-    """`_routed_rows` over int8 activations (`expert_int8.Q8Rows` buffers xq as int32 words, xs, xm;
-    row x_row): GATED quantizes its SwiGLU rows into row out_row of the Q8Rows out, os, om (the down
-    projection's input), else stores the floats at out_ptr (the parts)."""
+def _routed_rows_q8(xq_ptr, xn_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, on_ptr, os_ptr,
+                    om_ptr, out_row, stride_out, n0, expert, K, N, row_bytes, limit, scale, WTYPE: tl.constexpr,
+                    BN: tl.constexpr, GATED: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """`_routed_rows` over int8 activations (`expert_int8.Q8Rows` buffers xq, xn as int32 words, xs, xm;
+    row x_row): GATED quantizes its SwiGLU rows into row out_row of the Q8Rows out, on, os, om (the
+    down projection's input), else stores the floats at out_ptr (the parts)."""
     n = n0 + tl.arange(0, BN)
     row_off = (expert.to(tl.int64) * N + tl.minimum(n, N - 1)) * row_bytes
     x0 = x_row.to(tl.int64) * stride_x
-    a1, a2 = q8_rows_dot(xq_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, BN, GATED, PTX)
+    a1, a2 = q8_rows_dot(xq_ptr, xn_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, BN, GATED, PTX)
     if GATED:
-        store_q8(_swiglu(a1, a2, limit) * scale, out_ptr, os_ptr, om_ptr, out_row.to(tl.int64) * stride_out, n0, N,
-                 BN)  # fmt: skip
+        store_q8(_swiglu(a1, a2, limit) * scale, out_ptr, on_ptr, os_ptr, om_ptr, out_row.to(tl.int64) * stride_out,
+                 n0, N, BN)  # fmt: skip
     else:
         tl.store(out_ptr + out_row.to(tl.int64) * stride_out + n, a1, mask=n < N)
 
@@ -368,7 +368,7 @@ def _routed_rows_q8(xq_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr, ids_ptr, route_w_ptr, gate_ptr, up_ptr, sgate_ptr, sup_ptr, tab_ptr, mid_ptr,
-    xq_ptr, xs_ptr, xm_ptr, mq_ptr, ms_ptr, mm_ptr,
+    xq_ptr, xn_ptr, xs_ptr, xm_ptr, mq_ptr, mn_ptr, ms_ptr, mm_ptr,
     T, k, D, F, FS, FM, stride_x, row_bytes, srow_bytes, limit,
     RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
     SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr, RQ8: tl.constexpr,
@@ -384,9 +384,9 @@ def _decode_gate_up_kernel(
     else:
         e = col - 1
         if RQ8:  # int8 rows x_q (D columns) in, int8 mid rows m_q (FM columns) out
-            _routed_rows_q8(xq_ptr, xs_ptr, xm_ptr, e // k, D, gate_ptr, up_ptr, tab_ptr, mq_ptr, ms_ptr, mm_ptr, e,
-                            FM, n0, tl.load(ids_ptr + e), D, F, row_bytes, limit, tl.load(route_w_ptr + e), RTYPE,
-                            BN, True, PTX)  # fmt: skip
+            _routed_rows_q8(xq_ptr, xn_ptr, xs_ptr, xm_ptr, e // k, D, gate_ptr, up_ptr, tab_ptr, mq_ptr, mn_ptr,
+                            ms_ptr, mm_ptr, e, FM, n0, tl.load(ids_ptr + e), D, F, row_bytes, limit,
+                            tl.load(route_w_ptr + e), RTYPE, BN, True, PTX)  # fmt: skip
         else:
             _routed_rows(x_ptr, e // k, stride_x, gate_ptr, up_ptr, tab_ptr, mid_ptr, e, FM, n0,
                          tl.load(ids_ptr + e), D, F, row_bytes, limit, tl.load(route_w_ptr + e), RTYPE, BN, RBK,
@@ -395,7 +395,7 @@ def _decode_gate_up_kernel(
 
 @triton.jit
 def _decode_down_kernel(
-    mid_ptr, ids_ptr, down_ptr, sdown_ptr, tab_ptr, part_ptr, tickets_ptr, out_ptr, mq_ptr, ms_ptr, mm_ptr,
+    mid_ptr, ids_ptr, down_ptr, sdown_ptr, tab_ptr, part_ptr, tickets_ptr, out_ptr, mq_ptr, mn_ptr, ms_ptr, mm_ptr,
     T, k, F, FS, FM, D, row_bytes, srow_bytes, stride_out,
     RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
     SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr, RQ8: tl.constexpr,
@@ -412,9 +412,9 @@ def _decode_down_kernel(
     else:
         e = col - 1
         if RQ8:
-            _routed_rows_q8(mq_ptr, ms_ptr, mm_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, part_ptr, part_ptr,
-                            e, D, nb * BN, tl.load(ids_ptr + e), F, D, row_bytes, 0.0, 1.0, RTYPE, BN, False,
-                            PTX)  # fmt: skip
+            _routed_rows_q8(mq_ptr, mn_ptr, ms_ptr, mm_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, part_ptr,
+                            part_ptr, part_ptr, e, D, nb * BN, tl.load(ids_ptr + e), F, D, row_bytes, 0.0, 1.0, RTYPE,
+                            BN, False, PTX)  # fmt: skip
         else:
             _routed_rows(mid_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, e, D, nb * BN,
                          tl.load(ids_ptr + e), F, D, row_bytes, 0.0, 1.0, RTYPE, BN, RBK, RFAST, False)  # fmt: skip
@@ -514,14 +514,14 @@ def decode_ffn(
             grid = (triton.cdiv(fm, bn), t * k + 1)
             _decode_gate_up_kernel[grid](
                 x, ids, route_weights, gate.data, up.data, sgate.data, sup.data, tab, mid,
-                xq.q.view(torch.int32), xq.scale, xq.sums, mq.q, mq.scale, mq.sums,
+                xq.q.view(torch.int32), xq.neg.view(torch.int32), xq.scale, xq.sums, mq.q, mq.neg, mq.scale, mq.sums,
                 t, k, d, f, fs, fm, x.stride(0), gate.row_bytes, sgate.row_bytes, limit, **consts,
             )  # fmt: skip
         else:
             blocks = triton.cdiv(d, bn)
             _decode_down_kernel[(blocks, t * k + 1)](
                 mid, ids, down.data, sdown.data, tab, parts, ticket_counters(device, "experts", blocks), out,
-                mq.q.view(torch.int32), mq.scale, mq.sums,
+                mq.q.view(torch.int32), mq.neg.view(torch.int32), mq.scale, mq.sums,
                 t, k, f, fs, fm, d, down.row_bytes, sdown.row_bytes, out.stride(0), **consts,
             )  # fmt: skip
     return out
