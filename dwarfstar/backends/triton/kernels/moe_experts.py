@@ -102,6 +102,20 @@ def _pruner(weights: int):
     return prune
 
 
+@triton.jit
+def _tile(sorted_ptr, tile_start_ptr, tile_rows_ptr, expert, N, row_bytes, BM: tl.constexpr, BN: tl.constexpr):
+    """Program (column block, tile): the positions pos of the tile's BM routing entries in sorted order
+    (their mid rows), which of them exist (m_ok), the entries, and the block's columns n with the byte
+    offsets row_off of `expert`'s rows n."""
+    tile = tl.program_id(1)
+    pos = tl.load(tile_start_ptr + tile) + tl.arange(0, BM)
+    m_ok = tl.arange(0, BM) < tl.load(tile_rows_ptr + tile)
+    entry = tl.load(sorted_ptr + pos, mask=m_ok, other=0)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    row_off = (expert * N + tl.minimum(n, N - 1)).to(tl.int64) * row_bytes
+    return pos, m_ok, entry, n, row_off
+
+
 _KEY = ["K", "N", "WTYPE", "BM", "BK", "USE_DOT", "FAST"]
 
 
@@ -113,16 +127,10 @@ def _gate_up_kernel(
     WTYPE: tl.constexpr, WEIGHTED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     USE_DOT: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile)
+    expert = tl.load(tile_expert_ptr + tl.program_id(1))
     if expert >= 0:
-        start = tl.load(tile_start_ptr + tile)
-        m = tl.arange(0, BM)
-        m_ok = m < tl.load(tile_rows_ptr + tile)
-        entry = tl.load(sorted_ptr + start + m, mask=m_ok, other=0)
+        pos, m_ok, entry, n, row_off = _tile(sorted_ptr, tile_start_ptr, tile_rows_ptr, expert, N, row_bytes, BM, BN)
         x_rows = x_ptr + (entry // k_slots).to(tl.int64)[:, None] * stride_x
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        row_off = (expert * N + tl.minimum(n, N - 1)).to(tl.int64) * row_bytes
         acc_g = tl.zeros((BM, BN), tl.float32)
         acc_u = tl.zeros((BM, BN), tl.float32)
         for k0 in range(0, K, BK):
@@ -135,7 +143,7 @@ def _gate_up_kernel(
         mid = _swiglu(acc_g, acc_u, limit)
         if WEIGHTED:
             mid = mid * tl.load(route_w_ptr + entry, mask=m_ok, other=0.0)[:, None]
-        out = mid_ptr + (start + m).to(tl.int64)[:, None] * N + n[None, :]
+        out = mid_ptr + pos.to(tl.int64)[:, None] * N + n[None, :]
         tl.store(out, mid, mask=m_ok[:, None] & (n < N)[None, :])
 
 
@@ -147,19 +155,13 @@ def _down_kernel(
     WTYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     USE_DOT: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile)
+    expert = tl.load(tile_expert_ptr + tl.program_id(1))
     if expert >= 0:
-        start = tl.load(tile_start_ptr + tile)
-        m = tl.arange(0, BM)
-        m_ok = m < tl.load(tile_rows_ptr + tile)
-        entry = tl.load(sorted_ptr + start + m, mask=m_ok, other=0)
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        row_off = (expert * N + tl.minimum(n, N - 1)).to(tl.int64) * row_bytes
+        pos, m_ok, entry, n, row_off = _tile(sorted_ptr, tile_start_ptr, tile_rows_ptr, expert, N, row_bytes, BM, BN)
         acc = tl.zeros((BM, BN), tl.float32)
         for k0 in range(0, K, BK):
             ks = k0 + tl.arange(0, BK)
-            x = tl.load(mid_ptr + (start + m).to(tl.int64)[:, None] * K + ks[None, :],
+            x = tl.load(mid_ptr + pos.to(tl.int64)[:, None] * K + ks[None, :],
                         mask=m_ok[:, None] & (ks < K)[None, :], other=0.0)  # fmt: skip
             acc = _product(acc, x, load_weight_tile(down_ptr, grid_ptr, row_off, k0, K, WTYPE, BN, BK), USE_DOT, FAST)
         row = (entry // k_slots) * out_slots + entry % k_slots + slot_offset
