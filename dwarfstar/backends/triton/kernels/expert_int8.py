@@ -262,12 +262,13 @@ def _q8_step(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr,
 
 
 @triton.jit
-def q8_rows_dot(xw_ptr, xn_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K,
-                WTYPE: tl.constexpr, BN: tl.constexpr, TWO: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+def q8_rows_dot(xw_ptr, xn_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE: tl.constexpr,
+                BN: tl.constexpr, TWO: tl.constexpr, PTX: tl.constexpr, SBP: tl.constexpr):  # fmt: skip
     """Products [BN] of the rows at byte offsets row_off [BN] (int64) of w1 (and w2 when TWO) with one
     int8 activation row (`Q8Rows` buffers: q and neg as int32 words, scales, sums; column 0 at element x0,
-    a multiple of 256), over K columns; WTYPE in Q8_TYPES. The partial sums of each thread are added
-    over super-blocks first and across threads once, after the loop: an order fixed by the shapes."""
+    a multiple of 256), over K columns; WTYPE in Q8_TYPES. SBP super-blocks a pass (K / 256 a multiple
+    of it): their loads in flight together. The partial sums of each thread are added over
+    super-blocks first, in order, and across threads once, after the loop: an order fixed by the shapes."""
     xw_ptr += x0 // 4  # the row's words, negated words, block scales and sums
     xn_ptr += x0 // 4
     xs_ptr += x0 // 32
@@ -276,8 +277,13 @@ def q8_rows_dot(xw_ptr, xn_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row
     a2 = a1
     if TWO:
         a2 = _q8_step(w2_ptr, tab_ptr, row_off, 0, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
-    for sb in range(1, K // 256):
-        a1 += _q8_step(w1_ptr, tab_ptr, row_off, sb, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+    for j in tl.static_range(1, SBP):
+        a1 += _q8_step(w1_ptr, tab_ptr, row_off, j, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
         if TWO:
-            a2 += _q8_step(w2_ptr, tab_ptr, row_off, sb, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+            a2 += _q8_step(w2_ptr, tab_ptr, row_off, j, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+    for sb0 in range(SBP, K // 256, SBP):
+        for j in tl.static_range(SBP):
+            a1 += _q8_step(w1_ptr, tab_ptr, row_off, sb0 + j, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+            if TWO:
+                a2 += _q8_step(w2_ptr, tab_ptr, row_off, sb0 + j, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
     return tl.sum(a1, axis=1), tl.sum(a2, axis=1)

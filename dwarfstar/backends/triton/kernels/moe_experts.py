@@ -263,17 +263,17 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
     activation rows (`rows_loaded` of them loaded: masked rows too), 16 in the tensor-core form; q8:
     the int8 form (`expert_int8`: a byte per column, a float scale per 32 and a sum per 16) over q8
     threads, each loading the activations of its run (Q2_K: 64 bytes and 8 floats) or group (IQ2_XXS:
-    32 bytes and a float) once for the rows it holds."""
+    32 bytes, their negations and a float) once for the rows it holds."""
     ggml_type = GGMLType(wtype)
     per_loop = 1 if fast else matrices
     weight = per_loop * bn * row_bytes * bk // k_in
     x_bytes = x_bytes if not q8 else 1 + 4 / 32 + 4 / 16
     x = int((16 if fast and name == "shared" else rows_loaded) * x_bytes * bk)
     if q8:
-        x = q8 * (96 if ggml_type == GGMLType.Q2_K else 36)
+        x = q8 * (96 if ggml_type == GGMLType.Q2_K else 68)
     lookups = 0
     if ggml_type == GGMLType.IQ2_XXS:  # lattice rows and sign masks per 8 columns, from the cached table
-        lookups = per_loop * bn * bk // 8 * (24 if q8 else 32 if fast else 64)
+        lookups = per_loop * bn * bk // 8 * (16 if q8 else 32 if fast else 64)
     what = ("gate", "up") if fast and matrices == 2 else ("gate/up" if matrices == 2 else "down",)
     return tuple(
         LoopWork(f"{name} {ggml_type.name} {m}", programs, parts * k_in // bk, weight, int(weight + t * x_bytes * bk),
@@ -352,14 +352,15 @@ def _routed_rows(x_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_r
 @triton.jit
 def _routed_rows_q8(xq_ptr, xn_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, on_ptr, os_ptr,
                     om_ptr, out_row, stride_out, n0, expert, K, N, row_bytes, limit, scale, WTYPE: tl.constexpr,
-                    BN: tl.constexpr, GATED: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+                    BN: tl.constexpr, GATED: tl.constexpr, PTX: tl.constexpr, SBP: tl.constexpr):  # fmt: skip
     """`_routed_rows` over int8 activations (`expert_int8.Q8Rows` buffers xq, xn as int32 words, xs, xm;
     row x_row): GATED quantizes its SwiGLU rows into row out_row of the Q8Rows out, on, os, om (the
     down projection's input), else stores the floats at out_ptr (the parts)."""
     n = n0 + tl.arange(0, BN)
     row_off = (expert.to(tl.int64) * N + tl.minimum(n, N - 1)) * row_bytes
     x0 = x_row.to(tl.int64) * stride_x
-    a1, a2 = q8_rows_dot(xq_ptr, xn_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, BN, GATED, PTX)
+    a1, a2 = q8_rows_dot(xq_ptr, xn_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, BN, GATED, PTX,
+                         SBP)  # fmt: skip
     if GATED:
         store_q8(_swiglu(a1, a2, limit) * scale, out_ptr, on_ptr, os_ptr, om_ptr, out_row.to(tl.int64) * stride_out,
                  n0, N, BN)  # fmt: skip
@@ -374,7 +375,7 @@ def _decode_gate_up_kernel(
     T, k, D, F, FS, FM, stride_x, row_bytes, srow_bytes, limit,
     RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
     SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr, RQ8: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, SBP: tl.constexpr,
 ):  # fmt: skip
     # column 0: the shared expert for every token (the longest programs, so scheduled first); column
     # 1 + e: routing entry e = t * k + slot. mid rows: e for the entries, T * k + t for the shared expert
@@ -388,7 +389,7 @@ def _decode_gate_up_kernel(
         if RQ8:  # int8 rows x_q (D columns) in, int8 mid rows m_q (FM columns) out
             _routed_rows_q8(xq_ptr, xn_ptr, xs_ptr, xm_ptr, e // k, D, gate_ptr, up_ptr, tab_ptr, mq_ptr, mn_ptr,
                             ms_ptr, mm_ptr, e, FM, n0, tl.load(ids_ptr + e), D, F, row_bytes, limit,
-                            tl.load(route_w_ptr + e), RTYPE, BN, True, PTX)  # fmt: skip
+                            tl.load(route_w_ptr + e), RTYPE, BN, True, PTX, SBP)  # fmt: skip
         else:
             _routed_rows(x_ptr, e // k, stride_x, gate_ptr, up_ptr, tab_ptr, mid_ptr, e, FM, n0,
                          tl.load(ids_ptr + e), D, F, row_bytes, limit, tl.load(route_w_ptr + e), RTYPE, BN, RBK,
@@ -401,7 +402,7 @@ def _decode_down_kernel(
     T, k, F, FS, FM, D, row_bytes, srow_bytes, stride_out,
     RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
     SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr, RQ8: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, SBP: tl.constexpr,
 ):  # fmt: skip
     # every program writes its products to part (rows as in mid); the last program of a column block
     # to finish (a ticket per block, back to 0 for the next launch) sums each token's k routed slots,
@@ -416,7 +417,7 @@ def _decode_down_kernel(
         if RQ8:
             _routed_rows_q8(mq_ptr, mn_ptr, ms_ptr, mm_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, part_ptr,
                             part_ptr, part_ptr, e, D, nb * BN, tl.load(ids_ptr + e), F, D, row_bytes, 0.0, 1.0, RTYPE,
-                            BN, False, PTX)  # fmt: skip
+                            BN, False, PTX, SBP)  # fmt: skip
         else:
             _routed_rows(mid_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, e, D, nb * BN,
                          tl.load(ids_ptr + e), F, D, row_bytes, 0.0, 1.0, RTYPE, BN, RBK, RFAST, False)  # fmt: skip
@@ -500,7 +501,8 @@ def decode_ffn(
         # layout wants them, would cross warps on 2 (a round trip through shared memory per group);
         # from 5 tokens the shared expert's rows in the same program would spill on 1. The int8 loops on
         # 2: each thread then holds 4 rows of a run or group, sharing its activation loads (0.261
-        # warp-instructions per weight byte for IQ2_XXS gate/up on sm_90 against 0.281 on 4 warps)
+        # warp-instructions per weight byte for IQ2_XXS gate/up on sm_90 against 0.281 on 4 warps), two
+        # super-blocks a pass where K allows (SBP: twice the weight bytes in flight per program)
         warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else 2 if q8 else 4
         bn, rbk = _decode_rows(w.ggml_type, rfast, warps)
         sbn, sbk = _decode_rows(s.ggml_type, sfast, warps)
@@ -511,7 +513,8 @@ def decode_ffn(
         # the pipeliner would stage IQ2_XXS's table lookups of the fast form through shared memory
         stages = 1 if interpreting() or (rfast and w.ggml_type == GGMLType.IQ2_XXS) else 3
         consts = dict(RTYPE=w.wtype, STYPE=s.wtype, BN=bn, SBN=sbn, RBK=rbk, SBK=sbk, RFAST=rfast, SFAST=sfast,
-                      TB=tb, RQ8=q8, PTX=compiles_ptx(), num_warps=warps, num_stages=stages)  # fmt: skip
+                      TB=tb, RQ8=q8, PTX=compiles_ptx(), SBP=2 if q8 and w.cols % 512 == 0 else 1, num_warps=warps,
+                      num_stages=stages)  # fmt: skip
         if step == 0:
             grid = (triton.cdiv(fm, bn), t * k + 1)
             _decode_gate_up_kernel[grid](
