@@ -204,17 +204,10 @@ def _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, PTX: tl.constexpr, B
 @triton.jit
 def _byte(word, t: tl.constexpr, PTX: tl.constexpr):
     """Byte t of uint32 words as int32 in 0..255: one prmt on NVIDIA (a shift and a mask elsewhere)."""
-    if PTX:
-        if t == 0:
-            asm: tl.constexpr = "prmt.b32 $0, $1, 0, 0x4440;"
-        elif t == 1:
-            asm: tl.constexpr = "prmt.b32 $0, $1, 0, 0x4441;"
-        elif t == 2:
-            asm: tl.constexpr = "prmt.b32 $0, $1, 0, 0x4442;"
-        else:
-            asm: tl.constexpr = "prmt.b32 $0, $1, 0, 0x4443;"
-        return tl.inline_asm_elementwise(asm=asm, constraints="=r,r", args=[word], dtype=tl.int32, is_pure=True,
-                                         pack=1)  # fmt: skip
+    if PTX:  # selector: byte t, then three bytes of the zero operand
+        selector = tl.full(word.shape, 0x4440 + t, tl.int32)
+        return tl.inline_asm_elementwise(asm="prmt.b32 $0, $1, 0, $2;", constraints="=r,r,r", args=[word, selector],
+                                         dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
     return ((word >> (8 * t)) & 255).to(tl.int32)
 
 

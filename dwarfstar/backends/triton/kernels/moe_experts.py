@@ -500,9 +500,10 @@ def decode_ffn(
         # memory); IQ2_XXS's on 1 up to 4 tokens: its lattice rows, looked up where the mma operand
         # layout wants them, would cross warps on 2 (a round trip through shared memory per group);
         # from 5 tokens the shared expert's rows in the same program would spill on 1. The int8 loops on
-        # 2: each thread then holds 4 rows of a run or group, sharing its activation loads (0.261
-        # warp-instructions per weight byte for IQ2_XXS gate/up on sm_90 against 0.281 on 4 warps), two
-        # super-blocks a pass where K allows (SBP: twice the weight bytes in flight per program)
+        # 2: each thread then holds 4 rows of a run or group, sharing its activation loads (IQ2_XXS
+        # gate/up on sm_90, in the former signed-weight loop: 0.261 warp-instructions per weight byte
+        # against 0.281 on 4 warps), two super-blocks a pass where K allows (SBP: twice the weight bytes
+        # in flight per program)
         warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else 2 if q8 else 4
         bn, rbk = _decode_rows(w.ggml_type, rfast, warps)
         sbn, sbk = _decode_rows(s.ggml_type, sfast, warps)
