@@ -66,3 +66,5 @@ def test_routing_launch_quantizes_its_input(tokens, tile, block, device):
     assert torch.equal(q8.q, want.q) and torch.equal(q8.neg, -want.q)
     torch.testing.assert_close(q8.scale, want.scale, rtol=1e-6, atol=0)
     torch.testing.assert_close(q8.sums, want.sums, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="one-launch"):
+        moe_route.route(*args, fused=False, q8=q8)

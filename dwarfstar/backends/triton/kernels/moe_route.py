@@ -150,6 +150,8 @@ def route(
     ROUTER_TILE and 1 token on a GPU, the whole router and up to 16 tokens in the interpreter); and
     given `q8` ([T, D] rows), f quantized into it by the same launch (`expert_int8.quantize_rows`'s values)."""
     t, d = f.shape
+    if q8 is not None and not fused:
+        raise ValueError("int8 rows of the input come from the one-launch form (fused=True)")
     n_experts = router.rows
     ids = torch.empty(t, k, dtype=torch.int32, device=f.device)
     weights = torch.empty(t, k, dtype=torch.float32, device=f.device)
