@@ -17,6 +17,7 @@ import torch
 
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.backends.triton import load_backend
+from dwarfstar.backends.triton.kernels import expert_int8, moe_experts
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY, TINY_K, write_synthetic_model
@@ -125,3 +126,22 @@ def test_batched_decode_steps_match_reference(model_file, device):
                     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
                 else:
                     assert rounded_close(a, b), (il, name)
+
+
+def test_fast_decode_experts_take_x_quantized_by_the_routing_launch(monkeypatch, device, tmp_path):
+    # the 2-bit experts' int8 form: in a decode step (here the first token) the routing launch
+    # quantizes x for them (no launch of its own), to expert_int8's values
+    path = tmp_path / "tiny-k.gguf"
+    write_synthetic_model(path, TINY_K, layout="ds4", seed=3)
+    backend = load_backend(open_model(path), device=device, precision="fast")
+    given = []
+    decode_ffn = moe_experts.decode_ffn
+
+    def checked(x, *args, xq=None):
+        want = expert_int8.reference_rows(x)
+        given.append(xq is not None and torch.equal(xq.q, want.q) and torch.equal(xq.neg, want.neg))
+        return decode_ffn(x, *args, xq=xq)
+
+    monkeypatch.setattr(moe_experts, "decode_ffn", checked)
+    backend.forward(PROMPT[:1], backend.new_state())
+    assert len(given) == TINY_K.n_layers and all(given), given

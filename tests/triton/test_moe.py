@@ -130,7 +130,27 @@ def test_decode_ffn_matches_reference(types, precision, tokens, device, quant_bl
             _int8_reference(x, gate, up, down, ids, route_w) + moe_experts.reference(x, *shared, None, None, 10.0)[:, 0]
         )
         assert ((out - rounded).abs().max() / want.abs().max()).item() < 1e-3
+        # x quantized before the call (by the routing launch in a decode step): the same bits
+        xq = expert_int8.reference_rows(x)
+        again = moe_experts.decode_ffn(x, ids, route_w, (gate, up, down), tuple(shared), 10.0, precision, xq=xq)
+        assert torch.equal(again, out)
     assert not ticket_counters(device, "experts", 1).any()  # back at 0: a replayed launch starts over
+
+
+def test_decode_ffn_int8_two_super_blocks_a_pass(device, quant_blocks):
+    # K = 512 (gate/up over D, down over F): the int8 loops take two super-blocks a pass (SBP = 2)
+    gen = torch.Generator().manual_seed(11)
+    e, d, f, k = 4, 512, 512, 2
+    x = torch.randn(1, d, generator=gen).to(device)
+    gate, up = (weight(T.IQ2_XXS, (e, f, d), device, quant_blocks, seed=s) for s in (2, 3))
+    down = weight(T.Q2_K, (e, d, f), device, quant_blocks, seed=4)
+    shared = [weight(T.Q8_0, (1, f, d), device, quant_blocks, seed=5 + i) for i in range(2)]
+    shared.append(weight(T.Q8_0, (1, d, f), device, quant_blocks, seed=7))
+    ids = torch.randperm(e, generator=gen)[:k].int().view(1, k).to(device)
+    route_w = torch.rand(1, k, generator=gen).to(device)
+    out = moe_experts.decode_ffn(x, ids, route_w, (gate, up, down), tuple(shared), 10.0, FAST)
+    want = _int8_reference(x, gate, up, down, ids, route_w) + moe_experts.reference(x, *shared, None, None, 10.0)[:, 0]
+    assert ((out - want).abs().max() / want.abs().max()).item() < 1e-3
 
 
 def _int8_rounded(v):
@@ -156,7 +176,7 @@ def test_quantize_rows_matches_torch(device):
     )
     x[1, :32] = 0.0  # an all-zero block: scale 0
     got, want = expert_int8.quantize_rows(x[:, ::1]), expert_int8.reference_rows(x)
-    assert torch.equal(got.q, want.q)
+    assert torch.equal(got.q, want.q) and torch.equal(got.neg, -want.q)
     torch.testing.assert_close(got.scale, want.scale, rtol=1e-6, atol=0)
     torch.testing.assert_close(got.sums, want.sums, rtol=1e-6, atol=1e-6)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dwarfstar.backends.triton.kernels import moe_route
+from dwarfstar.backends.triton.kernels import expert_int8, moe_route
 from dwarfstar.backends.triton.runtime import ticket_counters
 from dwarfstar.backends.triton.weights import QWeight
 from dwarfstar.gguf.constants import GGMLType as T
@@ -50,3 +50,21 @@ def test_routing_reads_a_bf16_router(device):
     want_ids, want_weights = moe_route.reference(*args)
     assert torch.equal(ids.long(), want_ids.long())
     torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens,tile,block", [(1, (8, 64), 1), (3, None, None)])
+def test_routing_launch_quantizes_its_input(tokens, tile, block, device):
+    # the routed experts' int8 form reads x as int8 rows, stored by the routing launch: the same
+    # values as expert_int8's own quantizer, the routing unchanged
+    args = route_args(tokens, False, device)
+    q8 = expert_int8.Q8Rows.empty(tokens, DIM, device)
+    ids, weights = moe_route.route(*args, fused=True, tile=tile, block_tokens=block, q8=q8)
+    want_ids, want_weights = moe_route.reference(*args)
+    assert torch.equal(ids.long(), want_ids.long())
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+    want = expert_int8.reference_rows(args[0])
+    assert torch.equal(q8.q, want.q) and torch.equal(q8.neg, -want.q)
+    torch.testing.assert_close(q8.scale, want.scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(q8.sums, want.sums, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="one-launch"):
+        moe_route.route(*args, fused=False, q8=q8)

@@ -34,6 +34,7 @@ from dwarfstar.backends.triton.kernels import (
     quant_blocks,
     topk,
 )
+from dwarfstar.backends.triton.kernels.expert_int8 import Q8Rows
 from dwarfstar.backends.triton.kernels.qmatmul import GEMV_MAX_ROWS, qmatmul
 from dwarfstar.backends.triton.kernels.qmatmul import project as gemv_project
 from dwarfstar.backends.triton.kernels.rms_norm_rope import (
@@ -138,6 +139,8 @@ class TritonOps:
         self.experts: ExpertSource | None = None if streamed else ResidentExperts(routed)
         self._inv_freq: dict[tuple[float, bool], torch.Tensor] = {}
         self.decoding = False  # the call's `TritonStep.fused`, set by `embed` (the stream steps take no batch)
+        # `route`'s input and its int8 rows, quantized by the routing launch for `moe` (its int8 form)
+        self._routed_x: tuple[torch.Tensor, Q8Rows] | None = None
         for layer in self.args.layers:
             key = (layer.rope_theta, layer.yarn)
             if key not in self._inv_freq:
@@ -446,7 +449,12 @@ class TritonOps:
     def route(self, il: int, x: torch.Tensor, batch: Batch[TritonStep]) -> tuple[torch.Tensor, torch.Tensor]:
         a, lw = self.args, self.w.layers[il]
         k, scale, step = a.n_activated_experts, a.route_scale, batch.step
-        return moe_route.route(x, lw.router, lw.router_bias, lw.tid2eid, step.tok, k, scale, fused=step.fused)
+        # a decode step's int8 experts read x as int8 rows, which the routing launch stores as it reads x
+        int8 = step.fused and x.shape[0] <= moe_experts.DECODE_TOKENS and lw.gate_exps is not None
+        int8 = int8 and moe_experts.int8_form(lw.gate_exps, lw.down_exps, self.precision)
+        xq = Q8Rows.empty(*x.shape, self.device) if int8 else None
+        self._routed_x = (x, xq) if int8 else None
+        return moe_route.route(x, lw.router, lw.router_bias, lw.tid2eid, step.tok, k, scale, step.fused, q8=xq)
 
     def moe(
         self, il: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertSource
@@ -455,8 +463,12 @@ class TritonOps:
         k, precision = a.n_activated_experts, self._precision(x)
         (gate, up, down), slots = experts.experts(il, ids)
         shared = (lw.gate_shared, lw.up_shared, lw.down_shared)
+        routed_x, self._routed_x = self._routed_x, None
         if t <= moe_experts.DECODE_TOKENS:  # two launches, routed and shared experts and their sum together
-            return moe_experts.decode_ffn(x, slots, weights, (gate, up, down), shared, a.swiglu_limit, self.precision)
+            xq = routed_x[1] if routed_x is not None and routed_x[0] is x else None
+            return moe_experts.decode_ffn(
+                x, slots, weights, (gate, up, down), shared, a.swiglu_limit, self.precision, xq=xq
+            )
         tile = 64 if precision.fast else 32  # fp32 operands take twice the registers and shared memory
         tiles = moe_sort.sort_by_expert(slots, gate.experts, moe_sort.tile_rows_for(t * k, gate.experts, tile))
         # k routed slots and the shared expert, summed once all are written

@@ -2,16 +2,19 @@
 decode loops under Precision.fast (`moe_experts.decode_ffn`), for Q2_K and IQ2_XXS.
 
 The activations are quantized once per row (`quantize_rows`, or `store_q8` where a kernel has the
-row in registers), in blocks of 32 columns, like ggml's q8_1: int8 values r = round(x * 127 / amax),
-a float32 scale amax / 127 per block and, per 16 columns, the scale times the sum of r (the K-quants'
-mins multiply those). The weights are never floats: their integer quants are cut out four at a time
-from 32-bit words (one shift and one mask give four int8 lanes) and multiplied with four activation
-bytes by one dp4a (`dp4a`); the integer sums take the weight sub-block scale as an integer, then the
-activation block scale and the super-block scale d as floats, once per sub-block.
+row in registers), in blocks of 32 columns, like ggml's q8_1: int8 values r = round(x * 127 / amax)
+and their negations -r, a float32 scale amax / 127 per block and, per 16 columns, the scale times the
+sum of r (the K-quants' mins multiply those). The weights are never floats: their integer quants are
+cut out four at a time from 32-bit words (one shift and one mask give four int8 lanes) and multiplied
+with four activation bytes by one dp4a (`dp4a`); the integer sums take the weight sub-block scale as
+an integer, then the activation block scale and the super-block scale d as floats, once per sub-block.
 
 IQ2_XXS's lattice values are 8, 25 and 43, exact in int8: `tables` holds per lattice row its 8 values
-and their negations as bytes (four words), and per 7-bit sign index the byte masks of its 8 signs
-(parity included), so a signed word is one select, (grid & ~mask) | (negated & mask).
+as bytes and per 7-bit sign index the byte masks of its 8 signs (parity included), one int64 each,
+so that a lookup is one 8-byte load at the index itself (the byte picking a lattice row is one prmt
+on NVIDIA). The signs go to the activations, whose negations the rows hold beside them: a signed
+word is one select, (x & ~mask) | (-x & mask), and the products are the same integers as with
+signed weights.
 
 The products are exact integers; the only rounding against the float reference is that of the
 activations to int8 (and of the mid activations, quantized by the gate/up kernel that computes
@@ -35,23 +38,19 @@ Q8_TYPES = (10, 16)  # Q2_K, IQ2_XXS: the block types with int8 loops here
 ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: v + ROUND holds round-to-nearest-even(v) in its low mantissa bits
 ROUND_BITS = tl.constexpr(0x4B400000)
 GRID8_AT = tl.constexpr(4612)  # word offsets of the int8 lattice and the sign masks in `tables`
-SIGNS8_AT = tl.constexpr(4612 + 1024)
+SIGNS8_AT = tl.constexpr(4612 + 512)
 
 
 @functools.cache
 def _tables(device: torch.device) -> torch.Tensor:
     grid, ksigns = _iq2xxs_tables()
-    values = grid.to(torch.int32)
     byte = 256 ** torch.arange(4, dtype=torch.int64)
 
     def words(v: torch.Tensor) -> torch.Tensor:  # [..., 8] bytes -> [..., 2] little-endian words
         return ((v.to(torch.int64) & 255).reshape(*v.shape[:-1], 2, 4) * byte).sum(-1)
 
-    # per lattice row (values, negated) of its low 4 then its high 4 elements: words (lo, -lo, hi, -hi)
-    pairs = torch.stack([words(values), words(-values)], dim=-1).reshape(256, 4)
     negative = (ksigns.to(torch.int64)[:, None] >> torch.arange(8)) & 1
-    masks = words(negative * 255)
-    flat = torch.cat([pairs.reshape(-1), masks.reshape(-1)])
+    flat = torch.cat([words(grid.to(torch.int64)).reshape(-1), words(negative * 255).reshape(-1)])
     ours = torch.where(flat >= 2**31, flat - 2**32, flat).to(torch.int32).to(device)
     theirs = expert_blocks.tables(device)
     pad = torch.zeros(GRID8_AT - theirs.numel(), dtype=torch.int32, device=device)  # 16-byte aligned rows
@@ -60,17 +59,18 @@ def _tables(device: torch.device) -> torch.Tensor:
 
 def tables(device: torch.device | str) -> torch.Tensor:
     """`expert_blocks.tables` (the other loops of a launch read it), then from GRID8_AT IQ2_XXS's
-    lattice as int8 bytes, 4 words per row (values and negations of elements 0-3, then of 4-7), and
-    from SIGNS8_AT per 7-bit sign index two words of byte masks (0xFF where negative)."""
+    lattice as int8 bytes, 8 bytes (one int64) per row, and from SIGNS8_AT per 7-bit sign index 8
+    byte masks (0xFF where negative, parity bit included), one int64."""
     return _tables(torch.device(device))
 
 
 @dataclass(frozen=True)
 class Q8Rows:
-    """Rows quantized to int8 in blocks of 32: q int8 [R, C], scale float32 [R, C / 32], and sums
-    float32 [R, C / 16] (per 16 columns: the block scale times the sum of q)."""
+    """Rows quantized to int8 in blocks of 32: q int8 [R, C], neg = -q, scale float32 [R, C / 32], and
+    sums float32 [R, C / 16] (per 16 columns: the block scale times the sum of q)."""
 
     q: torch.Tensor
+    neg: torch.Tensor
     scale: torch.Tensor
     sums: torch.Tensor
 
@@ -79,6 +79,7 @@ class Q8Rows:
         if cols % Q8_BLOCK:
             raise ValueError(f"int8 activation rows take a multiple of {Q8_BLOCK} columns, got {cols}")
         return cls(
+            torch.empty(rows, cols, device=device, dtype=torch.int8),
             torch.empty(rows, cols, device=device, dtype=torch.int8),
             torch.empty(rows, cols // Q8_BLOCK, device=device),
             torch.empty(rows, cols // 16, device=device),
@@ -120,7 +121,7 @@ def _dp4a_last2(a, b, c, PTX: tl.constexpr):
 
 
 @triton.jit
-def store_q8(y, q_ptr, s_ptr, sum_ptr, row_at, n0, N, BN: tl.constexpr):
+def store_q8(y, q_ptr, n_ptr, s_ptr, sum_ptr, row_at, n0, N, BN: tl.constexpr):
     """Quantize y float32 [BN] (columns n0..n0+BN of a row, n0 and N multiples of 32) into a `Q8Rows`
     whose row starts at element row_at (int64); columns at or past N are not written."""
     blocks = tl.reshape(y, [BN // 32, 32])
@@ -130,6 +131,7 @@ def store_q8(y, q_ptr, s_ptr, sum_ptr, row_at, n0, N, BN: tl.constexpr):
     scale = amax / 127.0
     n = n0 + tl.arange(0, BN)
     tl.store(q_ptr + row_at + n, tl.reshape(r, [BN]).to(tl.int8), mask=n < N)
+    tl.store(n_ptr + row_at + n, tl.reshape(-r, [BN]).to(tl.int8), mask=n < N)
     b = (n0 + 32 * tl.arange(0, BN // 32)) // 32
     tl.store(s_ptr + row_at // 32 + b, scale, mask=b < N // 32)
     sums = tl.sum(tl.reshape(r, [BN // 32, 2, 16]), axis=2).to(tl.float32) * scale[:, None]
@@ -138,11 +140,11 @@ def store_q8(y, q_ptr, s_ptr, sum_ptr, row_at, n0, N, BN: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, stride_x, q_ptr, s_ptr, sum_ptr, K, BK: tl.constexpr):
+def _quantize_kernel(x_ptr, stride_x, q_ptr, n_ptr, s_ptr, sum_ptr, K, BK: tl.constexpr):
     t = tl.program_id(0)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     y = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-    store_q8(y, q_ptr, s_ptr, sum_ptr, t.to(tl.int64) * K, tl.program_id(1) * BK, K, BK)
+    store_q8(y, q_ptr, n_ptr, s_ptr, sum_ptr, t.to(tl.int64) * K, tl.program_id(1) * BK, K, BK)
 
 
 def quantize_rows(x: torch.Tensor) -> Q8Rows:
@@ -150,7 +152,7 @@ def quantize_rows(x: torch.Tensor) -> Q8Rows:
     rows, cols = x.shape
     out = Q8Rows.empty(rows, cols, x.device)
     bk = min(1024, triton.next_power_of_2(cols))
-    _quantize_kernel[(rows, triton.cdiv(cols, bk))](x, x.stride(0), out.q, out.scale, out.sums, cols, BK=bk)
+    _quantize_kernel[(rows, triton.cdiv(cols, bk))](x, x.stride(0), out.q, out.neg, out.scale, out.sums, cols, BK=bk)
     return out
 
 
@@ -162,7 +164,8 @@ def reference_rows(x: torch.Tensor) -> Q8Rows:
     r = torch.round(blocks * inv)
     scale = amax / 127.0
     sums = r.reshape(x.shape[0], -1, 2, 16).sum(-1) * scale
-    return Q8Rows(r.reshape(x.shape).to(torch.int8), scale.reshape(x.shape[0], -1), sums.reshape(x.shape[0], -1))
+    q = r.reshape(x.shape).to(torch.int8)
+    return Q8Rows(q, -q, scale.reshape(x.shape[0], -1), sums.reshape(x.shape[0], -1))
 
 
 @triton.jit
@@ -199,29 +202,43 @@ def _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, PTX: tl.constexpr, B
 
 
 @triton.jit
-def _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, PTX: tl.constexpr, BN: tl.constexpr):
+def _byte(word, t: tl.constexpr, PTX: tl.constexpr):
+    """Byte t of uint32 words as int32 in 0..255: one prmt on NVIDIA (a shift and a mask elsewhere)."""
+    if PTX:  # selector: byte t, then three bytes of the zero operand
+        selector = tl.full(word.shape, 0x4440 + t, tl.int32)
+        return tl.inline_asm_elementwise(asm="prmt.b32 $0, $1, 0, $2;", constraints="=r,r,r", args=[word, selector],
+                                         dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+    return ((word >> (8 * t)) & 255).to(tl.int32)
+
+
+@triton.jit
+def _words(v):
+    """int64 [...] -> its two int32 halves [..., 2], low first."""
+    return tl.join(v.to(tl.int32), (v >> 32).to(tl.int32))
+
+
+@triton.jit
+def _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xn_ptr, xs_ptr, PTX: tl.constexpr, BN: tl.constexpr):
     # payload (64 B per super-block): 8 groups of 32 columns, each two words: 4 bytes picking lattice
     # rows (8 columns each) and four 7-bit sign indexes (bits 0-27) with a scale s (bits 28-31);
     # side: f16 d; x = d (2 s + 1) / 8 * grid * sign. Group g is activation block 8 sb + g
     g = tl.arange(0, 8)
-    v = tl.arange(0, 4)
     half = tl.arange(0, 2)
     # a thread takes whole groups, as the lookups below want them (16-byte runs would be regrouped)
     words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None, None]
                     + (2 * g)[None, :, None] + half[None, None, :])  # fmt: skip
     points, aux = tl.split(words)  # [BN, g]
+    grid = (tab_ptr + GRID8_AT).to(tl.pointer_type(tl.int64))
+    signs = (tab_ptr + SIGNS8_AT).to(tl.pointer_type(tl.int64))
     # the activations in the products' shape (every row the same addresses: no layout conversion)
     rows = tl.zeros([BN], tl.int32)[:, None, None]
     isum = tl.zeros([BN, 8], tl.int32)
     for t in tl.static_range(4):
-        pick = ((points >> (8 * t)) & 255).to(tl.int32)
-        sign = ((aux >> (7 * t)) & 127).to(tl.int32)
-        pair = tl.load(tab_ptr + GRID8_AT + (4 * pick)[:, :, None] + v[None, None, :])  # [BN, g, 4]: lo, -lo, hi, -hi
-        value, negated = tl.split(tl.reshape(pair, [BN, 8, 2, 2]))  # [BN, g, half]
-        mask = tl.load(tab_ptr + SIGNS8_AT + (2 * sign)[:, :, None] + half[None, None, :])
-        signed = (value & ~mask) | (negated & mask)
-        xw = tl.load(xw_ptr + (rows + (sb * 64 + 8 * g + 2 * t)[None, :, None] + half[None, None, :]))  # [BN, g, half]
-        isum = _dp4a_last(signed, xw, isum, PTX)
+        value = _words(tl.load(grid + _byte(points, t, PTX)))  # [BN, g, half]
+        mask = _words(tl.load(signs + ((aux >> (7 * t)) & 127).to(tl.int32)))
+        at = rows + (sb * 64 + 8 * g + 2 * t)[None, :, None] + half[None, None, :]
+        xw, nx = tl.load(xw_ptr + at), tl.load(xn_ptr + at)  # [BN, g, half]: x and -x
+        isum = _dp4a_last(value, (xw & ~mask) | (nx & mask), isum, PTX)
     xs = tl.load(xs_ptr + (sb * 8 + tl.zeros([BN], tl.int32)[:, None] + g[None, :]))
     d = tl.load((w_ptr + row_off + K // 4 + 2 * sb).to(tl.pointer_type(tl.float16))).to(tl.float32)
     part = (isum * (2 * (aux >> 28) + 1).to(tl.int32)).to(tl.float32) * xs
@@ -229,30 +246,37 @@ def _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, PTX: tl.constexp
 
 
 @triton.jit
-def _q8_step(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr,
+def _q8_step(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr,
              WTYPE: tl.constexpr, PTX: tl.constexpr, BN: tl.constexpr):  # fmt: skip
     if WTYPE == 10:
         return _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, PTX, BN)  # [BN, 4]
     else:
-        return _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, PTX, BN)  # [BN, 8]
+        return _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xn_ptr, xs_ptr, PTX, BN)  # [BN, 8]
 
 
 @triton.jit
-def q8_rows_dot(xw_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K,
-                WTYPE: tl.constexpr, BN: tl.constexpr, TWO: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+def q8_rows_dot(xw_ptr, xn_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE: tl.constexpr,
+                BN: tl.constexpr, TWO: tl.constexpr, PTX: tl.constexpr, SBP: tl.constexpr):  # fmt: skip
     """Products [BN] of the rows at byte offsets row_off [BN] (int64) of w1 (and w2 when TWO) with one
-    int8 activation row (`Q8Rows` buffers as int32 words, scales, sums; its column 0 at element x0,
-    a multiple of 256), over K columns; WTYPE in Q8_TYPES. The partial sums of each thread are added
-    over super-blocks first and across threads once, after the loop: an order fixed by the shapes."""
-    xw_ptr += x0 // 4  # the row's words, block scales and sums
+    int8 activation row (`Q8Rows` buffers: q and neg as int32 words, scales, sums; column 0 at element x0,
+    a multiple of 256), over K columns; WTYPE in Q8_TYPES. SBP super-blocks a pass (K / 256 a multiple
+    of it): their loads in flight together. The partial sums of each thread are added over
+    super-blocks first, in order, and across threads once, after the loop: an order fixed by the shapes."""
+    xw_ptr += x0 // 4  # the row's words, negated words, block scales and sums
+    xn_ptr += x0 // 4
     xs_ptr += x0 // 32
     xm_ptr += x0 // 16
-    a1 = _q8_step(w1_ptr, tab_ptr, row_off, 0, K, xw_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+    a1 = _q8_step(w1_ptr, tab_ptr, row_off, 0, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
     a2 = a1
     if TWO:
-        a2 = _q8_step(w2_ptr, tab_ptr, row_off, 0, K, xw_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
-    for sb in range(1, K // 256):
-        a1 += _q8_step(w1_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+        a2 = _q8_step(w2_ptr, tab_ptr, row_off, 0, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+    for j in tl.static_range(1, SBP):
+        a1 += _q8_step(w1_ptr, tab_ptr, row_off, j, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
         if TWO:
-            a2 += _q8_step(w2_ptr, tab_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+            a2 += _q8_step(w2_ptr, tab_ptr, row_off, j, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+    for sb0 in range(SBP, K // 256, SBP):
+        for j in tl.static_range(SBP):
+            a1 += _q8_step(w1_ptr, tab_ptr, row_off, sb0 + j, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+            if TWO:
+                a2 += _q8_step(w2_ptr, tab_ptr, row_off, sb0 + j, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
     return tl.sum(a1, axis=1), tl.sum(a2, axis=1)

@@ -14,8 +14,9 @@ grids from T and k alone (a captured step replays them).
   atomics: the sum is the same at every replay.
 The loops are `expert_blocks`' decoders: fp32 products (EXACT), or fp16 tensor-core operands under
 Precision.fast for the formats that have them (the mid activations are then stored as fp16 too);
-for 2-bit experts (both matrices IQ2_XXS or Q2_K) the fast form is `expert_int8`'s: x quantized to
-int8 by one more launch, the routed mid rows quantized by the gate/up kernel that computes them.
+for 2-bit experts (both matrices IQ2_XXS or Q2_K, `int8_form`) the fast form is `expert_int8`'s: x
+quantized to int8 by the routing launch (`moe_route.route(q8=...)`, or by one more launch here), the
+routed mid rows quantized by the gate/up kernel that computes them.
 
 Prefill form (`expert_ffn`): the entries sorted by expert (`moe_sort`). For every tile of one
 expert's entries, `_gate_up_kernel` gathers the tokens' input rows, decodes the expert's gate and up
@@ -101,6 +102,20 @@ def _pruner(weights: int):
     return prune
 
 
+@triton.jit
+def _tile(sorted_ptr, tile_start_ptr, tile_rows_ptr, expert, N, row_bytes, BM: tl.constexpr, BN: tl.constexpr):
+    """Program (column block, tile): the positions pos of the tile's BM routing entries in sorted order
+    (their mid rows), which of them exist (m_ok), the entries, and the block's columns n with the byte
+    offsets row_off of `expert`'s rows n."""
+    tile = tl.program_id(1)
+    pos = tl.load(tile_start_ptr + tile) + tl.arange(0, BM)
+    m_ok = tl.arange(0, BM) < tl.load(tile_rows_ptr + tile)
+    entry = tl.load(sorted_ptr + pos, mask=m_ok, other=0)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    row_off = (expert * N + tl.minimum(n, N - 1)).to(tl.int64) * row_bytes
+    return pos, m_ok, entry, n, row_off
+
+
 _KEY = ["K", "N", "WTYPE", "BM", "BK", "USE_DOT", "FAST"]
 
 
@@ -112,16 +127,10 @@ def _gate_up_kernel(
     WTYPE: tl.constexpr, WEIGHTED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     USE_DOT: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile)
+    expert = tl.load(tile_expert_ptr + tl.program_id(1))
     if expert >= 0:
-        start = tl.load(tile_start_ptr + tile)
-        m = tl.arange(0, BM)
-        m_ok = m < tl.load(tile_rows_ptr + tile)
-        entry = tl.load(sorted_ptr + start + m, mask=m_ok, other=0)
+        pos, m_ok, entry, n, row_off = _tile(sorted_ptr, tile_start_ptr, tile_rows_ptr, expert, N, row_bytes, BM, BN)
         x_rows = x_ptr + (entry // k_slots).to(tl.int64)[:, None] * stride_x
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        row_off = (expert * N + tl.minimum(n, N - 1)).to(tl.int64) * row_bytes
         acc_g = tl.zeros((BM, BN), tl.float32)
         acc_u = tl.zeros((BM, BN), tl.float32)
         for k0 in range(0, K, BK):
@@ -134,7 +143,7 @@ def _gate_up_kernel(
         mid = _swiglu(acc_g, acc_u, limit)
         if WEIGHTED:
             mid = mid * tl.load(route_w_ptr + entry, mask=m_ok, other=0.0)[:, None]
-        out = mid_ptr + (start + m).to(tl.int64)[:, None] * N + n[None, :]
+        out = mid_ptr + pos.to(tl.int64)[:, None] * N + n[None, :]
         tl.store(out, mid, mask=m_ok[:, None] & (n < N)[None, :])
 
 
@@ -146,19 +155,13 @@ def _down_kernel(
     WTYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     USE_DOT: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile)
+    expert = tl.load(tile_expert_ptr + tl.program_id(1))
     if expert >= 0:
-        start = tl.load(tile_start_ptr + tile)
-        m = tl.arange(0, BM)
-        m_ok = m < tl.load(tile_rows_ptr + tile)
-        entry = tl.load(sorted_ptr + start + m, mask=m_ok, other=0)
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        row_off = (expert * N + tl.minimum(n, N - 1)).to(tl.int64) * row_bytes
+        pos, m_ok, entry, n, row_off = _tile(sorted_ptr, tile_start_ptr, tile_rows_ptr, expert, N, row_bytes, BM, BN)
         acc = tl.zeros((BM, BN), tl.float32)
         for k0 in range(0, K, BK):
             ks = k0 + tl.arange(0, BK)
-            x = tl.load(mid_ptr + (start + m).to(tl.int64)[:, None] * K + ks[None, :],
+            x = tl.load(mid_ptr + pos.to(tl.int64)[:, None] * K + ks[None, :],
                         mask=m_ok[:, None] & (ks < K)[None, :], other=0.0)  # fmt: skip
             acc = _product(acc, x, load_weight_tile(down_ptr, grid_ptr, row_off, k0, K, WTYPE, BN, BK), USE_DOT, FAST)
         row = (entry // k_slots) * out_slots + entry % k_slots + slot_offset
@@ -260,17 +263,17 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
     activation rows (`rows_loaded` of them loaded: masked rows too), 16 in the tensor-core form; q8:
     the int8 form (`expert_int8`: a byte per column, a float scale per 32 and a sum per 16) over q8
     threads, each loading the activations of its run (Q2_K: 64 bytes and 8 floats) or group (IQ2_XXS:
-    32 bytes and a float) once for the rows it holds."""
+    32 bytes, their negations and a float) once for the rows it holds."""
     ggml_type = GGMLType(wtype)
     per_loop = 1 if fast else matrices
     weight = per_loop * bn * row_bytes * bk // k_in
     x_bytes = x_bytes if not q8 else 1 + 4 / 32 + 4 / 16
     x = int((16 if fast and name == "shared" else rows_loaded) * x_bytes * bk)
     if q8:
-        x = q8 * (96 if ggml_type == GGMLType.Q2_K else 36)
+        x = q8 * (96 if ggml_type == GGMLType.Q2_K else 68)
     lookups = 0
     if ggml_type == GGMLType.IQ2_XXS:  # lattice rows and sign masks per 8 columns, from the cached table
-        lookups = per_loop * bn * bk // 8 * (24 if q8 else 32 if fast else 64)
+        lookups = per_loop * bn * bk // 8 * (16 if q8 else 32 if fast else 64)
     what = ("gate", "up") if fast and matrices == 2 else ("gate/up" if matrices == 2 else "down",)
     return tuple(
         LoopWork(f"{name} {ggml_type.name} {m}", programs, parts * k_in // bk, weight, int(weight + t * x_bytes * bk),
@@ -347,19 +350,20 @@ def _routed_rows(x_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_r
 
 
 @triton.jit
-def _routed_rows_q8(xq_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, os_ptr, om_ptr, out_row,
-                    stride_out, n0, expert, K, N, row_bytes, limit, scale, WTYPE: tl.constexpr, BN: tl.constexpr,
-                    GATED: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
-    """`_routed_rows` over int8 activations (`expert_int8.Q8Rows` buffers xq as int32 words, xs, xm;
-    row x_row): GATED quantizes its SwiGLU rows into row out_row of the Q8Rows out, os, om (the down
-    projection's input), else stores the floats at out_ptr (the parts)."""
+def _routed_rows_q8(xq_ptr, xn_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, on_ptr, os_ptr,
+                    om_ptr, out_row, stride_out, n0, expert, K, N, row_bytes, limit, scale, WTYPE: tl.constexpr,
+                    BN: tl.constexpr, GATED: tl.constexpr, PTX: tl.constexpr, SBP: tl.constexpr):  # fmt: skip
+    """`_routed_rows` over int8 activations (`expert_int8.Q8Rows` buffers xq, xn as int32 words, xs, xm;
+    row x_row): GATED quantizes its SwiGLU rows into row out_row of the Q8Rows out, on, os, om (the
+    down projection's input), else stores the floats at out_ptr (the parts)."""
     n = n0 + tl.arange(0, BN)
     row_off = (expert.to(tl.int64) * N + tl.minimum(n, N - 1)) * row_bytes
     x0 = x_row.to(tl.int64) * stride_x
-    a1, a2 = q8_rows_dot(xq_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, BN, GATED, PTX)
+    a1, a2 = q8_rows_dot(xq_ptr, xn_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, BN, GATED, PTX,
+                         SBP)  # fmt: skip
     if GATED:
-        store_q8(_swiglu(a1, a2, limit) * scale, out_ptr, os_ptr, om_ptr, out_row.to(tl.int64) * stride_out, n0, N,
-                 BN)  # fmt: skip
+        store_q8(_swiglu(a1, a2, limit) * scale, out_ptr, on_ptr, os_ptr, om_ptr, out_row.to(tl.int64) * stride_out,
+                 n0, N, BN)  # fmt: skip
     else:
         tl.store(out_ptr + out_row.to(tl.int64) * stride_out + n, a1, mask=n < N)
 
@@ -367,11 +371,11 @@ def _routed_rows_q8(xq_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr, ids_ptr, route_w_ptr, gate_ptr, up_ptr, sgate_ptr, sup_ptr, tab_ptr, mid_ptr,
-    xq_ptr, xs_ptr, xm_ptr, mq_ptr, ms_ptr, mm_ptr,
+    xq_ptr, xn_ptr, xs_ptr, xm_ptr, mq_ptr, mn_ptr, ms_ptr, mm_ptr,
     T, k, D, F, FS, FM, stride_x, row_bytes, srow_bytes, limit,
     RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
     SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr, RQ8: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, SBP: tl.constexpr,
 ):  # fmt: skip
     # column 0: the shared expert for every token (the longest programs, so scheduled first); column
     # 1 + e: routing entry e = t * k + slot. mid rows: e for the entries, T * k + t for the shared expert
@@ -383,9 +387,9 @@ def _decode_gate_up_kernel(
     else:
         e = col - 1
         if RQ8:  # int8 rows x_q (D columns) in, int8 mid rows m_q (FM columns) out
-            _routed_rows_q8(xq_ptr, xs_ptr, xm_ptr, e // k, D, gate_ptr, up_ptr, tab_ptr, mq_ptr, ms_ptr, mm_ptr, e,
-                            FM, n0, tl.load(ids_ptr + e), D, F, row_bytes, limit, tl.load(route_w_ptr + e), RTYPE,
-                            BN, True, PTX)  # fmt: skip
+            _routed_rows_q8(xq_ptr, xn_ptr, xs_ptr, xm_ptr, e // k, D, gate_ptr, up_ptr, tab_ptr, mq_ptr, mn_ptr,
+                            ms_ptr, mm_ptr, e, FM, n0, tl.load(ids_ptr + e), D, F, row_bytes, limit,
+                            tl.load(route_w_ptr + e), RTYPE, BN, True, PTX, SBP)  # fmt: skip
         else:
             _routed_rows(x_ptr, e // k, stride_x, gate_ptr, up_ptr, tab_ptr, mid_ptr, e, FM, n0,
                          tl.load(ids_ptr + e), D, F, row_bytes, limit, tl.load(route_w_ptr + e), RTYPE, BN, RBK,
@@ -394,11 +398,11 @@ def _decode_gate_up_kernel(
 
 @triton.jit
 def _decode_down_kernel(
-    mid_ptr, ids_ptr, down_ptr, sdown_ptr, tab_ptr, part_ptr, tickets_ptr, out_ptr, mq_ptr, ms_ptr, mm_ptr,
+    mid_ptr, ids_ptr, down_ptr, sdown_ptr, tab_ptr, part_ptr, tickets_ptr, out_ptr, mq_ptr, mn_ptr, ms_ptr, mm_ptr,
     T, k, F, FS, FM, D, row_bytes, srow_bytes, stride_out,
     RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
     SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr, RQ8: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, SBP: tl.constexpr,
 ):  # fmt: skip
     # every program writes its products to part (rows as in mid); the last program of a column block
     # to finish (a ticket per block, back to 0 for the next launch) sums each token's k routed slots,
@@ -411,9 +415,9 @@ def _decode_down_kernel(
     else:
         e = col - 1
         if RQ8:
-            _routed_rows_q8(mq_ptr, ms_ptr, mm_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, part_ptr, part_ptr,
-                            e, D, nb * BN, tl.load(ids_ptr + e), F, D, row_bytes, 0.0, 1.0, RTYPE, BN, False,
-                            PTX)  # fmt: skip
+            _routed_rows_q8(mq_ptr, mn_ptr, ms_ptr, mm_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, part_ptr,
+                            part_ptr, part_ptr, e, D, nb * BN, tl.load(ids_ptr + e), F, D, row_bytes, 0.0, 1.0, RTYPE,
+                            BN, False, PTX, SBP)  # fmt: skip
         else:
             _routed_rows(mid_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, e, D, nb * BN,
                          tl.load(ids_ptr + e), F, D, row_bytes, 0.0, 1.0, RTYPE, BN, RBK, RFAST, False)  # fmt: skip
@@ -443,6 +447,11 @@ def _decode_rows(ggml_type: GGMLType, fast: bool, warps: int) -> tuple[int, int]
     return 16, tile_k(ggml_type, QK_K)
 
 
+def int8_form(gate: QWeight, down: QWeight, precision: Precision) -> bool:
+    """Whether `decode_ffn` takes int8 activations (`expert_int8`): Precision.fast, 2-bit gate/up and down."""
+    return precision.fast and gate.ggml_type in Q8_TYPES and down.ggml_type in Q8_TYPES
+
+
 def decode_ffn(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -451,12 +460,15 @@ def decode_ffn(
     shared: tuple[QWeight, QWeight, QWeight],
     limit: float,
     precision: Precision = EXACT,
+    xq: Q8Rows | None = None,
 ) -> torch.Tensor:
     """[T, D] float32: each token's k routed experts (ids int32 [T, k], route_weights float32 [T, k],
     applied before the down projection) and the shared expert, summed in slot order then shared.
 
     Two launches whatever T is (at most DECODE_TOKENS): gate+up, then down with the sum; their grids
-    depend on T and k only, so a captured decode step replays them.
+    depend on T and k only, so a captured decode step replays them. In the `int8_form`, xq is x as
+    int8 rows (`expert_int8.quantize_rows`'s values, stored by the routing launch); None: one more
+    launch quantizes x.
     """
     t, k = ids.shape
     if t > DECODE_TOKENS:
@@ -470,10 +482,15 @@ def decode_ffn(
     mid = torch.empty(t * k + t, fm, device=device, dtype=torch.float16 if fast else torch.float32)
     parts = torch.empty(t * k + t, d, device=device)
     out = torch.empty(t, d, device=device)
-    # the 2-bit recipe's fast form: int8 activations (`expert_int8`), x quantized here, the routed
-    # mid rows by the gate/up kernel
-    q8 = fast and gate.ggml_type in Q8_TYPES and down.ggml_type in Q8_TYPES
-    xq = quantize_rows(x) if q8 else Q8Rows.empty(1, 32, device)
+    # the 2-bit recipe's fast form: int8 activations (`expert_int8`), x quantized by the routing launch
+    # (or here), the routed mid rows by the gate/up kernel
+    q8 = int8_form(gate, down, precision)
+    if not q8:
+        xq = Q8Rows.empty(1, 32, device)
+    elif xq is None:
+        xq = quantize_rows(x)
+    elif xq.q.shape != x.shape:
+        raise ValueError(f"int8 rows {tuple(xq.q.shape)} for activations {tuple(x.shape)}")
     mq = Q8Rows.empty(t * k, fm, device) if q8 else xq
     tab = q8_tables(device) if q8 else tables(device)
     ids, route_weights = ids.contiguous(), route_weights.contiguous()
@@ -483,8 +500,10 @@ def decode_ffn(
         # memory); IQ2_XXS's on 1 up to 4 tokens: its lattice rows, looked up where the mma operand
         # layout wants them, would cross warps on 2 (a round trip through shared memory per group);
         # from 5 tokens the shared expert's rows in the same program would spill on 1. The int8 loops on
-        # 2: each thread then holds 4 rows of a run or group, sharing its activation loads (0.261
-        # warp-instructions per weight byte for IQ2_XXS gate/up on sm_90 against 0.281 on 4 warps)
+        # 2: each thread then holds 4 rows of a run or group, sharing its activation loads (IQ2_XXS
+        # gate/up on sm_90, in the former signed-weight loop: 0.261 warp-instructions per weight byte
+        # against 0.281 on 4 warps), two super-blocks a pass where K allows (SBP: twice the weight bytes
+        # in flight per program)
         warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else 2 if q8 else 4
         bn, rbk = _decode_rows(w.ggml_type, rfast, warps)
         sbn, sbk = _decode_rows(s.ggml_type, sfast, warps)
@@ -495,19 +514,20 @@ def decode_ffn(
         # the pipeliner would stage IQ2_XXS's table lookups of the fast form through shared memory
         stages = 1 if interpreting() or (rfast and w.ggml_type == GGMLType.IQ2_XXS) else 3
         consts = dict(RTYPE=w.wtype, STYPE=s.wtype, BN=bn, SBN=sbn, RBK=rbk, SBK=sbk, RFAST=rfast, SFAST=sfast,
-                      TB=tb, RQ8=q8, PTX=compiles_ptx(), num_warps=warps, num_stages=stages)  # fmt: skip
+                      TB=tb, RQ8=q8, PTX=compiles_ptx(), SBP=2 if q8 and w.cols % 512 == 0 else 1, num_warps=warps,
+                      num_stages=stages)  # fmt: skip
         if step == 0:
             grid = (triton.cdiv(fm, bn), t * k + 1)
             _decode_gate_up_kernel[grid](
                 x, ids, route_weights, gate.data, up.data, sgate.data, sup.data, tab, mid,
-                xq.q.view(torch.int32), xq.scale, xq.sums, mq.q, mq.scale, mq.sums,
+                xq.q.view(torch.int32), xq.neg.view(torch.int32), xq.scale, xq.sums, mq.q, mq.neg, mq.scale, mq.sums,
                 t, k, d, f, fs, fm, x.stride(0), gate.row_bytes, sgate.row_bytes, limit, **consts,
             )  # fmt: skip
         else:
             blocks = triton.cdiv(d, bn)
             _decode_down_kernel[(blocks, t * k + 1)](
                 mid, ids, down.data, sdown.data, tab, parts, ticket_counters(device, "experts", blocks), out,
-                mq.q.view(torch.int32), mq.scale, mq.sums,
+                mq.q.view(torch.int32), mq.neg.view(torch.int32), mq.scale, mq.sums,
                 t, k, f, fs, fm, d, down.row_bytes, sdown.row_bytes, out.stride(0), **consts,
             )  # fmt: skip
     return out

@@ -6,6 +6,8 @@ tid2eid; the weights are the chosen un-biased scores divided by their sum, times
 In a decode step (`fused`) routing is one launch: each program multiplies
 a [RB, BK] tile of the router by its columns of the tokens of its block and stores the partial
 logits; the block's last program (`runtime.last_program`) adds them in a fixed order and routes.
+Given `q8` rows, the programs of the first router tile also quantize their columns of the input to
+int8 (`expert_int8.store_q8`): the routed experts' fast 2-bit form reads them, with no launch of its own.
 Prefill chunks take the logits from the GEMV split over K (a 256 x 4096 product would occupy only a
 few programs), as partial sums added by one program per token.
 
@@ -22,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dwarfstar.backends.triton.kernels.expert_int8 import Q8Rows, store_q8
 from dwarfstar.backends.triton.kernels.hc_pre import sum_partials
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
 from dwarfstar.backends.triton.kernels.quant_blocks import load_weight_tile
@@ -96,12 +99,13 @@ def _route_kernel(
 @triton.jit
 def _route_fused_kernel(
     f_ptr, w_ptr, bias_ptr, tid2eid_ptr, tokens_ptr, part_ptr, counter_ptr, ids_ptr, weights_ptr,
-    T, E, D, f_stride, row_bytes, route_scale,
+    q_ptr, qn_ptr, qs_ptr, qm_ptr, T, E, D, f_stride, row_bytes, route_scale,
     WTYPE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr, BT: tl.constexpr,
-    RB: tl.constexpr, BK: tl.constexpr, NKP: tl.constexpr, BE: tl.constexpr,
+    RB: tl.constexpr, BK: tl.constexpr, NKP: tl.constexpr, BE: tl.constexpr, Q8: tl.constexpr,
 ):  # fmt: skip
     """Program (k, r, b): router rows r * RB.. times columns k * BK.. of the tokens of block b, as
-    partial logits part[t, k, rows]; the block's last program adds them and routes its tokens."""
+    partial logits part[t, k, rows]; the block's last program adds them and routes its tokens.
+    Q8: the programs (k, 0, b) also store those columns as int8 rows (`expert_int8.Q8Rows` q, qn, qs, qm)."""
     pk, pr, tb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_k = tl.num_programs(0)
     r = pr * RB + tl.arange(0, RB)
@@ -113,6 +117,8 @@ def _route_fused_kernel(
         if t < T:
             f = tl.load(f_ptr + t * f_stride + k, mask=k < D, other=0.0)
             tl.store(part_ptr + (t * n_k + pk) * E + r, tl.sum(w * f[None, :], axis=1), mask=r_ok)
+            if Q8 and pr == 0:
+                store_q8(f.to(tl.float32), q_ptr, qn_ptr, qs_ptr, qm_ptr, t * D, pk * BK, D, BK)
     if last_program(counter_ptr + tb, n_k * tl.num_programs(1)):
         e = tl.arange(0, BE)[None, :]
         for i in range(BT):
@@ -135,13 +141,17 @@ def route(
     fused: bool = False,
     tile: tuple[int, int] | None = None,
     block_tokens: int | None = None,
+    q8: Q8Rows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """f [T, D] -> (expert ids int32 [T, k], weights float32 [T, k]); tokens [T] on the device.
 
     `fused`: in one launch (a decode step), its programs sized by `tile` (router rows, columns) and
     `block_tokens` (defaults:
-    ROUTER_TILE and 1 token on a GPU, the whole router and up to 16 tokens in the interpreter)."""
+    ROUTER_TILE and 1 token on a GPU, the whole router and up to 16 tokens in the interpreter); and
+    given `q8` ([T, D] rows), f quantized into it by the same launch (`expert_int8.quantize_rows`'s values)."""
     t, d = f.shape
+    if q8 is not None and not fused:
+        raise ValueError("int8 rows of the input come from the one-launch form (fused=True)")
     n_experts = router.rows
     ids = torch.empty(t, k, dtype=torch.int32, device=f.device)
     weights = torch.empty(t, k, dtype=torch.float32, device=f.device)
@@ -153,13 +163,17 @@ def route(
         if f.stride(1) != 1:
             raise ValueError("the router input needs contiguous rows")
         rb, bk = tile or ((next_pow2(n_experts), next_pow2(d)) if interpreting() else ROUTER_TILE)
+        if q8 is not None and (q8.q.shape != f.shape or bk % 32):
+            raise ValueError(f"int8 rows {tuple(q8.q.shape)} for inputs {tuple(f.shape)}, {bk}-column tiles: "
+                             "they take the inputs' shape and tiles of a multiple of 32 columns")  # fmt: skip
         bt = block_tokens or (min(16, next_pow2(t)) if interpreting() else 1)
         grid = (triton.cdiv(d, bk), triton.cdiv(n_experts, rb), triton.cdiv(t, bt))
         part = torch.empty(t, grid[0], n_experts, device=f.device, dtype=torch.float32)
         _route_fused_kernel[grid](
             f, router.data, bias_or_any, table, tokens, part, ticket_counters(f.device, "route", grid[2]), ids,
-            weights, t, n_experts, d, f.stride(0), router.row_bytes, route_scale,
-            WTYPE=router.wtype, BT=bt, RB=rb, BK=bk, NKP=next_pow2(grid[0]), **choice,
+            weights, *((q8.q, q8.neg, q8.scale, q8.sums) if q8 is not None else (ids, ids, weights, weights)),
+            t, n_experts, d, f.stride(0), router.row_bytes, route_scale,
+            WTYPE=router.wtype, BT=bt, RB=rb, BK=bk, NKP=next_pow2(grid[0]), Q8=q8 is not None, **choice,
         )  # fmt: skip
         return ids, weights
     logits = qmatmul(f, router, split_k=ROUTER_SPLIT)
@@ -172,13 +186,15 @@ def route(
 
 
 def launch_work(kernel: str, a: dict) -> KernelWork | None:
-    """What a `_route_fused_kernel` launch moves (see `runtime.KernelWork`): the router, the inputs and
-    the partial logits (written, then read by the finishers)."""
+    """What a `_route_fused_kernel` launch moves (see `runtime.KernelWork`): the router, the inputs, the
+    partial logits (written, then read by the finishers) and the int8 rows (Q8: two bytes per column,
+    a float per 32 and per 16)."""
     if kernel != "_route_fused_kernel":
         return None
     weight = a["E"] * a["row_bytes"]
     partials = 2 * 4 * a["T"] * a["E"] * triton.cdiv(a["D"], a["BK"])
-    return KernelWork(weight + 4 * a["T"] * a["D"] + partials, weight, 1, 0)
+    int8 = a["T"] * a["D"] * (2 + 4 / 32 + 4 / 16) if a["Q8"] else 0
+    return KernelWork(weight + 4 * a["T"] * a["D"] + partials + int(int8), weight, 1, 0)
 
 
 def reference(f, router: QWeight, bias, tid2eid, tokens, k, route_scale):
@@ -187,12 +203,18 @@ def reference(f, router: QWeight, bias, tid2eid, tokens, k, route_scale):
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """Routing one decode token in one launch: the router GEMV, then biased top-k."""
+    """Routing one decode token in one launch: the router GEMV, then biased top-k; and the same storing
+    its input as int8 rows (the routed experts' fast 2-bit form)."""
     a, dev, gen = shape.args, shape.device, shape.generator()
     router = random_qweight(GGMLType.F16, (a.n_routed_experts, a.dim), dev, gen)
     f = torch.randn(1, a.dim, device=dev, generator=gen)
     bias = torch.zeros(a.n_routed_experts, device=dev)
     tokens = torch.zeros(1, dtype=torch.int32, device=dev)
-    run = functools.partial(route, f, router, bias, None, tokens, a.n_activated_experts, a.route_scale, fused=True)
-    return [BenchCase("moe_route", f"decode: {a.n_routed_experts} experts, top {a.n_activated_experts}", run,
-                      router.nbytes, 2 * router.rows * router.cols)]  # fmt: skip
+    name = f"decode: {a.n_routed_experts} experts, top {a.n_activated_experts}"
+    cases = []
+    for q8 in (None, Q8Rows.empty(1, a.dim, dev)):
+        run = functools.partial(route, f, router, bias, None, tokens, a.n_activated_experts, a.route_scale,
+                                fused=True, q8=q8)  # fmt: skip
+        label = name if q8 is None else f"{name}, input to int8"
+        cases.append(BenchCase("moe_route", label, run, router.nbytes, 2 * router.rows * router.cols))
+    return cases
