@@ -89,21 +89,27 @@ PROMPT = torch.randint(3, 120000, (24,), generator=torch.Generator().manual_seed
 def test_a_sequence_decodes_the_same_bits_alone_and_in_company(tiny_k, device, company, kv_slots):
     """A greedy decode step of sequence 0 (3 prompt tokens: the step completes a ratio-4 window, so
     both compressors emit a row) through `forward_batch`, as the server's batched decode calls it
-    (`session.decode_batch`), beside `company` others at other positions, and of a twin stepped alone:
-    the same logits and state (ring, frontiers, rows), bit for bit. Four in one block take the
-    batch-native kernels; over two blocks, a block at a time; ten rows, more than the GEMV's 8."""
+    (`session.decode_batch`), beside `company` others at other positions, of a twin stepped alone and
+    of one stepped with its block-mate: the same logits and state (ring, frontiers, rows), bit for
+    bit. Four in one block take the batch-native kernels; over two blocks, a block at a time; ten
+    rows, more than the GEMV's 8."""
     backend = load_backend(tiny_k, device=device, kv_slots=kv_slots)
     lengths = [3, 6, 9, 14, 1, 2, 4, 5, 7, 8][: company + 1]
     states = [backend.new_state() for _ in lengths]
     backend.forward_batch([PROMPT[i : i + n] for i, n in enumerate(lengths)], states)
+    pair = copy.deepcopy(states[:2])  # forks (`SequenceState.__deepcopy__`): the pair in one fresh block
     twin = copy.deepcopy(states[0])
+    assert pair[0].block == pair[1].block != states[0].block
     tokens = [[int(s.logits.argmax())] for s in states]
     together = backend.forward_batch(tokens, states)[0]
     assert torch.equal(together, backend.forward(tokens[0], twin, all_logits=False))
+    assert torch.equal(together, backend.forward_batch(tokens[:2], pair)[0])
     for il in range(tiny_k.args.n_layers):
-        mine, alone = states[0].host_parts(il), twin.host_parts(il)
-        for name in mine:
-            assert np.array_equal(mine[name], alone[name]), (il, name)
+        mine = states[0].host_parts(il)
+        for other in (twin, pair[0]):
+            theirs = other.host_parts(il)
+            for name in mine:
+                assert np.array_equal(mine[name], theirs[name]), (il, name)
 
 
 @pytest.mark.xfail(
