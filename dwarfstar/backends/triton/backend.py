@@ -2,8 +2,9 @@
 `TritonOps`) with decode steps replayed from graphs and sampling on the device.
 
 Weights are uploaded once from the memory-mapped GGUF, in their blocks; the KV cache lives on the
-device. Decode steps of the sequences of the first cache block run batch-native, and on a GPU
-replay a graph per batch-size bucket (`graphs.DecodeGraphs`, which runs the forward pass's own
+device. Every decode step runs batch-native, a KV-cache block at a time (one sequence alone too:
+a step has the same bits whatever its company); those of the first block on a GPU replay a graph
+per batch-size bucket (`graphs.DecodeGraphs`, which runs the forward pass's own
 `batch`/`compute`/`advance`); prefill chunks, CPU runs and the lower entry points a pipeline stage
 or a draft drives (`embed`, `run_layers`, `forward_streams`...) go through the eager kernels.
 

@@ -16,6 +16,7 @@ replay it at every later position.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +54,7 @@ from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Site, Transformer
 from dwarfstar.model.numerics import rope_angles
 from dwarfstar.model.pages import PAGE_ROWS
-from dwarfstar.model.state import ROW_STEP, KVCache, SequenceState, TorchStorage, index_copy_rows
+from dwarfstar.model.state import ROW_STEP, KVCache, SequenceState, TorchStorage, check_batch, index_copy_rows
 from dwarfstar.model.tensors import ProjectionGroup
 
 
@@ -70,9 +71,11 @@ def paged_index(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def decode_batch(batch: Batch[TritonStep]) -> bool:
-    """Several sequences, one token each, in one block of the KV cache: one launch can serve them."""
+    """Sequences, one token each, in one block of the KV cache: one launch can serve them. One alone
+    takes the same kernels (as a graph's bucket of 1 does), so a sequence's decode step has the same
+    bits alone and beside others (issue 37)."""
     seqs = batch.seqs
-    return len(seqs) > 1 and all(s.length == 1 and s.state.block == seqs[0].state.block for s in seqs)
+    return all(s.length == 1 and s.state.block == seqs[0].state.block for s in seqs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,12 +257,12 @@ class TritonOps:
         return h, self.hc_head(h, rows)
 
     def logits(self, y: torch.Tensor, batch: Batch[TritonStep]) -> torch.Tensor:
-        return qmatmul(y, self.w.output)
+        return qmatmul(y, self.w.output, use_dot=False if self._gemv(y) else None)
 
     # -- attention ---------------------------------------------------------------------------------------
     def project(self, il: int, group: ProjectionGroup, x: torch.Tensor, precision: Precision | None = None):
         linear: FusedLinear = self.w.layers[il].projections[group.name]
-        if x.shape[0] <= GEMV_MAX_ROWS:  # decode: the parts' block types in one GEMV launch, side by side
+        if self._gemv(x):  # decode: the parts' block types in one GEMV launch, side by side
             products = [gemv_project(x, [weight for weight, _ in linear.parts])]
             named = [[n for _, names in linear.parts for n in names]]
         else:
@@ -273,6 +276,12 @@ class TritonOps:
                 out[name] = y[:, col : col + rows]
                 col += rows
         return out
+
+    def _gemv(self, x: torch.Tensor) -> bool:
+        """Whether the matrices take x's rows through the GEMV: up to GEMV_MAX_ROWS, and in an exact
+        decode step any number, so that a row's product has the bits of its one-row plan whatever its
+        company (issue 37; the GEMV reads the weights once per GEMV_MAX_ROWS rows)."""
+        return x.shape[0] <= GEMV_MAX_ROWS or (self.decoding and not self.precision.fast)
 
     def _precision(self, x: torch.Tensor) -> Precision:
         return self.precision if x.shape[0] > GEMV_MAX_ROWS else EXACT
@@ -442,8 +451,9 @@ class TritonOps:
 
     def attn_output(self, il: int, o: torch.Tensor) -> torch.Tensor:
         lw, precision = self.w.layers[il], self._precision(o)
-        grouped = qmatmul(o.view(o.shape[0], -1), lw.wo_a, groups=self.args.o_groups, precision=precision)
-        return qmatmul(grouped, lw.wo_b, precision=precision)
+        dot = False if self._gemv(o) else None
+        grouped = qmatmul(o.view(o.shape[0], -1), lw.wo_a, self.args.o_groups, precision=precision, use_dot=dot)
+        return qmatmul(grouped, lw.wo_b, precision=precision, use_dot=dot)
 
     # -- mixture of experts --------------------------------------------------------------------------------
     def route(self, il: int, x: torch.Tensor, batch: Batch[TritonStep]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -464,11 +474,18 @@ class TritonOps:
         (gate, up, down), slots = experts.experts(il, ids)
         shared = (lw.gate_shared, lw.up_shared, lw.down_shared)
         routed_x, self._routed_x = self._routed_x, None
-        if t <= moe_experts.DECODE_TOKENS:  # two launches, routed and shared experts and their sum together
+        if t <= moe_experts.DECODE_TOKENS or self._gemv(x):  # two launches a DECODE_TOKENS, routed and shared
+            # the routing launch's int8 rows of x, if it wrote them (a step of at most DECODE_TOKENS rows)
             xq = routed_x[1] if routed_x is not None and routed_x[0] is x else None
-            return moe_experts.decode_ffn(
-                x, slots, weights, (gate, up, down), shared, a.swiglu_limit, self.precision, xq=xq
-            )
+            routed, n = (gate, up, down), moe_experts.DECODE_TOKENS
+            rows = [slice(i, i + n) for i in range(0, t, n)]
+            parts = [
+                moe_experts.decode_ffn(
+                    x[r], slots[r], weights[r], routed, shared, a.swiglu_limit, self.precision, xq=xq
+                )
+                for r in rows
+            ]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
         tile = 64 if precision.fast else 32  # fp32 operands take twice the registers and shared memory
         tiles = moe_sort.sort_by_expert(slots, gate.experts, moe_sort.tile_rows_for(t * k, gate.experts, tile))
         # k routed slots and the shared expert, summed once all are written
@@ -496,3 +513,23 @@ class TritonModel(Transformer[torch.Tensor, TritonStep]):
         self.w, self.qat, self.precision = weights, qat, precision
         self.device = weights.device
         super().__init__(TritonOps(weights, qat, precision), max_seq_len, kv_slots)
+
+    def forward_batch(
+        self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False
+    ) -> list[torch.Tensor]:
+        """A decode step of sequences in several KV-cache blocks runs block by block, each block's
+        sequences batch-native (`decode_batch`): a sequence's step has the kernels, and the bits, it has
+        alone whatever blocks its company holds (issue 37). Checked whole before any block runs."""
+        blocks: dict[tuple[KVCache, int], list[int]] = {}
+        if all(torch.as_tensor(t).numel() == 1 for t in token_lists):
+            for i, state in enumerate(states):
+                blocks.setdefault(state.block, []).append(i)
+        if len(blocks) <= 1:
+            return super().forward_batch(token_lists, states, all_logits)
+        check_batch(token_lists, states, self.args.vocab_size, self.max_seq_len)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(states)
+        for rows in blocks.values():
+            block = super().forward_batch([token_lists[i] for i in rows], [states[i] for i in rows], all_logits)
+            for i, logits in zip(rows, block, strict=True):
+                out[i] = logits
+        return out
