@@ -503,7 +503,8 @@ def decode_ffn(
         # 2: each thread then holds 4 rows of a run or group, sharing its activation loads (IQ2_XXS
         # gate/up on sm_90, in the former signed-weight loop: 0.261 warp-instructions per weight byte
         # against 0.281 on 4 warps), two super-blocks a pass where K allows (SBP: twice the weight bytes
-        # in flight per program)
+        # in flight per program) in the down loop only: the gate/up kernel with two super-blocks a pass
+        # spills 120 B of stack under triton 3.6, the H200 image's (`nox -s gpu_image`), not under 3.9
         warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else 2 if q8 else 4
         bn, rbk = _decode_rows(w.ggml_type, rfast, warps)
         sbn, sbk = _decode_rows(s.ggml_type, sfast, warps)
@@ -514,7 +515,7 @@ def decode_ffn(
         # the pipeliner would stage IQ2_XXS's table lookups of the fast form through shared memory
         stages = 1 if interpreting() or (rfast and w.ggml_type == GGMLType.IQ2_XXS) else 3
         consts = dict(RTYPE=w.wtype, STYPE=s.wtype, BN=bn, SBN=sbn, RBK=rbk, SBK=sbk, RFAST=rfast, SFAST=sfast,
-                      TB=tb, RQ8=q8, PTX=compiles_ptx(), SBP=2 if q8 and w.cols % 512 == 0 else 1, num_warps=warps,
+                      TB=tb, RQ8=q8, PTX=compiles_ptx(), SBP=2 if q8 and step == 1 and w.cols % 512 == 0 else 1, num_warps=warps,
                       num_stages=stages)  # fmt: skip
         if step == 0:
             grid = (triton.cdiv(fm, bn), t * k + 1)
