@@ -284,7 +284,9 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
 
 # -- decode form ---------------------------------------------------------------------------------------
 DECODE_TOKENS = 8  # up to this many tokens a step runs the decode form: no sort, one launch per projection
-Q8_ROWS = 64  # weight rows per program of the int8 loops (a multiple of the 32-column activation blocks)
+# weight rows per program of the int8 loops, gate/up then down (multiples of the 32-column activation
+# blocks): 32 in the gate/up kernel, two rows a thread, leaves registers for two super-blocks a pass
+Q8_ROWS = (32, 64)
 
 
 @triton.jit
@@ -304,15 +306,23 @@ def _rows_dot(x_ptr, x_off, x_ok, w1_ptr, w2_ptr, tab_ptr, row_off, K,
                 a2 += fast_step(w2_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST, WTYPE, BN)
         return tl.trans(a1), tl.trans(a2)
     else:
-        a1 = exact_step(w1_ptr, tab_ptr, row_off, 0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+        a1 = _exact_rows(w1_ptr, tab_ptr, row_off, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
         a2 = a1
         if TWO:
-            a2 = exact_step(w2_ptr, tab_ptr, row_off, 0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
-        for k0 in range(BK, K, BK):
-            a1 += exact_step(w1_ptr, tab_ptr, row_off, k0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
-            if TWO:
-                a2 += exact_step(w2_ptr, tab_ptr, row_off, k0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+            a2 = _exact_rows(w2_ptr, tab_ptr, row_off, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
         return tl.sum(a1, axis=2), tl.sum(a2, axis=2)
+
+
+@triton.jit
+def _exact_rows(w_ptr, tab_ptr, row_off, K, x_ptr, x_off, x_ok, WTYPE: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr):  # fmt: skip
+    """`exact_step`'s partial sums over all K for one matrix: `_rows_dot` runs gate, then up, each in its
+    own loop (same sums in the same order as one loop over both, half the live values: the IQ2_XXS
+    gate/up kernel on sm_90 under triton 3.6 took 255 registers and 40 B of stack with one loop)."""
+    a = exact_step(w_ptr, tab_ptr, row_off, 0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+    for k0 in range(BK, K, BK):
+        a += exact_step(w_ptr, tab_ptr, row_off, k0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+    return a
 
 
 @triton.jit
@@ -503,19 +513,21 @@ def decode_ffn(
         # 2: each thread then holds 4 rows of a run or group, sharing its activation loads (IQ2_XXS
         # gate/up on sm_90, in the former signed-weight loop: 0.261 warp-instructions per weight byte
         # against 0.281 on 4 warps), two super-blocks a pass where K allows (SBP: twice the weight bytes
-        # in flight per program)
+        # in flight per program). Gate/up: 32 rows a program (64 took 255 registers and spilled under
+        # triton 3.6, the H200 image's, `nox -s gpu_image`: 8 B, 120 B with two super-blocks a pass),
+        # two super-blocks a pass for one token only (from 2 tokens 8 B of stack under 3.6)
         warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else 2 if q8 else 4
         bn, rbk = _decode_rows(w.ggml_type, rfast, warps)
         sbn, sbk = _decode_rows(s.ggml_type, sfast, warps)
         if q8:  # whole activation blocks per program (the gate/up kernel quantizes its mid columns)
-            bn = 256 if interpreting() else Q8_ROWS
+            bn = 256 if interpreting() else Q8_ROWS[step]
         bn = min(bn, next_pow2(max(fm, d)))
         sbn = min(sbn, bn)
         # the pipeliner would stage IQ2_XXS's table lookups of the fast form through shared memory
         stages = 1 if interpreting() or (rfast and w.ggml_type == GGMLType.IQ2_XXS) else 3
         consts = dict(RTYPE=w.wtype, STYPE=s.wtype, BN=bn, SBN=sbn, RBK=rbk, SBK=sbk, RFAST=rfast, SFAST=sfast,
-                      TB=tb, RQ8=q8, PTX=compiles_ptx(), SBP=2 if q8 and w.cols % 512 == 0 else 1, num_warps=warps,
-                      num_stages=stages)  # fmt: skip
+                      TB=tb, RQ8=q8, PTX=compiles_ptx(), SBP=2 if q8 and (step or tb == 1) and w.cols % 512 == 0 else 1,
+                      num_warps=warps, num_stages=stages)  # fmt: skip
         if step == 0:
             grid = (triton.cdiv(fm, bn), t * k + 1)
             _decode_gate_up_kernel[grid](
