@@ -158,7 +158,7 @@ class Recorder:
                 if id(obj) in seen:
                     continue
                 seen.add(id(obj))
-                total += obj.nbytes + sys.getsizeof(obj) if isinstance(obj, np.ndarray) else sys.getsizeof(obj)
+                total += sys.getsizeof(obj)  # an array that owns its data counts it too
                 if isinstance(obj, dict):
                     stack.extend(obj.keys())
                     stack.extend(obj.values())
