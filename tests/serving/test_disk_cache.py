@@ -61,7 +61,9 @@ def test_evicted_conversation_resumes_from_disk_after_restart(engine, tmp_path):
 
 
 def test_memory_budget_sends_idle_conversations_to_disk(engine, tmp_path):
-    # a tiny-model session holds about 1 MB (mostly its next-token logits): a 1 MiB budget keeps one
+    # a tiny-model session holds about 1 MB (mostly its next-token logits): a 1 MiB budget keeps one.
+    # The first reply is scripted: a sampled one may end inside a UTF-8 character, which the client
+    # returns as U+FFFD, so the next turn's text would no longer spell the tokens the file is keyed by.
     config = replace(BASE_CONFIG, kv_memory_mb=1, kv_disk_dir=tmp_path / "kv", kv_cache_min_tokens=64, trace=None)
     running = start_server(engine, config)
     server = next(running)
@@ -72,7 +74,7 @@ def test_memory_budget_sends_idle_conversations_to_disk(engine, tmp_path):
             model="deepseek-v4-flash", messages=messages, tools=TOOLS, max_tokens=3, extra_body=NOTHINK
         )
 
-    first = [{"role": "user", "content": "First conversation."}]
+    first = [{"role": "user", "content": "First conversation. [[script:hello]]"}]
     reply = ask(first)
     ask([{"role": "user", "content": "Second conversation."}])
     assert len(server.service.pool.live) == 1  # released (and the budget enforced) before the reply
