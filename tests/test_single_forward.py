@@ -36,6 +36,19 @@ def called_names(node: ast.AST) -> set[str]:
     return names
 
 
+def self_attributes_set(func: ast.FunctionDef) -> list[str]:
+    """The attributes of `self` a method assigns."""
+    names = []
+    for node in ast.walk(func):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        targets = [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else targets
+        for target in targets:
+            for part in ast.walk(target):
+                if isinstance(part, ast.Attribute) and isinstance(part.value, ast.Name) and part.value.id == "self":
+                    names.append(part.attr)
+    return names
+
+
 def problems(source: str, package: str) -> list[str]:
     """What in a backend module's source breaks the single forward pass."""
     tree, found = ast.parse(source), []
@@ -48,6 +61,10 @@ def problems(source: str, package: str) -> list[str]:
             for item in node.body:
                 if isinstance(item, ast.FunctionDef) and item.name in ORDERING_METHODS:
                     found.append(f"{node.name}.{item.name} restates the forward order")
+                # a step hands values on through the call's record (`batch.step`), typed in the
+                # signatures: state kept on the ops object between steps is a side channel
+                if isinstance(item, ast.FunctionDef) and item.name in STAGES and not item.name.startswith("_"):
+                    found += [f"{node.name}.{item.name} keeps self.{a}" for a in self_attributes_set(item)]
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             stages = called_names(node) & STAGES
             if len(stages) > 1:
@@ -86,9 +103,13 @@ class MyModel:
     def block(self, h):
         return h
 
+class MyOps:
+    def route(self, il, x, batch):
+        self.routed_x = x
+
 def layer(ops, h, x):
-    x, mix = ops.hc_pre(0, "attn", h)
-    return ops.hc_post(h, ops.sparse_attention(0, x, None, None), mix)
+    x, mix = ops.hc_pre(0, "attn", h, None)
+    return ops.hc_post(h, ops.sparse_attention(0, x, None, None), mix, None)
 """
 
 
@@ -96,4 +117,5 @@ def test_the_checker_finds_a_restated_forward() -> None:
     found = problems(RESTATED, "mlx")
     assert "imports dwarfstar.backends.reference.model" in found
     assert "MyModel.block restates the forward order" in found
+    assert "MyOps.route keeps self.routed_x" in found
     assert "layer calls the stages ['hc_post', 'hc_pre', 'sparse_attention']" in found

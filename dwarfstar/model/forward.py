@@ -124,10 +124,11 @@ class Ops(Protocol[A, S]):
     """What a backend computes. Each step names the official semantics; the reference implements
     them plainly in torch float32 (`backends/reference/ops.py`), the others fuse as they like.
 
-    `S` is the backend's record of a call (`prepare`): each step reads the call's inputs from
-    `batch.step`, and the steps of one layer that hand a value on (the window rows `write_window`
-    leaves for `sparse_attention`, the compressed rows `compress` leaves for `index_topk`...) do it
-    through its fields, each typed and documented with the step that writes it and those that read it.
+    `S` is the backend's record of a call (`prepare`): every step after `prepare` takes the batch and
+    reads the call's inputs from `batch.step` (never from state the ops object keeps between calls),
+    and the steps of one layer that hand a value on (the window rows `write_window` leaves for
+    `sparse_attention`, the compressed rows `compress` leaves for `index_topk`...) do it through its
+    fields, each typed and documented with the step that writes it and those that read it.
     """
 
     args: ModelArgs
@@ -151,18 +152,18 @@ class Ops(Protocol[A, S]):
         embedding: a later pipeline stage, whose streams arrive from the previous one)."""
         ...
 
-    def hc_pre(self, il: int, site: Site, h: A) -> tuple[A, Any]:
+    def hc_pre(self, il: int, site: Site, h: A, batch: Batch[S]) -> tuple[A, Any]:
         """mHC pre-mix of the streams h [N, n, dim], then the sublayer's RMS norm: (x [N, dim], mix).
 
         `mix` (post weights and the Sinkhorn combination) is opaque to the forward pass.
         """
         ...
 
-    def hc_post(self, h: A, out: A, mix: Any) -> A:
+    def hc_post(self, h: A, out: A, mix: Any, batch: Batch[S]) -> A:
         """New streams: post_k * out + sum_j comb[j, k] * h_j."""
         ...
 
-    def project(self, il: int, group: ProjectionGroup, x: A) -> dict[str, A]:
+    def project(self, il: int, group: ProjectionGroup, x: A, batch: Batch[S]) -> dict[str, A]:
         """x times every matrix of the group present in layer il, keyed by `Part.key`."""
         ...
 
@@ -195,7 +196,7 @@ class Ops(Protocol[A, S]):
         the RoPE removed from the output. The window then keeps only its last `window` rows."""
         ...
 
-    def attn_output(self, il: int, o: A) -> A:
+    def attn_output(self, il: int, o: A, batch: Batch[S]) -> A:
         """Grouped low-rank output projection: per group, its heads through wo_a, then wo_b."""
         ...
 
@@ -204,21 +205,21 @@ class Ops(Protocol[A, S]):
         token's hash-table ids), weights the chosen unbiased scores renormalised times route_scale."""
         ...
 
-    def moe(self, il: int, x: A, ids: A, weights: A, experts: ExpertSource) -> A:
+    def moe(self, il: int, x: A, ids: A, weights: A, experts: ExpertSource, batch: Batch[S]) -> A:
         """Routed experts (SwiGLU with clamp, scaled by the route weight before the down projection)
         plus the shared expert."""
         ...
 
-    def hc_head(self, h: A, rows: list[int] | None) -> A:
+    def hc_head(self, h: A, rows: list[int] | None, batch: Batch[S]) -> A:
         """Collapse the streams of `rows` (all when None) with sigmoid weights, then the output norm."""
         ...
 
-    def hc_post_pre(self, il: int, site: Site, h: A, out: A, mix: Any) -> tuple[A, A, Any]:
+    def hc_post_pre(self, il: int, site: Site, h: A, out: A, mix: Any, batch: Batch[S]) -> tuple[A, A, Any]:
         """`hc_post` of the sublayer whose output is `out` (`mix`: its pre-mix), then `hc_pre` of
         sublayer (il, site) over the new streams: (streams, x, mix). `StreamSteps` composes the two."""
         ...
 
-    def hc_post_head(self, h: A, out: A, mix: Any, rows: list[int] | None) -> tuple[A, A]:
+    def hc_post_head(self, h: A, out: A, mix: Any, rows: list[int] | None, batch: Batch[S]) -> tuple[A, A]:
         """`hc_post` of the last sublayer, then `hc_head` of `rows`: (streams, output rows)."""
         ...
 
@@ -233,13 +234,13 @@ class Ops(Protocol[A, S]):
 class StreamSteps:
     """`Ops.hc_post_pre` and `Ops.hc_post_head` as their two steps, for a backend that does not fuse them."""
 
-    def hc_post_pre(self, il: int, site: Site, h: Any, out: Any, mix: Any) -> tuple[Any, Any, Any]:
-        h = self.hc_post(h, out, mix)
-        return (h, *self.hc_pre(il, site, h))
+    def hc_post_pre(self, il: int, site: Site, h: Any, out: Any, mix: Any, batch: Batch) -> tuple[Any, Any, Any]:
+        h = self.hc_post(h, out, mix, batch)
+        return (h, *self.hc_pre(il, site, h, batch))
 
-    def hc_post_head(self, h: Any, out: Any, mix: Any, rows: list[int] | None) -> tuple[Any, Any]:
-        h = self.hc_post(h, out, mix)
-        return h, self.hc_head(h, rows)
+    def hc_post_head(self, h: Any, out: Any, mix: Any, rows: list[int] | None, batch: Batch) -> tuple[Any, Any]:
+        h = self.hc_post(h, out, mix, batch)
+        return h, self.hc_head(h, rows, batch)
 
 
 class Transformer(Generic[A, S]):
@@ -286,12 +287,12 @@ class Transformer(Generic[A, S]):
         last = self._held(first, last)
         if first == last:
             return h
-        return self.ops.hc_post(*self._blocks(h, batch, first, last))
+        return self.ops.hc_post(*self._blocks(h, batch, first, last), batch)
 
     def head(self, h: A, batch: Batch[S], all_positions: bool) -> tuple[A, list[int] | None]:
         """Output-normalised final rows: of every position, or each sequence's last only."""
         rows = self._head_rows(batch, all_positions)
-        return self.ops.hc_head(h, rows), rows
+        return self.ops.hc_head(h, rows, batch), rows
 
     def run_to_head(self, h: A, batch: Batch[S], all_positions: bool, first: int = 0) -> tuple[A, A, list[int] | None]:
         """`run_layers` from `first` to the last layer, then `head`, the last post fused with it:
@@ -299,8 +300,8 @@ class Transformer(Generic[A, S]):
         last = self._held(first, None)  # the layers first: a stage short of them is told so
         rows = self._head_rows(batch, all_positions)
         if first == last:
-            return h, self.ops.hc_head(h, rows), rows
-        return (*self.ops.hc_post_head(*self._blocks(h, batch, first, last), rows), rows)
+            return h, self.ops.hc_head(h, rows, batch), rows
+        return (*self.ops.hc_post_head(*self._blocks(h, batch, first, last), rows, batch), rows)
 
     def _held(self, first: int, last: int | None) -> int:
         """`last` (the model's end when None), once layers first..last-1 are known to be held here."""
@@ -334,10 +335,10 @@ class Transformer(Generic[A, S]):
     def _blocks(self, h: A, batch: Batch[S], first: int, last: int) -> tuple[A, A, Any]:
         """Blocks first..last-1 (at least one), each sublayer's post fused with the next one's pre; the
         last post is the caller's: (streams, the last FFN output, its pre-mix)."""
-        x, mix = self.ops.hc_pre(first, "attn", h)
+        x, mix = self.ops.hc_pre(first, "attn", h, batch)
         h, out, mix = self.block(first, h, x, mix, batch)
         for il in range(first + 1, last):
-            h, x, mix = self.ops.hc_post_pre(il, "attn", h, out, mix)
+            h, x, mix = self.ops.hc_post_pre(il, "attn", h, out, mix, batch)
             h, out, mix = self.block(il, h, x, mix, batch)
         return h, out, mix
 
@@ -345,28 +346,29 @@ class Transformer(Generic[A, S]):
         """Layer il from its attention input x (`mix`: that sublayer's pre-mix of the streams h) to its
         FFN output, whose post goes with the next pre or the head: (streams, FFN output, its pre-mix)."""
         ops = self.ops
-        h, x, mix = ops.hc_post_pre(il, "ffn", h, self._hook("attn_out", il, self.attention(il, x, batch), batch), mix)
+        out = self._hook("attn_out", il, self.attention(il, x, batch), batch)
+        h, x, mix = ops.hc_post_pre(il, "ffn", h, out, mix, batch)
         ids, weights = ops.route(il, x, batch)
-        return h, self._hook("ffn_out", il, ops.moe(il, x, ids, weights, self.experts), batch), mix
+        return h, self._hook("ffn_out", il, ops.moe(il, x, ids, weights, self.experts, batch), batch), mix
 
     def attention(self, il: int, x: A, batch: Batch[S]) -> A:
         # the rows of the ATTN_INPUT projections, the low-rank query's last, then those of QUERY_INPUT,
         # the query heads before the indexer's: a backend may finish each group in one launch there
         ops, layer = self.ops, self.args.layer(il)
-        proj = ops.project(il, ATTN_INPUT, x)
+        proj = ops.project(il, ATTN_INPUT, x, batch)
         ops.write_window(il, ops.norm_rope(il, Rows.KV, proj["kv"], batch), batch)
         if layer.compress_ratio:
             ops.compress(il, "attn", proj, batch)
         if layer.has_indexer:
             ops.compress(il, "indexer", proj, batch)
         qr = ops.norm_rope(il, Rows.Q_LORA, proj["q_a"], batch)
-        query = ops.project(il, QUERY_INPUT, qr)
+        query = ops.project(il, QUERY_INPUT, qr, batch)
         q = ops.norm_rope(il, Rows.QUERY, query["q"], batch)
         selected = None
         if layer.has_indexer:
             q_index = ops.norm_rope(il, Rows.INDEX_QUERY, query["index_q"], batch)
             selected = ops.index_topk(il, q_index, proj["index_weights"], batch)
-        return ops.attn_output(il, ops.sparse_attention(il, q, batch, selected))
+        return ops.attn_output(il, ops.sparse_attention(il, q, batch, selected), batch)
 
     def _hook(self, point: HookPoint, il: int, out: A, batch: Batch[S]) -> A:
         for hook in self.hooks[point]:

@@ -167,15 +167,15 @@ class MLXOps(StreamSteps):
         a, tokens = self.args, batch.step.tokens
         return mx.broadcast_to(self.embedding[tokens][:, None, :], (tokens.size, a.hc_mult, a.dim))
 
-    def hc_pre(self, il: int, site: Site, h: mx.array) -> tuple[mx.array, tuple]:
+    def hc_pre(self, il: int, site: Site, h: mx.array, batch: Batch[MLXStep]) -> tuple[mx.array, tuple]:
         layer = self.layers[il]
         x, post, comb = self.fused.hc_pre(h, *layer.hc[site])
         return ops.rms_norm(x, layer.norm[site], self.args.norm_eps), (post, comb)
 
-    def hc_post(self, h: mx.array, out: mx.array, mix: tuple) -> mx.array:
+    def hc_post(self, h: mx.array, out: mx.array, mix: tuple, batch: Batch[MLXStep]) -> mx.array:
         return self.fused.hc_post(out, h, *mix)
 
-    def hc_head(self, h: mx.array, rows: list[int] | None) -> mx.array:
+    def hc_head(self, h: mx.array, rows: list[int] | None, batch: Batch[MLXStep]) -> mx.array:
         h = h if rows is None else h[mx.array(rows)]
         return ops.rms_norm(self.fused.hc_head(h, *self.head_hc), self.out_norm, self.args.norm_eps)
 
@@ -186,7 +186,7 @@ class MLXOps(StreamSteps):
         return torch.from_numpy(np.array(logits))
 
     # -- attention ---------------------------------------------------------------------------------------
-    def project(self, il: int, group: ProjectionGroup, x: mx.array) -> dict[str, mx.array]:
+    def project(self, il: int, group: ProjectionGroup, x: mx.array, batch: Batch[MLXStep]) -> dict[str, mx.array]:
         return {key: y for product in self.layers[il].proj[group.name] for key, y in product(x).items()}
 
     def _rope_tables(self, il: int, step: MLXStep) -> tuple[mx.array, mx.array]:
@@ -278,7 +278,7 @@ class MLXOps(StreamSteps):
         o = out[0] if len(out) == 1 else mx.concatenate(out)
         return self.fused.unrope(o, cos, sin)
 
-    def attn_output(self, il: int, o: mx.array) -> mx.array:
+    def attn_output(self, il: int, o: mx.array, batch: Batch[MLXStep]) -> mx.array:
         layer, a, n = self.layers[il], self.args, o.shape[0]
         groups = mx.broadcast_to(self.group_ids, (n, a.o_groups))
         grouped = layer.wo_a.gather(o.reshape(n, a.o_groups, 1, -1), groups)
@@ -290,7 +290,9 @@ class MLXOps(StreamSteps):
         fixed = None if layer.tid2eid is None else layer.tid2eid[batch.step.tokens]
         return ops.route(layer.router.matmul(x), a.n_activated_experts, a.route_scale, layer.bias, fixed)
 
-    def moe(self, il: int, x: mx.array, ids: mx.array, weights: mx.array, experts: ExpertSource) -> mx.array:
+    def moe(
+        self, il: int, x: mx.array, ids: mx.array, weights: mx.array, experts: ExpertSource, batch: Batch[MLXStep]
+    ) -> mx.array:
         stack, slot_ids = experts.experts(il, ids)
         rows = x[:, None, None, :]
         # the router weight scales the SwiGLU output before the down projection, as ds4 does

@@ -190,15 +190,15 @@ class ReferenceOps(StreamSteps):
             return None
         return self.embedding[batch.step.tokens].unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
 
-    def hc_pre(self, il: int, site: Site, h: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    def hc_pre(self, il: int, site: Site, h: torch.Tensor, batch: Batch[ReferenceStep]) -> tuple[torch.Tensor, tuple]:
         a, layer = self.args, self.layers[il]
         x, post, comb = ops.hc_pre(h, *layer.hc[site], a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
         return ops.rms_norm(x, layer.norm[site], a.norm_eps), (post, comb)
 
-    def hc_post(self, h: torch.Tensor, out: torch.Tensor, mix: tuple) -> torch.Tensor:
+    def hc_post(self, h: torch.Tensor, out: torch.Tensor, mix: tuple, batch: Batch[ReferenceStep]) -> torch.Tensor:
         return ops.hc_post(out, h, *mix)
 
-    def hc_head(self, h: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+    def hc_head(self, h: torch.Tensor, rows: list[int] | None, batch: Batch[ReferenceStep]) -> torch.Tensor:
         a = self.args
         h = h if rows is None else h[rows]
         return ops.rms_norm(ops.hc_head(h, *self.head_hc, a.hc_eps, a.norm_eps), self.out_norm, a.norm_eps)
@@ -207,7 +207,9 @@ class ReferenceOps(StreamSteps):
         return ops.linear(y, self.output)
 
     # -- attention ---------------------------------------------------------------------------------------
-    def project(self, il: int, group: ProjectionGroup, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def project(
+        self, il: int, group: ProjectionGroup, x: torch.Tensor, batch: Batch[ReferenceStep]
+    ) -> dict[str, torch.Tensor]:
         layer = self.layers[il]
         return {p.key: ops.linear(x, layer.proj[p.key]) for p in group.present(layer.spec)}
 
@@ -437,7 +439,7 @@ class ReferenceOps(StreamSteps):
             parts.append((rows, visible if selected is None else selected))
         return ops.attention_rows(q, parts, layer.sinks)[0]
 
-    def attn_output(self, il: int, o: torch.Tensor) -> torch.Tensor:
+    def attn_output(self, il: int, o: torch.Tensor, batch: Batch[ReferenceStep]) -> torch.Tensor:
         layer = self.layers[il]
         heads = o.reshape(o.shape[0], self.args.o_groups, -1)
         grouped = torch.cat([ops.linear(heads[:, g], wo_a) for g, wo_a in enumerate(layer.wo_a)], dim=1)
@@ -453,7 +455,13 @@ class ReferenceOps(StreamSteps):
         return ids, weights
 
     def moe(
-        self, il: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertSource
+        self,
+        il: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts: ExpertSource,
+        batch: Batch[ReferenceStep],
     ) -> torch.Tensor:
         limit = self.args.swiglu_limit
         expert, slot_ids = experts.experts(il, ids)

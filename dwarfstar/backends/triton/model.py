@@ -130,6 +130,9 @@ class TritonStep:
     # layer -> inputs waiting for the layer's rows launches (with `decode`): `write_window`, `compress`
     # and `norm_rope` leave them, `norm_rope` takes them, `sparse_attention` checks none is left
     pending: dict[int, PendingRows] = field(default_factory=dict)
+    # layer -> `route`'s input and the int8 rows its launch quantized it to, for a fused step whose
+    # experts read int8: `route` leaves them, `moe` takes them
+    routed: dict[int, tuple[torch.Tensor, Q8Rows]] = field(default_factory=dict)
 
 
 class TritonOps:
@@ -141,9 +144,6 @@ class TritonOps:
         routed = {il: (lw.gate_exps, lw.up_exps, lw.down_exps) for il, lw in weights.layers.items()}
         self.experts: ExpertSource | None = None if streamed else ResidentExperts(routed)
         self._inv_freq: dict[tuple[float, bool], torch.Tensor] = {}
-        self.decoding = False  # the call's `TritonStep.fused`, set by `embed` (the stream steps take no batch)
-        # `route`'s input and its int8 rows, quantized by the routing launch for `moe` (its int8 form)
-        self._routed_x: tuple[torch.Tensor, Q8Rows] | None = None
         for layer in self.args.layers:
             key = (layer.rope_theta, layer.yarn)
             if key not in self._inv_freq:
@@ -213,7 +213,6 @@ class TritonOps:
 
     def embed(self, batch: Batch[TritonStep]) -> torch.Tensor | None:
         a, step = self.args, batch.step
-        self.decoding = step.fused
         w = self.w.embed
         if w is None:  # a later pipeline stage: its streams arrive from the previous one
             return None
@@ -226,16 +225,18 @@ class TritonOps:
         mix, norm = (lw.hc_attn, lw.attn_norm) if site == "attn" else (lw.hc_ffn, lw.ffn_norm)
         return *mix, norm, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps
 
-    def hc_pre(self, il: int, site: Site, h: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-        x, post, comb = hc_pre.hc_pre(h, *self._pre_mix(il, site), fused=self.decoding)
+    def hc_pre(self, il: int, site: Site, h: torch.Tensor, batch: Batch[TritonStep]) -> tuple[torch.Tensor, tuple]:
+        x, post, comb = hc_pre.hc_pre(h, *self._pre_mix(il, site), fused=batch.step.fused)
         return x, (post, comb)
 
-    def hc_post(self, h: torch.Tensor, out: torch.Tensor, mix: tuple) -> torch.Tensor:
+    def hc_post(self, h: torch.Tensor, out: torch.Tensor, mix: tuple, batch: Batch[TritonStep]) -> torch.Tensor:
         return hc_post.hc_post(h, out, *mix)  # in place
 
-    def hc_post_pre(self, il: int, site: Site, h: torch.Tensor, out: torch.Tensor, mix: tuple):
+    def hc_post_pre(
+        self, il: int, site: Site, h: torch.Tensor, out: torch.Tensor, mix: tuple, batch: Batch[TritonStep]
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """One launch in a decode step (`hc_pre.hc_post_pre`); h is updated in place."""
-        if self.decoding:
+        if batch.step.fused:
             x, post, comb = hc_pre.hc_post_pre(h, out, *mix, *self._pre_mix(il, site))
         else:
             hc_post.hc_post(h, out, *mix)
@@ -246,28 +247,31 @@ class TritonOps:
         a, w = self.args, self.w
         return *w.head_hc, w.out_norm, a.hc_eps, a.norm_eps
 
-    def hc_head(self, h: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
-        return hc_head.hc_head(h if rows is None else h[rows], *self._head(), fused=self.decoding)
+    def hc_head(self, h: torch.Tensor, rows: list[int] | None, batch: Batch[TritonStep]) -> torch.Tensor:
+        return hc_head.hc_head(h if rows is None else h[rows], *self._head(), fused=batch.step.fused)
 
-    def hc_post_head(self, h: torch.Tensor, out: torch.Tensor, mix: tuple, rows: list[int] | None):
+    def hc_post_head(
+        self, h: torch.Tensor, out: torch.Tensor, mix: tuple, rows: list[int] | None, batch: Batch[TritonStep]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One launch in a decode step, where the head takes every row (`hc_head.hc_post_head`)."""
-        if self.decoding and (rows is None or rows == list(range(h.shape[0]))):
+        if batch.step.fused and (rows is None or rows == list(range(h.shape[0]))):
             return h, hc_head.hc_post_head(h, out, *mix, *self._head())
         hc_post.hc_post(h, out, *mix)
-        return h, self.hc_head(h, rows)
+        return h, self.hc_head(h, rows, batch)
 
     def logits(self, y: torch.Tensor, batch: Batch[TritonStep]) -> torch.Tensor:
-        return qmatmul(y, self.w.output, use_dot=False if self._gemv(y) else None)
+        return qmatmul(y, self.w.output, use_dot=False if self._gemv(y, batch.step) else None)
 
     # -- attention ---------------------------------------------------------------------------------------
-    def project(self, il: int, group: ProjectionGroup, x: torch.Tensor, precision: Precision | None = None):
+    def project(
+        self, il: int, group: ProjectionGroup, x: torch.Tensor, batch: Batch[TritonStep]
+    ) -> dict[str, torch.Tensor]:
         linear: FusedLinear = self.w.layers[il].projections[group.name]
-        if self._gemv(x):  # decode: the parts' block types in one GEMV launch, side by side
+        if self._gemv(x, batch.step):  # decode: the parts' block types in one GEMV launch, side by side
             products = [gemv_project(x, [weight for weight, _ in linear.parts])]
             named = [[n for _, names in linear.parts for n in names]]
         else:
-            precision = self._precision(x) if precision is None else precision
-            products = [qmatmul(x, weight, precision=precision) for weight, _ in linear.parts]
+            products = [qmatmul(x, weight, precision=batch.step.precision) for weight, _ in linear.parts]
             named = [names for _, names in linear.parts]
         out: dict[str, torch.Tensor] = {}
         for y, names in zip(products, named, strict=True):  # outputs are column slices of the products
@@ -277,14 +281,11 @@ class TritonOps:
                 col += rows
         return out
 
-    def _gemv(self, x: torch.Tensor) -> bool:
+    def _gemv(self, x: torch.Tensor, step: TritonStep) -> bool:
         """Whether the matrices take x's rows through the GEMV: up to GEMV_MAX_ROWS, and in an exact
         decode step any number, so that a row's product has the bits of its one-row plan whatever its
         company (issue 37; the GEMV reads the weights once per GEMV_MAX_ROWS rows)."""
-        return x.shape[0] <= GEMV_MAX_ROWS or (self.decoding and not self.precision.fast)
-
-    def _precision(self, x: torch.Tensor) -> Precision:
-        return self.precision if x.shape[0] > GEMV_MAX_ROWS else EXACT
+        return x.shape[0] <= GEMV_MAX_ROWS or (step.fused and not self.precision.fast)
 
     def _inv(self, il: int) -> torch.Tensor:
         """The layer's RoPE inverse frequencies, float64 [rope_dim / 2] on the device."""
@@ -449,9 +450,9 @@ class TritonOps:
             out.append(o)
         return out[0] if len(out) == 1 else torch.cat(out)
 
-    def attn_output(self, il: int, o: torch.Tensor) -> torch.Tensor:
-        lw, precision = self.w.layers[il], self._precision(o)
-        dot = False if self._gemv(o) else None
+    def attn_output(self, il: int, o: torch.Tensor, batch: Batch[TritonStep]) -> torch.Tensor:
+        lw, precision = self.w.layers[il], batch.step.precision
+        dot = False if self._gemv(o, batch.step) else None
         grouped = qmatmul(o.view(o.shape[0], -1), lw.wo_a, self.args.o_groups, precision=precision, use_dot=dot)
         return qmatmul(grouped, lw.wo_b, precision=precision, use_dot=dot)
 
@@ -463,18 +464,26 @@ class TritonOps:
         int8 = step.fused and x.shape[0] <= moe_experts.DECODE_TOKENS and lw.gate_exps is not None
         int8 = int8 and moe_experts.int8_form(lw.gate_exps, lw.down_exps, self.precision)
         xq = Q8Rows.empty(*x.shape, self.device) if int8 else None
-        self._routed_x = (x, xq) if int8 else None
+        if xq is not None:
+            step.routed[il] = (x, xq)
         return moe_route.route(x, lw.router, lw.router_bias, lw.tid2eid, step.tok, k, scale, step.fused, q8=xq)
 
     def moe(
-        self, il: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertSource
+        self,
+        il: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts: ExpertSource,
+        batch: Batch[TritonStep],
     ) -> torch.Tensor:
         a, lw, t = self.args, self.w.layers[il], x.shape[0]
-        k, precision = a.n_activated_experts, self._precision(x)
+        k, precision = a.n_activated_experts, batch.step.precision
         (gate, up, down), slots = experts.experts(il, ids)
         shared = (lw.gate_shared, lw.up_shared, lw.down_shared)
-        routed_x, self._routed_x = self._routed_x, None
-        if t <= moe_experts.DECODE_TOKENS or self._gemv(x):  # two launches a DECODE_TOKENS, routed and shared
+        routed_x = batch.step.routed.pop(il, None)
+        # two launches a DECODE_TOKENS rows, routed and shared
+        if t <= moe_experts.DECODE_TOKENS or self._gemv(x, batch.step):
             # the routing launch's int8 rows of x, if it wrote them (a step of at most DECODE_TOKENS rows)
             xq = routed_x[1] if routed_x is not None and routed_x[0] is x else None
             routed, n = (gate, up, down), moe_experts.DECODE_TOKENS

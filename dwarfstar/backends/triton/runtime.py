@@ -206,7 +206,7 @@ class KernelWork:
 
 
 # -- "the last program finishes": one launch where a reduction over programs used to take two ---------------
-TICKET_SLOTS = 256  # the most token blocks a decode step finishes in one launch (`TritonOps.decoding`)
+TICKET_SLOTS = 256  # the most token blocks a decode step finishes in one launch (`TritonStep.fused`)
 
 
 @triton.jit
