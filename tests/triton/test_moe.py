@@ -137,17 +137,18 @@ def test_decode_ffn_matches_reference(types, precision, tokens, device, quant_bl
     assert not ticket_counters(device, "experts", 1).any()  # back at 0: a replayed launch starts over
 
 
-def test_decode_ffn_int8_two_super_blocks_a_pass(device, quant_blocks):
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_decode_ffn_int8_two_super_blocks_a_pass(tokens, device, quant_blocks):
     # K = 512 (gate/up over D, down over F): the int8 loops take two super-blocks a pass (SBP = 2)
     gen = torch.Generator().manual_seed(11)
     e, d, f, k = 4, 512, 512, 2
-    x = torch.randn(1, d, generator=gen).to(device)
+    x = torch.randn(tokens, d, generator=gen).to(device)
     gate, up = (weight(T.IQ2_XXS, (e, f, d), device, quant_blocks, seed=s) for s in (2, 3))
     down = weight(T.Q2_K, (e, d, f), device, quant_blocks, seed=4)
     shared = [weight(T.Q8_0, (1, f, d), device, quant_blocks, seed=5 + i) for i in range(2)]
     shared.append(weight(T.Q8_0, (1, d, f), device, quant_blocks, seed=7))
-    ids = torch.randperm(e, generator=gen)[:k].int().view(1, k).to(device)
-    route_w = torch.rand(1, k, generator=gen).to(device)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)]).int().to(device)
+    route_w = torch.rand(tokens, k, generator=gen).to(device)
     out = moe_experts.decode_ffn(x, ids, route_w, (gate, up, down), tuple(shared), 10.0, FAST)
     want = _int8_reference(x, gate, up, down, ids, route_w) + moe_experts.reference(x, *shared, None, None, 10.0)[:, 0]
     assert ((out - want).abs().max() / want.abs().max()).item() < 1e-3

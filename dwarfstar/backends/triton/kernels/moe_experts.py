@@ -515,7 +515,10 @@ def decode_ffn(
         # against 0.281 on 4 warps), two super-blocks a pass where K allows (SBP: twice the weight bytes
         # in flight per program). Gate/up: 32 rows a program (64 took 255 registers and spilled under
         # triton 3.6, the H200 image's, `nox -s gpu_image`: 8 B, 120 B with two super-blocks a pass),
-        # two super-blocks a pass for one token only (from 2 tokens 8 B of stack under 3.6)
+        # two super-blocks a pass at every token count: from 4 tokens the shared expert's rows in the
+        # same kernel leave the routed loop short of registers, 8 B of stack at 4 tokens (stored before
+        # the loop, read after it) and 16 B at 8 (5 local loads and stores in a 1,195-instruction pass),
+        # against 0.286 warp-instructions per weight byte with one super-block (0.186 with two, 4 tokens)
         warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else 2 if q8 else 4
         bn, rbk = _decode_rows(w.ggml_type, rfast, warps)
         sbn, sbk = _decode_rows(s.ggml_type, sfast, warps)
@@ -526,7 +529,7 @@ def decode_ffn(
         # the pipeliner would stage IQ2_XXS's table lookups of the fast form through shared memory
         stages = 1 if interpreting() or (rfast and w.ggml_type == GGMLType.IQ2_XXS) else 3
         consts = dict(RTYPE=w.wtype, STYPE=s.wtype, BN=bn, SBN=sbn, RBK=rbk, SBK=sbk, RFAST=rfast, SFAST=sfast,
-                      TB=tb, RQ8=q8, PTX=compiles_ptx(), SBP=2 if q8 and (step or tb == 1) and w.cols % 512 == 0 else 1,
+                      TB=tb, RQ8=q8, PTX=compiles_ptx(), SBP=2 if q8 and w.cols % 512 == 0 else 1,
                       num_warps=warps, num_stages=stages)  # fmt: skip
         if step == 0:
             grid = (triton.cdiv(fm, bn), t * k + 1)
