@@ -247,7 +247,7 @@ def launch_work(kernel: str, a: dict) -> KernelWork | None:
         blocks = triton.cdiv(a["FM"] if gate_up else a["D"], a["BN"])
         x_bytes = (a["x_ptr"] if gate_up else a["mid_ptr"]).element_size()  # mid: fp16 under Precision.fast
         routed = _decode_loops("routed", blocks * entries, matrices, a["RTYPE"], a["BN"], a["row_bytes"], k_in,
-                               a["RBK"], 1, x_bytes, a["RFAST"], q8=a["RQ8"] and 32 * a["num_warps"])  # fmt: skip
+                               a["RBK"], 1, x_bytes, a["RFAST"], q8=a["RQ8"])  # fmt: skip
         shared = _decode_loops("shared", blocks, matrices, a["STYPE"], a["SBN"], a["srow_bytes"], k_in, a["SBK"], t,
                                x_bytes, a["SFAST"], parts=a["BN"] // a["SBN"], rows_loaded=a["TB"])  # fmt: skip
         return KernelWork(weight + activations, weight, loops=routed + shared)
@@ -256,21 +256,24 @@ def launch_work(kernel: str, a: dict) -> KernelWork | None:
 
 def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, row_bytes: int, k_in: int,
                   bk: int, t: int, x_bytes: int, fast: bool, parts: int = 1,
-                  rows_loaded: int = 1, q8: int = 0) -> tuple[LoopWork, ...]:  # fmt: skip
+                  rows_loaded: int = 1, q8: bool = False) -> tuple[LoopWork, ...]:  # fmt: skip
     """The loops of `_routed_rows` / `_shared_rows` (`_rows_dot`) as `runtime.LoopWork`s: one over
     `matrices` x bn rows of bk columns an iteration, or in the tensor-core form (fast) one per matrix
     (the form runs them one after the other); `parts` row parts of k_in / bk iterations each; t
     activation rows (`rows_loaded` of them loaded: masked rows too), 16 in the tensor-core form; q8:
-    the int8 form (`expert_int8`: a byte per column, a float scale per 32 and a sum per 16) over q8
-    threads, each loading the activations of its run (Q2_K: 64 bytes and 8 floats) or group (IQ2_XXS:
-    32 bytes, their negations and a float) once for the rows it holds."""
+    the int8 form (`expert_int8`: a byte per column, a float scale per 32 and a sum per 16), where
+    every row loads the activations of each of its runs (Q2_K: 64 bytes and 8 floats, 4 runs a
+    super-block) or groups (IQ2_XXS: 32 bytes, their negations and a float, 8 groups) itself: the
+    compiled loops hold a row's runs in one thread, not a run's rows (sm_90 SASS under triton 3.6:
+    per thread and pass of two super-blocks, 32 16-byte and 48 4-byte activation loads for Q2_K's one
+    row, 64 8-byte ones for IQ2_XXS's four row-groups, the gate and up products sharing them)."""
     ggml_type = GGMLType(wtype)
     per_loop = 1 if fast else matrices
     weight = per_loop * bn * row_bytes * bk // k_in
     x_bytes = x_bytes if not q8 else 1 + 4 / 32 + 4 / 16
     x = int((16 if fast and name == "shared" else rows_loaded) * x_bytes * bk)
     if q8:
-        x = q8 * (96 if ggml_type == GGMLType.Q2_K else 68)
+        x = bn * (4 * 96 if ggml_type == GGMLType.Q2_K else 8 * 68)
     lookups = 0
     if ggml_type == GGMLType.IQ2_XXS:  # lattice rows and sign masks per 8 columns, from the cached table
         lookups = per_loop * bn * bk // 8 * (16 if q8 else 32 if fast else 64)
@@ -515,10 +518,10 @@ def decode_ffn(
         # against 0.281 on 4 warps), two super-blocks a pass where K allows (SBP: twice the weight bytes
         # in flight per program). Gate/up: 32 rows a program (64 took 255 registers and spilled under
         # triton 3.6, the H200 image's, `nox -s gpu_image`: 8 B, 120 B with two super-blocks a pass),
-        # two super-blocks a pass at every token count: from 4 tokens the shared expert's rows in the
-        # same kernel leave the routed loop short of registers, 8 B of stack at 4 tokens (stored before
-        # the loop, read after it) and 16 B at 8 (5 local loads and stores in a 1,195-instruction pass),
-        # against 0.286 warp-instructions per weight byte with one super-block (0.186 with two, 4 tokens)
+        # two super-blocks a pass for one token only: from 4 tokens the shared expert's rows in the same
+        # kernel leave the routed loop short of registers (8 B of stack at 4 tokens, 16 B at 8 with
+        # local loads in the loop), for no gain: 0.278 against 0.286 warp-instructions per weight byte
+        # at 4 tokens, and 6.241 against 6.192 ms predicted (gpu-plan under triton 3.6)
         warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else 2 if q8 else 4
         bn, rbk = _decode_rows(w.ggml_type, rfast, warps)
         sbn, sbk = _decode_rows(s.ggml_type, sfast, warps)
@@ -529,7 +532,7 @@ def decode_ffn(
         # the pipeliner would stage IQ2_XXS's table lookups of the fast form through shared memory
         stages = 1 if interpreting() or (rfast and w.ggml_type == GGMLType.IQ2_XXS) else 3
         consts = dict(RTYPE=w.wtype, STYPE=s.wtype, BN=bn, SBN=sbn, RBK=rbk, SBK=sbk, RFAST=rfast, SFAST=sfast,
-                      TB=tb, RQ8=q8, PTX=compiles_ptx(), SBP=2 if q8 and w.cols % 512 == 0 else 1,
+                      TB=tb, RQ8=q8, PTX=compiles_ptx(), SBP=2 if q8 and (step or tb == 1) and w.cols % 512 == 0 else 1,
                       num_warps=warps, num_stages=stages)  # fmt: skip
         if step == 0:
             grid = (triton.cdiv(fm, bn), t * k + 1)
