@@ -112,16 +112,30 @@ def test_a_sequence_decodes_the_same_bits_alone_and_in_company(tiny_k, device, c
                 assert np.array_equal(mine[name], theirs[name]), (il, name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not invariant yet: the matrices' form follows the call's row count (GEMV and the decode experts "
-    "up to 8 rows, the GEMM and the sorted experts above, the vendor GEMM from 17 on a GPU)",
-)
-def test_a_prompt_prefills_the_same_bits_alone_and_beside_another(tiny_k, device):
-    """A 5-token prompt prefilled alone, and in one call beside a 6-token one (`session.prefill_batch`):
-    11 rows take the GEMM where 5 take the GEMV, so the logits differ in the last bits."""
+# A prefill row is not bit-invariant: the matrices' form follows the call's row count (the GEMV and
+# the decode experts up to 8 rows, the GEMM and the sorted experts above, the vendor GEMM from 17 on
+# a GPU), and a chunk boundary changes which rows one launch holds. What remains is float rounding:
+# at most 4.3e-6 of the largest logit on tiny-k (5 to 40 tokens, alone against beside a 6-token
+# prompt, in two chunks and token by token), under the 1e-5 the issue takes for rounding.
+ROUNDING = 1e-5
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("n", [5, 12])
+def test_a_prompt_prefills_alone_beside_another_and_in_chunks_within_rounding(tiny_k, device, n):
+    """An n-token prompt prefilled in one call alone, in one call beside a 6-token one
+    (`session.prefill_batch`: 5 rows take the GEMV alone, 11 the GEMM together) and in two chunks: the
+    same greedy token and logits within float rounding, never more (a mixed-up row, a stale page or
+    a wrong position moves them by whole units)."""
     backend = load_backend(tiny_k, device=device)
-    alone, twin, other = backend.new_state(), backend.new_state(), backend.new_state()
-    want = backend.forward(PROMPT[:5], alone, all_logits=False)
-    got = backend.forward_batch([PROMPT[:5], PROMPT[3:9]], [twin, other])[0]
-    assert torch.equal(got, want)
+    want = backend.forward(PROMPT[:n], backend.new_state(), all_logits=False)
+    beside = backend.forward_batch([PROMPT[:n], PROMPT[3:9]], [backend.new_state(), backend.new_state()])[0]
+    chunked = backend.new_state()
+    backend.forward(PROMPT[: n // 2], chunked, all_logits=False)
+    in_chunks = backend.forward(PROMPT[n // 2 : n], chunked, all_logits=False)
+    for got in (beside, in_chunks):
+        assert int(got.argmax()) == int(want.argmax())
+        assert _relative(got.flatten(), want.flatten()) < ROUNDING
