@@ -24,8 +24,11 @@ if TYPE_CHECKING:
 BACKENDS = ("auto", *ENTRIES)
 PRECISIONS = ("exact", "fast")
 PRECISION_HELP = (
-    "exact: fp32 products; fast: bf16 operands in the Triton backend's prefill products (triton only; "
-    "no GPU run has shown fast to be accurate yet)."
+    "exact: fp32 products (reference and triton: a decoded row has the same bits whatever rows share its "
+    "step); fast (triton "
+    "only): bf16 operands in prefill products and in decode steps of over 8 rows, int8 or fp16 activations "
+    "in the routed experts' decode loops, so a row's last bits follow its company (no GPU run has shown "
+    "fast to be accurate yet)."
 )
 
 
