@@ -25,10 +25,9 @@ BACKENDS = ("auto", *ENTRIES)
 PRECISIONS = ("exact", "fast")
 PRECISION_HELP = (
     "exact: fp32 products (reference and triton: a decoded row has the same bits whatever rows share its "
-    "step); fast (triton "
-    "only): bf16 operands in prefill products and in decode steps of over 8 rows, int8 or fp16 activations "
-    "in the routed experts' decode loops, so a row's last bits follow its company (no GPU run has shown "
-    "fast to be accurate yet)."
+    "step, up to 256); fast (triton only): bf16 operands in prefill products and in decode steps of over 8 "
+    "rows, int8 or fp16 activations in the routed experts' decode loops, so a row's last bits follow its "
+    "company (no GPU run has shown fast to be accurate yet)."
 )
 
 
