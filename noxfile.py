@@ -101,8 +101,9 @@ def reliability(session: nox.Session) -> None:
 def stress(session: nox.Session) -> None:
     """Mixed concurrent traffic through the server on the bundled model, each completed reply compared
     with the request run alone and every token prefix's logits bit for bit (tests/serving/stress.py):
-    20 seeds on the reference backend, then a small seed on Triton in its interpreter (slow; its
-    logits are not batch-invariant yet, so only its replies count). The suite runs one small seed.
+    20 seeds on the reference backend, then a small seed on Triton in its interpreter (slow; its decode
+    steps are bit-invariant but its prefill only within float rounding, so only its replies count).
+    The suite runs one small seed.
 
     Runs in the Python nox runs from (`.venv/bin/nox -s stress`); `-- --seeds 7 --clients 6` runs
     those arguments alone, as a report's rerun command does.
