@@ -1,0 +1,149 @@
+"""Images in a conversation: the typed part every API parses an image into, and its pixels for the encoder.
+
+An `ImagePart` is an image as a request sent it (the raw bytes, their media type, where it sits);
+`prepare_image` decodes it and lays it out as DeepSeek V4's vision encoder reads an image (the facts of
+DeepSeek V4.1's `inference/image_processor.py`, as vLLM's `deepseek_v4/common/mm_preprocess.py`
+describes them):
+
+- decoded with Pillow: PNG, JPEG, WebP, GIF (its first frame); the EXIF orientation applied; an alpha
+  channel composited on gray (127, 127, 127);
+- an image under `MIN_PIXELS` (544²) scaled up, keeping its aspect ratio;
+- a canvas of whole 14-pixel patches (`PATCH`), shrunk until the image's token block fits
+  `MAX_IMAGE_TOKENS` (1,024, less the 3 tokens the compressor's alignment pad may take);
+- the image fitted into the canvas (aspect kept, centred) and the rest padded with gray 127;
+- pixels scaled to [0, 1] and normalised as (x - 0.5) / 0.5, a float32 `[3, height, width]` tensor.
+
+The aligner unfolds 3×3 patches (`ALIGN`) into one token: `rows` × `cols` image tokens, each row closed
+by a newline token, the block opened and closed by one token each, an odd row count padded by one
+more row, and the block padded to an even count of row pairs' tokens (`block_tokens`).
+
+Pillow is imported only when an image arrives: `dwarfstar --help` and every text-only request never
+load it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+PATCH = 14
+ALIGN = 3  # the aligner's unfold: 3×3 patches make one token
+MAX_IMAGE_TOKENS = 1024
+COMPRESS_PAD = 3  # the most pad tokens the KV compressor's 4-token alignment may add before the block
+MIN_PIXELS = 544 * 544
+GRAY = (127, 127, 127)
+MAX_IMAGES = 16  # per request, as ds4
+MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # Pillow's names for the media types above
+
+
+class ImageError(ValueError):
+    """An image that cannot be read: its message names what is wrong, the caller names the part."""
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image as the request sent it: the encoded bytes, their media type, and where it sits (`message`:
+    the index of the request's message that holds it; `where`: its JSON path, named in errors)."""
+
+    data: bytes
+    media_type: str
+    message: int
+    where: str
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """What the vision encoder consumes: normalised pixels `[3, height, width]` and the token grid."""
+
+    pixels: torch.Tensor
+    rows: int  # image-token rows after the 3×3 unfold
+    cols: int
+    tokens: int  # the whole block: image tokens, row newlines, padding, start and end
+
+
+def from_base64(data: object, media_type: object, *, message: int, where: str) -> ImagePart:
+    if media_type not in MEDIA_TYPES:
+        raise ImageError(f"media type {media_type!r} is not supported; send one of {', '.join(MEDIA_TYPES)}")
+    if not isinstance(data, str) or not data:
+        raise ImageError("the image data must be a non-empty base64 string")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError("the image data is not valid base64") from None
+    return ImagePart(raw, str(media_type), message, where)
+
+
+def from_url(url: object, *, message: int, where: str) -> ImagePart:
+    """A `data:image/...;base64,...` URL; an http(s) URL is refused: the server makes no outbound requests."""
+    if not isinstance(url, str) or not url:
+        raise ImageError("the image URL must be a non-empty string")
+    if url.startswith(("http://", "https://")):
+        raise ImageError(
+            "image URLs are not fetched (this server makes no outbound requests); "
+            "send the image inline as a data URL, data:image/png;base64,..."
+        )
+    head, comma, data = url.partition(",")
+    if not head.startswith("data:") or not comma or not head.endswith(";base64"):
+        raise ImageError("the image URL must be a base64 data URL, data:image/png;base64,...")
+    return from_base64(data, head[len("data:") : -len(";base64")], message=message, where=where)
+
+
+def decode(part: ImagePart):  # -> PIL.Image.Image (Pillow is imported here only)
+    """The image as RGB: the first frame, the EXIF orientation applied, alpha composited on gray."""
+    from PIL import Image, ImageOps
+
+    try:
+        image = Image.open(io.BytesIO(part.data), formats=FORMATS)
+        image.seek(0)
+        image.load()
+        image = ImageOps.exif_transpose(image)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise ImageError(f"the {part.media_type} data is not a readable image ({exc})") from None
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        canvas = Image.new("RGBA", rgba.size, (*GRAY, 255))
+        return Image.alpha_composite(canvas, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def block_tokens(rows: int, cols: int) -> int:
+    """The tokens of a `rows` × `cols` image block (the module docstring's layout)."""
+    padded_rows = rows + rows % 2
+    line = cols + 1
+    return padded_rows * line + (padded_rows // 2 * line) % 2 * 2 + 2
+
+
+def grid(height: int, width: int) -> tuple[int, int]:
+    """The token rows and columns of a canvas `height` × `width` (whole patches)."""
+    return math.ceil(height // PATCH / ALIGN), math.ceil(width // PATCH / ALIGN)
+
+
+def canvas_size(width: int, height: int) -> tuple[int, int]:
+    """The canvas (width, height), in whole patches, an image of `width` × `height` is laid out on."""
+    if width * height < MIN_PIXELS:
+        scale = math.sqrt(MIN_PIXELS / (width * height))
+        width, height = math.ceil(width * scale), math.ceil(height * scale)
+    budget = MAX_IMAGE_TOKENS - COMPRESS_PAD
+    for across in range(math.ceil(width / PATCH), 0, -1):  # the widest canvas whose block fits
+        down = max(1, math.ceil(height * across / width))
+        if block_tokens(*grid(down * PATCH, across * PATCH)) <= budget:
+            return across * PATCH, down * PATCH
+    raise ImageError(f"a {width}×{height} image is too elongated to fit {MAX_IMAGE_TOKENS} image tokens")
+
+
+def prepare_image(part: ImagePart) -> PreparedImage:
+    from PIL import ImageOps
+
+    image = decode(part)
+    width, height = canvas_size(*image.size)
+    fitted = ImageOps.pad(image, (width, height), color=GRAY)
+    pixels = torch.from_numpy(np.asarray(fitted, dtype=np.float32)).permute(2, 0, 1) / 255.0
+    rows, cols = grid(height, width)
+    return PreparedImage((pixels - 0.5) / 0.5, rows, cols, block_tokens(rows, cols))

@@ -1,0 +1,137 @@
+"""Images through each API (serving/images.py): read, checked, and refused while no model can see them."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import anthropic
+import openai
+import pytest
+from PIL import Image
+
+from tests.serving.test_validation import MODEL, refused
+
+
+def png_base64(size: tuple[int, int] = (20, 10)) -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, (10, 200, 30)).save(buffer, "PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+PNG = png_base64()
+CORRUPT_PNG = base64.b64encode(base64.b64decode(PNG)[:40]).decode()  # the header, the pixels cut off
+
+
+def chat_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def responses_part(url: str) -> dict:
+    return {"type": "input_image", "image_url": url}
+
+
+def messages_part(data: str, media_type: str = "image/png") -> dict:
+    return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
+
+
+def request(api: str, parts: list[dict]) -> tuple[str, dict, str]:
+    """The route, the body holding `parts` after a text part, and the param of the first part."""
+    if api == "chat":
+        content = [{"type": "text", "text": "What is this?"}, *parts]
+        return "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": content}]}, "messages"
+    if api == "responses":
+        content = [{"type": "input_text", "text": "What is this?"}, *parts]
+        item = {"type": "message", "role": "user", "content": content}
+        return "/v1/responses", {"model": MODEL, "input": [item]}, "input"
+    content = [{"type": "text", "text": "What is this?"}, *parts]
+    body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": content}]}
+    return "/v1/messages", body, "messages"
+
+
+def part(api: str, data: str = PNG) -> dict:
+    url = f"data:image/png;base64,{data}"
+    return {"chat": chat_part(url), "responses": responses_part(url), "messages": messages_part(data)}[api]
+
+
+APIS = ("chat", "responses", "messages")
+
+
+def refuse(http, api: str, parts: list[dict]) -> dict:
+    path, body, param = request(api, parts)
+    error = refused(http, path, body)
+    if api != "messages":  # Anthropic's error shape has no param
+        assert error["param"].startswith(f"{param}[0].content[")
+    return error
+
+
+def test_chat_with_an_image_says_the_model_cannot_see(oai):
+    content = [{"type": "text", "text": "What is this?"}, chat_part(f"data:image/png;base64,{PNG}")]
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=2)
+    assert "no vision encoder" in str(caught.value)
+
+
+def test_responses_with_an_image_says_the_model_cannot_see(oai):
+    content = [{"type": "input_text", "text": "What is this?"}, responses_part(f"data:image/png;base64,{PNG}")]
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.responses.create(model=MODEL, input=[{"role": "user", "content": content}], max_output_tokens=2)
+    assert "no vision encoder" in str(caught.value)
+
+
+def test_messages_with_an_image_says_the_model_cannot_see(claude):
+    content = [{"type": "text", "text": "What is this?"}, messages_part(PNG)]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": content}])
+    assert "no vision encoder" in str(caught.value)
+
+
+def test_count_tokens_with_an_image_says_the_model_cannot_see(http):
+    _, body, _ = request("messages", [part("messages")])
+    del body["max_tokens"]
+    assert "no vision encoder" in refused(http, "/v1/messages/count_tokens", body)["message"]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_sixteen_images_are_read_and_a_seventeenth_refused(http, api):
+    assert "no vision encoder" in refuse(http, api, [part(api)] * 16)["message"]
+    error = refuse(http, api, [part(api)] * 17)
+    assert "at most 16 images" in error["message"] and "content[17]" in error["message"]
+
+
+@pytest.mark.parametrize("api", ("chat", "responses"))
+def test_an_http_url_is_not_fetched(http, api):
+    maker = chat_part if api == "chat" else responses_part
+    error = refuse(http, api, [maker("https://example.com/cat.png")])
+    assert "not fetched" in error["message"] and "data URL" in error["message"]
+
+
+def test_an_anthropic_url_source_is_not_fetched(http):
+    block = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
+    assert "'url' is not supported" in refuse(http, "messages", [block])["message"]
+
+
+def test_a_responses_file_id_is_refused(http):
+    assert "file_id" in refuse(http, "responses", [{"type": "input_image", "file_id": "file-1"}])["message"]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_corrupt_base64_is_named(http, api):
+    error = refuse(http, api, [part(api, "not base64!")])
+    assert "content[1]" in error["message"] and "not valid base64" in error["message"]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_corrupt_png_is_named_before_the_missing_encoder(http, api):
+    error = refuse(http, api, [part(api), part(api, CORRUPT_PNG)])
+    assert "content[2]" in error["message"] and "not a readable image" in error["message"]
+
+
+def test_an_unsupported_media_type_is_named(http):
+    error = refuse(http, "messages", [messages_part(PNG, "image/tiff")])
+    assert "'image/tiff' is not supported" in error["message"]
+
+
+def test_a_text_only_request_is_answered(oai):
+    reply = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert reply.choices[0].finish_reason in ("length", "stop")
