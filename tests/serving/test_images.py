@@ -135,3 +135,15 @@ def test_an_unsupported_media_type_is_named(http):
 def test_a_text_only_request_is_answered(oai):
     reply = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
     assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"), [("/v1/chat/completions", "invalid_request_error"), ("/v1/messages", "request_too_large")]
+)
+def test_a_body_over_64_mib_is_a_413_in_the_api_shape(http, path, kind):
+    """ds4's limit: a request of many images may come near it; past it the answer is a 413, not a hang."""
+    text = "a" * (64 * 1024 * 1024)
+    response = http.post(path, json={"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": text}]})
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["type"] == kind and error["message"] == "request body over 67108864 bytes"
