@@ -60,6 +60,12 @@ def test_corrupt_data_is_refused():
         decode(ImagePart(b"GIF89a nonsense", "image/gif", 0, "w"))
 
 
+def test_an_image_over_the_pixel_limit_is_refused_before_decoding():
+    huge = encoded(Image.new("1", (8192, 8193)), "PNG")  # one bit a pixel: 8 MB here, a few KB encoded
+    with pytest.raises(ImageError, match="8192×8193 image is over 67,108,864 pixels"):
+        decode(huge)
+
+
 def test_the_exif_orientation_is_applied():
     image = Image.new("RGB", (60, 30), (0, 0, 255))
     image.paste((255, 0, 0), (0, 0, 30, 30))  # the left half red

@@ -5,8 +5,8 @@ An `ImagePart` is an image as a request sent it (the raw bytes, their media type
 DeepSeek V4.1's `inference/image_processor.py`, as vLLM's `deepseek_v4/common/mm_preprocess.py`
 describes them):
 
-- decoded with Pillow: PNG, JPEG, WebP, GIF (its first frame); the EXIF orientation applied; an alpha
-  channel composited on gray (127, 127, 127);
+- decoded with Pillow: PNG, JPEG, WebP, GIF (its first frame), at most `MAX_PIXELS`; the EXIF
+  orientation applied; an alpha channel composited on gray (127, 127, 127);
 - an image under `MIN_PIXELS` (544²) scaled up, keeping its aspect ratio;
 - a canvas of whole 14-pixel patches (`PATCH`), shrunk until the image's token block fits
   `MAX_IMAGE_TOKENS` (1,024, less the 3 tokens the compressor's alignment pad may take);
@@ -37,6 +37,7 @@ ALIGN = 3  # the aligner's unfold: 3×3 patches make one token
 MAX_IMAGE_TOKENS = 1024
 COMPRESS_PAD = 3  # the most pad tokens the KV compressor's 4-token alignment may add before the block
 MIN_PIXELS = 544 * 544
+MAX_PIXELS = 8192 * 8192  # a larger image is refused before its pixels are decoded (a PNG of a few KB can claim 1e10)
 GRAY = (127, 127, 127)
 MAX_IMAGES = 16  # per request, as ds4
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
@@ -101,6 +102,8 @@ def decode(part: ImagePart):  # -> PIL.Image.Image (Pillow is imported here only
 
     try:
         image = Image.open(io.BytesIO(part.data), formats=FORMATS)
+        if image.width * image.height > MAX_PIXELS:
+            raise ImageError(f"a {image.width}×{image.height} image is over {MAX_PIXELS:,} pixels; send a smaller one")
         image.seek(0)
         image.load()
         image = ImageOps.exif_transpose(image)

@@ -25,10 +25,10 @@ Chat Completions (https://platform.openai.com/docs/api-reference/chat/create):
 - `media`: an `image_url` part is read (serving/images.py: a base64 data URL, at most 16 a request,
   decoded, a corrupt one refused naming its part) and refused while the model has no vision encoder
   (every model today): a silently dropped image makes the model answer about a picture it never saw.
-  `input_audio`, `file` and other part types than text are refused. A non-text part inside a tool result (an agent's read
-  of an image file) becomes the text `[Unsupported TYPE]` instead, as the DeepSeek V4 encoder writes
-  a tool message's non-text part, so the agent's session goes on and the model knows what it did not
-  get; a refusal there would fail every later request of that conversation.
+  `input_audio`, `file` and other part types than text are refused. A non-text part inside a tool
+  result (an agent's read of an image file) becomes the text `[Unsupported TYPE]` instead, as the
+  DeepSeek V4 encoder writes a tool message's non-text part, so the agent's session goes on and the
+  model knows what it did not get; a refusal there would fail every later request of that conversation.
 - `answer`: the conversation ends where the model can answer: after a user, tool or developer
   message (a system message may follow them). A conversation that ends with an assistant message,
   or holds only system messages, would render a prompt with no `<｜Assistant｜>` opener; the model

@@ -17,7 +17,8 @@ MODEL = "deepseek-v4-flash"
 HI = [{"role": "user", "content": "hi"}]
 FUNCTION = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 TOOL = {"name": "get_weather", "input_schema": {"type": "object"}}
-PNG = "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGM8ISfHwMDAxMDAwMDAAAANBAEIfXHKZgAAAABJRU5ErkJggg=="  # a 2×2 red PNG
+# a 2×2 red PNG
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGM8ISfHwMDAxMDAwMDAAAANBAEIfXHKZgAAAABJRU5ErkJggg=="
 IMAGE_URL = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}
 IMAGE_BLOCK = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
 CTX = 4096  # conftest's BASE_CONFIG
