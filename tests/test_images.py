@@ -130,3 +130,13 @@ def test_the_aspect_is_kept_and_the_rest_padded_gray():
     # the image's 385 rows leave 7 of the 392 to gray padding, above and below
     assert prepared.pixels[:, 0, width // 2].tolist() == pytest.approx([GRAY_NORMALISED] * 3)
     assert prepared.pixels[:, height - 1, width // 2].tolist() == pytest.approx([GRAY_NORMALISED] * 3)
+
+
+def test_a_wide_image_over_the_budget_is_solved_from_its_aspect():
+    prepared = prepare_image(encoded(Image.new("RGB", (1920, 1080)), "PNG"))
+    # covered by whole patches (138 × 78 → 26 × 46 tokens) it is over 1,021 tokens. At the aspect ratio
+    # r = 0.5625, w·r·(w + 1) + 2 = 1,021 gives w = √(1,019/r + ¼) − ½ = 42.07: 42 tokens across, 23.66 down,
+    # made even: 22. The scale min(42·42/1920, 22·42/1080) = 0.8556 makes it 1642.7 × 924, floored to
+    # patches 1,638 × 924: 117 × 66 patches, 39 × 22 tokens, 22·40 + 2 = 882 tokens (11 row pairs of 40: even)
+    assert prepared.pixels.shape == (3, 924, 1638)
+    assert (prepared.rows, prepared.cols, prepared.tokens) == (22, 39, 882)

@@ -8,8 +8,9 @@ describes them):
 - decoded with Pillow: PNG, JPEG, WebP, GIF (its first frame), at most `MAX_PIXELS`; the EXIF
   orientation applied; an alpha channel composited on gray (127, 127, 127);
 - an image under `MIN_PIXELS` (544²) scaled up, keeping its aspect ratio;
-- a canvas of whole 14-pixel patches (`PATCH`), shrunk until the image's token block fits
-  `MAX_IMAGE_TOKENS` (1,024, less the 3 tokens the compressor's alignment pad may take);
+- a canvas of whole 14-pixel patches (`PATCH`) covering it, or, when its token block is over
+  `MAX_IMAGE_TOKENS` (1,024, less the 3 tokens the compressor's alignment pad may take), a smaller one
+  solved from the budget and the aspect ratio (`canvas_size`);
 - the image fitted into the canvas (aspect kept, centred) and the rest padded with gray 127;
 - pixels scaled to [0, 1] and normalised as (x - 0.5) / 0.5, a float32 `[3, height, width]` tensor.
 
@@ -128,17 +129,35 @@ def grid(height: int, width: int) -> tuple[int, int]:
     return math.ceil(height // PATCH / ALIGN), math.ceil(width // PATCH / ALIGN)
 
 
+def _shrunk(width: int, height: int, budget: int) -> tuple[int, int]:
+    """The canvas for a block of about `budget` tokens: the grid whose `rows`·(`cols` + 1) + 2 tokens make
+    `budget` at the image's aspect ratio, its rows made even, the image scaled into it and floored to
+    whole patches. A very tall image gets one column, a very wide one two rows."""
+    cell, ratio = PATCH * ALIGN, height / width
+    across = math.sqrt((budget - 2) / ratio + 0.25) - 0.5  # the root of (w·ratio)·(w + 1) + 2 = budget
+    if across < 1:
+        rows = (budget - 2) // 2
+        return cell, (rows - rows % 2) * cell
+    if across * ratio < 2:
+        return ((budget - 2) // 2 - 1) * cell, 2 * cell
+    cols, rows = math.floor(across), math.floor(across * ratio)
+    scale = min(cols * cell / width, (rows - rows % 2) * cell / height)
+    return max(PATCH, math.floor(width * scale / PATCH) * PATCH), max(PATCH, math.floor(height * scale / PATCH) * PATCH)
+
+
 def canvas_size(width: int, height: int) -> tuple[int, int]:
-    """The canvas (width, height), in whole patches, an image of `width` × `height` is laid out on."""
+    """The canvas (width, height), in whole patches, an image of `width` × `height` is laid out on: the
+    image covered by whole patches, or, when that block is over the budget, the largest `_shrunk` canvas
+    whose block fits."""
     if width * height < MIN_PIXELS:
         scale = math.sqrt(MIN_PIXELS / (width * height))
-        width, height = math.ceil(width * scale), math.ceil(height * scale)
-    budget = MAX_IMAGE_TOKENS - COMPRESS_PAD
-    for across in range(math.ceil(width / PATCH), 0, -1):  # the widest canvas whose block fits
-        down = max(1, math.ceil(height * across / width))
-        if block_tokens(*grid(down * PATCH, across * PATCH)) <= budget:
-            return across * PATCH, down * PATCH
-    raise ImageError(f"a {width}×{height} image is too elongated to fit {MAX_IMAGE_TOKENS} image tokens")
+        width, height = int(width * scale), int(height * scale)
+    limit = MAX_IMAGE_TOKENS - COMPRESS_PAD
+    canvas = (math.ceil(width / PATCH) * PATCH, math.ceil(height / PATCH) * PATCH)
+    budget = limit
+    while block_tokens(*grid(canvas[1], canvas[0])) > limit:
+        canvas, budget = _shrunk(width, height, budget), budget - 1
+    return canvas
 
 
 def prepare_image(part: ImagePart) -> PreparedImage:
