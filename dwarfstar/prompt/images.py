@@ -51,12 +51,14 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True)
 class ImagePart:
-    """An image as the request sent it: the encoded bytes, their media type, and where it sits (`message`:
-    the index of the request's message that holds it; `where`: its JSON path, named in errors)."""
+    """An image as the request sent it: the encoded bytes, their media type, and where it sits: `message`,
+    the index of the request's message that holds it; `offset`, the characters of that message's text
+    before it; `where`, its JSON path, named in errors."""
 
     data: bytes
     media_type: str
     message: int
+    offset: int
     where: str
 
 
@@ -70,7 +72,8 @@ class PreparedImage:
     tokens: int  # the whole block: image tokens, row newlines, padding, start and end
 
 
-def from_base64(data: object, media_type: object, *, message: int, where: str) -> ImagePart:
+def from_base64(data: object, media_type: object) -> tuple[bytes, str]:
+    """The bytes of base64 `data` and its media type, one of `MEDIA_TYPES`."""
     if media_type not in MEDIA_TYPES:
         raise ImageError(f"media type {media_type!r} is not supported; send one of {', '.join(MEDIA_TYPES)}")
     if not isinstance(data, str) or not data:
@@ -79,10 +82,10 @@ def from_base64(data: object, media_type: object, *, message: int, where: str) -
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ImageError("the image data is not valid base64") from None
-    return ImagePart(raw, str(media_type), message, where)
+    return raw, str(media_type)
 
 
-def from_url(url: object, *, message: int, where: str) -> ImagePart:
+def from_url(url: object) -> tuple[bytes, str]:
     """A `data:image/...;base64,...` URL; an http(s) URL is refused: the server makes no outbound requests."""
     if not isinstance(url, str) or not url:
         raise ImageError("the image URL must be a non-empty string")
@@ -94,7 +97,7 @@ def from_url(url: object, *, message: int, where: str) -> ImagePart:
     head, comma, data = url.partition(",")
     if not head.startswith("data:") or not comma or not head.endswith(";base64"):
         raise ImageError("the image URL must be a base64 data URL, data:image/png;base64,...")
-    return from_base64(data, head[len("data:") : -len(";base64")], message=message, where=where)
+    return from_base64(data, head[len("data:") : -len(";base64")])
 
 
 def decode(part: ImagePart):  # -> PIL.Image.Image (Pillow is imported here only)

@@ -158,7 +158,7 @@ def _read_blocks(
             result = _text_of(block.get("content"), f"{where}.content[{m}].content", tool=True)
             turn.results.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": result})
         elif kind == "image":
-            images.read(block, kind, message, f"{where}.content[{m}]")
+            images.read(block, kind, message=message, offset=sum(map(len, texts)), where=f"{where}.content[{m}]")
         elif kind == "document":
             raise media_refused(kind, f"{where}.content[{m}]")
     turn.texts.append("".join(texts))

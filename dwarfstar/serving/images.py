@@ -26,24 +26,26 @@ NO_VISION = "this model has no vision encoder; send text only, or serve a model 
 class Images(list[ImagePart]):
     """The images of one request, in the order they appear, refused past `MAX_IMAGES`."""
 
-    def read(self, part: Any, kind: str, message: int, where: str) -> None:
+    def read(self, part: Any, kind: str, *, message: int, offset: int, where: str) -> None:
+        """The image `part` of type `kind`, in the request's message `message` after `offset` characters
+        of its text."""
         if len(self) == MAX_IMAGES:
             raise bad_request(f"{where}: at most {MAX_IMAGES} images a request", param=where)
         try:
-            self.append(_read(part, kind, message, where))
+            self.append(ImagePart(*_read(part, kind), message=message, offset=offset, where=where))
         except ImageError as exc:
             raise bad_request(f"{where}: {exc}", param=where) from None
 
 
-def _read(part: dict[str, Any], kind: str, message: int, where: str) -> ImagePart:
+def _read(part: dict[str, Any], kind: str) -> tuple[bytes, str]:
     if kind == "image_url":  # Chat Completions
         url = part.get("image_url")
         url = url.get("url") if isinstance(url, dict) else url
-        return from_url(url, message=message, where=where)
+        return from_url(url)
     if kind == "input_image":  # Responses
         if part.get("file_id") is not None and part.get("image_url") is None:
             raise ImageError("file_id images are not supported (this server has no Files API); send image_url")
-        return from_url(part.get("image_url"), message=message, where=where)
+        return from_url(part.get("image_url"))
     source = part.get("source")  # Messages
     if not isinstance(source, dict) or source.get("type") != "base64":
         got = source.get("type") if isinstance(source, dict) else None
@@ -51,7 +53,7 @@ def _read(part: dict[str, Any], kind: str, message: int, where: str) -> ImagePar
             f"image source of type {got!r} is not supported (this server makes no outbound requests); "
             'send {"type": "base64", "media_type": ..., "data": ...}'
         )
-    return from_base64(source.get("data"), source.get("media_type"), message=message, where=where)
+    return from_base64(source.get("data"), source.get("media_type"))
 
 
 async def check_images(images: list[ImagePart], vision: bool) -> None:

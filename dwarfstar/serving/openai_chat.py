@@ -60,7 +60,7 @@ def content_text(content: Any, where: str, images: Images, message: int, *, tool
         elif tool:
             texts.append(unsupported_part(kind))
         elif kind == "image_url":
-            images.read(part, kind, message, f"{where}.content[{m}]")
+            images.read(part, kind, message=message, offset=sum(map(len, texts)), where=f"{where}.content[{m}]")
         elif kind != "refusal":
             raise media_refused(kind, f"{where}.content[{m}]")
     return "".join(texts)

@@ -65,7 +65,7 @@ def _blocks_text(content: Any, where: str, images: Images, message: int, *, tool
         elif kind in MEDIA_BLOCKS and tool:
             texts.append(unsupported_part(kind))
         elif kind == "input_image":
-            images.read(block, kind, message, f"{where}.content[{m}]")
+            images.read(block, kind, message=message, offset=sum(map(len, texts)), where=f"{where}.content[{m}]")
         elif kind in MEDIA_BLOCKS:
             raise media_refused(kind, f"{where}.content[{m}]")
         elif kind != "refusal":

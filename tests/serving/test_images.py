@@ -10,6 +10,11 @@ import openai
 import pytest
 from PIL import Image
 
+from dwarfstar.serving.anthropic import anthropic_messages
+from dwarfstar.serving.fields import Fields
+from dwarfstar.serving.images import Images
+from dwarfstar.serving.openai_chat import openai_messages
+from dwarfstar.serving.responses import input_messages
 from tests.serving.test_validation import MODEL, refused
 
 
@@ -63,6 +68,30 @@ def refuse(http, api: str, parts: list[dict]) -> dict:
     if api != "messages":  # Anthropic's error shape has no param
         assert error["param"].startswith(f"{param}[0].content[")
     return error
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_each_api_reads_an_image_with_its_place(api):
+    """Parsed without a server: the image's bytes, its message and the characters of text before it."""
+    content = [
+        {"type": "input_text" if api == "responses" else "text", "text": "Look "},
+        {"type": "input_text" if api == "responses" else "text", "text": "here:"},
+        part(api),
+    ]
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    conversation.append({"role": "user", "content": content})
+    images = Images()
+    if api == "chat":
+        messages = openai_messages(conversation, images)
+    elif api == "responses":
+        messages = input_messages(Fields({"input": conversation}), images)
+    else:
+        messages = anthropic_messages(conversation, "", images)
+    assert messages[-1]["content"] == "Look here:"
+    [image] = images
+    assert (image.data, image.media_type) == (base64.b64decode(PNG), "image/png")
+    assert (image.message, image.offset) == (2, len("Look here:"))
+    assert image.where == ("input" if api == "responses" else "messages") + "[2].content[2]"
 
 
 def test_chat_with_an_image_says_the_model_cannot_see(oai):
