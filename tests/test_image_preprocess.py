@@ -61,7 +61,7 @@ def test_corrupt_data_is_refused():
 
 def test_an_image_over_the_pixel_limit_is_refused_before_decoding():
     huge = encoded(Image.new("1", (8192, 8193)), "PNG")  # one bit a pixel: 8 MB here, a few KB encoded
-    with pytest.raises(ImageError, match="8192×8193 image is over 67,108,864 pixels"):
+    with pytest.raises(ImageError, match="^a 8192×8193 image is over 67,108,864 pixels; send a smaller one$"):
         decode(huge)
 
 
@@ -86,6 +86,14 @@ def test_alpha_is_composited_on_gray():
     assert rgb.getpixel((1, 1)) == (255, 0, 0)
     half = rgb.getpixel((2, 2))  # 255·128/255 + 127·127/255 ≈ 191 red, 127·127/255 ≈ 63 green and blue
     assert abs(half[0] - 191) <= 1 and abs(half[1] - 63) <= 1 and abs(half[2] - 63) <= 1
+
+
+def test_a_transparent_palette_colour_is_gray():
+    image = Image.new("P", (4, 4), 0)
+    image.putpalette([0, 0, 0, 255, 255, 255])
+    image.putpixel((3, 3), 1)
+    rgb = decode(encoded(image, "PNG", transparency=0))  # palette index 0, black, is transparent
+    assert rgb.getpixel((0, 0)) == (127, 127, 127) and rgb.getpixel((3, 3)) == (255, 255, 255)
 
 
 def test_a_gif_is_read_at_its_first_frame():

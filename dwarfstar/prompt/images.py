@@ -111,6 +111,8 @@ def decode(part: ImagePart):  # -> PIL.Image.Image (Pillow is imported here only
         image.seek(0)
         image.load()
         image = ImageOps.exif_transpose(image)
+    except ImageError:
+        raise
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise ImageError(f"the {part.media_type} data is not a readable image ({exc})") from None
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
