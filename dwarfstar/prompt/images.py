@@ -28,7 +28,7 @@ import base64
 import binascii
 import io
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ class ImagePart:
     the index of the request's message that holds it; `offset`, the characters of that message's text
     before it; `where`, its JSON path, named in errors."""
 
-    data: bytes
+    data: bytes = field(repr=False)  # up to tens of MB: never in a log line
     media_type: str
     message: int
     offset: int

@@ -128,6 +128,12 @@ def test_sixteen_images_are_read_and_a_seventeenth_refused(http, api):
     assert "at most 16 images" in error["message"] and "content[17]" in error["message"]
 
 
+@pytest.mark.parametrize("api", APIS)
+def test_a_streamed_request_is_refused_before_its_stream(http, api):
+    path, body, _ = request(api, [part(api)])
+    assert "no vision encoder" in refused(http, path, {**body, "stream": True})["message"]
+
+
 @pytest.mark.parametrize("api", ("chat", "responses"))
 def test_an_http_url_is_not_fetched(http, api):
     maker = chat_part if api == "chat" else responses_part
