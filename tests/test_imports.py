@@ -65,7 +65,18 @@ ROOMS = (
 LOWER_ROOMS = ROOMS[: ROOMS.index("backends")]  # below the backends
 BACKEND_NAMES = {"reference", "triton", "mlx"}
 ORACLE = "reference"  # the numerical oracle: its plain-torch model and ops define what the others compute
-HEAVY = ("torch", "triton", "mlx", "starlette", "uvicorn", "huggingface_hub", "httpx2", "prompt_toolkit", "numpy")
+HEAVY = (
+    "torch",
+    "triton",
+    "mlx",
+    "starlette",
+    "uvicorn",
+    "huggingface_hub",
+    "httpx2",
+    "prompt_toolkit",
+    "numpy",
+    "PIL",
+)
 
 
 def modules() -> dict[str, Path]:

@@ -39,6 +39,12 @@ class Engine:
         """What the backend can do, its memory facts and hooks (`backends.registry`)."""
         return backend_entry(self.backend_name)
 
+    @property
+    def vision(self) -> bool:
+        """Whether the model has a vision encoder to read images with: no loader reads one yet (issue 34),
+        so every request with an image is refused (serving/images.py)."""
+        return False
+
 
 def spec_backend(spec: EngineSpec) -> str:
     """The backend `spec` runs on here, and whether it can take the spec's precision (before anything loads)."""

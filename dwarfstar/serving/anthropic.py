@@ -2,7 +2,7 @@
 
 Content blocks map to the renderer's OpenAI-style messages by their own `type` (DS4_SURFACE §2.3):
 `text` is content, `thinking` is reasoning, `tool_use` a tool call, `tool_result` a tool message;
-images and documents are refused, consecutive user or assistant messages read as one turn, and
+images are read by serving/images.py, documents refused, consecutive user or assistant messages read as one turn, and
 `max_tokens` is required (validation.py has these rules). System text blocks are joined by newlines,
 without the `x-anthropic-` blocks Claude Code adds, whose text changes every request and would defeat
 prefix reuse. Errors use Anthropic's shape. Usage follows ds4: `cache_read_input_tokens` counts reused
@@ -45,6 +45,7 @@ from dwarfstar.serving.controls import (
 from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body, json_response
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolCallOpened, Usage, new_id
+from dwarfstar.serving.images import Images, check_images
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import respond, sse
 from dwarfstar.serving.validation import check_tool_choice, media_refused, non_empty, unsupported_part
@@ -53,7 +54,6 @@ from dwarfstar.serving.validation import check_tool_choice, media_refused, non_e
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn", "repetition": "end_turn"}
 BILLING_PREFIX = "x-anthropic-"
 ROLES = ("user", "assistant", "system")
-REFUSED_BLOCKS = ("image", "document")
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 THINKING_DISPLAYS = ("summarized", "omitted")
 HIDDEN_THINKING_KEPT = 1024  # answers whose hidden reasoning is kept; older ones re-prefill from `<think>`
@@ -138,7 +138,9 @@ class _Turn:
         return [out]
 
 
-def _read_blocks(turn: _Turn, blocks: list[Any], where: str, hidden: HiddenThinking | None) -> None:
+def _read_blocks(
+    turn: _Turn, blocks: list[Any], where: str, hidden: HiddenThinking | None, images: Images, message: int
+) -> None:
     texts = []
     for m, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
@@ -155,13 +157,15 @@ def _read_blocks(turn: _Turn, blocks: list[Any], where: str, hidden: HiddenThink
         elif kind == "tool_result":
             result = _text_of(block.get("content"), f"{where}.content[{m}].content", tool=True)
             turn.results.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": result})
-        elif kind in REFUSED_BLOCKS:
+        elif kind == "image":
+            images.read(block, kind, message=message, offset=sum(map(len, texts)), where=f"{where}.content[{m}]")
+        elif kind == "document":
             raise media_refused(kind, f"{where}.content[{m}]")
     turn.texts.append("".join(texts))
 
 
 def anthropic_messages(
-    raw: list[Any] | None, system: str, hidden: HiddenThinking | None = None
+    raw: list[Any] | None, system: str, images: Images, hidden: HiddenThinking | None = None
 ) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     turn: _Turn | None = None
@@ -180,7 +184,7 @@ def anthropic_messages(
         if not isinstance(blocks, list):
             raise bad_request(f"{where}.content must be a string or an array of content blocks", f"{where}.content")
         turn = turn or _Turn(role)
-        _read_blocks(turn, blocks, where, hidden)
+        _read_blocks(turn, blocks, where, hidden, images, n)
     return messages + (turn.messages() if turn is not None else [])
 
 
@@ -209,6 +213,7 @@ class Conversation:
     thinking: Any
     response_format: dict[str, Any] | None
     show_thinking: bool  # False for `thinking.display: "omitted"`
+    images: Images  # serving/images.py, checked before any job
 
 
 def _thinking_display(fields: Fields) -> str | None:
@@ -245,7 +250,8 @@ def _response_format(config: Fields | None) -> dict[str, Any] | None:
 
 def _conversation(fields: Fields, service: Service, hidden: HiddenThinking) -> Conversation:
     model = service.models.resolve(fields.text("model"))
-    messages = anthropic_messages(fields.array("messages"), system_text(fields), hidden)
+    images = Images()
+    messages = anthropic_messages(fields.array("messages"), system_text(fields), images, hidden)
     tools = anthropic_tools(fields)
     config = fields.mapping("output_config")
     effort = effort_value(config, "effort") if config is not None else None
@@ -254,7 +260,7 @@ def _conversation(fields: Fields, service: Service, hidden: HiddenThinking) -> C
     )
     display = _thinking_display(fields)
     _check_context_management(fields)
-    return Conversation(model, messages, tools, thinking, _response_format(config), display != "omitted")
+    return Conversation(model, messages, tools, thinking, _response_format(config), display != "omitted", images)
 
 
 async def messages_endpoint(request: Request) -> Response:
@@ -272,6 +278,7 @@ async def messages_endpoint(request: Request) -> Response:
         body=fields.body,
     )
     stream = bool(fields.flag("stream"))  # every field is read before the job exists, so a 400 leaves none
+    await check_images(talk.images, service.engine.vision)
     job = await service.submit_chat(
         talk.messages, tools=talk.tools, thinking=talk.thinking, knobs=knobs, response_format=talk.response_format
     )
@@ -292,6 +299,7 @@ async def count_tokens(request: Request) -> Response:
     service: Service = request.app.state.service
     fields = await read_json_object(request)
     talk = _conversation(fields, service, hidden_thinking(request))
+    await check_images(talk.images, service.engine.vision)
     count = await service.count_chat_tokens(talk.messages, tools=talk.tools, thinking=talk.thinking)
     return json_response({"input_tokens": count})
 

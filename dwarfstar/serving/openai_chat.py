@@ -2,7 +2,7 @@
 
 Messages are read as ds4 reads them (DS4_SURFACE §2.3), `function` as `tool`, text parts joined with
 nothing between them, except where the API's rules refuse a request (validation.py: empty messages, an
-unknown or missing role, image and other non-text parts, `tool_choice` without tools, `n` > 1, an
+unknown or missing role, an image (serving/images.py) and other non-text parts, `tool_choice` without tools, `n` > 1, an
 output budget over the context). Streaming follows §2.7: a role chunk, reasoning and content deltas,
 each tool call's header and arguments once its block is accepted (never a call that turns out
 invalid: `output.py`), a finish chunk, an optional usage chunk, `[DONE]`.
@@ -34,6 +34,7 @@ from dwarfstar.serving.controls import (
 from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, Started, TokenLogprob, ToolCallOpened, Usage, new_id
+from dwarfstar.serving.images import Images, check_images
 from dwarfstar.serving.logprobs import Pending, chat_logprobs, openai_entry
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import respond, sse
@@ -43,10 +44,10 @@ ROLES = ("system", "developer", "user", "assistant", "latest_reminder")
 TEXT_PARTS = ("text", "input_text", "output_text")
 
 
-def content_text(content: Any, where: str, *, tool: bool = False) -> str:
+def content_text(content: Any, where: str, images: Images, message: int, *, tool: bool = False) -> str:
     """String content, or the text parts of a list joined with nothing between (an assistant's
-    `refusal` parts left out); any other part is refused, or in a tool result (`tool`) written as
-    `[Unsupported TYPE]` (validation.py, `media`)."""
+    `refusal` parts left out); an `image_url` part read into `images` (serving/images.py); any other
+    part is refused, or in a tool result (`tool`) written as `[Unsupported TYPE]` (validation.py, `media`)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -58,12 +59,14 @@ def content_text(content: Any, where: str, *, tool: bool = False) -> str:
             texts.append(part["text"])
         elif tool:
             texts.append(unsupported_part(kind))
+        elif kind == "image_url":
+            images.read(part, kind, message=message, offset=sum(map(len, texts)), where=f"{where}.content[{m}]")
         elif kind != "refusal":
             raise media_refused(kind, f"{where}.content[{m}]")
     return "".join(texts)
 
 
-def openai_messages(raw: list[Any] | None) -> list[dict[str, Any]]:
+def openai_messages(raw: list[Any] | None, images: Images) -> list[dict[str, Any]]:
     messages = []
     for n, message in enumerate(non_empty(raw, "messages")):
         where = f"messages[{n}]"
@@ -71,10 +74,10 @@ def openai_messages(raw: list[Any] | None) -> list[dict[str, Any]]:
             raise bad_request(f"{where} must be an object", param=where)
         role = message.get("role")
         if role in ("tool", "function"):
-            text = content_text(message.get("content"), where, tool=True)
+            text = content_text(message.get("content"), where, images, n, tool=True)
             messages.append({"role": "tool", "tool_call_id": message.get("tool_call_id") or "", "content": text})
         elif role in ROLES:
-            out: dict[str, Any] = {"role": role, "content": content_text(message.get("content"), where)}
+            out: dict[str, Any] = {"role": role, "content": content_text(message.get("content"), where, images, n)}
             if role == "assistant":
                 for key in ("reasoning_content", "tool_calls"):
                     if message.get(key) is not None:
@@ -147,7 +150,8 @@ async def chat_completions(request: Request) -> Response:
     service: Service = request.app.state.service
     fields = await read_json_object(request)
     model = service.models.resolve(fields.text("model"))
-    messages = openai_messages(fields.array("messages"))
+    images = Images()
+    messages = openai_messages(fields.array("messages"), images)
     if (fields.integer("n", low=1) or 1) != 1:
         raise bad_request("n must be 1: one choice per request", param="n")
     tools = openai_tools(fields)
@@ -166,6 +170,7 @@ async def chat_completions(request: Request) -> Response:
         body=fields.body,
     )
     stream, include_usage = bool(fields.flag("stream")), usage_chunk(fields)
+    await check_images(images, service.engine.vision)
     job = await service.submit_chat(
         messages,
         tools=tools,

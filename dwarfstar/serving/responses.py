@@ -1,6 +1,6 @@
 """`POST /v1/responses`: the OpenAI Responses API, as Codex uses it (stateless, full input replayed).
 
-Input items (DS4_SURFACE §2.3): `message` (text blocks; images refused, see validation.py),
+Input items (DS4_SURFACE §2.3): `message` (text blocks; images read by serving/images.py),
 `function_call` (merged into the assistant turn right before it), `function_call_output`, and
 `reasoning`, whose text goes to the next assistant turn. Only `function` tools are offered to the
 model; hosted tool types are ignored. `previous_response_id` and `conversation` are refused: this
@@ -35,6 +35,7 @@ from dwarfstar.serving.controls import Thinking, effort_value, output_budget, sa
 from dwarfstar.serving.errors import bad_request
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, Started, TokenLogprob, ToolCallOpened, Usage, new_id
+from dwarfstar.serving.images import Images, check_images
 from dwarfstar.serving.logprobs import Pending, openai_entry, responses_logprobs
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import respond, sse
@@ -49,9 +50,9 @@ SUMMARY_MODES = ("auto", "concise", "detailed")
 ENCRYPTED_PREFIX = "dwarfstar:"
 
 
-def _blocks_text(content: Any, where: str, *, tool: bool = False) -> str:
-    """Text blocks joined; images, files and audio refused, or in a tool output (`tool`) written as
-    `[Unsupported TYPE]` (validation.py, `media`); a `refusal` dropped."""
+def _blocks_text(content: Any, where: str, images: Images, message: int, *, tool: bool = False) -> str:
+    """Text blocks joined; an image read into `images` (serving/images.py), files and audio refused, or
+    in a tool output (`tool`) written as `[Unsupported TYPE]` (validation.py, `media`); a `refusal` dropped."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -63,6 +64,8 @@ def _blocks_text(content: Any, where: str, *, tool: bool = False) -> str:
             texts.append(block["text"])
         elif kind in MEDIA_BLOCKS and tool:
             texts.append(unsupported_part(kind))
+        elif kind == "input_image":
+            images.read(block, kind, message=message, offset=sum(map(len, texts)), where=f"{where}.content[{m}]")
         elif kind in MEDIA_BLOCKS:
             raise media_refused(kind, f"{where}.content[{m}]")
         elif kind != "refusal":
@@ -85,7 +88,7 @@ def _reasoning_text(item: dict[str, Any]) -> str:
     return "\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
 
 
-def input_messages(fields: Fields) -> list[dict[str, Any]]:
+def input_messages(fields: Fields, images: Images) -> list[dict[str, Any]]:
     items = fields.required("input", fields.raw("input"))
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
@@ -104,7 +107,7 @@ def input_messages(fields: Fields) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ROLES:
                 raise unknown_role(role, where, ROLES)
-            text = _blocks_text(item.get("content"), where)
+            text = _blocks_text(item.get("content"), where, images, n)
             if role == "assistant":
                 messages.append({"role": "assistant", "content": text, "reasoning_content": reasoning})
                 reasoning = None
@@ -124,7 +127,7 @@ def input_messages(fields: Fields) -> list[dict[str, Any]]:
                 )
                 reasoning = None
         elif kind == "function_call_output":
-            output = _blocks_text(item.get("output"), where, tool=True)
+            output = _blocks_text(item.get("output"), where, images, n, tool=True)
             messages.append({"role": "tool", "tool_call_id": item.get("call_id") or "", "content": output})
         elif kind == "reasoning":
             reasoning = _reasoning_text(item)
@@ -161,7 +164,8 @@ async def responses_endpoint(request: Request) -> Response:
     for key in ("previous_response_id", "conversation"):
         if fields.has(key):
             raise bad_request(f"{key} is not supported; replay full input instead", param=key)
-    messages = input_messages(fields)
+    images = Images()
+    messages = input_messages(fields, images)
     tools = function_tools(fields)
     reasoning = fields.mapping("reasoning") or Fields({}, "reasoning.")
     thinking = service.thinking(model, None, effort_value(reasoning, "effort"))
@@ -185,6 +189,7 @@ async def responses_endpoint(request: Request) -> Response:
         | {"tools": fields.raw("tools") or []},  # as sent: hosted tools too, though only functions run
     )
     stream = bool(fields.flag("stream"))  # every field is read before the job exists, so a 400 leaves none
+    await check_images(images, service.engine.vision)
     job = await service.submit_chat(
         messages,
         tools=tools,

@@ -22,12 +22,13 @@ Chat Completions (https://platform.openai.com/docs/api-reference/chat/create):
   context (`--ctx`): OpenAI answers 400 `context_length_exceeded`, "This model's maximum context
   length is N tokens. However, you requested ...", and so does this server, naming the limit. Without
   either field the output may fill the rest of the context (ds4's default), the only capping left.
-- `media`: `image_url`, `input_audio` and `file` parts are refused: this model has no vision (nor
-  audio) input, and a silently dropped image makes the model answer about a picture it never saw.
-  Other part types than text are refused too. A non-text part inside a tool result (an agent's read
-  of an image file) becomes the text `[Unsupported TYPE]` instead, as the DeepSeek V4 encoder writes
-  a tool message's non-text part, so the agent's session goes on and the model knows what it did not
-  get; a refusal there would fail every later request of that conversation.
+- `media`: an `image_url` part is read (serving/images.py: a base64 data URL, at most 16 a request,
+  decoded, a corrupt one refused naming its part) and refused while the model has no vision encoder
+  (every model today): a silently dropped image makes the model answer about a picture it never saw.
+  `input_audio`, `file` and other part types than text are refused. A non-text part inside a tool
+  result (an agent's read of an image file) becomes the text `[Unsupported TYPE]` instead, as the
+  DeepSeek V4 encoder writes a tool message's non-text part, so the agent's session goes on and the
+  model knows what it did not get; a refusal there would fail every later request of that conversation.
 - `answer`: the conversation ends where the model can answer: after a user, tool or developer
   message (a system message may follow them). A conversation that ends with an assistant message,
   or holds only system messages, would render a prompt with no `<｜Assistant｜>` opener; the model
@@ -42,8 +43,8 @@ as above, with `max_tokens`; `logprobs` an integer 0–20 (OpenAI's own limit is
 Responses (https://platform.openai.com/docs/api-reference/responses/create), the same checks on
 `input`: `empty` (a string, or a non-empty array of items), `role` (a message item's role is `user`,
 `system`, `developer` or `assistant`), `tool_choice` (as above; with tools, only `auto` and `none` are
-served, as ds4 serves them), `context` with `max_output_tokens`, `media` (`input_image`,
-`input_file`, `input_audio`; in a `function_call_output`, `[Unsupported TYPE]`) and `answer`;
+served, as ds4 serves them), `context` with `max_output_tokens`, `media` (`input_image` read as above, its
+`file_id` refused; `input_file`, `input_audio` refused; in a `function_call_output`, `[Unsupported TYPE]`) and `answer`;
 `top_logprobs` 0–20, which needs `include: ["message.output_text.logprobs"]` (the field that asks).
 
 Messages (https://platform.claude.com/docs/en/api/messages):
@@ -62,7 +63,8 @@ Messages (https://platform.claude.com/docs/en/api/messages):
 - `context`: the prompt plus `max_tokens` must fit the context; the message is Anthropic's, "input
   length and `max_tokens` exceed context limit: P + M > N, decrease input length or `max_tokens` and
   try again", which Claude Code reads to retry with a `max_tokens` that fits.
-- `media`: `image` and `document` blocks are refused (no vision support); inside a `tool_result`,
+- `media`: `image` blocks are read as above (a `base64` source; a `url` source is refused) and
+  `document` blocks refused; inside a `tool_result`,
   a block other than text is `[Unsupported TYPE]`, as above.
 - `answer`: a last `assistant` message (a prefill) is refused with the message Claude 4.6 and later
   models answer ("This model does not support assistant message prefill. The conversation must end

@@ -17,8 +17,10 @@ MODEL = "deepseek-v4-flash"
 HI = [{"role": "user", "content": "hi"}]
 FUNCTION = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 TOOL = {"name": "get_weather", "input_schema": {"type": "object"}}
-IMAGE_URL = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
-IMAGE_BLOCK = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+# a 2×2 red PNG
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGM8ISfHwMDAxMDAwMDAAAANBAEIfXHKZgAAAABJRU5ErkJggg=="
+IMAGE_URL = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}
+IMAGE_BLOCK = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
 CTX = 4096  # conftest's BASE_CONFIG
 
 
@@ -116,7 +118,7 @@ def test_chat_context(http, field):
 @pytest.mark.parametrize(
     ("part", "fragment"),
     [
-        (IMAGE_URL, "no vision support"),
+        (IMAGE_URL, "no vision encoder"),
         ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "'input_audio' is not supported"),
         ({"type": "file", "file": {"file_id": "f"}}, "'file' is not supported"),
     ],
@@ -238,7 +240,7 @@ def test_responses_logprobs(http, extra, fragment):
 @pytest.mark.parametrize(
     ("block", "fragment"),
     [
-        ({"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}, "no vision support"),
+        ({"type": "input_image", "image_url": f"data:image/png;base64,{PNG}"}, "no vision encoder"),
         ({"type": "input_file", "file_id": "f"}, "'input_file' is not supported"),
     ],
 )
@@ -319,7 +321,7 @@ def test_messages_context(http):
 @pytest.mark.parametrize(
     ("block", "fragment"),
     [
-        (IMAGE_BLOCK, "no vision support"),
+        (IMAGE_BLOCK, "no vision encoder"),
         ({"type": "document", "source": {"type": "text", "data": "x"}}, "'document' is not supported"),
     ],
 )
