@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType, quants
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
 from dwarfstar.gguf.dequant import MXFP4ScaleError, dequantize
+from dwarfstar.gguf.quantize import quantize
 
 MX = GGMLType.MXFP4
 
@@ -69,3 +70,45 @@ def test_nan_exponent_is_a_named_error():
     with pytest.raises(MXFP4ScaleError, match="block 4 .*0xFF.*NaN"):
         dequantize(raw, MX, 6 * 32)
     assert issubclass(MXFP4ScaleError, DwarfStarError)
+
+
+def test_quantize_equals_gguf_py():
+    rng = np.random.default_rng(4)
+    # rows at scales from 2^-100 to 2^100, one with a zero block and one with an exact power of two
+    x = rng.standard_normal((9, 4 * 32)).astype(np.float32) * np.float32(2.0) ** np.arange(-100, 101, 25)[:, None]
+    x[1, 32:64] = 0
+    x[2, 5] = 8.0
+    ours = quantize(torch.from_numpy(x), MX)
+    assert ours.shape == (9, 4 * 17)
+    assert np.array_equal(ours, quants.quantize(x, GGMLQuantizationType.MXFP4))
+
+
+def test_quantize_round_trip_is_nearest():
+    x = torch.randn(6, 64)
+    raw = quantize(x, MX)
+    y = dequantize(raw, MX, x.numel()).reshape(x.shape)
+    # with scale s = 2^(floor(log2 amax) - 2), the gaps between E2M1 values are at most 2s (below 6s), so
+    # each element is within s of its code, and amax (< 8s) clips to 6s at worst
+    s = 2.0 ** (torch.floor(torch.log2(x.reshape(-1, 32).abs().amax(1, keepdim=True))) - 2)
+    assert ((y - x).reshape(-1, 32).abs() <= 2 * s).all()
+    assert (raw.reshape(-1, 17)[:, 0] != 0xFF).all()
+
+
+def test_quantize_exponent_range():
+    # the largest float32 amax needs exponent 127 - 2 + 127 = 252 (never 0xFF); below 2^-125 it clamps at 0
+    extremes = torch.stack([torch.full((32,), 3.4e38), torch.full((32,), 1e-40)])
+    raw = quantize(extremes, MX)
+    assert (raw[0, 0], raw[1, 0]) == (252, 0)
+    assert dequantize(raw, MX, 64)[32:].abs().max() < 1e-38
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        quantize(torch.full((1, 32), float("inf")), MX)
+
+
+def test_quantize_exact_exponent_where_gguf_py_log2_rounds_up():
+    # amax one ulp below 2^20: float32 log2 rounds to 20.0, so gguf-py picks exponent 20 - 2; the spec's
+    # floor(log2 amax) is 19, whose scale 2^17 clips amax (~8 * 2^17) to 6 * 2^17, as the spec does
+    x = np.zeros((1, 32), dtype=np.float32)
+    x[0, 0] = np.nextafter(np.float32(2**20), np.float32(0))
+    ours, theirs = quantize(torch.from_numpy(x), MX), quants.quantize(x, GGMLQuantizationType.MXFP4)
+    assert (ours[0, 0], theirs[0, 0]) == (127 + 19 - 2, 127 + 20 - 2)
+    assert dequantize(ours, MX, 32)[0] == 6 * 2.0**17
