@@ -57,14 +57,17 @@ def test_sort_groups_entries_and_skips_empty_experts(device):
     assert sorted({e for e in tiles.tile_expert.tolist() if e >= 0}) == [0, 3, 5]
 
 
-@pytest.mark.parametrize("tokens", [6, 40])  # prefill: GEMV tiles (few entries per expert), tensor-core tiles
-def test_expert_ffn_matches_reference(tokens, device, quant_blocks):
+# prefill: GEMV tiles (few entries per expert), tensor-core tiles; the q2 recipe's types and MXFP4
+@pytest.mark.parametrize(
+    ("tokens", "types"), [(6, (T.IQ2_XXS, T.Q2_K)), (40, (T.IQ2_XXS, T.Q2_K)), (40, (T.MXFP4, T.MXFP4))]
+)
+def test_expert_ffn_matches_reference(tokens, types, device, quant_blocks):
     gen = torch.Generator().manual_seed(tokens)
     e, d, f, k = 8, 256, 256, 2
     x = torch.randn(tokens, d, generator=gen).to(device)
-    gate = weight(T.IQ2_XXS, (e, f, d), device, quant_blocks, seed=2)
-    up = weight(T.IQ2_XXS, (e, f, d), device, quant_blocks, seed=3)
-    down = weight(T.Q2_K, (e, d, f), device, quant_blocks, seed=4)
+    gate = weight(types[0], (e, f, d), device, quant_blocks, seed=2)
+    up = weight(types[0], (e, f, d), device, quant_blocks, seed=3)
+    down = weight(types[1], (e, d, f), device, quant_blocks, seed=4)
     ids = torch.stack([torch.randperm(e - 1, generator=gen)[:k] for _ in range(tokens)]).int().to(device)  # 7 idle
     route_w = torch.rand(tokens, k, generator=gen).to(device)
     out = torch.full((tokens, k + 1, d), float("nan"), device=device)
@@ -87,6 +90,8 @@ DECODE_CASES = [
     pytest.param((T.IQ2_XXS, T.Q2_K, T.Q8_0), EXACT, 3, id="q2-exact"),
     pytest.param((T.Q4_K, T.Q4_K, T.Q8_0), EXACT, 3, id="q4-exact"),
     pytest.param((T.F16, T.F32, T.BF16), EXACT, 2, id="float-exact"),
+    pytest.param((T.MXFP4, T.MXFP4, T.Q8_0), EXACT, 2, id="mxfp4-exact"),
+    pytest.param((T.MXFP4, T.MXFP4, T.Q8_0), FAST, 1, id="mxfp4-fast"),
     pytest.param((T.IQ2_XXS, T.Q2_K, T.Q8_0), FAST, 3, id="q2-fast"),
     pytest.param((T.Q4_K, T.Q4_K, T.Q4_K), FAST, 3, id="q4-fast-shared-in-mma"),
     # mixed 2-bit and 4-bit files: the 2-bit matrices take the fp16 tensor-core form (the int8 form needs both)
