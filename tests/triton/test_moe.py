@@ -202,3 +202,20 @@ def test_decode_ffn_exact_rows_do_not_depend_on_the_batch(device, quant_blocks):
     batch = moe_experts.decode_ffn(x, ids, route_w, routed, shared, 10.0, EXACT)
     alone = moe_experts.decode_ffn(x[1:2], ids[1:2], route_w[1:2], routed, shared, 10.0, EXACT)
     assert torch.equal(batch[1], alone[0])
+
+
+def test_decode_ffn_mxfp4_rows_ending_inside_a_step(device, quant_blocks):
+    """MXFP4 rows of 96 and 160 columns: the fused loop's 256-column step reads 3 and 5 of its 8 blocks."""
+    gen = torch.Generator().manual_seed(9)
+    e, d, f, k = 4, 96, 160, 2
+    x = torch.randn(2, d, generator=gen).to(device)
+    gate, up = (weight(T.MXFP4, (e, f, d), device, quant_blocks, seed=s) for s in (2, 3))
+    down = weight(T.MXFP4, (e, d, f), device, quant_blocks, seed=4)
+    shared = [weight(T.Q8_0, (1, f, d), device, quant_blocks, seed=5 + i) for i in range(2)]
+    shared.append(weight(T.Q8_0, (1, d, f), device, quant_blocks, seed=7))
+    ids = torch.tensor([[0, 3], [3, 1]], dtype=torch.int32, device=device)
+    route_w = torch.rand(2, k, generator=gen).to(device)
+    out = moe_experts.decode_ffn(x, ids, route_w, (gate, up, down), tuple(shared), 10.0)
+    want = moe_experts.reference(x, gate, up, down, ids, route_w, 10.0).sum(1)
+    want += moe_experts.reference(x, *shared, None, None, 10.0)[:, 0]
+    assert ((out - want).abs().max() / want.abs().max()).item() < 1e-5

@@ -446,14 +446,14 @@ def _decode_down_kernel(
 
 def _decode_rows(ggml_type: GGMLType, fast: bool, warps: int) -> tuple[int, int]:
     """(rows, BK) of a decode loop over `warps` warps: each thread reads one 16-byte run of the blocks
-    per step (rows of 4 runs per super-block for the 2-bit formats, 8 for Q4_K, 16 for Q8_0's 256
-    columns); the tensor-core form takes 16-row mma tiles, two per warp."""
+    per step (rows of 4 runs per super-block for the 2-bit formats, 8 for Q4_K and MXFP4, 16 for Q8_0's
+    256 columns); the tensor-core form takes 16-row mma tiles, two per warp."""
     if interpreting():  # programs run one after another: as few as possible
         return 256, 256 if ggml_type in EXACT_TYPES else tile_k(ggml_type, QK_K)
     if fast and ggml_type in FAST_TYPES:
         return 32 * warps, 256
     if ggml_type in EXACT_TYPES:
-        return warps * warp_size() // {GGMLType.Q8_0: 16, GGMLType.Q4_K: 8}.get(ggml_type, 4), 256
+        return warps * warp_size() // {GGMLType.Q8_0: 16, GGMLType.Q4_K: 8, GGMLType.MXFP4: 8}.get(ggml_type, 4), 256
     return 16, tile_k(ggml_type, QK_K)
 
 
