@@ -112,3 +112,18 @@ def test_quantize_exact_exponent_where_gguf_py_log2_rounds_up():
     ours, theirs = quantize(torch.from_numpy(x), MX), quants.quantize(x, GGMLQuantizationType.MXFP4)
     assert (ours[0, 0], theirs[0, 0]) == (127 + 19 - 2, 127 + 20 - 2)
     assert dequantize(ours, MX, 32)[0] == 6 * 2.0**17
+
+
+@pytest.mark.parametrize("largest", [6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5])
+def test_fp4_values_reencode_without_loss(largest):
+    # values already on an E2M1 grid times 2^(e-127) (the official FP4 experts): whatever the block's
+    # largest code, the encoder's exponent reproduces every value exactly
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    codes = grid[grid <= largest]
+    gen = torch.Generator().manual_seed(int(largest * 2))
+    x = codes[torch.randint(0, len(codes), (8, 32), generator=gen)] * (
+        1 - 2 * torch.randint(0, 2, (8, 32), generator=gen)
+    )
+    x[:, 0] = largest
+    x = x * 2.0 ** torch.randint(-20, 20, (8, 1), generator=gen).float()
+    assert torch.equal(dequantize(quantize(x, MX), MX, x.numel()).view(8, 32), x)
