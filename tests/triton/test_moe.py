@@ -142,15 +142,21 @@ def test_decode_ffn_matches_reference(types, precision, tokens, device, quant_bl
     assert not ticket_counters(device, "experts", 1).any()  # back at 0: a replayed launch starts over
 
 
+def expert_weights(gate_up, down_type, e, d, f, device, quant_blocks):
+    """Routed (gate, up, down) of e experts in the given types and a Q8_0 shared expert."""
+    gate, up = (weight(gate_up, (e, f, d), device, quant_blocks, seed=s) for s in (2, 3))
+    down = weight(down_type, (e, d, f), device, quant_blocks, seed=4)
+    shared = [weight(T.Q8_0, (1, f, d), device, quant_blocks, seed=5 + i) for i in range(2)]
+    shared.append(weight(T.Q8_0, (1, d, f), device, quant_blocks, seed=7))
+    return (gate, up, down), shared
+
+
 def test_decode_ffn_int8_two_super_blocks_a_pass(device, quant_blocks):
     # K = 512 (gate/up over D, down over F): the int8 loops take two super-blocks a pass (SBP = 2)
     gen = torch.Generator().manual_seed(11)
     e, d, f, k = 4, 512, 512, 2
     x = torch.randn(1, d, generator=gen).to(device)
-    gate, up = (weight(T.IQ2_XXS, (e, f, d), device, quant_blocks, seed=s) for s in (2, 3))
-    down = weight(T.Q2_K, (e, d, f), device, quant_blocks, seed=4)
-    shared = [weight(T.Q8_0, (1, f, d), device, quant_blocks, seed=5 + i) for i in range(2)]
-    shared.append(weight(T.Q8_0, (1, d, f), device, quant_blocks, seed=7))
+    (gate, up, down), shared = expert_weights(T.IQ2_XXS, T.Q2_K, e, d, f, device, quant_blocks)
     ids = torch.randperm(e, generator=gen)[:k].int().view(1, k).to(device)
     route_w = torch.rand(1, k, generator=gen).to(device)
     out = moe_experts.decode_ffn(x, ids, route_w, (gate, up, down), tuple(shared), 10.0, FAST)
@@ -209,10 +215,7 @@ def test_decode_ffn_mxfp4_rows_ending_inside_a_step(device, quant_blocks):
     gen = torch.Generator().manual_seed(9)
     e, d, f, k = 4, 96, 160, 2
     x = torch.randn(2, d, generator=gen).to(device)
-    gate, up = (weight(T.MXFP4, (e, f, d), device, quant_blocks, seed=s) for s in (2, 3))
-    down = weight(T.MXFP4, (e, d, f), device, quant_blocks, seed=4)
-    shared = [weight(T.Q8_0, (1, f, d), device, quant_blocks, seed=5 + i) for i in range(2)]
-    shared.append(weight(T.Q8_0, (1, d, f), device, quant_blocks, seed=7))
+    (gate, up, down), shared = expert_weights(T.MXFP4, T.MXFP4, e, d, f, device, quant_blocks)
     ids = torch.tensor([[0, 3], [3, 1]], dtype=torch.int32, device=device)
     route_w = torch.rand(2, k, generator=gen).to(device)
     out = moe_experts.decode_ffn(x, ids, route_w, (gate, up, down), tuple(shared), 10.0)
