@@ -35,7 +35,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 # Byte offsets of the fp16 scale fields (d, dmin) inside one block of each quant type.
-_FP16_FIELDS = {GGMLType.Q8_0: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q4_K: (0, 2), GGMLType.IQ2_XXS: (0,)}
+_FP16_FIELDS = {
+    GGMLType.Q8_0: (0,),
+    GGMLType.Q2_K: (80, 82),
+    GGMLType.Q4_K: (0, 2),
+    GGMLType.IQ2_XXS: (0,),
+    GGMLType.MXFP4: (),
+}
 
 
 @pytest.fixture
@@ -52,6 +58,8 @@ def quant_blocks() -> Callable[[GGMLType, int, int], np.ndarray]:
         for at in _FP16_FIELDS[ggml_type]:
             scale = rng.uniform(1e-4, 0.1, size=n_blocks).astype(np.float16)
             blocks[:, at : at + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+        if ggml_type == GGMLType.MXFP4:  # E8M0 exponent bytes: half-scales 2^-10 to 2^-4
+            blocks[:, 0] = rng.integers(118, 125, size=n_blocks)
         return blocks
 
     return make

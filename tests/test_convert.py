@@ -511,3 +511,19 @@ def test_cli_errors_exit_2_without_traceback(
     assert re.search(message, err), err
     assert "Traceback" not in err
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_official_fp4_experts_convert_to_mxfp4_without_loss(hf_model, tmp_path: Path) -> None:
+    """q8_0-mxfp4: the routed experts become MXFP4 blocks that decode to the checkpoint's FP4 values exactly
+    (whatever the block's largest code), the rest is the q8_0 layout."""
+    src = tmp_path / "official"
+    src.mkdir()
+    values = write_official_checkpoint(src, hf_model[1])
+    out = tmp_path / "mxfp4.gguf"
+    convert_checkpoint(src, out, "q8_0-mxfp4")
+    gguf = GGUFFile(out)
+    experts = [name for name in gguf.tensors if name.endswith("_exps.weight")]
+    assert experts and all(gguf.tensors[name].ggml_type == GGMLType.MXFP4 for name in experts)
+    for name in experts:
+        assert torch.equal(gguf.tensor(name), expected_values(name, values, key=lambda official: official)), name
+    assert gguf.tensors["blk.0.attn_q_a.weight"].ggml_type == GGMLType.Q8_0

@@ -91,6 +91,9 @@ def bench_synthetic(
 @bench_app.command("gpu-plan")
 def bench_gpu_plan(
     preset: Annotated[str, typer.Option(help="flash or pro (q2 experts, as ds4's files).")] = "flash",
+    experts: Annotated[
+        str, typer.Option(help="Routed-expert types: q2 (IQ2_XXS gate/up, Q2_K down) or mxfp4 (flash only).")
+    ] = "q2",
     ctx: Annotated[int, typer.Option(min=1, help="Context of the decode step.")] = 2048,
     batch: Annotated[int, typer.Option(min=1, max=64, help="Sequences decoding together.")] = 1,
     target: Annotated[str, typer.Option(help="GPU target: cuda:90 (H100/H200) or hip:gfx942 (MI300X).")] = "cuda:90",
@@ -109,10 +112,12 @@ def bench_gpu_plan(
         raise DwarfStarError(f"--preset must be flash or pro, got {preset!r}")
     if precision not in ("exact", "fast"):
         raise DwarfStarError(f"--precision must be exact or fast, got {precision!r}")
+    if experts not in ("q2", "mxfp4") or (experts == "mxfp4" and preset != "flash"):
+        raise DwarfStarError(f"--experts must be q2, or mxfp4 with the flash preset, got {experts!r} for {preset}")
     from dwarfstar.backends.triton.plan.report import build_plan, format_plan, plan_json
 
     try:
-        plan = build_plan(f"{preset}-q2", batch, ctx, target, not no_compile, layers, precision)
+        plan = build_plan(f"{preset}-{experts}", batch, ctx, target, not no_compile, layers, precision)
     except ValueError as exc:
         raise DwarfStarError(str(exc)) from exc
     typer.echo(format_plan(plan))

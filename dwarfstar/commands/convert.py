@@ -11,7 +11,10 @@ import typer
 from dwarfstar.commands.apps import TOOLS, app
 from dwarfstar.commands.flags import writable
 
-OUTTYPES_HELP = "f32, f16, q8_0: all F32; matrices F16; ds4's Q8_0 layout (experts Q8_0 too)."  # convert.hf.OutType
+OUTTYPES_HELP = (  # convert.hf.OutType
+    "f32, f16, q8_0, q8_0-mxfp4: all F32; matrices F16; ds4's Q8_0 layout (experts Q8_0 too); "
+    "that layout with the routed experts MXFP4 (the official FP4 experts, without loss)."
+)
 
 
 @app.command(rich_help_panel=TOOLS)

@@ -18,8 +18,9 @@ if TYPE_CHECKING:
     from dwarfstar.quant.quality import Quality
 
 RECIPE_HELP = (  # quant.recipes.RECIPES
-    "One of q2, q2-q4, q4, q8. q2: routed gate/up IQ2_XXS, down Q2_K; "
-    "q2-q4: q2 with the last 6 layers' experts Q4_K; q4: experts Q4_K; q8: experts Q8_0. "
+    "One of q2, q2-q4, q4, q8, mxfp4. q2: routed gate/up IQ2_XXS, down Q2_K; "
+    "q2-q4: q2 with the last 6 layers' experts Q4_K; q4: experts Q4_K; q8: experts Q8_0; "
+    "mxfp4: experts MXFP4 (copied when they already are). "
     "Everything else: Q8_0 projections, F16 embedding/HC/compressor/indexer/router, F32 norms."
 )
 

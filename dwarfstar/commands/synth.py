@@ -22,7 +22,10 @@ def synth(
         Path, typer.Argument(help="Output .gguf path (with --split-at, the parts' name stem).", callback=writable)
     ],
     preset: Annotated[str, typer.Option(help=PRESETS_HELP)] = "tiny",
-    layout: Annotated[str, typer.Option(help="f32: every float tensor F32; ds4: the published file types.")] = "f32",
+    layout: Annotated[
+        str,
+        typer.Option(help="f32: every float tensor F32; ds4: the published file types; ds4-mxfp4: MXFP4 experts."),
+    ] = "f32",
     seed: Annotated[int, typer.Option(help="Random seed; the same seed writes the same bytes.")] = 0,
     layers: Annotated[
         int | None,

@@ -34,20 +34,22 @@ from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType, ValueType
 from dwarfstar.gguf.quantize import quantize
 from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config import ModelArgs
-from dwarfstar.model.tensors import INDEX, NORM, TensorSpec, expected_tensors
+from dwarfstar.model.tensors import EXPERT, INDEX, NORM, TensorSpec, expected_tensors
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, tokenizer_metadata
 
 
 class OutType(StrEnum):
-    """What the output holds: everything F32, matrices F16, or ds4's Q8_0 layout."""
+    """What the output holds: everything F32, matrices F16, ds4's Q8_0 layout, or that layout with the
+    routed experts in MXFP4 (ds4's files that keep the official FP4 experts)."""
 
     F32 = "f32"
     F16 = "f16"
     Q8_0 = "q8_0"
+    Q8_0_MXFP4 = "q8_0-mxfp4"
 
 
 # llama.cpp's `llama_ftype` for `general.file_type`, and ggml's current quantization format version
-_FILE_TYPE = {OutType.F32: 0, OutType.F16: 1, OutType.Q8_0: 7}
+_FILE_TYPE = {OutType.F32: 0, OutType.F16: 1, OutType.Q8_0: 7, OutType.Q8_0_MXFP4: 38}  # 38: MOSTLY_MXFP4_MOE
 GGML_QUANTIZATION_VERSION = 2
 
 # Called after each piece is written: (GGUF tensor name, number of values just written).
@@ -151,9 +153,15 @@ def gguf_type(spec: TensorSpec, outtype: OutType) -> GGMLType:
         return GGMLType.I32
     if spec.types == NORM or outtype == OutType.F32:
         return GGMLType.F32  # norms, biases, sinks, HC scale/base: tiny, and ds4 requires F32
+    # The official FP4 experts (e2m1 codes, an E8M0 scale per 32 columns) re-encode to MXFP4 without loss:
+    # the encoder's exponent floor(log2 amax) - 2 puts the block's largest code at 4 or 6 (the E2M1
+    # binade [4, 6]), and smaller largest codes are doubled, which E2M1 holds exactly (tests/test_convert.py).
+    if outtype == OutType.Q8_0_MXFP4 and spec.types == EXPERT:
+        return GGMLType.MXFP4
     # ds4's Q8_0 layout: every Q8_0-capable matrix except the embedding, which is gathered row by row and
     # stays F16 like the compressor, indexer, router and HC matrices.
-    if outtype == OutType.Q8_0 and GGMLType.Q8_0 in spec.types and spec.name != "token_embd.weight":
+    quantized = outtype in (OutType.Q8_0, OutType.Q8_0_MXFP4)
+    if quantized and GGMLType.Q8_0 in spec.types and spec.name != "token_embd.weight":
         return GGMLType.Q8_0
     return GGMLType.F16
 

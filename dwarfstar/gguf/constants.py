@@ -8,6 +8,7 @@ GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3
 GGUF_DEFAULT_ALIGNMENT = 32
 QK_K = 256  # super-block size of the K-quants and IQ types
+QK_MXFP4 = 32  # MXFP4 block: one E8M0 exponent byte, then 32 FP4 (E2M1) nibbles
 
 
 class ValueType(IntEnum):
@@ -72,6 +73,7 @@ class GGMLType(IntEnum):
     F64 = 28
     IQ1_M = 29
     BF16 = 30
+    MXFP4 = 39
 
 
 # (elements per block, bytes per block) for the types DwarfStar reads and writes.
@@ -84,6 +86,7 @@ BLOCK_GEOMETRY: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q2_K: (QK_K, 84),
     GGMLType.Q4_K: (QK_K, 144),
     GGMLType.IQ2_XXS: (QK_K, 66),
+    GGMLType.MXFP4: (QK_MXFP4, 17),
 }
 
 

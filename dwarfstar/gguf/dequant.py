@@ -18,6 +18,7 @@ from functools import cache
 import numpy as np
 import torch
 
+from dwarfstar.errors import ModelFileError
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
 
 _U8 = torch.uint8
@@ -139,11 +140,47 @@ def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:
     return (db * values).reshape(b.shape[0], 256)
 
 
+# FP4 E2M1 values doubled (as ggml and gguf-py store them), indexed by nibble: bit 3 is the sign.
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+MXFP4_NAN_EXPONENT = 0xFF  # E8M0 reserves it for NaN
+
+
+class MXFP4ScaleError(ModelFileError):
+    """An MXFP4 block whose E8M0 exponent byte is 0xFF, which E8M0 reserves for NaN."""
+
+
+def check_mxfp4(blocks: torch.Tensor) -> None:
+    """Refuse MXFP4 blocks (n, 17) with a NaN exponent, rather than decode them into silent NaNs."""
+    bad = (blocks[:, 0] == MXFP4_NAN_EXPONENT).nonzero()
+    if bad.numel():
+        raise MXFP4ScaleError(
+            f"MXFP4 block {int(bad[0, 0])} (of {blocks.shape[0]}) has exponent byte 0xFF, which is NaN in E8M0 "
+            f"({bad.numel()} such blocks): the file is damaged or was not written as MXFP4"
+        )
+
+
+def mxfp4_half_scales(e: torch.Tensor) -> torch.Tensor:
+    """2^(e-128) as float32 for E8M0 exponent bytes `e` (ggml's e8m0_to_fp32_half): half the block scale,
+    since the value table is doubled. Exponents 0 and 1 give the float32 subnormals 2^-128 and 2^-127."""
+    bits = torch.where(e < 2, 0x00200000 << e.int(), (e.int() - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    # block: u8 e, u8 qs[16]; element j is qs[j] & 0xF, element j + 16 is qs[j] >> 4; x = 2^(e-128) * 2*fp4
+    check_mxfp4(b)
+    n = b.shape[0]
+    q = (b[:, 1:].reshape(n, 1, 16) >> _shifts(0, 4).reshape(1, 2, 1)) & 0xF
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.float32)[q.long()].reshape(n, 32)
+    return mxfp4_half_scales(b[:, :1]) * values
+
+
 _BLOCK_DECODERS = {
     GGMLType.Q8_0: _q8_0,
     GGMLType.Q2_K: _q2_k,
     GGMLType.Q4_K: _q4_k,
     GGMLType.IQ2_XXS: _iq2_xxs,
+    GGMLType.MXFP4: _mxfp4,
 }
 
 

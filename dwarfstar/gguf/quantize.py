@@ -1,9 +1,9 @@
-"""Encoders from float tensors to raw ggml bytes: F32, F16, BF16, Q8_0, Q4_K, Q2_K and IQ2_XXS.
+"""Encoders from float tensors to raw ggml bytes: F32, F16, BF16, Q8_0, Q4_K, Q2_K, IQ2_XXS and MXFP4.
 
 The output is what `GGUFWriter.write_tensor` takes. The float and Q8_0 encoders are bit-identical to
 ggml's reference (as mirrored by gguf-py 0.19.0's `gguf.quants.quantize`), so a file we write holds exactly
 the bytes llama.cpp's `convert_hf_to_gguf.py` would have written for the same weights. The K-quants and
-IQ2_XXS follow ggml's searches (quant_k.py, quant_iq2.py).
+IQ2_XXS follow ggml's searches (quant_k.py, quant_iq2.py); MXFP4 the OCP MX spec (quant_mxfp4.py).
 
 `importance` is the optional imatrix: per input column, how much that column's activations weigh
 (their mean square over calibration text). The block types then minimise the error where it matters
@@ -18,6 +18,7 @@ import torch
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
 from dwarfstar.gguf.quant_iq2 import quantize_iq2_xxs
 from dwarfstar.gguf.quant_k import quantize_q2_k, quantize_q4_k
+from dwarfstar.gguf.quant_mxfp4 import quantize_mxfp4
 
 
 def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
@@ -78,12 +79,19 @@ def _q8_0_weighted(blocks: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 # Elements per call of a block encoder: large enough that torch's per-op overhead vanishes, small
 # enough that the searches' intermediates (up to ~40 floats per element) stay in cache.
-_CHUNK = {GGMLType.Q8_0: 1 << 20, GGMLType.Q4_K: 1 << 18, GGMLType.Q2_K: 1 << 18, GGMLType.IQ2_XXS: 1 << 17}
+_CHUNK = {
+    GGMLType.Q8_0: 1 << 20,
+    GGMLType.Q4_K: 1 << 18,
+    GGMLType.Q2_K: 1 << 18,
+    GGMLType.IQ2_XXS: 1 << 17,
+    GGMLType.MXFP4: 1 << 18,
+}
 _BLOCK_ENCODERS = {
     GGMLType.Q8_0: lambda x, w: _q8_0(x) if w is None else _q8_0_weighted(x, w),
     GGMLType.Q4_K: quantize_q4_k,
     GGMLType.Q2_K: quantize_q2_k,
     GGMLType.IQ2_XXS: quantize_iq2_xxs,
+    GGMLType.MXFP4: quantize_mxfp4,
 }
 
 

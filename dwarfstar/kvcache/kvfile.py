@@ -3,7 +3,7 @@
     offset size
     0      3    "KVC"
     3      u8   version 1
-    4      u8   routed-expert quant bits: 2 (IQ2_XXS/Q2_K), 4 (Q4_K), 8 (Q8_0), 16 (F16/BF16), 32 (F32)
+    4      u8   routed-expert quant bits: 2 (IQ2_XXS/Q2_K), 4 (Q4_K/MXFP4), 8 (Q8_0), 16 (F16/BF16), 32 (F32)
     5      u8   save reason (kvpolicy.SaveReason)
     6      u8   ext flags: bit0 KTM section, bit1 Responses-visible key, bit2 thinking-visible key,
                 bit7 DwarfStar identity section (bit3 is ds4's session-title section, so not that one)
@@ -70,6 +70,7 @@ _QUANT_BITS = {
     GGMLType.IQ2_XXS: 2,
     GGMLType.Q2_K: 2,
     GGMLType.Q4_K: 4,
+    GGMLType.MXFP4: 4,
     GGMLType.Q8_0: 8,
     GGMLType.F16: 16,
     GGMLType.BF16: 16,

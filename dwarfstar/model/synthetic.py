@@ -77,9 +77,10 @@ def preset_with_layers(preset: str, n_layers: int) -> ModelArgs:
 
 # Which type each tensor gets. "f32" keeps every float tensor F32 (parity runs); "ds4" follows the
 # published files: Q8_0 projections, F16 embeddings/HC/compressor/indexer/router, F32 norms, and the
-# q2 recipe for routed experts (IQ2_XXS gate/up, Q2_K down).
+# q2 recipe for routed experts (IQ2_XXS gate/up, Q2_K down); "ds4-mxfp4" is "ds4" with every routed
+# expert in MXFP4, as ds4's files that keep the official FP4 experts.
 _DS4_F16 = ("token_embd", "hc_", "compressor", "indexer", "ffn_gate_inp")
-LAYOUTS = ("f32", "ds4")
+LAYOUTS = ("f32", "ds4", "ds4-mxfp4")
 MTP_SEED_OFFSET = 500_000  # a separate MTP file's tensors draw from other streams than the trunk's
 
 
@@ -90,6 +91,11 @@ class ExpertRecipe:
 
 
 Q2 = ExpertRecipe(GGMLType.IQ2_XXS, GGMLType.Q2_K)
+MXFP4 = ExpertRecipe(GGMLType.MXFP4, GGMLType.MXFP4)
+
+
+def layout_experts(layout: str) -> ExpertRecipe:
+    return MXFP4 if layout == "ds4-mxfp4" else Q2
 
 
 def tensor_type(spec: TensorSpec, layout: str, experts: ExpertRecipe = Q2) -> GGMLType:
@@ -133,7 +139,8 @@ def write_synthetic_model(
         gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
         return _tensor_chunks(spec, ggml_type, args, gen)
 
-    write_model_gguf(path, args, name, lambda spec: tensor_type(spec, layout), data, in_file_mtp)
+    experts = layout_experts(layout)
+    write_model_gguf(path, args, name, lambda spec: tensor_type(spec, layout, experts), data, in_file_mtp)
 
 
 def write_synthetic_mtp(path: str | os.PathLike, args: ModelArgs, layout: str = "f32", seed: int = 0) -> None:
@@ -141,7 +148,7 @@ def write_synthetic_mtp(path: str | os.PathLike, args: ModelArgs, layout: str = 
     whose metadata is the trunk's config (ds4's loader reads none of it; ours checks it names the model)."""
     metadata = args.to_gguf_metadata()
     metadata["general.name"] = (ValueType.STRING, "synthetic-mtp")
-    specs = [(spec, tensor_type(spec, layout)) for spec in mtp_tensors(args, "ds4")]
+    specs = [(spec, tensor_type(spec, layout, layout_experts(layout))) for spec in mtp_tensors(args, "ds4")]
     with GGUFWriter(path, metadata) as writer:
         for spec, ggml_type in specs:
             writer.add_tensor(spec.name, spec.shape, ggml_type)

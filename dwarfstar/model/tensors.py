@@ -21,7 +21,7 @@ from dwarfstar.model.config import LayerSpec, ModelArgs
 FLOAT = frozenset({T.F32, T.F16, T.BF16})
 NORM = frozenset({T.F32})
 DENSE = FLOAT | {T.Q8_0}
-EXPERT = DENSE | {T.Q2_K, T.Q4_K, T.IQ2_XXS}
+EXPERT = DENSE | {T.Q2_K, T.Q4_K, T.IQ2_XXS, T.MXFP4}
 INDEX = frozenset({T.I32})
 
 

@@ -8,6 +8,7 @@ projections and shared expert, F16 embedding/HC/compressor/indexer/router, F32 n
     q2-q4   IQ2_XXS        Q2_K        but the last 6 layers' experts all Q4_K (ds4's layers 37-42 splice)
     q4      Q4_K           Q4_K        ds4's 4-bit files (~153 GiB)
     q8      Q8_0           Q8_0        a near-lossless reference
+    mxfp4   MXFP4          MXFP4       ds4's files that keep the official FP4 experts (MXFP4 input: copied)
 
 The output keeps the input's metadata (tokenizer included) and adds `quantize.recipe`, plus ds4's
 `quantize.imatrix.*` keys when an imatrix steered the encoders.
@@ -31,14 +32,14 @@ from dwarfstar.gguf.reader import GGUFFile, TensorInfo
 from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.loader import ModelFile, open_model
-from dwarfstar.model.synthetic import ExpertRecipe, tensor_type
+from dwarfstar.model.synthetic import MXFP4, ExpertRecipe, tensor_type
 from dwarfstar.model.tensors import expected_tensors
 from dwarfstar.quant.imatrix import Imatrix, check_imatrix
 
 Q2 = ExpertRecipe(GGMLType.IQ2_XXS, GGMLType.Q2_K)
 Q4 = ExpertRecipe(GGMLType.Q4_K, GGMLType.Q4_K)
 Q8 = ExpertRecipe(GGMLType.Q8_0, GGMLType.Q8_0)
-RECIPES = ("q2", "q2-q4", "q4", "q8")
+RECIPES = ("q2", "q2-q4", "q4", "q8", "mxfp4")
 Q4_TAIL_LAYERS = 6  # q2-q4: ds4's best mixed file upgrades the experts of the last six layers
 
 # Rows per chunk when a tensor is not split by expert: ~16M elements, so embeddings stream too.
@@ -54,7 +55,7 @@ def expert_recipe(recipe: str, layer: int, n_layers: int) -> ExpertRecipe:
         raise RecipeError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
     if recipe == "q2-q4":
         return Q4 if layer >= n_layers - Q4_TAIL_LAYERS else Q2
-    return {"q2": Q2, "q4": Q4, "q8": Q8}[recipe]
+    return {"q2": Q2, "q4": Q4, "q8": Q8, "mxfp4": MXFP4}[recipe]
 
 
 def recipe_types(args: ModelArgs, recipe: str) -> dict[str, GGMLType]:

@@ -103,3 +103,14 @@ def test_kernel_with_two_loops():
     ]  # fmt: skip
     warp_instructions = 2 * (3 * 2 * 10 + 1 * 4 * 5)
     assert _launch_ipb(loops, warps=2) == round(warp_instructions / (3 * 2 * 40 + 1 * 4 * 10), 3)
+
+
+def test_mxfp4_experts_plan_same_launches_and_their_bytes(tmp_path):
+    # ds4's files that keep the official FP4 experts: the same launches, and per layer 6 experts each reading
+    # 3 matrices of 2048 x 4096 in 17-byte blocks of 32 instead of IQ2_XXS (66 B / 256) and Q2_K (84 B / 256)
+    flags = ("--ctx", "2048", "--batch", "1", "--precision", "fast", "--layers", "2")
+    q2, mx = (_plan(tmp_path, "--preset", preset, *flags)["totals"] for preset in ("flash", "flash-mxfp4"))
+    assert mx["launches"] == q2["launches"]
+    g = 2048 * 4096
+    extra = 2 * 6 * (3 * g * 17 / 32 - (2 * g * 66 / 256 + g * 84 / 256))
+    assert abs((mx["weight_GB_per_step"] - q2["weight_GB_per_step"]) - extra / 1e9) < 2e-3

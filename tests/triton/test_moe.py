@@ -57,14 +57,17 @@ def test_sort_groups_entries_and_skips_empty_experts(device):
     assert sorted({e for e in tiles.tile_expert.tolist() if e >= 0}) == [0, 3, 5]
 
 
-@pytest.mark.parametrize("tokens", [6, 40])  # prefill: GEMV tiles (few entries per expert), tensor-core tiles
-def test_expert_ffn_matches_reference(tokens, device, quant_blocks):
+# prefill: GEMV tiles (few entries per expert), tensor-core tiles; the q2 recipe's types and MXFP4
+@pytest.mark.parametrize(
+    ("tokens", "types"), [(6, (T.IQ2_XXS, T.Q2_K)), (40, (T.IQ2_XXS, T.Q2_K)), (40, (T.MXFP4, T.MXFP4))]
+)
+def test_expert_ffn_matches_reference(tokens, types, device, quant_blocks):
     gen = torch.Generator().manual_seed(tokens)
     e, d, f, k = 8, 256, 256, 2
     x = torch.randn(tokens, d, generator=gen).to(device)
-    gate = weight(T.IQ2_XXS, (e, f, d), device, quant_blocks, seed=2)
-    up = weight(T.IQ2_XXS, (e, f, d), device, quant_blocks, seed=3)
-    down = weight(T.Q2_K, (e, d, f), device, quant_blocks, seed=4)
+    gate = weight(types[0], (e, f, d), device, quant_blocks, seed=2)
+    up = weight(types[0], (e, f, d), device, quant_blocks, seed=3)
+    down = weight(types[1], (e, d, f), device, quant_blocks, seed=4)
     ids = torch.stack([torch.randperm(e - 1, generator=gen)[:k] for _ in range(tokens)]).int().to(device)  # 7 idle
     route_w = torch.rand(tokens, k, generator=gen).to(device)
     out = torch.full((tokens, k + 1, d), float("nan"), device=device)
@@ -87,6 +90,8 @@ DECODE_CASES = [
     pytest.param((T.IQ2_XXS, T.Q2_K, T.Q8_0), EXACT, 3, id="q2-exact"),
     pytest.param((T.Q4_K, T.Q4_K, T.Q8_0), EXACT, 3, id="q4-exact"),
     pytest.param((T.F16, T.F32, T.BF16), EXACT, 2, id="float-exact"),
+    pytest.param((T.MXFP4, T.MXFP4, T.Q8_0), EXACT, 2, id="mxfp4-exact"),
+    pytest.param((T.MXFP4, T.MXFP4, T.Q8_0), FAST, 1, id="mxfp4-fast"),
     pytest.param((T.IQ2_XXS, T.Q2_K, T.Q8_0), FAST, 3, id="q2-fast"),
     pytest.param((T.Q4_K, T.Q4_K, T.Q4_K), FAST, 3, id="q4-fast-shared-in-mma"),
     # mixed 2-bit and 4-bit files: the 2-bit matrices take the fp16 tensor-core form (the int8 form needs both)
@@ -137,16 +142,22 @@ def test_decode_ffn_matches_reference(types, precision, tokens, device, quant_bl
     assert not ticket_counters(device, "experts", 1).any()  # back at 0: a replayed launch starts over
 
 
+def expert_weights(gate_up, down_type, e, d, f, device, quant_blocks):
+    """Routed (gate, up, down) of e experts in the given types and a Q8_0 shared expert."""
+    gate, up = (weight(gate_up, (e, f, d), device, quant_blocks, seed=s) for s in (2, 3))
+    down = weight(down_type, (e, d, f), device, quant_blocks, seed=4)
+    shared = [weight(T.Q8_0, (1, f, d), device, quant_blocks, seed=5 + i) for i in range(2)]
+    shared.append(weight(T.Q8_0, (1, d, f), device, quant_blocks, seed=7))
+    return (gate, up, down), shared
+
+
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_decode_ffn_int8_two_super_blocks_a_pass(tokens, device, quant_blocks):
     # K = 512 (gate/up over D, down over F): the int8 loops take two super-blocks a pass (SBP = 2)
     gen = torch.Generator().manual_seed(11)
     e, d, f, k = 4, 512, 512, 2
     x = torch.randn(tokens, d, generator=gen).to(device)
-    gate, up = (weight(T.IQ2_XXS, (e, f, d), device, quant_blocks, seed=s) for s in (2, 3))
-    down = weight(T.Q2_K, (e, d, f), device, quant_blocks, seed=4)
-    shared = [weight(T.Q8_0, (1, f, d), device, quant_blocks, seed=5 + i) for i in range(2)]
-    shared.append(weight(T.Q8_0, (1, d, f), device, quant_blocks, seed=7))
+    (gate, up, down), shared = expert_weights(T.IQ2_XXS, T.Q2_K, e, d, f, device, quant_blocks)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)]).int().to(device)
     route_w = torch.rand(tokens, k, generator=gen).to(device)
     out = moe_experts.decode_ffn(x, ids, route_w, (gate, up, down), tuple(shared), 10.0, FAST)
@@ -198,3 +209,17 @@ def test_decode_ffn_exact_rows_do_not_depend_on_the_batch(device, quant_blocks):
     batch = moe_experts.decode_ffn(x, ids, route_w, routed, shared, 10.0, EXACT)
     alone = moe_experts.decode_ffn(x[1:2], ids[1:2], route_w[1:2], routed, shared, 10.0, EXACT)
     assert torch.equal(batch[1], alone[0])
+
+
+def test_decode_ffn_mxfp4_rows_ending_inside_a_step(device, quant_blocks):
+    """MXFP4 rows of 96 and 160 columns: the fused loop's 256-column step reads 3 and 5 of its 8 blocks."""
+    gen = torch.Generator().manual_seed(9)
+    e, d, f, k = 4, 96, 160, 2
+    x = torch.randn(2, d, generator=gen).to(device)
+    (gate, up, down), shared = expert_weights(T.MXFP4, T.MXFP4, e, d, f, device, quant_blocks)
+    ids = torch.tensor([[0, 3], [3, 1]], dtype=torch.int32, device=device)
+    route_w = torch.rand(2, k, generator=gen).to(device)
+    out = moe_experts.decode_ffn(x, ids, route_w, (gate, up, down), tuple(shared), 10.0)
+    want = moe_experts.reference(x, gate, up, down, ids, route_w, 10.0).sum(1)
+    want += moe_experts.reference(x, *shared, None, None, 10.0)[:, 0]
+    assert ((out - want).abs().max() / want.abs().max()).item() < 1e-5

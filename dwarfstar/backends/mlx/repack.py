@@ -8,10 +8,15 @@ MLX's affine groups are 32 wide or more. Three ggml types fit exactly:
 * IQ2_XXS (`db * grid * sign`, grid values {8, 25, 43}, one db per 32): 8-bit codes
   `grid * sign + 43`, scale `db`, bias `-43 db`.
 
-All three are bit-exact: every product `scale * code` and the bias are exact in float32 (at most
+* MXFP4 (`2^(e-128) * v`, v the doubled E2M1 value in -12..12, one e per 32): 8-bit codes `v + 12`,
+  scale `2^(e-128)`, bias `-12 * 2^(e-128)`.
+
+All four are bit-exact: every product `scale * code` and the bias are exact in float32 (at most
 23 significant bits), so the single rounding of `scale * code + bias`, fused or not, is the one the
-reference dequantizer makes. Q2_K has 16-wide sub-blocks with their own scale and min, which no
-32-wide affine group can hold; it is dequantized, or requantized with a stated loss (`requantize`).
+reference dequantizer makes. MXFP4 also has MLX's own form (`mxfp4_native`: mode "mxfp4", 4-bit
+E2M1 codes and the E8M0 bytes as scales), a reordering of the nibbles at half the exact form's bytes.
+Q2_K has 16-wide sub-blocks with their own scale and min, which no 32-wide affine group can hold;
+it is dequantized, or requantized with a stated loss (`requantize`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,17 @@ import numpy as np
 import torch
 
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
-from dwarfstar.gguf.dequant import _byte_tensor, _f16, _iq2xxs_tables, _q4_k_scale_min, _shifts, iq2_xxs_parts
+from dwarfstar.gguf.dequant import (
+    MXFP4_VALUES,
+    _byte_tensor,
+    _f16,
+    _iq2xxs_tables,
+    _q4_k_scale_min,
+    _shifts,
+    check_mxfp4,
+    iq2_xxs_parts,
+    mxfp4_half_scales,
+)
 
 GROUP = 32
 # Elements converted per step: bounds the temporary float32/int copies for Flash-sized tensors.
@@ -33,19 +48,31 @@ CHUNK_ELEMENTS = 1 << 24
 
 @dataclass
 class AffineParts:
-    """Packed codes (uint32 [rows, cols * bits / 32]) with float32 scales and biases [rows, cols / 32]."""
+    """Packed codes (uint32 [rows, cols * bits / 32]) with float32 scales and biases [rows, cols / 32];
+    in `mode` "mxfp4", E2M1 codes with uint8 E8M0 scales and no biases."""
 
     codes: mx.array
     scales: mx.array
-    biases: mx.array
+    biases: mx.array | None
     bits: int
+    mode: str = "affine"
 
     def stacked(self, experts: int) -> AffineParts:
         """The same rows viewed as [experts, rows / experts, ...] for gathered expert products."""
-        codes, scales, biases = (
-            a.reshape(experts, a.shape[0] // experts, -1) for a in (self.codes, self.scales, self.biases)
-        )
-        return AffineParts(codes, scales, biases, self.bits)
+        return self.map(lambda a: a.reshape(experts, a.shape[0] // experts, -1))
+
+    def map(self, f: Callable[[mx.array], mx.array]) -> AffineParts:
+        biases = None if self.biases is None else f(self.biases)
+        return AffineParts(f(self.codes), f(self.scales), biases, self.bits, self.mode)
+
+    @staticmethod
+    def concatenate(parts: list[AffineParts]) -> AffineParts | None:
+        """The parts' rows joined in order, or None when their forms differ."""
+        if len({(p.bits, p.mode) for p in parts}) > 1:
+            return None
+        codes, scales = (mx.concatenate([getattr(p, a) for p in parts]) for a in ("codes", "scales"))
+        biases = None if parts[0].biases is None else mx.concatenate([p.biases for p in parts])
+        return AffineParts(codes, scales, biases, parts[0].bits, parts[0].mode)
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -78,11 +105,22 @@ def _iq2_xxs(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return values.int().reshape(n * 8, 32) + offset, db, -offset * db
 
 
+def _mxfp4(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # the reference decoding (dwarfstar.gguf.dequant._mxfp4), keeping the doubled value as a code
+    check_mxfp4(b)
+    n = b.shape[0]
+    q = (b[:, 1:].reshape(n, 1, 16) >> _shifts(0, 4).reshape(1, 2, 1)) & 0xF
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.int32)[q.long()].reshape(n, 32)
+    half = mxfp4_half_scales(b[:, :1])
+    return values + 12, half, -12 * half
+
+
 # ggml type -> (bits, decoder of (n_blocks, block_bytes) to (codes [groups, 32], scale, bias [groups, 1]))
 _EXACT: dict[GGMLType, tuple[int, Callable]] = {
     GGMLType.Q8_0: (8, _q8_0),
     GGMLType.Q4_K: (4, _q4_k),
     GGMLType.IQ2_XXS: (8, _iq2_xxs),
+    GGMLType.MXFP4: (8, _mxfp4),
 }
 
 
@@ -106,6 +144,16 @@ def repack_exact(raw: np.ndarray, ggml_type: GGMLType, rows: int, cols: int) -> 
         )
     codes, scales, biases = (np.concatenate(p) for p in zip(*parts, strict=True))
     return AffineParts(mx.array(codes), mx.array(scales), mx.array(biases), bits)
+
+
+def mxfp4_native(raw: np.ndarray, rows: int, cols: int) -> AffineParts:
+    """MXFP4 blocks of a [rows, cols] matrix in MLX's mxfp4 form: the same E2M1 nibbles packed 8 a word,
+    element i at bits 4 (i % 8) (ggml's byte j holds elements j and j + 16), the exponent bytes as scales."""
+    blocks = _byte_tensor(raw).view(-1, 17)
+    check_mxfp4(blocks)
+    nibbles = (blocks[:, 1:].reshape(-1, 1, 16) >> _shifts(0, 4).reshape(1, 2, 1)) & 0xF  # [n, 2, 16]
+    codes = pack_codes(nibbles.reshape(rows, cols).numpy(), 4)
+    return AffineParts(mx.array(codes), mx.array(blocks[:, 0].reshape(rows, -1).numpy()), None, 4, "mxfp4")
 
 
 def requantize(values: Callable[[int, int], torch.Tensor], rows: int, cols: int, bits: int) -> AffineParts:

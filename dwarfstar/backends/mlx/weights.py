@@ -1,6 +1,6 @@
 """Model weights as MLX arrays, in one of four packings chosen at load.
 
-* `exact` (the default without Metal): float tensors become float32; Q8_0, Q4_K and IQ2_XXS are
+* `exact` (the default without Metal): float tensors become float32; Q8_0, Q4_K, IQ2_XXS and MXFP4 are
   repacked losslessly into MLX affine groups (`repack.py`); Q2_K is dequantized to float32. The
   logits equal the reference's up to float32 summation order. Memory is that of the repacked or
   dequantized weights, so this is for small models (tests, CI, the CPU bench).
@@ -9,6 +9,9 @@
   machine that keeps the weights small without the Metal kernels. Lossy; `parity.packing_kl` measures it.
 * `blocks` (the default with Metal): quantized matrices stay GGUF blocks, read in place by the
   Metal kernels (`metal.py`).
+
+MXFP4 (the routed experts of ds4's files that keep the official FP4 experts) takes MLX's own mxfp4
+form in every packing but `exact` (`repack.mxfp4_native`): the same nibbles, MLX's built-in products.
 
 Every matrix answers `matmul(x)` (x [..., in] -> [..., out]) and, when stacked [E, out, in],
 `gather(x, ids)` (x [T, 1 or k, 1, in], ids [T, k] -> [T, k, 1, out]). Matrices of one packing that
@@ -75,21 +78,21 @@ class AffineMatrix:
 
     def matmul(self, x: mx.array) -> mx.array:
         p = self.parts
-        return mx.quantized_matmul(x, p.codes, p.scales, p.biases, transpose=True, group_size=repack.GROUP, bits=p.bits)
+        return mx.quantized_matmul(
+            x, p.codes, p.scales, p.biases, transpose=True, group_size=repack.GROUP, bits=p.bits, mode=p.mode
+        )
 
     def gather(self, x: mx.array, ids: mx.array) -> mx.array:
         p = self.parts
         return mx.gather_qmm(
-            x, p.codes, p.scales, p.biases, rhs_indices=ids, transpose=True, group_size=repack.GROUP, bits=p.bits
-        )
+            x, p.codes, p.scales, p.biases, rhs_indices=ids, transpose=True, group_size=repack.GROUP, bits=p.bits,
+            mode=p.mode,
+        )  # fmt: skip
 
     @staticmethod
     def stack_rows(matrices: Sequence[AffineMatrix]) -> AffineMatrix | None:
-        parts = [m.parts for m in matrices]
-        if len({p.bits for p in parts}) > 1:
-            return None
-        stacked = (mx.concatenate([getattr(p, a) for p in parts]) for a in ("codes", "scales", "biases"))
-        return AffineMatrix(repack.AffineParts(*stacked, parts[0].bits))
+        parts = repack.AffineParts.concatenate([m.parts for m in matrices])
+        return None if parts is None else AffineMatrix(parts)
 
 
 def stack_rows(matrices: Sequence[Matrix]) -> Matrix | None:
@@ -142,11 +145,13 @@ def pack_matrix(raw: np.ndarray, ggml_type: GGMLType, shape: tuple[int, ...], pa
     """GGUF bytes of a [out, in] matrix, or a stack [E, out, in], in the packing."""
     cols = shape[-1]
     rows = int(np.prod(shape[:-1]))
-    if packing == "blocks" and ggml_type not in FLOAT_TYPES:
+    if packing != "exact" and ggml_type == GGMLType.MXFP4:  # MLX's own MXFP4 products, no Metal kernel needed
+        parts = repack.mxfp4_native(raw, rows, cols)
+    elif packing == "blocks" and ggml_type not in FLOAT_TYPES:
         from dwarfstar.backends.mlx.metal import BlockMatrix
 
         return BlockMatrix.from_gguf(raw, ggml_type, shape)
-    if packing != "exact" and ggml_type in REQUANTIZED:
+    elif packing != "exact" and ggml_type in REQUANTIZED:
         bits = 4 if packing == "affine4" else 2
         parts = repack.requantize(_row_band(raw, ggml_type, rows, cols), rows, cols, bits)
     elif repack.exact_affine(ggml_type):
@@ -174,8 +179,9 @@ def concat_experts(stacks: Sequence[Matrix]) -> Matrix:
     if isinstance(first, DenseMatrix):
         return DenseMatrix(mx.concatenate([m.w for m in stacks]))
     if isinstance(first, AffineMatrix):
-        joined = (mx.concatenate([getattr(m.parts, a) for m in stacks]) for a in ("codes", "scales", "biases"))
-        return AffineMatrix(repack.AffineParts(*joined, first.parts.bits))
+        parts = repack.AffineParts.concatenate([m.parts for m in stacks])
+        if parts is not None:
+            return AffineMatrix(parts)
     from dwarfstar.backends.mlx.metal import BlockMatrix
 
     if isinstance(first, BlockMatrix):  # the blocks of expert e are rows [e * rows, (e + 1) * rows)

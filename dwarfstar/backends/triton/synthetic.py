@@ -22,13 +22,14 @@ from dwarfstar.backends.triton.weights import ModelWeights, QWeight, aligned_row
 from dwarfstar.gguf.constants import GGMLType
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.state import SequenceState
-from dwarfstar.model.synthetic import Q2, ExpertRecipe, _random_values, _short_name, tensor_type
+from dwarfstar.model.synthetic import MXFP4, Q2, ExpertRecipe, _random_values, _short_name, tensor_type
 from dwarfstar.model.tensors import expected_tensors
 
 Q4 = ExpertRecipe(GGMLType.Q4_K, GGMLType.Q4_K)
 PRESETS: dict[str, tuple[ModelArgs, ExpertRecipe]] = {
     "flash-q2": (ModelArgs.flash(), Q2),
     "flash-q4": (ModelArgs.flash(), Q4),
+    "flash-mxfp4": (ModelArgs.flash(), MXFP4),
     "pro-q2": (ModelArgs.pro(), Q2),
 }
 

@@ -27,17 +27,19 @@ import numpy as np
 import torch
 
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
-from dwarfstar.gguf.dequant import dequantize
+from dwarfstar.gguf.dequant import check_mxfp4, dequantize
 from dwarfstar.gguf.reader import GGUFFile
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import LayerSpec, ModelArgs
 
-# The bytes of a GGUF block that form its quant payload (IQ2_XXS: eight 8-byte groups of two u32s)
+# The bytes of a GGUF block that form its quant payload (IQ2_XXS: eight 8-byte groups of two u32s;
+# MXFP4: the 16 nibble bytes after the exponent, so its 17-byte blocks become aligned 16-byte runs)
 PAYLOAD = {
     GGMLType.Q8_0: range(2, 34),
     GGMLType.Q2_K: range(16, 80),
     GGMLType.Q4_K: range(16, 144),
     GGMLType.IQ2_XXS: range(2, 66),
+    GGMLType.MXFP4: range(1, 17),
 }
 ROW_ALIGN = 16  # bytes: rows (and so each row's payload) start on 128-bit boundaries
 
@@ -136,6 +138,8 @@ class QWeight:
                 raw = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
         blocks = torch.empty(rows, cols // block * size, dtype=torch.uint8, device=device)
         blocks.copy_(raw.reshape(rows, -1))
+        if ggml_type == GGMLType.MXFP4:  # a NaN exponent is a named error at upload, never NaNs in a kernel
+            check_mxfp4(blocks.view(-1, size))
         return cls(repack(blocks, ggml_type, cols), ggml_type, rows, cols, shape[0] if len(shape) == 3 else 1)
 
     @classmethod
@@ -162,6 +166,11 @@ def random_qweight(ggml_type: GGMLType, shape: tuple[int, ...], device, gen: tor
         dtype = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}[ggml_type]
         values = torch.randn(rows, cols, device=device, generator=gen) / cols**0.5
         data = values.to(dtype).view(torch.uint8)
+    elif ggml_type == GGMLType.MXFP4:
+        # uniform nibbles have std 5.85 half-scales (2^(e-128)): pick e for std ~1/sqrt(cols)
+        data = torch.randint(0, 256, (rows, cols // block, size), dtype=torch.uint8, device=device, generator=gen)
+        data[:, :, 0] = 128 + round(-np.log2(5.85 * cols**0.5))
+        data = repack(data.view(rows, -1), ggml_type, cols)
     else:
         data = torch.randint(0, 256, (rows, cols // block * size), dtype=torch.uint8, device=device, generator=gen)
         blocks = data.view(rows, cols // block, size)

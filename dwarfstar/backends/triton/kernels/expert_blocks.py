@@ -40,7 +40,7 @@ MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: or-ing an integer q < 
 FP16_ONE_PAIR = tl.constexpr(0x3C003C00)  # two fp16 1.0 in one word
 
 # the block types with decoders here; others go through quant_blocks.load_weight_tile
-EXACT_TYPES = (8, 10, 12, 16)  # Q8_0, Q2_K, Q4_K, IQ2_XXS
+EXACT_TYPES = (8, 10, 12, 16, 39)  # Q8_0, Q2_K, Q4_K, IQ2_XXS, MXFP4
 FAST_TYPES = (10, 12, 16)  # Q2_K, Q4_K, IQ2_XXS
 
 
@@ -295,6 +295,53 @@ def _exact_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.co
 
 
 @triton.jit
+def _e2m1_bits(w, AT: tl.constexpr):
+    """The E2M1 nibble at bit AT of each word as the float32 bits of its value times 2^-126: the sign to
+    bit 31, the exponent and mantissa bits to bits 24-22, so E2M1's subnormal (0.5) is float32's."""
+    if AT <= 22:
+        mag = w << (22 - AT)
+    else:
+        mag = w >> (AT - 22)
+    return (mag & 0x01C00000) | ((w << (28 - AT)) & 0x80000000)
+
+
+@triton.jit
+def _e2m1_byte(w, H: tl.constexpr):
+    """Nibble H (0 low, 1 high) of bytes 0-3 of each word, joined [..., 2, 2] (byte i + 2 j)."""
+    return tl.join(tl.join(_e2m1_bits(w, 4 * H), _e2m1_bits(w, 8 + 4 * H)),
+                   tl.join(_e2m1_bits(w, 16 + 4 * H), _e2m1_bits(w, 24 + 4 * H)))  # fmt: skip
+
+
+@triton.jit
+def _exact_mxfp4(w_ptr, row_off, k0, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
+    # payload: 16 bytes per block of 32 columns, byte j holding element j (low nibble) and j + 16 (high);
+    # side: an E8M0 exponent e per block, x = fp4 * 2^(e-127). A thread takes a 16-byte run, one block;
+    # the nibbles become floats fp4 * 2^-126 by bit moves alone, scaled back by 2^126 (exact: float32
+    # keeps subnormals here), and the block's sum by 2^(e-127) (float32 bits e << 23; 2^-127 for e = 0)
+    c = tl.arange(0, 8)
+    w = tl.arange(0, 4)
+    i = tl.arange(0, 2)
+    run_ok = (k0 + 32 * c) < K
+    words = tl.load((w_ptr + row_off + k0 // 2).to(tl.pointer_type(tl.uint32))[:, None, None]
+                    + (4 * c)[None, :, None] + w[None, None, :], mask=run_ok[None, :, None], other=0)  # fmt: skip
+    q = tl.join(_e2m1_byte(words, 0), _e2m1_byte(words, 1))  # [BN, c, w, b_i, b_j, h]
+    q = q.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+    k = (
+        (32 * c)[:, None, None, None, None]
+        + (4 * w)[None, :, None, None, None]
+        + i[None, None, :, None, None]
+        + (2 * i)[None, None, None, :, None]
+        + (16 * i)[None, None, None, None, :]
+    )
+    x = _x_rows(x_ptr, x_off, x_ok, k0 + k, k0 + k < K)  # [TB, c, w, b_i, b_j, h]; past K: q and x are 0
+    part = tl.sum(_chain(tl.reshape(q, [1, BN, 8, 4, 2, 2, 2]), x[:, None], 0.0, 3), axis=3)  # [TB, BN, c]
+    e = tl.load(w_ptr + row_off[:, None] + K // 2 + (k0 // 32 + c)[None, :], mask=run_ok[None, :], other=0)
+    e = e.to(tl.int32)
+    scale = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
+    return part * scale[None]
+
+
+@triton.jit
 def exact_step(w_ptr, tab_ptr, row_off, k0, K, x_ptr, x_off, x_ok,
                WTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
     """fp32 partial sums [TB, BN, C] of rows `row_off` [BN] (int64 byte offsets) times activation rows
@@ -308,6 +355,8 @@ def exact_step(w_ptr, tab_ptr, row_off, k0, K, x_ptr, x_off, x_ok,
         return _exact_q4_k(w_ptr, tab_ptr, row_off, k0 // 256, K, x_ptr, x_off, x_ok, BN)
     elif WTYPE == 16:
         return _exact_iq2_xxs(w_ptr, tab_ptr, row_off, k0 // 256, K, x_ptr, x_off, x_ok, BN)
+    elif WTYPE == 39:
+        return _exact_mxfp4(w_ptr, row_off, k0, K, x_ptr, x_off, x_ok, BN)
     else:
         tile = load_weight_tile(w_ptr, tab_ptr, row_off, k0, K, WTYPE, BN, BK)  # [BN, BK]
         k = k0 + tl.arange(0, BK)

@@ -449,14 +449,14 @@ def _decode_down_kernel(
 
 def _decode_rows(ggml_type: GGMLType, fast: bool, warps: int) -> tuple[int, int]:
     """(rows, BK) of a decode loop over `warps` warps: each thread reads one 16-byte run of the blocks
-    per step (rows of 4 runs per super-block for the 2-bit formats, 8 for Q4_K, 16 for Q8_0's 256
-    columns); the tensor-core form takes 16-row mma tiles, two per warp."""
+    per step (rows of 4 runs per super-block for the 2-bit formats, 8 for Q4_K and MXFP4, 16 for Q8_0's
+    256 columns); the tensor-core form takes 16-row mma tiles, two per warp."""
     if interpreting():  # programs run one after another: as few as possible
         return 256, 256 if ggml_type in EXACT_TYPES else tile_k(ggml_type, QK_K)
     if fast and ggml_type in FAST_TYPES:
         return 32 * warps, 256
     if ggml_type in EXACT_TYPES:
-        return warps * warp_size() // {GGMLType.Q8_0: 16, GGMLType.Q4_K: 8}.get(ggml_type, 4), 256
+        return warps * warp_size() // {GGMLType.Q8_0: 16, GGMLType.Q4_K: 8, GGMLType.MXFP4: 8}.get(ggml_type, 4), 256
     return 16, tile_k(ggml_type, QK_K)
 
 
@@ -568,30 +568,36 @@ def reference(x, gate: QWeight, up: QWeight, down: QWeight, ids, route_weights, 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
     """The decode form (q2 recipe: IQ2_XXS gate/up, Q2_K down, with the Q8_0 shared expert) for 1 and 4
-    tokens, exact and fast, and the routed experts of a prefill chunk (sorted tiles, bf16 dot)."""
+    tokens, exact and fast, and the routed experts of a prefill chunk (sorted tiles, bf16 dot); then
+    the same for MXFP4 experts (ds4's files that keep the official FP4 experts), 1 token exact and prefill."""
     a, dev, gen = shape.args, shape.device, shape.generator()
     e, f, d, k = a.n_routed_experts, a.moe_inter_dim, a.dim, a.n_activated_experts
-    gate = random_qweight(GGMLType.IQ2_XXS, (e, f, d), dev, gen)
-    up = random_qweight(GGMLType.IQ2_XXS, (e, f, d), dev, gen)
-    down = random_qweight(GGMLType.Q2_K, (e, d, f), dev, gen)
     shared = tuple(random_qweight(GGMLType.Q8_0, s, dev, gen) for s in ((f, d), (f, d), (d, f)))
-    per_expert = (gate.nbytes + up.nbytes + down.nbytes) // e
     cases = []
-    for t, precision in ((1, EXACT), (4, EXACT), (1, FAST), (4, FAST)):
+    for gate_up, down_type, runs in (
+        (GGMLType.IQ2_XXS, GGMLType.Q2_K, ((1, EXACT), (4, EXACT), (1, FAST), (4, FAST))),
+        (GGMLType.MXFP4, GGMLType.MXFP4, ((1, EXACT),)),
+    ):
+        gate = random_qweight(gate_up, (e, f, d), dev, gen)
+        up = random_qweight(gate_up, (e, f, d), dev, gen)
+        down = random_qweight(down_type, (e, d, f), dev, gen)
+        per_expert = (gate.nbytes + up.nbytes + down.nbytes) // e
+        label = "" if gate_up == GGMLType.IQ2_XXS else f"{gate_up.name} "
+        for t, precision in runs:
+            x = torch.randn(t, d, device=dev, generator=gen)
+            ids = torch.stack([torch.randperm(e, device=dev, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+            weights = torch.rand(t, k, device=dev, generator=gen)
+            run = functools.partial(decode_ffn, x, ids, weights, (gate, up, down), shared, a.swiglu_limit, precision)
+            moved = min(e, t * k) * per_expert + sum(w.nbytes for w in shared)
+            name = f"{label}decode {t} tokens x {k} experts + shared ({'fast' if precision.fast else 'exact'})"
+            cases.append(BenchCase("moe_experts", name, run, moved, 6 * t * (k + 1) * f * d))
+        t = shape.prefill
         x = torch.randn(t, d, device=dev, generator=gen)
         ids = torch.stack([torch.randperm(e, device=dev, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
-        weights = torch.rand(t, k, device=dev, generator=gen)
-        run = functools.partial(decode_ffn, x, ids, weights, (gate, up, down), shared, a.swiglu_limit, precision)
-        moved = min(e, t * k) * per_expert + sum(w.nbytes for w in shared)
-        name = f"decode {t} tokens x {k} experts + shared ({'fast' if precision.fast else 'exact'})"
-        cases.append(BenchCase("moe_experts", name, run, moved, 6 * t * (k + 1) * f * d))
-    t = shape.prefill
-    x = torch.randn(t, d, device=dev, generator=gen)
-    ids = torch.stack([torch.randperm(e, device=dev, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
-    weights = torch.rand(t * k, device=dev, generator=gen)
-    tiles = sort_by_expert(ids, e)
-    out = torch.empty(t, k + 1, d, device=dev)
-    run = functools.partial(expert_ffn, x, gate, up, down, tiles, weights, out, 0, a.swiglu_limit, FAST)
-    name = f"prefill (bf16 dot) {t} tokens x {k} experts"
-    cases.append(BenchCase("moe_experts", name, run, min(e, t * k) * per_expert, 6 * t * k * f * d))
+        weights = torch.rand(t * k, device=dev, generator=gen)
+        tiles = sort_by_expert(ids, e)
+        out = torch.empty(t, k + 1, d, device=dev)
+        run = functools.partial(expert_ffn, x, gate, up, down, tiles, weights, out, 0, a.swiglu_limit, FAST)
+        name = f"{label}prefill (bf16 dot) {t} tokens x {k} experts"
+        cases.append(BenchCase("moe_experts", name, run, min(e, t * k) * per_expert, 6 * t * k * f * d))
     return cases

@@ -99,7 +99,7 @@ def tile_k(ggml_type: GGMLType, k: int, gemm: bool = False) -> int:
     if block == QK_K:
         return QK_K
     cap = 64 if gemm and not interpreting() else 256
-    return max(32 if ggml_type == GGMLType.Q8_0 else 16, min(cap, triton.next_power_of_2(k)))
+    return max(block if block > 1 else 16, min(cap, triton.next_power_of_2(k)))
 
 
 @functools.cache
@@ -197,6 +197,28 @@ def _iq2_xxs_tile(w_ptr, grid_ptr, row_off, sb, K, BN: tl.constexpr):
     return tl.reshape(tl.where(negative, -x, x), [BN, 256])
 
 
+@triton.jit
+def _mxfp4_tile(w_ptr, row_off, k0, K, BN: tl.constexpr, BK: tl.constexpr):
+    # payload: 16 bytes per block of 32 columns, byte j holding element j (low nibble) and j + 16
+    # (high); side: one E8M0 exponent byte e per block. A nibble is E2M1: bit 3 the sign, m = bits 0-2
+    # the magnitude code, whose doubled value is m below 2 and (2 + (m & 1)) << ((m >> 1) - 1) above
+    # (0, 1, 2, 3, 4, 6, 8, 12); x = 2^(e-128) * that, with 2^(e-128) built from its float32 bits as in
+    # `dequant.mxfp4_half_scales` (subnormal for e < 2). Every product is exact.
+    NB: tl.constexpr = BK // 32
+    b = k0 // 32 + tl.arange(0, NB)
+    b_ok = b < K // 32
+    at = row_off[:, None, None] + (16 * b)[None, :, None] + tl.arange(0, 16)[None, None, :]
+    qb = tl.load(w_ptr + at, mask=b_ok[None, :, None], other=0).to(tl.int32)  # [BN, NB, 16]
+    q = tl.join(qb & 15, qb >> 4)  # [BN, NB, 16, 2]
+    m = q & 7
+    v = tl.where(m < 2, m, (2 + (m & 1)) << ((m >> 1) - 1))
+    v = tl.where(q >= 8, -v, v).to(tl.float32)
+    e = tl.load(w_ptr + row_off[:, None] + K // 2 + b[None, :], mask=b_ok[None, :], other=0).to(tl.int32)
+    half = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)  # [BN, NB]
+    x = tl.permute(v, 0, 1, 3, 2) * half[:, :, None, None]  # [BN, NB, 2 (low, high nibble), 16]
+    return tl.reshape(x, [BN, BK])
+
+
 # The vector formats: a 128-bit load holds VECTOR_ELEMENTS of their columns (Q8_0: 16 quants of
 # half a block, whose fp16 scale sits in the row's side bytes)
 VECTOR_ELEMENTS = {GGMLType.F32: 4, GGMLType.F16: 8, GGMLType.BF16: 8, GGMLType.Q8_0: 16}
@@ -282,6 +304,8 @@ def load_weight_tile(w_ptr, grid_ptr, row_off, k0, K, WTYPE: tl.constexpr, BN: t
         return _q4_k_tile(w_ptr, row_off, k0 // 256, K, BN)
     elif WTYPE == 16:  # IQ2_XXS
         return _iq2_xxs_tile(w_ptr, grid_ptr, row_off, k0 // 256, K, BN)
+    elif WTYPE == 39:  # MXFP4
+        return _mxfp4_tile(w_ptr, row_off, k0, K, BN, BK)
     else:
         k = k0 + tl.arange(0, BK)
         mask = (k < K)[None, :]
