@@ -304,6 +304,7 @@ def main() -> None:
     parser.add_argument("--backend", default="reference")
     parser.add_argument("--no-prefix", action="store_true", help="short prompts only (Triton's interpreter)")
     parser.add_argument("--same-server", action="store_true", help="every seed on one server: a long run")
+    parser.add_argument("--minutes", type=float, help="start no seed after this many minutes (a timed soak)")
     parser.add_argument("--out", type=Path, default=Path("build/stress"))
     parser.add_argument("--replay", type=Path, help="run both steps of a dumped conflict again")
     parser.add_argument("--bits", action=argparse.BooleanOptionalAction, default=None,
@@ -315,7 +316,10 @@ def main() -> None:
         return
     outcomes, stack = [], ExitStack()
     served = stack.enter_context(serving(engine)) if args.same_server else None
+    start = time.monotonic()
     for seed in seeds_of(args.seeds):
+        if args.minutes is not None and time.monotonic() - start >= 60 * args.minutes:
+            break
         command = (  # on one server a seed's traffic follows the seeds before it: run them all again
             f"python tests/serving/stress.py --seeds {args.seeds if args.same_server else seed} "
             f"--clients {args.clients} --requests {args.requests} --max-tokens {args.max_tokens} "
@@ -332,6 +336,7 @@ def main() -> None:
         outcomes.append(outcome)
     stack.close()
     print(summary(outcomes))
+    print(f"{len(outcomes)} seeds in {(time.monotonic() - start) / 60:.1f} minutes")
     bits = args.backend == "reference" if args.bits is None else args.bits
     if any(o.differing or (bits and o.conflicts) for o in outcomes):
         sys.exit(1)
