@@ -34,6 +34,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(part[0] if part[0] in ONE_WORKER else "/".join(part)))
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With DWARFSTAR_FAILURE_LOG set (tools/gpu_check.sh), each failure's traceback is appended to
+    that file as the report arrives, in the one process that gathers them (xdist's controller), so a
+    run stopped by a timeout before its summary still says why its tests failed."""
+    path = os.environ.get("DWARFSTAR_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"\n==== {report.nodeid} failed ({report.when})\n{report.longreprtext}\n")
+
+
 # Byte offsets of the fp16 scale fields (d, dmin) inside one block of each quant type.
 _FP16_FIELDS = {
     GGMLType.Q8_0: (0,),

@@ -25,12 +25,34 @@ def test_the_dry_gpu_check_gets_every_step_past_its_imports(tmp_path):
     done = subprocess.run(["bash", str(SCRIPT), str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
     summary = (out / "summary.txt").read_text()
     assert done.returncode == 0, done.stdout + done.stderr
-    assert sum(caps.values()) <= 465 and list(caps)[:3] == ["warm", "bench", "tests"]  # benchmarks first
+    assert sum(caps.values()) <= 465 and list(caps)[:4] == ["warm", "bench", "profile", "tests"]  # benchmarks first
     verdicts = {m[1]: m[0] for m in re.findall(r"^(ok|SKIP|TIMEOUT|FAILED rc=\d+)\s+(\S+)", summary, re.M)}
     assert verdicts == {name: "ok" for name in caps}, summary
     bench_log = (out / "bench.log").read_text()
-    assert re.search(r"warm: \d+ launches of 8 decode graphs and 2 prefill chunks recorded", bench_log)
+    # 2 contexts x 2 batches x 2 row bounds, in each precision
+    assert re.search(r"warm: \d+ launches of 16 decode graphs and 2 prefill chunks recorded", bench_log)
+    assert "dry: profile flash-q2 at ctx 2048, batch 1,4, exact,fast" in bench_log
     assert "dry: batch 4 reads" in bench_log and "dry: 2 kernel modules with bench cases" in bench_log
     for table, first in (("decode", "model"), ("prefill", "model"), ("parity", "model"), ("kernels", "kernel")):
         with open(out / f"{table}.csv") as f:
             assert next(csv.reader(f))[0] == first  # the header, written before any row is measured
+
+
+def test_each_failure_reaches_the_failure_log_while_the_run_goes_on(tmp_path):
+    """tests/conftest.py's hook, loaded into a pytest run of two workers: the planted failure's
+    traceback is in DWARFSTAR_FAILURE_LOG once (from the controller, not again from its worker), the
+    passing test is not."""
+    (tmp_path / "test_planted.py").write_text(
+        "def test_passes():\n    assert True\n\ndef test_fails():\n    assert [1, 2] == [1, 3], 'planted'\n"
+    )
+    log = tmp_path / "failures.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}  # this run may be a worker
+    env.update(DWARFSTAR_FAILURE_LOG=str(log), PYTHONPATH=str(ROOT / "tests"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-n", "2", "test_planted.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    text = log.read_text()
+    assert text.count("==== test_planted.py::test_fails failed (call)") == 1
+    assert "AssertionError: planted" in text and "test_passes" not in text

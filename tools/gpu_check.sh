@@ -13,17 +13,21 @@
 #   warm       every kernel variant of the benchmark's decode steps and prefill chunks compiled into
 #              Triton's cache on all cores (bench decode --warm: recorded on the meta device, compiled
 #              through a target-only driver), so the benchmark's cold start loads instead of compiling
-#   bench      synthetic flash-q2 decode at 2k context, batch 1 and 4, then 32k, then an 8k prefill,
-#              on one set of weights; autotuned kernels take their first pruned config, untimed
-#                                                        -> decode.csv, prefill.csv (rows as measured)
+#   bench      synthetic flash-q2 decode at 2k context, batch 1 and 4, then 32k, in exact then fast
+#              precision, then an 8k prefill, on one set of weights; autotuned kernels take their first
+#              pruned config, untimed                    -> decode.csv, prefill.csv (rows as measured)
+#   profile    each kernel's measured share of a 2k decode step, batch 1 and 4, both precisions
+#              (gpu_profile: torch's profiler over graph replays)      -> profile.csv
 #   tests      the backend conformance suite and the kernel tests on CUDA (tests/backends, tests/triton),
-#              the slow-marked ones too (sampling inside the captured step)
+#              the slow-marked ones too (sampling inside the captured step); each failure's traceback
+#              is appended to tests.log as it happens (DWARFSTAR_FAILURE_LOG), so a step cut short
+#              by its cap still says why its tests failed
 #   mtp        MTP speculation on Triton (slow-marked)
 #   gate-nano  the bundled model's gate vectors on Triton
 #   streaming  expert streaming on Triton (tests), and `dwarfstar run --ssd-streaming` on the bundled model
 #   parity     logits of the tiny models, reference vs Triton, exact and bf16 dots -> parity.csv
 #   kernels    the weight-streaming kernels' GB/s (what is left of the budget)   -> kernels.csv
-# Logs: bench.log (warm, bench, parity, kernels), tests.log (the rest); summary.txt has the versions,
+# Logs: bench.log (warm, bench, profile, parity, kernels), tests.log (the rest); summary.txt has the versions,
 # each step's verdict and time, tok/s, GB/s and % of the ceiling per decode row, failing tests, the tables.
 #
 # GPU_CHECK_DRY=1: on a machine without a GPU (and with TRITON_INTERPRET unset), each step runs its
@@ -53,7 +57,7 @@ export TRITON_DEFAULT_FP_FUSION=1
 unset TRITON_INTERPRET
 
 # step caps in seconds, in running order; their sum must fit the budget (kernels takes what is left)
-CAPS=(warm:90 bench:120 tests:110 mtp:35 gate-nano:40 streaming:25 stream-run:15 parity:20 kernels:10)
+CAPS=(warm:60 bench:110 profile:50 tests:140 mtp:30 gate-nano:30 streaming:20 stream-run:10 parity:15 kernels:0)
 cap() { local c; for c in "${CAPS[@]}"; do [ "${c%%:*}" = "$1" ] && echo "${c#*:}"; done; }
 TOTAL=0
 NOT_OK=0
@@ -151,20 +155,26 @@ $PY -c "import pytest_timeout" 2>/dev/null && TESTFLAGS="$TESTFLAGS --timeout 10
 
 # -- benchmarks first: the warm step compiles what the bench will launch (the same arguments) --
 BENCH="$PY -m dwarfstar.backends.triton.gpu_bench"
-DECODE="decode --synthetic flash-q2 --ctx 2048,32768 --batch 1,4 --steps 64 --then-prefill 8192 --chunk 4096 --tune first"
+DECODE="decode --synthetic flash-q2 --ctx 2048,32768 --batch 1,4 --steps 64 --decode-precision exact,fast --then-prefill 8192 --chunk 4096 --tune first"
 run warm "$OUT/bench.log" $PY -m dwarfstar.backends.triton.warm $DECODE --warm 16 --target "${TARGET:-cuda:90}" --sms "${SMS:-132}" $DRYFLAG
 run bench "$OUT/bench.log" $BENCH $DECODE --csv "$OUT/decode.csv" --prefill-csv "$OUT/prefill.csv" $DRYFLAG
 grep -E "^warm: |^PROBLEM|^jit: [0-9]+ kernels|^dry: " "$OUT/bench.log" | tee -a "$SUMMARY"
 # tok/s, GB/s and the share of the ceiling (a step's weight bytes at the peak bandwidth: 502 tok/s at batch 1)
-[ -s "$OUT/decode.csv" ] && awk -F, 'NR > 1 {printf "decode ctx=%s batch=%s: %s tok/s, %s GB/s, %s%% of the %s tok/s ceiling\n",
-    $3, $4, $5, $8, $10, $9}' "$OUT/decode.csv" | tee -a "$SUMMARY"
+[ -s "$OUT/decode.csv" ] && awk -F, 'NR > 1 {printf "decode ctx=%s batch=%s %s: %s tok/s, %s GB/s, %s%% of the %s tok/s ceiling\n",
+    $3, $4, $5, $6, $9, $11, $10}' "$OUT/decode.csv" | tee -a "$SUMMARY"
 [ -s "$OUT/prefill.csv" ] && awk -F, 'NR > 1 {printf "prefill %s tokens (%s): %s tok/s\n", $3, $5, $6}' \
     "$OUT/prefill.csv" | tee -a "$SUMMARY"
+
+# each kernel's measured share of a 2k decode step, both precisions (the same graphs the bench captured:
+# --steps 32 times and profiles 32 steps, the bench's 64 positions)
+run profile "$OUT/bench.log" $PY -m dwarfstar.backends.triton.gpu_profile --synthetic flash-q2 --ctx 2048 --batch 1,4 \
+    --steps 32 --top 25 --csv "$OUT/profile.csv" $DRYFLAG
+grep -E "^(exact|fast) batch " "$OUT/bench.log" | tee -a "$SUMMARY"
 
 # -- tests on the GPU: every backend's logits, states, payloads and sampling against the reference, the
 # kernels against their torch references, CUDA graphs, then the slow ones --
 # (-m "": the slow-marked ones too, sampling inside the captured step among them; not the aot compiles)
-run tests "$OUT/tests.log" $PY -m pytest tests/backends tests/triton -m "" --ignore tests/triton/test_aot_compile.py \
+DWARFSTAR_FAILURE_LOG=$OUT/tests.log run tests "$OUT/tests.log" $PY -m pytest tests/backends tests/triton -m "" --ignore tests/triton/test_aot_compile.py \
     $TESTFLAGS $XDIST --durations=10
 grep -E "^(FAILED|ERROR) |\] (FAILED|ERROR) " "$OUT/tests.log" | head -n 20 | tee -a "$SUMMARY"
 tail -n 1 "$OUT/tests.log" | tee -a "$SUMMARY"
@@ -179,7 +189,7 @@ grep "experts:" "$OUT/tests.log" | tail -n 1 | tee -a "$SUMMARY"
 run parity "$OUT/bench.log" $BENCH parity --csv "$OUT/parity.csv" $DRYFLAG
 run kernels "$OUT/bench.log" $BENCH kernels --only qmatmul,moe_experts --tune first --csv "$OUT/kernels.csv" $DRYFLAG
 
-for table in decode prefill kernels parity; do
+for table in decode prefill profile kernels parity; do
     if [ -s "$OUT/$table.csv" ]; then
         say ""
         say "== $table.csv"

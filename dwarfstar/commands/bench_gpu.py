@@ -64,13 +64,16 @@ def bench_synthetic(
     prompt: Annotated[int, typer.Option(help="Prefill prompt tokens (0: skip the prefill).")] = 8192,
     chunk: Annotated[int, typer.Option(min=1, help="Prefill chunk.")] = 4096,
     peak_gbs: Annotated[float | None, typer.Option(help="Device memory bandwidth in GB/s.")] = None,
+    precision: Annotated[
+        str, typer.Option(help="Decode precision: exact, fast, or exact,fast (a pass each).")
+    ] = "exact",
     csv_out: Annotated[Path | None, output("--csv", help="CSV file for the decode rows.")] = None,
 ) -> None:
     """Decode and prefill speed of a full-size synthetic model built in device memory."""
     _require_gpu()
     from dwarfstar.backends.triton import gpu_bench
     from dwarfstar.backends.triton.runtime import FAST, default_device
-    from dwarfstar.backends.triton.synthetic import PRESETS
+    from dwarfstar.backends.triton.synthetic import PRESETS, synthetic_weights
 
     if model not in PRESETS:
         raise DwarfStarError(f"unknown synthetic model {model!r}; choose one of {', '.join(PRESETS)}")
@@ -78,14 +81,25 @@ def bench_synthetic(
         contexts = [int(c) for c in ctx.split(",") if c]
     except ValueError as exc:
         raise DwarfStarError(f"--ctx must be comma-separated integers, got {ctx!r}") from exc
+    try:
+        decode_precisions = gpu_bench.precisions(precision)
+    except ValueError as exc:
+        raise DwarfStarError(str(exc)) from None
     device = default_device()
     peak = gpu_bench.device_peak(device, peak_gbs)
-    rows = gpu_bench.run_decode(model, layers, contexts, steps, device, peak)
+    weights = synthetic_weights(model, layers, device)
+    rows = [
+        row
+        for p in decode_precisions
+        for row in gpu_bench.run_decode(model, layers, contexts, steps, device, peak, weights=weights, precision=p)
+    ]
     typer.echo(gpu_bench.format_table(rows))
     if csv_out:
         gpu_bench.write_csv(rows, csv_out)
     if prompt:
-        typer.echo(gpu_bench.format_table(gpu_bench.run_prefill(model, layers, prompt, chunk, device, FAST)))
+        typer.echo(
+            gpu_bench.format_table(gpu_bench.run_prefill(model, layers, prompt, chunk, device, FAST, weights=weights))
+        )
 
 
 @bench_app.command("gpu-plan")

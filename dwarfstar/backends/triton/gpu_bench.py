@@ -97,7 +97,8 @@ def kernel_cases(shape: BenchShape, only: Sequence[str] = ()) -> list[BenchCase]
 
 KERNEL_COLUMNS = ("kernel", "case", "us", "GB/s", "TFLOP/s", "%peak_bw", "%peak_flops")
 DECODE_COLUMNS = (
-    "model", "layers", "ctx", "batch", "tok/s", "ms/step", "weight_GB/step", "GB/s", "ceiling_tok/s", "%ceiling",
+    "model", "layers", "ctx", "batch", "precision", "tok/s", "ms/step", "weight_GB/step", "GB/s", "ceiling_tok/s",
+    "%ceiling",
 )  # fmt: skip
 PREFILL_COLUMNS = ("model", "layers", "tokens", "chunk", "precision", "tok/s", "seconds")
 PARITY_COLUMNS = ("model", "precision", "step", "max_abs", "max_rel", "top1_agree", "mean_kl")
@@ -201,12 +202,26 @@ def decode_bytes_per_token(weights, batch: int = 1) -> int:
     return total
 
 
-def decode_backend(weights, ctxs: Sequence[int], batches: Sequence[int], steps: int, warmup: int):
+def decode_backend(
+    weights, ctxs: Sequence[int], batches: Sequence[int], steps: int, warmup: int, precision: Precision = EXACT
+):
     """`run_decode`'s backend: a KV cache for what the bench reaches, not the model's whole context, in
     one block for the largest batch (`warm` builds the same, on the meta device)."""
     from dwarfstar.backends.triton.backend import TritonBackend
 
-    return TritonBackend(weights, max_seq_len=max(ctxs) + warmup + steps + 1, kv_slots=max(batches))
+    return TritonBackend(
+        weights, precision=precision, max_seq_len=max(ctxs) + warmup + steps + 1, kv_slots=max(batches)
+    )
+
+
+def precisions(text: str) -> list[Precision]:
+    """`--decode-precision`'s comma-separated names (exact, fast)."""
+    named = {"exact": EXACT, "fast": FAST}
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in named]
+    if unknown or not names:
+        raise ValueError(f"--decode-precision takes exact and/or fast, comma-separated, not {text!r}")
+    return [named[name] for name in names]
 
 
 def prefill_backend(weights, tokens: int, precision: Precision):
@@ -226,6 +241,7 @@ def run_decode(
     batches: Sequence[int] = (1,),
     emit: Emit = _print_row,
     weights=None,
+    precision: Precision = EXACT,
 ) -> list[dict]:
     """Decode steps of `b` sequences at once (one cache block, batch-native kernels, a graph per
     bucket) for each b in `batches`, at each context. tok/s counts every sequence's token; GB/s is
@@ -234,7 +250,7 @@ def run_decode(
     from dwarfstar.backends.triton.synthetic import synthetic_state, synthetic_weights
 
     weights = weights if weights is not None else synthetic_weights(preset, layers, device)
-    backend = decode_backend(weights, ctxs, batches, steps, warmup)
+    backend = decode_backend(weights, ctxs, batches, steps, warmup, precision)
     rows = []
     for ctx in ctxs:
         for b in batches:
@@ -253,7 +269,8 @@ def run_decode(
             ceiling = b * peak.gbs * 1e9 / per_step if peak.gbs else None
             rows.append({
                 "model": preset, "layers": weights.args.n_layers, "ctx": ctx, "batch": b,
-                "tok/s": _sig(b / seconds), "ms/step": _sig(seconds * 1e3),
+                "precision": "fast" if precision.fast else "exact", "tok/s": _sig(b / seconds),
+                "ms/step": _sig(seconds * 1e3),
                 "weight_GB/step": round(per_step / 1e9, 3), "GB/s": round(gbs, 1),
                 "ceiling_tok/s": round(ceiling, 1) if ceiling else "", "%ceiling": _pct(gbs, peak.gbs),
             })  # fmt: skip
@@ -366,6 +383,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     d.add_argument("--steps", type=int, default=64)
     d.add_argument("--warmup", type=int, default=8, help="untimed steps first (the graphs are captured in them)")
     d.add_argument("--batch", default="1", help="comma-separated batch sizes (sequences decoding together)")
+    d.add_argument("--decode-precision", default="exact", help="exact and/or fast, comma-separated: a pass each")
     d.add_argument("--then-prefill", type=int, default=0, metavar="TOKENS", help="then prefill, same weights")
     d.add_argument("--prefill-csv", type=Path, default=None)
     d.add_argument("--warm", type=int, default=0, metavar="JOBS", help="compile this run's kernels, don't time")
@@ -386,7 +404,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for s in sub.choices.values():
         s.add_argument("--csv", type=Path, default=None)
         s.add_argument("--dry", action="store_true", help="no device: arguments, imports, shapes, CSV headers")
-    return parser.parse_args(argv)
+    opts = parser.parse_args(argv)
+    try:
+        precisions(getattr(opts, "decode_precision", "exact"))
+    except ValueError as exc:
+        parser.error(str(exc))
+    return opts
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -400,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = CsvRows(opts.csv, columns.get(opts.what, PARITY_COLUMNS))
     then = CsvRows(opts.prefill_csv, PREFILL_COLUMNS) if getattr(opts, "then_prefill", 0) else None
     try:
-        with _tuning(getattr(opts, "tune", "time")), _compile_log():
+        with tuning(getattr(opts, "tune", "time")), _compile_log():
             _run(opts, device, peak, out, then)
     finally:
         out.close()
@@ -423,10 +446,14 @@ def _run(opts, device: torch.device, peak: Peak, out: CsvRows, then: CsvRows | N
         from dwarfstar.backends.triton.synthetic import synthetic_weights
 
         contexts, batches = ([int(c) for c in text.split(",")] for text in (opts.ctx, opts.batch))
+        decode_precisions = precisions(opts.decode_precision)
         if opts.dry:
             return _dry_decode(opts.synthetic, opts.layers, batches, peak)
         weights = synthetic_weights(opts.synthetic, opts.layers, device)
-        run_decode(opts.synthetic, opts.layers, contexts, opts.steps, device, peak, opts.warmup, batches, out, weights)
+        for decode_precision in decode_precisions:
+            run_decode(opts.synthetic, opts.layers, contexts, opts.steps, device, peak, opts.warmup, batches, out,
+                       weights, decode_precision)  # fmt: skip
+            gc.collect()  # this precision's cache and graphs go before the next's come
         if then is not None:
             gc.collect()  # the decode backend's cache and graphs go before the prefill's come
             torch.cuda.empty_cache()
@@ -440,7 +467,7 @@ def _run(opts, device: torch.device, peak: Peak, out: CsvRows, then: CsvRows | N
 
 
 @contextlib.contextmanager
-def _tuning(how: str) -> Iterator[None]:
+def tuning(how: str) -> Iterator[None]:
     """`first`: an autotuned kernel launches its first pruned config, untimed."""
     if how == "time":
         yield

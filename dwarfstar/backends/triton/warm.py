@@ -50,19 +50,20 @@ def record(opts) -> tuple[list[list[tuple]], str]:
     graphs_seen: set[tuple] = set()
     with intercepted(lambda fn, args, grid, kwargs: launches.append((fn, args, grid, kwargs))):
         with torch.inference_mode():
-            backend = gpu_bench.decode_backend(weights, contexts, batches, opts.steps, opts.warmup)
-            for ctx in contexts:
-                for b in batches:
-                    states = [backend.new_state() for _ in range(b)]
-                    for pos in range(ctx, ctx + opts.warmup + opts.steps):  # the positions the bench steps through
-                        for state in states:
-                            state.pos = pos
-                        key = backend.graphs.graph(states)
-                        if key not in graphs_seen:
-                            graphs_seen.add(key)
-                            backend.graphs.body(*key)[0]()
-                    del states
-            del backend
+            for precision in gpu_bench.precisions(opts.decode_precision):
+                backend = gpu_bench.decode_backend(weights, contexts, batches, opts.steps, opts.warmup, precision)
+                for ctx in contexts:
+                    for b in batches:
+                        states = [backend.new_state() for _ in range(b)]
+                        for pos in range(ctx, ctx + opts.warmup + opts.steps):  # the positions the bench steps through
+                            for state in states:
+                                state.pos = pos
+                            key = (precision.fast, *backend.graphs.graph(states))
+                            if key not in graphs_seen:
+                                graphs_seen.add(key)
+                                backend.graphs.body(*key[1:])[0]()
+                        del states
+                del backend
             chunks = 0
             if opts.then_prefill:
                 backend = gpu_bench.prefill_backend(weights, opts.then_prefill, EXACT if opts.exact else FAST)
