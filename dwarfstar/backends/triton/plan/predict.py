@@ -4,7 +4,9 @@ It is a model, not a measurement. Each launch costs a graph node (the gap a repl
 two kernels) plus the longest of three times:
 * memory: a round trip of latency, then its bytes at the bandwidth its loads in flight sustain
   (Little's law: bytes in flight / latency, at most the measured copy bandwidth);
-* issue: its warp-instructions over the schedulers it occupies (one instruction per cycle each);
+* issue: its warp-instructions over the schedulers it occupies, each issuing one instruction per
+  cycle only when it holds enough warps to cover the cycles a warp waits between two of its own
+  instructions (`stall`): with w resident warps a scheduler issues min(1, w / stall) a cycle;
 * nothing else: a launch with neither bytes nor a main loop costs its node and one latency.
 Bytes in flight: each resident program keeps one main-loop pass of loads outstanding (the loads of a
 pass are issued before their results are used); residency follows registers, warps and shared
@@ -28,6 +30,7 @@ class GPUFigures:
     schedulers: int  # warp schedulers (SIMDs) per multiprocessor, one instruction per cycle each
     clock: float  # Hz under load
     lanes: int  # threads per warp / wavefront
+    stall: float  # cycles a warp waits, on average, between two of its instructions in these kernels
     latency: float  # s: a load's round trip to HBM under load
     node: float  # s: a graph node's cost between two kernels
     max_warps: int  # resident warps per multiprocessor
@@ -38,10 +41,14 @@ class GPUFigures:
 
 # H200: 4.3 TB/s measured by a device-to-device copy on the lent machine (KINDS.md), 4.8 TB/s
 # datasheet, 132 SMs at 1.98 GHz under load; ~0.8 us loaded HBM latency (3.4 MB in flight saturate
-# 4.3 TB/s); ~1.2 us per graph node between dependent kernels
-H200 = GPUFigures("H200", 4.3e12, 4.8e12, 132, 4, 1.98e9, 32, 0.8e-6, 1.2e-6, 64, 32, 65536, 232448)
-# MI300X: 5.3 TB/s datasheet (about 4.3 measured by others' copies), 304 CUs of 4 SIMDs at 2.1 GHz
-MI300X = GPUFigures("MI300X", 4.3e12, 5.3e12, 304, 4, 2.1e9, 64, 1.0e-6, 1.5e-6, 32, 32, 131072, 65536)
+# 4.3 TB/s); ~1.2 us per graph node between dependent kernels. Stall: 16 cycles, the median of what
+# the first measured decode step asks of each kernel (H200, triton 3.6, 2026-12-04: gpu_profile's
+# microseconds per launch of the flash-q2 exact step at 2k, batch 1 and 4, against this model's issue
+# time at the kernel's resident warps); the kernels' own figures range over 5 to 30
+H200 = GPUFigures("H200", 4.3e12, 4.8e12, 132, 4, 1.98e9, 32, 16.0, 0.8e-6, 1.2e-6, 64, 32, 65536, 232448)
+# MI300X: 5.3 TB/s datasheet (about 4.3 measured by others' copies), 304 CUs of 4 SIMDs at 2.1 GHz;
+# never measured here: the H200's stall
+MI300X = GPUFigures("MI300X", 4.3e12, 5.3e12, 304, 4, 2.1e9, 64, 16.0, 1.0e-6, 1.5e-6, 32, 32, 131072, 65536)
 FIGURES = {"cuda": H200, "hip": MI300X}
 
 
@@ -83,5 +90,7 @@ def launch_time(
     rate = min(gpu.bandwidth, in_flight / gpu.latency) if in_flight else gpu.bandwidth
     memory = gpu.latency + (moved / rate if moved else 0.0)
     schedulers = min(programs * warps, min(programs, gpu.multiprocessors) * gpu.schedulers)
-    issue = instructions / (schedulers * gpu.clock)
+    warps_per_scheduler = min(per_sm, math.ceil(programs / gpu.multiprocessors)) * warps / gpu.schedulers
+    rate = min(1.0, max(1.0, warps_per_scheduler) / gpu.stall)  # instructions per cycle per scheduler
+    issue = instructions / (schedulers * gpu.clock * rate)
     return Timing(gpu.node + max(memory, issue), memory, issue, in_flight)
