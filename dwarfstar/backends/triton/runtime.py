@@ -210,6 +210,14 @@ TICKET_SLOTS = 256  # the most token blocks a decode step finishes in one launch
 
 
 @triton.jit
+def rsqrt_rn(x):
+    """1 / sqrt(x), each step rounded as IEEE says (the reference's torch.rsqrt on the CPU): tl.rsqrt
+    compiles to the approximate rsqrt.approx.ftz.f32 on NVIDIA, and `/` on float32 to the approximate
+    div.full.f32, while Triton's interpreter computes both exactly, so only a GPU would see them."""
+    return tl.div_rn(1.0, tl.sqrt_rn(x))
+
+
+@triton.jit
 def last_program(counter_ptr, n):
     """Whether this program is the last of the `n` sharing the counter to get here, once its partial
     results are stored: the one that then reads all of them (with `cache_modifier=".cg"`) and finishes.

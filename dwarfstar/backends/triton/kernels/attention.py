@@ -68,7 +68,7 @@ def _finish(acc, m, l, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D,
     sink = tl.load(sinks_ptr + h, mask=heads_ok, other=0.0)
     big = tl.maximum(sink, m)
     scale = tl.exp(m - big)
-    o = acc * (scale / (tl.exp(sink - big) + l * scale))[:, None]
+    o = acc * tl.div_rn(scale, tl.exp(sink - big) + l * scale)[:, None]
     cos, sin = rope_cos_sin(tl.zeros([1], tl.int32) + p, inv_ptr, D, ROPE_DIM, True, BD)
     o = rotate_pairs(o, cos, sin, BH, BD)
     d = tl.arange(0, BD)

@@ -72,7 +72,7 @@ def _pool_kernel(
                            width, RATIO)  # fmt: skip
     gate = tl.where((c < D)[None, :], gate, 0.0)
     weight = tl.exp(gate - tl.max(gate, axis=0)[None, :])
-    weight = weight / tl.sum(weight, axis=0)[None, :]
+    weight = tl.div_rn(weight, tl.sum(weight, axis=0)[None, :])
     tl.store(out_ptr + tl.program_id(0) * D + c, tl.sum(kv * weight, axis=0), mask=c < D)
 
 

@@ -114,7 +114,7 @@ def _compress_token(
         # (zero padding) where the Hadamard transform runs on the tensor cores
         BR: tl.constexpr = 16 if QAT == 2 else 1
         first = tl.arange(0, BR)[:, None] == 0
-        x = tl.where(first, (acc / l)[None, :], 0.0)
+        x = tl.where(first, tl.div_rn(acc, l)[None, :], 0.0)
         keep = first & okc
         row = p // RATIO
         cos, sin = rope_cos_sin(tl.zeros([1], tl.int32) + row * RATIO, inv_ptr, D, ROPE_DIM, False, BD)

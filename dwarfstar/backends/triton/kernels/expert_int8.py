@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.triton.kernels import expert_blocks
+from dwarfstar.backends.triton.kernels.quant_blocks import compiles_ptx
 from dwarfstar.gguf.dequant import _iq2xxs_tables
 
 Q8_BLOCK = 32  # activation columns per int8 scale
@@ -121,14 +122,25 @@ def _dp4a_last2(a, b, c, PTX: tl.constexpr):
 
 
 @triton.jit
-def store_q8(y, q_ptr, n_ptr, s_ptr, sum_ptr, row_at, n0, N, BN: tl.constexpr):
+def mul_rn(a, b, PTX: tl.constexpr):
+    """a * b rounded on its own, as the reference rounds it: ptxas contracts a product and the sum it
+    feeds into one fused multiply-add (one rounding), which moves round(x * 127 / amax) off the
+    reference's where the product sits within an ulp of a half; a mul.rn is never contracted."""
+    if PTX:
+        return tl.inline_asm_elementwise(asm="mul.rn.f32 $0, $1, $2;", constraints="=r,r,r", args=[a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+    return a * b
+
+
+@triton.jit
+def store_q8(y, q_ptr, n_ptr, s_ptr, sum_ptr, row_at, n0, N, BN: tl.constexpr, PTX: tl.constexpr):
     """Quantize y float32 [BN] (columns n0..n0+BN of a row, n0 and N multiples of 32) into a `Q8Rows`
     whose row starts at element row_at (int64); columns at or past N are not written."""
     blocks = tl.reshape(y, [BN // 32, 32])
     amax = tl.max(tl.abs(blocks), axis=1)
-    inv = 127.0 / tl.maximum(amax, 1e-30)  # an all-zero block: r = 0, scale 0
-    r = (blocks * inv[:, None] + ROUND).to(tl.int32, bitcast=True) - ROUND_BITS  # |r| <= 127
-    scale = amax / 127.0
+    inv = tl.div_rn(127.0, tl.maximum(amax, 1e-30))  # an all-zero block: r = 0, scale 0
+    r = (mul_rn(blocks, inv[:, None], PTX) + ROUND).to(tl.int32, bitcast=True) - ROUND_BITS  # |r| <= 127
+    scale = tl.div_rn(amax, 127.0)
     n = n0 + tl.arange(0, BN)
     tl.store(q_ptr + row_at + n, tl.reshape(r, [BN]).to(tl.int8), mask=n < N)
     tl.store(n_ptr + row_at + n, tl.reshape(-r, [BN]).to(tl.int8), mask=n < N)
@@ -140,11 +152,11 @@ def store_q8(y, q_ptr, n_ptr, s_ptr, sum_ptr, row_at, n0, N, BN: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, stride_x, q_ptr, n_ptr, s_ptr, sum_ptr, K, BK: tl.constexpr):
+def _quantize_kernel(x_ptr, stride_x, q_ptr, n_ptr, s_ptr, sum_ptr, K, BK: tl.constexpr, PTX: tl.constexpr):
     t = tl.program_id(0)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     y = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-    store_q8(y, q_ptr, n_ptr, s_ptr, sum_ptr, t.to(tl.int64) * K, tl.program_id(1) * BK, K, BK)
+    store_q8(y, q_ptr, n_ptr, s_ptr, sum_ptr, t.to(tl.int64) * K, tl.program_id(1) * BK, K, BK, PTX)
 
 
 def quantize_rows(x: torch.Tensor) -> Q8Rows:
@@ -152,7 +164,9 @@ def quantize_rows(x: torch.Tensor) -> Q8Rows:
     rows, cols = x.shape
     out = Q8Rows.empty(rows, cols, x.device)
     bk = min(1024, triton.next_power_of_2(cols))
-    _quantize_kernel[(rows, triton.cdiv(cols, bk))](x, x.stride(0), out.q, out.neg, out.scale, out.sums, cols, BK=bk)
+    _quantize_kernel[(rows, triton.cdiv(cols, bk))](
+        x, x.stride(0), out.q, out.neg, out.scale, out.sums, cols, BK=bk, PTX=compiles_ptx()
+    )
     return out
 
 

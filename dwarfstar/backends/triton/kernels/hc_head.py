@@ -35,6 +35,7 @@ from dwarfstar.backends.triton.runtime import (
     last_program,
     next_pow2,
     program_sums,
+    rsqrt_rn,
 )
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
@@ -50,11 +51,11 @@ def _hc_head_kernel(
     h, mean_sq = load_streams(h_ptr, t, t_ok, D, NHC, BD)
     s = tl.arange(0, NHC)
     mix = sum_partials(mix_ptr, t.to(tl.int64)[:, None] * NHC + s[None, :], t_ok[:, None], T * NHC, SPLIT)
-    mix = mix * tl.rsqrt(mean_sq + norm_eps)[:, None]
+    mix = mix * rsqrt_rn(mean_sq + norm_eps)[:, None]
     w = tl.sigmoid(mix * tl.load(scale_ptr) + tl.load(base_ptr + s)[None, :]) + hc_eps
     y = tl.sum(w[:, :, None] * h, axis=1)
     d = tl.arange(0, BD)
-    y = y * tl.rsqrt(tl.sum(y * y, axis=1) / D + norm_eps)[:, None]
+    y = y * rsqrt_rn(tl.div_rn(tl.sum(y * y, axis=1), D * 1.0) + norm_eps)[:, None]
     y = y * tl.load(norm_ptr + d, mask=d < D, other=0.0)[None, :]
     tl.store(out_ptr + t.to(tl.int64)[:, None] * D + d[None, :], y, mask=t_ok[:, None] & (d < D)[None, :])
 

@@ -34,6 +34,7 @@ from dwarfstar.backends.triton.runtime import (
     last_program,
     next_pow2,
     program_sums,
+    rsqrt_rn,
     ticket_counters,
 )
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
@@ -51,7 +52,7 @@ def load_streams(h_ptr, t, t_ok, D, NHC: tl.constexpr, BD: tl.constexpr):
     d = tl.arange(0, BD)
     off = (t.to(tl.int64)[:, None, None] * NHC + s[None, :, None]) * D + d[None, None, :]
     h = tl.load(h_ptr + off, mask=t_ok[:, None, None] & (d < D)[None, None, :], other=0.0)
-    mean_sq = tl.sum(tl.sum(h * h, axis=2), axis=1) / (NHC * D)
+    mean_sq = tl.div_rn(tl.sum(tl.sum(h * h, axis=2), axis=1), NHC * D * 1.0)
     return h, mean_sq
 
 
@@ -75,11 +76,11 @@ def mix_weights(pre, post, comb, rs, scale_ptr, base_ptr, iters, hc_eps, NHC: tl
     comb = comb * rs[:, None, None] * tl.load(scale_ptr + 2) + tl.load(base_ptr + jk)[None, :, :]
     # Sinkhorn: row softmax (+eps), column normalisation, then iters - 1 rounds of row and column
     comb = tl.exp(comb - tl.max(comb, axis=2)[:, :, None])
-    comb = comb / tl.sum(comb, axis=2)[:, :, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None]) + hc_eps
+    comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps)
     for _ in range(iters - 1):
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+        comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+        comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps)
     return pre, post, comb
 
 
@@ -102,11 +103,11 @@ def _hc_pre_kernel(
     post = sum_partials(mix_ptr, row[:, None] + NHC + s[None, :], t2, stride, SPLIT)
     comb = sum_partials(mix_ptr, row[:, None, None] + jk[None, :, :], t3, stride, SPLIT)
     pre, post, comb = mix_weights(
-        pre, post, comb, tl.rsqrt(mean_sq + norm_eps), scale_ptr, base_ptr, iters, hc_eps, NHC
+        pre, post, comb, rsqrt_rn(mean_sq + norm_eps), scale_ptr, base_ptr, iters, hc_eps, NHC
     )
     x = tl.sum(pre[:, :, None] * h, axis=1)  # [BT, BD], from the raw (un-normalised) streams
     d = tl.arange(0, BD)
-    x = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + norm_eps)[:, None]
+    x = x * rsqrt_rn(tl.div_rn(tl.sum(x * x, axis=1), D * 1.0) + norm_eps)[:, None]
     x = x * tl.load(norm_ptr + d, mask=d < D, other=0.0)[None, :]
     tl.store(out_ptr + t.to(tl.int64)[:, None] * D + d[None, :], x, mask=t2 & (d < D)[None, :])
     tl.store(post_ptr + t[:, None] * NHC + s[None, :], post, mask=t2)
@@ -158,7 +159,7 @@ def streams_rsqrt(part_ptr, t, n_prog, D, eps, NHC: tl.constexpr, MIXP: tl.const
     """rsqrt(mean(h^2) + eps) [1] of token t's streams, from the programs' sums of squares (`post_and_mix`)."""
     s = tl.arange(0, NHC)[None, :]
     sq = tl.sum(program_sums(part_ptr, t, s * 0 + MIXP, s == 0, n_prog, MIXP + 1, NPP), axis=1)
-    return tl.rsqrt(sq / (NHC * D) + eps)
+    return rsqrt_rn(tl.div_rn(sq, NHC * D * 1.0) + eps)
 
 
 @triton.jit
@@ -178,7 +179,7 @@ def collapse_norm(h_ptr, t, weights, norm_ptr, out_ptr, D, eps, NHC: tl.constexp
         tl.store(out_ptr + t * D + d[None, :], x, mask=ok)
         sq += tl.sum(x * x, axis=1)
     tl.debug_barrier()  # the second pass's threads read what others stored
-    r = tl.rsqrt(sq / D + eps)
+    r = rsqrt_rn(tl.div_rn(sq, D * 1.0) + eps)
     for d0 in range(0, D, FD):
         d = d0 + tl.arange(0, FD)
         ok = (d < D)[None, :]

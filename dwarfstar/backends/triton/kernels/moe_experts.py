@@ -84,7 +84,7 @@ def _product(acc, x, w, USE_DOT: tl.constexpr, FAST: tl.constexpr):
 def _swiglu(g, u, limit):
     """silu(min(g, L)) * clamp(u, -L, L); silu(g) = g / (1 + e^-g), the exponent capped where silu is ~0."""
     g = tl.minimum(g, limit)
-    return g / (1.0 + tl.exp(tl.minimum(-g, 80.0))) * tl.minimum(tl.maximum(u, -limit), limit)
+    return tl.div_rn(g, 1.0 + tl.exp(tl.minimum(-g, 80.0))) * tl.minimum(tl.maximum(u, -limit), limit)
 
 
 def _pruner(weights: int):
@@ -376,7 +376,7 @@ def _routed_rows_q8(xq_ptr, xn_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_
                          SBP)  # fmt: skip
     if GATED:
         store_q8(_swiglu(a1, a2, limit) * scale, out_ptr, on_ptr, os_ptr, om_ptr, out_row.to(tl.int64) * stride_out,
-                 n0, N, BN)  # fmt: skip
+                 n0, N, BN, PTX)  # fmt: skip
     else:
         tl.store(out_ptr + out_row.to(tl.int64) * stride_out + n, a1, mask=n < N)
 

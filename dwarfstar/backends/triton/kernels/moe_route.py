@@ -27,7 +27,7 @@ import triton.language as tl
 from dwarfstar.backends.triton.kernels.expert_int8 import Q8Rows, store_q8
 from dwarfstar.backends.triton.kernels.hc_pre import sum_partials
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
-from dwarfstar.backends.triton.kernels.quant_blocks import load_weight_tile
+from dwarfstar.backends.triton.kernels.quant_blocks import compiles_ptx, load_weight_tile
 from dwarfstar.backends.triton.runtime import (
     BenchCase,
     BenchShape,
@@ -56,8 +56,8 @@ def choose(
     ok = t_ok[:, None] & (e < E)[None, :]
     u = tl.exp(tl.minimum(x, 20.0))  # above 20 softplus(x) is x; keeps the unused branch finite
     w = 1.0 + u
-    log1p = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
-    score = tl.sqrt(tl.where(x > 20.0, x, log1p))
+    log1p = tl.where(w == 1.0, u, tl.div_rn(tl.log(w) * u, w - 1.0))
+    score = tl.sqrt_rn(tl.where(x > 20.0, x, log1p))
     if HASH:
         token = tl.load(tokens_ptr + t, mask=t_ok, other=0).to(tl.int64)
     else:
@@ -74,7 +74,7 @@ def choose(
         s = tl.sum(tl.where(e[None, :] == chosen[:, None], score, 0.0), axis=1)
         ids = tl.where(slot[None, :] == j, chosen.to(tl.int32)[:, None], ids)
         chosen_scores = tl.where(slot[None, :] == j, s[:, None], chosen_scores)
-    weights = chosen_scores / tl.sum(chosen_scores, axis=1)[:, None] * route_scale
+    weights = tl.div_rn(chosen_scores, tl.sum(chosen_scores, axis=1)[:, None]) * route_scale
     out = t[:, None] * K + slot[None, :]
     out_ok = t_ok[:, None] & (slot < K)[None, :]
     tl.store(ids_ptr + out, ids, mask=out_ok)
@@ -101,7 +101,7 @@ def _route_fused_kernel(
     f_ptr, w_ptr, bias_ptr, tid2eid_ptr, tokens_ptr, part_ptr, counter_ptr, ids_ptr, weights_ptr,
     q_ptr, qn_ptr, qs_ptr, qm_ptr, T, E, D, f_stride, row_bytes, route_scale,
     WTYPE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr, BT: tl.constexpr,
-    RB: tl.constexpr, BK: tl.constexpr, NKP: tl.constexpr, BE: tl.constexpr, Q8: tl.constexpr,
+    RB: tl.constexpr, BK: tl.constexpr, NKP: tl.constexpr, BE: tl.constexpr, Q8: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """Program (k, r, b): router rows r * RB.. times columns k * BK.. of the tokens of block b, as
     partial logits part[t, k, rows]; the block's last program adds them and routes its tokens.
@@ -118,7 +118,7 @@ def _route_fused_kernel(
             f = tl.load(f_ptr + t * f_stride + k, mask=k < D, other=0.0)
             tl.store(part_ptr + (t * n_k + pk) * E + r, tl.sum(w * f[None, :], axis=1), mask=r_ok)
             if Q8 and pr == 0:
-                store_q8(f.to(tl.float32), q_ptr, qn_ptr, qs_ptr, qm_ptr, t * D, pk * BK, D, BK)
+                store_q8(f.to(tl.float32), q_ptr, qn_ptr, qs_ptr, qm_ptr, t * D, pk * BK, D, BK, PTX)
     if last_program(counter_ptr + tb, n_k * tl.num_programs(1)):
         e = tl.arange(0, BE)[None, :]
         for i in range(BT):
@@ -173,7 +173,8 @@ def route(
             f, router.data, bias_or_any, table, tokens, part, ticket_counters(f.device, "route", grid[2]), ids,
             weights, *((q8.q, q8.neg, q8.scale, q8.sums) if q8 is not None else (ids, ids, weights, weights)),
             t, n_experts, d, f.stride(0), router.row_bytes, route_scale,
-            WTYPE=router.wtype, BT=bt, RB=rb, BK=bk, NKP=next_pow2(grid[0]), Q8=q8 is not None, **choice,
+            WTYPE=router.wtype, BT=bt, RB=rb, BK=bk, NKP=next_pow2(grid[0]), Q8=q8 is not None,
+            PTX=compiles_ptx(), **choice,
         )  # fmt: skip
         return ids, weights
     logits = qmatmul(f, router, split_k=ROUTER_SPLIT)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference import ops
-from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2, rsqrt_rn
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.numerics import hadamard_matrix, rope_angles
 
@@ -50,7 +50,7 @@ def round_to_grid(v, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
     exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exponent = tl.maximum(exponent, MIN_EXP) - MANT
     spacing = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-    y = v / spacing
+    y = tl.div_rn(v, spacing)
     return ((y + 12582912.0) - 12582912.0) * spacing
 
 
@@ -70,7 +70,7 @@ def _block_round(x, keep, BR: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexp
     amax = tl.max(tl.reshape(mag, [BR, BD // BLOCK, BLOCK]), axis=2)
     scale = pow2_ceil(tl.maximum(amax, FLOOR) * (1.0 / FMT_MAX))
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BR, BD // BLOCK, BLOCK]), [BR, BD])
-    v = tl.minimum(tl.maximum(x / scale, -FMT_MAX), FMT_MAX)
+    v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FMT_MAX), FMT_MAX)
     return tl.where(keep, round_to_grid(v, MANT, MIN_EXP) * scale, x)
 
 
@@ -115,7 +115,7 @@ def finish_rows(x, m, w_ptr, cos, sin, had_ptr, D, eps, NORM: tl.constexpr, ROPE
     RoPE by cos/sin [BR or 1, BD / 2], then the QAT rounding."""
     cols = tl.arange(0, BD)
     if NORM != 0:
-        x = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        x = x * rsqrt_rn(tl.div_rn(tl.sum(x * x, axis=1), D * 1.0) + eps)[:, None]
         if NORM == 2:
             x = x * tl.load(w_ptr + cols, mask=cols < D, other=0.0)[None, :]
     if ROPE:

@@ -93,7 +93,7 @@ def _sample_kernel(
             draw = d0 + tl.arange(0, ND)
             tl.store(row_out + draw, best + 0 * draw, mask=draw < n_draws)
     else:
-        p = tl.where(live, tl.exp((v - top) / temperature), 0.0)
+        p = tl.where(live, tl.exp(tl.div_rn(v - top, temperature)), 0.0)
         # in token-id order (the candidates' own: `topk` gives them ascending): the min-p survivors'
         # mass at lower ids, where a draw without ranking starts each kept token's interval
         keep_id = live & (p >= min_p)
@@ -102,11 +102,11 @@ def _sample_kernel(
         # of the ranking, so a survivor's mass before it is the survivors' mass
         v_r, idx_r = _ranked(v, idx, live, KP)
         live_r = idx_r >= 0
-        p_r = tl.where(live_r, tl.exp((v_r - top) / temperature), 0.0)
+        p_r = tl.where(live_r, tl.exp(tl.div_rn(v_r - top, temperature)), 0.0)
         before = _exclusive_cumsum(p_r, i)
         keep_r = live_r & (p_r >= min_p) & (i < tl.where(top_k > 0, top_k, KP))
         total = tl.sum(tl.where(keep_r, p_r, 0.0), axis=0)
-        keep_r = keep_r & (before / total < tl.where(top_p < 1.0, top_p, float("inf")))
+        keep_r = keep_r & (tl.div_rn(before, total) < tl.where(top_p < 1.0, top_p, float("inf")))
         # (the knobs are scalars: combined by arithmetic, which the interpreter's booleans allow)
         ranked = (top_k > 0).to(tl.int32) + (top_p < 1.0).to(tl.int32) > 0
         # a kept candidate owns [start, start + p) of the kept mass, in rank order or in id order
