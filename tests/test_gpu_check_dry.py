@@ -25,15 +25,16 @@ def test_the_dry_gpu_check_gets_every_step_past_its_imports(tmp_path):
     done = subprocess.run(["bash", str(SCRIPT), str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
     summary = (out / "summary.txt").read_text()
     assert done.returncode == 0, done.stdout + done.stderr
-    assert sum(caps.values()) <= 465 and list(caps)[:4] == ["warm", "bench", "profile", "tests"]  # benchmarks first
+    assert sum(caps.values()) <= 465
+    assert list(caps)[:5] == ["warm", "bench", "profile", "ncu", "tests"]  # benchmarks first
     verdicts = {m[1]: m[0] for m in re.findall(r"^(ok|SKIP|TIMEOUT|FAILED rc=\d+)\s+(\S+)", summary, re.M)}
     assert verdicts == {name: "ok" for name in caps}, summary
     bench_log = (out / "bench.log").read_text()
     # 2 contexts x 2 batches x 2 row bounds, in each precision
     assert re.search(r"warm: \d+ launches of 16 decode graphs and 2 prefill chunks recorded", bench_log)
     assert "dry: profile flash-q2 at ctx 2048, batch 1,4, exact,fast" in bench_log
-    assert "dry: batch 4 reads" in bench_log and "dry: 2 kernel modules with bench cases" in bench_log
-    for table, first in (("decode", "model"), ("prefill", "model"), ("parity", "model"), ("kernels", "kernel")):
+    assert "dry: batch 4 reads" in bench_log and "dry: flash-q2, 2 layers" in bench_log  # the ncu step's model
+    for table, first in (("decode", "model"), ("prefill", "model"), ("parity", "model"), ("profile", "batch")):
         with open(out / f"{table}.csv") as f:
             assert next(csv.reader(f))[0] == first  # the header, written before any row is measured
 

@@ -18,6 +18,8 @@
 #              pruned config, untimed                    -> decode.csv, prefill.csv (rows as measured)
 #   profile    each kernel's measured share of a 2k decode step, batch 1 and 4, both precisions
 #              (gpu_profile: torch's profiler over graph replays)      -> profile.csv
+#   ncu        Nsight Compute's counters for the Triton kernels of one decode step of a 2-layer
+#              model: occupancy, warp stalls, issue slots, DRAM throughput  -> ncu.csv
 #   tests      the backend conformance suite and the kernel tests on CUDA (tests/backends, tests/triton),
 #              the slow-marked ones too (sampling inside the captured step); each failure's traceback
 #              is appended to tests.log as it happens (DWARFSTAR_FAILURE_LOG), so a step cut short
@@ -26,8 +28,7 @@
 #   gate-nano  the bundled model's gate vectors on Triton
 #   streaming  expert streaming on Triton (tests), and `dwarfstar run --ssd-streaming` on the bundled model
 #   parity     logits of the tiny models, reference vs Triton, exact and bf16 dots -> parity.csv
-#   kernels    the weight-streaming kernels' GB/s (what is left of the budget)   -> kernels.csv
-# Logs: bench.log (warm, bench, profile, parity, kernels), tests.log (the rest); summary.txt has the versions,
+# Logs: bench.log (warm, bench, profile, ncu, parity), tests.log (the rest); summary.txt has the versions,
 # each step's verdict and time, tok/s, GB/s and % of the ceiling per decode row, failing tests, the tables.
 #
 # GPU_CHECK_DRY=1: on a machine without a GPU (and with TRITON_INTERPRET unset), each step runs its
@@ -56,8 +57,8 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/dwarfstar-triton-cache}
 export TRITON_DEFAULT_FP_FUSION=1
 unset TRITON_INTERPRET
 
-# step caps in seconds, in running order; their sum must fit the budget (kernels takes what is left)
-CAPS=(warm:60 bench:110 profile:50 tests:140 mtp:30 gate-nano:30 streaming:20 stream-run:10 parity:15 kernels:0)
+# step caps in seconds, in running order; their sum must fit the budget
+CAPS=(warm:55 bench:100 profile:45 ncu:40 tests:130 mtp:25 gate-nano:25 streaming:20 stream-run:10 parity:15)
 cap() { local c; for c in "${CAPS[@]}"; do [ "${c%%:*}" = "$1" ] && echo "${c#*:}"; done; }
 TOTAL=0
 NOT_OK=0
@@ -66,7 +67,7 @@ for c in "${CAPS[@]}"; do TOTAL=$((TOTAL + ${c#*:})); done
 say() { echo "$*" | tee -a "$SUMMARY"; }
 
 # run NAME LOG CMD...: the step gets min(its cap, what is left of the budget less a kill grace);
-# `kernels` gets all that is left. Dry: no budget (it is the GPU's), 300 s a step; a CLI step that
+# Dry: no budget (it is the GPU's), 300 s a step; a CLI step that
 # stops at the GPU refusal has got past its imports.
 run() {
     local name=$1 log=$2
@@ -74,7 +75,6 @@ run() {
     local left=$((BUDGET - ($(date +%s) - START) - 12))
     local limit
     limit=$(cap "$name")
-    [ "$name" = kernels ] && limit=$left
     [ "$left" -lt "$limit" ] && limit=$left
     [ -n "$DRY" ] && limit=300
     if [ "$limit" -lt 10 ]; then
@@ -170,6 +170,24 @@ grep -E "^warm: |^PROBLEM|^jit: [0-9]+ kernels|^dry: " "$OUT/bench.log" | tee -a
 run profile "$OUT/bench.log" $PY -m dwarfstar.backends.triton.gpu_profile --synthetic flash-q2 --ctx 2048 --batch 1,4 \
     --steps 32 --top 25 --csv "$OUT/profile.csv" $DRYFLAG
 grep -E "^(exact|fast) batch " "$OUT/bench.log" | tee -a "$SUMMARY"
+# why the kernels take that long: Nsight Compute's counters (occupancy, warp stalls, issue slots, DRAM
+# throughput) for each Triton kernel of one eager decode step of a 2-layer flash-q2 model (by name:
+# not the torch kernels that build the weights)
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+NCU_KERNELS="decode_gate_up|decode_down|qmatmul|attention|hc_pre_fused|hc_head_fused|scores|route_fused|rows"
+NCU_KERNELS="$NCU_KERNELS|query_rows|round|sample|gather_rows" # ours: torch has a _scatter_gather_..._kernel too
+NCU_STEP="$PY -m dwarfstar.backends.triton.gpu_bench decode --synthetic flash-q2 --layers 2 --ctx 2048 --batch 1 \
+    --steps 1 --warmup 1 --tune first"
+if [ -n "$DRY" ]; then
+    run ncu "$OUT/bench.log" $NCU_STEP $DRYFLAG
+elif [ -n "$NCU" ]; then
+    run ncu "$OUT/bench.log" "$NCU" --clock-control none --kernel-name "regex:^_($NCU_KERNELS)_kernel\$" \
+        --launch-count 32 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats --csv --page details --log-file "$OUT/ncu.csv" $NCU_STEP
+else
+    say "$(printf '%-8s %-10s' SKIP ncu): no ncu on this machine"
+fi
 
 # -- tests on the GPU: every backend's logits, states, payloads and sampling against the reference, the
 # kernels against their torch references, CUDA graphs, then the slow ones --
@@ -187,9 +205,8 @@ run stream-run "$OUT/tests.log" $PY -m dwarfstar run --backend triton --prompt-t
     --temp 0 --ssd-streaming --ssd-streaming-cache-experts 1MB
 grep "experts:" "$OUT/tests.log" | tail -n 1 | tee -a "$SUMMARY"
 run parity "$OUT/bench.log" $BENCH parity --csv "$OUT/parity.csv" $DRYFLAG
-run kernels "$OUT/bench.log" $BENCH kernels --only qmatmul,moe_experts --tune first --csv "$OUT/kernels.csv" $DRYFLAG
 
-for table in decode prefill profile kernels parity; do
+for table in decode prefill profile parity; do
     if [ -s "$OUT/$table.csv" ]; then
         say ""
         say "== $table.csv"

@@ -128,7 +128,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=8, help="untimed steps first (the graphs are captured in them)")
     parser.add_argument("--top", type=int, default=60, help="rows kept per batch, longest first")
     parser.add_argument("--csv", type=Path, default=None)
-    parser.add_argument("--dry", action="store_true", help="no device: the arguments and the imports")
+    parser.add_argument("--dry", action="store_true", help="no device: the arguments, the imports, the CSV header")
     opts = parser.parse_args(argv)
     try:
         gpu_bench.precisions(opts.decode_precision)
@@ -144,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         from dwarfstar.backends.triton.synthetic import synthetic_weights  # noqa: F401
 
+        gpu_bench.CsvRows(opts.csv, PROFILE_COLUMNS).close()  # the header, as a run writes it first
         what = f"{opts.synthetic} at ctx {opts.ctx}, batch {opts.batch}, {opts.decode_precision}"
         print(f"dry: profile {what}", flush=True)
         return
