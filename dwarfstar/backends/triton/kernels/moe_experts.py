@@ -448,15 +448,18 @@ def _decode_down_kernel(
 
 
 def _decode_rows(ggml_type: GGMLType, fast: bool, warps: int) -> tuple[int, int]:
-    """(rows, BK) of a decode loop over `warps` warps: each thread reads one 16-byte run of the blocks
-    per step (rows of 4 runs per super-block for the 2-bit formats, 8 for Q4_K and MXFP4, 16 for Q8_0's
-    256 columns); the tensor-core form takes 16-row mma tiles, two per warp."""
+    """(rows, BK) of a decode loop over `warps` warps: a row of a super-block step takes 16 threads for
+    Q8_0's 256 columns, 8 for Q4_K, MXFP4 and the 2-bit formats (half a 16-byte run each for these);
+    the tensor-core form takes 16-row mma tiles, two per warp. The 2-bit formats took 4 threads a row
+    until the H200 measured their gate/up kernel at 184 registers (2 programs an SM, 180 us a launch,
+    48% of the step); 8 a row holds it at 128 on sm_90 under triton 3.6 (gpu-plan: 13.6 against
+    16.1 ms a batch-1 exact step, modelled)."""
     if interpreting():  # programs run one after another: as few as possible
         return 256, 256 if ggml_type in EXACT_TYPES else tile_k(ggml_type, QK_K)
     if fast and ggml_type in FAST_TYPES:
         return 32 * warps, 256
     if ggml_type in EXACT_TYPES:
-        return warps * warp_size() // {GGMLType.Q8_0: 16, GGMLType.Q4_K: 8, GGMLType.MXFP4: 8}.get(ggml_type, 4), 256
+        return warps * warp_size() // {GGMLType.Q8_0: 16, GGMLType.Q4_K: 8, GGMLType.MXFP4: 8}.get(ggml_type, 8), 256
     return 16, tile_k(ggml_type, QK_K)
 
 

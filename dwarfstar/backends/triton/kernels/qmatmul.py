@@ -112,10 +112,12 @@ def _resident(plan: GemvPlan, bm: int, ve: int) -> int:
 def gemv_plan(m: int, n: int, k: int, ggml_type: GGMLType, groups: int = 1, sms: int = 132, warps: int = 0) -> GemvPlan:
     """The GEMV tile for x [m, k] times a [groups * n, k] weight, chosen ahead of time.
 
-    Vector formats: 4 rows a program (2 from 5 activation rows on, for registers), each thread 16 bytes
-    per row and pass, one warp: BK = 32 x VE columns a pass, so a row's K takes many passes for the
-    one reduction across the warp's lanes at the end (about 200 to 400 instructions; with more warps a
-    program's rows take fewer passes and that reduction weighs more), and no shared memory.
+    Vector formats: 4 rows a program (2 from 3 activation rows on, for registers: at 4 activation rows
+    4 weight rows held 168 registers, 19% occupancy on the H200, 35 us a launch against 14 for one
+    activation row; 2 hold 128), each thread 16 bytes per row and pass, one warp: BK = 32 x VE columns a
+    pass, so a row's K takes many passes for the one reduction across the warp's lanes at the end
+    (about 200 to 400 instructions; with more warps a program's rows take fewer passes and that
+    reduction weighs more), and no shared memory.
     The super-block formats take the block decoders' tile (`gemv_tile`). Then K is split in powers of
     two, while every split keeps two whole passes or more (a split's reduction and ticket cost about
     what a pass does), until the programs resident on `sms` multiprocessors have IN_FLIGHT bytes of
@@ -131,7 +133,7 @@ def gemv_plan(m: int, n: int, k: int, ggml_type: GGMLType, groups: int = 1, sms:
         bk = tile_k(ggml_type, k)
         return GemvPlan(min(next_pow2(n), 1024, (1 << 20) // (bm * bk)), bk, 1, False, 1)
     plan = _one_row_plan(n, k, ggml_type, groups, sms, warps)
-    return replace(plan, rows=min(4 if bm <= 4 else 2, next_pow2(n))) if plan.vector else plan
+    return replace(plan, rows=min(4 if bm <= 2 else 2, next_pow2(n))) if plan.vector else plan
 
 
 def _one_row_plan(n: int, k: int, ggml_type: GGMLType, groups: int, sms: int, warps: int) -> GemvPlan:
