@@ -165,10 +165,10 @@ grep -E "^warm: |^PROBLEM|^jit: [0-9]+ kernels|^dry: " "$OUT/bench.log" | tee -a
 [ -s "$OUT/prefill.csv" ] && awk -F, 'NR > 1 {printf "prefill %s tokens (%s): %s tok/s\n", $3, $5, $6}' \
     "$OUT/prefill.csv" | tee -a "$SUMMARY"
 
-# each kernel's measured share of a 2k decode step, both precisions (the same graphs the bench captured:
-# --steps 32 times and profiles 32 steps, the bench's 64 positions)
+# each kernel's measured share of a 2k decode step, both precisions, kernels from the warm step's cache
+# (16 steps timed, then 16 profiled; the second run's profile of 2 configurations took 28 s, weights included)
 run profile "$OUT/bench.log" $PY -m dwarfstar.backends.triton.gpu_profile --synthetic flash-q2 --ctx 2048 --batch 1,4 \
-    --steps 32 --top 25 --csv "$OUT/profile.csv" $DRYFLAG
+    --steps 16 --top 25 --csv "$OUT/profile.csv" $DRYFLAG
 grep -E "^(exact|fast) batch " "$OUT/bench.log" | tee -a "$SUMMARY"
 # why the kernels take that long: Nsight Compute's counters (occupancy, warp stalls, issue slots, DRAM
 # throughput) for each Triton kernel of one eager decode step of a 2-layer flash-q2 model (by name:
