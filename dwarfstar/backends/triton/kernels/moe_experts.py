@@ -288,7 +288,7 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
 # -- decode form ---------------------------------------------------------------------------------------
 DECODE_TOKENS = 8  # up to this many tokens a step runs the decode form: no sort, one launch per projection
 # weight rows per program of the int8 loops, gate/up then down (multiples of the 32-column activation
-# blocks): 32 in the gate/up kernel, two rows a thread, leaves registers for two super-blocks a pass
+# blocks): 32 in the gate/up kernel leaves registers for two super-blocks a pass
 Q8_ROWS = (32, 64)
 
 
@@ -516,16 +516,19 @@ def decode_ffn(
         # memory); IQ2_XXS's on 1 up to 4 tokens: its lattice rows, looked up where the mma operand
         # layout wants them, would cross warps on 2 (a round trip through shared memory per group);
         # from 5 tokens the shared expert's rows in the same program would spill on 1. The int8 loops on
-        # 2: each thread then holds 4 rows of a run or group, sharing its activation loads (IQ2_XXS
-        # gate/up on sm_90, in the former signed-weight loop: 0.261 warp-instructions per weight byte
-        # against 0.281 on 4 warps), two super-blocks a pass where K allows (SBP: twice the weight bytes
-        # in flight per program). Gate/up: 32 rows a program (64 took 255 registers and spilled under
-        # triton 3.6, the H200 image's, `nox -s gpu_image`: 8 B, 120 B with two super-blocks a pass),
-        # two super-blocks a pass for one token only: from 4 tokens the shared expert's rows in the same
-        # kernel leave the routed loop short of registers (8 B of stack at 4 tokens, 16 B at 8 with
-        # local loads in the loop), for no gain: 0.278 against 0.286 warp-instructions per weight byte
-        # at 4 tokens, and 6.241 against 6.192 ms predicted (gpu-plan under triton 3.6)
-        warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else 2 if q8 else 4
+        # 4 warps but the gate/up kernel's from 2 tokens, on 2. Registers, not instructions, decide it
+        # since the H200's measurement (gpu-plan's stall): at one token the gate/up kernel holds 96 of
+        # them on 4 warps against 178 on 2 (IQ2_XXS loop 0.209 against 0.211 warp-instructions per
+        # weight byte), the down kernel 52 against 76 (0.176, 0.175), modelled 13.23 against 15.79 ms
+        # a batch-1 fast step; at 4 tokens the gate/up kernel holds 168 either way and 2 warps fit more
+        # programs (modelled 8.97 against 9.98 ms a step in that kernel). Two super-blocks a pass where
+        # K allows (SBP: twice the weight bytes in flight per program). Gate/up: 32 rows a program (64
+        # took 255 registers and spilled under triton 3.6, the H200 image's, `nox -s gpu_image`: 8 B,
+        # 120 B with two super-blocks a pass), two super-blocks a pass for one token only: from 4
+        # tokens the shared expert's rows in the same kernel leave the routed loop short of registers
+        # (8 B of stack at 4 tokens, 16 B at 8 with local loads in the loop), for no gain.
+        q8_warps = 2 if step == 0 and tb > 1 else 4
+        warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else q8_warps if q8 else 4
         bn, rbk = _decode_rows(w.ggml_type, rfast, warps)
         sbn, sbk = _decode_rows(s.ggml_type, sfast, warps)
         if q8:  # whole activation blocks per program (the gate/up kernel quantizes its mid columns)
