@@ -247,7 +247,7 @@ def run_decode(
     bucket) for each b in `batches`, at each context. tok/s counts every sequence's token; GB/s is
     the weights' bytes a step reads (`decode_bytes_per_token`) over the step time; the ceiling is
     the tok/s that moving those bytes at the peak bandwidth allows."""
-    from dwarfstar.backends.triton.synthetic import synthetic_state, synthetic_weights
+    from dwarfstar.backends.triton.synthetic import synthetic_weights
 
     weights = weights if weights is not None else synthetic_weights(preset, layers, device)
     backend = decode_backend(weights, ctxs, batches, steps, warmup, precision)
@@ -255,16 +255,9 @@ def run_decode(
     for ctx in ctxs:
         for b in batches:
             per_step = decode_bytes_per_token(weights, b)
-            states = [synthetic_state(backend, ctx, seed=i) for i in range(b)]
-            tokens = [[1000 + i] for i in range(b)]
-            for _ in range(warmup):  # compile each step shape once eagerly, then capture its graph
-                backend.forward_batch(tokens, states)
-            _sync(device)
-            start = time.perf_counter()
-            for _ in range(steps):
-                backend.forward_batch(tokens, states)
-            _sync(device)
-            seconds = (time.perf_counter() - start) / steps
+            tokens, states = decode_inputs(backend, ctx, b)
+            step_seconds(backend, tokens, states, warmup)  # compile each step shape eagerly, capture its graph
+            seconds = step_seconds(backend, tokens, states, steps)
             gbs = per_step / seconds / 1e9
             ceiling = b * peak.gbs * 1e9 / per_step if peak.gbs else None
             rows.append({
@@ -277,6 +270,24 @@ def run_decode(
             emit(rows[-1])
             del states  # their slots return to the cache for the next batch size
     return rows
+
+
+def decode_inputs(backend, ctx: int, batch: int) -> tuple[list[list[int]], list]:
+    """One token each for `batch` synthetic sequences `ctx` tokens in (`run_decode`'s and gpu_profile's)."""
+    from dwarfstar.backends.triton.synthetic import synthetic_state
+
+    return [[1000 + i] for i in range(batch)], [synthetic_state(backend, ctx, seed=i) for i in range(batch)]
+
+
+def step_seconds(backend, tokens: list[list[int]], states: list, steps: int) -> float:
+    """Wall seconds per decode step over `steps` steps of these sequences, the device synchronised
+    before and after."""
+    _sync(backend.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        backend.forward_batch(tokens, states)
+    _sync(backend.device)
+    return (time.perf_counter() - start) / max(1, steps)
 
 
 def run_prefill(
@@ -453,9 +464,8 @@ def _run(opts, device: torch.device, peak: Peak, out: CsvRows, then: CsvRows | N
         for decode_precision in decode_precisions:
             run_decode(opts.synthetic, opts.layers, contexts, opts.steps, device, peak, opts.warmup, batches, out,
                        weights, decode_precision)  # fmt: skip
-            gc.collect()  # this precision's cache and graphs go before the next's come
+            gc.collect()  # this precision's cache and graphs go before the next's (or the prefill's) come
         if then is not None:
-            gc.collect()  # the decode backend's cache and graphs go before the prefill's come
             torch.cuda.empty_cache()
             run_prefill(opts.synthetic, opts.layers, opts.then_prefill, opts.chunk, device, precision, then, weights)
     elif opts.what == "prefill":

@@ -21,7 +21,6 @@ import gc
 import itertools
 import json
 import tempfile
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -66,12 +65,7 @@ def profile_decode(backend, tokens: list[list[int]], states, steps: int) -> tupl
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            backend.forward_batch(tokens, states)
-        torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+        wall_ms = gpu_bench.step_seconds(backend, tokens, states, steps) * 1e3
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -80,7 +74,7 @@ def profile_decode(backend, tokens: list[list[int]], states, steps: int) -> tupl
 
 
 def run(opts: argparse.Namespace) -> None:
-    from dwarfstar.backends.triton.synthetic import synthetic_state, synthetic_weights
+    from dwarfstar.backends.triton.synthetic import synthetic_weights
 
     device = torch.device("cuda")
     contexts, batches = ([int(c) for c in text.split(",")] for text in (opts.ctx, opts.batch))
@@ -91,16 +85,9 @@ def run(opts: argparse.Namespace) -> None:
             name = "fast" if precision.fast else "exact"
             backend = gpu_bench.decode_backend(weights, contexts, batches, 2 * opts.steps, opts.warmup, precision)
             for ctx, b in itertools.product(contexts, batches):
-                states = [synthetic_state(backend, ctx, seed=i) for i in range(b)]
-                tokens = [[1000 + i] for i in range(b)]
-                for _ in range(opts.warmup):  # compile, capture the graphs
-                    backend.forward_batch(tokens, states)
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(opts.steps):
-                    backend.forward_batch(tokens, states)
-                torch.cuda.synchronize()
-                plain_ms = (time.perf_counter() - start) * 1e3 / opts.steps
+                tokens, states = gpu_bench.decode_inputs(backend, ctx, b)
+                gpu_bench.step_seconds(backend, tokens, states, opts.warmup)  # compile, capture the graphs
+                plain_ms = gpu_bench.step_seconds(backend, tokens, states, opts.steps) * 1e3
                 events, wall_ms = profile_decode(backend, tokens, states, opts.steps)
                 rows, device_us = kernel_rows(events, opts.steps, b, ctx, name)
                 launches = sum(row["launches/step"] for row in rows)

@@ -91,6 +91,6 @@ def launch_time(
     memory = gpu.latency + (moved / rate if moved else 0.0)
     schedulers = min(programs * warps, min(programs, gpu.multiprocessors) * gpu.schedulers)
     warps_per_scheduler = min(per_sm, math.ceil(programs / gpu.multiprocessors)) * warps / gpu.schedulers
-    rate = min(1.0, max(1.0, warps_per_scheduler) / gpu.stall)  # instructions per cycle per scheduler
-    issue = instructions / (schedulers * gpu.clock * rate)
+    issue_rate = min(1.0, max(1.0, warps_per_scheduler) / gpu.stall)  # instructions a cycle per scheduler
+    issue = instructions / (schedulers * gpu.clock * issue_rate)
     return Timing(gpu.node + max(memory, issue), memory, issue, in_flight)
