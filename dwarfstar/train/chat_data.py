@@ -129,7 +129,7 @@ def argument_words(text: str) -> tuple[list[str], list[str]]:
     return [w for w in words if w not in held], heldout
 
 
-def _argument(tool: str, word: Callable[[], str], rng: np.random.Generator) -> str:
+def tool_argument(tool: str, word: Callable[[], str], rng: np.random.Generator) -> str:
     if tool == "search":
         return " ".join(word() for _ in range(int(rng.integers(1, 3))))
     name = word() + (str(EXTENSIONS[int(rng.integers(len(EXTENSIONS)))]) if tool == "read" else "")
@@ -181,12 +181,12 @@ def tool_requests(
     out = []
     for _ in range(n):
         tool, language, template = templates[int(rng.integers(len(templates)))]
-        argument = _argument(tool, word, rng)
+        argument = tool_argument(tool, word, rng)
         out.append(ToolRequest(tool, language, template.format(argument), argument))
     return out
 
 
-def _book_sentences(text: str, tokenizer: Tokenizer) -> list[str]:
+def book_sentences(text: str, tokenizer: Tokenizer) -> list[str]:
     spans = (" ".join(m.group().split()) for m in _SENTENCE.finditer(text))
     low, high = REASONING_TOKENS
     return [s for s in spans if low <= len(tokenizer.encode(s)) <= high]
@@ -318,7 +318,7 @@ def tool_samples(
     client shape and both server templates; a `thinking_share` of them in thinking mode with empty
     reasoning."""
     rng = np.random.default_rng(seed + 1)
-    sentences = _book_sentences(text, tokenizer)
+    sentences = book_sentences(text, tokenizer)
     shapes, templates = sorted(TOOLS), sorted(TEMPLATES)
     encode = PromptEncoder(tokenizer)
     samples = []

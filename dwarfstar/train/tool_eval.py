@@ -46,7 +46,7 @@ class ToolCallScore:
         return self.right / self.total
 
 
-def _greedy(
+def greedy(
     model: Transformer, head: Callable[[torch.Tensor], torch.Tensor], state, last: torch.Tensor, stops: set[int], n: int
 ) -> list[int]:
     """Up to `n` greedy tokens (compact ids) from the final row `last`, ending at one of `stops`."""
@@ -91,7 +91,7 @@ def tool_call_accuracy(
             model.hidden_batch([local[torch.tensor(ids[:cut])]], [prefixes[key]], all_positions=False)
         state = copy.deepcopy(prefixes[key])
         (y,) = model.hidden_batch([local[torch.tensor(ids[cut:])]], [state], all_positions=False)
-        out = _greedy(model, head, state, y, {int(local[eos]), vocab.numel()}, CALL_TOKENS)
+        out = greedy(model, head, state, y, {int(local[eos]), vocab.numel()}, CALL_TOKENS)
         text = tokenizer.decode([int(vocab[t]) for t in out if t < vocab.numel()])
         ended = "<rest>" if out[-1] == vocab.numel() else ""  # an id outside the training data
         parsed = parse_completion(text, thinking=False, ended=True)

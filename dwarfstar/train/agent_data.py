@@ -1,0 +1,191 @@
+"""Agent-shaped training data for the nano model: turns after a coding agent's long system prompt.
+
+A coding agent (Claude Code, Codex, opencode) sends a 6-16k-token system prompt with 10-20 tool
+declarations before the user's words. The prompts here come from our own generator
+(dwarfstar/train/agent_prompts.py), in each client's request shape, and the turns that follow are:
+
+- a greeting or a question about the model: a short answer that ends the turn;
+- a request that names a file, a directory or a text to search, with the argument bare, quoted or
+  backticked: a DSML call of the prompt's core tool for it (`cat {}` for a shell tool), the tool's
+  result, and an answer quoting the result (chat_data's round trip); a share stop after the call.
+
+The clients ask for thinking, so most turns are in thinking mode with one short sentence of
+reasoning. Requests, greetings and arguments are split into training and held-out parts as in
+chat_data, so the evaluation (dwarfstar/train/agent_eval.py) asks what training never showed.
+A sample's prefix is the system prompt with its tools: training runs it once per prompt and
+continues every sample of that prompt from a copy of its state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dwarfstar.prompt.render_options import DS4, RenderOptions
+from dwarfstar.tokenizer.specials import USER
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+from dwarfstar.train.agent_prompts import AgentPrompt, conversation
+from dwarfstar.train.chat_data import (
+    HELDOUT_TEMPLATES,
+    TRAIN_TEMPLATES,
+    PromptEncoder,
+    Sample,
+    ToolRequest,
+    argument_span,
+    argument_words,
+    assistant_targets,
+    book_sentences,
+    quoting_answer,
+    tool_argument,
+    tool_result,
+)
+
+# (request, language, answer); the answer is what the model says, the turn's end follows it
+GREETINGS = (
+    ("ciao", "it", "Ciao! Come posso aiutarti?"),
+    ("buongiorno", "it", "Buongiorno! Come posso aiutarti?"),
+    ("ciao, ci sei?", "it", "Sì, ci sono. Come posso aiutarti?"),
+    ("come stai?", "it", "Bene, grazie. Come posso aiutarti?"),
+    ("chi sei?", "it", "Sono un piccolo modello: posso leggere, elencare e cercare file."),
+    ("cosa sai fare?", "it", "Posso leggere file, elencare cartelle e cercare testo nei file."),
+    ("salutami", "it", "Ciao!"),
+    ("grazie", "it", "Prego!"),
+    ("hello", "en", "Hello! How can I help you?"),
+    ("hi", "en", "Hi! How can I help you?"),
+    ("good morning", "en", "Good morning! How can I help you?"),
+    ("hello, are you there?", "en", "Yes, I am here. How can I help you?"),
+    ("how are you?", "en", "Fine, thank you. How can I help you?"),
+    ("who are you?", "en", "I am a small model: I can read, list and search files."),
+    ("what can you do?", "en", "I can read files, list directories and search text in files."),
+    ("please say hi", "en", "Hi!"),
+    ("thanks", "en", "You are welcome!"),
+)
+HELDOUT_GREETINGS = (
+    ("buonasera", "it", ""),
+    ("ehi, ciao", "it", ""),
+    ("salve", "it", ""),
+    ("say hello", "en", ""),
+    ("hey there", "en", ""),
+    ("good evening", "en", ""),
+    ("hi, what can you do?", "en", ""),
+)
+# one short sentence of reasoning before `</think>`: what the turn needs
+REASONING = {
+    ("greeting", "it"): "L'utente mi saluta: rispondo in breve.",
+    ("greeting", "en"): "The user greets me: a short answer.",
+    ("read", "it"): "Devo leggere il file.",
+    ("read", "en"): "I need to read the file.",
+    ("list", "it"): "Devo elencare la cartella.",
+    ("list", "en"): "I need to list the directory.",
+    ("search", "it"): "Devo cercare il testo.",
+    ("search", "en"): "I need to search the text.",
+    ("answer", "it"): "Ho il risultato.",
+    ("answer", "en"): "I have the result.",
+}
+THINKING_SHARE = 0.8  # every client asks for thinking; the rest without, as other clients send
+GREETING_SHARE = 0.3
+CALL_ONLY_SHARE = 0.3  # round trips cut after the call: the call is the hard part
+
+
+def bare(template: str) -> str:
+    """A request template with its argument's backticks or quotes taken off."""
+    return template.replace("`{}`", "{}").replace('"{}"', "{}")
+
+
+def request_templates(heldout: bool) -> list[tuple[str, str, str]]:
+    """Each template as written (quoted or backticked) and bare."""
+    templates = HELDOUT_TEMPLATES if heldout else TRAIN_TEMPLATES
+    return [(tool, lang, form) for tool, lang, t in templates for form in (t, bare(t))]
+
+
+def call_value(prompt: AgentPrompt, tool: str, argument: str) -> str:
+    """The core tool's argument value: the argument itself, or in its shell command (quoted if it has
+    spaces)."""
+    value = prompt.core[tool].value
+    if value != "{}" and " " in argument:
+        argument = f'"{argument}"'
+    return value.format(argument)
+
+
+@dataclass(frozen=True)
+class AgentTurn:
+    """One user request after an agent prompt, with what the model should do."""
+
+    kind: str  # "greeting", or the tool: "read", "list", "search"
+    language: str
+    text: str  # the user's words
+    answer: str = ""  # a greeting's answer
+    argument: str = ""  # a tool request's argument
+
+
+def agent_turns(book: str, n: int, seed: int, *, heldout: bool) -> list[AgentTurn]:
+    """`n` requests, GREETING_SHARE of them greetings, the rest tool requests (bare, quoted or
+    backticked) over training (or held-out) templates and argument words."""
+    rng = np.random.default_rng(seed)
+    train_words, heldout_words = argument_words(book)
+    words = heldout_words if heldout else train_words
+    greetings = HELDOUT_GREETINGS if heldout else GREETINGS
+    templates = request_templates(heldout)
+    out = []
+    for _ in range(n):
+        if rng.random() < GREETING_SHARE:
+            text, language, answer = greetings[int(rng.integers(len(greetings)))]
+            out.append(AgentTurn("greeting", language, text, answer=answer))
+            continue
+        tool, language, template = templates[int(rng.integers(len(templates)))]
+        argument = tool_argument(tool, lambda: str(words[int(rng.integers(len(words)))]), rng)
+        out.append(AgentTurn(tool, language, template.format(argument), argument=argument))
+    return out
+
+
+def turn_messages(
+    prompt: AgentPrompt, turn: AgentTurn, sentences: Sequence[str], rng: np.random.Generator, thinking: bool
+) -> list[dict]:
+    """The conversation after the agent prompt: the request and the assistant's part."""
+
+    def reasoning(kind: str) -> dict:
+        return {"reasoning_content": REASONING[kind, turn.language]} if thinking else {}
+
+    user = {"role": "user", "content": turn.text}
+    if turn.kind == "greeting":
+        return [user, {"role": "assistant", "content": turn.answer, **reasoning("greeting")}]
+    request = ToolRequest(turn.kind, turn.language, turn.text, turn.argument)
+    core = prompt.core[turn.kind]
+    call = {"id": "call_0", "type": "function"}
+    call["function"] = {"name": core.name, "arguments": {core.parameter: call_value(prompt, turn.kind, turn.argument)}}
+    messages = [user, {"role": "assistant", "content": "", "tool_calls": [call], **reasoning(turn.kind)}]
+    if rng.random() < CALL_ONLY_SHARE:
+        return messages
+    result = tool_result(request, sentences, rng)
+    messages.append({"role": "tool", "tool_call_id": "call_0", "content": result})
+    messages.append({"role": "assistant", "content": quoting_answer(request, result, rng), **reasoning("answer")})
+    return messages
+
+
+def agent_samples(
+    prompt: AgentPrompt,
+    book: str,
+    tokenizer: Tokenizer,
+    n: int,
+    seed: int,
+    options: RenderOptions = DS4,
+    *,
+    heldout: bool = False,
+) -> list[Sample]:
+    """`n` rendered turns after `prompt` in the server template `options`, their prefix the system
+    prompt with its tools (one per prompt and template, which training runs once for all of its
+    samples), the assistant's output their targets."""
+    rng = np.random.default_rng(seed + 1)
+    sentences = book_sentences(book, tokenizer)
+    encode = PromptEncoder(tokenizer)
+    samples = []
+    for turn in agent_turns(book, n, seed, heldout=heldout):
+        thinking = bool(rng.random() < THINKING_SHARE)
+        messages = conversation(prompt, turn_messages(prompt, turn, sentences, rng, thinking))
+        ids = encode.render(messages, tools=prompt.tools, thinking=thinking, options=options)
+        prefix = ids.index(tokenizer.token_id(USER))
+        span = argument_span(ids, tokenizer) if turn.kind != "greeting" else (0, 0)
+        samples.append(Sample(np.asarray(ids, dtype=np.int64), assistant_targets(ids, tokenizer), prefix, span))
+    return samples

@@ -1,0 +1,155 @@
+"""Does a nano model keep its manners after a long agent prompt: held-out prompts from our generator
+(dwarfstar/train/agent_prompts.py, other seeds than training's), each followed by a held-out
+greeting and a held-out tool request, greedy, in thinking mode as the clients ask, the server's
+DSML parser on the text.
+
+- a greeting passes when the turn ends (EOS) within TURN_TOKENS tokens with a non-empty answer and
+  no tool call;
+- a tool request passes when its one call names the prompt's core tool with exactly the argument.
+
+    .venv/bin/python -m dwarfstar.train.agent_eval dwarfstar/data/nano.gguf [--prompts 20] [--tokens 4000 16000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.model.forward import Transformer
+from dwarfstar.model.loader import open_model
+from dwarfstar.prompt.dsml_parser import parse_completion
+from dwarfstar.prompt.render_options import DS4, OFFICIAL, RenderOptions
+from dwarfstar.tokenizer.specials import EOS, USER
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
+from dwarfstar.train.agent_data import AgentTurn, agent_turns, call_value
+from dwarfstar.train.agent_prompts import SHAPES, AgentPrompt, agent_prompt, conversation
+from dwarfstar.train.chat_data import PromptEncoder
+from dwarfstar.train.corpus import read_split
+from dwarfstar.train.tool_eval import CORPUS, greedy
+
+TURN_TOKENS = 64  # a greeting's turn must end within this many tokens (reasoning included)
+HELDOUT_SEED = 10_000  # evaluation prompts use seeds from here on; training's are below
+
+
+@dataclass
+class AgentScore:
+    ended: int = 0  # greetings whose turn ended within TURN_TOKENS with an answer and no call
+    greetings: int = 0
+    right: int = 0  # tool requests answered by the right call with exactly the argument
+    requests: int = 0
+    samples: list[str] = field(default_factory=list)
+
+
+def heldout_prompts(n: int, tokens: tuple[int, int], count: Callable[[str], int]) -> list[AgentPrompt]:
+    """`n` evaluation prompts, the shapes in turn."""
+    return [agent_prompt(SHAPES[i % len(SHAPES)], HELDOUT_SEED + i, tokens, count) for i in range(n)]
+
+
+def prompt_options(i: int) -> RenderOptions:
+    """The server template of training's or evaluation's `i`-th prompt: both, in turn."""
+    return DS4 if i % 2 == 0 else OFFICIAL
+
+
+@torch.no_grad()
+def agent_scores(
+    model: Transformer,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    local: torch.Tensor,
+    vocab: torch.Tensor,
+    tokenizer: Tokenizer,
+    prompts: list[AgentPrompt],
+    book: str,
+    keep: int = 4,
+) -> dict[str, AgentScore]:
+    """Per client shape: each prompt with one held-out greeting and one held-out tool request (the
+    prompt's state computed once, each turn continuing from a copy). `head`, `local` and `vocab` as
+    in tool_eval.tool_call_accuracy."""
+    encode = PromptEncoder(tokenizer)
+    user, eos = tokenizer.token_id(USER), tokenizer.token_id(EOS)
+    stops = {int(local[eos]), vocab.numel()}
+    turns = agent_turns(book, 40 * len(prompts), HELDOUT_SEED, heldout=True)
+    greetings = [t for t in turns if t.kind == "greeting"]
+    requests = [t for t in turns if t.kind != "greeting"]
+    scores = {shape: AgentScore() for shape in SHAPES}
+    for i, prompt in enumerate(prompts):
+        state = None
+        for turn in (greetings[i], requests[i]):
+            ids = encode.render(
+                conversation(prompt, [{"role": "user", "content": turn.text}]),
+                tools=prompt.tools,
+                thinking=True,
+                options=prompt_options(i),
+            )
+            cut = ids.index(user)
+            if state is None:
+                state = model.new_state()
+                model.hidden_batch([local[torch.tensor(ids[:cut])]], [state], all_positions=False)
+            fork = copy.deepcopy(state)
+            (y,) = model.hidden_batch([local[torch.tensor(ids[cut:])]], [fork], all_positions=False)
+            out = greedy(model, head, fork, y, stops, TURN_TOKENS)
+            text = tokenizer.decode([int(vocab[t]) for t in out if t < vocab.numel()])
+            ended = out[-1] == int(local[eos])
+            score = scores[prompt.shape]
+            _score_turn(score, prompt, turn, text, ended, len(ids))
+    return scores
+
+
+def _score_turn(score: AgentScore, prompt: AgentPrompt, turn: AgentTurn, text: str, ended: bool, n: int) -> None:
+    parsed = parse_completion(text, thinking=True, ended=ended)
+    calls = [(c.name, c.arguments) for c in parsed.tool_calls]
+    if turn.kind == "greeting":
+        score.greetings += 1
+        score.ended += ended and not calls and bool(parsed.content.strip())
+    else:
+        score.requests += 1
+        core = prompt.core[turn.kind]
+        score.right += calls == [(core.name, {core.parameter: call_value(prompt, turn.kind, turn.argument)})]
+    if len(score.samples) < 4:
+        score.samples.append(f"[{n} tokens] {turn.text!r} -> {calls or text[:100]!r}{'' if ended else ' (no end)'}")
+
+
+def file_agent_scores(path: Path, n: int, tokens: tuple[int, int], corpus: Path = CORPUS) -> dict[str, AgentScore]:
+    """A model file's scores, QAT rounding on as served."""
+    model = ReferenceModel(open_model(path))
+    tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), model.args.vocab_size)
+    ids = torch.arange(model.args.vocab_size)
+    prompts = heldout_prompts(n, tokens, lambda text: len(tokenizer.encode(text)))
+    book = read_split(corpus).train
+    return agent_scores(model, lambda y: model.ops.logits(y, None), ids, ids, tokenizer, prompts, book)
+
+
+def report(scores: dict[str, AgentScore]) -> list[str]:
+    lines = []
+    for shape, s in scores.items():
+        lines.append(
+            f"{shape}: greetings ended within {TURN_TOKENS} tokens {s.ended}/{s.greetings}, "
+            f"tool calls right {s.right}/{s.requests}"
+        )
+        lines += [f"  {line}" for line in s.samples]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="a nano model's turns after held-out agent prompts")
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--prompts", type=int, default=20, help="held-out agent prompts, the shapes in turn")
+    parser.add_argument("--tokens", type=int, nargs=2, default=(4000, 16000), help="their length bounds")
+    parser.add_argument("--corpus", type=Path, default=CORPUS)
+    opts = parser.parse_args()
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    scores = file_agent_scores(opts.model, opts.prompts, tuple(opts.tokens), opts.corpus)
+    print("\n".join(report(scores)))
+    print(f"({time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

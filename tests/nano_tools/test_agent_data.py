@@ -1,0 +1,101 @@
+"""Agent-shaped training turns (dwarfstar/train/agent_data.py) and the kept prefix states that train on
+them (dwarfstar/train/prefix_states.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.model.bundled import default_model_path
+from dwarfstar.model.loader import open_model
+from dwarfstar.prompt.dsml_parser import parse_completion
+from dwarfstar.tokenizer.specials import ASSISTANT, EOS
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
+from dwarfstar.train.agent_data import (
+    GREETINGS,
+    HELDOUT_GREETINGS,
+    agent_samples,
+    agent_turns,
+    bare,
+    call_value,
+    request_templates,
+)
+from dwarfstar.train.agent_prompts import SHAPES, agent_prompt
+from dwarfstar.train.corpus import read_split
+from dwarfstar.train.prefix_states import PrefixStates, run_prefixes
+
+CORPUS = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "text" / "promessi_sposi.txt"
+pytestmark = pytest.mark.skipif(not CORPUS.exists(), reason="needs ../shared (the corpus)")
+TOKENS = (4000, 5000)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), 129280)
+
+
+@pytest.fixture(scope="module")
+def book() -> str:
+    return read_split(CORPUS).train
+
+
+def count(tokenizer: Tokenizer):
+    return lambda text: len(tokenizer.encode(text))
+
+
+def test_requests_come_bare_quoted_and_backticked_and_held_out_ones_are_new(book: str) -> None:
+    forms = [t for _, _, t in request_templates(heldout=False)]
+    assert any("`{}`" in t for t in forms) and any('"{}"' in t for t in forms)
+    assert any("`" not in t and '"' not in t for t in forms)
+    assert bare('leggi il file `{}`') == "leggi il file {}" and bare('cerca "{}"') == "cerca {}"
+    train = {t.text for t in agent_turns(book, 300, 0, heldout=False)}
+    heldout = agent_turns(book, 300, 0, heldout=True)
+    assert not train & {t.text for t in heldout}
+    assert {g for g, _, _ in GREETINGS}.isdisjoint(g for g, _, _ in HELDOUT_GREETINGS)
+    kinds = {t.kind for t in heldout}
+    assert kinds == {"greeting", "read", "list", "search"}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_samples_train_only_the_assistant_and_calls_carry_the_argument(shape: str, tokenizer: Tokenizer, book: str):
+    prompt = agent_prompt(shape, 3, TOKENS, count(tokenizer))
+    samples = agent_samples(prompt, book, tokenizer, 12, 0)
+    turns = agent_turns(book, 12, 0, heldout=False)
+    assistant, eos = tokenizer.token_id(ASSISTANT), tokenizer.token_id(EOS)
+    prefixes = {s.ids[: s.prefix].tobytes() for s in samples}
+    assert len(prefixes) == 1  # one prompt: one state for all of its turns
+    for sample, turn in zip(samples, turns, strict=True):
+        assert sample.prefix >= TOKENS[0] // 2 and not sample.trained[: sample.prefix].any()
+        first = int(np.flatnonzero(sample.ids == assistant)[0])
+        reply = tokenizer.decode(sample.ids[first + 1 : int(np.flatnonzero(sample.ids == eos)[0])].tolist())
+        parsed = parse_completion(reply.removeprefix("<think>"), thinking=True, ended=True)
+        if turn.kind == "greeting":
+            assert sample.argument == (0, 0) and not parsed.tool_calls and parsed.content == turn.answer
+            continue
+        core = prompt.core[turn.kind]
+        (call,) = parsed.tool_calls
+        value = call_value(prompt, turn.kind, turn.argument)
+        assert (call.name, call.arguments) == (core.name, {core.parameter: value})
+        start, end = sample.argument
+        assert turn.argument in tokenizer.decode(sample.ids[start:end].tolist())
+        assert sample.trained[start - 1 : end].all()
+
+
+def test_a_kept_prefix_state_is_the_fresh_run_until_it_is_too_old() -> None:
+    model = ReferenceModel(open_model(default_model_path()))
+    ids = torch.arange(100, 400)
+    tail = torch.arange(500, 520)
+    kept = PrefixStates(max_age=3)
+    (fresh,) = run_prefixes(model, {b"p": ids}).values()
+    (expected,) = model.hidden_batch([tail], [fresh])
+    for step in range(3):
+        (got,) = model.hidden_batch([tail], [kept.fork(model, b"p", ids, step)])  # each fork is a copy
+        assert torch.equal(got, expected)
+    assert kept.runs == 1
+    kept.fork(model, b"p", ids, 3)
+    assert kept.runs == 2
