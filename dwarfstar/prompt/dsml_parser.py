@@ -41,6 +41,7 @@ from dwarfstar.tokenizer import specials
 # A name or key longer than this without its closing quote is model drift, not a name.
 MAX_NAME_CHARS = 1024
 _HEADER_ENDS = (('" string="true">', True), ('" string="false">', False), ('">', True))
+INVALID_TOOL_CALL = "invalid tool call: "  # the problem that gives a block up starts so, then says why
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,7 +330,7 @@ class DsmlParser:
     def _reject(self, why: str) -> None:
         """Give up on the block as an invalid tool call: its text, and all text after it, is kept aside."""
         inside_invoke = self._in in (_In.PARAMS, _In.PARAM_HEADER, _In.PARAM_VALUE)  # its start was announced
-        self._problem(f"invalid tool call: {why}", abandoned=len(self._calls) + inside_invoke)
+        self._problem(INVALID_TOOL_CALL + why, abandoned=len(self._calls) + inside_invoke)
         self.completion.invalid_dsml = "".join(self._raw)
         self._reset_block()
         self._phase = _Phase.INVALID
