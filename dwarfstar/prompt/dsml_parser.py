@@ -23,7 +23,8 @@ self, an invoke left open ends at the next invoke or the block's end, and a bloc
 
 Never raises on bad input. A block that cannot be repaired is an invalid tool call (ds4's term): it is
 reported as a `ParseProblem`, its raw text, up to the end of generation, goes to `invalid_dsml` and
-never into `content`, and it yields no calls.
+never into `content`, and it yields no calls (the server shows that text after the content and flags
+the answer: serving/output.py).
 """
 
 from __future__ import annotations
