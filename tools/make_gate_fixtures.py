@@ -15,8 +15,8 @@ same gates then check, each from the reference backend (the numerical oracle):
   phrases of three words spread over the reference's greedy continuation, which must all come back.
 - `nano_tool_call.json`: the reply the reference gives to ds4's tool-call request through the server
   application (nano knows only its own `read`, `list` and `search` tools: asked for `list_files`, it
-  starts a `search` call it does not finish, which the server ends as an invalid tool call; the gate
-  then checks that exact reply).
+  starts a `search` call it does not finish, which the server ends as an invalid tool call, its text
+  shown as content; the gate then checks that exact reply).
 
 Run it again after retraining the bundled model; the tests in tests/evals run the gates on these files.
 """

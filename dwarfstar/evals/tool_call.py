@@ -4,7 +4,8 @@ ds4's request, sent to the real server application in process (Starlette's TestC
 routes, renderer, scheduler and streaming DSML parser `dwarfstar serve` runs): one `list_files(path)`
 tool, `think: false`, temperature 0, 256 tokens, a 32,768-token context. The reply must carry a tool
 call to `list_files` whose arguments parse as a JSON object; a DSML block the parser cannot read ends
-the turn without calls, finish `stop` (ds4's recoverable invalid tool call), and fails.
+the turn without calls, finish `stop`, the block shown as text in the content (the server's invalid
+tool call, README "Invalid tool calls"), and fails.
 
 A model that cannot make this call (the bundled one, trained on other tools) is checked against an
 expectation file instead: the reply the reference backend gave through the same path

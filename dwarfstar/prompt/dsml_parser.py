@@ -23,7 +23,8 @@ self, an invoke left open ends at the next invoke or the block's end, and a bloc
 
 Never raises on bad input. A block that cannot be repaired is an invalid tool call (ds4's term): it is
 reported as a `ParseProblem`, its raw text, up to the end of generation, goes to `invalid_dsml` and
-never into `content`, and it yields no calls.
+never into `content`, and it yields no calls (the server shows that text after the content and flags
+the answer: serving/output.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from dwarfstar.tokenizer import specials
 # A name or key longer than this without its closing quote is model drift, not a name.
 MAX_NAME_CHARS = 1024
 _HEADER_ENDS = (('" string="true">', True), ('" string="false">', False), ('">', True))
+INVALID_TOOL_CALL = "invalid tool call: "  # the problem that gives a block up starts so, then says why
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,7 +331,7 @@ class DsmlParser:
     def _reject(self, why: str) -> None:
         """Give up on the block as an invalid tool call: its text, and all text after it, is kept aside."""
         inside_invoke = self._in in (_In.PARAMS, _In.PARAM_HEADER, _In.PARAM_VALUE)  # its start was announced
-        self._problem(f"invalid tool call: {why}", abandoned=len(self._calls) + inside_invoke)
+        self._problem(INVALID_TOOL_CALL + why, abandoned=len(self._calls) + inside_invoke)
         self.completion.invalid_dsml = "".join(self._raw)
         self._reset_block()
         self._phase = _Phase.INVALID

@@ -23,6 +23,11 @@ is not first, under either template. The request fields current Claude Code send
   to clear old thinking or tool results from the context; the renderer already drops old reasoning
   by the encoder's rules, and rewriting history here would break prefix reuse.
 - `metadata`, `cache_control` on blocks, `service_tier`: ignored.
+
+An invalid tool call (a DSML block the parser gives up) yields no `tool_use` block: its text, as the
+model wrote it, follows the answer in the text block, the turn ends (`end_turn`, or `max_tokens` when
+the budget cut it), and `stop_details` is `{"type": "invalid_tool_call", "explanation": WHY}` (null
+otherwise; in a stream, in `message_delta`). Claude Code shows the text and ends the turn.
 """
 
 from __future__ import annotations
@@ -319,8 +324,8 @@ def message_object(message_id: str, model: str, done: Finished, *, show_thinking
     if completion.reasoning:
         thinking = completion.reasoning if show_thinking else ""
         content.append({"type": "thinking", "thinking": thinking, "signature": message_id})
-    if completion.content or not completion.tool_calls:
-        content.append({"type": "text", "text": completion.content})
+    if done.content or not completion.tool_calls:
+        content.append({"type": "text", "text": done.content})
     for call, call_id in zip(completion.tool_calls, done.tool_ids, strict=True):
         content.append({"type": "tool_use", "id": call_id, "name": call.name, "input": call.arguments})
     return {
@@ -329,9 +334,18 @@ def message_object(message_id: str, model: str, done: Finished, *, show_thinking
         "role": "assistant",
         "model": model,
         "content": content,
+        **stop_fields(done),
+        "usage": usage_object(done.usage, done.usage.completion_tokens),
+    }
+
+
+def stop_fields(done: Finished) -> dict[str, Any]:
+    """`stop_reason`, `stop_sequence` and `stop_details` (an invalid tool call's, else null)."""
+    why = done.invalid_tool_call
+    return {
         "stop_reason": "stop_sequence" if done.stop_sequence else STOP_REASONS[done.reason],
         "stop_sequence": done.stop_sequence,
-        "usage": usage_object(done.usage, done.usage.completion_tokens),
+        "stop_details": None if why is None else {"type": "invalid_tool_call", "explanation": why},
     }
 
 
@@ -378,6 +392,7 @@ class MessageStream:
                 "content": [],
                 "stop_reason": None,
                 "stop_sequence": None,
+                "stop_details": None,
                 "usage": usage_object(event.usage, 0),
             }
             return [self._event("message_start", message=message)]
@@ -401,11 +416,8 @@ class MessageStream:
             out = self._close()
             if not self.saw_text and not self.saw_tool:
                 out += self._start({"type": "text", "text": ""}) + self._close()
-            reason = "stop_sequence" if event.stop_sequence else STOP_REASONS[event.reason]
-            delta = {"stop_reason": reason, "stop_sequence": event.stop_sequence}
-            out.append(
-                self._event("message_delta", delta=delta, usage={"output_tokens": event.usage.completion_tokens})
-            )
+            usage = {"output_tokens": event.usage.completion_tokens}
+            out.append(self._event("message_delta", delta=stop_fields(event), usage=usage))
             return out + [self._event("message_stop")]
         if isinstance(event, Failed):
             return [sse(error_body(ApiError(500, event.message), Dialect.ANTHROPIC), "error")]

@@ -10,7 +10,14 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from dwarfstar.prompt.dsml_parser import ContentDelta, ParsedCompletion, ReasoningDelta, ToolArgumentsDelta, ToolCallEnd
+from dwarfstar.prompt.dsml_parser import (
+    INVALID_TOOL_CALL,
+    ContentDelta,
+    ParsedCompletion,
+    ReasoningDelta,
+    ToolArgumentsDelta,
+    ToolCallEnd,
+)
 from dwarfstar.prompt.render import Prompt
 from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.loopguard import LoopGuard
@@ -85,6 +92,20 @@ class Finished:
     tool_ids: list[str] = field(default_factory=list)
     stop_sequence: str | None = None  # the client's stop string that ended the text
     logprobs: list[TokenLogprob] | None = None  # each generated token's, when the request asked
+
+    @property
+    def content(self) -> str:
+        """The answer's text: the content, then a tool-call block the parser gave up, as the model wrote
+        it (an invalid tool call is shown, never dropped: output.py)."""
+        return self.completion.content + (self.completion.invalid_dsml or "")
+
+    @property
+    def invalid_tool_call(self) -> str | None:
+        """Why the parser gave up the answer's tool-call block; None when it gave none up."""
+        if self.completion is None or self.completion.invalid_dsml is None:
+            return None
+        why = [p.removeprefix(INVALID_TOOL_CALL) for p in self.completion.problems if p.startswith(INVALID_TOOL_CALL)]
+        return why[-1] if why else "the tool-call block could not be read"
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ class Metric(Enum):
     CANCELLED_REQUESTS_TOTAL = COUNTER, "Generations stopped because the client left, by phase."
     FAILED_REQUESTS_TOTAL = COUNTER, "Generations that failed inside the engine."
     LOOP_GUARD_TOTAL = COUNTER, "Loop guard interventions, by kind (repetition, tool_note, tool_stop)."
+    INVALID_TOOL_CALLS_TOTAL = COUNTER, "Tool-call blocks the parser gave up, answered as text."
     PROMPT_TOKENS_TOTAL = COUNTER, "Prompt tokens of admitted requests."
     CACHED_TOKENS_TOTAL = COUNTER, "Prompt tokens reused from a live session or the disk cache."
     PREFILL_TOKENS_TOTAL = COUNTER, "Prompt tokens run through the model."

@@ -7,6 +7,11 @@ output budget over the context). Streaming follows §2.7: a role chunk, reasonin
 each tool call's header and arguments once its block is accepted (never a call that turns out
 invalid: `output.py`), a finish chunk, an optional usage chunk, `[DONE]`.
 
+An invalid tool call (a DSML block the parser gives up) ends the turn with finish `stop` (`length`
+when the budget cut it) and no calls; its text, as the model wrote it, follows the content, and the
+message carries `invalid_tool_call: {"explanation": WHY}` (a DwarfStar field, like
+`reasoning_content`; in a stream, in the finish chunk's delta).
+
 What opencode 1.18 sends (checked by `nox -s clients`): `model`, `messages` (roles system, user,
 assistant with `reasoning_content` and `tool_calls`, tool), `tools`, `tool_choice: "auto"`,
 `max_tokens`, `stream` and `stream_options.include_usage`, all of them used.
@@ -185,16 +190,23 @@ async def chat_completions(request: Request) -> Response:
 
 def chat_completion(response_id: str, model: str, done: Finished) -> dict[str, Any]:
     completion = done.completion
-    message: dict[str, Any] = {"role": "assistant", "content": completion.content}
+    message: dict[str, Any] = {"role": "assistant", "content": done.content}
     if completion.reasoning:
         message["reasoning_content"] = completion.reasoning
     if completion.tool_calls:
         message["tool_calls"] = [
             call.to_openai(i) for call, i in zip(completion.tool_calls, done.tool_ids, strict=True)
         ]
+    message |= invalid_call_field(done)
     logprobs = logprobs_object(done.logprobs)
     choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": openai_finish(done.reason)}
     return envelope("chat.completion", response_id, int(time.time()), model, [choice], usage=usage_object(done.usage))
+
+
+def invalid_call_field(done: Finished) -> dict[str, Any]:
+    """The message's `invalid_tool_call` field when the parser gave up a tool-call block, else nothing."""
+    why = done.invalid_tool_call
+    return {} if why is None else {"invalid_tool_call": {"explanation": why}}
 
 
 def envelope(kind: str, response_id: str, created: int, model: str, choices: list[Any], **extra: Any) -> dict[str, Any]:
@@ -249,7 +261,7 @@ class ChatStream:
         if isinstance(event, ToolArgumentsDelta):
             return [self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})]
         if isinstance(event, Finished):
-            out = [self._chunk({}, openai_finish(event.reason))]
+            out = [self._chunk(invalid_call_field(event), openai_finish(event.reason))]
             if self.include_usage:
                 out.append(sse(self._envelope([], usage=usage_object(event.usage))))
             return out + [b"data: [DONE]\n\n"]

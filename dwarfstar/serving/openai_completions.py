@@ -5,7 +5,8 @@ prompt "You are a helpful assistant", thinking as for chat; the output is the ra
 (reasoning and `</think>` included). Raw (`"raw": true`, a DwarfStar extension asked for in ds4 #61):
 the prompt text is tokenized as is, control-token strings matched as control tokens and no BOS
 added, or given directly as an array of token ids; the client owns the template (FIM, base-model
-use, its own chat format).
+use, its own chat format). Neither offers tools nor parses DSML: a tool-call block, readable or not,
+is text like any other (an invalid tool call is a chat API's matter: openai_chat.py).
 """
 
 from __future__ import annotations

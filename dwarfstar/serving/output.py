@@ -17,6 +17,13 @@ A tool-call block's events (each call's start, its arguments, its end) are held 
 accepts the block, and dropped if it gives the block up (an invalid tool call): a client, streamed or
 not, sees only calls it can run, and a request ends the same way either way (issue 37). A stream
 shows a block's calls when the block closes, as ds4 does when its live projection never started.
+
+A block given up is not dropped in silence (issue 36): its text, as the model wrote it, follows the
+content as more content (`Finished.content`), streamed from the moment the parser gives up, and each
+API flags the answer in its own shape (`Finished.invalid_tool_call`: why), so a reply never looks like
+an empty success. The client sends that text back as the assistant's content; its bytes are the ones
+sampled, so the next prompt keeps the live KV through the whole turn, `｜DSML｜` control tokens
+included (the rendered-bytes match, session/prefix.py), though the renderer spells them as plain text.
 """
 
 from __future__ import annotations
@@ -85,6 +92,7 @@ class OutputDecoder:
         self.problems: list[str] = []
         self.reasoning_tokens = 0
         self._calls: list[Event] = []  # the open block's call events, until the parser accepts it
+        self._invalid_shown = 0  # how much of a given-up block's text has been sent as content
 
     @property
     def stop_sequence(self) -> str | None:
@@ -148,7 +156,15 @@ class OutputDecoder:
             else:
                 out += self._settled_calls()
                 out.append(event)
-        return out + self._settled_calls()
+        return out + self._settled_calls() + self._invalid_text()
+
+    def _invalid_text(self) -> list[Event]:
+        """The text of a block the parser gave up, as content, from where the last call left off."""
+        invalid = self.completion.invalid_dsml if self.completion is not None else None
+        if invalid is None or len(invalid) == self._invalid_shown:
+            return []
+        text, self._invalid_shown = invalid[self._invalid_shown :], len(invalid)
+        return [ContentDelta(text)]
 
     def _settled_calls(self) -> list[Event]:
         """The held call events once their block is settled: all of them if the parser accepted it,

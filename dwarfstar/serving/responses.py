@@ -16,6 +16,11 @@ developer/user/assistant, `reasoning`, `function_call`, `function_call_output`),
 `tool_choice`, `reasoning`, `include`, `stream`, all used as above; `store`, `parallel_tool_calls`
 (calls are always allowed in parallel), `prompt_cache_key` (prefix reuse needs no key: the cache
 matches prompt bytes) and `client_metadata` are accepted and ignored.
+
+An invalid tool call (a DSML block the parser gives up) yields no `function_call` item: its text, as
+the model wrote it, follows the message's text, and the response is `incomplete` with
+`incomplete_details: {"reason": "invalid_tool_call", "explanation": WHY}` (the budget's reason first
+when the budget cut the block). Codex reads an incomplete response as an error and asks again.
 """
 
 from __future__ import annotations
@@ -241,8 +246,8 @@ def _final_items(shape: ResponseShape, done: Finished) -> list[dict[str, Any]]:
     items = []
     if shape.shows_reasoning and completion.reasoning:
         items.append(reasoning_item(new_id("rs_"), completion.reasoning, shape, "completed"))
-    if completion.content or not completion.tool_calls:
-        items.append(message_item(new_id("msg_"), completion.content, "completed", done.logprobs))
+    if done.content or not completion.tool_calls:
+        items.append(message_item(new_id("msg_"), done.content, "completed", done.logprobs))
     for call, call_id in zip(completion.tool_calls, done.tool_ids, strict=True):
         items.append(call_item(new_id("fc_"), call_id, call.name, call.arguments_json, "completed"))
     return items
@@ -262,10 +267,8 @@ class ResponseShape:
         status = "in_progress"
         body: dict[str, Any] = {"error": None, "incomplete_details": None}
         if isinstance(done, Finished):
-            incomplete = INCOMPLETE.get(done.reason)
-            status = "completed" if incomplete is None else "incomplete"
-            if incomplete is not None:
-                body["incomplete_details"] = {"reason": incomplete}
+            body["incomplete_details"] = incomplete_details(done)
+            status = "completed" if body["incomplete_details"] is None else "incomplete"
         elif isinstance(done, Failed):
             status = "failed"
             body["error"] = {"code": "server_error", "message": done.message}
@@ -283,6 +286,14 @@ class ResponseShape:
         if done is not None:
             response["usage"] = usage_object(done.usage)
         return response
+
+
+def incomplete_details(done: Finished) -> dict[str, Any] | None:
+    """Why the output is incomplete: the budget or the loop guard, else an invalid tool call; None if it is not."""
+    if done.reason in INCOMPLETE:
+        return {"reason": INCOMPLETE[done.reason]}
+    why = done.invalid_tool_call
+    return None if why is None else {"reason": "invalid_tool_call", "explanation": why}
 
 
 def usage_object(usage: Usage) -> dict[str, Any]:
@@ -411,7 +422,7 @@ class ResponseStream:
             out = self._close()
             if not any(item["type"] in ("message", "function_call") for item in self.output):
                 out += self._add(message_item(new_id("msg_"), "", "in_progress")) + self._close()
-            kind = "response.incomplete" if event.reason in INCOMPLETE else "response.completed"
+            kind = "response.completed" if incomplete_details(event) is None else "response.incomplete"
             return out + [self._event(kind, response=shape.response(self.output, event))]
         if isinstance(event, Failed):
             error = self._event("error", code="server_error", message=event.message, param=None)

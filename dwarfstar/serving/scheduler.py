@@ -478,6 +478,8 @@ class Scheduler:
             reason = "length" if reason == "length" else "tool_calls"
             self.tool_memory.remember(tool_ids, completion.raw_dsml, completion.reasoning)
             job.kv.lease.live.tool_ids.update(tool_ids)
+        elif completion is not None and completion.invalid_dsml is not None:  # shown as text (output.py)
+            self.metrics.inc(Metric.INVALID_TOOL_CALLS_TOTAL)
         job.usage.reasoning_tokens = decoder.reasoning_tokens
         self.metrics.inc(Metric.FINISHED_REQUESTS_TOTAL, reason=reason)
         if reason == "repetition":

@@ -1,7 +1,9 @@
-"""Drifted DSML served as the calls the model meant; an unrepairable block as ds4's recoverable
-invalid tool call (an ordinary end of turn, no calls, no DSML in the content), streamed or not: a
-stream shows a block's calls only once the parser accepts the block, so it never shows the start or
-the arguments of a call it would have to take back, and ends as the unstreamed reply does (issue 37)."""
+"""Drifted DSML served as the calls the model meant; an unrepairable block as an invalid tool call,
+streamed or not: no calls, the block's text as the model wrote it after the content, and a flag in
+each API's own shape (issue 36), never an empty success. A stream shows a block's calls only once
+the parser accepts the block, so it never shows the start or the arguments of a call it would have
+to take back, and ends as the unstreamed reply does (issue 37). The client sends the shown text back,
+and the next turn extends the live KV through it, the block's control tokens included."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import json
 
 import httpx2 as httpx
 import pytest
-from conftest import SCRIPTS, TOOLS
+from conftest import DSML, SCRIPTS, TOOLS
 
 NOTHINK = {"think": False}
 CITY_ARGUMENTS = {"city": "Paris", "days": {"n": 3}}
@@ -46,19 +48,54 @@ def test_drifted_block_streams_as_the_call(oai):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_unrepairable_block_ends_the_turn_without_calls_or_dsml(oai, claude):
+def invalid_record(server, script: str) -> dict:
+    return next(r for r in reversed(server.trace_records()) if f"script:{script}" in json.dumps(r["request"]))
+
+
+def test_unrepairable_block_is_shown_and_flagged_in_each_api(oai, claude, server):
+    """Through the SDKs: the whole text the model wrote, no call, and the flag each SDK reads."""
+    text = SCRIPTS["broken_weather"]
     choice = chat(oai, "broken_weather").choices[0]
-    assert choice.finish_reason == "stop"
-    assert choice.message.content == "Let me check." and not choice.message.tool_calls
-    message = claude.messages.create(
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.content == text
+    why = choice.message.model_extra["invalid_tool_call"]["explanation"]
+    with oai.chat.completions.stream(
         model="deepseek-v4-flash",
-        max_tokens=200,
         messages=[{"role": "user", "content": "Weather? [[script:broken_weather]]"}],
-        tools=[{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}],
-        thinking={"type": "disabled"},
+        tools=TOOLS,
+        max_tokens=200,
+        extra_body=NOTHINK,
+    ) as stream:  # the SDK's own accumulation of the chunks
+        streamed = stream.get_final_completion().choices[0]
+    assert (streamed.finish_reason, streamed.message.content) == ("stop", text) and not streamed.message.tool_calls
+    assert streamed.message.model_extra["invalid_tool_call"] == {"explanation": why}
+    record = invalid_record(server, "broken_weather")
+    assert record["generated"] == text and f"invalid tool call: {why}" in record["problems"]
+
+    ask = {
+        "model": "deepseek-v4-flash",
+        "max_tokens": 200,
+        "messages": [{"role": "user", "content": "Weather? [[script:broken_weather]]"}],
+        "tools": [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}],
+        "thinking": {"type": "disabled"},
+    }
+    with claude.messages.stream(**ask) as stream:  # the SDK's own accumulation of the events
+        streamed = stream.get_final_message()
+    for message in (claude.messages.create(**ask), streamed):
+        assert message.stop_reason == "end_turn"
+        assert [block.type for block in message.content] == ["text"] and message.content[0].text == text
+        assert (message.stop_details.type, message.stop_details.explanation) == ("invalid_tool_call", why)
+
+    response = oai.responses.create(
+        model="deepseek-v4-flash",
+        input="Weather? [[script:broken_weather]]",
+        tools=[{"type": "function", **TOOLS[0]["function"]}],
+        max_output_tokens=200,
+        reasoning={"effort": "none"},
     )
-    assert message.stop_reason == "end_turn"
-    assert [block.type for block in message.content] == ["text"] and message.content[0].text == "Let me check."
+    assert response.status == "incomplete" and response.incomplete_details.reason == "invalid_tool_call"
+    assert response.incomplete_details.model_extra["explanation"] == why
+    assert [item.type for item in response.output] == ["message"] and response.output_text == text
 
 
 def body_for(path: str, script: str, stream: bool) -> dict:
@@ -75,15 +112,18 @@ def body_for(path: str, script: str, stream: bool) -> dict:
 
 
 def ending(path: str, reply: dict) -> tuple:
-    """(finish, text, calls) of a whole reply, in the API's own fields."""
+    """(finish, text, calls, flag) of a whole reply, in the API's own fields."""
     if path == "/v1/responses":
         text = [p["text"] for i in reply["output"] if i["type"] == "message" for p in i["content"]]
-        return reply["status"], "".join(text), [i for i in reply["output"] if i["type"] == "function_call"]
+        calls = [i for i in reply["output"] if i["type"] == "function_call"]
+        return reply["status"], "".join(text), calls, reply["incomplete_details"]
     if path == "/v1/messages":
         text = "".join(b["text"] for b in reply["content"] if b["type"] == "text")
-        return reply["stop_reason"], text, [b for b in reply["content"] if b["type"] == "tool_use"]
+        calls = [b for b in reply["content"] if b["type"] == "tool_use"]
+        return reply["stop_reason"], text, calls, reply["stop_details"]
     choice = reply["choices"][0]
-    return choice["finish_reason"], choice["message"]["content"], choice["message"].get("tool_calls") or []
+    message = choice["message"]
+    return choice["finish_reason"], message["content"], message.get("tool_calls") or [], message["invalid_tool_call"]
 
 
 def streamed_ending(path: str, events: list[dict]) -> tuple:
@@ -91,21 +131,33 @@ def streamed_ending(path: str, events: list[dict]) -> tuple:
         return ending(path, events[-1]["response"])
     if path == "/v1/messages":
         text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
-        stop = next(e["delta"]["stop_reason"] for e in events if e["type"] == "message_delta")
+        stop = next(e["delta"] for e in events if e["type"] == "message_delta")
         calls = [e for e in events if e["type"] == "content_block_start" and e["content_block"]["type"] == "tool_use"]
-        return stop, text, calls
+        return stop["stop_reason"], text, calls, stop["stop_details"]
     deltas = [c["choices"][0] for c in events if c.get("choices")]
     text = "".join(d["delta"].get("content") or "" for d in deltas)
     calls = [tc for d in deltas for tc in d["delta"].get("tool_calls") or []]
-    return next(d["finish_reason"] for d in deltas if d["finish_reason"]), text, calls
+    last = next(d for d in deltas if d["finish_reason"])
+    return last["finish_reason"], text, calls, last["delta"]["invalid_tool_call"]
+
+
+FINISH = {"/v1/chat/completions": "stop", "/v1/responses": "incomplete", "/v1/messages": "end_turn"}
+# each flag's fields besides its `explanation`: chat's field is named for what it flags
+LABEL = {
+    "/v1/chat/completions": {},
+    "/v1/responses": {"reason": "invalid_tool_call"},
+    "/v1/messages": {"type": "invalid_tool_call"},
+}
 
 
 @pytest.mark.parametrize("script", ["broken_weather", "leaky_weather"])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
 def test_an_unrepairable_block_ends_a_stream_as_it_ends_a_reply(http, server, path, script):
-    """The same finish, text and (no) calls, no error, and no DSML in anything streamed: not in an
-    argument delta either (the leaky block's value runs into drifted structure before it is cut)."""
+    """The same finish, text, (no) calls and flag, no error, and no call event in the stream: not an
+    argument delta either (the leaky block's value runs into drifted structure before it is cut). The
+    text is all the model wrote, the block as plain text after the words."""
     before = server.metric("dwarfstar_finished_requests_total", reason="stop")
+    invalid = server.metric("dwarfstar_invalid_tool_calls_total")
     reply = http.post(path, json=body_for(path, script, stream=False))
     assert reply.status_code == 200
     with http.stream("POST", path, json=body_for(path, script, stream=True)) as response:
@@ -113,11 +165,61 @@ def test_an_unrepairable_block_ends_a_stream_as_it_ends_a_reply(http, server, pa
     assert response.status_code == 200
     events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
     call = {"/v1/chat/completions": '"tool_calls"', "/v1/responses": '"function_call', "/v1/messages": '"tool_use"'}
-    assert "DSML" not in text and call[path] not in text
+    assert call[path] not in text
     assert "event: error" not in text and not any(e.get("type") in ("error", "response.failed") for e in events)
     assert streamed_ending(path, events) == ending(path, reply.json())
-    assert ending(path, reply.json())[1:] == ("Let me check.", [])
+    finish, shown, calls, flag = ending(path, reply.json())
+    assert (finish, shown, calls) == (FINISH[path], SCRIPTS[script], [])
+    why = flag.pop("explanation")
+    assert flag == LABEL[path] and f"invalid tool call: {why}" in invalid_record(server, script)["problems"]
     assert server.metric("dwarfstar_finished_requests_total", reason="stop") == before + 2
+    assert server.metric("dwarfstar_invalid_tool_calls_total") == invalid + 2
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
+def test_a_block_cut_by_the_budget_ends_as_the_budget_says_and_is_shown(http, engine, path):
+    """The budget ends a valid block midway: the finish is the budget's, the cut text is shown, and the
+    flag is there too where the API has a place for it besides the finish (Responses has one reason)."""
+    ids = engine.tokenizer.encode_with_specials(SCRIPTS["weather"])
+    cut = ids.index(engine.tokenizer.token_id(DSML), len(ids) // 2)  # inside the block, at a tag
+    body = body_for(path, "weather", stream=False)
+    body["max_output_tokens" if path == "/v1/responses" else "max_tokens"] = cut
+    reply = http.post(path, json=body)
+    assert reply.status_code == 200, reply.text
+    finish, shown, calls, flag = ending(path, reply.json())
+    assert (shown, calls) == (engine.tokenizer.decode(ids[:cut]), [])
+    if path == "/v1/responses":
+        assert (finish, flag) == ("incomplete", {"reason": "max_output_tokens"})
+    else:
+        assert finish == {"/v1/chat/completions": "length", "/v1/messages": "max_tokens"}[path]
+        assert flag["explanation"]
+
+
+def next_turn(path: str, reply: dict) -> dict:
+    """The conversation sent back as a client would: the shown text as the assistant's turn, then a user turn."""
+    body = body_for(path, "broken_weather", stream=False)
+    _, shown, _, _ = ending(path, reply)
+    again = "That call was broken. [[script:hello]]"
+    if path == "/v1/responses":
+        answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": shown}]}
+        return body | {
+            "input": [{"role": "user", "content": body["input"]}, answer, {"role": "user", "content": again}]
+        }
+    answer = {"role": "assistant", "content": [{"type": "text", "text": shown}] if path == "/v1/messages" else shown}
+    return body | {"messages": [*body["messages"], answer, {"role": "user", "content": again}]}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
+def test_the_next_turn_extends_the_live_kv_through_the_shown_block(http, server, path):
+    """The block comes back as text, the bytes the model sampled: the whole first turn is reused."""
+    first = http.post(path, json=body_for(path, "broken_weather", stream=False))
+    turn1 = invalid_record(server, "broken_weather")
+    second = http.post(path, json=next_turn(path, first.json()))
+    assert second.status_code == 200, second.text
+    turn2 = server.trace_records()[-1]
+    assert turn2["prompt"].startswith(turn1["prompt"] + SCRIPTS["broken_weather"])
+    # everything the first turn ran through the model (all it generated but the end-of-sentence)
+    assert turn2["cached_tokens"] >= turn1["prompt_tokens"] + turn1["completion_tokens"] - 1
 
 
 def test_the_server_answers_normally_after_invalid_calls(http):
