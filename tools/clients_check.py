@@ -1,21 +1,27 @@
 """Claude Code, Codex and opencode, run non-interactively against a local `dwarfstar serve`.
 
     python tools/clients_check.py --clients build/clients [--only claude codex] [--servers scripted bundled]
+        [--json figures.json] [--keep DIR]
 
 The clients are the npm packages installed under `--clients` (see `nox -s clients`). Each runs in
 its own temporary HOME with a configuration that points it at the loopback server and turns off
-telemetry and update checks; nothing but 127.0.0.1 is needed. Checks, per client:
+telemetry and update checks; nothing but 127.0.0.1 is needed. Each client runs three scenarios,
+each in a fresh git workspace holding `quaderno.txt` (a line of I promessi sposi) and `appunti.txt`:
 
-- plain turn: one prompt, answered (scripted server; with `--servers scripted bundled`, also
-  against the bundled model through `python -m dwarfstar serve`, where the answer is whatever the
-  model writes, cut at BUNDLED_OUTPUT tokens where the client lets one say so);
-- tool round trip: the scripted model calls the client's file-reading tool on `notes.txt`, the
-  client runs it, and the file's content (a script marker) makes the model write the final answer;
-- prefix reuse: three turns of one conversation, with the prompt, cached and prefilled tokens of
-  each request from the server's trace, and where a prompt's bytes stop extending the previous one.
+- plain turn: PLAIN_PROMPT, answered: exit 0, an answer printed, and the turn ended by the model
+  (finish `stop` in the server's trace, not `length`);
+- tool round trip: READ_PROMPT; the client's own read tool runs (a later request's prompt holds the
+  file's line) and the answer printed quotes the file (QUOTE_WORDS consecutive words of it);
+- session: SESSION_PROMPTS as four turns of one client session (claude --continue, codex exec resume
+  --last, opencode run --continue), with a line appended to appunti.txt and `git commit -am` between
+  turns; each turn passes as the plain turn does, the read turn as the tool round trip. Per turn the
+  conversation requests' prompt, cached and prefilled tokens and, for a miss, the client block whose
+  rewrite moved the prompt (dwarfstar/serving/trace_reuse.py) are printed and written to `--json`.
 
-The scripted server is `tests/serving/scripted_server.py` (the test suite's ScriptedBackend).
-Exit status 1 if any check fails.
+`--servers scripted` (the default) runs them against tests/serving/scripted_server.py (the test
+suite's ScriptedBackend replaying given DSML, cheap and exact); `bundled` against the bundled model
+through `python -m dwarfstar serve`, one server per client with a context from BUNDLED_CTX.
+Exit status 1 if any scenario fails.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -32,13 +39,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: the package beside it
+from dwarfstar.serving.trace_reuse import conversation, print_reuse, reuse_rows, rewrite_cost  # noqa: E402
+
 MODEL = "deepseek-v4-flash"
 DSML = "｜DSML｜"
-ANSWER = "The notes say the launch is on Tuesday."
-BUNDLED_CTX = 12800  # Claude Code's first prompt is ~11.5k tokens
-BUNDLED_OUTPUT = 64  # output tokens the clients that have a setting ask the bundled model for
+QUADERNO = "Questo matrimonio non s'ha da fare, né domani, né mai."  # quaderno.txt, the file read
+# what the scenarios ask; to be tuned to what the bundled model was trained on
+PLAIN_PROMPT = "Say hello."
+READ_PROMPT = "Read the file quaderno.txt."
+SESSION_PROMPTS = ("Hello!", READ_PROMPT, "Thanks!", "Hello again!")
+# after the session (scripted server only): a commit, then two new sessions in its workspace, the
+# first after the commit, the second with nothing changed but its text (see measure_rewrite)
+NEW_SESSION_PROMPTS = ("Hello, new session.", "Ciao, new session.")
+QUOTE_WORDS = 4  # consecutive words of the file an answer must hold to quote it
+# the bundled server's context per client: Claude Code's first prompt is ~11.7k tokens in a git
+# workspace, Codex's ~6.4k and opencode's ~7.3k; Codex sends no output limit, so its context bounds
+# what a model that does not end its turn writes
+BUNDLED_CTX = {"claude": 14336, "codex": 9216, "opencode": 9216}
+BUNDLED_OUTPUT = 256  # output tokens the clients that have a setting ask the bundled model for
 TURN_TIMEOUT = 900  # seconds; a cold Claude Code prompt is ~11k tokens of CPU prefill
 PACKAGES = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex", "opencode": "opencode-ai"}
+SCENARIOS = ("plain turn", "tool round trip", "session")
 
 
 def tool_call(name: str, **arguments: str) -> str:
@@ -48,25 +70,42 @@ def tool_call(name: str, **arguments: str) -> str:
     return f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="{name}">\n{parameters}\n</{DSML}invoke>\n</{DSML}tool_calls>'
 
 
-def tool_work(root: Path, name: str) -> Path:
-    return root / "tool" / name / "work"
+def workspace(root: Path, name: str, scenario: str) -> Path:
+    return root / scenario.replace(" ", "-") / name / "work"
+
+
+def read_call(name: str, path: Path) -> str:
+    """The scripted model's call of the client's own file-reading tool."""
+    if name == "claude":
+        return tool_call("Read", file_path=str(path))
+    if name == "codex":
+        return tool_call("exec_command", cmd=f"cat {path}")
+    return tool_call("read", filePath=str(path))
 
 
 def scripts(root: Path) -> dict[str, str]:
-    """What the scripted model says; reasoning first, since every client asks for thinking."""
-
-    def notes(name: str) -> str:
-        return str(tool_work(root, name) / "notes.txt")
-
-    return {
+    """What the scripted model says; reasoning first, since every client asks for thinking. The
+    scripted quaderno.txt ends with the `quote` marker, so its tool result scripts the answer."""
+    said = {
         "hello": "A greeting.</think>Hello from the scripted model.",
-        "turn2": "Second turn.</think>This is the second answer.",
-        "turn3": "Third turn.</think>This is the third answer.",
-        "answer": f"The file is read.</think>{ANSWER}",
-        "claude_read": "Read the file.</think>" + tool_call("Read", file_path=notes("claude")),
-        "codex_read": "Read the file.</think>" + tool_call("exec_command", cmd=f"cat {notes('codex')}"),
-        "opencode_read": "Read the file.</think>" + tool_call("read", filePath=notes("opencode")),
+        "thanks": "Thanks.</think>You are welcome.",
+        "quote": f"The file is read.</think>The file says: {QUADERNO}",
     }
+    for name in PACKAGES:
+        for scenario in ("tool round trip", "session"):
+            call = read_call(name, workspace(root, name, scenario) / "quaderno.txt")
+            said[f"{name}_read_{scenario.split()[0]}"] = "Read the file.</think>" + call
+    return said
+
+
+def scripted_prompts(name: str, scenario: str) -> list[str]:
+    read = f"[[script:{name}_read_{scenario.split()[0]}]] {READ_PROMPT}"
+    if scenario == "plain turn":
+        return [f"[[script:hello]] {PLAIN_PROMPT}"]
+    if scenario == "tool round trip":
+        return [read]
+    hello, thanks, again = SESSION_PROMPTS[0], SESSION_PROMPTS[2], SESSION_PROMPTS[3]
+    return [f"[[script:hello]] {hello}", read, f"[[script:thanks]] {thanks}", f"[[script:hello]] {again}"]
 
 
 @dataclass
@@ -143,12 +182,33 @@ class Client:
         except subprocess.TimeoutExpired as exc:
             return subprocess.CompletedProcess(exc.cmd, 124, exc.stdout or "", f"timed out after {TURN_TIMEOUT} s")
 
+    def git(self, *args: str) -> None:
+        person = ["-c", "user.name=DwarfStar", "-c", "user.email=clients@dwarfstar.invalid"]
+        person += ["-c", "commit.gpgsign=false"]
+        env = {"PATH": os.environ["PATH"], "HOME": str(self.home)}
+        subprocess.run(["git", *person, *args], cwd=self.work, env=env, check=True, capture_output=True)
+
+
+def make_workspace(client: Client, *, scripted: bool) -> None:
+    """A git repository with the file to read and a notes file the session edits between turns."""
+    marker = "\n[[script:quote]]" if scripted else ""
+    (client.work / "quaderno.txt").write_text(f"{QUADERNO}{marker}\n")
+    (client.work / "appunti.txt").write_text("Appunti.\n")
+    client.git("init", "-q", "-b", "main")
+    client.git("add", "quaderno.txt", "appunti.txt")
+    client.git("commit", "-q", "-m", "Quaderno e appunti")
+
+
+def edit_and_commit(client: Client, n: int) -> None:
+    with (client.work / "appunti.txt").open("a") as notes:
+        notes.write(f"Appunto {n}.\n")
+    client.git("commit", "-q", "-am", f"Appunto {n}")
+
 
 def make_client(name: str, clients: Path, root: Path, url: str, output: int = 4096) -> Client:
-    home, work = root / name / "home", root / name / "work"
+    home, work = root / "home", root / "work"
     home.mkdir(parents=True)
     work.mkdir(parents=True)
-    (work / "notes.txt").write_text("[[script:answer]] launch on Tuesday\n")
     client = Client(name, clients / "node_modules" / ".bin" / name, home, work)
     if name == "claude":
         client.env = {
@@ -206,19 +266,71 @@ def describe(record: dict) -> str:
     )
 
 
-def turn(client: Client, server: Server, prompt: str, *, first: bool) -> tuple[subprocess.CompletedProcess, list]:
+@dataclass
+class Turn:
+    prompt: str
+    result: subprocess.CompletedProcess
+    records: list[dict]
+    seconds: float
+    read: bool = False  # the turn asks for the file
+
+    @property
+    def answer(self) -> str:
+        return self.result.stdout.strip()
+
+    def ended_by_model(self) -> bool:
+        """The conversation's last request of the turn stopped by itself (not at the output limit)."""
+        main = conversation(self.records)
+        return bool(main) and main[-1]["finish"] == "stop"
+
+    def tool_ran(self) -> bool:
+        """A request after the first carries the file's line: the client ran its tool and sent the result."""
+        return any(QUADERNO in (record["prompt"] or "") for record in self.records[1:])
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.result.returncode != 0:
+            found.append(f"exit {self.result.returncode}")
+        if not self.answer:
+            found.append("no answer printed")
+        if not self.ended_by_model():
+            finishes = [r["finish"] for r in conversation(self.records)]
+            found.append(f"not ended by the model (finish {finishes or 'none'})")
+        if self.read and not self.tool_ran():
+            found.append("the read tool did not run")
+        if self.read and not quotes(self.answer, QUADERNO):
+            found.append("the answer does not quote the file")
+        return found
+
+
+def words(text: str) -> list[str]:
+    return re.sub(r"[\W_]+", " ", text.lower()).split()
+
+
+def quotes(answer: str, source: str, n: int = QUOTE_WORDS) -> bool:
+    """Whether `answer` holds `n` consecutive words of `source` (case and punctuation aside)."""
+    said, wanted = f" {' '.join(words(answer))} ", words(source)
+    return any(f" {' '.join(wanted[i : i + n])} " in said for i in range(max(1, len(wanted) - n + 1)))
+
+
+def run_turn(client: Client, server: Server, prompt: str, *, first: bool, read: bool) -> Turn:
     before = len(server.records())
+    start = time.monotonic()
     result = client.run(prompt, first=first)
-    return result, server.records()[before:]
+    return Turn(prompt, result, server.records()[before:], time.monotonic() - start, read)
 
 
-def report(label: str, ok: bool, result: subprocess.CompletedProcess, records: list[dict]) -> bool:
-    print(f"  {label}: {'PASS' if ok else 'FAIL'} (exit {result.returncode}, {len(records)} requests)")
-    for record in records:
-        print(f"    {describe(record)}")
-    if not ok:
-        print("    stdout:", result.stdout[-1500:].strip())
-        print("    stderr:", result.stderr[-1500:].strip())
+def report(label: str, turns: list[Turn]) -> bool:
+    ok = all(not t.problems() for t in turns)
+    seconds = sum(t.seconds for t in turns)
+    print(f"  {label}: {'PASS' if ok else 'FAIL'} ({seconds:.0f} s, {len(turns)} turn(s))", flush=True)
+    for n, t in enumerate(turns, 1):
+        issues = t.problems()
+        print(f"    turn {n} ({t.seconds:.0f} s): {'; '.join(issues) if issues else 'ok'}; answer {t.answer[:80]!r}")
+        for record in t.records:
+            print(f"      {describe(record)}")
+        if issues and t.result.returncode != 0:
+            print("      stderr:", t.result.stderr[-800:].strip())
     return ok
 
 
@@ -236,62 +348,77 @@ def request_shapes(records: list[dict]) -> None:
     print(f"    messages/items: {', '.join(sorted(kinds))}")
 
 
-def explain_reuse(turns: list[list[dict]]) -> None:
-    """Per turn, the conversation's main request (the longest prompt), and the trace's word on a miss."""
-    for n, records in enumerate(turns, 1):
-        if not records:
-            print(f"    turn {n}: no request reached the server")
-            continue
-        main = max(records, key=lambda r: r["prompt_tokens"])
-        print(f"    turn {n}: cached {main['cached_tokens']} of {main['prompt_tokens']} prompt tokens")
-        where = main.get("divergence")  # the server's trace: where the bytes leave the closest cached text
-        if where is None and main["cached_tokens"] == 0:
-            print("      cold: nothing traced before it")
-        elif where is None:
-            print("      the prompt extends a traced conversation (prompt and answer): only its suffix is new")
-        else:
-            print(f"      diverges at character {where['offset']} after {where['common'][-80:]!r}")
-            print(f"        cached : {where['before'][:100]!r}")
-            print(f"        now    : {where['after'][:100]!r}")
+def run_scenario(name: str, scenario: str, clients: Path, root: Path, server: Server, *, scripted: bool):
+    """One scenario's turns in a fresh workspace, with an edit and a commit before every turn but the first."""
+    output = 4096 if scripted else BUNDLED_OUTPUT
+    client = make_client(name, clients, workspace(root, name, scenario).parent, server.url, output)
+    make_workspace(client, scripted=scripted)
+    asked = {"plain turn": [PLAIN_PROMPT], "tool round trip": [READ_PROMPT], "session": list(SESSION_PROMPTS)}
+    turns: list[Turn] = []
+    for n, prompt in enumerate(scripted_prompts(name, scenario) if scripted else asked[scenario]):
+        if n:
+            edit_and_commit(client, n)
+        turns.append(run_turn(client, server, prompt, first=n == 0, read=READ_PROMPT in prompt))
+        if turns[-1].result.returncode == 124:
+            break  # a turn that ran out of time leaves nothing to continue
+    return client, turns
 
 
-def check_scripted(name: str, clients: Path, root: Path, server: Server) -> dict[str, bool]:
-    results = {}
-    client = make_client(name, clients, root / "plain", server.url)
-    result, records = turn(client, server, "[[script:hello]] Say hello.", first=True)
-    ok = result.returncode == 0 and "Hello from the scripted model." in result.stdout
-    results["plain turn"] = report("plain turn", ok, result, records)
-
-    client = make_client(name, clients, root / "tool", server.url)
-    assert client.work == tool_work(root, name)
-    result, records = turn(client, server, f"[[script:{name}_read]] What does notes.txt say?", first=True)
-    ran = any("launch on Tuesday" in (r["prompt"] or "") for r in records)
-    ok = result.returncode == 0 and ran and ANSWER in result.stdout
-    records_seen = records
-    results["tool round trip"] = report("tool round trip", ok, result, records)
-
-    client = make_client(name, clients, root / "reuse", server.url)
-    turns, ok = [], True
-    for n, prompt in enumerate(
-        ["[[script:hello]] Say hello.", "[[script:turn2]] Again.", "[[script:turn3]] Once more."]
-    ):
-        result, records = turn(client, server, prompt, first=n == 0)
-        ok = ok and result.returncode == 0 and bool(records)
-        turns.append(records)
-    results["three turns"] = report("three turns", ok, result, [r for records in turns for r in records])
-    explain_reuse(turns)
-    request_shapes([r for records in turns for r in records] + records_seen)
-    return results
+def turn_figures(label: str, turns: list[Turn]) -> dict:
+    """Pass or fail (printed), and per turn what the JSON keeps: time, exit, problems, answer, requests."""
+    return {
+        "pass": report(label, turns),
+        "turns": [
+            {
+                "prompt": t.prompt,
+                "seconds": round(t.seconds, 1),
+                "exit": t.result.returncode,
+                "problems": t.problems(),
+                "answer": t.answer[:400],
+                "requests": [{k: r[k] for k in REQUEST_FIGURES} for r in t.records],
+            }
+            for t in turns
+        ],
+    }
 
 
-def check_bundled(name: str, clients: Path, root: Path, server: Server) -> bool:
-    client = make_client(name, clients, root / "bundled", server.url, output=BUNDLED_OUTPUT)
-    result, records = turn(client, server, "Ciao! Come stai?", first=True)
-    answered = any(r["finish"] in ("stop", "length") and r["completion_tokens"] > 0 for r in records)
-    return report("plain turn, bundled model", result.returncode == 0 and answered, result, records)
+def run_scenarios(name: str, clients: Path, root: Path, server: Server, *, scripted: bool) -> dict:
+    """The three scenarios for one client (and, on the scripted server, the rewrite measurement)."""
+    figures, seen = {}, []
+    for scenario in SCENARIOS:
+        client, turns = run_scenario(name, scenario, clients, root, server, scripted=scripted)
+        figures[scenario] = turn_figures(scenario, turns)
+        seen += [r for t in turns for r in t.records]
+        if scenario == "session":
+            rows = reuse_rows([t.records for t in turns])
+            if scripted:
+                rows += measure_rewrite(client, server, figures)
+            print_reuse(rows, indent="    ")
+            figures[scenario]["reuse"] = rows
+    request_shapes(seen)
+    return figures
 
 
-def versions(clients: Path) -> None:
+def measure_rewrite(client: Client, server: Server, figures: dict) -> list[dict]:
+    """What a rewrite of the client's environment block costs: after the session, a commit and a
+    new session in its workspace (what changed against the session's prompt is the client's fresh
+    environment, Claude Code's git status say), then another new session with nothing changed but
+    its text. The second one's prefill is what a new session's turn costs by itself; the first
+    one's prefill beyond that is the rewrite's."""
+    edit_and_commit(client, len(SESSION_PROMPTS))
+    turns = [run_turn(client, server, f"[[script:hello]] {p}", first=True, read=False) for p in NEW_SESSION_PROMPTS]
+    figures["new sessions"] = turn_figures("new sessions (after a commit, then unchanged)", turns)
+    if not all(t.records for t in turns):
+        return []
+    changed, unchanged = (conversation(t.records)[-1] for t in turns)
+    return rewrite_cost(changed, unchanged)
+
+
+REQUEST_FIGURES = ("api", "prompt_tokens", "cached_tokens", "prefilled_tokens", "completion_tokens", "finish")
+
+
+def versions(clients: Path) -> dict[str, str]:
+    found = {}
     for name, package in PACKAGES.items():
         manifest = clients / "node_modules" / package / "package.json"
         declared = json.loads(manifest.read_text())["version"] if manifest.exists() else "not installed"
@@ -299,6 +426,38 @@ def versions(clients: Path) -> None:
             [str(clients / "node_modules" / ".bin" / name), "--version"], capture_output=True, text=True, timeout=60
         )
         print(f"{package} {declared} ({shown.stdout.strip() or shown.stderr.strip()})")
+        found[name] = declared
+    return found
+
+
+def server_command(kind: str, root: Path, name: str) -> list[str]:
+    if kind == "scripted":
+        return ["tests.serving.scripted_server", "--scripts", str(root / "scripts.json")]
+    return ["dwarfstar", "serve", "--ctx", str(BUNDLED_CTX[name]), "--model-alias", "*"]
+
+
+def check(kind: str, names: list[str], clients: Path, root: Path) -> dict:
+    """Every client through the scenarios on one kind of server: one scripted server for all of
+    them, or one bundled-model server per client (its own context, and a cache of its own)."""
+    root.mkdir(parents=True)
+    if kind == "scripted":
+        (root / "scripts.json").write_text(json.dumps(scripts(root)))
+    figures, server = {}, None
+    try:
+        for name in names:
+            if server is None or kind == "bundled":
+                label = "scripted" if kind == "scripted" else name
+                command = [sys.executable, "-m", *server_command(kind, root, name)]
+                server = start_server(command, root / f"{label}.jsonl", root / f"{label}.log")
+            print(f"{name} against the {kind} server:", flush=True)
+            figures[name] = run_scenarios(name, clients, root, server, scripted=kind == "scripted")
+            if kind == "bundled":
+                server.stop()
+                server = None
+    finally:
+        if server is not None:
+            server.stop()
+    return figures
 
 
 def main() -> None:
@@ -308,32 +467,24 @@ def main() -> None:
     parser.add_argument(
         "--servers", nargs="+", choices=("scripted", "bundled"), default=["scripted"], help="bundled: the bundled model"
     )
+    parser.add_argument("--json", type=Path, default=None, help="write the figures (per scenario, per turn) here")
+    parser.add_argument("--keep", type=Path, default=None, help="work in this new folder and keep it (traces, logs)")
     args = parser.parse_args()
     clients = args.clients.resolve()
-    versions(clients)
-    failed = []
+    figures: dict = {"versions": versions(clients)}
     with tempfile.TemporaryDirectory(prefix="dwarfstar-clients-") as folder:
-        root = Path(folder)
-        (root / "scripts.json").write_text(json.dumps(scripts(root)))
-        servers = {
-            "scripted": ["tests.serving.scripted_server", "--scripts", str(root / "scripts.json")],
-            # the bundled model rarely ends a turn by itself: the small context bounds what Codex,
-            # which sends no output limit, can make it write
-            "bundled": ["dwarfstar", "serve", "--ctx", str(BUNDLED_CTX), "--model-alias", "*"],
-        }
+        root = args.keep.resolve() if args.keep else Path(folder)
         for kind in args.servers:
-            command = servers[kind]
-            server = start_server([sys.executable, "-m", *command], root / f"{kind}.jsonl", root / f"{kind}.log")
-            try:
-                for name in args.only:
-                    print(f"{name} against the {kind} server:", flush=True)
-                    if kind == "scripted":
-                        outcome = check_scripted(name, clients, root, server)
-                    else:
-                        outcome = {"plain turn, bundled": check_bundled(name, clients, root / kind, server)}
-                    failed += [f"{name}: {check}" for check, ok in outcome.items() if not ok]
-            finally:
-                server.stop()
+            figures[kind] = check(kind, args.only, clients, root / kind)
+    failed = [
+        f"{name} {scenario} ({kind})"
+        for kind in args.servers
+        for name, scenarios in figures[kind].items()
+        for scenario, outcome in scenarios.items()
+        if not outcome["pass"]
+    ]
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1, ensure_ascii=False) + "\n")
     print("FAILED: " + "; ".join(failed) if failed else "all client checks passed")
     sys.exit(1 if failed else 0)
 
