@@ -47,7 +47,7 @@ DSML = "｜DSML｜"
 QUADERNO = "Questo matrimonio non s'ha da fare, né domani, né mai."  # quaderno.txt, the file read
 # what the scenarios ask; to be tuned to what the bundled model was trained on
 PLAIN_PROMPT = "Say hello."
-READ_PROMPT = "Read the file quaderno.txt."
+READ_PROMPT = "read the file quaderno.txt"  # a training template (dwarfstar/train/chat_data.py), bare
 SESSION_PROMPTS = ("Hello!", READ_PROMPT, "Thanks!", "Hello again!")
 # after the session (scripted server only): a commit, then two new sessions in its workspace, the
 # first after the commit, the second with nothing changed but its text (see measure_rewrite)

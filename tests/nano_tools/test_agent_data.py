@@ -52,7 +52,7 @@ def test_requests_come_bare_quoted_and_backticked_and_held_out_ones_are_new(book
     forms = [t for _, _, t in request_templates(heldout=False)]
     assert any("`{}`" in t for t in forms) and any('"{}"' in t for t in forms)
     assert any("`" not in t and '"' not in t for t in forms)
-    assert bare('leggi il file `{}`') == "leggi il file {}" and bare('cerca "{}"') == "cerca {}"
+    assert bare("leggi il file `{}`") == "leggi il file {}" and bare('cerca "{}"') == "cerca {}"
     train = {t.text for t in agent_turns(book, 300, 0, heldout=False)}
     heldout = agent_turns(book, 300, 0, heldout=True)
     assert not train & {t.text for t in heldout}

@@ -2,7 +2,8 @@
 (dwarfstar/train/agent_prompts.py, a held-out seed) in each client's request shape, sent by the
 official SDKs to the real server, asks to read a file; the model calls the prompt's own read tool,
 the test runs it as the client would and sends the result back, and the answer quotes the file.
-A greeting after the same prompt ends its turn with an answer and no call.
+A greeting after the same prompt ends its turn with an answer and no call. The bodies are the
+clients' (thinking as they ask, no temperature): the server samples, from a fixed seed here.
 
     DWARFSTAR_TEST_NANO=build/agent/nano.gguf .venv/bin/python -m pytest tests/nano_tools/test_nano_agent_served.py
 """
@@ -19,6 +20,7 @@ import anthropic
 import openai
 import pytest
 from live_server import LiveServer, start_server
+from test_nano_served import fixed_fresh_seed  # noqa: F401 (a fixture: the server's sampling, seeded)
 
 from dwarfstar.engine.load import Engine, load_engine
 from dwarfstar.engine.spec import EngineSpec
@@ -93,6 +95,12 @@ def quotes(answer: str, source: str, n: int) -> bool:
     return any(" ".join(words[i : i + n]) in answer for i in range(len(words) - n + 1))
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 36, open: after an agent prompt the bundled model does not call the client's read tool "
+    "(python -m dwarfstar.train.agent_eval: 0 of 20 held-out requests); a file that does must pass",
+)
+@pytest.mark.usefixtures("fixed_fresh_seed")
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a_read_request_after_an_agent_prompt_is_a_round_trip_that_quotes_the_file(
     served: LiveServer, prompts: dict[str, AgentPrompt], shape: str
@@ -115,6 +123,7 @@ def test_a_read_request_after_an_agent_prompt_is_a_round_trip_that_quotes_the_fi
     assert answer.ended and not answer.calls and quotes(answer.text, RESULT, QUOTED_WORDS), answer
 
 
+@pytest.mark.usefixtures("fixed_fresh_seed")
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a_greeting_after_an_agent_prompt_ends_the_turn(
     served: LiveServer, prompts: dict[str, AgentPrompt], shape: str
