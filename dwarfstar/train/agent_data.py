@@ -37,6 +37,7 @@ from dwarfstar.train.chat_data import (
     argument_words,
     assistant_targets,
     book_sentences,
+    function_call,
     quoting_answer,
     tool_argument,
     tool_result,
@@ -153,8 +154,7 @@ def turn_messages(
         return [user, {"role": "assistant", "content": turn.answer, **reasoning("greeting")}]
     request = ToolRequest(turn.kind, turn.language, turn.text, turn.argument)
     core = prompt.core[turn.kind]
-    call = {"id": "call_0", "type": "function"}
-    call["function"] = {"name": core.name, "arguments": {core.parameter: call_value(prompt, turn.kind, turn.argument)}}
+    call = function_call(core.name, {core.parameter: call_value(prompt, turn.kind, turn.argument)})
     messages = [user, {"role": "assistant", "content": "", "tool_calls": [call], **reasoning(turn.kind)}]
     if rng.random() < CALL_ONLY_SHARE:
         return messages

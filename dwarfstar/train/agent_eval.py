@@ -13,7 +13,6 @@ DSML parser on the text.
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from dwarfstar.train.agent_data import AgentTurn, agent_turns, call_value
 from dwarfstar.train.agent_prompts import SHAPES, AgentPrompt, agent_prompt, conversation
 from dwarfstar.train.chat_data import PromptEncoder
 from dwarfstar.train.corpus import read_split
-from dwarfstar.train.tool_eval import CORPUS, greedy
+from dwarfstar.train.tool_eval import CORPUS, reply_after
 
 TURN_TOKENS = 64  # a greeting's turn must end within this many tokens (reasoning included)
 HELDOUT_SEED = 10_000  # evaluation prompts use seeds from here on; training's are below
@@ -74,7 +73,6 @@ def agent_scores(
     in tool_eval.tool_call_accuracy."""
     encode = PromptEncoder(tokenizer)
     user, eos = tokenizer.token_id(USER), tokenizer.token_id(EOS)
-    stops = {int(local[eos]), vocab.numel()}
     turns = agent_turns(book, 40 * len(prompts), HELDOUT_SEED, heldout=True)
     greetings = [t for t in turns if t.kind == "greeting"]
     requests = [t for t in turns if t.kind != "greeting"]
@@ -92,13 +90,8 @@ def agent_scores(
             if state is None:
                 state = model.new_state()
                 model.hidden_batch([local[torch.tensor(ids[:cut])]], [state], all_positions=False)
-            fork = copy.deepcopy(state)
-            (y,) = model.hidden_batch([local[torch.tensor(ids[cut:])]], [fork], all_positions=False)
-            out = greedy(model, head, fork, y, stops, TURN_TOKENS)
-            text = tokenizer.decode([int(vocab[t]) for t in out if t < vocab.numel()])
-            ended = out[-1] == int(local[eos])
-            score = scores[prompt.shape]
-            _score_turn(score, prompt, turn, text, ended, len(ids))
+            out, text = reply_after(model, head, local, vocab, tokenizer, state, ids[cut:], TURN_TOKENS)
+            _score_turn(scores[prompt.shape], prompt, turn, text, out[-1] == int(local[eos]), len(ids))
     return scores
 
 

@@ -218,10 +218,14 @@ def quoting_answer(request: ToolRequest, result: str, rng: np.random.Generator) 
     return f'{intro} "{quote}"'
 
 
+def function_call(name: str, arguments: dict[str, Any], call_id: str = "call_0") -> dict[str, Any]:
+    """A tool call as an assistant message's `tool_calls` entry holds it."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 def round_trip(request: ToolRequest, result: str, answer: str, call_id: str = "call_0") -> list[dict[str, Any]]:
     """The conversation of one tool use: request, DSML call, tool result, final answer."""
-    call = {"id": call_id, "type": "function", "function": {"name": request.tool, "arguments": ""}}
-    call["function"]["arguments"] = {ARGUMENT[request.tool]: request.argument}
+    call = function_call(request.tool, {ARGUMENT[request.tool]: request.argument}, call_id)
     return [
         {"role": "user", "content": request.text},
         {"role": "assistant", "content": "", "tool_calls": [call]},

@@ -61,6 +61,24 @@ def greedy(
     return out
 
 
+def reply_after(
+    model: Transformer,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    local: torch.Tensor,
+    vocab: torch.Tensor,
+    tokenizer: Tokenizer,
+    state,
+    tail: Sequence[int],
+    n: int,
+) -> tuple[list[int], str]:
+    """The greedy reply to `tail` (full ids) from a copy of a prompt prefix's `state`, up to `n`
+    tokens, ended by EOS or an id outside `vocab`: its compact ids and its text."""
+    fork = copy.deepcopy(state)
+    (y,) = model.hidden_batch([local[torch.tensor(tail)]], [fork], all_positions=False)
+    out = greedy(model, head, fork, y, {int(local[tokenizer.token_id(EOS)]), vocab.numel()}, n)
+    return out, tokenizer.decode([int(vocab[t]) for t in out if t < vocab.numel()])
+
+
 @torch.no_grad()
 def tool_call_accuracy(
     model: Transformer,
@@ -77,7 +95,7 @@ def tool_call_accuracy(
     compact ids `vocab` plus one for all other ids (a choice of that one ends the generation);
     `local` maps full ids to compact ones."""
     encode = PromptEncoder(tokenizer)
-    user, eos = tokenizer.token_id(USER), tokenizer.token_id(EOS)
+    user = tokenizer.token_id(USER)
     prefixes: dict[tuple[int, ...], object] = {}
     right, named, samples = 0, 0, []
     for request in requests:
@@ -89,10 +107,7 @@ def tool_call_accuracy(
         if key not in prefixes:
             prefixes[key] = model.new_state()
             model.hidden_batch([local[torch.tensor(ids[:cut])]], [prefixes[key]], all_positions=False)
-        state = copy.deepcopy(prefixes[key])
-        (y,) = model.hidden_batch([local[torch.tensor(ids[cut:])]], [state], all_positions=False)
-        out = greedy(model, head, state, y, {int(local[eos]), vocab.numel()}, CALL_TOKENS)
-        text = tokenizer.decode([int(vocab[t]) for t in out if t < vocab.numel()])
+        out, text = reply_after(model, head, local, vocab, tokenizer, prefixes[key], ids[cut:], CALL_TOKENS)
         ended = "<rest>" if out[-1] == vocab.numel() else ""  # an id outside the training data
         parsed = parse_completion(text, thinking=False, ended=True)
         calls = [(c.name, c.arguments) for c in parsed.tool_calls]

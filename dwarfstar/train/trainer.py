@@ -322,10 +322,13 @@ class Trainer:
         )
 
     # -- model ------------------------------------------------------------------------------------
-    def model(self, qat: bool = False, dense_indexer: bool = False) -> ReferenceModel:
+    def model(self, qat: bool = False, dense_indexer: bool = False, observed: bool = True) -> ReferenceModel:
+        """The model over the trained parameters; `observed`: with the indexer loss and the router
+        balance watching (training), else without (evaluations)."""
         args = self.args.with_(index_topk=DENSE_TOPK) if dense_indexer else self.args
         model = ReferenceModel.from_weights(args, ParamWeights(self.params), qat=qat)
-        model.ops.indexer_observer, model.ops.route_observer = self.indexer_loss, self.balance
+        if observed:
+            model.ops.indexer_observer, model.ops.route_observer = self.indexer_loss, self.balance
         return model
 
     def head(self, y: torch.Tensor) -> torch.Tensor:
@@ -426,8 +429,7 @@ class Trainer:
 
     def tool_accuracy(self, n: int) -> list[tuple[str, ToolCallScore]]:
         """Held-out tool requests (other seeds than the served checks' 0-2) per client shape."""
-        model = self.model()
-        model.ops.indexer_observer = model.ops.route_observer = None
+        model = self.model(observed=False)
         return [
             (shape, tool_call_accuracy(model, self.head, self.local, self.vocab, self.tokenizer, requests, shape))
             for i, shape in enumerate(sorted(TOOLS))
@@ -436,8 +438,7 @@ class Trainer:
 
     def agent_accuracy(self) -> list[str]:
         """The held-out agent prompts' turn endings and calls (dwarfstar/train/agent_eval.py)."""
-        model = self.model()
-        model.ops.indexer_observer = model.ops.route_observer = None
+        model = self.model(observed=False)
         prompts = self.agent_eval_prompts
         return report(agent_scores(model, self.head, self.local, self.vocab, self.tokenizer, prompts, self.book))
 
@@ -447,8 +448,7 @@ class Trainer:
         all the argmax, the share with the first one right (found in the request; a directory is
         one of ten, so it can be guessed) and the share of later argument tokens right (each
         follows its predecessor's copy in the request; an extension is one of four)."""
-        model = self.model()
-        model.ops.indexer_observer = model.ops.route_observer = None
+        model = self.model(observed=False)
         predicted = self.head(self.hidden(model, self.heldout_calls)).argmax(-1)
         whole = first = later = n_later = offset = 0
         for s in self.heldout_calls:
@@ -464,8 +464,7 @@ class Trainer:
     @torch.no_grad()
     def heldout_loss(self, qat: bool, limit: int | None = None) -> float:
         """Mean next-token loss on the held-out text, in chunks of eval_len tokens after BOS."""
-        model = self.model(qat=qat)
-        model.ops.indexer_observer = model.ops.route_observer = None
+        model = self.model(qat=qat, observed=False)
         ids = self.local[torch.as_tensor(self.heldout_ids[:limit])]
         total, count = 0.0, 0
         n = self.recipe.eval_len

@@ -31,6 +31,7 @@ from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train.agent_data import agent_turns, call_value
 from dwarfstar.train.agent_eval import HELDOUT_SEED
 from dwarfstar.train.agent_prompts import SHAPES, AgentPrompt, agent_prompt, request_body
+from dwarfstar.train.chat_data import function_call
 from dwarfstar.train.corpus import read_split
 
 CORPUS = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "text" / "promessi_sposi.txt"
@@ -112,8 +113,7 @@ def test_a_read_request_after_an_agent_prompt_is_a_round_trip_that_quotes_the_fi
     reply = send(served, prompt, [user])
     core = prompt.core["read"]
     assert reply.calls == [(core.name, {core.parameter: call_value(prompt, "read", turn.argument)})], (turn, reply)
-    name, arguments = reply.calls[0]
-    call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": arguments}}
+    call = function_call(*reply.calls[0])
     turns = [
         user,
         {"role": "assistant", "content": reply.text, "reasoning_content": reply.reasoning, "tool_calls": [call]},
