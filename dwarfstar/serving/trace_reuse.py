@@ -15,6 +15,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from dwarfstar.session.session import DEFAULT_CHUNK  # the server's --prefill-chunk, where it keeps checkpoints
+
 MONTHS = "Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec"
 DATE = re.compile(rf"\b(19|20)\d\d-\d\d-\d\d\b|\b(Mon|Tue|Wed|Thu|Fri|Sat|Sun)\w* ({MONTHS})\w* \d")
 KEY = re.compile(r"^\s*(?:[-*]\s+)?([A-Za-z][\w .'/()-]{0,40}?):(\s|$)")
@@ -153,7 +155,7 @@ def reuse_row(record: dict, previous: dict | None, chunk: int) -> dict[str, Any]
     }
 
 
-def reuse_rows(turns: list[list[dict]], chunk: int = 4096) -> list[dict]:
+def reuse_rows(turns: list[list[dict]], chunk: int = DEFAULT_CHUNK) -> list[dict]:
     """Per turn (a list of trace records each), a row for each request of the conversation."""
     rows, previous = [], None
     for n, records in enumerate(turns, 1):
@@ -186,7 +188,7 @@ def print_reuse(rows: list[dict], indent: str = "") -> None:
             print(f"{indent}{'':>9}was {row['miss']['was'][:60]!r}\n{indent}{'':>9}now {row['miss']['now'][:60]!r}")
 
 
-def rewrite_cost(changed: dict, unchanged: dict, chunk: int = 4096) -> list[dict]:
+def rewrite_cost(changed: dict, unchanged: dict, chunk: int = DEFAULT_CHUNK) -> list[dict]:
     """Rows for two new sessions of a client in one workspace: `changed` after a change to what the
     client puts in its early blocks (a commit), `unchanged` after it with nothing changed but the
     user's text. The unchanged one's prefill is a new session's own new tokens; the changed one's
