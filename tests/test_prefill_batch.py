@@ -44,6 +44,6 @@ def test_a_batched_prefill_leaves_each_session_as_its_own_prefill_does(backend, 
 def test_a_piece_across_a_chunk_boundary_is_refused_before_anything_runs(backend) -> None:
     sessions = [Session(backend, ctx=1024, chunk=CHUNK) for _ in range(2)]
     sessions[1].prefill(PROMPT[:60])
-    with pytest.raises(DwarfStarError, match="crosses the chunk boundary"):
+    with pytest.raises(DwarfStarError, match="crosses the checkpoint boundary"):
         prefill_batch(sessions, [PROMPT[:10], PROMPT[60:70]])  # the second is 6 tokens from its boundary
     assert [len(s.tokens) for s in sessions] == [0, 60]

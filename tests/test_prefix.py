@@ -10,7 +10,7 @@ from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.prompt.render import Prompt, render_conversation
 from dwarfstar.sampling import GREEDY
-from dwarfstar.session.prefix import parts_after, plan_reuse, prefill_with_reuse
+from dwarfstar.session.prefix import MARK_GAP, ReusePlan, checkpoint_marks, parts_after, plan_reuse, prefill_with_reuse
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.specials import Control
 from dwarfstar.tokenizer.tokenizer import Tokenizer
@@ -78,3 +78,35 @@ def test_parts_after_refuses_cuts_inside_characters_and_controls():
     assert parts_after(parts, user + 4) == ["à"]
     assert parts_after(parts, user + 5) is None  # inside the two bytes of "à"
     assert parts_after(parts, 2) is None  # inside the control token
+
+
+def test_a_thinking_turns_next_request_cuts_back_to_a_message_checkpoint_and_replays_nothing(setup):
+    backend, tok = setup
+    session = Session(backend, ctx=2048, chunk=256)
+    first = [{"role": "user", "content": "Quel ramo del lago di Como, che volge a mezzogiorno, " * 4}]
+    first_ids = tok.encode_prompt(render_conversation(first, thinking=True).parts)
+    assert MARK_GAP <= len(first_ids) - 1 < 256  # a mark after `<｜Assistant｜>`, no chunk checkpoint below it
+    prefill_with_reuse(session, render_conversation(first, thinking=True), tok)
+    reply = tok.decode(list(session.generate(12, GREEDY)))
+    second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "E poi?"}]
+    prompt = render_conversation(second, thinking=True)  # the first turn's `<think>` is closed otherwise
+    before = session.stats.computed
+    plan = prefill_with_reuse(session, prompt, tok)
+    assert plan.keep == len(first_ids) - 1
+    assert session.stats.computed - before == len(plan.suffix)  # nothing replayed
+    fresh = Session(backend, ctx=2048, chunk=256)
+    fresh.prefill(tok.encode_prompt(prompt.parts))
+    assert torch.allclose(session.logits, fresh.logits, rtol=0, atol=1e-5 * fresh.logits.abs().max().item())
+
+
+def test_marks_skip_passes_shorter_than_the_gap_and_always_end_at_the_prompt(setup):
+    _, tok = setup
+    user, assistant, think = (tok.token_id(t) for t in ("<｜User｜>", "<｜Assistant｜>", "<think>"))
+    text = list(range(1000, 1100))
+    short = [tok.bos_id, user, *text[:5], assistant, think]
+    assert checkpoint_marks(ReusePlan(0, short, "none"), tok) == [9]  # one pass
+    turns = [tok.bos_id, *text, user, *text, assistant, *text, user, *text[:50], assistant, think]
+    # after the first and the last user token, after the last assistant token, the end
+    assert checkpoint_marks(ReusePlan(0, turns, "none"), tok) == [102, 304, 355, 356]
+    # cut at 300: the last user message's mark would end a 4-token pass
+    assert checkpoint_marks(ReusePlan(300, turns[300:], "none"), tok) == [355, 356]

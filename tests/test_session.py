@@ -17,7 +17,7 @@ from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY
 from dwarfstar.sampling import GREEDY, Sampler, SamplingParams, sample_batch
-from dwarfstar.session.session import Cancelled, Session, decode_batch
+from dwarfstar.session.session import MAX_CHECKPOINTS, Cancelled, Session, decode_batch
 
 PROMPT = torch.randint(3, 120000, (301,), generator=torch.Generator().manual_seed(11)).tolist()
 TOL = 1e-5  # fp32 noise between differently batched matmuls, relative to the largest logit
@@ -229,3 +229,29 @@ def test_batched_decode_matches_separate_sessions(backend):
             s.decode(token)
             assert b.tokens == s.tokens
             assert close(b.logits, s.logits)
+
+
+def test_marks_end_passes_and_a_cut_back_to_one_replays_nothing(backend, reference_logits):
+    session = Session(backend, ctx=1024, chunk=64)
+    session.mark([37, 150, 500])  # 500 lies beyond the prompt: never reached, no checkpoint
+    assert session.room() == 37
+    session.prefill(PROMPT)
+    assert session.checkpoints == [37, 64, 128, 150, 192, 256]
+    for keep, replay in ((150, 0), (40, 3), (37, 0)):
+        computed = session.stats.computed
+        session.truncate(keep)
+        assert session.stats.computed - computed == replay
+        assert close(session.logits, reference_logits[keep - 1]), keep
+    assert close(session.prefill(PROMPT[37:]), reference_logits[-1])
+
+
+def test_checkpoints_beyond_the_limit_keep_the_newest_and_stay_spread(backend, reference_logits):
+    session = Session(backend, ctx=1024, chunk=8)
+    session.prefill(PROMPT)  # 37 chunk boundaries
+    positions = session.checkpoints
+    assert len(positions) == MAX_CHECKPOINTS and positions[-1] == 296
+    gaps = [b - a for a, b in zip([0, *positions], positions, strict=False)]
+    assert max(gaps) <= 2 * 296 / MAX_CHECKPOINTS, gaps
+    for keep in (299, 150, 20):  # exact whichever checkpoint the replay starts from
+        session.truncate(keep)
+        assert close(session.logits, reference_logits[keep - 1]), keep

@@ -414,7 +414,15 @@ def measure_rewrite(client: Client, server: Server, figures: dict) -> list[dict]
     return rewrite_cost(changed, unchanged)
 
 
-REQUEST_FIGURES = ("api", "prompt_tokens", "cached_tokens", "prefilled_tokens", "completion_tokens", "finish")
+REQUEST_FIGURES = (
+    "api",
+    "prompt_tokens",
+    "cached_tokens",
+    "prefilled_tokens",
+    "replayed_tokens",
+    "completion_tokens",
+    "finish",
+)
 
 
 def versions(clients: Path) -> dict[str, str]:

@@ -75,10 +75,10 @@ class SpeculativePolicy(SampledPolicy):
         tokens = list(tokens)
         done = 0
         try:
-            while done < len(tokens):  # chunk by chunk, as Session.prefill polls should_stop
+            while done < len(tokens):  # pass by pass, as Session.prefill polls should_stop
                 if should_stop():
                     raise Cancelled(f"stopped after {done} of {len(tokens)} prompt tokens")
-                end = min(len(tokens), done + session.chunk - session.state.pos % session.chunk)
+                end = min(len(tokens), done + session.room())
                 spec.prefill(tokens[done:end])
                 done = end
         finally:

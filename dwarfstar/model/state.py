@@ -551,6 +551,11 @@ class StateSnapshot:
     layers: dict[int, dict[str, Any]] = field(repr=False)  # per held layer: raw ring and frontier copies
     epoch: int = 0  # how many rewinds the state had made when it was taken
 
+    def nbytes(self) -> int:
+        """Bytes of its own copies (raw rings, frontiers, logits); the rows it reads are the state's."""
+        own = sum(int(a.nbytes) for parts in self.layers.values() for a in parts.values())
+        return own + (0 if self.logits is None else int(self.logits.nbytes))
+
 
 def check_batch(
     token_lists: Sequence[Sequence[int] | torch.Tensor],

@@ -71,11 +71,11 @@ class KV:
     save_stops: list[tuple[int, SaveReason]] = field(default_factory=list)  # disk-cache saves due inside the prefill
 
     def take(self, budget: int) -> list[int]:
-        """The next prefill piece: up to `budget` pending tokens, cut at the session's next chunk end and
-        at the next disk-cache save (empty when the budget is spent)."""
+        """The next prefill piece: up to `budget` pending tokens, cut at the session's next chunk end or
+        checkpoint mark and at the next disk-cache save (empty when the budget is spent)."""
         session = self.lease.session
         done = len(session.tokens)
-        size = min(budget, session.chunk - done % session.chunk)
+        size = min(budget, session.room())
         if self.save_stops:
             size = min(size, self.save_stops[0][0] - done)
         size = max(size, 0)
@@ -187,6 +187,7 @@ class Job:
             "prompt_tokens": usage.prompt_tokens,
             "cached_tokens": usage.cached_tokens,
             "prefilled_tokens": usage.prefilled_tokens,
+            "replayed_tokens": lease.replayed if lease is not None else 0,
             "completion_tokens": usage.completion_tokens,
             "draft_tokens": usage.draft_tokens,
             "accepted_draft_tokens": usage.accepted_draft_tokens,

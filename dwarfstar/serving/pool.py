@@ -24,7 +24,7 @@ from dwarfstar.backends.protocol import Backend
 from dwarfstar.kvcache.kvpolicy import SaveReason
 from dwarfstar.model.state import SequenceState
 from dwarfstar.prompt.render import Prompt
-from dwarfstar.session.prefix import ReusePlan, common_prefix_len, plan_reuse
+from dwarfstar.session.prefix import ReusePlan, checkpoint_marks, common_prefix_len, plan_reuse
 from dwarfstar.session.session import Session
 from dwarfstar.steering.apply import steering_of
 from dwarfstar.steering.direction import SteeringScale
@@ -68,6 +68,7 @@ class Lease:
     live: LiveSession
     plan: ReusePlan
     source: str  # memory | fork | disk | cold
+    replayed: int = 0  # tokens recomputed from a checkpoint to cut the session back to the shared prefix
 
     @property
     def session(self) -> Session:
@@ -110,8 +111,8 @@ class SessionPool:
         return idle, best, shared[id(best)] if best is not None else 0
 
     def _useful(self, shared: int) -> int:
-        # A shared prefix shorter than a chunk is not worth keeping: cutting a session back replays
-        # from its last chunk checkpoint, which costs as much as prefilling that prefix cold.
+        # A shared prefix shorter than a chunk is not worth keeping: cutting a session back may replay
+        # up to a chunk from its last checkpoint, which costs as much as prefilling that prefix cold.
         return shared if shared >= self.chunk else 0
 
     def disk_lookup_due(
@@ -167,11 +168,13 @@ class SessionPool:
         plan = self._plan(live.session, prompt, ids)
         live.busy = True
         try:
+            computed = live.session.stats.computed
             live.session.truncate(plan.keep)
         except BaseException:
             self.discard(live)
             raise
-        return Lease(live, plan, source)
+        live.session.mark(checkpoint_marks(plan, self.tokenizer))
+        return Lease(live, plan, source, replayed=live.session.stats.computed - computed)
 
     def release(self, lease: Lease, prompt_len: int) -> None:
         lease.live.busy = False

@@ -15,8 +15,6 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from dwarfstar.session.session import DEFAULT_CHUNK  # the server's --prefill-chunk, where it keeps checkpoints
-
 MONTHS = "Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec"
 DATE = re.compile(rf"\b(19|20)\d\d-\d\d-\d\d\b|\b(Mon|Tue|Wed|Thu|Fri|Sat|Sun)\w* ({MONTHS})\w* \d")
 KEY = re.compile(r"^\s*(?:[-*]\s+)?([A-Za-z][\w .'/()-]{0,40}?):(\s|$)")
@@ -133,10 +131,10 @@ def explain(record: dict) -> dict[str, Any] | None:
     return found
 
 
-def reuse_row(record: dict, previous: dict | None, chunk: int) -> dict[str, Any]:
+def reuse_row(record: dict, previous: dict | None) -> dict[str, Any]:
     """One request's figures. `new`: what the conversation grew by since `previous` (its prompt and
     answer), all of the prompt without one; `reprefilled`: prefilled beyond that; `replayed`: tokens
-    the server recomputed from its chunk checkpoint to cut a cached state back to the shared prefix
+    the server recomputed from its nearest checkpoint to cut a cached state back to the shared prefix
     (not counted as prefilled)."""
     prompt, cached, prefilled = record["prompt_tokens"], record["cached_tokens"], record["prefilled_tokens"]
     grown = prompt - previous["prompt_tokens"] - previous["completion_tokens"] if previous else prompt
@@ -149,18 +147,18 @@ def reuse_row(record: dict, previous: dict | None, chunk: int) -> dict[str, Any]
         "ratio": round(cached / prompt, 4) if prompt else 0.0,
         "new": new,
         "reprefilled": max(0, prefilled - new),
-        "replayed": cached % chunk if miss is not None else 0,
+        "replayed": record.get("replayed_tokens", 0),
         "finish": record["finish"],
         "miss": miss,
     }
 
 
-def reuse_rows(turns: list[list[dict]], chunk: int = DEFAULT_CHUNK) -> list[dict]:
+def reuse_rows(turns: list[list[dict]]) -> list[dict]:
     """Per turn (a list of trace records each), a row for each request of the conversation."""
     rows, previous = [], None
     for n, records in enumerate(turns, 1):
         for j, record in enumerate(conversation(records), 1):
-            rows.append({"turn": n, "request": j, **reuse_row(record, previous, chunk)})
+            rows.append({"turn": n, "request": j, **reuse_row(record, previous)})
             previous = record
     return rows
 
@@ -188,13 +186,13 @@ def print_reuse(rows: list[dict], indent: str = "") -> None:
             print(f"{indent}{'':>9}was {row['miss']['was'][:60]!r}\n{indent}{'':>9}now {row['miss']['now'][:60]!r}")
 
 
-def rewrite_cost(changed: dict, unchanged: dict, chunk: int = DEFAULT_CHUNK) -> list[dict]:
+def rewrite_cost(changed: dict, unchanged: dict) -> list[dict]:
     """Rows for two new sessions of a client in one workspace: `changed` after a change to what the
     client puts in its early blocks (a commit), `unchanged` after it with nothing changed but the
     user's text. The unchanged one's prefill is a new session's own new tokens; the changed one's
     beyond that is what the rewrite cost."""
-    baseline = reuse_row(unchanged, None, chunk)
-    row = reuse_row(changed, None, chunk)
+    baseline = reuse_row(unchanged, None)
+    row = reuse_row(changed, None)
     row.update(new=baseline["prefilled"], reprefilled=max(0, row["prefilled"] - baseline["prefilled"]))
     baseline.update(new=baseline["prefilled"], reprefilled=0)
     return [{"turn": "new*", "request": 1, **row}, {"turn": "new", "request": 1, **baseline}]

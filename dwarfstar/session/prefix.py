@@ -6,6 +6,11 @@ Two matches, in order (the second is ds4's, DS4_SURFACE §4.3):
    all and tokenize only the rest. This catches a generated token whose text the client sends
    back and which BPE now splits differently ("ab" sampled as "a" + "b"), where the token match
    would throw away everything after it.
+
+The prefill that follows keeps checkpoints where the messages a client is likeliest to change start,
+and at the prompt's end (`checkpoint_marks`): a new conversation after the same system prompt, a
+thinking turn's `<think>` closed by the next request, a retried turn, each cut back to one of those
+places, replays nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import numpy as np
 
 from dwarfstar.prompt.render import Prompt
 from dwarfstar.session.session import Session
-from dwarfstar.tokenizer.specials import Control, PromptPart
+from dwarfstar.tokenizer.specials import ASSISTANT, USER, Control, PromptPart
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 
@@ -29,6 +34,7 @@ class ReusePlan:
 
 
 FIRST_RUN = 256  # tokens compared in the first slice; each further slice doubles
+MARK_GAP = 32  # fewest tokens between checkpoint marks (a pass each)
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -92,10 +98,32 @@ def plan_reuse(cached: Sequence[int], prompt: Prompt, tokenizer: Tokenizer) -> R
     return ReusePlan(k, ids[k:], "tokens" if k else "none")
 
 
+def checkpoint_marks(plan: ReusePlan, tokenizer: Tokenizer) -> list[int]:
+    """Where the plan's prefill keeps checkpoints, each just after a role token (where a message's
+    content starts) and at the prompt's end:
+    - the first user message's content (after the system prompt: where another conversation of the
+      same client diverges, a new working directory or git status);
+    - the last user message's, and the last assistant turn's (a retried or edited turn, a thinking
+      prompt's `<think>`, which the next turn renders closed);
+    - the end (a retried turn).
+    A mark ends a pass, so one less than MARK_GAP tokens after the previous (or the cut) is left out:
+    that pass would cost more than the replay it saves. The end ends a pass anyway."""
+    users = [i for i, token in enumerate(plan.suffix) if token == tokenizer.token_id(USER)]
+    assistants = [i for i, token in enumerate(plan.suffix) if token == tokenizer.token_id(ASSISTANT)]
+    marks, last = [], plan.keep
+    for i in sorted({*users[:1], *users[-1:], *assistants[-1:]}):
+        if plan.keep + i + 1 - last >= MARK_GAP:
+            last = plan.keep + i + 1
+            marks.append(last)
+    return [*marks, plan.keep + len(plan.suffix)]
+
+
 def prefill_with_reuse(session: Session, prompt: Prompt, tokenizer: Tokenizer, **prefill_kwargs) -> ReusePlan:
-    """Bring the session to the state after `prompt`, running only what the cache cannot supply."""
+    """Bring the session to the state after `prompt`, running only what the cache cannot supply and
+    keeping a checkpoint where each new message starts."""
     plan = plan_reuse(session.tokens, prompt, tokenizer)
     session.truncate(plan.keep)
+    session.mark(checkpoint_marks(plan, tokenizer))
     if plan.suffix:
         session.prefill(plan.suffix, **prefill_kwargs)
     return plan

@@ -3,12 +3,14 @@
 The session owns a `SequenceState` and never looks inside it beyond the shared layout, so every
 backend gets the same behaviour. Truncation is exact: the state cannot be cut back in place (raw
 window rows and compressor frontiers of the earlier position are gone), so the session keeps cheap
-checkpoints at chunk boundaries and replays from the nearest one.
+checkpoints and replays from the nearest one. A checkpoint is kept where a prefill pass ends on a
+chunk boundary or on a mark: the caller marks where a prompt's messages start and where it ends
+(`mark`), the places a client's next request is likeliest to cut back to, which then replay nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +21,7 @@ from dwarfstar.model.state import StateSnapshot
 from dwarfstar.sampling import Sampler, SamplingParams, redraw_refused
 
 DEFAULT_CHUNK = 4096
-MAX_CHECKPOINTS = 8  # checkpoints share row buffers; each holds only raw windows, frontiers and logits
+MAX_CHECKPOINTS = 16  # checkpoints share row buffers; each holds only raw windows, frontiers and logits
 
 
 class Cancelled(DwarfStarError):
@@ -44,6 +46,7 @@ class Session:
         self.state = backend.new_state()
         self.stats = PrefillStats()
         self._checkpoints: list[StateSnapshot] = []
+        self._marks: set[int] = set()  # positions ahead where a pass ends and a checkpoint is kept
 
     # -- read-only views ---------------------------------------------------------------------------
     @property
@@ -56,7 +59,24 @@ class Session:
         return self.state.logits
 
     def nbytes(self) -> int:
-        return self.state.nbytes()
+        """The state's bytes and its checkpoints' (their own copies; the rows they read are the state's)."""
+        return self.state.nbytes() + sum(c.nbytes() for c in self._checkpoints)
+
+    @property
+    def checkpoints(self) -> list[int]:
+        """Positions the session can be cut back to without replaying."""
+        return [c.pos for c in self._checkpoints]
+
+    def room(self) -> int:
+        """Tokens the next prefill pass may take: up to the next chunk boundary or mark."""
+        pos = self.state.pos
+        end = pos + self.chunk - pos % self.chunk
+        return min((m for m in self._marks if pos < m < end), default=end) - pos
+
+    def mark(self, positions: Iterable[int]) -> None:
+        """Keep a checkpoint at each of these positions ahead (a prompt's message starts, its end):
+        passes end there. Replaces earlier marks."""
+        self._marks = {p for p in positions if p > self.state.pos}
 
     # -- growing the sequence ------------------------------------------------------------------------
     def prefill(
@@ -80,9 +100,9 @@ class Session:
         while done < len(tokens):
             if should_stop is not None and should_stop():
                 raise Cancelled(f"stopped after {done} of {len(tokens)} prompt tokens")
-            # chunks end on multiples of the chunk size, so checkpoints land on the same positions
-            # whatever the caller's split
-            end = min(len(tokens), done + self.chunk - self.state.pos % self.chunk)
+            # passes end on multiples of the chunk size and on marks, so checkpoints land on the same
+            # positions whatever the caller's split
+            end = min(len(tokens), done + self.room())
             self.backend.forward(tokens[done:end], self.state, all_logits=False)
             self._computed(end - done)
             done = end
@@ -167,16 +187,22 @@ class Session:
             )
 
     def _computed(self, n_tokens: int) -> None:
-        """Count a pass's tokens; one that ended on a chunk boundary leaves a checkpoint there."""
+        """Count a pass's tokens; one that ended on a chunk boundary or a mark leaves a checkpoint there."""
         self.stats.computed += n_tokens
-        if self.state.pos % self.chunk == 0:
-            self._checkpoint()
+        pos = self.state.pos
+        if pos % self.chunk == 0 or pos in self._marks:
+            self._marks.discard(pos)
+            if not self._checkpoints or self._checkpoints[-1].pos != pos:
+                self._checkpoint()
 
     def _checkpoint(self) -> None:
         self._checkpoints.append(self.state.snapshot())
         if len(self._checkpoints) > MAX_CHECKPOINTS:
-            # keep the first (often the shared system prompt) and the most recent ones
-            del self._checkpoints[1]
+            # drop the one closest to the checkpoint before it (the newest stays: a retried turn cuts
+            # back to it), so the rest stay spread over the sequence, the early ones a forked
+            # conversation shares included
+            gaps = [c.pos - (self._checkpoints[i - 1].pos if i else 0) for i, c in enumerate(self._checkpoints[:-1])]
+            del self._checkpoints[gaps.index(min(gaps))]
 
     def _best_checkpoint(self, n_tokens: int) -> StateSnapshot | None:
         prefix = self.tokens[:n_tokens]
@@ -211,16 +237,16 @@ def prefill_batch(sessions: Sequence[Session], pieces: Sequence[Sequence[int]]) 
     """Prompt pieces of several sessions on the same backend in one batched pass, so that requests
     which arrive together start decoding together.
 
-    Each piece ends at or before its session's next chunk boundary (where `Session.prefill` would
-    split it), so the call is one forward: refused whole by its checks, or run whole. A session
+    Each piece ends at or before its session's next chunk boundary or mark (where `Session.prefill`
+    would split it), so the call is one forward: refused whole by its checks, or run whole. A session
     that reaches a boundary keeps a checkpoint there, as its own prefill would.
     """
     backend = _one_backend(sessions)
     for session, piece in zip(sessions, pieces, strict=True):
         session._check_room(len(piece))
-        room = session.chunk - session.state.pos % session.chunk
+        room = session.room()
         if len(piece) > room:
-            raise DwarfStarError(f"a piece of {len(piece)} tokens crosses the chunk boundary {room} tokens ahead")
+            raise DwarfStarError(f"a piece of {len(piece)} tokens crosses the checkpoint boundary {room} tokens ahead")
     backend.forward_batch([list(p) for p in pieces], [s.state for s in sessions], all_logits=False)
     for session, piece in zip(sessions, pieces, strict=True):
         session.stats.requested += len(piece)

@@ -34,13 +34,16 @@ def record(body: dict, previous: str | None = None, **figures: int) -> dict:
     return found
 
 
-def figures(prompt: int, cached: int, completion: int = 0, finish: str = "stop", tools: bool = True) -> dict:
+def figures(
+    prompt: int, cached: int, completion: int = 0, finish: str = "stop", tools: bool = True, replayed: int = 0
+) -> dict:
     body = {"tools": TOOLS} if tools else {}
     return {
         "request": body,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "prefilled_tokens": prompt - cached,
+        "replayed_tokens": replayed,
         "completion_tokens": completion,
         "finish": finish,
     }
@@ -120,9 +123,9 @@ def test_side_requests_without_tools_are_not_the_conversation():
 def test_the_reuse_rows_count_new_reprefilled_and_replayed_tokens():
     turn1 = [figures(500, 0, 10, tools=False), figures(7000, 0, 12)]
     turn2 = [figures(7020, 7011, 60, finish="tool_calls"), figures(7150, 7110, 20)]
-    rewritten = figures(7200, 4200, 8)
+    rewritten = figures(7200, 4200, 8, replayed=104)
     rewritten["divergence"] = {"offset": 100, "common": "", "before": "old", "after": "new"}
-    rows = reuse_rows([turn1, turn2, [rewritten]], chunk=4096)
+    rows = reuse_rows([turn1, turn2, [rewritten]])
     assert [(r["turn"], r["request"]) for r in rows] == [(1, 1), (2, 1), (2, 2), (3, 1)]
     first, call, answer, third = rows
     assert (first["new"], first["reprefilled"], first["replayed"], first["miss"]) == (7000, 0, 0, None)
@@ -133,9 +136,9 @@ def test_the_reuse_rows_count_new_reprefilled_and_replayed_tokens():
 
 
 def test_a_rewrite_costs_the_changed_sessions_prefill_beyond_the_unchanged_ones():
-    changed, unchanged = figures(11700, 9000), figures(11700, 11000)
+    changed, unchanged = figures(11700, 9000, replayed=808), figures(11700, 11000)
     changed["divergence"] = {"offset": 40000, "common": "", "before": "abc", "after": "def"}
-    rows = rewrite_cost(changed, unchanged, chunk=4096)
+    rows = rewrite_cost(changed, unchanged)
     assert [r["turn"] for r in rows] == ["new*", "new"]
     assert (rows[0]["prefilled"], rows[0]["new"], rows[0]["reprefilled"], rows[0]["replayed"]) == (2700, 700, 2000, 808)
     assert (rows[1]["prefilled"], rows[1]["new"], rows[1]["reprefilled"]) == (700, 700, 0)
