@@ -18,8 +18,9 @@ Entry points for the features built on top: `embed`, `run_layers(h, batch, first
 only those layers' weights, `layer_range`, with the embedding on the first stage and the head on the
 last; layer indices stay the model's, so routing tables and compress ratios are the global layer's),
 `hooks` are called with each layer's attention and FFN outputs before their post (steering,
-activation capture), and the MoE takes its weights from an `ExpertSource` (resident by default; a
-cache of streamed experts can stand behind it).
+activation capture), `taps` with each layer's output streams (a DSpark drafter's target layers),
+and the MoE takes its weights from an `ExpertSource` (resident by default; a cache of streamed
+experts can stand behind it).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ Site = Literal["attn", "ffn"]
 HookPoint = Literal["attn_out", "ffn_out"]
 # hook(layer index, the sublayer's [N, dim] output, the batch) -> a replacement output, or None to keep it
 Hook = Callable[[int, Any, "Batch[Any]"], Any]
+# tap(layer index, the [N, n, dim] streams after that layer, the batch): reads them, changes nothing
+Tap = Callable[[int, Any, "Batch[Any]"], None]
 
 
 class Rows(Enum):
@@ -196,6 +199,18 @@ class Ops(Protocol[A, S]):
         the RoPE removed from the output. The window then keeps only its last `window` rows."""
         ...
 
+    def store_window(self, il: int, kv: A, batch: Batch[S]) -> None:
+        """Rows that join each sequence's raw window with no query reading them: a DSpark stage's
+        context rows (`dwarfstar.model.dspark`)."""
+        ...
+
+    def block_attention(self, il: int, q: A, kv: A, batch: Batch[S]) -> A:
+        """Sink attention [N, H, head_dim] of each query over its sequence's raw window as the state
+        holds it (the positions before the call) and every row of `kv` its sequence has in the call,
+        whatever their order (a DSpark block attends within itself both ways), the RoPE removed from
+        the output; the window is left as it was."""
+        ...
+
     def attn_output(self, il: int, o: A, batch: Batch[S]) -> A:
         """Grouped low-rank output projection: per group, its heads through wo_a, then wo_b."""
         ...
@@ -212,6 +227,14 @@ class Ops(Protocol[A, S]):
 
     def hc_head(self, h: A, rows: list[int] | None, batch: Batch[S]) -> A:
         """Collapse the streams of `rows` (all when None) with sigmoid weights, then the output norm."""
+        ...
+
+    def hc_collapse(self, h: A, batch: Batch[S]) -> A:
+        """`hc_head`'s collapse of every row, before the output norm (a DSpark confidence reads it)."""
+        ...
+
+    def output_norm(self, y: A, batch: Batch[S]) -> A:
+        """`hc_head`'s output norm."""
         ...
 
     def hc_post_pre(self, il: int, site: Site, h: A, out: A, mix: Any, batch: Batch[S]) -> tuple[A, A, Any]:
@@ -254,6 +277,7 @@ class Transformer(Generic[A, S]):
         self.cache = KVCache(self.args, self.max_seq_len, ops.kv_storage(), kv_slots, self.layer_range)
         self.experts: ExpertSource = ops.experts
         self.hooks: dict[HookPoint, list[Hook]] = {"attn_out": [], "ffn_out": []}
+        self.taps: list[Tap] = []
 
     def new_state(self) -> SequenceState:
         return self.cache.new_state()
@@ -287,7 +311,9 @@ class Transformer(Generic[A, S]):
         last = self._held(first, last)
         if first == last:
             return h
-        return self.ops.hc_post(*self._blocks(h, batch, first, last), batch)
+        h = self.ops.hc_post(*self._blocks(h, batch, first, last), batch)
+        self._tap(last - 1, h, batch)
+        return h
 
     def head(self, h: A, batch: Batch[S], all_positions: bool) -> tuple[A, list[int] | None]:
         """Output-normalised final rows: of every position, or each sequence's last only."""
@@ -301,7 +327,9 @@ class Transformer(Generic[A, S]):
         rows = self._head_rows(batch, all_positions)
         if first == last:
             return h, self.ops.hc_head(h, rows, batch), rows
-        return (*self.ops.hc_post_head(*self._blocks(h, batch, first, last), rows, batch), rows)
+        h, y = self.ops.hc_post_head(*self._blocks(h, batch, first, last), rows, batch)
+        self._tap(last - 1, h, batch)
+        return h, y, rows
 
     def _held(self, first: int, last: int | None) -> int:
         """`last` (the model's end when None), once layers first..last-1 are known to be held here."""
@@ -339,8 +367,13 @@ class Transformer(Generic[A, S]):
         h, out, mix = self.block(first, h, x, mix, batch)
         for il in range(first + 1, last):
             h, x, mix = self.ops.hc_post_pre(il, "attn", h, out, mix, batch)
+            self._tap(il - 1, h, batch)
             h, out, mix = self.block(il, h, x, mix, batch)
         return h, out, mix
+
+    def _tap(self, il: int, h: A, batch: Batch[S]) -> None:
+        for tap in self.taps:
+            tap(il, h, batch)
 
     def block(self, il: int, h: A, x: A, mix: Any, batch: Batch[S]) -> tuple[A, A, Any]:
         """Layer il from its attention input x (`mix`: that sublayer's pre-mix of the streams h) to its

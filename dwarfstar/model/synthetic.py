@@ -30,6 +30,8 @@ from dwarfstar.gguf.constants import BLOCK_GEOMETRY, QK_K, GGMLType, ValueType
 from dwarfstar.gguf.quantize import quantize
 from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config import ModelArgs, flash_compress_ratios, pro_compress_ratios
+from dwarfstar.model.dspark import ARCH as DSPARK_ARCH
+from dwarfstar.model.dspark import DSparkArgs, dspark_tensors
 from dwarfstar.model.tensors import EXPERT, NORM, TensorSpec, expected_tensors, mtp_tensors
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, tokenizer_metadata
 
@@ -82,6 +84,7 @@ def preset_with_layers(preset: str, n_layers: int) -> ModelArgs:
 _DS4_F16 = ("token_embd", "hc_", "compressor", "indexer", "ffn_gate_inp")
 LAYOUTS = ("f32", "ds4", "ds4-mxfp4")
 MTP_SEED_OFFSET = 500_000  # a separate MTP file's tensors draw from other streams than the trunk's
+DSPARK_SEED_OFFSET = 700_000  # and a DSpark support file's from others again
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,31 @@ def write_synthetic_mtp(path: str | os.PathLike, args: ModelArgs, layout: str = 
             writer.add_tensor(spec.name, spec.shape, ggml_type)
         for index, (spec, ggml_type) in enumerate(specs):
             gen = torch.Generator().manual_seed(seed * 1_000_003 + MTP_SEED_OFFSET + index)
+            writer.write_tensor(spec.name, _tensor_chunks(spec, ggml_type, args, gen))
+
+
+def write_synthetic_dspark(
+    path: str | os.PathLike, args: ModelArgs, d: DSparkArgs, layout: str = "f32", seed: int = 0
+) -> None:
+    """A random DSpark drafter for the target `args` as ds4 ships it: a support GGUF of `mtp.{0..}.*`
+    tensors whose metadata is the `dspark.*` keys (ds4's writer's, provenance strings aside)."""
+    u32 = ValueType.UINT32
+    metadata = {
+        "general.architecture": (ValueType.STRING, DSPARK_ARCH),
+        "general.name": (ValueType.STRING, "synthetic-dspark"),
+        "dspark.block_size": (u32, d.block_size),
+        "dspark.markov_rank": (u32, d.markov_rank),
+        "dspark.noise_token_id": (u32, d.noise_token_id),
+        "dspark.target_layer_ids": (ValueType.ARRAY, (u32, list(d.target_layers))),
+        "dspark.stage_count": (u32, d.stages),
+        "dspark.n_layers": (u32, d.stages),
+    }
+    specs = [(spec, tensor_type(spec, layout, layout_experts(layout))) for spec in dspark_tensors(args, d)]
+    with GGUFWriter(path, metadata) as writer:
+        for spec, ggml_type in specs:
+            writer.add_tensor(spec.name, spec.shape, ggml_type)
+        for index, (spec, ggml_type) in enumerate(specs):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + DSPARK_SEED_OFFSET + index)
             writer.write_tensor(spec.name, _tensor_chunks(spec, ggml_type, args, gen))
 
 

@@ -199,9 +199,13 @@ class ReferenceOps(StreamSteps):
         return ops.hc_post(out, h, *mix)
 
     def hc_head(self, h: torch.Tensor, rows: list[int] | None, batch: Batch[ReferenceStep]) -> torch.Tensor:
-        a = self.args
-        h = h if rows is None else h[rows]
-        return ops.rms_norm(ops.hc_head(h, *self.head_hc, a.hc_eps, a.norm_eps), self.out_norm, a.norm_eps)
+        return self.output_norm(self.hc_collapse(h if rows is None else h[rows], batch), batch)
+
+    def hc_collapse(self, h: torch.Tensor, batch: Batch[ReferenceStep]) -> torch.Tensor:
+        return ops.hc_head(h, *self.head_hc, self.args.hc_eps, self.args.norm_eps)
+
+    def output_norm(self, y: torch.Tensor, batch: Batch[ReferenceStep]) -> torch.Tensor:
+        return ops.rms_norm(y, self.out_norm, self.args.norm_eps)
 
     def logits(self, y: torch.Tensor, batch: Batch[ReferenceStep]) -> torch.Tensor:
         return ops.linear(y, self.output)
@@ -438,6 +442,20 @@ class ReferenceOps(StreamSteps):
             rows, visible = self._slot_rows(il, "attn", batch)
             parts.append((rows, visible if selected is None else selected))
         return ops.attention_rows(q, parts, layer.sinks)[0]
+
+    def store_window(self, il: int, kv: torch.Tensor, batch: Batch[ReferenceStep]) -> None:
+        for seq in batch.seqs:
+            raw = torch.cat((seq.state.raw_window(il), kv[seq.rows]))
+            seq.state.store_window(il, raw.detach(), seq.start + seq.length)
+
+    def block_attention(self, il: int, q: torch.Tensor, kv: torch.Tensor, batch: Batch[ReferenceStep]) -> torch.Tensor:
+        out = []
+        for seq in batch.seqs:
+            n = seq.length
+            parts = [(seq.state.raw_window(il), None), (kv[seq.rows], None)]
+            parts = [(rows.expand(n, -1, -1), torch.ones(n, rows.shape[0], dtype=torch.bool)) for rows, _ in parts]
+            out.append(ops.attention_rows(q[seq.rows], parts, self.layers[il].sinks)[0])
+        return ops.apply_rope(torch.cat(out), *self._batch_angles(il, batch.step), inverse=True)
 
     def attn_output(self, il: int, o: torch.Tensor, batch: Batch[ReferenceStep]) -> torch.Tensor:
         layer = self.layers[il]

@@ -1,0 +1,172 @@
+"""The DSpark drafter of DeepSeek V4 Flash 0731, loaded from ds4's support GGUF (`--dspark FILE`) and run
+on the target's backend (the model's description: dwarfstar/model/dspark.py).
+
+The support file holds the stages (`mtp.{k}.*`, a V4 block each) and the heads; the embedding and the
+output matrix are the target's. The stages are loaded as a model of `stage_args` through the
+backend's own loader over a renaming view (`mtp.DraftFile`, as the MTP block is), so their rings live
+in a KV cache like any layer's; the heads are read into torch float32.
+
+`DSparkDraft` follows one sequence: `feed` writes the context rows of positions the target has
+committed (from the streams its passes captured at the target layers), `propose` drafts a block after
+an anchor token, the Markov head choosing each row's token after the one before, cut at the first row
+whose confidence is below the threshold.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dwarfstar.backends.registry import entry_of
+from dwarfstar.errors import DwarfStarError, ModelFileError
+from dwarfstar.gguf.reader import GGUFFile
+from dwarfstar.model import tensors as tt
+from dwarfstar.model.dspark import (
+    ARCH,
+    CONFIDENCE,
+    MAIN,
+    MARKOV,
+    PREFIX,
+    DSparkArgs,
+    DSparkForward,
+    DSparkHeads,
+    dspark_tensors,
+    stage_args,
+    stage_names,
+)
+from dwarfstar.model.forward import Transformer
+from dwarfstar.model.loader import ModelFile
+from dwarfstar.model.state import SequenceState
+from dwarfstar.sampling import Sampler
+from dwarfstar.speculative.mtp import DraftFile
+from dwarfstar.speculative.verify import draw, next_uniform, rule_probabilities
+
+# the Ops a backend needs for the drafter's passes (the reference has them; Triton and MLX not yet)
+DSPARK_OPS = ("store_window", "block_attention", "hc_collapse", "output_norm")
+
+
+class DSparkConfidenceError(DwarfStarError):
+    """The confidence head gave a value that is not a number: the drafter's weights are broken."""
+
+
+def open_dspark(model: ModelFile, path: str | os.PathLike) -> tuple[DSparkArgs, GGUFFile, ModelFile]:
+    """ds4's support file for `model`: its settings, the file, and the stages as a model for a backend's
+    loader. A clear error when it is missing, is not a support file or belongs to another model."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"DSpark support file not found: {path}")
+    gguf = GGUFFile(path)
+    try:
+        arch = gguf.metadata.get("general.architecture")
+        if arch != ARCH:
+            raise ModelFileError(f"{path} is not a DSpark support file: general.architecture is {arch!r}, not {ARCH!r}")
+        d = DSparkArgs.from_metadata(gguf.metadata, model.args, str(path))
+        stages = {int(name.split(".")[1]) for name in gguf.tensors if name.startswith("mtp.")}
+        missing = sorted(set(range(d.stages)) - stages)
+        if missing:
+            raise ModelFileError(f"{path} has {d.stages} stages in its metadata but no tensors of stage {missing}")
+        for spec in dspark_tensors(model.args, d):
+            try:
+                tt.check_tensor(spec, gguf.tensors.get(spec.name))
+            except ModelFileError as exc:
+                raise ModelFileError(f"{path}: the DSpark drafter does not fit {model.path}: {exc}") from exc
+        sources = {own: (gguf, name) for own, name in stage_names(model.args, d).items()}
+        for shared in (tt.EMBED, tt.OUTPUT):
+            sources[shared] = (model.gguf, shared)
+        view = DraftFile(sources, dict(gguf.metadata))
+        return d, gguf, ModelFile(path, view, stage_args(model.args, d))  # type: ignore[arg-type]
+    except BaseException:
+        gguf.close()
+        raise
+
+
+def load_heads(gguf: GGUFFile, d: DSparkArgs, eps: float) -> DSparkHeads:
+    first, last = PREFIX.format(0), PREFIX.format(d.stages - 1)
+
+    def read(name: str) -> torch.Tensor:
+        return gguf.tensor(name).float()
+
+    return DSparkHeads(
+        read(first + MAIN[0]),
+        read(first + MAIN[1]),
+        read(last + MARKOV[0]),
+        read(last + MARKOV[1]),
+        read(last + CONFIDENCE),
+        eps,
+    )
+
+
+class DSparkDraft:
+    """The drafter on the target's backend: the stages' model, their forward, the heads."""
+
+    def __init__(self, target: Transformer, model: ModelFile, path: str | os.PathLike) -> None:
+        self.d, self.gguf, stages = open_dspark(model, path)
+        try:
+            entry = entry_of(target)
+            if entry is None:
+                raise DwarfStarError(f"DSpark drafting needs a backend of the shared forward pass, not {target!r}")
+            self.stages = entry.draft_model(target, stages)
+            if not all(callable(getattr(self.stages.ops, name, None)) for name in DSPARK_OPS):
+                raise DwarfStarError(
+                    f"DSpark drafting runs on the reference backend for now; the {entry.name} backend "
+                    "has no block attention for its stages yet"
+                )
+            self.forward = DSparkForward(self.stages, self.d)
+            self.heads = load_heads(self.gguf, self.d, model.args.norm_eps)
+        except BaseException:
+            self.gguf.close()
+            raise
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        return self.d.target_layers
+
+    def new_state(self) -> SequenceState:
+        return self.forward.new_state()
+
+    def _torch(self, a: Any) -> torch.Tensor:
+        return a if isinstance(a, torch.Tensor) else torch.from_numpy(self.stages.cache.storage.to_numpy(a))
+
+    def feed(self, captured: list[Any], state: SequenceState) -> None:
+        """Context rows of the positions after state.pos from the target layers' streams [N, n, dim]."""
+        main_x = self.heads.main_x([self._torch(h) for h in captured])
+        like = captured[0]
+        storage = self.stages.cache.storage
+        rows = main_x.to(like.dtype) if isinstance(like, torch.Tensor) else storage.from_numpy(main_x.numpy())
+        self.forward.context(rows, state)
+
+    def propose(
+        self, anchor: int, state: SequenceState, n: int, sampler: Sampler, threshold: float = 0.0
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Up to n drafts after `anchor` (the token at the context's end), with their draft logits: the
+        block's rows in order, each row's Markov bias from the token before, cut at the first row whose
+        confidence is below `threshold` (0: none). The state is left as it was."""
+        collapsed, logits = self.forward.block(anchor, state)
+        collapsed, logits = self._torch(collapsed).float(), self._torch(logits).float()
+        drafts: list[int] = []
+        rows: list[torch.Tensor] = []
+        previous = anchor
+        for i in range(min(n, self.d.block_size)):
+            e, bias = self.heads.markov(previous)
+            if threshold:
+                confidence = self.heads.confidence_of(collapsed[i], e)
+                if not math.isfinite(confidence):
+                    raise DSparkConfidenceError(f"the DSpark confidence head gave {confidence} at block row {i}")
+                if confidence < threshold:
+                    break
+            row = logits[i] + bias
+            if sampler.params.greedy:
+                token = int(row.argmax())
+            else:
+                token = draw(rule_probabilities(row, sampler.params), next_uniform(sampler))
+            drafts.append(token)
+            rows.append(row)
+            previous = token
+        return drafts, rows
+
+    def close(self) -> None:
+        self.gguf.close()

@@ -1,0 +1,240 @@
+"""The DSpark drafter (dwarfstar/model/dspark.py, dwarfstar/speculative/dspark.py) against an independent
+numpy implementation written from the public descriptions (dwarfstar/speculative/NOTES.md), on a random
+drafter for the tiny model; and the support file's bad inputs."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.errors import DwarfStarError, ModelFileError
+from dwarfstar.model.dspark import DSparkArgs
+from dwarfstar.model.loader import open_model
+from dwarfstar.model.synthetic import TINY, write_synthetic_dspark
+from dwarfstar.sampling import GREEDY, Sampler
+from dwarfstar.speculative.dspark import DSparkDraft
+
+D = DSparkArgs(block_size=5, markov_rank=16, noise_token_id=128799, target_layers=(3, 4, 5), stages=3)
+PROMPT = list(range(1000, 1020))  # 20 positions: the stages' 8-row windows wrap
+
+
+@pytest.fixture(scope="module")
+def files(tiny_model_file, tmp_path_factory):
+    support = tmp_path_factory.mktemp("dspark") / "tiny-dspark.gguf"
+    write_synthetic_dspark(support, TINY, D, seed=1)
+    return tiny_model_file(0), support
+
+
+@pytest.fixture(scope="module")
+def drafted(files):
+    """The drafter's block after PROMPT, and the target streams it was fed."""
+    model_path, support = files
+    model = open_model(model_path)
+    target = ReferenceModel(model, qat=False)
+    draft = DSparkDraft(target, model, support)
+    captured = {}
+    target.taps.append(lambda il, h, batch: captured.__setitem__(il, h.clone()))
+    target.forward(PROMPT, target.new_state())
+    streams = [captured[il] for il in D.target_layers]
+    state = draft.new_state()
+    draft.feed(streams, state)
+    anchor = 4242
+    collapsed, logits = draft.forward.block(anchor, state)
+    drafts, rows = draft.propose(anchor, state, D.block_size, Sampler(GREEDY))
+    return [s.numpy() for s in streams], anchor, collapsed.numpy(), logits.numpy(), drafts, rows, draft, state
+
+
+# -- the independent implementation ---------------------------------------------------------------------------
+def tensors(path) -> dict[str, np.ndarray]:
+    return {t.name: np.asarray(t.data, dtype=np.float64) for t in gguf.GGUFReader(path).tensors}
+
+
+def rms(x, w=None):
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + TINY.norm_eps)
+    return y if w is None else y * w
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def rope(x, positions, inverse=False):
+    """Rotate the pairs (2i, 2i+1) of the last rope_dim dims by position * theta^(-2i/rope_dim)."""
+    r = TINY.rope_dim
+    angles = positions[:, None] * TINY.rope_theta ** (-np.arange(0, r, 2) / r)
+    cos, sin = np.cos(angles), np.sin(angles) * (-1 if inverse else 1)
+    cos, sin = (a.reshape(a.shape[0], *([1] * (x.ndim - 2)), a.shape[1]) for a in (cos, sin))
+    out = x.copy()
+    a, b = x[..., -r::2], x[..., -r + 1 :: 2]
+    out[..., -r::2], out[..., -r + 1 :: 2] = a * cos - b * sin, a * sin + b * cos
+    return out
+
+
+def hc_mix(h, fn, scale, base):
+    """(sublayer input, post, comb) of the streams h [T, n, D]."""
+    t, n, _ = h.shape
+    flat = h.reshape(t, -1)
+    mix = flat @ fn.T / np.sqrt((flat * flat).mean(-1, keepdims=True) + TINY.norm_eps)
+    pre = sigmoid(mix[:, :n] * scale[0] + base[:n]) + TINY.hc_eps
+    post = 2 * sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    logits = mix[:, 2 * n :].reshape(t, n, n) * scale[2] + base[2 * n :].reshape(n, n)
+    comb = np.exp(logits - logits.max(-1, keepdims=True))
+    comb = comb / comb.sum(-1, keepdims=True) + TINY.hc_eps
+    comb = comb / (comb.sum(-2, keepdims=True) + TINY.hc_eps)
+    for _ in range(TINY.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdims=True) + TINY.hc_eps)
+        comb = comb / (comb.sum(-2, keepdims=True) + TINY.hc_eps)
+    return (pre[..., None] * h).sum(1), post, comb
+
+
+def hc_post(out, h, post, comb):
+    return post[..., None] * out[:, None, :] + np.swapaxes(comb, 1, 2) @ h
+
+
+def swiglu(x, gate, up, down, scale=1.0):
+    g, u = x @ gate.T, x @ up.T
+    g = np.minimum(g, TINY.swiglu_limit)
+    return (g * sigmoid(g) * np.clip(u, -TINY.swiglu_limit, TINY.swiglu_limit) * scale) @ down.T
+
+
+def stage(w, k, h, ring, positions):
+    """Stage k over the block's streams h [B, n, D], attending to its ring rows and the whole block."""
+    p = f"mtp.{k}."
+    x, post, comb = hc_mix(h, w[p + "hc_attn_fn.weight"], w[p + "hc_attn_scale.weight"], w[p + "hc_attn_base.weight"])
+    x = rms(x, w[p + "attn_norm.weight"])
+    q = rms(x @ w[p + "attn_q_a.weight"].T, w[p + "attn_q_a_norm.weight"]) @ w[p + "attn_q_b.weight"].T
+    q = rope(rms(q.reshape(len(x), TINY.n_heads, TINY.head_dim)), positions)
+    kv = rope(rms(x @ w[p + "attn_kv.weight"].T, w[p + "attn_kv_a_norm.weight"]), positions)
+    keys = np.concatenate((ring, kv))  # every query: the ring and the block, both ways
+    scores = np.einsum("bhd,nd->bhn", q, keys) / np.sqrt(TINY.head_dim)
+    sinks = np.broadcast_to(w[p + "attn_sinks.weight"][None, :, None], (len(x), TINY.n_heads, 1))
+    full = np.concatenate((scores, sinks), -1)
+    probs = np.exp(full - full.max(-1, keepdims=True))
+    probs = (probs / probs.sum(-1, keepdims=True))[..., :-1]
+    o = rope(np.einsum("bhn,nd->bhd", probs, keys), positions, inverse=True).reshape(len(x), TINY.o_groups, -1)
+    wo_a = w[p + "attn_output_a.weight"].reshape(TINY.o_groups, TINY.o_lora_rank, -1)
+    o = np.concatenate([o[:, g] @ wo_a[g].T for g in range(TINY.o_groups)], -1) @ w[p + "attn_output_b.weight"].T
+    h = hc_post(o, h, post, comb)
+    x, post, comb = hc_mix(h, w[p + "hc_ffn_fn.weight"], w[p + "hc_ffn_scale.weight"], w[p + "hc_ffn_base.weight"])
+    x = rms(x, w[p + "ffn_norm.weight"])
+    logits = x @ w[p + "ffn_gate_inp.weight"].T
+    scores = np.sqrt(np.logaddexp(0, logits))
+    out = swiglu(x, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
+    for t in range(len(x)):
+        chosen = np.argsort(-(scores[t] + w[p + "exp_probs_b.bias"]))[: TINY.n_activated_experts]
+        weights = scores[t, chosen] / scores[t, chosen].sum() * TINY.route_scale
+        for e, we in zip(chosen, weights, strict=True):
+            gate, up, down = (w[p + f"ffn_{name}_exps.weight"][e] for name in ("gate", "up", "down"))
+            out[t] += swiglu(x[t : t + 1], gate, up, down, we)[0]
+    return hc_post(out, h, post, comb)
+
+
+def numpy_block(w, streams, anchor):
+    """(collapsed rows, logits [B, vocab]) of the block after the captured streams' positions."""
+    main = np.concatenate([s.astype(np.float64).mean(1) for s in streams], -1) @ w["mtp.0.main_proj.weight"].T
+    main_x = rms(main, w["mtp.0.main_norm.weight"])
+    context = np.arange(len(main_x))[-TINY.window :]
+    positions = np.arange(len(main_x), len(main_x) + D.block_size)
+    ids = [anchor] + [D.noise_token_id] * (D.block_size - 1)
+    h = np.repeat(w["token_embd.weight"][ids][:, None, :], TINY.hc_mult, axis=1)
+    for k in range(D.stages):
+        p = f"mtp.{k}."
+        ring = rope(rms(main_x[context] @ w[p + "attn_kv.weight"].T, w[p + "attn_kv_a_norm.weight"]), context)
+        h = stage(w, k, h, ring, positions)
+    last = f"mtp.{D.stages - 1}."
+    flat = h.reshape(len(h), -1)
+    mix = flat @ w[last + "hc_head_fn.weight"].T / np.sqrt((flat * flat).mean(-1, keepdims=True) + TINY.norm_eps)
+    gate = sigmoid(mix * w[last + "hc_head_scale.weight"] + w[last + "hc_head_base.weight"]) + TINY.hc_eps
+    collapsed = (gate[..., None] * h).sum(1)
+    return collapsed, rms(collapsed, w[last + "norm.weight"]) @ w["output.weight"].T
+
+
+def test_the_block_matches_an_independent_implementation(files, drafted):
+    streams, anchor, collapsed, logits, drafts, rows, _, _ = drafted
+    w = {**tensors(files[0]), **tensors(files[1])}
+    want_collapsed, want_logits = numpy_block(w, streams, anchor)
+    assert np.abs(collapsed - want_collapsed).max() < 1e-4 * np.abs(want_collapsed).max()
+    assert np.abs(logits - want_logits).max() < 1e-4 * np.abs(want_logits).max()
+    # the Markov head: each row's bias from the token chosen before it, the anchor for the first
+    last = f"mtp.{D.stages - 1}."
+    w1, w2 = w[last + "markov_head.markov_w1.weight"], w[last + "markov_head.markov_w2.weight"]
+    previous, want = anchor, []
+    for i in range(D.block_size):
+        row = want_logits[i] + w2 @ w1[previous]
+        previous = int(row.argmax())
+        want.append(previous)
+        assert np.abs(rows[i].numpy() - row).max() < 1e-4 * np.abs(row).max()
+    assert drafts == want
+
+
+def test_the_confidence_cut_stops_at_the_first_row_below_the_threshold(files, drafted):
+    streams, anchor, _, _, drafts, _, draft, state = drafted
+    w = {**tensors(files[1])}
+    last = f"mtp.{D.stages - 1}."
+    collapsed, _ = numpy_block({**tensors(files[0]), **w}, streams, anchor)
+    w1, proj = w[last + "markov_head.markov_w1.weight"], w[last + "confidence_head.proj.weight"][0]
+    confidence = [sigmoid(np.concatenate((collapsed[i], w1[p])) @ proj) for i, p in enumerate([anchor, *drafts[:-1]])]
+    for threshold in sorted(confidence):
+        cut, _ = draft.propose(anchor, state, D.block_size, Sampler(GREEDY), threshold=float(threshold) + 1e-6)
+        below = [i for i, c in enumerate(confidence) if c < threshold + 1e-6]
+        assert cut == drafts[: below[0]]
+    assert draft.propose(anchor, state, D.block_size, Sampler(GREEDY), threshold=0.0)[0] == drafts
+    assert state.pos == len(PROMPT)  # proposing never moves the drafter's state
+
+
+# -- bad input --------------------------------------------------------------------------------------------------
+def rewrite(src, dst, drop: str | None = None, metadata: dict | None = None) -> None:
+    """A copy of the support file without tensor `drop`, or with other `dspark.*` values."""
+    from dwarfstar.gguf.constants import ValueType
+    from dwarfstar.gguf.reader import GGUFFile
+    from dwarfstar.gguf.writer import GGUFWriter
+
+    source = GGUFFile(src)
+    u32 = ValueType.UINT32
+    meta = {
+        "general.architecture": (ValueType.STRING, source.metadata["general.architecture"]),
+        **{k: (u32, v) for k, v in source.metadata.items() if k.startswith("dspark.") and not isinstance(v, list)},
+        "dspark.target_layer_ids": (ValueType.ARRAY, (u32, list(source.metadata["dspark.target_layer_ids"]))),
+    }
+    meta.update(metadata or {})
+    names = [n for n in source.tensors if n != drop]
+    with GGUFWriter(dst, meta) as writer:
+        for name in names:
+            info = source.tensors[name]
+            writer.add_tensor(name, tuple(info.shape), info.ggml_type)
+        for name in names:
+            writer.write_tensor(name, iter([source.raw(name)]))
+    source.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"drop": "mtp.2.norm.weight"}, "missing tensor 'mtp.2.norm.weight'"),
+        ({"metadata": {"dspark.target_layer_ids": (9, (4, [40, 41, 42]))}}, "a drafter for another model"),
+        ({"metadata": {"general.architecture": (8, "deepseek4")}}, "not a DSpark support file"),
+        ({"metadata": {"dspark.stage_count": (4, 4)}}, "no tensors of stage [3]"),
+    ],
+)
+def test_a_support_file_that_does_not_fit_is_refused_by_name(files, tmp_path, change, message):
+    model_path, support = files
+    bad = tmp_path / "bad.gguf"
+    rewrite(support, bad, **change)
+    model = open_model(model_path)
+    with pytest.raises(ModelFileError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        DSparkDraft(ReferenceModel(model, qat=False), model, bad)
+
+
+def test_a_missing_file_and_a_drafter_for_a_wider_model_are_refused(files, tmp_path):
+    model_path, _ = files
+    model = open_model(model_path)
+    target = ReferenceModel(model, qat=False)
+    with pytest.raises(ModelFileError, match="not found"):
+        DSparkDraft(target, model, tmp_path / "none.gguf")
+    wide = tmp_path / "wide.gguf"
+    write_synthetic_dspark(wide, TINY.with_(dim=96), D)
+    with pytest.raises(ModelFileError, match="does not fit"):
+        DSparkDraft(target, model, wide)
+    assert issubclass(ModelFileError, DwarfStarError)
