@@ -27,6 +27,7 @@ is below it. It changes only how much is drafted, never what is emitted.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState, StateSnapshot
 from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session
+from dwarfstar.speculative.dspark import DSparkDraft, DSparkTrack
 from dwarfstar.speculative.mtp import MTPDraft, forward_of, load_draft
 from dwarfstar.speculative.mtp_options import ALIGNMENTS, MAX_DRAFT, MTPOptions, check_settings
 from dwarfstar.speculative.rollback import CompressorTap, can_truncate, truncate
@@ -90,13 +92,17 @@ class LocalRunner:
     def __init__(self, model: Transformer) -> None:
         self.target = model
 
-    def track(self, draft: MTPDraft, state: SequenceState, shift: int) -> DraftTrack:
+    def track(self, draft: MTPDraft | DSparkDraft, state: SequenceState, shift: int) -> DraftTrack | DSparkTrack:
         """The draft following `state` from its position now."""
+        if isinstance(draft, DSparkDraft):
+            return DSparkTrack(draft, state.pos, draft.confidence)
         return DraftTrack(draft, shift, state.pos)
 
     def run(self, tokens: list[int], state: SequenceState, all_logits: bool, track: DraftTrack) -> tuple[Any, Any]:
-        """Logits of a pass and its final streams, for the draft."""
-        return self.target.forward_streams(tokens, state, all_logits=all_logits)
+        """Logits of a pass and what it leaves for the draft (`track.rows`)."""
+        with capturing(self.target, track.layers) as captured:
+            logits, streams = self.target.forward_streams(tokens, state, all_logits=all_logits)
+        return logits, track.rows(streams, captured, slice(0, len(tokens)))
 
     def snapshot(self, state: SequenceState) -> StateSnapshot:
         return state.snapshot()
@@ -105,9 +111,13 @@ class LocalRunner:
         self, token_lists: Sequence[Sequence[int]], states: Sequence[SequenceState], tracks: Sequence[DraftTrack]
     ) -> tuple[list[tuple[torch.Tensor, Any, slice]], CompressorTap]:
         """One pass over every sequence's verified tokens, its compressor projections recorded."""
-        with CompressorTap(self.target) as tap:
+        layers = sorted({il for track in tracks for il in track.layers})
+        with CompressorTap(self.target) as tap, capturing(self.target, layers) as captured:
             passes = forward_streams_batch(self.target, token_lists, states)
-        return passes, tap
+        return [
+            (logits, track.rows(h, captured, rows), rows)
+            for (logits, h, rows), track in zip(passes, tracks, strict=True)
+        ], tap
 
     def can_truncate(self, verified: int, tap: CompressorTap) -> bool:
         return can_truncate(self.target, verified)
@@ -119,6 +129,25 @@ class LocalRunner:
 
     def restore(self, state: SequenceState, snap: StateSnapshot) -> None:
         state.restore(snap)
+
+
+@contextmanager
+def capturing(target: Transformer, layers: Sequence[int]) -> Iterator[dict[int, Any]]:
+    """The streams after each of `layers` in the passes run inside, by layer (none: no tap)."""
+    captured: dict[int, Any] = {}
+    if not layers:
+        yield captured
+        return
+
+    def tap(il: int, h: Any, batch: Any) -> None:
+        if il in layers:
+            captured[il] = h
+
+    target.taps.append(tap)
+    try:
+        yield captured
+    finally:
+        target.taps.remove(tap)
 
 
 def runner_for(backend: Any) -> Any:

@@ -103,7 +103,10 @@ def load_heads(gguf: GGUFFile, d: DSparkArgs, eps: float) -> DSparkHeads:
 class DSparkDraft:
     """The drafter on the target's backend: the stages' model, their forward, the heads."""
 
-    def __init__(self, target: Transformer, model: ModelFile, path: str | os.PathLike) -> None:
+    def __init__(self, target: Transformer, model: ModelFile, path: str | os.PathLike, confidence: float = 0.0) -> None:
+        if not 0.0 <= confidence < 1.0:
+            raise DwarfStarError(f"--dspark-confidence must be in [0, 1), got {confidence}")
+        self.confidence = confidence  # a block is cut at its first row whose confidence is below this
         self.d, self.gguf, stages = open_dspark(model, path)
         try:
             entry = entry_of(target)
@@ -133,11 +136,11 @@ class DSparkDraft:
 
     def feed(self, captured: list[Any], state: SequenceState) -> None:
         """Context rows of the positions after state.pos from the target layers' streams [N, n, dim]."""
-        main_x = self.heads.main_x([self._torch(h) for h in captured])
-        like = captured[0]
-        storage = self.stages.cache.storage
-        rows = main_x.to(like.dtype) if isinstance(like, torch.Tensor) else storage.from_numpy(main_x.numpy())
-        self.forward.context(rows, state)
+        self.context(self.heads.main_x([self._torch(h) for h in captured]), state)
+
+    def context(self, main_x: torch.Tensor, state: SequenceState) -> None:
+        """main_x rows [N, dim] (torch float32) into the stages' rings at positions state.pos.."""
+        self.forward.context(self.stages.cache.storage.from_numpy(main_x.numpy()), state)
 
     def propose(
         self, anchor: int, state: SequenceState, n: int, sampler: Sampler, threshold: float = 0.0
@@ -170,3 +173,55 @@ class DSparkDraft:
 
     def close(self) -> None:
         self.gguf.close()
+
+
+class DSparkTrack:
+    """The drafter's side of one speculating sequence, as `track.DraftTrack` is the MTP block's: its
+    state following the target from position `base`, and the main_x rows of target positions not yet
+    written into it (every held row is committed: the speculator holds only accepted rows)."""
+
+    def __init__(self, draft: DSparkDraft, base: int, confidence: float) -> None:
+        self.draft, self.base, self.confidence = draft, base, confidence
+        self.layers = draft.target_layers  # the target layers whose streams a pass captures for it
+        self.state = draft.new_state()
+        self.hidden: torch.Tensor | None = None  # main_x rows of positions fed_to .. fed_to + held - 1
+
+    @property
+    def fed_to(self) -> int:
+        return self.base + self.state.pos
+
+    @property
+    def held(self) -> int:
+        return 0 if self.hidden is None else self.hidden.shape[0]
+
+    @property
+    def ready(self) -> bool:
+        return True  # a block drafts from whatever context the rings hold
+
+    def rows(self, streams: Any, captured: dict[int, Any], rows: slice) -> torch.Tensor:
+        """What a pass leaves for the drafter: main_x of the rows `rows` of the captured layers."""
+        return self.draft.heads.main_x([self.draft._torch(captured[il][rows]) for il in self.layers])
+
+    def hold(self, rows: torch.Tensor) -> None:
+        self.hidden = rows if self.hidden is None else torch.cat((self.hidden, rows))
+
+    def cut(self, target_pos: int) -> bool:
+        keep = target_pos - self.fed_to
+        if keep < 0:
+            return False
+        if keep < self.held:
+            self.hidden = self.hidden[:keep] if keep else None
+        return True
+
+    def feed(self, known: list[int], target_pos: int) -> None:
+        """Every held row into the stages' rings (their positions are committed)."""
+        if self.hidden is not None:
+            self.draft.context(self.hidden, self.state)
+            self.hidden = None
+
+    def propose(
+        self, sequence: list[int], n: int, sampler: Sampler, margin: float
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Up to n drafts after the sequence's last token (the pending one, at the context's end); the
+        confidence threshold is the drafter's own (`margin` is the MTP block's gate)."""
+        return self.draft.propose(sequence[-1], self.state, n, sampler, self.confidence)

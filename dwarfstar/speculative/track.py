@@ -35,6 +35,8 @@ def margin_of(logits: torch.Tensor) -> float:
 class DraftTrack:
     """The draft state from target position `base`, the held target streams and the draft's last row."""
 
+    layers: tuple[int, ...] = ()  # no target layer's streams but the final ones
+
     def __init__(self, draft: MTPDraft, shift: int, base: int) -> None:
         self.draft, self.shift, self.base = draft, shift, base
         self.state = draft.new_state()
@@ -54,6 +56,10 @@ class DraftTrack:
     def ready(self) -> bool:
         """The draft has a row to propose from."""
         return self.last is not None
+
+    def rows(self, streams: Any, captured: dict[int, Any], rows: slice) -> Any:
+        """What a pass leaves for the draft: the target's final streams of the sequence's rows."""
+        return streams
 
     def hold(self, streams: Any) -> None:
         """Keep the target's final streams of the positions just computed."""

@@ -238,3 +238,54 @@ def test_a_missing_file_and_a_drafter_for_a_wider_model_are_refused(files, tmp_p
     with pytest.raises(ModelFileError, match="does not fit"):
         DSparkDraft(target, model, wide)
     assert issubclass(ModelFileError, DwarfStarError)
+
+
+# -- speculation ------------------------------------------------------------------------------------------------
+SPEC_D = DSparkArgs(block_size=5, markov_rank=16, noise_token_id=128799, target_layers=(1, 2, 3), stages=3)
+
+
+@pytest.fixture(scope="module")
+def small_drafter(mtp_files, tmp_path_factory):
+    from conftest import SMALL
+
+    path = tmp_path_factory.mktemp("dspark") / "small-dspark.gguf"
+    write_synthetic_dspark(path, SMALL, SPEC_D, seed=2)
+    return path
+
+
+@pytest.mark.parametrize("scripted", [False, True], ids=["dspark-drafts", "scripted-drafts"])
+def test_greedy_speculation_with_dspark_emits_what_plain_decoding_does(engines, small_drafter, scripted):
+    """With the random drafter every step rolls back; with scripted drafts (right but every seventh)
+    steps accept all, some or none. Either way the output is plain greedy's, and the drafter's rings
+    hold exactly the committed positions' rows: its block after the sequence equals the block of a
+    drafter fed once from a plain pass over the whole sequence."""
+    from conftest import PROMPT
+    from spec_support import ScriptedDrafter, first_gap, plain_greedy, speculative
+
+    engine = engines("reference", "plain")
+    n = 60
+    plain = plain_greedy(engine.backend, PROMPT, n)
+    draft = DSparkDraft(engine.backend, engine.model, small_drafter)
+    spec = speculative(engine.backend, draft, PROMPT, 5)
+    if scripted:
+        spec.drafter = ScriptedDrafter(plain.tokens, wrong_every=7)
+    got = list(spec.generate(n, GREEDY))
+    assert first_gap(got, plain.tokens[len(PROMPT) :]) is None and len(got) == n
+    assert spec.stats.steps > 0 and spec.stats.drafted[0] > 0
+    if scripted:
+        assert 0 < spec.stats.accepted[0] < spec.stats.drafted[0] and spec.stats.accepted[4] > 0
+    track = spec.track
+    track.feed([], spec.state.pos)
+    assert track.fed_to == spec.state.pos == len(spec.session.tokens)
+    captured = {}
+    engine.backend.taps.append(lambda il, h, batch: captured.__setitem__(il, h.clone()))
+    try:
+        engine.backend.forward(spec.session.tokens, engine.backend.new_state())
+    finally:
+        engine.backend.taps.clear()
+    fresh = draft.new_state()
+    draft.feed([captured[il] for il in SPEC_D.target_layers], fresh)
+    anchor = spec.session.tokens[-1]
+    _, want = draft.forward.block(anchor, fresh)
+    _, have = draft.forward.block(anchor, track.state)
+    assert (have - want).abs().max() < 1e-4 * want.abs().max()
