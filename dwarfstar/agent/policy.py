@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Cancelled, Session
-from dwarfstar.speculative.decode import MTPSpeculation, SpecStats, Speculator
+from dwarfstar.speculative.decode import DSparkSpeculation, MTPSpeculation, SpecStats, Speculator
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 
@@ -49,7 +49,7 @@ class SpeculativePolicy(SampledPolicy):
     hidden states, so the draft's rows begin there. That costs some acceptance, never exactness.
     """
 
-    def __init__(self, params: SamplingParams, eos: int, speculation: MTPSpeculation) -> None:
+    def __init__(self, params: SamplingParams, eos: int, speculation: MTPSpeculation | DSparkSpeculation) -> None:
         super().__init__(params, eos)
         self.speculation = speculation
         self.speculator: Speculator | None = None
@@ -109,10 +109,10 @@ class SpeculativePolicy(SampledPolicy):
         steps = sum(s.steps for s in stats)
         accepted = sum(sum(s.accepted) for s in stats)
         drafted = sum(sum(s.drafted) for s in stats)
-        o = self.speculation.options
         share = f"{accepted / drafted:.0%}" if drafted else "-"
         mean = f"{accepted / steps:.2f}" if steps else "0"
-        return f"mtp N={o.n_draft} {o.alignment}: {steps} steps, {mean} drafts accepted per step ({share} of drafts)"
+        described = self.speculation.options.describe()
+        return f"{described}: {steps} steps, {mean} drafts accepted per step ({share} of drafts)"
 
 
 class ScriptedPolicy(Policy):

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from dwarfstar.experts.attach import StreamingOptions
     from dwarfstar.sampling import SamplingParams
     from dwarfstar.session.loopguard import LoopGuard
-    from dwarfstar.speculative.mtp_options import MTPOptions
+    from dwarfstar.speculative.mtp_options import DSparkOptions, MTPOptions
     from dwarfstar.steering.apply import SteeringOptions
 
 T = TypeVar("T")
@@ -320,10 +320,29 @@ class SpeculativeFlags:
         ),
     ] = "next"
 
-    def options(self) -> MTPOptions | None:
-        from dwarfstar.speculative.mtp_options import MTPOptions
+    dspark: Annotated[
+        Path | None,
+        typer.Option(
+            "--dspark",
+            metavar="FILE",
+            help="Speculate with DeepSeek's DSpark drafter: ds4's support GGUF for a Flash 0731 model "
+            "(reference backend).",
+            rich_help_panel=SPECULATIVE,
+        ),
+    ] = None
+    dspark_confidence: Annotated[
+        float,
+        typer.Option(
+            help="Cut each drafted block at its first row whose confidence is below this (0..1; 0: never).",
+            rich_help_panel=SPECULATIVE,
+        ),
+    ] = 0.0
 
-        return MTPOptions.from_flags(self.mtp, self.mtp_draft, self.mtp_margin, self.mtp_align)
+    def options(self) -> MTPOptions | DSparkOptions | None:
+        from dwarfstar.speculative.mtp_options import MTPOptions, speculation_options
+
+        mtp = MTPOptions.from_flags(self.mtp, self.mtp_draft, self.mtp_margin, self.mtp_align)
+        return speculation_options(mtp, self.dspark, self.dspark_confidence)
 
 
 @dataclass(frozen=True)

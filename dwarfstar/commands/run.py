@@ -110,7 +110,7 @@ def run(
         return
     one_shot = text is not None or prompt_tokens is not None
     if spec.speculation is not None and not one_shot and (spec.dist is None or spec.dist.role != "worker"):
-        raise DwarfStarError("MTP speculation (--mtp, --mtp-draft) needs a one-shot prompt: -p or --prompt-tokens")
+        raise DwarfStarError("speculation (--mtp, --dspark) needs a one-shot prompt: -p or --prompt-tokens")
     if (dump_logits or dump_logprobs) and not one_shot:
         raise DwarfStarError("the dumps need a prompt: -p, --prompt-file or --prompt-tokens")
     engine, route = start(spec)

@@ -14,14 +14,14 @@ from dwarfstar.commands.flags import ModelFlags, MTPFile, comma_list
 if TYPE_CHECKING:
     from dwarfstar.engine.load import Engine
     from dwarfstar.sampling import SamplingParams
-    from dwarfstar.speculative.mtp_options import MTPOptions
+    from dwarfstar.speculative.mtp_options import DSparkOptions, MTPOptions
 
 BENCH_PROMPT = "Quel ramo del lago di Como, che volge a mezzogiorno, tra due catene non interrotte di monti"
 
 
 def speculative_reply(
     engine: Engine,
-    options: MTPOptions,
+    options: MTPOptions | DSparkOptions,
     ids: list[int],
     params: SamplingParams,
     max_tokens: int,
@@ -52,7 +52,7 @@ def speculative_reply(
     per_position = ", ".join(f"{a:.2f}" for a in stats.acceptance()) or "-"
     note(
         f"prefill {len(ids)} tokens {prefill_s:.2f} s | decode {count} tokens {count / max(decode_s, 1e-9):.2f} tok/s"
-        f" | mtp N={options.n_draft} {options.alignment}: {stats.steps} steps, {stats.mean_accepted:.2f} accepted"
+        f" | {options.describe()}: {stats.steps} steps, {stats.mean_accepted:.2f} accepted"
         f" per step, acceptance by position {per_position}"
     )
 

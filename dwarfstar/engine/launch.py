@@ -37,10 +37,11 @@ from dwarfstar.distributed.protocol import DistError
 from dwarfstar.distributed.route import Route, RouteOptions
 from dwarfstar.distributed.stage import StageWorker, WorkerOptions, serve_link, serve_stage
 from dwarfstar.engine.load import Engine
+from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.forward import Transformer
 
 if TYPE_CHECKING:
-    from dwarfstar.speculative.mtp_options import MTPOptions
+    from dwarfstar.speculative.mtp_options import DSparkOptions, MTPOptions
 
 
 def local_model(engine: Engine, layers: LayerSlice) -> Transformer:
@@ -92,7 +93,9 @@ def distribute(engine: Engine, opts: DistOptions, ctx: int) -> Route | None:
     return route
 
 
-def run_worker(engine: Engine, opts: DistOptions, ctx: int, speculation: MTPOptions | None = None) -> None:
+def run_worker(
+    engine: Engine, opts: DistOptions, ctx: int, speculation: MTPOptions | DSparkOptions | None = None
+) -> None:
     """Serve this process's layers until a coordinator sends SHUTDOWN; with `speculation`, the last
     stage loads the MTP block and drafts for the coordinator."""
     model_id, quant = model_identity(engine.model)
@@ -117,11 +120,15 @@ def run_worker(engine: Engine, opts: DistOptions, ctx: int, speculation: MTPOpti
     serve_stage(model, layers, registration, worker, draft=draft)
 
 
-def stage_draft(engine: Engine, model: Transformer, layers: LayerSlice, speculation: MTPOptions | None):
+def stage_draft(engine: Engine, model: Transformer, layers: LayerSlice, speculation: MTPOptions | DSparkOptions | None):
     """The MTP draft a stage runs: the last stage's, when MTP is asked for; else None (a stage
     without the head has nothing to draft from, and says so)."""
     if speculation is None:
         return None
+    from dwarfstar.speculative.mtp_options import DSparkOptions
+
+    if isinstance(speculation, DSparkOptions):
+        raise DwarfStarError("a layer pipeline drafts with the MTP block only; DSpark on a route is not built")
     if not layers.holds_head:
         print(f"[dist] layers {layers} do not end at the output head: --mtp is the last stage's", file=sys.stderr)
         return None

@@ -18,7 +18,7 @@ from dwarfstar.errors import DwarfStarError
 if TYPE_CHECKING:
     from dwarfstar.distributed.dist_options import DistOptions
     from dwarfstar.experts.attach import StreamingOptions
-    from dwarfstar.speculative.mtp_options import MTPOptions
+    from dwarfstar.speculative.mtp_options import DSparkOptions, MTPOptions
     from dwarfstar.steering.apply import SteeringOptions
 
 BACKENDS = ("auto", *ENTRIES)
@@ -42,8 +42,7 @@ class EngineSpec:
     layers: tuple[int, int] | None = None  # load only these layers, (first, end); default: `dist`'s slice
     streaming: StreamingOptions | None = None  # routed experts read from the file into a cache
     steering: SteeringOptions | None = None  # a direction file applied in every layer
-    # a draft model for speculative decoding; other drafters (DSpark) would be other option types here
-    speculation: MTPOptions | None = None
+    speculation: MTPOptions | DSparkOptions | None = None  # a drafter for speculative decoding
     dist: DistOptions | None = None  # this process as one stage of a layer pipeline
     power: int = 100  # keep the device about this % busy (`dwarfstar.session.throttle`, applied by the caller)
 

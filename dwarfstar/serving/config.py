@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dwarfstar.backends.registry import BackendEntry, host_memory
-from dwarfstar.speculative.mtp_options import MTPOptions
+from dwarfstar.speculative.mtp_options import DSparkOptions, MTPOptions
 
 if TYPE_CHECKING:
     from dwarfstar.prompt.render_options import RenderOptions
@@ -53,7 +53,7 @@ class ServerConfig:
     kv_disk_space_mb: int = 4096
     kv_cache_min_tokens: int = 512  # shorter states are not worth a file
     model_aliases: tuple[str, ...] = field(default=())  # extra accepted `model` names, fnmatch patterns
-    mtp: MTPOptions | None = None  # MTP speculation in the batched decode (--mtp, --mtp-draft)
+    mtp: MTPOptions | DSparkOptions | None = None  # speculation in the batched decode (--mtp, --dspark)
     loop_guard: LoopGuard | None = None  # --loop-guard: every request's default (session/loopguard.py)
 
     @property

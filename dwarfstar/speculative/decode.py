@@ -41,7 +41,7 @@ from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.dspark import DSparkDraft, DSparkTrack
 from dwarfstar.speculative.mtp import MTPDraft, forward_of, load_draft
-from dwarfstar.speculative.mtp_options import ALIGNMENTS, MAX_DRAFT, MTPOptions, check_settings
+from dwarfstar.speculative.mtp_options import ALIGNMENTS, MAX_DRAFT, DSparkOptions, MTPOptions, check_settings
 from dwarfstar.speculative.rollback import CompressorTap, can_truncate, truncate
 from dwarfstar.speculative.track import DraftTrack
 from dwarfstar.speculative.verify import Verdict, rule_probabilities, verify_greedy, verify_sampled, without_refused
@@ -365,6 +365,22 @@ class MTPSpeculation:
         return Speculator(session, self.draft, o.n_draft, o.alignment, o.margin)
 
 
-def load_speculation(options: MTPOptions, backend: Any, model: ModelFile) -> MTPSpeculation:
-    """The MTP draft `options` name for `backend` running `model` (the engine's), loaded once."""
+@dataclass(frozen=True)
+class DSparkSpeculation:
+    """A loaded DSpark drafter: a speculator for any session of its target, drafting whole blocks."""
+
+    options: DSparkOptions
+    draft: DSparkDraft
+
+    def start(self, session: Session) -> Speculator:
+        return Speculator(session, self.draft, self.draft.d.block_size)  # type: ignore[arg-type]
+
+
+def load_speculation(
+    options: MTPOptions | DSparkOptions, backend: Any, model: ModelFile
+) -> MTPSpeculation | DSparkSpeculation:
+    """The draft `options` name for `backend` running `model` (the engine's), loaded once."""
+    if isinstance(options, DSparkOptions):
+        draft = DSparkDraft(forward_of(backend), model, options.path, options.confidence)
+        return DSparkSpeculation(options, draft)
     return MTPSpeculation(options, load_draft(backend, model, options.file_for(model.path)))

@@ -1,6 +1,7 @@
-"""What `--mtp`, `--mtp-draft`, `--mtp-margin` and `--mtp-align` choose, for `run`, `serve`, `agent` and
-`bench`; `decode.load_speculation` loads the draft they name. Nothing heavy is imported here, so the
-command line states the limits without loading torch."""
+"""What `--mtp`, `--mtp-draft`, `--mtp-margin` and `--mtp-align` choose, and `--dspark` with
+`--dspark-confidence`, for `run`, `serve`, `agent` and `bench`; `decode.load_speculation` loads the
+draft they name. Nothing heavy is imported here, so the command line states the limits without
+loading torch."""
 
 from __future__ import annotations
 
@@ -49,3 +50,34 @@ class MTPOptions:
         if path is None and n_draft is None:
             return None
         return cls(path, DEFAULT_DRAFT if n_draft is None else n_draft, margin, alignment)
+
+    def describe(self) -> str:
+        return f"mtp N={self.n_draft} {self.alignment}"
+
+
+@dataclass(frozen=True)
+class DSparkOptions:
+    """DSpark speculation: ds4's support file, and the confidence below which a block is cut."""
+
+    path: Path
+    confidence: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.confidence < 1.0:
+            raise DwarfStarError(f"--dspark-confidence must be in [0, 1), got {self.confidence}")
+
+    def describe(self) -> str:
+        return f"dspark confidence {self.confidence:g}"
+
+
+def speculation_options(
+    mtp: MTPOptions | None, dspark: Path | None, confidence: float
+) -> MTPOptions | DSparkOptions | None:
+    """The one drafter the flags choose: the MTP block or DSpark, never both."""
+    if dspark is None:
+        if confidence:
+            raise DwarfStarError("--dspark-confidence needs --dspark FILE")
+        return mtp
+    if mtp is not None:
+        raise DwarfStarError("--dspark and --mtp choose two drafters; give one")
+    return DSparkOptions(dspark, confidence)

@@ -289,3 +289,72 @@ def test_greedy_speculation_with_dspark_emits_what_plain_decoding_does(engines, 
     _, want = draft.forward.block(anchor, fresh)
     _, have = draft.forward.block(anchor, track.state)
     assert (have - want).abs().max() < 1e-4 * want.abs().max()
+
+
+def test_run_with_dspark_prints_the_plain_greedy_text(mtp_files, engines, small_drafter):
+    import re
+
+    from conftest import PROMPT
+    from typer.testing import CliRunner
+
+    from dwarfstar.cli import _register_commands, app
+    from dwarfstar.session.session import Session
+
+    _register_commands()
+    engine = engines("reference", "plain")
+    session = Session(engine.backend, ctx=1024)
+    session.prefill(PROMPT)
+    want = engine.tokenizer.decode(list(session.generate(24, GREEDY, [engine.model.args.eos_token_id])))
+    base = ["run", "-m", str(mtp_files["plain"]), "--backend", "reference", "--temp", "0", "-n", "24", "-c", "1024"]
+    ids = ["--prompt-tokens", ",".join(map(str, PROMPT))]
+    done = CliRunner().invoke(app, [*base, *ids, "--dspark", str(small_drafter), "--dspark-confidence", "0.2"])
+    assert done.exit_code == 0, done.output
+    assert done.stdout == want + "\n"
+    assert re.search(r"dspark confidence 0.2: \d+ steps, [\d.]+ accepted per step", done.stderr)
+    cases = [
+        ([*ids, "--dspark", str(small_drafter), "--mtp-draft", "2"], "--dspark and --mtp choose two drafters"),
+        ([*ids, "--dspark", str(small_drafter), "--dspark-confidence", "1.5"], "--dspark-confidence must be in"),
+        ([*ids, "--dspark-confidence", "0.5"], "--dspark-confidence needs --dspark FILE"),
+        ([*ids, "--dspark", str(mtp_files["ds4"])], "not a DSpark support file"),
+        (["--dspark", str(small_drafter)], "needs a one-shot prompt"),
+    ]
+    for args, message in cases:
+        done = CliRunner().invoke(app, [*base, *args])
+        assert done.exit_code != 0
+        assert message in str(done.exception) + done.output, (args, done.output)
+
+
+def test_serve_with_dspark_gives_the_replies_of_the_server_without_it(engines, small_drafter):
+    """Three greedy requests at once: speculation inside the server's batched decode, each request with
+    its own drafter state, verified together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from starlette.testclient import TestClient
+
+    from dwarfstar.serving.app import create_app
+    from dwarfstar.serving.config import ServerConfig
+    from dwarfstar.serving.service import Service
+    from dwarfstar.speculative.mtp_options import DSparkOptions
+
+    engine = engines("reference", "plain")
+    prompts, lengths = ["Quel ramo del lago di Como", "Renzo e Lucia", "Don Abbondio"], [30, 17, 6]
+
+    def replies(speculation) -> tuple[list[str], int]:
+        """The replies' texts, and the drafts their usage counts."""
+        config = ServerConfig(ctx=512, max_sessions=3, prefill_chunk=64, mtp=speculation)
+        with TestClient(create_app(Service(engine, config))) as client:
+
+            def ask(i: int) -> dict:
+                body = {"model": "deepseek-v4-flash", "prompt": prompts[i], "raw": True, "max_tokens": lengths[i]}
+                response = client.post("/v1/completions", json={**body, "temperature": 0})
+                assert response.status_code == 200, response.text
+                return response.json()
+
+            with ThreadPoolExecutor(3) as pool:
+                out = list(pool.map(ask, range(3)))
+        details = [r["usage"].get("completion_tokens_details") or {} for r in out]
+        drafted = sum(d.get("accepted_prediction_tokens", 0) + d.get("rejected_prediction_tokens", 0) for d in details)
+        return [r["choices"][0]["text"] for r in out], drafted
+
+    (speculated, drafted), (plain, _) = replies(DSparkOptions(small_drafter)), replies(None)
+    assert speculated == plain and drafted > 0
