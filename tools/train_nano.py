@@ -66,11 +66,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dwarfstar.model.dspark import DSparkArgs
 from dwarfstar.model.loader import open_model
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train.chat_data import thinking_samples, tool_samples
 from dwarfstar.train.corpus import chat_prompts, read_split
+from dwarfstar.train.dspark import DSparkRecipe, train_dspark
 from dwarfstar.train.mtp import MTPRecipe, train_mtp
 from dwarfstar.train.trainer import NANO, TWIN_K, Recipe, Trainer, log_tool_accuracy
 
@@ -98,6 +100,30 @@ def train_nano_mtp(opts: argparse.Namespace) -> None:
     trainer = train_mtp(open_model(opts.out), ids, tokenizer.bos_id, recipe, opts.seed, print, chats)
     trainer.export(opts.mtp_out)
     print(f"wrote {opts.mtp_out} ({opts.mtp_out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - began:.0f} s")
+
+
+def train_nano_dspark(opts: argparse.Namespace) -> None:
+    """A DSpark drafter for the bundled model (dwarfstar/train/dspark.py), the model frozen: 3 stages
+    over its last three layers, blocks of 5."""
+    torch.manual_seed(opts.seed)
+    torch.set_num_threads(opts.threads)
+    began = time.perf_counter()
+    tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), NANO.vocab_size)
+    book = read_split(opts.corpus).train
+    ids = np.asarray(tokenizer.encode(book), dtype=np.int64)
+    rng = np.random.default_rng(opts.seed)
+    prompts = chat_prompts(book, 2 * MTP_CHATS, opts.seed + 1)
+    thinking = thinking_samples(book, tokenizer, prompts, Recipe.seq_len + 1, rng)
+    tools = tool_samples(book, tokenizer, MTP_CHATS, opts.seed, Recipe.tool_thinking)
+    chats = [s.ids for s in tools + thinking[:MTP_CHATS]]
+    model = open_model(opts.out)
+    layers = model.args.n_layers
+    d = DSparkArgs(markov_rank=32, target_layers=(layers - 3, layers - 2, layers - 1))
+    recipe = DSparkRecipe(steps=opts.dspark_steps)
+    trainer = train_dspark(model, d, ids, tokenizer.bos_id, recipe, opts.seed, print, chats)
+    trainer.export(opts.dspark_out)
+    size = opts.dspark_out.stat().st_size / 1e6
+    print(f"wrote {opts.dspark_out} ({size:.1f} MB) in {time.perf_counter() - began:.0f} s")
 
 
 def main() -> None:
@@ -149,6 +175,9 @@ def main() -> None:
     parser.add_argument("--mtp", action="store_true", help="train an MTP block on the frozen --out model instead")
     parser.add_argument("--mtp-out", type=Path, default=ROOT / "dwarfstar" / "data" / "nano-mtp.gguf")
     parser.add_argument("--mtp-steps", type=int, default=MTPRecipe.steps)
+    parser.add_argument("--dspark", action="store_true", help="train a DSpark drafter on the frozen --out model")
+    parser.add_argument("--dspark-out", type=Path, default=ROOT / "build" / "nano" / "nano-dspark.gguf")
+    parser.add_argument("--dspark-steps", type=int, default=DSparkRecipe.steps)
     opts = parser.parse_args()
     build = ROOT / "build" / ("twin-k" if opts.twin_k else "nano")
     opts.workdir = opts.workdir or build
@@ -157,6 +186,9 @@ def main() -> None:
         parser.error("--init continues the bundled nano model; the twin is trained from scratch")
     if opts.mtp:
         train_nano_mtp(opts)
+        return
+    if opts.dspark:
+        train_nano_dspark(opts)
         return
 
     opts.workdir.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,10 @@
-"""The one-shot speculative reply `run` prints with the MTP flags (`SpeculativeFlags`), and
-`dwarfstar bench mtp`."""
+"""The one-shot speculative reply `run` prints with the speculation flags (`SpeculativeFlags`), and
+`dwarfstar bench mtp` (the MTP block and DSpark against plain decoding)."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -61,20 +62,28 @@ def speculative_reply(
 def bench_mtp(
     model: ModelFlags,
     mtp: MTPFile = None,
-    drafts: Annotated[str, typer.Option(help="Draft counts to measure, comma-separated.")] = "1,2,3",
+    drafts: Annotated[str, typer.Option(help="MTP draft counts to measure, comma-separated (none: no MTP).")] = "1,2,3",
+    dspark: Annotated[
+        Path | None, typer.Option("--dspark", metavar="FILE", help="Also measure this DSpark drafter.")
+    ] = None,
+    dspark_confidence: Annotated[float, typer.Option(help="Its confidence cut (0: none).")] = 0.0,
     tokens: Annotated[int, typer.Option("-n", "--tokens", min=1, help="Greedy tokens per run.")] = 64,
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="Text to continue (no chat template).")] = BENCH_PROMPT,
 ) -> None:
-    """Greedy decode speed with and without MTP speculation: acceptance per draft position, mean
-    accepted drafts per step, tok/s, for each draft count and both alignments."""
+    """Greedy decode speed without speculation, with the MTP block (each draft count, both
+    alignments) and with a DSpark drafter, in one run: acceptance per draft position, mean accepted
+    drafts per step, tok/s, and whether the text is plain greedy's."""
     from dwarfstar.engine.load import load_engine
     from dwarfstar.sampling import GREEDY
     from dwarfstar.session.session import Session
     from dwarfstar.speculative.decode import ALIGNMENTS, load_speculation
-    from dwarfstar.speculative.mtp_options import MTPOptions
+    from dwarfstar.speculative.mtp_options import DSparkOptions, MTPOptions
     from dwarfstar.tokenizer.tokenizer import Tokenizer
 
-    counts = comma_list(drafts, int, "--drafts", "draft counts")
+    counts = [] if drafts == "none" else comma_list(drafts, int, "--drafts", "draft counts")
+    runs = [(f"mtp {n} {a}", MTPOptions(mtp, n, 0.0, a)) for n in counts for a in ALIGNMENTS]
+    if dspark is not None:
+        runs.append((f"dspark {dspark_confidence:g}", DSparkOptions(dspark, dspark_confidence)))
     path = model.path()
     ids = Tokenizer.from_gguf(path).encode(prompt)
     ctx = len(ids) + tokens + 8
@@ -88,20 +97,18 @@ def bench_mtp(
         f"backend {engine.backend_name} | prompt {len(ids)} tokens | "
         f"plain greedy: {base:.2f} tok/s over {len(want)} tokens"
     )
-    typer.echo(
-        "N  align  acceptance by position     accepted/step  tokens/step  rollbacks  tok/s   speed-up  same text"
-    )
-    for n in counts:
-        for alignment in ALIGNMENTS:
-            loaded = load_speculation(MTPOptions(mtp, n, 0.0, alignment), engine.backend, engine.model)
-            spec = loaded.start(Session(engine.backend, ctx=ctx))
-            spec.prefill(ids)
-            start = time.perf_counter()
-            got = list(spec.generate(tokens, GREEDY))
-            speed = len(got) / (time.perf_counter() - start)
-            stats = spec.stats
-            accept = " ".join(f"{a:.2f}" for a in stats.acceptance())
-            typer.echo(
-                f"{n:<2} {alignment:<6} {accept:<26} {stats.mean_accepted:<14.2f} {stats.emitted / stats.steps:<12.2f} "
-                f"{stats.rollbacks:<10} {speed:<7.2f} {speed / base:<9.2f} {'yes' if got == want else 'NO'}"
-            )
+    columns = ("acceptance by position", "accepted/step", "tokens/step", "rollbacks", "tok/s", "speed-up")
+    typer.echo(f"drafter       {columns[0]:<31} {columns[1]:<14} {columns[2]:<12} {columns[3]:<10} {columns[4]:<7} "
+               f"{columns[5]:<9} same text")  # fmt: skip
+    for name, options in runs:
+        spec = load_speculation(options, engine.backend, engine.model).start(Session(engine.backend, ctx=ctx))
+        spec.prefill(ids)
+        start = time.perf_counter()
+        got = list(spec.generate(tokens, GREEDY))
+        speed = len(got) / (time.perf_counter() - start)
+        stats = spec.stats
+        accept = " ".join(f"{a:.2f}" for a in stats.acceptance())
+        typer.echo(
+            f"{name:<13} {accept:<31} {stats.mean_accepted:<14.2f} {stats.emitted / stats.steps:<12.2f} "
+            f"{stats.rollbacks:<10} {speed:<7.2f} {speed / base:<9.2f} {'yes' if got == want else 'NO'}"
+        )

@@ -49,7 +49,7 @@ def test_run_errors(mtp_files):
 def test_bench_mtp_reports_every_count_and_alignment(mtp_files):
     done = cli("bench", "mtp", "--drafts", "1,2", "-m", str(mtp_files["nextn"]), "--backend", "reference", "-n", "12")
     assert done.exit_code == 0, done.output
-    rows = re.findall(r"^(\d)\s+(next|same)\s+.*\s(yes|NO)$", done.stdout, flags=re.M)
+    rows = re.findall(r"^mtp (\d) (next|same)\s+.*\s(yes|NO)$", done.stdout, flags=re.M)
     assert [(n, a) for n, a, _ in rows] == [("1", "next"), ("1", "same"), ("2", "next"), ("2", "same")]
     assert all(same == "yes" for _, _, same in rows)
 

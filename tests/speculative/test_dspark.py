@@ -358,3 +358,45 @@ def test_serve_with_dspark_gives_the_replies_of_the_server_without_it(engines, s
 
     (speculated, drafted), (plain, _) = replies(DSparkOptions(small_drafter)), replies(None)
     assert speculated == plain and drafted > 0
+
+
+def test_bench_measures_plain_mtp_and_dspark_in_one_run(mtp_files, small_drafter):
+    import re
+
+    from typer.testing import CliRunner
+
+    from dwarfstar.cli import _register_commands, app
+
+    _register_commands()
+    args = ["bench", "mtp", "-m", str(mtp_files["nextn"]), "--backend", "reference", "-n", "12", "--drafts", "2"]
+    done = CliRunner().invoke(app, [*args, "--dspark", str(small_drafter)])
+    assert done.exit_code == 0, done.output
+    rows = re.findall(r"^(mtp 2 next|mtp 2 same|dspark 0)\s+.*\s(yes|NO)$", done.stdout, flags=re.M)
+    assert rows == [("mtp 2 next", "yes"), ("mtp 2 same", "yes"), ("dspark 0", "yes")]
+
+
+def test_a_trained_drafter_round_trips_through_its_support_file(mtp_files, engines, tmp_path):
+    """`tools/train_nano.py --dspark`'s trainer: a step moves the drafter and not the model, and the
+    exported support file loads back with the trained values."""
+    import torch
+
+    from dwarfstar.model import tensors as tt
+    from dwarfstar.train.dspark import DSparkRecipe, DSparkTrainer
+
+    model = open_model(mtp_files["plain"])
+    ids = np.random.default_rng(0).permutation(np.arange(3, model.args.vocab_size))  # every id: every choice a target
+    recipe = DSparkRecipe(steps=2, sequences=2, seq_len=40, batch=1, anchors=3)
+    trainer = DSparkTrainer(model, SPEC_D, ids, 0, recipe, seed=0)
+    embedding, before = trainer.params[tt.EMBED].clone(), trainer.head_params["main_proj.weight"].detach().clone()
+    for _ in range(2):
+        ce, confidence, agree = trainer.train_step()
+        assert np.isfinite(ce) and np.isfinite(confidence) and 0 <= agree <= 1
+    assert torch.equal(trainer.params[tt.EMBED], embedding)
+    assert not torch.equal(trainer.head_params["main_proj.weight"], before)
+    path = tmp_path / "trained-dspark.gguf"
+    trainer.export(path)
+    engine = engines("reference", "plain")
+    draft = DSparkDraft(engine.backend, engine.model, path)
+    assert torch.equal(draft.heads.main_proj, trainer.head_params["main_proj.weight"].detach())
+    wkv = tt.layer_tensor(2, "attn_kv.weight")
+    assert torch.equal(draft.stages.ops.layers[2].proj["kv"], trainer.params[wkv].detach())

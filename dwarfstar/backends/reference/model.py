@@ -444,15 +444,18 @@ class ReferenceOps(StreamSteps):
         return ops.attention_rows(q, parts, layer.sinks)[0]
 
     def store_window(self, il: int, kv: torch.Tensor, batch: Batch[ReferenceStep]) -> None:
+        """Unlike the rows attention stores, these keep their autograd history: a DSpark drafter's
+        training runs its context rows and the blocks that read them in one graph
+        (`dwarfstar.train.dspark`); `block_attention` reads a copy of the ring, which later rows overwrite."""
         for seq in batch.seqs:
             raw = torch.cat((seq.state.raw_window(il), kv[seq.rows]))
-            seq.state.store_window(il, raw.detach(), seq.start + seq.length)
+            seq.state.store_window(il, raw, seq.start + seq.length)
 
     def block_attention(self, il: int, q: torch.Tensor, kv: torch.Tensor, batch: Batch[ReferenceStep]) -> torch.Tensor:
         out = []
         for seq in batch.seqs:
             n = seq.length
-            parts = [(seq.state.raw_window(il), None), (kv[seq.rows], None)]
+            parts = [(seq.state.raw_window(il).clone(), None), (kv[seq.rows], None)]
             parts = [(rows.expand(n, -1, -1), torch.ones(n, rows.shape[0], dtype=torch.bool)) for rows, _ in parts]
             out.append(ops.attention_rows(q[seq.rows], parts, self.layers[il].sinks)[0])
         return ops.apply_rope(torch.cat(out), *self._batch_angles(il, batch.step), inverse=True)

@@ -1,0 +1,208 @@
+"""Training a DSpark drafter on top of a frozen model (`tools/train_nano.py --dspark`).
+
+As for the MTP block (dwarfstar/train/mtp.py), the drafter learns what greedy verification checks it
+against: the frozen model's own choices. The model's streams at the drafter's target layers and its
+argmax at every position are computed once for a fixed set of sequences (book windows and chats,
+QAT rounding on, as decoding runs). A step then takes a few sequences; in each, anchors at random
+positions a: the context rows of the positions before a go into the stages' rings (main_x through
+the trainable projection), the block [token a, noise...] runs through the stages, and row i is
+trained (cross-entropy) toward the model's choice after position a + i, with the Markov bias of the
+model's choice before it (the anchor for the first row: teacher forcing, as at drafting time the
+drafts before it are the ones kept when it is accepted). The confidence head learns whether the row's
+own argmax is that choice (binary cross-entropy, its input detached, so it only reads the drafter).
+
+The forward is the drafter's own (`dwarfstar.model.dspark.DSparkForward`) over the reference backend
+built on the trainable tensors. The softmax runs over the corpus ids, the output matrix the model's.
+The result is ds4's support file: `mtp.{k}.*` tensors, F32.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.gguf.constants import GGMLType, ValueType
+from dwarfstar.gguf.quantize import quantize
+from dwarfstar.gguf.writer import GGUFWriter
+from dwarfstar.model import tensors as tt
+from dwarfstar.model.dspark import (
+    ARCH,
+    CONFIDENCE,
+    MAIN,
+    MARKOV,
+    PREFIX,
+    DSparkArgs,
+    DSparkForward,
+    DSparkHeads,
+    dspark_tensors,
+    stage_args,
+    stage_names,
+)
+from dwarfstar.model.loader import ModelFile
+from dwarfstar.speculative.decode import capturing
+from dwarfstar.train.params import REST, ParamWeights, init_params
+
+
+@dataclass(frozen=True)
+class DSparkRecipe:
+    steps: int = 300
+    sequences: int = 256  # distinct training sequences, the model's streams computed once for each
+    seq_len: int = 160
+    batch: int = 4  # sequences per step
+    anchors: int = 6  # blocks per sequence per step
+    lr: float = 2e-3
+    confidence_weight: float = 0.2
+
+
+class DSparkTrainer:
+    def __init__(
+        self,
+        model: ModelFile,
+        d: DSparkArgs,
+        token_ids: np.ndarray,
+        bos: int,
+        recipe: DSparkRecipe,
+        seed: int,
+        chats: Sequence[np.ndarray] = (),
+    ) -> None:
+        self.recipe, self.model, self.d = recipe, model, d
+        args = model.args
+        trunk = ReferenceModel(model, qat=True)
+        self.stage_args = stage_args(args, d)
+        rng = np.random.default_rng(seed)
+        starts = rng.integers(0, len(token_ids) - recipe.seq_len, recipe.sequences)
+        self.samples = [np.concatenate(([bos], token_ids[s : s + recipe.seq_len - 1])) for s in starts]
+        self.samples += [np.asarray(chat, dtype=np.int64) for chat in chats]
+        self.vocab = torch.as_tensor(np.unique(np.concatenate((token_ids, *self.samples, [d.noise_token_id]))))
+        self.local = torch.full((args.vocab_size,), -1, dtype=torch.long)
+        self.local[self.vocab] = torch.arange(self.vocab.numel())
+        self.captured, self.choices = [], []
+        for sample in self.samples:  # the frozen model, once: its target layers' streams, its argmax
+            with capturing(trunk, d.target_layers) as captured:
+                logits, _ = trunk.forward_streams(sample.tolist(), trunk.new_state())
+            self.captured.append([captured[il].clone() for il in d.target_layers])
+            self.choices.append(logits.argmax(-1).clone())
+        params = init_params(self.stage_args, seed)
+        params.pop(REST)
+        for shared in (tt.EMBED, tt.OUTPUT):  # the model's, frozen
+            params[shared] = trunk.ops.embedding if shared == tt.EMBED else trunk.ops.output
+        gen = torch.Generator().manual_seed(seed + 1)
+        dim, rank, layers = args.dim, d.markov_rank, len(d.target_layers)
+        self.head_params = {
+            MAIN[0]: torch.randn(dim, layers * dim, generator=gen) / (layers * dim) ** 0.5,
+            MAIN[1]: torch.ones(dim),
+            MARKOV[0]: torch.randn(args.vocab_size, rank, generator=gen) / rank**0.5,
+            MARKOV[1]: torch.zeros(args.vocab_size, rank),
+            CONFIDENCE: torch.zeros(1, dim + rank),
+        }
+        self.params = params
+        trainable = [
+            t
+            for name, t in [*params.items(), *self.head_params.items()]
+            if name not in (tt.EMBED, tt.OUTPUT) and t.dtype == torch.float32 and not name.endswith("exp_probs_b.bias")
+        ]
+        for t in trainable:
+            t.requires_grad_()
+        self.opt = torch.optim.AdamW(trainable, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.rng = rng
+        self.step = 0
+
+    def heads(self) -> DSparkHeads:
+        p = self.head_params
+        return DSparkHeads(p[MAIN[0]], p[MAIN[1]], p[MARKOV[0]], p[MARKOV[1]], p[CONFIDENCE], self.model.args.norm_eps)
+
+    def sample_loss(self, forward: DSparkForward, i: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(cross-entropy, confidence loss, top-1 agreement) of blocks at random anchors of sample i."""
+        tokens, choices, heads, b = self.samples[i], self.choices[i], self.heads(), self.d.block_size
+        main_x = heads.main_x(self.captured[i])
+        anchors = np.sort(self.rng.choice(np.arange(1, len(tokens) - b), self.recipe.anchors, replace=False))
+        state, done = forward.new_state(), 0
+        ce, bce, hits = [], [], []
+        for a in anchors.tolist():
+            forward.context(main_x[done:a], state)  # positions before the anchor
+            done = a
+            collapsed, logits = forward.block(int(tokens[a]), state)
+            previous = torch.cat((torch.as_tensor(tokens[a : a + 1]), choices[a : a + b - 1]))
+            e = heads.markov_w1[previous]  # [b, rank]
+            rows = logits[:, self.vocab] + e @ heads.markov_w2[self.vocab].T
+            target = self.local[choices[a : a + b]]
+            ce.append(F.cross_entropy(rows, target, ignore_index=-1))
+            right = (rows.argmax(-1) == target).float()
+            confidence = torch.cat((collapsed.detach(), e.detach()), -1) @ heads.confidence[0]
+            bce.append(F.binary_cross_entropy_with_logits(confidence, right))
+            hits.append(float(right.mean()))
+        return torch.stack(ce).mean(), torch.stack(bce).mean(), float(np.mean(hits))
+
+    def train_step(self) -> tuple[float, float, float]:
+        r = self.recipe
+        lr = r.lr * min(1.0, (self.step + 1) / 20) * (0.1 + 0.9 * (1 - self.step / r.steps))
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        stages = ReferenceModel.from_weights(self.stage_args, ParamWeights(self.params), qat=False)
+        forward = DSparkForward(stages, self.d)
+        ce, bce, hits = [], [], []
+        for i in self.rng.integers(0, len(self.samples), r.batch):
+            c, b, h = self.sample_loss(forward, int(i))
+            ce.append(c)
+            bce.append(b)
+            hits.append(h)
+        ce_mean, bce_mean = torch.stack(ce).mean(), torch.stack(bce).mean()
+        self.opt.zero_grad()
+        (ce_mean + r.confidence_weight * bce_mean).backward()
+        torch.nn.utils.clip_grad_norm_([t for g in self.opt.param_groups for t in g["params"]], 1.0)
+        self.opt.step()
+        self.step += 1
+        return float(ce_mean.detach()), float(bce_mean.detach()), float(np.mean(hits))
+
+    def export(self, path: str | os.PathLike) -> None:
+        """ds4's support file: the stages, their head and the DSpark heads under `mtp.{k}.`."""
+        args, d = self.model.args, self.d
+        names = stage_names(args, d)
+        tensors = {names[own]: t for own, t in self.params.items() if own in names}
+        first, last = PREFIX.format(0), PREFIX.format(d.stages - 1)
+        tensors.update({first + name: self.head_params[name] for name in MAIN})
+        tensors.update({last + name: self.head_params[name] for name in (*MARKOV, CONFIDENCE)})
+        u32 = ValueType.UINT32
+        metadata = {
+            "general.architecture": (ValueType.STRING, ARCH),
+            "general.name": (ValueType.STRING, "nano-dspark"),
+            "dspark.block_size": (u32, d.block_size),
+            "dspark.markov_rank": (u32, d.markov_rank),
+            "dspark.noise_token_id": (u32, d.noise_token_id),
+            "dspark.target_layer_ids": (ValueType.ARRAY, (u32, list(d.target_layers))),
+            "dspark.stage_count": (u32, d.stages),
+            "dspark.n_layers": (u32, d.stages),
+        }
+        specs = list(dspark_tensors(args, d))
+        with GGUFWriter(path, metadata) as writer:
+            for spec in specs:
+                writer.add_tensor(spec.name, spec.shape, GGMLType.F32)
+            for spec in specs:
+                value = tensors[spec.name].detach()
+                rows = value.reshape(-1) if value.dim() == 1 else value.reshape(-1, spec.shape[-1])
+                writer.write_tensor(spec.name, iter([quantize(rows, GGMLType.F32)]))
+
+
+def train_dspark(
+    model: ModelFile,
+    d: DSparkArgs,
+    token_ids: np.ndarray,
+    bos: int,
+    recipe: DSparkRecipe,
+    seed: int,
+    log: Callable[[str], None],
+    chats: Sequence[np.ndarray] = (),
+) -> DSparkTrainer:
+    trainer = DSparkTrainer(model, d, token_ids, bos, recipe, seed, chats)
+    log(f"dspark: {recipe.sequences} windows of {recipe.seq_len} and {len(chats)} chats, {trainer.vocab.numel()} ids")
+    while trainer.step < recipe.steps:
+        ce, bce, agree = trainer.train_step()
+        if trainer.step % 20 == 0 or trainer.step == recipe.steps:
+            log(f"dspark step {trainer.step}/{recipe.steps} ce {ce:.3f} confidence {bce:.3f} top-1 {agree:.3f}")
+    return trainer
