@@ -45,7 +45,7 @@ from dwarfstar.sampling import Sampler
 from dwarfstar.speculative.mtp import DraftFile
 from dwarfstar.speculative.verify import draw, next_uniform, rule_probabilities
 
-# the Ops a backend needs for the drafter's passes (the reference has them; Triton and MLX not yet)
+# the Ops a backend needs for the drafter's passes (the reference and MLX have them; Triton not yet)
 DSPARK_OPS = ("store_window", "block_attention", "hc_collapse", "output_norm")
 
 
@@ -115,7 +115,7 @@ class DSparkDraft:
             self.stages = entry.draft_model(target, stages)
             if not all(callable(getattr(self.stages.ops, name, None)) for name in DSPARK_OPS):
                 raise DwarfStarError(
-                    f"DSpark drafting runs on the reference backend for now; the {entry.name} backend "
+                    f"DSpark drafting runs on the reference and MLX backends; the {entry.name} backend "
                     "has no block attention for its stages yet"
                 )
             self.forward = DSparkForward(self.stages, self.d)

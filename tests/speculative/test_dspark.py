@@ -254,7 +254,7 @@ def small_drafter(mtp_files, tmp_path_factory):
 
 
 @pytest.mark.parametrize("scripted", [False, True], ids=["dspark-drafts", "scripted-drafts"])
-def test_greedy_speculation_with_dspark_emits_what_plain_decoding_does(engines, small_drafter, scripted):
+def test_greedy_speculation_with_dspark_emits_what_plain_decoding_does(engines, backend_name, small_drafter, scripted):
     """With the random drafter every step rolls back; with scripted drafts (right but every seventh)
     steps accept all, some or none. Either way the output is plain greedy's, and the drafter's rings
     hold exactly the committed positions' rows: its block after the sequence equals the block of a
@@ -262,7 +262,7 @@ def test_greedy_speculation_with_dspark_emits_what_plain_decoding_does(engines, 
     from conftest import PROMPT
     from spec_support import ScriptedDrafter, first_gap, plain_greedy, speculative
 
-    engine = engines("reference", "plain")
+    engine = engines(backend_name, "plain")
     n = 60
     plain = plain_greedy(engine.backend, PROMPT, n)
     draft = DSparkDraft(engine.backend, engine.model, small_drafter)
@@ -278,7 +278,7 @@ def test_greedy_speculation_with_dspark_emits_what_plain_decoding_does(engines, 
     track.feed([], spec.state.pos)
     assert track.fed_to == spec.state.pos == len(spec.session.tokens)
     captured = {}
-    engine.backend.taps.append(lambda il, h, batch: captured.__setitem__(il, h.clone()))
+    engine.backend.taps.append(lambda il, h, batch: captured.__setitem__(il, h))
     try:
         engine.backend.forward(spec.session.tokens, engine.backend.new_state())
     finally:
@@ -288,7 +288,7 @@ def test_greedy_speculation_with_dspark_emits_what_plain_decoding_does(engines, 
     anchor = spec.session.tokens[-1]
     _, want = draft.forward.block(anchor, fresh)
     _, have = draft.forward.block(anchor, track.state)
-    assert (have - want).abs().max() < 1e-4 * want.abs().max()
+    assert (have - want).abs().max() < 1e-3 * want.abs().max()
 
 
 def test_run_with_dspark_prints_the_plain_greedy_text(mtp_files, engines, small_drafter):

@@ -176,8 +176,13 @@ class MLXOps(StreamSteps):
         return self.fused.hc_post(out, h, *mix)
 
     def hc_head(self, h: mx.array, rows: list[int] | None, batch: Batch[MLXStep]) -> mx.array:
-        h = h if rows is None else h[mx.array(rows)]
-        return ops.rms_norm(self.fused.hc_head(h, *self.head_hc), self.out_norm, self.args.norm_eps)
+        return self.output_norm(self.hc_collapse(h if rows is None else h[mx.array(rows)], batch), batch)
+
+    def hc_collapse(self, h: mx.array, batch: Batch[MLXStep]) -> mx.array:
+        return self.fused.hc_head(h, *self.head_hc)
+
+    def output_norm(self, y: mx.array, batch: Batch[MLXStep]) -> mx.array:
+        return ops.rms_norm(y, self.out_norm, self.args.norm_eps)
 
     def logits(self, y: mx.array, batch: Batch[MLXStep]) -> torch.Tensor:
         logits = self.output.matmul(y)
@@ -277,6 +282,19 @@ class MLXOps(StreamSteps):
             state.store_window(il, raw, end)
         o = out[0] if len(out) == 1 else mx.concatenate(out)
         return self.fused.unrope(o, cos, sin)
+
+    def store_window(self, il: int, kv: mx.array, batch: Batch[MLXStep]) -> None:
+        for seq in batch.seqs:
+            raw = mx.concatenate((seq.state.raw_window(il), kv[seq.rows]))
+            seq.state.store_window(il, raw, seq.start + seq.length)
+
+    def block_attention(self, il: int, q: mx.array, kv: mx.array, batch: Batch[MLXStep]) -> mx.array:
+        sinks, out = self.layers[il].sinks, []
+        for seq in batch.seqs:
+            keys = mx.concatenate((seq.state.raw_window(il), kv[seq.rows]))
+            out.append(ops.sink_attention(q[seq.rows], keys, None, sinks))
+        o = out[0] if len(out) == 1 else mx.concatenate(out)
+        return self.fused.unrope(o, *self._rope_tables(il, batch.step))
 
     def attn_output(self, il: int, o: mx.array, batch: Batch[MLXStep]) -> mx.array:
         layer, a, n = self.layers[il], self.args, o.shape[0]
