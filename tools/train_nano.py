@@ -81,23 +81,28 @@ CORPUS = ROOT.parent / "shared" / "fixtures" / "text" / "promessi_sposi.txt"
 MTP_CHATS = 64  # tool round trips and thinking turns, each, beside the MTP block's 384 book windows
 
 
+def draft_corpus(opts: argparse.Namespace) -> tuple[np.ndarray, int, list[np.ndarray]]:
+    """What a draft of the bundled model trains on besides the book's ids: chats the trunk was trained
+    on (tool round trips, some in thinking mode, and thinking turns), a quarter of the sequences as
+    in the trunk's steps. Returns (the book's ids, BOS, the chats)."""
+    tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), NANO.vocab_size)
+    book = read_split(opts.corpus).train
+    ids = np.asarray(tokenizer.encode(book), dtype=np.int64)
+    rng = np.random.default_rng(opts.seed)
+    prompts = chat_prompts(book, 2 * MTP_CHATS, opts.seed + 1)
+    thinking = thinking_samples(book, tokenizer, prompts, Recipe.seq_len + 1, rng)
+    tools = tool_samples(book, tokenizer, MTP_CHATS, opts.seed, Recipe.tool_thinking)
+    return ids, tokenizer.bos_id, [s.ids for s in tools + thinking[:MTP_CHATS]]
+
+
 def train_nano_mtp(opts: argparse.Namespace) -> None:
     """The MTP block of the bundled model (dwarfstar/train/mtp.py), the trunk frozen."""
     torch.manual_seed(opts.seed)
     torch.set_num_threads(opts.threads)
     began = time.perf_counter()
-    tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), NANO.vocab_size)
-    book = read_split(opts.corpus).train
-    ids = np.asarray(tokenizer.encode(book), dtype=np.int64)
-    # chats the trunk was trained on besides the book: tool round trips (thinking mode for some) and
-    # thinking turns, a quarter of the sequences as in the trunk's steps
-    rng = np.random.default_rng(opts.seed)
-    prompts = chat_prompts(book, 2 * MTP_CHATS, opts.seed + 1)
-    thinking = thinking_samples(book, tokenizer, prompts, Recipe.seq_len + 1, rng)
-    tools = tool_samples(book, tokenizer, MTP_CHATS, opts.seed, Recipe.tool_thinking)
-    chats = [s.ids for s in tools + thinking[:MTP_CHATS]]
+    ids, bos, chats = draft_corpus(opts)
     recipe = MTPRecipe(steps=opts.mtp_steps)
-    trainer = train_mtp(open_model(opts.out), ids, tokenizer.bos_id, recipe, opts.seed, print, chats)
+    trainer = train_mtp(open_model(opts.out), ids, bos, recipe, opts.seed, print, chats)
     trainer.export(opts.mtp_out)
     print(f"wrote {opts.mtp_out} ({opts.mtp_out.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - began:.0f} s")
 
@@ -108,19 +113,11 @@ def train_nano_dspark(opts: argparse.Namespace) -> None:
     torch.manual_seed(opts.seed)
     torch.set_num_threads(opts.threads)
     began = time.perf_counter()
-    tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), NANO.vocab_size)
-    book = read_split(opts.corpus).train
-    ids = np.asarray(tokenizer.encode(book), dtype=np.int64)
-    rng = np.random.default_rng(opts.seed)
-    prompts = chat_prompts(book, 2 * MTP_CHATS, opts.seed + 1)
-    thinking = thinking_samples(book, tokenizer, prompts, Recipe.seq_len + 1, rng)
-    tools = tool_samples(book, tokenizer, MTP_CHATS, opts.seed, Recipe.tool_thinking)
-    chats = [s.ids for s in tools + thinking[:MTP_CHATS]]
+    ids, bos, chats = draft_corpus(opts)
     model = open_model(opts.out)
     layers = model.args.n_layers
     d = DSparkArgs(markov_rank=32, target_layers=(layers - 3, layers - 2, layers - 1))
-    recipe = DSparkRecipe(steps=opts.dspark_steps)
-    trainer = train_dspark(model, d, ids, tokenizer.bos_id, recipe, opts.seed, print, chats)
+    trainer = train_dspark(model, d, ids, bos, DSparkRecipe(steps=opts.dspark_steps), opts.seed, print, chats)
     trainer.export(opts.dspark_out)
     size = opts.dspark_out.stat().st_size / 1e6
     print(f"wrote {opts.dspark_out} ({size:.1f} MB) in {time.perf_counter() - began:.0f} s")

@@ -31,6 +31,7 @@ from typing import Any, Generic
 import torch
 
 from dwarfstar.errors import ModelFileError
+from dwarfstar.gguf.constants import ValueType
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.forward import A, Rows, S, Transformer
 from dwarfstar.model.state import SequenceState
@@ -92,6 +93,21 @@ class DSparkArgs:
                 f"the target has {target.n_layers} (a drafter for another model)"
             )
         return args
+
+
+def support_metadata(d: DSparkArgs, name: str) -> dict[str, tuple[ValueType, Any]]:
+    """A support file's GGUF metadata: ds4's `dspark.*` keys (its provenance strings aside)."""
+    u32 = ValueType.UINT32
+    return {
+        "general.architecture": (ValueType.STRING, ARCH),
+        "general.name": (ValueType.STRING, name),
+        "dspark.block_size": (u32, d.block_size),
+        "dspark.markov_rank": (u32, d.markov_rank),
+        "dspark.noise_token_id": (u32, d.noise_token_id),
+        "dspark.target_layer_ids": (ValueType.ARRAY, (u32, list(d.target_layers))),
+        "dspark.stage_count": (u32, d.stages),
+        "dspark.n_layers": (u32, d.stages),
+    }
 
 
 def stage_args(target: ModelArgs, d: DSparkArgs) -> ModelArgs:

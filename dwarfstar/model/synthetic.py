@@ -20,7 +20,7 @@ well-formed blocks (sane fp16 scales, random payload) until real quantizers exis
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,8 +30,7 @@ from dwarfstar.gguf.constants import BLOCK_GEOMETRY, QK_K, GGMLType, ValueType
 from dwarfstar.gguf.quantize import quantize
 from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config import ModelArgs, flash_compress_ratios, pro_compress_ratios
-from dwarfstar.model.dspark import ARCH as DSPARK_ARCH
-from dwarfstar.model.dspark import DSparkArgs, dspark_tensors
+from dwarfstar.model.dspark import DSparkArgs, dspark_tensors, support_metadata
 from dwarfstar.model.tensors import EXPERT, NORM, TensorSpec, expected_tensors, mtp_tensors
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, tokenizer_metadata
 
@@ -151,37 +150,28 @@ def write_synthetic_mtp(path: str | os.PathLike, args: ModelArgs, layout: str = 
     whose metadata is the trunk's config (ds4's loader reads none of it; ours checks it names the model)."""
     metadata = args.to_gguf_metadata()
     metadata["general.name"] = (ValueType.STRING, "synthetic-mtp")
-    specs = [(spec, tensor_type(spec, layout, layout_experts(layout))) for spec in mtp_tensors(args, "ds4")]
-    with GGUFWriter(path, metadata) as writer:
-        for spec, ggml_type in specs:
-            writer.add_tensor(spec.name, spec.shape, ggml_type)
-        for index, (spec, ggml_type) in enumerate(specs):
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + MTP_SEED_OFFSET + index)
-            writer.write_tensor(spec.name, _tensor_chunks(spec, ggml_type, args, gen))
+    _write_draft(path, args, metadata, mtp_tensors(args, "ds4"), layout, seed * 1_000_003 + MTP_SEED_OFFSET)
 
 
 def write_synthetic_dspark(
     path: str | os.PathLike, args: ModelArgs, d: DSparkArgs, layout: str = "f32", seed: int = 0
 ) -> None:
     """A random DSpark drafter for the target `args` as ds4 ships it: a support GGUF of `mtp.{0..}.*`
-    tensors whose metadata is the `dspark.*` keys (ds4's writer's, provenance strings aside)."""
-    u32 = ValueType.UINT32
-    metadata = {
-        "general.architecture": (ValueType.STRING, DSPARK_ARCH),
-        "general.name": (ValueType.STRING, "synthetic-dspark"),
-        "dspark.block_size": (u32, d.block_size),
-        "dspark.markov_rank": (u32, d.markov_rank),
-        "dspark.noise_token_id": (u32, d.noise_token_id),
-        "dspark.target_layer_ids": (ValueType.ARRAY, (u32, list(d.target_layers))),
-        "dspark.stage_count": (u32, d.stages),
-        "dspark.n_layers": (u32, d.stages),
-    }
-    specs = [(spec, tensor_type(spec, layout, layout_experts(layout))) for spec in dspark_tensors(args, d)]
+    tensors whose metadata is the `dspark.*` keys."""
+    metadata = support_metadata(d, "synthetic-dspark")
+    _write_draft(path, args, metadata, dspark_tensors(args, d), layout, seed * 1_000_003 + DSPARK_SEED_OFFSET)
+
+
+def _write_draft(
+    path: str | os.PathLike, args: ModelArgs, metadata: dict, inventory: Iterable[TensorSpec], layout: str, seed: int
+) -> None:
+    """A separate draft file of random tensors, tensor i drawn from seed + i."""
+    specs = [(spec, tensor_type(spec, layout, layout_experts(layout))) for spec in inventory]
     with GGUFWriter(path, metadata) as writer:
         for spec, ggml_type in specs:
             writer.add_tensor(spec.name, spec.shape, ggml_type)
         for index, (spec, ggml_type) in enumerate(specs):
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + DSPARK_SEED_OFFSET + index)
+            gen = torch.Generator().manual_seed(seed + index)
             writer.write_tensor(spec.name, _tensor_chunks(spec, ggml_type, args, gen))
 
 

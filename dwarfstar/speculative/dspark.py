@@ -43,6 +43,7 @@ from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
 from dwarfstar.sampling import Sampler
 from dwarfstar.speculative.mtp import DraftFile
+from dwarfstar.speculative.track import HeldRows
 from dwarfstar.speculative.verify import draw, next_uniform, rule_probabilities
 
 # the Ops a backend needs for the drafter's passes (the reference and MLX have them; Triton not yet)
@@ -175,24 +176,15 @@ class DSparkDraft:
         self.gguf.close()
 
 
-class DSparkTrack:
+class DSparkTrack(HeldRows):
     """The drafter's side of one speculating sequence, as `track.DraftTrack` is the MTP block's: its
-    state following the target from position `base`, and the main_x rows of target positions not yet
-    written into it (every held row is committed: the speculator holds only accepted rows)."""
+    state following the target, and the main_x rows of target positions not yet written into it
+    (every held row is committed: the speculator holds only accepted rows)."""
 
     def __init__(self, draft: DSparkDraft, base: int, confidence: float) -> None:
-        self.draft, self.base, self.confidence = draft, base, confidence
+        super().__init__(draft.new_state(), base)
+        self.draft, self.confidence = draft, confidence
         self.layers = draft.target_layers  # the target layers whose streams a pass captures for it
-        self.state = draft.new_state()
-        self.hidden: torch.Tensor | None = None  # main_x rows of positions fed_to .. fed_to + held - 1
-
-    @property
-    def fed_to(self) -> int:
-        return self.base + self.state.pos
-
-    @property
-    def held(self) -> int:
-        return 0 if self.hidden is None else self.hidden.shape[0]
 
     @property
     def ready(self) -> bool:
@@ -204,14 +196,6 @@ class DSparkTrack:
 
     def hold(self, rows: torch.Tensor) -> None:
         self.hidden = rows if self.hidden is None else torch.cat((self.hidden, rows))
-
-    def cut(self, target_pos: int) -> bool:
-        keep = target_pos - self.fed_to
-        if keep < 0:
-            return False
-        if keep < self.held:
-            self.hidden = self.hidden[:keep] if keep else None
-        return True
 
     def feed(self, known: list[int], target_pos: int) -> None:
         """Every held row into the stages' rings (their positions are committed)."""

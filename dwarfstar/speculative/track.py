@@ -32,16 +32,13 @@ def margin_of(logits: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
-class DraftTrack:
-    """The draft state from target position `base`, the held target streams and the draft's last row."""
+class HeldRows:
+    """A draft's state following the target from position `base`, and the rows a target pass left
+    for the positions it has not read yet (`hidden`, of positions fed_to .. fed_to + held - 1)."""
 
-    layers: tuple[int, ...] = ()  # no target layer's streams but the final ones
-
-    def __init__(self, draft: MTPDraft, shift: int, base: int) -> None:
-        self.draft, self.shift, self.base = draft, shift, base
-        self.state = draft.new_state()
-        self.hidden: Any = None  # target streams of positions fed_to .. fed_to + held - 1, not yet fed
-        self.last: tuple[torch.Tensor, Any] | None = None  # the draft's last row: logits, output streams
+    def __init__(self, state: Any, base: int) -> None:
+        self.state, self.base = state, base
+        self.hidden: Any = None
 
     @property
     def fed_to(self) -> int:
@@ -51,6 +48,27 @@ class DraftTrack:
     @property
     def held(self) -> int:
         return 0 if self.hidden is None else self.hidden.shape[0]
+
+    def cut(self, target_pos: int) -> bool:
+        """The target went back to `target_pos`: drop the held rows past it. False when the draft had
+        already read past it (its state cannot go back; the track is lost)."""
+        keep = target_pos - self.fed_to
+        if keep < 0:
+            return False
+        if keep < self.held:
+            self.hidden = self.hidden[:keep] if keep else None
+        return True
+
+
+class DraftTrack(HeldRows):
+    """The MTP block's state from target position `base`, the held target streams and its last row."""
+
+    layers: tuple[int, ...] = ()  # no target layer's streams but the final ones
+
+    def __init__(self, draft: MTPDraft, shift: int, base: int) -> None:
+        super().__init__(draft.new_state(), base)
+        self.draft, self.shift = draft, shift
+        self.last: tuple[torch.Tensor, Any] | None = None  # the draft's last row: logits, output streams
 
     @property
     def ready(self) -> bool:
@@ -64,16 +82,6 @@ class DraftTrack:
     def hold(self, streams: Any) -> None:
         """Keep the target's final streams of the positions just computed."""
         self.hidden = streams if self.hidden is None else self.draft.model.cache.storage.cat((self.hidden, streams))
-
-    def cut(self, target_pos: int) -> bool:
-        """The target went back to `target_pos`: drop the held rows past it. False when the draft had
-        already read past it (its state cannot go back; the track is lost)."""
-        keep = target_pos - self.fed_to
-        if keep < 0:
-            return False
-        if keep < self.held:
-            self.hidden = self.hidden[:keep] if keep else None
-        return True
 
     def feed(self, known: list[int], target_pos: int) -> None:
         """Draft rows for every held row whose paired token is known (`known`: the sequence)."""

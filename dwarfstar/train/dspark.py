@@ -27,12 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from dwarfstar.backends.reference.model import ReferenceModel
-from dwarfstar.gguf.constants import GGMLType, ValueType
-from dwarfstar.gguf.quantize import quantize
-from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.dspark import (
-    ARCH,
     CONFIDENCE,
     MAIN,
     MARKOV,
@@ -43,10 +39,11 @@ from dwarfstar.model.dspark import (
     dspark_tensors,
     stage_args,
     stage_names,
+    support_metadata,
 )
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.speculative.decode import capturing
-from dwarfstar.train.params import REST, ParamWeights, init_params
+from dwarfstar.train.params import REST, ParamWeights, draft_optimizer, init_params, write_f32
 
 
 @dataclass(frozen=True)
@@ -102,14 +99,7 @@ class DSparkTrainer:
             CONFIDENCE: torch.zeros(1, dim + rank),
         }
         self.params = params
-        trainable = [
-            t
-            for name, t in [*params.items(), *self.head_params.items()]
-            if name not in (tt.EMBED, tt.OUTPUT) and t.dtype == torch.float32 and not name.endswith("exp_probs_b.bias")
-        ]
-        for t in trainable:
-            t.requires_grad_()
-        self.opt = torch.optim.AdamW(trainable, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.opt = draft_optimizer([*params.items(), *self.head_params.items()], recipe.lr)
         self.rng = rng
         self.step = 0
 
@@ -168,25 +158,7 @@ class DSparkTrainer:
         first, last = PREFIX.format(0), PREFIX.format(d.stages - 1)
         tensors.update({first + name: self.head_params[name] for name in MAIN})
         tensors.update({last + name: self.head_params[name] for name in (*MARKOV, CONFIDENCE)})
-        u32 = ValueType.UINT32
-        metadata = {
-            "general.architecture": (ValueType.STRING, ARCH),
-            "general.name": (ValueType.STRING, "nano-dspark"),
-            "dspark.block_size": (u32, d.block_size),
-            "dspark.markov_rank": (u32, d.markov_rank),
-            "dspark.noise_token_id": (u32, d.noise_token_id),
-            "dspark.target_layer_ids": (ValueType.ARRAY, (u32, list(d.target_layers))),
-            "dspark.stage_count": (u32, d.stages),
-            "dspark.n_layers": (u32, d.stages),
-        }
-        specs = list(dspark_tensors(args, d))
-        with GGUFWriter(path, metadata) as writer:
-            for spec in specs:
-                writer.add_tensor(spec.name, spec.shape, GGMLType.F32)
-            for spec in specs:
-                value = tensors[spec.name].detach()
-                rows = value.reshape(-1) if value.dim() == 1 else value.reshape(-1, spec.shape[-1])
-                writer.write_tensor(spec.name, iter([quantize(rows, GGMLType.F32)]))
+        write_f32(path, support_metadata(d, "nano-dspark"), list(dspark_tensors(args, d)), tensors)
 
 
 def train_dspark(

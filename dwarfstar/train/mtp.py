@@ -25,13 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from dwarfstar.backends.reference.model import ReferenceModel
-from dwarfstar.gguf.constants import GGMLType, ValueType
-from dwarfstar.gguf.quantize import quantize
-from dwarfstar.gguf.writer import GGUFWriter
+from dwarfstar.gguf.constants import ValueType
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.speculative.mtp import MTPInput
-from dwarfstar.train.params import REST, ParamWeights, init_params
+from dwarfstar.train.params import REST, ParamWeights, draft_optimizer, init_params, write_f32
 
 
 @dataclass(frozen=True)
@@ -84,14 +82,7 @@ class MTPTrainer:
             "h_proj.weight": torch.randn(d, d, generator=gen) / d**0.5,
         }
         self.params = params
-        trainable = [
-            t
-            for name, t in [*params.items(), *self.input_params.items()]
-            if name not in (tt.EMBED, tt.OUTPUT) and t.dtype == torch.float32 and not name.endswith("exp_probs_b.bias")
-        ]
-        for t in trainable:
-            t.requires_grad_()
-        self.opt = torch.optim.AdamW(trainable, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.opt = draft_optimizer([*params.items(), *self.input_params.items()], recipe.lr)
         self.rng = rng
         self.step = 0
 
@@ -140,14 +131,7 @@ class MTPTrainer:
         tensors.update({tt.MTP_PREFIX + name: t for name, t in self.input_params.items()})
         metadata = args.to_gguf_metadata()
         metadata["general.name"] = (ValueType.STRING, "nano-mtp")
-        specs = list(tt.mtp_tensors(args, "ds4"))
-        with GGUFWriter(path, metadata) as writer:
-            for spec in specs:
-                writer.add_tensor(spec.name, spec.shape, GGMLType.F32)
-            for spec in specs:
-                value = tensors[spec.name].detach()
-                rows = value.reshape(-1) if value.dim() == 1 else value.reshape(-1, spec.shape[-1])
-                writer.write_tensor(spec.name, iter([quantize(rows, GGMLType.F32)]))
+        write_f32(path, metadata, list(tt.mtp_tensors(args, "ds4")), tensors)
 
 
 def train_mtp(

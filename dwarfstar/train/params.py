@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 from dwarfstar.gguf.constants import GGMLType
 from dwarfstar.gguf.quantize import quantize
+from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.synthetic import write_model_gguf
-from dwarfstar.model.tensors import EXPERT, INDEX, NORM, TensorSpec, expected_tensors
+from dwarfstar.model.tensors import EMBED, EXPERT, INDEX, NORM, OUTPUT, TensorSpec, expected_tensors
 
 REST = "output.rest"
 LAYOUTS = ("q8_0", "f32")
@@ -177,3 +178,27 @@ def _chunks(tensor: torch.Tensor, ggml_type: GGMLType) -> Iterator:
         return
     values = tensor.float().contiguous()
     yield quantize(values.reshape(-1) if values.dim() == 1 else values.reshape(-1, values.shape[-1]), ggml_type)
+
+
+def draft_optimizer(named: Iterable[tuple[str, torch.Tensor]], lr: float) -> torch.optim.AdamW:
+    """AdamW over a draft's float tensors (the model's embedding and output matrix, and the router
+    biases, which move by the balancing rule, excepted), now requiring gradients."""
+    trainable = [
+        t
+        for name, t in named
+        if name not in (EMBED, OUTPUT) and t.dtype == torch.float32 and not name.endswith("exp_probs_b.bias")
+    ]
+    for t in trainable:
+        t.requires_grad_()
+    return torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def write_f32(path: str | os.PathLike, metadata: dict, specs: Sequence[TensorSpec], tensors: dict) -> None:
+    """A GGUF of `specs`, each tensors[name] in F32."""
+    with GGUFWriter(path, metadata) as writer:
+        for spec in specs:
+            writer.add_tensor(spec.name, spec.shape, GGMLType.F32)
+        for spec in specs:
+            value = tensors[spec.name].detach()
+            rows = value.reshape(-1) if value.dim() == 1 else value.reshape(-1, spec.shape[-1])
+            writer.write_tensor(spec.name, iter([quantize(rows, GGMLType.F32)]))
