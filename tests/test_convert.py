@@ -527,3 +527,35 @@ def test_official_fp4_experts_convert_to_mxfp4_without_loss(hf_model, tmp_path: 
     for name in experts:
         assert torch.equal(gguf.tensor(name), expected_values(name, values, key=lambda official: official)), name
     assert gguf.tensors["blk.0.attn_q_a.weight"].ggml_type == GGMLType.Q8_0
+
+
+def test_a_checkpoint_with_a_dspark_drafter_converts_its_trunk_alone(hf_model, tmp_path: Path) -> None:
+    """V4 Flash 0731 and PRO 0813 keep the trunk and put a 3-stage DSpark drafter under mtp.0-2: their
+    config has one compress ratio per stage after the layers', `dspark_*` keys, and still
+    `num_nextn_predict_layers` 1. The GGUF is the same trunk; the plan names the drafter it skipped."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / "plain"
+    src.mkdir()
+    write_official_checkpoint(src, hf_model[1])
+    drafted = tmp_path / "drafted"
+    drafted.mkdir()
+    for shard in src.glob("*.safetensors"):
+        tensors = {k: v for k, v in load_file(shard).items() if not k.startswith("mtp.")}
+        save_file(tensors, drafted / shard.name)
+    stages = {f"mtp.{k}.{leaf}": torch.ones(8, 8) for k in range(3) for leaf in ("attn.wkv.weight", "hc_attn_base")}
+    stages |= {"mtp.0.main_proj.weight": torch.ones(64, 192), "mtp.2.markov_head.markov_w1.weight": torch.ones(8, 32)}
+    save_file(stages, drafted / "model-00003-of-00003.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["compress_ratios"] = [*TINY_CONFIG["compress_ratios"], 0, 0, 0]
+    config |= {"dspark_block_size": 5, "dspark_noise_token_id": 128799, "dspark_markov_rank": 32}
+    config["dspark_target_layer_ids"] = [3, 4, 5]
+    (drafted / "config.json").write_text(json.dumps(config))
+    plan = convert_checkpoint(drafted, tmp_path / "drafted.gguf", "f32")
+    convert_checkpoint(src, tmp_path / "plain.gguf", "f32")
+    got, want = GGUFFile(tmp_path / "drafted.gguf"), GGUFFile(tmp_path / "plain.gguf")
+    assert ModelArgs.from_gguf_metadata(got.metadata) == ModelArgs.from_gguf_metadata(want.metadata)
+    assert list(got.tensors) == list(want.tensors)
+    assert all(torch.equal(got.tensor(name), want.tensor(name)) for name in want.tensors)
+    for stage, count in (("mtp.0.*", 3), ("mtp.1.*", 2), ("mtp.2.*", 3)):
+        assert any(f"{stage} ({count})" in note for note in plan.notes), plan.notes

@@ -146,3 +146,18 @@ def test_cli_reports_bad_files_without_traceback(tiny_path, tmp_path):
     assert done.returncode == 2
     assert "error:" in done.stderr and "Traceback" not in done.stderr
     assert "truncated" in done.stderr or "past the end" in done.stderr
+
+
+def test_a_file_with_the_drafters_trailing_compress_ratios_loads_as_its_trunk(tmp_path):
+    """ds4 writes V4 Flash 0731's and PRO 0813's `compress_ratios` from their configs: one entry per
+    layer, then a 0 per DSpark stage. The layers' entries make the model; the file's logits are
+    those of the same weights without the trailing entries."""
+    plain, drafted = tmp_path / "plain.gguf", tmp_path / "drafted.gguf"
+    write_synthetic_model(plain, TINY, seed=5)
+    write_synthetic_model(drafted, TINY.with_(compress_ratios=(*TINY.compress_ratios, 0, 0, 0)), seed=5)
+    model = open_model(drafted)
+    assert model.args.compress_ratios[: TINY.n_layers] == TINY.compress_ratios
+    tokens = list(range(100, 140))
+    runs = [ReferenceModel(m) for m in (open_model(plain), model)]
+    want, got = (backend.forward(tokens, backend.new_state()) for backend in runs)
+    assert torch.equal(got, want)
