@@ -161,6 +161,7 @@ def main() -> None:
     parser.add_argument("--agent-batch", type=int, default=Recipe.agent_batch, help="agent-prompt turns per step")
     parser.add_argument("--agent-prompts", type=int, default=Recipe.agent_prompts, help="generated agent prompts")
     parser.add_argument("--agent-tokens", type=int, nargs=2, default=Recipe.agent_tokens, help="their length bounds")
+    parser.add_argument("--agent-pool", type=int, default=Recipe.agent_pool, help="turns drawn per agent prompt")
     parser.add_argument("--agent-refresh", type=int, default=Recipe.agent_refresh, help="steps a prompt state is kept")
     parser.add_argument("--agent-noise", type=float, default=Recipe.agent_noise, help="agent prompt ids replaced")
     parser.add_argument("--agent-evals", type=int, default=0, help="held-out agent prompts at each eval")
@@ -216,6 +217,7 @@ def main() -> None:
         agent_batch=opts.agent_batch,
         agent_prompts=opts.agent_prompts,
         agent_tokens=tuple(opts.agent_tokens),
+        agent_pool=opts.agent_pool,
         agent_refresh=opts.agent_refresh,
         agent_noise=opts.agent_noise,
     )

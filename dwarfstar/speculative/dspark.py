@@ -141,7 +141,7 @@ class DSparkDraft:
 
     def context(self, main_x: torch.Tensor, state: SequenceState) -> None:
         """main_x rows [N, dim] (torch float32) into the stages' rings at positions state.pos.."""
-        self.forward.context(self.stages.cache.storage.from_numpy(main_x.numpy()), state)
+        self.forward.context(self.stages.cache.storage.from_numpy(main_x.cpu().numpy()), state)
 
     def propose(
         self, anchor: int, state: SequenceState, n: int, sampler: Sampler, threshold: float = 0.0
