@@ -7,6 +7,9 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+from conftest import PROMPT, SMALL
+from spec_support import ScriptedDrafter, first_gap, plain_greedy, speculative
+from test_rejection_sampling import SIGNIFICANCE, chi_square_p
 
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.errors import DwarfStarError, ModelFileError
@@ -17,7 +20,7 @@ from dwarfstar.sampling import GREEDY, Sampler
 from dwarfstar.speculative.dspark import DSparkDraft
 
 D = DSparkArgs(block_size=5, markov_rank=16, noise_token_id=128799, target_layers=(3, 4, 5), stages=3)
-PROMPT = list(range(1000, 1020))  # 20 positions: the stages' 8-row windows wrap
+CONTEXT = list(range(1000, 1020))  # 20 positions: the stages' 8-row windows wrap
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +32,14 @@ def files(tiny_model_file, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def drafted(files):
-    """The drafter's block after PROMPT, and the target streams it was fed."""
+    """The drafter's block after CONTEXT, and the target streams it was fed."""
     model_path, support = files
     model = open_model(model_path)
     target = ReferenceModel(model, qat=False)
     draft = DSparkDraft(target, model, support)
     captured = {}
     target.taps.append(lambda il, h, batch: captured.__setitem__(il, h.clone()))
-    target.forward(PROMPT, target.new_state())
+    target.forward(CONTEXT, target.new_state())
     streams = [captured[il] for il in D.target_layers]
     state = draft.new_state()
     draft.feed(streams, state)
@@ -181,7 +184,7 @@ def test_the_confidence_cut_stops_at_the_first_row_below_the_threshold(files, dr
         below = [i for i, c in enumerate(confidence) if c < threshold + 1e-6]
         assert cut == drafts[: below[0]]
     assert draft.propose(anchor, state, D.block_size, Sampler(GREEDY), threshold=0.0)[0] == drafts
-    assert state.pos == len(PROMPT)  # proposing never moves the drafter's state
+    assert state.pos == len(CONTEXT)  # proposing never moves the drafter's state
 
 
 # -- bad input --------------------------------------------------------------------------------------------------
@@ -246,8 +249,6 @@ SPEC_D = DSparkArgs(block_size=5, markov_rank=16, noise_token_id=128799, target_
 
 @pytest.fixture(scope="module")
 def small_drafter(mtp_files, tmp_path_factory):
-    from conftest import SMALL
-
     path = tmp_path_factory.mktemp("dspark") / "small-dspark.gguf"
     write_synthetic_dspark(path, SMALL, SPEC_D, seed=2)
     return path
@@ -259,8 +260,6 @@ def test_greedy_speculation_with_dspark_emits_what_plain_decoding_does(engines, 
     steps accept all, some or none. Either way the output is plain greedy's, and the drafter's rings
     hold exactly the committed positions' rows: its block after the sequence equals the block of a
     drafter fed once from a plain pass over the whole sequence."""
-    from conftest import PROMPT
-    from spec_support import ScriptedDrafter, first_gap, plain_greedy, speculative
 
     engine = engines(backend_name, "plain")
     n = 60
@@ -294,7 +293,6 @@ def test_greedy_speculation_with_dspark_emits_what_plain_decoding_does(engines, 
 def test_run_with_dspark_prints_the_plain_greedy_text(mtp_files, engines, small_drafter):
     import re
 
-    from conftest import PROMPT
     from typer.testing import CliRunner
 
     from dwarfstar.cli import _register_commands, app
@@ -407,10 +405,6 @@ def test_sampled_speculation_with_dspark_follows_plain_sampling(engines, small_d
     first speculative one: a drafted block, accepted or resampled), against their exact distribution."""
     import itertools
     from collections import Counter
-
-    from conftest import PROMPT
-    from spec_support import speculative
-    from test_rejection_sampling import SIGNIFICANCE, chi_square_p
 
     from dwarfstar.sampling import SamplingParams
     from dwarfstar.speculative.verify import rule_probabilities
