@@ -159,7 +159,7 @@ class DSparkForward(Generic[A, S]):
         model.embed(batch)  # prepares the call (positions, RoPE tables)
         for il in range(self.d.stages):
             kv = ops.project(il, ATTN_INPUT, main_x, batch)["kv"]
-            ops.store_window(il, ops.norm_rope(il, Rows.KV, kv, batch), batch)
+            ops.extend_window(il, ops.norm_rope(il, Rows.KV, kv, batch), batch)
         model.advance(batch)
 
     def block(self, anchor: int, state: SequenceState) -> tuple[A, torch.Tensor]:

@@ -199,7 +199,7 @@ class Ops(Protocol[A, S]):
         the RoPE removed from the output. The window then keeps only its last `window` rows."""
         ...
 
-    def store_window(self, il: int, kv: A, batch: Batch[S]) -> None:
+    def extend_window(self, il: int, kv: A, batch: Batch[S]) -> None:
         """Rows that join each sequence's raw window with no query reading them: a DSpark stage's
         context rows (`dwarfstar.model.dspark`)."""
         ...

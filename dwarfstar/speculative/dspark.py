@@ -47,7 +47,7 @@ from dwarfstar.speculative.track import HeldRows
 from dwarfstar.speculative.verify import draw, next_uniform, rule_probabilities
 
 # the Ops a backend needs for the drafter's passes (the reference and MLX have them; Triton not yet)
-DSPARK_OPS = ("store_window", "block_attention", "hc_collapse", "output_norm")
+DSPARK_OPS = ("extend_window", "block_attention", "hc_collapse", "output_norm")
 
 
 class DSparkConfidenceError(DwarfStarError):

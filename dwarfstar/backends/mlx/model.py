@@ -176,7 +176,8 @@ class MLXOps(StreamSteps):
         return self.fused.hc_post(out, h, *mix)
 
     def hc_head(self, h: mx.array, rows: list[int] | None, batch: Batch[MLXStep]) -> mx.array:
-        return self.output_norm(self.hc_collapse(h if rows is None else h[mx.array(rows)], batch), batch)
+        h = h if rows is None else h[mx.array(rows)]
+        return ops.rms_norm(self.fused.hc_head(h, *self.head_hc), self.out_norm, self.args.norm_eps)
 
     def hc_collapse(self, h: mx.array, batch: Batch[MLXStep]) -> mx.array:
         return self.fused.hc_head(h, *self.head_hc)
@@ -283,7 +284,7 @@ class MLXOps(StreamSteps):
         o = out[0] if len(out) == 1 else mx.concatenate(out)
         return self.fused.unrope(o, cos, sin)
 
-    def store_window(self, il: int, kv: mx.array, batch: Batch[MLXStep]) -> None:
+    def extend_window(self, il: int, kv: mx.array, batch: Batch[MLXStep]) -> None:
         for seq in batch.seqs:
             raw = mx.concatenate((seq.state.raw_window(il), kv[seq.rows]))
             seq.state.store_window(il, raw, seq.start + seq.length)

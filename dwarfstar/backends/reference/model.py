@@ -199,7 +199,9 @@ class ReferenceOps(StreamSteps):
         return ops.hc_post(out, h, *mix)
 
     def hc_head(self, h: torch.Tensor, rows: list[int] | None, batch: Batch[ReferenceStep]) -> torch.Tensor:
-        return self.output_norm(self.hc_collapse(h if rows is None else h[rows], batch), batch)
+        a = self.args
+        h = h if rows is None else h[rows]
+        return ops.rms_norm(ops.hc_head(h, *self.head_hc, a.hc_eps, a.norm_eps), self.out_norm, a.norm_eps)
 
     def hc_collapse(self, h: torch.Tensor, batch: Batch[ReferenceStep]) -> torch.Tensor:
         return ops.hc_head(h, *self.head_hc, self.args.hc_eps, self.args.norm_eps)
@@ -443,7 +445,7 @@ class ReferenceOps(StreamSteps):
             parts.append((rows, visible if selected is None else selected))
         return ops.attention_rows(q, parts, layer.sinks)[0]
 
-    def store_window(self, il: int, kv: torch.Tensor, batch: Batch[ReferenceStep]) -> None:
+    def extend_window(self, il: int, kv: torch.Tensor, batch: Batch[ReferenceStep]) -> None:
         """Unlike the rows attention stores, these keep their autograd history: a DSpark drafter's
         training runs its context rows and the blocks that read them in one graph
         (`dwarfstar.train.dspark`); `block_attention` reads a copy of the ring, which later rows overwrite."""
