@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import PROMPT, SMALL
 from spec_support import ScriptedDrafter, first_gap, plain_greedy, speculative
-from test_rejection_sampling import SIGNIFICANCE, chi_square_p
+from test_rejection_sampling import SIGNIFICANCE, chi_square_p, first_two_tokens, sampled_pairs
 
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.errors import DwarfStarError, ModelFileError
@@ -403,31 +403,21 @@ def test_a_trained_drafter_round_trips_through_its_support_file(mtp_files, engin
 def test_sampled_speculation_with_dspark_follows_plain_sampling(engines, small_drafter):
     """The first two sampled tokens over many seeds, drafted by the DSpark drafter (the second is the
     first speculative one: a drafted block, accepted or resampled), against their exact distribution."""
-    import itertools
-    from collections import Counter
-
     from dwarfstar.sampling import SamplingParams
-    from dwarfstar.speculative.verify import rule_probabilities
 
     engine = engines("reference", "plain")
     backend = engine.backend
     params = SamplingParams(temperature=1.0, min_p=0.0, top_k=2)
     spec = speculative(backend, DSparkDraft(backend, engine.model, small_drafter), PROMPT, 5)
     start = (spec.state.snapshot(), spec.track.state.snapshot())
-    p1 = rule_probabilities(spec.state.logits, params)
-    expected = {}
-    for t1 in p1.nonzero().flatten().tolist():
-        after = backend.forward([t1], spec.state, all_logits=False)[0]
-        spec.state.restore(start[0])
-        for t2, p in enumerate(rule_probabilities(after, params).tolist()):
-            if p:
-                expected[t1, t2] = float(p1[t1]) * p
-    trials, counts = 150, Counter()
-    for seed in range(trials):
+    expected = first_two_tokens(backend, spec.state, params)
+
+    def rewind() -> None:
         spec.state.restore(start[0])
         spec.track.state.restore(start[1])
         spec.track.hidden = None
-        tokens = list(itertools.islice(spec.generate(3, SamplingParams(**{**params.__dict__, "seed": seed})), 2))
-        counts[tuple(tokens)] += 1
+
+    trials = 150
+    counts = sampled_pairs(spec, params, trials, rewind)
     assert spec.stats.drafted[0] == trials
     assert chi_square_p(counts, expected, trials) > SIGNIFICANCE

@@ -115,6 +115,30 @@ class SkewedTargetDrafter(Drafter):
         return drafts, dists
 
 
+def first_two_tokens(backend, state, params: SamplingParams) -> dict[tuple[int, int], float]:
+    """The exact distribution of the first two tokens sampled after `state`, which is left as it was."""
+    start = state.snapshot()
+    p1 = rule_probabilities(state.logits, params)
+    expected = {}
+    for t1 in p1.nonzero().flatten().tolist():
+        after = backend.forward([t1], state, all_logits=False)[0]
+        state.restore(start)
+        for t2, p in enumerate(rule_probabilities(after, params).tolist()):
+            if p:
+                expected[t1, t2] = float(p1[t1]) * p
+    return expected
+
+
+def sampled_pairs(spec: Speculator, params: SamplingParams, trials: int, rewind) -> Counter:
+    """The first two tokens `spec` generates with seeds 0..trials-1, each run after `rewind()`."""
+    counts = Counter()
+    for seed in range(trials):
+        rewind()
+        tokens = list(itertools.islice(spec.generate(3, SamplingParams(**{**params.__dict__, "seed": seed})), 2))
+        counts[tuple(tokens)] += 1
+    return counts
+
+
 def test_model_tokens_follow_plain_sampling(engines):
     """The first two generated tokens over many seeds, on the model, against their exact distribution
     (the second is the first speculative one: drafted, then accepted or resampled)."""
@@ -126,22 +150,15 @@ def test_model_tokens_follow_plain_sampling(engines):
     spec.prefill(PROMPT)
     start = (spec.state.snapshot(), spec.track.state.snapshot(), spec.track.hidden, spec.track.last)
 
-    p1 = rule_probabilities(spec.state.logits, params)
-    expected = {}
-    for t1 in p1.nonzero().flatten().tolist():
-        after = backend.forward([t1], spec.state, all_logits=False)[0]
-        spec.state.restore(start[0])
-        for t2, p in enumerate(rule_probabilities(after, params).tolist()):
-            if p:
-                expected[t1, t2] = float(p1[t1]) * p
+    expected = first_two_tokens(backend, spec.state, params)
 
-    trials, counts = 150, Counter()
-    for seed in range(trials):
+    def rewind() -> None:
         spec.state.restore(start[0])
         spec.track.state.restore(start[1])
         spec.track.hidden, spec.track.last = start[2], start[3]
-        tokens = list(itertools.islice(spec.generate(3, SamplingParams(**{**params.__dict__, "seed": seed})), 2))
-        counts[tuple(tokens)] += 1
+
+    trials = 150
+    counts = sampled_pairs(spec, params, trials, rewind)
     drafted, accepted = spec.stats.drafted[0], spec.stats.accepted[0]
     assert drafted == trials and 0.2 * trials < accepted < 0.95 * trials  # the draft is rejected often
     assert chi_square_p(counts, expected, trials) > SIGNIFICANCE
