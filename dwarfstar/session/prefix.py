@@ -108,8 +108,9 @@ def checkpoint_marks(plan: ReusePlan, tokenizer: Tokenizer) -> list[int]:
     - the end (a retried turn).
     A mark ends a pass, so one less than MARK_GAP tokens after the previous (or the cut) is left out:
     that pass would cost more than the replay it saves. The end ends a pass anyway."""
-    users = [i for i, token in enumerate(plan.suffix) if token == tokenizer.token_id(USER)]
-    assistants = [i for i, token in enumerate(plan.suffix) if token == tokenizer.token_id(ASSISTANT)]
+    user, assistant = tokenizer.token_id(USER), tokenizer.token_id(ASSISTANT)
+    users = [i for i, token in enumerate(plan.suffix) if token == user]
+    assistants = [i for i, token in enumerate(plan.suffix) if token == assistant]
     marks, last = [], plan.keep
     for i in sorted({*users[:1], *users[-1:], *assistants[-1:]}):
         if plan.keep + i + 1 - last >= MARK_GAP:

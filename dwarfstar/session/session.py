@@ -192,8 +192,7 @@ class Session:
         pos = self.state.pos
         if pos % self.chunk == 0 or pos in self._marks:
             self._marks.discard(pos)
-            if not self._checkpoints or self._checkpoints[-1].pos != pos:
-                self._checkpoint()
+            self._checkpoint()
 
     def _checkpoint(self) -> None:
         self._checkpoints.append(self.state.snapshot())

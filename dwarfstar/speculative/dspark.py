@@ -43,6 +43,7 @@ from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
 from dwarfstar.sampling import Sampler
 from dwarfstar.speculative.mtp import DraftFile
+from dwarfstar.speculative.mtp_options import check_confidence
 from dwarfstar.speculative.track import HeldRows
 from dwarfstar.speculative.verify import draw, next_uniform, rule_probabilities
 
@@ -105,8 +106,7 @@ class DSparkDraft:
     """The drafter on the target's backend: the stages' model, their forward, the heads."""
 
     def __init__(self, target: Transformer, model: ModelFile, path: str | os.PathLike, confidence: float = 0.0) -> None:
-        if not 0.0 <= confidence < 1.0:
-            raise DwarfStarError(f"--dspark-confidence must be in [0, 1), got {confidence}")
+        check_confidence(confidence)
         self.confidence = confidence  # a block is cut at its first row whose confidence is below this
         self.d, self.gguf, stages = open_dspark(model, path)
         try:

@@ -55,6 +55,12 @@ class MTPOptions:
         return f"mtp N={self.n_draft} {self.alignment}"
 
 
+def check_confidence(confidence: float) -> None:
+    """A DSpark confidence cut is usable, else a clear error (named as the flag)."""
+    if not 0.0 <= confidence < 1.0:
+        raise DwarfStarError(f"--dspark-confidence must be in [0, 1), got {confidence}")
+
+
 @dataclass(frozen=True)
 class DSparkOptions:
     """DSpark speculation: ds4's support file, and the confidence below which a block is cut."""
@@ -63,8 +69,7 @@ class DSparkOptions:
     confidence: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.confidence < 1.0:
-            raise DwarfStarError(f"--dspark-confidence must be in [0, 1), got {self.confidence}")
+        check_confidence(self.confidence)
 
     def describe(self) -> str:
         return f"dspark confidence {self.confidence:g}"

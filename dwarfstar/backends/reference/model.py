@@ -457,8 +457,8 @@ class ReferenceOps(StreamSteps):
         out = []
         for seq in batch.seqs:
             n = seq.length
-            parts = [(seq.state.raw_window(il).clone(), None), (kv[seq.rows], None)]
-            parts = [(rows.expand(n, -1, -1), torch.ones(n, rows.shape[0], dtype=torch.bool)) for rows, _ in parts]
+            keys = (seq.state.raw_window(il).clone(), kv[seq.rows])
+            parts = [(rows.expand(n, -1, -1), torch.ones(n, rows.shape[0], dtype=torch.bool)) for rows in keys]
             out.append(ops.attention_rows(q[seq.rows], parts, self.layers[il].sinks)[0])
         return ops.apply_rope(torch.cat(out), *self._batch_angles(il, batch.step), inverse=True)
 
