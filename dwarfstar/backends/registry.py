@@ -46,6 +46,7 @@ class Load:
     kv_slots: int  # sequences to a KV-cache block
     stream: bool  # leave the routed experts in the file (`attach_experts` streams them)
     progress: Callable[[int, int], None] | None = None  # (done, total) as the weights are read
+    threads: int | None = None  # CPU threads of the cpu backend's kernels (None: every core)
 
 
 class BackendEntry(ABC):
@@ -113,6 +114,11 @@ class Reference(BackendEntry):
     float32_weights = True
     reports_progress = True
 
+    def owns(self, model):
+        from dwarfstar.backends.reference.weights import FLOAT32
+
+        return super().owns(model) and model.ops.products is FLOAT32
+
     def load(self, model, load):
         from dwarfstar.backends.reference.model import ReferenceModel
 
@@ -128,6 +134,55 @@ class Reference(BackendEntry):
         from dwarfstar.backends.reference.model import ReferenceModel
 
         return ReferenceModel(draft, qat=target.qat, max_seq_len=target.max_seq_len)
+
+
+POPULATE_SHARE = 0.8  # the cpu backend maps a file's pages at load where it is at most this share of RAM
+
+
+class Cpu(Reference):
+    """The reference's forward with its weight products on the CPU kernels (backends/cpu): the weights
+    stay in their file blocks, the activations are quantized to int8 per product input. Falls back to
+    the reference's float32 products, said once, where no C compiler can build the kernels."""
+
+    name = "cpu"
+    float32_weights = False
+
+    def load(self, model, load):
+        from dwarfstar.backends.reference.model import ReferenceModel
+
+        mapped = sum(path.stat().st_size for path in model.parts or (model.path,))
+        if not load.stream and mapped <= POPULATE_SHARE * host_memory():
+            model.gguf.populate()  # the products then read mapped pages (gguf.reader.GGUFFile.populate)
+        return ReferenceModel(
+            model, load.qat, load.ctx, load.progress, load.kv_slots, products=_kernel_products(model, load.threads)
+        )
+
+    def owns(self, model):
+        from dwarfstar.backends.reference.weights import FLOAT32
+
+        return BackendEntry.owns(self, model) and model.ops.products is not FLOAT32
+
+    def attach_experts(self, backend, store):
+        from dwarfstar.backends.cpu.products import kernel_expert
+        from dwarfstar.experts.source import StreamingExperts
+
+        backend.experts = StreamingExperts(store, kernel_expert)
+
+    def draft_model(self, target, draft):
+        from dwarfstar.backends.reference.model import ReferenceModel
+
+        products = _kernel_products(draft, target.ops.products.threads)
+        return ReferenceModel(draft, qat=target.qat, max_seq_len=target.max_seq_len, products=products)
+
+
+def _kernel_products(model: ModelFile, threads: int | None):
+    from dwarfstar.backends.cpu.native import available
+    from dwarfstar.backends.cpu.products import KernelProducts
+    from dwarfstar.backends.reference.weights import FLOAT32
+
+    if available() is not None:
+        return FLOAT32
+    return KernelProducts(model.gguf, threads or os.cpu_count() or 1)
 
 
 class Triton(BackendEntry):
@@ -232,7 +287,7 @@ class MLX(BackendEntry):
         return MLXModel(draft, qat=target.qat, packing=target.packing, max_seq_len=target.max_seq_len)
 
 
-ENTRIES = {entry.name: entry for entry in (Reference(), Triton(), MLX())}
+ENTRIES = {entry.name: entry for entry in (Reference(), Cpu(), Triton(), MLX())}
 PREFERENCE = ("mlx", "triton", "reference")  # what `auto` tries, in order
 
 

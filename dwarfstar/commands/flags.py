@@ -94,6 +94,10 @@ Model = Annotated[
 ]  # fmt: skip
 Backend = Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.", rich_help_panel=MODEL)]
 Precision = Annotated[str, typer.Option(help=PRECISION_HELP, rich_help_panel=MODEL)]
+Threads = Annotated[
+    int | None,
+    typer.Option(min=1, help="CPU threads of the cpu backend's kernels (default: every core).", rich_help_panel=MODEL),
+]
 Ctx = Annotated[int, typer.Option("-c", "--ctx", min=1, help="Context size in tokens.", rich_help_panel=MODEL)]
 Power = Annotated[
     int,
@@ -138,6 +142,7 @@ class ModelFlags:
     model: Model = None
     backend: Backend = "auto"
     precision: Precision = "exact"
+    threads: Threads = None
 
     def path(self) -> Path:
         from dwarfstar.model.hub import resolve_model
@@ -146,7 +151,7 @@ class ModelFlags:
 
     def spec(self, **options: Any) -> EngineSpec:
         """The engine these flags name, with `options` (`EngineSpec`'s other fields: ctx, steering...)."""
-        return EngineSpec(self.path(), self.backend, self.precision, **options)
+        return EngineSpec(self.path(), self.backend, self.precision, threads=self.threads, **options)
 
 
 @dataclass(frozen=True)

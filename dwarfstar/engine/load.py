@@ -69,7 +69,8 @@ def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = 
         check_fits(model, entry, limit)
     direction = steering.read(model.args) if steering is not None else None  # a bad file fails before the weights load
     slots = spec.kv_slots or entry.kv_slots
-    impl = entry.load(model, Load(spec.qat, spec.precision, spec.ctx, slots, stream, progress))
+    load = Load(spec.qat, spec.precision, spec.ctx, slots, stream, progress=progress, threads=spec.threads)
+    impl = entry.load(model, load)
     experts = None
     if streaming is not None:
         experts = streaming_store(model, entry, limit, streaming)

@@ -45,6 +45,7 @@ class EngineSpec:
     speculation: MTPOptions | DSparkOptions | None = None  # a drafter for speculative decoding
     dist: DistOptions | None = None  # this process as one stage of a layer pipeline
     power: int = 100  # keep the device about this % busy (`dwarfstar.session.throttle`, applied by the caller)
+    threads: int | None = None  # CPU threads of the cpu backend's kernels (default: every core)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))
@@ -56,6 +57,8 @@ class EngineSpec:
             raise DwarfStarError(f"the context must be at least 1 token, got {self.ctx}")
         if self.kv_slots is not None and self.kv_slots < 1:
             raise DwarfStarError(f"a KV-cache block holds at least 1 sequence, got {self.kv_slots}")
+        if self.threads is not None and self.threads < 1:
+            raise DwarfStarError(f"--threads must be at least 1, got {self.threads}")
         if not 1 <= self.power <= 100:
             raise DwarfStarError(f"--power must be 1..100, got {self.power}")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ _MIN_VALUE_BYTES[ValueType.STRING] = 8  # u64 length (an empty string has no byt
 _MIN_VALUE_BYTES[ValueType.ARRAY] = 12  # u32 item type + u64 count
 _MIN_KV_BYTES = 8 + 4 + 1  # empty key + value type + a u8 value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # empty name + n_dims + type + offset, zero dims
+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python 3.11 has no name for it
 
 
 @dataclass(frozen=True)
@@ -295,6 +298,20 @@ class GGUFFile:
             os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+    def populate(self) -> bool:
+        """Map every page of the file into this process now, reading what the page cache lacks (as
+        llama.cpp's MAP_POPULATE): a product's first read of a page then takes no page fault (a Flash
+        routed expert's first product: 1.06 ms unmapped, 0.50 mapped). Linux 5.14 and later (False
+        elsewhere); only worth it where the file fits in memory."""
+        assert self._data is not None
+        if not sys.platform.startswith("linux"):
+            return False
+        try:
+            self._data._mmap.madvise(MADV_POPULATE_READ)
+        except OSError:
+            return False
+        return True
 
     def tensor(self, name: str) -> torch.Tensor:
         """Dequantized copy: float32 for float and quant types, int32 for I32, in `TensorInfo.shape`."""

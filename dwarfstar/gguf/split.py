@@ -217,6 +217,9 @@ class GGUFSet:
     def release(self, name: str) -> None:
         self.part_of(name).release(name)
 
+    def populate(self) -> bool:
+        return all([part.populate() for part in self.parts])
+
     def close(self) -> None:
         for part in self.parts:
             part.close()

@@ -47,6 +47,11 @@ REFERENCE = BackendKind("reference", "cpu")
 def backend_kinds() -> list[tuple[BackendKind | None, str, str | None]]:
     """(kind, id, why it cannot run) for every backend; kind is None where it cannot run here."""
     kinds: list[tuple[BackendKind | None, str, str | None]] = [(REFERENCE, REFERENCE.id, None)]
+    from dwarfstar.backends.cpu.native import available
+
+    why = available()
+    cpu = BackendKind("cpu", "native")
+    kinds.append((None if why else cpu, cpu.id, f"the CPU kernels do not build here: {why}" if why else None))
     try:
         import triton  # noqa: F401
     except ImportError as exc:

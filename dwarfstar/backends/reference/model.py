@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from dwarfstar.backends.reference import ops
-from dwarfstar.backends.reference.weights import GGUFWeights, WeightSource
+from dwarfstar.backends.reference.weights import FLOAT32, GGUFWeights, Products, WeightSource
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import LayerSpec, ModelArgs, yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, StreamSteps, Transformer
@@ -61,7 +61,7 @@ class Layer:
     q_norm: torch.Tensor
     kv_norm: torch.Tensor
     sinks: torch.Tensor
-    wo_a: torch.Tensor  # [o_groups, o_lora_rank, heads_per_group * head_dim]
+    wo_a: torch.Tensor  # [o_groups * o_lora_rank, heads_per_group * head_dim]: group g's rows g*rank...
     wo_b: torch.Tensor
     compressors: dict[str, tuple[torch.Tensor, torch.Tensor]]  # kind -> (ape, norm)
     inv_freq: torch.Tensor
@@ -96,11 +96,11 @@ class ReferenceStep:
     index_scores: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
-def expert_reader(weights: WeightSource, il: int) -> ExpertGetter:
+def expert_reader(weights: WeightSource, il: int, products: Products = FLOAT32) -> ExpertGetter:
     """Layer il's routed experts by id, read from the source as the router picks them (dequantized
-    per use for files too large to expand)."""
+    per use for files too large to expand, or as `products` hold them)."""
     names = [tt.layer_tensor(il, name) for name in tt.EXPERTS]
-    return lambda e: tuple(weights.expert(name, e) for name in names)
+    return lambda e: tuple(products.expert(weights, name, e) for name in names)
 
 
 class ReferenceOps(StreamSteps):
@@ -111,18 +111,20 @@ class ReferenceOps(StreamSteps):
         qat: bool,
         progress: Callable[[int, int], None] | None,
         layer_range: range | None = None,
+        products: Products = FLOAT32,
     ) -> None:
         """`layer_range`: the layers to load (a pipeline stage's), with the embedding when it starts at
-        0 and the head when it ends at the last layer; `layers` is keyed by the global index."""
+        0 and the head when it ends at the last layer; `layers` is keyed by the global index.
+        `products`: how the weight products are held and computed (float32 here; the CPU kernels')."""
         report = progress or (lambda done, total: None)
-        self.args, self.qat = args, qat
+        self.args, self.qat, self.products = args, qat, products
         self.layer_range = range(args.n_layers) if layer_range is None else layer_range
-        self.experts = ResidentExperts({il: expert_reader(weights, il) for il in self.layer_range})
+        self.experts = ResidentExperts({il: expert_reader(weights, il, products) for il in self.layer_range})
         self.indexer_observer: IndexerObserver | None = None
         self.route_observer: RouteObserver | None = None
         self.expert_observer: ExpertObserver | None = None
         total = len(self.layer_range) + 2
-        self.embedding = weights.dense(tt.EMBED) if self.layer_range.start == 0 else None
+        self.embedding = products.table(weights, tt.EMBED) if self.layer_range.start == 0 else None
         report(1, total)
         self.layers: dict[int, Layer] = {}
         for done, il in enumerate(self.layer_range, start=2):
@@ -132,7 +134,7 @@ class ReferenceOps(StreamSteps):
         if self.layer_range.stop == args.n_layers:
             self.head_hc = tuple(weights.dense(name) for name in tt.HEAD_HC)
             self.out_norm = weights.dense(tt.OUTPUT_NORM)
-            self.output = weights.dense(tt.OUTPUT)
+            self.output = products.matrix(weights, tt.OUTPUT)
         report(total, total)
 
     def _load_layer(self, weights: WeightSource, il: int) -> Layer:
@@ -141,16 +143,19 @@ class ReferenceOps(StreamSteps):
         def w(name: str) -> torch.Tensor:
             return weights.dense(tt.layer_tensor(il, name))
 
+        def m(name: str):  # a product weight, as `self.products` hold it
+            return self.products.matrix(weights, tt.layer_tensor(il, name))
+
         return Layer(
             spec=spec,
             hc={site: tuple(w(n) for n in tt.hc_mix(site)) for site in tt.SITES},
             norm={site: w(tt.sublayer_norm(site)) for site in tt.SITES},
-            proj={p.key: w(p.tensor) for g in tt.PROJECTION_GROUPS for p in g.present(spec)},
+            proj={p.key: m(p.tensor) for g in tt.PROJECTION_GROUPS for p in g.present(spec)},
             q_norm=w(tt.Q_NORM),
             kv_norm=w(tt.KV_NORM),
             sinks=w(tt.SINKS),
-            wo_a=w(tt.OUT_A).view(a.o_groups, a.o_lora_rank, -1),
-            wo_b=w(tt.OUT_B),
+            wo_a=m(tt.OUT_A),
+            wo_b=m(tt.OUT_B),
             compressors={
                 kind: tuple(w(n) for n in tt.compressor(kind))
                 for kind in tt.COMPRESSORS
@@ -160,7 +165,7 @@ class ReferenceOps(StreamSteps):
             router=w(tt.ROUTER),
             bias=None if spec.hash_routed else w(tt.ROUTER_BIAS),
             tid2eid=w(tt.HASH_TABLE).long() if spec.hash_routed else None,
-            shared=tuple(w(n) for n in tt.SHARED_EXPERT),
+            shared=tuple(m(n) for n in tt.SHARED_EXPERT),
         )
 
     def kv_storage(self) -> TorchStorage:
@@ -210,14 +215,14 @@ class ReferenceOps(StreamSteps):
         return ops.rms_norm(y, self.out_norm, self.args.norm_eps)
 
     def logits(self, y: torch.Tensor, batch: Batch[ReferenceStep]) -> torch.Tensor:
-        return ops.linear(y, self.output)
+        return self.products.linear(y, self.output)
 
     # -- attention ---------------------------------------------------------------------------------------
     def project(
         self, il: int, group: ProjectionGroup, x: torch.Tensor, batch: Batch[ReferenceStep]
     ) -> dict[str, torch.Tensor]:
-        layer = self.layers[il]
-        return {p.key: ops.linear(x, layer.proj[p.key]) for p in group.present(layer.spec)}
+        layer, x = self.layers[il], self.products.input(x)
+        return {p.key: self.products.linear(x, layer.proj[p.key]) for p in group.present(layer.spec)}
 
     def _angles(self, il: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_angles(positions, self.layers[il].inv_freq)
@@ -463,10 +468,10 @@ class ReferenceOps(StreamSteps):
         return ops.apply_rope(torch.cat(out), *self._batch_angles(il, batch.step), inverse=True)
 
     def attn_output(self, il: int, o: torch.Tensor, batch: Batch[ReferenceStep]) -> torch.Tensor:
-        layer = self.layers[il]
-        heads = o.reshape(o.shape[0], self.args.o_groups, -1)
-        grouped = torch.cat([ops.linear(heads[:, g], wo_a) for g, wo_a in enumerate(layer.wo_a)], dim=1)
-        return ops.linear(grouped, layer.wo_b)
+        layer, a, linear = self.layers[il], self.args, self.products.linear
+        heads, rank = o.reshape(o.shape[0], a.o_groups, -1), a.o_lora_rank
+        grouped = torch.cat([linear(heads[:, g], layer.wo_a[g * rank : (g + 1) * rank]) for g in range(a.o_groups)], 1)
+        return linear(grouped, layer.wo_b)
 
     # -- mixture of experts --------------------------------------------------------------------------------
     def route(self, il: int, x: torch.Tensor, batch: Batch[ReferenceStep]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -486,23 +491,23 @@ class ReferenceOps(StreamSteps):
         experts: ExpertSource,
         batch: Batch[ReferenceStep],
     ) -> torch.Tensor:
-        limit = self.args.swiglu_limit
+        limit, linear = self.args.swiglu_limit, self.products.linear
         expert, slot_ids = experts.experts(il, ids)
         out = torch.zeros_like(x)
         for e in slot_ids.unique().tolist():
             rows, slots = (slot_ids == e).nonzero(as_tuple=True)
             gate, up, down = expert(e)
             inputs = x[rows]
+            both = self.products.input(inputs)
             # the router weight scales the SwiGLU output before the down projection, as ds4 does
-            hidden = (
-                ops.swiglu_clamped(ops.linear(inputs, gate), ops.linear(inputs, up), limit) * weights[rows, slots, None]
-            )
+            hidden = ops.swiglu_clamped(linear(both, gate), linear(both, up), limit) * weights[rows, slots, None]
             if self.expert_observer is not None:
                 for name, seen in zip(tt.EXPERTS, (inputs, inputs, hidden), strict=True):
                     self.expert_observer(il, name, int(ids[rows[0], slots[0]]), seen)
-            out.index_add_(0, rows, ops.linear(hidden, down))
+            out.index_add_(0, rows, linear(hidden, down))
         gate, up, down = self.layers[il].shared
-        return out + ops.linear(ops.swiglu_clamped(ops.linear(x, gate), ops.linear(x, up), limit), down)
+        x = self.products.input(x)
+        return out + linear(ops.swiglu_clamped(linear(x, gate), linear(x, up), limit), down)
 
 
 class ReferenceModel(Transformer[torch.Tensor, ReferenceStep]):
@@ -515,24 +520,28 @@ class ReferenceModel(Transformer[torch.Tensor, ReferenceStep]):
         max_seq_len: int | None = None,
         progress: Callable[[int, int], None] | None = None,
         kv_slots: int = 1,
+        products: Products = FLOAT32,
     ) -> None:
-        """`kv_slots`: sequences per KV-cache block (a server's sessions decode in one block)."""
-        self._setup(model.args, GGUFWeights(model.gguf), qat, max_seq_len, progress, model.layer_range, kv_slots)
+        """`kv_slots`: sequences per KV-cache block (a server's sessions decode in one block); `products`:
+        how the weight products run (the CPU backend's kernels, else float32)."""
+        weights = GGUFWeights(model.gguf)
+        self._setup(model.args, weights, qat, max_seq_len, progress, model.layer_range, kv_slots, products)
 
     @classmethod
     def from_weights(cls, args: ModelArgs, weights: WeightSource, qat: bool = True) -> ReferenceModel:
         """A model over any weight source, e.g. trainable parameters (tools/train_nano.py)."""
         model = cls.__new__(cls)
-        model._setup(args, weights, qat, None, None, None, 1)
+        model._setup(args, weights, qat, None, None, None, 1, FLOAT32)
         return model
 
-    def _setup(self, args, weights, qat, max_seq_len, progress, layer_range, kv_slots) -> None:
+    def _setup(self, args, weights, qat, max_seq_len, progress, layer_range, kv_slots, products) -> None:
         if args.dim < SMALL_MODEL_DIM:
             # Tiny models run hundreds of microsecond-sized ops per token; OpenMP hand-offs between
             # threads cost more than the math (30x slower decode on 2 busy cores), so use one thread.
             torch.set_num_threads(1)
         self.qat = qat
-        super().__init__(ReferenceOps(args, weights, qat, progress, layer_range), max_seq_len, kv_slots)
+        ops = ReferenceOps(args, weights, qat, progress, layer_range, products)
+        super().__init__(ops, max_seq_len, kv_slots)
 
     # the sampling rules run on the logits' device (here the CPU), one host sync per step
     sample_batch = staticmethod(sample_batch)

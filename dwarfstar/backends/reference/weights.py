@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from dwarfstar.backends.reference import ops
 from dwarfstar.gguf.dequant import dequantize
 from dwarfstar.gguf.reader import GGUFFile
 
@@ -43,3 +44,33 @@ class GGUFWeights:
         slab = info.nbytes // n_expert
         raw = self.gguf.raw(name)[e * slab : (e + 1) * slab]
         return dequantize(raw, info.ggml_type, out_dim * in_dim).view(out_dim, in_dim)
+
+
+class Products:
+    """How the reference holds its product weights and multiplies with them: float32 tensors from the
+    source, through `ops.linear`. The CPU backend passes its kernels' instead
+    (`dwarfstar.backends.cpu.products.KernelProducts`): the weights in their file blocks, the inputs
+    quantized once per product input (`input`) for every weight they meet."""
+
+    def matrix(self, weights: WeightSource, name: str) -> Any:
+        """The weight matrix `name`, as `linear` takes it."""
+        return weights.dense(name)
+
+    def table(self, weights: WeightSource, name: str) -> Any:
+        """A table read by rows (the embedding): `table[ids]` is float32 [len(ids), dim]."""
+        return weights.dense(name)
+
+    def expert(self, weights: WeightSource, name: str, e: int) -> Any:
+        """Expert e's matrix of the routed-expert tensor `name`."""
+        return weights.expert(name, e)
+
+    def input(self, x: torch.Tensor) -> Any:
+        """x as the products of one input take it (once for several weights)."""
+        return x
+
+    def linear(self, x: Any, w: Any) -> torch.Tensor:
+        """x @ w.T for an `input` (or a tensor) and a `matrix` or `expert`."""
+        return ops.linear(x, w)
+
+
+FLOAT32 = Products()
