@@ -7,11 +7,11 @@ once, with the same thread count throughout:
 1. the machine's read bandwidth: N Python threads sum disjoint slices of a buffer far larger than
    the last-level cache as int64 (numpy releases the GIL in reductions), best of 3 passes. The
    buffer is the model file's own pages (`--bandwidth file`, the default: the first pass reads them
-   into the page cache if they are not there, and leaves them warm for both engines) or a fresh
-   anonymous array (`--bandwidth memory`);
+   into the page cache if they are not there, and leaves them warm for both engines), or a fresh
+   anonymous array (`--bandwidth memory`, and for a file under 1 GiB);
 2. llama.cpp (llama-cpp-python, CPU, extra buffer types off: their repacking asserts on deepseek4
-   graphs on AVX-512/AMX machines): prefill the prompt in one `eval`, then decode greedy tokens one
-   `eval` at a time;
+   graphs on AVX-512/AMX machines): prefill the prompt in one `eval` (512-token batches), then
+   decode greedy tokens one `eval` at a time;
 3. each of our backends named in `--backends`, loaded through `load_engine(EngineSpec(...))`: the
    same prompt through `Session.prefill`, then `bench.frontier.greedy_without_eos`.
 
@@ -45,6 +45,7 @@ import numpy as np
 
 LLAMA = "llama.cpp"
 BANDWIDTH_PASSES = 3
+MIN_FILE_BYTES = 2**30  # a smaller file is no bandwidth measure: the last-level cache could hold much of it
 
 
 class InputError(Exception):
@@ -86,8 +87,9 @@ class Run:
 # -- read bandwidth ---------------------------------------------------------------------------------
 
 
-def _timed_pass(slices: list[np.ndarray]) -> float:
-    """Seconds from the common start of one thread per slice, each summing its slice, to the last one's end."""
+def timed_pass(slices: list[np.ndarray]) -> tuple[float, int]:
+    """Seconds from the common start of one thread per slice, each summing its slice, to the last one's
+    end; and the sum of them all."""
     start_line = threading.Barrier(len(slices) + 1)
     sums = [0] * len(slices)  # kept, so no read can be skipped
 
@@ -102,7 +104,7 @@ def _timed_pass(slices: list[np.ndarray]) -> float:
     start = time.perf_counter()
     for worker in workers:
         worker.join()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, sum(sums)
 
 
 def read_bandwidth(words: np.ndarray, threads: int, passes: int = BANDWIDTH_PASSES) -> list[float]:
@@ -110,7 +112,7 @@ def read_bandwidth(words: np.ndarray, threads: int, passes: int = BANDWIDTH_PASS
     if words.ndim != 1 or words.dtype != np.int64:
         raise ValueError("read_bandwidth reads a 1-D int64 array")
     slices = np.array_split(words, threads)
-    return [words.nbytes / _timed_pass(slices) / 1e9 for _ in range(passes)]
+    return [words.nbytes / timed_pass(slices)[0] / 1e9 for _ in range(passes)]
 
 
 def measure_bandwidth(path: Path, source: str, memory_bytes: int, threads: int) -> Bandwidth:
@@ -267,9 +269,9 @@ def _ratio(value: float | None) -> str:
 
 def table(figures: dict) -> str:
     """The report for people: what was measured, then one line per engine."""
-    bw = figures["bandwidth"]
+    bw, threads = figures["bandwidth"], figures["threads"]
     lines = [
-        f"{figures['model']} ({figures['model_bytes'] / 1e9:.2f} GB), {figures['threads']} threads, "
+        f"{figures['model']} ({figures['model_bytes'] / 1e9:.2f} GB), {threads} thread{'s' if threads != 1 else ''}, "
         f"{figures['prefill']}-token prefill, {figures['decode']} greedy decode tokens (EOS masked)",
         f"read bandwidth: {bw['gbps']:.2f} GB/s (best of {len(bw['passes_gbps'])} passes over "
         f"{bw['nbytes'] / 2**30:.2f} GiB of {'the model file' if bw['source'] == 'file' else 'memory'})",
@@ -387,8 +389,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(opts.threads)  # EngineSpec has no thread count: ours run on torch's threads
     path, threads = opts.model, opts.threads
-    note(f"read bandwidth: {threads} threads, {opts.bandwidth} ...")
-    bandwidth = measure_bandwidth(path, opts.bandwidth, int(opts.bandwidth_gib * 2**30), threads)
+    source = opts.bandwidth
+    if source == "file" and path.stat().st_size < MIN_FILE_BYTES:
+        note(
+            f"the model file is under {MIN_FILE_BYTES / 2**30:.0f} GiB, which caches could hold: reading memory instead"
+        )
+        source = "memory"
+    note(f"read bandwidth: {threads} threads, {source} ...")
+    bandwidth = measure_bandwidth(path, source, int(opts.bandwidth_gib * 2**30), threads)
     note(f"  {bandwidth.gbps:.2f} GB/s (passes: {', '.join(f'{g:.2f}' for g in bandwidth.passes_gbps)})")
     runs: list[Run] = []
     try:
