@@ -84,6 +84,7 @@ def given_figures(with_llama: bool = True) -> dict:
     ]
     bandwidth = cmp.Bandwidth("file", 9 * 2**30, [10.0, 20.0, 16.0])
     about = {"model": "flash4.gguf", "model_bytes": 9_500_000_000, "threads": 2, "prefill": 512, "decode": 32}
+    about["load_average"] = {"start": 0.25, "end": 1.5}
     return cmp.report(runs if with_llama else runs[1:], bandwidth, 1_000_000_000, about)
 
 
@@ -113,6 +114,7 @@ def test_the_table_says_what_was_measured_and_one_line_per_engine():
     assert llama_line.split() == ["llama.cpp", "51.20", "8.00", "8.00", "40.0%", "1.00x", "1.00x"]
     assert ours_line.split() == ["dwarfstar", "cpu", "25.60", "2.00", "2.00", "10.0%", "0.50x", "0.25x"]
     assert "its first 2 of 32 greedy tokens are llama.cpp's" in text
+    assert text.splitlines()[-1] == "machine load (1-minute average): 0.25 at the start, 1.50 at the end"
 
     alone = cmp.table(given_figures(with_llama=False)).splitlines()[5]
     assert alone.split()[-2:] == ["-", "-"]
@@ -148,6 +150,7 @@ def test_ours_alone_on_the_bundled_model_writes_its_figures(tmp_path, capsys):
         2,
     )
     assert row["decode_tps"] > 0 and row["prefill_tps"] > 0 and figures["threads"] == 1
+    assert figures["load_average"]["start"] >= 0 and figures["load_average"]["end"] >= 0
     # the bundled file is too small to read for a bandwidth: a 0.01 GiB array is read instead
     assert (figures["bandwidth"]["source"], figures["bandwidth"]["nbytes"]) == ("memory", int(0.01 * 2**30) // 8 * 8)
     assert figures["versions"].keys() == {"torch", "numpy"}

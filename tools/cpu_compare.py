@@ -293,6 +293,9 @@ def table(figures: dict) -> str:
             f"{row['engine']}: its first {row['same_tokens_as_llama']} of {row['decode_tokens']} greedy tokens "
             "are llama.cpp's"
         )
+    if "load_average" in figures:
+        load = figures["load_average"]
+        lines.append(f"machine load (1-minute average): {load['start']:.2f} at the start, {load['end']:.2f} at the end")
     return "\n".join(lines)
 
 
@@ -387,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:
         print(f"cpu_compare: {exc}", file=sys.stderr)
         return 2
+    load_start = os.getloadavg()[0]
     torch.set_num_threads(opts.threads)  # EngineSpec has no thread count: ours run on torch's threads
     path, threads = opts.model, opts.threads
     source = opts.bandwidth
@@ -420,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefill": len(tokens),
         "decode": opts.decode,
         "machine": {"cpus": os.cpu_count(), "processor": _processor()},
+        "load_average": {"start": load_start, "end": os.getloadavg()[0]},  # 1-minute: other work slows both
         "versions": _versions(opts.skip_llama, torch.__version__),
     }
     figures = report(runs, bandwidth, bytes_per_token, about)
