@@ -55,6 +55,24 @@ def quant_compare(session: nox.Session) -> None:
     session.run("python", "tools/quant_compare.py", *session.posargs)
 
 
+@nox.session
+def cpu_compare(session: nox.Session) -> None:
+    """Our CPU backends against llama.cpp on the same file in one run (issue 38, tools/cpu_compare.py):
+    read bandwidth, 512-token prefill and decode tok/s, achieved GB/s. Not in CI: it needs the `parity`
+    session's llama-cpp-python build and a 9.5 GB file, the Flash-shaped 4-layer q2 one it writes to
+    build/cpu/flash4.gguf unless `--model FILE` is given (`-- --backends reference --decode 8`).
+    """
+    session.install("-e", ".[dev]", LLAMA_CPP)
+    args = list(session.posargs)
+    if "--model" not in args and not any(a.startswith("--model=") for a in args):
+        model = "build/cpu/flash4.gguf"
+        if not os.path.exists(model):
+            synth = ("--preset", "flash-shaped", "--layout", "ds4", "--layers", "4")
+            session.run("python", "-m", "dwarfstar", "synth", model, *synth)
+        args = ["--model", model, *args]
+    session.run("python", "tools/cpu_compare.py", *args)
+
+
 CLIENTS = ("@anthropic-ai/claude-code@2.1.332", "@openai/codex@0.171.0", "opencode-ai@1.18.33")
 
 
