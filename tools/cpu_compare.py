@@ -196,14 +196,14 @@ def run_llama(path: Path, tokens: list[int], decode: int, threads: int, eos: int
     return Run(LLAMA, load_s, len(tokens), prefill_s, decode, decode_s, generated)
 
 
-def run_ours(backend: str, path: Path, tokens: list[int], decode: int, eos: int) -> Run:
+def run_ours(backend: str, path: Path, tokens: list[int], decode: int, eos: int, threads: int) -> Run:
     from dwarfstar.bench.frontier import greedy_without_eos
     from dwarfstar.engine.load import load_engine
     from dwarfstar.engine.spec import EngineSpec
     from dwarfstar.session.session import Session
 
     ctx = len(tokens) + decode + 1
-    engine = load_engine(EngineSpec(path, backend=backend, ctx=ctx))
+    engine = load_engine(EngineSpec(path, backend=backend, ctx=ctx, threads=threads))
     try:
         session = Session(engine.backend, ctx=ctx)
         start = time.perf_counter()
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cpu_compare: {exc}", file=sys.stderr)
         return 2
     load_start = os.getloadavg()[0]
-    torch.set_num_threads(opts.threads)  # EngineSpec has no thread count: ours run on torch's threads
+    torch.set_num_threads(opts.threads)  # the torch glue's threads; the cpu backend's kernels take --threads
     path, threads = opts.model, opts.threads
     source = opts.bandwidth
     if source == "file" and path.stat().st_size < MIN_FILE_BYTES:
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             note(f"  prefill {runs[-1].prefill_tps:.2f} tok/s, decode {runs[-1].decode_tps:.2f} tok/s")
         for name in backends:
             note(f"dwarfstar {name}: {len(tokens)}-token prefill, {opts.decode} decode tokens ...")
-            runs.append(run_ours(name, path, tokens, opts.decode, eos))
+            runs.append(run_ours(name, path, tokens, opts.decode, eos, threads))
             gc.collect()
             note(f"  prefill {runs[-1].prefill_tps:.2f} tok/s, decode {runs[-1].decode_tps:.2f} tok/s")
     except (DwarfStarError, RuntimeError, ValueError) as exc:

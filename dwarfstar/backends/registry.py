@@ -47,6 +47,7 @@ class Load:
     stream: bool  # leave the routed experts in the file (`attach_experts` streams them)
     progress: Callable[[int, int], None] | None = None  # (done, total) as the weights are read
     threads: int | None = None  # CPU threads of the cpu backend's kernels (None: every core)
+    cpu_moe: range = range(0)  # layers whose routed experts stay in RAM on the CPU kernels (`host_experts`)
 
 
 class BackendEntry(ABC):
@@ -59,6 +60,7 @@ class BackendEntry(ABC):
     float32_weights = False  # holds the non-routed weights as float32 (else as the file stores them)
     reports_progress = False  # `load` calls `progress` as the weights are read
     mlx_arrays = False  # its activations are MLX arrays (else torch tensors)
+    host_experts = False  # takes `--cpu-moe`: some layers' routed experts on the CPU kernels
 
     def available(self) -> bool:
         """Whether it runs on this machine."""
@@ -189,6 +191,7 @@ class Triton(BackendEntry):
     name = "triton"
     model_class = ("dwarfstar.backends.triton.model", "TritonModel")
     fast_precision = True
+    host_experts = True
 
     def available(self) -> bool:
         try:
@@ -213,7 +216,7 @@ class Triton(BackendEntry):
 
         return load_backend(
             model, qat=load.qat, precision=load.precision, max_seq_len=load.ctx, kv_slots=load.kv_slots,
-            stream_experts=load.stream,
+            stream_experts=load.stream, cpu_moe=load.cpu_moe, threads=load.threads,
         )  # fmt: skip
 
     def usable_memory(self) -> int:

@@ -94,6 +94,15 @@ Model = Annotated[
 ]  # fmt: skip
 Backend = Annotated[str, typer.Option(help=f"Compute backend: {', '.join(BACKENDS)}.", rich_help_panel=MODEL)]
 Precision = Annotated[str, typer.Option(help=PRECISION_HELP, rich_help_panel=MODEL)]
+CpuMoe = Annotated[
+    str | None,
+    typer.Option(
+        "--cpu-moe", metavar="N|all",
+        help="Keep the routed experts of the first N layers (or all) in RAM, computed on the CPU kernels "
+        "beside a GPU backend (triton, mlx).",
+        rich_help_panel=MODEL,
+    ),
+]  # fmt: skip
 Threads = Annotated[
     int | None,
     typer.Option(min=1, help="CPU threads of the cpu backend's kernels (default: every core).", rich_help_panel=MODEL),
@@ -143,6 +152,7 @@ class ModelFlags:
     backend: Backend = "auto"
     precision: Precision = "exact"
     threads: Threads = None
+    cpu_moe: CpuMoe = None
 
     def path(self) -> Path:
         from dwarfstar.model.hub import resolve_model
@@ -151,7 +161,8 @@ class ModelFlags:
 
     def spec(self, **options: Any) -> EngineSpec:
         """The engine these flags name, with `options` (`EngineSpec`'s other fields: ctx, steering...)."""
-        return EngineSpec(self.path(), self.backend, self.precision, threads=self.threads, **options)
+        flags = dict(threads=self.threads, cpu_moe=self.cpu_moe)
+        return EngineSpec(self.path(), self.backend, self.precision, **flags, **options)
 
 
 @dataclass(frozen=True)

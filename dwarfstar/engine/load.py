@@ -49,8 +49,16 @@ class Engine:
 def spec_backend(spec: EngineSpec) -> str:
     """The backend `spec` runs on here, and whether it can take the spec's precision (before anything loads)."""
     name = pick_backend(spec.backend)
-    if spec.precision == "fast" and not backend_entry(name).fast_precision:
+    entry = backend_entry(name)
+    if spec.precision == "fast" and not entry.fast_precision:
         raise DwarfStarError(f"--precision fast needs the triton backend; the {name} backend has no fast mode")
+    if spec.cpu_moe is not None and spec.streaming is not None:
+        raise DwarfStarError("--cpu-moe and --ssd-streaming both move the routed experts: use one")
+    if spec.cpu_moe is not None and not entry.host_experts:
+        raise DwarfStarError(
+            f"--cpu-moe keeps routed experts on the CPU beside a GPU backend (triton, mlx); the {name} backend "
+            "computes everything where it runs (for the CPU kernels everywhere: --backend cpu)"
+        )
     return name
 
 
@@ -65,11 +73,14 @@ def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = 
     streaming, steering = spec.streaming, spec.steering
     limit = spec.ctx or model.args.max_seq_len
     stream = streaming is not None  # the routed experts are not loaded: they stream from the file
+    host_layers = spec.cpu_moe_layers(model.args.n_layers)
     if not stream:  # too big a model is an error naming --ssd-streaming, before any weight loads
-        check_fits(model, entry, limit)
+        check_fits(model, entry, limit, host_layers)
     direction = steering.read(model.args) if steering is not None else None  # a bad file fails before the weights load
     slots = spec.kv_slots or entry.kv_slots
-    load = Load(spec.qat, spec.precision, spec.ctx, slots, stream, progress=progress, threads=spec.threads)
+    load = Load(
+        spec.qat, spec.precision, spec.ctx, slots, stream, progress=progress, threads=spec.threads, cpu_moe=host_layers
+    )
     impl = entry.load(model, load)
     experts = None
     if streaming is not None:

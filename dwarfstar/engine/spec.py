@@ -46,6 +46,7 @@ class EngineSpec:
     dist: DistOptions | None = None  # this process as one stage of a layer pipeline
     power: int = 100  # keep the device about this % busy (`dwarfstar.session.throttle`, applied by the caller)
     threads: int | None = None  # CPU threads of the cpu backend's kernels (default: every core)
+    cpu_moe: str | None = None  # "N" or "all": the first N layers' routed experts on the CPU kernels (GPU backends)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))
@@ -57,10 +58,18 @@ class EngineSpec:
             raise DwarfStarError(f"the context must be at least 1 token, got {self.ctx}")
         if self.kv_slots is not None and self.kv_slots < 1:
             raise DwarfStarError(f"a KV-cache block holds at least 1 sequence, got {self.kv_slots}")
+        if self.cpu_moe is not None and self.cpu_moe != "all" and not self.cpu_moe.isdigit():
+            raise DwarfStarError(f"--cpu-moe takes a layer count or 'all', got {self.cpu_moe!r}")
         if self.threads is not None and self.threads < 1:
             raise DwarfStarError(f"--threads must be at least 1, got {self.threads}")
         if not 1 <= self.power <= 100:
             raise DwarfStarError(f"--power must be 1..100, got {self.power}")
+
+    def cpu_moe_layers(self, n_layers: int) -> range:
+        """The layers whose routed experts `--cpu-moe` keeps on the CPU: the first N, or all."""
+        if self.cpu_moe is None:
+            return range(0)
+        return range(n_layers if self.cpu_moe == "all" else min(int(self.cpu_moe), n_layers))
 
     def stage_layers(self) -> tuple[int, int] | None:
         """The layers to load: `layers`, else this process's slice of the pipeline, else all (None)."""

@@ -70,10 +70,12 @@ def resident_bytes(model: ModelFile, backend: BackendMemory, ctx: int) -> int:
     return weights + kv + scratch
 
 
-def check_fits(model: ModelFile, backend: BackendMemory, ctx: int) -> None:
-    """A model whose routed experts do not fit next to everything else is an error naming the flag."""
+def check_fits(model: ModelFile, backend: BackendMemory, ctx: int, host_layers: range = range(0)) -> None:
+    """A model whose routed experts do not fit next to everything else is an error naming the flag;
+    `host_layers`' routed experts stay in RAM (`--cpu-moe`) and are not counted."""
     # from the tensor table, not an `ExpertLayout` (which reads offsets in one file): a split set too
-    names = set(routed_tensor_names(model.args.n_layers))
+    host = set(routed_tensor_names(host_layers.stop)) - set(routed_tensor_names(host_layers.start))
+    names = set(routed_tensor_names(model.args.n_layers)) - host
     routed = sum(info.nbytes for name, info in model.gguf.tensors.items() if name in names and model.holds(name))
     need = routed + resident_bytes(model, backend, ctx)
     usable = backend.usable_memory()

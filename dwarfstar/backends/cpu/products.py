@@ -55,9 +55,13 @@ class KernelProducts(Products):
         return weights.dense(name) if blocks is None else RowTable(blocks)
 
     def expert(self, weights: WeightSource, name: str, e: int) -> Any:
-        info = self.gguf.tensors[name]
-        if info.ggml_type not in KERNEL_TYPES:
+        if self.gguf.tensors[name].ggml_type not in KERNEL_TYPES:
             return weights.expert(name, e)
+        return self.file_expert(name, e)
+
+    def file_expert(self, name: str, e: int) -> QMatrix:
+        """Expert e's matrix of the routed-expert tensor `name`, a view of its blocks in the file."""
+        info = self.gguf.tensors[name]
         n_expert, rows, cols = info.shape
         matrix = QMatrix(self.gguf.raw(name), info.ggml_type, n_expert * rows, cols)[e * rows : (e + 1) * rows]
         if (name, e) not in self._checked:

@@ -493,18 +493,13 @@ class ReferenceOps(StreamSteps):
     ) -> torch.Tensor:
         limit, linear = self.args.swiglu_limit, self.products.linear
         expert, slot_ids = experts.experts(il, ids)
-        out = torch.zeros_like(x)
-        for e in slot_ids.unique().tolist():
-            rows, slots = (slot_ids == e).nonzero(as_tuple=True)
-            gate, up, down = expert(e)
-            inputs = x[rows]
-            both = self.products.input(inputs)
-            # the router weight scales the SwiGLU output before the down projection, as ds4 does
-            hidden = ops.swiglu_clamped(linear(both, gate), linear(both, up), limit) * weights[rows, slots, None]
-            if self.expert_observer is not None:
-                for name, seen in zip(tt.EXPERTS, (inputs, inputs, hidden), strict=True):
-                    self.expert_observer(il, name, int(ids[rows[0], slots[0]]), seen)
-            out.index_add_(0, rows, linear(hidden, down))
+        observer = self.expert_observer
+
+        def observe(e: int, seen: tuple[torch.Tensor, ...]) -> None:
+            for name, rows in zip(tt.EXPERTS, seen, strict=True):
+                observer(il, name, e, rows)
+
+        out = ops.routed_ffn(x, ids, slot_ids, weights, expert, self.products, limit, observe if observer else None)
         gate, up, down = self.layers[il].shared
         x = self.products.input(x)
         return out + linear(ops.swiglu_clamped(linear(x, gate), linear(x, up), limit), down)

@@ -14,6 +14,8 @@ and the transcendental functions go through `elementwise`, which computes every 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,9 @@ from dwarfstar.model.numerics import (
     hadamard_matrix,
 )
 from dwarfstar.model.state import CompressorSpec
+
+if TYPE_CHECKING:
+    from dwarfstar.backends.reference.weights import Products
 
 # MKL multiplies fewer than 16 rows with other kernels (another summation order) than 16 or more,
 # whose per-element order does not depend on the row count: measured for M = 1..4200 rows over the
@@ -137,6 +142,35 @@ def indexer_round(x: torch.Tensor) -> torch.Tensor:
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """SiLU(min(gate, limit)) * clamp(up, -limit, limit): the clamp is applied before the activation."""
     return elementwise(F.silu, gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def routed_ffn(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    slot_ids: torch.Tensor,
+    weights: torch.Tensor,
+    expert: Callable[[int], tuple[Any, Any, Any]],
+    products: Products,
+    limit: float,
+    observe: Callable[[int, tuple[torch.Tensor, ...]], None] | None = None,
+) -> torch.Tensor:
+    """The routed experts' clamped-SwiGLU FFN of each row of x [T, dim], summed over its k slots: one
+    product per distinct expert, the router weight [T, k] scaling the SwiGLU output before the down
+    projection (as ds4 does). `slot_ids` [T, k] index the expert source (`expert(slot)` -> gate, up,
+    down as `products` take them); `ids` are the experts' ids, which `observe(id, (gate input, up input,
+    down input))` is told (imatrix collection)."""
+    out = torch.zeros_like(x)
+    for e in slot_ids.unique().tolist():
+        rows, slots = (slot_ids == e).nonzero(as_tuple=True)
+        gate, up, down = expert(e)
+        inputs = x[rows]
+        both = products.input(inputs)
+        hidden = swiglu_clamped(products.linear(both, gate), products.linear(both, up), limit)
+        hidden = hidden * weights[rows, slots, None]
+        if observe is not None:
+            observe(int(ids[rows[0], slots[0]]), (inputs, inputs, hidden))
+        out.index_add_(0, rows, products.linear(hidden, down))
+    return out
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

@@ -40,13 +40,17 @@ def load_backend(
     max_seq_len: int | None = None,
     kv_slots: int = 4,
     stream_experts: bool = False,
+    cpu_moe: range = range(0),
+    threads: int | None = None,
 ):
     """A `TritonBackend` over `model_file` (a `ModelFile`), on `device` (default: the GPU, else the
     CPU through Triton's interpreter), with `precision` "exact" or "fast" (`runtime.PRECISIONS`) and
     sequences of at most `max_seq_len` tokens (default: the model's), `kv_slots` to a KV-cache block
     (the sequences one batched decode launch can serve). With `stream_experts` the routed experts are
     not uploaded (`experts.attach` streams them) and decode is not captured in graphs: a cache miss
-    reads the file on the host, which a graph replay cannot do."""
+    reads the file on the host, which a graph replay cannot do. The routed experts of the `cpu_moe`
+    layers stay in the file, computed by the CPU kernels on `threads` threads (`--cpu-moe`), and decode
+    then runs eagerly too."""
     if not torch.cuda.is_available() or (device is not None and torch.device(device).type == "cpu"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from dwarfstar.backends.triton.backend import TritonBackend
@@ -54,8 +58,14 @@ def load_backend(
     from dwarfstar.backends.triton.weights import upload
 
     options = dict(qat=qat, precision=PRECISIONS[precision], max_seq_len=max_seq_len, kv_slots=kv_slots)
-    if not stream_experts:
+    if not stream_experts and not cpu_moe:
         return TritonBackend.from_model_file(model_file, device=device, **options)
     device = torch.device(device) if device is not None else default_device()
-    weights = upload(model_file.gguf, model_file.args, device, routed_experts=False)
-    return TritonBackend(weights, graphs=False, **options)
+    gguf, args = model_file.gguf, model_file.args
+    host = None
+    if cpu_moe:
+        from dwarfstar.backends.cpu.experts import HostExperts
+
+        host = HostExperts(gguf, args, cpu_moe, threads or os.cpu_count() or 1)
+    weights = upload(gguf, args, device, not stream_experts, model_file.layer_range, host_layers=cpu_moe)
+    return TritonBackend(weights, graphs=False, host=host, **options)

@@ -18,6 +18,7 @@ register/spill report of `aot_check` reads CUDA binaries. Nothing here has run o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from dwarfstar.backends.triton.weights import ModelWeights, upload
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
 from dwarfstar.sampling import Sampler, read_draws
+
+if TYPE_CHECKING:
+    from dwarfstar.backends.cpu.experts import HostExperts
 
 
 class TritonBackend(TritonModel):
@@ -42,12 +46,16 @@ class TritonBackend(TritonModel):
         graphs: bool = True,
         max_seq_len: int | None = None,
         kv_slots: int = 4,
+        host: HostExperts | None = None,
     ):
-        """`kv_slots`: sequences of the first KV-cache block, which decode together (one graph replay)."""
+        """`kv_slots`: sequences of the first KV-cache block, which decode together (one graph replay).
+        `host`: the layers whose routed experts the CPU kernels compute (`--cpu-moe`); their steps run
+        eagerly, not from graphs (the host's part cannot be captured)."""
         # on the meta device too: `warm` records the steps a GPU's graphs would replay
-        graphs = graphs and weights.device.type in ("cuda", "meta")
+        graphs = graphs and host is None and weights.device.type in ("cuda", "meta")
         slots = kv_slots + 1 if graphs else kv_slots  # graphs pad their buckets on one more slot
-        super().__init__(weights, qat=qat, precision=precision, max_seq_len=max_seq_len, kv_slots=slots)
+        options = dict(qat=qat, precision=precision, max_seq_len=max_seq_len, kv_slots=slots, host=host)
+        super().__init__(weights, **options)
         self.graphs = None
         if graphs:
             from dwarfstar.backends.triton.graphs import DecodeGraphs

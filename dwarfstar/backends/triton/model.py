@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -56,6 +57,9 @@ from dwarfstar.model.numerics import rope_angles
 from dwarfstar.model.pages import PAGE_ROWS
 from dwarfstar.model.state import ROW_STEP, KVCache, SequenceState, TorchStorage, check_batch, index_copy_rows
 from dwarfstar.model.tensors import ProjectionGroup
+
+if TYPE_CHECKING:
+    from dwarfstar.backends.cpu.experts import HostExperts
 
 
 def row_bound(cache: KVCache, ratio: int, end: int) -> int:
@@ -136,11 +140,15 @@ class TritonStep:
 
 
 class TritonOps:
-    def __init__(self, weights: ModelWeights, qat: bool = True, precision: Precision = EXACT) -> None:
+    def __init__(
+        self, weights: ModelWeights, qat: bool = True, precision: Precision = EXACT, host: HostExperts | None = None
+    ) -> None:
+        """`host`: the layers whose routed experts the CPU kernels compute (`--cpu-moe`)."""
         self.w, self.args, self.qat, self.precision = weights, weights.args, qat, precision
-        self.device, self.layer_range = weights.device, weights.layer_range
+        self.device, self.layer_range, self.host = weights.device, weights.layer_range, host
         # weights uploaded without their routed experts stream them: `experts.attach` sets the source
-        streamed = weights.layers[self.layer_range.start].gate_exps is None
+        on_device = [il for il in self.layer_range if host is None or il not in host]
+        streamed = bool(on_device) and weights.layers[on_device[0]].gate_exps is None
         routed = {il: (lw.gate_exps, lw.up_exps, lw.down_exps) for il, lw in weights.layers.items()}
         self.experts: ExpertSource | None = None if streamed else ResidentExperts(routed)
         self._inv_freq: dict[tuple[float, bool], torch.Tensor] = {}
@@ -479,9 +487,17 @@ class TritonOps:
     ) -> torch.Tensor:
         a, lw, t = self.args, self.w.layers[il], x.shape[0]
         k, precision = a.n_activated_experts, batch.step.precision
-        (gate, up, down), slots = experts.experts(il, ids)
         shared = (lw.gate_shared, lw.up_shared, lw.down_shared)
         routed_x = batch.step.routed.pop(il, None)
+        tile = 64 if precision.fast else 32  # fp32 operands take twice the registers and shared memory
+        if self.host is not None and il in self.host:
+            # the inputs leave first, so the device computes the shared expert while the host the routed
+            sent = self.host.send(x, ids, weights)
+            parts = torch.empty(t, 1, a.dim, device=self.device)
+            shared_tiles = moe_sort.single_expert_tiles(t, self.device, moe_sort.tile_rows_for(t, 1, tile))
+            moe_experts.expert_ffn(x, *shared, shared_tiles, None, parts, 0, a.swiglu_limit, precision)
+            return parts[:, 0] + self.host.receive(il, sent)
+        (gate, up, down), slots = experts.experts(il, ids)
         # two launches a DECODE_TOKENS rows, routed and shared
         if t <= moe_experts.DECODE_TOKENS or self._gemv(x, batch.step):
             # the routing launch's int8 rows of x, if it wrote them (a step of at most DECODE_TOKENS rows)
@@ -495,7 +511,6 @@ class TritonOps:
                 for r in rows
             ]
             return parts[0] if len(parts) == 1 else torch.cat(parts)
-        tile = 64 if precision.fast else 32  # fp32 operands take twice the registers and shared memory
         tiles = moe_sort.sort_by_expert(slots, gate.experts, moe_sort.tile_rows_for(t * k, gate.experts, tile))
         # k routed slots and the shared expert, summed once all are written
         parts = torch.empty(t, k + 1, a.dim, device=self.device)
@@ -517,11 +532,13 @@ class TritonModel(Transformer[torch.Tensor, TritonStep]):
         precision: Precision = EXACT,
         max_seq_len: int | None = None,
         kv_slots: int = 4,
+        host: HostExperts | None = None,
     ) -> None:
-        """`kv_slots`: sequences per KV-cache block; a decode step batches the sequences of a block."""
+        """`kv_slots`: sequences per KV-cache block; a decode step batches the sequences of a block.
+        `host`: the layers whose routed experts the CPU kernels compute (`--cpu-moe`)."""
         self.w, self.qat, self.precision = weights, qat, precision
         self.device = weights.device
-        super().__init__(TritonOps(weights, qat, precision), max_seq_len, kv_slots)
+        super().__init__(TritonOps(weights, qat, precision, host), max_seq_len, kv_slots)
 
     def forward_batch(
         self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False

@@ -277,10 +277,12 @@ def upload(
     device: torch.device | str,
     routed_experts: bool = True,
     layer_range: range | None = None,
+    host_layers: range = range(0),
 ) -> ModelWeights:
     """Copy every tensor of the file to `device` once, matrices as blocks, vectors as float32; without
     `routed_experts` all but the routed experts, which then stream from the file (`--ssd-streaming`);
-    with `layer_range` only those layers' (and the embedding or head where the range has them).
+    with `layer_range` only those layers' (and the embedding or head where the range has them); never
+    the routed experts of `host_layers`, which the CPU kernels compute from the file (`--cpu-moe`).
 
     Tensor by tensor, each one's mapped pages released after its copy (`GGUFFile.release`): where
     the GPU shares RAM with the CPU, peak memory stays near one model instead of two.
@@ -297,7 +299,7 @@ def upload(
         gguf.release(name)
         return values
 
-    return build_weights(args, matrix, vector, routed_experts, layer_range)
+    return build_weights(args, matrix, vector, routed_experts, layer_range, host_layers)
 
 
 def _hc(names: tuple[str, str, str], matrix: MatrixSource, vector: VectorSource) -> HCWeights:
@@ -349,6 +351,7 @@ def build_weights(
     vector: VectorSource,
     routed_experts: bool = True,
     layer_range: range | None = None,
+    host_layers: range = range(0),
 ) -> ModelWeights:
     """Assemble the model's weights from per-tensor sources (a file, or random synthetic blocks): of
     `layer_range` (default every layer), reading no tensor outside it."""
@@ -360,6 +363,8 @@ def build_weights(
         head_hc=_hc(tt.HEAD_HC, matrix, vector) if has_head else None,
         out_norm=vector(tt.OUTPUT_NORM) if has_head else None,
         output=matrix(tt.OUTPUT) if has_head else None,
-        layers={il: _layer_weights(args.layer(il), matrix, vector, routed_experts) for il in held},
+        layers={
+            il: _layer_weights(args.layer(il), matrix, vector, routed_experts and il not in host_layers) for il in held
+        },
         layer_range=held,
     )

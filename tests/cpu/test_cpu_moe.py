@@ -1,0 +1,120 @@
+"""`--cpu-moe`: a GPU backend's routed experts of some layers computed on the CPU kernels, from the file.
+
+Runs Triton under its interpreter on tiny-k in ds4's layout (IQ2_XXS gate/up, Q2_K down experts). The
+first host layer's MoE sees the same input as the all-device run's, so its output may differ only by
+what the int8 activations of the host's products explain: the same experts on the same input in
+float32 against int8 (the reference's products against the kernels'), measured here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from triton_interpreter import apply_patches
+
+from dwarfstar.backends.cpu.products import KernelProducts
+from dwarfstar.backends.reference import ops
+from dwarfstar.backends.reference.weights import FLOAT32, GGUFWeights
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.experts.attach import StreamingOptions
+from dwarfstar.model import tensors as tt
+from dwarfstar.model.loader import open_model
+from dwarfstar.model.synthetic import TINY_K, write_synthetic_model
+
+PROMPT = torch.randint(3, 120000, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cpu-moe") / "tiny-k.gguf"
+    write_synthetic_model(path, TINY_K, "ds4", seed=4)
+    return path
+
+
+def run(path: Path, cpu_moe: range) -> tuple[object, torch.Tensor, dict[int, tuple[torch.Tensor, ...]]]:
+    """The Triton backend (interpreter) over the prompt: its logits, and each layer's MoE inputs and output."""
+    apply_patches()
+    from dwarfstar.backends.triton import load_backend
+
+    backend = load_backend(open_model(path), device="cpu", cpu_moe=cpu_moe, threads=2)
+    seen: dict[int, tuple[torch.Tensor, ...]] = {}
+    moe = backend.ops.moe
+
+    def recording(il, x, ids, weights, experts, batch):
+        out = moe(il, x, ids, weights, experts, batch)
+        seen[il] = (x.clone(), ids.clone(), weights.clone(), out.clone())
+        return out
+
+    backend.ops.moe = recording
+    return backend, backend.forward(PROMPT, backend.new_state()), seen
+
+
+def test_host_layers_differ_only_by_the_activation_rounding(model_path) -> None:
+    device_run, _, on_device = run(model_path, range(0))
+    host_run, logits, on_host = run(model_path, range(2))
+    assert [host_run.ops.w.layers[il].gate_exps is None for il in range(4)] == [True, True, False, False]
+    x, ids, weights, device_out = on_device[0]
+    assert torch.equal(on_host[0][0], x) and torch.equal(on_host[0][1], ids)  # the same input reached layer 0
+    host_out = on_host[0][3]
+
+    # what int8 activations change in layer 0's routed experts, on this input
+    model = open_model(model_path)
+    names = [tt.layer_tensor(0, name) for name in tt.EXPERTS]
+    kernels, weights_file = KernelProducts(model.gguf, 2), GGUFWeights(model.gguf)
+
+    def routed(products, expert):
+        return ops.routed_ffn(x, ids, ids, weights, expert, products, TINY_K.swiglu_limit)
+
+    exact = routed(FLOAT32, lambda e: tuple(weights_file.expert(n, e) for n in names))
+    rounded = routed(kernels, lambda e: tuple(kernels.file_expert(n, e) for n in names))
+    explained = (exact - rounded).abs().max().item()
+    assert explained > 0
+    assert (host_out - device_out).abs().max().item() <= 1.5 * explained + 1e-5 * device_out.abs().max().item()
+    assert torch.isfinite(logits).all()
+
+
+def test_bytes_crossing(model_path) -> None:
+    """Each host layer sends its rows and the ids and weights of its k experts, and gets its rows back:
+    per token and layer 2 x dim float32 + k x (int64 + float32)."""
+    backend, _, _ = run(model_path, range(3))
+    k = TINY_K.n_activated_experts
+    assert backend.ops.host.crossed == len(PROMPT) * 3 * (2 * TINY_K.dim * 4 + k * (8 + 4))
+
+
+def test_decode_steps_run_with_host_layers(model_path) -> None:
+    backend, _, _ = run(model_path, range(4))
+    state = backend.new_state()
+    backend.forward(PROMPT, state)
+    for token in (5, 6, 7):
+        assert torch.isfinite(backend.forward([token], state)).all()
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (dict(backend="reference", cpu_moe="2"), "--cpu-moe keeps routed experts on the CPU beside a GPU backend"),
+        (dict(backend="cpu", cpu_moe="all"), "the cpu backend computes everything where it runs"),
+        (dict(backend="reference", cpu_moe="two"), "--cpu-moe takes a layer count or 'all'"),
+    ],
+)
+def test_bad_cpu_moe_is_refused(model_path, spec, message) -> None:
+    with pytest.raises(DwarfStarError, match=message):
+        load_engine(EngineSpec(model_path, **spec))
+
+
+def test_cpu_moe_with_streaming_is_refused(model_path) -> None:
+    """The two flags both move the routed experts; only the interpreter's Triton could take either."""
+    spec = EngineSpec(model_path, "reference", cpu_moe="1", streaming=StreamingOptions())
+    with pytest.raises(DwarfStarError, match="--cpu-moe"):
+        load_engine(spec)
+
+
+def test_the_layer_count_is_clamped() -> None:
+    assert EngineSpec("m.gguf", cpu_moe="all").cpu_moe_layers(43) == range(43)
+    assert EngineSpec("m.gguf", cpu_moe="50").cpu_moe_layers(43) == range(43)
+    assert EngineSpec("m.gguf", cpu_moe="0").cpu_moe_layers(43) == range(0)
+    assert EngineSpec("m.gguf").cpu_moe_layers(43) == range(0)
