@@ -40,6 +40,7 @@ def _register_commands() -> None:
     import dwarfstar.commands.bench_ctx  # noqa: F401
     import dwarfstar.commands.bench_dist  # noqa: F401
     import dwarfstar.commands.bench_gpu  # noqa: F401
+    import dwarfstar.commands.bench_cpu  # noqa: F401
     import dwarfstar.commands.bench_kv  # noqa: F401
     import dwarfstar.commands.bench_mlx  # noqa: F401
     import dwarfstar.commands.speculate  # noqa: F401

@@ -10,6 +10,8 @@ chunk is decoded for, nor of the 64-token tiles, and products large enough to ru
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -153,3 +155,18 @@ def test_bad_shapes_are_refused() -> None:
         QMatrix(w.raw[:-1], GGMLType.Q8_0, 4, 64)
     with pytest.raises(DwarfStarError, match="no Q6_K product"):
         QMatrix(w.raw, GGMLType.Q6_K, 4, 64)
+
+
+def test_bench_cpu_reports_every_format() -> None:
+    """`dwarfstar bench cpu` measures each format (tiny streamed matrices here: a smoke run, no speed)."""
+    from typer.testing import CliRunner
+
+    from dwarfstar.cli import _register_commands, app
+
+    _register_commands()
+    done = CliRunner().invoke(app, ["bench", "cpu", "--threads", "1", "--stream-mib", "2", "--json"])
+    assert done.exit_code == 0, done.output
+    rows = json.loads(done.output)
+    assert [r["format"] for r in rows] == ["Q8_0", "Q2_K", "Q4_K", "IQ2_XXS", "MXFP4", "F16"]
+    figures = ("cache_decode_gbs", "cache_prefill_gmacs", "stream_decode_gbs", "read_gbs")
+    assert all(r["threads"] == 1 and all(0 < r[f] < 1e4 for f in figures) for r in rows)

@@ -26,8 +26,9 @@
 
 enum { T_F32 = 0, T_F16 = 1, T_Q8_0 = 8, T_Q2_K = 10, T_Q4_K = 12, T_IQ2_XXS = 16, T_MXFP4 = 39 };
 #define CHUNK 32
-#define MAX_NT 4 /* tokens a weight chunk is decoded for at once */
+#define MAX_NT 8 /* tokens a weight chunk is decoded for at once */
 #define PARALLEL_BYTES (256 << 10)
+#define PREFETCH 8192
 
 static uint64_t iq2xxs_grid[256]; /* ds_set_iq2xxs_grid: eight magnitudes a byte each, from gguf-py */
 static uint8_t ksigns[128];       /* 7 sign bits and the parity bit that makes them even */
@@ -176,7 +177,17 @@ static inline __attribute__((always_inline)) float block_scale(int fmt, const ui
 static inline __attribute__((always_inline)) float block_min(int fmt, const uint8_t *blk, const int16_t *bs) {
     int sum = 0;
     if (fmt == T_Q2_K) {
+#ifdef DS_AVX2 /* the 16 minimums against the 16 activation sums: one madd */
+        __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)blk), 4),
+                                                          _mm_set1_epi8(0xF)));
+        __m256i p = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *)bs));
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+        sum = _mm_cvtsi128_si32(h);
+#else
         for (int j = 0; j < 16; j++) sum += (blk[j] >> 4) * bs[j];
+#endif
         return h2f(rd16(blk + 82)) * (float)sum;
     }
     if (fmt == T_Q4_K) {
@@ -191,6 +202,14 @@ static inline __attribute__((always_inline)) float block_min(int fmt, const uint
 }
 
 #ifdef DS_AVX2
+/* shuffle controls: chunk c's two sub-block scales as int16, 2c in the low lane and 2c + 1 in the high */
+static const uint8_t q2k_pick[8][32] = {
+#define PICK(j) j, 0x80, j, 0x80, j, 0x80, j, 0x80, j, 0x80, j, 0x80, j, 0x80, j, 0x80
+    {PICK(0), PICK(1)},   {PICK(2), PICK(3)},   {PICK(4), PICK(5)},   {PICK(6), PICK(7)},
+    {PICK(8), PICK(9)},   {PICK(10), PICK(11)}, {PICK(12), PICK(13)}, {PICK(14), PICK(15)},
+#undef PICK
+};
+
 typedef struct {
     __m256i u;   /* unsigned magnitudes */
     __m256i sg;  /* sign source for the activations (_mm256_sign_epi8), or ones */
@@ -227,7 +246,9 @@ static inline __attribute__((always_inline)) float chunk_avx2(int fmt, const uin
         __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (c / 4)));
         k->u = _mm256_and_si256(_mm256_srli_epi16(q, 2 * (c % 4)), _mm256_set1_epi8(3));
         k->sg = ones8;
-        k->s16 = _mm256_set_m128i(_mm_set1_epi16((short)(blk[2 * c + 1] & 0xF)), _mm_set1_epi16((short)(blk[2 * c] & 0xF)));
+        /* the 16 scales in both lanes; lane 0 takes scale 2c as int16, lane 1 scale 2c + 1 */
+        __m256i scales = _mm256_broadcastsi128_si256(_mm_and_si128(_mm_loadu_si128((const __m128i *)blk), _mm_set1_epi8(0xF)));
+        k->s16 = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)q2k_pick[c]));
     } else { /* Q4_K */
         int sc, mn;
         q4k_scale_min(blk + 4, c, &sc, &mn);
@@ -268,6 +289,9 @@ static inline __attribute__((always_inline)) void qrow(int fmt, const uint8_t *r
 #endif
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + (int64_t)b * bb;
+        /* the weights PREFETCH bytes ahead, once a cache line: a decode loop of many instructions a
+           byte holds too few loads in flight to hide the memory's latency by itself */
+        if (b % (bb >= 64 ? 1 : 64 / bb) == 0) __builtin_prefetch(blk + PREFETCH, 0, 3);
         for (int t = 0; t < nt; t++) {
 #ifdef DS_AVX2
             iacc[t] = _mm256_setzero_si256();
@@ -362,19 +386,24 @@ static inline __attribute__((always_inline)) void frow(int fmt, const uint8_t *r
 #endif
 }
 
-/* the row PREFETCH_ROWS ahead, asked into the cache while this one is computed: more of the
-   memory's latency in flight than the hardware's stream prefetcher keeps for one thread */
-#define PREFETCH_ROWS 2
-static inline void prefetch_row(const uint8_t *p, int64_t n) {
-    for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i, 0, 2);
-}
+/* a row against nt tokens, nt a constant in each copy, so a token's sums stay in registers */
+#define QROW(F, NT)                                                                                 \
+    qrow(F, w + r * row_bytes, K, xq + t0 * K, xd + t0 * (K / block_elements(F)),                   \
+         xs ? xs + t0 * (K / 16) : xs, NT, out + t0 * ldo + r, ldo)
 
 #define ROW_CASE(F)                                                                                    \
     case F:                                                                                            \
         for (int64_t r = r0; r < r1; r++) {                                                            \
-            if (r + PREFETCH_ROWS < r1) prefetch_row(w + (r + PREFETCH_ROWS) * row_bytes, row_bytes);   \
-            qrow(F, w + r * row_bytes, K, xq + t0 * K, xd + t0 * (K / block_elements(F)),              \
-                 xs ? xs + t0 * (K / 16) : xs, nt, out + t0 * ldo + r, ldo);                           \
+            switch (nt) {                                                                              \
+            case 1: QROW(F, 1); break;                                                                 \
+            case 2: QROW(F, 2); break;                                                                 \
+            case 3: QROW(F, 3); break;                                                                 \
+            case 4: QROW(F, 4); break;                                                                 \
+            case 5: QROW(F, 5); break;                                                                 \
+            case 6: QROW(F, 6); break;                                                                 \
+            case 7: QROW(F, 7); break;                                                                 \
+            default: QROW(F, 8); break;                                                                \
+            }                                                                                          \
         }                                                                                              \
         break;
 
