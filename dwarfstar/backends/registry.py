@@ -245,6 +245,7 @@ class MLX(BackendEntry):
     model_class = ("dwarfstar.backends.mlx.model", "MLXModel")
     mlx_arrays = True
     kv_slots = 1
+    host_experts = True
 
     def available(self) -> bool:
         from dwarfstar.backends.mlx import mlx_available
@@ -262,7 +263,7 @@ class MLX(BackendEntry):
 
         return MLXModel(
             model, qat=load.qat, packing=default_packing(), max_seq_len=load.ctx, routed_experts=not load.stream,
-            kv_slots=load.kv_slots,
+            kv_slots=load.kv_slots, cpu_moe=load.cpu_moe, threads=load.threads,
         )  # fmt: skip
 
     def usable_memory(self) -> int:

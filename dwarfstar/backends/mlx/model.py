@@ -3,7 +3,8 @@
 `MLXModel` is `dwarfstar.model.forward.Transformer` over `MLXOps`, so the order of the operations,
 batching, layer ranges and hooks are the forward pass's; this module only says how each step is
 computed. Every step only records MLX's lazy graph: the graph of a whole call is evaluated once, in
-`logits`, together with the state arrays it updated, and the logits come back as torch tensors.
+`logits`, together with the state arrays it updated, and the logits come back as torch tensors
+(with `--cpu-moe`, each host layer's MoE also evaluates its input, which the CPU kernels then read).
 Positions stay on the host as numpy integers (rope angles in float64 there), so the device graph
 has no data-dependent shapes. Attention and the compressors run per sequence (each has its own
 KV); everything else on all rows of a batch at once.
@@ -11,7 +12,9 @@ KV); everything else on all rows of a batch at once.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -26,6 +29,9 @@ from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, 
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.tensors import ProjectionGroup
 from dwarfstar.sampling import sample_batch
+
+if TYPE_CHECKING:
+    from dwarfstar.backends.cpu.experts import HostExperts
 
 
 @dataclass
@@ -110,17 +116,20 @@ class MLXOps(StreamSteps):
         fused: ops.Fused,
         routed_experts: bool,
         layer_range: range | None = None,
+        host: HostExperts | None = None,
     ) -> None:
         """Without `routed_experts` none is packed: they stream from the file (`experts.attach` sets the source).
         `layer_range`: the layers packed (a pipeline stage's), with the embedding when it starts at 0
-        and the head when it ends at the last layer; `layers` is keyed by the global index."""
-        self.args, self.qat, self.fused = args, qat, fused
+        and the head when it ends at the last layer; `layers` is keyed by the global index. `host`: the
+        layers whose routed experts the CPU kernels compute from the file (`--cpu-moe`): never packed."""
+        self.args, self.qat, self.fused, self.host = args, qat, fused, host
         self.layer_range = held = range(args.n_layers) if layer_range is None else layer_range
         self.embedding = weights.dense(tt.EMBED) if held.start == 0 else None
         self.layers = {il: self._load_layer(weights, il) for il in held}
         self.experts: ExpertSource | None = None
         if routed_experts:
-            stacks = {il: ExpertStack(*(LayerWeights(weights, il).experts(n) for n in tt.EXPERTS)) for il in held}
+            on_device = [il for il in held if host is None or il not in host]
+            stacks = {il: ExpertStack(*(LayerWeights(weights, il).experts(n) for n in tt.EXPERTS)) for il in on_device}
             self.experts = ResidentExperts(stacks)
         self.head_hc = self.out_norm = self.output = None
         if held.stop == args.n_layers:
@@ -312,12 +321,23 @@ class MLXOps(StreamSteps):
     def moe(
         self, il: int, x: mx.array, ids: mx.array, weights: mx.array, experts: ExpertSource, batch: Batch[MLXStep]
     ) -> mx.array:
+        gate, up, down = self.layers[il].shared
+        if self.host is not None and il in self.host:
+            # the crossing: x, ids and weights are evaluated here (the layer so far), seen by numpy
+            # without a copy (MLX's buffers are host memory, on Apple shared with the GPU) and sent
+            mx.eval(x, ids, weights)
+            slots = torch.from_numpy(np.asarray(ids).astype(np.int64))
+            sent = self.host.send(torch.from_numpy(np.asarray(x)), slots, torch.from_numpy(np.asarray(weights)))
+            # the shared expert starts on MLX's stream (the GPU with Metal, else MLX's CPU worker) and
+            # runs while this thread computes the routed experts on the CPU kernels in `receive`
+            shared = down.matmul(self.fused.swiglu(gate.matmul(x), up.matmul(x)))
+            mx.async_eval(shared)
+            return shared + mx.array(self.host.receive(il, sent).numpy())
         stack, slot_ids = experts.experts(il, ids)
         rows = x[:, None, None, :]
         # the router weight scales the SwiGLU output before the down projection, as ds4 does
         hidden = self.fused.swiglu(stack.gate.gather(rows, slot_ids), stack.up.gather(rows, slot_ids))
         routed = stack.down.gather(hidden * weights[..., None, None], slot_ids).sum(axis=(1, 2))
-        gate, up, down = self.layers[il].shared
         return routed + down.matmul(self.fused.swiglu(gate.matmul(x), up.matmul(x)))
 
 
@@ -333,15 +353,24 @@ class MLXModel(Transformer[mx.array, MLXStep]):
         fuse: bool | None = None,
         routed_experts: bool = True,
         kv_slots: int = 1,
+        cpu_moe: range = range(0),
+        threads: int | None = None,
     ) -> None:
         """`fuse` compiles the op-heavy primitives (`ops.Fused`); by default only where Metal runs them.
         Without `routed_experts` the routed experts are not packed: they stream (`--ssd-streaming`).
         `kv_slots`: sequences to a KV-cache block. MLX evaluates a block's row pool whole at its first
-        write, so one is the default; a server gives its sessions one block, where forks share rows."""
+        write, so one is the default; a server gives its sessions one block, where forks share rows.
+        The routed experts of the `cpu_moe` layers stay in the file, computed by the CPU kernels on
+        `threads` threads (default: every core) (`--cpu-moe`)."""
         self.qat, self.packing = qat, packing
         fused = ops.Fused(model.args, metal_available() if fuse is None else fuse)
         weights = Weights(model.gguf, packing)
-        operations = MLXOps(model.args, weights, qat, fused, routed_experts, model.layer_range)
+        host = None
+        if cpu_moe:
+            from dwarfstar.backends.cpu.experts import HostExperts
+
+            host = HostExperts(model.gguf, model.args, cpu_moe, threads or os.cpu_count() or 1)
+        operations = MLXOps(model.args, weights, qat, fused, routed_experts, model.layer_range, host)
         super().__init__(operations, max_seq_len, kv_slots)
 
     # logits come back as torch tensors on the CPU; the sampling rules run on them there, one sync a step
