@@ -12,16 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from host_experts_check import check_host_output, crossing_bytes, rounding_effects
 from triton_interpreter import apply_patches
 
-from dwarfstar.backends.cpu.products import KernelProducts
-from dwarfstar.backends.reference import ops
-from dwarfstar.backends.reference.weights import FLOAT32, GGUFWeights
 from dwarfstar.engine.load import load_engine
 from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.attach import StreamingOptions
-from dwarfstar.model import tensors as tt
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY_K, write_synthetic_model
 
@@ -62,18 +59,7 @@ def test_host_layers_differ_only_by_the_activation_rounding(model_path) -> None:
     host_out = on_host[0][3]
 
     # what int8 activations change in layer 0's routed experts, on this input
-    model = open_model(model_path)
-    names = [tt.layer_tensor(0, name) for name in tt.EXPERTS]
-    kernels, weights_file = KernelProducts(model.gguf, 2), GGUFWeights(model.gguf)
-
-    def routed(products, expert):
-        return ops.routed_ffn(x, ids, ids, weights, expert, products, TINY_K.swiglu_limit)
-
-    exact = routed(FLOAT32, lambda e: tuple(weights_file.expert(n, e) for n in names))
-    rounded = routed(kernels, lambda e: tuple(kernels.file_expert(n, e) for n in names))
-    explained = (exact - rounded).abs().max().item()
-    assert explained > 0
-    assert (host_out - device_out).abs().max().item() <= 1.5 * explained + 1e-5 * device_out.abs().max().item()
+    check_host_output(host_out, device_out, rounding_effects(model_path, 0, x, ids, weights)[2])
     assert torch.isfinite(logits).all()
 
 
@@ -81,8 +67,7 @@ def test_bytes_crossing(model_path) -> None:
     """Each host layer sends its rows and the ids and weights of its k experts, and gets its rows back:
     per token and layer 2 x dim float32 + k x (int64 + float32)."""
     backend, _, _ = run(model_path, range(3))
-    k = TINY_K.n_activated_experts
-    assert backend.ops.host.crossed == len(PROMPT) * 3 * (2 * TINY_K.dim * 4 + k * (8 + 4))
+    assert backend.ops.host.crossed == crossing_bytes(TINY_K, len(PROMPT), 3)
 
 
 def test_decode_steps_run_with_host_layers(model_path) -> None:

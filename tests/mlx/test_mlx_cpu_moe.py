@@ -16,12 +16,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from host_experts_check import check_host_output, crossing_bytes, rounding_effects
 
-from dwarfstar.backends.cpu.products import KernelProducts
 from dwarfstar.backends.mlx import weights as mlx_weights
 from dwarfstar.backends.mlx.model import MLXModel
-from dwarfstar.backends.reference import ops
-from dwarfstar.backends.reference.weights import FLOAT32, GGUFWeights
 from dwarfstar.engine.load import load_engine
 from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.errors import DwarfStarError
@@ -80,19 +78,8 @@ def test_host_layers_differ_only_by_the_activation_rounding(model_path, all_mlx,
     host_out = on_host[il][3]
 
     # what int8 activations change in the layer's routed experts, on this input
-    model = open_model(model_path)
-    names = [tt.layer_tensor(il, name) for name in tt.EXPERTS]
-    kernels, weights_file = KernelProducts(model.gguf, 2), GGUFWeights(model.gguf)
-    ids = ids.long()
-
-    def routed(products, expert):
-        return ops.routed_ffn(x, ids, ids, weights, expert, products, TINY_K.swiglu_limit)
-
-    exact = routed(FLOAT32, lambda e: tuple(weights_file.expert(n, e) for n in names))
-    rounded = routed(kernels, lambda e: tuple(kernels.file_expert(n, e) for n in names))
-    explained = (exact - rounded).abs().max().item()
-    assert explained > 0
-    assert (host_out - device_out).abs().max().item() <= 1.5 * explained + 1e-5 * device_out.abs().max().item()
+    _, rounded, explained = rounding_effects(model_path, il, x, ids, weights)
+    check_host_output(host_out, device_out, explained)
     # the host's output is MLX's shared expert plus the kernels' routed sum, nothing else
     gate, up, down = host_run.ops.layers[il].shared
     xm, swiglu = mx.array(x.numpy()), host_run.ops.fused.swiglu
@@ -119,8 +106,7 @@ def test_bytes_crossing(model_path) -> None:
     """Each host layer sends its rows and the ids and weights of its k experts, and gets its rows back:
     per token and layer 2 x dim float32 + k x (int64 + float32)."""
     backend, _, _ = run(model_path, range(3))
-    k = TINY_K.n_activated_experts
-    assert backend.ops.host.crossed == len(PROMPT) * 3 * (2 * TINY_K.dim * 4 + k * (8 + 4))
+    assert backend.ops.host.crossed == crossing_bytes(TINY_K, len(PROMPT), 3)
 
 
 def test_decode_steps_run_with_host_layers(model_path) -> None:
@@ -144,9 +130,7 @@ def test_the_engine_loads_mlx_with_every_layer_on_the_host(model_path) -> None:
     state = backend.new_state()
     assert torch.isfinite(backend.forward(PROMPT, state)).all()
     assert torch.isfinite(backend.forward([5], state)).all()
-    assert backend.ops.host.crossed == (len(PROMPT) + 1) * TINY_K.n_layers * (
-        2 * TINY_K.dim * 4 + TINY_K.n_activated_experts * (8 + 4)
-    )
+    assert backend.ops.host.crossed == crossing_bytes(TINY_K, len(PROMPT) + 1, TINY_K.n_layers)
 
 
 def test_cpu_moe_with_streaming_is_refused_on_mlx(model_path) -> None:
