@@ -48,7 +48,7 @@ class Engine:
 
 def spec_backend(spec: EngineSpec) -> str:
     """The backend `spec` runs on here, and whether it can take the spec's precision (before anything loads)."""
-    name = pick_backend(spec.backend)
+    name = pick_backend(spec.backend, spec.model.stat().st_size if spec.model.is_file() else 0)
     entry = backend_entry(name)
     if spec.precision == "fast" and not entry.fast_precision:
         raise DwarfStarError(f"--precision fast needs the triton backend; the {name} backend has no fast mode")

@@ -34,7 +34,7 @@ PRECISION_HELP = (
 @dataclass(frozen=True)
 class EngineSpec:
     model: Path  # a GGUF file, or any part of a split set
-    backend: str = "auto"  # one of BACKENDS; `auto` picks MLX on Apple silicon, Triton on a GPU, else reference
+    backend: str = "auto"  # one of BACKENDS; `auto`: MLX on Apple, Triton on a GPU, cpu for big files, else reference
     precision: str = "exact"  # one of PRECISIONS
     qat: bool = True  # the FP8 KV / FP4 indexer rounding of the QAT-trained checkpoints
     ctx: int | None = None  # the longest sequence, in tokens (default and most: the model's)

@@ -116,3 +116,31 @@ def test_without_a_compiler_it_runs_the_reference_products(files, monkeypatch, t
         native.kernels.cache_clear()
         native.available.cache_clear()
     assert torch.equal(got, logits(files["ds4"], "reference", PROMPT))
+
+
+def test_auto_takes_the_kernels_for_big_files(monkeypatch) -> None:
+    """`auto` without a GPU: the reference for a small file (the bundled model), the cpu backend from
+    1 GiB (a real model), where the kernels build."""
+    from dwarfstar.backends import registry
+
+    monkeypatch.setattr(registry.Triton, "preferred", lambda self, model_bytes=0: False)
+    monkeypatch.setattr(registry.MLX, "preferred", lambda self, model_bytes=0: False)
+    assert registry.pick_backend("auto", default_model_path().stat().st_size) == "reference"
+    assert registry.pick_backend("auto", 9_507_309_792) == "cpu"
+    monkeypatch.setattr(native, "available", lambda: "no compiler")
+    assert registry.pick_backend("auto", 9_507_309_792) == "reference"
+
+
+def test_an_unusable_cache_folder_builds_in_the_temporary_one(monkeypatch, tmp_path) -> None:
+    """Where the cache folder cannot be made (here a file stands in its way; a read-only home alike),
+    the kernels build in the temporary folder."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("DWARFSTAR_CACHE", str(blocker))
+    monkeypatch.setattr(native.tempfile, "tempdir", str(tmp_path / "tmp"))
+    native.kernels.cache_clear()
+    try:
+        assert native.kernels().ds_simd() >= 0
+    finally:
+        native.kernels.cache_clear()
+    assert list((tmp_path / "tmp").glob("dwarfstar-cpu-kernels-*/kernels-*.so"))

@@ -97,7 +97,12 @@ def kernels(scalar: bool = False) -> ctypes.CDLL:
     ).hexdigest()[:16]
     path = cache_dir() / f"kernels-{key}.so"
     if not path.exists():
-        _build(cc, flags, path)
+        try:
+            _build(cc, flags, path)
+        except OSError:  # no cache folder can be made (a read-only home): the temporary folder instead
+            path = Path(tempfile.gettempdir()) / f"dwarfstar-cpu-kernels-{os.getuid()}" / path.name
+            if not path.exists():
+                _build(cc, flags, path)
     lib = _signature(ctypes.CDLL(str(path)))
     grid = _iq2xxs_grid()
     lib.ds_set_iq2xxs_grid(ctypes.c_char_p(grid))

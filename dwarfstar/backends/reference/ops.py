@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +31,6 @@ from dwarfstar.model.numerics import (
     hadamard_matrix,
 )
 from dwarfstar.model.state import CompressorSpec
-
-if TYPE_CHECKING:
-    from dwarfstar.backends.reference.weights import Products
 
 # MKL multiplies fewer than 16 rows with other kernels (another summation order) than 16 or more,
 # whose per-element order does not depend on the row count: measured for M = 1..4200 rows over the
@@ -144,13 +141,21 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return elementwise(F.silu, gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
+class Multiplies(Protocol):
+    """What `routed_ffn` multiplies with: `weights.Products` (float32 here, the CPU kernels' there)."""
+
+    def input(self, x: torch.Tensor) -> Any: ...
+
+    def linear(self, x: Any, w: Any) -> torch.Tensor: ...
+
+
 def routed_ffn(
     x: torch.Tensor,
     ids: torch.Tensor,
     slot_ids: torch.Tensor,
     weights: torch.Tensor,
     expert: Callable[[int], tuple[Any, Any, Any]],
-    products: Products,
+    products: Multiplies,
     limit: float,
     observe: Callable[[int, tuple[torch.Tensor, ...]], None] | None = None,
 ) -> torch.Tensor:
