@@ -61,7 +61,7 @@ class Layer:
     q_norm: torch.Tensor
     kv_norm: torch.Tensor
     sinks: torch.Tensor
-    wo_a: torch.Tensor  # [o_groups * o_lora_rank, heads_per_group * head_dim]: group g's rows g*rank...
+    wo_a: torch.Tensor  # [o_groups * o_lora_rank, heads_per_group * head_dim]: group g from row g * o_lora_rank
     wo_b: torch.Tensor
     compressors: dict[str, tuple[torch.Tensor, torch.Tensor]]  # kind -> (ape, norm)
     inv_freq: torch.Tensor
