@@ -73,7 +73,7 @@ def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = 
     streaming, steering = spec.streaming, spec.steering
     limit = spec.ctx or model.args.max_seq_len
     stream = streaming is not None  # the routed experts are not loaded: they stream from the file
-    host_layers = spec.cpu_moe_layers(model.args.n_layers)
+    host_layers = spec.cpu_moe_layers(model.args.n_layers, model.layer_range)
     if not stream:  # too big a model is an error naming --ssd-streaming, before any weight loads
         check_fits(model, entry, limit, host_layers)
     direction = steering.read(model.args) if steering is not None else None  # a bad file fails before the weights load

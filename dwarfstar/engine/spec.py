@@ -65,11 +65,15 @@ class EngineSpec:
         if not 1 <= self.power <= 100:
             raise DwarfStarError(f"--power must be 1..100, got {self.power}")
 
-    def cpu_moe_layers(self, n_layers: int) -> range:
-        """The layers whose routed experts `--cpu-moe` keeps on the CPU: the first N, or all."""
+    def cpu_moe_layers(self, n_layers: int, held: range | None = None) -> range:
+        """The layers whose routed experts `--cpu-moe` keeps on the CPU: the first N, or all; of them, those
+        a pipeline stage holding `held` loads."""
         if self.cpu_moe is None:
             return range(0)
-        return range(n_layers if self.cpu_moe == "all" else min(int(self.cpu_moe), n_layers))
+        first = range(n_layers if self.cpu_moe == "all" else min(int(self.cpu_moe), n_layers))
+        held = range(n_layers) if held is None else held
+        start = max(first.start, held.start)
+        return range(start, max(start, min(first.stop, held.stop)))
 
     def stage_layers(self) -> tuple[int, int] | None:
         """The layers to load: `layers`, else this process's slice of the pipeline, else all (None)."""

@@ -103,3 +103,6 @@ def test_the_layer_count_is_clamped() -> None:
     assert EngineSpec("m.gguf", cpu_moe="50").cpu_moe_layers(43) == range(43)
     assert EngineSpec("m.gguf", cpu_moe="0").cpu_moe_layers(43) == range(0)
     assert EngineSpec("m.gguf").cpu_moe_layers(43) == range(0)
+    # a pipeline stage keeps those of its own layers
+    assert EngineSpec("m.gguf", cpu_moe="20").cpu_moe_layers(43, range(10, 30)) == range(10, 20)
+    assert EngineSpec("m.gguf", cpu_moe="20").cpu_moe_layers(43, range(25, 43)) == range(25, 25)
