@@ -36,6 +36,8 @@ class RowTable:
 
 
 class KernelProducts(Products):
+    """The weight products of the cpu backend (and of `--cpu-moe`'s host layers) on `threads` threads."""
+
     def __init__(self, gguf: GGUFFile, threads: int) -> None:
         self.gguf, self.threads = gguf, threads
         self._checked: set[tuple[str, int]] = set()  # MXFP4 experts whose exponents were looked at
