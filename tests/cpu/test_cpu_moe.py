@@ -32,12 +32,15 @@ def model_path(tmp_path_factory) -> Path:
     return path
 
 
-def run(path: Path, cpu_moe: range) -> tuple[object, torch.Tensor, dict[int, tuple[torch.Tensor, ...]]]:
-    """The Triton backend (interpreter) over the prompt: its logits, and each layer's MoE inputs and output."""
+def run(
+    path: Path, cpu_moe: range, device: str = "cpu"
+) -> tuple[object, torch.Tensor, dict[int, tuple[torch.Tensor, ...]]]:
+    """The Triton backend over the prompt (on the CPU: the interpreter): its logits, and each layer's MoE
+    inputs and output."""
     apply_patches()
     from dwarfstar.backends.triton import load_backend
 
-    backend = load_backend(open_model(path), device="cpu", cpu_moe=cpu_moe, threads=2)
+    backend = load_backend(open_model(path), device=device, cpu_moe=cpu_moe, threads=2)
     seen: dict[int, tuple[torch.Tensor, ...]] = {}
     moe = backend.ops.moe
 
@@ -50,13 +53,18 @@ def run(path: Path, cpu_moe: range) -> tuple[object, torch.Tensor, dict[int, tup
     return backend, backend.forward(PROMPT, backend.new_state()), seen
 
 
-def test_host_layers_differ_only_by_the_activation_rounding(model_path) -> None:
-    device_run, _, on_device = run(model_path, range(0))
-    host_run, logits, on_host = run(model_path, range(2))
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: the pinned copies and events run on CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_host_layers_differ_only_by_the_activation_rounding(model_path, device) -> None:
+    """On a GPU (tools/gpu_check.sh) the inputs leave through pinned memory while the shared expert runs."""
+    device_run, _, on_device = run(model_path, range(0), device)
+    host_run, logits, on_host = run(model_path, range(2), device)
     assert [host_run.ops.w.layers[il].gate_exps is None for il in range(4)] == [True, True, False, False]
-    x, ids, weights, device_out = on_device[0]
-    assert torch.equal(on_host[0][0], x) and torch.equal(on_host[0][1], ids)  # the same input reached layer 0
-    host_out = on_host[0][3]
+    x, ids, weights, device_out = (t.cpu() for t in on_device[0])
+    assert torch.equal(on_host[0][0].cpu(), x) and torch.equal(on_host[0][1].cpu(), ids)  # the same input
+    host_out = on_host[0][3].cpu()
 
     # what int8 activations change in layer 0's routed experts, on this input
     check_host_output(host_out, device_out, rounding_effects(model_path, 0, x, ids, weights)[2])
