@@ -121,6 +121,26 @@ def test_a_row_does_not_depend_on_its_company(lib, ggml_type) -> None:
         assert torch.equal(together[i], matrix.matmul(Activations(x[i : i + 1]), w, 1)[0])
 
 
+def test_both_builds_quantize_alike() -> None:
+    """The SIMD quantization gives the portable loop's bits (scales, values, sums), a huge value and an
+    all-zero block among them."""
+    if native.kernels().ds_simd() == 0:
+        pytest.skip("no SIMD form here")
+    x = inputs(9, 1024, seed=4)
+    x[3, :256] = 0
+    x[5, 7] = 1e6
+    got = {}
+    for scalar in (False, True):
+        built = native.kernels(scalar)
+        original, matrix.kernels = matrix.kernels, lambda lib=built: lib
+        try:
+            got[scalar] = [Activations(x).quantized(block) for block in (32, 256)]
+        finally:
+            matrix.kernels = original
+    for simd, portable in zip(got[False], got[True], strict=True):
+        assert all(a is b is None or torch.equal(a, b) for a, b in zip(simd, portable, strict=True))
+
+
 def test_builds_agree() -> None:
     """The SIMD and portable forms compute the same integer sums: their results differ only by the
     float32 order of the sums."""

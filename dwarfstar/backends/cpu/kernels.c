@@ -102,17 +102,40 @@ void ds_quantize(const float *x, int64_t T, int64_t K, int n, int8_t *q, float *
     for (int64_t b = 0; b < T * K / n; b++) {
         const float *xb = x + b * n;
         float amax = 0.0f;
+#ifdef DS_AVX2 /* the same values as the portable loop: max is exact, cvtps rounds to nearest even */
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(xb + i)));
+        __m128 h4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h4 = _mm_max_ps(h4, _mm_movehl_ps(h4, h4));
+        amax = _mm_cvtss_f32(_mm_max_ss(h4, _mm_movehdup_ps(h4)));
+#else
         for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(xb[i]));
+#endif
         float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         d[b] = amax / 127.0f;
         for (int h = 0; h < n / 16; h++) {
             int sum = 0;
+#ifdef DS_AVX2
+            const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+            __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * h), _mm256_set1_ps(id)));
+            __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * h + 8), _mm256_set1_ps(id)));
+            a = _mm256_min_epi32(_mm256_max_epi32(a, lo), hi);
+            c = _mm256_min_epi32(_mm256_max_epi32(c, lo), hi);
+            __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8); /* 16 int16, in order */
+            _mm_storeu_si128((__m128i *)(q + b * n + 16 * h),
+                             _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+            __m256i t = _mm256_add_epi32(a, c);
+            __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+            sum = _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1)));
+#else
             for (int i = 16 * h; i < 16 * h + 16; i++) {
                 int v = (int)lrintf(xb[i] * id);
                 v = v > 127 ? 127 : (v < -127 ? -127 : v);
                 q[b * n + i] = (int8_t)v;
                 sum += v;
             }
+#endif
             if (s) s[b * (n / 16) + h] = (int16_t)sum;
         }
     }
