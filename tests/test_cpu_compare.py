@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import dwarfstar
+from dwarfstar.bench.bandwidth import read_bandwidth, timed_pass
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "cpu_compare.py"
 spec = importlib.util.spec_from_file_location("cpu_compare", TOOL)
@@ -25,17 +26,17 @@ NANO = Path(dwarfstar.__file__).parent / "data" / "nano.gguf"
 def test_the_bandwidth_reader_gives_one_positive_finite_figure_per_pass_and_reads_only_int64():
     words = np.arange(1 << 20, dtype=np.int64)  # 8 MiB
     for threads in (1, 3):
-        passes = cmp.read_bandwidth(words, threads, passes=2)
+        passes = read_bandwidth(words, threads, passes=2)
         assert len(passes) == 2
         assert all(math.isfinite(g) and g > 0 for g in passes)
     with pytest.raises(ValueError):
-        cmp.read_bandwidth(words.astype(np.float64), 2)
+        read_bandwidth(words.astype(np.float64), 2)
 
 
 def test_a_pass_reads_every_word_once_over_its_threads_slices():
     n = 1 << 20
     words = np.arange(n, dtype=np.int64)
-    seconds, total = cmp.timed_pass(np.array_split(words, 3))
+    seconds, total = timed_pass(np.array_split(words, 3))
     assert seconds > 0 and total == n * (n - 1) // 2
 
 

@@ -35,7 +35,6 @@ import json
 import os
 import platform
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -43,8 +42,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dwarfstar.bench.bandwidth import read_bandwidth
+
 LLAMA = "llama.cpp"
-BANDWIDTH_PASSES = 3
 MIN_FILE_BYTES = 2**30  # a smaller file is no bandwidth measure: the last-level cache could hold much of it
 
 
@@ -85,34 +85,6 @@ class Run:
 
 
 # -- read bandwidth ---------------------------------------------------------------------------------
-
-
-def timed_pass(slices: list[np.ndarray]) -> tuple[float, int]:
-    """Seconds from the common start of one thread per slice, each summing its slice, to the last one's
-    end; and the sum of them all."""
-    start_line = threading.Barrier(len(slices) + 1)
-    sums = [0] * len(slices)  # kept, so no read can be skipped
-
-    def read(i: int) -> None:
-        start_line.wait()
-        sums[i] = int(np.add.reduce(slices[i]))
-
-    workers = [threading.Thread(target=read, args=(i,)) for i in range(len(slices))]
-    for worker in workers:
-        worker.start()
-    start_line.wait()
-    start = time.perf_counter()
-    for worker in workers:
-        worker.join()
-    return time.perf_counter() - start, sum(sums)
-
-
-def read_bandwidth(words: np.ndarray, threads: int, passes: int = BANDWIDTH_PASSES) -> list[float]:
-    """GB/s of each pass over `words` (a 1-D int64 array), `threads` threads summing disjoint slices of it."""
-    if words.ndim != 1 or words.dtype != np.int64:
-        raise ValueError("read_bandwidth reads a 1-D int64 array")
-    slices = np.array_split(words, threads)
-    return [words.nbytes / timed_pass(slices)[0] / 1e9 for _ in range(passes)]
 
 
 def measure_bandwidth(path: Path, source: str, memory_bytes: int, threads: int) -> Bandwidth:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
-from threading import Thread
 
 import numpy as np
 import torch
 
 from dwarfstar.backends.cpu.matrix import Activations, QMatrix, matmul
+from dwarfstar.bench.bandwidth import read_bandwidth
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
 
 FORMATS = (GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.IQ2_XXS, GGMLType.MXFP4, GGMLType.F16)
@@ -60,21 +60,6 @@ def _rate(run, n: int) -> float:
     return (time.perf_counter() - start) / n
 
 
-def read_rate(buffer: np.ndarray, threads: int) -> float:
-    """GB/s of a sum over `buffer` in `threads` threads (numpy releases the GIL), best of 3."""
-    words = buffer.view(np.int64)
-    parts = np.array_split(words, threads)
-
-    def once() -> None:
-        workers = [Thread(target=np.add.reduce, args=(part,)) for part in parts]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-
-    return buffer.nbytes / min(_rate(once, 1) for _ in range(3)) / 1e9
-
-
 def measure(threads: list[int], stream_mib: int = 1024, formats=FORMATS) -> list[KernelRow]:
     return [row for ggml_type in formats for row in _format_rows(ggml_type, threads, stream_mib)]
 
@@ -96,7 +81,7 @@ def _format_rows(ggml_type: GGMLType, threads: list[int], stream_mib: int) -> li
                 cache_decode_gbs=small.raw.nbytes / cache / 1e9,
                 cache_prefill_gmacs=64 * small.rows * K / prefill / 1e9,
                 stream_decode_gbs=big.raw.nbytes / stream / 1e9,
-                read_gbs=read_rate(big.raw, n),
+                read_gbs=max(read_bandwidth(big.raw.view(np.int64), n)),
             )
         )
     return rows
