@@ -195,7 +195,7 @@ def _kernel_products(model: ModelFile, threads: int | None):
 
     if available() is not None:
         return FLOAT32
-    return KernelProducts(model.gguf, threads or os.cpu_count() or 1)
+    return KernelProducts(model.gguf, threads)
 
 
 class Triton(BackendEntry):

@@ -70,10 +70,9 @@ class EngineSpec:
         a pipeline stage holding `held` loads."""
         if self.cpu_moe is None:
             return range(0)
-        first = range(n_layers if self.cpu_moe == "all" else min(int(self.cpu_moe), n_layers))
+        stop = n_layers if self.cpu_moe == "all" else min(int(self.cpu_moe), n_layers)
         held = range(n_layers) if held is None else held
-        start = max(first.start, held.start)
-        return range(start, max(start, min(first.stop, held.stop)))
+        return range(held.start, max(held.start, min(stop, held.stop)))
 
     def stage_layers(self) -> tuple[int, int] | None:
         """The layers to load: `layers`, else this process's slice of the pipeline, else all (None)."""

@@ -25,7 +25,7 @@ from dwarfstar.model.config import ModelArgs
 class HostExperts:
     """The routed experts of `layers`, computed on the host's CPU kernels."""
 
-    def __init__(self, gguf: GGUFFile, args: ModelArgs, layers: range, threads: int) -> None:
+    def __init__(self, gguf: GGUFFile, args: ModelArgs, layers: range, threads: int | None) -> None:
         self.args, self.layers = args, layers
         self.products = KernelProducts(gguf, threads)
         self.names = {il: [tt.layer_tensor(il, name) for name in tt.EXPERTS] for il in layers}

@@ -107,14 +107,12 @@ class Activations:
         return self._quantized[block]
 
 
-def matmul(x: Activations, w: QMatrix, threads: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ w.T -> [*lead, rows] float32, on `threads` threads (`out`: a [T, rows] view to fill)."""
+def matmul(x: Activations, w: QMatrix, threads: int) -> torch.Tensor:
+    """x [T, K] @ w.T -> [*lead, rows] float32, on `threads` threads."""
     if x.x.shape[1] != w.cols:
         raise DwarfStarError(f"product of a {x.x.shape[1]}-wide input with {w.rows} x {w.cols} weights")
     t = x.tokens
-    if out is None:
-        out = torch.empty(t, w.rows, dtype=torch.float32)
-    assert out.stride(1) == 1 and out.shape == (t, w.rows)
+    out = torch.empty(t, w.rows, dtype=torch.float32)
     if w.ggml_type in FLOAT_TYPES:
         q = d = s = None
     else:

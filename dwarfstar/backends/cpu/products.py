@@ -10,6 +10,7 @@ stay float32 through the reference's own `ops.linear`. Where the kernels cannot 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -36,10 +37,11 @@ class RowTable:
 
 
 class KernelProducts(Products):
-    """The weight products of the cpu backend (and of `--cpu-moe`'s host layers) on `threads` threads."""
+    """The weight products of the cpu backend (and of `--cpu-moe`'s host layers) on `threads` threads
+    (None: every core)."""
 
-    def __init__(self, gguf: GGUFFile, threads: int) -> None:
-        self.gguf, self.threads = gguf, threads
+    def __init__(self, gguf: GGUFFile, threads: int | None) -> None:
+        self.gguf, self.threads = gguf, threads or os.cpu_count() or 1
         self._checked: set[tuple[str, int]] = set()  # MXFP4 experts whose exponents were looked at
 
     def _blocks(self, name: str) -> QMatrix | None:

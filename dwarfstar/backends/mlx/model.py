@@ -12,7 +12,6 @@ KV); everything else on all rows of a batch at once.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -369,7 +368,7 @@ class MLXModel(Transformer[mx.array, MLXStep]):
         if cpu_moe:
             from dwarfstar.backends.cpu.experts import HostExperts
 
-            host = HostExperts(model.gguf, model.args, cpu_moe, threads or os.cpu_count() or 1)
+            host = HostExperts(model.gguf, model.args, cpu_moe, threads)
         operations = MLXOps(model.args, weights, qat, fused, routed_experts, model.layer_range, host)
         super().__init__(operations, max_seq_len, kv_slots)
 

@@ -66,6 +66,6 @@ def load_backend(
     if cpu_moe:
         from dwarfstar.backends.cpu.experts import HostExperts
 
-        host = HostExperts(gguf, args, cpu_moe, threads or os.cpu_count() or 1)
+        host = HostExperts(gguf, args, cpu_moe, threads)
     weights = upload(gguf, args, device, not stream_experts, model_file.layer_range, host_layers=cpu_moe)
     return TritonBackend(weights, graphs=False, host=host, **options)
