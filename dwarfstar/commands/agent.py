@@ -89,8 +89,8 @@ def run_agent(engine, spec, flags: ChatFlags, ctx: int, system, kv_dir, plain, p
 
     eos = engine.backend.args.eos_token_id
     policy = SampledPolicy(params, eos)
-    if spec.speculation is not None:
-        policy = SpeculativePolicy(params, eos, load_speculation(spec.speculation, engine.backend, engine.model))
+    if spec.drafter is not None:
+        policy = SpeculativePolicy(params, eos, load_speculation(spec.drafter, engine.backend, engine.model))
     live = Agent(
         tokenizer=engine.tokenizer,
         backend=paced,

@@ -353,12 +353,20 @@ class SpeculativeFlags:
             rich_help_panel=SPECULATIVE,
         ),
     ] = 0.0
+    dspark_strict: Annotated[
+        bool,
+        typer.Option(
+            help="Load and check the --dspark drafter but decode with the model alone, one token a step: "
+            "the output of a run without --dspark, byte for byte (ds4's control for comparisons).",
+            rich_help_panel=SPECULATIVE,
+        ),
+    ] = False
 
     def options(self) -> MTPOptions | DSparkOptions | None:
         from dwarfstar.speculative.mtp_options import MTPOptions, speculation_options
 
         mtp = MTPOptions.from_flags(self.mtp, self.mtp_draft, self.mtp_margin, self.mtp_align)
-        return speculation_options(mtp, self.dspark, self.dspark_confidence)
+        return speculation_options(mtp, self.dspark, self.dspark_confidence, self.dspark_strict)
 
 
 @dataclass(frozen=True)

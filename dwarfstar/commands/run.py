@@ -109,7 +109,7 @@ def run(
         sys.stdout.write(dump(Tokenizer.from_gguf(spec.model), text))
         return
     one_shot = text is not None or prompt_tokens is not None
-    if spec.speculation is not None and not one_shot and (spec.dist is None or spec.dist.role != "worker"):
+    if spec.drafter is not None and not one_shot and (spec.dist is None or spec.dist.role != "worker"):
         raise DwarfStarError("speculation (--mtp, --dspark) needs a one-shot prompt: -p or --prompt-tokens")
     if (dump_logits or dump_logprobs) and not one_shot:
         raise DwarfStarError("the dumps need a prompt: -p, --prompt-file or --prompt-tokens")
@@ -165,10 +165,8 @@ def answer(chat: Chat, spec, ids: list[int], thinking: bool, dumps: tuple[Path |
     engine, (dump_logits, dump_logprobs) = chat.engine, dumps
     if dump_logits:
         write_logits(engine, ids, chat.session.ctx, dump_logits)
-    elif spec.speculation is not None:
-        speculative_reply(
-            engine, spec.speculation, ids, chat.sampler.params, chat.max_tokens, chat.session.ctx, thinking
-        )
+    elif spec.drafter is not None:
+        speculative_reply(engine, spec.drafter, ids, chat.sampler.params, chat.max_tokens, chat.session.ctx, thinking)
     elif dump_logprobs:
         k = min(top_k, MAX_LOGPROBS_TOP_K)
         chat.session.prefill(ids)

@@ -103,7 +103,7 @@ def serve(
         ctx=ctx, api_key=api_key or None, cors=cors, think_by_default=think, template=template,
         max_sessions=max_sessions, kv_memory_mb=kv_memory_mb, max_queue=max_queue, prefill_chunk=prefill_chunk,
         trace=trace, kv_disk_dir=kv_disk_dir, kv_disk_space_mb=kv_disk_space_mb,
-        kv_cache_min_tokens=kv_cache_min_tokens, model_aliases=tuple(model_alias or ()), mtp=spec.speculation,
+        kv_cache_min_tokens=kv_cache_min_tokens, model_aliases=tuple(model_alias or ()), mtp=spec.drafter,
         loop_guard=loop_guard.options(),
     )  # fmt: skip
     spec_backend(spec)  # a backend that cannot run here, before the port

@@ -88,6 +88,10 @@ def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = 
         entry.attach_experts(impl, experts)
     if steering is not None:
         impl = steering.install(impl, direction)
+    if spec.speculation is not None and spec.drafter is None and spec.dist is None:
+        from dwarfstar.speculative.decode import check_drafter  # --dspark-strict: checked, not run
+
+        check_drafter(spec.speculation, impl, model)
     if progress is not None and not entry.reports_progress:
         progress(1, 1)  # this backend reports no steps; still finish the bar
     return Engine(model, impl, name, tokenizer, time.perf_counter() - start, experts)

@@ -74,6 +74,12 @@ class EngineSpec:
         held = range(n_layers) if held is None else held
         return range(held.start, max(held.start, min(stop, held.stop)))
 
+    @property
+    def drafter(self) -> MTPOptions | DSparkOptions | None:
+        """The drafter decoding speculates with: `speculation`, but none under `--dspark-strict` (whose
+        drafter `load_engine` checks and decoding leaves alone)."""
+        return self.speculation if self.speculation is not None and self.speculation.drafts else None
+
     def stage_layers(self) -> tuple[int, int] | None:
         """The layers to load: `layers`, else this process's slice of the pipeline, else all (None)."""
         if self.layers is not None or self.dist is None:

@@ -376,6 +376,12 @@ class DSparkSpeculation:
         return Speculator(session, self.draft, self.draft.d.block_size)  # type: ignore[arg-type]
 
 
+def check_drafter(options: DSparkOptions, backend: Any, model: ModelFile) -> None:
+    """`--dspark-strict`: the drafter loads for `backend` running `model` with every check speculation
+    makes (a bad file is the same named error), then is let go: decoding will not use it."""
+    DSparkDraft(forward_of(backend), model, options.path, options.confidence).close()
+
+
 def load_speculation(
     options: MTPOptions | DSparkOptions, backend: Any, model: ModelFile
 ) -> MTPSpeculation | DSparkSpeculation:

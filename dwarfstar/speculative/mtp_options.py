@@ -1,7 +1,7 @@
 """What `--mtp`, `--mtp-draft`, `--mtp-margin` and `--mtp-align` choose, and `--dspark` with
-`--dspark-confidence`, for `run`, `serve`, `agent` and `bench`; `decode.load_speculation` loads the
-draft they name. Nothing heavy is imported here, so the command line states the limits without
-loading torch."""
+`--dspark-confidence` and `--dspark-strict`, for `run`, `serve`, `agent` and `bench`;
+`decode.load_speculation` loads the draft they name. Nothing heavy is imported here, so the command
+line states the limits without loading torch."""
 
 from __future__ import annotations
 
@@ -38,6 +38,11 @@ class MTPOptions:
     def __post_init__(self) -> None:
         check_settings(self.n_draft, self.alignment, self.margin)
 
+    @property
+    def drafts(self) -> bool:
+        """Whether decoding speculates (always, with the MTP block)."""
+        return True
+
     def file_for(self, model: Path) -> Path | None:
         """The MTP file to use: --mtp, else for the bundled model its bundled block (it has none in-file)."""
         if self.path is None and model.resolve() == default_model_path().resolve():
@@ -63,26 +68,40 @@ def check_confidence(confidence: float) -> None:
 
 @dataclass(frozen=True)
 class DSparkOptions:
-    """DSpark speculation: ds4's support file, and the confidence below which a block is cut."""
+    """DSpark speculation: ds4's support file, and the confidence below which a block is cut.
+
+    `strict` (ds4's `--dspark-strict`): the drafter is loaded and checked against the model as for
+    speculation, but decoding is the target's alone, one token a step, so the output is byte for byte
+    that of a run without `--dspark`: the control of a comparison, and the mode for reproducibility
+    checks (a verify pass computes several positions at once, and a backend whose batched kernels
+    add in another order than its one-token ones can then differ in the last bits)."""
 
     path: Path
     confidence: float = 0.0
+    strict: bool = False
 
     def __post_init__(self) -> None:
         check_confidence(self.confidence)
 
+    @property
+    def drafts(self) -> bool:
+        """Whether decoding speculates: not under `strict`."""
+        return not self.strict
+
     def describe(self) -> str:
-        return f"dspark confidence {self.confidence:g}"
+        return f"dspark confidence {self.confidence:g}" + (" strict (target-only decode)" if self.strict else "")
 
 
 def speculation_options(
-    mtp: MTPOptions | None, dspark: Path | None, confidence: float
+    mtp: MTPOptions | None, dspark: Path | None, confidence: float, strict: bool = False
 ) -> MTPOptions | DSparkOptions | None:
     """The one drafter the flags choose: the MTP block or DSpark, never both."""
     if dspark is None:
         if confidence:
             raise DwarfStarError("--dspark-confidence needs --dspark FILE")
+        if strict:
+            raise DwarfStarError("--dspark-strict needs --dspark FILE")
         return mtp
     if mtp is not None:
         raise DwarfStarError("--dspark and --mtp choose two drafters; give one")
-    return DSparkOptions(dspark, confidence)
+    return DSparkOptions(dspark, confidence, strict)
