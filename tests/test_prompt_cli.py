@@ -55,6 +55,19 @@ def test_render_prints_the_official_bytes(conversation: Path) -> None:
     assert result.stdout_bytes == CASE["expected"].encode("utf-8")
 
 
+def test_render_in_the_0731_effort_table(conversation: Path) -> None:
+    """The same request for Flash 0731 / PRO 0813: `max` opens with the "Beyond maximum" preamble instead,
+    and the rest of the prompt is the preview's bytes after its own preamble."""
+    args = ("render", "--messages-file", str(conversation), "--thinking", "--reasoning-effort", "max")
+    text = invoke(*args, "--release", "0731").stdout_bytes.decode("utf-8")
+    first = "<｜begin▁of▁sentence｜>Reasoning Effort: Beyond maximum — exhaustive, relentless, and uncompromising.\n"
+    assert text.startswith(first)
+    preview_rest = CASE["expected"].split("unchecked.\n\n", 1)[1]
+    assert text.split("undiscovered.\n\n", 1)[1] == preview_rest
+    bad = runner.invoke(app, [*args, "--release", "0999"])
+    assert bad.exit_code != 0 and "--release must be one of preview, 0731" in str(bad.exception) + bad.output
+
+
 def test_render_chat_mode_from_stdin(conversation: Path) -> None:
     result = invoke("render", "--messages-file", "-", stdin=conversation.read_bytes())
     expected = render_conversation(CASE["request"]["messages"], tools=CASE["request"]["tools"]).text

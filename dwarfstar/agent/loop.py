@@ -106,9 +106,13 @@ class Agent:
             self.trace.write(title, body)
 
     # -- the session ------------------------------------------------------------------------------
+    def transcript_ids(self) -> list[int]:
+        """The transcript's tokens, the head in the model release's effort table."""
+        return self.transcript.ids(self.tokenizer, self.eos, self.backend.args.reasoning_efforts)
+
     def sync(self, should_stop: Callable[[], bool] = lambda: False, label: str = "step") -> tuple[int, int]:
         """Bring the session to the transcript's tokens; returns (tokens reused, tokens computed)."""
-        ids = self.transcript.ids(self.tokenizer, self.eos)
+        ids = self.transcript_ids()
         keep = common_prefix_len(self.session.tokens, ids)
         computed, start = self.session.stats.computed, time.perf_counter()
         self.note(f"{label}: rendered prompt ({len(ids)} tokens)", self.tokenizer.decode(ids))
@@ -262,7 +266,7 @@ class Agent:
         size = len(self.transcript.entry_ids(entry, self.tokenizer, self.eos))
         if compaction.hard_due(len(self.session.tokens), size, self.ctx):
             self.compact(events, "hard")
-            if compaction.hard_due(len(self.transcript.ids(self.tokenizer, self.eos)), size, self.ctx):
+            if compaction.hard_due(len(self.transcript_ids()), size, self.ctx):
                 entry.results = [
                     f"error: this tool result ({size} tokens) does not fit in the context; ask for less output"
                     for _ in results

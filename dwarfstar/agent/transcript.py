@@ -13,13 +13,14 @@ After a compaction the summary joins the system text, and the entries hold only 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from dwarfstar.agent.tools import TOOLS
 from dwarfstar.console.chat import ThinkMode
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.prompt.render import render_conversation
+from dwarfstar.prompt.render_options import OFFICIAL
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 DEFAULT_SYSTEM = "You are a helpful coding assistant running inside dwarfstar agent."
@@ -75,7 +76,9 @@ class Transcript:
         return [e.text for e in self.entries if e.text]
 
     # -- tokens -----------------------------------------------------------------------------------
-    def head_ids(self, tokenizer: Tokenizer, with_summary: bool = True) -> list[int]:
+    def head_ids(self, tokenizer: Tokenizer, efforts: str, with_summary: bool = True) -> list[int]:
+        """The system turn's tokens; `efforts`: the model's release (`ModelArgs.reasoning_efforts`),
+        whose Think-Max preamble opens them."""
         system = self.system
         if with_summary and self.summary:
             system += f"\n\n{SUMMARY_HEADING}\n\n{self.summary}"
@@ -85,6 +88,7 @@ class Transcript:
             tools=TOOLS,
             thinking=max_effort,
             reasoning_effort="max" if max_effort else None,
+            options=replace(OFFICIAL, efforts=efforts),
         )
         return tokenizer.encode_prompt(head.parts)
 
@@ -98,8 +102,8 @@ class Transcript:
             messages += [{"role": "user", "content": entry.text}] if entry.text else []
         return tokenizer.encode_prompt(render_conversation(messages, thinking=entry.thinking, add_bos=False).parts)
 
-    def ids(self, tokenizer: Tokenizer, eos: int) -> list[int]:
-        out = self.head_ids(tokenizer)
+    def ids(self, tokenizer: Tokenizer, eos: int, efforts: str) -> list[int]:
+        out = self.head_ids(tokenizer, efforts)
         for entry in self.entries:
             out += self.entry_ids(entry, tokenizer, eos)
         return out

@@ -89,12 +89,23 @@ def render(
     ],
     thinking: Annotated[bool, typer.Option("--thinking", help="Thinking mode (default: chat mode).")] = False,
     reasoning_effort: Annotated[
-        str | None, typer.Option("--reasoning-effort", help="high or max (max adds its preamble in thinking mode).")
+        str | None,
+        typer.Option("--reasoning-effort", help="low, high or max: the release's preamble in thinking mode, if any."),
     ] = None,
+    release: Annotated[
+        str,
+        typer.Option(help="Whose effort table: preview (V4 as first published) or 0731 (Flash 0731, PRO 0813)."),
+    ] = "preview",
     ds4: Annotated[bool, typer.Option("--ds4", help="Render as ds4's server does, not the official way.")] = False,
 ) -> None:
     """Print the rendered DeepSeek V4 prompt, byte for byte (no newline is added)."""
+    from dataclasses import replace
+
     from dwarfstar.prompt import DS4, OFFICIAL, render_conversation
+    from dwarfstar.prompt.efforts import RELEASES
+
+    if release not in RELEASES:
+        raise DwarfStarError(f"--release must be one of {', '.join(RELEASES)}, got {release!r}")
 
     request = load_conversation(messages_file)
     prompt = render_conversation(
@@ -103,7 +114,7 @@ def render(
         response_format=request.get("response_format"),
         thinking=thinking,
         reasoning_effort=reasoning_effort,
-        options=DS4 if ds4 else OFFICIAL,
+        options=replace(DS4 if ds4 else OFFICIAL, efforts=release),
     )
     sys.stdout.buffer.write(prompt.text.encode("utf-8"))
     sys.stdout.buffer.flush()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 
@@ -28,7 +28,9 @@ from dwarfstar.engine.load import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.kvcache.payload import read_payload, write_payload
+from dwarfstar.prompt.efforts import THINK_MAX_MIN_CTX
 from dwarfstar.prompt.render import render_conversation
+from dwarfstar.prompt.render_options import OFFICIAL
 from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.loopguard import LoopGuard, Repetition
 from dwarfstar.session.prefix import common_prefix_len
@@ -36,7 +38,6 @@ from dwarfstar.session.session import Cancelled, Session
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 
 DEFAULT_SYSTEM = "You are a helpful assistant"  # ds4's CLI default, without a period
-THINK_MAX_MIN_CTX = 393216  # ds4 allows Think-Max only with a context this large
 
 
 class ThinkMode(Enum):
@@ -110,6 +111,7 @@ class Chat:
             [{"role": "system", "content": self.system}],
             thinking=max_effort,
             reasoning_effort="max" if max_effort else None,
+            options=replace(OFFICIAL, efforts=self.backend.args.reasoning_efforts),
         )
         ids = self.tokenizer.encode_prompt(head.parts)
         turns = self.turns if pending is None else [*self.turns, Turn(pending, self.thinking)]

@@ -12,8 +12,11 @@ from typing import Any
 
 from dwarfstar.errors import ConfigError
 from dwarfstar.gguf.constants import ValueType
+from dwarfstar.prompt.efforts import DSPARK_RELEASES, PREVIEW, RELEASES
 
 ARCH = "deepseek4"
+EFFORTS_KEY = "dwarfstar.reasoning_efforts"
+DSPARK_STAGES = 3  # the DSpark drafter's V4 blocks in Flash 0731 and PRO 0813
 EXPERT_GATING_SQRT_SOFTPLUS = 4  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
 
 
@@ -74,6 +77,10 @@ class ModelArgs:
     n_mtp_layers: int = 0
     bos_token_id: int = 0
     eos_token_id: int = 1
+    # the release whose reasoning-effort table the prompt follows (dwarfstar/prompt/efforts.py): ours
+    # is written as `dwarfstar.reasoning_efforts`; a ds4 trunk of a DSpark release (Flash 0731, PRO
+    # 0813) tells by its ratio array, which carries the drafter stages' entries after the layers'
+    reasoning_efforts: str = PREVIEW
 
     def __post_init__(self) -> None:
         self.validate()
@@ -142,6 +149,8 @@ class ModelArgs:
             problems.append(f"{self.n_hash_layers} hash layers in a {self.n_layers}-layer model")
         if self.index_head_dim & (self.index_head_dim - 1):
             problems.append(f"indexer head dim {self.index_head_dim} must be a power of two (Hadamard transform)")
+        if self.reasoning_efforts not in RELEASES:
+            problems.append(f"reasoning efforts of release {self.reasoning_efforts!r}, not one of {RELEASES}")
         if problems:
             raise ConfigError("invalid DeepSeek V4 config: " + "; ".join(problems))
 
@@ -167,6 +176,8 @@ class ModelArgs:
         meta[f"{ARCH}.leading_dense_block_count"] = (u32, 0)
         meta[f"{ARCH}.expert_group_count"] = (u32, 0)
         meta[f"{ARCH}.expert_group_used_count"] = (u32, 0)
+        if self.reasoning_efforts != PREVIEW:
+            meta[EFFORTS_KEY] = (ValueType.STRING, self.reasoning_efforts)
         return meta
 
     @classmethod
@@ -196,6 +207,8 @@ class ModelArgs:
                 raise ConfigError(f"per-layer SwiGLU clamps that differ ({sorted(limits)}) are not supported")
             values["swiglu_limit"] = limits.pop()
         n_layers = values.get("n_layers", 0)
+        stages = len(values["compress_ratios"]) - n_layers
+        values["reasoning_efforts"] = meta.get(EFFORTS_KEY, DSPARK_RELEASES if stages == DSPARK_STAGES else PREVIEW)
         n_mtp = values.get("n_mtp_layers", 0)
         if n_mtp and len(values["compress_ratios"]) < n_layers:
             raise ConfigError("compress_ratios is shorter than block_count")

@@ -16,7 +16,7 @@ The rules, in the order they are applied:
    its text in place, as the official encoder does, and the opener moves after it: the official
    encoder gives no opener at all when such a system message ends the prompt, which leaves nothing
    to generate from, and keeping the opener after it makes every later turn render the same bytes.
-5. In thinking mode with reasoning_effort "max" the effort preamble opens the prompt.
+5. In thinking mode the reasoning effort's preamble, if its release has one (efforts.py), opens the prompt.
 
 `RenderOptions` switches individual rules to ds4's server behaviour (see render_options.py).
 """
@@ -30,11 +30,11 @@ from typing import Any
 from dwarfstar.prompt import templates
 from dwarfstar.prompt.conversation import PromptError, ToolResult, Turn, to_turns, tool_schema
 from dwarfstar.prompt.dsml import render_tool_calls, to_json
+from dwarfstar.prompt.efforts import LEVELS, preamble
 from dwarfstar.prompt.render_options import OFFICIAL, RenderOptions
 from dwarfstar.tokenizer import specials
 from dwarfstar.tokenizer.specials import TASK_TOKENS, Control, PromptPart
 
-REASONING_EFFORTS = (None, "high", "max")
 TOOL_RESULT_CLOSE = "</tool_result>"
 
 
@@ -181,8 +181,8 @@ def render_conversation(
     options: RenderOptions = OFFICIAL,
 ) -> Prompt:
     """The prompt for `messages` (OpenAI-style dicts, see conversation.py) ready to tokenize."""
-    if reasoning_effort not in REASONING_EFFORTS:
-        raise PromptError(f"reasoning_effort must be one of high, max or unset, got {reasoning_effort!r}")
+    if reasoning_effort not in LEVELS:
+        raise PromptError(f"reasoning_effort must be one of low, high, max or unset, got {reasoning_effort!r}")
     turns = to_turns(messages)
     _attach_request_extras(turns, tools, response_format)
     turns = _merge_user_turns(turns, options)
@@ -200,8 +200,8 @@ def render_conversation(
     out = _Builder()
     if add_bos:
         out.add(Control(specials.BOS))
-    if thinking and reasoning_effort == "max" and turns:
-        out.add(templates.REASONING_EFFORT_MAX)
+    if thinking and turns:
+        out.add(preamble(options.efforts, reasoning_effort))
     if options.ds4_system_block:
         block, turns = _ds4_system_block(turns, options)
         out.add(*block)

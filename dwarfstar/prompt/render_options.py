@@ -42,6 +42,9 @@ class RenderOptions:
     # Officially earlier reasoning is kept only when tools are defined; ds4 also keeps it whenever the
     # history holds a tool call or a tool result.
     keep_reasoning_with_tool_history: bool = False
+    # Not a server difference but the model's: the release whose reasoning-effort table applies
+    # (`efforts.RELEASES`); the renderer takes it from the model file (`ModelArgs.reasoning_efforts`).
+    efforts: str = "preview"
 
 
 OFFICIAL = RenderOptions()

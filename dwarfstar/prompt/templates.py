@@ -61,14 +61,24 @@ _DS4_OUTRO = (
 
 RESPONSE_FORMAT_INTRO = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 
-# Prepended to the whole prompt in thinking mode when reasoning_effort is "max" ("high" adds nothing).
-REASONING_EFFORT_MAX = (
+# The reasoning-effort preambles that open a thinking prompt (which effort takes which: efforts.py). The
+# preview releases' "max" and the later releases' "high" are the first; the later releases' "max" the
+# second (the encoder of Flash 0731 and PRO 0813).
+REASONING_EFFORT_ABSOLUTE = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root "
     "cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial "
     "scenarios.\n"
     "Explicitly write out your entire deliberation process, documenting every intermediate step, considered "
     "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
+)
+REASONING_EFFORT_BEYOND = (
+    "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively "
+    "decompose the problem into its most fundamental components, trace every causal chain to its root, and "
+    "resolve the underlying cause rather than any surface symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple angles and are "
+    "certain that no assumption remains unchecked and no error remains undiscovered.\n\n"
 )
 
 _TEMPLATE_CONTROLS = re.compile(

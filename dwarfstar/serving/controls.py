@@ -2,10 +2,11 @@
 
 Thinking (DS4_SURFACE §2.4). The server default is on unless `--nothink`. The model name
 `deepseek-chat` turns it off and `deepseek-reasoner` on; an explicit switch (`thinking`, `think`,
-`enable_thinking`) wins over both. Effort `none` turns it off; `max` asks for Think-Max, which needs
-a context of at least 393,216 tokens and is otherwise plain thinking, as in ds4; the other effort
-names (`xhigh`, `high`, `medium`, `low`, `minimal`) mean ordinary thinking but do not switch it on,
-so a `--nothink` server stays without thinking for clients that always send an effort (Codex).
+`enable_thinking`) wins over both. Effort `none` turns it off; the other effort names (`max`, `xhigh`,
+`high`, `medium`, `low`, `minimal`) choose the preamble of the model's release (prompt/efforts.py: for
+the preview only `max`, Think-Max, has one; for Flash 0731 and PRO 0813 `high` and `max` do; `max`
+needs a context of at least 393,216 tokens, as in ds4) but do not switch thinking on, so a `--nothink`
+server stays without thinking for clients that always send an effort (Codex).
 
 Sampling (§2.5): temperature 1, top_p 1, min_p 0.05, top_k 0 unless given. While thinking, ds4 resets
 all four to those defaults, since the model reasons badly at low temperature; so greedy, reproducible
@@ -18,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.prompt.efforts import effort_level
 from dwarfstar.sampling import SamplingParams
 from dwarfstar.serving.errors import ApiError, bad_request
 from dwarfstar.serving.fields import Fields
 
-THINK_MAX_MIN_CTX = 393_216
 EFFORTS = ("max", "xhigh", "high", "medium", "low", "minimal", "none")
 NO_THINKING_MODEL = "deepseek-chat"
 THINKING_MODEL = "deepseek-reasoner"
@@ -32,7 +33,7 @@ MAX_STOP_STRINGS = 16
 @dataclass(frozen=True)
 class Thinking:
     enabled: bool
-    effort: str | None = None  # "max" for Think-Max, None for ordinary thinking
+    effort: str | None = None  # the renderer's effort level (prompt/efforts.py); None: the release's default
 
     @property
     def renderer_effort(self) -> str | None:
@@ -60,7 +61,10 @@ def effort_value(fields: Fields, key: str) -> str | None:
     return effort
 
 
-def resolve_thinking(*, default: bool, model: str, switch: bool | None, effort: str | None, ctx: int) -> Thinking:
+def resolve_thinking(
+    *, default: bool, model: str, switch: bool | None, effort: str | None, ctx: int, release: str
+) -> Thinking:
+    """Whether the request thinks, and at which of its model's `release` effort levels."""
     enabled = default
     if model == NO_THINKING_MODEL:
         enabled = False
@@ -70,8 +74,7 @@ def resolve_thinking(*, default: bool, model: str, switch: bool | None, effort: 
         enabled = switch
     if effort == "none":
         enabled = False
-    think_max = effort == "max" and ctx >= THINK_MAX_MIN_CTX
-    return Thinking(enabled, "max" if enabled and think_max else None)
+    return Thinking(enabled, effort_level(release, effort, ctx) if enabled else None)
 
 
 def sampling_params(

@@ -62,7 +62,8 @@ class Service:
         self.engine, self.config, self.tokenizer = engine, config, engine.tokenizer
         self.refused = refused_ids(engine.tokenizer)  # control tokens a templated answer never holds
         self.steered = steering_of(engine.backend)  # None unless started with --dir-steering-file
-        self.options = config.render_options
+        # the server's template, with the effort table of the model's release
+        self.options = replace(config.render_options, efforts=engine.model.args.reasoning_efforts)
         self.models = ModelCatalog(args, config.ctx, config.model_aliases)
         self.metrics = Metrics()
         if engine.experts is not None:  # --ssd-streaming: the expert cache's figures at each /metrics
@@ -107,7 +108,12 @@ class Service:
     def thinking(self, model: str, switch: bool | None, effort: str | None) -> Thinking:
         """The request's thinking mode under this server's default (`--nothink`) and context size."""
         return resolve_thinking(
-            default=self.config.think_by_default, model=model, switch=switch, effort=effort, ctx=self.config.ctx
+            default=self.config.think_by_default,
+            model=model,
+            switch=switch,
+            effort=effort,
+            ctx=self.config.ctx,
+            release=self.options.efforts,
         )
 
     def start(self) -> None:

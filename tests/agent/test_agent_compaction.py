@@ -83,7 +83,7 @@ def assert_summary_streamed(agent: Agent, events: Recorder) -> None:
 
 def assert_well_formed(agent: Agent) -> None:
     """The session holds exactly the rebuilt transcript: system + summary, then a tail opening a turn."""
-    rendered, held = agent.transcript.ids(agent.tokenizer, agent.eos), agent.session.tokens
+    rendered, held = agent.transcript_ids(), agent.session.tokens
     assert held == rendered or held + [agent.eos] == rendered  # a reply cut at -n has no EOS in the session yet
     text = agent.tokenizer.decode(agent.session.tokens)
     assert f"{SUMMARY_HEADING}\n\n{agent.transcript.summary}" in text

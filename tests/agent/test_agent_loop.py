@@ -22,7 +22,7 @@ from dwarfstar.tokenizer import specials
 
 
 def in_sync(agent) -> bool:
-    ids = agent.transcript.ids(agent.tokenizer, agent.eos)
+    ids = agent.transcript_ids()
     return agent.session.tokens == ids
 
 
@@ -215,7 +215,7 @@ def test_a_plain_text_turn_on_the_real_model(nano, tmp_path: Path) -> None:
     assert first.finish in ("stop", "length") and first.rounds == 0
     assert [e.kind for e in agent.transcript.entries] == ["user", "assistant"]
     assert first.finish == "stop" or len(agent.transcript.entries[1].ids) == 12
-    rendered = agent.transcript.ids(agent.tokenizer, agent.eos)
+    rendered = agent.transcript_ids()
     held = list(agent.session.tokens)
     assert held == (rendered if first.finish == "stop" else rendered[:-1])
     second = agent.run("e poi?", Recorder())

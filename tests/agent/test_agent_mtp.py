@@ -18,6 +18,7 @@ from dwarfstar.agent.loop import Agent
 from dwarfstar.agent.policy import SampledPolicy, SpeculativePolicy
 from dwarfstar.agent.transcript import Transcript
 from dwarfstar.engine.load import Engine
+from dwarfstar.prompt.efforts import PREVIEW
 from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.session import Cancelled
 from dwarfstar.speculative.decode import load_speculation
@@ -68,7 +69,7 @@ def test_a_stopped_prompt_leaves_the_session_valid_and_followed(nano: Engine, tm
     speculator still follows the session (the next reply speculates without restarting)."""
     plain, speculative, policy = agents(nano, tmp_path)
     first = policy.speculator
-    ids = speculative.transcript.head_ids(nano.tokenizer)
+    ids = speculative.transcript.head_ids(nano.tokenizer, PREVIEW)
     with pytest.raises(Cancelled, match=f"stopped after 0 of {len(ids)} prompt tokens"):
         policy.extend(speculative.session, ids, lambda: True)
     assert speculative.session.tokens == [] and policy.followed == []
@@ -82,7 +83,7 @@ def test_a_reply_read_in_part_leaves_exactly_the_tokens_read(nano: Engine, tmp_p
     """The loop stops reading at EOS; a caller may stop anywhere, even in the middle of a verified step
     (whose tokens the speculator already ran): the session then holds exactly the tokens yielded."""
     plain, speculative, policy = agents(nano, tmp_path)
-    prompt = plain.transcript.head_ids(nano.tokenizer) + nano.tokenizer.encode(TURNS[0])
+    prompt = plain.transcript.head_ids(nano.tokenizer, PREVIEW) + nano.tokenizer.encode(TURNS[0])
     plain.session.prefill(prompt)
     expected = list(plain.policy.reply(plain.session, 8, lambda: False))
     policy.extend(speculative.session, prompt, lambda: False)

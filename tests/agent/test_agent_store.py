@@ -16,6 +16,7 @@ from dwarfstar.kvcache import kvfile
 from dwarfstar.kvcache.kvfile import ModelIdentity
 from dwarfstar.kvcache.kvpolicy import SaveReason
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
+from dwarfstar.prompt.efforts import PREVIEW
 
 
 def open_store(engine: Engine, directory: Path, ctx: int = 8192) -> SessionStore:
@@ -78,14 +79,14 @@ def test_strip_keeps_the_text_and_delete_removes_everything(saved) -> None:
 
 def test_the_system_prompt_cache_is_reused_only_for_the_same_prompt(saved) -> None:
     store, agent, _ = saved
-    head = agent.transcript.head_ids(agent.tokenizer)
+    head = agent.transcript.head_ids(agent.tokenizer, PREVIEW)
     assert store.load_system(head) is None
     agent.session.truncate(len(head))
     store.save_system(agent.session.state)
     assert (store.directory / SYSPROMPT).exists() and len(store.sessions()) == 1  # not listed as a session
     assert store.load_system(head).tokens == head
     agent.transcript.system += " changed"
-    assert store.load_system(agent.transcript.head_ids(agent.tokenizer)) is None
+    assert store.load_system(agent.transcript.head_ids(agent.tokenizer, PREVIEW)) is None
 
 
 def test_unusable_files_are_listed_with_the_reason(saved, tmp_path: Path) -> None:

@@ -56,7 +56,8 @@ def test_strict_checks_the_drafter_as_speculation_does(mtp_files, drafter):
 
 
 def test_the_engine_loads_a_strict_drafter_for_checking_only(mtp_files, drafter, tmp_path):
-    strict = EngineSpec(mtp_files["plain"], backend="reference", ctx=256, speculation=DSparkOptions(drafter, strict=True))
+    options = DSparkOptions(drafter, strict=True)
+    strict = EngineSpec(mtp_files["plain"], backend="reference", ctx=256, speculation=options)
     assert strict.drafter is None  # nothing downstream (run, agent, serve) speculates
     assert load_engine(strict).model.args.n_layers == SMALL.n_layers
     broken = tmp_path / "broken.gguf"
