@@ -9,6 +9,11 @@ progress against a known total and print the notes before the long part starts:
 
 `convert_checkpoint` does both, quietly. Every source tensor is dequantized to float32 in torch and then
 encoded in the GGUF type the output type's policy picks for it (`gguf_type`).
+
+A checkpoint with a DSpark drafter (V4 Flash 0731, PRO 0813: `dspark_*` config keys, stages under
+`mtp.{k}.`) converts its trunk alone, unless asked (`dspark=True`): then the plan also holds ds4's
+support file for the drafter (`plan.support`), planned and encoded as the trunk's tensors are, and
+`write_conversion` writes both.
 """
 
 from __future__ import annotations
@@ -27,13 +32,19 @@ import torch
 
 from dwarfstar.convert.checkpoint import ALL_ROWS, Checkpoint, CheckpointTensor
 from dwarfstar.convert.fp8_fp4 import FP8_BLOCK
-from dwarfstar.convert.hf_config import load_hf_config
-from dwarfstar.convert.names import source_names
+from dwarfstar.convert.hf_config import (
+    dspark_args_from_hf_config,
+    has_dspark_drafter,
+    model_args_from_hf_config,
+    read_hf_config,
+)
+from dwarfstar.convert.names import dspark_source_names, source_names
 from dwarfstar.errors import ConfigError, DwarfStarError, ModelFileError
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType, ValueType
 from dwarfstar.gguf.quantize import quantize
 from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.dspark import dspark_tensors, support_metadata
 from dwarfstar.model.tensors import EXPERT, INDEX, NORM, TensorSpec, expected_tensors
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, tokenizer_metadata
 
@@ -78,6 +89,7 @@ class ConversionPlan:
     metadata: dict[str, tuple[ValueType, Any]]
     tensors: list[TensorPlan]
     notes: list[str]  # things a user should know, e.g. skipped tensors
+    support: ConversionPlan | None = None  # the DSpark drafter's support file, when asked for
 
     @property
     def total_elements(self) -> int:
@@ -90,18 +102,28 @@ def convert_checkpoint(
     outtype: OutType | str = OutType.F16,
     *,
     name: str | None = None,
+    dspark: str | Path | None = None,
     progress: Progress | None = None,
 ) -> ConversionPlan:
-    """Convert `src_dir` into the GGUF `out_path`; returns the plan that was written (with its notes)."""
-    plan = plan_conversion(src_dir, outtype, name=name)
-    write_gguf(plan, out_path, progress)
+    """Convert `src_dir` into the GGUF `out_path`, and its DSpark drafter into the support file `dspark`
+    when given; returns the plan that was written (with its notes)."""
+    check_outputs(out_path, dspark)
+    plan = plan_conversion(src_dir, outtype, name=name, dspark=dspark is not None)
+    write_conversion(plan, out_path, dspark, progress)
     return plan
 
 
+def check_outputs(out_path: str | Path, support_path: str | Path | None) -> None:
+    """Refuse a support file path that is the trunk's output path, before any work starts."""
+    if support_path is not None and Path(support_path).resolve() == Path(out_path).resolve():
+        raise DwarfStarError(f"--dspark {support_path} is the output path too; give the support file its own name")
+
+
 def plan_conversion(
-    src_dir: str | Path, outtype: OutType | str = OutType.F16, *, name: str | None = None
+    src_dir: str | Path, outtype: OutType | str = OutType.F16, *, name: str | None = None, dspark: bool = False
 ) -> ConversionPlan:
-    """Read the config and the safetensors headers, and map every GGUF tensor to its source and type.
+    """Read the config and the safetensors headers, and map every GGUF tensor to its source and type;
+    with `dspark`, the drafter's support file too (a checkpoint without one is an error).
 
     Everything that can be checked without reading tensor data is checked here, so a missing or
     mis-shaped tensor fails before any output is written. `name` defaults to the directory name.
@@ -113,7 +135,9 @@ def plan_conversion(
     config_path = src / "config.json"
     if not config_path.is_file():
         raise ModelFileError(f"no config.json in {src}: expected a Hugging Face checkpoint directory")
-    args = load_hf_config(config_path)
+    config = read_hf_config(config_path)
+    args = model_args_from_hf_config(config)
+    d = dspark_args_from_hf_config(config, args) if dspark else None
     notes: list[str] = []
     tokenizer = src / "tokenizer.json"
     if not tokenizer.is_file():
@@ -122,15 +146,48 @@ def plan_conversion(
     _check_tokenizer_size(tokenizer, args.vocab_size)
     checkpoint = Checkpoint(src)
     specs = list(expected_tensors(args))
-    _check_all_present(checkpoint, specs, args.n_routed_experts)
-    tensors = [_plan_tensor(checkpoint, spec, args, kind) for spec in specs]
-    notes += _fallback_notes(tensors, kind) + _skipped_notes(checkpoint, tensors)
+    sources = {spec.name: source_names(spec.name, args.n_routed_experts) for spec in specs}
+    support_specs = list(dspark_tensors(args, d)) if d else []
+    if d:
+        sources |= dspark_source_names(args, d)
+    _check_all_present(checkpoint, sources)
+    tensors = [_plan_tensor(checkpoint, spec, sources[spec.name], kind) for spec in specs]
+    support_tensors = [_plan_tensor(checkpoint, spec, sources[spec.name], kind) for spec in support_specs]
+    notes += _fallback_notes(tensors + support_tensors, kind) + _skipped_notes(checkpoint, tensors + support_tensors)
+    if d is None and has_dspark_drafter(config):
+        notes.append(
+            "the checkpoint has a DSpark drafter (config.json's dspark_* keys, the mtp.* tensors): "
+            "--dspark FILE writes it as ds4's support file"
+        )
+    name = name or src.resolve().name
     metadata = args.to_gguf_metadata()
-    metadata["general.name"] = (ValueType.STRING, name or src.resolve().name)
-    metadata["general.file_type"] = (ValueType.UINT32, _FILE_TYPE[kind])
-    metadata["general.quantization_version"] = (ValueType.UINT32, GGML_QUANTIZATION_VERSION)
+    metadata["general.name"] = (ValueType.STRING, name)
+    metadata.update(_file_metadata(kind))
     metadata.update(tokenizer_metadata(tokenizer, args.vocab_size))
-    return ConversionPlan(checkpoint, args, kind, metadata, tensors, notes)
+    plan = ConversionPlan(checkpoint, args, kind, metadata, tensors, notes)
+    if d:
+        support = support_metadata(d, f"{name} DSpark support") | _file_metadata(kind)
+        plan.support = ConversionPlan(checkpoint, args, kind, support, support_tensors, [])
+    return plan
+
+
+def write_conversion(
+    plan: ConversionPlan, out_path: str | Path, support_path: str | Path | None, progress: Progress | None = None
+) -> None:
+    """The trunk into `out_path` and the planned support file into `support_path` (distinct paths:
+    `check_outputs`); on any error neither is left behind. The support file, much the smaller, is
+    written first, so its errors come before the trunk's long write."""
+    if plan.support is None or support_path is None:
+        if plan.support is not None or support_path is not None:
+            raise ValueError("a support file path goes with a plan that has a support file, and only then")
+        write_gguf(plan, out_path, progress)
+        return
+    write_gguf(plan.support, support_path, progress)
+    try:
+        write_gguf(plan, out_path, progress)
+    except BaseException:
+        Path(support_path).unlink(missing_ok=True)
+        raise
 
 
 def write_gguf(plan: ConversionPlan, out_path: str | Path, progress: Progress | None = None) -> None:
@@ -174,8 +231,16 @@ def _outtype(value: OutType | str) -> OutType:
         raise DwarfStarError(f"unknown output type {value!r}; choose one of {choices}") from None
 
 
-def _plan_tensor(checkpoint: Checkpoint, spec: TensorSpec, args: ModelArgs, outtype: OutType) -> TensorPlan:
-    sources = tuple(checkpoint.tensors[n] for n in source_names(spec.name, args.n_routed_experts))
+def _file_metadata(outtype: OutType) -> dict[str, tuple[ValueType, Any]]:
+    """What the output type makes of a file, for readers that check it (llama.cpp's keys)."""
+    return {
+        "general.file_type": (ValueType.UINT32, _FILE_TYPE[outtype]),
+        "general.quantization_version": (ValueType.UINT32, GGML_QUANTIZATION_VERSION),
+    }
+
+
+def _plan_tensor(checkpoint: Checkpoint, spec: TensorSpec, names: list[str], outtype: OutType) -> TensorPlan:
+    sources = tuple(checkpoint.tensors[n] for n in names)
     # experts are stored 2-D, one per expert, and stacked along a new leading axis
     piece_shape = spec.shape[1:] if len(sources) > 1 else spec.shape
     for source in sources:
@@ -200,12 +265,10 @@ def _check_source(source: CheckpointTensor, spec: TensorSpec, shape: tuple[int, 
         )
 
 
-def _check_all_present(checkpoint: Checkpoint, specs: list[TensorSpec], n_experts: int) -> None:
+def _check_all_present(checkpoint: Checkpoint, sources: dict[str, list[str]]) -> None:
+    """Every GGUF tensor's checkpoint names (`sources`) are in the checkpoint; the first missing is named."""
     missing = [
-        (name, spec.name)
-        for spec in specs
-        for name in source_names(spec.name, n_experts)
-        if name not in checkpoint.tensors
+        (name, gguf_name) for gguf_name, names in sources.items() for name in names if name not in checkpoint.tensors
     ]
     if missing:
         first, gguf_name = missing[0]

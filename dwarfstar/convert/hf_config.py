@@ -13,7 +13,9 @@ default there would only surface later as a confusing tensor-shape error; every 
 `ModelArgs` (Flash) default when the config does not carry it.
 
 `num_nextn_predict_layers` is deliberately not read: the converter writes the trunk only, so the GGUF
-declares no MTP layers.
+declares no MTP layers. A DSpark drafter (V4 Flash 0731, PRO 0813) is declared by `dspark_*` keys and
+one trailing `compress_ratios` entry per stage; `dspark_args_from_hf_config` reads them for the
+support file `convert --dspark` writes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from dwarfstar.errors import ConfigError
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.dspark import DSparkArgs
 
 # ModelArgs field -> config.json key, for the keys both dialects spell the same way.
 _REQUIRED_INTS = {
@@ -67,10 +70,13 @@ _YARN_KEYS = {
 # transformers' `layer_types` value for window-only layers; the others are named in `compress_rates`.
 _WINDOW_LAYER = "sliding_attention"
 _HASH_MLP = "hash_moe"
+_DSPARK_PREFIX = "dspark_"
+_DSPARK_KEYS = ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids")
 
 
-def load_hf_config(path: Path) -> ModelArgs:
-    """Parse `config.json` at `path` (either dialect) into `ModelArgs`."""
+def read_hf_config(path: Path) -> dict[str, Any]:
+    """`config.json` at `path` as its JSON object, for `model_args_from_hf_config` (either dialect) and
+    `dspark_args_from_hf_config`."""
     try:
         config = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
@@ -79,7 +85,7 @@ def load_hf_config(path: Path) -> ModelArgs:
         raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise ConfigError(f"{path} must hold a JSON object, got {type(config).__name__}")
-    return model_args_from_hf_config(config)
+    return config
 
 
 def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
@@ -104,6 +110,50 @@ def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
         values["n_hash_layers"] = n_hash
     values.update(_rope_settings(config))
     return ModelArgs(**values)
+
+
+def has_dspark_drafter(config: dict[str, Any]) -> bool:
+    """Whether the config declares a DSpark drafter (any `dspark_*` key), whatever its values."""
+    return any(key.startswith(_DSPARK_PREFIX) for key in config)
+
+
+def dspark_args_from_hf_config(config: dict[str, Any], args: ModelArgs) -> DSparkArgs:
+    """The drafter's settings, checked against the trunk `args`. The stage count is `n_mtp_layers`
+    (DeepSeek's inference config) or else the `compress_ratios` entries past the trunk's layers, which
+    must be 0: the stages are window-only."""
+    if not has_dspark_drafter(config):
+        raise ConfigError("the checkpoint has no DSpark drafter: its config.json has no dspark_* keys")
+    for key in _DSPARK_KEYS:
+        if config.get(key) is None:
+            raise ConfigError(f"config.json declares a DSpark drafter but has no {key!r}")
+    layers = config["dspark_target_layer_ids"]
+    if not isinstance(layers, list) or not all(_is_int(i) for i in layers):
+        raise ConfigError(f"config.json: dspark_target_layer_ids must be a list of integers, got {layers!r}")
+    d = DSparkArgs(
+        block_size=_integer(config, "dspark_block_size"),
+        markov_rank=_integer(config, "dspark_markov_rank"),
+        noise_token_id=_integer(config, "dspark_noise_token_id"),
+        target_layers=tuple(layers),
+        stages=_dspark_stages(config, args.n_layers),
+    )
+    d.check(args, "config.json", ConfigError)
+    return d
+
+
+def _dspark_stages(config: dict[str, Any], n_layers: int) -> int:
+    if config.get("n_mtp_layers") is not None:
+        return _integer(config, "n_mtp_layers")
+    ratios = config.get("compress_ratios")
+    if not isinstance(ratios, list) or len(ratios) <= n_layers:
+        raise ConfigError(
+            "config.json declares a DSpark drafter but neither n_mtp_layers nor compress_ratios entries "
+            "past the trunk's layers give its stage count"
+        )
+    if any(ratios[n_layers:]):
+        raise ConfigError(
+            f"compress_ratios gives the DSpark stages {ratios[n_layers:]}; they must be 0 (window-only attention)"
+        )
+    return len(ratios) - n_layers
 
 
 def _check_fixed_choices(config: dict[str, Any]) -> None:

@@ -3,12 +3,16 @@
 Checkpoint keys are first brought to the official spelling (`canonical_name`), so the GGUF-side table
 only has to know one dialect. transformers' `save_pretrained` differs from the official checkpoint by a
 `model.` prefix, three renamed globals, `lm_head.weight` for `head.weight`, and `attn.norm.weight` for
-the main attention's `attn.kv_norm.weight`.
+the main attention's `attn.kv_norm.weight`. A DSpark drafter's tensors (`dspark_source_names`) are
+named from the same table, as ds4's support file names them after the trunk's.
 """
 
 from __future__ import annotations
 
 import re
+
+from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.dspark import PREFIX, DSparkArgs, dspark_tensors, stage_names
 
 _TRANSFORMERS_GLOBALS = {
     "embed_tokens.weight": "embed.weight",
@@ -100,3 +104,24 @@ def source_names(gguf_name: str, n_experts: int) -> list[str]:
             return [f"layers.{il}.ffn.experts.{e}.{proj}.weight" for e in range(n_experts)]
     # expected_tensors() and these tables describe the same layout; a miss is a bug, not bad input.
     raise KeyError(f"no checkpoint name is known for GGUF tensor {gguf_name!r}")
+
+
+def dspark_source_names(args: ModelArgs, d: DSparkArgs) -> dict[str, list[str]]:
+    """Every tensor of the DSpark support file for the trunk `args` -> the official checkpoint names of
+    its data, in storage order.
+
+    The checkpoint names a stage as the trunk names a layer, under `mtp.{k}.` instead of `layers.{k}.`,
+    and the last stage's output head (hc_head, norm) as the trunk's own, under that stage's prefix; the
+    DSpark heads (main_proj, main_norm, markov_head, confidence_head) have the file's names.
+    """
+    last = PREFIX.format(d.stages - 1)
+    stage_sources = {}
+    for own, file_name in stage_names(args, d).items():
+        sources = source_names(own, args.n_routed_experts)
+        layer = _GGUF_LAYER_NAME.match(own)
+        if layer:
+            trunk = f"layers.{layer.group(1)}."
+            stage_sources[file_name] = [PREFIX.format(layer.group(1)) + s.removeprefix(trunk) for s in sources]
+        else:
+            stage_sources[file_name] = [last + s for s in sources]
+    return {spec.name: stage_sources.get(spec.name, [spec.name]) for spec in dspark_tensors(args, d)}

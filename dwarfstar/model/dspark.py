@@ -30,7 +30,7 @@ from typing import Any, Generic
 
 import torch
 
-from dwarfstar.errors import ModelFileError
+from dwarfstar.errors import DwarfStarError, ModelFileError
 from dwarfstar.gguf.constants import ValueType
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.forward import A, Rows, S, Transformer
@@ -80,19 +80,24 @@ class DSparkArgs:
             target_layers=tuple(int(i) for i in key("target_layer_ids")),
             stages=int(key("stage_count")),
         )
-        if args.block_size < 2 or args.stages < 1 or args.markov_rank < 1 or not args.target_layers:
-            raise ModelFileError(f"{where}: DSpark shape out of range: {args}")
-        if not 0 <= args.noise_token_id < target.vocab_size:
-            raise ModelFileError(
-                f"{where}: the noise token {args.noise_token_id} is outside the target's vocabulary "
+        args.check(target, where)
+        return args
+
+    def check(self, target: ModelArgs, where: str, error: type[DwarfStarError] = ModelFileError) -> None:
+        """Refuse settings the drafter cannot run with on `target`, as `error` (a support file's
+        metadata and a checkpoint's config.json are checked alike)."""
+        if self.block_size < 2 or self.stages < 1 or self.markov_rank < 1 or not self.target_layers:
+            raise error(f"{where}: DSpark shape out of range: {self}")
+        if not 0 <= self.noise_token_id < target.vocab_size:
+            raise error(
+                f"{where}: the noise token {self.noise_token_id} is outside the target's vocabulary "
                 f"of {target.vocab_size}"
             )
-        if not all(0 <= i < target.n_layers for i in args.target_layers):
-            raise ModelFileError(
-                f"{where} drafts for a model with layers {list(args.target_layers)}; "
+        if not all(0 <= i < target.n_layers for i in self.target_layers):
+            raise error(
+                f"{where} drafts for a model with layers {list(self.target_layers)}; "
                 f"the target has {target.n_layers} (a drafter for another model)"
             )
-        return args
 
 
 def support_metadata(d: DSparkArgs, name: str) -> dict[str, tuple[ValueType, Any]]:
