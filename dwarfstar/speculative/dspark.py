@@ -47,7 +47,7 @@ from dwarfstar.speculative.mtp_options import check_confidence
 from dwarfstar.speculative.track import HeldRows
 from dwarfstar.speculative.verify import draw, next_uniform, rule_probabilities
 
-# the Ops a backend needs for the drafter's passes (the reference and MLX have them; Triton not yet)
+# the Ops a backend needs for the drafter's passes (the reference, MLX and Triton backends have them)
 DSPARK_OPS = ("extend_window", "block_attention", "hc_collapse", "output_norm")
 
 
@@ -116,7 +116,7 @@ class DSparkDraft:
             self.stages = entry.draft_model(target, stages)
             if not all(callable(getattr(self.stages.ops, name, None)) for name in DSPARK_OPS):
                 raise DwarfStarError(
-                    f"DSpark drafting runs on the reference and MLX backends; the {entry.name} backend "
+                    f"DSpark drafting runs on the reference, MLX and Triton backends; the {entry.name} backend "
                     "has no block attention for its stages yet"
                 )
             self.forward = DSparkForward(self.stages, self.d)

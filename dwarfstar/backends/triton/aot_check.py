@@ -7,8 +7,8 @@ backend for. This swaps in a driver that only names the target and turns every l
 compile-only warmup, then drives the real launch code: every kernel's bench cases at Flash shapes
 (fewer experts and a smaller vocabulary, which change no kernel specialisation) and a prefill chunk
 and a decode step of a tiny model (`--only qmatmul,moe_experts` compiles just those modules' bench
-cases), and a batched decode step of three sequences. Autotuned kernels compile every config their
-launch could pick. It reports warps, stages,
+cases), a batched decode step of three sequences and a DSpark drafter's passes. Autotuned kernels
+compile every config their launch could pick. It reports warps, stages,
 registers, spills, shared memory and 128-bit global loads (PTX `ld.global.v4`,
 AMDGCN `global_load_dwordx4`) per specialisation and fails on a compile error, a register spill
 of a CUDA kernel (its stack, read with the cuobjdump Triton ships; an AMD kernel's scratch is
@@ -97,6 +97,7 @@ def _drive_launches(only: Sequence[str], backend: str) -> None:
     from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchShape, assume_multiprocessors
     from dwarfstar.backends.triton.synthetic import PRESETS, synthetic_state, synthetic_weights
     from dwarfstar.model.config import ModelArgs
+    from dwarfstar.model.dspark import DSparkArgs, DSparkForward
     from dwarfstar.model.synthetic import Q2, TINY_K
 
     cpu = torch.device("cpu")
@@ -115,6 +116,10 @@ def _drive_launches(only: Sequence[str], backend: str) -> None:
         model.forward([5], synthetic_state(model, ctx=300))
         states = [synthetic_state(model, ctx=n) for n in (40, 300, 301)]  # one cache block: the batch kernels
         model.forward_batch([[5], [6], [7]], states)
+        # over the first three layers: a block's attention (the wrapped window) and its collapse without the norm
+        drafter, state = DSparkForward(model, DSparkArgs(noise_token_id=3)), model.new_state()
+        drafter.context(torch.zeros(20, weights.args.dim), state)
+        drafter.block(5, state)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

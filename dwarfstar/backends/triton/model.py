@@ -52,7 +52,7 @@ from dwarfstar.backends.triton.runtime import EXACT, TICKET_SLOTS, PagedRows, Pr
 from dwarfstar.backends.triton.weights import FusedLinear, ModelWeights
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import yarn_inv_freq
-from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Site, Transformer
+from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, Transformer
 from dwarfstar.model.numerics import rope_angles
 from dwarfstar.model.pages import PAGE_ROWS
 from dwarfstar.model.state import ROW_STEP, KVCache, SequenceState, TorchStorage, check_batch, index_copy_rows
@@ -258,6 +258,13 @@ class TritonOps:
     def hc_head(self, h: torch.Tensor, rows: list[int] | None, batch: Batch[TritonStep]) -> torch.Tensor:
         return hc_head.hc_head(h if rows is None else h[rows], *self._head(), fused=batch.step.fused)
 
+    def hc_collapse(self, h: torch.Tensor, batch: Batch[TritonStep]) -> torch.Tensor:
+        a = self.args
+        return hc_head.hc_head(h, *self.w.head_hc, None, a.hc_eps, a.norm_eps)
+
+    def output_norm(self, y: torch.Tensor, batch: Batch[TritonStep]) -> torch.Tensor:
+        return norm_rope(y, weight=self.w.out_norm, eps=self.args.norm_eps)
+
     def hc_post_head(
         self, h: torch.Tensor, out: torch.Tensor, mix: tuple, rows: list[int] | None, batch: Batch[TritonStep]
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,10 +319,16 @@ class TritonOps:
             q = x.unflatten(1, (a.n_heads, a.head_dim))
             return norm_rope(q, norm=NORM_PLAIN, eps=a.norm_eps, angles=ang, rope_dim=a.rope_dim)
         if kind is Rows.KV:
-            qat = QAT_FP8 if self.qat else QAT_NONE
-            return norm_rope(x, weight=lw.kv_norm, eps=a.norm_eps, angles=ang, rope_dim=a.rope_dim, qat=qat)
+            return self._finish_kv(il, x, ang)
         q = x.unflatten(1, (a.index_n_heads, a.index_head_dim))
         return norm_rope(q, norm=NORM_NONE, angles=ang, rope_dim=a.rope_dim, qat=QAT_FP4 if self.qat else QAT_NONE)
+
+    def _finish_kv(self, il: int, kv: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Raw KV rows as projected -> normed, rotated at `angles` and rounded (FP8 nope dims with QAT)."""
+        a, qat = self.args, QAT_FP8 if self.qat else QAT_NONE
+        return norm_rope(
+            kv, weight=self.w.layers[il].kv_norm, eps=a.norm_eps, angles=angles, rope_dim=a.rope_dim, qat=qat
+        )
 
     def _decode_rows(
         self, il: int, kind: Rows, x: torch.Tensor, batch: Batch[TritonStep], decode: DecodeInputs
@@ -362,20 +375,47 @@ class TritonOps:
         """Each sequence's window rows [n_prev + T], oldest first, for its attention kernel: the ring's
         rows before the chunk, gathered by device-computed index (a captured step replays at any
         position), then the chunk's. The ring keeps the chunk's rows once attention has read them."""
-        window, step = self.args.window, batch.step
+        step = batch.step
         if step.decode is not None:  # one token each: its row replaces one its query no longer sees
             step.pending.setdefault(il, PendingRows()).kv = kv  # finished into the ring by the low-rank query's launch
             return
-        windows = step.window[il] = []
+        pairs = zip(batch.seqs, step.starts, strict=True)
+        step.window[il] = [self._window_rows(il, seq, pos, kv) for seq, pos in pairs]
+
+    def _window_rows(self, il: int, seq: Segment, pos: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """The sequence's window rows [n_prev + T], oldest first: the ring's rows before its chunk,
+        gathered by device-computed index from `pos` (its first position), then its rows of kv."""
+        window = self.args.window
+        n_prev = min(seq.start, window)
+        rows = torch.empty(n_prev + seq.length, self.args.head_dim, device=self.device)
+        if n_prev:
+            ring = seq.state.part(il, "raw")
+            older = (pos.long() - n_prev + torch.arange(n_prev, device=self.device)) % window
+            torch.index_select(ring, 0, older, out=rows[:n_prev])
+        rows[n_prev:] = kv[seq.rows]
+        return rows
+
+    def extend_window(self, il: int, kv: torch.Tensor, batch: Batch[TritonStep]) -> None:
+        """Each sequence's rows into its ring (its last `window` kept). One row a sequence is prepared as
+        a decode step, whose `norm_rope` leaves the KV row as projected for the low-rank query's launch
+        (`_decode_rows`), which a DSpark context pass has not: it is finished here as a chunk's row is."""
+        step = batch.step
+        if step.decode is not None:
+            kv = self._finish_kv(il, kv, rope_angles(step.decode.pos.long(), self._inv(il)))
+        for seq in batch.seqs:
+            seq.state.store_window(il, kv[seq.rows], seq.start + seq.length)
+
+    def block_attention(self, il: int, q: torch.Tensor, kv: torch.Tensor, batch: Batch[TritonStep]) -> torch.Tensor:
+        """Per sequence, its queries over its window rows (`_window_rows`) both ways, in one launch
+        (`attention.block_attention`); the ring is left as it was."""
+        a, lw, step = self.args, self.w.layers[il], batch.step
+        if step.decode is not None:
+            raise DwarfStarError("block attention takes blocks of several rows, not a decode step's one")
+        out, inv = [], self._inv(il)
         for seq, pos in zip(batch.seqs, step.starts, strict=True):
-            n_prev = min(seq.start, window)
-            rows = torch.empty(n_prev + seq.length, self.args.head_dim, device=self.device)
-            if n_prev:
-                ring = seq.state.part(il, "raw")
-                older = (pos.long() - n_prev + torch.arange(n_prev, device=self.device)) % window
-                torch.index_select(ring, 0, older, out=rows[:n_prev])
-            rows[n_prev:] = kv[seq.rows]
-            windows.append(rows)
+            rows = self._window_rows(il, seq, pos, kv)
+            out.append(attention.block_attention(q[seq.rows], rows, lw.sinks, inv, a.rope_dim, pos, step.precision))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def compress(self, il: int, kind: str, proj: dict[str, torch.Tensor], batch: Batch[TritonStep]) -> None:
         a, lw = self.args, self.w.layers[il]

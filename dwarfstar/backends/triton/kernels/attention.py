@@ -326,6 +326,26 @@ def attention(
                    log_cap=log_cap)  # fmt: skip
 
 
+def block_attention(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    sinks: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_dim: int,
+    pos: torch.Tensor,
+    precision: Precision = EXACT,
+) -> torch.Tensor:
+    """A block's queries q [T, H, D] at positions pos[0].. over all of rows [R, D] (the window before
+    the block, then the block's own T rows): output [T, H, D] with the RoPE undone (a DSpark block
+    attends within itself both ways). The chunk form, in one launch: its query i reads the `window`
+    rows up to its own, n_prev + i - window + 1 .. n_prev + i; over the rows followed by their first
+    T - 1 again, with n_prev = R - 1 and window = R, those are rows i .. R - 1 + i, every one of the R
+    once (only the order the sum takes them in turns with i)."""
+    r, t = rows.shape[0], q.shape[0]
+    wrapped = torch.cat((rows, rows[: t - 1]))
+    return attention(q, wrapped, r - 1, r, sinks, inv_freq, rope_dim, pos, split=1, precision=precision)
+
+
 def attention_batch(
     q: torch.Tensor,
     rings: torch.Tensor,

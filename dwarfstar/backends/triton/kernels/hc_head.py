@@ -4,6 +4,8 @@ Spec §2.5: m = (fn @ flatten(h)) * rsqrt(mean(h^2) + eps), w_s = sigmoid(m_s * 
 y = sum_s w_s h_s, out = RMSNorm(y; output_norm). No Sinkhorn. In a decode step (`fused`) it is one
 launch as `hc_pre`'s, with the post of the last sublayer fused in front (`hc_post_head`); prefill
 chunks take the 4 mixes from the split-K GEMV as partial sums, and share `hc_pre`'s stream loading.
+Without the norm's weight the chunk kernel stops at y: a DSpark drafter's confidence head reads the
+collapsed rows before the output norm, which it then takes on its own (`TritonOps.output_norm`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from dwarfstar.gguf.constants import GGMLType
 @triton.jit
 def _hc_head_kernel(
     h_ptr, mix_ptr, scale_ptr, base_ptr, norm_ptr, out_ptr, T, D, hc_eps, norm_eps,
-    SPLIT: tl.constexpr, NHC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    SPLIT: tl.constexpr, NHC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     t_ok = t < T
@@ -55,8 +57,9 @@ def _hc_head_kernel(
     w = tl.sigmoid(mix * tl.load(scale_ptr) + tl.load(base_ptr + s)[None, :]) + hc_eps
     y = tl.sum(w[:, :, None] * h, axis=1)
     d = tl.arange(0, BD)
-    y = y * rsqrt_rn(tl.div_rn(tl.sum(y * y, axis=1), D * 1.0) + norm_eps)[:, None]
-    y = y * tl.load(norm_ptr + d, mask=d < D, other=0.0)[None, :]
+    if NORM:
+        y = y * rsqrt_rn(tl.div_rn(tl.sum(y * y, axis=1), D * 1.0) + norm_eps)[:, None]
+        y = y * tl.load(norm_ptr + d, mask=d < D, other=0.0)[None, :]
     tl.store(out_ptr + t.to(tl.int64)[:, None] * D + d[None, :], y, mask=t_ok[:, None] & (d < D)[None, :])
 
 
@@ -99,23 +102,24 @@ def hc_head(
     fn: QWeight,
     scale: torch.Tensor,
     base: torch.Tensor,
-    norm_weight: torch.Tensor,
+    norm_weight: torch.Tensor | None,
     hc_eps: float,
     norm_eps: float,
     fused: bool = False,
     dims: int | None = None,
     tokens: int | None = None,
 ) -> torch.Tensor:
-    """h [T, n_hc, D] contiguous -> RMSNorm(sum_s w_s h_s; output_norm) [T, D]; `fused` as `hc_pre.hc_pre`'s."""
+    """h [T, n_hc, D] contiguous -> RMSNorm(sum_s w_s h_s; output_norm) [T, D]; `fused` as `hc_pre.hc_pre`'s.
+    Without `norm_weight`: sum_s w_s h_s alone (the chunk kernel; a decode step's head always norms)."""
     t, nhc, d = h.shape
-    if fused:
+    if fused and norm_weight is not None:
         return _fused(h, None, None, None, fn, scale, base, norm_weight, hc_eps, norm_eps, dims, tokens)
     mix = qmatmul(h.view(t, nhc * d), fn, split_k=MIX_SPLIT)
     out = torch.empty(t, d, device=h.device, dtype=torch.float32)
     bt, bd = tokens_per_program(t), next_pow2(d)
     _hc_head_kernel[(triton.cdiv(t, bt),)](
-        h, mix, scale, base, norm_weight, out, t, d, hc_eps, norm_eps,
-        SPLIT=mix.shape[0], NHC=nhc, BT=bt, BD=bd, num_warps=max(4, min(16, bd // 512)),
+        h, mix, scale, base, scale if norm_weight is None else norm_weight, out, t, d, hc_eps, norm_eps,
+        SPLIT=mix.shape[0], NHC=nhc, BT=bt, BD=bd, NORM=norm_weight is not None, num_warps=max(4, min(16, bd // 512)),
     )  # fmt: skip
     return out
 
