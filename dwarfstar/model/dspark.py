@@ -44,6 +44,7 @@ from dwarfstar.model.tensors import (
     OUTPUT,
     OUTPUT_NORM,
     QUERY_INPUT,
+    ROUTER,
     TensorSpec,
     expected_tensors,
 )
@@ -138,7 +139,8 @@ def dspark_tensors(target: ModelArgs, d: DSparkArgs) -> Iterator[TensorSpec]:
     """Every tensor of a support file for `target` (file names, torch shapes)."""
     own = {spec.name: spec for spec in expected_tensors(stage_args(target, d)) if spec.name not in (EMBED, OUTPUT)}
     for own_name, file_name in stage_names(target, d).items():
-        yield TensorSpec(file_name, own[own_name].shape, own[own_name].types)
+        types = DENSE if own_name.endswith(ROUTER) else own[own_name].types  # ds4 writes the routers in Q8_0
+        yield TensorSpec(file_name, own[own_name].shape, types)
     dim, rank, first, last = target.dim, d.markov_rank, PREFIX.format(0), PREFIX.format(d.stages - 1)
     yield TensorSpec(first + MAIN[0], (dim, len(d.target_layers) * dim), DENSE)
     yield TensorSpec(first + MAIN[1], (dim,), NORM)
