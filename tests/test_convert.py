@@ -532,7 +532,8 @@ def test_official_fp4_experts_convert_to_mxfp4_without_loss(hf_model, tmp_path: 
 def test_a_checkpoint_with_a_dspark_drafter_converts_its_trunk_alone(hf_model, tmp_path: Path) -> None:
     """V4 Flash 0731 and PRO 0813 keep the trunk and put a 3-stage DSpark drafter under mtp.0-2: their
     config has one compress ratio per stage after the layers', `dspark_*` keys, and still
-    `num_nextn_predict_layers` 1. The GGUF is the same trunk; the plan names the drafter it skipped."""
+    `num_nextn_predict_layers` 1. The GGUF is the same trunk, marked as of the release whose effort
+    table the prompt follows; the plan names the drafter it skipped."""
     from safetensors.torch import load_file
 
     src = tmp_path / "plain"
@@ -554,7 +555,9 @@ def test_a_checkpoint_with_a_dspark_drafter_converts_its_trunk_alone(hf_model, t
     plan = convert_checkpoint(drafted, tmp_path / "drafted.gguf", "f32")
     convert_checkpoint(src, tmp_path / "plain.gguf", "f32")
     got, want = GGUFFile(tmp_path / "drafted.gguf"), GGUFFile(tmp_path / "plain.gguf")
-    assert ModelArgs.from_gguf_metadata(got.metadata) == ModelArgs.from_gguf_metadata(want.metadata)
+    drafted_args, plain_args = ModelArgs.from_gguf_metadata(got.metadata), ModelArgs.from_gguf_metadata(want.metadata)
+    assert (drafted_args.reasoning_efforts, plain_args.reasoning_efforts) == ("0731", "preview")
+    assert drafted_args.with_(reasoning_efforts="preview") == plain_args
     assert list(got.tensors) == list(want.tensors)
     assert all(torch.equal(got.tensor(name), want.tensor(name)) for name in want.tensors)
     for stage, count in (("mtp.0.*", 3), ("mtp.1.*", 2), ("mtp.2.*", 3)):

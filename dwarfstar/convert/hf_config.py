@@ -27,6 +27,7 @@ from typing import Any
 from dwarfstar.errors import ConfigError
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.dspark import DSparkArgs
+from dwarfstar.prompt.efforts import DSPARK_RELEASES, PREVIEW
 
 # ModelArgs field -> config.json key, for the keys both dialects spell the same way.
 _REQUIRED_INTS = {
@@ -109,6 +110,8 @@ def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
     if n_hash is not None:
         values["n_hash_layers"] = n_hash
     values.update(_rope_settings(config))
+    # a checkpoint with a DSpark drafter is Flash 0731 or PRO 0813, whose encoder has the later effort table
+    values["reasoning_efforts"] = DSPARK_RELEASES if has_dspark_drafter(config) else PREVIEW
     return ModelArgs(**values)
 
 
