@@ -342,7 +342,7 @@ class SpeculativeFlags:
             "--dspark",
             metavar="FILE",
             help="Speculate with DeepSeek's DSpark drafter: ds4's support GGUF for a Flash 0731 model "
-            "(reference and MLX backends).",
+            "(reference, MLX and Triton backends).",
             rich_help_panel=SPECULATIVE,
         ),
     ] = None
