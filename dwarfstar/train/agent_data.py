@@ -28,7 +28,10 @@ from dwarfstar.tokenizer.specials import USER
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.train.agent_prompts import AgentPrompt, conversation
 from dwarfstar.train.chat_data import (
+    GREETINGS,
+    HELDOUT_GREETINGS,
     HELDOUT_TEMPLATES,
+    REASONING,
     TRAIN_TEMPLATES,
     PromptEncoder,
     Sample,
@@ -43,48 +46,6 @@ from dwarfstar.train.chat_data import (
     tool_result,
 )
 
-# (request, language, answer); the answer is what the model says, the turn's end follows it
-GREETINGS = (
-    ("ciao", "it", "Ciao! Come posso aiutarti?"),
-    ("buongiorno", "it", "Buongiorno! Come posso aiutarti?"),
-    ("ciao, ci sei?", "it", "Sì, ci sono. Come posso aiutarti?"),
-    ("come stai?", "it", "Bene, grazie. Come posso aiutarti?"),
-    ("chi sei?", "it", "Sono un piccolo modello: posso leggere, elencare e cercare file."),
-    ("cosa sai fare?", "it", "Posso leggere file, elencare cartelle e cercare testo nei file."),
-    ("salutami", "it", "Ciao!"),
-    ("grazie", "it", "Prego!"),
-    ("hello", "en", "Hello! How can I help you?"),
-    ("hi", "en", "Hi! How can I help you?"),
-    ("good morning", "en", "Good morning! How can I help you?"),
-    ("hello, are you there?", "en", "Yes, I am here. How can I help you?"),
-    ("how are you?", "en", "Fine, thank you. How can I help you?"),
-    ("who are you?", "en", "I am a small model: I can read, list and search files."),
-    ("what can you do?", "en", "I can read files, list directories and search text in files."),
-    ("please say hi", "en", "Hi!"),
-    ("thanks", "en", "You are welcome!"),
-)
-HELDOUT_GREETINGS = (
-    ("buonasera", "it", ""),
-    ("ehi, ciao", "it", ""),
-    ("salve", "it", ""),
-    ("say hello", "en", ""),
-    ("hey there", "en", ""),
-    ("good evening", "en", ""),
-    ("hi, what can you do?", "en", ""),
-)
-# one short sentence of reasoning before `</think>`: what the turn needs
-REASONING = {
-    ("greeting", "it"): "L'utente mi saluta: rispondo in breve.",
-    ("greeting", "en"): "The user greets me: a short answer.",
-    ("read", "it"): "Devo leggere il file.",
-    ("read", "en"): "I need to read the file.",
-    ("list", "it"): "Devo elencare la cartella.",
-    ("list", "en"): "I need to list the directory.",
-    ("search", "it"): "Devo cercare il testo.",
-    ("search", "en"): "I need to search the text.",
-    ("answer", "it"): "Ho il risultato.",
-    ("answer", "en"): "I have the result.",
-}
 THINKING_SHARE = 0.8  # every client asks for thinking; the rest without, as other clients send
 GREETING_SHARE = 0.3
 CALL_ONLY_SHARE = 0.3  # round trips cut after the call: the call is the hard part

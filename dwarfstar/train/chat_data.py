@@ -102,6 +102,50 @@ QUOTE_WORDS = (6, 12)  # words of the tool result the answer quotes
 REASONING_TOKENS = (6, 40)  # the thinking passage: one sentence of this many tokens
 
 
+# (request, language, answer); the answer is what the model says, the turn's end follows it
+GREETINGS = (
+    ("ciao", "it", "Ciao! Come posso aiutarti?"),
+    ("buongiorno", "it", "Buongiorno! Come posso aiutarti?"),
+    ("ciao, ci sei?", "it", "Sì, ci sono. Come posso aiutarti?"),
+    ("come stai?", "it", "Bene, grazie. Come posso aiutarti?"),
+    ("chi sei?", "it", "Sono un piccolo modello: posso leggere, elencare e cercare file."),
+    ("cosa sai fare?", "it", "Posso leggere file, elencare cartelle e cercare testo nei file."),
+    ("salutami", "it", "Ciao!"),
+    ("grazie", "it", "Prego!"),
+    ("hello", "en", "Hello! How can I help you?"),
+    ("hi", "en", "Hi! How can I help you?"),
+    ("good morning", "en", "Good morning! How can I help you?"),
+    ("hello, are you there?", "en", "Yes, I am here. How can I help you?"),
+    ("how are you?", "en", "Fine, thank you. How can I help you?"),
+    ("who are you?", "en", "I am a small model: I can read, list and search files."),
+    ("what can you do?", "en", "I can read files, list directories and search text in files."),
+    ("please say hi", "en", "Hi!"),
+    ("thanks", "en", "You are welcome!"),
+)
+HELDOUT_GREETINGS = (
+    ("buonasera", "it", ""),
+    ("ehi, ciao", "it", ""),
+    ("salve", "it", ""),
+    ("say hello", "en", ""),
+    ("hey there", "en", ""),
+    ("good evening", "en", ""),
+    ("hi, what can you do?", "en", ""),
+)
+# one short sentence of reasoning before `</think>`: what the turn needs
+REASONING = {
+    ("greeting", "it"): "L'utente mi saluta: rispondo in breve.",
+    ("greeting", "en"): "The user greets me: a short answer.",
+    ("read", "it"): "Devo leggere il file.",
+    ("read", "en"): "I need to read the file.",
+    ("list", "it"): "Devo elencare la cartella.",
+    ("list", "en"): "I need to list the directory.",
+    ("search", "it"): "Devo cercare il testo.",
+    ("search", "en"): "I need to search the text.",
+    ("answer", "it"): "Ho il risultato.",
+    ("answer", "en"): "I have the result.",
+}
+
+
 @dataclass(frozen=True)
 class ToolRequest:
     tool: str
@@ -317,28 +361,42 @@ def tool_samples(
     *,
     heldout: bool = False,
     pieces: Sequence[str] | None = None,
+    greetings: float = 0.0,
+    reasoning: bool = False,
 ) -> list[Sample]:
     """`n` rendered tool round trips over training (or held-out) templates and arguments, in every
-    client shape and both server templates; a `thinking_share` of them in thinking mode with empty
-    reasoning."""
+    client shape and both server templates; a `thinking_share` of them in thinking mode, with empty
+    reasoning or (`reasoning`) the agent turns' one sentence for the turn (`REASONING`: what it needs,
+    in the request's language). A `greetings` share of the samples are a greeting and its answer
+    instead: the turns after an agent's prompt (agent_data.py) on the short tools prompts, where a
+    step is cheap, so the request decides reasoning, call or answer in both places."""
     rng = np.random.default_rng(seed + 1)
     sentences = book_sentences(text, tokenizer)
     shapes, templates = sorted(TOOLS), sorted(TEMPLATES)
+    greeting_set = HELDOUT_GREETINGS if heldout else GREETINGS
     encode = PromptEncoder(tokenizer)
     samples = []
     for request in tool_requests(text, n, seed, heldout=heldout, pieces=pieces):
         result = tool_result(request, sentences, rng)
-        messages = round_trip(request, result, quoting_answer(request, result, rng))
+        kinds = [request.tool, "answer"]
+        if greetings and rng.random() < greetings:
+            words, language, answer = greeting_set[int(rng.integers(len(greeting_set)))]
+            messages = [{"role": "user", "content": words}, {"role": "assistant", "content": answer}]
+            kinds = ["greeting"]
+            request = ToolRequest("greeting", language, words, "")
+        else:
+            messages = round_trip(request, result, quoting_answer(request, result, rng))
         thinking = bool(rng.random() < thinking_share)
         if thinking:
+            turns = iter(kinds)
             for m in messages:
                 if m["role"] == "assistant":
-                    m["reasoning_content"] = ""
+                    m["reasoning_content"] = REASONING[next(turns), request.language] if reasoning else ""
         shape = shapes[int(rng.integers(len(shapes)))]
         options = TEMPLATES[templates[int(rng.integers(len(templates)))]]
         ids = encode.render(messages, tools=TOOLS[shape], thinking=thinking, options=options)
         prefix = ids.index(tokenizer.token_id(USER))  # the system prompt, the tools section in it
-        span = argument_span(ids, tokenizer)
+        span = argument_span(ids, tokenizer) if request.argument else (0, 0)
         samples.append(Sample(np.asarray(ids, dtype=np.int64), assistant_targets(ids, tokenizer), prefix, span))
     return samples
 

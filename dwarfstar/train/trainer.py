@@ -99,13 +99,18 @@ class Recipe:
     tool_batch: int = 3
     chat_pool: int = 4000
     tool_pool: int = 3000
-    tool_thinking: float = 0.3  # share of tool round trips in thinking mode (empty reasoning)
+    tool_thinking: float = 0.3  # share of tool round trips in thinking mode
+    tool_reasoning: bool = False  # their reasoning: the agent turns' sentence, else empty
+    tool_greetings: float = 0.0  # share of the tools prompts' samples that are a greeting and its answer
     call_weight: float = 2.0  # loss weight of a tool call's targets
     arg_weight: float = 3.0  # loss weight of the argument a call copies and of the token closing it
     # loss weight of the argument's first token, the one the copy must find after the request's opening
     # quote or backtick (later tokens follow their predecessor's copy in the request)
     first_weight: float = 3.0
     answer_weight: float = 3.0  # loss weight of a round trip's final answer (it quotes the tool result)
+    # loss weight of a turn's first reply token after a shared prefix: the one that decides, from the
+    # request alone, between an answer and a call (and an agent turn's language)
+    decision_weight: float = 1.0
     # tool calls alone (request, call, EOS) per step besides `tool_batch`, with invented arguments
     # (random word pieces) that only copying predicts, from a pool of `call_pool`, same prefix
     call_batch: int = 5
@@ -201,7 +206,15 @@ class Trainer:
         ]
         prompts = chat_prompts(split.train, recipe.chat_pool, seed + 1)
         self.thinking = thinking_samples(split.train, tokenizer, prompts, length, np.random.default_rng(seed))
-        self.tools = tool_samples(split.train, tokenizer, recipe.tool_pool, seed, recipe.tool_thinking)
+        self.tools = tool_samples(
+            split.train,
+            tokenizer,
+            recipe.tool_pool,
+            seed,
+            recipe.tool_thinking,
+            greetings=recipe.tool_greetings,
+            reasoning=recipe.tool_reasoning,
+        )
         groups: dict[bytes, list[Sample]] = {}
         for sample in self.tools:
             groups.setdefault(sample.ids[: sample.prefix].tobytes(), []).append(sample)
@@ -380,7 +393,7 @@ class Trainer:
         name and argument tokens decide it; its fixed DSML is soon learned), `arg_weight` on the
         argument and the token that closes it (the copy, the part the call gets wrong), `first_weight`
         on its first token, `answer_weight` on what follows the call (the answer quoting the tool's
-        result), 1 elsewhere."""
+        result), `decision_weight` on the turn's first reply token, 1 elsewhere."""
         weights = torch.ones(len(sample.ids) - 1)
         if sample.prefix:
             weights[: int(np.flatnonzero(sample.ids == self.eos)[0])] = self.recipe.call_weight
@@ -389,6 +402,7 @@ class Trainer:
                 weights[start - 1 : end] = self.recipe.arg_weight  # target i predicts ids[i + 1]
                 weights[start - 1] = self.recipe.first_weight
             weights[int(np.flatnonzero(sample.ids == self.eos)[0]) :] = self.recipe.answer_weight
+            weights[int(np.flatnonzero(sample.trained)[0])] = self.recipe.decision_weight
         return weights[sample.prefix :]
 
     def hidden(self, model: ReferenceModel, samples: list[Sample]) -> torch.Tensor:

@@ -206,3 +206,56 @@ def test_tool_prefix_is_the_system_prompt_shared_by_shape_and_template(
         assert "## Tools" in prefix and '"read"' in prefix and "<｜User｜>" not in prefix
         assert sample.ids[sample.prefix] == tok.token_id("<｜User｜>")
         assert not sample.trained[: sample.prefix].any()
+
+
+def test_tools_prompts_can_carry_the_agent_turns_reasoning_and_greetings(book: str, tok: Tokenizer) -> None:
+    """With `reasoning` a thinking turn reasons in the agent turns' sentence for what the request needs,
+    in the request's language; with `greetings` some samples are a greeting answered with no call. The
+    default keeps the bundled recipe's data: empty reasoning, no greeting."""
+    requests = chat_data.tool_requests(book, 40, seed=7, heldout=False)
+    plain = chat_data.tool_samples(book, tok, 40, seed=7, thinking_share=1.0)
+    turns = chat_data.tool_samples(book, tok, 40, seed=7, thinking_share=1.0, greetings=0.4, reasoning=True)
+    assert all(output_text(s, tok).startswith(THINK_END) for s in plain)  # `<think>` in the prompt, empty
+    answers = {answer for _, _, answer in chat_data.GREETINGS}
+    greeted = 0
+    for sample in turns:
+        text = tok.decode(sample.ids.tolist())
+        user = text.split("<｜User｜>")[1].split("<｜Assistant｜>")[0]
+        outputs = output_text(sample, tok).split(EOS)[:-1]
+        greeting = next((g for g in chat_data.GREETINGS if g[0] == user), None)
+        if greeting is not None:
+            greeted += 1
+            assert outputs == [f"{chat_data.REASONING['greeting', greeting[1]]}{THINK_END}{greeting[2]}"]
+            assert greeting[2] in answers and sample.argument == (0, 0)
+            continue
+        request = next(r for r in requests if r.text == user)
+        call, answer = outputs
+        assert call.startswith(chat_data.REASONING[request.tool, request.language] + THINK_END)
+        assert answer.startswith(chat_data.REASONING["answer", request.language] + THINK_END)
+        assert tok.decode(sample.ids[slice(*sample.argument)].tolist()) == request.argument
+    assert 8 <= greeted <= 24  # about 40% of 40
+
+
+def test_the_decision_weight_lands_on_each_turn_s_first_reply_token(book: str, tok: Tokenizer) -> None:
+    """`Trainer.weights`: the first reply token after a tools prompt (reasoning, answer or call: the one
+    that decides from the request alone) takes `decision_weight`; the call's argument keeps its own."""
+    from types import SimpleNamespace
+
+    from dwarfstar.train.trainer import Recipe, Trainer
+
+    recipe = Recipe(decision_weight=8.0, call_weight=2.0, arg_weight=3.0, first_weight=5.0, answer_weight=4.0)
+    trainer = SimpleNamespace(recipe=recipe, eos=tok.eos_id)
+    samples = chat_data.tool_samples(book, tok, 12, seed=9, thinking_share=0.5, greetings=0.5, reasoning=True)
+    kinds = set()
+    for sample in samples:
+        weights = Trainer.weights(trainer, sample)  # one per target from the prefix on
+        first = int(np.flatnonzero(sample.trained)[0]) - sample.prefix
+        assert weights[first] == 8.0 and not (weights[:first] == 8.0).any()
+        start, end = sample.argument
+        kinds.add(bool(end))
+        if end:
+            assert (
+                weights[start - 1 - sample.prefix] == 5.0
+                and (weights[start - sample.prefix : end - sample.prefix] == 3.0).all()
+            )
+    assert kinds == {True, False}  # greetings and calls both checked
