@@ -101,8 +101,8 @@ def render(
     """Print the rendered DeepSeek V4 prompt, byte for byte (no newline is added)."""
     from dataclasses import replace
 
+    from dwarfstar.model.config import RELEASES
     from dwarfstar.prompt import DS4, OFFICIAL, render_conversation
-    from dwarfstar.prompt.efforts import RELEASES
 
     if release not in RELEASES:
         raise DwarfStarError(f"--release must be one of {', '.join(RELEASES)}, got {release!r}")

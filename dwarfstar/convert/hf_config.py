@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from dwarfstar.errors import ConfigError
-from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.config import DSPARK_RELEASES, PREVIEW, ModelArgs
 from dwarfstar.model.dspark import DSparkArgs
-from dwarfstar.prompt.efforts import DSPARK_RELEASES, PREVIEW
 
 # ModelArgs field -> config.json key, for the keys both dialects spell the same way.
 _REQUIRED_INTS = {

@@ -14,11 +14,10 @@ Which release a model file is: `ModelArgs.reasoning_efforts` (dwarfstar/model/co
 
 from __future__ import annotations
 
+from dwarfstar.model.config import DSPARK_RELEASES, PREVIEW
 from dwarfstar.prompt import templates
 
 THINK_MAX_MIN_CTX = 393_216  # ds4 allows Think-Max only with a context this large
-PREVIEW, DSPARK_RELEASES = "preview", "0731"
-RELEASES = (PREVIEW, DSPARK_RELEASES)
 LEVELS = (None, "low", "high", "max")  # what the renderer takes; None: the release's default
 _PREAMBLES = {
     PREVIEW: {"max": templates.REASONING_EFFORT_ABSOLUTE},
