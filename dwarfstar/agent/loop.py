@@ -110,6 +110,10 @@ class Agent:
         """The transcript's tokens, the head in the model release's effort table."""
         return self.transcript.ids(self.tokenizer, self.eos, self.backend.args.reasoning_efforts)
 
+    def head_ids(self, transcript: Transcript) -> list[int]:
+        """`transcript`'s system turn as this agent's model renders it (its release's effort table)."""
+        return transcript.head_ids(self.tokenizer, self.backend.args.reasoning_efforts)
+
     def sync(self, should_stop: Callable[[], bool] = lambda: False, label: str = "step") -> tuple[int, int]:
         """Bring the session to the transcript's tokens; returns (tokens reused, tokens computed)."""
         ids = self.transcript_ids()

@@ -161,7 +161,7 @@ class Worker:
         listed, transcript, state = self.store.load(prefix)
         agent = self.agent
         if state is None:
-            system = self.store.load_system(transcript.head_ids(agent.tokenizer, agent.backend.args.reasoning_efforts))
+            system = self.store.load_system(agent.head_ids(transcript))
             if system is None:
                 agent.new_transcript(transcript)
             else:  # the head comes from sysprompt.kv; only the conversation is prefilled
@@ -183,7 +183,7 @@ class Worker:
     def start(self) -> int:
         """Bring up the system prompt, from sysprompt.kv when it holds this prompt; returns tokens prefilled."""
         agent = self.agent
-        ids = agent.transcript.head_ids(agent.tokenizer, agent.backend.args.reasoning_efforts)
+        ids = agent.head_ids(agent.transcript)
         state = self.store.load_system(ids)
         if state is not None:
             agent.adopt(state, agent.transcript)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from dwarfstar.model.config import PREVIEW
+
 
 @dataclass(frozen=True, slots=True)
 class RenderOptions:
@@ -43,8 +45,8 @@ class RenderOptions:
     # history holds a tool call or a tool result.
     keep_reasoning_with_tool_history: bool = False
     # Not a server difference but the model's: the release whose reasoning-effort table applies
-    # (`efforts.RELEASES`); the renderer takes it from the model file (`ModelArgs.reasoning_efforts`).
-    efforts: str = "preview"
+    # (`model.config.RELEASES`); the renderer takes it from the model file (`ModelArgs.reasoning_efforts`).
+    efforts: str = PREVIEW
 
 
 OFFICIAL = RenderOptions()
