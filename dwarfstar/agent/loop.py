@@ -18,7 +18,7 @@ from typing import Any
 
 from dwarfstar.agent import compaction
 from dwarfstar.agent.policy import Policy
-from dwarfstar.agent.tools import Toolbox, ToolOutcome
+from dwarfstar.agent.tools import TOOLS, Toolbox, ToolOutcome
 from dwarfstar.agent.transcript import Entry, Transcript
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.console.diagnostics import Trace
@@ -27,6 +27,7 @@ from dwarfstar.experts.store import ExpertStore
 from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.model.state import SequenceState
 from dwarfstar.prompt.dsml import BLOCK_OPEN
+from dwarfstar.prompt.dsml_guard import ToolGrammar, ToolGuard
 from dwarfstar.prompt.dsml_parser import ContentDelta, DsmlParser, ParsedCompletion, ReasoningDelta
 from dwarfstar.session.loopguard import LoopGuard, Repetition, ToolStreak, call_key, tool_loop_note
 from dwarfstar.session.prefix import common_prefix_len
@@ -196,7 +197,8 @@ class Agent:
         finish, start = "length", time.perf_counter()
         room = self.ctx - len(self.session.tokens)
         repetition = Repetition(self.loop_guard) if self.loop_guard is not None else None
-        for token in self.policy.reply(self.session, min(self.max_tokens, room), should_stop):
+        guard = ToolGuard(ToolGrammar(TOOLS), self.tokenizer, thinking=thinking)
+        for token in self.policy.reply(self.session, min(self.max_tokens, room), should_stop, guard):
             if token == self.eos:
                 finish = "stop"
                 break

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Cancelled, Session
 from dwarfstar.speculative.decode import DSparkSpeculation, MTPSpeculation, SpecStats, Speculator
@@ -25,8 +26,11 @@ class Policy:
         """Append prompt tokens; `should_stop` raises Cancelled between chunks (the session stays valid)."""
         session.prefill(tokens, should_stop=should_stop)
 
-    def reply(self, session: Session, max_tokens: int, should_stop: Callable[[], bool]) -> Iterator[int]:
-        """Append and yield a reply's tokens; the last one is EOS when the reply ended by itself."""
+    def reply(
+        self, session: Session, max_tokens: int, should_stop: Callable[[], bool], guard: ToolGuard | None = None
+    ) -> Iterator[int]:
+        """Append and yield a reply's tokens; the last one is EOS when the reply ended by itself. A
+        sampling policy's tool-call `guard` chooses among the model's tokens (prompt/dsml_guard.py)."""
         raise NotImplementedError
 
 
@@ -35,8 +39,10 @@ class SampledPolicy(Policy):
         self.sampler = Sampler(params)  # one generator for the session: a seed gives a reproducible run
         self.eos = eos
 
-    def reply(self, session: Session, max_tokens: int, should_stop: Callable[[], bool]) -> Iterator[int]:
-        return session.generate(max_tokens, self.sampler, [self.eos], should_stop)
+    def reply(
+        self, session: Session, max_tokens: int, should_stop: Callable[[], bool], guard: ToolGuard | None = None
+    ) -> Iterator[int]:
+        return session.generate(max_tokens, self.sampler, [self.eos], should_stop, guard)
 
 
 class SpeculativePolicy(SampledPolicy):
@@ -84,11 +90,13 @@ class SpeculativePolicy(SampledPolicy):
         finally:
             self.followed = list(session.tokens)
 
-    def reply(self, session: Session, max_tokens: int, should_stop: Callable[[], bool]) -> Iterator[int]:
+    def reply(
+        self, session: Session, max_tokens: int, should_stop: Callable[[], bool], guard: ToolGuard | None = None
+    ) -> Iterator[int]:
         spec = self._following(session)
         start, count, last = len(session.tokens), 0, -1
         try:
-            for last in spec.generate(max_tokens, self.sampler, [self.eos], should_stop):
+            for last in spec.generate(max_tokens, self.sampler, [self.eos], should_stop, guard):
                 count += 1
                 yield last
         finally:
@@ -120,7 +128,10 @@ class ScriptedPolicy(Policy):
         self.tokenizer, self.eos = tokenizer, eos
         self.replies = list(replies)
 
-    def reply(self, session: Session, max_tokens: int, should_stop: Callable[[], bool]) -> Iterator[int]:
+    def reply(
+        self, session: Session, max_tokens: int, should_stop: Callable[[], bool], guard: ToolGuard | None = None
+    ) -> Iterator[int]:
+        """The next scripted reply (a script is not sampled: `guard` has nothing to choose)."""
         if not self.replies:
             raise DwarfStarError("the script has no reply left")
         ids = [*self.tokenizer.encode_with_specials(self.replies.pop(0)), self.eos][:max_tokens]

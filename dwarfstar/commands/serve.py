@@ -62,6 +62,15 @@ def serve(
         bool,
         typer.Option("--think/--no-think", help="Think unless a request says not to.", rich_help_panel=GENERATION),
     ] = True,
+    tool_guard: Annotated[
+        bool,
+        typer.Option(
+            "--tool-guard/--no-tool-guard",
+            help="Keep a tool-call block to the declared tools and their parameters, its tags greedy "
+            "(a request's field tool_guard overrides).",
+            rich_help_panel=GENERATION,
+        ),
+    ] = True,
     max_sessions: Annotated[int, typer.Option(help="Live KV sessions, and so requests served at once.")] = 4,
     max_queue: Annotated[int, typer.Option(help="Requests that may wait for a session; more get 429.")] = 32,
     prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk (and checkpoint spacing) in tokens.")] = 4096,
@@ -104,7 +113,7 @@ def serve(
         max_sessions=max_sessions, kv_memory_mb=kv_memory_mb, max_queue=max_queue, prefill_chunk=prefill_chunk,
         trace=trace, kv_disk_dir=kv_disk_dir, kv_disk_space_mb=kv_disk_space_mb,
         kv_cache_min_tokens=kv_cache_min_tokens, model_aliases=tuple(model_alias or ()), mtp=spec.drafter,
-        loop_guard=loop_guard.options(),
+        loop_guard=loop_guard.options(), tool_guard=tool_guard,
     )  # fmt: skip
     spec_backend(spec)  # a backend that cannot run here, before the port
     worker = spec.dist is not None and spec.dist.role == "worker"  # serves its layers, not HTTP

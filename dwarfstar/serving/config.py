@@ -55,6 +55,7 @@ class ServerConfig:
     model_aliases: tuple[str, ...] = field(default=())  # extra accepted `model` names, fnmatch patterns
     mtp: MTPOptions | DSparkOptions | None = None  # speculation in the batched decode (--mtp, --dspark)
     loop_guard: LoopGuard | None = None  # --loop-guard: every request's default (session/loopguard.py)
+    tool_guard: bool = True  # --tool-guard: every request's default (prompt/dsml_guard.py)
 
     @property
     def render_options(self) -> RenderOptions:

@@ -21,6 +21,7 @@ from typing import Any
 
 from dwarfstar.kvcache.kvpolicy import SaveReason
 from dwarfstar.model.state import SequenceState
+from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.sampling import Sampler
 from dwarfstar.serving.generation import Event, GenerationRequest, TokenLogprob, Usage
 from dwarfstar.serving.output import OutputDecoder
@@ -92,6 +93,7 @@ class Decoding:
     drawn: int | None = None  # the next token, drawn by the decode step that ran the last one
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens' so far, when the request asks
     repetition: Repetition | None = None  # the loop guard's watch on the output, when it is on
+    guard: ToolGuard | None = None  # the tool-call guard, when the request has it (prompt/dsml_guard.py)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from typing import Any
 from dwarfstar.experts.store import ExpertStore
 from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.kvcache.kvpolicy import SaveReason
+from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.sampling import Sampler
 from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.generation import Failed, Finished, Started, Usage
@@ -209,6 +210,8 @@ class Scheduler:
         drafting = Drafting(self.speculation.start(job.session)) if speculate else None
         if job.request.loop_guard is not None:
             decoding.repetition = Repetition(job.request.loop_guard)
+        if job.request.tool_grammar is not None:
+            decoding.guard = ToolGuard(job.request.tool_grammar, self.tokenizer, thinking=job.request.thinking)
         job.start_decoding(decoding, drafting)
         if job.request.halted:  # the loop guard stops a repeated tool call before the turn is generated
             self._finish(job, "repetition")
@@ -362,6 +365,7 @@ class Scheduler:
                 [job.decoding.sampler for job in jobs],
                 rooms,
                 [ends_for(job) for job in jobs],
+                [job.decoding.guard for job in jobs],
             )
         except Exception as exc:  # a pass that raised may have written some layers: these states are gone
             for job in jobs:
@@ -391,6 +395,8 @@ class Scheduler:
         job.usage.completion_tokens += 1
         self.metrics.inc(Metric.GENERATED_TOKENS_TOTAL)
         decoder, session = job.decoding.decoder, job.session
+        if job.decoding.guard is not None:
+            job.decoding.guard.push(token)
         if token != self.tokenizer.eos_id:
             drawn = job.decoding.sampler.logprobs  # the draw of this token (a request that asks)
             if drawn is not None:
@@ -447,8 +453,10 @@ class Scheduler:
         fresh = [job for job in jobs if job.decoding.drawn is None]
         new = iter(sample_next([job.session for job in fresh], [job.decoding.sampler for job in fresh]))
         tokens = [job.decoding.drawn if job.decoding.drawn is not None else next(new) for job in jobs]
-        for job in jobs:
+        for n, job in enumerate(jobs):
             job.decoding.drawn = None
+            if job.decoding.guard is not None:
+                tokens[n] = job.decoding.guard.choose(tokens[n], job.session.logits, job.decoding.sampler)
         return tokens
 
     def _step_alone(self, jobs: list[Job], tokens: list[int], lengths: list[int]) -> list[Job]:

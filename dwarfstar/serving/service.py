@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from dwarfstar.engine.load import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.prompt.conversation import PromptError
+from dwarfstar.prompt.dsml_guard import ToolGrammar
 from dwarfstar.prompt.render import Prompt, render_conversation
 from dwarfstar.sampling import SamplingParams
 from dwarfstar.serving.config import ServerConfig, session_memory_budget
@@ -182,6 +183,8 @@ class Service:
                 raise nothing_to_answer(knobs.api, messages, knobs.param)
             ids = self.tokenizer.encode_prompt(prompt.parts)
             request = self._request(prompt, ids, knobs, parse=True, thinking=thinking.enabled, tools=bool(tools))
+            if tools and self._tool_guard(knobs.body):
+                request.tool_grammar = ToolGrammar(tools, escaped=self.options.escape_dsml)
             if looped is not None:
                 request.tool_loop = f"{looped} called the same way in {guard.tool_turns} assistant turns in a row"
                 request.halted = guard.tools == "stop"
@@ -267,6 +270,12 @@ class Service:
         if asked is None:
             return self.config.loop_guard
         return (self.config.loop_guard or LoopGuard()) if asked else None
+
+    def _tool_guard(self, body: Any) -> bool:
+        """Whether the tool-call guard keeps the request's DSML blocks to its tools: the extension field
+        `tool_guard` (a boolean), else the server's (`--tool-guard`, on by default)."""
+        asked = Fields(body if isinstance(body, Mapping) else {}).flag("tool_guard")
+        return self.config.tool_guard if asked is None else asked
 
     def _steering(self, body: Any) -> SteeringScale | None:
         """The request's steering scales, extension fields `dir_steering_ffn` / `dir_steering_attn`

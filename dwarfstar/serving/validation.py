@@ -70,7 +70,8 @@ Messages (https://platform.claude.com/docs/en/api/messages):
   models answer ("This model does not support assistant message prefill. The conversation must end
   with a user message.", https://platform.claude.com/docs/en/about-claude/models/whats-new-claude-4-6).
 
-Every generation request: the DwarfStar extension `loop_guard` is a boolean (session/loopguard.py).
+Every generation request: the DwarfStar extensions `loop_guard` (session/loopguard.py) and `tool_guard`
+(prompt/dsml_guard.py) are booleans.
 
 Every route: a method the route does not serve is a 405 `invalid_request_error` with an `Allow`
 header (OpenAI answers `GET /v1/chat/completions` with "Invalid method for URL (GET ...)").

@@ -18,6 +18,7 @@ import torch
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.state import StateSnapshot
+from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.sampling import Sampler, SamplingParams, redraw_refused
 
 DEFAULT_CHUNK = 4096
@@ -120,10 +121,12 @@ class Session:
         sampler: Sampler | SamplingParams,
         stop_tokens: Sequence[int] = (),
         should_stop: Callable[[], bool] | None = None,
+        guard: ToolGuard | None = None,
     ) -> Iterator[int]:
         """Sample and append up to max_tokens tokens, yielding each; stops after a stop token.
 
         A stop token is yielded and kept in the sequence, as a completed assistant turn ends with EOS.
+        A tool-call `guard` (prompt/dsml_guard.py) chooses each token from the draw and its logits.
         """
         if self.state.logits is None:
             raise DwarfStarError("nothing to continue: prefill a prompt first")
@@ -138,6 +141,9 @@ class Session:
             for i in range(limit):
                 if i and should_stop is not None and should_stop():
                     return
+                if guard is not None:
+                    token = guard.choose(token, self.state.logits, sampler)
+                    guard.push(token)
                 if i + 1 == limit:
                     self.decode(token)  # nothing follows the last token
                     following = None

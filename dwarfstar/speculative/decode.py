@@ -37,6 +37,7 @@ from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState, StateSnapshot
+from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.dspark import DSparkDraft, DSparkTrack
@@ -220,6 +221,7 @@ class Speculator:
         sampler: Sampler | SamplingParams,
         stop_tokens: Sequence[int] = (),
         should_stop: Callable[[], bool] | None = None,
+        guard: ToolGuard | None = None,
     ) -> Iterator[int]:
         """As `Session.generate`: up to max_tokens tokens, each kept in the session, a stop token last."""
         if self.state.logits is None:
@@ -231,10 +233,19 @@ class Speculator:
         if budget <= 0:
             return
         pending = self.session.backend.sample_batch(self.state.logits.reshape(1, -1), [sampler])[0]
+        if guard is not None:
+            pending = guard.choose(pending, self.state.logits, sampler)
+            guard.push(pending)
+
+        def ends(token: int) -> bool:  # once per emitted token, in order
+            if guard is not None:
+                guard.push(token)
+            return token in stops
+
         emitted = 1
         yield pending
         while pending not in stops and emitted < budget and not (should_stop and should_stop()):
-            emit = step_batch([self], [pending], [sampler], [budget - emitted], [stops.__contains__])[0]
+            emit = step_batch([self], [pending], [sampler], [budget - emitted], [ends], [guard])[0]
             yield from emit
             emitted += len(emit)
             pending = emit[-1]
@@ -260,6 +271,8 @@ class Speculator:
         else:
             p = [rule_probabilities(row, step.sampler.params) for row in logits]
             verdict = verify_sampled(p, step.q or [], drafts, step.sampler)
+        if step.guard is not None:
+            verdict = _guided(step.guard, drafts, verdict, logits)
         self.stats.record(len(drafts), verdict)
         emit = [*drafts[: verdict.accepted], verdict.token][: step.room]
         end = next((i for i, token in enumerate(emit) if step.ends(token)), None)
@@ -281,6 +294,18 @@ class Speculator:
         return emit
 
 
+def _guided(guard: ToolGuard, drafts: list[int], verdict: Verdict, logits: torch.Tensor) -> Verdict:
+    """`verdict` with the tool-call guard's choices: row k of `logits` follows the first k emitted
+    tokens, so the first token the guard replaces becomes the correction at its place."""
+    guard = guard.copy()
+    for k, token in enumerate([*drafts[: verdict.accepted], verdict.token]):
+        chosen = guard.choose(token, logits[k])
+        if chosen != token:
+            return Verdict(k, chosen)
+        guard.push(token)
+    return verdict
+
+
 @dataclass
 class _Step:
     """One speculator's part of a batched step."""
@@ -291,6 +316,7 @@ class _Step:
     sampler: Sampler
     room: int
     ends: Callable[[int], bool]
+    guard: ToolGuard | None = None
 
 
 def step_batch(
@@ -299,20 +325,24 @@ def step_batch(
     samplers: Sequence[Sampler],
     rooms: Sequence[int],
     ends: Sequence[Callable[[int], bool]],
+    guards: Sequence[ToolGuard | None] | None = None,
 ) -> list[list[int]]:
     """One draft-verify round for several speculators of one target, verified in one batched pass.
 
     Each emits at most its `room` tokens, cut after the first for which its `ends(token)` is true
     (called in order, once per emitted token). Each state then holds its pending token and every
-    emitted token but the last, the new pending one."""
+    emitted token but the last, the new pending one. A speculator's tool-call guard (`guards`, at the
+    state before the pending token's successor) chooses among the verified tokens as it chooses in
+    plain decoding: the first it would replace is replaced, and the round ends there."""
     runner = specs[0].runner
     if any(spec.target is not runner.target for spec in specs):
         raise DwarfStarError("speculators verified together must share one target model")
     steps = []
-    for spec, token, sampler, room, end in zip(specs, pending, samplers, rooms, ends, strict=True):
+    guards = guards or [None] * len(specs)
+    for spec, token, sampler, room, end, guard in zip(specs, pending, samplers, rooms, ends, guards, strict=True):
         drafts, q = spec._draft(token, sampler, room)
         snap = runner.snapshot(spec.state) if drafts else None
-        steps.append(_Step([token, *drafts], q, snap, sampler, room, end))
+        steps.append(_Step([token, *drafts], q, snap, sampler, room, end, guard))
     passes, tap = runner.verify(
         [step.verified for step in steps], [spec.state for spec in specs], [spec.track for spec in specs]
     )

@@ -7,7 +7,11 @@ DSML parser on the text.
   no tool call;
 - a tool request passes when its one call names the prompt's core tool with exactly the argument.
 
+With `--tool-guard` each reply is decoded under the server's tool-call guard (prompt/dsml_guard.py:
+a block's tool and parameter names kept to the prompt's declared tools), as `serve` runs by default.
+
     .venv/bin/python -m dwarfstar.train.agent_eval dwarfstar/data/nano.gguf [--prompts 20] [--tokens 4000 16000]
+        [--tool-guard]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.loader import open_model
+from dwarfstar.prompt.dsml_guard import ToolGrammar, ToolGuard
 from dwarfstar.prompt.dsml_parser import parse_completion
 from dwarfstar.prompt.render_options import DS4, OFFICIAL, RenderOptions
 from dwarfstar.tokenizer.specials import EOS, USER
@@ -67,10 +72,11 @@ def agent_scores(
     prompts: list[AgentPrompt],
     book: str,
     keep: int = 4,
+    guarded: bool = False,
 ) -> dict[str, AgentScore]:
     """Per client shape: each prompt with one held-out greeting and one held-out tool request (the
     prompt's state computed once, each turn continuing from a copy). `head`, `local` and `vocab` as
-    in tool_eval.tool_call_accuracy."""
+    in tool_eval.tool_call_accuracy; `guarded`: under the tool-call guard (full ids only)."""
     encode = PromptEncoder(tokenizer)
     user, eos = tokenizer.token_id(USER), tokenizer.token_id(EOS)
     turns = agent_turns(book, 40 * len(prompts), HELDOUT_SEED, heldout=True)
@@ -90,7 +96,8 @@ def agent_scores(
             if state is None:
                 state = model.new_state()
                 model.hidden_batch([local[torch.tensor(ids[:cut])]], [state], all_positions=False)
-            out, text = reply_after(model, head, local, vocab, tokenizer, state, ids[cut:], TURN_TOKENS)
+            guard = ToolGuard(ToolGrammar(prompt.tools), tokenizer, thinking=True) if guarded else None
+            out, text = reply_after(model, head, local, vocab, tokenizer, state, ids[cut:], TURN_TOKENS, guard)
             _score_turn(scores[prompt.shape], prompt, turn, text, out[-1] == int(local[eos]), len(ids))
     return scores
 
@@ -109,14 +116,16 @@ def _score_turn(score: AgentScore, prompt: AgentPrompt, turn: AgentTurn, text: s
         score.samples.append(f"[{n} tokens] {turn.text!r} -> {calls or text[:100]!r}{'' if ended else ' (no end)'}")
 
 
-def file_agent_scores(path: Path, n: int, tokens: tuple[int, int], corpus: Path = CORPUS) -> dict[str, AgentScore]:
-    """A model file's scores, QAT rounding on as served."""
+def file_agent_scores(
+    path: Path, n: int, tokens: tuple[int, int], corpus: Path = CORPUS, guarded: bool = False
+) -> dict[str, AgentScore]:
+    """A model file's scores, QAT rounding on as served (`guarded`: under the tool-call guard)."""
     model = ReferenceModel(open_model(path))
     tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), model.args.vocab_size)
     ids = torch.arange(model.args.vocab_size)
     prompts = heldout_prompts(n, tokens, lambda text: len(tokenizer.encode(text)))
     book = read_split(corpus).train
-    return agent_scores(model, lambda y: model.ops.logits(y, None), ids, ids, tokenizer, prompts, book)
+    return agent_scores(model, lambda y: model.ops.logits(y, None), ids, ids, tokenizer, prompts, book, guarded=guarded)
 
 
 def report(scores: dict[str, AgentScore]) -> list[str]:
@@ -136,10 +145,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=20, help="held-out agent prompts, the shapes in turn")
     parser.add_argument("--tokens", type=int, nargs=2, default=(4000, 16000), help="their length bounds")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--tool-guard", action="store_true", help="decode under the server's tool-call guard")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
-    scores = file_agent_scores(opts.model, opts.prompts, tuple(opts.tokens), opts.corpus)
+    scores = file_agent_scores(opts.model, opts.prompts, tuple(opts.tokens), opts.corpus, opts.tool_guard)
     print("\n".join(report(scores)))
     print(f"({time.perf_counter() - start:.0f} s)")
 

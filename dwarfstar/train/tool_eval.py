@@ -22,6 +22,7 @@ import torch
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.loader import open_model
+from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.prompt.dsml_parser import parse_completion
 from dwarfstar.prompt.render_options import DS4
 from dwarfstar.tokenizer.specials import EOS, USER
@@ -47,13 +48,24 @@ class ToolCallScore:
 
 
 def greedy(
-    model: Transformer, head: Callable[[torch.Tensor], torch.Tensor], state, last: torch.Tensor, stops: set[int], n: int
+    model: Transformer,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    state,
+    last: torch.Tensor,
+    stops: set[int],
+    n: int,
+    guard: ToolGuard | None = None,
 ) -> list[int]:
-    """Up to `n` greedy tokens (compact ids) from the final row `last`, ending at one of `stops`."""
+    """Up to `n` greedy tokens (compact ids) from the final row `last`, ending at one of `stops`; with
+    a tool-call `guard` (whose ids are the tokenizer's: compact ids that are the full ones) as served."""
     out: list[int] = []
     y = last
     for _ in range(n):
-        token = int(head(y)[0].argmax())
+        row = head(y)[0]
+        token = int(row.argmax())
+        if guard is not None:
+            token = guard.choose(token, row)
+            guard.push(token)
         out.append(token)
         if token in stops:
             break
@@ -70,12 +82,13 @@ def reply_after(
     state,
     tail: Sequence[int],
     n: int,
+    guard: ToolGuard | None = None,
 ) -> tuple[list[int], str]:
     """The greedy reply to `tail` (full ids) from a copy of a prompt prefix's `state`, up to `n`
-    tokens, ended by EOS or an id outside `vocab`: its compact ids and its text."""
+    tokens, ended by EOS or an id outside `vocab`: its compact ids and its text (`guard`: `greedy`'s)."""
     fork = copy.deepcopy(state)
     (y,) = model.hidden_batch([local[torch.tensor(tail)]], [fork], all_positions=False)
-    out = greedy(model, head, fork, y, {int(local[tokenizer.token_id(EOS)]), vocab.numel()}, n)
+    out = greedy(model, head, fork, y, {int(local[tokenizer.token_id(EOS)]), vocab.numel()}, n, guard)
     return out, tokenizer.decode([int(vocab[t]) for t in out if t < vocab.numel()])
 
 

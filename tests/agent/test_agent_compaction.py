@@ -43,10 +43,10 @@ class ModelOrScript(Policy):
         self.script = ScriptedPolicy(engine.tokenizer, eos, [r for r in replies if r is not None])
         self.plan = list(replies)
 
-    def reply(self, session: Session, max_tokens: int, should_stop: Callable[[], bool]) -> Iterator[int]:
+    def reply(self, session: Session, max_tokens: int, should_stop: Callable[[], bool], guard=None) -> Iterator[int]:
         if self.plan and self.plan.pop(0) is not None:  # a script is not held to the model's -n
             return self.script.reply(session, session.ctx - len(session.tokens), should_stop)
-        return self.model.reply(session, max_tokens, should_stop)
+        return self.model.reply(session, max_tokens, should_stop, guard)
 
 
 @pytest.fixture(autouse=True)

@@ -55,6 +55,8 @@ SCRIPTS = {
     + WEATHER_CALL.replace(f"<{DSML}invoke", f"‹{DSML}invoke")
     .replace(f"\n</{DSML}tool_calls>", "")
     .replace("tool_calls", "toolcalls"),
+    # a tool name the request did not declare (the tool-call guard's case, test_tool_guard.py)
+    "misnamed_weather": "Let me check." + WEATHER_CALL.replace('"get_weather"', '"Get_weather"'),
     # a value the model ended inside: not repairable (the call's name is known by then)
     "broken_weather": "Let me check." + WEATHER_CALL[: WEATHER_CALL.index("Paris")],
     # a value never closed, with drifted structure inside it: the parser reads it all as the value

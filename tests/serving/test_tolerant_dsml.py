@@ -3,7 +3,10 @@ streamed or not: no calls, the block's text as the model wrote it after the cont
 each API's own shape (issue 36), never an empty success. A stream shows a block's calls only once
 the parser accepts the block, so it never shows the start or the arguments of a call it would have
 to take back, and ends as the unstreamed reply does (issue 37). The client sends the shown text back,
-and the next turn extends the live KV through it, the block's control tokens included."""
+and the next turn extends the live KV through it, the block's control tokens included.
+
+The tool-call guard, which keeps a block to its canonical spelling and its tools
+(prompt/dsml_guard.py), is off here: these are a model's blocks as it wrote them."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import httpx2 as httpx
 import pytest
 from conftest import DSML, SCRIPTS, TOOLS
 
-NOTHINK = {"think": False}
+UNGUARDED = {"tool_guard": False}
+NOTHINK = {"think": False} | UNGUARDED
 CITY_ARGUMENTS = {"city": "Paris", "days": {"n": 3}}
 
 
@@ -78,6 +82,7 @@ def test_unrepairable_block_is_shown_and_flagged_in_each_api(oai, claude, server
         "messages": [{"role": "user", "content": "Weather? [[script:broken_weather]]"}],
         "tools": [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}],
         "thinking": {"type": "disabled"},
+        "extra_body": UNGUARDED,
     }
     with claude.messages.stream(**ask) as stream:  # the SDK's own accumulation of the events
         streamed = stream.get_final_message()
@@ -92,6 +97,7 @@ def test_unrepairable_block_is_shown_and_flagged_in_each_api(oai, claude, server
         tools=[{"type": "function", **TOOLS[0]["function"]}],
         max_output_tokens=200,
         reasoning={"effort": "none"},
+        extra_body=UNGUARDED,
     )
     assert response.status == "incomplete" and response.incomplete_details.reason == "invalid_tool_call"
     assert response.incomplete_details.model_extra["explanation"] == why
@@ -100,7 +106,7 @@ def test_unrepairable_block_is_shown_and_flagged_in_each_api(oai, claude, server
 
 def body_for(path: str, script: str, stream: bool) -> dict:
     prompt = f"Weather? [[script:{script}]]"
-    body = {"model": "deepseek-v4-flash", "stream": stream}
+    body = {"model": "deepseek-v4-flash", "stream": stream} | UNGUARDED
     if path == "/v1/responses":
         body |= {"input": prompt, "tools": [{"type": "function", **TOOLS[0]["function"]}]}
         return body | {"max_output_tokens": 200, "reasoning": {"effort": "none"}}
