@@ -124,6 +124,32 @@ class PatchGrid:
         return -(-self.rows // 3), -(-self.cols // 3)
 
 
+def patch_rows(pixels: Any, grid: PatchGrid, patch: int = 14) -> Any:
+    """Normalised pixels [3, rows·patch, cols·patch] as the patch rows [rows·cols, 3·patch²] (host
+    numpy float32): patches in reading order, each flattened channel, row, column (c·patch² + y·patch + x).
+    The same on every backend, so done once here on the host."""
+    import numpy as np  # deferred: naming the encoder's shapes costs no numpy
+
+    x = np.asarray(pixels, dtype=np.float32)
+    want = (3, grid.rows * patch, grid.cols * patch)
+    if x.shape != want:
+        raise DwarfStarError(f"pixels of shape {x.shape} do not make a {grid.rows}x{grid.cols} patch grid {want}")
+    rows = x.reshape(3, grid.rows, patch, grid.cols, patch).transpose(1, 3, 0, 2, 4)
+    return np.ascontiguousarray(rows.reshape(grid.rows * grid.cols, 3 * patch * patch))
+
+
+def rope_angles(args: VisionArgs, grid: PatchGrid) -> Any:
+    """The 2-D RoPE angles [rows·cols, head_dim/2] (host numpy float64) of each patch's rotate-half pairs
+    (i, i + D/2): pair i < D/4 turns by the patch's row times θ^(-i/(D/4)), pair D/4 + j by its column
+    times θ^(-j/(D/4)) (row and column 0-based)."""
+    import numpy as np
+
+    quarter = args.head_dim // 4
+    freq = args.rope_theta ** (-np.arange(quarter, dtype=np.float64) / quarter)
+    row, col = np.divmod(np.arange(grid.rows * grid.cols, dtype=np.float64), grid.cols)
+    return np.concatenate((row[:, None] * freq, col[:, None] * freq), axis=1)
+
+
 class VisionOps(Protocol[A]):
     """What a backend computes for the encoder; the reference does it plainly in torch float32."""
 
