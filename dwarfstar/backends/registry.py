@@ -3,10 +3,11 @@
 Everything that differs by backend outside the backends themselves is asked of its entry here
 (`backend_entry(name)`), never decided by comparing names: which backend `auto` picks, how one
 loads, which precision it takes, the memory its experts live in, how a streamed expert source is
-attached and the MTP draft model beside a target (`entry_of(model)` finds the entry of a model
-already built). Every backend is a `model.forward.Transformer` over its `Ops`: what a pipeline stage,
-steering and speculation drive is the backend itself. An entry imports its backend only when a hook
-runs, so naming the backends costs no torch, Triton or MLX import.
+attached, the MTP draft model beside a target (`entry_of(model)` finds the entry of a model
+already built) and the vision encoder's steps (`vision_ops`). Every backend is a
+`model.forward.Transformer` over its `Ops`: what a pipeline stage, steering and speculation drive is
+the backend itself. An entry imports its backend only when a hook runs, so naming the backends
+costs no torch, Triton or MLX import.
 
 Backend choice: `auto` takes MLX on Apple silicon, Triton where a GPU is present, the cpu backend
 (the CPU kernels) for a model file of 1 GiB or more, and the torch reference otherwise. A backend
@@ -20,17 +21,20 @@ from __future__ import annotations
 import os
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
+    import torch
+
     from dwarfstar.backends.protocol import Backend
     from dwarfstar.experts.store import ExpertStore
     from dwarfstar.model.forward import Batch, Transformer
     from dwarfstar.model.loader import ModelFile
+    from dwarfstar.model.vision import VisionArgs, VisionOps
 
 
 def host_memory() -> int:
@@ -100,6 +104,11 @@ class BackendEntry(ABC):
         """The MTP block `draft` (`speculative.mtp.DraftFile`'s model) as a one-layer model of the backend
         that built `target`, with `target`'s settings."""
 
+    @abstractmethod
+    def vision_ops(self, args: VisionArgs, tensors: Mapping[str, torch.Tensor]) -> VisionOps:
+        """The vision encoder's steps on this backend (`model.vision.VisionEncoder` drives them), over
+        `tensors`: the encoder checkpoint's, by the names of `args.tensor_shapes()`, any float dtype."""
+
     def settle(self, out: object, batch: Batch) -> None:
         """Finish the work of a pass that stops before the output head (a pipeline stage's): the
         activation `out` and the states `batch` wrote, as `Ops.logits` does at the head. Eager
@@ -138,6 +147,11 @@ class Reference(BackendEntry):
         from dwarfstar.backends.reference.model import ReferenceModel
 
         return ReferenceModel(draft, qat=target.qat, max_seq_len=target.max_seq_len)
+
+    def vision_ops(self, args, tensors):
+        from dwarfstar.backends.reference.vision import TorchVisionOps
+
+        return TorchVisionOps(args, tensors)  # float32 on the CPU (the cpu backend's too)
 
 
 AUTO_CPU_BYTES = 1 << 30  # from this file size `auto` takes the cpu backend over the reference
@@ -250,6 +264,11 @@ class Triton(BackendEntry):
 
         return draft_model(target, draft)
 
+    def vision_ops(self, args, tensors):
+        from dwarfstar.backends.triton.vision import vision_ops
+
+        return vision_ops(args, tensors)
+
 
 class MLX(BackendEntry):
     name = "mlx"
@@ -300,6 +319,11 @@ class MLX(BackendEntry):
         from dwarfstar.backends.mlx.model import MLXModel
 
         return MLXModel(draft, qat=target.qat, packing=target.packing, max_seq_len=target.max_seq_len)
+
+    def vision_ops(self, args, tensors):
+        from dwarfstar.backends.mlx.vision import MLXVisionOps
+
+        return MLXVisionOps(args, tensors)
 
 
 ENTRIES = {entry.name: entry for entry in (Reference(), Cpu(), Triton(), MLX())}

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from dwarfstar.backends.reference.vision import TorchVisionOps
+from dwarfstar.backends.registry import backend_entry
+from dwarfstar.backends.triton.vision import vision_ops as triton_vision_ops
 from dwarfstar.model.vision import V41, VISION_TINY, PatchGrid, VisionArgs, VisionEncoder
 
 # VISION_TINY has heads of 16 dims; the second shape has the real model's heads of 64 (2 of them) and
@@ -25,6 +27,7 @@ WIDE_HEADS = VisionArgs(family=V41, n_layers=2, dim=128, n_heads=2, inter_dim=16
 SHAPES = {"tiny": VISION_TINY, "wide-heads": WIDE_HEADS}
 GRIDS = (PatchGrid(5, 7), PatchGrid(4, 3))
 F32_TOLERANCE = 1e-5  # of the largest output value
+BF16_TOLERANCE = 3e-2
 
 
 def random_tensors(args: VisionArgs, seed: int) -> dict[str, torch.Tensor]:
@@ -149,6 +152,42 @@ def test_the_reference_is_the_spec(case):
         assert got.shape == (grid.tokens[0] * grid.tokens[1], args.out_dim)
         assert got.dtype == np.float32
         assert relative_error(got, want) < F32_TOLERANCE, grid
+
+
+def test_the_reference_entry_gives_the_reference(case):
+    args, tensors, images = case
+    encoder = VisionEncoder(backend_entry("reference").vision_ops(args, tensors))
+    for grid, pixels, want in images:
+        assert torch.equal(encoder.encode(pixels, grid), torch.from_numpy(want))
+
+
+def test_mlx_matches_the_reference(case):
+    pytest.importorskip("mlx.core", reason="mlx does not import (pip install mlx[cpu])")
+    args, tensors, images = case
+    encoder = VisionEncoder(backend_entry("mlx").vision_ops(args, tensors))
+    for grid, pixels, want in images:
+        assert relative_error(encoder.encode(pixels, grid), want) < F32_TOLERANCE, grid
+
+
+def test_triton_bf16_steps_match_the_reference(case):
+    """The Triton backend's steps (bf16 products) on the CPU: within bf16's precision, yet not the
+    float32 oracle's bits (the products did run in bf16)."""
+    args, tensors, images = case
+    encoder = VisionEncoder(triton_vision_ops(args, tensors, device="cpu"))
+    for grid, pixels, want in images:
+        got = encoder.encode(pixels, grid)
+        assert got.dtype == torch.float32 and got.device.type == "cpu"
+        assert 1e-4 < relative_error(got, want) < BF16_TOLERANCE, grid
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: the Triton backend's device is the CPU here")
+def test_triton_on_its_device_matches_the_reference(case):
+    args, tensors, images = case
+    encoder = VisionEncoder(triton_vision_ops(args, tensors))
+    for grid, pixels, want in images:
+        got = encoder.encode(pixels, grid)
+        assert got.device.type == "cuda"
+        assert relative_error(got.cpu(), want) < BF16_TOLERANCE, grid
 
 
 def test_a_wrong_tensor_or_grid_is_refused():
