@@ -1,22 +1,29 @@
 """Images in a conversation: the typed part every API parses an image into, and its pixels for the encoder.
 
 An `ImagePart` is an image as a request sent it (the raw bytes, their media type, where it sits);
-`prepare_image` decodes it and lays it out as DeepSeek V4's vision encoder reads an image (the facts of
-DeepSeek V4.1's `inference/image_processor.py`, as vLLM's `deepseek_v4/common/mm_preprocess.py`
-describes them):
+`prepare_image(part, args)` decodes it and lays it out as the vision encoder `args` reads an image (issue
+34; the facts of DeepSeek's `inference/image_processor.py` of each model, as vLLM's ports of it and
+ds4's `ds4_image.c` restate them):
 
-- decoded with Pillow: PNG, JPEG, WebP, GIF (its first frame), at most `MAX_PIXELS`; the EXIF
-  orientation applied; an alpha channel composited on gray (127, 127, 127);
-- an image under `MIN_PIXELS` (544²) scaled up, keeping its aspect ratio;
-- a canvas of whole 14-pixel patches (`PATCH`) covering it, or, when its token block is over
-  `MAX_IMAGE_TOKENS` (1,024, less the 3 tokens the compressor's alignment pad may take), a smaller one
-  solved from the budget and the aspect ratio (`canvas_size`);
-- the image fitted into the canvas (aspect kept, centred) and the rest padded with gray 127;
-- pixels scaled to [0, 1] and normalised as (x - 0.5) / 0.5, a float32 `[3, height, width]` tensor.
+- decoded with Pillow: PNG, JPEG, WebP, GIF (its first frame), at most `MAX_PIXELS` (refused before its
+  pixels are decoded); the EXIF orientation applied; an alpha channel composited on gray (127, 127, 127).
+  These are this server's (the issue asks for them): the reference's `load_image`, as ported, only
+  calls `convert("RGB")`, which drops alpha (a transparent pixel keeps its stored colour, often black)
+  and applies no EXIF orientation (ds4 applies a JPEG's);
+- planned (`canvas_size`) at a width of at most `max_wh_ratio` times the height (Vision-Exp: 8; V4.1:
+  no limit), an image under `min_pixels` scaled up (aspect kept, truncated to whole pixels), the canvas
+  its size rounded up to whole 14-pixel patches, then shrunk when its block is over the budget
+  (`max_tokens`, Vision-Exp 384, V4.1 1,024) as each family solves it: Vision-Exp keeps 3 tokens for
+  its leading pads, makes the rows even and retries a budget one token smaller until the block fits
+  (`_vision_exp_fit`); V4.1 solves once (`_v41_fit`);
+- the image fitted into the canvas (aspect kept, centred, the rest gray 127), or, for an image at least
+  `max_wh_ratio` times as wide as high, stretched onto it (both bicubic, Pillow's default);
+- pixels scaled to [0, 1], normalised as (x - 0.5) / 0.5 and rounded to bfloat16 as the reference
+  feeds the encoder, held as a float32 `[3, height, width]` tensor.
 
-The aligner unfolds 3×3 patches (`ALIGN`) into one token: `rows` × `cols` image tokens, each row closed
-by a newline token, the block opened and closed by one token each, an odd row count padded by one
-more row, and the block padded to an even count of row pairs' tokens (`block_tokens`).
+The aligner unfolds 3×3 patches into one token: the block's tokens are counted by
+`image_layout.block_tokens` (without Vision-Exp's position-dependent leading pads), its order is
+`image_layout.layout`.
 
 Pillow is imported only when an image arrives: `dwarfstar --help` and every text-only request never
 load it.
@@ -33,11 +40,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-PATCH = 14
-ALIGN = 3  # the aligner's unfold: 3×3 patches make one token
-MAX_IMAGE_TOKENS = 1024
-COMPRESS_PAD = 3  # the most pad tokens the KV compressor's 4-token alignment may add before the block
-MIN_PIXELS = 544 * 544
+from dwarfstar.model.vision import V41, PatchGrid, VisionArgs
+from dwarfstar.prompt.image_layout import COMPRESS_PAD, block_tokens
+
 MAX_PIXELS = 8192 * 8192  # a larger image is refused before its pixels are decoded (a PNG of a few KB can claim 1e10)
 GRAY = (127, 127, 127)
 MAX_IMAGES = 16  # per request, as ds4
@@ -64,12 +69,14 @@ class ImagePart:
 
 @dataclass(frozen=True)
 class PreparedImage:
-    """What the vision encoder consumes: normalised pixels `[3, height, width]` and the token grid."""
+    """What the vision encoder consumes: normalised pixels `[3, height, width]` (float32 holding
+    bfloat16 values), their patch grid, and the token grid and block the aligner's output fills."""
 
     pixels: torch.Tensor
+    grid: PatchGrid  # patches: height / 14 × width / 14
     rows: int  # image-token rows after the 3×3 unfold
     cols: int
-    tokens: int  # the whole block: image tokens, row newlines, padding, start and end
+    tokens: int  # the block without Vision-Exp's leading pads (`image_layout.block_tokens`)
 
 
 def from_base64(data: object, media_type: object) -> tuple[bytes, str]:
@@ -106,6 +113,8 @@ def decode(part: ImagePart):  # -> PIL.Image.Image (Pillow is imported here only
 
     try:
         image = Image.open(io.BytesIO(part.data), formats=FORMATS)
+        if not image.width or not image.height:
+            raise ImageError(f"a {image.width}×{image.height} image has no pixels")
         if image.width * image.height > MAX_PIXELS:
             raise ImageError(f"a {image.width}×{image.height} image is over {MAX_PIXELS:,} pixels; send a smaller one")
         image.seek(0)
@@ -122,23 +131,23 @@ def decode(part: ImagePart):  # -> PIL.Image.Image (Pillow is imported here only
     return image.convert("RGB")
 
 
-def block_tokens(rows: int, cols: int) -> int:
-    """The tokens of a `rows` × `cols` image block (the module docstring's layout)."""
-    padded_rows = rows + rows % 2
-    line = cols + 1
-    return padded_rows * line + (padded_rows // 2 * line) % 2 * 2 + 2
+def token_grid(height: int, width: int, args: VisionArgs) -> tuple[int, int]:
+    """The image-token rows and columns of a canvas `height` × `width` (whole patches)."""
+    cell = args.patch * args.downsample
+    return -(-height // cell), -(-width // cell)
 
 
-def grid(height: int, width: int) -> tuple[int, int]:
-    """The token rows and columns of a canvas `height` × `width` (whole patches)."""
-    return math.ceil(height // PATCH / ALIGN), math.ceil(width // PATCH / ALIGN)
+def canvas_tokens(height: int, width: int, args: VisionArgs) -> int:
+    """The block (without leading pads) of a canvas `height` × `width`."""
+    return block_tokens(args.family, *token_grid(height, width, args))
 
 
-def _shrunk(width: int, height: int, budget: int) -> tuple[int, int]:
-    """The canvas for a block of about `budget` tokens: the grid whose `rows`·(`cols` + 1) + 2 tokens make
-    `budget` at the image's aspect ratio, its rows made even, the image scaled into it and floored to
-    whole patches. A very tall image gets one column, a very wide one two rows."""
-    cell, ratio = PATCH * ALIGN, height / width
+def _vision_exp_fit(width: int, height: int, budget: int, args: VisionArgs) -> tuple[int, int]:
+    """Vision-Exp's canvas (width, height) for a block of about `budget` tokens: the grid whose
+    rows·(cols + 1) + 2 tokens make `budget` at the image's aspect ratio, its rows made even, the image
+    scaled into it and floored to whole patches. A very tall image gets one column, a very wide one two
+    rows."""
+    cell, ratio = args.patch * args.downsample, height / width
     across = math.sqrt((budget - 2) / ratio + 0.25) - 0.5  # the root of (w·ratio)·(w + 1) + 2 = budget
     if across < 1:
         rows = (budget - 2) // 2
@@ -146,31 +155,65 @@ def _shrunk(width: int, height: int, budget: int) -> tuple[int, int]:
     if across * ratio < 2:
         return ((budget - 2) // 2 - 1) * cell, 2 * cell
     cols, rows = math.floor(across), math.floor(across * ratio)
-    scale = min(cols * cell / width, (rows - rows % 2) * cell / height)
-    return max(PATCH, math.floor(width * scale / PATCH) * PATCH), max(PATCH, math.floor(height * scale / PATCH) * PATCH)
+    return _scaled(width, height, min(cols * cell / width, (rows - rows % 2) * cell / height), args.patch)
 
 
-def canvas_size(width: int, height: int) -> tuple[int, int]:
-    """The canvas (width, height), in whole patches, an image of `width` × `height` is laid out on: the
-    image covered by whole patches, or, when that block is over the budget, the largest `_shrunk` canvas
-    whose block fits."""
-    if width * height < MIN_PIXELS:
-        scale = math.sqrt(MIN_PIXELS / (width * height))
+def _v41_fit(width: int, height: int, budget: int, args: VisionArgs) -> tuple[int, int]:
+    """V4.1's canvas (width, height) for a block of at most `budget` tokens, solved once: the grid whose
+    rows·(cols + 1) + 2 tokens make `budget` at the image's aspect ratio (no evening), the image scaled
+    into it and floored to whole patches. A very tall image gets one column, a very wide one one row."""
+    cell, ratio = args.patch * args.downsample, height / width
+    across = math.sqrt((budget - 2) / ratio + 0.25) - 0.5
+    if across < 1:
+        return cell, (budget - 2) // 2 * cell
+    if across * ratio < 1:
+        return (budget - 3) * cell, cell
+    cols, rows = math.floor(across), math.floor(across * ratio)
+    return _scaled(width, height, min(cols * cell / width, rows * cell / height), args.patch)
+
+
+def _scaled(width: int, height: int, scale: float, patch: int) -> tuple[int, int]:
+    return math.floor(width * scale / patch) * patch, math.floor(height * scale / patch) * patch
+
+
+def canvas_size(width: int, height: int, args: VisionArgs = VisionArgs()) -> tuple[int, int]:
+    """The canvas (width, height), in whole patches, an image of `width` × `height` is laid out on for
+    the encoder `args` (the module docstring's plan)."""
+    if width < 1 or height < 1:
+        raise ValueError(f"a {width}×{height} image has no pixels")
+    if args.max_wh_ratio and width > height * args.max_wh_ratio:
+        width = height * args.max_wh_ratio  # planned at the widest ratio; `prepare_image` stretches it
+    if width * height < args.min_pixels:
+        scale = math.sqrt(args.min_pixels / (width * height))
         width, height = int(width * scale), int(height * scale)
-    limit = MAX_IMAGE_TOKENS - COMPRESS_PAD
-    canvas = (math.ceil(width / PATCH) * PATCH, math.ceil(height / PATCH) * PATCH)
-    budget = limit
-    while block_tokens(*grid(canvas[1], canvas[0])) > limit:
-        canvas, budget = _shrunk(width, height, budget), budget - 1
+    patch = args.patch
+    canvas = (-(-width // patch) * patch, -(-height // patch) * patch)
+    if args.family == V41:
+        if canvas_tokens(canvas[1], canvas[0], args) > args.max_tokens:
+            canvas = _v41_fit(width, height, args.max_tokens, args)
+    else:  # Vision-Exp: the budget keeps room for the leading pads, and shrinks until the block fits
+        limit = budget = args.max_tokens - COMPRESS_PAD
+        while canvas_tokens(canvas[1], canvas[0], args) > limit:
+            if budget < 6:  # the smallest block, one image token: 2 rows of 2, start and end
+                raise ValueError(f"an image budget of {args.max_tokens} tokens holds no image")
+            canvas, budget = _vision_exp_fit(width, height, budget, args), budget - 1
+    if canvas_tokens(canvas[1], canvas[0], args) > args.max_tokens:
+        raise AssertionError(f"a {canvas[0]}×{canvas[1]} canvas is over {args.max_tokens} tokens")
     return canvas
 
 
-def prepare_image(part: ImagePart) -> PreparedImage:
-    from PIL import ImageOps
+def prepare_image(part: ImagePart, args: VisionArgs = VisionArgs()) -> PreparedImage:
+    """The image `part`, decoded and laid out for the encoder `args` (default: Vision-Exp's)."""
+    from PIL import Image, ImageOps
 
     image = decode(part)
-    width, height = canvas_size(*image.size)
-    fitted = ImageOps.pad(image, (width, height), color=GRAY)
+    width, height = canvas_size(*image.size, args)
+    if args.max_wh_ratio and image.width >= args.max_wh_ratio * image.height:
+        fitted = image.resize((width, height), Image.Resampling.BICUBIC)  # stretched (Pillow's default filter)
+    else:
+        fitted = ImageOps.pad(image, (width, height), color=GRAY)
     pixels = torch.from_numpy(np.asarray(fitted, dtype=np.float32)).permute(2, 0, 1) / 255.0
-    rows, cols = grid(height, width)
-    return PreparedImage((pixels - 0.5) / 0.5, rows, cols, block_tokens(rows, cols))
+    pixels = ((pixels - 0.5) / 0.5).to(torch.bfloat16).to(torch.float32).contiguous()
+    rows, cols = token_grid(height, width, args)
+    grid = PatchGrid(height // args.patch, width // args.patch)
+    return PreparedImage(pixels, grid, rows, cols, block_tokens(args.family, rows, cols))
