@@ -1,5 +1,6 @@
 """ds4's vision encoder GGUFs (issue 34): the synthetic writer's file read back exactly, its bytes fixed
-by the seed, every bad input a named error. Broken files are written here, one fault each."""
+by the seed, every bad input a named error, `dwarfstar inspect` on an encoder. Broken files are
+written here, one fault each."""
 
 from __future__ import annotations
 
@@ -209,3 +210,32 @@ def test_a_truncated_encoder(tmp_path):
     refused(path, "runs past the end of the file", "truncated")
     path.write_bytes(content[:200])
     refused(path, "truncated")
+
+
+def test_inspect_an_encoder(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "enc.gguf"
+    write_synthetic_vision(path, VISION_TINY, router=TINY_ROUTER)
+    code, out, _ = cli(monkeypatch, capsys, "inspect", str(path))
+    assert code == 0
+    with open_vision(path) as v:
+        size = v.nbytes
+    summary = [
+        "vision encoder: DeepSeek V4 Flash Vision-Exp (vision-exp)",
+        "  ViT: 2 layers, width 64, 4 heads of 16, MLP 96, 14-pixel patches",
+        "  aligner: 3x3 patches per token, output width 64",
+        "  image budget: 384 tokens, min 147456 pixels, max width/height ratio 8:1",
+        f"  tensors: 37, {size:,} bytes ({size / 1e6:.1f} MB)",
+        "  image router biases: 6 layers and 1 MTP layer of 8 experts; text biases of 3 hash-routed layers",
+    ]
+    assert "\n".join(summary) in out
+    assert "  deepseek4-vision.checkpoint_variant = 'vision-exp'" in out and "bytes read per decoded token" not in out
+
+    v41 = write_encoder(tmp_path / "v41.gguf", V41_TINY, RouterShape(40, 384))
+    out = cli(monkeypatch, capsys, "inspect", str(v41))[1]
+    assert "vision encoder: DeepSeek V4.1 Flash (v4.1-flash)" in out and "  image token id: 129264" in out
+    assert "max width/height ratio none" in out
+    assert "  image router biases: none (V4.1's language model file carries them)" in out
+
+    broken = write_encoder(tmp_path / "broken.gguf", drop=["vision.norm.weight"])
+    code, out, _ = cli(monkeypatch, capsys, "inspect", str(broken))
+    assert code == 0 and "vision encoder: INVALID: " in out and "first vision.norm.weight" in out
