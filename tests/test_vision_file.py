@@ -1,6 +1,6 @@
 """ds4's vision encoder GGUFs (issue 34): the synthetic writer's file read back exactly, its bytes fixed
-by the seed, every bad input a named error, `dwarfstar inspect` on an encoder. Broken files are
-written here, one fault each."""
+by the seed, every bad input a named error, `dwarfstar inspect` on an encoder and `synth --preset
+vision-tiny` through the command line. Broken files are written here, one fault each."""
 
 from __future__ import annotations
 
@@ -239,3 +239,30 @@ def test_inspect_an_encoder(tmp_path, monkeypatch, capsys):
     broken = write_encoder(tmp_path / "broken.gguf", drop=["vision.norm.weight"])
     code, out, _ = cli(monkeypatch, capsys, "inspect", str(broken))
     assert code == 0 and "vision encoder: INVALID: " in out and "first vision.norm.weight" in out
+
+
+def test_synth_vision_presets(tmp_path, monkeypatch, capsys):
+    out_path = tmp_path / "vision-tiny.gguf"
+    code, out, err = cli(monkeypatch, capsys, "synth", str(out_path), "--preset", "vision-tiny", "--seed", "2")
+    assert code == 0, err
+    assert "(vision-tiny: vision-exp encoder, 2 ViT layers, BF16, image router biases for 6 layers of 8 experts" in out
+    direct = tmp_path / "direct.gguf"
+    write_synthetic_vision(direct, VISION_TINY, seed=2, router=TINY_ROUTER, name="dwarfstar-vision-tiny")
+    assert out_path.read_bytes() == direct.read_bytes()
+    with open_vision(out_path) as v:
+        assert v.args == VISION_TINY and v.router == RouterShape(6, 8, 3, 1)
+
+    one = tmp_path / "one.gguf"
+    assert cli(monkeypatch, capsys, "synth", str(one), "--preset", "vision-tiny", "--layers", "1")[0] == 0
+    with open_vision(one) as v:
+        assert v.args == replace(VISION_TINY, n_layers=1)
+
+    for flags, phrase in (
+        (["--layout", "ds4"], "--layout is for language models"),
+        (["--split-at", "1"], "--split-at is for language models"),
+    ):
+        code, _, err = cli(monkeypatch, capsys, "synth", str(tmp_path / "x.gguf"), "--preset", "vision-tiny", *flags)
+        assert code == 2 and phrase in err
+    code, _, err = cli(monkeypatch, capsys, "synth", str(tmp_path / "x.gguf"), "--preset", "vision-huge")
+    assert code == 2 and "pro-shaped, vision-tiny, vision-exp-shaped" in err
+    assert not (tmp_path / "x.gguf").exists()
