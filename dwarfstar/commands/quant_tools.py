@@ -14,6 +14,7 @@ from dwarfstar.commands.flags import output, writable
 
 if TYPE_CHECKING:
     from dwarfstar.gguf.constants import GGMLType
+    from dwarfstar.gguf.reader import GGUFFile
     from dwarfstar.gguf.split import GGUFSet
     from dwarfstar.quant.quality import Quality
 
@@ -168,8 +169,10 @@ def inspect_command(
     model: Annotated[Path, typer.Argument(help="GGUF file, or any part of a split set (…-Layers00-30.gguf).")],
 ) -> None:
     """Metadata, tensor table, totals per type, and the weight bytes read per decoded token; for a
-    split set, its parts and their layer ranges first, then the set as one model."""
+    split set, its parts and their layer ranges first, then the set as one model; for a vision encoder
+    (ds4's --vision file), its family, shapes, image budget and router biases first."""
     from dwarfstar.gguf.split import GGUFSet
+    from dwarfstar.model.vision import PREFIX as VISION_ARCH
     from dwarfstar.quant import inspection
 
     with open_gguf(model) as gguf:
@@ -179,6 +182,8 @@ def inspect_command(
             typer.echo(
                 f"{model}: GGUF v{gguf.version}, {len(gguf.metadata)} metadata keys, {len(gguf.tensors)} tensors"
             )
+            if gguf.metadata.get("general.architecture") == VISION_ARCH:
+                _show_vision(gguf)
         typer.echo("\nmetadata")
         for key, value in gguf.metadata.items():
             typer.echo(f"  {key} = {inspection.describe_value(value)}")
@@ -191,6 +196,8 @@ def inspect_command(
             typer.echo(f"  {ggml_type.name:8} {count:5d} tensors {_gb(size):>12}")
         typer.echo(f"  {'all':8} {len(rows):5d} tensors {_gb(sum(t.nbytes for t in rows)):>12}")
         experts = inspection.expert_counts(gguf.metadata)
+        if gguf.metadata.get("general.architecture") == VISION_ARCH:
+            return  # an encoder reads every weight once per image, no decoded token
         if experts is None:
             typer.echo("\nbytes read per decoded token: not a deepseek4 file, no expert counts")
             return
@@ -200,6 +207,20 @@ def inspect_command(
         )
         for kind, size in sorted(per_token.by_kind.items(), key=lambda kv: -kv[1]):
             typer.echo(f"  {kind:22} {_gb(size):>12}")
+
+
+def _show_vision(gguf: GGUFFile) -> None:
+    """An encoder's summary (model.vision_file.describe), or what makes it no valid encoder."""
+    from dwarfstar.errors import DwarfStarError
+    from dwarfstar.model.vision_file import describe, read_vision
+
+    try:
+        lines = describe(read_vision(gguf))
+    except DwarfStarError as e:
+        lines = [f"vision encoder: INVALID: {e}"]
+    typer.echo("")
+    for line in lines:
+        typer.echo(line)
 
 
 def _show_parts(gguf_set: GGUFSet) -> None:

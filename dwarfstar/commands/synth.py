@@ -1,5 +1,6 @@
 """`dwarfstar synth`: write a deterministic random-weight model (tiny, tiny-k, flash- or pro-shaped),
-as one file or, with `--split-at`, as a split set in ds4's naming."""
+as one file or, with `--split-at`, as a split set in ds4's naming; or a vision encoder in ds4's
+encoder-GGUF layout (vision-tiny, vision-exp-shaped)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from dwarfstar.commands.apps import TOOLS, app
 from dwarfstar.commands.flags import writable
 from dwarfstar.errors import DwarfStarError
 
-PRESETS_HELP = "Model shape: tiny, tiny-k, flash-shaped, pro-shaped."  # model.synthetic.PRESETS
+PRESETS_HELP = (  # model.synthetic.PRESETS and VISION_PRESETS
+    "Model shape: tiny, tiny-k, flash-shaped, pro-shaped; or a vision encoder (BF16, as ds4's --vision file): "
+    "vision-tiny (for tiny, with its image router biases), vision-exp-shaped (the real Vision-Exp encoder, 933 MB)."
+)
 
 
 @app.command(rich_help_panel=TOOLS)
@@ -23,13 +27,20 @@ def synth(
     ],
     preset: Annotated[str, typer.Option(help=PRESETS_HELP)] = "tiny",
     layout: Annotated[
-        str,
-        typer.Option(help="f32: every float tensor F32; ds4: the published file types; ds4-mxfp4: MXFP4 experts."),
-    ] = "f32",
+        str | None,
+        typer.Option(
+            help="f32 (the default): every float tensor F32; ds4: the published file types; ds4-mxfp4: MXFP4 "
+            "experts. Not for a vision encoder."
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Random seed; the same seed writes the same bytes.")] = 0,
     layers: Annotated[
         int | None,
-        typer.Option(min=1, help="Layers instead of the preset's, in its compression pattern (e.g. 14 Flash layers)."),
+        typer.Option(
+            min=1,
+            help="Layers instead of the preset's, in its compression pattern (e.g. 14 Flash layers); "
+            "for a vision encoder, its ViT blocks.",
+        ),
     ] = None,
     split_at: Annotated[
         list[int] | None,
@@ -40,12 +51,16 @@ def synth(
         ),
     ] = None,
 ) -> None:
-    """Write a random DeepSeek V4 model in ds4 layout, for tests and benches."""
+    """Write a random DeepSeek V4 model (or vision encoder) in ds4 layout, for tests and benches."""
     from dwarfstar.model.loader import write_split
-    from dwarfstar.model.synthetic import LAYOUTS, PRESETS, preset_with_layers, write_synthetic_model
+    from dwarfstar.model.synthetic import LAYOUTS, PRESETS, VISION_PRESETS, preset_with_layers, write_synthetic_model
 
+    if preset in VISION_PRESETS:
+        _synth_vision(out, preset, seed, layers, layout, split_at)
+        return
     if preset not in PRESETS:
-        raise DwarfStarError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        raise DwarfStarError(f"unknown preset {preset!r}; choose one of {', '.join([*PRESETS, *VISION_PRESETS])}")
+    layout = layout or "f32"
     if layout not in LAYOUTS:
         raise DwarfStarError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     args = PRESETS[preset] if layers is None else preset_with_layers(preset, layers)
@@ -66,3 +81,28 @@ def synth(
         size = path.stat().st_size / 1e6
         typer.echo(f"wrote {path} ({preset}, {n_layers} layers, {layout}, seed {seed}): {size:.1f} MB")
     typer.echo(f"in {took:.1f} s")
+
+
+def _synth_vision(
+    out: Path, preset: str, seed: int, layers: int | None, layout: str | None, split_at: list[int] | None
+) -> None:
+    from dataclasses import replace
+
+    from dwarfstar.model.synthetic import VISION_PRESETS, write_synthetic_vision
+
+    if layout is not None:
+        raise DwarfStarError(f"--layout is for language models; {preset} is a vision encoder, BF16 as ds4 writes it")
+    if split_at:
+        raise DwarfStarError(f"--split-at is for language models; {preset} is a vision encoder, one file")
+    args, router = VISION_PRESETS[preset]
+    if layers is not None:
+        args = replace(args, n_layers=layers)
+    start = time.perf_counter()
+    write_synthetic_vision(out, args, seed=seed, router=router, name=f"dwarfstar-{preset}")
+    size = out.stat().st_size / 1e6
+    blocks = f"{args.n_layers} ViT layer" + ("s" if args.n_layers > 1 else "")
+    typer.echo(
+        f"wrote {out} ({preset}: {args.family} encoder, {blocks}, BF16, image router biases "
+        f"for {router.n_layers} layers of {router.n_experts} experts, seed {seed}): {size:.1f} MB"
+    )
+    typer.echo(f"in {time.perf_counter() - start:.1f} s")

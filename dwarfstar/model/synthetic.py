@@ -11,6 +11,14 @@ here. Presets keep the real ratios (4 and 128) and the real vocabulary, and shri
 * `pro-shaped`: the exact PRO dimensions (hidden 7168, 128 heads, 384 experts) with 2 layers (ratio
   128, then ratio 4), for benches; 18.0 GB in the ds4 layout (flash-shaped: 5.6 GB).
 
+and vision encoders in ds4's encoder-GGUF layout (`write_synthetic_vision`, `VISION_PRESETS`):
+
+* `vision-tiny`: `model.vision.VISION_TINY` (2 ViT blocks of width 64, output the width of `tiny`),
+  Vision-Exp, with image router biases for `tiny`'s 6 layers and 8 experts (and one MTP layer, as
+  `write_synthetic_mtp` writes for it);
+* `vision-exp-shaped`: the exact Vision-Exp encoder (32 blocks of width 1024, output 4096, 933 MB),
+  with the biases for Flash's 43 layers, 3 MTP layers and 256 experts, as ds4's sidecar.
+
 `preset_with_layers` gives any preset another layer count (`synth --layers N`).
 
 Float weights are drawn N(0, 1/fan_in) so activations stay O(1); K-quant experts are random
@@ -19,6 +27,7 @@ well-formed blocks (sane fp16 scales, random payload) until real quantizers exis
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -32,6 +41,8 @@ from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config import ModelArgs, flash_compress_ratios, pro_compress_ratios
 from dwarfstar.model.dspark import DSparkArgs, dspark_tensors, support_metadata
 from dwarfstar.model.tensors import EXPERT, NORM, TensorSpec, expected_tensors, mtp_tensors
+from dwarfstar.model.vision import VISION_EXP, VISION_TINY, VisionArgs
+from dwarfstar.model.vision_file import RouterShape, vision_metadata
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, tokenizer_metadata
 
 TINY = ModelArgs(
@@ -65,6 +76,11 @@ PRESETS: dict[str, ModelArgs] = {
     "flash-shaped": FLASH_SHAPED,
     "pro-shaped": PRO_SHAPED,
 }
+# vision encoder presets: the encoder, and the router biases for the language model it pairs with
+VISION_PRESETS: dict[str, tuple[VisionArgs, RouterShape]] = {
+    "vision-tiny": (VISION_TINY, RouterShape(TINY.n_layers, TINY.n_routed_experts, TINY.n_hash_layers, 1)),
+    "vision-exp-shaped": (VisionArgs(), RouterShape(43, 256, 3, 3)),  # Flash's 43 layers, 3 MTP, 256 experts
+}
 
 
 def preset_with_layers(preset: str, n_layers: int) -> ModelArgs:
@@ -84,6 +100,7 @@ _DS4_F16 = ("token_embd", "hc_", "compressor", "indexer", "ffn_gate_inp")
 LAYOUTS = ("f32", "ds4", "ds4-mxfp4")
 MTP_SEED_OFFSET = 500_000  # a separate MTP file's tensors draw from other streams than the trunk's
 DSPARK_SEED_OFFSET = 700_000  # and a DSpark support file's from others again
+VISION_SEED_OFFSET = 900_000  # and a vision encoder's from others again
 
 
 @dataclass(frozen=True)
@@ -160,6 +177,55 @@ def write_synthetic_dspark(
     tensors whose metadata is the `dspark.*` keys."""
     metadata = support_metadata(d, "synthetic-dspark")
     _write_draft(path, args, metadata, dspark_tensors(args, d), layout, seed * 1_000_003 + DSPARK_SEED_OFFSET)
+
+
+def write_synthetic_vision(
+    path: str | os.PathLike,
+    args: VisionArgs,
+    seed: int = 0,
+    router: RouterShape | None = None,
+    name: str = "synthetic-vision",
+) -> None:
+    """A random vision encoder as ds4 ships it: `deepseek4-vision` metadata (`vision_metadata`), BF16
+    tensors under the checkpoint's names, then, for a Vision-Exp encoder given the language model's
+    `router`, its F32 router biases (`RouterShape.tensor_names`); a V4.1 encoder states the language
+    model's layers and experts but carries no biases, as ds4's. The same arguments write the same bytes."""
+    tensors = synthetic_vision_tensors(args, seed, router)
+    language = None if router is None else (router.n_layers, router.n_experts)
+    with GGUFWriter(path, vision_metadata(args, name, language)) as writer:
+        for tensor_name, shape, ggml_type, _ in tensors:
+            writer.add_tensor(tensor_name, shape, ggml_type)
+        for tensor_name, _, ggml_type, draw in tensors:
+            writer.write_tensor(tensor_name, quantize(draw(), ggml_type))
+
+
+def synthetic_vision_tensors(
+    args: VisionArgs, seed: int = 0, router: RouterShape | None = None
+) -> list[tuple[str, tuple[int, ...], GGMLType, Callable[[], torch.Tensor]]]:
+    """The tensors `write_synthetic_vision` writes, in file order: (name, [out, in] shape, type, draw),
+    `draw()` giving their float32 values, each from its own stream of `seed`: N(0, 1/fan_in) matrices,
+    1 ± 0.1 norm weights, small linear biases, unit-scale image rows, router biases 0.5 · N(0, 1)."""
+    specs = [(name, shape, GGMLType.BF16) for name, shape in args.tensor_shapes().items()]
+    if router is not None and args.family == VISION_EXP:
+        specs += [(bias, (router.n_experts,), GGMLType.F32) for bias in router.tensor_names()]
+    base = seed * 1_000_003 + VISION_SEED_OFFSET
+    return [
+        (name, shape, ggml_type, functools.partial(_vision_values, name, shape, base + index))
+        for index, (name, shape, ggml_type) in enumerate(specs)
+    ]
+
+
+def _vision_values(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    if ".ffn.gate." in name:  # the language model's router biases
+        return 0.5 * x
+    if "norm" in name:
+        return 1.0 + 0.1 * x
+    if name.endswith(".bias"):
+        return 0.02 * x
+    if len(shape) == 1:  # image_start, image_newline...: rows in the language model's embedding space
+        return x
+    return x / shape[-1] ** 0.5
 
 
 def _write_draft(
