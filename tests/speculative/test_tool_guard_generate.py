@@ -6,7 +6,7 @@ plain decoding emits under the same guard."""
 from __future__ import annotations
 
 from conftest import PROMPT
-from spec_support import CTX, CHUNK, speculative
+from spec_support import CHUNK, CTX, speculative
 
 from dwarfstar.prompt import dsml
 from dwarfstar.prompt.dsml_guard import ToolGrammar, ToolGuard
