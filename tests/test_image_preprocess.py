@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from dwarfstar.model.vision import V41, PatchGrid, VisionArgs
+from dwarfstar.model.vision import V41, V41_FLASH, PatchGrid, VisionArgs
 from dwarfstar.prompt.images import (
     ImageError,
     ImagePart,
@@ -30,9 +30,7 @@ from dwarfstar.prompt.images import (
 )
 
 EXP = VisionArgs()  # Vision-Exp's budget: 384 tokens, 147,456 pixels, ratio 8
-V41_ARGS = VisionArgs(
-    family=V41, out_dim=5120, max_tokens=1024, min_pixels=295936, max_wh_ratio=0, image_token_id=129264
-)
+V41_ARGS = V41_FLASH
 
 
 def bf16(x: float) -> float:

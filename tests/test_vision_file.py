@@ -266,3 +266,16 @@ def test_synth_vision_presets(tmp_path, monkeypatch, capsys):
     code, _, err = cli(monkeypatch, capsys, "synth", str(tmp_path / "x.gguf"), "--preset", "vision-huge")
     assert code == 2 and "pro-shaped, vision-tiny, vision-exp-shaped" in err
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_bench_vision_encodes_an_image_from_an_encoder_file(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "enc.gguf"
+    write_synthetic_vision(path, VISION_TINY, router=TINY_ROUTER)
+    code, out, _ = cli(monkeypatch, capsys, "bench", "vision", str(path), "--size", "1920x1080", "--repeat", "1")
+    assert code == 0, out
+    (row,) = [line.split() for line in out.splitlines() if line.lstrip().startswith("1920x1080")]
+    # the canvas of a 1920x1080 image for Vision-Exp (worked from the reference's plan), its patches
+    assert row[1:3] == ["1036x588", str(74 * 42)]
+    assert float(row[5]) > 0 and float(row[6]) > 0
+    code, _, err = cli(monkeypatch, capsys, "bench", "vision", str(path), "--size", "wide")
+    assert code == 2 and "WIDTHxHEIGHT" in err

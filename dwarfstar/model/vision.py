@@ -99,6 +99,11 @@ class VisionArgs:
         return shapes
 
 
+# the real encoders: Vision-Exp's (the defaults) and V4.1 Flash's (its budget, output width and image id)
+VISION_EXP_FLASH = VisionArgs()
+V41_FLASH = VisionArgs(
+    family=V41, out_dim=5120, max_tokens=1024, min_pixels=295936, max_wh_ratio=0, image_token_id=129264
+)
 # the test-sized encoder of `dwarfstar synth --preset vision-tiny`: the real layout, two small blocks,
 # its output the width of the `tiny` language model (model.synthetic.TINY)
 VISION_TINY = VisionArgs(n_layers=2, dim=64, n_heads=4, inter_dim=96, out_dim=64)
