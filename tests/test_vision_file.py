@@ -5,14 +5,13 @@ vision-tiny` through the command line. Broken files are written here, one fault 
 from __future__ import annotations
 
 import struct
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from test_cli_front import cli  # `dwarfstar ARGV` as the console script runs it
 
-from dwarfstar.cli import main
 from dwarfstar.errors import ModelFileError
 from dwarfstar.gguf.constants import GGMLType, ValueType
 from dwarfstar.gguf.writer import GGUFWriter
@@ -22,15 +21,6 @@ from dwarfstar.model.vision_file import RouterShape, open_vision, vision_metadat
 
 TINY_ROUTER = VISION_PRESETS["vision-tiny"][1]
 V41_TINY = replace(VISION_TINY, family=V41, image_token_id=129264, max_tokens=1024, min_pixels=295936, max_wh_ratio=0)
-
-
-def cli(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
-    """`dwarfstar ARGV` as the console script runs it: exit code, stdout, stderr."""
-    monkeypatch.setattr(sys, "argv", ["dwarfstar", *argv])
-    with pytest.raises(SystemExit) as stopped:
-        main()
-    out = capsys.readouterr()
-    return stopped.value.code or 0, out.out, out.err
 
 
 def write_encoder(path: Path, args=VISION_TINY, router=TINY_ROUTER, *, meta=None, drop=(), shapes=None, types=None):
