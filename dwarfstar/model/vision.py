@@ -168,7 +168,7 @@ class VisionOps(Protocol[A]):
         """RMSNorm of x [N, dim] with the weight `name` (`vision.blocks.{i}.norm1.weight`...)."""
         ...
 
-    def attention(self, il: int, x: A, grid: PatchGrid) -> A:
+    def attend(self, il: int, x: A, grid: PatchGrid) -> A:
         """Block `il`'s attention over one image's normed rows x [N, dim]: wqkv, 2-D RoPE, softmax, wo."""
         ...
 
@@ -193,7 +193,7 @@ class VisionEncoder(Generic[A]):
         ops = self.ops
         x = ops.patch_embed(pixels, grid)
         for il in range(self.args.n_layers):
-            x = x + ops.attention(il, ops.norm(f"vision.blocks.{il}.norm1.weight", x), grid)
+            x = x + ops.attend(il, ops.norm(f"vision.blocks.{il}.norm1.weight", x), grid)
             x = x + ops.mlp(il, ops.norm(f"vision.blocks.{il}.norm2.weight", x))
         return ops.align(ops.norm("vision.norm.weight", x), grid)
 

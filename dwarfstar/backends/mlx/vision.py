@@ -48,7 +48,7 @@ class MLXVisionOps:
     def norm(self, name: str, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, self.weights[name], self.args.norm_eps)
 
-    def attention(self, il: int, x: mx.array, grid: PatchGrid) -> mx.array:
+    def attend(self, il: int, x: mx.array, grid: PatchGrid) -> mx.array:
         args, p = self.args, f"vision.blocks.{il}.attn."
         n, heads, hd = x.shape[0], args.n_heads, args.head_dim
         qkv = self._linear(x, p + "wqkv.weight", p + "wqkv.bias").reshape(n, 3, heads, hd)

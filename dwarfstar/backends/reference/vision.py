@@ -56,7 +56,7 @@ class TorchVisionOps:
     def norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.args.norm_eps) * self.weights[name]
 
-    def attention(self, il: int, x: torch.Tensor, grid: PatchGrid) -> torch.Tensor:
+    def attend(self, il: int, x: torch.Tensor, grid: PatchGrid) -> torch.Tensor:
         args, p = self.args, f"vision.blocks.{il}.attn."
         n, heads, hd = x.shape[0], args.n_heads, args.head_dim
         q, k, v = self._linear(x, p + "wqkv.weight", p + "wqkv.bias").view(n, 3, heads, hd).unbind(1)
