@@ -1,7 +1,7 @@
 """Claude Code, Codex and opencode, run non-interactively against a local `dwarfstar serve`.
 
     python tools/clients_check.py --clients build/clients [--only claude codex] [--servers scripted bundled]
-        [--json figures.json] [--keep DIR]
+        [--model FILE] [--json figures.json] [--keep DIR]
 
 The clients are the npm packages installed under `--clients` (see `nox -s clients`). Each runs in
 its own temporary HOME with a configuration that points it at the loopback server and turns off
@@ -438,13 +438,14 @@ def versions(clients: Path) -> dict[str, str]:
     return found
 
 
-def server_command(kind: str, root: Path, name: str) -> list[str]:
+def server_command(kind: str, root: Path, name: str, model: Path | None = None) -> list[str]:
     if kind == "scripted":
         return ["tests.serving.scripted_server", "--scripts", str(root / "scripts.json")]
-    return ["dwarfstar", "serve", "--ctx", str(BUNDLED_CTX[name]), "--model-alias", "*"]
+    chosen = ["-m", str(model)] if model is not None else []
+    return ["dwarfstar", "serve", "--ctx", str(BUNDLED_CTX[name]), "--model-alias", "*", *chosen]
 
 
-def check(kind: str, names: list[str], clients: Path, root: Path) -> dict:
+def check(kind: str, names: list[str], clients: Path, root: Path, model: Path | None = None) -> dict:
     """Every client through the scenarios on one kind of server: one scripted server for all of
     them, or one bundled-model server per client (its own context, and a cache of its own)."""
     root.mkdir(parents=True)
@@ -455,7 +456,7 @@ def check(kind: str, names: list[str], clients: Path, root: Path) -> dict:
         for name in names:
             if server is None or kind == "bundled":
                 label = "scripted" if kind == "scripted" else name
-                command = [sys.executable, "-m", *server_command(kind, root, name)]
+                command = [sys.executable, "-m", *server_command(kind, root, name, model)]
                 server = start_server(command, root / f"{label}.jsonl", root / f"{label}.log")
             print(f"{name} against the {kind} server:", flush=True)
             figures[name] = run_scenarios(name, clients, root, server, scripted=kind == "scripted")
@@ -475,6 +476,7 @@ def main() -> None:
     parser.add_argument(
         "--servers", nargs="+", choices=("scripted", "bundled"), default=["scripted"], help="bundled: the bundled model"
     )
+    parser.add_argument("--model", type=Path, default=None, help="the bundled servers' model (default: bundled)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures (per scenario, per turn) here")
     parser.add_argument("--keep", type=Path, default=None, help="work in this new folder and keep it (traces, logs)")
     args = parser.parse_args()
@@ -483,7 +485,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dwarfstar-clients-") as folder:
         root = args.keep.resolve() if args.keep else Path(folder)
         for kind in args.servers:
-            figures[kind] = check(kind, args.only, clients, root / kind)
+            figures[kind] = check(kind, args.only, clients, root / kind, args.model)
     failed = [
         f"{name} {scenario} ({kind})"
         for kind in args.servers
