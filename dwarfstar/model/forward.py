@@ -34,6 +34,7 @@ import torch
 
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.state import KVCache, SequenceState, Storage, check_batch
 from dwarfstar.model.tensors import ATTN_INPUT, QUERY_INPUT, ProjectionGroup
 
@@ -66,6 +67,10 @@ class Segment:
     tokens: torch.Tensor  # host int64 [length]
     start: int  # position of its first token
     rows: slice  # its rows in the batch's [N, ...] arrays
+    # its image blocks, each wholly inside the call (offsets index `tokens`), in order: `Ops.embed` puts
+    # their rows in place, `Ops.route` routes their positions by the image bias, and the window branch of
+    # `Ops.sparse_attention` is bidirectional inside a block's START..END (`ImageSpan`)
+    images: tuple[ImageSpan, ...] = ()
 
     @property
     def length(self) -> int:
@@ -150,9 +155,17 @@ class Ops(Protocol[A, S]):
         prepares its calls, the ones without the embedding too."""
         ...
 
+    def check_images(self) -> None:
+        """Raise a `DwarfStarError` saying why, unless this backend can run a call with image spans now
+        (`Transformer.batch` asks before any state changes, only for such a call): it implements them
+        and holds every held layer's image router bias."""
+        ...
+
     def embed(self, batch: Batch[S]) -> A | None:
         """The embedding rows copied into the hc_mult streams [N, n, dim] (None when it holds no
-        embedding: a later pipeline stage, whose streams arrive from the previous one)."""
+        embedding: a later pipeline stage, whose streams arrive from the previous one). The rows of a
+        segment's image spans take their positions' places before the copy (their ids, the image
+        sentinels, are past the embedding table)."""
         ...
 
     def hc_pre(self, il: int, site: Site, h: A, batch: Batch[S]) -> tuple[A, Any]:
@@ -196,7 +209,11 @@ class Ops(Protocol[A, S]):
     def sparse_attention(self, il: int, q: A, batch: Batch[S], selected: Any) -> A:
         """Sink attention [N, H, head_dim] over the raw rows of the last `window` positions and the
         compressed rows visible to each query (the selected ones in ratio-4 layers), with K = V and
-        the RoPE removed from the output. The window then keeps only its last `window` rows."""
+        the RoPE removed from the output. The window then keeps only its last `window` rows.
+
+        A query inside an image span's START..END also reads the raw rows `ImageSpan.window_bounds`
+        gives it beyond its window (the span's rows on both sides, all in the call); the compressed
+        rows and `index_topk` stay causal for it."""
         ...
 
     def extend_window(self, il: int, kv: A, batch: Batch[S]) -> None:
@@ -217,7 +234,11 @@ class Ops(Protocol[A, S]):
 
     def route(self, il: int, x: A, batch: Batch[S]) -> tuple[A, A]:
         """(expert ids [N, k], weights [N, k]): sqrt-softplus scores, top-k by score + bias (or the
-        token's hash-table ids), weights the chosen unbiased scores renormalised times route_scale."""
+        token's hash-table ids), weights the chosen unbiased scores renormalised times route_scale.
+
+        A row at an image span's position selects top-k by score + the layer's image bias (`bias_vl`),
+        in hash-routed layers too (instead of the table, which never sees its sentinel id); its
+        weights are a text row's: the chosen unbiased scores renormalised times route_scale."""
         ...
 
     def moe(self, il: int, x: A, ids: A, weights: A, experts: ExpertSource, batch: Batch[S]) -> A:
@@ -283,15 +304,26 @@ class Transformer(Generic[A, S]):
         return self.cache.new_state()
 
     # -- entry points ------------------------------------------------------------------------------------
-    def batch(self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState]) -> Batch[S]:
-        """Validate a call (context, vocabulary, repeated states) before any state changes, then
-        give each state row pages of its own where the call writes (`SequenceState.reserve`)."""
-        chunks = check_batch(token_lists, states, self.args.vocab_size, self.max_seq_len)
+    def batch(
+        self,
+        token_lists: Sequence[Sequence[int] | torch.Tensor],
+        states: Sequence[SequenceState],
+        images: Sequence[Sequence[ImageSpan]] | None = None,
+    ) -> Batch[S]:
+        """Validate a call (context, vocabulary, repeated states, image spans and whether the backend
+        runs them) before any state changes, then give each state row pages of its own where the call
+        writes (`SequenceState.reserve`). `images`: each sequence's image spans (`ImageSpan`), or None."""
+        spans = [()] * len(token_lists) if images is None else [tuple(s) for s in images]
+        chunks = check_batch(token_lists, states, self.args.vocab_size, self.max_seq_len, spans)
+        if any(spans):
+            for span in (span for seq in spans for span in seq):
+                span.check_width(self.args.dim)
+            self.ops.check_images()
         seqs, row = [], 0
-        for tokens, state in zip(chunks, states, strict=True):
+        for tokens, state, mine in zip(chunks, states, spans, strict=True):
             if tokens.numel():
                 state.reserve(state.pos, state.pos + tokens.numel())
-                seqs.append(Segment(state, tokens, state.pos, slice(row, row + tokens.numel())))
+                seqs.append(Segment(state, tokens, state.pos, slice(row, row + tokens.numel()), mine))
                 row += tokens.numel()
         return Batch(seqs)
 
@@ -415,13 +447,15 @@ class Transformer(Generic[A, S]):
         token_lists: Sequence[Sequence[int] | torch.Tensor],
         states: Sequence[SequenceState],
         all_positions: bool = True,
+        images: Sequence[Sequence[ImageSpan]] | None = None,
     ) -> list[A | None]:
         """Each sequence's output-normalised final rows (None for a sequence given no tokens).
 
         Runs with autograd on a backend that has it when called outside inference mode, so
         training can put its own head on top; the states advance as in `forward_batch`.
+        `images`: each sequence's image spans, as `batch` takes them.
         """
-        batch = self.batch(token_lists, states)
+        batch = self.batch(token_lists, states, images)
         out: dict[int, A] = {}
         if batch.seqs:
             _, y, rows = self.run_to_head(self.embed(batch), batch, all_positions)
@@ -436,11 +470,13 @@ class Transformer(Generic[A, S]):
         token_lists: Sequence[Sequence[int] | torch.Tensor],
         states: Sequence[SequenceState],
         all_logits: bool = False,
+        images: Sequence[Sequence[ImageSpan]] | None = None,
     ) -> list[torch.Tensor]:
         """Advance several sequences in one pass (continuous batching); each may add any number of
         tokens. Returns each one's logits, [T, vocab] with `all_logits`, else [1, vocab]; a state's
-        `logits` holds its next-token logits afterwards."""
-        batch = self.batch(token_lists, states)
+        `logits` holds its next-token logits afterwards. `images`: each sequence's image spans
+        (`ImageSpan`, each wholly inside its call), as `batch` takes them."""
+        batch = self.batch(token_lists, states, images)
         out: dict[int, torch.Tensor] = {}
         if batch.seqs:
             logits, rows = self.compute(batch, all_logits)

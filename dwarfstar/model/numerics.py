@@ -61,15 +61,24 @@ def hadamard_matrix(n: int) -> torch.Tensor:
 
 
 def route(
-    logits: torch.Tensor, k: int, route_scale: float, bias: torch.Tensor | None, fixed: torch.Tensor | None
+    logits: torch.Tensor,
+    k: int,
+    route_scale: float,
+    bias: torch.Tensor | None,
+    fixed: torch.Tensor | None,
+    image: torch.Tensor | None = None,
+    image_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick experts and their weights: (ids [T, k], weights [T, k]).
 
     Scores are sqrt(softplus(logit)). The bias only steers selection; hash layers take the ids from
-    the token table (`fixed`) instead. Weights are the un-biased scores of the chosen experts,
-    renormalised and multiplied by the routed scale.
+    the token table (`fixed`) instead. Rows where `image` [T] (bool) is set (image positions) select
+    by score + `image_bias` in either kind of layer. Weights are the un-biased scores of the chosen
+    experts, renormalised and multiplied by the routed scale.
     """
     scores = elementwise(F.softplus, logits).sqrt()
     ids = fixed if fixed is not None else (scores + bias).topk(k, dim=-1).indices
+    if image is not None:
+        ids = torch.where(image[:, None], (scores + image_bias).topk(k, dim=-1).indices, ids)
     weights = scores.gather(1, ids)
     return ids, weights / weights.sum(-1, keepdim=True) * route_scale

@@ -49,6 +49,7 @@ import torch
 
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.image_spans import ImageSpan, check_spans
 from dwarfstar.model.pages import PAGE_ROWS, RowPages
 
 # Row capacities are multiples of 64: Triton specialises kernels on integer arguments divisible by
@@ -562,24 +563,31 @@ def check_batch(
     states: Sequence[SequenceState],
     vocab_size: int,
     max_seq_len: int,
+    images: Sequence[tuple[ImageSpan, ...]] | None = None,
 ) -> list[torch.Tensor]:
     """Validate a batched forward before any state changes: each sequence's tokens as a 1-D long tensor.
 
     Every backend runs this, so a context overflow or an out-of-vocabulary id is the same clear error
-    everywhere, and a failed batch leaves every state untouched.
+    everywhere, and a failed batch leaves every state untouched. `images`: each sequence's image spans
+    (`dwarfstar.model.image_spans`), whose positions hold the image sentinels (ids past the vocabulary),
+    allowed there only; each span lies wholly inside its call.
     """
     chunks = [torch.as_tensor(t, dtype=torch.long).flatten() for t in token_lists]
     if len(chunks) != len(states):
         raise DwarfStarError(f"{len(chunks)} token lists for {len(states)} states")
+    images = [()] * len(chunks) if images is None else list(images)
+    if len(images) != len(chunks):
+        raise DwarfStarError(f"{len(images)} image span lists for {len(chunks)} token lists")
     if len({id(s) for s in states}) != len(states):
         raise DwarfStarError("a sequence state appears twice in one batch")
-    for tokens, state in zip(chunks, states, strict=True):
+    for tokens, state, spans in zip(chunks, states, images, strict=True):
         limit = min(max_seq_len, state.cache.ctx)
         if state.pos + tokens.numel() > limit:
             raise ContextOverflowError(
                 f"context overflow: {state.pos} + {tokens.numel()} tokens exceed the context of {limit}"
             )
-        bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
+        text = tokens[~check_spans(tokens, tuple(spans), vocab_size)] if spans else tokens
+        bad = text[(text < 0) | (text >= vocab_size)]
         if bad.numel():
             raise DwarfStarError(f"token id {int(bad[0])} is outside the vocabulary (0..{vocab_size - 1})")
     return chunks

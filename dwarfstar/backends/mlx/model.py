@@ -22,6 +22,7 @@ import torch
 from dwarfstar.backends.mlx import attention, metal_available, ops
 from dwarfstar.backends.mlx.storage import MLXStorage, lazy_arrays
 from dwarfstar.backends.mlx.weights import LayerWeights, Matrix, Weights
+from dwarfstar.errors import DwarfStarError
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import ModelArgs, yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, StreamSteps, Transformer
@@ -162,6 +163,9 @@ class MLXOps(StreamSteps):
 
     def kv_storage(self) -> MLXStorage:
         return MLXStorage()
+
+    def check_images(self) -> None:
+        raise DwarfStarError("image spans run on the reference backend only, for now")
 
     # -- streams -----------------------------------------------------------------------------------------
     def prepare(self, batch: Batch[MLXStep]) -> MLXStep:

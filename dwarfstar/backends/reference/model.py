@@ -18,7 +18,7 @@ that do not apply it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -26,9 +26,11 @@ import torch.nn.functional as F
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.reference.weights import FLOAT32, GGUFWeights, Products, WeightSource
+from dwarfstar.errors import DwarfStarError
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import LayerSpec, ModelArgs, yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, StreamSteps, Transformer
+from dwarfstar.model.image_spans import image_mask
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.numerics import rope_angles, route
 from dwarfstar.model.pages import PAGE_ROWS
@@ -69,6 +71,7 @@ class Layer:
     bias: torch.Tensor | None
     tid2eid: torch.Tensor | None
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    bias_vl: torch.Tensor | None = None  # the router's bias for image positions (`attach_image_biases`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,9 @@ class ReferenceStep:
 
     tokens: torch.Tensor  # int64 [N]: every row's id (hash-routed layers look their experts up by it)
     positions: torch.Tensor  # int64 [N]: every row's position
+    # bool [N]: the rows at image-span positions (their ids are sentinels past the vocabulary), or None
+    # in a call without spans: `embed` and `route` read it
+    image: torch.Tensor | None
     # a decode step: one token per sequence, attention and the compressors for all at once (`_decode_step`)
     decode: bool
     # a decode step's sequences' slots when all are in one cache block (gathered in one op), else None
@@ -171,6 +177,26 @@ class ReferenceOps(StreamSteps):
     def kv_storage(self) -> TorchStorage:
         return TorchStorage("cpu")  # the oracle keeps every part in float32
 
+    def attach_image_biases(self, biases: Mapping[int, torch.Tensor]) -> None:
+        """The routers' biases for image positions, layer -> [n_routed_experts] (`bias_vl`, from the vision
+        encoder file: `VisionFile.image_router_biases`); every held layer needs one, others are ignored."""
+        n = self.args.n_routed_experts
+        missing = [il for il in self.layer_range if il not in biases]
+        if missing:
+            raise DwarfStarError(f"no image router bias for layer(s) {missing}")
+        for il in self.layer_range:
+            bias = torch.as_tensor(biases[il], dtype=torch.float32).reshape(-1)
+            if bias.numel() != n:
+                raise DwarfStarError(f"layer {il}'s image router bias has {bias.numel()} values for {n} experts")
+            self.layers[il].bias_vl = bias
+
+    def check_images(self) -> None:
+        if any(self.layers[il].bias_vl is None for il in self.layer_range):
+            raise DwarfStarError(
+                "image spans need the image router biases (layers.{i}.ffn.gate.bias_vl, in the vision encoder file): "
+                "none are attached to this model"
+            )
+
     # -- per call ----------------------------------------------------------------------------------------
     def prepare(self, batch: Batch[ReferenceStep]) -> ReferenceStep:
         """The call's ids and positions, and whether it is a decode step: one token for each sequence.
@@ -179,12 +205,15 @@ class ReferenceOps(StreamSteps):
         stepped alone). Prefill chunks, and the training observer, which reads per-sequence scores,
         take the per-sequence path."""
         seqs = batch.seqs
-        decode = all(s.length == 1 for s in seqs) and self.indexer_observer is None
+        images = any(s.images for s in seqs)
+        # a call with image spans prefills: its spans' window attention is the chunk path's
+        decode = all(s.length == 1 for s in seqs) and self.indexer_observer is None and not images
         # sequences of one cache block are gathered by slot index in one op, others one by one
         one_block = len({s.state.block for s in seqs}) == 1
         return ReferenceStep(
             tokens=torch.cat([s.tokens for s in seqs]),
             positions=torch.cat([torch.arange(s.start, s.start + s.length) for s in seqs]),
+            image=torch.cat([image_mask(s.images, s.length) for s in seqs]) if images else None,
             decode=decode,
             slots=torch.tensor([s.state.index for s in seqs]) if decode and one_block else None,
         )
@@ -193,7 +222,16 @@ class ReferenceOps(StreamSteps):
     def embed(self, batch: Batch[ReferenceStep]) -> torch.Tensor | None:
         if self.embedding is None:
             return None
-        return self.embedding[batch.step.tokens].unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+        step = batch.step
+        if step.image is None:
+            x = self.embedding[step.tokens]
+        else:  # the sentinels are past the table: look up 0 there, then put the spans' rows in place
+            x = self.embedding[step.tokens.masked_fill(step.image, 0)]
+            for seq in batch.seqs:
+                for span in seq.images:
+                    at = seq.rows.start + span.offset
+                    x[at : at + span.length] = span.rows.to(x.dtype)
+        return x.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
 
     def hc_pre(self, il: int, site: Site, h: torch.Tensor, batch: Batch[ReferenceStep]) -> tuple[torch.Tensor, tuple]:
         a, layer = self.args, self.layers[il]
@@ -343,9 +381,14 @@ class ReferenceOps(StreamSteps):
         decode step lays them (`ops.attention_rows`): the window as the ring holds it at the query's
         position (position p in slot p mod window), then the compressed rows visible to it. So a token
         gets the same bits in a chunk of any length as in a decode step of any batch. `rows`: the
-        sequence's compressed rows (`compress`), `scores`: its indexer scores for the observer."""
+        sequence's compressed rows (`compress`), `scores`: its indexer scores for the observer.
+
+        A query inside an image span's START..END reads a part more between the two: the span's raw rows
+        its window lacks (`_span_keys`); the others' view of that part is all masked, which adds exact
+        zeros, so text queries keep their bits."""
         a, layer, state = self.args, self.layers[il], seq.state
         end = seq.start + seq.length
+        span = self._span_keys(seq, kv)
         raw = torch.cat((state.raw_window(il), kv))  # positions end - len(raw) .. end - 1
         state.store_window(il, raw.detach(), end)
         positions = torch.arange(seq.start, end)[:, None]
@@ -356,10 +399,13 @@ class ReferenceOps(StreamSteps):
             pad = -rows.shape[0] % ops.KEY_BLOCK  # to whole key blocks once, not in each query's view
             rows, visible = F.pad(rows, (0, 0, 0, pad)), F.pad(visible, (0, pad))
         out, mass = [], []
-        step = max(1, ATTENTION_BYTES // ((a.window + (0 if rows is None else rows.shape[0])) * a.head_dim * 4))
+        keys = a.window + (0 if rows is None else rows.shape[0]) + (0 if span is None else span[0].shape[0])
+        step = max(1, ATTENTION_BYTES // (keys * a.head_dim * 4))
         for lo in range(0, seq.length, step):
             block = slice(lo, lo + step)
             parts = [(raw[at[block]], held[block] >= 0)]
+            if span is not None:
+                parts.append((span[0].expand(q[block].shape[0], -1, -1), span[1][block]))
             if rows is not None:
                 parts.append((rows.expand(q[block].shape[0], -1, -1), visible[block]))
             o, weights = ops.attention_rows(q[block], parts, layer.sinks)
@@ -368,6 +414,24 @@ class ReferenceOps(StreamSteps):
         if self.indexer_observer is not None and scores is not None:
             self.indexer_observer(il, torch.cat(mass)[..., : scores.shape[1]], scores)
         return torch.cat(out)
+
+    def _span_keys(self, seq: Segment, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The raw rows of a chunk's bidirectional image spans (their START..END, all in the call) [n, D],
+        and which of them each of its queries reads beyond its causal window [T, n] (the range
+        `ImageSpan.window_bounds` gives, less the window's own positions); None without such spans."""
+        spans = [span for span in seq.images if span.attend is not None]
+        if not spans:
+            return None
+        window, keys, masks = self.args.window, [], []
+        for span in spans:
+            at, lo, hi = span.window_bounds(seq.start, window)  # the span's positions and their key ranges
+            keys.append(kv[at - seq.start])
+            key, query = at[None, :], at[:, None]
+            beyond = (key >= lo[:, None]) & (key <= hi[:, None]) & ((key <= query - window) | (key > query))
+            mask = torch.zeros(seq.length, at.numel(), dtype=torch.bool)
+            mask[at - seq.start] = beyond
+            masks.append(mask)
+        return torch.cat(keys), torch.cat(masks, 1)
 
     # -- decode steps: attention over every sequence at once -------------------------------------------------
     def _gather(self, il: int, name: str, batch: Batch[ReferenceStep], n: int | None = None) -> torch.Tensor:
@@ -475,9 +539,13 @@ class ReferenceOps(StreamSteps):
 
     # -- mixture of experts --------------------------------------------------------------------------------
     def route(self, il: int, x: torch.Tensor, batch: Batch[ReferenceStep]) -> tuple[torch.Tensor, torch.Tensor]:
-        a, layer = self.args, self.layers[il]
-        fixed = None if layer.tid2eid is None else layer.tid2eid[batch.step.tokens]
-        ids, weights = route(ops.linear(x, layer.router), a.n_activated_experts, a.route_scale, layer.bias, fixed)
+        a, layer, step = self.args, self.layers[il], batch.step
+        fixed = None
+        if layer.tid2eid is not None:  # an image row's sentinel looks up 0; its ids come from bias_vl
+            fixed = layer.tid2eid[step.tokens if step.image is None else step.tokens.masked_fill(step.image, 0)]
+        logits = ops.linear(x, layer.router)
+        k, scale = a.n_activated_experts, a.route_scale
+        ids, weights = route(logits, k, scale, layer.bias, fixed, step.image, layer.bias_vl)
         if self.route_observer is not None:
             self.route_observer(il, ids)
         return ids, weights
@@ -537,6 +605,11 @@ class ReferenceModel(Transformer[torch.Tensor, ReferenceStep]):
         self.qat = qat
         ops = ReferenceOps(args, weights, qat, progress, layer_range, products)
         super().__init__(ops, max_seq_len, kv_slots)
+
+    def attach_image_biases(self, biases: Mapping[int, torch.Tensor]) -> None:
+        """The routers' image biases, layer -> [n_routed_experts] (`ReferenceOps.attach_image_biases`):
+        a call with image spans is refused without them."""
+        self.ops.attach_image_biases(biases)
 
     # the sampling rules run on the logits' device (here the CPU), one host sync per step
     sample_batch = staticmethod(sample_batch)

@@ -26,6 +26,7 @@ from dwarfstar.backends.triton.kernels.sampling import candidates_for, knob_rows
 from dwarfstar.backends.triton.model import TritonModel
 from dwarfstar.backends.triton.runtime import EXACT, Precision, default_device
 from dwarfstar.backends.triton.weights import ModelWeights, upload
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
 from dwarfstar.sampling import Sampler, read_draws
@@ -87,14 +88,19 @@ class TritonBackend(TritonModel):
         return redraw_overflow(rows, samplers, steps, host)
 
     def forward_batch(
-        self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False
+        self,
+        token_lists: Sequence[Sequence[int] | torch.Tensor],
+        states: Sequence[SequenceState],
+        all_logits=False,
+        images: Sequence[Sequence[ImageSpan]] | None = None,
     ) -> list[torch.Tensor]:
         """Several sequences in one pass: every weight is read once. A decode step of sequences in one
         KV-cache block runs the batch-native kernels (a graph replay where graphs are on); a prefill
         runs attention per sequence. `forward` comes here too."""
-        if self.graphs is not None and all(len(t) == 1 for t in token_lists) and self.graphs.serves(states):
+        decode = images is None and all(len(t) == 1 for t in token_lists)
+        if self.graphs is not None and decode and self.graphs.serves(states):
             return self.graphs.step([int(torch.as_tensor(t).flatten()[0]) for t in token_lists], states)[0]
-        return super().forward_batch(token_lists, states, all_logits)
+        return super().forward_batch(token_lists, states, all_logits, images)
 
     def decode_sample(
         self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler]

@@ -53,6 +53,7 @@ from dwarfstar.backends.triton.weights import FusedLinear, ModelWeights
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, Transformer
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.numerics import rope_angles
 from dwarfstar.model.pages import PAGE_ROWS
 from dwarfstar.model.state import ROW_STEP, KVCache, SequenceState, TorchStorage, check_batch, index_copy_rows
@@ -183,6 +184,9 @@ class TritonOps:
         if decode.row_bound is not None:  # a captured step fixes it for every replay
             return decode.row_bound[ratio]
         return max(row_bound(s.state.cache, ratio, s.start + 1) for s in batch.seqs)
+
+    def check_images(self) -> None:
+        raise DwarfStarError("image spans run on the reference backend only, for now")
 
     # -- per call ----------------------------------------------------------------------------------------
     def prepare(self, batch: Batch[TritonStep]) -> TritonStep:
@@ -581,7 +585,11 @@ class TritonModel(Transformer[torch.Tensor, TritonStep]):
         super().__init__(TritonOps(weights, qat, precision, host), max_seq_len, kv_slots)
 
     def forward_batch(
-        self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False
+        self,
+        token_lists: Sequence[Sequence[int] | torch.Tensor],
+        states: Sequence[SequenceState],
+        all_logits=False,
+        images: Sequence[Sequence[ImageSpan]] | None = None,
     ) -> list[torch.Tensor]:
         """A decode step of sequences in several KV-cache blocks runs block by block, each block's
         sequences batch-native (`decode_batch`): a sequence's step has the kernels, and the bits, it has
@@ -590,8 +598,8 @@ class TritonModel(Transformer[torch.Tensor, TritonStep]):
         if all(torch.as_tensor(t).numel() == 1 for t in token_lists):
             for i, state in enumerate(states):
                 blocks.setdefault(state.block, []).append(i)
-        if len(blocks) <= 1:
-            return super().forward_batch(token_lists, states, all_logits)
+        if len(blocks) <= 1 or images is not None:
+            return super().forward_batch(token_lists, states, all_logits, images)
         check_batch(token_lists, states, self.args.vocab_size, self.max_seq_len)
         out: list[torch.Tensor] = [torch.empty(0)] * len(states)
         for rows in blocks.values():

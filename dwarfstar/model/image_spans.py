@@ -1,0 +1,120 @@
+"""Image blocks in a language-model call (issue 34; facts: /work/notes/vision_spec.md §4).
+
+An image block takes a run of positions in a sequence. The caller has already assembled the block's
+embeddings (the encoder's learned start/pad/newline/end vectors and the aligner rows, in the layout's
+order: `dwarfstar.prompt.image_layout`); the language model needs to know where the block sits, its rows,
+and how the two places that treat images differently see it:
+
+- routing: every position of the block is an image position (Vision-Exp masks `input_ids >= vocab`: all
+  its sentinels, the leading PADs included), whose router selects by the layer's image bias `bias_vl`;
+- attention (Vision-Exp): inside START..END (inclusive; the leading PADs are outside) the sliding-window
+  branch is bidirectional: a position i sees back to max(start, i - (REACH - 1)) and forward to
+  min(end, i + REACH), beyond its causal window; the compressed rows and the indexer stay causal.
+
+The ids at a block's positions are the sentinels `vocab_size + type` (Vision-Exp's five types, START 0,
+PAD 1, IMAGE 2, NEWLINE 3, END 4); `check_batch` allows them there and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dwarfstar.errors import DwarfStarError
+
+REACH = 384  # Vision-Exp's `vision_max_n_token`: how far a span position sees across its span
+IMAGE_TYPES = 5  # Vision-Exp's sentinel types: ids vocab_size .. vocab_size + 4
+
+
+@dataclass(frozen=True, eq=False)
+class ImageSpan:
+    """One image block in one sequence's call.
+
+    `offset`: the block's first position (a leading PAD, or START) as an index into the call's tokens;
+    `rows`: its embeddings [length, dim], float32, in position order (they replace the embedding rows
+    before the hyper-connection expansion); `attend`: START and END as indices into the block, the
+    inclusive range whose window attention is bidirectional (Vision-Exp), or None where the block
+    attends causally.
+    """
+
+    offset: int
+    rows: torch.Tensor
+    attend: tuple[int, int] | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def stop(self) -> int:
+        """The call index just past the block."""
+        return self.offset + self.length
+
+    def check(self, n_tokens: int) -> None:
+        """A clear error unless the rows are [length >= 1, dim], the block lies wholly inside a call of
+        `n_tokens` tokens and `attend` lies inside the block."""
+        if self.rows.dim() != 2 or self.length < 1:
+            raise DwarfStarError(f"an image span's rows must be [length >= 1, dim], not {list(self.rows.shape)}")
+        if self.offset < 0 or self.stop > n_tokens:
+            raise DwarfStarError(
+                f"an image span at {self.offset}..{self.stop - 1} does not lie inside the call's {n_tokens} "
+                "tokens: an image block must be prefilled whole in one call"
+            )
+        if self.attend is not None:
+            first, last = self.attend
+            if not 0 <= first <= last < self.length:
+                raise DwarfStarError(f"an image span's START..END {first}..{last} is not inside its {self.length} rows")
+
+    def check_width(self, dim: int) -> None:
+        """A clear error unless the rows are as wide as the model's hidden size."""
+        if self.rows.shape[-1] != dim:
+            raise DwarfStarError(
+                f"an image span's rows are {self.rows.shape[-1]} wide; the model's hidden size is {dim}"
+            )
+
+    def window_bounds(self, base: int, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For each position i of START..END (`base`: the position of the call's first token), the
+        inclusive range of keys its window branch reads: (positions [S], lo [S], hi [S]).
+
+        The reference's rule (vision_spec §4b): left = min(i - start, REACH - 1), right = min(end - i,
+        REACH); a row of `window + REACH` keys from first = max(0, i - (window - 1) - max(0, left -
+        (window - 1))), those past i + right masked. So lo = first and hi = min(i + right, first +
+        window + REACH - 1): the causal window [i - window + 1, i] and the span around i.
+        """
+        if self.attend is None:
+            raise DwarfStarError("this image span attends causally: it has no bidirectional window")
+        start, end = (base + self.offset + a for a in self.attend)
+        i = torch.arange(start, end + 1)
+        left, right = (i - start).clamp(max=REACH - 1), (end - i).clamp(max=REACH)
+        lo = (i - (window - 1) - (left - (window - 1)).clamp(min=0)).clamp(min=0)
+        hi = torch.minimum(i + right, lo + window + REACH - 1)
+        return i, lo, hi
+
+
+def image_mask(spans: tuple[ImageSpan, ...], n_tokens: int) -> torch.Tensor:
+    """bool [n_tokens]: the call's positions that route as image positions (every position of a block)."""
+    mask = torch.zeros(n_tokens, dtype=torch.bool)
+    for span in spans:
+        mask[span.offset : span.stop] = True
+    return mask
+
+
+def check_spans(tokens: torch.Tensor, spans: tuple[ImageSpan, ...], vocab_size: int) -> torch.Tensor:
+    """The image mask of one sequence's call (`image_mask`) once its spans are known to lie inside it, in
+    order, apart, and to hold only sentinel ids `vocab_size + type`."""
+    n, last = tokens.numel(), 0
+    for span in spans:
+        span.check(n)
+        if span.offset < last:
+            raise DwarfStarError(f"image spans overlap or are out of order (one starts at {span.offset})")
+        last = span.stop
+        ids = tokens[span.offset : span.stop]
+        bad = ((ids < vocab_size) | (ids >= vocab_size + IMAGE_TYPES)).nonzero()
+        if bad.numel():
+            at = int(bad[0])
+            raise DwarfStarError(
+                f"position {span.offset + at} of an image span holds id {int(ids[at])}, not an image sentinel "
+                f"({vocab_size}..{vocab_size + IMAGE_TYPES - 1})"
+            )
+    return image_mask(spans, n)

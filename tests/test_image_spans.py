@@ -1,0 +1,210 @@
+"""Image spans in the language model (issue 34, vision_spec §4) on the reference backend, tiny model:
+the span rows replace the embedding exactly, image rows route by `bias_vl` (hash layers too), the
+window branch is bidirectional inside START..END and causal outside it, the compressed branch stays
+causal, text-only calls keep their bits, and bad spans or backends that lack them get clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.model.image_spans import IMAGE_TYPES, REACH, ImageSpan
+from dwarfstar.model.loader import open_model
+from dwarfstar.model.numerics import route
+from dwarfstar.model.synthetic import TINY
+
+VOCAB = TINY.vocab_size
+START, PAD, IMAGE, NEWLINE, END = (VOCAB + t for t in range(IMAGE_TYPES))
+TEXT = torch.randint(3, 120000, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_file):
+    return open_model(tiny_model_file(0))
+
+
+@pytest.fixture(scope="module")
+def model(tiny) -> ReferenceModel:
+    m = ReferenceModel(tiny)
+    gen = torch.Generator().manual_seed(11)
+    m.attach_image_biases({il: torch.randn(TINY.n_routed_experts, generator=gen) for il in range(TINY.n_layers)})
+    return m
+
+
+def block(n_pad: int, body: int, seed: int = 0) -> tuple[list[int], torch.Tensor]:
+    """A Vision-Exp-like block: n_pad leading PADs, START, `body` IMAGE/NEWLINE positions, END; random rows."""
+    ids = [PAD] * n_pad + [START] + [IMAGE if i % 4 != 3 else NEWLINE for i in range(body)] + [END]
+    rows = torch.randn(len(ids), TINY.dim, generator=torch.Generator().manual_seed(seed))
+    return ids, rows
+
+
+def run(model: ReferenceModel, tokens: list[int], spans=None) -> torch.Tensor:
+    state = model.new_state()
+    return model.forward_batch([tokens], [state], all_logits=True, images=None if spans is None else [spans])[0]
+
+
+def test_text_calls_keep_their_bits(model, tiny):
+    """No spans: the same logits with or without image biases attached, with images None or empty; a text
+    sequence batched with one that carries a span gets the bits it gets alone."""
+    plain = ReferenceModel(tiny)
+    want = run(plain, TEXT)
+    assert torch.equal(run(model, TEXT), want)
+    assert torch.equal(run(model, TEXT, []), want)
+    ids, rows = block(2, 9)
+    other = TEXT[:5] + ids + TEXT[5:12]
+    span = ImageSpan(5, rows, (2, len(ids) - 1))
+    states = [model.new_state(), model.new_state()]
+    got = model.forward_batch([TEXT, other], states, all_logits=True, images=[[], [span]])
+    assert torch.equal(got[0], want)
+
+
+def test_span_rows_are_an_exact_override(model, tiny):
+    """A one-row span holding token t's embedding, with bias_vl steering every layer to t's experts
+    (the text bias, or the hash table's pick), gives the logits of the plain call with t."""
+    at, t = 17, TEXT[17]
+    ops = model.ops
+    biases = {}
+    for il in range(TINY.n_layers):
+        layer = ops.layers[il]
+        if layer.tid2eid is None:
+            biases[il] = layer.bias.clone()
+        else:  # large enough that top-k picks the table's experts for t whatever the scores
+            biases[il] = torch.zeros(TINY.n_routed_experts).index_fill_(0, layer.tid2eid[t], 1e3)
+    m = ReferenceModel(tiny)
+    m.attach_image_biases(biases)
+    tokens = TEXT[:at] + [IMAGE] + TEXT[at + 1 :]
+    span = ImageSpan(at, ops.embedding[[t]].clone(), (0, 0))
+    assert torch.equal(run(m, tokens, [span]), run(m, TEXT))
+
+
+def test_image_rows_route_by_bias_vl(tiny):
+    """bias_vl forcing experts {5, 6}: every image row picks them in every layer, hash layers included;
+    the text rows before the block pick what they pick in a plain call, those after it in a hash layer
+    their table's experts."""
+    m = ReferenceModel(tiny)
+    forced = torch.zeros(TINY.n_routed_experts).index_fill_(0, torch.tensor([5, 6]), 1e3)
+    m.attach_image_biases({il: forced for il in range(TINY.n_layers)})
+    seen: dict[int, torch.Tensor] = {}
+    m.ops.route_observer = lambda il, ids: seen.__setitem__(il, ids.clone())
+    ids, rows = block(1, 6)
+    tokens = TEXT[:10] + ids + TEXT[10:20]
+    run(m, tokens, [ImageSpan(10, rows, (1, len(ids) - 1))])
+    image = seen.copy()
+    run(m, TEXT[:10])
+    assert set(image) == set(range(TINY.n_layers))
+    after = torch.tensor(TEXT[10:20])
+    for il, chosen in image.items():
+        assert chosen[10 : 10 + len(ids)].sort(-1).values.eq(torch.tensor([5, 6])).all(), il
+        assert torch.equal(chosen[:10], seen[il]), il
+        table = m.ops.layers[il].tid2eid
+        if table is not None:
+            assert torch.equal(chosen[10 + len(ids) :], table[after]), il
+
+
+def test_route_weights_are_unbiased_scores():
+    """`route` of image rows: selected by score + bias_vl, weighted by the unbiased scores renormalised
+    times route_scale, in a hash layer (`fixed`) as in a biased one."""
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
+    image = torch.tensor([False, True, True, False])
+    bias_vl = torch.zeros(8).index_fill_(0, torch.tensor([0, 7]), 50.0)
+    fixed = torch.tensor([[1, 2]] * 4)
+    scores = torch.nn.functional.softplus(logits).sqrt()
+    for bias, table in ((torch.zeros(8), None), (None, fixed)):
+        ids, weights = route(logits, 2, 1.5, bias, table, image, bias_vl)
+        assert ids[image].sort(-1).values.eq(torch.tensor([0, 7])).all()
+        if table is not None:
+            assert torch.equal(ids[~image], fixed[~image])
+        want = scores.gather(1, ids)
+        assert torch.allclose(weights, want / want.sum(-1, keepdim=True) * 1.5, rtol=0, atol=1e-6)
+
+
+def test_window_is_bidirectional_inside_the_span_only(model):
+    """Changing the span's END row moves START's logits (it sees ahead in the span, beyond the window of
+    8) but neither the text before the block nor its leading PADs (causal, outside START..END)."""
+    ids, rows = block(2, 12)
+    assert len(ids) > TINY.window + 3
+    tokens = TEXT[:9] + ids + TEXT[9:15]
+    changed = rows.clone()
+    changed[-1] += 1.0
+    attend = (2, len(ids) - 1)
+    a = run(model, tokens, [ImageSpan(9, rows, attend)])
+    b = run(model, tokens, [ImageSpan(9, changed, attend)])
+    start = 9 + 2
+    assert torch.equal(a[:start], b[:start])  # the text before and the PADs
+    assert not torch.allclose(a[start], b[start], rtol=0, atol=1e-4)
+    causal = run(model, tokens, [ImageSpan(9, rows, None)])
+    assert torch.equal(causal[:start], a[:start])
+    assert not torch.allclose(causal[start], a[start], rtol=0, atol=1e-4)
+
+
+def test_compressed_rows_stay_causal_for_span_queries(model):
+    """The indexer's scores and the attention mass on the compressed rows (ratio-4 layers) give a span
+    query no row its position has not completed."""
+    ids, rows = block(3, 18)
+    tokens = TEXT[:20] + ids + TEXT[20:24]
+    first, last = 20 + 3, 20 + len(ids) - 1
+    seen = []
+    model.ops.indexer_observer = lambda il, mass, scores: seen.append((il, mass.clone(), scores.clone()))
+    try:
+        run(model, tokens, [ImageSpan(20, rows, (3, len(ids) - 1))])
+    finally:
+        model.ops.indexer_observer = None
+    assert seen
+    for il, mass, scores in seen:
+        ratio = TINY.compress_ratios[il]
+        done = torch.arange(scores.shape[1])[None, :] < ((torch.arange(len(tokens)) + 1) // ratio)[:, None]
+        span = slice(first, last + 1)
+        assert torch.isinf(scores[span][~done[span]]).all(), il
+        assert (mass[span].sum(1)[~done[span]] == 0).all(), il
+        assert (mass[span].sum(1)[done[span]] > 0).any(), il  # the rows it may read, it does
+
+
+def test_window_bounds_follow_the_reference_rule():
+    """`window_bounds` against the reference's candidate row (vision_spec §4b), for a span longer than the
+    reach on both sides, with the real window of 128 and a tiny one."""
+    length, offset, base = 900, 37, 1000
+    span = ImageSpan(offset, torch.zeros(length, 4), (3, length - 1))
+    for window in (128, 8):
+        at, lo, hi = span.window_bounds(base, window)
+        start, end = base + offset + 3, base + offset + length - 1
+        assert at[0] == start and at[-1] == end
+        for k in (0, 1, 200, 383, 384, 500, at.numel() - 385, at.numel() - 1):
+            i = int(at[k])
+            left, right = min(i - start, REACH - 1), min(end - i, REACH)
+            first = max(0, i - (window - 1) - max(0, left - (window - 1)))
+            keys = [first + t for t in range(window + REACH) if first + t <= i + right]
+            assert (int(lo[k]), int(hi[k])) == (keys[0], keys[-1]), (window, k)
+
+
+def test_bad_spans_are_refused_before_any_state_changes(model, tiny):
+    ids, rows = block(1, 5)
+    tokens = TEXT[:4] + ids + TEXT[4:8]
+    state = model.new_state()
+
+    def refused(tokens, spans, match, on=model):
+        with pytest.raises(DwarfStarError, match=match):
+            on.forward_batch([tokens], [state], images=[spans])
+        assert state.pos == 0
+
+    refused(tokens, [], "outside the vocabulary")  # sentinels with no span
+    with pytest.raises(DwarfStarError, match="outside the vocabulary"):
+        model.hidden_batch([tokens], [state], images=[[]])
+    refused(tokens, [ImageSpan(4, rows[:-1], (1, len(ids) - 2))], "outside the vocabulary")  # END outside it
+    refused(tokens[: 4 + len(ids) - 1], [ImageSpan(4, rows, None)], "inside the call")  # crosses the call's end
+    text_inside = tokens[:5] + [TEXT[0]] + tokens[6:]
+    refused(text_inside, [ImageSpan(4, rows, None)], "not an image sentinel")
+    refused(tokens, [ImageSpan(4, rows[:, :8], None)], "hidden size")
+    refused(tokens, [ImageSpan(4, rows, (1, len(ids)))], "START..END")
+    refused(tokens, [ImageSpan(4, rows, None)], "image router biases", on=ReferenceModel(tiny))
+    with pytest.raises(DwarfStarError, match="no image router bias"):
+        ReferenceModel(tiny).attach_image_biases({0: torch.zeros(TINY.n_routed_experts)})
+
+
+@pytest.mark.parametrize("module", ["dwarfstar.backends.triton.model", "dwarfstar.backends.mlx.model"])
+def test_other_backends_refuse_spans(module):
+    ops_class = {"dwarfstar.backends.triton.model": "TritonOps", "dwarfstar.backends.mlx.model": "MLXOps"}[module]
+    cls = getattr(pytest.importorskip(module), ops_class)
+    with pytest.raises(DwarfStarError, match="reference backend only"):
+        cls.check_images(object.__new__(cls))
