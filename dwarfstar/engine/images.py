@@ -1,0 +1,91 @@
+"""An image as the language model takes it: the encoder's rows, laid out as the image's block (issue 34).
+
+`ImageEncoder` holds a loaded encoder (`model.vision_file.VisionFile`) on a backend (its
+`vision_ops`) and turns a prepared image (`prompt.images.prepare_image`) into the rows of its block at
+a given position of the token stream: the block's layout (`prompt.image_layout.layout`: Vision-Exp's
+depends on the position, through its leading compress pads) with each position's row, the learned
+`image_start` / `image_pad` / `image_newline` / `image_end` vectors for the structure and the aligner's
+rows (by the layout's `perm`) for the image content.
+
+The encoder's output depends only on the image's bytes, so it is kept by their SHA-256 digest, least
+recently used first out, within a byte budget: a conversation that sends the same screenshot in every
+turn encodes it once. The digest is also what the block's token ids are made from
+(`model.image_spans.content_ids`), so the prefix caches tell two images apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dwarfstar.backends.registry import BackendEntry
+from dwarfstar.model.vision import VISION_EXP, VisionArgs, VisionEncoder, special_vectors
+from dwarfstar.model.vision_file import VisionFile
+from dwarfstar.prompt.image_layout import ImageLayout, layout
+from dwarfstar.prompt.images import PreparedImage
+
+CACHE_BYTES = 256 << 20  # encoder outputs kept: a 4096-wide 366-token image is 6 MB in float32
+
+
+@dataclass(frozen=True)
+class ImageBlock:
+    """One image's block at its place: the layout, the rows [len(layout), out_dim] (float32), the digest
+    of the image's bytes, and `attend`: START and END as indices into the block, the range Vision-Exp's
+    window attention reads both ways (None for V4.1, whose image tokens attend causally)."""
+
+    layout: ImageLayout
+    rows: torch.Tensor
+    digest: bytes
+    attend: tuple[int, int] | None
+
+
+def digest(data: bytes) -> bytes:
+    """The identity of an image: the SHA-256 of its encoded bytes."""
+    return hashlib.sha256(data).digest()
+
+
+class ImageEncoder:
+    def __init__(self, vision: VisionFile, entry: BackendEntry, cache_bytes: int = CACHE_BYTES) -> None:
+        self.args: VisionArgs = vision.args
+        self.encoder = VisionEncoder(entry.vision_ops(vision.args, vision.weights()))
+        self.vectors = {name: vision.tensor(name).float() for name in special_vectors(vision.args.family)}
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.encoded = 0  # images run through the encoder (cache misses)
+
+    def content(self, image: PreparedImage, key: bytes) -> torch.Tensor:
+        """The aligner's rows [rows·cols, out_dim] of `image` (float32, host), from the cache by `key`."""
+        rows = self._cache.get(key)
+        if rows is not None:
+            self._cache.move_to_end(key)
+            return rows
+        out = self.encoder.encode(image.pixels, image.grid)
+        rows = (out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out))).float().cpu()
+        self.encoded += 1
+        self._cache[key] = rows
+        while sum(r.nbytes for r in self._cache.values()) > self.cache_bytes and len(self._cache) > 1:
+            self._cache.popitem(last=False)
+        return rows
+
+    def block(self, image: PreparedImage, key: bytes, start: int) -> ImageBlock:
+        """The block of `image` (whose bytes' digest is `key`) with its first token at position `start`."""
+        plan = layout(self.args.family, image.rows, image.cols, start)
+        attend = (plan.pad, len(plan) - 1) if self.args.family == VISION_EXP else None
+        return ImageBlock(plan, assemble(plan, self.content(image, key), self.vectors), key, attend)
+
+
+def assemble(plan: ImageLayout, content: torch.Tensor, vectors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The block's rows: each structural position its learned vector, the k-th IMAGE position the
+    content row `plan.perm[k]`."""
+    by_name = {t.name: f"image_{t.name.lower()}" for t in type(plan.types[0])}
+    rows = torch.empty(len(plan), content.shape[1], dtype=torch.float32)
+    image = [i for i, t in enumerate(plan.types) if t.name == "IMAGE"]
+    rows[image] = content[list(plan.perm)]
+    for i, t in enumerate(plan.types):
+        if t.name != "IMAGE":
+            rows[i] = vectors[by_name[t.name]]
+    return rows
