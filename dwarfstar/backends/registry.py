@@ -109,6 +109,15 @@ class BackendEntry(ABC):
         """The vision encoder's steps on this backend (`model.vision.VisionEncoder` drives them), over
         `tensors`: the encoder checkpoint's, by the names of `args.tensor_shapes()`, any float dtype."""
 
+    def attach_image_biases(self, backend: Backend, biases: Mapping[int, torch.Tensor]) -> None:
+        """Give `backend` the routers' biases for image positions (layer -> [n_routed_experts], from a
+        vision encoder file), which image blocks route by; a backend that cannot run image blocks yet
+        says so."""
+        raise DwarfStarError(
+            f"images run on the reference and cpu backends for now; the {self.name} backend has no image "
+            "input yet (--backend reference or --backend cpu)"
+        )
+
     def settle(self, out: object, batch: Batch) -> None:
         """Finish the work of a pass that stops before the output head (a pipeline stage's): the
         activation `out` and the states `batch` wrote, as `Ops.logits` does at the head. Eager
@@ -152,6 +161,9 @@ class Reference(BackendEntry):
         from dwarfstar.backends.reference.vision import TorchVisionOps
 
         return TorchVisionOps(args, tensors)  # float32 on the CPU (the cpu backend's too)
+
+    def attach_image_biases(self, backend, biases):
+        backend.attach_image_biases(biases)
 
 
 AUTO_CPU_BYTES = 1 << 30  # from this file size `auto` takes the cpu backend over the reference

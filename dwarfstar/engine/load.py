@@ -14,14 +14,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.backends.registry import BackendEntry, Load, backend_entry, pick_backend
+from dwarfstar.engine.images import ImageEncoder
 from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.attach import check_fits, streaming_store
 from dwarfstar.experts.store import ExpertStore
 from dwarfstar.model.loader import ModelFile, open_model
+from dwarfstar.model.vision import VISION_EXP
+from dwarfstar.model.vision_file import VisionFile, open_vision
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 
@@ -33,6 +37,7 @@ class Engine:
     tokenizer: Tokenizer
     load_seconds: float
     experts: ExpertStore | None = None  # the routed-expert cache, with --ssd-streaming
+    images: ImageEncoder | None = None  # the vision encoder, with --vision (engine/images.py)
 
     @property
     def entry(self) -> BackendEntry:
@@ -41,8 +46,8 @@ class Engine:
 
     @property
     def vision(self) -> bool:
-        """Whether the model has a vision encoder to read images with: no loader reads one yet (issue 34),
-        so every request with an image is refused (serving/images.py)."""
+        """Whether the server reads images: not yet, even with --vision (its requests' images do not
+        reach the model yet, issue 34), so every request with an image is refused (serving/images.py)."""
         return False
 
 
@@ -77,11 +82,16 @@ def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = 
     if not stream:  # too big a model is an error naming --ssd-streaming, before any weight loads
         check_fits(model, entry, limit, host_layers)
     direction = steering.read(model.args) if steering is not None else None  # a bad file fails before the weights load
+    vision = open_encoder(spec.vision, model) if spec.vision is not None else None  # so does a bad encoder
     slots = spec.kv_slots or entry.kv_slots
     load = Load(
         spec.qat, spec.precision, spec.ctx, slots, stream, progress=progress, threads=spec.threads, cpu_moe=host_layers
     )
     impl = entry.load(model, load)
+    images = None
+    if vision is not None:
+        entry.attach_image_biases(impl, vision.image_router_biases())
+        images = ImageEncoder(vision, entry)
     experts = None
     if streaming is not None:
         experts = streaming_store(model, entry, limit, streaming)
@@ -94,4 +104,30 @@ def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = 
         check_drafter(spec.speculation, impl, model)
     if progress is not None and not entry.reports_progress:
         progress(1, 1)  # this backend reports no steps; still finish the bar
-    return Engine(model, impl, name, tokenizer, time.perf_counter() - start, experts)
+    return Engine(model, impl, name, tokenizer, time.perf_counter() - start, experts, images)
+
+
+def open_encoder(path: Path, model: ModelFile) -> VisionFile:
+    """The vision encoder at `path`, checked against the language model it feeds: its output width, and
+    the image router biases (a bias of the model's expert count for each of its layers)."""
+    vision = open_vision(path)
+    args, lm = vision.args, model.args
+    if args.out_dim != lm.dim:
+        raise DwarfStarError(
+            f"the vision encoder {path} writes rows {args.out_dim} wide; {model.path.name}'s hidden size is "
+            f"{lm.dim}: give the encoder made for this model"
+        )
+    biases = vision.image_router_biases()
+    if args.family != VISION_EXP or not biases:
+        raise DwarfStarError(
+            f"{path} is a {args.family} encoder without the image router biases of a V4 Flash Vision-Exp "
+            "sidecar: only Vision-Exp encoders run beside a V4 model for now"
+        )
+    wrong = [il for il, bias in biases.items() if bias.numel() != lm.n_routed_experts]
+    if len(biases) != lm.n_layers or wrong:
+        raise DwarfStarError(
+            f"the vision encoder {path} carries image router biases for {len(biases)} layers of "
+            f"{next(iter(biases.values())).numel()} experts; {model.path.name} has {lm.n_layers} layers of "
+            f"{lm.n_routed_experts}: give the encoder made for this model"
+        )
+    return vision

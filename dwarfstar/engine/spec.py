@@ -47,9 +47,12 @@ class EngineSpec:
     power: int = 100  # keep the device about this % busy (`dwarfstar.session.throttle`, applied by the caller)
     threads: int | None = None  # CPU threads of the cpu backend's kernels (default: every core)
     cpu_moe: str | None = None  # "N" or "all": the first N layers' routed experts on the CPU kernels (GPU backends)
+    vision: Path | None = None  # a vision encoder GGUF (ds4's Vision-Exp sidecar): images in the prompt
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))
+        if self.vision is not None:
+            object.__setattr__(self, "vision", Path(self.vision))
         if self.backend not in BACKENDS:
             raise DwarfStarError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         if self.precision not in PRECISIONS:

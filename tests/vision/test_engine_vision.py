@@ -1,0 +1,59 @@
+"""Loading a vision encoder beside a language model (`EngineSpec.vision`, `--vision`): the encoder made
+for the model loads and encodes images; one made for another model, a V4.1 encoder beside a V4 model,
+or a backend without image input is a clear error before any image is read."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
+from dwarfstar.errors import DwarfStarError
+from dwarfstar.model.synthetic import TINY, VISION_PRESETS, write_synthetic_model, write_synthetic_vision
+from dwarfstar.model.vision import V41, VISION_TINY
+from dwarfstar.model.vision_file import RouterShape
+
+ROUTER = VISION_PRESETS["vision-tiny"][1]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision")
+    model, encoder = root / "tiny.gguf", root / "encoder.gguf"
+    write_synthetic_model(model, TINY, seed=0)
+    write_synthetic_vision(encoder, VISION_TINY, seed=1, router=ROUTER)
+    return root, model, encoder
+
+
+def test_the_encoder_made_for_the_model_loads(files):
+    _, model, encoder = files
+    engine = load_engine(EngineSpec(model, "reference", ctx=512, vision=encoder))
+    assert engine.images is not None and engine.images.args.out_dim == TINY.dim
+    assert load_engine(EngineSpec(model, "reference", ctx=512)).images is None
+
+
+@pytest.mark.parametrize(
+    ("args", "router", "says"),
+    [
+        (replace(VISION_TINY, out_dim=2 * TINY.dim), ROUTER, "hidden size is 64"),
+        (VISION_TINY, RouterShape(TINY.n_layers + 1, TINY.n_routed_experts, TINY.n_hash_layers, 1), "7 layers"),
+        (VISION_TINY, RouterShape(TINY.n_layers, 2 * TINY.n_routed_experts, TINY.n_hash_layers, 1), "16 experts"),
+        (replace(VISION_TINY, family=V41, image_token_id=129264), ROUTER, "only Vision-Exp encoders"),
+    ],
+    ids=["width", "layers", "experts", "v4.1"],
+)
+def test_an_encoder_made_for_another_model_is_refused(files, args, router, says):
+    root, model, _ = files
+    other = root / f"other-{says.split()[0]}.gguf"
+    write_synthetic_vision(other, args, seed=1, router=router)
+    with pytest.raises(DwarfStarError, match=says):
+        load_engine(EngineSpec(model, "reference", ctx=512, vision=other))
+
+
+def test_a_backend_without_image_input_says_so(files):
+    pytest.importorskip("mlx.core", reason="mlx does not import (pip install mlx[cpu])")
+    _, model, encoder = files
+    with pytest.raises(DwarfStarError, match="images run on the reference and cpu backends"):
+        load_engine(EngineSpec(model, "mlx", ctx=512, vision=encoder))
