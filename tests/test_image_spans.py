@@ -10,7 +10,7 @@ import torch
 
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.model.image_spans import IMAGE_TYPES, REACH, ImageSpan
+from dwarfstar.model.image_spans import IMAGE_IDS, IMAGE_TYPES, REACH, ImageSpan, content_ids
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.numerics import route
 from dwarfstar.model.synthetic import TINY
@@ -178,6 +178,33 @@ def test_window_bounds_follow_the_reference_rule():
             assert (int(lo[k]), int(hi[k])) == (keys[0], keys[-1]), (window, k)
 
 
+def test_any_ids_past_the_vocabulary_mark_an_image_position(model):
+    """The ids at a span's positions only say "image": content ids (and ids up to IMAGE_IDS - 1) give the
+    sentinels' logits bit for bit; outside a span the same ids are refused."""
+    ids, rows = block(1, 7)
+    span = ImageSpan(6, rows, (1, len(ids) - 1))
+    want = run(model, TEXT[:6] + ids + TEXT[6:14], [span])
+    for other in (content_ids(b"some image", len(ids), VOCAB), [IMAGE_IDS - 1 - i for i in range(len(ids))]):
+        assert other != ids and min(other) >= VOCAB
+        assert torch.equal(run(model, TEXT[:6] + other + TEXT[6:14], [span]), want)
+    with pytest.raises(DwarfStarError, match="outside the vocabulary"):
+        run(model, TEXT[:6] + other + TEXT[6:14] + [other[0]], [span])
+
+
+def test_content_ids_identify_the_image_and_the_block():
+    """content_ids: deterministic, in [vocab, IMAGE_IDS), distinct within a block; another digest or
+    another length gives ids that differ at every index (no shared prefix)."""
+    a = content_ids(b"\x01" * 32, 600, VOCAB)
+    assert a == content_ids(b"\x01" * 32, 600, VOCAB)
+    assert len(set(a)) == 600 and VOCAB <= min(a) and max(a) < IMAGE_IDS
+    for b in (content_ids(b"\x02" + b"\x01" * 31, 600, VOCAB), content_ids(b"\x01" * 32, 601, VOCAB)):
+        assert all(x != y for x, y in zip(a, b, strict=False))
+    tight = content_ids(b"x", 50, IMAGE_IDS - 50)  # as many ids as positions: a permutation of them
+    assert sorted(tight) == list(range(IMAGE_IDS - 50, IMAGE_IDS))
+    with pytest.raises(DwarfStarError, match="more positions than image ids"):
+        content_ids(b"x", 51, IMAGE_IDS - 50)
+
+
 def test_bad_spans_are_refused_before_any_state_changes(model, tiny):
     ids, rows = block(1, 5)
     tokens = TEXT[:4] + ids + TEXT[4:8]
@@ -194,7 +221,9 @@ def test_bad_spans_are_refused_before_any_state_changes(model, tiny):
     refused(tokens, [ImageSpan(4, rows[:-1], (1, len(ids) - 2))], "outside the vocabulary")  # END outside it
     refused(tokens[: 4 + len(ids) - 1], [ImageSpan(4, rows, None)], "inside the call")  # crosses the call's end
     text_inside = tokens[:5] + [TEXT[0]] + tokens[6:]
-    refused(text_inside, [ImageSpan(4, rows, None)], "not an image sentinel")
+    refused(text_inside, [ImageSpan(4, rows, None)], "not an image id")
+    too_far = tokens[:5] + [IMAGE_IDS] + tokens[6:]  # past what a saved state's u32 tokens keep
+    refused(too_far, [ImageSpan(4, rows, None)], "not an image id")
     refused(tokens, [ImageSpan(4, rows[:, :8], None)], "hidden size")
     refused(tokens, [ImageSpan(4, rows, (1, len(ids)))], "START..END")
     refused(tokens, [ImageSpan(4, rows, None)], "image router biases", on=ReferenceModel(tiny))

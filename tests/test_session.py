@@ -152,11 +152,11 @@ class OwnSampling:
     def new_state(self):
         return self.inner.new_state()
 
-    def forward(self, tokens, state, all_logits=True):
-        return self.inner.forward(tokens, state, all_logits)
+    def forward(self, tokens, state, all_logits=True, images=None):
+        return self.inner.forward(tokens, state, all_logits, images=images)
 
-    def forward_batch(self, token_lists, states, all_logits=False):
-        return self.inner.forward_batch(token_lists, states, all_logits)
+    def forward_batch(self, token_lists, states, all_logits=False, images=None):
+        return self.inner.forward_batch(token_lists, states, all_logits, images=images)
 
     def sample_batch(self, logits, samplers):
         self.calls.append((tuple(logits.shape), len(samplers)))

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.state import SequenceState
 from dwarfstar.sampling import Sampler
 
@@ -22,12 +23,27 @@ class Backend(Protocol):
     def new_state(self) -> SequenceState: ...
 
     def forward(
-        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
-    ) -> torch.Tensor: ...
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        state: SequenceState,
+        all_logits: bool = True,
+        images: Sequence[ImageSpan] | None = None,
+    ) -> torch.Tensor:
+        """Logits after the tokens, which continue `state`. `images`: the call's image blocks
+        (`dwarfstar.model.image_spans.ImageSpan`, offsets into `tokens`, each wholly inside it), or None;
+        a backend that cannot run them refuses them with a clear error before any state changes."""
+        ...
 
     def forward_batch(
-        self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits: bool
-    ) -> list[torch.Tensor]: ...
+        self,
+        token_lists: Sequence[Sequence[int] | torch.Tensor],
+        states: Sequence[SequenceState],
+        all_logits: bool,
+        images: Sequence[Sequence[ImageSpan]] | None = None,
+    ) -> list[torch.Tensor]:
+        """Several sequences in one pass; `images`: each sequence's image blocks, as `forward` takes
+        them (None: no sequence has any)."""
+        ...
 
     def sample_batch(self, logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
         """One token per row of logits [B, vocab] on the backend's device, with one host sync."""

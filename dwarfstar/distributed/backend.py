@@ -13,6 +13,7 @@ from dwarfstar.distributed.protocol import DistError
 from dwarfstar.distributed.route import ReplayNeeded, Route
 from dwarfstar.distributed.route_state import RouteState
 from dwarfstar.model.forward import Batch, forward_then_sample
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.state import SequenceState
 from dwarfstar.sampling import Sampler, sample_batch
 
@@ -54,9 +55,13 @@ class RouteBackend:
         return state
 
     def forward(
-        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        state: SequenceState,
+        all_logits: bool = True,
+        images: Sequence[ImageSpan] | None = None,
     ) -> torch.Tensor:
-        return self.forward_batch([tokens], [state], all_logits)[0]
+        return self.forward_batch([tokens], [state], all_logits, None if images is None else [images])[0]
 
     @torch.inference_mode()
     def forward_batch(
@@ -64,7 +69,11 @@ class RouteBackend:
         token_lists: Sequence[Sequence[int] | torch.Tensor],
         states: Sequence[SequenceState],
         all_logits: bool = False,
+        images: Sequence[Sequence[ImageSpan]] | None = None,
     ) -> list[torch.Tensor]:
+        if images is not None and any(images):
+            # the stages' messages carry token ids, and a stage rebuilds a lost session by replaying them
+            raise DistError("image spans do not run over a distributed route (issue 34): run them on one machine")
         if any(not isinstance(s, RouteState) or s.route is not self.route for s in states):
             raise DistError("a route runs only the states it made (backend.new_state())")
         with self.route.lock:

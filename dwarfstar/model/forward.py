@@ -164,8 +164,8 @@ class Ops(Protocol[A, S]):
     def embed(self, batch: Batch[S]) -> A | None:
         """The embedding rows copied into the hc_mult streams [N, n, dim] (None when it holds no
         embedding: a later pipeline stage, whose streams arrive from the previous one). The rows of a
-        segment's image spans take their positions' places before the copy (their ids, the image
-        sentinels, are past the embedding table)."""
+        segment's image spans take their positions' places before the copy (their ids, image ids,
+        are past the embedding table)."""
         ...
 
     def hc_pre(self, il: int, site: Site, h: A, batch: Batch[S]) -> tuple[A, Any]:
@@ -237,7 +237,7 @@ class Ops(Protocol[A, S]):
         token's hash-table ids), weights the chosen unbiased scores renormalised times route_scale.
 
         A row at an image span's position selects top-k by score + the layer's image bias (`bias_vl`),
-        in hash-routed layers too (instead of the table, which never sees its sentinel id); its
+        in hash-routed layers too (instead of the table, which never sees its image id); its
         weights are a text row's: the chosen unbiased scores renormalised times route_scale."""
         ...
 
@@ -511,11 +511,16 @@ class Transformer(Generic[A, S]):
         return logits, h
 
     def forward(
-        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        state: SequenceState,
+        all_logits: bool = True,
+        images: Sequence[ImageSpan] | None = None,
     ) -> torch.Tensor:
         """Logits after the T tokens, which continue `state`: [T, vocab] with `all_logits`, else
-        [1, vocab] (prefill skips the output head for every other position)."""
-        return self.forward_batch([tokens], [state], all_logits)[0]
+        [1, vocab] (prefill skips the output head for every other position). `images`: the call's
+        image spans (offsets into `tokens`), or None."""
+        return self.forward_batch([tokens], [state], all_logits, None if images is None else [images])[0]
 
     def decode_sample(self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence) -> list[int]:
         """A decode step (one token per state), then each state's next token drawn by its sampler."""

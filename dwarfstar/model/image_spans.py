@@ -6,17 +6,24 @@ order: `dwarfstar.prompt.image_layout`); the language model needs to know where 
 and how the two places that treat images differently see it:
 
 - routing: every position of the block is an image position (Vision-Exp masks `input_ids >= vocab`: all
-  its sentinels, the leading PADs included), whose router selects by the layer's image bias `bias_vl`;
+  its positions, the leading PADs included), whose router selects by the layer's image bias `bias_vl`;
 - attention (Vision-Exp): inside START..END (inclusive; the leading PADs are outside) the sliding-window
   branch is bidirectional: a position i sees back to max(start, i - (REACH - 1)) and forward to
   min(end, i + REACH), beyond its causal window; the compressed rows and the indexer stay causal.
 
-The ids at a block's positions are the sentinels `vocab_size + type` (Vision-Exp's five types, START 0,
-PAD 1, IMAGE 2, NEWLINE 3, END 4); `check_batch` allows them there and nowhere else.
+The ids at a block's positions are any ids in [vocab_size, 2**31) (`IMAGE_IDS`): the model reads them only
+to know the positions are image positions (their rows come from the span; a table looked up by id, the
+embedding or a hash layer's, reads 0 there). Vision-Exp's sentinels `vocab_size + type` (five types, START
+0, PAD 1, IMAGE 2, NEWLINE 3, END 4) are such ids, but two images of the same size would then give the
+same token list, and every token-based prefix match (live sessions, checkpoints, the disk KV cache) would
+reuse one image's KV for the other. So the caller gives each block ids that identify its image:
+`content_ids(digest, length, vocab_size)`, from the image's content hash and the block's length, distinct
+within the block. `check_batch` allows ids past the vocabulary at span positions and nowhere else.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +32,33 @@ from dwarfstar.errors import DwarfStarError
 
 REACH = 384  # Vision-Exp's `vision_max_n_token`: how far a span position sees across its span
 IMAGE_TYPES = 5  # Vision-Exp's sentinel types: ids vocab_size .. vocab_size + 4
+IMAGE_IDS = 2**31  # ids at span positions lie in [vocab_size, IMAGE_IDS): a saved state keeps tokens as u32
+
+
+def content_ids(digest: bytes, length: int, vocab_size: int) -> list[int]:
+    """The ids of an image block of `length` positions whose image has content hash `digest`: in
+    [vocab_size, IMAGE_IDS), distinct within the block, each a hash of the digest, the length and its
+    index (so another image, or the same image laid out to another length, shares no id at the same
+    index but by a 64-bit hash collision's chance, and token-based prefix matches stop at the block)."""
+    if not 0 < vocab_size < IMAGE_IDS or length < 0:
+        raise DwarfStarError(f"no image ids for a block of {length} positions past a vocabulary of {vocab_size}")
+    if length > IMAGE_IDS - vocab_size:
+        raise DwarfStarError(f"an image block of {length} positions has more positions than image ids")
+    n = IMAGE_IDS - vocab_size
+    seed = hashlib.blake2b(bytes(digest) + length.to_bytes(8, "little"), digest_size=32).digest()
+    ids: list[int] = []
+    seen: set[int] = set()
+    for i in range(length):
+        salt = 0
+        while True:  # a repeat within the block (about length**2 / 2**32 for the first) draws again
+            key = i.to_bytes(8, "little") + salt.to_bytes(4, "little")
+            draw = vocab_size + int.from_bytes(hashlib.blake2b(key, key=seed, digest_size=8).digest(), "little") % n
+            if draw not in seen:
+                break
+            salt += 1
+        seen.add(draw)
+        ids.append(draw)
+    return ids
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,7 +136,7 @@ def image_mask(spans: tuple[ImageSpan, ...], n_tokens: int) -> torch.Tensor:
 
 def check_spans(tokens: torch.Tensor, spans: tuple[ImageSpan, ...], vocab_size: int) -> torch.Tensor:
     """The image mask of one sequence's call (`image_mask`) once its spans are known to lie inside it, in
-    order, apart, and to hold only sentinel ids `vocab_size + type`."""
+    order, apart, and to hold only image ids (past the vocabulary, below `IMAGE_IDS`)."""
     n, last = tokens.numel(), 0
     for span in spans:
         span.check(n)
@@ -110,11 +144,11 @@ def check_spans(tokens: torch.Tensor, spans: tuple[ImageSpan, ...], vocab_size: 
             raise DwarfStarError(f"image spans overlap or are out of order (one starts at {span.offset})")
         last = span.stop
         ids = tokens[span.offset : span.stop]
-        bad = ((ids < vocab_size) | (ids >= vocab_size + IMAGE_TYPES)).nonzero()
+        bad = ((ids < vocab_size) | (ids >= IMAGE_IDS)).nonzero()
         if bad.numel():
             at = int(bad[0])
             raise DwarfStarError(
-                f"position {span.offset + at} of an image span holds id {int(ids[at])}, not an image sentinel "
-                f"({vocab_size}..{vocab_size + IMAGE_TYPES - 1})"
+                f"position {span.offset + at} of an image span holds id {int(ids[at])}, not an image id "
+                f"({vocab_size}..{IMAGE_IDS - 1})"
             )
     return image_mask(spans, n)

@@ -569,7 +569,7 @@ def check_batch(
 
     Every backend runs this, so a context overflow or an out-of-vocabulary id is the same clear error
     everywhere, and a failed batch leaves every state untouched. `images`: each sequence's image spans
-    (`dwarfstar.model.image_spans`), whose positions hold the image sentinels (ids past the vocabulary),
+    (`dwarfstar.model.image_spans`), whose positions hold image ids (past the vocabulary: `content_ids`),
     allowed there only; each span lies wholly inside its call.
     """
     chunks = [torch.as_tensor(t, dtype=torch.long).flatten() for t in token_lists]

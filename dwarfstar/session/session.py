@@ -6,17 +6,22 @@ window rows and compressor frontiers of the earlier position are gone), so the s
 checkpoints and replays from the nearest one. A checkpoint is kept where a prefill pass ends on a
 chunk boundary or on a mark: the caller marks where a prompt's messages start and where it ends
 (`mark`), the places a client's next request is likeliest to cut back to, which then replay nothing.
+
+Image blocks (`ImageSpan`, issue 34) come with the prompt that holds them (`prefill(..., images=)`): the
+session keeps each by its first position, so a replay reruns it exactly, and never splits one between
+passes (see `room`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
+from dwarfstar.model.image_spans import ImageSpan, check_spans
 from dwarfstar.model.state import StateSnapshot
 from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.sampling import Sampler, SamplingParams, redraw_refused
@@ -48,6 +53,7 @@ class Session:
         self.stats = PrefillStats()
         self._checkpoints: list[StateSnapshot] = []
         self._marks: set[int] = set()  # positions ahead where a pass ends and a checkpoint is kept
+        self._images: dict[int, ImageSpan] = {}  # the sequence's image blocks by first position (offset: it)
 
     # -- read-only views ---------------------------------------------------------------------------
     @property
@@ -68,11 +74,26 @@ class Session:
         """Positions the session can be cut back to without replaying."""
         return [c.pos for c in self._checkpoints]
 
-    def room(self) -> int:
-        """Tokens the next prefill pass may take: up to the next chunk boundary or mark."""
+    @property
+    def images(self) -> list[ImageSpan]:
+        """The sequence's image blocks in order, each's `offset` its first position in the sequence."""
+        return [self._images[p] for p in sorted(self._images)]
+
+    def room(self, images: Sequence[ImageSpan] = ()) -> int:
+        """Tokens the next prefill pass may take: up to the next chunk boundary or mark. A pass never
+        splits an image block: with `images`, the blocks ahead (offsets from the next position), a
+        boundary inside a block moves back to its start, or, where the block starts the pass, on to
+        its end (the pass then runs past the boundary, and the checkpoint it keeps lands after the
+        block)."""
         pos = self.state.pos
         end = pos + self.chunk - pos % self.chunk
-        return min((m for m in self._marks if pos < m < end), default=end) - pos
+        end = min((m for m in self._marks if pos < m < end), default=end)
+        for span in images:
+            start, stop = pos + span.offset, pos + span.stop
+            if start < end < stop:
+                end = stop if start == pos else start
+                break
+        return end - pos
 
     def mark(self, positions: Iterable[int]) -> None:
         """Keep a checkpoint at each of these positions ahead (a prompt's message starts, its end):
@@ -85,26 +106,36 @@ class Session:
         tokens: Sequence[int],
         on_chunk: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        images: Sequence[ImageSpan] = (),
     ) -> torch.Tensor:
         """Append tokens in chunks; returns the next-token logits.
 
         `on_chunk(done, total)` reports progress; `should_stop()` is polled between chunks and raises
-        `Cancelled`, leaving the session valid at the last completed chunk.
+        `Cancelled`, leaving the session valid at the last completed chunk. `images`: the image blocks
+        among the tokens (`ImageSpan`, offsets into `tokens`, each wholly inside them, their positions
+        holding image ids: `content_ids`), checked before any pass runs; each runs whole in one pass.
         """
         tokens = list(tokens)
         self._check_room(len(tokens))
+        spans = self._check_images(tokens, images)
         self.stats.requested += len(tokens)
-        return self._run(tokens, on_chunk, should_stop)
+        return self._run(tokens, spans, on_chunk, should_stop)
 
-    def _run(self, tokens: list[int], on_chunk=None, should_stop=None) -> torch.Tensor:
+    def _run(self, tokens: list[int], spans: Sequence[ImageSpan] = (), on_chunk=None, should_stop=None) -> torch.Tensor:
+        """Run `tokens` from the state's position in passes; `spans`: their image blocks, offsets into
+        `tokens`, in order."""
         done = 0
         while done < len(tokens):
             if should_stop is not None and should_stop():
                 raise Cancelled(f"stopped after {done} of {len(tokens)} prompt tokens")
             # passes end on multiples of the chunk size and on marks, so checkpoints land on the same
-            # positions whatever the caller's split
-            end = min(len(tokens), done + self.room())
-            self.backend.forward(tokens[done:end], self.state, all_logits=False)
+            # positions whatever the caller's split (an image block moves such an end to one of its own)
+            ahead = [replace(s, offset=s.offset - done) for s in spans if s.offset >= done]
+            end = min(len(tokens), done + self.room(ahead))
+            mine = [s for s in ahead if s.stop <= end - done]
+            self.backend.forward(tokens[done:end], self.state, all_logits=False, images=mine or None)
+            base = self.state.pos - (end - done)
+            self._images.update((base + s.offset, replace(s, offset=base + s.offset)) for s in mine)
             self._computed(end - done)
             done = end
             if on_chunk is not None:
@@ -160,11 +191,20 @@ class Session:
 
     # -- going back ------------------------------------------------------------------------------------
     def truncate(self, n_tokens: int) -> None:
-        """Keep only the first n_tokens, exactly as if the rest had never been seen."""
+        """Keep only the first n_tokens, exactly as if the rest had never been seen: the image blocks
+        among them rerun in the replay as they ran. A cut inside an image block is refused (the block
+        would replay partly, which no prefill could have run): cut before its first position or after
+        its last."""
         if not 0 <= n_tokens <= len(self.tokens):
             raise DwarfStarError(f"cannot truncate {len(self.tokens)} tokens to {n_tokens}")
         if n_tokens == len(self.tokens):
             return
+        for span in self._images.values():
+            if span.offset < n_tokens < span.stop:
+                raise DwarfStarError(
+                    f"cannot truncate to {n_tokens} tokens: an image block holds positions {span.offset}.."
+                    f"{span.stop - 1}; cut at {span.offset} or at {span.stop} or later"
+                )
         tokens = list(self.tokens[:n_tokens])
         start = self._best_checkpoint(n_tokens)
         if start is None:
@@ -172,18 +212,26 @@ class Session:
         else:
             self.state.restore(start)
         self._checkpoints = [c for c in self._checkpoints if c.pos <= self.state.pos]
-        self._run(tokens[self.state.pos :])
+        self._images = {p: s for p, s in self._images.items() if s.stop <= n_tokens}
+        pos = self.state.pos
+        replay = [replace(s, offset=s.offset - pos) for p, s in sorted(self._images.items()) if p >= pos]
+        self._run(tokens[pos:], replay)
 
     def snapshot(self) -> StateSnapshot:
         return self.state.snapshot()
 
     def restore(self, snap: StateSnapshot) -> None:
+        """Back to a snapshot of this session (`snapshot`); the image blocks it holds stay known (a block
+        the session has dropped since, by a cut before it, is not brought back: the replay of a later
+        cut then refuses its ids)."""
         self.state.restore(snap)
         self._checkpoints = [c for c in self._checkpoints if c.pos <= snap.pos and self.state.can_restore(c)]
+        self._images = {p: s for p, s in self._images.items() if s.stop <= snap.pos}
 
     def reset(self) -> None:
         self.state = self.backend.new_state()
         self._checkpoints.clear()
+        self._images.clear()
 
     # -- internals -------------------------------------------------------------------------------------
     def _check_room(self, n: int) -> None:
@@ -192,12 +240,30 @@ class Session:
                 f"context overflow: {self.state.pos} tokens in the session + {n} new exceed the context of {self.ctx}"
             )
 
+    def _check_images(self, tokens: list[int], images: Sequence[ImageSpan]) -> list[ImageSpan]:
+        """The call's image blocks in order, once they are known to lie inside it apart, to hold image
+        ids, to be as wide as the model, and the ids outside them to be the vocabulary's (a clear error
+        before any pass, not after some)."""
+        spans = sorted(images, key=lambda s: s.offset)
+        if spans:
+            vocab = self.backend.args.vocab_size
+            ids = torch.tensor(tokens, dtype=torch.long)
+            text = ids[~check_spans(ids, tuple(spans), vocab)]
+            bad = text[(text < 0) | (text >= vocab)]
+            if bad.numel():
+                raise DwarfStarError(f"token id {int(bad[0])} is outside the vocabulary (0..{vocab - 1})")
+            for span in spans:
+                span.check_width(self.backend.args.dim)
+        return spans
+
     def _computed(self, n_tokens: int) -> None:
-        """Count a pass's tokens; one that ended on a chunk boundary or a mark leaves a checkpoint there."""
+        """Count a pass's tokens; one that ended on a chunk boundary or a mark, or ran over one (an image
+        block that starts the pass runs to its end), leaves a checkpoint where it ended."""
         self.stats.computed += n_tokens
         pos = self.state.pos
-        if pos % self.chunk == 0 or pos in self._marks:
-            self._marks.discard(pos)
+        crossed = {m for m in self._marks if pos - n_tokens < m <= pos}
+        if crossed or pos // self.chunk > (pos - n_tokens) // self.chunk:
+            self._marks -= crossed
             self._checkpoint()
 
     def _checkpoint(self) -> None:
@@ -238,22 +304,37 @@ def sample_next(sessions: Sequence[Session], samplers: Sequence[Sampler]) -> lis
     return redraw_refused([s.logits for s in sessions], samplers, drawn)
 
 
-def prefill_batch(sessions: Sequence[Session], pieces: Sequence[Sequence[int]]) -> None:
+def prefill_batch(
+    sessions: Sequence[Session],
+    pieces: Sequence[Sequence[int]],
+    images: Sequence[Sequence[ImageSpan]] | None = None,
+) -> None:
     """Prompt pieces of several sessions on the same backend in one batched pass, so that requests
     which arrive together start decoding together.
 
     Each piece ends at or before its session's next chunk boundary or mark (where `Session.prefill`
-    would split it), so the call is one forward: refused whole by its checks, or run whole. A session
-    that reaches a boundary keeps a checkpoint there, as its own prefill would.
+    would split it; `Session.room` of the piece's image blocks), so the call is one forward: refused
+    whole by its checks, or run whole. A session that reaches a boundary keeps a checkpoint there, as
+    its own prefill would. `images`: each piece's image blocks (offsets into the piece), or None.
     """
     backend = _one_backend(sessions)
-    for session, piece in zip(sessions, pieces, strict=True):
+    pieces = [list(p) for p in pieces]
+    if images is None:
+        images = [()] * len(pieces)
+    if len(images) != len(pieces):
+        raise DwarfStarError(f"{len(images)} image span lists for {len(pieces)} pieces")
+    spans = []
+    for session, piece, mine in zip(sessions, pieces, images, strict=True):
         session._check_room(len(piece))
-        room = session.room()
+        spans.append(session._check_images(piece, mine))
+        room = session.room(spans[-1])
         if len(piece) > room:
             raise DwarfStarError(f"a piece of {len(piece)} tokens crosses the checkpoint boundary {room} tokens ahead")
-    backend.forward_batch([list(p) for p in pieces], [s.state for s in sessions], all_logits=False)
-    for session, piece in zip(sessions, pieces, strict=True):
+    states = [s.state for s in sessions]
+    backend.forward_batch(pieces, states, all_logits=False, images=spans if any(spans) else None)
+    for session, piece, mine in zip(sessions, pieces, spans, strict=True):
+        base = session.state.pos - len(piece)
+        session._images.update((base + s.offset, replace(s, offset=base + s.offset)) for s in mine)
         session.stats.requested += len(piece)
         session._computed(len(piece))
 

@@ -22,6 +22,7 @@ from dwarfstar.backends.protocol import Backend
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.forward import Transformer
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.state import SequenceState
 from dwarfstar.sampling import Sampler
 
@@ -80,14 +81,22 @@ class ThrottledBackend:
         return getattr(self.inner, name)
 
     def forward(
-        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        state: SequenceState,
+        all_logits: bool = True,
+        images: Sequence[ImageSpan] | None = None,
     ) -> torch.Tensor:
-        return self.duty.timed(self.inner.forward)(tokens, state, all_logits)
+        return self.duty.timed(self.inner.forward)(tokens, state, all_logits, images=images)
 
     def forward_batch(
-        self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False
+        self,
+        token_lists: Sequence[Sequence[int] | torch.Tensor],
+        states: Sequence[SequenceState],
+        all_logits=False,
+        images: Sequence[Sequence[ImageSpan]] | None = None,
     ) -> list[torch.Tensor]:
-        return self.duty.timed(self.inner.forward_batch)(token_lists, states, all_logits)
+        return self.duty.timed(self.inner.forward_batch)(token_lists, states, all_logits, images=images)
 
     def decode_sample(
         self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler]

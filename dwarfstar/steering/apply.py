@@ -28,6 +28,7 @@ from dwarfstar.backends.protocol import Backend
 from dwarfstar.backends.registry import entry_of
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.forward import Batch, HookPoint, Transformer
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.state import SequenceState
 from dwarfstar.sampling import Sampler
 from dwarfstar.session.session import Session
@@ -143,16 +144,24 @@ class SteeredBackend:
         self.steering.stage([p[0] for p in pairs], [p[1] for p in pairs])
 
     def forward(
-        self, tokens: Sequence[int] | torch.Tensor, state: SequenceState, all_logits: bool = True
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        state: SequenceState,
+        all_logits: bool = True,
+        images: Sequence[ImageSpan] | None = None,
     ) -> torch.Tensor:
         self._stage([tokens], [state])
-        return self.inner.forward(tokens, state, all_logits)
+        return self.inner.forward(tokens, state, all_logits, images=images)
 
     def forward_batch(
-        self, token_lists: Sequence[Sequence[int] | torch.Tensor], states: Sequence[SequenceState], all_logits=False
+        self,
+        token_lists: Sequence[Sequence[int] | torch.Tensor],
+        states: Sequence[SequenceState],
+        all_logits=False,
+        images: Sequence[Sequence[ImageSpan]] | None = None,
     ) -> list[torch.Tensor]:
         self._stage(token_lists, states)
-        return self.inner.forward_batch(token_lists, states, all_logits)
+        return self.inner.forward_batch(token_lists, states, all_logits, images=images)
 
     def decode_sample(
         self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler]

@@ -168,13 +168,13 @@ class CallingBackend:
     def new_state(self):
         return self.inner.new_state()
 
-    def forward(self, tokens, state, all_logits=True):
-        out = self.inner.forward(tokens, state, all_logits)
+    def forward(self, tokens, state, all_logits=True, images=None):
+        out = self.inner.forward(tokens, state, all_logits, images=images)
         self._steer(state)
         return out
 
-    def forward_batch(self, token_lists, states, all_logits=False):
-        out = self.inner.forward_batch(token_lists, states, all_logits)
+    def forward_batch(self, token_lists, states, all_logits=False, images=None):
+        out = self.inner.forward_batch(token_lists, states, all_logits, images=images)
         for state in states:
             self._steer(state)
         return out

@@ -51,13 +51,13 @@ class EndsAtOnce:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def forward(self, tokens, state, all_logits: bool = True):
-        out = self.inner.forward(tokens, state, all_logits)
+    def forward(self, tokens, state, all_logits: bool = True, images=None):
+        out = self.inner.forward(tokens, state, all_logits, images=images)
         self._end(state)
         return out
 
-    def forward_batch(self, token_lists, states, all_logits: bool = False):
-        out = self.inner.forward_batch(token_lists, states, all_logits)
+    def forward_batch(self, token_lists, states, all_logits: bool = False, images=None):
+        out = self.inner.forward_batch(token_lists, states, all_logits, images=images)
         for state in states:
             self._end(state)
         return out

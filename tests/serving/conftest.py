@@ -93,15 +93,15 @@ class ScriptedBackend:
     def new_state(self) -> SequenceState:
         return self.inner.new_state()
 
-    def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> torch.Tensor:
+    def forward(self, tokens, state: SequenceState, all_logits: bool = True, images=None) -> torch.Tensor:
         self._maybe_fail([state])
-        out = self.inner.forward(tokens, state, all_logits)
+        out = self.inner.forward(tokens, state, all_logits, images=images)
         self._steer(state)
         return out
 
-    def forward_batch(self, token_lists, states: Sequence[SequenceState], all_logits: bool = False):
+    def forward_batch(self, token_lists, states: Sequence[SequenceState], all_logits: bool = False, images=None):
         self._maybe_fail(states)
-        out = self.inner.forward_batch(token_lists, states, all_logits)
+        out = self.inner.forward_batch(token_lists, states, all_logits, images=images)
         for state in states:
             self._steer(state)
         return out

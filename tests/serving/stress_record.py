@@ -105,13 +105,13 @@ class Recorder:
     def new_state(self) -> SequenceState:
         return self.inner.new_state()
 
-    def forward(self, tokens, state: SequenceState, all_logits: bool = True) -> torch.Tensor:
-        return self.forward_batch([tokens], [state], all_logits)[0]
+    def forward(self, tokens, state: SequenceState, all_logits: bool = True, images=None) -> torch.Tensor:
+        return self.forward_batch([tokens], [state], all_logits, None if images is None else [images])[0]
 
-    def forward_batch(self, token_lists, states: Sequence[SequenceState], all_logits: bool = False):
+    def forward_batch(self, token_lists, states: Sequence[SequenceState], all_logits: bool = False, images=None):
         lists = [[int(t) for t in tokens] for tokens in token_lists]
         before = [(list(s.tokens), s.slot, shares(s)) for s in states]
-        out = self.inner.forward_batch(token_lists, states, all_logits)
+        out = self.inner.forward_batch(token_lists, states, all_logits, images=images)
         with self._lock:
             self._note(lists, states, before)
         return out

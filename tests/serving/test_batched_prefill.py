@@ -34,16 +34,16 @@ class HoldsFirstPrefill:
     def new_state(self) -> SequenceState:
         return self.inner.new_state()
 
-    def forward(self, tokens, state, all_logits: bool = True):
-        return self.forward_batch([tokens], [state], all_logits)[0]
+    def forward(self, tokens, state, all_logits: bool = True, images=None):
+        return self.forward_batch([tokens], [state], all_logits, None if images is None else [images])[0]
 
-    def forward_batch(self, token_lists, states: Sequence[SequenceState], all_logits: bool = False):
+    def forward_batch(self, token_lists, states: Sequence[SequenceState], all_logits: bool = False, images=None):
         if any(len(t) > 1 for t in token_lists):
             self.prompts_per_call.append(len(token_lists))
             if HOLD in self.tokenizer.decode(list(token_lists[0])):
                 self.holding.set()
                 assert self.release.wait(60)
-        return self.inner.forward_batch(token_lists, states, all_logits)
+        return self.inner.forward_batch(token_lists, states, all_logits, images=images)
 
     def sample_batch(self, logits, samplers):
         return self.inner.sample_batch(logits, samplers)

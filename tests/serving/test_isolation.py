@@ -30,11 +30,11 @@ class FailsAfterWriting:
     def new_state(self) -> SequenceState:
         return self.inner.new_state()
 
-    def forward(self, tokens, state, all_logits: bool = True):
-        return self.inner.forward(tokens, state, all_logits)
+    def forward(self, tokens, state, all_logits: bool = True, images=None):
+        return self.inner.forward(tokens, state, all_logits, images=images)
 
-    def forward_batch(self, token_lists, states: Sequence[SequenceState], all_logits: bool = False):
-        out = self.inner.forward_batch(token_lists, states, all_logits)
+    def forward_batch(self, token_lists, states: Sequence[SequenceState], all_logits: bool = False, images=None):
+        out = self.inner.forward_batch(token_lists, states, all_logits, images=images)
         if any(MARK in self.tokenizer.decode(state.tokens) for state in states):
             self.marked_steps += 1
             if self.marked_steps >= 3:

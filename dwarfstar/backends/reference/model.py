@@ -80,7 +80,7 @@ class ReferenceStep:
 
     tokens: torch.Tensor  # int64 [N]: every row's id (hash-routed layers look their experts up by it)
     positions: torch.Tensor  # int64 [N]: every row's position
-    # bool [N]: the rows at image-span positions (their ids are sentinels past the vocabulary), or None
+    # bool [N]: the rows at image-span positions (their ids are image ids, past the vocabulary), or None
     # in a call without spans: `embed` and `route` read it
     image: torch.Tensor | None
     # a decode step: one token per sequence, attention and the compressors for all at once (`_decode_step`)
@@ -225,7 +225,7 @@ class ReferenceOps(StreamSteps):
         step = batch.step
         if step.image is None:
             x = self.embedding[step.tokens]
-        else:  # the sentinels are past the table: look up 0 there, then put the spans' rows in place
+        else:  # image ids are past the table: look up 0 there, then put the spans' rows in place
             x = self.embedding[step.tokens.masked_fill(step.image, 0)]
             for seq in batch.seqs:
                 for span in seq.images:
@@ -541,7 +541,7 @@ class ReferenceOps(StreamSteps):
     def route(self, il: int, x: torch.Tensor, batch: Batch[ReferenceStep]) -> tuple[torch.Tensor, torch.Tensor]:
         a, layer, step = self.args, self.layers[il], batch.step
         fixed = None
-        if layer.tid2eid is not None:  # an image row's sentinel looks up 0; its ids come from bias_vl
+        if layer.tid2eid is not None:  # an image row's id looks up 0; its ids come from bias_vl
             fixed = layer.tid2eid[step.tokens if step.image is None else step.tokens.masked_fill(step.image, 0)]
         logits = ops.linear(x, layer.router)
         k, scale = a.n_activated_experts, a.route_scale

@@ -97,7 +97,7 @@ class TritonBackend(TritonModel):
         """Several sequences in one pass: every weight is read once. A decode step of sequences in one
         KV-cache block runs the batch-native kernels (a graph replay where graphs are on); a prefill
         runs attention per sequence. `forward` comes here too."""
-        decode = images is None and all(len(t) == 1 for t in token_lists)
+        decode = not (images is not None and any(images)) and all(len(t) == 1 for t in token_lists)
         if self.graphs is not None and decode and self.graphs.serves(states):
             return self.graphs.step([int(torch.as_tensor(t).flatten()[0]) for t in token_lists], states)[0]
         return super().forward_batch(token_lists, states, all_logits, images)

@@ -598,7 +598,7 @@ class TritonModel(Transformer[torch.Tensor, TritonStep]):
         if all(torch.as_tensor(t).numel() == 1 for t in token_lists):
             for i, state in enumerate(states):
                 blocks.setdefault(state.block, []).append(i)
-        if len(blocks) <= 1 or images is not None:
+        if len(blocks) <= 1 or (images is not None and any(images)):
             return super().forward_batch(token_lists, states, all_logits, images)
         check_batch(token_lists, states, self.args.vocab_size, self.max_seq_len)
         out: list[torch.Tensor] = [torch.empty(0)] * len(states)
