@@ -113,6 +113,13 @@ Power = Annotated[
     typer.Option(min=1, max=100, help="Keep the device about N% busy (sleeps; same output).", rich_help_panel=MODEL),
 ]
 Trace = Annotated[Path | None, output(help="Append a session trace (prompts, cache, text) to FILE.", panel=DEBUG)]
+Vision = Annotated[
+    Path | None,
+    typer.Option(
+        help="A vision encoder GGUF beside the model (ds4's V4 Flash Vision-Exp sidecar), to read images.",
+        rich_help_panel=MODEL,
+    ),
+]
 NoQatRounding = Annotated[
     bool, typer.Option("--no-qat-rounding", help="Skip the FP8 KV / FP4 indexer rounding.", rich_help_panel=DEBUG)
 ]
@@ -484,6 +491,6 @@ class ChatFlags:
     no_qat_rounding: NoQatRounding = False
     trace: Trace = None
 
-    def spec(self, ctx: int) -> EngineSpec:
-        """The engine to load, holding `ctx` tokens."""
-        return self.engine.spec(ctx=ctx, qat=not self.no_qat_rounding, power=self.power)
+    def spec(self, ctx: int, **options: Any) -> EngineSpec:
+        """The engine to load, holding `ctx` tokens, with `options` (`EngineSpec`'s vision)."""
+        return self.engine.spec(ctx=ctx, qat=not self.no_qat_rounding, power=self.power, **options)

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from dwarfstar.commands.apps import app
-from dwarfstar.commands.flags import DEBUG, ChatFlags, Ctx, comma_list, output
+from dwarfstar.commands.flags import DEBUG, ChatFlags, Ctx, Vision, comma_list, output
 from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
     from dwarfstar.console.chat import Chat
     from dwarfstar.engine.load import Engine
+    from dwarfstar.model.image_spans import ImageSpan
     from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 INTERRUPTED_EXIT = 130  # the shell's code for a run stopped by Ctrl+C
@@ -37,14 +38,18 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
         raise DwarfStarError(f"cannot read {prompt_file}: {exc}") from None
 
 
-def one_shot_ids(chat: Chat, tokenizer: Tokenizer, text: str) -> tuple[list[int], bool]:
-    """The prompt ids and whether the reply starts in reasoning. A text that opens with BOS is a
-    rendered prompt (control tokens honoured, no template), as in ds4."""
+def one_shot_prompt(chat: Chat, tokenizer: Tokenizer, text: str) -> tuple[list[int], bool, list[ImageSpan]]:
+    """The prompt ids, whether the reply starts in reasoning, and the image blocks among the ids (the
+    images attached with --image). A text that opens with BOS is a rendered prompt (control tokens
+    honoured, no template), as in ds4."""
     from dwarfstar.tokenizer.specials import BOS, THINK_START
 
     if text.startswith(BOS):
-        return tokenizer.encode_with_specials(text), text.rstrip().endswith(THINK_START)
-    return chat.prompt_ids(pending=text), chat.thinking
+        if chat.images:
+            raise DwarfStarError("--image needs a text prompt: a rendered one (starting with BOS) has no place for it")
+        return tokenizer.encode_with_specials(text), text.rstrip().endswith(THINK_START), []
+    ids, spans = chat.prompt(pending=text)
+    return ids, chat.thinking, spans
 
 
 def write_logits(engine: Engine, ids: list[int], ctx: int, out: Path) -> None:
@@ -90,12 +95,20 @@ def run(
     dump_logprobs: DumpLogprobs = None,
     logprobs_top_k: LogprobsTopK = 20,
     dump_logits: DumpLogits = None,
+    vision: Vision = None,
+    image: Annotated[
+        list[Path] | None, typer.Option("--image", help="An image for the first message (repeatable; needs --vision).")
+    ] = None,
 ) -> None:
     """Chat with the model: one prompt with -p, else an interactive session."""
     from dwarfstar.commands.engines import closing_lines, start
     from dwarfstar.console.repl import run_repl
 
-    spec = flags.spec(ctx)
+    spec = flags.spec(ctx, vision=vision)
+    if image and vision is None:
+        raise DwarfStarError("--image needs a vision encoder: --vision FILE")
+    if image and (prompt_tokens is not None or dump_tokens or dump_logits or dump_logprobs or spec.drafter):
+        raise DwarfStarError("--image goes with a text prompt or the chat, not --prompt-tokens, dumps or speculation")
     text = read_prompt(prompt, prompt_file)
     if text is not None and prompt_tokens is not None:
         raise DwarfStarError("give a text prompt or --prompt-tokens, not both")
@@ -116,14 +129,16 @@ def run(
     engine, route = start(spec)
     try:
         chat = open_chat(engine, spec, flags, system)
+        for path in image or ():
+            chat.attach(path)
         try:
             if not one_shot:
                 run_repl(chat)
             elif ids is not None:
                 answer(chat, spec, ids, False, (dump_logits, dump_logprobs), logprobs_top_k)
             else:
-                answer(chat, spec, *one_shot_ids(chat, engine.tokenizer, text), (dump_logits, dump_logprobs),
-                       logprobs_top_k)  # fmt: skip
+                ids, thinking, spans = one_shot_prompt(chat, engine.tokenizer, text)
+                answer(chat, spec, ids, thinking, (dump_logits, dump_logprobs), logprobs_top_k, spans)
         finally:
             closing_lines(engine, chat.backend, spec.power, chat.prefill_speed, chat.decode_speed)
             if chat.trace:
@@ -156,8 +171,16 @@ def open_chat(engine, spec, flags: ChatFlags, system: str | None) -> Chat:
     )
 
 
-def answer(chat: Chat, spec, ids: list[int], thinking: bool, dumps: tuple[Path | None, Path | None], top_k: int):
-    """One prompt's answer, streamed (speculative with --mtp), or one of the dumps."""
+def answer(
+    chat: Chat,
+    spec,
+    ids: list[int],
+    thinking: bool,
+    dumps: tuple[Path | None, Path | None],
+    top_k: int,
+    images: list[ImageSpan] | None = None,
+):
+    """One prompt's answer (with its image blocks), streamed (speculative with --mtp), or one of the dumps."""
     from dwarfstar.commands.speculate import speculative_reply
     from dwarfstar.console.diagnostics import MAX_LOGPROBS_TOP_K, greedy_logprobs, write_logprobs
     from dwarfstar.console.terminal import Interrupt, note
@@ -175,7 +198,7 @@ def answer(chat: Chat, spec, ids: list[int], thinking: bool, dumps: tuple[Path |
         note(f"wrote {len(steps)} steps to {dump_logprobs}")
     else:
         with Interrupt() as stop:
-            stats = chat.complete(ids, thinking, stop)
+            stats = chat.complete(ids, thinking, stop, images=images or ())
         if stats.finish in ("interrupted", "cancelled"):
             note(f"[{stats.finish}]", "dim")
             raise typer.Exit(INTERRUPTED_EXIT)

@@ -10,13 +10,17 @@ is compared with the session's tokens and only the new suffix is computed.
 Each turn keeps the thinking mode it was asked in, so `/think` and `/nothink` change only the turns
 after them; switching Think-Max changes the preamble after BOS, and the next turn recomputes the
 conversation, as in ds4.
+
+With a vision encoder (`run --vision`), a turn may carry images (`--image`, `/image`), read before its
+text: each becomes its block (engine/images.py), whose ids come from the image's bytes, so the next
+turn reuses the KV through it and a different image is never mistaken for it.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
@@ -24,11 +28,14 @@ from pathlib import Path
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.console.diagnostics import Trace
 from dwarfstar.console.terminal import PrefillProgress, Speed, StreamPrinter
+from dwarfstar.engine.images import expand
 from dwarfstar.engine.load import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.kvcache.payload import read_payload, write_payload
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.prompt.efforts import THINK_MAX_MIN_CTX
+from dwarfstar.prompt.images import ImageError, ImagePart, check_free_of_slots, read_image_file, slot
 from dwarfstar.prompt.render import render_conversation
 from dwarfstar.prompt.render_options import OFFICIAL
 from dwarfstar.sampling import Sampler, SamplingParams
@@ -58,6 +65,7 @@ class Turn:
     user: str
     thinking: bool
     reply: list[int] = field(default_factory=list)  # generated tokens, EOS excluded
+    images: tuple[ImagePart, ...] = ()  # read before the text, in order
 
 
 @dataclass
@@ -96,6 +104,7 @@ class Chat:
         self.sampler = Sampler(params)  # one generator for the whole chat: a seed gives a reproducible chat
         self.max_tokens, self.trace = max_tokens, trace
         self.turns: list[Turn] = []
+        self.images: list[ImagePart] = []  # attached for the next turn (`attach`)
         self.prefill_speed, self.decode_speed = Speed(), Speed()
         self.last: TurnStats | None = None
 
@@ -104,8 +113,31 @@ class Chat:
     def thinking(self) -> bool:
         return self.mode is not ThinkMode.NOTHINK
 
+    def attach(self, path: Path) -> ImagePart:
+        """An image file for the next turn: read and checked now (a clear error for a missing file, an
+        unknown format or a corrupt image), refused without a vision encoder."""
+        if self.engine.images is None:
+            raise DwarfStarError("images need a vision encoder: start with --vision FILE")
+        try:
+            part = read_image_file(path)
+        except ImageError as exc:
+            raise DwarfStarError(str(exc)) from None
+        self.images.append(part)
+        return part
+
     def prompt_ids(self, pending: str | None = None) -> list[int]:
         """The transcript's tokens, plus an unanswered user turn `pending` in the current mode."""
+        return self.prompt(pending)[0]
+
+    def prompt(self, pending: str | None = None) -> tuple[list[int], list[ImageSpan]]:
+        """The transcript's tokens and image blocks, plus an unanswered user turn `pending` in the current
+        mode with the images attached for it."""
+        try:
+            return self._prompt(pending)
+        except ImageError as exc:
+            raise DwarfStarError(str(exc)) from None
+
+    def _prompt(self, pending: str | None) -> tuple[list[int], list[ImageSpan]]:
         max_effort = self.mode is ThinkMode.THINK_MAX
         head = render_conversation(
             [{"role": "system", "content": self.system}],
@@ -113,14 +145,23 @@ class Chat:
             reasoning_effort="max" if max_effort else None,
             options=replace(OFFICIAL, efforts=self.backend.args.reasoning_efforts),
         )
-        ids = self.tokenizer.encode_prompt(head.parts)
-        turns = self.turns if pending is None else [*self.turns, Turn(pending, self.thinking)]
+        ids, spans = self.tokenizer.encode_prompt(head.parts), []
+        turns = (
+            self.turns if pending is None else [*self.turns, Turn(pending, self.thinking, images=tuple(self.images))]
+        )
         for n, turn in enumerate(turns):
-            user = render_conversation([{"role": "user", "content": turn.user}], thinking=turn.thinking, add_bos=False)
-            ids += self.tokenizer.encode_prompt(user.parts)
+            check_free_of_slots(turn.user)
+            content = "".join(slot(k) for k in range(len(turn.images))) + turn.user
+            user = render_conversation([{"role": "user", "content": content}], thinking=turn.thinking, add_bos=False)
+            if turn.images:
+                more, blocks = expand(self.engine.images, self.tokenizer, user.parts, turn.images, base=len(ids))
+                spans += [replace(span, offset=span.offset + len(ids)) for span in blocks]
+                ids += more
+            else:
+                ids += self.tokenizer.encode_prompt(user.parts)
             if n < len(self.turns):
                 ids += [*turn.reply, self.eos]
-        return ids
+        return ids, spans
 
     def set_mode(self, mode: ThinkMode) -> str | None:
         self.mode, warning = allowed_mode(mode, self.session.ctx)
@@ -135,28 +176,39 @@ class Chat:
 
     # -- a turn ---------------------------------------------------------------------------------------
     def ask(self, text: str, should_stop: Callable[[], bool] = lambda: False) -> TurnStats:
-        """Add a user turn and stream the reply to stdout. A turn stopped during prefill is dropped."""
-        ids = self.prompt_ids(pending=text)
-        turn = Turn(text, self.thinking)
-        stats = self.complete(ids, turn.thinking, should_stop, label=f"turn {len(self.turns) + 1}")
+        """Add a user turn, with the images attached for it, and stream the reply to stdout. A turn
+        stopped during prefill is dropped (its images stay attached)."""
+        ids, spans = self.prompt(pending=text)
+        turn = Turn(text, self.thinking, images=tuple(self.images))
+        stats = self.complete(ids, turn.thinking, should_stop, label=f"turn {len(self.turns) + 1}", images=spans)
         if stats.finish != "cancelled":
             turn.reply = stats.ids
             self.turns.append(turn)
+            self.images = []
         return stats
 
     def complete(
-        self, ids: list[int], thinking: bool, should_stop: Callable[[], bool] = lambda: False, label: str = "prompt"
+        self,
+        ids: list[int],
+        thinking: bool,
+        should_stop: Callable[[], bool] = lambda: False,
+        label: str = "prompt",
+        images: Sequence[ImageSpan] = (),
     ) -> TurnStats:
-        """Bring the session to `ids`, reusing what it already holds, and stream the continuation."""
+        """Bring the session to `ids` (with its image blocks, offsets into `ids`), reusing what it already
+        holds, and stream the continuation."""
         if self.trace:
-            self.trace.write(f"{label}: rendered prompt ({len(ids)} tokens)", self.tokenizer.decode(ids))
+            shown = self.tokenizer.decode([t for t in ids if t < self.tokenizer.vocab_size])
+            self.trace.write(f"{label}: rendered prompt ({len(ids)} tokens, {len(images)} images)", shown)
         keep = common_prefix_len(self.session.tokens, ids)
+        keep = next((s.offset for s in images if s.offset < keep < s.stop), keep)  # a block reruns whole
+        later = [replace(s, offset=s.offset - keep) for s in images if s.offset >= keep]
         computed = self.session.stats.computed
         start = time.perf_counter()
         try:
             with PrefillProgress(len(ids) - keep) as progress:
                 self.session.truncate(keep)
-                self.session.prefill(ids[keep:], progress.update, should_stop)
+                self.session.prefill(ids[keep:], progress.update, should_stop, images=later)
             finish = None
         except Cancelled:
             finish = "cancelled"
@@ -206,6 +258,8 @@ class Chat:
         """Write the KV state (`stem.dsv4`, ds4's payload) and the transcript (`stem.json`); returns bytes."""
         if not self.session.tokens:
             raise DwarfStarError("nothing to save yet")
+        if any(turn.images for turn in self.turns):
+            raise DwarfStarError("a chat with images cannot be saved yet")
         stem.parent.mkdir(parents=True, exist_ok=True)
         with stem.with_suffix(".dsv4").open("wb") as out:
             size = write_payload(out, self.session.state, self.backend.args, self.session.ctx, self.session.chunk)

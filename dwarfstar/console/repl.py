@@ -29,6 +29,7 @@ HELP = """\
 /nothink        answer directly
 /ctx N          a new session of N tokens, up to the --ctx loaded (the conversation is recomputed)
 /read FILE      send the contents of FILE as the next message
+/image FILE     attach an image (PNG, JPEG, WebP, GIF) to the next message (needs --vision)
 /save NAME      save the conversation and its KV state under ~/.dwarfstar/sessions/
 /load NAME      continue a saved conversation without recomputing it
 /stats          what the last turn reused, computed and generated
@@ -122,6 +123,13 @@ def _read(chat: Chat, arg: str) -> None:
     ask(chat, text)
 
 
+def _image(chat: Chat, arg: str) -> None:
+    if not arg:
+        raise DwarfStarError("usage: /image FILE")
+    chat.attach(Path(arg).expanduser())
+    note(f"[attached {arg} to the next message: {len(chat.images)} image(s)]")
+
+
 def _save(chat: Chat, arg: str) -> None:
     size = chat.save(_saved(arg))
     note(f"[saved {arg}: {len(chat.session.tokens)} tokens, {size / 2**20:.1f} MiB]")
@@ -139,6 +147,7 @@ COMMANDS: dict[str, Callable[[Chat, str], None]] = {
     "/nothink": lambda chat, arg: _set_mode(chat, ThinkMode.NOTHINK),
     "/ctx": _ctx,
     "/read": _read,
+    "/image": _image,
     "/save": _save,
     "/load": _load,
     "/stats": lambda chat, arg: note(describe(chat)),

@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from dwarfstar.backends.registry import BackendEntry
+from dwarfstar.model.image_spans import ImageSpan, content_ids
 from dwarfstar.model.vision import VISION_EXP, VisionArgs, VisionEncoder, special_vectors
 from dwarfstar.model.vision_file import VisionFile
 from dwarfstar.prompt.image_layout import ImageLayout, layout
-from dwarfstar.prompt.images import PreparedImage
+from dwarfstar.prompt.images import ImageError, ImagePart, PreparedImage, prepare_image, split_slots
+from dwarfstar.tokenizer.specials import PromptPart
+from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 CACHE_BYTES = 256 << 20  # encoder outputs kept: a 4096-wide 366-token image is 6 MB in float32
 
@@ -76,6 +80,37 @@ class ImageEncoder:
         plan = layout(self.args.family, image.rows, image.cols, start)
         attend = (plan.pad, len(plan) - 1) if self.args.family == VISION_EXP else None
         return ImageBlock(plan, assemble(plan, self.content(image, key), self.vectors), key, attend)
+
+
+def expand(
+    encoder: ImageEncoder,
+    tokenizer: Tokenizer,
+    parts: Sequence[PromptPart],
+    images: Sequence[ImagePart],
+    base: int = 0,
+) -> tuple[list[int], list[ImageSpan]]:
+    """The ids of a rendered prompt whose text holds image slots (`prompt.images.slot`), each slot
+    replaced by its image's block (its place, `base` plus its offset in these ids, decides Vision-Exp's
+    leading pads), and the blocks as the forward takes them (offsets into these ids). A block's ids
+    come from the image's digest and its pads (`content_ids`), so a prefix cache matches the same
+    image at the same alignment, and nothing else. Every image must have its one slot, in order (a
+    template that dropped its message is a clear error)."""
+    ids: list[int] = []
+    spans: list[ImageSpan] = []
+    placed: list[int] = []
+    for piece in split_slots(parts):
+        if isinstance(piece, list):
+            ids += tokenizer.encode_prompt(piece)
+            continue
+        part = images[piece]
+        key = digest(part.data)
+        block = encoder.block(prepare_image(part, encoder.args), key, start=base + len(ids))
+        spans.append(ImageSpan(len(ids), block.rows, block.attend))
+        ids += content_ids(key + bytes([block.layout.pad]), len(block.rows), tokenizer.vocab_size)
+        placed.append(piece)
+    if placed != list(range(len(images))):
+        raise ImageError(f"the prompt places images {placed}, not each of the {len(images)} images once in order")
+    return ids, spans
 
 
 def assemble(plan: ImageLayout, content: torch.Tensor, vectors: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -35,19 +35,28 @@ import base64
 import binascii
 import io
 import math
+import os
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from dwarfstar.model.vision import V41, PatchGrid, VisionArgs
 from dwarfstar.prompt.image_layout import COMPRESS_PAD, block_tokens
+from dwarfstar.tokenizer.specials import Control, PromptPart
 
 MAX_PIXELS = 8192 * 8192  # a larger image is refused before its pixels are decoded (a PNG of a few KB can claim 1e10)
 GRAY = (127, 127, 127)
 MAX_IMAGES = 16  # per request, as ds4
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # Pillow's names for the media types above
+# where an image sits in a message's text, until the prompt is tokenized (`slot`, `split_slots`): private-use
+# characters, which a request's own text may not hold (`check_free_of_slots`)
+SLOT_OPEN, SLOT_CLOSE = "\ue000", "\ue001"
+_SLOT = re.compile(f"{SLOT_OPEN}(\\d+){SLOT_CLOSE}")
 
 
 class ImageError(ValueError):
@@ -105,6 +114,58 @@ def from_url(url: object) -> tuple[bytes, str]:
     if not head.startswith("data:") or not comma or not head.endswith(";base64"):
         raise ImageError("the image URL must be a base64 data URL, data:image/png;base64,...")
     return from_base64(data, head[len("data:") : -len(";base64")])
+
+
+_SIGNATURES = (  # a file's first bytes -> its media type
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+)
+
+
+def read_image_file(path: os.PathLike | str) -> ImagePart:
+    """An image file as a part of the next message (the command line's `--image`, `/image`): its
+    media type from its first bytes, checked to decode."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ImageError(f"cannot read the image {path}: {exc.strerror or exc}") from None
+    kind = next((media for magic, media in _SIGNATURES if data.startswith(magic)), None)
+    if kind is None and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        kind = "image/webp"
+    if kind is None:
+        raise ImageError(f"{path} is not a PNG, JPEG, WebP or GIF image")
+    part = ImagePart(data, kind, message=0, offset=0, where=str(path))
+    decode(part)  # a corrupt file is refused now, not when its turn is sent
+    return part
+
+
+def slot(index: int) -> str:
+    """The text standing for the request's image `index` in its message, until tokenization."""
+    return f"{SLOT_OPEN}{index}{SLOT_CLOSE}"
+
+
+def check_free_of_slots(text: str) -> None:
+    """A request's text must not hold the characters image slots are made of (U+E000, U+E001)."""
+    if SLOT_OPEN in text or SLOT_CLOSE in text:
+        raise ImageError("the text holds U+E000 or U+E001, private-use characters this server reserves for images")
+
+
+def split_slots(parts: Sequence[PromptPart]) -> list[list[PromptPart] | int]:
+    """A rendered prompt cut at its image slots: runs of parts, and between them each slot's image index."""
+    out: list[list[PromptPart] | int] = [[]]
+    for part in parts:
+        if isinstance(part, Control):
+            out[-1].append(part)
+            continue
+        pieces = _SLOT.split(part)  # text, index, text, index, ..., text
+        for n, piece in enumerate(pieces):
+            if n % 2:
+                out += [int(piece), []]
+            elif piece:
+                out[-1].append(piece)
+    return out
 
 
 def decode(part: ImagePart):  # -> PIL.Image.Image (Pillow is imported here only)
