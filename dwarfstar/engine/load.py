@@ -107,11 +107,22 @@ def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = 
     return Engine(model, impl, name, tokenizer, time.perf_counter() - start, experts, images)
 
 
+LM_VARIANT_KEY = "deepseek4.checkpoint_variant"  # ds4 writes it in the Vision-Exp language file
+
+
 def open_encoder(path: Path, model: ModelFile) -> VisionFile:
-    """The vision encoder at `path`, checked against the language model it feeds: its output width, and
-    the image router biases (a bias of the model's expert count for each of its layers)."""
+    """The vision encoder at `path`, checked against the language model it feeds: the model's own variant
+    where its file names one (ds4's Vision-Exp language file says `vision-exp`; plain V4 Flash was not
+    trained on images), its output width, and the image router biases (a bias of the model's expert
+    count for each of its layers)."""
     vision = open_vision(path)
     args, lm = vision.args, model.args
+    variant = model.gguf.metadata.get(LM_VARIANT_KEY)
+    if variant is not None and variant != VISION_EXP:
+        raise DwarfStarError(
+            f"{model.path.name} is the {variant!r} checkpoint, which reads no images; the encoder {path} goes "
+            "with DeepSeek V4 Flash Vision-Exp's language model"
+        )
     if args.out_dim != lm.dim:
         raise DwarfStarError(
             f"the vision encoder {path} writes rows {args.out_dim} wide; {model.path.name}'s hidden size is "

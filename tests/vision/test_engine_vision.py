@@ -8,9 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.load import LM_VARIANT_KEY, load_engine, open_encoder
 from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY, VISION_PRESETS, write_synthetic_model, write_synthetic_vision
 from dwarfstar.model.vision import V41, VISION_TINY
 from dwarfstar.model.vision_file import RouterShape
@@ -57,3 +58,14 @@ def test_a_backend_without_image_input_says_so(files):
     _, model, encoder = files
     with pytest.raises(DwarfStarError, match="images run on the reference and cpu backends"):
         load_engine(EngineSpec(model, "mlx", ctx=512, vision=encoder))
+
+
+def test_a_language_model_of_another_variant_is_refused(files):
+    _, model_path, encoder = files
+    model = open_model(model_path)
+    assert open_encoder(encoder, model).args == VISION_TINY  # no variant named: the checks above decide
+    model.gguf.metadata[LM_VARIANT_KEY] = "0731"  # as ds4's files name their checkpoint
+    with pytest.raises(DwarfStarError, match="'0731' checkpoint, which reads no images"):
+        open_encoder(encoder, model)
+    model.gguf.metadata[LM_VARIANT_KEY] = "vision-exp"
+    assert open_encoder(encoder, model).args == VISION_TINY
