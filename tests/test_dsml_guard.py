@@ -181,3 +181,13 @@ def test_speculation_makes_the_choice_plain_decoding_makes(tok):
     assert g.choose(lower, rows[0]) == read and not g.allows(lower)  # as plain decoding; the guard not moved
     right = fed(g.copy(), [read])
     assert _guided(right, [quote], Verdict(1, lt), rows[1:]) == Verdict(1, lt)
+
+
+def test_a_dsml_closing_tag_in_a_value_closes_the_parameter(tok):
+    block = dsml.render_tool_calls([CALLS[1]])
+    g = fed(guard(tok), ids(tok, *block[: block.index('command" string="true">') + 1], "ls ｜DSML｜ </a> "))
+    assert fits(g, tok, "x")  # plain text that spells the bar or another closing tag stays in the value
+    g = fed(g, ids(tok, "</", specials.Control(dsml.DSML)))
+    skipped, closing = tok.encode("invoke>")[0], tok.encode("parameter>")[0]
+    assert not g.allows(skipped) and g.allows(closing)
+    assert g.choose(skipped, one_hot(skipped)) == closing  # the model's close, made the parameter's

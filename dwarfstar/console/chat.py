@@ -199,7 +199,8 @@ class Chat:
         holds, and stream the continuation."""
         if self.trace:
             shown = self.tokenizer.decode([t for t in ids if t < self.tokenizer.vocab_size])
-            self.trace.write(f"{label}: rendered prompt ({len(ids)} tokens, {len(images)} images)", shown)
+            with_images = f", {len(images)} images" if images else ""
+            self.trace.write(f"{label}: rendered prompt ({len(ids)} tokens{with_images})", shown)
         keep = common_prefix_len(self.session.tokens, ids)
         keep = next((s.offset for s in images if s.offset < keep < s.stop), keep)  # a block reruns whole
         later = [replace(s, offset=s.offset - keep) for s in images if s.offset >= keep]

@@ -7,6 +7,9 @@ call to `list_files` whose arguments parse as a JSON object; a DSML block the pa
 the turn without calls, finish `stop`, the block shown as text in the content (the server's invalid
 tool call, README "Invalid tool calls"), and fails.
 
+The server runs without its tool-call guard (prompt/dsml_guard.py), as ds4's does: the gate judges
+the call the model writes, not one the guard kept to the declared tool.
+
 A model that cannot make this call (the bundled one, trained on other tools) is checked against an
 expectation file instead: the reply the reference backend gave through the same path
 (`tools/make_gate_fixtures.py`), which must come back identical, tool calls, text and finish reason
@@ -105,7 +108,7 @@ def ask_server(engine: Engine, ctx: int = DEFAULT_CTX) -> dict[str, Any]:
     from dwarfstar.serving.config import ServerConfig
     from dwarfstar.serving.service import Service
 
-    service = Service(engine, ServerConfig(ctx=ctx, max_sessions=1))
+    service = Service(engine, ServerConfig(ctx=ctx, max_sessions=1, tool_guard=False))
     with TestClient(create_app(service)) as client:
         response = client.post("/v1/chat/completions", json=REQUEST)
     if response.status_code != 200:

@@ -10,7 +10,9 @@ bytes the block may hold:
   `properties` (any name when its schema lists none), each at most once; the invoke closed only
   once every `required` parameter is there; `string="true"` for a property of type string,
   `"false"` for one of another type (both when the schema leaves it open);
-- parameter values free until their closing tag (no control token but `｜DSML｜` inside the block).
+- parameter values free until their closing tag (no control token but `｜DSML｜` inside the block);
+  once a value has `</｜DSML｜`, the tag is the parameter's closing one (a model that skips to
+  `</｜DSML｜invoke>` gets the parameter closed first, as no value holds a DSML closing tag).
 
 Structural tokens (everything but parameter values and unlisted parameter names) are chosen greedily
 among the allowed ones, as ds4 samples a block's structure at temperature 0; a value keeps the
@@ -51,6 +53,7 @@ _PARAM = dsml.PARAM_OPEN.encode()
 _PARAM_CLOSE = dsml.PARAM_CLOSE.encode()
 _FLAG = b'" string="'
 _THINK_END = specials.THINK_END.encode()
+_CLOSE_COMMIT = len(("</" + dsml.DSML).encode())  # a value's `</｜DSML｜` can only close the parameter
 
 
 @dataclass(frozen=True)
@@ -113,12 +116,14 @@ class _Expect:
 
 @dataclass(frozen=True)
 class _Until:
-    """Any bytes until `end` (`matched` bytes of it seen last), then `then`; `free`: outside a block."""
+    """Any bytes until `end` (`matched` bytes of it seen last), then `then`; `free`: outside a block;
+    `commit`: once that many bytes of `end` are seen, the rest of it must follow (0: never)."""
 
     end: bytes
     then: tuple
     matched: int = 0
     free: bool = False
+    commit: int = 0
 
 
 _DONE = _Until(b"", ("done",), free=True)  # the block closed: nothing more to check
@@ -169,7 +174,7 @@ class _Automaton:
             return _Expect(tuple((f + b'">', ("value", i, now)) for f in flags))
         if kind == "value":
             _, i, used = then
-            return _Until(_PARAM_CLOSE, ("params", i, used))
+            return _Until(_PARAM_CLOSE, ("params", i, used), commit=_CLOSE_COMMIT)
         if kind == "next":
             return _Expect(((_INVOKE, ("name",)), (_BLOCK_CLOSE, ("done",))))
         return _DONE
@@ -181,10 +186,15 @@ class _Automaton:
                 return state
             if isinstance(state, _Until):
                 end, k, table = state.end, state.matched, _failure(state.end)
+                if state.commit and k >= state.commit and byte != end[k]:
+                    return None
                 while k and byte != end[k]:
                     k = table[k - 1]
                 k += byte == end[k]
-                state = self.expand(state.then) if k == len(end) else _Until(end, state.then, k, state.free)
+                if k == len(end):
+                    state = self.expand(state.then)
+                else:
+                    state = _Until(end, state.then, k, state.free, state.commit)
                 continue
             at = state.offset
             options = tuple(o for o in state.options if o[0][at] == byte)
