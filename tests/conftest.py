@@ -110,3 +110,25 @@ def close_arrays() -> Callable[..., bool]:
         return bool((got[finite] - want[finite]).abs().max() <= tol * scale)
 
     return close
+
+
+@pytest.fixture(scope="session")
+def tiny_open(tiny_model_file):
+    """The `tiny` model file (seed 0), opened."""
+    from dwarfstar.model.loader import open_model
+
+    return open_model(tiny_model_file(0))
+
+
+@pytest.fixture(scope="session")
+def image_model(tiny_open):
+    """The `tiny` model on the reference backend with random image router biases: the image-span tests'."""
+    import torch
+
+    from dwarfstar.backends.reference.model import ReferenceModel
+    from dwarfstar.model.synthetic import TINY
+
+    m = ReferenceModel(tiny_open)
+    gen = torch.Generator().manual_seed(11)
+    m.attach_image_biases({il: torch.randn(TINY.n_routed_experts, generator=gen) for il in range(TINY.n_layers)})
+    return m

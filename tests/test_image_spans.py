@@ -11,26 +11,12 @@ import torch
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.image_spans import IMAGE_IDS, IMAGE_TYPES, REACH, ImageSpan, content_ids
-from dwarfstar.model.loader import open_model
 from dwarfstar.model.numerics import route
 from dwarfstar.model.synthetic import TINY
 
 VOCAB = TINY.vocab_size
 START, PAD, IMAGE, NEWLINE, END = (VOCAB + t for t in range(IMAGE_TYPES))
 TEXT = torch.randint(3, 120000, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_file):
-    return open_model(tiny_model_file(0))
-
-
-@pytest.fixture(scope="module")
-def model(tiny) -> ReferenceModel:
-    m = ReferenceModel(tiny)
-    gen = torch.Generator().manual_seed(11)
-    m.attach_image_biases({il: torch.randn(TINY.n_routed_experts, generator=gen) for il in range(TINY.n_layers)})
-    return m
 
 
 def block(n_pad: int, body: int, seed: int = 0) -> tuple[list[int], torch.Tensor]:
@@ -40,31 +26,31 @@ def block(n_pad: int, body: int, seed: int = 0) -> tuple[list[int], torch.Tensor
     return ids, rows
 
 
-def run(model: ReferenceModel, tokens: list[int], spans=None) -> torch.Tensor:
-    state = model.new_state()
-    return model.forward_batch([tokens], [state], all_logits=True, images=None if spans is None else [spans])[0]
+def run(image_model: ReferenceModel, tokens: list[int], spans=None) -> torch.Tensor:
+    state = image_model.new_state()
+    return image_model.forward_batch([tokens], [state], all_logits=True, images=None if spans is None else [spans])[0]
 
 
-def test_text_calls_keep_their_bits(model, tiny):
+def test_text_calls_keep_their_bits(image_model, tiny_open):
     """No spans: the same logits with or without image biases attached, with images None or empty; a text
     sequence batched with one that carries a span gets the bits it gets alone."""
-    plain = ReferenceModel(tiny)
+    plain = ReferenceModel(tiny_open)
     want = run(plain, TEXT)
-    assert torch.equal(run(model, TEXT), want)
-    assert torch.equal(run(model, TEXT, []), want)
+    assert torch.equal(run(image_model, TEXT), want)
+    assert torch.equal(run(image_model, TEXT, []), want)
     ids, rows = block(2, 9)
     other = TEXT[:5] + ids + TEXT[5:12]
     span = ImageSpan(5, rows, (2, len(ids) - 1))
-    states = [model.new_state(), model.new_state()]
-    got = model.forward_batch([TEXT, other], states, all_logits=True, images=[[], [span]])
+    states = [image_model.new_state(), image_model.new_state()]
+    got = image_model.forward_batch([TEXT, other], states, all_logits=True, images=[[], [span]])
     assert torch.equal(got[0], want)
 
 
-def test_span_rows_are_an_exact_override(model, tiny):
+def test_span_rows_are_an_exact_override(image_model, tiny_open):
     """A one-row span holding token t's embedding, with bias_vl steering every layer to t's experts
     (the text bias, or the hash table's pick), gives the logits of the plain call with t."""
     at, t = 17, TEXT[17]
-    ops = model.ops
+    ops = image_model.ops
     biases = {}
     for il in range(TINY.n_layers):
         layer = ops.layers[il]
@@ -72,18 +58,18 @@ def test_span_rows_are_an_exact_override(model, tiny):
             biases[il] = layer.bias.clone()
         else:  # large enough that top-k picks the table's experts for t whatever the scores
             biases[il] = torch.zeros(TINY.n_routed_experts).index_fill_(0, layer.tid2eid[t], 1e3)
-    m = ReferenceModel(tiny)
+    m = ReferenceModel(tiny_open)
     m.attach_image_biases(biases)
     tokens = TEXT[:at] + [IMAGE] + TEXT[at + 1 :]
     span = ImageSpan(at, ops.embedding[[t]].clone(), (0, 0))
     assert torch.equal(run(m, tokens, [span]), run(m, TEXT))
 
 
-def test_image_rows_route_by_bias_vl(tiny):
+def test_image_rows_route_by_bias_vl(tiny_open):
     """bias_vl forcing experts {5, 6}: every image row picks them in every layer, hash layers included;
     the text rows before the block pick what they pick in a plain call, those after it in a hash layer
     their table's experts."""
-    m = ReferenceModel(tiny)
+    m = ReferenceModel(tiny_open)
     forced = torch.zeros(TINY.n_routed_experts).index_fill_(0, torch.tensor([5, 6]), 1e3)
     m.attach_image_biases({il: forced for il in range(TINY.n_layers)})
     seen: dict[int, torch.Tensor] = {}
@@ -120,7 +106,7 @@ def test_route_weights_are_unbiased_scores():
         assert torch.allclose(weights, want / want.sum(-1, keepdim=True) * 1.5, rtol=0, atol=1e-6)
 
 
-def test_window_is_bidirectional_inside_the_span_only(model):
+def test_window_is_bidirectional_inside_the_span_only(image_model):
     """Changing the span's END row moves START's logits (it sees ahead in the span, beyond the window of
     8) but neither the text before the block nor its leading PADs (causal, outside START..END)."""
     ids, rows = block(2, 12)
@@ -129,28 +115,28 @@ def test_window_is_bidirectional_inside_the_span_only(model):
     changed = rows.clone()
     changed[-1] += 1.0
     attend = (2, len(ids) - 1)
-    a = run(model, tokens, [ImageSpan(9, rows, attend)])
-    b = run(model, tokens, [ImageSpan(9, changed, attend)])
+    a = run(image_model, tokens, [ImageSpan(9, rows, attend)])
+    b = run(image_model, tokens, [ImageSpan(9, changed, attend)])
     start = 9 + 2
     assert torch.equal(a[:start], b[:start])  # the text before and the PADs
     assert not torch.allclose(a[start], b[start], rtol=0, atol=1e-4)
-    causal = run(model, tokens, [ImageSpan(9, rows, None)])
+    causal = run(image_model, tokens, [ImageSpan(9, rows, None)])
     assert torch.equal(causal[:start], a[:start])
     assert not torch.allclose(causal[start], a[start], rtol=0, atol=1e-4)
 
 
-def test_compressed_rows_stay_causal_for_span_queries(model):
+def test_compressed_rows_stay_causal_for_span_queries(image_model):
     """The indexer's scores and the attention mass on the compressed rows (ratio-4 layers) give a span
     query no row its position has not completed."""
     ids, rows = block(3, 18)
     tokens = TEXT[:20] + ids + TEXT[20:24]
     first, last = 20 + 3, 20 + len(ids) - 1
     seen = []
-    model.ops.indexer_observer = lambda il, mass, scores: seen.append((il, mass.clone(), scores.clone()))
+    image_model.ops.indexer_observer = lambda il, mass, scores: seen.append((il, mass.clone(), scores.clone()))
     try:
-        run(model, tokens, [ImageSpan(20, rows, (3, len(ids) - 1))])
+        run(image_model, tokens, [ImageSpan(20, rows, (3, len(ids) - 1))])
     finally:
-        model.ops.indexer_observer = None
+        image_model.ops.indexer_observer = None
     assert seen
     for il, mass, scores in seen:
         ratio = TINY.compress_ratios[il]
@@ -178,17 +164,17 @@ def test_window_bounds_follow_the_reference_rule():
             assert (int(lo[k]), int(hi[k])) == (keys[0], keys[-1]), (window, k)
 
 
-def test_any_ids_past_the_vocabulary_mark_an_image_position(model):
+def test_any_ids_past_the_vocabulary_mark_an_image_position(image_model):
     """The ids at a span's positions only say "image": content ids (and ids up to IMAGE_IDS - 1) give the
     sentinels' logits bit for bit; outside a span the same ids are refused."""
     ids, rows = block(1, 7)
     span = ImageSpan(6, rows, (1, len(ids) - 1))
-    want = run(model, TEXT[:6] + ids + TEXT[6:14], [span])
+    want = run(image_model, TEXT[:6] + ids + TEXT[6:14], [span])
     for other in (content_ids(b"some image", len(ids), VOCAB), [IMAGE_IDS - 1 - i for i in range(len(ids))]):
         assert other != ids and min(other) >= VOCAB
-        assert torch.equal(run(model, TEXT[:6] + other + TEXT[6:14], [span]), want)
+        assert torch.equal(run(image_model, TEXT[:6] + other + TEXT[6:14], [span]), want)
     with pytest.raises(DwarfStarError, match="outside the vocabulary"):
-        run(model, TEXT[:6] + other + TEXT[6:14] + [other[0]], [span])
+        run(image_model, TEXT[:6] + other + TEXT[6:14] + [other[0]], [span])
 
 
 def test_content_ids_identify_the_image_and_the_block():
@@ -205,19 +191,19 @@ def test_content_ids_identify_the_image_and_the_block():
         content_ids(b"x", 51, IMAGE_IDS - 50)
 
 
-def test_bad_spans_are_refused_before_any_state_changes(model, tiny):
+def test_bad_spans_are_refused_before_any_state_changes(image_model, tiny_open):
     ids, rows = block(1, 5)
     tokens = TEXT[:4] + ids + TEXT[4:8]
-    state = model.new_state()
+    state = image_model.new_state()
 
-    def refused(tokens, spans, match, on=model):
+    def refused(tokens, spans, match, on=image_model):
         with pytest.raises(DwarfStarError, match=match):
             on.forward_batch([tokens], [state], images=[spans])
         assert state.pos == 0
 
     refused(tokens, [], "outside the vocabulary")  # sentinels with no span
     with pytest.raises(DwarfStarError, match="outside the vocabulary"):
-        model.hidden_batch([tokens], [state], images=[[]])
+        image_model.hidden_batch([tokens], [state], images=[[]])
     refused(tokens, [ImageSpan(4, rows[:-1], (1, len(ids) - 2))], "outside the vocabulary")  # END outside it
     refused(tokens[: 4 + len(ids) - 1], [ImageSpan(4, rows, None)], "inside the call")  # crosses the call's end
     text_inside = tokens[:5] + [TEXT[0]] + tokens[6:]
@@ -226,9 +212,9 @@ def test_bad_spans_are_refused_before_any_state_changes(model, tiny):
     refused(too_far, [ImageSpan(4, rows, None)], "not an image id")
     refused(tokens, [ImageSpan(4, rows[:, :8], None)], "hidden size")
     refused(tokens, [ImageSpan(4, rows, (1, len(ids)))], "START..END")
-    refused(tokens, [ImageSpan(4, rows, None)], "image router biases", on=ReferenceModel(tiny))
+    refused(tokens, [ImageSpan(4, rows, None)], "image router biases", on=ReferenceModel(tiny_open))
     with pytest.raises(DwarfStarError, match="no image router bias"):
-        ReferenceModel(tiny).attach_image_biases({0: torch.zeros(TINY.n_routed_experts)})
+        ReferenceModel(tiny_open).attach_image_biases({0: torch.zeros(TINY.n_routed_experts)})
 
 
 @pytest.mark.parametrize("module", ["dwarfstar.backends.triton.model", "dwarfstar.backends.mlx.model"])

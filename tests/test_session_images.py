@@ -13,7 +13,6 @@ from dwarfstar.distributed.backend import RouteBackend
 from dwarfstar.distributed.protocol import DistError
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.image_spans import IMAGE_TYPES, ImageSpan, content_ids
-from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY
 from dwarfstar.session.prefix import common_prefix_len
 from dwarfstar.session.session import Session, prefill_batch
@@ -46,22 +45,9 @@ def shifted(spans: list[ImageSpan], by: int) -> list[ImageSpan]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_file):
-    return open_model(tiny_model_file(0))
-
-
-@pytest.fixture(scope="module")
-def model(tiny) -> ReferenceModel:
-    m = ReferenceModel(tiny)
-    gen = torch.Generator().manual_seed(11)
-    m.attach_image_biases({il: torch.randn(TINY.n_routed_experts, generator=gen) for il in range(TINY.n_layers)})
-    return m
-
-
-@pytest.fixture(scope="module")
-def want(model) -> torch.Tensor:
+def want(image_model) -> torch.Tensor:
     """The next-token logits after PROMPT from one pass."""
-    return model.forward(PROMPT, model.new_state(), all_logits=False, images=[A, B])[-1]
+    return image_model.forward(PROMPT, image_model.new_state(), all_logits=False, images=[A, B])[-1]
 
 
 def test_prompt_holds_the_blocks():
@@ -70,10 +56,10 @@ def test_prompt_holds_the_blocks():
 
 
 @pytest.mark.parametrize("chunk", [3, 7, 16, 45, 64, 4096])
-def test_chunk_size_never_splits_a_block(model, want, chunk):
+def test_chunk_size_never_splits_a_block(image_model, want, chunk):
     """Chunk sizes whose boundaries fall inside a block: the same logits; no checkpoint inside a block;
     a block that started a pass and ran over a boundary leaves its checkpoint just after it."""
-    session = Session(model, ctx=1024, chunk=chunk)
+    session = Session(image_model, ctx=1024, chunk=chunk)
     assert close(session.prefill(PROMPT, images=[A, B]), want)
     assert session.stats.computed == N
     for span in (A, B):
@@ -84,8 +70,8 @@ def test_chunk_size_never_splits_a_block(model, want, chunk):
 
 
 @pytest.mark.parametrize("cuts", [(A_AT,), (A.stop,), (10, A.stop + 3, B_AT), (A.stop, B.stop, N - 1)])
-def test_any_call_split_gives_the_same_logits(model, want, cuts):
-    session = Session(model, ctx=1024, chunk=16)
+def test_any_call_split_gives_the_same_logits(image_model, want, cuts):
+    session = Session(image_model, ctx=1024, chunk=16)
     bounds = [0, *cuts, N]
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         mine = [s for s in (A, B) if lo <= s.offset < hi]
@@ -93,53 +79,53 @@ def test_any_call_split_gives_the_same_logits(model, want, cuts):
     assert session.tokens == PROMPT and close(session.logits, want)
 
 
-def test_a_call_that_cuts_a_block_is_refused_whole(model):
-    session = Session(model, ctx=1024, chunk=16)
+def test_a_call_that_cuts_a_block_is_refused_whole(image_model):
+    session = Session(image_model, ctx=1024, chunk=16)
     with pytest.raises(DwarfStarError, match="inside the call"):
         session.prefill(PROMPT[: A_AT + 5], images=[A])
     assert session.tokens == [] and session.images == []
 
 
-def test_marks_inside_a_block_keep_their_checkpoint_after_it(model, want):
-    session = Session(model, ctx=1024, chunk=4096)
+def test_marks_inside_a_block_keep_their_checkpoint_after_it(image_model, want):
+    session = Session(image_model, ctx=1024, chunk=4096)
     session.mark([A_AT + 5, 70])
     assert close(session.prefill(PROMPT, images=[A, B]), want)
     assert session.checkpoints == [A.stop, 70]
 
 
-def fresh(model, calls: list[tuple[int, int]], chunk: int = 16) -> Session:
+def fresh(image_model, calls: list[tuple[int, int]], chunk: int = 16) -> Session:
     """A new session given PROMPT[lo:hi] call by call, each with its blocks."""
-    session = Session(model, ctx=1024, chunk=chunk)
+    session = Session(image_model, ctx=1024, chunk=chunk)
     for lo, hi in calls:
         session.prefill(PROMPT[lo:hi], images=shifted([s for s in (A, B) if lo <= s.offset < hi], -lo))
     return session
 
 
 @pytest.mark.parametrize("keep", [A_AT, A_AT - 3, A.stop, A.stop + 2, B_AT, B.stop + 4])
-def test_truncate_before_or_after_a_block_replays_it_exactly(model, keep):
+def test_truncate_before_or_after_a_block_replays_it_exactly(image_model, keep):
     """Cut back, check the state against a fresh session given the same calls bit for bit, then prefill
     the rest: bit-identical to a fresh session that split its calls at the same place."""
-    session = fresh(model, [(0, N)], chunk=32)  # the checkpoints at 32 and 64 sit before/between blocks
+    session = fresh(image_model, [(0, N)], chunk=32)  # the checkpoints at 32 and 64 sit before/between blocks
     session.truncate(keep)
     assert session.tokens == PROMPT[:keep]
     assert [s.stop for s in session.images] == [s.stop for s in (A, B) if s.stop <= keep]
-    assert torch.equal(session.logits, fresh(model, [(0, keep)], chunk=32).logits)
+    assert torch.equal(session.logits, fresh(image_model, [(0, keep)], chunk=32).logits)
     rest = [s for s in (A, B) if s.offset >= keep]
     session.prefill(PROMPT[keep:], images=shifted(rest, -keep))
-    assert torch.equal(session.logits, fresh(model, [(0, keep), (keep, N)], chunk=32).logits)
+    assert torch.equal(session.logits, fresh(image_model, [(0, keep), (keep, N)], chunk=32).logits)
 
 
-def test_a_replay_reruns_the_block_from_a_checkpoint_before_it(model):
+def test_a_replay_reruns_the_block_from_a_checkpoint_before_it(image_model):
     """chunk 64: the last checkpoint before A.stop + 2 is 0, so the replay runs A again from the kept span."""
-    session = fresh(model, [(0, N)], chunk=64)
+    session = fresh(image_model, [(0, N)], chunk=64)
     computed = session.stats.computed
     session.truncate(A.stop + 2)
     assert session.stats.computed - computed == A.stop + 2
-    assert torch.equal(session.logits, fresh(model, [(0, A.stop + 2)], chunk=64).logits)
+    assert torch.equal(session.logits, fresh(image_model, [(0, A.stop + 2)], chunk=64).logits)
 
 
-def test_truncate_inside_a_block_is_refused(model):
-    session = fresh(model, [(0, N)])
+def test_truncate_inside_a_block_is_refused(image_model):
+    session = fresh(image_model, [(0, N)])
     before = (list(session.tokens), session.logits.clone())
     for cut in (A_AT + 1, A.stop - 1, B_AT + 5):
         with pytest.raises(DwarfStarError, match="image block"):
@@ -147,13 +133,13 @@ def test_truncate_inside_a_block_is_refused(model):
     assert session.tokens == before[0] and torch.equal(session.logits, before[1])
 
 
-def test_two_images_share_no_prefix_past_the_block_start(model):
+def test_two_images_share_no_prefix_past_the_block_start(image_model):
     """A session holding image A, given a prompt with image B (other rows, other content ids, the same
     size) at the same place, keeps only the text before it; same-size blocks of sentinels would have
     matched through the whole block, reusing A's KV for B."""
     other_ids, other = image(b"image c", A_LEN, 3, A_AT)
     prompt_c = PROMPT[:A_AT] + other_ids + PROMPT[A.stop :]
-    session = fresh(model, [(0, N)])
+    session = fresh(image_model, [(0, N)])
     keep = common_prefix_len(session.tokens, prompt_c)
     assert keep == A_AT
     sentinels = [VOCAB + IMAGE_TYPES - 3] * A_LEN
@@ -161,14 +147,14 @@ def test_two_images_share_no_prefix_past_the_block_start(model):
     session.truncate(keep)
     spans = shifted([other, B], -keep)
     session.prefill(prompt_c[keep:], images=spans)
-    alone = Session(model, ctx=1024, chunk=16)
+    alone = Session(image_model, ctx=1024, chunk=16)
     alone.prefill(prompt_c[:keep])
     assert torch.equal(session.logits, alone.prefill(prompt_c[keep:], images=spans))
-    assert not close(session.logits, fresh(model, [(0, N)]).logits)  # image C is not image A
+    assert not close(session.logits, fresh(image_model, [(0, N)]).logits)  # image C is not image A
 
 
-def test_ids_past_the_vocabulary_outside_a_block_are_refused(model):
-    session = Session(model, ctx=1024, chunk=16)
+def test_ids_past_the_vocabulary_outside_a_block_are_refused(image_model):
+    session = Session(image_model, ctx=1024, chunk=16)
     session.prefill(TEXT[:5])
     for tokens, spans in (
         (A_IDS, []),  # a block given without its span
@@ -180,8 +166,8 @@ def test_ids_past_the_vocabulary_outside_a_block_are_refused(model):
         assert session.tokens == TEXT[:5]
 
 
-def test_snapshot_restore_keeps_the_blocks(model):
-    session = fresh(model, [(0, B_AT)])
+def test_snapshot_restore_keeps_the_blocks(image_model):
+    session = fresh(image_model, [(0, B_AT)])
     snap = session.snapshot()
     session.prefill(PROMPT[B_AT:], images=[ImageSpan(0, B.rows, B.attend)])
     after = session.logits.clone()
@@ -190,30 +176,32 @@ def test_snapshot_restore_keeps_the_blocks(model):
     session.prefill(PROMPT[B_AT:], images=[ImageSpan(0, B.rows, B.attend)])
     assert torch.equal(session.logits, after)
     session.truncate(A.stop + 1)  # replays A from a checkpoint before it
-    assert torch.equal(session.logits, fresh(model, [(0, A.stop + 1)]).logits)
+    assert torch.equal(session.logits, fresh(image_model, [(0, A.stop + 1)]).logits)
 
 
-def test_prefill_batch_takes_spans_per_piece(model):
+def test_prefill_batch_takes_spans_per_piece(image_model):
     """Two sessions' pieces with blocks in one batched pass give what each session's own prefill gives;
     a piece whose block starts it may run past the boundary to the block's end, one that a boundary
     would cut inside a later block is refused before anything runs."""
-    one, two = Session(model, ctx=1024, chunk=16), Session(model, ctx=1024, chunk=16)
+    one, two = Session(image_model, ctx=1024, chunk=16), Session(image_model, ctx=1024, chunk=16)
     one.prefill(PROMPT[:32])
     two.prefill(PROMPT[:A_AT])
     prefill_batch([one, two], [PROMPT[32:A_AT], PROMPT[A_AT : A.stop]], [[], [ImageSpan(0, A.rows, A.attend)]])
     assert two.checkpoints[-1] == A.stop and [s.offset for s in two.images] == [A_AT]
-    alone = fresh(model, [(0, A.stop)])
+    alone = fresh(image_model, [(0, A.stop)])
     assert close(two.logits, alone.logits)
     with pytest.raises(DwarfStarError, match="crosses the checkpoint boundary"):
         prefill_batch([one], [PROMPT[A_AT - 8 : A.stop]], [[ImageSpan(8, A.rows, A.attend)]])
     assert one.tokens == PROMPT[:A_AT]
 
 
-def test_wrappers_pass_spans_and_a_route_refuses_them(tiny, model, want):
-    m = ReferenceModel(tiny)  # the throttle paces this one's blocks in place
-    m.attach_image_biases({il: model.ops.layers[il].bias_vl for il in range(TINY.n_layers)})
+def test_wrappers_pass_spans_and_a_route_refuses_them(tiny_open, image_model, want):
+    m = ReferenceModel(tiny_open)  # the throttle paces this one's blocks in place
+    m.attach_image_biases({il: image_model.ops.layers[il].bias_vl for il in range(TINY.n_layers)})
     session = Session(ThrottledBackend(m, DutyCycle(90)), ctx=1024, chunk=4096)
-    assert torch.equal(session.prefill(PROMPT, images=[A, B]), Session(model, ctx=1024).prefill(PROMPT, images=[A, B]))
+    assert torch.equal(
+        session.prefill(PROMPT, images=[A, B]), Session(image_model, ctx=1024).prefill(PROMPT, images=[A, B])
+    )
     route = object.__new__(RouteBackend)
     with pytest.raises(DistError, match="distributed route"):
-        route.forward_batch([PROMPT], [model.new_state()], images=[[A, B]])
+        route.forward_batch([PROMPT], [image_model.new_state()], images=[[A, B]])
