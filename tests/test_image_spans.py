@@ -10,12 +10,13 @@ import torch
 
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.model.image_spans import IMAGE_IDS, IMAGE_TYPES, REACH, ImageSpan, content_ids
+from dwarfstar.model.image_spans import IMAGE_IDS, REACH, ImageSpan, content_ids
 from dwarfstar.model.numerics import route
 from dwarfstar.model.synthetic import TINY
+from dwarfstar.prompt.image_layout import ExpToken
 
 VOCAB = TINY.vocab_size
-START, PAD, IMAGE, NEWLINE, END = (VOCAB + t for t in range(IMAGE_TYPES))
+START, PAD, IMAGE, NEWLINE, END = (VOCAB + t for t in ExpToken)
 TEXT = torch.randint(3, 120000, (40,), generator=torch.Generator().manual_seed(3)).tolist()
 
 

@@ -12,8 +12,9 @@ from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.distributed.backend import RouteBackend
 from dwarfstar.distributed.protocol import DistError
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.model.image_spans import IMAGE_TYPES, ImageSpan, content_ids
+from dwarfstar.model.image_spans import ImageSpan, content_ids
 from dwarfstar.model.synthetic import TINY
+from dwarfstar.prompt.image_layout import ExpToken
 from dwarfstar.session.prefix import common_prefix_len
 from dwarfstar.session.session import Session, prefill_batch
 from dwarfstar.session.throttle import DutyCycle, ThrottledBackend
@@ -142,7 +143,7 @@ def test_two_images_share_no_prefix_past_the_block_start(image_model):
     session = fresh(image_model, [(0, N)])
     keep = common_prefix_len(session.tokens, prompt_c)
     assert keep == A_AT
-    sentinels = [VOCAB + IMAGE_TYPES - 3] * A_LEN
+    sentinels = [VOCAB + ExpToken.IMAGE] * A_LEN
     assert common_prefix_len(PROMPT[:A_AT] + sentinels, PROMPT[:A_AT] + sentinels + [1]) == A.stop
     session.truncate(keep)
     spans = shifted([other, B], -keep)

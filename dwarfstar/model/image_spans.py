@@ -31,7 +31,6 @@ import torch
 from dwarfstar.errors import DwarfStarError
 
 REACH = 384  # Vision-Exp's `vision_max_n_token`: how far a span position sees across its span
-IMAGE_TYPES = 5  # Vision-Exp's sentinel types: ids vocab_size .. vocab_size + 4
 IMAGE_IDS = 2**31  # ids at span positions lie in [vocab_size, IMAGE_IDS): a saved state keeps tokens as u32
 
 
@@ -132,6 +131,14 @@ def image_mask(spans: tuple[ImageSpan, ...], n_tokens: int) -> torch.Tensor:
     for span in spans:
         mask[span.offset : span.stop] = True
     return mask
+
+
+def check_ids(tokens: torch.Tensor, spans: tuple[ImageSpan, ...], vocab_size: int) -> None:
+    """A call's ids: its spans' image ids (`check_spans`), every other id in the vocabulary."""
+    text = tokens[~check_spans(tokens, spans, vocab_size)] if spans else tokens
+    bad = text[(text < 0) | (text >= vocab_size)]
+    if bad.numel():
+        raise DwarfStarError(f"token id {int(bad[0])} is outside the vocabulary (0..{vocab_size - 1})")
 
 
 def check_spans(tokens: torch.Tensor, spans: tuple[ImageSpan, ...], vocab_size: int) -> torch.Tensor:

@@ -49,7 +49,7 @@ import torch
 
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.config import ModelArgs
-from dwarfstar.model.image_spans import ImageSpan, check_spans
+from dwarfstar.model.image_spans import ImageSpan, check_ids
 from dwarfstar.model.pages import PAGE_ROWS, RowPages
 
 # Row capacities are multiples of 64: Triton specialises kernels on integer arguments divisible by
@@ -586,8 +586,5 @@ def check_batch(
             raise ContextOverflowError(
                 f"context overflow: {state.pos} + {tokens.numel()} tokens exceed the context of {limit}"
             )
-        text = tokens[~check_spans(tokens, tuple(spans), vocab_size)] if spans else tokens
-        bad = text[(text < 0) | (text >= vocab_size)]
-        if bad.numel():
-            raise DwarfStarError(f"token id {int(bad[0])} is outside the vocabulary (0..{vocab_size - 1})")
+        check_ids(tokens, tuple(spans), vocab_size)
     return chunks

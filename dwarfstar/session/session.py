@@ -21,7 +21,7 @@ import torch
 
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
-from dwarfstar.model.image_spans import ImageSpan, check_spans
+from dwarfstar.model.image_spans import ImageSpan, check_ids
 from dwarfstar.model.state import StateSnapshot
 from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.sampling import Sampler, SamplingParams, redraw_refused
@@ -246,12 +246,7 @@ class Session:
         before any pass, not after some)."""
         spans = sorted(images, key=lambda s: s.offset)
         if spans:
-            vocab = self.backend.args.vocab_size
-            ids = torch.tensor(tokens, dtype=torch.long)
-            text = ids[~check_spans(ids, tuple(spans), vocab)]
-            bad = text[(text < 0) | (text >= vocab)]
-            if bad.numel():
-                raise DwarfStarError(f"token id {int(bad[0])} is outside the vocabulary (0..{vocab - 1})")
+            check_ids(torch.tensor(tokens, dtype=torch.long), tuple(spans), self.backend.args.vocab_size)
             for span in spans:
                 span.check_width(self.backend.args.dim)
         return spans
