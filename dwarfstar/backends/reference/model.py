@@ -78,7 +78,9 @@ class Layer:
 class ReferenceStep:
     """One call as `ReferenceOps` runs it (`prepare`), and what its steps of a layer hand on."""
 
-    tokens: torch.Tensor  # int64 [N]: every row's id (hash-routed layers look their experts up by it)
+    # int64 [N]: every row's id for the tables looked up by id (the embedding, hash-routed layers' experts);
+    # 0 at image-span positions, whose ids are past the tables
+    tokens: torch.Tensor
     positions: torch.Tensor  # int64 [N]: every row's position
     # bool [N]: the rows at image-span positions (their ids are image ids, past the vocabulary), or None
     # in a call without spans: `embed` and `route` read it
@@ -210,10 +212,12 @@ class ReferenceOps(StreamSteps):
         decode = all(s.length == 1 for s in seqs) and self.indexer_observer is None and not images
         # sequences of one cache block are gathered by slot index in one op, others one by one
         one_block = len({s.state.block for s in seqs}) == 1
+        image = torch.cat([image_mask(s.images, s.length) for s in seqs]) if images else None
+        tokens = torch.cat([s.tokens for s in seqs])
         return ReferenceStep(
-            tokens=torch.cat([s.tokens for s in seqs]),
+            tokens=tokens if image is None else tokens.masked_fill(image, 0),
             positions=torch.cat([torch.arange(s.start, s.start + s.length) for s in seqs]),
-            image=torch.cat([image_mask(s.images, s.length) for s in seqs]) if images else None,
+            image=image,
             decode=decode,
             slots=torch.tensor([s.state.index for s in seqs]) if decode and one_block else None,
         )
@@ -223,10 +227,8 @@ class ReferenceOps(StreamSteps):
         if self.embedding is None:
             return None
         step = batch.step
-        if step.image is None:
-            x = self.embedding[step.tokens]
-        else:  # image ids are past the table: look up 0 there, then put the spans' rows in place
-            x = self.embedding[step.tokens.masked_fill(step.image, 0)]
+        x = self.embedding[step.tokens]
+        if step.image is not None:  # the spans' rows in place of the image positions' (row 0) lookups
             for seq in batch.seqs:
                 for span in seq.images:
                     at = seq.rows.start + span.offset
@@ -540,9 +542,7 @@ class ReferenceOps(StreamSteps):
     # -- mixture of experts --------------------------------------------------------------------------------
     def route(self, il: int, x: torch.Tensor, batch: Batch[ReferenceStep]) -> tuple[torch.Tensor, torch.Tensor]:
         a, layer, step = self.args, self.layers[il], batch.step
-        fixed = None
-        if layer.tid2eid is not None:  # an image row's id looks up 0; its ids come from bias_vl
-            fixed = layer.tid2eid[step.tokens if step.image is None else step.tokens.masked_fill(step.image, 0)]
+        fixed = None if layer.tid2eid is None else layer.tid2eid[step.tokens]  # an image row's: bias_vl decides
         logits = ops.linear(x, layer.router)
         k, scale = a.n_activated_experts, a.route_scale
         ids, weights = route(logits, k, scale, layer.bias, fixed, step.image, layer.bias_vl)
