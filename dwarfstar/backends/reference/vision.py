@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from dwarfstar.backends.reference import ops
 from dwarfstar.model.vision import PatchGrid, VisionArgs, check_tensors, patch_rows, rope_angles
 
 
@@ -54,7 +55,7 @@ class TorchVisionOps:
         return self._linear(rows, "vision.patch_embed.proj.weight", "vision.patch_embed.proj.bias")
 
     def norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.args.norm_eps) * self.weights[name]
+        return ops.rms_norm(x, self.weights[name], self.args.norm_eps)
 
     def attend(self, il: int, x: torch.Tensor, grid: PatchGrid) -> torch.Tensor:
         args, p = self.args, f"vision.blocks.{il}.attn."
