@@ -92,9 +92,10 @@ def expand(
     """The ids of a rendered prompt whose text holds image slots (`prompt.images.slot`), each slot
     replaced by its image's block (its place, `base` plus its offset in these ids, decides Vision-Exp's
     leading pads), and the blocks as the forward takes them (offsets into these ids). A block's ids
-    come from the image's digest and its pads (`content_ids`), so a prefix cache matches the same
-    image at the same alignment, and nothing else. Every image must have its one slot, in order (a
-    template that dropped its message is a clear error)."""
+    come from the image's digest and the block's length, which Vision-Exp's leading pads change
+    (`content_ids`), so a prefix cache matches the same image at the same alignment, and nothing else.
+    Every image must have its one slot, in order (a template that dropped its message is a clear
+    error)."""
     ids: list[int] = []
     spans: list[ImageSpan] = []
     placed: list[int] = []
@@ -106,7 +107,7 @@ def expand(
         key = digest(part.data)
         block = encoder.block(prepare_image(part, encoder.args), key, start=base + len(ids))
         spans.append(ImageSpan(len(ids), block.rows, block.attend))
-        ids += content_ids(key + bytes([block.layout.pad]), len(block.rows), tokenizer.vocab_size)
+        ids += content_ids(key, len(block.rows), tokenizer.vocab_size)
         placed.append(piece)
     if placed != list(range(len(images))):
         raise ImageError(f"the prompt places images {placed}, not each of the {len(images)} images once in order")
