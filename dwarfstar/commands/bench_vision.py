@@ -102,7 +102,7 @@ def _image(width: int, height: int):
     rgb = np.stack(np.broadcast_arrays(x + 0 * y, y + 0 * x, (x + y) / 2), axis=-1).astype(np.uint8)
     buffer = io.BytesIO()
     Image.fromarray(rgb).save(buffer, format="PNG")
-    return ImagePart(buffer.getvalue(), "image/png", message=0, offset=0, where="--size")
+    return ImagePart(buffer.getvalue(), "image/png", where="--size")
 
 
 def _prepare(part, args):

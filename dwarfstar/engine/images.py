@@ -36,15 +36,23 @@ CACHE_BYTES = 256 << 20  # encoder outputs kept: a 4096-wide 366-token image is 
 
 
 @dataclass(frozen=True)
-class ImageBlock:
-    """One image's block at its place: the layout, the rows [len(layout), out_dim] (float32), the digest
-    of the image's bytes, and `attend`: START and END as indices into the block, the range Vision-Exp's
-    window attention reads both ways (None for V4.1, whose image tokens attend causally)."""
+class PlacedImage:
+    """An image at its place in a prompt, its pixels not yet through the encoder: `offset`, its block's
+    first position as an index into the prompt's ids; the block's layout there; the digest of the
+    image's bytes (the block's ids and the encoder cache's key); and `attend`: START and END as indices
+    into the block, the range Vision-Exp's window attention reads both ways (None for V4.1, whose image
+    tokens attend causally). Placing needs no encoder (a request's ids, and whether they fit the
+    context, are known before the engine runs it); `ImageEncoder.span` makes the block's rows."""
 
+    offset: int
+    image: PreparedImage
     layout: ImageLayout
-    rows: torch.Tensor
     digest: bytes
     attend: tuple[int, int] | None
+
+    @property
+    def length(self) -> int:
+        return len(self.layout)
 
 
 def digest(data: bytes) -> bytes:
@@ -75,11 +83,53 @@ class ImageEncoder:
             self._cache.popitem(last=False)
         return rows
 
-    def block(self, image: PreparedImage, key: bytes, start: int) -> ImageBlock:
-        """The block of `image` (whose bytes' digest is `key`) with its first token at position `start`."""
-        plan = layout(self.args.family, image.rows, image.cols, start)
-        attend = (plan.pad, len(plan) - 1) if self.args.family == VISION_EXP else None
-        return ImageBlock(plan, assemble(plan, self.content(image, key), self.vectors), key, attend)
+    def span(self, placed: PlacedImage) -> ImageSpan:
+        """The placed image's block as the forward takes it: its rows in the layout's order."""
+        rows = assemble(placed.layout, self.content(placed.image, placed.digest), self.vectors)
+        return ImageSpan(placed.offset, rows, placed.attend)
+
+
+def place_image(args: VisionArgs, image: PreparedImage, key: bytes, start: int, offset: int = 0) -> PlacedImage:
+    """`image` (whose bytes' digest is `key`) placed with its first token at position `start` of the
+    sequence, index `offset` of the prompt's ids."""
+    plan = layout(args.family, image.rows, image.cols, start)
+    attend = (plan.pad, len(plan) - 1) if args.family == VISION_EXP else None
+    return PlacedImage(offset, image, plan, key, attend)
+
+
+def place(
+    args: VisionArgs,
+    tokenizer: Tokenizer,
+    parts: Sequence[PromptPart],
+    images: Sequence[ImagePart],
+    base: int = 0,
+) -> tuple[list[int], list[PlacedImage]]:
+    """The ids of a rendered prompt whose text holds image slots (`prompt.images.slot`), each slot
+    replaced by its image's block for the encoder `args` (its place, `base` plus its offset in these
+    ids, decides Vision-Exp's leading pads), and the images placed (offsets into these ids). A block's
+    ids come from the image's digest and the block's length, which Vision-Exp's leading pads change
+    (`content_ids`), so a prefix cache matches the same image at the same alignment, and nothing else.
+    Every image must have its one slot, in order (a template that dropped its message is a clear
+    error). Decoding and resizing each image is the work here; nothing runs the encoder."""
+    pieces = split_slots(parts)
+    slots = [piece for piece in pieces if isinstance(piece, int)]
+    if slots != list(range(len(images))):
+        raise ImageError(
+            f"the prompt places images {slots}, not each of the {len(images)} images once in order (a message's "
+            "text may not hold U+E000/U+E001 sequences: they stand for images)"
+        )
+    ids: list[int] = []
+    placed: list[PlacedImage] = []
+    for piece in pieces:
+        if isinstance(piece, list):
+            ids += tokenizer.encode_prompt(piece)
+            continue
+        part = images[piece]
+        key = digest(part.data)
+        image = place_image(args, prepare_image(part, args), key, start=base + len(ids), offset=len(ids))
+        ids += content_ids(key, image.length, tokenizer.vocab_size)
+        placed.append(image)
+    return ids, placed
 
 
 def expand(
@@ -89,29 +139,9 @@ def expand(
     images: Sequence[ImagePart],
     base: int = 0,
 ) -> tuple[list[int], list[ImageSpan]]:
-    """The ids of a rendered prompt whose text holds image slots (`prompt.images.slot`), each slot
-    replaced by its image's block (its place, `base` plus its offset in these ids, decides Vision-Exp's
-    leading pads), and the blocks as the forward takes them (offsets into these ids). A block's ids
-    come from the image's digest and the block's length, which Vision-Exp's leading pads change
-    (`content_ids`), so a prefix cache matches the same image at the same alignment, and nothing else.
-    Every image must have its one slot, in order (a template that dropped its message is a clear
-    error)."""
-    ids: list[int] = []
-    spans: list[ImageSpan] = []
-    placed: list[int] = []
-    for piece in split_slots(parts):
-        if isinstance(piece, list):
-            ids += tokenizer.encode_prompt(piece)
-            continue
-        part = images[piece]
-        key = digest(part.data)
-        block = encoder.block(prepare_image(part, encoder.args), key, start=base + len(ids))
-        spans.append(ImageSpan(len(ids), block.rows, block.attend))
-        ids += content_ids(key, len(block.rows), tokenizer.vocab_size)
-        placed.append(piece)
-    if placed != list(range(len(images))):
-        raise ImageError(f"the prompt places images {placed}, not each of the {len(images)} images once in order")
-    return ids, spans
+    """`place`, then each block's rows from `encoder`: the ids and the blocks as the forward takes them."""
+    ids, placed = place(encoder.args, tokenizer, parts, images, base)
+    return ids, [encoder.span(image) for image in placed]
 
 
 def assemble(plan: ImageLayout, content: torch.Tensor, vectors: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -65,14 +65,11 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True)
 class ImagePart:
-    """An image as the request sent it: the encoded bytes, their media type, and where it sits: `message`,
-    the index of the request's message that holds it; `offset`, the characters of that message's text
-    before it; `where`, its JSON path, named in errors."""
+    """An image as the request sent it: the encoded bytes, their media type, and `where`: its JSON path
+    (or file), named in errors. Its place in the conversation is its slot (`slot`) in a message's text."""
 
     data: bytes = field(repr=False)  # up to tens of MB: never in a log line
     media_type: str
-    message: int
-    offset: int
     where: str
 
 
@@ -136,7 +133,7 @@ def read_image_file(path: os.PathLike | str) -> ImagePart:
         kind = "image/webp"
     if kind is None:
         raise ImageError(f"{path} is not a PNG, JPEG, WebP or GIF image")
-    part = ImagePart(data, kind, message=0, offset=0, where=str(path))
+    part = ImagePart(data, kind, where=str(path))
     decode(part)  # a corrupt file is refused now, not when its turn is sent
     return part
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 
 from dwarfstar.backends.registry import backend_entry
-from dwarfstar.engine.images import ImageEncoder, digest
+from dwarfstar.engine.images import ImageEncoder, digest, place_image
 from dwarfstar.model.synthetic import VISION_PRESETS, write_synthetic_vision
 from dwarfstar.model.vision import V41, VISION_TINY, PatchGrid, VisionEncoder
 from dwarfstar.model.vision_file import RouterShape, open_vision
@@ -37,7 +37,7 @@ def encoder(tmp_path, args=VISION_TINY, router=ROUTER, **options):
 def test_a_vision_exp_block_is_ds4s_layout_filled(tmp_path):
     vision, images = encoder(tmp_path)
     picture = image(2, 3)
-    block = images.block(picture, digest(b"png bytes"), start=0)
+    block = images.span(place_image(images.args, picture, digest(b"png bytes"), start=0))
     content = VisionEncoder(backend_entry("reference").vision_ops(vision.args, vision.weights())).encode(
         picture.pixels, picture.grid
     )
@@ -52,7 +52,7 @@ def test_a_vision_exp_block_is_ds4s_layout_filled(tmp_path):
 def test_a_v41_block_reads_in_order_and_attends_causally(tmp_path):
     vision, images = encoder(tmp_path, V41_TINY, RouterShape(6, 8))
     picture = image(2, 2, seed=4)
-    block = images.block(picture, digest(b"other"), start=5)
+    block = images.span(place_image(images.args, picture, digest(b"other"), start=5))
     content = images.content(picture, digest(b"other"))
     start, newline, end = (vision.tensor(f"image_{n}").float() for n in ("start", "newline", "end"))
     want = [start, content[0], content[1], newline, content[2], content[3], newline, end]
@@ -62,14 +62,16 @@ def test_a_v41_block_reads_in_order_and_attends_causally(tmp_path):
 def test_the_encoder_runs_once_per_image_within_its_budget(tmp_path):
     _, images = encoder(tmp_path)
     a, b = image(1, 2, seed=1), image(1, 2, seed=2)
-    first = images.block(a, digest(b"a"), start=0)
-    again = images.block(a, digest(b"a"), start=7)  # another place: another layout, the same content
+    first = images.span(place_image(images.args, a, digest(b"a"), start=0))
+    again = images.span(
+        place_image(images.args, a, digest(b"a"), start=7)
+    )  # another place: another layout, the same content
     assert images.encoded == 1 and len(again.rows) != len(first.rows)
-    images.block(b, digest(b"b"), start=0)
+    images.span(place_image(images.args, b, digest(b"b"), start=0))
     assert images.encoded == 2
     one = images.content(a, digest(b"a")).nbytes
     _, small = encoder(tmp_path / "small", cache_bytes=one)
-    small.block(a, digest(b"a"), 0)
-    small.block(b, digest(b"b"), 0)
-    small.block(a, digest(b"a"), 0)  # evicted by b: encoded again
+    small.span(place_image(small.args, a, digest(b"a"), start=0))
+    small.span(place_image(small.args, b, digest(b"b"), start=0))
+    small.span(place_image(small.args, a, digest(b"a"), start=0))  # evicted by b: encoded again
     assert small.encoded == 3
