@@ -206,3 +206,51 @@ def test_wrappers_pass_spans_and_a_route_refuses_them(tiny_open, image_model, wa
     route = object.__new__(RouteBackend)
     with pytest.raises(DistError, match="distributed route"):
         route.forward_batch([PROMPT], [image_model.new_state()], images=[[A, B]])
+
+
+def test_a_restored_state_learns_its_blocks_and_replays_them(image_model):
+    """A state read from the disk cache holds a block's ids, not its rows: cutting it back behind the
+    block is refused until `adopt` gives it the request's spans; then the replay matches a fresh run."""
+    source = fresh(image_model, [(0, N)], chunk=64)
+    restored = Session(image_model, ctx=1024, chunk=64)
+    restored.state = source.state  # as the pool installs a disk hit: no checkpoints, no spans
+    with pytest.raises(DwarfStarError, match="outside the vocabulary|image"):
+        restored.truncate(B.stop + 2)
+    restored = Session(image_model, ctx=1024, chunk=64)
+    restored.state = fresh(image_model, [(0, N)], chunk=64).state
+    other_ids, other = image(b"another image", B_LEN, 3, B_AT)  # at B's place, another image: not learnt
+    restored.adopt([A, other], PROMPT[:B_AT] + other_ids)
+    assert [s.offset for s in restored.images] == [A_AT]
+    restored.adopt([A, B], PROMPT)
+    restored.truncate(B.stop + 2)
+    assert torch.equal(restored.logits, fresh(image_model, [(0, B.stop + 2)], chunk=64).logits)
+
+
+@pytest.mark.parametrize("length", [A.stop, B.stop, B.stop + 1])
+def test_rebuild_recomputes_a_state_that_ends_on_a_block(image_model, length):
+    """After a pass that raised midway, the state at `length` is computed again: from before the image
+    block that ends there (a cut inside it would be refused), else from before the last token."""
+    session = fresh(image_model, [(0, length)], chunk=64)
+    session.rebuild(length)
+    assert session.tokens == PROMPT[:length]
+    assert torch.equal(session.logits, fresh(image_model, [(0, length)], chunk=64).logits)
+
+
+def test_the_servers_prefill_pieces_never_split_a_block(image_model, want):
+    """serving/jobs.py `KV.take`: budgets that end inside a block cut the piece back to its start, or,
+    where the block starts the piece, take it whole past the budget; the pieces give the same logits."""
+    from types import SimpleNamespace
+
+    from dwarfstar.serving.jobs import KV
+
+    session = Session(image_model, ctx=1024, chunk=4096)
+    kv = KV(SimpleNamespace(session=session), list(PROMPT), images=[A, B])
+    sizes = []
+    while kv.pending:
+        piece, blocks = kv.take(7)
+        for span in blocks:
+            assert 0 <= span.offset and span.stop <= len(piece)
+        prefill_batch([session], [piece], [blocks])
+        sizes.append(len(piece))
+    assert A_LEN in sizes and B_LEN in sizes and max(sizes) == A_LEN  # each block alone, whole
+    assert session.tokens == PROMPT and close(session.logits, want)

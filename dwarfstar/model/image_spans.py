@@ -24,6 +24,7 @@ within the block. `check_batch` allows ids past the vocabulary at span positions
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,16 @@ def content_ids(digest: bytes, length: int, vocab_size: int) -> list[int]:
         seen.add(draw)
         ids.append(draw)
     return ids
+
+
+def cut_outside(spans: Iterable[ImageSpan], cut: int) -> int:
+    """`cut`, an index into a call's tokens where a pass would end, moved out of the image block it
+    falls inside (`spans`: the blocks, offsets into the same tokens): back to the block's start, or,
+    where the block starts the call, on to its end (no pass can split a block)."""
+    for span in spans:
+        if span.offset < cut < span.stop:
+            return span.stop if span.offset == 0 else span.offset
+    return cut
 
 
 @dataclass(frozen=True, eq=False)

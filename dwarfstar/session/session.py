@@ -21,7 +21,7 @@ import torch
 
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
-from dwarfstar.model.image_spans import ImageSpan, check_ids
+from dwarfstar.model.image_spans import ImageSpan, check_ids, cut_outside
 from dwarfstar.model.state import StateSnapshot
 from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.sampling import Sampler, SamplingParams, redraw_refused
@@ -88,12 +88,7 @@ class Session:
         pos = self.state.pos
         end = pos + self.chunk - pos % self.chunk
         end = min((m for m in self._marks if pos < m < end), default=end)
-        for span in images:
-            start, stop = pos + span.offset, pos + span.stop
-            if start < end < stop:
-                end = stop if start == pos else start
-                break
-        return end - pos
+        return cut_outside(images, end - pos)
 
     def mark(self, positions: Iterable[int]) -> None:
         """Keep a checkpoint at each of these positions ahead (a prompt's message starts, its end):
@@ -216,6 +211,32 @@ class Session:
         pos = self.state.pos
         replay = [replace(s, offset=s.offset - pos) for p, s in sorted(self._images.items()) if p >= pos]
         self._run(tokens[pos:], replay)
+
+    def rebuild(self, n_tokens: int) -> None:
+        """The state after the first `n_tokens` computed again from a checkpoint before its last token
+        (or before the image block that ends there): a pass that raised midway may have written rows
+        past them."""
+        if n_tokens == 0:
+            self.reset()
+            return
+        last = next((s for s in self._images.values() if s.offset < n_tokens <= s.stop), None)
+        cut = n_tokens - 1 if last is None else last.offset
+        tokens = self.tokens[cut:n_tokens]
+        self.truncate(cut)
+        self.prefill(tokens, images=() if last is None else [replace(last, offset=0)])
+
+    def adopt(self, spans: Iterable[ImageSpan], ids: Sequence[int]) -> None:
+        """Learn the rows of image blocks the sequence holds without them (a state read from the disk
+        cache keeps a block's ids, not its rows), so that a cut behind them replays them: each of
+        `spans` (offsets into `ids`, a prompt sharing a prefix with this sequence) whose positions
+        this sequence holds with the same ids."""
+        tokens = self.tokens
+        for span in spans:
+            held = span.stop <= len(tokens) and list(tokens[span.offset : span.stop]) == list(
+                ids[span.offset : span.stop]
+            )
+            if held and span.offset not in self._images:
+                self._images[span.offset] = span
 
     def snapshot(self) -> StateSnapshot:
         return self.state.snapshot()
