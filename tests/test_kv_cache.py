@@ -230,3 +230,37 @@ def test_a_fork_the_cache_puts_in_another_block_gets_copies(tiny):
     for name, rows in rows_of(parent, TINY.n_layers).items():
         assert np.array_equal(rows_of(twin, TINY.n_layers)[name], rows), name
     assert torch.equal(model.forward([9], twin), model.forward([9], copy.deepcopy(parent)))
+
+
+def test_a_key_writes_image_ids_apart_from_any_text():
+    """`tokens_key`: text decodes as text, an image id as 0xFF, hex, 0xFF (no UTF-8 text holds 0xFF);
+    a prefix's key is a prefix of the key, and another image differs at its first id."""
+    from dwarfstar.kvcache.kvstore import tokens_key
+
+    def decode(tokens):
+        return "".join(chr(97 + t) for t in tokens).encode()
+
+    text, image, other = [0, 1, 2], [1000, 1001], [1000, 1002]
+    key = tokens_key(decode, 26, text + image + text)
+    assert key == b"abc\xff3e8\xff\xff3e9\xffabc"
+    for n in range(8):
+        assert key.startswith(tokens_key(decode, 26, (text + image + text)[:n]))
+    assert not tokens_key(decode, 26, text + other).startswith(tokens_key(decode, 26, text + image))
+    assert tokens_key(decode, 26, text) == b"abc"
+
+
+def test_a_payload_keeps_image_ids_and_refuses_ids_past_them(tiny):
+    from dwarfstar.model.image_spans import IMAGE_IDS
+
+    model = ReferenceModel(tiny)
+    state = model.new_state()
+    model.forward([5, 6, 7], state)
+    state.tokens[1] = TINY.vocab_size + 12345  # an image block's id: the payload keeps it
+    buf = io.BytesIO()
+    write_payload(buf, state, TINY, 4096, 64)
+    assert read_payload(buf.getvalue(), TINY, 4096, 64, model.new_state).tokens == [5, TINY.vocab_size + 12345, 7]
+    state.tokens[1] = IMAGE_IDS
+    buf = io.BytesIO()
+    write_payload(buf, state, TINY, 4096, 64)
+    with pytest.raises(PayloadError, match="outside the vocabulary"):
+        read_payload(buf.getvalue(), TINY, 4096, 64, model.new_state)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import logging
 import os
 import re
@@ -111,6 +112,22 @@ class CacheHit:
         return len(self.state.tokens)
 
 
+def tokens_key(decode_bytes: Callable[[Sequence[int]], bytes], vocab_size: int, tokens: Sequence[int]) -> bytes:
+    """The key of a state holding `tokens`, matched as a byte prefix of a request's key: their text
+    (`decode_bytes`), each image id among them (past the vocabulary: model/image_spans.py) written as
+    the byte 0xFF, the id in hex, 0xFF. No UTF-8 text holds that byte, so a text request's key
+    (its rendered text) never matches an image's; the key of a prefix is a prefix of the key, and two
+    images differ in it as in their ids."""
+    tokens = list(tokens)
+    if max(tokens, default=0) < vocab_size:
+        return decode_bytes(tokens)
+    out = bytearray()
+    for image, group in itertools.groupby(tokens, key=lambda t: t >= vocab_size):
+        run = list(group)
+        out += b"".join(b"\xff%x\xff" % t for t in run) if image else decode_bytes(run)
+    return bytes(out)
+
+
 @dataclass
 class KVStore:
     directory: Path
@@ -118,7 +135,7 @@ class KVStore:
     identity: ModelIdentity
     ctx: int
     chunk: int
-    render_key: Callable[[Sequence[int]], bytes]  # decoded text of tokens (Tokenizer.decode_bytes)
+    render_key: Callable[[Sequence[int]], bytes]  # the key of tokens: their decoded text (`tokens_key`)
     options: KVCacheOptions = field(default_factory=KVCacheOptions)
     new_state: Callable[[], SequenceState] | None = None  # the backend's; None: a host float32 cache
     clock: Callable[[], float] = time.time

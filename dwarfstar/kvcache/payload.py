@@ -20,6 +20,7 @@ import torch
 
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.image_spans import IMAGE_IDS
 from dwarfstar.model.state import SequenceState
 from dwarfstar.model.tensors import COMPRESSORS
 
@@ -166,8 +167,8 @@ def read_payload(
         raise PayloadError(f"payload is {len(data)} bytes, the layout for {header.n_tokens} tokens needs {expected}")
     reader = _Reader(memoryview(data), HEADER.size)
     tokens = reader.array("<u4", header.n_tokens).astype(np.int64).tolist()
-    if any(t >= args.vocab_size for t in tokens):
-        raise PayloadError("payload holds a token id outside the vocabulary")
+    if any(t >= IMAGE_IDS for t in tokens):  # ids past the vocabulary are an image block's (model/image_spans.py)
+        raise PayloadError("payload holds a token id outside the vocabulary and the image ids")
     logits = torch.from_numpy(reader.array("<f4", args.vocab_size).copy())
     counts = dict(zip(COMPRESSORS, (reader.array("<u4", args.n_layers).tolist() for _ in COMPRESSORS), strict=True))
     state = new_state()
