@@ -19,6 +19,7 @@ from dwarfstar.commands.flags import (
     LoopGuardFlags,
     ModelFlags,
     SteeringFlags,
+    Vision,
     output,
 )
 from dwarfstar.errors import DwarfStarError
@@ -91,6 +92,7 @@ def serve(
         list[str] | None, typer.Option(help="Also accept these model names (fnmatch patterns, repeatable).")
     ] = None,
     trace: Annotated[Path | None, output(help="Append one JSON line per request to this file.")] = None,
+    vision: Vision = None,
 ) -> None:
     """Serve the model over HTTP for the OpenAI SDK, Codex, Claude Code and opencode."""
     import logging
@@ -107,7 +109,7 @@ def serve(
         raise DwarfStarError(f"--template must be one of {', '.join(TEMPLATES)}")
     if max_sessions < 1 or max_queue < 0 or prefill_chunk < 1:
         raise DwarfStarError("--max-sessions and --prefill-chunk must be positive, --max-queue not negative")
-    spec = engine_flags.spec(ctx=ctx, kv_slots=max_sessions)  # every live session in the batch-decoding block
+    spec = engine_flags.spec(ctx=ctx, kv_slots=max_sessions, vision=vision)  # kv_slots: every live session batched
     config = ServerConfig(
         ctx=ctx, api_key=api_key or None, cors=cors, think_by_default=think, template=template,
         max_sessions=max_sessions, kv_memory_mb=kv_memory_mb, max_queue=max_queue, prefill_chunk=prefill_chunk,

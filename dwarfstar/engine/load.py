@@ -46,9 +46,8 @@ class Engine:
 
     @property
     def vision(self) -> bool:
-        """Whether the server reads images: not yet, even with --vision (its requests' images do not
-        reach the model yet, issue 34), so every request with an image is refused (serving/images.py)."""
-        return False
+        """Whether the engine reads images: a vision encoder is loaded (--vision)."""
+        return self.images is not None
 
 
 def spec_backend(spec: EngineSpec) -> str:

@@ -50,7 +50,7 @@ from dwarfstar.serving.controls import (
 from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body, json_response
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, Started, ToolCallOpened, Usage, new_id
-from dwarfstar.serving.images import Images, check_images
+from dwarfstar.serving.images import Images
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import respond, sse
 from dwarfstar.serving.validation import check_tool_choice, media_refused, non_empty, unsupported_part
@@ -88,19 +88,22 @@ def hidden_thinking(request: Request) -> HiddenThinking:
     return state.hidden_thinking
 
 
-def _text_of(content: Any, where: str, *, tool: bool = False) -> str:
-    """Text blocks joined; in a tool result (`tool`) another block is `[Unsupported TYPE]`, elsewhere
-    dropped (system entries)."""
+def _text_of(content: Any, where: str, images: Images | None = None) -> str:
+    """Text blocks joined; in a tool result (given its request's `images`) an image is read, its slot
+    in its place (serving/images.py), and another block is `[Unsupported TYPE]`; elsewhere (system
+    entries) other blocks are dropped."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or an array of content blocks", param=where)
     texts = []
-    for block in content:
+    for m, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
-        elif tool:
+        elif images is not None and kind == "image":
+            texts.append(images.read(block, kind, f"{where}[{m}]", tool=True))
+        elif images is not None:
             texts.append(unsupported_part(kind))
     return "".join(texts)
 
@@ -143,9 +146,7 @@ class _Turn:
         return [out]
 
 
-def _read_blocks(
-    turn: _Turn, blocks: list[Any], where: str, hidden: HiddenThinking | None, images: Images, message: int
-) -> None:
+def _read_blocks(turn: _Turn, blocks: list[Any], where: str, hidden: HiddenThinking | None, images: Images) -> None:
     texts = []
     for m, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
@@ -160,10 +161,10 @@ def _read_blocks(
             function = {"name": block["name"], "arguments": block.get("input") or {}}
             turn.calls.append({"id": block.get("id") or "", "type": "function", "function": function})
         elif kind == "tool_result":
-            result = _text_of(block.get("content"), f"{where}.content[{m}].content", tool=True)
+            result = _text_of(block.get("content"), f"{where}.content[{m}].content", images)
             turn.results.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": result})
         elif kind == "image":
-            images.read(block, kind, message=message, offset=sum(map(len, texts)), where=f"{where}.content[{m}]")
+            texts.append(images.read(block, kind, f"{where}.content[{m}]"))
         elif kind == "document":
             raise media_refused(kind, f"{where}.content[{m}]")
     turn.texts.append("".join(texts))
@@ -189,7 +190,7 @@ def anthropic_messages(
         if not isinstance(blocks, list):
             raise bad_request(f"{where}.content must be a string or an array of content blocks", f"{where}.content")
         turn = turn or _Turn(role)
-        _read_blocks(turn, blocks, where, hidden, images, n)
+        _read_blocks(turn, blocks, where, hidden, images)
     return messages + (turn.messages() if turn is not None else [])
 
 
@@ -255,7 +256,7 @@ def _response_format(config: Fields | None) -> dict[str, Any] | None:
 
 def _conversation(fields: Fields, service: Service, hidden: HiddenThinking) -> Conversation:
     model = service.models.resolve(fields.text("model"))
-    images = Images()
+    images = Images(service.engine.vision)
     messages = anthropic_messages(fields.array("messages"), system_text(fields), images, hidden)
     tools = anthropic_tools(fields)
     config = fields.mapping("output_config")
@@ -283,9 +284,14 @@ async def messages_endpoint(request: Request) -> Response:
         body=fields.body,
     )
     stream = bool(fields.flag("stream"))  # every field is read before the job exists, so a 400 leaves none
-    await check_images(talk.images, service.engine.vision)
+    await talk.images.check()
     job = await service.submit_chat(
-        talk.messages, tools=talk.tools, thinking=talk.thinking, knobs=knobs, response_format=talk.response_format
+        talk.messages,
+        tools=talk.tools,
+        thinking=talk.thinking,
+        knobs=knobs,
+        response_format=talk.response_format,
+        images=talk.images,
     )
     message_id = new_id("msg_")
 
@@ -304,8 +310,8 @@ async def count_tokens(request: Request) -> Response:
     service: Service = request.app.state.service
     fields = await read_json_object(request)
     talk = _conversation(fields, service, hidden_thinking(request))
-    await check_images(talk.images, service.engine.vision)
-    count = await service.count_chat_tokens(talk.messages, tools=talk.tools, thinking=talk.thinking)
+    await talk.images.check()
+    count = await service.count_chat_tokens(talk.messages, tools=talk.tools, thinking=talk.thinking, images=talk.images)
     return json_response({"input_tokens": count})
 
 

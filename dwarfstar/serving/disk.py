@@ -23,6 +23,7 @@ themselves run outside it).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -36,7 +37,7 @@ from dwarfstar.engine.load import Engine
 from dwarfstar.kvcache import kvfile
 from dwarfstar.kvcache.kvfile import KVFileError, ModelIdentity
 from dwarfstar.kvcache.kvpolicy import MIB, ContinuedSchedule, KVCacheOptions, SaveReason, cold_save_point
-from dwarfstar.kvcache.kvstore import KVStore, StateImage
+from dwarfstar.kvcache.kvstore import KVStore, StateImage, tokens_key
 from dwarfstar.model.state import SequenceState
 from dwarfstar.prompt.render import Prompt
 from dwarfstar.serving.pool import LiveSession
@@ -86,7 +87,7 @@ class DiskCache:
             ModelIdentity.of(engine.model),
             ctx,
             chunk,
-            render_key=engine.tokenizer.decode_bytes,
+            render_key=functools.partial(tokens_key, engine.tokenizer.decode_bytes, engine.tokenizer.vocab_size),
             options=options,
             new_state=engine.backend.new_state,
         )
@@ -157,22 +158,29 @@ class DiskCache:
         return bool(self._schedule(live).target(len(live.session.tokens), in_tool_call))
 
     # -- loading ---------------------------------------------------------------------------------------
-    def restore_async(self, prompt: Prompt, better_than: int) -> Future[SequenceState | None]:
-        """`restore` on the reader thread."""
-        return self._reader.submit(self.restore, prompt, better_than)
+    def key(self, prompt: Prompt, ids: list[int]) -> bytes:
+        """What a request's prompt matches files by: its rendered text, or, where it holds image blocks,
+        its ids' key (`tokens_key`: the text with each image id written out)."""
+        if max(ids, default=0) < self.store.args.vocab_size:
+            return prompt.text.encode("utf-8")
+        return self.store.render_key(ids)
 
-    def restore(self, prompt: Prompt, better_than: int) -> SequenceState | None:
-        """The longest checkpoint of the prompt's text, if it holds more than `better_than` tokens."""
-        text = prompt.text.encode("utf-8")
+    def restore_async(self, key: bytes, better_than: int) -> Future[SequenceState | None]:
+        """`restore` on the reader thread."""
+        return self._reader.submit(self.restore, key, better_than)
+
+    def restore(self, key: bytes, better_than: int) -> SequenceState | None:
+        """The longest checkpoint whose key is a prefix of the request's `key` (`key`), if it holds more
+        than `better_than` tokens."""
         with self._queued_lock:
             queued = [save for save in self._queued if len(save.image.tokens) > better_than]
-        queued = [save for save in queued if text.startswith(self.store.key_of(save.image))]
+        queued = [save for save in queued if key.startswith(self.store.key_of(save.image))]
         best_queued = max(queued, key=lambda save: len(save.image.tokens), default=None)
         if best_queued is not None:
             better_than = len(best_queued.image.tokens)
         with self._lock:
-            longer = [e for e in self.store.entries() if e.tokens > better_than and text.startswith(e.key)]
-            hit = self.store.lookup(text) if any(e.refusal is None for e in longer) else None
+            longer = [e for e in self.store.entries() if e.tokens > better_than and key.startswith(e.key)]
+            hit = self.store.lookup(key) if any(e.refusal is None for e in longer) else None
         if hit is None:
             # a checkpoint still waiting for the writer is served from its copy in memory
             return None if best_queued is None else self.store.thaw(best_queued.image)

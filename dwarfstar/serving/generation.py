@@ -10,6 +10,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from dwarfstar.engine.images import PlacedImage
 from dwarfstar.prompt.dsml_guard import ToolGrammar
 from dwarfstar.prompt.dsml_parser import (
     INVALID_TOOL_CALL,
@@ -44,6 +45,7 @@ class GenerationRequest:
     tool_loop: str | None = None  # the repeated tool call the guard found in the history, for the trace
     halted: bool = False  # the guard stops the turn before it is generated (a tool loop, `stop`)
     tool_grammar: ToolGrammar | None = None  # the tool-call guard's (prompt/dsml_guard.py); None: off
+    images: tuple[PlacedImage, ...] = ()  # the prompt's images, placed among `prompt_ids` (engine/images.py)
 
 
 @dataclass

@@ -7,8 +7,10 @@
   refused.
 
 An http(s) URL is refused: the server makes no outbound requests. At most `MAX_IMAGES` images a
-request. `check_images` then decodes each (a corrupt image is a 400 naming its part) and refuses them
-all when the model has no vision encoder, so an image is never silently dropped.
+request. Each image read leaves its slot in its message's text (`prompt.images.slot`), where the
+service places its block (`engine.images.place`); `Images.check` decodes each first (a corrupt image
+is a 400 naming its part). Without a vision encoder every image is refused, so none is ever silently
+dropped, but one in a tool result, which becomes `[Unsupported image]`.
 """
 
 from __future__ import annotations
@@ -17,24 +19,50 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from dwarfstar.prompt.images import MAX_IMAGES, ImageError, ImagePart, decode, from_base64, from_url
-from dwarfstar.serving.errors import ApiError, bad_request
-
-NO_VISION = "this model has no vision encoder; send text only, or serve a model with vision"
+from dwarfstar.prompt.images import MAX_IMAGES, ImageError, ImagePart, decode, from_base64, from_url, slot
+from dwarfstar.serving.errors import bad_request
+from dwarfstar.serving.validation import NO_VISION, unsupported_part
 
 
 class Images(list[ImagePart]):
-    """The images of one request, in the order they appear, refused past `MAX_IMAGES`."""
+    """The images of one request, in the order they are read, refused past `MAX_IMAGES`. `vision`: the
+    model reads images (a vision encoder is loaded)."""
 
-    def read(self, part: Any, kind: str, *, message: int, offset: int, where: str) -> None:
-        """The image `part` of type `kind`, in the request's message `message` after `offset` characters
-        of its text."""
+    def __init__(self, vision: bool) -> None:
+        super().__init__()
+        self.vision = vision
+
+    def read(self, part: Any, kind: str, where: str, *, tool: bool = False) -> str:
+        """The image `part` of type `kind`: read, and the text that stands for it in its message, its
+        slot (`prompt.images.slot`). Without a vision encoder an image is refused (400, `check`), but one in a
+        tool result (`tool`: an agent's read of an image file) is the text `[Unsupported image]`, as
+        the DeepSeek V4 encoder writes a tool message's non-text part (validation.py, `media`).
+        Without one the others are still read and decoded (`check`), so a bad image is named first."""
+        if tool and not self.vision:
+            return unsupported_part(kind)
         if len(self) == MAX_IMAGES:
             raise bad_request(f"{where}: at most {MAX_IMAGES} images a request", param=where)
         try:
-            self.append(ImagePart(*_read(part, kind), message=message, offset=offset, where=where))
+            self.append(ImagePart(*_read(part, kind), where=where))
         except ImageError as exc:
             raise bad_request(f"{where}: {exc}", param=where) from None
+        return slot(len(self) - 1)
+
+    async def check(self) -> None:
+        """Each image decodes (else a 400 naming the part), off the event loop, and the model can see
+        them (else a 400 naming the first and the missing `--vision`)."""
+
+        def decode_all() -> None:
+            for part in self:
+                try:
+                    decode(part)
+                except ImageError as exc:
+                    raise bad_request(f"{part.where}: {exc}", param=part.where) from None
+
+        if self:
+            await run_in_threadpool(decode_all)
+        if self and not self.vision:
+            raise bad_request(f"{self[0].where}: an image, but {NO_VISION}", param=self[0].where)
 
 
 def _read(part: dict[str, Any], kind: str) -> tuple[bytes, str]:
@@ -54,24 +82,3 @@ def _read(part: dict[str, Any], kind: str) -> tuple[bytes, str]:
             'send {"type": "base64", "media_type": ..., "data": ...}'
         )
     return from_base64(source.get("data"), source.get("media_type"))
-
-
-async def check_images(images: list[ImagePart], vision: bool) -> None:
-    """Each image decodes (else a 400 naming the part), and the model can see them (else a 400)."""
-    if not images:
-        return
-
-    def decode_all() -> None:
-        for part in images:
-            try:
-                decode(part)
-            except ImageError as exc:
-                raise bad_request(f"{part.where}: {exc}", param=part.where) from None
-
-    try:
-        await run_in_threadpool(decode_all)
-    except ImportError:  # no Pillow installed: still say what matters most
-        if vision:
-            raise ApiError(500, "reading images needs Pillow: pip install 'pillow>=11'") from None
-    if not vision:
-        raise bad_request(f"{images[0].where}: {NO_VISION}", param=images[0].where)

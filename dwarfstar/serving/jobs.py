@@ -15,11 +15,12 @@ import asyncio
 import itertools
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
 from dwarfstar.kvcache.kvpolicy import SaveReason
+from dwarfstar.model.image_spans import ImageSpan, cut_outside
 from dwarfstar.model.state import SequenceState
 from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.sampling import Sampler
@@ -69,19 +70,24 @@ class KV:
 
     lease: Lease
     pending: list[int]
+    images: list[ImageSpan] = field(default_factory=list)  # the image blocks among `pending` (offsets into it)
     save_stops: list[tuple[int, SaveReason]] = field(default_factory=list)  # disk-cache saves due inside the prefill
 
-    def take(self, budget: int) -> list[int]:
-        """The next prefill piece: up to `budget` pending tokens, cut at the session's next chunk end or
-        checkpoint mark and at the next disk-cache save (empty when the budget is spent)."""
+    def take(self, budget: int) -> tuple[list[int], list[ImageSpan]]:
+        """The next prefill piece and its image blocks (offsets into it): up to `budget` pending tokens,
+        cut at the session's next chunk end or checkpoint mark and at the next disk-cache save (empty
+        when the budget is spent), and never inside an image block (one that starts the piece is
+        taken whole, past the budget)."""
         session = self.lease.session
         done = len(session.tokens)
-        size = min(budget, session.room())
+        size = min(budget, session.room(self.images))
         if self.save_stops:
             size = min(size, self.save_stops[0][0] - done)
-        size = max(size, 0)
+        size = cut_outside(self.images, max(size, 0))
         piece, self.pending = self.pending[:size], self.pending[size:]
-        return piece
+        mine = [span for span in self.images if span.stop <= size]
+        self.images = [replace(span, offset=span.offset - size) for span in self.images[len(mine) :]]
+        return piece, mine
 
 
 @dataclass
@@ -123,6 +129,7 @@ class Job:
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._phase = Phase.QUEUED
         self.disk_read: DiskRead | None = None
+        self.images: list[ImageSpan] | None = None  # the prompt's image blocks, encoded when first looked at
         self.kv: KV | None = None
         self.decoding: Decoding | None = None
         self.drafting: Drafting | None = None

@@ -25,6 +25,8 @@ class Metric(Enum):
     LOOP_GUARD_TOTAL = COUNTER, "Loop guard interventions, by kind (repetition, tool_note, tool_stop)."
     INVALID_TOOL_CALLS_TOTAL = COUNTER, "Tool-call blocks the parser gave up, answered as text."
     PROMPT_TOKENS_TOTAL = COUNTER, "Prompt tokens of admitted requests."
+    IMAGES_TOTAL = COUNTER, "Images in admitted requests (serve --vision)."
+    IMAGES_ENCODED_TOTAL = COUNTER, "Images run through the vision encoder (the others came from its cache)."
     CACHED_TOKENS_TOTAL = COUNTER, "Prompt tokens reused from a live session or the disk cache."
     PREFILL_TOKENS_TOTAL = COUNTER, "Prompt tokens run through the model."
     GENERATED_TOKENS_TOTAL = COUNTER, "Tokens generated."

@@ -39,7 +39,7 @@ from dwarfstar.serving.controls import (
 from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, Started, TokenLogprob, ToolCallOpened, Usage, new_id
-from dwarfstar.serving.images import Images, check_images
+from dwarfstar.serving.images import Images
 from dwarfstar.serving.logprobs import Pending, chat_logprobs, openai_entry
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import respond, sse
@@ -49,10 +49,11 @@ ROLES = ("system", "developer", "user", "assistant", "latest_reminder")
 TEXT_PARTS = ("text", "input_text", "output_text")
 
 
-def content_text(content: Any, where: str, images: Images, message: int, *, tool: bool = False) -> str:
+def content_text(content: Any, where: str, images: Images, *, tool: bool = False) -> str:
     """String content, or the text parts of a list joined with nothing between (an assistant's
-    `refusal` parts left out); an `image_url` part read into `images` (serving/images.py); any other
-    part is refused, or in a tool result (`tool`) written as `[Unsupported TYPE]` (validation.py, `media`)."""
+    `refusal` parts left out); an `image_url` part read into `images`, its slot in its place
+    (serving/images.py); any other part is refused, or in a tool result (`tool`) written as
+    `[Unsupported TYPE]` (validation.py, `media`)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -62,10 +63,10 @@ def content_text(content: Any, where: str, images: Images, message: int, *, tool
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in TEXT_PARTS and isinstance(part.get("text"), str):
             texts.append(part["text"])
+        elif kind == "image_url":
+            texts.append(images.read(part, kind, f"{where}.content[{m}]", tool=tool))
         elif tool:
             texts.append(unsupported_part(kind))
-        elif kind == "image_url":
-            images.read(part, kind, message=message, offset=sum(map(len, texts)), where=f"{where}.content[{m}]")
         elif kind != "refusal":
             raise media_refused(kind, f"{where}.content[{m}]")
     return "".join(texts)
@@ -79,10 +80,10 @@ def openai_messages(raw: list[Any] | None, images: Images) -> list[dict[str, Any
             raise bad_request(f"{where} must be an object", param=where)
         role = message.get("role")
         if role in ("tool", "function"):
-            text = content_text(message.get("content"), where, images, n, tool=True)
+            text = content_text(message.get("content"), where, images, tool=True)
             messages.append({"role": "tool", "tool_call_id": message.get("tool_call_id") or "", "content": text})
         elif role in ROLES:
-            out: dict[str, Any] = {"role": role, "content": content_text(message.get("content"), where, images, n)}
+            out: dict[str, Any] = {"role": role, "content": content_text(message.get("content"), where, images)}
             if role == "assistant":
                 for key in ("reasoning_content", "tool_calls"):
                     if message.get(key) is not None:
@@ -155,7 +156,7 @@ async def chat_completions(request: Request) -> Response:
     service: Service = request.app.state.service
     fields = await read_json_object(request)
     model = service.models.resolve(fields.text("model"))
-    images = Images()
+    images = Images(service.engine.vision)
     messages = openai_messages(fields.array("messages"), images)
     if (fields.integer("n", low=1) or 1) != 1:
         raise bad_request("n must be 1: one choice per request", param="n")
@@ -175,13 +176,14 @@ async def chat_completions(request: Request) -> Response:
         body=fields.body,
     )
     stream, include_usage = bool(fields.flag("stream")), usage_chunk(fields)
-    await check_images(images, service.engine.vision)
+    await images.check()
     job = await service.submit_chat(
         messages,
         tools=tools,
         thinking=thinking,
         knobs=knobs,
         response_format=structured_format(fields, "response_format"),
+        images=images,
     )
     response_id = new_id("chatcmpl-")
     writer = partial(ChatStream, response_id, model, include_usage)

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.kvcache.kvpolicy import SaveReason
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.state import SequenceState
 from dwarfstar.prompt.render import Prompt
 from dwarfstar.session.prefix import ReusePlan, checkpoint_marks, common_prefix_len, plan_reuse
@@ -36,7 +38,9 @@ class DiskCache(Protocol):
 
     def save(self, live: LiveSession, reason: SaveReason) -> None: ...
 
-    def restore(self, prompt: Prompt, better_than: int) -> SequenceState | None: ...
+    def key(self, prompt: Prompt, ids: list[int]) -> bytes: ...
+
+    def restore(self, key: bytes, better_than: int) -> SequenceState | None: ...
 
 
 @dataclass(frozen=True)
@@ -133,13 +137,16 @@ class SessionPool:
         ids: list[int],
         steering: SteeringScale | None = None,
         looked_up: DiskLookup | None = None,
+        images: Sequence[ImageSpan] = (),
     ) -> Lease | None:
         """A session brought to the state after `ids`' longest cached prefix computed with the same
         `steering`; None while all are busy. `looked_up`: the disk lookup already made for this
-        request (else it is made here, when due)."""
+        request (else it is made here, when due). `images`: the prompt's image blocks (offsets into
+        `ids`), whose rows a session holding their ids without them (one read from the disk cache)
+        learns, so that cutting it back replays them."""
         idle, best, best_shared = self._best_idle(ids, steering)
         if best is not None and best.continued_by(best_shared):
-            return self._lease(best, prompt, ids, "memory")
+            return self._lease(best, prompt, ids, "memory", images)
         # another conversation, or one that left memory
         useful = self._useful(best_shared)
         if not self._has_room() and not idle:
@@ -148,12 +155,12 @@ class SessionPool:
         if looked_up is not None:  # made earlier: memory may have gained a longer prefix since
             state = looked_up.state if looked_up.state is not None and len(looked_up.state.tokens) > useful else None
         else:
-            state = self.disk.restore(prompt, better_than=useful) if on_disk else None
+            state = self.disk.restore(self.disk.key(prompt, ids), better_than=useful) if on_disk else None
         if not self._has_room():
             victim = min(idle, key=lambda live: live.last_used)
             self._save(victim)
             if victim is best and useful and state is None:
-                return self._lease(best, prompt, ids, "memory")  # taken over, cut back to the shared prefix
+                return self._lease(best, prompt, ids, "memory", images)  # taken over, cut back to the shared prefix
             self.live.remove(victim)
         if state is not None:
             live, source = self._new(steering), "disk"
@@ -162,13 +169,16 @@ class SessionPool:
             live, source = self._fork(best), "fork"
         else:
             live, source = self._new(steering), "cold"
-        return self._lease(live, prompt, ids, source)
+        return self._lease(live, prompt, ids, source, images)
 
-    def _lease(self, live: LiveSession, prompt: Prompt | None, ids: list[int], source: str) -> Lease:
+    def _lease(
+        self, live: LiveSession, prompt: Prompt | None, ids: list[int], source: str, images: Sequence[ImageSpan]
+    ) -> Lease:
         plan = self._plan(live.session, prompt, ids)
         live.busy = True
         try:
             computed = live.session.stats.computed
+            live.session.adopt(images, ids)
             live.session.truncate(plan.keep)
         except BaseException:
             self.discard(live)
@@ -189,7 +199,13 @@ class SessionPool:
 
     def _plan(self, session: Session, prompt: Prompt | None, ids: list[int]) -> ReusePlan:
         keep = common_prefix_len(session.tokens, ids)
-        if keep == len(session.tokens) or prompt is None:
+        vocab = self.tokenizer.vocab_size
+        images = max(ids, default=0) >= vocab or max(session.tokens, default=0) >= vocab
+        if images:  # a cut never splits an image block (the ids of a run past the vocabulary)
+            while 0 < keep < len(ids) and ids[keep - 1] >= vocab and ids[keep] >= vocab:
+                keep -= 1
+        if keep == len(session.tokens) or prompt is None or images:
+            # image ids have no text: the rendered bytes cannot be matched
             return ReusePlan(keep, ids[keep:], "tokens" if keep else "none")
         # the cached tokens may spell the prompt's text with other token boundaries (sampled text)
         return plan_reuse(session.tokens, prompt, self.tokenizer)

@@ -40,7 +40,7 @@ from dwarfstar.serving.controls import Thinking, effort_value, output_budget, sa
 from dwarfstar.serving.errors import bad_request
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, Started, TokenLogprob, ToolCallOpened, Usage, new_id
-from dwarfstar.serving.images import Images, check_images
+from dwarfstar.serving.images import Images
 from dwarfstar.serving.logprobs import Pending, openai_entry, responses_logprobs
 from dwarfstar.serving.service import Knobs, Service
 from dwarfstar.serving.sse import respond, sse
@@ -55,9 +55,10 @@ SUMMARY_MODES = ("auto", "concise", "detailed")
 ENCRYPTED_PREFIX = "dwarfstar:"
 
 
-def _blocks_text(content: Any, where: str, images: Images, message: int, *, tool: bool = False) -> str:
-    """Text blocks joined; an image read into `images` (serving/images.py), files and audio refused, or
-    in a tool output (`tool`) written as `[Unsupported TYPE]` (validation.py, `media`); a `refusal` dropped."""
+def _blocks_text(content: Any, where: str, images: Images, *, tool: bool = False) -> str:
+    """Text blocks joined; an image read into `images`, its slot in its place (serving/images.py), files
+    and audio refused, or in a tool output (`tool`) written as `[Unsupported TYPE]` (validation.py,
+    `media`); a `refusal` dropped."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -67,10 +68,10 @@ def _blocks_text(content: Any, where: str, images: Images, message: int, *, tool
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in TEXT_BLOCKS and isinstance(block.get("text"), str):
             texts.append(block["text"])
+        elif kind == "input_image":
+            texts.append(images.read(block, kind, f"{where}.content[{m}]", tool=tool))
         elif kind in MEDIA_BLOCKS and tool:
             texts.append(unsupported_part(kind))
-        elif kind == "input_image":
-            images.read(block, kind, message=message, offset=sum(map(len, texts)), where=f"{where}.content[{m}]")
         elif kind in MEDIA_BLOCKS:
             raise media_refused(kind, f"{where}.content[{m}]")
         elif kind != "refusal":
@@ -112,7 +113,7 @@ def input_messages(fields: Fields, images: Images) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ROLES:
                 raise unknown_role(role, where, ROLES)
-            text = _blocks_text(item.get("content"), where, images, n)
+            text = _blocks_text(item.get("content"), where, images)
             if role == "assistant":
                 messages.append({"role": "assistant", "content": text, "reasoning_content": reasoning})
                 reasoning = None
@@ -132,7 +133,7 @@ def input_messages(fields: Fields, images: Images) -> list[dict[str, Any]]:
                 )
                 reasoning = None
         elif kind == "function_call_output":
-            output = _blocks_text(item.get("output"), where, images, n, tool=True)
+            output = _blocks_text(item.get("output"), where, images, tool=True)
             messages.append({"role": "tool", "tool_call_id": item.get("call_id") or "", "content": output})
         elif kind == "reasoning":
             reasoning = _reasoning_text(item)
@@ -169,7 +170,7 @@ async def responses_endpoint(request: Request) -> Response:
     for key in ("previous_response_id", "conversation"):
         if fields.has(key):
             raise bad_request(f"{key} is not supported; replay full input instead", param=key)
-    images = Images()
+    images = Images(service.engine.vision)
     messages = input_messages(fields, images)
     tools = function_tools(fields)
     reasoning = fields.mapping("reasoning") or Fields({}, "reasoning.")
@@ -194,13 +195,14 @@ async def responses_endpoint(request: Request) -> Response:
         | {"tools": fields.raw("tools") or []},  # as sent: hosted tools too, though only functions run
     )
     stream = bool(fields.flag("stream"))  # every field is read before the job exists, so a 400 leaves none
-    await check_images(images, service.engine.vision)
+    await images.check()
     job = await service.submit_chat(
         messages,
         tools=tools,
         thinking=thinking,
         knobs=knobs,
         response_format=structured_format(fields.mapping("text"), "format"),
+        images=images,
     )
     return await respond(
         job,

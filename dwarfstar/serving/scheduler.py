@@ -24,15 +24,18 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
+from dwarfstar.engine.images import ImageEncoder
 from dwarfstar.experts.store import ExpertStore
 from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.kvcache.kvpolicy import SaveReason
+from dwarfstar.model.image_spans import ImageSpan, cut_outside
 from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.sampling import Sampler
 from dwarfstar.serving.disk import DiskCache
-from dwarfstar.serving.generation import Failed, Finished, Started, Usage
+from dwarfstar.serving.generation import Failed, Finished, GenerationRequest, Started, Usage
 from dwarfstar.serving.jobs import KV, Decoding, DiskRead, Drafting, Job, Phase
 from dwarfstar.serving.logprobs import event_of
 from dwarfstar.serving.metrics import Metric, Metrics
@@ -41,7 +44,7 @@ from dwarfstar.serving.pool import Lease, SessionPool
 from dwarfstar.serving.replay import ToolMemory
 from dwarfstar.serving.request_trace import Trace
 from dwarfstar.session.loopguard import Repetition
-from dwarfstar.session.session import Session, decode_batch, prefill_batch, sample_next
+from dwarfstar.session.session import decode_batch, prefill_batch, sample_next
 from dwarfstar.speculative.decode import MTPSpeculation, step_batch
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
@@ -71,8 +74,10 @@ class Scheduler:
         disk: DiskCache | None = None,
         speculation: MTPSpeculation | None = None,
         experts: ExpertStore | None = None,
+        images: ImageEncoder | None = None,
     ) -> None:
         self.pool, self.tokenizer, self.metrics, self.speculation = pool, tokenizer, metrics, speculation
+        self.images = images  # the vision encoder (serve --vision), run here: it shares the device
         self.experts = experts  # --ssd-streaming's cache, whose figures each trace record carries
         self.tool_memory, self.trace, self.max_queue, self.disk = tool_memory, trace, max_queue, disk
         self._cond = threading.Condition()
@@ -159,7 +164,8 @@ class Scheduler:
         request = job.request
         better_than = self.pool.disk_lookup_due(request.prompt, request.prompt_ids, request.steering)
         if better_than is not None:
-            job.disk_read = DiskRead(better_than, self.disk.restore_async(request.prompt, better_than))
+            key = self.disk.key(request.prompt, request.prompt_ids)
+            job.disk_read = DiskRead(better_than, self.disk.restore_async(key, better_than))
             job.disk_read.future.add_done_callback(self._wake)
 
     def _admit(self) -> None:
@@ -175,7 +181,9 @@ class Scheduler:
                 if job.disk_read is not None and not job.disk_read.future.done():
                     return  # the file is being read; the running requests go on meanwhile
                 looked_up = job.disk_read.lookup() if job.disk_read is not None else None
-                lease = self.pool.acquire(request.prompt, request.prompt_ids, request.steering, looked_up)
+                if job.images is None:
+                    job.images = self._encode(request)
+                lease = self.pool.acquire(request.prompt, request.prompt_ids, request.steering, looked_up, job.images)
             except Exception as exc:
                 with self._cond:
                     self._waiting.popleft()
@@ -188,12 +196,27 @@ class Scheduler:
             with self._failing(job):
                 self._start(job, lease)
 
+    def _encode(self, request: GenerationRequest) -> list[ImageSpan]:
+        """The rows of each image block of the request: the encoder's, or its cache's (by the image's digest)."""
+        if not request.images:
+            return []
+        encoded = self.images.encoded
+        spans = [self.images.span(image) for image in request.images]
+        self.metrics.inc(Metric.IMAGES_TOTAL, len(spans))
+        self.metrics.inc(Metric.IMAGES_ENCODED_TOTAL, self.images.encoded - encoded)
+        return spans
+
     def _start(self, job: Job, lease: Lease) -> None:
-        job.admit(KV(lease, lease.plan.suffix))
-        job.usage.cached_tokens = lease.plan.keep
+        keep = lease.plan.keep
+        job.admit(
+            KV(lease, lease.plan.suffix, [replace(s, offset=s.offset - keep) for s in job.images if s.offset >= keep])
+        )
+        job.usage.cached_tokens = keep
         lease.live.tool_ids.update(job.replayed)
         if self.disk is not None:
-            job.kv.save_stops = self.disk.prefill_stops(lease.live, job.request.prompt_ids, lease.plan.keep)
+            stops = self.disk.prefill_stops(lease.live, job.request.prompt_ids, keep)
+            # a pass never stops inside an image block, so neither does a save
+            job.kv.save_stops = [stop for stop in stops if cut_outside(job.images, stop[0]) == stop[0]]
         self._active.append(job)
         self.metrics.inc(Metric.CACHE_LOOKUPS_TOTAL, source=lease.source)
         self.metrics.inc(Metric.PROMPT_TOKENS_TOTAL, job.usage.prompt_tokens)
@@ -205,8 +228,9 @@ class Scheduler:
     def _start_decode(self, job: Job) -> None:
         sampling = job.request.sampling
         decoding = Decoding(Sampler(sampling), OutputDecoder(self.tokenizer, job.request))
-        # an accepted draft has no draw of its own, so a request that asks for logprobs is not speculated
-        speculate = self.speculation is not None and sampling.logprobs is None
+        # an accepted draft has no draw of its own, so a request that asks for logprobs is not speculated;
+        # nor, for now, one with images (the draft's rows over an image block are not built yet)
+        speculate = self.speculation is not None and sampling.logprobs is None and not job.request.images
         drafting = Drafting(self.speculation.start(job.session)) if speculate else None
         if job.request.loop_guard is not None:
             decoding.repetition = Repetition(job.request.loop_guard)
@@ -226,24 +250,25 @@ class Scheduler:
         budget = BUSY_PREFILL_SLICE if busy else prefilling[0].session.chunk
         first = self._turn % len(prefilling)
         self._turn += 1
-        jobs, pieces = [], []
+        jobs, pieces, images = [], [], []
         for job in prefilling[first:] + prefilling[:first]:
-            piece = job.kv.take(budget)  # up to its next chunk end
+            piece, blocks = job.kv.take(budget)  # up to its next chunk end
             if not piece:
                 break
             jobs.append(job)
             pieces.append(piece)
+            images.append(blocks)
             budget -= len(piece)
         lengths = [len(job.session.tokens) for job in jobs]
         start = time.perf_counter()
         try:
-            prefill_batch([job.session for job in jobs], pieces)
+            prefill_batch([job.session for job in jobs], pieces, images)
         except Exception as exc:
             if len(jobs) == 1:
                 self._fail(jobs[0], exc)
                 return
             log.warning("batched prefill of %d requests failed (%s); prefilling each alone", len(jobs), exc)
-            jobs, pieces = self._prefill_alone(jobs, pieces, lengths)
+            jobs, pieces = self._prefill_alone(jobs, pieces, images, lengths)
         seconds = time.perf_counter() - start
         tokens = sum(map(len, pieces))
         self.metrics.inc(Metric.PREFILL_TOKENS_TOTAL, tokens)
@@ -258,32 +283,22 @@ class Scheduler:
                     self._start_decode(job)
 
     def _prefill_alone(
-        self, jobs: list[Job], pieces: list[list[int]], lengths: list[int]
+        self, jobs: list[Job], pieces: list[list[int]], images: list[list[ImageSpan]], lengths: list[int]
     ) -> tuple[list[Job], list[list[int]]]:
         """After a failed batched prefill: each request rebuilt as it was before the call, then given
-        its piece alone; those that fail on their own fail. Returns the others and their pieces."""
+        its piece (and its image blocks) alone; those that fail on their own fail. Returns the others
+        and their pieces."""
         kept: tuple[list[Job], list[list[int]]] = ([], [])
-        for job, piece, length in zip(jobs, pieces, lengths, strict=True):
+        for job, piece, blocks, length in zip(jobs, pieces, images, lengths, strict=True):
             try:
-                self._rebuild(job.session, length)
-                prefill_batch([job.session], [piece])
+                job.session.rebuild(length)
+                prefill_batch([job.session], [piece], [blocks])
             except Exception as exc:
                 self._fail(job, exc)
                 continue
             kept[0].append(job)
             kept[1].append(piece)
         return kept
-
-    @staticmethod
-    def _rebuild(session: Session, length: int) -> None:
-        """The session's state as it was at `length` tokens, recomputed from its nearest checkpoint
-        below (a forward that raised midway may have written some layers' rows)."""
-        if length == 0:
-            session.reset()
-            return
-        last = session.tokens[length - 1]
-        session.truncate(length - 1)
-        session.prefill([last])
 
     def _decode_step(self) -> None:
         """One token for every plain-decoding request, one draft-verify round for every speculating one."""
@@ -466,7 +481,7 @@ class Scheduler:
         kept = []
         for job, token, length in zip(jobs, tokens, lengths, strict=True):
             try:
-                self._rebuild(job.session, length)  # from the nearest chunk checkpoint, which the step never touched
+                job.session.rebuild(length)  # from the nearest chunk checkpoint, which the step never touched
                 decode_batch([job.session], [token])
             except Exception as exc:
                 self._fail(job, exc)

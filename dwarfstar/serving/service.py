@@ -15,10 +15,12 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from dwarfstar.engine.images import PlacedImage, place
 from dwarfstar.engine.load import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.prompt.conversation import PromptError
 from dwarfstar.prompt.dsml_guard import ToolGrammar
+from dwarfstar.prompt.images import ImageError, ImagePart
 from dwarfstar.prompt.render import Prompt, render_conversation
 from dwarfstar.sampling import SamplingParams
 from dwarfstar.serving.config import ServerConfig, session_memory_budget
@@ -104,6 +106,7 @@ class Service:
             disk=self.disk,
             speculation=None if config.mtp is None else load_speculation(config.mtp, engine.backend, engine.model),
             experts=engine.experts,
+            images=engine.images,
         )
 
     def thinking(self, model: str, switch: bool | None, effort: str | None) -> Thinking:
@@ -153,12 +156,29 @@ class Service:
             self.disk.recall_tool_calls(history_tool_ids(messages))
         return apply_exact_replay(prompt, messages, self.tool_memory, self.options)
 
+    def _ids(
+        self, prompt: Prompt, images: Sequence[ImagePart], param: str
+    ) -> tuple[list[int], tuple[PlacedImage, ...]]:
+        """The prompt's ids, each image's slot replaced by its block (engine/images.py), and the images placed."""
+        if not images:
+            return self.tokenizer.encode_prompt(prompt.parts), ()
+        try:
+            ids, placed = place(self.engine.images.args, self.tokenizer, prompt.parts, images)
+        except ImageError as exc:
+            raise bad_request(f"{param}: {exc}", param=param) from None
+        return ids, tuple(placed)
+
     async def count_chat_tokens(
-        self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | None, thinking: Thinking
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Any] | None,
+        thinking: Thinking,
+        images: Sequence[ImagePart] = (),
     ) -> int:
         def count() -> int:
             prompt, _ = self._render(messages, tools, thinking, param="messages")
-            return len(self.tokenizer.encode_prompt(prompt.parts))
+            return len(self._ids(prompt, images, "messages")[0])
 
         return await run_in_threadpool(count)
 
@@ -170,7 +190,10 @@ class Service:
         thinking: Thinking,
         knobs: Knobs,
         response_format: Any = None,
+        images: Sequence[ImagePart] = (),
     ) -> Job:
+        """`images`: the request's images (serving/images.py), each with its slot in a message's text."""
+
         def prepare() -> tuple[GenerationRequest, list[str]]:
             guard = self._loop_guard(knobs.body)
             looped = None if guard is None else tool_loop(messages, guard.tool_turns)
@@ -181,8 +204,9 @@ class Service:
             prompt, replayed = self._render(shown, tools, thinking, param=knobs.param, response_format=response_format)
             if not opens_answer(prompt):
                 raise nothing_to_answer(knobs.api, messages, knobs.param)
-            ids = self.tokenizer.encode_prompt(prompt.parts)
+            ids, placed = self._ids(prompt, images, knobs.param)
             request = self._request(prompt, ids, knobs, parse=True, thinking=thinking.enabled, tools=bool(tools))
+            request.images = placed
             if tools and self._tool_guard(knobs.body):
                 request.tool_grammar = ToolGrammar(tools, escaped=self.options.escape_dsml)
             if looped is not None:

@@ -23,12 +23,13 @@ Chat Completions (https://platform.openai.com/docs/api-reference/chat/create):
   length is N tokens. However, you requested ...", and so does this server, naming the limit. Without
   either field the output may fill the rest of the context (ds4's default), the only capping left.
 - `media`: an `image_url` part is read (serving/images.py: a base64 data URL, at most 16 a request,
-  decoded, a corrupt one refused naming its part) and refused while the model has no vision encoder
-  (every model today): a silently dropped image makes the model answer about a picture it never saw.
-  `input_audio`, `file` and other part types than text are refused. A non-text part inside a tool
-  result (an agent's read of an image file) becomes the text `[Unsupported TYPE]` instead, as the
-  DeepSeek V4 encoder writes a tool message's non-text part, so the agent's session goes on and the
-  model knows what it did not get; a refusal there would fail every later request of that conversation.
+  decoded, a corrupt one refused naming its part), in a tool result too, and refused while the model
+  has no vision encoder (`serve --vision`): a silently dropped image makes the model answer about a
+  picture it never saw. `input_audio`, `file` and other part types than text are refused. Without a
+  vision encoder, an image inside a tool result (an agent's read of an image file), like any other
+  non-text part there, becomes the text `[Unsupported TYPE]` instead, as the DeepSeek V4 encoder
+  writes a tool message's non-text part, so the agent's session goes on and the model knows what it
+  did not get; a refusal there would fail every later request of that conversation.
 - `answer`: the conversation ends where the model can answer: after a user, tool or developer
   message (a system message may follow them). A conversation that ends with an assistant message,
   or holds only system messages, would render a prompt with no `<｜Assistant｜>` opener; the model
@@ -44,7 +45,8 @@ Responses (https://platform.openai.com/docs/api-reference/responses/create), the
 `input`: `empty` (a string, or a non-empty array of items), `role` (a message item's role is `user`,
 `system`, `developer` or `assistant`), `tool_choice` (as above; with tools, only `auto` and `none` are
 served, as ds4 serves them), `context` with `max_output_tokens`, `media` (`input_image` read as above, its
-`file_id` refused; `input_file`, `input_audio` refused; in a `function_call_output`, `[Unsupported TYPE]`) and `answer`;
+`file_id` refused; `input_file`, `input_audio` refused; in a `function_call_output`, an image read as above
+and another part `[Unsupported TYPE]`) and `answer`;
 `top_logprobs` 0–20, which needs `include: ["message.output_text.logprobs"]` (the field that asks).
 
 Messages (https://platform.claude.com/docs/en/api/messages):
@@ -63,9 +65,9 @@ Messages (https://platform.claude.com/docs/en/api/messages):
 - `context`: the prompt plus `max_tokens` must fit the context; the message is Anthropic's, "input
   length and `max_tokens` exceed context limit: P + M > N, decrease input length or `max_tokens` and
   try again", which Claude Code reads to retry with a `max_tokens` that fits.
-- `media`: `image` blocks are read as above (a `base64` source; a `url` source is refused) and
-  `document` blocks refused; inside a `tool_result`,
-  a block other than text is `[Unsupported TYPE]`, as above.
+- `media`: `image` blocks are read as above (a `base64` source; a `url` source is refused), inside a
+  `tool_result` too, and `document` blocks refused; inside a `tool_result`, a block other than text
+  and images is `[Unsupported TYPE]`, as above.
 - `answer`: a last `assistant` message (a prefill) is refused with the message Claude 4.6 and later
   models answer ("This model does not support assistant message prefill. The conversation must end
   with a user message.", https://platform.claude.com/docs/en/about-claude/models/whats-new-claude-4-6).
@@ -87,7 +89,7 @@ from dwarfstar.serving.errors import ApiError, bad_request
 from dwarfstar.tokenizer import specials
 from dwarfstar.tokenizer.specials import TASK_TOKENS, Control
 
-NO_VISION = "this model has no vision support"
+NO_VISION = "this server has no vision encoder: start it with --vision FILE (a vision encoder GGUF), or send text only"
 PREFILL = "This model does not support assistant message prefill. The conversation must end with a user message."
 _OPENERS = {specials.THINK_START, specials.THINK_END}
 _TASKS = set(TASK_TOKENS.values())
@@ -108,9 +110,7 @@ def unknown_role(role: Any, where: str, roles: Sequence[str]) -> ApiError:
 
 
 def media_refused(kind: Any, where: str) -> ApiError:
-    """A content part or block this server cannot read: an image (no vision), audio, a file."""
-    if isinstance(kind, str) and "image" in kind:
-        return bad_request(f"{where}: image input is not supported: {NO_VISION}", param=where)
+    """A content part or block this server cannot read: audio, a file, an image of another API's type."""
     return bad_request(f"{where}: content of type {kind!r} is not supported; send text", param=where)
 
 

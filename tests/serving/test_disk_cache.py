@@ -4,7 +4,6 @@ tool calls' exact DSML, even across a restart."""
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import openai
 import torch
@@ -114,6 +113,6 @@ def test_a_cache_hit_is_loaded_onto_the_backends_device(engine, tmp_path):
     saving.flush()  # saves are written by the cache's writer thread
 
     on_meta = DiskCache.open(tmp_path, engine=replace(engine, backend=MetaStates(engine.backend)), **opened)
-    hit = on_meta.restore(SimpleNamespace(text=text + " And more."), better_than=0)
+    hit = on_meta.restore((text + " And more.").encode(), better_than=0)
     assert hit is not None and hit.tokens == session.tokens
     assert {t.device.type for t in state_tensors(hit)} == {"meta"}

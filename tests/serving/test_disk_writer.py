@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 from dwarfstar.kvcache.kvpolicy import SaveReason
 from dwarfstar.serving.disk import DiskCache
@@ -40,7 +39,7 @@ def test_a_save_returns_before_the_write_and_keeps_the_state_as_it_was(engine, t
     session.prefill(engine.tokenizer.encode(" The conversation went on."))  # the live state moves on
 
     # a lookup while the file is not written yet is served from the queued copy
-    queued_hit = disk.restore(SimpleNamespace(text=TEXT + " Later."), better_than=0)
+    queued_hit = disk.restore((TEXT + " Later.").encode(), better_than=0)
     assert queued_hit is not None and queued_hit.tokens == saved_tokens
 
     release.set()
@@ -48,7 +47,7 @@ def test_a_save_returns_before_the_write_and_keeps_the_state_as_it_was(engine, t
     (written,) = tmp_path.glob("*.kv")
     disk.close()
     reader = DiskCache.open(tmp_path, engine=engine, **opened)
-    hit = reader.restore(SimpleNamespace(text=TEXT + " Later."), better_than=0)
+    hit = reader.restore((TEXT + " Later.").encode(), better_than=0)
     assert hit is not None and hit.tokens == saved_tokens  # the state as it was when the save was asked
     assert hit.logits.equal(queued_hit.logits)
     reader.close()

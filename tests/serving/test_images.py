@@ -10,7 +10,9 @@ import openai
 import pytest
 from PIL import Image
 
+from dwarfstar.prompt.images import slot
 from dwarfstar.serving.anthropic import anthropic_messages
+from dwarfstar.serving.errors import ApiError
 from dwarfstar.serving.fields import Fields
 from dwarfstar.serving.images import Images
 from dwarfstar.serving.openai_chat import openai_messages
@@ -62,6 +64,10 @@ def part(api: str, data: str = PNG) -> dict:
 APIS = ("chat", "responses", "messages")
 
 
+def kind(api: str) -> str:
+    return {"chat": "image_url", "responses": "input_image", "messages": "image"}[api]
+
+
 def refuse(http, api: str, parts: list[dict]) -> dict:
     path, body, param = request(api, parts)
     error = refused(http, path, body)
@@ -72,7 +78,8 @@ def refuse(http, api: str, parts: list[dict]) -> dict:
 
 @pytest.mark.parametrize("api", APIS)
 def test_each_api_reads_an_image_with_its_place(api):
-    """Parsed without a server: the image's bytes, its message and the characters of text before it."""
+    """Parsed without a server, for a model with vision: the image's bytes, and its slot in its message's
+    text where the part was."""
     content = [
         {"type": "input_text" if api == "responses" else "text", "text": "Look "},
         {"type": "input_text" if api == "responses" else "text", "text": "here:"},
@@ -80,17 +87,16 @@ def test_each_api_reads_an_image_with_its_place(api):
     ]
     conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
     conversation.append({"role": "user", "content": content})
-    images = Images()
+    images = Images(vision=True)
     if api == "chat":
         messages = openai_messages(conversation, images)
     elif api == "responses":
         messages = input_messages(Fields({"input": conversation}), images)
     else:
         messages = anthropic_messages(conversation, "", images)
-    assert messages[-1]["content"] == "Look here:"
+    assert messages[-1]["content"] == "Look here:" + slot(0)
     [image] = images
     assert (image.data, image.media_type) == (base64.b64decode(PNG), "image/png")
-    assert (image.message, image.offset) == (2, len("Look here:"))
     assert image.where == ("input" if api == "responses" else "messages") + "[2].content[2]"
 
 
@@ -122,10 +128,18 @@ def test_count_tokens_with_an_image_says_the_model_cannot_see(http):
 
 
 @pytest.mark.parametrize("api", APIS)
-def test_sixteen_images_are_read_and_a_seventeenth_refused(http, api):
-    assert "no vision encoder" in refuse(http, api, [part(api)] * 16)["message"]
-    error = refuse(http, api, [part(api)] * 17)
-    assert "at most 16 images" in error["message"] and "content[17]" in error["message"]
+def test_the_refusal_names_the_missing_flag(http, api):
+    error = refuse(http, api, [part(api)] * 3)
+    assert "--vision" in error["message"] and "content[1]" in error["message"]  # the first image
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_seventeenth_image_is_refused(api):
+    images = Images(vision=True)
+    for n in range(16):
+        images.read(part(api), kind(api), f"content[{n}]")
+    with pytest.raises(ApiError, match="at most 16 images"):
+        images.read(part(api), kind(api), "content[16]")
 
 
 @pytest.mark.parametrize("api", APIS)

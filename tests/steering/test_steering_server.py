@@ -49,7 +49,10 @@ class RecordingDisk:
     def save(self, live, reason) -> None:
         pass
 
-    def restore(self, prompt, better_than):
+    def key(self, prompt, ids) -> bytes:
+        return b""
+
+    def restore(self, key, better_than):
         self.restores += 1
         return None
 
@@ -90,8 +93,6 @@ def test_a_steered_request_never_reads_the_disk_cache(engine):
 
 
 def test_disk_cache_keeps_only_unsteered_states(engine, tmp_path):
-    from types import SimpleNamespace
-
     from dwarfstar.kvcache.kvpolicy import SaveReason
     from dwarfstar.serving.disk import DiskCache
     from dwarfstar.serving.pool import LiveSession
@@ -106,7 +107,7 @@ def test_disk_cache_keeps_only_unsteered_states(engine, tmp_path):
         session.prefill(engine.tokenizer.encode(text))
         disk.save(LiveSession(session, steering=steering), SaveReason.EVICT)
     # the disk cache answers a prompt by its rendered text (the pool passes a `Prompt`)
-    found = {steering: disk.restore(SimpleNamespace(text=text + " e altro"), 0) for steering, text in texts.items()}
+    found = {steering: disk.restore((text + " e altro").encode(), 0) for steering, text in texts.items()}
     assert found[SteeringScale(ffn=0.5)] is None
     assert found[None] is not None and found[None].tokens == engine.tokenizer.encode(texts[None])
 
