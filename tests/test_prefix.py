@@ -6,11 +6,20 @@ import pytest
 import torch
 
 from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.model.image_spans import ImageSpan, content_ids
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY, write_synthetic_model
 from dwarfstar.prompt.render import Prompt, render_conversation
 from dwarfstar.sampling import GREEDY
-from dwarfstar.session.prefix import MARK_GAP, ReusePlan, checkpoint_marks, parts_after, plan_reuse, prefill_with_reuse
+from dwarfstar.session.prefix import (
+    MARK_GAP,
+    ReusePlan,
+    checkpoint_marks,
+    image_reuse,
+    parts_after,
+    plan_reuse,
+    prefill_with_reuse,
+)
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.specials import Control
 from dwarfstar.tokenizer.tokenizer import Tokenizer
@@ -58,6 +67,30 @@ def test_text_match_keeps_tokens_that_bpe_would_merge(setup):
     assert plan.suffix == tok.encode(" e poi")
     # the token match alone would have kept only BOS
     assert plan_reuse(cached[:2] + [tok.bos_id], prompt, tok).keep == 1
+
+
+def test_cached_image_ids_take_the_token_match_only(setup):
+    _, tok = setup
+    prompt = Prompt((Control("<｜begin▁of▁sentence｜>"), "mezzogiorno e poi"))
+    block = content_ids(b"image", 4, tok.vocab_size)
+    # the text match would decode the cache, which it cannot: image ids have no text
+    plan = plan_reuse([tok.bos_id, *block, *tok.encode("mezzogiorno")], prompt, tok)
+    assert plan == ReusePlan(1, tok.encode_prompt(prompt.parts)[1:], "tokens")
+
+
+def test_image_reuse_keeps_a_block_whole_or_not_at_all():
+    rows = torch.zeros(4, 8)
+    a, b = content_ids(b"a", 4, 1000), content_ids(b"b", 4, 1000)
+    ids = [1, 2, *a, 3, 4]
+    span = ImageSpan(2, rows)
+    # the same image at the same place: the block is kept, nothing is left to place
+    assert image_reuse([1, 2, *a, 3, 9], ids, [span]) == (7, [])
+    # another image there: the match stops at the block, which is prefilled from its start
+    keep, later = image_reuse([1, 2, *b, 3], ids, [span])
+    assert keep == 2 and [(s.offset, s.rows) for s in later] == [(0, rows)]
+    # a cache that agrees into the block (as a hash collision would) is cut back to its start
+    keep, later = image_reuse([1, 2, *a[:2], 7], ids, [span])
+    assert keep == 2 and [s.offset for s in later] == [0]
 
 
 def test_shorter_prompt_truncates(setup):

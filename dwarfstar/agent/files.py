@@ -1,4 +1,4 @@
-"""The file tools: read, more, write, edit, search, list, all inside one workspace directory.
+"""The file tools: read, more, write, edit, search, list and view_image, all inside one workspace directory.
 
 `edit` by line numbers is only allowed on lines the model was shown, and only while they still read
 as shown: a model that edits from memory (or after the file changed under it) overwrites the wrong
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.prompt.images import ImageError, ImagePart, read_image_file
 
 MAX_FILE_BYTES = 16 << 20  # read and edit refuse larger files: they do not belong in a context
 DEFAULT_LINES = 500
@@ -39,7 +40,8 @@ class ToolError(DwarfStarError):
 
 @dataclass
 class Workspace:
-    """The directory the agent works in; `confirm(question)` allows a write outside it (None: refuse)."""
+    """The directory the agent works in; `confirm(question)` allows a write or an image viewed outside it
+    (None: refuse)."""
 
     root: Path
     confirm: Callable[[str], bool] | None = None
@@ -57,14 +59,16 @@ class Workspace:
     def inside(self, path: Path) -> bool:
         return path == self.root or self.root in path.parents
 
-    def _allow_write(self, path: Path) -> None:
+    def _allow(self, path: Path, action: str) -> None:
+        """`action` ("write", "view") on `path`: asked first when it is outside the workspace."""
         if self.inside(path):
             return
-        question = f"the agent wants to write {path}, outside the workspace {self.root}; allow?"
+        question = f"the agent wants to {action} {path}, outside the workspace {self.root}; allow?"
         if self.confirm is None or not self.confirm(question):
             raise ToolError(f"refused: {path} is outside the workspace {self.root}")
 
-    def _text(self, path: Path) -> str:
+    def _size(self, path: Path, tools: str) -> int:
+        """The size of the file `path`, which `tools` refuse past MAX_FILE_BYTES."""
         try:
             size = path.stat().st_size
         except FileNotFoundError:
@@ -74,7 +78,11 @@ class Workspace:
         if path.is_dir():
             raise ToolError(f"{path} is a directory; use list")
         if size > MAX_FILE_BYTES:
-            raise ToolError(f"{path} is {size} bytes, over the {MAX_FILE_BYTES >> 20} MiB limit of read and edit")
+            raise ToolError(f"{path} is {size} bytes, over the {MAX_FILE_BYTES >> 20} MiB limit of {tools}")
+        return size
+
+    def _text(self, path: Path) -> str:
+        size = self._size(path, "read and edit")
         data = path.read_bytes()
         if b"\0" in data[:BINARY_PROBE]:
             raise ToolError(f"{path} is a binary file ({size} bytes)")
@@ -117,10 +125,22 @@ class Workspace:
         file, start, window = self.last_read
         return self.read(str(file), start_line=start, max_lines=count or window)
 
+    # -- view_image ---------------------------------------------------------------------------------
+    def image(self, path: str) -> tuple[str, ImagePart]:
+        """An image file for the model to see: a line naming it, and the image, checked to decode."""
+        file = self.resolve(path)
+        self._allow(file, "view")
+        size = self._size(file, "view_image")
+        try:
+            part = read_image_file(file)
+        except ImageError as exc:
+            raise ToolError(str(exc)) from None
+        return f"{self._label(file)}: {part.media_type}, {size} bytes", part
+
     # -- write / edit -------------------------------------------------------------------------------
     def write(self, path: str, content: str) -> str:
         file = self.resolve(path)
-        self._allow_write(file)
+        self._allow(file, "write")
         if not isinstance(content, str):
             raise ToolError("content must be a string")
         try:
@@ -142,7 +162,7 @@ class Workspace:
         old: str | None = None,
     ) -> str:
         file = self.resolve(path)
-        self._allow_write(file)
+        self._allow(file, "write")
         text = self._text(file)
         if not isinstance(new, str):
             raise ToolError("new must be a string")

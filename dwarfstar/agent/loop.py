@@ -13,24 +13,27 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dwarfstar.agent import compaction
 from dwarfstar.agent.policy import Policy
-from dwarfstar.agent.tools import TOOLS, Toolbox, ToolOutcome
+from dwarfstar.agent.tools import Toolbox, ToolOutcome
 from dwarfstar.agent.transcript import Entry, Transcript
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.console.diagnostics import Trace
 from dwarfstar.console.terminal import Speed
+from dwarfstar.engine.images import ImageEncoder
+from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.store import ExpertStore
 from dwarfstar.experts.telemetry import summary as expert_summary
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.state import SequenceState
 from dwarfstar.prompt.dsml import BLOCK_OPEN
 from dwarfstar.prompt.dsml_guard import ToolGrammar, ToolGuard
 from dwarfstar.prompt.dsml_parser import ContentDelta, DsmlParser, ParsedCompletion, ReasoningDelta
 from dwarfstar.session.loopguard import LoopGuard, Repetition, ToolStreak, call_key, tool_loop_note
-from dwarfstar.session.prefix import common_prefix_len
+from dwarfstar.session.prefix import image_reuse
 from dwarfstar.session.session import Cancelled, Session
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 from dwarfstar.tokenizer.tokenizer import Tokenizer
@@ -87,8 +90,12 @@ class Agent:
         trace: Trace | None = None,
         experts: ExpertStore | None = None,
         loop_guard: LoopGuard | None = None,
+        images: ImageEncoder | None = None,
     ) -> None:
+        if toolbox.vision != (images is not None):
+            raise DwarfStarError("the toolbox offers view_image exactly when the agent has a vision encoder")
         self.tokenizer, self.backend, self.policy, self.toolbox = tokenizer, backend, policy, toolbox
+        self.images = images  # the vision encoder (--vision): view_image's images become blocks of the prompt
         self.transcript, self.max_tokens, self.trace = transcript, max_tokens, trace
         self.experts = experts  # the streamed-expert cache (--ssd-streaming): its figures go in the trace
         self.eos = backend.args.eos_token_id
@@ -107,23 +114,32 @@ class Agent:
             self.trace.write(title, body)
 
     # -- the session ------------------------------------------------------------------------------
+    def transcript_prompt(self) -> tuple[list[int], list[ImageSpan]]:
+        """The transcript's tokens, the head in the model release's effort table, and its image blocks."""
+        efforts = self.backend.args.reasoning_efforts
+        return self.transcript.prompt(self.tokenizer, self.eos, efforts, self.toolbox.tools, self.images)
+
     def transcript_ids(self) -> list[int]:
-        """The transcript's tokens, the head in the model release's effort table."""
-        return self.transcript.ids(self.tokenizer, self.eos, self.backend.args.reasoning_efforts)
+        return self.transcript_prompt()[0]
+
+    def entry_size(self, entry: Entry) -> int:
+        return len(self.transcript.entry_prompt(entry, self.tokenizer, self.eos, self.images)[0])
 
     def head_ids(self, transcript: Transcript) -> list[int]:
         """`transcript`'s system turn as this agent's model renders it (its release's effort table)."""
-        return transcript.head_ids(self.tokenizer, self.backend.args.reasoning_efforts)
+        return transcript.head_ids(self.tokenizer, self.backend.args.reasoning_efforts, tools=self.toolbox.tools)
 
     def sync(self, should_stop: Callable[[], bool] = lambda: False, label: str = "step") -> tuple[int, int]:
         """Bring the session to the transcript's tokens; returns (tokens reused, tokens computed)."""
-        ids = self.transcript_ids()
-        keep = common_prefix_len(self.session.tokens, ids)
+        ids, spans = self.transcript_prompt()
+        keep, later = image_reuse(self.session.tokens, ids, spans)
         computed, start = self.session.stats.computed, time.perf_counter()
-        self.note(f"{label}: rendered prompt ({len(ids)} tokens)", self.tokenizer.decode(ids))
+        if self.trace:  # an image's block shows as nothing: its ids have no text
+            shown = self.tokenizer.decode([t for t in ids if t < self.tokenizer.vocab_size])
+            self.note(f"{label}: rendered prompt ({len(ids)} tokens, {len(spans)} images)", shown)
         try:
             self.session.truncate(keep)
-            self.policy.extend(self.session, ids[keep:], should_stop)
+            self.policy.extend(self.session, ids[keep:], should_stop, later)
         finally:
             prefilled = self.session.stats.computed - computed
             self.prefill_speed.add(prefilled, time.perf_counter() - start)
@@ -180,7 +196,8 @@ class Agent:
                 return TurnResult("repetition", rounds, *first)
             results = self._run_tools(completion, events, should_stop)
             if results and looped:  # the model reads the note with the results
-                results[-1] += "\n\n" + tool_loop_note(self.streak.name, self.streak.turns)
+                note = tool_loop_note(self.streak.name, self.streak.turns)
+                results[-1] = replace(results[-1], text=f"{results[-1].text}\n\n{note}")
             if results is None:
                 return TurnResult("stop", rounds, *first)
             rounds += 1
@@ -197,7 +214,7 @@ class Agent:
         finish, start = "length", time.perf_counter()
         room = self.ctx - len(self.session.tokens)
         repetition = Repetition(self.loop_guard) if self.loop_guard is not None else None
-        guard = ToolGuard(ToolGrammar(TOOLS), self.tokenizer, thinking=thinking)
+        guard = ToolGuard(ToolGrammar(self.toolbox.tools), self.tokenizer, thinking=thinking)
         for token in self.policy.reply(self.session, min(self.max_tokens, room), should_stop, guard):
             if token == self.eos:
                 finish = "stop"
@@ -241,17 +258,19 @@ class Agent:
 
     def _run_tools(
         self, completion: ParsedCompletion, events: Events, should_stop: Callable[[], bool]
-    ) -> list[str] | None:
+    ) -> list[ToolOutcome] | None:
         """The results of the reply's tool calls, in order; None when the reply called none."""
         if completion.reasoning and BLOCK_OPEN in completion.reasoning:
-            events.tool_end("(inside think)", ToolOutcome(THINK_CALL_REFUSED, True))
-            return [THINK_CALL_REFUSED]
+            refused = ToolOutcome(THINK_CALL_REFUSED, True)
+            events.tool_end("(inside think)", refused)
+            return [refused]
         if not completion.tool_calls:
             if completion.invalid_dsml is not None:
                 why = "; ".join(completion.problems) or "unparsable block"
                 error = f"error: malformed tool call ({why}); nothing was run. Write the DSML block exactly as shown."
-                events.tool_end("(malformed)", ToolOutcome(error, True))
-                return [error]
+                malformed = ToolOutcome(error, True)
+                events.tool_end("(malformed)", malformed)
+                return [malformed]
             return None
         results = []
         for call in completion.tool_calls:
@@ -264,12 +283,13 @@ class Agent:
                 )
             events.tool_end(call.name, outcome)
             self.note(f"tool {call.name} {call.arguments_json}", outcome.text)
-            results.append(outcome.text)
+            results.append(outcome)
         return results
 
-    def _append_results(self, results: list[str], events: Events) -> None:
-        entry = Entry("tools", results=results, thinking=self.transcript.thinking)
-        size = len(self.transcript.entry_ids(entry, self.tokenizer, self.eos))
+    def _append_results(self, results: list[ToolOutcome], events: Events) -> None:
+        images = {n: r.image for n, r in enumerate(results) if r.image is not None}
+        entry = Entry("tools", results=[r.text for r in results], thinking=self.transcript.thinking, images=images)
+        size = self.entry_size(entry)
         if compaction.hard_due(len(self.session.tokens), size, self.ctx):
             self.compact(events, "hard")
             if compaction.hard_due(len(self.transcript_ids()), size, self.ctx):
@@ -277,6 +297,7 @@ class Agent:
                     f"error: this tool result ({size} tokens) does not fit in the context; ask for less output"
                     for _ in results
                 ]
+                entry.images = {}
         self.transcript.entries.append(entry)
 
     # -- compaction -------------------------------------------------------------------------------
@@ -284,7 +305,7 @@ class Agent:
         """Replace the conversation by the model's summary of it plus a verbatim tail."""
         transcript = self.transcript
         kept = list(transcript.entries)
-        sizes = [len(transcript.entry_ids(e, self.tokenizer, self.eos)) for e in kept]
+        sizes = [self.entry_size(e) for e in kept]
         start = compaction.tail_start([e.kind for e in kept], sizes, self.ctx)
         if start == 0:
             # the whole conversation fits in the tail (the rest is the system prompt): a summary frees

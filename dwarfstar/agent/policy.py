@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Cancelled, Session
@@ -22,9 +23,16 @@ class Policy:
     """Who picks a reply's tokens. The prompt's tokens go into the session through `extend` too, so a
     policy that keeps state per position (the MTP draft) sees every token the model sees."""
 
-    def extend(self, session: Session, tokens: Sequence[int], should_stop: Callable[[], bool]) -> None:
-        """Append prompt tokens; `should_stop` raises Cancelled between chunks (the session stays valid)."""
-        session.prefill(tokens, should_stop=should_stop)
+    def extend(
+        self,
+        session: Session,
+        tokens: Sequence[int],
+        should_stop: Callable[[], bool],
+        images: Sequence[ImageSpan] = (),
+    ) -> None:
+        """Append prompt tokens, with their image blocks (offsets into `tokens`); `should_stop` raises
+        Cancelled between chunks (the session stays valid)."""
+        session.prefill(tokens, should_stop=should_stop, images=images)
 
     def reply(
         self, session: Session, max_tokens: int, should_stop: Callable[[], bool], guard: ToolGuard | None = None
@@ -76,7 +84,15 @@ class SpeculativePolicy(SampledPolicy):
         assert self.speculator is not None
         return self.speculator
 
-    def extend(self, session: Session, tokens: Sequence[int], should_stop: Callable[[], bool]) -> None:
+    def extend(
+        self,
+        session: Session,
+        tokens: Sequence[int],
+        should_stop: Callable[[], bool],
+        images: Sequence[ImageSpan] = (),
+    ) -> None:
+        if images:
+            raise DwarfStarError("images are not supported with MTP speculation yet")
         spec = self._following(session)
         tokens = list(tokens)
         done = 0

@@ -12,6 +12,7 @@ from typing import Any
 
 from dwarfstar.agent.files import ToolError, Workspace
 from dwarfstar.agent.shell import Jobs
+from dwarfstar.prompt.images import ImagePart
 
 
 def _tool(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
@@ -99,6 +100,13 @@ TOOLS: list[dict[str, Any]] = [
     ),
     _tool("list", "List a directory.", {"path": _p("string", "Directory (default the workspace).")}, []),
 ]
+# offered only with a vision encoder (`--vision`): the image comes back in the tool result, for the model to see
+VIEW_IMAGE = _tool(
+    "view_image",
+    "Look at an image file (PNG, JPEG, WebP or GIF): it is shown to you in the tool result.",
+    {"path": _p("string", "Image file path, relative to the workspace.")},
+    ["path"],
+)
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),
@@ -113,14 +121,18 @@ _PYTHON_NAMES = {"range": "line_range"}  # a schema name that would shadow a Pyt
 class ToolOutcome:
     text: str
     error: bool
+    image: ImagePart | None = None  # view_image's image, which the model sees after `text`
 
 
 class Toolbox:
-    def __init__(self, workspace: Workspace) -> None:
-        self.workspace = workspace
+    """The tools the model may call; `vision`: with view_image (the agent has a vision encoder)."""
+
+    def __init__(self, workspace: Workspace, vision: bool = False) -> None:
+        self.workspace, self.vision = workspace, vision
+        self.tools = [*TOOLS, VIEW_IMAGE] if vision else TOOLS
         self.jobs = Jobs(workspace.root)
         w, j = workspace, self.jobs
-        self._handlers: dict[str, Callable[..., str]] = {
+        self._handlers: dict[str, Callable[..., str | ToolOutcome]] = {
             "bash": j.run,
             "bash_status": j.status,
             "bash_stop": j.stop,
@@ -130,8 +142,13 @@ class Toolbox:
             "edit": w.edit,
             "search": w.search,
             "list": w.list,
+            "view_image": self._view_image,
         }
-        self._schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        self._schemas = {t["function"]["name"]: t["function"]["parameters"] for t in self.tools}
+
+    def _view_image(self, path: str) -> ToolOutcome:
+        text, image = self.workspace.image(path)
+        return ToolOutcome(text, False, image)
 
     def call(
         self,
@@ -144,7 +161,8 @@ class Toolbox:
             kwargs = self._checked(name, arguments)
             if name == "bash":
                 kwargs.update(should_stop=should_stop, progress=progress)
-            return ToolOutcome(self._handlers[name](**kwargs), False)
+            result = self._handlers[name](**kwargs)
+            return result if isinstance(result, ToolOutcome) else ToolOutcome(result, False)
         except ToolError as exc:
             return ToolOutcome(f"error: {exc}", True)
         except OSError as exc:
@@ -152,6 +170,8 @@ class Toolbox:
 
     def _checked(self, name: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
         schema = self._schemas.get(name)
+        if schema is None and name == VIEW_IMAGE["function"]["name"]:
+            raise ToolError("view_image is not available: the agent runs without a vision encoder (--vision)")
         if schema is None:
             raise ToolError(f"unknown tool {name!r}; the tools are {', '.join(self._schemas)}")
         props = schema["properties"]

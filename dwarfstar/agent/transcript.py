@@ -3,22 +3,27 @@
 Layout: BOS [+ Think-Max preamble], the system text with the tools section (official renderer, tool
 schemas from tools.py), then the entries: a user turn `<｜User｜>text<｜Assistant｜><think>`, the
 assistant's generated tokens verbatim plus EOS, and tool results as a user turn of
-`<tool_result>…</tool_result>` parts. As in chat.py, replies stay the token ids the model produced,
-so re-rendering a transcript (after a restart, on /switch) gives back exactly the tokens of its KV,
-and the renderer keeps every piece of user or tool text plain: nothing in a file or a command's
-output can become a control token.
+`<tool_result>…</tool_result>` parts; an image the model viewed (view_image) is its block after its
+result's line (engine/images.py: its ids come from the image's bytes). As in chat.py, replies stay
+the token ids the model produced, so re-rendering a transcript (after a restart, on /switch) gives
+back exactly the tokens of its KV, and the renderer keeps every piece of user or tool text plain:
+nothing in a file or a command's output can become a control token.
 
 After a compaction the summary joins the system text, and the entries hold only the verbatim tail.
+A transcript with images is not saved yet: its JSON form leaves them out.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from dwarfstar.agent.tools import TOOLS
 from dwarfstar.console.chat import ThinkMode
+from dwarfstar.engine.images import ImageEncoder, expand
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.model.image_spans import ImageSpan
+from dwarfstar.prompt.images import SLOT_CLOSE, SLOT_OPEN, ImageError, ImagePart, slot
 from dwarfstar.prompt.render import render_conversation
 from dwarfstar.prompt.render_options import OFFICIAL
 from dwarfstar.tokenizer.tokenizer import Tokenizer
@@ -53,6 +58,22 @@ class Entry:
     results: list[str] = field(default_factory=list)  # tool results, in call order
     ids: list[int] = field(default_factory=list)  # an assistant turn's generated tokens, EOS excluded
     thinking: bool = True  # user and tools turns: whether the reply opens with <think>
+    images: dict[int, ImagePart] = field(default_factory=dict)  # a tools turn's viewed images, by result index
+
+    def messages(self) -> list[dict[str, str]]:
+        """A user or tools turn's messages. A viewed image's slot follows its result's line; in a turn
+        with images, the characters slots are made of become U+FFFD in its text, so no file or command
+        output can place one."""
+        if self.kind == "user":
+            return [{"role": "user", "content": self.text}]
+        order = sorted(self.images)
+        plain = str.maketrans({SLOT_OPEN: "\ufffd", SLOT_CLOSE: "\ufffd"}) if self.images else {}
+        # the official renderer merges the user's text into the tool results' turn
+        messages = [
+            {"role": "tool", "content": text.translate(plain) + (f"\n{slot(order.index(n))}" if n in order else "")}
+            for n, text in enumerate(self.results)
+        ]
+        return messages + ([{"role": "user", "content": self.text.translate(plain)}] if self.text else [])
 
 
 @dataclass
@@ -76,37 +97,60 @@ class Transcript:
         return [e.text for e in self.entries if e.text]
 
     # -- tokens -----------------------------------------------------------------------------------
-    def head_ids(self, tokenizer: Tokenizer, efforts: str, with_summary: bool = True) -> list[int]:
-        """The system turn's tokens; `efforts`: the model's release (`ModelArgs.reasoning_efforts`),
-        whose Think-Max preamble opens them."""
+    @property
+    def has_images(self) -> bool:
+        return any(e.images for e in self.entries)
+
+    def head_ids(
+        self, tokenizer: Tokenizer, efforts: str, with_summary: bool = True, tools: list[dict[str, Any]] = TOOLS
+    ) -> list[int]:
+        """The system turn's tokens, declaring `tools`; `efforts`: the model's release
+        (`ModelArgs.reasoning_efforts`), whose Think-Max preamble opens them."""
         system = self.system
         if with_summary and self.summary:
             system += f"\n\n{SUMMARY_HEADING}\n\n{self.summary}"
         max_effort = self.mode is ThinkMode.THINK_MAX
         head = render_conversation(
             [{"role": "system", "content": system}],
-            tools=TOOLS,
+            tools=tools,
             thinking=max_effort,
             reasoning_effort="max" if max_effort else None,
             options=replace(OFFICIAL, efforts=efforts),
         )
         return tokenizer.encode_prompt(head.parts)
 
-    def entry_ids(self, entry: Entry, tokenizer: Tokenizer, eos: int) -> list[int]:
+    def entry_prompt(
+        self, entry: Entry, tokenizer: Tokenizer, eos: int, images: ImageEncoder | None = None, base: int = 0
+    ) -> tuple[list[int], list[ImageSpan]]:
+        """An entry's tokens and its image blocks (offsets into them), its first token at position `base`
+        (where a Vision-Exp block sits decides its leading pads); `images`: the agent's vision encoder."""
         if entry.kind == "assistant":
-            return [*entry.ids, eos]
-        if entry.kind == "user":
-            messages = [{"role": "user", "content": entry.text}]
-        else:  # the official renderer merges the user's text into the tool results' turn
-            messages = [{"role": "tool", "content": result} for result in entry.results]
-            messages += [{"role": "user", "content": entry.text}] if entry.text else []
-        return tokenizer.encode_prompt(render_conversation(messages, thinking=entry.thinking, add_bos=False).parts)
+            return [*entry.ids, eos], []
+        parts = render_conversation(entry.messages(), thinking=entry.thinking, add_bos=False).parts
+        if not entry.images:
+            return tokenizer.encode_prompt(parts), []
+        if images is None:
+            raise TranscriptError("this conversation holds images: it needs a vision encoder (--vision FILE)")
+        try:
+            return expand(images, tokenizer, parts, [entry.images[n] for n in sorted(entry.images)], base)
+        except ImageError as exc:
+            raise TranscriptError(f"cannot show an image again: {exc}") from None
 
-    def ids(self, tokenizer: Tokenizer, eos: int, efforts: str) -> list[int]:
-        out = self.head_ids(tokenizer, efforts)
+    def prompt(
+        self,
+        tokenizer: Tokenizer,
+        eos: int,
+        efforts: str,
+        tools: list[dict[str, Any]] = TOOLS,
+        images: ImageEncoder | None = None,
+    ) -> tuple[list[int], list[ImageSpan]]:
+        """The whole transcript's tokens and image blocks (offsets into them)."""
+        ids, spans = self.head_ids(tokenizer, efforts, tools=tools), []
         for entry in self.entries:
-            out += self.entry_ids(entry, tokenizer, eos)
-        return out
+            more, blocks = self.entry_prompt(entry, tokenizer, eos, images, base=len(ids))
+            spans += [replace(span, offset=span.offset + len(ids)) for span in blocks]
+            ids += more
+        return ids, spans
 
     # -- saved form -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -115,7 +159,7 @@ class Transcript:
             "mode": self.mode.value,
             "summary": self.summary,
             "first_prompt": self.first_prompt,
-            "entries": [asdict(e) for e in self.entries],
+            "entries": [{f.name: getattr(e, f.name) for f in fields(e) if f.name != "images"} for e in self.entries],
         }
 
     @classmethod

@@ -2,8 +2,9 @@
 
 It works in the directory it was started in. Sessions are KV files under `~/.dwarfstar/kvcache`
 (or `--kv-dir`, or `$DWARFSTAR_KVCACHE`). The model, sampling, thinking, expert-streaming, steering,
-MTP speculation and distributed-route flags are `run`'s; with `--mtp`/`--mtp-draft` every reply is
-speculative (agent/policy.py).
+MTP speculation, distributed-route and `--vision` flags are `run`'s; with `--mtp`/`--mtp-draft` every
+reply is speculative (agent/policy.py). With a vision encoder (`--vision FILE`) the model gets the
+`view_image` tool (not yet under `--mtp`, whose drafts do not take images).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Annotated
 import typer
 
 from dwarfstar.commands.apps import app, given
-from dwarfstar.commands.flags import ChatFlags, Ctx
+from dwarfstar.commands.flags import ChatFlags, Ctx, Vision
 
 
 @app.command()
@@ -34,12 +35,13 @@ def agent(
         Path | None, typer.Option(help="Session directory (default $DWARFSTAR_KVCACHE or ~/.dwarfstar/kvcache).")
     ] = None,
     ctx: Ctx = 100000,
+    vision: Vision = None,
 ) -> None:
     """A coding agent in this directory, running the model in-process; its sessions are KV files."""
     from dwarfstar.commands.engines import start
     from dwarfstar.console.terminal import note
 
-    spec = flags.spec(ctx)
+    spec = flags.spec(ctx, vision=vision)
     engine, route = start(spec)  # a worker serves its layers and exits; a coordinator routes
     try:
         held = engine.model.args.max_seq_len
@@ -89,19 +91,24 @@ def run_agent(engine, spec, flags: ChatFlags, ctx: int, system, kv_dir, plain, p
 
     eos = engine.backend.args.eos_token_id
     policy = SampledPolicy(params, eos)
+    images = engine.images
     if spec.drafter is not None:
         policy = SpeculativePolicy(params, eos, load_speculation(spec.drafter, engine.backend, engine.model))
+        if images is not None:
+            note("warning: view_image is off under --mtp (the drafts do not take images yet)", "yellow")
+            images = None
     live = Agent(
         tokenizer=engine.tokenizer,
         backend=paced,
         ctx=ctx,
         policy=policy,
-        toolbox=Toolbox(workspace),
+        toolbox=Toolbox(workspace, vision=images is not None),
         transcript=fresh(),
         max_tokens=flags.tokens,
         trace=tracer,
         experts=engine.experts,
         loop_guard=flags.loop_guard.options(),
+        images=images,
     )
     if isinstance(policy, SpeculativePolicy):
         policy.start(live.session)  # here, so that a backend that cannot speculate says so before any work

@@ -40,7 +40,7 @@ from dwarfstar.prompt.render import render_conversation
 from dwarfstar.prompt.render_options import OFFICIAL
 from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.loopguard import LoopGuard, Repetition
-from dwarfstar.session.prefix import common_prefix_len
+from dwarfstar.session.prefix import image_reuse
 from dwarfstar.session.session import Cancelled, Session
 from dwarfstar.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -201,9 +201,7 @@ class Chat:
             shown = self.tokenizer.decode([t for t in ids if t < self.tokenizer.vocab_size])
             with_images = f", {len(images)} images" if images else ""
             self.trace.write(f"{label}: rendered prompt ({len(ids)} tokens{with_images})", shown)
-        keep = common_prefix_len(self.session.tokens, ids)
-        keep = next((s.offset for s in images if s.offset < keep < s.stop), keep)  # a block reruns whole
-        later = [replace(s, offset=s.offset - keep) for s in images if s.offset >= keep]
+        keep, later = image_reuse(self.session.tokens, ids, images)
         computed = self.session.stats.computed
         start = time.perf_counter()
         try:

@@ -16,10 +16,11 @@ places, replays nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.prompt.render import Prompt
 from dwarfstar.session.session import Session
 from dwarfstar.tokenizer.specials import ASSISTANT, USER, Control, PromptPart
@@ -65,6 +66,16 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
+def image_reuse(cached: Sequence[int], ids: Sequence[int], images: Sequence[ImageSpan]) -> tuple[int, list[ImageSpan]]:
+    """The cached tokens a prompt `ids` with image blocks `images` (offsets into `ids`) keeps, and the
+    blocks after them (offsets from the cut), for the prefill of the rest. Only the token match: a
+    block's ids come from its image (`content_ids`), so the same image at the same place matches and
+    nothing else does; a cut inside a block moves back to its start (a block is prefilled whole)."""
+    keep = common_prefix_len(cached, ids)
+    keep = next((s.offset for s in images if s.offset < keep < s.stop), keep)
+    return keep, [replace(s, offset=s.offset - keep) for s in images if s.offset >= keep]
+
+
 def parts_after(parts: Sequence[PromptPart], byte_offset: int) -> list[PromptPart] | None:
     """The prompt parts after `byte_offset` of its UTF-8 text; None if the offset cuts a character
     or a control token (then the bytes cannot be continued exactly)."""
@@ -88,7 +99,8 @@ def parts_after(parts: Sequence[PromptPart], byte_offset: int) -> list[PromptPar
 def plan_reuse(cached: Sequence[int], prompt: Prompt, tokenizer: Tokenizer) -> ReusePlan:
     ids = tokenizer.encode_prompt(prompt.parts)
     k = common_prefix_len(cached, ids)
-    if k == len(cached):
+    # cached image ids (past the vocabulary) have no text: only the token match applies
+    if k == len(cached) or max(cached) >= tokenizer.vocab_size:
         return ReusePlan(k, ids[k:], "tokens" if k else "none")
     cached_bytes = tokenizer.decode_bytes(cached)
     if prompt.text.encode("utf-8").startswith(cached_bytes):
