@@ -26,7 +26,7 @@ from dwarfstar.kvcache.kvpolicy import SaveReason
 from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.state import SequenceState
 from dwarfstar.prompt.render import Prompt
-from dwarfstar.session.prefix import ReusePlan, checkpoint_marks, common_prefix_len, plan_reuse
+from dwarfstar.session.prefix import ReusePlan, checkpoint_marks, common_prefix_len, image_reuse, plan_reuse
 from dwarfstar.session.session import Session
 from dwarfstar.steering.apply import steering_of
 from dwarfstar.steering.direction import SteeringScale
@@ -174,7 +174,7 @@ class SessionPool:
     def _lease(
         self, live: LiveSession, prompt: Prompt | None, ids: list[int], source: str, images: Sequence[ImageSpan]
     ) -> Lease:
-        plan = self._plan(live.session, prompt, ids)
+        plan = self._plan(live.session, prompt, ids, images)
         live.busy = True
         try:
             computed = live.session.stats.computed
@@ -197,15 +197,12 @@ class SessionPool:
         if live in self.live:
             self.live.remove(live)
 
-    def _plan(self, session: Session, prompt: Prompt | None, ids: list[int]) -> ReusePlan:
+    def _plan(self, session: Session, prompt: Prompt | None, ids: list[int], images: Sequence[ImageSpan]) -> ReusePlan:
+        if images:  # the token match only (a prompt's image ids have no text), never inside a block
+            keep, _ = image_reuse(session.tokens, ids, images)
+            return ReusePlan(keep, ids[keep:], "tokens" if keep else "none")
         keep = common_prefix_len(session.tokens, ids)
-        vocab = self.tokenizer.vocab_size
-        images = max(ids, default=0) >= vocab or max(session.tokens, default=0) >= vocab
-        if images:  # a cut never splits an image block (the ids of a run past the vocabulary)
-            while 0 < keep < len(ids) and ids[keep - 1] >= vocab and ids[keep] >= vocab:
-                keep -= 1
-        if keep == len(session.tokens) or prompt is None or images:
-            # image ids have no text: the rendered bytes cannot be matched
+        if keep == len(session.tokens) or prompt is None:
             return ReusePlan(keep, ids[keep:], "tokens" if keep else "none")
         # the cached tokens may spell the prompt's text with other token boundaries (sampled text)
         return plan_reuse(session.tokens, prompt, self.tokenizer)
