@@ -93,6 +93,13 @@ def serve(
     ] = None,
     trace: Annotated[Path | None, output(help="Append one JSON line per request to this file.")] = None,
     vision: Vision = None,
+    allow_image_urls: Annotated[
+        bool,
+        typer.Option(
+            "--allow-image-urls",
+            help="Fetch images that requests name by http(s) URL (off: the server makes no outbound requests).",
+        ),
+    ] = False,
 ) -> None:
     """Serve the model over HTTP for the OpenAI SDK, Codex, Claude Code and opencode."""
     import logging
@@ -115,7 +122,7 @@ def serve(
         max_sessions=max_sessions, kv_memory_mb=kv_memory_mb, max_queue=max_queue, prefill_chunk=prefill_chunk,
         trace=trace, kv_disk_dir=kv_disk_dir, kv_disk_space_mb=kv_disk_space_mb,
         kv_cache_min_tokens=kv_cache_min_tokens, model_aliases=tuple(model_alias or ()), mtp=spec.drafter,
-        loop_guard=loop_guard.options(), tool_guard=tool_guard,
+        loop_guard=loop_guard.options(), tool_guard=tool_guard, allow_image_urls=allow_image_urls,
     )  # fmt: skip
     spec_backend(spec)  # a backend that cannot run here, before the port
     worker = spec.dist is not None and spec.dist.role == "worker"  # serves its layers, not HTTP

@@ -104,8 +104,8 @@ def from_url(url: object) -> tuple[bytes, str]:
         raise ImageError("the image URL must be a non-empty string")
     if url.startswith(("http://", "https://")):
         raise ImageError(
-            "image URLs are not fetched (this server makes no outbound requests); "
-            "send the image inline as a data URL, data:image/png;base64,..."
+            "image URLs are not fetched (this server makes no outbound requests unless started with "
+            "--allow-image-urls); send the image inline as a data URL, data:image/png;base64,..."
         )
     head, comma, data = url.partition(",")
     if not head.startswith("data:") or not comma or not head.endswith(";base64"):
@@ -121,6 +121,14 @@ _SIGNATURES = (  # a file's first bytes -> its media type
 )
 
 
+def sniff(data: bytes) -> str | None:
+    """The media type of an image's bytes, one of `MEDIA_TYPES`, from its first bytes (None: none of them)."""
+    kind = next((media for magic, media in _SIGNATURES if data.startswith(magic)), None)
+    if kind is None and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        kind = "image/webp"
+    return kind
+
+
 def read_image_file(path: os.PathLike | str) -> ImagePart:
     """An image file as a part of the next message (the command line's `--image`, `/image`): its
     media type from its first bytes, checked to decode."""
@@ -128,9 +136,7 @@ def read_image_file(path: os.PathLike | str) -> ImagePart:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise ImageError(f"cannot read the image {path}: {exc.strerror or exc}") from None
-    kind = next((media for magic, media in _SIGNATURES if data.startswith(magic)), None)
-    if kind is None and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        kind = "image/webp"
+    kind = sniff(data)
     if kind is None:
         raise ImageError(f"{path} is not a PNG, JPEG, WebP or GIF image")
     part = ImagePart(data, kind, where=str(path))

@@ -256,7 +256,7 @@ def _response_format(config: Fields | None) -> dict[str, Any] | None:
 
 def _conversation(fields: Fields, service: Service, hidden: HiddenThinking) -> Conversation:
     model = service.models.resolve(fields.text("model"))
-    images = Images(service.engine.vision)
+    images = service.images()
     messages = anthropic_messages(fields.array("messages"), system_text(fields), images, hidden)
     tools = anthropic_tools(fields)
     config = fields.mapping("output_config")

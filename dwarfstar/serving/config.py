@@ -56,6 +56,7 @@ class ServerConfig:
     mtp: MTPOptions | DSparkOptions | None = None  # speculation in the batched decode (--mtp, --dspark)
     loop_guard: LoopGuard | None = None  # --loop-guard: every request's default (session/loopguard.py)
     tool_guard: bool = True  # --tool-guard: every request's default (prompt/dsml_guard.py)
+    allow_image_urls: bool = False  # --allow-image-urls: fetch http(s) image URLs (serving/images.py)
 
     @property
     def render_options(self) -> RenderOptions:

@@ -156,7 +156,7 @@ async def chat_completions(request: Request) -> Response:
     service: Service = request.app.state.service
     fields = await read_json_object(request)
     model = service.models.resolve(fields.text("model"))
-    images = Images(service.engine.vision)
+    images = service.images()
     messages = openai_messages(fields.array("messages"), images)
     if (fields.integer("n", low=1) or 1) != 1:
         raise bad_request("n must be 1: one choice per request", param="n")

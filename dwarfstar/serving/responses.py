@@ -170,7 +170,7 @@ async def responses_endpoint(request: Request) -> Response:
     for key in ("previous_response_id", "conversation"):
         if fields.has(key):
             raise bad_request(f"{key} is not supported; replay full input instead", param=key)
-    images = Images(service.engine.vision)
+    images = service.images()
     messages = input_messages(fields, images)
     tools = function_tools(fields)
     reasoning = fields.mapping("reasoning") or Fields({}, "reasoning.")

@@ -29,6 +29,7 @@ from dwarfstar.serving.disk import DiskCache
 from dwarfstar.serving.errors import ApiError, bad_request
 from dwarfstar.serving.fields import Fields
 from dwarfstar.serving.generation import GenerationRequest
+from dwarfstar.serving.images import Images
 from dwarfstar.serving.jobs import Job
 from dwarfstar.serving.metrics import Metric, Metrics, expert_collector
 from dwarfstar.serving.models import ModelCatalog
@@ -119,6 +120,10 @@ class Service:
             ctx=self.config.ctx,
             release=self.options.efforts,
         )
+
+    def images(self) -> Images:
+        """A request's image reader: images are read with a vision encoder, URLs fetched with --allow-image-urls."""
+        return Images(self.engine.vision, fetch=self.config.allow_image_urls)
 
     def start(self) -> None:
         self.scheduler.start()

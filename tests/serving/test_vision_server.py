@@ -224,3 +224,82 @@ def test_the_disk_cache_finds_an_image_prompt_after_a_restart(engine, tmp_path):
         # another image after the same text: neither the live session nor the file reaches past its start
         other = post(live, *body("chat", "What is this? " * 20, BLUE))
         assert other.status_code == 200 and usage("chat", other.json())[1] <= start
+
+
+@pytest.fixture(scope="module")
+def pictures():
+    """A local HTTP server: /red.png (RED's bytes), /text (not an image), anything else 404."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the standard library's name)
+            body = {"/red.png": base64.b64decode(RED), "/text": b"hello, not an image"}.get(self.path)
+            self.send_response(404 if body is None else 200)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture
+def fetching(engine):
+    yield from start_server(engine, replace(CONFIG, allow_image_urls=True))
+
+
+def url_body(api: str, url: str) -> tuple[str, dict]:
+    path, payload = body(api, "What is this?", RED)
+    if api == "chat":
+        payload["messages"][0]["content"][1] = {"type": "image_url", "image_url": {"url": url}}
+    else:
+        payload["messages"][0]["content"][1] = {"type": "image", "source": {"type": "url", "url": url}}
+    return path, payload
+
+
+@pytest.mark.parametrize("api", ["chat", "messages"])
+def test_an_image_url_is_fetched_with_allow_image_urls(fetching, pictures, api):
+    """The fetched image is the same image as the inline one: the same ids, so the KV is reused."""
+    path, payload = body(api, "What is this?", RED)
+    inline, _ = usage(api, post(fetching, path, payload).json())
+    reply = post(fetching, *url_body(api, pictures + "/red.png"))
+    assert reply.status_code == 200, reply.text
+    prompt, cached = usage(api, reply.json())
+    assert prompt == inline and cached >= prompt - 1
+
+
+@pytest.mark.parametrize(
+    ("tail", "said"),
+    [("/missing.png", "answered HTTP 404"), ("/text", "is not a PNG, JPEG, WebP or GIF")],
+)
+def test_a_url_that_gives_no_image_is_a_400(fetching, pictures, tail, said):
+    reply = post(fetching, *url_body("chat", pictures + tail))
+    assert reply.status_code == 400 and said in reply.json()["error"]["message"]
+    assert "messages[0].content[1]" in reply.json()["error"]["message"]
+
+
+def test_an_unreachable_url_is_a_400(fetching):
+    import socket
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    reply = post(fetching, *url_body("chat", f"http://127.0.0.1:{port}/red.png"))
+    assert reply.status_code == 400 and "cannot fetch" in reply.json()["error"]["message"]
+
+
+def test_fetched_bytes_past_the_body_limit_are_refused(fetching, pictures, monkeypatch):
+    monkeypatch.setattr("dwarfstar.serving.images.MAX_BODY_BYTES", 100)
+    reply = post(fetching, *url_body("chat", pictures + "/red.png"))
+    assert reply.status_code == 400 and "images fetched for this request pass" in reply.json()["error"]["message"]
+
+
+def test_without_the_flag_an_image_url_names_it(server, pictures):
+    reply = post(server, *url_body("chat", pictures + "/red.png"))
+    assert reply.status_code == 400 and "--allow-image-urls" in reply.json()["error"]["message"]
