@@ -228,9 +228,9 @@ class Scheduler:
     def _start_decode(self, job: Job) -> None:
         sampling = job.request.sampling
         decoding = Decoding(Sampler(sampling), OutputDecoder(self.tokenizer, job.request))
-        # an accepted draft has no draw of its own, so a request that asks for logprobs is not speculated;
-        # nor, for now, one with images (the draft's rows over an image block are not built yet)
-        speculate = self.speculation is not None and sampling.logprobs is None and not job.request.images
+        # an accepted draft has no draw of its own, so a request that asks for logprobs is not speculated
+        # (the prompt, its image blocks included, is in the KV: the draft follows from its end)
+        speculate = self.speculation is not None and sampling.logprobs is None
         drafting = Drafting(self.speculation.start(job.session)) if speculate else None
         if job.request.loop_guard is not None:
             decoding.repetition = Repetition(job.request.loop_guard)

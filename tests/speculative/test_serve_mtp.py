@@ -73,3 +73,44 @@ def test_greedy_replies_equal_the_server_without_mtp(engine, plain, concurrent):
     assert metric(metrics, "dwarfstar_generated_tokens_total") == sum(MAX_TOKENS)
     # a step emits its accepted drafts and one more token: fewer steps than tokens
     assert metric(metrics, "dwarfstar_speculative_steps_total") < sum(MAX_TOKENS) - len(PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def seeing(tmp_path_factory):
+    """The bundled model with a random vision encoder of its width (its image router biases random too)."""
+    from dataclasses import replace
+
+    from dwarfstar.model.synthetic import write_synthetic_vision
+    from dwarfstar.model.vision import VISION_TINY
+    from dwarfstar.model.vision_file import RouterShape
+
+    encoder = tmp_path_factory.mktemp("nano-vision") / "encoder.gguf"
+    write_synthetic_vision(encoder, replace(VISION_TINY, out_dim=96), seed=3, router=RouterShape(6, 8, 2))
+    return load_engine(EngineSpec(default_model_path(), "reference", ctx=512, vision=encoder))
+
+
+def test_a_request_with_an_image_is_speculated_with_the_same_reply(seeing):
+    """The prompt's image block is in the KV before drafting starts: greedy MTP replies equal plain ones."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(7).integers(0, 256, (120, 160, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    content = [{"type": "text", "text": "Renzo e Lucia"}, {"type": "image_url", "image_url": {"url": url}}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0}
+    answers = []
+    for mtp in (None, MTPOptions(None, 2)):
+        config = ServerConfig(ctx=512, max_sessions=1, prefill_chunk=64, mtp=mtp, think_by_default=False)
+        with TestClient(create_app(Service(seeing, config))) as client:
+            reply = client.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            answers.append(reply.json())
+    plain, speculated = answers
+    assert speculated["choices"][0]["message"] == plain["choices"][0]["message"]
+    details = speculated["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] > 0
