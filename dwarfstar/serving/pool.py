@@ -199,8 +199,8 @@ class SessionPool:
 
     def _plan(self, session: Session, prompt: Prompt | None, ids: list[int], images: Sequence[ImageSpan]) -> ReusePlan:
         if images:  # the token match only (a prompt's image ids have no text), never inside a block
-            keep, _ = image_reuse(session.tokens, ids, images)
-            return ReusePlan(keep, ids[keep:], "tokens" if keep else "none")
+            keep, later = image_reuse(session.tokens, ids, images)
+            return ReusePlan(keep, ids[keep:], "tokens" if keep else "none", later)
         keep = common_prefix_len(session.tokens, ids)
         if keep == len(session.tokens) or prompt is None:
             return ReusePlan(keep, ids[keep:], "tokens" if keep else "none")

@@ -24,7 +24,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any
 
 from dwarfstar.engine.images import ImageEncoder
@@ -208,9 +207,7 @@ class Scheduler:
 
     def _start(self, job: Job, lease: Lease) -> None:
         keep = lease.plan.keep
-        job.admit(
-            KV(lease, lease.plan.suffix, [replace(s, offset=s.offset - keep) for s in job.images if s.offset >= keep])
-        )
+        job.admit(KV(lease, lease.plan.suffix, lease.plan.images))
         job.usage.cached_tokens = keep
         lease.live.tool_ids.update(job.replayed)
         if self.disk is not None:

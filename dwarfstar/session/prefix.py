@@ -16,7 +16,7 @@ places, replays nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -32,6 +32,7 @@ class ReusePlan:
     keep: int  # cached tokens kept
     suffix: list[int]  # tokens to prefill after them
     match: str  # "tokens", "text" or "none"
+    images: list[ImageSpan] = field(default_factory=list)  # the image blocks among `suffix` (offsets into it)
 
 
 FIRST_RUN = 256  # tokens compared in the first slice; each further slice doubles
