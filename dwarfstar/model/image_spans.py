@@ -24,6 +24,7 @@ within the block. `check_batch` allows ids past the vocabulary at span positions
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,32 @@ class ImageSpan:
         lo = (i - (window - 1) - (left - (window - 1)).clamp(min=0)).clamp(min=0)
         hi = torch.minimum(i + right, lo + window + REACH - 1)
         return i, lo, hi
+
+
+def router_biases(biases: Mapping[int, torch.Tensor], layers: range, n_experts: int) -> dict[int, torch.Tensor]:
+    """The image router biases (`bias_vl`, from the vision encoder file: `VisionFile.image_router_biases`)
+    of the held `layers`, float32 [n_experts] each; a clear error unless every held layer has one of
+    n_experts values (others are ignored)."""
+    missing = [il for il in layers if il not in biases]
+    if missing:
+        raise DwarfStarError(f"no image router bias for layer(s) {missing}")
+    checked = {}
+    for il in layers:
+        bias = torch.as_tensor(biases[il], dtype=torch.float32).reshape(-1)
+        if bias.numel() != n_experts:
+            raise DwarfStarError(f"layer {il}'s image router bias has {bias.numel()} values for {n_experts} experts")
+        checked[il] = bias
+    return checked
+
+
+def check_router_biases(held: Iterable[object | None]) -> None:
+    """A clear error unless a backend holds each of its layers' image router biases (`held`: one per
+    held layer, None where it has none): `Ops.check_images`'s."""
+    if any(bias is None for bias in held):
+        raise DwarfStarError(
+            "image spans need the image router biases (layers.{i}.ffn.gate.bias_vl, in the vision encoder file): "
+            "none are attached to this model"
+        )
 
 
 def image_mask(spans: tuple[ImageSpan, ...], n_tokens: int) -> torch.Tensor:
