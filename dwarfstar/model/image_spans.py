@@ -126,6 +126,24 @@ class ImageSpan:
         return i, lo, hi
 
 
+def window_reach(spans: tuple[ImageSpan, ...], start: int, length: int, window: int) -> torch.Tensor | None:
+    """int64 [length, 2]: the first and last raw row each query of a chunk of `length` tokens from
+    position `start` reads, as indices into its window rows (the min(start, window) rows before the
+    chunk, oldest first, then the chunk's): its causal window, or inside a bidirectional span's
+    START..END the span's reach too (`ImageSpan.window_bounds`: one range holding both). None where no
+    span is bidirectional: every query's window is causal."""
+    spans = tuple(span for span in spans if span.attend is not None)
+    if not spans:
+        return None
+    shift = min(start, window) - start  # a position's index in the window rows
+    own = torch.arange(start, start + length) + shift
+    reach = torch.stack(((own - (window - 1)).clamp(min=0), own), 1)
+    for span in spans:
+        at, lo, hi = span.window_bounds(start, window)
+        reach[at - start] = torch.stack((lo, hi), 1) + shift
+    return reach
+
+
 def router_biases(biases: Mapping[int, torch.Tensor], layers: range, n_experts: int) -> dict[int, torch.Tensor]:
     """The image router biases (`bias_vl`, from the vision encoder file: `VisionFile.image_router_biases`)
     of the held `layers`, float32 [n_experts] each; a clear error unless every held layer has one of
