@@ -1,7 +1,8 @@
 """Image spans in the language model (issue 34, vision_spec §4) on the reference backend, tiny model:
 the span rows replace the embedding exactly, image rows route by `bias_vl` (hash layers too), the
 window branch is bidirectional inside START..END and causal outside it, the compressed branch stays
-causal, text-only calls keep their bits, and bad spans or backends that lack them get clear errors."""
+causal, text-only calls keep their bits, and bad spans or a model without the image biases get clear errors.
+Every backend against this one: tests/backends/test_conformance_images.py."""
 
 from __future__ import annotations
 
@@ -216,11 +217,3 @@ def test_bad_spans_are_refused_before_any_state_changes(image_model, tiny_open):
     refused(tokens, [ImageSpan(4, rows, None)], "image router biases", on=ReferenceModel(tiny_open))
     with pytest.raises(DwarfStarError, match="no image router bias"):
         ReferenceModel(tiny_open).attach_image_biases({0: torch.zeros(TINY.n_routed_experts)})
-
-
-@pytest.mark.parametrize("module", ["dwarfstar.backends.triton.model", "dwarfstar.backends.mlx.model"])
-def test_other_backends_refuse_spans(module):
-    ops_class = {"dwarfstar.backends.triton.model": "TritonOps", "dwarfstar.backends.mlx.model": "MLXOps"}[module]
-    cls = getattr(pytest.importorskip(module), ops_class)
-    with pytest.raises(DwarfStarError, match="reference backend only"):
-        cls.check_images(object.__new__(cls))

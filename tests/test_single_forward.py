@@ -13,8 +13,12 @@ import dwarfstar
 from dwarfstar.model import forward
 
 BACKENDS = Path(dwarfstar.__file__).parent / "backends"
-# the steps of the forward pass; a backend function calling two of them is ordering them itself
-STAGES = frozenset(name for name, _ in inspect.getmembers(forward.Ops, inspect.isfunction)) - {"new_state"}
+# the steps of the forward pass; a backend function calling two of them is ordering them itself.
+# `attach_image_biases` is not a step: it gives the ops weights from another file (the vision encoder's)
+STAGES = frozenset(name for name, _ in inspect.getmembers(forward.Ops, inspect.isfunction)) - {
+    "new_state",
+    "attach_image_biases",
+}
 # what only `Transformer` may define: the order of the blocks and of the attention
 ORDERING_METHODS = frozenset({"block", "attention", "run_layers", "compute", "hidden_batch"})
 # an alias stage names another stage: a backend may import a kernel called like the op it implements

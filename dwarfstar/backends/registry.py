@@ -111,12 +111,8 @@ class BackendEntry(ABC):
 
     def attach_image_biases(self, backend: Backend, biases: Mapping[int, torch.Tensor]) -> None:
         """Give `backend` the routers' biases for image positions (layer -> [n_routed_experts], from a
-        vision encoder file), which image blocks route by; a backend that cannot run image blocks yet
-        says so."""
-        raise DwarfStarError(
-            f"images run on the reference and cpu backends for now; the {self.name} backend has no image "
-            "input yet (--backend reference or --backend cpu)"
-        )
+        vision encoder file), which image blocks route by (`Transformer.attach_image_biases`)."""
+        backend.attach_image_biases(biases)
 
     def settle(self, out: object, batch: Batch) -> None:
         """Finish the work of a pass that stops before the output head (a pipeline stage's): the
@@ -161,9 +157,6 @@ class Reference(BackendEntry):
         from dwarfstar.backends.reference.vision import TorchVisionOps
 
         return TorchVisionOps(args, tensors)  # float32 on the CPU (the cpu backend's too)
-
-    def attach_image_biases(self, backend, biases):
-        backend.attach_image_biases(biases)
 
 
 AUTO_CPU_BYTES = 1 << 30  # from this file size `auto` takes the cpu backend over the reference

@@ -34,7 +34,7 @@ import torch
 
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import ModelArgs
-from dwarfstar.model.image_spans import ImageSpan
+from dwarfstar.model.image_spans import ImageSpan, router_biases
 from dwarfstar.model.state import KVCache, SequenceState, Storage, check_batch
 from dwarfstar.model.tensors import ATTN_INPUT, QUERY_INPUT, ProjectionGroup
 
@@ -155,10 +155,15 @@ class Ops(Protocol[A, S]):
         prepares its calls, the ones without the embedding too."""
         ...
 
+    def attach_image_biases(self, biases: Mapping[int, torch.Tensor]) -> None:
+        """Hold the routers' biases for image positions (`bias_vl`): every held layer's, float32
+        [n_routed_experts] on the CPU, already checked (`Transformer.attach_image_biases`)."""
+        ...
+
     def check_images(self) -> None:
         """Raise a `DwarfStarError` saying why, unless this backend can run a call with image spans now
-        (`Transformer.batch` asks before any state changes, only for such a call): it implements them
-        and holds every held layer's image router bias."""
+        (`Transformer.batch` asks before any state changes, only for such a call): it holds every held
+        layer's image router bias (`image_spans.check_router_biases`)."""
         ...
 
     def embed(self, batch: Batch[S]) -> A | None:
@@ -302,6 +307,12 @@ class Transformer(Generic[A, S]):
 
     def new_state(self) -> SequenceState:
         return self.cache.new_state()
+
+    def attach_image_biases(self, biases: Mapping[int, torch.Tensor]) -> None:
+        """The routers' biases for image positions, layer -> [n_routed_experts] (`bias_vl`, from the
+        vision encoder file), which image spans route by: every held layer needs one, others are
+        ignored. A call with image spans is refused without them."""
+        self.ops.attach_image_biases(router_biases(biases, self.layer_range, self.args.n_routed_experts))
 
     # -- entry points ------------------------------------------------------------------------------------
     def batch(

@@ -24,7 +24,7 @@ within the block. `check_batch` allows ids past the vocabulary at span positions
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +134,50 @@ class ImageSpan:
         lo = (i - (window - 1) - (left - (window - 1)).clamp(min=0)).clamp(min=0)
         hi = torch.minimum(i + right, lo + window + REACH - 1)
         return i, lo, hi
+
+
+def window_reach(spans: tuple[ImageSpan, ...], start: int, length: int, window: int) -> torch.Tensor | None:
+    """int64 [length, 2]: the first and last raw row each query of a chunk of `length` tokens from
+    position `start` reads, as indices into its window rows (the min(start, window) rows before the
+    chunk, oldest first, then the chunk's): its causal window, or inside a bidirectional span's
+    START..END the span's reach too (`ImageSpan.window_bounds`: one range holding both). None where no
+    span is bidirectional: every query's window is causal."""
+    spans = tuple(span for span in spans if span.attend is not None)
+    if not spans:
+        return None
+    shift = min(start, window) - start  # a position's index in the window rows
+    own = torch.arange(start, start + length) + shift
+    reach = torch.stack(((own - (window - 1)).clamp(min=0), own), 1)
+    for span in spans:
+        at, lo, hi = span.window_bounds(start, window)
+        reach[at - start] = torch.stack((lo, hi), 1) + shift
+    return reach
+
+
+def router_biases(biases: Mapping[int, torch.Tensor], layers: range, n_experts: int) -> dict[int, torch.Tensor]:
+    """The image router biases (`bias_vl`, from the vision encoder file: `VisionFile.image_router_biases`)
+    of the held `layers`, float32 [n_experts] each; a clear error unless every held layer has one of
+    n_experts values (others are ignored)."""
+    missing = [il for il in layers if il not in biases]
+    if missing:
+        raise DwarfStarError(f"no image router bias for layer(s) {missing}")
+    checked = {}
+    for il in layers:
+        bias = torch.as_tensor(biases[il], dtype=torch.float32).reshape(-1)
+        if bias.numel() != n_experts:
+            raise DwarfStarError(f"layer {il}'s image router bias has {bias.numel()} values for {n_experts} experts")
+        checked[il] = bias
+    return checked
+
+
+def check_router_biases(held: Iterable[object | None]) -> None:
+    """A clear error unless a backend holds each of its layers' image router biases (`held`: one per
+    held layer, None where it has none): `Ops.check_images`'s."""
+    if any(bias is None for bias in held):
+        raise DwarfStarError(
+            "image spans need the image router biases (layers.{i}.ffn.gate.bias_vl, in the vision encoder file): "
+            "none are attached to this model"
+        )
 
 
 def image_mask(spans: tuple[ImageSpan, ...], n_tokens: int) -> torch.Tensor:

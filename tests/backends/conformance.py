@@ -136,6 +136,19 @@ def compare_logits(want: torch.Tensor, got: torch.Tensor) -> LogitDiff:
     )
 
 
+# the suite's tolerances (why: tests/backends/test_conformance_logits.py)
+EXACT_REL, EXACT_KL = 1e-5, 1e-8
+QAT_REL, QAT_KL = 1e-2, 1e-5
+
+
+def assert_matches_reference(want: torch.Tensor, got: torch.Tensor, qat: bool, what: str) -> None:
+    diff = compare_logits(want, got)
+    if qat:
+        assert diff.within(QAT_REL, QAT_KL, near_ties_may_swap=True), f"{what}: {diff}"
+    else:
+        assert diff.within(EXACT_REL, EXACT_KL, near_ties_may_swap=False), f"{what}: {diff}"
+
+
 def tests_dir() -> Path:
     return Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """Every backend's logits against the torch reference: chunked prefill, decode steps, batched decode.
 
-Tolerances, and why:
+Tolerances (`conformance.assert_matches_reference`), and why:
 * QAT rounding off: nothing in the model is discontinuous, so backends differ only by fp32
   summation order (their GEMMs and reductions against torch's): max error EXACT_REL relative to the
   largest logit, top-1 identical. The reference holds 1e-5 between its own one-pass and
@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conformance import PROMPT, compare_logits, state_from_payload
-
-EXACT_REL, EXACT_KL = 1e-5, 1e-8
-QAT_REL, QAT_KL = 1e-2, 1e-5
+from conformance import PROMPT, assert_matches_reference, state_from_payload
 
 # Prefill in two chunks (the second continues the raw window and the compressor frontiers
 # mid-window), then decode steps at positions 20, 21, 22: they see 5 ratio-4 rows, so the indexer
@@ -32,14 +29,6 @@ QAT_REL, QAT_KL = 1e-2, 1e-5
 FIRST_CHUNK, PREFILL, DECODE_STEPS = 13, 20, 3
 # One inside the raw window, one between, one past the first ratio-128 row (completed at 127).
 BATCH_POSITIONS = (5, 30, 131)
-
-
-def assert_matches_reference(want: torch.Tensor, got: torch.Tensor, qat: bool, what: str) -> None:
-    diff = compare_logits(want, got)
-    if qat:
-        assert diff.within(QAT_REL, QAT_KL, near_ties_may_swap=True), f"{what}: {diff}"
-    else:
-        assert diff.within(EXACT_REL, EXACT_KL, near_ties_may_swap=False), f"{what}: {diff}"
 
 
 @pytest.mark.parametrize("qat", [False, True], ids=["qat-off", "qat-on"])

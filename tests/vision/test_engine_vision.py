@@ -1,6 +1,6 @@
 """Loading a vision encoder beside a language model (`EngineSpec.vision`, `--vision`): the encoder made
-for the model loads and encodes images; one made for another model, a V4.1 encoder beside a V4 model,
-or a backend without image input is a clear error before any image is read."""
+for the model loads and encodes images and gives the backend its image router biases; one made for
+another model or a V4.1 encoder beside a V4 model is a clear error before any image is read."""
 
 from __future__ import annotations
 
@@ -53,11 +53,15 @@ def test_an_encoder_made_for_another_model_is_refused(files, args, router, says)
         load_engine(EngineSpec(model, "reference", ctx=512, vision=other))
 
 
-def test_a_backend_without_image_input_says_so(files):
+def test_every_backend_takes_the_image_biases(files):
+    """The MLX backend too gets the encoder file's router biases: it runs image blocks
+    (tests/backends/test_conformance_images.py), refused before them (`Ops.check_images`)."""
     pytest.importorskip("mlx.core", reason="mlx does not import (pip install mlx[cpu])")
     _, model, encoder = files
-    with pytest.raises(DwarfStarError, match="images run on the reference and cpu backends"):
-        load_engine(EngineSpec(model, "mlx", ctx=512, vision=encoder))
+    without = load_engine(EngineSpec(model, "mlx", ctx=512)).backend
+    with pytest.raises(DwarfStarError, match="image router biases"):
+        without.ops.check_images()
+    load_engine(EngineSpec(model, "mlx", ctx=512, vision=encoder)).backend.ops.check_images()
 
 
 def test_a_language_model_of_another_variant_is_refused(files):

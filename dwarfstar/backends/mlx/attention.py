@@ -14,13 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from dwarfstar.backends.mlx import ops
 from dwarfstar.model.state import CompressorSpec
 
 # Prefill queries attend in blocks of this many: a block gathers [block, top_k, head_dim] rows
 # (Flash: 128 x 512 x 512 floats, 128 MB), so a long chunk never holds them all at once, and its
-# raw keys are the window + block - 1 rows the block can see, not the whole chunk.
+# raw keys are the window + block - 1 rows the block can see (and an image span's reach), not the whole chunk.
 QUERY_BLOCK = 128
 
 
@@ -132,25 +133,35 @@ def sparse_attention(
     visible: mx.array | None,
     selection: Selection | None,
     band: dict[tuple[int, int, int], mx.array | None],
+    reach: np.ndarray | None = None,
 ) -> mx.array:
     """Sink attention of one sequence's T queries [T, H, D] over their raw windows and compressed rows.
 
     raw [n_old + T, D] holds the window before this call and the T new rows; rows [n, D] are the
     layer's compressed rows (None in a layer without); with a `selection` each query reads only the
     rows it chose, gathered ([B, window + k, D] keys per query), else all of them under `visible`.
-    `band` caches the window masks, which are the same in every layer of a call.
+    `band` caches the window masks, which are the same in every layer of a call. `reach` [T, 2] (a
+    chunk with a bidirectional image span, `image_spans.window_reach`): each query's first and last
+    raw row, in place of its causal window (its masks are built per layer).
     """
     T, n_old = q.shape[0], raw.shape[0] - n_new
     out = []
     for t0 in range(0, T, QUERY_BLOCK):
         t1 = min(T, t0 + QUERY_BLOCK)
         first, n_q = n_old + t0, t1 - t0  # raw index of the block's first query
-        lo = max(0, first - window + 1)
-        keys = raw[lo : n_old + t1]
-        key = (first, n_q, lo)
-        if key not in band:
-            band[key] = window_band(n_q, first, lo, keys.shape[0], window)
-        mask = band[key]
+        if reach is None:
+            lo = max(0, first - window + 1)
+            keys = raw[lo : n_old + t1]
+            key = (first, n_q, lo)
+            if key not in band:
+                band[key] = window_band(n_q, first, lo, keys.shape[0], window)
+            mask = band[key]
+        else:
+            ends = reach[t0:t1]
+            lo = int(ends[:, 0].min())
+            keys = raw[lo : int(ends[:, 1].max()) + 1]
+            at = mx.arange(lo, lo + keys.shape[0])[None, :]
+            mask = (at >= mx.array(ends[:, :1])) & (at <= mx.array(ends[:, 1:]))
         if selection is not None:
             chosen = mx.take(rows, selection.ids[t0:t1], axis=0)  # [B, k, D]
             keys = mx.concatenate((mx.broadcast_to(keys[None], (n_q, *keys.shape)), chosen), axis=1)

@@ -12,6 +12,7 @@ KV); everything else on all rows of a batch at once.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,10 +23,10 @@ import torch
 from dwarfstar.backends.mlx import attention, metal_available, ops
 from dwarfstar.backends.mlx.storage import MLXStorage, lazy_arrays
 from dwarfstar.backends.mlx.weights import LayerWeights, Matrix, Weights
-from dwarfstar.errors import DwarfStarError
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import ModelArgs, yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, StreamSteps, Transformer
+from dwarfstar.model.image_spans import check_router_biases, image_mask, window_reach
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.tensors import ProjectionGroup
 from dwarfstar.sampling import sample_batch
@@ -68,8 +69,15 @@ class Product:
 class MLXStep:
     """One call as `MLXOps` runs it (`prepare`), and what its steps of a layer hand on."""
 
-    tokens: mx.array  # int32 [N]: every row's id (hash-routed layers look their experts up by it)
+    # int32 [N]: every row's id for the tables looked up by id (the embedding, hash-routed layers'
+    # experts); 0 at image-span positions, whose ids are past the tables
+    tokens: mx.array
     positions: np.ndarray  # int64 [N]: every row's position, on the host
+    # bool [N]: the rows at image-span positions (`embed` and `route` read it), or None in a call without spans
+    image: mx.array | None = None
+    # sequence's index in the batch -> its queries' raw rows [T, 2] (`image_spans.window_reach`), on the
+    # host, for each sequence with a bidirectional image span (the others' windows are causal)
+    reach: dict[int, np.ndarray] = field(default_factory=dict)
     # cos/sin at `positions` per set of rotary frequencies (their bytes): `norm_rope` fills it at the
     # first layer of a set, `norm_rope` and `sparse_attention` read it in every layer of that set
     rope: dict[bytes, tuple[mx.array, mx.array]] = field(default_factory=dict)
@@ -137,6 +145,7 @@ class MLXOps(StreamSteps):
             self.out_norm = weights.dense(tt.OUTPUT_NORM)
             self.output = weights.matrix(tt.OUTPUT)
         self.group_ids = mx.arange(args.o_groups)[None, :]
+        self.image_biases: dict[int, mx.array] = {}  # layer -> its router's image bias (`bias_vl`)
 
     def _load_layer(self, weights: Weights, il: int) -> Layer:
         a, spec, w = self.args, self.args.layer(il), LayerWeights(weights, il)
@@ -164,20 +173,38 @@ class MLXOps(StreamSteps):
     def kv_storage(self) -> MLXStorage:
         return MLXStorage()
 
+    def attach_image_biases(self, biases: Mapping[int, torch.Tensor]) -> None:
+        self.image_biases = {il: mx.array(bias.numpy()) for il, bias in biases.items()}
+
     def check_images(self) -> None:
-        raise DwarfStarError("image spans run on the reference backend only, for now")
+        check_router_biases(self.image_biases.get(il) for il in self.layer_range)
 
     # -- streams -----------------------------------------------------------------------------------------
     def prepare(self, batch: Batch[MLXStep]) -> MLXStep:
         tokens = np.concatenate([s.tokens.numpy() for s in batch.seqs])
         positions = np.concatenate([np.arange(s.start, s.start + s.length) for s in batch.seqs])
-        return MLXStep(mx.array(tokens.astype(np.int32)), positions)
+        if not any(s.images for s in batch.seqs):
+            return MLXStep(mx.array(tokens.astype(np.int32)), positions)
+        image = np.concatenate([image_mask(s.images, s.length).numpy() for s in batch.seqs])
+        reach = {i: window_reach(s.images, s.start, s.length, self.args.window) for i, s in enumerate(batch.seqs)}
+        return MLXStep(
+            mx.array(np.where(image, 0, tokens).astype(np.int32)),
+            positions,
+            mx.array(image),
+            {i: r.numpy() for i, r in reach.items() if r is not None},
+        )
 
     def embed(self, batch: Batch[MLXStep]) -> mx.array | None:
         if self.embedding is None:  # a later pipeline stage: its streams arrive from the previous one
             return None
-        a, tokens = self.args, batch.step.tokens
-        return mx.broadcast_to(self.embedding[tokens][:, None, :], (tokens.size, a.hc_mult, a.dim))
+        a, step = self.args, batch.step
+        x = self.embedding[step.tokens]
+        if step.image is not None:  # the spans' rows in place of the image positions' (row 0) lookups
+            for seq in batch.seqs:
+                for span in seq.images:
+                    at = seq.rows.start + span.offset
+                    x[at : at + span.length] = mx.array(span.rows.numpy()).astype(x.dtype)
+        return mx.broadcast_to(x[:, None, :], (step.tokens.size, a.hc_mult, a.dim))
 
     def hc_pre(self, il: int, site: Site, h: mx.array, batch: Batch[MLXStep]) -> tuple[mx.array, tuple]:
         layer = self.layers[il]
@@ -287,11 +314,10 @@ class MLXOps(StreamSteps):
             # the indexer's selection already holds visibility; ratio-128 queries read every visible row
             visible = None if rows is None or selection is not None else self._visible(il, i, seq, rows.shape[0], step)
             raw = mx.concatenate((state.raw_window(il), chunk[seq.rows]))
-            out.append(
-                attention.sparse_attention(
-                    q[seq.rows], raw, seq.length, a.window, layer.sinks, rows, visible, selection, step.band
-                )
-            )
+            out.append(attention.sparse_attention(
+                q[seq.rows], raw, seq.length, a.window, layer.sinks, rows, visible, selection, step.band,
+                reach=step.reach.get(i),
+            ))  # fmt: skip
             state.store_window(il, raw, end)
         o = out[0] if len(out) == 1 else mx.concatenate(out)
         return self.fused.unrope(o, cos, sin)
@@ -317,9 +343,12 @@ class MLXOps(StreamSteps):
 
     # -- mixture of experts --------------------------------------------------------------------------------
     def route(self, il: int, x: mx.array, batch: Batch[MLXStep]) -> tuple[mx.array, mx.array]:
-        a, layer = self.args, self.layers[il]
-        fixed = None if layer.tid2eid is None else layer.tid2eid[batch.step.tokens]
-        return ops.route(layer.router.matmul(x), a.n_activated_experts, a.route_scale, layer.bias, fixed)
+        a, layer, image = self.args, self.layers[il], batch.step.image
+        fixed = None if layer.tid2eid is None else layer.tid2eid[batch.step.tokens]  # an image row's: bias_vl decides
+        image_bias = None if image is None else self.image_biases[il]
+        return ops.route(
+            layer.router.matmul(x), a.n_activated_experts, a.route_scale, layer.bias, fixed, image, image_bias
+        )
 
     def moe(
         self, il: int, x: mx.array, ids: mx.array, weights: mx.array, experts: ExpertSource, batch: Batch[MLXStep]

@@ -179,16 +179,26 @@ def sink_attention(q: mx.array, kv: mx.array, mask: mx.array | None, sinks: mx.a
 
 
 def route(
-    logits: mx.array, k: int, route_scale: float, bias: mx.array | None, fixed: mx.array | None
+    logits: mx.array,
+    k: int,
+    route_scale: float,
+    bias: mx.array | None,
+    fixed: mx.array | None,
+    image: mx.array | None = None,
+    image_bias: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Pick experts and their weights: (ids [T, k], weights [T, k]).
 
     Scores are sqrt(softplus(logit)). The bias only steers selection; hash layers take the ids from
-    the token table instead. Weights are the un-biased scores of the chosen experts, renormalised
-    and multiplied by the routed scale.
+    the token table instead. Rows where `image` [T] (bool) is set (image positions) select by score
+    + `image_bias` in either kind of layer. Weights are the un-biased scores of the chosen experts,
+    renormalised and multiplied by the routed scale.
     """
     scores = mx.sqrt(mx.logaddexp(logits, 0.0))
     ids = fixed if fixed is not None else mx.argpartition(-(scores + bias), kth=k - 1, axis=-1)[:, :k]
+    if image is not None:
+        picked = mx.argpartition(-(scores + image_bias), kth=k - 1, axis=-1)[:, :k]
+        ids = mx.where(image[:, None], picked.astype(ids.dtype), ids)
     weights = mx.take_along_axis(scores, ids, axis=1)
     return ids, weights / weights.sum(-1, keepdims=True) * route_scale
 

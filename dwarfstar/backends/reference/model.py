@@ -26,11 +26,10 @@ import torch.nn.functional as F
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.reference.weights import FLOAT32, GGUFWeights, Products, WeightSource
-from dwarfstar.errors import DwarfStarError
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.config import LayerSpec, ModelArgs, yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, StreamSteps, Transformer
-from dwarfstar.model.image_spans import image_mask
+from dwarfstar.model.image_spans import check_router_biases, image_mask
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.numerics import rope_angles, route
 from dwarfstar.model.pages import PAGE_ROWS
@@ -180,24 +179,11 @@ class ReferenceOps(StreamSteps):
         return TorchStorage("cpu")  # the oracle keeps every part in float32
 
     def attach_image_biases(self, biases: Mapping[int, torch.Tensor]) -> None:
-        """The routers' biases for image positions, layer -> [n_routed_experts] (`bias_vl`, from the vision
-        encoder file: `VisionFile.image_router_biases`); every held layer needs one, others are ignored."""
-        n = self.args.n_routed_experts
-        missing = [il for il in self.layer_range if il not in biases]
-        if missing:
-            raise DwarfStarError(f"no image router bias for layer(s) {missing}")
-        for il in self.layer_range:
-            bias = torch.as_tensor(biases[il], dtype=torch.float32).reshape(-1)
-            if bias.numel() != n:
-                raise DwarfStarError(f"layer {il}'s image router bias has {bias.numel()} values for {n} experts")
+        for il, bias in biases.items():
             self.layers[il].bias_vl = bias
 
     def check_images(self) -> None:
-        if any(self.layers[il].bias_vl is None for il in self.layer_range):
-            raise DwarfStarError(
-                "image spans need the image router biases (layers.{i}.ffn.gate.bias_vl, in the vision encoder file): "
-                "none are attached to this model"
-            )
+        check_router_biases(self.layers[il].bias_vl for il in self.layer_range)
 
     # -- per call ----------------------------------------------------------------------------------------
     def prepare(self, batch: Batch[ReferenceStep]) -> ReferenceStep:
@@ -605,11 +591,6 @@ class ReferenceModel(Transformer[torch.Tensor, ReferenceStep]):
         self.qat = qat
         ops = ReferenceOps(args, weights, qat, progress, layer_range, products)
         super().__init__(ops, max_seq_len, kv_slots)
-
-    def attach_image_biases(self, biases: Mapping[int, torch.Tensor]) -> None:
-        """The routers' image biases, layer -> [n_routed_experts] (`ReferenceOps.attach_image_biases`):
-        a call with image spans is refused without them."""
-        self.ops.attach_image_biases(biases)
 
     # the sampling rules run on the logits' device (here the CPU), one host sync per step
     sample_batch = staticmethod(sample_batch)

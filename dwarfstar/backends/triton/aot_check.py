@@ -6,9 +6,9 @@ A CPU-only session cannot run the kernels compiled, but Triton compiles for any 
 backend for. This swaps in a driver that only names the target and turns every launch into a
 compile-only warmup, then drives the real launch code: every kernel's bench cases at Flash shapes
 (fewer experts and a smaller vocabulary, which change no kernel specialisation) and a prefill chunk
-and a decode step of a tiny model (`--only qmatmul,moe_experts` compiles just those modules' bench
-cases), a batched decode step of three sequences and a DSpark drafter's passes. Autotuned kernels
-compile every config their launch could pick. It reports warps, stages,
+(and one with an image block) and a decode step of a tiny model (`--only qmatmul,moe_experts`
+compiles just those modules' bench cases), a batched decode step of three sequences and a DSpark
+drafter's passes. Autotuned kernels compile every config their launch could pick. It reports warps, stages,
 registers, spills, shared memory and 128-bit global loads (PTX `ld.global.v4`,
 AMDGCN `global_load_dwordx4`) per specialisation and fails on a compile error, a register spill
 of a CUDA kernel (its stack, read with the cuobjdump Triton ships; an AMD kernel's scratch is
@@ -98,6 +98,7 @@ def _drive_launches(only: Sequence[str], backend: str) -> None:
     from dwarfstar.backends.triton.synthetic import PRESETS, synthetic_state, synthetic_weights
     from dwarfstar.model.config import ModelArgs
     from dwarfstar.model.dspark import DSparkArgs, DSparkForward
+    from dwarfstar.model.image_spans import ImageSpan, content_ids
     from dwarfstar.model.synthetic import Q2, TINY_K
 
     cpu = torch.device("cpu")
@@ -113,6 +114,11 @@ def _drive_launches(only: Sequence[str], backend: str) -> None:
     for precision in (EXACT, FAST):
         model = TritonModel(weights, precision=precision)
         model.forward(list(range(3, 40)), model.new_state(), all_logits=False)
+        # a prefill with a bidirectional image block: the attention's REACH form
+        model.attach_image_biases({il: torch.zeros(weights.args.n_routed_experts) for il in weights.layer_range})
+        block = ImageSpan(2, torch.zeros(12, weights.args.dim), (1, 10))
+        tokens = [3, 4, *content_ids(b"aot", 12, weights.args.vocab_size), 5]
+        model.forward_batch([tokens], [model.new_state()], images=[[block]])
         model.forward([5], synthetic_state(model, ctx=300))
         states = [synthetic_state(model, ctx=n) for n in (40, 300, 301)]  # one cache block: the batch kernels
         model.forward_batch([[5], [6], [7]], states)

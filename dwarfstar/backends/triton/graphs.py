@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from dwarfstar.backends.triton.kernels.sampling import candidates_for, knob_rows, redraw_overflow, sample_rows
-from dwarfstar.backends.triton.model import DecodeInputs, TritonModel, TritonStep, row_bound
+from dwarfstar.backends.triton.model import TritonModel, row_bound
+from dwarfstar.backends.triton.step import DecodeInputs, TritonStep
 from dwarfstar.model.forward import Batch, Segment
 from dwarfstar.model.state import SequenceState
 from dwarfstar.sampling import GREEDY, Sampler, logprob_rows, record_logprobs

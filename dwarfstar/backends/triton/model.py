@@ -16,8 +16,8 @@ replay it at every later position.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,11 +49,12 @@ from dwarfstar.backends.triton.kernels.rms_norm_rope import (
 )
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
 from dwarfstar.backends.triton.runtime import EXACT, TICKET_SLOTS, PagedRows, Precision, next_pow2
+from dwarfstar.backends.triton.step import DecodeInputs, PendingRows, TritonStep
 from dwarfstar.backends.triton.weights import FusedLinear, ModelWeights
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.forward import Batch, ExpertSource, ResidentExperts, Rows, Segment, Site, Transformer
-from dwarfstar.model.image_spans import ImageSpan
+from dwarfstar.model.image_spans import ImageSpan, check_router_biases, image_mask, window_reach
 from dwarfstar.model.numerics import rope_angles
 from dwarfstar.model.pages import PAGE_ROWS
 from dwarfstar.model.state import ROW_STEP, KVCache, SequenceState, TorchStorage, check_batch, index_copy_rows
@@ -83,63 +84,6 @@ def decode_batch(batch: Batch[TritonStep]) -> bool:
     return all(s.length == 1 and s.state.block == seqs[0].state.block for s in seqs)
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeInputs:
-    """The device inputs of a batch-native decode step (`decode_batch`), its only ones besides the
-    tokens: every attention-side kernel serves all its sequences in one launch and forms its RoPE
-    angles from `pos` (no tables). A captured step presets them to its graph's buffers."""
-
-    pos: torch.Tensor  # int32 [B]: each sequence's position
-    slots: torch.Tensor  # int32 [B]: each sequence's slot in the cache block
-    # ratio -> the compressed rows the grids cover (`row_bound`), fixed by a captured step for every
-    # replay; None: the widest of the sequences' own
-    row_bound: dict[int, int] | None = None
-
-
-@dataclass(slots=True)
-class PendingRows:
-    """A batch-native decode step's inputs to one layer's rows launches, waiting for them (`_decode_rows`)."""
-
-    # the raw KV row as projected: `write_window` leaves it, the low-rank query's launch finishes it into the ring
-    kv: torch.Tensor | None = None
-    # compressor kind -> its inputs: `compress` leaves them, the low-rank query's launch advances them
-    compressing: dict[str, decode_rows.Compressing] = field(default_factory=dict)
-    # (the query heads as projected, their output): `norm_rope` of the query leaves them in a ratio-4
-    # layer, that of the indexer query fills both in one launch
-    query: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def waiting(self) -> bool:
-        return self.kv is not None or bool(self.compressing) or self.query is not None
-
-
-@dataclass(frozen=True, slots=True)
-class TritonStep:
-    """One call as `TritonOps` runs it (`prepare`, or `record` for a captured step), and what its steps
-    of a layer hand on."""
-
-    tok: torch.Tensor  # int32 [N]: every row's id, on the device
-    precision: Precision  # the matrices': bf16 tensor-core operands pay off only for prefill-sized calls
-    # one token per sequence, at most TICKET_SLOTS: the mHC steps and the routing run one launch each
-    # (a prefill chunk keeps their GEMV and kernel, and their numerics)
-    fused: bool
-    # a batch-native decode step's inputs; None: attention, the compressors and the indexer run per sequence
-    decode: DecodeInputs | None
-    # per sequence (without `decode`): its first position, int32 [1] on the device
-    starts: list[torch.Tensor] = field(default_factory=list)
-    # without `decode`: RoPE cos/sin at every row's position per (rope_theta, yarn), for `norm_rope`
-    angles: dict[tuple[float, bool], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # layer -> per sequence (without `decode`) its window rows [n_prev + T], oldest first:
-    # `write_window` leaves them, `sparse_attention` takes them
-    window: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    # layer -> inputs waiting for the layer's rows launches (with `decode`): `write_window`, `compress`
-    # and `norm_rope` leave them, `norm_rope` takes them, `sparse_attention` checks none is left
-    pending: dict[int, PendingRows] = field(default_factory=dict)
-    # layer -> `route`'s input and the int8 rows its launch quantized it to, for a fused step whose
-    # experts read int8: `route` leaves them, `moe` takes them
-    routed: dict[int, tuple[torch.Tensor, Q8Rows]] = field(default_factory=dict)
-
-
 class TritonOps:
     def __init__(
         self, weights: ModelWeights, qat: bool = True, precision: Precision = EXACT, host: HostExperts | None = None
@@ -153,6 +97,7 @@ class TritonOps:
         routed = {il: (lw.gate_exps, lw.up_exps, lw.down_exps) for il, lw in weights.layers.items()}
         self.experts: ExpertSource | None = None if streamed else ResidentExperts(routed)
         self._inv_freq: dict[tuple[float, bool], torch.Tensor] = {}
+        self.image_biases: dict[int, torch.Tensor] = {}  # layer -> its router's image bias (`bias_vl`)
         for layer in self.args.layers:
             key = (layer.rope_theta, layer.yarn)
             if key not in self._inv_freq:
@@ -185,15 +130,20 @@ class TritonOps:
             return decode.row_bound[ratio]
         return max(row_bound(s.state.cache, ratio, s.start + 1) for s in batch.seqs)
 
+    def attach_image_biases(self, biases: Mapping[int, torch.Tensor]) -> None:
+        self.image_biases = {il: bias.to(self.device) for il, bias in biases.items()}
+
     def check_images(self) -> None:
-        raise DwarfStarError("image spans run on the reference backend only, for now")
+        check_router_biases(self.image_biases.get(il) for il in self.layer_range)
 
     # -- per call ----------------------------------------------------------------------------------------
     def prepare(self, batch: Batch[TritonStep]) -> TritonStep:
         """Tokens and positions on the device. A decode step of several sequences in one KV-cache block
         runs batch-native (`decode_batch`, `DecodeInputs`); any other call per sequence, each with its
-        first position (int32 [1]) and RoPE tables at every row."""
+        first position (int32 [1]) and RoPE tables at every row. A call with image spans prefills."""
         tokens = torch.cat([s.tokens for s in batch.seqs])
+        if any(s.images for s in batch.seqs):
+            return self._prepare_images(batch, tokens)
         # a fill launches a kernel; a copy of a pageable host tensor would wait for the stream to drain
         if tokens.numel() == 1:
             tok = torch.full((1,), int(tokens[0]), dtype=torch.int32, device=self.device)
@@ -204,6 +154,18 @@ class TritonOps:
             host = torch.tensor([[s.start for s in batch.seqs], [s.state.index for s in batch.seqs]])
             decode = DecodeInputs(*host.to(self.device, torch.int32).unbind(0))  # contiguous rows
         return self.record(batch, tok, decode)
+
+    def _prepare_images(self, batch: Batch[TritonStep], tokens: torch.Tensor) -> TritonStep:
+        """`prepare` of a call with image spans: per sequence, as a prefill (a span query's window
+        reaches past its own row), the image rows' ids 0."""
+        image = torch.cat([image_mask(s.images, s.length) for s in batch.seqs])
+        tok = tokens.masked_fill(image, 0).to(device=self.device, dtype=torch.int32)
+        reach = {i: window_reach(s.images, s.start, s.length, self.args.window) for i, s in enumerate(batch.seqs)}
+        return replace(
+            self.record(batch, tok, None),
+            image=image.nonzero().flatten().to(self.device),
+            reach={i: r.to(device=self.device, dtype=torch.int32) for i, r in reach.items() if r is not None},
+        )
 
     def record(self, batch: Batch[TritonStep], tok: torch.Tensor, decode: DecodeInputs | None) -> TritonStep:
         """The call's record over device inputs already made: `prepare`'s, or a captured step's buffers."""
@@ -228,7 +190,13 @@ class TritonOps:
         w = self.w.embed
         if w is None:  # a later pipeline stage: its streams arrive from the previous one
             return None
-        return quant_blocks.gather_rows(w.data, w.ggml_type, a.dim, step.tok, copies=a.hc_mult)
+        h = quant_blocks.gather_rows(w.data, w.ggml_type, a.dim, step.tok, copies=a.hc_mult)
+        if step.image is not None:  # the spans' rows in place of the image positions' (row 0) lookups
+            for seq in batch.seqs:
+                for span in seq.images:
+                    at = seq.rows.start + span.offset
+                    h[at : at + span.length] = span.rows.to(self.device)[:, None, :]
+        return h
 
     # -- streams -----------------------------------------------------------------------------------------
     def _pre_mix(self, il: int, site: Site) -> tuple:
@@ -494,7 +462,7 @@ class TritonOps:
             o = attention.attention(
                 q[seq.rows], rows, n_prev, a.window, lw.sinks, inv, a.rope_dim, pos,
                 comp_rows=comp, ratio=layer.compress_ratio, selected=None if selected is None else selected[i],
-                split=None, precision=step.precision, comp_bound=bound,
+                split=None, precision=step.precision, comp_bound=bound, reach=step.reach.get(i),
             )  # fmt: skip
             keep = min(seq.length, a.window)  # the chunk's newest rows replace the oldest in the ring
             newest = (pos.long() + seq.length - keep + torch.arange(keep, device=self.device)) % a.window
@@ -518,7 +486,13 @@ class TritonOps:
         xq = Q8Rows.empty(*x.shape, self.device) if int8 else None
         if xq is not None:
             step.routed[il] = (x, xq)
-        return moe_route.route(x, lw.router, lw.router_bias, lw.tid2eid, step.tok, k, scale, step.fused, q8=xq)
+        ids, weights = moe_route.route(x, lw.router, lw.router_bias, lw.tid2eid, step.tok, k, scale, step.fused, q8=xq)
+        if step.image is not None:  # image rows select by the image bias, in hash-routed layers too
+            rows = step.image
+            ids[rows], weights[rows] = moe_route.route(
+                x[rows], lw.router, self.image_biases[il], None, step.tok[rows], k, scale
+            )
+        return ids, weights
 
     def moe(
         self,

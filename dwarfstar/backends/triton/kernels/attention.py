@@ -78,11 +78,12 @@ def _finish(acc, m, l, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D,
 @triton.jit
 def _attention_kernel(
     q_ptr, win_ptr, comp_ptr, comp_rest_ptr, table_ptr, sel_ptr, sinks_ptr, pos_ptr, slot_ptr, inv_ptr, out_ptr,
-    m_ptr, l_ptr, acc_ptr, ticket_ptr,
+    m_ptr, l_ptr, acc_ptr, ticket_ptr, reach_ptr,
     D, n_prev, window, n_sel, table_stride, sm_scale,
     H: tl.constexpr, COMP: tl.constexpr, RATIO: tl.constexpr, SPLIT: tl.constexpr, ROPE_DIM: tl.constexpr,
     BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, BATCH: tl.constexpr,
     COMP_EXACT: tl.constexpr, PAGE: tl.constexpr, OWN_SPLIT: tl.constexpr, LOG_CAP: tl.constexpr,
+    REACH: tl.constexpr,
 ):  # fmt: skip
     # BATCH: query i is sequence i's one token, at position pos[i], over the ring and page table of
     # KV-cache slot slot[i] (win_ptr [slots * window, D], table_ptr [slots, table_stride]); else query i
@@ -91,7 +92,8 @@ def _attention_kernel(
     # COMP_EXACT > 0: a compressed row's first COMP_EXACT dims are read from comp_ptr (row stride
     # COMP_EXACT: bf16 in a compact cache), the others from comp_rest_ptr (row stride D - COMP_EXACT);
     # 0: whole rows from comp_ptr. A compile-time width, so a half of the row that lies in one part
-    # is one load, as for whole rows.
+    # is one load, as for whole rows. REACH (a chunk with a bidirectional image span): query i reads the
+    # window rows reach[i, 0] .. reach[i, 1] (`image_spans.window_reach`) instead of its causal window.
     i = tl.program_id(0)  # query token in the chunk, or sequence in the batch
     hg = tl.program_id(1)
     split = tl.program_id(2)
@@ -115,6 +117,9 @@ def _attention_kernel(
         ring_base = 0
         pages = table_ptr
     lo = tl.maximum(0, hi - window + 1)
+    if REACH:
+        lo = tl.load(reach_ptr + 2 * i)
+        hi = tl.load(reach_ptr + 2 * i + 1)
     n_win = hi - lo + 1
     if COMP == 1:
         n_comp = (p + 1) // RATIO
@@ -296,6 +301,7 @@ def attention(
     split: int | None = 1,
     precision: Precision = EXACT,
     comp_bound: int | None = None,
+    reach: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention output [T, H, D] with the RoPE undone.
 
@@ -306,6 +312,8 @@ def attention(
     int32 [T, k] (ratio-4 layers), `comp_bound` the rows the chunk can see at most (default: all the
     table reaches; it sizes the split); pos int32 [1] = p0; inv_freq float64 [rope_dim / 2], the
     layer's RoPE frequencies (the inverse rotation's angles are formed from the positions).
+    `reach` int32 [T, 2] (a chunk with a bidirectional image span, `image_spans.window_reach`): each
+    query's first and last window row, in place of its causal window; the compressed rows stay causal.
     """
     t, heads, d = q.shape
     bh, bn = _tiles(heads, d, window)
@@ -323,7 +331,7 @@ def attention(
             split = decode_split(q.device, t, triton.cdiv(heads, bh), row_blocks)
     return _launch(q, window_rows, comp_rows, selected, sinks, pos, None, inv_freq, out, split, precision,
                    n_prev=n_prev, window=window, ratio=ratio, rope_dim=rope_dim, bh=bh, bn=bn,
-                   log_cap=log_cap)  # fmt: skip
+                   log_cap=log_cap, reach=reach)  # fmt: skip
 
 
 def block_attention(
@@ -383,9 +391,9 @@ def attention_batch(
 
 
 def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, inv_freq, out, split, precision, *,
-            n_prev, window, ratio, rope_dim, bh, bn, log_cap=0):  # fmt: skip
+            n_prev, window, ratio, rope_dim, bh, bn, log_cap=0, reach=None):  # fmt: skip
     """The attention launch shared by the chunk and batch forms; log_cap > 0: each query's own split
-    (`own_split`)."""
+    (`own_split`); `reach`: the chunk form's window rows per query (`attention`)."""
     t, heads, d = q.shape
     bd, groups = next_pow2(d), triton.cdiv(heads, bh)
     comp = COMP_NONE if comp_rows is None else (COMP_SELECTED if selected is not None else COMP_ALL)
@@ -400,12 +408,12 @@ def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, inv_freq, ou
     tickets = ticket_counters(q.device, "attention", t * groups) if split > 1 else pos
     _attention_kernel[(t, groups, split)](
         q, window_rows, comp_ptr, comp_rest, table, sel_ptr, sinks, pos, slots if slots is not None else pos,
-        inv_freq, out, m, l, acc, tickets, d, n_prev, window, selected.shape[1] if selected is not None else 0,
-        table_stride,
-        1.0 / math.sqrt(d),
+        inv_freq, out, m, l, acc, tickets, reach if reach is not None else pos, d, n_prev, window,
+        selected.shape[1] if selected is not None else 0, table_stride, 1.0 / math.sqrt(d),
         H=heads, COMP=comp, RATIO=max(ratio, 1), SPLIT=split, ROPE_DIM=rope_dim,
         BH=bh, BN=bn, BD=bd, FAST=precision.fast, BATCH=slots is not None, COMP_EXACT=comp_exact, PAGE=PAGE_ROWS,
-        OWN_SPLIT=log_cap > 0, LOG_CAP=log_cap, num_warps=8 if bd >= 512 else 4, num_stages=1,
+        OWN_SPLIT=log_cap > 0, LOG_CAP=log_cap, REACH=reach is not None, num_warps=8 if bd >= 512 else 4,
+        num_stages=1,
     )  # fmt: skip
     return out
 
