@@ -98,6 +98,12 @@ class Checkpoint:
             scale_rows = slice(rows.start // FP8_BLOCK, -(-rows.stop // FP8_BLOCK))
         return dequantize_scaled(data, self._load(tensor.scale, scale_rows), tensor.name)
 
+    def read_stored(self, tensor: CheckpointTensor) -> torch.Tensor:
+        """All of an unscaled tensor's values as stored (bf16 stays bf16): for copying them unchanged."""
+        if tensor.scale is not None:
+            raise ValueError(f"{tensor.name} is block-scaled; read() dequantizes it")
+        return self._load(tensor.data, ALL_ROWS)
+
     def close(self) -> None:
         self._open_file = self._open_path = None
 

@@ -36,7 +36,7 @@ from dwarfstar.convert.hf_config import (
     dspark_args_from_hf_config,
     has_dspark_drafter,
     model_args_from_hf_config,
-    read_hf_config,
+    read_checkpoint_config,
 )
 from dwarfstar.convert.names import dspark_source_names, source_names
 from dwarfstar.errors import ConfigError, DwarfStarError, ModelFileError
@@ -113,10 +113,18 @@ def convert_checkpoint(
     return plan
 
 
-def check_outputs(out_path: str | Path, support_path: str | Path | None) -> None:
-    """Refuse a support file path that is the trunk's output path, before any work starts."""
-    if support_path is not None and Path(support_path).resolve() == Path(out_path).resolve():
-        raise DwarfStarError(f"--dspark {support_path} is the output path too; give the support file its own name")
+def check_outputs(
+    out_path: str | Path | None, support_path: str | Path | None = None, vision_path: str | Path | None = None
+) -> None:
+    """Refuse an output path given twice (the trunk's, `--dspark`'s, `--vision`'s), before any work starts."""
+    seen: dict[Path, str] = {}
+    for label, path in (("the output path", out_path), ("--dspark", support_path), ("--vision", vision_path)):
+        if path is None:
+            continue
+        where = Path(path).resolve()
+        if where in seen:
+            raise DwarfStarError(f"{label} {path} is {seen[where]} too; give each file its own name")
+        seen[where] = label if label == "the output path" else f"the {label} path"
 
 
 def plan_conversion(
@@ -130,12 +138,7 @@ def plan_conversion(
     """
     src = Path(src_dir)
     kind = _outtype(outtype)
-    if not src.is_dir():
-        raise ModelFileError(f"checkpoint directory {src} does not exist")
-    config_path = src / "config.json"
-    if not config_path.is_file():
-        raise ModelFileError(f"no config.json in {src}: expected a Hugging Face checkpoint directory")
-    config = read_hf_config(config_path)
+    config = read_checkpoint_config(src)
     args = model_args_from_hf_config(config)
     d = dspark_args_from_hf_config(config, args) if dspark else None
     notes: list[str] = []
@@ -150,7 +153,7 @@ def plan_conversion(
     support_specs = list(dspark_tensors(args, d)) if d else []
     if d:
         sources |= dspark_source_names(args, d)
-    _check_all_present(checkpoint, sources)
+    check_all_present(checkpoint, sources)
     tensors = [_plan_tensor(checkpoint, spec, sources[spec.name], kind) for spec in specs]
     support_tensors = [_plan_tensor(checkpoint, spec, sources[spec.name], kind) for spec in support_specs]
     notes += _fallback_notes(tensors + support_tensors, kind) + _skipped_notes(checkpoint, tensors + support_tensors)
@@ -192,16 +195,22 @@ def write_conversion(
 
 def write_gguf(plan: ConversionPlan, out_path: str | Path, progress: Progress | None = None) -> None:
     """Stream the planned tensors into `out_path` (atomically: on any error no file is left behind)."""
-    out = Path(out_path)
-    if out.is_dir():
-        raise DwarfStarError(f"output path {out} is a directory; give a .gguf file name")
-    if not out.parent.is_dir():
-        raise DwarfStarError(f"output directory {out.parent} does not exist")
+    out = check_out_path(out_path)
     with plan.checkpoint, GGUFWriter(out, plan.metadata) as writer:
         for tensor in plan.tensors:
             writer.add_tensor(tensor.name, tensor.spec.shape, tensor.ggml_type)
         for tensor in plan.tensors:
             writer.write_tensor(tensor.name, _encoded_pieces(plan, tensor, progress))
+
+
+def check_out_path(out_path: str | Path) -> Path:
+    """An output file's path, refused when it is a directory or its directory does not exist."""
+    out = Path(out_path)
+    if out.is_dir():
+        raise DwarfStarError(f"output path {out} is a directory; give a .gguf file name")
+    if not out.parent.is_dir():
+        raise DwarfStarError(f"output directory {out.parent} does not exist")
+    return out
 
 
 def gguf_type(spec: TensorSpec, outtype: OutType) -> GGMLType:
@@ -265,17 +274,16 @@ def _check_source(source: CheckpointTensor, spec: TensorSpec, shape: tuple[int, 
         )
 
 
-def _check_all_present(checkpoint: Checkpoint, sources: dict[str, list[str]]) -> None:
+def check_all_present(checkpoint: Checkpoint, sources: dict[str, list[str]]) -> None:
     """Every GGUF tensor's checkpoint names (`sources`) are in the checkpoint; the first missing is named."""
     missing = [
         (name, gguf_name) for gguf_name, names in sources.items() for name in names if name not in checkpoint.tensors
     ]
     if missing:
         first, gguf_name = missing[0]
+        needed = "" if gguf_name == first else f", needed for {gguf_name}"
         more = f" ({len(missing) - 1} more required tensors are missing too)" if len(missing) > 1 else ""
-        raise ModelFileError(
-            f"checkpoint in {checkpoint.directory} has no tensor {first!r}, needed for {gguf_name}{more}"
-        )
+        raise ModelFileError(f"checkpoint in {checkpoint.directory} has no tensor {first!r}{needed}{more}")
 
 
 def _fallback_notes(tensors: list[TensorPlan], outtype: OutType) -> list[str]:

@@ -16,17 +16,26 @@ default there would only surface later as a confusing tensor-shape error; every 
 declares no MTP layers. A DSpark drafter (V4 Flash 0731, PRO 0813) is declared by `dspark_*` keys and
 one trailing `compress_ratios` entry per stage; `dspark_args_from_hf_config` reads them for the
 support file `convert --dspark` writes.
+
+A vision encoder is declared by flat `vision_*` keys (V4 Flash Vision-Exp) or a nested `vision_config`
+(V4.1 Flash, `model_type` deepseek_v41_vision, its language model under `text_config`);
+`vision_config_from_hf_config` reads either for the encoder file `convert --vision` writes
+(/work/notes/vision_spec.md §0). Its shape keys are required; the image budget's keys, which
+transformers' V4.1 config may leave out, default to the family's published values.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dwarfstar.errors import ConfigError
+from dwarfstar.errors import ConfigError, DwarfStarError, ModelFileError
 from dwarfstar.model.config import DSPARK_RELEASES, PREVIEW, ModelArgs
 from dwarfstar.model.dspark import DSparkArgs
+from dwarfstar.model.vision import V41_FLASH, VISION_EXP_FLASH, VisionArgs
+from dwarfstar.model.vision_file import RouterShape
 
 # ModelArgs field -> config.json key, for the keys both dialects spell the same way.
 _REQUIRED_INTS = {
@@ -72,6 +81,41 @@ _WINDOW_LAYER = "sliding_attention"
 _HASH_MLP = "hash_moe"
 _DSPARK_PREFIX = "dspark_"
 _DSPARK_KEYS = ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids")
+# VisionArgs field -> the config key of Vision-Exp's flat `vision_*` keys and of V4.1's `vision_config`
+_VISION_SHAPE_KEYS = {
+    "n_layers": ("vision_n_layers", "num_hidden_layers"),
+    "dim": ("vision_dim", "hidden_size"),
+    "n_heads": ("vision_n_heads", "num_attention_heads"),
+    "inter_dim": ("vision_inter_dim", "intermediate_size"),
+    "patch": ("vision_patch_size", "patch_size"),
+    "downsample": ("vision_downsample_ratio", "downsample_ratio"),
+}
+_VISION_BUDGET_KEYS = {  # optional: the family's published value when absent
+    "max_tokens": ("vision_max_n_token", "max_image_tokens"),
+    "min_pixels": ("vision_min_pixels", "min_pixels"),
+    "max_wh_ratio": ("vision_max_wh_ratio", "max_wh_ratio"),  # null: no limit (0)
+}
+_VISION_ROPE_KEY = ("vision_rope_theta", "rope_theta")
+_V41_VISION_TYPE = "deepseek_v41_vision"
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """What config.json says of a checkpoint's vision encoder and the language model it feeds."""
+
+    args: VisionArgs
+    language: tuple[int, int]  # the language model's (layers, routed experts)
+    router: RouterShape | None  # the router biases the encoder file carries (Vision-Exp); None for V4.1
+
+
+def read_checkpoint_config(src: Path) -> dict[str, Any]:
+    """The `config.json` of the checkpoint directory `src`, which must exist."""
+    if not src.is_dir():
+        raise ModelFileError(f"checkpoint directory {src} does not exist")
+    config_path = src / "config.json"
+    if not config_path.is_file():
+        raise ModelFileError(f"no config.json in {src}: expected a Hugging Face checkpoint directory")
+    return read_hf_config(config_path)
 
 
 def read_hf_config(path: Path) -> dict[str, Any]:
@@ -156,6 +200,81 @@ def _dspark_stages(config: dict[str, Any], n_layers: int) -> int:
             f"compress_ratios gives the DSpark stages {ratios[n_layers:]}; they must be 0 (window-only attention)"
         )
     return len(ratios) - n_layers
+
+
+def vision_config_from_hf_config(config: dict[str, Any]) -> VisionConfig:
+    """The vision encoder a checkpoint's config declares: V4 Flash Vision-Exp's flat `vision_*` keys (its
+    language model's keys at the top level, read as the trunk's) or V4.1 Flash's `vision_config` (its
+    language model's under `text_config`)."""
+    flat = sorted(key for key in config if key.startswith("vision_") and key != "vision_config")
+    nested = config.get("vision_config")
+    if nested is not None and flat:
+        raise ConfigError(
+            f"config.json has both a vision_config (V4.1 Flash) and flat vision keys ({flat[0]}...: Vision-Exp)"
+        )
+    if nested is not None:
+        return _v41_vision(config, nested)
+    if not flat:
+        raise ConfigError(
+            "config.json declares no vision encoder: it has neither vision_* keys (DeepSeek V4 Flash Vision-Exp) "
+            "nor a vision_config (DeepSeek V4.1 Flash)"
+        )
+    lm = model_args_from_hf_config(config)
+    mtp = _integer(config, "num_nextn_predict_layers") if config.get("num_nextn_predict_layers") is not None else 0
+    args = _vision_args(config, VISION_EXP_FLASH, 0, "", out_dim=lm.dim)
+    router = RouterShape(lm.n_layers, lm.n_routed_experts, lm.n_hash_layers, mtp)
+    return VisionConfig(args, (lm.n_layers, lm.n_routed_experts), router)
+
+
+def _v41_vision(config: dict[str, Any], section: Any) -> VisionConfig:
+    if not isinstance(section, dict):
+        raise ConfigError(f"config.json: vision_config must be an object, got {section!r}")
+    kind = section.get("model_type", _V41_VISION_TYPE)
+    if kind != _V41_VISION_TYPE:
+        raise ConfigError(
+            f"config.json: unknown vision encoder family vision_config.model_type {kind!r}; "
+            f"known: {_V41_VISION_TYPE} (DeepSeek V4.1 Flash) and Vision-Exp's flat vision_* keys"
+        )
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError("config.json has a vision_config (DeepSeek V4.1 Flash) but no text_config object")
+    sizes = []
+    for key in ("hidden_size", "num_hidden_layers", "n_routed_experts"):
+        if text.get(key) is None:
+            raise ConfigError(f"config.json is missing required key 'text_config.{key}'")
+        sizes.append(_integer(text, key, "text_config."))
+        if sizes[-1] <= 0:
+            raise ConfigError(f"config.json: text_config.{key} must be positive, got {sizes[-1]}")
+    width, layers, experts = sizes
+    args = _vision_args(section, V41_FLASH, 1, "vision_config.", out_dim=width)
+    if config.get("image_token_id") is not None:
+        args = replace(args, image_token_id=_integer(config, "image_token_id"))
+    return VisionConfig(args, (layers, experts), None)
+
+
+def _vision_args(section: dict[str, Any], family: VisionArgs, dialect: int, where: str, out_dim: int) -> VisionArgs:
+    """The encoder's args from `section` (the config, or its vision_config: `dialect` picks the key
+    names), the budget keys it leaves out as `family`'s."""
+    values: dict[str, Any] = {"out_dim": out_dim}
+    for attr, names in {**_VISION_SHAPE_KEYS, **_VISION_BUDGET_KEYS, "rope_theta": _VISION_ROPE_KEY}.items():
+        key = names[dialect]
+        if attr == "max_wh_ratio" and key in section and section[key] is None:
+            values[attr] = 0  # V4.1's null: no limit
+            continue
+        if section.get(key) is None:
+            if attr in _VISION_SHAPE_KEYS:
+                raise ConfigError(f"config.json is missing required key {where + key!r}")
+            continue
+        value = (_number if attr == "rope_theta" else _integer)(section, key, where)
+        if value < 0 or value == 0 and attr != "max_wh_ratio":
+            raise ConfigError(f"config.json: {where}{key} must be positive, got {section[key]!r}")
+        values[attr] = value
+    args = replace(family, **values)
+    try:
+        args.check()
+    except DwarfStarError as exc:
+        raise ConfigError(f"config.json: {exc}") from None
+    return args
 
 
 def _check_fixed_choices(config: dict[str, Any]) -> None:
