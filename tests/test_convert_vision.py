@@ -187,6 +187,30 @@ def test_convert_writes_the_model_and_its_encoder_which_run_together(checkpoints
     assert engine.images is not None and engine.images.args == EXP_ARGS
 
 
+def test_a_vision_exp_language_file_names_its_variant_and_its_encoder(checkpoints, tmp_path):
+    """As ds4's: the language file of a Vision-Exp checkpoint says which it is and that it needs its
+    encoder; a conversion without --vision says the checkpoint has one, and one with it does not list
+    the encoder's tensors among those skipped."""
+    from dwarfstar.convert.hf import plan_conversion, write_conversion
+    from dwarfstar.convert.vision import plan_vision
+    from dwarfstar.gguf.reader import GGUFFile
+
+    src, stored = checkpoints["vision-exp"]
+    alone = plan_conversion(src, "f32")
+    assert any("--vision FILE writes it" in note for note in alone.notes)
+    assert any("vision.blocks.*" in note for note in alone.notes if note.startswith("skipping"))
+    encoder = [t.source.name for t in plan_vision(src).tensors]
+    paired = plan_conversion(src, "f32", elsewhere=encoder)
+    assert not any("--vision" in note or "vision." in note or "aligner." in note for note in paired.notes)
+    write_conversion(paired, tmp_path / "model.gguf", None)
+    meta = GGUFFile(tmp_path / "model.gguf").metadata
+    assert meta["deepseek4.checkpoint_variant"] == "vision-exp" and meta["deepseek4.vision.sidecar_required"] is True
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    write_official_checkpoint(plain, save_tiny_transformers_model(tmp_path / "hf", seed=0))  # no vision_* keys
+    assert "deepseek4.checkpoint_variant" not in plan_conversion(plain, "f32").metadata
+
+
 def test_the_encoder_alone_runs_beside_a_matching_synthetic_model(checkpoints, tmp_path, monkeypatch, capsys):
     src, _ = checkpoints["vision-exp"]
     model, encoder = tmp_path / "tiny.gguf", tmp_path / "encoder.gguf"

@@ -62,7 +62,10 @@ def convert(
     # every file is planned (and checked) before any is written; the small encoder file is written first
     files: list[tuple[Path, str, ConversionPlan | VisionPlan]] = []  # (path, what it holds, its plan)
     encoder = plan_vision(src_dir) if vision is not None else None
-    plan = plan_conversion(src_dir, outtype, dspark=dspark is not None) if out is not None else None
+    elsewhere = [t.source.name for t in encoder.tensors] if encoder is not None else []
+    plan = (
+        plan_conversion(src_dir, outtype, dspark=dspark is not None, elsewhere=elsewhere) if out is not None else None
+    )
     if vision is not None and encoder is not None:
         files.append((vision, "vision encoder", encoder))
     if out is not None and plan is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -46,6 +46,8 @@ from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.dspark import dspark_tensors, support_metadata
 from dwarfstar.model.tensors import EXPERT, INDEX, NORM, TensorSpec, expected_tensors
+from dwarfstar.model.vision import VISION_EXP
+from dwarfstar.model.vision_file import LM_SIDECAR_KEY, LM_VARIANT_KEY
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, tokenizer_metadata
 
 
@@ -128,10 +130,18 @@ def check_outputs(
 
 
 def plan_conversion(
-    src_dir: str | Path, outtype: OutType | str = OutType.F16, *, name: str | None = None, dspark: bool = False
+    src_dir: str | Path,
+    outtype: OutType | str = OutType.F16,
+    *,
+    name: str | None = None,
+    dspark: bool = False,
+    elsewhere: Collection[str] = (),
 ) -> ConversionPlan:
     """Read the config and the safetensors headers, and map every GGUF tensor to its source and type;
-    with `dspark`, the drafter's support file too (a checkpoint without one is an error).
+    with `dspark`, the drafter's support file too (a checkpoint without one is an error). `elsewhere`:
+    the checkpoint tensors another file of the same conversion writes (`--vision`'s encoder), which
+    are not skipped. A Vision-Exp checkpoint's language file says so as ds4's does (its variant, and
+    that it needs its encoder file).
 
     Everything that can be checked without reading tensor data is checked here, so a missing or
     mis-shaped tensor fails before any output is written. `name` defaults to the directory name.
@@ -156,14 +166,24 @@ def plan_conversion(
     check_all_present(checkpoint, sources)
     tensors = [_plan_tensor(checkpoint, spec, sources[spec.name], kind) for spec in specs]
     support_tensors = [_plan_tensor(checkpoint, spec, sources[spec.name], kind) for spec in support_specs]
-    notes += _fallback_notes(tensors + support_tensors, kind) + _skipped_notes(checkpoint, tensors + support_tensors)
+    written = {source.name for tensor in tensors + support_tensors for source in tensor.sources} | set(elsewhere)
+    notes += _fallback_notes(tensors + support_tensors, kind) + _skipped_notes(checkpoint, written)
     if d is None and has_dspark_drafter(config):
         notes.append(
             "the checkpoint has a DSpark drafter (config.json's dspark_* keys, the mtp.* tensors): "
             "--dspark FILE writes it as ds4's support file"
         )
+    vision_exp = any(key.startswith("vision_") and key != "vision_config" for key in config)
+    if vision_exp and not elsewhere:
+        notes.append(
+            "the checkpoint has a vision encoder (config.json's vision_* keys): --vision FILE writes it as ds4's "
+            "encoder file, which `--vision FILE` loads beside this model"
+        )
     name = name or src.resolve().name
     metadata = args.to_gguf_metadata()
+    if vision_exp:
+        metadata[LM_VARIANT_KEY] = (ValueType.STRING, VISION_EXP)
+        metadata[LM_SIDECAR_KEY] = (ValueType.BOOL, True)
     metadata["general.name"] = (ValueType.STRING, name)
     metadata.update(_file_metadata(kind))
     metadata.update(tokenizer_metadata(tokenizer, args.vocab_size))
@@ -294,9 +314,8 @@ def _fallback_notes(tensors: list[TensorPlan], outtype: OutType) -> list[str]:
     return [f"{len(fallen)} tensors have rows that are not a multiple of 32 values, written as F16 instead: {listed}"]
 
 
-def _skipped_notes(checkpoint: Checkpoint, tensors: list[TensorPlan]) -> list[str]:
-    used = {source.name for tensor in tensors for source in tensor.sources}
-    skipped = sorted(set(checkpoint.tensors) - used)
+def _skipped_notes(checkpoint: Checkpoint, written: set[str]) -> list[str]:
+    skipped = sorted(set(checkpoint.tensors) - written)
     if not skipped:
         return []
     # Group by the first two name parts, so the MTP block reads as one entry ("mtp.0.*: 812").

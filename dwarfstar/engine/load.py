@@ -25,7 +25,7 @@ from dwarfstar.experts.attach import check_fits, streaming_store
 from dwarfstar.experts.store import ExpertStore
 from dwarfstar.model.loader import ModelFile, open_model
 from dwarfstar.model.vision import VISION_EXP
-from dwarfstar.model.vision_file import VisionFile, open_vision
+from dwarfstar.model.vision_file import LM_VARIANT_KEY, VisionFile, open_vision
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 
@@ -104,9 +104,6 @@ def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = 
     if progress is not None and not entry.reports_progress:
         progress(1, 1)  # this backend reports no steps; still finish the bar
     return Engine(model, impl, name, tokenizer, time.perf_counter() - start, experts, images)
-
-
-LM_VARIANT_KEY = "deepseek4.checkpoint_variant"  # ds4 writes it in the Vision-Exp language file
 
 
 def open_encoder(path: Path, model: ModelFile) -> VisionFile:

@@ -56,6 +56,9 @@ ARG_KEYS: dict[str, tuple[str, ValueType]] = {
     "attention.layer_norm_rms_epsilon": ("norm_eps", f32),
 }
 VARIANT_KEY = f"{PREFIX}.checkpoint_variant"
+# ds4 writes these in the Vision-Exp *language* file: its variant, and that it needs its encoder file
+LM_VARIANT_KEY = "deepseek4.checkpoint_variant"
+LM_SIDECAR_KEY = "deepseek4.vision.sidecar_required"
 TOKEN_ID_KEY = f"{PREFIX}.image.token_id"  # V4.1 only
 LANGUAGE_LAYERS_KEY = f"{PREFIX}.language.block_count"
 LANGUAGE_EXPERTS_KEY = f"{PREFIX}.language.expert_count"
