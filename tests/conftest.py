@@ -92,6 +92,17 @@ def tiny_model_file(tmp_path_factory) -> Callable[[int], Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_vision_file(tmp_path_factory) -> Path:
+    """A `vision-tiny` encoder (seed 1) in ds4's layout, its rows and router biases for the `tiny` model."""
+    from dwarfstar.model.synthetic import VISION_PRESETS, write_synthetic_vision
+    from dwarfstar.model.vision import VISION_TINY
+
+    path = tmp_path_factory.mktemp("vision-tiny") / "encoder.gguf"
+    write_synthetic_vision(path, VISION_TINY, seed=1, router=VISION_PRESETS["vision-tiny"][1])
+    return path
+
+
+@pytest.fixture(scope="session")
 def close_arrays() -> Callable[..., bool]:
     """close(got, want, tol=1e-5) -> whether two arrays (torch or numpy) match: the same shape, the same
     infinities (a compressor frontier's empty slots hold gate -inf), and the finite values within tol

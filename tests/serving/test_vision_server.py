@@ -17,8 +17,6 @@ from PIL import Image
 
 from dwarfstar.engine.load import load_engine
 from dwarfstar.engine.spec import EngineSpec
-from dwarfstar.model.synthetic import TINY, VISION_PRESETS, write_synthetic_model, write_synthetic_vision
-from dwarfstar.model.vision import VISION_TINY
 from dwarfstar.prompt.images import SLOT_OPEN
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.serving.metrics import Metric
@@ -38,12 +36,8 @@ RED, BLUE = png(1), png(2)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vision-server")
-    model, encoder = root / "tiny.gguf", root / "encoder.gguf"
-    write_synthetic_model(model, TINY, seed=0)
-    write_synthetic_vision(encoder, VISION_TINY, seed=1, router=VISION_PRESETS["vision-tiny"][1])
-    return load_engine(EngineSpec(model, "reference", ctx=4096, vision=encoder))
+def engine(tiny_model_file, tiny_vision_file):
+    return load_engine(EngineSpec(tiny_model_file(0), "reference", ctx=4096, vision=tiny_vision_file))
 
 
 @pytest.fixture

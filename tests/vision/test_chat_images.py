@@ -16,8 +16,7 @@ from dwarfstar.console.chat import Chat, ThinkMode
 from dwarfstar.engine.load import load_engine
 from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.model.synthetic import TINY, VISION_PRESETS, write_synthetic_model, write_synthetic_vision
-from dwarfstar.model.vision import VISION_TINY
+from dwarfstar.model.synthetic import TINY
 from dwarfstar.sampling import GREEDY
 
 
@@ -28,12 +27,8 @@ def picture(path, seed: int, size=(300, 200)):
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat-images")
-    model, encoder = root / "tiny.gguf", root / "encoder.gguf"
-    write_synthetic_model(model, TINY, seed=0)
-    write_synthetic_vision(encoder, VISION_TINY, seed=1, router=VISION_PRESETS["vision-tiny"][1])
-    return root, model, encoder
+def files(tmp_path_factory, tiny_model_file, tiny_vision_file):
+    return tmp_path_factory.mktemp("chat-images"), tiny_model_file(0), tiny_vision_file
 
 
 @pytest.fixture(scope="module")
