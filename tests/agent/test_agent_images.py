@@ -161,7 +161,7 @@ def test_bad_image_files_are_tool_errors_the_model_reads(seeing: Engine, tmp_pat
     assert texts[1] == f"error: {tmp_path / 'notes.txt'} is not a PNG, JPEG, WebP or GIF image"
     assert texts[2].startswith("error: the image/png data is not a readable image")
     assert texts[3] == f"error: {tmp_path / 'pics'} is a directory; use list"
-    assert agent.session.images == [] and not agent.transcript.has_images
+    assert agent.session.images == [] and agent.transcript.images == []
     shown = seeing.tokenizer.decode(agent.session.tokens)
     assert all(text in shown for text in texts)
 
