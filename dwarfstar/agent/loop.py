@@ -114,10 +114,13 @@ class Agent:
             self.trace.write(title, body)
 
     # -- the session ------------------------------------------------------------------------------
-    def transcript_prompt(self) -> tuple[list[int], list[ImageSpan]]:
-        """The transcript's tokens, the head in the model release's effort table, and its image blocks."""
+    def transcript_prompt(self, transcript: Transcript | None = None) -> tuple[list[int], list[ImageSpan]]:
+        """The tokens of `transcript` (default: the agent's), the head in the model release's effort
+        table, and its image blocks."""
         efforts = self.backend.args.reasoning_efforts
-        return self.transcript.prompt(self.tokenizer, self.eos, efforts, self.toolbox.tools, self.images)
+        return (transcript or self.transcript).prompt(
+            self.tokenizer, self.eos, efforts, self.toolbox.tools, self.images
+        )
 
     def transcript_ids(self) -> list[int]:
         return self.transcript_prompt()[0]
@@ -147,13 +150,21 @@ class Agent:
         return keep, prefilled
 
     def adopt(self, state: SequenceState, transcript: Transcript) -> None:
-        """Continue from a state read from disk (no prefill); the next step reuses what matches."""
+        """Continue from a state read from disk (no prefill); the next step reuses what matches. The
+        state holds its image blocks' ids, not their rows: the session learns them from the
+        transcript's prompt, so that a cut behind a block replays it. A transcript this agent cannot
+        render (images without --vision) is refused before anything changes."""
+        ids, spans = self.transcript_prompt(transcript)
         self.session.reset()
         self.session.state = state
+        self.session.adopt(spans, ids)
         self.transcript = transcript
         self.dirty = False
 
     def new_transcript(self, transcript: Transcript) -> None:
+        """Go on with `transcript` (the next step prefills what the session lacks); one this agent
+        cannot render is refused before anything changes."""
+        self.transcript_prompt(transcript)
         self.transcript = transcript
         self.dirty = False
 

@@ -2,10 +2,16 @@
 
 The directory (default `~/.dwarfstar/kvcache`, or `$DWARFSTAR_KVCACHE`, or `--kv-dir`) holds:
 * `<sha1 of key>.kv`: a session's state, a KVC file exactly as the server's disk cache writes it
-  (kvfile.py; reason AGENT_SESSION, key = the decoded text of its tokens). Switching to it loads
-  the state, with no prefill; the server could even serve a prompt that continues it.
-* `agent-<id>.json`: the session's transcript (transcript.py), title, creation time and the name of
-  its KV file, or none once `/strip` dropped it; a stripped session rebuilds by prefill.
+  (kvfile.py; reason AGENT_SESSION, key = `kvstore.tokens_key` of its tokens: their decoded text,
+  each image id written out). Switching to it loads the state, with no prefill; the server could
+  even serve a prompt that continues it.
+* `agent-<id>.json`: the session's transcript (transcript.py), title, creation time, the name of
+  its KV file, or none once `/strip` dropped it (a stripped session rebuilds by prefill), and the
+  images its transcript names.
+* `agent-images/<sha256>`: each image a saved transcript viewed (view_image), named by the SHA-256
+  of its bytes: one file however many saves and sessions hold it, so a sidecar stays small to list,
+  and a copy that went missing or changed is told by its name, never shown to the model in its
+  place. A file goes when no sidecar names it any more.
 * `sysprompt.kv`: the system prompt's state (reason AGENT_SYSTEM), reused while its key, the system
   prompt's text, is unchanged.
 
@@ -25,10 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dwarfstar.agent.transcript import Transcript, TranscriptError
+from dwarfstar.engine.images import digest
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.kvcache import kvfile
 from dwarfstar.kvcache.kvfile import FileHeader, KVFileError, ModelIdentity
 from dwarfstar.kvcache.kvpolicy import MIB, SaveReason
+from dwarfstar.kvcache.kvstore import tokens_key
 from dwarfstar.kvcache.payload import PayloadError, check_compatible, payload_nbytes, read_payload, write_payload
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.state import SequenceState
@@ -37,6 +45,7 @@ from dwarfstar.tokenizer.tokenizer import Tokenizer
 ENV_DIR = "DWARFSTAR_KVCACHE"
 SYSPROMPT = "sysprompt.kv"
 META_PREFIX = "agent-"
+IMAGES = "agent-images"
 ID_CHARS = 16
 SHOWN_ID = 8
 
@@ -110,7 +119,10 @@ class SessionStore:
                 sid, str(meta["title"]), float(meta["created"]), float(meta["updated"]), int(meta["tokens"]), 0,
                 meta["kv"],
             )  # fmt: skip
-            Transcript.from_json(meta["transcript"])
+            Transcript.from_json(meta["transcript"], self._read_image)
+        except SessionError as exc:  # an image it names
+            listed.problem = str(exc)
+            return listed
         except (OSError, ValueError, KeyError, TypeError, TranscriptError) as exc:
             mtime = path.stat().st_mtime if path.exists() else 0.0
             return SavedSession(sid, "", mtime, mtime, 0, 0, None, f"unreadable session file ({exc})")
@@ -151,11 +163,13 @@ class SessionStore:
 
     # -- save / load ------------------------------------------------------------------------------
     def save(self, sid: str, created: float, transcript: Transcript, state: SequenceState) -> SavedSession:
-        """Write the state and the sidecar; the session's older KV file goes."""
+        """Write the state, the images and the sidecar; the session's older KV file goes, and so do the
+        images no sidecar names any more (a compaction dropped their turns)."""
         old = self._meta_or_none(sid)
-        key = self.tokenizer.decode_bytes(state.tokens)
+        key = self._key(state.tokens)
         name = hashlib.sha1(key + (self.steering or "").encode()).hexdigest() + ".kv"
         self._write_kv(self.directory / name, key, state, SaveReason.AGENT_SESSION)
+        images = [self._write_image(part.data) for part in transcript.images]
         now = time.time()
         meta = {
             "title": transcript.title,
@@ -165,10 +179,12 @@ class SessionStore:
             "kv": name,
             "steering": self.steering,
             "transcript": transcript.to_json(),
+            "images": sorted(set(images)),
         }
         self._write_json(sid, meta)
         if old and old.get("kv") not in (None, name) and not self._shared(old["kv"], sid):
             (self.directory / old["kv"]).unlink(missing_ok=True)
+        self._drop_images(set(old.get("images", [])) - set(images) if old else set())
         return self._describe(self._meta_path(sid))
 
     def load(self, prefix: str) -> tuple[SavedSession, Transcript, SequenceState | None]:
@@ -177,16 +193,18 @@ class SessionStore:
         if listed.problem:
             raise SessionError(f"session {listed.id[:SHOWN_ID]} cannot be used: {listed.problem}")
         meta = self._meta_or_none(listed.id)
-        transcript = Transcript.from_json(meta["transcript"])
+        transcript = Transcript.from_json(meta["transcript"], self._read_image)
         if listed.kv_name is None:
             return listed, transcript, None
         return listed, transcript, self._read_kv(self.directory / listed.kv_name, expected_key=None)
 
     def delete(self, prefix: str) -> SavedSession:
         listed = self.find(prefix)
+        meta = self._meta_or_none(listed.id)
         if listed.kv_name and not self._shared(listed.kv_name, listed.id):
             (self.directory / listed.kv_name).unlink(missing_ok=True)
         self._meta_path(listed.id).unlink(missing_ok=True)
+        self._drop_images(set(meta.get("images", [])) if meta else set())
         return listed
 
     def strip(self, prefix: str) -> SavedSession:
@@ -207,14 +225,13 @@ class SessionStore:
         if not path.exists():
             return None
         try:
-            state = self._read_kv(path, expected_key=self.tokenizer.decode_bytes(ids))
+            state = self._read_kv(path, expected_key=self._key(ids))
         except SessionError:
             return None
         return state if state.tokens == ids else None
 
     def save_system(self, state: SequenceState) -> None:
-        key = self.tokenizer.decode_bytes(state.tokens)
-        self._write_kv(self._system_path(), key, state, SaveReason.AGENT_SYSTEM)
+        self._write_kv(self._system_path(), self._key(state.tokens), state, SaveReason.AGENT_SYSTEM)
 
     def _system_path(self) -> Path:
         """sysprompt.kv, or a steered engine's own copy (its state differs from the unsteered one)."""
@@ -222,6 +239,48 @@ class SessionStore:
             return self.directory / SYSPROMPT
         tag = hashlib.sha1(self.steering.encode()).hexdigest()[:12]
         return self.directory / SYSPROMPT.replace(".kv", f"-steered-{tag}.kv")
+
+    def _key(self, tokens: list[int]) -> bytes:
+        """The KV file's key of a state holding `tokens`, as the server's disk cache writes it."""
+        return tokens_key(self.tokenizer.decode_bytes, self.tokenizer.vocab_size, tokens)
+
+    # -- images -----------------------------------------------------------------------------------
+    def _image_path(self, sha: str) -> Path:
+        return self.directory / IMAGES / sha
+
+    def _write_image(self, data: bytes) -> str:
+        """Keep an image's bytes (once: a copy already there with the right bytes stays); returns its name."""
+        sha = digest(data).hex()
+        path = self._image_path(sha)
+        try:
+            if path.is_file() and digest(path.read_bytes()).hex() == sha:
+                return sha
+            path.parent.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise SessionError(f"cannot save the image {path}: {exc.strerror}") from None
+        self._replace(path, data)
+        return sha
+
+    def _read_image(self, sha: str) -> bytes:
+        """A saved image's bytes, checked against its name (transcript.ImageReader)."""
+        path = self._image_path(sha)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise SessionError(f"its image {path} is missing") from None
+        except OSError as exc:
+            raise SessionError(f"cannot read its image {path}: {exc.strerror}") from None
+        if digest(data).hex() != sha:
+            raise SessionError(f"its image {path} was altered (the SHA-256 of its bytes is not its name)")
+        return data
+
+    def _drop_images(self, names: set[str]) -> None:
+        """Remove the images among `names` that no sidecar names."""
+        held = set()
+        for path in self.directory.glob(f"{META_PREFIX}*.json"):
+            held.update((self._meta_or_none(path.stem.removeprefix(META_PREFIX)) or {}).get("images", []))
+        for sha in names - held:
+            self._image_path(sha).unlink(missing_ok=True)
 
     # -- files ------------------------------------------------------------------------------------
     def _meta_path(self, sid: str) -> Path:
@@ -242,10 +301,14 @@ class SessionStore:
         return False
 
     def _write_json(self, sid: str, meta: dict) -> None:
-        path = self._meta_path(sid)
+        self._replace(self._meta_path(sid), json.dumps(meta, ensure_ascii=False, indent=1).encode())
+
+    @staticmethod
+    def _replace(path: Path, data: bytes) -> None:
+        """Write `path` whole or not at all (a temporary file renamed into place)."""
         tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
         try:
-            tmp.write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
+            tmp.write_bytes(data)
             os.replace(tmp, path)
         except OSError as exc:
             tmp.unlink(missing_ok=True)

@@ -10,20 +10,23 @@ back exactly the tokens of its KV, and the renderer keeps every piece of user or
 nothing in a file or a command's output can become a control token.
 
 After a compaction the summary joins the system text, and the entries hold only the verbatim tail.
-A transcript with images is not saved yet: its JSON form leaves them out.
+The saved form (JSON) names each viewed image by the SHA-256 of its bytes, with its media type, its
+file and the result it follows; the bytes are kept apart (store.py), read back through `read_image`.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from dwarfstar.agent.tools import TOOLS
 from dwarfstar.console.chat import ThinkMode
-from dwarfstar.engine.images import ImageEncoder, expand
+from dwarfstar.engine.images import ImageEncoder, digest, expand
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.image_spans import ImageSpan
-from dwarfstar.prompt.images import SLOT_CLOSE, SLOT_OPEN, ImageError, ImagePart, slot
+from dwarfstar.prompt.images import MEDIA_TYPES, SLOT_CLOSE, SLOT_OPEN, ImageError, ImagePart, slot
 from dwarfstar.prompt.render import render_conversation
 from dwarfstar.prompt.render_options import OFFICIAL
 from dwarfstar.tokenizer.tokenizer import Tokenizer
@@ -45,6 +48,10 @@ follow it with bash_status, end it with bash_stop.
 - When the task is done, answer briefly: what you changed and how you checked it."""
 
 SUMMARY_HEADING = "## Summary of the work so far (the earlier conversation was compacted)"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+# the bytes of a saved image, named by the SHA-256 of its bytes (hex), checked against it
+ImageReader = Callable[[str], bytes]
 
 
 class TranscriptError(DwarfStarError):
@@ -75,6 +82,31 @@ class Entry:
         ]
         return messages + ([{"role": "user", "content": self.text.translate(plain)}] if self.text else [])
 
+    def to_json(self) -> dict[str, Any]:
+        saved = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "images"}
+        saved["images"] = [
+            {"result": n, "sha256": digest(part.data).hex(), "media_type": part.media_type, "where": part.where}
+            for n, part in sorted(self.images.items())
+        ]
+        return saved
+
+    @classmethod
+    def from_json(cls, data: Any, read_image: ImageReader) -> Entry:
+        """An entry's saved form; entries saved before images were kept have no "images"."""
+        if not isinstance(data, dict):
+            raise ValueError(f"an entry {data!r}")
+        entry = cls(**{k: v for k, v in data.items() if k != "images"})
+        for saved in data.get("images", []):
+            n, sha, media_type, where = saved["result"], saved["sha256"], saved["media_type"], saved["where"]
+            if entry.kind != "tools" or not isinstance(n, int) or not 0 <= n < len(entry.results) or n in entry.images:
+                raise ValueError(f"an image placed at result {n!r} of a {entry.kind} turn")
+            if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+                raise ValueError(f"an image named {sha!r}, not by a SHA-256")
+            if media_type not in MEDIA_TYPES or not isinstance(where, str):
+                raise ValueError(f"an image of media type {media_type!r} from {where!r}")
+            entry.images[n] = ImagePart(read_image(sha), media_type, where)
+        return entry
+
 
 @dataclass
 class Transcript:
@@ -98,8 +130,9 @@ class Transcript:
 
     # -- tokens -----------------------------------------------------------------------------------
     @property
-    def has_images(self) -> bool:
-        return any(e.images for e in self.entries)
+    def images(self) -> list[ImagePart]:
+        """The viewed images, in the conversation's order."""
+        return [e.images[n] for e in self.entries for n in sorted(e.images)]
 
     def head_ids(
         self, tokenizer: Tokenizer, efforts: str, with_summary: bool = True, tools: list[dict[str, Any]] = TOOLS
@@ -159,13 +192,14 @@ class Transcript:
             "mode": self.mode.value,
             "summary": self.summary,
             "first_prompt": self.first_prompt,
-            "entries": [{f.name: getattr(e, f.name) for f in fields(e) if f.name != "images"} for e in self.entries],
+            "entries": [e.to_json() for e in self.entries],
         }
 
     @classmethod
-    def from_json(cls, data: Any) -> Transcript:
+    def from_json(cls, data: Any, read_image: ImageReader) -> Transcript:
+        """The saved form back; `read_image` gives the bytes of the images it names (its errors pass)."""
         try:
-            entries = [Entry(**e) for e in data["entries"]]
+            entries = [Entry.from_json(e, read_image) for e in data["entries"]]
             if any(e.kind not in ("user", "tools", "assistant") for e in entries):
                 raise ValueError("unknown entry kind")
             first = data.get("first_prompt")  # absent in sessions saved before it existed

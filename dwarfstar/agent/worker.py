@@ -151,8 +151,6 @@ class Worker:
         agent = self.agent
         if self.identity.id is None or not agent.session.tokens:
             raise DwarfStarError("nothing to save yet")
-        if agent.transcript.has_images:
-            raise DwarfStarError("a session with images (view_image) cannot be saved yet")
         saved = self.store.save(self.identity.id, self.identity.created, agent.transcript, agent.session.state)
         agent.dirty = False
         agent.note(f"save {saved.id}: {saved.tokens} tokens to {saved.kv_name}")

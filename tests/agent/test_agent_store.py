@@ -3,6 +3,7 @@ the system prompt's cache, and files that cannot be used (damaged, unreadable, a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,39 @@ def test_save_list_and_load_back_the_exact_state(saved) -> None:
     assert found.id == sid and transcript.to_json() == agent.transcript.to_json()
     assert state.tokens == agent.session.tokens
     assert state.logits.equal(agent.session.logits)
+
+
+def test_a_sidecar_saved_before_images_were_kept_loads_as_before(saved) -> None:
+    """Older sidecars have no "images", in the sidecar or its entries; they load unchanged."""
+    store, agent, sid = saved
+    path = store.directory / f"agent-{sid}.json"
+    meta = json.loads(path.read_text())
+    assert meta.pop("images") == [] and all(e.pop("images") == [] for e in meta["transcript"]["entries"])
+    path.write_text(json.dumps(meta))
+    [listed] = store.sessions()
+    assert listed.problem is None
+    _, transcript, state = store.load(sid)
+    assert transcript.to_json() == agent.transcript.to_json() and state.tokens == agent.session.tokens
+    store.delete(sid)
+    assert list(store.directory.iterdir()) == []
+
+
+def test_an_image_a_sidecar_names_badly_makes_it_unreadable(saved) -> None:
+    """An image named by anything but a SHA-256 (a path, say) is never looked for."""
+    store, _, sid = saved
+    path = store.directory / f"agent-{sid}.json"
+    meta = json.loads(path.read_text())
+    tools = {"kind": "tools", "results": ["cat.png: image/png, 3 bytes"], "thinking": True}
+    ref = {"result": 0, "sha256": "../../etc/passwd", "media_type": "image/png", "where": "cat.png"}
+    meta["transcript"]["entries"].append({**tools, "images": [ref]})
+    path.write_text(json.dumps(meta))
+    [listed] = store.sessions()
+    assert (
+        listed.problem
+        == "unreadable session file (bad transcript: an image named '../../etc/passwd', not by a SHA-256)"
+    )
+    with pytest.raises(SessionError, match="not by a SHA-256"):
+        store.load(sid)
 
 
 def test_saving_again_replaces_the_old_kv_file(saved) -> None:
