@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dwarfstar.agent.transcript import Transcript, TranscriptError
-from dwarfstar.engine.images import digest
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.kvcache import kvfile
 from dwarfstar.kvcache.kvfile import FileHeader, KVFileError, ModelIdentity
@@ -40,6 +39,7 @@ from dwarfstar.kvcache.kvstore import tokens_key
 from dwarfstar.kvcache.payload import PayloadError, check_compatible, payload_nbytes, read_payload, write_payload
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.state import SequenceState
+from dwarfstar.prompt.images import ImageError, keep_image, kept_image
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 ENV_DIR = "DWARFSTAR_KVCACHE"
@@ -249,30 +249,18 @@ class SessionStore:
         return self.directory / IMAGES / sha
 
     def _write_image(self, data: bytes) -> str:
-        """Keep an image's bytes (once: a copy already there with the right bytes stays); returns its name."""
-        sha = digest(data).hex()
-        path = self._image_path(sha)
+        """Keep an image's bytes (once); returns its name."""
         try:
-            if path.is_file() and digest(path.read_bytes()).hex() == sha:
-                return sha
-            path.parent.mkdir(exist_ok=True)
-        except OSError as exc:
-            raise SessionError(f"cannot save the image {path}: {exc.strerror}") from None
-        self._replace(path, data)
-        return sha
+            return keep_image(self.directory / IMAGES, data)
+        except ImageError as exc:
+            raise SessionError(str(exc)) from None
 
     def _read_image(self, sha: str) -> bytes:
         """A saved image's bytes, checked against its name (transcript.ImageReader)."""
-        path = self._image_path(sha)
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise SessionError(f"its image {path} is missing") from None
-        except OSError as exc:
-            raise SessionError(f"cannot read its image {path}: {exc.strerror}") from None
-        if digest(data).hex() != sha:
-            raise SessionError(f"its image {path} was altered (the SHA-256 of its bytes is not its name)")
-        return data
+            return kept_image(self.directory / IMAGES, sha)
+        except ImageError as exc:
+            raise SessionError(f"its {exc}") from None
 
     def _drop_images(self, names: set[str]) -> None:
         """Remove the images among `names` that no sidecar names."""

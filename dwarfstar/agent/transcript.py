@@ -23,10 +23,10 @@ from typing import Any
 
 from dwarfstar.agent.tools import TOOLS
 from dwarfstar.console.chat import ThinkMode
-from dwarfstar.engine.images import ImageEncoder, digest, expand
+from dwarfstar.engine.images import ImageEncoder, expand
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.image_spans import ImageSpan
-from dwarfstar.prompt.images import MEDIA_TYPES, SLOT_CLOSE, SLOT_OPEN, ImageError, ImagePart, slot
+from dwarfstar.prompt.images import MEDIA_TYPES, SLOT_CLOSE, SLOT_OPEN, ImageError, ImagePart, digest, slot
 from dwarfstar.prompt.render import render_conversation
 from dwarfstar.prompt.render_options import OFFICIAL
 from dwarfstar.tokenizer.tokenizer import Tokenizer

@@ -35,7 +35,15 @@ from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.kvcache.payload import read_payload, write_payload
 from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.prompt.efforts import THINK_MAX_MIN_CTX
-from dwarfstar.prompt.images import ImageError, ImagePart, check_free_of_slots, read_image_file, slot
+from dwarfstar.prompt.images import (
+    ImageError,
+    ImagePart,
+    check_free_of_slots,
+    keep_image,
+    kept_image,
+    read_image_file,
+    slot,
+)
 from dwarfstar.prompt.render import render_conversation
 from dwarfstar.prompt.render_options import OFFICIAL
 from dwarfstar.sampling import Sampler, SamplingParams
@@ -254,15 +262,23 @@ class Chat:
 
     # -- saved chats ------------------------------------------------------------------------------------
     def save(self, stem: Path) -> int:
-        """Write the KV state (`stem.dsv4`, ds4's payload) and the transcript (`stem.json`); returns bytes."""
+        """Write the KV state (`stem.dsv4`, ds4's payload), the transcript (`stem.json`) and the turns'
+        images (`stem.images/<sha256>`, `prompt.images.keep_image`); returns the state's bytes."""
         if not self.session.tokens:
             raise DwarfStarError("nothing to save yet")
-        if any(turn.images for turn in self.turns):
-            raise DwarfStarError("a chat with images cannot be saved yet")
         stem.parent.mkdir(parents=True, exist_ok=True)
+        turns = []
+        for turn in self.turns:
+            try:
+                images = [
+                    {"sha256": keep_image(_images_of(stem), p.data), "media_type": p.media_type} for p in turn.images
+                ]
+            except ImageError as exc:
+                raise DwarfStarError(str(exc)) from None
+            turns.append(asdict(replace(turn, images=())) | {"images": images})
         with stem.with_suffix(".dsv4").open("wb") as out:
             size = write_payload(out, self.session.state, self.backend.args, self.session.ctx, self.session.chunk)
-        meta = {"system": self.system, "mode": self.mode.value, "turns": [asdict(t) for t in self.turns]}
+        meta = {"system": self.system, "mode": self.mode.value, "turns": turns}
         stem.with_suffix(".json").write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
         return size
 
@@ -274,8 +290,29 @@ class Chat:
         except (OSError, ValueError) as exc:
             raise DwarfStarError(f"cannot load {stem.name}: {exc}") from None
         state = read_payload(data, self.backend.args, self.session.ctx, self.session.chunk, self.backend.new_state)
+        turns = [Turn(**(t | {"images": self._saved_images(stem, t.get("images", []))})) for t in meta["turns"]]
+        if any(turn.images for turn in turns) and self.engine.images is None:
+            raise DwarfStarError(f"{stem.name} holds images: start with --vision FILE to load it")
         self.session.reset()
         self.session.state = state
-        self.system, self.mode = meta["system"], ThinkMode(meta["mode"])
-        self.turns = [Turn(**t) for t in meta["turns"]]
+        self.system, self.mode, self.turns = meta["system"], ThinkMode(meta["mode"]), turns
+        if any(turn.images for turn in turns):  # the state holds the blocks' ids: give it their rows
+            ids, spans = self.prompt()
+            self.session.adopt(spans, ids)
         return len(state.tokens)
+
+    @staticmethod
+    def _saved_images(stem: Path, saved: list[dict]) -> tuple[ImagePart, ...]:
+        """A saved turn's images, read back and checked against their digests."""
+        folder = _images_of(stem)
+        try:
+            return tuple(
+                ImagePart(kept_image(folder, i["sha256"]), i["media_type"], str(folder / i["sha256"])) for i in saved
+            )
+        except ImageError as exc:
+            raise DwarfStarError(f"cannot load {stem.name}: {exc}") from None
+
+
+def _images_of(stem: Path) -> Path:
+    """The folder a saved chat keeps its images in."""
+    return stem.with_suffix(".images")

@@ -15,7 +15,6 @@ turn encodes it once. The digest is also what the block's token ids are made fro
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from dwarfstar.model.image_spans import ImageSpan, content_ids
 from dwarfstar.model.vision import VISION_EXP, VisionArgs, VisionEncoder, special_vectors
 from dwarfstar.model.vision_file import VisionFile
 from dwarfstar.prompt.image_layout import ImageLayout, layout
-from dwarfstar.prompt.images import ImageError, ImagePart, PreparedImage, prepare_image, split_slots
+from dwarfstar.prompt.images import ImageError, ImagePart, PreparedImage, digest, prepare_image, split_slots
 from dwarfstar.tokenizer.specials import PromptPart
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
@@ -53,11 +52,6 @@ class PlacedImage:
     @property
     def length(self) -> int:
         return len(self.layout)
-
-
-def digest(data: bytes) -> bytes:
-    """The identity of an image: the SHA-256 of its encoded bytes."""
-    return hashlib.sha256(data).digest()
 
 
 class ImageEncoder:

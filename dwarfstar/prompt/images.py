@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import math
 import os
@@ -142,6 +143,43 @@ def read_image_file(path: os.PathLike | str) -> ImagePart:
     part = ImagePart(data, kind, where=str(path))
     decode(part)  # a corrupt file is refused now, not when its turn is sent
     return part
+
+
+def digest(data: bytes) -> bytes:
+    """The identity of an image: the SHA-256 of its encoded bytes."""
+    return hashlib.sha256(data).digest()
+
+
+def keep_image(folder: Path, data: bytes) -> str:
+    """Keep an image's bytes in `folder` (a saved chat's) as a file named by the hex SHA-256 of its
+    bytes, written whole or not at all; a copy already there with the right bytes stays. Returns the name."""
+    sha = digest(data).hex()
+    path = folder / sha
+    try:
+        if path.is_file() and digest(path.read_bytes()).hex() == sha:
+            return sha
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{sha}.tmp.{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ImageError(f"cannot save the image {path}: {exc.strerror or exc}") from None
+    return sha
+
+
+def kept_image(folder: Path, sha: str) -> bytes:
+    """The bytes `keep_image` kept in `folder` as `sha`, checked against the name (a missing, unreadable
+    or altered file is an ImageError naming it)."""
+    path = folder / sha
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ImageError(f"image {path} is missing") from None
+    except OSError as exc:
+        raise ImageError(f"image {path} cannot be read: {exc.strerror or exc}") from None
+    if digest(data).hex() != sha:
+        raise ImageError(f"image {path} was altered (the SHA-256 of its bytes is not its name)")
+    return data
 
 
 def slot(index: int) -> str:

@@ -24,7 +24,6 @@ from dwarfstar.agent.tools import Toolbox
 from dwarfstar.agent.transcript import Transcript, system_text
 from dwarfstar.agent.worker import Worker
 from dwarfstar.console.chat import ThinkMode
-from dwarfstar.engine.images import digest
 from dwarfstar.engine.load import Engine, load_engine
 from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.errors import DwarfStarError
@@ -34,6 +33,7 @@ from dwarfstar.kvcache.kvstore import tokens_key
 from dwarfstar.model.image_spans import content_ids
 from dwarfstar.model.synthetic import VISION_PRESETS, write_synthetic_vision
 from dwarfstar.model.vision import VISION_TINY
+from dwarfstar.prompt.images import digest
 from dwarfstar.sampling import SamplingParams
 
 CTX = 4096

@@ -65,6 +65,41 @@ def test_the_next_turn_reuses_the_kv_through_the_image(engine, files):
     assert engine.images.encoded >= 1
 
 
+def test_a_saved_chat_with_an_image_goes_on_as_the_unsaved_one(engine, files, tmp_path):
+    """save keeps the image by its digest beside the state; load reads it back, teaches the restored
+    state the block's rows, and the next turn reuses as much and replies as the chat never saved."""
+    talk = chat(engine)
+    talk.attach(picture(files[0] / "a.png", 1))
+    talk.ask("What is this?")
+    talk.save(tmp_path / "saved")
+    unsaved = talk.ask("And the colours?")
+    loaded = chat(engine)
+    loaded.load(tmp_path / "saved")
+    resumed = loaded.ask("And the colours?")
+    assert (resumed.kept, resumed.ids) == (unsaved.kept, unsaved.ids) and resumed.kept > loaded.session.images[0].stop
+    _, (span,) = loaded.prompt()
+    loaded.session.truncate(span.stop + 2)  # a cut behind the block replays it from the learnt rows
+    talk.session.truncate(span.stop + 2)
+    assert torch.equal(loaded.session.logits, talk.session.logits)
+
+
+def test_a_saved_chat_whose_image_changed_or_without_vision_is_refused(engine, files, tmp_path):
+    talk = chat(engine)
+    talk.attach(picture(files[0] / "a.png", 1))
+    talk.ask("What is this?")
+    talk.save(tmp_path / "saved")
+    blind = load_engine(EngineSpec(files[1], "reference", ctx=2048))
+    with pytest.raises(DwarfStarError, match="holds images: start with --vision"):
+        chat(blind).load(tmp_path / "saved")
+    [image] = (tmp_path / "saved.images").iterdir()
+    image.write_bytes(image.read_bytes() + b"x")
+    with pytest.raises(DwarfStarError, match="was altered"):
+        chat(engine).load(tmp_path / "saved")
+    image.unlink()
+    with pytest.raises(DwarfStarError, match="is missing"):
+        chat(engine).load(tmp_path / "saved")
+
+
 def test_another_image_of_the_same_size_is_not_reused(engine, files):
     root = files[0]
     talk = chat(engine)
@@ -98,10 +133,6 @@ def test_bad_images_and_text_are_clear_errors(engine, files, tmp_path):
         talk.attach(tmp_path / "cut.png")
     with pytest.raises(DwarfStarError, match="U\\+E000"):
         talk.prompt(pending="a \ue000 b")
-    talk.attach(picture(files[0] / "a.png", 1))
-    talk.ask("Hi")
-    with pytest.raises(DwarfStarError, match="cannot be saved"):
-        talk.save(tmp_path / "saved")
     plain = load_engine(EngineSpec(files[1], "reference", ctx=512))
     with pytest.raises(DwarfStarError, match="--vision"):
         chat(plain).attach(files[0] / "a.png")

@@ -9,11 +9,11 @@ from dataclasses import replace
 import torch
 
 from dwarfstar.backends.registry import backend_entry
-from dwarfstar.engine.images import ImageEncoder, digest, place_image
+from dwarfstar.engine.images import ImageEncoder, place_image
 from dwarfstar.model.synthetic import VISION_PRESETS, write_synthetic_vision
 from dwarfstar.model.vision import V41, VISION_TINY, PatchGrid, VisionEncoder
 from dwarfstar.model.vision_file import RouterShape, open_vision
-from dwarfstar.prompt.images import PreparedImage
+from dwarfstar.prompt.images import PreparedImage, digest
 
 ROUTER = VISION_PRESETS["vision-tiny"][1]
 V41_TINY = replace(VISION_TINY, family=V41, image_token_id=129264, max_tokens=1024, min_pixels=295936, max_wh_ratio=0)
