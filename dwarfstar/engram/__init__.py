@@ -1,1 +1,2 @@
-"""V4.1's Engram tables: their rows' format (`rows.py`) and the store that reads them from the disk (`store.py`)."""
+"""V4.1's Engram tables: which rows a token looks up (`hashing.py`), a row's format (`rows.py`) and the store
+that reads rows from the disk (`store.py`)."""
