@@ -39,6 +39,7 @@ ROOMS = (
     "gguf",
     "sampling",
     "tokenizer",
+    "engram",  # V4.1's Engram tables: row ids from token ids, rows from the file
     "model",
     "prompt",
     "kvcache",  # the disk KV cache, apart from the live session

@@ -69,7 +69,7 @@ def round_trip(prompt: AgentPrompt) -> list[dict[str, Any]]:
 
 def server_view(shape: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The messages and tools the server's route for `shape` reads from the body, sent as JSON."""
-    fields, images = Fields(json.loads(json.dumps(body))), Images()
+    fields, images = Fields(json.loads(json.dumps(body))), Images(vision=False)
     if shape == "chat":
         return openai_messages(fields.array("messages"), images), openai_tools(fields)
     if shape == "messages":
