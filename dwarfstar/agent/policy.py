@@ -14,7 +14,7 @@ from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.sampling import Sampler, SamplingParams
-from dwarfstar.session.session import Cancelled, Session
+from dwarfstar.session.session import Session
 from dwarfstar.speculative.decode import DSparkSpeculation, MTPSpeculation, SpecStats, Speculator
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
@@ -91,18 +91,9 @@ class SpeculativePolicy(SampledPolicy):
         should_stop: Callable[[], bool],
         images: Sequence[ImageSpan] = (),
     ) -> None:
-        if images:
-            raise DwarfStarError("images are not supported with MTP speculation yet")
         spec = self._following(session)
-        tokens = list(tokens)
-        done = 0
         try:
-            while done < len(tokens):  # pass by pass, as Session.prefill polls should_stop
-                if should_stop():
-                    raise Cancelled(f"stopped after {done} of {len(tokens)} prompt tokens")
-                end = min(len(tokens), done + session.room())
-                spec.prefill(tokens[done:end])
-                done = end
+            spec.prefill(tokens, images=images, should_stop=should_stop)
         finally:
             self.followed = list(session.tokens)
 

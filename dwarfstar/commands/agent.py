@@ -4,7 +4,7 @@ It works in the directory it was started in. Sessions are KV files under `~/.dwa
 (or `--kv-dir`, or `$DWARFSTAR_KVCACHE`). The model, sampling, thinking, expert-streaming, steering,
 MTP speculation, distributed-route and `--vision` flags are `run`'s; with `--mtp`/`--mtp-draft` every
 reply is speculative (agent/policy.py). With a vision encoder (`--vision FILE`) the model gets the
-`view_image` tool (not yet under `--mtp`, whose drafts do not take images).
+`view_image` tool.
 """
 
 from __future__ import annotations
@@ -94,9 +94,6 @@ def run_agent(engine, spec, flags: ChatFlags, ctx: int, system, kv_dir, plain, p
     images = engine.images
     if spec.drafter is not None:
         policy = SpeculativePolicy(params, eos, load_speculation(spec.drafter, engine.backend, engine.model))
-        if images is not None:
-            note("warning: view_image is off under --mtp (the drafts do not take images yet)", "yellow")
-            images = None
     live = Agent(
         tokenizer=engine.tokenizer,
         backend=paced,

@@ -107,8 +107,8 @@ def run(
     spec = flags.spec(ctx, vision=vision)
     if image and vision is None:
         raise DwarfStarError("--image needs a vision encoder: --vision FILE")
-    if image and (prompt_tokens is not None or dump_tokens or dump_logits or dump_logprobs or spec.drafter):
-        raise DwarfStarError("--image goes with a text prompt or the chat, not --prompt-tokens, dumps or speculation")
+    if image and (prompt_tokens is not None or dump_tokens or dump_logits or dump_logprobs):
+        raise DwarfStarError("--image goes with a text prompt or the chat, not --prompt-tokens or dumps")
     text = read_prompt(prompt, prompt_file)
     if text is not None and prompt_tokens is not None:
         raise DwarfStarError("give a text prompt or --prompt-tokens, not both")
@@ -189,7 +189,9 @@ def answer(
     if dump_logits:
         write_logits(engine, ids, chat.session.ctx, dump_logits)
     elif spec.drafter is not None:
-        speculative_reply(engine, spec.drafter, ids, chat.sampler.params, chat.max_tokens, chat.session.ctx, thinking)
+        speculative_reply(
+            engine, spec.drafter, ids, chat.sampler.params, chat.max_tokens, chat.session.ctx, thinking, images or ()
+        )
     elif dump_logprobs:
         k = min(top_k, MAX_LOGPROBS_TOP_K)
         chat.session.prefill(ids)

@@ -13,7 +13,10 @@ from dwarfstar.commands.apps import bench_app
 from dwarfstar.commands.flags import ModelFlags, MTPFile, comma_list
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from dwarfstar.engine.load import Engine
+    from dwarfstar.model.image_spans import ImageSpan
     from dwarfstar.sampling import SamplingParams
     from dwarfstar.speculative.mtp_options import DSparkOptions, MTPOptions
 
@@ -28,8 +31,10 @@ def speculative_reply(
     max_tokens: int,
     ctx: int,
     thinking: bool,
+    images: Sequence[ImageSpan] = (),
 ) -> None:
-    """Prefill `ids`, stream the reply to stdout as `run` does, then a line of speculation figures."""
+    """Prefill `ids` (with their image blocks), stream the reply to stdout as `run` does, then a line of
+    speculation figures."""
     from dwarfstar.console.terminal import StreamPrinter, note
     from dwarfstar.session.session import Session
     from dwarfstar.speculative.decode import load_speculation
@@ -37,7 +42,7 @@ def speculative_reply(
 
     spec = load_speculation(options, engine.backend, engine.model).start(Session(engine.backend, ctx=ctx))
     start = time.perf_counter()
-    spec.prefill(ids)
+    spec.prefill(ids, images=images)
     prefill_s = time.perf_counter() - start
     text, printer = IncrementalDetokenizer(engine.tokenizer), StreamPrinter(thinking)
     eos = engine.model.args.eos_token_id

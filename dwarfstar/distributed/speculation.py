@@ -29,6 +29,7 @@ from dwarfstar.distributed.protocol import FLAG_DRAFT, FLAG_VERIFY, DraftRequest
 from dwarfstar.distributed.route import ReplayNeeded, Route
 from dwarfstar.distributed.route_state import RouteSnapshot, RouteState
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.sampling import Sampler
 from dwarfstar.speculative.rollback import CompressorTap, can_truncate, truncate
 from dwarfstar.speculative.track import paired_tokens
@@ -152,10 +153,18 @@ class RouteRunner:
         return RemoteTrack(self.route, state, shift)
 
     def run(
-        self, tokens: list[int], state: RouteState, all_logits: bool, track: RemoteTrack
+        self,
+        tokens: list[int],
+        state: RouteState,
+        all_logits: bool,
+        track: RemoteTrack,
+        images: Sequence[ImageSpan] = (),
     ) -> tuple[torch.Tensor, HeldRows]:
         """The tokens through the route in its prefill chunks (not pipelined: the last stage holds
-        each pass's rows in order), the last stage keeping their streams."""
+        each pass's rows in order), the last stage keeping their streams. A route takes no image
+        blocks."""
+        if images:
+            raise DwarfStarError("a layer route does not take image blocks yet: run images on one machine")
         route, step = self.route, self.route.options.prefill_chunk
         with route.lock, torch.inference_mode():
             self._prepare([state], [track])

@@ -507,13 +507,14 @@ class Transformer(Generic[A, S]):
         state: SequenceState,
         inputs: Callable[[A], A] | None = None,
         all_logits: bool = True,
+        images: Sequence[ImageSpan] | None = None,
     ) -> tuple[torch.Tensor, A]:
         """Logits after the T tokens ([T, vocab], else [1, vocab]) and the final streams [T, n, dim]
         before the head: what a draft model continues from (speculative decoding, `dwarfstar.speculative`).
 
         `inputs(embedded)` replaces the first layer's input (the embedding copied into the streams):
-        the MTP block mixes the trunk's streams into it."""
-        batch = self.batch([tokens], [state])
+        the MTP block mixes the trunk's streams into it. `images`: the call's image spans, as `forward`."""
+        batch = self.batch([tokens], [state], None if images is None else [images])
         h = self.embed(batch)
         h, y, _ = self.run_to_head(h if inputs is None else inputs(h), batch, all_logits)
         logits = self.ops.logits(y, batch)

@@ -27,6 +27,7 @@ from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.sampling import Sampler, SamplingParams, redraw_refused
 
 DEFAULT_CHUNK = 4096
+Pass = Callable[[list[int], list[ImageSpan]], object]  # a prefill pass on the session's state: tokens, their blocks
 MAX_CHECKPOINTS = 16  # checkpoints share row buffers; each holds only raw windows, frontiers and logits
 
 
@@ -102,6 +103,7 @@ class Session:
         on_chunk: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         images: Sequence[ImageSpan] = (),
+        run: Pass | None = None,
     ) -> torch.Tensor:
         """Append tokens in chunks; returns the next-token logits.
 
@@ -109,16 +111,20 @@ class Session:
         `Cancelled`, leaving the session valid at the last completed chunk. `images`: the image blocks
         among the tokens (`ImageSpan`, offsets into `tokens`, each wholly inside them, their positions
         holding image ids: `content_ids`), checked before any pass runs; each runs whole in one pass.
+        `run(piece, spans)`: runs a pass on the state instead of the backend's forward (a speculator's,
+        whose draft follows the target's passes).
         """
         tokens = list(tokens)
         self._check_room(len(tokens))
         spans = self._check_images(tokens, images)
         self.stats.requested += len(tokens)
-        return self._run(tokens, spans, on_chunk, should_stop)
+        return self._run(tokens, spans, on_chunk, should_stop, run)
 
-    def _run(self, tokens: list[int], spans: Sequence[ImageSpan] = (), on_chunk=None, should_stop=None) -> torch.Tensor:
-        """Run `tokens` from the state's position in passes; `spans`: their image blocks, offsets into
-        `tokens`, in order."""
+    def _run(
+        self, tokens: list[int], spans: Sequence[ImageSpan] = (), on_chunk=None, should_stop=None, run=None
+    ) -> torch.Tensor:
+        """Run `tokens` from the state's position in passes (`run`, else the backend's forward); `spans`:
+        their image blocks, offsets into `tokens`, in order."""
         done = 0
         while done < len(tokens):
             if should_stop is not None and should_stop():
@@ -128,7 +134,10 @@ class Session:
             ahead = [replace(s, offset=s.offset - done) for s in spans if s.offset >= done]
             end = min(len(tokens), done + self.room(ahead))
             mine = [s for s in ahead if s.stop <= end - done]
-            self.backend.forward(tokens[done:end], self.state, all_logits=False, images=mine or None)
+            if run is None:
+                self.backend.forward(tokens[done:end], self.state, all_logits=False, images=mine or None)
+            else:
+                run(tokens[done:end], mine)
             base = self.state.pos - (end - done)
             self._images.update((base + s.offset, replace(s, offset=base + s.offset)) for s in mine)
             self._computed(end - done)

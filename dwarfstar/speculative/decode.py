@@ -35,6 +35,7 @@ import torch
 
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.forward import Transformer
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState, StateSnapshot
 from dwarfstar.prompt.dsml_guard import ToolGuard
@@ -99,10 +100,17 @@ class LocalRunner:
             return DSparkTrack(draft, state.pos, draft.confidence)
         return DraftTrack(draft, shift, state.pos)
 
-    def run(self, tokens: list[int], state: SequenceState, all_logits: bool, track: DraftTrack) -> tuple[Any, Any]:
-        """Logits of a pass and what it leaves for the draft (`track.rows`)."""
+    def run(
+        self,
+        tokens: list[int],
+        state: SequenceState,
+        all_logits: bool,
+        track: DraftTrack,
+        images: Sequence[ImageSpan] = (),
+    ) -> tuple[Any, Any]:
+        """Logits of a pass (with its image blocks) and what it leaves for the draft (`track.rows`)."""
         with capturing(self.target, track.layers) as captured:
-            logits, streams = self.target.forward_streams(tokens, state, all_logits=all_logits)
+            logits, streams = self.target.forward_streams(tokens, state, all_logits=all_logits, images=images or None)
         return logits, track.rows(streams, captured, slice(0, len(tokens)))
 
     def snapshot(self, state: SequenceState) -> StateSnapshot:
@@ -191,9 +199,15 @@ class Speculator:
     # -- the target ----------------------------------------------------------------------------------------
     def _run(self, tokens: list[int], known: list[int], all_logits: bool) -> torch.Tensor:
         """Run tokens through the target, keep their streams for the draft, feed the draft what it can."""
-        logits, streams = self.runner.run(tokens, self.state, all_logits, self.track)
-        self.track.hold(streams)
+        logits = self._pass(tokens, known, all_logits)
         self.session.stats.computed += len(tokens)
+        return logits
+
+    def _pass(
+        self, tokens: list[int], known: list[int], all_logits: bool, images: Sequence[ImageSpan] = ()
+    ) -> torch.Tensor:
+        logits, streams = self.runner.run(tokens, self.state, all_logits, self.track, images)
+        self.track.hold(streams)
         self._feed(known)
         return logits
 
@@ -201,18 +215,21 @@ class Speculator:
         """Draft rows for every held hidden row whose paired token is known (`known`: the sequence)."""
         self.track.feed(known, self.state.pos)
 
-    def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Append a prompt in the session's chunks; the draft follows. Returns the next-token logits."""
-        tokens = list(tokens)
-        self.session._check_room(len(tokens))
-        self.session.stats.requested += len(tokens)
-        known = self.state.tokens + tokens
-        done, chunk = 0, self.session.chunk
-        while done < len(tokens):
-            end = min(len(tokens), done + chunk - self.state.pos % chunk)
-            self._run(tokens[done:end], known, all_logits=False)
-            done = end
-        return self.state.logits
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        images: Sequence[ImageSpan] = (),
+        should_stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
+        """Append a prompt, with its image blocks, in the session's passes (`Session.prefill`: its
+        chunks and marks, a block never split, `should_stop` between passes), each run through the
+        target here so the draft follows. Returns the next-token logits."""
+        known = self.state.tokens + list(tokens)
+
+        def run(piece: list[int], spans: list[ImageSpan]) -> None:
+            self._pass(piece, known, all_logits=False, images=spans)
+
+        return self.session.prefill(tokens, should_stop=should_stop, images=images, run=run)
 
     # -- generation ------------------------------------------------------------------------------------------
     def generate(

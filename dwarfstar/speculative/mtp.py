@@ -187,7 +187,11 @@ class MTPDraft:
         return self.model.new_state()
 
     def rows(self, hidden: Any, tokens: list[int], state: SequenceState) -> tuple[torch.Tensor, Any]:
-        """Feed rows at positions state.pos..: the last row's logits [vocab] and output streams [1, n, D]."""
+        """Feed rows at positions state.pos..: the last row's logits [vocab] and output streams [1, n, D].
+        An image position's token (an id past the vocabulary) is fed as token 0: the draft has no
+        image rows, and a draft is only ever checked after text."""
+        vocab = self.model.args.vocab_size
+        tokens = [t if t < vocab else 0 for t in tokens]
         logits, streams = self.model.forward_streams(
             tokens, state, inputs=lambda embedded: self.mix(embedded, hidden), all_logits=False
         )

@@ -61,3 +61,20 @@ def engines(mtp_files) -> Callable[[str, str], object]:
         return cache[backend, file]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def seeing(tmp_path_factory):
+    """The bundled model with a random vision encoder of its width (its image router biases random too)."""
+    from dataclasses import replace
+
+    from dwarfstar.engine.load import load_engine
+    from dwarfstar.engine.spec import EngineSpec
+    from dwarfstar.model.bundled import default_model_path
+    from dwarfstar.model.synthetic import write_synthetic_vision
+    from dwarfstar.model.vision import VISION_TINY
+    from dwarfstar.model.vision_file import RouterShape
+
+    encoder = tmp_path_factory.mktemp("nano-vision") / "encoder.gguf"
+    write_synthetic_vision(encoder, replace(VISION_TINY, out_dim=96), seed=3, router=RouterShape(6, 8, 2))
+    return load_engine(EngineSpec(default_model_path(), "reference", ctx=512, vision=encoder))

@@ -75,20 +75,6 @@ def test_greedy_replies_equal_the_server_without_mtp(engine, plain, concurrent):
     assert metric(metrics, "dwarfstar_speculative_steps_total") < sum(MAX_TOKENS) - len(PROMPTS)
 
 
-@pytest.fixture(scope="module")
-def seeing(tmp_path_factory):
-    """The bundled model with a random vision encoder of its width (its image router biases random too)."""
-    from dataclasses import replace
-
-    from dwarfstar.model.synthetic import write_synthetic_vision
-    from dwarfstar.model.vision import VISION_TINY
-    from dwarfstar.model.vision_file import RouterShape
-
-    encoder = tmp_path_factory.mktemp("nano-vision") / "encoder.gguf"
-    write_synthetic_vision(encoder, replace(VISION_TINY, out_dim=96), seed=3, router=RouterShape(6, 8, 2))
-    return load_engine(EngineSpec(default_model_path(), "reference", ctx=512, vision=encoder))
-
-
 def test_a_request_with_an_image_is_speculated_with_the_same_reply(seeing):
     """The prompt's image block is in the KV before drafting starts: greedy MTP replies equal plain ones."""
     import base64
