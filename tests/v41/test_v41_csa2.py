@@ -9,6 +9,7 @@ import pytest
 import torch
 from v41_restate import fp4_e4m3, fp4_ue8m0, report, rms_norm, rope
 
+from dwarfstar.backends.reference import ops
 from dwarfstar.backends.reference.v41 import csa2
 from dwarfstar.model.config import ModelArgs, yarn_inv_freq
 
@@ -125,3 +126,12 @@ def test_shapes_are_checked():
         csa2.compress(kv, None, csa2.new_frontier(WIDTH), norm, w_k, k_norm, INV_FREQ, 0, EPS)
     with pytest.raises(ValueError, match="W_k"):
         csa2.compress(kv, None, None, norm, w_k[:, :-1], k_norm, INV_FREQ, 0, EPS)
+
+
+def test_row_fp4_matches_the_note_across_magnitudes():
+    """The main rows' format over 10 decades, a zero block (amax floor 6 * 2^-9) and subnormal scales."""
+    x = torch.randn(10, 64, generator=torch.Generator().manual_seed(50)) * torch.logspace(-7, 3, 10)[:, None]
+    x[0, :16] = 0.0
+    got = ops.fp4_round(x, 16, e4m3_scale=True)
+    assert report("FP4 e2m1 / e4m3 scale per 16", got.numpy(), fp4_e4m3(x.numpy(), 16)) == 0.0
+    assert torch.equal(got[0, :16], torch.zeros(16))
