@@ -98,9 +98,10 @@ def _blocked(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
     return x.reshape(*x.shape[:-1], -1, block), n
 
 
-def fp8_round(x: torch.Tensor) -> torch.Tensor:
-    """KV "FP8" QAT rounding of a block of values (spec §9): e4m3fn with a power-of-two scale per 64."""
-    blocks, n = _blocked(x, FP8_BLOCK)
+def fp8_round(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """KV "FP8" QAT rounding of a block of values (spec §9): e4m3fn with a power-of-two scale per
+    `block` (V4: 64 nope dims; V4.1: 32, over the whole window row and FP8 GEMM inputs)."""
+    blocks, n = _blocked(x, block)
     amax = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-4)
     scale = _pow2_ceil(amax * (1.0 / FP8_MAX))
     q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
@@ -112,11 +113,20 @@ def fp8_round_nope(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
     return torch.cat((fp8_round(x[..., :-rope_dim]), x[..., -rope_dim:]), dim=-1)
 
 
-def fp4_round(x: torch.Tensor) -> torch.Tensor:
-    """Indexer "FP4" QAT rounding (spec §9): e2m1 with a power-of-two scale per 32, ties to even code."""
-    blocks, n = _blocked(x, FP4_BLOCK)
-    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-126)
-    scale = _pow2_ceil(amax * (1.0 / FP4_MAX))
+def fp4_round(x: torch.Tensor, block: int = FP4_BLOCK, e4m3_scale: bool = False) -> torch.Tensor:
+    """Indexer "FP4" QAT rounding (spec §9): e2m1 with a power-of-two scale per `block`, ties to even code.
+
+    `e4m3_scale` (V4.1's compressed rows, blocks of 16): the scale is amax / 6 rounded to e4m3fn
+    instead, amax clamped at 6 * 2^-9 so that the scale is at least e4m3's smallest subnormal; values
+    the rounded-down scale pushes past 6 clamp to 6.
+    """
+    blocks, n = _blocked(x, block)
+    if e4m3_scale:
+        amax = blocks.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-9)
+        scale = (amax * (1.0 / FP4_MAX)).to(torch.float8_e4m3fn).float()
+    else:
+        amax = blocks.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-126)
+        scale = _pow2_ceil(amax * (1.0 / FP4_MAX))
     v = (blocks / scale).clamp(-FP4_MAX, FP4_MAX)
     mag = v.abs()
     mids = _E2M1_MIDPOINTS.to(x.device)
@@ -191,6 +201,27 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
+def hc_mix(
+    h: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hyper-connection mixes of the streams h [T, n, D]: (pre [T, n], post [T, n], comb [T, n, n]),
+    from the RMS-normalised flattened streams (V4 collapses with its own pre, `hc_pre`; V4.1 with the
+    previous sublayer's, `v41.mhc`)."""
+    n = h.shape[1]
+    flat = h.flatten(1)
+    mix = linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    pre = elementwise(torch.sigmoid, mix[:, :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * elementwise(torch.sigmoid, mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb_logits = mix[:, 2 * n :].view(-1, n, n) * scale[2] + base[2 * n :].view(n, n)
+    return pre, post, sinkhorn(comb_logits, iters, hc_eps)
+
+
 def hc_pre(
     h: torch.Tensor,
     fn: torch.Tensor,
@@ -202,15 +233,9 @@ def hc_pre(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Hyper-connection pre-mix. h is [T, n, D]; returns (sublayer input [T, D], post [T, n], comb [T, n, n]).
 
-    The mixes come from the RMS-normalised flattened streams, but the collapse uses the raw streams.
+    The mixes come from the RMS-normalised flattened streams (`hc_mix`), but the collapse uses the raw streams.
     """
-    n = h.shape[1]
-    flat = h.flatten(1)
-    mix = linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    pre = elementwise(torch.sigmoid, mix[:, :n] * scale[0] + base[:n]) + hc_eps
-    post = 2 * elementwise(torch.sigmoid, mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
-    comb_logits = mix[:, 2 * n :].view(-1, n, n) * scale[2] + base[2 * n :].view(n, n)
-    comb = sinkhorn(comb_logits, iters, hc_eps)
+    pre, post, comb = hc_mix(h, fn, scale, base, iters, hc_eps, norm_eps)
     return (pre.unsqueeze(-1) * h).sum(1), post, comb
 
 

@@ -1,0 +1,31 @@
+"""V4.1's window rows (V4.1 note §1 "Window", REF `_window_kv`).
+
+Every layer (and every DSpark stage): kv_t = RMSNorm_kv(W_kv x_t) (the caller's projection), its last
+rope dims rotated at position t with the layer's RoPE (`config.yarn_inv_freq`: rope_theta without
+YaRN at ratio 0, compress_rope_theta with YaRN otherwise), then FP8 e4m3 fake-quant over the whole
+row, the RoPE tail included, with a power-of-two scale per 32 values (V4 rounds only the nope dims,
+per 64: `ops.fp8_round_nope`). Float32 otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dwarfstar.backends.reference import ops
+from dwarfstar.model.numerics import rope_angles
+
+WINDOW_FP8_BLOCK = 32
+
+
+def window_rows(
+    kv: torch.Tensor, norm: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Window rows [T, D] of the tokens' projections kv [T, D] at positions [T]; norm [D]."""
+    if kv.dim() != 2 or norm.shape != kv.shape[1:] or positions.shape != kv.shape[:1]:
+        raise ValueError(
+            f"window rows: kv {tuple(kv.shape)}, norm {tuple(norm.shape)}, positions {tuple(positions.shape)}"
+        )
+    if 2 * inv_freq.shape[0] > kv.shape[1]:
+        raise ValueError(f"RoPE of {2 * inv_freq.shape[0]} dims on rows of {kv.shape[1]}")
+    rotated = ops.apply_rope(ops.rms_norm(kv, norm, eps), *rope_angles(positions, inv_freq))
+    return ops.fp8_round(rotated, WINDOW_FP8_BLOCK)
