@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from dwarfstar.agent.tools import TOOLS
-from dwarfstar.console.chat import ThinkMode
+from dwarfstar.console.chat import ThinkMode, head_effort
 from dwarfstar.engine.images import ImageEncoder, expand
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.image_spans import ImageSpan
@@ -115,6 +115,7 @@ class Transcript:
     entries: list[Entry] = field(default_factory=list)
     summary: str | None = None
     first_prompt: str | None = None  # kept by compaction, which may drop the first user turn
+    level: int | None = None  # a V4.1 think level 1..100 (`--think-level`); None: the mode's
 
     @property
     def thinking(self) -> bool:
@@ -138,16 +139,16 @@ class Transcript:
         self, tokenizer: Tokenizer, efforts: str, with_summary: bool = True, tools: list[dict[str, Any]] = TOOLS
     ) -> list[int]:
         """The system turn's tokens, declaring `tools`; `efforts`: the model's release
-        (`ModelArgs.reasoning_efforts`), whose Think-Max preamble opens them."""
+        (`ModelArgs.reasoning_efforts`), whose effort preamble opens them (`console.chat.head_effort`)."""
         system = self.system
         if with_summary and self.summary:
             system += f"\n\n{SUMMARY_HEADING}\n\n{self.summary}"
-        max_effort = self.mode is ThinkMode.THINK_MAX
+        thinking, effort = head_effort(self.mode, self.level, efforts)
         head = render_conversation(
             [{"role": "system", "content": system}],
             tools=tools,
-            thinking=max_effort,
-            reasoning_effort="max" if max_effort else None,
+            thinking=thinking,
+            reasoning_effort=effort,
             options=replace(OFFICIAL, efforts=efforts),
         )
         return tokenizer.encode_prompt(head.parts)
@@ -192,6 +193,7 @@ class Transcript:
             "mode": self.mode.value,
             "summary": self.summary,
             "first_prompt": self.first_prompt,
+            "level": self.level,
             "entries": [e.to_json() for e in self.entries],
         }
 
@@ -205,7 +207,10 @@ class Transcript:
             first = data.get("first_prompt")  # absent in sessions saved before it existed
             if first is not None and not isinstance(first, str):
                 raise ValueError("first_prompt must be a string")
-            return cls(str(data["system"]), ThinkMode(data["mode"]), entries, data.get("summary"), first)
+            level = data.get("level")  # absent in sessions saved before think levels
+            if level is not None and (isinstance(level, bool) or not isinstance(level, int)):
+                raise ValueError("level must be an integer")
+            return cls(str(data["system"]), ThinkMode(data["mode"]), entries, data.get("summary"), first, level)
         except (KeyError, TypeError, ValueError) as exc:
             raise TranscriptError(f"bad transcript: {exc}") from None
 

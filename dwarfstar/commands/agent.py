@@ -77,6 +77,7 @@ def run_agent(engine, spec, flags: ChatFlags, ctx: int, system, kv_dir, plain, p
     from dwarfstar.speculative.decode import load_speculation
 
     mode, warning = allowed_mode(flags.sampling.mode(), ctx)
+    level = flags.sampling.level(engine.model.args.reasoning_efforts)
     if warning:
         note(f"warning: {warning}", "yellow")
     params = flags.sampling.params()
@@ -87,7 +88,7 @@ def run_agent(engine, spec, flags: ChatFlags, ctx: int, system, kv_dir, plain, p
     extra = DEFAULT_SYSTEM if system is None else system
 
     def fresh() -> Transcript:
-        return Transcript(system_text(str(workspace.root), extra), mode)
+        return Transcript(system_text(str(workspace.root), extra), mode, level=level)
 
     eos = engine.backend.args.eos_token_id
     policy = SampledPolicy(params, eos)

@@ -29,6 +29,7 @@ import typer
 from dwarfstar.distributed.dist_options import ROLES, SECRET_ENV, TRANSPORTS
 from dwarfstar.engine.spec import BACKENDS, PRECISION_HELP, EngineSpec
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.prompt.efforts import MAX_THINK_LEVEL, think_level_error
 from dwarfstar.speculative.mtp_options import ALIGNMENTS, MAX_DRAFT, MAX_MARGIN
 
 if TYPE_CHECKING:
@@ -139,6 +140,14 @@ Tokens = Annotated[
     ),
 ]  # fmt: skip
 Think = Annotated[bool, typer.Option("--think/--no-think", help="Reason before answering.", rich_help_panel=GENERATION)]
+ThinkLevel = Annotated[
+    int | None,
+    typer.Option(
+        "--think-level", min=0, max=MAX_THINK_LEVEL, metavar="N",
+        help="DeepSeek V4.1 only: reasoning effort 1..100 (--think is 75, --think-max 100); 0: no thinking.",
+        rich_help_panel=GENERATION,
+    ),
+]  # fmt: skip
 DistBits = Annotated[
     int, typer.Option(help="Activation bits between stages: 32 (bit-exact), 16 or 8.", rich_help_panel=DISTRIBUTED)
 ]
@@ -186,6 +195,7 @@ class SamplingFlags:
             "--think-max", help="Maximum reasoning effort (needs --ctx >= 393216).", rich_help_panel=GENERATION
         ),
     ] = False
+    think_level: ThinkLevel = None
 
     def params(self) -> SamplingParams:
         from dwarfstar.sampling import SamplingParams
@@ -195,9 +205,20 @@ class SamplingFlags:
     def mode(self) -> ThinkMode:
         from dwarfstar.console.chat import ThinkMode
 
+        if self.think_level is not None:
+            if self.think_max or not self.think:
+                raise DwarfStarError("--think-level sets the thinking mode: give it without --think-max or --no-think")
+            return ThinkMode.THINK if self.think_level else ThinkMode.NOTHINK
         if self.think_max:
             return ThinkMode.THINK_MAX
         return ThinkMode.THINK if self.think else ThinkMode.NOTHINK
+
+    def level(self, release: str) -> int | None:
+        """`--think-level` 1..100 for a model of `release` (None without it, or at 0: no thinking); an
+        error naming the release unless it has think levels (V4.1)."""
+        if self.think_level is not None and (problem := think_level_error(release, "--think-level")):
+            raise DwarfStarError(problem)
+        return self.think_level or None
 
 
 @dataclass(frozen=True)

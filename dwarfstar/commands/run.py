@@ -168,6 +168,7 @@ def open_chat(engine, spec, flags: ChatFlags, system: str | None) -> Chat:
         max_tokens=flags.tokens,
         trace=Trace(flags.trace) if flags.trace else None,
         loop_guard=flags.loop_guard.options(),
+        level=flags.sampling.level(engine.model.args.reasoning_efforts),
     )
 
 

@@ -19,6 +19,7 @@ from dwarfstar.commands.flags import (
     LoopGuardFlags,
     ModelFlags,
     SteeringFlags,
+    ThinkLevel,
     Vision,
     output,
 )
@@ -63,6 +64,7 @@ def serve(
         bool,
         typer.Option("--think/--no-think", help="Think unless a request says not to.", rich_help_panel=GENERATION),
     ] = True,
+    think_level: ThinkLevel = None,
     tool_guard: Annotated[
         bool,
         typer.Option(
@@ -116,9 +118,12 @@ def serve(
         raise DwarfStarError(f"--template must be one of {', '.join(TEMPLATES)}")
     if max_sessions < 1 or max_queue < 0 or prefill_chunk < 1:
         raise DwarfStarError("--max-sessions and --prefill-chunk must be positive, --max-queue not negative")
+    if think_level and not think:
+        raise DwarfStarError("--think-level 1..100 thinks by default: give it without --no-think")
     spec = engine_flags.spec(ctx=ctx, kv_slots=max_sessions, vision=vision)  # kv_slots: every live session batched
     config = ServerConfig(
-        ctx=ctx, api_key=api_key or None, cors=cors, think_by_default=think, template=template,
+        ctx=ctx, api_key=api_key or None, cors=cors, think_by_default=think and think_level != 0,
+        think_level=think_level, template=template,
         max_sessions=max_sessions, kv_memory_mb=kv_memory_mb, max_queue=max_queue, prefill_chunk=prefill_chunk,
         trace=trace, kv_disk_dir=kv_disk_dir, kv_disk_space_mb=kv_disk_space_mb,
         kv_cache_min_tokens=kv_cache_min_tokens, model_aliases=tuple(model_alias or ()), mtp=spec.drafter,

@@ -9,7 +9,8 @@ is compared with the session's tokens and only the new suffix is computed.
 
 Each turn keeps the thinking mode it was asked in, so `/think` and `/nothink` change only the turns
 after them; switching Think-Max changes the preamble after BOS, and the next turn recomputes the
-conversation, as in ds4.
+conversation, as in ds4. On a V4.1 model every thinking mode has its think level's prefix after BOS
+(`head_effort`), so any switch between modes or levels recomputes it.
 
 With a vision encoder (`run --vision`), a turn may carry images (`--image`, `/image`), read before its
 text: each becomes its block (engine/images.py), whose ids come from the image's bytes, so the next
@@ -34,7 +35,7 @@ from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.telemetry import summary as expert_summary
 from dwarfstar.kvcache.payload import read_payload, write_payload
 from dwarfstar.model.image_spans import ImageSpan
-from dwarfstar.prompt.efforts import THINK_MAX_MIN_CTX
+from dwarfstar.prompt.efforts import THINK_MAX_MIN_CTX, Effort, has_think_levels
 from dwarfstar.prompt.images import (
     ImageError,
     ImagePart,
@@ -66,6 +67,18 @@ def allowed_mode(mode: ThinkMode, ctx: int) -> tuple[ThinkMode, str | None]:
     if mode is ThinkMode.THINK_MAX and ctx < THINK_MAX_MIN_CTX:
         return ThinkMode.THINK, f"think-max needs --ctx >= {THINK_MAX_MIN_CTX}; using think"
     return mode, None
+
+
+def head_effort(mode: ThinkMode, level: int | None, release: str) -> tuple[bool, Effort]:
+    """How a chat's head (BOS and the system turn) renders: in thinking mode or not, at which effort. A V4
+    release's head holds only Think-Max's preamble; a V4.1 head the prefix of `level` (`--think-level`
+    1..100) or of the mode's preset (think 75, think-max 100) whenever the chat thinks."""
+    if has_think_levels(release):
+        if mode is ThinkMode.NOTHINK:
+            return False, None
+        return True, level or ("max" if mode is ThinkMode.THINK_MAX else None)
+    max_effort = mode is ThinkMode.THINK_MAX
+    return max_effort, "max" if max_effort else None
 
 
 @dataclass
@@ -102,13 +115,15 @@ class Chat:
         max_tokens: int,
         trace: Trace | None = None,
         loop_guard: LoopGuard | None = None,
+        level: int | None = None,
     ) -> None:
+        """`level`: a V4.1 think level 1..100 (`--think-level`), kept until the mode is switched."""
         self.engine, self.backend = engine, backend
         self.loop_guard = loop_guard  # --loop-guard: a reply that loops ends with finish "repetition"
         self.tokenizer = engine.tokenizer
         self.eos = backend.args.eos_token_id
         self.session = Session(backend, ctx=ctx)
-        self.system, self.mode = system, mode
+        self.system, self.mode, self.level = system, mode, level
         self.sampler = Sampler(params)  # one generator for the whole chat: a seed gives a reproducible chat
         self.max_tokens, self.trace = max_tokens, trace
         self.turns: list[Turn] = []
@@ -146,12 +161,13 @@ class Chat:
             raise DwarfStarError(str(exc)) from None
 
     def _prompt(self, pending: str | None) -> tuple[list[int], list[ImageSpan]]:
-        max_effort = self.mode is ThinkMode.THINK_MAX
+        release = self.backend.args.reasoning_efforts
+        thinking, effort = head_effort(self.mode, self.level, release)
         head = render_conversation(
             [{"role": "system", "content": self.system}],
-            thinking=max_effort,
-            reasoning_effort="max" if max_effort else None,
-            options=replace(OFFICIAL, efforts=self.backend.args.reasoning_efforts),
+            thinking=thinking,
+            reasoning_effort=effort,
+            options=replace(OFFICIAL, efforts=release),
         )
         ids, spans = self.tokenizer.encode_prompt(head.parts), []
         turns = (
@@ -173,6 +189,7 @@ class Chat:
 
     def set_mode(self, mode: ThinkMode) -> str | None:
         self.mode, warning = allowed_mode(mode, self.session.ctx)
+        self.level = None
         return warning
 
     def set_ctx(self, ctx: int) -> None:
@@ -278,7 +295,7 @@ class Chat:
             turns.append(asdict(replace(turn, images=())) | {"images": images})
         with stem.with_suffix(".dsv4").open("wb") as out:
             size = write_payload(out, self.session.state, self.backend.args, self.session.ctx, self.session.chunk)
-        meta = {"system": self.system, "mode": self.mode.value, "turns": turns}
+        meta = {"system": self.system, "mode": self.mode.value, "level": self.level, "turns": turns}
         stem.with_suffix(".json").write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
         return size
 
@@ -296,6 +313,7 @@ class Chat:
         self.session.reset()
         self.session.state = state
         self.system, self.mode, self.turns = meta["system"], ThinkMode(meta["mode"]), turns
+        self.level = meta.get("level")  # absent in chats saved before think levels
         if any(turn.images for turn in turns):  # the state holds the blocks' ids: give it their rows
             ids, spans = self.prompt()
             self.session.adopt(spans, ids)

@@ -14,10 +14,10 @@ from dwarfstar.errors import ConfigError
 from dwarfstar.gguf.constants import ValueType
 
 ARCH = "deepseek4"
-# the releases whose encoders differ in their reasoning-effort table (dwarfstar/prompt/efforts.py): the
-# V4 preview, and Flash 0731 / PRO 0813 (the DSpark releases); EFFORTS_KEY names ours in a file we write
-PREVIEW, DSPARK_RELEASES = "preview", "0731"
-RELEASES = (PREVIEW, DSPARK_RELEASES)
+# the releases whose encoders differ in their reasoning-effort table (dwarfstar/prompt/efforts.py): the V4
+# preview, Flash 0731 / PRO 0813 (the DSpark releases), V4.1 (think levels); EFFORTS_KEY: ours in our files
+PREVIEW, DSPARK_RELEASES, V41 = "preview", "0731", "v4.1"
+RELEASES = (PREVIEW, DSPARK_RELEASES, V41)
 EFFORTS_KEY = "dwarfstar.reasoning_efforts"
 DSPARK_STAGES = 3  # the DSpark drafter's V4 blocks in Flash 0731 and PRO 0813
 EXPERT_GATING_SQRT_SOFTPLUS = 4  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS

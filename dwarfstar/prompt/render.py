@@ -17,6 +17,9 @@ The rules, in the order they are applied:
    encoder gives no opener at all when such a system message ends the prompt, which leaves nothing
    to generate from, and keeping the opener after it makes every later turn render the same bytes.
 5. In thinking mode the reasoning effort's preamble, if its release has one (efforts.py), opens the prompt.
+6. V4.1 (a release with think levels): every system message opens with the `<｜System｜>` token, and in
+   thinking mode the first message is one, holding the think level's prefix before its text (an empty
+   one is put in front when the conversation does not start with a system message).
 
 `RenderOptions` switches individual rules to ds4's server behaviour (see render_options.py).
 """
@@ -30,7 +33,7 @@ from typing import Any
 from dwarfstar.prompt import templates
 from dwarfstar.prompt.conversation import PromptError, ToolResult, Turn, to_turns, tool_schema
 from dwarfstar.prompt.dsml import render_tool_calls, to_json
-from dwarfstar.prompt.efforts import LEVELS, preamble
+from dwarfstar.prompt.efforts import Effort, check_effort, has_think_levels, preamble
 from dwarfstar.prompt.render_options import OFFICIAL, RenderOptions
 from dwarfstar.tokenizer import specials
 from dwarfstar.tokenizer.specials import TASK_TOKENS, Control, PromptPart
@@ -175,14 +178,14 @@ def render_conversation(
     tools: Sequence[Any] | None = None,
     response_format: Any = None,
     thinking: bool = False,
-    reasoning_effort: str | None = None,
+    reasoning_effort: Effort = None,
     drop_thinking: bool = True,
     add_bos: bool = True,
     options: RenderOptions = OFFICIAL,
 ) -> Prompt:
-    """The prompt for `messages` (OpenAI-style dicts, see conversation.py) ready to tokenize."""
-    if reasoning_effort not in LEVELS:
-        raise PromptError(f"reasoning_effort must be one of low, high, max or unset, got {reasoning_effort!r}")
+    """The prompt for `messages` (OpenAI-style dicts, see conversation.py) ready to tokenize.
+    `reasoning_effort`: a level of the release `options.efforts` (efforts.py; V4.1 also 1..100)."""
+    check_effort(options.efforts, reasoning_effort)
     turns = to_turns(messages)
     _attach_request_extras(turns, tools, response_format)
     turns = _merge_user_turns(turns, options)
@@ -197,18 +200,27 @@ def render_conversation(
     if thinking and not keep_reasoning:
         turns = _drop_old_reasoning(turns)
 
+    lead = preamble(options.efforts, reasoning_effort) if thinking and turns else ""
+    system_token = has_think_levels(options.efforts)
+    if system_token and lead and turns[0].role != "system":
+        turns.insert(0, Turn("system"))  # V4.1: the think level's prefix is a system message's start
     out = _Builder()
     if add_bos:
         out.add(Control(specials.BOS))
-    if thinking and turns:
-        out.add(preamble(options.efforts, reasoning_effort))
+    if not system_token:
+        out.add(lead)
+        lead = ""
     if options.ds4_system_block:
         block, turns = _ds4_system_block(turns, options)
+        if system_token and (lead or block):
+            out.add(Control(specials.SYSTEM), lead)
         out.add(*block)
+        lead = ""
 
     last_user = _last_user_index(turns)
     for i, turn in enumerate(turns):
-        _render_turn(out, turns, i, thinking=thinking, keep_reasoning=keep_reasoning, options=options)
+        first = lead if i == 0 else ""
+        _render_turn(out, turns, i, thinking=thinking, keep_reasoning=keep_reasoning, options=options, lead=first)
         following = turns[i + 1].role if i + 1 < len(turns) else None
         if following not in (None, "assistant", "latest_reminder"):
             continue
@@ -234,12 +246,22 @@ def _closes_user_run(turns: list[Turn], i: int) -> bool:
 
 
 def _render_turn(
-    out: _Builder, turns: list[Turn], i: int, *, thinking: bool, keep_reasoning: bool, options: RenderOptions
+    out: _Builder,
+    turns: list[Turn],
+    i: int,
+    *,
+    thinking: bool,
+    keep_reasoning: bool,
+    options: RenderOptions,
+    lead: str,
 ) -> None:
+    """Turn `i`; `lead`: V4.1's think-level prefix, which starts the first system message."""
     turn = turns[i]
     if turn.role in ("system", "developer"):
         if turn.role == "developer":
             out.add(Control(specials.USER))
+        elif has_think_levels(options.efforts):
+            out.add(Control(specials.SYSTEM), lead)
         out.add(turn.text)
         if turn.tools:
             out.add("\n\n", *_tools_section(turn.tools, options))

@@ -80,6 +80,9 @@ REASONING_EFFORT_BEYOND = (
     "Do not stop reasoning until you have independently verified the solution from multiple angles and are "
     "certain that no assumption remains unchecked and no error remains undiscovered.\n\n"
 )
+# V4.1's effort prefix (N: its think level, 1..100), as the official V4.1 encoder writes it; the tech report
+# words it differently, and the encoder's text is what the model is prompted with (v41_spec §6)
+THINK_LEVEL_PREFIX = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 
 _TEMPLATE_CONTROLS = re.compile(
     "(" + "|".join(re.escape(t) for t in (specials.DSML, specials.THINK_START, specials.THINK_END)) + ")"

@@ -45,6 +45,7 @@ from dwarfstar.serving.controls import (
     output_budget,
     sampling_params,
     stop_strings,
+    think_level_value,
     thinking_switch,
 )
 from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body, json_response
@@ -262,7 +263,10 @@ def _conversation(fields: Fields, service: Service, hidden: HiddenThinking) -> C
     config = fields.mapping("output_config")
     effort = effort_value(config, "effort") if config is not None else None
     thinking = service.thinking(
-        model, thinking_switch(fields, "thinking"), effort or effort_value(fields, "reasoning_effort")
+        model,
+        thinking_switch(fields, "thinking"),
+        effort or effort_value(fields, "reasoning_effort"),
+        think_level_value(fields),
     )
     display = _thinking_display(fields)
     _check_context_management(fields)

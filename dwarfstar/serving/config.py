@@ -37,6 +37,7 @@ class ServerConfig:
     api_key: str | None = None  # None: no authentication
     cors: bool = False
     think_by_default: bool = True  # `--nothink` turns it off; requests still choose per call
+    think_level: int | None = None  # `--think-level` (V4.1 only): a thinking request's level when it names none
     # ds4's server layout keeps KV files and exact DSML replay compatible with ds4; "official"
     # renders what the official encoder writes.
     template: str = "ds4"

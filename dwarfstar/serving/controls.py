@@ -6,7 +6,11 @@ Thinking (DS4_SURFACE §2.4). The server default is on unless `--nothink`. The m
 `high`, `medium`, `low`, `minimal`) choose the preamble of the model's release (prompt/efforts.py: for
 the preview only `max`, Think-Max, has one; for Flash 0731 and PRO 0813 `high` and `max` do; `max`
 needs a context of at least 393,216 tokens, as in ds4) but do not switch thinking on, so a `--nothink`
-server stays without thinking for clients that always send an effort (Codex).
+server stays without thinking for clients that always send an effort (Codex). On a V4.1 model the
+effort is a think level (1..100; the names are its presets low 50, high 75, max 100), which a request
+may also give as a number in `think_level`, a DwarfStar extension (ds4's `--think-level`): 0 turns
+thinking off and 1..100 on, whatever the other fields say; on a V4 model it is a 400. Without either,
+a V4.1 request thinks at `serve --think-level`, else 75.
 
 Sampling (§2.5): temperature 1, top_p 1, min_p 0.05, top_k 0 unless given. While thinking, ds4 resets
 all four to those defaults, since the model reasons badly at low temperature; so greedy, reproducible
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.prompt.efforts import effort_level
+from dwarfstar.prompt.efforts import MAX_THINK_LEVEL, Effort, effort_level, think_level_error
 from dwarfstar.sampling import SamplingParams
 from dwarfstar.serving.errors import ApiError, bad_request
 from dwarfstar.serving.fields import Fields
@@ -28,15 +32,16 @@ EFFORTS = ("max", "xhigh", "high", "medium", "low", "minimal", "none")
 NO_THINKING_MODEL = "deepseek-chat"
 THINKING_MODEL = "deepseek-reasoner"
 MAX_STOP_STRINGS = 16
+THINK_LEVEL = "think_level"  # the request field of a V4.1 think level (a DwarfStar extension)
 
 
 @dataclass(frozen=True)
 class Thinking:
     enabled: bool
-    effort: str | None = None  # the renderer's effort level (prompt/efforts.py); None: the release's default
+    effort: Effort = None  # the renderer's effort level (prompt/efforts.py); None: the release's default
 
     @property
-    def renderer_effort(self) -> str | None:
+    def renderer_effort(self) -> Effort:
         return self.effort if self.enabled else None
 
 
@@ -61,10 +66,26 @@ def effort_value(fields: Fields, key: str) -> str | None:
     return effort
 
 
+def think_level_value(fields: Fields) -> int | None:
+    """The request's `think_level` (0..MAX_THINK_LEVEL; None when absent)."""
+    return fields.integer(THINK_LEVEL, low=0, high=MAX_THINK_LEVEL)
+
+
 def resolve_thinking(
-    *, default: bool, model: str, switch: bool | None, effort: str | None, ctx: int, release: str
+    *,
+    default: bool,
+    model: str,
+    switch: bool | None,
+    effort: str | None,
+    ctx: int,
+    release: str,
+    level: int | None = None,
+    default_level: int | None = None,
 ) -> Thinking:
-    """Whether the request thinks, and at which of its model's `release` effort levels."""
+    """Whether the request thinks, and at which of its model's `release` effort levels; `level`: its
+    `think_level`, `default_level`: the server's `--think-level` (both V4.1 only)."""
+    if level is not None and (problem := think_level_error(release, THINK_LEVEL)):
+        raise bad_request(problem, param=THINK_LEVEL)
     enabled = default
     if model == NO_THINKING_MODEL:
         enabled = False
@@ -74,7 +95,13 @@ def resolve_thinking(
         enabled = switch
     if effort == "none":
         enabled = False
-    return Thinking(enabled, effort_level(release, effort, ctx) if enabled else None)
+    if level is not None:
+        enabled = level > 0
+    if not enabled:
+        return Thinking(False)
+    if level or effort or not default_level:
+        return Thinking(True, level or effort_level(release, effort, ctx))
+    return Thinking(True, default_level)
 
 
 def sampling_params(

@@ -34,6 +34,7 @@ from dwarfstar.serving.controls import (
     sampling_params,
     stop_strings,
     structured_format,
+    think_level_value,
     thinking_switch,
 )
 from dwarfstar.serving.errors import ApiError, Dialect, bad_request, error_body
@@ -166,7 +167,7 @@ async def chat_completions(request: Request) -> Response:
     for source, key in ((fields, "think"), (fields, "enable_thinking"), (kwargs, "enable_thinking")):
         if source is not None and source.flag(key) is not None:
             switch = source.flag(key)
-    thinking = service.thinking(model, switch, effort_value(fields, "reasoning_effort"))
+    thinking = service.thinking(model, switch, effort_value(fields, "reasoning_effort"), think_level_value(fields))
     knobs = Knobs(
         api="chat",
         param="messages",

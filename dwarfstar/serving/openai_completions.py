@@ -26,6 +26,7 @@ from dwarfstar.serving.controls import (
     output_budget,
     sampling_params,
     stop_strings,
+    think_level_value,
     thinking_switch,
 )
 from dwarfstar.serving.errors import bad_request
@@ -66,7 +67,7 @@ async def completions(request: Request) -> Response:
     switch = thinking_switch(fields, "thinking")
     if fields.flag("think") is not None:
         switch = fields.flag("think")
-    thinking = service.thinking(model, switch, effort_value(fields, "reasoning_effort"))
+    thinking = service.thinking(model, switch, effort_value(fields, "reasoning_effort"), think_level_value(fields))
     knobs = Knobs(
         api="completions",
         param="prompt",

@@ -36,7 +36,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from dwarfstar.prompt.dsml_parser import ContentDelta, ReasoningDelta, ToolArgumentsDelta, ToolCallEnd
-from dwarfstar.serving.controls import Thinking, effort_value, output_budget, sampling_params, structured_format
+from dwarfstar.serving.controls import (
+    Thinking,
+    effort_value,
+    output_budget,
+    sampling_params,
+    structured_format,
+    think_level_value,
+)
 from dwarfstar.serving.errors import bad_request
 from dwarfstar.serving.fields import Fields, read_json_object
 from dwarfstar.serving.generation import Event, Failed, Finished, Started, TokenLogprob, ToolCallOpened, Usage, new_id
@@ -174,7 +181,7 @@ async def responses_endpoint(request: Request) -> Response:
     messages = input_messages(fields, images)
     tools = function_tools(fields)
     reasoning = fields.mapping("reasoning") or Fields({}, "reasoning.")
-    thinking = service.thinking(model, None, effort_value(reasoning, "effort"))
+    thinking = service.thinking(model, None, effort_value(reasoning, "effort"), think_level_value(fields))
     knobs = Knobs(
         api="responses",
         param="input",

@@ -20,6 +20,7 @@ from dwarfstar.engine.load import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.prompt.conversation import PromptError
 from dwarfstar.prompt.dsml_guard import ToolGrammar
+from dwarfstar.prompt.efforts import think_level_error
 from dwarfstar.prompt.images import ImageError, ImagePart
 from dwarfstar.prompt.render import Prompt, render_conversation
 from dwarfstar.sampling import SamplingParams
@@ -68,6 +69,8 @@ class Service:
         self.steered = steering_of(engine.backend)  # None unless started with --dir-steering-file
         # the server's template, with the effort table of the model's release
         self.options = replace(config.render_options, efforts=engine.model.args.reasoning_efforts)
+        if config.think_level is not None and (problem := think_level_error(self.options.efforts, "--think-level")):
+            raise DwarfStarError(problem)
         self.models = ModelCatalog(args, config.ctx, config.model_aliases)
         self.metrics = Metrics()
         if engine.experts is not None:  # --ssd-streaming: the expert cache's figures at each /metrics
@@ -110,8 +113,9 @@ class Service:
             images=engine.images,
         )
 
-    def thinking(self, model: str, switch: bool | None, effort: str | None) -> Thinking:
-        """The request's thinking mode under this server's default (`--nothink`) and context size."""
+    def thinking(self, model: str, switch: bool | None, effort: str | None, level: int | None = None) -> Thinking:
+        """The request's thinking mode under this server's defaults (`--nothink`, `--think-level`) and context
+        size; `level`: the request's `think_level`."""
         return resolve_thinking(
             default=self.config.think_by_default,
             model=model,
@@ -119,6 +123,8 @@ class Service:
             effort=effort,
             ctx=self.config.ctx,
             release=self.options.efforts,
+            level=level,
+            default_level=self.config.think_level,
         )
 
     def images(self) -> Images:

@@ -13,6 +13,7 @@ EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 LATEST_REMINDER = "<｜latest_reminder｜>"
+SYSTEM = "<｜System｜>"  # V4.1 only (id 128799 there; a placeholder in V4's vocabulary): opens a system message
 THINK_START = "<think>"
 THINK_END = "</think>"
 DSML = "｜DSML｜"
