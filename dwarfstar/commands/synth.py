@@ -66,7 +66,7 @@ def synth(
         _synth_v41(out, preset, seed, layers, layout, split_at)
         return
     if preset not in PRESETS:
-        known = ", ".join([*PRESETS, *V41_PRESETS, *VISION_PRESETS])
+        known = ", ".join([*PRESETS, *VISION_PRESETS, *V41_PRESETS])
         raise DwarfStarError(f"unknown preset {preset!r}; choose one of {known}")
     layout = layout or "f32"
     if layout not in LAYOUTS:
