@@ -170,8 +170,10 @@ def inspect_command(
 ) -> None:
     """Metadata, tensor table, totals per type, and the weight bytes read per decoded token; for a
     split set, its parts and their layer ranges first, then the set as one model; for a vision encoder
-    (ds4's --vision file), its family, shapes, image budget and router biases first."""
+    (ds4's --vision file), its family, shapes, image budget and router biases first; for DeepSeek V4.1,
+    its layer modes and Engram tables (resident vs on-disk bytes) first."""
     from dwarfstar.gguf.split import GGUFSet
+    from dwarfstar.model.config_v41 import ARCH41
     from dwarfstar.model.vision import PREFIX as VISION_ARCH
     from dwarfstar.quant import inspection
 
@@ -184,6 +186,8 @@ def inspect_command(
             )
             if gguf.metadata.get("general.architecture") == VISION_ARCH:
                 _show_vision(gguf)
+            if gguf.metadata.get("general.architecture") == ARCH41:
+                _show_v41(gguf)
         typer.echo("\nmetadata")
         for key, value in gguf.metadata.items():
             typer.echo(f"  {key} = {inspection.describe_value(value)}")
@@ -218,6 +222,20 @@ def _show_vision(gguf: GGUFFile) -> None:
         lines = describe(read_vision(gguf))
     except DwarfStarError as e:
         lines = [f"vision encoder: INVALID: {e}"]
+    typer.echo("")
+    for line in lines:
+        typer.echo(line)
+
+
+def _show_v41(gguf: GGUFFile) -> None:
+    """A DeepSeek V4.1 file's summary (model.file_v41.describe), or what makes it no valid V4.1 file."""
+    from dwarfstar.errors import DwarfStarError
+    from dwarfstar.model.file_v41 import FAMILY41, describe, read_model41
+
+    try:
+        lines = describe(read_model41(gguf))
+    except DwarfStarError as e:
+        lines = [f"{FAMILY41}: INVALID: {e}"]
     typer.echo("")
     for line in lines:
         typer.echo(line)

@@ -1,6 +1,7 @@
 """`dwarfstar synth`: write a deterministic random-weight model (tiny, tiny-k, flash- or pro-shaped),
-as one file or, with `--split-at`, as a split set in ds4's naming; or a vision encoder in ds4's
-encoder-GGUF layout (vision-tiny, vision-exp-shaped)."""
+as one file or, with `--split-at`, as a split set in ds4's naming; a DeepSeek V4.1 model in ds4's
+`deepseek41` layout (v41-tiny, v41-shaped); or a vision encoder in ds4's encoder-GGUF layout
+(vision-tiny, vision-exp-shaped)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from dwarfstar.commands.apps import TOOLS, app
 from dwarfstar.commands.flags import writable
 from dwarfstar.errors import DwarfStarError
 
-PRESETS_HELP = (  # model.synthetic.PRESETS and VISION_PRESETS
-    "Model shape: tiny, tiny-k, flash-shaped, pro-shaped; or a vision encoder (BF16, as ds4's --vision file): "
-    "vision-tiny (for tiny, with its image router biases), vision-exp-shaped (the real Vision-Exp encoder, 933 MB)."
+PRESETS_HELP = (  # model.synthetic.PRESETS, VISION_PRESETS and model.synthetic_v41.V41_PRESETS
+    "Model shape: tiny, tiny-k, flash-shaped, pro-shaped; DeepSeek V4.1: v41-tiny (every mechanism at toy "
+    "size), v41-shaped (Flash V4.1's shapes, 4 layers, ds4 types; its 94 GiB Engram tables written as holes "
+    "that take no disk); or a vision encoder (BF16, as ds4's --vision file): vision-tiny (for tiny, with its "
+    "image router biases), vision-exp-shaped (the real Vision-Exp encoder, 933 MB)."
 )
 
 
@@ -54,12 +57,17 @@ def synth(
     """Write a random DeepSeek V4 model (or vision encoder) in ds4 layout, for tests and benches."""
     from dwarfstar.model.loader import write_split
     from dwarfstar.model.synthetic import LAYOUTS, PRESETS, VISION_PRESETS, preset_with_layers, write_synthetic_model
+    from dwarfstar.model.synthetic_v41 import V41_PRESETS
 
     if preset in VISION_PRESETS:
         _synth_vision(out, preset, seed, layers, layout, split_at)
         return
+    if preset in V41_PRESETS:
+        _synth_v41(out, preset, seed, layers, layout, split_at)
+        return
     if preset not in PRESETS:
-        raise DwarfStarError(f"unknown preset {preset!r}; choose one of {', '.join([*PRESETS, *VISION_PRESETS])}")
+        known = ", ".join([*PRESETS, *VISION_PRESETS, *V41_PRESETS])
+        raise DwarfStarError(f"unknown preset {preset!r}; choose one of {known}")
     layout = layout or "f32"
     if layout not in LAYOUTS:
         raise DwarfStarError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
@@ -104,5 +112,29 @@ def _synth_vision(
     typer.echo(
         f"wrote {out} ({preset}: {args.family} encoder, {blocks}, BF16, image router biases "
         f"for {router.n_layers} layers of {router.n_experts} experts, seed {seed}): {size:.1f} MB"
+    )
+    typer.echo(f"in {time.perf_counter() - start:.1f} s")
+
+
+def _synth_v41(
+    out: Path, preset: str, seed: int, layers: int | None, layout: str | None, split_at: list[int] | None
+) -> None:
+    from dwarfstar.model.synthetic import LAYOUTS
+    from dwarfstar.model.synthetic_v41 import V41_HOLES, V41_LAYOUT, v41_preset, write_synthetic_v41
+
+    if split_at:
+        raise DwarfStarError(f"--split-at is for DeepSeek V4 models; ds4 writes {preset} (V4.1) as one file")
+    layout = layout or V41_LAYOUT[preset]
+    if layout not in LAYOUTS:
+        raise DwarfStarError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    args = v41_preset(preset, layers)
+    holes = preset in V41_HOLES
+    start = time.perf_counter()
+    write_synthetic_v41(out, args, layout=layout, seed=seed, name=f"dwarfstar-{preset}", engram_holes=holes)
+    stat = out.stat()
+    tables = f"Engram tables on layers {', '.join(map(str, args.engram_layers))}" + (" written as holes" * holes)
+    typer.echo(
+        f"wrote {out} ({preset}, DeepSeek V4.1, {args.n_layers} layers, {layout}, seed {seed}; {tables}): "
+        f"{stat.st_size / 1e6:.1f} MB, {stat.st_blocks * 512 / 1e6:.1f} MB on disk"
     )
     typer.echo(f"in {time.perf_counter() - start:.1f} s")

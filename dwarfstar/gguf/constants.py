@@ -82,6 +82,7 @@ BLOCK_GEOMETRY: dict[GGMLType, tuple[int, int]] = {
     GGMLType.F16: (1, 2),
     GGMLType.BF16: (1, 2),
     GGMLType.I32: (1, 4),
+    GGMLType.I8: (1, 1),  # raw bytes: V4.1's Engram table rows (engram/rows.py)
     GGMLType.Q8_0: (32, 34),
     GGMLType.Q2_K: (QK_K, 84),
     GGMLType.Q4_K: (QK_K, 144),

@@ -187,7 +187,7 @@ _BLOCK_DECODERS = {
 def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: GGMLType, n_elements: int) -> torch.Tensor:
     """Decode `n_elements` values of `ggml_type` from raw ggml bytes into a new 1-D tensor.
 
-    float32 for float and quant types, int32 for I32. The result never aliases `raw` (which may be a
+    float32 for float and quant types, int32 for I32 and I8. The result never aliases `raw` (which may be a
     read-only mmap), so callers may modify it in place.
     """
     ggml_type = GGMLType(ggml_type)
@@ -204,6 +204,8 @@ def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: GGMLType, n_elements: 
         return data.view(torch.float32).clone()
     if ggml_type == GGMLType.I32:
         return data.view(torch.int32).clone()
+    if ggml_type == GGMLType.I8:
+        return data.view(torch.int8).int()
     if ggml_type == GGMLType.F16:
         # exact for every half except signalling NaNs, which the hardware conversion returns quieted
         return data.view(torch.float16).float()

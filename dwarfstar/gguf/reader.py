@@ -314,7 +314,7 @@ class GGUFFile:
         return True
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Dequantized copy: float32 for float and quant types, int32 for I32, in `TensorInfo.shape`."""
+        """Dequantized copy: float32 for float and quant types, int32 for I32 and I8, in `TensorInfo.shape`."""
         info = self._info(name)
         return dequantize(self.raw(name), info.ggml_type, info.n_elements).reshape(info.shape)
 

@@ -3,8 +3,8 @@
 A converted DeepSeek V4 is far larger than RAM, so nothing is buffered: all tensors are declared first
 (their offsets depend only on shapes and types), the header, metadata and tensor infos go out on the first
 `write_tensor`, and each tensor's bytes are streamed straight to disk, possibly chunk by chunk (one expert
-at a time). Each tensor's data is zero-padded to the alignment, so the next one starts aligned, as
-ggml's loader requires.
+at a time), or left as a hole (`skip_tensor`). Each tensor's data is zero-padded to the alignment, so the
+next one starts aligned, as ggml's loader requires.
 
 The output goes to "<path>.tmp" and is renamed over `path` only after a successful `close()` (after fsync),
 so a crash or an exception never leaves a half-written model where a loader would pick it up.
@@ -183,6 +183,25 @@ class GGUFWriter:
                 got = f"more than {nbytes}" if written > nbytes else str(written)
                 raise ValueError(f"tensor {name!r} ({ggml_type.name}) needs {nbytes} bytes, got {got}")
             self._pad()
+            self._next += 1
+        except BaseException:
+            self.abort()
+            raise
+
+    def skip_tensor(self, name: str) -> None:
+        """Leave the next declared tensor's bytes as a hole: a sparse region that reads as zeros and
+        takes no disk (a synthetic table of 100 GB); the file gets its full size all the same."""
+        try:
+            self._check_open()
+            if self._next >= len(self._infos) or self._infos[self._next][0] != name:
+                expected = self._infos[self._next][0] if self._next < len(self._infos) else None
+                raise ValueError(f"tensors must be written in declaration order: expected {expected!r}, got {name!r}")
+            if not self._header_written:
+                self._write_header()
+            nbytes = self._infos[self._next][4]
+            end = self._file.tell() + -(-nbytes // self.alignment) * self.alignment
+            self._file.seek(end)
+            self._file.truncate(end)  # a hole at the end of the file still counts in its size
             self._next += 1
         except BaseException:
             self.abort()

@@ -4,6 +4,9 @@ A model is one file or a split set (`dwarfstar.gguf.split`: ds4's `…-Layers00-
 `…-Layers-31-output.gguf`), opened from any of its parts. A pipeline stage asks for its layers only,
 `open_model(path, layers=(first, end))`, and maps only the parts that hold them; one machine opens
 every part. `write_split` writes any model as such a set.
+
+A DeepSeek V4.1 file (`deepseek41`) is validated as one (`file_v41`) and then refused: its forward pass
+is not written yet. `file_v41.open_model41` opens it for what describes it (`dwarfstar inspect`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from dwarfstar.gguf.split import (
     write_parts,
 )
 from dwarfstar.model.config import ARCH, ModelArgs
+from dwarfstar.model.config_v41 import ARCH41
+from dwarfstar.model.file_v41 import FAMILY41, NOT_YET, family_problem, read_model41
 from dwarfstar.model.tensors import EMBED, MTP_NEXTN_PROJ, OUTPUT, layer_tensor, validate_tensors
 
 
@@ -82,6 +87,8 @@ def open_model(path: str | os.PathLike, layers: tuple[int, int] | None = None) -
         gguf = GGUFFile(path)
         try:
             check_not_llama_split(gguf)
+            if gguf.metadata.get("general.architecture") == ARCH41:
+                _refuse_v41(gguf)
             args = _trunk_config(gguf, path)
             span = _span(args, layers, path)
             _validate(args, gguf.tensors, span, path)
@@ -123,8 +130,16 @@ def _open_parts(path: Path, named: PartName, layers: tuple[int, int] | None) -> 
     return ModelFile(path, gguf_set, args, None if layers is None else span, tuple(p.path for p in needed))
 
 
+def _refuse_v41(gguf: GGUFFile) -> None:
+    """A V4.1 file is validated as such (its own errors first), then refused: nothing runs it yet."""
+    model = read_model41(gguf)
+    raise ModelFileError(f"{gguf.path}: {FAMILY41} loads ({model.summary()}) {NOT_YET}")
+
+
 def _config(gguf: GGUFFile, path: Path) -> ModelArgs:
     meta = dict(gguf.metadata)
+    if problem := family_problem(meta):
+        raise ModelFileError(f"{path}: {problem}")
     # ds4 files may omit it; the embedding knows, or in a split set's later parts the output matrix
     vocab = gguf.tensors.get(EMBED) or gguf.tensors.get(OUTPUT)
     if f"{ARCH}.vocab_size" not in meta and vocab is not None:

@@ -39,6 +39,7 @@ from dwarfstar.gguf.constants import BLOCK_GEOMETRY, QK_K, GGMLType, ValueType
 from dwarfstar.gguf.quantize import quantize
 from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config import ModelArgs, flash_compress_ratios, pro_compress_ratios
+from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.dspark import DSparkArgs, dspark_tensors, support_metadata
 from dwarfstar.model.tensors import EXPERT, NORM, TensorSpec, expected_tensors, mtp_tensors
 from dwarfstar.model.vision import VISION_EXP, VISION_TINY, VisionArgs
@@ -96,7 +97,7 @@ def preset_with_layers(preset: str, n_layers: int) -> ModelArgs:
 # published files: Q8_0 projections, F16 embeddings/HC/compressor/indexer/router, F32 norms, and the
 # q2 recipe for routed experts (IQ2_XXS gate/up, Q2_K down); "ds4-mxfp4" is "ds4" with every routed
 # expert in MXFP4, as ds4's files that keep the official FP4 experts.
-_DS4_F16 = ("token_embd", "hc_", "compressor", "indexer", "ffn_gate_inp")
+_DS4_F16 = ("token_embd", "hc_", "compressor", "indexer", "ffn_gate_inp", "engram")
 LAYOUTS = ("f32", "ds4", "ds4-mxfp4")
 MTP_SEED_OFFSET = 500_000  # a separate MTP file's tensors draw from other streams than the trunk's
 DSPARK_SEED_OFFSET = 700_000  # and a DSpark support file's from others again
@@ -118,9 +119,9 @@ def layout_experts(layout: str) -> ExpertRecipe:
 
 
 def tensor_type(spec: TensorSpec, layout: str, experts: ExpertRecipe = Q2) -> GGMLType:
-    if spec.types == frozenset({GGMLType.I32}):
-        return GGMLType.I32
-    if layout == "f32" or spec.types == NORM:
+    if len(spec.types) == 1:  # a pinned type: F32 norms, the I32 hash table, V4.1's I8 Engram rows
+        return next(iter(spec.types))
+    if layout == "f32":
         return GGMLType.F32
     short = _short_name(spec.name)
     if spec.types == EXPERT:
@@ -156,7 +157,7 @@ def write_synthetic_model(
         if progress:
             progress(spec.name)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        return _tensor_chunks(spec, ggml_type, args, gen)
+        return tensor_chunks(spec, ggml_type, args, gen)
 
     experts = layout_experts(layout)
     write_model_gguf(path, args, name, lambda spec: tensor_type(spec, layout, experts), data, in_file_mtp)
@@ -238,7 +239,7 @@ def _write_draft(
             writer.add_tensor(spec.name, spec.shape, ggml_type)
         for index, (spec, ggml_type) in enumerate(specs):
             gen = torch.Generator().manual_seed(seed + index)
-            writer.write_tensor(spec.name, _tensor_chunks(spec, ggml_type, args, gen))
+            writer.write_tensor(spec.name, tensor_chunks(spec, ggml_type, args, gen))
 
 
 def write_model_gguf(
@@ -270,7 +271,9 @@ def write_model_gguf(
             writer.write_tensor(spec.name, data_of(index, spec, ggml_type))
 
 
-def _tensor_chunks(spec: TensorSpec, ggml_type: GGMLType, args: ModelArgs, gen: torch.Generator) -> Iterator:
+def tensor_chunks(
+    spec: TensorSpec, ggml_type: GGMLType, args: ModelArgs | ModelArgs41, gen: torch.Generator
+) -> Iterator:
     """Yield the tensor's bytes in row chunks of about 16M elements, so Flash shapes stream."""
     short = _short_name(spec.name)
     if ggml_type == GGMLType.I32:  # token -> expert table: k distinct experts per token

@@ -3,7 +3,8 @@
 Bytes read per decoded token is the weight traffic of one decode step, which bounds decode speed on a
 memory-bound machine: every layer's non-expert weights (attention, compressor, indexer, router, shared
 expert, norms) in full, the routed experts' share actually used (n_activated of n_routed experts), one
-row of the embedding and of the hash-routing table, and the whole output head.
+row of the embedding and of the hash-routing table, and the whole output head; for DeepSeek V4.1, the 24
+Engram rows per table a token looks up, read from the disk.
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dwarfstar.engram.hashing import COLUMNS
+from dwarfstar.engram.rows import ROW_BYTES
 from dwarfstar.gguf.constants import GGMLType, tensor_nbytes
 from dwarfstar.gguf.reader import GGUFFile
 from dwarfstar.model.config import ARCH, ModelArgs
+from dwarfstar.model.config_v41 import ARCH41
 from dwarfstar.model.tensors import expected_tensors
+from dwarfstar.model.tensors_v41 import ENGRAM_TABLE
 from dwarfstar.quant.recipes import recipe_types
 
 _ROW_PER_TOKEN = ("token_embd.weight", "ffn_gate_tid2eid.weight")  # a token reads one row of these
@@ -51,6 +56,10 @@ def token_bytes(tensors: Iterable[TensorRow], n_routed: int, n_activated: int) -
             n = t.nbytes * n_activated // n_routed
             out.routed += n
             kind = "routed experts"
+        elif t.name.endswith(ENGRAM_TABLE):  # V4.1: each token looks up 24 rows of each table, from the disk
+            n = COLUMNS * ROW_BYTES
+            out.rows += n
+            kind = "Engram rows (disk)"
         elif t.name.endswith(_ROW_PER_TOKEN):
             n = t.nbytes // t.shape[0]
             out.rows += n
@@ -66,6 +75,8 @@ def token_bytes(tensors: Iterable[TensorRow], n_routed: int, n_activated: int) -
 def _kind(name: str) -> str:
     if "shexp" in name:
         return "shared expert"
+    if "engram" in name:
+        return "Engram gate/projection"
     if "compressor" in name or "indexer" in name:
         return "compressors/indexer"
     if name.startswith("blk.") and ".attn_" in name and "norm" not in name:
@@ -96,11 +107,18 @@ def totals_by_type(tensors: Iterable[TensorRow]) -> dict[GGMLType, tuple[int, in
 
 
 def expert_counts(metadata: Mapping[str, Any]) -> tuple[int, int] | None:
-    """(n_routed, n_activated) from deepseek4 metadata, or None for files of another architecture."""
-    routed, used = metadata.get(f"{ARCH}.expert_count"), metadata.get(f"{ARCH}.expert_used_count")
-    if metadata.get("general.architecture") != ARCH or not routed or not used:
+    """(n_routed, n_activated) from deepseek4 or deepseek41 metadata, or None for files of another architecture."""
+    arch = metadata.get("general.architecture")
+    keys = _EXPERT_KEYS.get(arch) if isinstance(arch, str) else None
+    if keys is None:
         return None
-    return int(routed), int(used)
+    routed, used = (metadata.get(f"{arch}.{key}") for key in keys)
+    if not isinstance(routed, int) or not isinstance(used, int) or not routed or not used:
+        return None
+    return routed, used
+
+
+_EXPERT_KEYS = {ARCH: ("expert_count", "expert_used_count"), ARCH41: ("n_routed_experts", "num_experts_per_tok")}
 
 
 def describe_value(value: Any, limit: int = 8) -> str:
