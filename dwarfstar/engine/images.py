@@ -103,14 +103,16 @@ def place(
     ids, decides Vision-Exp's leading pads), and the images placed (offsets into these ids). A block's
     ids come from the image's digest and the block's length, which Vision-Exp's leading pads change
     (`content_ids`), so a prefix cache matches the same image at the same alignment, and nothing else.
-    Every image must have its one slot, in order (a template that dropped its message is a clear
-    error). Decoding and resizing each image is the work here; nothing runs the encoder."""
+    Every image must have its one slot (a template that dropped its message is a clear error), in any
+    order: a conversation may render messages in another order than an API reads their parts (an
+    Anthropic turn's tool results before its text). Decoding and resizing each image is the work
+    here; nothing runs the encoder."""
     pieces = split_slots(parts)
     slots = [piece for piece in pieces if isinstance(piece, int)]
-    if slots != list(range(len(images))):
+    if sorted(slots) != list(range(len(images))):
         raise ImageError(
-            f"the prompt places images {slots}, not each of the {len(images)} images once in order (a message's "
-            "text may not hold U+E000/U+E001 sequences: they stand for images)"
+            f"the prompt places images {slots}, not each of the {len(images)} images once (a message's text may "
+            "not hold U+E000/U+E001 sequences: they stand for images)"
         )
     ids: list[int] = []
     placed: list[PlacedImage] = []

@@ -179,6 +179,30 @@ def test_an_image_in_a_tool_result_is_seen(server, engine):
     assert len(blocks(tokens, engine.tokenizer.vocab_size)) == 1
 
 
+def test_a_turn_with_an_image_and_a_tool_result_image_places_both(server, engine):
+    """Anthropic renders a turn's tool results before its text, so its images are placed out of the
+    order they were read in: both blocks are in the prompt."""
+    source = {"type": "base64", "media_type": "image/png", "data": RED}
+    other = {"type": "base64", "media_type": "image/png", "data": BLUE}
+    messages = [
+        {"role": "user", "content": "Open the screenshot."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "read", "input": {}}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "source": other},
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "image", "source": source}]},
+                {"type": "text", "text": "Compare them."},
+            ],
+        },
+    ]
+    tools = [{"name": "read", "input_schema": {"type": "object", "properties": {}}}]
+    reply = post(server, "/v1/messages", {"model": MODEL, "messages": messages, "tools": tools, "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
+    [tokens] = session_tokens(server)
+    assert len(blocks(tokens, engine.tokenizer.vocab_size)) == 2
+
+
 @pytest.mark.parametrize(
     ("image", "said"),
     [
