@@ -1,0 +1,146 @@
+"""The torch reference's V4.1 steps (`forward_v41.Ops41`) over a ds4 `deepseek41` file, float32.
+
+The new numerics come from this package's modules (window, csa2, select, mhc, engram); the rest is V4's
+reference math, which the V4.1 note (§1, §2) says is unchanged: RMSNorm, RoPE with YaRN, sink
+attention over gathered rows (`ops.attention_rows`), grouped wo_a / wo_b, sqrt-softplus routing and
+the clamped-SwiGLU experts. The Engram rows are read from the file through an `EngramStore`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dwarfstar.backends.reference import ops
+from dwarfstar.backends.reference.model import expert_reader
+from dwarfstar.backends.reference.v41 import csa2, engram, mhc, select, window
+from dwarfstar.backends.reference.weights import FLOAT32, GGUFWeights, WeightSource
+from dwarfstar.engram.hashing import EngramHash
+from dwarfstar.engram.store import EngramStore
+from dwarfstar.model import tensors as tt
+from dwarfstar.model import tensors_v41 as tt41
+from dwarfstar.model.config import yarn_inv_freq
+from dwarfstar.model.config_v41 import ModelArgs41
+from dwarfstar.model.file_v41 import ModelFile41
+from dwarfstar.model.numerics import FP4_BLOCK, rope_angles, route
+
+
+class ReferenceOps41:
+    def __init__(self, args: ModelArgs41, weights: WeightSource, engram_hash: EngramHash, store: EngramStore) -> None:
+        self.args, self.weights, self.hash, self.store = args, weights, engram_hash, store
+        self._dense: dict[str, torch.Tensor] = {}  # the layers' float32 weights, read once
+        self.hc = mhc.HcConfig(args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps)
+        self.embedding = weights.dense(tt.EMBED)
+        self.out_norm, self.output = weights.dense(tt.OUTPUT_NORM), weights.dense(tt.OUTPUT)
+        self.experts = {il: expert_reader(weights, il) for il in range(args.n_layers)}
+        self.inv_freq = {
+            il: torch.tensor(yarn_inv_freq(args, args.layer(il)), dtype=torch.float64)  # type: ignore[arg-type]
+            for il in range(args.n_layers)
+        }
+
+    @classmethod
+    def from_file(cls, model: ModelFile41, engram_cache_bytes: int = 0) -> ReferenceOps41:
+        store = EngramStore(model.engram, engram_cache_bytes)
+        return cls(model.args, GGUFWeights(model.gguf), model.engram_hash, store)
+
+    def w(self, il: int, name: str) -> torch.Tensor:
+        full = tt.layer_tensor(il, name)
+        if full not in self._dense:
+            self._dense[full] = self.weights.dense(full)
+        return self._dense[full]
+
+    def _angles(self, il: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_angles(positions, self.inv_freq[il])
+
+    # -- streams ---------------------------------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embedding[tokens].unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+
+    def engram(self, il: int, h: torch.Tensor, tokens: Sequence[int], start: int) -> torch.Tensor:
+        ids = self.hash.rows(il, tokens, start)
+        rows = torch.from_numpy(self.store.rows(il, ids))
+        image = torch.zeros(h.shape[0], dtype=torch.bool)  # text only: no image spans yet
+        weights = (self.w(il, name) for name in (tt41.ENGRAM_KV, tt41.ENGRAM_Q_NORM, tt41.ENGRAM_K_NORM))
+        return engram.engram(h, rows, *weights, image, self.args.norm_eps)
+
+    def mix(self, il: int, site: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return mhc.mix(h, mhc.HcWeights(*(self.w(il, name) for name in tt.hc_mix(site))), self.hc)
+
+    def sublayer_input(self, il: int, site: str, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(mhc.collapse(h, pre), self.w(il, tt.sublayer_norm(site)), self.args.norm_eps)
+
+    def hc_post(self, h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        return ops.hc_post(out, h, post, comb)
+
+    def head(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return ops.linear(ops.rms_norm(mhc.collapse(h, pre), self.out_norm, self.args.norm_eps), self.output)
+
+    # -- attention -------------------------------------------------------------------------------------
+    def query(self, il: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        qr = ops.rms_norm(ops.linear(x, self.w(il, "attn_q_a.weight")), self.w(il, tt.Q_NORM), a.norm_eps)
+        q = ops.linear(qr, self.w(il, "attn_q_b.weight")).view(x.shape[0], a.n_heads, a.head_dim)
+        return ops.apply_rope(q, *self._angles(il, positions)), qr
+
+    def window_rows(self, il: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        kv = ops.linear(x, self.w(il, "attn_kv.weight"))
+        return window.window_rows(kv, self.w(il, tt.KV_NORM), positions, self.inv_freq[il], self.args.norm_eps)
+
+    def compress(
+        self, il: int, x: torch.Tensor, frontier: tuple[torch.Tensor, torch.Tensor] | None, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        spec = self.args.layer(il)
+        kv = ops.linear(x, self.w(il, tt41.COMPRESSOR_KV))
+        score = ops.linear(x, self.w(il, tt41.COMPRESSOR_GATE)) if spec.has_gate else None
+        if score is not None and frontier is None:
+            frontier = csa2.new_frontier(kv.shape[1])
+        done = csa2.compress(
+            kv,
+            score,
+            None if frontier is None else csa2.Frontier(*frontier),
+            self.w(il, tt41.COMPRESSOR_NORM),
+            self.w(il, tt41.INDEX_K),
+            self.w(il, tt41.INDEX_K_NORM),
+            self.inv_freq[il],
+            start,
+            self.args.norm_eps,
+        )
+        return done.rows, done.index_keys, done.frontier
+
+    def index_scores(
+        self, il: int, qr: torch.Tensor, x: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        a, t = self.args, x.shape[0]
+        iq = ops.linear(qr, self.w(il, tt41.INDEX_Q)).view(t, a.index_n_heads, a.index_head_dim)
+        iq = ops.fp4_round(ops.apply_rope(iq, *self._angles(il, positions)), FP4_BLOCK)
+        weights = ops.linear(x, self.w(il, tt41.INDEX_PROJ))
+        return select.index_scores(iq, weights, keys, positions, a.compress_ratios[il])
+
+    def candidates(self, scores: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+        a = self.args
+        return select.candidate_mask(scores, positions, ratio, a.candidate_block_size, a.candidate_topk_blocks)
+
+    def top_k(
+        self, scores: torch.Tensor, positions: torch.Tensor, ratio: int, end: int, candidates: torch.Tensor | None
+    ) -> torch.Tensor:
+        return select.top_k(scores, positions, ratio, end, self.args.index_topk, candidates)
+
+    def attend(
+        self, il: int, q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor
+    ) -> torch.Tensor:
+        a = self.args
+        out, _ = ops.attention_rows(q, parts, self.w(il, tt.SINKS))
+        o = ops.apply_rope(out, *self._angles(il, positions), inverse=True)
+        heads, rank, wo_a = o.reshape(o.shape[0], a.o_groups, -1), a.o_lora_rank, self.w(il, tt.OUT_A)
+        grouped = torch.cat([ops.linear(heads[:, g], wo_a[g * rank : (g + 1) * rank]) for g in range(a.o_groups)], 1)
+        return ops.linear(grouped, self.w(il, tt.OUT_B))
+
+    # -- mixture of experts ----------------------------------------------------------------------------
+    def moe(self, il: int, x: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        logits = ops.linear(x, self.w(il, tt.ROUTER))
+        ids, weights = route(logits, a.n_activated_experts, a.route_scale, self.w(il, tt.ROUTER_BIAS), None)
+        out = ops.routed_ffn(x, ids, ids, weights, self.experts[il], FLOAT32, a.swiglu_limit)
+        gate, up, down = (self.w(il, name) for name in tt.SHARED_EXPERT)
+        return out + ops.linear(ops.swiglu_clamped(ops.linear(x, gate), ops.linear(x, up), a.swiglu_limit), down)
