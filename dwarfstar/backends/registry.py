@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from dwarfstar.backends.protocol import Backend
     from dwarfstar.experts.store import ExpertStore
+    from dwarfstar.model.file_v41 import ModelFile41
     from dwarfstar.model.forward import Batch, Transformer
     from dwarfstar.model.loader import ModelFile
     from dwarfstar.model.vision import VisionArgs, VisionOps
@@ -86,6 +87,13 @@ class BackendEntry(ABC):
     @abstractmethod
     def load(self, model: ModelFile, load: Load) -> Backend:
         """The backend over `model`; with `load.stream` the routed experts are left in the file."""
+
+    def load41(self, model: ModelFile41, load: Load, engram_cache_bytes: int) -> Backend:
+        """The backend over a DeepSeek V4.1 file, its Engram rows read through a cache of
+        `engram_cache_bytes`; only the reference runs V4.1 yet."""
+        raise DwarfStarError(
+            f"the {self.name} backend does not run DeepSeek V4.1 yet (issue 33): use --backend reference"
+        )
 
     def usable_memory(self) -> int:
         """Bytes the backend's experts can live in."""
@@ -142,6 +150,11 @@ class Reference(BackendEntry):
 
         return ReferenceModel(model, qat=load.qat, max_seq_len=load.ctx, progress=load.progress, kv_slots=load.kv_slots)
 
+    def load41(self, model, load, engram_cache_bytes):
+        from dwarfstar.backends.reference.v41.backend import ReferenceModel41
+
+        return ReferenceModel41.from_file(model, engram_cache_bytes, load.ctx)
+
     def attach_experts(self, backend, store):
         from dwarfstar.experts.attach import reference_expert
         from dwarfstar.experts.source import StreamingExperts
@@ -188,6 +201,8 @@ class Cpu(Reference):
         return ReferenceModel(
             model, load.qat, load.ctx, load.progress, load.kv_slots, products=_kernel_products(model, load.threads)
         )
+
+    load41 = BackendEntry.load41  # the CPU kernels do not run V4.1's products yet
 
     def owns(self, model):
         from dwarfstar.backends.reference.weights import FLOAT32

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 
 from dwarfstar.distributed.dist_options import ROLES, SECRET_ENV, TRANSPORTS
-from dwarfstar.engine.spec import BACKENDS, PRECISION_HELP, EngineSpec
+from dwarfstar.engine.spec import BACKENDS, DEFAULT_ENGRAM_CACHE_MB, PRECISION_HELP, EngineSpec
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.prompt.efforts import MAX_THINK_LEVEL, think_level_error
 from dwarfstar.speculative.mtp_options import ALIGNMENTS, MAX_DRAFT, MAX_MARGIN
@@ -108,6 +108,14 @@ Threads = Annotated[
     int | None,
     typer.Option(min=1, help="CPU threads of the cpu backend's kernels (default: every core).", rich_help_panel=MODEL),
 ]
+EngramCache = Annotated[
+    int,
+    typer.Option(
+        "--engram-cache", metavar="MB", min=0,
+        help="MB of Engram rows a DeepSeek V4.1 model keeps in memory (the tables stay on the disk).",
+        rich_help_panel=MODEL,
+    ),
+]  # fmt: skip
 Ctx = Annotated[int, typer.Option("-c", "--ctx", min=1, help="Context size in tokens.", rich_help_panel=MODEL)]
 Power = Annotated[
     int,
@@ -169,6 +177,7 @@ class ModelFlags:
     precision: Precision = "exact"
     threads: Threads = None
     cpu_moe: CpuMoe = None
+    engram_cache: EngramCache = DEFAULT_ENGRAM_CACHE_MB
 
     def path(self) -> Path:
         from dwarfstar.model.hub import resolve_model
@@ -177,7 +186,7 @@ class ModelFlags:
 
     def spec(self, **options: Any) -> EngineSpec:
         """The engine these flags name, with `options` (`EngineSpec`'s other fields: ctx, steering...)."""
-        flags = dict(threads=self.threads, cpu_moe=self.cpu_moe)
+        flags = dict(threads=self.threads, cpu_moe=self.cpu_moe, engram_cache=self.engram_cache)
         return EngineSpec(self.path(), self.backend, self.precision, **flags, **options)
 
 

@@ -23,7 +23,8 @@ from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.attach import check_fits, streaming_store
 from dwarfstar.experts.store import ExpertStore
-from dwarfstar.model.loader import ModelFile, open_model
+from dwarfstar.model.file_v41 import FAMILY41, ModelFile41, open_model41
+from dwarfstar.model.loader import ModelFile, is_v41, open_model
 from dwarfstar.model.vision import VISION_EXP
 from dwarfstar.model.vision_file import LM_VARIANT_KEY, VisionFile, open_vision
 from dwarfstar.tokenizer.tokenizer import Tokenizer
@@ -31,7 +32,7 @@ from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 @dataclass
 class Engine:
-    model: ModelFile
+    model: ModelFile | ModelFile41
     backend: Backend
     backend_name: str
     tokenizer: Tokenizer
@@ -66,12 +67,15 @@ def spec_backend(spec: EngineSpec) -> str:
     return name
 
 
-def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = None) -> Engine:
+def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = None, v41: bool = False) -> Engine:
     """Open, validate and load what `spec` describes; `progress(done, total)` follows the weights being
-    read. The only way to an `Engine`: the command line builds the spec from its flags."""
+    read. The only way to an `Engine`: the command line builds the spec from its flags. `v41`: the caller
+    runs a DeepSeek V4.1 file too (a chat: `load_engine41`); without it such a file is refused."""
     start = time.perf_counter()
     name = spec_backend(spec)
     entry = backend_entry(name)
+    if v41 and is_v41(spec.model):
+        return load_engine41(spec, name, progress)
     model = open_model(spec.model, spec.stage_layers())
     tokenizer = Tokenizer.from_gguf_metadata(model.gguf.metadata)
     streaming, steering = spec.streaming, spec.steering
@@ -104,6 +108,37 @@ def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = 
     if progress is not None and not entry.reports_progress:
         progress(1, 1)  # this backend reports no steps; still finish the bar
     return Engine(model, impl, name, tokenizer, time.perf_counter() - start, experts, images)
+
+
+V41_REFUSED = {  # what a V4.1 engine cannot take yet: the spec's field, its flag
+    "layers": "a layer slice",
+    "streaming": "--ssd-streaming",
+    "steering": "--dir-steering-file",
+    "speculation": "--mtp / --dspark",
+    "dist": "a layer pipeline",
+    "cpu_moe": "--cpu-moe",
+    "vision": "--vision",
+}
+
+
+def load_engine41(spec: EngineSpec, name: str, progress: Callable[[int, int], None] | None = None) -> Engine:
+    """A DeepSeek V4.1 engine (text only) on the backend `name`; the spec's V4-only options are refused."""
+    start = time.perf_counter()
+    for field, flag in V41_REFUSED.items():
+        if getattr(spec, field) is not None:
+            raise DwarfStarError(f"{flag} does not run with {FAMILY41} yet (issue 33)")
+    entry = backend_entry(name)
+    model = open_model41(spec.model)
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(model.gguf.metadata)
+        load = Load(spec.qat, spec.precision, spec.ctx, spec.kv_slots or entry.kv_slots, False, progress=progress)
+        impl = entry.load41(model, load, spec.engram_cache << 20)
+    except BaseException:
+        model.close()
+        raise
+    if progress is not None:
+        progress(1, 1)  # the weights are read as the layers first run
+    return Engine(model, impl, name, tokenizer, time.perf_counter() - start)
 
 
 def open_encoder(path: Path, model: ModelFile) -> VisionFile:

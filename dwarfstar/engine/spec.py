@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 BACKENDS = ("auto", *ENTRIES)
 PRECISIONS = ("exact", "fast")
+DEFAULT_ENGRAM_CACHE_MB = 1024
 PRECISION_HELP = (
     "exact: fp32 products (reference and triton: a decoded row has the same bits whatever rows share its "
     "step, up to 256); fast (triton only): bf16 operands in prefill products and in decode steps of over 8 "
@@ -48,6 +49,7 @@ class EngineSpec:
     threads: int | None = None  # CPU threads of the cpu backend's kernels (default: every core)
     cpu_moe: str | None = None  # "N" or "all": the first N layers' routed experts on the CPU kernels (GPU backends)
     vision: Path | None = None  # a vision encoder GGUF (ds4's Vision-Exp sidecar): images in the prompt
+    engram_cache: int = DEFAULT_ENGRAM_CACHE_MB  # MB of Engram rows a V4.1 model keeps in memory (`EngramStore`)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))
@@ -65,6 +67,8 @@ class EngineSpec:
             raise DwarfStarError(f"--cpu-moe takes a layer count or 'all', got {self.cpu_moe!r}")
         if self.threads is not None and self.threads < 1:
             raise DwarfStarError(f"--threads must be at least 1, got {self.threads}")
+        if self.engram_cache < 0:
+            raise DwarfStarError(f"--engram-cache takes MB, 0 or more, got {self.engram_cache}")
         if not 1 <= self.power <= 100:
             raise DwarfStarError(f"--power must be 1..100, got {self.power}")
 

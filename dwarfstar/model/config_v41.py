@@ -31,6 +31,7 @@ import numpy as np
 
 from dwarfstar.errors import ConfigError
 from dwarfstar.gguf.constants import ValueType
+from dwarfstar.model.config import V41
 
 ARCH41 = "deepseek41"
 MODEL_TYPE = "deepseek_v41"  # config.json's model_type, which ds4's converter checks
@@ -188,6 +189,12 @@ class ModelArgs41:
     @property
     def heads_per_group(self) -> int:
         return self.n_heads // self.o_groups
+
+    @property
+    def reasoning_efforts(self) -> str:
+        """The release whose reasoning-effort table the prompt follows (`prompt/efforts.py`): V4.1's
+        think levels, as `ModelArgs.reasoning_efforts` names a V4 file's."""
+        return V41
 
     @property
     def hc_mix_dim(self) -> int:

@@ -9,7 +9,8 @@ is an error at load: a table whose rows are not its primes' sum, a token map of 
 with an id past the compressed vocabulary, an even or overflowing multiplier. A truncated file is
 refused by the GGUF reader already (every tensor, the tables included, must lie inside the file).
 
-V4.1's forward pass does not exist yet, so the engine refuses these files (`loader.open_model`);
+The engine runs these files on the reference where a command takes V4.1 (`dwarfstar run`:
+`engine.load.load_engine41`); every other V4 command refuses them (`loader.open_model`), and
 `dwarfstar inspect` describes them (`describe`).
 """
 

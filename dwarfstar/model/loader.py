@@ -5,8 +5,9 @@ A model is one file or a split set (`dwarfstar.gguf.split`: ds4's `…-Layers00-
 `open_model(path, layers=(first, end))`, and maps only the parts that hold them; one machine opens
 every part. `write_split` writes any model as such a set.
 
-A DeepSeek V4.1 file (`deepseek41`) is validated as one (`file_v41`) and then refused: its forward pass
-is not written yet. `file_v41.open_model41` opens it for what describes it (`dwarfstar inspect`).
+A DeepSeek V4.1 file (`deepseek41`) is validated as one (`file_v41`) and then refused: only the engine
+runs it (`engine.load.load_engine` opens it with `file_v41.open_model41` where the command takes V4.1:
+`is_v41`), and `dwarfstar inspect` describes it; every other V4 command refuses it here.
 """
 
 from __future__ import annotations
@@ -97,6 +98,18 @@ def open_model(path: str | os.PathLike, layers: tuple[int, int] | None = None) -
             raise
         return ModelFile(path, gguf, args, None if layers is None else span, (path,))
     return _open_parts(path, part, layers)
+
+
+def is_v41(path: str | os.PathLike) -> bool:
+    """Whether `path` is a single DeepSeek V4.1 file (`general.architecture` says so)."""
+    path = Path(path)
+    if not path.is_file() or PartName.of(path) is not None:
+        return False
+    gguf = GGUFFile(path)
+    try:
+        return gguf.metadata.get("general.architecture") == ARCH41
+    finally:
+        gguf.close()
 
 
 def _open_parts(path: Path, named: PartName, layers: tuple[int, int] | None) -> ModelFile:

@@ -5,6 +5,10 @@ positions), per layer the window rows of the last `window - 1` positions (a quer
 .. p; its own call supplies the rest), per kv-source layer its compressed rows and index keys, and per
 ratio-2 source the compressor frontier (the unfinished group's 2 slots). Reuse and reindex layers own no
 compressed cache: they read their source's. Everything is float32 torch tensors, the reference's layout.
+
+For the session layer (`session.Session`): the next-token `logits` after the last call, and
+`snapshot`/`restore` for its checkpoints and truncation replays. A snapshot is a copy of everything
+(the reference's simplest exact form: no row is shared, so every snapshot stays restorable).
 """
 
 from __future__ import annotations
@@ -24,11 +28,47 @@ class SequenceState41:
     rows: dict[int, torch.Tensor] = field(default_factory=dict)  # kv source -> compressed rows [G, head_dim]
     index_keys: dict[int, torch.Tensor] = field(default_factory=dict)  # kv source -> [G, index_head_dim]
     frontiers: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # ratio-2 source
+    logits: torch.Tensor | None = None  # [vocab]: the next token's after the last call; None before one
 
     @property
     def pos(self) -> int:
         """The position of the next token."""
         return len(self.tokens)
+
+    def snapshot(self) -> SequenceState41:
+        """A copy of the state as it is now (`restore` returns to it)."""
+        return _copy(self)
+
+    def can_restore(self, snap: SequenceState41) -> bool:
+        """Every snapshot is a whole copy: any one of a sequence of this model can be returned to."""
+        return snap.window == self.window
+
+    def restore(self, snap: SequenceState41) -> None:
+        """Return to `snap` (taken by `snapshot`); the snapshot stays usable."""
+        if not self.can_restore(snap):
+            raise ValueError(f"a snapshot of window {snap.window} cannot restore a state of window {self.window}")
+        copy = _copy(snap)
+        self.tokens, self.windows, self.rows = copy.tokens, copy.windows, copy.rows
+        self.index_keys, self.frontiers, self.logits = copy.index_keys, copy.frontiers, copy.logits
+
+    def nbytes(self) -> int:
+        """Bytes of its tensors: window rows, compressed rows, index keys, frontiers and logits."""
+        tensors = [*self.windows.values(), *self.rows.values(), *self.index_keys.values()]
+        tensors += [t for pair in self.frontiers.values() for t in pair]
+        tensors += [] if self.logits is None else [self.logits]
+        return sum(int(t.nbytes) for t in tensors)
+
+
+def _copy(state: SequenceState41) -> SequenceState41:
+    return SequenceState41(
+        state.window,
+        list(state.tokens),
+        {il: t.clone() for il, t in state.windows.items()},
+        {il: t.clone() for il, t in state.rows.items()},
+        {il: t.clone() for il, t in state.index_keys.items()},
+        {il: (a.clone(), b.clone()) for il, (a, b) in state.frontiers.items()},
+        None if state.logits is None else state.logits.clone(),
+    )
 
 
 def new_sequence41(args: ModelArgs41) -> SequenceState41:

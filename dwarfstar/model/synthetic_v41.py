@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ from dwarfstar.model.config_v41 import ModelArgs41, layer_plan
 from dwarfstar.model.file_v41 import engram_hash_metadata
 from dwarfstar.model.synthetic import layout_experts, tensor_chunks, tensor_type
 from dwarfstar.model.tensors_v41 import ENGRAM_ROWS, expected_tensors41
+from dwarfstar.tokenizer.specials import SYSTEM
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, tokenizer_metadata
 
@@ -41,6 +43,7 @@ ALIGNMENT = 16384  # ds4's V4.1 files: a table's pages can be dropped without to
 TINY_ENGRAM_LAYERS = (1, 6)
 TINY_PRIME_START = 64
 ENGRAM_ROWS_PER_CHUNK = 1 << 16
+SYSTEM_ID = 128799  # `<｜System｜>` in V4.1's vocabulary (a placeholder in V4's bundled one)
 
 
 def _prime_rows(layers: tuple[int, ...], start: int) -> tuple[int, ...]:
@@ -124,7 +127,7 @@ def write_synthetic_v41(
     metadata = args.to_gguf_metadata()
     metadata["general.name"] = (ValueType.STRING, name)
     metadata.update(engram_hash_metadata(synthetic_engram_hash(args), args.engram_layers))
-    metadata.update(tokenizer_metadata(bundled_tokenizer_json(), args.vocab_size))
+    metadata.update(_v41_vocabulary(args.vocab_size))
     experts = layout_experts(layout)
     specs = [(spec, tensor_type(spec, layout, experts)) for spec in expected_tensors41(args)]
     with GGUFWriter(path, metadata, alignment=ALIGNMENT) as writer:
@@ -138,6 +141,17 @@ def write_synthetic_v41(
                 writer.skip_tensor(spec.name)
             else:
                 writer.write_tensor(spec.name, _engram_rows(spec.shape[0], gen))
+
+
+def _v41_vocabulary(vocab_size: int) -> dict[str, tuple[ValueType, Any]]:
+    """The bundled V4 tokenizer's keys with V4.1's `<｜System｜>` token named, which its prompts open
+    system messages with (`prompt/render.py`)."""
+    metadata = tokenizer_metadata(bundled_tokenizer_json(), vocab_size)
+    kind, (item, tokens) = metadata["tokenizer.ggml.tokens"]
+    if SYSTEM_ID < vocab_size:
+        tokens = [*tokens[:SYSTEM_ID], SYSTEM, *tokens[SYSTEM_ID + 1 :]]
+    metadata["tokenizer.ggml.tokens"] = (kind, (item, tokens))
+    return metadata
 
 
 def _engram_rows(rows: int, gen: torch.Generator):

@@ -1,0 +1,186 @@
+"""A V4.1 model end to end on the reference (issue 33): the engine loads `v41-tiny`, the session layer
+drives it (prefill, greedy generate, truncation replays from snapshots), `dwarfstar run` answers, and
+what does not run V4.1 yet is a clear error."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dwarfstar.backends.reference.v41.backend import ReferenceModel41
+from dwarfstar.backends.registry import Load, backend_entry
+from dwarfstar.cli import _register_commands, main
+from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.spec import EngineSpec
+from dwarfstar.engram.rows import ROW_BYTES
+from dwarfstar.errors import DwarfStarError, ModelFileError
+from dwarfstar.model.config import V41
+from dwarfstar.model.file_v41 import NOT_YET, ModelFile41, open_model41
+from dwarfstar.model.image_spans import ImageSpan
+from dwarfstar.model.loader import open_model
+from dwarfstar.model.synthetic_v41 import V41_TINY, write_synthetic_v41
+from dwarfstar.prompt.render import render_conversation
+from dwarfstar.prompt.render_options import RenderOptions
+from dwarfstar.sampling import SamplingParams
+from dwarfstar.session.session import Session
+
+_register_commands()
+
+PROMPT = [(7919 * i + 101) % 120000 for i in range(23)]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("v41") / "v41-tiny.gguf"
+    write_synthetic_v41(path, V41_TINY, seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(path):
+    return load_engine(EngineSpec(path, "reference", ctx=256, engram_cache=1), v41=True)
+
+
+def test_the_engine_loads_v41_on_the_reference(engine, path):
+    assert isinstance(engine.model, ModelFile41) and isinstance(engine.backend, ReferenceModel41)
+    assert engine.backend_name == "reference" and engine.backend.max_seq_len == 256
+    assert engine.backend.transformer.ops.store.capacity == (1 << 20) // ROW_BYTES  # --engram-cache 1 (MB)
+    assert engine.model.args.reasoning_efforts == V41
+    # the renderer opens a V4.1 system message with `<｜System｜>`, which the file's vocabulary holds
+    text = render_conversation([{"role": "system", "content": "S"}], options=RenderOptions(efforts=V41)).text
+    assert engine.tokenizer.encode_prompt(text)  # every control token resolves
+
+
+def greedy_loop(backend: ReferenceModel41, prompt: list[int], n: int) -> list[int]:
+    """The forward's own greedy decode: argmax of each call's logits, fed back."""
+    state, out = backend.new_state(), []
+    logits = backend.transformer.forward(prompt, state)
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = backend.transformer.forward(out[-1:], state)
+    return out
+
+
+def test_session_greedy_generate_equals_the_forward(engine):
+    session = Session(engine.backend, ctx=256, chunk=8)  # the prompt runs in 3 passes
+    session.prefill(PROMPT)
+    assert session.checkpoints == [8, 16]
+    got = list(session.generate(6, GREEDY))
+    assert got == greedy_loop(engine.backend, PROMPT, 6)
+    assert session.tokens == PROMPT + got and session.state.pos == len(PROMPT) + 6
+
+
+def test_truncate_replays_to_a_fresh_sessions_logits(engine):
+    session = Session(engine.backend, ctx=256, chunk=8)
+    session.prefill(PROMPT)
+    list(session.generate(4, GREEDY))
+    changed = [5, 9, 11]
+    for cut in (19, 16, 3):  # from a checkpoint with replay, on one, before every one
+        session.truncate(cut)
+        assert session.tokens == PROMPT[:cut]
+        session.prefill(changed)
+        fresh = Session(engine.backend, ctx=256, chunk=8)
+        fresh.prefill(PROMPT[:cut] + changed)
+        assert torch.equal(session.logits, fresh.logits), cut
+        assert session.state.pos == fresh.state.pos
+        session.truncate(cut)
+        session.prefill(PROMPT[cut:])
+    assert session.tokens == PROMPT
+
+
+def test_snapshots_are_copies(engine):
+    state = engine.backend.new_state()
+    engine.backend.forward(PROMPT[:9], state, all_logits=False)
+    snap = state.snapshot()
+    before = state.nbytes()
+    engine.backend.forward(PROMPT[9:], state, all_logits=False)
+    assert state.nbytes() > before
+    state.restore(snap)
+    assert state.pos == 9 and state.nbytes() == before
+    again = engine.backend.forward(PROMPT[9:], state, all_logits=False)
+    state.restore(snap)  # a snapshot stays usable after a restore
+    assert torch.equal(engine.backend.forward(PROMPT[9:], state, all_logits=False), again)
+
+
+def test_all_logits_and_batches(engine):
+    backend = engine.backend
+    one, two = backend.new_state(), backend.new_state()
+    every = backend.forward(PROMPT[:5], one, all_logits=True)
+    assert every.shape == (5, backend.args.vocab_size)
+    singles = backend.new_state()
+    for i, t in enumerate(PROMPT[:5]):
+        assert torch.equal(backend.forward([t], singles, all_logits=False)[0], every[i])
+    a, b = backend.forward_batch([PROMPT[5:7], PROMPT[:3]], [one, two], all_logits=False)
+    assert a.shape == b.shape == (1, backend.args.vocab_size) and (one.pos, two.pos) == (7, 3)
+    assert torch.equal(one.logits, a[0]) and torch.equal(two.logits, b[0])
+
+
+def test_bad_input_is_refused_before_any_state_changes(engine):
+    backend, state = engine.backend, engine.backend.new_state()
+    span = ImageSpan(0, torch.zeros(2, backend.args.dim))
+    with pytest.raises(DwarfStarError, match="reads no images yet.*issue 33"):
+        backend.forward([1, 2], state, images=[span])
+    with pytest.raises(DwarfStarError, match="outside the vocabulary"):
+        backend.forward_batch([[1], [backend.args.vocab_size]], [state, backend.new_state()], all_logits=False)
+    with pytest.raises(DwarfStarError, match="context overflow"):
+        backend.forward([1] * 257, state)
+    assert state.pos == 0 and state.logits is None
+
+
+def test_what_does_not_run_v41_is_a_clear_error(path, tmp_path):
+    with pytest.raises(ModelFileError, match=NOT_YET):
+        open_model(path)  # every V4 command still refuses the file
+    with pytest.raises(ModelFileError, match=NOT_YET):
+        load_engine(EngineSpec(path, "reference"))  # a command that does not take V4.1
+    model = open_model41(path)
+    try:
+        for name in ("triton", "cpu", "mlx"):
+            with pytest.raises(DwarfStarError, match=f"the {name} backend does not run DeepSeek V4.1 yet.*issue 33"):
+                backend_entry(name).load41(model, Load(True, "exact", None, 1, False), 0)
+    finally:
+        model.close()
+    with pytest.raises(DwarfStarError, match="--ssd-streaming does not run with DeepSeek V4.1 Flash yet"):
+        load_engine(EngineSpec(path, "reference", streaming=object()), v41=True)  # type: ignore[arg-type]
+    with pytest.raises(DwarfStarError, match="--engram-cache takes MB"):
+        EngineSpec(path, engram_cache=-1)
+
+
+def cli(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["dwarfstar", *argv])
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    out = capsys.readouterr()
+    return stopped.value.code or 0, out.out, out.err
+
+
+def test_cli_run_answers_on_v41(monkeypatch, capsys, path):
+    args = [
+        "run",
+        "-m",
+        str(path),
+        "-p",
+        "hello there",
+        "-n",
+        "4",
+        "--backend",
+        "reference",
+        "--temp",
+        "0",
+        "--no-think",
+    ]
+    code, out, err = cli(monkeypatch, capsys, *args, "--engram-cache", "8")
+    assert code == 0, err
+    assert out.strip() and "decode 4 tok" in err
+
+
+def test_cli_run_refuses_other_backends_and_serve_refuses_v41(monkeypatch, capsys, path):
+    code, _, err = cli(monkeypatch, capsys, "run", "-m", str(path), "-p", "hi", "--backend", "triton")
+    assert code == 2 and "triton" in err and "Traceback" not in err
+    code, _, err = cli(monkeypatch, capsys, "run", "-m", str(path), "-p", "hi", "--backend", "cpu")
+    assert code == 2 and "the cpu backend does not run DeepSeek V4.1 yet (issue 33)" in err
+    code, _, err = cli(monkeypatch, capsys, "serve", "-m", str(path), "--backend", "reference", "--port", "0")
+    assert code == 2 and NOT_YET in err and "Traceback" not in err
