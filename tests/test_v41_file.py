@@ -103,7 +103,7 @@ def test_the_engine_refuses_v41_with_one_sentence(tiny41: Path) -> None:
         open_model(tiny41)
     text = str(err.value)
     assert "DeepSeek V4.1 Flash loads (12 layers" in text
-    assert text.endswith("but its forward is not implemented yet: issue 33")
+    assert text.endswith("but only `dwarfstar run` on the reference backend runs it yet (issue 33)")
 
 
 def test_inspect_shows_modes_and_engram_bytes(tiny41: Path, monkeypatch, capsys) -> None:
