@@ -185,3 +185,21 @@ def test_cli_run_refuses_other_backends_and_serve_refuses_v41(monkeypatch, capsy
     assert code == 2 and "the cpu backend does not run DeepSeek V4.1 yet (issue 33)" in err
     code, _, err = cli(monkeypatch, capsys, "serve", "-m", str(path), "--backend", "reference", "--port", "0")
     assert code == 2 and NOT_YET in err and "Traceback" not in err
+
+
+def test_a_prompts_engram_rows_are_read_ahead_once(path):
+    """A prefill call starts the read of all its Engram rows before layer 0 runs (the ids decide them); a
+    decode step does not; every row is read from the file once, whoever asks first."""
+    backend = ReferenceModel41.from_file(open_model41(path), 1 << 20, 256)
+    ops = backend.transformer.ops
+    asked: list[tuple[int, int]] = []
+    prefetch = ops.prefetch
+    ops.prefetch = lambda tokens, start: (asked.append((len(tokens), start)), prefetch(tokens, start))
+    state = backend.new_state()
+    prompt = list(range(100, 130))
+    backend.forward(prompt, state, all_logits=False)
+    backend.forward([7], state, all_logits=False)
+    assert asked == [(30, 0)]
+    rows = {(il, int(r)) for il in backend.args.engram_layers for r in ops.hash.rows(il, [*prompt, 7]).ravel()}
+    stats = ops.store.telemetry()
+    assert stats["misses"] == len(rows) and stats["prefetched"] <= stats["misses"]

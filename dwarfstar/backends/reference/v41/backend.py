@@ -49,6 +49,8 @@ class ReferenceModel41:
         """Logits after the tokens, which continue `state`: [T, vocab] with `all_logits`, else [1, vocab];
         `state.logits` holds the last one's. Bad input is refused before the state changes."""
         ids = self._check(tokens, state, images)
+        if len(ids) > 1:  # a prompt's rows, read ahead (a decode step's 48 are not worth the hand-off)
+            self.transformer.ops.prefetch([*state.tokens, *ids], state.pos)
         steps = [[t] for t in ids] if all_logits else [ids]
         logits = torch.stack([self.transformer.forward(step, state) for step in steps])
         state.logits = logits[-1]

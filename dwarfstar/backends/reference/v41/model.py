@@ -57,6 +57,11 @@ class ReferenceOps41:
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embedding[tokens].unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
 
+    def prefetch(self, tokens: Sequence[int], start: int) -> None:
+        """Start reading the Engram rows positions `start`.. of `tokens` will look up, on the store's
+        background thread: the ids alone decide them, so layer 0 runs while they arrive."""
+        self.store.prefetch({il: self.hash.rows(il, tokens, start).ravel() for il in self.args.engram_layers})
+
     def engram(self, il: int, h: torch.Tensor, tokens: Sequence[int], start: int) -> torch.Tensor:
         ids = self.hash.rows(il, tokens, start)
         rows = torch.from_numpy(self.store.rows(il, ids))
