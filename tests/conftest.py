@@ -103,6 +103,16 @@ def tiny_vision_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def v41_tiny_file(tmp_path_factory) -> Path:
+    """The synthetic `v41-tiny` DeepSeek V4.1 file (seed 0), written once per run."""
+    from dwarfstar.model.synthetic_v41 import V41_TINY, write_synthetic_v41
+
+    path = tmp_path_factory.mktemp("v41") / "v41-tiny.gguf"
+    write_synthetic_v41(path, V41_TINY, seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
 def close_arrays() -> Callable[..., bool]:
     """close(got, want, tol=1e-5) -> whether two arrays (torch or numpy) match: the same shape, the same
     infinities (a compressor frontier's empty slots hold gate -inf), and the finite values within tol

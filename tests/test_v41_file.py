@@ -27,10 +27,8 @@ from dwarfstar.model.synthetic_v41 import V41_TINY, v41_preset, write_synthetic_
 
 
 @pytest.fixture(scope="module")
-def tiny41(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("v41") / "v41-tiny.gguf"
-    write_synthetic_v41(path, V41_TINY, seed=0)
-    return path
+def tiny41(v41_tiny_file) -> Path:
+    return v41_tiny_file
 
 
 @pytest.fixture(scope="module")

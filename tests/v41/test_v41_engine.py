@@ -5,15 +5,15 @@ what does not run V4.1 yet is a clear error."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from test_cli_front import cli
 
 from dwarfstar.backends.reference.v41.backend import ReferenceModel41
 from dwarfstar.backends.registry import Load, backend_entry
-from dwarfstar.cli import _register_commands, main
+from dwarfstar.cli import _register_commands
 from dwarfstar.engine.load import load_engine
 from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.engram.rows import ROW_BYTES
@@ -22,7 +22,6 @@ from dwarfstar.model.config import V41
 from dwarfstar.model.file_v41 import NOT_YET, ModelFile41, open_model41
 from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.loader import open_model
-from dwarfstar.model.synthetic_v41 import V41_TINY, write_synthetic_v41
 from dwarfstar.prompt.render import render_conversation
 from dwarfstar.prompt.render_options import RenderOptions
 from dwarfstar.sampling import SamplingParams
@@ -35,10 +34,8 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def path(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("v41") / "v41-tiny.gguf"
-    write_synthetic_v41(path, V41_TINY, seed=0)
-    return path
+def path(v41_tiny_file) -> Path:
+    return v41_tiny_file
 
 
 @pytest.fixture(scope="module")
@@ -148,14 +145,6 @@ def test_what_does_not_run_v41_is_a_clear_error(path, tmp_path):
         load_engine(EngineSpec(path, "reference", streaming=object()), v41=True)  # type: ignore[arg-type]
     with pytest.raises(DwarfStarError, match="--engram-cache takes MB"):
         EngineSpec(path, engram_cache=-1)
-
-
-def cli(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["dwarfstar", *argv])
-    with pytest.raises(SystemExit) as stopped:
-        main()
-    out = capsys.readouterr()
-    return stopped.value.code or 0, out.out, out.err
 
 
 def test_cli_run_answers_on_v41(monkeypatch, capsys, path):

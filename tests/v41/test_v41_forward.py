@@ -19,16 +19,13 @@ from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.file_v41 import ModelFile41, open_model41
 from dwarfstar.model.forward_v41 import Transformer41
 from dwarfstar.model.state_v41 import new_sequence41
-from dwarfstar.model.synthetic_v41 import V41_TINY, write_synthetic_v41
 
 PROMPT = [(7919 * i + 101) % 120000 for i in range(41)]  # odd: a ratio-2 group is left open at the end
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> ModelFile41:
-    path = tmp_path_factory.mktemp("v41") / "tiny.gguf"
-    write_synthetic_v41(path, V41_TINY, seed=0)
-    return open_model41(path)
+def model(v41_tiny_file) -> ModelFile41:
+    return open_model41(v41_tiny_file)
 
 
 def run(model: ModelFile41, chunks: list[int]) -> torch.Tensor:
