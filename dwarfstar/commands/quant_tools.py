@@ -13,8 +13,9 @@ from dwarfstar.commands.apps import TOOLS, app
 from dwarfstar.commands.flags import output, writable
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from dwarfstar.gguf.constants import GGMLType
-    from dwarfstar.gguf.reader import GGUFFile
     from dwarfstar.gguf.split import GGUFSet
     from dwarfstar.quant.quality import Quality
 
@@ -174,7 +175,11 @@ def inspect_command(
     its layer modes and Engram tables (resident vs on-disk bytes) first."""
     from dwarfstar.gguf.split import GGUFSet
     from dwarfstar.model.config_v41 import ARCH41
+    from dwarfstar.model.file_v41 import FAMILY41, read_model41
+    from dwarfstar.model.file_v41 import describe as describe41
     from dwarfstar.model.vision import PREFIX as VISION_ARCH
+    from dwarfstar.model.vision_file import describe as describe_vision
+    from dwarfstar.model.vision_file import read_vision
     from dwarfstar.quant import inspection
 
     with open_gguf(model) as gguf:
@@ -185,9 +190,9 @@ def inspect_command(
                 f"{model}: GGUF v{gguf.version}, {len(gguf.metadata)} metadata keys, {len(gguf.tensors)} tensors"
             )
             if gguf.metadata.get("general.architecture") == VISION_ARCH:
-                _show_vision(gguf)
+                _show_summary("vision encoder", lambda: describe_vision(read_vision(gguf)))
             if gguf.metadata.get("general.architecture") == ARCH41:
-                _show_v41(gguf)
+                _show_summary(FAMILY41, lambda: describe41(read_model41(gguf)))
         typer.echo("\nmetadata")
         for key, value in gguf.metadata.items():
             typer.echo(f"  {key} = {inspection.describe_value(value)}")
@@ -213,31 +218,17 @@ def inspect_command(
             typer.echo(f"  {kind:22} {_gb(size):>12}")
 
 
-def _show_vision(gguf: GGUFFile) -> None:
-    """An encoder's summary (model.vision_file.describe), or what makes it no valid encoder."""
+def _show_summary(what: str, lines: Callable[[], list[str]]) -> None:
+    """A file's summary (`lines()`: a vision encoder's, a V4.1 model's `describe`), or what makes it no
+    valid `what`."""
     from dwarfstar.errors import DwarfStarError
-    from dwarfstar.model.vision_file import describe, read_vision
 
     try:
-        lines = describe(read_vision(gguf))
+        shown = lines()
     except DwarfStarError as e:
-        lines = [f"vision encoder: INVALID: {e}"]
+        shown = [f"{what}: INVALID: {e}"]
     typer.echo("")
-    for line in lines:
-        typer.echo(line)
-
-
-def _show_v41(gguf: GGUFFile) -> None:
-    """A DeepSeek V4.1 file's summary (model.file_v41.describe), or what makes it no valid V4.1 file."""
-    from dwarfstar.errors import DwarfStarError
-    from dwarfstar.model.file_v41 import FAMILY41, describe, read_model41
-
-    try:
-        lines = describe(read_model41(gguf))
-    except DwarfStarError as e:
-        lines = [f"{FAMILY41}: INVALID: {e}"]
-    typer.echo("")
-    for line in lines:
+    for line in shown:
         typer.echo(line)
 
 
