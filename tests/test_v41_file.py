@@ -27,11 +27,6 @@ from dwarfstar.model.synthetic_v41 import V41_TINY, v41_preset, write_synthetic_
 
 
 @pytest.fixture(scope="module")
-def tiny41(v41_tiny_file) -> Path:
-    return v41_tiny_file
-
-
-@pytest.fixture(scope="module")
 def tiny4(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("v4") / "tiny.gguf"
     write_synthetic_model(path, TINY, seed=0)
@@ -46,8 +41,8 @@ def primes_after(start: int, count: int) -> list[int]:
     return out
 
 
-def test_tiny_loads_with_its_engram_tables_located(tiny41: Path) -> None:
-    model = open_model41(tiny41)
+def test_tiny_loads_with_its_engram_tables_located(v41_tiny_file: Path) -> None:
+    model = open_model41(v41_tiny_file)
     try:
         assert model.args == V41_TINY
         layer1, layer6 = primes_after(64, 24), primes_after(64, 48)[24:]  # the next 24 primes past 64, twice
@@ -64,20 +59,20 @@ def test_tiny_loads_with_its_engram_tables_located(tiny41: Path) -> None:
         assert token_map.size == 129280 and int(token_map.max()) + 1 == 99092
         assert [int(token_map[t]) for t in (0, 671, 2058, 16, 2)] == [0, 237, 1751, 16, 2]  # §3's example
         end = max(info.offset + info.nbytes for info in model.gguf.tensors.values())
-        assert end <= tiny41.stat().st_size
+        assert end <= v41_tiny_file.stat().st_size
         assert model.engram_bytes == (sum(layer1) + sum(layer6)) * 264
     finally:
         model.close()
 
 
-def test_engram_store_reads_the_rows_synth_wrote(tiny41: Path) -> None:
-    model = open_model41(tiny41)
+def test_engram_store_reads_the_rows_synth_wrote(v41_tiny_file: Path) -> None:
+    model = open_model41(v41_tiny_file)
     store = EngramStore(model.engram, cache_bytes=0)
     try:
         extent = model.engram[6]
         ids = np.array([0, 1, 2, extent.rows // 2, extent.rows - 1])
         got = store.raw(6, ids)
-        with open(tiny41, "rb") as f:  # the rows as the file holds them, read by hand
+        with open(v41_tiny_file, "rb") as f:  # the rows as the file holds them, read by hand
             want = []
             for row in ids:
                 f.seek(extent.offset + int(row) * 264)
@@ -96,16 +91,16 @@ def test_engram_store_reads_the_rows_synth_wrote(tiny41: Path) -> None:
         model.close()
 
 
-def test_the_engine_refuses_v41_with_one_sentence(tiny41: Path) -> None:
+def test_the_engine_refuses_v41_with_one_sentence(v41_tiny_file: Path) -> None:
     with pytest.raises(ModelFileError) as err:
-        open_model(tiny41)
+        open_model(v41_tiny_file)
     text = str(err.value)
     assert "DeepSeek V4.1 Flash loads (12 layers" in text
     assert text.endswith("but only `dwarfstar run` on the reference backend runs it yet (issue 33)")
 
 
-def test_inspect_shows_modes_and_engram_bytes(tiny41: Path, monkeypatch, capsys) -> None:
-    monkeypatch.setattr(sys, "argv", ["dwarfstar", "inspect", str(tiny41)])
+def test_inspect_shows_modes_and_engram_bytes(v41_tiny_file: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(sys, "argv", ["dwarfstar", "inspect", str(v41_tiny_file)])
     with pytest.raises(SystemExit) as exit_info:
         main()
     assert exit_info.value.code == 0
@@ -180,20 +175,22 @@ def test_a_v4_file_where_v41_is_expected(tiny4: Path) -> None:
         open_model41(tiny4)
 
 
-def test_rows_that_disagree_with_their_primes(tiny41: Path, tmp_path) -> None:
-    with GGUFFile(tiny41) as f:
+def test_rows_that_disagree_with_their_primes(v41_tiny_file: Path, tmp_path) -> None:
+    with GGUFFile(v41_tiny_file) as f:
         primes = list(f.metadata["deepseek41.engram.primes"])
     primes[30] += 2  # layer 6's seventh prime
     bad = rewrite(
-        tiny41, tmp_path / "bad.gguf", {"deepseek41.engram.primes": (ValueType.ARRAY, (ValueType.UINT32, primes))}
+        v41_tiny_file,
+        tmp_path / "bad.gguf",
+        {"deepseek41.engram.primes": (ValueType.ARRAY, (ValueType.UINT32, primes))},
     )
     with pytest.raises(ModelFileError, match="layer 6's Engram table has 6076 rows, but its 24 primes .* sum to 6078"):
         open_model41(bad)
 
 
-def test_a_truncated_engram_table(tiny41: Path, tmp_path) -> None:
+def test_a_truncated_engram_table(v41_tiny_file: Path, tmp_path) -> None:
     bad = tmp_path / "cut.gguf"
-    data = tiny41.read_bytes()
+    data = v41_tiny_file.read_bytes()
     bad.write_bytes(data[: len(data) - 20000])  # into the last table's rows
     with pytest.raises(ModelFileError, match="'blk.6.engram_embd.weight' data runs past the end .*truncated"):
         open_model41(bad)
@@ -201,25 +198,25 @@ def test_a_truncated_engram_table(tiny41: Path, tmp_path) -> None:
         open_model(bad)
 
 
-def test_a_token_map_of_the_wrong_size(tiny41: Path, tmp_path) -> None:
-    with GGUFFile(tiny41) as f:
+def test_a_token_map_of_the_wrong_size(v41_tiny_file: Path, tmp_path) -> None:
+    with GGUFFile(v41_tiny_file) as f:
         token_map = list(f.metadata["deepseek41.engram.token_map"])
     key = "deepseek41.engram.token_map"
-    bad = rewrite(tiny41, tmp_path / "bad.gguf", {key: (ValueType.ARRAY, (ValueType.UINT32, token_map[:-1]))})
+    bad = rewrite(v41_tiny_file, tmp_path / "bad.gguf", {key: (ValueType.ARRAY, (ValueType.UINT32, token_map[:-1]))})
     with pytest.raises(ModelFileError, match="token_map has 129279 entries, expected 129280"):
         open_model41(bad)
     token_map[500] = 99092
-    bad = rewrite(tiny41, tmp_path / "bad2.gguf", {key: (ValueType.ARRAY, (ValueType.UINT32, token_map))})
+    bad = rewrite(v41_tiny_file, tmp_path / "bad2.gguf", {key: (ValueType.ARRAY, (ValueType.UINT32, token_map))})
     with pytest.raises(ModelFileError, match="maps token 500 to 99092, past the compressed vocabulary of 99092"):
         open_model41(bad)
 
 
-def test_an_even_multiplier(tiny41: Path, tmp_path) -> None:
-    with GGUFFile(tiny41) as f:
+def test_an_even_multiplier(v41_tiny_file: Path, tmp_path) -> None:
+    with GGUFFile(v41_tiny_file) as f:
         multipliers = list(f.metadata["deepseek41.engram.multipliers"])
     multipliers[5] += 1
     bad = rewrite(
-        tiny41, tmp_path / "bad.gguf", {"deepseek41.engram.multipliers": (ValueType.ARRAY, (10, multipliers))}
+        v41_tiny_file, tmp_path / "bad.gguf", {"deepseek41.engram.multipliers": (ValueType.ARRAY, (10, multipliers))}
     )
     with pytest.raises(ModelFileError, match="layer 6's Engram multipliers .* must be odd"):
         open_model41(bad)
@@ -228,8 +225,8 @@ def test_an_even_multiplier(tiny41: Path, tmp_path) -> None:
 @pytest.mark.parametrize(
     "name", ["blk.2.attn_compressor_gate.weight", "blk.6.engram_kv.weight", "blk.1.engram_embd.weight"]
 )
-def test_a_missing_tensor(tiny41: Path, tmp_path, name: str) -> None:
-    bad = rewrite(tiny41, tmp_path / "bad.gguf", drop=name)
+def test_a_missing_tensor(v41_tiny_file: Path, tmp_path, name: str) -> None:
+    bad = rewrite(v41_tiny_file, tmp_path / "bad.gguf", drop=name)
     with pytest.raises(ModelFileError, match=f"missing tensor '{name}'"):
         open_model41(bad)
 

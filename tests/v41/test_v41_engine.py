@@ -5,7 +5,6 @@ what does not run V4.1 yet is a clear error."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,16 +33,11 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def path(v41_tiny_file) -> Path:
-    return v41_tiny_file
+def engine(v41_tiny_file):
+    return load_engine(EngineSpec(v41_tiny_file, "reference", ctx=256, engram_cache=1), v41=True)
 
 
-@pytest.fixture(scope="module")
-def engine(path):
-    return load_engine(EngineSpec(path, "reference", ctx=256, engram_cache=1), v41=True)
-
-
-def test_the_engine_loads_v41_on_the_reference(engine, path):
+def test_the_engine_loads_v41_on_the_reference(engine, v41_tiny_file):
     assert isinstance(engine.model, ModelFile41) and isinstance(engine.backend, ReferenceModel41)
     assert engine.backend_name == "reference" and engine.backend.max_seq_len == 256
     assert engine.backend.transformer.ops.store.capacity == (1 << 20) // ROW_BYTES  # --engram-cache 1 (MB)
@@ -129,12 +123,12 @@ def test_bad_input_is_refused_before_any_state_changes(engine):
     assert state.pos == 0 and state.logits is None
 
 
-def test_what_does_not_run_v41_is_a_clear_error(path, tmp_path):
+def test_what_does_not_run_v41_is_a_clear_error(v41_tiny_file, tmp_path):
     with pytest.raises(ModelFileError, match=re.escape(NOT_YET)):
-        open_model(path)  # every V4 command still refuses the file
+        open_model(v41_tiny_file)  # every V4 command still refuses the file
     with pytest.raises(ModelFileError, match=re.escape(NOT_YET)):
-        load_engine(EngineSpec(path, "reference"))  # a command that does not take V4.1
-    model = open_model41(path)
+        load_engine(EngineSpec(v41_tiny_file, "reference"))  # a command that does not take V4.1
+    model = open_model41(v41_tiny_file)
     try:
         for name in ("triton", "cpu", "mlx"):
             with pytest.raises(DwarfStarError, match=f"the {name} backend does not run DeepSeek V4.1 yet.*issue 33"):
@@ -142,16 +136,16 @@ def test_what_does_not_run_v41_is_a_clear_error(path, tmp_path):
     finally:
         model.close()
     with pytest.raises(DwarfStarError, match="--ssd-streaming does not run with DeepSeek V4.1 Flash yet"):
-        load_engine(EngineSpec(path, "reference", streaming=object()), v41=True)  # type: ignore[arg-type]
+        load_engine(EngineSpec(v41_tiny_file, "reference", streaming=object()), v41=True)  # type: ignore[arg-type]
     with pytest.raises(DwarfStarError, match="--engram-cache takes MB"):
-        EngineSpec(path, engram_cache=-1)
+        EngineSpec(v41_tiny_file, engram_cache=-1)
 
 
-def test_cli_run_answers_on_v41(monkeypatch, capsys, path):
+def test_cli_run_answers_on_v41(monkeypatch, capsys, v41_tiny_file):
     args = [
         "run",
         "-m",
-        str(path),
+        str(v41_tiny_file),
         "-p",
         "hello there",
         "-n",
@@ -167,19 +161,19 @@ def test_cli_run_answers_on_v41(monkeypatch, capsys, path):
     assert out.strip() and "decode 4 tok" in err
 
 
-def test_cli_run_refuses_other_backends_and_serve_refuses_v41(monkeypatch, capsys, path):
-    code, _, err = cli(monkeypatch, capsys, "run", "-m", str(path), "-p", "hi", "--backend", "triton")
+def test_cli_run_refuses_other_backends_and_serve_refuses_v41(monkeypatch, capsys, v41_tiny_file):
+    code, _, err = cli(monkeypatch, capsys, "run", "-m", str(v41_tiny_file), "-p", "hi", "--backend", "triton")
     assert code == 2 and "triton" in err and "Traceback" not in err
-    code, _, err = cli(monkeypatch, capsys, "run", "-m", str(path), "-p", "hi", "--backend", "cpu")
+    code, _, err = cli(monkeypatch, capsys, "run", "-m", str(v41_tiny_file), "-p", "hi", "--backend", "cpu")
     assert code == 2 and "the cpu backend does not run DeepSeek V4.1 yet (issue 33)" in err
-    code, _, err = cli(monkeypatch, capsys, "serve", "-m", str(path), "--backend", "reference", "--port", "0")
+    code, _, err = cli(monkeypatch, capsys, "serve", "-m", str(v41_tiny_file), "--backend", "reference", "--port", "0")
     assert code == 2 and NOT_YET in err and "Traceback" not in err
 
 
-def test_a_prompts_engram_rows_are_read_ahead_once(path):
+def test_a_prompts_engram_rows_are_read_ahead_once(v41_tiny_file):
     """A prefill call starts the read of all its Engram rows before layer 0 runs (the ids decide them); a
     decode step does not; every row is read from the file once, whoever asks first."""
-    backend = ReferenceModel41.from_file(open_model41(path), 1 << 20, 256)
+    backend = ReferenceModel41.from_file(open_model41(v41_tiny_file), 1 << 20, 256)
     ops = backend.transformer.ops
     asked: list[tuple[int, int]] = []
     prefetch = ops.prefetch
