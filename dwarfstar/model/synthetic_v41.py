@@ -107,11 +107,12 @@ def synthetic_engram_hash(args: ModelArgs41) -> EngramHash:
             f"says {args.engram_compressed_vocab}"
         )
     primes = engram_primes(args.engram_layers, args.engram_prime_start)
-    rows = tuple(int(primes[il].sum()) for il in args.engram_layers)
+    multipliers = {il: engram_multipliers(il, compressed) for il in args.engram_layers}
+    engram = EngramHash(token_map, multipliers, primes)
+    rows = tuple(engram.table_rows(il) for il in args.engram_layers)
     if rows != args.engram_rows:
         raise ConfigError(f"primes from {args.engram_prime_start} give tables of {rows} rows, not {args.engram_rows}")
-    multipliers = {il: engram_multipliers(il, compressed) for il in args.engram_layers}
-    return EngramHash(token_map, multipliers, primes)
+    return engram
 
 
 def write_synthetic_v41(
