@@ -21,9 +21,10 @@ import mmap
 import os
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -52,6 +53,8 @@ _MIN_KV_BYTES = 8 + 4 + 1  # empty key + value type + a u8 value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # empty name + n_dims + type + offset, zero dims
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14; Python 3.11 has no name for it
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -334,3 +337,14 @@ class GGUFFile:
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
     return GGUFFile(path)
+
+
+def read_gguf(path: str | os.PathLike, read: Callable[[GGUFFile], T]) -> T:
+    """What `read` makes of the GGUF at `path` (a model, an encoder), the file closed again when `read`
+    refuses it."""
+    gguf = GGUFFile(path)
+    try:
+        return read(gguf)
+    except BaseException:
+        gguf.close()
+        raise

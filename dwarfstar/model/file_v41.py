@@ -29,7 +29,7 @@ from dwarfstar.engram.rows import ROW_BYTES
 from dwarfstar.engram.store import EngramExtent
 from dwarfstar.errors import ConfigError, ModelFileError
 from dwarfstar.gguf.constants import ValueType
-from dwarfstar.gguf.reader import GGUFFile
+from dwarfstar.gguf.reader import GGUFFile, read_gguf
 from dwarfstar.model.config import ARCH
 from dwarfstar.model.config_v41 import ARCH41, LayerMode, ModelArgs41
 from dwarfstar.model.tensors_v41 import engram_table, validate_tensors41
@@ -85,12 +85,7 @@ def open_model41(path: str | os.PathLike) -> ModelFile41:
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
-    gguf = GGUFFile(path)
-    try:
-        return read_model41(gguf)
-    except BaseException:
-        gguf.close()
-        raise
+    return read_gguf(path, read_model41)
 
 
 def read_model41(gguf: GGUFFile) -> ModelFile41:

@@ -34,7 +34,7 @@ import torch
 
 from dwarfstar.errors import DwarfStarError, ModelFileError
 from dwarfstar.gguf.constants import GGMLType, ValueType
-from dwarfstar.gguf.reader import GGUFFile
+from dwarfstar.gguf.reader import GGUFFile, read_gguf
 from dwarfstar.model.config import ARCH as LANGUAGE_ARCH
 from dwarfstar.model.vision import PREFIX, V41, VISION_EXP, VisionArgs, check_tensors
 
@@ -181,12 +181,7 @@ def open_vision(path: str | os.PathLike) -> VisionFile:
         raise ModelFileError(f"{path} is a directory; give the vision encoder GGUF file in it")
     if not path.is_file():
         raise ModelFileError(f"vision encoder file not found: {path}")
-    gguf = GGUFFile(path)
-    try:
-        return read_vision(gguf)
-    except BaseException:
-        gguf.close()
-        raise
+    return read_gguf(path, read_vision)
 
 
 def read_vision(gguf: GGUFFile) -> VisionFile:
