@@ -156,8 +156,9 @@ class Transcript:
     def entry_prompt(
         self, entry: Entry, tokenizer: Tokenizer, eos: int, images: ImageEncoder | None = None, base: int = 0
     ) -> tuple[list[int], list[ImageSpan]]:
-        """An entry's tokens and its image blocks (offsets into them), its first token at position `base`
-        (where a Vision-Exp block sits decides its leading pads); `images`: the agent's vision encoder."""
+        """An entry's tokens and its image blocks, its first token at position `base` (the blocks' offsets
+        are their positions: where a Vision-Exp block sits decides its leading pads); `images`: the
+        agent's vision encoder."""
         if entry.kind == "assistant":
             return [*entry.ids, eos], []
         parts = render_conversation(entry.messages(), thinking=entry.thinking, add_bos=False).parts
@@ -182,7 +183,7 @@ class Transcript:
         ids, spans = self.head_ids(tokenizer, efforts, tools=tools), []
         for entry in self.entries:
             more, blocks = self.entry_prompt(entry, tokenizer, eos, images, base=len(ids))
-            spans += [replace(span, offset=span.offset + len(ids)) for span in blocks]
+            spans += blocks
             ids += more
         return ids, spans
 

@@ -179,7 +179,7 @@ class Chat:
             user = render_conversation([{"role": "user", "content": content}], thinking=turn.thinking, add_bos=False)
             if turn.images:
                 more, blocks = expand(self.engine.images, self.tokenizer, user.parts, turn.images, base=len(ids))
-                spans += [replace(span, offset=span.offset + len(ids)) for span in blocks]
+                spans += blocks
                 ids += more
             else:
                 ids += self.tokenizer.encode_prompt(user.parts)

@@ -37,11 +37,12 @@ CACHE_BYTES = 256 << 20  # encoder outputs kept: a 4096-wide 366-token image is 
 @dataclass(frozen=True)
 class PlacedImage:
     """An image at its place in a prompt, its pixels not yet through the encoder: `offset`, its block's
-    first position as an index into the prompt's ids; the block's layout there; the digest of the
-    image's bytes (the block's ids and the encoder cache's key); and `attend`: START and END as indices
-    into the block, the range Vision-Exp's window attention reads both ways (None for V4.1, whose image
-    tokens attend causally). Placing needs no encoder (a request's ids, and whether they fit the
-    context, are known before the engine runs it); `ImageEncoder.span` makes the block's rows."""
+    first position in the sequence (an index into ids placed from position 0); the block's layout
+    there; the digest of the image's bytes (the block's ids and the encoder cache's key); and
+    `attend`: START and END as indices into the block, the range Vision-Exp's window attention reads
+    both ways (None for V4.1, whose image tokens attend causally). Placing needs no encoder (a
+    request's ids, and whether they fit the context, are known before the engine runs it);
+    `ImageEncoder.span` makes the block's rows."""
 
     offset: int
     image: PreparedImage
@@ -83,12 +84,12 @@ class ImageEncoder:
         return ImageSpan(placed.offset, rows, placed.attend)
 
 
-def place_image(args: VisionArgs, image: PreparedImage, key: bytes, start: int, offset: int = 0) -> PlacedImage:
+def place_image(args: VisionArgs, image: PreparedImage, key: bytes, start: int) -> PlacedImage:
     """`image` (whose bytes' digest is `key`) placed with its first token at position `start` of the
-    sequence, index `offset` of the prompt's ids."""
+    sequence."""
     plan = layout(args.family, image.rows, image.cols, start)
     attend = (plan.pad, len(plan) - 1) if args.family == VISION_EXP else None
-    return PlacedImage(offset, image, plan, key, attend)
+    return PlacedImage(start, image, plan, key, attend)
 
 
 def place(
@@ -99,8 +100,9 @@ def place(
     base: int = 0,
 ) -> tuple[list[int], list[PlacedImage]]:
     """The ids of a rendered prompt whose text holds image slots (`prompt.images.slot`), each slot
-    replaced by its image's block for the encoder `args` (its place, `base` plus its offset in these
-    ids, decides Vision-Exp's leading pads), and the images placed (offsets into these ids). A block's
+    replaced by its image's block for the encoder `args`, and the images placed: `base` tokens come
+    before these ids, and a block's offset is its position in the sequence, `base` plus its index in
+    these ids (where Vision-Exp's leading pads depend on it). A block's
     ids come from the image's digest and the block's length, which Vision-Exp's leading pads change
     (`content_ids`), so a prefix cache matches the same image at the same alignment, and nothing else.
     Every image must have its one slot (a template that dropped its message is a clear error), in any
@@ -122,7 +124,7 @@ def place(
             continue
         part = images[piece]
         key = digest(part.data)
-        image = place_image(args, prepare_image(part, args), key, start=base + len(ids), offset=len(ids))
+        image = place_image(args, prepare_image(part, args), key, start=base + len(ids))
         ids += content_ids(key, image.length, tokenizer.vocab_size)
         placed.append(image)
     return ids, placed
@@ -135,7 +137,8 @@ def expand(
     images: Sequence[ImagePart],
     base: int = 0,
 ) -> tuple[list[int], list[ImageSpan]]:
-    """`place`, then each block's rows from `encoder`: the ids and the blocks as the forward takes them."""
+    """`place`, then each block's rows from `encoder`: the ids and the blocks as the forward takes them
+    (offsets counting the `base` tokens before the ids)."""
     ids, placed = place(encoder.args, tokenizer, parts, images, base)
     return ids, [encoder.span(image) for image in placed]
 
