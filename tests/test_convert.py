@@ -220,10 +220,10 @@ def test_metadata_round_trips_to_the_same_model_args(hf_model, hf_f32_gguf: Path
 # -- (b) official layout: FP8 block scales, packed FP4 experts, bf16, an MTP block to skip ---------
 
 
-def fp8_reference(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Element (r, c) times the scale of its 128x128 block."""
-    rows = torch.arange(weight.shape[0]) // 128
-    cols = torch.arange(weight.shape[1]) // 128
+def fp8_reference(weight: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """Element (r, c) times the scale of its block x block block (V4: 128, V4.1: 32)."""
+    rows = torch.arange(weight.shape[0]) // block
+    cols = torch.arange(weight.shape[1]) // block
     return weight.float() * scale.float()[rows[:, None], cols[None, :]]
 
 

@@ -1,4 +1,4 @@
-"""`dwarfstar convert`: a Hugging Face DeepSeek V4 checkpoint -> a ds4-layout GGUF (and its side files)."""
+"""`dwarfstar convert`: a Hugging Face DeepSeek V4 or V4.1 checkpoint -> a ds4-layout GGUF (and its side files)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def convert(
         ),
     ] = None,
 ) -> None:
-    """Convert an official or transformers-saved DeepSeek V4 checkpoint into a GGUF that ds4 can load."""
+    """Convert an official or transformers-saved DeepSeek V4 (or official V4.1) checkpoint into a GGUF that ds4 can load."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 

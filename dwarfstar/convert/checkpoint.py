@@ -12,10 +12,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
-from dwarfstar.convert.fp8_fp4 import FP8_BLOCK, dequantize_scaled
+from dwarfstar.convert.fp8_fp4 import dequantize_scaled, fp8_block
 from dwarfstar.convert.names import canonical_name
 from dwarfstar.errors import ModelFileError
 
@@ -85,18 +86,29 @@ class Checkpoint:
         """Values of `rows` (a range of the first axis) of a tensor: float32 for floating-point data,
         dequantized if scaled, and integers as stored.
 
-        Only the rows asked for are read. For an FP8 weight a range must start on a 128-row block, so the
-        scale rows it needs are whole.
+        Only the rows asked for are read. For an FP8 weight a range must start on one of its blocks (128
+        rows in V4's checkpoints, 32 in V4.1's), so the scale rows it needs are whole.
         """
         data = self._load(tensor.data, rows)
         if tensor.scale is None:
             return data if tensor.is_integer else data.float()
-        scale_rows = rows
-        if tensor.data.dtype == "F8_E4M3" and rows != ALL_ROWS:
-            if rows.start % FP8_BLOCK:
-                raise ValueError(f"FP8 rows must start on a {FP8_BLOCK}-row block, got {rows.start}")
-            scale_rows = slice(rows.start // FP8_BLOCK, -(-rows.stop // FP8_BLOCK))
-        return dequantize_scaled(data, self._load(tensor.scale, scale_rows), tensor.name)
+        scale_rows, block = rows, None
+        if tensor.data.dtype == "F8_E4M3":
+            block = fp8_block(tensor.data.shape, tensor.scale.shape, tensor.name)
+            if rows != ALL_ROWS:
+                if rows.start % block:
+                    raise ValueError(f"FP8 rows must start on a {block}-row block, got {rows.start}")
+                scale_rows = slice(rows.start // block, -(-rows.stop // block))
+        return dequantize_scaled(data, self._load(tensor.scale, scale_rows), tensor.name, block)
+
+    def read_row_bytes(self, tensor: CheckpointTensor, rows: slice) -> tuple[np.ndarray, np.ndarray]:
+        """The stored bytes of `rows` of a row-scaled FP8 table (V4.1's Engram embedding: e4m3 values
+        [n, width] and their E8M0 scales [n, width / 32]), as uint8 arrays, without decoding them."""
+        if tensor.scale is None or tensor.data.dtype != "F8_E4M3" or tensor.scale.dtype != "F8_E8M0":
+            kinds = f"{tensor.data.dtype} with {'no scale' if tensor.scale is None else tensor.scale.dtype + ' scales'}"
+            raise ModelFileError(f"{tensor.name} is {kinds}; an FP8 row table is F8_E4M3 with F8_E8M0 scales")
+        values, scales = self._load(tensor.data, rows), self._load(tensor.scale, rows)
+        return values.view(torch.uint8).numpy(), scales.view(torch.uint8).numpy()
 
     def read_stored(self, tensor: CheckpointTensor) -> torch.Tensor:
         """All of an unscaled tensor's values as stored (bf16 stays bf16): for copying them unchanged."""

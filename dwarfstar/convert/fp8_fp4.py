@@ -1,7 +1,8 @@
 """Dequantize the official checkpoint's block-scaled FP8 and FP4 weights to float32 (spec §2.9).
 
-* FP8: `float8_e4m3fn` weight [out, in] with one scale per 128x128 block, scale shape
-  [ceil(out/128), ceil(in/128)]; edge blocks are partial.
+* FP8: `float8_e4m3fn` weight [out, in] with one scale per BxB block, scale shape
+  [ceil(out/B), ceil(in/B)]; edge blocks are partial. V4's checkpoints use B = 128, V4.1's B = 32
+  (its config's `quantization_config.weight_block_size`); the scale's shape says which (`fp8_block`).
 * FP4 (routed experts): e2m1 codes packed two per byte, low nibble = even column, stored as int8
   [out, in/2] (or torch's `float4_e2m1fn_x2`), with one scale per 32 input columns: [out, in/32].
 
@@ -15,7 +16,8 @@ import torch
 
 from dwarfstar.errors import ModelFileError
 
-FP8_BLOCK = 128
+FP8_BLOCK = 128  # V4's FP8 block; row bands are cut on multiples of it, which every block size divides
+FP8_BLOCKS = (FP8_BLOCK, 32)  # V4's, V4.1's
 FP4_BLOCK = 32
 FP4_PACKED_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
 
@@ -25,27 +27,44 @@ _E2M1_VALUES = torch.tensor(
 )
 
 
-def dequantize_scaled(weight: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
-    """Float32 values of a checkpoint weight stored with a block-scale sibling; `name` is for errors."""
+def dequantize_scaled(weight: torch.Tensor, scale: torch.Tensor, name: str, block: int | None = None) -> torch.Tensor:
+    """Float32 values of a checkpoint weight stored with a block-scale sibling; `name` is for errors,
+    `block` the FP8 block size (`dequantize_fp8`)."""
     if weight.dtype == torch.float8_e4m3fn:
-        return dequantize_fp8(weight, scale, name)
+        return dequantize_fp8(weight, scale, name, block)
     if weight.dtype in FP4_PACKED_DTYPES:
         return dequantize_fp4(weight, scale, name)
     raise ModelFileError(f"{name} has a block scale but dtype {weight.dtype}; expected FP8 e4m3 or packed FP4")
 
 
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
+def fp8_block(shape: tuple[int, ...], scale_shape: tuple[int, ...], name: str) -> int:
+    """The block size B of an FP8 weight [out, in] whose scale is [ceil(out/B), ceil(in/B)]; where two
+    sizes fit (a weight of at most 32x32: one block either way) they dequantize alike."""
+    rows, cols = shape
+    for block in FP8_BLOCKS:
+        if tuple(scale_shape) == (-(-rows // block), -(-cols // block)):
+            return block
+    sizes = " or ".join(f"{b}x{b}" for b in FP8_BLOCKS)
+    raise ModelFileError(
+        f"{name}: FP8 weight {list(shape)} has a {list(scale_shape)} scale, which is no block scale of {sizes}"
+    )
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, name: str, block: int | None = None) -> torch.Tensor:
+    """`block`: the weight's block size (None: read from the scale's shape); a band of rows [a, b) of a
+    weight comes with the scale rows of its blocks and its block size."""
     rows, cols = weight.shape
-    blocks = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    block = block or fp8_block(tuple(weight.shape), tuple(scale.shape), name)
+    blocks = (-(-rows // block), -(-cols // block))
     if tuple(scale.shape) != blocks:
         raise ModelFileError(
             f"{name}: FP8 weight {list(weight.shape)} needs a {list(blocks)} block scale, got {list(scale.shape)}"
         )
-    # One scale row per 128-row band, widened to the columns; banded so the only full-size buffer is the output.
-    col_scale = scale.float().repeat_interleave(FP8_BLOCK, dim=1)[:, :cols]
+    # One scale row per band of `block` rows, widened to the columns; banded so the only full-size buffer is the output.
+    col_scale = scale.float().repeat_interleave(block, dim=1)[:, :cols]
     out = torch.empty(rows, cols, dtype=torch.float32)
     for band in range(blocks[0]):
-        rows_in_band = slice(band * FP8_BLOCK, (band + 1) * FP8_BLOCK)
+        rows_in_band = slice(band * block, (band + 1) * block)
         torch.mul(weight[rows_in_band].float(), col_scale[band], out=out[rows_in_band])
     return out
 

@@ -38,14 +38,18 @@ from dwarfstar.convert.hf_config import (
     model_args_from_hf_config,
     read_checkpoint_config,
 )
+from dwarfstar.convert.hf_v41 import engram_rows, engram_source, v41_layout
 from dwarfstar.convert.names import dspark_source_names, source_names
+from dwarfstar.engram.rows import ROW_VALUES
 from dwarfstar.errors import ConfigError, DwarfStarError, ModelFileError
-from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType, ValueType
+from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGUF_DEFAULT_ALIGNMENT, GGMLType, ValueType
 from dwarfstar.gguf.quantize import quantize
 from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.config_v41 import MODEL_TYPE, ModelArgs41
 from dwarfstar.model.dspark import dspark_tensors, support_metadata
 from dwarfstar.model.tensors import EXPERT, INDEX, NORM, TensorSpec, expected_tensors
+from dwarfstar.model.tensors_v41 import ENGRAM_ROWS
 from dwarfstar.model.vision import VISION_EXP
 from dwarfstar.model.vision_file import LM_SIDECAR_KEY, LM_VARIANT_KEY
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, tokenizer_metadata
@@ -86,7 +90,7 @@ class TensorPlan:
 @dataclass
 class ConversionPlan:
     checkpoint: Checkpoint
-    args: ModelArgs
+    args: ModelArgs | ModelArgs41
     outtype: OutType
     metadata: dict[str, tuple[ValueType, Any]]
     tensors: list[TensorPlan]
@@ -149,6 +153,10 @@ def plan_conversion(
     src = Path(src_dir)
     kind = _outtype(outtype)
     config = read_checkpoint_config(src)
+    if config.get("model_type") == MODEL_TYPE:
+        if dspark:
+            raise DwarfStarError("--dspark converts V4 Flash 0731's and PRO 0813's drafters; V4.1's is not built yet")
+        return _plan_v41(src, config, kind, name, elsewhere)
     args = model_args_from_hf_config(config)
     d = dspark_args_from_hf_config(config, args) if dspark else None
     notes: list[str] = []
@@ -194,6 +202,25 @@ def plan_conversion(
     return plan
 
 
+def _plan_v41(
+    src: Path, config: dict[str, Any], kind: OutType, name: str | None, elsewhere: Collection[str]
+) -> ConversionPlan:
+    """`plan_conversion` of a DeepSeek V4.1 checkpoint (`hf_v41`): ds4's `deepseek41` file."""
+    tokenizer = src / "tokenizer.json"
+    args, specs, metadata, notes = v41_layout(src, config, tokenizer if tokenizer.is_file() else None)
+    if tokenizer.is_file():
+        _check_tokenizer_size(tokenizer, args.vocab_size)
+    checkpoint = Checkpoint(src)
+    sources = {spec.name: source_names(spec.name, args.n_routed_experts) for spec in specs}
+    check_all_present(checkpoint, sources)
+    tensors = [_plan_tensor(checkpoint, spec, sources[spec.name], kind) for spec in specs]
+    written = {source.name for tensor in tensors for source in tensor.sources} | set(elsewhere)
+    notes += _fallback_notes(tensors, kind) + _skipped_notes(checkpoint, written)
+    metadata["general.name"] = (ValueType.STRING, name or src.resolve().name)
+    metadata.update(_file_metadata(kind))
+    return ConversionPlan(checkpoint, args, kind, metadata, tensors, notes)
+
+
 def write_conversion(
     plan: ConversionPlan, out_path: str | Path, support_path: str | Path | None, progress: Progress | None = None
 ) -> None:
@@ -216,7 +243,8 @@ def write_conversion(
 def write_gguf(plan: ConversionPlan, out_path: str | Path, progress: Progress | None = None) -> None:
     """Stream the planned tensors into `out_path` (atomically: on any error no file is left behind)."""
     out = check_out_path(out_path)
-    with plan.checkpoint, GGUFWriter(out, plan.metadata) as writer:
+    alignment = plan.metadata.get("general.alignment", (ValueType.UINT32, GGUF_DEFAULT_ALIGNMENT))[1]
+    with plan.checkpoint, GGUFWriter(out, plan.metadata, alignment) as writer:
         for tensor in plan.tensors:
             writer.add_tensor(tensor.name, tensor.spec.shape, tensor.ggml_type)
         for tensor in plan.tensors:
@@ -237,6 +265,8 @@ def gguf_type(spec: TensorSpec, outtype: OutType) -> GGMLType:
     """The GGUF type a tensor gets for an output type (before the Q8_0 row-length fallback)."""
     if spec.types == INDEX:
         return GGMLType.I32
+    if spec.types == ENGRAM_ROWS:
+        return GGMLType.I8  # V4.1's Engram table: its stored rows, copied (hf_v41)
     if spec.types == NORM or outtype == OutType.F32:
         return GGMLType.F32  # norms, biases, sinks, HC scale/base: tiny, and ds4 requires F32
     # The official FP4 experts (e2m1 codes, an E8M0 scale per 32 columns) re-encode to MXFP4 without loss:
@@ -269,6 +299,8 @@ def _file_metadata(outtype: OutType) -> dict[str, tuple[ValueType, Any]]:
 
 
 def _plan_tensor(checkpoint: Checkpoint, spec: TensorSpec, names: list[str], outtype: OutType) -> TensorPlan:
+    if spec.types == ENGRAM_ROWS:
+        return TensorPlan(spec, GGMLType.I8, (engram_source(checkpoint, spec, names[0]),))
     sources = tuple(checkpoint.tensors[n] for n in names)
     # experts are stored 2-D, one per expert, and stacked along a new leading axis
     piece_shape = spec.shape[1:] if len(sources) > 1 else spec.shape
@@ -338,6 +370,12 @@ def _check_tokenizer_size(path: Path, vocab_size: int) -> None:
 
 def _encoded_pieces(plan: ConversionPlan, tensor: TensorPlan, progress: Progress | None) -> Iterator[Any]:
     """The tensor's GGUF bytes, one source tensor (one expert) and one band of rows at a time."""
+    if tensor.ggml_type == GGMLType.I8:  # an Engram table: its stored rows
+        for rows in engram_rows(plan.checkpoint, tensor.sources[0]):
+            yield rows
+            if progress is not None:
+                progress(tensor.name, rows.shape[0] * ROW_VALUES)
+        return
     for source in tensor.sources:
         for rows in _row_bands(source.shape):
             values = plan.checkpoint.read(source, rows)

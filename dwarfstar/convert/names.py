@@ -66,6 +66,14 @@ _LAYER_SOURCES = {
     "ffn_gate_shexp.weight": "ffn.shared_experts.w1.weight",
     "ffn_up_shexp.weight": "ffn.shared_experts.w3.weight",
     "ffn_down_shexp.weight": "ffn.shared_experts.w2.weight",
+    # V4.1's own (tensors_v41): index keys from the compressor's latent, the image-route bias, Engram
+    "indexer.attn_k.weight": "attn.indexer.wk.weight",
+    "indexer.k_norm.weight": "attn.indexer.k_norm.weight",
+    "exp_probs_b_vl.bias": "ffn.gate.bias_vl",
+    "engram_q_norm.weight": "engram.q_weight",
+    "engram_k_norm.weight": "engram.k_weight",
+    "engram_kv.weight": "engram.wkv.weight",
+    "engram_embd.weight": "engram.embed.weight",
 }
 # GGUF stacked routed-expert tensor -> the per-expert projection it stacks (w1 gate, w3 up, w2 down)
 _EXPERT_SOURCES = {

@@ -398,6 +398,45 @@ class ModelArgs41:
                 values[key] = meta[f"tokenizer.ggml.{key}"]
         return cls(**values)
 
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelArgs41:
+        """The config of a V4.1 Hugging Face checkpoint: config.json, its language model under
+        `text_config` (the keys ds4 copies into its typed metadata), naming the first missing or
+        mistyped key. Its `compress_ratios` go on past the layers with the DSpark stages' entries
+        (`num_nextn_predict_layers` of them), which are not the trunk's."""
+        if config.get("model_type") != MODEL_TYPE or not isinstance(config.get("text_config"), dict):
+            raise ConfigError(
+                f"config.json is a {config.get('model_type')!r} config; a V4.1 checkpoint's is {MODEL_TYPE!r} "
+                "with a text_config object"
+            )
+        text, source = config["text_config"], "config.json text_config"
+
+        def read(key: str, vtype: ValueType) -> Any:
+            return _typed(key, _required(text, key, source), vtype, source)
+
+        values: dict[str, Any] = {attr: read(key, vtype) for key, (attr, vtype) in _TYPED_KEYS.items()}
+        values |= {attr: read(key, ValueType.UINT32) for key, attr in (_JSON_ONLY_KEYS | _AGREE_SCALARS).items()}
+        for key, attr in (_ARRAY_KEYS | _AGREE_ARRAYS).items():
+            values[attr] = _ints(key, _required(text, key, source), source)
+        layers, ratios = values["n_layers"], values["compress_ratios"]
+        stages = read("num_nextn_predict_layers", ValueType.UINT32) if "num_nextn_predict_layers" in text else 0
+        if len(ratios) != layers + stages:
+            raise ConfigError(
+                f"{source}.compress_ratios has {len(ratios)} entries; {layers} layers and {stages} DSpark stages "
+                f"need {layers + stages}"
+            )
+        values["compress_ratios"] = ratios[:layers]
+        rope = _required(text, "rope_scaling", source)
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}.rope_scaling must be an object, got {rope!r}")
+        for key, attr in _ROPE_KEYS.items():
+            value = _typed(key, _required(rope, key, f"{source}.rope_scaling"), ValueType.FLOAT32, source)
+            values[attr] = int(value) if attr == "original_seq_len" else value
+        for key in ("bos_token_id", "eos_token_id"):
+            if key in config:
+                values[key] = _typed(key, config[key], ValueType.UINT32, "config.json")
+        return cls(**values)
+
 
 # deepseek41.<key> (config.json's own name) -> (attribute, GGUF value type), as ds4's converter writes them
 _U32, _F32 = ValueType.UINT32, ValueType.FLOAT32
@@ -454,12 +493,12 @@ _JSON_ONLY_KEYS = {  # no typed key: the Engram shape and prime search start, fr
     "engram_max_ngram_size": "engram_max_ngram",
     "engram_vocab_size": "engram_prime_start",
 }
-_AGREE_KEYS = {  # config.json keys that repeat a deepseek41.engram.* key
+_AGREE_ARRAYS = {  # config.json keys that repeat a deepseek41.engram.* key: u32 arrays
     "engram_layer_ids": "engram_layers",
     "engram_num_embeddings": "engram_rows",
-    "engram_compressed_vocab_size": "engram_compressed_vocab",
-    "engram_pad_token_id": "engram_pad_id",
 }
+_AGREE_SCALARS = {"engram_compressed_vocab_size": "engram_compressed_vocab", "engram_pad_token_id": "engram_pad_id"}
+_AGREE_KEYS = _AGREE_ARRAYS | _AGREE_SCALARS
 
 
 def _latest(sources: tuple[int, ...], index: int) -> int | None:
@@ -468,34 +507,35 @@ def _latest(sources: tuple[int, ...], index: int) -> int | None:
     return before[-1] if before else None
 
 
-def _required(meta: dict[str, Any], key: str) -> Any:
+def _required(meta: dict[str, Any], key: str, source: str = "GGUF metadata") -> Any:
     if key not in meta:
-        raise ConfigError(f"GGUF metadata is missing required key {key!r}")
+        raise ConfigError(f"{source} is missing required key {key!r}")
     return meta[key]
 
 
-def _typed(key: str, value: Any, vtype: ValueType) -> Any:
+def _typed(key: str, value: Any, vtype: ValueType, source: str = "GGUF") -> Any:
+    what = f"{source} key {key!r}"
     if vtype == ValueType.STRING:
         if not isinstance(value, str):
-            raise ConfigError(f"GGUF key {key!r} must be a string, got {value!r}")
+            raise ConfigError(f"{what} must be a string, got {value!r}")
         return value
     if vtype == ValueType.BOOL:
         if not isinstance(value, bool):
-            raise ConfigError(f"GGUF key {key!r} must be a bool, got {value!r}")
+            raise ConfigError(f"{what} must be a bool, got {value!r}")
         return value
     if isinstance(value, (bool, list, tuple, str, bytes, dict)) or value is None:
-        raise ConfigError(f"GGUF key {key!r} must be a number, got {value!r}")
+        raise ConfigError(f"{what} must be a number, got {value!r}")
     if vtype == ValueType.FLOAT32:  # the shortest decimal that is this f32: 1e-20, not 9.99999968e-21
         return float(str(np.float32(value)))
     if float(value) != int(value) or value < 0:
-        raise ConfigError(f"GGUF key {key!r} must be a non-negative integer, got {value!r}")
+        raise ConfigError(f"{what} must be a non-negative integer, got {value!r}")
     return int(value)
 
 
-def _ints(key: str, value: Any) -> tuple[int, ...]:
+def _ints(key: str, value: Any, source: str = "GGUF") -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"GGUF key {key!r} must be an array, got {type(value).__name__}")
-    return tuple(_typed(key, v, ValueType.UINT32) for v in value)
+        raise ConfigError(f"{source} key {key!r} must be an array, got {type(value).__name__}")
+    return tuple(_typed(key, v, ValueType.UINT32, source) for v in value)
 
 
 def _text_config(raw: Any) -> dict[str, Any]:

@@ -21,29 +21,24 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
 
 import numpy as np
 import torch
 
-from dwarfstar.engram.hashing import EngramHash, compressed_token_map, engram_multipliers, engram_primes
+from dwarfstar.engram.hashing import compressed_token_map, engram_primes, model_engram_hash
 from dwarfstar.engram.rows import ROW_VALUES, quantize
-from dwarfstar.errors import ConfigError
 from dwarfstar.gguf.constants import ValueType
 from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config_v41 import ModelArgs41, layer_plan
 from dwarfstar.model.file_v41 import engram_hash_metadata
 from dwarfstar.model.synthetic import layout_experts, tensor_chunks, tensor_type
-from dwarfstar.model.tensors_v41 import ENGRAM_ROWS, expected_tensors41
-from dwarfstar.tokenizer.specials import SYSTEM
+from dwarfstar.model.tensors_v41 import ENGRAM_ROWS, V41_ALIGNMENT, expected_tensors41
 from dwarfstar.tokenizer.tokenizer import Tokenizer
-from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, tokenizer_metadata
+from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, bundled_v41_tokenizer_metadata
 
-ALIGNMENT = 16384  # ds4's V4.1 files: a table's pages can be dropped without touching the tensor before it
 TINY_ENGRAM_LAYERS = (1, 6)
 TINY_PRIME_START = 64
 ENGRAM_ROWS_PER_CHUNK = 1 << 16
-SYSTEM_ID = 128799  # `<｜System｜>` in V4.1's vocabulary (a placeholder in V4's bundled one)
 
 
 def _prime_rows(layers: tuple[int, ...], start: int) -> tuple[int, ...]:
@@ -96,25 +91,6 @@ def _token_map(vocab_size: int) -> np.ndarray:
     return compressed_token_map(Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), vocab_size))
 
 
-def synthetic_engram_hash(args: ModelArgs41) -> EngramHash:
-    """The lookup tables a synthetic file carries: the bundled tokenizer's compressed map, the primes from
-    `args.engram_prime_start` and the reference's multipliers, checked against `args`."""
-    token_map = _token_map(args.vocab_size)
-    compressed = int(token_map.max()) + 1
-    if compressed != args.engram_compressed_vocab:
-        raise ConfigError(
-            f"the bundled tokenizer compresses {args.vocab_size} tokens to {compressed} ids, but the config "
-            f"says {args.engram_compressed_vocab}"
-        )
-    primes = engram_primes(args.engram_layers, args.engram_prime_start)
-    multipliers = {il: engram_multipliers(il, compressed) for il in args.engram_layers}
-    engram = EngramHash(token_map, multipliers, primes)
-    rows = tuple(engram.table_rows(il) for il in args.engram_layers)
-    if rows != args.engram_rows:
-        raise ConfigError(f"primes from {args.engram_prime_start} give tables of {rows} rows, not {args.engram_rows}")
-    return engram
-
-
 def write_synthetic_v41(
     path: str | os.PathLike,
     args: ModelArgs41,
@@ -127,11 +103,11 @@ def write_synthetic_v41(
     the Engram tables as holes (zero rows, no disk) instead of random rows."""
     metadata = args.to_gguf_metadata()
     metadata["general.name"] = (ValueType.STRING, name)
-    metadata.update(engram_hash_metadata(synthetic_engram_hash(args), args.engram_layers))
-    metadata.update(_v41_vocabulary(args.vocab_size))
+    metadata.update(engram_hash_metadata(model_engram_hash(args, _token_map(args.vocab_size)), args.engram_layers))
+    metadata.update(bundled_v41_tokenizer_metadata(args.vocab_size))
     experts = layout_experts(layout)
     specs = [(spec, tensor_type(spec, layout, experts)) for spec in expected_tensors41(args)]
-    with GGUFWriter(path, metadata, alignment=ALIGNMENT) as writer:
+    with GGUFWriter(path, metadata, alignment=V41_ALIGNMENT) as writer:
         for spec, ggml_type in specs:
             writer.add_tensor(spec.name, spec.shape, ggml_type)
         for index, (spec, ggml_type) in enumerate(specs):
@@ -142,17 +118,6 @@ def write_synthetic_v41(
                 writer.skip_tensor(spec.name)
             else:
                 writer.write_tensor(spec.name, _engram_rows(spec.shape[0], gen))
-
-
-def _v41_vocabulary(vocab_size: int) -> dict[str, tuple[ValueType, Any]]:
-    """The bundled V4 tokenizer's keys with V4.1's `<｜System｜>` token named, which its prompts open
-    system messages with (`prompt/render.py`)."""
-    metadata = tokenizer_metadata(bundled_tokenizer_json(), vocab_size)
-    kind, (item, tokens) = metadata["tokenizer.ggml.tokens"]
-    if SYSTEM_ID < vocab_size:
-        tokens = [*tokens[:SYSTEM_ID], SYSTEM, *tokens[SYSTEM_ID + 1 :]]
-    metadata["tokenizer.ggml.tokens"] = (kind, (item, tokens))
-    return metadata
 
 
 def _engram_rows(rows: int, gen: torch.Generator):

@@ -46,6 +46,7 @@ from dwarfstar.model.tensors import (
 )
 
 ATTN_PROJ = DENSE | {T.Q4_K}
+V41_ALIGNMENT = 16384  # ds4's V4.1 files: a table's pages can be dropped without touching the tensor before it
 ENGRAM_ROWS = frozenset({T.I8})
 
 ROUTER_BIAS_VL = "exp_probs_b_vl.bias"  # the routing bias image-span rows use instead of `exp_probs_b`

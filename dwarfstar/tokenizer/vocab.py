@@ -13,6 +13,7 @@ from typing import Any
 
 from dwarfstar.errors import ModelFileError
 from dwarfstar.gguf.constants import ValueType
+from dwarfstar.tokenizer.specials import SYSTEM
 
 # llama.cpp token types
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
@@ -66,3 +67,17 @@ def tokenizer_metadata(tokenizer_json: Path, vocab_size: int) -> dict[str, tuple
         "tokenizer.ggml.add_bos_token": (ValueType.BOOL, False),
         "tokenizer.ggml.add_eos_token": (ValueType.BOOL, False),
     }
+
+
+V41_SYSTEM_ID = 128799  # `<｜System｜>` in V4.1's vocabulary (a placeholder in V4's bundled one)
+
+
+def bundled_v41_tokenizer_metadata(vocab_size: int) -> dict[str, tuple[ValueType, Any]]:
+    """The bundled V4 tokenizer's keys with V4.1's `<｜System｜>` token named, which its prompts open
+    system messages with (`prompt/render.py`): V4.1's vocabulary, for a file with no tokenizer of its own."""
+    metadata = tokenizer_metadata(bundled_tokenizer_json(), vocab_size)
+    kind, (item, tokens) = metadata["tokenizer.ggml.tokens"]
+    if V41_SYSTEM_ID < vocab_size:
+        tokens = [*tokens[:V41_SYSTEM_ID], SYSTEM, *tokens[V41_SYSTEM_ID + 1 :]]
+    metadata["tokenizer.ggml.tokens"] = (kind, (item, tokens))
+    return metadata
