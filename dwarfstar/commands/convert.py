@@ -45,7 +45,7 @@ def convert(
         ),
     ] = None,
 ) -> None:
-    """Convert an official or transformers-saved DeepSeek V4 (or official V4.1) checkpoint into a GGUF that ds4 can load."""
+    """Convert an official or transformers-saved DeepSeek V4 checkpoint (or an official V4.1 one) into a ds4 GGUF."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
