@@ -1,7 +1,7 @@
 """V4.1's Engram row ids (dwarfstar/engram/hashing.py) against the published facts: the compressed
 vocabulary's size (99,092, config.json's `engram_compressed_vocab_size`), the tables' row counts
 (384,006,168 and 384,016,682, ds4's GGUF), the multipliers the reference draws, and row ids worked out
-independently from the specification (/work/notes/v41_spec.md §3), with image positions and prefill
+independently from the specification (shared/spec/RELEASES_2026.md), with image positions and prefill
 split anywhere."""
 
 from __future__ import annotations

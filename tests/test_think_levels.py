@@ -2,7 +2,7 @@
 API presets, `--think-level` on run and agent, and the release checks.
 
 Expected prompts are the official V4.1 encoder's, as a third-party audit ran it and as
-/work/notes/v41_spec.md §6 quotes it, written out here by hand.
+the sources in shared/spec/RELEASES_2026.md give it, written out here by hand.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """DeepSeek V4.1's config (issue 33): Flash's layer modes, ds4's `deepseek41.*` keys, the tensor list, and
-the layouts the config refuses. Expected values are the research note's (/work/notes/v41_spec.md §0, §4)."""
+the layouts the config refuses. Expected values are the published config's (shared/spec/RELEASES_2026.md)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ support file `convert --dspark` writes.
 A vision encoder is declared by flat `vision_*` keys (V4 Flash Vision-Exp) or a nested `vision_config`
 (V4.1 Flash, `model_type` deepseek_v41_vision, its language model under `text_config`);
 `vision_config_from_hf_config` reads either for the encoder file `convert --vision` writes
-(/work/notes/vision_spec.md §0). Its shape keys are required; the image budget's keys, which
+(shared/spec/RELEASES_2026.md). Its shape keys are required; the image budget's keys, which
 transformers' V4.1 config may leave out, default to the family's published values.
 """
 

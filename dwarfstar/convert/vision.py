@@ -3,7 +3,7 @@
 DeepSeek V4 Flash Vision-Exp (flat `vision_*` config keys) and V4.1 Flash (`vision_config`) keep their
 encoder in the same checkpoint as the language model; ds4 ships it as a separate GGUF that `--vision`
 loads (`model.vision_file`). Its writers keep the checkpoint's tensor names and copy the payloads byte
-for byte (/work/notes/vision_spec.md §6-7), and so does this:
+for byte (shared/spec/RELEASES_2026.md), and so does this:
 
 - the encoder's tensors (`VisionArgs.tensor_shapes`: ViT, aligner, image rows), stored as BF16;
 - for Vision-Exp, the language model's router biases for image tokens, stored as F32: every layer's

@@ -1,5 +1,5 @@
 """Which Engram table rows a token looks up (issue 33; the facts: DeepSeek V4.1's `inference/engram.py`
-as its ports and ds4's `ds4_engram.c` restate them, /work/notes/v41_spec.md §3).
+as its ports and ds4's `ds4_engram.c` restate them; sources: shared/spec/RELEASES_2026.md).
 
 - **Compressed ids.** Each token id maps to one of about 99k compressed ids (`compressed_token_map`):
   its text, normalised (NFKC, NFD, accents stripped, lower case, runs of spaces, tabs and line ends

@@ -1,5 +1,5 @@
 """DeepSeek V4.1 Flash hyperparameters (issue 33): one frozen dataclass, read from and written to ds4's
-`deepseek41.*` GGUF metadata (/work/notes/v41_spec.md §0 and §4).
+`deepseek41.*` GGUF metadata (facts and sources: shared/spec/RELEASES_2026.md).
 
 V4.1 is a sibling of V4's `ModelArgs`, not a subclass: its attention (CSA2: ratios 0, 1 and 2, four
 layers that own compressed caches, the rest reading them), its lagged mHC and its Engram layers make

@@ -1,4 +1,4 @@
-"""Image blocks in a language-model call (issue 34; facts: /work/notes/vision_spec.md §4).
+"""Image blocks in a language-model call (issue 34; facts and sources: shared/spec/RELEASES_2026.md).
 
 An image block takes a run of positions in a sequence. The caller has already assembled the block's
 embeddings (the encoder's learned start/pad/newline/end vectors and the aligner rows, in the layout's

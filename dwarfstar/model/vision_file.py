@@ -1,6 +1,6 @@
 """ds4's vision encoder GGUFs: open one (`open_vision`), check it, and hand out its tensors (issue 34).
 
-The layout (the facts, from ds4's sidecar writers; /work/notes/vision_spec.md §6):
+The layout (the facts, from ds4's sidecar writers; sources: shared/spec/RELEASES_2026.md):
 
 - `general.architecture` "deepseek4-vision" for both encoders; `general.name`, `general.alignment`;
 - `deepseek4-vision.checkpoint_variant`: "vision-exp" (V4 Flash Vision-Exp) or "v4.1-flash";

@@ -1,5 +1,5 @@
 """The vision encoder (model/vision.py) on every backend, against a plain numpy ViT and aligner written
-here from the facts of /work/notes/vision_spec.md §1-2 (not from any backend's code), in float64.
+here from the facts shared/spec/RELEASES_2026.md sources (not from any backend's code), in float64.
 
 The oracle is the torch reference in float32 (`VisionEncoder(reference ops)`); MLX is held to it in
 float32, the Triton backend's torch-bf16 steps (run here on the CPU) within bf16's precision. The grids
