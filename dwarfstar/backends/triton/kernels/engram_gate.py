@@ -81,10 +81,8 @@ def reference(h: torch.Tensor, kv: torch.Tensor, w: torch.Tensor, eps: float) ->
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """The gate of a decode token and of a prefill chunk at V4.1 Flash's streams (4 x 4096)."""
-    from dwarfstar.model.config_v41 import ModelArgs41
-
-    a, dev, gen = ModelArgs41(), shape.device, shape.generator()
+    """The gate of a decode token and of a prefill chunk."""
+    a, dev, gen = shape.args, shape.device, shape.generator()  # V4's fields of the same meaning
     w = torch.randn(a.hc_mult, a.dim, device=dev, generator=gen)
     cases = []
     for what, t in (("decode", 1), ("prefill", shape.prefill)):

@@ -40,10 +40,8 @@ def reference(h, pre, norm, eps):
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """The collapse of a decode token and of a prefill chunk at V4.1 Flash's streams (4 x 4096)."""
-    from dwarfstar.model.config_v41 import ModelArgs41
-
-    a, dev, gen = ModelArgs41(), shape.device, shape.generator()
+    """The collapse of a decode token and of a prefill chunk."""
+    a, dev, gen = shape.args, shape.device, shape.generator()  # V4's fields of the same meaning
     norm = torch.rand(a.dim, device=dev, generator=gen)
     cases = []
     for what, t in (("decode", 1), ("prefill", shape.prefill)):

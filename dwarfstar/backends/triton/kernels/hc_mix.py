@@ -72,12 +72,11 @@ def reference(h, fn: QWeight, scale, base, iters, hc_eps, norm_eps):
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """The mix of a decode token and of a prefill chunk, at V4.1 Flash's streams (4 x 4096, F32 fn)."""
-    from dwarfstar.model.config_v41 import ModelArgs41
-
-    a, dev, gen = ModelArgs41(), shape.device, shape.generator()
-    fn = random_qweight(GGMLType.F32, (a.hc_mix_dim, a.hc_mult * a.dim), dev, gen)
-    scale, base = torch.rand(3, device=dev, generator=gen), torch.randn(a.hc_mix_dim, device=dev, generator=gen)
+    """The mix of a decode token and of a prefill chunk, (F32 fn)."""
+    a, dev, gen = shape.args, shape.device, shape.generator()  # V4's fields of the same meaning
+    mixes = a.hc_mult * (a.hc_mult + 2)
+    fn = random_qweight(GGMLType.F32, (mixes, a.hc_mult * a.dim), dev, gen)
+    scale, base = torch.rand(3, device=dev, generator=gen), torch.randn(mixes, device=dev, generator=gen)
     cases = []
     for what, t in (("decode", 1), ("prefill", shape.prefill)):
         h = torch.randn(t, a.hc_mult, a.dim, device=dev, generator=gen)

@@ -394,7 +394,7 @@ def reference(
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
     """Decode: the query heads (norm + RoPE) and the indexer query (RoPE + Hadamard + FP4); prefill:
-    the chunk's raw KV rows (norm + RoPE + FP8)."""
+    the chunk's raw KV rows (norm + RoPE + FP8); V4.1's roundings of its window, index and compressed rows."""
     a, dev, gen = shape.args, shape.device, shape.generator()
     inv = torch.tensor(yarn_inv_freq(a, a.layer(a.n_layers - 1)), dtype=torch.float64, device=dev)
     cases = []
@@ -402,11 +402,18 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
         ("decode query heads", 1, a.n_heads, a.head_dim, dict(norm=NORM_PLAIN)),
         ("decode indexer query", 1, a.index_n_heads, a.index_head_dim, dict(norm=NORM_NONE, qat=QAT_FP4)),
         ("prefill KV rows", shape.prefill, 1, a.head_dim, dict(weight=torch.ones(a.head_dim, device=dev), qat=QAT_FP8)),
-    ):
+        ("V4.1 prefill window rows", shape.prefill, 1, a.head_dim,
+         dict(weight=torch.ones(a.head_dim, device=dev), qat=QAT_FP8_ROW)),
+        ("V4.1 decode index query", 1, a.index_n_heads, a.index_head_dim, dict(norm=NORM_NONE, qat=QAT_FP4_ROW)),
+        ("V4.1 compressed rows", shape.prefill // 2, 1, a.head_dim, dict(norm=NORM_NONE, qat=QAT_FP4_E4M3)),
+    ):  # fmt: skip
         x = torch.randn(t, heads, d, device=dev, generator=gen)
         angles = rope_angles(torch.arange(t, device=dev) + shape.ctx, inv)
         run = functools.partial(rms_norm_rope, x, angles=angles, rope_dim=a.rope_dim, **kw)
         cases.append(BenchCase("rms_norm_rope", f"{what} {t}x{heads}x{d}", run, 8 * x.numel()))
+    engram = torch.randn(shape.prefill, 24 * 256, device=dev, generator=gen)  # V4.1's Engram rows, 24 of 256
+    run = functools.partial(rms_norm_rope, engram, norm=NORM_NONE, qat=QAT_FP8_ROW)
+    cases.append(BenchCase("rms_norm_rope", f"V4.1 prefill Engram rows {tuple(engram.shape)}", run, 8 * engram.numel()))
     b = 8
     q = torch.randn(b, a.n_heads * a.head_dim, device=dev, generator=gen)
     index_q = torch.randn(b, a.index_n_heads * a.index_head_dim, device=dev, generator=gen)

@@ -97,12 +97,10 @@ def reference(q, parts, sinks, inv_freq, positions) -> torch.Tensor:
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """A decode query and a prefill chunk of V4.1 Flash (64 heads of 512) over its 128 window rows and
-    512 selected rows."""
+    """A decode query and a prefill chunk over a window's rows and the top-k's selected rows."""
     from dwarfstar.model.config import yarn_inv_freq
-    from dwarfstar.model.config_v41 import ModelArgs41
 
-    a, dev, gen = ModelArgs41(), shape.device, shape.generator()
+    a, dev, gen = shape.args, shape.device, shape.generator()  # V4's fields of the same meaning
     inv = torch.tensor(yarn_inv_freq(a, a.layer(a.n_layers - 1)), dtype=torch.float64, device=dev)  # type: ignore[arg-type]
     sinks = torch.randn(a.n_heads, device=dev, generator=gen)
     cases = []
