@@ -64,8 +64,10 @@ def triton_run(triton41) -> tuple[list[torch.Tensor], object]:
 
 
 def test_prefill_and_decode_logits_match_the_reference(reference_run, triton_run):
-    """Max |diff| / max |logit| under the suite's QAT bound (1e-2; measured 2.5e-4 here: an FP4 or FP8
-    rounding flips where the two sum in another order), KL under 1e-5, and the same argmax."""
+    """Max |diff| / max |logit| under the suite's QAT bound (1e-2), KL under 1e-5, and the same argmax.
+    Measured on this prompt: 1.2e-6 (5.7e-6 absolute) after the prefill, under 8e-7 over the decode
+    steps; a random 20-token prompt gave 2.5e-4, where an FP4 or FP8 rounding flips because the two
+    sum in another order."""
     got, _ = triton_run
     diff = compare_logits(torch.stack(reference_run), torch.stack(got))
     assert diff.within(QAT_REL, QAT_KL, near_ties_may_swap=False), diff
