@@ -264,6 +264,11 @@ class Triton(BackendEntry):
             stream_experts=load.stream, cpu_moe=load.cpu_moe, threads=load.threads,
         )  # fmt: skip
 
+    def load41(self, model, load, engram_cache_bytes):
+        from dwarfstar.backends.triton import load_backend41
+
+        return load_backend41(model, engram_cache_bytes, load.ctx, precision=load.precision)
+
     def usable_memory(self) -> int:
         import torch
 

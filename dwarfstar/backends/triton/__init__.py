@@ -32,6 +32,12 @@ def interpreter_requested() -> bool:
     return interpreting()
 
 
+def _pick_runtime(device: torch.device | str | None) -> None:
+    """Triton's interpreter where no GPU runs the kernels (before any kernel module is imported)."""
+    if not torch.cuda.is_available() or (device is not None and torch.device(device).type == "cpu"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def load_backend(
     model_file,
     device: torch.device | str | None = None,
@@ -51,8 +57,7 @@ def load_backend(
     reads the file on the host, which a graph replay cannot do. The routed experts of the `cpu_moe`
     layers stay in the file, computed by the CPU kernels on `threads` threads (`--cpu-moe`), and decode
     then runs eagerly too."""
-    if not torch.cuda.is_available() or (device is not None and torch.device(device).type == "cpu"):
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    _pick_runtime(device)
     from dwarfstar.backends.triton.backend import TritonBackend
     from dwarfstar.backends.triton.runtime import PRECISIONS, default_device
     from dwarfstar.backends.triton.weights import upload
@@ -69,3 +74,20 @@ def load_backend(
         host = HostExperts(gguf, args, cpu_moe, threads)
     weights = upload(gguf, args, device, not stream_experts, model_file.layer_range, host_layers=cpu_moe)
     return TritonBackend(weights, graphs=False, host=host, **options)
+
+
+def load_backend41(model_file, engram_cache_bytes: int, max_seq_len: int | None = None, device=None, precision="exact"):
+    """A `v41.backend.TritonModel41` over `model_file` (a `ModelFile41`) on `device` (default: the GPU,
+    else the CPU through Triton's interpreter), its Engram rows read through a cache of
+    `engram_cache_bytes`, sequences of at most `max_seq_len` tokens (default: the model's). Only the
+    exact precision runs V4.1 yet."""
+    from dwarfstar.errors import DwarfStarError
+
+    if precision != "exact":
+        raise DwarfStarError(f"the triton backend runs DeepSeek V4.1 in exact precision only yet, not {precision!r}")
+    _pick_runtime(device)
+    from dwarfstar.backends.triton.runtime import default_device
+    from dwarfstar.backends.triton.v41.backend import TritonModel41
+
+    device = torch.device(device) if device is not None else default_device()
+    return TritonModel41.from_file(model_file, engram_cache_bytes, max_seq_len, device)

@@ -5,7 +5,8 @@
 A CPU-only session cannot run the kernels compiled, but Triton compiles for any target it ships a
 backend for. This swaps in a driver that only names the target and turns every launch into a
 compile-only warmup, then drives the real launch code: every kernel's bench cases at Flash shapes
-(fewer experts and a smaller vocabulary, which change no kernel specialisation) and a prefill chunk
+(fewer experts and a smaller vocabulary, which change no kernel specialisation; V4.1's own kernels at
+V4.1 Flash's hidden size too) and a prefill chunk
 (and one with an image block) and a decode step of a tiny model (`--only qmatmul,moe_experts`
 compiles just those modules' bench cases), a batched decode step of three sequences and a DSpark
 drafter's passes. Autotuned kernels compile every config their launch could pick. It reports warps, stages,
@@ -97,6 +98,7 @@ def _drive_launches(only: Sequence[str], backend: str) -> None:
     from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchShape, assume_multiprocessors
     from dwarfstar.backends.triton.synthetic import PRESETS, synthetic_state, synthetic_weights
     from dwarfstar.model.config import ModelArgs
+    from dwarfstar.model.config_v41 import ModelArgs41
     from dwarfstar.model.dspark import DSparkArgs, DSparkForward
     from dwarfstar.model.image_spans import ImageSpan, content_ids
     from dwarfstar.model.synthetic import Q2, TINY_K
@@ -107,6 +109,11 @@ def _drive_launches(only: Sequence[str], backend: str) -> None:
         shape = BenchShape(args.with_(n_routed_experts=16, vocab_size=4096), cpu, ctx=32768, prefill=256)
         for case in gpu_bench.kernel_cases(shape, only):
             case.run()
+    # V4.1's own kernels also at V4.1 Flash's hidden size (`config_v41.ModelArgs41`)
+    v41 = ModelArgs.flash().with_(n_routed_experts=16, vocab_size=4096, dim=ModelArgs41().dim)
+    modules = [name for name in gpu_bench.V41_KERNELS if not only or name in only]
+    for case in gpu_bench.kernel_cases(BenchShape(v41, cpu, ctx=32768, prefill=256), modules) if modules else []:
+        case.run()
     if only:
         return
     PRESETS.setdefault("tiny-k", (TINY_K, Q2))  # rows of whole 256-column super-blocks for the q2 experts

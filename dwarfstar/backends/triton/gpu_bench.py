@@ -43,7 +43,9 @@ from dwarfstar.model.config import ModelArgs
 KERNELS = (
     "quant_blocks", "qmatmul", "hc_pre", "hc_post", "hc_head", "rms_norm_rope", "compressor", "decode_rows",
     "indexer_scores", "topk", "attention", "moe_route", "moe_sort", "moe_experts", "sampling",
+    "hc_mix", "hc_collapse", "engram_gate", "row_attention",
 )  # fmt: skip
+V41_KERNELS = ("hc_mix", "hc_collapse", "engram_gate", "row_attention")  # V4.1's own steps
 # (name substring, memory GB/s, dense bf16 TFLOP/s or None), vendor datasheets; most specific first
 KNOWN_GPUS: tuple[tuple[str, float, float | None], ...] = (
     ("H200", 4800.0, 989.0),

@@ -48,6 +48,7 @@ from dwarfstar.backends.triton.kernels.rms_norm_rope import (
     query_rows,
 )
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
+from dwarfstar.backends.triton.moe import experts_ffn
 from dwarfstar.backends.triton.runtime import EXACT, TICKET_SLOTS, PagedRows, Precision, next_pow2
 from dwarfstar.backends.triton.step import DecodeInputs, PendingRows, TritonStep
 from dwarfstar.backends.triton.weights import FusedLinear, ModelWeights
@@ -504,7 +505,7 @@ class TritonOps:
         batch: Batch[TritonStep],
     ) -> torch.Tensor:
         a, lw, t = self.args, self.w.layers[il], x.shape[0]
-        k, precision = a.n_activated_experts, batch.step.precision
+        precision = batch.step.precision
         shared = (lw.gate_shared, lw.up_shared, lw.down_shared)
         routed_x = batch.step.routed.pop(il, None)
         tile = 64 if precision.fast else 32  # fp32 operands take twice the registers and shared memory
@@ -515,27 +516,12 @@ class TritonOps:
             shared_tiles = moe_sort.single_expert_tiles(t, self.device, moe_sort.tile_rows_for(t, 1, tile))
             moe_experts.expert_ffn(x, *shared, shared_tiles, None, parts, 0, a.swiglu_limit, precision)
             return parts[:, 0] + self.host.receive(il, sent)
-        (gate, up, down), slots = experts.experts(il, ids)
+        routed, slots = experts.experts(il, ids)
         # two launches a DECODE_TOKENS rows, routed and shared
-        if t <= moe_experts.DECODE_TOKENS or self._gemv(x, batch.step):
-            # the routing launch's int8 rows of x, if it wrote them (a step of at most DECODE_TOKENS rows)
-            xq = routed_x[1] if routed_x is not None and routed_x[0] is x else None
-            routed, n = (gate, up, down), moe_experts.DECODE_TOKENS
-            rows = [slice(i, i + n) for i in range(0, t, n)]
-            parts = [
-                moe_experts.decode_ffn(
-                    x[r], slots[r], weights[r], routed, shared, a.swiglu_limit, self.precision, xq=xq
-                )
-                for r in rows
-            ]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-        tiles = moe_sort.sort_by_expert(slots, gate.experts, moe_sort.tile_rows_for(t * k, gate.experts, tile))
-        # k routed slots and the shared expert, summed once all are written
-        parts = torch.empty(t, k + 1, a.dim, device=self.device)
-        moe_experts.expert_ffn(x, gate, up, down, tiles, weights.view(-1), parts, 0, a.swiglu_limit, precision)
-        shared_tiles = moe_sort.single_expert_tiles(t, self.device, moe_sort.tile_rows_for(t, 1, tile))
-        moe_experts.expert_ffn(x, *shared, shared_tiles, None, parts, k, a.swiglu_limit, precision)
-        return parts.sum(1)
+        decode = self.precision if t <= moe_experts.DECODE_TOKENS or self._gemv(x, batch.step) else None
+        # the routing launch's int8 rows of x, if it wrote them (a step of at most DECODE_TOKENS rows)
+        xq = routed_x[1] if routed_x is not None and routed_x[0] is x else None
+        return experts_ffn(x, slots, weights, routed, shared, a.swiglu_limit, precision, decode, xq)
 
 
 class TritonModel(Transformer[torch.Tensor, TritonStep]):

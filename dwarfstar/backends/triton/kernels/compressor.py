@@ -152,10 +152,10 @@ def reference(
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """A decode step that completes a window, for each ratio (pooling 8 or 128 slots, then the frontier)."""
+    """A decode step that completes a window, for each ratio (pooling 2, 8 or 128 slots, then the frontier)."""
     a, dev, gen = shape.args, shape.device, shape.generator()
     cases = []
-    for ratio in (4, 128):
+    for ratio in (2, 4, 128):  # 2: V4.1's pooling (no overlap)
         shape = CompressorSpec("attn", ratio, a.head_dim).frontier_shape
         width = shape[1]
         front_kv = torch.randn(shape, device=dev, generator=gen)

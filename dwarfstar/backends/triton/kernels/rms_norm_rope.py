@@ -6,6 +6,9 @@ One kernel covers every per-row epilogue of the attention path (spec §2.1, §9)
 * raw KV row: RMSNorm(kv_norm), RoPE, FP8 on the nope dims
 * compressed KV row: RMSNorm(compressor norm), RoPE at the window's first position, FP8
 * indexer row / indexer query: [RMSNorm], RoPE, Hadamard, FP4
+* V4.1 (`QAT_V41`): window rows e4m3 over the whole row per 32 (`QAT_FP8_ROW`), index queries and keys
+  e2m1 per 32 without the Hadamard (`QAT_FP4_ROW`), compressed rows e2m1 per 16 with an e4m3 scale
+  (`QAT_FP4_E4M3`): `ops.fp8_round` / `ops.fp4_round` with the V4.1 blocks
 
 RoPE rotates interleaved pairs of the last `rope_dim` dims; the pairs are split out of the register
 tile with reshape + split, and pairs before the rope dims get cos 1 / sin 0. Angles are formed in
@@ -38,6 +41,8 @@ from dwarfstar.model.numerics import hadamard_matrix, rope_angles
 
 NORM_NONE, NORM_PLAIN, NORM_WEIGHTED = 0, 1, 2
 QAT_NONE, QAT_FP8, QAT_FP4 = 0, 1, 2
+QAT_FP8_ROW, QAT_FP4_ROW, QAT_FP4_E4M3 = 3, 4, 5  # V4.1's roundings (the module's list)
+V41_BLOCKS = {QAT_FP8_ROW: 32, QAT_FP4_ROW: 32, QAT_FP4_E4M3: 16}  # values per scale
 
 
 @triton.jit
@@ -72,6 +77,17 @@ def _block_round(x, keep, BR: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexp
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BR, BD // BLOCK, BLOCK]), [BR, BD])
     v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FMT_MAX), FMT_MAX)
     return tl.where(keep, round_to_grid(v, MANT, MIN_EXP) * scale, x)
+
+
+@triton.jit
+def _block_round_e4m3(x, keep, BR: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr):
+    # e2m1 per block of BLOCK columns with the scale e4m3(max(amax, 6 * 2^-9) / 6) (V4.1's compressed rows)
+    mag = tl.where(keep, tl.abs(x), 0.0)
+    amax = tl.maximum(tl.max(tl.reshape(mag, [BR, BD // BLOCK, BLOCK]), axis=2), 6.0 * 2.0**-9)
+    scale = round_to_grid(amax * (1.0 / 6.0), 3, -6)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BR, BD // BLOCK, BLOCK]), [BR, BD])
+    v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -6.0), 6.0)
+    return tl.where(keep, round_to_grid(v, 1, 0) * scale, x)
 
 
 @triton.jit
@@ -124,6 +140,12 @@ def finish_rows(x, m, w_ptr, cos, sin, had_ptr, D, eps, NORM: tl.constexpr, ROPE
         x = _block_round(x, m & (cols < D - ROPE_DIM)[None, :], BR, BD, 64, 448.0, 1e-4, 3, -6)
     elif QAT == 2:  # indexer: orthonormal Hadamard over the row, then e2m1, one scale per 32
         x = _block_round(_hadamard(x, had_ptr, BR, BD), m, BR, BD, 32, 6.0, 6.0 * 2.0**-126, 1, 0)
+    elif QAT == 3:  # V4.1 window rows: e4m3 over the whole row, one scale per 32
+        x = _block_round(x, m, BR, BD, 32, 448.0, 1e-4, 3, -6)
+    elif QAT == 4:  # V4.1 index queries and keys: e2m1 per 32, no Hadamard
+        x = _block_round(x, m, BR, BD, 32, 6.0, 6.0 * 2.0**-126, 1, 0)
+    elif QAT == 5:  # V4.1 compressed rows: e2m1 per 16 with an e4m3 scale
+        x = _block_round_e4m3(x, m, BR, BD, 16)
     return x
 
 
@@ -363,12 +385,16 @@ def reference(
         y = ops.fp8_round_nope(y, rope_dim)
     elif qat == QAT_FP4:
         y = ops.indexer_round(y)
+    elif qat == QAT_FP8_ROW:
+        y = ops.fp8_round(y, V41_BLOCKS[qat])
+    elif qat in V41_BLOCKS:
+        y = ops.fp4_round(y, V41_BLOCKS[qat], e4m3_scale=qat == QAT_FP4_E4M3)
     return y
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
     """Decode: the query heads (norm + RoPE) and the indexer query (RoPE + Hadamard + FP4); prefill:
-    the chunk's raw KV rows (norm + RoPE + FP8)."""
+    the chunk's raw KV rows (norm + RoPE + FP8); V4.1's roundings of its window, index and compressed rows."""
     a, dev, gen = shape.args, shape.device, shape.generator()
     inv = torch.tensor(yarn_inv_freq(a, a.layer(a.n_layers - 1)), dtype=torch.float64, device=dev)
     cases = []
@@ -376,11 +402,18 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
         ("decode query heads", 1, a.n_heads, a.head_dim, dict(norm=NORM_PLAIN)),
         ("decode indexer query", 1, a.index_n_heads, a.index_head_dim, dict(norm=NORM_NONE, qat=QAT_FP4)),
         ("prefill KV rows", shape.prefill, 1, a.head_dim, dict(weight=torch.ones(a.head_dim, device=dev), qat=QAT_FP8)),
-    ):
+        ("V4.1 prefill window rows", shape.prefill, 1, a.head_dim,
+         dict(weight=torch.ones(a.head_dim, device=dev), qat=QAT_FP8_ROW)),
+        ("V4.1 decode index query", 1, a.index_n_heads, a.index_head_dim, dict(norm=NORM_NONE, qat=QAT_FP4_ROW)),
+        ("V4.1 compressed rows", shape.prefill // 2, 1, a.head_dim, dict(norm=NORM_NONE, qat=QAT_FP4_E4M3)),
+    ):  # fmt: skip
         x = torch.randn(t, heads, d, device=dev, generator=gen)
         angles = rope_angles(torch.arange(t, device=dev) + shape.ctx, inv)
         run = functools.partial(rms_norm_rope, x, angles=angles, rope_dim=a.rope_dim, **kw)
         cases.append(BenchCase("rms_norm_rope", f"{what} {t}x{heads}x{d}", run, 8 * x.numel()))
+    engram = torch.randn(shape.prefill, 24 * 256, device=dev, generator=gen)  # V4.1's Engram rows, 24 of 256
+    run = functools.partial(rms_norm_rope, engram, norm=NORM_NONE, qat=QAT_FP8_ROW)
+    cases.append(BenchCase("rms_norm_rope", f"V4.1 prefill Engram rows {tuple(engram.shape)}", run, 8 * engram.numel()))
     b = 8
     q = torch.randn(b, a.n_heads * a.head_dim, device=dev, generator=gen)
     index_q = torch.randn(b, a.index_n_heads * a.index_head_dim, device=dev, generator=gen)

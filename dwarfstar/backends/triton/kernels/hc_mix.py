@@ -1,0 +1,85 @@
+"""V4.1's mHC mix (lagged mHC, V4.1 note §2): a sublayer's (pre, post, comb) from its input streams.
+
+The mixes and Sinkhorn are V4's (`hc_pre`: the 24 mixes fn @ flatten(h) from the split-K GEMV,
+scaled by rsqrt(mean(h^2) + eps); pre = sigmoid + eps, post = 2 sigmoid, comb through Sinkhorn), but
+nothing is collapsed here: V4.1 collapses a sublayer's input with the pre of the sublayer before
+(`hc_collapse`), so the pre is written out for the next one. One program per BT tokens, the streams in
+registers (`hc_pre.load_streams`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from dwarfstar.backends.reference import ops
+from dwarfstar.backends.triton.kernels.hc_pre import MIX_SPLIT, load_streams, mix_weights, sum_partials
+from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2, rsqrt_rn
+from dwarfstar.backends.triton.weights import QWeight, random_qweight
+from dwarfstar.gguf.constants import GGMLType
+
+
+@triton.jit
+def _hc_mix_kernel(
+    h_ptr, mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, D, iters, hc_eps, norm_eps,
+    SPLIT: tl.constexpr, NHC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t_ok = t < T
+    _, mean_sq = load_streams(h_ptr, t, t_ok, D, NHC, BD)
+    n_mix = NHC * (NHC + 2)
+    s = tl.arange(0, NHC)
+    t2, t3 = t_ok[:, None], t_ok[:, None, None]
+    row = t.to(tl.int64) * n_mix
+    stride = T * n_mix
+    jk = 2 * NHC + NHC * s[:, None] + s[None, :]
+    pre = sum_partials(mix_ptr, row[:, None] + s[None, :], t2, stride, SPLIT)
+    post = sum_partials(mix_ptr, row[:, None] + NHC + s[None, :], t2, stride, SPLIT)
+    comb = sum_partials(mix_ptr, row[:, None, None] + jk[None, :, :], t3, stride, SPLIT)
+    pre, post, comb = mix_weights(pre, post, comb, rsqrt_rn(mean_sq + norm_eps), scale_ptr, base_ptr, iters, hc_eps,
+                                  NHC)  # fmt: skip
+    tl.store(pre_ptr + t[:, None] * NHC + s[None, :], pre, mask=t2)
+    tl.store(post_ptr + t[:, None] * NHC + s[None, :], post, mask=t2)
+    tl.store(comb_ptr + t[:, None, None] * NHC * NHC + (NHC * s[:, None] + s[None, :])[None, :, :], comb, mask=t3)
+
+
+def hc_mix(
+    h: torch.Tensor, fn: QWeight, scale: torch.Tensor, base: torch.Tensor, iters: int, hc_eps: float, norm_eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [T, n, D] contiguous -> (pre [T, n], post [T, n], comb [T, n, n]); fn [(2 + n) * n, n * D]."""
+    t, nhc, d = h.shape
+    if not h.is_contiguous() or fn.rows != nhc * (nhc + 2) or fn.cols != nhc * d:
+        raise ValueError(f"mHC mix [{fn.rows}, {fn.cols}] does not fit streams {tuple(h.shape)} (contiguous)")
+    mix = qmatmul(h.view(t, nhc * d), fn, split_k=MIX_SPLIT)
+    pre = torch.empty(t, nhc, device=h.device, dtype=torch.float32)
+    post = torch.empty(t, nhc, device=h.device, dtype=torch.float32)
+    comb = torch.empty(t, nhc, nhc, device=h.device, dtype=torch.float32)
+    bt = min(16, next_pow2(t)) if interpreting() else 1
+    bd = next_pow2(d)
+    _hc_mix_kernel[(triton.cdiv(t, bt),)](
+        h, mix, scale, base, pre, post, comb, t, d, iters, hc_eps, norm_eps,
+        SPLIT=mix.shape[0], NHC=nhc, BT=bt, BD=bd, num_warps=max(4, min(16, bd // 512)),
+    )  # fmt: skip
+    return pre, post, comb
+
+
+def reference(h, fn: QWeight, scale, base, iters, hc_eps, norm_eps):
+    return ops.hc_mix(h, fn.dequantize(), scale, base, iters, hc_eps, norm_eps)
+
+
+def bench_cases(shape: BenchShape) -> list[BenchCase]:
+    """The mix of a decode token and of a prefill chunk, (F32 fn)."""
+    a, dev, gen = shape.args, shape.device, shape.generator()  # V4's fields of the same meaning
+    mixes = a.hc_mult * (a.hc_mult + 2)
+    fn = random_qweight(GGMLType.F32, (mixes, a.hc_mult * a.dim), dev, gen)
+    scale, base = torch.rand(3, device=dev, generator=gen), torch.randn(mixes, device=dev, generator=gen)
+    cases = []
+    for what, t in (("decode", 1), ("prefill", shape.prefill)):
+        h = torch.randn(t, a.hc_mult, a.dim, device=dev, generator=gen)
+        run = functools.partial(hc_mix, h, fn, scale, base, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+        cases.append(BenchCase("hc_mix", f"V4.1 {what} {t} tokens", run, fn.nbytes + 4 * h.numel()))
+    return cases

@@ -1,0 +1,182 @@
+"""DeepSeek V4.1's steps (`forward_v41.Ops41`) on the Triton kernels, float32 [T, ...] tensors on the device.
+
+The order is `forward_v41.Transformer41`'s; this module only says how each step runs. What V4 and
+V4.1 share runs on V4's kernels: every projection (`qmatmul`, weights in their file blocks), the
+embedding lookup (`quant_blocks.gather_rows`), the norms, RoPE and the QAT roundings
+(`rms_norm_rope`, with V4.1's roundings added), the mHC post (`hc_post`), the ratio-2 pooling
+(`compressor`, no position bias), the indexer scores (`indexer_scores`) and the MoE (`moe_route`,
+then `moe.experts_ffn`). V4.1's own steps have kernels of their own: the lagged mHC's mix and collapse
+(`hc_mix`, `hc_collapse`), the Engram gate (`engram_gate`) and sink attention over each query's
+gathered rows (`row_attention`). Torch on the device: the candidate blocks and the top-k selection
+(`backends.reference.v41.select`, a sort per call), and gathering the Engram rows, which come from
+the host (`EngramStore`'s positional reads, rounded to bf16 there) and are uploaded per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dwarfstar.backends.reference.v41 import csa2, select
+from dwarfstar.backends.triton.kernels import compressor, engram_gate, hc_collapse, hc_mix, hc_post, moe_route
+from dwarfstar.backends.triton.kernels.indexer_scores import indexer_scores
+from dwarfstar.backends.triton.kernels.moe_experts import DECODE_TOKENS
+from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
+from dwarfstar.backends.triton.kernels.quant_blocks import gather_rows
+from dwarfstar.backends.triton.kernels.rms_norm_rope import NORM_NONE, QAT_FP4_E4M3, QAT_FP4_ROW, QAT_FP8_ROW
+from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
+from dwarfstar.backends.triton.kernels.row_attention import row_attention
+from dwarfstar.backends.triton.moe import experts_ffn
+from dwarfstar.backends.triton.runtime import EXACT, PagedRows
+from dwarfstar.backends.triton.v41.weights import COMPRESSOR_KV_GATE, ENGRAM_GATE, Weights41
+from dwarfstar.engram.hashing import EngramHash
+from dwarfstar.engram.store import EngramStore
+from dwarfstar.model import tensors as tt
+from dwarfstar.model import tensors_v41 as tt41
+from dwarfstar.model.config import yarn_inv_freq
+from dwarfstar.model.numerics import rope_angles
+from dwarfstar.model.pages import PAGE_ROWS
+
+
+class TritonOps41:
+    def __init__(self, weights: Weights41, engram_hash: EngramHash, store: EngramStore) -> None:
+        self.w, self.args, self.device = weights, weights.args, weights.device
+        self.hash, self.store = engram_hash, store
+        a = self.args
+        self.inv_freq = {
+            il: torch.tensor(yarn_inv_freq(a, a.layer(il)), dtype=torch.float64, device=self.device)  # type: ignore[arg-type]
+            for il in range(a.n_layers)
+        }
+        self.no_bias = torch.zeros(csa2.POOLED_RATIO, a.head_dim, device=self.device)  # V4.1 pools without one
+
+    def _pos(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions.to(self.device)
+
+    def _angles(self, il: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_angles(self._pos(positions), self.inv_freq[il])
+
+    # -- streams ---------------------------------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        w = self.w.matrix(None, tt.EMBED)
+        ids = tokens.to(device=self.device, dtype=torch.int32)
+        return gather_rows(w.data, w.ggml_type, self.args.dim, ids, copies=self.args.hc_mult)
+
+    def prefetch(self, tokens: Sequence[int], start: int) -> None:
+        """Start reading the Engram rows positions `start`.. of `tokens` will look up (`EngramStore.prefetch`)."""
+        self.store.prefetch({il: self.hash.rows(il, tokens, start).ravel() for il in self.args.engram_layers})
+
+    def engram(self, il: int, h: torch.Tensor, tokens: Sequence[int], start: int) -> torch.Tensor:
+        rows = torch.from_numpy(self.store.rows(il, self.hash.rows(il, tokens, start)))
+        # the rows' bf16 rounding on the host halves the upload; their FP8 rounding on the device
+        e = rows.to(torch.bfloat16).to(self.device).float().reshape(rows.shape[0], -1)
+        kv = qmatmul(norm_rope(e, norm=NORM_NONE, qat=QAT_FP8_ROW), self.w.matrix(il, tt41.ENGRAM_KV))
+        return engram_gate.engram_gate(h, kv, self.w.vector(il, ENGRAM_GATE), self.args.norm_eps)
+
+    def mix(self, il: int, site: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        fn, scale, base = tt.hc_mix(site)
+        a = self.args
+        return hc_mix.hc_mix(
+            h, self.w.matrix(il, fn), self.w.vector(il, scale), self.w.vector(il, base),
+            a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps,
+        )  # fmt: skip
+
+    def sublayer_input(self, il: int, site: str, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        norm = self.w.vector(il, tt.sublayer_norm(site))
+        return hc_collapse.hc_collapse(h, pre.to(self.device), norm, self.args.norm_eps)
+
+    def hc_post(self, h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        return hc_post.hc_post(h, out, post, comb)  # in place: the forward pass reads only the new streams
+
+    def head(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        norm = self.w.vector(None, tt.OUTPUT_NORM)
+        y = hc_collapse.hc_collapse(h.contiguous(), pre.to(self.device), norm, self.args.norm_eps)
+        return qmatmul(y, self.w.matrix(None, tt.OUTPUT))
+
+    # -- attention -------------------------------------------------------------------------------------
+    def query(self, il: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        qr = norm_rope(qmatmul(x, self.w.matrix(il, "attn_q_a.weight")), weight=self.w.vector(il, tt.Q_NORM),
+                       eps=a.norm_eps)  # fmt: skip
+        q = qmatmul(qr, self.w.matrix(il, "attn_q_b.weight")).view(x.shape[0], a.n_heads, a.head_dim)
+        return norm_rope(q, norm=NORM_NONE, angles=self._angles(il, positions), rope_dim=a.rope_dim), qr
+
+    def window_rows(self, il: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        kv = qmatmul(x, self.w.matrix(il, "attn_kv.weight"))
+        return norm_rope(kv, weight=self.w.vector(il, tt.KV_NORM), eps=a.norm_eps, angles=self._angles(il, positions),
+                         rope_dim=a.rope_dim, qat=QAT_FP8_ROW)  # fmt: skip
+
+    def compress(
+        self, il: int, x: torch.Tensor, frontier: tuple[torch.Tensor, torch.Tensor] | None, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The pooled groups' latents (the ratio-2 frontier advanced in place), then their main rows and
+        index keys (`backends.reference.v41.csa2`'s steps)."""
+        a, t = self.args, x.shape[0]
+        if a.layer(il).has_gate:
+            ratio, width = csa2.POOLED_RATIO, a.head_dim
+            if frontier is None:
+                frontier = tuple(part.to(self.device) for part in csa2.new_frontier(width))  # type: ignore[assignment]
+            kv_gate = qmatmul(x, self.w.matrix(il, COMPRESSOR_KV_GATE))
+            pos = torch.full((1,), start, dtype=torch.int32, device=self.device)
+            n_emit = compressor.emitted(start, t, ratio)
+            pooled = compressor.compress_chunk(kv_gate[:, :width], kv_gate[:, width:], self.no_bias, *frontier, pos,
+                                               n_emit, ratio)  # fmt: skip
+        else:
+            ratio, pooled = 1, qmatmul(x, self.w.matrix(il, tt41.COMPRESSOR_KV))
+        if not pooled.shape[0]:  # a call inside one group
+            return pooled, x.new_zeros(0, a.index_head_dim), frontier
+        latent = norm_rope(pooled, weight=self.w.vector(il, tt41.COMPRESSOR_NORM), eps=a.norm_eps)
+        groups = start // ratio + torch.arange(latent.shape[0], device=self.device)
+        angles = rope_angles(groups * ratio, self.inv_freq[il])
+        rows = norm_rope(latent, norm=NORM_NONE, angles=angles, rope_dim=a.rope_dim, qat=QAT_FP4_E4M3)
+        keys = norm_rope(qmatmul(latent, self.w.matrix(il, tt41.INDEX_K)), weight=self.w.vector(il, tt41.INDEX_K_NORM),
+                         eps=a.norm_eps, angles=angles, rope_dim=a.rope_dim, qat=QAT_FP4_ROW)  # fmt: skip
+        return rows, keys, frontier
+
+    def index_scores(
+        self, il: int, qr: torch.Tensor, x: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The indexer kernel over the keys laid out as one sequence's pages (an identity page table)."""
+        a, t, n = self.args, x.shape[0], keys.shape[0]
+        iq = qmatmul(qr, self.w.matrix(il, tt41.INDEX_Q)).view(t, a.index_n_heads, a.index_head_dim)
+        iq = norm_rope(iq, norm=NORM_NONE, angles=self._angles(il, positions), rope_dim=a.rope_dim, qat=QAT_FP4_ROW)
+        weights = qmatmul(x, self.w.matrix(il, tt41.INDEX_PROJ))
+        pages = max(1, -(-n // PAGE_ROWS))
+        pool = keys.new_zeros(pages * PAGE_ROWS, a.index_head_dim)
+        pool[:n] = keys
+        table = torch.arange(pages, dtype=torch.int32, device=self.device)
+        pos = self._pos(positions[:1]).to(torch.int32)
+        scores, seen = indexer_scores(iq, weights, PagedRows(pool, table), pool.shape[0], pos, a.compress_ratios[il])
+        unseen = torch.arange(n, device=self.device)[None, :] >= seen[:, None]
+        return scores[:, :n].masked_fill(unseen, select.NEG_INF)
+
+    def candidates(self, scores: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+        a = self.args
+        return select.candidate_mask(scores, self._pos(positions), ratio, a.candidate_block_size,
+                                     a.candidate_topk_blocks)  # fmt: skip
+
+    def top_k(
+        self, scores: torch.Tensor, positions: torch.Tensor, ratio: int, end: int, candidates: torch.Tensor | None
+    ) -> torch.Tensor:
+        return select.top_k(scores, self._pos(positions), ratio, end, self.args.index_topk, candidates)
+
+    def attend(
+        self, il: int, q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor
+    ) -> torch.Tensor:
+        a = self.args
+        o = row_attention(q, parts, self.w.vector(il, tt.SINKS), self.inv_freq[il], a.rope_dim, self._pos(positions))
+        grouped = qmatmul(o.view(o.shape[0], -1), self.w.matrix(il, tt.OUT_A), a.o_groups)
+        return qmatmul(grouped, self.w.matrix(il, tt.OUT_B))
+
+    # -- mixture of experts ----------------------------------------------------------------------------
+    def moe(self, il: int, x: torch.Tensor) -> torch.Tensor:
+        a, t = self.args, x.shape[0]
+        unhashed = torch.zeros(t, dtype=torch.int32, device=self.device)  # V4.1 routes no layer by token hash
+        bias = self.w.vector(il, tt.ROUTER_BIAS)
+        ids, weights = moe_route.route(x, self.w.matrix(il, tt.ROUTER), bias, None, unhashed, a.n_activated_experts,
+                                       a.route_scale)  # fmt: skip
+        routed = tuple(self.w.matrix(il, name) for name in tt.EXPERTS)
+        shared = tuple(self.w.matrix(il, name) for name in tt.SHARED_EXPERT)
+        decode = EXACT if t <= DECODE_TOKENS else None
+        return experts_ffn(x, ids, weights, routed, shared, a.swiglu_limit, EXACT, decode)  # type: ignore[arg-type]

@@ -1,0 +1,67 @@
+"""A V4.1 file's weights on the device (`tensors_v41`'s table), as the V4 upload keeps them
+(`triton.weights`): matrices as `QWeight` blocks in the aligned layout, decoded only inside kernels;
+the F32-only tensors (norms, sinks, biases, mHC scales and bases, the Engram gate norms) as float32.
+The Engram tables stay in the file (an `EngramStore` reads their rows). Tensor by tensor, each one's
+mapped pages released after its copy, as `weights.upload` does.
+
+Two tensors are combined at upload: a ratio-2 compressor's kv and gate projections, concatenated
+row-wise (one product; the pooling kernel reads the two as column slices of it, `compressor`), and
+an Engram layer's q and k gate norms, multiplied (the gate reads only their product).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dwarfstar.backends.triton.weights import QWeight
+from dwarfstar.gguf.reader import GGUFFile
+from dwarfstar.model import tensors as tt
+from dwarfstar.model import tensors_v41 as tt41
+from dwarfstar.model.config_v41 import ModelArgs41
+
+COMPRESSOR_KV_GATE = "attn_compressor_kv_gate.weight"  # the combined name (not a file tensor)
+ENGRAM_GATE = "engram_gate.weight"  # q_weight * k_weight
+
+
+@dataclass
+class Weights41:
+    args: ModelArgs41
+    matrices: dict[str, QWeight]  # by full tensor name
+    vectors: dict[str, torch.Tensor]
+    device: torch.device
+
+    def matrix(self, il: int | None, name: str) -> QWeight:
+        return self.matrices[name if il is None else tt.layer_tensor(il, name)]
+
+    def vector(self, il: int | None, name: str) -> torch.Tensor:
+        return self.vectors[name if il is None else tt.layer_tensor(il, name)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.matrices.values()) + sum(v.nbytes for v in self.vectors.values())
+
+
+def upload41(gguf: GGUFFile, args: ModelArgs41, device: torch.device) -> Weights41:
+    """Every tensor of a V4.1 file but the Engram tables on `device`, once."""
+    matrices: dict[str, QWeight] = {}
+    vectors: dict[str, torch.Tensor] = {}
+    for spec in tt41.expected_tensors41(args):
+        if spec.types == tt41.ENGRAM_ROWS:
+            continue
+        if spec.types == tt.NORM:
+            vectors[spec.name] = gguf.tensor(spec.name).to(device)
+        else:
+            info = gguf.tensors[spec.name]
+            matrices[spec.name] = QWeight.from_bytes(gguf.raw(spec.name), info.ggml_type, info.shape, device)
+        gguf.release(spec.name)
+    for layer in args.layers:
+        il = layer.index
+        if layer.has_gate:
+            parts = [matrices.pop(tt.layer_tensor(il, role)) for role in (tt41.COMPRESSOR_KV, tt41.COMPRESSOR_GATE)]
+            matrices[tt.layer_tensor(il, COMPRESSOR_KV_GATE)] = QWeight.concat(parts)
+        if layer.engram:
+            q, k = (vectors.pop(tt.layer_tensor(il, role)) for role in (tt41.ENGRAM_Q_NORM, tt41.ENGRAM_K_NORM))
+            vectors[tt.layer_tensor(il, ENGRAM_GATE)] = q * k
+    return Weights41(args, matrices, vectors, torch.device(device))
