@@ -321,6 +321,11 @@ class MLX(BackendEntry):
             kv_slots=load.kv_slots, cpu_moe=load.cpu_moe, threads=load.threads,
         )  # fmt: skip
 
+    def load41(self, model, load, engram_cache_bytes):
+        from dwarfstar.backends.mlx.v41.backend import MLXModel41
+
+        return MLXModel41.from_file(model, engram_cache_bytes, load.ctx)
+
     def usable_memory(self) -> int:
         import mlx.core as mx
 

@@ -20,108 +20,139 @@ publishes each query's candidate blocks, which a later reindex layer picks insid
 takes the latest index source's top-k. Then one softmax with the head's sink over the query's window
 (positions p - window + 1 .. p) and its selected compressed rows. The call's shared slots (top-k,
 candidates) hold what the latest source wrote; layers run in order, so each reader finds its own.
+
+The arrays are the backend's (`A`: torch tensors in the reference, MLX arrays in MLX): the state
+holds them and only the backend's `Ops41` computes on them (the window, appending compressed rows,
+gathering the picked ones), so each backend keeps its own; token ids and positions stay host torch
+tensors, and the logits come back as torch tensors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from dwarfstar.model.config_v41 import LayerMode, LayerSpec41, ModelArgs41
-from dwarfstar.model.state_v41 import SequenceState41
 from dwarfstar.model.tensors import SITES
 
 ATTN, FFN = SITES
+A = TypeVar("A")  # the backend's array type (torch.Tensor, mx.array)
 
 
-class Ops41(Protocol):
-    """V4.1's steps on float32 [T, ...] tensors of one sequence's call."""
+class State41(Protocol[A]):
+    """What the forward reads and writes of a sequence between calls (`state_v41.SequenceState41` is
+    the reference's): its tokens and, per layer, the backend's arrays."""
+
+    tokens: list[int]
+    windows: dict[int, A]  # layer -> the window rows of the last window - 1 positions
+    rows: dict[int, A]  # kv source -> compressed rows [G, head_dim]
+    index_keys: dict[int, A]  # kv source -> index keys [G, index_head_dim]
+    frontiers: dict[int, tuple[A, A]]  # ratio-2 kv source -> its compressor frontier
+
+    @property
+    def pos(self) -> int: ...
+
+
+class Ops41(Protocol[A]):
+    """V4.1's steps on float32 [T, ...] arrays of one sequence's call."""
 
     args: ModelArgs41
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor) -> A:
         """Streams [T, hc_mult, dim] of token ids [T]."""
         ...
 
-    def engram(self, il: int, h: torch.Tensor, tokens: Sequence[int], start: int) -> torch.Tensor:
+    def engram(self, il: int, h: A, tokens: Sequence[int], start: int) -> A:
         """Streams [T, n, dim] enriched by layer il's Engram rows for positions start.. of `tokens`
         (the whole sequence so far)."""
         ...
 
-    def mix(self, il: int, site: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def mix(self, il: int, site: str, h: A) -> tuple[A, A, A]:
         """(pre [T, n], post [T, n], comb [T, n, n]) of a sublayer's input streams."""
         ...
 
-    def sublayer_input(self, il: int, site: str, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    def sublayer_input(self, il: int, site: str, h: A, pre: A) -> A:
         """The sublayer's normed input [T, dim]: streams collapsed with `pre`, then its RMSNorm."""
         ...
 
-    def hc_post(self, h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor: ...
+    def hc_post(self, h: A, out: A, post: A, comb: A) -> A: ...
 
-    def query(self, il: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def query(self, il: int, x: A, positions: torch.Tensor) -> tuple[A, A]:
         """(q [T, n_heads, head_dim] rotated, the normed low-rank query [T, q_lora_rank])."""
         ...
 
-    def window_rows(self, il: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def window_rows(self, il: int, x: A, positions: torch.Tensor) -> A:
         """Window rows [T, head_dim] of the tokens' attention inputs."""
         ...
 
-    def compress(
-        self, il: int, x: torch.Tensor, frontier: tuple[torch.Tensor, torch.Tensor] | None, start: int
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    def compress(self, il: int, x: A, frontier: tuple[A, A] | None, start: int) -> tuple[A, A, tuple[A, A] | None]:
         """A kv source's finished groups: (rows [G, head_dim], index keys [G, index_head_dim], the
         frontier after them; None at ratio 1). `frontier` None starts an empty one."""
         ...
 
-    def index_scores(
-        self, il: int, qr: torch.Tensor, x: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
+    def index_scores(self, il: int, qr: A, x: A, keys: A, positions: torch.Tensor) -> A:
         """Scores [T, rows] of an index source's queries over index keys [rows, index_head_dim]."""
         ...
 
-    def candidates(self, scores: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    def candidates(self, scores: A, positions: torch.Tensor, ratio: int) -> A:
         """The candidate source's per-query candidate rows [T, rows] bool."""
         ...
 
-    def top_k(
-        self, scores: torch.Tensor, positions: torch.Tensor, ratio: int, end: int, candidates: torch.Tensor | None
-    ) -> torch.Tensor:
+    def top_k(self, scores: A, positions: torch.Tensor, ratio: int, end: int, candidates: A | None) -> A:
         """Selected rows [T, K] ascending, -1 where a pick is masked."""
         ...
 
-    def attend(
-        self, il: int, q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor
-    ) -> torch.Tensor:
+    def attend(self, il: int, q: A, parts: list[tuple[A, A]], positions: torch.Tensor) -> A:
         """Attention output [T, dim]: sink attention of q over each query's keys (parts of keys
         [T, n, head_dim] with masks [T, n]), the query's RoPE removed, then wo_a and wo_b."""
         ...
 
-    def moe(self, il: int, x: torch.Tensor) -> torch.Tensor:
+    def moe(self, il: int, x: A) -> A:
         """The routed and shared experts' output [T, dim] of the FFN input [T, dim]."""
         ...
 
-    def head(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    # the arrays' mechanics: the forward holds the backend's arrays, only the backend computes on them
+    def first_pre(self, tokens: int) -> A:
+        """The pre [T, n] the first sublayer collapses with: (1, 0, ..., 0) for each token."""
+        ...
+
+    def window(self, kept: A, new: A, positions: torch.Tensor) -> tuple[tuple[A, A], A]:
+        """Each query's window keys [T, window, head_dim] (positions p - window + 1 .. p, oldest first)
+        and their mask [T, window] (positions before the sequence's start masked), from the rows kept
+        before the call (the last window - 1 positions') and the call's rows [T, head_dim]; and the
+        rows to keep after it."""
+        ...
+
+    def append(self, rows: A, new: A) -> A:
+        """Rows [n, d] followed by new [m, d]."""
+        ...
+
+    def pick(self, rows: A, picks: A) -> tuple[A, A]:
+        """The picked rows [T, K, d] of rows [n, d] by picks [T, K] (-1: none) and their mask [T, K]."""
+        ...
+
+    def head(self, h: A, pre: A) -> torch.Tensor:
         """Logits [T, vocab]: streams [T, n, dim] collapsed with `pre`, output norm, output projection."""
         ...
 
 
 @dataclass
-class _Shared:
+class _Shared(Generic[A]):
     """The slots the latest index source and the candidate source wrote in this call."""
 
-    top_k: torch.Tensor | None = None
-    candidates: torch.Tensor | None = None
+    top_k: A | None = None
+    candidates: A | None = None
 
 
-class Transformer41:
-    def __init__(self, ops: Ops41) -> None:
+class Transformer41(Generic[A]):
+    def __init__(self, ops: Ops41[A]) -> None:
         self.ops, self.args = ops, ops.args
         self.layers = ops.args.layers
 
-    def forward(self, tokens: Sequence[int], state: SequenceState41) -> torch.Tensor:
+    def forward(self, tokens: Sequence[int], state: State41[A]) -> torch.Tensor:
         """Run `tokens` (the next ones of the sequence) and return the last one's logits [vocab];
         `state` advances past them."""
         if not tokens:
@@ -130,9 +161,8 @@ class Transformer41:
         state.tokens.extend(tokens)
         positions = torch.arange(start, state.pos)
         h = ops.embed(torch.tensor(list(tokens)))
-        pre = torch.zeros(h.shape[0], h.shape[1])
-        pre[:, 0] = 1.0
-        shared = _Shared()
+        pre = ops.first_pre(len(tokens))
+        shared: _Shared[A] = _Shared()
         for layer in self.layers:
             il = layer.index
             if layer.engram:
@@ -145,18 +175,17 @@ class Transformer41:
             pre = f_pre
         return ops.head(h[-1:], pre[-1:])[0]
 
-    def _attention(
-        self, layer: LayerSpec41, x: torch.Tensor, positions: torch.Tensor, state: SequenceState41, shared: _Shared
-    ) -> torch.Tensor:
+    def _attention(self, layer: LayerSpec41, x: A, positions: torch.Tensor, state: State41[A], shared: _Shared[A]) -> A:
         ops, il = self.ops, layer.index
         q, qr = ops.query(il, x, positions)
-        parts = [self._window(il, ops.window_rows(il, x, positions), positions, state)]
+        window, state.windows[il] = ops.window(state.windows[il], ops.window_rows(il, x, positions), positions)
+        parts = [window]
         if layer.compress_ratio:
             ratio, src = layer.compress_ratio, layer.kv_source
             if layer.mode == LayerMode.FULL:
                 rows, keys, frontier = ops.compress(il, x, state.frontiers.get(il), int(positions[0]))
-                state.rows[il] = torch.cat((state.rows[il], rows))
-                state.index_keys[il] = torch.cat((state.index_keys[il], keys))
+                state.rows[il] = ops.append(state.rows[il], rows)
+                state.index_keys[il] = ops.append(state.index_keys[il], keys)
                 if frontier is not None:
                     state.frontiers[il] = frontier
             if layer.has_index_query:
@@ -167,18 +196,5 @@ class Transformer41:
                 shared.top_k = ops.top_k(scores, positions, ratio, state.pos, chosen)
             if shared.top_k is None:
                 raise RuntimeError(f"layer {il} reuses a top-k that no index source wrote")
-            picks = shared.top_k
-            parts.append((state.rows[src][picks.clamp(min=0)], picks >= 0))
+            parts.append(ops.pick(state.rows[src], shared.top_k))
         return ops.attend(il, q, parts, positions)
-
-    def _window(
-        self, il: int, new: torch.Tensor, positions: torch.Tensor, state: SequenceState41
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each query's window keys [T, window, head_dim] (positions p - window + 1 .. p, oldest first)
-        and their mask (positions before the sequence's start are masked); keeps the last window - 1
-        rows in the state."""
-        rows = torch.cat((state.windows[il], new))
-        first = int(positions[0]) - state.windows[il].shape[0]  # the position of rows[0]
-        at = positions[:, None] - state.window + 1 + torch.arange(state.window)[None, :]
-        state.windows[il] = rows[rows.shape[0] - min(rows.shape[0], state.window - 1) :]
-        return rows[(at - first).clamp(min=0)], at >= 0

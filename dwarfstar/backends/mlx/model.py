@@ -12,7 +12,7 @@ KV); everything else on all rows of a batch at once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,6 +34,8 @@ from dwarfstar.sampling import sample_batch
 if TYPE_CHECKING:
     from dwarfstar.backends.cpu.experts import HostExperts
 
+Swiglu = Callable[[mx.array, mx.array], mx.array]  # the clamped SwiGLU (`ops.Fused.swiglu`)
+
 
 @dataclass
 class ExpertStack:
@@ -42,6 +44,27 @@ class ExpertStack:
     gate: Matrix
     up: Matrix
     down: Matrix
+
+
+def routed_experts(x: mx.array, stack: ExpertStack, slot_ids: mx.array, weights: mx.array, swiglu: Swiglu) -> mx.array:
+    """The routed experts' output [T, dim] of rows x [T, dim], their slots [T, k] in `stack` weighted
+    [T, k]: the router weight scales the SwiGLU output before the down projection, as ds4 does."""
+    rows = x[:, None, None, :]
+    hidden = swiglu(stack.gate.gather(rows, slot_ids), stack.up.gather(rows, slot_ids))
+    return stack.down.gather(hidden * weights[..., None, None], slot_ids).sum(axis=(1, 2))
+
+
+def shared_expert(x: mx.array, shared: tuple[Matrix, Matrix, Matrix], swiglu: Swiglu) -> mx.array:
+    gate, up, down = shared
+    return down.matmul(swiglu(gate.matmul(x), up.matmul(x)))
+
+
+def grouped_output(o: mx.array, wo_a: Matrix, wo_b: Matrix, group_ids: mx.array) -> mx.array:
+    """The attention output [T, dim] of heads o [T, H, D]: wo_a is block-diagonal over the groups (a
+    stack, `group_ids` [1, groups]; group g maps its heads' concat to o_lora_rank dims), then wo_b."""
+    n, groups = o.shape[0], group_ids.shape[1]
+    grouped = wo_a.gather(o.reshape(n, groups, 1, -1), mx.broadcast_to(group_ids, (n, groups)))
+    return wo_b.matmul(grouped.reshape(n, -1))
 
 
 @dataclass
@@ -336,10 +359,8 @@ class MLXOps(StreamSteps):
         return self.fused.unrope(o, *self._rope_tables(il, batch.step))
 
     def attn_output(self, il: int, o: mx.array, batch: Batch[MLXStep]) -> mx.array:
-        layer, a, n = self.layers[il], self.args, o.shape[0]
-        groups = mx.broadcast_to(self.group_ids, (n, a.o_groups))
-        grouped = layer.wo_a.gather(o.reshape(n, a.o_groups, 1, -1), groups)
-        return layer.wo_b.matmul(grouped.reshape(n, -1))
+        layer = self.layers[il]
+        return grouped_output(o, layer.wo_a, layer.wo_b, self.group_ids)
 
     # -- mixture of experts --------------------------------------------------------------------------------
     def route(self, il: int, x: mx.array, batch: Batch[MLXStep]) -> tuple[mx.array, mx.array]:
@@ -353,7 +374,7 @@ class MLXOps(StreamSteps):
     def moe(
         self, il: int, x: mx.array, ids: mx.array, weights: mx.array, experts: ExpertSource, batch: Batch[MLXStep]
     ) -> mx.array:
-        gate, up, down = self.layers[il].shared
+        shared_weights = self.layers[il].shared
         if self.host is not None and il in self.host:
             # the crossing: x, ids and weights are evaluated here (the layer so far), seen by numpy
             # without a copy (MLX's buffers are host memory, on Apple shared with the GPU) and sent
@@ -362,15 +383,12 @@ class MLXOps(StreamSteps):
             sent = self.host.send(torch.from_numpy(np.asarray(x)), slots, torch.from_numpy(np.asarray(weights)))
             # the shared expert starts on MLX's stream (the GPU with Metal, else MLX's CPU worker) and
             # runs while this thread computes the routed experts on the CPU kernels in `receive`
-            shared = down.matmul(self.fused.swiglu(gate.matmul(x), up.matmul(x)))
+            shared = shared_expert(x, shared_weights, self.fused.swiglu)
             mx.async_eval(shared)
             return shared + mx.array(self.host.receive(il, sent).numpy())
         stack, slot_ids = experts.experts(il, ids)
-        rows = x[:, None, None, :]
-        # the router weight scales the SwiGLU output before the down projection, as ds4 does
-        hidden = self.fused.swiglu(stack.gate.gather(rows, slot_ids), stack.up.gather(rows, slot_ids))
-        routed = stack.down.gather(hidden * weights[..., None, None], slot_ids).sum(axis=(1, 2))
-        return routed + down.matmul(self.fused.swiglu(gate.matmul(x), up.matmul(x)))
+        swiglu = self.fused.swiglu
+        return routed_experts(x, stack, slot_ids, weights, swiglu) + shared_expert(x, shared_weights, swiglu)
 
 
 class MLXModel(Transformer[mx.array, MLXStep]):

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.numerics import E2M1_GRID, E2M1_MIDPOINTS, FP4_BLOCK, FP4_MAX, FP8_BLOCK, FP8_MAX, hadamard_matrix
 
 
@@ -65,12 +66,13 @@ def _blocked(x: mx.array, block: int) -> tuple[mx.array, int]:
     return x.reshape(*x.shape[:-1], -1, block), n
 
 
-def fp8_round(x: mx.array) -> mx.array:
-    """KV "FP8" QAT rounding: e4m3fn with a power-of-two scale per 64 values.
+def fp8_round(x: mx.array, block: int = FP8_BLOCK) -> mx.array:
+    """KV "FP8" QAT rounding: e4m3fn with a power-of-two scale per `block` values (V4: 64 nope dims;
+    V4.1: 32, over the whole window row and FP8 GEMM inputs).
 
     `mx.to_fp8` rounds to nearest even with subnormals, exactly like torch's float8_e4m3fn cast.
     """
-    blocks, n = _blocked(x, FP8_BLOCK)
+    blocks, n = _blocked(x, block)
     amax = mx.maximum(mx.abs(blocks).max(axis=-1, keepdims=True), 1e-4)
     scale = _pow2_ceil(amax * (1.0 / FP8_MAX))
     q = mx.from_fp8(mx.to_fp8(mx.clip(blocks / scale, -FP8_MAX, FP8_MAX)), mx.float32) * scale
@@ -82,11 +84,20 @@ def fp8_round_nope(x: mx.array, rope_dim: int) -> mx.array:
     return mx.concatenate((fp8_round(x[..., :-rope_dim]), x[..., -rope_dim:]), axis=-1)
 
 
-def fp4_round(x: mx.array) -> mx.array:
-    """Indexer "FP4" QAT rounding: e2m1 with a power-of-two scale per 32 values, ties to the even code."""
-    blocks, n = _blocked(x, FP4_BLOCK)
-    amax = mx.maximum(mx.abs(blocks).max(axis=-1, keepdims=True), FP4_MAX * 2.0**-126)
-    scale = _pow2_ceil(amax * (1.0 / FP4_MAX))
+def fp4_round(x: mx.array, block: int = FP4_BLOCK, e4m3_scale: bool = False) -> mx.array:
+    """Indexer "FP4" QAT rounding: e2m1 with a power-of-two scale per `block` values, ties to the even code.
+
+    `e4m3_scale` (V4.1's compressed rows, blocks of 16): the scale is amax / 6 rounded to e4m3fn
+    instead, amax floored at 6 * 2^-9 (e4m3's smallest subnormal scale); values the rounded-down
+    scale pushes past 6 clamp to 6.
+    """
+    blocks, n = _blocked(x, block)
+    if e4m3_scale:
+        amax = mx.maximum(mx.abs(blocks).max(axis=-1, keepdims=True), FP4_MAX * 2.0**-9)
+        scale = mx.from_fp8(mx.to_fp8(amax * (1.0 / FP4_MAX)), mx.float32)
+    else:
+        amax = mx.maximum(mx.abs(blocks).max(axis=-1, keepdims=True), FP4_MAX * 2.0**-126)
+        scale = _pow2_ceil(amax * (1.0 / FP4_MAX))
     v = mx.clip(blocks / scale, -FP4_MAX, FP4_MAX)
     mag = mx.abs(v)
     mids = mx.array(E2M1_MIDPOINTS)
@@ -133,17 +144,30 @@ def _hc_mix(h: mx.array, fn: mx.array, norm_eps: float) -> mx.array:
     return (flat @ fn.T) * mx.rsqrt(mx.square(flat).mean(-1, keepdims=True) + norm_eps)
 
 
-def hc_pre(
+def hc_mix(
     h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, iters: int, hc_eps: float, norm_eps: float
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """Hyper-connection pre-mix. h is [T, n, D]; returns (sublayer input [T, D], post [T, n], comb [T, n, n])."""
+    """Hyper-connection mixes of the streams h [T, n, D]: (pre [T, n], post [T, n], comb [T, n, n]) (V4
+    collapses with its own pre, `hc_pre`; V4.1 with the previous sublayer's)."""
     n = h.shape[1]
     mix = _hc_mix(h, fn, norm_eps)
     pre = mx.sigmoid(mix[:, :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * mx.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
     comb_logits = mix[:, 2 * n :].reshape(-1, n, n) * scale[2] + base[2 * n :].reshape(n, n)
-    comb = sinkhorn(comb_logits, iters, hc_eps)
-    return (pre[..., None] * h).sum(1), post, comb
+    return pre, post, sinkhorn(comb_logits, iters, hc_eps)
+
+
+def collapse(h: mx.array, pre: mx.array) -> mx.array:
+    """sum_k pre_k h_k: [T, D] of streams h [T, n, D] and weights pre [T, n]."""
+    return (pre[..., None] * h).sum(1)
+
+
+def hc_pre(
+    h: mx.array, fn: mx.array, scale: mx.array, base: mx.array, iters: int, hc_eps: float, norm_eps: float
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Hyper-connection pre-mix. h is [T, n, D]; returns (sublayer input [T, D], post [T, n], comb [T, n, n])."""
+    pre, post, comb = hc_mix(h, fn, scale, base, iters, hc_eps, norm_eps)
+    return collapse(h, pre), post, comb
 
 
 def hc_post(out: mx.array, h: mx.array, post: mx.array, comb: mx.array) -> mx.array:
@@ -212,10 +236,11 @@ class Fused:
     machine, so there they stay eager by default (tests/mlx checks both agree).
     """
 
-    def __init__(self, args: ModelArgs, enabled: bool) -> None:
+    def __init__(self, args: ModelArgs | ModelArgs41, enabled: bool) -> None:
         wrap: Callable[[Callable], Callable] = mx.compile if enabled else (lambda fn: fn)
         eps = {"hc_eps": args.hc_eps, "norm_eps": args.norm_eps}
         self.hc_pre = wrap(functools.partial(hc_pre, iters=args.hc_sinkhorn_iters, **eps))
+        self.hc_mix = wrap(functools.partial(hc_mix, iters=args.hc_sinkhorn_iters, **eps))
         self.hc_post = wrap(hc_post)
         self.hc_head = wrap(functools.partial(hc_head, **eps))
         self.rope = wrap(apply_rope)

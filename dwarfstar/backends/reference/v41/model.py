@@ -78,6 +78,20 @@ class ReferenceOps41:
     def hc_post(self, h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         return ops.hc_post(out, h, post, comb)
 
+    def first_pre(self, tokens: int) -> torch.Tensor:
+        return mhc.first_pre(tokens, self.args.hc_mult)
+
+    def window(
+        self, kept: torch.Tensor, new: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return window.window_keys(kept, new, positions, self.args.window)
+
+    def append(self, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        return torch.cat((rows, new))
+
+    def pick(self, rows: torch.Tensor, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rows[picks.clamp(min=0)], picks >= 0
+
     def head(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         return ops.linear(ops.rms_norm(mhc.collapse(h, pre), self.out_norm, self.args.norm_eps), self.output)
 

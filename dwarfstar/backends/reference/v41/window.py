@@ -5,6 +5,9 @@ rope dims rotated at position t with the layer's RoPE (`config.yarn_inv_freq`: r
 YaRN at ratio 0, compress_rope_theta with YaRN otherwise), then FP8 e4m3 fake-quant over the whole
 row, the RoPE tail included, with a power-of-two scale per 32 values (V4 rounds only the nope dims,
 per 64: `ops.fp8_round_nope`). Float32 otherwise.
+
+`window_keys` gives each query of a call its window: the rows of positions p - window + 1 .. p, from
+the last window - 1 rows kept since the previous call and the call's own.
 """
 
 from __future__ import annotations
@@ -29,3 +32,17 @@ def window_rows(
         raise ValueError(f"RoPE of {2 * inv_freq.shape[0]} dims on rows of {kv.shape[1]}")
     rotated = ops.apply_rope(ops.rms_norm(kv, norm, eps), *rope_angles(positions, inv_freq))
     return ops.fp8_round(rotated, WINDOW_FP8_BLOCK)
+
+
+def window_keys(
+    kept: torch.Tensor, new: torch.Tensor, positions: torch.Tensor, window: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Each query's window keys [T, window, D] (positions p - window + 1 .. p, oldest first) and their
+    mask [T, window] (positions before the sequence's start masked), from the rows `kept` [<= window - 1,
+    D] of the positions before the call and its rows `new` [T, D] at positions [T]; and the last
+    window - 1 rows, to keep."""
+    rows = torch.cat((kept, new))
+    first = int(positions[0]) - kept.shape[0]  # the position of rows[0]
+    at = positions[:, None] - window + 1 + torch.arange(window, device=positions.device)[None, :]
+    keep = rows[rows.shape[0] - min(rows.shape[0], window - 1) :]
+    return (rows[(at - first).clamp(min=0)], at >= 0), keep

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dwarfstar.backends.reference.v41 import csa2, select
+from dwarfstar.backends.reference.v41 import csa2, mhc, select, window
 from dwarfstar.backends.triton.kernels import compressor, engram_gate, hc_collapse, hc_mix, hc_post, moe_route
 from dwarfstar.backends.triton.kernels.indexer_scores import indexer_scores
 from dwarfstar.backends.triton.kernels.moe_experts import DECODE_TOKENS
@@ -87,6 +87,20 @@ class TritonOps41:
 
     def hc_post(self, h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         return hc_post.hc_post(h, out, post, comb)  # in place: the forward pass reads only the new streams
+
+    def first_pre(self, tokens: int) -> torch.Tensor:
+        return mhc.first_pre(tokens, self.args.hc_mult).to(self.device)
+
+    def window(
+        self, kept: torch.Tensor, new: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return window.window_keys(kept, new, self._pos(positions), self.args.window)
+
+    def append(self, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        return torch.cat((rows, new))
+
+    def pick(self, rows: torch.Tensor, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rows[picks.clamp(min=0)], picks >= 0
 
     def head(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         norm = self.w.vector(None, tt.OUTPUT_NORM)
