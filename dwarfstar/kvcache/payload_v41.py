@@ -31,6 +31,7 @@ MAGIC41 = int.from_bytes(b"DS41", "little")
 VERSION41 = 1
 HEADER41 = struct.Struct("<12I")
 FRONTIER_SLOTS = 2  # a ratio-2 compressor's unfinished group
+FRONTIER_KV, FRONTIER_SCORE = "frontier kv", "frontier score"  # the two halves of `frontiers[il]`
 
 
 @dataclass(frozen=True)
@@ -95,28 +96,27 @@ def payload41_nbytes(args: ModelArgs41, n_tokens: int) -> int:
 
 
 def _shapes(args: ModelArgs41, n_tokens: int) -> Iterator[tuple[str, int, tuple[int, int]]]:
-    """Every tensor of the body after the source table, in order: (what, layer, shape)."""
+    """Every tensor of the body after the source table, in order: (the state's field, layer, shape)."""
     for il in range(args.n_layers):
-        yield "window", il, (min(n_tokens, args.window - 1), args.head_dim)
+        yield "windows", il, (min(n_tokens, args.window - 1), args.head_dim)
     for il, ratio in zip(args.kv_source_layers, _ratios(args), strict=True):
         yield "rows", il, (n_tokens // ratio, args.head_dim)
         yield "index_keys", il, (n_tokens // ratio, args.index_head_dim)
         if ratio == FRONTIER_SLOTS:
-            yield "frontier_kv", il, (FRONTIER_SLOTS, args.head_dim)
-            yield "frontier_score", il, (FRONTIER_SLOTS, args.head_dim)
+            yield FRONTIER_KV, il, (FRONTIER_SLOTS, args.head_dim)
+            yield FRONTIER_SCORE, il, (FRONTIER_SLOTS, args.head_dim)
 
 
-def _tensor(state: SequenceState41, what: str, il: int) -> torch.Tensor | None:
-    if what.startswith("frontier"):
+def _tensor(state: SequenceState41, field: str, il: int) -> torch.Tensor | None:
+    if field in (FRONTIER_KV, FRONTIER_SCORE):
         pair = state.frontiers.get(il)
-        return None if pair is None else pair[what == "frontier_score"]
-    return {"window": state.windows, "rows": state.rows, "index_keys": state.index_keys}[what].get(il)
+        return None if pair is None else pair[field == FRONTIER_SCORE]
+    return getattr(state, field).get(il)
 
 
 def _f32(tensor: torch.Tensor) -> memoryview:
-    return memoryview(np.ascontiguousarray(tensor.detach().to("cpu", torch.float32).numpy(), "<f4").reshape(-1)).cast(
-        "B"
-    )
+    flat = np.ascontiguousarray(tensor.detach().to("cpu", torch.float32).numpy(), "<f4").reshape(-1)
+    return memoryview(flat).cast("B")
 
 
 def write_payload41(out: BinaryIO, state: SequenceState41, args: ModelArgs41, ctx: int, chunk: int) -> int:
@@ -126,11 +126,11 @@ def write_payload41(out: BinaryIO, state: SequenceState41, args: ModelArgs41, ct
         raise PayloadError("cannot save an empty session")
     n = len(state.tokens)
     body = []
-    for what, il, shape in _shapes(args, n):
-        tensor = _tensor(state, what, il)
+    for field, il, shape in _shapes(args, n):
+        tensor = _tensor(state, field, il)
         if tensor is None or tuple(tensor.shape) != shape:
             got = None if tensor is None else tuple(tensor.shape)
-            raise PayloadError(f"layer {il}'s {what} is {got}, the DS41 layout for {n} tokens needs {shape}")
+            raise PayloadError(f"layer {il}'s {field} is {got}, the DS41 layout for {n} tokens needs {shape}")
         body.append(tensor)
     pieces = [
         header41_for(args, n, ctx, chunk).pack(),
@@ -193,15 +193,12 @@ def read_payload41(
         )
     state = new_state()
     state.tokens, state.logits = tokens, logits
-    parts: dict[tuple[str, int], torch.Tensor] = {
-        (what, il): torch.from_numpy(take("<f4", shape).copy()) for what, il, shape in _shapes(args, n)
-    }
-    for (what, il), tensor in parts.items():
-        if what == "window":
-            state.windows[il] = tensor
-        elif what in ("rows", "index_keys"):
-            getattr(state, what)[il] = tensor
-    state.frontiers = {
-        il: (parts["frontier_kv", il], parts["frontier_score", il]) for what, il in parts if what == "frontier_kv"
-    }
+    for field, il, shape in _shapes(args, n):
+        tensor = torch.from_numpy(take("<f4", shape).copy())
+        if field == FRONTIER_KV:
+            kv = tensor
+        elif field == FRONTIER_SCORE:
+            state.frontiers[il] = (kv, tensor)
+        else:
+            getattr(state, field)[il] = tensor
     return state
