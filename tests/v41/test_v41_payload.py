@@ -9,12 +9,14 @@ import io
 import pytest
 import torch
 
+from dwarfstar.console.chat import Chat, ThinkMode
 from dwarfstar.engine.load import load_engine
 from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.kvcache import payload as v4_payload
 from dwarfstar.kvcache.payload import PayloadError
 from dwarfstar.kvcache.payloads import payload_nbytes, read_payload, write_payload
 from dwarfstar.model.synthetic import TINY
+from dwarfstar.sampling import SamplingParams
 from dwarfstar.session.accounting import random_state
 
 CTX, CHUNK = 256, 8
@@ -22,8 +24,13 @@ PROMPT = [(7919 * i + 101) % 120000 for i in range(11)]  # odd: a ratio-2 fronti
 
 
 @pytest.fixture(scope="module")
-def backend(v41_tiny_file):
-    return load_engine(EngineSpec(v41_tiny_file, "reference", ctx=CTX)).backend
+def engine(v41_tiny_file):
+    return load_engine(EngineSpec(v41_tiny_file, "reference", ctx=CTX))
+
+
+@pytest.fixture(scope="module")
+def backend(engine):
+    return engine.backend
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +100,20 @@ def test_damaged_or_foreign_payloads_are_refused(backend, saved):
 def test_an_empty_state_is_not_saved(backend):
     with pytest.raises(PayloadError, match="cannot save an empty session"):
         write_payload(io.BytesIO(), backend.new_state(), backend.args, CTX, CHUNK)
+
+
+def test_runs_chat_saves_and_loads_a_v41_conversation(engine, tmp_path, capsys):
+    def chat() -> Chat:
+        return Chat(
+            engine, engine.backend, ctx=CTX, system="", mode=ThinkMode.NOTHINK, params=SamplingParams(0.0), max_tokens=2
+        )
+
+    talked = chat()
+    talked.ask("hello")
+    size = talked.save(tmp_path / "talk")  # `run`'s /save
+    assert (tmp_path / "talk.dsv4").read_bytes()[:4] == b"DS41" and size == (tmp_path / "talk.dsv4").stat().st_size
+    loaded = chat()
+    assert loaded.load(tmp_path / "talk") == len(talked.session.tokens)  # /load: no prefill
+    assert loaded.session.stats.computed == 0 and loaded.session.tokens == talked.session.tokens
+    assert torch.equal(loaded.session.logits, talked.session.logits)
+    capsys.readouterr()
