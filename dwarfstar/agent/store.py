@@ -36,9 +36,8 @@ from dwarfstar.kvcache import kvfile
 from dwarfstar.kvcache.kvfile import FileHeader, KVFileError, ModelIdentity
 from dwarfstar.kvcache.kvpolicy import MIB, SaveReason
 from dwarfstar.kvcache.kvstore import tokens_key
-from dwarfstar.kvcache.payload import PayloadError, check_compatible, payload_nbytes, read_payload, write_payload
-from dwarfstar.model.config import ModelArgs
-from dwarfstar.model.state import SequenceState
+from dwarfstar.kvcache.payload import PayloadError
+from dwarfstar.kvcache.payloads import AnyArgs, AnyState, check_compatible, payload_nbytes, read_payload, write_payload
 from dwarfstar.prompt.images import ImageError, keep_image, kept_image
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
@@ -92,8 +91,8 @@ class SavedSession:
 
 class SessionStore:
     def __init__(
-        self, directory: Path, args: ModelArgs, identity: ModelIdentity, ctx: int, chunk: int, tokenizer: Tokenizer,
-        new_state: Callable[[], SequenceState], steering: str | None = None,
+        self, directory: Path, args: AnyArgs, identity: ModelIdentity, ctx: int, chunk: int, tokenizer: Tokenizer,
+        new_state: Callable[[], AnyState], steering: str | None = None,
     ) -> None:  # fmt: skip
         """`steering`: the running engine's steering setting (`steering_tag`), None without: a state
         computed under one setting is never loaded under another."""
@@ -162,7 +161,7 @@ class SessionStore:
         return matches[0]
 
     # -- save / load ------------------------------------------------------------------------------
-    def save(self, sid: str, created: float, transcript: Transcript, state: SequenceState) -> SavedSession:
+    def save(self, sid: str, created: float, transcript: Transcript, state: AnyState) -> SavedSession:
         """Write the state, the images and the sidecar; the session's older KV file goes, and so do the
         images no sidecar names any more (a compaction dropped their turns)."""
         old = self._meta_or_none(sid)
@@ -187,7 +186,7 @@ class SessionStore:
         self._drop_images(set(old.get("images", [])) - set(images) if old else set())
         return self._describe(self._meta_path(sid))
 
-    def load(self, prefix: str) -> tuple[SavedSession, Transcript, SequenceState | None]:
+    def load(self, prefix: str) -> tuple[SavedSession, Transcript, AnyState | None]:
         """The session's transcript and state (None when stripped: the caller rebuilds it by prefill)."""
         listed = self.find(prefix)
         if listed.problem:
@@ -219,7 +218,7 @@ class SessionStore:
         return self._describe(self._meta_path(listed.id))
 
     # -- the system prompt ------------------------------------------------------------------------
-    def load_system(self, ids: list[int]) -> SequenceState | None:
+    def load_system(self, ids: list[int]) -> AnyState | None:
         """sysprompt.kv's state if it holds exactly these tokens (else None: prefill and save_system)."""
         path = self._system_path()
         if not path.exists():
@@ -230,7 +229,7 @@ class SessionStore:
             return None
         return state if state.tokens == ids else None
 
-    def save_system(self, state: SequenceState) -> None:
+    def save_system(self, state: AnyState) -> None:
         self._write_kv(self._system_path(), self._key(state.tokens), state, SaveReason.AGENT_SYSTEM)
 
     def _system_path(self) -> Path:
@@ -302,7 +301,7 @@ class SessionStore:
             tmp.unlink(missing_ok=True)
             raise SessionError(f"cannot write {path}: {exc.strerror}") from None
 
-    def _write_kv(self, path: Path, key: bytes, state: SequenceState, reason: SaveReason) -> None:
+    def _write_kv(self, path: Path, key: bytes, state: AnyState, reason: SaveReason) -> None:
         n = len(state.tokens)
         now = int(time.time())
         header = FileHeader(
@@ -321,7 +320,7 @@ class SessionStore:
             tmp.unlink(missing_ok=True)
             raise SessionError(f"cannot save {path.name}: {exc}") from None
 
-    def _read_kv(self, path: Path, expected_key: bytes | None) -> SequenceState:
+    def _read_kv(self, path: Path, expected_key: bytes | None) -> AnyState:
         try:
             ckpt = kvfile.read_checkpoint(path)
             if expected_key is not None and ckpt.key != expected_key:

@@ -78,6 +78,7 @@ def bench(
     from dwarfstar.bench.frontier import frontiers, read_bench_tokens, require_plotting, weight_bytes_per_token
     from dwarfstar.commands.engines import start
     from dwarfstar.console.terminal import note
+    from dwarfstar.engine.load import require_v4
 
     if plot_out is not None:
         require_plotting()
@@ -86,6 +87,7 @@ def bench(
     text = bench_text(prompt_file, points[-1])
     spec = model.spec(ctx=alloc, power=power, steering=steering.options(), dist=dist.options())
     engine, route = start(spec)  # a worker serves its layers here and exits; a coordinator routes
+    require_v4(engine, "dwarfstar bench")
     try:
         table = engine.model if route is None else _whole_table(spec.model)
         tokens = read_bench_tokens(engine.tokenizer.encode, text, points[-1])

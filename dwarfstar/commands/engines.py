@@ -17,15 +17,14 @@ if TYPE_CHECKING:
     from dwarfstar.engine.spec import EngineSpec
 
 
-def start(spec: EngineSpec, v41: bool = False) -> tuple[Engine, Route | None]:
+def start(spec: EngineSpec) -> tuple[Engine, Route | None]:
     """Load the engine; on a coordinator also its route (the caller closes it), whose sessions are at
-    most the spec's context (the model's when it is longer). `v41`: the command runs a DeepSeek V4.1
-    file too (`load_engine`)."""
+    most the spec's context (the model's when it is longer)."""
     from dwarfstar.console.terminal import loading
     from dwarfstar.engine.load import load_engine
 
     with loading(spec.model) as progress:
-        engine = load_engine(spec, progress, v41)
+        engine = load_engine(spec, progress)
     held = engine.model.args.max_seq_len
     return engine, join_route(engine, spec, min(spec.ctx or held, held))
 

@@ -28,8 +28,11 @@ ModelOption = Annotated[
 
 def _engine(model: Path | None, backend: str, ctx: int, precision: str = "exact"):
     from dwarfstar.commands.engines import start
+    from dwarfstar.engine.load import require_v4
 
-    return start(ModelFlags(model, backend, precision).spec(ctx=ctx))[0]
+    engine = start(ModelFlags(model, backend, precision).spec(ctx=ctx))[0]
+    require_v4(engine, "dwarfstar test")  # its vectors and stories are V4's
+    return engine
 
 
 def _verdict(name: str, passed: bool, detail: str) -> None:

@@ -126,7 +126,7 @@ def run(
         raise DwarfStarError("speculation (--mtp, --dspark) needs a one-shot prompt: -p or --prompt-tokens")
     if (dump_logits or dump_logprobs) and not one_shot:
         raise DwarfStarError("the dumps need a prompt: -p, --prompt-file or --prompt-tokens")
-    engine, route = start(spec, v41=True)
+    engine, route = start(spec)
     try:
         chat = open_chat(engine, spec, flags, system)
         for path in image or ():

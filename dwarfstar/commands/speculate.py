@@ -78,7 +78,7 @@ def bench_mtp(
     """Greedy decode speed without speculation, with the MTP block (each draft count, both
     alignments) and with a DSpark drafter, in one run: acceptance per draft position, mean accepted
     drafts per step, tok/s, and whether the text is plain greedy's."""
-    from dwarfstar.engine.load import load_engine
+    from dwarfstar.engine.load import load_engine, require_v4
     from dwarfstar.sampling import GREEDY
     from dwarfstar.session.session import Session
     from dwarfstar.speculative.decode import ALIGNMENTS, load_speculation
@@ -93,6 +93,7 @@ def bench_mtp(
     ids = Tokenizer.from_gguf(path).encode(prompt)
     ctx = len(ids) + tokens + 8
     engine = load_engine(model.spec(ctx=ctx))
+    require_v4(engine, "dwarfstar bench mtp")
     session = Session(engine.backend, ctx=ctx)
     session.prefill(ids)
     start = time.perf_counter()

@@ -33,7 +33,7 @@ from dwarfstar.engine.images import expand
 from dwarfstar.engine.load import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.telemetry import summary as expert_summary
-from dwarfstar.kvcache.payload import read_payload, write_payload
+from dwarfstar.kvcache.payloads import read_payload, write_payload
 from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.prompt.efforts import THINK_MAX_MIN_CTX, Effort, has_think_levels
 from dwarfstar.prompt.images import (
@@ -279,8 +279,9 @@ class Chat:
 
     # -- saved chats ------------------------------------------------------------------------------------
     def save(self, stem: Path) -> int:
-        """Write the KV state (`stem.dsv4`, ds4's payload), the transcript (`stem.json`) and the turns'
-        images (`stem.images/<sha256>`, `prompt.images.keep_image`); returns the state's bytes."""
+        """Write the KV state (`stem.dsv4`, the payload of the model's family: ds4's DSV4, or DS41 for
+        V4.1), the transcript (`stem.json`) and the turns' images (`stem.images/<sha256>`,
+        `prompt.images.keep_image`); returns the state's bytes."""
         if not self.session.tokens:
             raise DwarfStarError("nothing to save yet")
         stem.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,7 @@
 """Load what an `EngineSpec` describes (a model file on a compute backend, with its tokenizer):
-`load_engine(spec)`, what the CLI, the server and the tests share.
+`load_engine(spec)`, what the CLI, the server and the tests share. The file says which model family
+it holds: a DeepSeek V4.1 file loads as one (`load_engine41`, text only); a command that runs DeepSeek
+V4 only says so (`require_v4`).
 
 The backend's name is looked up in `dwarfstar.backends.registry`, which says how it loads and what it
 can do (`auto`: MLX on Apple silicon, Triton on a GPU, else the torch reference).
@@ -20,10 +22,10 @@ from dwarfstar.backends.protocol import Backend
 from dwarfstar.backends.registry import BackendEntry, Load, backend_entry, pick_backend
 from dwarfstar.engine.images import ImageEncoder
 from dwarfstar.engine.spec import EngineSpec
-from dwarfstar.errors import DwarfStarError
+from dwarfstar.errors import DwarfStarError, ModelFileError
 from dwarfstar.experts.attach import check_fits, streaming_store
 from dwarfstar.experts.store import ExpertStore
-from dwarfstar.model.file_v41 import FAMILY41, ModelFile41, open_model41
+from dwarfstar.model.file_v41 import FAMILY41, NOT_YET, ModelFile41, open_model41
 from dwarfstar.model.loader import ModelFile, is_v41, open_model
 from dwarfstar.model.vision import VISION_EXP
 from dwarfstar.model.vision_file import LM_VARIANT_KEY, VisionFile, open_vision
@@ -67,14 +69,14 @@ def spec_backend(spec: EngineSpec) -> str:
     return name
 
 
-def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = None, v41: bool = False) -> Engine:
-    """Open, validate and load what `spec` describes; `progress(done, total)` follows the weights being
-    read. The only way to an `Engine`: the command line builds the spec from its flags. `v41`: the caller
-    runs a DeepSeek V4.1 file too (a chat: `load_engine41`); without it such a file is refused."""
+def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = None) -> Engine:
+    """Open, validate and load what `spec` describes, in the family its file holds (V4.1:
+    `load_engine41`); `progress(done, total)` follows the weights being read. The only way to an
+    `Engine`: the command line builds the spec from its flags."""
     start = time.perf_counter()
     name = spec_backend(spec)
     entry = backend_entry(name)
-    if v41 and is_v41(spec.model):
+    if is_v41(spec.model):
         return load_engine41(spec, name, progress)
     model = open_model(spec.model, spec.stage_layers())
     tokenizer = Tokenizer.from_gguf_metadata(model.gguf.metadata)
@@ -139,6 +141,14 @@ def load_engine41(spec: EngineSpec, name: str, progress: Callable[[int, int], No
     if progress is not None:
         progress(1, 1)  # the weights are read as the layers first run
     return Engine(model, impl, name, tokenizer, time.perf_counter() - start)
+
+
+def require_v4(engine: Engine, command: str) -> None:
+    """Refuse a V4.1 engine for a command that runs DeepSeek V4 only (`command`, as the user types it),
+    naming what runs V4.1."""
+    if isinstance(engine.model, ModelFile41):
+        path = engine.model.path
+        raise ModelFileError(f"{path} is {FAMILY41}, which loads {NOT_YET}; {command} runs DeepSeek V4 only")
 
 
 def open_encoder(path: Path, model: ModelFile) -> VisionFile:

@@ -48,10 +48,12 @@ from typing import BinaryIO
 
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.gguf.constants import GGMLType
-from dwarfstar.kvcache.payload import HEADER as PAYLOAD_HEADER
-from dwarfstar.kvcache.payload import PayloadError, PayloadHeader
+from dwarfstar.kvcache.payload import PayloadError
+from dwarfstar.kvcache.payloads import HEADER_BYTES, AnyHeader, read_header
+from dwarfstar.model.file_v41 import ModelFile41
 from dwarfstar.model.loader import ModelFile
-from dwarfstar.model.tensors import NORM, expected_tensors
+from dwarfstar.model.tensors import EXPERTS, NORM, expected_tensors, layer_tensor
+from dwarfstar.model.tensors_v41 import expected_tensors41
 
 MAGIC = b"KVC"
 VERSION = 1
@@ -96,16 +98,19 @@ class ModelIdentity:
     fingerprint: bytes  # 32 bytes
 
     @classmethod
-    def of(cls, model: ModelFile) -> ModelIdentity:
+    def of(cls, model: ModelFile | ModelFile41) -> ModelIdentity:
+        """A V4 or V4.1 model's identity (the two families' hyperparameters have different fields, so
+        they never share a fingerprint)."""
         args = model.args
         # the KV state does not depend on these: a context limit, and the MTP head ds4 never saves
         fields = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("max_seq_len", "n_mtp_layers")}
         h = hashlib.sha256(repr(sorted(fields.items())).encode())
-        for spec in expected_tensors(args):
+        specs = expected_tensors41(args) if isinstance(model, ModelFile41) else expected_tensors(args)
+        for spec in specs:
             if spec.types == NORM:
                 h.update(spec.name.encode())
                 h.update(model.gguf.raw(spec.name))
-        gates = Counter(model.gguf.tensors[f"blk.{il}.ffn_gate_exps.weight"].ggml_type for il in range(args.n_layers))
+        gates = Counter(model.gguf.tensors[layer_tensor(il, EXPERTS[0])].ggml_type for il in range(args.n_layers))
         return cls(quant_bits=_QUANT_BITS[gates.most_common(1)[0][0]], fingerprint=h.digest())
 
 
@@ -162,7 +167,7 @@ class Head:
 
     header: FileHeader
     key: bytes
-    payload: PayloadHeader
+    payload: AnyHeader  # either family's (payloads.py)
     fingerprint: bytes | None  # None: no identity section (ds4's files)
     file_size: int
 
@@ -259,7 +264,7 @@ def read_head(path: Path) -> Head:
             raise CorruptFile(f"truncated: {size} bytes, the key and payload alone need {header.payload_end}")
         key = f.read(header.key_len)
         try:
-            payload = PayloadHeader.unpack(f.read(PAYLOAD_HEADER.size))
+            payload = read_header(f.read(min(HEADER_BYTES, header.payload_bytes)))
         except PayloadError as exc:
             raise CorruptFile(str(exc)) from exc
         fingerprint = None

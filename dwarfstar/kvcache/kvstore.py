@@ -4,7 +4,8 @@ Saving writes `<name>.tmp.<pid>`, fsyncs it, renames it into place and fsyncs th
 crash leaves either the old state or the whole new file; a partial file never carries a valid
 checksum, and leftover temporary files of dead processes are removed when the cache opens. Lookup
 picks, among the files this model can load, the longest key that is a byte prefix of the prompt's
-rendered text, reads it with plain reads, verifies the checksum and rebuilds the `SequenceState`.
+rendered text, reads it with plain reads, verifies the checksum and rebuilds the sequence state (in
+the layout of the model's family: payloads.py).
 A corrupt or truncated file is logged and removed; a foreign one (another model, context, chunk
 size, engine, or quant when `strict_quant` is set) is logged with the reason and left for whoever
 owns it. No failure of the cache reaches the session: saves return None, lookups miss.
@@ -28,9 +29,16 @@ from typing import BinaryIO
 from dwarfstar.kvcache import kvfile
 from dwarfstar.kvcache.kvfile import CorruptFile, FileHeader, ForeignFile, KVFileError, ModelIdentity
 from dwarfstar.kvcache.kvpolicy import KVCacheOptions, SaveReason, plan_eviction, superseded
-from dwarfstar.kvcache.payload import PayloadError, check_compatible, payload_nbytes, read_payload, write_payload
-from dwarfstar.model.config import ModelArgs
-from dwarfstar.model.state import KVCache, SequenceState, TorchStorage
+from dwarfstar.kvcache.payload import PayloadError
+from dwarfstar.kvcache.payloads import (
+    AnyArgs,
+    AnyState,
+    check_compatible,
+    host_states,
+    payload_nbytes,
+    read_payload,
+    write_payload,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +108,7 @@ class PlannedSave:
 
 @dataclass
 class CacheHit:
-    state: SequenceState
+    state: AnyState
     key: bytes  # the rendered prefix the state covers; the caller tokenizes the rest of the prompt
     tool_map: dict[str, str]
     path: Path
@@ -131,18 +139,18 @@ def tokens_key(decode_bytes: Callable[[Sequence[int]], bytes], vocab_size: int, 
 @dataclass
 class KVStore:
     directory: Path
-    args: ModelArgs
+    args: AnyArgs  # the model's, V4 or V4.1: its family picks the payload layout (payloads.py)
     identity: ModelIdentity
     ctx: int
     chunk: int
     render_key: Callable[[Sequence[int]], bytes]  # the key of tokens: their decoded text (`tokens_key`)
     options: KVCacheOptions = field(default_factory=KVCacheOptions)
-    new_state: Callable[[], SequenceState] | None = None  # the backend's; None: a host float32 cache
+    new_state: Callable[[], AnyState] | None = None  # the backend's; None: host float32 states
     clock: Callable[[], float] = time.time
     _index: dict[str, Entry] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._new_state = self.new_state or KVCache(self.args, self.ctx, TorchStorage()).new_state
+        self._new_state = self.new_state or host_states(self.args, self.ctx)
         self.directory = Path(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temporaries()
@@ -265,7 +273,7 @@ class KVStore:
     # -- save -----------------------------------------------------------------------------------------
     def save(
         self,
-        state: SequenceState,
+        state: AnyState,
         reason: SaveReason,
         tool_map: Mapping[str, str] | None = None,
         key: bytes | None = None,
@@ -284,14 +292,14 @@ class KVStore:
         planned = self.plan_save(image, reason, tool_map, key, key_flag, keep_prefixes_of)
         return None if planned is None else self.write(planned)
 
-    def _worth_a_file(self, state: SequenceState) -> bool:
+    def _worth_a_file(self, state: AnyState) -> bool:
         n = len(state.tokens)
         if n < self.options.min_tokens or state.logits is None:
             log.info("kv cache skips a %d-token state (min %d)", n, self.options.min_tokens)
             return False
         return True
 
-    def freeze(self, state: SequenceState) -> StateImage | None:
+    def freeze(self, state: AnyState) -> StateImage | None:
         """The state's payload as of now, or None when it is not worth a file (too short, no logits)."""
         if not self._worth_a_file(state):
             return None
@@ -305,7 +313,7 @@ class KVStore:
             image.key = self.render_key(image.tokens)
         return image.key
 
-    def thaw(self, image: StateImage) -> SequenceState:
+    def thaw(self, image: StateImage) -> AnyState:
         """A state rebuilt from a frozen image not yet written (a lookup that finds it still queued)."""
         return read_payload(image.payload, self.args, self.ctx, self.chunk, self._new_state)
 

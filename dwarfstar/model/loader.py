@@ -6,8 +6,8 @@ A model is one file or a split set (`dwarfstar.gguf.split`: ds4's `…-Layers00-
 every part. `write_split` writes any model as such a set.
 
 A DeepSeek V4.1 file (`deepseek41`) is validated as one (`file_v41`) and then refused: only the engine
-runs it (`engine.load.load_engine` opens it with `file_v41.open_model41` where the command takes V4.1:
-`is_v41`), and `dwarfstar inspect` describes it; every other V4 command refuses it here.
+runs it (`engine.load.load_engine` opens it with `file_v41.open_model41` when `is_v41`), and
+`dwarfstar inspect` describes it; every other V4 command refuses it here.
 """
 
 from __future__ import annotations

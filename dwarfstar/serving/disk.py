@@ -38,7 +38,7 @@ from dwarfstar.kvcache import kvfile
 from dwarfstar.kvcache.kvfile import KVFileError, ModelIdentity
 from dwarfstar.kvcache.kvpolicy import MIB, ContinuedSchedule, KVCacheOptions, SaveReason, cold_save_point
 from dwarfstar.kvcache.kvstore import KVStore, StateImage, tokens_key
-from dwarfstar.model.state import SequenceState
+from dwarfstar.kvcache.payloads import AnyState
 from dwarfstar.prompt.render import Prompt
 from dwarfstar.serving.pool import LiveSession
 from dwarfstar.serving.replay import ToolMemory
@@ -165,11 +165,11 @@ class DiskCache:
             return prompt.text.encode("utf-8")
         return self.store.render_key(ids)
 
-    def restore_async(self, key: bytes, better_than: int) -> Future[SequenceState | None]:
+    def restore_async(self, key: bytes, better_than: int) -> Future[AnyState | None]:
         """`restore` on the reader thread."""
         return self._reader.submit(self.restore, key, better_than)
 
-    def restore(self, key: bytes, better_than: int) -> SequenceState | None:
+    def restore(self, key: bytes, better_than: int) -> AnyState | None:
         """The longest checkpoint whose key is a prefix of the request's `key` (`key`), if it holds more
         than `better_than` tokens."""
         with self._queued_lock:

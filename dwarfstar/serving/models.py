@@ -1,7 +1,8 @@
 """Which `model` names this server answers to, and the model objects `/v1/models` lists.
 
-The loaded file is Flash or PRO; both DeepSeek ids (and the `deepseek-chat`/`deepseek-reasoner`
-thinking aliases) name it, since clients are configured with one name and the server has one model.
+The loaded file is V4 Flash or PRO, or V4.1 Flash, which `/v1/models` and `/health` name by its own id
+(`deepseek-v4.1-flash` for V4.1). Every DeepSeek id (and the `deepseek-chat`/`deepseek-reasoner`
+thinking aliases) names it, since clients are configured with one name and the server has one model.
 Any other name is a 404 unless `--model-alias` patterns admit it (e.g. `claude-*` for Claude Code's
 background model).
 """
@@ -12,11 +13,14 @@ import fnmatch
 from typing import Any
 
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.config_v41 import ModelArgs41
+from dwarfstar.model.file_v41 import FAMILY41
 from dwarfstar.serving.errors import ApiError
 
 FLASH_ID = "deepseek-v4-flash"
 PRO_ID = "deepseek-v4-pro"
-ALIASES = (FLASH_ID, PRO_ID, "deepseek-chat", "deepseek-reasoner")
+V41_FLASH_ID = "deepseek-v4.1-flash"
+ALIASES = (FLASH_ID, PRO_ID, V41_FLASH_ID, "deepseek-chat", "deepseek-reasoner")
 CREATED = 1767225600  # ds4's fixed creation time (2026-01-01)
 SUPPORTED_PARAMETERS = [
     "tools",
@@ -34,10 +38,13 @@ SUPPORTED_PARAMETERS = [
 
 
 class ModelCatalog:
-    def __init__(self, args: ModelArgs, ctx: int, aliases: tuple[str, ...] = ()) -> None:
-        self.is_pro = args.n_layers == ModelArgs.pro().n_layers
-        self.id = PRO_ID if self.is_pro else FLASH_ID
-        self.display_name = "DeepSeek V4 PRO" if self.is_pro else "DeepSeek V4 Flash"
+    def __init__(self, args: ModelArgs | ModelArgs41, ctx: int, aliases: tuple[str, ...] = ()) -> None:
+        if isinstance(args, ModelArgs41):
+            self.id, self.display_name = V41_FLASH_ID, FAMILY41
+        elif args.n_layers == ModelArgs.pro().n_layers:
+            self.id, self.display_name = PRO_ID, "DeepSeek V4 PRO"
+        else:
+            self.id, self.display_name = FLASH_ID, "DeepSeek V4 Flash"
         self.ctx = ctx
         self.patterns = aliases
 

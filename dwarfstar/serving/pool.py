@@ -23,8 +23,8 @@ from typing import Protocol
 
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.kvcache.kvpolicy import SaveReason
+from dwarfstar.kvcache.payloads import AnyState
 from dwarfstar.model.image_spans import ImageSpan
-from dwarfstar.model.state import SequenceState
 from dwarfstar.prompt.render import Prompt
 from dwarfstar.session.prefix import ReusePlan, checkpoint_marks, common_prefix_len, image_reuse, plan_reuse
 from dwarfstar.session.session import Session
@@ -40,7 +40,7 @@ class DiskCache(Protocol):
 
     def key(self, prompt: Prompt, ids: list[int]) -> bytes: ...
 
-    def restore(self, key: bytes, better_than: int) -> SequenceState | None: ...
+    def restore(self, key: bytes, better_than: int) -> AnyState | None: ...
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class DiskLookup:
     """A disk-cache lookup made ahead of `acquire` (off the engine thread), and what it found."""
 
     better_than: int
-    state: SequenceState | None
+    state: AnyState | None
 
 
 @dataclass(eq=False)

@@ -13,7 +13,7 @@ from test_cli_front import cli
 from dwarfstar.backends.reference.v41.backend import ReferenceModel41
 from dwarfstar.backends.registry import Load, backend_entry
 from dwarfstar.cli import _register_commands
-from dwarfstar.engine.load import load_engine
+from dwarfstar.engine.load import load_engine, require_v4
 from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.engram.rows import ROW_BYTES
 from dwarfstar.errors import DwarfStarError, ModelFileError
@@ -34,7 +34,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def engine(v41_tiny_file):
-    return load_engine(EngineSpec(v41_tiny_file, "reference", ctx=256, engram_cache=1), v41=True)
+    return load_engine(EngineSpec(v41_tiny_file, "reference", ctx=256, engram_cache=1))
 
 
 def test_the_engine_loads_v41_on_the_reference(engine, v41_tiny_file):
@@ -123,11 +123,11 @@ def test_bad_input_is_refused_before_any_state_changes(engine):
     assert state.pos == 0 and state.logits is None
 
 
-def test_what_does_not_run_v41_is_a_clear_error(v41_tiny_file, tmp_path):
+def test_what_does_not_run_v41_is_a_clear_error(engine, v41_tiny_file, tmp_path):
     with pytest.raises(ModelFileError, match=re.escape(NOT_YET)):
         open_model(v41_tiny_file)  # every V4 command still refuses the file
-    with pytest.raises(ModelFileError, match=re.escape(NOT_YET)):
-        load_engine(EngineSpec(v41_tiny_file, "reference"))  # a command that does not take V4.1
+    with pytest.raises(ModelFileError, match=re.escape(NOT_YET) + "; dwarfstar steer build runs DeepSeek V4 only"):
+        require_v4(engine, "dwarfstar steer build")  # a command that runs V4 only, on the engine it loaded
     model = open_model41(v41_tiny_file)
     try:
         for name in ("cpu",):  # triton and mlx run it: tests/triton/test_v41_triton.py, tests/v41/test_v41_mlx.py
@@ -136,7 +136,7 @@ def test_what_does_not_run_v41_is_a_clear_error(v41_tiny_file, tmp_path):
     finally:
         model.close()
     with pytest.raises(DwarfStarError, match="--ssd-streaming does not run with DeepSeek V4.1 Flash yet"):
-        load_engine(EngineSpec(v41_tiny_file, "reference", streaming=object()), v41=True)  # type: ignore[arg-type]
+        load_engine(EngineSpec(v41_tiny_file, "reference", streaming=object()))  # type: ignore[arg-type]
     with pytest.raises(DwarfStarError, match="--engram-cache takes MB"):
         EngineSpec(v41_tiny_file, engram_cache=-1)
 
@@ -161,11 +161,11 @@ def test_cli_run_answers_on_v41(monkeypatch, capsys, v41_tiny_file):
     assert out.strip() and "decode 4 tok" in err
 
 
-def test_cli_run_refuses_other_backends_and_serve_refuses_v41(monkeypatch, capsys, v41_tiny_file):
+def test_cli_run_refuses_other_backends_and_v4_commands_refuse_v41(monkeypatch, capsys, v41_tiny_file):
     code, _, err = cli(monkeypatch, capsys, "run", "-m", str(v41_tiny_file), "-p", "hi", "--backend", "cpu")
     assert code == 2 and "the cpu backend does not run DeepSeek V4.1 yet (issue 33)" in err
-    code, _, err = cli(monkeypatch, capsys, "serve", "-m", str(v41_tiny_file), "--backend", "reference", "--port", "0")
-    assert code == 2 and NOT_YET in err and "Traceback" not in err
+    code, _, err = cli(monkeypatch, capsys, "bench", "-m", str(v41_tiny_file), "--backend", "reference")
+    assert code == 2 and NOT_YET in err and "dwarfstar bench runs DeepSeek V4 only" in err and "Traceback" not in err
 
 
 def test_a_prompts_engram_rows_are_read_ahead_once(v41_tiny_file):
