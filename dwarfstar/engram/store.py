@@ -16,13 +16,14 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from dwarfstar.engram.hashing import EngramHash
 from dwarfstar.engram.rows import ROW_BYTES, dequantize
 from dwarfstar.errors import DwarfStarError, ModelFileError
 
@@ -154,6 +155,16 @@ class EngramStore:
                 self.raw(layer, ids, prefetch=True)
 
         return self._prefetcher.submit(run)
+
+    def call_rows(self, engram_hash: EngramHash, tokens: Sequence[int], start: int) -> dict[int, np.ndarray]:
+        """Each of the store's layers' rows (int64 [T, 24]) for positions `start`.. of the sequence `tokens`,
+        hashed once for a forward call (`forward_v41.Ops41.engram_rows`); a call of several tokens (a
+        prompt) also starts reading them (`prefetch`: layer 0 runs while they arrive), a decode step's 48
+        are not worth the hand-off."""
+        rows = {layer: engram_hash.rows(layer, tokens, start) for layer in self.extents}
+        if len(tokens) - start > 1:
+            self.prefetch({layer: ids.ravel() for layer, ids in rows.items()})
+        return rows
 
     def telemetry(self) -> dict[str, float | int]:
         with self._lock:

@@ -1,16 +1,16 @@
-"""DeepSeek V4.1 Flash's forward pass (issue 33; V4.1 note §1-§3): the order of the steps, over the
-typed `Ops41` a backend implements (the torch reference: `backends/reference/v41/model.py`).
+"""DeepSeek V4.1 Flash's forward pass (issue 33; sources: shared/spec/RELEASES_2026.md): the order of the
+steps, over the typed `Ops41` a backend implements (the torch reference: `backends/reference/v41/model.py`).
 
 One call runs the tokens `state.pos ..` of one sequence (a whole prompt, a chunk of it, or one decode
 token) and returns the last position's next-token logits:
 
-    H = [e, e, ..., e] (hc_mult copies of the embedding);  pre = (1, 0, ..., 0)
+    H = [e, e, ..., e] (hc_mult copies of the embedding, or of an image span's row);  pre = (1, 0, ..., 0)
     per layer i:
-        Engram layers: H = engram(H)                            before the block's mixes
+        Engram layers: H = engram(H)                            before the block's mixes; shut on images
         (a_pre, a_post, a_comb) = mix_attn(H)
         H = post(H, attention(norm_attn(collapse(H, pre))), a_post, a_comb)
         (f_pre, f_post, f_comb) = mix_ffn(H)
-        H = post(H, moe(norm_ffn(collapse(H, a_pre))), f_post, f_comb);  pre = f_pre
+        H = post(H, moe(norm_ffn(collapse(H, a_pre))), f_post, f_comb);  pre = f_pre   images route by bias_vl
     logits = head(norm_out(collapse(H, pre)))                   no learned head collapse
 
 Attention of layer i (mode from `ModelArgs41.layer`): the query (no per-head norm) and this call's
@@ -33,9 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from dwarfstar.model.config_v41 import LayerMode, LayerSpec41, ModelArgs41
+from dwarfstar.model.image_spans import ImageSpan, image_mask
 from dwarfstar.model.tensors import SITES
 
 ATTN, FFN = SITES
@@ -61,13 +63,20 @@ class Ops41(Protocol[A]):
 
     args: ModelArgs41
 
-    def embed(self, tokens: torch.Tensor) -> A:
-        """Streams [T, hc_mult, dim] of token ids [T]."""
+    def embed(self, tokens: torch.Tensor, images: Sequence[ImageSpan]) -> A:
+        """Streams [T, hc_mult, dim] of token ids [T]: each image span's rows at its positions (whose
+        ids are image ids, past the vocabulary), the embedding's elsewhere."""
         ...
 
-    def engram(self, il: int, h: A, tokens: Sequence[int], start: int) -> A:
-        """Streams [T, n, dim] enriched by layer il's Engram rows for positions start.. of `tokens`
-        (the whole sequence so far)."""
+    def engram_rows(self, tokens: Sequence[int], start: int) -> dict[int, np.ndarray]:
+        """Each Engram layer's table rows (int64 [T, 24]) for positions start.. of `tokens` (the whole
+        sequence so far; image ids stop the n-gram look-back), hashed once per call; a call of several
+        tokens also starts reading them from the table, so layer 0 runs while they arrive."""
+        ...
+
+    def engram(self, il: int, h: A, rows: np.ndarray, image: torch.Tensor | None) -> A:
+        """Streams [T, n, dim] enriched by layer il's Engram rows `rows` ([T, 24], `engram_rows`); the
+        gate is shut at image positions (`image`: bool [T], None for a call without images)."""
         ...
 
     def mix(self, il: int, site: str, h: A) -> tuple[A, A, A]:
@@ -110,8 +119,10 @@ class Ops41(Protocol[A]):
         [T, n, head_dim] with masks [T, n]), the query's RoPE removed, then wo_a and wo_b."""
         ...
 
-    def moe(self, il: int, x: A) -> A:
-        """The routed and shared experts' output [T, dim] of the FFN input [T, dim]."""
+    def moe(self, il: int, x: A, image: torch.Tensor | None) -> A:
+        """The routed and shared experts' output [T, dim] of the FFN input [T, dim]; image positions
+        (`image`: bool [T], None for a call without images) select their experts with the layer's image
+        bias (`exp_probs_b_vl`)."""
         ...
 
     # the arrays' mechanics: the forward holds the backend's arrays, only the backend computes on them
@@ -152,26 +163,29 @@ class Transformer41(Generic[A]):
         self.ops, self.args = ops, ops.args
         self.layers = ops.args.layers
 
-    def forward(self, tokens: Sequence[int], state: State41[A]) -> torch.Tensor:
+    def forward(self, tokens: Sequence[int], state: State41[A], images: Sequence[ImageSpan] = ()) -> torch.Tensor:
         """Run `tokens` (the next ones of the sequence) and return the last one's logits [vocab];
-        `state` advances past them."""
+        `state` advances past them. `images`: the call's image blocks (offsets into `tokens`, each
+        wholly inside it, checked by the caller), whose positions hold image ids."""
         if not tokens:
             raise ValueError("a forward call needs at least one token")
         ops, start = self.ops, state.pos
         state.tokens.extend(tokens)
         positions = torch.arange(start, state.pos)
-        h = ops.embed(torch.tensor(list(tokens)))
+        image = image_mask(tuple(images), len(tokens)) if images else None
+        h = ops.embed(torch.tensor(list(tokens)), images)
+        engram_rows = ops.engram_rows(state.tokens, start) if self.args.engram_layers else {}
         pre = ops.first_pre(len(tokens))
         shared: _Shared[A] = _Shared()
         for layer in self.layers:
             il = layer.index
             if layer.engram:
-                h = ops.engram(il, h, state.tokens, start)
+                h = ops.engram(il, h, engram_rows[il], image)
             a_pre, a_post, a_comb = ops.mix(il, ATTN, h)
             out = self._attention(layer, ops.sublayer_input(il, ATTN, h, pre), positions, state, shared)
             h = ops.hc_post(h, out, a_post, a_comb)
             f_pre, f_post, f_comb = ops.mix(il, FFN, h)
-            h = ops.hc_post(h, ops.moe(il, ops.sublayer_input(il, FFN, h, a_pre)), f_post, f_comb)
+            h = ops.hc_post(h, ops.moe(il, ops.sublayer_input(il, FFN, h, a_pre), image), f_post, f_comb)
             pre = f_pre
         return ops.head(h[-1:], pre[-1:])[0]
 

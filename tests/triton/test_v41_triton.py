@@ -19,6 +19,7 @@ from dwarfstar.backends.triton.v41.backend import TritonModel41
 from dwarfstar.cli import _register_commands
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.file_v41 import open_model41
+from dwarfstar.model.image_spans import ImageSpan, content_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
 from conformance import QAT_KL, QAT_REL, compare_logits  # noqa: E402
@@ -120,3 +121,15 @@ def test_cli_run_answers_on_triton(monkeypatch, capsys, v41_tiny_file):
     code, out, err = cli(monkeypatch, capsys, *args)
     assert code == 0, err
     assert out.strip() and "decode 2 tok" in err
+
+
+def test_an_image_block_matches_the_reference(model, triton41):
+    """A prompt with an image block (its rows in place of the embedding, the Engram gate shut, the image
+    router bias) gives the reference's logits."""
+    ids = content_ids(b"\x02" * 32, 5, model.args.vocab_size)
+    tokens, rows = [*PROMPT[:6], *ids, *PROMPT[6:20]], torch.randn(5, model.args.dim)
+    reference = ReferenceModel41.from_file(model, 1 << 20, 256)
+    want = reference.forward(tokens, reference.new_state(), all_logits=False, images=[ImageSpan(6, rows)])
+    got = triton41.forward(tokens, triton41.new_state(), all_logits=False, images=[ImageSpan(6, rows)])
+    diff = compare_logits(want, got)
+    assert diff.max_rel < QAT_REL and diff.mean_kl < QAT_KL and diff.top1_mismatches == 0, diff

@@ -15,6 +15,7 @@ from dwarfstar.backends.registry import Load, backend_entry
 from dwarfstar.cli import _register_commands
 from dwarfstar.engine.load import load_engine, require_v4
 from dwarfstar.engine.spec import EngineSpec
+from dwarfstar.engram.hashing import EngramHash
 from dwarfstar.engram.rows import ROW_BYTES
 from dwarfstar.errors import DwarfStarError, ModelFileError
 from dwarfstar.model.config import V41
@@ -114,8 +115,8 @@ def test_all_logits_and_batches(engine):
 def test_bad_input_is_refused_before_any_state_changes(engine):
     backend, state = engine.backend, engine.backend.new_state()
     span = ImageSpan(0, torch.zeros(2, backend.args.dim))
-    with pytest.raises(DwarfStarError, match="reads no images yet.*issue 33"):
-        backend.forward([1, 2], state, images=[span])
+    with pytest.raises(DwarfStarError, match="not an image id"):
+        backend.forward([1, 2], state, images=[span])  # a block's positions hold image ids
     with pytest.raises(DwarfStarError, match="outside the vocabulary"):
         backend.forward_batch([[1], [backend.args.vocab_size]], [state, backend.new_state()], all_logits=False)
     with pytest.raises(DwarfStarError, match="context overflow"):
@@ -168,19 +169,31 @@ def test_cli_run_refuses_other_backends_and_v4_commands_refuse_v41(monkeypatch, 
     assert code == 2 and NOT_YET in err and "dwarfstar bench runs DeepSeek V4 only" in err and "Traceback" not in err
 
 
-def test_a_prompts_engram_rows_are_read_ahead_once(v41_tiny_file):
-    """A prefill call starts the read of all its Engram rows before layer 0 runs (the ids decide them); a
-    decode step does not; every row is read from the file once, whoever asks first."""
+def test_a_prompts_engram_rows_are_read_ahead_once(v41_tiny_file, monkeypatch):
+    """A prefill call hashes its Engram rows once and starts reading them all before layer 0 runs (the ids
+    decide them); a decode step reads its own; every row is read from the file once, whoever asks first."""
     backend = ReferenceModel41.from_file(open_model41(v41_tiny_file), 1 << 20, 256)
     ops = backend.transformer.ops
-    asked: list[tuple[int, int]] = []
-    prefetch = ops.prefetch
-    ops.prefetch = lambda tokens, start: (asked.append((len(tokens), start)), prefetch(tokens, start))
+    asked: list[int] = []
+    prefetch = ops.store.prefetch
+    ops.store.prefetch = lambda layer_ids: (
+        asked.append(sum(ids.size for ids in layer_ids.values())),
+        prefetch(layer_ids),
+    )[1]
+    hashed: list[tuple[int, int]] = []
+    rows = EngramHash.rows
+    monkeypatch.setattr(
+        EngramHash,
+        "rows",
+        lambda self, il, tokens, start=0: (hashed.append((il, start)), rows(self, il, tokens, start))[1],
+    )
     state = backend.new_state()
     prompt = list(range(100, 130))
     backend.forward(prompt, state, all_logits=False)
     backend.forward([7], state, all_logits=False)
-    assert asked == [(30, 0)]
-    rows = {(il, int(r)) for il in backend.args.engram_layers for r in ops.hash.rows(il, [*prompt, 7]).ravel()}
+    n = len(backend.args.engram_layers)
+    assert asked == [n * 30 * 24]  # the prompt's rows, all layers', once; not the decode step's
+    assert sorted(hashed) == sorted([(il, s) for il in backend.args.engram_layers for s in (0, 30)])
+    wanted = {(il, int(r)) for il in backend.args.engram_layers for r in rows(ops.hash, il, [*prompt, 7]).ravel()}
     stats = ops.store.telemetry()
-    assert stats["misses"] == len(rows) and stats["prefetched"] <= stats["misses"]
+    assert stats["misses"] == len(wanted) and stats["prefetched"] <= stats["misses"]

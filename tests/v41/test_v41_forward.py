@@ -1,5 +1,5 @@
 """V4.1's forward pass on the synthetic `v41-tiny` file: (a) equal to a single-pass restatement of the
-note's §1-§3 pseudocode written here in plain torch (full-sequence masks, the tested v41 functions for
+reference's forward written here in plain torch (full-sequence masks, the tested v41 functions for
 the new numerics), (b) the same logits however the prompt is split into calls, (c) on a text prompt
 long enough that the window, both compressed kinds, the candidate pool and the top-k all bite."""
 
@@ -38,11 +38,16 @@ def run(model: ModelFile41, chunks: list[int]) -> torch.Tensor:
     return logits
 
 
-def restate(model: ModelFile41, tokens: list[int]) -> tuple[torch.Tensor, dict[str, int]]:
-    """The whole forward in one pass over the sequence, as the note writes it; returns the last
-    position's logits and counts of how often each mechanism changed something."""
+def restate(
+    model: ModelFile41, tokens: list[int], images: dict[int, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, dict[str, int]]:
+    """The whole forward in one pass over the sequence, as the reference writes it; returns the last
+    position's logits and counts of how often each mechanism changed something. `images`: image blocks
+    (first position -> rows [length, dim]) whose positions hold image ids (past the vocabulary): their
+    rows replace the embedding, the Engram gate is shut there and the router selects with `bias_vl`."""
     a, eps, n = model.args, model.args.norm_eps, model.args.hc_mult
     t, pos = len(tokens), torch.arange(len(tokens))
+    image = torch.tensor(tokens) >= a.vocab_size
     store = EngramStore(model.engram, 0)
 
     def w(name: str) -> torch.Tensor:
@@ -68,7 +73,10 @@ def restate(model: ModelFile41, tokens: list[int]) -> tuple[torch.Tensor, dict[s
         return (p[..., None] * h).sum(1)
 
     counts = {"window_cut": 0, "topk_cut": 0, "candidates_cut": 0, "reindex_moved": 0}
-    h = w("token_embd.weight")[tokens][:, None, :].repeat(1, n, 1)
+    e = w("token_embd.weight")[torch.tensor(tokens).clamp(max=a.vocab_size - 1)]
+    for at, block in (images or {}).items():
+        e[at : at + block.shape[0]] = block
+    h = e[:, None, :].repeat(1, n, 1)
     pre = F.one_hot(torch.zeros(t, dtype=torch.long), n).float()
     rows, keys, picks, cands = {}, {}, None, None
     hc = mhc.HcConfig(a.hc_sinkhorn_iters, a.hc_eps, eps)
@@ -81,9 +89,8 @@ def restate(model: ModelFile41, tokens: list[int]) -> tuple[torch.Tensor, dict[s
         freqs = torch.tensor(yarn_inv_freq(a, spec), dtype=torch.float64)
         if spec.engram:
             vals = torch.from_numpy(store.rows(il, model.engram_hash.rows(il, tokens)))
-            no_image = torch.zeros(t, dtype=torch.bool)
             h = engram.engram(
-                h, vals, lw("engram_kv.weight"), lw("engram_q_norm.weight"), lw("engram_k_norm.weight"), no_image, eps
+                h, vals, lw("engram_kv.weight"), lw("engram_q_norm.weight"), lw("engram_k_norm.weight"), image, eps
             )
         mix = [lw(f"hc_attn_{p}.weight") for p in ("fn", "scale", "base")]
         a_pre, a_post, a_comb = mhc.mix(h, mhc.HcWeights(*mix), hc)
@@ -142,7 +149,8 @@ def restate(model: ModelFile41, tokens: list[int]) -> tuple[torch.Tensor, dict[s
         f_pre, f_post, f_comb = mhc.mix(h, mhc.HcWeights(*mix), hc)
         x = rms(collapse(h, a_pre), lw("ffn_norm.weight"))
         s = F.softplus(x @ lw("ffn_gate_inp.weight").T).sqrt()
-        ids = (s + lw("exp_probs_b.bias")).topk(a.n_activated_experts, -1).indices
+        bias = torch.where(image[:, None], lw("exp_probs_b_vl.bias"), lw("exp_probs_b.bias"))
+        ids = (s + bias).topk(a.n_activated_experts, -1).indices
         gates = s.gather(1, ids)
         gates = gates / gates.sum(-1, keepdim=True) * a.route_scale
         g_w, u_w, d_w = (lw(f"ffn_{p}_exps.weight") for p in ("gate", "up", "down"))

@@ -34,6 +34,7 @@ from dwarfstar.cli import _register_commands  # noqa: E402
 from dwarfstar.engine.load import load_engine  # noqa: E402
 from dwarfstar.engine.spec import EngineSpec  # noqa: E402
 from dwarfstar.model.file_v41 import ModelFile41, open_model41  # noqa: E402
+from dwarfstar.model.image_spans import ImageSpan, content_ids  # noqa: E402
 from dwarfstar.sampling import SamplingParams  # noqa: E402
 from dwarfstar.session.session import Session  # noqa: E402
 
@@ -129,7 +130,7 @@ def test_snapshots_restore_and_stay_usable(mlx_model):
 
 
 def test_the_engine_loads_v41_on_mlx_and_the_session_generates(v41_tiny_file):
-    engine = load_engine(EngineSpec(v41_tiny_file, "mlx", ctx=256, engram_cache=1), v41=True)
+    engine = load_engine(EngineSpec(v41_tiny_file, "mlx", ctx=256, engram_cache=1))
     assert isinstance(engine.backend, MLXModel41) and engine.backend.max_seq_len == 256
     session = Session(engine.backend, ctx=256, chunk=8)
     session.prefill(PROMPT[:23])
@@ -158,3 +159,15 @@ def test_fused_primitives_match_eager(model):
     for chunk in (PROMPT[:40], PROMPT[40:41]):
         a, b = (m.forward(chunk, s, all_logits=False) for m, s in zip((eager, fused), states, strict=True))
         assert compare_logits(a, b).max_rel < EXACT_REL
+
+
+def test_an_image_block_matches_the_reference(model, mlx_model):
+    """A prompt with an image block (its rows in place of the embedding, the Engram gate shut, the image
+    router bias): the roundings off, MLX equals the reference to float32 order."""
+    ids = content_ids(b"\x02" * 32, 5, model.args.vocab_size)
+    tokens, rows = [*PROMPT[:6], *ids, *PROMPT[6:20]], torch.randn(5, model.args.dim)
+    reference = ReferenceModel41.from_file(model, 1 << 20)
+    want = reference.forward(tokens, reference.new_state(), all_logits=False, images=[ImageSpan(6, rows)])
+    got = mlx_model.forward(tokens, mlx_model.new_state(), all_logits=False, images=[ImageSpan(6, rows)])
+    diff = compare_logits(want, got)
+    assert diff.mean_kl < ROUNDED_KL and diff.max_rel < ROUNDED_REL and diff.top1_mismatches == 0, diff

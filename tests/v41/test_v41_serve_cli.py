@@ -19,7 +19,6 @@ NOT_WITH_V41 = "does not run with DeepSeek V4.1 Flash yet (issue 33)"
     ("flags", "message"),
     [
         (["--backend", "cpu"], "the cpu backend does not run DeepSeek V4.1 yet (issue 33)"),
-        (["--backend", "triton"], "triton"),
         (["--ssd-streaming"], f"--ssd-streaming {NOT_WITH_V41}"),
         (["--mtp", "{model}"], f"--mtp / --dspark {NOT_WITH_V41}"),
         (["--vision", "{model}"], f"--vision {NOT_WITH_V41}"),

@@ -1,4 +1,4 @@
-"""A V4.1 model on MLX as the session layer drives it: `ReferenceModel41`'s calls (input checks, one
+"""A V4.1 model on MLX as the session layer drives it: `model_v41.Model41`'s calls (input checks, one
 sequence after another, `all_logits` one token per call) over `MLXOps41`, each sequence's arrays in an
 `MLXState41`.
 """
@@ -13,10 +13,10 @@ import torch
 from dwarfstar.backends.mlx import default_packing, metal_available, ops
 from dwarfstar.backends.mlx.v41.model import MLXOps41
 from dwarfstar.backends.mlx.weights import Weights
-from dwarfstar.backends.reference.v41.backend import ReferenceModel41
 from dwarfstar.engram.store import EngramStore
 from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.file_v41 import ModelFile41
+from dwarfstar.model.model_v41 import Model41
 
 
 @dataclass
@@ -68,8 +68,8 @@ class MLXState41:
         return sum(int(a.nbytes) for a in arrays) + (0 if self.logits is None else int(self.logits.nbytes))
 
 
-class MLXModel41(ReferenceModel41):
-    """The V4.1 forward over `MLXOps41`; the calls are `ReferenceModel41`'s, the states `MLXState41`."""
+class MLXModel41(Model41):
+    """The V4.1 forward over `MLXOps41`; the calls are `Model41`'s, the states `MLXState41`."""
 
     @classmethod
     def from_file(
@@ -86,7 +86,7 @@ class MLXModel41(ReferenceModel41):
         weights = Weights(model.gguf, packing or default_packing())
         fused = ops.Fused(model.args, metal_available() if fuse is None else fuse)
         store = EngramStore(model.engram, engram_cache_bytes)
-        return cls(MLXOps41(model.args, weights, model.engram_hash, store, fused), max_seq_len)  # type: ignore[arg-type]
+        return cls(MLXOps41(model.args, weights, model.engram_hash, store, fused), max_seq_len)
 
-    def new_state(self) -> MLXState41:  # type: ignore[override]
+    def new_state(self) -> MLXState41:
         return MLXState41.empty(self.args)

@@ -30,6 +30,7 @@ from dwarfstar.model import tensors as tt
 from dwarfstar.model import tensors_v41 as tt41
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.config_v41 import ModelArgs41
+from dwarfstar.model.image_spans import ImageSpan
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Layer41:
     inv_freq: np.ndarray  # float64 rotary frequencies per pair
     router: Matrix
     bias: mx.array
+    image_bias: mx.array  # the router's bias at image positions (`exp_probs_b_vl`)
     experts: ExpertStack
     shared: tuple[Matrix, Matrix, Matrix]
     compressor: tuple[Matrix, Matrix | None, mx.array, Matrix, mx.array] | None  # kv, gate, norm, W_k, k_norm
@@ -95,6 +97,7 @@ class MLXOps41:
             inv_freq=np.array(yarn_inv_freq(a, spec), dtype=np.float64),  # type: ignore[arg-type]
             router=w.matrix(tt.ROUTER),
             bias=w.dense(tt.ROUTER_BIAS),
+            image_bias=w.dense(tt41.ROUTER_BIAS_VL),
             experts=ExpertStack(*(w.experts(n) for n in tt.EXPERTS)),
             shared=tuple(w.matrix(n) for n in tt.SHARED_EXPERT),
             compressor=compressor,
@@ -114,18 +117,21 @@ class MLXOps41:
         self._written.extend(arrays)
 
     # -- streams -----------------------------------------------------------------------------------------
-    def embed(self, tokens: torch.Tensor) -> mx.array:
-        x = self.embedding[mx.array(tokens.numpy().astype(np.int32))]
+    def embed(self, tokens: torch.Tensor, images: Sequence[ImageSpan]) -> mx.array:
+        ids = tokens.clamp(max=self.args.vocab_size - 1).numpy().astype(np.int32)  # image ids: their span's rows
+        x = self.embedding[mx.array(ids)]
+        for span in images:
+            x[span.offset : span.stop] = mx.array(span.rows.numpy()).astype(x.dtype)
         return mx.broadcast_to(x[:, None, :], (x.shape[0], self.args.hc_mult, self.args.dim))
 
-    def prefetch(self, tokens: Sequence[int], start: int) -> None:
-        """Start reading the Engram rows positions `start`.. of `tokens` will look up (the store's
-        background thread), so layer 0 runs while they arrive."""
-        self.store.prefetch({il: self.hash.rows(il, tokens, start).ravel() for il in self.args.engram_layers})
+    def engram_rows(self, tokens: Sequence[int], start: int) -> dict[int, np.ndarray]:
+        return self.store.call_rows(self.hash, tokens, start)
 
-    def engram(self, il: int, h: mx.array, tokens: Sequence[int], start: int) -> mx.array:
-        rows = mx.array(self.store.rows(il, self.hash.rows(il, tokens, start)))
-        return engram.engram(h, rows, *self.layers[il].engram, self.args.norm_eps)  # type: ignore[misc]
+    def engram(self, il: int, h: mx.array, rows: np.ndarray, image: torch.Tensor | None) -> mx.array:
+        out = engram.engram(h, mx.array(self.store.rows(il, rows)), *self.layers[il].engram, self.args.norm_eps)  # type: ignore[misc]
+        if image is None:
+            return out
+        return mx.where(mx.array(image.numpy())[:, None, None], h, out)  # the gate is shut at image positions
 
     def mix(self, il: int, site: str, h: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return self.fused.hc_mix(h, *self.layers[il].hc[site])
@@ -212,7 +218,9 @@ class MLXOps41:
         return grouped_output(o, layer.wo_a, layer.wo_b, self.group_ids)
 
     # -- mixture of experts --------------------------------------------------------------------------------
-    def moe(self, il: int, x: mx.array) -> mx.array:
+    def moe(self, il: int, x: mx.array, image: torch.Tensor | None) -> mx.array:
         a, layer, swiglu = self.args, self.layers[il], self.fused.swiglu
-        ids, weights = ops.route(layer.router.matmul(x), a.n_activated_experts, a.route_scale, layer.bias, None)
+        shut = None if image is None else mx.array(image.numpy())
+        logits = layer.router.matmul(x)
+        ids, weights = ops.route(logits, a.n_activated_experts, a.route_scale, layer.bias, None, shut, layer.image_bias)
         return routed_experts(x, layer.experts, ids, weights, swiglu) + shared_expert(x, layer.shared, swiglu)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from dwarfstar.backends.reference import ops
@@ -23,6 +24,7 @@ from dwarfstar.model import tensors_v41 as tt41
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.file_v41 import ModelFile41
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.numerics import FP4_BLOCK, rope_angles, route
 
 
@@ -54,20 +56,20 @@ class ReferenceOps41:
         return rope_angles(positions, self.inv_freq[il])
 
     # -- streams ---------------------------------------------------------------------------------------
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embedding[tokens].unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+    def embed(self, tokens: torch.Tensor, images: Sequence[ImageSpan]) -> torch.Tensor:
+        x = self.embedding[tokens.clamp(max=self.args.vocab_size - 1)]  # image ids: their span's rows, below
+        for span in images:
+            x[span.offset : span.stop] = span.rows
+        return x.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
 
-    def prefetch(self, tokens: Sequence[int], start: int) -> None:
-        """Start reading the Engram rows positions `start`.. of `tokens` will look up, on the store's
-        background thread: the ids alone decide them, so layer 0 runs while they arrive."""
-        self.store.prefetch({il: self.hash.rows(il, tokens, start).ravel() for il in self.args.engram_layers})
+    def engram_rows(self, tokens: Sequence[int], start: int) -> dict[int, np.ndarray]:
+        return self.store.call_rows(self.hash, tokens, start)
 
-    def engram(self, il: int, h: torch.Tensor, tokens: Sequence[int], start: int) -> torch.Tensor:
-        ids = self.hash.rows(il, tokens, start)
-        rows = torch.from_numpy(self.store.rows(il, ids))
-        image = torch.zeros(h.shape[0], dtype=torch.bool)  # text only: no image spans yet
+    def engram(self, il: int, h: torch.Tensor, rows: np.ndarray, image: torch.Tensor | None) -> torch.Tensor:
+        values = torch.from_numpy(self.store.rows(il, rows))
+        shut = torch.zeros(h.shape[0], dtype=torch.bool) if image is None else image
         weights = (self.w(il, name) for name in (tt41.ENGRAM_KV, tt41.ENGRAM_Q_NORM, tt41.ENGRAM_K_NORM))
-        return engram.engram(h, rows, *weights, image, self.args.norm_eps)
+        return engram.engram(h, values, *weights, shut, self.args.norm_eps)
 
     def mix(self, il: int, site: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return mhc.mix(h, mhc.HcWeights(*(self.w(il, name) for name in tt.hc_mix(site))), self.hc)
@@ -156,10 +158,11 @@ class ReferenceOps41:
         return ops.linear(grouped, self.w(il, tt.OUT_B))
 
     # -- mixture of experts ----------------------------------------------------------------------------
-    def moe(self, il: int, x: torch.Tensor) -> torch.Tensor:
+    def moe(self, il: int, x: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
         a = self.args
         logits = ops.linear(x, self.w(il, tt.ROUTER))
-        ids, weights = route(logits, a.n_activated_experts, a.route_scale, self.w(il, tt.ROUTER_BIAS), None)
+        bias, image_bias = self.w(il, tt.ROUTER_BIAS), self.w(il, tt41.ROUTER_BIAS_VL)
+        ids, weights = route(logits, a.n_activated_experts, a.route_scale, bias, None, image, image_bias)
         out = ops.routed_ffn(x, ids, ids, weights, self.experts[il], FLOAT32, a.swiglu_limit)
         gate, up, down = (self.w(il, name) for name in tt.SHARED_EXPERT)
         return out + ops.linear(ops.swiglu_clamped(ops.linear(x, gate), ops.linear(x, up), a.swiglu_limit), down)

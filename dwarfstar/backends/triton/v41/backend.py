@@ -1,5 +1,4 @@
-"""A V4.1 model on the Triton kernels as the session layer drives it: the V4.1 Backend of the reference
-(`ReferenceModel41`: its checks, batching, sampling and snapshots are backend-neutral) over
+"""A V4.1 model on the Triton kernels as the session layer drives it: `model_v41.Model41` over
 `TritonOps41`, with each sequence's state (`SequenceState41`) on the device.
 """
 
@@ -7,21 +6,21 @@ from __future__ import annotations
 
 import torch
 
-from dwarfstar.backends.reference.v41.backend import ReferenceModel41
 from dwarfstar.backends.triton.v41.ops import TritonOps41
 from dwarfstar.backends.triton.v41.weights import upload41
 from dwarfstar.engram.store import EngramStore
 from dwarfstar.model.file_v41 import ModelFile41
+from dwarfstar.model.model_v41 import Model41
 from dwarfstar.model.state_v41 import SequenceState41, new_sequence41
 
 
-class TritonModel41(ReferenceModel41):
+class TritonModel41(Model41):
     def __init__(self, ops: TritonOps41, max_seq_len: int | None = None) -> None:
-        super().__init__(ops, max_seq_len)  # type: ignore[arg-type]  # any Ops41 with `prefetch`
+        super().__init__(ops, max_seq_len)
         self.device = ops.device
 
     @classmethod
-    def from_file(  # type: ignore[override]
+    def from_file(
         cls, model: ModelFile41, engram_cache_bytes: int, max_seq_len: int | None = None, device=None
     ) -> TritonModel41:
         """The model over `model`'s weights uploaded to `device`, its Engram rows read through a cache of

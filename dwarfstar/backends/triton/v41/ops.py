@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from dwarfstar.backends.reference.v41 import csa2, mhc, select, window
@@ -35,6 +36,7 @@ from dwarfstar.engram.store import EngramStore
 from dwarfstar.model import tensors as tt
 from dwarfstar.model import tensors_v41 as tt41
 from dwarfstar.model.config import yarn_inv_freq
+from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.numerics import rope_angles
 from dwarfstar.model.pages import PAGE_ROWS
 
@@ -57,21 +59,26 @@ class TritonOps41:
         return rope_angles(self._pos(positions), self.inv_freq[il])
 
     # -- streams ---------------------------------------------------------------------------------------
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, images: Sequence[ImageSpan]) -> torch.Tensor:
         w = self.w.matrix(None, tt.EMBED)
-        ids = tokens.to(device=self.device, dtype=torch.int32)
-        return gather_rows(w.data, w.ggml_type, self.args.dim, ids, copies=self.args.hc_mult)
+        ids = tokens.clamp(max=self.args.vocab_size - 1).to(device=self.device, dtype=torch.int32)
+        h = gather_rows(w.data, w.ggml_type, self.args.dim, ids, copies=self.args.hc_mult)
+        for span in images:  # the spans' rows in place of their image ids' (clamped) lookups
+            h[span.offset : span.stop] = span.rows.to(self.device)[:, None, :]
+        return h
 
-    def prefetch(self, tokens: Sequence[int], start: int) -> None:
-        """Start reading the Engram rows positions `start`.. of `tokens` will look up (`EngramStore.prefetch`)."""
-        self.store.prefetch({il: self.hash.rows(il, tokens, start).ravel() for il in self.args.engram_layers})
+    def engram_rows(self, tokens: Sequence[int], start: int) -> dict[int, np.ndarray]:
+        return self.store.call_rows(self.hash, tokens, start)
 
-    def engram(self, il: int, h: torch.Tensor, tokens: Sequence[int], start: int) -> torch.Tensor:
-        rows = torch.from_numpy(self.store.rows(il, self.hash.rows(il, tokens, start)))
+    def engram(self, il: int, h: torch.Tensor, rows: np.ndarray, image: torch.Tensor | None) -> torch.Tensor:
+        values = torch.from_numpy(self.store.rows(il, rows))
         # the rows' bf16 rounding on the host halves the upload; their FP8 rounding on the device
-        e = rows.to(torch.bfloat16).to(self.device).float().reshape(rows.shape[0], -1)
+        e = values.to(torch.bfloat16).to(self.device).float().reshape(values.shape[0], -1)
         kv = qmatmul(norm_rope(e, norm=NORM_NONE, qat=QAT_FP8_ROW), self.w.matrix(il, tt41.ENGRAM_KV))
-        return engram_gate.engram_gate(h, kv, self.w.vector(il, ENGRAM_GATE), self.args.norm_eps)
+        out = engram_gate.engram_gate(h, kv, self.w.vector(il, ENGRAM_GATE), self.args.norm_eps)
+        if image is None:
+            return out
+        return torch.where(image.to(self.device)[:, None, None], h, out)  # the gate is shut at image positions
 
     def mix(self, il: int, site: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         fn, scale, base = tt.hc_mix(site)
@@ -184,12 +191,15 @@ class TritonOps41:
         return qmatmul(grouped, self.w.matrix(il, tt.OUT_B))
 
     # -- mixture of experts ----------------------------------------------------------------------------
-    def moe(self, il: int, x: torch.Tensor) -> torch.Tensor:
+    def moe(self, il: int, x: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
         a, t = self.args, x.shape[0]
         unhashed = torch.zeros(t, dtype=torch.int32, device=self.device)  # V4.1 routes no layer by token hash
-        bias = self.w.vector(il, tt.ROUTER_BIAS)
-        ids, weights = moe_route.route(x, self.w.matrix(il, tt.ROUTER), bias, None, unhashed, a.n_activated_experts,
-                                       a.route_scale)  # fmt: skip
+        router, k, scale = self.w.matrix(il, tt.ROUTER), a.n_activated_experts, a.route_scale
+        ids, weights = moe_route.route(x, router, self.w.vector(il, tt.ROUTER_BIAS), None, unhashed, k, scale)
+        if image is not None:  # image rows select by the image bias
+            rows = image.nonzero().flatten().to(self.device)
+            bias = self.w.vector(il, tt41.ROUTER_BIAS_VL)
+            ids[rows], weights[rows] = moe_route.route(x[rows], router, bias, None, unhashed[rows], k, scale)
         routed = tuple(self.w.matrix(il, name) for name in tt.EXPERTS)
         shared = tuple(self.w.matrix(il, name) for name in tt.SHARED_EXPERT)
         decode = EXACT if t <= DECODE_TOKENS else None
