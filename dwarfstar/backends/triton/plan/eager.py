@@ -120,10 +120,26 @@ class _EagerLaunches(torch.utils._python_dispatch.TorchDispatchMode):
             return args[0].copy_(value) if in_place else func(value, *args[1:], **kwargs)
 
 
-def record_eager(step: Callable[[], None], warmup: Callable[[], None] | None = None) -> list[Launch]:
+class _Launches(list):
+    """The recorded list, each launch tagged with the layer running when it was added."""
+
+    def __init__(self, layer: Callable[[], int | None]) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def append(self, launch: Launch) -> None:
+        launch.layer = self.layer()
+        super().append(launch)
+
+
+def record_eager(
+    step: Callable[[], None],
+    warmup: Callable[[], None] | None = None,
+    layer: Callable[[], int | None] = lambda: None,
+) -> list[Launch]:
     """Run `warmup()` (if any) and then `step()` with every device launch, upload and host read
-    intercepted, and return `step()`'s, in order."""
-    launches: list[Launch] = []
+    intercepted, and return `step()`'s, in order, each tagged with `layer()` when it came."""
+    launches = _Launches(layer)
     mode = _EagerLaunches(launches)
 
     def on_launch(fn, args, grid, kwargs):
@@ -136,4 +152,4 @@ def record_eager(step: Callable[[], None], warmup: Callable[[], None] | None = N
             warmup()
             launches.clear()
         step()
-    return launches
+    return list(launches)

@@ -46,6 +46,7 @@ class Launch:
     fn: Any = None  # Triton: the JITFunction, to compile
     call: tuple = ()  # Triton: (positional args, grid, keyword args) as launched
     bytes: int = 0  # torch: bytes of its tensor operands and results
+    layer: int | None = None  # the model layer that launched it, where the recording tracks layers (`step41`)
 
 
 def _programs(grid, named: dict[str, Any]) -> int:

@@ -85,6 +85,7 @@ class Plan:
     compiled: bool = True  # False: launches counted only, times as if every launch ran at full bandwidth
     note: str = MODEL_NOTE
     uncaptured: Uncaptured | None = None  # a step no graph captures: its waits and host time
+    per_layer: list[dict] = field(default_factory=list)  # launches of each layer, where recorded (`step41`)
 
     @property
     def launches(self) -> int:
@@ -175,8 +176,16 @@ def build_plan(
     rows_ = list(rows.values())
     return Plan(
         preset, target, gpu.name, batch, ctx, step.n_layers, step.weight_bytes, rows_, precision, compile_kernels,
-        uncaptured=uncaptured,
+        uncaptured=uncaptured, per_layer=_per_layer(step),
     )  # fmt: skip
+
+
+def _per_layer(step: DecodeStep) -> list[dict]:
+    if step.captured:
+        return []
+    from dwarfstar.backends.triton.plan.step41 import layer_launches
+
+    return layer_launches(step)
 
 
 def _record(preset: str, batch: int, ctx: int, layers: int | None, multiprocessors: int, precision: str) -> DecodeStep:
@@ -295,6 +304,7 @@ def plan_json(plan: Plan) -> dict:
         "totals": plan.totals(),
         "compiled": plan.compiled,
         "captured": plan.uncaptured is None,
+        "per_layer": plan.per_layer,
         "rows": [asdict(r) for r in sorted(plan.rows, key=lambda r: -r.seconds)],
     }
 

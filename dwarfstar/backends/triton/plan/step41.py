@@ -15,13 +15,15 @@ count and bytes, not their rows).
 from __future__ import annotations
 
 import tempfile
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dwarfstar.backends.triton.plan.eager import record_eager
+from dwarfstar.backends.triton.plan.eager import SYNC, UPLOAD, record_eager
 from dwarfstar.backends.triton.plan.recorder import DecodeStep
 from dwarfstar.backends.triton.v41.weights import Weights41
 from dwarfstar.engram.hashing import EngramHash, engram_multipliers, engram_primes
@@ -92,6 +94,43 @@ def _state_before(model, ctx: int) -> SequenceState41:
     return state
 
 
+# the steps of `Ops41` that name their layer; the others run inside the last one named (head: none)
+LAYER_STEPS = ("engram", "mix", "sublayer_input", "query", "window_rows", "compress", "index_scores", "attend", "moe")
+
+
+def _track_layers(ops) -> Callable[[], int | None]:
+    """Wrap `ops`' layer steps to note the layer running; the returned function reads it."""
+    running: list[int | None] = [None]
+
+    def noting(method, layer_of):
+        def step(*args, **kwargs):
+            running[0] = layer_of(args)
+            return method(*args, **kwargs)
+
+        return step
+
+    for name in LAYER_STEPS:
+        setattr(ops, name, noting(getattr(ops, name), lambda args: args[0]))
+    for name in ("embed", "head"):
+        setattr(ops, name, noting(getattr(ops, name), lambda args: None))
+    return lambda: running[0]
+
+
+def layer_launches(step: DecodeStep) -> list[dict]:
+    """Per layer of a step recorded with layers: its mode, whether it reads Engram rows, and its
+    launches, uploads and host reads, with each kernel's count."""
+    rows = []
+    for spec in step.args.layers:
+        mine = [launch for launch in step.launches if launch.layer == spec.index]
+        kinds = Counter(launch.kind for launch in mine)
+        rows.append({
+            "layer": spec.index, "mode": str(spec.mode), "ratio": spec.compress_ratio, "engram": spec.engram,
+            "triton": kinds["triton"], "torch": kinds["torch"], "uploads": kinds[UPLOAD], "syncs": kinds[SYNC],
+            "kernels": dict(Counter(launch.name for launch in mine if launch.kind == "triton")),
+        })  # fmt: skip
+    return rows
+
+
 def record_decode_step41(ctx: int = 2048, layers: int | None = None, multiprocessors: int = 132) -> DecodeStep:
     """V4.1's decode step of one sequence at context `ctx` (the token at position ctx), on V4.1 Flash's
     shapes (`layers`: its layout scaled, `config_v41.layer_plan`), grids sized for `multiprocessors`."""
@@ -110,7 +149,9 @@ def record_decode_step41(ctx: int = 2048, layers: int | None = None, multiproces
     with tempfile.TemporaryDirectory(prefix="dwarfstar-plan-") as folder:
         engram_hash, store = _engram(weights.args, Path(folder))
         try:
-            model = TritonModel41(TritonOps41(weights, engram_hash, store), max_seq_len=ctx + 1)
+            ops = TritonOps41(weights, engram_hash, store)
+            layer = _track_layers(ops)
+            model = TritonModel41(ops, max_seq_len=ctx + 1)
             state = _state_before(model, ctx)
             sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.95, seed=0))
 
@@ -123,7 +164,7 @@ def record_decode_step41(ctx: int = 2048, layers: int | None = None, multiproces
                 step()
                 before.update(store.telemetry())
 
-            launches = record_eager(step, warmup)
+            launches = record_eager(step, warmup, layer)
             after = store.telemetry()
         finally:
             store.close()
