@@ -104,14 +104,18 @@ def bench_synthetic(
 
 @bench_app.command("gpu-plan")
 def bench_gpu_plan(
-    preset: Annotated[str, typer.Option(help="flash or pro (q2 experts, as ds4's files).")] = "flash",
+    preset: Annotated[
+        str, typer.Option(help="flash or pro (V4), or v41 (V4.1 Flash, uncaptured); q2 experts, as ds4's files.")
+    ] = "flash",
     experts: Annotated[
         str, typer.Option(help="Routed-expert types: q2 (IQ2_XXS gate/up, Q2_K down) or mxfp4 (flash only).")
     ] = "q2",
     ctx: Annotated[int, typer.Option(min=1, help="Context of the decode step.")] = 2048,
     batch: Annotated[int, typer.Option(min=1, max=64, help="Sequences decoding together.")] = 1,
     target: Annotated[str, typer.Option(help="GPU target: cuda:90 (H100/H200) or hip:gfx942 (MI300X).")] = "cuda:90",
-    layers: Annotated[int | None, typer.Option(min=1, help="Only the first N layers.")] = None,
+    layers: Annotated[
+        int | None, typer.Option(min=1, help="Only the first N layers (v41: Flash's layout scaled to N >= 4).")
+    ] = None,
     precision: Annotated[str, typer.Option(help="The matrices' precision: exact (fp32) or fast.")] = "exact",
     no_compile: Annotated[bool, typer.Option("--no-compile", help="Count launches only.")] = False,
     json_out: Annotated[Path | None, output("--json", help="Write the plan as JSON here.")] = None,
@@ -122,8 +126,8 @@ def bench_gpu_plan(
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise DwarfStarError("gpu-plan compiles for a GPU target: run it without TRITON_INTERPRET=1")
-    if preset not in ("flash", "pro"):
-        raise DwarfStarError(f"--preset must be flash or pro, got {preset!r}")
+    if preset not in ("flash", "pro", "v41"):
+        raise DwarfStarError(f"--preset must be flash, pro or v41, got {preset!r}")
     if precision not in ("exact", "fast"):
         raise DwarfStarError(f"--precision must be exact or fast, got {precision!r}")
     if experts not in ("q2", "mxfp4") or (experts == "mxfp4" and preset != "flash"):
@@ -131,7 +135,8 @@ def bench_gpu_plan(
     from dwarfstar.backends.triton.plan.report import build_plan, format_plan, plan_json
 
     try:
-        plan = build_plan(f"{preset}-{experts}", batch, ctx, target, not no_compile, layers, precision)
+        name = preset if preset == "v41" else f"{preset}-{experts}"
+        plan = build_plan(name, batch, ctx, target, not no_compile, layers, precision)
     except ValueError as exc:
         raise DwarfStarError(str(exc)) from exc
     typer.echo(format_plan(plan))

@@ -18,12 +18,16 @@ import numpy as np
 import torch
 
 from dwarfstar.backends.triton.model import TritonModel
+from dwarfstar.backends.triton.v41.weights import Weights41, build_weights41
 from dwarfstar.backends.triton.weights import ModelWeights, QWeight, aligned_row_bytes, build_weights, random_qweight
 from dwarfstar.gguf.constants import GGMLType
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.config_v41 import ModelArgs41, layer_plan
 from dwarfstar.model.state import SequenceState
 from dwarfstar.model.synthetic import MXFP4, Q2, ExpertRecipe, _random_values, _short_name, tensor_type
-from dwarfstar.model.tensors import expected_tensors
+from dwarfstar.model.tensors import TensorSpec, expected_tensors
+
+META = torch.device("meta")
 
 Q4 = ExpertRecipe(GGMLType.Q4_K, GGMLType.Q4_K)
 PRESETS: dict[str, tuple[ModelArgs, ExpertRecipe]] = {
@@ -69,27 +73,37 @@ def synthetic_weights(
     return build_weights(args, matrix, vector)
 
 
+def _meta_matrix(spec: TensorSpec, recipe: ExpertRecipe) -> QWeight:
+    """A matrix of `spec`'s shape in ds4's block type (`recipe`'s experts), aligned rows, no memory."""
+    ggml_type = tensor_type(spec, "ds4", recipe)
+    rows, cols = int(np.prod(spec.shape[:-1], dtype=np.int64)), spec.shape[-1]
+    data = torch.empty(rows, aligned_row_bytes(ggml_type, cols), dtype=torch.uint8, device=META)
+    return QWeight(data, ggml_type, rows, cols, spec.shape[0] if len(spec.shape) == 3 else 1)
+
+
 def meta_weights(preset: str, layers: int | None = None) -> ModelWeights:
     """The preset's weights on torch's meta device: every tensor with its real shape, block type and
     aligned row bytes, and no memory (what `plan` records a decode step on)."""
     args, recipe = synthetic_args(preset, layers)
     specs = {spec.name: spec for spec in expected_tensors(args)}
-    meta = torch.device("meta")
-
-    def matrix(name: str) -> QWeight:
-        spec = specs[name]
-        ggml_type = tensor_type(spec, "ds4", recipe)
-        rows, cols = int(np.prod(spec.shape[:-1], dtype=np.int64)), spec.shape[-1]
-        data = torch.empty(rows, aligned_row_bytes(ggml_type, cols), dtype=torch.uint8, device=meta)
-        return QWeight(data, ggml_type, rows, cols, spec.shape[0] if len(spec.shape) == 3 else 1)
 
     def vector(name: str) -> torch.Tensor:
         spec = specs[name]
         if spec.types == frozenset({GGMLType.I32}):  # token -> experts
-            return torch.empty(args.vocab_size, args.n_activated_experts, dtype=torch.int32, device=meta)
-        return torch.empty(spec.shape, device=meta)
+            return torch.empty(args.vocab_size, args.n_activated_experts, dtype=torch.int32, device=META)
+        return torch.empty(spec.shape, device=META)
 
-    return build_weights(args, matrix, vector)
+    return build_weights(args, lambda name: _meta_matrix(specs[name], recipe), vector)
+
+
+def meta_weights41(layers: int | None = None) -> Weights41:
+    """V4.1 Flash's weights on the meta device in ds4's published types (Q8_0 projections, F16 where ds4
+    keeps it, IQ2_XXS gate/up and Q2_K down experts): Flash's 40 layers, or its layout scaled to
+    `layers` (`config_v41.layer_plan`, at least 4)."""
+    args = ModelArgs41() if layers is None else ModelArgs41().with_plan(layer_plan(layers))
+    return build_weights41(
+        args, lambda spec: _meta_matrix(spec, Q2), lambda spec: torch.empty(spec.shape, device=META), META
+    )
 
 
 def synthetic_state(model: TritonModel, ctx: int, seed: int = 0) -> SequenceState:

@@ -29,7 +29,8 @@ NO_LAUNCH = frozenset({
     "view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "expand", "as_strided", "t",
     "transpose", "permute", "unbind", "split", "split_with_sizes", "alias", "detach", "reshape",
     "unflatten", "flatten", "empty", "empty_strided", "empty_like", "lift_fresh", "narrow", "view_as",
-    "_reshape_alias", "diagonal", "unfold", "movedim", "sym_size", "sym_stride", "sym_numel",
+    "_reshape_alias", "diagonal", "unfold", "movedim", "sym_size", "sym_stride", "sym_numel", "new_empty",
+    "new_empty_strided",
     "is_same_size", "_has_compatible_shallow_copy_type", "dim", "size", "stride", "numel",
 })  # fmt: skip
 
@@ -45,6 +46,7 @@ class Launch:
     fn: Any = None  # Triton: the JITFunction, to compile
     call: tuple = ()  # Triton: (positional args, grid, keyword args) as launched
     bytes: int = 0  # torch: bytes of its tensor operands and results
+    layer: int | None = None  # the model layer that launched it, where the recording tracks layers (`step41`)
 
 
 def _programs(grid, named: dict[str, Any]) -> int:
@@ -98,6 +100,8 @@ class DecodeStep:
     ctx: int
     launches: list[Launch]
     weight_bytes: int  # weights one step reads (routed experts: batch * k of E per layer, as if distinct)
+    captured: bool = True  # False: recorded as it runs, its uploads and host reads in `launches` (`eager`)
+    host_reads: Any = None  # what the step read from the model file on the host (`step41.HostReads`)
 
     def counts(self) -> Counter:
         return Counter(f"{launch.kind}:{launch.name}" for launch in self.launches)

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from dwarfstar.backends.triton.plan import disasm, predict
-from dwarfstar.backends.triton.plan.recorder import Launch, record_decode_step
+from dwarfstar.backends.triton.plan.recorder import DecodeStep, Launch, record_decode_step
 from dwarfstar.backends.triton.plan.target import activate, parse_target, usage, wide_loads
+from dwarfstar.backends.triton.plan.uncaptured import Uncaptured
 from dwarfstar.backends.triton.runtime import KernelWork, LoopWork
 
 MODEL_NOTE = "MODEL, not a measurement: launches counted and code compiled without a GPU, time from stated figures"
@@ -83,6 +84,8 @@ class Plan:
     precision: str = "exact"
     compiled: bool = True  # False: launches counted only, times as if every launch ran at full bandwidth
     note: str = MODEL_NOTE
+    uncaptured: Uncaptured | None = None  # a step no graph captures: its waits and host time
+    per_layer: list[dict] = field(default_factory=list)  # launches of each layer, where recorded (`step41`)
 
     @property
     def launches(self) -> int:
@@ -92,8 +95,12 @@ class Plan:
         return sum(r.launches for r in self.rows if r.kind == kind)
 
     @property
-    def seconds(self) -> float:
+    def device_seconds(self) -> float:
         return sum(r.seconds for r in self.rows)
+
+    @property
+    def seconds(self) -> float:
+        return self.uncaptured.seconds if self.uncaptured else self.device_seconds
 
     def totals(self) -> dict:
         gpu = predict.FIGURES[self.target.split(":")[0]]
@@ -109,7 +116,7 @@ class Plan:
             "ceiling_tok_s_datasheet": round(gpu.datasheet_bandwidth / self.weight_bytes * self.batch, 1),
             "ceiling_tok_s_measured_copy": round(gpu.bandwidth / self.weight_bytes * self.batch, 1),
             "predicted_pct_of_datasheet_ceiling": round(100 * self.weight_bytes / step / gpu.datasheet_bandwidth, 1),
-        }
+        } | (self.uncaptured.totals() if self.uncaptured else {"captured": True})
 
 
 def _work(launch: Launch):
@@ -133,34 +140,67 @@ def build_plan(
     precision: str = "exact",
 ) -> Plan:
     """Record, compile and model one decode step for `target` (this process compiles for it only),
-    its matrices at `precision` ("exact" or "fast")."""
+    its matrices at `precision` ("exact" or "fast"). Preset `v41`: V4.1's uncaptured step
+    (`step41`), one sequence, exact."""
     gpu_target = parse_target(target)
     activate(gpu_target)
     gpu = predict.FIGURES[gpu_target.backend]
-    step = record_decode_step(preset, batch, ctx, layers, multiprocessors=gpu.multiprocessors, precision=precision)
+    step = _record(preset, batch, ctx, layers, gpu.multiprocessors, precision)
+    uncaptured = None if step.captured else Uncaptured(host_reads=step.host_reads)
     rows: dict[tuple, Row] = {}
     compiled: dict[int, tuple] = {}
     for launch in step.launches:
         if launch.kind == "torch":
             row = rows.setdefault(("torch", launch.name), Row("torch", launch.name, ""))
-            timing = predict.launch_time(gpu, 1, 1, 0, 0, launch.bytes, 0, 0)
+            seconds = predict.launch_time(gpu, 1, 1, 0, 0, launch.bytes, 0, 0).seconds
             row.launches += 1
             row.bytes = max(row.bytes, launch.bytes)
-            row.seconds += timing.seconds
-            continue
-        work = _work(launch)
-        key = ("triton", launch.name, _variant(launch), launch.programs, work)
-        row = rows.get(key)
-        if row is None:
-            row = rows[key] = Row("triton", launch.name, _variant(launch), programs=launch.programs)
-            if compile_kernels:
-                _analyse(row, launch, work, gpu, gpu_target.backend, compiled)
-        row.launches += 1
-        row.seconds += _time(row, gpu, work)
+        elif launch.kind == "triton":
+            work = _work(launch)
+            key = ("triton", launch.name, _variant(launch), launch.programs, work)
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = Row("triton", launch.name, _variant(launch), programs=launch.programs)
+                if compile_kernels:
+                    _analyse(row, launch, work, gpu, gpu_target.backend, compiled)
+            row.launches += 1
+            seconds = _time(row, gpu, work)
+        else:  # an upload or a host read: a wait of the uncaptured step, no launch
+            seconds = 0.0
+        if launch.kind in ("torch", "triton"):
+            row.seconds += seconds
+        if uncaptured is not None:
+            uncaptured.add(launch, seconds)
+    if uncaptured is not None:
+        uncaptured.finish()
     rows_ = list(rows.values())
     return Plan(
-        preset, target, gpu.name, batch, ctx, step.n_layers, step.weight_bytes, rows_, precision, compile_kernels
-    )
+        preset, target, gpu.name, batch, ctx, step.n_layers, step.weight_bytes, rows_, precision, compile_kernels,
+        uncaptured=uncaptured, per_layer=_per_layer(step),
+    )  # fmt: skip
+
+
+def _per_layer(step: DecodeStep) -> list[dict]:
+    if step.captured:
+        return []
+    from dwarfstar.backends.triton.plan.step41 import layer_launches
+
+    return layer_launches(step)
+
+
+def _record(preset: str, batch: int, ctx: int, layers: int | None, multiprocessors: int, precision: str) -> DecodeStep:
+    if preset != "v41":
+        return record_decode_step(preset, batch, ctx, layers, multiprocessors=multiprocessors, precision=precision)
+    from dwarfstar.backends.triton.plan.step41 import record_decode_step41
+
+    if batch != 1:
+        raise ValueError(
+            f"the V4.1 Triton backend runs a batch's sequences one after another (no batched step): its plan is "
+            f"one sequence's step, --batch 1 (asked for {batch}); B sequences take B such steps"
+        )
+    if precision != "exact":
+        raise ValueError(f"the V4.1 Triton backend runs its matrices exact only: --precision exact, got {precision!r}")
+    return record_decode_step41(ctx, layers, multiprocessors)
 
 
 def _declared(work: KernelWork, programs: int) -> list[LoopWork]:
@@ -263,6 +303,8 @@ def plan_json(plan: Plan) -> dict:
         "layers": plan.n_layers,
         "totals": plan.totals(),
         "compiled": plan.compiled,
+        "captured": plan.uncaptured is None,
+        "per_layer": plan.per_layer,
         "rows": [asdict(r) for r in sorted(plan.rows, key=lambda r: -r.seconds)],
     }
 
@@ -271,7 +313,7 @@ def format_plan(plan: Plan, top: int = 40) -> str:
     from dwarfstar.backends.triton.gpu_bench import format_table
 
     totals = plan.totals()
-    step = plan.seconds
+    step = plan.device_seconds  # the rows' shares: of the device's time
     lines = [
         f"{plan.preset} decode step ({plan.precision}), batch {plan.batch}, context {plan.ctx}, "
         f"{plan.n_layers} layers, "
@@ -279,6 +321,7 @@ def format_plan(plan: Plan, top: int = 40) -> str:
         f"** {plan.note} **" + ("" if plan.compiled else " (not compiled: times assume full bandwidth)"),
         "launches per step {launches} (Triton {triton_launches}, torch {torch_launches}), "
         "{launches_per_layer} per layer".format(**totals),
+        *(plan.uncaptured.lines(plan.launches) if plan.uncaptured else []),
         "predicted {predicted_ms_per_step} ms per step, {predicted_tok_s} tok/s; weights {weight_GB_per_step} GB "
         "per step; ceiling {ceiling_tok_s_datasheet} tok/s at the datasheet bandwidth "
         "({ceiling_tok_s_measured_copy} at the measured copy rate): {predicted_pct_of_datasheet_ceiling}% "
@@ -328,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m dwarfstar.backends.triton.plan", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--preset", default="flash", help="flash, pro (q2 experts), or a synthetic preset name")
+    parser.add_argument("--preset", default="flash", help="flash, pro (q2 experts), v41, or a synthetic preset name")
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--target", default="cuda:90", help="cuda:90 or hip:gfx942")

@@ -11,6 +11,7 @@ an Engram layer's q and k gate norms, multiplied (the gate reads only their prod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from dwarfstar.gguf.reader import GGUFFile
 from dwarfstar.model import tensors as tt
 from dwarfstar.model import tensors_v41 as tt41
 from dwarfstar.model.config_v41 import ModelArgs41
+from dwarfstar.model.tensors import TensorSpec
 
 COMPRESSOR_KV_GATE = "attn_compressor_kv_gate.weight"  # the combined name (not a file tensor)
 ENGRAM_GATE = "engram_gate.weight"  # q_weight * k_weight
@@ -43,19 +45,23 @@ class Weights41:
         return sum(w.nbytes for w in self.matrices.values()) + sum(v.nbytes for v in self.vectors.values())
 
 
-def upload41(gguf: GGUFFile, args: ModelArgs41, device: torch.device) -> Weights41:
-    """Every tensor of a V4.1 file but the Engram tables on `device`, once."""
+def build_weights41(
+    args: ModelArgs41,
+    matrix: Callable[[TensorSpec], QWeight],
+    vector: Callable[[TensorSpec], torch.Tensor],
+    device: torch.device,
+) -> Weights41:
+    """Every tensor but the Engram tables from per-tensor sources (a file, or the meta device's shapes),
+    in the file's order, with the two combinations made."""
     matrices: dict[str, QWeight] = {}
     vectors: dict[str, torch.Tensor] = {}
     for spec in tt41.expected_tensors41(args):
         if spec.types == tt41.ENGRAM_ROWS:
             continue
         if spec.types == tt.NORM:
-            vectors[spec.name] = gguf.tensor(spec.name).to(device)
+            vectors[spec.name] = vector(spec)
         else:
-            info = gguf.tensors[spec.name]
-            matrices[spec.name] = QWeight.from_bytes(gguf.raw(spec.name), info.ggml_type, info.shape, device)
-        gguf.release(spec.name)
+            matrices[spec.name] = matrix(spec)
     for layer in args.layers:
         il = layer.index
         if layer.has_gate:
@@ -65,3 +71,20 @@ def upload41(gguf: GGUFFile, args: ModelArgs41, device: torch.device) -> Weights
             q, k = (vectors.pop(tt.layer_tensor(il, role)) for role in (tt41.ENGRAM_Q_NORM, tt41.ENGRAM_K_NORM))
             vectors[tt.layer_tensor(il, ENGRAM_GATE)] = q * k
     return Weights41(args, matrices, vectors, torch.device(device))
+
+
+def upload41(gguf: GGUFFile, args: ModelArgs41, device: torch.device) -> Weights41:
+    """Every tensor of a V4.1 file but the Engram tables on `device`, once."""
+
+    def matrix(spec: TensorSpec) -> QWeight:
+        info = gguf.tensors[spec.name]
+        weight = QWeight.from_bytes(gguf.raw(spec.name), info.ggml_type, info.shape, device)
+        gguf.release(spec.name)
+        return weight
+
+    def vector(spec: TensorSpec) -> torch.Tensor:
+        values = gguf.tensor(spec.name).to(device)
+        gguf.release(spec.name)
+        return values
+
+    return build_weights41(args, matrix, vector, device)
