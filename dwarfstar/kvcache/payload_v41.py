@@ -1,4 +1,4 @@
-"""The DS41 session payload: a DeepSeek V4.1 sequence state (`model.state_v41.SequenceState41`) as bytes.
+"""The DS41 session payload: a DeepSeek V4.1 sequence state (`model.state_v41.PayloadState41`) as bytes.
 
 V4's DSV4 layout (payload.py) holds per-layer compressor rows; a V4.1 state holds its compressed rows
 and index keys once per kv-source layer (reuse and reindex layers read their source's), so it has a
@@ -25,7 +25,7 @@ import torch
 from dwarfstar.kvcache.payload import PayloadError
 from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.file_v41 import FAMILY41
-from dwarfstar.model.state_v41 import SequenceState41
+from dwarfstar.model.state_v41 import PayloadState41
 
 MAGIC41 = int.from_bytes(b"DS41", "little")
 VERSION41 = 1
@@ -107,19 +107,19 @@ def _shapes(args: ModelArgs41, n_tokens: int) -> Iterator[tuple[str, int, tuple[
             yield FRONTIER_SCORE, il, (FRONTIER_SLOTS, args.head_dim)
 
 
-def _tensor(state: SequenceState41, field: str, il: int) -> torch.Tensor | None:
+def _tensor(state: PayloadState41, field: str, il: int) -> torch.Tensor | None:
     if field in (FRONTIER_KV, FRONTIER_SCORE):
         pair = state.frontiers.get(il)
         return None if pair is None else pair[field == FRONTIER_SCORE]
     return getattr(state, field).get(il)
 
 
-def _f32(tensor: torch.Tensor) -> memoryview:
-    flat = np.ascontiguousarray(tensor.detach().to("cpu", torch.float32).numpy(), "<f4").reshape(-1)
+def _f32(values: np.ndarray) -> memoryview:
+    flat = np.ascontiguousarray(values, "<f4").reshape(-1)
     return memoryview(flat).cast("B")
 
 
-def write_payload41(out: BinaryIO, state: SequenceState41, args: ModelArgs41, ctx: int, chunk: int) -> int:
+def write_payload41(out: BinaryIO, state: PayloadState41, args: ModelArgs41, ctx: int, chunk: int) -> int:
     """Write the state's payload into `out`; returns the bytes written. A state whose tensors do not
     have the layout's shapes is refused before anything is written."""
     if not state.tokens or state.logits is None:
@@ -135,9 +135,9 @@ def write_payload41(out: BinaryIO, state: SequenceState41, args: ModelArgs41, ct
     pieces = [
         header41_for(args, n, ctx, chunk).pack(),
         np.asarray(state.tokens, dtype="<u4").tobytes(),
-        _f32(state.logits.reshape(-1)),
+        _f32(state.logits.reshape(-1).detach().cpu().numpy()),
         np.asarray([*args.kv_source_layers, *_ratios(args)], dtype="<u4").tobytes(),
-        *(_f32(t) for t in body),
+        *(_f32(state.host(t)) for t in body),
     ]
     written = sum(out.write(piece) for piece in pieces)
     expected = payload41_nbytes(args, n)
@@ -163,8 +163,8 @@ def check_compatible41(header: PayloadHeader41, args: ModelArgs41, ctx: int, chu
 
 
 def read_payload41(
-    data: bytes | memoryview, args: ModelArgs41, ctx: int, chunk: int, new_state: Callable[[], SequenceState41]
-) -> SequenceState41:
+    data: bytes | memoryview, args: ModelArgs41, ctx: int, chunk: int, new_state: Callable[[], PayloadState41]
+) -> PayloadState41:
     """Rebuild a V4.1 sequence state from payload bytes into `new_state()` (the backend's empty state),
     validating the header, the source table, every token id and the exact size."""
     header = PayloadHeader41.unpack(data)
@@ -194,7 +194,7 @@ def read_payload41(
     state = new_state()
     state.tokens, state.logits = tokens, logits
     for field, il, shape in _shapes(args, n):
-        tensor = torch.from_numpy(take("<f4", shape).copy())
+        tensor = state.array(take("<f4", shape).copy())
         if field == FRONTIER_KV:
             kv = tensor
         elif field == FRONTIER_SCORE:

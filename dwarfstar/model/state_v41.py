@@ -14,10 +14,28 @@ For the session layer (`session.Session`): the next-token `logits` after the las
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from dwarfstar.model.config_v41 import ModelArgs41
+
+
+class PayloadState41(Protocol):
+    """What a payload reads and writes of a V4.1 state, whichever backend's arrays hold its rows
+    (`SequenceState41`'s torch tensors on a device, MLX's arrays): the rows as host float32 values."""
+
+    tokens: list[int]
+    logits: torch.Tensor | None
+    windows: dict[int, Any]
+    rows: dict[int, Any]
+    index_keys: dict[int, Any]
+    frontiers: dict[int, tuple[Any, Any]]
+
+    def array(self, values: np.ndarray) -> Any: ...
+
+    def host(self, rows: Any) -> np.ndarray: ...
 
 
 @dataclass
@@ -29,6 +47,7 @@ class SequenceState41:
     index_keys: dict[int, torch.Tensor] = field(default_factory=dict)  # kv source -> [G, index_head_dim]
     frontiers: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # ratio-2 source
     logits: torch.Tensor | None = None  # [vocab]: the next token's after the last call; None before one
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where its rows live
 
     @property
     def pos(self) -> int:
@@ -51,6 +70,14 @@ class SequenceState41:
         self.tokens, self.windows, self.rows = copy.tokens, copy.windows, copy.rows
         self.index_keys, self.frontiers, self.logits = copy.index_keys, copy.frontiers, copy.logits
 
+    def array(self, values: np.ndarray) -> torch.Tensor:
+        """Host float32 values as one of this state's rows arrays (a payload's rows coming in)."""
+        return torch.from_numpy(values).to(self.device)
+
+    def host(self, rows: torch.Tensor) -> np.ndarray:
+        """One of this state's rows arrays as host float32 values (going out to a payload)."""
+        return rows.detach().to("cpu", torch.float32).numpy()
+
     def nbytes(self) -> int:
         """Bytes of its tensors: window rows, compressed rows, index keys, frontiers and logits."""
         tensors = [*self.windows.values(), *self.rows.values(), *self.index_keys.values()]
@@ -68,15 +95,17 @@ def _copy(state: SequenceState41) -> SequenceState41:
         {il: t.clone() for il, t in state.index_keys.items()},
         {il: (a.clone(), b.clone()) for il, (a, b) in state.frontiers.items()},
         None if state.logits is None else state.logits.clone(),
+        state.device,
     )
 
 
-def new_sequence41(args: ModelArgs41) -> SequenceState41:
-    """An empty sequence: no window rows, no compressed rows or index keys, no frontier yet."""
-    state = SequenceState41(window=args.window)
+def new_sequence41(args: ModelArgs41, device: torch.device | None = None) -> SequenceState41:
+    """An empty sequence whose rows live on `device` (None: the CPU): no window rows, no compressed rows
+    or index keys, no frontier yet."""
+    state = SequenceState41(window=args.window, device=torch.device(device or "cpu"))
     for il in range(args.n_layers):
-        state.windows[il] = torch.zeros(0, args.head_dim)
+        state.windows[il] = torch.zeros(0, args.head_dim, device=state.device)
     for il in args.kv_source_layers:
-        state.rows[il] = torch.zeros(0, args.head_dim)
-        state.index_keys[il] = torch.zeros(0, args.index_head_dim)
+        state.rows[il] = torch.zeros(0, args.head_dim, device=state.device)
+        state.index_keys[il] = torch.zeros(0, args.index_head_dim, device=state.device)
     return state

@@ -5,6 +5,7 @@ sequence alone; snapshots restore; the registry loads it and `dwarfstar run --ba
 
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from dwarfstar.backends.triton import load_backend41
 from dwarfstar.backends.triton.v41.backend import TritonModel41
 from dwarfstar.cli import _register_commands
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.kvcache.payloads import read_payload, write_payload
 from dwarfstar.model.file_v41 import open_model41
 from dwarfstar.model.image_spans import ImageSpan, content_ids
 
@@ -133,3 +135,16 @@ def test_an_image_block_matches_the_reference(model, triton41):
     got = triton41.forward(tokens, triton41.new_state(), all_logits=False, images=[ImageSpan(6, rows)])
     diff = compare_logits(want, got)
     assert diff.max_rel < QAT_REL and diff.mean_kl < QAT_KL and diff.top1_mismatches == 0, diff
+
+
+def test_a_payload_round_trip_decodes_as_the_uninterrupted_sequence(triton41):
+    """A state saved from the device and read back onto it (the DS41 payload) decodes exactly as the
+    sequence that never left it."""
+    state = triton41.new_state()
+    triton41.forward(PROMPT[:11], state, all_logits=False)
+    out = io.BytesIO()
+    write_payload(out, state, triton41.args, 256, 8)
+    want = triton41.forward([5], state, all_logits=False)
+    back = read_payload(out.getvalue(), triton41.args, 256, 8, triton41.new_state)
+    assert back.tokens == PROMPT[:11] and all(rows.device == triton41.device for rows in back.windows.values())
+    assert torch.equal(triton41.forward([5], back, all_logits=False), want)

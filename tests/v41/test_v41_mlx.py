@@ -18,6 +18,8 @@ Tolerances, and why (measured on this machine's CPU, mlx 0.32):
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 from test_cli_front import cli
@@ -28,11 +30,12 @@ import dwarfstar.backends.mlx.ops as mlx_ops  # noqa: E402
 import dwarfstar.backends.reference.ops as reference_ops  # noqa: E402
 from dwarfstar.backends.mlx import metal_available  # noqa: E402
 from dwarfstar.backends.mlx.parity import compare_logits  # noqa: E402
-from dwarfstar.backends.mlx.v41.backend import MLXModel41  # noqa: E402
+from dwarfstar.backends.mlx.v41.backend import MLXModel41, MLXState41  # noqa: E402
 from dwarfstar.backends.reference.v41.backend import ReferenceModel41  # noqa: E402
 from dwarfstar.cli import _register_commands  # noqa: E402
 from dwarfstar.engine.load import load_engine  # noqa: E402
 from dwarfstar.engine.spec import EngineSpec  # noqa: E402
+from dwarfstar.kvcache.payloads import read_payload, write_payload  # noqa: E402
 from dwarfstar.model.file_v41 import ModelFile41, open_model41  # noqa: E402
 from dwarfstar.model.image_spans import ImageSpan, content_ids  # noqa: E402
 from dwarfstar.sampling import SamplingParams  # noqa: E402
@@ -171,3 +174,16 @@ def test_an_image_block_matches_the_reference(model, mlx_model):
     got = mlx_model.forward(tokens, mlx_model.new_state(), all_logits=False, images=[ImageSpan(6, rows)])
     diff = compare_logits(want, got)
     assert diff.mean_kl < ROUNDED_KL and diff.max_rel < ROUNDED_REL and diff.top1_mismatches == 0, diff
+
+
+def test_a_payload_round_trip_decodes_as_the_uninterrupted_sequence(mlx_model):
+    """A state saved from MLX's arrays and read back into them (the DS41 payload) decodes exactly as the
+    sequence that never left memory."""
+    state = mlx_model.new_state()
+    mlx_model.forward(PROMPT[:11], state, all_logits=False)
+    out = io.BytesIO()
+    write_payload(out, state, mlx_model.args, 256, 8)
+    want = mlx_model.forward([5], state, all_logits=False)
+    back = read_payload(out.getvalue(), mlx_model.args, 256, 8, mlx_model.new_state)
+    assert isinstance(back, MLXState41) and back.tokens == PROMPT[:11]
+    assert torch.equal(mlx_model.forward([5], back, all_logits=False), want)

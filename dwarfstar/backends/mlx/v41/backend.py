@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 import torch
 
 from dwarfstar.backends.mlx import default_packing, metal_available, ops
@@ -61,6 +62,14 @@ class MLXState41:
         copy = snap.snapshot()
         self.tokens, self.windows, self.rows = copy.tokens, copy.windows, copy.rows
         self.index_keys, self.frontiers, self.logits = copy.index_keys, copy.frontiers, copy.logits
+
+    def array(self, values: np.ndarray) -> mx.array:
+        """Host float32 values as one of its rows arrays (a payload's rows coming in)."""
+        return mx.array(values)
+
+    def host(self, rows: mx.array) -> np.ndarray:
+        """One of its rows arrays as host float32 values (going out to a payload)."""
+        return np.array(rows.astype(mx.float32))
 
     def nbytes(self) -> int:
         arrays = [*self.windows.values(), *self.rows.values(), *self.index_keys.values()]

@@ -31,8 +31,4 @@ class TritonModel41(Model41):
 
     def new_state(self) -> SequenceState41:
         """An empty sequence whose rows live on the device."""
-        state = new_sequence41(self.args)
-        for part in (state.windows, state.rows, state.index_keys):
-            for il, rows in part.items():
-                part[il] = rows.to(self.device)
-        return state
+        return new_sequence41(self.args, self.device)
