@@ -90,9 +90,9 @@ class BackendEntry(ABC):
 
     def load41(self, model: ModelFile41, load: Load, engram_cache_bytes: int) -> Backend:
         """The backend over a DeepSeek V4.1 file, its Engram rows read through a cache of
-        `engram_cache_bytes`; only the reference runs V4.1 yet."""
+        `engram_cache_bytes`; the reference, Triton and MLX run V4.1, the cpu backend not yet."""
         raise DwarfStarError(
-            f"the {self.name} backend does not run DeepSeek V4.1 yet (issue 33): use --backend reference"
+            f"the {self.name} backend does not run DeepSeek V4.1 yet (issue 33): use --backend reference, triton or mlx"
         )
 
     def usable_memory(self) -> int:

@@ -27,8 +27,9 @@ from dwarfstar.experts.attach import check_fits, streaming_store
 from dwarfstar.experts.store import ExpertStore
 from dwarfstar.model.file_v41 import FAMILY41, NOT_YET, ModelFile41, open_model41
 from dwarfstar.model.loader import ModelFile, is_v41, open_model
+from dwarfstar.model.vision import V41 as V41_ENCODER
 from dwarfstar.model.vision import VISION_EXP
-from dwarfstar.model.vision_file import LM_VARIANT_KEY, VisionFile, open_vision
+from dwarfstar.model.vision_file import FAMILY_NAMES, LM_VARIANT_KEY, VisionFile, open_vision
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 
@@ -119,12 +120,12 @@ V41_REFUSED = {  # what a V4.1 engine cannot take yet: the spec's field, its fla
     "speculation": "--mtp / --dspark",
     "dist": "a layer pipeline",
     "cpu_moe": "--cpu-moe",
-    "vision": "--vision",
 }
 
 
 def load_engine41(spec: EngineSpec, name: str, progress: Callable[[int, int], None] | None = None) -> Engine:
-    """A DeepSeek V4.1 engine (text only) on the backend `name`; the spec's V4-only options are refused."""
+    """A DeepSeek V4.1 engine on the backend `name`, reading images with `--vision` (V4.1 Flash's encoder);
+    the spec's V4-only options are refused."""
     start = time.perf_counter()
     for field, flag in V41_REFUSED.items():
         if getattr(spec, field) is not None:
@@ -133,14 +134,34 @@ def load_engine41(spec: EngineSpec, name: str, progress: Callable[[int, int], No
     model = open_model41(spec.model)
     try:
         tokenizer = Tokenizer.from_gguf_metadata(model.gguf.metadata)
+        vision = open_encoder41(spec.vision, model) if spec.vision is not None else None  # before the weights
         load = Load(spec.qat, spec.precision, spec.ctx, spec.kv_slots or entry.kv_slots, False, progress=progress)
         impl = entry.load41(model, load, spec.engram_cache << 20)
+        images = ImageEncoder(vision, entry) if vision is not None else None
     except BaseException:
         model.close()
         raise
     if progress is not None:
         progress(1, 1)  # the weights are read as the layers first run
-    return Engine(model, impl, name, tokenizer, time.perf_counter() - start)
+    return Engine(model, impl, name, tokenizer, time.perf_counter() - start, images=images)
+
+
+def open_encoder41(path: Path, model: ModelFile41) -> VisionFile:
+    """A DeepSeek V4.1 model's vision encoder at `path`: V4.1 Flash's own (its layout, image budget and image
+    token), writing rows as wide as the model's hidden size. Its images route by the biases the model's
+    own file carries (`exp_probs_b_vl`), so the encoder carries none."""
+    vision = open_vision(path)
+    if vision.args.family != V41_ENCODER:
+        raise DwarfStarError(
+            f"{path} is a {FAMILY_NAMES[vision.args.family]} encoder; {model.path.name} is {FAMILY41}, which reads "
+            f"images through V4.1 Flash's encoder (`dwarfstar convert HF_DIR --vision FILE` writes it)"
+        )
+    if vision.args.out_dim != model.args.dim:
+        raise DwarfStarError(
+            f"the vision encoder {path} writes rows {vision.args.out_dim} wide; {model.path.name}'s hidden size is "
+            f"{model.args.dim}: give the encoder made for this model"
+        )
+    return vision
 
 
 def require_v4(engine: Engine, command: str) -> None:

@@ -35,7 +35,7 @@ from dwarfstar.model.config_v41 import ARCH41, LayerMode, ModelArgs41
 from dwarfstar.model.tensors_v41 import engram_table, validate_tensors41
 
 FAMILY41 = "DeepSeek V4.1 Flash"
-NOT_YET = "but only `dwarfstar run`, `serve` and `agent` run it yet, on the reference backend (issue 33)"
+NOT_YET = "but only `dwarfstar run`, `serve` and `agent` run it yet (issue 33)"
 
 
 @dataclass
