@@ -4,7 +4,7 @@ The checkpoint is test_convert's tiny model in the official layout with a random
 `mtp.{0,1,2}.`, stored as the real one is (FP8 block-scaled attention, shared-expert and main_proj
 matrices, packed FP4 routed experts, BF16 router and heads). Expected values are decoded by
 test_convert's own FP8/FP4 decoders and named from the spec's tables (test_convert's GGUF -> official
-table for a stage's block, the heads restated here from the notes' list), never by the converter's
+table for a stage's block, the heads restated here from the sources' list), never by the converter's
 helpers; the support file's names and shapes are the loader's (`dspark_tensors`).
 """
 
@@ -47,7 +47,7 @@ DSPARK_CONFIG = {
     "dspark_noise_token_id": 128799,
     "dspark_target_layer_ids": [3, 4, 5],
 }
-# The heads: support-file name -> official checkpoint name (the notes' tensor list, ds4's support template).
+# The heads: support-file name -> official checkpoint name (the sources' tensor list, ds4's support template).
 HEAD_NAMES = {
     "mtp.2.hc_head_fn.weight": "mtp.2.hc_head_fn",
     "mtp.2.hc_head_scale.weight": "mtp.2.hc_head_scale",

@@ -1,4 +1,4 @@
-"""`dwarfstar convert --vision`: a checkpoint's vision encoder -> ds4's encoder GGUF (vision_spec §0, §6-7).
+"""`dwarfstar convert --vision`: a checkpoint's vision encoder -> ds4's encoder GGUF (sources: RELEASES_2026.md).
 
 The Vision-Exp checkpoint is test_convert's tiny official model (6 layers, 8 experts, 3 hash-routed,
 one MTP layer) with a random `VISION_TINY`-sized encoder added as the real one stores it: flat

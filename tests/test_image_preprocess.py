@@ -166,7 +166,7 @@ def test_webp_is_read():
 
 
 def tokens(family: str, h: int, w: int) -> int:
-    """The budget count of an h × w token grid (the note's formula, restated)."""
+    """The budget count of an h × w token grid (the reference's formula, restated)."""
     if family == V41:
         return h * (w + 1) + 2
     return h * (w + 1) + 2 + (w + 1 if h % 2 else 0) + ((h + 1) // 2 * (w + 1)) % 2 * 2

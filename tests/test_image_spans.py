@@ -1,4 +1,4 @@
-"""Image spans in the language model (issue 34, vision_spec §4) on the reference backend, tiny model:
+"""Image spans in the language model (issue 34; sources: RELEASES_2026.md) on the reference backend, tiny model:
 the span rows replace the embedding exactly, image rows route by `bias_vl` (hash layers too), the
 window branch is bidirectional inside START..END and causal outside it, the compressed branch stays
 causal, text-only calls keep their bits, and bad spans or a model without the image biases get clear errors.
@@ -150,7 +150,7 @@ def test_compressed_rows_stay_causal_for_span_queries(image_model):
 
 
 def test_window_bounds_follow_the_reference_rule():
-    """`window_bounds` against the reference's candidate row (vision_spec §4b), for a span longer than the
+    """`window_bounds` against the Vision-Exp reference's visible window, for a span longer than the
     reach on both sides, with the real window of 128 and a tiny one."""
     length, offset, base = 900, 37, 1000
     span = ImageSpan(offset, torch.zeros(length, 4), (3, length - 1))

@@ -121,7 +121,7 @@ class ImageSpan:
         """For each position i of START..END (`base`: the position of the call's first token), the
         inclusive range of keys its window branch reads: (positions [S], lo [S], hi [S]).
 
-        The reference's rule (vision_spec §4b): left = min(i - start, REACH - 1), right = min(end - i,
+        The Vision-Exp reference's visible window: left = min(i - start, REACH - 1), right = min(end - i,
         REACH); a row of `window + REACH` keys from first = max(0, i - (window - 1) - max(0, left -
         (window - 1))), those past i + right masked. So lo = first and hi = min(i + right, first +
         window + REACH - 1): the causal window [i - window + 1, i] and the span around i.

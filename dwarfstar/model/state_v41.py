@@ -1,4 +1,4 @@
-"""What a V4.1 sequence carries between forward calls (issue 33; V4.1 note §1 "KV cache per sequence").
+"""What a V4.1 sequence carries between forward calls (issue 33; V4.1's reference `Attention` caches).
 
 Enough for chunked prefill and decode on one sequence: the tokens so far (the Engram hash looks back 3
 positions), per layer the window rows of the last `window - 1` positions (a query at p reads p - window + 1

@@ -81,7 +81,7 @@ REASONING_EFFORT_BEYOND = (
     "certain that no assumption remains unchecked and no error remains undiscovered.\n\n"
 )
 # V4.1's effort prefix (N: its think level, 1..100), as the official V4.1 encoder writes it; the tech report
-# words it differently, and the encoder's text is what the model is prompted with (v41_spec §6)
+# words it differently, and the encoder's text is what the model is prompted with (sources: RELEASES_2026.md)
 THINK_LEVEL_PREFIX = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 
 _TEMPLATE_CONTROLS = re.compile(

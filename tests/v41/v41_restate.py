@@ -1,4 +1,4 @@
-"""Numpy restatements of the V4.1 note's number formats, written from the note (not from the code under
+"""Numpy restatements of V4.1's number formats, written from its reference's text (not from the code under
 test): bf16 and e4m3 rounding to nearest-even by brute force over the format's values, the
 power-of-two-scaled FP8 block rounding, FP4 e2m1 rounding, interleaved RoPE, RMS norm."""
 

@@ -1,4 +1,4 @@
-"""V4.1's CSA2 compressor (V4.1 note §1 "Compressor, ratio 1", "Compressor, ratio 2", "After the latent").
+"""V4.1's CSA2 compressor (V4.1's reference `Compressor`, and what `Attention` does with its latent).
 
 Only the kv-source layers compress (2, 8, 14 at ratio 2; 20 at ratio 1). From the tokens' projections
 kv_t = W_kv x_t and, at ratio 2, s_t = W_gate x_t (float32, the caller's `project`):

@@ -1,4 +1,4 @@
-"""V4.1's Engram output and gate (V4.1 note §3 "Output and gate", REF `Engram.forward`).
+"""V4.1's Engram output and gate (V4.1's reference `Engram.forward`).
 
 Per token of an Engram layer (1 and 14 in Flash), with H [n, D] its n = hc_mult streams entering the
 block, and its C = 24 table rows (3 n-gram sizes x 8 heads, column order (n-2)*8 + head) already
@@ -12,7 +12,7 @@ gathered and dequantized (`dwarfstar.engram.rows.dequantize`):
     g_k   = sigmoid(sign(dot_k) * sqrt(max(|dot_k|, 1e-6))),  0 at image-span positions
     H_k  += g_k * value
 
-Roundings: the rows to bf16 (the note's "rounded to bf16"), then E's FP8 fake-quant (e4m3, a
+Roundings: the rows to bf16 (the reference's "rounded to bf16"), then E's FP8 fake-quant (e4m3, a
 power-of-two scale per 32 values, as REF's FP8 GEMM quantizes its input: `ops.fp8_round` with block 32);
 everything after it is float32 (REF computes the gate in fp32 and casts the sum back to the stream
 dtype, float32 here).

@@ -1,4 +1,4 @@
-"""V4.1's lagged ("single-pass") mHC (V4.1 note §2).
+"""V4.1's lagged ("single-pass") mHC (V4.1's reference `Block.hc_mixes`).
 
 A sublayer's post weights and combination come from its own input streams, as in V4, but it collapses
 its input with the pre weights computed one sublayer earlier: the first sublayer with the one-hot

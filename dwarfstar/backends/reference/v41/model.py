@@ -1,7 +1,7 @@
 """The torch reference's V4.1 steps (`forward_v41.Ops41`) over a ds4 `deepseek41` file, float32.
 
 The new numerics come from this package's modules (window, csa2, select, mhc, engram); the rest is V4's
-reference math, which the V4.1 note (§1, §2) says is unchanged: RMSNorm, RoPE with YaRN, sink
+reference math, which V4.1's reference (shared/spec/RELEASES_2026.md) shows is unchanged: RMSNorm, RoPE with YaRN, sink
 attention over gathered rows (`ops.attention_rows`), grouped wo_a / wo_b, sqrt-softplus routing and
 the clamped-SwiGLU experts. The Engram rows are read from the file through an `EngramStore`.
 """

@@ -1,4 +1,4 @@
-"""V4.1's compressed-row selection (V4.1 note §1 "Indexer scores", "Top-k", "Layer 20's two-level selection").
+"""V4.1's compressed-row selection (V4.1's reference `Indexer.forward`, `select_candidate_blocks`).
 
 - `index_scores`: score(p, j) = sum_h w_h * relu(iq_h . k_j) with the weights scaled by
   index_head_dim^-0.5 * index_n_heads^-0.5 (128^-0.5 * 32^-0.5 in Flash); row j is visible to the
@@ -13,10 +13,10 @@
   over all rows.
 
 Ties (which REF's `torch.topk` leaves unspecified) go to the lower index, so a row's choice does not
-depend on how many rows follow it. One reading beyond the note: a pick whose score is -inf becomes
+depend on how many rows follow it. One reading beyond the reference's text: a pick whose score is -inf becomes
 -1 even when the query could see the row (it can only be a row outside a reindex query's candidates,
 picked because fewer than K rows remain); with Flash's sizes a query always has K candidates it can
-see or fewer visible rows than K, so the note's rule and this one agree there.
+see or fewer visible rows than K, so the reference's rule and this one agree there.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""V4.1's window rows (V4.1 note §1 "Window", REF `_window_kv`).
+"""V4.1's window rows (V4.1's reference `Attention._window_kv`).
 
 Every layer (and every DSpark stage): kv_t = RMSNorm_kv(W_kv x_t) (the caller's projection), its last
 rope dims rotated at position t with the layer's RoPE (`config.yarn_inv_freq`: rope_theta without

@@ -1,4 +1,4 @@
-"""V4.1's Engram gate (V4.1 note §3 "Output and gate"): the streams enriched by the Engram projection.
+"""V4.1's Engram gate (V4.1's reference `Engram.forward`): the streams enriched by the Engram projection.
 
 Per token, with H [n, D] its streams and kv = W_kv . fp8(E) [(n + 1) * D] (the caller's: the rows'
 FP8 rounding in `rms_norm_rope`, the product in `qmatmul`), key_k = kv[k * D : (k + 1) * D] and the

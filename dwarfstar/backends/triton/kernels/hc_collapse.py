@@ -1,4 +1,4 @@
-"""V4.1's mHC collapse (V4.1 note §2): a sublayer's input RMSNorm(sum_k pre_k h_k; norm) from its streams
+"""V4.1's mHC collapse (reference `Block.hc_pre`): a sublayer's input RMSNorm(sum_k pre_k h_k; norm) from its streams
 and the pre weights the sublayer before computed (the one-hot (1, 0, ..., 0) for the first), and the
 output head's, with the last FFN's pre and the output norm. One program per token, its D dims in
 blocks of FD (`hc_pre.collapse_norm`: the sum first, then scaled once its sum of squares is known).

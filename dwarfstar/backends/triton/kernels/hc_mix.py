@@ -1,4 +1,4 @@
-"""V4.1's mHC mix (lagged mHC, V4.1 note §2): a sublayer's (pre, post, comb) from its input streams.
+"""V4.1's mHC mix (lagged mHC, reference `Block.hc_mixes`): a sublayer's (pre, post, comb) from its input streams.
 
 The mixes and Sinkhorn are V4's (`hc_pre`: the 24 mixes fn @ flatten(h) from the split-K GEMV,
 scaled by rsqrt(mean(h^2) + eps); pre = sigmoid + eps, post = 2 sigmoid, comb through Sinkhorn), but
