@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference import ops
-from dwarfstar.backends.triton.kernels.hc_pre import MIX_SPLIT, load_streams, mix_weights, sum_partials
+from dwarfstar.backends.triton.kernels.hc_pre import MIX_SPLIT, stream_mixes
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
-from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2, rsqrt_rn
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
 
@@ -30,18 +30,11 @@ def _hc_mix_kernel(
 ):  # fmt: skip
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     t_ok = t < T
-    _, mean_sq = load_streams(h_ptr, t, t_ok, D, NHC, BD)
-    n_mix = NHC * (NHC + 2)
+    _, pre, post, comb = stream_mixes(
+        h_ptr, mix_ptr, scale_ptr, base_ptr, t, t_ok, T, D, iters, hc_eps, norm_eps, SPLIT, NHC, BD
+    )
     s = tl.arange(0, NHC)
     t2, t3 = t_ok[:, None], t_ok[:, None, None]
-    row = t.to(tl.int64) * n_mix
-    stride = T * n_mix
-    jk = 2 * NHC + NHC * s[:, None] + s[None, :]
-    pre = sum_partials(mix_ptr, row[:, None] + s[None, :], t2, stride, SPLIT)
-    post = sum_partials(mix_ptr, row[:, None] + NHC + s[None, :], t2, stride, SPLIT)
-    comb = sum_partials(mix_ptr, row[:, None, None] + jk[None, :, :], t3, stride, SPLIT)
-    pre, post, comb = mix_weights(pre, post, comb, rsqrt_rn(mean_sq + norm_eps), scale_ptr, base_ptr, iters, hc_eps,
-                                  NHC)  # fmt: skip
     tl.store(pre_ptr + t[:, None] * NHC + s[None, :], pre, mask=t2)
     tl.store(post_ptr + t[:, None] * NHC + s[None, :], post, mask=t2)
     tl.store(comb_ptr + t[:, None, None] * NHC * NHC + (NHC * s[:, None] + s[None, :])[None, :, :], comb, mask=t3)

@@ -85,13 +85,12 @@ def mix_weights(pre, post, comb, rs, scale_ptr, base_ptr, iters, hc_eps, NHC: tl
 
 
 @triton.jit
-def _hc_pre_kernel(
-    h_ptr, mix_ptr, scale_ptr, base_ptr, norm_ptr, out_ptr, post_ptr, comb_ptr,
-    T, D, iters, hc_eps, norm_eps,
-    SPLIT: tl.constexpr, NHC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+def stream_mixes(
+    h_ptr, mix_ptr, scale_ptr, base_ptr, t, t_ok, T, D, iters, hc_eps, norm_eps,
+    SPLIT: tl.constexpr, NHC: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    t_ok = t < T
+    """Tokens t's streams [BT, NHC, BD] and their mixes: (h, pre, post, comb) from the split-K partial
+    sums of fn @ flatten(h) (`sum_partials`), scaled by rsqrt(mean(h^2) + eps), through `mix_weights`."""
     h, mean_sq = load_streams(h_ptr, t, t_ok, D, NHC, BD)
     n_mix = NHC * (NHC + 2)
     s = tl.arange(0, NHC)
@@ -105,6 +104,22 @@ def _hc_pre_kernel(
     pre, post, comb = mix_weights(
         pre, post, comb, rsqrt_rn(mean_sq + norm_eps), scale_ptr, base_ptr, iters, hc_eps, NHC
     )
+    return h, pre, post, comb
+
+
+@triton.jit
+def _hc_pre_kernel(
+    h_ptr, mix_ptr, scale_ptr, base_ptr, norm_ptr, out_ptr, post_ptr, comb_ptr,
+    T, D, iters, hc_eps, norm_eps,
+    SPLIT: tl.constexpr, NHC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t_ok = t < T
+    h, pre, post, comb = stream_mixes(
+        h_ptr, mix_ptr, scale_ptr, base_ptr, t, t_ok, T, D, iters, hc_eps, norm_eps, SPLIT, NHC, BD
+    )
+    s = tl.arange(0, NHC)
+    t2, t3 = t_ok[:, None], t_ok[:, None, None]
     x = tl.sum(pre[:, :, None] * h, axis=1)  # [BT, BD], from the raw (un-normalised) streams
     d = tl.arange(0, BD)
     x = x * rsqrt_rn(tl.div_rn(tl.sum(x * x, axis=1), D * 1.0) + norm_eps)[:, None]
