@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 
 from dwarfstar.convert.checkpoint import Checkpoint, CheckpointTensor
-from dwarfstar.engram.hashing import compressed_token_map, model_engram_hash
+from dwarfstar.engram.hashing import compressed_token_map
 from dwarfstar.engram.rows import ROW_BYTES, ROW_SCALES, ROW_VALUES
 from dwarfstar.errors import ModelFileError
 from dwarfstar.gguf.constants import ValueType
 from dwarfstar.model.config_v41 import ModelArgs41
-from dwarfstar.model.file_v41 import engram_hash_metadata
+from dwarfstar.model.file_v41 import engram_hash_metadata, model_engram_hash
 from dwarfstar.model.tensors import TensorSpec
 from dwarfstar.model.tensors_v41 import V41_ALIGNMENT, expected_tensors41
 from dwarfstar.tokenizer.tokenizer import Tokenizer

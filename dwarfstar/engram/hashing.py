@@ -20,16 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Regex, normalizers
 
-from dwarfstar.errors import ConfigError, DwarfStarError
+from dwarfstar.errors import DwarfStarError
 from dwarfstar.tokenizer.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from dwarfstar.model.config_v41 import ModelArgs41
 
 SHIFTS = 4  # look-back 0..3: 2-, 3- and 4-grams
 HEADS = 8  # primes per n-gram size
@@ -159,22 +155,3 @@ class EngramHash:
                 cols = slice((shift - 1) * HEADS, shift * HEADS)
                 out[:, cols] = h[:, None] % primes[cols] + offsets[cols]
         return out
-
-
-def model_engram_hash(args: ModelArgs41, token_map: np.ndarray) -> EngramHash:
-    """The lookup tables of a model with config `args` whose tokenizer compresses to `token_map`
-    (`compressed_token_map`): the primes from `args.engram_prime_start` and the reference's multipliers,
-    checked against the config's compressed vocabulary and table rows (ConfigError)."""
-    compressed = int(token_map.max()) + 1
-    if compressed != args.engram_compressed_vocab:
-        raise ConfigError(
-            f"the tokenizer compresses {token_map.size} tokens to {compressed} ids, but the config says "
-            f"{args.engram_compressed_vocab}"
-        )
-    primes = engram_primes(args.engram_layers, args.engram_prime_start)
-    multipliers = {il: engram_multipliers(il, compressed) for il in args.engram_layers}
-    engram = EngramHash(token_map, multipliers, primes)
-    rows = tuple(engram.table_rows(il) for il in args.engram_layers)
-    if rows != args.engram_rows:
-        raise ConfigError(f"primes from {args.engram_prime_start} give tables of {rows} rows, not {args.engram_rows}")
-    return engram

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from dwarfstar.engram.hashing import COLUMNS, PAD_TOKEN, SHIFTS, EngramHash
+from dwarfstar.engram.hashing import COLUMNS, PAD_TOKEN, SHIFTS, EngramHash, engram_multipliers, engram_primes
 from dwarfstar.engram.rows import ROW_BYTES
 from dwarfstar.engram.store import EngramExtent
 from dwarfstar.errors import ConfigError, ModelFileError
@@ -129,6 +129,25 @@ def engram_hash_metadata(engram_hash: EngramHash, layers: tuple[int, ...]) -> di
         PRIMES: (ValueType.ARRAY, (ValueType.UINT32, primes.tolist())),
         MULTIPLIERS: (ValueType.ARRAY, (ValueType.UINT64, multipliers.tolist())),
     }
+
+
+def model_engram_hash(args: ModelArgs41, token_map: np.ndarray) -> EngramHash:
+    """The lookup tables of a model with config `args` whose tokenizer compresses to `token_map`
+    (`compressed_token_map`): the primes from `args.engram_prime_start` and the reference's multipliers,
+    checked against the config's compressed vocabulary and table rows (ConfigError)."""
+    compressed = int(token_map.max()) + 1
+    if compressed != args.engram_compressed_vocab:
+        raise ConfigError(
+            f"the tokenizer compresses {token_map.size} tokens to {compressed} ids, but the config says "
+            f"{args.engram_compressed_vocab}"
+        )
+    primes = engram_primes(args.engram_layers, args.engram_prime_start)
+    multipliers = {il: engram_multipliers(il, compressed) for il in args.engram_layers}
+    engram = EngramHash(token_map, multipliers, primes)
+    rows = tuple(engram.table_rows(il) for il in args.engram_layers)
+    if rows != args.engram_rows:
+        raise ConfigError(f"primes from {args.engram_prime_start} give tables of {rows} rows, not {args.engram_rows}")
+    return engram
 
 
 def read_engram_hash(meta: Mapping[str, Any], args: ModelArgs41) -> EngramHash:

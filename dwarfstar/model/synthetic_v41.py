@@ -25,12 +25,12 @@ import os
 import numpy as np
 import torch
 
-from dwarfstar.engram.hashing import compressed_token_map, engram_primes, model_engram_hash
+from dwarfstar.engram.hashing import compressed_token_map, engram_primes
 from dwarfstar.engram.rows import ROW_VALUES, quantize
 from dwarfstar.gguf.constants import ValueType
 from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config_v41 import ModelArgs41, layer_plan
-from dwarfstar.model.file_v41 import engram_hash_metadata
+from dwarfstar.model.file_v41 import engram_hash_metadata, model_engram_hash
 from dwarfstar.model.synthetic import layout_experts, tensor_chunks, tensor_type
 from dwarfstar.model.tensors_v41 import ENGRAM_ROWS, V41_ALIGNMENT, expected_tensors41
 from dwarfstar.tokenizer.tokenizer import Tokenizer
