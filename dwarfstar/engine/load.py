@@ -30,6 +30,7 @@ from dwarfstar.model.loader import ModelFile, is_v41, open_model
 from dwarfstar.model.vision import V41 as V41_ENCODER
 from dwarfstar.model.vision import VISION_EXP
 from dwarfstar.model.vision_file import FAMILY_NAMES, LM_VARIANT_KEY, VisionFile, open_vision
+from dwarfstar.speculative.mtp_options import MTP41_REFUSAL, DSparkOptions
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 
 
@@ -117,7 +118,6 @@ V41_REFUSED = {  # what a V4.1 engine cannot take yet: the spec's field, its fla
     "layers": "a layer slice",
     "streaming": "--ssd-streaming",
     "steering": "--dir-steering-file",
-    "speculation": "--mtp / --dspark",
     "dist": "a layer pipeline",
     "cpu_moe": "--cpu-moe",
 }
@@ -130,6 +130,8 @@ def load_engine41(spec: EngineSpec, name: str, progress: Callable[[int, int], No
     for field, flag in V41_REFUSED.items():
         if getattr(spec, field) is not None:
             raise DwarfStarError(f"{flag} does not run with {FAMILY41} yet (issue 33)")
+    if spec.speculation is not None and not isinstance(spec.speculation, DSparkOptions):
+        raise DwarfStarError(MTP41_REFUSAL)
     entry = backend_entry(name)
     model = open_model41(spec.model)
     try:
@@ -138,6 +140,10 @@ def load_engine41(spec: EngineSpec, name: str, progress: Callable[[int, int], No
         load = Load(spec.qat, spec.precision, spec.ctx, spec.kv_slots or entry.kv_slots, False, progress=progress)
         impl = entry.load41(model, load, spec.engram_cache << 20)
         images = ImageEncoder(vision, entry) if vision is not None else None
+        if spec.speculation is not None and spec.drafter is None:
+            from dwarfstar.speculative.decode import check_drafter  # --dspark-strict: checked, not run
+
+            check_drafter(spec.speculation, impl, model)
     except BaseException:
         model.close()
         raise

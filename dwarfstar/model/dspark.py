@@ -33,6 +33,7 @@ import torch
 from dwarfstar.errors import DwarfStarError, ModelFileError
 from dwarfstar.gguf.constants import ValueType
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.forward import A, Rows, S, Transformer
 from dwarfstar.model.state import SequenceState
 from dwarfstar.model.tensors import (
@@ -50,11 +51,27 @@ from dwarfstar.model.tensors import (
 )
 
 ARCH = "deepseek4-dspark"  # ds4's support file
+ARCH41 = "deepseek41-dspark"  # V4.1's drafter (model/dspark_v41.py): ds4 publishes none; our own layout
+FAMILIES = {ARCH: "DeepSeek V4", ARCH41: "DeepSeek V4.1"}  # the target family each support file drafts for
 PREFIX = "mtp.{}."  # a stage's tensors: mtp.0. .. mtp.2.
 MAIN = ("main_proj.weight", "main_norm.weight")  # stage 0: the context projection and its norm
 HEAD = ("hc_head_fn.weight", "hc_head_scale.weight", "hc_head_base.weight", "norm.weight")  # the last stage
 MARKOV = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")  # [vocab, rank] each
 CONFIDENCE = "confidence_head.proj.weight"  # [1, dim + rank]
+
+
+def check_support_arch(metadata: Mapping[str, Any], arch: str, where: str, target: str) -> None:
+    """Refuse a file that is not a DSpark support file of `arch`, naming the family a drafter of the other
+    one drafts for (`target`: the model file it was given with)."""
+    found = metadata.get("general.architecture")
+    if found == arch:
+        return
+    if found in FAMILIES:
+        raise ModelFileError(
+            f"{where} is a DSpark drafter for {FAMILIES[found]} ({found}); {target} is {FAMILIES[arch]}: "
+            "give the drafter made for this model"
+        )
+    raise ModelFileError(f"{where} is not a DSpark support file: general.architecture is {found!r}, not {arch!r}")
 
 
 @dataclass(frozen=True)
@@ -66,7 +83,7 @@ class DSparkArgs:
     stages: int = 3
 
     @classmethod
-    def from_metadata(cls, metadata: Mapping[str, Any], target: ModelArgs, where: str) -> DSparkArgs:
+    def from_metadata(cls, metadata: Mapping[str, Any], target: ModelArgs | ModelArgs41, where: str) -> DSparkArgs:
         """The support file's `dspark.*` keys, checked against the target model."""
 
         def key(name: str) -> Any:
@@ -84,7 +101,7 @@ class DSparkArgs:
         args.check(target, where)
         return args
 
-    def check(self, target: ModelArgs, where: str, error: type[DwarfStarError] = ModelFileError) -> None:
+    def check(self, target: ModelArgs | ModelArgs41, where: str, error: type[DwarfStarError] = ModelFileError) -> None:
         """Refuse settings the drafter cannot run with on `target`, as `error` (a support file's
         metadata and a checkpoint's config.json are checked alike)."""
         if self.block_size < 2 or self.stages < 1 or self.markov_rank < 1 or not self.target_layers:

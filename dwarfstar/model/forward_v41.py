@@ -21,6 +21,11 @@ takes the latest index source's top-k. Then one softmax with the head's sink ove
 (positions p - window + 1 .. p) and its selected compressed rows. The call's shared slots (top-k,
 candidates) hold what the latest source wrote; layers run in order, so each reader finds its own.
 
+A call can record the inputs of some layers (`Capture41`: each one's streams after its Engram, before its
+block), which DSpark's drafter reads (V4.1's reference `Transformer.forward`'s `main_hiddens`, averaged over
+the hc copies where the drafter reads them: `model.dspark.DSparkHeads.main_x`); a call without one records
+nothing.
+
 The arrays are the backend's (`A`: torch tensors in the reference, MLX arrays in MLX): the state
 holds them and only the backend's `Ops41` computes on them (the window, appending compressed rows,
 gathering the picked ones), so each backend keeps its own; token ids and positions stay host torch
@@ -30,7 +35,7 @@ tensors, and the logits come back as torch tensors.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 import numpy as np
@@ -151,6 +156,15 @@ class Ops41(Protocol[A]):
 
 
 @dataclass
+class Capture41(Generic[A]):
+    """The inputs of `layers` (ascending) that forward calls record: per call, each layer's streams
+    [T, hc_mult, dim] after its Engram and before its block, in `layers` order."""
+
+    layers: tuple[int, ...]
+    calls: list[tuple[A, ...]] = field(default_factory=list)
+
+
+@dataclass
 class _Shared(Generic[A]):
     """The slots the latest index source and the candidate source wrote in this call."""
 
@@ -163,10 +177,17 @@ class Transformer41(Generic[A]):
         self.ops, self.args = ops, ops.args
         self.layers = ops.args.layers
 
-    def forward(self, tokens: Sequence[int], state: State41[A], images: Sequence[ImageSpan] = ()) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: Sequence[int],
+        state: State41[A],
+        images: Sequence[ImageSpan] = (),
+        capture: Capture41[A] | None = None,
+    ) -> torch.Tensor:
         """Run `tokens` (the next ones of the sequence) and return the last one's logits [vocab];
         `state` advances past them. `images`: the call's image blocks (offsets into `tokens`, each
-        wholly inside it, checked by the caller), whose positions hold image ids."""
+        wholly inside it, checked by the caller), whose positions hold image ids. `capture`: where the
+        call records its capture layers' inputs."""
         if not tokens:
             raise ValueError("a forward call needs at least one token")
         ops, start = self.ops, state.pos
@@ -177,16 +198,21 @@ class Transformer41(Generic[A]):
         engram_rows = ops.engram_rows(state.tokens, start) if self.args.engram_layers else {}
         pre = ops.first_pre(len(tokens))
         shared: _Shared[A] = _Shared()
+        inputs: list[A] = []
         for layer in self.layers:
             il = layer.index
             if layer.engram:
                 h = ops.engram(il, h, engram_rows[il], image)
+            if capture is not None and il in capture.layers:
+                inputs.append(h)
             a_pre, a_post, a_comb = ops.mix(il, ATTN, h)
             out = self._attention(layer, ops.sublayer_input(il, ATTN, h, pre), positions, state, shared)
             h = ops.hc_post(h, out, a_post, a_comb)
             f_pre, f_post, f_comb = ops.mix(il, FFN, h)
             h = ops.hc_post(h, ops.moe(il, ops.sublayer_input(il, FFN, h, a_pre), image), f_post, f_comb)
             pre = f_pre
+        if capture is not None:
+            capture.calls.append(tuple(inputs))
         return ops.head(h[-1:], pre[-1:])[0]
 
     def _attention(self, layer: LayerSpec41, x: A, positions: torch.Tensor, state: State41[A], shared: _Shared[A]) -> A:

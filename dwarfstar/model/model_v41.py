@@ -12,16 +12,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Generic
+from typing import TYPE_CHECKING, Any, Generic
 
 import torch
 
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.forward import forward_then_sample
-from dwarfstar.model.forward_v41 import A, Ops41, Transformer41
+from dwarfstar.model.forward_v41 import A, Capture41, Ops41, Transformer41
 from dwarfstar.model.image_spans import ImageSpan, check_ids
 from dwarfstar.sampling import Sampler, sample_batch
+
+if TYPE_CHECKING:
+    from dwarfstar.gguf.reader import GGUFFile
+    from dwarfstar.model.dspark_v41 import DSparkOps41
 
 
 class Model41(ABC, Generic[A]):
@@ -43,14 +47,16 @@ class Model41(ABC, Generic[A]):
         state: Any,
         all_logits: bool = True,
         images: Sequence[ImageSpan] | None = None,
+        capture: Capture41[A] | None = None,
     ) -> torch.Tensor:
         """Logits after the tokens, which continue `state`: [T, vocab] with `all_logits`, else [1, vocab];
-        `state.logits` holds the last one's. Bad input is refused before the state changes."""
+        `state.logits` holds the last one's. Bad input is refused before the state changes. `capture`
+        records its layers' inputs, a call at a time (`forward_v41.Capture41`)."""
         ids, spans = self._check(tokens, state, images)
         if all_logits:
-            steps = [self.transformer.forward([t], state, _row(spans, i)) for i, t in enumerate(ids)]
+            steps = [self.transformer.forward([t], state, _row(spans, i), capture) for i, t in enumerate(ids)]
         else:
-            steps = [self.transformer.forward(ids, state, spans)]
+            steps = [self.transformer.forward(ids, state, spans, capture)]
         logits = torch.stack(steps)
         state.logits = logits[-1]
         return logits
@@ -71,6 +77,14 @@ class Model41(ABC, Generic[A]):
         for tokens, state, mine in zip(token_lists, states, spans, strict=True):
             self._check(tokens, state, mine)
         return [self.forward(t, s, all_logits, i) for t, s, i in zip(token_lists, states, spans, strict=True)]
+
+    def dspark_ops(self, args: ModelArgs41, weights: GGUFFile) -> DSparkOps41:
+        """The backend's steps for a DSpark drafter's stages (`model.dspark_v41`): the layers of `args`
+        (`dspark_v41.stage_args41`) over `weights`, a view of the support file and the target's shared
+        tensors. The reference has them; a backend without them refuses DSpark."""
+        raise DwarfStarError(
+            f"DSpark drafting for DeepSeek V4.1 runs on the reference backend, not on {type(self).__name__}"
+        )
 
     # the sampling rules run on the logits' device (the CPU: `head` returns host logits), one sync per step
     sample_batch = staticmethod(sample_batch)

@@ -168,7 +168,7 @@ def write_synthetic_mtp(path: str | os.PathLike, args: ModelArgs, layout: str = 
     whose metadata is the trunk's config (ds4's loader reads none of it; ours checks it names the model)."""
     metadata = args.to_gguf_metadata()
     metadata["general.name"] = (ValueType.STRING, "synthetic-mtp")
-    _write_draft(path, args, metadata, mtp_tensors(args, "ds4"), layout, seed * 1_000_003 + MTP_SEED_OFFSET)
+    write_draft(path, args, metadata, mtp_tensors(args, "ds4"), layout, seed * 1_000_003 + MTP_SEED_OFFSET)
 
 
 def write_synthetic_dspark(
@@ -177,7 +177,7 @@ def write_synthetic_dspark(
     """A random DSpark drafter for the target `args` as ds4 ships it: a support GGUF of `mtp.{0..}.*`
     tensors whose metadata is the `dspark.*` keys."""
     metadata = support_metadata(d, "synthetic-dspark")
-    _write_draft(path, args, metadata, dspark_tensors(args, d), layout, seed * 1_000_003 + DSPARK_SEED_OFFSET)
+    write_draft(path, args, metadata, dspark_tensors(args, d), layout, seed * 1_000_003 + DSPARK_SEED_OFFSET)
 
 
 def write_synthetic_vision(
@@ -229,8 +229,13 @@ def _vision_values(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor
     return x / shape[-1] ** 0.5
 
 
-def _write_draft(
-    path: str | os.PathLike, args: ModelArgs, metadata: dict, inventory: Iterable[TensorSpec], layout: str, seed: int
+def write_draft(
+    path: str | os.PathLike,
+    args: ModelArgs | ModelArgs41,
+    metadata: dict,
+    inventory: Iterable[TensorSpec],
+    layout: str,
+    seed: int,
 ) -> None:
     """A separate draft file of random tensors, tensor i drawn from seed + i."""
     specs = [(spec, tensor_type(spec, layout, layout_experts(layout))) for spec in inventory]

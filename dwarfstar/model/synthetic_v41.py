@@ -1,5 +1,6 @@
 """Deterministic random-weight DeepSeek V4.1 files in ds4's `deepseek41` layout (issue 33), for tests and
-benches: `dwarfstar synth --preset v41-tiny` or `v41-shaped`.
+benches: `dwarfstar synth --preset v41-tiny` or `v41-shaped`; and a random DSpark drafter for one
+(`write_synthetic_dspark41`, `TINY_DSPARK41` for `v41-tiny`).
 
 * `v41-tiny`: every V4.1 mechanism at toy size (the spec's §7 layout): hidden 64, 12 layers with ratios
   0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1; kv sources 2, 4, 6 (so reuse layers change source), index sources
@@ -30,8 +31,10 @@ from dwarfstar.engram.rows import ROW_VALUES, quantize
 from dwarfstar.gguf.constants import ValueType
 from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config_v41 import ModelArgs41, layer_plan
+from dwarfstar.model.dspark import DSparkArgs
+from dwarfstar.model.dspark_v41 import DSparkArgs41, dspark_tensors41, support_metadata41
 from dwarfstar.model.file_v41 import engram_hash_metadata, model_engram_hash
-from dwarfstar.model.synthetic import layout_experts, tensor_chunks, tensor_type
+from dwarfstar.model.synthetic import DSPARK_SEED_OFFSET, layout_experts, tensor_chunks, tensor_type, write_draft
 from dwarfstar.model.tensors_v41 import ENGRAM_ROWS, V41_ALIGNMENT, expected_tensors41
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, bundled_v41_tokenizer_metadata
@@ -86,6 +89,15 @@ def v41_preset(preset: str, n_layers: int | None = None) -> ModelArgs41:
     return args if n_layers is None else args.with_plan(layer_plan(n_layers))
 
 
+# v41-tiny's drafter: Flash's shape of settings (the last three layers' inputs, 3 stages, blocks of 5) with
+# its own expert count and top-k, unlike the trunk's 8 and 2 (Flash: 128 and 3 beside 384 and 6)
+TINY_DSPARK41 = DSparkArgs41(
+    DSparkArgs(block_size=5, markov_rank=16, noise_token_id=128799, target_layers=(9, 10, 11), stages=3),
+    n_experts=6,
+    top_k=3,
+)
+
+
 @functools.cache
 def _token_map(vocab_size: int) -> np.ndarray:
     return compressed_token_map(Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), vocab_size))
@@ -125,3 +137,12 @@ def _engram_rows(rows: int, gen: torch.Generator):
     for start in range(0, rows, ENGRAM_ROWS_PER_CHUNK):
         count = min(ENGRAM_ROWS_PER_CHUNK, rows - start)
         yield quantize(torch.randn(count, ROW_VALUES, generator=gen).numpy())
+
+
+def write_synthetic_dspark41(
+    path: str | os.PathLike, args: ModelArgs41, d: DSparkArgs41, layout: str = "f32", seed: int = 0
+) -> None:
+    """A random V4.1 DSpark drafter for the target `args`: a support GGUF (`dspark_v41`) of `mtp.{0..}.*`
+    tensors; the same arguments write the same bytes."""
+    metadata = support_metadata41(d, "synthetic-dspark41")
+    write_draft(path, args, metadata, dspark_tensors41(args, d), layout, seed * 1_000_003 + DSPARK_SEED_OFFSET)

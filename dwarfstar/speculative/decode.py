@@ -34,16 +34,26 @@ from typing import Any
 import torch
 
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.model.file_v41 import ModelFile41
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.loader import ModelFile
+from dwarfstar.model.model_v41 import Model41
 from dwarfstar.model.state import SequenceState, StateSnapshot
 from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.sampling import Sampler, SamplingParams
 from dwarfstar.session.session import Session
-from dwarfstar.speculative.dspark import DSparkDraft, DSparkTrack
+from dwarfstar.speculative.dspark import DSparkDraft, DSparkDrafter, DSparkTrack
+from dwarfstar.speculative.dspark_v41 import DSparkDraft41, LocalRunner41
 from dwarfstar.speculative.mtp import MTPDraft, forward_of, load_draft
-from dwarfstar.speculative.mtp_options import ALIGNMENTS, MAX_DRAFT, DSparkOptions, MTPOptions, check_settings
+from dwarfstar.speculative.mtp_options import (
+    ALIGNMENTS,
+    MAX_DRAFT,
+    MTP41_REFUSAL,
+    DSparkOptions,
+    MTPOptions,
+    check_settings,
+)
 from dwarfstar.speculative.rollback import CompressorTap, can_truncate, truncate
 from dwarfstar.speculative.track import DraftTrack
 from dwarfstar.speculative.verify import Verdict, rule_probabilities, verify_greedy, verify_sampled, without_refused
@@ -94,9 +104,9 @@ class LocalRunner:
     def __init__(self, model: Transformer) -> None:
         self.target = model
 
-    def track(self, draft: MTPDraft | DSparkDraft, state: SequenceState, shift: int) -> DraftTrack | DSparkTrack:
+    def track(self, draft: MTPDraft | DSparkDrafter, state: SequenceState, shift: int) -> DraftTrack | DSparkTrack:
         """The draft following `state` from its position now."""
-        if isinstance(draft, DSparkDraft):
+        if isinstance(draft, DSparkDrafter):
             return DSparkTrack(draft, state.pos, draft.confidence)
         return DraftTrack(draft, shift, state.pos)
 
@@ -160,9 +170,11 @@ def capturing(target: Transformer, layers: Sequence[int]) -> Iterator[dict[int, 
 
 
 def runner_for(backend: Any) -> Any:
-    """The backend's own runner (a route's), else one for the shared forward pass it runs."""
+    """The backend's own runner (a route's), else one for the forward pass it runs (V4.1's: `LocalRunner41`)."""
     own = getattr(backend, "speculation_runner", None)
-    return own() if own is not None else LocalRunner(forward_of(backend))
+    if own is not None:
+        return own()
+    return LocalRunner41(backend) if isinstance(backend, Model41) else LocalRunner(forward_of(backend))
 
 
 class Speculator:
@@ -417,23 +429,31 @@ class DSparkSpeculation:
     """A loaded DSpark drafter: a speculator for any session of its target, drafting whole blocks."""
 
     options: DSparkOptions
-    draft: DSparkDraft
+    draft: DSparkDrafter
 
     def start(self, session: Session) -> Speculator:
         return Speculator(session, self.draft, self.draft.d.block_size)  # type: ignore[arg-type]
 
 
-def check_drafter(options: DSparkOptions, backend: Any, model: ModelFile) -> None:
+def check_drafter(options: DSparkOptions, backend: Any, model: ModelFile | ModelFile41) -> None:
     """`--dspark-strict`: the drafter loads for `backend` running `model` with every check speculation
     makes (a bad file is the same named error), then is let go: decoding will not use it."""
-    DSparkDraft(forward_of(backend), model, options.path, options.confidence).close()
+    _dspark(options, backend, model).close()
+
+
+def _dspark(options: DSparkOptions, backend: Any, model: ModelFile | ModelFile41) -> DSparkDrafter:
+    """The DSpark drafter of `model`'s family on `backend`."""
+    if isinstance(model, ModelFile41):
+        return DSparkDraft41(backend, model, options.path, options.confidence)
+    return DSparkDraft(forward_of(backend), model, options.path, options.confidence)
 
 
 def load_speculation(
-    options: MTPOptions | DSparkOptions, backend: Any, model: ModelFile
+    options: MTPOptions | DSparkOptions, backend: Any, model: ModelFile | ModelFile41
 ) -> MTPSpeculation | DSparkSpeculation:
     """The draft `options` name for `backend` running `model` (the engine's), loaded once."""
     if isinstance(options, DSparkOptions):
-        draft = DSparkDraft(forward_of(backend), model, options.path, options.confidence)
-        return DSparkSpeculation(options, draft)
+        return DSparkSpeculation(options, _dspark(options, backend, model))
+    if isinstance(model, ModelFile41):
+        raise DwarfStarError(MTP41_REFUSAL)
     return MTPSpeculation(options, load_draft(backend, model, options.file_for(model.path)))

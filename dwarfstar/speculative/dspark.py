@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from dwarfstar.model.dspark import (
     DSparkArgs,
     DSparkForward,
     DSparkHeads,
+    check_support_arch,
     dspark_tensors,
     stage_args,
     stage_names,
@@ -63,9 +65,7 @@ def open_dspark(model: ModelFile, path: str | os.PathLike) -> tuple[DSparkArgs, 
         raise ModelFileError(f"DSpark support file not found: {path}")
     gguf = GGUFFile(path)
     try:
-        arch = gguf.metadata.get("general.architecture")
-        if arch != ARCH:
-            raise ModelFileError(f"{path} is not a DSpark support file: general.architecture is {arch!r}, not {ARCH!r}")
+        check_support_arch(gguf.metadata, ARCH, str(path), str(model.path))
         d = DSparkArgs.from_metadata(gguf.metadata, model.args, str(path))
         stages = {int(name.split(".")[1]) for name in gguf.tensors if name.startswith("mtp.")}
         missing = sorted(set(range(d.stages)) - stages)
@@ -102,54 +102,46 @@ def load_heads(gguf: GGUFFile, d: DSparkArgs, eps: float) -> DSparkHeads:
     )
 
 
-class DSparkDraft:
-    """The drafter on the target's backend: the stages' model, their forward, the heads."""
+class DSparkDrafter(ABC):
+    """What V4's and V4.1's drafters share (V4.1's: `speculative.dspark_v41`): the settings, the heads, the
+    confidence cut, and drafting a block's tokens from its rows. `_block` is the family's pass."""
 
-    def __init__(self, target: Transformer, model: ModelFile, path: str | os.PathLike, confidence: float = 0.0) -> None:
-        check_confidence(confidence)
-        self.confidence = confidence  # a block is cut at its first row whose confidence is below this
-        self.d, self.gguf, stages = open_dspark(model, path)
-        try:
-            entry = entry_of(target)
-            if entry is None:
-                raise DwarfStarError(f"DSpark drafting needs a backend of the shared forward pass, not {target!r}")
-            self.stages = entry.draft_model(target, stages)
-            if not all(callable(getattr(self.stages.ops, name, None)) for name in DSPARK_OPS):
-                raise DwarfStarError(
-                    f"DSpark drafting runs on the reference, MLX and Triton backends; the {entry.name} backend "
-                    "has no block attention for its stages yet"
-                )
-            self.forward = DSparkForward(self.stages, self.d)
-            self.heads = load_heads(self.gguf, self.d, model.args.norm_eps)
-        except BaseException:
-            self.gguf.close()
-            raise
+    d: DSparkArgs
+    heads: DSparkHeads
+    confidence: float  # a block is cut at its first row whose confidence is below this
 
     @property
     def target_layers(self) -> tuple[int, ...]:
         return self.d.target_layers
 
-    def new_state(self) -> SequenceState:
-        return self.forward.new_state()
+    @abstractmethod
+    def new_state(self) -> Any:
+        """An empty context (its `pos`: the context positions written)."""
 
+    @abstractmethod
     def _torch(self, a: Any) -> torch.Tensor:
-        return a if isinstance(a, torch.Tensor) else torch.from_numpy(self.stages.cache.storage.to_numpy(a))
+        """A backend array as a host torch tensor."""
 
-    def feed(self, captured: list[Any], state: SequenceState) -> None:
+    @abstractmethod
+    def context(self, main_x: torch.Tensor, state: Any) -> None:
+        """main_x rows [N, dim] (torch float32) into the stages' context at positions state.pos.."""
+
+    @abstractmethod
+    def _block(self, anchor: int, state: Any) -> tuple[Any, Any]:
+        """The block after `anchor`: its collapsed rows before the output norm and its logits before the
+        Markov bias, in the backend's arrays or torch; the state is left as it was."""
+
+    def feed(self, captured: list[Any], state: Any) -> None:
         """Context rows of the positions after state.pos from the target layers' streams [N, n, dim]."""
         self.context(self.heads.main_x([self._torch(h) for h in captured]), state)
 
-    def context(self, main_x: torch.Tensor, state: SequenceState) -> None:
-        """main_x rows [N, dim] (torch float32) into the stages' rings at positions state.pos.."""
-        self.forward.context(self.stages.cache.storage.from_numpy(main_x.cpu().numpy()), state)
-
     def propose(
-        self, anchor: int, state: SequenceState, n: int, sampler: Sampler, threshold: float = 0.0
+        self, anchor: int, state: Any, n: int, sampler: Sampler, threshold: float = 0.0
     ) -> tuple[list[int], list[torch.Tensor]]:
         """Up to n drafts after `anchor` (the token at the context's end), with their draft logits: the
         block's rows in order, each row's Markov bias from the token before, cut at the first row whose
         confidence is below `threshold` (0: none). The state is left as it was."""
-        collapsed, logits = self.forward.block(anchor, state)
+        collapsed, logits = self._block(anchor, state)
         collapsed, logits = self._torch(collapsed).float(), self._torch(logits).float()
         drafts: list[int] = []
         rows: list[torch.Tensor] = []
@@ -172,6 +164,45 @@ class DSparkDraft:
             previous = token
         return drafts, rows
 
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class DSparkDraft(DSparkDrafter):
+    """The V4 drafter on the target's backend: the stages' model, their forward, the heads."""
+
+    def __init__(self, target: Transformer, model: ModelFile, path: str | os.PathLike, confidence: float = 0.0) -> None:
+        check_confidence(confidence)
+        self.confidence = confidence
+        self.d, self.gguf, stages = open_dspark(model, path)
+        try:
+            entry = entry_of(target)
+            if entry is None:
+                raise DwarfStarError(f"DSpark drafting needs a backend of the shared forward pass, not {target!r}")
+            self.stages = entry.draft_model(target, stages)
+            if not all(callable(getattr(self.stages.ops, name, None)) for name in DSPARK_OPS):
+                raise DwarfStarError(
+                    f"DSpark drafting runs on the reference, MLX and Triton backends; the {entry.name} backend "
+                    "has no block attention for its stages yet"
+                )
+            self.forward = DSparkForward(self.stages, self.d)
+            self.heads = load_heads(self.gguf, self.d, model.args.norm_eps)
+        except BaseException:
+            self.gguf.close()
+            raise
+
+    def new_state(self) -> SequenceState:
+        return self.forward.new_state()
+
+    def _torch(self, a: Any) -> torch.Tensor:
+        return a if isinstance(a, torch.Tensor) else torch.from_numpy(self.stages.cache.storage.to_numpy(a))
+
+    def context(self, main_x: torch.Tensor, state: SequenceState) -> None:
+        self.forward.context(self.stages.cache.storage.from_numpy(main_x.cpu().numpy()), state)
+
+    def _block(self, anchor: int, state: SequenceState) -> tuple[Any, Any]:
+        return self.forward.block(anchor, state)
+
     def close(self) -> None:
         self.gguf.close()
 
@@ -181,14 +212,14 @@ class DSparkTrack(HeldRows):
     state following the target, and the main_x rows of target positions not yet written into it
     (every held row is committed: the speculator holds only accepted rows)."""
 
-    def __init__(self, draft: DSparkDraft, base: int, confidence: float) -> None:
+    def __init__(self, draft: DSparkDrafter, base: int, confidence: float) -> None:
         super().__init__(draft.new_state(), base)
         self.draft, self.confidence = draft, confidence
         self.layers = draft.target_layers  # the target layers whose streams a pass captures for it
 
     @property
     def ready(self) -> bool:
-        return True  # a block drafts from whatever context the rings hold
+        return self.state.pos > 0  # a block drafts after the context the rings hold
 
     def rows(self, streams: Any, captured: dict[int, Any], rows: slice) -> torch.Tensor:
         """What a pass leaves for the drafter: main_x of the rows `rows` of the captured layers."""

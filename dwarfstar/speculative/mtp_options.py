@@ -18,6 +18,10 @@ MAX_MARGIN = 1000.0  # ds4's range for --mtp-margin
 ALIGNMENTS = {"next": 1, "same": 0}  # the paired token's offset from the hidden state's position
 
 
+# a V4.1 model has no MTP block (`load_engine41`, `decode.load_speculation` refuse --mtp with it)
+MTP41_REFUSAL = "--mtp does not run with DeepSeek V4.1: it has no MTP block; its drafter is DSpark (--dspark FILE)"
+
+
 def check_settings(n_draft: int, alignment: str, margin: float) -> None:
     """The draft count, alignment and margin are usable, else a clear error (named as the flags)."""
     if not 1 <= n_draft <= MAX_DRAFT:

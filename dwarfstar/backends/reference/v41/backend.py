@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+from dwarfstar.backends.reference.v41.dspark import ReferenceDSparkOps41
 from dwarfstar.backends.reference.v41.model import ReferenceOps41
+from dwarfstar.backends.reference.weights import GGUFWeights
+from dwarfstar.gguf.reader import GGUFFile
+from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.file_v41 import ModelFile41
 from dwarfstar.model.model_v41 import Model41
 from dwarfstar.model.state_v41 import SequenceState41, new_sequence41
@@ -17,3 +21,9 @@ class ReferenceModel41(Model41):
 
     def new_state(self) -> SequenceState41:
         return new_sequence41(self.args)
+
+    def dspark_ops(self, args: ModelArgs41, weights: GGUFFile) -> ReferenceDSparkOps41:
+        """The stages over `weights` in float32; their args name no Engram layer of theirs, so the target's
+        Engram hash and store are handed on unread."""
+        target = self.transformer.ops
+        return ReferenceDSparkOps41(args, GGUFWeights(weights), target.hash, target.store)
