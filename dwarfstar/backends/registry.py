@@ -31,7 +31,9 @@ if TYPE_CHECKING:
     import torch
 
     from dwarfstar.backends.protocol import Backend
+    from dwarfstar.backends.reference.weights import Products
     from dwarfstar.experts.store import ExpertStore
+    from dwarfstar.gguf.reader import GGUFFile
     from dwarfstar.model.file_v41 import ModelFile41
     from dwarfstar.model.forward import Batch, Transformer
     from dwarfstar.model.loader import ModelFile
@@ -88,12 +90,10 @@ class BackendEntry(ABC):
     def load(self, model: ModelFile, load: Load) -> Backend:
         """The backend over `model`; with `load.stream` the routed experts are left in the file."""
 
+    @abstractmethod
     def load41(self, model: ModelFile41, load: Load, engram_cache_bytes: int) -> Backend:
         """The backend over a DeepSeek V4.1 file, its Engram rows read through a cache of
-        `engram_cache_bytes`; the reference, Triton and MLX run V4.1, the cpu backend not yet."""
-        raise DwarfStarError(
-            f"the {self.name} backend does not run DeepSeek V4.1 yet (issue 33): use --backend reference, triton or mlx"
-        )
+        `engram_cache_bytes` (every backend runs V4.1: issue 33)."""
 
     def usable_memory(self) -> int:
         """Bytes the backend's experts can live in."""
@@ -195,14 +195,21 @@ class Cpu(Reference):
     def load(self, model, load):
         from dwarfstar.backends.reference.model import ReferenceModel
 
-        mapped = sum(path.stat().st_size for path in model.parts or (model.path,))
-        if not load.stream and mapped <= POPULATE_SHARE * host_memory():
-            model.gguf.populate()  # the products then read mapped pages (gguf.reader.GGUFFile.populate)
+        if not load.stream:
+            _map_pages(model.gguf, sum(path.stat().st_size for path in model.parts or (model.path,)))
         return ReferenceModel(
-            model, load.qat, load.ctx, load.progress, load.kv_slots, products=_kernel_products(model, load.threads)
+            model, load.qat, load.ctx, load.progress, load.kv_slots, products=_kernel_products(model.gguf, load.threads)
         )
 
-    load41 = BackendEntry.load41  # the CPU kernels do not run V4.1's products yet
+    def load41(self, model, load, engram_cache_bytes):
+        """The reference's V4.1 model with its products on the kernels; the file's pages are mapped where
+        the whole file fits (`populate` maps every page, the Engram tables' too, which the store then
+        reads from the page cache)."""
+        from dwarfstar.backends.reference.v41.backend import ReferenceModel41
+
+        _map_pages(model.gguf, model.path.stat().st_size)
+        products = _kernel_products(model.gguf, load.threads)
+        return ReferenceModel41.from_file(model, engram_cache_bytes, load.ctx, products)
 
     def owns(self, model):
         from dwarfstar.backends.reference.weights import FLOAT32
@@ -218,18 +225,27 @@ class Cpu(Reference):
     def draft_model(self, target, draft):
         from dwarfstar.backends.reference.model import ReferenceModel
 
-        products = _kernel_products(draft, target.ops.products.threads)
+        products = _kernel_products(draft.gguf, target.ops.products.threads)
         return ReferenceModel(draft, qat=target.qat, max_seq_len=target.max_seq_len, products=products)
 
 
-def _kernel_products(model: ModelFile, threads: int | None):
+def _map_pages(gguf: GGUFFile, nbytes: int) -> None:
+    """Map the pages of a file of `nbytes` at load where it is at most POPULATE_SHARE of RAM: the products
+    then read mapped pages (`GGUFFile.populate`)."""
+    if nbytes <= POPULATE_SHARE * host_memory():
+        gguf.populate()
+
+
+def _kernel_products(gguf: GGUFFile, threads: int | None) -> Products:
+    """The CPU kernels' products over `gguf` on `threads` threads, or the reference's float32 ones where
+    the kernels cannot be built here (said once)."""
     from dwarfstar.backends.cpu.native import available
     from dwarfstar.backends.cpu.products import KernelProducts
     from dwarfstar.backends.reference.weights import FLOAT32
 
     if available() is not None:
         return FLOAT32
-    return KernelProducts(model.gguf, threads)
+    return KernelProducts(gguf, threads)
 
 
 class Triton(BackendEntry):

@@ -137,7 +137,8 @@ def load_engine41(spec: EngineSpec, name: str, progress: Callable[[int, int], No
     try:
         tokenizer = Tokenizer.from_gguf_metadata(model.gguf.metadata)
         vision = open_encoder41(spec.vision, model) if spec.vision is not None else None  # before the weights
-        load = Load(spec.qat, spec.precision, spec.ctx, spec.kv_slots or entry.kv_slots, False, progress=progress)
+        slots = spec.kv_slots or entry.kv_slots
+        load = Load(spec.qat, spec.precision, spec.ctx, slots, False, progress=progress, threads=spec.threads)
         impl = entry.load41(model, load, spec.engram_cache << 20)
         images = ImageEncoder(vision, entry) if vision is not None else None
         if spec.speculation is not None and spec.drafter is None:

@@ -1,11 +1,12 @@
 """A V4.1 model on the torch reference as the session layer drives it: `model_v41.Model41` over
-`ReferenceOps41`, one `SequenceState41` (float32 torch tensors on the CPU) per sequence."""
+`ReferenceOps41`, one `SequenceState41` (float32 torch tensors on the CPU) per sequence. The cpu backend
+is the same model with its weight products on the CPU kernels (`products`)."""
 
 from __future__ import annotations
 
 from dwarfstar.backends.reference.v41.dspark import ReferenceDSparkOps41
 from dwarfstar.backends.reference.v41.model import ReferenceOps41
-from dwarfstar.backends.reference.weights import GGUFWeights
+from dwarfstar.backends.reference.weights import FLOAT32, GGUFWeights, Products
 from dwarfstar.gguf.reader import GGUFFile
 from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.file_v41 import ModelFile41
@@ -15,9 +16,12 @@ from dwarfstar.model.state_v41 import SequenceState41, new_sequence41
 
 class ReferenceModel41(Model41):
     @classmethod
-    def from_file(cls, model: ModelFile41, engram_cache_bytes: int, max_seq_len: int | None = None) -> ReferenceModel41:
-        """The model over `model`'s weights, its Engram rows read through a cache of `engram_cache_bytes`."""
-        return cls(ReferenceOps41.from_file(model, engram_cache_bytes), max_seq_len)
+    def from_file(
+        cls, model: ModelFile41, engram_cache_bytes: int, max_seq_len: int | None = None, products: Products = FLOAT32
+    ) -> ReferenceModel41:
+        """The model over `model`'s weights, its Engram rows read through a cache of `engram_cache_bytes`,
+        its weight products as `products` hold them (float32 here; the CPU kernels')."""
+        return cls(ReferenceOps41.from_file(model, engram_cache_bytes, products), max_seq_len)
 
     def new_state(self) -> SequenceState41:
         return new_sequence41(self.args)

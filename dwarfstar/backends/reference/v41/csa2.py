@@ -21,11 +21,12 @@ Everything is float32; the FP4 fake-quants are the only roundings.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from dwarfstar.backends.reference import ops
+from dwarfstar.backends.reference.weights import FLOAT32
 from dwarfstar.model.numerics import FP4_BLOCK, rope_angles
 from dwarfstar.model.state import CompressorSpec
 
@@ -92,17 +93,19 @@ def index_keys(
     latent: torch.Tensor,
     groups: torch.Tensor,
     ratio: int,
-    w_k: torch.Tensor,
+    w_k: Any,
     k_norm: torch.Tensor,
     eps: float,
     inv_freq: torch.Tensor,
+    products: ops.Multiplies = FLOAT32,
 ) -> torch.Tensor:
     """Index keys [G, index_dim] of latents [G, width] (groups [G] their indices): RMSNorm_k(W_k latent),
-    rotated at g * ratio, FP4 (e2m1, power-of-two scale per 32). w_k [index_dim, width], k_norm [index_dim]."""
-    if w_k.dim() != 2 or w_k.shape[1] != latent.shape[-1] or tuple(k_norm.shape) != (w_k.shape[0],):
+    rotated at g * ratio, FP4 (e2m1, power-of-two scale per 32). w_k [index_dim, width] as `products`
+    hold it (float32 by default; the cpu backend's file blocks), k_norm [index_dim]."""
+    if len(w_k.shape) != 2 or w_k.shape[1] != latent.shape[-1] or tuple(k_norm.shape) != (w_k.shape[0],):
         shapes = f"{tuple(w_k.shape)} / k_norm {tuple(k_norm.shape)}"
         raise ValueError(f"index W_k {shapes} do not fit latents of {latent.shape[-1]}")
-    keys = ops.rms_norm(ops.linear(latent, w_k), k_norm, eps)
+    keys = ops.rms_norm(products.linear(latent, w_k), k_norm, eps)
     return ops.fp4_round(_rotate(keys, groups, ratio, inv_freq), FP4_BLOCK)
 
 
@@ -117,15 +120,17 @@ def compress(
     score: torch.Tensor | None,
     frontier: Frontier | None,
     norm: torch.Tensor,
-    w_k: torch.Tensor,
+    w_k: Any,
     k_norm: torch.Tensor,
     inv_freq: torch.Tensor,
     start: int,
     eps: float,
+    products: ops.Multiplies = FLOAT32,
 ) -> Compressed:
     """A kv-source layer's compressor over tokens start .. start + T - 1 of one sequence (ratio 2 when
     `score` is given, else 1): the main rows and index keys of the groups they finish, and the
-    frontier. Any split of a sequence into calls gives the same rows as one call."""
+    frontier; W_k multiplies through `products` (`index_keys`). Any split of a sequence into calls
+    gives the same rows as one call."""
     ratio = 1 if score is None else POOLED_RATIO
     latent, frontier = latents(kv, score, frontier, norm, start, eps)
     first = start // ratio
@@ -133,4 +138,4 @@ def compress(
         return Compressed(latent, latent.new_zeros(0, w_k.shape[0]), first, frontier)
     groups = torch.arange(first, first + latent.shape[0])
     rows = main_rows(latent, groups, ratio, inv_freq)
-    return Compressed(rows, index_keys(latent, groups, ratio, w_k, k_norm, eps, inv_freq), first, frontier)
+    return Compressed(rows, index_keys(latent, groups, ratio, w_k, k_norm, eps, inv_freq, products), first, frontier)

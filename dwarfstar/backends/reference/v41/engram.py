@@ -21,10 +21,12 @@ dtype, float32 here).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from dwarfstar.backends.reference import ops
+from dwarfstar.backends.reference.weights import FLOAT32
 from dwarfstar.model.numerics import elementwise
 
 GEMM_FP8_BLOCK = 32  # V4.1's FP8 linears quantize their input per 32 values (weight_block_size [32, 32])
@@ -34,14 +36,16 @@ GATE_FLOOR = 1e-6  # |dot| is floored before the square root
 def engram(
     h: torch.Tensor,
     rows: torch.Tensor,
-    w_kv: torch.Tensor,
+    w_kv: Any,
     q_weight: torch.Tensor,
     k_weight: torch.Tensor,
     image: torch.Tensor,
     eps: float,
+    products: ops.Multiplies = FLOAT32,
 ) -> torch.Tensor:
     """The streams h [T, n, D] enriched by the Engram rows [T, C, d_e] (float32, dequantized), with
-    w_kv [(n + 1) * D, C * d_e], q_weight and k_weight [n, D], image [T] bool (gate 0 where set) and
+    w_kv [(n + 1) * D, C * d_e] as `products` hold it (float32 by default; the cpu backend's file
+    blocks), q_weight and k_weight [n, D], image [T] bool (gate 0 where set) and
     the norms' eps (1e-20 in V4.1). Returns new streams [T, n, D]; nothing is written in place."""
     t, n, d = h.shape
     if rows.dim() != 3 or rows.shape[0] != t:
@@ -55,7 +59,7 @@ def engram(
     if tuple(image.shape) != (t,) or image.dtype != torch.bool:
         raise ValueError(f"engram image mask {tuple(image.shape)} {image.dtype} is not [{t}] bool")
     e = ops.fp8_round(rows.to(torch.bfloat16).float().reshape(t, width), GEMM_FP8_BLOCK)
-    kv = ops.linear(e, w_kv)
+    kv = products.linear(e, w_kv)
     key, value = kv[:, : n * d].view(t, n, d), kv[:, n * d :]
     r = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
     dot = (h * (q_weight * k_weight) * key).sum(-1) * r / math.sqrt(d)

@@ -4,11 +4,19 @@ The new numerics come from this package's modules (window, csa2, select, mhc, en
 reference math, which V4.1's reference (shared/spec/RELEASES_2026.md) shows is unchanged: RMSNorm, RoPE with YaRN, sink
 attention over gathered rows (`ops.attention_rows`), grouped wo_a / wo_b, sqrt-softplus routing and
 the clamped-SwiGLU experts. The Engram rows are read from the file through an `EngramStore`.
+
+The weight products run as `products` hold them, as in V4's reference (`weights.Products`): float32
+tensors by default, the CPU kernels' file blocks on the cpu backend (`backends/cpu/products.py`). The
+product weights are those V4's reference multiplies through them (the embedding, the projections,
+wo_a / wo_b, the compressors, the indexer, the experts and the head) with V4.1's W_k and Engram W_kv;
+the norms, the mHC mixes and the router stay float32. V4.1's FP8 / FP4 roundings are on the
+activations and rows, before or after a product, so they are the same whichever products run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,7 +24,7 @@ import torch
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.reference.model import expert_reader
 from dwarfstar.backends.reference.v41 import csa2, engram, mhc, select, window
-from dwarfstar.backends.reference.weights import FLOAT32, GGUFWeights, WeightSource
+from dwarfstar.backends.reference.weights import FLOAT32, GGUFWeights, Products, WeightSource
 from dwarfstar.engram.hashing import EngramHash
 from dwarfstar.engram.store import EngramStore
 from dwarfstar.model import tensors as tt
@@ -29,28 +37,49 @@ from dwarfstar.model.numerics import FP4_BLOCK, rope_angles, route
 
 
 class ReferenceOps41:
-    def __init__(self, args: ModelArgs41, weights: WeightSource, engram_hash: EngramHash, store: EngramStore) -> None:
-        self.args, self.weights, self.hash, self.store = args, weights, engram_hash, store
+    def __init__(
+        self,
+        args: ModelArgs41,
+        weights: WeightSource,
+        engram_hash: EngramHash,
+        store: EngramStore,
+        products: Products = FLOAT32,
+    ) -> None:
+        """`products`: how the weight products are held and computed (float32 here; the CPU kernels')."""
+        self.args, self.weights, self.hash, self.store, self.products = args, weights, engram_hash, store, products
         self._dense: dict[str, torch.Tensor] = {}  # the layers' float32 weights, read once
+        self._matrices: dict[str, Any] = {}  # the layers' product weights, as `products` hold them
         self.hc = mhc.HcConfig(args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps)
-        self.embedding = weights.dense(tt.EMBED)
-        self.out_norm, self.output = weights.dense(tt.OUTPUT_NORM), weights.dense(tt.OUTPUT)
-        self.experts = {il: expert_reader(weights, il) for il in range(args.n_layers)}
+        self.embedding = products.table(weights, tt.EMBED)
+        self.out_norm, self.output = weights.dense(tt.OUTPUT_NORM), products.matrix(weights, tt.OUTPUT)
+        self.experts = {il: expert_reader(weights, il, products) for il in range(args.n_layers)}
         self.inv_freq = {
             il: torch.tensor(yarn_inv_freq(args, args.layer(il)), dtype=torch.float64)  # type: ignore[arg-type]
             for il in range(args.n_layers)
         }
 
     @classmethod
-    def from_file(cls, model: ModelFile41, engram_cache_bytes: int = 0) -> ReferenceOps41:
+    def from_file(cls, model: ModelFile41, engram_cache_bytes: int = 0, products: Products = FLOAT32) -> ReferenceOps41:
         store = EngramStore(model.engram, engram_cache_bytes)
-        return cls(model.args, GGUFWeights(model.gguf), model.engram_hash, store)
+        return cls(model.args, GGUFWeights(model.gguf), model.engram_hash, store, products)
 
     def w(self, il: int, name: str) -> torch.Tensor:
+        """Layer il's float32 weight `name` (a norm, a mix, the router), read once."""
         full = tt.layer_tensor(il, name)
         if full not in self._dense:
             self._dense[full] = self.weights.dense(full)
         return self._dense[full]
+
+    def m(self, il: int, name: str) -> Any:
+        """Layer il's product weight `name`, as `products` hold it, read once."""
+        full = tt.layer_tensor(il, name)
+        if full not in self._matrices:
+            self._matrices[full] = self.products.matrix(self.weights, full)
+        return self._matrices[full]
+
+    def _linear(self, x: Any, il: int, name: str) -> torch.Tensor:
+        """x @ W.T for layer il's product weight `name` (x a tensor or a `products.input`)."""
+        return self.products.linear(x, self.m(il, name))
 
     def _angles(self, il: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_angles(positions, self.inv_freq[il])
@@ -68,8 +97,8 @@ class ReferenceOps41:
     def engram(self, il: int, h: torch.Tensor, rows: np.ndarray, image: torch.Tensor | None) -> torch.Tensor:
         values = torch.from_numpy(self.store.rows(il, rows))
         shut = torch.zeros(h.shape[0], dtype=torch.bool) if image is None else image
-        weights = (self.w(il, name) for name in (tt41.ENGRAM_KV, tt41.ENGRAM_Q_NORM, tt41.ENGRAM_K_NORM))
-        return engram.engram(h, values, *weights, shut, self.args.norm_eps)
+        norms = (self.w(il, name) for name in (tt41.ENGRAM_Q_NORM, tt41.ENGRAM_K_NORM))
+        return engram.engram(h, values, self.m(il, tt41.ENGRAM_KV), *norms, shut, self.args.norm_eps, self.products)
 
     def mix(self, il: int, site: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return mhc.mix(h, mhc.HcWeights(*(self.w(il, name) for name in tt.hc_mix(site))), self.hc)
@@ -95,25 +124,26 @@ class ReferenceOps41:
         return rows[picks.clamp(min=0)], picks >= 0
 
     def head(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        return ops.linear(ops.rms_norm(mhc.collapse(h, pre), self.out_norm, self.args.norm_eps), self.output)
+        return self.products.linear(ops.rms_norm(mhc.collapse(h, pre), self.out_norm, self.args.norm_eps), self.output)
 
     # -- attention -------------------------------------------------------------------------------------
     def query(self, il: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.args
-        qr = ops.rms_norm(ops.linear(x, self.w(il, "attn_q_a.weight")), self.w(il, tt.Q_NORM), a.norm_eps)
-        q = ops.linear(qr, self.w(il, "attn_q_b.weight")).view(x.shape[0], a.n_heads, a.head_dim)
+        qr = ops.rms_norm(self._linear(x, il, "attn_q_a.weight"), self.w(il, tt.Q_NORM), a.norm_eps)
+        q = self._linear(qr, il, "attn_q_b.weight").view(x.shape[0], a.n_heads, a.head_dim)
         return ops.apply_rope(q, *self._angles(il, positions)), qr
 
     def window_rows(self, il: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        kv = ops.linear(x, self.w(il, "attn_kv.weight"))
+        kv = self._linear(x, il, "attn_kv.weight")
         return window.window_rows(kv, self.w(il, tt.KV_NORM), positions, self.inv_freq[il], self.args.norm_eps)
 
     def compress(
         self, il: int, x: torch.Tensor, frontier: tuple[torch.Tensor, torch.Tensor] | None, start: int
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         spec = self.args.layer(il)
-        kv = ops.linear(x, self.w(il, tt41.COMPRESSOR_KV))
-        score = ops.linear(x, self.w(il, tt41.COMPRESSOR_GATE)) if spec.has_gate else None
+        x = self.products.input(x)  # quantized once for both products on the kernels
+        kv = self._linear(x, il, tt41.COMPRESSOR_KV)
+        score = self._linear(x, il, tt41.COMPRESSOR_GATE) if spec.has_gate else None
         if score is not None and frontier is None:
             frontier = csa2.new_frontier(kv.shape[1])
         done = csa2.compress(
@@ -121,11 +151,12 @@ class ReferenceOps41:
             score,
             None if frontier is None else csa2.Frontier(*frontier),
             self.w(il, tt41.COMPRESSOR_NORM),
-            self.w(il, tt41.INDEX_K),
+            self.m(il, tt41.INDEX_K),
             self.w(il, tt41.INDEX_K_NORM),
             self.inv_freq[il],
             start,
             self.args.norm_eps,
+            self.products,
         )
         return done.rows, done.index_keys, done.frontier
 
@@ -133,9 +164,9 @@ class ReferenceOps41:
         self, il: int, qr: torch.Tensor, x: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         a, t = self.args, x.shape[0]
-        iq = ops.linear(qr, self.w(il, tt41.INDEX_Q)).view(t, a.index_n_heads, a.index_head_dim)
+        iq = self._linear(qr, il, tt41.INDEX_Q).view(t, a.index_n_heads, a.index_head_dim)
         iq = ops.fp4_round(ops.apply_rope(iq, *self._angles(il, positions)), FP4_BLOCK)
-        weights = ops.linear(x, self.w(il, tt41.INDEX_PROJ))
+        weights = self._linear(x, il, tt41.INDEX_PROJ)
         return select.index_scores(iq, weights, keys, positions, a.compress_ratios[il])
 
     def candidates(self, scores: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -153,9 +184,10 @@ class ReferenceOps41:
         a = self.args
         out, _ = ops.attention_rows(q, parts, self.w(il, tt.SINKS))
         o = ops.apply_rope(out, *self._angles(il, positions), inverse=True)
-        heads, rank, wo_a = o.reshape(o.shape[0], a.o_groups, -1), a.o_lora_rank, self.w(il, tt.OUT_A)
-        grouped = torch.cat([ops.linear(heads[:, g], wo_a[g * rank : (g + 1) * rank]) for g in range(a.o_groups)], 1)
-        return ops.linear(grouped, self.w(il, tt.OUT_B))
+        heads, rank, wo_a = o.reshape(o.shape[0], a.o_groups, -1), a.o_lora_rank, self.m(il, tt.OUT_A)
+        linear = self.products.linear
+        grouped = torch.cat([linear(heads[:, g], wo_a[g * rank : (g + 1) * rank]) for g in range(a.o_groups)], 1)
+        return self._linear(grouped, il, tt.OUT_B)
 
     # -- mixture of experts ----------------------------------------------------------------------------
     def moe(self, il: int, x: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
@@ -163,6 +195,7 @@ class ReferenceOps41:
         logits = ops.linear(x, self.w(il, tt.ROUTER))
         bias, image_bias = self.w(il, tt.ROUTER_BIAS), self.w(il, tt41.ROUTER_BIAS_VL)
         ids, weights = route(logits, a.n_activated_experts, a.route_scale, bias, None, image, image_bias)
-        out = ops.routed_ffn(x, ids, ids, weights, self.experts[il], FLOAT32, a.swiglu_limit)
-        gate, up, down = (self.w(il, name) for name in tt.SHARED_EXPERT)
-        return out + ops.linear(ops.swiglu_clamped(ops.linear(x, gate), ops.linear(x, up), a.swiglu_limit), down)
+        out = ops.routed_ffn(x, ids, ids, weights, self.experts[il], self.products, a.swiglu_limit)
+        gate, up, down = (self.m(il, name) for name in tt.SHARED_EXPERT)
+        x, linear = self.products.input(x), self.products.linear
+        return out + linear(ops.swiglu_clamped(linear(x, gate), linear(x, up), a.swiglu_limit), down)
