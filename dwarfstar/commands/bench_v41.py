@@ -1,0 +1,69 @@
+"""`dwarfstar bench v41`: a DeepSeek V4.1 file's prefill and decode speed, resident memory and Engram reads
+at several `--engram-cache` budgets (dwarfstar/bench/v41.py says what each figure is)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from dwarfstar.commands.apps import bench_app
+from dwarfstar.commands.bench_ctx import PromptFile, bench_text
+from dwarfstar.commands.flags import Backend, Model, Precision
+from dwarfstar.errors import DwarfStarError
+
+
+def parse_budgets(budgets: str) -> list[int]:
+    """--budgets' MB, in the order given."""
+    try:
+        values = [int(b) for b in budgets.split(",") if b.strip()]
+    except ValueError:
+        raise DwarfStarError(f"--budgets takes comma-separated MB, got {budgets!r}") from None
+    if not values or min(values) < 0:
+        raise DwarfStarError(f"--budgets takes one or more MB, 0 or more, got {budgets!r}")
+    return values
+
+
+@bench_app.command("v41")
+def bench_v41(
+    model: Model = None,
+    backend: Backend = "auto",
+    precision: Precision = "exact",
+    budgets: Annotated[str, typer.Option(help="Comma-separated --engram-cache budgets in MB, one run each.")] = (
+        "0,64,1024"
+    ),
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Tokens of the text prefilled.")] = 64,
+    gen_tokens: Annotated[
+        int, typer.Option("--gen-tokens", "-n", "--tokens", min=1, help="Greedy tokens decoded after it.")
+    ] = 8,
+    prompt_file: PromptFile = None,
+    cold: Annotated[
+        bool, typer.Option("--cold", help="Drop the file's pages from the page cache before each budget.")
+    ] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
+) -> None:
+    """Prefill and decode tok/s, resident memory and Engram reads (hit rate, latency) of a V4.1 model per
+    Engram cache budget."""
+    from dwarfstar.bench.v41 import as_dict, file_facts, format_report, machine_note, run_budgets
+    from dwarfstar.console.terminal import note
+    from dwarfstar.engine.spec import EngineSpec
+    from dwarfstar.model.file_v41 import FAMILY41, open_model41
+    from dwarfstar.model.hub import resolve_model
+    from dwarfstar.model.loader import is_v41
+
+    sizes = parse_budgets(budgets)
+    path = resolve_model(model)
+    if not is_v41(path):
+        raise DwarfStarError(f"{path} is not a {FAMILY41} file: dwarfstar bench v41 measures V4.1 models only")
+    opened = open_model41(path)
+    try:
+        facts = file_facts(opened)
+    finally:
+        opened.close()
+    text = bench_text(prompt_file, prompt_tokens)
+    spec = EngineSpec(path, backend, precision)
+    note(f"{path.name}: budgets {sizes} MB, {prompt_tokens} prompt tokens, {gen_tokens} decoded")
+    runs = run_budgets(spec, sizes, text, prompt_tokens, gen_tokens, cold)
+    typer.echo(json.dumps(as_dict(facts, runs)) if json_out else format_report(facts, runs))
+    note(machine_note())
