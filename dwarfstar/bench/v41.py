@@ -1,9 +1,9 @@
 """The DeepSeek V4.1 bench of `dwarfstar bench v41` (issue 33): speed, resident memory and Engram reads at
 several Engram cache budgets, on one model file.
 
-Each budget loads the model afresh with that `--engram-cache` (the public path: `load_engine`), prefills
-the first tokens of a text (tokenized raw, no template) and decodes greedy tokens with EOS masked, as
-`dwarfstar bench` does for V4. A budget reports:
+Each budget loads the model afresh with that `--engram-cache` (`run_budget`'s `load`: the command's is
+`load_engine`, as `dwarfstar run` loads), prefills the first tokens of a text (tokenized raw, no
+template) and decodes greedy tokens with EOS masked, as `dwarfstar bench` does for V4. A budget reports:
 
 * prefill and decode tok/s, and the load's seconds (the reference reads its weights as the layers first
   run, so the prefill pays for them);
@@ -27,18 +27,17 @@ from __future__ import annotations
 import gc
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dwarfstar.backends.registry import host_memory
+from dwarfstar.backends.protocol import Backend
 from dwarfstar.bench.frontier import greedy_without_eos, read_bench_tokens
-from dwarfstar.engine.load import Engine, load_engine
-from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.engram.hashing import COLUMNS
 from dwarfstar.engram.store import EngramStore
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.replay import drop_page_cache
-from dwarfstar.model.file_v41 import FAMILY41, ModelFile41
+from dwarfstar.model.file_v41 import ModelFile41
 from dwarfstar.session.session import Session
 
 STATUS = Path("/proc/self/status")
@@ -90,7 +89,7 @@ class FileFacts:
     ram_bytes: int
 
 
-def file_facts(model: ModelFile41) -> FileFacts:
+def file_facts(model: ModelFile41, ram_bytes: int) -> FileFacts:
     stat = model.path.stat()
     return FileFacts(
         str(model.path),
@@ -100,7 +99,7 @@ def file_facts(model: ModelFile41) -> FileFacts:
         model.engram_bytes,
         sum(extent.rows for extent in model.engram.values()),
         len(model.engram),
-        host_memory(),
+        ram_bytes,
     )
 
 
@@ -141,45 +140,54 @@ class BudgetRun:
         return 1 - (int(stats["misses"]) - int(stats["prefetched"])) / uses
 
 
-def engram_store(engine: Engine) -> EngramStore:
-    """The engine's Engram store (every backend's V4.1 ops hold one as `store`)."""
-    if not isinstance(engine.model, ModelFile41):
-        raise DwarfStarError(f"dwarfstar bench v41 measures {FAMILY41} models; {engine.model.path} is not one")
-    store = getattr(getattr(engine.backend, "transformer", None), "ops", None)
-    store = getattr(store, "store", None)
-    if not isinstance(store, EngramStore):
-        raise DwarfStarError(f"the {engine.backend_name} backend's V4.1 model holds no Engram store to measure")
-    return store
+@dataclass(frozen=True)
+class Loaded:
+    """A V4.1 model loaded with one Engram cache budget, as the bench drives it; `close` lets it go."""
+
+    backend: Backend
+    store: EngramStore
+    tokenize: Callable[[str], list[int]]
+    eos: int
+    load_seconds: float
+    close: Callable[[], None]
 
 
-def run_budget(spec: EngineSpec, text: str, prompt_tokens: int, gen_tokens: int, cold: bool) -> BudgetRun:
-    """Load `spec` (its `engram_cache` is the budget), prefill `prompt_tokens` tokens of `text`, decode
-    `gen_tokens` greedy tokens; the figures of the run."""
-    if cold:
-        drop_page_cache(str(spec.model))
-    gc.collect()  # the previous budget's engine is gone before the peak restarts
+def run_budget(
+    load: Callable[[int, int], Loaded],
+    budget_mb: int,
+    text: str,
+    prompt_tokens: int,
+    gen_tokens: int,
+    cold: Path | None = None,
+) -> BudgetRun:
+    """`load(budget_mb, ctx)` the model, prefill `prompt_tokens` tokens of `text`, decode `gen_tokens` greedy
+    tokens; the figures of the run. `cold`: the model file, whose pages leave the page cache first."""
+    if cold is not None:
+        drop_page_cache(str(cold))
+    gc.collect()  # the previous budget's model is gone before the peak restarts
     restart_peak()
-    engine = load_engine(replace(spec, ctx=prompt_tokens + gen_tokens + 1))
-    store = engram_store(engine)
+    ctx = prompt_tokens + gen_tokens + 1
+    model = load(budget_mb, ctx)
+    store = model.store
     try:
-        tokens = read_bench_tokens(engine.tokenizer.encode, text, prompt_tokens)
+        tokens = read_bench_tokens(model.tokenize, text, prompt_tokens)
         if len(tokens) < prompt_tokens:
             raise DwarfStarError(f"the text has {len(tokens)} tokens, fewer than --prompt-tokens {prompt_tokens}")
         loaded = resident()
-        session = Session(engine.backend, ctx=prompt_tokens + gen_tokens + 1, chunk=prompt_tokens)
+        session = Session(model.backend, ctx=ctx, chunk=prompt_tokens)
         store.take_telemetry()
         start = time.perf_counter()
         session.prefill(tokens)
         prefill_seconds = time.perf_counter() - start
         prefill = store.take_telemetry()
         start = time.perf_counter()
-        greedy_without_eos(session, gen_tokens, engine.model.args.eos_token_id)
+        greedy_without_eos(session, gen_tokens, model.eos)
         gen_seconds = time.perf_counter() - start
         decode = store.take_telemetry()
         end = resident()
         return BudgetRun(
-            spec.engram_cache,
-            engine.load_seconds,
+            budget_mb,
+            model.load_seconds,
             prompt_tokens,
             prefill_seconds,
             gen_tokens,
@@ -192,15 +200,7 @@ def run_budget(spec: EngineSpec, text: str, prompt_tokens: int, gen_tokens: int,
             tuple(session.tokens[prompt_tokens:]),
         )
     finally:
-        store.close()
-        engine.model.close()
-
-
-def run_budgets(
-    spec: EngineSpec, budgets: list[int], text: str, prompt_tokens: int, gen_tokens: int, cold: bool
-) -> list[BudgetRun]:
-    """`run_budget` at each budget (MB), in order."""
-    return [run_budget(replace(spec, engram_cache=mb), text, prompt_tokens, gen_tokens, cold) for mb in budgets]
+        model.close()
 
 
 def as_dict(facts: FileFacts, runs: list[BudgetRun]) -> dict:

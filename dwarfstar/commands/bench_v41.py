@@ -3,8 +3,9 @@ at several `--engram-cache` budgets (dwarfstar/bench/v41.py says what each figur
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -12,6 +13,10 @@ from dwarfstar.commands.apps import bench_app
 from dwarfstar.commands.bench_ctx import PromptFile, bench_text
 from dwarfstar.commands.flags import Backend, Model, Precision
 from dwarfstar.errors import DwarfStarError
+
+if TYPE_CHECKING:
+    from dwarfstar.bench.v41 import Loaded
+    from dwarfstar.engine.spec import EngineSpec
 
 
 def parse_budgets(budgets: str) -> list[int]:
@@ -45,7 +50,8 @@ def bench_v41(
 ) -> None:
     """Prefill and decode tok/s, resident memory and Engram reads (hit rate, latency) of a V4.1 model per
     Engram cache budget."""
-    from dwarfstar.bench.v41 import as_dict, file_facts, format_report, machine_note, run_budgets
+    from dwarfstar.backends.registry import host_memory
+    from dwarfstar.bench.v41 import as_dict, file_facts, format_report, machine_note, run_budget
     from dwarfstar.console.terminal import note
     from dwarfstar.engine.spec import EngineSpec
     from dwarfstar.model.file_v41 import FAMILY41, open_model41
@@ -58,12 +64,40 @@ def bench_v41(
         raise DwarfStarError(f"{path} is not a {FAMILY41} file: dwarfstar bench v41 measures V4.1 models only")
     opened = open_model41(path)
     try:
-        facts = file_facts(opened)
+        facts = file_facts(opened, host_memory())
     finally:
         opened.close()
     text = bench_text(prompt_file, prompt_tokens)
     spec = EngineSpec(path, backend, precision)
     note(f"{path.name}: budgets {sizes} MB, {prompt_tokens} prompt tokens, {gen_tokens} decoded")
-    runs = run_budgets(spec, sizes, text, prompt_tokens, gen_tokens, cold)
+    load = functools.partial(_load, spec)
+    runs = []
+    for mb in sizes:
+        runs.append(run_budget(load, mb, text, prompt_tokens, gen_tokens, path if cold else None))
+        note(f"--engram-cache {mb} MB: done, {runs[-1].prefill_tps:.3f} / {runs[-1].gen_tps:.3f} tok/s")
     typer.echo(json.dumps(as_dict(facts, runs)) if json_out else format_report(facts, runs))
     note(machine_note())
+
+
+def _load(spec: EngineSpec, budget_mb: int, ctx: int) -> Loaded:
+    """`spec` loaded with an Engram cache of `budget_mb` MB, for sequences of `ctx` tokens."""
+    from dataclasses import replace
+
+    from dwarfstar.bench.v41 import Loaded
+    from dwarfstar.engine.load import load_engine
+    from dwarfstar.engram.store import EngramStore
+
+    engine = load_engine(replace(spec, engram_cache=budget_mb, ctx=ctx))
+    # every backend's V4.1 ops hold the store they read through (reference, triton, mlx)
+    store = getattr(getattr(engine.backend, "transformer", None), "ops", None)
+    store = getattr(store, "store", None)
+    if not isinstance(store, EngramStore):
+        engine.model.close()
+        raise DwarfStarError(f"the {engine.backend_name} backend's V4.1 model holds no Engram store to measure")
+
+    def close() -> None:
+        store.close()
+        engine.model.close()
+
+    eos = engine.model.args.eos_token_id
+    return Loaded(engine.backend, store, engine.tokenizer.encode, eos, engine.load_seconds, close)
