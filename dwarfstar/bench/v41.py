@@ -3,7 +3,9 @@ several Engram cache budgets, on one model file.
 
 Each budget loads the model afresh with that `--engram-cache` (`run_budget`'s `load`: the command's is
 `load_engine`, as `dwarfstar run` loads), prefills the first tokens of a text (tokenized raw, no
-template) and decodes greedy tokens with EOS masked, as `dwarfstar bench` does for V4. A budget reports:
+template) and decodes greedy tokens with EOS masked, as `dwarfstar bench` does for V4 (or, `follow_text`,
+the text's next tokens: a random-weight model's greedy tokens make n-grams no text has, so their Engram
+rows are never in the cache). A budget reports:
 
 * prefill and decode tok/s, and the load's seconds (the reference reads its weights as the layers first
   run, so the prefill pays for them);
@@ -32,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dwarfstar.backends.protocol import Backend
-from dwarfstar.bench.frontier import greedy_without_eos, read_bench_tokens
+from dwarfstar.bench.frontier import greedy_choice, read_bench_tokens
 from dwarfstar.engram.hashing import COLUMNS
 from dwarfstar.engram.store import EngramStore
 from dwarfstar.errors import DwarfStarError
@@ -118,7 +120,7 @@ class BudgetRun:
     peak_bytes: int | None
     engram: dict[str, dict[str, float | int]]
     rows_per_token: int  # rows a token uses: 24 per Engram layer
-    generated: tuple[int, ...]
+    generated: tuple[int, ...]  # the greedy choice (EOS masked) at each decode step
 
     @property
     def prefill_tps(self) -> float:
@@ -159,9 +161,12 @@ def run_budget(
     prompt_tokens: int,
     gen_tokens: int,
     cold: Path | None = None,
+    follow_text: bool = False,
 ) -> BudgetRun:
-    """`load(budget_mb, ctx)` the model, prefill `prompt_tokens` tokens of `text`, decode `gen_tokens` greedy
-    tokens; the figures of the run. `cold`: the model file, whose pages leave the page cache first."""
+    """`load(budget_mb, ctx)` the model, prefill `prompt_tokens` tokens of `text`, decode `gen_tokens` tokens:
+    greedy (EOS masked), or with `follow_text` the text's next ones (so the decoded n-grams, and the Engram
+    rows they use, are the text's, whatever a random-weight model would choose). `cold`: the model file,
+    whose pages leave the page cache first. `generated` holds the greedy choice at each step either way."""
     if cold is not None:
         drop_page_cache(str(cold))
     gc.collect()  # the previous budget's model is gone before the peak restarts
@@ -170,18 +175,22 @@ def run_budget(
     model = load(budget_mb, ctx)
     store = model.store
     try:
-        tokens = read_bench_tokens(model.tokenize, text, prompt_tokens)
-        if len(tokens) < prompt_tokens:
-            raise DwarfStarError(f"the text has {len(tokens)} tokens, fewer than --prompt-tokens {prompt_tokens}")
+        needed = prompt_tokens + gen_tokens * follow_text
+        tokens = read_bench_tokens(model.tokenize, text, needed)
+        if len(tokens) < needed:
+            raise DwarfStarError(f"the text has {len(tokens)} tokens; the bench reads {needed}")
         loaded = resident()
         session = Session(model.backend, ctx=ctx, chunk=prompt_tokens)
         store.take_telemetry()
         start = time.perf_counter()
-        session.prefill(tokens)
+        session.prefill(tokens[:prompt_tokens])
         prefill_seconds = time.perf_counter() - start
         prefill = store.take_telemetry()
+        choices: list[int] = []
         start = time.perf_counter()
-        greedy_without_eos(session, gen_tokens, model.eos)
+        for step in range(gen_tokens):
+            choices.append(greedy_choice(session, model.eos))
+            session.decode(tokens[prompt_tokens + step] if follow_text else choices[-1])
         gen_seconds = time.perf_counter() - start
         decode = store.take_telemetry()
         end = resident()
@@ -197,7 +206,7 @@ def run_budget(
             None if end is None else end.peak,
             {"prefill": prefill, "decode": decode},
             COLUMNS * len(store.extents),
-            tuple(session.tokens[prompt_tokens:]),
+            tuple(choices),
         )
     finally:
         model.close()
@@ -251,7 +260,7 @@ def format_report(facts: FileFacts, runs: list[BudgetRun]) -> str:
                 f"{stats['resident_rows']:,}/{stats['capacity_rows']:,} rows cached"
             )
     same = len({run.generated for run in runs}) <= 1
-    lines.append(f"greedy tokens {'the same' if same else 'DIFFER'} at every budget: {list(runs[0].generated)}")
+    lines.append(f"greedy choices {'the same' if same else 'DIFFER'} at every budget: {list(runs[0].generated)}")
     return "\n".join(lines)
 
 

@@ -46,6 +46,12 @@ def bench_v41(
     cold: Annotated[
         bool, typer.Option("--cold", help="Drop the file's pages from the page cache before each budget.")
     ] = False,
+    decode_text: Annotated[
+        bool,
+        typer.Option(
+            "--decode-text", help="Decode the text's next tokens instead of greedy ones (text-like Engram reads)."
+        ),
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
     """Prefill and decode tok/s, resident memory and Engram reads (hit rate, latency) of a V4.1 model per
@@ -67,13 +73,13 @@ def bench_v41(
         facts = file_facts(opened, host_memory())
     finally:
         opened.close()
-    text = bench_text(prompt_file, prompt_tokens)
+    text = bench_text(prompt_file, prompt_tokens + gen_tokens)
     spec = EngineSpec(path, backend, precision)
     note(f"{path.name}: budgets {sizes} MB, {prompt_tokens} prompt tokens, {gen_tokens} decoded")
     load = functools.partial(_load, spec)
     runs = []
     for mb in sizes:
-        runs.append(run_budget(load, mb, text, prompt_tokens, gen_tokens, path if cold else None))
+        runs.append(run_budget(load, mb, text, prompt_tokens, gen_tokens, path if cold else None, decode_text))
         note(f"--engram-cache {mb} MB: done, {runs[-1].prefill_tps:.3f} / {runs[-1].gen_tps:.3f} tok/s")
     typer.echo(json.dumps(as_dict(facts, runs)) if json_out else format_report(facts, runs))
     note(machine_note())

@@ -11,9 +11,10 @@ import torch
 from test_cli_front import cli, refused
 
 from dwarfstar.backends.reference.v41.backend import ReferenceModel41
-from dwarfstar.bench.v41 import PHASES, as_dict, format_report, run_budgets
+from dwarfstar.bench.v41 import PHASES, as_dict, file_facts, format_report, run_budget
 from dwarfstar.cli import _register_commands
 from dwarfstar.commands.bench_ctx import bench_text
+from dwarfstar.commands.bench_v41 import _load
 from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.experts.replay import drop_page_cache
 from dwarfstar.model.file_v41 import open_model41
@@ -26,16 +27,14 @@ PROMPT = [(7919 * i + 101) % 120000 for i in range(40)]
 @pytest.fixture(scope="module")
 def runs(v41_tiny_file):
     """Budgets of 0, 1 and 4 MB: none, 44% and all of v41-tiny's 2.4 MB of tables."""
-    text = bench_text(None, 48)
-    return run_budgets(EngineSpec(v41_tiny_file, "reference"), [0, 1, 4], text, 48, 2, cold=False)
+    text, spec = bench_text(None, 48), EngineSpec(v41_tiny_file, "reference")
+    return [run_budget(lambda mb, ctx: _load(spec, mb, ctx), mb, text, 48, 2) for mb in (0, 1, 4)]
 
 
 def test_the_report_has_every_figure(runs, v41_tiny_file):
-    from dwarfstar.bench.v41 import file_facts
-
     model = open_model41(v41_tiny_file)
     try:
-        facts = file_facts(model)
+        facts = file_facts(model, 24 << 30)
     finally:
         model.close()
     assert facts.engram_rows == sum(model.args.engram_rows) and facts.on_disk_bytes > 0
@@ -46,7 +45,7 @@ def test_the_report_has_every_figure(runs, v41_tiny_file):
         line = next(line for line in report.splitlines() if f"engram {phase}:" in line)
         for figure in ("48 rows used/token", "read/token", "kB/token", "hit rate", "p50", "p99", "rows cached"):
             assert figure in line, (phase, figure)
-    assert "greedy tokens the same at every budget" in report
+    assert "greedy choices the same at every budget" in report
     data = json.loads(json.dumps(as_dict(facts, runs)))
     assert data["same_tokens"] and [row["budget_mb"] for row in data["budgets"]] == [0, 1, 4]
     for run in runs:
@@ -67,7 +66,7 @@ def test_hit_rate_rises_with_the_budget(runs):
 
 def test_the_command_prints_its_report_and_refuses_what_it_cannot_measure(monkeypatch, capsys, v41_tiny_file):
     args = ("bench", "v41", "-m", str(v41_tiny_file), "--backend", "reference", "--prompt-tokens", "8", "-n", "1")
-    code, out, err = cli(monkeypatch, capsys, *args, "--budgets", "1", "--cold")
+    code, out, err = cli(monkeypatch, capsys, *args, "--budgets", "1", "--cold", "--decode-text")
     assert code == 0, err
     assert "--engram-cache 1 MB" in out and "engram decode:" in out and "load average" in err
     assert "--budgets takes comma-separated MB" in refused(monkeypatch, capsys, *args, "--budgets", "0,0.5")
