@@ -40,7 +40,14 @@ def bench_v41(
     ),
     prompt_tokens: Annotated[int, typer.Option(min=1, help="Tokens of the text prefilled.")] = 64,
     gen_tokens: Annotated[
-        int, typer.Option("--gen-tokens", "-n", "--tokens", min=1, help="Greedy tokens decoded after it.")
+        int,
+        typer.Option(
+            "--gen-tokens",
+            "-n",
+            "--tokens",
+            min=1,
+            help="Tokens decoded after it: greedy, or the text's (--decode-text).",
+        ),
     ] = 8,
     prompt_file: PromptFile = None,
     cold: Annotated[
