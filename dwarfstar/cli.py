@@ -44,6 +44,7 @@ def _register_commands() -> None:
     import dwarfstar.commands.bench_kv  # noqa: F401
     import dwarfstar.commands.bench_mlx  # noqa: F401
     import dwarfstar.commands.bench_vision  # noqa: F401
+    import dwarfstar.commands.bench_v41  # noqa: F401
     import dwarfstar.commands.speculate  # noqa: F401
     import dwarfstar.commands.eval  # noqa: F401
     import dwarfstar.commands.gates  # noqa: F401

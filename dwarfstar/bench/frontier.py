@@ -93,12 +93,17 @@ def kv_bytes_read(args: ModelArgs, ctx: int, element_bytes: int) -> int:
     return elements * element_bytes
 
 
+def greedy_choice(session: Session, eos: int) -> int:
+    """The session's most likely next token but EOS."""
+    logits = session.logits.float().flatten().clone()
+    logits[eos] = -math.inf
+    return int(logits.argmax())
+
+
 def greedy_without_eos(session: Session, n: int, eos: int) -> None:
     """ds4-bench's decode: greedy, with EOS masked so every frontier decodes exactly n tokens."""
     for _ in range(n):
-        logits = session.logits.float().flatten().clone()
-        logits[eos] = -math.inf
-        session.decode(int(logits.argmax()))
+        session.decode(greedy_choice(session, eos))
 
 
 def run_bench(

@@ -23,6 +23,14 @@ if TYPE_CHECKING:
     from dwarfstar.model.loader import ModelFile
 
 
+PromptFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--prompt-file", "--text-file", help="Benchmark text (default: the book, packaged as a few kB repeated)."
+    ),
+]
+
+
 def _row_line(row: Row) -> str:
     return (
         f"ctx {row.ctx_tokens:>7}: prefill {row.prefill_tokens} tok at {row.prefill_tps:9.2f} tok/s | "
@@ -50,12 +58,7 @@ def bench(
     model: ModelFlags,
     steering: SteeringFlags,
     dist: DistFlags,
-    prompt_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--prompt-file", "--text-file", help="Benchmark text (default: the book, packaged as a few kB repeated)."
-        ),
-    ] = None,
+    prompt_file: PromptFile = None,
     ctx_start: Annotated[int, typer.Option(help="First frontier (tokens).")] = 2048,
     ctx_max: Annotated[int, typer.Option(help="Last frontier (tokens).")] = 32768,
     ctx_alloc: Annotated[
