@@ -160,11 +160,14 @@ class EngramStore:
     def call_rows(self, engram_hash: EngramHash, tokens: Sequence[int], start: int) -> dict[int, np.ndarray]:
         """Each of the store's layers' rows (int64 [T, 24]) for positions `start`.. of the sequence `tokens`,
         hashed once for a forward call (`forward_v41.Ops41.engram_rows`); a call of several tokens (a
-        prompt) also starts reading them (`prefetch`: layer 0 runs while they arrive), a decode step's 48
-        are not worth the hand-off."""
+        prompt) also starts reading them (`prefetch`: layer 0 runs while they arrive) where the cache holds
+        them all (else the rows read ahead are evicted before their layer uses them, and each is read
+        twice); a decode step's 48 are not worth the hand-off."""
         rows = {layer: engram_hash.rows(layer, tokens, start) for layer in self.extents}
         if len(tokens) - start > 1:
-            self.prefetch({layer: ids.ravel() for layer, ids in rows.items()})
+            wanted = {layer: np.unique(ids) for layer, ids in rows.items()}
+            if sum(ids.size for ids in wanted.values()) <= self.capacity:
+                self.prefetch(wanted)
         return rows
 
     def telemetry(self) -> dict[str, float | int]:

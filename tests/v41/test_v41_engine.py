@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from test_cli_front import cli
@@ -183,9 +184,13 @@ def test_a_prompts_engram_rows_are_read_ahead_once(v41_tiny_file, monkeypatch):
     prompt = list(range(100, 130))
     backend.forward(prompt, state, all_logits=False)
     backend.forward([7], state, all_logits=False)
-    n = len(backend.args.engram_layers)
-    assert asked == [n * 30 * 24]  # the prompt's rows, all layers', once; not the decode step's
+    distinct = sum(np.unique(rows(ops.hash, il, prompt)).size for il in backend.args.engram_layers)
+    assert asked == [distinct]  # the prompt's distinct rows, all layers', once; not the decode step's
     assert sorted(hashed) == sorted([(il, s) for il in backend.args.engram_layers for s in (0, 30)])
     wanted = {(il, int(r)) for il in backend.args.engram_layers for r in rows(ops.hash, il, [*prompt, 7]).ravel()}
     stats = ops.store.telemetry()
     assert stats["misses"] == len(wanted) and stats["prefetched"] <= stats["misses"]
+    # without room for them, a prompt's rows are not read ahead (they would be evicted before use)
+    tight = ReferenceModel41.from_file(open_model41(v41_tiny_file), 100 * ROW_BYTES, 256)
+    tight.forward(prompt, tight.new_state(), all_logits=False)
+    assert tight.transformer.ops.store.telemetry()["prefetched"] == 0
