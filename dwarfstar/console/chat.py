@@ -33,7 +33,7 @@ from dwarfstar.engine.images import expand
 from dwarfstar.engine.load import Engine
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.experts.telemetry import summary as expert_summary
-from dwarfstar.kvcache.payloads import read_payload, write_payload
+from dwarfstar.kvcache.payloads import read_payload, suffix_of, write_payload
 from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.prompt.efforts import THINK_MAX_MIN_CTX, Effort, has_think_levels
 from dwarfstar.prompt.images import (
@@ -279,9 +279,9 @@ class Chat:
 
     # -- saved chats ------------------------------------------------------------------------------------
     def save(self, stem: Path) -> int:
-        """Write the KV state (`stem.dsv4`, the payload of the model's family: ds4's DSV4, or DS41 for
-        V4.1), the transcript (`stem.json`) and the turns' images (`stem.images/<sha256>`,
-        `prompt.images.keep_image`); returns the state's bytes."""
+        """Write the KV state (the payload of the model's family: ds4's DSV4 in `stem.dsv4`, or V4.1's DS41
+        in `stem.ds41`: `kvcache.payloads.suffix_of`), the transcript (`stem.json`) and the turns' images
+        (`stem.images/<sha256>`, `prompt.images.keep_image`); returns the state's bytes."""
         if not self.session.tokens:
             raise DwarfStarError("nothing to save yet")
         stem.parent.mkdir(parents=True, exist_ok=True)
@@ -294,7 +294,7 @@ class Chat:
             except ImageError as exc:
                 raise DwarfStarError(str(exc)) from None
             turns.append(asdict(replace(turn, images=())) | {"images": images})
-        with stem.with_suffix(".dsv4").open("wb") as out:
+        with stem.with_suffix(suffix_of(self.backend.args)).open("wb") as out:
             size = write_payload(out, self.session.state, self.backend.args, self.session.ctx, self.session.chunk)
         meta = {"system": self.system, "mode": self.mode.value, "level": self.level, "turns": turns}
         stem.with_suffix(".json").write_text(json.dumps(meta, ensure_ascii=False, indent=1), encoding="utf-8")
@@ -304,7 +304,7 @@ class Chat:
         """Restore a saved chat without recomputing it; returns its token count."""
         try:
             meta = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
-            data = stem.with_suffix(".dsv4").read_bytes()
+            data = stem.with_suffix(suffix_of(self.backend.args)).read_bytes()
         except (OSError, ValueError) as exc:
             raise DwarfStarError(f"cannot load {stem.name}: {exc}") from None
         state = read_payload(data, self.backend.args, self.session.ctx, self.session.chunk, self.backend.new_state)

@@ -34,6 +34,11 @@ def family_of(args: AnyArgs) -> str:
     return FAMILY41 if isinstance(args, ModelArgs41) else FAMILY4
 
 
+def suffix_of(args: AnyArgs) -> str:
+    """A saved payload's file suffix: `.dsv4` (ds4's layout, V4) or `.ds41` (V4.1's)."""
+    return ".ds41" if isinstance(args, ModelArgs41) else ".dsv4"
+
+
 def read_header(data: bytes | memoryview) -> AnyHeader:
     """The header of a payload of either family, told by its magic."""
     if len(data) < 4:

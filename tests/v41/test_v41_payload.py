@@ -111,7 +111,7 @@ def test_runs_chat_saves_and_loads_a_v41_conversation(engine, tmp_path, capsys):
     talked = chat()
     talked.ask("hello")
     size = talked.save(tmp_path / "talk")  # `run`'s /save
-    assert (tmp_path / "talk.dsv4").read_bytes()[:4] == b"DS41" and size == (tmp_path / "talk.dsv4").stat().st_size
+    assert (tmp_path / "talk.ds41").read_bytes()[:4] == b"DS41" and size == (tmp_path / "talk.ds41").stat().st_size
     loaded = chat()
     assert loaded.load(tmp_path / "talk") == len(talked.session.tokens)  # /load: no prefill
     assert loaded.session.stats.computed == 0 and loaded.session.tokens == talked.session.tokens
