@@ -21,16 +21,39 @@ from dwarfstar.backends.reference.v41.backend import ReferenceModel41
 from dwarfstar.convert.hf import convert_checkpoint, plan_conversion
 from dwarfstar.convert.names import source_names
 from dwarfstar.engram.rows import ROW_VALUES
-from dwarfstar.errors import ConfigError, DwarfStarError, ModelFileError
+from dwarfstar.errors import ConfigError, ModelFileError
 from dwarfstar.gguf.constants import GGMLType
 from dwarfstar.gguf.reader import GGUFFile
 from dwarfstar.model.config_v41 import ModelArgs41
+from dwarfstar.model.dspark_v41 import dspark_tensors41
 from dwarfstar.model.file_v41 import open_model41
-from dwarfstar.model.synthetic_v41 import V41_TINY
+from dwarfstar.model.synthetic_v41 import TINY_DSPARK41, V41_TINY
 from dwarfstar.model.tensors_v41 import V41_ALIGNMENT, expected_tensors41
+from dwarfstar.speculative.dspark_v41 import open_dspark41
 
 ARGS = V41_TINY
-STAGES = 3  # DSpark stages: their ratios follow the layers' in config.json
+DRAFTER = TINY_DSPARK41
+STAGES = DRAFTER.d.stages  # DSpark stages: their ratios follow the layers' in config.json
+# the drafter's heads: support-file name -> the checkpoint's (V4.1's reference: `DSparkBlock`, `DSparkMarkovHead`)
+HEADS = {
+    "mtp.0.main_proj.weight": "mtp.0.main_proj.weight",
+    "mtp.0.main_norm.weight": "mtp.0.main_norm.weight",
+    "mtp.2.norm.weight": "mtp.2.norm.weight",
+    "mtp.2.markov_head.markov_w1.weight": "mtp.2.markov_head.embed.weight",
+    "mtp.2.markov_head.markov_w2.weight": "mtp.2.markov_head.head.weight",
+    "mtp.2.confidence_head.proj.weight": "mtp.2.confidence_head.proj.weight",
+}
+
+
+def drafter_names(file_name: str) -> list[str]:
+    """The checkpoint names of a support-file tensor: a head's, or a stage's as the trunk's layer 0 names
+    it (experts one per expert) under `mtp.{k}.`."""
+    if file_name in HEADS:
+        return [HEADS[file_name]]
+    _, stage, suffix = file_name.split(".", 2)
+    return [n.replace("layers.0.", f"mtp.{stage}.") for n in source_names(f"blk.0.{suffix}", DRAFTER.n_experts)]
+
+
 FP8_NAMES = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight")
 FP8_NAMES += ("shared_experts.w1.weight", "shared_experts.w2.weight", "shared_experts.w3.weight", "head.weight")
 FP8_NAMES += ("attn.indexer.wq_b.weight", "engram.wkv.weight")
@@ -40,7 +63,16 @@ def official_config(args: ModelArgs41) -> dict:
     config = json.loads(args.config_json())
     text = config["text_config"]
     text["compress_ratios"] = [*text["compress_ratios"], *[0] * STAGES]
-    text |= {"num_nextn_predict_layers": STAGES, "dspark_block_size": 5, "dspark_target_layer_ids": [9, 10, 11]}
+    d = DRAFTER.d
+    text |= {
+        "num_nextn_predict_layers": STAGES,
+        "dspark_block_size": d.block_size,
+        "dspark_target_layer_ids": list(d.target_layers),
+        "dspark_markov_rank": d.markov_rank,
+        "dspark_noise_token_id": d.noise_token_id,
+        "dspark_n_routed_experts": DRAFTER.n_experts,
+        "dspark_num_experts_per_tok": DRAFTER.top_k,
+    }
     text["rope_scaling"] = {"rope_type": "yarn", **{k: v for k, v in text["rope_scaling"].items() if k != "type"}}
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [32, 32], "expert_dtype": "fp4"}
     return config
@@ -84,7 +116,10 @@ def write_checkpoint(directory: Path, args: ModelArgs41 = ARGS, seed: int = 3) -
                 values[name] = stored[name].float()
             else:
                 stored[name] = values[name] = tensor
-    stored["mtp.0.main_proj.weight"] = torch.ones(64, 192)
+    for spec in dspark_tensors41(args, DRAFTER):  # the drafter, float32 as stored
+        for name in drafter_names(spec.name):
+            shape = spec.shape[1:] if ".experts." in name else spec.shape
+            stored[name] = values[name] = torch.randn(shape, generator=gen) * 0.1
     stored["vision.blocks.0.attn.wqkv.weight"] = torch.ones(8, 8)
     names = sorted(stored)
     save_file({n: stored[n] for n in names[::2]}, directory / "model-00001-of-00002.safetensors")
@@ -147,8 +182,8 @@ def test_the_converted_file_loads_and_runs(checkpoint, converted) -> None:
 def test_notes_name_what_is_not_converted(checkpoint) -> None:
     plan = plan_conversion(checkpoint[0], "q8_0")
     notes = " ".join(plan.notes)
-    assert "DSpark drafter (mtp.*) is not converted" in notes
-    assert "skipping 2 checkpoint tensors" in notes and "mtp.0" in notes and "vision.blocks" in notes
+    assert "DSpark drafter (mtp.*): --dspark FILE writes it" in notes
+    assert "mtp.0" in notes and "vision.blocks" in notes  # skipped: the drafter without --dspark, the tower
     assert "bundled DeepSeek V4 tokenizer" in notes
     types = {t.name: t.ggml_type for t in plan.tensors}
     assert types["blk.0.attn_q_a.weight"] == GGMLType.Q8_0 and types["token_embd.weight"] == GGMLType.F16
@@ -199,5 +234,33 @@ def test_bad_checkpoints_are_named(checkpoint, tmp_path) -> None:
 
     with pytest.raises(ModelFileError, match=r"layers.1.engram.embed.weight' is F8_E4M3 \[2945, 256\]"):
         plan_conversion(_rewrite(src, tmp_path / "rows", swap=fewer_rows), "f32")
-    with pytest.raises(DwarfStarError, match="V4.1's is not built yet"):
-        plan_conversion(src, "f32", dspark=True)
+    greedy = json.loads(json.dumps(config))
+    greedy["text_config"]["dspark_num_experts_per_tok"] = DRAFTER.n_experts + 1
+    with pytest.raises(ConfigError, match="the drafter routes to 7 of 6 experts"):
+        plan_conversion(_rewrite(src, tmp_path / "topk", greedy), "f32", dspark=True)
+
+
+def test_dspark_writes_the_drafter_that_speculates_as_plain_greedy(checkpoint, tmp_path, monkeypatch, capsys):
+    """`--dspark FILE`: the drafter's support file, its tensors the checkpoint's values under the file's names,
+    loads beside the converted model, and greedy output with it is plain greedy's."""
+    src, values = checkpoint
+    out, support = tmp_path / "v41.gguf", tmp_path / "v41-dspark.gguf"
+    convert_checkpoint(src, out, "f32", dspark=support)
+    with GGUFFile(support) as gguf:
+        for spec in dspark_tensors41(ARGS, DRAFTER):
+            names = drafter_names(spec.name)
+            expected = torch.stack([values[n] for n in names]) if len(names) > 1 else values[names[0]]
+            assert torch.equal(gguf.tensor(spec.name), expected), spec.name
+    model = open_model41(out)
+    try:
+        d, gguf, _ = open_dspark41(model, support)
+        gguf.close()
+        assert d == DRAFTER
+    finally:
+        model.close()
+    texts = []
+    for extra in ((), ("--dspark", str(support))):
+        args = ("run", "-m", str(out), "--backend", "reference", "-p", "hello", "-n", "8", "--temp", "0", "--no-think")
+        assert run_cli(monkeypatch, *args, *extra) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip()

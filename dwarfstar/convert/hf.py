@@ -38,8 +38,8 @@ from dwarfstar.convert.hf_config import (
     model_args_from_hf_config,
     read_checkpoint_config,
 )
-from dwarfstar.convert.hf_v41 import engram_rows, engram_source, v41_layout
-from dwarfstar.convert.names import dspark_source_names, source_names
+from dwarfstar.convert.hf_v41 import dspark_args41_from_hf_config, engram_rows, engram_source, v41_layout
+from dwarfstar.convert.names import dspark_source_names, dspark_source_names41, source_names
 from dwarfstar.engram.rows import ROW_VALUES
 from dwarfstar.errors import ConfigError, DwarfStarError, ModelFileError
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGUF_DEFAULT_ALIGNMENT, GGMLType, ValueType
@@ -48,6 +48,7 @@ from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.config_v41 import MODEL_TYPE, ModelArgs41
 from dwarfstar.model.dspark import dspark_tensors, support_metadata
+from dwarfstar.model.dspark_v41 import dspark_tensors41, support_metadata41
 from dwarfstar.model.tensors import EXPERT, INDEX, NORM, TensorSpec, expected_tensors
 from dwarfstar.model.tensors_v41 import ENGRAM_ROWS
 from dwarfstar.model.vision import VISION_EXP
@@ -154,9 +155,7 @@ def plan_conversion(
     kind = _outtype(outtype)
     config = read_checkpoint_config(src)
     if config.get("model_type") == MODEL_TYPE:
-        if dspark:
-            raise DwarfStarError("--dspark converts V4 Flash 0731's and PRO 0813's drafters; V4.1's is not built yet")
-        return _plan_v41(src, config, kind, name, elsewhere)
+        return _plan_v41(src, config, kind, name, dspark, elsewhere)
     args = model_args_from_hf_config(config)
     d = dspark_args_from_hf_config(config, args) if dspark else None
     notes: list[str] = []
@@ -203,22 +202,33 @@ def plan_conversion(
 
 
 def _plan_v41(
-    src: Path, config: dict[str, Any], kind: OutType, name: str | None, elsewhere: Collection[str]
+    src: Path, config: dict[str, Any], kind: OutType, name: str | None, dspark: bool, elsewhere: Collection[str]
 ) -> ConversionPlan:
-    """`plan_conversion` of a DeepSeek V4.1 checkpoint (`hf_v41`): ds4's `deepseek41` file."""
+    """`plan_conversion` of a DeepSeek V4.1 checkpoint (`hf_v41`): ds4's `deepseek41` file, and with
+    `dspark` the drafter's support file (`deepseek41-dspark`)."""
     tokenizer = src / "tokenizer.json"
-    args, specs, metadata, notes = v41_layout(src, config, tokenizer if tokenizer.is_file() else None)
+    args, specs, metadata, notes = v41_layout(src, config, tokenizer if tokenizer.is_file() else None, dspark)
     if tokenizer.is_file():
         _check_tokenizer_size(tokenizer, args.vocab_size)
+    d = dspark_args41_from_hf_config(config["text_config"], args) if dspark else None
     checkpoint = Checkpoint(src)
     sources = {spec.name: source_names(spec.name, args.n_routed_experts) for spec in specs}
+    support_specs = list(dspark_tensors41(args, d)) if d else []
+    if d:
+        sources |= dspark_source_names41(args, d)
     check_all_present(checkpoint, sources)
     tensors = [_plan_tensor(checkpoint, spec, sources[spec.name], kind) for spec in specs]
-    written = {source.name for tensor in tensors for source in tensor.sources} | set(elsewhere)
-    notes += _fallback_notes(tensors, kind) + _skipped_notes(checkpoint, written)
-    metadata["general.name"] = (ValueType.STRING, name or src.resolve().name)
+    support_tensors = [_plan_tensor(checkpoint, spec, sources[spec.name], kind) for spec in support_specs]
+    written = {source.name for tensor in tensors + support_tensors for source in tensor.sources} | set(elsewhere)
+    notes += _fallback_notes(tensors + support_tensors, kind) + _skipped_notes(checkpoint, written)
+    name = name or src.resolve().name
+    metadata["general.name"] = (ValueType.STRING, name)
     metadata.update(_file_metadata(kind))
-    return ConversionPlan(checkpoint, args, kind, metadata, tensors, notes)
+    plan = ConversionPlan(checkpoint, args, kind, metadata, tensors, notes)
+    if d:
+        support = support_metadata41(d, f"{name} DSpark support") | _file_metadata(kind)
+        plan.support = ConversionPlan(checkpoint, args, kind, support, support_tensors, [])
+    return plan
 
 
 def write_conversion(

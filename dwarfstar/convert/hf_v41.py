@@ -15,8 +15,9 @@ differs from V4's in what `convert.hf` needs to know:
   (`engram.hashing.model_engram_hash`) and stored in the metadata, checked against the config's table
   rows and compressed vocabulary, as ds4's converter stores them.
 
-The DSpark stages (`mtp.*`) and the vision tower are not part of this file: the skipped-tensor note
-lists them (`convert --vision` writes the encoder).
+The DSpark stages (`mtp.*`) and the vision tower are not part of this file: `--dspark FILE` writes the
+drafter as its support file (`model.dspark_v41`: the stages as layers after the trunk's, with their own
+expert count), `--vision FILE` the encoder; without them the skipped-tensor note lists them.
 """
 
 from __future__ import annotations
@@ -28,17 +29,20 @@ from typing import Any
 import numpy as np
 
 from dwarfstar.convert.checkpoint import Checkpoint, CheckpointTensor
+from dwarfstar.convert.hf_config import dspark_args_from_hf_config
 from dwarfstar.engram.hashing import compressed_token_map
 from dwarfstar.engram.rows import ROW_BYTES, ROW_SCALES, ROW_VALUES
-from dwarfstar.errors import ModelFileError
+from dwarfstar.errors import ConfigError, ModelFileError
 from dwarfstar.gguf.constants import ValueType
 from dwarfstar.model.config_v41 import ModelArgs41
+from dwarfstar.model.dspark_v41 import DSparkArgs41
 from dwarfstar.model.file_v41 import engram_hash_metadata, model_engram_hash
 from dwarfstar.model.tensors import TensorSpec
 from dwarfstar.model.tensors_v41 import V41_ALIGNMENT, expected_tensors41
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json, bundled_v41_tokenizer_metadata, tokenizer_metadata
 
+EXPERTS_KEY, TOP_K_KEY = "dspark_n_routed_experts", "dspark_num_experts_per_tok"  # the drafter's own
 ENGRAM_BAND_ROWS = 1 << 16  # rows copied per piece: 17 MB of a table of 384 million
 
 
@@ -76,12 +80,13 @@ def engram_rows(checkpoint: Checkpoint, source: CheckpointTensor) -> Iterator[np
 
 
 def v41_layout(
-    src: Path, config: dict[str, Any], tokenizer: Path | None
+    src: Path, config: dict[str, Any], tokenizer: Path | None, dspark: bool = False
 ) -> tuple[ModelArgs41, list[TensorSpec], dict[str, tuple[ValueType, Any]], list[str]]:
     """What a V4.1 conversion writes, before any tensor is read: the config, the tensors in ds4's order,
     the metadata that does not depend on the output type (config, Engram hash tables, vocabulary,
     ds4's alignment), and notes. `tokenizer`: the checkpoint's tokenizer.json, or None for the bundled
-    one (V4's, with V4.1's `<｜System｜>` named)."""
+    one (V4's, with V4.1's `<｜System｜>` named). `dspark`: the drafter is converted too (else a note says
+    it is there)."""
     args = ModelArgs41.from_hf_config(config)
     notes: list[str] = []
     if tokenizer is None:
@@ -94,6 +99,21 @@ def v41_layout(
     metadata.update(engram_hash_metadata(model_engram_hash(args, compressed_token_map(tokens)), args.engram_layers))
     metadata.update(vocabulary)
     metadata["general.alignment"] = (ValueType.UINT32, V41_ALIGNMENT)
-    if config["text_config"].get("dspark_block_size"):
-        notes.append("the checkpoint's DSpark drafter (mtp.*) is not converted: V4.1's drafter does not run yet")
+    if config["text_config"].get("dspark_block_size") and not dspark:
+        notes.append("the checkpoint has a DSpark drafter (mtp.*): --dspark FILE writes it as its support file")
     return args, list(expected_tensors41(args)), metadata, notes
+
+
+def dspark_args41_from_hf_config(text: dict[str, Any], args: ModelArgs41) -> DSparkArgs41:
+    """A V4.1 checkpoint's drafter (config.json's `text_config`): V4's `dspark_*` settings, its stages the
+    `compress_ratios` entries past the layers, and the stages' own routed experts and top-k
+    (`dspark_n_routed_experts`, `dspark_num_experts_per_tok`), checked against the trunk."""
+    d = dspark_args_from_hf_config(text, args)
+    for key in (EXPERTS_KEY, TOP_K_KEY):
+        if not isinstance(text.get(key), int) or isinstance(text.get(key), bool) or text[key] <= 0:
+            raise ConfigError(f"config.json text_config: {key} must be a positive integer, got {text.get(key)!r}")
+    if text[TOP_K_KEY] > text[EXPERTS_KEY]:
+        raise ConfigError(
+            f"config.json text_config: the drafter routes to {text[TOP_K_KEY]} of {text[EXPERTS_KEY]} experts"
+        )
+    return DSparkArgs41(d, text[EXPERTS_KEY], text[TOP_K_KEY])

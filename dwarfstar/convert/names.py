@@ -10,9 +10,13 @@ named from the same table, as ds4's support file names them after the trunk's.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 
 from dwarfstar.model.config import ModelArgs
-from dwarfstar.model.dspark import PREFIX, DSparkArgs, dspark_tensors, stage_names
+from dwarfstar.model.config_v41 import ModelArgs41
+from dwarfstar.model.dspark import MARKOV, PREFIX, DSparkArgs, dspark_tensors, stage_names
+from dwarfstar.model.dspark_v41 import DSparkArgs41, dspark_tensors41, stage_names41
+from dwarfstar.model.tensors import TensorSpec
 
 _TRANSFORMERS_GLOBALS = {
     "embed_tokens.weight": "embed.weight",
@@ -116,20 +120,38 @@ def source_names(gguf_name: str, n_experts: int) -> list[str]:
 
 def dspark_source_names(args: ModelArgs, d: DSparkArgs) -> dict[str, list[str]]:
     """Every tensor of the DSpark support file for the trunk `args` -> the official checkpoint names of
-    its data, in storage order.
+    its data, in storage order (`drafter_source_names`)."""
+    return drafter_source_names(stage_names(args, d), dspark_tensors(args, d), args.n_routed_experts)
 
-    The checkpoint names a stage as the trunk names a layer, under `mtp.{k}.` instead of `layers.{k}.`,
+
+def dspark_source_names41(args: ModelArgs41, d: DSparkArgs41) -> dict[str, list[str]]:
+    """The same for V4.1's drafter: its stages are the layers after the trunk's, with their own experts,
+    and its reference names the Markov head's two tables `embed` and `head` (`DSparkMarkovHead`)."""
+    names = drafter_source_names(stage_names41(args, d), dspark_tensors41(args, d), d.n_experts)
+    last = PREFIX.format(d.d.stages - 1)
+    for file_name, official in zip(MARKOV, _MARKOV41, strict=True):
+        names[last + file_name] = [last + official]
+    return names
+
+
+_MARKOV41 = ("markov_head.embed.weight", "markov_head.head.weight")  # V4.1's checkpoint names of MARKOV
+
+
+def drafter_source_names(
+    stages: Mapping[str, str], tensors: Iterable[TensorSpec], n_experts: int
+) -> dict[str, list[str]]:
+    """A support file's tensors -> the official checkpoint names of their data, in storage order, from
+    `stages` (the stage model's tensor names -> the file's, `mtp.{k}.` names) and the file's `tensors`.
+
+    The checkpoint names a stage as the trunk names a layer, under `mtp.{k}.` instead of `layers.{i}.`,
     and the last stage's output head (hc_head, norm) as the trunk's own, under that stage's prefix; the
     DSpark heads (main_proj, main_norm, markov_head, confidence_head) have the file's names.
     """
-    last = PREFIX.format(d.stages - 1)
     stage_sources = {}
-    for own, file_name in stage_names(args, d).items():
-        sources = source_names(own, args.n_routed_experts)
+    for own, file_name in stages.items():
+        sources = source_names(own, n_experts)
+        stage = PREFIX.format(file_name.split(".")[1])
         layer = _GGUF_LAYER_NAME.match(own)
-        if layer:
-            trunk = f"layers.{layer.group(1)}."
-            stage_sources[file_name] = [PREFIX.format(layer.group(1)) + s.removeprefix(trunk) for s in sources]
-        else:
-            stage_sources[file_name] = [last + s for s in sources]
-    return {spec.name: stage_sources.get(spec.name, [spec.name]) for spec in dspark_tensors(args, d)}
+        trunk = f"layers.{layer.group(1)}." if layer else ""
+        stage_sources[file_name] = [stage + s.removeprefix(trunk) for s in sources]
+    return {spec.name: stage_sources.get(spec.name, [spec.name]) for spec in tensors}
