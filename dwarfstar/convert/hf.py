@@ -164,17 +164,12 @@ def plan_conversion(
         tokenizer = bundled_tokenizer_json()
         notes.append(f"no tokenizer.json in {src}: using the bundled DeepSeek V4 tokenizer")
     _check_tokenizer_size(tokenizer, args.vocab_size)
-    checkpoint = Checkpoint(src)
     specs = list(expected_tensors(args))
     sources = {spec.name: source_names(spec.name, args.n_routed_experts) for spec in specs}
     support_specs = list(dspark_tensors(args, d)) if d else []
     if d:
         sources |= dspark_source_names(args, d)
-    check_all_present(checkpoint, sources)
-    tensors = [_plan_tensor(checkpoint, spec, sources[spec.name], kind) for spec in specs]
-    support_tensors = [_plan_tensor(checkpoint, spec, sources[spec.name], kind) for spec in support_specs]
-    written = {source.name for tensor in tensors + support_tensors for source in tensor.sources} | set(elsewhere)
-    notes += _fallback_notes(tensors + support_tensors, kind) + _skipped_notes(checkpoint, written)
+    checkpoint, tensors, support_tensors = _plan_tensors(src, specs, support_specs, sources, kind, elsewhere, notes)
     if d is None and has_dspark_drafter(config):
         notes.append(
             "the checkpoint has a DSpark drafter (config.json's dspark_* keys, the mtp.* tensors): "
@@ -211,16 +206,11 @@ def _plan_v41(
     if tokenizer.is_file():
         _check_tokenizer_size(tokenizer, args.vocab_size)
     d = dspark_args41_from_hf_config(config["text_config"], args) if dspark else None
-    checkpoint = Checkpoint(src)
     sources = {spec.name: source_names(spec.name, args.n_routed_experts) for spec in specs}
     support_specs = list(dspark_tensors41(args, d)) if d else []
     if d:
         sources |= dspark_source_names41(args, d)
-    check_all_present(checkpoint, sources)
-    tensors = [_plan_tensor(checkpoint, spec, sources[spec.name], kind) for spec in specs]
-    support_tensors = [_plan_tensor(checkpoint, spec, sources[spec.name], kind) for spec in support_specs]
-    written = {source.name for tensor in tensors + support_tensors for source in tensor.sources} | set(elsewhere)
-    notes += _fallback_notes(tensors + support_tensors, kind) + _skipped_notes(checkpoint, written)
+    checkpoint, tensors, support_tensors = _plan_tensors(src, specs, support_specs, sources, kind, elsewhere, notes)
     name = name or src.resolve().name
     metadata["general.name"] = (ValueType.STRING, name)
     metadata.update(_file_metadata(kind))
@@ -229,6 +219,26 @@ def _plan_v41(
         support = support_metadata41(d, f"{name} DSpark support") | _file_metadata(kind)
         plan.support = ConversionPlan(checkpoint, args, kind, support, support_tensors, [])
     return plan
+
+
+def _plan_tensors(
+    src: Path,
+    specs: list[TensorSpec],
+    support_specs: list[TensorSpec],
+    sources: dict[str, list[str]],
+    kind: OutType,
+    elsewhere: Collection[str],
+    notes: list[str],
+) -> tuple[Checkpoint, list[TensorPlan], list[TensorPlan]]:
+    """Index the checkpoint, check every source is there, and plan the file's and the support file's
+    tensors; `notes` gains the type fallbacks and the checkpoint tensors no file writes."""
+    checkpoint = Checkpoint(src)
+    check_all_present(checkpoint, sources)
+    tensors = [_plan_tensor(checkpoint, spec, sources[spec.name], kind) for spec in specs]
+    support_tensors = [_plan_tensor(checkpoint, spec, sources[spec.name], kind) for spec in support_specs]
+    written = {source.name for tensor in tensors + support_tensors for source in tensor.sources} | set(elsewhere)
+    notes += _fallback_notes(tensors + support_tensors, kind) + _skipped_notes(checkpoint, written)
+    return checkpoint, tensors, support_tensors
 
 
 def write_conversion(
