@@ -4,6 +4,7 @@ clients (the official SDKs, raw HTTP)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -32,10 +33,29 @@ class LiveServer:
         return [json.loads(line) for line in self.trace.read_text().splitlines()]
 
 
+# Ports below Linux's ephemeral range (32768-60999): an outgoing connection takes its local port
+# from that range, so it cannot take one of these between the test's choice and the listener's bind
+# (which may come minutes later for a distributed cluster). Each xdist worker draws from its own block.
+PORT_BLOCK = 2000
+FIRST_PORT = 20000
+_given: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, never given before in this process, from this xdist worker's block."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    first = FIRST_PORT + (worker % 6) * PORT_BLOCK
+    for port in range(first, first + PORT_BLOCK):
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {first}-{first + PORT_BLOCK - 1}")
 
 
 def start_server(engine: Engine, config: ServerConfig) -> Iterator[LiveServer]:
