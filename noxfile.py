@@ -82,9 +82,10 @@ def clients(session: nox.Session) -> None:
 
     Runs in the Python nox runs from (the project's dev install, `.venv/bin/nox -s clients`), so the
     only downloads are the npm packages. Not in CI: the npm install is slow. Each client runs a plain
-    turn, a tool round trip and a 4-turn session (tools/clients_check.py); `-- --servers bundled` runs
-    them against the bundled model instead of the scripted server (`scripted bundled`: both), and
-    `--json FILE` keeps the figures. Exit status 1 if any scenario fails.
+    turn, a tool round trip, an attached image and a 4-turn session (tools/clients_check.py);
+    `-- --servers bundled` runs them against the bundled model instead of the scripted server
+    (`scripted bundled`: both), and `--json FILE` keeps the figures. Exit status 1 if any scenario
+    fails.
     """
     folder = "build/clients"
     # --ignore-scripts: the packages ship their platform binaries as optional dependencies, so

@@ -1,17 +1,24 @@
 """Claude Code, Codex and opencode, run non-interactively against a local `dwarfstar serve`.
 
     python tools/clients_check.py --clients build/clients [--only claude codex] [--servers scripted bundled]
-        [--model FILE] [--json figures.json] [--keep DIR]
+        [--scenarios image ...] [--model FILE] [--json figures.json] [--keep DIR]
 
 The clients are the npm packages installed under `--clients` (see `nox -s clients`). Each runs in
 its own temporary HOME with a configuration that points it at the loopback server and turns off
-telemetry and update checks; nothing but 127.0.0.1 is needed. Each client runs three scenarios,
-each in a fresh git workspace holding `quaderno.txt` (a line of I promessi sposi) and `appunti.txt`:
+telemetry and update checks; nothing but 127.0.0.1 is needed. Each client runs four scenarios,
+each in a fresh git workspace holding `quaderno.txt` (a line of I promessi sposi), `appunti.txt` and
+the picture IMAGE:
 
 - plain turn: PLAIN_PROMPT, answered: exit 0, an answer printed, and the turn ended by the model
   (finish `stop` in the server's trace, not `length`);
 - tool round trip: READ_PROMPT; the client's own read tool runs (a later request's prompt holds the
   file's line) and the answer printed quotes the file (QUOTE_WORDS consecutive words of it);
+- image: IMAGE_PROMPT with the workspace's IMAGE attached as each client attaches one (Claude Code a
+  Messages image block through `--input-format stream-json`, Codex `exec --image`, opencode `run
+  --file`). On the scripted server, which reads images (`--vision`, a random encoder), the image
+  must reach the model: a request of the turn has an image block in its prompt (the trace's
+  `image_blocks`), and the turn passes as the plain turn does. The bundled model has no vision
+  encoder, so there the client must show the server's 400, which names `--vision`;
 - session: SESSION_PROMPTS as four turns of one client session (claude --continue, codex exec resume
   --last, opencode run --continue), with a line appended to appunti.txt and `git commit -am` between
   turns; each turn passes as the plain turn does, the read turn as the tool round trip. Per turn the
@@ -27,6 +34,7 @@ Exit status 1 if any scenario fails.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import re
@@ -49,6 +57,8 @@ QUADERNO = "Questo matrimonio non s'ha da fare, né domani, né mai."  # quadern
 PLAIN_PROMPT = "Say hello."
 READ_PROMPT = "read the file quaderno.txt"  # a training template (dwarfstar/train/chat_data.py), bare
 SESSION_PROMPTS = ("Hello!", READ_PROMPT, "Thanks!", "Hello again!")
+IMAGE = "vignetta.png"  # the picture the image scenario attaches, drawn by make_workspace
+IMAGE_PROMPT = "What is in this picture?"
 # after the session (scripted server only): a commit, then two new sessions in its workspace, the
 # first after the commit, the second with nothing changed but its text (see measure_rewrite)
 NEW_SESSION_PROMPTS = ("Hello, new session.", "Ciao, new session.")
@@ -60,7 +70,7 @@ BUNDLED_CTX = {"claude": 14336, "codex": 9216, "opencode": 9216}
 BUNDLED_OUTPUT = 256  # output tokens the clients that have a setting ask the bundled model for
 TURN_TIMEOUT = 900  # seconds; a cold Claude Code prompt is ~11k tokens of CPU prefill
 PACKAGES = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex", "opencode": "opencode-ai"}
-SCENARIOS = ("plain turn", "tool round trip", "session")
+SCENARIOS = ("plain turn", "tool round trip", "image", "session")
 
 
 def tool_call(name: str, **arguments: str) -> str:
@@ -90,6 +100,7 @@ def scripts(root: Path) -> dict[str, str]:
         "hello": "A greeting.</think>Hello from the scripted model.",
         "thanks": "Thanks.</think>You are welcome.",
         "quote": f"The file is read.</think>The file says: {QUADERNO}",
+        "image": "A picture.</think>The picture shows a red square on gray.",
     }
     for name in PACKAGES:
         for scenario in ("tool round trip", "session"):
@@ -102,6 +113,8 @@ def scripted_prompts(name: str, scenario: str) -> list[str]:
     read = f"[[script:{name}_read_{scenario.split()[0]}]] {READ_PROMPT}"
     if scenario == "plain turn":
         return [f"[[script:hello]] {PLAIN_PROMPT}"]
+    if scenario == "image":
+        return [f"[[script:image]] {IMAGE_PROMPT}"]
     if scenario == "tool round trip":
         return [read]
     hello, thanks, again = SESSION_PROMPTS[0], SESSION_PROMPTS[2], SESSION_PROMPTS[3]
@@ -157,30 +170,47 @@ class Client:
     work: Path
     env: dict[str, str] = field(default_factory=dict)
 
-    def command(self, prompt: str, *, first: bool) -> list[str]:
+    def command(self, prompt: str, *, first: bool, image: str | None = None) -> list[str]:
+        """The client's command line for one turn; `image`: a workspace file attached to the prompt
+        (Claude Code's comes as a Messages image block on stdin, `stdin_message`)."""
         if self.name == "claude":
             keep = [] if first else ["--continue"]
+            if image is not None:  # the prompt and the image come as one stream-json message on stdin
+                streamed = ["--input-format", "stream-json", "--output-format", "stream-json", "--verbose"]
+                return [str(self.bin), "-p", *streamed, "--model", MODEL, *keep]
             return [str(self.bin), "-p", prompt, "--model", MODEL, "--allowedTools", "Read", *keep]
         if self.name == "codex":
             resume = [] if first else ["resume", "--last"]
-            return [str(self.bin), "exec", *resume, "--skip-git-repo-check", prompt]
+            attach = [] if image is None else ["--image", image]  # after the prompt: it takes several files
+            return [str(self.bin), "exec", *resume, "--skip-git-repo-check", prompt, *attach]
         keep = [] if first else ["--continue"]
-        return [str(self.bin), "run", "-m", f"dwarfstar/{MODEL}", *keep, prompt]
+        attach = [] if image is None else ["--file", image]  # likewise
+        return [str(self.bin), "run", "-m", f"dwarfstar/{MODEL}", *keep, prompt, *attach]
 
-    def run(self, prompt: str, *, first: bool) -> subprocess.CompletedProcess:
+    def stdin_message(self, prompt: str, image: str) -> str:
+        """Claude Code's stream-json input: one user message holding the prompt and the image, base64."""
+        data = base64.b64encode((self.work / image).read_bytes()).decode()
+        picture = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+        message = {"role": "user", "content": [{"type": "text", "text": prompt}, picture]}
+        return json.dumps({"type": "user", "message": message}) + "\n"
+
+    def run(self, prompt: str, *, first: bool, image: str | None = None) -> subprocess.CompletedProcess:
         env = {"PATH": os.environ["PATH"], "HOME": str(self.home), "TERM": "dumb", **self.env}
+        streamed = self.name == "claude" and image is not None
         try:
-            return subprocess.run(
-                self.command(prompt, first=first),
+            result = subprocess.run(
+                self.command(prompt, first=first, image=image),
                 cwd=self.work,
                 env=env,
                 capture_output=True,
                 text=True,
                 timeout=TURN_TIMEOUT,
-                stdin=subprocess.DEVNULL,
+                input=self.stdin_message(prompt, image) if streamed else None,
+                stdin=None if streamed else subprocess.DEVNULL,
             )
         except subprocess.TimeoutExpired as exc:
             return subprocess.CompletedProcess(exc.cmd, 124, exc.stdout or "", f"timed out after {TURN_TIMEOUT} s")
+        return streamed_result(result) if streamed else result
 
     def git(self, *args: str) -> None:
         person = ["-c", "user.name=DwarfStar", "-c", "user.email=clients@dwarfstar.invalid"]
@@ -189,13 +219,35 @@ class Client:
         subprocess.run(["git", *person, *args], cwd=self.work, env=env, check=True, capture_output=True)
 
 
+def streamed_result(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """Claude Code's stream-json output read as its plain output: the final `result` event's text on
+    stdout (an error result's text on stderr), the other events dropped."""
+    events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    final = next((event for event in reversed(events) if event.get("type") == "result"), {})
+    text = str(final.get("result") or "")
+    if final.get("is_error"):
+        return subprocess.CompletedProcess(result.args, result.returncode or 1, "", f"{text}\n{result.stderr}")
+    return subprocess.CompletedProcess(result.args, result.returncode, text, result.stderr)
+
+
+def draw_image(path: Path) -> None:
+    """A small PNG for the image scenario: a red square on gray."""
+    from PIL import Image, ImageDraw
+
+    picture = Image.new("RGB", (96, 64), (127, 127, 127))
+    ImageDraw.Draw(picture).rectangle((24, 8, 71, 55), fill=(200, 30, 30))
+    picture.save(path)
+
+
 def make_workspace(client: Client, *, scripted: bool) -> None:
-    """A git repository with the file to read and a notes file the session edits between turns."""
+    """A git repository with the file to read, the picture to attach and a notes file the session
+    edits between turns."""
     marker = "\n[[script:quote]]" if scripted else ""
     (client.work / "quaderno.txt").write_text(f"{QUADERNO}{marker}\n")
+    draw_image(client.work / IMAGE)
     (client.work / "appunti.txt").write_text("Appunti.\n")
     client.git("init", "-q", "-b", "main")
-    client.git("add", "quaderno.txt", "appunti.txt")
+    client.git("add", "quaderno.txt", "appunti.txt", IMAGE)
     client.git("commit", "-q", "-m", "Quaderno e appunti")
 
 
@@ -242,7 +294,15 @@ def make_client(name: str, clients: Path, root: Path, url: str, output: int = 40
                     "npm": "@ai-sdk/openai-compatible",
                     "name": "DwarfStar",
                     "options": {"baseURL": f"{url}/v1", "apiKey": "dwarfstar"},
-                    "models": {MODEL: {"name": "DeepSeek V4 Flash", "limit": {"context": 65536, "output": output}}},
+                    "models": {
+                        MODEL: {
+                            "name": "DeepSeek V4 Flash",
+                            "limit": {"context": 65536, "output": output},
+                            # images are sent (`run --file`); a server without --vision refuses them
+                            "attachment": True,
+                            "modalities": {"input": ["text", "image"], "output": ["text"]},
+                        }
+                    },
                 }
             },
         }
@@ -260,8 +320,9 @@ def make_client(name: str, clients: Path, root: Path, url: str, output: int = 40
 
 
 def describe(record: dict) -> str:
+    images = "".join(f" image@{first}+{length}" for first, length in record.get("image_blocks") or ())
     return (
-        f"{record['api']} prompt={record['prompt_tokens']} cached={record['cached_tokens']} "
+        f"{record['api']} prompt={record['prompt_tokens']}{images} cached={record['cached_tokens']} "
         f"prefilled={record['prefilled_tokens']} out={record['completion_tokens']} finish={record['finish']}"
     )
 
@@ -273,6 +334,7 @@ class Turn:
     records: list[dict]
     seconds: float
     read: bool = False  # the turn asks for the file
+    image: str | None = None  # the turn attaches the picture: "seen" (the model reads it) or "refused"
 
     @property
     def answer(self) -> str:
@@ -287,8 +349,17 @@ class Turn:
         """A request after the first carries the file's line: the client ran its tool and sent the result."""
         return any(QUADERNO in (record["prompt"] or "") for record in self.records[1:])
 
+    def image_reached(self) -> bool:
+        """A request of the turn had an image block in its prompt: the image reached the model."""
+        return any(record.get("image_blocks") for record in self.records)
+
     def problems(self) -> list[str]:
+        if self.image == "refused":  # no vision encoder: the client must show the server's 400
+            said = f"{self.result.stdout}\n{self.result.stderr}"
+            return [] if "--vision" in said else ["the client did not show the 400 that names --vision"]
         found = []
+        if self.image == "seen" and not self.image_reached():
+            found.append("no image block reached the model")
         if self.result.returncode != 0:
             found.append(f"exit {self.result.returncode}")
         if not self.answer:
@@ -313,11 +384,13 @@ def quotes(answer: str, source: str, n: int = QUOTE_WORDS) -> bool:
     return any(f" {' '.join(wanted[i : i + n])} " in said for i in range(max(1, len(wanted) - n + 1)))
 
 
-def run_turn(client: Client, server: Server, prompt: str, *, first: bool, read: bool) -> Turn:
+def run_turn(client: Client, server: Server, prompt: str, *, first: bool, read: bool, image: str | None = None) -> Turn:
+    """One turn; `image`: the turn attaches the picture, and the model reads it ("seen") or the server
+    refuses it ("refused")."""
     before = len(server.records())
     start = time.monotonic()
-    result = client.run(prompt, first=first)
-    return Turn(prompt, result, server.records()[before:], time.monotonic() - start, read)
+    result = client.run(prompt, first=first, image=None if image is None else IMAGE)
+    return Turn(prompt, result, server.records()[before:], time.monotonic() - start, read, image)
 
 
 def report(label: str, turns: list[Turn]) -> bool:
@@ -329,6 +402,9 @@ def report(label: str, turns: list[Turn]) -> bool:
         print(f"    turn {n} ({t.seconds:.0f} s): {'; '.join(issues) if issues else 'ok'}; answer {t.answer[:80]!r}")
         for record in t.records:
             print(f"      {describe(record)}")
+        if t.image == "refused":
+            said = [line.strip()[:240] for line in f"{t.result.stdout}\n{t.result.stderr}".splitlines()]
+            print("      the client showed:", next((line for line in said if "--vision" in line), "nothing"))
         if issues and t.result.returncode != 0:
             print("      stderr:", t.result.stderr[-800:].strip())
     return ok
@@ -354,11 +430,13 @@ def run_scenario(name: str, scenario: str, clients: Path, root: Path, server: Se
     client = make_client(name, clients, workspace(root, name, scenario).parent, server.url, output)
     make_workspace(client, scripted=scripted)
     asked = {"plain turn": [PLAIN_PROMPT], "tool round trip": [READ_PROMPT], "session": list(SESSION_PROMPTS)}
+    asked["image"] = [IMAGE_PROMPT]
+    image = None if scenario != "image" else "seen" if scripted else "refused"
     turns: list[Turn] = []
     for n, prompt in enumerate(scripted_prompts(name, scenario) if scripted else asked[scenario]):
         if n:
             edit_and_commit(client, n)
-        turns.append(run_turn(client, server, prompt, first=n == 0, read=READ_PROMPT in prompt))
+        turns.append(run_turn(client, server, prompt, first=n == 0, read=READ_PROMPT in prompt, image=image))
         if turns[-1].result.returncode == 124:
             break  # a turn that ran out of time leaves nothing to continue
     return client, turns
@@ -382,10 +460,12 @@ def turn_figures(label: str, turns: list[Turn]) -> dict:
     }
 
 
-def run_scenarios(name: str, clients: Path, root: Path, server: Server, *, scripted: bool) -> dict:
-    """The three scenarios for one client (and, on the scripted server, the rewrite measurement)."""
+def run_scenarios(
+    name: str, clients: Path, root: Path, server: Server, *, scripted: bool, scenarios: tuple[str, ...] = SCENARIOS
+) -> dict:
+    """The scenarios for one client (and, after the scripted session, the rewrite measurement)."""
     figures, seen = {}, []
-    for scenario in SCENARIOS:
+    for scenario in scenarios:
         client, turns = run_scenario(name, scenario, clients, root, server, scripted=scripted)
         figures[scenario] = turn_figures(scenario, turns)
         seen += [r for t in turns for r in t.records]
@@ -417,6 +497,7 @@ def measure_rewrite(client: Client, server: Server, figures: dict) -> list[dict]
 REQUEST_FIGURES = (
     "api",
     "prompt_tokens",
+    "image_blocks",
     "cached_tokens",
     "prefilled_tokens",
     "replayed_tokens",
@@ -440,12 +521,14 @@ def versions(clients: Path) -> dict[str, str]:
 
 def server_command(kind: str, root: Path, name: str, model: Path | None = None) -> list[str]:
     if kind == "scripted":
-        return ["tests.serving.scripted_server", "--scripts", str(root / "scripts.json")]
+        return ["tests.serving.scripted_server", "--scripts", str(root / "scripts.json"), "--vision"]
     chosen = ["-m", str(model)] if model is not None else []
     return ["dwarfstar", "serve", "--ctx", str(BUNDLED_CTX[name]), "--model-alias", "*", *chosen]
 
 
-def check(kind: str, names: list[str], clients: Path, root: Path, model: Path | None = None) -> dict:
+def check(
+    kind: str, names: list[str], clients: Path, root: Path, model: Path | None = None, scenarios=SCENARIOS
+) -> dict:
     """Every client through the scenarios on one kind of server: one scripted server for all of
     them, or one bundled-model server per client (its own context, and a cache of its own)."""
     root.mkdir(parents=True)
@@ -459,7 +542,7 @@ def check(kind: str, names: list[str], clients: Path, root: Path, model: Path | 
                 command = [sys.executable, "-m", *server_command(kind, root, name, model)]
                 server = start_server(command, root / f"{label}.jsonl", root / f"{label}.log")
             print(f"{name} against the {kind} server:", flush=True)
-            figures[name] = run_scenarios(name, clients, root, server, scripted=kind == "scripted")
+            figures[name] = run_scenarios(name, clients, root, server, scripted=kind == "scripted", scenarios=scenarios)
             if kind == "bundled":
                 server.stop()
                 server = None
@@ -476,6 +559,7 @@ def main() -> None:
     parser.add_argument(
         "--servers", nargs="+", choices=("scripted", "bundled"), default=["scripted"], help="bundled: the bundled model"
     )
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--model", type=Path, default=None, help="the bundled servers' model (default: bundled)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures (per scenario, per turn) here")
     parser.add_argument("--keep", type=Path, default=None, help="work in this new folder and keep it (traces, logs)")
@@ -485,7 +569,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dwarfstar-clients-") as folder:
         root = args.keep.resolve() if args.keep else Path(folder)
         for kind in args.servers:
-            figures[kind] = check(kind, args.only, clients, root / kind, args.model)
+            figures[kind] = check(kind, args.only, clients, root / kind, args.model, tuple(args.scenarios))
     failed = [
         f"{name} {scenario} ({kind})"
         for kind in args.servers

@@ -194,6 +194,7 @@ class Job:
             "cache": lease.source if lease is not None else None,
             "match": lease.plan.match if lease is not None else None,
             "prompt_tokens": usage.prompt_tokens,
+            "image_blocks": [[span.offset, span.length] for span in self.images or ()],  # (first position, length)
             "cached_tokens": usage.cached_tokens,
             "prefilled_tokens": usage.prefilled_tokens,
             "replayed_tokens": lease.replayed if lease is not None else 0,

@@ -120,7 +120,8 @@ class ScriptedBackend:
             user = answer - 1 - tokens[answer::-1].index(self.user)
         except ValueError:
             return None, 0
-        found = MARKER.search(self.tokenizer.decode(tokens[user + 1 : answer]))
+        text = [t for t in tokens[user + 1 : answer] if t < self.args.vocab_size]  # image blocks' ids are past it
+        found = MARKER.search(self.tokenizer.decode(text))
         generated = len(tokens) - (answer + 2)  # after <｜Assistant｜> and the <think> or </think> marker
         return ((found.group(2) or "fail") if found else None), generated
 
