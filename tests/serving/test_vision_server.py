@@ -41,8 +41,8 @@ def engine(tiny_model_file, tiny_vision_file):
 
 
 @pytest.fixture
-def server(engine):
-    yield from start_server(engine, CONFIG)
+def server(engine, tmp_path):
+    yield from start_server(engine, replace(CONFIG, trace=tmp_path / "trace.jsonl"))
 
 
 def body(api: str, text: str, image: str, *, history: list[dict] | None = None) -> tuple[str, dict]:
@@ -106,6 +106,7 @@ def test_each_api_puts_the_image_block_in_the_prompt(server, engine, api):
     [(start, end)] = blocks(tokens, engine.tokenizer.vocab_size)
     assert end < prompt  # the block sits in the prompt, before the assistant's opener
     assert end - start > 4  # START, the image rows, NEWLINEs, END (Vision-Exp: maybe leading PADs)
+    assert server.trace_records()[-1]["image_blocks"] == [[start, end - start]]  # what `nox -s clients` reads
     # the slot's characters never reach the model as text
     assert SLOT_OPEN not in engine.tokenizer.decode([t for t in tokens if t < engine.tokenizer.vocab_size])
 
