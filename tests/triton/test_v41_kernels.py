@@ -111,3 +111,28 @@ def test_row_attention_matches_attention_rows(two_parts, device):
     got = row_attention.row_attention(q.to(device), [(k.to(device), m.to(device)) for k, m in parts],
                                       sinks.to(device), inv.to(device), 32, positions.to(device))  # fmt: skip
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_selection_on_the_top_k_kernel_is_the_references(device):
+    """V4.1's candidate blocks and top-k with the k-best step on the radix kernel (`best_rows`) pick
+    what the reference's stable sort picks: ties (scores drawn from 6 values), -inf rows a query
+    cannot see, a candidate mask that leaves a reindex query fewer than K rows, and forced blocks."""
+    from dwarfstar.backends.reference.v41 import select
+    from dwarfstar.backends.triton.v41.ops import best_rows
+
+    gen = torch.Generator().manual_seed(3)
+    t, n, ratio = 5, 300, 2
+    positions = torch.tensor([20, 150, 333, 598, 599])
+    scores = torch.randint(0, 6, (t, n), generator=gen).float()
+    scores = scores.masked_fill(
+        torch.arange(n)[None, :] >= select.visible_rows(positions, ratio)[:, None], select.NEG_INF
+    )
+    on = scores.to(device)
+    want = select.candidate_mask(scores, positions, ratio, block=8, n_keep=5)
+    got = select.candidate_mask(on, positions.to(device), ratio, 8, 5, best_rows)
+    assert torch.equal(got.cpu(), want) and want.any(1).all() and not want.all()
+    for candidates in (None, want):
+        expect = select.top_k(scores, positions, ratio, end=600, topk=64, candidates=candidates)
+        picked = select.top_k(on, positions.to(device), ratio, 600, 64, None if candidates is None else got, best_rows)
+        assert torch.equal(picked.cpu(), expect)
+        assert (expect == -1).any()  # the first query sees 10 rows, fewer than K = 64

@@ -13,13 +13,17 @@
   over all rows.
 
 Ties (which REF's `torch.topk` leaves unspecified) go to the lower index, so a row's choice does not
-depend on how many rows follow it. One reading beyond the reference's text: a pick whose score is -inf becomes
--1 even when the query could see the row (it can only be a row outside a reindex query's candidates,
-picked because fewer than K rows remain); with Flash's sizes a query always has K candidates it can
-see or fewer visible rows than K, so the reference's rule and this one agree there.
+depend on how many rows follow it. Both selections take the k-best step as `best` (default `_best`, a
+stable sort): a backend passes its own (Triton: the radix top-k kernel), any order out, same ties. One
+reading beyond the reference's text: a pick whose score is -inf becomes -1 even when the query could see
+the row (it can only be a row outside a reindex query's candidates, picked because fewer than K rows
+remain); with Flash's sizes a query always has K candidates it can see or fewer visible rows than K, so
+the reference's rule and this one agree there.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 from dwarfstar.backends.reference import ops
 
 NEG_INF = float("-inf")
+Best = Callable[[torch.Tensor, int], torch.Tensor]  # (scores [R, n], k <= n) -> [R, k] columns, ties low
 
 
 def visible_rows(positions: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -63,6 +68,7 @@ def top_k(
     end: int,
     topk: int,
     candidates: torch.Tensor | None = None,
+    best: Best = _best,
 ) -> torch.Tensor:
     """Indices [T, K] of each query's best rows (see the module), K = min(topk, end // ratio), scores
     [T, n] with n >= K; `candidates` [T, n] bool (a reindex layer's, from `candidate_mask`)."""
@@ -73,13 +79,15 @@ def top_k(
         if candidates.shape != scores.shape or candidates.dtype != torch.bool:
             raise ValueError(f"candidate mask {tuple(candidates.shape)} {candidates.dtype} is not like the scores")
         scores = scores.masked_fill(~candidates, NEG_INF)
-    picks = _best(scores, k)
+    picks = best(scores, k).long()
     invalid = (picks >= visible_rows(positions, ratio)[:, None]) | (scores.gather(1, picks) == NEG_INF)
     ordered = picks.masked_fill(invalid, scores.shape[1]).sort(-1).values  # invalid ones last
     return ordered.masked_fill(ordered == scores.shape[1], -1)
 
 
-def candidate_mask(scores: torch.Tensor, positions: torch.Tensor, ratio: int, block: int, n_keep: int) -> torch.Tensor:
+def candidate_mask(
+    scores: torch.Tensor, positions: torch.Tensor, ratio: int, block: int, n_keep: int, best: Best = _best
+) -> torch.Tensor:
     """The builder's candidates [T, n] bool from its scores [T, n] (-inf where unseen): the rows of the
     kept blocks (see the module)."""
     t, n = scores.shape
@@ -93,6 +101,6 @@ def candidate_mask(scores: torch.Tensor, positions: torch.Tensor, ratio: int, bl
     newest = ((seen - 1) // block).clamp(min=0)
     forced = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(1, newest[:, None], (seen > 0)[:, None])
     block_scores = block_scores.masked_fill(forced, float("inf"))
-    keep = torch.zeros_like(forced).scatter_(1, _best(block_scores, min(n_keep, n_blocks)), True)
+    keep = torch.zeros_like(forced).scatter_(1, best(block_scores, min(n_keep, n_blocks)).long(), True)
     keep &= block_scores != NEG_INF
     return keep.repeat_interleave(block, 1)[:, :n]

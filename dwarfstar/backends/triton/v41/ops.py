@@ -7,9 +7,10 @@ embedding lookup (`quant_blocks.gather_rows`), the norms, RoPE and the QAT round
 (`compressor`, no position bias), the indexer scores (`indexer_scores`) and the MoE (`moe_route`,
 then `moe.experts_ffn`). V4.1's own steps have kernels of their own: the lagged mHC's mix and collapse
 (`hc_mix`, `hc_collapse`), the Engram gate (`engram_gate`) and sink attention over each query's
-gathered rows (`row_attention`). Torch on the device: the candidate blocks and the top-k selection
-(`backends.reference.v41.select`, a sort per call), and gathering the Engram rows, which come from
-the host (`EngramStore`'s positional reads, rounded to bf16 there) and are uploaded per call.
+gathered rows (`row_attention`). The candidate blocks and the top-k selection are the reference's
+rules (`backends.reference.v41.select`) with the k-best step on V4's radix top-k kernel (`topk`, no
+sort of the rows); the Engram rows come from the host (`EngramStore`'s positional reads, rounded to
+bf16 there) and are uploaded per call.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dwarfstar.backends.triton.kernels.quant_blocks import gather_rows
 from dwarfstar.backends.triton.kernels.rms_norm_rope import NORM_NONE, QAT_FP4_E4M3, QAT_FP4_ROW, QAT_FP8_ROW
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
 from dwarfstar.backends.triton.kernels.row_attention import row_attention
+from dwarfstar.backends.triton.kernels.topk import topk_indices
 from dwarfstar.backends.triton.moe import experts_ffn
 from dwarfstar.backends.triton.runtime import EXACT, PagedRows
 from dwarfstar.backends.triton.v41.weights import COMPRESSOR_KV_GATE, ENGRAM_GATE, Weights41
@@ -39,6 +41,14 @@ from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.numerics import rope_angles
 from dwarfstar.model.pages import PAGE_ROWS
+
+
+def best_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`select.Best` on the device: each row's k best columns of all of its n >= k (the radix top-k
+    kernel; indices ascending, ties to the lower column)."""
+    rows, n = scores.shape
+    every = torch.full((rows,), n, dtype=torch.int32, device=scores.device)
+    return topk_indices(scores.float(), every, k)
 
 
 class TritonOps41:
@@ -175,12 +185,12 @@ class TritonOps41:
     def candidates(self, scores: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
         a = self.args
         return select.candidate_mask(scores, self._pos(positions), ratio, a.candidate_block_size,
-                                     a.candidate_topk_blocks)  # fmt: skip
+                                     a.candidate_topk_blocks, best_rows)  # fmt: skip
 
     def top_k(
         self, scores: torch.Tensor, positions: torch.Tensor, ratio: int, end: int, candidates: torch.Tensor | None
     ) -> torch.Tensor:
-        return select.top_k(scores, self._pos(positions), ratio, end, self.args.index_topk, candidates)
+        return select.top_k(scores, self._pos(positions), ratio, end, self.args.index_topk, candidates, best_rows)
 
     def attend(
         self, il: int, q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor
