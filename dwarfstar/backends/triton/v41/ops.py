@@ -10,11 +10,15 @@ then `moe.experts_ffn`). V4.1's own steps have kernels of their own: the lagged 
 gathered rows (`row_attention`). Torch on the device: the candidate blocks and the top-k selection
 (`backends.reference.v41.select`, a sort per call), and gathering the Engram rows, which come from
 the host (`EngramStore`'s positional reads, rounded to bf16 there) and are uploaded per call.
+
+The routed experts come from `experts` (V4's sources: the uploaded stacks, or `streaming`'s device pool
+with `--ssd-streaming`); a `--cpu-moe` layer's run on the host's CPU kernels (`moe.host_ffn`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,7 +32,7 @@ from dwarfstar.backends.triton.kernels.quant_blocks import gather_rows
 from dwarfstar.backends.triton.kernels.rms_norm_rope import NORM_NONE, QAT_FP4_E4M3, QAT_FP4_ROW, QAT_FP8_ROW
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
 from dwarfstar.backends.triton.kernels.row_attention import row_attention
-from dwarfstar.backends.triton.moe import experts_ffn
+from dwarfstar.backends.triton.moe import experts_ffn, host_ffn
 from dwarfstar.backends.triton.runtime import EXACT, PagedRows
 from dwarfstar.backends.triton.v41.weights import COMPRESSOR_KV_GATE, ENGRAM_GATE, Weights41
 from dwarfstar.engram.hashing import EngramHash
@@ -36,15 +40,23 @@ from dwarfstar.engram.store import EngramStore
 from dwarfstar.model import tensors as tt
 from dwarfstar.model import tensors_v41 as tt41
 from dwarfstar.model.config import yarn_inv_freq
+from dwarfstar.model.forward import ExpertSource, ResidentExperts
 from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.numerics import rope_angles
 from dwarfstar.model.pages import PAGE_ROWS
 
+if TYPE_CHECKING:
+    from dwarfstar.backends.cpu.experts import HostExperts
+
 
 class TritonOps41:
-    def __init__(self, weights: Weights41, engram_hash: EngramHash, store: EngramStore) -> None:
+    def __init__(
+        self, weights: Weights41, engram_hash: EngramHash, store: EngramStore, host: HostExperts | None = None
+    ) -> None:
+        """`host`: the layers whose routed experts the CPU kernels compute (`--cpu-moe`)."""
         self.w, self.args, self.device = weights, weights.args, weights.device
-        self.hash, self.store = engram_hash, store
+        self.hash, self.store, self.host = engram_hash, store, host
+        self.experts: ExpertSource = ResidentExperts(weights.routed())  # streamed: the entry attaches a cache
         a = self.args
         self.inv_freq = {
             il: torch.tensor(yarn_inv_freq(a, a.layer(il)), dtype=torch.float64, device=self.device)  # type: ignore[arg-type]
@@ -200,7 +212,9 @@ class TritonOps41:
             rows = image.nonzero().flatten().to(self.device)
             bias = self.w.vector(il, tt41.ROUTER_BIAS_VL)
             ids[rows], weights[rows] = moe_route.route(x[rows], router, bias, None, unhashed[rows], k, scale)
-        routed = tuple(self.w.matrix(il, name) for name in tt.EXPERTS)
         shared = tuple(self.w.matrix(il, name) for name in tt.SHARED_EXPERT)
+        if self.host is not None and il in self.host:
+            return host_ffn(self.host, il, x, ids, weights, shared, a.swiglu_limit, EXACT)  # type: ignore[arg-type]
+        routed, slots = self.experts.experts(il, ids)
         decode = EXACT if t <= DECODE_TOKENS else None
-        return experts_ffn(x, ids, weights, routed, shared, a.swiglu_limit, EXACT, decode)  # type: ignore[arg-type]
+        return experts_ffn(x, slots, weights, routed, shared, a.swiglu_limit, EXACT, decode)  # type: ignore[arg-type]
