@@ -93,7 +93,8 @@ class BackendEntry(ABC):
     @abstractmethod
     def load41(self, model: ModelFile41, load: Load, engram_cache_bytes: int) -> Backend:
         """The backend over a DeepSeek V4.1 file, its Engram rows read through a cache of
-        `engram_cache_bytes` (every backend runs V4.1: issue 33)."""
+        `engram_cache_bytes` (every backend runs V4.1: issue 33); `load.stream` and `load.cpu_moe` as
+        `load` takes them."""
 
     def usable_memory(self) -> int:
         """Bytes the backend's experts can live in."""
@@ -204,10 +205,11 @@ class Cpu(Reference):
     def load41(self, model, load, engram_cache_bytes):
         """The reference's V4.1 model with its products on the kernels; the file's pages are mapped where
         the whole file fits (`populate` maps every page, the Engram tables' too, which the store then
-        reads from the page cache)."""
+        reads from the page cache), unless the routed experts stream (as `load` does)."""
         from dwarfstar.backends.reference.v41.backend import ReferenceModel41
 
-        _map_pages(model.gguf, model.path.stat().st_size)
+        if not load.stream:
+            _map_pages(model.gguf, model.path.stat().st_size)
         products = _kernel_products(model.gguf, load.threads)
         return ReferenceModel41.from_file(model, engram_cache_bytes, load.ctx, products)
 
@@ -283,7 +285,10 @@ class Triton(BackendEntry):
     def load41(self, model, load, engram_cache_bytes):
         from dwarfstar.backends.triton import load_backend41
 
-        return load_backend41(model, engram_cache_bytes, load.ctx, precision=load.precision)
+        return load_backend41(
+            model, engram_cache_bytes, load.ctx, precision=load.precision, stream_experts=load.stream,
+            cpu_moe=load.cpu_moe, threads=load.threads,
+        )  # fmt: skip
 
     def usable_memory(self) -> int:
         import torch
@@ -340,7 +345,10 @@ class MLX(BackendEntry):
     def load41(self, model, load, engram_cache_bytes):
         from dwarfstar.backends.mlx.v41.backend import MLXModel41
 
-        return MLXModel41.from_file(model, engram_cache_bytes, load.ctx)
+        return MLXModel41.from_file(
+            model, engram_cache_bytes, load.ctx, routed_experts=not load.stream, cpu_moe=load.cpu_moe,
+            threads=load.threads,
+        )  # fmt: skip
 
     def usable_memory(self) -> int:
         import mlx.core as mx

@@ -116,15 +116,14 @@ def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = 
 
 V41_REFUSED = {  # what a V4.1 engine cannot take yet: the spec's field, its flag
     "layers": "a layer slice",
-    "streaming": "--ssd-streaming",
     "steering": "--dir-steering-file",
     "dist": "a layer pipeline",
-    "cpu_moe": "--cpu-moe",
 }
 
 
 def load_engine41(spec: EngineSpec, name: str, progress: Callable[[int, int], None] | None = None) -> Engine:
-    """A DeepSeek V4.1 engine on the backend `name`, reading images with `--vision` (V4.1 Flash's encoder);
+    """A DeepSeek V4.1 engine on the backend `name`, reading images with `--vision` (V4.1 Flash's encoder),
+    its routed experts streamed (`--ssd-streaming`) or some layers' on the CPU (`--cpu-moe`) as V4's;
     the spec's V4-only options are refused."""
     start = time.perf_counter()
     for field, flag in V41_REFUSED.items():
@@ -134,23 +133,33 @@ def load_engine41(spec: EngineSpec, name: str, progress: Callable[[int, int], No
         raise DwarfStarError(MTP41_REFUSAL)
     entry = backend_entry(name)
     model = open_model41(spec.model)
+    experts = None
     try:
         tokenizer = Tokenizer.from_gguf_metadata(model.gguf.metadata)
+        limit, stream = spec.ctx or model.args.max_seq_len, spec.streaming is not None
+        host_layers = spec.cpu_moe_layers(model.args.n_layers)
+        if not stream:  # too big a model is an error naming --ssd-streaming, before any weight loads
+            check_fits(model, entry, limit, host_layers)
         vision = open_encoder41(spec.vision, model) if spec.vision is not None else None  # before the weights
         slots = spec.kv_slots or entry.kv_slots
-        load = Load(spec.qat, spec.precision, spec.ctx, slots, False, progress=progress, threads=spec.threads)
+        load = Load(spec.qat, spec.precision, spec.ctx, slots, stream, progress, spec.threads, host_layers)
         impl = entry.load41(model, load, spec.engram_cache << 20)
+        if spec.streaming is not None:
+            experts = streaming_store(model, entry, limit, spec.streaming)
+            entry.attach_experts(impl, experts)
         images = ImageEncoder(vision, entry) if vision is not None else None
         if spec.speculation is not None and spec.drafter is None:
             from dwarfstar.speculative.decode import check_drafter  # --dspark-strict: checked, not run
 
             check_drafter(spec.speculation, impl, model)
     except BaseException:
+        if experts is not None:
+            experts.close()
         model.close()
         raise
     if progress is not None:
         progress(1, 1)  # the weights are read as the layers first run
-    return Engine(model, impl, name, tokenizer, time.perf_counter() - start, images=images)
+    return Engine(model, impl, name, tokenizer, time.perf_counter() - start, experts, images)
 
 
 def open_encoder41(path: Path, model: ModelFile41) -> VisionFile:

@@ -4,6 +4,9 @@ The CLI's `--ssd-streaming*` flags become a `StreamingOptions`; `streaming_store
 for the file, which the backend's entry attaches (`backends.registry`) as the expert source the forward
 pass reads every MoE through.
 Without streaming, `check_fits` refuses a model larger than the memory and names the flag.
+Both families' files lay their routed experts out alike (`blk.N.ffn_*_exps`); what differs is what
+stays resident beside them (`resident_bytes`): a V4.1 file's Engram tables stay on the disk, and its
+sequence state is V4.1's.
 """
 
 from __future__ import annotations
@@ -27,8 +30,12 @@ from dwarfstar.experts.policy import make_policy
 from dwarfstar.experts.routing_trace import RoutingTrace
 from dwarfstar.experts.store import ExpertBytes, ExpertStore
 from dwarfstar.gguf.dequant import dequantize
+from dwarfstar.kvcache.payload_v41 import payload41_nbytes
+from dwarfstar.model.file_v41 import ModelFile41
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.session.accounting import state_footprint
+
+Model = ModelFile | ModelFile41  # a DeepSeek V4 or V4.1 file
 
 PROFILE_SUFFIX = ".experts.npz"  # `dwarfstar profile-experts` writes MODEL.experts.npz next to the model
 PREFILL_CHUNK = 4096
@@ -57,20 +64,27 @@ class BackendMemory(Protocol):
     def usable_memory(self) -> int: ...
 
 
-def resident_bytes(model: ModelFile, backend: BackendMemory, ctx: int) -> int:
+def state_bytes(model: Model, ctx: int) -> int:
+    """One sequence of `ctx` tokens' state, as its family's payload holds it."""
+    if isinstance(model, ModelFile41):
+        return payload41_nbytes(model.args, ctx)
+    return state_footprint(model.args).payload_bytes(ctx)
+
+
+def resident_bytes(model: Model, backend: BackendMemory, ctx: int) -> int:
     """What stays in memory besides the cached experts: non-routed weights (float32 where the backend
     holds them so, else as the file stores them), one context's KV, and a prefill chunk's scratch."""
     routed = set(routed_tensor_names(model.args.n_layers))
     weights = 0
     for name, info in model.gguf.tensors.items():
-        if name not in routed and model.holds(name):  # a pipeline stage loads only its slice
+        if name not in routed and model.holds(name):  # a pipeline stage's slice; V4.1's Engram tables not
             weights += info.n_elements * 4 if backend.float32_weights else info.nbytes
-    kv = state_footprint(model.args).payload_bytes(ctx)
+    kv = state_bytes(model, ctx)
     scratch = PREFILL_CHUNK * model.args.dim * 4 * SCRATCH_ROWS_PER_TOKEN
     return weights + kv + scratch
 
 
-def check_fits(model: ModelFile, backend: BackendMemory, ctx: int, host_layers: range = range(0)) -> None:
+def check_fits(model: Model, backend: BackendMemory, ctx: int, host_layers: range = range(0)) -> None:
     """A model whose routed experts do not fit next to everything else is an error naming the flag;
     `host_layers`' routed experts stay in RAM (`--cpu-moe`) and are not counted."""
     # from the tensor table, not an `ExpertLayout` (which reads offsets in one file): a split set too
@@ -88,7 +102,7 @@ def check_fits(model: ModelFile, backend: BackendMemory, ctx: int, host_layers: 
 
 
 def plan_capacity(
-    model: ModelFile, layout: ExpertLayout, backend: BackendMemory, ctx: int, options: StreamingOptions
+    model: Model, layout: ExpertLayout, backend: BackendMemory, ctx: int, options: StreamingOptions
 ) -> int:
     if options.cache_experts is not None:
         budget = parse_size(options.cache_experts)
@@ -113,7 +127,7 @@ def reference_expert(expert: ExpertBytes) -> tuple[torch.Tensor, ...]:
     )
 
 
-def build_store(model: ModelFile, capacity: int, options: StreamingOptions) -> ExpertStore:
+def build_store(model: Model, capacity: int, options: StreamingOptions) -> ExpertStore:
     layout = ExpertLayout.of(model.gguf, model.args)
     policy = make_policy(options.policy, layout.total_experts)
     store = ExpertStore(layout, capacity, policy, direct=options.direct)
@@ -125,7 +139,7 @@ def build_store(model: ModelFile, capacity: int, options: StreamingOptions) -> E
     return store
 
 
-def streaming_store(model: ModelFile, backend: BackendMemory, ctx: int, options: StreamingOptions) -> ExpertStore:
+def streaming_store(model: Model, backend: BackendMemory, ctx: int, options: StreamingOptions) -> ExpertStore:
     """The store the backend's routed experts stream through (its `stats` are the telemetry); the
     backend's entry attaches it (`BackendEntry.attach_experts`)."""
     layout = ExpertLayout.of(model.gguf, model.args)

@@ -19,6 +19,7 @@ from dwarfstar.errors import DwarfStarError
 from dwarfstar.gguf.constants import GGMLType, tensor_nbytes
 from dwarfstar.gguf.reader import GGUFFile
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.tensors import EXPERTS, TensorSpec, expected_tensors, layer_tensor
 
 AUTO_FRACTION = 0.8  # ds4 plans model + cached experts into 80% of the recommended working set
@@ -54,7 +55,7 @@ class ExpertLayout:
     routed_bytes: int  # every routed expert of the file
 
     @classmethod
-    def of(cls, gguf: GGUFFile, args: ModelArgs) -> ExpertLayout:
+    def of(cls, gguf: GGUFFile, args: ModelArgs | ModelArgs41) -> ExpertLayout:
         parts, strides = [], []
         for il in range(args.n_layers):
             layer_parts, layer_strides = [], []

@@ -58,6 +58,11 @@ class ModelFile41:
         """Every other tensor's bytes: what a backend loads."""
         return sum(info.nbytes for info in self.gguf.tensors.values()) - self.engram_bytes
 
+    def holds(self, tensor_name: str) -> bool:
+        """Whether a backend loading this model reads the tensor: every one but the Engram tables (as
+        `loader.ModelFile.holds` says it of a V4 file's)."""
+        return tensor_name not in {engram_table(il) for il in self.engram}
+
     def summary(self) -> str:
         return (
             f"{self.args.n_layers} layers, {self.resident_bytes:,} bytes of weights, Engram tables of "

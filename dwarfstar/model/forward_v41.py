@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from dwarfstar.model.config_v41 import LayerMode, LayerSpec41, ModelArgs41
+from dwarfstar.model.forward import ExpertSource
 from dwarfstar.model.image_spans import ImageSpan, image_mask
 from dwarfstar.model.tensors import SITES
 
@@ -67,6 +68,9 @@ class Ops41(Protocol[A]):
     """V4.1's steps on float32 [T, ...] arrays of one sequence's call."""
 
     args: ModelArgs41
+    # where `moe` reads each layer's routed experts: the resident ones (`forward.ResidentExperts`), or a
+    # cache streaming them from the file (`--ssd-streaming`: `experts.source`), as V4's `Ops.experts`
+    experts: ExpertSource
 
     def embed(self, tokens: torch.Tensor, images: Sequence[ImageSpan]) -> A:
         """Streams [T, hc_mult, dim] of token ids [T]: each image span's rows at its positions (whose

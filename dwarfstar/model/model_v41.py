@@ -18,7 +18,7 @@ import torch
 
 from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.config_v41 import ModelArgs41
-from dwarfstar.model.forward import forward_then_sample
+from dwarfstar.model.forward import ExpertSource, forward_then_sample
 from dwarfstar.model.forward_v41 import A, Capture41, Ops41, Transformer41
 from dwarfstar.model.image_spans import ImageSpan, check_ids
 from dwarfstar.sampling import Sampler, sample_batch
@@ -34,6 +34,16 @@ class Model41(ABC, Generic[A]):
         self.args: ModelArgs41 = ops.args
         self.max_seq_len = min(max_seq_len or self.args.max_seq_len, self.args.max_seq_len)
         self.transformer = Transformer41(ops)
+
+    @property
+    def experts(self) -> ExpertSource:
+        """Where the MoE reads the routed experts from (`Ops41.experts`): a backend entry's
+        `attach_experts` sets a streamed cache here (`--ssd-streaming`), as it does on a V4 model."""
+        return self.transformer.ops.experts
+
+    @experts.setter
+    def experts(self, source: ExpertSource) -> None:
+        self.transformer.ops.experts = source
 
     @abstractmethod
     def new_state(self) -> Any:

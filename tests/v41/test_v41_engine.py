@@ -131,8 +131,6 @@ def test_what_does_not_run_v41_is_a_clear_error(engine, v41_tiny_file, tmp_path)
         open_model(v41_tiny_file)  # every V4 command still refuses the file
     with pytest.raises(ModelFileError, match=re.escape(NOT_YET) + "; dwarfstar steer build runs DeepSeek V4 only"):
         require_v4(engine, "dwarfstar steer build")  # a command that runs V4 only, on the engine it loaded
-    with pytest.raises(DwarfStarError, match="--ssd-streaming does not run with DeepSeek V4.1 Flash yet"):
-        load_engine(EngineSpec(v41_tiny_file, "reference", streaming=object()))  # type: ignore[arg-type]
     with pytest.raises(DwarfStarError, match="--engram-cache takes MB"):
         EngineSpec(v41_tiny_file, engram_cache=-1)
 

@@ -18,7 +18,6 @@ NOT_WITH_V41 = "does not run with DeepSeek V4.1 Flash yet (issue 33)"
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--ssd-streaming"], f"--ssd-streaming {NOT_WITH_V41}"),
         (["--mtp", "{model}"], "--mtp does not run with DeepSeek V4.1: it has no MTP block"),
         (["--dir-steering-file", "{model}"], f"--dir-steering-file {NOT_WITH_V41}"),
     ],

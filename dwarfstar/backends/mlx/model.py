@@ -12,7 +12,7 @@ KV); everything else on all rows of a batch at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -57,6 +57,32 @@ def routed_experts(x: mx.array, stack: ExpertStack, slot_ids: mx.array, weights:
 def shared_expert(x: mx.array, shared: tuple[Matrix, Matrix, Matrix], swiglu: Swiglu) -> mx.array:
     gate, up, down = shared
     return down.matmul(swiglu(gate.matmul(x), up.matmul(x)))
+
+
+def resident_experts(weights: Weights, layers: Iterable[int], host: HostExperts | None) -> ResidentExperts:
+    """The routed experts of `layers` packed as stacks, but for `host`'s layers (`--cpu-moe`: never packed)."""
+    on_device = [il for il in layers if host is None or il not in host]
+    return ResidentExperts(
+        {il: ExpertStack(*(LayerWeights(weights, il).experts(n) for n in tt.EXPERTS)) for il in on_device}
+    )
+
+
+def host_moe(
+    host: HostExperts, il: int, x: mx.array, ids: mx.array, weights: mx.array, shared: tuple[Matrix, Matrix, Matrix],
+    swiglu: Swiglu,
+) -> mx.array:  # fmt: skip
+    """Layer il's MoE output [T, dim] with its routed experts on the host's CPU kernels (`--cpu-moe`) and
+    the shared expert on MLX's stream."""
+    # the crossing: x, ids and weights are evaluated here (the layer so far), seen by numpy
+    # without a copy (MLX's buffers are host memory, on Apple shared with the GPU) and sent
+    mx.eval(x, ids, weights)
+    slots = torch.from_numpy(np.asarray(ids).astype(np.int64))
+    sent = host.send(torch.from_numpy(np.asarray(x)), slots, torch.from_numpy(np.asarray(weights)))
+    # the shared expert starts on MLX's stream (the GPU with Metal, else MLX's CPU worker) and
+    # runs while this thread computes the routed experts on the CPU kernels in `receive`
+    out = shared_expert(x, shared, swiglu)
+    mx.async_eval(out)
+    return out + mx.array(host.receive(il, sent).numpy())
 
 
 def grouped_output(o: mx.array, wo_a: Matrix, wo_b: Matrix, group_ids: mx.array) -> mx.array:
@@ -157,11 +183,7 @@ class MLXOps(StreamSteps):
         self.layer_range = held = range(args.n_layers) if layer_range is None else layer_range
         self.embedding = weights.dense(tt.EMBED) if held.start == 0 else None
         self.layers = {il: self._load_layer(weights, il) for il in held}
-        self.experts: ExpertSource | None = None
-        if routed_experts:
-            on_device = [il for il in held if host is None or il not in host]
-            stacks = {il: ExpertStack(*(LayerWeights(weights, il).experts(n) for n in tt.EXPERTS)) for il in on_device}
-            self.experts = ResidentExperts(stacks)
+        self.experts: ExpertSource | None = resident_experts(weights, held, host) if routed_experts else None
         self.head_hc = self.out_norm = self.output = None
         if held.stop == args.n_layers:
             self.head_hc = tuple(weights.dense(name) for name in tt.HEAD_HC)
@@ -376,16 +398,7 @@ class MLXOps(StreamSteps):
     ) -> mx.array:
         shared_weights = self.layers[il].shared
         if self.host is not None and il in self.host:
-            # the crossing: x, ids and weights are evaluated here (the layer so far), seen by numpy
-            # without a copy (MLX's buffers are host memory, on Apple shared with the GPU) and sent
-            mx.eval(x, ids, weights)
-            slots = torch.from_numpy(np.asarray(ids).astype(np.int64))
-            sent = self.host.send(torch.from_numpy(np.asarray(x)), slots, torch.from_numpy(np.asarray(weights)))
-            # the shared expert starts on MLX's stream (the GPU with Metal, else MLX's CPU worker) and
-            # runs while this thread computes the routed experts on the CPU kernels in `receive`
-            shared = shared_expert(x, shared_weights, self.fused.swiglu)
-            mx.async_eval(shared)
-            return shared + mx.array(self.host.receive(il, sent).numpy())
+            return host_moe(self.host, il, x, ids, weights, shared_weights, self.fused.swiglu)
         stack, slot_ids = experts.experts(il, ids)
         swiglu = self.fused.swiglu
         return routed_experts(x, stack, slot_ids, weights, swiglu) + shared_expert(x, shared_weights, swiglu)

@@ -76,11 +76,22 @@ def load_backend(
     return TritonBackend(weights, graphs=False, host=host, **options)
 
 
-def load_backend41(model_file, engram_cache_bytes: int, max_seq_len: int | None = None, device=None, precision="exact"):
+def load_backend41(
+    model_file,
+    engram_cache_bytes: int,
+    max_seq_len: int | None = None,
+    device=None,
+    precision="exact",
+    stream_experts: bool = False,
+    cpu_moe: range = range(0),
+    threads: int | None = None,
+):
     """A `v41.backend.TritonModel41` over `model_file` (a `ModelFile41`) on `device` (default: the GPU,
     else the CPU through Triton's interpreter), its Engram rows read through a cache of
     `engram_cache_bytes`, sequences of at most `max_seq_len` tokens (default: the model's). Only the
-    exact precision runs V4.1 yet."""
+    exact precision runs V4.1 yet. `stream_experts` and `cpu_moe` (with `threads`) as `load_backend`
+    takes them: the routed experts left in the file for a cache, or those of some layers computed by
+    the CPU kernels."""
     from dwarfstar.errors import DwarfStarError
 
     if precision != "exact":
@@ -90,4 +101,9 @@ def load_backend41(model_file, engram_cache_bytes: int, max_seq_len: int | None 
     from dwarfstar.backends.triton.v41.backend import TritonModel41
 
     device = torch.device(device) if device is not None else default_device()
-    return TritonModel41.from_file(model_file, engram_cache_bytes, max_seq_len, device)
+    host = None
+    if cpu_moe:
+        from dwarfstar.backends.cpu.experts import HostExperts
+
+        host = HostExperts(model_file.gguf, model_file.args, cpu_moe, threads)
+    return TritonModel41.from_file(model_file, engram_cache_bytes, max_seq_len, device, not stream_experts, host)

@@ -32,7 +32,6 @@ from dwarfstar.backends.triton.kernels import (
     indexer_scores,
     moe_experts,
     moe_route,
-    moe_sort,
     quant_blocks,
     topk,
 )
@@ -48,7 +47,7 @@ from dwarfstar.backends.triton.kernels.rms_norm_rope import (
     query_rows,
 )
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
-from dwarfstar.backends.triton.moe import experts_ffn
+from dwarfstar.backends.triton.moe import experts_ffn, host_ffn
 from dwarfstar.backends.triton.runtime import EXACT, TICKET_SLOTS, PagedRows, Precision, next_pow2
 from dwarfstar.backends.triton.step import DecodeInputs, PendingRows, TritonStep
 from dwarfstar.backends.triton.weights import FusedLinear, ModelWeights
@@ -508,14 +507,8 @@ class TritonOps:
         precision = batch.step.precision
         shared = (lw.gate_shared, lw.up_shared, lw.down_shared)
         routed_x = batch.step.routed.pop(il, None)
-        tile = 64 if precision.fast else 32  # fp32 operands take twice the registers and shared memory
         if self.host is not None and il in self.host:
-            # the inputs leave first, so the device computes the shared expert while the host the routed
-            sent = self.host.send(x, ids, weights)
-            parts = torch.empty(t, 1, a.dim, device=self.device)
-            shared_tiles = moe_sort.single_expert_tiles(t, self.device, moe_sort.tile_rows_for(t, 1, tile))
-            moe_experts.expert_ffn(x, *shared, shared_tiles, None, parts, 0, a.swiglu_limit, precision)
-            return parts[:, 0] + self.host.receive(il, sent)
+            return host_ffn(self.host, il, x, ids, weights, shared, a.swiglu_limit, precision)
         routed, slots = experts.experts(il, ids)
         # two launches a DECODE_TOKENS rows, routed and shared
         decode = self.precision if t <= moe_experts.DECODE_TOKENS or self._gemv(x, batch.step) else None

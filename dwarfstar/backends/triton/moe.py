@@ -1,6 +1,9 @@
 """The experts of a layer's MoE on the kernels, shared by V4 (`model.TritonOps.moe`) and V4.1
 (`v41.ops.TritonOps41.moe`): each row's k routed experts (weighted) plus the shared expert, summed.
 
+A `--cpu-moe` layer's routed experts run on the host's CPU kernels instead (`host_ffn`), beside the
+shared expert on the device.
+
 Two forms: the decode form (`moe_experts.decode_ffn`: gate+up, then down with the sum, two launches
 per DECODE_TOKENS rows) and the prefill form (rows sorted by expert into tiles, `moe_sort`, then the
 routed slots and the shared expert written as k + 1 parts and summed).
@@ -8,12 +11,17 @@ routed slots and the shared expert written as k + 1 parts and summed).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from dwarfstar.backends.triton.kernels import moe_experts, moe_sort
 from dwarfstar.backends.triton.kernels.expert_int8 import Q8Rows
 from dwarfstar.backends.triton.runtime import Precision
 from dwarfstar.backends.triton.weights import QWeight
+
+if TYPE_CHECKING:
+    from dwarfstar.backends.cpu.experts import HostExperts
 
 Experts = tuple[QWeight, QWeight, QWeight]  # gate, up, down
 
@@ -51,3 +59,24 @@ def experts_ffn(
     shared_tiles = moe_sort.single_expert_tiles(t, x.device, moe_sort.tile_rows_for(t, 1, tile))
     moe_experts.expert_ffn(x, *shared, shared_tiles, None, out, k, limit, precision)
     return out.sum(1)
+
+
+def host_ffn(
+    host: HostExperts,
+    il: int,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    shared: Experts,
+    limit: float,
+    precision: Precision,
+) -> torch.Tensor:
+    """[T, D]: layer il's routed experts of rows x (ids [T, k], route weights [T, k]) on the host's CPU
+    kernels, plus the shared expert on the device. The inputs leave first, so the device computes the
+    shared expert while the host computes the routed ones."""
+    sent = host.send(x, ids, weights)
+    t, tile = x.shape[0], 64 if precision.fast else 32
+    part = torch.empty(t, 1, x.shape[1], device=x.device)
+    shared_tiles = moe_sort.single_expert_tiles(t, x.device, moe_sort.tile_rows_for(t, 1, tile))
+    moe_experts.expert_ffn(x, *shared, shared_tiles, None, part, 0, limit, precision)
+    return part[:, 0] + host.receive(il, sent)

@@ -80,6 +80,11 @@ class MLXState41:
 class MLXModel41(Model41):
     """The V4.1 forward over `MLXOps41`; the calls are `Model41`'s, the states `MLXState41`."""
 
+    def __init__(self, ops: MLXOps41, max_seq_len: int | None = None, packing: str = "exact") -> None:
+        """`packing`: the weights' (`weights.PACKINGS`), which streamed experts are packed in too."""
+        super().__init__(ops, max_seq_len)
+        self.packing = packing
+
     @classmethod
     def from_file(
         cls,
@@ -88,14 +93,26 @@ class MLXModel41(Model41):
         max_seq_len: int | None = None,
         packing: str | None = None,
         fuse: bool | None = None,
+        routed_experts: bool = True,
+        cpu_moe: range = range(0),
+        threads: int | None = None,
     ) -> MLXModel41:
         """The model over `model`'s weights in `packing` (default: `default_packing()`), its Engram rows
         read through a cache of `engram_cache_bytes`. `fuse` compiles the op-heavy primitives
-        (`ops.Fused`); by default only where Metal runs them."""
-        weights = Weights(model.gguf, packing or default_packing())
+        (`ops.Fused`); by default only where Metal runs them. Without `routed_experts` the routed
+        experts are not packed: they stream (`--ssd-streaming`). The routed experts of the `cpu_moe`
+        layers stay in the file, computed by the CPU kernels on `threads` threads (`--cpu-moe`)."""
+        packing = packing or default_packing()
+        weights = Weights(model.gguf, packing)
         fused = ops.Fused(model.args, metal_available() if fuse is None else fuse)
         store = EngramStore(model.engram, engram_cache_bytes)
-        return cls(MLXOps41(model.args, weights, model.engram_hash, store, fused), max_seq_len)
+        host = None
+        if cpu_moe:
+            from dwarfstar.backends.cpu.experts import HostExperts
+
+            host = HostExperts(model.gguf, model.args, cpu_moe, threads)
+        operations = MLXOps41(model.args, weights, model.engram_hash, store, fused, routed_experts, host)
+        return cls(operations, max_seq_len, packing)
 
     def new_state(self) -> MLXState41:
         return MLXState41.empty(self.args)

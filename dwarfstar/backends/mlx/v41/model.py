@@ -8,20 +8,23 @@ rope angles (float64), the window indices and the row visibility are formed, so 
 data-dependent shapes. The matrices are `weights.py`'s (Metal kernels for GGUF blocks on Apple, MLX's
 products elsewhere); V4's pieces are reused where V4.1 shares a step (RMSNorm, RoPE, the mHC mixes,
 sink attention, the grouped output, the routing and the experts). Engram rows are read on the host
-from the file through an `EngramStore`.
+from the file through an `EngramStore`. The routed experts come from `experts` (V4's sources: the
+packed stacks, or `streaming`'s packed cache with `--ssd-streaming`); a `--cpu-moe` layer's run on the
+host's CPU kernels (`model.host_moe`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 import torch
 
 from dwarfstar.backends.mlx import ops
-from dwarfstar.backends.mlx.model import ExpertStack, grouped_output, routed_experts, shared_expert
+from dwarfstar.backends.mlx.model import grouped_output, host_moe, resident_experts, routed_experts, shared_expert
 from dwarfstar.backends.mlx.v41 import csa2, engram, select, window
 from dwarfstar.backends.mlx.weights import LayerWeights, Matrix, Weights
 from dwarfstar.engram.hashing import EngramHash
@@ -30,7 +33,11 @@ from dwarfstar.model import tensors as tt
 from dwarfstar.model import tensors_v41 as tt41
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.config_v41 import ModelArgs41
+from dwarfstar.model.forward import ExpertSource
 from dwarfstar.model.image_spans import ImageSpan
+
+if TYPE_CHECKING:
+    from dwarfstar.backends.cpu.experts import HostExperts
 
 
 @dataclass
@@ -51,7 +58,6 @@ class Layer41:
     router: Matrix
     bias: mx.array
     image_bias: mx.array  # the router's bias at image positions (`exp_probs_b_vl`)
-    experts: ExpertStack
     shared: tuple[Matrix, Matrix, Matrix]
     compressor: tuple[Matrix, Matrix | None, mx.array, Matrix, mx.array] | None  # kv, gate, norm, W_k, k_norm
     indexer: tuple[Matrix, Matrix] | None  # the index query's W_q and its head weights' projection
@@ -60,12 +66,23 @@ class Layer41:
 
 class MLXOps41:
     def __init__(
-        self, args: ModelArgs41, weights: Weights, engram_hash: EngramHash, store: EngramStore, fused: ops.Fused
+        self,
+        args: ModelArgs41,
+        weights: Weights,
+        engram_hash: EngramHash,
+        store: EngramStore,
+        fused: ops.Fused,
+        routed_experts: bool = True,
+        host: HostExperts | None = None,
     ) -> None:
-        self.args, self.hash, self.store, self.fused = args, engram_hash, store, fused
+        """Without `routed_experts` none is packed: they stream from the file (the entry's `attach_experts`
+        sets the source). `host`: the layers whose routed experts the CPU kernels compute from the file
+        (`--cpu-moe`): never packed."""
+        self.args, self.hash, self.store, self.fused, self.host = args, engram_hash, store, fused, host
         self.embedding = weights.dense(tt.EMBED)
         self.out_norm, self.output = weights.dense(tt.OUTPUT_NORM), weights.matrix(tt.OUTPUT)
         self.layers = [self._load_layer(weights, il) for il in range(args.n_layers)]
+        self.experts: ExpertSource = resident_experts(weights, range(args.n_layers if routed_experts else 0), host)
         self.group_ids = mx.arange(args.o_groups)[None, :]
         self._written: list[mx.array] = []  # the state arrays of the call so far, evaluated by `head`
         self._rope: dict[tuple[bytes, bytes], tuple[mx.array, mx.array]] = {}  # cos/sin of the call
@@ -98,7 +115,6 @@ class MLXOps41:
             router=w.matrix(tt.ROUTER),
             bias=w.dense(tt.ROUTER_BIAS),
             image_bias=w.dense(tt41.ROUTER_BIAS_VL),
-            experts=ExpertStack(*(w.experts(n) for n in tt.EXPERTS)),
             shared=tuple(w.matrix(n) for n in tt.SHARED_EXPERT),
             compressor=compressor,
             indexer=indexer,
@@ -223,4 +239,7 @@ class MLXOps41:
         shut = None if image is None else mx.array(image.numpy())
         logits = layer.router.matmul(x)
         ids, weights = ops.route(logits, a.n_activated_experts, a.route_scale, layer.bias, None, shut, layer.image_bias)
-        return routed_experts(x, layer.experts, ids, weights, swiglu) + shared_expert(x, layer.shared, swiglu)
+        if self.host is not None and il in self.host:
+            return host_moe(self.host, il, x, ids, weights, layer.shared, swiglu)
+        stack, slots = self.experts.experts(il, ids)
+        return routed_experts(x, stack, slots, weights, swiglu) + shared_expert(x, layer.shared, swiglu)

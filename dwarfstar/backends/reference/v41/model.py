@@ -32,6 +32,7 @@ from dwarfstar.model import tensors_v41 as tt41
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.file_v41 import ModelFile41
+from dwarfstar.model.forward import ExpertSource, ResidentExperts
 from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.numerics import FP4_BLOCK, rope_angles, route
 
@@ -52,7 +53,10 @@ class ReferenceOps41:
         self.hc = mhc.HcConfig(args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps)
         self.embedding = products.table(weights, tt.EMBED)
         self.out_norm, self.output = weights.dense(tt.OUTPUT_NORM), products.matrix(weights, tt.OUTPUT)
-        self.experts = {il: expert_reader(weights, il, products) for il in range(args.n_layers)}
+        # read from the file as the router picks them; `--ssd-streaming` puts a cache in their place
+        self.experts: ExpertSource = ResidentExperts(
+            [expert_reader(weights, il, products) for il in range(args.n_layers)]
+        )
         self.inv_freq = {
             il: torch.tensor(yarn_inv_freq(args, args.layer(il)), dtype=torch.float64)  # type: ignore[arg-type]
             for il in range(args.n_layers)
@@ -195,7 +199,8 @@ class ReferenceOps41:
         logits = ops.linear(x, self.w(il, tt.ROUTER))
         bias, image_bias = self.w(il, tt.ROUTER_BIAS), self.w(il, tt41.ROUTER_BIAS_VL)
         ids, weights = route(logits, a.n_activated_experts, a.route_scale, bias, None, image, image_bias)
-        out = ops.routed_ffn(x, ids, ids, weights, self.experts[il], self.products, a.swiglu_limit)
+        expert, slots = self.experts.experts(il, ids)
+        out = ops.routed_ffn(x, ids, slots, weights, expert, self.products, a.swiglu_limit)
         gate, up, down = (self.m(il, name) for name in tt.SHARED_EXPERT)
         x, linear = self.products.input(x), self.products.linear
         return out + linear(ops.swiglu_clamped(linear(x, gate), linear(x, up), a.swiglu_limit), down)

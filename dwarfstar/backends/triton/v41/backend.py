@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from dwarfstar.backends.triton.v41.ops import TritonOps41
@@ -13,6 +15,9 @@ from dwarfstar.model.file_v41 import ModelFile41
 from dwarfstar.model.model_v41 import Model41
 from dwarfstar.model.state_v41 import SequenceState41, new_sequence41
 
+if TYPE_CHECKING:
+    from dwarfstar.backends.cpu.experts import HostExperts
+
 
 class TritonModel41(Model41):
     def __init__(self, ops: TritonOps41, max_seq_len: int | None = None) -> None:
@@ -21,13 +26,22 @@ class TritonModel41(Model41):
 
     @classmethod
     def from_file(
-        cls, model: ModelFile41, engram_cache_bytes: int, max_seq_len: int | None = None, device=None
+        cls,
+        model: ModelFile41,
+        engram_cache_bytes: int,
+        max_seq_len: int | None = None,
+        device=None,
+        routed_experts: bool = True,
+        host: HostExperts | None = None,
     ) -> TritonModel41:
         """The model over `model`'s weights uploaded to `device`, its Engram rows read through a cache of
-        `engram_cache_bytes`."""
-        weights = upload41(model.gguf, model.args, torch.device(device))
+        `engram_cache_bytes`. Without `routed_experts` none is uploaded: they stream from the file (the
+        entry's `attach_experts` sets the source); `host`'s layers' are computed by the CPU kernels
+        (`--cpu-moe`) and not uploaded either."""
+        on_device = [il for il in range(model.args.n_layers) if routed_experts and (host is None or il not in host)]
+        weights = upload41(model.gguf, model.args, torch.device(device), on_device)
         store = EngramStore(model.engram, engram_cache_bytes)
-        return cls(TritonOps41(weights, model.engram_hash, store), max_seq_len)
+        return cls(TritonOps41(weights, model.engram_hash, store, host), max_seq_len)
 
     def new_state(self) -> SequenceState41:
         """An empty sequence whose rows live on the device."""

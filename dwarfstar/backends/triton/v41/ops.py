@@ -11,11 +11,15 @@ gathered rows (`row_attention`). The candidate blocks and the top-k selection ar
 rules (`backends.reference.v41.select`) with the k-best step on V4's radix top-k kernel (`topk`, no
 sort of the rows); the Engram rows come from the host (`EngramStore`'s positional reads, rounded to
 bf16 there) and are uploaded per call.
+
+The routed experts come from `experts` (V4's sources: the uploaded stacks, or `streaming`'s device pool
+with `--ssd-streaming`); a `--cpu-moe` layer's run on the host's CPU kernels (`moe.host_ffn`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,7 +34,7 @@ from dwarfstar.backends.triton.kernels.rms_norm_rope import NORM_NONE, QAT_FP4_E
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
 from dwarfstar.backends.triton.kernels.row_attention import row_attention
 from dwarfstar.backends.triton.kernels.topk import topk_indices
-from dwarfstar.backends.triton.moe import experts_ffn
+from dwarfstar.backends.triton.moe import experts_ffn, host_ffn
 from dwarfstar.backends.triton.runtime import EXACT, PagedRows
 from dwarfstar.backends.triton.v41.weights import COMPRESSOR_KV_GATE, ENGRAM_GATE, Weights41
 from dwarfstar.engram.hashing import EngramHash
@@ -38,9 +42,13 @@ from dwarfstar.engram.store import EngramStore
 from dwarfstar.model import tensors as tt
 from dwarfstar.model import tensors_v41 as tt41
 from dwarfstar.model.config import yarn_inv_freq
+from dwarfstar.model.forward import ExpertSource, ResidentExperts
 from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.numerics import rope_angles
 from dwarfstar.model.pages import PAGE_ROWS
+
+if TYPE_CHECKING:
+    from dwarfstar.backends.cpu.experts import HostExperts
 
 
 def best_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -52,9 +60,13 @@ def best_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class TritonOps41:
-    def __init__(self, weights: Weights41, engram_hash: EngramHash, store: EngramStore) -> None:
+    def __init__(
+        self, weights: Weights41, engram_hash: EngramHash, store: EngramStore, host: HostExperts | None = None
+    ) -> None:
+        """`host`: the layers whose routed experts the CPU kernels compute (`--cpu-moe`)."""
         self.w, self.args, self.device = weights, weights.args, weights.device
-        self.hash, self.store = engram_hash, store
+        self.hash, self.store, self.host = engram_hash, store, host
+        self.experts: ExpertSource = ResidentExperts(weights.routed())  # streamed: the entry attaches a cache
         a = self.args
         self.inv_freq = {
             il: torch.tensor(yarn_inv_freq(a, a.layer(il)), dtype=torch.float64, device=self.device)  # type: ignore[arg-type]
@@ -210,7 +222,9 @@ class TritonOps41:
             rows = image.nonzero().flatten().to(self.device)
             bias = self.w.vector(il, tt41.ROUTER_BIAS_VL)
             ids[rows], weights[rows] = moe_route.route(x[rows], router, bias, None, unhashed[rows], k, scale)
-        routed = tuple(self.w.matrix(il, name) for name in tt.EXPERTS)
         shared = tuple(self.w.matrix(il, name) for name in tt.SHARED_EXPERT)
+        if self.host is not None and il in self.host:
+            return host_ffn(self.host, il, x, ids, weights, shared, a.swiglu_limit, EXACT)  # type: ignore[arg-type]
+        routed, slots = self.experts.experts(il, ids)
         decode = EXACT if t <= DECODE_TOKENS else None
-        return experts_ffn(x, ids, weights, routed, shared, a.swiglu_limit, EXACT, decode)  # type: ignore[arg-type]
+        return experts_ffn(x, slots, weights, routed, shared, a.swiglu_limit, EXACT, decode)  # type: ignore[arg-type]

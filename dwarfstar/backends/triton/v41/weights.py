@@ -4,6 +4,9 @@ the F32-only tensors (norms, sinks, biases, mHC scales and bases, the Engram gat
 The Engram tables stay in the file (an `EngramStore` reads their rows). Tensor by tensor, each one's
 mapped pages released after its copy, as `weights.upload` does.
 
+Without some layers' routed experts (`routed_layers`) those stay in the file: streamed through a cache
+(`--ssd-streaming`, every layer) or computed by the CPU kernels (`--cpu-moe`, the first layers).
+
 Two tensors are combined at upload: a ratio-2 compressor's kv and gate projections, concatenated
 row-wise (one product; the pooling kernel reads the two as column slices of it, `compressor`), and
 an Engram layer's q and k gate norms, multiplied (the gate reads only their product).
@@ -11,7 +14,7 @@ an Engram layer's q and k gate norms, multiplied (the gate reads only their prod
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +37,11 @@ class Weights41:
     vectors: dict[str, torch.Tensor]
     device: torch.device
 
+    def routed(self) -> dict[int, tuple[QWeight, ...]]:
+        """The routed experts (gate, up, down) of each layer whose experts were uploaded."""
+        layers = {il: [tt.layer_tensor(il, name) for name in tt.EXPERTS] for il in range(self.args.n_layers)}
+        return {il: tuple(self.matrices[n] for n in names) for il, names in layers.items() if names[0] in self.matrices}
+
     def matrix(self, il: int | None, name: str) -> QWeight:
         return self.matrices[name if il is None else tt.layer_tensor(il, name)]
 
@@ -50,13 +58,17 @@ def build_weights41(
     matrix: Callable[[TensorSpec], QWeight],
     vector: Callable[[TensorSpec], torch.Tensor],
     device: torch.device,
+    routed_layers: Collection[int] | None = None,
 ) -> Weights41:
     """Every tensor but the Engram tables from per-tensor sources (a file, or the meta device's shapes),
-    in the file's order, with the two combinations made."""
+    in the file's order, with the two combinations made; the routed experts of `routed_layers` only
+    (default: every layer's)."""
+    routed = range(args.n_layers) if routed_layers is None else routed_layers
+    left = {tt.layer_tensor(il, name) for il in range(args.n_layers) if il not in routed for name in tt.EXPERTS}
     matrices: dict[str, QWeight] = {}
     vectors: dict[str, torch.Tensor] = {}
     for spec in tt41.expected_tensors41(args):
-        if spec.types == tt41.ENGRAM_ROWS:
+        if spec.types == tt41.ENGRAM_ROWS or spec.name in left:
             continue
         if spec.types == tt.NORM:
             vectors[spec.name] = vector(spec)
@@ -73,8 +85,11 @@ def build_weights41(
     return Weights41(args, matrices, vectors, torch.device(device))
 
 
-def upload41(gguf: GGUFFile, args: ModelArgs41, device: torch.device) -> Weights41:
-    """Every tensor of a V4.1 file but the Engram tables on `device`, once."""
+def upload41(
+    gguf: GGUFFile, args: ModelArgs41, device: torch.device, routed_layers: Collection[int] | None = None
+) -> Weights41:
+    """Every tensor of a V4.1 file but the Engram tables on `device`, once; the routed experts of
+    `routed_layers` only (default: every layer's)."""
 
     def matrix(spec: TensorSpec) -> QWeight:
         info = gguf.tensors[spec.name]
@@ -87,4 +102,4 @@ def upload41(gguf: GGUFFile, args: ModelArgs41, device: torch.device) -> Weights
         gguf.release(spec.name)
         return values
 
-    return build_weights41(args, matrix, vector, device)
+    return build_weights41(args, matrix, vector, device, routed_layers)
