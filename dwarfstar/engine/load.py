@@ -115,17 +115,15 @@ def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = 
 
 
 V41_REFUSED = {  # what a V4.1 engine cannot take yet: the spec's field, its flag
-    "layers": "a layer slice",
     "streaming": "--ssd-streaming",
-    "steering": "--dir-steering-file",
-    "dist": "a layer pipeline",
     "cpu_moe": "--cpu-moe",
 }
 
 
 def load_engine41(spec: EngineSpec, name: str, progress: Callable[[int, int], None] | None = None) -> Engine:
-    """A DeepSeek V4.1 engine on the backend `name`, reading images with `--vision` (V4.1 Flash's encoder);
-    the spec's V4-only options are refused."""
+    """A DeepSeek V4.1 engine on the backend `name`, reading images with `--vision` (V4.1 Flash's encoder),
+    running the spec's layer slice only (`Model41.hold`) where it has one; the options V4.1 cannot take yet
+    are refused."""
     start = time.perf_counter()
     for field, flag in V41_REFUSED.items():
         if getattr(spec, field) is not None:
@@ -133,13 +131,20 @@ def load_engine41(spec: EngineSpec, name: str, progress: Callable[[int, int], No
     if spec.speculation is not None and not isinstance(spec.speculation, DSparkOptions):
         raise DwarfStarError(MTP41_REFUSAL)
     entry = backend_entry(name)
+    held = spec.stage_layers()  # a layer slice, or a pipeline stage's
     model = open_model41(spec.model)
     try:
         tokenizer = Tokenizer.from_gguf_metadata(model.gguf.metadata)
         vision = open_encoder41(spec.vision, model) if spec.vision is not None else None  # before the weights
+        steering = spec.steering
+        direction = steering.read(model.args) if steering is not None else None  # so is a bad direction file
         slots = spec.kv_slots or entry.kv_slots
         load = Load(spec.qat, spec.precision, spec.ctx, slots, False, progress=progress, threads=spec.threads)
         impl = entry.load41(model, load, spec.engram_cache << 20)
+        if held is not None:
+            impl.hold(*held)
+        if steering is not None:
+            impl = steering.install(impl, direction)
         images = ImageEncoder(vision, entry) if vision is not None else None
         if spec.speculation is not None and spec.drafter is None:
             from dwarfstar.speculative.decode import check_drafter  # --dspark-strict: checked, not run
