@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dwarfstar.distributed.membership import LayerSlice
+    from dwarfstar.model.file_v41 import ModelFile41
     from dwarfstar.model.loader import ModelFile
 
 ROLES = ("coordinator", "worker")
@@ -73,14 +74,18 @@ class DistOptions:
             raise DistError("--dist-prefill-chunk and --dist-prefill-window must be positive")
         return opts
 
-    def slice_for(self, model: ModelFile, rank: int | None = None) -> LayerSlice:
-        """--layers, else this rank's share of an even split by bytes (`rank`: the MLX ring's)."""
+    def slice_for(self, model: ModelFile | ModelFile41, rank: int | None = None) -> LayerSlice:
+        """--layers, else this rank's share of an even split by bytes (`rank`: the MLX ring's); a V4.1
+        stage names its layers."""
         from dwarfstar.distributed.membership import LayerSlice, parse_layers, split_by_bytes
         from dwarfstar.distributed.protocol import DistError
+        from dwarfstar.model.file_v41 import FAMILY41, ModelFile41
 
         n = model.args.n_layers
         if self.layers is not None:
             return parse_layers(self.layers, n)
+        if isinstance(model, ModelFile41):  # an even split would cut layers from their kv sources
+            raise DistError(f"a stage of a {FAMILY41} route needs --layers A:B (or A:output for the last one)")
         if model.layers is not None:  # loaded for this role's slice (`stage_layers`)
             return LayerSlice(model.layers.start, model.layers.stop, n)
         plan = split_by_bytes(model, self.stages)
@@ -97,11 +102,12 @@ class DistOptions:
 
         The split by bytes reads only the file's tensor table; an MLX ring member's rank is MLX_RANK,
         which `mx.distributed.init` takes it from too."""
-        from dwarfstar.model.loader import open_model
+        from dwarfstar.model.file_v41 import open_model41
+        from dwarfstar.model.loader import is_v41, open_model
 
         if self.role is None:
             return None
-        model = open_model(Path(path))
+        model = open_model41(Path(path)) if is_v41(Path(path)) else open_model(Path(path))
         try:
             layers = self.slice_for(model)
         finally:

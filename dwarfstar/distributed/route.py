@@ -319,13 +319,17 @@ class Route:
     def run(self, batch: Batch, all_logits: bool, flags: int = 0, request: int = 0) -> torch.Tensor:
         """Logits [rows, vocab] of a validated batch of RouteStates, through every stage; not advanced."""
         msg, hop = self.first_hop(batch, all_logits, flags, request)
-        hops = [hop]
+        return self.through_stages(msg, [hop], batch.n_rows if all_logits else len(batch.seqs))
+
+    def through_stages(self, msg: Message, hops: list[Hop], rows: int) -> torch.Tensor:
+        """The logits [rows, vocab] the last stage answers a FORWARD with, relayed through every stage
+        after the coordinator's (`hops`: the coordinator's, the others' appended)."""
         for stage in list(self.stages):
             reply, hop = self.relay(stage, msg)
             hops.append(hop)
             if reply.header.flags & FLAG_LOGITS:
                 self._report(hops)
-                return self.logits_of(reply, batch.n_rows if all_logits else len(batch.seqs))
+                return self.logits_of(reply, rows)
             msg = self.next_message(msg, reply)
         raise DistError("no stage of the route holds the output head")
 

@@ -45,14 +45,15 @@ class StateRoute(Protocol):
     def fork(self, state: RouteState, twin: RouteState) -> None: ...
 
 
-class RouteState(SequenceState):
-    def __init__(self, route: StateRoute, near: int | None = None) -> None:
-        super().__init__(route.local.cache, near)
-        self.route = route
+class RouteSession:
+    """A sequence as a route's workers know it: its session id, whether they lost it, and the rolling hash
+    of its tokens (`tokens`: the subclass's), which each pass's header carries."""
+
+    tokens: list[int]
+
+    def join(self, route: StateRoute) -> None:
         self.session_id = route.new_session_id()
         self.dirty = False  # the workers lost this session (a worker was replaced): replay before use
-        self.pending: dict[int, dict[str, np.ndarray]] = {}  # remote layer -> parts written, to IMPORT
-        self.gathered: tuple[int, dict[str, np.ndarray]] | None = None  # (pos, remote parts) from EXPORT
         self._hash = (0, FNV_OFFSET)  # (tokens covered, their rolling hash)
         weakref.finalize(self, route.released.append, self.session_id)
 
@@ -70,6 +71,18 @@ class RouteState(SequenceState):
     def rewound_to(self, snap: RouteSnapshot) -> None:
         """The tokens were cut back to the snapshot's (and maybe extended since): its hash holds."""
         self._hash = (snap.pos, snap.token_hash)
+
+
+class RouteState(SequenceState, RouteSession):
+    def __init__(self, route: StateRoute, near: int | None = None) -> None:
+        super().__init__(route.local.cache, near)
+        self.route = route
+        self.join(route)
+        self.pending: dict[int, dict[str, np.ndarray]] = {}  # remote layer -> parts written, to IMPORT
+        self.gathered: tuple[int, dict[str, np.ndarray]] | None = None  # (pos, remote parts) from EXPORT
+
+    def rewound_to(self, snap: RouteSnapshot) -> None:
+        super().rewound_to(snap)
         self.gathered = None
 
     def is_local(self, il: int) -> bool:

@@ -120,6 +120,11 @@ class StageWorker:
         self.drafts = StageDrafts(draft) if draft is not None and layers.holds_head else None
 
     @property
+    def device(self):
+        """Where the link's tensors land: the model's device."""
+        return getattr(self.model.cache.storage, "device", "cpu")
+
+    @property
     def range(self) -> range:
         return range(self.layers.first, self.layers.last)
 
@@ -149,12 +154,12 @@ class StageWorker:
             return self._reply(msg, Status.ERROR, as_bytes(f"stage {self.layers}: {exc}".encode()))
 
     # -- operations ------------------------------------------------------------------------------------
-    def _forward(self, msg: Message) -> Message:
+    def _sessions_of(self, msg: Message) -> Message | tuple[list[StageSession], list[list[int]]]:
+        """A FORWARD's sessions (a new one for a segment that starts one) and each one's tokens; the
+        MISMATCH reply instead when this stage holds one out of step."""
         stale = [s.session for s in msg.segments if not self._matches(s)]
         if stale:
             return self._reply(msg, Status.MISMATCH, as_bytes(",".join(map(str, stale)).encode()))
-        args, h = self.model.args, msg.header
-        activation = decode_activation(msg.payload.cpu(), (h.n_rows, args.hc_mult, args.dim), h.bits)
         for seg in msg.segments:
             if seg.start == 0 and seg.session not in self.sessions:
                 self.sessions[seg.session] = StageSession(self.model.new_state(), prefix_hash([]))
@@ -163,7 +168,22 @@ class StageWorker:
         for seg in msg.segments:
             spans.append(ids[at : at + seg.count])
             at += seg.count
-        sessions = [self.sessions[s.session] for s in msg.segments]
+        return [self.sessions[s.session] for s in msg.segments], spans
+
+    def _advanced(self, msg: Message, sessions: list[StageSession], spans: list[list[int]]) -> None:
+        """The sessions' hashes past the pass's tokens, which must be the coordinator's."""
+        for seg, session, span in zip(msg.segments, sessions, spans, strict=True):
+            session.hash = extend_hash(session.hash, span)
+            if session.hash != seg.hash_after:
+                raise DistError(f"session {seg.session}: the tokens do not hash to the coordinator's value")
+
+    def _forward(self, msg: Message) -> Message:
+        found = self._sessions_of(msg)
+        if isinstance(found, Message):
+            return found
+        sessions, spans = found
+        args, h = self.model.args, msg.header
+        activation = decode_activation(msg.payload.cpu(), (h.n_rows, args.hc_mult, args.dim), h.bits)
         verify = bool(h.flags & FLAG_VERIFY)
         for seg, session in zip(msg.segments, sessions, strict=True):
             self._forget_verified(seg.session)  # a later pass: the last verify's record is stale
@@ -193,10 +213,7 @@ class StageWorker:
                 payload, flags = encode_activation(to_torch(out), h.bits), 0
             self.model.advance(batch)
         compute_us = int((time.perf_counter() - started) * 1e6)
-        for seg, session, span in zip(msg.segments, sessions, spans, strict=True):
-            session.hash = extend_hash(session.hash, span)
-            if session.hash != seg.hash_after:
-                raise DistError(f"session {seg.session}: the tokens do not hash to the coordinator's value")
+        self._advanced(msg, sessions, spans)
         return self._reply(msg, payload=payload, flags=flags, compute_us=compute_us)
 
     def _snapshot(self, msg: Message) -> Message:
@@ -363,15 +380,13 @@ class WorkerOptions:
 
 
 def serve_stage(
-    model: Transformer,
-    layers: LayerSlice,
+    new_stage: Callable[[], StageWorker],
     registration: Registration,
     options: WorkerOptions,
     log: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True),
-    draft: MTPDraft | None = None,
 ) -> None:
-    """Serve coordinators until SHUTDOWN; a refused registration ends with its reason as an error."""
-    device = getattr(model.cache.storage, "device", "cpu")
+    """Serve coordinators until SHUTDOWN, each link with a fresh stage of `new_stage` (V4's or V4.1's);
+    a refused registration ends with its reason as an error."""
     while True:
         store = connect_store(options.host, options.port, options.wait_s)
         try:
@@ -381,10 +396,11 @@ def serve_stage(
         except (DistError, RuntimeError) as exc:  # the coordinator went away meanwhile
             log(f"registration failed ({exc}); retrying")
             continue
+        stage = new_stage()
         try:
-            link = Link(store, f"link/{worker}", 1, options.bind, IDLE_WAIT_S, options.data_backend, device)
-            log(f"worker {worker}: serving layers {layers} for {options.host}:{options.port}")
-            serve_link(StageWorker(model, layers, draft), link)
+            link = Link(store, f"link/{worker}", 1, options.bind, IDLE_WAIT_S, options.data_backend, stage.device)
+            log(f"worker {worker}: serving layers {stage.layers} for {options.host}:{options.port}")
+            serve_link(stage, link)
             return
         except LinkBrokenError as exc:
             log(f"worker {worker}: {exc}; waiting for a coordinator again")

@@ -14,6 +14,9 @@ stage without one.
 Each role loads only its slice (`DistOptions.stage_layers`, which `load_engine` asks before the
 weights load): its layers' weights and KV arrays, the embedding on the coordinator, the head on the
 last stage. A stage given a model that holds more layers (one process's engine) runs its own only.
+
+A DeepSeek V4.1 file makes a V4.1 route (`route41`, `stage41`): every stage names its `--layers`, a slice
+must hold the kv and index sources its layers read, and it runs over gloo without speculation.
 """
 
 from __future__ import annotations
@@ -35,10 +38,14 @@ from dwarfstar.distributed.membership import (
 from dwarfstar.distributed.mlx_ring import MLXRingLink, admit_ring, register_over_ring, ring_group
 from dwarfstar.distributed.protocol import DistError
 from dwarfstar.distributed.route import Route, RouteOptions
+from dwarfstar.distributed.route41 import Route41, RouteBackend41
 from dwarfstar.distributed.stage import StageWorker, WorkerOptions, serve_link, serve_stage
+from dwarfstar.distributed.stage41 import StageWorker41
 from dwarfstar.engine.load import Engine
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.model.file_v41 import FAMILY41, ModelFile41
 from dwarfstar.model.forward import Transformer
+from dwarfstar.model.model_v41 import Model41
 
 if TYPE_CHECKING:
     from dwarfstar.speculative.mtp_options import DSparkOptions, MTPOptions
@@ -62,12 +69,34 @@ def local_model(engine: Engine, layers: LayerSlice) -> Transformer:
     return model
 
 
+def v41_stage(engine: Engine, opts: DistOptions) -> tuple[Model41, LayerSlice] | None:
+    """A V4.1 engine's model holding exactly this role's layers (`Model41.hold`) and the slice; None for
+    a V4 engine. A V4.1 route runs on gloo links without MTP drafting."""
+    if not isinstance(engine.model, ModelFile41):
+        return None
+    model = engine.backend
+    if not isinstance(model, Model41):
+        raise DistError(f"the {engine.backend_name} backend wrapped by another feature cannot join a route yet")
+    if opts.data_backend != "gloo" or opts.mtp:
+        raise DistError(f"a {FAMILY41} route runs over --dist-backend gloo, without MTP drafting")
+    layers = opts.slice_for(engine.model)
+    if model.layer_range != range(layers.first, layers.last):
+        model.hold(layers.first, layers.last)
+    return model, layers
+
+
 def start_coordinator(engine: Engine, opts: DistOptions, ctx: int) -> Route:
     """The coordinator's route on the engine's model, waiting up to `wait_s` for it to be whole."""
     options = RouteOptions(
         opts.bits, opts.prefill_chunk, opts.prefill_window, opts.timeout_s, opts.debug, opts.data_backend
     )
     identity = model_identity(engine.model)
+    v41 = v41_stage(engine, opts)
+    if v41 is not None:
+        host, port = parse_addr(opts.addr)
+        route = Route41(*v41, Rendezvous(host, port, opts.secret, opts.wait_s), identity, ctx, options)
+        route.wait_complete(opts.wait_s)
+        return route
     if opts.ring:
         group = ring_group()
         opts = replace(opts, stages=group.size())
@@ -89,8 +118,13 @@ def distribute(engine: Engine, opts: DistOptions, ctx: int) -> Route | None:
     if opts.role != "coordinator":
         return None
     route = start_coordinator(engine, opts, ctx)
-    engine.backend = RouteBackend(route)
+    engine.backend = route_backend(route)
     return route
+
+
+def route_backend(route: Route) -> RouteBackend | RouteBackend41:
+    """The session layer's backend over a coordinator's route (V4's or V4.1's)."""
+    return RouteBackend41(route) if isinstance(route, Route41) else RouteBackend(route)
 
 
 def run_worker(
@@ -99,6 +133,17 @@ def run_worker(
     """Serve this process's layers until a coordinator sends SHUTDOWN; with `speculation`, the last
     stage loads the MTP block and drafts for the coordinator."""
     model_id, quant = model_identity(engine.model)
+    v41 = v41_stage(engine, opts)
+    if v41 is not None:
+        if speculation is not None:
+            raise DistError(f"a {FAMILY41} route runs without speculative decoding")
+        host, port = parse_addr(opts.addr)
+        bind = opts.bind or local_host_toward(host)
+        model41, layers = v41
+        registration = Registration(model_id, quant, layers.first, layers.last, ctx, bind)
+        worker = WorkerOptions(host, port, bind, opts.secret, opts.wait_s, opts.data_backend)
+        serve_stage(lambda: StageWorker41(model41, layers), registration, worker)
+        return
     if opts.ring:
         group = ring_group()
         opts = replace(opts, stages=group.size())
@@ -113,11 +158,11 @@ def run_worker(
     layers = opts.slice_for(engine.model)
     host, port = parse_addr(opts.addr)
     bind = opts.bind or local_host_toward(host)
+    worker = WorkerOptions(host, port, bind, opts.secret, opts.wait_s, opts.data_backend)
     model = local_model(engine, layers)
     draft = stage_draft(engine, model, layers, speculation)
     registration = Registration(model_id, quant, layers.first, layers.last, ctx, bind, mtp=draft is not None)
-    worker = WorkerOptions(host, port, bind, opts.secret, opts.wait_s, opts.data_backend)
-    serve_stage(model, layers, registration, worker, draft=draft)
+    serve_stage(lambda: StageWorker(model, layers, draft), registration, worker)
 
 
 def stage_draft(engine: Engine, model: Transformer, layers: LayerSlice, speculation: MTPOptions | DSparkOptions | None):

@@ -114,24 +114,15 @@ def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = 
     return Engine(model, impl, name, tokenizer, time.perf_counter() - start, experts, images)
 
 
-V41_REFUSED = {  # what a V4.1 engine cannot take yet: the spec's field, its flag
-    "layers": "a layer slice",
-    "steering": "--dir-steering-file",
-    "dist": "a layer pipeline",
-}
-
-
 def load_engine41(spec: EngineSpec, name: str, progress: Callable[[int, int], None] | None = None) -> Engine:
     """A DeepSeek V4.1 engine on the backend `name`, reading images with `--vision` (V4.1 Flash's encoder),
-    its routed experts streamed (`--ssd-streaming`) or some layers' on the CPU (`--cpu-moe`) as V4's;
-    the spec's V4-only options are refused."""
+    its routed experts streamed (`--ssd-streaming`) or some layers' on the CPU (`--cpu-moe`) as V4's,
+    running the spec's layer slice only (`Model41.hold`) where it has one, steered by a direction file."""
     start = time.perf_counter()
-    for field, flag in V41_REFUSED.items():
-        if getattr(spec, field) is not None:
-            raise DwarfStarError(f"{flag} does not run with {FAMILY41} yet (issue 33)")
     if spec.speculation is not None and not isinstance(spec.speculation, DSparkOptions):
         raise DwarfStarError(MTP41_REFUSAL)
     entry = backend_entry(name)
+    held = spec.stage_layers()  # a layer slice, or a pipeline stage's
     model = open_model41(spec.model)
     experts = None
     try:
@@ -141,12 +132,18 @@ def load_engine41(spec: EngineSpec, name: str, progress: Callable[[int, int], No
         if not stream:  # too big a model is an error naming --ssd-streaming, before any weight loads
             check_fits(model, entry, limit, host_layers)
         vision = open_encoder41(spec.vision, model) if spec.vision is not None else None  # before the weights
+        steering = spec.steering
+        direction = steering.read(model.args) if steering is not None else None  # so is a bad direction file
         slots = spec.kv_slots or entry.kv_slots
         load = Load(spec.qat, spec.precision, spec.ctx, slots, stream, progress, spec.threads, host_layers)
         impl = entry.load41(model, load, spec.engram_cache << 20)
         if spec.streaming is not None:
             experts = streaming_store(model, entry, limit, spec.streaming)
             entry.attach_experts(impl, experts)
+        if held is not None:
+            impl.hold(*held)
+        if steering is not None:
+            impl = steering.install(impl, direction)
         images = ImageEncoder(vision, entry) if vision is not None else None
         if spec.speculation is not None and spec.drafter is None:
             from dwarfstar.speculative.decode import check_drafter  # --dspark-strict: checked, not run

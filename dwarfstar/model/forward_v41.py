@@ -21,6 +21,13 @@ takes the latest index source's top-k. Then one softmax with the head's sink ove
 (positions p - window + 1 .. p) and its selected compressed rows. The call's shared slots (top-k,
 candidates) hold what the latest source wrote; layers run in order, so each reader finds its own.
 
+A route runs the layers in stages (`Transformer41(ops, held)`: `begin`, `enter` on the first stage, `run`
+over the held layers, `logits` on the last): what crosses a boundary is `Streams41`, the streams and the
+lagged mix the next layer collapses them with; every stage computes the call's positions and Engram rows
+from its token ids. A stage must hold every kv and index source its layers read (`slice_problem`), so no
+compressed row or top-k crosses. The `attn_out` and `ffn_out` hooks (`hooks`) see each sublayer's output
+[T, dim] before the streams take it (steering).
+
 A call can record the inputs of some layers (`Capture41`: each one's streams after its Engram, before its
 block), which DSpark's drafter reads (V4.1's reference `Transformer.forward`'s `main_hiddens`, averaged over
 the hc copies where the drafter reads them: `model.dspark.DSparkHeads.main_x`); a call without one records
@@ -34,15 +41,17 @@ tensors, and the logits come back as torch tensors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
 
+from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.config_v41 import LayerMode, LayerSpec41, ModelArgs41
-from dwarfstar.model.forward import ExpertSource
+from dwarfstar.model.file_v41 import FAMILY41
+from dwarfstar.model.forward import ExpertSource, HookPoint
 from dwarfstar.model.image_spans import ImageSpan, image_mask
 from dwarfstar.model.tensors import SITES
 
@@ -176,10 +185,76 @@ class _Shared(Generic[A]):
     candidates: A | None = None
 
 
+@dataclass
+class Call41(Generic[A]):
+    """What one forward call's layers share, computed alike by every stage of a route from the call's
+    token ids: the positions, the image mask, the Engram rows (for the Engram layers the stage holds) and
+    the shared slots."""
+
+    positions: torch.Tensor
+    image: torch.Tensor | None
+    engram_rows: dict[int, np.ndarray]
+    shared: _Shared[A] = field(default_factory=_Shared)
+
+
+@dataclass
+class Streams41(Generic[A]):
+    """What crosses a stage boundary: the streams [T, hc_mult, dim] and, since mHC is lagged, the mix
+    [T, hc_mult] the next layer's attention collapses them with (the previous layer's FFN `pre`)."""
+
+    h: A
+    pre: A
+
+
+Hook41 = Callable[[int, A], A]  # (layer, a sublayer's output [T, dim]) -> the output the streams take
+
+
+def slice_problem(args: ModelArgs41, held: range) -> str | None:
+    """Why the layers `held` cannot be one stage, or None: a layer whose kv or index source lies before
+    the slice would read compressed rows, index keys or a top-k that only an earlier stage holds."""
+    found = _source_before(args, held.start, held.stop)
+    if found is None:
+        return None
+    il, what, src = found
+    cuts = ", ".join(map(str, stage_cuts(args)))
+    return (
+        f"layer {il} reads the {what} of layer {src}, which a stage starting at layer {held.start} does not "
+        f"hold: a stage boundary must not separate a layer from its kv or index source ({FAMILY41}'s stages "
+        f"may start at layers {cuts})"
+    )
+
+
+def stage_cuts(args: ModelArgs41) -> tuple[int, ...]:
+    """The layers past the first that a stage may start at (`slice_problem`)."""
+    return tuple(c for c in range(1, args.n_layers) if _source_before(args, c, args.n_layers) is None)
+
+
+def _source_before(args: ModelArgs41, first: int, stop: int) -> tuple[int, str, int] | None:
+    """(layer, what it reads, source) of the first layer of first..stop-1 whose source precedes `first`."""
+    for layer in args.layers[first:stop]:
+        for what, src in (("compressed rows", layer.kv_source), ("top-k", layer.index_source)):
+            if src is not None and src < first:
+                return layer.index, what, src
+    return None
+
+
 class Transformer41(Generic[A]):
-    def __init__(self, ops: Ops41[A]) -> None:
+    def __init__(self, ops: Ops41[A], held: range | None = None) -> None:
+        """`held`: the layers this process runs (a stage of a route; None: all of them), refused where a
+        layer's source lies before them (`slice_problem`)."""
         self.ops, self.args = ops, ops.args
-        self.layers = ops.args.layers
+        self.held = range(self.args.n_layers) if held is None else held
+        if not 0 <= self.held.start < self.held.stop <= self.args.n_layers:
+            raise DwarfStarError(f"layers {self.held.start}:{self.held.stop} are not inside 0:{self.args.n_layers}")
+        problem = slice_problem(self.args, self.held)
+        if problem is not None:
+            raise DwarfStarError(problem)
+        self.layers = self.args.layers[self.held.start : self.held.stop]
+        self.hooks: dict[HookPoint, list[Hook41[A]]] = {"attn_out": [], "ffn_out": []}
+
+    @property
+    def whole(self) -> bool:
+        return self.held == range(self.args.n_layers)
 
     def forward(
         self,
@@ -192,32 +267,61 @@ class Transformer41(Generic[A]):
         `state` advances past them. `images`: the call's image blocks (offsets into `tokens`, each
         wholly inside it, checked by the caller), whose positions hold image ids. `capture`: where the
         call records its capture layers' inputs."""
+        if not self.whole:
+            raise DwarfStarError(
+                f"this model holds layers {self.held.start}:{self.held.stop} of {self.args.n_layers}: it runs as "
+                "one stage of a route"
+            )
+        call = self.begin(tokens, state, images)
+        return self.logits(self.run(call, state, self.enter(tokens, images), capture))
+
+    def begin(self, tokens: Sequence[int], state: State41[A], images: Sequence[ImageSpan] = ()) -> Call41[A]:
+        """The call's shared inputs; `state` takes the tokens (each stage's state holds them all: the
+        Engram hash looks back at them)."""
         if not tokens:
             raise ValueError("a forward call needs at least one token")
-        ops, start = self.ops, state.pos
+        start = state.pos
         state.tokens.extend(tokens)
-        positions = torch.arange(start, state.pos)
         image = image_mask(tuple(images), len(tokens)) if images else None
-        h = ops.embed(torch.tensor(list(tokens)), images)
-        engram_rows = ops.engram_rows(state.tokens, start) if self.args.engram_layers else {}
-        pre = ops.first_pre(len(tokens))
-        shared: _Shared[A] = _Shared()
+        engram = any(layer.engram for layer in self.layers)
+        rows = self.ops.engram_rows(state.tokens, start) if engram else {}
+        return Call41(torch.arange(start, state.pos), image, rows)
+
+    def enter(self, tokens: Sequence[int], images: Sequence[ImageSpan] = ()) -> Streams41[A]:
+        """The first layer's input: the embedding's hc_mult copies, collapsed first with (1, 0, ..., 0)."""
+        return Streams41(self.ops.embed(torch.tensor(list(tokens)), images), self.ops.first_pre(len(tokens)))
+
+    def run(
+        self, call: Call41[A], state: State41[A], streams: Streams41[A], capture: Capture41[A] | None = None
+    ) -> Streams41[A]:
+        """The held layers over `streams` (the previous stage's, or `enter`'s)."""
+        ops, h, pre = self.ops, streams.h, streams.pre
         inputs: list[A] = []
         for layer in self.layers:
             il = layer.index
             if layer.engram:
-                h = ops.engram(il, h, engram_rows[il], image)
+                h = ops.engram(il, h, call.engram_rows[il], call.image)
             if capture is not None and il in capture.layers:
                 inputs.append(h)
             a_pre, a_post, a_comb = ops.mix(il, ATTN, h)
-            out = self._attention(layer, ops.sublayer_input(il, ATTN, h, pre), positions, state, shared)
-            h = ops.hc_post(h, out, a_post, a_comb)
+            out = self._attention(layer, ops.sublayer_input(il, ATTN, h, pre), call.positions, state, call.shared)
+            h = ops.hc_post(h, self._hook("attn_out", il, out), a_post, a_comb)
             f_pre, f_post, f_comb = ops.mix(il, FFN, h)
-            h = ops.hc_post(h, ops.moe(il, ops.sublayer_input(il, FFN, h, a_pre), image), f_post, f_comb)
+            out = ops.moe(il, ops.sublayer_input(il, FFN, h, a_pre), call.image)
+            h = ops.hc_post(h, self._hook("ffn_out", il, out), f_post, f_comb)
             pre = f_pre
         if capture is not None:
             capture.calls.append(tuple(inputs))
-        return ops.head(h[-1:], pre[-1:])[0]
+        return Streams41(h, pre)
+
+    def logits(self, streams: Streams41[A]) -> torch.Tensor:
+        """The last position's next-token logits [vocab] (the last stage's)."""
+        return self.ops.head(streams.h[-1:], streams.pre[-1:])[0]
+
+    def _hook(self, point: HookPoint, il: int, out: A) -> A:
+        for hook in self.hooks[point]:
+            out = hook(il, out)
+        return out
 
     def _attention(self, layer: LayerSpec41, x: A, positions: torch.Tensor, state: State41[A], shared: _Shared[A]) -> A:
         ops, il = self.ops, layer.index

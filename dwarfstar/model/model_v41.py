@@ -45,6 +45,16 @@ class Model41(ABC, Generic[A]):
     def experts(self, source: ExpertSource) -> None:
         self.transformer.ops.experts = source
 
+    def hold(self, first: int, last: int) -> None:
+        """Run only layers first..last-1, as one stage of a route (`forward_v41.slice_problem` says which
+        slices cannot be one); the weights are read as the layers first run, so the others stay unread."""
+        self.transformer = Transformer41(self.transformer.ops, range(first, last))
+
+    @property
+    def layer_range(self) -> range:
+        """The layers this model runs: all of them, or a stage's."""
+        return self.transformer.held
+
     @abstractmethod
     def new_state(self) -> Any:
         """An empty sequence in the backend's arrays (`forward_v41.State41`, with the session's `logits`,
@@ -62,7 +72,7 @@ class Model41(ABC, Generic[A]):
         """Logits after the tokens, which continue `state`: [T, vocab] with `all_logits`, else [1, vocab];
         `state.logits` holds the last one's. Bad input is refused before the state changes. `capture`
         records its layers' inputs, a call at a time (`forward_v41.Capture41`)."""
-        ids, spans = self._check(tokens, state, images)
+        ids, spans = self.check_call(tokens, state, images)
         if all_logits:
             steps = [self.transformer.forward([t], state, _row(spans, i), capture) for i, t in enumerate(ids)]
         else:
@@ -85,7 +95,7 @@ class Model41(ABC, Generic[A]):
             raise DwarfStarError("a sequence state appears twice in one batch")
         spans = [None] * len(states) if images is None else list(images)
         for tokens, state, mine in zip(token_lists, states, spans, strict=True):
-            self._check(tokens, state, mine)
+            self.check_call(tokens, state, mine)
         return [self.forward(t, s, all_logits, i) for t, s, i in zip(token_lists, states, spans, strict=True)]
 
     def dspark_ops(self, args: ModelArgs41, weights: GGUFFile) -> DSparkOps41:
@@ -102,9 +112,10 @@ class Model41(ABC, Generic[A]):
     def decode_sample(self, tokens: Sequence[int], states: Sequence[Any], samplers: Sequence[Sampler]) -> list[int]:
         return forward_then_sample(self, tokens, states, samplers)
 
-    def _check(
+    def check_call(
         self, tokens: Sequence[int] | torch.Tensor, state: Any, images: Sequence[ImageSpan] | None
     ) -> tuple[list[int], tuple[ImageSpan, ...]]:
+        """A call's token ids and image spans, refused (before any state changes) where they do not fit."""
         ids = torch.as_tensor(tokens, dtype=torch.long).flatten()
         if not ids.numel():
             raise DwarfStarError("a forward call needs at least one token")

@@ -27,8 +27,11 @@ import torch
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.backends.registry import entry_of
 from dwarfstar.model.config import ModelArgs
-from dwarfstar.model.forward import Batch, HookPoint, Transformer
+from dwarfstar.model.config_v41 import ModelArgs41
+from dwarfstar.model.forward import Batch, HookPoint, Transformer, forward_then_sample
+from dwarfstar.model.forward_v41 import Transformer41
 from dwarfstar.model.image_spans import ImageSpan
+from dwarfstar.model.model_v41 import Model41
 from dwarfstar.model.state import SequenceState
 from dwarfstar.sampling import Sampler
 from dwarfstar.session.session import Session
@@ -39,17 +42,26 @@ POINTS: tuple[HookPoint, ...] = ("ffn_out", "attn_out")
 ROW_CAPACITY = 1024
 
 
-def hookable(backend: Backend) -> Transformer:
-    """The backend as the forward pass its hooks go on: every backend is one (a route is not)."""
+def hookable(backend: Backend) -> Transformer | Transformer41:
+    """The forward pass a backend's hooks go on: every V4 backend is one, a V4.1 model holds one (a route
+    has none)."""
+    if isinstance(backend, Model41):
+        return backend.transformer
     if not isinstance(backend, Transformer):
         raise TypeError(f"{type(backend).__name__} has no Transformer to hook")
     return backend
 
 
 class DeviceArrays:
-    """Making the backend's arrays from host values: torch tensors on the model's device, or MLX arrays."""
+    """Making the backend's arrays from host values: torch tensors on the model's device, or MLX arrays
+    (a V4.1 forward's: whichever its ops make)."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer | Transformer41) -> None:
+        if isinstance(model, Transformer41):
+            probe = model.ops.first_pre(1)
+            self.mlx = not isinstance(probe, torch.Tensor)
+            self.device = probe.device if isinstance(probe, torch.Tensor) else torch.device("cpu")
+            return
         entry = entry_of(model)
         self.mlx = entry is not None and entry.mlx_arrays
         self.device = getattr(model, "device", torch.device("cpu"))
@@ -68,7 +80,7 @@ class DeviceArrays:
 class Steering:
     """The hooks of one direction on one forward pass, and the scales they read."""
 
-    def __init__(self, model: Transformer, direction: Direction, default: SteeringScale) -> None:
+    def __init__(self, model: Transformer | Transformer41, direction: Direction, default: SteeringScale) -> None:
         n_layers, hidden = model.args.n_layers, model.args.dim
         if direction.shape != (n_layers, hidden):
             raise ValueError(f"direction {direction.shape} for a model of [{n_layers}, {hidden}]")
@@ -89,7 +101,7 @@ class Steering:
             self.model.hooks[point].remove(hook)
 
     def _hook(self, point: HookPoint):
-        def apply(il: int, out: Any, batch: Batch) -> Any:
+        def apply(il: int, out: Any, batch: Batch | None = None) -> Any:  # a V4.1 forward passes no batch
             return steer(out, self.rows[il], self._current[point][: out.shape[0]])
 
         return apply
@@ -117,6 +129,9 @@ class SteeredBackend:
         self.args = backend.args
         self.model = hookable(backend)
         self.steering = Steering(self.model, direction, default)
+        # a V4.1 model runs its sequences (and a call of all logits, its tokens) a call at a time, each
+        # reading the scale buffer from its first row: each sequence's scale is staged before its own call
+        self.per_sequence = isinstance(self.model, Transformer41)
         self._sessions: weakref.WeakKeyDictionary[Session, SteeringScale] = weakref.WeakKeyDictionary()
 
     @property
@@ -160,12 +175,19 @@ class SteeredBackend:
         all_logits=False,
         images: Sequence[Sequence[ImageSpan]] | None = None,
     ) -> list[torch.Tensor]:
+        if self.per_sequence:
+            spans = [None] * len(states) if images is None else list(images)
+            for t, s, i in zip(token_lists, states, spans, strict=True):
+                self.inner.check_call(t, s, i)  # all checked before any runs, as the model does
+            return [self.forward(t, s, all_logits, i) for t, s, i in zip(token_lists, states, spans, strict=True)]
         self._stage(token_lists, states)
         return self.inner.forward_batch(token_lists, states, all_logits, images=images)
 
     def decode_sample(
         self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler]
     ) -> list[int]:
+        if self.per_sequence:
+            return forward_then_sample(self, tokens, states, samplers)
         self._stage([[t] for t in tokens], states)
         return self.inner.decode_sample(tokens, states, samplers)
 
@@ -206,7 +228,7 @@ class SteeringOptions:
             raise SteeringError(f"cannot read {self.path}: {exc.strerror}") from None
         return f"direction {digest} ffn {self.scale.ffn:g} attn {self.scale.attn:g}"
 
-    def read(self, args: ModelArgs) -> Direction:
+    def read(self, args: ModelArgs | ModelArgs41) -> Direction:
         return read_direction(self.path, args.n_layers, args.dim)
 
     def install(self, backend: Backend, direction: Direction) -> SteeredBackend:

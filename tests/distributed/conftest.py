@@ -18,10 +18,9 @@ import pytest
 import torch
 from live_server import free_port
 
-from dwarfstar.distributed.backend import RouteBackend
 from dwarfstar.distributed.membership import parse_layers
 from dwarfstar.distributed.route import Route
-from dwarfstar.engine.launch import DistOptions, start_coordinator
+from dwarfstar.engine.launch import DistOptions, route_backend, start_coordinator
 from dwarfstar.engine.load import Engine, load_engine
 from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.model.bundled import default_model_path
@@ -70,7 +69,7 @@ class Cluster:
                 mtp=self.mtp is not None,
             )  # fmt: skip
             self.route = start_coordinator(engine, opts, CTX)
-            self.backend = RouteBackend(self.route)
+            self.backend = route_backend(self.route)
         return self
 
     def start_worker(self, layers: str, die_at_rows: int | None = None) -> subprocess.Popen:
