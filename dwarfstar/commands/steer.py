@@ -40,7 +40,6 @@ def build(
     """Build a steering direction from paired prompt lists and write it in ds4's layout."""
     from dwarfstar.commands.engines import start
     from dwarfstar.console.terminal import count_bar
-    from dwarfstar.engine.load import require_v4
     from dwarfstar.quant.prompts import read_prompts
     from dwarfstar.steering.direction import COMPONENTS, SteeringError, build_direction, write_direction
     from dwarfstar.steering.probe import last_row_activations, prompt_ids
@@ -50,7 +49,6 @@ def build(
     good_prompts, bad_prompts = read_prompts(good), read_prompts(bad)
     spec = model.spec()
     engine, _ = start(spec)
-    require_v4(engine, "dwarfstar steer build")
     good_ids = [prompt_ids(p, engine.tokenizer, think) for p in good_prompts]
     bad_ids = [prompt_ids(p, engine.tokenizer, think) for p in bad_prompts]
     with count_bar("capturing") as bar:

@@ -206,7 +206,7 @@ class Streams41(Generic[A]):
     pre: A
 
 
-Hook41 = Callable[[int, A], A]  # (layer, a sublayer's output [T, dim]) -> the output the streams take
+Hook41 = Callable[[int, A], A | None]  # (layer, a sublayer's output [T, dim]) -> what the streams take (None: it)
 
 
 def slice_problem(args: ModelArgs41, held: range) -> str | None:
@@ -320,7 +320,8 @@ class Transformer41(Generic[A]):
 
     def _hook(self, point: HookPoint, il: int, out: A) -> A:
         for hook in self.hooks[point]:
-            out = hook(il, out)
+            replaced = hook(il, out)
+            out = out if replaced is None else replaced
         return out
 
     def _attention(self, layer: LayerSpec41, x: A, positions: torch.Tensor, state: State41[A], shared: _Shared[A]) -> A:

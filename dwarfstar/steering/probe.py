@@ -2,7 +2,8 @@
 
 Both insert one hook ahead of any steering, so they see each layer's sublayer output as it arrives
 (shaped by the steering of earlier layers, not yet by this layer's). Values stay on the device
-during a call and come to the host after it.
+during a call and come to the host after it. A V4 hook is given the call's `Batch` (its rows may be
+padded past the tokens); a V4.1 call holds one sequence's rows and no more, and gives none.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from dwarfstar.backends.protocol import Backend
 from dwarfstar.model.forward import Batch, HookPoint, Transformer
+from dwarfstar.model.forward_v41 import Transformer41
 from dwarfstar.prompt import render_conversation
 from dwarfstar.quant.prompts import PromptText
 from dwarfstar.sampling import SamplingParams
@@ -33,8 +35,17 @@ def prompt_ids(prompt: PromptText, tokenizer: Tokenizer, think: bool) -> list[in
     return tokenizer.encode_prompt(rendered.parts)
 
 
+Probe = Callable[..., None]  # (layer, a sublayer's output, and V4's Batch) -> None
+
+
+def last_row(out: Any, batch: Batch | None) -> Any:
+    """A call's last token's row of a sublayer output, as a [1, dim] slice."""
+    last = out.shape[0] if batch is None else batch.n_rows
+    return out[last - 1 : last]
+
+
 @contextmanager
-def hooked(model: Transformer, point: HookPoint, hook: Callable[[int, Any, Batch], None]) -> Iterator[None]:
+def hooked(model: Transformer | Transformer41, point: HookPoint, hook: Probe) -> Iterator[None]:
     model.hooks[point].insert(0, hook)
     try:
         yield
@@ -50,8 +61,8 @@ def last_row_activations(
     arrays = DeviceArrays(model)
     rows: list[Any] = []
 
-    def keep(il: int, out: Any, batch: Batch) -> None:
-        rows.append(out[batch.n_rows - 1])
+    def keep(il: int, out: Any, batch: Batch | None = None) -> None:
+        rows.append(last_row(out, batch)[0])
 
     captured = []
     with hooked(model, point, keep):
@@ -112,9 +123,9 @@ def evaluate(
     # prefill (multi-token calls run eagerly, so these Python-side writes happen on every backend)
     seen: dict[str, list[Any]] = {"in": [None] * model.args.n_layers, "out": [None] * model.args.n_layers}
 
-    def recorder(side: str) -> Callable[[int, Any, Batch], None]:
-        def record(il: int, out: Any, batch: Batch) -> None:
-            seen[side][il] = projection(out[batch.n_rows - 1 :], rows[il])
+    def recorder(side: str) -> Probe:
+        def record(il: int, out: Any, batch: Batch | None = None) -> None:
+            seen[side][il] = projection(last_row(out, batch), rows[il])
 
         return record
 

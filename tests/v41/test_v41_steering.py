@@ -1,8 +1,9 @@
 """Steering a DeepSeek V4.1 model (issue 33): a direction file applies in every layer through the V4.1
 forward's `attn_out` / `ffn_out` hooks. A zero direction leaves the logits as they were; a unit one gives
 the logits of the forward with each sublayer's output y replaced by y - F v (v . y), computed here by a
-hook of the test's own; each sequence of a batch keeps its own scale; and `steer build` (whose probe
-reads V4's batches) refuses a V4.1 file by name."""
+hook of the test's own; each sequence of a batch keeps its own scale; `steer build` on a V4.1 file
+averages the sublayer outputs at each prompt's last token that a hook of the test's own reads, and
+`steer eval` measures the file it writes."""
 
 from __future__ import annotations
 
@@ -11,15 +12,19 @@ import re
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
-from dwarfstar.engine.load import load_engine, require_v4
+from dwarfstar.cli import _register_commands, app
+from dwarfstar.engine.load import load_engine
 from dwarfstar.engine.spec import EngineSpec
-from dwarfstar.errors import ModelFileError
-from dwarfstar.model.file_v41 import NOT_YET
+from dwarfstar.quant.prompts import PromptText
 from dwarfstar.steering.apply import SteeredBackend, SteeringOptions
-from dwarfstar.steering.direction import SteeringScale
+from dwarfstar.steering.direction import SteeringScale, build_direction
+from dwarfstar.steering.probe import prompt_ids
 
+_register_commands()
 PROMPT = [(7919 * i + 101) % 120000 for i in range(13)]
+ROW = re.compile(r"^\s*(-?[\d.]+)\s+[\d.]+\s+(-?[\d.]+)\s+(-?[\d.]+)\s")  # steer eval: scale, length, in, out
 
 
 def spec(path, **kw) -> EngineSpec:
@@ -98,6 +103,47 @@ def test_each_sequence_keeps_its_own_scale(v41_tiny_file, plain, unit_file):
     assert not torch.equal(both[0], both[1])
 
 
-def test_steer_build_refuses_v41(plain):
-    with pytest.raises(ModelFileError, match=re.escape(NOT_YET) + "; dwarfstar steer build runs DeepSeek V4 only"):
-        require_v4(plain, "dwarfstar steer build")
+def cli(*args: str) -> str:
+    done = CliRunner().invoke(app, [*args])
+    assert done.exit_code == 0, done.output
+    return done.output
+
+
+def last_rows(engine, prompts: list[list[int]], point: str) -> torch.Tensor:
+    """Each prompt's last-token output of every layer's `point` sublayer [prompts, layers, dim], read by
+    a hook of this test's own."""
+    seen: dict[int, torch.Tensor] = {}
+
+    def keep(il: int, out: torch.Tensor) -> None:
+        seen[il] = out[-1].clone()
+
+    hooks = engine.backend.transformer.hooks[point]
+    hooks.append(keep)
+    try:
+        rows = []
+        for ids in prompts:
+            engine.backend.forward(ids, engine.backend.new_state(), all_logits=False)
+            rows.append(torch.stack([seen[il] for il in range(engine.model.args.n_layers)]))
+    finally:
+        hooks.remove(keep)
+    return torch.stack(rows)
+
+
+def test_steer_build_and_eval_run_on_v41(v41_tiny_file, plain, tmp_path):
+    good, bad = ["Renzo e Lucia", "Il lago di Como"], ["Don Abbondio", "I bravi"]
+    (tmp_path / "good.txt").write_text("\n".join(good) + "\n")
+    (tmp_path / "bad.txt").write_text("\n".join(bad) + "\n")
+    out, model = tmp_path / "dir.f32", ["-m", str(v41_tiny_file), "--backend", "reference"]
+    cli("steer", "build", "--good", str(tmp_path / "good.txt"), "--bad", str(tmp_path / "bad.txt"), "-o", str(out),
+        "--component", "attn_out", *model)  # fmt: skip
+    args = plain.model.args
+    ids = {name: [prompt_ids(PromptText("", p, False), plain.tokenizer, False) for p in texts] for name, texts in
+           (("good", good), ("bad", bad))}  # fmt: skip
+    want = build_direction(last_rows(plain, ids["good"], "attn_out"), last_rows(plain, ids["bad"], "attn_out"), True)
+    got = torch.from_numpy(np.fromfile(out, dtype="<f4").reshape(args.n_layers, args.dim))
+    assert torch.allclose(got, want, atol=1e-6) and got.norm(dim=-1).gt(0.99).all()
+    # at scale 1 each attention output loses its whole projection on the unit direction
+    table = cli("steer", "eval", str(out), "--prompts", str(tmp_path / "good.txt"), "--scales=0,1", "-n", "2", *model)
+    rows = {float(m[1]): (float(m[2]), float(m[3])) for m in map(ROW.match, table.splitlines()) if m}
+    assert sorted(rows) == [0.0, 1.0], table
+    assert rows[0.0][0] == rows[0.0][1] > 0.01 and abs(rows[1.0][1]) < 1e-4, table  # the good side projects ahead
