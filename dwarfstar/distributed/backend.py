@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -18,13 +20,63 @@ from dwarfstar.model.state import SequenceState
 from dwarfstar.sampling import Sampler, sample_batch
 
 
-class RouteBackend:
-    """A route as the session layer's `Backend`: sessions, `decode_batch`, `run` and `serve` unchanged."""
+class RouteFront(ABC):
+    """What a route backend of either family shows the session layer: states the route made and
+    tracks, one sequence's call as a batch of one, the checks before any pass, and sampling on the
+    coordinator (the last stage sends the head's logits back). `state_type`: the family's route state."""
+
+    state_type: type = RouteState
 
     def __init__(self, route: Route) -> None:
         self.route, self.local = route, route.local
         self.args = route.local.args
         self.max_seq_len = route.local.max_seq_len
+
+    def new_state(self) -> Any:
+        state = self.state_type(self.route)
+        self.route.live.add(state)
+        return state
+
+    def forward(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        state: Any,
+        all_logits: bool = True,
+        images: Sequence[ImageSpan] | None = None,
+    ) -> torch.Tensor:
+        return self.forward_batch([tokens], [state], all_logits, None if images is None else [images])[0]
+
+    @abstractmethod
+    def forward_batch(
+        self,
+        token_lists: Sequence[Sequence[int] | torch.Tensor],
+        states: Sequence[Any],
+        all_logits: bool = False,
+        images: Sequence[Sequence[ImageSpan]] | None = None,
+    ) -> list[torch.Tensor]:
+        """Each sequence's logits through the route (the family's passes)."""
+
+    def check_call(self, states: Sequence[Any], images: Sequence[Sequence[ImageSpan]] | None) -> None:
+        if images is not None and any(images):
+            # the stages' messages carry token ids, and a stage rebuilds a lost session by replaying them
+            raise DistError("image spans do not run over a distributed route (issue 34): run them on one machine")
+        if any(not isinstance(s, self.state_type) or s.route is not self.route for s in states):
+            raise DistError("a route runs only the states it made (backend.new_state())")
+
+    # the sampling rules on the logits the last stage sent back (the generic sampler: the reference's
+    # and MLX's own, and the one whose draws the Triton kernel's equal)
+    sample_batch = staticmethod(sample_batch)
+
+    def decode_sample(self, tokens: Sequence[int], states: Sequence[Any], samplers: Sequence[Sampler]) -> list[int]:
+        """A decode step through the route, then the coordinator samples (the head's logits came back)."""
+        return forward_then_sample(self, tokens, states, samplers)
+
+
+class RouteBackend(RouteFront):
+    """A route as the session layer's `Backend`: sessions, `decode_batch`, `run` and `serve` unchanged."""
+
+    def __init__(self, route: Route) -> None:
+        super().__init__(route)
         self._runner = None
 
     # MTP speculation (`dwarfstar.speculative`): the draft on the last stage, the target through the route
@@ -49,20 +101,6 @@ class RouteBackend:
             self._runner = RouteRunner(self, self.route)
         return self._runner
 
-    def new_state(self) -> RouteState:
-        state = RouteState(self.route)
-        self.route.live.add(state)
-        return state
-
-    def forward(
-        self,
-        tokens: Sequence[int] | torch.Tensor,
-        state: SequenceState,
-        all_logits: bool = True,
-        images: Sequence[ImageSpan] | None = None,
-    ) -> torch.Tensor:
-        return self.forward_batch([tokens], [state], all_logits, None if images is None else [images])[0]
-
     @torch.inference_mode()
     def forward_batch(
         self,
@@ -71,11 +109,7 @@ class RouteBackend:
         all_logits: bool = False,
         images: Sequence[Sequence[ImageSpan]] | None = None,
     ) -> list[torch.Tensor]:
-        if images is not None and any(images):
-            # the stages' messages carry token ids, and a stage rebuilds a lost session by replaying them
-            raise DistError("image spans do not run over a distributed route (issue 34): run them on one machine")
-        if any(not isinstance(s, RouteState) or s.route is not self.route for s in states):
-            raise DistError("a route runs only the states it made (backend.new_state())")
+        self.check_call(states, images)
         with self.route.lock:
             self.route.check_complete()
             for state in states:
@@ -107,13 +141,3 @@ class RouteBackend:
             chunks = [seq.tokens[at : at + step] for at in range(0, seq.length, step)]
             parts = [self.route.forward([chunk], [seq.state], all_logits)[0] for chunk in chunks]
         return [torch.cat(parts) if all_logits else parts[-1]]
-
-    # the sampling rules on the logits the last stage sent back (the generic sampler: the reference's
-    # and MLX's own, and the one whose draws the Triton kernel's equal)
-    sample_batch = staticmethod(sample_batch)
-
-    def decode_sample(
-        self, tokens: Sequence[int], states: Sequence[SequenceState], samplers: Sequence[Sampler]
-    ) -> list[int]:
-        """A decode step through the route, then the coordinator samples (the head's logits came back)."""
-        return forward_then_sample(self, tokens, states, samplers)

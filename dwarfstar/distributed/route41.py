@@ -24,15 +24,14 @@ from typing import Any
 
 import torch
 
+from dwarfstar.distributed.backend import RouteFront
 from dwarfstar.distributed.link import Message
 from dwarfstar.distributed.protocol import DistError, Header, Op, SegmentRecord, extend_hash
 from dwarfstar.distributed.route import Hop, ReplayNeeded, Route
 from dwarfstar.distributed.route_state import RouteSession
 from dwarfstar.distributed.stage41 import encode_streams
-from dwarfstar.model.forward import forward_then_sample
 from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.model_v41 import Model41
-from dwarfstar.sampling import Sampler, sample_batch
 
 
 class Route41(Route):
@@ -178,27 +177,11 @@ class RouteState41(RouteSession):
         return twin
 
 
-class RouteBackend41:
+class RouteBackend41(RouteFront):
     """A V4.1 route as the session layer's `Backend`: sessions, `decode_batch`, `run` and `serve` unchanged."""
 
-    def __init__(self, route: Route41) -> None:
-        self.route, self.local = route, route.local
-        self.args = route.local.args
-        self.max_seq_len = route.local.max_seq_len
-
-    def new_state(self) -> RouteState41:
-        state = RouteState41(self.route)
-        self.route.live.add(state)
-        return state
-
-    def forward(
-        self,
-        tokens: Sequence[int] | torch.Tensor,
-        state: RouteState41,
-        all_logits: bool = True,
-        images: Sequence[ImageSpan] | None = None,
-    ) -> torch.Tensor:
-        return self.forward_batch([tokens], [state], all_logits, None if images is None else [images])[0]
+    state_type = RouteState41
+    route: Route41
 
     @torch.inference_mode()
     def forward_batch(
@@ -210,10 +193,7 @@ class RouteBackend41:
     ) -> list[torch.Tensor]:
         """Each sequence's logits ([T, vocab] with `all_logits`, else [1, vocab]), one after another, all
         checked before any runs."""
-        if images is not None and any(images):
-            raise DistError("image spans do not run over a distributed route (issue 34): run them on one machine")
-        if any(not isinstance(s, RouteState41) or s.route is not self.route for s in states):
-            raise DistError("a route runs only the states it made (backend.new_state())")
+        self.check_call(states, images)
         ids = [self.local.check_call(t, s, None)[0] for t, s in zip(token_lists, states, strict=True)]
         out = []
         with self.route.lock:
@@ -225,10 +205,3 @@ class RouteBackend41:
                 state.logits = logits[-1]
                 out.append(logits if all_logits else logits[-1:])
         return out
-
-    sample_batch = staticmethod(sample_batch)
-
-    def decode_sample(
-        self, tokens: Sequence[int], states: Sequence[RouteState41], samplers: Sequence[Sampler]
-    ) -> list[int]:
-        return forward_then_sample(self, tokens, states, samplers)
