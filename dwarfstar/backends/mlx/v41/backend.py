@@ -12,9 +12,11 @@ import numpy as np
 import torch
 
 from dwarfstar.backends.mlx import default_packing, metal_available, ops
+from dwarfstar.backends.mlx.v41.dspark import MLXDSparkOps41
 from dwarfstar.backends.mlx.v41.model import MLXOps41
 from dwarfstar.backends.mlx.weights import Weights
 from dwarfstar.engram.store import EngramStore
+from dwarfstar.gguf.reader import GGUFFile
 from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.file_v41 import ModelFile41
 from dwarfstar.model.model_v41 import Model41
@@ -99,3 +101,7 @@ class MLXModel41(Model41):
 
     def new_state(self) -> MLXState41:
         return MLXState41.empty(self.args)
+
+    def dspark_ops(self, args: ModelArgs41, weights: GGUFFile) -> MLXDSparkOps41:
+        """The stages in this model's packing, sharing its embedding and output matrix."""
+        return MLXDSparkOps41.load(self.transformer.ops, args, weights)  # type: ignore[arg-type]

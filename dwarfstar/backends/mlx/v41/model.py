@@ -60,12 +60,24 @@ class Layer41:
 
 class MLXOps41:
     def __init__(
-        self, args: ModelArgs41, weights: Weights, engram_hash: EngramHash, store: EngramStore, fused: ops.Fused
+        self,
+        args: ModelArgs41,
+        weights: Weights,
+        engram_hash: EngramHash,
+        store: EngramStore,
+        fused: ops.Fused,
+        layers: range | None = None,
+        shares: MLXOps41 | None = None,
     ) -> None:
+        """`layers`: the layers loaded (None: all of them), `layers` keyed by their index; `shares`: ops
+        whose embedding and output matrix these take rather than load (a DSpark drafter's target's)."""
         self.args, self.hash, self.store, self.fused = args, engram_hash, store, fused
-        self.embedding = weights.dense(tt.EMBED)
-        self.out_norm, self.output = weights.dense(tt.OUTPUT_NORM), weights.matrix(tt.OUTPUT)
-        self.layers = [self._load_layer(weights, il) for il in range(args.n_layers)]
+        self.packing = weights.packing
+        self.embedding = weights.dense(tt.EMBED) if shares is None else shares.embedding
+        self.output = weights.matrix(tt.OUTPUT) if shares is None else shares.output
+        self.out_norm = weights.dense(tt.OUTPUT_NORM)
+        held = range(args.n_layers) if layers is None else layers
+        self.layers = {il: self._load_layer(weights, il) for il in held}
         self.group_ids = mx.arange(args.o_groups)[None, :]
         self._written: list[mx.array] = []  # the state arrays of the call so far, evaluated by `head`
         self._rope: dict[tuple[bytes, bytes], tuple[mx.array, mx.array]] = {}  # cos/sin of the call

@@ -11,7 +11,7 @@ an Engram layer's q and k gate norms, multiplied (the gate reads only their prod
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -50,13 +50,17 @@ def build_weights41(
     matrix: Callable[[TensorSpec], QWeight],
     vector: Callable[[TensorSpec], torch.Tensor],
     device: torch.device,
+    layers: range | None = None,
 ) -> Weights41:
     """Every tensor but the Engram tables from per-tensor sources (a file, or the meta device's shapes),
-    in the file's order, with the two combinations made."""
+    in the file's order, with the two combinations made. `layers`: the layers built (None: all of them),
+    beside the model's own tensors (the embedding, the output norm and matrix)."""
+    held = range(args.n_layers) if layers is None else layers
     matrices: dict[str, QWeight] = {}
     vectors: dict[str, torch.Tensor] = {}
     for spec in tt41.expected_tensors41(args):
-        if spec.types == tt41.ENGRAM_ROWS:
+        part = spec.name.split(".")
+        if spec.types == tt41.ENGRAM_ROWS or (part[0] == "blk" and int(part[1]) not in held):
             continue
         if spec.types == tt.NORM:
             vectors[spec.name] = vector(spec)
@@ -64,6 +68,8 @@ def build_weights41(
             matrices[spec.name] = matrix(spec)
     for layer in args.layers:
         il = layer.index
+        if il not in held:
+            continue
         if layer.has_gate:
             parts = [matrices.pop(tt.layer_tensor(il, role)) for role in (tt41.COMPRESSOR_KV, tt41.COMPRESSOR_GATE)]
             matrices[tt.layer_tensor(il, COMPRESSOR_KV_GATE)] = QWeight.concat(parts)
@@ -73,10 +79,19 @@ def build_weights41(
     return Weights41(args, matrices, vectors, torch.device(device))
 
 
-def upload41(gguf: GGUFFile, args: ModelArgs41, device: torch.device) -> Weights41:
-    """Every tensor of a V4.1 file but the Engram tables on `device`, once."""
+def upload41(
+    gguf: GGUFFile,
+    args: ModelArgs41,
+    device: torch.device,
+    layers: range | None = None,
+    shared: Mapping[str, QWeight] | None = None,
+) -> Weights41:
+    """Every tensor of a V4.1 file but the Engram tables on `device`, once: of `layers` (None: every
+    layer) and the model's own; `shared`: matrices already on the device, by name, taken as they are."""
 
     def matrix(spec: TensorSpec) -> QWeight:
+        if shared and spec.name in shared:
+            return shared[spec.name]
         info = gguf.tensors[spec.name]
         weight = QWeight.from_bytes(gguf.raw(spec.name), info.ggml_type, info.shape, device)
         gguf.release(spec.name)
@@ -87,4 +102,4 @@ def upload41(gguf: GGUFFile, args: ModelArgs41, device: torch.device) -> Weights
         gguf.release(spec.name)
         return values
 
-    return build_weights41(args, matrix, vector, device)
+    return build_weights41(args, matrix, vector, device, layers)
