@@ -1,7 +1,8 @@
 """A DeepSeek V4.1 model as the session layer drives it (`backends.protocol.Backend`), over any backend's
 `Ops41`: `forward_v41.Transformer41` and what every backend's V4.1 model shares (the input checks, one
 sequence after another in a batch, `all_logits` one token per call, sampling). A backend subclasses it
-with its ops and its states (`new_state`): the reference's `ReferenceModel41`, Triton's, MLX's.
+with its ops, its states (`new_state`) and its DSpark stages' ops (`dspark_ops`): the reference's
+`ReferenceModel41`, Triton's, MLX's.
 
 A batch runs its sequences one after another. `all_logits` over several tokens runs them one at a time
 (any split of a sequence into calls gives the same logits: tests/v41/test_v41_forward.py); an image
@@ -98,13 +99,11 @@ class Model41(ABC, Generic[A]):
             self.check_call(tokens, state, mine)
         return [self.forward(t, s, all_logits, i) for t, s, i in zip(token_lists, states, spans, strict=True)]
 
+    @abstractmethod
     def dspark_ops(self, args: ModelArgs41, weights: GGUFFile) -> DSparkOps41:
         """The backend's steps for a DSpark drafter's stages (`model.dspark_v41`): the layers of `args`
         (`dspark_v41.stage_args41`) over `weights`, a view of the support file and the target's shared
-        tensors. The reference has them; a backend without them refuses DSpark."""
-        raise DwarfStarError(
-            f"DSpark drafting for DeepSeek V4.1 runs on the reference backend, not on {type(self).__name__}"
-        )
+        tensors."""
 
     # the sampling rules run on the logits' device (the CPU: `head` returns host logits), one sync per step
     sample_batch = staticmethod(sample_batch)

@@ -8,10 +8,11 @@ in torch float32. The target's passes record the target layers' inputs (`forward
 become main_x rows for the drafter once their positions are committed (`dspark.DSparkTrack`, as V4's).
 
 Verification is the ordinary one (`verify.py`); its pass computes every verified position's logits as
-the model computes `all_logits`. A rejection goes back to the snapshot taken before the pass (a V4.1
-state's snapshot is a whole copy) and runs the kept tokens again: the state is then the one plain
-decoding builds (the V4.1 forward is exact under any split of a sequence into calls), so greedy output
-is plain greedy's. A truncate without the second pass, as V4's `rollback.py`, is not built for V4.1.
+the model computes `all_logits`, one token a call. A rejection truncates the state to the kept tokens
+(`rollback_v41.py`: no second pass; the state is the one plain decoding builds, bit for bit) while the
+pass fits the window; otherwise, or with `rollback="rerun"`, it goes back to the snapshot taken before
+the pass (a V4.1 state's snapshot is a whole copy) and runs the kept tokens again (the V4.1 forward is
+exact under any split of a sequence into calls). Either way greedy output is plain greedy's.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from dwarfstar.model.model_v41 import Model41
 from dwarfstar.speculative.dspark import DSparkDrafter, DSparkTrack, load_heads
 from dwarfstar.speculative.mtp import DraftFile
 from dwarfstar.speculative.mtp_options import check_confidence
+from dwarfstar.speculative.rollback_v41 import can_truncate41, frontiers, truncate41
 
 
 def open_dspark41(model: ModelFile41, path: str | os.PathLike) -> tuple[DSparkArgs41, GGUFFile, DraftFile]:
@@ -106,7 +108,8 @@ class DSparkDraft41(DSparkDrafter):
 
 class LocalRunner41:
     """How a speculator runs a V4.1 target in its own process (`decode.LocalRunner`'s calls): passes that
-    record the drafter's target layers, whole-copy snapshots, and rollback by restore and rerun."""
+    record the drafter's target layers, whole-copy snapshots, and rollback by truncation
+    (`rollback_v41`) or by restore and rerun."""
 
     def __init__(self, model: Model41) -> None:
         self.target = model
@@ -122,27 +125,51 @@ class LocalRunner41:
         """Logits of a pass (with its image blocks) and what it leaves for the drafter: main_x rows."""
         capture: Capture41 = Capture41(track.layers)
         logits = self.target.forward(tokens, state, all_logits, list(images) or None, capture)
-        captured = {
-            il: torch.cat([torch.from_numpy(state.host(call[i])) for call in capture.calls])
-            for i, il in enumerate(track.layers)
-        }
-        return logits, track.rows(None, captured, slice(0, len(tokens)))
+        return logits, _main_rows(state, track, capture, len(tokens))
 
     def snapshot(self, state: Any) -> Any:
         return state.snapshot()
 
     def verify(
         self, token_lists: Sequence[Sequence[int]], states: Sequence[Any], tracks: Sequence[DSparkTrack]
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, slice]], None]:
-        """Each sequence's verified tokens, every position's logits; the model runs sequences one by one."""
-        out = []
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, slice]], list[dict[int, tuple[Any, Any]]]]:
+        """Each sequence's verified tokens one a call, as the model's `all_logits` runs them (sequences one by
+        one): every position's logits, and the compressor frontiers after each call (`rollback_v41`'s
+        truncation reads them: a sequence's are at its slice of the list)."""
+        out: list[tuple[torch.Tensor, torch.Tensor, slice]] = []
+        after: list[dict[int, tuple[Any, Any]]] = []
+        ops = self.target.transformer.ops
         for tokens, state, track in zip(token_lists, states, tracks, strict=True):
-            logits, rows = self.run(tokens, state, True, track)
-            out.append((logits, rows, slice(0, len(tokens))))
-        return out, None
+            capture: Capture41 = Capture41(track.layers)
+            mine, logits = slice(len(after), len(after) + len(tokens)), []
+            for token in tokens:
+                logits.append(self.target.forward([token], state, False, None, capture)[0])
+                after.append(frontiers(ops, state))
+            out.append((torch.stack(logits), _main_rows(state, track, capture, len(tokens)), mine))
+        return out, after
 
-    def can_truncate(self, verified: int, tap: None) -> bool:
-        return False  # no truncate for V4.1: a rejection restores the snapshot and reruns the kept tokens
+    def can_truncate(self, verified: int, after: list[dict[int, tuple[Any, Any]]]) -> bool:
+        return can_truncate41(self.target.args.window, verified)
+
+    def truncate(
+        self,
+        state: Any,
+        snap: Any,
+        after: list[dict[int, tuple[Any, Any]]],
+        rows: slice,
+        kept: list[int],
+        logits: torch.Tensor,
+    ) -> None:
+        truncate41(self.target.transformer.ops, state, snap, after[rows], len(kept), logits)
 
     def restore(self, state: Any, snap: Any) -> None:
         state.restore(snap)
+
+
+def _main_rows(state: Any, track: DSparkTrack, capture: Capture41, n: int) -> torch.Tensor:
+    """The drafter's main_x rows of a pass's `n` tokens from the target layers' inputs it captured."""
+    captured = {
+        il: torch.cat([torch.from_numpy(state.host(call[i])) for call in capture.calls])
+        for i, il in enumerate(track.layers)
+    }
+    return track.rows(None, captured, slice(0, n))

@@ -12,9 +12,11 @@ import numpy as np
 import torch
 
 from dwarfstar.backends.mlx import default_packing, metal_available, ops
+from dwarfstar.backends.mlx.v41.dspark import MLXDSparkOps41
 from dwarfstar.backends.mlx.v41.model import MLXOps41
 from dwarfstar.backends.mlx.weights import Weights
 from dwarfstar.engram.store import EngramStore
+from dwarfstar.gguf.reader import GGUFFile
 from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.file_v41 import ModelFile41
 from dwarfstar.model.model_v41 import Model41
@@ -80,10 +82,10 @@ class MLXState41:
 class MLXModel41(Model41):
     """The V4.1 forward over `MLXOps41`; the calls are `Model41`'s, the states `MLXState41`."""
 
-    def __init__(self, ops: MLXOps41, max_seq_len: int | None = None, packing: str = "exact") -> None:
-        """`packing`: the weights' (`weights.PACKINGS`), which streamed experts are packed in too."""
-        super().__init__(ops, max_seq_len)
-        self.packing = packing
+    @property
+    def packing(self) -> str:
+        """The weights' (`weights.PACKINGS`), which streamed experts are packed in too."""
+        return self.transformer.ops.packing
 
     @classmethod
     def from_file(
@@ -112,7 +114,11 @@ class MLXModel41(Model41):
 
             host = HostExperts(model.gguf, model.args, cpu_moe, threads)
         operations = MLXOps41(model.args, weights, model.engram_hash, store, fused, routed_experts, host)
-        return cls(operations, max_seq_len, packing)
+        return cls(operations, max_seq_len)
 
     def new_state(self) -> MLXState41:
         return MLXState41.empty(self.args)
+
+    def dspark_ops(self, args: ModelArgs41, weights: GGUFFile) -> MLXDSparkOps41:
+        """The stages in this model's packing, sharing its embedding and output matrix."""
+        return MLXDSparkOps41.load(self.transformer.ops, args, weights)  # type: ignore[arg-type]

@@ -74,15 +74,22 @@ class MLXOps41:
         fused: ops.Fused,
         routed_experts: bool = True,
         host: HostExperts | None = None,
+        layers: range | None = None,
+        shares: MLXOps41 | None = None,
     ) -> None:
         """Without `routed_experts` none is packed: they stream from the file (the entry's `attach_experts`
         sets the source). `host`: the layers whose routed experts the CPU kernels compute from the file
-        (`--cpu-moe`): never packed."""
+        (`--cpu-moe`): never packed. `layers`: the layers loaded (None: all of them), `layers` keyed by
+        their index; `shares`: ops whose embedding and output matrix these take rather than load (a
+        DSpark drafter's target's)."""
         self.args, self.hash, self.store, self.fused, self.host = args, engram_hash, store, fused, host
-        self.embedding = weights.dense(tt.EMBED)
-        self.out_norm, self.output = weights.dense(tt.OUTPUT_NORM), weights.matrix(tt.OUTPUT)
-        self.layers = [self._load_layer(weights, il) for il in range(args.n_layers)]
-        self.experts: ExpertSource = resident_experts(weights, range(args.n_layers if routed_experts else 0), host)
+        self.packing = weights.packing
+        self.embedding = weights.dense(tt.EMBED) if shares is None else shares.embedding
+        self.output = weights.matrix(tt.OUTPUT) if shares is None else shares.output
+        self.out_norm = weights.dense(tt.OUTPUT_NORM)
+        held = range(args.n_layers) if layers is None else layers
+        self.layers = {il: self._load_layer(weights, il) for il in held}
+        self.experts: ExpertSource = resident_experts(weights, held if routed_experts else (), host)
         self.group_ids = mx.arange(args.o_groups)[None, :]
         self._written: list[mx.array] = []  # the state arrays of the call so far, evaluated by `head`
         self._rope: dict[tuple[bytes, bytes], tuple[mx.array, mx.array]] = {}  # cos/sin of the call

@@ -8,9 +8,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dwarfstar.backends.triton.v41.dspark import TritonDSparkOps41
 from dwarfstar.backends.triton.v41.ops import TritonOps41
 from dwarfstar.backends.triton.v41.weights import upload41
 from dwarfstar.engram.store import EngramStore
+from dwarfstar.gguf.reader import GGUFFile
+from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.file_v41 import ModelFile41
 from dwarfstar.model.model_v41 import Model41
 from dwarfstar.model.state_v41 import SequenceState41, new_sequence41
@@ -46,3 +49,7 @@ class TritonModel41(Model41):
     def new_state(self) -> SequenceState41:
         """An empty sequence whose rows live on the device."""
         return new_sequence41(self.args, self.device)
+
+    def dspark_ops(self, args: ModelArgs41, weights: GGUFFile) -> TritonDSparkOps41:
+        """The stages on this model's device, sharing its embedding and output matrix."""
+        return TritonDSparkOps41.load(self.transformer.ops, args, weights)  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ an Engram layer's q and k gate norms, multiplied (the gate reads only their prod
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -59,16 +59,20 @@ def build_weights41(
     vector: Callable[[TensorSpec], torch.Tensor],
     device: torch.device,
     routed_layers: Collection[int] | None = None,
+    layers: range | None = None,
 ) -> Weights41:
     """Every tensor but the Engram tables from per-tensor sources (a file, or the meta device's shapes),
-    in the file's order, with the two combinations made; the routed experts of `routed_layers` only
-    (default: every layer's)."""
+    in the file's order, with the two combinations made. `layers`: the layers built (None: all of them),
+    beside the model's own tensors (the embedding, the output norm and matrix); of them, the routed
+    experts of `routed_layers` only (default: every layer's)."""
+    held = range(args.n_layers) if layers is None else layers
     routed = range(args.n_layers) if routed_layers is None else routed_layers
     left = {tt.layer_tensor(il, name) for il in range(args.n_layers) if il not in routed for name in tt.EXPERTS}
     matrices: dict[str, QWeight] = {}
     vectors: dict[str, torch.Tensor] = {}
     for spec in tt41.expected_tensors41(args):
-        if spec.types == tt41.ENGRAM_ROWS or spec.name in left:
+        part = spec.name.split(".")
+        if spec.types == tt41.ENGRAM_ROWS or spec.name in left or (part[0] == "blk" and int(part[1]) not in held):
             continue
         if spec.types == tt.NORM:
             vectors[spec.name] = vector(spec)
@@ -76,6 +80,8 @@ def build_weights41(
             matrices[spec.name] = matrix(spec)
     for layer in args.layers:
         il = layer.index
+        if il not in held:
+            continue
         if layer.has_gate:
             parts = [matrices.pop(tt.layer_tensor(il, role)) for role in (tt41.COMPRESSOR_KV, tt41.COMPRESSOR_GATE)]
             matrices[tt.layer_tensor(il, COMPRESSOR_KV_GATE)] = QWeight.concat(parts)
@@ -86,12 +92,20 @@ def build_weights41(
 
 
 def upload41(
-    gguf: GGUFFile, args: ModelArgs41, device: torch.device, routed_layers: Collection[int] | None = None
+    gguf: GGUFFile,
+    args: ModelArgs41,
+    device: torch.device,
+    routed_layers: Collection[int] | None = None,
+    layers: range | None = None,
+    shared: Mapping[str, QWeight] | None = None,
 ) -> Weights41:
-    """Every tensor of a V4.1 file but the Engram tables on `device`, once; the routed experts of
-    `routed_layers` only (default: every layer's)."""
+    """Every tensor of a V4.1 file but the Engram tables on `device`, once: of `layers` (None: every
+    layer) and the model's own, the routed experts of `routed_layers` only (default: every layer's);
+    `shared`: matrices already on the device, by name, taken as they are."""
 
     def matrix(spec: TensorSpec) -> QWeight:
+        if shared and spec.name in shared:
+            return shared[spec.name]
         info = gguf.tensors[spec.name]
         weight = QWeight.from_bytes(gguf.raw(spec.name), info.ggml_type, info.shape, device)
         gguf.release(spec.name)
@@ -102,4 +116,4 @@ def upload41(
         gguf.release(spec.name)
         return values
 
-    return build_weights41(args, matrix, vector, device, routed_layers)
+    return build_weights41(args, matrix, vector, device, routed_layers, layers)
