@@ -11,6 +11,10 @@ n_activated / n_routed of the routed-expert tensors, one row of the embedding (a
 table), and the KV it attends to: the raw window, the compressed rows the indexer keeps on ratio-4
 layers plus every indexer row it scores, and every compressed row on ratio-128 layers. Weight bytes
 are the file's (quantized) bytes, so a backend that holds dequantized copies moves more than this.
+
+A DeepSeek V4.1 file is measured the same way, its bytes counted by `token_bytes41` (CSA2's shared
+rows; the Engram tables, read from the disk, left out of the GB/s) and its state's size by its own
+payload layout (`kvcache.payloads`).
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ from pathlib import Path
 from typing import TextIO
 
 from dwarfstar.backends.protocol import Backend
+from dwarfstar.bench.token_bytes41 import file_weight_bytes41, kv_bytes_read41
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.kvcache.payload import payload_nbytes
+from dwarfstar.kvcache.payloads import payload_nbytes
 from dwarfstar.model.config import ModelArgs
+from dwarfstar.model.config_v41 import ModelArgs41
+from dwarfstar.model.file_v41 import ModelFile41
 from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.tensors import expected_tensors
 from dwarfstar.session.session import Session
@@ -66,7 +73,9 @@ def frontiers(start: int, stop: int, step_incr: int, step_mul: float) -> list[in
         points.append(max(nxt, points[-1] + 1))
 
 
-def weight_bytes_per_token(model: ModelFile) -> int:
+def weight_bytes_per_token(model: ModelFile | ModelFile41) -> int:
+    if isinstance(model, ModelFile41):
+        return file_weight_bytes41(model)
     args, tensors = model.args, model.gguf.tensors
     total = 0.0
     for spec in expected_tensors(args):
@@ -93,6 +102,13 @@ def kv_bytes_read(args: ModelArgs, ctx: int, element_bytes: int) -> int:
     return elements * element_bytes
 
 
+def _kv_bytes_at(session: Session, args: ModelArgs | ModelArgs41, ctx: int) -> int:
+    """KV bytes one decoded token of `session`'s model reads at context `ctx`, in its state's element size."""
+    if isinstance(args, ModelArgs41):
+        return kv_bytes_read41(args, ctx)
+    return kv_bytes_read(args, ctx, session.state.cache.storage.element_size)
+
+
 def greedy_choice(session: Session, eos: int) -> int:
     """The session's most likely next token but EOS."""
     logits = session.logits.float().flatten().clone()
@@ -108,7 +124,7 @@ def greedy_without_eos(session: Session, n: int, eos: int) -> None:
 
 def run_bench(
     backend: Backend,
-    model: ModelFile,
+    model: ModelFile | ModelFile41,
     tokens: list[int],
     points: list[int],
     gen_tokens: int,
@@ -143,7 +159,6 @@ def run_bench(
         gen_s = time.perf_counter() - start
         on_tokens(gen_tokens)
         session.restore(snapshot)
-        element_bytes = session.state.cache.storage.element_size
         gen_tps = gen_tokens / gen_s
         row = Row(
             ctx_tokens=point,
@@ -152,7 +167,7 @@ def run_bench(
             gen_tokens=gen_tokens,
             gen_tps=gen_tps,
             kvcache_bytes=payload_nbytes(args, point),
-            gen_gbps=(weights + kv_bytes_read(args, point, element_bytes)) * gen_tps / 1e9,
+            gen_gbps=(weights + _kv_bytes_at(session, args, point)) * gen_tps / 1e9,
         )
         rows.append(row)
         on_row(row)

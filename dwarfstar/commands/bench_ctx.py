@@ -20,6 +20,7 @@ from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
     from dwarfstar.bench.frontier import Row
+    from dwarfstar.model.file_v41 import ModelFile41
     from dwarfstar.model.loader import ModelFile
 
 
@@ -81,7 +82,6 @@ def bench(
     from dwarfstar.bench.frontier import frontiers, read_bench_tokens, require_plotting, weight_bytes_per_token
     from dwarfstar.commands.engines import start
     from dwarfstar.console.terminal import note
-    from dwarfstar.engine.load import require_v4
 
     if plot_out is not None:
         require_plotting()
@@ -90,14 +90,13 @@ def bench(
     text = bench_text(prompt_file, points[-1])
     spec = model.spec(ctx=alloc, power=power, steering=steering.options(), dist=dist.options())
     engine, route = start(spec)  # a worker serves its layers here and exits; a coordinator routes
-    require_v4(engine, "dwarfstar bench")
     try:
         table = engine.model if route is None else _whole_table(spec.model)
         tokens = read_bench_tokens(engine.tokenizer.encode, text, points[-1])
         note(
             f"{spec.model.name} on {engine.backend_name}{'' if route is None else ' (a route)'}: {len(points)} "
             f"frontiers {points[0]}..{points[-1]}, {gen_tokens} gen tokens each; weights read per token "
-            f"{weight_bytes_per_token(table) / 1e6:.1f} MB"
+            f"{weight_bytes_per_token(table) / 1e6:.1f} MB{_engram_note(table)}"
         )
         rows = _measure(engine.backend, table, tokens, points, gen_tokens, alloc, power)
         if table is not engine.model:
@@ -123,13 +122,28 @@ def _write(rows: list[Row], csv_out: Path | None, plot_out: Path | None, title: 
         note(f"wrote {plot_out}")
 
 
-def _whole_table(path: Path) -> ModelFile:
+def _engram_note(table: ModelFile | ModelFile41) -> str:
+    """A V4.1 model's Engram row bytes per token, which the GB/s leaves out (read from the file); V4: nothing."""
+    from dwarfstar.bench.token_bytes41 import engram_rows_per_token
+    from dwarfstar.engram.rows import ROW_BYTES
+    from dwarfstar.model.file_v41 import ModelFile41
+
+    if not isinstance(table, ModelFile41):
+        return ""
+    rows = engram_rows_per_token(table.args)
+    return (
+        f"; Engram rows {rows} x {ROW_BYTES} B = {rows * ROW_BYTES / 1e3:.1f} kB per token (from the file, not in GB/s)"
+    )
+
+
+def _whole_table(path: Path) -> ModelFile | ModelFile41:
     """The whole model's tensor table, for the weights a token reads on every stage of a route (a
     coordinator maps only its own layers, and of a split set only its own parts)."""
-    from dwarfstar.model.loader import open_model
+    from dwarfstar.model.file_v41 import open_model41
+    from dwarfstar.model.loader import is_v41, open_model
 
     try:
-        return open_model(path)
+        return open_model41(path) if is_v41(path) else open_model(path)
     except DwarfStarError as exc:
         raise DwarfStarError(
             "bench on a route counts the weights every stage reads from the whole model's tensor table, "
@@ -137,7 +151,9 @@ def _whole_table(path: Path) -> ModelFile:
         ) from None
 
 
-def _measure(backend, table: ModelFile, tokens, points, gen_tokens: int, alloc: int, power: int) -> list[Row]:
+def _measure(
+    backend, table: ModelFile | ModelFile41, tokens, points, gen_tokens: int, alloc: int, power: int
+) -> list[Row]:
     from rich.progress import TextColumn
 
     from dwarfstar.bench.frontier import run_bench

@@ -1,5 +1,6 @@
 """The one-shot speculative reply `run` prints with the speculation flags (`SpeculativeFlags`), and
-`dwarfstar bench mtp` (the MTP block and DSpark against plain decoding)."""
+`dwarfstar bench mtp` (the MTP block and DSpark against plain decoding; a DeepSeek V4.1 model, which has
+no MTP block, with DSpark only)."""
 
 from __future__ import annotations
 
@@ -77,8 +78,12 @@ def bench_mtp(
 ) -> None:
     """Greedy decode speed without speculation, with the MTP block (each draft count, both
     alignments) and with a DSpark drafter, in one run: acceptance per draft position, mean accepted
-    drafts per step, tok/s, and whether the text is plain greedy's."""
-    from dwarfstar.engine.load import load_engine, require_v4
+    drafts per step, tok/s, and whether the text is plain greedy's. A DeepSeek V4.1 model has no MTP
+    block: it takes `--drafts none`, with `--dspark FILE` for its drafter."""
+    from dwarfstar.engine.load import load_engine
+    from dwarfstar.errors import DwarfStarError
+    from dwarfstar.model.file_v41 import FAMILY41
+    from dwarfstar.model.loader import is_v41
     from dwarfstar.sampling import GREEDY
     from dwarfstar.session.session import Session
     from dwarfstar.speculative.decode import ALIGNMENTS, load_speculation
@@ -90,10 +95,14 @@ def bench_mtp(
     if dspark is not None:
         runs.append((f"dspark {dspark_confidence:g}", DSparkOptions(dspark, dspark_confidence)))
     path = model.path()
+    if counts and is_v41(path):
+        raise DwarfStarError(
+            f"{path} is {FAMILY41}, which has no MTP block to measure: give --drafts none, with --dspark FILE "
+            "for its DSpark drafter"
+        )
     ids = Tokenizer.from_gguf(path).encode(prompt)
     ctx = len(ids) + tokens + 8
     engine = load_engine(model.spec(ctx=ctx))
-    require_v4(engine, "dwarfstar bench mtp")
     session = Session(engine.backend, ctx=ctx)
     session.prefill(ids)
     start = time.perf_counter()

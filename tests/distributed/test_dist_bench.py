@@ -1,6 +1,6 @@
 """`dwarfstar bench dist`: one process, then a 2-stage route whose worker the bench spawns itself,
 with each hop's layers and the bytes it moved. And `dwarfstar bench` (the context frontiers) as a
-route's coordinator."""
+route's coordinator, over a V4 file and a V4.1 one."""
 
 from __future__ import annotations
 
@@ -8,13 +8,16 @@ import csv
 import re
 
 import pytest
-from conftest import free_port
+from conftest import Cluster, free_port
 from typer.testing import CliRunner
 
 from dwarfstar.bench.frontier import kv_bytes_read, weight_bytes_per_token
+from dwarfstar.bench.token_bytes41 import kv_bytes_read41
 from dwarfstar.cli import _register_commands, app
+from dwarfstar.model.file_v41 import open_model41
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY
+from dwarfstar.model.synthetic_v41 import V41_TINY
 
 
 def test_bench_dist_runs_one_process_then_a_spawned_route(tiny_model_file):
@@ -58,3 +61,21 @@ def test_bench_runs_on_a_coordinator(clusters, tiny_model_file, tmp_path):
         expected = (weights + kv_bytes_read(TINY, int(row["ctx_tokens"]), 4)) * float(row["gen_tps"]) / 1e9
         assert float(row["gen_gbps"]) == pytest.approx(expected, abs=0.006, rel=0.01)
     assert cluster.workers["3:output"].wait(timeout=60) == 0  # the coordinator's exit shut the worker down
+
+
+def test_bench_runs_on_a_v41_coordinator(v41_tiny_file, tmp_path):
+    # v41-tiny cut at its candidate source (layer 6), as tests/distributed/test_dist_v41.py routes it
+    cluster = Cluster(v41_tiny_file, ["0:6", "6:output"], tmp_path, cli=True)
+    try:
+        route = ["--dist-role", "coordinator", "--layers", "0:6", "--dist-addr", cluster.addr, "--dist-timeout", "300"]
+        rows = frontier_rows(v41_tiny_file, tmp_path / "route.csv", *route)
+        assert cluster.workers["6:output"].wait(timeout=60) == 0
+    finally:
+        cluster.close()
+    assert [int(r["ctx_tokens"]) for r in rows] == [16, 32]
+    model = open_model41(v41_tiny_file)  # every stage's weights: the whole file's table
+    weights = weight_bytes_per_token(model)
+    model.close()
+    for row in rows:
+        expected = (weights + kv_bytes_read41(V41_TINY, int(row["ctx_tokens"]))) * float(row["gen_tps"]) / 1e9
+        assert float(row["gen_gbps"]) == pytest.approx(expected, abs=0.006, rel=0.01)

@@ -156,8 +156,9 @@ def test_cli_run_answers_on_v41(monkeypatch, capsys, v41_tiny_file):
 
 
 def test_v4_commands_refuse_v41(monkeypatch, capsys, v41_tiny_file):
-    code, _, err = cli(monkeypatch, capsys, "bench", "-m", str(v41_tiny_file), "--backend", "reference")
-    assert code == 2 and NOT_YET in err and "dwarfstar bench runs DeepSeek V4 only" in err and "Traceback" not in err
+    args = ("test", "tool-call", "-m", str(v41_tiny_file), "--backend", "reference", "--ctx", "256")
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert code == 2 and NOT_YET in err and "dwarfstar test runs DeepSeek V4 only" in err and "Traceback" not in err
 
 
 def test_a_prompts_engram_rows_are_read_ahead_once(v41_tiny_file, monkeypatch):

@@ -26,6 +26,7 @@ import torch
 from dwarfstar.backends.triton.plan.eager import SYNC, UPLOAD, record_eager
 from dwarfstar.backends.triton.plan.recorder import DecodeStep
 from dwarfstar.backends.triton.v41.weights import Weights41
+from dwarfstar.bench.token_bytes41 import weight_bytes_read41
 from dwarfstar.engram.hashing import EngramHash, engram_multipliers, engram_primes
 from dwarfstar.engram.rows import ROW_BYTES
 from dwarfstar.engram.store import EngramExtent, EngramStore
@@ -47,16 +48,11 @@ class HostReads:
 
 
 def decode_weight_bytes41(weights: Weights41) -> int:
-    """Weight bytes one V4.1 decode step reads from device memory: every tensor the upload kept but the
-    embedding table (one row) and the routed experts (k of E per layer); the Engram tables are not on
-    the device (`HostReads`)."""
-    a = weights.args
-    embed = weights.matrix(None, tt.EMBED)
-    total = weights.nbytes - embed.nbytes + embed.row_bytes
-    for il in range(a.n_layers):
-        routed = sum(weights.matrix(il, name).nbytes for name in tt.EXPERTS)
-        total -= routed - routed * a.n_activated_experts // a.n_routed_experts
-    return total
+    """Weight bytes one V4.1 decode step reads from device memory (`bench.token_bytes41`'s rule over the
+    tensors the upload kept, in their aligned layout); the Engram tables are not on the device (`HostReads`)."""
+    held = {name: w.nbytes for name, w in weights.matrices.items()}
+    held |= {name: int(v.nbytes) for name, v in weights.vectors.items()}
+    return weight_bytes_read41(weights.args, held, weights.matrix(None, tt.EMBED).row_bytes)
 
 
 def _engram(args: ModelArgs41, folder: Path) -> tuple[EngramHash, EngramStore]:
