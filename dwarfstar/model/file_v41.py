@@ -9,9 +9,9 @@ is an error at load: a table whose rows are not its primes' sum, a token map of 
 with an id past the compressed vocabulary, an even or overflowing multiplier. A truncated file is
 refused by the GGUF reader already (every tensor, the tables included, must lie inside the file).
 
-The engine runs these files on the reference (`engine.load.load_engine41`: `dwarfstar run`, `serve`
-and `agent`); every other V4 command refuses them (`loader.open_model`, `engine.load.require_v4`),
-and `dwarfstar inspect` describes them (`describe`).
+The engine runs these files on every backend (`engine.load.load_engine41`: `dwarfstar run`, `serve`,
+`agent`, `bench` and `steer`); every other V4 command refuses them (`loader.open_model`,
+`engine.load.require_v4`), and `dwarfstar inspect` describes them (`describe`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dwarfstar.model.config_v41 import ARCH41, LayerMode, ModelArgs41
 from dwarfstar.model.tensors_v41 import engram_table, validate_tensors41
 
 FAMILY41 = "DeepSeek V4.1 Flash"
-NOT_YET = "but only `dwarfstar run`, `serve` and `agent` run it yet (issue 33)"
+NOT_YET = "but only `dwarfstar run`, `serve`, `agent`, `bench` and `steer` run it yet (issue 33)"
 
 
 @dataclass
