@@ -96,7 +96,7 @@ def test_the_engine_refuses_v41_with_one_sentence(v41_tiny_file: Path) -> None:
         open_model(v41_tiny_file)
     text = str(err.value)
     assert "DeepSeek V4.1 Flash loads (12 layers" in text
-    assert text.endswith("but only `dwarfstar run`, `serve` and `agent` run it yet (issue 33)")
+    assert text.endswith("but only `dwarfstar run`, `serve`, `agent`, `bench` and `steer` run it yet (issue 33)")
 
 
 def test_inspect_shows_modes_and_engram_bytes(v41_tiny_file: Path, monkeypatch, capsys) -> None:
