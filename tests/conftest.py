@@ -113,6 +113,16 @@ def v41_tiny_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def v41_dspark_file(tmp_path_factory) -> Path:
+    """A random DSpark drafter (`TINY_DSPARK41`, seed 1) as the `v41-tiny` model's support file."""
+    from dwarfstar.model.synthetic_v41 import TINY_DSPARK41, V41_TINY, write_synthetic_dspark41
+
+    path = tmp_path_factory.mktemp("dspark41") / "tiny-dspark41.gguf"
+    write_synthetic_dspark41(path, V41_TINY, TINY_DSPARK41, seed=1)
+    return path
+
+
+@pytest.fixture(scope="session")
 def close_arrays() -> Callable[..., bool]:
     """close(got, want, tol=1e-5) -> whether two arrays (torch or numpy) match: the same shape, the same
     infinities (a compressor frontier's empty slots hold gate -inf), and the finite values within tol

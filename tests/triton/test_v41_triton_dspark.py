@@ -25,7 +25,7 @@ from dwarfstar.model import tensors as tt
 from dwarfstar.model.dspark import DSparkArgs
 from dwarfstar.model.file_v41 import open_model41
 from dwarfstar.model.synthetic import TINY, write_synthetic_dspark
-from dwarfstar.model.synthetic_v41 import TINY_DSPARK41, V41_TINY, write_synthetic_dspark41
+from dwarfstar.model.synthetic_v41 import TINY_DSPARK41, V41_TINY
 from dwarfstar.sampling import GREEDY, Sampler
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.decode import Speculator
@@ -48,22 +48,15 @@ def model(v41_tiny_file):
 
 
 @pytest.fixture(scope="module")
-def support(tmp_path_factory):
-    path = tmp_path_factory.mktemp("triton-dspark41") / "tiny-dspark41.gguf"
-    write_synthetic_dspark41(path, V41_TINY, TINY_DSPARK41, seed=1)
-    return path
-
-
-@pytest.fixture(scope="module")
 def triton41(model, device):
     return load_backend41(model, 1 << 20, CTX, device=device)
 
 
 @pytest.fixture(scope="module")
-def drafts(model, support, triton41):
+def drafts(model, v41_dspark_file, triton41):
     """The drafter on each backend: (Triton's, the reference's)."""
     reference = ReferenceModel41.from_file(model, 1 << 20, CTX)
-    return DSparkDraft41(triton41, model, support), DSparkDraft41(reference, model, support)
+    return DSparkDraft41(triton41, model, v41_dspark_file), DSparkDraft41(reference, model, v41_dspark_file)
 
 
 def block(draft: DSparkDraft41, captured: list[torch.Tensor], splits: tuple[int, ...]):

@@ -18,7 +18,7 @@ from dwarfstar.cli import _register_commands, app
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.kvcache.payload_v41 import payload41_nbytes
 from dwarfstar.model.file_v41 import open_model41
-from dwarfstar.model.synthetic_v41 import TINY_DSPARK41, V41_TINY, write_synthetic_dspark41
+from dwarfstar.model.synthetic_v41 import TINY_DSPARK41, V41_TINY
 
 SMALL = ("--backend", "reference", "--engram-cache", "1")
 
@@ -87,16 +87,9 @@ def test_bench_measures_the_frontiers_of_a_v41_file(v41_tiny_file, tmp_path):
         assert float(r["gen_gbps"]) == pytest.approx(expected, abs=0.006, rel=0.01)
 
 
-@pytest.fixture(scope="module")
-def support(tmp_path_factory):
-    path = tmp_path_factory.mktemp("dspark41") / "tiny-dspark41.gguf"
-    write_synthetic_dspark41(path, V41_TINY, TINY_DSPARK41, seed=1)
-    return path
-
-
-def test_bench_mtp_measures_dspark_against_plain_greedy(v41_tiny_file, support):
+def test_bench_mtp_measures_dspark_against_plain_greedy(v41_tiny_file, v41_dspark_file):
     args = ("bench", "mtp", "-m", str(v41_tiny_file), *SMALL, "-n", "6", "-p", "Quel ramo del lago")
-    done = invoke(*args, "--drafts", "none", "--dspark", str(support))
+    done = invoke(*args, "--drafts", "none", "--dspark", str(v41_dspark_file))
     assert done.exit_code == 0, done.output
     assert re.search(r"^backend reference \| prompt \d+ tokens \| plain greedy: [\d.]+ tok/s over 6 tokens$",
                      done.output, re.M)  # fmt: skip
@@ -107,7 +100,7 @@ def test_bench_mtp_measures_dspark_against_plain_greedy(v41_tiny_file, support):
     assert 0 <= float(per_step) < float(tokens_per_step) and int(rollbacks) >= 0 and float(tps) > 0
     assert same == "yes"  # the text is plain greedy's
     # V4.1 has no MTP block: MTP drafts (the default 1,2,3) are refused before anything loads
-    refused = invoke(*args, "--dspark", str(support))
+    refused = invoke(*args, "--dspark", str(v41_dspark_file))
     assert isinstance(refused.exception, DwarfStarError)
     assert "no MTP block" in str(refused.exception) and "--drafts none" in str(refused.exception)
     assert "plain greedy" not in refused.output

@@ -16,7 +16,7 @@ from dwarfstar.engine.load import load_engine
 from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.gguf.reader import GGUFFile
 from dwarfstar.model.forward_v41 import Capture41
-from dwarfstar.model.synthetic_v41 import TINY_DSPARK41, V41_TINY, write_synthetic_dspark41
+from dwarfstar.model.synthetic_v41 import TINY_DSPARK41, V41_TINY
 from dwarfstar.sampling import GREEDY, Sampler
 from dwarfstar.session.session import Session
 from dwarfstar.speculative.decode import Drafter, Speculator, load_speculation
@@ -29,20 +29,13 @@ N = 12
 
 
 @pytest.fixture(scope="module")
-def support(tmp_path_factory):
-    path = tmp_path_factory.mktemp("dspark41") / "tiny-dspark41.gguf"
-    write_synthetic_dspark41(path, V41_TINY, TINY_DSPARK41, seed=1)
-    return path
-
-
-@pytest.fixture(scope="module")
 def engine(v41_tiny_file):
     return load_engine(EngineSpec(v41_tiny_file, "reference", ctx=CTX))
 
 
 @pytest.fixture(scope="module")
-def draft(engine, support):
-    return load_speculation(DSparkOptions(support), engine.backend, engine.model).draft
+def draft(engine, v41_dspark_file):
+    return load_speculation(DSparkOptions(v41_dspark_file), engine.backend, engine.model).draft
 
 
 def plain(engine, prompt: list[int]) -> Session:
@@ -193,7 +186,7 @@ def restate(support, model, captured: list[torch.Tensor], anchor: int) -> torch.
     return torch.stack(rows)
 
 
-def test_the_drafters_block_equals_the_reference_restatement(engine, draft, support):
+def test_the_drafters_block_equals_the_reference_restatement(engine, draft, v41_dspark_file):
     gen = torch.Generator().manual_seed(3)
     layers = len(TINY_DSPARK41.d.target_layers)
     captured = [torch.randn(11, V41_TINY.hc_mult, V41_TINY.dim, generator=gen) for _ in range(layers)]  # > window
@@ -201,7 +194,7 @@ def test_the_drafters_block_equals_the_reference_restatement(engine, draft, supp
     draft.feed(captured, state)
     anchor = 4242
     drafts, rows = draft.propose(anchor, state, TINY_DSPARK41.d.block_size, Sampler(GREEDY))
-    want = restate(support, engine.model, captured, anchor)
+    want = restate(v41_dspark_file, engine.model, captured, anchor)
     err = float((torch.stack(rows) - want).abs().max() / want.abs().max())
     print(f"[v41 dspark] block vs restatement: max error {err:.3g} (relative to max |logit|)")
     assert err < 1e-4

@@ -29,13 +29,6 @@ def v41(v41_tiny_file):
     return load_engine(EngineSpec(v41_tiny_file, "reference", ctx=64))
 
 
-@pytest.fixture(scope="module")
-def support41(tmp_path_factory):
-    path = tmp_path_factory.mktemp("dspark41") / "tiny-dspark41.gguf"
-    write_synthetic_dspark41(path, V41_TINY, TINY_DSPARK41, seed=1)
-    return path
-
-
 def test_a_v4_drafter_is_refused_by_a_v41_model_by_name(v41, tmp_path):
     v4_support = tmp_path / "v4-dspark.gguf"
     write_synthetic_dspark(v4_support, TINY, D4)
@@ -45,12 +38,12 @@ def test_a_v4_drafter_is_refused_by_a_v41_model_by_name(v41, tmp_path):
         DSparkDraft41(v41.backend, v41.model, v4_support)
 
 
-def test_a_v41_drafter_is_refused_by_a_v4_model_by_name(tiny_model_file, support41):
+def test_a_v41_drafter_is_refused_by_a_v4_model_by_name(tiny_model_file, v41_dspark_file):
     model = open_model(tiny_model_file(0))
     with pytest.raises(
         ModelFileError, match=r"a DSpark drafter for DeepSeek V4\.1 \(deepseek41-dspark\).*is DeepSeek V4:"
     ):
-        DSparkDraft(ReferenceModel(model, qat=False), model, support41)
+        DSparkDraft(ReferenceModel(model, qat=False), model, v41_dspark_file)
 
 
 def test_a_drafter_for_layers_the_model_lacks_is_refused(v41, tmp_path):
@@ -83,11 +76,11 @@ def test_a_v41_support_file_without_the_expert_counts_is_refused(v41, tmp_path):
         DSparkDraft41(v41.backend, v41.model, path)
 
 
-def test_mtp_is_refused_for_v41_and_strict_dspark_checks_the_drafter(v41_tiny_file, support41, tmp_path):
+def test_mtp_is_refused_for_v41_and_strict_dspark_checks_the_drafter(v41_tiny_file, v41_dspark_file, tmp_path):
     with pytest.raises(DwarfStarError, match=re.escape(MTP41_REFUSAL)):
         load_engine(EngineSpec(v41_tiny_file, "reference", ctx=64, speculation=MTPOptions(None, 2)))
     engine = load_engine(
-        EngineSpec(v41_tiny_file, "reference", ctx=64, speculation=DSparkOptions(support41, strict=True))
+        EngineSpec(v41_tiny_file, "reference", ctx=64, speculation=DSparkOptions(v41_dspark_file, strict=True))
     )
     assert engine.backend.args.n_layers == V41_TINY.n_layers  # loaded, its drafter checked
     with pytest.raises(ModelFileError, match="DSpark support file not found"):

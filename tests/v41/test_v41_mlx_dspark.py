@@ -29,7 +29,7 @@ from dwarfstar.errors import DwarfStarError, ModelFileError  # noqa: E402
 from dwarfstar.model.dspark import DSparkArgs  # noqa: E402
 from dwarfstar.model.file_v41 import open_model41  # noqa: E402
 from dwarfstar.model.synthetic import TINY, write_synthetic_dspark  # noqa: E402
-from dwarfstar.model.synthetic_v41 import TINY_DSPARK41, V41_TINY, write_synthetic_dspark41  # noqa: E402
+from dwarfstar.model.synthetic_v41 import TINY_DSPARK41, V41_TINY  # noqa: E402
 from dwarfstar.sampling import GREEDY, Sampler  # noqa: E402
 from dwarfstar.session.session import Session  # noqa: E402
 from dwarfstar.speculative.decode import Speculator  # noqa: E402
@@ -52,22 +52,15 @@ def model(v41_tiny_file):
 
 
 @pytest.fixture(scope="module")
-def support(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mlx-dspark41") / "tiny-dspark41.gguf"
-    write_synthetic_dspark41(path, V41_TINY, TINY_DSPARK41, seed=1)
-    return path
-
-
-@pytest.fixture(scope="module")
 def mlx41(model):
     return MLXModel41.from_file(model, 1 << 20, CTX)
 
 
 @pytest.fixture(scope="module")
-def drafts(model, support, mlx41):
+def drafts(model, v41_dspark_file, mlx41):
     """The drafter on each backend: (MLX's, the reference's)."""
     reference = ReferenceModel41.from_file(model, 1 << 20, CTX)
-    return DSparkDraft41(mlx41, model, support), DSparkDraft41(reference, model, support)
+    return DSparkDraft41(mlx41, model, v41_dspark_file), DSparkDraft41(reference, model, v41_dspark_file)
 
 
 @pytest.fixture
