@@ -1,9 +1,9 @@
 """Steering a DeepSeek V4.1 model (issue 33): a direction file applies in every layer through the V4.1
 forward's `attn_out` / `ffn_out` hooks. A zero direction leaves the logits as they were; a unit one gives
 the logits of the forward with each sublayer's output y replaced by y - F v (v . y), computed here by a
-hook of the test's own; each sequence of a batch keeps its own scale; `steer build` on a V4.1 file
-averages the sublayer outputs at each prompt's last token that a hook of the test's own reads, and
-`steer eval` measures the file it writes."""
+hook of the test's own, and Triton and MLX steer as the reference does; each sequence of a batch keeps
+its own scale; `steer build` on a V4.1 file averages the sublayer outputs at each prompt's last token
+that a hook of the test's own reads, and `steer eval` measures the file it writes."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ PROMPT = [(7919 * i + 101) % 120000 for i in range(13)]
 ROW = re.compile(r"^\s*(-?[\d.]+)\s+[\d.]+\s+(-?[\d.]+)\s+(-?[\d.]+)\s")  # steer eval: scale, length, in, out
 
 
-def spec(path, **kw) -> EngineSpec:
-    return EngineSpec(path, "reference", ctx=64, engram_cache=1, **kw)
+def spec(path, backend: str = "reference", **kw) -> EngineSpec:
+    return EngineSpec(path, backend, ctx=64, engram_cache=1, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +147,23 @@ def test_steer_build_and_eval_run_on_v41(v41_tiny_file, plain, tmp_path):
     rows = {float(m[1]): (float(m[2]), float(m[3])) for m in map(ROW.match, table.splitlines()) if m}
     assert sorted(rows) == [0.0, 1.0], table
     assert rows[0.0][0] == rows[0.0][1] > 0.01 and abs(rows[1.0][1]) < 1e-4, table  # the good side projects ahead
+
+
+@pytest.mark.parametrize("backend", ["triton", "mlx"])
+def test_triton_and_mlx_steer_as_the_reference(v41_tiny_file, unit_file, backend):
+    """The same direction on Triton (the interpreter here) and MLX moves the logits as on the reference,
+    without the QAT roundings (where the backends agree to float32 order): the hooks, the device arrays
+    of the direction and its scales, per backend."""
+    if backend == "mlx":
+        pytest.importorskip("mlx.core", reason="mlx does not import (pip install mlx[cpu] on Linux)")
+    else:
+        from triton_interpreter import apply_patches
+
+        apply_patches()  # Triton's interpreter where no GPU runs the kernels (a no-op elsewhere)
+    steering = SteeringOptions(unit_file, ffn=1.5, attn=-0.5)
+    want = logits_of(load_engine(spec(v41_tiny_file, qat=False, steering=steering)))
+    plain = logits_of(load_engine(spec(v41_tiny_file, backend, qat=False)))
+    got = logits_of(load_engine(spec(v41_tiny_file, backend, qat=False, steering=steering)))
+    scale = want.abs().max()
+    assert float((got - plain).abs().max() / scale) > 1e-2  # the direction moves this backend's logits
+    assert float((got.cpu() - want).abs().max() / scale) < 1e-5
