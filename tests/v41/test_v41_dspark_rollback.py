@@ -9,13 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_v41_dspark import Scripted  # a drafter of the known greedy text, wrong at every third position
 
 from dwarfstar.backends.reference.v41.backend import ReferenceModel41
 from dwarfstar.model.file_v41 import open_model41
-from dwarfstar.model.synthetic_v41 import TINY_DSPARK41, V41_TINY, write_synthetic_dspark41
+from dwarfstar.model.synthetic_v41 import V41_TINY
 from dwarfstar.sampling import GREEDY
 from dwarfstar.session.session import Session
-from dwarfstar.speculative.decode import Drafter, Speculator
+from dwarfstar.speculative.decode import Speculator
 from dwarfstar.speculative.dspark_v41 import DSparkDraft41, LocalRunner41
 from dwarfstar.speculative.rollback_v41 import frontiers, truncate41
 
@@ -91,21 +92,9 @@ def test_a_pass_longer_than_the_window_is_not_truncated(model):
         truncate41(backend.transformer.ops, state, start, [], 1, torch.zeros(8, 1))
 
 
-class Scripted(Drafter):
-    """Proposes the known greedy continuation `truth`, wrong at the positions p with p % 3 == 1."""
-
-    def __init__(self, truth: list[int]) -> None:
-        self.truth = truth
-
-    def propose(self, spec, n, sampler):
-        first = spec.state.pos + 1  # the pending token sits at state.pos
-        return [self.truth[p] + (p % 3 == 1) if p < len(self.truth) else 3 for p in range(first, first + n)], None
-
-
-def test_speculation_that_truncates_is_plain_greedy_without_a_second_pass(model, tmp_path):
+def test_speculation_that_truncates_is_plain_greedy_without_a_second_pass(model, v41_dspark_file):
     backend = ReferenceModel41.from_file(model, 1 << 20, CTX)
-    write_synthetic_dspark41(tmp_path / "d.gguf", V41_TINY, TINY_DSPARK41, seed=1)
-    draft = DSparkDraft41(backend, model, tmp_path / "d.gguf")
+    draft = DSparkDraft41(backend, model, v41_dspark_file)
     plain = Session(backend, ctx=CTX, chunk=CHUNK)
     plain.prefill(PROMPT)
     list(plain.generate(N, GREEDY))
