@@ -51,13 +51,11 @@ def experts_ffn(
         return parts[0] if len(parts) == 1 else torch.cat(parts)
     gate, up, down = routed
     dim = down.expert_rows
-    tile = 64 if precision.fast else 32  # fp32 operands take twice the registers and shared memory
-    tiles = moe_sort.sort_by_expert(slots, gate.experts, moe_sort.tile_rows_for(t * k, gate.experts, tile))
+    tiles = moe_sort.sort_by_expert(slots, gate.experts, moe_sort.tile_rows_for(t * k, gate.experts, _tile(precision)))
     # k routed slots and the shared expert, summed once all are written
     out = torch.empty(t, k + 1, dim, device=x.device)
     moe_experts.expert_ffn(x, gate, up, down, tiles, weights.view(-1), out, 0, limit, precision)
-    shared_tiles = moe_sort.single_expert_tiles(t, x.device, moe_sort.tile_rows_for(t, 1, tile))
-    moe_experts.expert_ffn(x, *shared, shared_tiles, None, out, k, limit, precision)
+    _shared_into(out, k, x, shared, limit, precision)
     return out.sum(1)
 
 
@@ -75,8 +73,20 @@ def host_ffn(
     kernels, plus the shared expert on the device. The inputs leave first, so the device computes the
     shared expert while the host computes the routed ones."""
     sent = host.send(x, ids, weights)
-    t, tile = x.shape[0], 64 if precision.fast else 32
-    part = torch.empty(t, 1, x.shape[1], device=x.device)
-    shared_tiles = moe_sort.single_expert_tiles(t, x.device, moe_sort.tile_rows_for(t, 1, tile))
-    moe_experts.expert_ffn(x, *shared, shared_tiles, None, part, 0, limit, precision)
+    part = torch.empty(x.shape[0], 1, x.shape[1], device=x.device)
+    _shared_into(part, 0, x, shared, limit, precision)
     return part[:, 0] + host.receive(il, sent)
+
+
+def _tile(precision: Precision) -> int:
+    """Rows a tile of the prefill form: fp32 operands take twice the registers and shared memory."""
+    return 64 if precision.fast else 32
+
+
+def _shared_into(
+    out: torch.Tensor, column: int, x: torch.Tensor, shared: Experts, limit: float, precision: Precision
+) -> None:
+    """The shared expert of rows x [T, D] written into out[:, column] (out [T, parts, D])."""
+    t = x.shape[0]
+    tiles = moe_sort.single_expert_tiles(t, x.device, moe_sort.tile_rows_for(t, 1, _tile(precision)))
+    moe_experts.expert_ffn(x, *shared, tiles, None, out, column, limit, precision)
