@@ -124,7 +124,8 @@ def train_nano_dspark(opts: argparse.Namespace) -> None:
     model = open_model(opts.out)
     layers = model.args.n_layers
     d = DSparkArgs(markov_rank=32, target_layers=(layers - 3, layers - 2, layers - 1))
-    trainer = train_dspark(model, d, ids, bos, DSparkRecipe(steps=opts.dspark_steps), opts.seed, print, chats)
+    recipe = DSparkRecipe(steps=opts.dspark_steps)
+    trainer = train_dspark(model, d, ids, bos, recipe, opts.seed, print, chats, lambda t: t.export(opts.dspark_out))
     trainer.export(opts.dspark_out)
     size = opts.dspark_out.stat().st_size / 1e6
     print(f"wrote {opts.dspark_out} ({size:.1f} MB) in {time.perf_counter() - began:.0f} s")

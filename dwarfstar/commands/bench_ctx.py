@@ -15,7 +15,7 @@ import typer
 
 from dwarfstar.commands.apps import bench_app
 from dwarfstar.commands.flags import DistFlags, ModelFlags, Power, SteeringFlags, output
-from dwarfstar.commands.prompt_tools import EXCERPT, default_bench_text
+from dwarfstar.commands.prompt_tools import EXCERPT, default_bench_text, read_text_file
 from dwarfstar.errors import DwarfStarError
 
 if TYPE_CHECKING:
@@ -44,10 +44,7 @@ def bench_text(path: Path | None, tokens: int) -> str:
     """--prompt-file's text, else the book beside the checkout, else the packaged excerpt repeated to
     about `tokens` tokens (a few kB; the speed of prefill and decode does not depend on the words)."""
     text_path = path or default_bench_text()
-    try:
-        text = text_path.read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise DwarfStarError(f"cannot read {text_path}: {exc.strerror or exc}") from None
+    text = read_text_file(text_path)
     if path is None and text_path.name == EXCERPT:
         text = "\n".join([text] * (tokens * 8 // len(text) + 2))  # more characters than tokens, by far
     return text

@@ -41,6 +41,11 @@ def _read_bytes(path: Path) -> bytes:
         raise InputFileError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
+def read_text_file(path: Path) -> str:
+    """A text file named on the command line (`-`: stdin), bytes that are not UTF-8 replaced."""
+    return _read_bytes(path).decode("utf-8", errors="replace")
+
+
 def load_tokenizer(model: Path | None) -> Tokenizer:
     from dwarfstar.tokenizer import Tokenizer
     from dwarfstar.tokenizer.vocab import bundled_tokenizer_json

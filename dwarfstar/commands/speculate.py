@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
+import numpy as np
 import typer
 
 from dwarfstar.commands.apps import bench_app
@@ -22,6 +23,29 @@ if TYPE_CHECKING:
     from dwarfstar.speculative.mtp_options import DSparkOptions, MTPOptions
 
 BENCH_PROMPT = "Quel ramo del lago di Como, che volge a mezzogiorno, tra due catene non interrotte di monti"
+PROMPT_WORDS = 20  # words of a held-out paragraph that `bench mtp --prompts N` continues
+
+
+def held_out_prompts(n: int, text_file: Path | None = None) -> list[str]:
+    """`n` prompts: the first words of paragraphs spread over the held-out tail of the bench text
+    (the book's last 5%, which the bundled model and its drafts never trained on)."""
+    from dwarfstar.commands.prompt_tools import default_bench_text, read_text_file
+    from dwarfstar.errors import DwarfStarError
+    from dwarfstar.train.corpus import split_text
+
+    path = text_file or default_bench_text()
+    try:
+        tail = split_text(read_text_file(path)).heldout
+    except ValueError as exc:
+        raise DwarfStarError(f"{path}: {exc}") from None
+    paragraphs = [p.split() for p in tail.split("\n\n") if len(p.split()) >= 2 * PROMPT_WORDS]
+    if len(paragraphs) < n:
+        raise DwarfStarError(
+            f"the held-out tail of {path} has {len(paragraphs)} paragraphs of {2 * PROMPT_WORDS}+ words, "
+            f"fewer than --prompts {n}: ask for fewer or give a longer --text-file"
+        )
+    picks = np.linspace(0, len(paragraphs) - 1, n).round().astype(int)
+    return [" ".join(paragraphs[i][:PROMPT_WORDS]) for i in picks]
 
 
 def speculative_reply(
@@ -75,18 +99,30 @@ def bench_mtp(
     dspark_confidence: Annotated[float, typer.Option(help="Its confidence cut (0: none).")] = 0.0,
     tokens: Annotated[int, typer.Option("-n", "--tokens", min=1, help="Greedy tokens per run.")] = 64,
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="Text to continue (no chat template).")] = BENCH_PROMPT,
+    prompts: Annotated[
+        int,
+        typer.Option(
+            "--prompts",
+            min=1,
+            help="Continue this many held-out paragraph openings of the book instead of --prompt, "
+            "the figures summed over them.",
+        ),
+    ] = 1,
+    text_file: Annotated[
+        Path | None, typer.Option("--text-file", help="The text --prompts draws from (default: the book).")
+    ] = None,
 ) -> None:
     """Greedy decode speed without speculation, with the MTP block (each draft count, both
-    alignments) and with a DSpark drafter, in one run: acceptance per draft position, mean accepted
-    drafts per step, tok/s, and whether the text is plain greedy's. A DeepSeek V4.1 model has no MTP
-    block: it takes `--drafts none`, with `--dspark FILE` for its drafter."""
+    alignments) and with a DSpark drafter, in one run over the same prompts: acceptance per draft
+    position, mean accepted drafts per step, tok/s, and whether the text is plain greedy's. A DeepSeek
+    V4.1 model has no MTP block: it takes `--drafts none`, with `--dspark FILE` for its drafter."""
     from dwarfstar.engine.load import load_engine
     from dwarfstar.errors import DwarfStarError
     from dwarfstar.model.file_v41 import FAMILY41
     from dwarfstar.model.loader import is_v41
     from dwarfstar.sampling import GREEDY
     from dwarfstar.session.session import Session
-    from dwarfstar.speculative.decode import ALIGNMENTS, load_speculation
+    from dwarfstar.speculative.decode import ALIGNMENTS, SpecStats, load_speculation
     from dwarfstar.speculative.mtp_options import DSparkOptions, MTPOptions
     from dwarfstar.tokenizer.tokenizer import Tokenizer
 
@@ -100,28 +136,36 @@ def bench_mtp(
             f"{path} is {FAMILY41}, which has no MTP block to measure: give --drafts none, with --dspark FILE "
             "for its DSpark drafter"
         )
-    ids = Tokenizer.from_gguf(path).encode(prompt)
-    ctx = len(ids) + tokens + 8
+    texts = [prompt] if prompts == 1 and text_file is None else held_out_prompts(prompts, text_file)
+    tokenizer = Tokenizer.from_gguf(path)
+    id_lists = [tokenizer.encode(text) for text in texts]
+    ctx = max(len(ids) for ids in id_lists) + tokens + 8
     engine = load_engine(model.spec(ctx=ctx))
-    session = Session(engine.backend, ctx=ctx)
-    session.prefill(ids)
-    start = time.perf_counter()
-    want = list(session.generate(tokens, GREEDY))
-    base = len(want) / (time.perf_counter() - start)
+    want, seconds = [], 0.0
+    for ids in id_lists:
+        session = Session(engine.backend, ctx=ctx)
+        session.prefill(ids)
+        start = time.perf_counter()
+        want.append(list(session.generate(tokens, GREEDY)))
+        seconds += time.perf_counter() - start
+    base = sum(map(len, want)) / seconds
     typer.echo(
-        f"backend {engine.backend_name} | prompt {len(ids)} tokens | "
-        f"plain greedy: {base:.2f} tok/s over {len(want)} tokens"
+        f"backend {engine.backend_name} | {len(id_lists)} prompt(s), {sum(map(len, id_lists))} tokens | "
+        f"plain greedy: {base:.2f} tok/s over {sum(map(len, want))} tokens"
     )
     columns = ("acceptance by position", "accepted/step", "tokens/step", "rollbacks", "tok/s", "speed-up")
     typer.echo(f"drafter       {columns[0]:<31} {columns[1]:<14} {columns[2]:<12} {columns[3]:<10} {columns[4]:<7} "
                f"{columns[5]:<9} same text")  # fmt: skip
     for name, options in runs:
-        spec = load_speculation(options, engine.backend, engine.model).start(Session(engine.backend, ctx=ctx))
-        spec.prefill(ids)
-        start = time.perf_counter()
-        got = list(spec.generate(tokens, GREEDY))
-        speed = len(got) / (time.perf_counter() - start)
-        stats = spec.stats
+        speculation, stats, got, seconds = load_speculation(options, engine.backend, engine.model), SpecStats(), [], 0.0
+        for ids in id_lists:
+            spec = speculation.start(Session(engine.backend, ctx=ctx))
+            spec.prefill(ids)
+            start = time.perf_counter()
+            got.append(list(spec.generate(tokens, GREEDY)))
+            seconds += time.perf_counter() - start
+            stats.add(spec.stats)
+        speed = sum(map(len, got)) / seconds
         accept = " ".join(f"{a:.2f}" for a in stats.acceptance())
         typer.echo(
             f"{name:<13} {accept:<31} {stats.mean_accepted:<14.2f} {stats.emitted / stats.steps:<12.2f} "

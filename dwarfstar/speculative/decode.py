@@ -90,6 +90,16 @@ class SpecStats:
         """Per draft position, the share of drafts accepted (of those proposed there)."""
         return [a / d for a, d in zip(self.accepted, self.drafted, strict=True) if d]
 
+    def add(self, other: SpecStats) -> None:
+        """Count `other`'s steps as well (figures over several runs)."""
+        self.steps, self.emitted, self.rollbacks = (
+            self.steps + other.steps,
+            self.emitted + other.emitted,
+            self.rollbacks + other.rollbacks,
+        )
+        self.drafted = [a + b for a, b in zip(self.drafted, other.drafted, strict=True)]
+        self.accepted = [a + b for a, b in zip(self.accepted, other.accepted, strict=True)]
+
     @property
     def mean_accepted(self) -> float:
         """Drafts accepted per verification step."""

@@ -11,6 +11,12 @@ model's choice before it (the anchor for the first row: teacher forcing, as at d
 drafts before it are the ones kept when it is accepted). The confidence head learns whether the row's
 own argmax is that choice (binary cross-entropy, its input detached, so it only reads the drafter).
 
+The book windows are short prompts that the frozen model continues greedily, and anchors are taken
+only inside the continuation: there a block's tokens after its anchor are the model's own choices,
+as they are when greedy drafting is accepted. On book text they are the book's, which the block never
+sees (its rows after the first are noise tokens), so the targets of every row but the first would
+depend on words the drafter cannot know. The chats are taken as written (anchors anywhere).
+
 The forward is the drafter's own (`dwarfstar.model.dspark.DSparkForward`) over the reference backend
 built on the trainable tensors. The softmax runs over the corpus ids, the output matrix the model's.
 The result is ds4's support file: `mtp.{k}.*` tensors, F32.
@@ -51,6 +57,7 @@ class DSparkRecipe:
     steps: int = 300
     sequences: int = 256  # distinct training sequences, the model's streams computed once for each
     seq_len: int = 160
+    prompt_tokens: tuple[int, int] = (16, 96)  # book tokens a window keeps before the model continues it
     batch: int = 4  # sequences per step
     anchors: int = 6  # blocks per sequence per step
     lr: float = 2e-3
@@ -74,8 +81,12 @@ class DSparkTrainer:
         self.stage_args = stage_args(args, d)
         rng = np.random.default_rng(seed)
         starts = rng.integers(0, len(token_ids) - recipe.seq_len, recipe.sequences)
-        self.samples = [np.concatenate(([bos], token_ids[s : s + recipe.seq_len - 1])) for s in starts]
+        lengths = rng.integers(recipe.prompt_tokens[0], recipe.prompt_tokens[1] + 1, recipe.sequences)
+        prompts = [np.concatenate(([bos], token_ids[s : s + n])) for s, n in zip(starts, lengths, strict=True)]
+        self.samples = continue_greedily(trunk, prompts, recipe.seq_len)
+        self.first_anchor = [len(p) for p in prompts]  # the first token the model chose
         self.samples += [np.asarray(chat, dtype=np.int64) for chat in chats]
+        self.first_anchor += [1] * len(chats)
         self.vocab = torch.as_tensor(np.unique(np.concatenate((token_ids, *self.samples, [d.noise_token_id]))))
         self.local = torch.full((args.vocab_size,), -1, dtype=torch.long)
         self.local[self.vocab] = torch.arange(self.vocab.numel())
@@ -107,13 +118,14 @@ class DSparkTrainer:
         p = self.head_params
         return DSparkHeads(p[MAIN[0]], p[MAIN[1]], p[MARKOV[0]], p[MARKOV[1]], p[CONFIDENCE], self.model.args.norm_eps)
 
-    def sample_loss(self, forward: DSparkForward, i: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """(cross-entropy, confidence loss, top-1 agreement) of blocks at random anchors of sample i."""
+    def sample_loss(self, forward: DSparkForward, i: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """(cross-entropy, confidence loss, each row's top-1 agreement) of blocks at random anchors of sample i."""
         tokens, choices, heads, b = self.samples[i], self.choices[i], self.heads(), self.d.block_size
         main_x = heads.main_x(self.captured[i])
-        anchors = np.sort(self.rng.choice(np.arange(1, len(tokens) - b), self.recipe.anchors, replace=False))
+        room = np.arange(self.first_anchor[i], len(tokens) - b)
+        anchors = np.sort(self.rng.choice(room, min(self.recipe.anchors, len(room)), replace=False))
         state, done = forward.new_state(), 0
-        ce, bce, hits = [], [], []
+        ce, bce, hits = [], [], []  # hits: per row, over the blocks
         for a in anchors.tolist():
             forward.context(main_x[done:a], state)  # positions before the anchor
             done = a
@@ -126,10 +138,11 @@ class DSparkTrainer:
             right = (rows.argmax(-1) == target).float()
             confidence = torch.cat((collapsed.detach(), e.detach()), -1) @ heads.confidence[0]
             bce.append(F.binary_cross_entropy_with_logits(confidence, right))
-            hits.append(float(right.mean()))
-        return torch.stack(ce).mean(), torch.stack(bce).mean(), float(np.mean(hits))
+            hits.append(right.numpy())
+        return torch.stack(ce).mean(), torch.stack(bce).mean(), np.mean(hits, axis=0)
 
-    def train_step(self) -> tuple[float, float, float]:
+    def train_step(self) -> tuple[float, float, np.ndarray]:
+        """One optimizer step: (cross-entropy, confidence loss, each row's top-1 agreement)."""
         r = self.recipe
         lr = r.lr * min(1.0, (self.step + 1) / 20) * (0.1 + 0.9 * (1 - self.step / r.steps))
         for group in self.opt.param_groups:
@@ -148,7 +161,7 @@ class DSparkTrainer:
         torch.nn.utils.clip_grad_norm_([t for g in self.opt.param_groups for t in g["params"]], 1.0)
         self.opt.step()
         self.step += 1
-        return float(ce_mean.detach()), float(bce_mean.detach()), float(np.mean(hits))
+        return float(ce_mean.detach()), float(bce_mean.detach()), np.mean(hits, axis=0)
 
     def export(self, path: str | os.PathLike) -> None:
         """ds4's support file: the stages, their head and the DSpark heads under `mtp.{k}.`."""
@@ -161,6 +174,22 @@ class DSparkTrainer:
         write_f32(path, support_metadata(d, "nano-dspark"), list(dspark_tensors(args, d)), tensors)
 
 
+@torch.inference_mode()
+def continue_greedily(model: ReferenceModel, prompts: Sequence[np.ndarray], length: int) -> list[np.ndarray]:
+    """Each prompt followed by the model's greedy tokens up to `length` tokens, all decoding together."""
+    states = [model.new_state() for _ in prompts]
+    out = [list(p) for p in prompts]
+    calls = [list(p) for p in prompts]
+    while True:
+        live = [i for i, seq in enumerate(out) if len(seq) < length]
+        if not live:
+            return [np.asarray(seq, dtype=np.int64) for seq in out]
+        logits = model.forward_batch([calls[i] for i in live], [states[i] for i in live])
+        for i, row in zip(live, logits, strict=True):
+            calls[i] = [int(row[-1].argmax())]
+            out[i].append(calls[i][0])
+
+
 def train_dspark(
     model: ModelFile,
     d: DSparkArgs,
@@ -170,11 +199,17 @@ def train_dspark(
     seed: int,
     log: Callable[[str], None],
     chats: Sequence[np.ndarray] = (),
+    save: Callable[[DSparkTrainer], None] | None = None,
+    save_every: int = 200,
 ) -> DSparkTrainer:
+    """Train `recipe.steps` steps, logging every 20 and calling `save(trainer)` every `save_every`."""
     trainer = DSparkTrainer(model, d, token_ids, bos, recipe, seed, chats)
     log(f"dspark: {recipe.sequences} windows of {recipe.seq_len} and {len(chats)} chats, {trainer.vocab.numel()} ids")
     while trainer.step < recipe.steps:
         ce, bce, agree = trainer.train_step()
         if trainer.step % 20 == 0 or trainer.step == recipe.steps:
-            log(f"dspark step {trainer.step}/{recipe.steps} ce {ce:.3f} confidence {bce:.3f} top-1 {agree:.3f}")
+            rows = " ".join(f"{a:.2f}" for a in agree)
+            log(f"dspark step {trainer.step}/{recipe.steps} ce {ce:.3f} confidence {bce:.3f} top-1 by row {rows}")
+        if save is not None and trainer.step % save_every == 0 and trainer.step < recipe.steps:
+            save(trainer)
     return trainer

@@ -383,12 +383,19 @@ def test_a_trained_drafter_round_trips_through_its_support_file(mtp_files, engin
 
     model = open_model(mtp_files["plain"])
     ids = np.random.default_rng(0).permutation(np.arange(3, model.args.vocab_size))  # every id: every choice a target
-    recipe = DSparkRecipe(steps=2, sequences=2, seq_len=40, batch=1, anchors=3)
+    recipe = DSparkRecipe(steps=2, sequences=2, seq_len=40, prompt_tokens=(8, 16), batch=1, anchors=3)
     trainer = DSparkTrainer(model, SPEC_D, ids, 0, recipe, seed=0)
+    for tokens, choices, first in zip(trainer.samples, trainer.choices, trainer.first_anchor, strict=True):
+        # a book window continued by the model's greedy choices: after the prompt, each token is the
+        # frozen model's argmax at the position before it
+        assert len(tokens) == 40 and 9 <= first <= 17
+        assert np.array_equal(tokens[first:], choices[first - 1 : -1].numpy())
+        assert not np.array_equal(tokens[1:first], choices[: first - 1].numpy())
     embedding, before = trainer.params[tt.EMBED].clone(), trainer.head_params["main_proj.weight"].detach().clone()
     for _ in range(2):
         ce, confidence, agree = trainer.train_step()
-        assert np.isfinite(ce) and np.isfinite(confidence) and 0 <= agree <= 1
+        assert np.isfinite(ce) and np.isfinite(confidence) and agree.shape == (SPEC_D.block_size,)
+        assert ((0 <= agree) & (agree <= 1)).all()
     assert torch.equal(trainer.params[tt.EMBED], embedding)
     assert not torch.equal(trainer.head_params["main_proj.weight"], before)
     path = tmp_path / "trained-dspark.gguf"
