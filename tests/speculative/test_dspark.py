@@ -428,3 +428,40 @@ def test_sampled_speculation_with_dspark_follows_plain_sampling(engines, small_d
     counts = sampled_pairs(spec, params, trials, rewind)
     assert spec.stats.drafted[0] == trials
     assert chi_square_p(counts, expected, trials) > SIGNIFICANCE
+
+
+def test_bench_runs_every_drafter_over_the_same_held_out_prompts(mtp_files, small_drafter, tmp_path):
+    """`--prompts N` continues N paragraph openings of the text's held-out tail (its last 5%), each
+    drafter over the same ones; more prompts than the tail has paragraphs is a clear error."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from dwarfstar.cli import _register_commands, app
+    from dwarfstar.commands.speculate import held_out_prompts
+    from dwarfstar.errors import DwarfStarError
+
+    paragraphs = [" ".join(f"p{i:02d}w{j:02d}" for j in range(45)) for i in range(60)]  # 314 characters each
+    text = tmp_path / "book.txt"
+    text.write_text("\n\n".join(paragraphs), encoding="utf-8")
+    # 95% of the 18,958 characters is 18,010, the break after paragraph 56: the tail is 57, 58 and 59
+    assert held_out_prompts(2, text) == [" ".join(f"p{i}w{j:02d}" for j in range(20)) for i in (57, 59)]
+    _register_commands()
+    args = ["bench", "mtp", "-m", str(mtp_files["nextn"]), "--backend", "reference", "-n", "6", "--drafts", "1"]
+    done = CliRunner().invoke(app, [*args, "--dspark", str(small_drafter), "--prompts", "3", "--text-file", str(text)])
+    assert done.exit_code == 0, done.output
+    assert "| 3 prompt(s)" in done.stdout and "over 18 tokens" in done.stdout
+    rows = re.findall(r"^(mtp 1 next|mtp 1 same|dspark 0)\s+.*\s(yes|NO)$", done.stdout, flags=re.M)
+    assert rows == [("mtp 1 next", "yes"), ("mtp 1 same", "yes"), ("dspark 0", "yes")]
+    done = CliRunner().invoke(app, [*args, "--prompts", "4", "--text-file", str(text)])
+    assert isinstance(done.exception, DwarfStarError)
+    assert "has 3 paragraphs of 40+ words, fewer than --prompts 4" in str(done.exception)
+
+
+def test_speculation_figures_add_up_over_runs():
+    from dwarfstar.speculative.decode import SpecStats
+
+    a = SpecStats(steps=2, drafted=[2, 2, 0], accepted=[2, 1, 0], emitted=5, rollbacks=1)
+    a.add(SpecStats(steps=3, drafted=[3, 3, 3], accepted=[1, 0, 0], emitted=4, rollbacks=2))
+    assert (a.steps, a.emitted, a.rollbacks) == (5, 9, 3)
+    assert a.acceptance() == [3 / 5, 1 / 5, 0.0] and a.mean_accepted == 4 / 5
