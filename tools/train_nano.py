@@ -73,13 +73,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dwarfstar.gguf.constants import GGMLType
 from dwarfstar.model.dspark import DSparkArgs
 from dwarfstar.model.loader import open_model
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train.chat_data import thinking_samples, tool_samples
 from dwarfstar.train.corpus import chat_prompts, read_split
-from dwarfstar.train.dspark import DSparkRecipe, train_dspark
+from dwarfstar.train.dspark import DSparkRecipe, DSparkTrainer, train_dspark
 from dwarfstar.train.mtp import MTPRecipe, train_mtp
 from dwarfstar.train.trainer import NANO, TWIN_K, Recipe, Trainer, log_tool_accuracy
 
@@ -125,10 +126,15 @@ def train_nano_dspark(opts: argparse.Namespace) -> None:
     layers = model.args.n_layers
     d = DSparkArgs(markov_rank=32, target_layers=(layers - 3, layers - 2, layers - 1))
     recipe = DSparkRecipe(steps=opts.dspark_steps)
-    trainer = train_dspark(model, d, ids, bos, recipe, opts.seed, print, chats, lambda t: t.export(opts.dspark_out))
-    trainer.export(opts.dspark_out)
+
+    def save(trainer: DSparkTrainer) -> None:
+        trainer.export(opts.dspark_out, GGMLType.Q8_0)
+        if opts.dspark_f32_out:
+            trainer.export(opts.dspark_f32_out)
+
+    save(train_dspark(model, d, ids, bos, recipe, opts.seed, print, chats, save))
     size = opts.dspark_out.stat().st_size / 1e6
-    print(f"wrote {opts.dspark_out} ({size:.1f} MB) in {time.perf_counter() - began:.0f} s")
+    print(f"wrote {opts.dspark_out} ({size:.1f} MB, Q8_0 matrices) in {time.perf_counter() - began:.0f} s")
 
 
 def main() -> None:
@@ -198,6 +204,7 @@ def main() -> None:
     parser.add_argument("--mtp-steps", type=int, default=MTPRecipe.steps)
     parser.add_argument("--dspark", action="store_true", help="train a DSpark drafter on the frozen --out model")
     parser.add_argument("--dspark-out", type=Path, default=ROOT / "build" / "nano" / "nano-dspark.gguf")
+    parser.add_argument("--dspark-f32-out", type=Path, help="also write the drafter in F32 here")
     parser.add_argument("--dspark-steps", type=int, default=DSparkRecipe.steps)
     opts = parser.parse_args()
     build = ROOT / "build" / ("twin-k" if opts.twin_k else "nano")

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.gguf.constants import GGMLType
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.dspark import (
     CONFIDENCE,
@@ -163,15 +164,16 @@ class DSparkTrainer:
         self.step += 1
         return float(ce_mean.detach()), float(bce_mean.detach()), np.mean(hits, axis=0)
 
-    def export(self, path: str | os.PathLike) -> None:
-        """ds4's support file: the stages, their head and the DSpark heads under `mtp.{k}.`."""
+    def export(self, path: str | os.PathLike, matrices: GGMLType = GGMLType.F32) -> None:
+        """ds4's support file: the stages, their head and the DSpark heads under `mtp.{k}.`, the
+        matrices in `matrices` (F32 or Q8_0), the rest F32."""
         args, d = self.model.args, self.d
         names = stage_names(args, d)
         tensors = {names[own]: t for own, t in self.params.items() if own in names}
         first, last = PREFIX.format(0), PREFIX.format(d.stages - 1)
         tensors.update({first + name: self.head_params[name] for name in MAIN})
         tensors.update({last + name: self.head_params[name] for name in (*MARKOV, CONFIDENCE)})
-        write_f32(path, support_metadata(d, "nano-dspark"), list(dspark_tensors(args, d)), tensors)
+        write_f32(path, support_metadata(d, "nano-dspark"), list(dspark_tensors(args, d)), tensors, matrices)
 
 
 @torch.inference_mode()

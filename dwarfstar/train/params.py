@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from dwarfstar.gguf.constants import GGMLType
+from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
 from dwarfstar.gguf.quantize import quantize
 from dwarfstar.gguf.writer import GGUFWriter
 from dwarfstar.model.config import ModelArgs
@@ -193,12 +193,24 @@ def draft_optimizer(named: Iterable[tuple[str, torch.Tensor]], lr: float) -> tor
     return torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
-def write_f32(path: str | os.PathLike, metadata: dict, specs: Sequence[TensorSpec], tensors: dict) -> None:
-    """A GGUF of `specs`, each tensors[name] in F32."""
+def write_f32(
+    path: str | os.PathLike,
+    metadata: dict,
+    specs: Sequence[TensorSpec],
+    tensors: dict,
+    matrices: GGMLType = GGMLType.F32,
+) -> None:
+    """A GGUF of `specs`, each tensors[name] in F32, or in `matrices` (Q8_0, say) for a matrix whose
+    spec takes that type and whose rows are whole blocks of it."""
+
+    def ggml_type(spec: TensorSpec) -> GGMLType:
+        fits = len(spec.shape) == 2 and spec.shape[-1] % BLOCK_GEOMETRY[matrices][0] == 0
+        return matrices if fits and matrices in spec.types else GGMLType.F32
+
     with GGUFWriter(path, metadata) as writer:
         for spec in specs:
-            writer.add_tensor(spec.name, spec.shape, GGMLType.F32)
+            writer.add_tensor(spec.name, spec.shape, ggml_type(spec))
         for spec in specs:
             value = tensors[spec.name].detach()
             rows = value.reshape(-1) if value.dim() == 1 else value.reshape(-1, spec.shape[-1])
-            writer.write_tensor(spec.name, iter([quantize(rows, GGMLType.F32)]))
+            writer.write_tensor(spec.name, iter([quantize(rows, ggml_type(spec))]))

@@ -376,15 +376,20 @@ def test_bench_measures_plain_mtp_and_dspark_in_one_run(mtp_files, small_drafter
 def test_a_trained_drafter_round_trips_through_its_support_file(mtp_files, engines, tmp_path):
     """`tools/train_nano.py --dspark`'s trainer: a step moves the drafter and not the model, and the
     exported support file loads back with the trained values."""
+    import dataclasses
+
     import torch
 
+    from dwarfstar.gguf.constants import GGMLType
+    from dwarfstar.gguf.reader import GGUFFile
     from dwarfstar.model import tensors as tt
     from dwarfstar.train.dspark import DSparkRecipe, DSparkTrainer
 
     model = open_model(mtp_files["plain"])
     ids = np.random.default_rng(0).permutation(np.arange(3, model.args.vocab_size))  # every id: every choice a target
     recipe = DSparkRecipe(steps=2, sequences=2, seq_len=40, prompt_tokens=(8, 16), batch=1, anchors=3)
-    trainer = DSparkTrainer(model, SPEC_D, ids, 0, recipe, seed=0)
+    d = dataclasses.replace(SPEC_D, markov_rank=32)  # Markov rows of a whole Q8_0 block
+    trainer = DSparkTrainer(model, d, ids, 0, recipe, seed=0)
     for tokens, choices, first in zip(trainer.samples, trainer.choices, trainer.first_anchor, strict=True):
         # a book window continued by the model's greedy choices: after the prompt, each token is the
         # frozen model's argmax at the position before it
@@ -394,7 +399,7 @@ def test_a_trained_drafter_round_trips_through_its_support_file(mtp_files, engin
     embedding, before = trainer.params[tt.EMBED].clone(), trainer.head_params["main_proj.weight"].detach().clone()
     for _ in range(2):
         ce, confidence, agree = trainer.train_step()
-        assert np.isfinite(ce) and np.isfinite(confidence) and agree.shape == (SPEC_D.block_size,)
+        assert np.isfinite(ce) and np.isfinite(confidence) and agree.shape == (d.block_size,)
         assert ((0 <= agree) & (agree <= 1)).all()
     assert torch.equal(trainer.params[tt.EMBED], embedding)
     assert not torch.equal(trainer.head_params["main_proj.weight"], before)
@@ -405,6 +410,15 @@ def test_a_trained_drafter_round_trips_through_its_support_file(mtp_files, engin
     assert torch.equal(draft.heads.main_proj, trainer.head_params["main_proj.weight"].detach())
     wkv = tt.layer_tensor(2, "attn_kv.weight")
     assert torch.equal(draft.stages.ops.layers[2].proj["kv"], trainer.params[wkv].detach())
+    small = tmp_path / "trained-dspark-q8.gguf"  # the bundled form: matrices in Q8_0, the rest F32
+    trainer.export(small, GGMLType.Q8_0)
+    types = {name: info.ggml_type for name, info in GGUFFile(small).tensors.items()}
+    assert types["mtp.2.markov_head.markov_w1.weight"] == types["mtp.0.attn_kv.weight"] == GGMLType.Q8_0
+    assert types["mtp.0.main_norm.weight"] == GGMLType.F32 and types["mtp.2.hc_head_fn.weight"] == GGMLType.F32
+    assert small.stat().st_size < path.stat().st_size / 3
+    draft = DSparkDraft(engine.backend, engine.model, small)
+    w1 = trainer.head_params["markov_head.markov_w1.weight"].detach()
+    assert 0 < (draft.heads.markov_w1 - w1).abs().max() <= w1.abs().max() / 127
 
 
 def test_sampled_speculation_with_dspark_follows_plain_sampling(engines, small_drafter):
