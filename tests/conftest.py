@@ -112,6 +112,16 @@ def v41_tiny_file(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def v41_tiny(v41_tiny_file):
+    """The `v41-tiny` file opened (`ModelFile41`), once per test module, closed after it."""
+    from dwarfstar.model.file_v41 import open_model41
+
+    model = open_model41(v41_tiny_file)
+    yield model
+    model.close()
+
+
 @pytest.fixture(scope="session")
 def v41_dspark_file(tmp_path_factory) -> Path:
     """A random DSpark drafter (`TINY_DSPARK41`, seed 1) as the `v41-tiny` model's support file."""

@@ -20,7 +20,6 @@ from dwarfstar.backends.triton.v41.backend import TritonModel41
 from dwarfstar.cli import _register_commands
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.kvcache.payloads import read_payload, write_payload
-from dwarfstar.model.file_v41 import open_model41
 from dwarfstar.model.image_spans import ImageSpan, content_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
@@ -35,10 +34,8 @@ DECODE = [311, 4027, 99]
 
 
 @pytest.fixture(scope="module")
-def model(v41_tiny_file):
-    model = open_model41(v41_tiny_file)
-    yield model
-    model.close()
+def model(v41_tiny):
+    return v41_tiny
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ from dwarfstar.engine.spec import EngineSpec
 from dwarfstar.errors import DwarfStarError, ModelFileError
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.dspark import DSparkArgs
-from dwarfstar.model.file_v41 import open_model41
 from dwarfstar.model.synthetic import TINY, write_synthetic_dspark
 from dwarfstar.model.synthetic_v41 import TINY_DSPARK41, V41_TINY
 from dwarfstar.sampling import GREEDY, Sampler
@@ -41,10 +40,8 @@ N, DRAFTS = 3, 2  # the interpreter runs each kernel in Python (seconds a token)
 
 
 @pytest.fixture(scope="module")
-def model(v41_tiny_file):
-    model = open_model41(v41_tiny_file)
-    yield model
-    model.close()
+def model(v41_tiny):
+    return v41_tiny
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import torch
 from test_v41_dspark import Scripted  # a drafter of the known greedy text, wrong at every third position
 
 from dwarfstar.backends.reference.v41.backend import ReferenceModel41
-from dwarfstar.model.file_v41 import open_model41
 from dwarfstar.model.synthetic_v41 import V41_TINY
 from dwarfstar.sampling import GREEDY
 from dwarfstar.session.session import Session
@@ -27,10 +26,8 @@ N = 12
 
 
 @pytest.fixture(scope="module")
-def model(v41_tiny_file):
-    model = open_model41(v41_tiny_file)
-    yield model
-    model.close()
+def model(v41_tiny):
+    return v41_tiny
 
 
 def reference(model):

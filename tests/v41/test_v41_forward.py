@@ -16,7 +16,7 @@ from dwarfstar.backends.reference.v41 import csa2, engram, mhc, select, window
 from dwarfstar.backends.reference.v41.model import ReferenceOps41
 from dwarfstar.engram.store import EngramStore
 from dwarfstar.model.config import yarn_inv_freq
-from dwarfstar.model.file_v41 import ModelFile41, open_model41
+from dwarfstar.model.file_v41 import ModelFile41
 from dwarfstar.model.forward_v41 import Transformer41
 from dwarfstar.model.state_v41 import new_sequence41
 
@@ -24,8 +24,8 @@ PROMPT = [(7919 * i + 101) % 120000 for i in range(41)]  # odd: a ratio-2 group 
 
 
 @pytest.fixture(scope="module")
-def model(v41_tiny_file) -> ModelFile41:
-    return open_model41(v41_tiny_file)
+def model(v41_tiny):
+    return v41_tiny
 
 
 def run(model: ModelFile41, chunks: list[int]) -> torch.Tensor:

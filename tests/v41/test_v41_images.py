@@ -11,15 +11,14 @@ from test_v41_forward import PROMPT, restate
 
 from dwarfstar.backends.reference.v41.backend import ReferenceModel41
 from dwarfstar.errors import DwarfStarError
-from dwarfstar.model.file_v41 import ModelFile41, open_model41
 from dwarfstar.model.image_spans import ImageSpan, content_ids
 
 AT, LENGTH = 9, 7  # the block's first position and length
 
 
 @pytest.fixture(scope="module")
-def model(v41_tiny_file) -> ModelFile41:
-    return open_model41(v41_tiny_file)
+def model(v41_tiny):
+    return v41_tiny
 
 
 @pytest.fixture(scope="module")

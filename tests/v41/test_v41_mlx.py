@@ -36,7 +36,6 @@ from dwarfstar.cli import _register_commands  # noqa: E402
 from dwarfstar.engine.load import load_engine  # noqa: E402
 from dwarfstar.engine.spec import EngineSpec  # noqa: E402
 from dwarfstar.kvcache.payloads import read_payload, write_payload  # noqa: E402
-from dwarfstar.model.file_v41 import ModelFile41, open_model41  # noqa: E402
 from dwarfstar.model.image_spans import ImageSpan, content_ids  # noqa: E402
 from dwarfstar.sampling import SamplingParams  # noqa: E402
 from dwarfstar.session.session import Session  # noqa: E402
@@ -52,8 +51,8 @@ ROUNDED_KL, ROUNDED_REL = 2e-3, 0.25
 
 
 @pytest.fixture(scope="module")
-def model(v41_tiny_file) -> ModelFile41:
-    return open_model41(v41_tiny_file)
+def model(v41_tiny):
+    return v41_tiny
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ from dwarfstar.engine.load import load_engine  # noqa: E402
 from dwarfstar.engine.spec import EngineSpec  # noqa: E402
 from dwarfstar.errors import DwarfStarError, ModelFileError  # noqa: E402
 from dwarfstar.model.dspark import DSparkArgs  # noqa: E402
-from dwarfstar.model.file_v41 import open_model41  # noqa: E402
 from dwarfstar.model.synthetic import TINY, write_synthetic_dspark  # noqa: E402
 from dwarfstar.model.synthetic_v41 import TINY_DSPARK41, V41_TINY  # noqa: E402
 from dwarfstar.sampling import GREEDY, Sampler  # noqa: E402
@@ -45,10 +44,8 @@ ROUNDED_KL, ROUNDED_REL = 2e-3, 0.25
 
 
 @pytest.fixture(scope="module")
-def model(v41_tiny_file):
-    model = open_model41(v41_tiny_file)
-    yield model
-    model.close()
+def model(v41_tiny):
+    return v41_tiny
 
 
 @pytest.fixture(scope="module")
