@@ -189,11 +189,8 @@ def plan_conversion(
     metadata["general.name"] = (ValueType.STRING, name)
     metadata.update(_file_metadata(kind))
     metadata.update(tokenizer_metadata(tokenizer, args.vocab_size))
-    plan = ConversionPlan(checkpoint, args, kind, metadata, tensors, notes)
-    if d:
-        support = support_metadata(d, f"{name} DSpark support") | _file_metadata(kind)
-        plan.support = ConversionPlan(checkpoint, args, kind, support, support_tensors, [])
-    return plan
+    support = support_metadata(d, f"{name} DSpark support") if d else None
+    return _with_support(ConversionPlan(checkpoint, args, kind, metadata, tensors, notes), support, support_tensors)
 
 
 def _plan_v41(
@@ -214,10 +211,15 @@ def _plan_v41(
     name = name or src.resolve().name
     metadata["general.name"] = (ValueType.STRING, name)
     metadata.update(_file_metadata(kind))
-    plan = ConversionPlan(checkpoint, args, kind, metadata, tensors, notes)
-    if d:
-        support = support_metadata41(d, f"{name} DSpark support") | _file_metadata(kind)
-        plan.support = ConversionPlan(checkpoint, args, kind, support, support_tensors, [])
+    support = support_metadata41(d, f"{name} DSpark support") if d else None
+    return _with_support(ConversionPlan(checkpoint, args, kind, metadata, tensors, notes), support, support_tensors)
+
+
+def _with_support(plan: ConversionPlan, metadata: dict | None, tensors: list[TensorPlan]) -> ConversionPlan:
+    """`plan` with the drafter's support file planned beside it, when there is one (`metadata`)."""
+    if metadata is not None:
+        kind = plan.outtype
+        plan.support = ConversionPlan(plan.checkpoint, plan.args, kind, metadata | _file_metadata(kind), tensors, [])
     return plan
 
 
