@@ -378,8 +378,8 @@ class SpeculativeFlags:
         typer.Option(
             "--dspark",
             metavar="FILE",
-            help="Speculate with DeepSeek's DSpark drafter: ds4's support GGUF for a Flash 0731 model "
-            "(reference, MLX and Triton backends).",
+            help="Speculate with DeepSeek's DSpark drafter: ds4's support GGUF for a Flash 0731 model, "
+            "or 'bundled' for the bundled model's (reference, MLX and Triton backends).",
             rich_help_panel=SPECULATIVE,
         ),
     ] = None

@@ -453,9 +453,10 @@ def check_drafter(options: DSparkOptions, backend: Any, model: ModelFile | Model
 
 def _dspark(options: DSparkOptions, backend: Any, model: ModelFile | ModelFile41) -> DSparkDrafter:
     """The DSpark drafter of `model`'s family on `backend`."""
+    path = options.file_for(model.path)
     if isinstance(model, ModelFile41):
-        return DSparkDraft41(backend, model, options.path, options.confidence)
-    return DSparkDraft(forward_of(backend), model, options.path, options.confidence)
+        return DSparkDraft41(backend, model, path, options.confidence)
+    return DSparkDraft(forward_of(backend), model, path, options.confidence)
 
 
 def load_speculation(

@@ -12,6 +12,8 @@ from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.bundled import default_model_path
 
 BUNDLED_MTP = "nano-mtp.gguf"  # tools/train_nano.py --mtp
+BUNDLED_DSPARK = "nano-dspark.gguf"  # tools/train_nano.py --dspark
+BUNDLED = "bundled"  # `--dspark bundled`: the bundled model's drafter
 DEFAULT_DRAFT = 2  # --mtp without --mtp-draft
 MAX_DRAFT = 8  # drafts per step: verifying N tokens routes up to 6N experts per layer
 MAX_MARGIN = 1000.0  # ds4's range for --mtp-margin
@@ -91,6 +93,17 @@ class DSparkOptions:
     def drafts(self) -> bool:
         """Whether decoding speculates: not under `strict`."""
         return not self.strict
+
+    def file_for(self, model: Path) -> Path:
+        """The support file: --dspark FILE, or for `--dspark bundled` the bundled model's drafter."""
+        if str(self.path) != BUNDLED or self.path.exists():
+            return self.path
+        if model.resolve() != default_model_path().resolve():
+            raise DwarfStarError(
+                f"--dspark {BUNDLED} is the drafter of the bundled model; {model.name} needs its own support file "
+                "(--dspark FILE)"
+            )
+        return default_model_path().with_name(BUNDLED_DSPARK)
 
     def describe(self) -> str:
         return f"dspark confidence {self.confidence:g}" + (" strict (target-only decode)" if self.strict else "")
