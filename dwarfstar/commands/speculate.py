@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
-import numpy as np
 import typer
 
 from dwarfstar.commands.apps import bench_app
@@ -29,6 +28,8 @@ PROMPT_WORDS = 20  # words of a held-out paragraph that `bench mtp --prompts N` 
 def held_out_prompts(n: int, text_file: Path | None = None) -> list[str]:
     """`n` prompts: the first words of paragraphs spread over the held-out tail of the bench text
     (the book's last 5%, which the bundled model and its drafts never trained on)."""
+    import numpy as np
+
     from dwarfstar.commands.prompt_tools import default_bench_text, read_text_file
     from dwarfstar.errors import DwarfStarError
     from dwarfstar.train.corpus import split_text

@@ -91,7 +91,7 @@ def test_bench_mtp_measures_dspark_against_plain_greedy(v41_tiny_file, v41_dspar
     args = ("bench", "mtp", "-m", str(v41_tiny_file), *SMALL, "-n", "6", "-p", "Quel ramo del lago")
     done = invoke(*args, "--drafts", "none", "--dspark", str(v41_dspark_file))
     assert done.exit_code == 0, done.output
-    assert re.search(r"^backend reference \| prompt \d+ tokens \| plain greedy: [\d.]+ tok/s over 6 tokens$",
+    assert re.search(r"^backend reference \| 1 prompt\(s\), \d+ tokens \| plain greedy: [\d.]+ tok/s over 6 tokens$",
                      done.output, re.M)  # fmt: skip
     runs = [line.split() for line in done.output.splitlines() if line.startswith(("mtp ", "dspark "))]
     assert len(runs) == 1 and runs[0][:2] == ["dspark", "0"]
