@@ -12,6 +12,10 @@ inclusive, like `--layers`), and its siblings are the files of the same director
 only the index: what each part really holds (its `blk.N.` layers, its architecture keys) is checked
 when it is opened, so a renamed or foreign file is named in the error instead of mixing two models.
 
+DeepSeek V4.1 sets (`deepseek41`) are named and checked the same way (`file_v41.open_model41` opens
+them, through `open_parts` as V4's loader does); each Engram table lies in the part holding its layer,
+after that part's other tensors (`write_parts`' `last`).
+
 llama.cpp's gguf-split sets (`split.no` / `split.count` keys, `-00001-of-00003.gguf` names) are another
 scheme; a file carrying them under any other name is refused with a clear error (`check_not_llama_split`).
 """
