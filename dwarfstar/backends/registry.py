@@ -209,7 +209,7 @@ class Cpu(Reference):
         from dwarfstar.backends.reference.v41.backend import ReferenceModel41
 
         if not load.stream:
-            _map_pages(model.gguf, model.path.stat().st_size)
+            _map_pages(model.gguf, sum(path.stat().st_size for path in model.parts))
         products = _kernel_products(model.gguf, load.threads)
         return ReferenceModel41.from_file(model, engram_cache_bytes, load.ctx, products)
 

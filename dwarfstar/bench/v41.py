@@ -78,7 +78,7 @@ def restart_peak() -> None:
 
 @dataclass(frozen=True)
 class FileFacts:
-    """The model file: its size, the disk it takes (a table written as holes takes none), the weights a
+    """The model file (or split set): its size, the disk it takes (a table written as holes takes none), the weights a
     backend loads, the Engram tables' bytes and rows; and the machine's memory."""
 
     path: str
@@ -92,11 +92,12 @@ class FileFacts:
 
 
 def file_facts(model: ModelFile41, ram_bytes: int) -> FileFacts:
-    stat = model.path.stat()
+    """The facts of `model`'s files (of a split set, its parts summed)."""
+    stats = [path.stat() for path in model.parts]
     return FileFacts(
         str(model.path),
-        stat.st_size,
-        stat.st_blocks * 512,
+        sum(stat.st_size for stat in stats),
+        sum(stat.st_blocks for stat in stats) * 512,
         model.resident_bytes,
         model.engram_bytes,
         sum(extent.rows for extent in model.engram.values()),

@@ -172,7 +172,7 @@ def inspect_command(
     """Metadata, tensor table, totals per type, and the weight bytes read per decoded token; for a
     split set, its parts and their layer ranges first, then the set as one model; for a vision encoder
     (ds4's --vision file), its family, shapes, image budget and router biases first; for DeepSeek V4.1,
-    its layer modes and Engram tables (resident vs on-disk bytes) first."""
+    its layer modes and Engram tables (resident vs on-disk bytes) first (of a split set, after its parts)."""
     from dwarfstar.gguf.split import GGUFSet
     from dwarfstar.model.config_v41 import ARCH41
     from dwarfstar.model.file_v41 import FAMILY41, read_model41
@@ -191,8 +191,8 @@ def inspect_command(
             )
             if gguf.metadata.get("general.architecture") == VISION_ARCH:
                 _show_summary("vision encoder", lambda: describe_vision(read_vision(gguf)))
-            if gguf.metadata.get("general.architecture") == ARCH41:
-                _show_summary(FAMILY41, lambda: describe41(read_model41(gguf)))
+        if gguf.metadata.get("general.architecture") == ARCH41:  # a file, or a set as one model
+            _show_summary(FAMILY41, lambda: describe41(read_model41(gguf, model)))
         typer.echo("\nmetadata")
         for key, value in gguf.metadata.items():
             typer.echo(f"  {key} = {inspection.describe_value(value)}")

@@ -1,11 +1,12 @@
 """`dwarfstar synth`: write a deterministic random-weight model (tiny, tiny-k, flash- or pro-shaped),
 as one file or, with `--split-at`, as a split set in ds4's naming; a DeepSeek V4.1 model in ds4's
-`deepseek41` layout (v41-tiny, v41-shaped); or a vision encoder in ds4's encoder-GGUF layout
+`deepseek41` layout (v41-tiny, v41-shaped), also as a set; or a vision encoder in ds4's encoder-GGUF layout
 (vision-tiny, vision-exp-shaped)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -55,7 +56,6 @@ def synth(
     ] = None,
 ) -> None:
     """Write a random DeepSeek V4 model (or vision encoder) in ds4 layout, for tests and benches."""
-    from dwarfstar.model.loader import write_split
     from dwarfstar.model.synthetic import LAYOUTS, PRESETS, VISION_PRESETS, preset_with_layers, write_synthetic_model
     from dwarfstar.model.synthetic_v41 import V41_PRESETS
 
@@ -73,22 +73,37 @@ def synth(
         raise DwarfStarError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     args = PRESETS[preset] if layers is None else preset_with_layers(preset, layers)
     n_layers = args.n_layers
-    if split_at and not all(0 < layer < n_layers for layer in split_at):
-        raise DwarfStarError(f"--split-at must name layers 1 to {n_layers - 1} of the {n_layers}-layer {preset}")
     start = time.perf_counter()
-    whole = out.with_name(out.stem + ".whole.gguf") if split_at else out
-    write_synthetic_model(whole, args, layout=layout, seed=seed, name=f"dwarfstar-{preset}")
-    files = [whole]
-    if split_at:
-        try:
-            files = write_split(whole, split_at, out.with_suffix(""))
-        finally:
-            whole.unlink()
+
+    def write(path: Path) -> None:
+        write_synthetic_model(path, args, layout=layout, seed=seed, name=f"dwarfstar-{preset}")
+
+    files = _write_parts(out, split_at, n_layers, preset, write)
     took = time.perf_counter() - start
     for path in files:
         size = path.stat().st_size / 1e6
         typer.echo(f"wrote {path} ({preset}, {n_layers} layers, {layout}, seed {seed}): {size:.1f} MB")
     typer.echo(f"in {took:.1f} s")
+
+
+def _write_parts(
+    out: Path, split_at: list[int] | None, n_layers: int, preset: str, write: Callable[[Path], None]
+) -> list[Path]:
+    """`write(path)` the model at `out`, or with `split_at` as a split set `out`'s stem names (`write_split`:
+    the whole file written first, then removed). Returns the files written."""
+    from dwarfstar.model.loader import write_split
+
+    if not split_at:
+        write(out)
+        return [out]
+    if not all(0 < layer < n_layers for layer in split_at):
+        raise DwarfStarError(f"--split-at must name layers 1 to {n_layers - 1} of the {n_layers}-layer {preset}")
+    whole = out.with_name(out.stem + ".whole.gguf")
+    write(whole)
+    try:
+        return write_split(whole, split_at, out.with_suffix(""))
+    finally:
+        whole.unlink()
 
 
 def _synth_vision(
@@ -122,19 +137,24 @@ def _synth_v41(
     from dwarfstar.model.synthetic import LAYOUTS
     from dwarfstar.model.synthetic_v41 import V41_HOLES, V41_LAYOUT, v41_preset, write_synthetic_v41
 
-    if split_at:
-        raise DwarfStarError(f"--split-at is for DeepSeek V4 models; ds4 writes {preset} (V4.1) as one file")
     layout = layout or V41_LAYOUT[preset]
     if layout not in LAYOUTS:
         raise DwarfStarError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     args = v41_preset(preset, layers)
     holes = preset in V41_HOLES
+    if holes and split_at:  # the parts are written by copying every byte: the holes would fill the disk
+        raise DwarfStarError(f"--split-at copies the Engram tables' bytes; {preset}'s are holes of ~94 GiB each")
     start = time.perf_counter()
-    write_synthetic_v41(out, args, layout=layout, seed=seed, name=f"dwarfstar-{preset}", engram_holes=holes)
-    stat = out.stat()
+
+    def write(path: Path) -> None:
+        write_synthetic_v41(path, args, layout=layout, seed=seed, name=f"dwarfstar-{preset}", engram_holes=holes)
+
+    files = _write_parts(out, split_at, args.n_layers, preset, write)
     tables = f"Engram tables on layers {', '.join(map(str, args.engram_layers))}" + (" written as holes" * holes)
-    typer.echo(
-        f"wrote {out} ({preset}, DeepSeek V4.1, {args.n_layers} layers, {layout}, seed {seed}; {tables}): "
-        f"{stat.st_size / 1e6:.1f} MB, {stat.st_blocks * 512 / 1e6:.1f} MB on disk"
-    )
+    for path in files:
+        stat = path.stat()
+        typer.echo(
+            f"wrote {path} ({preset}, DeepSeek V4.1, {args.n_layers} layers, {layout}, seed {seed}; {tables}): "
+            f"{stat.st_size / 1e6:.1f} MB, {stat.st_blocks * 512 / 1e6:.1f} MB on disk"
+        )
     typer.echo(f"in {time.perf_counter() - start:.1f} s")

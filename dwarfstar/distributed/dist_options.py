@@ -79,13 +79,13 @@ class DistOptions:
         stage names its layers."""
         from dwarfstar.distributed.membership import LayerSlice, parse_layers, split_by_bytes
         from dwarfstar.distributed.protocol import DistError
-        from dwarfstar.model.file_v41 import FAMILY41, ModelFile41
+        from dwarfstar.model.file_v41 import ModelFile41
 
         n = model.args.n_layers
+        if isinstance(model, ModelFile41):
+            return self.v41_slice(n)
         if self.layers is not None:
             return parse_layers(self.layers, n)
-        if isinstance(model, ModelFile41):  # an even split would cut layers from their kv sources
-            raise DistError(f"a stage of a {FAMILY41} route needs --layers A:B (or A:output for the last one)")
         if model.layers is not None:  # loaded for this role's slice (`stage_layers`)
             return LayerSlice(model.layers.start, model.layers.stop, n)
         plan = split_by_bytes(model, self.stages)
@@ -97,17 +97,32 @@ class DistOptions:
             raise DistError("a worker started by hand needs --layers A:B (or A:output for the last one)")
         return plan[rank]
 
+    def v41_slice(self, n_layers: int) -> LayerSlice:
+        """A V4.1 stage's slice: its --layers, of `n_layers` (an even split would cut layers from their kv
+        sources)."""
+        from dwarfstar.distributed.membership import parse_layers
+        from dwarfstar.distributed.protocol import DistError
+        from dwarfstar.model.file_v41 import FAMILY41
+
+        if self.layers is None:
+            raise DistError(f"a stage of a {FAMILY41} route needs --layers A:B (or A:output for the last one)")
+        return parse_layers(self.layers, n_layers)
+
     def stage_layers(self, path: str | os.PathLike) -> tuple[int, int] | None:
         """The layers this role loads (`EngineSpec.layers`): its slice (None: one process).
 
         The split by bytes reads only the file's tensor table; an MLX ring member's rank is MLX_RANK,
-        which `mx.distributed.init` takes it from too."""
-        from dwarfstar.model.file_v41 import open_model41
+        which `mx.distributed.init` takes it from too. A V4.1 stage reads only the header of the file
+        named (of a split set, its part: the other stages' parts need not be on this machine)."""
+        from dwarfstar.model.file_v41 import config41
         from dwarfstar.model.loader import is_v41, open_model
 
         if self.role is None:
             return None
-        model = open_model41(Path(path)) if is_v41(Path(path)) else open_model(Path(path))
+        if is_v41(Path(path)):
+            layers = self.v41_slice(config41(path).n_layers)
+            return layers.first, layers.last
+        model = open_model(Path(path))
         try:
             layers = self.slice_for(model)
         finally:

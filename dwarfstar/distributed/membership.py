@@ -21,7 +21,9 @@ from dataclasses import asdict, dataclass
 from torch.distributed import TCPStore
 
 from dwarfstar.distributed.protocol import PROTOCOL, DistError, RegistrationError
+from dwarfstar.model.file_v41 import ModelFile41
 from dwarfstar.model.loader import ModelFile
+from dwarfstar.model.tensors_v41 import is_engram_table
 
 OUTPUT = "output"
 CONNECT_POLL_S = 0.2
@@ -85,13 +87,15 @@ def split_by_bytes(model: ModelFile, stages: int) -> list[LayerSlice]:
     return [LayerSlice(a, b, n) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-def model_identity(model: ModelFile) -> tuple[str, str]:
+def model_identity(model: ModelFile | ModelFile41) -> tuple[str, str]:
     """(model id, quant): a digest of the config and the file's name metadata, and the types of the
     layer tensors mapped; a worker must match both to join a route. The types, not their counts: a
-    stage of a split set maps only the parts holding its layers."""
+    stage of a split set maps only the parts holding its layers; and not a V4.1 Engram table's (I8 in
+    every file), which only the parts holding an Engram layer have."""
     meta = model.gguf.metadata
     config = json.dumps([repr(model.args), meta.get("general.name", "")], sort_keys=True)
-    types = {info.ggml_type.name for name, info in model.gguf.tensors.items() if name.startswith("blk.")}
+    tensors = model.gguf.tensors.items()
+    types = {info.ggml_type.name for name, info in tensors if name.startswith("blk.") and not is_engram_table(name)}
     quant = ",".join(sorted(types))
     return hashlib.sha256(config.encode()).hexdigest()[:16], quant
 

@@ -115,20 +115,21 @@ def load_engine(spec: EngineSpec, progress: Callable[[int, int], None] | None = 
 
 
 def load_engine41(spec: EngineSpec, name: str, progress: Callable[[int, int], None] | None = None) -> Engine:
-    """A DeepSeek V4.1 engine on the backend `name`, reading images with `--vision` (V4.1 Flash's encoder),
-    its routed experts streamed (`--ssd-streaming`) or some layers' on the CPU (`--cpu-moe`) as V4's,
-    running the spec's layer slice only (`Model41.hold`) where it has one, steered by a direction file."""
+    """A DeepSeek V4.1 engine on the backend `name` (a file, or a split set named by any part), reading images
+    with `--vision` (V4.1 Flash's encoder), its routed experts streamed (`--ssd-streaming`) or some layers'
+    on the CPU (`--cpu-moe`) as V4's, running the spec's layer slice only where it has one (its tensors
+    alone read, `open_model41(path, layers)`, and run: `Model41.hold`), steered by a direction file."""
     start = time.perf_counter()
     if spec.speculation is not None and not isinstance(spec.speculation, DSparkOptions):
         raise DwarfStarError(MTP41_REFUSAL)
     entry = backend_entry(name)
-    held = spec.stage_layers()  # a layer slice, or a pipeline stage's
-    model = open_model41(spec.model)
+    held = spec.stage_layers()  # a layer slice, or a pipeline stage's: of a split set, only its parts mapped
+    model = open_model41(spec.model, held)
     experts = None
     try:
         tokenizer = Tokenizer.from_gguf_metadata(model.gguf.metadata)
         limit, stream = spec.ctx or model.args.max_seq_len, spec.streaming is not None
-        host_layers = spec.cpu_moe_layers(model.args.n_layers)
+        host_layers = spec.cpu_moe_layers(model.args.n_layers, model.layer_range)
         if not stream:  # too big a model is an error naming --ssd-streaming, before any weight loads
             check_fits(model, entry, limit, host_layers)
         vision = open_encoder41(spec.vision, model) if spec.vision is not None else None  # before the weights

@@ -12,6 +12,10 @@ inclusive, like `--layers`), and its siblings are the files of the same director
 only the index: what each part really holds (its `blk.N.` layers, its architecture keys) is checked
 when it is opened, so a renamed or foreign file is named in the error instead of mixing two models.
 
+DeepSeek V4.1 sets (`deepseek41`) are named and checked the same way (`file_v41.open_model41` opens
+them, through `open_parts` as V4's loader does); each Engram table lies in the part holding its layer,
+after that part's other tensors (`write_parts`' `last`).
+
 llama.cpp's gguf-split sets (`split.no` / `split.count` keys, `-00001-of-00003.gguf` names) are another
 scheme; a file carrying them under any other name is refused with a clear error (`check_not_llama_split`).
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,6 +135,20 @@ def select_parts(parts: Sequence[PartName], n_layers: int, first: int, end: int)
     return needed
 
 
+def layer_span(n_layers: int, layers: tuple[int, int] | None, path: Path) -> range:
+    """The layers `layers=(first, end)` (end exclusive) of a model of `n_layers` in `path` (None: all of
+    them); a ModelFileError for a range that is not a slice of them."""
+    if layers is None:
+        return range(n_layers)
+    first, end = layers
+    if not 0 <= first < end <= n_layers:
+        raise ModelFileError(
+            f"{path}: layers ({first}, {end}) are not a slice of its {n_layers} layers: "
+            f"need 0 <= first < end <= {n_layers} (end exclusive)"
+        )
+    return range(first, end)
+
+
 def layer_of(tensor_name: str) -> int | None:
     """N for a `blk.N.*` tensor, None for the others (embedding, output head)."""
     match = _LAYER_TENSOR.match(tensor_name)
@@ -143,14 +161,15 @@ def layers_in(gguf: GGUFFile) -> set[int]:
 
 
 def check_same_model(reference: GGUFFile, part: GGUFFile) -> None:
-    """Parts of one model carry the same architecture keys (`general.architecture`, `<arch>.*`)."""
+    """Parts of one model carry the same architecture keys (`general.architecture`, `<arch>.*`); a part of
+    another family (V4 in a V4.1 set, or the reverse) is named by its architecture first."""
     arch = reference.metadata.get("general.architecture")
 
     def model_keys(gguf: GGUFFile) -> dict[str, Any]:
         return {k: v for k, v in gguf.metadata.items() if k == "general.architecture" or k.startswith(f"{arch}.")}
 
     ours, theirs = model_keys(reference), model_keys(part)
-    for key in sorted(ours.keys() | theirs.keys()):
+    for key in sorted(ours.keys() | theirs.keys(), key=lambda k: (k != "general.architecture", k)):
         if ours.get(key) != theirs.get(key):
             raise ModelFileError(
                 f"{part.path} is not a part of the same model as {reference.path}: "
@@ -244,6 +263,43 @@ def open_all_parts(part: PartName) -> GGUFSet:
         raise
 
 
+def open_parts(named: PartName, head: GGUFFile, n_layers: int, first: int, end: int) -> GGUFSet:
+    """The parts of `named`'s set that hold layers [first, end) (and the output head when `end` is
+    `n_layers`), as one GGUFSet; `head` is `named`'s file, already open (its header gave the model's
+    `n_layers`), and is closed here when the range does not need it. Each part must be of the same model
+    as `head` (`check_same_model`) and hold exactly the layers its name says; a ModelFileError names the
+    part that is missing, foreign, misnamed or overlapping. Every file, `head` included, is closed on error."""
+    opened = [head]
+    try:
+        files = []
+        for part in select_parts(find_parts(named), n_layers, first, end):
+            gguf = head if part.path == named.path else GGUFFile(part.path)
+            if gguf is not head:
+                opened.append(gguf)
+            check_same_model(head, gguf)
+            found, claimed = layers_in(gguf), set(range(part.first, part.end(n_layers)))
+            if found != claimed:
+                raise ModelFileError(f"{part.path} holds {describe_layers(found)}, but its name says {part.describe()}")
+            files.append(gguf)
+        if head not in files:  # the part named is not one this range needs: unmap it
+            opened.remove(head)
+            head.close()
+        return GGUFSet(files)
+    except BaseException:
+        for gguf in opened:
+            gguf.close()
+        raise
+
+
+def describe_layers(layers: set[int]) -> str:
+    """`layers 3-5`, `layers 0-4 with gaps`, or `no layers`."""
+    if not layers:
+        return "no layers"
+    lo, hi = min(layers), max(layers)
+    holes = "" if len(layers) == hi - lo + 1 else " with gaps"
+    return f"layers {lo}-{hi}{holes}"
+
+
 def set_problem(gguf_set: GGUFSet) -> str | None:
     """What keeps a whole set from opening as one model (a missing, overlapping or foreign part), or None."""
     names = [PartName.parse(p.path) for p in gguf_set.parts]
@@ -259,12 +315,15 @@ def set_problem(gguf_set: GGUFSet) -> str | None:
     return None
 
 
-def write_parts(src: GGUFFile | GGUFSet, paths: Sequence[Path], part_of: Callable[[str], int]) -> None:
+def write_parts(
+    src: GGUFFile | GGUFSet, paths: Sequence[Path], part_of: Callable[[str], int], last: Collection[str] = ()
+) -> None:
     """Copy `src` into the files `paths`, tensor `name` into `paths[part_of(name)]`, bytes unchanged and
-    in the source's order, each file with the whole metadata (what makes a part openable alone)."""
+    in the source's order but for the tensors named in `last`, which go after every other of their part
+    (V4.1's Engram tables); each file with the whole metadata (what makes a part openable alone)."""
     metadata = src.typed_metadata()
     groups: list[list[TensorInfo]] = [[] for _ in paths]
-    for info in src.tensors.values():
+    for info in sorted(src.tensors.values(), key=lambda info: info.name in last):  # stable: the order kept
         groups[part_of(info.name)].append(info)
     for path, infos in zip(paths, groups, strict=True):
         with GGUFWriter(path, metadata, alignment=src.alignment) as writer:

@@ -9,6 +9,12 @@ is an error at load: a table whose rows are not its primes' sum, a token map of 
 with an id past the compressed vocabulary, an even or overflowing multiplier. A truncated file is
 refused by the GGUF reader already (every tensor, the tables included, must lie inside the file).
 
+A model may also be a split set in ds4's naming (`gguf.split`: `…-Layers00-05.gguf`,
+`…-Layers-06-output.gguf`), opened from any part as V4's are: each part of the same model, holding the
+layers its name says, and a stage's slice mapping only the parts holding its layers. Each Engram table
+lies in the part holding its layer, after that part's other tensors, and is read from there (its
+`EngramExtent` names that part); `loader.write_split` writes a V4.1 model as such a set.
+
 The engine runs these files on every backend (`engine.load.load_engine41`: `dwarfstar run`, `serve`,
 `agent`, `bench` and `steer`); every other V4 command refuses them (`loader.open_model`,
 `engine.load.require_v4`), and `dwarfstar inspect` describes them (`describe`).
@@ -17,7 +23,7 @@ The engine runs these files on every backend (`engine.load.load_engine41`: `dwar
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,10 +35,12 @@ from dwarfstar.engram.rows import ROW_BYTES
 from dwarfstar.engram.store import EngramExtent
 from dwarfstar.errors import ConfigError, ModelFileError
 from dwarfstar.gguf.constants import ValueType
-from dwarfstar.gguf.reader import GGUFFile, read_gguf
+from dwarfstar.gguf.reader import GGUFFile
+from dwarfstar.gguf.split import GGUFSet, PartName, check_not_llama_split, layer_span, open_parts
 from dwarfstar.model.config import ARCH
 from dwarfstar.model.config_v41 import ARCH41, LayerMode, ModelArgs41
-from dwarfstar.model.tensors_v41 import engram_table, validate_tensors41
+from dwarfstar.model.tensors import stage_needs
+from dwarfstar.model.tensors_v41 import engram_table, is_engram_table, validate_tensors41
 
 FAMILY41 = "DeepSeek V4.1 Flash"
 NOT_YET = "but only `dwarfstar run`, `serve`, `agent`, `bench` and `steer` run it yet (issue 33)"
@@ -40,13 +48,20 @@ NOT_YET = "but only `dwarfstar run`, `serve`, `agent`, `bench` and `steer` run i
 
 @dataclass
 class ModelFile41:
-    """A validated V4.1 file: its weights stay memory-mapped until read, its Engram tables on the disk."""
+    """A validated V4.1 model, one file or the parts of a split set: its weights stay memory-mapped until
+    read, its Engram tables on the disk."""
 
-    path: Path
-    gguf: GGUFFile
+    path: Path  # the file it was opened from (for a split set, the part named)
+    gguf: GGUFFile | GGUFSet
     args: ModelArgs41
-    engram: dict[int, EngramExtent]  # Engram layer -> where its table lies in the file
+    engram: dict[int, EngramExtent]  # each held Engram layer -> where its table lies, in the file holding it
     engram_hash: EngramHash
+    layers: range | None = None  # the layers a stage mapped; None: every layer
+    parts: tuple[Path, ...] = ()  # the files mapped, in layer order
+
+    @property
+    def layer_range(self) -> range:
+        return range(self.args.n_layers) if self.layers is None else self.layers
 
     @property
     def engram_bytes(self) -> int:
@@ -55,13 +70,15 @@ class ModelFile41:
 
     @property
     def resident_bytes(self) -> int:
-        """Every other tensor's bytes: what a backend loads."""
-        return sum(info.nbytes for info in self.gguf.tensors.values()) - self.engram_bytes
+        """Every tensor a backend loads (`holds`)."""
+        return sum(info.nbytes for name, info in self.gguf.tensors.items() if self.holds(name))
 
     def holds(self, tensor_name: str) -> bool:
-        """Whether a backend loading this model reads the tensor: every one but the Engram tables (as
-        `loader.ModelFile.holds` says it of a V4 file's)."""
-        return tensor_name not in {engram_table(il) for il in self.engram}
+        """Whether a backend loading this model reads the tensor: its layers' (every layer's, or a stage's:
+        `tensors.stage_needs`, as `loader.ModelFile.holds` says it of a V4 file's) but the Engram tables."""
+        if is_engram_table(tensor_name):
+            return False
+        return stage_needs(tensor_name, self.args.n_layers, self.layer_range)
 
     def summary(self) -> str:
         return (
@@ -85,39 +102,81 @@ def family_problem(metadata: Mapping[str, Any]) -> str | None:
     return None
 
 
-def open_model41(path: str | os.PathLike) -> ModelFile41:
-    """Open and validate a V4.1 file (a clear ModelFileError for anything else)."""
+def open_model41(path: str | os.PathLike, layers: tuple[int, int] | None = None) -> ModelFile41:
+    """Open and validate a V4.1 file, or the split set `path` is a part of (ds4's naming, `gguf.split`),
+    with a clear ModelFileError for anything else. `layers=(first, end)` (end exclusive) maps and validates
+    only those layers, with the embedding when `first` is 0 and the head when `end` is the last layer:
+    from a set, only the parts holding them (`split.open_parts`); `engram` then has their tables only."""
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
-    return read_gguf(path, read_model41)
-
-
-def read_model41(gguf: GGUFFile) -> ModelFile41:
-    """The V4.1 model in an opened file (which the caller closes on error)."""
-    path, meta = gguf.path, gguf.metadata
-    if problem := family_problem(meta):
-        raise ModelFileError(f"{path}: {problem}")
-    arch = meta.get("general.architecture")
-    if arch == ARCH:
-        raise ModelFileError(f"{path} is DeepSeek V4 ({ARCH!r}), not {FAMILY41} ({ARCH41!r})")
+    named = PartName.of(path)
+    head = GGUFFile(path if named is None else named.path)
     try:
-        args = ModelArgs41.from_gguf_metadata(meta)
-        engram_hash = read_engram_hash(meta, args)
-        validate_tensors41(args, gguf.tensors)
+        check_not_llama_split(head)
+        args = _config41(head.metadata, path)
+        span = layer_span(args.n_layers, layers, path)
+    except BaseException:
+        head.close()
+        raise
+    gguf = head if named is None else open_parts(named, head, args.n_layers, span.start, span.stop)
+    try:
+        return read_model41(gguf, path, None if layers is None else span)
+    except BaseException:
+        gguf.close()
+        raise
+
+
+def read_model41(gguf: GGUFFile | GGUFSet, path: Path | None = None, layers: range | None = None) -> ModelFile41:
+    """The V4.1 model in an opened file or set of parts (which the caller closes on error), named `path` in
+    errors (default: the first file's); `layers`: a stage's slice (`open_model41`)."""
+    files = gguf.parts if isinstance(gguf, GGUFSet) else (gguf,)
+    path = files[0].path if path is None else path
+    args = _config41(gguf.metadata, path)
+    try:
+        engram_hash = read_engram_hash(gguf.metadata, args)
+        validate_tensors41(args, gguf.tensors, layers)
     except (ConfigError, ModelFileError) as exc:
         raise ModelFileError(f"{path}: {exc}") from exc
-    return ModelFile41(path, gguf, args, _engram_extents(gguf, args), engram_hash)
+    held = range(args.n_layers) if layers is None else layers
+    parts = tuple(part.path for part in files)
+    return ModelFile41(path, gguf, args, _engram_extents(files, args, held), engram_hash, layers, parts)
 
 
-def _engram_extents(gguf: GGUFFile, args: ModelArgs41) -> dict[int, EngramExtent]:
-    tables = {il: gguf.tensors[engram_table(il)] for il in args.engram_layers}
-    first_table = min(info.offset for info in tables.values())
-    others = [info for info in gguf.tensors.values() if info.name not in {t.name for t in tables.values()}]
-    late = [info.name for info in others if info.offset + info.nbytes > first_table]
-    if late:
-        raise ModelFileError(f"{gguf.path}: {late[0]!r} is stored after an Engram table; ds4 stores the tables last")
-    return {il: EngramExtent(gguf.path, info.offset, info.shape[0]) for il, info in tables.items()}
+def config41(path: str | os.PathLike) -> ModelArgs41:
+    """The config in the header of the V4.1 file, or part of a set, `path` (its tensors unchecked)."""
+    with GGUFFile(path) as gguf:
+        return _config41(gguf.metadata, Path(path))
+
+
+def _config41(meta: Mapping[str, Any], path: Path) -> ModelArgs41:
+    if problem := family_problem(meta):
+        raise ModelFileError(f"{path}: {problem}")
+    if meta.get("general.architecture") == ARCH:
+        raise ModelFileError(f"{path} is DeepSeek V4 ({ARCH!r}), not {FAMILY41} ({ARCH41!r})")
+    try:
+        return ModelArgs41.from_gguf_metadata(meta)
+    except ConfigError as exc:
+        raise ModelFileError(f"{path}: {exc}") from exc
+
+
+def _engram_extents(files: Sequence[GGUFFile], args: ModelArgs41, held: range) -> dict[int, EngramExtent]:
+    """Where the tables of the Engram layers `held` lie: each in the file (the part of a set) holding its
+    layer, which stores its tables after every other tensor of its own (the pages a backend maps resident
+    end before them)."""
+    extents = {}
+    for gguf in files:
+        tables = {il: gguf.tensors[engram_table(il)] for il in args.engram_layers if engram_table(il) in gguf.tensors}
+        if not tables:
+            continue
+        first_table = min(info.offset for info in tables.values())
+        others = [info for info in gguf.tensors.values() if info.name not in {t.name for t in tables.values()}]
+        late = [info.name for info in others if info.offset + info.nbytes > first_table]
+        if late:
+            where = f"{gguf.path}: {late[0]!r}"
+            raise ModelFileError(f"{where} is stored after an Engram table; ds4 stores the tables last")
+        extents |= {il: EngramExtent(gguf.path, t.offset, t.shape[0]) for il, t in tables.items() if il in held}
+    return extents
 
 
 # -- the Engram hash tables in the metadata ---------------------------------------------------------------
@@ -226,9 +285,10 @@ def describe(model: ModelFile41) -> list[str]:
             f"Engram layer {il}: {extent.rows:,} rows of {ROW_BYTES} bytes = {extent.nbytes:,} bytes on disk from byte "
             f"{extent.offset:,} (read per lookup, never resident)"
         )
-    stat = model.path.stat()
+    stats = [path.stat() for path in model.parts]
+    files = "file" if len(stats) == 1 else f"{len(stats)} parts"
     lines.append(
         f"bytes: {model.resident_bytes:,} resident (weights), {model.engram_bytes:,} on disk (Engram tables); "
-        f"file {stat.st_size:,} bytes, {stat.st_blocks * 512:,} allocated"
+        f"{files} {sum(s.st_size for s in stats):,} bytes, {sum(s.st_blocks for s in stats) * 512:,} allocated"
     )
     return lines

@@ -5,9 +5,10 @@ A model is one file or a split set (`dwarfstar.gguf.split`: ds4's `…-Layers00-
 `open_model(path, layers=(first, end))`, and maps only the parts that hold them; one machine opens
 every part. `write_split` writes any model as such a set.
 
-A DeepSeek V4.1 file (`deepseek41`) is validated as one (`file_v41`) and then refused: only the engine
-runs it (`engine.load.load_engine` opens it with `file_v41.open_model41` when `is_v41`), and
-`dwarfstar inspect` describes it; every other V4 command refuses it here.
+A DeepSeek V4.1 file or split set (`deepseek41`) is validated as one (`file_v41`) and then refused: only
+the engine runs it (`engine.load.load_engine` opens it with `file_v41.open_model41` when `is_v41`), and
+`dwarfstar inspect` describes it; every other V4 command refuses it here. `write_split` writes either
+family as a set.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from dwarfstar.errors import ConfigError, ModelFileError
 from dwarfstar.gguf.reader import GGUFFile
@@ -24,18 +26,17 @@ from dwarfstar.gguf.split import (
     GGUFSet,
     PartName,
     check_not_llama_split,
-    check_same_model,
-    find_parts,
     layer_of,
-    layers_in,
+    layer_span,
+    open_parts,
     part_file_name,
-    select_parts,
     write_parts,
 )
 from dwarfstar.model.config import ARCH, ModelArgs
 from dwarfstar.model.config_v41 import ARCH41
-from dwarfstar.model.file_v41 import FAMILY41, NOT_YET, family_problem, read_model41
+from dwarfstar.model.file_v41 import FAMILY41, NOT_YET, ModelFile41, family_problem, open_model41
 from dwarfstar.model.tensors import EMBED, MTP_NEXTN_PROJ, OUTPUT, layer_tensor, validate_tensors
+from dwarfstar.model.tensors_v41 import engram_table
 
 
 @dataclass
@@ -89,9 +90,10 @@ def open_model(path: str | os.PathLike, layers: tuple[int, int] | None = None) -
         try:
             check_not_llama_split(gguf)
             if gguf.metadata.get("general.architecture") == ARCH41:
-                _refuse_v41(gguf)
+                gguf.close()
+                _refuse_v41(path)
             args = _trunk_config(gguf, path)
-            span = _span(args, layers, path)
+            span = layer_span(args.n_layers, layers, path)
             _validate(args, gguf.tensors, span, path)
         except BaseException:
             gguf.close()
@@ -101,9 +103,10 @@ def open_model(path: str | os.PathLike, layers: tuple[int, int] | None = None) -
 
 
 def is_v41(path: str | os.PathLike) -> bool:
-    """Whether `path` is a single DeepSeek V4.1 file (`general.architecture` says so)."""
+    """Whether `path` is a DeepSeek V4.1 file, or a part of a V4.1 split set (`general.architecture` says
+    so; `file_v41.open_model41` opens either)."""
     path = Path(path)
-    if not path.is_file() or PartName.of(path) is not None:
+    if not path.is_file():
         return False
     gguf = GGUFFile(path)
     try:
@@ -113,40 +116,36 @@ def is_v41(path: str | os.PathLike) -> bool:
 
 
 def _open_parts(path: Path, named: PartName, layers: tuple[int, int] | None) -> ModelFile:
-    opened: list[GGUFFile] = [GGUFFile(named.path)]  # its header gives the config the set is checked against
+    head = GGUFFile(named.path)  # its header gives the config the set is checked against
     try:
-        file_args = _config(opened[0], named.path)
+        if head.metadata.get("general.architecture") == ARCH41:
+            head.close()
+            _refuse_v41(path)
+        file_args = _config(head, named.path)
         n_file = file_args.n_layers  # counts an in-file MTP block, which is in the output part
         first, end = (0, n_file) if layers is None else layers
-        _span(file_args, (first, end), named.path)
-        needed = select_parts(find_parts(named), n_file, first, end)
-        files = []
-        for part in needed:
-            gguf = opened[0] if part.path == named.path else GGUFFile(part.path)
-            if gguf is not opened[0]:
-                opened.append(gguf)
-            check_same_model(opened[0], gguf)
-            found, claimed = layers_in(gguf), set(range(part.first, part.end(n_file)))
-            if found != claimed:
-                raise ModelFileError(f"{part.path} holds {_describe(found)}, but its name says {part.describe()}")
-            files.append(gguf)
-        if opened[0] not in files:  # the part named is not one this stage needs: unmap it
-            opened.pop(0).close()
-        gguf_set = GGUFSet(files)
+        layer_span(n_file, (first, end), named.path)
+    except BaseException:
+        head.close()
+        raise
+    gguf_set = open_parts(named, head, n_file, first, end)
+    try:
         args = trunk_args(file_args, gguf_set)
-        span = _span(args, layers, named.path)  # past the trunk is an error: an in-file MTP block is no layer
+        # past the trunk is an error: an in-file MTP block is no layer
+        span = layer_span(args.n_layers, layers, named.path)
         _validate(args, gguf_set.tensors, span, named.path)
     except BaseException:
-        for gguf in opened:
-            gguf.close()
+        gguf_set.close()
         raise
-    return ModelFile(path, gguf_set, args, None if layers is None else span, tuple(p.path for p in needed))
+    parts = tuple(part.path for part in gguf_set.parts)
+    return ModelFile(path, gguf_set, args, None if layers is None else span, parts)
 
 
-def _refuse_v41(gguf: GGUFFile) -> None:
-    """A V4.1 file is validated as such (its own errors first), then refused: nothing runs it yet."""
-    model = read_model41(gguf)
-    raise ModelFileError(f"{gguf.path}: {FAMILY41} loads ({model.summary()}) {NOT_YET}")
+def _refuse_v41(path: Path) -> NoReturn:
+    """A V4.1 file or set is validated as such (its own errors first), then refused: nothing runs it yet."""
+    model = open_model41(path)
+    model.close()
+    raise ModelFileError(f"{path}: {FAMILY41} loads ({model.summary()}) {NOT_YET}")
 
 
 def _config(gguf: GGUFFile, path: Path) -> ModelArgs:
@@ -176,18 +175,6 @@ def trunk_args(args: ModelArgs, gguf: GGUFFile | GGUFSet) -> ModelArgs:
     return args
 
 
-def _span(args: ModelArgs, layers: tuple[int, int] | None, path: Path) -> range:
-    if layers is None:
-        return range(args.n_layers)
-    first, end = layers
-    if not 0 <= first < end <= args.n_layers:
-        raise ModelFileError(
-            f"{path}: layers ({first}, {end}) are not a slice of its {args.n_layers} layers: "
-            f"need 0 <= first < end <= {args.n_layers} (end exclusive)"
-        )
-    return range(first, end)
-
-
 def _validate(args: ModelArgs, tensors, span: range, path: Path) -> None:
     try:
         validate_tensors(args, tensors, span)
@@ -195,18 +182,12 @@ def _validate(args: ModelArgs, tensors, span: range, path: Path) -> None:
         raise ModelFileError(f"{path}: {exc}") from exc
 
 
-def _describe(layers: set[int]) -> str:
-    if not layers:
-        return "no layers"
-    lo, hi = min(layers), max(layers)
-    holes = "" if len(layers) == hi - lo + 1 else " with gaps"
-    return f"layers {lo}-{hi}{holes}"
-
-
 def write_split(src: str | os.PathLike, split_at: Sequence[int], stem: str | os.PathLike) -> list[Path]:
-    """Write the model `src` as a split set `<stem>-Layers00-…gguf`, …, `<stem>-Layers-…-output.gguf`,
-    a new part starting at each layer of `split_at`; tensor bytes are copied unchanged. Returns the parts."""
-    model = open_model(src)
+    """Write the model `src` (DeepSeek V4 or V4.1, a file or a set) as a split set `<stem>-Layers00-…gguf`,
+    …, `<stem>-Layers-…-output.gguf`, a new part starting at each layer of `split_at`; tensor bytes are
+    copied unchanged. A V4.1 Engram table goes to the part holding its layer, after that part's other
+    tensors (as ds4 stores them, and `file_v41` requires). Returns the parts."""
+    model: ModelFile | ModelFile41 = open_model41(src) if is_v41(src) else open_model(src)
     try:
         n = model.args.n_layers
         starts = sorted(set(split_at))
@@ -225,7 +206,8 @@ def write_split(src: str | os.PathLike, split_at: Sequence[int], stem: str | os.
                 return 0 if name == EMBED else len(starts)
             return bisect.bisect_right(starts, layer)  # an in-file MTP block (index n) goes with the head
 
-        write_parts(model.gguf, paths, part_of)
+        last = {engram_table(il) for il in model.args.engram_layers} if isinstance(model, ModelFile41) else set()
+        write_parts(model.gguf, paths, part_of, last)
     finally:
         model.close()
     return paths

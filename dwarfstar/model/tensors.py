@@ -199,7 +199,7 @@ def validate_tensors(args: ModelArgs, tensors: Mapping[str, TensorLike], layers:
     pipeline stage's slice), only those layers, the embedding if it starts at 0 and the head if it ends last."""
     layers = range(args.n_layers) if layers is None else layers
     for spec in expected_tensors(args):
-        if _stage_needs(spec.name, args, layers):
+        if stage_needs(spec.name, args.n_layers, layers):
             check_tensor(spec, tensors.get(spec.name))
     for il in layers:
         gate, up = (tensors[layer_tensor(il, name)].ggml_type for name in EXPERTS[:2])
@@ -209,11 +209,13 @@ def validate_tensors(args: ModelArgs, tensors: Mapping[str, TensorLike], layers:
             )
 
 
-def _stage_needs(name: str, args: ModelArgs, layers: range) -> bool:
+def stage_needs(name: str, n_layers: int, layers: range) -> bool:
+    """Whether a stage holding `layers` of a model of `n_layers` (V4 or V4.1) reads the tensor `name`:
+    its layers' tensors, the embedding on the first stage and the output head on the last."""
     if name == EMBED:
         return layers.start == 0
     if not name.startswith("blk."):  # the output head: HC collapse, norm, output matrix
-        return layers.stop == args.n_layers
+        return layers.stop == n_layers
     return int(name.split(".")[1]) in layers
 
 

@@ -42,6 +42,7 @@ from dwarfstar.model.tensors import (
     check_tensor,
     hc_mix,
     layer_tensor,
+    stage_needs,
     sublayer_norm,
 )
 
@@ -63,6 +64,11 @@ ENGRAM_TABLE = "engram_embd.weight"
 
 def engram_table(il: int) -> str:
     return layer_tensor(il, ENGRAM_TABLE)
+
+
+def is_engram_table(name: str) -> bool:
+    """Whether `name` is an Engram layer's table (`blk.L.engram_embd.weight`)."""
+    return name.startswith("blk.") and name.endswith(f".{ENGRAM_TABLE}")
 
 
 def expected_tensors41(args: ModelArgs41) -> Iterator[TensorSpec]:
@@ -121,15 +127,18 @@ def _layer_tensors(args: ModelArgs41, layer: LayerSpec41) -> Iterator[TensorSpec
         yield spec(ENGRAM_KV, ((args.hc_mult + 1) * d, args.engram_columns * args.engram_head_dim), FLOAT)
 
 
-def validate_tensors41(args: ModelArgs41, tensors: Mapping[str, TensorLike]) -> None:
-    """Raise ModelFileError naming the first missing, misshapen or mistyped tensor, a tensor the model
-    has no use for, or an Engram table stored before another tensor."""
+def validate_tensors41(args: ModelArgs41, tensors: Mapping[str, TensorLike], layers: range | None = None) -> None:
+    """Raise ModelFileError naming the first missing, misshapen or mistyped tensor, or a tensor the model
+    has no use for. With `layers` (a stage's slice, from the parts of a split set holding it), only those
+    layers' tensors must be there, the embedding if it starts at 0 and the head if it ends last."""
+    layers = range(args.n_layers) if layers is None else layers
     specs = list(expected_tensors41(args))
     for spec in specs:
-        check_tensor(spec, tensors.get(spec.name))
+        if stage_needs(spec.name, args.n_layers, layers):
+            check_tensor(spec, tensors.get(spec.name))
     if extra := sorted(set(tensors) - {spec.name for spec in specs}):
         raise ModelFileError(f"unexpected tensor {extra[0]!r} ({len(extra)} tensors a V4.1 file does not have)")
-    for il in range(args.n_layers):
+    for il in layers:
         gate, up = (tensors[layer_tensor(il, name)].ggml_type for name in EXPERTS[:2])
         if gate != up:
             raise ModelFileError(f"blk.{il}: ffn_gate_exps is {gate.name} but ffn_up_exps is {up.name}")

@@ -113,7 +113,9 @@ class MLXModel41(Model41):
             from dwarfstar.backends.cpu.experts import HostExperts
 
             host = HostExperts(model.gguf, model.args, cpu_moe, threads)
-        operations = MLXOps41(model.args, weights, model.engram_hash, store, fused, routed_experts, host)
+        operations = MLXOps41(
+            model.args, weights, model.engram_hash, store, fused, routed_experts, host, model.layers, stage=True
+        )  # a stage's model (`model.layers`) loads what its slice reads
         return cls(operations, max_seq_len)
 
     def new_state(self) -> MLXState41:

@@ -76,18 +76,24 @@ class MLXOps41:
         host: HostExperts | None = None,
         layers: range | None = None,
         shares: MLXOps41 | None = None,
+        stage: bool = False,
     ) -> None:
         """Without `routed_experts` none is packed: they stream from the file (the entry's `attach_experts`
         sets the source). `host`: the layers whose routed experts the CPU kernels compute from the file
         (`--cpu-moe`): never packed. `layers`: the layers loaded (None: all of them), `layers` keyed by
-        their index; `shares`: ops whose embedding and output matrix these take rather than load (a
-        DSpark drafter's target's)."""
+        their index; with `stage` they are a pipeline stage's, which loads the embedding only where they
+        start at 0 and the head only where they end last (`tensors.stage_needs`). `shares`: ops whose
+        embedding and output matrix these take rather than load (a DSpark drafter's target's)."""
         self.args, self.hash, self.store, self.fused, self.host = args, engram_hash, store, fused, host
         self.packing = weights.packing
-        self.embedding = weights.dense(tt.EMBED) if shares is None else shares.embedding
-        self.output = weights.matrix(tt.OUTPUT) if shares is None else shares.output
-        self.out_norm = weights.dense(tt.OUTPUT_NORM)
         held = range(args.n_layers) if layers is None else layers
+
+        def own(name: str) -> bool:
+            return not stage or tt.stage_needs(name, args.n_layers, held)
+
+        self.embedding = shares.embedding if shares is not None else weights.dense(tt.EMBED) if own(tt.EMBED) else None
+        self.output = shares.output if shares is not None else weights.matrix(tt.OUTPUT) if own(tt.OUTPUT) else None
+        self.out_norm = weights.dense(tt.OUTPUT_NORM) if own(tt.OUTPUT_NORM) else None
         self.layers = {il: self._load_layer(weights, il) for il in held}
         self.experts: ExpertSource = resident_experts(weights, held if routed_experts else (), host)
         self.group_ids = mx.arange(args.o_groups)[None, :]

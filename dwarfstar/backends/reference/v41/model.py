@@ -45,14 +45,20 @@ class ReferenceOps41:
         engram_hash: EngramHash,
         store: EngramStore,
         products: Products = FLOAT32,
+        held: range | None = None,
     ) -> None:
-        """`products`: how the weight products are held and computed (float32 here; the CPU kernels')."""
+        """`products`: how the weight products are held and computed (float32 here; the CPU kernels');
+        `held`: a stage's layers (None: all of them), whose weights alone are read: the embedding only
+        where it starts at 0, the head only where it ends last."""
         self.args, self.weights, self.hash, self.store, self.products = args, weights, engram_hash, store, products
         self._dense: dict[str, torch.Tensor] = {}  # the layers' float32 weights, read once
         self._matrices: dict[str, Any] = {}  # the layers' product weights, as `products` hold them
         self.hc = mhc.HcConfig(args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps)
-        self.embedding = products.table(weights, tt.EMBED)
-        self.out_norm, self.output = weights.dense(tt.OUTPUT_NORM), products.matrix(weights, tt.OUTPUT)
+        held = range(args.n_layers) if held is None else held
+        self.embedding = products.table(weights, tt.EMBED) if held.start == 0 else None
+        self.out_norm = self.output = None
+        if held.stop == args.n_layers:
+            self.out_norm, self.output = weights.dense(tt.OUTPUT_NORM), products.matrix(weights, tt.OUTPUT)
         # read from the file as the router picks them; `--ssd-streaming` puts a cache in their place
         self.experts: ExpertSource = ResidentExperts(
             [expert_reader(weights, il, products) for il in range(args.n_layers)]
@@ -65,7 +71,7 @@ class ReferenceOps41:
     @classmethod
     def from_file(cls, model: ModelFile41, engram_cache_bytes: int = 0, products: Products = FLOAT32) -> ReferenceOps41:
         store = EngramStore(model.engram, engram_cache_bytes)
-        return cls(model.args, GGUFWeights(model.gguf), model.engram_hash, store, products)
+        return cls(model.args, GGUFWeights(model.gguf), model.engram_hash, store, products, model.layer_range)
 
     def w(self, il: int, name: str) -> torch.Tensor:
         """Layer il's float32 weight `name` (a norm, a mix, the router), read once."""

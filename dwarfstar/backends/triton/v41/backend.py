@@ -40,9 +40,10 @@ class TritonModel41(Model41):
         """The model over `model`'s weights uploaded to `device`, its Engram rows read through a cache of
         `engram_cache_bytes`. Without `routed_experts` none is uploaded: they stream from the file (the
         entry's `attach_experts` sets the source); `host`'s layers' are computed by the CPU kernels
-        (`--cpu-moe`) and not uploaded either."""
-        on_device = [il for il in range(model.args.n_layers) if routed_experts and (host is None or il not in host)]
-        weights = upload41(model.gguf, model.args, torch.device(device), on_device)
+        (`--cpu-moe`) and not uploaded either. A stage's model (`model.layers`) uploads what its slice reads."""
+        held = model.layer_range  # a stage's slice: its tensors alone uploaded
+        on_device = [il for il in held if routed_experts and (host is None or il not in host)]
+        weights = upload41(model.gguf, model.args, torch.device(device), on_device, held, stage=True)
         store = EngramStore(model.engram, engram_cache_bytes)
         return cls(TritonOps41(weights, model.engram_hash, store, host), max_seq_len)
 

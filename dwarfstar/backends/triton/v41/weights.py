@@ -60,11 +60,14 @@ def build_weights41(
     device: torch.device,
     routed_layers: Collection[int] | None = None,
     layers: range | None = None,
+    stage: bool = False,
 ) -> Weights41:
     """Every tensor but the Engram tables from per-tensor sources (a file, or the meta device's shapes),
     in the file's order, with the two combinations made. `layers`: the layers built (None: all of them),
-    beside the model's own tensors (the embedding, the output norm and matrix); of them, the routed
-    experts of `routed_layers` only (default: every layer's)."""
+    beside the model's own tensors (the embedding, the output norm and matrix), or with `stage` those a
+    pipeline stage holding them reads (`tensors.stage_needs`: the embedding only where they start at 0,
+    the head only where they end last); of them, the routed experts of `routed_layers` only (default:
+    every layer's)."""
     held = range(args.n_layers) if layers is None else layers
     routed = range(args.n_layers) if routed_layers is None else routed_layers
     left = {tt.layer_tensor(il, name) for il in range(args.n_layers) if il not in routed for name in tt.EXPERTS}
@@ -73,6 +76,8 @@ def build_weights41(
     for spec in tt41.expected_tensors41(args):
         part = spec.name.split(".")
         if spec.types == tt41.ENGRAM_ROWS or spec.name in left or (part[0] == "blk" and int(part[1]) not in held):
+            continue
+        if stage and not tt.stage_needs(spec.name, args.n_layers, held):
             continue
         if spec.types == tt.NORM:
             vectors[spec.name] = vector(spec)
@@ -98,10 +103,12 @@ def upload41(
     routed_layers: Collection[int] | None = None,
     layers: range | None = None,
     shared: Mapping[str, QWeight] | None = None,
+    stage: bool = False,
 ) -> Weights41:
     """Every tensor of a V4.1 file but the Engram tables on `device`, once: of `layers` (None: every
-    layer) and the model's own, the routed experts of `routed_layers` only (default: every layer's);
-    `shared`: matrices already on the device, by name, taken as they are."""
+    layer) and the model's own (with `stage`, those a stage holding `layers` reads: `build_weights41`),
+    the routed experts of `routed_layers` only (default: every layer's); `shared`: matrices already on
+    the device, by name, taken as they are."""
 
     def matrix(spec: TensorSpec) -> QWeight:
         if shared and spec.name in shared:
@@ -116,4 +123,4 @@ def upload41(
         gguf.release(spec.name)
         return values
 
-    return build_weights41(args, matrix, vector, device, routed_layers, layers)
+    return build_weights41(args, matrix, vector, device, routed_layers, layers, stage)
