@@ -82,13 +82,17 @@ def row_attention(
     out = torch.empty(t, heads, d, device=q.device, dtype=torch.float32)
     bd = next_pow2(d)
     _row_attention_kernel[(t, triton.cdiv(heads, bh))](
-        q.contiguous(), k1.contiguous(), m1.to(q.device, torch.int8), k1.shape[1],
-        k2.contiguous(), m2.to(q.device, torch.int8), k2.shape[1],
+        q.contiguous(), k1.contiguous(), _bytes(m1), k1.shape[1], k2.contiguous(), _bytes(m2), k2.shape[1],
         sinks, positions.contiguous(), inv_freq, out, d, 1.0 / math.sqrt(d),
         H=heads, ROPE_DIM=rope_dim, BH=bh, BN=bn, BD=bd, FAST=precision.fast,
         num_warps=8 if bd >= 512 else 4, num_stages=1,
     )  # fmt: skip
     return out
+
+
+def _bytes(mask: torch.Tensor) -> torch.Tensor:
+    """A mask as the kernel reads it, int8 (a bool mask's bytes as they are: no conversion launched)."""
+    return mask.contiguous().view(torch.int8) if mask.dtype == torch.bool else mask.to(torch.int8)
 
 
 def reference(q, parts, sinks, inv_freq, positions) -> torch.Tensor:
