@@ -49,6 +49,8 @@ def window_keys(
     rows = torch.cat((kept, new))
     index, mask = window_index(positions, int(positions[0]) - kept.shape[0], window) if at is None else at
     keep = rows[rows.shape[0] - min(rows.shape[0], window - 1) :]
+    if new.shape[0] == 1 and kept.shape[0] == window - 1:  # a decode step past the first window: its rows, in order
+        return (rows[None], mask), keep
     return (rows[index], mask), keep
 
 
