@@ -92,8 +92,10 @@ def test_engram_gate_matches_the_reference_engram(device):
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("two_parts", [False, True])
-def test_row_attention_matches_attention_rows(two_parts, device):
+@pytest.mark.parametrize(("two_parts", "rotate_q"), [(False, False), (True, False), (True, True)])
+def test_row_attention_matches_attention_rows(two_parts, rotate_q, device):
+    """`rotate_q`: the kernel rotates the query itself (angles formed in the kernel), against the
+    reference over the query rotated by `rope_angles`' tables."""
     t, heads, d = 3, 4, 128
     q = rand(t, heads, d, seed=13)
     window = rand(t, 8, d, seed=14)
@@ -107,9 +109,11 @@ def test_row_attention_matches_attention_rows(two_parts, device):
         parts.append((rows[picks.clamp(min=0)], picks >= 0))
     sinks, positions = rand(heads, seed=16), torch.tensor([5, 6, 7])
     inv = inv_freq(6)
-    want = row_attention.reference(q, [(k.nan_to_num(0.0), m) for k, m in parts], sinks, inv, positions)
+    rotated = ops.apply_rope(q, *rope_angles(positions, inv)) if rotate_q else q
+    want = row_attention.reference(rotated, [(k.nan_to_num(0.0), m) for k, m in parts], sinks, inv, positions)
     got = row_attention.row_attention(q.to(device), [(k.to(device), m.to(device)) for k, m in parts],
-                                      sinks.to(device), inv.to(device), 32, positions.to(device))  # fmt: skip
+                                      sinks.to(device), inv.to(device), 32, positions.to(device),
+                                      rotate_q=rotate_q)  # fmt: skip
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -133,6 +137,7 @@ def test_selection_on_the_top_k_kernel_is_the_references(device):
     assert torch.equal(got.cpu(), want) and want.any(1).all() and not want.all()
     for candidates in (None, want):
         expect = select.top_k(scores, positions, ratio, end=600, topk=64, candidates=candidates)
-        picked = select.top_k(on, positions.to(device), ratio, 600, 64, None if candidates is None else got, best_rows)
+        chosen = None if candidates is None else got
+        picked = select.top_k(on, positions.to(device), ratio, 600, 64, chosen, best_rows)
         assert torch.equal(picked.cpu(), expect)
         assert (expect == -1).any()  # the first query sees 10 rows, fewer than K = 64

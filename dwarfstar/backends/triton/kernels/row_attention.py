@@ -19,6 +19,7 @@ import triton.language as tl
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels.attention import NEG, _block, _finish, _tiles
+from dwarfstar.backends.triton.kernels.rms_norm_rope import rope_cos_sin, rotate_pairs
 from dwarfstar.backends.triton.runtime import EXACT, BenchCase, BenchShape, Precision, next_pow2
 from dwarfstar.model.numerics import rope_angles
 
@@ -41,7 +42,7 @@ def _part(q_lo, q_hi, keys_ptr, mask_ptr, i, n, D, sm_scale, m, l, acc_lo, acc_h
 def _row_attention_kernel(
     q_ptr, k1_ptr, m1_ptr, n1, k2_ptr, m2_ptr, n2, sinks_ptr, pos_ptr, inv_ptr, out_ptr, D, sm_scale,
     H: tl.constexpr, ROPE_DIM: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    FAST: tl.constexpr,
+    FAST: tl.constexpr, ROTATE_Q: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0)
     hg = tl.program_id(1)
@@ -50,8 +51,15 @@ def _row_attention_kernel(
     BD2: tl.constexpr = BD // 2
     d = tl.arange(0, BD2)
     q_row = q_ptr + (i.to(tl.int64) * H + h[:, None]) * D
-    q_lo = tl.load(q_row + d[None, :], mask=heads_ok[:, None] & (d < D)[None, :], other=0.0)
-    q_hi = tl.load(q_row + BD2 + d[None, :], mask=heads_ok[:, None] & (BD2 + d < D)[None, :], other=0.0)
+    p = tl.load(pos_ptr + i)
+    if ROTATE_Q:  # the query's RoPE at its position, the angles formed here (`rms_norm_rope.rope_cos_sin`)
+        dd = tl.arange(0, BD)
+        q = tl.load(q_row + dd[None, :], mask=heads_ok[:, None] & (dd < D)[None, :], other=0.0)
+        cos, sin = rope_cos_sin(tl.zeros([1], tl.int32) + p, inv_ptr, D, ROPE_DIM, False, BD)
+        q_lo, q_hi = tl.split(tl.permute(tl.reshape(rotate_pairs(q, cos, sin, BH, BD), [BH, 2, BD2]), (0, 2, 1)))
+    else:
+        q_lo = tl.load(q_row + d[None, :], mask=heads_ok[:, None] & (d < D)[None, :], other=0.0)
+        q_hi = tl.load(q_row + BD2 + d[None, :], mask=heads_ok[:, None] & (BD2 + d < D)[None, :], other=0.0)
     m = tl.full((BH,), NEG, tl.float32)
     l = tl.zeros((BH,), tl.float32)
     acc_lo = tl.zeros((BH, BD2), tl.float32)
@@ -59,7 +67,7 @@ def _row_attention_kernel(
     m, l, acc_lo, acc_hi = _part(q_lo, q_hi, k1_ptr, m1_ptr, i, n1, D, sm_scale, m, l, acc_lo, acc_hi, BN, BD2, FAST)
     m, l, acc_lo, acc_hi = _part(q_lo, q_hi, k2_ptr, m2_ptr, i, n2, D, sm_scale, m, l, acc_lo, acc_hi, BN, BD2, FAST)
     acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), [BH, BD])
-    _finish(acc, m, l, sinks_ptr, inv_ptr, tl.load(pos_ptr + i), out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
+    _finish(acc, m, l, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
 
 
 def row_attention(
@@ -70,9 +78,12 @@ def row_attention(
     rope_dim: int,
     positions: torch.Tensor,
     precision: Precision = EXACT,
+    rotate_q: bool = False,
 ) -> torch.Tensor:
     """Output [T, H, D] with the RoPE undone: q [T, H, D] over one or two parts (keys [T, n, D], mask
-    [T, n] bool), sinks [H], inv_freq float64 [rope_dim / 2], positions [T] (the queries')."""
+    [T, n] bool), sinks [H], inv_freq float64 [rope_dim / 2], positions [T] (the queries').
+    `rotate_q`: q comes unrotated and the kernel applies its RoPE (the angles formed in the kernel from
+    the position, as `_finish` undoes it; a launch fewer than `rms_norm_rope` with `rope_angles`' tables)."""
     t, heads, d = q.shape
     if not 1 <= len(parts) <= 2 or any(k.shape[0] != t or k.shape[2] != d or m.shape != k.shape[:2] for k, m in parts):
         shapes = [(tuple(k.shape), tuple(m.shape)) for k, m in parts]
@@ -84,7 +95,7 @@ def row_attention(
     _row_attention_kernel[(t, triton.cdiv(heads, bh))](
         q.contiguous(), k1.contiguous(), _bytes(m1), k1.shape[1], k2.contiguous(), _bytes(m2), k2.shape[1],
         sinks, positions.contiguous(), inv_freq, out, d, 1.0 / math.sqrt(d),
-        H=heads, ROPE_DIM=rope_dim, BH=bh, BN=bn, BD=bd, FAST=precision.fast,
+        H=heads, ROPE_DIM=rope_dim, BH=bh, BN=bn, BD=bd, FAST=precision.fast, ROTATE_Q=rotate_q,
         num_warps=8 if bd >= 512 else 4, num_stages=1,
     )  # fmt: skip
     return out

@@ -178,11 +178,11 @@ class TritonOps41:
 
     # -- attention -------------------------------------------------------------------------------------
     def query(self, il: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q unrotated: `attend`'s kernel applies its RoPE (`row_attention`'s `rotate_q`)."""
         a = self.args
         qr = norm_rope(qmatmul(x, self.w.matrix(il, "attn_q_a.weight")), weight=self.w.vector(il, tt.Q_NORM),
                        eps=a.norm_eps)  # fmt: skip
-        q = qmatmul(qr, self.w.matrix(il, "attn_q_b.weight")).view(x.shape[0], a.n_heads, a.head_dim)
-        return norm_rope(q, norm=NORM_NONE, angles=self._angles(il, positions), rope_dim=a.rope_dim), qr
+        return qmatmul(qr, self.w.matrix(il, "attn_q_b.weight")).view(x.shape[0], a.n_heads, a.head_dim), qr
 
     def window_rows(self, il: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         a = self.args
@@ -246,8 +246,8 @@ class TritonOps41:
     def top_k(
         self, scores: torch.Tensor, positions: torch.Tensor, ratio: int, end: int, candidates: torch.Tensor | None
     ) -> torch.Tensor:
-        best = self._best(positions)
-        return select.top_k(scores, self._pos(positions), ratio, end, self.args.index_topk, candidates, best)
+        best, topk = self._best(positions), self.args.index_topk
+        return select.top_k(scores, self._pos(positions), ratio, end, topk, candidates, best)
 
     def _best(self, positions: torch.Tensor) -> select.Best:
         """`best_rows` with each row's column count filled once per call and shape."""
@@ -264,7 +264,8 @@ class TritonOps41:
         self, il: int, q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor
     ) -> torch.Tensor:
         a = self.args
-        o = row_attention(q, parts, self.w.vector(il, tt.SINKS), self.inv_freq[il], a.rope_dim, self._pos(positions))
+        o = row_attention(q, parts, self.w.vector(il, tt.SINKS), self.inv_freq[il], a.rope_dim, self._pos(positions),
+                          rotate_q=True)  # fmt: skip
         grouped = qmatmul(o.view(o.shape[0], -1), self.w.matrix(il, tt.OUT_A), a.o_groups)
         return qmatmul(grouped, self.w.matrix(il, tt.OUT_B))
 
