@@ -8,7 +8,7 @@ import torch
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.reference.v41 import engram, mhc
-from dwarfstar.backends.triton.kernels import engram_gate, hc_collapse, hc_mix, row_attention
+from dwarfstar.backends.triton.kernels import engram_gate, hc_collapse, hc_mix, row_attention, topk
 from dwarfstar.backends.triton.kernels import rms_norm_rope as nr
 from dwarfstar.backends.triton.weights import QWeight
 from dwarfstar.gguf.constants import GGMLType as T
@@ -140,4 +140,23 @@ def test_selection_on_the_top_k_kernel_is_the_references(device):
         chosen = None if candidates is None else got
         picked = select.top_k(on, positions.to(device), ratio, 600, 64, chosen, best_rows)
         assert torch.equal(picked.cpu(), expect)
+        # the kept picks ordered by the kernel, as the Triton backend runs it
+        picked = select.top_k(on, positions.to(device), ratio, 600, 64, chosen, best_rows, topk.valid_first)
+        assert torch.equal(picked.cpu(), expect) and picked.dtype == expect.dtype
         assert (expect == -1).any()  # the first query sees 10 rows, fewer than K = 64
+
+
+@pytest.mark.parametrize("k", [1, 37, 64])
+def test_valid_first_kernel_is_the_references(k, device):
+    """`topk.valid_first` against `select.valid_first`: picks in any order (as a k-best step may give
+    them), some past what their query sees, some scoring -inf, a K that is no power of two."""
+    from dwarfstar.backends.reference.v41 import select
+
+    gen = torch.Generator().manual_seed(k)
+    t, n, ratio = 4, 150, 2
+    positions = torch.tensor([3, 60, 200, 299])  # sees 2, 30, 100 and 150 rows
+    scores = torch.randn(t, n, generator=gen).masked_fill(torch.rand(t, n, generator=gen) < 0.2, select.NEG_INF)
+    picks = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    want = select.valid_first(scores, picks, positions, ratio)
+    got = topk.valid_first(scores.to(device), picks.to(device), positions.to(device), ratio)
+    assert torch.equal(got.cpu(), want) and (want == -1).any()

@@ -9,8 +9,8 @@ then `moe.experts_ffn`). V4.1's own steps have kernels of their own: the lagged 
 (`hc_mix`, `hc_collapse`), the Engram gate (`engram_gate`) and sink attention over each query's
 gathered rows (`row_attention`). The candidate blocks and the top-k selection are the reference's
 rules (`backends.reference.v41.select`) with the k-best step on V4's radix top-k kernel (`topk`, no
-sort of the rows); the Engram rows come from the host (`EngramStore`'s positional reads, rounded to
-bf16 there) and are uploaded per call.
+sort of the rows) and the kept picks ordered in one launch (`topk.valid_first`); the Engram rows come
+from the host (`EngramStore`'s positional reads, rounded to bf16 there) and are uploaded per call.
 
 The routed experts come from `experts` (V4's sources: the uploaded stacks, or `streaming`'s device pool
 with `--ssd-streaming`); a `--cpu-moe` layer's run on the host's CPU kernels (`moe.host_ffn`).
@@ -35,7 +35,7 @@ from dwarfstar.backends.triton.kernels.quant_blocks import gather_rows
 from dwarfstar.backends.triton.kernels.rms_norm_rope import NORM_NONE, QAT_FP4_E4M3, QAT_FP4_ROW, QAT_FP8_ROW
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
 from dwarfstar.backends.triton.kernels.row_attention import row_attention
-from dwarfstar.backends.triton.kernels.topk import topk_indices
+from dwarfstar.backends.triton.kernels.topk import topk_indices, valid_first
 from dwarfstar.backends.triton.moe import experts_ffn, host_ffn
 from dwarfstar.backends.triton.runtime import EXACT, PagedRows
 from dwarfstar.backends.triton.v41.weights import COMPRESSOR_KV_GATE, ENGRAM_GATE, Weights41
@@ -247,7 +247,7 @@ class TritonOps41:
         self, scores: torch.Tensor, positions: torch.Tensor, ratio: int, end: int, candidates: torch.Tensor | None
     ) -> torch.Tensor:
         best, topk = self._best(positions), self.args.index_topk
-        return select.top_k(scores, self._pos(positions), ratio, end, topk, candidates, best)
+        return select.top_k(scores, self._pos(positions), ratio, end, topk, candidates, best, valid_first)
 
     def _best(self, positions: torch.Tensor) -> select.Best:
         """`best_rows` with each row's column count filled once per call and shape."""
