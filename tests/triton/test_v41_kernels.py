@@ -92,11 +92,14 @@ def test_engram_gate_matches_the_reference_engram(device):
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("two_parts", "rotate_q"), [(False, False), (True, False), (True, True)])
-def test_row_attention_matches_attention_rows(two_parts, rotate_q, device):
+@pytest.mark.parametrize(
+    ("two_parts", "rotate_q", "d"), [(False, False, 128), (True, False, 128), (True, True, 128), (True, True, 48)]
+)
+def test_row_attention_matches_attention_rows(two_parts, rotate_q, d, device):
     """`rotate_q`: the kernel rotates the query itself (angles formed in the kernel), against the
-    reference over the query rotated by `rope_angles`' tables."""
-    t, heads, d = 3, 4, 128
+    reference over the query rotated by `rope_angles`' tables; at d 48 the rope dims straddle the
+    kernel's two halves of the row."""
+    t, heads = 3, 4
     q = rand(t, heads, d, seed=13)
     window = rand(t, 8, d, seed=14)
     window_mask = torch.ones(t, 8, dtype=torch.bool)

@@ -51,15 +51,16 @@ def _row_attention_kernel(
     BD2: tl.constexpr = BD // 2
     d = tl.arange(0, BD2)
     q_row = q_ptr + (i.to(tl.int64) * H + h[:, None]) * D
+    q_lo = tl.load(q_row + d[None, :], mask=heads_ok[:, None] & (d < D)[None, :], other=0.0)
+    q_hi = tl.load(q_row + BD2 + d[None, :], mask=heads_ok[:, None] & (BD2 + d < D)[None, :], other=0.0)
     p = tl.load(pos_ptr + i)
-    if ROTATE_Q:  # the query's RoPE at its position, the angles formed here (`rms_norm_rope.rope_cos_sin`)
-        dd = tl.arange(0, BD)
-        q = tl.load(q_row + dd[None, :], mask=heads_ok[:, None] & (dd < D)[None, :], other=0.0)
-        cos, sin = rope_cos_sin(tl.zeros([1], tl.int32) + p, inv_ptr, D, ROPE_DIM, False, BD)
-        q_lo, q_hi = tl.split(tl.permute(tl.reshape(rotate_pairs(q, cos, sin, BH, BD), [BH, 2, BD2]), (0, 2, 1)))
-    else:
-        q_lo = tl.load(q_row + d[None, :], mask=heads_ok[:, None] & (d < D)[None, :], other=0.0)
-        q_hi = tl.load(q_row + BD2 + d[None, :], mask=heads_ok[:, None] & (BD2 + d < D)[None, :], other=0.0)
+    if ROTATE_Q:  # the query's RoPE at its position, the angles formed here (`rms_norm_rope.rope_cos_sin`),
+        # each half on its own: the high half's pairs are those of rows of D - BD2 dims
+        at = tl.zeros([1], tl.int32) + p
+        cos, sin = rope_cos_sin(at, inv_ptr, D, ROPE_DIM, False, BD2)
+        q_lo = rotate_pairs(q_lo, cos, sin, BH, BD2)
+        cos, sin = rope_cos_sin(at, inv_ptr, D - BD2, ROPE_DIM, False, BD2)
+        q_hi = rotate_pairs(q_hi, cos, sin, BH, BD2)
     m = tl.full((BH,), NEG, tl.float32)
     l = tl.zeros((BH,), tl.float32)
     acc_lo = tl.zeros((BH, BD2), tl.float32)
@@ -112,7 +113,8 @@ def reference(q, parts, sinks, inv_freq, positions) -> torch.Tensor:
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """A decode query and a prefill chunk over a window's rows and the top-k's selected rows."""
+    """A decode query and a prefill chunk over a window's rows and the top-k's selected rows, the query
+    rotated in the kernel (as the V4.1 backend runs it)."""
     from dwarfstar.model.config import yarn_inv_freq
 
     a, dev, gen = shape.args, shape.device, shape.generator()  # V4's fields of the same meaning
@@ -126,7 +128,7 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
             for n in (a.window, a.index_topk)
         ]
         positions = torch.arange(shape.ctx, shape.ctx + t, device=dev)
-        run = functools.partial(row_attention, q, parts, sinks, inv, a.rope_dim, positions)
+        run = functools.partial(row_attention, q, parts, sinks, inv, a.rope_dim, positions, rotate_q=True)
         moved = 4 * (2 * q.numel() + sum(k.numel() for k, _ in parts))
         cases.append(BenchCase("row_attention", f"V4.1 {what} {t} queries", run, moved))
     return cases

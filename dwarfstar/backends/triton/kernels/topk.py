@@ -190,10 +190,17 @@ def reference(scores: torch.Tensor, valid: torch.Tensor, k: int) -> list[set[int
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """The indexer's selection at decode: index_topk of the ctx / 4 row scores."""
+    """The indexer's selection at decode: index_topk of the ctx / 4 row scores; then V4.1's kept picks
+    ordered (`valid_first`)."""
     a, dev = shape.args, shape.device
     n = max(shape.ctx // 4, 1)
     scores = torch.randn(1, n, device=dev, generator=shape.generator())
     valid = torch.full((1,), n, dtype=torch.int32, device=dev)
     run = functools.partial(topk_indices, scores, valid, a.index_topk)
-    return [BenchCase("topk", f"decode: top {a.index_topk} of {n}", run, 4 * n)]
+    k = min(a.index_topk, n)
+    picks = torch.arange(k, dtype=torch.int32, device=dev)[None, :]
+    order = functools.partial(valid_first, scores, picks, torch.full((1,), shape.ctx, device=dev), 4)
+    return [
+        BenchCase("topk", f"decode: top {a.index_topk} of {n}", run, 4 * n),
+        BenchCase("topk", f"V4.1 decode: {k} kept picks ordered", order, 16 * k),
+    ]
