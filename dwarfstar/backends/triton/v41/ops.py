@@ -83,11 +83,16 @@ class TritonOps41:
         self._small: dict[tuple, torch.Tensor] = {}  # constants of a decode step's size, by (what, tokens)
         self._picked: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a decode step's top-k -> (rows, picked)
 
-    def _per_call(self, positions: torch.Tensor, key, make):
-        """`make()` once per forward call (`positions`: the call's host tensor) and `key`."""
+    def _tables(self, positions: torch.Tensor) -> dict:
+        """What this backend keeps for one forward call (`positions`: the call's host tensor); gone with it."""
         tables = self._calls.get(positions)
         if tables is None:
             tables = self._calls[positions] = {}
+        return tables
+
+    def _per_call(self, positions: torch.Tensor, key, make):
+        """`make()` once per forward call and `key`."""
+        tables = self._tables(positions)
         if key not in tables:
             tables[key] = make()
         return tables[key]
@@ -225,8 +230,13 @@ class TritonOps41:
         iq = qmatmul(qr, self.w.matrix(il, tt41.INDEX_Q)).view(t, a.index_n_heads, a.index_head_dim)
         iq = norm_rope(iq, norm=NORM_NONE, angles=self._angles(il, positions), rope_dim=a.rope_dim, qat=QAT_FP4_ROW)
         weights = qmatmul(x, self.w.matrix(il, tt41.INDEX_PROJ))
-        # the layers that score one kv source's keys in a call share their pages (the keys held: ids stay unique)
-        held, pages = self._per_call(positions, ("pages", id(keys)), lambda: (keys, self._pages(keys)))
+        # consecutive layers that score one kv source's keys in a call share their pages; one copy is kept
+        # at a time (a long context's keys are large), and with it the keys, so their id stays theirs
+        tables = self._tables(positions)
+        held, pages = tables.get("pages", (None, None))
+        if held is not keys:
+            pages = self._pages(keys)
+            tables["pages"] = (keys, pages)
         pos = self._per_call(positions, "first int32", lambda: self._pos(positions)[:1].to(torch.int32))
         scores, seen = indexer_scores(iq, weights, pages, pages.capacity, pos, a.compress_ratios[il])
         columns = self._per_call(positions, ("columns", n), lambda: torch.arange(n, device=self.device)[None, :])
