@@ -108,7 +108,8 @@ class Ops41(Protocol[A]):
     def hc_post(self, h: A, out: A, post: A, comb: A) -> A: ...
 
     def query(self, il: int, x: A, positions: torch.Tensor) -> tuple[A, A]:
-        """(q [T, n_heads, head_dim] rotated, the normed low-rank query [T, q_lora_rank])."""
+        """(q [T, n_heads, head_dim] rotated, the normed low-rank query [T, q_lora_rank]); a backend whose
+        `attend` rotates the query itself (Triton's) hands it on unrotated."""
         ...
 
     def window_rows(self, il: int, x: A, positions: torch.Tensor) -> A:

@@ -8,7 +8,7 @@ import torch
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.reference.v41 import engram, mhc
-from dwarfstar.backends.triton.kernels import engram_gate, hc_collapse, hc_mix, row_attention
+from dwarfstar.backends.triton.kernels import engram_gate, hc_collapse, hc_mix, row_attention, topk
 from dwarfstar.backends.triton.kernels import rms_norm_rope as nr
 from dwarfstar.backends.triton.weights import QWeight
 from dwarfstar.gguf.constants import GGMLType as T
@@ -92,9 +92,14 @@ def test_engram_gate_matches_the_reference_engram(device):
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("two_parts", [False, True])
-def test_row_attention_matches_attention_rows(two_parts, device):
-    t, heads, d = 3, 4, 128
+@pytest.mark.parametrize(
+    ("two_parts", "rotate_q", "d"), [(False, False, 128), (True, False, 128), (True, True, 128), (True, True, 48)]
+)
+def test_row_attention_matches_attention_rows(two_parts, rotate_q, d, device):
+    """`rotate_q`: the kernel rotates the query itself (angles formed in the kernel), against the
+    reference over the query rotated by `rope_angles`' tables; at d 48 the rope dims straddle the
+    kernel's two halves of the row."""
+    t, heads = 3, 4
     q = rand(t, heads, d, seed=13)
     window = rand(t, 8, d, seed=14)
     window_mask = torch.ones(t, 8, dtype=torch.bool)
@@ -107,9 +112,11 @@ def test_row_attention_matches_attention_rows(two_parts, device):
         parts.append((rows[picks.clamp(min=0)], picks >= 0))
     sinks, positions = rand(heads, seed=16), torch.tensor([5, 6, 7])
     inv = inv_freq(6)
-    want = row_attention.reference(q, [(k.nan_to_num(0.0), m) for k, m in parts], sinks, inv, positions)
+    rotated = ops.apply_rope(q, *rope_angles(positions, inv)) if rotate_q else q
+    want = row_attention.reference(rotated, [(k.nan_to_num(0.0), m) for k, m in parts], sinks, inv, positions)
     got = row_attention.row_attention(q.to(device), [(k.to(device), m.to(device)) for k, m in parts],
-                                      sinks.to(device), inv.to(device), 32, positions.to(device))  # fmt: skip
+                                      sinks.to(device), inv.to(device), 32, positions.to(device),
+                                      rotate_q=rotate_q)  # fmt: skip
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -133,6 +140,26 @@ def test_selection_on_the_top_k_kernel_is_the_references(device):
     assert torch.equal(got.cpu(), want) and want.any(1).all() and not want.all()
     for candidates in (None, want):
         expect = select.top_k(scores, positions, ratio, end=600, topk=64, candidates=candidates)
-        picked = select.top_k(on, positions.to(device), ratio, 600, 64, None if candidates is None else got, best_rows)
+        chosen = None if candidates is None else got
+        picked = select.top_k(on, positions.to(device), ratio, 600, 64, chosen, best_rows)
         assert torch.equal(picked.cpu(), expect)
+        # the kept picks ordered by the kernel, as the Triton backend runs it
+        picked = select.top_k(on, positions.to(device), ratio, 600, 64, chosen, best_rows, topk.valid_first)
+        assert torch.equal(picked.cpu(), expect) and picked.dtype == expect.dtype
         assert (expect == -1).any()  # the first query sees 10 rows, fewer than K = 64
+
+
+@pytest.mark.parametrize("k", [1, 37, 64])
+def test_valid_first_kernel_is_the_references(k, device):
+    """`topk.valid_first` against `select.valid_first`: picks in any order (as a k-best step may give
+    them), some past what their query sees, some scoring -inf, a K that is no power of two."""
+    from dwarfstar.backends.reference.v41 import select
+
+    gen = torch.Generator().manual_seed(k)
+    t, n, ratio = 4, 150, 2
+    positions = torch.tensor([3, 60, 200, 299])  # sees 2, 30, 100 and 150 rows
+    scores = torch.randn(t, n, generator=gen).masked_fill(torch.rand(t, n, generator=gen) < 0.2, select.NEG_INF)
+    picks = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    want = select.valid_first(scores, picks, positions, ratio)
+    got = topk.valid_first(scores.to(device), picks.to(device), positions.to(device), ratio)
+    assert torch.equal(got.cpu(), want) and (want == -1).any()

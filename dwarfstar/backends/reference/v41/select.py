@@ -32,6 +32,8 @@ from dwarfstar.backends.reference import ops
 
 NEG_INF = float("-inf")
 Best = Callable[[torch.Tensor, int], torch.Tensor]  # (scores [R, n], k <= n) -> [R, k] columns, ties low
+# (scores [T, n], best's picks [T, K], positions [T], ratio) -> the picks [T, K] a query keeps (`valid_first`)
+Finish = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def visible_rows(positions: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -61,6 +63,15 @@ def _best(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def valid_first(scores: torch.Tensor, picks: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Each query's picks [T, K] (`top_k`'s best, any order) that it can see and that score above -inf,
+    ascending, then -1 for the others (scores [T, n] as `top_k` picked from them)."""
+    picks = picks.long()
+    invalid = (picks >= visible_rows(positions, ratio)[:, None]) | (scores.gather(1, picks) == NEG_INF)
+    ordered = picks.masked_fill(invalid, scores.shape[1]).sort(-1).values  # invalid ones last
+    return ordered.masked_fill(ordered == scores.shape[1], -1)
+
+
 def top_k(
     scores: torch.Tensor,
     positions: torch.Tensor,
@@ -69,9 +80,11 @@ def top_k(
     topk: int,
     candidates: torch.Tensor | None = None,
     best: Best = _best,
+    finish: Finish = valid_first,
 ) -> torch.Tensor:
     """Indices [T, K] of each query's best rows (see the module), K = min(topk, end // ratio), scores
-    [T, n] with n >= K; `candidates` [T, n] bool (a reindex layer's, from `candidate_mask`)."""
+    [T, n] with n >= K; `candidates` [T, n] bool (a reindex layer's, from `candidate_mask`). A backend
+    passes its own `best` and `finish` (`valid_first`'s rule)."""
     k = min(topk, end // ratio)
     if scores.dim() != 2 or scores.shape[1] < k or positions.shape != scores.shape[:1]:
         raise ValueError(f"top-{k}: scores {tuple(scores.shape)} / positions {tuple(positions.shape)} do not fit")
@@ -79,10 +92,7 @@ def top_k(
         if candidates.shape != scores.shape or candidates.dtype != torch.bool:
             raise ValueError(f"candidate mask {tuple(candidates.shape)} {candidates.dtype} is not like the scores")
         scores = scores.masked_fill(~candidates, NEG_INF)
-    picks = best(scores, k).long()
-    invalid = (picks >= visible_rows(positions, ratio)[:, None]) | (scores.gather(1, picks) == NEG_INF)
-    ordered = picks.masked_fill(invalid, scores.shape[1]).sort(-1).values  # invalid ones last
-    return ordered.masked_fill(ordered == scores.shape[1], -1)
+    return finish(scores, best(scores, k), positions, ratio)
 
 
 def candidate_mask(

@@ -35,14 +35,28 @@ def window_rows(
 
 
 def window_keys(
-    kept: torch.Tensor, new: torch.Tensor, positions: torch.Tensor, window: int
+    kept: torch.Tensor,
+    new: torch.Tensor,
+    positions: torch.Tensor,
+    window: int,
+    at: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Each query's window keys [T, window, D] (positions p - window + 1 .. p, oldest first) and their
     mask [T, window] (positions before the sequence's start masked), from the rows `kept` [<= window - 1,
     D] of the positions before the call and its rows `new` [T, D] at positions [T]; and the last
-    window - 1 rows, to keep."""
+    window - 1 rows, to keep. `at`: `window_index`'s (index, mask) for these positions and kept rows,
+    where the caller has them (built otherwise)."""
     rows = torch.cat((kept, new))
-    first = int(positions[0]) - kept.shape[0]  # the position of rows[0]
-    at = positions[:, None] - window + 1 + torch.arange(window, device=positions.device)[None, :]
+    index, mask = window_index(positions, int(positions[0]) - kept.shape[0], window) if at is None else at
     keep = rows[rows.shape[0] - min(rows.shape[0], window - 1) :]
-    return (rows[(at - first).clamp(min=0)], at >= 0), keep
+    if new.shape[0] == 1 and kept.shape[0] == window - 1:  # a decode step past the first window: its rows, in order
+        return (rows[None], mask), keep
+    return (rows[index], mask), keep
+
+
+def window_index(positions: torch.Tensor, first: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where `window_keys` reads each query's window: indices [T, window] into the rows of positions
+    first.. (kept, then new) and the mask [T, window] of the positions before the sequence's start.
+    It depends on the positions and the kept rows' count only, so a backend builds it once per call."""
+    at = positions[:, None] - window + 1 + torch.arange(window, device=positions.device)[None, :]
+    return (at - first).clamp(min=0), at >= 0

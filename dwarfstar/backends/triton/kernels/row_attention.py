@@ -19,6 +19,7 @@ import triton.language as tl
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels.attention import NEG, _block, _finish, _tiles
+from dwarfstar.backends.triton.kernels.rms_norm_rope import rope_cos_sin, rotate_pairs
 from dwarfstar.backends.triton.runtime import EXACT, BenchCase, BenchShape, Precision, next_pow2
 from dwarfstar.model.numerics import rope_angles
 
@@ -41,7 +42,7 @@ def _part(q_lo, q_hi, keys_ptr, mask_ptr, i, n, D, sm_scale, m, l, acc_lo, acc_h
 def _row_attention_kernel(
     q_ptr, k1_ptr, m1_ptr, n1, k2_ptr, m2_ptr, n2, sinks_ptr, pos_ptr, inv_ptr, out_ptr, D, sm_scale,
     H: tl.constexpr, ROPE_DIM: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    FAST: tl.constexpr,
+    FAST: tl.constexpr, ROTATE_Q: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0)
     hg = tl.program_id(1)
@@ -52,6 +53,14 @@ def _row_attention_kernel(
     q_row = q_ptr + (i.to(tl.int64) * H + h[:, None]) * D
     q_lo = tl.load(q_row + d[None, :], mask=heads_ok[:, None] & (d < D)[None, :], other=0.0)
     q_hi = tl.load(q_row + BD2 + d[None, :], mask=heads_ok[:, None] & (BD2 + d < D)[None, :], other=0.0)
+    p = tl.load(pos_ptr + i)
+    if ROTATE_Q:  # the query's RoPE at its position, the angles formed here (`rms_norm_rope.rope_cos_sin`),
+        # each half on its own: the high half's pairs are those of rows of D - BD2 dims
+        at = tl.zeros([1], tl.int32) + p
+        cos, sin = rope_cos_sin(at, inv_ptr, D, ROPE_DIM, False, BD2)
+        q_lo = rotate_pairs(q_lo, cos, sin, BH, BD2)
+        cos, sin = rope_cos_sin(at, inv_ptr, D - BD2, ROPE_DIM, False, BD2)
+        q_hi = rotate_pairs(q_hi, cos, sin, BH, BD2)
     m = tl.full((BH,), NEG, tl.float32)
     l = tl.zeros((BH,), tl.float32)
     acc_lo = tl.zeros((BH, BD2), tl.float32)
@@ -59,7 +68,7 @@ def _row_attention_kernel(
     m, l, acc_lo, acc_hi = _part(q_lo, q_hi, k1_ptr, m1_ptr, i, n1, D, sm_scale, m, l, acc_lo, acc_hi, BN, BD2, FAST)
     m, l, acc_lo, acc_hi = _part(q_lo, q_hi, k2_ptr, m2_ptr, i, n2, D, sm_scale, m, l, acc_lo, acc_hi, BN, BD2, FAST)
     acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), [BH, BD])
-    _finish(acc, m, l, sinks_ptr, inv_ptr, tl.load(pos_ptr + i), out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
+    _finish(acc, m, l, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
 
 
 def row_attention(
@@ -70,9 +79,12 @@ def row_attention(
     rope_dim: int,
     positions: torch.Tensor,
     precision: Precision = EXACT,
+    rotate_q: bool = False,
 ) -> torch.Tensor:
     """Output [T, H, D] with the RoPE undone: q [T, H, D] over one or two parts (keys [T, n, D], mask
-    [T, n] bool), sinks [H], inv_freq float64 [rope_dim / 2], positions [T] (the queries')."""
+    [T, n] bool), sinks [H], inv_freq float64 [rope_dim / 2], positions [T] (the queries').
+    `rotate_q`: q comes unrotated and the kernel applies its RoPE (the angles formed in the kernel from
+    the position, as `_finish` undoes it; a launch fewer than `rms_norm_rope` with `rope_angles`' tables)."""
     t, heads, d = q.shape
     if not 1 <= len(parts) <= 2 or any(k.shape[0] != t or k.shape[2] != d or m.shape != k.shape[:2] for k, m in parts):
         shapes = [(tuple(k.shape), tuple(m.shape)) for k, m in parts]
@@ -82,13 +94,17 @@ def row_attention(
     out = torch.empty(t, heads, d, device=q.device, dtype=torch.float32)
     bd = next_pow2(d)
     _row_attention_kernel[(t, triton.cdiv(heads, bh))](
-        q.contiguous(), k1.contiguous(), m1.to(q.device, torch.int8), k1.shape[1],
-        k2.contiguous(), m2.to(q.device, torch.int8), k2.shape[1],
+        q.contiguous(), k1.contiguous(), _bytes(m1), k1.shape[1], k2.contiguous(), _bytes(m2), k2.shape[1],
         sinks, positions.contiguous(), inv_freq, out, d, 1.0 / math.sqrt(d),
-        H=heads, ROPE_DIM=rope_dim, BH=bh, BN=bn, BD=bd, FAST=precision.fast,
+        H=heads, ROPE_DIM=rope_dim, BH=bh, BN=bn, BD=bd, FAST=precision.fast, ROTATE_Q=rotate_q,
         num_warps=8 if bd >= 512 else 4, num_stages=1,
     )  # fmt: skip
     return out
+
+
+def _bytes(mask: torch.Tensor) -> torch.Tensor:
+    """A mask as the kernel reads it, int8 (a bool mask's bytes as they are: no conversion launched)."""
+    return mask.contiguous().view(torch.int8) if mask.dtype == torch.bool else mask.to(torch.int8)
 
 
 def reference(q, parts, sinks, inv_freq, positions) -> torch.Tensor:
@@ -97,7 +113,8 @@ def reference(q, parts, sinks, inv_freq, positions) -> torch.Tensor:
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """A decode query and a prefill chunk over a window's rows and the top-k's selected rows."""
+    """A decode query and a prefill chunk over a window's rows and the top-k's selected rows, the query
+    rotated in the kernel (as the V4.1 backend runs it)."""
     from dwarfstar.model.config import yarn_inv_freq
 
     a, dev, gen = shape.args, shape.device, shape.generator()  # V4's fields of the same meaning
@@ -111,7 +128,7 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
             for n in (a.window, a.index_topk)
         ]
         positions = torch.arange(shape.ctx, shape.ctx + t, device=dev)
-        run = functools.partial(row_attention, q, parts, sinks, inv, a.rope_dim, positions)
+        run = functools.partial(row_attention, q, parts, sinks, inv, a.rope_dim, positions, rotate_q=True)
         moved = 4 * (2 * q.numel() + sum(k.numel() for k, _ in parts))
         cases.append(BenchCase("row_attention", f"V4.1 {what} {t} queries", run, moved))
     return cases

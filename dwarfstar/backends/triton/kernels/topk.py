@@ -152,6 +152,34 @@ def finish_rounds(
     return out
 
 
+@triton.jit
+def _valid_first_kernel(picks_ptr, scores_ptr, pos_ptr, out_ptr, n, k, stride_s, ratio, KP: tl.constexpr):
+    # one program per query: its picks it can see (index < (p + 1) // ratio) scoring above -inf, ascending,
+    # then -1 (the others and the padding sorted past every index as n)
+    r = tl.program_id(0)
+    j = tl.arange(0, KP)
+    ok = j < k
+    pick = tl.load(picks_ptr + r * k + j, mask=ok, other=0)
+    seen = (tl.load(pos_ptr + r) + 1) // ratio
+    score = tl.load(scores_ptr + r.to(tl.int64) * stride_s + pick, mask=ok, other=0.0)
+    keep = ok & (pick < seen) & (score != float("-inf"))
+    key = tl.sort(tl.where(keep, pick, n))
+    tl.store(out_ptr + r * k + j, tl.where(key == n, -1, key).to(tl.int64), mask=ok)
+
+
+def valid_first(scores: torch.Tensor, picks: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """`backends.reference.v41.select.valid_first` in one launch: scores float32 [T, n] (row stride free),
+    picks int32 [T, K] (each in 0..n - 1), positions [T] on the device -> int64 [T, K]."""
+    t, k = picks.shape
+    out = torch.empty(t, k, dtype=torch.int64, device=picks.device)
+    if t and k:
+        _valid_first_kernel[(t,)](
+            picks.to(torch.int32).contiguous(), scores, positions, out, scores.shape[1], k, scores.stride(0), ratio,
+            KP=next_pow2(k), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
 def reference(scores: torch.Tensor, valid: torch.Tensor, k: int) -> list[set[int]]:
     """The chosen index set per row: all valid entries if at most k, else the k best (torch.topk)."""
     chosen = []
@@ -162,10 +190,17 @@ def reference(scores: torch.Tensor, valid: torch.Tensor, k: int) -> list[set[int
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """The indexer's selection at decode: index_topk of the ctx / 4 row scores."""
+    """The indexer's selection at decode: index_topk of the ctx / 4 row scores; then V4.1's kept picks
+    ordered (`valid_first`)."""
     a, dev = shape.args, shape.device
     n = max(shape.ctx // 4, 1)
     scores = torch.randn(1, n, device=dev, generator=shape.generator())
     valid = torch.full((1,), n, dtype=torch.int32, device=dev)
     run = functools.partial(topk_indices, scores, valid, a.index_topk)
-    return [BenchCase("topk", f"decode: top {a.index_topk} of {n}", run, 4 * n)]
+    k = min(a.index_topk, n)
+    picks = torch.arange(k, dtype=torch.int32, device=dev)[None, :]
+    order = functools.partial(valid_first, scores, picks, torch.full((1,), shape.ctx, device=dev), 4)
+    return [
+        BenchCase("topk", f"decode: top {a.index_topk} of {n}", run, 4 * n),
+        BenchCase("topk", f"V4.1 decode: {k} kept picks ordered", order, 16 * k),
+    ]

@@ -9,8 +9,8 @@ then `moe.experts_ffn`). V4.1's own steps have kernels of their own: the lagged 
 (`hc_mix`, `hc_collapse`), the Engram gate (`engram_gate`) and sink attention over each query's
 gathered rows (`row_attention`). The candidate blocks and the top-k selection are the reference's
 rules (`backends.reference.v41.select`) with the k-best step on V4's radix top-k kernel (`topk`, no
-sort of the rows); the Engram rows come from the host (`EngramStore`'s positional reads, rounded to
-bf16 there) and are uploaded per call.
+sort of the rows) and the kept picks ordered in one launch (`topk.valid_first`); the Engram rows come
+from the host (`EngramStore`'s positional reads, rounded to bf16 there) and are uploaded per call.
 
 The routed experts come from `experts` (V4's sources: the uploaded stacks, or `streaming`'s device pool
 with `--ssd-streaming`); a `--cpu-moe` layer's run on the host's CPU kernels (`moe.host_ffn`).
@@ -18,11 +18,13 @@ with `--ssd-streaming`); a `--cpu-moe` layer's run on the host's CPU kernels (`m
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dwarfstar.backends.reference.v41 import csa2, mhc, select, window
 from dwarfstar.backends.triton.kernels import compressor, engram_gate, hc_collapse, hc_mix, hc_post, moe_route
@@ -33,7 +35,7 @@ from dwarfstar.backends.triton.kernels.quant_blocks import gather_rows
 from dwarfstar.backends.triton.kernels.rms_norm_rope import NORM_NONE, QAT_FP4_E4M3, QAT_FP4_ROW, QAT_FP8_ROW
 from dwarfstar.backends.triton.kernels.rms_norm_rope import rms_norm_rope as norm_rope
 from dwarfstar.backends.triton.kernels.row_attention import row_attention
-from dwarfstar.backends.triton.kernels.topk import topk_indices
+from dwarfstar.backends.triton.kernels.topk import topk_indices, valid_first
 from dwarfstar.backends.triton.moe import experts_ffn, host_ffn
 from dwarfstar.backends.triton.runtime import EXACT, PagedRows
 from dwarfstar.backends.triton.v41.weights import COMPRESSOR_KV_GATE, ENGRAM_GATE, Weights41
@@ -51,11 +53,12 @@ if TYPE_CHECKING:
     from dwarfstar.backends.cpu.experts import HostExperts
 
 
-def best_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
+def best_rows(scores: torch.Tensor, k: int, every: torch.Tensor | None = None) -> torch.Tensor:
     """`select.Best` on the device: each row's k best columns of all of its n >= k (the radix top-k
-    kernel; indices ascending, ties to the lower column)."""
+    kernel; indices ascending, ties to the lower column). `every`: int32 [rows] of n, where the caller has it."""
     rows, n = scores.shape
-    every = torch.full((rows,), n, dtype=torch.int32, device=scores.device)
+    if every is None:
+        every = torch.full((rows,), n, dtype=torch.int32, device=scores.device)
     return topk_indices(scores.float(), every, k)
 
 
@@ -68,17 +71,49 @@ class TritonOps41:
         self.hash, self.store, self.host = engram_hash, store, host
         self.experts: ExpertSource = ResidentExperts(weights.routed())  # streamed: the entry attaches a cache
         a = self.args
+        freqs: dict[tuple[float, ...], torch.Tensor] = {}  # layers of the same RoPE share one tensor
         self.inv_freq = {
-            il: torch.tensor(yarn_inv_freq(a, a.layer(il)), dtype=torch.float64, device=self.device)  # type: ignore[arg-type]
+            il: freqs.setdefault(tuple(f := yarn_inv_freq(a, a.layer(il))),  # type: ignore[arg-type]
+                                 torch.tensor(f, dtype=torch.float64, device=self.device))
             for il in range(a.n_layers)
-        }
+        }  # fmt: skip
         self.no_bias = torch.zeros(csa2.POOLED_RATIO, a.head_dim, device=self.device)  # V4.1 pools without one
+        # per call (its host positions, which the forward hands every layer): what depends only on them
+        self._calls: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._small: dict[tuple, torch.Tensor] = {}  # constants of a decode step's size, by (what, tokens)
+        self._picked: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a decode step's top-k -> (rows, picked)
+
+    def _tables(self, positions: torch.Tensor) -> dict:
+        """What this backend keeps for one forward call (`positions`: the call's host tensor); gone with it."""
+        tables = self._calls.get(positions)
+        if tables is None:
+            tables = self._calls[positions] = {}
+        return tables
+
+    def _per_call(self, positions: torch.Tensor, key, make):
+        """`make()` once per forward call and `key`."""
+        tables = self._tables(positions)
+        if key not in tables:
+            tables[key] = make()
+        return tables[key]
 
     def _pos(self, positions: torch.Tensor) -> torch.Tensor:
-        return positions.to(self.device)
+        """The call's positions on the device: uploaded once per call."""
+        return self._per_call(positions, "positions", lambda: positions.to(self.device))
 
     def _angles(self, il: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_angles(self._pos(positions), self.inv_freq[il])
+        """RoPE's cos/sin at the call's positions, once per call for each of the layers' frequencies."""
+        inv = self.inv_freq[il]
+        return self._per_call(positions, ("angles", id(inv)), lambda: rope_angles(self._pos(positions), inv))
+
+    def _constant(self, what: str, tokens: int, make) -> torch.Tensor:
+        """A constant of a call of `tokens` tokens (kept on the device for a decode step's sizes)."""
+        if tokens > DECODE_TOKENS:
+            return make()
+        key = (what, tokens)
+        if key not in self._small:
+            self._small[key] = make()
+        return self._small[key]
 
     # -- streams ---------------------------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor, images: Sequence[ImageSpan]) -> torch.Tensor:
@@ -118,18 +153,28 @@ class TritonOps41:
         return hc_post.hc_post(h, out, post, comb)  # in place: the forward pass reads only the new streams
 
     def first_pre(self, tokens: int) -> torch.Tensor:
-        return mhc.first_pre(tokens, self.args.hc_mult).to(self.device)
+        return self._constant("first_pre", tokens, lambda: mhc.first_pre(tokens, self.args.hc_mult).to(self.device))
 
     def window(
         self, kept: torch.Tensor, new: torch.Tensor, positions: torch.Tensor
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-        return window.window_keys(kept, new, self._pos(positions), self.args.window)
+        first, size = int(positions[0]) - kept.shape[0], self.args.window  # the host's positions: no device read
+        index = functools.partial(window.window_index, self._pos(positions), first, size)
+        at = self._per_call(positions, ("window", first), index)
+        return window.window_keys(kept, new, positions, size, at)
 
     def append(self, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         return torch.cat((rows, new))
 
     def pick(self, rows: torch.Tensor, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rows[picks.clamp(min=0)], picks >= 0
+        """The layers that read one top-k of one kv source's rows share the gather, in a decode step."""
+        held = self._picked.get(picks)
+        if held is not None and held[0] is rows:
+            return held[1]
+        picked = rows[picks.clamp(min=0)], picks >= 0
+        if picks.shape[0] <= DECODE_TOKENS:  # a prefill chunk's gather is too large to keep
+            self._picked[picks] = (rows, picked)
+        return picked
 
     def head(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         norm = self.w.vector(None, tt.OUTPUT_NORM)
@@ -138,11 +183,11 @@ class TritonOps41:
 
     # -- attention -------------------------------------------------------------------------------------
     def query(self, il: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q unrotated: `attend`'s kernel applies its RoPE (`row_attention`'s `rotate_q`)."""
         a = self.args
         qr = norm_rope(qmatmul(x, self.w.matrix(il, "attn_q_a.weight")), weight=self.w.vector(il, tt.Q_NORM),
                        eps=a.norm_eps)  # fmt: skip
-        q = qmatmul(qr, self.w.matrix(il, "attn_q_b.weight")).view(x.shape[0], a.n_heads, a.head_dim)
-        return norm_rope(q, norm=NORM_NONE, angles=self._angles(il, positions), rope_dim=a.rope_dim), qr
+        return qmatmul(qr, self.w.matrix(il, "attn_q_b.weight")).view(x.shape[0], a.n_heads, a.head_dim), qr
 
     def window_rows(self, il: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         a = self.args
@@ -185,37 +230,60 @@ class TritonOps41:
         iq = qmatmul(qr, self.w.matrix(il, tt41.INDEX_Q)).view(t, a.index_n_heads, a.index_head_dim)
         iq = norm_rope(iq, norm=NORM_NONE, angles=self._angles(il, positions), rope_dim=a.rope_dim, qat=QAT_FP4_ROW)
         weights = qmatmul(x, self.w.matrix(il, tt41.INDEX_PROJ))
-        pages = max(1, -(-n // PAGE_ROWS))
-        pool = keys.new_zeros(pages * PAGE_ROWS, a.index_head_dim)
+        # consecutive layers that score one kv source's keys in a call share their pages; one copy is kept
+        # at a time (a long context's keys are large), and with it the keys, so their id stays theirs
+        tables = self._tables(positions)
+        held, pages = tables.get("pages", (None, None))
+        if held is not keys:
+            pages = self._pages(keys)
+            tables["pages"] = (keys, pages)
+        pos = self._per_call(positions, "first int32", lambda: self._pos(positions)[:1].to(torch.int32))
+        scores, seen = indexer_scores(iq, weights, pages, pages.capacity, pos, a.compress_ratios[il])
+        columns = self._per_call(positions, ("columns", n), lambda: torch.arange(n, device=self.device)[None, :])
+        return scores[:, :n].masked_fill(columns >= seen[:, None], select.NEG_INF)
+
+    def _pages(self, keys: torch.Tensor) -> PagedRows:
+        n, pages = keys.shape[0], max(1, -(-keys.shape[0] // PAGE_ROWS))
+        pool = keys.new_zeros(pages * PAGE_ROWS, keys.shape[1])
         pool[:n] = keys
-        table = torch.arange(pages, dtype=torch.int32, device=self.device)
-        pos = self._pos(positions[:1]).to(torch.int32)
-        scores, seen = indexer_scores(iq, weights, PagedRows(pool, table), pool.shape[0], pos, a.compress_ratios[il])
-        unseen = torch.arange(n, device=self.device)[None, :] >= seen[:, None]
-        return scores[:, :n].masked_fill(unseen, select.NEG_INF)
+        return PagedRows(pool, torch.arange(pages, dtype=torch.int32, device=self.device))
 
     def candidates(self, scores: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
         a = self.args
         return select.candidate_mask(scores, self._pos(positions), ratio, a.candidate_block_size,
-                                     a.candidate_topk_blocks, best_rows)  # fmt: skip
+                                     a.candidate_topk_blocks, self._best(positions))  # fmt: skip
 
     def top_k(
         self, scores: torch.Tensor, positions: torch.Tensor, ratio: int, end: int, candidates: torch.Tensor | None
     ) -> torch.Tensor:
-        return select.top_k(scores, self._pos(positions), ratio, end, self.args.index_topk, candidates, best_rows)
+        best, topk = self._best(positions), self.args.index_topk
+        return select.top_k(scores, self._pos(positions), ratio, end, topk, candidates, best, valid_first)
+
+    def _best(self, positions: torch.Tensor) -> select.Best:
+        """`best_rows` with each row's column count filled once per call and shape."""
+
+        def best(scores: torch.Tensor, k: int) -> torch.Tensor:
+            rows, n = scores.shape
+            every = self._per_call(positions, ("every", rows, n),
+                                   lambda: torch.full((rows,), n, dtype=torch.int32, device=scores.device))  # fmt: skip
+            return best_rows(scores, k, every)
+
+        return best
 
     def attend(
         self, il: int, q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor
     ) -> torch.Tensor:
         a = self.args
-        o = row_attention(q, parts, self.w.vector(il, tt.SINKS), self.inv_freq[il], a.rope_dim, self._pos(positions))
+        o = row_attention(q, parts, self.w.vector(il, tt.SINKS), self.inv_freq[il], a.rope_dim, self._pos(positions),
+                          rotate_q=True)  # fmt: skip
         grouped = qmatmul(o.view(o.shape[0], -1), self.w.matrix(il, tt.OUT_A), a.o_groups)
         return qmatmul(grouped, self.w.matrix(il, tt.OUT_B))
 
     # -- mixture of experts ----------------------------------------------------------------------------
     def moe(self, il: int, x: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
         a, t = self.args, x.shape[0]
-        unhashed = torch.zeros(t, dtype=torch.int32, device=self.device)  # V4.1 routes no layer by token hash
+        # V4.1 routes no layer by token hash
+        unhashed = self._constant("unhashed", t, lambda: torch.zeros(t, dtype=torch.int32, device=self.device))
         router, k, scale = self.w.matrix(il, tt.ROUTER), a.n_activated_experts, a.route_scale
         ids, weights = moe_route.route(x, router, self.w.vector(il, tt.ROUTER_BIAS), None, unhashed, k, scale)
         if image is not None:  # image rows select by the image bias
