@@ -125,14 +125,14 @@ def train_nano_dspark(opts: argparse.Namespace) -> None:
     model = open_model(opts.out)
     layers = model.args.n_layers
     d = DSparkArgs(markov_rank=32, target_layers=(layers - 3, layers - 2, layers - 1))
-    recipe = DSparkRecipe(steps=opts.dspark_steps)
+    recipe = DSparkRecipe(steps=opts.dspark_steps, lr=opts.dspark_lr)
 
     def save(trainer: DSparkTrainer) -> None:
         trainer.export(opts.dspark_out, GGMLType.Q8_0)
         if opts.dspark_f32_out:
             trainer.export(opts.dspark_f32_out)
 
-    save(train_dspark(model, d, ids, bos, recipe, opts.seed, print, chats, save))
+    save(train_dspark(model, d, ids, bos, recipe, opts.seed, print, chats, save, init=opts.dspark_init))
     size = opts.dspark_out.stat().st_size / 1e6
     print(f"wrote {opts.dspark_out} ({size:.1f} MB, Q8_0 matrices) in {time.perf_counter() - began:.0f} s")
 
@@ -206,6 +206,8 @@ def main() -> None:
     parser.add_argument("--dspark-out", type=Path, default=ROOT / "build" / "nano" / "nano-dspark.gguf")
     parser.add_argument("--dspark-f32-out", type=Path, help="also write the drafter in F32 here")
     parser.add_argument("--dspark-steps", type=int, default=DSparkRecipe.steps)
+    parser.add_argument("--dspark-lr", type=float, default=DSparkRecipe.lr)
+    parser.add_argument("--dspark-init", type=Path, help="continue training this drafter (its F32 file)")
     opts = parser.parse_args()
     build = ROOT / "build" / ("twin-k" if opts.twin_k else "nano")
     opts.workdir = opts.workdir or build

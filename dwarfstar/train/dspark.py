@@ -33,7 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from dwarfstar.backends.reference.model import ReferenceModel
+from dwarfstar.errors import ModelFileError
 from dwarfstar.gguf.constants import GGMLType
+from dwarfstar.gguf.reader import GGUFFile
 from dwarfstar.model import tensors as tt
 from dwarfstar.model.dspark import (
     CONFIDENCE,
@@ -75,7 +77,9 @@ class DSparkTrainer:
         recipe: DSparkRecipe,
         seed: int,
         chats: Sequence[np.ndarray] = (),
+        init: str | os.PathLike | None = None,
     ) -> None:
+        """`init`: a support file this drafter continues from (its F32 export), else a random start."""
         self.recipe, self.model, self.d = recipe, model, d
         args = model.args
         trunk = ReferenceModel(model, qat=True)
@@ -111,9 +115,26 @@ class DSparkTrainer:
             CONFIDENCE: torch.zeros(1, dim + rank),
         }
         self.params = params
+        if init is not None:
+            self._load(init)
         self.opt = draft_optimizer([*params.items(), *self.head_params.items()], recipe.lr)
         self.rng = rng
         self.step = 0
+
+    def _load(self, path: str | os.PathLike) -> None:
+        """The trainable tensors' values from a support file of this drafter's shapes."""
+        args, d = self.model.args, self.d
+        names = {own: name for own, name in stage_names(args, d).items() if own in self.params}
+        first, last = PREFIX.format(0), PREFIX.format(d.stages - 1)
+        heads = {name: first + name for name in MAIN} | {name: last + name for name in (*MARKOV, CONFIDENCE)}
+        with GGUFFile(path) as gguf:
+            missing = sorted((set(names.values()) | set(heads.values())) - gguf.tensors.keys())
+            if missing:
+                raise ModelFileError(f"{path} is not a support file of this drafter: no {', '.join(missing[:3])}")
+            for own, name in names.items():
+                self.params[own].data.copy_(gguf.tensor(name).reshape(self.params[own].shape))
+            for own, name in heads.items():
+                self.head_params[own].data.copy_(gguf.tensor(name).reshape(self.head_params[own].shape))
 
     def heads(self) -> DSparkHeads:
         p = self.head_params
@@ -203,9 +224,11 @@ def train_dspark(
     chats: Sequence[np.ndarray] = (),
     save: Callable[[DSparkTrainer], None] | None = None,
     save_every: int = 200,
+    init: str | os.PathLike | None = None,
 ) -> DSparkTrainer:
-    """Train `recipe.steps` steps, logging every 20 and calling `save(trainer)` every `save_every`."""
-    trainer = DSparkTrainer(model, d, token_ids, bos, recipe, seed, chats)
+    """Train `recipe.steps` steps (from the drafter in `init`, if given), logging every 20 and calling
+    `save(trainer)` every `save_every`."""
+    trainer = DSparkTrainer(model, d, token_ids, bos, recipe, seed, chats, init)
     log(f"dspark: {recipe.sequences} windows of {recipe.seq_len} and {len(chats)} chats, {trainer.vocab.numel()} ids")
     while trainer.step < recipe.steps:
         ce, bce, agree = trainer.train_step()

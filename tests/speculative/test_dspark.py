@@ -380,6 +380,7 @@ def test_a_trained_drafter_round_trips_through_its_support_file(mtp_files, engin
 
     import torch
 
+    from dwarfstar.errors import ModelFileError
     from dwarfstar.gguf.constants import GGMLType
     from dwarfstar.gguf.reader import GGUFFile
     from dwarfstar.model import tensors as tt
@@ -410,6 +411,11 @@ def test_a_trained_drafter_round_trips_through_its_support_file(mtp_files, engin
     assert torch.equal(draft.heads.main_proj, trainer.head_params["main_proj.weight"].detach())
     wkv = tt.layer_tensor(2, "attn_kv.weight")
     assert torch.equal(draft.stages.ops.layers[2].proj["kv"], trainer.params[wkv].detach())
+    again = DSparkTrainer(model, d, ids, 0, recipe, seed=1, init=path)  # continued training starts from it
+    for own, value in [*trainer.params.items(), *trainer.head_params.items()]:
+        assert torch.equal({**again.params, **again.head_params}[own], value), own
+    with pytest.raises(ModelFileError, match="is not a support file of this drafter"):
+        DSparkTrainer(model, d, ids, 0, recipe, seed=0, init=mtp_files["ds4"])
     small = tmp_path / "trained-dspark-q8.gguf"  # the bundled form: matrices in Q8_0, the rest F32
     trainer.export(small, GGMLType.Q8_0)
     types = {name: info.ggml_type for name, info in GGUFFile(small).tensors.items()}
