@@ -170,7 +170,8 @@ def reference_post_mix(h, after, fn: QWeight, scale, base, pre, norm, iters, hc_
 
 
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """The mix of a decode token and of a prefill chunk, (F32 fn)."""
+    """The mix of a decode token and of a prefill chunk (F32 fn), and a decode step's one launch with and
+    without the post before it."""
     a, dev, gen = shape.args, shape.device, shape.generator()  # V4's fields of the same meaning
     mixes = a.hc_mult * (a.hc_mult + 2)
     fn = random_qweight(GGMLType.F32, (mixes, a.hc_mult * a.dim), dev, gen)
@@ -184,8 +185,9 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
     after = (torch.randn(1, a.dim, device=dev, generator=gen), torch.rand(1, a.hc_mult, device=dev, generator=gen),
              torch.rand(1, a.hc_mult, a.hc_mult, device=dev, generator=gen))  # fmt: skip
     pre, norm = torch.rand(1, a.hc_mult, device=dev, generator=gen), torch.rand(a.dim, device=dev, generator=gen)
-    run = functools.partial(hc_post_mix, h, after, fn, scale, base, pre, norm, a.hc_sinkhorn_iters, a.hc_eps,
-                            a.norm_eps)  # fmt: skip
-    moved = fn.nbytes + 4 * (3 * h.numel() + 2 * a.dim)
-    cases.append(BenchCase("hc_mix", "V4.1 decode post + mix + collapse, 1 token", run, moved))
+    for what, before in (("post + mix + collapse", after), ("mix + collapse (no post before)", None)):
+        run = functools.partial(hc_post_mix, h, before, fn, scale, base, pre, norm, a.hc_sinkhorn_iters, a.hc_eps,
+                                a.norm_eps)  # fmt: skip
+        moved = fn.nbytes + 4 * ((3 if before else 2) * h.numel() + 2 * a.dim)
+        cases.append(BenchCase("hc_mix", f"V4.1 decode {what}, 1 token", run, moved))
     return cases
