@@ -162,9 +162,9 @@ class TritonOps41(LaggedSteps41):
         after: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
         pre: torch.Tensor,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """One launch for a call of a decode step's size (`hc_mix.hc_post_mix`, h updated in place); a
-        prefill chunk's steps one by one."""
-        if h.shape[0] > DECODE_TOKENS:
+        """One launch in a decode step (one token: `hc_mix.hc_post_mix`, h updated in place); a call of
+        several tokens runs the three steps (their mixes summed in the GEMV's order, as a prompt's)."""
+        if h.shape[0] != 1:
             return super().post_mix_input(il, site, h, after, pre)
         a, names = self.args, tt.hc_mix(site)
         mix = (self.w.matrix(il, names[0]), self.w.vector(il, names[1]), self.w.vector(il, names[2]))
