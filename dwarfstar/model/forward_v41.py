@@ -13,6 +13,10 @@ token) and returns the last position's next-token logits:
         H = post(H, moe(norm_ffn(collapse(H, a_pre))), f_post, f_comb);  pre = f_pre   images route by bias_vl
     logits = head(norm_out(collapse(H, pre)))                   no learned head collapse
 
+Each sublayer's post goes with the next sublayer's mix and collapse (`Ops41.post_mix_input`, which a
+backend may run as one step: `LaggedSteps41` composes them); an Engram layer, a recorded layer and the
+end of the held layers take the pending post alone.
+
 Attention of layer i (mode from `ModelArgs41.layer`): the query (no per-head norm) and this call's
 window rows; a kv source (`full`) compresses its tokens into its rows and index keys; an index source
 (`full`, `reindex`) scores the latest kv source's rows and takes its top-k (the candidate source also
@@ -43,7 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -107,6 +111,15 @@ class Ops41(Protocol[A]):
 
     def hc_post(self, h: A, out: A, post: A, comb: A) -> A: ...
 
+    def post_mix_input(
+        self, il: int, site: str, h: A, after: tuple[A, A, A] | None, pre: A
+    ) -> tuple[A, tuple[A, A, A], A]:
+        """A sublayer's mHC steps: the post of the sublayer before (`after`: its output [T, dim], post and
+        comb; None where the streams took it already), the mix of the new streams and the sublayer's
+        input collapsed with `pre`: (streams, (pre, post, comb), normed input [T, dim]). `LaggedSteps41`
+        composes the three; a backend may fuse them."""
+        ...
+
     def query(self, il: int, x: A, positions: torch.Tensor) -> tuple[A, A]:
         """(q [T, n_heads, head_dim] rotated, the normed low-rank query [T, q_lora_rank]); a backend whose
         `attend` rotates the query itself (Triton's) hands it on unrotated."""
@@ -167,6 +180,16 @@ class Ops41(Protocol[A]):
     def head(self, h: A, pre: A) -> torch.Tensor:
         """Logits [T, vocab]: streams [T, n, dim] collapsed with `pre`, output norm, output projection."""
         ...
+
+
+class LaggedSteps41:
+    """`Ops41.post_mix_input` as its three steps, for a backend that does not fuse them."""
+
+    def post_mix_input(self, il: int, site: str, h: Any, after: tuple[Any, Any, Any] | None, pre: Any) -> tuple:
+        if after is not None:
+            h = self.hc_post(h, *after)  # type: ignore[attr-defined]
+        mixes = self.mix(il, site, h)  # type: ignore[attr-defined]
+        return h, mixes, self.sublayer_input(il, site, h, pre)  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -298,19 +321,22 @@ class Transformer41(Generic[A]):
         """The held layers over `streams` (the previous stage's, or `enter`'s)."""
         ops, h, pre = self.ops, streams.h, streams.pre
         inputs: list[A] = []
+        after: tuple[A, A, A] | None = None  # the last FFN's output, post and comb, until the streams take it
         for layer in self.layers:
             il = layer.index
+            captured = capture is not None and il in capture.layers
+            if after is not None and (layer.engram or captured):
+                h, after = ops.hc_post(h, *after), None
             if layer.engram:
                 h = ops.engram(il, h, call.engram_rows[il], call.image)
-            if capture is not None and il in capture.layers:
+            if captured:
                 inputs.append(h)
-            a_pre, a_post, a_comb = ops.mix(il, ATTN, h)
-            out = self._attention(layer, ops.sublayer_input(il, ATTN, h, pre), call.positions, state, call.shared)
-            h = ops.hc_post(h, self._hook("attn_out", il, out), a_post, a_comb)
-            f_pre, f_post, f_comb = ops.mix(il, FFN, h)
-            out = ops.moe(il, ops.sublayer_input(il, FFN, h, a_pre), call.image)
-            h = ops.hc_post(h, self._hook("ffn_out", il, out), f_post, f_comb)
-            pre = f_pre
+            h, (a_pre, a_post, a_comb), x = ops.post_mix_input(il, ATTN, h, after, pre)
+            out = self._hook("attn_out", il, self._attention(layer, x, call.positions, state, call.shared))
+            h, (pre, f_post, f_comb), x = ops.post_mix_input(il, FFN, h, (out, a_post, a_comb), a_pre)
+            after = (self._hook("ffn_out", il, ops.moe(il, x, call.image)), f_post, f_comb)
+        if after is not None:
+            h = ops.hc_post(h, *after)
         if capture is not None:
             capture.calls.append(tuple(inputs))
         return Streams41(h, pre)

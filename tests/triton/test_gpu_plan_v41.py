@@ -40,9 +40,20 @@ def test_layer_modes_in_the_recorded_step(plan6):
         ("reuse", 1, False),
     ]  # fmt: skip
     window, window_engram, full2, reuse2, full1, reuse1 = layers
+    # each sublayer's mHC steps are one launch (the post before it, its mix, its collapse and norm:
+    # `hc_mix.hc_post_mix`); a post runs alone only before an Engram layer (its gate reads the new
+    # streams) and after the last layer (for the head): in the layer whose FFN it follows
+    for r in layers:
+        hc = {k: v for k, v in r["kernels"].items() if k.startswith("_hc_")}
+        alone = r is reuse1 or layers[r["layer"] + 1]["engram"]
+        assert hc == {"_hc_post_mix_kernel": 2} | ({"_hc_post_kernel": 1} if alone else {}), r
     # a reuse layer owns the window layer's matrices and nothing else (no compressor, no indexer): the same
     # kernels; it only picks rows it does not own
-    assert reuse2["kernels"] == reuse1["kernels"] == window["kernels"]
+    assert reuse2["kernels"] | {"_hc_post_kernel": 1} == reuse1["kernels"] == window["kernels"]
+    # measured: a window layer's step is 14 Triton launches (6 projections, 2 norms, attention, 2 mHC, the
+    # route and 2 expert kernels), a kv source's more
+    assert [r["triton"] for r in layers] == [15, 18, 25, 14, 26, 15]
+    assert (plan["totals"]["triton_launches"], plan["totals"]["torch_launches"]) == (116, 115)
     for layer in (window, reuse2, reuse1):
         assert "_frontier_kernel" not in layer["kernels"] and "_scores_kernel" not in layer["kernels"]
     # a kv source compresses (ratio 2 pools pairs in the compressor's kernel; ratio 1 keeps each latent)

@@ -8,7 +8,7 @@ import torch
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.reference.v41 import engram, mhc
-from dwarfstar.backends.triton.kernels import engram_gate, hc_collapse, hc_mix, row_attention, topk
+from dwarfstar.backends.triton.kernels import engram_gate, hc_collapse, hc_mix, hc_post, row_attention, topk
 from dwarfstar.backends.triton.kernels import rms_norm_rope as nr
 from dwarfstar.backends.triton.weights import QWeight
 from dwarfstar.gguf.constants import GGMLType as T
@@ -163,3 +163,49 @@ def test_valid_first_kernel_is_the_references(k, device):
     want = select.valid_first(scores, picks, positions, ratio)
     got = topk.valid_first(scores.to(device), picks.to(device), positions.to(device), ratio)
     assert torch.equal(got.cpu(), want) and (want == -1).any()
+
+
+@pytest.mark.parametrize(("tokens", "post"), [(1, True), (1, False), (3, True), (3, False)])
+@pytest.mark.parametrize("dims", [None, 16])
+def test_post_mix_in_one_launch_matches_its_steps(tokens, post, dims, device):
+    """`hc_post_mix` (the one launch of a decode step) against the post, the mix and the collapse as the
+    reference runs them: the streams updated in place, the mixes and the normed input within the
+    kernels' bounds; with several programs per token (dims 16) and with several tokens (one per
+    sequence of a batch), with and without the post (an MoE's [T, P, D] parts for it)."""
+    n, d = 4, 64
+    h = rand(tokens, n, d, seed=20, scale=2.0)
+    fn = f32_weight((2 + n) * n, n * d, device, seed=21)
+    scale, base = 0.2 + 0.3 * rand(3, seed=22).abs(), rand((2 + n) * n, seed=23, scale=0.5)
+    pre = torch.softmax(rand(tokens, n, seed=24), dim=-1)
+    norm = 1 + 0.1 * rand(d, seed=25)
+    after = None
+    if post:
+        comb = torch.softmax(rand(tokens, n, n, seed=26), dim=-1)
+        after = (rand(tokens, 3, d, seed=27), 2 * torch.sigmoid(rand(tokens, n, seed=28)), comb)
+    const = (scale, base, pre, norm, 20, 1e-6, EPS)
+    want_h, want_mixes, want_x = hc_mix.reference_post_mix(h, after, fn, *const)
+    on = tuple(t.to(device) for t in const[:4])
+    got_h = h.to(device, copy=True)  # updated in place
+    moved = None if after is None else tuple(t.to(device) for t in after)
+    mixes, x = hc_mix.hc_post_mix(got_h, moved, fn, *on, 20, 1e-6, EPS, dims=dims)
+    torch.testing.assert_close(got_h.cpu(), want_h, rtol=1e-6, atol=1e-6)
+    for g, w in zip(mixes, want_mixes, strict=True):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.cpu(), want_x, rtol=1e-5, atol=1e-6)
+    # and as today's Triton steps (`hc_post`, `hc_mix`, `hc_collapse`) compute them
+    steps_h = h.to(device, copy=True)
+    if moved is not None:
+        hc_post.hc_post(steps_h, *moved)
+    steps = hc_mix.hc_mix(steps_h, fn, *on[:2], 20, 1e-6, EPS)
+    torch.testing.assert_close(got_h, steps_h, rtol=0, atol=0)
+    for g, w in zip(mixes, steps, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x, hc_collapse.hc_collapse(steps_h, on[2], on[3], EPS), rtol=1e-5, atol=1e-6)
+
+
+def test_post_mix_refuses_pre_of_another_shape(device):
+    fn = f32_weight(24, 4 * 8, device, seed=29)
+    with pytest.raises(ValueError, match="collapse"):
+        hc_mix.hc_post_mix(torch.zeros(2, 4, 8, device=device), None, fn, torch.ones(3, device=device),
+                           torch.zeros(24, device=device), torch.zeros(2, 3, device=device),
+                           torch.ones(8, device=device), 20, 1e-6, EPS)  # fmt: skip

@@ -34,6 +34,7 @@ from dwarfstar.model import tensors_v41 as tt41
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.forward import ExpertSource
+from dwarfstar.model.forward_v41 import LaggedSteps41
 from dwarfstar.model.image_spans import ImageSpan
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class Layer41:
     engram: tuple[Matrix, mx.array, mx.array] | None  # W_kv, q_norm, k_norm
 
 
-class MLXOps41:
+class MLXOps41(LaggedSteps41):
     def __init__(
         self,
         args: ModelArgs41,

@@ -33,11 +33,12 @@ from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.config_v41 import ModelArgs41
 from dwarfstar.model.file_v41 import ModelFile41
 from dwarfstar.model.forward import ExpertSource, ResidentExperts
+from dwarfstar.model.forward_v41 import LaggedSteps41
 from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.numerics import FP4_BLOCK, rope_angles, route
 
 
-class ReferenceOps41:
+class ReferenceOps41(LaggedSteps41):
     def __init__(
         self,
         args: ModelArgs41,

@@ -5,6 +5,12 @@ scaled by rsqrt(mean(h^2) + eps); pre = sigmoid + eps, post = 2 sigmoid, comb th
 nothing is collapsed here: V4.1 collapses a sublayer's input with the pre of the sublayer before
 (`hc_collapse`), so the pre is written out for the next one. One program per BT tokens, the streams in
 registers (`hc_pre.load_streams`).
+
+In a decode step (`hc_post_mix`) a sublayer's mHC steps are one launch, as V4's `hc_pre.hc_post_pre`:
+the post of the sublayer before (in place, when there is one), the partial mixes and squares of each
+program's BD dims (`hc_pre.post_and_mix`), and in the last program of a token to finish
+(`runtime.last_program`) the sums in a fixed order, Sinkhorn, and the collapse with the pre of the
+sublayer before plus the sublayer's norm (`hc_pre.collapse_norm`).
 """
 
 from __future__ import annotations
@@ -16,9 +22,29 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference import ops
-from dwarfstar.backends.triton.kernels.hc_pre import MIX_SPLIT, stream_mixes
+from dwarfstar.backends.triton.kernels import hc_collapse
+from dwarfstar.backends.triton.kernels import hc_post as post_kernel
+from dwarfstar.backends.triton.kernels.hc_pre import (
+    MIX_SPLIT,
+    as_parts,
+    collapse_norm,
+    fused_launch,
+    fused_work,
+    mix_weights,
+    post_and_mix,
+    stream_mixes,
+    streams_rsqrt,
+)
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
-from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
+from dwarfstar.backends.triton.runtime import (
+    BenchCase,
+    BenchShape,
+    KernelWork,
+    interpreting,
+    last_program,
+    next_pow2,
+    program_sums,
+)
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
 
@@ -60,12 +86,92 @@ def hc_mix(
     return pre, post, comb
 
 
+@triton.jit
+def _hc_post_mix_kernel(
+    h_ptr, parts_ptr, post_ptr, comb_ptr, fn_ptr, scale_ptr, base_ptr, lag_ptr, norm_ptr, x_ptr,
+    pre_out_ptr, post_out_ptr, comb_out_ptr, part_ptr, counter_ptr, T, D, P, fn_row_bytes, stream_bytes,
+    iters, hc_eps, norm_eps,
+    POST: tl.constexpr, WTYPE: tl.constexpr, NHC: tl.constexpr, MIXP: tl.constexpr, BT: tl.constexpr,
+    BD: tl.constexpr, NPP: tl.constexpr, FD: tl.constexpr,
+):  # fmt: skip
+    tb, n_prog = tl.program_id(1), tl.num_programs(0)
+    post_and_mix(
+        h_ptr, parts_ptr, post_ptr, comb_ptr, fn_ptr, part_ptr, tb, T, D, P, fn_row_bytes, stream_bytes,
+        NHC * (NHC + 2), POST, WTYPE, NHC, MIXP, BT, BD,
+    )  # fmt: skip
+    if last_program(counter_ptr + tb, n_prog):
+        s = tl.arange(0, NHC)[None, :]  # [1, NHC]
+        jk = 2 * NHC + NHC * tl.arange(0, NHC)[:, None] + tl.arange(0, NHC)[None, :]
+        width = MIXP + 1
+        for i in range(BT):
+            t = tb * BT + i
+            if t < T:
+                pre = program_sums(part_ptr, t, s, s >= 0, n_prog, width, NPP)
+                post = program_sums(part_ptr, t, NHC + s, s >= 0, n_prog, width, NPP)
+                comb = program_sums(part_ptr, t, jk, jk >= 0, n_prog, width, NPP)[None, :, :]
+                rs = streams_rsqrt(part_ptr, t, n_prog, D, norm_eps, NHC, MIXP, NPP)
+                pre, post, comb = mix_weights(pre, post, comb, rs, scale_ptr, base_ptr, iters, hc_eps, NHC)
+                t64 = t.to(tl.int64)
+                tl.store(pre_out_ptr + t64 * NHC + s, pre)
+                tl.store(post_out_ptr + t64 * NHC + s, post)
+                tl.store(comb_out_ptr + t64 * NHC * NHC + (jk - 2 * NHC)[None, :, :], comb)
+                lag = tl.load(lag_ptr + t64 * NHC + s)  # the pre of the sublayer before
+                collapse_norm(h_ptr, t, lag, norm_ptr, x_ptr, D, norm_eps, NHC, FD)
+
+
+def hc_post_mix(
+    h: torch.Tensor,
+    after: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    fn: QWeight,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    pre: torch.Tensor,
+    norm: torch.Tensor,
+    iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    dims: int | None = None,
+    tokens: int | None = None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A sublayer's mHC steps in one launch (a decode step): h [T, n, D] contiguous updated in place by
+    the post `after` (the sublayer before's output [T, D] or parts [T, P, D], post [T, n], comb
+    [T, n, n]; None: none), its mix ((pre, post, comb) as `hc_mix`), and the collapse with `pre` [T, n]
+    (the sublayer before's) normed by `norm` [D] ([T, D], as `hc_collapse`). `dims` and `tokens` size
+    the programs (`hc_pre.fused_launch`)."""
+    t, nhc, d = h.shape
+    if pre.shape != h.shape[:2] or norm.shape != (d,):
+        raise ValueError(f"collapse of streams {tuple(h.shape)} with pre {tuple(pre.shape)}, norm {tuple(norm.shape)}")
+    parts = None if after is None else as_parts(after[0])
+    sizes, grid, part, counters = fused_launch(h, parts, fn, nhc * (nhc + 2), dims, tokens)
+    x = torch.empty(t, d, device=h.device, dtype=torch.float32)
+    shapes = ((t, nhc), (t, nhc), (t, nhc, nhc))
+    mixes = tuple(torch.empty(shape, device=h.device, dtype=torch.float32) for shape in shapes)
+    before = (h, h, h) if after is None else (parts, after[1], after[2])  # unread without the post
+    _hc_post_mix_kernel[grid](
+        h, *before, fn.data, scale, base, pre.contiguous(), norm, x, *mixes, part, counters,
+        iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, **sizes,
+    )  # fmt: skip
+    return mixes, x  # type: ignore[return-value]
+
+
+def launch_work(kernel: str, a: dict) -> KernelWork | None:
+    """What a `_hc_post_mix_kernel` launch moves (`hc_pre.fused_work`, the pre written too)."""
+    return fused_work(a, a["NHC"] * (a["NHC"] + 2)) if kernel == "_hc_post_mix_kernel" else None
+
+
 def reference(h, fn: QWeight, scale, base, iters, hc_eps, norm_eps):
     return ops.hc_mix(h, fn.dequantize(), scale, base, iters, hc_eps, norm_eps)
 
 
+def reference_post_mix(h, after, fn: QWeight, scale, base, pre, norm, iters, hc_eps, norm_eps):
+    """(new streams, (pre, post, comb), x): `hc_post`'s reference (with `after`), `hc_mix`'s, `hc_collapse`'s."""
+    h = h if after is None else post_kernel.reference(h, *after)
+    return h, reference(h, fn, scale, base, iters, hc_eps, norm_eps), hc_collapse.reference(h, pre, norm, norm_eps)
+
+
 def bench_cases(shape: BenchShape) -> list[BenchCase]:
-    """The mix of a decode token and of a prefill chunk, (F32 fn)."""
+    """The mix of a decode token and of a prefill chunk (F32 fn), and a decode step's one launch with and
+    without the post before it."""
     a, dev, gen = shape.args, shape.device, shape.generator()  # V4's fields of the same meaning
     mixes = a.hc_mult * (a.hc_mult + 2)
     fn = random_qweight(GGMLType.F32, (mixes, a.hc_mult * a.dim), dev, gen)
@@ -75,4 +181,13 @@ def bench_cases(shape: BenchShape) -> list[BenchCase]:
         h = torch.randn(t, a.hc_mult, a.dim, device=dev, generator=gen)
         run = functools.partial(hc_mix, h, fn, scale, base, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
         cases.append(BenchCase("hc_mix", f"V4.1 {what} {t} tokens", run, fn.nbytes + 4 * h.numel()))
+    h = torch.randn(1, a.hc_mult, a.dim, device=dev, generator=gen)
+    after = (torch.randn(1, a.dim, device=dev, generator=gen), torch.rand(1, a.hc_mult, device=dev, generator=gen),
+             torch.rand(1, a.hc_mult, a.hc_mult, device=dev, generator=gen))  # fmt: skip
+    pre, norm = torch.rand(1, a.hc_mult, device=dev, generator=gen), torch.rand(a.dim, device=dev, generator=gen)
+    for what, before in (("post + mix + collapse", after), ("mix + collapse (no post before)", None)):
+        run = functools.partial(hc_post_mix, h, before, fn, scale, base, pre, norm, a.hc_sinkhorn_iters, a.hc_eps,
+                                a.norm_eps)  # fmt: skip
+        moved = fn.nbytes + 4 * ((3 if before else 2) * h.numel() + 2 * a.dim)
+        cases.append(BenchCase("hc_mix", f"V4.1 decode {what}, 1 token", run, moved))
     return cases

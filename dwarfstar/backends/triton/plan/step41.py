@@ -91,7 +91,10 @@ def _state_before(model, ctx: int) -> SequenceState41:
 
 
 # the steps of `Ops41` that name their layer; the others run inside the last one named (head: none)
-LAYER_STEPS = ("engram", "mix", "sublayer_input", "query", "window_rows", "compress", "index_scores", "attend", "moe")
+LAYER_STEPS = (
+    "engram", "post_mix_input", "mix", "sublayer_input", "query", "window_rows", "compress", "index_scores", "attend",
+    "moe",
+)  # fmt: skip
 
 
 def _track_layers(ops) -> Callable[[], int | None]:

@@ -6,7 +6,8 @@ embedding lookup (`quant_blocks.gather_rows`), the norms, RoPE and the QAT round
 (`rms_norm_rope`, with V4.1's roundings added), the mHC post (`hc_post`), the ratio-2 pooling
 (`compressor`, no position bias), the indexer scores (`indexer_scores`) and the MoE (`moe_route`,
 then `moe.experts_ffn`). V4.1's own steps have kernels of their own: the lagged mHC's mix and collapse
-(`hc_mix`, `hc_collapse`), the Engram gate (`engram_gate`) and sink attention over each query's
+(`hc_mix`, `hc_collapse`; in a decode step one launch per sublayer with the post before it,
+`hc_mix.hc_post_mix`), the Engram gate (`engram_gate`) and sink attention over each query's
 gathered rows (`row_attention`). The candidate blocks and the top-k selection are the reference's
 rules (`backends.reference.v41.select`) with the k-best step on V4's radix top-k kernel (`topk`, no
 sort of the rows) and the kept picks ordered in one launch (`topk.valid_first`); the Engram rows come
@@ -45,6 +46,7 @@ from dwarfstar.model import tensors as tt
 from dwarfstar.model import tensors_v41 as tt41
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.forward import ExpertSource, ResidentExperts
+from dwarfstar.model.forward_v41 import LaggedSteps41
 from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.model.numerics import rope_angles
 from dwarfstar.model.pages import PAGE_ROWS
@@ -62,7 +64,7 @@ def best_rows(scores: torch.Tensor, k: int, every: torch.Tensor | None = None) -
     return topk_indices(scores.float(), every, k)
 
 
-class TritonOps41:
+class TritonOps41(LaggedSteps41):
     def __init__(
         self, weights: Weights41, engram_hash: EngramHash, store: EngramStore, host: HostExperts | None = None
     ) -> None:
@@ -151,6 +153,25 @@ class TritonOps41:
 
     def hc_post(self, h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         return hc_post.hc_post(h, out, post, comb)  # in place: the forward pass reads only the new streams
+
+    def post_mix_input(
+        self,
+        il: int,
+        site: str,
+        h: torch.Tensor,
+        after: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        pre: torch.Tensor,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """One launch in a decode step (one token: `hc_mix.hc_post_mix`, h updated in place); a call of
+        several tokens runs the three steps (their mixes summed in the GEMV's order, as a prompt's)."""
+        if h.shape[0] != 1:
+            return super().post_mix_input(il, site, h, after, pre)
+        a, names = self.args, tt.hc_mix(site)
+        mix = (self.w.matrix(il, names[0]), self.w.vector(il, names[1]), self.w.vector(il, names[2]))
+        norm = self.w.vector(il, tt.sublayer_norm(site))
+        mixes, x = hc_mix.hc_post_mix(h, after, *mix, pre.to(self.device), norm, a.hc_sinkhorn_iters, a.hc_eps,
+                                      a.norm_eps)  # fmt: skip
+        return h, mixes, x
 
     def first_pre(self, tokens: int) -> torch.Tensor:
         return self._constant("first_pre", tokens, lambda: mhc.first_pre(tokens, self.args.hc_mult).to(self.device))
