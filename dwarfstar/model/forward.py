@@ -263,6 +263,11 @@ class Ops(Protocol[A, S]):
         """`hc_head`'s output norm."""
         ...
 
+    def kept(self, h: A) -> A:
+        """The streams h as they are now, safe from the updates this backend makes to them in place later
+        in the pass (a copy where it updates streams in place): what a tap keeps. `StreamSteps`: h."""
+        ...
+
     def hc_post_pre(self, il: int, site: Site, h: A, out: A, mix: Any, batch: Batch[S]) -> tuple[A, A, Any]:
         """`hc_post` of the sublayer whose output is `out` (`mix`: its pre-mix), then `hc_pre` of
         sublayer (il, site) over the new streams: (streams, x, mix). `StreamSteps` composes the two."""
@@ -281,7 +286,11 @@ class Ops(Protocol[A, S]):
 
 
 class StreamSteps:
-    """`Ops.hc_post_pre` and `Ops.hc_post_head` as their two steps, for a backend that does not fuse them."""
+    """`Ops.hc_post_pre` and `Ops.hc_post_head` as their two steps, for a backend that does not fuse them
+    (and so never updates streams in place: `kept` is h itself)."""
+
+    def kept(self, h: Any) -> Any:
+        return h
 
     def hc_post_pre(self, il: int, site: Site, h: Any, out: Any, mix: Any, batch: Batch) -> tuple[Any, Any, Any]:
         h = self.hc_post(h, out, mix, batch)
@@ -415,6 +424,8 @@ class Transformer(Generic[A, S]):
         return h, out, mix
 
     def _tap(self, il: int, h: A, batch: Batch[S]) -> None:
+        if self.taps:
+            h = self.ops.kept(h)  # a fused backend's later posts update h in place
         for tap in self.taps:
             tap(il, h, batch)
 

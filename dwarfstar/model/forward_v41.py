@@ -111,6 +111,11 @@ class Ops41(Protocol[A]):
 
     def hc_post(self, h: A, out: A, post: A, comb: A) -> A: ...
 
+    def kept(self, h: A) -> A:
+        """The streams h as they are now, safe from the updates this backend makes to them in place later
+        in the pass (a copy where it updates streams in place): what a capture records."""
+        ...
+
     def post_mix_input(
         self, il: int, site: str, h: A, after: tuple[A, A, A] | None, pre: A
     ) -> tuple[A, tuple[A, A, A], A]:
@@ -183,7 +188,11 @@ class Ops41(Protocol[A]):
 
 
 class LaggedSteps41:
-    """`Ops41.post_mix_input` as its three steps, for a backend that does not fuse them."""
+    """`Ops41.post_mix_input` as its three steps, for a backend that does not fuse them; `Ops41.kept` as
+    h itself, for one that never updates streams in place."""
+
+    def kept(self, h: Any) -> Any:
+        return h
 
     def post_mix_input(self, il: int, site: str, h: Any, after: tuple[Any, Any, Any] | None, pre: Any) -> tuple:
         if after is not None:
@@ -330,7 +339,7 @@ class Transformer41(Generic[A]):
             if layer.engram:
                 h = ops.engram(il, h, call.engram_rows[il], call.image)
             if captured:
-                inputs.append(h)
+                inputs.append(ops.kept(h))  # a fused backend's later posts update h in place
             h, (a_pre, a_post, a_comb), x = ops.post_mix_input(il, ATTN, h, after, pre)
             out = self._hook("attn_out", il, self._attention(layer, x, call.positions, state, call.shared))
             h, (pre, f_post, f_comb), x = ops.post_mix_input(il, FFN, h, (out, a_post, a_comb), a_pre)

@@ -173,3 +173,20 @@ def test_greedy_speculation_with_dspark_on_triton_emits_plain_greedy(backends, d
     assert spec.stats.steps > 1 and spec.stats.drafted[0] > 0 and spec.stats.rollbacks > 0
     if scripted:
         assert 0 < sum(spec.stats.accepted) < sum(spec.stats.drafted)
+
+
+def test_tapped_layer_streams_are_each_layers_own(backends):
+    """The target layers' streams a DSpark capture taps are each layer's as it was: Triton's fused
+    hc_post_pre updates the streams in place later in the pass, so a tap must not alias them."""
+    from dwarfstar.speculative.decode import capturing
+
+    triton, reference, _, _ = backends
+    taps = []
+    for model in (reference, triton):
+        with capturing(model, D.target_layers) as captured:
+            model.forward(PROMPT, model.new_state())
+        taps.append({il: captured[il].cpu() for il in D.target_layers})
+    want, got = taps
+    for il in D.target_layers:
+        assert rel_err(got[il], want[il]) < KV_TOL, (il, rel_err(got[il], want[il]))
+    assert not torch.equal(got[D.target_layers[0]], got[D.target_layers[-1]])

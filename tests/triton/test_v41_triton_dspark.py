@@ -112,3 +112,27 @@ def test_what_stays_refused_on_triton(v41_tiny_file, triton41, model, tmp_path):
         DSparkDraft41(triton41, model, v4_support)
     with pytest.raises(DwarfStarError, match=re.escape(MTP41_REFUSAL)):
         load_engine(EngineSpec(v41_tiny_file, "triton", ctx=CTX, speculation=MTPOptions(None, 2)))
+
+
+def test_captured_layer_inputs_are_each_layers_own(model, triton41):
+    """A capture records each target layer's input streams as they were there: Triton's fused posts
+    update the streams in place later in the pass, so the record must not alias them (it did: every
+    layer after the last Engram layer then held the final streams, and the drafter read those)."""
+    from dwarfstar.model.forward_v41 import Capture41
+
+    layers = tuple(range(V41_TINY.n_layers - 3, V41_TINY.n_layers))
+    reference = ReferenceModel41.from_file(model, 1 << 20, CTX)
+    records = []
+    for backend in (reference, triton41):
+        state, capture = backend.new_state(), Capture41(layers)
+        backend.forward([5, 6, 7], state, False, None, capture)
+        backend.forward([8], state, False, None, capture)
+        records.append([[h.cpu() for h in call] for call in capture.calls])
+    for want_call, got_call in zip(*records, strict=True):
+        for want, got in zip(want_call, got_call, strict=True):
+            assert rel_err(got, want) < QAT_REL, (rel_err(got, want), len(want))
+        assert not torch.equal(got_call[0], got_call[-1])
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())

@@ -209,6 +209,9 @@ class TritonOps:
         x, post, comb = hc_pre.hc_pre(h, *self._pre_mix(il, site), fused=batch.step.fused)
         return x, (post, comb)
 
+    def kept(self, h: torch.Tensor) -> torch.Tensor:
+        return h.clone()  # hc_post and hc_post_pre update the streams in place
+
     def hc_post(self, h: torch.Tensor, out: torch.Tensor, mix: tuple, batch: Batch[TritonStep]) -> torch.Tensor:
         return hc_post.hc_post(h, out, *mix)  # in place
 

@@ -151,6 +151,9 @@ class TritonOps41(LaggedSteps41):
         norm = self.w.vector(il, tt.sublayer_norm(site))
         return hc_collapse.hc_collapse(h, pre.to(self.device), norm, self.args.norm_eps)
 
+    def kept(self, h: torch.Tensor) -> torch.Tensor:
+        return h.clone()  # the posts update the streams in place
+
     def hc_post(self, h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         return hc_post.hc_post(h, out, post, comb)  # in place: the forward pass reads only the new streams
 
