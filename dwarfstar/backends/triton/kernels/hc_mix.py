@@ -28,12 +28,11 @@ from dwarfstar.backends.triton.kernels.hc_pre import (
     MIX_SPLIT,
     as_parts,
     collapse_norm,
+    finished_mixes,
     fused_launch,
     fused_work,
-    mix_weights,
     post_and_mix,
     stream_mixes,
-    streams_rsqrt,
 )
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
 from dwarfstar.backends.triton.runtime import (
@@ -43,7 +42,6 @@ from dwarfstar.backends.triton.runtime import (
     interpreting,
     last_program,
     next_pow2,
-    program_sums,
 )
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
@@ -102,15 +100,12 @@ def _hc_post_mix_kernel(
     if last_program(counter_ptr + tb, n_prog):
         s = tl.arange(0, NHC)[None, :]  # [1, NHC]
         jk = 2 * NHC + NHC * tl.arange(0, NHC)[:, None] + tl.arange(0, NHC)[None, :]
-        width = MIXP + 1
         for i in range(BT):
             t = tb * BT + i
             if t < T:
-                pre = program_sums(part_ptr, t, s, s >= 0, n_prog, width, NPP)
-                post = program_sums(part_ptr, t, NHC + s, s >= 0, n_prog, width, NPP)
-                comb = program_sums(part_ptr, t, jk, jk >= 0, n_prog, width, NPP)[None, :, :]
-                rs = streams_rsqrt(part_ptr, t, n_prog, D, norm_eps, NHC, MIXP, NPP)
-                pre, post, comb = mix_weights(pre, post, comb, rs, scale_ptr, base_ptr, iters, hc_eps, NHC)
+                pre, post, comb = finished_mixes(
+                    part_ptr, t, n_prog, D, scale_ptr, base_ptr, iters, hc_eps, norm_eps, NHC, MIXP, NPP
+                )
                 t64 = t.to(tl.int64)
                 tl.store(pre_out_ptr + t64 * NHC + s, pre)
                 tl.store(post_out_ptr + t64 * NHC + s, post)

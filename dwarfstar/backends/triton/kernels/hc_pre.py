@@ -178,6 +178,23 @@ def streams_rsqrt(part_ptr, t, n_prog, D, eps, NHC: tl.constexpr, MIXP: tl.const
 
 
 @triton.jit
+def finished_mixes(
+    part_ptr, t, n_prog, D, scale_ptr, base_ptr, iters, hc_eps, norm_eps,
+    NHC: tl.constexpr, MIXP: tl.constexpr, NPP: tl.constexpr,
+):  # fmt: skip
+    """Token t's (pre [1, NHC], post [1, NHC], comb [1, NHC, NHC]) from the programs' partial sums of the
+    mixes and squares (`post_and_mix`), added in program order, through `mix_weights` (Sinkhorn)."""
+    s = tl.arange(0, NHC)[None, :]  # [1, NHC]
+    jk = 2 * NHC + NHC * tl.arange(0, NHC)[:, None] + tl.arange(0, NHC)[None, :]
+    width = MIXP + 1
+    pre = program_sums(part_ptr, t, s, s >= 0, n_prog, width, NPP)
+    post = program_sums(part_ptr, t, NHC + s, s >= 0, n_prog, width, NPP)
+    comb = program_sums(part_ptr, t, jk, jk >= 0, n_prog, width, NPP)[None, :, :]
+    rs = streams_rsqrt(part_ptr, t, n_prog, D, norm_eps, NHC, MIXP, NPP)
+    return mix_weights(pre, post, comb, rs, scale_ptr, base_ptr, iters, hc_eps, NHC)
+
+
+@triton.jit
 def collapse_norm(h_ptr, t, weights, norm_ptr, out_ptr, D, eps, NHC: tl.constexpr, FD: tl.constexpr):
     """out[t] = RMSNorm(sum_s weights_s h_s; norm) for token t, weights [1, NHC], FD dims at a time.
 
@@ -219,15 +236,12 @@ def _hc_pre_fused_kernel(
     if last_program(counter_ptr + tb, n_prog):
         s = tl.arange(0, NHC)[None, :]  # [1, NHC]
         jk = 2 * NHC + NHC * tl.arange(0, NHC)[:, None] + tl.arange(0, NHC)[None, :]
-        width = MIXP + 1
         for i in range(BT):
             t = tb * BT + i
             if t < T:
-                pre = program_sums(part_ptr, t, s, s >= 0, n_prog, width, NPP)
-                post = program_sums(part_ptr, t, NHC + s, s >= 0, n_prog, width, NPP)
-                comb = program_sums(part_ptr, t, jk, jk >= 0, n_prog, width, NPP)[None, :, :]
-                rs = streams_rsqrt(part_ptr, t, n_prog, D, norm_eps, NHC, MIXP, NPP)
-                pre, post, comb = mix_weights(pre, post, comb, rs, scale_ptr, base_ptr, iters, hc_eps, NHC)
+                pre, post, comb = finished_mixes(
+                    part_ptr, t, n_prog, D, scale_ptr, base_ptr, iters, hc_eps, norm_eps, NHC, MIXP, NPP
+                )
                 t64 = t.to(tl.int64)
                 tl.store(post_out_ptr + t64 * NHC + s, post)
                 tl.store(comb_out_ptr + t64 * NHC * NHC + (jk - 2 * NHC)[None, :, :], comb)
