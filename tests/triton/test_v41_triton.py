@@ -124,9 +124,13 @@ def test_cli_run_answers_on_triton(monkeypatch, capsys, v41_tiny_file):
 
 def test_an_image_block_matches_the_reference(model, triton41):
     """A prompt with an image block (its rows in place of the embedding, the Engram gate shut, the image
-    router bias) gives the reference's logits."""
+    router bias) gives the reference's logits. The rows are seeded: random ones put a window value next
+    to an FP8 rounding midpoint now and then, which the two backends' summation orders round apart
+    (of 8 seeds, 5 agree to 1e-6, two to 2e-3, and seed 5 to 3.2e-2 with a KL of 4.7e-4, as in the
+    conformance suite's note on the QAT rounding)."""
     ids = content_ids(b"\x02" * 32, 5, model.args.vocab_size)
-    tokens, rows = [*PROMPT[:6], *ids, *PROMPT[6:20]], torch.randn(5, model.args.dim)
+    rows = torch.randn(5, model.args.dim, generator=torch.Generator().manual_seed(0))
+    tokens = [*PROMPT[:6], *ids, *PROMPT[6:20]]
     reference = ReferenceModel41.from_file(model, 1 << 20, 256)
     want = reference.forward(tokens, reference.new_state(), all_logits=False, images=[ImageSpan(6, rows)])
     got = triton41.forward(tokens, triton41.new_state(), all_logits=False, images=[ImageSpan(6, rows)])
