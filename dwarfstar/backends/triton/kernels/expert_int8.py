@@ -12,9 +12,9 @@ an integer, then the activation block scale and the super-block scale d as float
 IQ2_XXS's lattice values are 8, 25 and 43, exact in int8: `tables` holds per lattice row its 8 values
 as bytes and per 7-bit sign index the byte masks of its 8 signs (parity included), one int64 each,
 so that a lookup is one 8-byte load at the index itself (the byte picking a lattice row is one prmt
-on NVIDIA). The signs go to the activations, whose negations the rows hold beside them: a signed
-word is one select, (x & ~mask) | (-x & mask), and the products are the same integers as with
-signed weights.
+on NVIDIA). The signs go to the activations: the rows hold beside x the bits x ^ -x that negate it, so a
+signed word is one three-input logic op, x ^ ((x ^ -x) & mask), and the products are the same
+integers as with signed weights.
 
 The products are exact integers; the only rounding against the float reference is that of the
 activations to int8 (and of the mid activations, quantized by the gate/up kernel that computes
@@ -67,11 +67,15 @@ def tables(device: torch.device | str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Q8Rows:
-    """Rows quantized to int8 in blocks of 32: q int8 [R, C], neg = -q, scale float32 [R, C / 32], and
-    sums float32 [R, C / 16] (per 16 columns: the block scale times the sum of q)."""
+    """Rows quantized to int8 in blocks of 32: q int8 [R, C]; flip = q ^ -q, bytewise (the bits a sign
+    mask flips to negate q: q ^ (flip & mask) is -q where the mask's bytes are 0xFF); scale float32
+    [R, C / 16], each block's scale once per 16 columns; and sums float32 [R, C / 16] (per 16 columns:
+    the block scale times the sum of q). Scales and sums per 16 columns have the layout of the
+    sub-blocks they go with (Q2_K's; IQ2_XXS loads a block's scale pair as it loads activation words),
+    so a loop's loads of them need no layout conversion."""
 
     q: torch.Tensor
-    neg: torch.Tensor
+    flip: torch.Tensor
     scale: torch.Tensor
     sums: torch.Tensor
 
@@ -82,7 +86,7 @@ class Q8Rows:
         return cls(
             torch.empty(rows, cols, device=device, dtype=torch.int8),
             torch.empty(rows, cols, device=device, dtype=torch.int8),
-            torch.empty(rows, cols // Q8_BLOCK, device=device),
+            torch.empty(rows, cols // 16, device=device),
             torch.empty(rows, cols // 16, device=device),
         )
 
@@ -143,11 +147,11 @@ def store_q8(y, q_ptr, n_ptr, s_ptr, sum_ptr, row_at, n0, N, BN: tl.constexpr, P
     scale = tl.div_rn(amax, 127.0)
     n = n0 + tl.arange(0, BN)
     tl.store(q_ptr + row_at + n, tl.reshape(r, [BN]).to(tl.int8), mask=n < N)
-    tl.store(n_ptr + row_at + n, tl.reshape(-r, [BN]).to(tl.int8), mask=n < N)
-    b = (n0 + 32 * tl.arange(0, BN // 32)) // 32
-    tl.store(s_ptr + row_at // 32 + b, scale, mask=b < N // 32)
-    sums = tl.sum(tl.reshape(r, [BN // 32, 2, 16]), axis=2).to(tl.float32) * scale[:, None]
+    tl.store(n_ptr + row_at + n, tl.reshape(r ^ -r, [BN]).to(tl.int8), mask=n < N)
     h = n0 // 16 + tl.arange(0, BN // 16)
+    pair = tl.reshape(tl.join(scale, scale), [BN // 16])  # each block's scale for both its 16-column halves
+    tl.store(s_ptr + row_at // 16 + h, pair, mask=h < N // 16)
+    sums = tl.sum(tl.reshape(r, [BN // 32, 2, 16]), axis=2).to(tl.float32) * scale[:, None]
     tl.store(sum_ptr + row_at // 16 + h, tl.reshape(sums, [BN // 16]), mask=h < N // 16)
 
 
@@ -165,7 +169,7 @@ def quantize_rows(x: torch.Tensor) -> Q8Rows:
     out = Q8Rows.empty(rows, cols, x.device)
     bk = min(1024, triton.next_power_of_2(cols))
     _quantize_kernel[(rows, triton.cdiv(cols, bk))](
-        x, x.stride(0), out.q, out.neg, out.scale, out.sums, cols, BK=bk, PTX=compiles_ptx()
+        x, x.stride(0), out.q, out.flip, out.scale, out.sums, cols, BK=bk, PTX=compiles_ptx()
     )
     return out
 
@@ -179,7 +183,7 @@ def reference_rows(x: torch.Tensor) -> Q8Rows:
     scale = amax / 127.0
     sums = r.reshape(x.shape[0], -1, 2, 16).sum(-1) * scale
     q = r.reshape(x.shape).to(torch.int8)
-    return Q8Rows(q, -q, scale.reshape(x.shape[0], -1), sums.reshape(x.shape[0], -1))
+    return Q8Rows(q, q ^ -q, scale.repeat_interleave(2, dim=-1).reshape(x.shape[0], -1), sums.reshape(x.shape[0], -1))
 
 
 @triton.jit
@@ -206,7 +210,7 @@ def _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, PTX: tl.constexpr, B
         xw = tl.reshape(tl.load(xw_ptr + run + 8 * s), [BN, 4, 2, 2])
         t = _dp4a_last2(q, xw, tl.zeros([BN, 4], tl.int32), PTX)  # [BN, c]
         sc = tl.load(w_ptr + side + 8 * h + 2 * s + lh).to(tl.int32)
-        xs = tl.load(xs_ptr + (rows + sb * 8 + 4 * h + s))
+        xs = tl.load(xs_ptr + (rows + sb * 16 + 8 * h + 2 * s + lh))
         xm = tl.load(xm_ptr + (rows + sb * 16 + 8 * h + 2 * s + lh))
         acc_q += (t * (sc & 15)).to(tl.float32) * xs
         acc_m += (sc >> 4).to(tl.float32) * xm
@@ -232,7 +236,7 @@ def _words(v):
 
 
 @triton.jit
-def _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xn_ptr, xs_ptr, PTX: tl.constexpr, BN: tl.constexpr):
+def _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xf_ptr, xs_ptr, PTX: tl.constexpr, BN: tl.constexpr):
     # payload (64 B per super-block): 8 groups of 32 columns, each two words: 4 bytes picking lattice
     # rows (8 columns each) and four 7-bit sign indexes (bits 0-27) with a scale s (bits 28-31);
     # side: f16 d; x = d (2 s + 1) / 8 * grid * sign. Group g is activation block 8 sb + g
@@ -251,46 +255,46 @@ def _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xn_ptr, xs_ptr, PTX: tl.
         value = _words(tl.load(grid + _byte(points, t, PTX)))  # [BN, g, half]
         mask = _words(tl.load(signs + ((aux >> (7 * t)) & 127).to(tl.int32)))
         at = rows + (sb * 64 + 8 * g + 2 * t)[None, :, None] + half[None, None, :]
-        xw, nx = tl.load(xw_ptr + at), tl.load(xn_ptr + at)  # [BN, g, half]: x and -x
-        isum = _dp4a_last(value, (xw & ~mask) | (nx & mask), isum, PTX)
-    xs = tl.load(xs_ptr + (sb * 8 + tl.zeros([BN], tl.int32)[:, None] + g[None, :]))
+        xw, xf = tl.load(xw_ptr + at), tl.load(xf_ptr + at)  # [BN, g, half]: x and x ^ -x
+        isum = _dp4a_last(value, xw ^ (xf & mask), isum, PTX)
+    xs, _ = tl.split(tl.load(xs_ptr + rows + (sb * 16 + 2 * g)[None, :, None] + half[None, None, :]))  # a scale pair
     d = tl.load((w_ptr + row_off + K // 4 + 2 * sb).to(tl.pointer_type(tl.float16))).to(tl.float32)
     part = (isum * (2 * (aux >> 28) + 1).to(tl.int32)).to(tl.float32) * xs
     return part * (0.125 * d)[:, None]
 
 
 @triton.jit
-def _q8_step(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr,
+def _q8_step(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xf_ptr, xs_ptr, xm_ptr,
              WTYPE: tl.constexpr, PTX: tl.constexpr, BN: tl.constexpr):  # fmt: skip
     if WTYPE == 10:
         return _q8_q2_k(w_ptr, row_off, sb, K, xw_ptr, xs_ptr, xm_ptr, PTX, BN)  # [BN, 4]
     else:
-        return _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xn_ptr, xs_ptr, PTX, BN)  # [BN, 8]
+        return _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xf_ptr, xs_ptr, PTX, BN)  # [BN, 8]
 
 
 @triton.jit
-def q8_rows_dot(xw_ptr, xn_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE: tl.constexpr,
+def q8_rows_dot(xw_ptr, xf_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE: tl.constexpr,
                 BN: tl.constexpr, TWO: tl.constexpr, PTX: tl.constexpr, SBP: tl.constexpr):  # fmt: skip
     """Products [BN] of the rows at byte offsets row_off [BN] (int64) of w1 (and w2 when TWO) with one
-    int8 activation row (`Q8Rows` buffers: q and neg as int32 words, scales, sums; column 0 at element x0,
+    int8 activation row (`Q8Rows` buffers: q and flip as int32 words, scales, sums; column 0 at element x0,
     a multiple of 256), over K columns; WTYPE in Q8_TYPES. SBP super-blocks a pass (K / 256 a multiple
     of it): their loads in flight together. The partial sums of each thread are added over
     super-blocks first, in order, and across threads once, after the loop: an order fixed by the shapes."""
     xw_ptr += x0 // 4  # the row's words, negated words, block scales and sums
-    xn_ptr += x0 // 4
-    xs_ptr += x0 // 32
+    xf_ptr += x0 // 4
+    xs_ptr += x0 // 16
     xm_ptr += x0 // 16
-    a1 = _q8_step(w1_ptr, tab_ptr, row_off, 0, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+    a1 = _q8_step(w1_ptr, tab_ptr, row_off, 0, K, xw_ptr, xf_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
     a2 = a1
     if TWO:
-        a2 = _q8_step(w2_ptr, tab_ptr, row_off, 0, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+        a2 = _q8_step(w2_ptr, tab_ptr, row_off, 0, K, xw_ptr, xf_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
     for j in tl.static_range(1, SBP):
-        a1 += _q8_step(w1_ptr, tab_ptr, row_off, j, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+        a1 += _q8_step(w1_ptr, tab_ptr, row_off, j, K, xw_ptr, xf_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
         if TWO:
-            a2 += _q8_step(w2_ptr, tab_ptr, row_off, j, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+            a2 += _q8_step(w2_ptr, tab_ptr, row_off, j, K, xw_ptr, xf_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
     for sb0 in range(SBP, K // 256, SBP):
         for j in tl.static_range(SBP):
-            a1 += _q8_step(w1_ptr, tab_ptr, row_off, sb0 + j, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+            a1 += _q8_step(w1_ptr, tab_ptr, row_off, sb0 + j, K, xw_ptr, xf_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
             if TWO:
-                a2 += _q8_step(w2_ptr, tab_ptr, row_off, sb0 + j, K, xw_ptr, xn_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
+                a2 += _q8_step(w2_ptr, tab_ptr, row_off, sb0 + j, K, xw_ptr, xf_ptr, xs_ptr, xm_ptr, WTYPE, PTX, BN)
     return tl.sum(a1, axis=1), tl.sum(a2, axis=1)

@@ -261,19 +261,19 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
     `matrices` x bn rows of bk columns an iteration, or in the tensor-core form (fast) one per matrix
     (the form runs them one after the other); `parts` row parts of k_in / bk iterations each; t
     activation rows (`rows_loaded` of them loaded: masked rows too), 16 in the tensor-core form; q8:
-    the int8 form (`expert_int8`: a byte per column, a float scale per 32 and a sum per 16), where
+    the int8 form (`expert_int8`: a byte per column, a float scale and a sum per 16), where
     every row loads the activations of each of its runs (Q2_K: 64 bytes and 8 floats, 4 runs a
-    super-block) or groups (IQ2_XXS: 32 bytes, their negations and a float, 8 groups) itself: the
+    super-block) or groups (IQ2_XXS: 32 bytes, their flip bits and a scale pair, 8 groups) itself: the
     compiled loops hold a row's runs in one thread, not a run's rows (sm_90 SASS under triton 3.6:
     per thread and pass of two super-blocks, 32 16-byte and 48 4-byte activation loads for Q2_K's one
     row, 64 8-byte ones for IQ2_XXS's four row-groups, the gate and up products sharing them)."""
     ggml_type = GGMLType(wtype)
     per_loop = 1 if fast else matrices
     weight = per_loop * bn * row_bytes * bk // k_in
-    x_bytes = x_bytes if not q8 else 1 + 4 / 32 + 4 / 16
+    x_bytes = x_bytes if not q8 else 1 + 4 / 16 + 4 / 16
     x = int((16 if fast and name == "shared" else rows_loaded) * x_bytes * bk)
     if q8:
-        x = bn * (4 * 96 if ggml_type == GGMLType.Q2_K else 8 * 68)
+        x = bn * (4 * 96 if ggml_type == GGMLType.Q2_K else 8 * 72)
     lookups = 0
     if ggml_type == GGMLType.IQ2_XXS:  # lattice rows and sign masks per 8 columns, from the cached table
         lookups = per_loop * bn * bk // 8 * (16 if q8 else 32 if fast else 64)
@@ -363,7 +363,7 @@ def _routed_rows(x_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_r
 
 
 @triton.jit
-def _routed_rows_q8(xq_ptr, xn_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, on_ptr, os_ptr,
+def _routed_rows_q8(xq_ptr, xf_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, of_ptr, os_ptr,
                     om_ptr, out_row, stride_out, n0, expert, K, N, row_bytes, limit, scale, WTYPE: tl.constexpr,
                     BN: tl.constexpr, GATED: tl.constexpr, PTX: tl.constexpr, SBP: tl.constexpr):  # fmt: skip
     """`_routed_rows` over int8 activations (`expert_int8.Q8Rows` buffers xq, xn as int32 words, xs, xm;
@@ -372,10 +372,10 @@ def _routed_rows_q8(xq_ptr, xn_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_
     n = n0 + tl.arange(0, BN)
     row_off = (expert.to(tl.int64) * N + tl.minimum(n, N - 1)) * row_bytes
     x0 = x_row.to(tl.int64) * stride_x
-    a1, a2 = q8_rows_dot(xq_ptr, xn_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, BN, GATED, PTX,
+    a1, a2 = q8_rows_dot(xq_ptr, xf_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, BN, GATED, PTX,
                          SBP)  # fmt: skip
     if GATED:
-        store_q8(_swiglu(a1, a2, limit) * scale, out_ptr, on_ptr, os_ptr, om_ptr, out_row.to(tl.int64) * stride_out,
+        store_q8(_swiglu(a1, a2, limit) * scale, out_ptr, of_ptr, os_ptr, om_ptr, out_row.to(tl.int64) * stride_out,
                  n0, N, BN, PTX)  # fmt: skip
     else:
         tl.store(out_ptr + out_row.to(tl.int64) * stride_out + n, a1, mask=n < N)
@@ -384,7 +384,7 @@ def _routed_rows_q8(xq_ptr, xn_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr, ids_ptr, route_w_ptr, gate_ptr, up_ptr, sgate_ptr, sup_ptr, tab_ptr, mid_ptr,
-    xq_ptr, xn_ptr, xs_ptr, xm_ptr, mq_ptr, mn_ptr, ms_ptr, mm_ptr,
+    xq_ptr, xf_ptr, xs_ptr, xm_ptr, mq_ptr, mf_ptr, ms_ptr, mm_ptr,
     T, k, D, F, FS, FM, stride_x, row_bytes, srow_bytes, limit,
     RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
     SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr, RQ8: tl.constexpr,
@@ -400,7 +400,7 @@ def _decode_gate_up_kernel(
     else:
         e = col - 1
         if RQ8:  # int8 rows x_q (D columns) in, int8 mid rows m_q (FM columns) out
-            _routed_rows_q8(xq_ptr, xn_ptr, xs_ptr, xm_ptr, e // k, D, gate_ptr, up_ptr, tab_ptr, mq_ptr, mn_ptr,
+            _routed_rows_q8(xq_ptr, xf_ptr, xs_ptr, xm_ptr, e // k, D, gate_ptr, up_ptr, tab_ptr, mq_ptr, mf_ptr,
                             ms_ptr, mm_ptr, e, FM, n0, tl.load(ids_ptr + e), D, F, row_bytes, limit,
                             tl.load(route_w_ptr + e), RTYPE, BN, True, PTX, SBP)  # fmt: skip
         else:
@@ -411,7 +411,7 @@ def _decode_gate_up_kernel(
 
 @triton.jit
 def _decode_down_kernel(
-    mid_ptr, ids_ptr, down_ptr, sdown_ptr, tab_ptr, part_ptr, tickets_ptr, out_ptr, mq_ptr, mn_ptr, ms_ptr, mm_ptr,
+    mid_ptr, ids_ptr, down_ptr, sdown_ptr, tab_ptr, part_ptr, tickets_ptr, out_ptr, mq_ptr, mf_ptr, ms_ptr, mm_ptr,
     T, k, F, FS, FM, D, row_bytes, srow_bytes, stride_out,
     RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
     SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr, RQ8: tl.constexpr,
@@ -428,7 +428,7 @@ def _decode_down_kernel(
     else:
         e = col - 1
         if RQ8:
-            _routed_rows_q8(mq_ptr, mn_ptr, ms_ptr, mm_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, part_ptr,
+            _routed_rows_q8(mq_ptr, mf_ptr, ms_ptr, mm_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, part_ptr,
                             part_ptr, part_ptr, e, D, nb * BN, tl.load(ids_ptr + e), F, D, row_bytes, 0.0, 1.0, RTYPE,
                             BN, False, PTX, SBP)  # fmt: skip
         else:
@@ -544,14 +544,14 @@ def decode_ffn(
             grid = (triton.cdiv(fm, bn), t * k + 1)
             _decode_gate_up_kernel[grid](
                 x, ids, route_weights, gate.data, up.data, sgate.data, sup.data, tab, mid,
-                xq.q.view(torch.int32), xq.neg.view(torch.int32), xq.scale, xq.sums, mq.q, mq.neg, mq.scale, mq.sums,
+                xq.q.view(torch.int32), xq.flip.view(torch.int32), xq.scale, xq.sums, mq.q, mq.flip, mq.scale, mq.sums,
                 t, k, d, f, fs, fm, x.stride(0), gate.row_bytes, sgate.row_bytes, limit, **consts,
             )  # fmt: skip
         else:
             blocks = triton.cdiv(d, bn)
             _decode_down_kernel[(blocks, t * k + 1)](
                 mid, ids, down.data, sdown.data, tab, parts, ticket_counters(device, "experts", blocks), out,
-                mq.q.view(torch.int32), mq.neg.view(torch.int32), mq.scale, mq.sums,
+                mq.q.view(torch.int32), mq.flip.view(torch.int32), mq.scale, mq.sums,
                 t, k, f, fs, fm, d, down.row_bytes, sdown.row_bytes, out.stride(0), **consts,
             )  # fmt: skip
     return out
