@@ -46,7 +46,7 @@ def test_layer_modes_in_the_recorded_step(plan6):
     for r in layers:
         hc = {k: v for k, v in r["kernels"].items() if k.startswith("_hc_")}
         alone = r is reuse1 or layers[r["layer"] + 1]["engram"]
-        assert hc == {"_hc_post_mix_kernel": 2} | ({"_hc_post_kernel": 1} if alone else {}), r
+        assert hc == {"_hc_pre_fused_kernel": 2} | ({"_hc_post_kernel": 1} if alone else {}), r
     # a reuse layer owns the window layer's matrices and nothing else (no compressor, no indexer): the same
     # kernels; it only picks rows it does not own
     assert reuse2["kernels"] | {"_hc_post_kernel": 1} == reuse1["kernels"] == window["kernels"]

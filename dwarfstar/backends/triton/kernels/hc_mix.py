@@ -6,11 +6,11 @@ nothing is collapsed here: V4.1 collapses a sublayer's input with the pre of the
 (`hc_collapse`), so the pre is written out for the next one. One program per BT tokens, the streams in
 registers (`hc_pre.load_streams`).
 
-In a decode step (`hc_post_mix`) a sublayer's mHC steps are one launch, as V4's `hc_pre.hc_post_pre`:
-the post of the sublayer before (in place, when there is one), the partial mixes and squares of each
-program's BD dims (`hc_pre.post_and_mix`), and in the last program of a token to finish
-(`runtime.last_program`) the sums in a fixed order, Sinkhorn, and the collapse with the pre of the
-sublayer before plus the sublayer's norm (`hc_pre.collapse_norm`).
+In a decode step (`hc_post_mix`) a sublayer's mHC steps are one launch of V4's kernel
+(`hc_pre._hc_pre_fused_kernel`, as `hc_pre.hc_post_pre`) with LAGGED: the post of the sublayer before
+(in place, when there is one), the partial mixes and squares of each program's BD dims, and in the
+last program of a token to finish the sums in a fixed order and Sinkhorn; the pre is written out, and
+the collapse plus the sublayer's norm take the pre of the sublayer before.
 """
 
 from __future__ import annotations
@@ -24,25 +24,9 @@ import triton.language as tl
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels import hc_collapse
 from dwarfstar.backends.triton.kernels import hc_post as post_kernel
-from dwarfstar.backends.triton.kernels.hc_pre import (
-    MIX_SPLIT,
-    as_parts,
-    collapse_norm,
-    finished_mixes,
-    fused_launch,
-    fused_work,
-    post_and_mix,
-    stream_mixes,
-)
+from dwarfstar.backends.triton.kernels.hc_pre import MIX_SPLIT, as_parts, launch_fused, stream_mixes
 from dwarfstar.backends.triton.kernels.qmatmul import qmatmul
-from dwarfstar.backends.triton.runtime import (
-    BenchCase,
-    BenchShape,
-    KernelWork,
-    interpreting,
-    last_program,
-    next_pow2,
-)
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
 
@@ -84,36 +68,6 @@ def hc_mix(
     return pre, post, comb
 
 
-@triton.jit
-def _hc_post_mix_kernel(
-    h_ptr, parts_ptr, post_ptr, comb_ptr, fn_ptr, scale_ptr, base_ptr, lag_ptr, norm_ptr, x_ptr,
-    pre_out_ptr, post_out_ptr, comb_out_ptr, part_ptr, counter_ptr, T, D, P, fn_row_bytes, stream_bytes,
-    iters, hc_eps, norm_eps,
-    POST: tl.constexpr, WTYPE: tl.constexpr, NHC: tl.constexpr, MIXP: tl.constexpr, BT: tl.constexpr,
-    BD: tl.constexpr, NPP: tl.constexpr, FD: tl.constexpr,
-):  # fmt: skip
-    tb, n_prog = tl.program_id(1), tl.num_programs(0)
-    post_and_mix(
-        h_ptr, parts_ptr, post_ptr, comb_ptr, fn_ptr, part_ptr, tb, T, D, P, fn_row_bytes, stream_bytes,
-        NHC * (NHC + 2), POST, WTYPE, NHC, MIXP, BT, BD,
-    )  # fmt: skip
-    if last_program(counter_ptr + tb, n_prog):
-        s = tl.arange(0, NHC)[None, :]  # [1, NHC]
-        jk = 2 * NHC + NHC * tl.arange(0, NHC)[:, None] + tl.arange(0, NHC)[None, :]
-        for i in range(BT):
-            t = tb * BT + i
-            if t < T:
-                pre, post, comb = finished_mixes(
-                    part_ptr, t, n_prog, D, scale_ptr, base_ptr, iters, hc_eps, norm_eps, NHC, MIXP, NPP
-                )
-                t64 = t.to(tl.int64)
-                tl.store(pre_out_ptr + t64 * NHC + s, pre)
-                tl.store(post_out_ptr + t64 * NHC + s, post)
-                tl.store(comb_out_ptr + t64 * NHC * NHC + (jk - 2 * NHC)[None, :, :], comb)
-                lag = tl.load(lag_ptr + t64 * NHC + s)  # the pre of the sublayer before
-                collapse_norm(h_ptr, t, lag, norm_ptr, x_ptr, D, norm_eps, NHC, FD)
-
-
 def hc_post_mix(
     h: torch.Tensor,
     after: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
@@ -132,26 +86,15 @@ def hc_post_mix(
     the post `after` (the sublayer before's output [T, D] or parts [T, P, D], post [T, n], comb
     [T, n, n]; None: none), its mix ((pre, post, comb) as `hc_mix`), and the collapse with `pre` [T, n]
     (the sublayer before's) normed by `norm` [D] ([T, D], as `hc_collapse`). `dims` and `tokens` size
-    the programs (`hc_pre.fused_launch`)."""
-    t, nhc, d = h.shape
+    the programs (`hc_pre.fused_launch`); the launch is `hc_pre.launch_fused`'s."""
+    d = h.shape[2]
     if pre.shape != h.shape[:2] or norm.shape != (d,):
         raise ValueError(f"collapse of streams {tuple(h.shape)} with pre {tuple(pre.shape)}, norm {tuple(norm.shape)}")
-    parts = None if after is None else as_parts(after[0])
-    sizes, grid, part, counters = fused_launch(h, parts, fn, nhc * (nhc + 2), dims, tokens)
-    x = torch.empty(t, d, device=h.device, dtype=torch.float32)
-    shapes = ((t, nhc), (t, nhc), (t, nhc, nhc))
-    mixes = tuple(torch.empty(shape, device=h.device, dtype=torch.float32) for shape in shapes)
-    before = (h, h, h) if after is None else (parts, after[1], after[2])  # unread without the post
-    _hc_post_mix_kernel[grid](
-        h, *before, fn.data, scale, base, pre.contiguous(), norm, x, *mixes, part, counters,
-        iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, **sizes,
-    )  # fmt: skip
-    return mixes, x  # type: ignore[return-value]
-
-
-def launch_work(kernel: str, a: dict) -> KernelWork | None:
-    """What a `_hc_post_mix_kernel` launch moves (`hc_pre.fused_work`, the pre written too)."""
-    return fused_work(a, a["NHC"] * (a["NHC"] + 2)) if kernel == "_hc_post_mix_kernel" else None
+    parts, post, comb = (None, None, None) if after is None else (as_parts(after[0]), *after[1:])
+    x, *mixes = launch_fused(
+        h, parts, post, comb, fn, scale, base, norm, iters, hc_eps, norm_eps, dims, tokens, lag=pre.contiguous()
+    )
+    return tuple(mixes), x  # type: ignore[return-value]
 
 
 def reference(h, fn: QWeight, scale, base, iters, hc_eps, norm_eps):

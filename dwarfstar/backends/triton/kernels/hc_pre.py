@@ -10,8 +10,10 @@ before (stream k = post_k * out + sum_j comb[j, k] h_j, `hc_post`) and this pre-
 Each program owns BD dims of a token's 4 streams: it updates them in place (with the post), and
 stores its partial sums of the 24 mixes and of the squares; the last program of the token to finish
 (`runtime.last_program`) adds the partials in a fixed order, runs Sinkhorn and reads the new streams
-back for the collapse and the norm. Prefill chunks take the mixes from the split-K GEMV (`qmatmul`)
-and run one program per token with its streams in registers (4 x 4096 floats for Flash).
+back for the collapse and the norm. V4.1's lagged mHC (`hc_mix.hc_post_mix`) is the same launch with
+LAGGED: it writes the fresh pre out and collapses with the pre of the sublayer before. Prefill chunks
+take the mixes from the split-K GEMV (`qmatmul`) and run one program per token with its streams in
+registers (4 x 4096 floats for Flash).
 """
 
 from __future__ import annotations
@@ -222,10 +224,10 @@ def collapse_norm(h_ptr, t, weights, norm_ptr, out_ptr, D, eps, NHC: tl.constexp
 
 @triton.jit
 def _hc_pre_fused_kernel(
-    h_ptr, parts_ptr, post_ptr, comb_ptr, fn_ptr, scale_ptr, base_ptr, norm_ptr, x_ptr, post_out_ptr, comb_out_ptr,
-    part_ptr, counter_ptr, T, D, P, fn_row_bytes, stream_bytes, iters, hc_eps, norm_eps,
+    h_ptr, parts_ptr, post_ptr, comb_ptr, fn_ptr, scale_ptr, base_ptr, lag_ptr, norm_ptr, x_ptr, pre_out_ptr,
+    post_out_ptr, comb_out_ptr, part_ptr, counter_ptr, T, D, P, fn_row_bytes, stream_bytes, iters, hc_eps, norm_eps,
     POST: tl.constexpr, WTYPE: tl.constexpr, NHC: tl.constexpr, MIXP: tl.constexpr, BT: tl.constexpr,
-    BD: tl.constexpr, NPP: tl.constexpr, FD: tl.constexpr,
+    BD: tl.constexpr, NPP: tl.constexpr, FD: tl.constexpr, LAGGED: tl.constexpr,
 ):  # fmt: skip
     tb, n_prog = tl.program_id(1), tl.num_programs(0)
     n_mix = NHC * (NHC + 2)
@@ -245,6 +247,9 @@ def _hc_pre_fused_kernel(
                 t64 = t.to(tl.int64)
                 tl.store(post_out_ptr + t64 * NHC + s, post)
                 tl.store(comb_out_ptr + t64 * NHC * NHC + (jk - 2 * NHC)[None, :, :], comb)
+                if LAGGED:  # V4.1: the fresh pre is the next sublayer's; this one collapses with the one before's
+                    tl.store(pre_out_ptr + t64 * NHC + s, pre)
+                    pre = tl.load(lag_ptr + t64 * NHC + s)
                 collapse_norm(h_ptr, t, pre, norm_ptr, x_ptr, D, norm_eps, NHC, FD)
 
 
@@ -286,18 +291,24 @@ def as_parts(out: torch.Tensor) -> torch.Tensor:
     return out if out.dim() == 3 else out.unsqueeze(1)
 
 
-def _fused(h, parts, post, comb, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, dims, tokens):
+def launch_fused(h, parts, post, comb, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, dims, tokens, lag=None):
+    """The one launch (`_hc_pre_fused_kernel`, sized by `fused_launch`): the post (with `parts`, its
+    `post` and `comb`), the mix and the normed collapse -> (x, pre, post, comb) of the sublayer. With
+    `lag` [T, n] (V4.1's lagged mHC: LAGGED) the collapse takes it and the fresh pre is returned for the
+    next sublayer; without (V4) the fresh pre collapses and pre is None."""
     t, nhc, d = h.shape
     sizes, grid, part, counters = fused_launch(h, parts, fn, nhc * (nhc + 2), dims, tokens)
     x = torch.empty(t, d, device=h.device, dtype=torch.float32)
+    pre_out = None if lag is None else torch.empty(t, nhc, device=h.device, dtype=torch.float32)
     post_out = torch.empty(t, nhc, device=h.device, dtype=torch.float32)
     comb_out = torch.empty(t, nhc, nhc, device=h.device, dtype=torch.float32)
     before = (h, h, h) if parts is None else (parts, post, comb)  # unread without the post
+    lag_from, pre_to = (h, h) if lag is None else (lag, pre_out)  # untouched without LAGGED
     _hc_pre_fused_kernel[grid](
-        h, *before, fn.data, scale, base, norm_weight, x, post_out, comb_out, part, counters,
-        iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, **sizes,
+        h, *before, fn.data, scale, base, lag_from, norm_weight, x, pre_to, post_out, comb_out, part, counters,
+        iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, LAGGED=lag is not None, **sizes,
     )  # fmt: skip
-    return x, post_out, comb_out
+    return x, pre_out, post_out, comb_out
 
 
 def hc_pre(
@@ -318,7 +329,10 @@ def hc_pre(
     `fused`: in one launch (a decode step), its programs sized by `dims` and `tokens` (`fused_launch`)."""
     t, nhc, d = h.shape
     if fused:
-        return _fused(h, None, None, None, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, dims, tokens)
+        x, _, post, comb = launch_fused(
+            h, None, None, None, fn, scale, base, norm_weight, iters, hc_eps, norm_eps, dims, tokens
+        )
+        return x, post, comb
     mix = qmatmul(h.view(t, nhc * d), fn, split_k=MIX_SPLIT)
     out = torch.empty(t, d, device=h.device, dtype=torch.float32)
     post = torch.empty(t, nhc, device=h.device, dtype=torch.float32)
@@ -338,7 +352,8 @@ def hc_post_pre(
     [T, n], comb [T, n, n]), then `hc_pre` of the next, `mix` its (fn, scale, base, norm_weight, iters,
     hc_eps, norm_eps), in one launch: (x, post, comb) of the next. For a decode step; a prefill chunk
     runs `hc_post`, then `hc_pre`."""
-    return _fused(h, as_parts(out), post, comb, *mix, dims, tokens)
+    x, _, post, comb = launch_fused(h, as_parts(out), post, comb, *mix, dims, tokens)
+    return x, post, comb
 
 
 def fused_work(a: dict, n_mix: int) -> KernelWork:
