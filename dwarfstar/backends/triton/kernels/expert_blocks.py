@@ -266,32 +266,37 @@ def _exact_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.co
     # payload (64 B per super-block): 8 groups of 32 elements, each two words: 4 bytes picking lattice
     # rows (8 elements each) and four 7-bit sign indexes (bits 0-27) with a scale s (bits 28-31);
     # the 8th sign makes the count of minus signs even. side: f16 d. x = d (0.5 + s) / 4 * grid * sign.
-    # The lattice rows and the sign masks (xor on the float sign bits) come from `tables`
+    # The lattice rows and the sign masks (xor on the float sign bits) come from `tables`. The group
+    # leads the row in every tensor below: the lookups' layout (a lattice row's 4 values in a thread,
+    # lanes over the leading dims) then holds each group where the words put it, and the activations,
+    # loaded at the same addresses for every row, where the products want them: no layout conversion
     words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None]
                     + tl.arange(0, 16)[None, :])  # fmt: skip
     points, aux = tl.split(tl.reshape(words, [BN, 8, 2]))  # [BN, g]
+    points, aux = tl.trans(points), tl.trans(aux)  # [g, BN]
     pick = tl.join(tl.join(points & 255, (points >> 8) & 255), tl.join((points >> 16) & 255, points >> 24))
     signs = tl.join(tl.join(aux & 127, (aux >> 7) & 127), tl.join((aux >> 14) & 127, (aux >> 21) & 127))
     e = tl.arange(0, 4)  # 16-byte lookups: a thread keeps a whole lattice row
     at = (8 * pick)[:, :, :, :, None] + e[None, None, None, None, :]
-    grid = tl.join(tl.load(tab_ptr + at), tl.load(tab_ptr + at + 4))  # [BN, g, c_i, c_j, e, e_hi]
+    grid = tl.join(tl.load(tab_ptr + at), tl.load(tab_ptr + at + 4))  # [g, BN, c_i, c_j, e, e_hi]
     at = SIGNS32_AT + (8 * signs)[:, :, :, :, None] + e[None, None, None, None, :]
     flip = tl.join(tl.load(tab_ptr + at), tl.load(tab_ptr + at + 4))
     v = (grid ^ flip).to(tl.float32, bitcast=True)
     i = tl.arange(0, 2)
     k = (
-        (32 * tl.arange(0, 8))[:, None, None, None, None]
-        + (8 * i)[None, :, None, None, None]
-        + (16 * i)[None, None, :, None, None]
-        + e[None, None, None, :, None]
-        + (4 * i)[None, None, None, None, :]
+        (32 * tl.arange(0, 8))[:, None, None, None, None, None]
+        + tl.zeros([BN], tl.int32)[None, :, None, None, None, None]
+        + (8 * i)[None, None, :, None, None, None]
+        + (16 * i)[None, None, None, :, None, None]
+        + e[None, None, None, None, :, None]
+        + (4 * i)[None, None, None, None, None, :]
     )
-    x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, g, c_i, c_j, e, e_hi]
-    prod = _fma_last(tl.reshape(v, [1, BN, 8, 2, 2, 4, 2]), x[:, None], 0.0)
-    part = tl.sum(tl.sum(tl.sum(prod, axis=5), axis=4), axis=3)  # [TB, BN, g]
+    x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, g, BN, c_i, c_j, e, e_hi]
+    prod = _fma_last(v[None], x, 0.0)
+    part = tl.sum(tl.sum(tl.sum(prod, axis=5), axis=4), axis=3)  # [TB, g, BN]
     d = tl.load((w_ptr + row_off + K // 4 + 2 * sb).to(tl.pointer_type(tl.float16))).to(tl.float32)
-    db = d[:, None] * (0.5 + (aux >> 28).to(tl.float32)) * 0.25  # [BN, g]
-    return part * db[None]
+    db = d[None, :] * (0.5 + (aux >> 28).to(tl.float32)) * 0.25  # [g, BN]
+    return tl.permute(part * db[None], (0, 2, 1))  # [TB, BN, g]
 
 
 @triton.jit
