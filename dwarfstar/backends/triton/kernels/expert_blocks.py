@@ -10,8 +10,9 @@ never built as floats by table lookups per element or int-to-float conversions: 
 out of 32-bit words with shifts and masks, turned into floats by or-ing them into the mantissa of
 2^23 (`0x4B000000 | q` is 2^23 + q, one subtraction from q) and joined (`tl.join`) so that each
 thread holds whole 16-byte runs and sums its products in registers. The K-quants' scales apply per
-sub-block to the sums of q * x, the mins to the sums of x; IQ2_XXS looks up its lattice rows in
-a float32 table (8 values per 32-byte read) and flips signs on the float bits.
+sub-block to the sums of q * x, the mins to the sums of x; IQ2_XXS looks up its lattice rows as
+fp16 pairs (8 values per 16-byte read), flips their signs on the half's sign bit and widens them,
+exactly.
 
 `fast_step` (Precision.fast) feeds the tensor cores fp16 operands: the activations rounded to fp16,
 the weights as exact small integers w' (Q2_K: sc * q <= 45, Q4_K: sc * q <= 945, IQ2_XXS: sign *
@@ -53,23 +54,21 @@ def _tables(device: torch.device) -> torch.Tensor:
     grid16 = halves[:, 0::2] | (halves[:, 1::2] << 16)
     bits = (ksigns.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32)) & 1
     masks = (bits[:, 0::2] << 15) | (bits[:, 1::2] << 31)
-    masks32 = bits << 31
     one = torch.tensor([1.0]).view(torch.int32)
-    parts = [grid.view(torch.int32).reshape(-1), grid16.reshape(-1), masks.reshape(-1), masks32.reshape(-1), one]
+    parts = [grid16.reshape(-1), masks.reshape(-1), one]
     return torch.cat(parts).to(device)
 
 
 def tables(device: torch.device | str) -> torch.Tensor:
-    """IQ2_XXS lookup tables as one int32 tensor (stays in cache): the float32 lattice (256 x 8), its
-    fp16 pairs (256 x 4 words), and per 7-bit sign index the masks of its 8 signs (parity included)
-    on fp16 pairs (4 words) and on float32 (8 words); then the bits of 1.0."""
+    """IQ2_XXS lookup tables as one int32 tensor (stays in cache): the lattice as fp16 pairs (256 x 4
+    words), and per 7-bit sign index the masks of its 8 signs (parity included) on fp16 pairs (4
+    words); then the bits of 1.0."""
     return _tables(torch.device(device))
 
 
-GRID16_AT = tl.constexpr(2048)  # word offsets of the fp16 lattice and the sign masks in `tables`
-SIGNS16_AT = tl.constexpr(3072)
-SIGNS32_AT = tl.constexpr(3584)
-ONE_AT = tl.constexpr(4608)
+GRID16_AT = tl.constexpr(0)  # word offsets of the fp16 lattice and the sign masks in `tables`
+SIGNS16_AT = tl.constexpr(1024)
+ONE_AT = tl.constexpr(1536)
 
 
 @triton.jit
@@ -266,32 +265,35 @@ def _exact_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.co
     # payload (64 B per super-block): 8 groups of 32 elements, each two words: 4 bytes picking lattice
     # rows (8 elements each) and four 7-bit sign indexes (bits 0-27) with a scale s (bits 28-31);
     # the 8th sign makes the count of minus signs even. side: f16 d. x = d (0.5 + s) / 4 * grid * sign.
-    # The lattice rows and the sign masks (xor on the float sign bits) come from `tables`. The group
-    # leads the row in every tensor below: the lookups' layout (a lattice row's 4 values in a thread,
-    # lanes over the leading dims) then holds each group where the words put it, and the activations,
-    # loaded at the same addresses for every row, where the products want them: no layout conversion
+    # The lattice rows and the sign masks come from `tables` as fp16 pairs, 16 bytes a row: the sign
+    # flips on the half's sign bit, then each value widens to fp32 exactly. A lookup is a gather whose
+    # lanes touch about as many cache lines as they pick rows (`runtime.gather_lines`), and those,
+    # not its instructions, bound this loop: 16-byte rows from a 4 KB and a 2 KB table touch 20 and
+    # 14 lines a warp-gather, 34 for a lattice row and its signs, against 91 for float32 rows (two
+    # 16-byte gathers each, from 8 KB and 4 KB). The group
+    # leads the row in every tensor below: the lookups' layout (a lattice row in a thread, lanes over
+    # the leading dims) then holds each group where the words put it, and the activations, loaded at
+    # the same addresses for every row, where the products want them: no layout conversion
     words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None]
                     + tl.arange(0, 16)[None, :])  # fmt: skip
     points, aux = tl.split(tl.reshape(words, [BN, 8, 2]))  # [BN, g]
     points, aux = tl.trans(points), tl.trans(aux)  # [g, BN]
     pick = tl.join(tl.join(points & 255, (points >> 8) & 255), tl.join((points >> 16) & 255, points >> 24))
     signs = tl.join(tl.join(aux & 127, (aux >> 7) & 127), tl.join((aux >> 14) & 127, (aux >> 21) & 127))
-    e = tl.arange(0, 4)  # 16-byte lookups: a thread keeps a whole lattice row
-    at = (8 * pick)[:, :, :, :, None] + e[None, None, None, None, :]
-    grid = tl.join(tl.load(tab_ptr + at), tl.load(tab_ptr + at + 4))  # [g, BN, c_i, c_j, e, e_hi]
-    at = SIGNS32_AT + (8 * signs)[:, :, :, :, None] + e[None, None, None, None, :]
-    flip = tl.join(tl.load(tab_ptr + at), tl.load(tab_ptr + at + 4))
-    v = (grid ^ flip).to(tl.float32, bitcast=True)
+    e = tl.arange(0, 4)  # a row's 4 words: values 2 e and 2 e + 1
+    grid = tl.load(tab_ptr + GRID16_AT + (4 * pick)[:, :, :, :, None] + e[None, None, None, None, :])
+    flip = tl.load(tab_ptr + SIGNS16_AT + (4 * signs)[:, :, :, :, None] + e[None, None, None, None, :])
+    v = _halves(grid ^ flip).to(tl.float32)  # [g, BN, c_i, c_j, e, half]
     i = tl.arange(0, 2)
     k = (
         (32 * tl.arange(0, 8))[:, None, None, None, None, None]
         + tl.zeros([BN], tl.int32)[None, :, None, None, None, None]
         + (8 * i)[None, None, :, None, None, None]
         + (16 * i)[None, None, None, :, None, None]
-        + e[None, None, None, None, :, None]
-        + (4 * i)[None, None, None, None, None, :]
+        + (2 * e)[None, None, None, None, :, None]
+        + i[None, None, None, None, None, :]
     )
-    x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, g, BN, c_i, c_j, e, e_hi]
+    x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, g, BN, c_i, c_j, e, half]
     prod = _fma_last(v[None], x, 0.0)
     part = tl.sum(tl.sum(tl.sum(prod, axis=5), axis=4), axis=3)  # [TB, g, BN]
     d = tl.load((w_ptr + row_off + K // 4 + 2 * sb).to(tl.pointer_type(tl.float16))).to(tl.float32)

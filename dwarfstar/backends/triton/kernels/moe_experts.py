@@ -276,7 +276,7 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
         x = bn * (4 * 96 if ggml_type == GGMLType.Q2_K else 8 * 72)
     lookups = 0
     if ggml_type == GGMLType.IQ2_XXS:  # lattice rows and sign masks per 8 columns, from the cached table
-        lookups = per_loop * bn * bk // 8 * (16 if q8 else 32 if fast else 64)
+        lookups = per_loop * bn * bk // 8 * (16 if q8 else 32)
     what = ("gate", "up") if fast and matrices == 2 else ("gate/up" if matrices == 2 else "down",)
     return tuple(
         LoopWork(f"{name} {ggml_type.name} {m}", programs, parts * k_in // bk, weight, int(weight + t * x_bytes * bk),
