@@ -186,6 +186,9 @@ class LoopWork:
     weight_bytes: int  # weight bytes an iteration streams
     streamed: int  # bytes an iteration streams from memory (weights and activations)
     loads: int = 0  # bytes its load instructions fetch, cached lookups included (0: `streamed`)
+    # table lookups an iteration makes, as (lookups, table bytes): a lane reads one entry of at most
+    # 16 bytes each (`plan.predict.gather_lines` turns them into the cache lines they touch)
+    gathers: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

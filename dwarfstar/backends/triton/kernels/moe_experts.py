@@ -274,13 +274,16 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
     x = int((16 if fast and name == "shared" else rows_loaded) * x_bytes * bk)
     if q8:
         x = bn * (4 * 96 if ggml_type == GGMLType.Q2_K else 8 * 72)
-    lookups = 0
-    if ggml_type == GGMLType.IQ2_XXS:  # lattice rows and sign masks per 8 columns, from the cached table
-        lookups = per_loop * bn * bk // 8 * (16 if q8 else 32)
+    lookups, gathers = 0, ()
+    if ggml_type == GGMLType.IQ2_XXS:  # a lattice row and its sign masks per 8 columns, from cached tables
+        rows = per_loop * bn * bk // 8
+        entry = 8 if q8 else 16  # int8 rows and byte masks (`expert_int8.tables`), else fp16 pairs
+        lookups = rows * 2 * entry
+        gathers = ((rows, 256 * entry), (rows, 128 * entry))  # 256 lattice rows, 128 sign indexes
     what = ("gate", "up") if fast and matrices == 2 else ("gate/up" if matrices == 2 else "down",)
     return tuple(
         LoopWork(f"{name} {ggml_type.name} {m}", programs, parts * k_in // bk, weight, int(weight + t * x_bytes * bk),
-                 weight + x + lookups)
+                 weight + x + lookups, gathers)
         for m in what
     )  # fmt: skip
 

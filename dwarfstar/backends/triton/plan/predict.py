@@ -1,12 +1,15 @@
 """A model of a decode step's time on a GPU, from the compiled code and stated hardware figures.
 
 It is a model, not a measurement. Each launch costs a graph node (the gap a replay leaves between
-two kernels) plus the longest of three times:
+two kernels) plus the longest of four times:
 * memory: a round trip of latency, then its bytes at the bandwidth its loads in flight sustain
   (Little's law: bytes in flight / latency, at most the measured copy bandwidth);
 * issue: its warp-instructions over the schedulers it occupies, each issuing one instruction per
   cycle only when it holds enough warps to cover the cycles a warp waits between two of its own
   instructions (`stall`): with w resident warps a scheduler issues min(1, w / stall) a cycle;
+* gathers: the cache lines its table lookups touch (`gather_lines`), one a cycle per multiprocessor
+  it occupies: a warp-wide load whose lanes read scattered entries of a small table (IQ2_XXS's
+  lattice) is served line by line, so its cost is the lines, not the bytes;
 * nothing else: a launch with neither bytes nor a main loop costs its node and one latency.
 Bytes in flight: each resident program keeps one main-loop pass of loads outstanding (the loads of a
 pass are issued before their results are used); residency follows registers, warps and shared
@@ -37,6 +40,7 @@ class GPUFigures:
     max_programs: int  # resident blocks per multiprocessor
     registers: int  # 32-bit registers per multiprocessor (per SIMD lane x lanes on AMD)
     shared: int  # bytes of shared memory (LDS) per multiprocessor
+    line: int = 128  # bytes of an L1 cache line: a gather costs a cycle per line its lanes touch
 
 
 # H200: 4.3 TB/s measured by a device-to-device copy on the lent machine (KINDS.md), 4.8 TB/s
@@ -62,14 +66,24 @@ def resident(gpu: GPUFigures, warps: int, registers: int, shared: int) -> int:
     return max(1, min(limits))
 
 
+def gather_lines(gpu: GPUFigures, lookups: float, table_bytes: int) -> float:
+    """Cache lines `lookups` reads of one entry each (at most 16 bytes: one load a lane) touch when
+    they pick entries of a `table_bytes` table at random, a warp's lanes at a time: each warp-wide
+    gather touches L (1 - (1 - 1/L)^lanes) of the table's L lines on average (32 lanes over a 4 KB
+    table: 20.4 of 32)."""
+    n = max(1, table_bytes // gpu.line)
+    return lookups / gpu.lanes * n * (1 - (1 - 1 / n) ** gpu.lanes)
+
+
 @dataclass
 class Timing:
     """A launch's modelled time and the figures it came from."""
 
-    seconds: float  # node + max(memory, issue)
+    seconds: float  # node + max(memory, issue, gathers)
     memory: float
     issue: float
     in_flight: int  # bytes
+    gathers: float = 0.0
 
 
 def launch_time(
@@ -81,9 +95,11 @@ def launch_time(
     moved: int,
     loop_load_bytes: int,
     instructions: int,
+    lines: float = 0.0,
 ) -> Timing:
     """`moved`: bytes the launch reads and writes; `loop_load_bytes`: what one program loads per pass
-    of its main loop (0: no loop); `instructions`: warp-instructions the whole launch issues."""
+    of its main loop (0: no loop); `instructions`: warp-instructions the whole launch issues; `lines`:
+    the cache lines all its gathers touch (`gather_lines`)."""
     per_sm = resident(gpu, warps, registers, shared)
     live = min(programs, per_sm * gpu.multiprocessors)
     in_flight = live * loop_load_bytes
@@ -93,4 +109,5 @@ def launch_time(
     warps_per_scheduler = min(per_sm, math.ceil(programs / gpu.multiprocessors)) * warps / gpu.schedulers
     issue_rate = min(1.0, max(1.0, warps_per_scheduler) / gpu.stall)  # instructions a cycle per scheduler
     issue = instructions / (schedulers * gpu.clock * issue_rate)
-    return Timing(gpu.node + max(memory, issue), memory, issue, in_flight)
+    gathers = lines / (min(programs, gpu.multiprocessors) * gpu.clock)
+    return Timing(gpu.node + max(memory, issue, gathers), memory, issue, in_flight, gathers)

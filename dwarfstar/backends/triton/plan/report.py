@@ -66,6 +66,7 @@ class Row:
     seconds: float = 0.0  # per step, all launches
     memory_s: float = 0.0  # per launch
     issue_s: float = 0.0  # per launch
+    gathers_s: float = 0.0  # per launch: the cache lines its table lookups touch (`predict.gather_lines`)
     total_instructions: int = 0  # warp-instructions per launch
     program_loads: int = 0  # bytes one program loads per pass of its main loop
     loops: list[LoopRow] = field(default_factory=list)  # each declared loop, the most bytes loaded per pass first
@@ -281,14 +282,28 @@ def _loop_row(lw: LoopWork, body: disasm.Body, warps: int, gpu) -> LoopRow:
 
 def _time(row: Row, gpu, work) -> float:
     moved = work.bytes if work is not None else 0
-    timing = predict.launch_time(
-        gpu, row.programs, row.warps or 4, row.registers, row.shared, moved, row.program_loads, row.total_instructions
+    lines = sum(
+        lw.programs * lw.passes * predict.gather_lines(gpu, lookups, table)
+        for lw in (work.loops if work is not None else ())
+        for lookups, table in lw.gathers
     )
-    row.memory_s, row.issue_s, row.in_flight_bytes = timing.memory, timing.issue, timing.in_flight
+    timing = predict.launch_time(
+        gpu, row.programs, row.warps or 4, row.registers, row.shared, moved, row.program_loads, row.total_instructions,
+        lines,
+    )  # fmt: skip
+    row.memory_s, row.issue_s, row.gathers_s = timing.memory, timing.issue, timing.gathers
+    row.in_flight_bytes = timing.in_flight
     everything = max(1, row.programs * row.program_loads)
     for lr in row.loops:  # each loop's share of the resident programs
         lr.in_flight_bytes = timing.in_flight * lr.programs * lr.program_bytes // everything
     return timing.seconds
+
+
+def _bound(row: Row) -> str:
+    """Which of a launch's modelled times is its time (`predict.launch_time`): the longest."""
+    if row.kind != "triton" or not (row.memory_s or row.issue_s or row.gathers_s):
+        return "-"
+    return max((row.memory_s, "memory"), (row.issue_s, "issue"), (row.gathers_s, "gathers"))[1]
 
 
 def plan_json(plan: Plan) -> dict:
@@ -341,13 +356,15 @@ def format_plan(plan: Plan, top: int = 40) -> str:
             "instr/B": r.instructions_per_weight_byte if r.instructions_per_weight_byte is not None else "-",
             "in flight KB": round(r.in_flight_bytes / 1024) if r.in_flight_bytes else "-",
             "MB/launch": round(r.bytes / 1e6, 2),
+            "bound": _bound(r),
             "us/step": round(r.seconds * 1e6, 1),
             "share %": round(100 * r.seconds / step, 1),
         })  # fmt: skip
     lines.append(format_table(table))
     lines.append(
         "instr/B: SASS (AMDGCN) warp-instructions per weight byte in the main loop; for a kernel whose programs "
-        "run different loops, over all its loops' passes (each loop below); the goal is <= 0.25 on sm_90"
+        "run different loops, over all its loops' passes (each loop below); the goal is <= 0.25 on sm_90; "
+        "bound: what the model's time per launch is (memory, issue, or the cache lines table gathers touch)"
     )
     loops = [(r, lr) for r in sorted(plan.rows, key=lambda r: -r.seconds) if len(r.loops) > 1 for lr in r.loops]
     if loops:  # kernels whose programs take different branches: each loop
