@@ -248,8 +248,10 @@ def launch_work(kernel: str, a: dict) -> KernelWork | None:
         x_bytes = (a["x_ptr"] if gate_up else a["mid_ptr"]).element_size()  # mid: fp16 under Precision.fast
         routed = _decode_loops("routed", blocks * entries, matrices, a["RTYPE"], a["BN"], a["row_bytes"], k_in,
                                a["RBK"], 1, x_bytes, a["RFAST"], q8=a["RQ8"])  # fmt: skip
-        shared = _decode_loops("shared", blocks, matrices, a["STYPE"], a["SBN"], a["srow_bytes"], k_in, a["SBK"], t,
-                               x_bytes, a["SFAST"], parts=a["BN"] // a["SBN"], rows_loaded=a["TB"])  # fmt: skip
+        apart = 1 if a["SFAST"] else t  # `_shared_rows`' fp32 form takes the tokens one at a time
+        shared = _decode_loops("shared", blocks, matrices, a["STYPE"], a["SBN"], a["srow_bytes"], k_in, a["SBK"],
+                               t // apart, x_bytes, a["SFAST"], parts=a["BN"] // a["SBN"] * apart,
+                               rows_loaded=a["TB"] if a["SFAST"] else 1)  # fmt: skip
         return KernelWork(weight + activations, weight, loops=routed + shared)
     return None
 
@@ -336,17 +338,23 @@ def _shared_rows(x_ptr, x_row0, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_
                  n0, T, K, N, row_bytes, limit, WTYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr,
                  BK: tl.constexpr, FAST: tl.constexpr, TB: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
     """The shared expert's rows n0..n0+BN (SBN at a time) for every token: activation rows x_row0 + t,
-    output rows out_row0 + t; GATED: SwiGLU of w1 and w2 (gate, up), else w1 alone (down)."""
-    rows = tl.arange(0, 16 if FAST else TB)
-    ok = rows < T
-    x_off = (x_row0 + tl.where(ok, rows, 0)).to(tl.int64) * stride_x
-    for part in range(0, BN // SBN):
-        n = n0 + part * SBN + tl.arange(0, SBN)
-        row_off = tl.minimum(n, N - 1).to(tl.int64) * row_bytes
-        a1, a2 = _rows_dot(x_ptr, x_off, ok, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, SBN, BK, GATED, FAST, False)
-        y = _swiglu(a1, a2, limit) if GATED else a1
-        out = out_ptr + (out_row0 + rows).to(tl.int64)[:, None] * stride_out + n[None, :]
-        tl.store(out, y, mask=ok[:, None] & (n < N)[None, :])
+    output rows out_row0 + t; GATED: SwiGLU of w1 and w2 (gate, up), else w1 alone (down). The fp32
+    form takes one token at a time (its rows' weights come again from the cache for the next): with
+    all of them at once its registers, which the launch's routed programs share, held 168 at 4 tokens
+    against 72 at one (gate/up, exact, sm_90 under triton 3.6)."""
+    TS: tl.constexpr = 16 if FAST else 1  # tokens a pass
+    for t0 in range(0, T if TS < TB else 1, TS):
+        rows = t0 + tl.arange(0, TS)
+        ok = rows < T
+        x_off = (x_row0 + tl.where(ok, rows, 0)).to(tl.int64) * stride_x
+        for part in range(0, BN // SBN):
+            n = n0 + part * SBN + tl.arange(0, SBN)
+            row_off = tl.minimum(n, N - 1).to(tl.int64) * row_bytes
+            a1, a2 = _rows_dot(x_ptr, x_off, ok, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, SBN, BK, GATED, FAST,
+                               False)  # fmt: skip
+            y = _swiglu(a1, a2, limit) if GATED else a1
+            out = out_ptr + (out_row0 + rows).to(tl.int64)[:, None] * stride_out + n[None, :]
+            tl.store(out, y, mask=ok[:, None] & (n < N)[None, :])
 
 
 @triton.jit
@@ -518,20 +526,15 @@ def decode_ffn(
         # the tensor-core form on 2 warps (4 would pick wgmma, which stages the activations in shared
         # memory); IQ2_XXS's on 1 up to 4 tokens: its lattice rows, looked up where the mma operand
         # layout wants them, would cross warps on 2 (a round trip through shared memory per group);
-        # from 5 tokens the shared expert's rows in the same program would spill on 1. The int8 loops on
-        # 4 warps but the gate/up kernel's from 2 tokens, on 2. Registers, not instructions, decide it
-        # since the H200's measurement (gpu-plan's stall): at one token the gate/up kernel holds 96 of
-        # them on 4 warps against 178 on 2 (IQ2_XXS loop 0.209 against 0.211 warp-instructions per
-        # weight byte), the down kernel 52 against 76 (0.176, 0.175), modelled 13.23 against 15.79 ms
-        # a batch-1 fast step; at 4 tokens the gate/up kernel holds 168 either way and 2 warps fit more
-        # programs (modelled 8.97 against 9.98 ms a step in that kernel). Two super-blocks a pass where
-        # K allows (SBP: twice the weight bytes in flight per program). Gate/up: 32 rows a program (64
-        # took 255 registers and spilled under triton 3.6, the H200 image's, `nox -s gpu_image`: 8 B,
-        # 120 B with two super-blocks a pass), two super-blocks a pass for one token only: from 4
-        # tokens the shared expert's rows in the same kernel leave the routed loop short of registers
-        # (8 B of stack at 4 tokens, 16 B at 8 with local loads in the loop), for no gain.
-        q8_warps = 2 if step == 0 and tb > 1 else 4
-        warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else q8_warps if q8 else 4
+        # from 5 tokens the shared expert's rows in the same program would spill on 1. The int8 loops
+        # on 4 warps, two super-blocks a pass where K allows (SBP: twice the weight bytes in flight per
+        # program). Registers decide it since the H200's measurement (gpu-plan's stall): the launch's
+        # programs all hold what its largest branch needs, so the shared expert's rows take the tokens
+        # one at a time (`_shared_rows`), and the gate/up kernel holds 80 registers at 1 to 8 tokens
+        # (it held 168 at 4 tokens with all of them at once: modelled 26.41 against 23.89 ms a batch-4
+        # fast step). Gate/up: 32 rows a program (64 took 255 registers and spilled under triton 3.6,
+        # the H200 image's, `nox -s gpu_image`: 8 B, 120 B with two super-blocks a pass).
+        warps = (1 if w.ggml_type == GGMLType.IQ2_XXS and tb <= 4 else 2) if rfast else 4
         bn, rbk = _decode_rows(w.ggml_type, rfast, warps)
         sbn, sbk = _decode_rows(s.ggml_type, sfast, warps)
         if q8:  # whole activation blocks per program (the gate/up kernel quantizes its mid columns)
@@ -541,7 +544,7 @@ def decode_ffn(
         # the pipeliner would stage IQ2_XXS's table lookups of the fast form through shared memory
         stages = 1 if interpreting() or (rfast and w.ggml_type == GGMLType.IQ2_XXS) else 3
         consts = dict(RTYPE=w.wtype, STYPE=s.wtype, BN=bn, SBN=sbn, RBK=rbk, SBK=sbk, RFAST=rfast, SFAST=sfast,
-                      TB=tb, RQ8=q8, PTX=compiles_ptx(), SBP=2 if q8 and (step or tb == 1) and w.cols % 512 == 0 else 1,
+                      TB=tb, RQ8=q8, PTX=compiles_ptx(), SBP=2 if q8 and w.cols % 512 == 0 else 1,
                       num_warps=warps, num_stages=stages)  # fmt: skip
         if step == 0:
             grid = (triton.cdiv(fm, bn), t * k + 1)
