@@ -54,21 +54,23 @@ def _tables(device: torch.device) -> torch.Tensor:
     grid16 = halves[:, 0::2] | (halves[:, 1::2] << 16)
     bits = (ksigns.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32)) & 1
     masks = (bits[:, 0::2] << 15) | (bits[:, 1::2] << 31)
+    sign_bits = ksigns.to(torch.uint8).contiguous().view(torch.int32)  # 4 of the 128 bytes a word
     one = torch.tensor([1.0]).view(torch.int32)
-    parts = [grid16.reshape(-1), masks.reshape(-1), one]
+    parts = [grid16.reshape(-1), masks.reshape(-1), sign_bits, one]
     return torch.cat(parts).to(device)
 
 
 def tables(device: torch.device | str) -> torch.Tensor:
     """IQ2_XXS lookup tables as one int32 tensor (stays in cache): the lattice as fp16 pairs (256 x 4
-    words), and per 7-bit sign index the masks of its 8 signs (parity included) on fp16 pairs (4
-    words); then the bits of 1.0."""
+    words), per 7-bit sign index the masks of its 8 signs (parity included) on fp16 pairs (4 words),
+    then the 8 sign bits themselves (128 bytes: one cache line); then the bits of 1.0."""
     return _tables(torch.device(device))
 
 
 GRID16_AT = tl.constexpr(0)  # word offsets of the fp16 lattice and the sign masks in `tables`
 SIGNS16_AT = tl.constexpr(1024)
-ONE_AT = tl.constexpr(1536)
+SIGN_BITS_AT = tl.constexpr(1536)  # 128-byte aligned: the bytes are one cache line
+ONE_AT = tl.constexpr(1568)
 
 
 @triton.jit
@@ -265,12 +267,13 @@ def _exact_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.co
     # payload (64 B per super-block): 8 groups of 32 elements, each two words: 4 bytes picking lattice
     # rows (8 elements each) and four 7-bit sign indexes (bits 0-27) with a scale s (bits 28-31);
     # the 8th sign makes the count of minus signs even. side: f16 d. x = d (0.5 + s) / 4 * grid * sign.
-    # The lattice rows and the sign masks come from `tables` as fp16 pairs, 16 bytes a row: the sign
-    # flips on the half's sign bit, then each value widens to fp32 exactly. A lookup is a gather whose
-    # lanes touch about as many cache lines as they pick rows (`runtime.gather_lines`), and those,
-    # not its instructions, bound this loop: 16-byte rows from a 4 KB and a 2 KB table touch 20 and
-    # 14 lines a warp-gather, 34 for a lattice row and its signs, against 91 for float32 rows (two
-    # 16-byte gathers each, from 8 KB and 4 KB). The group
+    # The lattice rows come from `tables` as fp16 pairs, 16 bytes a row, and the 8 sign bits of each
+    # index as a byte: each sign goes to its half's sign bit, then each value widens to fp32
+    # exactly. A lookup is a gather whose lanes touch about as many cache lines as they pick rows
+    # (`runtime.gather_lines`), and those, as much as its instructions, bound this loop: rows from a
+    # 4 KB table touch 20 lines a warp-gather and the 128 sign bytes one, 21 for a lattice row and
+    # its signs, against 34 with the signs as fp16 pair masks (2 KB) and 91 with float32 rows and
+    # masks (two 16-byte gathers each, from 8 KB and 4 KB). The group
     # leads the row in every tensor below: the lookups' layout (a lattice row in a thread, lanes over
     # the leading dims) then holds each group where the words put it, and the activations, loaded at
     # the same addresses for every row, where the products want them: no layout conversion
@@ -282,7 +285,10 @@ def _exact_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.co
     signs = tl.join(tl.join(aux & 127, (aux >> 7) & 127), tl.join((aux >> 14) & 127, (aux >> 21) & 127))
     e = tl.arange(0, 4)  # a row's 4 words: values 2 e and 2 e + 1
     grid = tl.load(tab_ptr + GRID16_AT + (4 * pick)[:, :, :, :, None] + e[None, None, None, None, :])
-    flip = tl.load(tab_ptr + SIGNS16_AT + (4 * signs)[:, :, :, :, None] + e[None, None, None, None, :])
+    bits = tl.load((tab_ptr + SIGN_BITS_AT).to(tl.pointer_type(tl.uint8)) + signs).to(tl.int32)  # 8 signs
+    # word e's signs on the halves' sign bits: that of value 2 e to bit 15, of 2 e + 1 to bit 31 (the
+    # product with 2^15 + 2^30 puts bit 0 at 15 and bit 1 at 31, the other bits elsewhere, no carries)
+    flip = ((bits[:, :, :, :, None] >> (2 * e)[None, None, None, None, :]) * 0x40008000) & -0x7FFF8000  # 0x80008000
     v = _halves(grid ^ flip).to(tl.float32)  # [g, BN, c_i, c_j, e, half]
     i = tl.arange(0, 2)
     k = (

@@ -38,8 +38,8 @@ Q8_BLOCK = 32  # activation columns per int8 scale
 Q8_TYPES = (10, 16)  # Q2_K, IQ2_XXS: the block types with int8 loops here
 ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: v + ROUND holds round-to-nearest-even(v) in its low mantissa bits
 ROUND_BITS = tl.constexpr(0x4B400000)
-GRID8_AT = tl.constexpr(1540)  # word offsets of the int8 lattice and the sign masks in `tables`
-SIGNS8_AT = tl.constexpr(1540 + 512)
+GRID8_AT = tl.constexpr(1572)  # word offsets of the int8 lattice and the sign masks in `tables`
+SIGNS8_AT = tl.constexpr(1572 + 512)
 
 
 @functools.cache

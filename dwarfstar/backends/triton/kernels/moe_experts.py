@@ -277,11 +277,12 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
     if q8:
         x = bn * (4 * 96 if ggml_type == GGMLType.Q2_K else 8 * 72)
     lookups, gathers = 0, ()
-    if ggml_type == GGMLType.IQ2_XXS:  # a lattice row and its sign masks per 8 columns, from cached tables
+    if ggml_type == GGMLType.IQ2_XXS:  # a lattice row and its signs per 8 columns, from cached tables
         rows = per_loop * bn * bk // 8
         entry = 8 if q8 else 16  # int8 rows and byte masks (`expert_int8.tables`), else fp16 pairs
-        lookups = rows * 2 * entry
-        gathers = ((rows, 256 * entry), (rows, 128 * entry))  # 256 lattice rows, 128 sign indexes
+        signs = 1 if not (q8 or fast) else entry  # the exact loop: the 8 sign bits, spread in registers
+        lookups = rows * (entry + signs)
+        gathers = ((rows, 256 * entry), (rows, 128 * signs))  # 256 lattice rows, 128 sign indexes
     what = ("gate", "up") if fast and matrices == 2 else ("gate/up" if matrices == 2 else "down",)
     return tuple(
         LoopWork(f"{name} {ggml_type.name} {m}", programs, parts * k_in // bk, weight, int(weight + t * x_bytes * bk),
