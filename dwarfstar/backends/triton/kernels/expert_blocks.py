@@ -270,7 +270,7 @@ def _exact_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.co
     # The lattice rows come from `tables` as fp16 pairs, 16 bytes a row, and the 8 sign bits of each
     # index as a byte: each sign goes to its half's sign bit, then each value widens to fp32
     # exactly. A lookup is a gather whose lanes touch about as many cache lines as they pick rows
-    # (`runtime.gather_lines`), and those, as much as its instructions, bound this loop: rows from a
+    # (`plan.predict.gather_lines`), and those, as much as its instructions, bound this loop: rows from a
     # 4 KB table touch 20 lines a warp-gather and the 128 sign bytes one, 21 for a lattice row and
     # its signs, against 34 with the signs as fp16 pair masks (2 KB) and 91 with float32 rows and
     # masks (two 16-byte gathers each, from 8 KB and 4 KB). The group
