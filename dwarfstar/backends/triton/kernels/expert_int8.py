@@ -3,8 +3,8 @@ decode loops under Precision.fast (`moe_experts.decode_ffn`), for Q2_K and IQ2_X
 
 The activations are quantized once per row (`quantize_rows`, or `store_q8` where a kernel has the
 row in registers), in blocks of 32 columns, like ggml's q8_1: int8 values r = round(x * 127 / amax)
-and their negations -r, a float32 scale amax / 127 per block and, per 16 columns, the scale times the
-sum of r (the K-quants' mins multiply those). The weights are never floats: their integer quants are
+and the bits r ^ -r that negate them, a float32 scale amax / 127 per block and, per 16 columns, the
+scale times the sum of r (the K-quants' mins multiply those). The weights are never floats: their integer quants are
 cut out four at a time from 32-bit words (one shift and one mask give four int8 lanes) and multiplied
 with four activation bytes by one dp4a (`dp4a`); the integer sums take the weight sub-block scale as
 an integer, then the activation block scale and the super-block scale d as floats, once per sub-block.
@@ -137,7 +137,7 @@ def mul_rn(a, b, PTX: tl.constexpr):
 
 
 @triton.jit
-def store_q8(y, q_ptr, n_ptr, s_ptr, sum_ptr, row_at, n0, N, BN: tl.constexpr, PTX: tl.constexpr):
+def store_q8(y, q_ptr, f_ptr, s_ptr, sum_ptr, row_at, n0, N, BN: tl.constexpr, PTX: tl.constexpr):
     """Quantize y float32 [BN] (columns n0..n0+BN of a row, n0 and N multiples of 32) into a `Q8Rows`
     whose row starts at element row_at (int64); columns at or past N are not written."""
     blocks = tl.reshape(y, [BN // 32, 32])
@@ -147,7 +147,7 @@ def store_q8(y, q_ptr, n_ptr, s_ptr, sum_ptr, row_at, n0, N, BN: tl.constexpr, P
     scale = tl.div_rn(amax, 127.0)
     n = n0 + tl.arange(0, BN)
     tl.store(q_ptr + row_at + n, tl.reshape(r, [BN]).to(tl.int8), mask=n < N)
-    tl.store(n_ptr + row_at + n, tl.reshape(r ^ -r, [BN]).to(tl.int8), mask=n < N)
+    tl.store(f_ptr + row_at + n, tl.reshape(r ^ -r, [BN]).to(tl.int8), mask=n < N)
     h = n0 // 16 + tl.arange(0, BN // 16)
     pair = tl.reshape(tl.join(scale, scale), [BN // 16])  # each block's scale for both its 16-column halves
     tl.store(s_ptr + row_at // 16 + h, pair, mask=h < N // 16)
@@ -156,11 +156,11 @@ def store_q8(y, q_ptr, n_ptr, s_ptr, sum_ptr, row_at, n0, N, BN: tl.constexpr, P
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, stride_x, q_ptr, n_ptr, s_ptr, sum_ptr, K, BK: tl.constexpr, PTX: tl.constexpr):
+def _quantize_kernel(x_ptr, stride_x, q_ptr, f_ptr, s_ptr, sum_ptr, K, BK: tl.constexpr, PTX: tl.constexpr):
     t = tl.program_id(0)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     y = tl.load(x_ptr + t.to(tl.int64) * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-    store_q8(y, q_ptr, n_ptr, s_ptr, sum_ptr, t.to(tl.int64) * K, tl.program_id(1) * BK, K, BK, PTX)
+    store_q8(y, q_ptr, f_ptr, s_ptr, sum_ptr, t.to(tl.int64) * K, tl.program_id(1) * BK, K, BK, PTX)
 
 
 def quantize_rows(x: torch.Tensor) -> Q8Rows:
@@ -280,7 +280,7 @@ def q8_rows_dot(xw_ptr, xf_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row
     a multiple of 256), over K columns; WTYPE in Q8_TYPES. SBP super-blocks a pass (K / 256 a multiple
     of it): their loads in flight together. The partial sums of each thread are added over
     super-blocks first, in order, and across threads once, after the loop: an order fixed by the shapes."""
-    xw_ptr += x0 // 4  # the row's words, negated words, block scales and sums
+    xw_ptr += x0 // 4  # the row's words, flip words, block scales and sums
     xf_ptr += x0 // 4
     xs_ptr += x0 // 16
     xm_ptr += x0 // 16
