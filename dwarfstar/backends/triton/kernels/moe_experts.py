@@ -344,7 +344,7 @@ def _shared_rows(x_ptr, x_row0, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_
     all of them at once its registers, which the launch's routed programs share, held 168 at 4 tokens
     against 72 at one (gate/up, exact, sm_90 under triton 3.6)."""
     TS: tl.constexpr = 16 if FAST else 1  # tokens a pass
-    for t0 in range(0, T if TS < TB else 1, TS):
+    for t0 in range(0, T if TS < TB else 1, TS):  # a constant single pass where one holds every token
         rows = t0 + tl.arange(0, TS)
         ok = rows < T
         x_off = (x_row0 + tl.where(ok, rows, 0)).to(tl.int64) * stride_x
@@ -378,7 +378,7 @@ def _routed_rows(x_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_r
 def _routed_rows_q8(xq_ptr, xf_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, of_ptr, os_ptr,
                     om_ptr, out_row, stride_out, n0, expert, K, N, row_bytes, limit, scale, WTYPE: tl.constexpr,
                     BN: tl.constexpr, GATED: tl.constexpr, PTX: tl.constexpr, SBP: tl.constexpr):  # fmt: skip
-    """`_routed_rows` over int8 activations (`expert_int8.Q8Rows` buffers xq, xn as int32 words, xs, xm;
+    """`_routed_rows` over int8 activations (`expert_int8.Q8Rows` buffers xq, xf as int32 words, xs, xm;
     row x_row): GATED quantizes its SwiGLU rows into row out_row of the Q8Rows out, on, os, om (the
     down projection's input), else stores the floats at out_ptr (the parts)."""
     n = n0 + tl.arange(0, BN)
