@@ -236,6 +236,22 @@ def _words(v):
 
 
 @triton.jit
+def _pair_words(words, BN: tl.constexpr):
+    """[BN, 8, 4] words (lattice rows t and t + 1 of each group, two words each) -> row t's [BN, 8, 2],
+    row t + 1's: in-thread (the 16 bytes of a load stay in its thread)."""
+    return tl.split(tl.permute(tl.reshape(words, [BN, 8, 2, 2]), (0, 1, 3, 2)))
+
+
+@triton.jit
+def _lattice_dot(grid, signs, points, aux, t: tl.constexpr, xw, xf, isum, PTX: tl.constexpr):
+    """isum + the dot products of the groups' lattice rows t (signed by their 7-bit sign index t)
+    with the activation words xw (x ^ -x in xf), [BN, g, half]."""
+    value = _words(tl.load(grid + _byte(points, t, PTX)))  # [BN, g, half]
+    mask = _words(tl.load(signs + ((aux >> (7 * t)) & 127).to(tl.int32)))
+    return _dp4a_last(value, xw ^ (xf & mask), isum, PTX)
+
+
+@triton.jit
 def _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xf_ptr, xs_ptr, PTX: tl.constexpr, BN: tl.constexpr):
     # payload (64 B per super-block): 8 groups of 32 columns, each two words: 4 bytes picking lattice
     # rows (8 columns each) and four 7-bit sign indexes (bits 0-27) with a scale s (bits 28-31);
@@ -251,12 +267,13 @@ def _q8_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, xw_ptr, xf_ptr, xs_ptr, PTX: tl.
     # the activations in the products' shape (every row the same addresses: no layout conversion)
     rows = tl.zeros([BN], tl.int32)[:, None, None]
     isum = tl.zeros([BN, 8], tl.int32)
-    for t in tl.static_range(4):
-        value = _words(tl.load(grid + _byte(points, t, PTX)))  # [BN, g, half]
-        mask = _words(tl.load(signs + ((aux >> (7 * t)) & 127).to(tl.int32)))
-        at = rows + (sb * 64 + 8 * g + 2 * t)[None, :, None] + half[None, None, :]
-        xw, xf = tl.load(xw_ptr + at), tl.load(xf_ptr + at)  # [BN, g, half]: x and x ^ -x
-        isum = _dp4a_last(value, xw ^ (xf & mask), isum, PTX)
+    quad = tl.arange(0, 4)
+    for tp in tl.static_range(2):  # lattice rows 2 tp and 2 tp + 1 of each group: their activation words
+        at = rows + (sb * 64 + 8 * g + 4 * tp)[None, :, None] + quad[None, None, :]  # one 16-byte load each
+        xw0, xw1 = _pair_words(tl.load(xw_ptr + at), BN)  # [BN, g, half]: x and x ^ -x
+        xf0, xf1 = _pair_words(tl.load(xf_ptr + at), BN)
+        isum = _lattice_dot(grid, signs, points, aux, 2 * tp, xw0, xf0, isum, PTX)
+        isum = _lattice_dot(grid, signs, points, aux, 2 * tp + 1, xw1, xf1, isum, PTX)
     xs, _ = tl.split(tl.load(xs_ptr + rows + (sb * 16 + 2 * g)[None, :, None] + half[None, None, :]))  # a scale pair
     d = tl.load((w_ptr + row_off + K // 4 + 2 * sb).to(tl.pointer_type(tl.float16))).to(tl.float32)
     part = (isum * (2 * (aux >> 28) + 1).to(tl.int32)).to(tl.float32) * xs
