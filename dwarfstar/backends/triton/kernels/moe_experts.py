@@ -265,7 +265,7 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
     activation rows (`rows_loaded` of them loaded: masked rows too), 16 in the tensor-core form; q8:
     the int8 form (`expert_int8`: a byte per column, a float scale and a sum per 16), where
     every row loads the activations of each of its runs (Q2_K: 64 bytes and 8 floats, 4 runs a
-    super-block) or groups (IQ2_XXS: 32 bytes, their flip bits and a scale pair, 8 groups) itself: the
+    super-block) or groups (IQ2_XXS: 32 bytes and a scale pair, 8 groups) itself: the
     compiled loops hold a row's runs in one thread, not a run's rows (sm_90 SASS under triton 3.6:
     per thread and pass of two super-blocks, 32 16-byte and 48 4-byte activation loads for Q2_K's one
     row, 64 8-byte ones for IQ2_XXS's four row-groups, the gate and up products sharing them)."""
@@ -279,7 +279,7 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
     lookups, gathers = 0, ()
     if ggml_type == GGMLType.IQ2_XXS:  # a lattice row and its signs per 8 columns, from cached tables
         rows = per_loop * bn * bk // 8
-        entry = 8 if q8 else 16  # int8 rows and byte masks (`expert_int8.tables`), else fp16 pairs
+        entry = 4 if q8 else 16  # the int8 form's nibble codes and sign nibbles (`expert_int8.tables`), else fp16 pairs
         signs = 1 if not (q8 or fast) else entry  # the exact loop: the 8 sign bits, spread in registers
         lookups = rows * (entry + signs)
         gathers = ((rows, 256 * entry), (rows, 128 * signs))  # 256 lattice rows, 128 sign indexes
@@ -375,19 +375,19 @@ def _routed_rows(x_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_r
 
 
 @triton.jit
-def _routed_rows_q8(xq_ptr, xf_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, of_ptr, os_ptr,
+def _routed_rows_q8(xq_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, os_ptr,
                     om_ptr, out_row, stride_out, n0, expert, K, N, row_bytes, limit, scale, WTYPE: tl.constexpr,
                     BN: tl.constexpr, GATED: tl.constexpr, PTX: tl.constexpr, SBP: tl.constexpr):  # fmt: skip
-    """`_routed_rows` over int8 activations (`expert_int8.Q8Rows` buffers xq, xf as int32 words, xs, xm;
-    row x_row): GATED quantizes its SwiGLU rows into row out_row of the Q8Rows out, on, os, om (the
+    """`_routed_rows` over int8 activations (`expert_int8.Q8Rows` buffers xq as int32 words, xs, xm;
+    row x_row): GATED quantizes its SwiGLU rows into row out_row of the Q8Rows out, os, om (the
     down projection's input), else stores the floats at out_ptr (the parts)."""
     n = n0 + tl.arange(0, BN)
     row_off = (expert.to(tl.int64) * N + tl.minimum(n, N - 1)) * row_bytes
     x0 = x_row.to(tl.int64) * stride_x
-    a1, a2 = q8_rows_dot(xq_ptr, xf_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, BN, GATED, PTX,
+    a1, a2 = q8_rows_dot(xq_ptr, xs_ptr, xm_ptr, x0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, BN, GATED, PTX,
                          SBP)  # fmt: skip
     if GATED:
-        store_q8(_swiglu(a1, a2, limit) * scale, out_ptr, of_ptr, os_ptr, om_ptr, out_row.to(tl.int64) * stride_out,
+        store_q8(_swiglu(a1, a2, limit) * scale, out_ptr, os_ptr, om_ptr, out_row.to(tl.int64) * stride_out,
                  n0, N, BN, PTX)  # fmt: skip
     else:
         tl.store(out_ptr + out_row.to(tl.int64) * stride_out + n, a1, mask=n < N)
@@ -396,7 +396,7 @@ def _routed_rows_q8(xq_ptr, xf_ptr, xs_ptr, xm_ptr, x_row, stride_x, w1_ptr, w2_
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr, ids_ptr, route_w_ptr, gate_ptr, up_ptr, sgate_ptr, sup_ptr, tab_ptr, mid_ptr,
-    xq_ptr, xf_ptr, xs_ptr, xm_ptr, mq_ptr, mf_ptr, ms_ptr, mm_ptr,
+    xq_ptr, xs_ptr, xm_ptr, mq_ptr, ms_ptr, mm_ptr,
     T, k, D, F, FS, FM, stride_x, row_bytes, srow_bytes, limit,
     RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
     SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr, RQ8: tl.constexpr,
@@ -412,7 +412,7 @@ def _decode_gate_up_kernel(
     else:
         e = col - 1
         if RQ8:  # int8 rows x_q (D columns) in, int8 mid rows m_q (FM columns) out
-            _routed_rows_q8(xq_ptr, xf_ptr, xs_ptr, xm_ptr, e // k, D, gate_ptr, up_ptr, tab_ptr, mq_ptr, mf_ptr,
+            _routed_rows_q8(xq_ptr, xs_ptr, xm_ptr, e // k, D, gate_ptr, up_ptr, tab_ptr, mq_ptr,
                             ms_ptr, mm_ptr, e, FM, n0, tl.load(ids_ptr + e), D, F, row_bytes, limit,
                             tl.load(route_w_ptr + e), RTYPE, BN, True, PTX, SBP)  # fmt: skip
         else:
@@ -423,7 +423,7 @@ def _decode_gate_up_kernel(
 
 @triton.jit
 def _decode_down_kernel(
-    mid_ptr, ids_ptr, down_ptr, sdown_ptr, tab_ptr, part_ptr, tickets_ptr, out_ptr, mq_ptr, mf_ptr, ms_ptr, mm_ptr,
+    mid_ptr, ids_ptr, down_ptr, sdown_ptr, tab_ptr, part_ptr, tickets_ptr, out_ptr, mq_ptr, ms_ptr, mm_ptr,
     T, k, F, FS, FM, D, row_bytes, srow_bytes, stride_out,
     RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
     SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr, RQ8: tl.constexpr,
@@ -440,7 +440,7 @@ def _decode_down_kernel(
     else:
         e = col - 1
         if RQ8:
-            _routed_rows_q8(mq_ptr, mf_ptr, ms_ptr, mm_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, part_ptr,
+            _routed_rows_q8(mq_ptr, ms_ptr, mm_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr,
                             part_ptr, part_ptr, e, D, nb * BN, tl.load(ids_ptr + e), F, D, row_bytes, 0.0, 1.0, RTYPE,
                             BN, False, PTX, SBP)  # fmt: skip
         else:
@@ -551,14 +551,14 @@ def decode_ffn(
             grid = (triton.cdiv(fm, bn), t * k + 1)
             _decode_gate_up_kernel[grid](
                 x, ids, route_weights, gate.data, up.data, sgate.data, sup.data, tab, mid,
-                xq.q.view(torch.int32), xq.flip.view(torch.int32), xq.scale, xq.sums, mq.q, mq.flip, mq.scale, mq.sums,
+                xq.q.view(torch.int32), xq.scale, xq.sums, mq.q, mq.scale, mq.sums,
                 t, k, d, f, fs, fm, x.stride(0), gate.row_bytes, sgate.row_bytes, limit, **consts,
             )  # fmt: skip
         else:
             blocks = triton.cdiv(d, bn)
             _decode_down_kernel[(blocks, t * k + 1)](
                 mid, ids, down.data, sdown.data, tab, parts, ticket_counters(device, "experts", blocks), out,
-                mq.q.view(torch.int32), mq.flip.view(torch.int32), mq.scale, mq.sums,
+                mq.q.view(torch.int32), mq.scale, mq.sums,
                 t, k, f, fs, fm, d, down.row_bytes, sdown.row_bytes, out.stride(0), **consts,
             )  # fmt: skip
     return out

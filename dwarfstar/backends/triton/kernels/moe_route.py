@@ -99,13 +99,13 @@ def _route_kernel(
 @triton.jit
 def _route_fused_kernel(
     f_ptr, w_ptr, bias_ptr, tid2eid_ptr, tokens_ptr, part_ptr, counter_ptr, ids_ptr, weights_ptr,
-    q_ptr, qf_ptr, qs_ptr, qm_ptr, T, E, D, f_stride, row_bytes, route_scale,
+    q_ptr, qs_ptr, qm_ptr, T, E, D, f_stride, row_bytes, route_scale,
     WTYPE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr, BT: tl.constexpr,
     RB: tl.constexpr, BK: tl.constexpr, NKP: tl.constexpr, BE: tl.constexpr, Q8: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """Program (k, r, b): router rows r * RB.. times columns k * BK.. of the tokens of block b, as
     partial logits part[t, k, rows]; the block's last program adds them and routes its tokens.
-    Q8: the programs (k, 0, b) also store those columns as int8 rows (`expert_int8.Q8Rows` q, qn, qs, qm)."""
+    Q8: the programs (k, 0, b) also store those columns as int8 rows (`expert_int8.Q8Rows` q, qs, qm)."""
     pk, pr, tb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_k = tl.num_programs(0)
     r = pr * RB + tl.arange(0, RB)
@@ -118,7 +118,7 @@ def _route_fused_kernel(
             f = tl.load(f_ptr + t * f_stride + k, mask=k < D, other=0.0)
             tl.store(part_ptr + (t * n_k + pk) * E + r, tl.sum(w * f[None, :], axis=1), mask=r_ok)
             if Q8 and pr == 0:
-                store_q8(f.to(tl.float32), q_ptr, qf_ptr, qs_ptr, qm_ptr, t * D, pk * BK, D, BK, PTX)
+                store_q8(f.to(tl.float32), q_ptr, qs_ptr, qm_ptr, t * D, pk * BK, D, BK, PTX)
     if last_program(counter_ptr + tb, n_k * tl.num_programs(1)):
         e = tl.arange(0, BE)[None, :]
         for i in range(BT):
@@ -171,7 +171,7 @@ def route(
         part = torch.empty(t, grid[0], n_experts, device=f.device, dtype=torch.float32)
         _route_fused_kernel[grid](
             f, router.data, bias_or_any, table, tokens, part, ticket_counters(f.device, "route", grid[2]), ids,
-            weights, *((q8.q, q8.flip, q8.scale, q8.sums) if q8 is not None else (ids, ids, weights, weights)),
+            weights, *((q8.q, q8.scale, q8.sums) if q8 is not None else (ids, weights, weights)),
             t, n_experts, d, f.stride(0), router.row_bytes, route_scale,
             WTYPE=router.wtype, BT=bt, RB=rb, BK=bk, NKP=next_pow2(grid[0]), Q8=q8 is not None,
             PTX=compiles_ptx(), **choice,
