@@ -28,6 +28,7 @@ class Body:
     shuffles: int = 0
     barriers: int = 0
     shared: int = 0  # shared-memory (LDS) loads and stores
+    finishing: bool = False  # after the launch's ticket (`runtime.last_program`): the finishing program's
 
     def add(self, op: str, load_width: int, kind: str) -> None:
         self.instructions += 1
@@ -80,6 +81,9 @@ def parse_sass(sass: str) -> Code:
         if m:
             ops.append((int(m.group(1), 16), m.group(2), m.group(3)))
     loops = []
+    # the first global atomic is the ticket that picks a launch's finishing program: loops after it
+    # run in that program alone (a split combine, the slots' sum), never as a main loop
+    ticket = next((addr for addr, op, _ in ops if op.startswith(("ATOMG", "RED"))), None)
     for addr, op, rest in ops:
         if op.startswith("BRA"):
             target = _SASS_BRANCH.search(rest)
@@ -88,7 +92,7 @@ def parse_sass(sass: str) -> Code:
     innermost = [(lo, hi) for lo, hi in loops if not any(lo <= a < b <= hi and (a, b) != (lo, hi) for a, b in loops)]
 
     def body(lo: int, hi: int) -> Body:
-        run = Body()
+        run = Body(finishing=ticket is not None and lo > ticket)
         for addr, op, _ in ops:
             if lo <= addr <= hi:
                 run.add(op, *_sass_kind(op))

@@ -217,6 +217,7 @@ def _pairs(work: KernelWork, programs: int, bodies: list[disasm.Body], threads: 
     pass; declared loops each with the unpaired compiled loop whose bytes loaded per pass (over a
     program's `threads`) are nearest their own by ratio (a kernel's other loops, a final sum over
     slots say, load other amounts)."""
+    bodies = [b for b in bodies if not b.finishing] or bodies  # a finishing loop is never a declared one
     if not work.loops:
         return list(zip(_declared(work, programs), bodies[:1], strict=False))
     free, pairs = list(bodies), []
