@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from dwarfstar.distributed.route import ReplayNeeded, Route
 from dwarfstar.distributed.route_state import RouteState
 from dwarfstar.model.forward import Batch, forward_then_sample
 from dwarfstar.model.image_spans import ImageSpan
+from dwarfstar.model.loader import ModelFile
 from dwarfstar.model.state import SequenceState
 from dwarfstar.sampling import Sampler, sample_batch
 
@@ -79,20 +81,52 @@ class RouteBackend(RouteFront):
         super().__init__(route)
         self._runner = None
 
-    # MTP speculation (`dwarfstar.speculative`): the draft on the last stage, the target through the route
+    # speculation (`dwarfstar.speculative`): the draft on the last stage, the target through the route
     def mtp_draft(self):
         """The route's MTP draft (`load_draft` on a route); a clear error when the last stage has none."""
         from dwarfstar.distributed.speculation import RouteDraft
 
+        head = self._drafting_stage()
+        if head.dspark:
+            raise DistError(
+                f"the route's last stage (worker {head.worker} at {head.host}) drafts with DSpark, not the MTP "
+                "block: give the coordinator the same --dspark FILE, or start that worker with --mtp FILE"
+            )
+        return RouteDraft(self.route)
+
+    def dspark_draft(self, model: ModelFile, path: str | os.PathLike, confidence: float):
+        """The route's DSpark drafter (`decode.load_speculation` on a route), its settings read from the
+        support file `path` of `model` (the coordinator's --dspark FILE, checked as one process checks
+        it); a clear error when the last stage has none or does not hold its target layers."""
+        from dwarfstar.distributed.drafting import check_target_layers
+        from dwarfstar.distributed.speculation import RouteDSpark
+        from dwarfstar.speculative.dspark import open_dspark
+        from dwarfstar.speculative.mtp_options import check_confidence
+
+        check_confidence(confidence)
+        d, gguf, _ = open_dspark(model, path)
+        gguf.close()
+        head = self._drafting_stage()
+        if not head.dspark:
+            raise DistError(
+                f"the route's last stage (worker {head.worker} at {head.host}) drafts with the MTP block, not "
+                "DSpark: start it with --dspark FILE"
+            )
+        check_target_layers(d.target_layers, head.layers)
+        return RouteDSpark(self.route, d, confidence)
+
+    def _drafting_stage(self):
+        """The route's last stage, which must hold a draft."""
         with self.route.lock:
             self.route.check_complete()
             head = self.route.stages[-1]
             if not head.mtp:
                 raise DistError(
                     f"the route's last stage (worker {head.worker} at {head.host}, layers {head.layers}) has no "
-                    "MTP block: start it with --mtp FILE (or --mtp-draft N for the model's own block)"
+                    "MTP block: start it with --mtp FILE (or --mtp-draft N for the model's own block), or with "
+                    "--dspark FILE to draft with DSpark"
                 )
-        return RouteDraft(self.route)
+        return head
 
     def speculation_runner(self):
         from dwarfstar.distributed.speculation import RouteRunner

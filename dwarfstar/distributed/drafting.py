@@ -1,5 +1,7 @@
-"""The last stage's MTP draft: one `DraftTrack` per speculating session, fed and asked for drafts by
-the coordinator's DRAFT messages, holding the final streams its FORWARDs computed (FLAG_DRAFT).
+"""The last stage's draft: one track per speculating session (the MTP block's `DraftTrack` or DSpark's
+`DSparkTrack`), fed and asked for drafts by the coordinator's DRAFT messages, holding what its FORWARDs
+computed (FLAG_DRAFT): the final streams, or DSpark's context rows from its target layers' streams,
+captured in the pass as one process captures them, so the last stage must hold those layers.
 
 The coordinator decides everything from positions (`RemoteTrack` mirrors the counts): which tokens
 pair with the held rows and how many drafts to propose, so this side only runs the draft model. A
@@ -14,23 +16,45 @@ import time
 
 import torch
 
+from dwarfstar.distributed.membership import LayerSlice
 from dwarfstar.distributed.protocol import DistError, DraftRequest
 from dwarfstar.model.state import SequenceState
 from dwarfstar.sampling import Sampler, SamplingParams
+from dwarfstar.speculative.dspark import DSparkDrafter, DSparkTrack
 from dwarfstar.speculative.mtp import MTPDraft
+from dwarfstar.speculative.mtp_options import check_confidence
 from dwarfstar.speculative.track import DraftTrack
 
 
-class StageDrafts:
-    def __init__(self, draft: MTPDraft) -> None:
-        self.draft = draft
-        self.tracks: dict[int, tuple[int, DraftTrack]] = {}  # session -> (track id, track)
+def check_target_layers(target_layers: tuple[int, ...], last: LayerSlice) -> None:
+    """A DSpark drafter's target layers all on the last stage (which captures their streams), else a
+    DistError naming the layers it must hold."""
+    missing = [il for il in target_layers if not last.first <= il < last.last]
+    if missing:
+        need = ", ".join(map(str, target_layers))
+        raise DistError(
+            f"DSpark on a route needs the drafter's target layers {need} on the last stage; it holds {last}, "
+            f"without {', '.join(map(str, missing))}: start the last worker with --layers "
+            f"{min(target_layers)}:output or lower"
+        )
 
-    def hold(self, session: int, streams) -> None:
-        """A pass's final streams of a session, for its track (none: the session is not speculating)."""
+
+class StageDrafts:
+    def __init__(self, draft: MTPDraft | DSparkDrafter) -> None:
+        self.draft = draft
+        self.tracks: dict[int, tuple[int, DraftTrack | DSparkTrack]] = {}  # session -> (track id, track)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The target layers whose streams a FLAG_DRAFT pass captures (none for the MTP block)."""
+        return self.draft.target_layers if isinstance(self.draft, DSparkDrafter) else ()
+
+    def hold(self, session: int, streams, captured: dict[int, object], rows: slice) -> None:
+        """What a pass leaves for a session's track (`track.rows`: its final streams `streams`, or the
+        rows `rows` of the `captured` target layers); none when the session is not speculating."""
         entry = self.tracks.get(session)
         if entry is not None:
-            entry[1].hold(streams)
+            entry[1].hold(entry[1].rows(streams, captured, rows))
 
     def cut(self, session: int, target_pos: int) -> None:
         """The session's target state went back to `target_pos` (a restore, a truncate)."""
@@ -48,7 +72,7 @@ class StageDrafts:
         compute time in us; None when the track (or the session, to propose) is not held here."""
         started = time.perf_counter()
         if request.start is not None:
-            self.tracks[session] = (request.track, DraftTrack(self.draft, request.shift, request.start))
+            self.tracks[session] = (request.track, self._track(request))
         entry = self.tracks.get(session)
         if entry is None or entry[0] != request.track:
             return None
@@ -70,6 +94,13 @@ class StageDrafts:
                 if request.sampling is not None and rows:
                     logits = torch.stack([row.float().cpu().reshape(-1) for row in rows]).contiguous()
         return drafts, logits, int((time.perf_counter() - started) * 1e6)
+
+    def _track(self, request: DraftRequest) -> DraftTrack | DSparkTrack:
+        assert request.start is not None
+        if isinstance(self.draft, DSparkDrafter):
+            check_confidence(request.confidence)
+            return DSparkTrack(self.draft, request.start, request.confidence)
+        return DraftTrack(self.draft, request.shift, request.start)
 
 
 def _sampler(sampling: dict | None) -> Sampler:

@@ -109,7 +109,8 @@ class Registration:
     ctx: int
     host: str
     proof: str = ""
-    mtp: bool = False  # it holds the head and the MTP block, and drafts (DRAFT)
+    mtp: bool = False  # it holds the head and a draft, and drafts (DRAFT)
+    dspark: bool = False  # that draft is DSpark's (else the MTP block)
     protocol: int = PROTOCOL  # the worker's message set (a registration without one is version 1's)
 
     def to_json(self) -> bytes:

@@ -8,7 +8,8 @@ so a receiver never guesses, and a count that disagrees with the payload is a `P
 
 `PROTOCOL` numbers the message set; a worker registers with it and the coordinator refuses another.
 Version 2 added MTP drafting on the last stage: the DRAFT and TRUNCATE ops and the FORWARD flags
-FLAG_DRAFT and FLAG_VERIFY (the header's layout is version 1's).
+FLAG_DRAFT and FLAG_VERIFY (the header's layout is version 1's). Version 3 added DSpark drafting:
+a registration says whether its draft is DSpark's, and a DRAFT that starts a track its confidence cut.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from dwarfstar.errors import DwarfStarError
 
 MAGIC = b"DSTG"
-PROTOCOL = 2
+PROTOCOL = 3
 HEADER = struct.Struct(
     "<4sBBBBQIIQI"
 )  # magic, op, status, flags, bits, request, n_segments, n_rows, payload bytes, compute us
@@ -33,7 +34,7 @@ SEGMENT_FIELDS = 5
 ACTIVATION_BITS = (32, 16, 8)
 FLAG_ALL_LOGITS = 1  # the last stage returns logits for every row, not only each sequence's last
 FLAG_LOGITS = 2  # a reply whose payload is float32 logits [rows, vocab], not an activation
-FLAG_DRAFT = 4  # the last stage keeps each session's final streams for its MTP draft track
+FLAG_DRAFT = 4  # the last stage keeps each session's final streams (DSpark: its target layers') for its draft track
 FLAG_VERIFY = 8  # each stage snapshots the sessions (under the request id) and records the pass's
 # compressor projections, so that a TRUNCATE naming the request cuts them back without a pass
 
@@ -64,7 +65,7 @@ class Op(IntEnum):
     IMPORT = 7  # a session rebuilt from layer tensors (a payload's slice)
     SHUTDOWN = 8  # the worker exits
     REGISTER = 9  # an MLX ring member's registration (torch workers register through the store)
-    DRAFT = 10  # the last stage's MTP draft: start a track, feed it held rows, propose (a `DraftRequest`)
+    DRAFT = 10  # the last stage's draft (MTP or DSpark): start a track, feed it held rows, propose (a `DraftRequest`)
     TRUNCATE = 11  # each session cut back to the first tokens of the FLAG_VERIFY pass the request id names
 
 
@@ -154,11 +155,12 @@ class DraftRequest:
 
     track: int  # the coordinator's id of the track (a new speculator on a session starts a new one)
     start: int | None = None  # (re)start the track at this target position
-    shift: int = 1  # the alignment: a held row's paired token is this many positions after it
+    shift: int = 1  # the alignment: a held row's paired token is this many positions after it (DSpark: 0)
+    confidence: float = 0.0  # DSpark: a block is cut at its first row below this (`--dspark-confidence`)
     feeds: list[list[int]] = field(default_factory=list)  # each: one draft call's paired tokens
     pending: int = -1  # the token after the target's, which the drafts continue
     n: int = 0  # drafts to propose (0: only start and feed)
-    margin: float = 0.0
+    margin: float = 0.0  # MTP: ds4's top-1 / top-2 gate (`--mtp-margin`)
     sampling: dict | None = None  # SamplingParams fields and the sampler's seed and step; None: greedy
 
     def pack(self) -> torch.Tensor:

@@ -87,7 +87,8 @@ class RemoteStage:
     worker: int
     host: str
     link: Link = field(repr=False)
-    mtp: bool = False  # it holds the head and an MTP block (it drafts)
+    mtp: bool = False  # it holds the head and a draft (it drafts)
+    dspark: bool = False  # that draft is DSpark's (else the MTP block)
 
 
 def _locked(method: Callable) -> Callable:
@@ -186,9 +187,9 @@ class Route:
         layers = LayerSlice(reg.first, reg.last, n)
         if self.mtp and layers.holds_head and not reg.mtp:
             raise RegistrationError(
-                f"worker {worker} at {reg.host} serves the output head (layers {layers}) without an MTP block, "
-                "and this coordinator drafts with MTP: start that worker with --mtp FILE (or --mtp-draft N "
-                "for the model's own block)"
+                f"worker {worker} at {reg.host} serves the output head (layers {layers}) without an MTP block "
+                "or a DSpark drafter, and this coordinator drafts: start that worker with the coordinator's "
+                "--mtp FILE (or --mtp-draft N for the model's own block) or --dspark FILE"
             )
         if reg.ctx < self.ctx:
             raise RegistrationError(f"worker {worker} holds a context of {reg.ctx}, the route needs {self.ctx}")
@@ -202,12 +203,12 @@ class Route:
         link = open_link()
         for old in replaced:  # a restarted worker for the same layers takes over; its sessions are gone
             self._drop(old, f"replaced by worker {worker}")
-        stage = RemoteStage(layers, worker, reg.host, link, reg.mtp and layers.holds_head)
+        drafts = reg.mtp and layers.holds_head
+        stage = RemoteStage(layers, worker, reg.host, link, drafts, drafts and reg.dspark)
         self.stages = sorted([*self.stages, stage], key=lambda s: s.layers.first)
         self._mark_all_dirty()
-        self.log(
-            f"[dist] worker {worker} at {reg.host} serves layers {layers}{' and the MTP draft' if stage.mtp else ''}"
-        )
+        draft = f" and the {'DSpark' if stage.dspark else 'MTP'} draft" if stage.mtp else ""
+        self.log(f"[dist] worker {worker} at {reg.host} serves layers {layers}{draft}")
 
     @property
     def local_device(self) -> torch.device | str:
@@ -474,11 +475,12 @@ class Route:
                 f"the route's last stage (worker {stage.worker}, layers {stage.layers}) has no MTP block: "
                 "start it with --mtp FILE (or --mtp-draft N for the model's own block) to draft on a route"
             )
+        kind = "dspark" if stage.dspark else "mtp"
         payload = request.pack()
         header = Header(Op.DRAFT, next(self._requests), 1, payload_bytes=payload.numel())
         msg = Message(header, [SegmentRecord(state.session_id, state.pos, 0, 0, 0)], payload=payload)
         reply, hop = self.relay(stage, msg)
-        self._report([replace(hop, layers=f"{stage.layers} mtp draft", tokens=reply.header.n_rows)])
+        self._report([replace(hop, layers=f"{stage.layers} {kind} draft", tokens=reply.header.n_rows)])
         return reply
 
     @_locked

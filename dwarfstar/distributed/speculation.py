@@ -1,5 +1,6 @@
-"""MTP speculative decoding on a route: the coordinator's `Speculator` runs as on one machine, with
-a `RouteRunner` for its target and a `RemoteTrack` for its draft, which lives on the last stage.
+"""Speculative decoding on a route: the coordinator's `Speculator` runs as on one machine, with a
+`RouteRunner` for its target and a `RemoteTrack` for its draft (the MTP block or DSpark's drafter),
+which lives on the last stage.
 
 - The last stage keeps the final streams of every pass it runs for a speculating session
   (FLAG_DRAFT) and feeds them to its MTP block; the coordinator sees them only as a row count
@@ -11,6 +12,9 @@ a `RouteRunner` for its target and a `RemoteTrack` for its draft, which lives on
   draft then truncates each stage in place (the coordinator's own layers here, a TRUNCATE to each
   worker, which also cuts the last stage's held rows); the token-prefix hashes are the snapshot's
   extended by the kept tokens, so no stage is found out of step.
+- DSpark: the last stage captures its target layers' streams in the same passes (it must hold those
+  layers) and keeps their context rows; the coordinator mirrors them as MTP rows of alignment 0
+  (every held row is fed), so the same messages carry it, the track's confidence cut sent at its start.
 - A track the last stage no longer holds (the worker restarted, the session was replayed) is
   restarted where the target is, with a message: drafting resumes after a pass, as for a server's
   session that already held a prefix.
@@ -29,6 +33,7 @@ from dwarfstar.distributed.protocol import FLAG_DRAFT, FLAG_VERIFY, DraftRequest
 from dwarfstar.distributed.route import ReplayNeeded, Route
 from dwarfstar.distributed.route_state import RouteSnapshot, RouteState
 from dwarfstar.errors import DwarfStarError
+from dwarfstar.model.dspark import DSparkArgs
 from dwarfstar.model.image_spans import ImageSpan
 from dwarfstar.sampling import Sampler
 from dwarfstar.speculative.rollback import CompressorTap, can_truncate, truncate
@@ -56,11 +61,30 @@ class RouteDraft:
     route: Route
 
 
+@dataclass(frozen=True)
+class RouteDSpark:
+    """The DSpark drafter of a route: its settings here, its stages and heads on the last stage
+    (`RouteBackend.dspark_draft`), which holds its target layers."""
+
+    route: Route
+    d: DSparkArgs
+    confidence: float  # a block is cut at its first row below this (`--dspark-confidence`)
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        return self.d.target_layers
+
+    def close(self) -> None:
+        """Nothing to let go here: the last stage holds the drafter."""
+
+
 class RemoteTrack:
     """A speculator's draft track on the last stage, its counts mirrored here (`DraftTrack`'s)."""
 
-    def __init__(self, route: Route, state: RouteState, shift: int) -> None:
-        self.route, self.target, self.shift = route, state, shift
+    def __init__(self, route: Route, state: RouteState, shift: int, confidence: float | None = None) -> None:
+        """`confidence`: a DSpark track's cut (its shift 0: every held row is fed); None: the MTP block's."""
+        self.route, self.target, self.shift, self.confidence = route, state, shift, confidence
+        self.kind = "MTP" if confidence is None else "DSpark"
         self._restart()
 
     def _restart(self) -> None:
@@ -112,13 +136,14 @@ class RemoteTrack:
     def _send(self, request: DraftRequest):
         if not self.started:
             request.start, request.shift = self.base, self.shift
+            request.confidence = self.confidence or 0.0
         request.feeds, self.feeds = self.feeds, []
         try:
             reply = self.route.draft(self.target, request)
         except ReplayNeeded:
             self._restart()
             self.route.log(
-                f"[dist] the MTP draft of session {self.target.session_id} is gone from the last stage; "
+                f"[dist] the {self.kind} draft of session {self.target.session_id} is gone from the last stage; "
                 f"drafting restarts at position {self.base}"
             )
             self.flush()
@@ -148,8 +173,12 @@ class RouteRunner:
         self._snaps: list[RouteSnapshot] = []  # taken for the next verify pass
 
     def track(self, draft: Any, state: RouteState, shift: int) -> RemoteTrack:
-        if not isinstance(draft, RouteDraft) or draft.route is not self.route:
-            raise DwarfStarError("a route's speculator drafts with the route's MTP block (load_draft on the route)")
+        if not isinstance(draft, RouteDraft | RouteDSpark) or draft.route is not self.route:
+            raise DwarfStarError(
+                "a route's speculator drafts with the route's own draft (load_draft or load_speculation on the route)"
+            )
+        if isinstance(draft, RouteDSpark):
+            return RemoteTrack(self.route, state, 0, draft.confidence)
         return RemoteTrack(self.route, state, shift)
 
     def run(

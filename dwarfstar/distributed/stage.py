@@ -7,7 +7,8 @@ loop: wait for a coordinator, register, serve the link until it breaks, then reg
 
 Speculative decoding: a FORWARD with FLAG_VERIFY is snapshotted and its compressor projections
 recorded, so that a TRUNCATE cuts it back to the accepted tokens in place (`speculative.rollback`);
-the last stage with an MTP block keeps FLAG_DRAFT passes' final streams and drafts from them
+the last stage with a draft keeps what FLAG_DRAFT passes leave it (the final streams for the MTP
+block; for DSpark the rows of its target layers' streams, captured in the pass) and drafts from them
 (`drafting.StageDrafts`).
 """
 
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from dwarfstar.backends.registry import entry_of
-from dwarfstar.distributed.drafting import StageDrafts
+from dwarfstar.distributed.drafting import StageDrafts, check_target_layers
 from dwarfstar.distributed.link import Link, LinkBrokenError, Message
 from dwarfstar.distributed.membership import LayerSlice, Registration, connect_store, register
 from dwarfstar.distributed.protocol import (
@@ -51,6 +52,8 @@ from dwarfstar.distributed.protocol import (
 from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.state import SequenceState, StateSnapshot, TorchStorage
+from dwarfstar.speculative.decode import capturing
+from dwarfstar.speculative.dspark import DSparkDrafter
 from dwarfstar.speculative.mtp import MTPDraft
 from dwarfstar.speculative.rollback import CompressorTap, truncate
 
@@ -111,13 +114,16 @@ class Verified:
 
 
 class StageWorker:
-    def __init__(self, model: Transformer, layers: LayerSlice, draft: MTPDraft | None = None) -> None:
-        """`draft`: the MTP block, on the last stage (it drafts for the coordinator's speculators)."""
+    def __init__(self, model: Transformer, layers: LayerSlice, draft: MTPDraft | DSparkDrafter | None = None) -> None:
+        """`draft`: the MTP block or the DSpark drafter, on the last stage (it drafts for the coordinator's
+        speculators); DSpark's target layers must be the stage's (`drafting.check_target_layers`)."""
         self.model, self.layers = model, layers
         self.sessions: dict[int, StageSession] = {}
         self.snapshots: OrderedDict[tuple[int, int], tuple[StateSnapshot, int]] = OrderedDict()
         self.verified: dict[int, Verified] = {}
         self.drafts = StageDrafts(draft) if draft is not None and layers.holds_head else None
+        if self.drafts is not None:
+            check_target_layers(self.drafts.layers, layers)
 
     @property
     def device(self):
@@ -189,9 +195,14 @@ class StageWorker:
             self._forget_verified(seg.session)  # a later pass: the last verify's record is stale
             if verify:
                 self._keep_snapshot(seg.session, h.request, session)
+        drafts = self.drafts if h.flags & FLAG_DRAFT else None
         started = time.perf_counter()
         # the tap copies every compressor's projections: only for a pass that may be truncated
-        with torch.inference_mode(), CompressorTap(self.model) if verify else contextlib.nullcontext() as tap:
+        with (
+            torch.inference_mode(),
+            CompressorTap(self.model) if verify else contextlib.nullcontext() as tap,
+            capturing(self.model, drafts.layers if drafts is not None else ()) as captured,
+        ):
             batch = self.model.batch(spans, [s.state for s in sessions])
             self.model.embed(batch)  # only its per-call preparation (`Ops.prepare`: ids, positions) is used here
             out = self.model.run_layers(to_backend(activation, self.model), batch, self.layers.first, self.layers.last)
@@ -202,8 +213,8 @@ class StageWorker:
                     continue
                 if verify:
                     self.verified[seg.session] = Verified(h.request, seg.count, tap.of(mine))
-                if h.flags & FLAG_DRAFT and self.drafts is not None:
-                    self.drafts.hold(seg.session, out[mine])
+                if drafts is not None:
+                    drafts.hold(seg.session, out[mine], captured, mine)
             if self.layers.holds_head:
                 y, _ = self.model.head(out, batch, bool(h.flags & FLAG_ALL_LOGITS))
                 payload, flags = self.model.ops.logits(y, batch).float().cpu().contiguous(), FLAG_LOGITS
@@ -276,7 +287,10 @@ class StageWorker:
 
     def _draft(self, msg: Message) -> Message:
         if self.drafts is None:
-            raise DistError("this stage has no MTP block to draft with (start the last worker with --mtp FILE)")
+            raise DistError(
+                "this stage has no MTP block or DSpark drafter to draft with (start the last worker with "
+                "--mtp FILE or --dspark FILE)"
+            )
         (seg,) = msg.segments
         session = self.sessions.get(seg.session)
         done = self.drafts.handle(

@@ -9,7 +9,9 @@ start first: the worker polls for the coordinator's store, the coordinator waits
 With MTP speculation (`--mtp`, `--mtp-draft`) the coordinator drafts through its last stage, which
 loads the block itself from its own `--mtp` flags (a worker started by hand on another machine
 names its file there) and registers that it holds one; a coordinator that drafts refuses a last
-stage without one.
+stage without one. DSpark (`--dspark FILE`) drafts the same way, on a last stage that holds the
+drafter's target layers (it captures their streams in its passes) and is refused at start-up
+otherwise; the coordinator reads the drafter's settings from its own `--dspark FILE`.
 
 Each role loads only its slice (`DistOptions.stage_layers`, which `load_engine` asks before the
 weights load): its layers' weights and KV arrays, the embedding on the coordinator, the head on the
@@ -42,12 +44,13 @@ from dwarfstar.distributed.route41 import Route41, RouteBackend41
 from dwarfstar.distributed.stage import StageWorker, WorkerOptions, serve_link, serve_stage
 from dwarfstar.distributed.stage41 import StageWorker41
 from dwarfstar.engine.load import Engine
-from dwarfstar.errors import DwarfStarError
 from dwarfstar.model.file_v41 import FAMILY41, ModelFile41
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.model_v41 import Model41
 
 if TYPE_CHECKING:
+    from dwarfstar.speculative.dspark import DSparkDraft
+    from dwarfstar.speculative.mtp import MTPDraft
     from dwarfstar.speculative.mtp_options import DSparkOptions, MTPOptions
 
 
@@ -131,7 +134,7 @@ def run_worker(
     engine: Engine, opts: DistOptions, ctx: int, speculation: MTPOptions | DSparkOptions | None = None
 ) -> None:
     """Serve this process's layers until a coordinator sends SHUTDOWN; with `speculation`, the last
-    stage loads the MTP block and drafts for the coordinator."""
+    stage loads the MTP block or the DSpark drafter and drafts for the coordinator."""
     model_id, quant = model_identity(engine.model)
     v41 = v41_stage(engine, opts)
     if v41 is not None:
@@ -151,7 +154,9 @@ def run_worker(
         model = local_model(engine, layers)
         draft = stage_draft(engine, model, layers, speculation)
         link = MLXRingLink(group, 0)
-        reg = Registration(model_id, quant, layers.first, layers.last, ctx, "ring", mtp=draft is not None)
+        reg = Registration(
+            model_id, quant, layers.first, layers.last, ctx, "ring", mtp=draft is not None, dspark=is_dspark(draft)
+        )
         register_over_ring(link, reg, opts.secret, group.rank())
         serve_link(StageWorker(model, layers, draft), link)
         return
@@ -161,22 +166,43 @@ def run_worker(
     worker = WorkerOptions(host, port, bind, opts.secret, opts.wait_s, opts.data_backend)
     model = local_model(engine, layers)
     draft = stage_draft(engine, model, layers, speculation)
-    registration = Registration(model_id, quant, layers.first, layers.last, ctx, bind, mtp=draft is not None)
+    registration = Registration(
+        model_id, quant, layers.first, layers.last, ctx, bind, mtp=draft is not None, dspark=is_dspark(draft)
+    )
     serve_stage(lambda: StageWorker(model, layers, draft), registration, worker)
 
 
-def stage_draft(engine: Engine, model: Transformer, layers: LayerSlice, speculation: MTPOptions | DSparkOptions | None):
-    """The MTP draft a stage runs: the last stage's, when MTP is asked for; else None (a stage
-    without the head has nothing to draft from, and says so)."""
+def stage_draft(
+    engine: Engine, model: Transformer, layers: LayerSlice, speculation: MTPOptions | DSparkOptions | None
+) -> MTPDraft | DSparkDraft | None:
+    """The draft a stage runs: the last stage's MTP block or DSpark drafter, when speculation is asked
+    for; else None (a stage without the head has nothing to draft from, and says so). A DSpark
+    drafter whose target layers are not all this stage's is a DistError naming them."""
     if speculation is None:
+        return None
+    if not layers.holds_head:
+        print(f"[dist] layers {layers} do not end at the output head: the draft is the last stage's", file=sys.stderr)
         return None
     from dwarfstar.speculative.mtp_options import DSparkOptions
 
     if isinstance(speculation, DSparkOptions):
-        raise DwarfStarError("a layer pipeline drafts with the MTP block only; DSpark on a route is not built")
-    if not layers.holds_head:
-        print(f"[dist] layers {layers} do not end at the output head: --mtp is the last stage's", file=sys.stderr)
-        return None
+        from dwarfstar.distributed.drafting import check_target_layers
+        from dwarfstar.speculative.dspark import DSparkDraft
+
+        path = speculation.file_for(engine.model.path)
+        draft = DSparkDraft(model, engine.model, path, speculation.confidence)
+        try:
+            check_target_layers(draft.target_layers, layers)
+        except BaseException:
+            draft.close()
+            raise
+        return draft
     from dwarfstar.speculative.mtp import load_draft
 
     return load_draft(model, engine.model, speculation.file_for(engine.model.path))
+
+
+def is_dspark(draft: MTPDraft | DSparkDraft | None) -> bool:
+    from dwarfstar.speculative.dspark import DSparkDraft
+
+    return isinstance(draft, DSparkDraft)

@@ -452,8 +452,11 @@ def check_drafter(options: DSparkOptions, backend: Any, model: ModelFile | Model
 
 
 def _dspark(options: DSparkOptions, backend: Any, model: ModelFile | ModelFile41) -> DSparkDrafter:
-    """The DSpark drafter of `model`'s family on `backend`."""
+    """The DSpark drafter of `model`'s family on `backend` (a route's: on its last stage)."""
     path = options.file_for(model.path)
+    remote = getattr(backend, "dspark_draft", None)
+    if remote is not None:
+        return remote(model, path, options.confidence)
     if isinstance(model, ModelFile41):
         return DSparkDraft41(backend, model, path, options.confidence)
     return DSparkDraft(forward_of(backend), model, path, options.confidence)

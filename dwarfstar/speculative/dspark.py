@@ -231,8 +231,16 @@ class DSparkTrack(HeldRows):
     def feed(self, known: list[int], target_pos: int) -> None:
         """Every held row into the stages' rings (their positions are committed)."""
         if self.hidden is not None:
-            self.draft.context(self.hidden, self.state)
-            self.hidden = None
+            self._write(self.held)
+
+    def feed_rows(self, tokens: list[int]) -> None:
+        """The first len(tokens) held rows into the stages' rings (`tokens`: their positions' tokens,
+        which the drafter does not read: a route's last stage is told the rows by them, as for MTP)."""
+        self._write(len(tokens))
+
+    def _write(self, count: int) -> None:
+        self.draft.context(self.hidden[:count], self.state)
+        self.hidden = self.hidden[count:] if count < self.held else None
 
     def propose(
         self, sequence: list[int], n: int, sampler: Sampler, margin: float

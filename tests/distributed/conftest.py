@@ -45,13 +45,14 @@ class Cluster:
         backend: str = "reference",
         mtp: Path | None = None,
         qat: bool = True,
+        dspark: Path | None = None,
     ) -> None:
         """Start the workers for `layers[1:]` (the last one dying at `die_at_rows`, if given; with
-        `cli`, as `dwarfstar run --dist-role worker` processes on `backend`; with `mtp`, the last
-        one drafting with that MTP block, and the coordinator requiring it; `qat` False: every
-        stage without QAT rounding)."""
+        `cli`, as `dwarfstar run --dist-role worker` processes on `backend`; with `mtp` (`dspark`),
+        the last one drafting with that MTP block (DSpark drafter), and the coordinator requiring a
+        draft; `qat` False: every stage without QAT rounding)."""
         self.path, self.layers, self.logs, self.cli, self.backend_name = path, layers, logs, cli, backend
-        self.mtp, self.qat = mtp, qat
+        self.mtp, self.qat, self.dspark = mtp, qat, dspark
         self.addr = f"127.0.0.1:{free_port()}"
         self.workers: dict[str, subprocess.Popen] = {}
         for i, worker_layers in enumerate(layers[1:], start=2):
@@ -66,7 +67,7 @@ class Cluster:
             self.local = self.engine.backend
             opts = DistOptions.resolved(
                 role="coordinator", layers=self.layers[0], addr=self.addr, wait_s=WAIT_S, timeout_s=60,
-                mtp=self.mtp is not None,
+                mtp=self.mtp is not None or self.dspark is not None,
             )  # fmt: skip
             self.route = start_coordinator(engine, opts, CTX)
             self.backend = route_backend(self.route)
@@ -84,6 +85,7 @@ class Cluster:
             )
         else:
             options = {"die": die_at_rows, "mtp": self.mtp if last else None, "qat": None if self.qat else 0}
+            options["dspark"] = self.dspark if last else None
             argv += [f"{key}={value}" for key, value in options.items() if value is not None]
         log = open(self.logs / f"worker-{self.addr.rsplit(':', 1)[1]}-{layers.replace(':', '_')}.log", "ab")
         self.workers[layers] = subprocess.Popen(argv, stdout=log, stderr=log)

@@ -2,7 +2,8 @@
 
 Options: `die=ROWS`: the process exits abruptly when a FORWARD of that many rows arrives, before it
 replies (a worker that dies in the middle of a request, at a point the test chooses); `mtp=FILE`:
-the last stage loads that MTP block and drafts; `qat=0`: no QAT rounding (as the coordinator's engine).
+the last stage loads that MTP block and drafts; `dspark=FILE`: that DSpark drafter; `qat=0`: no QAT
+rounding (as the coordinator's engine).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dwarfstar.distributed.stage import StageWorker
 from dwarfstar.engine.launch import DistOptions, run_worker
 from dwarfstar.engine.load import load_engine
 from dwarfstar.engine.spec import EngineSpec
-from dwarfstar.speculative.mtp_options import MTPOptions
+from dwarfstar.speculative.mtp_options import DSparkOptions, MTPOptions
 
 CTX = 256
 
@@ -38,6 +39,8 @@ def main() -> None:
 
         StageWorker.handle = dying
     speculation = MTPOptions(Path(options["mtp"]), 2) if "mtp" in options else None
+    if "dspark" in options:
+        speculation = DSparkOptions(Path(options["dspark"]))
     opts = DistOptions.resolved(role="worker", layers=layers, addr=addr, wait_s=300, timeout_s=60)
     qat = options.get("qat", "1") != "0"
     engine = load_engine(EngineSpec(model, "reference", ctx=CTX, qat=qat, dist=opts))  # its slice only

@@ -149,7 +149,7 @@ def drafting_coordinator(exact_nano):
     ("fields", "why"),
     [
         ({}, "serves the output head \\(layers 2:output\\) without an MTP block.*--mtp FILE"),
-        ({"mtp": True, "protocol": 1}, "speaks stage protocol 1, this coordinator 2"),
+        ({"mtp": True, "protocol": 2}, "speaks stage protocol 2, this coordinator 3"),
     ],
 )
 def test_a_last_worker_without_the_block_is_refused(drafting_coordinator, fields, why):
