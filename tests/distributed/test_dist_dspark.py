@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import CTX, Cluster, connected
-from test_dist_mtp import TEXT, figures, payload
+from test_dist_mtp import TEXT, figures, generate_through_a_replay, payload
 
 from dwarfstar.distributed.membership import LayerSlice, Registration
 from dwarfstar.distributed.protocol import PROTOCOL, DistError, DraftRequest
@@ -128,12 +128,8 @@ def test_a_lost_track_restarts_where_the_target_is(nano_route, exact_nano, capfd
     speculation = load_speculation(DSparkOptions(NANO_DSPARK), nano_route.backend, exact_nano.model)
     spec = speculation.start(Session(nano_route.backend, ctx=CTX))
     spec.prefill(prompt)
-    replays, got, accepted_then = nano_route.route.replays, [], 0
-    for token in spec.generate(N_TOKENS, GREEDY):
-        got.append(token)
-        if len(got) == 20:
-            spec.state.dirty = True  # what a replaced worker leaves: the next use replays the session
-            accepted_then = sum(spec.stats.accepted)
+    replays = nano_route.route.replays
+    got, accepted_then = generate_through_a_replay(spec, N_TOKENS)
     assert got == plain(exact_nano, prompt)
     assert nano_route.route.replays == replays + 1
     assert "the DSpark draft of session" in capfd.readouterr().err

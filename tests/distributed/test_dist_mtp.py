@@ -110,18 +110,26 @@ def test_rerun_rollback_restores_every_stage(mtp2, reference, capfd):
     assert hops and all("(worker" in line and "bytes" in line for line in hops)
 
 
+def generate_through_a_replay(spec, n: int, at: int = 20) -> tuple[list[int], int]:
+    """n greedy tokens, the session marked for a replay after the first `at` (what a replaced worker
+    leaves): the tokens, and the drafts accepted up to the replay."""
+    got, accepted_then = [], 0
+    for token in spec.generate(n, GREEDY):
+        got.append(token)
+        if len(got) == at:
+            spec.state.dirty = True  # the next use replays the session
+            accepted_then = sum(spec.stats.accepted)
+    return got, accepted_then
+
+
 def test_a_lost_draft_restarts_where_the_target_is(mtp2, reference, capfd):
     """A replayed session (as after a worker restart) loses its draft on the last stage: drafting
     restarts at the current position, with a message, and the text stays the plain greedy one."""
     prompt, plain, _ = reference
     spec = Speculator(Session(mtp2.backend, ctx=CTX), load_draft(mtp2.backend, mtp2.engine.model), 2)
     spec.prefill(prompt)
-    replays, got, accepted_then = mtp2.route.replays, [], 0
-    for token in spec.generate(N_TOKENS, GREEDY):
-        got.append(token)
-        if len(got) == 20:
-            spec.state.dirty = True  # what a replaced worker leaves: the next use replays the session
-            accepted_then = sum(spec.stats.accepted)
+    replays = mtp2.route.replays
+    got, accepted_then = generate_through_a_replay(spec, N_TOKENS)
     assert got == plain
     assert mtp2.route.replays == replays + 1
     assert "drafting restarts at position" in capfd.readouterr().err
