@@ -81,9 +81,9 @@ def tables(device: torch.device | str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Q8Rows:
-    """Rows quantized to int8 in blocks of 32: q int8 [R, C]; scale float32
-    [R, C / 16], each block's scale once per 16 columns; and sums float32 [R, C / 16] (per 16 columns:
-    the block scale times the sum of q). Scales and sums per 16 columns have the layout of the
+    """Rows quantized to int8 in blocks of 32: q int8 [R, C]; scale float32 [R, C / 16], each block's
+    scale once per 16 columns; and sums float32 [R, C / 16] (per 16 columns: the block scale times the
+    sum of q). Scales and sums per 16 columns have the layout of the
     sub-blocks they go with (Q2_K's; IQ2_XXS loads a block's scale pair as it loads activation words),
     so a loop's loads of them need no layout conversion."""
 

@@ -268,14 +268,15 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
     super-block) or groups (IQ2_XXS: 32 bytes and a scale pair, 8 groups) itself: the
     compiled loops hold a row's runs in one thread, not a run's rows (sm_90 SASS under triton 3.6:
     per thread and pass of two super-blocks, 32 16-byte and 48 4-byte activation loads for Q2_K's one
-    row, 64 8-byte ones for IQ2_XXS's four row-groups, the gate and up products sharing them)."""
+    row; for IQ2_XXS's, 16-byte loads of two lattice rows' activation words; the gate and up products
+    sharing them)."""
     ggml_type = GGMLType(wtype)
     per_loop = 1 if fast else matrices
     weight = per_loop * bn * row_bytes * bk // k_in
     x_bytes = x_bytes if not q8 else 1 + 4 / 16 + 4 / 16
     x = int((16 if fast and name == "shared" else rows_loaded) * x_bytes * bk)
     if q8:
-        x = bn * (4 * 96 if ggml_type == GGMLType.Q2_K else 8 * 72)
+        x = bn * (4 * 96 if ggml_type == GGMLType.Q2_K else 8 * 40)
     lookups, gathers = 0, ()
     if ggml_type == GGMLType.IQ2_XXS:  # a lattice row and its signs per 8 columns, from cached tables
         rows = per_loop * bn * bk // 8
