@@ -86,7 +86,7 @@ class RouteBackend(RouteFront):
         """The route's MTP draft (`load_draft` on a route); a clear error when the last stage has none."""
         from dwarfstar.distributed.speculation import RouteDraft
 
-        head = self._drafting_stage()
+        head = self.route.drafting_stage()
         if head.dspark:
             raise DistError(
                 f"the route's last stage (worker {head.worker} at {head.host}) drafts with DSpark, not the MTP "
@@ -106,7 +106,7 @@ class RouteBackend(RouteFront):
         check_confidence(confidence)
         d, gguf, _ = open_dspark(model, path)
         gguf.close()
-        head = self._drafting_stage()
+        head = self.route.drafting_stage()
         if not head.dspark:
             raise DistError(
                 f"the route's last stage (worker {head.worker} at {head.host}) drafts with the MTP block, not "
@@ -114,19 +114,6 @@ class RouteBackend(RouteFront):
             )
         check_target_layers(d.target_layers, head.layers)
         return RouteDSpark(self.route, d, confidence)
-
-    def _drafting_stage(self):
-        """The route's last stage, which must hold a draft."""
-        with self.route.lock:
-            self.route.check_complete()
-            head = self.route.stages[-1]
-            if not head.mtp:
-                raise DistError(
-                    f"the route's last stage (worker {head.worker} at {head.host}, layers {head.layers}) has no "
-                    "MTP block: start it with --mtp FILE (or --mtp-draft N for the model's own block), or with "
-                    "--dspark FILE to draft with DSpark"
-                )
-        return head
 
     def speculation_runner(self):
         from dwarfstar.distributed.speculation import RouteRunner

@@ -465,16 +465,23 @@ class Route:
         self._report(hops)
 
     @_locked
-    def draft(self, state: RouteState, request: DraftRequest) -> Message:
-        """One DRAFT to the last stage (raises ReplayNeeded when it holds no such track); --debug
-        prints its hop, its tokens the drafts proposed."""
+    def drafting_stage(self) -> RemoteStage:
+        """The route's last stage, which must be there and hold a draft (the MTP block or DSpark's)."""
         self.check_complete()
         stage = self.stages[-1]
         if not stage.mtp:
             raise DistError(
-                f"the route's last stage (worker {stage.worker}, layers {stage.layers}) has no MTP block: "
-                "start it with --mtp FILE (or --mtp-draft N for the model's own block) to draft on a route"
+                f"the route's last stage (worker {stage.worker} at {stage.host}, layers {stage.layers}) has no "
+                "MTP block: start it with --mtp FILE (or --mtp-draft N for the model's own block), or with "
+                "--dspark FILE to draft with DSpark"
             )
+        return stage
+
+    @_locked
+    def draft(self, state: RouteState, request: DraftRequest) -> Message:
+        """One DRAFT to the last stage (raises ReplayNeeded when it holds no such track); --debug
+        prints its hop, its tokens the drafts proposed."""
+        stage = self.drafting_stage()
         kind = "dspark" if stage.dspark else "mtp"
         payload = request.pack()
         header = Header(Op.DRAFT, next(self._requests), 1, payload_bytes=payload.numel())
