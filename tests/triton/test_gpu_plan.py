@@ -114,3 +114,24 @@ def test_mxfp4_experts_plan_same_launches_and_their_bytes(tmp_path):
     g = 2048 * 4096
     extra = 2 * 6 * (3 * g * 17 / 32 - (2 * g * 66 / 256 + g * 84 / 256))
     assert abs((mx["weight_GB_per_step"] - q2["weight_GB_per_step"]) - extra / 1e9) < 2e-3
+
+
+def test_decode_expert_loops_are_declared_as_compiled():
+    """The fp32 and tensor-core decode forms run the gate's loop, then the up's (`moe_experts._rows_dot`),
+    so each declared loop streams one matrix's rows a pass; the int8 form runs one loop over both. The
+    fp32 IQ2_XXS loop loads a row's activations in every row's threads: 16 rows of 256 floats a pass."""
+    from dwarfstar.backends.triton.kernels.moe_experts import _decode_loops
+    from dwarfstar.gguf.constants import GGMLType
+
+    rows, block = 16, 66  # IQ2_XXS: 66 bytes per 256 columns
+    shape = dict(programs=10, matrices=2, wtype=GGMLType.IQ2_XXS, bn=rows, row_bytes=16 * block, k_in=4096, bk=256,
+                 t=1, x_bytes=4)  # fmt: skip
+    for fast in (False, True):
+        gate, up = _decode_loops("routed", fast=fast, **shape)
+        assert (gate.name, up.name) == ("routed IQ2_XXS gate", "routed IQ2_XXS up")
+        assert gate.weight_bytes == up.weight_bytes == rows * block
+        assert gate.passes == 4096 // 256
+    exact = _decode_loops("routed", fast=False, **shape)[0]
+    assert exact.loads >= rows * block + rows * 256 * 4
+    (both,) = _decode_loops("routed", fast=False, q8=True, **shape)
+    assert both.name == "routed IQ2_XXS gate/up" and both.weight_bytes == 2 * rows * block

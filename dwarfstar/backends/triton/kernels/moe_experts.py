@@ -259,24 +259,26 @@ def launch_work(kernel: str, a: dict) -> KernelWork | None:
 def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, row_bytes: int, k_in: int,
                   bk: int, t: int, x_bytes: int, fast: bool, parts: int = 1,
                   rows_loaded: int = 1, q8: bool = False) -> tuple[LoopWork, ...]:  # fmt: skip
-    """The loops of `_routed_rows` / `_shared_rows` (`_rows_dot`) as `runtime.LoopWork`s: one over
-    `matrices` x bn rows of bk columns an iteration, or in the tensor-core form (fast) one per matrix
-    (the form runs them one after the other); `parts` row parts of k_in / bk iterations each; t
-    activation rows (`rows_loaded` of them loaded: masked rows too), 16 in the tensor-core form; q8:
-    the int8 form (`expert_int8`: a byte per column, a float scale and a sum per 16), where
-    every row loads the activations of each of its runs (Q2_K: 64 bytes and 8 floats, 4 runs a
-    super-block) or groups (IQ2_XXS: 32 bytes and a scale pair, 8 groups) itself: the
-    compiled loops hold a row's runs in one thread, not a run's rows (sm_90 SASS under triton 3.6:
-    per thread and pass of two super-blocks, 32 16-byte and 48 4-byte activation loads for Q2_K's one
-    row; for IQ2_XXS's, 16-byte loads of two lattice rows' activation words; the gate and up products
-    sharing them)."""
+    """The loops of `_routed_rows` / `_shared_rows` (`_rows_dot`) as `runtime.LoopWork`s: one per matrix
+    of bn rows and bk columns an iteration (the fp32 and tensor-core forms run gate, then up), or in
+    the int8 form (q8) one over both; `parts` row parts of k_in / bk iterations each; t activation
+    rows (`rows_loaded` of them loaded: masked rows too), 16 in the tensor-core form. Where a
+    compiled loop holds a row's columns in its threads rather than a column's rows, every row loads
+    the activations itself: the fp32 IQ2_XXS loop (a row's 256 floats a super-block) and the int8
+    form (a byte per column, a float scale and a sum per 16: Q2_K's 64 bytes and 8 floats for each of
+    4 runs a super-block, IQ2_XXS's 32 bytes and a scale pair for each of 8 groups; sm_90 SASS under
+    triton 3.6: per thread and pass of two super-blocks, 32 16-byte and 48 4-byte activation loads
+    for Q2_K's one row; for IQ2_XXS's, 16-byte loads of two lattice rows' activation words; the gate
+    and up products sharing them)."""
     ggml_type = GGMLType(wtype)
-    per_loop = 1 if fast else matrices
+    per_loop = matrices if q8 else 1
     weight = per_loop * bn * row_bytes * bk // k_in
     x_bytes = x_bytes if not q8 else 1 + 4 / 16 + 4 / 16
     x = int((16 if fast and name == "shared" else rows_loaded) * x_bytes * bk)
     if q8:
         x = bn * (4 * 96 if ggml_type == GGMLType.Q2_K else 8 * 40)
+    elif not fast and ggml_type == GGMLType.IQ2_XXS:
+        x *= bn
     lookups, gathers = 0, ()
     if ggml_type == GGMLType.IQ2_XXS:  # a lattice row and its signs per 8 columns, from cached tables
         rows = per_loop * bn * bk // 8
@@ -284,7 +286,7 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
         signs = 1 if not (q8 or fast) else entry  # the exact loop: the 8 sign bits, spread in registers
         lookups = rows * (entry + signs)
         gathers = ((rows, 256 * entry), (rows, 128 * signs))  # 256 lattice rows, 128 sign indexes
-    what = ("gate", "up") if fast and matrices == 2 else ("gate/up" if matrices == 2 else "down",)
+    what = ("gate", "up") if matrices == 2 and not q8 else ("gate/up" if matrices == 2 else "down",)
     return tuple(
         LoopWork(f"{name} {ggml_type.name} {m}", programs, parts * k_in // bk, weight, int(weight + t * x_bytes * bk),
                  weight + x + lookups, gathers)
