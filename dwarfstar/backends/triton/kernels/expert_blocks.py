@@ -52,25 +52,29 @@ def _tables(device: torch.device) -> torch.Tensor:
     # of its 8 signs (parity bit included) on the fp16 sign bits, 4 words of two halves
     halves = grid.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
     grid16 = halves[:, 0::2] | (halves[:, 1::2] << 16)
-    bits = (ksigns.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32)) & 1
+    bits = (ksigns.to(torch.int64)[:, None] >> torch.arange(8)) & 1
     masks = (bits[:, 0::2] << 15) | (bits[:, 1::2] << 31)
-    sign_bits = ksigns.to(torch.uint8).contiguous().view(torch.int32)  # 4 of the 128 bytes a word
-    one = torch.tensor([1.0]).view(torch.int32)
-    parts = [grid16.reshape(-1), masks.reshape(-1), sign_bits, one]
-    return torch.cat(parts).to(device)
+    # the same signs in one word: value 2 e's at bit 15 - e, 2 e + 1's at bit 31 - e, so that word e's
+    # mask is the word shifted left by e, its sign bits kept
+    spread = (masks >> torch.arange(4)).sum(-1)
+    one = torch.tensor([1.0]).view(torch.int32).to(torch.int64)
+    flat = torch.cat([grid16.reshape(-1).to(torch.int64), masks.reshape(-1), spread, one])
+    return torch.where(flat >= 2**31, flat - 2**32, flat).to(torch.int32).to(device)
 
 
 def tables(device: torch.device | str) -> torch.Tensor:
     """IQ2_XXS lookup tables as one int32 tensor (stays in cache): the lattice as fp16 pairs (256 x 4
     words), per 7-bit sign index the masks of its 8 signs (parity included) on fp16 pairs (4 words),
-    then the 8 sign bits themselves (128 bytes: one cache line); then the bits of 1.0."""
+    then the same 8 signs spread over one word (`SPREAD_AT`: 512 bytes, 4 cache lines); then the
+    bits of 1.0."""
     return _tables(torch.device(device))
 
 
 GRID16_AT = tl.constexpr(0)  # word offsets of the fp16 lattice and the sign masks in `tables`
 SIGNS16_AT = tl.constexpr(1024)
-SIGN_BITS_AT = tl.constexpr(1536)  # 128-byte aligned: the bytes are one cache line
-ONE_AT = tl.constexpr(1568)
+SPREAD_AT = tl.constexpr(1536)
+ONE_AT = tl.constexpr(1664)
+SIGN_BITS = tl.constexpr(-0x7FFF8000)  # 0x80008000: the sign bits of two fp16 halves
 
 
 @triton.jit
@@ -263,20 +267,36 @@ def _exact_q4_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.const
 
 
 @triton.jit
-def _exact_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
+def _widen_halves(enc, PTX: tl.constexpr):
+    """int32 words of two fp16 bit patterns -> float32 [..., 2] (low half first). On NVIDIA each half
+    is converted where it lies in the word: through fp16 tensors the compiler packs the halves of two
+    words together first (a byte permute per pair of values)."""
+    if PTX:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="{.reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h;}",
+            constraints="=r,=r,r", args=[enc], dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
+        )  # fmt: skip
+        return tl.join(lo, hi)
+    else:
+        return _halves(enc).to(tl.float32)
+
+
+@triton.jit
+def _exact_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr, PTX: tl.constexpr):
     # payload (64 B per super-block): 8 groups of 32 elements, each two words: 4 bytes picking lattice
     # rows (8 elements each) and four 7-bit sign indexes (bits 0-27) with a scale s (bits 28-31);
     # the 8th sign makes the count of minus signs even. side: f16 d. x = d (0.5 + s) / 4 * grid * sign.
-    # The lattice rows come from `tables` as fp16 pairs, 16 bytes a row, and the 8 sign bits of each
-    # index as a byte: each sign goes to its half's sign bit, then each value widens to fp32
-    # exactly. A lookup is a gather whose lanes touch about as many cache lines as they pick rows
-    # (`plan.predict.gather_lines`), and those, as much as its instructions, bound this loop: rows from a
-    # 4 KB table touch 20 lines a warp-gather and the 128 sign bytes one, 21 for a lattice row and
-    # its signs, against 34 with the signs as fp16 pair masks (2 KB) and 91 with float32 rows and
-    # masks (two 16-byte gathers each, from 8 KB and 4 KB). The group
-    # leads the row in every tensor below: the lookups' layout (a lattice row in a thread, lanes over
-    # the leading dims) then holds each group where the words put it, and the activations, loaded at
-    # the same addresses for every row, where the products want them: no layout conversion
+    # The lattice rows come from `tables` as fp16 pairs, 16 bytes a row, and the 8 signs of each
+    # index as one word whose shifts put them on the halves' sign bits (`SPREAD_AT`): one shift and
+    # one xor per word; each value then widens to fp32 exactly. A lookup is a gather whose lanes
+    # touch about as many cache lines as they pick rows (`plan.predict.gather_lines`), and those, as
+    # much as its instructions, bound this loop: rows from a 4 KB table touch 20 lines a warp-gather
+    # and the 512-byte sign words 4, against 34 with the signs as fp16 pair masks (2 KB) and 91 with
+    # float32 rows and masks (two 16-byte gathers each, from 8 KB and 4 KB). The group leads the
+    # row in every tensor below: the lookups' layout (a lattice row in a thread, lanes over the
+    # leading dims) then holds each group where the words put it, and the activations, loaded at
+    # the same addresses for every row (16 bytes a load), where the products want them: no layout
+    # conversion
     words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None]
                     + tl.arange(0, 16)[None, :])  # fmt: skip
     points, aux = tl.split(tl.reshape(words, [BN, 8, 2]))  # [BN, g]
@@ -285,21 +305,19 @@ def _exact_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.co
     signs = tl.join(tl.join(aux & 127, (aux >> 7) & 127), tl.join((aux >> 14) & 127, (aux >> 21) & 127))
     e = tl.arange(0, 4)  # a row's 4 words: values 2 e and 2 e + 1
     grid = tl.load(tab_ptr + GRID16_AT + (4 * pick)[:, :, :, :, None] + e[None, None, None, None, :])
-    bits = tl.load((tab_ptr + SIGN_BITS_AT).to(tl.pointer_type(tl.uint8)) + signs).to(tl.int32)  # 8 signs
-    # word e's signs on the halves' sign bits: that of value 2 e to bit 15, of 2 e + 1 to bit 31 (the
-    # product with 2^15 + 2^30 puts bit 0 at 15 and bit 1 at 31, the other bits elsewhere, no carries)
-    flip = ((bits[:, :, :, :, None] >> (2 * e)[None, None, None, None, :]) * 0x40008000) & -0x7FFF8000  # 0x80008000
-    v = _halves(grid ^ flip).to(tl.float32)  # [g, BN, c_i, c_j, e, half]
+    spread = tl.load(tab_ptr + SPREAD_AT + signs)  # [g, BN, c_i, c_j]
+    v = _widen_halves(grid ^ ((spread[:, :, :, :, None] << e[None, None, None, None, :]) & SIGN_BITS), PTX)
     i = tl.arange(0, 2)
     k = (
         (32 * tl.arange(0, 8))[:, None, None, None, None, None]
         + tl.zeros([BN], tl.int32)[None, :, None, None, None, None]
         + (8 * i)[None, None, :, None, None, None]
         + (16 * i)[None, None, None, :, None, None]
-        + (2 * e)[None, None, None, None, :, None]
-        + i[None, None, None, None, None, :]
+        + (4 * i)[None, None, None, None, :, None]
+        + tl.arange(0, 4)[None, None, None, None, None, :]
     )
-    x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, g, BN, c_i, c_j, e, half]
+    x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, g, BN, c_i, c_j, e_hi, 4]
+    x = tl.reshape(x, [x.shape[0], 8, BN, 2, 2, 4, 2])  # [TB, g, BN, c_i, c_j, e, half]
     prod = _fma_last(v[None], x, 0.0)
     part = tl.sum(tl.sum(tl.sum(prod, axis=5), axis=4), axis=3)  # [TB, g, BN]
     d = tl.load((w_ptr + row_off + K // 4 + 2 * sb).to(tl.pointer_type(tl.float16))).to(tl.float32)
@@ -356,10 +374,11 @@ def _exact_mxfp4(w_ptr, row_off, k0, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
 
 @triton.jit
 def exact_step(w_ptr, tab_ptr, row_off, k0, K, x_ptr, x_off, x_ok,
-               WTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+               WTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """fp32 partial sums [TB, BN, C] of rows `row_off` [BN] (int64 byte offsets) times activation rows
     x_ptr + x_off [TB] (int64 element offsets; x_ok [TB] masks rows) over columns k0..k0+BK. BK is
-    256 for the types with decoders here; the others take `load_weight_tile`'s BK (C = 1)."""
+    256 for the types with decoders here; the others take `load_weight_tile`'s BK (C = 1). PTX: NVIDIA
+    inline assembly allowed (`_widen_halves`)."""
     if WTYPE == 8:
         return _exact_q8_0(w_ptr, row_off, k0, K, x_ptr, x_off, x_ok, BN)
     elif WTYPE == 10:
@@ -367,7 +386,7 @@ def exact_step(w_ptr, tab_ptr, row_off, k0, K, x_ptr, x_off, x_ok,
     elif WTYPE == 12:
         return _exact_q4_k(w_ptr, tab_ptr, row_off, k0 // 256, K, x_ptr, x_off, x_ok, BN)
     elif WTYPE == 16:
-        return _exact_iq2_xxs(w_ptr, tab_ptr, row_off, k0 // 256, K, x_ptr, x_off, x_ok, BN)
+        return _exact_iq2_xxs(w_ptr, tab_ptr, row_off, k0 // 256, K, x_ptr, x_off, x_ok, BN, PTX)
     elif WTYPE == 39:
         return _exact_mxfp4(w_ptr, row_off, k0, K, x_ptr, x_off, x_ok, BN)
     else:

@@ -41,15 +41,15 @@ ROUND_BITS = tl.constexpr(0x4B400000)
 # word offsets in `tables` (each table on a 128-byte line) of IQ2_XXS's lattice rows as 8 nibble codes
 # and of its 7-bit sign indexes' signs as bit 2 of 8 nibbles: their OR picks the row's signed values
 # out of LATTICE_LO:LATTICE_HI with one byte permute per 4 values (`_signed_values`)
-CODES_AT = tl.constexpr(1600)
-SIGN_NIBBLES_AT = tl.constexpr(1600 + 256)
+CODES_AT = tl.constexpr(1792)
+SIGN_NIBBLES_AT = tl.constexpr(1792 + 256)
 LATTICE = (8, 25, 43)  # IQ2_XXS's lattice values: code c is LATTICE[c]
 LATTICE_LO = tl.constexpr(0x002B1908)  # bytes 0-3 of the permute's source: 8, 25, 43, 0
 LATTICE_HI = tl.constexpr(0x00D5E7F8)  # bytes 4-7: -8, -25, -43, 0 (code + 4 picks the negative)
 # LATTICE_LO again, 8 times from this word: each group's thread loads its own copy, which ptxas keeps
 # in a register; a constant or one uniform load it copied into a register before every permute
 # (46 more instructions a pass on sm_90)
-LATTICE_AT = tl.constexpr(1569)
+LATTICE_AT = tl.constexpr(1665)
 
 
 @functools.cache

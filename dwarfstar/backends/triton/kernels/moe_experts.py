@@ -283,7 +283,7 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
     if ggml_type == GGMLType.IQ2_XXS:  # a lattice row and its signs per 8 columns, from cached tables
         rows = per_loop * bn * bk // 8
         entry = 4 if q8 else 16  # the int8 form's nibble codes and sign nibbles (`expert_int8.tables`), else fp16 pairs
-        signs = 1 if not (q8 or fast) else entry  # the exact loop: the 8 sign bits, spread in registers
+        signs = 16 if fast else 4  # fp16 pair masks, else a word (the int8 form's nibbles, the fp32 one's spread)
         lookups = rows * (entry + signs)
         gathers = ((rows, 256 * entry), (rows, 128 * signs))  # 256 lattice rows, 128 sign indexes
     what = ("gate", "up") if matrices == 2 and not q8 else ("gate/up" if matrices == 2 else "down",)
@@ -304,9 +304,10 @@ Q8_ROWS = (32, 64)
 @triton.jit
 def _rows_dot(x_ptr, x_off, x_ok, w1_ptr, w2_ptr, tab_ptr, row_off, K,
               WTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr,
-              FAST: tl.constexpr, BCAST: tl.constexpr):  # fmt: skip
+              FAST: tl.constexpr, BCAST: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """Products of BN weight rows (w1, and w2 when TWO) with activation rows: [R, BN] each, R = x_off's
-    length. FAST: the tensor-core form over 16 rows (BCAST: one row in all 16, every result row equal)."""
+    length. FAST: the tensor-core form over 16 rows (BCAST: one row in all 16, every result row equal);
+    PTX: the fp32 form may hold NVIDIA inline assembly."""
     if FAST:  # one matrix after the other: a super-block of both would not fit the registers
         a1 = tl.zeros([BN, 16], tl.float32)
         for sb in range(0, K // 256):
@@ -318,29 +319,30 @@ def _rows_dot(x_ptr, x_off, x_ok, w1_ptr, w2_ptr, tab_ptr, row_off, K,
                 a2 += fast_step(w2_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BCAST, WTYPE, BN)
         return tl.trans(a1), tl.trans(a2)
     else:
-        a1 = _exact_rows(w1_ptr, tab_ptr, row_off, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+        a1 = _exact_rows(w1_ptr, tab_ptr, row_off, K, x_ptr, x_off, x_ok, WTYPE, BN, BK, PTX)
         a2 = a1
         if TWO:
-            a2 = _exact_rows(w2_ptr, tab_ptr, row_off, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+            a2 = _exact_rows(w2_ptr, tab_ptr, row_off, K, x_ptr, x_off, x_ok, WTYPE, BN, BK, PTX)
         return tl.sum(a1, axis=2), tl.sum(a2, axis=2)
 
 
 @triton.jit
 def _exact_rows(w_ptr, tab_ptr, row_off, K, x_ptr, x_off, x_ok, WTYPE: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr):  # fmt: skip
+                BK: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """`exact_step`'s partial sums over all K for one matrix: `_rows_dot` runs gate, then up, each in its
     own loop (same sums in the same order as one loop over both, half the live values: the IQ2_XXS
     gate/up kernel on sm_90 under triton 3.6 took 255 registers and 40 B of stack with one loop)."""
-    a = exact_step(w_ptr, tab_ptr, row_off, 0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+    a = exact_step(w_ptr, tab_ptr, row_off, 0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK, PTX)
     for k0 in range(BK, K, BK):
-        a += exact_step(w_ptr, tab_ptr, row_off, k0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK)
+        a += exact_step(w_ptr, tab_ptr, row_off, k0, K, x_ptr, x_off, x_ok, WTYPE, BN, BK, PTX)
     return a
 
 
 @triton.jit
 def _shared_rows(x_ptr, x_row0, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_row0, stride_out,
                  n0, T, K, N, row_bytes, limit, WTYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr,
-                 BK: tl.constexpr, FAST: tl.constexpr, TB: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+                 BK: tl.constexpr, FAST: tl.constexpr, TB: tl.constexpr, GATED: tl.constexpr,
+                 PTX: tl.constexpr):  # fmt: skip
     """The shared expert's rows n0..n0+BN (SBN at a time) for every token: activation rows x_row0 + t,
     output rows out_row0 + t; GATED: SwiGLU of w1 and w2 (gate, up), else w1 alone (down). The fp32
     form takes one token at a time (its rows' weights come again from the cache for the next): with
@@ -355,7 +357,7 @@ def _shared_rows(x_ptr, x_row0, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_
             n = n0 + part * SBN + tl.arange(0, SBN)
             row_off = tl.minimum(n, N - 1).to(tl.int64) * row_bytes
             a1, a2 = _rows_dot(x_ptr, x_off, ok, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, SBN, BK, GATED, FAST,
-                               False)  # fmt: skip
+                               False, PTX)  # fmt: skip
             y = _swiglu(a1, a2, limit) if GATED else a1
             out = out_ptr + (out_row0 + rows).to(tl.int64)[:, None] * stride_out + n[None, :]
             tl.store(out, y, mask=ok[:, None] & (n < N)[None, :])
@@ -364,14 +366,15 @@ def _shared_rows(x_ptr, x_row0, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_
 @triton.jit
 def _routed_rows(x_ptr, x_row, stride_x, w1_ptr, w2_ptr, tab_ptr, out_ptr, out_row, stride_out,
                  n0, expert, K, N, row_bytes, limit, scale, WTYPE: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+                 BK: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """One routing entry's rows n0..n0+BN of `expert`: activation row x_row, output row out_row
     (GATED: SwiGLU of gate and up, times `scale`)."""
     rows = tl.arange(0, 16 if FAST else 1)
     x_off = tl.full(rows.shape, 0, tl.int64) + x_row.to(tl.int64) * stride_x
     n = n0 + tl.arange(0, BN)
     row_off = (expert.to(tl.int64) * N + tl.minimum(n, N - 1)) * row_bytes
-    a1, a2 = _rows_dot(x_ptr, x_off, rows >= 0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, BN, BK, GATED, FAST, True)
+    a1, a2 = _rows_dot(x_ptr, x_off, rows >= 0, w1_ptr, w2_ptr, tab_ptr, row_off, K, WTYPE, BN, BK, GATED, FAST, True,
+                       PTX)  # fmt: skip
     y = _swiglu(a1, a2, limit) * scale if GATED else a1
     out = out_ptr + out_row.to(tl.int64) * stride_out + rows[:, None] * 0 + n[None, :]
     tl.store(out, y, mask=(rows == 0)[:, None] & (n < N)[None, :])  # FAST: 16 equal rows
@@ -411,7 +414,7 @@ def _decode_gate_up_kernel(
     n0 = tl.program_id(0) * BN
     if col == 0:
         _shared_rows(x_ptr, 0, stride_x, sgate_ptr, sup_ptr, tab_ptr, mid_ptr, T * k, FM, n0, T, D, FS,
-                     srow_bytes, limit, STYPE, BN, SBN, SBK, SFAST, TB, True)  # fmt: skip
+                     srow_bytes, limit, STYPE, BN, SBN, SBK, SFAST, TB, True, PTX)  # fmt: skip
     else:
         e = col - 1
         if RQ8:  # int8 rows x_q (D columns) in, int8 mid rows m_q (FM columns) out
@@ -421,7 +424,7 @@ def _decode_gate_up_kernel(
         else:
             _routed_rows(x_ptr, e // k, stride_x, gate_ptr, up_ptr, tab_ptr, mid_ptr, e, FM, n0,
                          tl.load(ids_ptr + e), D, F, row_bytes, limit, tl.load(route_w_ptr + e), RTYPE, BN, RBK,
-                         RFAST, True)  # fmt: skip
+                         RFAST, True, PTX)  # fmt: skip
 
 
 @triton.jit
@@ -439,7 +442,7 @@ def _decode_down_kernel(
     col = tl.program_id(1)
     if col == 0:
         _shared_rows(mid_ptr, T * k, FM, sdown_ptr, sdown_ptr, tab_ptr, part_ptr, T * k, D, nb * BN, T, FS, D,
-                     srow_bytes, 0.0, STYPE, BN, SBN, SBK, SFAST, TB, False)  # fmt: skip
+                     srow_bytes, 0.0, STYPE, BN, SBN, SBK, SFAST, TB, False, PTX)  # fmt: skip
     else:
         e = col - 1
         if RQ8:
@@ -448,7 +451,8 @@ def _decode_down_kernel(
                             BN, False, PTX, SBP)  # fmt: skip
         else:
             _routed_rows(mid_ptr, e, FM, down_ptr, down_ptr, tab_ptr, part_ptr, e, D, nb * BN,
-                         tl.load(ids_ptr + e), F, D, row_bytes, 0.0, 1.0, RTYPE, BN, RBK, RFAST, False)  # fmt: skip
+                         tl.load(ids_ptr + e), F, D, row_bytes, 0.0, 1.0, RTYPE, BN, RBK, RFAST, False,
+                         PTX)  # fmt: skip
     if last_program(tickets_ptr + nb, T * k + 1):
         t = tl.arange(0, TB)
         n = nb * BN + tl.arange(0, BN)
