@@ -228,22 +228,61 @@ def _k_quant_sums(w_ptr, tab_ptr, row_off, sb, x_ptr, x_off, x_ok, k_base, BN: t
 
 
 @triton.jit
+def _q2_k_fields(w, one, B: tl.constexpr):
+    """Byte B's four 2-bit fields of each word as floats 1 + q / 4, joined [..., s_hi, s_lo] (s = 2 s_hi +
+    s_lo: the field at bit 8 B + 2 s)."""
+    return tl.join(tl.join(_field_f32(w, one, 8 * B, 2), _field_f32(w, one, 8 * B + 4, 2)),
+                   tl.join(_field_f32(w, one, 8 * B + 2, 2), _field_f32(w, one, 8 * B + 6, 2)))  # fmt: skip
+
+
+@triton.jit
+def _q2_k_byte(w0, w1, one, B: tl.constexpr):
+    """Byte B's fields of the two words, [..., s_hi, s_lo, w]."""
+    return tl.join(_q2_k_fields(w0, one, B), _q2_k_fields(w1, one, B))
+
+
+@triton.jit
 def _exact_q2_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
     # payload: qs[64] per super-block; byte 32 h + l holds elements 128 h + 32 s + l (s = 0..3) at
-    # bit 2 s. A thread takes a 16-byte run c (h = c // 2, l = 16 (c % 2) + 0..15): 4 whole
-    # sub-blocks, one per s. side (20 B): scales[16] (low nibble scale, high min), f16 d, dmin
-    c = tl.arange(0, 4)
+    # bit 2 s. side (20 B): scales[16] (low nibble scale, high min), f16 d, dmin. A thread takes 8
+    # bytes, r = 4 h + 2 lh + f (l = 16 lh + 8 f + 4 w + b): 8 columns of 4 sub-blocks 8 h + 2 s + lh.
+    # Every tensor is [r, BN, ...], the words' layout with the fields in the thread (s, then w, then
+    # b last: its columns are consecutive), and the activations are loaded in that shape (the same
+    # addresses for every row): no layout conversion in the loop
+    words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None] + tl.arange(0, 16)[None, :])
+    w0, w1 = tl.split(tl.permute(tl.reshape(words, [BN, 8, 2]), (1, 0, 2)))  # [r, BN]
+    one = tl.load(tab_ptr + ONE_AT)
+    q = tl.join(tl.join(_q2_k_byte(w0, w1, one, 0), _q2_k_byte(w0, w1, one, 2)),
+                tl.join(_q2_k_byte(w0, w1, one, 1), _q2_k_byte(w0, w1, one, 3)))  # fmt: skip
+    q = q.to(tl.float32, bitcast=True)  # [r, BN, s_hi, s_lo, w, b_hi, b_lo]
+    r = tl.arange(0, 8)
     i = tl.arange(0, 2)
-    s = i[:, None] + 2 * i[None, :]  # [s_i, s_j]
-    k_base = (128 * (c // 2) + 16 * (c % 2))[:, None, None] + (32 * s)[None]
-    sq, sx = _k_quant_sums(w_ptr, tab_ptr, row_off, sb, x_ptr, x_off, x_ok, k_base, BN, 4, 2, 4)
+    k = (
+        (8 * r + 96 * (r // 4))[:, None, None, None, None, None]
+        + tl.zeros([BN], tl.int32)[None, :, None, None, None, None]
+        + (64 * i)[None, None, :, None, None, None]
+        + (32 * i)[None, None, None, :, None, None]
+        + (4 * i)[None, None, None, None, :, None]
+        + tl.arange(0, 4)[None, None, None, None, None, :]
+    )
+    x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, r, BN, s_hi, s_lo, w, b]
+    sq = _chain(q[None], tl.reshape(x, [x.shape[0], 8, BN, 2, 2, 2, 2, 2]), 0.0, 3)  # [TB, r, BN, s_hi, s_lo]
+    sx = tl.sum(tl.sum(x, axis=6), axis=5)
+    # scale byte 8 h + 2 s + lh: byte lh + 2 s_lo of word 2 h + s_hi, loaded in the words' shape (word
+    # j = 2 r + s_hi of a row's 16 takes side word 2 (j // 8) + j % 2), so in their layout
     side = row_off + K // 4 + sb * 20
-    sc = _q2_k_scales(w_ptr, side, BN)
-    d = tl.load((w_ptr + side + 16).to(tl.pointer_type(tl.float16))).to(tl.float32)
-    dmin = tl.load((w_ptr + side + 18).to(tl.pointer_type(tl.float16))).to(tl.float32)
-    dl = d[:, None, None, None] * (sc & 15).to(tl.float32)
-    ml = dmin[:, None, None, None] * (sc >> 4).to(tl.float32)
-    return tl.reshape(sq * dl[None] - sx[:, None] * ml[None], [sx.shape[0], BN, 16])
+    j = tl.arange(0, 16)
+    sw = tl.load((w_ptr + side).to(tl.pointer_type(tl.uint32))[:, None] + (2 * (j // 8) + j % 2)[None, :])
+    sw0, sw1 = tl.split(tl.permute(tl.reshape(sw, [BN, 8, 2]), (1, 0, 2)))  # [r, BN]
+    lh8 = (8 * ((r // 2) % 2))[:, None]
+    sw0, sw1 = sw0 >> lh8, sw1 >> lh8
+    sc = tl.join(tl.join(sw0, sw1), tl.join(sw0 >> 16, sw1 >> 16))  # [r, BN, s_hi, s_lo]
+    d = tl.load((w_ptr + side + 16).to(tl.pointer_type(tl.float16))).to(tl.float32)[None, :, None, None]
+    dmin = tl.load((w_ptr + side + 18).to(tl.pointer_type(tl.float16))).to(tl.float32)[None, :, None, None]
+    dl = (4.0 * d) * (sc & 15).to(tl.float32)
+    ml = dmin * ((sc >> 4) & 15).to(tl.float32)
+    part = (sq - sx) * dl[None] - sx * ml[None]  # [TB, r, BN, s_hi, s_lo]
+    return tl.reshape(tl.permute(part, (0, 2, 1, 3, 4)), [part.shape[0], BN, 32])
 
 
 @triton.jit

@@ -264,7 +264,7 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
     the int8 form (q8) one over both; `parts` row parts of k_in / bk iterations each; t activation
     rows (`rows_loaded` of them loaded: masked rows too), 16 in the tensor-core form. Where a
     compiled loop holds a row's columns in its threads rather than a column's rows, every row loads
-    the activations itself: the fp32 IQ2_XXS loop (a row's 256 floats a super-block) and the int8
+    the activations itself: the fp32 2-bit loops (a row's 256 floats a super-block) and the int8
     form (a byte per column, a float scale and a sum per 16: Q2_K's 64 bytes and 8 floats for each of
     4 runs a super-block, IQ2_XXS's 32 bytes and a scale pair for each of 8 groups; sm_90 SASS under
     triton 3.6: per thread and pass of two super-blocks, 32 16-byte and 48 4-byte activation loads
@@ -277,7 +277,7 @@ def _decode_loops(name: str, programs: int, matrices: int, wtype: int, bn: int, 
     x = int((16 if fast and name == "shared" else rows_loaded) * x_bytes * bk)
     if q8:
         x = bn * (4 * 96 if ggml_type == GGMLType.Q2_K else 8 * 40)
-    elif not fast and ggml_type == GGMLType.IQ2_XXS:
+    elif not fast and ggml_type in (GGMLType.Q2_K, GGMLType.IQ2_XXS):
         x *= bn
     lookups, gathers = 0, ()
     if ggml_type == GGMLType.IQ2_XXS:  # a lattice row and its signs per 8 columns, from cached tables
