@@ -299,6 +299,10 @@ DECODE_TOKENS = 8  # up to this many tokens a step runs the decode form: no sort
 # weight rows per program of the int8 loops, gate/up then down (multiples of the 32-column activation
 # blocks): 32 in the gate/up kernel leaves registers for two super-blocks a pass
 Q8_ROWS = (32, 64)
+# the fp32 gate/up kernel's registers on NVIDIA: ptxas gives its IQ2_XXS loop 80 (6 programs of 4
+# warps an SM); held to 64 (8) it spills nothing and issues 10 more instructions a pass (sm_90 under
+# triton 3.6; gpu-plan, flash 2k exact: 14.125 -> 13.846 ms a step at batch 1, 31.922 -> 29.833 at 4)
+FP32_GATE_UP_REGISTERS = 64
 
 
 @triton.jit
@@ -554,6 +558,8 @@ def decode_ffn(
         consts = dict(RTYPE=w.wtype, STYPE=s.wtype, BN=bn, SBN=sbn, RBK=rbk, SBK=sbk, RFAST=rfast, SFAST=sfast,
                       TB=tb, RQ8=q8, PTX=compiles_ptx(), SBP=2 if q8 and w.cols % 512 == 0 else 1,
                       num_warps=warps, num_stages=stages)  # fmt: skip
+        if step == 0 and not (q8 or rfast) and compiles_ptx():
+            consts["maxnreg"] = FP32_GATE_UP_REGISTERS
         if step == 0:
             grid = (triton.cdiv(fm, bn), t * k + 1)
             _decode_gate_up_kernel[grid](
