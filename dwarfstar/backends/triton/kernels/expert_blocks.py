@@ -356,9 +356,9 @@ def _exact_iq2_xxs(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.co
         + tl.arange(0, 4)[None, None, None, None, None, :]
     )
     x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, g, BN, c_i, c_j, e_hi, 4]
-    x = tl.reshape(x, [x.shape[0], 8, BN, 2, 2, 4, 2])  # [TB, g, BN, c_i, c_j, e, half]
-    prod = _fma_last(v[None], x, 0.0)
-    part = tl.sum(tl.sum(tl.sum(prod, axis=5), axis=4), axis=3)  # [TB, g, BN]
+    x = tl.reshape(x, [x.shape[0], 8, BN, 2, 2, 2, 2, 2])  # [TB, g, BN, c_i, c_j, e_hi, e_lo, half]
+    prod = _chain(tl.reshape(v, [8, BN, 2, 2, 2, 2, 2])[None], x, 0.0, 3)  # a lattice row's 8 products
+    part = tl.sum(tl.sum(prod, axis=4), axis=3)  # [TB, g, BN]
     d = tl.load((w_ptr + row_off + K // 4 + 2 * sb).to(tl.pointer_type(tl.float16))).to(tl.float32)
     db = d[None, :] * (0.5 + (aux >> 28).to(tl.float32)) * 0.25  # [g, BN]
     return tl.permute(part * db[None], (0, 2, 1))  # [TB, BN, g]
