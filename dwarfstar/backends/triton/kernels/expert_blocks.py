@@ -100,16 +100,6 @@ def _field_f32(w, one, AT: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _fields_f32(w, one, AT: tl.constexpr, BITS: tl.constexpr, STEP: tl.constexpr):
-    """Fields at AT, AT + STEP, AT + 2 STEP, AT + 3 STEP joined [..., 2, 2] (i + 2 j)."""
-    f0 = _field_f32(w, one, AT, BITS)
-    f1 = _field_f32(w, one, AT + STEP, BITS)
-    f2 = _field_f32(w, one, AT + 2 * STEP, BITS)
-    f3 = _field_f32(w, one, AT + 3 * STEP, BITS)
-    return tl.join(tl.join(f0, f1), tl.join(f2, f3))
-
-
-@triton.jit
 def _fma_last(a, b, acc):
     """acc + sum of a * b over the last dim (2), as a multiply-add chain."""
     a0, a1 = tl.split(a)
@@ -165,15 +155,6 @@ def _exact_q8_0(w_ptr, row_off, k0, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
 
 
 @triton.jit
-def _q2_k_scales(w_ptr, side, BN: tl.constexpr):
-    """Q2_K's 16 sub-block scale bytes as [BN, 4 (16-byte run c = 2 h + lh), 2, 2 (s = i + 2 j)]:
-    sub-block 8 h + 2 s + lh."""
-    sc = tl.load(w_ptr + side[:, None] + tl.arange(0, 16)[None, :])  # [BN, 16]
-    sc = tl.reshape(sc, [BN, 2, 2, 2, 2])  # [BN, h, s_j, s_i, lh]
-    return tl.reshape(tl.permute(sc, 0, 1, 4, 3, 2), [BN, 4, 2, 2])
-
-
-@triton.jit
 def _q4_k_scale_min(w_ptr, side, BN: tl.constexpr):
     """Q4_K's eight 6-bit scales and mins (ggml's get_scale_min_k4) as uint8 [BN, 8] each."""
     j = tl.arange(0, 8)
@@ -187,44 +168,32 @@ def _q4_k_scale_min(w_ptr, side, BN: tl.constexpr):
 
 
 @triton.jit
-def _byte_quants(w, one, B: tl.constexpr, BITS: tl.constexpr):
-    """Byte B's quants as floats 1 + q / 2^BITS, joined: [..., s_i, s_j] (2 bits, s = s_i + 2 s_j,
-    at bits 2 s) or [..., n] (4 bits, nibble n)."""
-    if BITS == 2:
-        return _fields_f32(w, one, 8 * B, 2, 2)
-    else:
-        return tl.join(_field_f32(w, one, 8 * B, 4), _field_f32(w, one, 8 * B + 4, 4))
+def _nibbles(w, one, B: tl.constexpr):
+    """Byte B's two nibbles of each word as floats 1 + q / 16, joined [..., n] (nibble n)."""
+    return tl.join(_field_f32(w, one, 8 * B, 4), _field_f32(w, one, 8 * B + 4, 4))
 
 
 @triton.jit
-def _k_quant_sums(w_ptr, tab_ptr, row_off, sb, x_ptr, x_off, x_ok, k_base, BN: tl.constexpr, RUNS: tl.constexpr,
-                  BITS: tl.constexpr, FIELDS: tl.constexpr):  # fmt: skip
-    """For each 16-byte run of a K-quant super-block (RUNS per row, a thread each): the sums of q * x
-    and of x over each of its sub-blocks, [TB, BN, RUNS, *F] and [TB, RUNS, *F] (F: a byte's fields,
-    2 x 2 for Q2_K, 2 for Q4_K). The quants are the floats 1 + q / 2^BITS, so the sum of q * x is
-    2^BITS (sum of those times x - the sum of x). Element of run c, word w, byte b_i + 2 b_j and
-    field f: column sb * 256 + k_base[c, f] + 4 w + b."""
-    c = tl.arange(0, RUNS)
+def _q4_k_sums(w_ptr, tab_ptr, row_off, sb, x_ptr, x_off, x_ok, k_base, BN: tl.constexpr):
+    """For each of a Q4_K super-block's 8 16-byte runs (a thread each): the sums of q * x and of x over
+    each of its two half sub-blocks (nibble n), [TB, BN, 8, 2] and [TB, 8, 2]. The quants are the
+    floats 1 + q / 16, so the sum of q * x is 16 (sum of those times x - the sum of x). Element of run
+    c, word w, byte b_i + 2 b_j and nibble n: column sb * 256 + k_base[c, n] + 4 w + b."""
+    c = tl.arange(0, 8)
     w = tl.arange(0, 4)
     i = tl.arange(0, 2)
-    payload = (w_ptr + row_off + sb * RUNS * 16).to(tl.pointer_type(tl.uint32))
+    payload = (w_ptr + row_off + sb * 128).to(tl.pointer_type(tl.uint32))
     words = tl.load(payload[:, None, None] + (4 * c)[None, :, None] + w[None, None, :])  # [BN, c, w]
     one = tl.load(tab_ptr + ONE_AT)
-    q = tl.join(tl.join(_byte_quants(words, one, 0, BITS), _byte_quants(words, one, 1, BITS)),
-                tl.join(_byte_quants(words, one, 2, BITS), _byte_quants(words, one, 3, BITS)))  # fmt: skip
-    q = q.to(tl.float32, bitcast=True)  # [BN, c, w, *F, b_i, b_j]
+    q = tl.join(tl.join(_nibbles(words, one, 0), _nibbles(words, one, 1)),
+                tl.join(_nibbles(words, one, 2), _nibbles(words, one, 3)))  # fmt: skip
+    q = q.to(tl.float32, bitcast=True)  # [BN, c, w, n, b_i, b_j]
     b = i[:, None] + 2 * i[None, :]
-    if FIELDS == 4:
-        k = k_base[:, None, :, :, None, None] + (4 * w)[None, :, None, None, None, None] + b[None, None, None, None]
-        x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, c, w, s_i, s_j, b_i, b_j]
-        sq = tl.sum(_dot_last2(tl.reshape(q, [1, BN, RUNS, 4, 2, 2, 2, 2]), x[:, None]), axis=3)
-        sx = tl.sum(tl.sum(tl.sum(x, axis=6), axis=5), axis=2)
-    else:
-        k = k_base[:, None, :, None, None] + (4 * w)[None, :, None, None, None] + b[None, None, None]
-        x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, c, w, n, b_i, b_j]
-        sq = tl.sum(_dot_last2(tl.reshape(q, [1, BN, RUNS, 4, 2, 2, 2]), x[:, None]), axis=3)
-        sx = tl.sum(tl.sum(tl.sum(x, axis=5), axis=4), axis=2)
-    return (1 << BITS) * (sq - sx[:, None]), sx
+    k = k_base[:, None, :, None, None] + (4 * w)[None, :, None, None, None] + b[None, None, None]
+    x = _x_rows(x_ptr, x_off, x_ok, sb * 256 + k, k >= 0)  # [TB, c, w, n, b_i, b_j]
+    sq = tl.sum(_dot_last2(tl.reshape(q, [1, BN, 8, 4, 2, 2, 2]), x[:, None]), axis=3)
+    sx = tl.sum(tl.sum(tl.sum(x, axis=5), axis=4), axis=2)
+    return 16 * (sq - sx[:, None]), sx
 
 
 @triton.jit
@@ -292,7 +261,7 @@ def _exact_q4_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.const
     # l = 16 (c % 2) + 0..15): half of two sub-blocks. side (16 B): f16 d, dmin, 12 scale bytes
     c = tl.arange(0, 8)
     k_base = (64 * (c // 2) + 16 * (c % 2))[:, None] + (32 * tl.arange(0, 2))[None, :]
-    sq, sx = _k_quant_sums(w_ptr, tab_ptr, row_off, sb, x_ptr, x_off, x_ok, k_base, BN, 8, 4, 2)
+    sq, sx = _q4_k_sums(w_ptr, tab_ptr, row_off, sb, x_ptr, x_off, x_ok, k_base, BN)
     side = row_off + K // 2 + sb * 16
     sc, mn = _q4_k_scale_min(w_ptr, side, BN)
     d = tl.load((w_ptr + side).to(tl.pointer_type(tl.float16))).to(tl.float32)
