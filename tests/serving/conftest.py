@@ -49,6 +49,7 @@ SCRIPTS = {
     "think_role_token": "Plan<｜Assistant｜>ned.</think>Done<｜User｜>!",
     **{f"count{i}": f"Reply number {i}." for i in range(10)},
     "long_story": " ".join(f"w{i}" for i in range(200)),  # a generation that lasts a while
+    "book": " ".join(f"w{i}" for i in range(3000)),  # one that no max_tokens up to 3000 lets end early
     "loop": "All work and no play. " * 10,  # what the loop guard ends (test_loop_guard.py)
     # long-context drift the parser repairs: a lookalike bracket, a lost underscore, no closing tag
     "drifted_weather": "Let me check."

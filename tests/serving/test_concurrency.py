@@ -113,7 +113,10 @@ def test_disconnect_stops_generation(oai, server):
 
 def test_disconnect_stops_a_non_streaming_request(server):
     cancelled = server.metric("dwarfstar_cancelled_requests_total", phase="decode")
-    body = {"messages": [{"role": "user", "content": "Write a book."}], "max_tokens": 3000, "thinking": False}
+    # scripted, so the reply lasts until max_tokens: unscripted, the tiny random model's may end within
+    # the second, and a full run once got its answer before the client gave up
+    body = {"messages": [{"role": "user", "content": "Write a book. [[script:book]]"}], "max_tokens": 3000,
+            "thinking": False}  # fmt: skip
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(server.base_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=1.0)
     wait_for(lambda: server.metric("dwarfstar_cancelled_requests_total", phase="decode") == cancelled + 1)
