@@ -211,6 +211,12 @@ def _q2_k_byte(w0, w1, one, B: tl.constexpr):
 
 
 @triton.jit
+def _thread_words(words, BN: tl.constexpr):
+    """A row's 16 words [BN, 16] as the two words of each thread's 8 bytes r: [r, BN] each."""
+    return tl.split(tl.permute(tl.reshape(words, [BN, 8, 2]), (1, 0, 2)))
+
+
+@triton.jit
 def _exact_q2_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.constexpr):
     # payload: qs[64] per super-block; byte 32 h + l holds elements 128 h + 32 s + l (s = 0..3) at
     # bit 2 s. side (20 B): scales[16] (low nibble scale, high min), f16 d, dmin. A thread takes 8
@@ -219,7 +225,7 @@ def _exact_q2_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.const
     # b last: its columns are consecutive), and the activations are loaded in that shape (the same
     # addresses for every row): no layout conversion in the loop
     words = tl.load((w_ptr + row_off + sb * 64).to(tl.pointer_type(tl.uint32))[:, None] + tl.arange(0, 16)[None, :])
-    w0, w1 = tl.split(tl.permute(tl.reshape(words, [BN, 8, 2]), (1, 0, 2)))  # [r, BN]
+    w0, w1 = _thread_words(words, BN)
     one = tl.load(tab_ptr + ONE_AT)
     q = tl.join(tl.join(_q2_k_byte(w0, w1, one, 0), _q2_k_byte(w0, w1, one, 2)),
                 tl.join(_q2_k_byte(w0, w1, one, 1), _q2_k_byte(w0, w1, one, 3)))  # fmt: skip
@@ -242,7 +248,7 @@ def _exact_q2_k(w_ptr, tab_ptr, row_off, sb, K, x_ptr, x_off, x_ok, BN: tl.const
     side = row_off + K // 4 + sb * 20
     j = tl.arange(0, 16)
     sw = tl.load((w_ptr + side).to(tl.pointer_type(tl.uint32))[:, None] + (2 * (j // 8) + j % 2)[None, :])
-    sw0, sw1 = tl.split(tl.permute(tl.reshape(sw, [BN, 8, 2]), (1, 0, 2)))  # [r, BN]
+    sw0, sw1 = _thread_words(sw, BN)
     lh8 = (8 * ((r // 2) % 2))[:, None]
     sw0, sw1 = sw0 >> lh8, sw1 >> lh8
     sc = tl.join(tl.join(sw0, sw1), tl.join(sw0 >> 16, sw1 >> 16))  # [r, BN, s_hi, s_lo]
