@@ -32,6 +32,11 @@
 # Logs: bench.log (warm, bench, profile, ncu, parity), tests.log (the rest); summary.txt has the versions,
 # each step's verdict and time, tok/s, GB/s and % of the ceiling per decode row, failing tests, the tables.
 #
+# GPU_CHECK_PDL=off tools/gpu_check.sh OUTDIR: every step launches the kernels without programmatic dependent
+# launch (`runtime.dependent_launch`, on by default on sm_90 and later: each kernel's programs start
+# while the one before finishes, then wait for it). With it on, a kernel's profiled time counts its
+# programs' wait too, so the profile's kernels overlap; the step's time is the figure to compare.
+#
 # GPU_CHECK_DRY=1: on a machine without a GPU (and with TRITON_INTERPRET unset), each step runs its
 # Python up to the first device work: the benchmarks with --dry (arguments, imports, the synthetic
 # model's tensors on the meta device, CSV headers; warm records every launch but compiles none), the
@@ -49,6 +54,7 @@ PY=${PYTHON:-python3}
 WHEELS=${DWARFSTAR_WHEELS:-$REPO/.whl}
 BUDGET=${GPU_CHECK_BUDGET:-465}
 DRY=${GPU_CHECK_DRY:-0}
+PDL=${GPU_CHECK_PDL:-on}
 [ "$DRY" = 0 ] && DRY=""
 START=$(date +%s)
 SUMMARY=$OUT/summary.txt
@@ -105,7 +111,7 @@ if [ "$TOTAL" -gt "$BUDGET" ]; then
     say "the step caps add up to ${TOTAL}s, over the ${BUDGET}s budget"
     exit 2
 fi
-say "budget ${BUDGET}s, step caps ${TOTAL}s: ${CAPS[*]}"
+say "budget ${BUDGET}s, step caps ${TOTAL}s: ${CAPS[*]}; programmatic dependent launch: $PDL"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee -a "$SUMMARY"
 
 # -- setup: the wheels the image lacks (never torch or triton), the checkout from PYTHONPATH --
@@ -156,7 +162,7 @@ $PY -c "import pytest_timeout" 2>/dev/null && TESTFLAGS="$TESTFLAGS --timeout 10
 
 # -- benchmarks first: the warm step compiles what the bench will launch (the same arguments) --
 BENCH="$PY -m dwarfstar.backends.triton.gpu_bench"
-DECODE="decode --synthetic flash-q2 --ctx 2048,32768 --batch 1,4 --steps 64 --decode-precision exact,fast --then-prefill 8192 --chunk 4096 --tune first"
+DECODE="decode --synthetic flash-q2 --ctx 2048,32768 --batch 1,4 --steps 64 --decode-precision exact,fast --then-prefill 8192 --chunk 4096 --tune first --pdl $PDL"
 run warm "$OUT/bench.log" $PY -m dwarfstar.backends.triton.warm $DECODE --warm 16 --target "${TARGET:-cuda:90}" --sms "${SMS:-132}" $DRYFLAG
 run bench "$OUT/bench.log" $BENCH $DECODE --csv "$OUT/decode.csv" --prefill-csv "$OUT/prefill.csv" $DRYFLAG
 grep -E "^warm: |^PROBLEM|^jit: [0-9]+ kernels|^dry: " "$OUT/bench.log" | tee -a "$SUMMARY"
@@ -169,7 +175,7 @@ grep -E "^warm: |^PROBLEM|^jit: [0-9]+ kernels|^dry: " "$OUT/bench.log" | tee -a
 # each kernel's measured share of a 2k decode step, both precisions, kernels from the warm step's cache
 # (16 steps timed, then 16 profiled; the second run's profile of 2 configurations took 28 s, weights included)
 run profile "$OUT/bench.log" $PY -m dwarfstar.backends.triton.gpu_profile --synthetic flash-q2 --ctx 2048 --batch 1,4 \
-    --steps 16 --top 25 --csv "$OUT/profile.csv" $DRYFLAG
+    --steps 16 --top 25 --pdl "$PDL" --csv "$OUT/profile.csv" $DRYFLAG
 grep -E "^(exact|fast) batch " "$OUT/bench.log" | tee -a "$SUMMARY"
 # why the kernels take that long: Nsight Compute's counters (occupancy, warp stalls, issue slots, DRAM
 # throughput, and the shared-memory wavefronts and bank conflicts of MemoryWorkloadAnalysis_Tables: the
@@ -179,7 +185,7 @@ NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
 NCU_KERNELS="decode_gate_up|decode_down|qmatmul|attention|hc_pre_fused|hc_head_fused|scores|route_fused|rows"
 NCU_KERNELS="$NCU_KERNELS|query_rows|round|sample|gather_rows" # ours: torch has a _scatter_gather_..._kernel too
 NCU_STEP="$PY -m dwarfstar.backends.triton.gpu_bench decode --synthetic flash-q2 --layers 2 --ctx 2048 --batch 1 \
-    --steps 1 --warmup 1 --tune first"
+    --steps 1 --warmup 1 --tune first --pdl $PDL"
 if [ -n "$DRY" ]; then
     run ncu "$OUT/bench.log" $NCU_STEP $DRYFLAG
 elif [ -n "$NCU" ]; then

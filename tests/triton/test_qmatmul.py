@@ -203,3 +203,37 @@ def test_decode_plans_keep_the_weights_in_flight(monkeypatch):
             passes = k // plan.split // plan.block_k
             filled = resident * pass_bytes >= min(qm.IN_FLIGHT, groups * n * row_bytes)
             assert passes >= 2 and (filled or passes < 4 or resident < programs)
+
+
+@triton.jit
+def _prefetch_ranges_kernel(out_ptr, M, N, row_bytes, BM: tl.constexpr, R: tl.constexpr, S: tl.constexpr):
+    pid = tl.program_id(0)
+    for r in tl.static_range(R):
+        start, size = qm.prefetch_range(pid, r, M, N, row_bytes, BM, R, S)
+        tl.store(out_ptr + (pid * R + r) * 2, start)
+        tl.store(out_ptr + (pid * R + r) * 2 + 1, size.to(tl.int64))
+
+
+@pytest.mark.parametrize(
+    "m,n,row_bytes,groups,bm,r,s",
+    [(1, 10, 4352, 1, 1, 4, 1), (1, 9, 4352, 1, 1, 4, 3), (4, 6, 1008, 1, 2, 2, 2), (1, 5, 8704, 3, 1, 4, 4)],
+)
+def test_prefetch_asks_for_every_weight_byte_once(m, n, row_bytes, groups, bm, r, s, device):
+    """The decode GEMV's L2 prefetch (`qmatmul._prefetch`, issued before a dependent launch's wait):
+    over all programs, every byte of the weight is asked for once (per m-tile), in 16-byte multiples,
+    each program only within its own rows' split share (ragged rows, K splits, groups)."""
+    programs = groups * triton.cdiv(n, r) * triton.cdiv(m, bm) * s
+    out = torch.full((programs, r, 2), -1, dtype=torch.int64, device=device)
+    _prefetch_ranges_kernel[(programs,)](out, m, n, row_bytes, BM=bm, R=r, S=s)
+    ranges = out.cpu()
+    asked = torch.zeros(groups * n * row_bytes, dtype=torch.int32)
+    share = triton.cdiv(triton.cdiv(row_bytes, s), 16) * 16
+    for pid in range(programs):
+        split = pid % s
+        for start, size in ranges[pid].tolist():
+            assert size >= 0 and start % 16 == 0 and size % 16 == 0
+            if size:
+                within = start % row_bytes
+                assert within == split * share and within + size <= row_bytes  # its split's share of a row
+                asked[start : start + size] += 1
+    assert torch.equal(asked, torch.full_like(asked, triton.cdiv(m, bm)))  # every byte, once per m-tile

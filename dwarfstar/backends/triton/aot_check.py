@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 
+from dwarfstar.backends.triton.plan.disasm import waits_before_reading  # noqa: E402
 from dwarfstar.backends.triton.plan.target import activate, intercepted, parse_target, usage, wide_loads  # noqa: E402
 
 # shared memory a block may use: 99 KB on the smallest NVIDIA parts (sm_86/89/120/121), 64 KB of LDS on AMD
@@ -72,6 +73,8 @@ def check_target(target: GPUTarget, only: Sequence[str] = ()) -> list[str]:
         print(f"  {line} {consts}", flush=True)
         if name in GEMV_KERNELS and not kwargs.get("USE_DOT") and wide == 0:
             problems.append(f"{target.arch} {name} {consts}: no 128-bit loads in the GEMV")
+        if kwargs.get("PDL") and not waits_before_reading(kernel.asm["ptx"]):
+            problems.append(f"{target.arch} {name} {consts}: reads global memory before griddepcontrol.wait")
         if meta.shared > SHARED_LIMIT[target.backend]:
             problems.append(f"{target.arch} {name} {consts}: {meta.shared} B of shared memory")
         if stack > SPILL_LIMIT and target.backend == "cuda":

@@ -37,7 +37,15 @@ from pathlib import Path
 
 import torch
 
-from dwarfstar.backends.triton.runtime import EXACT, FAST, BenchCase, BenchShape, Precision, default_device
+from dwarfstar.backends.triton.runtime import (
+    EXACT,
+    FAST,
+    BenchCase,
+    BenchShape,
+    Precision,
+    default_device,
+    set_dependent_launches,
+)
 from dwarfstar.model.config import ModelArgs
 
 KERNELS = (
@@ -414,6 +422,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         s.add_argument("--peak-gbs", type=float, default=None, help="device memory bandwidth, GB/s")
         s.add_argument("--tune", choices=("time", "first"), default="time", help="autotuned kernels: time their "
                        "configs, or launch the first pruned one (what `--warm` compiles)")  # fmt: skip
+        s.add_argument("--pdl", choices=("on", "off"), default="on", help="kernels as programmatic dependent "
+                       "launches where the GPU has them (sm_90 on: runtime.dependent_launch), or not")  # fmt: skip
     for s in sub.choices.values():
         s.add_argument("--csv", type=Path, default=None)
         s.add_argument("--dry", action="store_true", help="no device: arguments, imports, shapes, CSV headers")
@@ -449,6 +459,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _run(opts, device: torch.device, peak: Peak, out: CsvRows, then: CsvRows | None) -> None:
     precision = EXACT if getattr(opts, "exact", False) else FAST
+    set_dependent_launches(getattr(opts, "pdl", "on") == "on")
     if opts.what == "kernels":
         only = [s for s in opts.only.split(",") if s]
         shape = bench_shape(opts.model, device, opts.ctx, opts.prefill)

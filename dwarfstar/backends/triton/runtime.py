@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dwarfstar.model.config import ModelArgs
 from dwarfstar.model.pages import PAGE_ROWS
@@ -233,6 +234,43 @@ def last_program(counter_ptr, n):
     last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
     tl.store(counter_ptr, 0, mask=last)
     return last
+
+
+_dependent_launches = True  # `set_dependent_launches`: gpu_bench's --pdl off turns them off for a comparison
+
+
+def set_dependent_launches(on: bool) -> None:
+    """Launch the kernels that take it as programmatic dependents (`dependent_launch`) or not."""
+    global _dependent_launches
+    _dependent_launches = on
+
+
+def dependent_launch() -> dict:
+    """The launch keywords of a kernel that starts with `wait_for_inputs`: on NVIDIA sm_90 and later
+    (Hopper's programmatic dependent launch, compiling for the active target: a target-only driver
+    too), `PDL` and Triton's `launch_pdl`; elsewhere and in the interpreter, PDL off.
+
+    A dependent kernel's programs are placed on the multiprocessors as soon as every program of the
+    kernel before it has got past its own wait, and wait there (`griddepcontrol.wait`) until that
+    kernel has finished and its writes are visible: the launch, the programs' start and what they do
+    before the wait (the GEMV's L2 prefetch of its weights) overlap the kernel before."""
+    on = _dependent_launches and not interpreting()
+    if on:
+        target = triton.runtime.driver.active.get_current_target()
+        on = target.backend == "cuda" and int(target.arch) >= 90
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """Ahead of a kernel's first read of anything a kernel writes, with `dependent_launch`'s PDL: wait
+    until the kernel before has finished, so that nothing is read before it is written, then let the
+    next kernel launch once all of this one's programs have got here. So one kernel at most waits
+    ahead of the one running (two ahead would both prefetch their weights, and overflow L2). A
+    kernel before that never signals (a torch kernel, a copy) is waited for as without PDL."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

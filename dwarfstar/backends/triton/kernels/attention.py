@@ -37,12 +37,14 @@ from dwarfstar.backends.triton.runtime import (
     BenchShape,
     PagedRows,
     Precision,
+    dependent_launch,
     interpreting,
     last_program,
     multiprocessors,
     next_pow2,
     per_sequence,
     ticket_counters,
+    wait_for_inputs,
 )
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.pages import PAGE_ROWS
@@ -84,7 +86,9 @@ def _attention_kernel(
     BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, FAST: tl.constexpr, BATCH: tl.constexpr,
     COMP_EXACT: tl.constexpr, PAGE: tl.constexpr, OWN_SPLIT: tl.constexpr, LOG_CAP: tl.constexpr,
     REACH: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     # BATCH: query i is sequence i's one token, at position pos[i], over the ring and page table of
     # KV-cache slot slot[i] (win_ptr [slots * window, D], table_ptr [slots, table_stride]); else query i
     # is token i of one sequence's chunk over its linear window rows (n_prev earlier rows, then the
@@ -421,7 +425,7 @@ def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, inv_freq, ou
         H=heads, COMP=comp, RATIO=max(ratio, 1), SPLIT=split, ROPE_DIM=rope_dim,
         BH=bh, BN=bn, BD=bd, FAST=precision.fast, BATCH=slots is not None, COMP_EXACT=comp_exact, PAGE=PAGE_ROWS,
         OWN_SPLIT=log_cap > 0, LOG_CAP=log_cap, REACH=reach is not None, num_warps=8 if bd >= 512 else 4,
-        num_stages=1,
+        num_stages=1, **dependent_launch(),
     )  # fmt: skip
     return out
 

@@ -30,7 +30,16 @@ import triton.language as tl
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.triton.kernels.rms_norm_rope import finish_rows, half_hadamard, rope_cos_sin
-from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, PagedRows, interpreting, next_pow2, per_sequence
+from dwarfstar.backends.triton.runtime import (
+    BenchCase,
+    BenchShape,
+    PagedRows,
+    dependent_launch,
+    interpreting,
+    next_pow2,
+    per_sequence,
+    wait_for_inputs,
+)
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.numerics import rope_angles
 from dwarfstar.model.pages import PAGE_ROWS
@@ -132,7 +141,9 @@ def _rows_kernel(
     stride_qa, stride_kv, stride_a, stride_i, a_table_stride, i_table_stride, window, eps, QL, D, DI,
     RATIO: tl.constexpr, QAT: tl.constexpr, A_EXACT: tl.constexpr, I_EXACT: tl.constexpr, ROPE_DIM: tl.constexpr,
     BQ: tl.constexpr, BD: tl.constexpr, BDI: tl.constexpr, SC: tl.constexpr, PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     b = tl.program_id(0)
     role = tl.program_id(1)  # 0: the query and KV rows; 1: the attention compressor; 2: the indexer's
     p = tl.load(pos_ptr + b)
@@ -225,7 +236,7 @@ def decode_rows(
         *a_ptrs, *i_ptrs, q_a.stride(0), kv.stride(0), stride_a, stride_i, a_table_stride, i_table_stride,
         rings.shape[1], eps, ql, d, di,
         RATIO=max(ratio, 1), QAT=qat, A_EXACT=a_exact, I_EXACT=i_exact, ROPE_DIM=rope_dim,
-        BQ=next_pow2(ql), BD=bd, BDI=bdi, SC=sc, PAGE=PAGE_ROWS, num_warps=4, num_stages=1,
+        BQ=next_pow2(ql), BD=bd, BDI=bdi, SC=sc, PAGE=PAGE_ROWS, num_warps=4, num_stages=1, **dependent_launch(),
     )  # fmt: skip
     return qr
 

@@ -34,10 +34,12 @@ from dwarfstar.backends.triton.runtime import (
     BenchCase,
     BenchShape,
     KernelWork,
+    dependent_launch,
     last_program,
     next_pow2,
     program_sums,
     rsqrt_rn,
+    wait_for_inputs,
 )
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
@@ -69,7 +71,9 @@ def _hc_head_fused_kernel(
     T, D, P, fn_row_bytes, stream_bytes, hc_eps, norm_eps,
     POST: tl.constexpr, WTYPE: tl.constexpr, NHC: tl.constexpr, MIXP: tl.constexpr, BT: tl.constexpr,
     BD: tl.constexpr, NPP: tl.constexpr, FD: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     tb, n_prog = tl.program_id(1), tl.num_programs(0)
     post_and_mix(
         h_ptr, parts_ptr, post_ptr, comb_ptr, fn_ptr, part_ptr, tb, T, D, P, fn_row_bytes, stream_bytes, NHC,
@@ -92,7 +96,19 @@ def _fused(h, parts, post, comb, fn, scale, base, norm_weight, hc_eps, norm_eps,
     out = torch.empty(t, d, device=h.device, dtype=torch.float32)
     before = (h, h, h) if parts is None else (parts, post, comb)  # unread without the post
     _hc_head_fused_kernel[grid](
-        h, *before, fn.data, scale, base, norm_weight, out, part, counters, hc_eps=hc_eps, norm_eps=norm_eps, **sizes
+        h,
+        *before,
+        fn.data,
+        scale,
+        base,
+        norm_weight,
+        out,
+        part,
+        counters,
+        hc_eps=hc_eps,
+        norm_eps=norm_eps,
+        **sizes,
+        **dependent_launch(),
     )
     return out
 

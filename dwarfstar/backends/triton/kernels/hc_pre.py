@@ -32,12 +32,14 @@ from dwarfstar.backends.triton.runtime import (
     BenchCase,
     BenchShape,
     KernelWork,
+    dependent_launch,
     interpreting,
     last_program,
     next_pow2,
     program_sums,
     rsqrt_rn,
     ticket_counters,
+    wait_for_inputs,
 )
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, GGMLType
@@ -228,7 +230,9 @@ def _hc_pre_fused_kernel(
     post_out_ptr, comb_out_ptr, part_ptr, counter_ptr, T, D, P, fn_row_bytes, stream_bytes, iters, hc_eps, norm_eps,
     POST: tl.constexpr, WTYPE: tl.constexpr, NHC: tl.constexpr, MIXP: tl.constexpr, BT: tl.constexpr,
     BD: tl.constexpr, NPP: tl.constexpr, FD: tl.constexpr, LAGGED: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     tb, n_prog = tl.program_id(1), tl.num_programs(0)
     n_mix = NHC * (NHC + 2)
     post_and_mix(
@@ -306,7 +310,7 @@ def launch_fused(h, parts, post, comb, fn, scale, base, norm_weight, iters, hc_e
     lag_from, pre_to = (h, h) if lag is None else (lag, pre_out)  # untouched without LAGGED
     _hc_pre_fused_kernel[grid](
         h, *before, fn.data, scale, base, lag_from, norm_weight, x, pre_to, post_out, comb_out, part, counters,
-        iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, LAGGED=lag is not None, **sizes,
+        iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, LAGGED=lag is not None, **sizes, **dependent_launch(),
     )  # fmt: skip
     return x, pre_out, post_out, comb_out
 

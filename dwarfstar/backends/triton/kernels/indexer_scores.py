@@ -29,11 +29,13 @@ from dwarfstar.backends.triton.runtime import (
     KernelWork,
     PagedRows,
     Precision,
+    dependent_launch,
     interpreting,
     last_program,
     next_pow2,
     per_sequence,
     ticket_counters,
+    wait_for_inputs,
 )
 from dwarfstar.model.pages import PAGE_ROWS
 
@@ -45,7 +47,9 @@ def _scores_kernel(
     RATIO: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, FAST: tl.constexpr,
     BATCH: tl.constexpr, PAGE: tl.constexpr, SELECT: tl.constexpr, ROUNDS: tl.constexpr, BLOCK: tl.constexpr,
     KP: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     # BATCH: query i is sequence i's token at pos[i], over the page table of slot slot[i] (table_ptr
     # [slots, table_stride]); else query i is token i of a chunk from pos[0] over one sequence's
     # table. rows_ptr is the pool's pages, [pages * PAGE, DI].
@@ -167,7 +171,7 @@ def _launch(q, head_weights, rows: PagedRows, pos, slots, width, ratio, precisio
         (heads * dim) ** -0.5, k, n_blocks,
         RATIO=ratio, HI=heads, DI=dim, BN=bn, FAST=precision.fast, BATCH=slots is not None, PAGE=PAGE_ROWS,
         SELECT=select is not None, ROUNDS=rounds, BLOCK=block, KP=next_pow2(max(k, 1)),
-        num_warps=8, num_stages=1,
+        num_warps=8, num_stages=1, **dependent_launch(),
     )  # fmt: skip
     return scores, valid
 

@@ -60,10 +60,12 @@ from dwarfstar.backends.triton.runtime import (
     KernelWork,
     LoopWork,
     Precision,
+    dependent_launch,
     interpreting,
     last_program,
     next_pow2,
     ticket_counters,
+    wait_for_inputs,
 )
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import QK_K, GGMLType
@@ -411,7 +413,9 @@ def _decode_gate_up_kernel(
     RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
     SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr, RQ8: tl.constexpr,
     PTX: tl.constexpr, SBP: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     # column 0: the shared expert for every token (the longest programs, so scheduled first); column
     # 1 + e: routing entry e = t * k + slot. mid rows: e for the entries, T * k + t for the shared expert
     col = tl.program_id(1)
@@ -438,7 +442,9 @@ def _decode_down_kernel(
     RTYPE: tl.constexpr, STYPE: tl.constexpr, BN: tl.constexpr, SBN: tl.constexpr, RBK: tl.constexpr,
     SBK: tl.constexpr, RFAST: tl.constexpr, SFAST: tl.constexpr, TB: tl.constexpr, RQ8: tl.constexpr,
     PTX: tl.constexpr, SBP: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     # every program writes its products to part (rows as in mid); the last program of a column block
     # to finish (a ticket per block, back to 0 for the next launch) sums each token's k routed slots,
     # in slot order, then its shared expert, into out
@@ -557,7 +563,7 @@ def decode_ffn(
         stages = 1 if interpreting() or (rfast and w.ggml_type == GGMLType.IQ2_XXS) else 3
         consts = dict(RTYPE=w.wtype, STYPE=s.wtype, BN=bn, SBN=sbn, RBK=rbk, SBK=sbk, RFAST=rfast, SFAST=sfast,
                       TB=tb, RQ8=q8, PTX=compiles_ptx(), SBP=2 if q8 and w.cols % 512 == 0 else 1,
-                      num_warps=warps, num_stages=stages)  # fmt: skip
+                      num_warps=warps, num_stages=stages, **dependent_launch())  # fmt: skip
         if step == 0 and not (q8 or rfast) and compiles_ptx():
             consts["maxnreg"] = FP32_GATE_UP_REGISTERS
         if step == 0:

@@ -32,11 +32,13 @@ from dwarfstar.backends.triton.runtime import (
     BenchCase,
     BenchShape,
     KernelWork,
+    dependent_launch,
     interpreting,
     last_program,
     next_pow2,
     program_sums,
     ticket_counters,
+    wait_for_inputs,
 )
 from dwarfstar.backends.triton.weights import QWeight, random_qweight
 from dwarfstar.gguf.constants import GGMLType
@@ -102,10 +104,12 @@ def _route_fused_kernel(
     q_ptr, qs_ptr, qm_ptr, T, E, D, f_stride, row_bytes, route_scale,
     WTYPE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr, BT: tl.constexpr,
     RB: tl.constexpr, BK: tl.constexpr, NKP: tl.constexpr, BE: tl.constexpr, Q8: tl.constexpr, PTX: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (k, r, b): router rows r * RB.. times columns k * BK.. of the tokens of block b, as
     partial logits part[t, k, rows]; the block's last program adds them and routes its tokens.
     Q8: the programs (k, 0, b) also store those columns as int8 rows (`expert_int8.Q8Rows` q, qs, qm)."""
+    wait_for_inputs(PDL)
     pk, pr, tb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_k = tl.num_programs(0)
     r = pr * RB + tl.arange(0, RB)
@@ -174,7 +178,7 @@ def route(
             weights, *((q8.q, q8.scale, q8.sums) if q8 is not None else (ids, weights, weights)),
             t, n_experts, d, f.stride(0), router.row_bytes, route_scale,
             WTYPE=router.wtype, BT=bt, RB=rb, BK=bk, NKP=next_pow2(grid[0]), Q8=q8 is not None,
-            PTX=compiles_ptx(), **choice,
+            PTX=compiles_ptx(), **choice, **dependent_launch(),
         )  # fmt: skip
         return ids, weights
     logits = qmatmul(f, router, split_k=ROUTER_SPLIT)

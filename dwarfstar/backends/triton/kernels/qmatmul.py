@@ -70,11 +70,13 @@ from dwarfstar.backends.triton.runtime import (
     BenchShape,
     KernelWork,
     Precision,
+    dependent_launch,
     interpreting,
     last_program,
     multiprocessors,
     next_pow2,
     ticket_counters,
+    wait_for_inputs,
 )
 from dwarfstar.backends.triton.weights import QWeight, aligned_row_bytes, random_qweight
 from dwarfstar.gguf.constants import QK_K, GGMLType
@@ -191,6 +193,42 @@ def _vector_pass(acc, x_ptr, x_row0, stride_xm, M, w_ptr, w_row0, row_end, row_b
 
 
 @triton.jit
+def _tile(pid, M, N, BM: tl.constexpr, R: tl.constexpr, S: tl.constexpr):
+    """(split, group, first weight row, first activation row) of program `pid` of a segment: the split
+    varies fastest, then the row block, the m-tile, the group."""
+    tile = pid // S
+    blocks = tl.cdiv(N, R)
+    mt = (tile // blocks) % tl.cdiv(M, BM)
+    return pid % S, tile // (blocks * tl.cdiv(M, BM)), tile % blocks * R, mt * BM
+
+
+@triton.jit
+def _prefetch(pid, M, w_ptr, N, row_bytes, BM: tl.constexpr, R: tl.constexpr, S: tl.constexpr):
+    """Ask L2 for program `pid`'s share of its weight rows: a bulk prefetch (sm_90's TMA) of each row's
+    share, its operands the same in every lane (one instruction a warp). Issued ahead of
+    `wait_for_inputs`: the weights depend on no kernel, so with a dependent launch they move from HBM
+    to L2 while the kernel before finishes, and the GEMV's loads find them there."""
+    for r in tl.static_range(R):
+        start, size = prefetch_range(pid, r, M, N, row_bytes, BM, R, S)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; } // dummy $0",
+            "=r,l,r", [w_ptr + start, size], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def prefetch_range(pid, r, M, N, row_bytes, BM: tl.constexpr, R: tl.constexpr, S: tl.constexpr):
+    """(start, size) in bytes of what `_prefetch` asks for row r of program `pid`: split s of S takes the
+    s-th share, in 16-byte multiples, of the row (so a row block's splits cover it); size 0 past the
+    weight's last row. Rows are 16-byte multiples long."""
+    s, g, row0, _ = _tile(pid, M, N, BM, R, S)
+    share = tl.cdiv(tl.cdiv(row_bytes, S), 16) * 16
+    size = tl.minimum(tl.maximum(row_bytes - s * share, 0), share)
+    row = (g * N + tl.minimum(row0 + r, N - 1)).to(tl.int64)
+    return row * row_bytes + s * share, tl.where(row0 + r < N, size, 0)
+
+
+@triton.jit
 def _segment(
     pid, first_pid, x_ptr, stride_xm, M, K, y_ptr, stride_ym, y_col, part_ptr, count_ptr, grid_ptr,
     w_ptr, N, row_bytes,
@@ -198,15 +236,7 @@ def _segment(
     S: tl.constexpr, VECTOR: tl.constexpr, VE: tl.constexpr, TAIL: tl.constexpr, PARTIALS: tl.constexpr,
     RBMAX: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
-    # program `pid` of this segment: split s (fastest), row block, m-tile, group
-    s = pid % S
-    tile = pid // S
-    blocks = tl.cdiv(N, R)
-    block = tile % blocks
-    mt = (tile // blocks) % tl.cdiv(M, BM)
-    g = tile // (blocks * tl.cdiv(M, BM))
-    row0 = block * R
-    m0 = mt * BM
+    s, g, row0, m0 = _tile(pid, M, N, BM, R, S)
     x_base = x_ptr + g * K  # group g reads columns [g * K, (g + 1) * K) of x and weight rows g * N + n
     k_per_split = tl.cdiv(tl.cdiv(K, S), BK) * BK
     k_lo = s * k_per_split
@@ -265,12 +295,21 @@ def _qmatmul_kernel(
     WTYPE0: tl.constexpr, R0: tl.constexpr, BK0: tl.constexpr, S0: tl.constexpr, VECTOR0: tl.constexpr,
     VE0: tl.constexpr, TAIL0: tl.constexpr,
     TWO: tl.constexpr, WTYPE1: tl.constexpr, R1: tl.constexpr, BK1: tl.constexpr, S1: tl.constexpr,
-    VECTOR1: tl.constexpr, VE1: tl.constexpr, TAIL1: tl.constexpr,
+    VECTOR1: tl.constexpr, VE1: tl.constexpr, TAIL1: tl.constexpr, PF0: tl.constexpr, PF1: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # the decode GEMV: programs [0, P0) the first weight, the rest the second (TWO), which writes
     # output columns N0.. of the same y
     pid = tl.program_id(0)
     p0 = GROUPS * tl.cdiv(N0, R0) * tl.cdiv(M, BM) * S0
+    if PDL:  # the weights first (`_prefetch`), then what the kernels before wrote
+        if pid < p0:
+            if PF0:
+                _prefetch(pid, M, w0_ptr, N0, row_bytes0, BM, R0, S0)
+        elif TWO:
+            if PF1:
+                _prefetch(pid - p0, M, w1_ptr, N1, row_bytes1, BM, R1, S1)
+    wait_for_inputs(PDL)
     if pid < p0:
         _segment(pid, 0, x_ptr, stride_xm, M, K, y_ptr, stride_ym, 0, part_ptr, count_ptr, grid_ptr,
                  w0_ptr, N0, row_bytes0,
@@ -299,6 +338,7 @@ def _segment_args(w: QWeight, plan: GemvPlan) -> dict:
     return {
         "WTYPE": w.wtype, "R": plan.rows, "BK": plan.block_k, "S": plan.split, "VECTOR": plan.vector,
         "VE": VECTOR_ELEMENTS.get(w.ggml_type, 1), "TAIL": w.cols % plan.block_k != 0,
+        "PF": w.row_bytes % 16 == 0,  # `_prefetch`'s bulk ranges are 16-byte multiples
     }  # fmt: skip
 
 
@@ -336,7 +376,7 @@ def gemv(
         weights[0].data, ns[0], weights[0].row_bytes, second.data, ns[-1], second.row_bytes,
         GROUPS=groups, BM=bm, PARTIALS=bool(partials), RBMAX=rbmax, PTX=compiles_ptx(),
         **{f"{key}0": v for key, v in seg0.items()}, TWO=len(weights) == 2, **{f"{key}1": v for key, v in seg1.items()},
-        num_warps=plans[0].warps, num_stages=1,
+        num_warps=plans[0].warps, num_stages=1, **dependent_launch(),
     )  # fmt: skip
     return y
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, dependent_launch, interpreting, wait_for_inputs
 from dwarfstar.backends.triton.weights import PAYLOAD, random_qweight, unpack
 from dwarfstar.gguf.constants import BLOCK_GEOMETRY, QK_K, GGMLType
 from dwarfstar.gguf.dequant import _iq2xxs_tables, dequantize
@@ -325,7 +325,9 @@ def load_weight_tile(w_ptr, grid_ptr, row_off, k0, K, WTYPE: tl.constexpr, BN: t
 def _gather_rows_kernel(
     w_ptr, grid_ptr, ids_ptr, out_ptr, n, K, row_bytes, copies,
     WTYPE: tl.constexpr, GATHER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     # program (row block, column block): decode BN gathered rows (or rows in order), write each
     # `copies` times in the output's dtype
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -351,7 +353,7 @@ def gather_rows(data: torch.Tensor, ggml_type: GGMLType, k: int, ids: torch.Tens
     bn = min(16, triton.next_power_of_2(n)) if interpreting() else 1
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _gather_rows_kernel[grid](data, grid_table(data.device), ids, out, n, k, data.shape[1], copies,
-                              WTYPE=int(ggml_type), GATHER=True, BN=bn, BK=bk)  # fmt: skip
+                              WTYPE=int(ggml_type), GATHER=True, BN=bn, BK=bk, **dependent_launch())  # fmt: skip
     return out
 
 
@@ -362,7 +364,8 @@ def dequantize_rows(data: torch.Tensor, ggml_type: GGMLType, out: torch.Tensor) 
     bn, warps = (min(64, triton.next_power_of_2(n)), 1) if interpreting() else gemv_tile(1, n, ggml_type, bk)
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _gather_rows_kernel[grid](data, grid_table(data.device), data, out, n, k, data.shape[1], 1,
-                              WTYPE=int(ggml_type), GATHER=False, BN=bn, BK=bk, num_warps=warps)  # fmt: skip
+                              WTYPE=int(ggml_type), GATHER=False, BN=bn, BK=bk, num_warps=warps,
+                              **dependent_launch())  # fmt: skip
     return out
 
 

@@ -35,7 +35,15 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference import ops
-from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2, rsqrt_rn
+from dwarfstar.backends.triton.runtime import (
+    BenchCase,
+    BenchShape,
+    dependent_launch,
+    interpreting,
+    next_pow2,
+    rsqrt_rn,
+    wait_for_inputs,
+)
 from dwarfstar.model.config import yarn_inv_freq
 from dwarfstar.model.numerics import hadamard_matrix, rope_angles
 
@@ -287,7 +295,9 @@ def _query_rows_kernel(
     q_ptr, iq_ptr, pos_ptr, inv_ptr, had_ptr, q_out, iq_out, stride_q, stride_iq, eps,
     H, D, HI, DI, QAT_INDEX: tl.constexpr, ROPE_DIM: tl.constexpr,
     BR: tl.constexpr, BD: tl.constexpr, BRI: tl.constexpr, BDI: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     # program (b, j): sequence b's query heads j * BR .. (the first cdiv(H, BR) programs), then its
     # indexer query heads
     b = tl.program_id(0)
@@ -348,7 +358,7 @@ def query_rows(
         q, index_q if index_q is not None else q, pos, inv_freq, half_hadamard(bdi, q.device), q_out,
         iq_out if iq_out is not None else q_out, q.stride(0), index_q.stride(0) if index_q is not None else 0, eps,
         h, d, hi, di, QAT_INDEX=QAT_FP4 if qat else QAT_NONE, ROPE_DIM=rope_dim, BR=br, BD=bd, BRI=bri, BDI=bdi,
-        num_warps=4, num_stages=1,
+        num_warps=4, num_stages=1, **dependent_launch(),
     )  # fmt: skip
     return q_out, iq_out
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.triton.kernels.topk import order_key, topk_indices
-from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, next_pow2
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, dependent_launch, next_pow2, wait_for_inputs
 from dwarfstar.sampling import (
     SEED_BITS,
     TOP_K_CAP,
@@ -69,9 +69,11 @@ def _ranked(v, idx, live, KP: tl.constexpr):
 def _sample_kernel(
     logits_ptr, cand_ptr, knobs_ptr, ints_ptr, out_ptr, overflow_ptr, vocab, n_cand, n_draws,
     KP: tl.constexpr, ND: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Row `program_id` of the batch: its knobs (temperature, min_p, top_p) and ints (top_k or 0,
     seed, step) are read here, so one compiled kernel (and one captured launch) serves any mix."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     temperature = tl.load(knobs_ptr + 6 * row)
     min_p = tl.load(knobs_ptr + 6 * row + 1)
@@ -176,7 +178,7 @@ def sample_rows(
     kp = next_pow2(k)
     _sample_kernel[(rows,)](
         logits, candidates, knobs, knobs.view(torch.int32), tokens, overflow, vocab, k, n,
-        KP=kp, ND=min(next_pow2(n), max(1, 65536 // kp)), num_warps=8,
+        KP=kp, ND=min(next_pow2(n), max(1, 65536 // kp)), num_warps=8, **dependent_launch(),
     )  # fmt: skip
     return tokens, overflow
 

@@ -22,7 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
+from dwarfstar.backends.triton.runtime import (
+    BenchCase,
+    BenchShape,
+    dependent_launch,
+    interpreting,
+    next_pow2,
+    wait_for_inputs,
+)
 
 
 @triton.jit
@@ -105,7 +112,9 @@ def select_block(
 def _round_kernel(
     scores_ptr, idx_ptr, valid_ptr, out_scores_ptr, out_idx_ptr, final_ptr, N, n_in, stride_in, n_blocks, k,
     FIRST: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_inputs(PDL)
     select_block(scores_ptr, idx_ptr, valid_ptr, out_scores_ptr, out_idx_ptr, final_ptr, tl.program_id(0),
                  tl.program_id(1), N, n_in, stride_in, n_blocks, k, FIRST, FINAL, BLOCK, KP, False)  # fmt: skip
 
@@ -146,7 +155,7 @@ def finish_rounds(
         next_idx = out if final else torch.empty(rows, n_blocks * k, dtype=torch.int32, device=out.device)
         _round_kernel[(rows, n_blocks)](
             cand_scores, cand_idx, valid, next_scores, next_idx, out, width, n_in, stride, n_blocks, k,
-            FIRST=first, FINAL=final, BLOCK=block, KP=next_pow2(k), num_warps=8,
+            FIRST=first, FINAL=final, BLOCK=block, KP=next_pow2(k), num_warps=8, **dependent_launch(),
         )  # fmt: skip
         cand_scores, cand_idx, n_in, stride, first = next_scores, next_idx, n_blocks * k, n_blocks * k, False
     return out

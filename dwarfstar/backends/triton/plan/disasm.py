@@ -102,6 +102,15 @@ def parse_sass(sass: str) -> Code:
     return Code(total, _ranked(body(lo, hi) for lo, hi in innermost))
 
 
+# -- NVIDIA PTX: the order of a dependent launch's wait and its first read ------------------------------
+def waits_before_reading(ptx: str) -> bool:
+    """Whether a kernel launched as a programmatic dependent (`runtime.dependent_launch`) waits for the
+    kernel before (griddepcontrol.wait) ahead of its first global load or atomic."""
+    wait = ptx.find("griddepcontrol.wait")
+    reads = [at for at in (ptx.find("ld.global"), ptx.find("atom.global")) if at >= 0]
+    return wait >= 0 and all(wait < at for at in reads)
+
+
 # -- AMD AMDGCN --------------------------------------------------------------------------------------------
 _GCN_BLOCK = re.compile(r"^(?:\.L(BB\d+_\d+)|; %bb\.\d+):")  # a labelled block, or a fall-through one
 _GCN_HEADER = re.compile(r"Loop Header: Depth=\d+")
