@@ -32,9 +32,11 @@
 # Logs: bench.log (warm, bench, profile, ncu, parity), tests.log (the rest); summary.txt has the versions,
 # each step's verdict and time, tok/s, GB/s and % of the ceiling per decode row, failing tests, the tables.
 #
-# GPU_CHECK_PDL=off tools/gpu_check.sh OUTDIR: every step launches the kernels without programmatic dependent
-# launch (`runtime.dependent_launch`, on by default on sm_90 and later: each kernel's programs start
-# while the one before finishes, then wait for it). With it on, a kernel's profiled time counts its
+# DWARFSTAR_PDL=off tools/gpu_check.sh OUTDIR: every step launches the kernels without programmatic
+# dependent launch (`runtime.dependent_launch`, on by default on sm_90 and later: each kernel's
+# programs start while the one before finishes, then wait for it). The bench first probes it (a chain
+# of dependent launches, eager and in a graph: `gpu_bench.probe_dependent_launch`); if that fails,
+# the bench and every later step run without it. With it on, a kernel's profiled time counts its
 # programs' wait too, so the profile's kernels overlap; the step's time is the figure to compare.
 #
 # GPU_CHECK_DRY=1: on a machine without a GPU (and with TRITON_INTERPRET unset), each step runs its
@@ -54,7 +56,7 @@ PY=${PYTHON:-python3}
 WHEELS=${DWARFSTAR_WHEELS:-$REPO/.whl}
 BUDGET=${GPU_CHECK_BUDGET:-465}
 DRY=${GPU_CHECK_DRY:-0}
-PDL=${GPU_CHECK_PDL:-on}
+export DWARFSTAR_PDL=${DWARFSTAR_PDL:-on}
 [ "$DRY" = 0 ] && DRY=""
 START=$(date +%s)
 SUMMARY=$OUT/summary.txt
@@ -111,7 +113,7 @@ if [ "$TOTAL" -gt "$BUDGET" ]; then
     say "the step caps add up to ${TOTAL}s, over the ${BUDGET}s budget"
     exit 2
 fi
-say "budget ${BUDGET}s, step caps ${TOTAL}s: ${CAPS[*]}; programmatic dependent launch: $PDL"
+say "budget ${BUDGET}s, step caps ${TOTAL}s: ${CAPS[*]}; programmatic dependent launch: $DWARFSTAR_PDL"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee -a "$SUMMARY"
 
 # -- setup: the wheels the image lacks (never torch or triton), the checkout from PYTHONPATH --
@@ -162,10 +164,12 @@ $PY -c "import pytest_timeout" 2>/dev/null && TESTFLAGS="$TESTFLAGS --timeout 10
 
 # -- benchmarks first: the warm step compiles what the bench will launch (the same arguments) --
 BENCH="$PY -m dwarfstar.backends.triton.gpu_bench"
-DECODE="decode --synthetic flash-q2 --ctx 2048,32768 --batch 1,4 --steps 64 --decode-precision exact,fast --then-prefill 8192 --chunk 4096 --tune first --pdl $PDL"
+DECODE="decode --synthetic flash-q2 --ctx 2048,32768 --batch 1,4 --steps 64 --decode-precision exact,fast --then-prefill 8192 --chunk 4096 --tune first"
 run warm "$OUT/bench.log" $PY -m dwarfstar.backends.triton.warm $DECODE --warm 16 --target "${TARGET:-cuda:90}" --sms "${SMS:-132}" $DRYFLAG
 run bench "$OUT/bench.log" $BENCH $DECODE --csv "$OUT/decode.csv" --prefill-csv "$OUT/prefill.csv" $DRYFLAG
-grep -E "^warm: |^PROBLEM|^jit: [0-9]+ kernels|^dry: " "$OUT/bench.log" | tee -a "$SUMMARY"
+grep -E "^warm: |^PROBLEM|^jit: [0-9]+ kernels|^dry: |^pdl: " "$OUT/bench.log" | tee -a "$SUMMARY"
+# a failed probe of dependent launches (the bench's first device work): the later steps go without them
+grep -q "^pdl: off" "$OUT/bench.log" && export DWARFSTAR_PDL=off && say "dependent launches off from here on"
 # tok/s, GB/s and the share of the ceiling (a step's weight bytes at the peak bandwidth: 502 tok/s at batch 1)
 [ -s "$OUT/decode.csv" ] && awk -F, 'NR > 1 {printf "decode ctx=%s batch=%s %s: %s tok/s, %s GB/s, %s%% of the %s tok/s ceiling\n",
     $3, $4, $5, $6, $9, $11, $10}' "$OUT/decode.csv" | tee -a "$SUMMARY"
@@ -175,7 +179,7 @@ grep -E "^warm: |^PROBLEM|^jit: [0-9]+ kernels|^dry: " "$OUT/bench.log" | tee -a
 # each kernel's measured share of a 2k decode step, both precisions, kernels from the warm step's cache
 # (16 steps timed, then 16 profiled; the second run's profile of 2 configurations took 28 s, weights included)
 run profile "$OUT/bench.log" $PY -m dwarfstar.backends.triton.gpu_profile --synthetic flash-q2 --ctx 2048 --batch 1,4 \
-    --steps 16 --top 25 --pdl "$PDL" --csv "$OUT/profile.csv" $DRYFLAG
+    --steps 16 --top 25 --csv "$OUT/profile.csv" $DRYFLAG
 grep -E "^(exact|fast) batch " "$OUT/bench.log" | tee -a "$SUMMARY"
 # why the kernels take that long: Nsight Compute's counters (occupancy, warp stalls, issue slots, DRAM
 # throughput, and the shared-memory wavefronts and bank conflicts of MemoryWorkloadAnalysis_Tables: the
@@ -185,7 +189,7 @@ NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
 NCU_KERNELS="decode_gate_up|decode_down|qmatmul|attention|hc_pre_fused|hc_head_fused|scores|route_fused|rows"
 NCU_KERNELS="$NCU_KERNELS|query_rows|round|sample|gather_rows" # ours: torch has a _scatter_gather_..._kernel too
 NCU_STEP="$PY -m dwarfstar.backends.triton.gpu_bench decode --synthetic flash-q2 --layers 2 --ctx 2048 --batch 1 \
-    --steps 1 --warmup 1 --tune first --pdl $PDL"
+    --steps 1 --warmup 1 --tune first"
 if [ -n "$DRY" ]; then
     run ncu "$OUT/bench.log" $NCU_STEP $DRYFLAG
 elif [ -n "$NCU" ]; then

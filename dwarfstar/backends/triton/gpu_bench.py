@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from dwarfstar.backends.triton.runtime import (
     EXACT,
@@ -44,7 +46,9 @@ from dwarfstar.backends.triton.runtime import (
     BenchShape,
     Precision,
     default_device,
+    dependent_launch,
     set_dependent_launches,
+    wait_for_inputs,
 )
 from dwarfstar.model.config import ModelArgs
 
@@ -422,8 +426,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         s.add_argument("--peak-gbs", type=float, default=None, help="device memory bandwidth, GB/s")
         s.add_argument("--tune", choices=("time", "first"), default="time", help="autotuned kernels: time their "
                        "configs, or launch the first pruned one (what `--warm` compiles)")  # fmt: skip
-        s.add_argument("--pdl", choices=("on", "off"), default="on", help="kernels as programmatic dependent "
-                       "launches where the GPU has them (sm_90 on: runtime.dependent_launch), or not")  # fmt: skip
     for s in sub.choices.values():
         s.add_argument("--csv", type=Path, default=None)
         s.add_argument("--dry", action="store_true", help="no device: arguments, imports, shapes, CSV headers")
@@ -459,7 +461,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _run(opts, device: torch.device, peak: Peak, out: CsvRows, then: CsvRows | None) -> None:
     precision = EXACT if getattr(opts, "exact", False) else FAST
-    set_dependent_launches(getattr(opts, "pdl", "on") == "on")
+    if device.type == "cuda" and dependent_launch()["PDL"]:
+        failure = probe_dependent_launch(device)
+        if failure:  # every later launch of this run without it (its kernels compile afresh)
+            set_dependent_launches(False)
+        print(f"pdl: {'off: the probe failed: ' + failure if failure else 'on'}", flush=True)
     if opts.what == "kernels":
         only = [s for s in opts.only.split(",") if s]
         shape = bench_shape(opts.model, device, opts.ctx, opts.prefill)
@@ -489,6 +495,46 @@ def _run(opts, device: torch.device, peak: Peak, out: CsvRows, then: CsvRows | N
         run_parity(device, emit=out)
 
 
+@triton.jit
+def _chain_kernel(x_ptr, y_ptr, n, PDL: tl.constexpr, BLOCK: tl.constexpr):
+    wait_for_inputs(PDL)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < n) * 2.0 + 1.0, mask=i < n)
+
+
+def dependent_chain(bufs: list[torch.Tensor], links: int) -> torch.Tensor:
+    """`links` launches of `_chain_kernel` (x -> 2x + 1) between the two buffers, each reading what the
+    one before wrote, from bufs[0]; the buffer the last one wrote."""
+    n = bufs[0].numel()
+    for link in range(links):
+        src, dst = bufs[link % 2], bufs[1 - link % 2]
+        _chain_kernel[(triton.cdiv(n, 1024),)](src, dst, n, BLOCK=1024, **dependent_launch())
+    return bufs[links % 2]
+
+
+def probe_dependent_launch(device: torch.device, links: int = 8, n: int = 1 << 20) -> str | None:
+    """None if a chain of dependent launches (`runtime.dependent_launch`, `dependent_chain`) gives the
+    right values eagerly and as a replayed CUDA graph on `device`; else what went wrong. A device or
+    driver that cannot run or capture them then falls back to plain launches instead of failing every
+    benchmark and test."""
+    want = 2.0**links - 1  # x -> 2x + 1, from 0, `links` times
+    try:
+        bufs = [torch.zeros(n, device=device), torch.empty(n, device=device)]
+        dependent_chain(bufs, links)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = dependent_chain(bufs, links)
+        bufs[0].zero_()
+        graph.replay()
+        torch.cuda.synchronize(device)
+        if not bool((got == want).all()):
+            return f"wrong values: {int((got != want).sum())} of {n} differ from {want}"
+    except Exception as exc:  # noqa: BLE001  (any failure to launch or capture is the answer)
+        return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+    return None
+
+
 @contextlib.contextmanager
 def tuning(how: str) -> Iterator[None]:
     """`first`: an autotuned kernel launches its first pruned config, untimed."""
@@ -509,8 +555,6 @@ def tuning(how: str) -> Iterator[None]:
 @contextlib.contextmanager
 def _compile_log() -> Iterator[None]:
     """Print each kernel Triton compiles (not found in its cache) as it does, and the totals."""
-    import triton
-
     counts = {True: 0, False: 0}
 
     def listener(src, metadata, metadata_group, times, cache_hit) -> None:

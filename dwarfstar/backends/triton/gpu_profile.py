@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from dwarfstar.backends.triton import gpu_bench
-from dwarfstar.backends.triton.runtime import set_dependent_launches
 
 PROFILE_COLUMNS = (
     "batch", "ctx", "precision", "kernel", "grid", "block", "registers", "occupancy%", "launches/step", "us/step",
@@ -78,7 +77,6 @@ def run(opts: argparse.Namespace) -> None:
     from dwarfstar.backends.triton.synthetic import synthetic_weights
 
     device = torch.device("cuda")
-    set_dependent_launches(opts.pdl == "on")
     contexts, batches = ([int(c) for c in text.split(",")] for text in (opts.ctx, opts.batch))
     weights = synthetic_weights(opts.synthetic, opts.layers, device)
     out = gpu_bench.CsvRows(opts.csv, PROFILE_COLUMNS)
@@ -116,8 +114,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=16, help="steps timed, then as many profiled")
     parser.add_argument("--warmup", type=int, default=8, help="untimed steps first (the graphs are captured in them)")
     parser.add_argument("--top", type=int, default=60, help="rows kept per batch, longest first")
-    parser.add_argument("--pdl", choices=("on", "off"), default="on", help="dependent launches, as gpu_bench's "
-                        "(on: a kernel's time runs from its programs' start, their wait included)")  # fmt: skip
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--dry", action="store_true", help="no device: the arguments, the imports, the CSV header")
     opts = parser.parse_args(argv)

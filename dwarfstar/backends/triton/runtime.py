@@ -236,7 +236,7 @@ def last_program(counter_ptr, n):
     return last
 
 
-_dependent_launches = True  # `set_dependent_launches`: gpu_bench's --pdl off turns them off for a comparison
+_dependent_launches = True  # `set_dependent_launches`: off where a device failed `gpu_bench`'s probe
 
 
 def set_dependent_launches(on: bool) -> None:
@@ -248,13 +248,14 @@ def set_dependent_launches(on: bool) -> None:
 def dependent_launch() -> dict:
     """The launch keywords of a kernel that starts with `wait_for_inputs`: on NVIDIA sm_90 and later
     (Hopper's programmatic dependent launch, compiling for the active target: a target-only driver
-    too), `PDL` and Triton's `launch_pdl`; elsewhere and in the interpreter, PDL off.
+    too), `PDL` and Triton's `launch_pdl`; elsewhere, in the interpreter and with DWARFSTAR_PDL=off
+    in the environment (`tools/gpu_check.sh` passes it to every step), PDL off.
 
     A dependent kernel's programs are placed on the multiprocessors as soon as every program of the
     kernel before it has got past its own wait, and wait there (`griddepcontrol.wait`) until that
     kernel has finished and its writes are visible: the launch, the programs' start and what they do
     before the wait (the GEMV's L2 prefetch of its weights) overlap the kernel before."""
-    on = _dependent_launches and not interpreting()
+    on = _dependent_launches and not interpreting() and os.environ.get("DWARFSTAR_PDL", "on") != "off"
     if on:
         target = triton.runtime.driver.active.get_current_target()
         on = target.backend == "cuda" and int(target.arch) >= 90

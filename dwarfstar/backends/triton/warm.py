@@ -39,12 +39,11 @@ def record(opts) -> tuple[list[list[tuple]], str]:
     """Every Triton launch (fn, args, grid, kwargs) of `bench decode` with these options, grouped, and
     what was recorded."""
     from dwarfstar.backends.triton.plan.target import activate, intercepted, parse_target
-    from dwarfstar.backends.triton.runtime import EXACT, FAST, assume_multiprocessors, set_dependent_launches
+    from dwarfstar.backends.triton.runtime import EXACT, FAST, assume_multiprocessors
     from dwarfstar.backends.triton.synthetic import meta_weights
 
     activate(parse_target(opts.target))
     assume_multiprocessors(opts.sms)  # the weights are on the meta device
-    set_dependent_launches(opts.pdl == "on")  # the kernels' PDL constant and launch option, as the bench's
     contexts, batches = ([int(c) for c in text.split(",")] for text in (opts.ctx, opts.batch))
     weights = meta_weights(opts.synthetic, opts.layers)
     launches: list[tuple] = []
