@@ -182,9 +182,9 @@ run profile "$OUT/bench.log" $PY -m dwarfstar.backends.triton.gpu_profile --synt
     --steps 16 --top 25 --csv "$OUT/profile.csv" $DRYFLAG
 grep -E "^(exact|fast) batch " "$OUT/bench.log" | tee -a "$SUMMARY"
 # why the kernels take that long: Nsight Compute's counters (occupancy, warp stalls, issue slots, DRAM
-# throughput, and the shared-memory wavefronts and bank conflicts of MemoryWorkloadAnalysis_Tables: the
-# exact decode attention's IEEE dot reads 16 key rows 1 KB apart in one bank) for each Triton kernel of one eager decode step of a 2-layer flash-q2 model (by name:
-# not the torch kernels that build the weights)
+# throughput, and MemoryWorkloadAnalysis_Tables' shared-memory wavefronts and bank conflicts: the exact
+# decode attention's IEEE dot reads 16 key rows 1 KB apart from one bank) for each Triton kernel of one
+# eager decode step of a 2-layer flash-q2 model (by name: not the torch kernels that build the weights)
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
 NCU_KERNELS="decode_gate_up|decode_down|qmatmul|attention|hc_pre_fused|hc_head_fused|scores|route_fused|rows"
 NCU_KERNELS="$NCU_KERNELS|query_rows|round|sample|gather_rows" # ours: torch has a _scatter_gather_..._kernel too
@@ -196,7 +196,8 @@ elif [ -n "$NCU" ]; then
     run ncu "$OUT/bench.log" "$NCU" --clock-control none --kernel-name "regex:^_($NCU_KERNELS)_kernel\$" \
         --launch-count 32 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-        --section SchedulerStats --section MemoryWorkloadAnalysis_Tables --csv --page details --log-file "$OUT/ncu.csv" $NCU_STEP
+        --section SchedulerStats --section MemoryWorkloadAnalysis_Tables \
+        --csv --page details --log-file "$OUT/ncu.csv" $NCU_STEP
 else
     say "$(printf '%-8s %-10s' SKIP ncu): no ncu on this machine"
 fi
