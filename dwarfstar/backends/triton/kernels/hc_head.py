@@ -96,20 +96,9 @@ def _fused(h, parts, post, comb, fn, scale, base, norm_weight, hc_eps, norm_eps,
     out = torch.empty(t, d, device=h.device, dtype=torch.float32)
     before = (h, h, h) if parts is None else (parts, post, comb)  # unread without the post
     _hc_head_fused_kernel[grid](
-        h,
-        *before,
-        fn.data,
-        scale,
-        base,
-        norm_weight,
-        out,
-        part,
-        counters,
-        hc_eps=hc_eps,
-        norm_eps=norm_eps,
-        **sizes,
-        **dependent_launch(),
-    )
+        h, *before, fn.data, scale, base, norm_weight, out, part, counters, hc_eps=hc_eps, norm_eps=norm_eps,
+        **sizes, **dependent_launch(),
+    )  # fmt: skip
     return out
 
 
