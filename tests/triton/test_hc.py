@@ -121,6 +121,25 @@ def test_post_fused_with_the_head(tokens, dims, block, parts, device):
     assert_counters_clear(device)
 
 
+def test_collapse_in_blocks_shorter_than_the_row(monkeypatch, device):
+    """Rows longer than the collapse's block (PRO's 7168 at 4096): the sum goes out block by block and
+    is scaled in a second pass; the same values as the whole row kept in registers (Flash's 4096)."""
+    h, out, post, comb = finished_sublayer(2, 96, 0, device)
+    pre, head = pre_mix(96, device), head_mix(96, device)
+    whole = hc_pre.hc_post_pre(h.clone(), out, post, comb, *pre, dims=32, tokens=1)
+    whole_head = hc_head.hc_post_head(h.clone(), out, post, comb, *head, dims=32, tokens=1)
+    monkeypatch.setattr(hc_pre, "collapse_block", lambda d: 32)  # 3 blocks of the 96 dims
+    blocks = hc_pre.hc_post_pre(h.clone(), out, post, comb, *pre, dims=32, tokens=1)
+    blocks_head = hc_head.hc_post_head(h.clone(), out, post, comb, *head, dims=32, tokens=1)
+    want_h, *want = hc_pre.reference_post_pre(h.clone(), out, post, comb, *pre)
+    for got, expected, other in zip(blocks, want, whole, strict=True):
+        torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-6)
+        torch.testing.assert_close(got, other, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(blocks_head, hc_head.reference(want_h, *head), rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(blocks_head, whole_head, rtol=1e-6, atol=1e-7)
+    assert_counters_clear(device)
+
+
 def test_fused_mix_must_be_a_float_matrix(device):
     h = rand(1, 4, 64, seed=1).to(device)
     fn, *rest = pre_mix(64, device)

@@ -275,11 +275,18 @@ def wait_for_inputs(PDL: tl.constexpr):
 
 
 @triton.jit
-def program_sums(part_ptr, t, offsets, mask, n, width, NP: tl.constexpr):
-    """Sum over the `n` programs of one token's partial results [T, n, width] at `offsets` [A, B]
-    (where `mask`), in a fixed order: the same inputs give the same bits every run."""
+def program_values(part_ptr, t, offsets, mask, n, width, NP: tl.constexpr):
+    """The `n` programs' partial results of one token [T, n, width] at `offsets` [A, B] (where `mask`),
+    as [NP, A, B] (zero past n), read past L1: load several before summing any, and their round trips
+    to L2 overlap."""
     q = tl.arange(0, NP)
     row = (t.to(tl.int64) * n + q) * width
     ok = (q < n)[:, None, None] & mask[None, :, :]
-    values = tl.load(part_ptr + row[:, None, None] + offsets[None, :, :], mask=ok, other=0.0, cache_modifier=".cg")
-    return tl.sum(values, axis=0)
+    return tl.load(part_ptr + row[:, None, None] + offsets[None, :, :], mask=ok, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def program_sums(part_ptr, t, offsets, mask, n, width, NP: tl.constexpr):
+    """Sum over the `n` programs of one token's partial results [T, n, width] at `offsets` [A, B]
+    (where `mask`), in a fixed order: the same inputs give the same bits every run."""
+    return tl.sum(program_values(part_ptr, t, offsets, mask, n, width, NP), axis=0)

@@ -1,7 +1,7 @@
 """V4.1's mHC collapse (reference `Block.hc_pre`): a sublayer's input RMSNorm(sum_k pre_k h_k; norm) from its streams
 and the pre weights the sublayer before computed (the one-hot (1, 0, ..., 0) for the first), and the
-output head's, with the last FFN's pre and the output norm. One program per token, its D dims in
-blocks of FD (`hc_pre.collapse_norm`: the sum first, then scaled once its sum of squares is known).
+output head's, with the last FFN's pre and the output norm. One program per token (`hc_pre.collapse_norm`:
+a row of up to 4096 dims in registers, a longer one in blocks, scaled once its sum of squares is known).
 """
 
 from __future__ import annotations
@@ -13,15 +13,18 @@ import triton
 import triton.language as tl
 
 from dwarfstar.backends.reference import ops
-from dwarfstar.backends.triton.kernels.hc_pre import collapse_norm
-from dwarfstar.backends.triton.runtime import BenchCase, BenchShape, interpreting, next_pow2
+from dwarfstar.backends.triton.kernels.hc_pre import collapse_block, collapse_norm, first_streams
+from dwarfstar.backends.triton.runtime import BenchCase, BenchShape
 
 
 @triton.jit
-def _hc_collapse_kernel(h_ptr, pre_ptr, norm_ptr, out_ptr, D, eps, NHC: tl.constexpr, FD: tl.constexpr):
+def _hc_collapse_kernel(
+    h_ptr, pre_ptr, norm_ptr, out_ptr, D, eps, NHC: tl.constexpr, FD: tl.constexpr, ONE_BLOCK: tl.constexpr
+):
     t = tl.program_id(0)
     pre = tl.load(pre_ptr + t.to(tl.int64) * NHC + tl.arange(0, NHC)[None, :])  # [1, NHC]
-    collapse_norm(h_ptr, t, pre, norm_ptr, out_ptr, D, eps, NHC, FD)
+    first = first_streams(h_ptr, norm_ptr, t, D, NHC, FD)
+    collapse_norm(h_ptr, first, t, pre, norm_ptr, out_ptr, D, eps, NHC, FD, ONE_BLOCK)
 
 
 def hc_collapse(h: torch.Tensor, pre: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,8 +33,8 @@ def hc_collapse(h: torch.Tensor, pre: torch.Tensor, norm: torch.Tensor, eps: flo
     if not h.is_contiguous() or pre.shape != h.shape[:2] or norm.shape != (d,):
         raise ValueError(f"collapse of streams {tuple(h.shape)} with pre {tuple(pre.shape)}, norm {tuple(norm.shape)}")
     out = torch.empty(t, d, device=h.device, dtype=torch.float32)
-    fd = next_pow2(d) if interpreting() else min(2048, next_pow2(d))
-    _hc_collapse_kernel[(t,)](h, pre.contiguous(), norm, out, d, eps, NHC=nhc, FD=fd, num_warps=8)
+    fd = collapse_block(d)
+    _hc_collapse_kernel[(t,)](h, pre.contiguous(), norm, out, d, eps, NHC=nhc, FD=fd, ONE_BLOCK=fd >= d, num_warps=8)
     return out
 
 

@@ -21,10 +21,12 @@ from dwarfstar.backends.triton.kernels.hc_pre import (
     MIX_SPLIT,
     as_parts,
     collapse_norm,
+    first_streams,
     fused_launch,
     fused_work,
     load_streams,
     post_and_mix,
+    square_parts,
     streams_rsqrt,
     sum_partials,
     tokens_per_program,
@@ -37,7 +39,7 @@ from dwarfstar.backends.triton.runtime import (
     dependent_launch,
     last_program,
     next_pow2,
-    program_sums,
+    program_values,
     rsqrt_rn,
     wait_for_inputs,
 )
@@ -70,7 +72,7 @@ def _hc_head_fused_kernel(
     h_ptr, parts_ptr, post_ptr, comb_ptr, fn_ptr, scale_ptr, base_ptr, norm_ptr, out_ptr, part_ptr, counter_ptr,
     T, D, P, fn_row_bytes, stream_bytes, hc_eps, norm_eps,
     POST: tl.constexpr, WTYPE: tl.constexpr, NHC: tl.constexpr, MIXP: tl.constexpr, BT: tl.constexpr,
-    BD: tl.constexpr, NPP: tl.constexpr, FD: tl.constexpr,
+    BD: tl.constexpr, NPP: tl.constexpr, FD: tl.constexpr, ONE_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(PDL)
@@ -84,10 +86,13 @@ def _hc_head_fused_kernel(
         for i in range(BT):
             t = tb * BT + i
             if t < T:
-                mix = program_sums(part_ptr, t, s, s >= 0, n_prog, MIXP + 1, NPP)
-                mix = mix * streams_rsqrt(part_ptr, t, n_prog, D, norm_eps, NHC, MIXP, NPP)[:, None]
-                w = tl.sigmoid(mix * tl.load(scale_ptr) + tl.load(base_ptr + s)) + hc_eps
-                collapse_norm(h_ptr, t, w, norm_ptr, out_ptr, D, norm_eps, NHC, FD)
+                first = first_streams(h_ptr, norm_ptr, t, D, NHC, FD)
+                mix = program_values(part_ptr, t, s, s >= 0, n_prog, MIXP + 1, NPP)
+                squares = square_parts(part_ptr, t, n_prog, NHC, MIXP, NPP)
+                scale, base = tl.load(scale_ptr), tl.load(base_ptr + s)  # with the other loads
+                mix = tl.sum(mix, axis=0) * streams_rsqrt(squares, D, norm_eps, NHC)[:, None]
+                w = tl.sigmoid(mix * scale + base) + hc_eps
+                collapse_norm(h_ptr, first, t, w, norm_ptr, out_ptr, D, norm_eps, NHC, FD, ONE_BLOCK)
 
 
 def _fused(h, parts, post, comb, fn, scale, base, norm_weight, hc_eps, norm_eps, dims, tokens) -> torch.Tensor:

@@ -36,7 +36,7 @@ from dwarfstar.backends.triton.runtime import (
     interpreting,
     last_program,
     next_pow2,
-    program_sums,
+    program_values,
     rsqrt_rn,
     ticket_counters,
     wait_for_inputs,
@@ -70,14 +70,24 @@ def sum_partials(ptr, offsets, mask, split_stride, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def mix_weights(pre, post, comb, rs, scale_ptr, base_ptr, iters, hc_eps, NHC: tl.constexpr):
-    """The mixes fn @ h of X tokens (pre, post [X, NHC], comb [X, NHC, NHC]) and rsqrt(mean(h^2) + eps)
-    [X] -> pre = sigmoid + eps, post = 2 sigmoid, and comb through Sinkhorn."""
+def mix_constants(scale_ptr, base_ptr, NHC: tl.constexpr):
+    """A sublayer's mix scales (pre, post, comb) and biases (pre [NHC], post [NHC], comb [NHC, NHC]), for
+    `mix_weights`: loaded apart from it, so a caller can send them out with its other loads."""
     s = tl.arange(0, NHC)
-    pre = tl.sigmoid(pre * rs[:, None] * tl.load(scale_ptr) + tl.load(base_ptr + s)[None, :]) + hc_eps
-    post = 2.0 * tl.sigmoid(post * rs[:, None] * tl.load(scale_ptr + 1) + tl.load(base_ptr + NHC + s)[None, :])
     jk = 2 * NHC + NHC * s[:, None] + s[None, :]  # [NHC, NHC]: comb[j, k] at 8 + 4j + k
-    comb = comb * rs[:, None, None] * tl.load(scale_ptr + 2) + tl.load(base_ptr + jk)[None, :, :]
+    return (tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2), tl.load(base_ptr + s),
+            tl.load(base_ptr + NHC + s), tl.load(base_ptr + jk))  # fmt: skip
+
+
+@triton.jit
+def mix_weights(pre, post, comb, rs, constants, iters, hc_eps, NHC: tl.constexpr):
+    """The mixes fn @ h of X tokens (pre, post [X, NHC], comb [X, NHC, NHC]) and rsqrt(mean(h^2) + eps)
+    [X] -> pre = sigmoid + eps, post = 2 sigmoid, and comb through Sinkhorn; `constants` from
+    `mix_constants`."""
+    scale_pre, scale_post, scale_comb, base_pre, base_post, base_comb = constants
+    pre = tl.sigmoid(pre * rs[:, None] * scale_pre + base_pre[None, :]) + hc_eps
+    post = 2.0 * tl.sigmoid(post * rs[:, None] * scale_post + base_post[None, :])
+    comb = comb * rs[:, None, None] * scale_comb + base_comb[None, :, :]
     # Sinkhorn: row softmax (+eps), column normalisation, then iters - 1 rounds of row and column
     comb = tl.exp(comb - tl.max(comb, axis=2)[:, :, None])
     comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None]) + hc_eps
@@ -105,9 +115,8 @@ def stream_mixes(
     pre = sum_partials(mix_ptr, row[:, None] + s[None, :], t2, stride, SPLIT)
     post = sum_partials(mix_ptr, row[:, None] + NHC + s[None, :], t2, stride, SPLIT)
     comb = sum_partials(mix_ptr, row[:, None, None] + jk[None, :, :], t3, stride, SPLIT)
-    pre, post, comb = mix_weights(
-        pre, post, comb, rsqrt_rn(mean_sq + norm_eps), scale_ptr, base_ptr, iters, hc_eps, NHC
-    )
+    constants = mix_constants(scale_ptr, base_ptr, NHC)
+    pre, post, comb = mix_weights(pre, post, comb, rsqrt_rn(mean_sq + norm_eps), constants, iters, hc_eps, NHC)
     return h, pre, post, comb
 
 
@@ -174,11 +183,17 @@ def post_and_mix(
 
 
 @triton.jit
-def streams_rsqrt(part_ptr, t, n_prog, D, eps, NHC: tl.constexpr, MIXP: tl.constexpr, NPP: tl.constexpr):
-    """rsqrt(mean(h^2) + eps) [1] of token t's streams, from the programs' sums of squares (`post_and_mix`)."""
+def square_parts(part_ptr, t, n_prog, NHC: tl.constexpr, MIXP: tl.constexpr, NPP: tl.constexpr):
+    """The programs' sums of squares of token t's streams (`post_and_mix`), not yet added:
+    [NPP, 1, NHC], the first column used."""
     s = tl.arange(0, NHC)[None, :]
-    sq = tl.sum(program_sums(part_ptr, t, s * 0 + MIXP, s == 0, n_prog, MIXP + 1, NPP), axis=1)
-    return rsqrt_rn(tl.div_rn(sq, NHC * D * 1.0) + eps)
+    return program_values(part_ptr, t, s * 0 + MIXP, s == 0, n_prog, MIXP + 1, NPP)
+
+
+@triton.jit
+def streams_rsqrt(squares, D, eps, NHC: tl.constexpr):
+    """rsqrt(mean(h^2) + eps) [1] of a token's streams from its `square_parts`, added in program order."""
+    return rsqrt_rn(tl.div_rn(tl.sum(tl.sum(squares, axis=0), axis=1), NHC * D * 1.0) + eps)
 
 
 @triton.jit
@@ -187,41 +202,83 @@ def finished_mixes(
     NHC: tl.constexpr, MIXP: tl.constexpr, NPP: tl.constexpr,
 ):  # fmt: skip
     """Token t's (pre [1, NHC], post [1, NHC], comb [1, NHC, NHC]) from the programs' partial sums of the
-    mixes and squares (`post_and_mix`), added in program order, through `mix_weights` (Sinkhorn)."""
+    mixes and squares (`post_and_mix`), added in program order, through `mix_weights` (Sinkhorn).
+    Every partial is loaded before the first is added: one round trip to L2, not four."""
     s = tl.arange(0, NHC)[None, :]  # [1, NHC]
     jk = 2 * NHC + NHC * tl.arange(0, NHC)[:, None] + tl.arange(0, NHC)[None, :]
     width = MIXP + 1
-    pre = program_sums(part_ptr, t, s, s >= 0, n_prog, width, NPP)
-    post = program_sums(part_ptr, t, NHC + s, s >= 0, n_prog, width, NPP)
-    comb = program_sums(part_ptr, t, jk, jk >= 0, n_prog, width, NPP)[None, :, :]
-    rs = streams_rsqrt(part_ptr, t, n_prog, D, norm_eps, NHC, MIXP, NPP)
-    return mix_weights(pre, post, comb, rs, scale_ptr, base_ptr, iters, hc_eps, NHC)
+    pre = program_values(part_ptr, t, s, s >= 0, n_prog, width, NPP)
+    post = program_values(part_ptr, t, NHC + s, s >= 0, n_prog, width, NPP)
+    comb = program_values(part_ptr, t, jk, jk >= 0, n_prog, width, NPP)
+    squares = square_parts(part_ptr, t, n_prog, NHC, MIXP, NPP)
+    constants = mix_constants(scale_ptr, base_ptr, NHC)
+    rs = streams_rsqrt(squares, D, norm_eps, NHC)
+    pre, post, comb = tl.sum(pre, axis=0), tl.sum(post, axis=0), tl.sum(comb, axis=0)[None, :, :]
+    return mix_weights(pre, post, comb, rs, constants, iters, hc_eps, NHC)
 
 
 @triton.jit
-def collapse_norm(h_ptr, t, weights, norm_ptr, out_ptr, D, eps, NHC: tl.constexpr, FD: tl.constexpr):
-    """out[t] = RMSNorm(sum_s weights_s h_s; norm) for token t, weights [1, NHC], FD dims at a time.
+def first_streams(h_ptr, norm_ptr, t, D, NHC: tl.constexpr, FD: tl.constexpr):
+    """Dims 0 .. FD of token t's streams [NHC, FD], read past L1 (other programs of the launch wrote
+    them), and of the norm's weight [FD]: `collapse_norm`'s first block, which a finishing program
+    loads before it adds the mixes' partial sums, so the round trips to L2 overlap."""
+    s = tl.arange(0, NHC)
+    d = tl.arange(0, FD)
+    at = (t.to(tl.int64) * NHC + s[:, None]) * D + d[None, :]
+    h = tl.load(h_ptr + at, mask=(d < D)[None, :], other=0.0, cache_modifier=".cg")
+    return h, tl.load(norm_ptr + d, mask=d < D, other=0.0)
 
-    Other programs of the launch wrote the streams: they are read past L1. The unnormalised sum goes
-    to `out` first and is scaled in a second pass, once its sum of squares is known."""
+
+@triton.jit
+def _weighted_rows(h, weights, NHC: tl.constexpr):
+    """sum_s weights_s h[s] of streams h [NHC, FD], weights [1, NHC]: each weight taken out as a scalar,
+    so h keeps its load's layout (a thread holds all NHC rows of its columns) and is never converted."""
+    s = tl.arange(0, NHC)
+    x = tl.zeros([h.shape[1]], tl.float32)
+    for k in tl.static_range(NHC):
+        w_k = tl.sum(tl.where(s[None, :] == k, weights, 0.0))
+        x += w_k * tl.sum(tl.where(s[:, None] == k, h, 0.0), axis=0)
+    return x
+
+
+@triton.jit
+def collapse_norm(
+    h_ptr, first, t, weights, norm_ptr, out_ptr, D, eps, NHC: tl.constexpr, FD: tl.constexpr, ONE_BLOCK: tl.constexpr
+):
+    """out[t] = RMSNorm(sum_s weights_s h_s; norm) for token t, weights [1, NHC], FD dims at a time,
+    the first FD of them and of the norm's weight `first` (`first_streams`).
+
+    ONE_BLOCK, where FD covers the row (Flash's 4096, `collapse_block`): the sum stays in registers
+    and is scaled there, one store. Otherwise the unnormalised sum goes to `out` block by block (the
+    streams past h0 read past L1) and is scaled in a second pass, once its sum of squares is known."""
     s = tl.arange(0, NHC)
     t = t.to(tl.int64)
-    sq = tl.zeros((1,), tl.float32)
-    for d0 in range(0, D, FD):
-        d = d0 + tl.arange(0, FD)
-        ok = (d < D)[None, :]
-        h = tl.load(h_ptr + (t * NHC + s[:, None]) * D + d[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-        x = tl.sum(weights[:, :, None] * h[None, :, :], axis=1)  # [1, FD]
-        tl.store(out_ptr + t * D + d[None, :], x, mask=ok)
-        sq += tl.sum(x * x, axis=1)
-    tl.debug_barrier()  # the second pass's threads read what others stored
-    r = rsqrt_rn(tl.div_rn(sq, D * 1.0) + eps)
-    for d0 in range(0, D, FD):
-        d = d0 + tl.arange(0, FD)
-        ok = (d < D)[None, :]
-        x = tl.load(out_ptr + t * D + d[None, :], mask=ok, other=0.0, cache_modifier=".cg") * r[:, None]
-        x = x * tl.load(norm_ptr + d, mask=d < D, other=0.0)[None, :]
-        tl.store(out_ptr + t * D + d[None, :], x, mask=ok)
+    d = tl.arange(0, FD)
+    h0, norm0 = first
+    x = _weighted_rows(h0, weights, NHC)  # [FD]
+    sq = tl.sum(x * x, axis=0)
+    if ONE_BLOCK:
+        x = x * rsqrt_rn(tl.div_rn(sq, D * 1.0) + eps)
+        x = x * norm0
+        tl.store(out_ptr + t * D + d, x, mask=d < D)
+    else:
+        tl.store(out_ptr + t * D + d, x)
+        for d0 in range(FD, D, FD):
+            dd = d0 + d
+            ok = dd < D
+            h = tl.load(h_ptr + (t * NHC + s[:, None]) * D + dd[None, :], mask=ok[None, :], other=0.0,
+                        cache_modifier=".cg")  # fmt: skip
+            x = _weighted_rows(h, weights, NHC)
+            tl.store(out_ptr + t * D + dd, x, mask=ok)
+            sq += tl.sum(x * x, axis=0)
+        tl.debug_barrier()  # the second pass's threads read what others stored
+        r = rsqrt_rn(tl.div_rn(sq, D * 1.0) + eps)
+        for d0 in range(0, D, FD):
+            dd = d0 + d
+            ok = dd < D
+            x = tl.load(out_ptr + t * D + dd, mask=ok, other=0.0, cache_modifier=".cg") * r
+            x = x * tl.load(norm_ptr + dd, mask=ok, other=0.0)
+            tl.store(out_ptr + t * D + dd, x, mask=ok)
 
 
 @triton.jit
@@ -229,7 +286,7 @@ def _hc_pre_fused_kernel(
     h_ptr, parts_ptr, post_ptr, comb_ptr, fn_ptr, scale_ptr, base_ptr, lag_ptr, norm_ptr, x_ptr, pre_out_ptr,
     post_out_ptr, comb_out_ptr, part_ptr, counter_ptr, T, D, P, fn_row_bytes, stream_bytes, iters, hc_eps, norm_eps,
     POST: tl.constexpr, WTYPE: tl.constexpr, NHC: tl.constexpr, MIXP: tl.constexpr, BT: tl.constexpr,
-    BD: tl.constexpr, NPP: tl.constexpr, FD: tl.constexpr, LAGGED: tl.constexpr,
+    BD: tl.constexpr, NPP: tl.constexpr, FD: tl.constexpr, ONE_BLOCK: tl.constexpr, LAGGED: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_inputs(PDL)
@@ -245,6 +302,7 @@ def _hc_pre_fused_kernel(
         for i in range(BT):
             t = tb * BT + i
             if t < T:
+                first = first_streams(h_ptr, norm_ptr, t, D, NHC, FD)
                 pre, post, comb = finished_mixes(
                     part_ptr, t, n_prog, D, scale_ptr, base_ptr, iters, hc_eps, norm_eps, NHC, MIXP, NPP
                 )
@@ -254,7 +312,7 @@ def _hc_pre_fused_kernel(
                 if LAGGED:  # V4.1: the fresh pre is the next sublayer's; this one collapses with the one before's
                     tl.store(pre_out_ptr + t64 * NHC + s, pre)
                     pre = tl.load(lag_ptr + t64 * NHC + s)
-                collapse_norm(h_ptr, t, pre, norm_ptr, x_ptr, D, norm_eps, NHC, FD)
+                collapse_norm(h_ptr, first, t, pre, norm_ptr, x_ptr, D, norm_eps, NHC, FD, ONE_BLOCK)
 
 
 @functools.cache
@@ -278,14 +336,14 @@ def fused_launch(
     bd = next_pow2(dims or (d if interpreting() else FUSED_DIMS))
     bt = tokens or (min(16, next_pow2(t)) if interpreting() else 1)
     grid = (triton.cdiv(d, bd), triton.cdiv(t, bt))
-    mixp = next_pow2(n_mix)
+    mixp, fd = next_pow2(n_mix), collapse_block(d)
     part = torch.empty(t, grid[0], mixp + 1, device=h.device, dtype=torch.float32)
     counters = ticket_counters(h.device, "hc", grid[1])
     scalars = dict(T=t, D=d, P=1 if parts is None else parts.shape[1], fn_row_bytes=fn.row_bytes,
                    stream_bytes=d * _stream_bytes_per_col(fn.ggml_type))  # fmt: skip
     constexprs = dict(
         POST=parts is not None, WTYPE=fn.wtype, NHC=nhc, MIXP=mixp, BT=bt, BD=bd, NPP=next_pow2(grid[0]),
-        FD=next_pow2(d) if interpreting() else min(2048, next_pow2(d)), num_warps=8,
+        FD=fd, ONE_BLOCK=fd >= d, num_warps=8,
     )  # fmt: skip
     return scalars | constexprs, grid, part, counters
 
@@ -372,6 +430,12 @@ def fused_work(a: dict, n_mix: int) -> KernelWork:
 def launch_work(kernel: str, a: dict) -> KernelWork | None:
     """What a `_hc_pre_fused_kernel` launch moves (see `runtime.KernelWork`)."""
     return fused_work(a, a["NHC"] * (a["NHC"] + 2)) if kernel == "_hc_pre_fused_kernel" else None
+
+
+def collapse_block(d: int) -> int:
+    """`collapse_norm`'s FD for rows of d: the whole row up to 4096 (64 floats of a token's streams a
+    thread at 8 warps), so Flash's sum never leaves the registers; all of it in the interpreter."""
+    return next_pow2(d) if interpreting() else min(4096, next_pow2(d))
 
 
 def tokens_per_program(t: int) -> int:
