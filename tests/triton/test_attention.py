@@ -50,6 +50,26 @@ def test_all_visible_compressed_rows_at_a_boundary(split, device):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("split", [2, 3, 5, 8])
+def test_splits_merge_up_a_tree(split, device):
+    """Key blocks dealt over 2 to 8 splits, every split holding some (a query at p = 399 sees 100
+    compressed rows, 7 blocks, and its window's): the splits merge pairwise over up to three levels,
+    a sibling missing at some level where the count is no power of two. The reference's result, one
+    split's within rounding, the same bits at a second launch, and every ticket back at zero."""
+    p0, ratio, n_comp = 399, 4, 100
+    q, rows, comp, sinks, inv = setup(1, WINDOW, n_comp, device, seed=12)
+    cs = angles_at(p0, 1, inv, device)
+    pos = torch.tensor([p0], dtype=torch.int32, device=device)
+    paged = PagedRows.scattered(comp)
+    args = (q, rows, WINDOW, WINDOW, sinks, inv, ROPE, pos)
+    got = at.attention(*args, comp_rows=paged, ratio=ratio, split=split)
+    want = at.reference(q, rows, WINDOW, WINDOW, sinks, cs, p0, comp_rows=comp, ratio=ratio)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, at.attention(*args, comp_rows=paged, ratio=ratio, split=1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(got, at.attention(*args, comp_rows=paged, ratio=ratio, split=split))
+    assert not at.ticket_counters(q.device, "attention", 1).any()
+
+
 @pytest.mark.parametrize("split", [1, 2])
 def test_selected_rows_with_padding(split, device):
     p0, t = 30, 3

@@ -10,9 +10,10 @@ reads each key row once for all of them. The rows a query at position p sees:
 Scores are online-softmaxed block by block; the per-head sink logit joins only the denominator.
 
 Decode has one query token, so its rows are split over S programs per head group (flash decoding):
-each writes its running max, sum and weighted values, and the last of a (token, head group)'s S
-programs to finish (an atomic ticket: DECODE_PLAN's "last program finishes") merges them in split
-order with the sink, so the result is deterministic and the step one launch. With S = 1 (prefill)
+each keeps its running max, sum and weighted values, and the splits merge pairwise up a binary tree
+in the same launch, each pair by the one of its two programs that draws the pair's last atomic
+ticket (DECODE_PLAN's "last program finishes"), the lower split first, so the result is
+deterministic and the step one launch; the tree's last holder adds the sink. With S = 1 (prefill)
 the program finishes its rows itself. Either way the finish undoes the RoPE on the output's tail dims
 (V carries the rotation), with angles formed from the position in the kernel, so the grouped output
 projection reads the result directly. Row counts come from the device position, and the launch
@@ -161,18 +162,10 @@ def _attention_kernel(
         acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), [BH, BD])
         p = _position(pos_ptr, i, BATCH)
         _finish(acc, m, l, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
-    else:
-        part = (i.to(tl.int64) * H + h) * SPLIT + split  # [BH]
-        if mine:
-            tl.store(m_ptr + part, m, mask=heads_ok)
-            tl.store(l_ptr + part, l, mask=heads_ok)
-            out = acc_ptr + part[:, None] * D + d[None, :]
-            tl.store(out, acc_lo, mask=heads_ok[:, None] & (d < D)[None, :])
-            tl.store(out + BD2, acc_hi, mask=heads_ok[:, None] & (BD2 + d < D)[None, :])
-        # the last of the (token, head group)'s splits to finish combines them all
-        if last_program(ticket_ptr + i * tl.num_programs(1) + hg, SPLIT):
-            _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, inv_ptr, _position(pos_ptr, i, BATCH), out_ptr, i, hg, heads_ok,
-                     D, H, SPLIT, n_split, ROPE_DIM, BH, BD)  # fmt: skip
+    elif mine:  # the splits' partial results merge pairwise, up a tree (`_merge_splits`)
+        tickets = ticket_ptr + (i * tl.num_programs(1) + hg) * SPLIT
+        _merge_splits(m, l, acc_lo, acc_hi, m_ptr, l_ptr, acc_ptr, tickets, sinks_ptr, inv_ptr, pos_ptr, out_ptr, i, hg,
+                      split, n_split, heads_ok, D, H, SPLIT, ROPE_DIM, BH, BD, BATCH)  # fmt: skip
 
 
 @triton.jit
@@ -236,35 +229,55 @@ def _dot(a, b, FAST: tl.constexpr):
 
 
 @triton.jit
-def _combine(m_ptr, l_ptr, acc_ptr, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H: tl.constexpr,
-             SPLIT: tl.constexpr, n_split, ROPE_DIM: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):  # fmt: skip
-    """Merge the first n_split of the SPLIT partial results of a (token, head group) in split order,
-    read past L1 (other programs wrote them), then finish. sums start at -0.0, so one partial comes
-    out with its own bits (as a program that finishes its rows itself leaves them).
-
-    One program runs this after the others finish, so each round trip to L2 is on the step's path.
-    The split count follows the device's multiprocessors (up to 64 and more), so the loops stay loops,
-    but the maximum takes four splits a pass: their loads go out together (a maximum does not depend
-    on the order). The values' pass reads a split at a time (m, l and the values at once): two at a
-    time take the kernel from 128 to 186 registers on sm_90, and a [BH, SPLIT] load of the maxima
-    takes it to 163. So n_split + n_split / 4 round trips, where there were 2 n_split."""
+def _merge_splits(m, l, acc_lo, acc_hi, m_ptr, l_ptr, acc_ptr, ticket_ptr, sinks_ptr, inv_ptr, pos_ptr, out_ptr, i,
+                  hg, split, n_split, heads_ok, D, H: tl.constexpr, SPLIT: tl.constexpr, ROPE_DIM: tl.constexpr,
+                  BH: tl.constexpr, BD: tl.constexpr, BATCH: tl.constexpr):  # fmt: skip
+    """Split `split`'s partial result (m, l, acc) of a (token, head group) merged with the others of the
+    first n_split, pairwise up a binary tree: at width w the subtrees starting at f and f + w (f a
+    multiple of 2w) merge, the lower one first, by whichever of their two holders draws the last of
+    the pair's two tickets (`runtime.last_program`; ticket_ptr holds SPLIT counters, the pair's is
+    f + w - 1); the other stops. The holder of the whole tree finishes. So the step's path has log2
+    n_split merges of one partial each, where merging all of them in one program read them one
+    after another (n_split round trips to L2). The tree's shape depends on n_split only, so the
+    result does too (batch invariance); one split finishes its own rows, with their own bits."""
+    BD2: tl.constexpr = BD // 2
     h = hg * BH + tl.arange(0, BH)
-    d = tl.arange(0, BD)
-    part = (i.to(tl.int64) * H + h) * SPLIT
-    m = tl.full((BH,), NEG, tl.float32)
-    for s0 in range(0, n_split, 4):
-        for u in tl.static_range(4):
-            ok = heads_ok & (tl.zeros_like(part) + s0 + u < n_split)  # a vector: the interpreter masks with no scalar
-            m = tl.maximum(m, tl.load(m_ptr + part + s0 + u, mask=ok, other=NEG, cache_modifier=".cg"))
-    l = tl.full((BH,), -0.0, tl.float32)
-    acc = tl.full((BH, BD), -0.0, tl.float32)
-    for s in range(n_split):
-        w = tl.exp(tl.load(m_ptr + part + s, mask=heads_ok, other=NEG, cache_modifier=".cg") - m)
-        l += w * tl.load(l_ptr + part + s, mask=heads_ok, other=0.0, cache_modifier=".cg")
-        a = tl.load(acc_ptr + (part + s)[:, None] * D + d[None, :], mask=heads_ok[:, None] & (d < D)[None, :],
-                    other=0.0, cache_modifier=".cg")  # fmt: skip
-        acc += w[:, None] * a
-    _finish(acc, m, l, sinks_ptr, inv_ptr, p, out_ptr, i, hg, heads_ok, D, H, ROPE_DIM, BH, BD)
+    d = tl.arange(0, BD2)
+    base = (i.to(tl.int64) * H + h) * SPLIT  # [BH]: each head's split 0
+    lo_ok = heads_ok[:, None] & (d < D)[None, :]
+    hi_ok = heads_ok[:, None] & (BD2 + d < D)[None, :]
+    first = split  # the first split of the subtree this program holds
+    holding = split < n_split
+    width = 1
+    while width < n_split:
+        other = first ^ width  # the sibling subtree's first split
+        if holding & (other < n_split):
+            part = base + first
+            tl.store(m_ptr + part, m, mask=heads_ok)
+            tl.store(l_ptr + part, l, mask=heads_ok)
+            tl.store(acc_ptr + part[:, None] * D + d[None, :], acc_lo, mask=lo_ok)
+            tl.store(acc_ptr + part[:, None] * D + BD2 + d[None, :], acc_hi, mask=hi_ok)
+            holding = last_program(ticket_ptr + (first & ~(2 * width - 1)) + width - 1, 2)
+            if holding:
+                them = base + other
+                m_o = tl.load(m_ptr + them, mask=heads_ok, other=NEG, cache_modifier=".cg")
+                l_o = tl.load(l_ptr + them, mask=heads_ok, other=0.0, cache_modifier=".cg")
+                lo_o = tl.load(acc_ptr + them[:, None] * D + d[None, :], mask=lo_ok, other=0.0, cache_modifier=".cg")
+                hi_o = tl.load(acc_ptr + them[:, None] * D + BD2 + d[None, :], mask=hi_ok, other=0.0,
+                               cache_modifier=".cg")  # fmt: skip
+                low = first < other  # this program's subtree is the lower one: it goes first
+                m_a, m_b = tl.where(low, m, m_o), tl.where(low, m_o, m)
+                m = tl.maximum(m_a, m_b)
+                w_a, w_b = tl.exp(m_a - m), tl.exp(m_b - m)
+                l = tl.where(low, l, l_o) * w_a + tl.where(low, l_o, l) * w_b
+                acc_lo = tl.where(low, acc_lo, lo_o) * w_a[:, None] + tl.where(low, lo_o, acc_lo) * w_b[:, None]
+                acc_hi = tl.where(low, acc_hi, hi_o) * w_a[:, None] + tl.where(low, hi_o, acc_hi) * w_b[:, None]
+                first = tl.minimum(first, other)
+        width *= 2
+    if holding:
+        acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (0, 2, 1)), [BH, BD])
+        _finish(acc, m, l, sinks_ptr, inv_ptr, _position(pos_ptr, i, BATCH), out_ptr, i, hg, heads_ok, D, H, ROPE_DIM,
+                BH, BD)  # fmt: skip
 
 
 def decode_split(device: torch.device, t: int, groups: int, row_blocks: int) -> int:
@@ -417,7 +430,7 @@ def _launch(q, window_rows, comp_rows, selected, sinks, pos, slots, inv_freq, ou
     comp_ptr, comp_rest, comp_exact = comp_rows.parts() if comp_rows is not None else (window_rows, window_rows, 0)
     table, table_stride = (comp_rows.table, comp_rows.table_stride) if comp_rows is not None else (pos, 0)
     sel_ptr = selected if selected is not None else pos
-    tickets = ticket_counters(q.device, "attention", t * groups) if split > 1 else pos
+    tickets = ticket_counters(q.device, "attention", t * groups * split) if split > 1 else pos
     _attention_kernel[(t, groups, split)](
         q, window_rows, comp_ptr, comp_rest, table, sel_ptr, sinks, pos, slots if slots is not None else pos,
         inv_freq, out, m, l, acc, tickets, reach if reach is not None else pos, d, n_prev, window,
