@@ -49,27 +49,42 @@ ROUTER_TILE = (16, 256)  # rows, columns of the router per program of the one-la
 
 
 @triton.jit
+def route_table(bias_ptr, tid2eid_ptr, tokens_ptr, t, t_ok, E, K: tl.constexpr, KP: tl.constexpr,
+                HASH: tl.constexpr, BE: tl.constexpr):  # fmt: skip
+    """What `choose` reads besides the logits, loaded apart so that a caller sends it out with the
+    logits' loads: HASH, the K experts of tokens t [BT] from their rows of the table [BT, KP]; else the
+    router bias [BE]."""
+    if HASH:
+        slot = tl.arange(0, KP)
+        token = tl.load(tokens_ptr + t, mask=t_ok, other=0).to(tl.int64)
+        return tl.load(tid2eid_ptr + token[:, None] * K + slot[None, :], mask=t_ok[:, None] & (slot < K)[None, :],
+                       other=0)  # fmt: skip
+    else:
+        e = tl.arange(0, BE)
+        return tl.load(bias_ptr + e, mask=e < E, other=0.0)
+
+
+@triton.jit
 def choose(
-    x, t, t_ok, bias_ptr, tid2eid_ptr, tokens_ptr, ids_ptr, weights_ptr, E, route_scale,
+    x, t, t_ok, table, ids_ptr, weights_ptr, E, route_scale,
     K: tl.constexpr, KP: tl.constexpr, HASH: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
 ):  # fmt: skip
-    """Route tokens t [BT] from their router logits x [BT, BE]: store their expert ids and weights."""
+    """Route tokens t [BT] from their router logits x [BT, BE] and their `route_table`: store their
+    expert ids and weights."""
     e = tl.arange(0, BE)
     ok = t_ok[:, None] & (e < E)[None, :]
     u = tl.exp(tl.minimum(x, 20.0))  # above 20 softplus(x) is x; keeps the unused branch finite
     w = 1.0 + u
     log1p = tl.where(w == 1.0, u, tl.div_rn(tl.log(w) * u, w - 1.0))
     score = tl.sqrt_rn(tl.where(x > 20.0, x, log1p))
-    if HASH:
-        token = tl.load(tokens_ptr + t, mask=t_ok, other=0).to(tl.int64)
-    else:
-        pick = tl.where(ok, score + tl.load(bias_ptr + e, mask=e < E, other=0.0)[None, :], float("-inf"))
     slot = tl.arange(0, KP)
+    if not HASH:
+        pick = tl.where(ok, score + table[None, :], float("-inf"))
     ids = tl.zeros((BT, KP), tl.int32)
     chosen_scores = tl.zeros((BT, KP), tl.float32)
     for j in tl.static_range(K):
         if HASH:
-            chosen = tl.load(tid2eid_ptr + token * K + j, mask=t_ok, other=0)
+            chosen = tl.sum(tl.where(slot[None, :] == j, table, 0), axis=1)
         else:
             chosen = tl.argmax(pick, axis=1)
             pick = tl.where(e[None, :] == chosen[:, None], float("-inf"), pick)
@@ -92,10 +107,11 @@ def _route_kernel(
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     t_ok = t < T
     e = tl.arange(0, BE)
+    table = route_table(bias_ptr, tid2eid_ptr, tokens_ptr, t, t_ok, E, K, KP, HASH, BE)
     x = sum_partials(
         logits_ptr, t.to(tl.int64)[:, None] * E + e[None, :], t_ok[:, None] & (e < E)[None, :], T * E, SPLIT
     )
-    choose(x, t, t_ok, bias_ptr, tid2eid_ptr, tokens_ptr, ids_ptr, weights_ptr, E, route_scale, K, KP, HASH, BT, BE)
+    choose(x, t, t_ok, table, ids_ptr, weights_ptr, E, route_scale, K, KP, HASH, BT, BE)
 
 
 @triton.jit
@@ -128,10 +144,10 @@ def _route_fused_kernel(
         for i in range(BT):
             t = tb * BT + i
             if t < T:
-                x = program_sums(part_ptr, t, e, e < E, n_k, E, NKP)  # [1, BE]
                 one = tl.zeros((1,), tl.int32) + t
-                choose(x, one, one < T, bias_ptr, tid2eid_ptr, tokens_ptr, ids_ptr, weights_ptr, E, route_scale,
-                       K, KP, HASH, 1, BE)  # fmt: skip
+                table = route_table(bias_ptr, tid2eid_ptr, tokens_ptr, one, one < T, E, K, KP, HASH, BE)
+                x = program_sums(part_ptr, t, e, e < E, n_k, E, NKP)  # [1, BE]
+                choose(x, one, one < T, table, ids_ptr, weights_ptr, E, route_scale, K, KP, HASH, 1, BE)
 
 
 def route(
