@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from v41_restate import roundings_recorded, roundings_taken
 
 from dwarfstar.backends.reference import ops
 from dwarfstar.backends.reference.v41 import csa2, engram, mhc, select, window
@@ -170,8 +171,10 @@ def restate(
 
 
 def test_forward_equals_the_single_pass_restatement(model):
-    want, counts = restate(model, PROMPT)
-    got = run(model, [len(PROMPT)])
+    with roundings_recorded() as roundings:
+        got = run(model, [len(PROMPT)])
+    with roundings_taken(roundings):  # each rounding's input checked, its float32 boundary cases shared
+        want, counts = restate(model, PROMPT)
     err = float((got - want).abs().max() / want.abs().max())
     print(f"[v41] forward vs restatement: max error {err:.3g} (relative to max |logit|); mechanisms {counts}")
     assert err < 1e-4

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_v41_forward import PROMPT, restate
+from v41_restate import roundings_recorded, roundings_taken
 
 from dwarfstar.backends.reference.v41.backend import ReferenceModel41
 from dwarfstar.errors import DwarfStarError
@@ -31,9 +32,11 @@ def block(model) -> tuple[list[int], torch.Tensor]:
 
 def test_a_block_equals_the_restatement(model, block):
     tokens, rows = block
-    want, _ = restate(model, tokens, {AT: rows})
     backend = ReferenceModel41.from_file(model, 0)
-    got = backend.forward(tokens, backend.new_state(), all_logits=False, images=[ImageSpan(AT, rows)])[-1]
+    with roundings_recorded() as roundings:
+        got = backend.forward(tokens, backend.new_state(), all_logits=False, images=[ImageSpan(AT, rows)])[-1]
+    with roundings_taken(roundings):
+        want, _ = restate(model, tokens, {AT: rows})
     err = float((got - want).abs().max() / want.abs().max())
     assert err < 1e-4 and int(got.argmax()) == int(want.argmax())
     # the image rules matter here: the same rows at text ids (text routing, an open Engram gate) differ

@@ -1,8 +1,12 @@
 """Numpy restatements of V4.1's number formats, written from its reference's text (not from the code under
 test): bf16 and e4m3 rounding to nearest-even by brute force over the format's values, the
-power-of-two-scaled FP8 block rounding, FP4 e2m1 rounding, interleaved RoPE, RMS norm."""
+power-of-two-scaled FP8 block rounding, FP4 e2m1 rounding, interleaved RoPE, RMS norm; and the
+recording of one pass's fake-quants that a second pass, restating it, takes (`roundings_taken`)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -94,3 +98,57 @@ def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarr
     a, b = x[..., -r::2].copy(), x[..., -r + 1 :: 2].copy()
     x[..., -r::2], x[..., -r + 1 :: 2] = a * c - b * s, a * s + b * c
     return x
+
+
+@contextmanager
+def roundings_recorded() -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Every FP8 / FP4 fake-quant (`ops.fp8_round`, `ops.fp4_round`) run inside, as (input, output), in order."""
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def recording(fn):
+        def wrapped(x, *args, **kwargs):
+            out = fn(x, *args, **kwargs)
+            calls.append((x.detach().clone(), out.detach().clone()))
+            return out
+
+        return wrapped
+
+    with _patched(recording):
+        yield calls
+
+
+@contextmanager
+def roundings_taken(calls: list[tuple[torch.Tensor, torch.Tensor]], rtol: float = 1e-4) -> Iterator[None]:
+    """Another pass's fake-quants, in the same order, take the recorded pass's rounded values once their
+    own inputs agree with its inputs to `rtol` (relative to the largest). Two float32 passes that add in
+    different orders differ by an ulp here and there; an element an ulp from a rounding boundary then
+    rounds a whole FP8 step (an eighth of its value) or FP4 step apart, and that, not the passes'
+    structure, would be the difference left at the logits. Here it is an input difference, checked."""
+    pending = list(calls)
+
+    def taking(fn):
+        def wrapped(x, *args, **kwargs):
+            assert pending, "this pass rounds more often than the recorded one"
+            seen, out = pending.pop(0)
+            assert x.shape == seen.shape, f"rounding {len(calls) - len(pending)}: shape {x.shape} vs {seen.shape}"
+            err = float((x - seen).abs().max() / seen.abs().max().clamp_min(1e-30))
+            assert err < rtol, f"rounding {len(calls) - len(pending)}: inputs differ by {err:.3g} (relative)"
+            return out.clone()
+
+        return wrapped
+
+    with _patched(taking):
+        yield
+    assert not pending, f"this pass rounds {len(pending)} times less often than the recorded one"
+
+
+@contextmanager
+def _patched(wrap) -> Iterator[None]:
+    from dwarfstar.backends.reference import ops
+
+    originals = ops.fp8_round, ops.fp4_round
+    ops.fp8_round, ops.fp4_round = (wrap(fn) for fn in originals)
+    try:
+        yield
+    finally:
+        ops.fp8_round, ops.fp4_round = originals

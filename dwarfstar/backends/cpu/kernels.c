@@ -1,8 +1,9 @@
 /* DwarfStar's CPU kernels: products of float activations with GGUF weights read in place.
 
-   Built at first use by dwarfstar/backends/cpu/native.py (cc -O3 -march=native -fopenmp), loaded
-   through ctypes. The weights stay in the file's own blocks (the memory map): the layout the GEMV of a
-   decode step and the GEMM of a prefill chunk both read, so nothing is repacked or copied at load.
+   Built at first use by dwarfstar/backends/cpu/native.py (cc -O3 -march=native -ffp-contract=off
+   -fopenmp), loaded through ctypes. The weights stay in the file's own blocks (the memory map): the
+   layout the GEMV of a decode step and the GEMM of a prefill chunk both read, so nothing is repacked
+   or copied at load.
 
    Activations are quantized once per product input (`ds_quantize`), as ggml does: int8 with a float
    scale (amax / 127) per block of 32 for Q8_0 and MXFP4 weights, per block of 256 for the K-quants

@@ -1,6 +1,10 @@
 """The CPU kernels (kernels.c), compiled at first use with the machine's C compiler and loaded with ctypes.
 
-The build is `cc -O3 -march=native -fopenmp -shared` (OpenMP dropped where the compiler lacks it), kept
+The build is `cc -O3 -march=native -ffp-contract=off -fopenmp -shared` (OpenMP dropped where the compiler
+lacks it). `-ffp-contract=off` keeps each C `a * b + c` two roundings. GCC's default fuses such pairs into
+FMAs where its vectorizer sees fit (89 of them in this AVX2 machine's portable build), which differed
+between the token-count copies of a row's loop, so a row's last bit depended on what shared the call.
+The AVX2 form writes its FMAs as intrinsics, which the flag leaves as they are. The library is kept
 under the user cache folder, keyed by the source, the flags, the compiler's version and the CPU's
 features, so a second run loads it at once and another machine builds its own. Where no compiler
 works, `kernels()` says why and the CPU backend falls back to the reference's float32 products
@@ -21,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
 SCALAR = ("-DDS_SCALAR",)  # the portable C form, also built where AVX2 exists (tests compare the two)
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
