@@ -10,13 +10,19 @@ sys.path), so every process that runs the kernels in the interpreter computes th
   through OpenBLAS threads that spin for tens of milliseconds per product on shared cores;
 * no re-patching of triton.language at every call of a @triton.jit helper;
 * the xor reduction (`tl.sort`'s compare-and-swap steps) through numpy, which the interpreter runs
-  element by element in Python otherwise (40 s for one sort of 1,024 keys).
+  element by element in Python otherwise (40 s for one sort of 1,024 keys);
+* int32 overflow checks only where they are kept: `overflow_checks(True)` (the kernel tests of
+  tests/triton, through their conftest) turns on the interpreter's `debug` with them, which makes a
+  wrapped add, sub or mul stop the test. Elsewhere both are off. Triton's interpreter otherwise built
+  the check for every integer op (a third of a whole model's run: a 4-token V4.1 forward on the tiny
+  file took 23.6 s with it, 14.9 s without) and then dropped it, since its asserts act only in debug.
 
 `apply_patches()` is idempotent and does nothing unless TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -32,7 +38,16 @@ def apply_patches() -> None:
     _patch_interpreter_dot()
     _patch_interpreter_device_calls()
     _patch_interpreter_xor_reduce()
+    overflow_checks(False)
     _applied = True
+
+
+def overflow_checks(on: bool) -> None:
+    """Whether the interpreter stops at an int32 overflow of an integer add, sub or mul from now on."""
+    from triton.runtime import interpreter as interp
+
+    builder = interp.interpreter_builder
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=on, debug=on)
 
 
 def _patch_interpreter_dot() -> None:

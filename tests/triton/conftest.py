@@ -15,9 +15,18 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
-from triton_interpreter import apply_patches  # noqa: E402  (pytest puts tests/, the root conftest's folder, on sys.path)
+from triton_interpreter import apply_patches, overflow_checks  # noqa: E402  (tests/ is on sys.path: root conftest)
 
 apply_patches()
+
+
+@pytest.fixture(autouse=True)
+def _overflow_checks(request):
+    """The kernel tests run with the interpreter's int32 overflow checks; modules marked `whole_model`
+    (and every test outside tests/triton) without them (tests/triton_interpreter.py says why)."""
+    overflow_checks(request.node.get_closest_marker("whole_model") is None)
+    yield
+    overflow_checks(False)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,8 @@ from dwarfstar.backends.triton import gpu_bench, synthetic
 from dwarfstar.backends.triton.runtime import EXACT, BenchShape
 from dwarfstar.model.synthetic import Q2, TINY_K
 
+pytestmark = pytest.mark.whole_model  # tests/triton/conftest.py: no int32 overflow checks
+
 
 def test_every_kernel_has_bench_cases_that_run(device, tmp_path):
     shape = BenchShape(TINY_K, device, ctx=64, prefill=16)

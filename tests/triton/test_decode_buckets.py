@@ -19,6 +19,8 @@ from dwarfstar.backends.triton.backend import TritonBackend
 from dwarfstar.model.loader import open_model
 from dwarfstar.sampling import GREEDY, TOP_K_CAP, Sampler, SamplingParams
 
+pytestmark = pytest.mark.whole_model  # tests/triton/conftest.py: no int32 overflow checks
+
 LENGTHS = (5, 30, 131)  # inside the raw window, past a ratio-4 boundary, past the first ratio-128 row
 
 

@@ -22,6 +22,8 @@ from dwarfstar.errors import ContextOverflowError, DwarfStarError
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY, TINY_K, write_synthetic_model
 
+pytestmark = pytest.mark.whole_model  # tests/triton/conftest.py: no int32 overflow checks
+
 PROMPT = torch.randint(3, 120000, (30,), generator=torch.Generator().manual_seed(7)).tolist()
 DECODE_STEPS = 3  # positions 30, 31 (completes ratio-4 window 7), 32
 

@@ -27,6 +27,8 @@ from dwarfstar.model.config import flash_compress_ratios
 from dwarfstar.model.loader import open_model
 from dwarfstar.model.synthetic import TINY_K, write_synthetic_model
 
+pytestmark = pytest.mark.whole_model  # tests/triton/conftest.py: no int32 overflow checks
+
 
 @pytest.mark.parametrize(("ggml_type", "n", "k"), [(T.F16, 12, 4096), (T.Q8_0, 24, 2048)])
 def test_gemv_rows_do_not_depend_on_their_company(ggml_type, n, k, device, monkeypatch):

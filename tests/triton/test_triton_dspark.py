@@ -27,6 +27,8 @@ from dwarfstar.model.synthetic import TINY, write_synthetic_dspark, write_synthe
 from dwarfstar.sampling import GREEDY
 from dwarfstar.speculative.dspark import DSparkDraft
 
+pytestmark = pytest.mark.whole_model  # tests/triton/conftest.py: no int32 overflow checks
+
 SMALL = TINY.with_(n_layers=4, compress_ratios=flash_compress_ratios(4))
 D = DSparkArgs(block_size=5, markov_rank=16, noise_token_id=128799, target_layers=(1, 2, 3), stages=3)
 PROMPT = torch.randint(3, 120000, (10,), generator=torch.Generator().manual_seed(11)).tolist()

@@ -31,6 +31,8 @@ from dwarfstar.speculative.decode import Speculator
 from dwarfstar.speculative.dspark_v41 import DSparkDraft41
 from dwarfstar.speculative.mtp_options import MTP41_REFUSAL, MTPOptions
 
+pytestmark = pytest.mark.whole_model  # tests/triton/conftest.py: no int32 overflow checks
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
 from conformance import QAT_KL, QAT_REL, compare_logits  # noqa: E402
 
