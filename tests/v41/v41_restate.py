@@ -133,12 +133,13 @@ def roundings_taken(calls: list[tuple[torch.Tensor, torch.Tensor]], rtol: float 
         def wrapped(x, *args, **kwargs):
             assert pending, "this pass rounds more often than the recorded one"
             seen, out = pending.pop(0)
-            assert x.shape == seen.shape, f"rounding {len(calls) - len(pending)}: shape {x.shape} vs {seen.shape}"
+            site = f"rounding {len(calls) - len(pending)}"
+            assert x.shape == seen.shape, f"{site}: shape {x.shape} vs {seen.shape}"
             err = float((x - seen).abs().max() / seen.abs().max().clamp_min(1e-30))
-            assert err < rtol, f"rounding {len(calls) - len(pending)}: inputs differ by {err:.3g} (relative)"
+            assert err < rtol, f"{site}: inputs differ by {err:.3g} (relative)"
             own = fn(x, *args, **kwargs)  # its own rounding (format, block) must be the recorded pass's
             moved = float((own != out).float().mean())
-            assert moved < 0.01, f"rounding {len(calls) - len(pending)}: {moved:.1%} of its values round elsewhere"
+            assert moved < 0.01, f"{site}: {moved:.1%} of its values round elsewhere"
             return out.clone()
 
         return wrapped
