@@ -194,6 +194,9 @@ def main() -> None:
     parser.add_argument("--agent-tokens", type=int, nargs=2, default=Recipe.agent_tokens, help="their length bounds")
     parser.add_argument("--agent-pool", type=int, default=Recipe.agent_pool, help="turns drawn per agent prompt")
     parser.add_argument("--agent-refresh", type=int, default=Recipe.agent_refresh, help="steps a prompt state is kept")
+    parser.add_argument(
+        "--agent-autograd", action="store_true", help="run each agent turn's whole prompt with autograd"
+    )
     parser.add_argument("--agent-noise", type=float, default=Recipe.agent_noise, help="agent prompt ids replaced")
     parser.add_argument("--agent-evals", type=int, default=0, help="held-out agent prompts at each eval")
     # one thread: on the shared 2-core machine a second OpenMP thread mostly waits for the first
@@ -257,6 +260,7 @@ def main() -> None:
         agent_tokens=tuple(opts.agent_tokens),
         agent_pool=opts.agent_pool,
         agent_refresh=opts.agent_refresh,
+        agent_autograd=opts.agent_autograd,
         agent_noise=opts.agent_noise,
     )
     began = time.perf_counter()

@@ -129,6 +129,10 @@ class Recipe:
     agent_tokens: tuple[int, int] = (4000, 10000)
     agent_pool: int = 120  # turns drawn per prompt
     agent_refresh: int = 40
+    # run each agent turn's whole prompt with autograd (and observed) instead of from a kept state: the
+    # compressors, the indexer's keys and the prompt's rows then learn what the turns need from it
+    # (which tools it declares), at the cost of the prompt's tokens in every sample
+    agent_autograd: bool = False
     # share of an agent prompt's ordinary tokens replaced by ids that occur in no training text: a real
     # client's prompt holds many ids whose embeddings training never moved, which these stand for
     agent_noise: float = 0.1
@@ -407,21 +411,28 @@ class Trainer:
 
     def hidden(self, model: ReferenceModel, samples: list[Sample]) -> torch.Tensor:
         """Final rows of every sample's trained span; the shared prefixes (tool declarations) run
-        once, without autograd and unobserved, and each of their samples continues from a fork."""
-        prefixes = {s.ids[: s.prefix].tobytes(): s.ids[: s.prefix] for s in samples if s.prefix}
+        once, without autograd and unobserved, and each of their samples continues from a fork, but
+        for an agent turn under `agent_autograd`, which runs whole."""
+
+        def start(s: Sample) -> int:  # where the sample's run begins
+            whole = self.recipe.agent_autograd and s.ids[: s.prefix].tobytes() in self.agent_keys
+            return 0 if whole else s.prefix
+
+        prefixes = {s.ids[: s.prefix].tobytes(): s.ids[: s.prefix] for s in samples if start(s)}
         prefixes = {key: ids for key, ids in prefixes.items() if key not in self.agent_keys}  # kept states
         states = run_prefixes(model, {key: self.local[torch.as_tensor(ids)] for key, ids in prefixes.items()})
 
         def fork(s: Sample) -> object:
-            if not s.prefix:
+            if not start(s):
                 return model.new_state()
             key = s.ids[: s.prefix].tobytes()
             if key in states:
                 return copy.deepcopy(states[key])
             return self.agent_states.fork(model, key, self.local[torch.as_tensor(s.ids[: s.prefix])], self.step)
 
-        inputs = [self.local[torch.as_tensor(s.ids[s.prefix : -1])] for s in samples]
-        return torch.cat(model.hidden_batch(inputs, [fork(s) for s in samples]))
+        inputs = [self.local[torch.as_tensor(s.ids[start(s) : -1])] for s in samples]
+        rows = model.hidden_batch(inputs, [fork(s) for s in samples])
+        return torch.cat([y[s.prefix - start(s) :] for y, s in zip(rows, samples, strict=True)])
 
     def train_step(self, model: ReferenceModel) -> tuple[float, float, float, int]:
         """One optimizer step: (weighted loss, indexer KL, worst load ratio, tokens run with autograd)."""
