@@ -173,7 +173,7 @@ def main() -> None:
         "--tool-thinking", type=float, default=Recipe.tool_thinking, help="share of tool round trips in thinking mode"
     )
     parser.add_argument(
-        "--tool-reasoning", action="store_true", help="their reasoning: the agent turns' sentence, not empty"
+        "--tool-reasoning", action="store_true", help="their and the agent turns' reasoning: one sentence, not empty"
     )
     parser.add_argument(
         "--tool-greetings", type=float, default=Recipe.tool_greetings, help="tools-prompt samples that are greetings"

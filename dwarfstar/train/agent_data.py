@@ -103,12 +103,20 @@ def agent_turns(book: str, n: int, seed: int, *, heldout: bool) -> list[AgentTur
 
 
 def turn_messages(
-    prompt: AgentPrompt, turn: AgentTurn, sentences: Sequence[str], rng: np.random.Generator, thinking: bool
+    prompt: AgentPrompt,
+    turn: AgentTurn,
+    sentences: Sequence[str],
+    rng: np.random.Generator,
+    thinking: bool,
+    reasoning_sentence: bool = True,
 ) -> list[dict]:
-    """The conversation after the agent prompt: the request and the assistant's part."""
+    """The conversation after the agent prompt: the request and the assistant's part (in thinking mode
+    its reasoning is one sentence, or empty without `reasoning_sentence`)."""
 
     def reasoning(kind: str) -> dict:
-        return {"reasoning_content": REASONING[kind, turn.language]} if thinking else {}
+        if not thinking:
+            return {}
+        return {"reasoning_content": REASONING[kind, turn.language] if reasoning_sentence else ""}
 
     user = {"role": "user", "content": turn.text}
     if turn.kind == "greeting":
@@ -134,17 +142,19 @@ def agent_samples(
     options: RenderOptions = DS4,
     *,
     heldout: bool = False,
+    reasoning: bool = True,
 ) -> list[Sample]:
     """`n` rendered turns after `prompt` in the server template `options`, their prefix the system
     prompt with its tools (one per prompt and template, which training runs once for all of its
-    samples), the assistant's output their targets."""
+    samples), the assistant's output their targets; `reasoning`: a thinking turn reasons in one
+    sentence, else its reasoning is empty (the reply then decides right after `</think>`)."""
     rng = np.random.default_rng(seed + 1)
     sentences = book_sentences(book, tokenizer)
     encode = PromptEncoder(tokenizer)
     samples = []
     for turn in agent_turns(book, n, seed, heldout=heldout):
         thinking = bool(rng.random() < THINKING_SHARE)
-        messages = conversation(prompt, turn_messages(prompt, turn, sentences, rng, thinking))
+        messages = conversation(prompt, turn_messages(prompt, turn, sentences, rng, thinking, reasoning))
         ids = encode.render(messages, tools=prompt.tools, thinking=thinking, options=options)
         prefix = ids.index(tokenizer.token_id(USER))
         span = argument_span(ids, tokenizer) if turn.kind != "greeting" else (0, 0)

@@ -20,6 +20,7 @@ from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.gguf.reader import open_gguf
 from dwarfstar.model.config import ModelArgs, flash_compress_ratios
 from dwarfstar.model.tensors import INDEX, expected_tensors
+from dwarfstar.tokenizer.specials import THINK_END
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train.agent_data import agent_samples
@@ -100,7 +101,8 @@ class Recipe:
     chat_pool: int = 4000
     tool_pool: int = 3000
     tool_thinking: float = 0.3  # share of tool round trips in thinking mode
-    tool_reasoning: bool = False  # their reasoning: the agent turns' sentence, else empty
+    # the thinking reasoning of these and of the agent turns: one sentence (chat_data.REASONING), else empty
+    tool_reasoning: bool = False
     tool_greetings: float = 0.0  # share of the tools prompts' samples that are a greeting and its answer
     call_weight: float = 2.0  # loss weight of a tool call's targets
     arg_weight: float = 3.0  # loss weight of the argument a call copies and of the token closing it
@@ -203,6 +205,7 @@ class Trainer:
         self.bos, self.eos = tokenizer.bos_id, tokenizer.eos_id
         self.tokenizer, self.book = tokenizer, split.train
         self.assistant = tokenizer.token_id("<｜Assistant｜>")
+        self.think_end = tokenizer.token_id(THINK_END)
         length = recipe.seq_len + 1
         self.chats = [
             Sample(ids, ids[1:] != self.assistant)
@@ -255,7 +258,15 @@ class Trainer:
             rng = np.random.default_rng(seed + 7)
             for i in range(recipe.agent_prompts):
                 prompt = agent_prompt(SHAPES[i % len(SHAPES)], seed * 1000 + i, recipe.agent_tokens, count)
-                samples = agent_samples(prompt, split.train, tokenizer, recipe.agent_pool, seed + i, prompt_options(i))
+                samples = agent_samples(
+                    prompt,
+                    split.train,
+                    tokenizer,
+                    recipe.agent_pool,
+                    seed + i,
+                    prompt_options(i),
+                    reasoning=recipe.tool_reasoning,
+                )
                 self.agent_groups.append(shared_prefix(samples))
             known = np.unique(np.concatenate([s.ids for group in self.agent_groups for s in group]))
             self.noise_ids = np.setdiff1d(np.arange(ORDINARY_IDS[0], ORDINARY_IDS[1]), known)
@@ -397,7 +408,8 @@ class Trainer:
         name and argument tokens decide it; its fixed DSML is soon learned), `arg_weight` on the
         argument and the token that closes it (the copy, the part the call gets wrong), `first_weight`
         on its first token, `answer_weight` on what follows the call (the answer quoting the tool's
-        result), `decision_weight` on the turn's first reply token, 1 elsewhere."""
+        result), `decision_weight` on the turn's first reply token (after an empty reasoning's
+        `</think>`, which every turn writes alike), 1 elsewhere."""
         weights = torch.ones(len(sample.ids) - 1)
         if sample.prefix:
             weights[: int(np.flatnonzero(sample.ids == self.eos)[0])] = self.recipe.call_weight
@@ -406,7 +418,8 @@ class Trainer:
                 weights[start - 1 : end] = self.recipe.arg_weight  # target i predicts ids[i + 1]
                 weights[start - 1] = self.recipe.first_weight
             weights[int(np.flatnonzero(sample.ids == self.eos)[0]) :] = self.recipe.answer_weight
-            weights[int(np.flatnonzero(sample.trained)[0])] = self.recipe.decision_weight
+            first = int(np.flatnonzero(sample.trained)[0])  # target i predicts ids[i + 1]
+            weights[first + int(sample.ids[first + 1] == self.think_end)] = self.recipe.decision_weight
         return weights[sample.prefix :]
 
     def hidden(self, model: ReferenceModel, samples: list[Sample]) -> torch.Tensor:

@@ -3,6 +3,7 @@ them (dwarfstar/train/prefix_states.py)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,29 @@ def test_samples_train_only_the_assistant_and_calls_carry_the_argument(shape: st
         start, end = sample.argument
         assert turn.argument in tokenizer.decode(sample.ids[start:end].tolist())
         assert sample.trained[start - 1 : end].all()
+
+
+def test_a_turn_reasons_in_one_sentence_or_not_at_all(tokenizer: Tokenizer, book: str) -> None:
+    """`reasoning=False`: a thinking turn's reasoning is empty (`<think></think>`, the reply deciding
+    right after it), the round trip's answer's too; otherwise each is its sentence. The rest of the
+    turn is the same."""
+    prompt = agent_prompt("messages", 3, TOKENS, count(tokenizer))
+    think = tokenizer.token_id("<think>")
+    pairs = zip(
+        agent_samples(prompt, book, tokenizer, 12, 0),
+        agent_samples(prompt, book, tokenizer, 12, 0, reasoning=False),
+        strict=True,
+    )
+    thinking = 0
+    for sentence, empty in pairs:
+        reply, short = (tokenizer.decode(s.ids[s.prefix :].tolist()) for s in (sentence, empty))
+        if think not in sentence.ids[sentence.prefix :]:
+            assert reply == short  # a turn without thinking is untouched
+            continue
+        thinking += 1
+        assert "<think></think>" in short and "<think></think>" not in reply
+        assert short == re.sub("<think>.+?</think>", "<think></think>", reply)
+    assert thinking >= 6
 
 
 def test_a_kept_prefix_state_is_the_fresh_run_until_it_is_too_old() -> None:

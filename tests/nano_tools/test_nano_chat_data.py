@@ -236,21 +236,30 @@ def test_tools_prompts_can_carry_the_agent_turns_reasoning_and_greetings(book: s
     assert 8 <= greeted <= 24  # about 40% of 40
 
 
-def test_the_decision_weight_lands_on_each_turn_s_first_reply_token(book: str, tok: Tokenizer) -> None:
+@pytest.mark.parametrize("reasoning", [True, False])
+def test_the_decision_weight_lands_on_each_turn_s_first_reply_token(reasoning: bool, book: str, tok: Tokenizer):
     """`Trainer.weights`: the first reply token after a tools prompt (reasoning, answer or call: the one
-    that decides from the request alone) takes `decision_weight`; the call's argument keeps its own."""
+    that decides from the request alone; after an empty reasoning's `</think>`, the token after it)
+    takes `decision_weight`; the call's argument keeps its own."""
     from types import SimpleNamespace
 
     from dwarfstar.train.trainer import Recipe, Trainer
 
     recipe = Recipe(decision_weight=8.0, call_weight=2.0, arg_weight=3.0, first_weight=5.0, answer_weight=4.0)
-    trainer = SimpleNamespace(recipe=recipe, eos=tok.eos_id)
-    samples = chat_data.tool_samples(book, tok, 12, seed=9, thinking_share=0.5, greetings=0.5, reasoning=True)
-    kinds = set()
+    trainer = SimpleNamespace(recipe=recipe, eos=tok.eos_id, think_end=tok.token_id(THINK_END))
+    samples = chat_data.tool_samples(book, tok, 12, seed=9, thinking_share=0.5, greetings=0.5, reasoning=reasoning)
+    kinds, decided = set(), set()
     for sample in samples:
         weights = Trainer.weights(trainer, sample)  # one per target from the prefix on
-        first = int(np.flatnonzero(sample.trained)[0]) - sample.prefix
-        assert weights[first] == 8.0 and not (weights[:first] == 8.0).any()
+        (first,) = np.flatnonzero(weights == 8.0)
+        targets = [tok.decode([int(t)]) for t in sample.ids[sample.prefix + 1 : sample.prefix + first + 2]]
+        before = [
+            t
+            for t, trained in zip(targets, sample.trained[sample.prefix : sample.prefix + first + 1], strict=True)
+            if trained
+        ][:-1]
+        assert targets[-1] != THINK_END and set(before) <= {THINK_END}  # nothing but `</think>` before it
+        decided.add(targets[-1])
         start, end = sample.argument
         kinds.add(bool(end))
         if end:
@@ -259,3 +268,4 @@ def test_the_decision_weight_lands_on_each_turn_s_first_reply_token(book: str, t
                 and (weights[start - sample.prefix : end - sample.prefix] == 3.0).all()
             )
     assert kinds == {True, False}  # greetings and calls both checked
+    assert len(decided) > 1  # the weighted token differs between turns: it is the one that decides
