@@ -1,12 +1,12 @@
 """Held-out tool-call accuracy of a model in training, in process: the prompt each API's client
-would send (its tools shape, the server's ds4 template, thinking off), greedy decoding, and the
-server's DSML parser on the text.
+would send (its tools shape, the server's ds4 template, thinking off unless asked), greedy decoding,
+and the server's DSML parser on the text.
 
 It measures what the served checks (tests/nano_tools/served_checks.py) measure through the SDKs,
 without a server, so a training run can log it as it goes, and scores a file on the served
 checks' own requests:
 
-    .venv/bin/python -m dwarfstar.train.tool_eval build/nano/nano.gguf [--requests 20]
+    .venv/bin/python -m dwarfstar.train.tool_eval build/nano/nano.gguf [--requests 20] [--thinking]
 """
 
 from __future__ import annotations
@@ -102,18 +102,20 @@ def tool_call_accuracy(
     requests: Sequence[ToolRequest],
     shape: str,
     keep: int = 3,
+    thinking: bool = False,
 ) -> ToolCallScore:
     """How many of `requests`, declared with the tools in `shape`'s form, get a parsed call of the
     right tool with exactly the request's argument. `head` maps final rows to logits over the
     compact ids `vocab` plus one for all other ids (a choice of that one ends the generation);
-    `local` maps full ids to compact ones."""
+    `local` maps full ids to compact ones; `thinking`: the requests ask for thinking, as the coding
+    agents do, so the reply reasons (or closes its reasoning) before it calls."""
     encode = PromptEncoder(tokenizer)
     user = tokenizer.token_id(USER)
     prefixes: dict[tuple[int, ...], object] = {}
     right, named, samples = 0, 0, []
     for request in requests:
         ids = encode.render(
-            [{"role": "user", "content": request.text}], tools=TOOLS[shape], thinking=False, options=DS4
+            [{"role": "user", "content": request.text}], tools=TOOLS[shape], thinking=thinking, options=DS4
         )
         cut = ids.index(user)  # the system prompt with the tools is the same for every request
         key = tuple(ids[:cut])
@@ -122,7 +124,7 @@ def tool_call_accuracy(
             model.hidden_batch([local[torch.tensor(ids[:cut])]], [prefixes[key]], all_positions=False)
         out, text = reply_after(model, head, local, vocab, tokenizer, prefixes[key], ids[cut:], CALL_TOKENS)
         ended = "<rest>" if out[-1] == vocab.numel() else ""  # an id outside the training data
-        parsed = parse_completion(text, thinking=False, ended=True)
+        parsed = parse_completion(text, thinking=thinking, ended=True)
         calls = [(c.name, c.arguments) for c in parsed.tool_calls]
         right += calls == [(request.tool, {ARGUMENT[request.tool]: request.argument})]
         named += [name for name, _ in calls] == [request.tool]
@@ -131,7 +133,9 @@ def tool_call_accuracy(
     return ToolCallScore(right, named, len(requests), samples)
 
 
-def file_tool_accuracy(path: Path, n: int, corpus: Path = CORPUS) -> list[tuple[str, ToolCallScore]]:
+def file_tool_accuracy(
+    path: Path, n: int, corpus: Path = CORPUS, thinking: bool = False
+) -> list[tuple[str, ToolCallScore]]:
     """A model file's score, QAT rounding on as served, on the requests of the served checks
     (tests/nano_tools: `n` held-out requests per client shape, seeds 0, 1, 2 in shape order)."""
     model = ReferenceModel(open_model(path))
@@ -139,7 +143,12 @@ def file_tool_accuracy(path: Path, n: int, corpus: Path = CORPUS) -> list[tuple[
     ids = torch.arange(model.args.vocab_size)
     book = read_split(corpus).train
     return [
-        (shape, tool_call_accuracy(model, lambda y: model.ops.logits(y, None), ids, ids, tokenizer, requests, shape))
+        (
+            shape,
+            tool_call_accuracy(
+                model, lambda y: model.ops.logits(y, None), ids, ids, tokenizer, requests, shape, thinking=thinking
+            ),
+        )
         for seed, shape in enumerate(sorted(TOOLS))
         for requests in [tool_requests(book, n, seed, heldout=True)]
     ]
@@ -150,8 +159,9 @@ def main() -> None:
     parser.add_argument("model", type=Path)
     parser.add_argument("--requests", type=int, default=20, help="per client shape")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--thinking", action="store_true", help="the requests ask for thinking")
     opts = parser.parse_args()
-    for shape, score in file_tool_accuracy(opts.model, opts.requests, opts.corpus):
+    for shape, score in file_tool_accuracy(opts.model, opts.requests, opts.corpus, opts.thinking):
         print(f"{shape}: {score.right}/{score.total} right, {score.named}/{score.total} the right tool")
         for line in score.samples:
             print(f"  {line}")
