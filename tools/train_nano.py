@@ -22,6 +22,13 @@
     .venv/bin/python tools/train_nano.py --init build/agent5/nano.gguf --steps 350 --lr 3e-4 --tool-batch 8 \
         --tool-thinking 0.8 --tool-reasoning --tool-greetings 0.5 --call-batch 2 --decision-weight 8 \
         --agent-batch 0 --eval-every 350 --workdir build/agent6 --out build/agent6/nano.gguf
+    # issue 36's runs 9a-9c (README "Model" has their figures): 9b as here (25 min), 9a with
+    # --agent-autograd (three times the step time), 9c without --tool-reasoning, 200 steps
+    .venv/bin/python tools/train_nano.py --init dwarfstar/data/nano.gguf --steps 150 --lr 3e-4 --tool-batch 8 \
+        --tool-thinking 0.7 --tool-reasoning --tool-greetings 0.5 --call-batch 2 --call-weight 3 \
+        --decision-weight 8 --agent-batch 2 --agent-prompts 90 --agent-tokens 1500 3000 --agent-pool 10 \
+        --agent-refresh 1 --agent-evals 6 --tool-evals 10 --eval-every 50 --workdir build/agent9b \
+        --out build/agent9b/nano.gguf
     .venv/bin/python tools/train_nano.py --twin-k   # the 256-wide twin, written under build/
     .venv/bin/python tools/train_nano.py --mtp [--mtp-steps N] [--mtp-out dwarfstar/data/nano-mtp.gguf]
     # the bundled DSpark drafter (89 min on one core; README "Speculative decoding" has its figures)
