@@ -448,7 +448,8 @@ class Trainer:
         return torch.cat([y[s.prefix - start(s) :] for y, s in zip(rows, samples, strict=True)])
 
     def train_step(self, model: ReferenceModel) -> tuple[float, float, float, int]:
-        """One optimizer step: (weighted loss, indexer KL, worst load ratio, tokens run with autograd)."""
+        """One optimizer step: (weighted loss, indexer KL, worst load ratio, rows trained: the tokens run with
+        autograd but for the prompts of `agent_autograd`)."""
         samples = self.batch()
         y = self.hidden(model, samples)
         targets = torch.cat([self.targets(s)[s.prefix :] for s in samples])
