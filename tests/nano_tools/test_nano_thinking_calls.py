@@ -1,10 +1,10 @@
 """The bundled nano model calls the right tool when the request asks for thinking, as coding agents'
 requests do, and not only with thinking off (`dwarfstar.train.tool_eval --thinking`).
 
-A file trained to reason in one sentence before the call (`train_nano --tool-reasoning`, runs 6-8, 9a, 9b of
-issue 36) loses this: after 150 steps of it, 2-3 of 10 held-out requests per client shape called the
-right tool in thinking mode against 8-10 of 10 with thinking off. `DWARFSTAR_TEST_NANO=FILE` checks
-another file:
+A file trained to reason in one sentence before the call (`train_nano --tool-reasoning`, the recipe
+of issue 36's runs 6-8 and 9b) loses this: run 9b's, after 150 steps, called the right tool for 2, 2
+and 3 of 10 held-out requests per client shape in thinking mode against 8, 9 and 10 with thinking
+off. `DWARFSTAR_TEST_NANO=FILE` checks another file:
 
     DWARFSTAR_TEST_NANO=build/agent9b/nano.gguf .venv/bin/python -m pytest tests/nano_tools/test_nano_thinking_calls.py
 """
