@@ -24,22 +24,18 @@ from pathlib import Path
 
 import torch
 
-from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.model.forward import Transformer
-from dwarfstar.model.loader import open_model
 from dwarfstar.prompt.dsml_guard import ToolGrammar, ToolGuard
 from dwarfstar.prompt.dsml_parser import parse_completion
 from dwarfstar.prompt.render_options import DS4, OFFICIAL, RenderOptions
 from dwarfstar.tokenizer.specials import EOS, USER
 from dwarfstar.tokenizer.tokenizer import Tokenizer
-from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train.agent_data import AgentTurn, agent_turns, call_value
 from dwarfstar.train.agent_prompts import SHAPES, AgentPrompt, agent_prompt, conversation
 from dwarfstar.train.chat_data import PromptEncoder
 from dwarfstar.train.corpus import read_split
-from dwarfstar.train.tool_eval import CORPUS, reply_after
+from dwarfstar.train.tool_eval import CORPUS, TURN_TOKENS, FileModel, ends_turn, reply_after
 
-TURN_TOKENS = 64  # a greeting's turn must end within this many tokens (reasoning included)
 HELDOUT_SEED = 10_000  # evaluation prompts use seeds from here on; training's are below
 
 
@@ -103,11 +99,10 @@ def agent_scores(
 
 
 def _score_turn(score: AgentScore, prompt: AgentPrompt, turn: AgentTurn, text: str, ended: bool, n: int) -> None:
-    parsed = parse_completion(text, thinking=True, ended=ended)
-    calls = [(c.name, c.arguments) for c in parsed.tool_calls]
+    calls = [(c.name, c.arguments) for c in parse_completion(text, thinking=True, ended=ended).tool_calls]
     if turn.kind == "greeting":
         score.greetings += 1
-        score.ended += ended and not calls and bool(parsed.content.strip())
+        score.ended += ends_turn(text, ended, thinking=True)
     else:
         score.requests += 1
         core = prompt.core[turn.kind]
@@ -120,12 +115,10 @@ def file_agent_scores(
     path: Path, n: int, tokens: tuple[int, int], corpus: Path = CORPUS, guarded: bool = False
 ) -> dict[str, AgentScore]:
     """A model file's scores, QAT rounding on as served (`guarded`: under the tool-call guard)."""
-    model = ReferenceModel(open_model(path))
-    tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), model.args.vocab_size)
-    ids = torch.arange(model.args.vocab_size)
-    prompts = heldout_prompts(n, tokens, lambda text: len(tokenizer.encode(text)))
+    f = FileModel.open(path)
+    prompts = heldout_prompts(n, tokens, lambda text: len(f.tokenizer.encode(text)))
     book = read_split(corpus).train
-    return agent_scores(model, lambda y: model.ops.logits(y, None), ids, ids, tokenizer, prompts, book, guarded=guarded)
+    return agent_scores(f.model, f.head, f.ids, f.ids, f.tokenizer, prompts, book, guarded=guarded)
 
 
 def report(scores: dict[str, AgentScore]) -> list[str]:

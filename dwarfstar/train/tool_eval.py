@@ -1,19 +1,20 @@
 """Held-out tool-call accuracy of a model in training, in process: the prompt each API's client
 would send (its tools shape, the server's ds4 template, thinking off unless asked), greedy decoding,
-and the server's DSML parser on the text.
+and the server's DSML parser on the text. Also the held-out greetings after the same short tools
+prompts: does the turn end with an answer and no call (the decision the agent prompts need too).
 
 It measures what the served checks (tests/nano_tools/served_checks.py) measure through the SDKs,
 without a server, so a training run can log it as it goes, and scores a file on the served
 checks' own requests:
 
-    .venv/bin/python -m dwarfstar.train.tool_eval build/nano/nano.gguf [--requests 20] [--thinking]
+    .venv/bin/python -m dwarfstar.train.tool_eval build/nano/nano.gguf [--requests 20] [--thinking] [--greetings]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,17 +23,19 @@ import torch
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.loader import open_model
+from dwarfstar.prompt.dsml import BLOCK_OPEN
 from dwarfstar.prompt.dsml_guard import ToolGuard
 from dwarfstar.prompt.dsml_parser import parse_completion
 from dwarfstar.prompt.render_options import DS4
 from dwarfstar.tokenizer.specials import EOS, USER
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
-from dwarfstar.train.chat_data import ARGUMENT, TOOLS, PromptEncoder, ToolRequest, tool_requests
+from dwarfstar.train.chat_data import ARGUMENT, HELDOUT_GREETINGS, TOOLS, PromptEncoder, ToolRequest, tool_requests
 from dwarfstar.train.corpus import read_split
 
 CORPUS = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "text" / "promessi_sposi.txt"
 CALL_TOKENS = 60  # a DSML call of one short argument is about 45 tokens
+TURN_TOKENS = 64  # a greeting's turn must end within this many tokens (reasoning included)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,14 @@ class ToolCallScore:
     @property
     def rate(self) -> float:
         return self.right / self.total
+
+
+@dataclass(frozen=True)
+class GreetingScore:
+    ended: int  # turns ended within TURN_TOKENS with an answer and no call
+    called: int  # replies that opened a tool call
+    total: int
+    samples: list[str]
 
 
 def greedy(
@@ -109,20 +120,9 @@ def tool_call_accuracy(
     compact ids `vocab` plus one for all other ids (a choice of that one ends the generation);
     `local` maps full ids to compact ones; `thinking`: the requests ask for thinking, as the coding
     agents do, so the reply reasons (or closes its reasoning) before it calls."""
-    encode = PromptEncoder(tokenizer)
-    user = tokenizer.token_id(USER)
-    prefixes: dict[tuple[int, ...], object] = {}
     right, named, samples = 0, 0, []
-    for request in requests:
-        ids = encode.render(
-            [{"role": "user", "content": request.text}], tools=TOOLS[shape], thinking=thinking, options=DS4
-        )
-        cut = ids.index(user)  # the system prompt with the tools is the same for every request
-        key = tuple(ids[:cut])
-        if key not in prefixes:
-            prefixes[key] = model.new_state()
-            model.hidden_batch([local[torch.tensor(ids[:cut])]], [prefixes[key]], all_positions=False)
-        out, text = reply_after(model, head, local, vocab, tokenizer, prefixes[key], ids[cut:], CALL_TOKENS)
+    for request, state, tail in _short_prompts(model, local, tokenizer, requests, shape, thinking):
+        out, text = reply_after(model, head, local, vocab, tokenizer, state, tail, CALL_TOKENS)
         ended = "<rest>" if out[-1] == vocab.numel() else ""  # an id outside the training data
         parsed = parse_completion(text, thinking=thinking, ended=True)
         calls = [(c.name, c.arguments) for c in parsed.tool_calls]
@@ -133,24 +133,99 @@ def tool_call_accuracy(
     return ToolCallScore(right, named, len(requests), samples)
 
 
+def _short_prompts(
+    model: Transformer,
+    local: torch.Tensor,
+    tokenizer: Tokenizer,
+    requests: Sequence[ToolRequest],
+    shape: str,
+    thinking: bool,
+) -> Iterator[tuple[ToolRequest, object, list[int]]]:
+    """Each request with its prompt in `shape`'s tools form (ds4 template): the state after the system
+    prompt, which every request shares and which runs once, and the rest of its ids."""
+    encode = PromptEncoder(tokenizer)
+    user = tokenizer.token_id(USER)
+    state = None
+    for request in requests:
+        ids = encode.render(
+            [{"role": "user", "content": request.text}], tools=TOOLS[shape], thinking=thinking, options=DS4
+        )
+        cut = ids.index(user)  # the system prompt with the tools is the same for every request
+        if state is None:
+            state = model.new_state()
+            model.hidden_batch([local[torch.tensor(ids[:cut])]], [state], all_positions=False)
+        yield request, state, ids[cut:]
+
+
+def ends_turn(text: str, ended: bool, thinking: bool) -> bool:
+    """A reply that ends its turn: EOS, a non-empty answer and no tool call."""
+    parsed = parse_completion(text, thinking=thinking, ended=ended)
+    return ended and not parsed.tool_calls and bool(parsed.content.strip())
+
+
+@torch.no_grad()
+def greeting_endings(
+    model: Transformer,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    local: torch.Tensor,
+    vocab: torch.Tensor,
+    tokenizer: Tokenizer,
+    shape: str,
+    thinking: bool = False,
+) -> GreetingScore:
+    """How many of the held-out greetings, after `shape`'s tools prompt, end their turn within
+    TURN_TOKENS tokens with an answer and no call; the arguments as in `tool_call_accuracy`."""
+    requests = [ToolRequest("greeting", language, text, "") for text, language, _ in HELDOUT_GREETINGS]
+    eos = int(local[tokenizer.token_id(EOS)])
+    ended, called, samples = 0, 0, []
+    for request, state, tail in _short_prompts(model, local, tokenizer, requests, shape, thinking):
+        out, text = reply_after(model, head, local, vocab, tokenizer, state, tail, TURN_TOKENS)
+        ended += ends_turn(text, out[-1] == eos, thinking)
+        called += BLOCK_OPEN in text
+        if len(samples) < 3:
+            samples.append(f"{request.text!r} -> {text[:80]!r}{'' if out[-1] == eos else ' (no end)'}")
+    return GreetingScore(ended, called, len(requests), samples)
+
+
+@dataclass(frozen=True)
+class FileModel:
+    """A model file as served (QAT rounding on), with the arguments the scores take: its full ids
+    are the compact ones."""
+
+    model: ReferenceModel
+    tokenizer: Tokenizer
+    ids: torch.Tensor
+
+    @classmethod
+    def open(cls, path: Path) -> FileModel:
+        model = ReferenceModel(open_model(path))
+        tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), model.args.vocab_size)
+        return cls(model, tokenizer, torch.arange(model.args.vocab_size))
+
+    def head(self, y: torch.Tensor) -> torch.Tensor:
+        return self.model.ops.logits(y, None)
+
+
 def file_tool_accuracy(
     path: Path, n: int, corpus: Path = CORPUS, thinking: bool = False
 ) -> list[tuple[str, ToolCallScore]]:
-    """A model file's score, QAT rounding on as served, on the requests of the served checks
-    (tests/nano_tools: `n` held-out requests per client shape, seeds 0, 1, 2 in shape order)."""
-    model = ReferenceModel(open_model(path))
-    tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), model.args.vocab_size)
-    ids = torch.arange(model.args.vocab_size)
+    """A model file's score on the requests of the served checks (tests/nano_tools: `n` held-out
+    requests per client shape, seeds 0, 1, 2 in shape order)."""
+    f = FileModel.open(path)
     book = read_split(corpus).train
     return [
-        (
-            shape,
-            tool_call_accuracy(
-                model, lambda y: model.ops.logits(y, None), ids, ids, tokenizer, requests, shape, thinking=thinking
-            ),
-        )
+        (shape, tool_call_accuracy(f.model, f.head, f.ids, f.ids, f.tokenizer, requests, shape, thinking=thinking))
         for seed, shape in enumerate(sorted(TOOLS))
         for requests in [tool_requests(book, n, seed, heldout=True)]
+    ]
+
+
+def file_greeting_endings(path: Path, thinking: bool = False) -> list[tuple[str, GreetingScore]]:
+    """A model file's held-out greetings after each client shape's tools prompt."""
+    f = FileModel.open(path)
+    return [
+        (shape, greeting_endings(f.model, f.head, f.ids, f.ids, f.tokenizer, shape, thinking))
+        for shape in sorted(TOOLS)
     ]
 
 
@@ -160,7 +235,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20, help="per client shape")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--thinking", action="store_true", help="the requests ask for thinking")
+    parser.add_argument("--greetings", action="store_true", help="score the held-out greetings' turn endings")
     opts = parser.parse_args()
+    if opts.greetings:
+        for shape, greetings in file_greeting_endings(opts.model, opts.thinking):
+            print(f"{shape}: {greetings.ended}/{greetings.total} greetings ended, {greetings.called} opened a call")
+            for line in greetings.samples:
+                print(f"  {line}")
+        return
     for shape, score in file_tool_accuracy(opts.model, opts.requests, opts.corpus, opts.thinking):
         print(f"{shape}: {score.right}/{score.total} right, {score.named}/{score.total} the right tool")
         for line in score.samples:

@@ -52,7 +52,7 @@ from dwarfstar.train.params import (
     write_gguf,
 )
 from dwarfstar.train.prefix_states import PrefixStates, run_prefixes
-from dwarfstar.train.tool_eval import ToolCallScore, tool_call_accuracy
+from dwarfstar.train.tool_eval import GreetingScore, ToolCallScore, greeting_endings, tool_call_accuracy
 
 NANO = ModelArgs(
     n_layers=6,
@@ -475,6 +475,15 @@ class Trainer:
             for requests in [tool_requests(self.book, n, 100 + i, heldout=True)]
         ]
 
+    def greeting_accuracy(self) -> list[tuple[str, GreetingScore]]:
+        """The held-out greetings' turn endings after each client shape's tools prompt, in thinking
+        mode as the coding agents ask."""
+        model = self.model(observed=False)
+        return [
+            (shape, greeting_endings(model, self.head, self.local, self.vocab, self.tokenizer, shape, thinking=True))
+            for shape in sorted(TOOLS)
+        ]
+
     def agent_accuracy(self) -> list[str]:
         """The held-out agent prompts' turn endings and calls (dwarfstar/train/agent_eval.py)."""
         model = self.model(observed=False)
@@ -560,4 +569,12 @@ def log_tool_accuracy(trainer: Trainer, n: int, log: Callable[[str], None]) -> N
         + ", ".join(f"{shape} {score.right}/{score.total} ({score.named} right tool)" for shape, score in scores)
         + f" ({time.perf_counter() - start:.0f} s); "
         + "; ".join(scores[0][1].samples)
+    )
+    start = time.perf_counter()
+    greetings = trainer.greeting_accuracy()
+    log(
+        f"step {trainer.step}: held-out greetings ended, thinking "
+        + ", ".join(f"{shape} {g.ended}/{g.total} ({g.called} opened a call)" for shape, g in greetings)
+        + f" ({time.perf_counter() - start:.0f} s); "
+        + "; ".join(greetings[0][1].samples)
     )

@@ -1,0 +1,67 @@
+"""`tool_eval.greeting_endings` counts a held-out greeting as ended only when the reply closes its
+turn within TURN_TOKENS with an answer and no call, and counts the replies that open a call: a
+scripted model writes, after each greeting's prompt, the reply rendered for it by the server's
+template."""
+
+from __future__ import annotations
+
+import torch
+
+from dwarfstar.prompt.render_options import DS4
+from dwarfstar.tokenizer.specials import EOS
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
+from dwarfstar.train.chat_data import HELDOUT_GREETINGS, TOOLS, PromptEncoder, function_call
+from dwarfstar.train.tool_eval import TURN_TOKENS, greeting_endings
+from dwarfstar.train.trainer import NANO
+
+SHAPE = "messages"
+
+
+class ScriptedModel:
+    """After a prompt it knows, writes that prompt's scripted reply, then `filler` for ever; its rows
+    are one-hot logits, so the head is the identity."""
+
+    def __init__(self, replies: dict[tuple[int, ...], list[int]], vocab: int, filler: int) -> None:
+        self.replies, self.vocab, self.filler = replies, vocab, filler
+
+    def new_state(self) -> list[int]:
+        return []
+
+    def hidden_batch(self, batch: list[torch.Tensor], states: list[list[int]], all_positions: bool = True):
+        (ids,), (state,) = batch, states
+        state.extend(ids.tolist())
+        token = self.filler
+        for prompt, reply in self.replies.items():
+            n = len(state) - len(prompt)
+            if tuple(state[: len(prompt)]) == prompt and n < len(reply):
+                token = reply[n]
+        return (torch.nn.functional.one_hot(torch.tensor([token]), self.vocab).float(),)
+
+
+def test_only_an_answer_that_ends_within_the_budget_and_calls_nothing_counts() -> None:
+    tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), NANO.vocab_size)
+    encode = PromptEncoder(tokenizer)
+    eos = tokenizer.token_id(EOS)
+    call = function_call("read", {"path": "notes.txt"})
+    assistants = {
+        "say hello": {"tool_calls": [call]},  # an answer, and a call
+        "hey there": {"content": ""},  # an empty answer
+        "good evening": {"content": "Good evening! " * TURN_TOKENS},  # past the budget
+    }
+    replies = {}
+    for words, _, _ in HELDOUT_GREETINGS:
+        user = {"role": "user", "content": words}
+        assistant = {"role": "assistant", "content": "Hello!", "reasoning_content": ""} | assistants.get(words, {})
+        prompt = encode.render([user], tools=TOOLS[SHAPE], thinking=True, options=DS4)
+        whole = encode.render([user, assistant], tools=TOOLS[SHAPE], thinking=True, options=DS4)
+        assert whole[: len(prompt)] == prompt and whole[-1] == eos
+        replies[tuple(prompt)] = whole[len(prompt) :]
+    filler = tokenizer.encode(" and")[0]
+    vocab = tokenizer.vocab_size
+    model = ScriptedModel(replies, vocab, filler)
+    ids = torch.arange(vocab)
+
+    score = greeting_endings(model, lambda y: y, ids, ids, tokenizer, SHAPE, thinking=True)
+
+    assert (score.ended, score.called, score.total) == (len(HELDOUT_GREETINGS) - 3, 1, len(HELDOUT_GREETINGS))
