@@ -158,9 +158,9 @@ def _short_prompts(
 
 
 def ends_turn(text: str, ended: bool, thinking: bool) -> bool:
-    """A reply that ends its turn: EOS, a non-empty answer and no tool call."""
+    """A reply that ends its turn: EOS, a non-empty answer and no tool call, valid or given up."""
     parsed = parse_completion(text, thinking=thinking, ended=ended)
-    return ended and not parsed.tool_calls and bool(parsed.content.strip())
+    return ended and not parsed.tool_calls and parsed.invalid_dsml is None and bool(parsed.content.strip())
 
 
 @torch.no_grad()

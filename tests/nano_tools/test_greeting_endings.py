@@ -46,6 +46,7 @@ def test_only_an_answer_that_ends_within_the_budget_and_calls_nothing_counts() -
     call = function_call("read", {"path": "notes.txt"})
     assistants = {
         "say hello": {"tool_calls": [call]},  # an answer, and a call
+        "ehi, ciao": {"tool_calls": [call]},  # an answer, and a call cut short: an invalid one
         "hey there": {"content": ""},  # an empty answer
         "good evening": {"content": "Good evening! " * TURN_TOKENS},  # past the budget
     }
@@ -56,7 +57,8 @@ def test_only_an_answer_that_ends_within_the_budget_and_calls_nothing_counts() -
         prompt = encode.render([user], tools=TOOLS[SHAPE], thinking=True, options=DS4)
         whole = encode.render([user, assistant], tools=TOOLS[SHAPE], thinking=True, options=DS4)
         assert whole[: len(prompt)] == prompt and whole[-1] == eos
-        replies[tuple(prompt)] = whole[len(prompt) :]
+        reply = whole[len(prompt) :]
+        replies[tuple(prompt)] = reply[: len(reply) // 2] + [eos] if words == "ehi, ciao" else reply
     filler = tokenizer.encode(" and")[0]
     vocab = tokenizer.vocab_size
     model = ScriptedModel(replies, vocab, filler)
@@ -64,4 +66,4 @@ def test_only_an_answer_that_ends_within_the_budget_and_calls_nothing_counts() -
 
     score = greeting_endings(model, lambda y: y, ids, ids, tokenizer, SHAPE, thinking=True)
 
-    assert (score.ended, score.called, score.total) == (len(HELDOUT_GREETINGS) - 3, 1, len(HELDOUT_GREETINGS))
+    assert (score.ended, score.called, score.total) == (len(HELDOUT_GREETINGS) - 4, 2, len(HELDOUT_GREETINGS))
