@@ -29,6 +29,14 @@
         --decision-weight 8 --agent-batch 2 --agent-prompts 90 --agent-tokens 1500 3000 --agent-pool 10 \
         --agent-refresh 1 --agent-evals 6 --tool-evals 10 --eval-every 50 --workdir build/agent9b \
         --out build/agent9b/nano.gguf
+    # issue 36's run 10a (17 min): the greeting decision on the short tools prompts, empty reasoning
+    # (README "Model" has the figures of runs 10 and 11); 11a-11c continue from it with agent turns:
+    # 11a `--lr 4e-4 --batch 8 --agent-batch 2 --agent-prompts 90 --agent-pool 10 --agent-tokens 1500
+    # 3000 --agent-refresh 1 --steps 200` (38 min), 11b the same on 3000-8000 tokens with
+    # `--agent-refresh 4` (68 min), 11c `--tool-batch 4 --agent-batch 8 --agent-pool 20 --steps 150`
+    .venv/bin/python tools/train_nano.py --init dwarfstar/data/nano.gguf --steps 150 --lr 1e-3 --tool-batch 8 \
+        --tool-thinking 0.7 --tool-greetings 0.5 --call-batch 2 --call-weight 3 --decision-weight 8 \
+        --agent-batch 0 --tool-evals 6 --eval-every 75 --workdir build/decA --out build/decA/nano.gguf
     .venv/bin/python tools/train_nano.py --twin-k   # the 256-wide twin, written under build/
     .venv/bin/python tools/train_nano.py --mtp [--mtp-steps N] [--mtp-out dwarfstar/data/nano-mtp.gguf]
     # the bundled DSpark drafter (89 min on one core; README "Speculative decoding" has its figures)
