@@ -4,7 +4,7 @@ greeting and a held-out tool request, greedy, in thinking mode as the clients as
 DSML parser on the text.
 
 - a greeting passes when the turn ends (EOS) within TURN_TOKENS tokens with a non-empty answer and
-  no tool call;
+  no tool-call block, valid or given up as invalid (tool_eval.ends_turn);
 - a tool request passes when its one call names the prompt's core tool with exactly the argument.
 
 With `--tool-guard` each reply is decoded under the server's tool-call guard (prompt/dsml_guard.py:
