@@ -99,10 +99,11 @@ def agent_scores(
 
 
 def _score_turn(score: AgentScore, prompt: AgentPrompt, turn: AgentTurn, text: str, ended: bool, n: int) -> None:
-    calls = [(c.name, c.arguments) for c in parse_completion(text, thinking=True, ended=ended).tool_calls]
+    parsed = parse_completion(text, thinking=True, ended=ended)
+    calls = [(c.name, c.arguments) for c in parsed.tool_calls]
     if turn.kind == "greeting":
         score.greetings += 1
-        score.ended += ends_turn(text, ended, thinking=True)
+        score.ended += ends_turn(parsed, ended)
     else:
         score.requests += 1
         core = prompt.core[turn.kind]

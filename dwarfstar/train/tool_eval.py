@@ -25,7 +25,7 @@ from dwarfstar.model.forward import Transformer
 from dwarfstar.model.loader import open_model
 from dwarfstar.prompt.dsml import BLOCK_OPEN
 from dwarfstar.prompt.dsml_guard import ToolGuard
-from dwarfstar.prompt.dsml_parser import parse_completion
+from dwarfstar.prompt.dsml_parser import ParsedCompletion, parse_completion
 from dwarfstar.prompt.render_options import DS4
 from dwarfstar.tokenizer.specials import EOS, USER
 from dwarfstar.tokenizer.tokenizer import Tokenizer
@@ -157,9 +157,9 @@ def _short_prompts(
         yield request, state, ids[cut:]
 
 
-def ends_turn(text: str, ended: bool, thinking: bool) -> bool:
-    """A reply that ends its turn: EOS, a non-empty answer and no tool call, valid or given up."""
-    parsed = parse_completion(text, thinking=thinking, ended=ended)
+def ends_turn(parsed: ParsedCompletion, ended: bool) -> bool:
+    """A reply (`parsed`, `ended` by EOS) that ends its turn: a non-empty answer and no tool call,
+    valid or given up."""
     return ended and not parsed.tool_calls and parsed.invalid_dsml is None and bool(parsed.content.strip())
 
 
@@ -180,10 +180,11 @@ def greeting_endings(
     ended, called, samples = 0, 0, []
     for request, state, tail in _short_prompts(model, local, tokenizer, requests, shape, thinking):
         out, text = reply_after(model, head, local, vocab, tokenizer, state, tail, TURN_TOKENS)
-        ended += ends_turn(text, out[-1] == eos, thinking)
+        closed = out[-1] == eos
+        ended += ends_turn(parse_completion(text, thinking=thinking, ended=closed), closed)
         called += BLOCK_OPEN in text
         if len(samples) < 3:
-            samples.append(f"{request.text!r} -> {text[:80]!r}{'' if out[-1] == eos else ' (no end)'}")
+            samples.append(f"{request.text!r} -> {text[:80]!r}{'' if closed else ' (no end)'}")
     return GreetingScore(ended, called, len(requests), samples)
 
 
