@@ -193,6 +193,9 @@ def main() -> None:
     parser.add_argument(
         "--tool-greetings", type=float, default=Recipe.tool_greetings, help="tools-prompt samples that are greetings"
     )
+    parser.add_argument(
+        "--tool-client", type=float, default=Recipe.tool_client, help="tools prompts with the clients' own tools"
+    )
     parser.add_argument("--call-batch", type=int, default=Recipe.call_batch, help="calls with invented arguments")
     parser.add_argument("--copy-batch", type=int, default=Recipe.copy_batch, help="synthetic copy sequences")
     parser.add_argument("--copy-vocab", type=int, default=Recipe.copy_vocab)
@@ -259,6 +262,7 @@ def main() -> None:
         tool_thinking=opts.tool_thinking,
         tool_reasoning=opts.tool_reasoning,
         tool_greetings=opts.tool_greetings,
+        tool_client=opts.tool_client,
         call_weight=opts.call_weight,
         arg_weight=opts.arg_weight,
         first_weight=opts.first_weight,

@@ -40,6 +40,7 @@ from dwarfstar.train.chat_data import (
     argument_words,
     assistant_targets,
     book_sentences,
+    command_value,
     function_call,
     quoting_answer,
     tool_argument,
@@ -63,12 +64,8 @@ def request_templates(heldout: bool) -> list[tuple[str, str, str]]:
 
 
 def call_value(prompt: AgentPrompt, tool: str, argument: str) -> str:
-    """The core tool's argument value: the argument itself, or in its shell command (quoted if it has
-    spaces)."""
-    value = prompt.core[tool].value
-    if value != "{}" and " " in argument:
-        argument = f'"{argument}"'
-    return value.format(argument)
+    """The prompt's core tool's argument value for a `tool` request (chat_data.command_value)."""
+    return command_value(prompt.core[tool].value, argument)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ The three shapes follow what real clients send (chat: opencode through Chat Comp
 Code through Anthropic Messages; responses: Codex through the Responses API), but every word is drawn at
 random from our own phrase bank (agent_phrases.py, expanded by agent_text.py): no client's prompt text is
 used. Only tool and parameter names, which are protocol facts, match the clients', and each shape always
-declares its client's three core tools (`_CORE`), the ones the tool round trips call.
+declares its client's three core tools (chat_data.CLIENT_CORE), the ones the tool round trips call.
 
 `agent_prompt` fits the rendered prompt (system text, tools section and the context before the user's
 first words, rendered with ds4's template: `rendered_tokens`) into a token range: it draws the tools and
@@ -45,20 +45,9 @@ from dwarfstar.train.agent_text import (
     tools,
     workspace,
 )
+from dwarfstar.train.chat_data import CLIENT_CORE
 
 SHAPES = ("chat", "messages", "responses")
-# (shape, role, bank entry, tool name, parameter, argument format): each client's tools the round trips call
-_CORE = (
-    ("chat", "read", "read", "read", "filePath", "{}"),
-    ("chat", "list", "list", "list", "path", "{}"),
-    ("chat", "search", "search", "grep", "pattern", "{}"),
-    ("messages", "read", "read", "Read", "file_path", "{}"),
-    ("messages", "list", "shell", "Bash", "command", "ls {}"),
-    ("messages", "search", "search", "Grep", "pattern", "{}"),
-    ("responses", "read", "shell", "exec_command", "cmd", "cat {}"),
-    ("responses", "list", "shell", "exec_command", "cmd", "ls {}"),
-    ("responses", "search", "shell", "exec_command", "cmd", "grep -rn {} ."),
-)
 FIT_PASSES = 40  # exact counts allowed while fitting the range
 
 
@@ -137,9 +126,10 @@ def _draft(w: Writer, shape: str) -> _Draft:
     ws = workspace(w)
     language, ext, commands = w.pick(LANGUAGES)
     w.facts.update(ext=ext, lang=language, cmd=w.pick(commands), shell=ws["shellname"], model=w.pick(MODELS))
-    rows = [row[1:] for row in _CORE if row[0] == shape]
-    core = {role: CoreTool(name, param, value) for role, _, name, param, value in rows}
-    declared = tools(w, shape, style, [(kind, name, param) for _, kind, name, param, _ in rows])
+    core = {role: CoreTool(*tool) for role, tool in CLIENT_CORE[shape].items()}
+    # each declared from the tool bank's entry for a shell, or for the request's own kind
+    banked = [(role if t.value == "{}" else "shell", t.name, t.parameter) for role, t in core.items()]
+    declared = tools(w, shape, style, banked)
     identity = " ".join(p for p in (w.line("{identity}"), w.say(w.pick(WORDS["help"]))) if p)
     draft = _Draft(shape, style, identity, "", declared, core, {}, "", 0.0, True, [], "")
     budget = int(w.pick([8192, 16384, 21333, 32000, 64000]))

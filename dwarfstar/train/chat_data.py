@@ -45,17 +45,69 @@ def _schema(param: str, about: str) -> dict[str, Any]:
     return {"type": "object", "properties": {param: {"type": "string", "description": about}}, "required": [param]}
 
 
-# the same tools as each API's clients declare them; the server renders the client's object as given
+def declarations(shape: str, specs: Sequence[tuple[str, str, str, str]]) -> list[dict[str, Any]]:
+    """Tools (name, description, parameter, its description) as a `shape` client declares them; the
+    server renders the client's object as given."""
+    if shape == "chat":
+        return [
+            {"type": "function", "function": {"name": n, "description": d, "parameters": _schema(p, pd)}}
+            for n, d, p, pd in specs
+        ]
+    if shape == "responses":
+        return [
+            {"type": "function", "name": n, "description": d, "parameters": _schema(p, pd)} for n, d, p, pd in specs
+        ]
+    return [{"name": n, "description": d, "input_schema": _schema(p, pd)} for n, d, p, pd in specs]
+
+
 TOOLS: dict[str, list[dict[str, Any]]] = {
-    "chat": [
-        {"type": "function", "function": {"name": n, "description": d, "parameters": _schema(p, pd)}}
-        for n, d, p, pd in TOOL_SPECS
-    ],
-    "responses": [
-        {"type": "function", "name": n, "description": d, "parameters": _schema(p, pd)} for n, d, p, pd in TOOL_SPECS
-    ],
-    "messages": [{"name": n, "description": d, "input_schema": _schema(p, pd)} for n, d, p, pd in TOOL_SPECS],
+    shape: declarations(shape, TOOL_SPECS) for shape in ("chat", "responses", "messages")
 }
+
+# each client's own tools for the three requests, by shape (opencode, Claude Code, Codex): request tool ->
+# (tool name, parameter, value format); a shell tool's value is a command around the argument. The
+# agent prompts declare them among 10-20 others (agent_prompts.py); `tool_samples` can declare them
+# alone, in a short prompt, so the names an agent's call needs get as many examples as `TOOLS`' do
+CLIENT_CORE: dict[str, dict[str, tuple[str, str, str]]] = {
+    "chat": {"read": ("read", "filePath", "{}"), "list": ("list", "path", "{}"), "search": ("grep", "pattern", "{}")},
+    "messages": {
+        "read": ("Read", "file_path", "{}"),
+        "list": ("Bash", "command", "ls {}"),
+        "search": ("Grep", "pattern", "{}"),
+    },
+    "responses": {
+        "read": ("exec_command", "cmd", "cat {}"),
+        "list": ("exec_command", "cmd", "ls {}"),
+        "search": ("exec_command", "cmd", "grep -rn {} ."),
+    },
+}
+_CLIENT_ABOUT = {  # tool name -> (description, parameter description), our own words
+    "read": ("Read a file and return its lines.", "Path of the file to read."),
+    "list": ("List the files and folders under a path.", "The folder to list."),
+    "grep": ("Find the lines of the files that match a pattern.", "The pattern to look for."),
+    "Read": ("Read a file of the local filesystem.", "Absolute path of the file."),
+    "Bash": ("Run a bash command and return what it prints.", "The command to run."),
+    "Grep": ("Search the contents of the files for a pattern.", "The pattern to search for."),
+    "exec_command": ("Run a shell command and return its output.", "The command line to run."),
+}
+
+
+def _client_tools(shape: str) -> list[dict[str, Any]]:
+    params = {name: param for name, param, _ in CLIENT_CORE[shape].values()}  # a shell tool serves three requests
+    return declarations(shape, [(n, _CLIENT_ABOUT[n][0], p, _CLIENT_ABOUT[n][1]) for n, p in params.items()])
+
+
+CLIENT_TOOLS = {shape: _client_tools(shape) for shape in CLIENT_CORE}
+
+
+def command_value(value: str, argument: str) -> str:
+    """A core tool's argument value: the argument itself (`value` "{}"), or in its shell command,
+    quoted if it has spaces."""
+    if value != "{}" and " " in argument:
+        argument = f'"{argument}"'
+    return value.format(argument)
+
+
 TEMPLATES: dict[str, RenderOptions] = {"ds4": DS4, "official": OFFICIAL}
 
 # (tool, language, template); the argument closes the request, so the call copies it from the last
@@ -363,14 +415,18 @@ def tool_samples(
     pieces: Sequence[str] | None = None,
     greetings: float = 0.0,
     reasoning: bool = False,
+    client_tools: float = 0.0,
 ) -> list[Sample]:
     """`n` rendered tool round trips over training (or held-out) templates and arguments, in every
     client shape and both server templates; a `thinking_share` of them in thinking mode, with empty
     reasoning or (`reasoning`) the agent turns' one sentence for the turn (`REASONING`: what it needs,
     in the request's language). A `greetings` share of the samples are a greeting and its answer
     instead: the turns after an agent's prompt (agent_data.py) on the short tools prompts, where a
-    step is cheap, so the request decides reasoning, call or answer in both places."""
+    step is cheap, so the request decides reasoning, call or answer in both places. A `client_tools`
+    share declare the shape's client's own core tools instead (`CLIENT_TOOLS`) and call them (drawn
+    apart, so a share of 0 leaves the samples as they were)."""
     rng = np.random.default_rng(seed + 1)
+    clients = np.random.default_rng(seed + 3)
     sentences = book_sentences(text, tokenizer)
     shapes, templates = sorted(TOOLS), sorted(TEMPLATES)
     greeting_set = HELDOUT_GREETINGS if heldout else GREETINGS
@@ -394,7 +450,13 @@ def tool_samples(
                     m["reasoning_content"] = REASONING[next(turns), request.language] if reasoning else ""
         shape = shapes[int(rng.integers(len(shapes)))]
         options = TEMPLATES[templates[int(rng.integers(len(templates)))]]
-        ids = encode.render(messages, tools=TOOLS[shape], thinking=thinking, options=options)
+        declared = TOOLS[shape]
+        if client_tools and clients.random() < client_tools:
+            declared = CLIENT_TOOLS[shape]
+            if request.argument:
+                name, param, value = CLIENT_CORE[shape][request.tool]
+                messages[1]["tool_calls"] = [function_call(name, {param: command_value(value, request.argument)})]
+        ids = encode.render(messages, tools=declared, thinking=thinking, options=options)
         prefix = ids.index(tokenizer.token_id(USER))  # the system prompt, the tools section in it
         span = argument_span(ids, tokenizer) if request.argument else (0, 0)
         samples.append(Sample(np.asarray(ids, dtype=np.int64), assistant_targets(ids, tokenizer), prefix, span))

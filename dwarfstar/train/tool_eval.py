@@ -2,12 +2,15 @@
 would send (its tools shape, the server's ds4 template, thinking off unless asked), greedy decoding,
 and the server's DSML parser on the text. Also the held-out greetings after the same short tools
 prompts: does the turn end with an answer and no call (the decision the agent prompts need too).
+With `--client-tools` the short prompts declare each client's own core tools instead (`Read`,
+`exec_command`...; chat_data.CLIENT_TOOLS), and a right call is that client's.
 
 It measures what the served checks (tests/nano_tools/served_checks.py) measure through the SDKs,
 without a server, so a training run can log it as it goes, and scores a file on the served
 checks' own requests:
 
     .venv/bin/python -m dwarfstar.train.tool_eval build/nano/nano.gguf [--requests 20] [--thinking] [--greetings]
+        [--client-tools]
 """
 
 from __future__ import annotations
@@ -30,7 +33,17 @@ from dwarfstar.prompt.render_options import DS4
 from dwarfstar.tokenizer.specials import EOS, USER
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
-from dwarfstar.train.chat_data import ARGUMENT, HELDOUT_GREETINGS, TOOLS, PromptEncoder, ToolRequest, tool_requests
+from dwarfstar.train.chat_data import (
+    ARGUMENT,
+    CLIENT_CORE,
+    CLIENT_TOOLS,
+    HELDOUT_GREETINGS,
+    TOOLS,
+    PromptEncoder,
+    ToolRequest,
+    command_value,
+    tool_requests,
+)
 from dwarfstar.train.corpus import read_split
 
 CORPUS = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "text" / "promessi_sposi.txt"
@@ -114,20 +127,25 @@ def tool_call_accuracy(
     shape: str,
     keep: int = 3,
     thinking: bool = False,
+    client: bool = False,
 ) -> ToolCallScore:
     """How many of `requests`, declared with the tools in `shape`'s form, get a parsed call of the
     right tool with exactly the request's argument. `head` maps final rows to logits over the
     compact ids `vocab` plus one for all other ids (a choice of that one ends the generation);
     `local` maps full ids to compact ones; `thinking`: the requests ask for thinking, as the coding
-    agents do, so the reply reasons (or closes its reasoning) before it calls."""
+    agents do, so the reply reasons (or closes its reasoning) before it calls; `client`: the tools
+    declared and the call expected are the client's own (`_short_prompts`)."""
     right, named, samples = 0, 0, []
-    for request, state, tail in _short_prompts(model, local, tokenizer, requests, shape, thinking):
+    for request, state, tail in _short_prompts(model, local, tokenizer, requests, shape, thinking, client):
         out, text = reply_after(model, head, local, vocab, tokenizer, state, tail, CALL_TOKENS)
         ended = "<rest>" if out[-1] == vocab.numel() else ""  # an id outside the training data
         parsed = parse_completion(text, thinking=thinking, ended=True)
         calls = [(c.name, c.arguments) for c in parsed.tool_calls]
-        right += calls == [(request.tool, {ARGUMENT[request.tool]: request.argument})]
-        named += [name for name, _ in calls] == [request.tool]
+        name, param, value = (
+            CLIENT_CORE[shape][request.tool] if client else (request.tool, ARGUMENT[request.tool], "{}")
+        )
+        right += calls == [(name, {param: command_value(value, request.argument)})]
+        named += [n for n, _ in calls] == [name]
         if len(samples) < keep:
             samples.append(f"{request.text!r} -> {calls or text[:80] + ended!r}")
     return ToolCallScore(right, named, len(requests), samples)
@@ -140,16 +158,17 @@ def _short_prompts(
     requests: Sequence[ToolRequest],
     shape: str,
     thinking: bool,
+    client: bool = False,
 ) -> Iterator[tuple[ToolRequest, object, list[int]]]:
-    """Each request with its prompt in `shape`'s tools form (ds4 template): the state after the system
-    prompt, which every request shares and which runs once, and the rest of its ids."""
+    """Each request with its prompt in `shape`'s tools form (ds4 template), the tools `TOOLS` or with
+    `client` the shape's client's own (`CLIENT_TOOLS`): the state after the system prompt, which every
+    request shares and which runs once, and the rest of its ids."""
+    declared = CLIENT_TOOLS[shape] if client else TOOLS[shape]
     encode = PromptEncoder(tokenizer)
     user = tokenizer.token_id(USER)
     state = None
     for request in requests:
-        ids = encode.render(
-            [{"role": "user", "content": request.text}], tools=TOOLS[shape], thinking=thinking, options=DS4
-        )
+        ids = encode.render([{"role": "user", "content": request.text}], tools=declared, thinking=thinking, options=DS4)
         cut = ids.index(user)  # the system prompt with the tools is the same for every request
         if state is None:
             state = model.new_state()
@@ -172,13 +191,14 @@ def greeting_endings(
     tokenizer: Tokenizer,
     shape: str,
     thinking: bool = False,
+    client: bool = False,
 ) -> GreetingScore:
     """How many of the held-out greetings, after `shape`'s tools prompt, end their turn within
     TURN_TOKENS tokens with an answer and no call; the arguments as in `tool_call_accuracy`."""
     requests = [ToolRequest("greeting", language, text, "") for text, language, _ in HELDOUT_GREETINGS]
     eos = int(local[tokenizer.token_id(EOS)])
     ended, called, samples = 0, 0, []
-    for request, state, tail in _short_prompts(model, local, tokenizer, requests, shape, thinking):
+    for request, state, tail in _short_prompts(model, local, tokenizer, requests, shape, thinking, client):
         out, text = reply_after(model, head, local, vocab, tokenizer, state, tail, TURN_TOKENS)
         closed = out[-1] == eos
         ended += ends_turn(parse_completion(text, thinking=thinking, ended=closed), closed)
@@ -208,24 +228,24 @@ class FileModel:
 
 
 def file_tool_accuracy(
-    path: Path, n: int, corpus: Path = CORPUS, thinking: bool = False
+    path: Path, n: int, corpus: Path = CORPUS, thinking: bool = False, client: bool = False
 ) -> list[tuple[str, ToolCallScore]]:
     """A model file's score on the requests of the served checks (tests/nano_tools: `n` held-out
     requests per client shape, seeds 0, 1, 2 in shape order)."""
     f = FileModel.open(path)
     book = read_split(corpus).train
     return [
-        (shape, tool_call_accuracy(f.model, f.head, f.ids, f.ids, f.tokenizer, requests, shape, thinking=thinking))
+        (shape, tool_call_accuracy(f.model, f.head, f.ids, f.ids, f.tokenizer, requests, shape, 3, thinking, client))
         for seed, shape in enumerate(sorted(TOOLS))
         for requests in [tool_requests(book, n, seed, heldout=True)]
     ]
 
 
-def file_greeting_endings(path: Path, thinking: bool = False) -> list[tuple[str, GreetingScore]]:
+def file_greeting_endings(path: Path, thinking: bool = False, client: bool = False) -> list[tuple[str, GreetingScore]]:
     """A model file's held-out greetings after each client shape's tools prompt."""
     f = FileModel.open(path)
     return [
-        (shape, greeting_endings(f.model, f.head, f.ids, f.ids, f.tokenizer, shape, thinking))
+        (shape, greeting_endings(f.model, f.head, f.ids, f.ids, f.tokenizer, shape, thinking, client))
         for shape in sorted(TOOLS)
     ]
 
@@ -237,14 +257,15 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--thinking", action="store_true", help="the requests ask for thinking")
     parser.add_argument("--greetings", action="store_true", help="score the held-out greetings' turn endings")
+    parser.add_argument("--client-tools", action="store_true", help="declare and expect the clients' own tools")
     opts = parser.parse_args()
     if opts.greetings:
-        for shape, greetings in file_greeting_endings(opts.model, opts.thinking):
+        for shape, greetings in file_greeting_endings(opts.model, opts.thinking, opts.client_tools):
             print(f"{shape}: {greetings.ended}/{greetings.total} greetings ended, {greetings.called} opened a call")
             for line in greetings.samples:
                 print(f"  {line}")
         return
-    for shape, score in file_tool_accuracy(opts.model, opts.requests, opts.corpus, opts.thinking):
+    for shape, score in file_tool_accuracy(opts.model, opts.requests, opts.corpus, opts.thinking, opts.client_tools):
         print(f"{shape}: {score.right}/{score.total} right, {score.named}/{score.total} the right tool")
         for line in score.samples:
             print(f"  {line}")

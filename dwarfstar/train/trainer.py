@@ -104,6 +104,9 @@ class Recipe:
     # the thinking reasoning of these and of the agent turns: one sentence (chat_data.REASONING), else empty
     tool_reasoning: bool = False
     tool_greetings: float = 0.0  # share of the tools prompts' samples that are a greeting and its answer
+    # share of the tools prompts (and of the calls') that declare and call the client's own core tools
+    # (chat_data.CLIENT_TOOLS: `Read`/`file_path`, `exec_command`/`cat {}`...), as an agent prompt does
+    tool_client: float = 0.0
     call_weight: float = 2.0  # loss weight of a tool call's targets
     arg_weight: float = 3.0  # loss weight of the argument a call copies and of the token closing it
     # loss weight of the argument's first token, the one the copy must find after the request's opening
@@ -221,6 +224,7 @@ class Trainer:
             recipe.tool_thinking,
             greetings=recipe.tool_greetings,
             reasoning=recipe.tool_reasoning,
+            client_tools=recipe.tool_client,
         )
         groups: dict[bytes, list[Sample]] = {}
         for sample in self.tools:
@@ -234,7 +238,9 @@ class Trainer:
             self.copy_ids = self.piece_ids
         calls = [
             call_only(s, self.eos)
-            for s in tool_samples(split.train, tokenizer, recipe.call_pool, seed + 2, 0.0, pieces=pieces)
+            for s in tool_samples(
+                split.train, tokenizer, recipe.call_pool, seed + 2, 0.0, pieces=pieces, client_tools=recipe.tool_client
+            )
         ]
         self.call_groups = {key: [] for key in groups}
         for sample in calls:

@@ -4,6 +4,7 @@ requests the training never shows."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -234,6 +235,52 @@ def test_tools_prompts_can_carry_the_agent_turns_reasoning_and_greetings(book: s
         assert answer.startswith(chat_data.REASONING["answer", request.language] + THINK_END)
         assert tok.decode(sample.ids[slice(*sample.argument)].tolist()) == request.argument
     assert 8 <= greeted <= 24  # about 40% of 40
+
+
+def test_tools_prompts_can_declare_and_call_the_clients_own_tools(book: str, tok: Tokenizer) -> None:
+    """With `client_tools` a share of the samples declare one client's own tools for a read, a list and
+    a search, only those, and call them as its agent prompts' turns do: opencode's `read`/`filePath`,
+    Claude Code's `Read`, `Bash` (`ls`) and `Grep`, Codex's one shell tool, whose command quotes an
+    argument with spaces. The others keep `TOOLS`; every sample's prefix is still one per tool set,
+    shape and template."""
+
+    def shell(a: str) -> str:
+        return f'"{a}"' if " " in a else a
+
+    calls = {  # declared names -> request tool -> the call for argument `a`
+        ("list", "read", "search"): {
+            t: (lambda a, t=t: (t, {chat_data.ARGUMENT[t]: a})) for t in ("read", "list", "search")
+        },
+        ("grep", "list", "read"): {
+            "read": lambda a: ("read", {"filePath": a}),
+            "list": lambda a: ("list", {"path": a}),
+            "search": lambda a: ("grep", {"pattern": a}),
+        },
+        ("Bash", "Grep", "Read"): {
+            "read": lambda a: ("Read", {"file_path": a}),
+            "list": lambda a: ("Bash", {"command": f"ls {shell(a)}"}),
+            "search": lambda a: ("Grep", {"pattern": a}),
+        },
+        ("exec_command",): {
+            "read": lambda a: ("exec_command", {"cmd": f"cat {shell(a)}"}),
+            "list": lambda a: ("exec_command", {"cmd": f"ls {shell(a)}"}),
+            "search": lambda a: ("exec_command", {"cmd": f"grep -rn {shell(a)} ."}),
+        },
+    }
+    requests = chat_data.tool_requests(book, 60, seed=5, heldout=False)
+    samples = chat_data.tool_samples(book, tok, 60, seed=5, thinking_share=0.5, client_tools=0.5)
+    seen: dict[tuple[str, ...], int] = {}
+    for request, sample in zip(requests, samples, strict=True):
+        prefix = tok.decode(sample.ids[: sample.prefix].tolist())
+        declared = tuple(sorted(set(re.findall(r'"name": ?"(\w+)"', prefix))))
+        seen[declared] = seen.get(declared, 0) + 1
+        call_turn = output_text(sample, tok).split(EOS)[0].removeprefix(THINK_END)
+        parsed = parse_completion(call_turn + EOS, thinking=False)
+        assert [(c.name, c.arguments) for c in parsed.tool_calls] == [calls[declared][request.tool](request.argument)]
+        value = tok.decode(sample.ids[slice(*sample.argument)].tolist())
+        assert value == next(iter(parsed.tool_calls[0].arguments.values()))  # the span weighed as the argument
+    assert set(seen) == set(calls) and 20 <= seen["list", "read", "search"] <= 40  # about half of 60
+    assert len({s.ids[: s.prefix].tobytes() for s in samples}) <= 4 * len(chat_data.TEMPLATES) + 2 * 2
 
 
 @pytest.mark.parametrize("reasoning", [True, False])

@@ -1,7 +1,7 @@
-"""`tool_eval.greeting_endings` counts a held-out greeting as ended only when the reply closes its
-turn within TURN_TOKENS with an answer and no call, and counts the replies that open a call: a
-scripted model writes, after each greeting's prompt, the reply rendered for it by the server's
-template."""
+"""`tool_eval`'s scores on a scripted model, which writes after each prompt the reply the server's
+template renders for it: `greeting_endings` counts a held-out greeting as ended only when the reply
+closes its turn within TURN_TOKENS with an answer and no call, and counts the replies that open a
+call; `tool_call_accuracy` with the clients' own tools wants that client's call."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from dwarfstar.prompt.render_options import DS4
 from dwarfstar.tokenizer.specials import EOS
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
-from dwarfstar.train.chat_data import HELDOUT_GREETINGS, TOOLS, PromptEncoder, function_call
-from dwarfstar.train.tool_eval import TURN_TOKENS, greeting_endings
+from dwarfstar.train.chat_data import CLIENT_TOOLS, HELDOUT_GREETINGS, TOOLS, PromptEncoder, ToolRequest, function_call
+from dwarfstar.train.tool_eval import TURN_TOKENS, greeting_endings, tool_call_accuracy
 from dwarfstar.train.trainer import NANO
 
 SHAPE = "messages"
@@ -67,3 +67,42 @@ def test_only_an_answer_that_ends_within_the_budget_and_calls_nothing_counts() -
     score = greeting_endings(model, lambda y: y, ids, ids, tokenizer, SHAPE, thinking=True)
 
     assert (score.ended, score.called, score.total) == (len(HELDOUT_GREETINGS) - 4, 2, len(HELDOUT_GREETINGS))
+
+
+def test_with_the_clients_tools_only_the_clients_own_call_is_right() -> None:
+    """Codex's shell after a Responses prompt that declares it: `cat` the file, `grep` a quoted text;
+    the short prompts' `list` call, or a text with spaces left unquoted in the command, is wrong."""
+    tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), NANO.vocab_size)
+    encode = PromptEncoder(tokenizer)
+    shell = "exec_command"
+    scripted = [  # the request, and the call the model writes
+        (ToolRequest("read", "en", "open `notes.txt`", "notes.txt"), function_call(shell, {"cmd": "cat notes.txt"})),
+        (ToolRequest("list", "en", "show me the folder `src`", "src"), function_call("list", {"path": "src"})),
+        (
+            ToolRequest("search", "it", 'cerca "due parole"', "due parole"),
+            function_call(shell, {"cmd": 'grep -rn "due parole" .'}),
+        ),
+        (
+            ToolRequest("search", "en", 'search for "two words"', "two words"),
+            function_call(shell, {"cmd": "grep -rn two words ."}),
+        ),
+    ]
+    replies = {}
+    for request, call in scripted:
+        user = {"role": "user", "content": request.text}
+        prompt = encode.render([user], tools=CLIENT_TOOLS["responses"], thinking=False, options=DS4)
+        whole = encode.render(
+            [user, {"role": "assistant", "content": "", "tool_calls": [call]}],
+            tools=CLIENT_TOOLS["responses"],
+            thinking=False,
+            options=DS4,
+        )
+        replies[tuple(prompt)] = whole[len(prompt) :]
+    vocab = tokenizer.vocab_size
+    model = ScriptedModel(replies, vocab, tokenizer.encode(" and")[0])
+    ids = torch.arange(vocab)
+    requests = [request for request, _ in scripted]
+
+    score = tool_call_accuracy(model, lambda y: y, ids, ids, tokenizer, requests, "responses", client=True)
+
+    assert (score.right, score.named, score.total) == (2, 3, 4)
