@@ -196,6 +196,7 @@ def main() -> None:
     parser.add_argument(
         "--tool-client", type=float, default=Recipe.tool_client, help="tools prompts with the clients' own tools"
     )
+    parser.add_argument("--composed-greetings", action="store_true", help="500 composed greetings, not the 17")
     parser.add_argument("--call-batch", type=int, default=Recipe.call_batch, help="calls with invented arguments")
     parser.add_argument("--copy-batch", type=int, default=Recipe.copy_batch, help="synthetic copy sequences")
     parser.add_argument("--copy-vocab", type=int, default=Recipe.copy_vocab)
@@ -263,6 +264,7 @@ def main() -> None:
         tool_reasoning=opts.tool_reasoning,
         tool_greetings=opts.tool_greetings,
         tool_client=opts.tool_client,
+        composed_greetings=opts.composed_greetings,
         call_weight=opts.call_weight,
         arg_weight=opts.arg_weight,
         first_weight=opts.first_weight,

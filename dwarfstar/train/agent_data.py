@@ -28,8 +28,6 @@ from dwarfstar.tokenizer.specials import USER
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.train.agent_prompts import AgentPrompt, conversation
 from dwarfstar.train.chat_data import (
-    GREETINGS,
-    HELDOUT_GREETINGS,
     HELDOUT_TEMPLATES,
     REASONING,
     TRAIN_TEMPLATES,
@@ -46,6 +44,7 @@ from dwarfstar.train.chat_data import (
     tool_argument,
     tool_result,
 )
+from dwarfstar.train.greetings import COMPOSED_GREETINGS, GREETINGS, HELDOUT_GREETINGS
 
 THINKING_SHARE = 0.8  # every client asks for thinking; the rest without, as other clients send
 GREETING_SHARE = 0.3
@@ -79,13 +78,13 @@ class AgentTurn:
     argument: str = ""  # a tool request's argument
 
 
-def agent_turns(book: str, n: int, seed: int, *, heldout: bool) -> list[AgentTurn]:
-    """`n` requests, GREETING_SHARE of them greetings, the rest tool requests (bare, quoted or
-    backticked) over training (or held-out) templates and argument words."""
+def agent_turns(book: str, n: int, seed: int, *, heldout: bool, composed_greetings: bool = False) -> list[AgentTurn]:
+    """`n` requests, GREETING_SHARE of them greetings (`GREETINGS`, or `COMPOSED_GREETINGS`), the rest
+    tool requests (bare, quoted or backticked) over training (or held-out) templates and argument words."""
     rng = np.random.default_rng(seed)
     train_words, heldout_words = argument_words(book)
     words = heldout_words if heldout else train_words
-    greetings = HELDOUT_GREETINGS if heldout else GREETINGS
+    greetings = HELDOUT_GREETINGS if heldout else COMPOSED_GREETINGS if composed_greetings else GREETINGS
     templates = request_templates(heldout)
     out = []
     for _ in range(n):
@@ -140,16 +139,18 @@ def agent_samples(
     *,
     heldout: bool = False,
     reasoning: bool = True,
+    composed_greetings: bool = False,
 ) -> list[Sample]:
     """`n` rendered turns after `prompt` in the server template `options`, their prefix the system
     prompt with its tools (one per prompt and template, which training runs once for all of its
     samples), the assistant's output their targets; `reasoning`: a thinking turn reasons in one
-    sentence, else its reasoning is empty (the reply then decides right after `</think>`)."""
+    sentence, else its reasoning is empty (the reply then decides right after `</think>`);
+    `composed_greetings`: agent_turns'."""
     rng = np.random.default_rng(seed + 1)
     sentences = book_sentences(book, tokenizer)
     encode = PromptEncoder(tokenizer)
     samples = []
-    for turn in agent_turns(book, n, seed, heldout=heldout):
+    for turn in agent_turns(book, n, seed, heldout=heldout, composed_greetings=composed_greetings):
         thinking = bool(rng.random() < THINKING_SHARE)
         messages = conversation(prompt, turn_messages(prompt, turn, sentences, rng, thinking, reasoning))
         ids = encode.render(messages, tools=prompt.tools, thinking=thinking, options=options)

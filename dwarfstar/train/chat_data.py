@@ -32,6 +32,7 @@ from dwarfstar.prompt.render import render_conversation
 from dwarfstar.prompt.render_options import DS4, OFFICIAL, RenderOptions
 from dwarfstar.tokenizer.specials import ASSISTANT, EOS, USER, Control, PromptPart
 from dwarfstar.tokenizer.tokenizer import Tokenizer
+from dwarfstar.train.greetings import COMPOSED_GREETINGS, GREETINGS, HELDOUT_GREETINGS
 
 TOOL_SPECS = (
     ("read", "Read a text file and return its content.", "path", "Path of the file to read."),
@@ -154,35 +155,6 @@ QUOTE_WORDS = (6, 12)  # words of the tool result the answer quotes
 REASONING_TOKENS = (6, 40)  # the thinking passage: one sentence of this many tokens
 
 
-# (request, language, answer); the answer is what the model says, the turn's end follows it
-GREETINGS = (
-    ("ciao", "it", "Ciao! Come posso aiutarti?"),
-    ("buongiorno", "it", "Buongiorno! Come posso aiutarti?"),
-    ("ciao, ci sei?", "it", "Sì, ci sono. Come posso aiutarti?"),
-    ("come stai?", "it", "Bene, grazie. Come posso aiutarti?"),
-    ("chi sei?", "it", "Sono un piccolo modello: posso leggere, elencare e cercare file."),
-    ("cosa sai fare?", "it", "Posso leggere file, elencare cartelle e cercare testo nei file."),
-    ("salutami", "it", "Ciao!"),
-    ("grazie", "it", "Prego!"),
-    ("hello", "en", "Hello! How can I help you?"),
-    ("hi", "en", "Hi! How can I help you?"),
-    ("good morning", "en", "Good morning! How can I help you?"),
-    ("hello, are you there?", "en", "Yes, I am here. How can I help you?"),
-    ("how are you?", "en", "Fine, thank you. How can I help you?"),
-    ("who are you?", "en", "I am a small model: I can read, list and search files."),
-    ("what can you do?", "en", "I can read files, list directories and search text in files."),
-    ("please say hi", "en", "Hi!"),
-    ("thanks", "en", "You are welcome!"),
-)
-HELDOUT_GREETINGS = (
-    ("buonasera", "it", ""),
-    ("ehi, ciao", "it", ""),
-    ("salve", "it", ""),
-    ("say hello", "en", ""),
-    ("hey there", "en", ""),
-    ("good evening", "en", ""),
-    ("hi, what can you do?", "en", ""),
-)
 # one short sentence of reasoning before `</think>`: what the turn needs
 REASONING = {
     ("greeting", "it"): "L'utente mi saluta: rispondo in breve.",
@@ -416,6 +388,7 @@ def tool_samples(
     greetings: float = 0.0,
     reasoning: bool = False,
     client_tools: float = 0.0,
+    composed_greetings: bool = False,
 ) -> list[Sample]:
     """`n` rendered tool round trips over training (or held-out) templates and arguments, in every
     client shape and both server templates; a `thinking_share` of them in thinking mode, with empty
@@ -424,12 +397,13 @@ def tool_samples(
     instead: the turns after an agent's prompt (agent_data.py) on the short tools prompts, where a
     step is cheap, so the request decides reasoning, call or answer in both places. A `client_tools`
     share declare the shape's client's own core tools instead (`CLIENT_TOOLS`) and call them (drawn
-    apart, so a share of 0 leaves the samples as they were)."""
+    apart, so a share of 0 leaves the samples as they were). The greetings are `GREETINGS`, or with
+    `composed_greetings` the five hundred of `COMPOSED_GREETINGS`."""
     rng = np.random.default_rng(seed + 1)
     clients = np.random.default_rng(seed + 3)
     sentences = book_sentences(text, tokenizer)
     shapes, templates = sorted(TOOLS), sorted(TEMPLATES)
-    greeting_set = HELDOUT_GREETINGS if heldout else GREETINGS
+    greeting_set = HELDOUT_GREETINGS if heldout else COMPOSED_GREETINGS if composed_greetings else GREETINGS
     encode = PromptEncoder(tokenizer)
     samples = []
     for request in tool_requests(text, n, seed, heldout=heldout, pieces=pieces):

@@ -37,7 +37,6 @@ from dwarfstar.train.chat_data import (
     ARGUMENT,
     CLIENT_CORE,
     CLIENT_TOOLS,
-    HELDOUT_GREETINGS,
     TOOLS,
     PromptEncoder,
     ToolRequest,
@@ -45,6 +44,7 @@ from dwarfstar.train.chat_data import (
     tool_requests,
 )
 from dwarfstar.train.corpus import read_split
+from dwarfstar.train.greetings import HELDOUT_GREETINGS
 
 CORPUS = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "text" / "promessi_sposi.txt"
 CALL_TOKENS = 60  # a DSML call of one short argument is about 45 tokens

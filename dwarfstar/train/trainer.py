@@ -107,6 +107,9 @@ class Recipe:
     # share of the tools prompts (and of the calls') that declare and call the client's own core tools
     # (chat_data.CLIENT_TOOLS: `Read`/`file_path`, `exec_command`/`cat {}`...), as an agent prompt does
     tool_client: float = 0.0
+    # the greetings of the tools prompts and the agent turns: the seventeen fixed ones, or with this the
+    # five hundred composed from their parts (greetings.COMPOSED_GREETINGS)
+    composed_greetings: bool = False
     call_weight: float = 2.0  # loss weight of a tool call's targets
     arg_weight: float = 3.0  # loss weight of the argument a call copies and of the token closing it
     # loss weight of the argument's first token, the one the copy must find after the request's opening
@@ -225,6 +228,7 @@ class Trainer:
             greetings=recipe.tool_greetings,
             reasoning=recipe.tool_reasoning,
             client_tools=recipe.tool_client,
+            composed_greetings=recipe.composed_greetings,
         )
         groups: dict[bytes, list[Sample]] = {}
         for sample in self.tools:
@@ -272,6 +276,7 @@ class Trainer:
                     seed + i,
                     prompt_options(i),
                     reasoning=recipe.tool_reasoning,
+                    composed_greetings=recipe.composed_greetings,
                 )
                 self.agent_groups.append(shared_prefix(samples))
             known = np.unique(np.concatenate([s.ids for group in self.agent_groups for s in group]))

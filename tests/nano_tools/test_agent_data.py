@@ -18,8 +18,6 @@ from dwarfstar.tokenizer.specials import ASSISTANT, EOS
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train.agent_data import (
-    GREETINGS,
-    HELDOUT_GREETINGS,
     agent_samples,
     agent_turns,
     bare,
@@ -28,6 +26,7 @@ from dwarfstar.train.agent_data import (
 )
 from dwarfstar.train.agent_prompts import SHAPES, agent_prompt
 from dwarfstar.train.corpus import read_split
+from dwarfstar.train.greetings import GREETINGS, HELDOUT_GREETINGS
 from dwarfstar.train.prefix_states import PrefixStates, run_prefixes
 
 CORPUS = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "text" / "promessi_sposi.txt"

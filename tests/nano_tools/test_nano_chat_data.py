@@ -19,6 +19,7 @@ from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train import chat_data
 from dwarfstar.train.corpus import chat_prompts, read_split
+from dwarfstar.train.greetings import GREETINGS
 
 CORPUS = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "text" / "promessi_sposi.txt"
 # a slice of the book keeps the sentence pool (every sentence is tokenized) quick
@@ -217,13 +218,13 @@ def test_tools_prompts_can_carry_the_agent_turns_reasoning_and_greetings(book: s
     plain = chat_data.tool_samples(book, tok, 40, seed=7, thinking_share=1.0)
     turns = chat_data.tool_samples(book, tok, 40, seed=7, thinking_share=1.0, greetings=0.4, reasoning=True)
     assert all(output_text(s, tok).startswith(THINK_END) for s in plain)  # `<think>` in the prompt, empty
-    answers = {answer for _, _, answer in chat_data.GREETINGS}
+    answers = {answer for _, _, answer in GREETINGS}
     greeted = 0
     for sample in turns:
         text = tok.decode(sample.ids.tolist())
         user = text.split("<｜User｜>")[1].split("<｜Assistant｜>")[0]
         outputs = output_text(sample, tok).split(EOS)[:-1]
-        greeting = next((g for g in chat_data.GREETINGS if g[0] == user), None)
+        greeting = next((g for g in GREETINGS if g[0] == user), None)
         if greeting is not None:
             greeted += 1
             assert outputs == [f"{chat_data.REASONING['greeting', greeting[1]]}{THINK_END}{greeting[2]}"]

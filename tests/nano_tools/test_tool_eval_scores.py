@@ -11,7 +11,8 @@ from dwarfstar.prompt.render_options import DS4
 from dwarfstar.tokenizer.specials import EOS
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
-from dwarfstar.train.chat_data import CLIENT_TOOLS, HELDOUT_GREETINGS, TOOLS, PromptEncoder, ToolRequest, function_call
+from dwarfstar.train.chat_data import CLIENT_TOOLS, TOOLS, PromptEncoder, ToolRequest, function_call
+from dwarfstar.train.greetings import HELDOUT_GREETINGS
 from dwarfstar.train.tool_eval import TURN_TOKENS, greeting_endings, tool_call_accuracy
 from dwarfstar.train.trainer import NANO
 
