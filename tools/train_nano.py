@@ -216,6 +216,7 @@ def main() -> None:
     parser.add_argument(
         "--agent-autograd", action="store_true", help="run each agent turn's whole prompt with autograd"
     )
+    parser.add_argument("--tool-autograd", action="store_true", help="the same for the short tools prompts")
     parser.add_argument("--agent-noise", type=float, default=Recipe.agent_noise, help="agent prompt ids replaced")
     parser.add_argument("--agent-evals", type=int, default=0, help="held-out agent prompts at each eval")
     # one thread: on the shared 2-core machine a second OpenMP thread mostly waits for the first
@@ -282,6 +283,7 @@ def main() -> None:
         agent_pool=opts.agent_pool,
         agent_refresh=opts.agent_refresh,
         agent_autograd=opts.agent_autograd,
+        tool_autograd=opts.tool_autograd,
         agent_noise=opts.agent_noise,
     )
     began = time.perf_counter()

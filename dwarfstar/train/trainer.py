@@ -141,6 +141,9 @@ class Recipe:
     # compressors, the indexer's keys and the prompt's rows then learn what the turns need from it
     # (which tools it declares), at the cost of the prompt's tokens in every sample
     agent_autograd: bool = False
+    # the same for the short tools prompts (and the calls'): the declarations' rows then learn to be
+    # found, so a call can name the tool a prompt declares rather than the name most often trained
+    tool_autograd: bool = False
     # share of an agent prompt's ordinary tokens replaced by ids that occur in no training text: a real
     # client's prompt holds many ids whose embeddings training never moved, which these stand for
     agent_noise: float = 0.1
@@ -436,10 +439,12 @@ class Trainer:
     def hidden(self, model: ReferenceModel, samples: list[Sample]) -> torch.Tensor:
         """Final rows of every sample's trained span; the shared prefixes (tool declarations) run
         once, without autograd and unobserved, and each of their samples continues from a fork, but
-        for an agent turn under `agent_autograd`, which runs whole."""
+        for an agent turn under `agent_autograd` or a tools-prompt sample under `tool_autograd`, which
+        runs whole."""
 
         def start(s: Sample) -> int:  # where the sample's run begins
-            whole = self.recipe.agent_autograd and s.ids[: s.prefix].tobytes() in self.agent_keys
+            agent = s.ids[: s.prefix].tobytes() in self.agent_keys
+            whole = self.recipe.agent_autograd if agent else self.recipe.tool_autograd
             return 0 if whole else s.prefix
 
         prefixes = {s.ids[: s.prefix].tobytes(): s.ids[: s.prefix] for s in samples if start(s)}
@@ -460,7 +465,7 @@ class Trainer:
 
     def train_step(self, model: ReferenceModel) -> tuple[float, float, float, int]:
         """One optimizer step: (weighted loss, indexer KL, worst load ratio, rows trained: the tokens run with
-        autograd but for the prompts of `agent_autograd`)."""
+        autograd but for the prompts of `agent_autograd` and `tool_autograd`)."""
         samples = self.batch()
         y = self.hidden(model, samples)
         targets = torch.cat([self.targets(s)[s.prefix :] for s in samples])

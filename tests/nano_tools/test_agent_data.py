@@ -124,27 +124,32 @@ def test_a_kept_prefix_state_is_the_fresh_run_until_it_is_too_old() -> None:
     assert kept.runs == 2
 
 
+@pytest.mark.parametrize("kind", ["agent", "tools"])
 @pytest.mark.parametrize("autograd", [False, True])
-def test_an_agent_turn_trains_its_prompt_only_under_agent_autograd(autograd: bool, tokenizer: Tokenizer, book: str):
-    """`Trainer.hidden` on an agent turn: the same rows from a kept prompt state (detached, as at
-    inference) and from the whole run with autograd, but only the whole run's gradient reaches the
-    prompt (here: the embeddings of ids that occur only there)."""
+def test_a_turn_trains_its_prompt_only_under_autograd(kind: str, autograd: bool, tokenizer: Tokenizer, book: str):
+    """`Trainer.hidden` on an agent turn (`agent_autograd`) and on a short tools prompt's round trip
+    (`tool_autograd`): the same rows from the prompt's state (detached, as at inference) and from
+    the whole run with autograd, but only the whole run's gradient reaches the prompt (here: the
+    embeddings of ids that occur only there)."""
     from types import SimpleNamespace
 
+    from dwarfstar.train.chat_data import tool_samples
     from dwarfstar.train.params import ParamWeights, compact
     from dwarfstar.train.trainer import NANO, Recipe, Trainer, shared_prefix, warm_params
 
-    prompt = agent_prompt("responses", 3, (1500, 2000), count(tokenizer))
-    sample = shared_prefix(agent_samples(prompt, book, tokenizer, 2, seed=3))[0]
+    if kind == "agent":
+        prompt = agent_prompt("responses", 3, (1500, 2000), count(tokenizer))
+        sample = shared_prefix(agent_samples(prompt, book, tokenizer, 2, seed=3))[0]
+        recipe, agent_keys = Recipe(agent_autograd=autograd), {sample.ids[: sample.prefix].tobytes()}
+    else:
+        sample = tool_samples(book, tokenizer, 1, seed=3, thinking_share=0.0)[0]
+        recipe, agent_keys = Recipe(tool_autograd=autograd), set()
     vocab = torch.arange(NANO.vocab_size - 1)  # every id but one, whose output row is the "rest" one
     params = compact(warm_params(default_model_path(), NANO, vocab), vocab)
     params["token_embd.weight"].requires_grad_(True)
     # as the trainer's: QAT rounding off (the reference's cached rotation for it may come from inference mode)
     model = ReferenceModel.from_weights(NANO.with_(vocab_size=vocab.numel()), ParamWeights(params), qat=False)
-    key = sample.ids[: sample.prefix].tobytes()
-    trainer = SimpleNamespace(
-        recipe=Recipe(agent_autograd=autograd), agent_keys={key}, local=vocab, agent_states=PrefixStates(1), step=0
-    )
+    trainer = SimpleNamespace(recipe=recipe, agent_keys=agent_keys, local=vocab, agent_states=PrefixStates(1), step=0)
     rows = Trainer.hidden(trainer, model, [sample])
     assert rows.shape[0] == len(sample.ids) - 1 - sample.prefix  # the turn's rows only, either way
     with torch.no_grad():
@@ -153,5 +158,5 @@ def test_an_agent_turn_trains_its_prompt_only_under_agent_autograd(autograd: boo
     (rows * torch.randn(rows.shape, generator=torch.Generator().manual_seed(0))).sum().backward()
     only_prompt = np.setdiff1d(sample.ids[: sample.prefix], sample.ids[sample.prefix :])
     reached = params["token_embd.weight"].grad[only_prompt].abs().sum(1) > 0
-    assert len(only_prompt) > 100
+    assert len(only_prompt) > 50
     assert reached.float().mean() > 0.9 if autograd else not reached.any()
