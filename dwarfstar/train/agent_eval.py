@@ -9,9 +9,11 @@ DSML parser on the text.
 
 With `--tool-guard` each reply is decoded under the server's tool-call guard (prompt/dsml_guard.py:
 a block's tool and parameter names kept to the prompt's declared tools), as `serve` runs by default.
+`--seen-prompts` and `--seen-turns` ask training's own prompts (seed 0's) or greetings and requests
+instead, to tell what a run learned to generalise from what it learned by heart.
 
     .venv/bin/python -m dwarfstar.train.agent_eval dwarfstar/data/nano.gguf [--prompts 20] [--tokens 4000 16000]
-        [--tool-guard]
+        [--tool-guard] [--seen-prompts] [--seen-turns]
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dwarfstar.train.chat_data import PromptEncoder
 from dwarfstar.train.corpus import read_split
 from dwarfstar.train.tool_eval import CORPUS, TURN_TOKENS, FileModel, ends_turn, reply_after
 
-HELDOUT_SEED = 10_000  # evaluation prompts use seeds from here on; training's are below
+HELDOUT_SEED = 10_000  # evaluation prompts use seeds from here on; training's are below (seed 0's: 0...)
 
 
 @dataclass
@@ -48,9 +50,12 @@ class AgentScore:
     samples: list[str] = field(default_factory=list)
 
 
-def heldout_prompts(n: int, tokens: tuple[int, int], count: Callable[[str], int]) -> list[AgentPrompt]:
-    """`n` evaluation prompts, the shapes in turn."""
-    return [agent_prompt(SHAPES[i % len(SHAPES)], HELDOUT_SEED + i, tokens, count) for i in range(n)]
+def generated_prompts(
+    n: int, tokens: tuple[int, int], count: Callable[[str], int], first: int = HELDOUT_SEED
+) -> list[AgentPrompt]:
+    """`n` prompts of seeds from `first`, the shapes in turn: held-out ones, or a training run's (seed
+    S's from S * 1000)."""
+    return [agent_prompt(SHAPES[i % len(SHAPES)], first + i, tokens, count) for i in range(n)]
 
 
 def prompt_options(i: int) -> RenderOptions:
@@ -69,13 +74,15 @@ def agent_scores(
     book: str,
     keep: int = 4,
     guarded: bool = False,
+    heldout: bool = True,
 ) -> dict[str, AgentScore]:
     """Per client shape: each prompt with one held-out greeting and one held-out tool request (the
     prompt's state computed once, each turn continuing from a copy). `head`, `local` and `vocab` as
-    in tool_eval.tool_call_accuracy; `guarded`: under the tool-call guard (full ids only)."""
+    in tool_eval.tool_call_accuracy; `guarded`: under the tool-call guard (full ids only); `heldout`:
+    held-out greetings and requests, else training's (agent_turns)."""
     encode = PromptEncoder(tokenizer)
     user, eos = tokenizer.token_id(USER), tokenizer.token_id(EOS)
-    turns = agent_turns(book, 40 * len(prompts), HELDOUT_SEED, heldout=True)
+    turns = agent_turns(book, 40 * len(prompts), HELDOUT_SEED, heldout=heldout)
     greetings = [t for t in turns if t.kind == "greeting"]
     requests = [t for t in turns if t.kind != "greeting"]
     scores = {shape: AgentScore() for shape in SHAPES}
@@ -113,13 +120,23 @@ def _score_turn(score: AgentScore, prompt: AgentPrompt, turn: AgentTurn, text: s
 
 
 def file_agent_scores(
-    path: Path, n: int, tokens: tuple[int, int], corpus: Path = CORPUS, guarded: bool = False
+    path: Path,
+    n: int,
+    tokens: tuple[int, int],
+    corpus: Path = CORPUS,
+    guarded: bool = False,
+    seen_prompts: bool = False,
+    seen_turns: bool = False,
 ) -> dict[str, AgentScore]:
-    """A model file's scores, QAT rounding on as served (`guarded`: under the tool-call guard)."""
+    """A model file's scores, QAT rounding on as served (`guarded`: under the tool-call guard; `seen_*`:
+    training's prompts, turns)."""
     f = FileModel.open(path)
-    prompts = heldout_prompts(n, tokens, lambda text: len(f.tokenizer.encode(text)))
+    first = 0 if seen_prompts else HELDOUT_SEED
+    prompts = generated_prompts(n, tokens, lambda text: len(f.tokenizer.encode(text)), first)
     book = read_split(corpus).train
-    return agent_scores(f.model, f.head, f.ids, f.ids, f.tokenizer, prompts, book, guarded=guarded)
+    return agent_scores(
+        f.model, f.head, f.ids, f.ids, f.tokenizer, prompts, book, guarded=guarded, heldout=not seen_turns
+    )
 
 
 def report(scores: dict[str, AgentScore]) -> list[str]:
@@ -140,10 +157,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs=2, default=(4000, 16000), help="their length bounds")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--tool-guard", action="store_true", help="decode under the server's tool-call guard")
+    parser.add_argument("--seen-prompts", action="store_true", help="a seed-0 training run's own prompts")
+    parser.add_argument("--seen-turns", action="store_true", help="training's greetings and requests")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
-    scores = file_agent_scores(opts.model, opts.prompts, tuple(opts.tokens), opts.corpus, opts.tool_guard)
+    scores = file_agent_scores(
+        opts.model, opts.prompts, tuple(opts.tokens), opts.corpus, opts.tool_guard, opts.seen_prompts, opts.seen_turns
+    )
     print("\n".join(report(scores)))
     print(f"({time.perf_counter() - start:.0f} s)")
 

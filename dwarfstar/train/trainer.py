@@ -24,8 +24,7 @@ from dwarfstar.tokenizer.specials import THINK_END
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train.agent_data import agent_samples
-from dwarfstar.train.agent_eval import agent_scores, heldout_prompts, prompt_options, report
-from dwarfstar.train.agent_prompts import SHAPES, agent_prompt
+from dwarfstar.train.agent_eval import agent_scores, generated_prompts, prompt_options, report
 from dwarfstar.train.chat_data import (
     TOOLS,
     Sample,
@@ -39,6 +38,7 @@ from dwarfstar.train.chat_data import (
     word_pieces,
 )
 from dwarfstar.train.corpus import chat_prompts, chat_samples, read_split
+from dwarfstar.train.greetings import HELDOUT_GREETINGS
 from dwarfstar.train.induction import plant_copy_circuit
 from dwarfstar.train.observers import IndexerLoss, RouterBalance
 from dwarfstar.train.params import (
@@ -256,9 +256,11 @@ class Trainer:
         self.heldout_calls = [
             call_only(s, self.eos) for s in tool_samples(split.train, tokenizer, 60, seed + 100, 0.0, heldout=True)
         ]
-        # held-out tool requests are inputs at test time: they get embeddings (trained as negatives only)
+        # held-out tool requests and greetings are inputs at test time: they get embeddings (trained as
+        # negatives only)
         heldout_requests = tool_requests(split.train, recipe.tool_pool, seed, heldout=True)
-        heldout_request_ids = tokenizer.encode("\n".join(r.text for r in heldout_requests))
+        heldout_texts = [r.text for r in heldout_requests] + [words for words, _, _ in HELDOUT_GREETINGS]
+        heldout_request_ids = tokenizer.encode("\n".join(heldout_texts))
         self.agent_groups: list[list[Sample]] = []
         self.noise_ids = np.zeros(0, dtype=np.int64)
         self.agent_eval_prompts = []
@@ -269,8 +271,8 @@ class Trainer:
                 return len(tokenizer.encode(text))
 
             rng = np.random.default_rng(seed + 7)
-            for i in range(recipe.agent_prompts):
-                prompt = agent_prompt(SHAPES[i % len(SHAPES)], seed * 1000 + i, recipe.agent_tokens, count)
+            trained = generated_prompts(recipe.agent_prompts, recipe.agent_tokens, count, first=seed * 1000)
+            for i, prompt in enumerate(trained):
                 samples = agent_samples(
                     prompt,
                     split.train,
@@ -286,7 +288,7 @@ class Trainer:
             self.noise_ids = np.setdiff1d(np.arange(ORDINARY_IDS[0], ORDINARY_IDS[1]), known)
             self.noise_ids = rng.choice(self.noise_ids, NOISE_IDS, replace=False)
             self.agent_groups = [noisy(g, self.noise_ids, recipe.agent_noise, rng) for g in self.agent_groups]
-            self.agent_eval_prompts = heldout_prompts(agent_evals, recipe.agent_tokens, count)
+            self.agent_eval_prompts = generated_prompts(agent_evals, recipe.agent_tokens, count)
             agent_heldout = [
                 s
                 for i, p in enumerate(self.agent_eval_prompts)
