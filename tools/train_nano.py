@@ -37,6 +37,15 @@
     .venv/bin/python tools/train_nano.py --init dwarfstar/data/nano.gguf --steps 150 --lr 1e-3 --tool-batch 8 \
         --tool-thinking 0.7 --tool-greetings 0.5 --call-batch 2 --call-weight 3 --decision-weight 8 \
         --agent-batch 0 --tool-evals 6 --eval-every 75 --workdir build/decA --out build/decA/nano.gguf
+    # issue 36's run 13a (37 min; README "Model" has the figures of runs 12 and 13): from the bundled file,
+    # agent turns from step 0, half the short prompts with the clients' own tools, composed greetings;
+    # 13b adds --tool-autograd (51 min); 12a (agD1) and 12b (agD2) are 13a for 200 steps without
+    # --composed-greetings, 12a without --tool-client
+    .venv/bin/python tools/train_nano.py --init dwarfstar/data/nano.gguf --steps 150 --lr 1e-3 --batch 8 \
+        --tool-batch 8 --tool-thinking 0.7 --tool-greetings 0.5 --tool-client 0.5 --composed-greetings \
+        --call-batch 2 --call-weight 3 --decision-weight 8 --agent-batch 2 --agent-prompts 90 \
+        --agent-tokens 1500 3000 --agent-pool 10 --agent-refresh 1 --agent-evals 6 --tool-evals 6 \
+        --eval-every 150 --workdir build/agEa --out build/agEa/nano.gguf
     .venv/bin/python tools/train_nano.py --twin-k   # the 256-wide twin, written under build/
     .venv/bin/python tools/train_nano.py --mtp [--mtp-steps N] [--mtp-out dwarfstar/data/nano-mtp.gguf]
     # the bundled DSpark drafter (89 min on one core; README "Speculative decoding" has its figures)
