@@ -38,7 +38,6 @@ from dwarfstar.train.chat_data import (
     argument_words,
     assistant_targets,
     book_sentences,
-    command_value,
     function_call,
     quoting_answer,
     tool_argument,
@@ -60,11 +59,6 @@ def request_templates(heldout: bool) -> list[tuple[str, str, str]]:
     """Each template as written (quoted or backticked) and bare."""
     templates = HELDOUT_TEMPLATES if heldout else TRAIN_TEMPLATES
     return [(tool, lang, form) for tool, lang, t in templates for form in (t, bare(t))]
-
-
-def call_value(prompt: AgentPrompt, tool: str, argument: str) -> str:
-    """The prompt's core tool's argument value for a `tool` request (chat_data.command_value)."""
-    return command_value(prompt.core[tool].value, argument)
 
 
 @dataclass(frozen=True)
@@ -118,8 +112,7 @@ def turn_messages(
     if turn.kind == "greeting":
         return [user, {"role": "assistant", "content": turn.answer, **reasoning("greeting")}]
     request = ToolRequest(turn.kind, turn.language, turn.text, turn.argument)
-    core = prompt.core[turn.kind]
-    call = function_call(core.name, {core.parameter: call_value(prompt, turn.kind, turn.argument)})
+    call = function_call(*prompt.core[turn.kind].call(turn.argument))
     messages = [user, {"role": "assistant", "content": "", "tool_calls": [call], **reasoning(turn.kind)}]
     if rng.random() < CALL_ONLY_SHARE:
         return messages

@@ -32,7 +32,7 @@ from dwarfstar.prompt.dsml_parser import parse_completion
 from dwarfstar.prompt.render_options import DS4, OFFICIAL, RenderOptions
 from dwarfstar.tokenizer.specials import EOS, USER
 from dwarfstar.tokenizer.tokenizer import Tokenizer
-from dwarfstar.train.agent_data import AgentTurn, agent_turns, call_value
+from dwarfstar.train.agent_data import AgentTurn, agent_turns
 from dwarfstar.train.agent_prompts import SHAPES, AgentPrompt, agent_prompt, conversation
 from dwarfstar.train.chat_data import PromptEncoder
 from dwarfstar.train.corpus import read_split
@@ -113,8 +113,7 @@ def _score_turn(score: AgentScore, prompt: AgentPrompt, turn: AgentTurn, text: s
         score.ended += ends_turn(parsed, ended)
     else:
         score.requests += 1
-        core = prompt.core[turn.kind]
-        score.right += calls == [(core.name, {core.parameter: call_value(prompt, turn.kind, turn.argument)})]
+        score.right += calls == [prompt.core[turn.kind].call(turn.argument)]
     if len(score.samples) < 4:
         score.samples.append(f"[{n} tokens] {turn.text!r} -> {calls or text[:100]!r}{'' if ended else ' (no end)'}")
 

@@ -45,17 +45,10 @@ from dwarfstar.train.agent_text import (
     tools,
     workspace,
 )
-from dwarfstar.train.chat_data import CLIENT_CORE
+from dwarfstar.train.chat_data import CLIENT_CORE, CoreTool
 
 SHAPES = ("chat", "messages", "responses")
 FIT_PASSES = 40  # exact counts allowed while fitting the range
-
-
-@dataclass(frozen=True)
-class CoreTool:
-    name: str  # the declared tool's name
-    parameter: str  # its argument's name
-    value: str  # format of the argument's value, "{}" or e.g. "cat {}"
 
 
 @dataclass(frozen=True)
@@ -126,7 +119,7 @@ def _draft(w: Writer, shape: str) -> _Draft:
     ws = workspace(w)
     language, ext, commands = w.pick(LANGUAGES)
     w.facts.update(ext=ext, lang=language, cmd=w.pick(commands), shell=ws["shellname"], model=w.pick(MODELS))
-    core = {role: CoreTool(*tool) for role, tool in CLIENT_CORE[shape].items()}
+    core = dict(CLIENT_CORE[shape])
     # each declared from the tool bank's entry for a shell, or for the request's own kind
     banked = [(role if t.value == "{}" else "shell", t.name, t.parameter) for role, t in core.items()]
     declared = tools(w, shape, style, banked)

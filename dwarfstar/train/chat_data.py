@@ -65,21 +65,41 @@ TOOLS: dict[str, list[dict[str, Any]]] = {
     shape: declarations(shape, TOOL_SPECS) for shape in ("chat", "responses", "messages")
 }
 
-# each client's own tools for the three requests, by shape (opencode, Claude Code, Codex): request tool ->
-# (tool name, parameter, value format); a shell tool's value is a command around the argument. The
-# agent prompts declare them among 10-20 others (agent_prompts.py); `tool_samples` can declare them
-# alone, in a short prompt, so the names an agent's call needs get as many examples as `TOOLS`' do
-CLIENT_CORE: dict[str, dict[str, tuple[str, str, str]]] = {
-    "chat": {"read": ("read", "filePath", "{}"), "list": ("list", "path", "{}"), "search": ("grep", "pattern", "{}")},
+
+@dataclass(frozen=True)
+class CoreTool:
+    """A client's tool for a read, a list or a search request."""
+
+    name: str  # the declared tool's name
+    parameter: str  # its argument's name
+    value: str  # format of the argument's value, "{}" or a shell command around it, e.g. "cat {}"
+
+    def call(self, argument: str) -> tuple[str, dict[str, str]]:
+        """(name, arguments) of the call for a request's `argument`; a shell command quotes an argument
+        with spaces."""
+        if self.value != "{}" and " " in argument:
+            argument = f'"{argument}"'
+        return self.name, {self.parameter: self.value.format(argument)}
+
+
+# each client's own tools for the three requests, by shape (opencode, Claude Code, Codex). The agent
+# prompts declare them among 10-20 others (agent_prompts.py); `tool_samples` can declare them alone,
+# in a short prompt, so the names an agent's call needs get as many examples as `TOOLS`' do
+CLIENT_CORE: dict[str, dict[str, CoreTool]] = {
+    "chat": {
+        "read": CoreTool("read", "filePath", "{}"),
+        "list": CoreTool("list", "path", "{}"),
+        "search": CoreTool("grep", "pattern", "{}"),
+    },
     "messages": {
-        "read": ("Read", "file_path", "{}"),
-        "list": ("Bash", "command", "ls {}"),
-        "search": ("Grep", "pattern", "{}"),
+        "read": CoreTool("Read", "file_path", "{}"),
+        "list": CoreTool("Bash", "command", "ls {}"),
+        "search": CoreTool("Grep", "pattern", "{}"),
     },
     "responses": {
-        "read": ("exec_command", "cmd", "cat {}"),
-        "list": ("exec_command", "cmd", "ls {}"),
-        "search": ("exec_command", "cmd", "grep -rn {} ."),
+        "read": CoreTool("exec_command", "cmd", "cat {}"),
+        "list": CoreTool("exec_command", "cmd", "ls {}"),
+        "search": CoreTool("exec_command", "cmd", "grep -rn {} ."),
     },
 }
 _CLIENT_ABOUT = {  # tool name -> (description, parameter description), our own words
@@ -94,19 +114,11 @@ _CLIENT_ABOUT = {  # tool name -> (description, parameter description), our own 
 
 
 def _client_tools(shape: str) -> list[dict[str, Any]]:
-    params = {name: param for name, param, _ in CLIENT_CORE[shape].values()}  # a shell tool serves three requests
+    params = {t.name: t.parameter for t in CLIENT_CORE[shape].values()}  # a shell tool serves three requests
     return declarations(shape, [(n, _CLIENT_ABOUT[n][0], p, _CLIENT_ABOUT[n][1]) for n, p in params.items()])
 
 
 CLIENT_TOOLS = {shape: _client_tools(shape) for shape in CLIENT_CORE}
-
-
-def command_value(value: str, argument: str) -> str:
-    """A core tool's argument value: the argument itself (`value` "{}"), or in its shell command,
-    quoted if it has spaces."""
-    if value != "{}" and " " in argument:
-        argument = f'"{argument}"'
-    return value.format(argument)
 
 
 TEMPLATES: dict[str, RenderOptions] = {"ds4": DS4, "official": OFFICIAL}
@@ -428,8 +440,7 @@ def tool_samples(
         if client_tools and clients.random() < client_tools:
             declared = CLIENT_TOOLS[shape]
             if request.argument:
-                name, param, value = CLIENT_CORE[shape][request.tool]
-                messages[1]["tool_calls"] = [function_call(name, {param: command_value(value, request.argument)})]
+                messages[1]["tool_calls"] = [function_call(*CLIENT_CORE[shape][request.tool].call(request.argument))]
         ids = encode.render(messages, tools=declared, thinking=thinking, options=options)
         prefix = ids.index(tokenizer.token_id(USER))  # the system prompt, the tools section in it
         span = argument_span(ids, tokenizer) if request.argument else (0, 0)

@@ -40,7 +40,6 @@ from dwarfstar.train.chat_data import (
     TOOLS,
     PromptEncoder,
     ToolRequest,
-    command_value,
     tool_requests,
 )
 from dwarfstar.train.corpus import read_split
@@ -141,11 +140,12 @@ def tool_call_accuracy(
         ended = "<rest>" if out[-1] == vocab.numel() else ""  # an id outside the training data
         parsed = parse_completion(text, thinking=thinking, ended=True)
         calls = [(c.name, c.arguments) for c in parsed.tool_calls]
-        name, param, value = (
-            CLIENT_CORE[shape][request.tool] if client else (request.tool, ARGUMENT[request.tool], "{}")
-        )
-        right += calls == [(name, {param: command_value(value, request.argument)})]
-        named += [n for n, _ in calls] == [name]
+        if client:
+            expected = CLIENT_CORE[shape][request.tool].call(request.argument)
+        else:
+            expected = (request.tool, {ARGUMENT[request.tool]: request.argument})
+        right += calls == [expected]
+        named += [name for name, _ in calls] == [expected[0]]
         if len(samples) < keep:
             samples.append(f"{request.text!r} -> {calls or text[:80] + ended!r}")
     return ToolCallScore(right, named, len(requests), samples)

@@ -21,7 +21,6 @@ from dwarfstar.train.agent_data import (
     agent_samples,
     agent_turns,
     bare,
-    call_value,
     request_templates,
 )
 from dwarfstar.train.agent_prompts import SHAPES, agent_prompt
@@ -77,10 +76,8 @@ def test_samples_train_only_the_assistant_and_calls_carry_the_argument(shape: st
         if turn.kind == "greeting":
             assert sample.argument == (0, 0) and not parsed.tool_calls and parsed.content == turn.answer
             continue
-        core = prompt.core[turn.kind]
         (call,) = parsed.tool_calls
-        value = call_value(prompt, turn.kind, turn.argument)
-        assert (call.name, call.arguments) == (core.name, {core.parameter: value})
+        assert (call.name, call.arguments) == prompt.core[turn.kind].call(turn.argument)
         start, end = sample.argument
         assert turn.argument in tokenizer.decode(sample.ids[start:end].tolist())
         assert sample.trained[start - 1 : end].all()

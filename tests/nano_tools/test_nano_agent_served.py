@@ -32,7 +32,7 @@ from dwarfstar.model.bundled import default_model_path
 from dwarfstar.serving.config import ServerConfig
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
-from dwarfstar.train.agent_data import agent_turns, call_value
+from dwarfstar.train.agent_data import agent_turns
 from dwarfstar.train.agent_eval import HELDOUT_SEED
 from dwarfstar.train.agent_prompts import SHAPES, AgentPrompt, agent_prompt, request_body
 from dwarfstar.train.chat_data import function_call
@@ -108,8 +108,7 @@ def test_a_read_request_after_an_agent_prompt_is_a_round_trip_that_quotes_the_fi
     turn = next(t for t in agent_turns(book, 200, HELDOUT_SEED + 7, heldout=True) if t.kind == "read")
     user = {"role": "user", "content": turn.text}
     reply = send(served, prompt, [user])
-    core = prompt.core["read"]
-    assert reply.calls == [(core.name, {core.parameter: call_value(prompt, "read", turn.argument)})], (turn, reply)
+    assert reply.calls == [prompt.core["read"].call(turn.argument)], (turn, reply)
     call = function_call(*reply.calls[0])
     turns = [
         user,
