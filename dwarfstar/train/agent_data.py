@@ -43,7 +43,7 @@ from dwarfstar.train.chat_data import (
     tool_argument,
     tool_result,
 )
-from dwarfstar.train.greetings import COMPOSED_GREETINGS, GREETINGS, HELDOUT_GREETINGS
+from dwarfstar.train.greetings import greeting_set
 
 THINKING_SHARE = 0.8  # every client asks for thinking; the rest without, as other clients send
 GREETING_SHARE = 0.3
@@ -78,7 +78,7 @@ def agent_turns(book: str, n: int, seed: int, *, heldout: bool, composed_greetin
     rng = np.random.default_rng(seed)
     train_words, heldout_words = argument_words(book)
     words = heldout_words if heldout else train_words
-    greetings = HELDOUT_GREETINGS if heldout else COMPOSED_GREETINGS if composed_greetings else GREETINGS
+    greetings = greeting_set(heldout, composed_greetings)
     templates = request_templates(heldout)
     out = []
     for _ in range(n):

@@ -32,7 +32,7 @@ from dwarfstar.prompt.render import render_conversation
 from dwarfstar.prompt.render_options import DS4, OFFICIAL, RenderOptions
 from dwarfstar.tokenizer.specials import ASSISTANT, EOS, USER, Control, PromptPart
 from dwarfstar.tokenizer.tokenizer import Tokenizer
-from dwarfstar.train.greetings import COMPOSED_GREETINGS, GREETINGS, HELDOUT_GREETINGS
+from dwarfstar.train.greetings import greeting_set
 
 TOOL_SPECS = (
     ("read", "Read a text file and return its content.", "path", "Path of the file to read."),
@@ -415,14 +415,14 @@ def tool_samples(
     clients = np.random.default_rng(seed + 3)
     sentences = book_sentences(text, tokenizer)
     shapes, templates = sorted(TOOLS), sorted(TEMPLATES)
-    greeting_set = HELDOUT_GREETINGS if heldout else COMPOSED_GREETINGS if composed_greetings else GREETINGS
+    greetings_drawn = greeting_set(heldout, composed_greetings)
     encode = PromptEncoder(tokenizer)
     samples = []
     for request in tool_requests(text, n, seed, heldout=heldout, pieces=pieces):
         result = tool_result(request, sentences, rng)
         kinds = [request.tool, "answer"]
         if greetings and rng.random() < greetings:
-            words, language, answer = greeting_set[int(rng.integers(len(greeting_set)))]
+            words, language, answer = greetings_drawn[int(rng.integers(len(greetings_drawn)))]
             messages = [{"role": "user", "content": words}, {"role": "assistant", "content": answer}]
             kinds = ["greeting"]
             request = ToolRequest("greeting", language, words, "")

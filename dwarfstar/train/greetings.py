@@ -141,3 +141,8 @@ def _composed_greetings() -> tuple[tuple[str, str, str], ...]:
 
 
 COMPOSED_GREETINGS = _composed_greetings()
+
+
+def greeting_set(heldout: bool, composed: bool = False) -> tuple[tuple[str, str, str], ...]:
+    """The greetings a data set draws from: the held-out ones, or training's (`composed`: all 514)."""
+    return HELDOUT_GREETINGS if heldout else COMPOSED_GREETINGS if composed else GREETINGS
