@@ -221,6 +221,9 @@ def main() -> None:
     parser.add_argument("--agent-prompts", type=int, default=Recipe.agent_prompts, help="generated agent prompts")
     parser.add_argument("--agent-tokens", type=int, nargs=2, default=Recipe.agent_tokens, help="their length bounds")
     parser.add_argument("--agent-pool", type=int, default=Recipe.agent_pool, help="turns drawn per agent prompt")
+    parser.add_argument(
+        "--agent-greetings", type=float, default=Recipe.agent_greetings, help="share of agent turns that are greetings"
+    )
     parser.add_argument("--agent-refresh", type=int, default=Recipe.agent_refresh, help="steps a prompt state is kept")
     parser.add_argument(
         "--agent-autograd", action="store_true", help="run each agent turn's whole prompt with autograd"
@@ -290,6 +293,7 @@ def main() -> None:
         agent_prompts=opts.agent_prompts,
         agent_tokens=tuple(opts.agent_tokens),
         agent_pool=opts.agent_pool,
+        agent_greetings=opts.agent_greetings,
         agent_refresh=opts.agent_refresh,
         agent_autograd=opts.agent_autograd,
         tool_autograd=opts.tool_autograd,

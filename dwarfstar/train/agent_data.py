@@ -72,8 +72,16 @@ class AgentTurn:
     argument: str = ""  # a tool request's argument
 
 
-def agent_turns(book: str, n: int, seed: int, *, heldout: bool, composed_greetings: bool = False) -> list[AgentTurn]:
-    """`n` requests, GREETING_SHARE of them greetings (`GREETINGS`, or `COMPOSED_GREETINGS`), the rest
+def agent_turns(
+    book: str,
+    n: int,
+    seed: int,
+    *,
+    heldout: bool,
+    composed_greetings: bool = False,
+    greeting_share: float = GREETING_SHARE,
+) -> list[AgentTurn]:
+    """`n` requests, `greeting_share` of them greetings (`GREETINGS`, or `COMPOSED_GREETINGS`), the rest
     tool requests (bare, quoted or backticked) over training (or held-out) templates and argument words."""
     rng = np.random.default_rng(seed)
     train_words, heldout_words = argument_words(book)
@@ -82,7 +90,7 @@ def agent_turns(book: str, n: int, seed: int, *, heldout: bool, composed_greetin
     templates = request_templates(heldout)
     out = []
     for _ in range(n):
-        if rng.random() < GREETING_SHARE:
+        if rng.random() < greeting_share:
             text, language, answer = greetings[int(rng.integers(len(greetings)))]
             out.append(AgentTurn("greeting", language, text, answer=answer))
             continue
@@ -133,17 +141,21 @@ def agent_samples(
     heldout: bool = False,
     reasoning: bool = True,
     composed_greetings: bool = False,
+    greeting_share: float = GREETING_SHARE,
 ) -> list[Sample]:
     """`n` rendered turns after `prompt` in the server template `options`, their prefix the system
     prompt with its tools (one per prompt and template, which training runs once for all of its
     samples), the assistant's output their targets; `reasoning`: a thinking turn reasons in one
     sentence, else its reasoning is empty (the reply then decides right after `</think>`);
-    `composed_greetings`: agent_turns'."""
+    `composed_greetings`, `greeting_share`: agent_turns'."""
     rng = np.random.default_rng(seed + 1)
     sentences = book_sentences(book, tokenizer)
     encode = PromptEncoder(tokenizer)
     samples = []
-    for turn in agent_turns(book, n, seed, heldout=heldout, composed_greetings=composed_greetings):
+    turns = agent_turns(
+        book, n, seed, heldout=heldout, composed_greetings=composed_greetings, greeting_share=greeting_share
+    )
+    for turn in turns:
         thinking = bool(rng.random() < THINKING_SHARE)
         messages = conversation(prompt, turn_messages(prompt, turn, sentences, rng, thinking, reasoning))
         ids = encode.render(messages, tools=prompt.tools, thinking=thinking, options=options)

@@ -23,7 +23,7 @@ from dwarfstar.model.tensors import INDEX, expected_tensors
 from dwarfstar.tokenizer.specials import THINK_END
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
-from dwarfstar.train.agent_data import agent_samples
+from dwarfstar.train.agent_data import GREETING_SHARE, agent_samples
 from dwarfstar.train.agent_eval import agent_scores, generated_prompts, prompt_options, report
 from dwarfstar.train.chat_data import (
     TOOLS,
@@ -136,6 +136,7 @@ class Recipe:
     agent_prompts: int = 12
     agent_tokens: tuple[int, int] = (4000, 10000)
     agent_pool: int = 120  # turns drawn per prompt
+    agent_greetings: float = GREETING_SHARE  # share of those turns that are greetings
     agent_refresh: int = 40
     # run each agent turn's whole prompt with autograd (and observed) instead of from a kept state: the
     # compressors, the indexer's keys and the prompt's rows then learn what the turns need from it
@@ -282,6 +283,7 @@ class Trainer:
                     prompt_options(i),
                     reasoning=recipe.tool_reasoning,
                     composed_greetings=recipe.composed_greetings,
+                    greeting_share=recipe.agent_greetings,
                 )
                 self.agent_groups.append(shared_prefix(samples))
             known = np.unique(np.concatenate([s.ids for group in self.agent_groups for s in group]))

@@ -60,6 +60,14 @@ def test_requests_come_bare_quoted_and_backticked_and_held_out_ones_are_new(book
     assert kinds == {"greeting", "read", "list", "search"}
 
 
+@pytest.mark.parametrize(("share", "low", "high"), [(0.0, 0, 0), (0.5, 120, 180), (1.0, 300, 300)])
+def test_the_greeting_share_is_the_share_of_turns_that_are_greetings(book: str, share: float, low: int, high: int):
+    turns = agent_turns(book, 300, 0, heldout=False, greeting_share=share)
+    greetings = [t for t in turns if t.kind == "greeting"]
+    assert low <= len(greetings) <= high
+    assert all(t.answer and not t.argument for t in greetings)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_samples_train_only_the_assistant_and_calls_carry_the_argument(shape: str, tokenizer: Tokenizer, book: str):
     prompt = agent_prompt(shape, 3, TOKENS, count(tokenizer))
