@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from dwarfstar.model.forward import Transformer
-from dwarfstar.prompt.dsml_guard import ToolGrammar, ToolGuard
 from dwarfstar.prompt.dsml_parser import parse_completion
 from dwarfstar.prompt.render_options import DS4, OFFICIAL, RenderOptions
 from dwarfstar.tokenizer.specials import EOS, USER
@@ -36,7 +35,7 @@ from dwarfstar.train.agent_data import AgentTurn, agent_turns
 from dwarfstar.train.agent_prompts import SHAPES, AgentPrompt, agent_prompt, conversation
 from dwarfstar.train.chat_data import PromptEncoder
 from dwarfstar.train.corpus import read_split
-from dwarfstar.train.tool_eval import CORPUS, TURN_TOKENS, FileModel, ends_turn, reply_after
+from dwarfstar.train.tool_eval import CORPUS, TURN_TOKENS, FileModel, ends_turn, reply_after, served_guard
 
 HELDOUT_SEED = 10_000  # evaluation prompts use seeds from here on; training's are below (seed 0's: 0...)
 
@@ -99,7 +98,7 @@ def agent_scores(
             if state is None:
                 state = model.new_state()
                 model.hidden_batch([local[torch.tensor(ids[:cut])]], [state], all_positions=False)
-            guard = ToolGuard(ToolGrammar(prompt.tools), tokenizer, thinking=True) if guarded else None
+            guard = served_guard(prompt.tools, tokenizer, True, guarded)
             out, text = reply_after(model, head, local, vocab, tokenizer, state, ids[cut:], TURN_TOKENS, guard)
             _score_turn(scores[prompt.shape], prompt, turn, text, out[-1] == int(local[eos]), len(ids))
     return scores

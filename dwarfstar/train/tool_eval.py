@@ -3,14 +3,15 @@ would send (its tools shape, the server's ds4 template, thinking off unless aske
 and the server's DSML parser on the text. Also the held-out greetings after the same short tools
 prompts: does the turn end with an answer and no call (the decision the agent prompts need too).
 With `--client-tools` the short prompts declare each client's own core tools instead (`Read`,
-`exec_command`...; chat_data.CLIENT_TOOLS), and a right call is that client's.
+`exec_command`...; chat_data.CLIENT_TOOLS), and a right call is that client's. With `--tool-guard`
+each reply is decoded under the server's tool-call guard, as `serve` runs by default.
 
 It measures what the served checks (tests/nano_tools/served_checks.py) measure through the SDKs,
 without a server, so a training run can log it as it goes, and scores a file on the served
 checks' own requests:
 
     .venv/bin/python -m dwarfstar.train.tool_eval build/nano/nano.gguf [--requests 20] [--thinking] [--greetings]
-        [--client-tools]
+        [--client-tools] [--tool-guard]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.loader import open_model
 from dwarfstar.prompt.dsml import BLOCK_OPEN
-from dwarfstar.prompt.dsml_guard import ToolGuard
+from dwarfstar.prompt.dsml_guard import ToolGrammar, ToolGuard
 from dwarfstar.prompt.dsml_parser import ParsedCompletion, parse_completion
 from dwarfstar.prompt.render_options import DS4
 from dwarfstar.tokenizer.specials import EOS, USER
@@ -127,16 +128,19 @@ def tool_call_accuracy(
     keep: int = 3,
     thinking: bool = False,
     client: bool = False,
+    guarded: bool = False,
 ) -> ToolCallScore:
     """How many of `requests`, declared with the tools in `shape`'s form, get a parsed call of the
     right tool with exactly the request's argument. `head` maps final rows to logits over the
     compact ids `vocab` plus one for all other ids (a choice of that one ends the generation);
     `local` maps full ids to compact ones; `thinking`: the requests ask for thinking, as the coding
     agents do, so the reply reasons (or closes its reasoning) before it calls; `client`: the tools
-    declared and the call expected are the client's own (`_short_prompts`)."""
+    declared and the call expected are the client's own (`_short_prompts`); `guarded`: decoded under
+    the server's tool-call guard (`served_guard`)."""
     right, named, samples = 0, 0, []
     for request, state, tail in _short_prompts(model, local, tokenizer, requests, shape, thinking, client):
-        out, text = reply_after(model, head, local, vocab, tokenizer, state, tail, CALL_TOKENS)
+        guard = served_guard(declared_tools(shape, client), tokenizer, thinking, guarded)
+        out, text = reply_after(model, head, local, vocab, tokenizer, state, tail, CALL_TOKENS, guard)
         ended = "<rest>" if out[-1] == vocab.numel() else ""  # an id outside the training data
         parsed = parse_completion(text, thinking=thinking, ended=True)
         calls = [(c.name, c.arguments) for c in parsed.tool_calls]
@@ -163,7 +167,7 @@ def _short_prompts(
     """Each request with its prompt in `shape`'s tools form (ds4 template), the tools `TOOLS` or with
     `client` the shape's client's own (`CLIENT_TOOLS`): the state after the system prompt, which every
     request shares and which runs once, and the rest of its ids."""
-    declared = CLIENT_TOOLS[shape] if client else TOOLS[shape]
+    declared = declared_tools(shape, client)
     encode = PromptEncoder(tokenizer)
     user = tokenizer.token_id(USER)
     state = None
@@ -174,6 +178,17 @@ def _short_prompts(
             state = model.new_state()
             model.hidden_batch([local[torch.tensor(ids[:cut])]], [state], all_positions=False)
         yield request, state, ids[cut:]
+
+
+def declared_tools(shape: str, client: bool) -> list[dict]:
+    """The tools a short prompt in `shape` declares: `TOOLS`', or with `client` its client's own."""
+    return CLIENT_TOOLS[shape] if client else TOOLS[shape]
+
+
+def served_guard(tools: list[dict], tokenizer: Tokenizer, thinking: bool, guarded: bool) -> ToolGuard | None:
+    """The tool-call guard `serve` decodes under by default, over the declared `tools` (its ids are the
+    tokenizer's, so it takes a model file, whose compact ids are the full ones); None if not `guarded`."""
+    return ToolGuard(ToolGrammar(tools), tokenizer, thinking=thinking) if guarded else None
 
 
 def ends_turn(parsed: ParsedCompletion, ended: bool) -> bool:
@@ -192,6 +207,7 @@ def greeting_endings(
     shape: str,
     thinking: bool = False,
     client: bool = False,
+    guarded: bool = False,
 ) -> GreetingScore:
     """How many of the held-out greetings, after `shape`'s tools prompt, end their turn within
     TURN_TOKENS tokens with an answer and no call; the arguments as in `tool_call_accuracy`."""
@@ -199,7 +215,8 @@ def greeting_endings(
     eos = int(local[tokenizer.token_id(EOS)])
     ended, called, samples = 0, 0, []
     for request, state, tail in _short_prompts(model, local, tokenizer, requests, shape, thinking, client):
-        out, text = reply_after(model, head, local, vocab, tokenizer, state, tail, TURN_TOKENS)
+        guard = served_guard(declared_tools(shape, client), tokenizer, thinking, guarded)
+        out, text = reply_after(model, head, local, vocab, tokenizer, state, tail, TURN_TOKENS, guard)
         closed = out[-1] == eos
         ended += ends_turn(parse_completion(text, thinking=thinking, ended=closed), closed)
         called += BLOCK_OPEN in text
@@ -228,24 +245,27 @@ class FileModel:
 
 
 def file_tool_accuracy(
-    path: Path, n: int, corpus: Path = CORPUS, thinking: bool = False, client: bool = False
+    path: Path, n: int, corpus: Path = CORPUS, thinking: bool = False, client: bool = False, guarded: bool = False
 ) -> list[tuple[str, ToolCallScore]]:
     """A model file's score on the requests of the served checks (tests/nano_tools: `n` held-out
     requests per client shape, seeds 0, 1, 2 in shape order)."""
     f = FileModel.open(path)
     book = read_split(corpus).train
+    args = f.model, f.head, f.ids, f.ids, f.tokenizer
     return [
-        (shape, tool_call_accuracy(f.model, f.head, f.ids, f.ids, f.tokenizer, requests, shape, 3, thinking, client))
+        (shape, tool_call_accuracy(*args, requests, shape, 3, thinking, client, guarded))
         for seed, shape in enumerate(sorted(TOOLS))
         for requests in [tool_requests(book, n, seed, heldout=True)]
     ]
 
 
-def file_greeting_endings(path: Path, thinking: bool = False, client: bool = False) -> list[tuple[str, GreetingScore]]:
+def file_greeting_endings(
+    path: Path, thinking: bool = False, client: bool = False, guarded: bool = False
+) -> list[tuple[str, GreetingScore]]:
     """A model file's held-out greetings after each client shape's tools prompt."""
     f = FileModel.open(path)
     return [
-        (shape, greeting_endings(f.model, f.head, f.ids, f.ids, f.tokenizer, shape, thinking, client))
+        (shape, greeting_endings(f.model, f.head, f.ids, f.ids, f.tokenizer, shape, thinking, client, guarded))
         for shape in sorted(TOOLS)
     ]
 
@@ -258,14 +278,18 @@ def main() -> None:
     parser.add_argument("--thinking", action="store_true", help="the requests ask for thinking")
     parser.add_argument("--greetings", action="store_true", help="score the held-out greetings' turn endings")
     parser.add_argument("--client-tools", action="store_true", help="declare and expect the clients' own tools")
+    parser.add_argument("--tool-guard", action="store_true", help="decode under the server's tool-call guard")
     opts = parser.parse_args()
     if opts.greetings:
-        for shape, greetings in file_greeting_endings(opts.model, opts.thinking, opts.client_tools):
+        for shape, greetings in file_greeting_endings(opts.model, opts.thinking, opts.client_tools, opts.tool_guard):
             print(f"{shape}: {greetings.ended}/{greetings.total} greetings ended, {greetings.called} opened a call")
             for line in greetings.samples:
                 print(f"  {line}")
         return
-    for shape, score in file_tool_accuracy(opts.model, opts.requests, opts.corpus, opts.thinking, opts.client_tools):
+    scores = file_tool_accuracy(
+        opts.model, opts.requests, opts.corpus, opts.thinking, opts.client_tools, opts.tool_guard
+    )
+    for shape, score in scores:
         print(f"{shape}: {score.right}/{score.total} right, {score.named}/{score.total} the right tool")
         for line in score.samples:
             print(f"  {line}")

@@ -107,3 +107,26 @@ def test_with_the_clients_tools_only_the_clients_own_call_is_right() -> None:
     score = tool_call_accuracy(model, lambda y: y, ids, ids, tokenizer, requests, "responses", client=True)
 
     assert (score.right, score.named, score.total) == (2, 3, 4)
+
+
+def test_under_the_guard_an_undeclared_tool_is_never_called() -> None:
+    """The guard `serve` decodes under keeps a call to the declared tools: a scripted `list` call after
+    a Codex prompt, which declares only its shell, comes out as a call of the shell."""
+    tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), NANO.vocab_size)
+    encode = PromptEncoder(tokenizer)
+    request = ToolRequest("list", "en", "show me the folder `src`", "src")
+    user = {"role": "user", "content": request.text}
+    prompt = encode.render([user], tools=CLIENT_TOOLS["responses"], thinking=False, options=DS4)
+    call = {"role": "assistant", "content": "", "tool_calls": [function_call("list", {"path": "src"})]}
+    whole = encode.render([user, call], tools=CLIENT_TOOLS["responses"], thinking=False, options=DS4)
+    vocab = tokenizer.vocab_size
+    model = ScriptedModel({tuple(prompt): whole[len(prompt) :]}, vocab, tokenizer.encode(" and")[0])
+    ids = torch.arange(vocab)
+
+    free = tool_call_accuracy(model, lambda y: y, ids, ids, tokenizer, [request], "responses", client=True)
+    guarded = tool_call_accuracy(
+        model, lambda y: y, ids, ids, tokenizer, [request], "responses", client=True, guarded=True
+    )
+
+    assert free.samples == ["'show me the folder `src`' -> [('list', {'path': 'src'})]"]
+    assert "exec_command" in guarded.samples[0] and "'list'" not in guarded.samples[0]
