@@ -27,7 +27,7 @@ import torch
 from dwarfstar.backends.reference.model import ReferenceModel
 from dwarfstar.model.forward import Transformer
 from dwarfstar.model.loader import open_model
-from dwarfstar.prompt.dsml import BLOCK_OPEN
+from dwarfstar.prompt.dsml import BLOCK_OPEN, DSML
 from dwarfstar.prompt.dsml_guard import ToolGrammar, ToolGuard
 from dwarfstar.prompt.dsml_parser import ParsedCompletion, parse_completion
 from dwarfstar.prompt.render_options import DS4
@@ -193,8 +193,10 @@ def served_guard(tools: list[dict], tokenizer: Tokenizer, thinking: bool, guarde
 
 def ends_turn(parsed: ParsedCompletion, ended: bool) -> bool:
     """A reply (`parsed`, `ended` by EOS) that ends its turn: a non-empty answer and no tool call,
-    valid or given up."""
-    return ended and not parsed.tool_calls and parsed.invalid_dsml is None and bool(parsed.content.strip())
+    valid or given up, nor a stray piece of one (a block's closing tag and an invoke, which the parser
+    leaves in the answer as text: the user would read the markup)."""
+    clean = parsed.invalid_dsml is None and DSML not in parsed.content
+    return ended and not parsed.tool_calls and clean and bool(parsed.content.strip())
 
 
 @torch.no_grad()

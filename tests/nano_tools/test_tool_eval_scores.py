@@ -1,12 +1,14 @@
 """`tool_eval`'s scores on a scripted model, which writes after each prompt the reply the server's
 template renders for it: `greeting_endings` counts a held-out greeting as ended only when the reply
-closes its turn within TURN_TOKENS with an answer and no call, and counts the replies that open a
-call; `tool_call_accuracy` with the clients' own tools wants that client's call."""
+closes its turn within TURN_TOKENS with an answer and no call (nor DSML markup in the answer), and
+counts the replies that open a call; `tool_call_accuracy` with the clients' own tools wants that
+client's call, and under the server's guard never calls a tool the prompt does not declare."""
 
 from __future__ import annotations
 
 import torch
 
+from dwarfstar.prompt.dsml import DSML
 from dwarfstar.prompt.render_options import DS4
 from dwarfstar.tokenizer.specials import EOS
 from dwarfstar.tokenizer.tokenizer import Tokenizer
@@ -50,6 +52,7 @@ def test_only_an_answer_that_ends_within_the_budget_and_calls_nothing_counts() -
         "ehi, ciao": {"tool_calls": [call]},  # an answer, and a call cut short: an invalid one
         "hey there": {"content": ""},  # an empty answer
         "good evening": {"content": "Good evening! " * TURN_TOKENS},  # past the budget
+        "salve": {"content": f"Salve!</{DSML}tool_calls>"},  # a stray closing tag, left in the answer
     }
     replies = {}
     for words, _, _ in HELDOUT_GREETINGS:
@@ -67,7 +70,7 @@ def test_only_an_answer_that_ends_within_the_budget_and_calls_nothing_counts() -
 
     score = greeting_endings(model, lambda y: y, ids, ids, tokenizer, SHAPE, thinking=True)
 
-    assert (score.ended, score.called, score.total) == (len(HELDOUT_GREETINGS) - 4, 2, len(HELDOUT_GREETINGS))
+    assert (score.ended, score.called, score.total) == (len(HELDOUT_GREETINGS) - 5, 2, len(HELDOUT_GREETINGS))
 
 
 def test_with_the_clients_tools_only_the_clients_own_call_is_right() -> None:
