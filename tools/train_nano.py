@@ -46,6 +46,9 @@
         --call-batch 2 --call-weight 3 --decision-weight 8 --agent-batch 2 --agent-prompts 90 \
         --agent-tokens 1500 3000 --agent-pool 10 --agent-refresh 1 --agent-evals 6 --tool-evals 6 \
         --eval-every 150 --workdir build/agEa --out build/agEa/nano.gguf
+    # issue 36's run 14a (55 min) is 13a with twelve agent turns a step, half of them greetings:
+    # `--steps 200 --agent-batch 12 --agent-pool 30 --agent-greetings 0.5 --eval-every 100`; 14b the
+    # same on 3000-6000-token prompts with `--agent-refresh 2` (90 min)
     .venv/bin/python tools/train_nano.py --twin-k   # the 256-wide twin, written under build/
     .venv/bin/python tools/train_nano.py --mtp [--mtp-steps N] [--mtp-out dwarfstar/data/nano-mtp.gguf]
     # the bundled DSpark drafter (89 min on one core; README "Speculative decoding" has its figures)
