@@ -138,8 +138,9 @@ def tool_call_accuracy(
     declared and the call expected are the client's own (`_short_prompts`); `guarded`: decoded under
     the server's tool-call guard (`served_guard`)."""
     right, named, samples = 0, 0, []
-    for request, state, tail in _short_prompts(model, local, tokenizer, requests, shape, thinking, client):
-        guard = served_guard(declared_tools(shape, client), tokenizer, thinking, guarded)
+    for request, state, tail, guard in _short_prompts(
+        model, local, tokenizer, requests, shape, thinking, client, guarded
+    ):
         out, text = reply_after(model, head, local, vocab, tokenizer, state, tail, CALL_TOKENS, guard)
         ended = "<rest>" if out[-1] == vocab.numel() else ""  # an id outside the training data
         parsed = parse_completion(text, thinking=thinking, ended=True)
@@ -163,11 +164,13 @@ def _short_prompts(
     shape: str,
     thinking: bool,
     client: bool = False,
-) -> Iterator[tuple[ToolRequest, object, list[int]]]:
+    guarded: bool = False,
+) -> Iterator[tuple[ToolRequest, object, list[int], ToolGuard | None]]:
     """Each request with its prompt in `shape`'s tools form (ds4 template), the tools `TOOLS` or with
     `client` the shape's client's own (`CLIENT_TOOLS`): the state after the system prompt, which every
-    request shares and which runs once, and the rest of its ids."""
-    declared = declared_tools(shape, client)
+    request shares and which runs once, the rest of its ids, and with `guarded` a fresh guard over the
+    declared tools for its reply (`served_guard`)."""
+    declared = CLIENT_TOOLS[shape] if client else TOOLS[shape]
     encode = PromptEncoder(tokenizer)
     user = tokenizer.token_id(USER)
     state = None
@@ -177,12 +180,7 @@ def _short_prompts(
         if state is None:
             state = model.new_state()
             model.hidden_batch([local[torch.tensor(ids[:cut])]], [state], all_positions=False)
-        yield request, state, ids[cut:]
-
-
-def declared_tools(shape: str, client: bool) -> list[dict]:
-    """The tools a short prompt in `shape` declares: `TOOLS`', or with `client` its client's own."""
-    return CLIENT_TOOLS[shape] if client else TOOLS[shape]
+        yield request, state, ids[cut:], served_guard(declared, tokenizer, thinking, guarded)
 
 
 def served_guard(tools: list[dict], tokenizer: Tokenizer, thinking: bool, guarded: bool) -> ToolGuard | None:
@@ -216,8 +214,9 @@ def greeting_endings(
     requests = [ToolRequest("greeting", language, text, "") for text, language, _ in HELDOUT_GREETINGS]
     eos = int(local[tokenizer.token_id(EOS)])
     ended, called, samples = 0, 0, []
-    for request, state, tail in _short_prompts(model, local, tokenizer, requests, shape, thinking, client):
-        guard = served_guard(declared_tools(shape, client), tokenizer, thinking, guarded)
+    for request, state, tail, guard in _short_prompts(
+        model, local, tokenizer, requests, shape, thinking, client, guarded
+    ):
         out, text = reply_after(model, head, local, vocab, tokenizer, state, tail, TURN_TOKENS, guard)
         closed = out[-1] == eos
         ended += ends_turn(parse_completion(text, thinking=thinking, ended=closed), closed)
