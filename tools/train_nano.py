@@ -49,6 +49,9 @@
     # issue 36's run 14a (55 min) is 13a with twelve agent turns a step, half of them greetings:
     # `--steps 200 --agent-batch 12 --agent-pool 30 --agent-greetings 0.5 --eval-every 100`; 14b the
     # same on 3000-6000-token prompts with `--agent-refresh 2` (90 min)
+    # runs 15a/15b (warm from 14a, `--lr 4e-4 --agent-greetings 0.3`, 15b `--call-weight 6 --arg-weight 6`;
+    # 44 min) and 16a/16b (14a with `--agent-prompts 180` or `--agent-noise 0.3`; 46 and 40 min) did not
+    # improve on it: README "Model"
     .venv/bin/python tools/train_nano.py --twin-k   # the 256-wide twin, written under build/
     .venv/bin/python tools/train_nano.py --mtp [--mtp-steps N] [--mtp-out dwarfstar/data/nano-mtp.gguf]
     # the bundled DSpark drafter (89 min on one core; README "Speculative decoding" has its figures)
