@@ -6,8 +6,9 @@ declarations before the user's words. The prompts here come from our own generat
 
 - a greeting or a question about the model: a short answer that ends the turn;
 - a request that names a file, a directory or a text to search, with the argument bare, quoted or
-  backticked: a DSML call of the prompt's core tool for it (`cat {}` for a shell tool), the tool's
-  result, and an answer quoting the result (chat_data's round trip); a share stop after the call.
+  backticked: a DSML call of the prompt's core tool for it (`cat {}` for a shell tool, the argument
+  quoted where the request quotes it: `CoreTool.call`), the tool's result, and an answer quoting the
+  result (chat_data's round trip); a share stop after the call.
 
 The clients ask for thinking, so most turns are in thinking mode with one short sentence of
 reasoning. Requests, greetings and arguments are split into training and held-out parts as in
@@ -120,7 +121,7 @@ def turn_messages(
     if turn.kind == "greeting":
         return [user, {"role": "assistant", "content": turn.answer, **reasoning("greeting")}]
     request = ToolRequest(turn.kind, turn.language, turn.text, turn.argument)
-    call = function_call(*prompt.core[turn.kind].call(turn.argument))
+    call = function_call(*prompt.core[turn.kind].call(turn.argument, request.quoted))
     messages = [user, {"role": "assistant", "content": "", "tool_calls": [call], **reasoning(turn.kind)}]
     if rng.random() < CALL_ONLY_SHARE:
         return messages

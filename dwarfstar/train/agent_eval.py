@@ -112,7 +112,7 @@ def _score_turn(score: AgentScore, prompt: AgentPrompt, turn: AgentTurn, text: s
         score.ended += ends_turn(parsed, ended)
     else:
         score.requests += 1
-        score.right += calls == [prompt.core[turn.kind].call(turn.argument)]
+        score.right += len(calls) == 1 and prompt.core[turn.kind].accepts(calls[0], turn.argument)
     if len(score.samples) < 4:
         score.samples.append(f"[{n} tokens] {turn.text!r} -> {calls or text[:100]!r}{'' if ended else ' (no end)'}")
 

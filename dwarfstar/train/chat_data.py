@@ -21,6 +21,7 @@ request and the result are the client's text.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,12 +75,29 @@ class CoreTool:
     parameter: str  # its argument's name
     value: str  # format of the argument's value, "{}" or a shell command around it, e.g. "cat {}"
 
-    def call(self, argument: str) -> tuple[str, dict[str, str]]:
-        """(name, arguments) of the call for a request's `argument`; a shell command quotes an argument
-        with spaces."""
-        if self.value != "{}" and " " in argument:
+    def call(self, argument: str, quoted: bool = False) -> tuple[str, dict[str, str]]:
+        """(name, arguments) of the call for a request's `argument`. A shell command double-quotes it
+        where the request `quoted` or backticked it, or where it has spaces: after ` "` the argument
+        is the request's own tokens (after a bare space, `cat altrettali.txt`, its first token is
+        ` alt`, which a backticked request never holds, so the call could not copy it)."""
+        if self.value != "{}" and (quoted or " " in argument):
             argument = f'"{argument}"'
         return self.name, {self.parameter: self.value.format(argument)}
+
+    def accepts(self, call: tuple[str, dict[str, Any]], argument: str) -> bool:
+        """Whether a model's (name, arguments) `call` is this tool's for `argument`: a shell command
+        the same words however it quotes them (`cat "a.txt"` is `cat a.txt`, `grep -rn two words .`
+        is not `grep -rn "two words" .`)."""
+        name, arguments = call
+        if name != self.name or set(arguments) != {self.parameter}:
+            return False
+        value = arguments[self.parameter]
+        if self.value == "{}":
+            return value == argument
+        try:
+            return shlex.split(str(value)) == shlex.split(self.value.format(shlex.quote(argument)))
+        except ValueError:  # an unclosed quote
+            return False
 
 
 # each client's own tools for the three requests, by shape (opencode, Claude Code, Codex). The agent
@@ -188,6 +206,11 @@ class ToolRequest:
     language: str
     text: str  # the user's request
     argument: str  # the value the call must carry
+
+    @property
+    def quoted(self) -> bool:
+        """Whether the request holds its argument in backticks or quotes (else it is bare)."""
+        return any(f"{q}{self.argument}{q}" in self.text for q in '`"')
 
 
 @dataclass(frozen=True)
@@ -440,7 +463,9 @@ def tool_samples(
         if client_tools and clients.random() < client_tools:
             declared = CLIENT_TOOLS[shape]
             if request.argument:
-                messages[1]["tool_calls"] = [function_call(*CLIENT_CORE[shape][request.tool].call(request.argument))]
+                messages[1]["tool_calls"] = [
+                    function_call(*CLIENT_CORE[shape][request.tool].call(request.argument, request.quoted))
+                ]
         ids = encode.render(messages, tools=declared, thinking=thinking, options=options)
         prefix = ids.index(tokenizer.token_id(USER))  # the system prompt, the tools section in it
         span = argument_span(ids, tokenizer) if request.argument else (0, 0)

@@ -39,6 +39,7 @@ from dwarfstar.train.chat_data import (
     CLIENT_CORE,
     CLIENT_TOOLS,
     TOOLS,
+    CoreTool,
     PromptEncoder,
     ToolRequest,
     tool_requests,
@@ -53,7 +54,7 @@ TURN_TOKENS = 64  # a greeting's turn must end within this many tokens (reasonin
 
 @dataclass(frozen=True)
 class ToolCallScore:
-    right: int  # the right tool with exactly the argument
+    right: int  # the right tool with exactly the argument (a shell command's words: CoreTool.accepts)
     named: int  # one parsed call of the right tool, whatever its argument
     total: int
     samples: list[str]  # the first few generations, for the log
@@ -131,8 +132,9 @@ def tool_call_accuracy(
     guarded: bool = False,
 ) -> ToolCallScore:
     """How many of `requests`, declared with the tools in `shape`'s form, get a parsed call of the
-    right tool with exactly the request's argument. `head` maps final rows to logits over the
-    compact ids `vocab` plus one for all other ids (a choice of that one ends the generation);
+    right tool with exactly the request's argument (a shell command: its words, `CoreTool.accepts`).
+    `head` maps final rows to logits over the compact ids `vocab` plus one for all other ids (a
+    choice of that one ends the generation);
     `local` maps full ids to compact ones; `thinking`: the requests ask for thinking, as the coding
     agents do, so the reply reasons (or closes its reasoning) before it calls; `client`: the tools
     declared and the call expected are the client's own (`_short_prompts`); `guarded`: decoded under
@@ -145,12 +147,9 @@ def tool_call_accuracy(
         ended = "<rest>" if out[-1] == vocab.numel() else ""  # an id outside the training data
         parsed = parse_completion(text, thinking=thinking, ended=True)
         calls = [(c.name, c.arguments) for c in parsed.tool_calls]
-        if client:
-            expected = CLIENT_CORE[shape][request.tool].call(request.argument)
-        else:
-            expected = (request.tool, {ARGUMENT[request.tool]: request.argument})
-        right += calls == [expected]
-        named += [name for name, _ in calls] == [expected[0]]
+        tool = CLIENT_CORE[shape][request.tool] if client else CoreTool(request.tool, ARGUMENT[request.tool], "{}")
+        right += len(calls) == 1 and tool.accepts(calls[0], request.argument)
+        named += [name for name, _ in calls] == [tool.name]
         if len(samples) < keep:
             samples.append(f"{request.text!r} -> {calls or text[:80] + ended!r}")
     return ToolCallScore(right, named, len(requests), samples)

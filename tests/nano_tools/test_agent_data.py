@@ -24,6 +24,7 @@ from dwarfstar.train.agent_data import (
     request_templates,
 )
 from dwarfstar.train.agent_prompts import SHAPES, agent_prompt
+from dwarfstar.train.chat_data import ToolRequest
 from dwarfstar.train.corpus import read_split
 from dwarfstar.train.greetings import GREETINGS, HELDOUT_GREETINGS
 from dwarfstar.train.prefix_states import PrefixStates, run_prefixes
@@ -85,10 +86,42 @@ def test_samples_train_only_the_assistant_and_calls_carry_the_argument(shape: st
             assert sample.argument == (0, 0) and not parsed.tool_calls and parsed.content == turn.answer
             continue
         (call,) = parsed.tool_calls
-        assert (call.name, call.arguments) == prompt.core[turn.kind].call(turn.argument)
+        request = ToolRequest(turn.kind, turn.language, turn.text, turn.argument)
+        assert (call.name, call.arguments) == prompt.core[turn.kind].call(turn.argument, request.quoted)
         start, end = sample.argument
         assert turn.argument in tokenizer.decode(sample.ids[start:end].tolist())
         assert sample.trained[start - 1 : end].all()
+
+
+def _holds(ids: list[int], run: list[int]) -> bool:
+    return any(ids[i : i + len(run)] == run for i in range(len(ids) - len(run) + 1))
+
+
+@pytest.mark.parametrize("shape", ["messages", "responses"])
+def test_a_shell_call_writes_the_argument_in_the_requests_own_tokens(shape: str, tokenizer: Tokenizer, book: str):
+    """Claude Code's `ls` and Codex's `cat`/`ls`/`grep`: the argument in the command is a run of the
+    request's token ids, whether the request backticks, quotes or leaves it bare (what a model copies;
+    `cat altrettali.txt` after `` `altrettali.txt` `` would need ` alt`, which the request never holds).
+    A bare text of two words is the exception: the shell needs it quoted, so its first token differs."""
+    prompt = agent_prompt(shape, 3, TOKENS, count(tokenizer))
+    turns = agent_turns(book, 40, 1, heldout=False)
+    samples = agent_samples(prompt, book, tokenizer, 40, 1)
+    assistant = tokenizer.token_id(ASSISTANT)
+    forms = set()
+    for sample, turn in zip(samples, turns, strict=True):
+        request = ToolRequest(turn.kind, turn.language, turn.text, turn.argument)
+        if turn.kind == "greeting" or prompt.core[turn.kind].value == "{}":
+            continue
+        forms.add(request.quoted)
+        if not request.quoted and " " in turn.argument:
+            continue
+        ids = sample.ids.tolist()
+        user = ids[sample.prefix : ids.index(assistant)]
+        start, end = sample.argument
+        runs = [ids[i:j] for i in range(start, end) for j in range(i + 1, end + 1)]
+        copied = [r for r in runs if tokenizer.decode(r).strip() == turn.argument]
+        assert any(_holds(user, r) for r in copied), (turn.text, tokenizer.decode(ids[start:end]))
+    assert forms == {True, False}
 
 
 def test_a_turn_reasons_in_one_sentence_or_not_at_all(tokenizer: Tokenizer, book: str) -> None:

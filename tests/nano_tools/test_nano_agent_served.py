@@ -108,7 +108,7 @@ def test_a_read_request_after_an_agent_prompt_is_a_round_trip_that_quotes_the_fi
     turn = next(t for t in agent_turns(book, 200, HELDOUT_SEED + 7, heldout=True) if t.kind == "read")
     user = {"role": "user", "content": turn.text}
     reply = send(served, prompt, [user])
-    assert reply.calls == [prompt.core["read"].call(turn.argument)], (turn, reply)
+    assert len(reply.calls) == 1 and prompt.core["read"].accepts(reply.calls[0], turn.argument), (turn, reply)
     call = function_call(*reply.calls[0])
     turns = [
         user,

@@ -121,6 +121,28 @@ def test_the_call_copies_the_requests_argument_tokens(book: str, tok: Tokenizer)
             assert any(request_ids[i : i + n] == ids[start:end] for i in range(len(request_ids))), request.text
 
 
+def test_a_shell_tool_quotes_as_the_request_does_and_accepts_any_quoting_of_the_same_words() -> None:
+    cat, grep = chat_data.CLIENT_CORE["responses"]["read"], chat_data.CLIENT_CORE["responses"]["search"]
+    request = chat_data.ToolRequest("read", "en", "open `a.txt`", "a.txt")
+    assert request.quoted and not chat_data.ToolRequest("read", "en", "open a.txt", "a.txt").quoted
+    assert cat.call("a.txt", request.quoted) == ("exec_command", {"cmd": 'cat "a.txt"'})
+    assert cat.call("a.txt") == ("exec_command", {"cmd": "cat a.txt"})
+    assert grep.call("two words") == ("exec_command", {"cmd": 'grep -rn "two words" .'})
+    for command in ("cat a.txt", 'cat "a.txt"', "cat 'a.txt'"):
+        assert cat.accepts(("exec_command", {"cmd": command}), "a.txt")
+    for call in (
+        ("exec_command", {"cmd": "cat b.txt"}),
+        ("exec_command", {"cmd": 'cat "a.txt'}),  # an unclosed quote
+        ("exec_command", {"cmd": "cat a.txt", "workdir": "."}),
+        ("read", {"cmd": "cat a.txt"}),
+    ):
+        assert not cat.accepts(call, "a.txt"), call
+    assert not grep.accepts(("exec_command", {"cmd": "grep -rn two words ."}), "two words")
+    read = chat_data.CLIENT_CORE["chat"]["read"]
+    assert read.accepts(("read", {"filePath": "a.txt"}), "a.txt")
+    assert not read.accepts(("read", {"filePath": '"a.txt"'}), "a.txt")
+
+
 def test_invented_arguments_are_book_pieces_and_never_a_heldout_word(book: str, tok: Tokenizer) -> None:
     pieces = chat_data.word_pieces(book, tok)
     _, heldout_words = chat_data.argument_words(book)
@@ -241,12 +263,12 @@ def test_tools_prompts_can_carry_the_agent_turns_reasoning_and_greetings(book: s
 def test_tools_prompts_can_declare_and_call_the_clients_own_tools(book: str, tok: Tokenizer) -> None:
     """With `client_tools` a share of the samples declare one client's own tools for a read, a list and
     a search, only those, and call them as its agent prompts' turns do: opencode's `read`/`filePath`,
-    Claude Code's `Read`, `Bash` (`ls`) and `Grep`, Codex's one shell tool, whose command quotes an
-    argument with spaces. The others keep `TOOLS`; every sample's prefix is still one per tool set,
-    shape and template."""
+    Claude Code's `Read`, `Bash` (`ls`) and `Grep`, Codex's one shell tool, whose command quotes the
+    argument as these requests all do. The others keep `TOOLS`; every sample's prefix is still one
+    per tool set, shape and template."""
 
     def shell(a: str) -> str:
-        return f'"{a}"' if " " in a else a
+        return f'"{a}"'
 
     calls = {  # declared names -> request tool -> the call for argument `a`
         ("list", "read", "search"): {

@@ -74,14 +74,16 @@ def test_only_an_answer_that_ends_within_the_budget_and_calls_nothing_counts() -
 
 
 def test_with_the_clients_tools_only_the_clients_own_call_is_right() -> None:
-    """Codex's shell after a Responses prompt that declares it: `cat` the file, `grep` a quoted text;
-    the short prompts' `list` call, or a text with spaces left unquoted in the command, is wrong."""
+    """Codex's shell after a Responses prompt that declares it: `cat` the file, quoted or not, `grep` a
+    quoted text; the short prompts' `list` call, or a text with spaces left unquoted in the command
+    (three words to the shell), is wrong."""
     tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), NANO.vocab_size)
     encode = PromptEncoder(tokenizer)
     shell = "exec_command"
     scripted = [  # the request, and the call the model writes
         (ToolRequest("read", "en", "open `notes.txt`", "notes.txt"), function_call(shell, {"cmd": "cat notes.txt"})),
         (ToolRequest("list", "en", "show me the folder `src`", "src"), function_call("list", {"path": "src"})),
+        (ToolRequest("list", "en", "show me the folder `docs`", "docs"), function_call(shell, {"cmd": 'ls "docs"'})),
         (
             ToolRequest("search", "it", 'cerca "due parole"', "due parole"),
             function_call(shell, {"cmd": 'grep -rn "due parole" .'}),
@@ -109,7 +111,7 @@ def test_with_the_clients_tools_only_the_clients_own_call_is_right() -> None:
 
     score = tool_call_accuracy(model, lambda y: y, ids, ids, tokenizer, requests, "responses", client=True)
 
-    assert (score.right, score.named, score.total) == (2, 3, 4)
+    assert (score.right, score.named, score.total) == (3, 4, 5)
 
 
 def test_under_the_guard_an_undeclared_tool_is_never_called() -> None:
