@@ -38,6 +38,7 @@ from dwarfstar.train.chat_data import (
     argument_span,
     argument_words,
     assistant_targets,
+    bare,
     book_sentences,
     function_call,
     quoting_answer,
@@ -49,11 +50,6 @@ from dwarfstar.train.greetings import greeting_set
 THINKING_SHARE = 0.8  # every client asks for thinking; the rest without, as other clients send
 GREETING_SHARE = 0.3
 CALL_ONLY_SHARE = 0.3  # round trips cut after the call: the call is the hard part
-
-
-def bare(template: str) -> str:
-    """A request template with its argument's backticks or quotes taken off."""
-    return template.replace("`{}`", "{}").replace('"{}"', "{}")
 
 
 def request_templates(heldout: bool) -> list[tuple[str, str, str]]:

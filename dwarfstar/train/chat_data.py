@@ -174,6 +174,13 @@ HELDOUT_TEMPLATES = (
     ("search", "it", 'per favore cerca "{}"'),
     ("search", "en", 'please search for "{}"'),
 )
+
+
+def bare(template: str) -> str:
+    """A request template with its argument's backticks or quotes taken off."""
+    return template.replace("`{}`", "{}").replace('"{}"', "{}")
+
+
 DIRECTORIES = ("src", "docs", "tests", "lib", "data", "notes", "capitoli", "lettere", "config", "scripts")
 EXTENSIONS = (".txt", ".md", ".py", ".json")
 HELDOUT_EVERY = 5  # every fifth argument word is held out
@@ -263,14 +270,17 @@ def copy_sample(pieces: np.ndarray, bos: int, rng: np.random.Generator, lengths:
 
 
 def tool_requests(
-    text: str, n: int, seed: int, *, heldout: bool, pieces: Sequence[str] | None = None
+    text: str, n: int, seed: int, *, heldout: bool, pieces: Sequence[str] | None = None, unquoted: bool = False
 ) -> list[ToolRequest]:
     """`n` requests from the training (or held-out) templates with training (or held-out) arguments;
     with `pieces`, training templates with invented words of 1 to 3 random pieces (never a held-out
-    word), so that only copying, not a memorised word, predicts them."""
+    word), so that only copying, not a memorised word, predicts them; with `unquoted`, the same
+    requests with the argument bare, as people also write it (`leggi il file quaderno.txt`)."""
     rng = np.random.default_rng(seed)
     train_words, heldout_words = argument_words(text)
     templates, words = (HELDOUT_TEMPLATES, heldout_words) if heldout else (TRAIN_TEMPLATES, train_words)
+    if unquoted:
+        templates = tuple((tool, language, bare(template)) for tool, language, template in templates)
     held = set(heldout_words)
 
     def word() -> str:

@@ -4,14 +4,15 @@ and the server's DSML parser on the text. Also the held-out greetings after the 
 prompts: does the turn end with an answer and no call (the decision the agent prompts need too).
 With `--client-tools` the short prompts declare each client's own core tools instead (`Read`,
 `exec_command`...; chat_data.CLIENT_TOOLS), and a right call is that client's. With `--tool-guard`
-each reply is decoded under the server's tool-call guard, as `serve` runs by default.
+each reply is decoded under the server's tool-call guard, as `serve` runs by default. With `--bare`
+the requests leave their argument bare (`per favore leggi il file quaderno.txt`).
 
 It measures what the served checks (tests/nano_tools/served_checks.py) measure through the SDKs,
 without a server, so a training run can log it as it goes, and scores a file on the served
 checks' own requests:
 
     .venv/bin/python -m dwarfstar.train.tool_eval build/nano/nano.gguf [--requests 20] [--thinking] [--greetings]
-        [--client-tools] [--tool-guard]
+        [--client-tools] [--tool-guard] [--bare]
 """
 
 from __future__ import annotations
@@ -245,17 +246,24 @@ class FileModel:
 
 
 def file_tool_accuracy(
-    path: Path, n: int, corpus: Path = CORPUS, thinking: bool = False, client: bool = False, guarded: bool = False
+    path: Path,
+    n: int,
+    corpus: Path = CORPUS,
+    thinking: bool = False,
+    client: bool = False,
+    guarded: bool = False,
+    unquoted: bool = False,
 ) -> list[tuple[str, ToolCallScore]]:
     """A model file's score on the requests of the served checks (tests/nano_tools: `n` held-out
-    requests per client shape, seeds 0, 1, 2 in shape order)."""
+    requests per client shape, seeds 0, 1, 2 in shape order), or with `unquoted` on the same
+    requests with the argument bare."""
     f = FileModel.open(path)
     book = read_split(corpus).train
     args = f.model, f.head, f.ids, f.ids, f.tokenizer
     return [
         (shape, tool_call_accuracy(*args, requests, shape, 3, thinking, client, guarded))
         for seed, shape in enumerate(sorted(TOOLS))
-        for requests in [tool_requests(book, n, seed, heldout=True)]
+        for requests in [tool_requests(book, n, seed, heldout=True, unquoted=unquoted)]
     ]
 
 
@@ -279,6 +287,7 @@ def main() -> None:
     parser.add_argument("--greetings", action="store_true", help="score the held-out greetings' turn endings")
     parser.add_argument("--client-tools", action="store_true", help="declare and expect the clients' own tools")
     parser.add_argument("--tool-guard", action="store_true", help="decode under the server's tool-call guard")
+    parser.add_argument("--bare", action="store_true", help="the requests' argument without quotes or backticks")
     opts = parser.parse_args()
     if opts.greetings:
         for shape, greetings in file_greeting_endings(opts.model, opts.thinking, opts.client_tools, opts.tool_guard):
@@ -287,7 +296,7 @@ def main() -> None:
                 print(f"  {line}")
         return
     scores = file_tool_accuracy(
-        opts.model, opts.requests, opts.corpus, opts.thinking, opts.client_tools, opts.tool_guard
+        opts.model, opts.requests, opts.corpus, opts.thinking, opts.client_tools, opts.tool_guard, opts.bare
     )
     for shape, score in scores:
         print(f"{shape}: {score.right}/{score.total} right, {score.named}/{score.total} the right tool")

@@ -17,14 +17,9 @@ from dwarfstar.prompt.dsml_parser import parse_completion
 from dwarfstar.tokenizer.specials import ASSISTANT, EOS
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
-from dwarfstar.train.agent_data import (
-    agent_samples,
-    agent_turns,
-    bare,
-    request_templates,
-)
+from dwarfstar.train.agent_data import agent_samples, agent_turns, request_templates
 from dwarfstar.train.agent_prompts import SHAPES, agent_prompt
-from dwarfstar.train.chat_data import ToolRequest
+from dwarfstar.train.chat_data import ToolRequest, bare
 from dwarfstar.train.corpus import read_split
 from dwarfstar.train.greetings import GREETINGS, HELDOUT_GREETINGS
 from dwarfstar.train.prefix_states import PrefixStates, run_prefixes

@@ -121,6 +121,17 @@ def test_the_call_copies_the_requests_argument_tokens(book: str, tok: Tokenizer)
             assert any(request_ids[i : i + n] == ids[start:end] for i in range(len(request_ids))), request.text
 
 
+def test_unquoted_requests_are_the_same_requests_with_the_argument_bare(book: str) -> None:
+    for heldout in (True, False):
+        quoted = chat_data.tool_requests(book, 30, seed=2, heldout=heldout)
+        unquoted = chat_data.tool_requests(book, 30, seed=2, heldout=heldout, unquoted=True)
+        for q, u in zip(quoted, unquoted, strict=True):
+            assert (u.tool, u.language, u.argument) == (q.tool, q.language, q.argument)
+            assert q.quoted and not u.quoted
+            marked = next(m for m in (f"`{q.argument}`", f'"{q.argument}"') if m in q.text)
+            assert u.text == q.text.replace(marked, q.argument) and u.text.endswith(f" {q.argument}")
+
+
 def test_a_shell_tool_quotes_as_the_request_does_and_accepts_any_quoting_of_the_same_words() -> None:
     cat, grep = chat_data.CLIENT_CORE["responses"]["read"], chat_data.CLIENT_CORE["responses"]["search"]
     request = chat_data.ToolRequest("read", "en", "open `a.txt`", "a.txt")
