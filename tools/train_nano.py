@@ -212,6 +212,9 @@ def main() -> None:
     parser.add_argument(
         "--tool-client", type=float, default=Recipe.tool_client, help="tools prompts with the clients' own tools"
     )
+    parser.add_argument(
+        "--tool-bare", type=float, default=Recipe.tool_bare, help="tools-prompt requests with the argument bare"
+    )
     parser.add_argument("--composed-greetings", action="store_true", help="500 composed greetings, not the 17")
     parser.add_argument("--call-batch", type=int, default=Recipe.call_batch, help="calls with invented arguments")
     parser.add_argument("--copy-batch", type=int, default=Recipe.copy_batch, help="synthetic copy sequences")
@@ -284,6 +287,7 @@ def main() -> None:
         tool_reasoning=opts.tool_reasoning,
         tool_greetings=opts.tool_greetings,
         tool_client=opts.tool_client,
+        tool_bare=opts.tool_bare,
         composed_greetings=opts.composed_greetings,
         call_weight=opts.call_weight,
         arg_weight=opts.arg_weight,

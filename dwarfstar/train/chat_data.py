@@ -270,17 +270,23 @@ def copy_sample(pieces: np.ndarray, bos: int, rng: np.random.Generator, lengths:
 
 
 def tool_requests(
-    text: str, n: int, seed: int, *, heldout: bool, pieces: Sequence[str] | None = None, unquoted: bool = False
+    text: str,
+    n: int,
+    seed: int,
+    *,
+    heldout: bool,
+    pieces: Sequence[str] | None = None,
+    unquoted: float = 0.0,
 ) -> list[ToolRequest]:
     """`n` requests from the training (or held-out) templates with training (or held-out) arguments;
     with `pieces`, training templates with invented words of 1 to 3 random pieces (never a held-out
-    word), so that only copying, not a memorised word, predicts them; with `unquoted`, the same
-    requests with the argument bare, as people also write it (`leggi il file quaderno.txt`)."""
+    word), so that only copying, not a memorised word, predicts them. An `unquoted` share of them
+    leave the argument bare, as people also write it (`leggi il file quaderno.txt`); drawn apart, so
+    the requests are the same ones whatever the share (1: all of them bare)."""
     rng = np.random.default_rng(seed)
+    forms = np.random.default_rng(seed + 5)
     train_words, heldout_words = argument_words(text)
     templates, words = (HELDOUT_TEMPLATES, heldout_words) if heldout else (TRAIN_TEMPLATES, train_words)
-    if unquoted:
-        templates = tuple((tool, language, bare(template)) for tool, language, template in templates)
     held = set(heldout_words)
 
     def word() -> str:
@@ -295,6 +301,8 @@ def tool_requests(
     for _ in range(n):
         tool, language, template = templates[int(rng.integers(len(templates)))]
         argument = tool_argument(tool, word, rng)
+        if unquoted and forms.random() < unquoted:
+            template = bare(template)
         out.append(ToolRequest(tool, language, template.format(argument), argument))
     return out
 
@@ -434,6 +442,7 @@ def tool_samples(
     reasoning: bool = False,
     client_tools: float = 0.0,
     composed_greetings: bool = False,
+    unquoted: float = 0.0,
 ) -> list[Sample]:
     """`n` rendered tool round trips over training (or held-out) templates and arguments, in every
     client shape and both server templates; a `thinking_share` of them in thinking mode, with empty
@@ -443,7 +452,8 @@ def tool_samples(
     step is cheap, so the request decides reasoning, call or answer in both places. A `client_tools`
     share declare the shape's client's own core tools instead (`CLIENT_TOOLS`) and call them (drawn
     apart, so a share of 0 leaves the samples as they were). The greetings are `GREETINGS`, or with
-    `composed_greetings` the five hundred of `COMPOSED_GREETINGS`."""
+    `composed_greetings` the five hundred of `COMPOSED_GREETINGS`. An `unquoted` share of the requests
+    leave their argument bare (`tool_requests`)."""
     rng = np.random.default_rng(seed + 1)
     clients = np.random.default_rng(seed + 3)
     sentences = book_sentences(text, tokenizer)
@@ -451,7 +461,7 @@ def tool_samples(
     greetings_drawn = greeting_set(heldout, composed_greetings)
     encode = PromptEncoder(tokenizer)
     samples = []
-    for request in tool_requests(text, n, seed, heldout=heldout, pieces=pieces):
+    for request in tool_requests(text, n, seed, heldout=heldout, pieces=pieces, unquoted=unquoted):
         result = tool_result(request, sentences, rng)
         kinds = [request.tool, "answer"]
         if greetings and rng.random() < greetings:

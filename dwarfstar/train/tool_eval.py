@@ -263,7 +263,7 @@ def file_tool_accuracy(
     return [
         (shape, tool_call_accuracy(*args, requests, shape, 3, thinking, client, guarded))
         for seed, shape in enumerate(sorted(TOOLS))
-        for requests in [tool_requests(book, n, seed, heldout=True, unquoted=unquoted)]
+        for requests in [tool_requests(book, n, seed, heldout=True, unquoted=float(unquoted))]
     ]
 
 

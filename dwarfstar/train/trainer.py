@@ -107,6 +107,9 @@ class Recipe:
     # share of the tools prompts (and of the calls') that declare and call the client's own core tools
     # (chat_data.CLIENT_TOOLS: `Read`/`file_path`, `exec_command`/`cat {}`...), as an agent prompt does
     tool_client: float = 0.0
+    # share of the tools prompts' (and of the calls') requests whose argument is bare, not quoted or
+    # backticked (chat_data.tool_requests), as the agent turns' are half the time
+    tool_bare: float = 0.0
     # the greetings of the tools prompts and the agent turns: the seventeen fixed ones, or with this the
     # five hundred composed from their parts (greetings.COMPOSED_GREETINGS)
     composed_greetings: bool = False
@@ -233,6 +236,7 @@ class Trainer:
             reasoning=recipe.tool_reasoning,
             client_tools=recipe.tool_client,
             composed_greetings=recipe.composed_greetings,
+            unquoted=recipe.tool_bare,
         )
         groups: dict[bytes, list[Sample]] = {}
         for sample in self.tools:
@@ -247,7 +251,14 @@ class Trainer:
         calls = [
             call_only(s, self.eos)
             for s in tool_samples(
-                split.train, tokenizer, recipe.call_pool, seed + 2, 0.0, pieces=pieces, client_tools=recipe.tool_client
+                split.train,
+                tokenizer,
+                recipe.call_pool,
+                seed + 2,
+                0.0,
+                pieces=pieces,
+                client_tools=recipe.tool_client,
+                unquoted=recipe.tool_bare,
             )
         ]
         self.call_groups = {key: [] for key in groups}

@@ -124,12 +124,33 @@ def test_the_call_copies_the_requests_argument_tokens(book: str, tok: Tokenizer)
 def test_unquoted_requests_are_the_same_requests_with_the_argument_bare(book: str) -> None:
     for heldout in (True, False):
         quoted = chat_data.tool_requests(book, 30, seed=2, heldout=heldout)
-        unquoted = chat_data.tool_requests(book, 30, seed=2, heldout=heldout, unquoted=True)
+        unquoted = chat_data.tool_requests(book, 30, seed=2, heldout=heldout, unquoted=1.0)
         for q, u in zip(quoted, unquoted, strict=True):
             assert (u.tool, u.language, u.argument) == (q.tool, q.language, q.argument)
             assert q.quoted and not u.quoted
             marked = next(m for m in (f"`{q.argument}`", f'"{q.argument}"') if m in q.text)
             assert u.text == q.text.replace(marked, q.argument) and u.text.endswith(f" {q.argument}")
+
+
+def test_a_share_of_the_tool_samples_ask_with_the_argument_bare_and_the_call_still_carries_it(
+    book: str, tok: Tokenizer
+) -> None:
+    quoted = chat_data.tool_requests(book, 80, seed=3, heldout=False)
+    requests = chat_data.tool_requests(book, 80, seed=3, heldout=False, unquoted=0.5)
+    samples = chat_data.tool_samples(book, tok, 80, seed=3, thinking_share=0.0, client_tools=0.5, unquoted=0.5)
+    assert [(r.tool, r.argument) for r in requests] == [(r.tool, r.argument) for r in quoted]
+    assert 25 <= sum(not r.quoted for r in requests) <= 55
+    forms = set()
+    for request, sample in zip(requests, samples, strict=True):
+        assert f"<｜User｜>{request.text}<｜Assistant｜>" in tok.decode(sample.ids.tolist())
+        (call,) = parse_completion(output_text(sample, tok).split(EOS)[0] + EOS, thinking=False).tool_calls
+        client = [core[request.tool] for core in chat_data.CLIENT_CORE.values()]
+        expected = [(request.tool, {chat_data.ARGUMENT[request.tool]: request.argument})]
+        expected += [tool.call(request.argument, request.quoted) for tool in client]
+        assert (call.name, call.arguments) in expected, (request, call)
+        shell = any(t.value != "{}" and t.name == call.name for t in client)
+        forms.add((request.quoted, shell))
+    assert forms == {(True, True), (True, False), (False, True), (False, False)}
 
 
 def test_a_shell_tool_quotes_as_the_request_does_and_accepts_any_quoting_of_the_same_words() -> None:
