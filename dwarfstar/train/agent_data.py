@@ -68,6 +68,11 @@ class AgentTurn:
     answer: str = ""  # a greeting's answer
     argument: str = ""  # a tool request's argument
 
+    @property
+    def request(self) -> ToolRequest:
+        """A tool request's turn as chat_data's round trips take it."""
+        return ToolRequest(self.kind, self.language, self.text, self.argument)
+
 
 def agent_turns(
     book: str,
@@ -116,7 +121,7 @@ def turn_messages(
     user = {"role": "user", "content": turn.text}
     if turn.kind == "greeting":
         return [user, {"role": "assistant", "content": turn.answer, **reasoning("greeting")}]
-    request = ToolRequest(turn.kind, turn.language, turn.text, turn.argument)
+    request = turn.request
     call = function_call(*prompt.core[turn.kind].call(turn.argument, request.quoted))
     messages = [user, {"role": "assistant", "content": "", "tool_calls": [call], **reasoning(turn.kind)}]
     if rng.random() < CALL_ONLY_SHARE:

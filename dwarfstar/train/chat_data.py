@@ -40,7 +40,6 @@ TOOL_SPECS = (
     ("list", "List the entries of a directory.", "path", "Path of the directory."),
     ("search", "Search the files for a text and return the matching lines.", "query", "Text to look for."),
 )
-ARGUMENT = {name: param for name, _, param, _ in TOOL_SPECS}
 
 
 def _schema(param: str, about: str) -> dict[str, Any]:
@@ -99,6 +98,9 @@ class CoreTool:
         except ValueError:  # an unclosed quote
             return False
 
+
+# `TOOLS`' own: each request's tool by its name, the argument as it is
+TOOLS_CORE = {name: CoreTool(name, param, "{}") for name, _, param, _ in TOOL_SPECS}
 
 # each client's own tools for the three requests, by shape (opencode, Claude Code, Codex). The agent
 # prompts declare them among 10-20 others (agent_prompts.py); `tool_samples` can declare them alone,
@@ -346,7 +348,7 @@ def function_call(name: str, arguments: dict[str, Any], call_id: str = "call_0")
 
 def round_trip(request: ToolRequest, result: str, answer: str, call_id: str = "call_0") -> list[dict[str, Any]]:
     """The conversation of one tool use: request, DSML call, tool result, final answer."""
-    call = function_call(request.tool, {ARGUMENT[request.tool]: request.argument}, call_id)
+    call = function_call(*TOOLS_CORE[request.tool].call(request.argument), call_id)
     return [
         {"role": "user", "content": request.text},
         {"role": "assistant", "content": "", "tool_calls": [call]},

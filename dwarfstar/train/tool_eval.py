@@ -36,11 +36,10 @@ from dwarfstar.tokenizer.specials import EOS, USER
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train.chat_data import (
-    ARGUMENT,
     CLIENT_CORE,
     CLIENT_TOOLS,
     TOOLS,
-    CoreTool,
+    TOOLS_CORE,
     PromptEncoder,
     ToolRequest,
     tool_requests,
@@ -148,7 +147,7 @@ def tool_call_accuracy(
         ended = "<rest>" if out[-1] == vocab.numel() else ""  # an id outside the training data
         parsed = parse_completion(text, thinking=thinking, ended=True)
         calls = [(c.name, c.arguments) for c in parsed.tool_calls]
-        tool = CLIENT_CORE[shape][request.tool] if client else CoreTool(request.tool, ARGUMENT[request.tool], "{}")
+        tool = (CLIENT_CORE[shape] if client else TOOLS_CORE)[request.tool]
         right += len(calls) == 1 and tool.accepts(calls[0], request.argument)
         named += [name for name, _ in calls] == [tool.name]
         if len(samples) < keep:
@@ -252,18 +251,18 @@ def file_tool_accuracy(
     thinking: bool = False,
     client: bool = False,
     guarded: bool = False,
-    unquoted: bool = False,
+    unquoted: float = 0.0,
 ) -> list[tuple[str, ToolCallScore]]:
     """A model file's score on the requests of the served checks (tests/nano_tools: `n` held-out
-    requests per client shape, seeds 0, 1, 2 in shape order), or with `unquoted` on the same
-    requests with the argument bare."""
+    requests per client shape, seeds 0, 1, 2 in shape order), an `unquoted` share of them with the
+    argument bare (`tool_requests`)."""
     f = FileModel.open(path)
     book = read_split(corpus).train
     args = f.model, f.head, f.ids, f.ids, f.tokenizer
     return [
         (shape, tool_call_accuracy(*args, requests, shape, 3, thinking, client, guarded))
         for seed, shape in enumerate(sorted(TOOLS))
-        for requests in [tool_requests(book, n, seed, heldout=True, unquoted=float(unquoted))]
+        for requests in [tool_requests(book, n, seed, heldout=True, unquoted=unquoted)]
     ]
 
 
@@ -296,7 +295,7 @@ def main() -> None:
                 print(f"  {line}")
         return
     scores = file_tool_accuracy(
-        opts.model, opts.requests, opts.corpus, opts.thinking, opts.client_tools, opts.tool_guard, opts.bare
+        opts.model, opts.requests, opts.corpus, opts.thinking, opts.client_tools, opts.tool_guard, float(opts.bare)
     )
     for shape, score in scores:
         print(f"{shape}: {score.right}/{score.total} right, {score.named}/{score.total} the right tool")

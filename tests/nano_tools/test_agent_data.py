@@ -19,7 +19,7 @@ from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train.agent_data import agent_samples, agent_turns, request_templates
 from dwarfstar.train.agent_prompts import SHAPES, agent_prompt
-from dwarfstar.train.chat_data import ToolRequest, bare
+from dwarfstar.train.chat_data import bare
 from dwarfstar.train.corpus import read_split
 from dwarfstar.train.greetings import GREETINGS, HELDOUT_GREETINGS
 from dwarfstar.train.prefix_states import PrefixStates, run_prefixes
@@ -81,8 +81,7 @@ def test_samples_train_only_the_assistant_and_calls_carry_the_argument(shape: st
             assert sample.argument == (0, 0) and not parsed.tool_calls and parsed.content == turn.answer
             continue
         (call,) = parsed.tool_calls
-        request = ToolRequest(turn.kind, turn.language, turn.text, turn.argument)
-        assert (call.name, call.arguments) == prompt.core[turn.kind].call(turn.argument, request.quoted)
+        assert (call.name, call.arguments) == prompt.core[turn.kind].call(turn.argument, turn.request.quoted)
         start, end = sample.argument
         assert turn.argument in tokenizer.decode(sample.ids[start:end].tolist())
         assert sample.trained[start - 1 : end].all()
@@ -104,7 +103,7 @@ def test_a_shell_call_writes_the_argument_in_the_requests_own_tokens(shape: str,
     assistant = tokenizer.token_id(ASSISTANT)
     forms = set()
     for sample, turn in zip(samples, turns, strict=True):
-        request = ToolRequest(turn.kind, turn.language, turn.text, turn.argument)
+        request = turn.request
         if turn.kind == "greeting" or prompt.core[turn.kind].value == "{}":
             continue
         forms.add(request.quoted)

@@ -98,7 +98,7 @@ def test_tool_calls_parse_to_the_requested_tool_and_argument(
         parsed = parse_completion(call_turn.removeprefix(THINK_END) + EOS, thinking=False)
         assert not parsed.problems, (thinking, call_turn)
         assert [(c.name, c.arguments) for c in parsed.tool_calls] == [
-            (request.tool, {chat_data.ARGUMENT[request.tool]: request.argument})
+            (request.tool, {chat_data.TOOLS_CORE[request.tool].parameter: request.argument})
         ]
         # copied from the request's end, where it is quoted
         assert request.text.endswith((f"`{request.argument}`", f'"{request.argument}"'))
@@ -145,7 +145,7 @@ def test_a_share_of_the_tool_samples_ask_with_the_argument_bare_and_the_call_sti
         assert f"<｜User｜>{request.text}<｜Assistant｜>" in tok.decode(sample.ids.tolist())
         (call,) = parse_completion(output_text(sample, tok).split(EOS)[0] + EOS, thinking=False).tool_calls
         client = [core[request.tool] for core in chat_data.CLIENT_CORE.values()]
-        expected = [(request.tool, {chat_data.ARGUMENT[request.tool]: request.argument})]
+        expected = [(request.tool, {chat_data.TOOLS_CORE[request.tool].parameter: request.argument})]
         expected += [tool.call(request.argument, request.quoted) for tool in client]
         assert (call.name, call.arguments) in expected, (request, call)
         shell = any(t.value != "{}" and t.name == call.name for t in client)
@@ -304,7 +304,7 @@ def test_tools_prompts_can_declare_and_call_the_clients_own_tools(book: str, tok
 
     calls = {  # declared names -> request tool -> the call for argument `a`
         ("list", "read", "search"): {
-            t: (lambda a, t=t: (t, {chat_data.ARGUMENT[t]: a})) for t in ("read", "list", "search")
+            t: (lambda a, t=t: (t, {chat_data.TOOLS_CORE[t].parameter: a})) for t in ("read", "list", "search")
         },
         ("grep", "list", "read"): {
             "read": lambda a: ("read", {"filePath": a}),

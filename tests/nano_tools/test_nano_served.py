@@ -185,7 +185,8 @@ def test_heldout_tool_requests_call_the_right_tool_with_the_argument(api: str, s
     for tool_request in requests:
         name, arguments, _ = call(sdk, tool_request)
         right.append(
-            name == tool_request.tool and arguments == {chat_data.ARGUMENT[tool_request.tool]: tool_request.argument}
+            name == tool_request.tool
+            and arguments == {chat_data.TOOLS_CORE[tool_request.tool].parameter: tool_request.argument}
         )
     print(f"{api}: {sum(right)} of {len(right)} held-out requests called the right tool with the argument")
     assert sum(right) >= SUCCESS * len(right)
@@ -202,7 +203,7 @@ def test_round_trip_replays_the_sampled_dsml_and_quotes_the_result(
     # a call the client can run: the right tool, its one parameter (the argument's exact copy is the
     # held-out test's measure; a miscopied path here still gets the result and goes on)
     print(f"{api}: {tool_request.text!r} -> {name} {arguments}")
-    assert name == tool_request.tool and list(arguments) == [chat_data.ARGUMENT[tool_request.tool]]
+    assert name == tool_request.tool and list(arguments) == [chat_data.TOOLS_CORE[tool_request.tool].parameter]
     first = records(served, api)[-1]
     text = answer(sdk, next_turn)
     second = records(served, api)[-1]
