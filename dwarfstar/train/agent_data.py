@@ -40,6 +40,7 @@ from dwarfstar.train.chat_data import (
     assistant_targets,
     bare,
     book_sentences,
+    copied_spelling,
     function_call,
     quoting_answer,
     tool_argument,
@@ -162,6 +163,8 @@ def agent_samples(
         messages = conversation(prompt, turn_messages(prompt, turn, sentences, rng, thinking, reasoning))
         ids = encode.render(messages, tools=prompt.tools, thinking=thinking, options=options)
         prefix = ids.index(tokenizer.token_id(USER))
-        span = argument_span(ids, tokenizer) if turn.kind != "greeting" else (0, 0)
+        span = (0, 0)
+        if turn.kind != "greeting":
+            ids, span = copied_spelling(ids, argument_span(ids, tokenizer), turn.request, tokenizer)
         samples.append(Sample(np.asarray(ids, dtype=np.int64), assistant_targets(ids, tokenizer), prefix, span))
     return samples

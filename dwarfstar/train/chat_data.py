@@ -251,13 +251,38 @@ def tool_argument(tool: str, word: Callable[[], str], rng: np.random.Generator) 
 
 
 def word_pieces(text: str, tokenizer: Tokenizer) -> list[str]:
-    """The lower-case letter tokens that the book's argument words (held-out ones too) split into.
+    """The lower-case letter tokens that the book's argument words (held-out ones too) split into,
+    alone and as a bare call writes them (`bare_value`: `divor` from the request's ` divor|ato`).
 
     Invented arguments are made of them: a call can only copy a token the head was trained to
     emit, and a tenth of the held-out requests hold a piece that no training word has."""
     train_words, heldout_words = argument_words(text)
-    ids = {t for w in train_words + heldout_words for t in tokenizer.encode(w)}
+    words = train_words + heldout_words
+    ids = {t for w in words for t in tokenizer.encode(w) + bare_value(w, tokenizer)}
     return sorted(p for p in (tokenizer.decode([t]) for t in ids) if _PIECE.fullmatch(p))
+
+
+def bare_value(argument: str, tokenizer: Tokenizer) -> list[int]:
+    """A bare argument's ids as a call copies them from the request. The request holds it after a
+    space, `' divor', 'ato'`; the call's value has no space before it, so it opens with the ids of
+    the first token's text without its space (`'divor'`), then copies the request's later ids
+    (`'ato'`), where `encode(argument)` would split it otherwise (`'div', 'or', 'ato'`) and leave
+    nothing to copy."""
+    led = tokenizer.encode(" " + argument)
+    return tokenizer.encode(tokenizer.decode(led[:1])[1:]) + led[1:]
+
+
+def copied_spelling(
+    ids: list[int], span: tuple[int, int], request: ToolRequest, tokenizer: Tokenizer
+) -> tuple[list[int], tuple[int, int]]:
+    """A rendered call (`ids`, its value at `span`) with a bare request's argument spelled as the
+    call copies it (`bare_value`), and the value's new span; a quoted request's argument, or a shell
+    command (after its own space, `cat altrettali.txt` holds the request's ids), stays as it is."""
+    start, end = span
+    if request.quoted or tokenizer.decode(ids[start:end]) != request.argument:
+        return ids, span
+    value = bare_value(request.argument, tokenizer)
+    return ids[:start] + value + ids[end:], (start, start + len(value))
 
 
 def copy_sample(pieces: np.ndarray, bos: int, rng: np.random.Generator, lengths: tuple[int, int]) -> Sample:
@@ -490,7 +515,9 @@ def tool_samples(
                 ]
         ids = encode.render(messages, tools=declared, thinking=thinking, options=options)
         prefix = ids.index(tokenizer.token_id(USER))  # the system prompt, the tools section in it
-        span = argument_span(ids, tokenizer) if request.argument else (0, 0)
+        span = (0, 0)
+        if request.argument:
+            ids, span = copied_spelling(ids, argument_span(ids, tokenizer), request, tokenizer)
         samples.append(Sample(np.asarray(ids, dtype=np.int64), assistant_targets(ids, tokenizer), prefix, span))
     return samples
 

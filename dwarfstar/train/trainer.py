@@ -265,9 +265,14 @@ class Trainer:
         for sample in calls:
             self.call_groups[sample.ids[: sample.prefix].tobytes()].append(sample)
         # scored teacher-forced at each evaluation: do the held-out calls' arguments come out right
-        self.heldout_calls = [
-            call_only(s, self.eos) for s in tool_samples(split.train, tokenizer, 60, seed + 100, 0.0, heldout=True)
-        ]
+        # (and with the argument bare, the same requests)
+        self.heldout_calls, self.heldout_bare = (
+            [
+                call_only(s, self.eos)
+                for s in tool_samples(split.train, tokenizer, 60, seed + 100, 0.0, heldout=True, unquoted=unquoted)
+            ]
+            for unquoted in (0.0, 1.0)
+        )
         # held-out tool requests and greetings are inputs at test time: they get embeddings (trained as
         # negatives only)
         heldout_requests = tool_requests(split.train, recipe.tool_pool, seed, heldout=True)
@@ -325,7 +330,7 @@ class Trainer:
             (
                 self.heldout_ids,
                 heldout_request_ids,
-                *(s.ids for s in self.heldout_calls + agent_heldout),
+                *(s.ids for s in self.heldout_calls + self.heldout_bare + agent_heldout),
                 self.noise_ids,
             )
         )
@@ -522,22 +527,22 @@ class Trainer:
         return report(agent_scores(model, self.head, self.local, self.vocab, self.tokenizer, prompts, self.book))
 
     @torch.no_grad()
-    def argument_accuracy(self) -> tuple[float, float, float]:
-        """Teacher-forced on held-out calls: the share whose argument tokens and closing token are
+    def argument_accuracy(self, calls: list[Sample]) -> tuple[float, float, float]:
+        """Teacher-forced on held-out `calls`: the share whose argument tokens and closing token are
         all the argmax, the share with the first one right (found in the request; a directory is
         one of ten, so it can be guessed) and the share of later argument tokens right (each
         follows its predecessor's copy in the request; an extension is one of four)."""
         model = self.model(observed=False)
-        predicted = self.head(self.hidden(model, self.heldout_calls)).argmax(-1)
+        predicted = self.head(self.hidden(model, calls)).argmax(-1)
         whole = first = later = n_later = offset = 0
-        for s in self.heldout_calls:
+        for s in calls:
             start, end = s.argument
             span = slice(offset + start - 1 - s.prefix, offset + end - s.prefix)
             hit = predicted[span] == self.local[torch.as_tensor(s.ids[start : end + 1])]
             whole, first = whole + bool(hit.all()), first + bool(hit[0])
             later, n_later = later + int(hit[1:-1].sum()), n_later + len(hit) - 2
             offset += len(s.ids) - 1 - s.prefix
-        n = len(self.heldout_calls)
+        n = len(calls)
         return whole / n, first / n, later / max(1, n_later)
 
     @torch.no_grad()
@@ -582,11 +587,12 @@ class Trainer:
 
 
 def log_tool_accuracy(trainer: Trainer, n: int, log: Callable[[str], None]) -> None:
-    whole, first, later = trainer.argument_accuracy()
-    log(
-        f"step {trainer.step}: held-out call arguments, teacher-forced: {whole:.0%} whole, "
-        f"{first:.0%} first token, {later:.0%} of the later tokens"
-    )
+    for form, calls in (("quoted", trainer.heldout_calls), ("bare", trainer.heldout_bare)):
+        whole, first, later = trainer.argument_accuracy(calls)
+        log(
+            f"step {trainer.step}: held-out call arguments, {form}, teacher-forced: {whole:.0%} whole, "
+            f"{first:.0%} first token, {later:.0%} of the later tokens"
+        )
     if trainer.agent_eval_prompts:
         start = time.perf_counter()
         lines = trainer.agent_accuracy()

@@ -19,7 +19,7 @@ from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train.agent_data import agent_samples, agent_turns, request_templates
 from dwarfstar.train.agent_prompts import SHAPES, agent_prompt
-from dwarfstar.train.chat_data import bare
+from dwarfstar.train.chat_data import bare, tool_requests, tool_samples
 from dwarfstar.train.corpus import read_split
 from dwarfstar.train.greetings import GREETINGS, HELDOUT_GREETINGS
 from dwarfstar.train.prefix_states import PrefixStates, run_prefixes
@@ -115,6 +115,43 @@ def test_a_shell_call_writes_the_argument_in_the_requests_own_tokens(shape: str,
         runs = [ids[i:j] for i in range(start, end) for j in range(i + 1, end + 1)]
         copied = [r for r in runs if tokenizer.decode(r).strip() == turn.argument]
         assert any(_holds(user, r) for r in copied), (turn.text, tokenizer.decode(ids[start:end]))
+    assert forms == {True, False}
+
+
+def test_a_bare_arguments_value_opens_with_its_first_tokens_text_then_copies_the_request(
+    tokenizer: Tokenizer, book: str
+) -> None:
+    """A value that is the argument itself (`Read`'s `file_path`, the tools prompts' `path`), after a
+    bare request, in agent turns and in the short tools prompts' samples: the request holds the
+    argument after a space (` divor`, `ato`), so the value opens with ids spelling that first token's
+    text without the space (`divor`) and the rest is a run of the request's own ids (`ato`), which the
+    call copies; a quoted request's value is a run of the request's ids from its first token."""
+    prompt = agent_prompt("messages", 3, TOKENS, count(tokenizer))
+    turns = [t.request if t.kind != "greeting" else None for t in agent_turns(book, 40, 2, heldout=False)]
+    requests = tool_requests(book, 40, 4, heldout=False, unquoted=0.5)
+    pairs = [
+        *zip(turns, agent_samples(prompt, book, tokenizer, 40, 2), strict=True),
+        *zip(requests, tool_samples(book, tokenizer, 40, 4, 0.0, unquoted=0.5), strict=True),
+    ]
+    assistant = tokenizer.token_id(ASSISTANT)
+    forms = set()
+    for request, sample in pairs:
+        ids = sample.ids.tolist()
+        start, end = sample.argument
+        value = ids[start:end]
+        if request is None or tokenizer.decode(value) != request.argument:
+            continue  # a greeting, or a shell command (the test above)
+        user = ids[sample.prefix : ids.index(assistant)]
+        if request.quoted:
+            assert _holds(user, value), request.text
+        else:
+            # the request's token ` X` for the value's first k ids spelling `X`, then the value's rest
+            led = [(tokenizer.encode(" " + tokenizer.decode(value[:k])), k) for k in range(1, len(value) + 1)]
+            assert any(len(t) == 1 and _holds(user, t + value[k:]) for t, k in led), (
+                request.text,
+                [tokenizer.decode([i]) for i in value],
+            )
+        forms.add(request.quoted)
     assert forms == {True, False}
 
 
