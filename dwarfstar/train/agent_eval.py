@@ -46,6 +46,8 @@ class AgentScore:
     greetings: int = 0
     right: int = 0  # tool requests answered by the right call with exactly the argument
     requests: int = 0
+    bare_right: int = 0  # of those, the requests that leave the argument bare (no quotes or backticks)
+    bare: int = 0
     samples: list[str] = field(default_factory=list)
 
 
@@ -111,8 +113,12 @@ def _score_turn(score: AgentScore, prompt: AgentPrompt, turn: AgentTurn, text: s
         score.greetings += 1
         score.ended += ends_turn(parsed, ended)
     else:
+        right = len(calls) == 1 and prompt.core[turn.kind].accepts(calls[0], turn.argument)
         score.requests += 1
-        score.right += len(calls) == 1 and prompt.core[turn.kind].accepts(calls[0], turn.argument)
+        score.right += right
+        if not turn.request.quoted:
+            score.bare += 1
+            score.bare_right += right
     if len(score.samples) < 4:
         score.samples.append(f"[{n} tokens] {turn.text!r} -> {calls or text[:100]!r}{'' if ended else ' (no end)'}")
 
@@ -142,7 +148,7 @@ def report(scores: dict[str, AgentScore]) -> list[str]:
     for shape, s in scores.items():
         lines.append(
             f"{shape}: greetings ended within {TURN_TOKENS} tokens {s.ended}/{s.greetings}, "
-            f"tool calls right {s.right}/{s.requests}"
+            f"tool calls right {s.right}/{s.requests} (bare arguments {s.bare_right}/{s.bare})"
         )
         lines += [f"  {line}" for line in s.samples]
     return lines

@@ -6,6 +6,7 @@ client's call, and under the server's guard never calls a tool the prompt does n
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dwarfstar.prompt.dsml import DSML
@@ -13,9 +14,13 @@ from dwarfstar.prompt.render_options import DS4
 from dwarfstar.tokenizer.specials import EOS
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
+from dwarfstar.train.agent_data import agent_turns
+from dwarfstar.train.agent_eval import HELDOUT_SEED, agent_scores, generated_prompts, prompt_options, report
+from dwarfstar.train.agent_prompts import conversation
 from dwarfstar.train.chat_data import CLIENT_TOOLS, TOOLS, PromptEncoder, ToolRequest, function_call
+from dwarfstar.train.corpus import read_split
 from dwarfstar.train.greetings import HELDOUT_GREETINGS
-from dwarfstar.train.tool_eval import TURN_TOKENS, greeting_endings, tool_call_accuracy
+from dwarfstar.train.tool_eval import CORPUS, TURN_TOKENS, greeting_endings, tool_call_accuracy
 from dwarfstar.train.trainer import NANO
 
 SHAPE = "messages"
@@ -135,3 +140,42 @@ def test_under_the_guard_an_undeclared_tool_is_never_called() -> None:
 
     assert free.samples == ["'show me the folder `src`' -> [('list', {'path': 'src'})]"]
     assert "exec_command" in guarded.samples[0] and "'list'" not in guarded.samples[0]
+
+
+@pytest.mark.skipif(not CORPUS.exists(), reason="needs ../shared (the corpus)")
+def test_agent_scores_count_the_bare_requests_apart() -> None:
+    """`agent_eval` after held-out agent prompts: a model that calls right only where the request
+    leaves the argument bare scores every bare request right and no quoted one, and says so."""
+    tokenizer = Tokenizer.from_tokenizer_json(bundled_tokenizer_json(), NANO.vocab_size)
+    encode = PromptEncoder(tokenizer)
+    book = read_split(CORPUS).train
+    prompts = generated_prompts(6, (4000, 5000), lambda text: len(tokenizer.encode(text)))
+    turns = agent_turns(book, 40 * len(prompts), HELDOUT_SEED, heldout=True)
+    requests = [t for t in turns if t.kind != "greeting"][: len(prompts)]
+    replies = {}
+    for i, (prompt, turn) in enumerate(zip(prompts, requests, strict=True)):
+        argument = turn.argument if not turn.request.quoted else "elsewhere"
+        name, arguments = prompt.core[turn.kind].call(argument)
+        user = [{"role": "user", "content": turn.text}]
+        call = {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "",
+            "tool_calls": [function_call(name, arguments)],
+        }
+        options = prompt_options(i)
+        asked = encode.render(conversation(prompt, user), tools=prompt.tools, thinking=True, options=options)
+        whole = encode.render(conversation(prompt, user + [call]), tools=prompt.tools, thinking=True, options=options)
+        replies[tuple(asked)] = whole[len(asked) :]
+    vocab = tokenizer.vocab_size
+    model = ScriptedModel(replies, vocab, tokenizer.encode(" and")[0])
+    ids = torch.arange(vocab)
+
+    scores = agent_scores(model, lambda y: y, ids, ids, tokenizer, prompts, book)
+
+    bare = sum(not t.request.quoted for t in requests)
+    assert 0 < bare < len(requests)
+    assert sum(s.requests for s in scores.values()) == len(requests)
+    assert sum(s.bare for s in scores.values()) == bare
+    assert sum(s.right for s in scores.values()) == sum(s.bare_right for s in scores.values()) == bare
+    assert any(f"(bare arguments {s.bare_right}/{s.bare})" in line for s in scores.values() for line in report(scores))
