@@ -52,7 +52,9 @@
     # runs 15a/15b (warm from 14a, `--lr 4e-4 --agent-greetings 0.3`, 15b `--call-weight 6 --arg-weight 6`;
     # 44 min) and 16a/16b (14a with `--agent-prompts 180` or `--agent-noise 0.3`; 46 and 40 min) did not
     # improve on it: README "Model"; run 17 is 14a's recipe (17b `--seed 1`, 42 min) after the shell
-    # commands began quoting the argument as the request does
+    # commands began quoting the argument as the request does; run 19 adds `--tool-bare 0.5` (19b also
+    # `--call-batch 12`, 57 min), run 20 continues 19b on bare calls alone (`--batch 2 --tool-batch 4
+    # --tool-bare 1.0 --call-batch 24 --agent-batch 0`): no bare argument learned (README "Model")
     .venv/bin/python tools/train_nano.py --twin-k   # the 256-wide twin, written under build/
     .venv/bin/python tools/train_nano.py --mtp [--mtp-steps N] [--mtp-out dwarfstar/data/nano-mtp.gguf]
     # the bundled DSpark drafter (89 min on one core; README "Speculative decoding" has its figures)
