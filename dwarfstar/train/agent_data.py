@@ -35,7 +35,6 @@ from dwarfstar.train.chat_data import (
     PromptEncoder,
     Sample,
     ToolRequest,
-    argument_span,
     argument_words,
     assistant_targets,
     bare,
@@ -163,8 +162,6 @@ def agent_samples(
         messages = conversation(prompt, turn_messages(prompt, turn, sentences, rng, thinking, reasoning))
         ids = encode.render(messages, tools=prompt.tools, thinking=thinking, options=options)
         prefix = ids.index(tokenizer.token_id(USER))
-        span = (0, 0)
-        if turn.kind != "greeting":
-            ids, span = copied_spelling(ids, argument_span(ids, tokenizer), turn.request, tokenizer)
+        ids, span = copied_spelling(ids, turn.request, tokenizer)
         samples.append(Sample(np.asarray(ids, dtype=np.int64), assistant_targets(ids, tokenizer), prefix, span))
     return samples

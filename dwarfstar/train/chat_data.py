@@ -272,13 +272,14 @@ def bare_value(argument: str, tokenizer: Tokenizer) -> list[int]:
     return tokenizer.encode(tokenizer.decode(led[:1])[1:]) + led[1:]
 
 
-def copied_spelling(
-    ids: list[int], span: tuple[int, int], request: ToolRequest, tokenizer: Tokenizer
-) -> tuple[list[int], tuple[int, int]]:
-    """A rendered call (`ids`, its value at `span`) with a bare request's argument spelled as the
-    call copies it (`bare_value`), and the value's new span; a quoted request's argument, or a shell
-    command (after its own space, `cat altrettali.txt` holds the request's ids), stays as it is."""
-    start, end = span
+def copied_spelling(ids: list[int], request: ToolRequest, tokenizer: Tokenizer) -> tuple[list[int], tuple[int, int]]:
+    """A rendered round trip's `ids` with its call's value (`argument_span`) spelled as the call
+    copies a bare request's argument (`bare_value`), and the value's span; a quoted request's
+    argument, or a shell command (after its own space, `cat altrettali.txt` holds the request's
+    ids), stays as it is. A greeting (no argument) has no call: its span is (0, 0)."""
+    if not request.argument:
+        return ids, (0, 0)
+    start, end = span = argument_span(ids, tokenizer)
     if request.quoted or tokenizer.decode(ids[start:end]) != request.argument:
         return ids, span
     value = bare_value(request.argument, tokenizer)
@@ -515,9 +516,7 @@ def tool_samples(
                 ]
         ids = encode.render(messages, tools=declared, thinking=thinking, options=options)
         prefix = ids.index(tokenizer.token_id(USER))  # the system prompt, the tools section in it
-        span = (0, 0)
-        if request.argument:
-            ids, span = copied_spelling(ids, argument_span(ids, tokenizer), request, tokenizer)
+        ids, span = copied_spelling(ids, request, tokenizer)
         samples.append(Sample(np.asarray(ids, dtype=np.int64), assistant_targets(ids, tokenizer), prefix, span))
     return samples
 
