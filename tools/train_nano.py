@@ -228,6 +228,11 @@ def main() -> None:
     parser.add_argument(
         "--no-find-init", action="store_true", help="plant the copy circuit without its copy-start head"
     )
+    parser.add_argument(
+        "--no-bare-find-init",
+        action="store_true",
+        help="with --tool-bare, plant no head for a bare argument's start (and no twin codes)",
+    )
     parser.add_argument("--tool-evals", type=int, default=20, help="held-out tool requests per shape at each eval")
     parser.add_argument("--agent-batch", type=int, default=Recipe.agent_batch, help="agent-prompt turns per step")
     parser.add_argument("--agent-prompts", type=int, default=Recipe.agent_prompts, help="generated agent prompts")
@@ -302,6 +307,7 @@ def main() -> None:
         copy_lengths=tuple(opts.copy_lengths),
         copy_init=not opts.no_copy_init,
         find_init=not opts.no_find_init,
+        bare_find_init=not opts.no_bare_find_init,
         agent_batch=opts.agent_batch,
         agent_prompts=opts.agent_prompts,
         agent_tokens=tuple(opts.agent_tokens),

@@ -190,6 +190,7 @@ _SENTENCE = regex.compile(r"[^.!?]*\p{L}[^.!?]*[.!?]")
 _CLAUSE_END = regex.compile(r"[,;:]")
 _ASCII_WORD = regex.compile(r"\b[a-z]{4,10}\b")
 _PIECE = regex.compile(r"[a-z]+")
+_SPACED_PIECE = regex.compile(r" \p{L}+")
 QUOTE_WORDS = (6, 12)  # words of the tool result the answer quotes
 REASONING_TOKENS = (6, 40)  # the thinking passage: one sentence of this many tokens
 
@@ -455,6 +456,25 @@ def quote_openers(tokenizer: Tokenizer) -> list[int]:
     """The tokens after which a request's argument starts: its opening backtick or quote (`` ` ``, ` "`)."""
     (backtick,), (quote,) = tokenizer.encode(" `"), tokenizer.encode(' "')
     return [backtick, quote]
+
+
+def bare_leads(tokenizer: Tokenizer) -> list[int]:
+    """The tokens after which a bare request's argument starts: the last token of each training
+    template's words before it (` file`, ` for`, `erca`...), as the template spells them and after a
+    space, as a longer request does (` cerca`)."""
+    heads = [bare(t).split("{}")[0].rstrip() for _, _, t in TRAIN_TEMPLATES]
+    return sorted({tokenizer.encode(spelling)[-1] for h in heads for spelling in (h, " " + h)})
+
+
+def twin_pieces(tokenizer: Tokenizer) -> list[tuple[int, int]]:
+    """The vocabulary's twin pairs (` X`, `X`): a space-led word piece and the same letters as one
+    token, which a bare argument's first token becomes in the call (`bare_value`)."""
+    pairs = []
+    for i in range(tokenizer.vocab_size):
+        text = "" if tokenizer.is_added(i) else tokenizer.decode([i])
+        if _SPACED_PIECE.fullmatch(text) and len(twin := tokenizer.encode(text[1:])) == 1:
+            pairs.append((i, twin[0]))
+    return pairs
 
 
 def tool_samples(

@@ -34,7 +34,14 @@ The circuit (an initialisation only: every weight it sets trains as usual):
   and copies its value like head 0. The matching head cannot find that first token (the marker has
   no earlier occurrence), and gradient alone found it late or never: in the full recipe, held-out
   arguments' first token teacher-forced, 3% after 100 steps without this head (2% at step 400 and 5%
-  at step 800 in a full run; 33% and 100% in another), 88% after 100 steps and 95% after 150 with it.
+  at step 800 in a full run; 33% and 100% in another), 88% after 100 steps and 95% after 150 with it;
+- with twins and leads (a bare request: `search for divorato`, whose argument starts with ` divor`
+  after the template's last word ` for`, while the call's value starts with `divor`), each twin pair
+  (` X`, `X`) shares one code, `X`'s with the component along a "space" direction `s` of the value
+  half flipped, and layer 1's head 2 finds the bare start: its query at a marker is the leads' code in
+  the key half, so it attends to the token after a lead, and its output reflects the copied code's
+  `s` component, so copying ` X` raises `X`. A linear head cannot map 2,500 unrelated code pairs (a
+  23-dim value), which is why the twins share their code: the map is then one reflection for all.
 """
 
 from __future__ import annotations
@@ -70,6 +77,9 @@ class CopyInit:
     # the opener; these weights leave that to training: the head is not gated at init)
     find_gain: float = 3.0
     find_null: float = 1.0
+    # a twin pair's codes: sqrt(1 - twin_space**2) of a shared code, twin_space along +s (` X`) or -s (`X`)
+    twin_space: float = 0.5
+    lead_share: float = 0.6  # a lead's code: sqrt(1 - lead_share**2) of its own, lead_share along the shared one
 
 
 @torch.no_grad()
@@ -81,11 +91,14 @@ def plant_copy_circuit(
     *,
     markers: Sequence[int] = (),
     openers: Sequence[int] = (),
+    leads: Sequence[int] = (),
+    twins: Sequence[tuple[int, int]] = (),
 ) -> None:
     """Set the circuit's weights in `params` (full-vocabulary initial parameters, in place).
 
     With `markers` and `openers` (token ids), layer 1's head 1 finds where a copy starts: at a
-    marker it attends to the token after an opener and copies it."""
+    marker it attends to the token after an opener and copies it. With `leads` and `twins` (pairs of
+    ids: ` X`, `X`) too, head 2 at a marker attends to the token after a lead and writes its twin."""
     gen = torch.Generator().manual_seed(seed + 7919)
     d, hd, rope = args.dim, args.head_dim, args.rope_dim
     nope = hd - rope
@@ -103,6 +116,21 @@ def plant_copy_circuit(
     embd = params["token_embd.weight"]
     codes = torch.randn(embd.shape[0], n_tok, generator=gen) * (init.code_norm / math.sqrt(n_tok))
     extra = torch.randn(embd.shape[0], free.shape[1], generator=gen) * (init.code_norm / math.sqrt(n_tok))
+    key = torch.linalg.qr(torch.randn(n_tok, n_tok, generator=gen, dtype=torch.float64))[0].float()
+    k_rows, v_rows = key[: init.key_dims], key[init.key_dims :]  # layer 1's projections of the code
+    space = torch.randn(len(v_rows), generator=torch.Generator().manual_seed(seed + 104729))
+    space /= space.norm()  # the "space" direction in the value half's coordinates
+    if twins:
+        spaced, bare = (list(ids) for ids in zip(*twins, strict=True))
+        shared = codes[spaced] * math.sqrt(1 - init.twin_space**2)
+        flip = (init.twin_space * init.code_norm) * (v_rows.T @ space)
+        codes[spaced], codes[bare] = shared + flip, shared - flip
+    if leads:  # they share a component of their codes in the key half, so that one query finds them all
+        ids = list(leads)  # (a query summing a dozen random codes would match each 1/sqrt(12) as well)
+        lead = k_rows.T @ (k_rows @ codes[ids].sum(0))
+        lead /= lead.norm()
+        own = math.sqrt(1 - init.lead_share**2)
+        codes[ids] = own * codes[ids] + (init.lead_share * init.code_norm) * lead
     body = codes @ tok.T + extra @ free.T
     params["token_embd.weight"] = init.const * u + body
     params["output.weight"] = init.output_scale * body @ rotation.T
@@ -134,8 +162,6 @@ def plant_copy_circuit(
 
     # layer 1, head 0: match the current token against the previous-token subspace, copy the code
     p = "blk.1."
-    key = torch.linalg.qr(torch.randn(n_tok, n_tok, generator=gen, dtype=torch.float64))[0].float()
-    k_rows, v_rows = key[: init.key_dims], key[init.key_dims :]  # projections of the code
     q_a = params[p + "attn_q_a.weight"]
     q_a[:n_tok] = tok.T  # the current token's code
     q_b = params[p + "attn_q_b.weight"]
@@ -168,3 +194,19 @@ def plant_copy_circuit(
     q_b[hd + nope - 1, const_row] = init.find_null  # elsewhere the query points at a key dim that is always 0
     wo_a[:n_v, hd + init.key_dims : hd + init.key_dims + n_v] = torch.eye(n_v)  # its value into the copy's output
     wo_a[n_v:rank, hd : 2 * hd] = 0
+
+    if not leads:
+        return
+    # layer 1, head 2 (output group 1): at a marker, find the token after a lead (a bare argument's
+    # first token, ` X`) and write its code with the space component flipped: its twin `X`
+    query = k_rows @ lead
+    q_b[2 * hd : 3 * hd] = 0
+    q_b[2 * hd : 2 * hd + init.key_dims, :n_tok] = init.find_gain * torch.outer(
+        query / query.norm(), marker / marker.norm()
+    )
+    q_b[2 * hd + nope - 1, const_row] = init.find_null
+    group = slice(rank, rank + n_v)
+    wo_a[rank : 2 * rank, :hd] = 0  # head 2 is read by the group's first rows only, through the reflection
+    wo_a[group] = 0
+    wo_a[group, init.key_dims : init.key_dims + n_v] = torch.eye(n_v) - 2 * torch.outer(space, space)
+    wo_b[:, group] = init.copy_gain * (rotation @ tok @ v_rows.T)

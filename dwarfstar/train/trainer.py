@@ -28,6 +28,7 @@ from dwarfstar.train.agent_eval import agent_scores, generated_prompts, prompt_o
 from dwarfstar.train.chat_data import (
     TOOLS,
     Sample,
+    bare_leads,
     call_markers,
     call_only,
     copy_sample,
@@ -35,6 +36,7 @@ from dwarfstar.train.chat_data import (
     thinking_samples,
     tool_requests,
     tool_samples,
+    twin_pieces,
     word_pieces,
 )
 from dwarfstar.train.corpus import chat_prompts, chat_samples, read_split
@@ -132,6 +134,9 @@ class Recipe:
     copy_init: bool = True  # a from-scratch run starts with the copy circuit planted (dwarfstar/train/induction.py)
     # and with its head that finds a copy's start: at a call's `">` the token after the request's quote
     find_init: bool = True
+    # and, with bare requests (`tool_bare`), its head that finds a bare argument's start after the
+    # template's last word and writes the twin without the space (` divor` -> `divor`)
+    bare_find_init: bool = True
     # turns after a coding agent's long system prompt (dwarfstar/train/agent_data.py) per step besides
     # the rest, all after one of `agent_prompts` generated prompts of `agent_tokens` tokens, whose
     # state is kept and run again every `agent_refresh` steps (dwarfstar/train/prefix_states.py)
@@ -342,8 +347,16 @@ class Trainer:
         if init is None:
             self.full = init_params(shape, seed)
             if recipe.copy_init:
-                markers, openers = (call_markers(tokenizer), quote_openers(tokenizer)) if recipe.find_init else ((), ())
-                plant_copy_circuit(self.full, shape, seed, markers=markers, openers=openers)
+                find, bare = recipe.find_init, recipe.find_init and recipe.bare_find_init and recipe.tool_bare > 0
+                plant_copy_circuit(
+                    self.full,
+                    shape,
+                    seed,
+                    markers=call_markers(tokenizer) if find else (),
+                    openers=quote_openers(tokenizer) if find else (),
+                    leads=bare_leads(tokenizer) if bare else (),
+                    twins=twin_pieces(tokenizer) if bare else (),
+                )
         else:
             self.full = warm_params(init, shape, self.vocab)
         params = compact(self.full, self.vocab)

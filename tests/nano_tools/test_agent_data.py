@@ -19,7 +19,7 @@ from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train.agent_data import agent_samples, agent_turns, request_templates
 from dwarfstar.train.agent_prompts import SHAPES, agent_prompt
-from dwarfstar.train.chat_data import bare, tool_requests, tool_samples
+from dwarfstar.train.chat_data import bare, bare_leads, bare_value, tool_requests, tool_samples, twin_pieces
 from dwarfstar.train.corpus import read_split
 from dwarfstar.train.greetings import GREETINGS, HELDOUT_GREETINGS
 from dwarfstar.train.prefix_states import PrefixStates, run_prefixes
@@ -153,6 +153,26 @@ def test_a_bare_arguments_value_opens_with_its_first_tokens_text_then_copies_the
             )
         forms.add(request.quoted)
     assert forms == {True, False}
+
+
+@pytest.mark.parametrize("heldout", [False, True], ids=["training", "held-out"])
+def test_a_bare_argument_follows_a_lead_and_opens_with_the_spaced_half_of_a_twin(
+    heldout: bool, tokenizer: Tokenizer, book: str
+) -> None:
+    """What the copy circuit's bare finder relies on (dwarfstar/train/induction.py): in every bare
+    request, training or held-out template, the token before the argument is one of `bare_leads`;
+    and for most arguments the call's first id (`bare_value`) is the twin (`twin_pieces`) of the
+    request's first argument token (` divor` -> `divor`), which the finder writes."""
+    leads, twins = set(bare_leads(tokenizer)), dict(twin_pieces(tokenizer))
+    assert all(tokenizer.decode([b]) == tokenizer.decode([a])[1:] for a, b in twins.items())
+    requests = tool_requests(book, 200, 5, heldout=heldout, unquoted=1.0)
+    paired = 0
+    for request in requests:
+        ids, argument = tokenizer.encode(request.text), tokenizer.encode(" " + request.argument)
+        start = next(i for i in range(len(ids)) if ids[i : i + len(argument)] == argument)
+        assert ids[start - 1] in leads, request.text
+        paired += twins.get(argument[0]) == bare_value(request.argument, tokenizer)[0]
+    assert 0.6 * len(requests) <= paired < len(requests), paired
 
 
 def test_a_turn_reasons_in_one_sentence_or_not_at_all(tokenizer: Tokenizer, book: str) -> None:

@@ -2,7 +2,9 @@
 any training, layer 0's head 0 attends to the previous token and layer 1's head 0 to the token after
 the earlier occurrence of the current one, in the nano shape and the 256-wide twin's; plain random
 weights attend to neither. With markers and openers, layer 1's head 1 attends from a marker to the
-token after an opener (where a copied argument starts)."""
+token after an opener (where a copied argument starts). With leads and twins too, head 2 attends from
+a marker to the token after a lead (a bare argument's start, ` X`) and writes its twin `X`, and the
+other heads still do their work."""
 
 from __future__ import annotations
 
@@ -27,18 +29,26 @@ NANO = ModelArgs(
 )  # fmt: skip
 TWIN = NANO.with_(dim=256, moe_inter_dim=256)
 MARKER, OPENERS = 5, (6, 7)  # stand-ins for a call's `">` and a request's ` `` ` and ` "`
+LEADS = tuple(range(8, 23))  # for the bare requests' template words (` file`, ` for`, `erca`...)
+TWINS = tuple((i, i + 150) for i in range(100, 250))  # (` X`, `X`)
+
+
+def planted_model(args: ModelArgs, markers: tuple[int, ...] | None, bare: bool) -> ReferenceModel:
+    """The model at its initialisation: random weights (`markers` None), or the circuit planted (with
+    the finding head when `markers` are given, and the bare one with `bare`)."""
+    params = init_params(args, seed=0)
+    if markers is not None:
+        leads, twins = (LEADS, TWINS) if bare else ((), ())
+        plant_copy_circuit(params, args, seed=0, markers=markers, openers=OPENERS, leads=leads, twins=twins)
+    return ReferenceModel.from_weights(args, ParamWeights(params), qat=False)
 
 
 def attention_of(
-    args: ModelArgs, monkeypatch: pytest.MonkeyPatch, markers: tuple[int, ...] | None
+    args: ModelArgs, monkeypatch: pytest.MonkeyPatch, markers: tuple[int, ...] | None, bare: bool = False
 ) -> Callable[[np.ndarray], list[torch.Tensor]]:
-    """A function from tokens to each layer's attention probabilities [T, heads, window keys], over a
-    model at its initialisation: random weights (`markers` None), or the circuit planted (with the
-    finding head when `markers` are given). Key i is position i while the tokens fit in the window."""
-    params = init_params(args, seed=0)
-    if markers is not None:
-        plant_copy_circuit(params, args, seed=0, markers=markers, openers=OPENERS)
-    model = ReferenceModel.from_weights(args, ParamWeights(params), qat=False)
+    """A function from tokens to each layer's attention probabilities [T, heads, window keys] over
+    `planted_model`. Key i is position i while the tokens fit in the window."""
+    model = planted_model(args, markers, bare)
     probs: list[torch.Tensor] = []
     attend = ops.attention_rows
 
@@ -58,10 +68,13 @@ def attention_of(
     return run
 
 
-def attention_mass(args: ModelArgs, planted: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[float, float]:
+def attention_mass(
+    args: ModelArgs, planted: bool, monkeypatch: pytest.MonkeyPatch, bare: bool = False
+) -> tuple[float, float]:
     """Mean attention of layer 0's head 0 on the previous token and of layer 1's head 0 on the
     induction target, over the repeat of four copy sequences."""
-    attention = attention_of(args, monkeypatch, markers=() if planted else None)
+    markers = ((MARKER,) if bare else ()) if planted else None
+    attention = attention_of(args, monkeypatch, markers=markers, bare=bare)
     rng = np.random.default_rng(1)
     previous, induction = [], []
     for _ in range(4):
@@ -74,11 +87,12 @@ def attention_mass(args: ModelArgs, planted: bool, monkeypatch: pytest.MonkeyPat
     return float(np.mean(previous)), float(np.mean(induction))
 
 
+@pytest.mark.parametrize("bare", [False, True], ids=["", "bare"])
 @pytest.mark.parametrize("args", [NANO, TWIN], ids=["nano", "twin"])
 def test_planted_heads_attend_to_the_previous_token_and_the_induction_target(
-    args: ModelArgs, monkeypatch: pytest.MonkeyPatch
+    args: ModelArgs, bare: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    previous, induction = attention_mass(args, planted=True, monkeypatch=monkeypatch)
+    previous, induction = attention_mass(args, planted=True, monkeypatch=monkeypatch, bare=bare)
     assert previous > 0.8 and induction > 0.8, (previous, induction)
 
 
@@ -87,27 +101,82 @@ def test_random_weights_attend_to_neither(monkeypatch: pytest.MonkeyPatch) -> No
     assert previous < 0.2 and induction < 0.2, (previous, induction)
 
 
-def finding_mass(args: ModelArgs, markers: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> float:
-    """Mean attention of layer 1's head 1 on the token after an opener, from the marker that follows
-    the opener's text some 30 tokens later."""
-    attention = attention_of(args, monkeypatch, markers=markers)
+def finding_mass(
+    args: ModelArgs, markers: tuple[int, ...], monkeypatch: pytest.MonkeyPatch, bare: bool = False, head: int = 1
+) -> float:
+    """Mean attention of layer 1's `head` on the token after an opener (head 1) or a lead (head 2),
+    from the marker that follows the request some 30 tokens later."""
+    attention = attention_of(args, monkeypatch, markers=markers, bare=bare)
     rng = np.random.default_rng(2)
     at_marker = []
-    for opener in OPENERS * 2:
-        before, argument, after = (rng.integers(8, VOCAB, size=n) for n in (10, 5, 30))
+    for opener in OPENERS * 2 if head == 1 else LEADS[::3]:
+        before, argument, after = (rng.integers(LEADS[-1] + 1, VOCAB, size=n) for n in (10, 5, 30))
         probs = attention(np.concatenate(([0], before, [opener], argument, after, [MARKER])))
         start = 1 + len(before) + 1  # the argument's first token
-        finding = probs[1][:, 1]  # [T, keys] of layer 1's head 1
+        finding = probs[1][:, head]  # [T, keys] of layer 1's head
         at_marker.append(float(finding[-1, start]))
     return float(np.mean(at_marker))
 
 
+@pytest.mark.parametrize("bare", [False, True], ids=["", "bare"])
 @pytest.mark.parametrize("args", [NANO, TWIN], ids=["nano", "twin"])
 def test_planted_finding_head_attends_from_the_marker_to_the_token_after_the_opener(
-    args: ModelArgs, monkeypatch: pytest.MonkeyPatch
+    args: ModelArgs, bare: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert finding_mass(args, (MARKER,), monkeypatch) > 0.6
+    assert finding_mass(args, (MARKER,), monkeypatch, bare=bare) > 0.6
 
 
 def test_without_markers_head_1_finds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert finding_mass(NANO, (), monkeypatch) < 0.2
+
+
+@pytest.mark.parametrize("args", [NANO, TWIN], ids=["nano", "twin"])
+def test_planted_bare_head_attends_from_the_marker_to_the_token_after_a_lead(
+    args: ModelArgs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert finding_mass(args, (MARKER,), monkeypatch, bare=True, head=2) > 0.8
+    assert finding_mass(args, (MARKER,), monkeypatch, bare=False, head=2) < 0.2
+
+
+def bare_head_picks(args: ModelArgs, twins: bool) -> tuple[int, int]:
+    """Over 20 bare requests (a lead, then ` X` and three more tokens, 30 tokens, the marker): how
+    often layer 1's head 2 alone, read through the output head, ranks `X` first, and how often
+    above ` X`."""
+    params = init_params(args, seed=0)
+    pairs = TWINS if twins else ()
+    plant_copy_circuit(params, args, seed=0, markers=(MARKER,), openers=OPENERS, leads=LEADS, twins=pairs)
+    model = ReferenceModel.from_weights(args, ParamWeights(params), qat=False)
+    heads: list[torch.Tensor] = []
+    output = model.ops.attn_output
+
+    def spy(il: int, o: torch.Tensor, batch: object) -> torch.Tensor:
+        if il == 1:
+            heads.append(o[-1].reshape(args.n_heads, -1).clone())
+        return output(il, o, batch)
+
+    model.ops.attn_output = spy
+    rng = np.random.default_rng(3)
+    first = above = 0
+    for k in range(20):
+        spaced, twin = TWINS[7 * k]
+        rest = rng.integers(TWINS[-1][1] + 1, VOCAB, size=33)
+        tokens = np.concatenate(([0], rest[:10], [LEADS[k % len(LEADS)], spaced], rest[10:], [MARKER]))
+        heads.clear()
+        with torch.no_grad():
+            model.hidden_batch([torch.as_tensor(tokens)], [model.new_state()])
+            alone = torch.zeros_like(heads[0])
+            alone[2] = heads[0][2]
+            logits = params["output.weight"] @ output(1, alone.reshape(1, -1), None)[0]
+        first += int(logits.argmax()) == twin
+        above += int(logits[twin] > logits[spaced])
+    return first, above
+
+
+@pytest.mark.parametrize("args", [NANO, TWIN], ids=["nano", "twin"])
+def test_planted_bare_head_writes_the_twin_of_the_token_it_finds(args: ModelArgs) -> None:
+    """With twin codes, what head 2 copies from ` X` raises `X` above every other token in most
+    requests and above ` X` in all; without them, it raises ` X` itself."""
+    first, above = bare_head_picks(args, twins=True)
+    assert first >= 12 and above == 20, (first, above)
+    first, above = bare_head_picks(args, twins=False)
+    assert first == 0 and above == 0, (first, above)
