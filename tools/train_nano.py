@@ -57,7 +57,8 @@
     # --tool-bare 1.0 --call-batch 24 --agent-batch 0`): no bare argument learned (README "Model")
     # run 21a (98 min with another run on the second core): from scratch with half the short requests bare,
     # the bare finder and twin codes planted (dwarfstar/train/induction.py); 21b adds --no-bare-find-init
-    .venv/bin/python tools/train_nano.py --tool-bare 0.5 --eval-every 200 --workdir build/bareA --out build/bareA/nano.gguf
+    .venv/bin/python tools/train_nano.py --tool-bare 0.5 --eval-every 200 --workdir build/bareA \
+        --out build/bareA/nano.gguf
     .venv/bin/python tools/train_nano.py --twin-k   # the 256-wide twin, written under build/
     .venv/bin/python tools/train_nano.py --mtp [--mtp-steps N] [--mtp-out dwarfstar/data/nano-mtp.gguf]
     # the bundled DSpark drafter (89 min on one core; README "Speculative decoding" has its figures)
