@@ -33,12 +33,16 @@ LEADS = tuple(range(8, 23))  # for the bare requests' template words (` file`, `
 TWINS = tuple((i, i + 150) for i in range(100, 250))  # (` X`, `X`)
 
 
-def planted_model(args: ModelArgs, markers: tuple[int, ...] | None, bare: bool) -> ReferenceModel:
+def planted_model(
+    args: ModelArgs,
+    markers: tuple[int, ...] | None,
+    leads: tuple[int, ...] = (),
+    twins: tuple[tuple[int, int], ...] = (),
+) -> ReferenceModel:
     """The model at its initialisation: random weights (`markers` None), or the circuit planted (with
-    the finding head when `markers` are given, and the bare one with `bare`)."""
+    the finding head when `markers` are given, and the bare one with `leads`)."""
     params = init_params(args, seed=0)
     if markers is not None:
-        leads, twins = (LEADS, TWINS) if bare else ((), ())
         plant_copy_circuit(params, args, seed=0, markers=markers, openers=OPENERS, leads=leads, twins=twins)
     return ReferenceModel.from_weights(args, ParamWeights(params), qat=False)
 
@@ -48,7 +52,7 @@ def attention_of(
 ) -> Callable[[np.ndarray], list[torch.Tensor]]:
     """A function from tokens to each layer's attention probabilities [T, heads, window keys] over
     `planted_model`. Key i is position i while the tokens fit in the window."""
-    model = planted_model(args, markers, bare)
+    model = planted_model(args, markers, *((LEADS, TWINS) if bare else ()))
     probs: list[torch.Tensor] = []
     attend = ops.attention_rows
 
@@ -142,10 +146,7 @@ def bare_head_picks(args: ModelArgs, twins: bool) -> tuple[int, int]:
     """Over 20 bare requests (a lead, then ` X` and three more tokens, 30 tokens, the marker): how
     often layer 1's head 2 alone, read through the output head, ranks `X` first, and how often
     above ` X`."""
-    params = init_params(args, seed=0)
-    pairs = TWINS if twins else ()
-    plant_copy_circuit(params, args, seed=0, markers=(MARKER,), openers=OPENERS, leads=LEADS, twins=pairs)
-    model = ReferenceModel.from_weights(args, ParamWeights(params), qat=False)
+    model = planted_model(args, (MARKER,), LEADS, TWINS if twins else ())
     heads: list[torch.Tensor] = []
     output = model.ops.attn_output
 
@@ -166,7 +167,7 @@ def bare_head_picks(args: ModelArgs, twins: bool) -> tuple[int, int]:
             model.hidden_batch([torch.as_tensor(tokens)], [model.new_state()])
             alone = torch.zeros_like(heads[0])
             alone[2] = heads[0][2]
-            logits = params["output.weight"] @ output(1, alone.reshape(1, -1), None)[0]
+            logits = model.ops.logits(output(1, alone.reshape(1, -1), None), None)[0]
         first += int(logits.argmax()) == twin
         above += int(logits[twin] > logits[spaced])
     return first, above
