@@ -61,12 +61,8 @@
         --out build/bareA/nano.gguf
     # runs 21c-21h: 21a's command read at its step-200 evaluation (README "Model"); 21c adds --call-batch 10, 21g is
     # 21b with --seed 1; 21d-21f and 21h changed CopyInit's planting for the run (a driver outside the repository)
-    # run 22 (79 min beside other runs): run 17's recipe (14a's) plus --tool-bare 0.5, warm from 21a; README "Model"
-    .venv/bin/python tools/train_nano.py --init build/bareA/nano.gguf --steps 200 --lr 1e-3 --batch 8 --tool-batch 8 \
-        --tool-thinking 0.7 --tool-greetings 0.5 --tool-client 0.5 --composed-greetings --call-batch 2 --call-weight 3 \
-        --decision-weight 8 --agent-batch 12 --agent-prompts 90 --agent-tokens 1500 3000 --agent-pool 30 \
-        --agent-refresh 1 --agent-greetings 0.5 --agent-evals 6 --tool-evals 6 --eval-every 100 --tool-bare 0.5 \
-        --workdir build/agM --out build/agM/nano.gguf
+    # run 22 (79 min beside other runs; README "Model"): run 14a's command (run 17's recipe) warm from 21a with
+    # `--init build/bareA/nano.gguf --tool-bare 0.5 --workdir build/agM --out build/agM/nano.gguf`
     .venv/bin/python tools/train_nano.py --twin-k   # the 256-wide twin, written under build/
     .venv/bin/python tools/train_nano.py --mtp [--mtp-steps N] [--mtp-out dwarfstar/data/nano-mtp.gguf]
     # the bundled DSpark drafter (89 min on one core; README "Speculative decoding" has its figures)
