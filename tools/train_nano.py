@@ -241,6 +241,11 @@ def main() -> None:
         action="store_true",
         help="with --tool-bare, plant no head for a bare argument's start (and no twin codes)",
     )
+    parser.add_argument(
+        "--no-twin-fixed-text",
+        action="store_true",
+        help="with --tool-bare, tie no twin codes for the pieces of the templates, declarations, markup and greetings",
+    )
     parser.add_argument("--tool-evals", type=int, default=20, help="held-out tool requests per shape at each eval")
     parser.add_argument("--agent-batch", type=int, default=Recipe.agent_batch, help="agent-prompt turns per step")
     parser.add_argument("--agent-prompts", type=int, default=Recipe.agent_prompts, help="generated agent prompts")
@@ -316,6 +321,7 @@ def main() -> None:
         copy_init=not opts.no_copy_init,
         find_init=not opts.no_find_init,
         bare_find_init=not opts.no_bare_find_init,
+        twin_fixed_text=not opts.no_twin_fixed_text,
         agent_batch=opts.agent_batch,
         agent_prompts=opts.agent_prompts,
         agent_tokens=tuple(opts.agent_tokens),

@@ -190,7 +190,6 @@ _SENTENCE = regex.compile(r"[^.!?]*\p{L}[^.!?]*[.!?]")
 _CLAUSE_END = regex.compile(r"[,;:]")
 _ASCII_WORD = regex.compile(r"\b[a-z]{4,10}\b")
 _PIECE = regex.compile(r"[a-z]+")
-_SPACED_PIECE = regex.compile(r" \p{L}+")
 QUOTE_WORDS = (6, 12)  # words of the tool result the answer quotes
 REASONING_TOKENS = (6, 40)  # the thinking passage: one sentence of this many tokens
 
@@ -207,6 +206,16 @@ REASONING = {
     ("search", "en"): "I need to search the text.",
     ("answer", "it"): "Ho il risultato.",
     ("answer", "en"): "I have the result.",
+}
+
+# the final answer's fixed phrase before its quote of the tool result (`quoting_answer`)
+ANSWER_INTROS = {
+    ("read", "it"): "Il file dice:",
+    ("read", "en"): "The file says:",
+    ("list", "it"): "La cartella contiene:",
+    ("list", "en"): "The directory contains:",
+    ("search", "it"): "Ho trovato:",
+    ("search", "en"): "I found:",
 }
 
 
@@ -357,15 +366,7 @@ def quoting_answer(request: ToolRequest, result: str, rng: np.random.Generator) 
     """The final answer: one fixed phrase per tool and language, then the start of the result."""
     words = result.split()
     quote = " ".join(words[: int(rng.integers(QUOTE_WORDS[0], QUOTE_WORDS[1] + 1))])
-    intro = {
-        ("read", "it"): "Il file dice:",
-        ("read", "en"): "The file says:",
-        ("list", "it"): "La cartella contiene:",
-        ("list", "en"): "The directory contains:",
-        ("search", "it"): "Ho trovato:",
-        ("search", "en"): "I found:",
-    }[request.tool, request.language]
-    return f'{intro} "{quote}"'
+    return f'{ANSWER_INTROS[request.tool, request.language]} "{quote}"'
 
 
 def function_call(name: str, arguments: dict[str, Any], call_id: str = "call_0") -> dict[str, Any]:
@@ -445,36 +446,6 @@ def argument_span(ids: Sequence[int], tokenizer: Tokenizer) -> tuple[int, int]:
     opener = tokenizer.encode('="true">')
     start = next(i for i in range(end - len(opener), reply, -1) if list(ids[i : i + len(opener)]) == opener)
     return start + len(opener), end - 1
-
-
-def call_markers(tokenizer: Tokenizer) -> list[int]:
-    """The token after which a DSML call's argument starts: the `">` that ends `string="true">`."""
-    return tokenizer.encode('="true">')[-1:]
-
-
-def quote_openers(tokenizer: Tokenizer) -> list[int]:
-    """The tokens after which a request's argument starts: its opening backtick or quote (`` ` ``, ` "`)."""
-    (backtick,), (quote,) = tokenizer.encode(" `"), tokenizer.encode(' "')
-    return [backtick, quote]
-
-
-def bare_leads(tokenizer: Tokenizer) -> list[int]:
-    """The tokens after which a bare request's argument starts: the last token of each training
-    template's words before it (` file`, ` for`, `erca`...), as the template spells them and after a
-    space, as a longer request does (` cerca`)."""
-    heads = [bare(t).split("{}")[0].rstrip() for _, _, t in TRAIN_TEMPLATES]
-    return sorted({tokenizer.encode(spelling)[-1] for h in heads for spelling in (h, " " + h)})
-
-
-def twin_pieces(tokenizer: Tokenizer) -> list[tuple[int, int]]:
-    """The vocabulary's twin pairs (` X`, `X`): a space-led word piece and the same letters as one
-    token, which a bare argument's first token becomes in the call (`bare_value`)."""
-    pairs = []
-    for i in range(tokenizer.vocab_size):
-        text = "" if tokenizer.is_added(i) else tokenizer.decode([i])
-        if _SPACED_PIECE.fullmatch(text) and len(twin := tokenizer.encode(text[1:])) == 1:
-            pairs.append((i, twin[0]))
-    return pairs
 
 
 def tool_samples(

@@ -19,7 +19,8 @@ from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train.agent_data import agent_samples, agent_turns, request_templates
 from dwarfstar.train.agent_prompts import SHAPES, agent_prompt
-from dwarfstar.train.chat_data import bare, bare_leads, bare_value, tool_requests, tool_samples, twin_pieces
+from dwarfstar.train.chat_data import bare, bare_value, tool_requests, tool_samples
+from dwarfstar.train.copy_tokens import bare_leads, twin_pieces
 from dwarfstar.train.corpus import read_split
 from dwarfstar.train.greetings import GREETINGS, HELDOUT_GREETINGS
 from dwarfstar.train.prefix_states import PrefixStates, run_prefixes

@@ -1,0 +1,91 @@
+"""The token ids the planted copy circuit is built around (dwarfstar/train/induction.py): the call's
+marker, the quote openers, a bare argument's leads, and the twin pairs (` X`, `X`) whose codes the
+planting ties together; and the ids of the short tool samples' fixed text, which a run can keep out
+of the twins (`Recipe.twin_fixed_text`)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import regex
+
+from dwarfstar.tokenizer.tokenizer import Tokenizer
+from dwarfstar.train.chat_data import (
+    ANSWER_INTROS,
+    CLIENT_CORE,
+    CLIENT_TOOLS,
+    REASONING,
+    TEMPLATES,
+    TOOLS,
+    TOOLS_CORE,
+    TRAIN_TEMPLATES,
+    PromptEncoder,
+    bare,
+    function_call,
+)
+from dwarfstar.train.greetings import greeting_set
+
+_SPACED_PIECE = regex.compile(r" \p{L}+")
+
+
+def call_markers(tokenizer: Tokenizer) -> list[int]:
+    """The token after which a DSML call's argument starts: the `">` that ends `string="true">`."""
+    return tokenizer.encode('="true">')[-1:]
+
+
+def quote_openers(tokenizer: Tokenizer) -> list[int]:
+    """The tokens after which a request's argument starts: its opening backtick or quote (`` ` ``, ` "`)."""
+    (backtick,), (quote,) = tokenizer.encode(" `"), tokenizer.encode(' "')
+    return [backtick, quote]
+
+
+def bare_leads(tokenizer: Tokenizer) -> list[int]:
+    """The tokens after which a bare request's argument starts: the last token of each training
+    template's words before it (` file`, ` for`, `erca`...), as the template spells them and after a
+    space, as a longer request does (` cerca`)."""
+    heads = [bare(t).split("{}")[0].rstrip() for _, _, t in TRAIN_TEMPLATES]
+    return sorted({tokenizer.encode(spelling)[-1] for h in heads for spelling in (h, " " + h)})
+
+
+def fixed_text_ids(tokenizer: Tokenizer) -> set[int]:
+    """The ids of what the short tool samples (`chat_data.tool_samples`) hold besides their arguments
+    and the tool results: the rendered prompt and calls with empty arguments (the tools' declarations
+    and the DSML markup, in every shape, template and mode, for `TOOLS` and the clients' own tools),
+    the training request templates, the reasoning sentences, the answers' fixed phrases and the
+    training greetings."""
+    encode = PromptEncoder(tokenizer)
+    ids: set[int] = set()
+    for shape in sorted(TOOLS):
+        for tools, core in ((TOOLS[shape], TOOLS_CORE), (CLIENT_TOOLS[shape], CLIENT_CORE[shape])):
+            calls = [function_call(*tool.call(""), f"call_{i}") for i, tool in enumerate(core.values())]
+            messages = [
+                {"role": "user", "content": ""},
+                {"role": "assistant", "content": "", "tool_calls": calls},
+                *({"role": "tool", "tool_call_id": c["id"], "content": ""} for c in calls),
+                {"role": "assistant", "content": ""},
+            ]
+            for options in TEMPLATES.values():
+                for thinking in (False, True):
+                    ids.update(encode.render(messages, tools=tools, thinking=thinking, options=options))
+    texts = [
+        *(form.format("") for _, _, t in TRAIN_TEMPLATES for form in (t, bare(t))),
+        *REASONING.values(),
+        *ANSWER_INTROS.values(),
+        *(text for request, _, answer in greeting_set(False, True) for text in (request, answer)),
+    ]
+    for text in texts:
+        ids.update(tokenizer.encode(text))
+    return ids
+
+
+def twin_pieces(tokenizer: Tokenizer, fixed: Collection[int] = ()) -> list[tuple[int, int]]:
+    """The vocabulary's twin pairs (` X`, `X`): a space-led word piece and the same letters as one
+    token, which a bare argument's first token becomes in the call (`bare_value`); without the pairs
+    either of whose ids is in `fixed` (`fixed_text_ids`)."""
+    pairs = []
+    for i in range(tokenizer.vocab_size):
+        text = "" if tokenizer.is_added(i) else tokenizer.decode([i])
+        if _SPACED_PIECE.fullmatch(text) and len(twin := tokenizer.encode(text[1:])) == 1:
+            if i not in fixed and twin[0] not in fixed:
+                pairs.append((i, twin[0]))
+    return pairs
