@@ -122,6 +122,7 @@ from dwarfstar.model.loader import open_model
 from dwarfstar.tokenizer.tokenizer import Tokenizer
 from dwarfstar.tokenizer.vocab import bundled_tokenizer_json
 from dwarfstar.train.chat_data import thinking_samples, tool_samples
+from dwarfstar.train.copy_tokens import TwinSet
 from dwarfstar.train.corpus import chat_prompts, read_split
 from dwarfstar.train.dspark import DSparkRecipe, DSparkTrainer, train_dspark
 from dwarfstar.train.mtp import MTPRecipe, train_mtp
@@ -242,9 +243,12 @@ def main() -> None:
         help="with --tool-bare, plant no head for a bare argument's start (and no twin codes)",
     )
     parser.add_argument(
-        "--no-twin-fixed-text",
-        action="store_true",
-        help="with --tool-bare, tie no twin codes for the pieces of the templates, declarations, markup and greetings",
+        "--twins",
+        type=TwinSet,
+        choices=list(TwinSet),
+        default=Recipe.twins,
+        help="with --tool-bare, the twin pairs whose codes are tied: all; free of the templates', declarations', "
+        "markup's and greetings' pieces; of those, the training arguments' first pieces",
     )
     parser.add_argument("--tool-evals", type=int, default=20, help="held-out tool requests per shape at each eval")
     parser.add_argument("--agent-batch", type=int, default=Recipe.agent_batch, help="agent-prompt turns per step")
@@ -321,7 +325,7 @@ def main() -> None:
         copy_init=not opts.no_copy_init,
         find_init=not opts.no_find_init,
         bare_find_init=not opts.no_bare_find_init,
-        twin_fixed_text=not opts.no_twin_fixed_text,
+        twins=opts.twins,
         agent_batch=opts.agent_batch,
         agent_prompts=opts.agent_prompts,
         agent_tokens=tuple(opts.agent_tokens),

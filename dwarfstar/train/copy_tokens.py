@@ -1,11 +1,11 @@
 """The token ids the planted copy circuit is built around (dwarfstar/train/induction.py): the call's
 marker, the quote openers, a bare argument's leads, and the twin pairs (` X`, `X`) whose codes the
-planting ties together; and the ids of the short tool samples' fixed text, which a run can keep out
-of the twins (`Recipe.twin_fixed_text`)."""
+planting ties together, all of them or fewer (`TwinSet`, `Recipe.twins`)."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from enum import StrEnum
 
 import regex
 
@@ -14,18 +14,29 @@ from dwarfstar.train.chat_data import (
     ANSWER_INTROS,
     CLIENT_CORE,
     CLIENT_TOOLS,
+    DIRECTORIES,
     REASONING,
     TEMPLATES,
     TOOLS,
     TOOLS_CORE,
     TRAIN_TEMPLATES,
     PromptEncoder,
+    argument_words,
     bare,
     function_call,
 )
 from dwarfstar.train.greetings import greeting_set
 
 _SPACED_PIECE = regex.compile(r" \p{L}+")
+
+
+class TwinSet(StrEnum):
+    """Which twin pairs the planting ties: all of them; those with no piece in the short samples'
+    fixed text (`fixed_text_ids`); of those, the ones that open a training argument (`argument_openers`)."""
+
+    ALL = "all"
+    FREE = "free"
+    ARGUMENTS = "arguments"
 
 
 def call_markers(tokenizer: Tokenizer) -> list[int]:
@@ -89,3 +100,19 @@ def twin_pieces(tokenizer: Tokenizer, fixed: Collection[int] = ()) -> list[tuple
             if i not in fixed and twin[0] not in fixed:
                 pairs.append((i, twin[0]))
     return pairs
+
+
+def argument_openers(text: str, tokenizer: Tokenizer) -> set[int]:
+    """Where a bare request's argument starts: the first token of each training argument word of the
+    book `text`, and of each directory, after a space (` divor` of ` divorato`, ` src`)."""
+    train_words, _ = argument_words(text)
+    return {tokenizer.encode(" " + word)[0] for word in [*train_words, *DIRECTORIES]}
+
+
+def twin_set(tokenizer: Tokenizer, which: TwinSet, text: str) -> list[tuple[int, int]]:
+    """The twin pairs `which` names, for the book `text`'s arguments."""
+    pairs = twin_pieces(tokenizer, () if which == TwinSet.ALL else fixed_text_ids(tokenizer))
+    if which != TwinSet.ARGUMENTS:
+        return pairs
+    openers = argument_openers(text, tokenizer)
+    return [(spaced, plain) for spaced, plain in pairs if spaced in openers]

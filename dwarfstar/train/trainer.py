@@ -35,7 +35,7 @@ from dwarfstar.train.chat_data import (
     tool_samples,
     word_pieces,
 )
-from dwarfstar.train.copy_tokens import bare_leads, call_markers, fixed_text_ids, quote_openers, twin_pieces
+from dwarfstar.train.copy_tokens import TwinSet, bare_leads, call_markers, quote_openers, twin_set
 from dwarfstar.train.corpus import chat_prompts, chat_samples, read_split
 from dwarfstar.train.greetings import HELDOUT_GREETINGS
 from dwarfstar.train.induction import plant_copy_circuit
@@ -134,9 +134,8 @@ class Recipe:
     # and, with bare requests (`tool_bare`), its head that finds a bare argument's start after the
     # template's last word and writes the twin without the space (` divor` -> `divor`)
     bare_find_init: bool = True
-    # and its twin codes for the pieces of the short samples' fixed text too (` read`, `read`), not
-    # only for the argument pieces (copy_tokens.fixed_text_ids)
-    twin_fixed_text: bool = True
+    # the twin pairs whose codes that planting ties (` divor`, `divor`): all, or fewer (copy_tokens.TwinSet)
+    twins: TwinSet = TwinSet.ALL
     # turns after a coding agent's long system prompt (dwarfstar/train/agent_data.py) per step besides
     # the rest, all after one of `agent_prompts` generated prompts of `agent_tokens` tokens, whose
     # state is kept and run again every `agent_refresh` steps (dwarfstar/train/prefix_states.py)
@@ -348,7 +347,6 @@ class Trainer:
             self.full = init_params(shape, seed)
             if recipe.copy_init:
                 find, bare = recipe.find_init, recipe.find_init and recipe.bare_find_init and recipe.tool_bare > 0
-                fixed = () if recipe.twin_fixed_text else fixed_text_ids(tokenizer)
                 plant_copy_circuit(
                     self.full,
                     shape,
@@ -356,7 +354,7 @@ class Trainer:
                     markers=call_markers(tokenizer) if find else (),
                     openers=quote_openers(tokenizer) if find else (),
                     leads=bare_leads(tokenizer) if bare else (),
-                    twins=twin_pieces(tokenizer, fixed) if bare else (),
+                    twins=twin_set(tokenizer, recipe.twins, split.train) if bare else (),
                 )
         else:
             self.full = warm_params(init, shape, self.vocab)
