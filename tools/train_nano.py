@@ -212,6 +212,9 @@ def main() -> None:
         help="loss weight of a turn's first reply token",
     )
     parser.add_argument(
+        "--name-weight", type=float, help="loss weight of a call's tool name's first token (default: --call-weight)"
+    )
+    parser.add_argument(
         "--tool-thinking", type=float, default=Recipe.tool_thinking, help="share of tool round trips in thinking mode"
     )
     parser.add_argument(
@@ -318,6 +321,7 @@ def main() -> None:
         first_weight=opts.first_weight,
         answer_weight=opts.answer_weight,
         decision_weight=opts.decision_weight,
+        name_weight=opts.name_weight,
         call_batch=opts.call_batch,
         copy_batch=opts.copy_batch,
         copy_vocab=opts.copy_vocab,

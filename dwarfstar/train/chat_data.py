@@ -448,6 +448,13 @@ def argument_span(ids: Sequence[int], tokenizer: Tokenizer) -> tuple[int, int]:
     return start + len(opener), end - 1
 
 
+def name_start(ids: Sequence[int], value: int, invoke: list[int]) -> int:
+    """Where the tool name of the call whose parameter value starts at `value` starts in `ids`: after
+    the last `invoke` ids (`encode('invoke name="')`) before it."""
+    n = len(invoke)
+    return next(i for i in range(value - n, 0, -1) if list(ids[i : i + n]) == invoke) + n
+
+
 def tool_samples(
     text: str,
     tokenizer: Tokenizer,

@@ -30,6 +30,7 @@ from dwarfstar.train.chat_data import (
     Sample,
     call_only,
     copy_sample,
+    name_start,
     thinking_samples,
     tool_requests,
     tool_samples,
@@ -121,6 +122,9 @@ class Recipe:
     # loss weight of a turn's first reply token after a shared prefix: the one that decides, from the
     # request alone, between an answer and a call (and an agent turn's language)
     decision_weight: float = 1.0
+    # loss weight of the first call's tool name's first token, the one that picks the tool (None:
+    # `call_weight`, as the call's other tokens)
+    name_weight: float | None = None
     # tool calls alone (request, call, EOS) per step besides `tool_batch`, with invented arguments
     # (random word pieces) that only copying predicts, from a pool of `call_pool`, same prefix
     call_batch: int = 5
@@ -223,6 +227,7 @@ class Trainer:
         self.tokenizer, self.book = tokenizer, split.train
         self.assistant = tokenizer.token_id("<｜Assistant｜>")
         self.think_end = tokenizer.token_id(THINK_END)
+        self.invoke = tokenizer.encode('invoke name="')  # what precedes a call's tool name
         length = recipe.seq_len + 1
         self.chats = [
             Sample(ids, ids[1:] != self.assistant)
@@ -455,7 +460,8 @@ class Trainer:
         argument and the token that closes it (the copy, the part the call gets wrong), `first_weight`
         on its first token, `answer_weight` on what follows the call (the answer quoting the tool's
         result), `decision_weight` on the turn's first reply token (after an empty reasoning's
-        `</think>`, which every turn writes alike), 1 elsewhere."""
+        `</think>`, which every turn writes alike), `name_weight` on the call's tool name's first
+        token, 1 elsewhere."""
         weights = torch.ones(len(sample.ids) - 1)
         if sample.prefix:
             weights[: int(np.flatnonzero(sample.ids == self.eos)[0])] = self.recipe.call_weight
@@ -463,6 +469,8 @@ class Trainer:
             if end:  # an agent turn's greeting has no call
                 weights[start - 1 : end] = self.recipe.arg_weight  # target i predicts ids[i + 1]
                 weights[start - 1] = self.recipe.first_weight
+                if self.recipe.name_weight is not None:
+                    weights[name_start(sample.ids, start, self.invoke) - 1] = self.recipe.name_weight
             weights[int(np.flatnonzero(sample.ids == self.eos)[0]) :] = self.recipe.answer_weight
             first = int(np.flatnonzero(sample.trained)[0])  # target i predicts ids[i + 1]
             weights[first + int(sample.ids[first + 1] == self.think_end)] = self.recipe.decision_weight

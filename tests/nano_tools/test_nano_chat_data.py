@@ -371,3 +371,32 @@ def test_the_decision_weight_lands_on_each_turn_s_first_reply_token(reasoning: b
             )
     assert kinds == {True, False}  # greetings and calls both checked
     assert len(decided) > 1  # the weighted token differs between turns: it is the one that decides
+
+
+def test_the_name_weight_lands_on_the_call_s_tool_name(book: str, tok: Tokenizer):
+    """`Trainer.weights` with `name_weight`: in each round trip one target takes it, the one that
+    predicts the call's tool name's first token (`read`, `Read`, `B` of `Bash`, `exec` of
+    `exec_command`), in every shape, with the clients' tools too; a greeting has none."""
+    from types import SimpleNamespace
+
+    from dwarfstar.train.trainer import Recipe, Trainer
+
+    recipe = Recipe(name_weight=7.0, decision_weight=8.0, call_weight=2.0, first_weight=5.0)
+    trainer = SimpleNamespace(
+        recipe=recipe, eos=tok.eos_id, think_end=tok.token_id(THINK_END), invoke=tok.encode('invoke name="')
+    )
+    samples = chat_data.tool_samples(
+        book, tok, 40, seed=3, thinking_share=0.5, greetings=0.3, client_tools=0.5, unquoted=0.5
+    )
+    named = set()
+    for sample in samples:
+        weighted = np.flatnonzero(Trainer.weights(trainer, sample) == 7.0) + sample.prefix
+        if not sample.argument[1]:
+            assert not weighted.size
+            continue
+        (target,) = weighted
+        first = tok.decode([int(sample.ids[target + 1])])
+        named.add(first)
+        assert tok.decode(sample.ids[target - 4 : target + 1].tolist()).endswith('invoke name="'), first
+        assert first in {"read", "list", "search", "Read", "B", "G", "g", "exec"}
+    assert {"read", "list", "search"} <= named and len(named) >= 6
