@@ -111,6 +111,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -126,7 +127,7 @@ from dwarfstar.train.copy_tokens import TwinSet
 from dwarfstar.train.corpus import chat_prompts, read_split
 from dwarfstar.train.dspark import DSparkRecipe, DSparkTrainer, train_dspark
 from dwarfstar.train.mtp import MTPRecipe, train_mtp
-from dwarfstar.train.trainer import NANO, TWIN_K, Recipe, Trainer, log_tool_accuracy
+from dwarfstar.train.trainer import NANO, TWIN_K, Recipe, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "fixtures" / "text" / "promessi_sposi.txt"
@@ -179,6 +180,38 @@ def train_nano_dspark(opts: argparse.Namespace) -> None:
     save(train_dspark(model, d, ids, bos, recipe, opts.seed, print, chats, save, init=opts.dspark_init))
     size = opts.dspark_out.stat().st_size / 1e6
     print(f"wrote {opts.dspark_out} ({size:.1f} MB, Q8_0 matrices) in {time.perf_counter() - began:.0f} s")
+
+
+def log_tool_accuracy(trainer: Trainer, n: int, log: Callable[[str], None]) -> None:
+    """The held-out evaluations at a step: teacher-forced arguments, agent prompts, calls, greetings."""
+    for form, calls in (("quoted", trainer.heldout_calls), ("bare", trainer.heldout_bare)):
+        whole, first, later = trainer.argument_accuracy(calls)
+        log(
+            f"step {trainer.step}: held-out call arguments, {form}, teacher-forced: {whole:.0%} whole, "
+            f"{first:.0%} first token, {later:.0%} of the later tokens"
+        )
+    if trainer.agent_eval_prompts:
+        start = time.perf_counter()
+        lines = trainer.agent_accuracy()
+        log(f"step {trainer.step}: held-out agent prompts ({time.perf_counter() - start:.0f} s): " + "; ".join(lines))
+    if not n:
+        return
+    start = time.perf_counter()
+    scores = trainer.tool_accuracy(n)
+    log(
+        f"step {trainer.step}: held-out tool calls "
+        + ", ".join(f"{shape} {score.right}/{score.total} ({score.named} right tool)" for shape, score in scores)
+        + f" ({time.perf_counter() - start:.0f} s); "
+        + "; ".join(scores[0][1].samples)
+    )
+    start = time.perf_counter()
+    greetings = trainer.greeting_accuracy()
+    log(
+        f"step {trainer.step}: held-out greetings ended, thinking "
+        + ", ".join(f"{shape} {g.ended}/{g.total} ({g.called} opened a call)" for shape, g in greetings)
+        + f" ({time.perf_counter() - start:.0f} s); "
+        + "; ".join(greetings[0][1].samples)
+    )
 
 
 def main() -> None:

@@ -604,34 +604,3 @@ class Trainer:
         full = expand(self.full, self.params, self.vocab)
         name = "DwarfStar nano (I promessi sposi)" if self.shape == NANO else "DwarfStar nano 256-wide twin"
         write_gguf(path, self.shape, full, layout, name=name)
-
-
-def log_tool_accuracy(trainer: Trainer, n: int, log: Callable[[str], None]) -> None:
-    for form, calls in (("quoted", trainer.heldout_calls), ("bare", trainer.heldout_bare)):
-        whole, first, later = trainer.argument_accuracy(calls)
-        log(
-            f"step {trainer.step}: held-out call arguments, {form}, teacher-forced: {whole:.0%} whole, "
-            f"{first:.0%} first token, {later:.0%} of the later tokens"
-        )
-    if trainer.agent_eval_prompts:
-        start = time.perf_counter()
-        lines = trainer.agent_accuracy()
-        log(f"step {trainer.step}: held-out agent prompts ({time.perf_counter() - start:.0f} s): " + "; ".join(lines))
-    if not n:
-        return
-    start = time.perf_counter()
-    scores = trainer.tool_accuracy(n)
-    log(
-        f"step {trainer.step}: held-out tool calls "
-        + ", ".join(f"{shape} {score.right}/{score.total} ({score.named} right tool)" for shape, score in scores)
-        + f" ({time.perf_counter() - start:.0f} s); "
-        + "; ".join(scores[0][1].samples)
-    )
-    start = time.perf_counter()
-    greetings = trainer.greeting_accuracy()
-    log(
-        f"step {trainer.step}: held-out greetings ended, thinking "
-        + ", ".join(f"{shape} {g.ended}/{g.total} ({g.called} opened a call)" for shape, g in greetings)
-        + f" ({time.perf_counter() - start:.0f} s); "
-        + "; ".join(greetings[0][1].samples)
-    )
