@@ -60,7 +60,8 @@
     .venv/bin/python tools/train_nano.py --tool-bare 0.5 --eval-every 200 --workdir build/bareA \
         --out build/bareA/nano.gguf
     # runs 21c-21h: 21a's command read at its step-200 evaluation (README "Model"); 21c adds --call-batch 10, 21g is
-    # 21b with --seed 1; 21d-21f and 21h changed CopyInit's planting for the run (a driver outside the repository)
+    # 21b with --seed 1; 21d-21f and 21h changed CopyInit's planting for the run (a driver outside the repository);
+    # 21i-21n add --twins free, --twins arguments or --name-weight 8 (21n to 21b), 21j and 21l also --seed 1
     # run 22 (79 min beside other runs; README "Model"): run 14a's command (run 17's recipe) warm from 21a with
     # `--init build/bareA/nano.gguf --tool-bare 0.5 --workdir build/agM --out build/agM/nano.gguf`
     .venv/bin/python tools/train_nano.py --twin-k   # the 256-wide twin, written under build/
