@@ -21,9 +21,11 @@ from dwarfstar.train.chat_data import (
     TOOLS_CORE,
     TRAIN_TEMPLATES,
     PromptEncoder,
+    ToolRequest,
     argument_words,
     bare,
     function_call,
+    round_trip,
 )
 from dwarfstar.train.greetings import greeting_set
 
@@ -61,23 +63,20 @@ def bare_leads(tokenizer: Tokenizer) -> list[int]:
 def fixed_text_ids(tokenizer: Tokenizer) -> set[int]:
     """The ids of what the short tool samples (`chat_data.tool_samples`) hold besides their arguments
     and the tool results: the rendered prompt and calls with empty arguments (the tools' declarations
-    and the DSML markup, in every shape, template and mode, for `TOOLS` and the clients' own tools),
+    and the DSML markup of each tool's call, in every shape, template and mode, for `TOOLS` and the
+    clients' own tools),
     the training request templates, the reasoning sentences, the answers' fixed phrases and the
     training greetings."""
     encode = PromptEncoder(tokenizer)
     ids: set[int] = set()
     for shape in sorted(TOOLS):
         for tools, core in ((TOOLS[shape], TOOLS_CORE), (CLIENT_TOOLS[shape], CLIENT_CORE[shape])):
-            calls = [function_call(*tool.call(""), f"call_{i}") for i, tool in enumerate(core.values())]
-            messages = [
-                {"role": "user", "content": ""},
-                {"role": "assistant", "content": "", "tool_calls": calls},
-                *({"role": "tool", "tool_call_id": c["id"], "content": ""} for c in calls),
-                {"role": "assistant", "content": ""},
-            ]
-            for options in TEMPLATES.values():
-                for thinking in (False, True):
-                    ids.update(encode.render(messages, tools=tools, thinking=thinking, options=options))
+            for kind, tool in core.items():  # as tool_samples renders a round trip and its call
+                messages = round_trip(ToolRequest(kind, "en", "", ""), "", "")
+                messages[1]["tool_calls"] = [function_call(*tool.call(""))]
+                for options in TEMPLATES.values():
+                    for thinking in (False, True):
+                        ids.update(encode.render(messages, tools=tools, thinking=thinking, options=options))
     texts = [
         *(form.format("") for _, _, t in TRAIN_TEMPLATES for form in (t, bare(t))),
         *REASONING.values(),
